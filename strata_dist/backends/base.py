@@ -1,0 +1,51 @@
+"""The backend interface shared by the numpy and CuPy implementations."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    pass
+
+
+class Backend:
+    """Array module + the operations a forward pass needs.
+
+    Activations (the residual stream, attention scores, router) are always float32; only the
+    storage of dense weights (`dense_dtype`) differs between backends."""
+
+    name = "base"
+    device = "cpu"
+    xp = np
+    dense_dtype = np.float32
+
+    # -- placement -------------------------------------------------------------------------------
+    def dense(self, host: np.ndarray):
+        """A dense weight matrix as the backend keeps it."""
+        raise NotImplementedError
+
+    def f32(self, host: np.ndarray):
+        """A small float32 tensor (norm weights, routers) on the device."""
+        raise NotImplementedError
+
+    def asarray(self, host: np.ndarray):
+        raise NotImplementedError
+
+    def to_host(self, x) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- compute ---------------------------------------------------------------------------------
+    def linear(self, x, w):
+        """x [n, in] (float32) @ w[out, in].T -> [n, out] float32."""
+        raise NotImplementedError
+
+    def make_expert_store(self, model, layers):
+        """The object that computes experts of `layers` (see experts.py)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the device, or None for host memory."""
+        return None

@@ -1,0 +1,118 @@
+"""The single-process engine: one model over all layers, one session, chunked prefill, decode.
+
+It is the baseline every distributed run is compared against (`strata-dist generate`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .backends import get_backend
+from .gguf_model import GGUFModel
+from .models import load_model
+from .sampler import Sampler, SamplingParams
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    n_prompt: int
+    prompt_ms: float
+    decode_ms: float
+    stop_reason: str                  # "stop" (end-of-sequence) or "length"
+    chunks: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms) per prompt chunk
+
+
+class Engine:
+    def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        self.gguf = GGUFModel(model_path)
+        self.backend = get_backend(device)
+        self.model = load_model(self.gguf, self.backend)
+        g = self.model.g
+        self.max_context = min(max_context or g.context_length, g.context_length)
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.session = self.model.new_session(self.max_context)
+        eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
+        self.eos_id: int | None = None if eos is None else int(eos)
+
+    def _check_fits(self, n_new: int) -> None:
+        if self.session.n_past + n_new > self.max_context:
+            raise ValueError(f"{self.session.n_past} + {n_new} tokens exceed the context of "
+                             f"{self.max_context}")
+
+    def _run(self, ids) -> object:
+        h = self.model.embed(ids)
+        h = self.model.forward_layers(h, self.session)
+        self.session.n_past += len(ids)
+        return h
+
+    def feed(self, token_ids: list[int]) -> np.ndarray:
+        """Append tokens to the session; float32 logits of each of their positions, [n, vocab]."""
+        self._check_fits(len(token_ids))
+        out = []
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            h = self._run(token_ids[start:start + self.prefill_chunk])
+            out.append(self.backend.to_host(self.model.head(h)).astype(np.float32))
+        return np.concatenate(out, axis=0)
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """float32 logits of every position of a fresh sequence, [n, vocab]."""
+        self.session.reset()
+        return self.feed(token_ids)
+
+    def prefill(self, token_ids: list[int], on_chunk: Callable[[int, int, float], None] | None = None):
+        """Read a prompt in chunks; returns the last position's logits (host float32)."""
+        self._check_fits(len(token_ids))
+        last = None
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            t0 = time.perf_counter()
+            chunk = token_ids[start:start + self.prefill_chunk]
+            h = self._run(chunk)
+            if start + len(chunk) == len(token_ids):
+                last = self.backend.to_host(self.model.head(h[-1:]))[0]
+            self.backend.synchronize()
+            if on_chunk:
+                on_chunk(start + len(chunk), len(token_ids), (time.perf_counter() - t0) * 1e3)
+        return last
+
+    def stream(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(),
+               result: GenerationResult | None = None) -> Iterator[int]:
+        """Yield generated token ids; fills `result` with timings when given."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_new < 0:
+            raise ValueError(f"max_new must be >= 0, got {max_new}")
+        self.session.reset()
+        sampler = Sampler(params)
+        res = result or GenerationResult([], len(prompt), 0.0, 0.0, "length")
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt, on_chunk=lambda pos, tot, ms: res.chunks.append((pos, ms)))
+        res.prompt_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        for i in range(max_new):
+            tok = sampler(logits)
+            res.tokens.append(tok)
+            yield tok
+            if tok == self.eos_id:
+                res.stop_reason = "stop"
+                break
+            if i + 1 == max_new:
+                break
+            self._check_fits(1)
+            h = self._run([tok])
+            logits = self.backend.to_host(self.model.head(h))[0]
+        res.decode_ms = (time.perf_counter() - t1) * 1e3
+
+    def generate(self, prompt: list[int], max_new: int,
+                 params: SamplingParams = SamplingParams()) -> GenerationResult:
+        res = GenerationResult([], len(prompt), 0.0, 0.0, "length")
+        for _ in self.stream(prompt, max_new, params, res):
+            pass
+        return res

@@ -1,0 +1,24 @@
+"""Architectures, one module each. `architecture_for(gguf)` picks the module by the file's
+general.architecture and refuses the ones this product does not run."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..gguf_model import GGUFError, GGUFModel
+from . import qwen3moe
+
+ARCHITECTURES: dict[str, ModuleType] = {qwen3moe.ARCH: qwen3moe}
+
+
+def architecture_for(gguf: GGUFModel) -> ModuleType:
+    module = ARCHITECTURES.get(gguf.arch)
+    if module is None:
+        raise GGUFError(gguf.path, f"unknown architecture '{gguf.arch}' "
+                                   f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return module
+
+
+def load_model(gguf: GGUFModel, backend, lb: int = 0, le: int | None = None, **kw):
+    """The forward object of `gguf`'s architecture over layers [lb, le)."""
+    module = architecture_for(gguf)
+    return module.MODEL_CLASS(gguf, backend, lb, le, **kw)

@@ -1,0 +1,295 @@
+"""qwen3moe: Qwen3-30B-A3B / Qwen3-235B-A22B.
+
+Per layer: RMSNorm → attention (q/k RMSNorm per head, NEOX RoPE, grouped-query, causal) →
+residual → RMSNorm → MoE (softmax router, top-k, renormalised weights, SwiGLU experts combined in
+top-k rank order) → residual. A model object holds only the layers [lb, le) it was built for,
+plus the embedding when it is the first stage and the final norm and head when it is the last:
+the tensors `dense_tensor_names` lists, which is also what the planner prices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..gguf_model import Geometry, GGUFError, GGUFModel
+
+ARCH = "qwen3moe"
+
+# Per-layer dense tensors, in llama.cpp's naming (blk.N.<part>.weight).
+LAYER_DENSE_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                     "attn_q_norm", "attn_k_norm", "ffn_norm")
+ROUTER_PART = "ffn_gate_inp"
+NORM_PARTS = {"attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm"}
+
+
+def read_geometry(gguf: GGUFModel) -> Geometry:
+    """Geometry from the metadata, with the embedding's shape as the vocabulary's size."""
+    md = gguf.arch_metadata
+    n_embd = int(md("embedding_length", required=True))
+    n_head = int(md("attention.head_count", required=True))
+    head_dim = int(md("attention.key_length", default=n_embd // n_head))
+    emb = gguf.tensor("token_embd.weight")
+    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
+        raise GGUFError(gguf.path, f"has shape {list(emb.shape)}, expected [n_vocab, {n_embd}]",
+                        tensor=emb.name)
+    return Geometry(
+        arch=gguf.arch,
+        n_layers=int(md("block_count", required=True)),
+        n_embd=n_embd,
+        n_vocab=emb.shape[0],
+        n_head=n_head,
+        n_head_kv=int(md("attention.head_count_kv", default=n_head)),
+        head_dim=head_dim,
+        n_expert=int(md("expert_count", required=True)),
+        n_expert_used=int(md("expert_used_count", required=True)),
+        n_ff_exp=int(md("expert_feed_forward_length", required=True)),
+        rms_eps=float(md("attention.layer_norm_rms_epsilon", default=1e-6)),
+        rope_base=float(md("rope.freq_base", default=1e6)),
+        context_length=int(md("context_length", default=40960)),
+        tied_embeddings="output.weight" not in gguf.tensors,
+    )
+
+
+def expected_shapes(g: Geometry, layer: int) -> dict[str, tuple[int, ...]]:
+    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    p = f"blk.{layer}."
+    return {
+        p + "attn_norm.weight": (g.n_embd,),
+        p + "attn_q.weight": (q, g.n_embd),
+        p + "attn_k.weight": (kv, g.n_embd),
+        p + "attn_v.weight": (kv, g.n_embd),
+        p + "attn_output.weight": (g.n_embd, q),
+        p + "attn_q_norm.weight": (g.head_dim,),
+        p + "attn_k_norm.weight": (g.head_dim,),
+        p + "ffn_norm.weight": (g.n_embd,),
+        p + "ffn_gate_inp.weight": (g.n_expert, g.n_embd),
+        p + "ffn_gate_exps.weight": (g.n_expert, g.n_ff_exp, g.n_embd),
+        p + "ffn_up_exps.weight": (g.n_expert, g.n_ff_exp, g.n_embd),
+        p + "ffn_down_exps.weight": (g.n_expert, g.n_embd, g.n_ff_exp),
+    }
+
+
+def model_level_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
+    shapes = {"token_embd.weight": (g.n_vocab, g.n_embd), "output_norm.weight": (g.n_embd,)}
+    if not g.tied_embeddings:
+        shapes["output.weight"] = (g.n_vocab, g.n_embd)
+    return shapes
+
+
+def validate(gguf: GGUFModel, g: Geometry) -> None:
+    """Every tensor the architecture needs exists with its shape; raises GGUFError naming it."""
+    for name, shape in model_level_shapes(g).items():
+        gguf.require(name, shape)
+    for layer in range(g.n_layers):
+        for name, shape in expected_shapes(g, layer).items():
+            gguf.require(name, shape)
+
+
+def dense_tensor_names(g: Geometry, lb: int, le: int, first: bool, last: bool) -> list[str]:
+    """The dense tensors a stage running [lb, le) loads. The planner prices exactly this list."""
+    names = []
+    if first or (last and g.tied_embeddings):
+        names.append("token_embd.weight")
+    for layer in range(lb, le):
+        names += [f"blk.{layer}.{p}.weight" for p in LAYER_DENSE_PARTS + (ROUTER_PART,)]
+    if last:
+        names.append("output_norm.weight")
+        if not g.tied_embeddings:
+            names.append("output.weight")
+    return names
+
+
+# ---- the forward ---------------------------------------------------------------------------------
+
+def rms_norm(x, w, eps, xp):
+    var = (x * x).mean(axis=-1, keepdims=True)
+    return x / xp.sqrt(var + eps) * w
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, base: float):
+    """cos/sin [n, head_dim/2] for NEOX-style RoPE (rotate the two halves of each head)."""
+    inv = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = positions.astype(np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class KVSession:
+    """The KV cache of one conversation for the layers [lb, le) only. Layers keep their global
+    ordinals: `k[layer]` is valid for lb <= layer < le."""
+
+    def __init__(self, backend, g: Geometry, lb: int, le: int, max_cells: int):
+        xp = backend.xp
+        self.lb, self.le, self.max_cells = lb, le, max_cells
+        shape = (max_cells, g.n_head_kv, g.head_dim)
+        self._k = [xp.zeros(shape, dtype=np.float32) for _ in range(lb, le)]
+        self._v = [xp.zeros(shape, dtype=np.float32) for _ in range(lb, le)]
+        self.n_past = 0
+
+    @staticmethod
+    def bytes_for(g: Geometry, lb: int, le: int, max_cells: int) -> int:
+        return 2 * (le - lb) * max_cells * g.n_head_kv * g.head_dim * 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._k + self._v)
+
+    def k(self, layer: int):
+        return self._k[layer - self.lb]
+
+    def v(self, layer: int):
+        return self._v[layer - self.lb]
+
+    def reset(self, n_past: int = 0) -> None:
+        self.n_past = n_past
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object
+    q: object
+    k: object
+    v: object
+    o: object
+    q_norm: object
+    k_norm: object
+    ffn_norm: object
+    router: object
+
+
+class Qwen3Moe:
+    """The qwen3moe forward over the layers [lb, le) of a model file."""
+
+    def __init__(self, gguf: GGUFModel, backend, lb: int = 0, le: int | None = None,
+                 first: bool | None = None, last: bool | None = None):
+        self.gguf, self.backend = gguf, backend
+        self.g = g = read_geometry(gguf)
+        validate(gguf, g)
+        self.lb, self.le = lb, g.n_layers if le is None else le
+        if not 0 <= self.lb < self.le <= g.n_layers:
+            raise ValueError(f"layer range [{self.lb}, {self.le}) is not inside [0, {g.n_layers})")
+        self.first = self.lb == 0 if first is None else first
+        self.last = self.le == g.n_layers if last is None else last
+        self.loaded_bytes = 0
+        self._tensors = {}
+        for name in dense_tensor_names(g, self.lb, self.le, self.first, self.last):
+            self._tensors[name] = self._load(name)
+        self.layers = {layer: self._layer(layer) for layer in range(self.lb, self.le)}
+        self.experts = backend.make_expert_store(gguf, range(self.lb, self.le))
+
+    def _load(self, name: str):
+        host = self.gguf.dequantize(name)
+        part = name.split(".")[-2]
+        small = host.ndim == 1 or part == ROUTER_PART
+        arr = self.backend.f32(host) if small else self.backend.dense(host)
+        self.loaded_bytes += int(arr.nbytes)
+        return arr
+
+    def _layer(self, layer: int) -> LayerWeights:
+        t = lambda part: self._tensors[f"blk.{layer}.{part}.weight"]  # noqa: E731
+        return LayerWeights(t("attn_norm"), t("attn_q"), t("attn_k"), t("attn_v"),
+                            t("attn_output"), t("attn_q_norm"), t("attn_k_norm"), t("ffn_norm"),
+                            t(ROUTER_PART))
+
+    def new_session(self, max_cells: int) -> KVSession:
+        return KVSession(self.backend, self.g, self.lb, self.le, max_cells)
+
+    # ---- stages of the forward -----------------------------------------------------------------
+    def embed(self, token_ids) -> object:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
+            raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        emb = self._tensors["token_embd.weight"]
+        return emb[self.backend.asarray(ids)].astype(np.float32)
+
+    def forward_layers(self, h, session: KVSession) -> object:
+        """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n.
+
+        The caller advances session.n_past after every stage of the pipeline has run."""
+        n = h.shape[0]
+        pos0 = session.n_past
+        if pos0 + n > session.max_cells:
+            raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
+        cos, sin = rope_tables(np.arange(pos0, pos0 + n), self.g.head_dim, self.g.rope_base)
+        cos, sin = self.backend.asarray(cos), self.backend.asarray(sin)
+        for layer in range(self.lb, self.le):
+            h = self._layer_forward(layer, h, session, pos0, cos, sin)
+        return h
+
+    def head(self, h) -> object:
+        """Final norm and output projection -> float32 logits [n, vocab]."""
+        xp = self.backend.xp
+        h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, xp)
+        w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
+        return self.backend.linear(h, w)
+
+    # ---- one layer -----------------------------------------------------------------------------
+    def _layer_forward(self, layer, h, session, pos0, cos, sin):
+        xp, g, w, be = self.backend.xp, self.g, self.layers[layer], self.backend
+        n = h.shape[0]
+        x = rms_norm(h, w.attn_norm, g.rms_eps, xp)
+        q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
+        k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
+        v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
+        q = _rope(rms_norm(q, w.q_norm, g.rms_eps, xp), cos, sin, xp)
+        k = _rope(rms_norm(k, w.k_norm, g.rms_eps, xp), cos, sin, xp)
+        kc, vc = session.k(layer), session.v(layer)
+        kc[pos0:pos0 + n] = k
+        vc[pos0:pos0 + n] = v
+        attn = _attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp)
+        h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
+        x = rms_norm(h, w.ffn_norm, g.rms_eps, xp)
+        return h + self._moe(layer, x, w.router)
+
+    def route(self, x, router):
+        """Top-k experts per row in rank order and their renormalised weights (host arrays)."""
+        logits = self.backend.to_host(x @ router.T).astype(np.float32)
+        logits -= logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        k = self.g.n_expert_used
+        idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        wts = np.take_along_axis(probs, idx, axis=-1)
+        wts = wts / wts.sum(axis=-1, keepdims=True)
+        return idx, wts.astype(np.float32)
+
+    def _moe(self, layer, x, router):
+        xp = self.backend.xp
+        idx, wts = self.route(x, router)
+        n, k = idx.shape
+        y = xp.zeros((n, k, x.shape[1]), dtype=np.float32)
+        for expert in np.unique(idx):
+            rows, ranks = np.nonzero(idx == expert)
+            sel = self.backend.asarray(rows)
+            y[sel, self.backend.asarray(ranks)] = self.experts.compute(layer, int(expert), x[sel])
+        w_dev = self.backend.asarray(wts)
+        out = xp.zeros_like(x)
+        for r in range(k):  # combine in top-k rank order, so the sum's order is fixed
+            out += w_dev[:, r:r + 1] * y[:, r]
+        return out
+
+
+def _rope(x, cos, sin, xp):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return xp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
+
+
+def _attention(q, k, v, pos0, xp):
+    """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D]."""
+    n, n_head, d = q.shape
+    t, n_kv, _ = k.shape
+    group = n_head // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]
+    kt = k.transpose(1, 2, 0)                                          # [KVH, D, t]
+    scores = (qg @ kt[:, None]) * np.float32(1.0 / np.sqrt(d))         # [KVH, G, n, t]
+    qpos = xp.arange(pos0, pos0 + n)[:, None]
+    kpos = xp.arange(t)[None, :]
+    scores = xp.where(kpos <= qpos, scores, np.float32(-np.inf))
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores)
+    p = p / p.sum(axis=-1, keepdims=True)
+    out = p @ v.transpose(1, 0, 2)[:, None]                           # [KVH, G, n, D]
+    return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)
+MODEL_CLASS = Qwen3Moe

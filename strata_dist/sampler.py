@@ -1,0 +1,57 @@
+"""Token sampling on the host: greedy, temperature, top-k, top-p, min-p, with a seed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0      # <= 0 means greedy
+    top_k: int = 0                # 0: off
+    top_p: float = 1.0            # 1: off
+    min_p: float = 0.0            # 0: off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sampler:
+    """Stateful only in its random generator, so a seeded request is reproducible."""
+
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        p = self.params
+        if p.greedy:
+            return int(np.argmax(logits))
+        order = np.argsort(-logits, kind="stable")
+        if p.top_k:
+            order = order[: p.top_k]
+        z = logits[order] / p.temperature
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        keep = len(order)
+        if p.top_p < 1.0:
+            # smallest prefix whose mass reaches top_p (always at least one token)
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(keep, p=probs)])

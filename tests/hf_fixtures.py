@@ -1,0 +1,146 @@
+"""Test fixtures: tiny random models built with `transformers`, written to GGUF in llama.cpp's
+tensor naming (names from gguf-py's own tables), so the reference implementation is the oracle."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, MODEL_TENSOR, TENSOR_NAMES
+from gguf import quants as gguf_quants
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+QT = GGMLQuantizationType
+
+
+def tiny_qwen3moe(seed: int, hidden: int = 64, top_k: int = 2, n_layers: int = 4,
+                  n_experts: int = 8, vocab: int = 320, tied: bool = False) -> Qwen3MoeForCausalLM:
+    """A random Qwen3-MoE whose weights are large enough that logits are far from uniform."""
+    torch.manual_seed(seed)
+    head_dim = 16
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2, num_hidden_layers=n_layers,
+        num_attention_heads=hidden // head_dim, num_key_value_heads=max(1, hidden // head_dim // 2),
+        head_dim=head_dim, num_experts=n_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+        tie_word_embeddings=tied, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        initializer_range=1.0 / np.sqrt(hidden), attn_implementation="eager")
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # norm weights: not all ones, so a missed norm shows
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def _name(t: MODEL_TENSOR, layer: int | None = None) -> str:
+    base = TENSOR_NAMES[t]
+    return (base.format(bid=layer) if layer is not None else base) + ".weight"
+
+
+def gguf_tensors(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
+    """HF state dict -> {gguf name: float32 array in numpy (row-major) order}."""
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    cfg = model.config
+    ff = cfg.moe_intermediate_size
+    out = {_name(MODEL_TENSOR.TOKEN_EMBD): sd["model.embed_tokens.weight"],
+           _name(MODEL_TENSOR.OUTPUT_NORM): sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out[_name(MODEL_TENSOR.OUTPUT)] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]          # [E, 2ff, hidden]: gate then up
+        out.update({
+            _name(MODEL_TENSOR.ATTN_NORM, i): sd[p + "input_layernorm.weight"],
+            _name(MODEL_TENSOR.ATTN_Q, i): sd[p + "self_attn.q_proj.weight"],
+            _name(MODEL_TENSOR.ATTN_K, i): sd[p + "self_attn.k_proj.weight"],
+            _name(MODEL_TENSOR.ATTN_V, i): sd[p + "self_attn.v_proj.weight"],
+            _name(MODEL_TENSOR.ATTN_OUT, i): sd[p + "self_attn.o_proj.weight"],
+            _name(MODEL_TENSOR.ATTN_Q_NORM, i): sd[p + "self_attn.q_norm.weight"],
+            _name(MODEL_TENSOR.ATTN_K_NORM, i): sd[p + "self_attn.k_norm.weight"],
+            _name(MODEL_TENSOR.FFN_NORM, i): sd[p + "post_attention_layernorm.weight"],
+            _name(MODEL_TENSOR.FFN_GATE_INP, i): sd[p + "mlp.gate.weight"],
+            _name(MODEL_TENSOR.FFN_GATE_EXP, i): gate_up[:, :ff],
+            _name(MODEL_TENSOR.FFN_UP_EXP, i): gate_up[:, ff:],
+            _name(MODEL_TENSOR.FFN_DOWN_EXP, i): sd[p + "mlp.experts.down_proj"],
+        })
+    return out
+
+
+def _stored(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, QT]:
+    """Norms and routers stay F32 (as llama.cpp's converter keeps them); the rest takes `dtype`."""
+    if arr.ndim == 1 or "ffn_gate_inp" in name or dtype == "f32":
+        return np.ascontiguousarray(arr, dtype=np.float32), QT.F32
+    if dtype == "f16":
+        return np.ascontiguousarray(arr, dtype=np.float16), QT.F16
+    qtype = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q5_0": QT.Q5_0}[dtype]
+    return gguf_quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype), qtype
+
+
+def write_gguf(model: Qwen3MoeForCausalLM, path, dtype: str = "f32",
+               tensors: dict[str, np.ndarray] | None = None, arch: str = "qwen3moe",
+               eos_id: int | None = None) -> str:
+    cfg = model.config
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if eos_id is not None:
+        w.add_eos_token_id(eos_id)
+    for name, arr in (tensors if tensors is not None else gguf_tensors(model)).items():
+        data, qtype = _stored(name, arr, dtype)
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def load_gguf_weights_into(model: Qwen3MoeForCausalLM, gguf_model) -> Qwen3MoeForCausalLM:
+    """Copy a GGUF file's dequantized weights back into the HF model (for the F16/Q8_0 checks:
+    the reference then runs the very weights the file holds)."""
+    cfg = model.config
+    sd = model.state_dict()
+    ff = cfg.moe_intermediate_size
+    back = {_name(MODEL_TENSOR.TOKEN_EMBD): "model.embed_tokens.weight",
+            _name(MODEL_TENSOR.OUTPUT_NORM): "model.norm.weight",
+            _name(MODEL_TENSOR.OUTPUT): "lm_head.weight"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        back.update({
+            _name(MODEL_TENSOR.ATTN_NORM, i): p + "input_layernorm.weight",
+            _name(MODEL_TENSOR.ATTN_Q, i): p + "self_attn.q_proj.weight",
+            _name(MODEL_TENSOR.ATTN_K, i): p + "self_attn.k_proj.weight",
+            _name(MODEL_TENSOR.ATTN_V, i): p + "self_attn.v_proj.weight",
+            _name(MODEL_TENSOR.ATTN_OUT, i): p + "self_attn.o_proj.weight",
+            _name(MODEL_TENSOR.ATTN_Q_NORM, i): p + "self_attn.q_norm.weight",
+            _name(MODEL_TENSOR.ATTN_K_NORM, i): p + "self_attn.k_norm.weight",
+            _name(MODEL_TENSOR.FFN_NORM, i): p + "post_attention_layernorm.weight",
+            _name(MODEL_TENSOR.FFN_GATE_INP, i): p + "mlp.gate.weight",
+            _name(MODEL_TENSOR.FFN_DOWN_EXP, i): p + "mlp.experts.down_proj",
+        })
+    with torch.no_grad():
+        for gname, hname in back.items():
+            if gname in gguf_model.tensors and hname in sd:
+                sd[hname].copy_(torch.from_numpy(np.array(gguf_model.dequantize(gname))))
+        for i in range(cfg.num_hidden_layers):
+            gate = gguf_model.dequantize(_name(MODEL_TENSOR.FFN_GATE_EXP, i))
+            up = gguf_model.dequantize(_name(MODEL_TENSOR.FFN_UP_EXP, i))
+            sd[f"model.layers.{i}.mlp.experts.gate_up_proj"][:, :ff].copy_(torch.from_numpy(gate))
+            sd[f"model.layers.{i}.mlp.experts.gate_up_proj"][:, ff:].copy_(torch.from_numpy(up))
+    return model
+
+
+def hf_logits(model: Qwen3MoeForCausalLM, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
