@@ -10,8 +10,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .backends import get_backend
-from .gguf_model import GGUFModel
-from .models import load_model
+from .models import load_model, open_checked
 from .sampler import Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -30,7 +29,7 @@ class GenerationResult:
 class Engine:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        self.gguf = GGUFModel(model_path)
+        self.gguf = open_checked(model_path)
         self.backend = get_backend(device)
         self.model = load_model(self.gguf, self.backend)
         g = self.model.g

@@ -22,3 +22,11 @@ def load_model(gguf: GGUFModel, backend, lb: int = 0, le: int | None = None, **k
     """The forward object of `gguf`'s architecture over layers [lb, le)."""
     module = architecture_for(gguf)
     return module.MODEL_CLASS(gguf, backend, lb, le, **kw)
+
+
+def open_checked(path: str) -> GGUFModel:
+    """Open a model file and check every tensor its architecture needs (GGUFError otherwise)."""
+    gguf = GGUFModel(path)
+    module = architecture_for(gguf)
+    module.validate(gguf, module.read_geometry(gguf))
+    return gguf

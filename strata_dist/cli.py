@@ -1,0 +1,152 @@
+"""`strata-dist`: the single-process tools — synth, logits, generate.
+
+Bad input (a malformed model, an impossible flag) prints one `error: …` line and exits 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .gguf_model import GGUFError
+
+DEFAULT_MODEL_LIKE = "tiny"
+DEFAULT_PROMPT_IDS = "1,2,3,4,5,6,7,8"
+
+
+class UsageError(Exception):
+    """A flag combination or value that cannot be honoured."""
+
+
+def parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"{flag} wants comma-separated integers, got '{text}'") from None
+    if not ids:
+        raise UsageError(f"{flag} is empty")
+    return ids
+
+
+def default_model_path() -> Path:
+    """The built-in tiny synthetic model, written once into the user's cache."""
+    from .synth import write_synthetic
+    cache = Path(os.environ.get("STRATA_CACHE_DIR", Path.home() / ".cache" / "strata-dist"))
+    path = cache / "tiny-f32.gguf"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_synthetic(tmp, like=DEFAULT_MODEL_LIKE, quant="f32", popularity="zipf:1.0", seed=0)
+        tmp.replace(path)
+        print(f"info: wrote the built-in tiny model to {path}", file=sys.stderr)
+    return path
+
+
+def _engine(args):
+    from .engine import Engine
+    model = args.model or default_model_path()
+    return Engine(str(model), device=args.device, max_context=args.max_context,
+                  prefill_chunk=args.prefill)
+
+
+def cmd_generate(args) -> int:
+    from .sampler import SamplingParams
+    prompt = parse_ids(args.prompt_ids)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed)
+    engine = _engine(args)
+    result = engine.generate(prompt, args.max_new, params)
+    print(",".join(str(t) for t in result.tokens))
+    decode_tps = (len(result.tokens) - 1) / (result.decode_ms / 1e3) if result.decode_ms > 0 else 0.0
+    print(f"info: {len(prompt)} prompt tokens in {result.prompt_ms:.1f} ms, {len(result.tokens)} "
+          f"generated ({decode_tps:.1f} tok/s decode), stop={result.stop_reason}, "
+          f"device={engine.backend.device}", file=sys.stderr)
+    return 0
+
+
+def cmd_logits(args) -> int:
+    ids = parse_ids(args.tokens, "--tokens")
+    logits = _engine(args).logits(ids)
+    np.save(args.out, logits.astype(np.float32))
+    print(f"info: wrote logits {list(logits.shape)} to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from .synth import write_synthetic
+    from tqdm import tqdm
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc="synth", disable=args.quiet)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    summary = write_synthetic(args.out, like=args.like, quant=args.quant,
+                              popularity=args.popularity, seed=args.seed, progress=progress)
+    bar.close()
+    print(f"wrote {summary.path}: {summary.bytes_written / 2**20:.1f} MiB, "
+          f"{summary.n_params / 1e9:.3f} B parameters ({args.like}, {args.quant})")
+    return 0
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file (default: a built-in tiny synthetic model)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="session cells, allocated up front (default 4096; capped at the model's)")
+    p.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="strata-dist", description=__doc__)
+    sub = ap.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="greedy (or sampled) generation in one process")
+    _add_run_flags(g)
+    g.add_argument("--prompt-ids", default=DEFAULT_PROMPT_IDS, help="comma-separated token ids")
+    g.add_argument("--max-new", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    lg = sub.add_parser("logits", help="float32 logits of every position, saved as .npy")
+    _add_run_flags(lg)
+    lg.add_argument("--tokens", required=True, help="comma-separated token ids")
+    lg.add_argument("--out", required=True, help="output .npy path")
+    lg.set_defaults(func=cmd_logits)
+
+    s = sub.add_parser("synth", help="write a synthetic model of a real geometry")
+    s.add_argument("out", help="output .gguf path")
+    s.add_argument("--like", default="tiny", help="tiny | qwen3-30b-a3b | qwen3-235b-a22b")
+    s.add_argument("--quant", default="q8_0", help="f32 | f16 | q8_0 | q4_k")
+    s.add_argument("--popularity", default="uniform", help="uniform | zipf:S")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_synth)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "func", None):
+        # The embedded default job: generate on the built-in tiny model.
+        args = ap.parse_args(["generate"] + (argv or []))
+    try:
+        return args.func(args)
+    except (GGUFError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a request the engine refuses (out-of-range id, context full)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
