@@ -1,0 +1,448 @@
+"""Every message that crosses a process boundary, as typed dataclasses in one module.
+
+A message class carries a stable wire tag ``TYPE`` and plain typed fields. The codec (``protocol.codec``) turns
+fields into a msgpack map and validates them strictly against these annotations on the way in, so the annotations
+*are* the schema: only ``int``, ``float``, ``str``, ``bool``, ``bytes``, ``X | None``, ``list[X]``,
+``dict[str, X]``, ``Literal[...]``, nested ``@struct`` classes and ``Any`` (JSON-able values) are allowed.
+
+Rules (see PROTOCOL.md): a TYPE tag never changes meaning; fields are only *added*, and only together with a bump
+of ``PROTOCOL_VERSION``. Numpy arrays never go into fields: they travel as raw frames after the header
+(``arrays=``), or in a CUDA IPC buffer named by a ``RowSlot``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, ClassVar, Literal
+
+# Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
+PROTOCOL_VERSION = 1
+
+DeviceKind = Literal["cuda", "cpu"]
+Role = Literal["stage", "helper", "stage+helper"]
+
+# Error.code values (free-form strings on the wire; these are the ones this repo emits).
+ERR_AUTH = "auth"                # wrong secret / handshake out of order
+ERR_VERSION = "version"          # protocol version mismatch (message names both numbers)
+ERR_FINGERPRINT = "fingerprint"  # model fingerprint mismatch (message names both values)
+ERR_PROTOCOL = "protocol"        # undecodable or invalid frames
+ERR_TIMEOUT = "timeout"          # a peer did not answer in time
+ERR_PEER = "peer"                # a peer died or became unreachable
+ERR_INTERNAL = "internal"        # anything else raised while serving a request
+
+
+class ProtocolError(ValueError):
+    """Bytes or messages that break the contract. ``peer`` is the ROUTER identity when known."""
+
+    def __init__(self, message: str, *, peer: bytes | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+
+class VersionMismatch(ProtocolError):
+    """A peer speaks another PROTOCOL_VERSION. The message names both numbers."""
+
+    def __init__(self, theirs: Any, ours: int = PROTOCOL_VERSION, *, what: str = "", peer: bytes | None = None):
+        tail = f" ({what!r})" if what else ""
+        super().__init__(
+            f"protocol version mismatch: peer speaks v{theirs}{tail}, this build speaks v{ours}; "
+            "run the same strata-dist version on every host",
+            peer=peer,
+        )
+        self.theirs = theirs
+        self.ours = ours
+
+
+class Struct:
+    """Base of everything the codec can carry (messages and nested records)."""
+
+    __slots__ = ()
+
+    def check(self, arrays: list) -> None:
+        """Semantic validation beyond types; raise ValueError. ``arrays`` are the decoded buffers (messages only)."""
+
+
+class Message(Struct):
+    """Base of top-level messages: has a wire tag and a bound on how many raw buffers may follow the header."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str] = ""
+    MAX_ARRAYS: ClassVar[int] = 0
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+STRUCT_TYPES: dict[str, type[Struct]] = {}
+
+
+def struct(cls):
+    """Decorator for nested records: a keyword-only slotted dataclass."""
+    cls = dataclass(kw_only=True, slots=True)(cls)
+    STRUCT_TYPES[cls.__name__] = cls
+    return cls
+
+
+def message(cls):
+    """Decorator for messages: a keyword-only slotted dataclass registered under its TYPE tag."""
+    cls = dataclass(kw_only=True, slots=True)(cls)
+    tag = cls.TYPE
+    if not tag or tag in MESSAGE_TYPES:
+        raise TypeError(f"{cls.__name__}: TYPE tag {tag!r} is empty or already taken")
+    MESSAGE_TYPES[tag] = cls
+    return cls
+
+
+@lru_cache(maxsize=64)
+def _dtype_name(dt: Any) -> str:
+    return dt.name  # numpy computes the name on every access; cached because Hidden is on the hot path
+
+
+def _nonneg(**values: int) -> None:
+    for k, v in values.items():
+        if v < 0:
+            raise ValueError(f"{k} must be >= 0, got {v}")
+
+
+# ---------------------------------------------------------------- nested records
+
+
+@struct
+class DeviceInfo(Struct):
+    """One device a rank can use. CPU ranks report their --vram-budget as total/free bytes."""
+
+    name: str
+    kind: DeviceKind
+    index: int
+    total_bytes: int
+    free_bytes: int
+    mem_bandwidth_gbs: float | None = None
+
+
+@struct
+class PeerInfo(Struct):
+    """Where to reach another rank. ``host`` is the host identity used to decide whether CUDA IPC is possible."""
+
+    rank: int
+    endpoint: str
+    host: str = ""
+
+
+@struct
+class RowSlot(Struct):
+    """A region of a CUDA IPC buffer (exchanged once via IpcHandle): the doorbell payload."""
+
+    offset: int
+    nbytes: int
+
+    def check(self, arrays: list) -> None:
+        _nonneg(offset=self.offset, nbytes=self.nbytes)
+
+
+@struct
+class Sampling(Struct):
+    """How the last stage picks tokens. Sent with a request's first message; stages keep it per request."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new: int = 0
+    stop_ids: list[int] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- handshake (see auth.py)
+
+
+@message
+class Hello(Message):
+    """Client → server, first message on a control connection. ``nonce`` lets the client verify the server."""
+
+    TYPE = "hello"
+    client_id: str
+    protocol_version: int
+    nonce: bytes
+
+
+@message
+class Challenge(Message):
+    """Server → client: prove you hold the secret by answering HMAC(secret, nonce || client_id)."""
+
+    TYPE = "challenge"
+    nonce: bytes
+    protocol_version: int
+    server_id: str = ""
+
+
+@message
+class Auth(Message):
+    TYPE = "auth"
+    client_id: str
+    mac: bytes
+
+
+@message
+class AuthOk(Message):
+    """Server → client: accepted. ``mac`` proves the server holds the secret too (mutual authentication)."""
+
+    TYPE = "auth_ok"
+    mac: bytes
+
+
+# ---------------------------------------------------------------- control plane
+
+
+@message
+class Register(Message):
+    """Rank → coordinator after AuthOk. ``rank`` is None to let the coordinator choose."""
+
+    TYPE = "register"
+    rank: int | None
+    host: str
+    pid: int
+    devices: list[DeviceInfo]
+    model_fingerprint: str
+    protocol_version: int
+    endpoints: dict[str, str] = field(default_factory=dict)  # endpoints this rank has bound (e.g. "data")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@message
+class Assign(Message):
+    """Coordinator → rank: what to load and whom to talk to. ``plan`` is the planner's JSON value, verbatim."""
+
+    TYPE = "assign"
+    rank: int
+    role: Role
+    lb: int
+    le: int
+    first: bool
+    last: bool
+    device: str  # "cuda:0", "cpu"
+    plan: dict[str, Any]
+    bind_endpoint: str | None = None      # data endpoint this rank binds (None: keep the one it registered)
+    next_endpoint: str | None = None      # next stage's data endpoint (None on the last stage)
+    first_endpoint: str | None = None     # where the last stage sends sampled tokens
+    head_endpoint: str | None = None      # where Token/Error for the head go
+    helpers: list[PeerInfo] = field(default_factory=list)
+    prefill_chunk: int = 0
+    max_context: int = 0
+    cache_slots: int = 0   # stage expert-cache slot budget
+    helper_slots: int = 0  # helper-tier slot budget on this rank
+    loan_slots: int = 0    # prompt-loan slots borrowed from the cache tail
+    helper_pairs: list[list[int]] = field(default_factory=list)  # [[layer, expert], ...] this rank serves
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, arrays: list) -> None:
+        _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
+                max_context=self.max_context, cache_slots=self.cache_slots,
+                helper_slots=self.helper_slots, loan_slots=self.loan_slots)
+        if self.lb > self.le:
+            raise ValueError(f"layer range [{self.lb}, {self.le}) is reversed")
+        if self.role != "helper" and self.lb == self.le:
+            raise ValueError(f"role {self.role!r} needs a non-empty layer range, got [{self.lb}, {self.le})")
+
+
+@message
+class Ready(Message):
+    """Rank → coordinator once loaded: what it actually allocated, by kind (weights/session/cache/helper/loan/...)."""
+
+    TYPE = "ready"
+    rank: int
+    allocated: dict[str, int]
+    elapsed_ms: float
+
+
+@message
+class Stats(Message):
+    """Ask a rank for its counters. ``request_id`` scopes the deltas to one request when not None."""
+
+    TYPE = "stats"
+    request_id: int | None = None
+
+
+@message
+class StatsReply(Message):
+    """Counters as deltas since the previous StatsReply of this rank (hits, misses, remote, ...)."""
+
+    TYPE = "stats_reply"
+    rank: int
+    counters: dict[str, int]
+    gauges: dict[str, float] = field(default_factory=dict)  # point-in-time values (free bytes, ...)
+    request_id: int | None = None
+
+
+@message
+class Heartbeat(Message):
+    TYPE = "heartbeat"
+    rank: int
+    seq: int
+
+
+@message
+class Error(Message):
+    """Any failure that the receiver must see. ``fatal``: the conversation is over (a refusal, or the sender is
+    going away); otherwise only ``request_id`` failed. ``code`` is one of the ERR_* values."""
+
+    TYPE = "error"
+    rank: int | None
+    request_id: int | None
+    message: str
+    fatal: bool = False
+    code: str = ""
+
+
+@message
+class Shutdown(Message):
+    TYPE = "shutdown"
+    reason: str = ""
+
+
+@message
+class Release(Message):
+    """Free a session's state (KV cache, recurrent state) on every stage."""
+
+    TYPE = "release"
+    session_id: int
+
+
+# ---------------------------------------------------------------- data plane
+
+
+@message
+class Tokens(Message):
+    """Head or last stage → first stage: a prompt chunk or the sampled token to run next."""
+
+    TYPE = "tokens"
+    request_id: int
+    session_id: int
+    pos: int  # position of ids[0] in the session
+    ids: list[int]
+    chunk_index: int = 0
+    chunk_total: int = 1
+    sampling: Sampling | None = None
+
+    def check(self, arrays: list) -> None:
+        _nonneg(pos=self.pos, chunk_index=self.chunk_index)
+        if not 0 <= self.chunk_index < self.chunk_total:
+            raise ValueError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_total})")
+
+
+@message
+class Hidden(Message):
+    """Stage → next stage: hidden rows for positions [pos, pos + n). Rows are one raw frame, or in the sender's
+    CUDA IPC buffer at ``slot`` (then no frame follows)."""
+
+    TYPE = "hidden"
+    MAX_ARRAYS = 1
+    request_id: int
+    session_id: int
+    pos: int
+    n: int
+    dtype: str
+    shape: list[int]
+    slot: RowSlot | None = None
+    chunk_index: int = 0
+    chunk_total: int = 1
+    sampling: Sampling | None = None
+
+    def check(self, arrays: list) -> None:
+        _nonneg(pos=self.pos, n=self.n)
+        if not self.shape or self.shape[0] != self.n:
+            raise ValueError(f"shape {self.shape} does not start with n={self.n}")
+        if not 0 <= self.chunk_index < self.chunk_total:
+            raise ValueError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_total})")
+        want = 0 if self.slot is not None else 1
+        if len(arrays) != want:
+            raise ValueError(f"hidden rows: expected {want} frame(s) (slot={self.slot}), got {len(arrays)}")
+        if arrays:
+            a = arrays[0]
+            if list(a.shape) != self.shape or _dtype_name(a.dtype) != self.dtype:
+                raise ValueError(f"rows frame is {a.dtype.name}{list(a.shape)}, header says {self.dtype}{self.shape}")
+
+
+@message
+class Token(Message):
+    """Last stage → first stage and head: one sampled token."""
+
+    TYPE = "token"
+    request_id: int
+    session_id: int
+    token_id: int
+    pos: int
+    logprob: float | None = None
+    done: bool = False
+    reason: str = ""  # "stop" | "length" when done
+
+
+@message
+class ExpertRequest(Message):
+    """Stage → helper (decode only). Frames, in order: rows (n, d), expert_ids (n, k) int32 with -1 = not asked,
+    weights (n, k) float32. With ``slot`` set the rows are in the stage's IPC buffer and only ids/weights follow."""
+
+    TYPE = "expert_request"
+    MAX_ARRAYS = 3
+    seq: int
+    layer: int
+    n: int
+    slot: RowSlot | None = None
+
+    def check(self, arrays: list) -> None:
+        _expert_frames(self, arrays, 2 if self.slot is not None else 3)
+
+
+@message
+class ExpertReply(Message):
+    """Helper → stage: outputs (n, k, d), one row per asked (row, top-k rank) so the stage combines in rank order.
+    With ``slot`` set the outputs are in the helper's IPC buffer instead of a frame."""
+
+    TYPE = "expert_reply"
+    MAX_ARRAYS = 1
+    seq: int
+    layer: int
+    n: int
+    slot: RowSlot | None = None
+
+    def check(self, arrays: list) -> None:
+        _expert_frames(self, arrays, 0 if self.slot is not None else 1)
+
+
+def _expert_frames(msg: ExpertRequest | ExpertReply, arrays: list, want: int) -> None:
+    _nonneg(seq=msg.seq, layer=msg.layer, n=msg.n)
+    if len(arrays) != want:
+        raise ValueError(f"{msg.TYPE}: expected {want} frame(s) (slot={msg.slot}), got {len(arrays)}")
+    for a in arrays:
+        if a.ndim == 0 or a.shape[0] != msg.n:
+            raise ValueError(f"{msg.TYPE}: frame of shape {list(a.shape)} does not start with n={msg.n}")
+
+
+@message
+class IpcHandle(Message):
+    """Sent once per link: the sender's CUDA IPC buffer. Valid only for peers with the same host identity."""
+
+    TYPE = "ipc_handle"
+    name: str      # what the buffer is for ("hidden", "expert_rows", ...)
+    handle: bytes  # cudaIpcMemHandle_t, 64 bytes
+    device: int           # index in the *sender's* CUDA numbering
+    nbytes: int
+    dtype: str
+    device_uuid: str = ""  # stable across processes whose CUDA_VISIBLE_DEVICES differ
+    host: str = ""
+    pid: int = 0
+
+
+@message
+class SlotFree(Message):
+    """Receiver → writer of an IPC buffer: the rows at ``slot`` were consumed, the writer may reuse them."""
+
+    TYPE = "slot_free"
+    name: str
+    slot: RowSlot
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "ProtocolError", "VersionMismatch", "Struct", "Message", "MESSAGE_TYPES",
+    "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
+    "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release",
+    "Tokens", "Hidden", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
+    "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
+]

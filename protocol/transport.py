@@ -1,0 +1,335 @@
+"""Thin ZeroMQ wrappers: typed send/recv over the codec, a timeout on every wait, linger 0, idempotent close.
+
+Socket patterns used by strata-dist:
+  * control: the coordinator binds a ROUTER (``RouterChannel``), each rank connects a DEALER (``Channel("dealer")``);
+  * data plane: a stage binds a PULL, its upstream peers connect a PUSH (``Channel("push")``/``Channel("pull")``);
+  * helper requests: the helper binds a ROUTER, stages connect DEALERs.
+Same host → ``ipc://`` endpoints in a private per-launch directory; across hosts → ``tcp://``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import zmq
+
+from .codec import decode, encode
+from .messages import Message, ProtocolError
+
+# Defaults for every wait (milliseconds). Callers pass their own where the plan knows better.
+CONNECT_TIMEOUT_MS = 10_000    # handshake replies (Challenge, AuthOk)
+RECV_TIMEOUT_MS = 10_000       # a reply that should come promptly
+SEND_TIMEOUT_MS = 10_000       # a send blocked by a full queue or a peer that never connected
+HEARTBEAT_INTERVAL_MS = 1_000  # Heartbeat messages, rank → coordinator
+HEARTBEAT_TIMEOUT_MS = 10_000  # a rank silent this long is declared dead
+
+IPC_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes including the NUL
+
+_KINDS = {"dealer": zmq.DEALER, "router": zmq.ROUTER, "push": zmq.PUSH, "pull": zmq.PULL, "pair": zmq.PAIR}
+
+
+class ProtocolTimeout(TimeoutError):
+    """A wait ran out. ``peer`` names who we waited for, ``what`` for what, ``timeout_ms`` how long."""
+
+    def __init__(self, peer: str, what: str, timeout_ms: float, *, sending: bool = False):
+        if sending:
+            text = f"timed out after {timeout_ms:g} ms sending {what} to {peer} (not connected, or its queue is full)"
+        else:
+            text = f"timed out after {timeout_ms:g} ms waiting for {what} from {peer}"
+        super().__init__(text)
+        self.peer, self.what, self.timeout_ms, self.sending = peer, what, timeout_ms, sending
+
+
+class PeerGone(ConnectionError):
+    """A ROUTER was asked to send to an identity that is not (or no longer) connected."""
+
+    def __init__(self, peer: str, what: str):
+        super().__init__(f"cannot send {what}: peer {peer} is not connected")
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """ZeroMQ CURVE keys (Z85 bytes). ``server_public`` None → this socket is the CURVE server.
+
+    CURVE encrypts the link; it does not replace the HMAC handshake, which decides who may register.
+    """
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+    @property
+    def is_server(self) -> bool:
+        return self.server_public is None
+
+
+def new_curve_keypair() -> tuple[bytes, bytes]:
+    """(public, secret) in Z85. Needs libzmq built with CURVE (``zmq.has('curve')``)."""
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support; install a pyzmq wheel built with libsodium")
+    return zmq.curve_keypair()
+
+
+class Endpoints:
+    """Makes addresses for one launch. ipc:// sockets live in a private (0700) temp directory removed by cleanup()."""
+
+    def __init__(self, run_dir: str | None = None):
+        self._owned = run_dir is None
+        if run_dir is None:
+            base = os.environ.get("XDG_RUNTIME_DIR")
+            base = base if base and os.path.isdir(base) and os.access(base, os.W_OK) else None
+            run_dir = tempfile.mkdtemp(prefix="strata-", dir=base)
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        self.run_dir = run_dir
+
+    def ipc(self, name: str) -> str:
+        if not name or "/" in name:
+            raise ValueError(f"ipc endpoint name must be a plain file name, got {name!r}")
+        path = os.path.join(self.run_dir, f"{name}.sock")
+        if len(path.encode()) > IPC_PATH_MAX:
+            raise ValueError(f"ipc path {path!r} is {len(path.encode())} bytes, the OS limit is {IPC_PATH_MAX}")
+        return f"ipc://{path}"
+
+    @staticmethod
+    def tcp(host: str = "127.0.0.1", port: int | None = None) -> str:
+        """A tcp:// address; port None binds an ephemeral port (``Channel.bind`` returns the real one)."""
+        h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"tcp://{h}:{'*' if port is None else int(port)}"
+
+    def cleanup(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> "Endpoints":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
+
+
+def advertise(endpoint: str, host: str) -> str:
+    """The address peers should connect to for a socket bound on a wildcard (tcp://0.0.0.0:P → tcp://host:P)."""
+    for wild in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if endpoint.startswith(wild):
+            return Endpoints.tcp(host, int(endpoint[len(wild):]))
+    return endpoint
+
+
+def random_identity(prefix: str = "peer") -> bytes:
+    """A readable but unguessable routing identity for a DEALER, e.g. b"rank-1.3f9c…" (96 random bits)."""
+    return f"{prefix}.{secrets.token_hex(12)}".encode()
+
+
+class Channel:
+    """One ZeroMQ socket speaking the codec. Kinds: dealer, push, pull, pair (router: use RouterChannel).
+
+    ``peer`` is a human name for whoever is on the other side; it is what timeouts and errors report.
+    Like every ZeroMQ socket, a channel belongs to one thread.
+    """
+
+    def __init__(self, kind: str, *, peer: str = "peer", ctx: zmq.Context | None = None,
+                 identity: bytes | None = None, curve: CurveKeys | None = None,
+                 send_timeout_ms: int = SEND_TIMEOUT_MS, max_msg_bytes: int | None = None,
+                 heartbeat_ms: int | None = None):
+        if kind not in _KINDS or (kind == "router") != isinstance(self, RouterChannel):
+            raise ValueError(f"unknown channel kind {kind!r} for {type(self).__name__}")
+        self.kind, self.peer, self.send_timeout_ms = kind, peer, send_timeout_ms
+        self.endpoints: list[str] = []
+        self._closed = False
+        self._rcvtimeo = self._sndtimeo = -1  # libzmq defaults: block forever (never used as such)
+        self._sock = (ctx or zmq.Context.instance()).socket(_KINDS[kind])
+        s = self._sock
+        s.linger = 0  # never block process exit on undelivered messages
+        s.immediate = True  # queue only to live connections: a send to a peer that is gone times out, not piles up
+        if kind == "dealer":
+            # Admission is bound to the routing identity, so it must be unguessable (else a stranger could
+            # connect under an authenticated rank's name once that rank's connection drops).
+            s.identity = identity if identity is not None else random_identity()
+        if max_msg_bytes is not None:
+            s.maxmsgsize = max_msg_bytes  # a peer sending more is disconnected by libzmq
+        if heartbeat_ms:  # ZMTP pings: a silently dead TCP peer (cut cable) is noticed and dropped
+            s.heartbeat_ivl = heartbeat_ms
+            s.heartbeat_timeout = 3 * heartbeat_ms
+            s.heartbeat_ttl = 3 * heartbeat_ms
+        if curve is not None:
+            s.curve_publickey, s.curve_secretkey = curve.public, curve.secret
+            if curve.is_server:
+                s.curve_server = True
+            else:
+                s.curve_serverkey = curve.server_public
+
+    # ------------------------------------------------------------ plumbing
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The raw socket (for tests and polling); do not change linger or close it directly."""
+        return self._sock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def bind(self, endpoint: str) -> str:
+        """Bind and return the concrete endpoint (the real port for ``tcp://host:*``)."""
+        self._sock.bind(endpoint)
+        actual = self._sock.last_endpoint.decode()
+        self.endpoints.append(actual)
+        return actual
+
+    def connect(self, endpoint: str) -> "Channel":
+        self._sock.connect(endpoint)
+        self.endpoints.append(endpoint)
+        return self
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.kind} peer={self.peer!r} {self.endpoints} closed={self._closed}>"
+
+    def poll(self, timeout_ms: int) -> bool:
+        """True if a message is waiting (waits at most timeout_ms)."""
+        return bool(self._sock.poll(timeout_ms, zmq.POLLIN))
+
+    # ------------------------------------------------------------ frames
+
+    # The wait bounds are socket options (RCVTIMEO/SNDTIMEO) set only when they change: one blocking libzmq call
+    # per message, with no poller object or exception on the hot path (a hand-off budget is ~100 µs).
+
+    def send_frames(self, frames: Sequence[Any], *, copy: bool = False, timeout_ms: int | None = None,
+                    what: str = "a message") -> None:
+        """Send raw frames with a bounded wait for queue space / a connected peer."""
+        t = self.send_timeout_ms if timeout_ms is None else timeout_ms
+        if t != self._sndtimeo:
+            self._sock.sndtimeo = self._sndtimeo = t
+        try:
+            self._sock.send_multipart(frames, copy=copy)
+        except zmq.Again:
+            raise ProtocolTimeout(self.peer, what, t, sending=True) from None
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise PeerGone(self.peer, what) from None
+            raise
+
+    def recv_frames(self, timeout_ms: int = RECV_TIMEOUT_MS, *, what: str = "a message") -> list[zmq.Frame]:
+        """Raw frames of the next message (zero-copy zmq.Frame objects); ProtocolTimeout after timeout_ms."""
+        if timeout_ms is None or timeout_ms < 0:
+            raise ValueError("every wait needs a finite timeout (loop over recv to wait longer)")
+        if timeout_ms != self._rcvtimeo:
+            self._sock.rcvtimeo = self._rcvtimeo = timeout_ms
+        try:
+            return self._sock.recv_multipart(copy=False)
+        except zmq.Again:
+            raise ProtocolTimeout(self.peer, what, timeout_ms) from None
+
+    # ------------------------------------------------------------ messages
+
+    def send(self, msg: Message, arrays: Sequence[np.ndarray] = (), *, copy: bool = False,
+             timeout_ms: int | None = None) -> None:
+        """Send a message. With copy=False (default) large arrays go out without a copy: do not write into them
+        until the peer has them (pass copy=True, or a fresh array, when the buffer is reused right away)."""
+        self.send_frames(encode(msg, arrays), copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
+
+    def recv(self, timeout_ms: int = RECV_TIMEOUT_MS, *, what: str = "a message") -> tuple[Message, list[np.ndarray]]:
+        """(message, arrays). Arrays are views of the received frames (no copy; treat as read-only). Raises
+        ProtocolTimeout, or ProtocolError when the message was invalid (the channel stays usable)."""
+        frames = self.recv_frames(timeout_ms, what=what)
+        return _decode_from(frames, self.peer, None)
+
+
+class RouterChannel(Channel):
+    """ROUTER side: many peers, each addressed by its identity (bytes). Sending to a gone peer raises PeerGone."""
+
+    def __init__(self, *, peer: str = "peers", **kw: Any):
+        super().__init__("router", peer=peer, **kw)
+        # Unroutable → error, not a silent drop. No ROUTER_HANDOVER: a live peer's identity cannot be taken over;
+        # a restarted rank simply comes back with a new random identity and authenticates again.
+        self._sock.router_mandatory = True
+
+    def send(self, identity: bytes, msg: Message, arrays: Sequence[np.ndarray] = (), *,  # type: ignore[override]
+             copy: bool = False, timeout_ms: int | None = None) -> None:
+        frames = [identity] + encode(msg, arrays)
+        try:
+            self.send_frames(frames, copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
+        except PeerGone:
+            raise PeerGone(_show(identity), msg.TYPE) from None
+
+    def recv(self, timeout_ms: int = RECV_TIMEOUT_MS, *,  # type: ignore[override]
+             what: str = "a message") -> tuple[bytes, Message, list[np.ndarray]]:
+        """(identity, message, arrays). A ProtocolError carries ``.peer`` = identity so the caller can answer."""
+        frames = self.recv_frames(timeout_ms, what=what)
+        identity = frames[0].bytes
+        msg, arrays = _decode_from(frames[1:], _show(identity), identity)
+        return identity, msg, arrays
+
+
+def _show(identity: bytes) -> str:
+    try:
+        s = identity.decode()
+        if s.isprintable():
+            return s
+    except UnicodeDecodeError:
+        pass
+    return identity.hex()
+
+
+def _decode_from(frames: list, peer: str, identity: bytes | None) -> tuple[Message, list[np.ndarray]]:
+    try:
+        return decode(frames)
+    except ProtocolError as e:
+        e.peer = identity
+        e.args = (f"from {peer}: {e.args[0] if e.args else e}",)
+        raise
+
+
+class Poller:
+    """Wait on several channels at once."""
+
+    def __init__(self, *channels: Channel):
+        self._poller = zmq.Poller()
+        self._by_sock: dict[zmq.Socket, Channel] = {}
+        for ch in channels:
+            self.add(ch)
+
+    def add(self, ch: Channel) -> None:
+        self._poller.register(ch.socket, zmq.POLLIN)
+        self._by_sock[ch.socket] = ch
+
+    def remove(self, ch: Channel) -> None:
+        if self._by_sock.pop(ch.socket, None) is not None:
+            self._poller.unregister(ch.socket)
+
+    def poll(self, timeout_ms: int) -> list[Channel]:
+        """Channels with a message waiting, in registration order; [] when timeout_ms passes first."""
+        ready = dict(self._poller.poll(timeout_ms))
+        return [ch for s, ch in self._by_sock.items() if s in ready]
+
+    def wait(self, timeout_ms: int, what: str = "a message") -> list[Channel]:
+        """Like poll, but raises ProtocolTimeout naming every channel's peer when nothing arrives."""
+        ready = self.poll(timeout_ms)
+        if not ready:
+            peers = ", ".join(ch.peer for ch in self._by_sock.values()) or "no channel"
+            raise ProtocolTimeout(peers, what, timeout_ms)
+        return ready
+
+
+__all__ = [
+    "Channel", "RouterChannel", "Poller", "Endpoints", "CurveKeys", "ProtocolTimeout", "PeerGone",
+    "new_curve_keypair", "advertise", "random_identity", "CONNECT_TIMEOUT_MS", "RECV_TIMEOUT_MS", "SEND_TIMEOUT_MS",
+    "HEARTBEAT_INTERVAL_MS", "HEARTBEAT_TIMEOUT_MS",
+]
