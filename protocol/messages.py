@@ -145,6 +145,7 @@ class Sampling(Struct):
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     max_new: int = 0
     stop_ids: list[int] = field(default_factory=list)
@@ -358,6 +359,20 @@ class Hidden(Message):
             a = arrays[0]
             if list(a.shape) != self.shape or _dtype_name(a.dtype) != self.dtype:
                 raise ValueError(f"rows frame is {a.dtype.name}{list(a.shape)}, header says {self.dtype}{self.shape}")
+
+
+@message
+class PromptProgress(Message):
+    """Last stage → head: prompt chunk ``chunk_index`` of ``chunk_total`` has passed every stage; positions up
+    to ``pos`` are read. ``ms`` is the last stage's own time for the chunk."""
+
+    TYPE = "prompt_progress"
+    request_id: int
+    session_id: int
+    pos: int
+    chunk_index: int
+    chunk_total: int
+    ms: float = 0.0
 
 
 @message

@@ -1,0 +1,123 @@
+"""Prompt loans (DESIGN §4, seed #216): each stage's prompt path borrows the tail of ITS OWN expert
+cache for its prompt buffers and refills those slots afterwards, so outside a prompt the whole cache
+is expert cache.
+
+The rule, exactly:
+- One chunk for all participants: with `--prefill auto`, the largest of LEND_CHUNKS every participant
+  that can lend at all can lend.
+- Lending a chunk must leave SLOT_FLOOR (128) slots of the participant's cache.
+- The percentage cap (STRATA_PREFILL_LEND_PCT, default 85) applies to the AUTO chunk only; an explicit
+  `--prefill N` is the operator's number and a loan of it only has to leave the floor.
+- A participant that cannot lend falls back to its own prompt buffers (a note names both numbers),
+  taken from the room its cache would have used: with the auto chunk they stay within the same
+  percentage cap (which bounds the auto chunk); with an explicit chunk they only have to fit.
+- With one participant this is exactly the single-GPU plan (the rule has no multi-stage special case).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import PlanError
+from .pricing import MIB
+
+LEND_CHUNKS = (8192, 6144, 4096, 3072, 2048, 1024, 512, 256)
+SLOT_FLOOR = 128
+
+
+def loan_slots(n_tokens: int, bytes_per_token: int, slot_bytes: int) -> int:
+    """Cache slots a prompt chunk of n_tokens borrows: ceil(bytes_per_token * n_tokens / slot_bytes).
+    slot_bytes is the participant's SMALLEST blob, so evicting that many tail pairs always frees at
+    least the buffers' bytes, whatever layers the tail pairs belong to."""
+    if slot_bytes <= 0:
+        raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+    return -(-bytes_per_token * n_tokens // slot_bytes)
+
+
+@dataclass(frozen=True)
+class Participant:
+    """A stage's prompt path: its cache (slots = pairs held), the slot size for loans, and the bytes
+    its own buffers may take instead (its cache budget) if it cannot lend."""
+
+    name: str
+    slots: int
+    slot_bytes: int
+    room_bytes: int
+
+
+@dataclass(frozen=True)
+class Loan:
+    name: str
+    lends: bool
+    slots: int        # cache slots borrowed for the prompt (0 if it uses its own buffers)
+    bytes: int        # slots * slot_bytes
+    own_bytes: int    # own prompt buffers when it cannot lend, else 0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LendPlan:
+    chunk: int
+    auto: bool
+    loans: tuple[Loan, ...]
+
+
+def lendable(p: Participant, chunk: int, bytes_per_token: int, lend_pct: int | None) -> tuple[bool, int]:
+    """(can p lend `chunk`, slots it needs). lend_pct None = explicit chunk: the floor only."""
+    need = loan_slots(chunk, bytes_per_token, p.slot_bytes)
+    ok = p.slots - need >= SLOT_FLOOR
+    if lend_pct is not None:
+        ok = ok and need * 100 <= lend_pct * p.slots
+    return ok, need
+
+
+def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str:
+    cap = "" if lend_pct is None else f", cap {lend_pct}% = {lend_pct * p.slots // 100} slots"
+    return (f"{p.name} cannot lend a {chunk}-token chunk: it needs {need} slots, its cache has "
+            f"{p.slots} (floor {SLOT_FLOOR}{cap})")
+
+
+def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: int | None = None,
+              lend_pct: int = 85) -> LendPlan:
+    """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`."""
+    if not participants:
+        raise ValueError("plan_lend: no participants")
+    auto = chunk is None
+    pct = lend_pct if auto else None
+
+    def own(c: int) -> int:  # the prompt path's own buffers for a chunk of c tokens
+        return bytes_per_token * c
+
+    if auto:
+        # each participant's largest lendable chunk (lendability only shrinks as the chunk grows)
+        best = [next((c for c in LEND_CHUNKS if lendable(p, c, bytes_per_token, pct)[0]), None)
+                for p in participants]
+        lenders = [c for c in best if c is not None]
+        cands = [c for c in LEND_CHUNKS if not lenders or c <= min(lenders)]
+        # a participant that cannot lend takes its own buffers out of its cache's room; the auto
+        # chunk keeps those within the same percentage cap a loan has
+        fallbacks = [p for p, b in zip(participants, best) if b is None]
+        for p in fallbacks:
+            cands = [c for c in cands if own(c) * 100 <= lend_pct * p.room_bytes]
+        if not cands:
+            c = LEND_CHUNKS[-1]
+            p = next(p for p in fallbacks if own(c) * 100 > lend_pct * p.room_bytes)
+            raise PlanError(f"{_why_not(p, c, lendable(p, c, bytes_per_token, pct)[1], pct)}, and its own "
+                            f"prompt buffers for {c} tokens ({own(c) / MIB:.1f} MiB) exceed "
+                            f"{lend_pct}% of its {p.room_bytes / MIB:.1f} MiB of room")
+        chunk = max(cands)
+    elif chunk < 1:
+        raise PlanError(f"--prefill {chunk}: the chunk must be at least 1 token")
+
+    loans = []
+    for p in participants:
+        ok, need = lendable(p, chunk, bytes_per_token, pct)
+        if ok:
+            loans.append(Loan(p.name, True, need, need * p.slot_bytes, 0))
+            continue
+        if own(chunk) > p.room_bytes:  # explicit chunks only: auto already bounded the chunk by it
+            raise PlanError(f"--prefill {chunk}: {_why_not(p, chunk, need, pct)}, and its own prompt buffers "
+                            f"({own(chunk) / MIB:.1f} MiB) exceed its {p.room_bytes / MIB:.1f} MiB of room")
+        note = f"{_why_not(p, chunk, need, pct)}; it uses its own prompt buffers ({own(chunk) / MIB:.1f} MiB)"
+        loans.append(Loan(p.name, False, 0, 0, own(chunk), note))
+    return LendPlan(int(chunk), auto, tuple(loans))

@@ -1,0 +1,115 @@
+"""PlanParams: every tunable of the planner in one value, and the one place the environment is read.
+
+Pure functions take a PlanParams; only params_from_env looks at an environment mapping (the caller
+passes os.environ), so a plan is reproducible from its inputs and its recorded params.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Mapping
+
+COVERAGE_MODES = ("auto", "model", "measured")
+
+
+@dataclass(frozen=True)
+class PlanParams:
+    """Constants of the cost model and the kill switches.
+
+    cover_b          exponent of the coverage model H(f) = 1 - (1 - f)^b (STRATA_SPLIT_COVER_B).
+    coverage         "model": pair masses from H over the global rank; "measured": the profile's own
+                     normalised counts; "auto": measured when the profile is non-uniform, else model.
+    miss_ms          ms to compute ONE expert for one token from host memory (STRATA_SPLIT_MISS_MS).
+    handoff_ms       ms per stage boundary on one host (STRATA_SPLIT_HANDOFF_MS).
+    link_ms, link_gbs  a boundary between hosts costs handoff_ms + link_ms + hidden row / link_gbs
+                     (STRATA_SPLIT_LINK_MS, STRATA_SPLIT_LINK_GBS).
+    default_bw_gbs   bandwidth for a device that reports none.
+    kv_fill          mean fraction of the context a decode token reads from KV (0.5: a context
+                     filled uniformly over its life).
+    lend_pct         cap on the AUTO prompt loan, percent of a stage's cache slots (STRATA_PREFILL_LEND_PCT).
+    remote_auto      helper tiers on leftover VRAM (STRATA_REMOTE_AUTO=0 / --no-remote-auto turn off).
+    weight_slice     a stage loads only its own layers' dense weights (STRATA_WEIGHT_SLICE=0: all).
+    stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
+    replicate_routers  every stage also loads every other layer's router (see ModelShape.router_bytes).
+    """
+
+    cover_b: float = 3.0
+    coverage: str = "auto"
+    miss_ms: float = 0.15
+    handoff_ms: float = 0.05
+    link_ms: float = 0.2
+    link_gbs: float = 1.25
+    default_bw_gbs: float = 300.0
+    kv_fill: float = 0.5
+    lend_pct: int = 85
+    remote_auto: bool = True
+    weight_slice: bool = True
+    stage_cache_slots: int | None = None
+    replicate_routers: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cover_b) and self.cover_b > 0):
+            raise ValueError(f"cover_b must be > 0, got {self.cover_b}")
+        if self.coverage not in COVERAGE_MODES:
+            raise ValueError(f"coverage {self.coverage!r}: expected one of {COVERAGE_MODES}")
+        for name in ("miss_ms", "handoff_ms", "link_ms"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        for name in ("link_gbs", "default_bw_gbs"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if not 0 <= self.kv_fill <= 1:
+            raise ValueError(f"kv_fill must be in [0, 1], got {self.kv_fill}")
+        if not 1 <= self.lend_pct <= 100:
+            raise ValueError(f"lend_pct must be in [1, 100], got {self.lend_pct}")
+        if self.stage_cache_slots is not None and self.stage_cache_slots < 0:
+            raise ValueError(f"stage_cache_slots must be >= 0, got {self.stage_cache_slots}")
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"PlanParams: unknown field {unknown[0]!r}")
+        return cls(**d)
+
+
+def _bool01(v: str) -> bool:
+    if v not in ("0", "1"):
+        raise ValueError("expected 0 or 1")
+    return v == "1"
+
+
+# env var -> (PlanParams field, parser of its text)
+ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "STRATA_SPLIT_COVER_B": ("cover_b", float),
+    "STRATA_SPLIT_COVERAGE": ("coverage", str),
+    "STRATA_SPLIT_MISS_MS": ("miss_ms", float),
+    "STRATA_SPLIT_HANDOFF_MS": ("handoff_ms", float),
+    "STRATA_SPLIT_LINK_MS": ("link_ms", float),
+    "STRATA_SPLIT_LINK_GBS": ("link_gbs", float),
+    "STRATA_PREFILL_LEND_PCT": ("lend_pct", int),
+    "STRATA_REMOTE_AUTO": ("remote_auto", _bool01),
+    "STRATA_WEIGHT_SLICE": ("weight_slice", _bool01),
+    "STRATA_STAGE_CACHE_SLOTS": ("stage_cache_slots", int),
+}
+
+
+def params_from_env(environ: Mapping[str, str], base: PlanParams | None = None) -> PlanParams:
+    """PlanParams from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value).
+    Raises ValueError naming the variable and its value."""
+    params = base or PlanParams()
+    for var, (name, parse) in ENV_VARS.items():
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            params = replace(params, **{name: parse(raw)})
+        except ValueError as e:
+            raise ValueError(f"{var}={raw!r}: {e}") from None
+    return params

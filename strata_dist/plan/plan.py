@@ -1,0 +1,297 @@
+"""The plan as a value: what each card runs and holds, built by make_plan, sent to the ranks as JSON.
+
+make_plan: order the devices, search (or price explicit split points), fill the chosen stages'
+caches, plan the prompt loans, then select helper tiers on every card's leftover. Nothing here
+allocates; the ranks allocate exactly what their part of the plan says.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .device import Device, order_devices
+from .errors import PlanError
+from .fill import coverage_mode
+from .helpers import HelperTier, Pair, select_helpers
+from .lend import Participant, plan_lend
+from .params import PlanParams
+from .pricing import MIB, stage_fixed_bytes
+from .profile import RoutingProfile
+from .score import CostModel
+from .search import (Placement, check_split_points, price_split, search, search_exhaustive,
+                     shortfall_message)
+from .shape import ModelShape
+
+PLAN_FORMAT = "strata-plan/1"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Stage `stage` runs layers [lb, le) on `device`; its cache holds `pairs` (rank order — the
+    prompt loan borrows from the tail). budget_bytes = free - weights - session - reserve."""
+
+    stage: int
+    device: Device
+    lb: int
+    le: int
+    weights_bytes: int
+    session_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+    pairs: tuple[Pair, ...]
+    cache_bytes: int
+    slot_bytes: int
+    loan_slots: int
+    loan_bytes: int
+    own_prompt_bytes: int
+    mass: float
+    note: str = ""
+
+    @property
+    def cache_slots(self) -> int:
+        return len(self.pairs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    devices: tuple[Device, ...]          # planning order (stage order)
+    stages: tuple[StagePlan, ...]
+    helpers: tuple[HelperTier, ...]      # one per device, skipped ones included (with a reason)
+    cells: int
+    chunk: int
+    chunk_auto: bool
+    method: str                          # exhaustive | dp | explicit | single | skip_if_fits
+    predicted_ms_per_token: float        # compute + miss + hand-off; helper tiers are not in it
+    compute_ms: float
+    miss_ms: float
+    handoff_ms: float
+    params: PlanParams = field(default_factory=PlanParams)
+    notes: tuple[str, ...] = ()
+
+    # --- totals (derived, so they cannot disagree with the parts) --------------------------------
+    @property
+    def live_helpers(self) -> tuple[HelperTier, ...]:
+        return tuple(h for h in self.helpers if not h.skipped)
+
+    @property
+    def expert_slots_primary(self) -> int:
+        return sum(s.cache_slots for s in self.stages)
+
+    @property
+    def expert_slots(self) -> int:
+        return self.expert_slots_primary + sum(len(h.pairs) for h in self.live_helpers)
+
+    @property
+    def expert_cache_primary_mib(self) -> float:
+        return sum(s.cache_bytes for s in self.stages) / MIB
+
+    @property
+    def expert_cache_mib(self) -> float:
+        return self.expert_cache_primary_mib + sum(h.bytes for h in self.live_helpers) / MIB
+
+    @property
+    def coverage_primary(self) -> float:
+        """Share of routed expert activations the stage caches hold (predicted)."""
+        return sum(s.mass for s in self.stages)
+
+    @property
+    def coverage_all(self) -> float:
+        return self.coverage_primary + sum(h.mass for h in self.live_helpers)
+
+    def stage_on(self, device: Device) -> StagePlan | None:
+        return next((s for s in self.stages if s.device == device), None)
+
+    def helper_on(self, device: Device) -> HelperTier | None:
+        return next((h for h in self.helpers if h.device == device), None)
+
+    def left_bytes(self, device: Device) -> int:
+        """What the device has left after everything the plan puts on it."""
+        used = 0
+        st = self.stage_on(device)
+        if st is not None:
+            used += (st.weights_bytes + st.session_bytes + st.reserve_bytes + st.own_prompt_bytes
+                     + st.cache_bytes)
+        h = self.helper_on(device)
+        if h is not None:
+            used += h.reserve_bytes + h.bytes
+        return device.free_bytes - used
+
+    # --- JSON: the value the ranks receive ------------------------------------------------------
+    def to_dict(self) -> dict:
+        pos = {d: i for i, d in enumerate(self.devices)}
+        stages = []
+        for s in self.stages:
+            d = {k: v for k, v in s.__dict__.items() if k not in ("device", "pairs")}
+            d.update(device=pos[s.device], cache_slots=s.cache_slots, pairs=[list(p) for p in s.pairs])
+            stages.append(d)
+        helpers = []
+        for h in self.helpers:
+            d = {k: v for k, v in h.__dict__.items() if k not in ("device", "pairs")}
+            d.update(device=pos[h.device], slots=len(h.pairs), pairs=[list(p) for p in h.pairs])
+            helpers.append(d)
+        return {
+            "format": PLAN_FORMAT,
+            "cells": self.cells, "chunk": self.chunk, "chunk_auto": self.chunk_auto, "method": self.method,
+            "predicted_ms_per_token": self.predicted_ms_per_token, "compute_ms": self.compute_ms,
+            "miss_ms": self.miss_ms, "handoff_ms": self.handoff_ms,
+            "expert_slots": self.expert_slots, "expert_slots_primary": self.expert_slots_primary,
+            "expert_cache_mib": self.expert_cache_mib, "expert_cache_primary_mib": self.expert_cache_primary_mib,
+            "devices": [d.to_dict() for d in self.devices],
+            "stages": stages, "helpers": helpers,
+            "params": self.params.to_dict(), "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if d.get("format") != PLAN_FORMAT:
+            raise ValueError(f"plan format {d.get('format')!r}, expected {PLAN_FORMAT!r}")
+        devices = tuple(Device.from_dict(x) for x in d["devices"])
+
+        def pairs(x) -> tuple[Pair, ...]:
+            return tuple((int(a), int(b)) for a, b in x)
+
+        stages = tuple(StagePlan(**{**{k: v for k, v in s.items() if k != "cache_slots"},
+                                    "device": devices[s["device"]], "pairs": pairs(s["pairs"])})
+                       for s in d["stages"])
+        helpers = tuple(HelperTier(**{**{k: v for k, v in h.items() if k != "slots"},
+                                      "device": devices[h["device"]], "pairs": pairs(h["pairs"])})
+                        for h in d["helpers"])
+        plan = cls(devices=devices, stages=stages, helpers=helpers, cells=d["cells"], chunk=d["chunk"],
+                   chunk_auto=d["chunk_auto"], method=d["method"],
+                   predicted_ms_per_token=d["predicted_ms_per_token"], compute_ms=d["compute_ms"],
+                   miss_ms=d["miss_ms"], handoff_ms=d["handoff_ms"],
+                   params=PlanParams.from_dict(d["params"]), notes=tuple(d["notes"]))
+        for key in ("expert_slots", "expert_slots_primary", "expert_cache_mib", "expert_cache_primary_mib"):
+            if d[key] != getattr(plan, key):
+                raise ValueError(f"plan JSON: {key} = {d[key]} disagrees with its parts ({getattr(plan, key)})")
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+def skip_tier(plan: Plan, device: Device, reason: str) -> Plan:
+    """Fail soft: the helper tier on `device` could not open. It stays in the plan, marked skipped
+    with the reason; totals no longer count it."""
+    if plan.helper_on(device) is None:
+        raise ValueError(f"no helper tier on {device.label}")
+    return replace(plan, helpers=tuple(h.skip(reason) if h.device == device else h for h in plan.helpers))
+
+
+def _skip_if_fits(cm: CostModel) -> Placement | None:
+    """--split-skip-if-fits: one card when everything — the FULL dense cost (its free bytes were
+    measured before any weights existed), session, reserves and every expert blob — fits there.
+    The fastest such card (devices are in stage order, fastest last)."""
+    L, E = cm.shape.n_layers, cm.shape.n_experts
+    everything = int(cm.fixed[0, L]) + E * sum(cm.shape.blob_bytes)
+    for d in reversed(range(len(cm.devices))):
+        if cm.free[d] >= everything:
+            return Placement((d,), (0, L), cm.score((d,), (0, L)), "skip_if_fits")
+    return None
+
+
+def _no_fit_message(cm: CostModel) -> str:
+    L = cm.shape.n_layers
+    biggest = max(range(len(cm.devices)), key=lambda d: cm.free[d])
+    w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice,
+                                replicate_routers=cm.params.replicate_routers)
+    return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
+            f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
+            f"{(w + s) / MIB:.1f} MiB at {cm.cells} cells before per-stage reserves, "
+            f"{sum(cm.free) / MIB:.1f} MiB are free in total")
+
+
+def _place(cm: CostModel, split, skip_if_fits: bool) -> Placement:
+    n = len(cm.devices)
+    if not isinstance(split, str):
+        check_split_points(split, cm.shape.n_layers, n)   # refuse nonsense even when one card would do
+    if skip_if_fits:
+        p = _skip_if_fits(cm)
+        if p is not None:
+            return p
+    if split == "none":
+        p = search_exhaustive(cm, max_stages=1)
+        if p is None:
+            raise PlanError(_no_fit_message(cm))
+        return replace(p, method="single")
+    if split == "auto":
+        if n < 2:
+            raise PlanError(f"--layer-split auto needs at least 2 devices, got {n}")
+        p = search(cm)
+        if p is None:
+            raise PlanError(_no_fit_message(cm))
+        return p
+    if isinstance(split, str):
+        raise ValueError(f"split {split!r}: expected 'auto', 'none' or a sequence of split points")
+    return price_split(cm, split)
+
+
+def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
+              profile: RoutingProfile | None = None, params: PlanParams = PlanParams(),
+              split: str | Sequence[int] = "auto", order: str = "fastest_last",
+              skip_if_fits: bool = False, prefill: int | None = None) -> Plan:
+    """Plan a run of `shape` on `devices` with `cells` context cells.
+
+    split: "auto" (search), "none" (one stage on the best single device), or explicit split points
+    K1, K2, ... (first layers of stages 2, 3, ...). order: "fastest_last" or "as_given".
+    prefill: None for the auto prompt chunk, or the operator's explicit chunk.
+    Raises PlanError (a refusal naming the numbers) when the request cannot be honoured.
+    """
+    if not devices:
+        raise PlanError("no devices to plan on")
+    ids = [(d.host, d.index) for d in devices]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise PlanError(f"device {dup[0]}:{dup[1]} is listed twice")
+    if cells < 1:
+        raise PlanError(f"--max-context {cells}: at least 1 cell is needed")
+    notes: list[str] = []
+    if profile is None:
+        profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
+        notes.append("no routing profile: uniform ranking, coverage from H(f) = 1 - (1 - f)^b")
+    ordered = order_devices(devices, order, params.default_bw_gbs)
+    cm = CostModel(shape, ordered, profile, cells, params)
+    notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
+    placement = _place(cm, split, skip_if_fits)
+
+    # stage caches, then the prompt loans (a stage that cannot lend gives its own buffers room)
+    fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
+    parts = [Participant(f"stage {i} ({ordered[d].label})", len(f.pairs),
+                         min(shape.blob_bytes[f.lb:f.le]), max(0, f.budget))
+             for i, (d, f) in enumerate(zip(placement.devices, fills))]
+    lend = plan_lend(parts, shape.prompt_bytes_per_token, prefill, params.lend_pct)
+    fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
+             for f, loan in zip(fills, lend.loans)]
+    notes += [loan.note for loan in lend.loans if loan.note]
+
+    E = shape.n_experts
+    stages = []
+    for i, (d, f, loan) in enumerate(zip(placement.devices, fills, lend.loans)):
+        w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
+                                    replicate_routers=params.replicate_routers)
+        stages.append(StagePlan(
+            stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
+            budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),
+            cache_bytes=f.bytes, slot_bytes=parts[i].slot_bytes, loan_slots=loan.slots,
+            loan_bytes=loan.bytes, own_prompt_bytes=loan.own_bytes, mass=cm.held_mass(f.pairs),
+            note=loan.note))
+
+    # helper tiers on every card's leftover (stage cards included), after the caches are fixed
+    offers = []
+    for dev in ordered:
+        st = next((s for s in stages if s.device == dev), None)
+        left = dev.free_bytes if st is None else st.budget_bytes - st.own_prompt_bytes - st.cache_bytes
+        offers.append((dev, left))
+    held = [p for f in fills for p in f.pairs]
+    helpers = select_helpers(shape, cm.ranking, held, offers, params.remote_auto, cm.mass)
+
+    bd = cm.breakdown(placement.devices, placement.bounds, fills)
+    return Plan(devices=ordered, stages=tuple(stages), helpers=helpers, cells=cells, chunk=lend.chunk,
+                chunk_auto=lend.auto, method=placement.method, predicted_ms_per_token=bd["total_ms"],
+                compute_ms=bd["compute_ms"], miss_ms=bd["miss_ms"], handoff_ms=bd["handoff_ms"],
+                params=params, notes=tuple(notes))

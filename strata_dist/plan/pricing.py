@@ -1,0 +1,144 @@
+"""Pricing: what a stage running layers [lb, le) allocates, in bytes. Pure arithmetic.
+
+One rule produces both the priced size and the loaded layout (DESIGN §4): the loader loads exactly
+the tensors weights_bytes counts and the session allocates exactly the parts session_parts lists.
+The lower bound of a range is `lb`, never 0 — pricing [0, le) instead of [lb, le) still prints
+plausible numbers while leaving most of the carve unclaimed (seed #390).
+
+All reserves live here, as named constants, and nowhere else.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .shape import ModelShape
+
+MIB = 1 << 20
+
+# --- reserves: the one place they are defined -------------------------------------------------
+STAGE_WORK_RESERVE_BYTES = 96 * MIB   # per stage: decode/verify work buffers, tiled attention scratch,
+                                       # staging slots for streamed expert misses, allocator slack
+HEAD_RESERVE_BYTES = 64 * MIB         # last stage only: logits rows and sampler scratch
+HANDOFF_ROWS = 8192                   # hand-off buffers hold the largest prompt chunk's hidden rows
+HANDOFF_DTYPE_BYTES = 4               # hidden rows travel as f32
+HELPER_RESERVE_BYTES = 32 * MIB       # per helper tier: request/response rows of remote experts
+DECODE_ROWS = 8                       # rows of a decode/verify step (sizes the score scratch)
+SCORE_DTYPE_BYTES = 4                 # attention scores are f32
+
+
+def _check_range(shape: ModelShape, lb: int, le: int) -> None:
+    if not 0 <= lb < le <= shape.n_layers:
+        raise ValueError(f"layer range [{lb}, {le}) is not a non-empty range inside [0, {shape.n_layers})")
+
+
+def blob_bytes(shape: ModelShape, layer: int) -> int:
+    """One expert of `layer` (gate + up + down) in its stored format: what one cache entry holds."""
+    return shape.blob_bytes[layer]
+
+
+def weights_bytes(shape: ModelShape, lb: int, le: int, first: bool, last: bool, *,
+                  weight_slice: bool = True, replicate_routers: bool = False) -> int:
+    """Dense bytes a stage running [lb, le) loads: its layers' dense tensors, the embedding on the
+    first stage, output norm + head on the last. weight_slice=False (STRATA_WEIGHT_SLICE=0) is the
+    kill switch: every stage loads the whole model's dense weights. replicate_routers adds the routers
+    of every layer outside the range."""
+    _check_range(shape, lb, le)
+    if not weight_slice:
+        lb, le, first, last = 0, shape.n_layers, True, True
+    total = sum(shape.layer_dense_bytes[lb:le])
+    if replicate_routers:
+        total += sum(shape.router_bytes) - sum(shape.router_bytes[lb:le])
+    if first:
+        total += shape.embed_bytes
+    if last:
+        total += shape.head_bytes
+    return total
+
+
+def session_parts(shape: ModelShape, cells: int, lb: int, le: int) -> dict[str, int]:
+    """The session a stage running [lb, le) carves for `cells` context cells, part by part:
+
+    primary    ONE RoPE table, carved even when the range has no attention layer (model-level uses
+               read it) — never one per attention layer.
+    kv         K + V of the range's attention layers, `cells` each.
+    recurrent  recurrent + conv state of the range's linear layers.
+    scratch    decode attention scores (DECODE_ROWS x n_head x cells, f32), only if the range has an
+               attention layer.
+    Global layer ordinals are kept by the session; it simply holds fewer rows.
+    """
+    _check_range(shape, lb, le)
+    if cells < 1:
+        raise ValueError(f"cells must be >= 1, got {cells}")
+    attn = [l for l in range(lb, le) if shape.layer_kind[l] == "attention"]
+    return {
+        "primary": shape.rope_bytes_per_cell * cells,
+        "kv": sum(shape.kv_bytes_per_cell[l] for l in attn) * cells,
+        "recurrent": sum(shape.recurrent_bytes[l] for l in range(lb, le) if shape.layer_kind[l] == "linear"),
+        "scratch": DECODE_ROWS * shape.n_head * cells * SCORE_DTYPE_BYTES if attn else 0,
+    }
+
+
+def session_bytes(shape: ModelShape, cells: int, lb: int, le: int) -> int:
+    """Total of session_parts: what the stage's session costs on its device."""
+    return sum(session_parts(shape, cells, lb, le).values())
+
+
+def handoff_bytes(shape: ModelShape) -> int:
+    """One hand-off buffer (one direction of one stage boundary)."""
+    return HANDOFF_ROWS * shape.hidden * HANDOFF_DTYPE_BYTES
+
+
+def reserve_bytes(shape: ModelShape, first: bool, last: bool) -> int:
+    """Bytes a stage holds back besides weights and session: its work buffers, the head reserve on
+    the last stage, and a hand-off buffer for each boundary it touches (receive unless first, send
+    unless last)."""
+    return (STAGE_WORK_RESERVE_BYTES + (HEAD_RESERVE_BYTES if last else 0)
+            + handoff_bytes(shape) * ((not first) + (not last)))
+
+
+def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *, weight_slice: bool = True,
+                      replicate_routers: bool = False) -> tuple[int, int, int]:
+    """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range."""
+    first, last = lb == 0, le == shape.n_layers
+    return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice,
+                          replicate_routers=replicate_routers),
+            session_bytes(shape, cells, lb, le),
+            reserve_bytes(shape, first, last))
+
+
+def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
+                      replicate_routers: bool = False) -> np.ndarray:
+    """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
+    (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
+    stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
+    L = shape.n_layers
+
+    def pre(values) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(np.asarray(values, dtype=np.int64))])
+
+    def span(prefix: np.ndarray) -> np.ndarray:   # span[b, e] = sum over [b, e)
+        return prefix[None, :] - prefix[:, None]
+
+    is_attn = [k == "attention" for k in shape.layer_kind]
+    is_lin = [not a for a in is_attn]
+    b = np.arange(L + 1)[:, None]
+    e = np.arange(L + 1)[None, :]
+    first, last = (b == 0), (e == L)
+
+    if weight_slice:
+        w = span(pre(shape.layer_dense_bytes)) + first * shape.embed_bytes + last * shape.head_bytes
+        if replicate_routers:
+            w = w + sum(shape.router_bytes) - span(pre(shape.router_bytes))
+    else:
+        whole = weights_bytes(shape, 0, L, True, True, replicate_routers=replicate_routers)
+        w = np.full((L + 1, L + 1), whole, dtype=np.int64)
+
+    kv = span(pre([k if a else 0 for k, a in zip(shape.kv_bytes_per_cell, is_attn)])) * cells
+    rec = span(pre([r if lin else 0 for r, lin in zip(shape.recurrent_bytes, is_lin)]))
+    has_attn = span(pre(is_attn)) > 0
+    scratch = has_attn * (DECODE_ROWS * shape.n_head * cells * SCORE_DTYPE_BYTES)
+    session = shape.rope_bytes_per_cell * cells + kv + rec + scratch
+
+    reserve = (STAGE_WORK_RESERVE_BYTES + last * HEAD_RESERVE_BYTES
+               + handoff_bytes(shape) * ((~first).astype(np.int64) + (~last).astype(np.int64)))
+    return (w + session + reserve).astype(np.int64)

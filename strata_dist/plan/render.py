@@ -1,0 +1,49 @@
+"""render_table: the plan as the table `--plan-only` prints."""
+from __future__ import annotations
+
+from .plan import Plan
+from .pricing import MIB
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def render_table(plan: Plan) -> str:
+    head = ("device", "role", "[lb, le)", "free", "weights", "session", "loan", "cache", "helper",
+            "slots", "left")
+    rows = [head]
+    for dev in plan.devices:
+        st, h = plan.stage_on(dev), plan.helper_on(dev)
+        live = h is not None and not h.skipped
+        role = " + ".join(([f"stage {st.stage}"] if st else []) + (["helper"] if live else [])) or "idle"
+        slots = []
+        if st:
+            slots.append(str(st.cache_slots))
+        if live:
+            slots.append(f"h{len(h.pairs)}")
+        rows.append((
+            dev.label, role, f"[{st.lb}, {st.le})" if st else "-", _mib(dev.free_bytes),
+            _mib(st.weights_bytes) if st else "-", _mib(st.session_bytes) if st else "-",
+            (_mib(st.loan_bytes) if st.own_prompt_bytes == 0 else f"own {_mib(st.own_prompt_bytes)}") if st else "-",
+            _mib(st.cache_bytes) if st else "-", _mib(h.bytes) if live else "-",
+            " + ".join(slots) or "0", _mib(plan.left_bytes(dev)),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("(MiB; slots: stage cache + hN helper pairs)")
+    lines.append(f"expert_slots {plan.expert_slots} (stage caches {plan.expert_slots_primary}), "
+                 f"expert cache {plan.expert_cache_mib:.1f} MiB (stage caches {plan.expert_cache_primary_mib:.1f} MiB)")
+    lines.append(f"predicted {plan.predicted_ms_per_token:.3f} ms/token = compute {plan.compute_ms:.3f} "
+                 f"+ host misses {plan.miss_ms:.3f} + hand-offs {plan.handoff_ms:.3f} "
+                 f"(search: {plan.method}; helper tiers not counted)")
+    lines.append(f"routing mass held: {100 * plan.coverage_all:.2f}% (stage caches {100 * plan.coverage_primary:.2f}%)")
+    lines.append(f"prefill chunk {plan.chunk} ({'auto' if plan.chunk_auto else 'explicit'}), "
+                 f"context {plan.cells} cells")
+    for h in plan.helpers:
+        if h.skipped:
+            lines.append(f"helper tier on {h.device.label} skipped: {h.reason}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

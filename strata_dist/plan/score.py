@@ -1,0 +1,151 @@
+"""The score: predicted milliseconds per decode token of a placement.
+
+    score = sum over stages of compute(stage)            bytes the stage reads per token / its bandwidth
+          + miss_ms * top_k * n_layers * (1 - held)      experts computed from host memory
+          + sum over boundaries of link(dev_i, dev_i+1)   hand-offs (priced higher across hosts)
+
+A stage reads, per token: its layers' dense tensors, its share of KV (kv_fill of the context) and
+recurrent state (read + write), the head if last, and — for the fraction of routed activations its
+cache holds — those experts' blobs. `held` is the routing mass the stage caches hold (fill.py).
+
+Every term depends on one stage's (range, device) or on one boundary's pair of devices, so the score
+is ADDITIVE over stages: stage_term(d, b, e) = compute - miss credit for the mass it holds. That is
+what makes the DP in search.py exact.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .device import Device
+from .fill import Fill, RankTables, pair_masses
+from .params import PlanParams
+from .pricing import HANDOFF_DTYPE_BYTES, range_fixed_table
+from .profile import RoutingProfile
+from .shape import ModelShape
+
+INF = float("inf")
+
+
+class CostModel:
+    """Everything the search needs about one (model, ordered devices, profile, context, params),
+    with fills memoised per (device, range)."""
+
+    def __init__(self, shape: ModelShape, devices: Sequence[Device], profile: RoutingProfile,
+                 cells: int, params: PlanParams):
+        profile.check(shape.n_layers, shape.n_experts)
+        self.shape, self.devices, self.cells, self.params = shape, tuple(devices), cells, params
+        L = shape.n_layers
+        self.ranking = profile.ranking()
+        self.mass = pair_masses(profile, self.ranking, params.coverage, params.cover_b)
+        self.tables = RankTables(shape, self.ranking, self.mass)
+        self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
+                                       replicate_routers=params.replicate_routers)
+        self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64)
+        # bytes per millisecond of each device
+        self.bw = np.array([(d.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6 for d in self.devices])
+        self.lk = shape.top_k * L   # routed expert activations per token
+        self.read = self._read_table()
+        self.links = np.array([[self._link(a, b) for b in self.devices] for a in self.devices])
+        self._fills: dict[tuple[int, int, int], Fill] = {}
+        self._stage: tuple[np.ndarray, np.ndarray] | None = None
+
+    # --- per-range quantities ---------------------------------------------------------------------
+    def _read_table(self) -> np.ndarray:
+        """read[b, e]: non-expert bytes a stage on [b, e) reads per decode token."""
+        s, L = self.shape, self.shape.n_layers
+        per_layer = np.array([
+            s.layer_dense_bytes[l]
+            + (self.params.kv_fill * self.cells * s.kv_bytes_per_cell[l] if s.layer_kind[l] == "attention"
+               else 2.0 * s.recurrent_bytes[l])
+            for l in range(L)])
+        pre = np.concatenate([[0.0], np.cumsum(per_layer)])
+        read = pre[None, :] - pre[:, None]
+        read[:, L] += s.head_bytes
+        return read
+
+    def _link(self, a: Device, b: Device) -> float:
+        p = self.params
+        if a.host == b.host:
+            return p.handoff_ms
+        return p.handoff_ms + p.link_ms + self.shape.hidden * HANDOFF_DTYPE_BYTES / (p.link_gbs * 1e6)
+
+    def budget(self, d: int, lb: int, le: int) -> int:
+        """Bytes left for device d's stage cache on [lb, le) after weights, session and reserves."""
+        return int(self.free[d] - self.fixed[lb, le])
+
+    def fill(self, d: int, lb: int, le: int) -> Fill:
+        """The stage cache of device d running [lb, le); memoised (a fill depends only on these)."""
+        key = (d, lb, le)
+        if key not in self._fills:
+            self._fills[key] = self.tables.fill(lb, le, self.budget(d, lb, le), self.params.stage_cache_slots)
+        return self._fills[key]
+
+    def held_mass(self, pairs: Sequence[int]) -> float:
+        return float(self.mass[list(pairs)].sum()) if pairs else 0.0
+
+    def stage_parts(self, d: int, lb: int, le: int, fill: Fill) -> tuple[float, float]:
+        """(compute ms, routing mass held) of a stage from its fill — the scalar path."""
+        E = self.shape.n_experts
+        pairs = np.asarray(fill.pairs, dtype=np.int64)
+        m = self.mass[pairs]
+        mass_blob = float((m * np.asarray(self.shape.blob_bytes)[pairs // E]).sum()) if pairs.size else 0.0
+        compute = (self.read[lb, le] + self.lk * mass_blob) / self.bw[d]
+        return float(compute), float(m.sum())
+
+    def stage_term(self, d: int, lb: int, le: int) -> float:
+        """The stage's additive share of the score (inf when its weights and session do not fit)."""
+        if self.budget(d, lb, le) < 0:
+            return INF
+        compute, held = self.stage_parts(d, lb, le, self.fill(d, lb, le))
+        return compute - self.params.miss_ms * self.lk * held
+
+    def baseline_ms(self) -> float:
+        """The miss cost if nothing were held; every stage term subtracts its credit from it."""
+        return self.params.miss_ms * self.lk
+
+    # --- all ranges at once -------------------------------------------------------------------------
+    def stage_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(S, T): S[d, b, e] = stage_term for every device and range (inf if it does not fit or
+        e <= b), T[d, b, e] = the fill threshold. One vectorised pass; computed once."""
+        if self._stage is None:
+            L, D = self.shape.n_layers, len(self.devices)
+            bb, ee = np.triu_indices(L + 1, k=1)
+            budget = self.free[:, None] - self.fixed[bb, ee][None, :]          # [D, Q]
+            ok = budget >= 0
+            t = self.tables.threshold(bb[None, :], ee[None, :], np.maximum(budget, 0),
+                                      self.params.stage_cache_slots)
+            held = self.tables.span(self.tables.mass, bb, ee, t)
+            mass_blob = self.tables.span(self.tables.mass_blob, bb, ee, t)
+            compute = (self.read[bb, ee][None, :] + self.lk * mass_blob) / self.bw[:, None]
+            term = np.where(ok, compute - self.params.miss_ms * self.lk * held, INF)
+            S = np.full((D, L + 1, L + 1), INF)
+            T = np.zeros((D, L + 1, L + 1), dtype=np.int64)
+            S[:, bb, ee] = term
+            T[:, bb, ee] = t
+            self._stage = (S, T)
+        return self._stage
+
+    # --- placements ---------------------------------------------------------------------------------
+    def score(self, devices: Sequence[int], bounds: Sequence[int]) -> float:
+        """Score of stages devices[i] running [bounds[i], bounds[i+1]) (scalar path, memoised fills)."""
+        total = self.baseline_ms()
+        for i, d in enumerate(devices):
+            total += self.stage_term(d, bounds[i], bounds[i + 1])
+            if i:
+                total += self.links[devices[i - 1], d]
+        return total
+
+    def breakdown(self, devices: Sequence[int], bounds: Sequence[int],
+                  fills: Sequence[Fill]) -> dict[str, float]:
+        """compute / miss / hand-off ms of a placement with the given fills."""
+        compute = held = 0.0
+        for i, d in enumerate(devices):
+            c, h = self.stage_parts(d, bounds[i], bounds[i + 1], fills[i])
+            compute += c
+            held += h
+        handoff = float(sum(self.links[a, b] for a, b in zip(devices, devices[1:])))
+        miss = self.params.miss_ms * self.lk * (1.0 - held)
+        return {"compute_ms": compute, "miss_ms": miss, "handoff_ms": handoff,
+                "total_ms": compute + miss + handoff, "held_mass": held}

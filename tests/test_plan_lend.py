@@ -1,0 +1,97 @@
+"""plan_lend: DESIGN §4's prompt-loan rule, one test per rule."""
+import pytest
+
+from test_plan_fixtures import MIB, make_devices
+from strata_dist.plan import (LEND_CHUNKS, SLOT_FLOOR, Participant, PlanError, loan_slots, make_plan, plan_lend,
+                              qwen3_30b_a3b_shape)
+
+BPT = 100_000           # prompt bytes per token
+SLOT = 1_000_000        # slot bytes: a chunk of c tokens needs ceil(c / 10) slots
+ROOM = 10 ** 12
+
+
+def part(name, slots, room=ROOM):
+    return Participant(name, slots, SLOT, room)
+
+
+def need(chunk):
+    return loan_slots(chunk, BPT, SLOT)
+
+
+def test_loan_slots_rounds_up():
+    assert loan_slots(10, 100, 1000) == 1
+    assert loan_slots(10, 100, 999) == 2
+    assert loan_slots(8192, 233_984, 5_013_504) == 383   # Qwen3-30B Q8_0: 8192 tokens -> 383 slots
+    assert need(8192) == 820
+
+
+def test_auto_chunk_is_the_largest_every_participant_can_lend():
+    rich = part("rich", 100_000)
+    mid = part("mid", 10_000)                           # lends 8192 easily
+    poor = part("poor", SLOT_FLOOR + need(2048))        # 2048 leaves exactly the floor, 3072 does not
+    plan = plan_lend([rich, mid, poor], BPT, lend_pct=100)
+    assert plan.auto and plan.chunk == 2048
+    assert [l.slots for l in plan.loans] == [need(2048)] * 3 and all(l.lends for l in plan.loans)
+    assert plan_lend([rich, mid], BPT).chunk == LEND_CHUNKS[0] == 8192
+
+
+def test_a_loan_must_leave_the_128_slot_floor():
+    exact = part("exact", SLOT_FLOOR + need(256))
+    assert plan_lend([exact], BPT, chunk=256).loans[0].lends
+    short = part("short", SLOT_FLOOR + need(256) - 1)
+    assert not plan_lend([short], BPT, chunk=256).loans[0].lends
+
+
+def test_percentage_cap_applies_to_the_auto_chunk_only():
+    # 8192 tokens need 820 slots; of 1500 slots that is 54.7%: over a 50% cap, under the floor rule
+    p = part("p", 1500)
+    auto = plan_lend([p], BPT, lend_pct=50)
+    assert auto.chunk == 6144 and auto.loans[0].slots == need(6144)      # 615 slots = 41%
+    explicit = plan_lend([p], BPT, chunk=8192, lend_pct=50)
+    assert explicit.chunk == 8192 and explicit.loans[0].lends and explicit.loans[0].slots == 820
+    assert not explicit.auto
+
+
+def test_an_explicit_chunk_is_the_operators_number():
+    p = part("p", 5000)
+    plan = plan_lend([p], BPT, chunk=5000, lend_pct=1)     # not in LEND_CHUNKS; the cap is ignored
+    assert plan.chunk == 5000 and plan.loans[0].lends and plan.loans[0].slots == 500
+    with pytest.raises(PlanError, match="at least 1 token"):
+        plan_lend([p], BPT, chunk=0)
+
+
+def test_a_participant_that_cannot_lend_falls_back_to_its_own_buffers():
+    lender = part("stage 0", 10_000)
+    tiny = part("stage 1", 130, room=500 * MIB)
+    plan = plan_lend([lender, tiny], BPT, chunk=4096)
+    a, b = plan.loans
+    assert a.lends and a.slots == need(4096)
+    assert not b.lends and b.slots == 0 and b.own_bytes == 4096 * BPT
+    # the note names both numbers: what it needs and what it has
+    assert f"needs {need(4096)} slots" in b.note and "has 130" in b.note and f"floor {SLOT_FLOOR}" in b.note
+
+
+def test_auto_with_a_participant_that_cannot_lend_bounds_the_chunk_by_its_own_buffers():
+    lender = part("stage 0", 100_000)
+    tiny = part("stage 1", 100, room=500 * MIB)   # 85% of 500 MiB holds 4096 tokens' buffers, not 6144
+    plan = plan_lend([lender, tiny], BPT)
+    assert plan.chunk == 4096
+    assert plan.loans[0].lends and not plan.loans[1].lends
+    with pytest.raises(PlanError, match="cannot lend a 256-token chunk.*exceed 85% of its"):
+        plan_lend([lender, part("stage 1", 100, room=20 * MIB)], BPT)
+    with pytest.raises(PlanError, match="--prefill 8192.*own prompt buffers"):
+        plan_lend([lender, part("stage 1", 100, room=20 * MIB)], BPT, chunk=8192)
+
+
+def test_one_participant_is_exactly_the_single_device_plan():
+    shape = qwen3_30b_a3b_shape(n_layers=8)
+    dev = make_devices([12_000], bw=[400])
+    single = make_plan(shape, dev, cells=8192, split="none")
+    st = single.stages[0]
+    alone = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes)],
+                      shape.prompt_bytes_per_token)
+    assert (single.chunk, st.loan_slots, st.loan_bytes) == (alone.chunk, alone.loans[0].slots, alone.loans[0].bytes)
+    # and adding participants that can lend anything changes nothing for it
+    crowd = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes), part("big", 10 ** 6)],
+                      shape.prompt_bytes_per_token)
+    assert crowd.chunk == alone.chunk and crowd.loans[0] == alone.loans[0]

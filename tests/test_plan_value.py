@@ -1,0 +1,99 @@
+"""The plan as a value: JSON round trip, the table, and a Qwen3-30B-A3B-geometry plan end to end."""
+import json
+
+import pytest
+
+from test_plan_fixtures import MIB, hybrid_kinds, make_devices, make_shape, reference_score, skewed_profile
+from strata_dist.plan import (Plan, PlanParams, RoutingProfile, devices_from_json, make_plan, qwen3_30b_a3b_shape,
+                              render_table, session_bytes, skip_tier, weights_bytes)
+
+RIG = [  # two 12 GB and two 16 GB cards
+    {"name": "RTX 3060", "total_mib": 12288, "free_mib": 11900, "mem_bandwidth_gbs": 360},
+    {"name": "RTX 3060", "total_mib": 12288, "free_mib": 11900, "mem_bandwidth_gbs": 360},
+    {"name": "RTX 5060 Ti", "total_mib": 16311, "free_mib": 15900, "mem_bandwidth_gbs": 448},
+    {"name": "RTX 5060 Ti", "total_mib": 16311, "free_mib": 15900, "mem_bandwidth_gbs": 448},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_plan():
+    return make_plan(qwen3_30b_a3b_shape(), devices_from_json(RIG), cells=32768, split="auto")
+
+
+def test_json_round_trip_is_exact(qwen_plan):
+    text = qwen_plan.to_json()
+    back = Plan.from_json(text)
+    assert back == qwen_plan
+    assert back.to_json() == text
+
+
+def test_json_round_trip_with_skipped_tiers_fallbacks_and_a_measured_profile():
+    shape = make_shape(n_layers=8, n_experts=32, kinds=hybrid_kinds(8))
+    plan = make_plan(shape, make_devices([600, 900, 900], bw=[250, 300, None], hosts=["a", "a", "b"]),
+                     cells=2048, split=[4], profile=skewed_profile(8, 32),
+                     params=PlanParams(stage_cache_slots=10, cover_b=2.5))
+    assert plan.live_helpers and any(st.own_prompt_bytes for st in plan.stages)
+    assert Plan.from_json(plan.to_json()) == plan
+    soft = skip_tier(plan, plan.live_helpers[0].device, "could not open")
+    assert Plan.from_json(soft.to_json()) == soft != plan
+
+
+def test_json_shape(qwen_plan):
+    d = json.loads(qwen_plan.to_json())
+    assert d["expert_slots"] == qwen_plan.expert_slots and d["expert_slots_primary"] == qwen_plan.expert_slots_primary
+    for s, st in zip(d["stages"], qwen_plan.stages):
+        assert (s["lb"], s["le"]) == (st.lb, st.le)
+    d["expert_slots"] += 1
+    with pytest.raises(ValueError, match="expert_slots .* disagrees"):
+        Plan.from_dict(d)
+
+
+def test_qwen3_30b_plan_is_consistent(qwen_plan):
+    shape = qwen3_30b_a3b_shape()
+    plan = qwen_plan
+    # stages tile [0, 48) in order
+    assert plan.stages[0].lb == 0 and plan.stages[-1].le == 48
+    assert all(a.le == b.lb for a, b in zip(plan.stages, plan.stages[1:]))
+    for st in plan.stages:
+        first, last = st.lb == 0, st.le == 48
+        assert st.weights_bytes == weights_bytes(shape, st.lb, st.le, first, last)
+        assert st.session_bytes == session_bytes(shape, 32768, st.lb, st.le)
+        assert all(st.lb <= l < st.le for l, _ in st.pairs)          # own layers only
+        assert st.cache_bytes == len(st.pairs) * shape.blob_bytes[0]
+        assert plan.left_bytes(st.device) >= 0
+    # every pair held at most once across all tiers
+    everything = [p for s in plan.stages for p in s.pairs] + [p for h in plan.live_helpers for p in h.pairs]
+    assert len(everything) == len(set(everything)) == plan.expert_slots
+    assert plan.expert_cache_mib == pytest.approx(plan.expert_slots * shape.blob_bytes[0] / MIB)
+    assert plan.chunk in (8192, 6144, 4096, 3072, 2048, 1024, 512, 256) and plan.chunk_auto
+    # the reported prediction is the score of the chosen placement
+    devs = list(plan.devices)
+    idx = tuple(devs.index(s.device) for s in plan.stages)
+    bounds = tuple(s.lb for s in plan.stages) + (48,)
+    assert plan.predicted_ms_per_token == pytest.approx(reference_score(
+        shape, devs, RoutingProfile.uniform(48, 128), 32768, PlanParams(), idx, bounds))
+
+
+def test_render_table(qwen_plan):
+    text = render_table(qwen_plan)
+    for word in ("role", "[lb, le)", "weights", "session", "loan", "cache", "helper", "slots", "left",
+                 "expert_slots", "ms/token", "prefill chunk"):
+        assert word in text
+    assert f"expert_slots {qwen_plan.expert_slots} (stage caches {qwen_plan.expert_slots_primary})" in text
+    for st in qwen_plan.stages:
+        assert f"[{st.lb}, {st.le})" in text
+    assert len(text.splitlines()) >= 2 + len(qwen_plan.devices)
+
+
+def test_stage_cache_pin_and_fallback_refill():
+    shape = make_shape(n_layers=8, n_experts=32)
+    plan = make_plan(shape, make_devices([900, 900]), cells=2048, split=[4],
+                     params=PlanParams(stage_cache_slots=20))
+    assert all(st.cache_slots <= 20 for st in plan.stages)
+    # a stage that cannot lend gives its own buffers room from its cache
+    plan = make_plan(shape, make_devices([600, 600]), cells=2048, split=[4], prefill=1024)
+    for st in plan.stages:
+        if st.own_prompt_bytes:
+            assert st.loan_slots == 0 and st.note
+            assert st.cache_bytes + st.own_prompt_bytes <= st.budget_bytes
+        assert plan.left_bytes(st.device) >= 0
