@@ -458,6 +458,6 @@ __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "VersionMismatch", "Struct", "Message", "MESSAGE_TYPES",
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release",
-    "Tokens", "Hidden", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
+    "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
 ]

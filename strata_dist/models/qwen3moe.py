@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gguf_model import Geometry, GGUFError, GGUFModel
+from ..plan.pricing import DECODE_ROWS
 
 ARCH = "qwen3moe"
 
@@ -87,7 +88,8 @@ def validate(gguf: GGUFModel, g: Geometry) -> None:
 
 
 def dense_tensor_names(g: Geometry, lb: int, le: int, first: bool, last: bool) -> list[str]:
-    """The dense tensors a stage running [lb, le) loads. The planner prices exactly this list."""
+    """The dense tensors a stage running [lb, le) loads. The planner prices exactly this list,
+    each tensor at `loaded_itemsize` bytes an element."""
     names = []
     if first or (last and g.tied_embeddings):
         names.append("token_embd.weight")
@@ -98,6 +100,15 @@ def dense_tensor_names(g: Geometry, lb: int, le: int, first: bool, last: bool) -
         if not g.tied_embeddings:
             names.append("output.weight")
     return names
+
+
+def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Norm weights and routers stay float32 on every backend (routing decisions are sensitive)."""
+    return len(shape) == 1 or name.split(".")[-2] == ROUTER_PART
+
+
+def loaded_itemsize(name: str, shape: tuple[int, ...], dense_itemsize: int) -> int:
+    return 4 if keeps_f32(name, shape) else dense_itemsize
 
 
 # ---- the forward ---------------------------------------------------------------------------------
@@ -115,8 +126,10 @@ def rope_tables(positions: np.ndarray, head_dim: int, base: float):
 
 
 class KVSession:
-    """The KV cache of one conversation for the layers [lb, le) only. Layers keep their global
-    ordinals: `k[layer]` is valid for lb <= layer < le."""
+    """The session of one conversation for the layers [lb, le) only: K/V rows for those layers
+    (global ordinals kept: `k[layer]` is valid for lb <= layer < le), one RoPE table (the primary
+    state every stage carves, attention layers or not) and the decode score scratch. It allocates
+    exactly the parts `plan.pricing.session_parts` prices."""
 
     def __init__(self, backend, g: Geometry, lb: int, le: int, max_cells: int):
         xp = backend.xp
@@ -124,21 +137,26 @@ class KVSession:
         shape = (max_cells, g.n_head_kv, g.head_dim)
         self._k = [xp.zeros(shape, dtype=np.float32) for _ in range(lb, le)]
         self._v = [xp.zeros(shape, dtype=np.float32) for _ in range(lb, le)]
+        cos, sin = rope_tables(np.arange(max_cells), g.head_dim, g.rope_base)
+        self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
+        self.scores = xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=np.float32)
         self.n_past = 0
-
-    @staticmethod
-    def bytes_for(g: Geometry, lb: int, le: int, max_cells: int) -> int:
-        return 2 * (le - lb) * max_cells * g.n_head_kv * g.head_dim * 4
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self._k + self._v)
+        parts = self._k + self._v + [self.rope_cos, self.rope_sin, self.scores]
+        return sum(int(a.nbytes) for a in parts)
 
     def k(self, layer: int):
         return self._k[layer - self.lb]
 
     def v(self, layer: int):
         return self._v[layer - self.lb]
+
+    def score_buffer(self, shape):
+        """A view of the scratch for decode scores, or None when the rows do not fit in it."""
+        size = int(np.prod(shape))
+        return self.scores[:size].reshape(shape) if size <= self.scores.size else None
 
     def reset(self, n_past: int = 0) -> None:
         self.n_past = n_past
@@ -161,7 +179,7 @@ class Qwen3Moe:
     """The qwen3moe forward over the layers [lb, le) of a model file."""
 
     def __init__(self, gguf: GGUFModel, backend, lb: int = 0, le: int | None = None,
-                 first: bool | None = None, last: bool | None = None):
+                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True):
         self.gguf, self.backend = gguf, backend
         self.g = g = read_geometry(gguf)
         validate(gguf, g)
@@ -172,16 +190,20 @@ class Qwen3Moe:
         self.last = self.le == g.n_layers if last is None else last
         self.loaded_bytes = 0
         self._tensors = {}
-        for name in dense_tensor_names(g, self.lb, self.le, self.first, self.last):
+        # weight_slice=False (STRATA_WEIGHT_SLICE=0) is the A/B arm where every stage loads all
+        # dense weights, as before the carve; it still runs only [lb, le).
+        names = (dense_tensor_names(g, self.lb, self.le, self.first, self.last) if weight_slice
+                 else dense_tensor_names(g, 0, g.n_layers, True, True))
+        for name in names:
             self._tensors[name] = self._load(name)
         self.layers = {layer: self._layer(layer) for layer in range(self.lb, self.le)}
         self.experts = backend.make_expert_store(gguf, range(self.lb, self.le))
+        # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
+        self.on_route = None
 
     def _load(self, name: str):
         host = self.gguf.dequantize(name)
-        part = name.split(".")[-2]
-        small = host.ndim == 1 or part == ROUTER_PART
-        arr = self.backend.f32(host) if small else self.backend.dense(host)
+        arr = self.backend.f32(host) if keeps_f32(name, host.shape) else self.backend.dense(host)
         self.loaded_bytes += int(arr.nbytes)
         return arr
 
@@ -210,8 +232,7 @@ class Qwen3Moe:
         pos0 = session.n_past
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        cos, sin = rope_tables(np.arange(pos0, pos0 + n), self.g.head_dim, self.g.rope_base)
-        cos, sin = self.backend.asarray(cos), self.backend.asarray(sin)
+        cos, sin = session.rope_cos[pos0:pos0 + n], session.rope_sin[pos0:pos0 + n]
         for layer in range(self.lb, self.le):
             h = self._layer_forward(layer, h, session, pos0, cos, sin)
         return h
@@ -236,7 +257,7 @@ class Qwen3Moe:
         kc, vc = session.k(layer), session.v(layer)
         kc[pos0:pos0 + n] = k
         vc[pos0:pos0 + n] = v
-        attn = _attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp)
+        attn = _attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session)
         h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
         x = rms_norm(h, w.ffn_norm, g.rms_eps, xp)
         return h + self._moe(layer, x, w.router)
@@ -256,6 +277,8 @@ class Qwen3Moe:
     def _moe(self, layer, x, router):
         xp = self.backend.xp
         idx, wts = self.route(x, router)
+        if self.on_route is not None:
+            self.on_route(layer, idx)
         n, k = idx.shape
         y = xp.zeros((n, k, x.shape[1]), dtype=np.float32)
         for expert in np.unique(idx):
@@ -276,14 +299,16 @@ def _rope(x, cos, sin, xp):
     return xp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
 
 
-def _attention(q, k, v, pos0, xp):
+def _attention(q, k, v, pos0, xp, session):
     """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D]."""
     n, n_head, d = q.shape
     t, n_kv, _ = k.shape
     group = n_head // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]
-    kt = k.transpose(1, 2, 0)                                          # [KVH, D, t]
-    scores = (qg @ kt[:, None]) * np.float32(1.0 / np.sqrt(d))         # [KVH, G, n, t]
+    kt = k.transpose(1, 2, 0)[:, None]                                 # [KVH, 1, D, t]
+    out_buf = session.score_buffer((n_kv, group, n, t)) if n <= DECODE_ROWS else None
+    scores = xp.matmul(qg, kt, out=out_buf) if out_buf is not None else qg @ kt
+    scores *= np.float32(1.0 / np.sqrt(d))                             # [KVH, G, n, t]
     qpos = xp.arange(pos0, pos0 + n)[:, None]
     kpos = xp.arange(t)[None, :]
     scores = xp.where(kpos <= qpos, scores, np.float32(-np.inf))

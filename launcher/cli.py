@@ -1,0 +1,265 @@
+"""`strata-launch`: one rank per device, a coordinator, and a surface (--serve, --prompt-ids, or
+--plan-only). Impossible flag combinations are refused at start (exit 2) naming both values; a
+rank that dies stops the launch with that rank's error (exit 1); Ctrl-C or SIGTERM stops every
+rank (no process is left behind)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from strata_dist.coordinator import RankFailure, RequestError
+from strata_dist.devices import cpu_device, gpu_device, parse_size, parse_size_list
+from strata_dist.gguf_model import GGUFError
+from strata_dist.model_shape import model_shape
+from strata_dist.models import architecture_for, open_checked
+from strata_dist.plan import (Device, PlanError, devices_from_json, make_plan, params_from_env,
+                              render_table)
+from strata_dist.plan.params import PlanParams
+
+from .spawn import RankSpec
+
+DEFAULT_CPU_BUDGET = "8G"
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="strata-launch", description=__doc__)
+    ap.add_argument("--model", required=True, help="GGUF model file")
+    where = ap.add_argument_group("devices")
+    where.add_argument("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3 (one rank each)")
+    where.add_argument("--cpu-ranks", type=int, default=None, help="N ranks computing on the CPU")
+    where.add_argument("--vram-budget", default=None,
+                       help="bytes per rank (one value, or one per rank): 512K, 64M, 16G; cpu "
+                            f"ranks default to {DEFAULT_CPU_BUDGET}, GPU ranks are capped by it")
+    where.add_argument("--inventory", default=None,
+                       help="rig.json: plan for the devices listed there (with --plan-only)")
+    plan = ap.add_argument_group("plan")
+    plan.add_argument("--layer-split", default="auto",
+                      help="auto, or K1,K2,… — the first layers of the second, third, … stage")
+    plan.add_argument("--max-context", type=int, default=4096, help="session cells (default 4096)")
+    plan.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
+    plan.add_argument("--gpu-order", choices=("fastest_last", "as_given"), default="fastest_last")
+    plan.add_argument("--split-skip-if-fits", action="store_true",
+                      help="run on one card when everything fits there")
+    plan.add_argument("--expert-profile", default=None, help="routing profile (strata-dist profile)")
+    plan.add_argument("--no-remote-auto", action="store_true", help="no helper expert tier")
+    plan.add_argument("--plan-only", action="store_true", help="print the plan and exit")
+    plan.add_argument("--json", action="store_true", help="with --plan-only: the plan as JSON")
+    run = ap.add_argument_group("run")
+    run.add_argument("--serve", action="store_true", help="the stdin/stdout line protocol")
+    run.add_argument("--prompt-ids", default=None, help="generate once for these ids and exit")
+    run.add_argument("--max-new", type=int, default=32, help="with --prompt-ids (default 32)")
+    run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
+    return ap
+
+
+# ---- turning flags into a configuration ------------------------------------------------------------
+
+def rank_specs(args) -> list[RankSpec]:
+    if args.gpus is not None and args.cpu_ranks is not None:
+        raise UsageError(f"--gpus {args.gpus} and --cpu-ranks {args.cpu_ranks} cannot be combined: "
+                         "one rank kind per launch")
+    if args.gpus is not None:
+        try:
+            gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+        except ValueError:
+            raise UsageError(f"--gpus wants comma-separated indices, got '{args.gpus}'") from None
+        if len(set(gpus)) != len(gpus) or not gpus:
+            raise UsageError(f"--gpus {args.gpus}: list each GPU once")
+        budgets = _budgets(args.vram_budget, len(gpus), None)
+        return [RankSpec(i, "cuda:0", g, b) for i, (g, b) in enumerate(zip(gpus, budgets))]
+    n = args.cpu_ranks if args.cpu_ranks is not None else 1
+    if n < 1:
+        raise UsageError(f"--cpu-ranks {n}: at least one rank is needed")
+    budgets = _budgets(args.vram_budget, n, DEFAULT_CPU_BUDGET)
+    return [RankSpec(i, "cpu", None, b) for i, b in enumerate(budgets)]
+
+
+def _budgets(text: str | None, n: int, default: str | None) -> list[str | None]:
+    if not text:
+        return [default] * n
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        parse_size_list(text)
+    except ValueError as e:
+        raise UsageError(f"--vram-budget: {e}") from None
+    if len(parts) == 1:
+        return parts * n
+    if len(parts) != n:
+        raise UsageError(f"--vram-budget has {len(parts)} values for {n} ranks")
+    return parts
+
+
+def split_arg(text: str, n_devices: int) -> str | list[int]:
+    if text == "auto":
+        return "auto"
+    try:
+        points = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise UsageError(f"--layer-split wants auto or K1,K2,…, got '{text}'") from None
+    if n_devices < 2:
+        raise UsageError(f"--layer-split {text} needs at least 2 devices; this launch has {n_devices}")
+    return points
+
+
+def prefill_arg(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"--prefill wants auto or a number of tokens, got '{text}'") from None
+    if value < 1:
+        raise UsageError(f"--prefill {value}: a chunk needs at least one token")
+    return value
+
+
+def plan_params(args) -> PlanParams:
+    params = params_from_env(os.environ)
+    if args.no_remote_auto:
+        from dataclasses import replace
+        params = replace(params, remote_auto=False)
+    return params
+
+
+def load_profile(args, gguf):
+    if not args.expert_profile:
+        print("warning: no --expert-profile: the plan ranks experts uniformly", file=sys.stderr)
+        return None
+    from strata_dist.profile_io import load_profile as load
+    g = architecture_for(gguf).read_geometry(gguf)
+    return load(args.expert_profile, g.n_layers, g.n_expert)
+
+
+def planning_devices(args, specs: list[RankSpec]) -> list[Device]:
+    """The inventory for --plan-only: a file, or this machine's devices as the ranks would see them."""
+    if args.inventory:
+        try:
+            with open(args.inventory) as f:
+                return devices_from_json(json.load(f))
+        except OSError as e:
+            raise UsageError(f"--inventory {args.inventory}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--inventory {args.inventory}: not JSON ({e})") from None
+    out = []
+    for s in specs:
+        budget = parse_size(s.vram_budget) if s.vram_budget else None
+        d = cpu_device(budget) if s.device == "cpu" else gpu_device(s.visible_gpu, budget)
+        out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
+                          mem_bandwidth_gbs=d.mem_bandwidth_gbs, index=s.index))
+    return out
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except (UsageError, GGUFError, PlanError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    if args.serve and args.prompt_ids:
+        raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
+    if args.json and not args.plan_only:
+        raise UsageError("--json goes with --plan-only")
+    if args.inventory and not args.plan_only:
+        raise UsageError(f"--inventory {args.inventory} plans for another rig: add --plan-only")
+    gguf = open_checked(args.model)
+    specs = rank_specs(args) if not args.inventory else []
+    n_devices = len(specs) if specs else len(planning_devices(args, specs))
+    split = split_arg(args.layer_split, n_devices)
+    prefill = prefill_arg(args.prefill)
+    params = plan_params(args)
+    profile = load_profile(args, gguf)
+    if args.plan_only:
+        kind = "cuda" if args.gpus or args.inventory else "cpu"
+        plan = make_plan(model_shape(gguf, kind), planning_devices(args, specs),
+                         cells=args.max_context, profile=profile, params=params, split=split,
+                         order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill)
+        print(plan.to_json() if args.json else render_table(plan))
+        return 0
+    return run_launch(args, gguf, specs, split, prefill, params, profile)
+
+
+def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
+    from .launch import Launch, LaunchConfig
+    from .serve import LineServer, info_lines, parse_gen, stdin_lines
+
+    cfg = LaunchConfig(model=args.model, ranks=specs, split=split, max_context=args.max_context,
+                       prefill=prefill, params=params, profile=profile, order=args.gpu_order,
+                       skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout)
+    launch = Launch(cfg)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        plan = launch.start()
+        g = architecture_for(gguf).read_geometry(gguf)
+        eos = gguf.metadata("tokenizer.ggml.eos_token_id")
+        server = LineServer(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
+                            None if eos is None else int(eos))
+        devices = [s.register.devices[0] for s in launch.coordinator.ranks]
+        for line in info_lines(plan, launch.ready, devices, args.max_context,
+                               {"model": os.path.basename(args.model), "arch": g.arch,
+                                "layers": g.n_layers}):
+            print(line, file=sys.stdout if args.serve else sys.stderr, flush=True)
+        if args.serve:
+            server.say(f"READY {args.max_context}")
+            code = server.serve(stdin_lines())
+        elif args.prompt_ids:
+            ids = args.prompt_ids.replace(",", " ")
+            out = _CaptureTokens()
+            server.out = out
+            server.generate(parse_gen(f"GEN {args.max_new} {ids}", g.n_vocab))
+            print(",".join(str(t) for t in out.tokens))
+            print(out.summary, file=sys.stderr)
+        else:
+            print("ready; Ctrl-C stops every rank", file=sys.stderr)
+            while True:
+                launch.coordinator.idle(1.0)
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        launch.close("launcher stopping")
+    return code
+
+
+class _CaptureTokens:
+    """Collects the T lines of one GEN for --prompt-ids (which prints ids, not the protocol)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.summary = ""
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.startswith("T "):
+                self.tokens.append(int(line[2:]))
+            elif line.startswith("DONE") or line.startswith("PP"):
+                self.summary = f"info: {line}"
+
+    def flush(self) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

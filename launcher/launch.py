@@ -1,0 +1,132 @@
+"""A launch: spawn one rank per device, admit them, plan, assign, wait until every rank has loaded
+and check what each loaded against what the plan priced."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from protocol import Assign, Endpoints
+from protocol.auth import new_secret
+from strata_dist.coordinator import Coordinator, RankFailure, RankSlot
+from strata_dist.gguf_model import GGUFModel
+from strata_dist.model_shape import model_shape
+from strata_dist.plan import Device, Plan, PlanParams, RoutingProfile, make_plan
+
+from .spawn import LocalRanks, RankSpec
+
+log = logging.getLogger("strata.launch")
+
+
+@dataclass
+class LaunchConfig:
+    model: str
+    ranks: list[RankSpec]
+    split: str | list[int]          # "auto" or explicit split points
+    max_context: int
+    prefill: int | None             # None: the plan's auto chunk
+    params: PlanParams
+    profile: RoutingProfile | None = None
+    order: str = "fastest_last"
+    skip_if_fits: bool = False
+    load_timeout_s: float = 600.0
+    register_timeout_s: float = 120.0
+    extra_env: dict = field(default_factory=dict)
+
+
+def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
+    """The planner's inventory: one device per rank, identified by the rank number."""
+    out = []
+    for s in slots:
+        d = s.register.devices[0]
+        out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
+                          mem_bandwidth_gbs=d.mem_bandwidth_gbs, host=s.register.host,
+                          index=s.rank))
+    return out
+
+
+def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
+                weight_slice: bool) -> list[Assign]:
+    """One Assign per rank from the plan: its stage range, neighbours and share of the plan."""
+    stage_of = {st.device.index: st for st in plan.stages}
+    helper_of = {h.device.index: h for h in plan.live_helpers} if hasattr(plan, "live_helpers") else {}
+    first_ep = slots[plan.stages[0].device.index].data_endpoint
+    wire = plan.to_dict()
+    out = []
+    for s in slots:
+        st = stage_of.get(s.rank)
+        nxt = None
+        if st is not None and st.stage + 1 < len(plan.stages):
+            nxt = slots[plan.stages[st.stage + 1].device.index].data_endpoint
+        role = ("stage+helper" if s.rank in helper_of else "stage") if st else "helper"
+        out.append(Assign(
+            rank=s.rank, role=role, lb=st.lb if st else 0, le=st.le if st else 0,
+            first=bool(st and st.stage == 0), last=bool(st and st.stage == len(plan.stages) - 1),
+            device=s.register.devices[0].kind, plan=wire, next_endpoint=nxt,
+            first_endpoint=first_ep, head_endpoint=head_endpoint,
+            prefill_chunk=plan.chunk, max_context=max_context,
+            cache_slots=st.cache_slots if st else 0, loan_slots=st.loan_slots if st else 0,
+            extra={"weight_slice": weight_slice, "stage": st.stage if st else -1}))
+    return out
+
+
+class Launch:
+    """Owns the rank processes and the coordinator of one run; `close()` leaves nothing behind."""
+
+    def __init__(self, cfg: LaunchConfig, echo=lambda line: print(line, file=sys.stderr)):
+        self.cfg = cfg
+        self.echo = echo
+        self.endpoints = Endpoints()
+        self.ranks = LocalRanks(self.endpoints.run_dir)
+        self.gguf = GGUFModel(cfg.model)
+        self.coordinator: Coordinator | None = None
+        self.plan: Plan | None = None
+        self.ready: dict[int, dict] = {}
+
+    def start(self) -> Plan:
+        cfg, ep = self.cfg, self.endpoints
+        secret = new_secret()
+        self.coordinator = Coordinator(secret.encode(), self.gguf.fingerprint,
+                                       control_bind=ep.ipc("control"), head_bind=ep.ipc("head"),
+                                       liveness=self.ranks.first_dead)
+        for spec in cfg.ranks:
+            self.ranks.spawn(spec, cfg.model, self.coordinator.control_endpoint,
+                             ep.ipc(f"rank{spec.index}"), secret, cfg.extra_env)
+        self.echo(f"launch: {len(cfg.ranks)} rank(s) starting, logs in {ep.run_dir}")
+        slots = self.coordinator.wait_for_ranks(len(cfg.ranks), cfg.register_timeout_s)
+        kind = "cuda" if any(s.register.devices[0].kind == "cuda" for s in slots) else "cpu"
+        shape = model_shape(self.gguf, kind)
+        self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
+                              profile=cfg.profile, params=cfg.params, split=cfg.split,
+                              order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill)
+        work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
+                           cfg.params.weight_slice)
+        self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
+        return self.plan
+
+    def _on_ready(self, slot: RankSlot) -> None:
+        a, alloc = slot.assign, slot.ready.allocated
+        self.ready[slot.rank] = alloc
+        mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+        if a.role == "helper":
+            self.echo(f"rank {slot.rank} ready: helper ({slot.ready.elapsed_ms:.0f} ms)")
+            return
+        st = self.plan.stages[a.extra["stage"]]
+        self.echo(f"rank {slot.rank} ready: stage {st.stage} [{a.lb}, {a.le}) weights "
+                  f"{mib(alloc.get('weights', 0))} MiB (priced {mib(st.weights_bytes)}), session "
+                  f"{mib(alloc.get('session', 0))} MiB (priced {mib(st.session_bytes)}) in "
+                  f"{slot.ready.elapsed_ms:.0f} ms")
+        for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes)):
+            if alloc.get(kind) != priced:
+                log.error("rank %d allocated %s %d bytes for %s, the plan priced %d",
+                          slot.rank, kind, alloc.get(kind), kind, priced)
+
+    def close(self, reason: str = "") -> None:
+        if self.coordinator is not None:
+            self.coordinator.shutdown(reason)
+        self.ranks.stop()
+        self.endpoints.cleanup()
+
+
+__all__ = ["Launch", "LaunchConfig", "RankFailure", "assignments", "devices_from_ranks"]

@@ -1,0 +1,187 @@
+"""`--serve`: the stdin/stdout line protocol for scripted runs (DESIGN.md §6).
+
+    INFO key=value …            startup facts (one line for the run, one per rank)
+    READY <ctx>
+    GEN <max_new> [key=val …] <id> <id> …   ->  RESUME <n>, PP <pos> <total> <ms> <tok/s> per
+                                                prompt chunk, T <id> per token, then
+                                                DONE <gen> <prompt> <prompt_ms> <decode_ms> <stop|length>
+    QUIT
+Errors answer `ERR <message>`. The session keeps its tokens between GENs: a GEN whose ids extend
+them reads only the new part."""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from typing import TextIO
+
+from protocol.messages import Sampling
+from strata_dist.coordinator import Coordinator, RankFailure, RequestError, StreamEvent
+
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int}
+SESSION_ID = 0
+
+
+class GenRequest:
+    def __init__(self, max_new: int, ids: list[int], options: dict):
+        self.max_new, self.ids, self.options = max_new, ids, options
+
+
+def parse_gen(line: str, vocab: int) -> GenRequest:
+    parts = line.split()
+    if len(parts) < 3:
+        raise ValueError("GEN wants: GEN <max_new> [key=val …] <id> <id> …")
+    try:
+        max_new = int(parts[1])
+    except ValueError:
+        raise ValueError(f"max_new '{parts[1]}' is not an integer") from None
+    if max_new < 0:
+        raise ValueError(f"max_new must be >= 0, got {max_new}")
+    options, ids = {}, []
+    for tok in parts[2:]:
+        if "=" in tok and not ids:
+            key, _, value = tok.partition("=")
+            if key not in SAMPLING_KEYS:
+                raise ValueError(f"unknown option '{key}' (known: {', '.join(SAMPLING_KEYS)})")
+            try:
+                options[key] = SAMPLING_KEYS[key](value)
+            except ValueError:
+                raise ValueError(f"option {key}='{value}' is not a {SAMPLING_KEYS[key].__name__}") from None
+            continue
+        try:
+            ids.append(int(tok))
+        except ValueError:
+            raise ValueError(f"token id '{tok}' is not an integer") from None
+    if not ids:
+        raise ValueError("GEN has no token ids")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return GenRequest(max_new, ids, options)
+
+
+class LineServer:
+    def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
+                 eos_id: int | None, out: TextIO = sys.stdout):
+        self.coord, self.ctx, self.chunk, self.vocab, self.eos_id = coordinator, ctx, chunk, vocab, eos_id
+        self.out = out
+        self.tokens: list[int] = []   # what the session's KV holds, position by position
+
+    def say(self, line: str) -> None:
+        self.out.write(line + "\n")
+        self.out.flush()
+
+    def serve(self, lines: "queue.Queue[str | None]") -> int:
+        """Answer lines until QUIT or end of input; a dead rank ends the run (returns 1)."""
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                try:
+                    self.coord.idle(0.0)
+                except RankFailure as e:
+                    self.say(f"ERR {e}")
+                    return 1
+                continue
+            if line is None or line.strip() == "QUIT":
+                return 0
+            line = line.strip()
+            if not line:
+                continue
+            if not line.startswith("GEN"):
+                self.say(f"ERR unknown command '{line.split()[0]}' (GEN or QUIT)")
+                continue
+            try:
+                self.generate(parse_gen(line, self.vocab))
+            except ValueError as e:
+                self.say(f"ERR {e}")
+            except RequestError as e:
+                self.tokens = []  # the stages may hold part of the request: the next GEN reads afresh
+                self.say(f"ERR {e}")
+            except RankFailure as e:
+                self.say(f"ERR {e}")
+                return 1
+
+    def generate(self, req: GenRequest) -> None:
+        ids = req.ids
+        if len(ids) >= self.ctx:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx}")
+        reuse = 0
+        while reuse < min(len(ids), len(self.tokens)) and ids[reuse] == self.tokens[reuse]:
+            reuse += 1
+        reuse = min(reuse, len(ids) - 1)   # at least one token must be read to sample from
+        max_new = min(req.max_new, self.ctx - len(ids))
+        o = req.options
+        sampling = Sampling(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
+                            top_p=o.get("top_p", 1.0), min_p=o.get("min_p", 0.0),
+                            seed=o.get("seed"), max_new=max_new,
+                            stop_ids=[] if self.eos_id is None else [self.eos_id])
+        self.say(f"RESUME {reuse}")
+        self.tokens = ids[:reuse]
+        gen: list[int] = []
+        t0 = last = time.perf_counter()
+        marks = {"prompt_ms": 0.0}
+
+        def on_event(ev: StreamEvent) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            if ev.kind == "progress":
+                m = ev.msg
+                n_chunk = m.pos - (reuse + m.chunk_index * self.chunk)
+                ms = (now - last) * 1e3
+                self.say(f"PP {m.pos} {len(ids)} {ms:.1f} {n_chunk / max(ms, 1e-9) * 1e3:.1f}")
+                if m.chunk_index == m.chunk_total - 1:
+                    marks["prompt_ms"] = (now - t0) * 1e3
+            else:
+                gen.append(ev.msg.token_id)
+                self.say(f"T {ev.msg.token_id}")
+            last = now
+
+        reason = self.coord.run_request(SESSION_ID, reuse, ids[reuse:], sampling, self.chunk, on_event)
+        decode_ms = (time.perf_counter() - t0) * 1e3 - marks["prompt_ms"]
+        self.tokens = ids + gen[:-1]       # the last token sampled has not been read yet
+        self.say(f"DONE {len(gen)} {len(ids) - reuse} {marks['prompt_ms']:.1f} {decode_ms:.1f} "
+                 f"{reason or 'length'}")
+
+
+def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":
+    """Lines from a stream on a thread, so the head keeps watching its ranks while it waits."""
+    q: "queue.Queue[str | None]" = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True, name="stdin").start()
+    return q
+
+
+def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extra: dict) -> list[str]:
+    """INFO lines: the run's totals, then one line per rank."""
+    mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+    head = dict(extra)
+    head.update(ranks=len(ranks_devices), stages=len(plan.stages), ctx=ctx, prefill=plan.chunk,
+                expert_slots=plan.expert_slots, expert_slots_primary=plan.expert_slots_primary,
+                expert_cache_mib=f"{plan.expert_cache_mib:.1f}",
+                expert_cache_primary_mib=f"{plan.expert_cache_primary_mib:.1f}",
+                predicted_ms_per_token=f"{plan.predicted_ms_per_token:.3f}")
+    lines = ["INFO " + " ".join(f"{k}={v}" for k, v in head.items())]
+    stage_of = {st.device.index: st for st in plan.stages}
+    helper_of = {h.device.index: h for h in plan.live_helpers}
+    for rank, dev in enumerate(ranks_devices):
+        st, h = stage_of.get(rank), helper_of.get(rank)
+        alloc = ready.get(rank, {})
+        role = ("stage+helper" if h else "stage") if st else "helper"
+        fields = dict(rank=rank, role=role, device=dev.name.replace(" ", "_"),
+                      lb=st.lb if st else "-", le=st.le if st else "-",
+                      weights_mib=mib(alloc.get("weights", 0)), session_mib=mib(alloc.get("session", 0)),
+                      loan_mib=mib(st.loan_bytes if st else 0), cache_mib=mib(st.cache_bytes if st else 0),
+                      helper_mib=mib(h.bytes if h else 0), free_mib=mib(dev.free_bytes),
+                      total_mib=mib(dev.total_bytes))
+        lines.append("INFO " + " ".join(f"{k}={v}" for k, v in fields.items()))
+    return lines
+
+
+__all__ = ["LineServer", "parse_gen", "stdin_lines", "info_lines"]

@@ -1,0 +1,89 @@
+"""Local rank processes: spawn one `strata-rank` per device, watch them, stop them all.
+
+Ranks run in their own process session, so a Ctrl-C at the terminal reaches only the launcher,
+which then shuts them down in order; each rank also exits by itself when its launcher is gone
+(--parent-pid), so no process outlives a launch however it ends."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class RankSpec:
+    index: int
+    device: str                  # as the rank opens it: "cpu" or "cuda:0"
+    visible_gpu: int | None      # CUDA_VISIBLE_DEVICES for a GPU rank (it sees only its card)
+    vram_budget: str | None
+
+
+class LocalRanks:
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[str] = []
+
+    def spawn(self, spec: RankSpec, model: str, coordinator: str, data_bind: str,
+              secret: str, extra_env: dict | None = None) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "strata_dist.rank_main", "--coordinator", coordinator,
+                "--model", model, "--device", spec.device, "--data-bind", data_bind,
+                "--rank", str(spec.index), "--parent-pid", str(os.getpid())]
+        if spec.vram_budget:
+            argv += ["--vram-budget", spec.vram_budget]
+        env = dict(os.environ, STRATA_TOKEN=secret, **(extra_env or {}))
+        if spec.visible_gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(spec.visible_gpu)
+        log_path = os.path.join(self.run_dir, f"rank-{spec.index}.log")
+        self.logs.append(log_path)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def log_tail(self, index: int, lines: int = 6) -> str:
+        try:
+            with open(self.logs[index], "rb") as f:
+                text = f.read()[-8192:].decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def first_dead(self) -> str | None:
+        """A message about the first rank process that has exited, with its last log lines."""
+        for i, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                tail = self.log_tail(i)
+                return f"rank {i} (pid {p.pid}) {how}" + (f": {tail}" if tail else "")
+        return None
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """Wait briefly for ranks that were told to shut down, then terminate, then kill."""
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            _wait(p, deadline)
+        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+            live = [p for p in self.procs if p.poll() is None]
+            if not live:
+                return
+            for p in live:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + wait
+            for p in live:
+                _wait(p, deadline)
+
+
+def _wait(p: subprocess.Popen, deadline: float) -> None:
+    try:
+        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass

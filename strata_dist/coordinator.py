@@ -1,0 +1,246 @@
+"""The coordinator: admits ranks (HMAC handshake, model fingerprint), hands each its assignment,
+checks what it loaded against what was priced, and drives requests through the pipeline.
+
+It owns two sockets: a ROUTER for control (handshake, Register, Ready, Heartbeat, Error) and a
+PULL where the last stage's PromptProgress/Token and any stage's request Error arrive. One thread
+uses both. Every wait is bounded; a rank that dies or goes silent fails the request in flight with
+a message naming it (`RankFailure`)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from protocol import (Assign, Channel, Error, Heartbeat, Poller, PromptProgress, ProtocolError,
+                      ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
+                      Tokens)
+from protocol.auth import Authenticator, admit
+from protocol.messages import Sampling, Stats, StatsReply
+
+log = logging.getLogger("strata.coordinator")
+
+HEARTBEAT_LOST_S = 10.0
+
+
+class RankFailure(RuntimeError):
+    """A rank died, went silent or reported a fatal error; the message names it."""
+
+
+class RequestError(RuntimeError):
+    """A rank refused or failed one request; the ranks are still up."""
+
+
+@dataclass
+class RankSlot:
+    identity: bytes
+    register: Register
+    rank: int = -1
+    assign: Assign | None = None
+    ready: Ready | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def data_endpoint(self) -> str:
+        return self.register.endpoints["data"]
+
+
+@dataclass
+class StreamEvent:
+    kind: str            # "progress" | "token"
+    msg: object
+
+
+class Coordinator:
+    def __init__(self, secret: bytes, fingerprint: str, control_bind: str, head_bind: str,
+                 liveness: Callable[[], str | None] | None = None):
+        """`liveness()` returns an error message when a locally spawned rank process has died."""
+        self.fingerprint = fingerprint
+        self.auth = Authenticator(secret, server_id="strata-coordinator")
+        self.control = RouterChannel(peer="ranks")
+        self.control_endpoint = self.control.bind(control_bind)
+        self.inbox = Channel("pull", peer="last stage")
+        self.head_endpoint = self.inbox.bind(head_bind)
+        self.poller = Poller(self.control, self.inbox)
+        self.liveness = liveness or (lambda: None)
+        self.ranks: list[RankSlot] = []
+        self._by_identity: dict[bytes, RankSlot] = {}
+        self._request_ids = itertools.count(1)
+        self._stats: dict[int, StatsReply] = {}
+
+    # ---- admission -------------------------------------------------------------------------------
+    def wait_for_ranks(self, n: int, timeout_s: float) -> list[RankSlot]:
+        deadline = time.monotonic() + timeout_s
+        while len(self._by_identity) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailure(f"only {len(self._by_identity)} of {n} ranks registered within "
+                                  f"{timeout_s:.0f} s")
+            self._pump(min(left, 0.5))
+        # Rank numbers follow the registration hints (the launcher's spawn order), then arrival.
+        slots = sorted(self._by_identity.values(),
+                       key=lambda s: (s.register.rank is None, s.register.rank or 0))
+        for i, s in enumerate(slots):
+            s.rank = i
+        self.ranks = slots
+        return slots
+
+    def _on_control(self, identity: bytes, msg) -> None:
+        reply = self.auth.guard(identity, msg)
+        if reply is not None:
+            self._send(identity, reply)
+            return
+        slot = self._by_identity.get(identity)
+        if isinstance(msg, Register):
+            refusal = admit(msg, self.fingerprint)
+            if refusal is not None:
+                self._send(identity, refusal)
+                log.warning("refused a rank: %s", refusal.message)
+                return
+            if self.ranks:  # registration is closed once the ranks are numbered
+                self._send(identity, Error(rank=None, request_id=None, fatal=True,
+                                           message="this launch already has all its ranks"))
+                return
+            self._by_identity[identity] = RankSlot(identity, msg)
+            return
+        if slot is None:
+            return
+        slot.last_seen = time.monotonic()
+        if isinstance(msg, Ready):
+            slot.ready = msg
+        elif isinstance(msg, StatsReply):
+            self._stats[slot.rank] = msg
+        elif isinstance(msg, Error) and msg.fatal:
+            raise RankFailure(f"rank {slot.rank} failed: {msg.message}")
+
+    def _send(self, identity: bytes, msg) -> None:
+        try:
+            self.control.send(identity, msg, timeout_ms=2000)
+        except (ProtocolTimeout, ConnectionError) as e:
+            log.warning("could not answer a peer: %s", e)
+
+    # ---- assignment --------------------------------------------------------------------------------
+    def assign(self, assignments: list[Assign], timeout_s: float,
+               on_ready: Callable[[RankSlot], None] | None = None) -> None:
+        """Send each rank its Assign and wait until all report Ready."""
+        for slot, a in zip(self.ranks, assignments):
+            slot.assign = a
+            self._send(slot.identity, a)
+        deadline = time.monotonic() + timeout_s
+        announced = set()
+        while True:
+            for s in self.ranks:
+                if s.ready is not None and s.rank not in announced:
+                    announced.add(s.rank)
+                    if on_ready:
+                        on_ready(s)
+            if len(announced) == len(self.ranks):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [s.rank for s in self.ranks if s.ready is None]
+                raise RankFailure(f"ranks {waiting} did not finish loading within {timeout_s:.0f} s")
+            self._pump(min(left, 0.5))
+
+    # ---- the event loop ----------------------------------------------------------------------------
+    def _pump(self, wait_s: float) -> list:
+        """Handle control traffic for up to wait_s; return data-plane messages that arrived."""
+        problem = self.liveness()
+        if problem:
+            raise RankFailure(problem)
+        self._check_heartbeats()
+        events = []
+        for ch in self.poller.poll(int(wait_s * 1000)):
+            while ch.poll(0):
+                try:
+                    if ch is self.control:
+                        identity, msg, _ = self.control.recv(timeout_ms=100)
+                        self._on_control(identity, msg)
+                    else:
+                        msg, _ = self.inbox.recv(timeout_ms=100)
+                        events.append(msg)
+                except ProtocolTimeout:
+                    break
+                except ProtocolError as e:  # garbage from a peer: dropped, never fatal
+                    log.warning("dropped an invalid message: %s", e)
+        return events
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for s in self.ranks:
+            if s.ready is not None and now - s.last_seen > HEARTBEAT_LOST_S:
+                raise RankFailure(f"rank {s.rank} ({s.register.host} pid {s.register.pid}) has sent "
+                                  f"nothing for {now - s.last_seen:.0f} s")
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
+                    chunk: int, on_event: Callable[[StreamEvent], None],
+                    step_timeout_s: float = 120.0) -> str:
+        """Send a prompt (tokens from position pos) through the pipeline and stream its events.
+        Returns the stop reason ("stop", "length", or "" when max_new is 0)."""
+        request_id = next(self._request_ids)
+        first = self.ranks[0]
+        sender = self._first_stage_sender(first)
+        chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+        for i, part in enumerate(chunks):
+            sender.send(Tokens(request_id=request_id, session_id=session_id, pos=pos + i * chunk,
+                               ids=part, chunk_index=i, chunk_total=len(chunks), sampling=sampling),
+                        timeout_ms=10_000)
+        prompt_done = False
+        last_event = time.monotonic()
+        while True:
+            for msg in self._pump(0.2):
+                if getattr(msg, "request_id", None) != request_id:
+                    continue  # a late message of an earlier, failed request
+                last_event = time.monotonic()
+                if isinstance(msg, Error):
+                    raise RequestError(msg.message)
+                if isinstance(msg, PromptProgress):
+                    on_event(StreamEvent("progress", msg))
+                    if msg.chunk_index == msg.chunk_total - 1:
+                        prompt_done = True
+                        if sampling.max_new <= 0:
+                            return ""
+                elif isinstance(msg, Token):
+                    on_event(StreamEvent("token", msg))
+                    if msg.done:
+                        return msg.reason
+            if time.monotonic() - last_event > step_timeout_s:
+                what = "a token" if prompt_done else "prompt progress"
+                raise RankFailure(f"no {what} for {step_timeout_s:.0f} s from the pipeline")
+
+    def _first_stage_sender(self, first: RankSlot) -> Channel:
+        ch = getattr(self, "_to_first", None)
+        if ch is None:
+            ch = self._to_first = Channel("push", peer=f"rank {first.rank}")
+            ch.connect(first.data_endpoint)
+        return ch
+
+    def release(self, session_id: int) -> None:
+        if self.ranks:
+            self._first_stage_sender(self.ranks[0]).send(Release(session_id=session_id),
+                                                         timeout_ms=5000)
+
+    def stats(self, timeout_s: float = 5.0) -> dict[int, StatsReply]:
+        self._stats.clear()
+        for s in self.ranks:
+            self._send(s.identity, Stats())
+        deadline = time.monotonic() + timeout_s
+        while len(self._stats) < len(self.ranks) and time.monotonic() < deadline:
+            self._pump(0.1)
+        return dict(self._stats)
+
+    def idle(self, seconds: float) -> None:
+        """Keep serving control traffic (heartbeats) while nothing else happens."""
+        self._pump(seconds)
+
+    def shutdown(self, reason: str = "") -> None:
+        for s in self._by_identity.values():
+            try:
+                self.control.send(s.identity, Shutdown(reason=reason), timeout_ms=500)
+            except (ProtocolTimeout, ConnectionError):
+                pass
+        for ch in (getattr(self, "_to_first", None), self.inbox, self.control):
+            if ch is not None:
+                ch.close()

@@ -1,0 +1,235 @@
+"""One rank process: connect to the coordinator, prove the shared secret, register the device,
+receive an assignment, load, report Ready, then serve the data plane until told to stop.
+
+Data plane (DESIGN.md §3): the head sends prompt chunks (Tokens) to the first stage; each stage
+runs its layers and pushes Hidden rows to the next; the last stage samples, sends the Token to the
+head and the next step's Tokens straight back to the first stage, so decode never waits on the
+head. Every wait is bounded; a rank whose coordinator or parent is gone exits."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+from protocol import (PROTOCOL_VERSION, Assign, Channel, Error, Heartbeat, Hidden, Poller,
+                      PromptProgress, ProtocolError, ProtocolTimeout, Ready, Register, Release,
+                      Shutdown, Stats, StatsReply, Token, Tokens)
+from protocol.auth import client_handshake
+from protocol.messages import DeviceInfo, Sampling
+
+from .gguf_model import GGUFModel
+from .sampler import Sampler, SamplingParams
+from .stage import Stage, StageConfig
+
+log = logging.getLogger("strata.rank")
+
+HEARTBEAT_S = 1.0
+COORDINATOR_LOST_S = 15.0     # heartbeats failing this long: the coordinator is gone
+HANDOFF_TIMEOUT_MS = 30_000   # a next stage that takes no rows this long is considered dead
+
+
+@dataclass
+class RankOptions:
+    coordinator: str
+    model: str
+    device: DeviceInfo
+    device_name: str            # "cpu" or "cuda:N" as the backend opens it
+    secret: bytes
+    data_bind: str              # endpoint this rank binds its data socket on
+    host_id: str = ""
+    rank_hint: int | None = None
+    parent_pid: int | None = None
+    assign_timeout_s: float = 300.0
+
+
+@dataclass
+class _Request:
+    """What the last stage keeps per request: the sampler and how many tokens it has made."""
+    sampler: Sampler
+    max_new: int
+    stop_ids: frozenset
+    generated: int = 0
+
+
+class RankProcess:
+    def __init__(self, opts: RankOptions):
+        self.opts = opts
+        self.control = Channel("dealer", peer="coordinator")
+        self.data = Channel("pull", peer="upstream")
+        self.next = self.head = self.first = None
+        self.stage: Stage | None = None
+        self.assign: Assign | None = None
+        self.requests: dict[int, _Request] = {}
+        self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0}
+        self._last_beat_ok = time.monotonic()
+        self._beat_seq = 0
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    def run(self) -> int:
+        o = self.opts
+        t0 = time.perf_counter()
+        data_ep = self.data.bind(o.data_bind)
+        self.control.connect(o.coordinator)
+        client_handshake(self.control, o.secret, f"rank-{os.getpid()}", timeout_ms=15_000)
+        fingerprint = GGUFModel(o.model).fingerprint
+        self.control.send(Register(rank=o.rank_hint, host=o.host_id or socket.gethostname(),
+                                   pid=os.getpid(), devices=[o.device],
+                                   model_fingerprint=fingerprint,
+                                   protocol_version=PROTOCOL_VERSION, endpoints={"data": data_ep}))
+        assign = self._wait_assign()
+        if assign is None:
+            return 2
+        self.assign = assign
+        rank = assign.rank
+        log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
+        if assign.role in ("stage", "stage+helper"):
+            self.stage = Stage(StageConfig(
+                model_path=o.model, device=o.device_name, lb=assign.lb, le=assign.le,
+                first=assign.first, last=assign.last, max_context=assign.max_context,
+                weight_slice=bool(assign.extra.get("weight_slice", True))))
+            self.stage.session(0)  # the serving session is carved up front, as the plan priced it
+        self.head = Channel("push", peer="head").connect(assign.head_endpoint)
+        if self.stage and not assign.last:
+            self.next = Channel("push", peer=f"rank {rank + 1}").connect(assign.next_endpoint)
+        if self.stage and assign.last:
+            self.first = Channel("push", peer="first stage").connect(assign.first_endpoint)
+        allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes()} \
+            if self.stage else {}
+        self.control.send(Ready(rank=rank, allocated=allocated,
+                                elapsed_ms=(time.perf_counter() - t0) * 1e3))
+        return self._serve()
+
+    def _wait_assign(self) -> Assign | None:
+        deadline = time.monotonic() + self.opts.assign_timeout_s
+        while time.monotonic() < deadline:
+            self._watch_parent()
+            try:
+                msg, _ = self.control.recv(timeout_ms=1000, what="an assignment")
+            except ProtocolTimeout:
+                continue
+            if isinstance(msg, Assign):
+                return msg
+            if isinstance(msg, Error):
+                print(f"error: the coordinator refused this rank: {msg.message}", file=sys.stderr)
+                return None
+            if isinstance(msg, Shutdown):
+                return None
+        raise ProtocolTimeout("coordinator", "an assignment", self.opts.assign_timeout_s * 1e3)
+
+    def _serve(self) -> int:
+        poller = Poller(self.control, self.data)
+        next_beat = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + HEARTBEAT_S
+            self._watch_parent()
+            for ch in poller.poll(int(HEARTBEAT_S * 1000)):
+                try:
+                    msg, arrays = ch.recv(timeout_ms=100)
+                except ProtocolTimeout:
+                    continue
+                except ProtocolError as e:   # garbage on a socket: drop the message, keep serving
+                    log.warning("dropped an invalid message: %s", e)
+                    continue
+                if ch is self.control:
+                    if isinstance(msg, Shutdown):
+                        return 0
+                    if isinstance(msg, Stats):
+                        self.control.send(StatsReply(rank=self.assign.rank, counters=dict(self.counters),
+                                                     request_id=msg.request_id))
+                else:
+                    self._on_data(msg, arrays)
+
+    def _heartbeat(self) -> None:
+        self._beat_seq += 1
+        try:
+            self.control.send(Heartbeat(rank=self.assign.rank, seq=self._beat_seq), timeout_ms=500)
+            self._last_beat_ok = time.monotonic()
+        except ProtocolTimeout:
+            if time.monotonic() - self._last_beat_ok > COORDINATOR_LOST_S:
+                raise SystemExit("the coordinator is gone (no heartbeat delivered for "
+                                 f"{COORDINATOR_LOST_S:.0f} s)")
+
+    def _watch_parent(self) -> None:
+        if self.opts.parent_pid and os.getppid() != self.opts.parent_pid:
+            raise SystemExit("the launcher that started this rank is gone")
+
+    # ---- the data plane --------------------------------------------------------------------------
+    def _on_data(self, msg, arrays) -> None:
+        if isinstance(msg, Release):
+            if self.stage:
+                self.stage.release(msg.session_id)
+            if self.next:
+                self.next.send(msg, timeout_ms=HANDOFF_TIMEOUT_MS)
+            return
+        if not isinstance(msg, (Tokens, Hidden)) or self.stage is None:
+            return
+        try:
+            self._compute(msg, arrays)
+        except (ProtocolTimeout, ProtocolError) as e:
+            self._report(msg.request_id, f"rank {self.assign.rank}: hand-off failed: {e}")
+        except Exception as e:  # a bad request must not take the rank down
+            log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
+            self._report(msg.request_id, f"rank {self.assign.rank}: {type(e).__name__}: {e}")
+
+    def _report(self, request_id: int, message: str) -> None:
+        self.counters["errors"] += 1
+        try:
+            self.head.send(Error(rank=self.assign.rank, request_id=request_id, message=message),
+                           timeout_ms=2000)
+        except ProtocolTimeout:
+            log.error("could not report to the head: %s", message)
+
+    def _compute(self, msg, arrays) -> None:
+        t0 = time.perf_counter()
+        is_prompt = msg.sampling is not None
+        if isinstance(msg, Tokens):
+            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids)
+            n = len(msg.ids)
+        else:
+            out = self.stage.run(msg.session_id, msg.pos, hidden=arrays[0])
+            n = msg.n
+        self.counters["chunks" if is_prompt else "tokens"] += 1
+        self.counters["rows"] += n
+        if not self.assign.last:
+            self.next.send(Hidden(request_id=msg.request_id, session_id=msg.session_id, pos=msg.pos,
+                                  n=n, dtype="float32", shape=list(out.shape),
+                                  chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
+                                  sampling=msg.sampling), [out], timeout_ms=HANDOFF_TIMEOUT_MS)
+            return
+        end = msg.pos + n
+        if is_prompt:
+            self.head.send(PromptProgress(request_id=msg.request_id, session_id=msg.session_id,
+                                          pos=end, chunk_index=msg.chunk_index,
+                                          chunk_total=msg.chunk_total,
+                                          ms=(time.perf_counter() - t0) * 1e3))
+            if msg.chunk_index < msg.chunk_total - 1:
+                return
+            self.requests[msg.request_id] = _new_request(msg.sampling)
+        req = self.requests.get(msg.request_id)
+        if req is None or req.max_new <= 0:
+            self.requests.pop(msg.request_id, None)
+            return
+        tok = req.sampler(out)
+        req.generated += 1
+        reason = "stop" if tok in req.stop_ids else ("length" if req.generated >= req.max_new else "")
+        self.head.send(Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok,
+                             pos=end, done=bool(reason), reason=reason))
+        if reason:
+            del self.requests[msg.request_id]
+            return
+        self.first.send(Tokens(request_id=msg.request_id, session_id=msg.session_id, pos=end,
+                               ids=[tok]), timeout_ms=HANDOFF_TIMEOUT_MS)
+
+
+def _new_request(s: Sampling) -> _Request:
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                            min_p=s.min_p, seed=s.seed)
+    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids))
+

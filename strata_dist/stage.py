@@ -1,0 +1,67 @@
+"""A stage: the layers [lb, le) of a model on one device, with the sessions of its conversations.
+
+It is what a stage rank computes, apart from any transport: ids or hidden rows in, hidden rows
+(or, on the last stage, the last row's logits) out. Sessions hold KV only for the stage's own
+layers, keeping global layer ordinals (the session carve)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backends import get_backend
+from .models import load_model, open_checked
+
+
+@dataclass
+class StageConfig:
+    model_path: str
+    device: str
+    lb: int
+    le: int
+    first: bool
+    last: bool
+    max_context: int
+    weight_slice: bool = True
+
+
+class Stage:
+    def __init__(self, cfg: StageConfig):
+        self.cfg = cfg
+        self.gguf = open_checked(cfg.model_path)
+        self.backend = get_backend(cfg.device)
+        self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
+                                last=cfg.last, weight_slice=cfg.weight_slice)
+        self.sessions: dict[int, object] = {}
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.model.loaded_bytes
+
+    def session(self, session_id: int):
+        s = self.sessions.get(session_id)
+        if s is None:
+            s = self.sessions[session_id] = self.model.new_session(self.cfg.max_context)
+        return s
+
+    def session_bytes(self) -> int:
+        return sum(s.nbytes for s in self.sessions.values())
+
+    def release(self, session_id: int) -> None:
+        self.sessions.pop(session_id, None)
+
+    def run(self, session_id: int, pos: int, ids=None, hidden=None):
+        """Process rows at positions pos.. of a session. The first stage takes token ids, the
+        others hidden rows (host float32 [n, n_embd]). Returns host float32: hidden rows, or on
+        the last stage the logits of the last row [vocab]."""
+        s = self.session(session_id)
+        s.reset(pos)  # a position earlier than the session's end rewinds it (KV is positional)
+        if self.cfg.first:
+            h = self.model.embed(ids)
+        else:
+            h = self.backend.asarray(np.ascontiguousarray(hidden, dtype=np.float32))
+        h = self.model.forward_layers(h, s)
+        s.n_past = pos + h.shape[0]
+        if self.cfg.last:
+            return self.backend.to_host(self.model.head(h[-1:]))[0].astype(np.float32)
+        return self.backend.to_host(h).astype(np.float32, copy=False)
