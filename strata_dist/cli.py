@@ -1,4 +1,4 @@
-"""`strata-dist`: the single-process tools — synth, logits, generate.
+"""`strata-dist`: the single-process tools — synth, logits, generate, profile.
 
 Bad input (a malformed model, an impossible flag) prints one `error: …` line and exits 2."""
 from __future__ import annotations
@@ -92,6 +92,33 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from tqdm import tqdm
+    from .gguf_model import GGUFModel
+    from .profile_io import read_prompt_ids_file, record_profile, save_profile, summary_line
+    if args.max_new < 0:
+        raise UsageError(f"--max-new must be >= 0, got {args.max_new}")
+    if args.prefill < 1:
+        raise UsageError(f"--prefill must be >= 1, got {args.prefill}")
+    prompts = read_prompt_ids_file(args.prompt_ids_file)
+    bar = tqdm(total=len(prompts), unit="prompt", desc="profile", file=sys.stderr, disable=None)
+    profile = record_profile(args.model, prompts, device=args.device, max_new=args.max_new,
+                             prefill_chunk=args.prefill,
+                             progress=lambda done, total: bar.update(done - bar.n))
+    bar.close()
+    gguf = GGUFModel(args.model)
+    top_k = int(gguf.arch_metadata("expert_used_count", required=True))
+    meta = {"model": Path(args.model).name, "prompts": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts), "max_new": args.max_new,
+            "top_k": top_k, "device": args.device}
+    try:
+        save_profile(profile, args.out, model_fingerprint=gguf.fingerprint, meta=meta)
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
+    print(f"wrote {args.out}: {summary_line(profile, top_k)}")
+    return 0
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file (default: a built-in tiny synthetic model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
@@ -129,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_synth)
+
+    pr = sub.add_parser("profile", help="record a routing profile (counts per layer and expert) from real runs")
+    pr.add_argument("--model", required=True, help="GGUF file")
+    pr.add_argument("--prompt-ids-file", required=True,
+                    help="one prompt per line, token ids separated by commas or spaces; '#' comments")
+    pr.add_argument("--out", required=True, help="output profile (JSON; see strata_dist/profile_io.py)")
+    pr.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    pr.add_argument("--max-new", type=int, default=0,
+                    help="also greedily decode this many tokens per prompt and count them (default 0)")
+    pr.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
+    pr.set_defaults(func=cmd_profile)
     return ap
 
 
