@@ -98,7 +98,7 @@ def _budgets(text: str | None, n: int, default: str | None) -> list[str | None]:
 
 def split_arg(text: str, n_devices: int) -> str | list[int]:
     if text == "auto":
-        return "auto"
+        return "auto" if n_devices > 1 else "none"   # one device: nothing to split
     try:
         points = [int(k) for k in text.split(",") if k.strip()]
     except ValueError:

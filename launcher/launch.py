@@ -117,10 +117,12 @@ class Launch:
                   f"{mib(alloc.get('weights', 0))} MiB (priced {mib(st.weights_bytes)}), session "
                   f"{mib(alloc.get('session', 0))} MiB (priced {mib(st.session_bytes)}) in "
                   f"{slot.ready.elapsed_ms:.0f} ms")
+        # The priced and the loaded layout come from one rule; a difference is a bug that would
+        # make every plan silently wrong, so the launch stops on it.
         for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes)):
             if alloc.get(kind) != priced:
-                log.error("rank %d allocated %s %d bytes for %s, the plan priced %d",
-                          slot.rank, kind, alloc.get(kind), kind, priced)
+                raise RankFailure(f"rank {slot.rank} allocated {alloc.get(kind)} bytes of {kind} "
+                                  f"for [{a.lb}, {a.le}); the plan priced {priced}")
 
     def close(self, reason: str = "") -> None:
         if self.coordinator is not None:

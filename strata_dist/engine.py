@@ -23,6 +23,7 @@ class GenerationResult:
     prompt_ms: float
     decode_ms: float
     stop_reason: str                  # "stop" (end-of-sequence) or "length"
+    reused: int = 0                   # prompt tokens the session already held
     chunks: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms) per prompt chunk
 
 
@@ -38,6 +39,7 @@ class Engine:
             raise ValueError(f"prefill chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.session = self.model.new_session(self.max_context)
+        self.tokens: list[int] = []   # what the session's KV holds, position by position
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
         self.eos_id: int | None = None if eos is None else int(eos)
 
@@ -64,7 +66,16 @@ class Engine:
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits of every position of a fresh sequence, [n, vocab]."""
         self.session.reset()
+        self.tokens = []
         return self.feed(token_ids)
+
+    def reusable_prefix(self, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` the session already holds (at least one token is
+        always left to read, since sampling needs its logits)."""
+        n = 0
+        while n < min(len(prompt), len(self.tokens)) and prompt[n] == self.tokens[n]:
+            n += 1
+        return min(n, len(prompt) - 1)
 
     def prefill(self, token_ids: list[int], on_chunk: Callable[[int, int, float], None] | None = None):
         """Read a prompt in chunks; returns the last position's logits (host float32)."""
@@ -82,17 +93,22 @@ class Engine:
         return last
 
     def stream(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(),
-               result: GenerationResult | None = None) -> Iterator[int]:
-        """Yield generated token ids; fills `result` with timings when given."""
+               result: GenerationResult | None = None, resume: bool = False) -> Iterator[int]:
+        """Yield generated token ids; fills `result` with timings when given. With resume, the
+        part of `prompt` the session already holds is not read again (a chat's follow-up)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
-        self.session.reset()
+        reuse = self.reusable_prefix(prompt) if resume else 0
+        self.session.reset(reuse)
+        self.tokens = list(prompt)
         sampler = Sampler(params)
         res = result or GenerationResult([], len(prompt), 0.0, 0.0, "length")
+        res.reused = reuse
         t0 = time.perf_counter()
-        logits = self.prefill(prompt, on_chunk=lambda pos, tot, ms: res.chunks.append((pos, ms)))
+        logits = self.prefill(prompt[reuse:],
+                              on_chunk=lambda pos, tot, ms: res.chunks.append((pos, ms)))
         res.prompt_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         for i in range(max_new):
@@ -105,13 +121,14 @@ class Engine:
             if i + 1 == max_new:
                 break
             self._check_fits(1)
+            self.tokens.append(tok)
             h = self._run([tok])
             logits = self.backend.to_host(self.model.head(h))[0]
         res.decode_ms = (time.perf_counter() - t1) * 1e3
 
-    def generate(self, prompt: list[int], max_new: int,
-                 params: SamplingParams = SamplingParams()) -> GenerationResult:
+    def generate(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(),
+                 resume: bool = False) -> GenerationResult:
         res = GenerationResult([], len(prompt), 0.0, 0.0, "length")
-        for _ in self.stream(prompt, max_new, params, res):
+        for _ in self.stream(prompt, max_new, params, res, resume):
             pass
         return res

@@ -31,9 +31,9 @@ CHAT_TEMPLATE = (
 # Each part must be a byte token or the result of an earlier merge (checked by `_check`).
 MERGES = tuple("""
 Ġ t|h e|i n|r e|o n|Ġt he|e r|Ġ s|a t|Ġ w|Ġ o|e n|Ġ c|i t|i s|a n|o r|e s|Ġ b|e d|Ġ f|in g|Ġ p|o u
-|Ġ a|a l|a r|Ġt o|Ġ m|Ġo f|Ġ in|Ġ d|Ġ h|Ġa n|Ġan d|i c|a s|l e|t h|Ġ th|i on|o m|l l|en t|Ġ n|Ġ l|s t
-|Ġ re|v e|Ġ e|r o|l y|Ġb e|Ġ g|Ġ T|c t|Ġ S|i d|o t|Ġ I|u t|e t|Ġ A|Ġ i|Ġi s|Ġo n|i m|a m|o w|a y|a d
-|s e|Ġth at|Ġ C|i g|Ġf or|a c|Ġ y|v er|u r|Ġ u|l d|Ġs t|Ġ M|' s|Ġh e|Ġi t|at ion|it h|i r|c e
+|Ġ a|a l|a r|Ġt o|Ġ m|Ġo f|Ġ in|Ġ d|Ġ h|Ġ an|Ġan d|i c|a s|l e|t h|Ġt h|i on|o m|l l|en t|Ġ n|Ġ l|s t
+|Ġ re|v e|Ġ e|r o|l y|Ġb e|Ġ g|Ġ T|c t|Ġ S|i d|o t|Ġ I|u t|e t|Ġ A|Ġ i|Ġ is|Ġ on|i m|a m|o w|a y|a d
+|s e|Ġth at|Ġ C|i g|Ġf or|a c|Ġ y|v er|u r|Ġ u|l d|Ġs t|Ġ M|' s|Ġ he|Ġ it|at ion|it h|i r|c e
 |Ġy ou|i l|Ġ B|Ġw h|o l|Ġ P|Ġw ith|Ġ 1|t er|c h|Ġa s|Ġw e|Ġ (|n d|i ll|Ġ D|i f|Ġ 2|a g|er s
 """.replace("\n", "").split("|"))
 

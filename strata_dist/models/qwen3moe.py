@@ -147,11 +147,16 @@ class KVSession:
         parts = self._k + self._v + [self.rope_cos, self.rope_sin, self.scores]
         return sum(int(a.nbytes) for a in parts)
 
+    def _row(self, layer: int) -> int:
+        if not self.lb <= layer < self.le:
+            raise IndexError(f"layer {layer} is not in this session's range [{self.lb}, {self.le})")
+        return layer - self.lb
+
     def k(self, layer: int):
-        return self._k[layer - self.lb]
+        return self._k[self._row(layer)]
 
     def v(self, layer: int):
-        return self._v[layer - self.lb]
+        return self._v[self._row(layer)]
 
     def score_buffer(self, shape):
         """A view of the scratch for decode scores, or None when the rows do not fit in it."""

@@ -1,0 +1,127 @@
+"""Driving a real `strata-launch --serve` (real rank processes, real sockets) from tests."""
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+
+class ServeSession:
+    """A strata-launch --serve process; `gen()` sends one GEN and collects its answer lines."""
+
+    def __init__(self, model: str, *args: str, env: dict | None = None, timeout: float = 60.0):
+        argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--serve", *args]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1,
+                                     env=dict(os.environ, **(env or {})))
+        self.lines: "queue.Queue[str | None]" = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=self._drain_err, daemon=True).start()
+        self.info: list[str] = []
+        while True:
+            line = self.next_line(timeout)
+            if line.startswith("READY"):
+                self.ctx = int(line.split()[1])
+                break
+            if line.startswith("INFO"):
+                self.info.append(line)
+
+    @staticmethod
+    def _read(stream, q) -> None:
+        for line in stream:
+            q.put(line.rstrip("\n"))
+        q.put(None)
+
+    def _drain_err(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def next_line(self, timeout: float) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no line from strata-launch within {timeout} s; stderr: "
+                               f"{''.join(self.stderr)[-2000:]}") from None
+        if line is None:
+            raise EOFError(f"strata-launch ended (code {self.proc.poll()}); stderr: "
+                           f"{''.join(self.stderr)[-2000:]}")
+        return line
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def gen(self, ids: list[int], max_new: int, options: str = "", timeout: float = 60.0) -> dict:
+        self.send(f"GEN {max_new} {options} {' '.join(map(str, ids))}".replace("  ", " "))
+        out = {"tokens": [], "pp": [], "resume": None, "done": None, "err": None}
+        while True:
+            line = self.next_line(timeout)
+            kind, _, rest = line.partition(" ")
+            if kind == "T":
+                out["tokens"].append(int(rest))
+            elif kind == "PP":
+                out["pp"].append(rest.split())
+            elif kind == "RESUME":
+                out["resume"] = int(rest)
+            elif kind == "DONE":
+                out["done"] = rest.split()
+                return out
+            elif kind == "ERR":
+                out["err"] = rest
+                return out
+
+    def info_fields(self) -> list[dict]:
+        return [dict(kv.split("=", 1) for kv in line.split()[1:]) for line in self.info]
+
+    def close(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.send("QUIT")
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        return self.proc.returncode
+
+
+def rank_pids(session: ServeSession) -> list[int]:
+    """PIDs of the strata-rank children of a launcher (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == session.proc.pid and b"strata_dist.rank_main" in cmd:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
