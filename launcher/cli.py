@@ -192,6 +192,8 @@ def _main(args) -> int:
 
 
 def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
+    from strata_dist.head import HeadSession
+
     from .launch import Launch, LaunchConfig
     from .serve import LineServer, info_lines, parse_gen, stdin_lines
 
@@ -209,8 +211,9 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
         plan = launch.start()
         g = architecture_for(gguf).read_geometry(gguf)
         eos = gguf.metadata("tokenizer.ggml.eos_token_id")
-        server = LineServer(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
-                            None if eos is None else int(eos))
+        session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
+                              None if eos is None else int(eos))
+        server = LineServer(session)
         devices = [s.register.devices[0] for s in launch.coordinator.ranks]
         for line in info_lines(plan, launch.ready, devices, args.max_context,
                                {"model": os.path.basename(args.model), "arch": g.arch,
@@ -223,7 +226,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
             ids = args.prompt_ids.replace(",", " ")
             out = _CaptureTokens()
             server.out = out
-            server.generate(parse_gen(f"GEN {args.max_new} {ids}", g.n_vocab))
+            server.generate(parse_gen(f"GEN {args.max_new} {ids}"))
             print(",".join(str(t) for t in out.tokens))
             print(out.summary, file=sys.stderr)
         else:

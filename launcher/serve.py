@@ -13,14 +13,13 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 from typing import TextIO
 
-from protocol.messages import Sampling
-from strata_dist.coordinator import Coordinator, RankFailure, RequestError, StreamEvent
+from strata_dist.coordinator import RankFailure, RequestError
+from strata_dist.head import HeadSession, Outcome
+from strata_dist.sampler import SamplingParams
 
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int}
-SESSION_ID = 0
 
 
 class GenRequest:
@@ -28,7 +27,7 @@ class GenRequest:
         self.max_new, self.ids, self.options = max_new, ids, options
 
 
-def parse_gen(line: str, vocab: int) -> GenRequest:
+def parse_gen(line: str) -> GenRequest:
     parts = line.split()
     if len(parts) < 3:
         raise ValueError("GEN wants: GEN <max_new> [key=val …] <id> <id> …")
@@ -55,18 +54,14 @@ def parse_gen(line: str, vocab: int) -> GenRequest:
             raise ValueError(f"token id '{tok}' is not an integer") from None
     if not ids:
         raise ValueError("GEN has no token ids")
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
     return GenRequest(max_new, ids, options)
 
 
 class LineServer:
-    def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
-                 eos_id: int | None, out: TextIO = sys.stdout):
-        self.coord, self.ctx, self.chunk, self.vocab, self.eos_id = coordinator, ctx, chunk, vocab, eos_id
+    def __init__(self, session: HeadSession, out: TextIO = sys.stdout):
+        self.session = session
+        self.coord = session.coord
         self.out = out
-        self.tokens: list[int] = []   # what the session's KV holds, position by position
 
     def say(self, line: str) -> None:
         self.out.write(line + "\n")
@@ -93,56 +88,26 @@ class LineServer:
                 self.say(f"ERR unknown command '{line.split()[0]}' (GEN or QUIT)")
                 continue
             try:
-                self.generate(parse_gen(line, self.vocab))
-            except ValueError as e:
-                self.say(f"ERR {e}")
-            except RequestError as e:
-                self.tokens = []  # the stages may hold part of the request: the next GEN reads afresh
+                self.generate(parse_gen(line))
+            except (ValueError, RequestError) as e:
                 self.say(f"ERR {e}")
             except RankFailure as e:
                 self.say(f"ERR {e}")
                 return 1
 
-    def generate(self, req: GenRequest) -> None:
-        ids = req.ids
-        if len(ids) >= self.ctx:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx}")
-        reuse = 0
-        while reuse < min(len(ids), len(self.tokens)) and ids[reuse] == self.tokens[reuse]:
-            reuse += 1
-        reuse = min(reuse, len(ids) - 1)   # at least one token must be read to sample from
-        max_new = min(req.max_new, self.ctx - len(ids))
+    def generate(self, req: GenRequest) -> Outcome:
         o = req.options
-        sampling = Sampling(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
-                            top_p=o.get("top_p", 1.0), min_p=o.get("min_p", 0.0),
-                            seed=o.get("seed"), max_new=max_new,
-                            stop_ids=[] if self.eos_id is None else [self.eos_id])
-        self.say(f"RESUME {reuse}")
-        self.tokens = ids[:reuse]
-        gen: list[int] = []
-        t0 = last = time.perf_counter()
-        marks = {"prompt_ms": 0.0}
-
-        def on_event(ev: StreamEvent) -> None:
-            nonlocal last
-            now = time.perf_counter()
-            if ev.kind == "progress":
-                m = ev.msg
-                n_chunk = m.pos - (reuse + m.chunk_index * self.chunk)
-                ms = (now - last) * 1e3
-                self.say(f"PP {m.pos} {len(ids)} {ms:.1f} {n_chunk / max(ms, 1e-9) * 1e3:.1f}")
-                if m.chunk_index == m.chunk_total - 1:
-                    marks["prompt_ms"] = (now - t0) * 1e3
-            else:
-                gen.append(ev.msg.token_id)
-                self.say(f"T {ev.msg.token_id}")
-            last = now
-
-        reason = self.coord.run_request(SESSION_ID, reuse, ids[reuse:], sampling, self.chunk, on_event)
-        decode_ms = (time.perf_counter() - t0) * 1e3 - marks["prompt_ms"]
-        self.tokens = ids + gen[:-1]       # the last token sampled has not been read yet
-        self.say(f"DONE {len(gen)} {len(ids) - reuse} {marks['prompt_ms']:.1f} {decode_ms:.1f} "
-                 f"{reason or 'length'}")
+        params = SamplingParams(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
+                                top_p=o.get("top_p", 1.0), min_p=o.get("min_p", 0.0),
+                                seed=o.get("seed"))
+        out = self.session.generate(
+            req.ids, req.max_new, params,
+            on_resume=lambda n: self.say(f"RESUME {n}"),
+            on_progress=lambda pos, total, ms, tps: self.say(f"PP {pos} {total} {ms:.1f} {tps:.1f}"),
+            on_token=lambda t: self.say(f"T {t}"))
+        self.say(f"DONE {len(out.tokens)} {out.read} {out.prompt_ms:.1f} {out.decode_ms:.1f} "
+                 f"{out.reason}")
+        return out
 
 
 def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":

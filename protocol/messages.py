@@ -306,6 +306,15 @@ class Release(Message):
     session_id: int
 
 
+@message
+class Cancel(Message):
+    """Head → last stage: stop generating for ``request_id`` (its client went away). The last stage
+    answers with a final Token (done, reason "cancelled") unless the request already finished."""
+
+    TYPE = "cancel"
+    request_id: int
+
+
 # ---------------------------------------------------------------- data plane
 
 
@@ -457,7 +466,7 @@ class SlotFree(Message):
 __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "VersionMismatch", "Struct", "Message", "MESSAGE_TYPES",
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
-    "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release",
+    "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
     "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
 ]

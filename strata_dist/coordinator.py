@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from protocol import (Assign, Channel, Error, Heartbeat, Poller, PromptProgress, ProtocolError,
+from protocol import (Assign, Cancel, Channel, Error, Poller, PromptProgress, ProtocolError,
                       ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
                       Tokens)
 from protocol.auth import Authenticator, admit
@@ -68,6 +68,7 @@ class Coordinator:
         self._by_identity: dict[bytes, RankSlot] = {}
         self._request_ids = itertools.count(1)
         self._stats: dict[int, StatsReply] = {}
+        self._senders: dict[str, Channel] = {}
 
     # ---- admission -------------------------------------------------------------------------------
     def wait_for_ranks(self, n: int, timeout_s: float) -> list[RankSlot]:
@@ -176,21 +177,26 @@ class Coordinator:
     # ---- requests ----------------------------------------------------------------------------------
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
                     chunk: int, on_event: Callable[[StreamEvent], None],
-                    step_timeout_s: float = 120.0) -> str:
+                    step_timeout_s: float = 120.0,
+                    should_cancel: Callable[[], bool] | None = None) -> str:
         """Send a prompt (tokens from position pos) through the pipeline and stream its events.
-        Returns the stop reason ("stop", "length", or "" when max_new is 0)."""
+        Returns the stop reason ("stop", "length", "cancelled", or "" when max_new is 0)."""
         request_id = next(self._request_ids)
-        first = self.ranks[0]
+        first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
         chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
         for i, part in enumerate(chunks):
             sender.send(Tokens(request_id=request_id, session_id=session_id, pos=pos + i * chunk,
                                ids=part, chunk_index=i, chunk_total=len(chunks), sampling=sampling),
                         timeout_ms=10_000)
-        prompt_done = False
+        prompt_done = cancelled = False
         last_event = time.monotonic()
         while True:
-            for msg in self._pump(0.2):
+            if not cancelled and should_cancel is not None and should_cancel():
+                cancelled = True
+                self._sender(self._last_stage(), "last").send(Cancel(request_id=request_id),
+                                                             timeout_ms=10_000)
+            for msg in self._pump(0.05):
                 if getattr(msg, "request_id", None) != request_id:
                     continue  # a late message of an earlier, failed request
                 last_event = time.monotonic()
@@ -203,19 +209,27 @@ class Coordinator:
                         if sampling.max_new <= 0:
                             return ""
                 elif isinstance(msg, Token):
-                    on_event(StreamEvent("token", msg))
+                    if msg.reason != "cancelled":
+                        on_event(StreamEvent("token", msg))
                     if msg.done:
                         return msg.reason
             if time.monotonic() - last_event > step_timeout_s:
                 what = "a token" if prompt_done else "prompt progress"
                 raise RankFailure(f"no {what} for {step_timeout_s:.0f} s from the pipeline")
 
-    def _first_stage_sender(self, first: RankSlot) -> Channel:
-        ch = getattr(self, "_to_first", None)
+    def _sender(self, slot: RankSlot, role: str) -> Channel:
+        """A PUSH channel to a stage's data socket (the first stage's, or the last's for Cancel)."""
+        ch = self._senders.get(role)
         if ch is None:
-            ch = self._to_first = Channel("push", peer=f"rank {first.rank}")
-            ch.connect(first.data_endpoint)
+            ch = self._senders[role] = Channel("push", peer=f"rank {slot.rank}")
+            ch.connect(slot.data_endpoint)
         return ch
+
+    def _first_stage_sender(self, first: RankSlot) -> Channel:
+        return self._sender(first, "first")
+
+    def _last_stage(self) -> RankSlot:
+        return next(s for s in self.ranks if s.assign is not None and s.assign.last)
 
     def release(self, session_id: int) -> None:
         if self.ranks:
@@ -241,6 +255,5 @@ class Coordinator:
                 self.control.send(s.identity, Shutdown(reason=reason), timeout_ms=500)
             except (ProtocolTimeout, ConnectionError):
                 pass
-        for ch in (getattr(self, "_to_first", None), self.inbox, self.control):
-            if ch is not None:
-                ch.close()
+        for ch in list(self._senders.values()) + [self.inbox, self.control]:
+            ch.close()

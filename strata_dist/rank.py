@@ -15,7 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from protocol import (PROTOCOL_VERSION, Assign, Channel, Error, Heartbeat, Hidden, Poller,
+from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden, Poller,
                       PromptProgress, ProtocolError, ProtocolTimeout, Ready, Register, Release,
                       Shutdown, Stats, StatsReply, Token, Tokens)
 from protocol.auth import client_handshake
@@ -52,6 +52,7 @@ class _Request:
     sampler: Sampler
     max_new: int
     stop_ids: frozenset
+    session_id: int
     generated: int = 0
 
 
@@ -168,6 +169,12 @@ class RankProcess:
             if self.next:
                 self.next.send(msg, timeout_ms=HANDOFF_TIMEOUT_MS)
             return
+        if isinstance(msg, Cancel):
+            req = self.requests.pop(msg.request_id, None)
+            if req is not None:   # still generating: say so; its step in flight is dropped
+                self.head.send(Token(request_id=msg.request_id, session_id=req.session_id,
+                                     token_id=0, pos=0, done=True, reason="cancelled"))
+            return
         if not isinstance(msg, (Tokens, Hidden)) or self.stage is None:
             return
         try:
@@ -211,7 +218,7 @@ class RankProcess:
                                           ms=(time.perf_counter() - t0) * 1e3))
             if msg.chunk_index < msg.chunk_total - 1:
                 return
-            self.requests[msg.request_id] = _new_request(msg.sampling)
+            self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
         req = self.requests.get(msg.request_id)
         if req is None or req.max_new <= 0:
             self.requests.pop(msg.request_id, None)
@@ -228,8 +235,8 @@ class RankProcess:
                                ids=[tok]), timeout_ms=HANDOFF_TIMEOUT_MS)
 
 
-def _new_request(s: Sampling) -> _Request:
+def _new_request(s: Sampling, session_id: int) -> _Request:
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                             min_p=s.min_p, seed=s.seed)
-    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids))
+    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
 

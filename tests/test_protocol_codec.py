@@ -51,6 +51,7 @@ def examples():
                             sampling=SAMPLING), []),
         "hidden": (m.Hidden(request_id=1, session_id=5, pos=10, n=3, dtype="float32", shape=[3, 8],
                             chunk_index=0, chunk_total=2, sampling=SAMPLING), [ROWS]),
+        "cancel": (m.Cancel(request_id=9), []),
         "prompt_progress": (m.PromptProgress(request_id=1, session_id=5, pos=512, chunk_index=0,
                                              chunk_total=3, ms=12.5), []),
         "token": (m.Token(request_id=1, session_id=5, token_id=42, pos=13, logprob=-0.25, done=True,

@@ -1,0 +1,101 @@
+"""The head's view of a conversation: which tokens the stages' session holds, how much of a new
+prompt can be reused, and one generation through the pipeline. Used by the `--serve` line
+protocol and by the HTTP server, so both resume and stream the same way."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from protocol.messages import Sampling
+
+from .coordinator import Coordinator, RequestError, StreamEvent
+from .sampler import SamplingParams
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    reused: int = 0          # prompt tokens the session already held
+    read: int = 0            # prompt tokens read by this request
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    reason: str = "length"   # stop | length | cancelled
+
+
+class HeadSession:
+    """One session on the stages (its KV lives there); this object remembers its tokens."""
+
+    def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
+                 eos_id: int | None, session_id: int = 0):
+        self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
+        self.eos_id, self.session_id = eos_id, session_id
+        self.tokens: list[int] = []    # what the session's KV holds, position by position
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < self.vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        if len(ids) >= self.ctx:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx}")
+
+    def reusable(self, ids: list[int]) -> int:
+        n = 0
+        while n < min(len(ids), len(self.tokens)) and ids[n] == self.tokens[n]:
+            n += 1
+        return min(n, len(ids) - 1)   # at least one token is read, to sample from its logits
+
+    def generate(self, ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
+                 stop_ids: tuple[int, ...] = (),
+                 on_resume: Callable[[int], None] | None = None,
+                 on_progress: Callable[[int, int, float, float], None] | None = None,
+                 on_token: Callable[[int], None] | None = None,
+                 should_cancel: Callable[[], bool] | None = None) -> Outcome:
+        """Generate after `ids`, streaming through the callbacks:
+        on_progress(pos, total, chunk_ms, chunk_tok_per_s) per prompt chunk, on_token(id)."""
+        self.check_prompt(ids)
+        if max_new < 0:
+            raise ValueError(f"max_new must be >= 0, got {max_new}")
+        out = Outcome(reused=self.reusable(ids))
+        out.read = len(ids) - out.reused
+        if on_resume:
+            on_resume(out.reused)
+        stops = set(stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        sampling = Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                            min_p=params.min_p, seed=params.seed,
+                            max_new=min(max_new, self.ctx - len(ids)), stop_ids=sorted(stops))
+        self.tokens = ids[:out.reused]
+        t0 = last = time.perf_counter()
+
+        def on_event(ev: StreamEvent) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            if ev.kind == "progress":
+                m = ev.msg
+                n_chunk = m.pos - (out.reused + m.chunk_index * self.chunk)
+                ms = (now - last) * 1e3
+                if on_progress:
+                    on_progress(m.pos, len(ids), ms, n_chunk / max(ms, 1e-9) * 1e3)
+                if m.chunk_index == m.chunk_total - 1:
+                    out.prompt_ms = (now - t0) * 1e3
+            else:
+                out.tokens.append(ev.msg.token_id)
+                if on_token:
+                    on_token(ev.msg.token_id)
+            last = now
+
+        try:
+            reason = self.coord.run_request(self.session_id, out.reused, ids[out.reused:], sampling,
+                                            self.chunk, on_event, should_cancel=should_cancel)
+        except RequestError:
+            self.tokens = []   # the stages may hold part of the request: the next one reads afresh
+            raise
+        out.reason = reason or "length"
+        out.decode_ms = (time.perf_counter() - t0) * 1e3 - out.prompt_ms
+        # the last token sampled has not been read by the stages yet
+        self.tokens = ids + out.tokens[:-1] if out.tokens else list(ids)
+        if out.reason == "cancelled":
+            self.tokens = []   # a cancelled decode may have run one step past what we saw
+        return out
