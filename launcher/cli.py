@@ -70,8 +70,9 @@ def rank_specs(args) -> list[RankSpec]:
             gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
         except ValueError:
             raise UsageError(f"--gpus wants comma-separated indices, got '{args.gpus}'") from None
-        if len(set(gpus)) != len(gpus) or not gpus:
-            raise UsageError(f"--gpus {args.gpus}: list each GPU once")
+        if not gpus:
+            raise UsageError("--gpus lists no GPU")
+        # A GPU listed twice runs two ranks that share it (testing a split on one card).
         budgets = _budgets(args.vram_budget, len(gpus), None)
         return [RankSpec(i, "cuda:0", g, b) for i, (g, b) in enumerate(zip(gpus, budgets))]
     n = args.cpu_ranks if args.cpu_ranks is not None else 1

@@ -35,6 +35,18 @@ class LaunchConfig:
     extra_env: dict = field(default_factory=dict)
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_thread_env(n_cpu_ranks: int) -> dict[str, str]:
+    """Share the cores among CPU ranks: BLAS pools that each take every core spin against each
+    other and turn a sub-millisecond hand-off into tens of milliseconds. Set variables win."""
+    if n_cpu_ranks == 0:
+        return {}
+    per = str(max(1, (os.cpu_count() or 1) // n_cpu_ranks))
+    return {v: os.environ.get(v, per) for v in THREAD_VARS}
+
+
 def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
     """The planner's inventory: one device per rank, identified by the rank number."""
     out = []
@@ -56,9 +68,15 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
     out = []
     for s in slots:
         st = stage_of.get(s.rank)
+        extra = {"weight_slice": weight_slice, "stage": st.stage if st else -1,
+                 "host": s.register.host}
         nxt = None
         if st is not None and st.stage + 1 < len(plan.stages):
-            nxt = slots[plan.stages[st.stage + 1].device.index].data_endpoint
+            n = slots[plan.stages[st.stage + 1].device.index]
+            nxt = n.data_endpoint
+            extra.update(next_host=n.register.host, next_kind=n.register.devices[0].kind)
+        if st is not None and st.stage > 0:
+            extra["prev_endpoint"] = slots[plan.stages[st.stage - 1].device.index].data_endpoint
         role = ("stage+helper" if s.rank in helper_of else "stage") if st else "helper"
         out.append(Assign(
             rank=s.rank, role=role, lb=st.lb if st else 0, le=st.le if st else 0,
@@ -67,7 +85,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             first_endpoint=first_ep, head_endpoint=head_endpoint,
             prefill_chunk=plan.chunk, max_context=max_context,
             cache_slots=st.cache_slots if st else 0, loan_slots=st.loan_slots if st else 0,
-            extra={"weight_slice": weight_slice, "stage": st.stage if st else -1}))
+            extra=extra))
     return out
 
 
@@ -90,9 +108,11 @@ class Launch:
         self.coordinator = Coordinator(secret.encode(), self.gguf.fingerprint,
                                        control_bind=ep.ipc("control"), head_bind=ep.ipc("head"),
                                        liveness=self.ranks.first_dead)
+        env = dict(cfg.extra_env)
+        env.update(cpu_thread_env(sum(1 for r in cfg.ranks if r.device == "cpu")))
         for spec in cfg.ranks:
             self.ranks.spawn(spec, cfg.model, self.coordinator.control_endpoint,
-                             ep.ipc(f"rank{spec.index}"), secret, cfg.extra_env)
+                             ep.ipc(f"rank{spec.index}"), secret, env)
         self.echo(f"launch: {len(cfg.ranks)} rank(s) starting, logs in {ep.run_dir}")
         slots = self.coordinator.wait_for_ranks(len(cfg.ranks), cfg.register_timeout_s)
         kind = "cuda" if any(s.register.devices[0].kind == "cuda" for s in slots) else "cpu"

@@ -5,6 +5,7 @@
     GEN <max_new> [key=val …] <id> <id> …   ->  RESUME <n>, PP <pos> <total> <ms> <tok/s> per
                                                 prompt chunk, T <id> per token, then
                                                 DONE <gen> <prompt> <prompt_ms> <decode_ms> <stop|length>
+    STATS                       ->  STATS rank=<r> key=value … per rank, then STATS END
     QUIT
 Errors answer `ERR <message>`. The session keeps its tokens between GENs: a GEN whose ids extend
 them reads only the new part."""
@@ -84,8 +85,15 @@ class LineServer:
             line = line.strip()
             if not line:
                 continue
+            if line == "STATS":
+                try:
+                    self.stats()
+                except RankFailure as e:
+                    self.say(f"ERR {e}")
+                    return 1
+                continue
             if not line.startswith("GEN"):
-                self.say(f"ERR unknown command '{line.split()[0]}' (GEN or QUIT)")
+                self.say(f"ERR unknown command '{line.split()[0]}' (GEN, STATS or QUIT)")
                 continue
             try:
                 self.generate(parse_gen(line))
@@ -94,6 +102,13 @@ class LineServer:
             except RankFailure as e:
                 self.say(f"ERR {e}")
                 return 1
+
+    def stats(self) -> None:
+        """One `STATS rank=<r> key=value …` line per rank (its counters since start), then END."""
+        for rank, reply in sorted(self.coord.stats().items()):
+            fields = " ".join(f"{k}={v}" for k, v in sorted(reply.counters.items()))
+            self.say(f"STATS rank={rank} {fields}")
+        self.say("STATS END")
 
     def generate(self, req: GenRequest) -> Outcome:
         o = req.options

@@ -15,13 +15,14 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden, Poller,
-                      PromptProgress, ProtocolError, ProtocolTimeout, Ready, Register, Release,
-                      Shutdown, Stats, StatsReply, Token, Tokens)
+from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden,
+                      IpcHandle, Poller, PromptProgress, ProtocolError, ProtocolTimeout, Ready,
+                      Register, Release, Shutdown, SlotFree, Stats, StatsReply, Token, Tokens)
 from protocol.auth import client_handshake
 from protocol.messages import DeviceInfo, Sampling
 
 from .gguf_model import GGUFModel
+from .handoff import HandoffReceiver, HandoffSender
 from .sampler import Sampler, SamplingParams
 from .stage import Stage, StageConfig
 
@@ -62,6 +63,8 @@ class RankProcess:
         self.control = Channel("dealer", peer="coordinator")
         self.data = Channel("pull", peer="upstream")
         self.next = self.head = self.first = None
+        self.sender: HandoffSender | None = None
+        self.receiver: HandoffReceiver | None = None
         self.stage: Stage | None = None
         self.assign: Assign | None = None
         self.requests: dict[int, _Request] = {}
@@ -94,15 +97,34 @@ class RankProcess:
                 weight_slice=bool(assign.extra.get("weight_slice", True))))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
         self.head = Channel("push", peer="head").connect(assign.head_endpoint)
-        if self.stage and not assign.last:
-            self.next = Channel("push", peer=f"rank {rank + 1}").connect(assign.next_endpoint)
-        if self.stage and assign.last:
-            self.first = Channel("push", peer="first stage").connect(assign.first_endpoint)
+        if self.stage:
+            self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes()} \
             if self.stage else {}
+        if self.sender and self.sender.nbytes:
+            allocated["handoff"] = self.sender.nbytes
         self.control.send(Ready(rank=rank, allocated=allocated,
                                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
         return self._serve()
+
+    def _connect_neighbours(self, a: Assign) -> None:
+        """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
+        on the last stage, the first (the next decode step)."""
+        x, be = a.extra, self.stage.backend
+        if not a.last:
+            self.next = Channel("push", peer=f"stage after rank {a.rank}").connect(a.next_endpoint)
+            same_host = x.get("next_host") == x.get("host") and x.get("next_kind") == "cuda"
+            use_ipc = same_host and os.environ.get("STRATA_IPC", "1") != "0"
+            g = self.stage.model.g
+            self.sender = HandoffSender(self.next, be, x.get("host", ""), use_ipc,
+                                        max_rows=max(a.prefill_chunk, 1), hidden=g.n_embd,
+                                        timeout_ms=HANDOFF_TIMEOUT_MS)
+        if not a.first:
+            prev = x.get("prev_endpoint")
+            up = Channel("push", peer=f"stage before rank {a.rank}").connect(prev) if prev else None
+            self.receiver = HandoffReceiver(be, up, HANDOFF_TIMEOUT_MS)
+        if a.last:
+            self.first = Channel("push", peer="first stage").connect(a.first_endpoint)
 
     def _wait_assign(self) -> Assign | None:
         deadline = time.monotonic() + self.opts.assign_timeout_s
@@ -123,6 +145,8 @@ class RankProcess:
 
     def _serve(self) -> int:
         poller = Poller(self.control, self.data)
+        if self.sender is not None:
+            self.sender.offer()
         next_beat = 0.0
         while True:
             now = time.monotonic()
@@ -142,10 +166,16 @@ class RankProcess:
                     if isinstance(msg, Shutdown):
                         return 0
                     if isinstance(msg, Stats):
-                        self.control.send(StatsReply(rank=self.assign.rank, counters=dict(self.counters),
+                        self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
                                                      request_id=msg.request_id))
                 else:
                     self._on_data(msg, arrays)
+
+    def _counters(self) -> dict[str, int]:
+        c = dict(self.counters)
+        if self.sender is not None:
+            c.update(handoff_ipc=self.sender.sent_ipc, handoff_frames=self.sender.sent_frames)
+        return c
 
     def _heartbeat(self) -> None:
         self._beat_seq += 1
@@ -163,6 +193,12 @@ class RankProcess:
 
     # ---- the data plane --------------------------------------------------------------------------
     def _on_data(self, msg, arrays) -> None:
+        if isinstance(msg, IpcHandle) and self.receiver is not None:
+            self.receiver.on_handle(msg)
+            return
+        if isinstance(msg, (SlotFree, Error)) and self.sender is not None:
+            self.sender.on_reply(msg)
+            return
         if isinstance(msg, Release):
             if self.stage:
                 self.stage.release(msg.session_id)
@@ -200,15 +236,14 @@ class RankProcess:
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids)
             n = len(msg.ids)
         else:
-            out = self.stage.run(msg.session_id, msg.pos, hidden=arrays[0])
+            out = self.stage.run(msg.session_id, msg.pos, hidden=self.receiver.rows(msg, arrays))
             n = msg.n
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += n
         if not self.assign.last:
-            self.next.send(Hidden(request_id=msg.request_id, session_id=msg.session_id, pos=msg.pos,
-                                  n=n, dtype="float32", shape=list(out.shape),
-                                  chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
-                                  sampling=msg.sampling), [out], timeout_ms=HANDOFF_TIMEOUT_MS)
+            self.sender.send(out, request_id=msg.request_id, session_id=msg.session_id,
+                             pos=msg.pos, chunk_index=msg.chunk_index,
+                             chunk_total=msg.chunk_total, sampling=msg.sampling)
             return
         end = msg.pos + n
         if is_prompt:

@@ -52,16 +52,16 @@ class Stage:
 
     def run(self, session_id: int, pos: int, ids=None, hidden=None):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the
-        others hidden rows (host float32 [n, n_embd]). Returns host float32: hidden rows, or on
-        the last stage the logits of the last row [vocab]."""
+        others hidden rows (float32 [n, n_embd], host or device). Returns the hidden rows as a
+        backend array, or on the last stage the host float32 logits of the last row [vocab]."""
         s = self.session(session_id)
         s.reset(pos)  # a position earlier than the session's end rewinds it (KV is positional)
         if self.cfg.first:
             h = self.model.embed(ids)
         else:
-            h = self.backend.asarray(np.ascontiguousarray(hidden, dtype=np.float32))
+            h = self.backend.asarray(hidden)
         h = self.model.forward_layers(h, s)
         s.n_past = pos + h.shape[0]
         if self.cfg.last:
             return self.backend.to_host(self.model.head(h[-1:]))[0].astype(np.float32)
-        return self.backend.to_host(h).astype(np.float32, copy=False)
+        return h

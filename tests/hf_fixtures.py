@@ -48,7 +48,14 @@ def gguf_tensors(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
         out[_name(MODEL_TENSOR.OUTPUT)] = sd["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        gate_up = sd[p + "mlp.experts.gate_up_proj"]          # [E, 2ff, hidden]: gate then up
+        if p + "mlp.experts.gate_up_proj" in sd:   # fused experts (transformers >= 5)
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]      # [E, 2ff, hidden]: gate then up
+            down = sd[p + "mlp.experts.down_proj"]
+        else:                                        # one module per expert (older releases)
+            e_ids = range(cfg.num_experts)
+            gate_up = np.stack([np.concatenate([sd[f"{p}mlp.experts.{e}.gate_proj.weight"],
+                                                sd[f"{p}mlp.experts.{e}.up_proj.weight"]]) for e in e_ids])
+            down = np.stack([sd[f"{p}mlp.experts.{e}.down_proj.weight"] for e in e_ids])
         out.update({
             _name(MODEL_TENSOR.ATTN_NORM, i): sd[p + "input_layernorm.weight"],
             _name(MODEL_TENSOR.ATTN_Q, i): sd[p + "self_attn.q_proj.weight"],
@@ -61,7 +68,7 @@ def gguf_tensors(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
             _name(MODEL_TENSOR.FFN_GATE_INP, i): sd[p + "mlp.gate.weight"],
             _name(MODEL_TENSOR.FFN_GATE_EXP, i): gate_up[:, :ff],
             _name(MODEL_TENSOR.FFN_UP_EXP, i): gate_up[:, ff:],
-            _name(MODEL_TENSOR.FFN_DOWN_EXP, i): sd[p + "mlp.experts.down_proj"],
+            _name(MODEL_TENSOR.FFN_DOWN_EXP, i): down,
         })
     return out
 

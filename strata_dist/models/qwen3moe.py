@@ -14,6 +14,7 @@ import numpy as np
 
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
+from .common import apply_rope, causal_attention, moe_combine, rms_norm, rope_tables, softmax_topk
 
 ARCH = "qwen3moe"
 
@@ -112,18 +113,6 @@ def loaded_itemsize(name: str, shape: tuple[int, ...], dense_itemsize: int) -> i
 
 
 # ---- the forward ---------------------------------------------------------------------------------
-
-def rms_norm(x, w, eps, xp):
-    var = (x * x).mean(axis=-1, keepdims=True)
-    return x / xp.sqrt(var + eps) * w
-
-
-def rope_tables(positions: np.ndarray, head_dim: int, base: float):
-    """cos/sin [n, head_dim/2] for NEOX-style RoPE (rotate the two halves of each head)."""
-    inv = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    ang = positions.astype(np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
 
 class KVSession:
     """The session of one conversation for the layers [lb, le) only: K/V rows for those layers
@@ -257,69 +246,26 @@ class Qwen3Moe:
         q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
         k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
         v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
-        q = _rope(rms_norm(q, w.q_norm, g.rms_eps, xp), cos, sin, xp)
-        k = _rope(rms_norm(k, w.k_norm, g.rms_eps, xp), cos, sin, xp)
+        q = apply_rope(rms_norm(q, w.q_norm, g.rms_eps, xp), cos, sin, xp)
+        k = apply_rope(rms_norm(k, w.k_norm, g.rms_eps, xp), cos, sin, xp)
         kc, vc = session.k(layer), session.v(layer)
         kc[pos0:pos0 + n] = k
         vc[pos0:pos0 + n] = v
-        attn = _attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session)
+        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session)
         h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
         x = rms_norm(h, w.ffn_norm, g.rms_eps, xp)
         return h + self._moe(layer, x, w.router)
 
     def route(self, x, router):
         """Top-k experts per row in rank order and their renormalised weights (host arrays)."""
-        logits = self.backend.to_host(x @ router.T).astype(np.float32)
-        logits -= logits.max(axis=-1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        k = self.g.n_expert_used
-        idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-        wts = np.take_along_axis(probs, idx, axis=-1)
-        wts = wts / wts.sum(axis=-1, keepdims=True)
-        return idx, wts.astype(np.float32)
+        logits = self.backend.to_host(x @ router.T)
+        return softmax_topk(logits, self.g.n_expert_used, normalize=True)
 
     def _moe(self, layer, x, router):
-        xp = self.backend.xp
         idx, wts = self.route(x, router)
         if self.on_route is not None:
             self.on_route(layer, idx)
-        n, k = idx.shape
-        y = xp.zeros((n, k, x.shape[1]), dtype=np.float32)
-        for expert in np.unique(idx):
-            rows, ranks = np.nonzero(idx == expert)
-            sel = self.backend.asarray(rows)
-            y[sel, self.backend.asarray(ranks)] = self.experts.compute(layer, int(expert), x[sel])
-        w_dev = self.backend.asarray(wts)
-        out = xp.zeros_like(x)
-        for r in range(k):  # combine in top-k rank order, so the sum's order is fixed
-            out += w_dev[:, r:r + 1] * y[:, r]
-        return out
+        return moe_combine(self.backend, self.experts, layer, x, idx, wts)
 
 
-def _rope(x, cos, sin, xp):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return xp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
-
-
-def _attention(q, k, v, pos0, xp, session):
-    """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D]."""
-    n, n_head, d = q.shape
-    t, n_kv, _ = k.shape
-    group = n_head // n_kv
-    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]
-    kt = k.transpose(1, 2, 0)[:, None]                                 # [KVH, 1, D, t]
-    out_buf = session.score_buffer((n_kv, group, n, t)) if n <= DECODE_ROWS else None
-    scores = xp.matmul(qg, kt, out=out_buf) if out_buf is not None else qg @ kt
-    scores *= np.float32(1.0 / np.sqrt(d))                             # [KVH, G, n, t]
-    qpos = xp.arange(pos0, pos0 + n)[:, None]
-    kpos = xp.arange(t)[None, :]
-    scores = xp.where(kpos <= qpos, scores, np.float32(-np.inf))
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    p = xp.exp(scores)
-    p = p / p.sum(axis=-1, keepdims=True)
-    out = p @ v.transpose(1, 0, 2)[:, None]                           # [KVH, G, n, D]
-    return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)
 MODEL_CLASS = Qwen3Moe

@@ -1,0 +1,86 @@
+"""Pieces of the forward that several architectures share: RMSNorm, NEOX RoPE (full or partial),
+causal grouped-query attention with the session's decode score scratch, softmax top-k routing and
+the rank-ordered MoE combine. Backend-agnostic: `xp` is numpy or cupy."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan.pricing import DECODE_ROWS
+
+
+def rms_norm(x, w, eps, xp):
+    var = (x * x).mean(axis=-1, keepdims=True)
+    return x / xp.sqrt(var + eps) * w
+
+
+def rope_tables(positions: np.ndarray, rot_dim: int, base: float):
+    """cos/sin [n, rot_dim/2] for NEOX-style RoPE over the first `rot_dim` dims of a head."""
+    inv = 1.0 / (base ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    ang = positions.astype(np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x, cos, sin, xp):
+    """NEOX RoPE on x [n, H, D]: the first 2*cos.shape[-1] dims are rotated as two halves, the rest
+    pass through (partial rotary)."""
+    half = cos.shape[-1]
+    rot = 2 * half
+    x1, x2 = x[..., :half], x[..., half:rot]
+    c, s = cos[:, None, :], sin[:, None, :]
+    parts = [x1 * c - x2 * s, x2 * c + x1 * s]
+    if rot < x.shape[-1]:
+        parts.append(x[..., rot:])
+    return xp.concatenate(parts, axis=-1)
+
+
+def causal_attention(q, k, v, pos0, xp, session):
+    """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D].
+
+    Decode-sized batches (n <= DECODE_ROWS) write their scores into the session's scratch."""
+    n, n_head, d = q.shape
+    t, n_kv, _ = k.shape
+    group = n_head // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]
+    kt = k.transpose(1, 2, 0)[:, None]                                 # [KVH, 1, D, t]
+    out_buf = session.score_buffer((n_kv, group, n, t)) if n <= DECODE_ROWS else None
+    scores = xp.matmul(qg, kt, out=out_buf) if out_buf is not None else qg @ kt
+    scores *= np.float32(1.0 / np.sqrt(d))                             # [KVH, G, n, t]
+    qpos = xp.arange(pos0, pos0 + n)[:, None]
+    kpos = xp.arange(t)[None, :]
+    scores = xp.where(kpos <= qpos, scores, np.float32(-np.inf))
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores)
+    p = p / p.sum(axis=-1, keepdims=True)
+    out = p @ v.transpose(1, 0, 2)[:, None]                           # [KVH, G, n, D]
+    return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)
+
+
+def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):
+    """Top-k experts per row in rank order (stable on ties) and their softmax weights, renormalised
+    over the k when `normalize` (host arrays: [n, k] int64, [n, k] float32)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    wts = np.take_along_axis(probs, idx, axis=-1)
+    if normalize:
+        wts = wts / wts.sum(axis=-1, keepdims=True)
+    return idx, wts.astype(np.float32)
+
+
+def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarray):
+    """Σ_r wts[:, r] · expert_{idx[:, r]}(x), summed in top-k rank order so the order of the sum
+    never depends on how rows were grouped per expert."""
+    xp = backend.xp
+    n, k = idx.shape
+    y = xp.zeros((n, k, x.shape[1]), dtype=np.float32)
+    for expert in np.unique(idx):
+        rows, ranks = np.nonzero(idx == expert)
+        sel = backend.asarray(rows)
+        y[sel, backend.asarray(ranks)] = experts.compute(layer, int(expert), x[sel])
+    w_dev = backend.asarray(wts)
+    out = xp.zeros_like(x)
+    for r in range(k):
+        out += w_dev[:, r:r + 1] * y[:, r]
+    return out

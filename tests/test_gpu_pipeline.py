@@ -1,0 +1,53 @@
+"""GPU ranks (several sharing the one GPU of the test machine): greedy tokens of 1-3 stages equal
+the single-process GPU run, and hidden rows cross between them through CUDA IPC."""
+import numpy as np
+import pytest
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+from launch_helpers import ServeSession
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+CHUNK = 16
+PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_gguf(tiny_qwen3moe(11, hidden=256, top_k=8, n_experts=16, n_layers=6),
+                      tmp_path_factory.mktemp("gpupipe") / "m.gguf", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    from strata_dist.engine import Engine
+    return Engine(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
+
+
+def _stats(s):
+    s.send("STATS")
+    lines = []
+    while (line := s.next_line(30)) != "STATS END":
+        lines.append(dict(kv.split("=") for kv in line.split()[1:]))
+    return lines
+
+
+@pytest.mark.parametrize("split", ["", "3", "1,4"])
+def test_gpu_ranks_equal_single_process(model, baseline, split):
+    n = len(split.split(",")) + 1 if split else 1
+    args = ["--gpus", ",".join(["0"] * n), "--prefill", str(CHUNK), "--max-context", "512",
+            "--gpu-order", "as_given"]
+    if split:
+        args += ["--layer-split", split]
+    s = ServeSession(model, *args, timeout=120)
+    try:
+        out = s.gen(PROMPT, 64, timeout=120)
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == baseline
+        stats = _stats(s)
+        if n > 1:
+            assert all(int(r.get("handoff_ipc", 0)) > 0 for r in stats[:-1]), stats
+            assert all(int(r.get("handoff_frames", 0)) == 0 for r in stats[:-1]), stats
+    finally:
+        assert s.close() == 0
