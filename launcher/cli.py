@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run on one card when everything fits there")
     plan.add_argument("--expert-profile", default=None, help="routing profile (strata-dist profile)")
     plan.add_argument("--no-remote-auto", action="store_true", help="no helper expert tier")
+    plan.add_argument("--expert-cache", default="auto",
+                      help="auto (fill what is left), N (at most N pairs per stage cache) or 0 "
+                           "(no resident experts; the profile still drives the split search)")
     plan.add_argument("--plan-only", action="store_true", help="print the plan and exit")
     plan.add_argument("--json", action="store_true", help="with --plan-only: the plan as JSON")
     run = ap.add_argument_group("run")
@@ -56,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-ids", default=None, help="generate once for these ids and exit")
     run.add_argument("--max-new", type=int, default=32, help="with --prompt-ids (default 32)")
     run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
+    http = ap.add_argument_group("http (an OpenAI-compatible server)")
+    http.add_argument("--port", type=int, default=None,
+                      help="serve HTTP on this port (0: any free port, printed at start)")
+    http.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--api-key", default=None,
+                      help="every endpoint but /health wants 'Authorization: Bearer KEY'")
+    http.add_argument("--queue-size", type=int, default=None,
+                      help="requests that may wait behind the running one (default 64; more: 429)")
     return ap
 
 
@@ -122,10 +133,24 @@ def prefill_arg(text: str) -> int | None:
 
 
 def plan_params(args) -> PlanParams:
+    from dataclasses import replace
     params = params_from_env(os.environ)
     if args.no_remote_auto:
-        from dataclasses import replace
         params = replace(params, remote_auto=False)
+    if args.expert_cache != "auto":
+        try:
+            n = int(args.expert_cache)
+        except ValueError:
+            raise UsageError(f"--expert-cache wants auto, 0 or a number of pairs, got "
+                             f"'{args.expert_cache}'") from None
+        if n < 0:
+            raise UsageError(f"--expert-cache {n}: a cache cannot hold fewer than 0 pairs")
+        pinned = params.stage_cache_slots
+        if pinned is not None and pinned != n:
+            raise UsageError(f"--expert-cache {n} and STRATA_STAGE_CACHE_SLOTS={pinned} disagree")
+        params = replace(params, stage_cache_slots=n)
+        if n == 0:   # no resident experts anywhere: no helper tiers either
+            params = replace(params, remote_auto=False)
     return params
 
 
@@ -171,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     if args.serve and args.prompt_ids:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
+    http_flags(args)
     if args.json and not args.plan_only:
         raise UsageError("--json goes with --plan-only")
     if args.inventory and not args.plan_only:
@@ -209,6 +235,8 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
+        if args.port is not None:
+            return _serve_http(args, gguf, launch, specs)
         plan = launch.start()
         g = architecture_for(gguf).read_geometry(gguf)
         eos = gguf.metadata("tokenizer.ggml.eos_token_id")
@@ -245,6 +273,47 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     finally:
         launch.close("launcher stopping")
     return code
+
+
+def http_flags(args) -> None:
+    """--port's refusals: one surface per launch; the HTTP flags need --port."""
+    if args.port is None:
+        for flag, value in (("--host", args.host), ("--api-key", args.api_key),
+                            ("--queue-size", args.queue_size)):
+            if value is not None:
+                raise UsageError(f"{flag} goes with --port")
+        return
+    for flag, on in (("--serve", args.serve), ("--prompt-ids", args.prompt_ids),
+                     ("--plan-only", args.plan_only)):
+        if on:
+            raise UsageError(f"--port {args.port} and {flag} cannot be combined: pick one surface")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} is not a TCP port (0-65535)")
+    if args.queue_size is not None and args.queue_size < 1:
+        raise UsageError(f"--queue-size {args.queue_size}: at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")
+
+
+def _serve_http(args, gguf, launch, specs) -> int:
+    from strata_dist.server import serve_launch
+
+    from .serve import info_lines
+
+    g = architecture_for(gguf).read_geometry(gguf)
+
+    def lines(plan):
+        devices = [s.register.devices[0] for s in launch.coordinator.ranks]
+        return info_lines(plan, launch.ready, devices, args.max_context,
+                          {"model": os.path.basename(args.model), "arch": g.arch, "layers": g.n_layers})
+
+    return serve_launch(launch, model_path=args.model, n_vocab=g.n_vocab, arch=g.arch,
+                        n_layers=g.n_layers, ctx=args.max_context, host=args.host or "127.0.0.1",
+                        port=args.port, api_key=args.api_key,
+                        queue_size=args.queue_size if args.queue_size is not None else 64,
+                        gpu_of_rank={s.index: s.visible_gpu for s in specs
+                                     if s.visible_gpu is not None},
+                        info_lines=lines)
 
 
 class _CaptureTokens:

@@ -7,12 +7,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from protocol import Assign, Endpoints
+from protocol import Assign, Endpoints, PeerInfo
 from protocol.auth import new_secret
 from strata_dist.coordinator import Coordinator, RankFailure, RankSlot
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
-from strata_dist.plan import Device, Plan, PlanParams, RoutingProfile, make_plan
+from strata_dist.plan import Device, Plan, PlanParams, RoutingProfile, make_plan, skip_tier
 
 from .spawn import LocalRanks, RankSpec
 
@@ -62,14 +62,21 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
                 weight_slice: bool) -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan."""
     stage_of = {st.device.index: st for st in plan.stages}
-    helper_of = {h.device.index: h for h in plan.live_helpers} if hasattr(plan, "live_helpers") else {}
+    helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint
     wire = plan.to_dict()
+    helper_peers = [PeerInfo(rank=r, endpoint=slots[r].register.endpoints["helper"],
+                             host=slots[r].register.host) for r in sorted(helper_of)]
     out = []
     for s in slots:
         st = stage_of.get(s.rank)
         extra = {"weight_slice": weight_slice, "stage": st.stage if st else -1,
                  "host": s.register.host}
+        if st is not None:
+            extra["cache_pairs"] = [list(p) for p in st.pairs]
+            # each helper's pairs of this stage's layers: a miss there becomes a remote request
+            extra["helper_pairs"] = {str(r): [list(p) for p in h.pairs if st.lb <= p[0] < st.le]
+                                     for r, h in helper_of.items()}
         nxt = None
         if st is not None and st.stage + 1 < len(plan.stages):
             n = slots[plan.stages[st.stage + 1].device.index]
@@ -85,6 +92,9 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             first_endpoint=first_ep, head_endpoint=head_endpoint,
             prefill_chunk=plan.chunk, max_context=max_context,
             cache_slots=st.cache_slots if st else 0, loan_slots=st.loan_slots if st else 0,
+            helpers=helper_peers if st else [],
+            helper_slots=len(helper_of[s.rank].pairs) if s.rank in helper_of else 0,
+            helper_pairs=[list(p) for p in helper_of[s.rank].pairs] if s.rank in helper_of else [],
             extra=extra))
     return out
 
@@ -101,13 +111,15 @@ class Launch:
         self.coordinator: Coordinator | None = None
         self.plan: Plan | None = None
         self.ready: dict[int, dict] = {}
+        self._assigned: list[Assign] = []
+        self._lost: set[int] = set()
 
     def start(self) -> Plan:
         cfg, ep = self.cfg, self.endpoints
         secret = new_secret()
         self.coordinator = Coordinator(secret.encode(), self.gguf.fingerprint,
                                        control_bind=ep.ipc("control"), head_bind=ep.ipc("head"),
-                                       liveness=self.ranks.first_dead)
+                                       liveness=self._liveness)
         env = dict(cfg.extra_env)
         env.update(cpu_thread_env(sum(1 for r in cfg.ranks if r.device == "cpu")))
         for spec in cfg.ranks:
@@ -122,24 +134,50 @@ class Launch:
                               order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill)
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
                            cfg.params.weight_slice)
+        self._assigned = work
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
         return self.plan
+
+    def _liveness(self) -> str | None:
+        """A dead stage rank ends the launch; a dead helper-only rank does not (the stages compute
+        its experts from host memory), it is reported once."""
+        helper_only = frozenset(r for r, a in enumerate(self._assigned) if a.role == "helper")
+        for r in helper_only - self._lost:
+            if self.ranks.procs[r].poll() is not None:
+                self._lost.add(r)
+                self.echo(f"warning: helper rank {r} is gone: "
+                          f"{self.ranks.first_dead() or 'exited'}; continuing without its tier")
+                self.coordinator.optional.add(r)
+        return self.ranks.first_dead(ignore=helper_only)
 
     def _on_ready(self, slot: RankSlot) -> None:
         a, alloc = slot.assign, slot.ready.allocated
         self.ready[slot.rank] = alloc
         mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+        tier = next((h for h in self.plan.live_helpers if h.device.index == slot.rank), None)
+        if tier is not None:
+            if alloc.get("helper_failed"):
+                # fail-soft: the tier is skipped, and the totals the run reports say so
+                self.plan = skip_tier(self.plan, tier.device, "did not open on its rank")
+                self.echo(f"rank {slot.rank}: helper tier of {len(tier.pairs)} pairs did not open; "
+                          "skipped (its experts are computed from host memory)")
+            elif alloc.get("helper") != tier.bytes:
+                raise RankFailure(f"rank {slot.rank} holds {alloc.get('helper')} bytes of helper "
+                                  f"tier; the plan priced {tier.bytes}")
         if a.role == "helper":
-            self.echo(f"rank {slot.rank} ready: helper ({slot.ready.elapsed_ms:.0f} ms)")
+            self.echo(f"rank {slot.rank} ready: helper tier {mib(alloc.get('helper', 0))} MiB "
+                      f"({len(a.helper_pairs)} pairs) in {slot.ready.elapsed_ms:.0f} ms")
             return
         st = self.plan.stages[a.extra["stage"]]
         self.echo(f"rank {slot.rank} ready: stage {st.stage} [{a.lb}, {a.le}) weights "
                   f"{mib(alloc.get('weights', 0))} MiB (priced {mib(st.weights_bytes)}), session "
-                  f"{mib(alloc.get('session', 0))} MiB (priced {mib(st.session_bytes)}) in "
+                  f"{mib(alloc.get('session', 0))} MiB (priced {mib(st.session_bytes)}), cache "
+                  f"{st.cache_slots} slots {mib(alloc.get('cache', 0))} MiB in "
                   f"{slot.ready.elapsed_ms:.0f} ms")
         # The priced and the loaded layout come from one rule; a difference is a bug that would
         # make every plan silently wrong, so the launch stops on it.
-        for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes)):
+        for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes),
+                             ("cache", st.cache_bytes)):
             if alloc.get(kind) != priced:
                 raise RankFailure(f"rank {slot.rank} allocated {alloc.get(kind)} bytes of {kind} "
                                   f"for [{a.lb}, {a.le}); the plan priced {priced}")

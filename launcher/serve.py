@@ -20,7 +20,9 @@ from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.head import HeadSession, Outcome
 from strata_dist.sampler import SamplingParams
 
-SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int}
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
+                 "stats": int}
+TIER_COUNTERS = ("hits", "remote", "host", "remote_lost", "helper_requests")
 
 
 class GenRequest:
@@ -111,7 +113,10 @@ class LineServer:
         self.say("STATS END")
 
     def generate(self, req: GenRequest) -> Outcome:
+        """With option stats=1, `STATS rank=<r> hits=… remote=… host=…` lines (this request's
+        deltas per rank) come before DONE."""
         o = req.options
+        before = self.coord.stats() if o.get("stats") else None
         params = SamplingParams(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
                                 top_p=o.get("top_p", 1.0), min_p=o.get("min_p", 0.0),
                                 seed=o.get("seed"))
@@ -120,6 +125,11 @@ class LineServer:
             on_resume=lambda n: self.say(f"RESUME {n}"),
             on_progress=lambda pos, total, ms, tps: self.say(f"PP {pos} {total} {ms:.1f} {tps:.1f}"),
             on_token=lambda t: self.say(f"T {t}"))
+        if before is not None:
+            for rank, reply in sorted(self.coord.stats().items()):
+                old = before[rank].counters if rank in before else {}
+                delta = {k: reply.counters.get(k, 0) - old.get(k, 0) for k in TIER_COUNTERS}
+                self.say(f"STATS rank={rank} " + " ".join(f"{k}={v}" for k, v in delta.items()))
         self.say(f"DONE {len(out.tokens)} {out.read} {out.prompt_ms:.1f} {out.decode_ms:.1f} "
                  f"{out.reason}")
         return out

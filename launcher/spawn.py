@@ -53,9 +53,12 @@ class LocalRanks:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
 
-    def first_dead(self) -> str | None:
-        """A message about the first rank process that has exited, with its last log lines."""
+    def first_dead(self, ignore: frozenset = frozenset()) -> str | None:
+        """A message about the first rank process (not in `ignore`) that has exited, with its
+        last log lines."""
         for i, p in enumerate(self.procs):
+            if i in ignore:
+                continue
             code = p.poll()
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"

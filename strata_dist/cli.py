@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="write a synthetic model of a real geometry")
     s.add_argument("out", help="output .gguf path")
-    s.add_argument("--like", default="tiny", help="tiny | qwen3-30b-a3b | qwen3-235b-a22b")
+    s.add_argument("--like", default="tiny",
+                   help="tiny | qwen3-30b-a3b | qwen3-235b-a22b | tiny-next | qwen3-next-80b-a3b")
     s.add_argument("--quant", default="q8_0", help="f32 | f16 | q8_0 | q4_k")
     s.add_argument("--popularity", default="uniform", help="uniform | zipf:S")
     s.add_argument("--seed", type=int, default=0)

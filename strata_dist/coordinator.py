@@ -69,6 +69,7 @@ class Coordinator:
         self._request_ids = itertools.count(1)
         self._stats: dict[int, StatsReply] = {}
         self._senders: dict[str, Channel] = {}
+        self.optional: set[int] = set()   # ranks whose loss does not end the launch (helpers)
 
     # ---- admission -------------------------------------------------------------------------------
     def wait_for_ranks(self, n: int, timeout_s: float) -> list[RankSlot]:
@@ -170,6 +171,8 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for s in self.ranks:
+            if s.rank in self.optional:
+                continue
             if s.ready is not None and now - s.last_seen > HEARTBEAT_LOST_S:
                 raise RankFailure(f"rank {s.rank} ({s.register.host} pid {s.register.pid}) has sent "
                                   f"nothing for {now - s.last_seen:.0f} s")

@@ -1,53 +1,93 @@
-"""Expert computation: SwiGLU experts read from the model file in their stored format.
+"""Expert stores: where a (layer, expert)'s weights come from and how its SwiGLU is computed.
 
-An expert store answers `compute(layer, expert, x)` for the rows `x` routed to that expert. The
-arithmetic of one (token, expert) row never depends on which other rows share the call, so the
-output of a token does not depend on how its experts were grouped (the batch-invariance rule of
-DESIGN.md §5)."""
+Every store reads the expert's blob (gate, up, down as stored in the file) and decodes it with
+the backend's `expert_weights`, then runs the one `swiglu` — so a (token, expert) output is the
+same bits whichever store computed it, and whatever other rows shared the call (the
+batch-invariance rule of DESIGN.md §5)."""
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import numpy as np
 
 
-def silu(x, xp=np):
-    return x / (1.0 + xp.exp(-x))
-
-
-class HostExpertStore:
-    """numpy: experts dequantized to float32 on first use, kept in a byte-bounded LRU."""
-
-    def __init__(self, model, layers, budget_bytes: int = 2 << 30):
-        self.gguf = model
-        self.layers = set(layers)
-        self.budget = budget_bytes
-        self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-        self._bytes = 0
-
-    def weights(self, layer: int, expert: int):
-        key = (layer, expert)
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
-        gate, up, down = self.gguf.dequantize_expert(layer, expert)
-        entry = (gate, up, down)
-        size = gate.nbytes + up.nbytes + down.nbytes
-        while self._cache and self._bytes + size > self.budget:
-            _, old = self._cache.popitem(last=False)
-            self._bytes -= sum(a.nbytes for a in old)
-        self._cache[key] = entry
-        self._bytes += size
-        return entry
-
-    def compute(self, layer: int, expert: int, x: np.ndarray) -> np.ndarray:
-        gate, up, down = self.weights(layer, expert)
-        # One row at a time keeps a row's result independent of how many rows share the call
-        # (BLAS picks different kernels for different shapes).
+def swiglu(backend, x, gate, up, down):
+    """down @ (silu(gate @ x) * (up @ x)) for each row of x."""
+    if backend.name == "numpy":
+        # One row at a time: BLAS picks different kernels for different shapes, and a row's
+        # result must not depend on how many rows share the call.
         out = np.empty((x.shape[0], down.shape[0]), dtype=np.float32)
         for i in range(x.shape[0]):
-            row = x[i]
-            h = silu(gate @ row) * (up @ row)
-            out[i] = down @ h
+            g = gate @ x[i]
+            out[i] = down @ (g / (1.0 + np.exp(-g)) * (up @ x[i]))
         return out
+    g = x @ gate.T
+    return (g / (1.0 + backend.xp.exp(-g)) * (x @ up.T)) @ down.T
+
+
+class ExpertStore:
+    """compute(layer, expert, x) -> outputs of the rows x routed to that expert."""
+
+    def compute(self, layer: int, expert: int, x):
+        raise NotImplementedError
+
+    def outputs(self, layer: int, x, idx: np.ndarray):
+        """y[row, rank] = expert idx[row, rank] applied to x[row], unweighted."""
+        xp = self.backend.xp
+        n, k = idx.shape
+        y = xp.zeros((n, k, x.shape[1]), dtype=np.float32)
+        for expert in np.unique(idx):
+            rows, ranks = np.nonzero(idx == expert)
+            sel = self.backend.asarray(rows)
+            y[sel, self.backend.asarray(ranks)] = self.compute(layer, int(expert), x[sel])
+        return y
+
+
+class HostTier(ExpertStore):
+    """Experts read from the model file when used (a GPU rank streams the stored blob to the
+    device first and decodes it there, with the same kernel as a cache hit)."""
+
+    def __init__(self, backend, gguf):
+        self.backend, self.gguf = backend, gguf
+
+    def compute(self, layer: int, expert: int, x):
+        blob = self.backend.stage_blob(self.gguf.expert_blob(layer, expert))
+        gate, up, down = self.backend.expert_weights(self.gguf, layer, blob)
+        return swiglu(self.backend, x, gate, up, down)
+
+
+class BlobArena(ExpertStore):
+    """Expert blobs packed in one buffer (device memory on a GPU rank, host memory on a CPU rank),
+    each in its stored format, plus the residency table pair -> slot (-1 when not resident)."""
+
+    def __init__(self, backend, gguf, pairs, n_layers: int, n_experts: int):
+        self.backend, self.gguf = backend, gguf
+        self.pairs = [(int(l), int(e)) for l, e in pairs]
+        sizes = [gguf.blob_bytes(l) for l, _ in self.pairs]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        self.nbytes = int(self.offsets[-1])
+        self.slot_of = np.full((n_layers, n_experts), -1, dtype=np.int32)
+        host = np.empty(self.nbytes, dtype=np.uint8)
+        for i, (layer, expert) in enumerate(self.pairs):
+            if self.slot_of[layer, expert] >= 0:
+                raise ValueError(f"pair ({layer}, {expert}) is listed twice")
+            host[self.offsets[i]:self.offsets[i + 1]] = gguf.expert_blob(layer, expert)
+            self.slot_of[layer, expert] = i
+        self.buf = backend.asarray(host)
+        # the residency table also lives on the device, for kernels that route there
+        self.slot_of_device = backend.asarray(self.slot_of)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return bool(self.slot_of[layer, expert] >= 0)
+
+    def blob(self, layer: int, expert: int):
+        i = int(self.slot_of[layer, expert])
+        if i < 0:
+            raise KeyError(f"pair ({layer}, {expert}) is not resident")
+        return self.buf[int(self.offsets[i]):int(self.offsets[i + 1])]
+
+    def compute(self, layer: int, expert: int, x):
+        gate, up, down = self.backend.expert_weights(self.gguf, layer, self.blob(layer, expert))
+        return swiglu(self.backend, x, gate, up, down)
+
+
+def all_pairs(gguf, layers, n_experts: int):
+    return [(layer, e) for layer in layers for e in range(n_experts)]

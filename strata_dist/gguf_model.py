@@ -31,8 +31,9 @@ class GGUFError(Exception):
 class TensorKind(enum.Enum):
     EMBEDDING = "embedding"
     HEAD = "head"          # output norm and output projection
-    DENSE = "dense"        # per-layer attention, norms, shared expert
-    ROUTER = "router"      # per-layer expert router (ffn_gate_inp)
+    DENSE = "dense"        # per-layer attention, linear attention, norms, shared expert and its
+                           # gate (ffn_*_shexp, ffn_gate_inp_shexp)
+    ROUTER = "router"      # per-layer expert router (ffn_gate_inp only)
     EXPERT = "expert"      # per-layer stacked expert tensors (*_exps)
 
 
@@ -70,7 +71,9 @@ class Geometry:
     tied_embeddings: bool
 
 
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.weight$")
+# blk.N.<part>.weight, and the few per-layer tensors llama.cpp names otherwise: blk.N.ssm_a (no
+# suffix) and blk.N.ssm_dt.bias (qwen3next).
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.(?:weight|bias))?$")
 _MODEL_LEVEL = {
     "token_embd.weight": TensorKind.EMBEDDING,
     "output_norm.weight": TensorKind.HEAD,

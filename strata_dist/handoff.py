@@ -85,6 +85,7 @@ class HandoffReceiver:
     def __init__(self, backend, upstream: Channel | None, timeout_ms: int):
         self.backend, self.up, self.timeout_ms = backend, upstream, timeout_ms
         self.mapping = None
+        self._held: RowSlot | None = None   # the slot whose rows are being computed on
 
     def on_handle(self, msg: IpcHandle) -> None:
         try:
@@ -100,12 +101,19 @@ class HandoffReceiver:
             self.up.send(reply, timeout_ms=self.timeout_ms)
 
     def rows(self, msg: Hidden, arrays):
-        """The rows of a Hidden message as a backend array of this rank."""
+        """The rows of a Hidden message as a backend array of this rank. Rows in an IPC slot are
+        read in place (no copy); call release() once they have been consumed."""
         if msg.slot is None:
             return self.backend.asarray(np.asarray(arrays[0], dtype=np.float32))
         if self.mapping is None:
             raise RuntimeError("rows arrived in a CUDA IPC slot before its buffer was opened")
-        rows = self.mapping.view(msg.slot, np.float32, msg.shape).copy()
-        self.backend.synchronize()              # copied out: the slot may be reused
-        self.up.send(SlotFree(name=IPC_NAME, slot=msg.slot), timeout_ms=self.timeout_ms)
-        return rows
+        self._held = msg.slot
+        return self.mapping.view(msg.slot, np.float32, msg.shape)
+
+    def release(self) -> None:
+        """The stage is done with the rows: the upstream stage may reuse their slot. Sent after
+        the stage has handed its own result on, so the acknowledgement is off the critical path."""
+        if self._held is not None:
+            slot, self._held = self._held, None
+            self.backend.synchronize()          # every kernel that read the slot has finished
+            self.up.send(SlotFree(name=IPC_NAME, slot=slot), timeout_ms=self.timeout_ms)

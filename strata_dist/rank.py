@@ -15,14 +15,18 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden,
-                      IpcHandle, Poller, PromptProgress, ProtocolError, ProtocolTimeout, Ready,
-                      Register, Release, Shutdown, SlotFree, Stats, StatsReply, Token, Tokens)
+from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, ExpertReply,
+                      ExpertRequest, Heartbeat, Hidden, IpcHandle, Poller, PromptProgress,
+                      ProtocolError, ProtocolTimeout, Ready, Register, Release, RouterChannel,
+                      Shutdown, SlotFree, Stats, StatsReply, Token, Tokens)
 from protocol.auth import client_handshake
 from protocol.messages import DeviceInfo, Sampling
 
 from .gguf_model import GGUFModel
+from .experts import BlobArena
 from .handoff import HandoffReceiver, HandoffSender
+from .models import architecture_for
+from .tiers import serve_request
 from .sampler import Sampler, SamplingParams
 from .stage import Stage, StageConfig
 
@@ -62,13 +66,18 @@ class RankProcess:
         self.opts = opts
         self.control = Channel("dealer", peer="coordinator")
         self.data = Channel("pull", peer="upstream")
+        self.helper_socket = RouterChannel(peer="stages")   # this card's helper tier, if any
+        self.helper_arena: BlobArena | None = None
+        self.helper_error = ""
         self.next = self.head = self.first = None
         self.sender: HandoffSender | None = None
         self.receiver: HandoffReceiver | None = None
         self.stage: Stage | None = None
         self.assign: Assign | None = None
         self.requests: dict[int, _Request] = {}
-        self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0}
+        # compute_us: time in the stage's own work; send_us: time handing rows/tokens on.
+        self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
+                         "send_us": 0}
         self._last_beat_ok = time.monotonic()
         self._beat_seq = 0
 
@@ -77,13 +86,15 @@ class RankProcess:
         o = self.opts
         t0 = time.perf_counter()
         data_ep = self.data.bind(o.data_bind)
+        helper_ep = self.helper_socket.bind(_sibling(o.data_bind, "helper"))
         self.control.connect(o.coordinator)
         client_handshake(self.control, o.secret, f"rank-{os.getpid()}", timeout_ms=15_000)
         fingerprint = GGUFModel(o.model).fingerprint
         self.control.send(Register(rank=o.rank_hint, host=o.host_id or socket.gethostname(),
                                    pid=os.getpid(), devices=[o.device],
                                    model_fingerprint=fingerprint,
-                                   protocol_version=PROTOCOL_VERSION, endpoints={"data": data_ep}))
+                                   protocol_version=PROTOCOL_VERSION,
+                                   endpoints={"data": data_ep, "helper": helper_ep}))
         assign = self._wait_assign()
         if assign is None:
             return 2
@@ -91,21 +102,63 @@ class RankProcess:
         rank = assign.rank
         log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
         if assign.role in ("stage", "stage+helper"):
+            x = assign.extra
             self.stage = Stage(StageConfig(
                 model_path=o.model, device=o.device_name, lb=assign.lb, le=assign.le,
                 first=assign.first, last=assign.last, max_context=assign.max_context,
-                weight_slice=bool(assign.extra.get("weight_slice", True))))
+                weight_slice=bool(x.get("weight_slice", True)),
+                cache_pairs=[tuple(p) for p in x.get("cache_pairs", [])],
+                helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []))
+                         for h in assign.helpers]))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
+        if assign.helper_pairs:
+            self._open_helper(assign)
         self.head = Channel("push", peer="head").connect(assign.head_endpoint)
         if self.stage:
             self._connect_neighbours(assign)
-        allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes()} \
-            if self.stage else {}
+        allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
+                     "cache": self.stage.cache.nbytes} if self.stage else {}
+        if assign.helper_pairs:
+            allocated["helper"] = self.helper_arena.nbytes if self.helper_arena else 0
+            if self.helper_error:
+                allocated["helper_failed"] = 1
         if self.sender and self.sender.nbytes:
             allocated["handoff"] = self.sender.nbytes
         self.control.send(Ready(rank=rank, allocated=allocated,
                                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
         return self._serve()
+
+    def _open_helper(self, a: Assign) -> None:
+        """This card's helper tier. Fail-soft: a tier that cannot open is logged, reported in
+        Ready, and answers every request with an error (stages then use host memory)."""
+        gguf = GGUFModel(self.opts.model)
+        g = architecture_for(gguf).read_geometry(gguf)
+        backend = self.stage.backend if self.stage else _backend(self.opts.device_name)
+        try:
+            self.helper_arena = BlobArena(backend, gguf, [tuple(p) for p in a.helper_pairs],
+                                          g.n_layers, g.n_expert)
+        except Exception as e:  # out of memory, most likely
+            self.helper_error = f"helper tier of {len(a.helper_pairs)} pairs did not open: {e}"
+            log.error("%s", self.helper_error)
+
+    def _serve_helper(self) -> None:
+        try:
+            identity, msg, arrays = self.helper_socket.recv(timeout_ms=100)
+        except (ProtocolTimeout, ProtocolError) as e:
+            log.warning("helper socket: %s", e)
+            return
+        if not isinstance(msg, ExpertRequest):
+            return
+        try:
+            if self.helper_arena is None:
+                raise RuntimeError(self.helper_error or "this rank holds no helper tier")
+            out = serve_request(self.helper_arena, msg, arrays)
+            self.counters["helper_requests"] = self.counters.get("helper_requests", 0) + 1
+            self.helper_socket.send(identity, ExpertReply(seq=msg.seq, layer=msg.layer, n=msg.n),
+                                    [out], timeout_ms=2000)
+        except Exception as e:
+            self.helper_socket.send(identity, Error(rank=self.assign.rank, request_id=None,
+                                                    message=str(e), code="helper"), timeout_ms=2000)
 
     def _connect_neighbours(self, a: Assign) -> None:
         """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
@@ -144,7 +197,7 @@ class RankProcess:
         raise ProtocolTimeout("coordinator", "an assignment", self.opts.assign_timeout_s * 1e3)
 
     def _serve(self) -> int:
-        poller = Poller(self.control, self.data)
+        poller = Poller(self.control, self.data, self.helper_socket)
         if self.sender is not None:
             self.sender.offer()
         next_beat = 0.0
@@ -155,6 +208,9 @@ class RankProcess:
                 next_beat = now + HEARTBEAT_S
             self._watch_parent()
             for ch in poller.poll(int(HEARTBEAT_S * 1000)):
+                if ch is self.helper_socket:
+                    self._serve_helper()
+                    continue
                 try:
                     msg, arrays = ch.recv(timeout_ms=100)
                 except ProtocolTimeout:
@@ -173,6 +229,8 @@ class RankProcess:
 
     def _counters(self) -> dict[str, int]:
         c = dict(self.counters)
+        if self.stage is not None:
+            c.update(self.stage.tiers.counters)
         if self.sender is not None:
             c.update(handoff_ipc=self.sender.sent_ipc, handoff_frames=self.sender.sent_frames)
         return c
@@ -220,6 +278,12 @@ class RankProcess:
         except Exception as e:  # a bad request must not take the rank down
             log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
             self._report(msg.request_id, f"rank {self.assign.rank}: {type(e).__name__}: {e}")
+        finally:
+            if self.receiver is not None:
+                try:
+                    self.receiver.release()   # the upstream slot is free, whatever happened
+                except ProtocolTimeout as e:
+                    log.error("could not free an upstream slot: %s", e)
 
     def _report(self, request_id: int, message: str) -> None:
         self.counters["errors"] += 1
@@ -233,13 +297,25 @@ class RankProcess:
         t0 = time.perf_counter()
         is_prompt = msg.sampling is not None
         if isinstance(msg, Tokens):
-            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids)
+            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt)
             n = len(msg.ids)
         else:
-            out = self.stage.run(msg.session_id, msg.pos, hidden=self.receiver.rows(msg, arrays))
+            out = self.stage.run(msg.session_id, msg.pos, hidden=self.receiver.rows(msg, arrays),
+                                 prompt=is_prompt)
             n = msg.n
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += n
+        t1 = time.perf_counter()
+        self.counters["compute_us"] += int((t1 - t0) * 1e6)
+        try:
+            self._forward(msg, out, n, t0)
+        finally:
+            self.counters["send_us"] += int((time.perf_counter() - t1) * 1e6)
+
+    def _forward(self, msg, out, n: int, t0: float) -> None:
+        """Hand the result on: rows to the next stage, or (last stage) progress, the sampled
+        token to the head and the next decode step to the first stage."""
+        is_prompt = msg.sampling is not None
         if not self.assign.last:
             self.sender.send(out, request_id=msg.request_id, session_id=msg.session_id,
                              pos=msg.pos, chunk_index=msg.chunk_index,
@@ -275,3 +351,17 @@ def _new_request(s: Sampling, session_id: int) -> _Request:
                             min_p=s.min_p, seed=s.seed)
     return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
 
+
+def _sibling(endpoint: str, name: str) -> str:
+    """Another endpoint next to a bound one: ipc://dir/rank0.sock -> ipc://dir/rank0-helper.sock;
+    tcp://host:port -> tcp://host:* (a port of its own)."""
+    if endpoint.startswith("ipc://"):
+        base = endpoint[:-5] if endpoint.endswith(".sock") else endpoint
+        return f"{base}-{name}.sock"
+    host = endpoint.rsplit(":", 1)[0]
+    return f"{host}:*"
+
+
+def _backend(device: str):
+    from .backends import get_backend
+    return get_backend(device)

@@ -5,12 +5,14 @@ It is what a stage rank computes, apart from any transport: ids or hidden rows i
 layers, keeping global layer ordinals (the session carve)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .backends import get_backend
-from .models import load_model, open_checked
+from .experts import BlobArena
+from .models import architecture_for, load_model, open_checked
+from .tiers import ExpertTiers, HelperClient
 
 
 @dataclass
@@ -23,6 +25,8 @@ class StageConfig:
     last: bool
     max_context: int
     weight_slice: bool = True
+    cache_pairs: list = field(default_factory=list)      # the plan's pairs for this stage's cache
+    helpers: list = field(default_factory=list)          # (rank, endpoint, pairs) of helper tiers
 
 
 class Stage:
@@ -30,8 +34,17 @@ class Stage:
         self.cfg = cfg
         self.gguf = open_checked(cfg.model_path)
         self.backend = get_backend(cfg.device)
+        arch = architecture_for(self.gguf)
+        g = arch.read_geometry(self.gguf)
+        own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
+        if len(own) != len(cfg.cache_pairs):
+            raise ValueError(f"the plan gives stage [{cfg.lb}, {cfg.le}) pairs of other layers")
+        self.cache = BlobArena(self.backend, self.gguf, own, g.n_layers, g.n_expert)
+        helpers = [HelperClient(rank, ep, [p for p in pairs if cfg.lb <= p[0] < cfg.le])
+                   for rank, ep, pairs in cfg.helpers]
+        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs])
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
-                                last=cfg.last, weight_slice=cfg.weight_slice)
+                                last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         self.sessions: dict[int, object] = {}
 
     @property
@@ -50,11 +63,12 @@ class Stage:
     def release(self, session_id: int) -> None:
         self.sessions.pop(session_id, None)
 
-    def run(self, session_id: int, pos: int, ids=None, hidden=None):
+    def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the
         others hidden rows (float32 [n, n_embd], host or device). Returns the hidden rows as a
         backend array, or on the last stage the host float32 logits of the last row [vocab]."""
         s = self.session(session_id)
+        self.tiers.prompt = prompt   # prompt chunks never go to helper tiers
         s.reset(pos)  # a position earlier than the session's end rewinds it (KV is positional)
         if self.cfg.first:
             h = self.model.embed(ids)

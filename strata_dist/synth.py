@@ -441,13 +441,18 @@ def _plan(g: SynthGeometry, quant: str, pop: Popularity, seed: int) -> tuple[lis
 def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry, quant: str = "q8_0",
                     popularity: str | Popularity = "uniform", seed: int = 0,
                     progress: Callable[[int, int], None] | None = None) -> SynthSummary:
-    """Write a synthetic qwen3moe GGUF to `path`; `progress(bytes_written, total_bytes)` per chunk."""
+    """Write a synthetic qwen3moe GGUF to `path`; `progress(bytes_written, total_bytes)` per chunk.
+    A qwen3next geometry (synth_next.NEXT_GEOMETRIES) writes a qwen3next file instead."""
+    from . import synth_next
+    if isinstance(like, synth_next.NextSynthGeometry) or like in synth_next.NEXT_GEOMETRIES:
+        return synth_next.write_synthetic_next(path, like, quant, popularity, seed, progress)
     if isinstance(like, SynthGeometry):
         g = like
     elif like in GEOMETRIES:
         g = GEOMETRIES[like]
     else:
-        raise ValueError(f"unknown geometry {like!r}: expected one of {', '.join(GEOMETRIES)}")
+        raise ValueError(f"unknown geometry {like!r}: expected one of "
+                         f"{', '.join([*GEOMETRIES, *synth_next.NEXT_GEOMETRIES])}")
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANTS)}")
     pop = parse_popularity(popularity) if isinstance(popularity, str) else popularity
@@ -457,27 +462,49 @@ def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry, qua
         raise ValueError(f"seed {seed} is not in [0, 2**32)")
     path = Path(path)
     tensors, ranks = _plan(g, quant, pop, seed)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(g.n_layer)
+        w.add_context_length(g.context_length)
+        w.add_embedding_length(g.n_embd)
+        w.add_feed_forward_length(g.n_ff_exp)     # qwen3moe has no dense FFN; the expert ff stands in
+        w.add_expert_feed_forward_length(g.n_ff_exp)
+        w.add_head_count(g.n_head)
+        w.add_head_count_kv(g.n_head_kv)
+        w.add_key_length(g.head_dim)
+        w.add_value_length(g.head_dim)
+        w.add_rope_freq_base(g.rope_base)
+        w.add_layer_norm_rms_eps(g.rms_eps)
+        w.add_expert_count(g.n_expert)
+        w.add_expert_used_count(g.n_expert_used)
+
+    size = _write_file(path, "qwen3moe", g, quant, pop, seed, ranks, metadata, tensors, progress)
+    return _summary(path, size, g, quant, pop, tensors, ranks)
+
+
+def _summary(path: Path, size: int, g, quant: str, pop: Popularity, tensors: list[_Tensor],
+             ranks: np.ndarray) -> SynthSummary:
+    types: dict[str, str] = {}
+    for t in tensors:
+        types.setdefault(t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name, t.ggml_type.name)
+    return SynthSummary(path=path, bytes_written=size, n_params=sum(math.prod(t.shape) for t in tensors),
+                        geometry=g, quant=quant, popularity=pop, tensor_types=types, expert_rank=ranks)
+
+
+def _write_file(path: Path, arch: str, g, quant: str, pop: Popularity, seed: int, ranks: np.ndarray,
+                metadata: Callable[[gguf.GGUFWriter], None], tensors: list[_Tensor],
+                progress: Callable[[int, int], None] | None) -> int:
+    """Stream `tensors` into a GGUF of `arch` at `path` (via path.part, renamed once complete) with
+    the architecture's `metadata`, the tokenizer and the strata.synth.* keys; returns its size."""
     need, free = sum(t.nbytes for t in tensors), shutil.disk_usage(path.parent).free
     if need > free:  # refuse at the start rather than fail an hour in
         mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
         raise ValueError(f"{g.name} {quant} needs {mib(need)}, {path.parent} has {mib(free)} free")
 
     part = path.with_name(path.name + ".part")           # renamed into place once complete
-    w = gguf.GGUFWriter(part, "qwen3moe")
+    w = gguf.GGUFWriter(part, arch)
     w.add_name(f"strata synthetic {g.name}")
-    w.add_block_count(g.n_layer)
-    w.add_context_length(g.context_length)
-    w.add_embedding_length(g.n_embd)
-    w.add_feed_forward_length(g.n_ff_exp)     # qwen3moe has no dense FFN; the expert ff stands in
-    w.add_expert_feed_forward_length(g.n_ff_exp)
-    w.add_head_count(g.n_head)
-    w.add_head_count_kv(g.n_head_kv)
-    w.add_key_length(g.head_dim)
-    w.add_value_length(g.head_dim)
-    w.add_rope_freq_base(g.rope_base)
-    w.add_layer_norm_rms_eps(g.rms_eps)
-    w.add_expert_count(g.n_expert)
-    w.add_expert_used_count(g.n_expert_used)
+    metadata(w)
     w.add_file_type(int(QUANTS[quant][1]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(w, g.n_vocab)
@@ -523,8 +550,4 @@ def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry, qua
         if not ok:
             part.unlink(missing_ok=True)
     os.replace(part, path)
-    types: dict[str, str] = {}
-    for t in tensors:
-        types.setdefault(t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name, t.ggml_type.name)
-    return SynthSummary(path=path, bytes_written=size, n_params=sum(math.prod(t.shape) for t in tensors),
-                        geometry=g, quant=quant, popularity=pop, tensor_types=types, expert_rank=ranks)
+    return size

@@ -57,7 +57,7 @@ class ServeSession:
 
     def gen(self, ids: list[int], max_new: int, options: str = "", timeout: float = 60.0) -> dict:
         self.send(f"GEN {max_new} {options} {' '.join(map(str, ids))}".replace("  ", " "))
-        out = {"tokens": [], "pp": [], "resume": None, "done": None, "err": None}
+        out = {"tokens": [], "pp": [], "resume": None, "done": None, "err": None, "stats": []}
         while True:
             line = self.next_line(timeout)
             kind, _, rest = line.partition(" ")
@@ -65,6 +65,8 @@ class ServeSession:
                 out["tokens"].append(int(rest))
             elif kind == "PP":
                 out["pp"].append(rest.split())
+            elif kind == "STATS":
+                out["stats"].append(dict(kv.split("=", 1) for kv in rest.split()))
             elif kind == "RESUME":
                 out["resume"] = int(rest)
             elif kind == "DONE":

@@ -48,6 +48,7 @@ def test_gpu_ranks_equal_single_process(model, baseline, split):
         stats = _stats(s)
         if n > 1:
             assert all(int(r.get("handoff_ipc", 0)) > 0 for r in stats[:-1]), stats
-            assert all(int(r.get("handoff_frames", 0)) == 0 for r in stats[:-1]), stats
+            # rows go in frames only until the next stage has opened the buffer (prompt chunks)
+            assert all(int(r.get("handoff_ipc", 0)) >= 63 for r in stats[:-1]), stats
     finally:
         assert s.close() == 0

@@ -24,6 +24,14 @@ class Backend:
         """A dense weight matrix as the backend keeps it."""
         raise NotImplementedError
 
+    def dense_tensor(self, gguf, info):
+        """A dense weight matrix of the file as the backend keeps it (backends/layout.py)."""
+        raise NotImplementedError
+
+    def rows(self, table, ids):
+        """float32 rows `ids` of an embedding table kept by dense_tensor."""
+        raise NotImplementedError
+
     def f32(self, host: np.ndarray):
         """A small float32 tensor (norm weights, routers) on the device."""
         raise NotImplementedError

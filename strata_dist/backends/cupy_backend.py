@@ -9,6 +9,7 @@ import numpy as np
 
 try:
     import cupy as cp
+    import cupyx
 except ImportError as exc:  # pragma: no cover - exercised only without CuPy
     raise ImportError("the cuda backend needs CuPy: pip install 'strata-dist[cuda13]' "
                       "(or [cuda12])") from exc
@@ -55,9 +56,23 @@ class CupyBackend(Backend):
         self.device = f"cuda:{index}"
         self._dev = cp.cuda.Device(index)
         self._dev.use()
+        self._pinned = None
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
+
+    def dense_tensor(self, gguf, info):
+        if info.ggml_type == GGMLQuantizationType.Q8_0:
+            return Q8Matrix(cp.asarray(np.asarray(gguf.raw(info.name))), info.shape)
+        if info.ggml_type == GGMLQuantizationType.F16:
+            return cp.asarray(np.asarray(gguf.raw(info.name)).view(np.float16).reshape(info.shape))
+        return self.dense(gguf.dequantize(info.name))
+
+    def rows(self, table, ids):
+        idx = cp.asarray(np.asarray(ids, dtype=np.int64))
+        if isinstance(table, Q8Matrix):
+            return table.rows(idx)
+        return table[idx].astype(cp.float32)
 
     def f32(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float32))
@@ -69,12 +84,50 @@ class CupyBackend(Backend):
         return cp.asnumpy(x)
 
     def linear(self, x, w):
+        if isinstance(w, Q8Matrix):
+            return x @ w.dequantize().T
         if w.dtype == cp.float16:
             return (x.astype(cp.float16) @ w.T).astype(cp.float32)
         return x @ w.T
 
-    def make_expert_store(self, model, layers):
-        return DeviceExpertStore(model, layers)
+    def make_expert_store(self, gguf, layers):
+        """The single-process store: every expert of `layers` resident, in its stored format."""
+        from ..experts import BlobArena
+        g_layers = list(layers)
+        n_experts = gguf.tensor(f"blk.{g_layers[0]}.ffn_gate_exps.weight").shape[0]
+        n_layers = max(g_layers) + 1
+        return BlobArena(self, gguf, [(l, e) for l in g_layers for e in range(n_experts)],
+                         n_layers, n_experts)
+
+    def stage_blob(self, host_blob):
+        """A host blob on the device, through a pinned staging buffer (DMA at full PCIe speed)."""
+        n = int(host_blob.nbytes)
+        if self._pinned is None or self._pinned.size < n:
+            self._pinned = cupyx.empty_pinned(max(n, 1 << 20), dtype=np.uint8)
+        self._pinned[:n] = np.asarray(host_blob, dtype=np.uint8)
+        out = cp.empty(n, dtype=cp.uint8)
+        out.set(self._pinned[:n])
+        return out
+
+    def expert_weights(self, gguf, layer, blob):
+        """(gate, up, down) float32 on the device from a device blob in its stored format."""
+        out = []
+        pos = 0
+        for t in gguf.expert_parts(layer):
+            per = t.n_bytes // t.shape[0]
+            raw, pos = blob[pos:pos + per], pos + per
+            rows, cols = t.shape[1], t.shape[2]
+            if t.ggml_type == GGMLQuantizationType.Q8_0:
+                out.append(_dequant_q8_0(raw, rows * cols).reshape(rows, cols))
+            elif t.ggml_type == GGMLQuantizationType.F32:
+                out.append(raw.view(cp.float32).reshape(rows, cols))
+            elif t.ggml_type == GGMLQuantizationType.F16:
+                out.append(raw.view(cp.float16).astype(cp.float32).reshape(rows, cols))
+            else:  # no kernel yet for this type: decode on the host (correct, slower)
+                from ..gguf_model import dequantize_bytes
+                out.append(cp.asarray(dequantize_bytes(cp.asnumpy(raw), t.ggml_type, (rows, cols),
+                                                       gguf.path, t.name)))
+        return tuple(out)
 
     def synchronize(self):
         cp.cuda.get_current_stream().synchronize()
@@ -84,47 +137,25 @@ class CupyBackend(Backend):
         return int(free), int(total)
 
 
-class DeviceExpertStore:
-    """All experts of `layers` resident on the device in their stored format."""
+def _dequant_q8_0(raw, n: int):
+    out = cp.empty(n, dtype=cp.float32)
+    _kernels().get_function("dequant_q8_0")(((n + 255) // 256,), (256,), (raw, out, cp.int64(n)))
+    return out
 
-    NATIVE = {GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.F32}
 
-    def __init__(self, model, layers):
-        self.gguf = model
-        self.raw = {}          # tensor name -> device uint8 array (stored bytes)
-        self.host_f32 = {}     # (layer, expert) -> device f32 (types without a kernel yet)
-        self.nbytes = 0
-        for layer in layers:
-            for t in model.expert_parts(layer):
-                if t.ggml_type in self.NATIVE:
-                    arr = cp.asarray(np.asarray(model.raw(t.name)))
-                    self.raw[t.name] = arr
-                    self.nbytes += int(arr.nbytes)
+class Q8Matrix:
+    """A Q8_0 matrix kept as stored on the device; decoded exactly to float32 where it is used."""
 
-    def _matrix(self, info, expert: int):
-        rows, cols = info.shape[1], info.shape[2]
-        per = info.n_bytes // info.shape[0]
-        raw = self.raw[info.name][expert * per:(expert + 1) * per]
-        if info.ggml_type == GGMLQuantizationType.F32:
-            return raw.view(cp.float32).reshape(rows, cols)
-        if info.ggml_type == GGMLQuantizationType.F16:
-            return raw.view(cp.float16).astype(cp.float32).reshape(rows, cols)
-        out = cp.empty(rows * cols, dtype=cp.float32)
-        n = out.size
-        _kernels().get_function("dequant_q8_0")(((n + 255) // 256,), (256,), (raw, out, cp.int64(n)))
-        return out.reshape(rows, cols)
+    def __init__(self, raw, shape):
+        self.raw, self.shape = raw, tuple(shape)
+        self.nbytes = int(raw.nbytes)
+        self.row_bytes = self.nbytes // self.shape[0]
 
-    def weights(self, layer: int, expert: int):
-        parts = self.gguf.expert_parts(layer)
-        if all(p.ggml_type in self.NATIVE for p in parts):
-            return tuple(self._matrix(p, expert) for p in parts)
-        key = (layer, expert)
-        if key not in self.host_f32:
-            self.host_f32[key] = tuple(cp.asarray(a) for a in self.gguf.dequantize_expert(layer, expert))
-        return self.host_f32[key]
+    def dequantize(self):
+        return _dequant_q8_0(self.raw, self.shape[0] * self.shape[1]).reshape(self.shape)
 
-    def compute(self, layer: int, expert: int, x):
-        gate, up, down = self.weights(layer, expert)
-        g = x @ gate.T
-        h = g / (1.0 + cp.exp(-g)) * (x @ up.T)
-        return h @ down.T
+    def rows(self, idx):
+        picked = self.raw.reshape(self.shape[0], self.row_bytes)[idx]
+        return _dequant_q8_0(picked.reshape(-1), len(idx) * self.shape[1]).reshape(len(idx), -1)
+
+

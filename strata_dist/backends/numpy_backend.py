@@ -15,6 +15,12 @@ class NumpyBackend(Backend):
     def dense(self, host):
         return np.ascontiguousarray(host, dtype=np.float32)
 
+    def dense_tensor(self, gguf, info):
+        return self.dense(gguf.dequantize(info.name))
+
+    def rows(self, table, ids):
+        return table[np.asarray(ids, dtype=np.int64)]
+
     def f32(self, host):
         return np.ascontiguousarray(host, dtype=np.float32)
 
@@ -27,6 +33,15 @@ class NumpyBackend(Backend):
     def linear(self, x, w):
         return x @ w.T
 
-    def make_expert_store(self, model, layers):
-        from ..experts import HostExpertStore
-        return HostExpertStore(model, layers)
+    def make_expert_store(self, gguf, layers):
+        from ..experts import HostTier
+        return HostTier(self, gguf)
+
+    def stage_blob(self, host_blob):
+        return host_blob
+
+    def expert_weights(self, gguf, layer, blob):
+        """(gate, up, down) float32 of one stored blob."""
+        from ..gguf_model import dequantize_bytes
+        return tuple(dequantize_bytes(b, t.ggml_type, t.shape[1:], gguf.path, t.name)
+                     for t, b in gguf.split_blob(layer, blob))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..gguf_model import GGUFError, GGUFModel
-from . import qwen3moe
+from . import qwen3moe, qwen3next
 
-ARCHITECTURES: dict[str, ModuleType] = {qwen3moe.ARCH: qwen3moe}
+ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, qwen3next)}
 
 
 def architecture_for(gguf: GGUFModel) -> ModuleType:

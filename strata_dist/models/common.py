@@ -74,11 +74,7 @@ def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarra
     never depends on how rows were grouped per expert."""
     xp = backend.xp
     n, k = idx.shape
-    y = xp.zeros((n, k, x.shape[1]), dtype=np.float32)
-    for expert in np.unique(idx):
-        rows, ranks = np.nonzero(idx == expert)
-        sel = backend.asarray(rows)
-        y[sel, backend.asarray(ranks)] = experts.compute(layer, int(expert), x[sel])
+    y = experts.outputs(layer, x, idx)   # [n, k, d], whichever tier computed each entry
     w_dev = backend.asarray(wts)
     out = xp.zeros_like(x)
     for r in range(k):

@@ -90,7 +90,7 @@ def validate(gguf: GGUFModel, g: Geometry) -> None:
 
 def dense_tensor_names(g: Geometry, lb: int, le: int, first: bool, last: bool) -> list[str]:
     """The dense tensors a stage running [lb, le) loads. The planner prices exactly this list,
-    each tensor at `loaded_itemsize` bytes an element."""
+    each tensor at the bytes backends/layout.py gives it."""
     names = []
     if first or (last and g.tied_embeddings):
         names.append("token_embd.weight")
@@ -108,8 +108,32 @@ def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 1 or name.split(".")[-2] == ROUTER_PART
 
 
-def loaded_itemsize(name: str, shape: tuple[int, ...], dense_itemsize: int) -> int:
-    return 4 if keeps_f32(name, shape) else dense_itemsize
+# ---- session geometry: what KVSession allocates, as model_shape prices it -------------------------
+
+def layer_kinds(g: Geometry) -> tuple[str, ...]:
+    return ("attention",) * g.n_layers
+
+
+def kv_elems_per_cell(g: Geometry, layer: int) -> int:
+    """K + V elements per context cell of a layer."""
+    return 2 * g.n_head_kv * g.head_dim
+
+
+def recurrent_elems(g: Geometry, layer: int) -> int:
+    return 0
+
+
+def rope_dim(g: Geometry) -> int:
+    """Elements per cell of the session's RoPE table (cos + sin, head_dim/2 each)."""
+    return g.head_dim
+
+
+def mixer_width(g: Geometry) -> int:
+    return (g.n_head + 2 * g.n_head_kv) * g.head_dim
+
+
+def extra_prompt_elems(g: Geometry) -> int:
+    return 0
 
 
 # ---- the forward ---------------------------------------------------------------------------------
@@ -173,7 +197,8 @@ class Qwen3Moe:
     """The qwen3moe forward over the layers [lb, le) of a model file."""
 
     def __init__(self, gguf: GGUFModel, backend, lb: int = 0, le: int | None = None,
-                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True):
+                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True,
+                 experts=None):
         self.gguf, self.backend = gguf, backend
         self.g = g = read_geometry(gguf)
         validate(gguf, g)
@@ -191,13 +216,18 @@ class Qwen3Moe:
         for name in names:
             self._tensors[name] = self._load(name)
         self.layers = {layer: self._layer(layer) for layer in range(self.lb, self.le)}
-        self.experts = backend.make_expert_store(gguf, range(self.lb, self.le))
+        # a stage rank passes its tiered store; alone, the backend's own (every expert of [lb, le))
+        self.experts = experts if experts is not None else backend.make_expert_store(
+            gguf, range(self.lb, self.le))
         # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
         self.on_route = None
 
     def _load(self, name: str):
-        host = self.gguf.dequantize(name)
-        arr = self.backend.f32(host) if keeps_f32(name, host.shape) else self.backend.dense(host)
+        info = self.gguf.tensor(name)
+        if keeps_f32(name, info.shape):
+            arr = self.backend.f32(self.gguf.dequantize(name))
+        else:
+            arr = self.backend.dense_tensor(self.gguf, info)   # the rule of backends/layout.py
         self.loaded_bytes += int(arr.nbytes)
         return arr
 
@@ -215,8 +245,7 @@ class Qwen3Moe:
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
             raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
-        emb = self._tensors["token_embd.weight"]
-        return emb[self.backend.asarray(ids)].astype(np.float32)
+        return self.backend.rows(self._tensors["token_embd.weight"], ids)
 
     def forward_layers(self, h, session: KVSession) -> object:
         """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n.

@@ -1,0 +1,586 @@
+"""qwen3next: Qwen3-Next-80B-A3B and its family.
+
+A hybrid stack: every `full_attention_interval`-th layer (l % 4 == 3) is gated full attention, the
+others are Gated DeltaNet linear attention. Every layer ends in a MoE with a shared expert.
+
+Per layer: RMSNorm → mixer → residual → RMSNorm (post_attention_norm) → MoE → residual.
+
+- Linear layer (GDN): attn_qkv → causal depthwise conv1d (kernel K, state = the last K-1 inputs) →
+  SiLU → q, k (L2-normalised, q scaled by 1/sqrt(head_k_dim)), v; ssm_ba → beta = sigmoid(b) and
+  g = ssm_a * softplus(a + ssm_dt.bias) with ssm_a = -exp(A_log); the gated delta rule per value
+  head, S <- exp(g) S; S <- S + k (beta (v - k^T S))^T; o = q^T S; gated RMSNorm
+  (ssm_norm * norm(o) * SiLU(z), z = attn_gate x); ssm_out.
+- Attention layer: attn_q gives per head [q | gate]; q/k RMSNorm per head; NEOX RoPE over the
+  first rope.dimension_count dims; causal GQA; output * sigmoid(gate); attn_output.
+- MoE: softmax router, top-k (renormalised when expert_weights_norm, default true), SwiGLU experts
+  combined in top-k rank order, plus the shared expert gated by sigmoid(ffn_gate_inp_shexp x).
+
+The GGUF conventions are llama.cpp's (convert_hf_to_gguf.py, Qwen3NextModel): RMSNorm weights are
+stored already offset by +1 except the gated norm (ssm_norm); ssm_a holds -exp(A_log); HF's
+in_proj_qkvz (interleaved per key head) is split into attn_qkv = [q all heads | k | v] and
+attn_gate = z; ssm_ba is HF's in_proj_ba as is (per key head: r beta then r alpha, r = v/k heads);
+ssm_conv1d is [conv_dim, K]; attn_q is HF's q_proj (per head: head_dim of q then head_dim of gate).
+Older files hold the unsplit blk.N.ssm_in instead of attn_qkv + attn_gate; both load.
+
+A model object holds only the layers [lb, le) it was built for (plus the embedding when first, the
+output norm and head when last), exactly the tensors `dense_tensor_names` lists; its session holds
+conv + recurrent state only for its own linear layers and KV only for its own attention layers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..gguf_model import Geometry, GGUFError, GGUFModel
+from ..plan.pricing import DECODE_ROWS
+from .common import apply_rope, causal_attention, moe_combine, rms_norm, rope_tables, softmax_topk
+
+ARCH = "qwen3next"
+
+ROUTER_PART = "ffn_gate_inp"
+SHEXP_GATE_PART = "ffn_gate_inp_shexp"
+COMMON_PARTS = ("attn_norm", "post_attention_norm", "ffn_gate_shexp", "ffn_up_shexp",
+                "ffn_down_shexp", SHEXP_GATE_PART)
+ATTENTION_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm")
+LINEAR_PARTS = ("ssm_conv1d", "ssm_dt", "ssm_a", "ssm_ba", "ssm_norm", "ssm_out")
+QKVZ_SPLIT_PARTS = ("attn_qkv", "attn_gate")
+QKVZ_FUSED_PARTS = ("ssm_in",)
+# Parts llama.cpp names without the usual ".weight".
+_SUFFIX = {"ssm_a": "", "ssm_dt": ".bias"}
+# Small tensors kept float32 on every backend: routers and gates (routing decisions are sensitive)
+# and the conv kernel (used elementwise). 1-D tensors (norms, ssm_a, ssm_dt) are always float32.
+_F32_PARTS = {ROUTER_PART, SHEXP_GATE_PART, "ssm_conv1d"}
+_NAME_RE = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.(?:weight|bias))?$")
+L2_EPS = 1e-6       # of the q/k L2 norm (the reference's l2norm, fixed, not the RMS epsilon)
+STATE_ITEMSIZE = 4  # session state (KV, conv, recurrent, RoPE, scores) is float32
+
+
+def tensor_name(layer: int, part: str) -> str:
+    return f"blk.{layer}.{part}{_SUFFIX.get(part, '.weight')}"
+
+
+def _part(name: str) -> str:
+    m = _NAME_RE.match(name)
+    return m.group(2) if m else name.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class NextGeometry(Geometry):
+    n_rot: int                      # rope.dimension_count: rotated dims of each head
+    full_attention_interval: int
+    ssm_conv_kernel: int            # K
+    ssm_state_size: int             # head_k_dim
+    ssm_group_count: int            # key heads
+    ssm_time_step_rank: int         # value heads
+    ssm_inner_size: int             # value heads * head_v_dim
+    n_ff_shexp: int
+    norm_topk_prob: bool
+    fused_qkvz: bool                # legacy files: blk.N.ssm_in instead of attn_qkv + attn_gate
+
+    @property
+    def n_k_heads(self) -> int:
+        return self.ssm_group_count
+
+    @property
+    def n_v_heads(self) -> int:
+        return self.ssm_time_step_rank
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.ssm_state_size
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.ssm_inner_size // self.ssm_time_step_rank
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.ssm_inner_size
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def is_linear(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval != 0
+
+
+def read_geometry(gguf: GGUFModel) -> NextGeometry:
+    """Geometry from the metadata keys llama.cpp's converter writes, with the embedding's shape as
+    the vocabulary's size."""
+    md = gguf.arch_metadata
+    n_embd = int(md("embedding_length", required=True))
+    n_head = int(md("attention.head_count", required=True))
+    head_dim = int(md("attention.key_length", default=n_embd // n_head))
+    n_layers = int(md("block_count", required=True))
+    emb = gguf.tensor("token_embd.weight")
+    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
+        raise GGUFError(gguf.path, f"has shape {list(emb.shape)}, expected [n_vocab, {n_embd}]",
+                        tensor=emb.name)
+    interval = int(md("full_attention_interval", default=4))
+    n_rot = int(md("rope.dimension_count", default=head_dim))
+    n_v = int(md("ssm.time_step_rank", required=True))
+    n_k = int(md("ssm.group_count", required=True))
+    inner = int(md("ssm.inner_size", required=True))
+    if interval < 1 or n_rot < 2 or n_rot % 2 or n_rot > head_dim or n_k < 1 or n_v % n_k \
+            or inner % n_v:
+        raise GGUFError(gguf.path, f"inconsistent qwen3next metadata: full_attention_interval="
+                                   f"{interval}, rope.dimension_count={n_rot} (head {head_dim}), "
+                                   f"ssm.group_count={n_k}, ssm.time_step_rank={n_v}, "
+                                   f"ssm.inner_size={inner}")
+    n_ff_shexp = md("expert_shared_feed_forward_length")
+    if n_ff_shexp is None:   # llama.cpp falls back to the tensor itself
+        n_ff_shexp = gguf.tensor(tensor_name(0, "ffn_up_shexp")).shape[0]
+    first_linear = next((l for l in range(n_layers) if (l + 1) % interval), None)
+    fused = (first_linear is not None
+             and tensor_name(first_linear, "attn_qkv") not in gguf.tensors
+             and tensor_name(first_linear, "ssm_in") in gguf.tensors)
+    return NextGeometry(
+        arch=gguf.arch,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_vocab=emb.shape[0],
+        n_head=n_head,
+        n_head_kv=int(md("attention.head_count_kv", default=n_head)),
+        head_dim=head_dim,
+        n_expert=int(md("expert_count", required=True)),
+        n_expert_used=int(md("expert_used_count", required=True)),
+        n_ff_exp=int(md("expert_feed_forward_length", required=True)),
+        rms_eps=float(md("attention.layer_norm_rms_epsilon", default=1e-6)),
+        rope_base=float(md("rope.freq_base", default=10000.0)),
+        context_length=int(md("context_length", default=262144)),
+        tied_embeddings="output.weight" not in gguf.tensors,
+        n_rot=n_rot,
+        full_attention_interval=interval,
+        ssm_conv_kernel=int(md("ssm.conv_kernel", required=True)),
+        ssm_state_size=int(md("ssm.state_size", required=True)),
+        ssm_group_count=n_k,
+        ssm_time_step_rank=n_v,
+        ssm_inner_size=inner,
+        n_ff_shexp=int(n_ff_shexp),
+        norm_topk_prob=bool(md("expert_weights_norm", default=True)),
+        fused_qkvz=fused,
+    )
+
+
+def layer_parts(g: NextGeometry, layer: int) -> tuple[str, ...]:
+    """The dense parts of one layer (the router included), in load order."""
+    if g.is_linear(layer):
+        mixer = (QKVZ_FUSED_PARTS if g.fused_qkvz else QKVZ_SPLIT_PARTS) + LINEAR_PARTS
+    else:
+        mixer = ATTENTION_PARTS
+    return mixer + COMMON_PARTS + (ROUTER_PART,)
+
+
+def expected_shapes(g: NextGeometry, layer: int) -> dict[str, tuple[int, ...]]:
+    """numpy shapes (GGUF ne reversed) of every tensor of a layer. ffn_gate_inp_shexp may also be
+    stored 1-D ([n_embd]); validate accepts both."""
+    E, d, ff, sh = g.n_expert, g.n_embd, g.n_ff_exp, g.n_ff_shexp
+    parts: dict[str, tuple[int, ...]] = {
+        "attn_norm": (d,), "post_attention_norm": (d,),
+        ROUTER_PART: (E, d), SHEXP_GATE_PART: (1, d),
+        "ffn_gate_shexp": (sh, d), "ffn_up_shexp": (sh, d), "ffn_down_shexp": (d, sh),
+        "ffn_gate_exps": (E, ff, d), "ffn_up_exps": (E, ff, d), "ffn_down_exps": (E, d, ff),
+    }
+    if g.is_linear(layer):
+        if g.fused_qkvz:
+            parts["ssm_in"] = (2 * g.key_dim + 2 * g.value_dim, d)
+        else:
+            parts["attn_qkv"] = (g.conv_dim, d)
+            parts["attn_gate"] = (g.value_dim, d)
+        parts.update({
+            "ssm_conv1d": (g.conv_dim, g.ssm_conv_kernel), "ssm_dt": (g.n_v_heads,),
+            "ssm_a": (g.n_v_heads,), "ssm_ba": (2 * g.n_v_heads, d),
+            "ssm_norm": (g.head_v_dim,), "ssm_out": (d, g.value_dim),
+        })
+    else:
+        q = g.n_head * g.head_dim
+        kv = g.n_head_kv * g.head_dim
+        parts.update({
+            "attn_q": (2 * q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+            "attn_q_norm": (g.head_dim,), "attn_k_norm": (g.head_dim,),
+        })
+    return {tensor_name(layer, p): s for p, s in parts.items()}
+
+
+def model_level_shapes(g: NextGeometry) -> dict[str, tuple[int, ...]]:
+    shapes = {"token_embd.weight": (g.n_vocab, g.n_embd), "output_norm.weight": (g.n_embd,)}
+    if not g.tied_embeddings:
+        shapes["output.weight"] = (g.n_vocab, g.n_embd)
+    return shapes
+
+
+def validate(gguf: GGUFModel, g: NextGeometry) -> None:
+    """Every tensor the architecture needs exists with its shape; raises GGUFError naming it."""
+    if g.n_head % g.n_head_kv:
+        raise GGUFError(gguf.path, f"{g.n_head} attention heads are not a multiple of "
+                                   f"{g.n_head_kv} KV heads")
+    for name, shape in model_level_shapes(g).items():
+        gguf.require(name, shape)
+    for layer in range(g.n_layers):
+        for name, shape in expected_shapes(g, layer).items():
+            if _part(name) == SHEXP_GATE_PART and gguf.tensor(name).shape == (g.n_embd,):
+                continue
+            gguf.require(name, shape)
+
+
+def dense_tensor_names(g: NextGeometry, lb: int, le: int, first: bool, last: bool) -> list[str]:
+    """The dense tensors a stage running [lb, le) loads: its layers' mixers (attention or GDN),
+    norms, routers and shared experts. The planner prices exactly this list, each tensor at the
+    bytes backends/layout.py gives it."""
+    names = []
+    if first or (last and g.tied_embeddings):
+        names.append("token_embd.weight")
+    for layer in range(lb, le):
+        names += [tensor_name(layer, p) for p in layer_parts(g, layer)]
+    if last:
+        names.append("output_norm.weight")
+        if not g.tied_embeddings:
+            names.append("output.weight")
+    return names
+
+
+def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Kept float32 on every backend; any other dense tensor as backends/layout.py says."""
+    return len(shape) == 1 or _part(name) in _F32_PARTS
+
+
+# ---- session geometry: one rule for what a session allocates and what the planner prices --------
+
+def layer_kinds(g: NextGeometry) -> tuple[str, ...]:
+    return tuple("linear" if g.is_linear(l) else "attention" for l in range(g.n_layers))
+
+
+def kv_shape(g: NextGeometry, cells: int) -> tuple[int, ...]:
+    return (cells, g.n_head_kv, g.head_dim)
+
+
+def conv_state_shape(g: NextGeometry) -> tuple[int, ...]:
+    return (g.ssm_conv_kernel - 1, g.conv_dim)
+
+
+def recurrent_state_shape(g: NextGeometry) -> tuple[int, ...]:
+    return (g.n_v_heads, g.head_k_dim, g.head_v_dim)
+
+
+def kv_elems_per_cell(g: NextGeometry, layer: int) -> int:
+    """K + V elements per context cell of an attention layer; 0 for a linear layer."""
+    return 0 if g.is_linear(layer) else 2 * g.n_head_kv * g.head_dim
+
+
+def recurrent_elems(g: NextGeometry, layer: int) -> int:
+    """Conv state + recurrent state elements of a linear layer; 0 for an attention layer."""
+    if not g.is_linear(layer):
+        return 0
+    return int(np.prod(conv_state_shape(g))) + int(np.prod(recurrent_state_shape(g)))
+
+
+def rope_dim(g: NextGeometry) -> int:
+    """Elements per cell of the session's RoPE table (cos + sin, n_rot/2 each)."""
+    return g.n_rot
+
+
+def mixer_width(g: NextGeometry) -> int:
+    """The widest per-token mixer input projection: attention q+gate, k, v; or GDN qkv, z, b, a."""
+    attn = 2 * g.n_head * g.head_dim + 2 * g.n_head_kv * g.head_dim
+    linear = g.conv_dim + g.value_dim + 2 * g.n_v_heads
+    return max(attn, linear)
+
+
+def extra_prompt_elems(g: NextGeometry) -> int:
+    """Per-token prompt buffers beyond the qwen3moe estimate: the shared expert's gate, up and out."""
+    return 2 * g.n_ff_shexp + g.n_embd
+
+
+# ---- the session --------------------------------------------------------------------------------
+
+class RecurrentRewindError(ValueError):
+    """A session with linear-attention state cannot move back to an earlier position: the state is
+    not positional. Resuming there needs a checkpoint."""
+
+
+class HybridSession:
+    """The session of one conversation for the layers [lb, le) only, global ordinals kept:
+
+    - K/V rows [max_cells, n_head_kv, head_dim] for each attention layer of the range,
+    - conv state [K-1, conv_dim] and recurrent state [v_heads, head_k_dim, head_v_dim] for each
+      linear layer of the range,
+    - one RoPE table (cos + sin, [max_cells, n_rot/2] each), carved even when the range has no
+      attention layer (the primary state),
+    - the decode score scratch (DECODE_ROWS x n_head x max_cells), only when the range has an
+      attention layer.
+    All float32: exactly the parts `plan.pricing.session_parts` prices for the ModelShape that
+    `model_shape` builds from the same geometry."""
+
+    def __init__(self, backend, g: NextGeometry, lb: int, le: int, max_cells: int):
+        xp = backend.xp
+        self.g, self.lb, self.le, self.max_cells = g, lb, le, max_cells
+        self.attention_layers = [l for l in range(lb, le) if not g.is_linear(l)]
+        self.linear_layers = [l for l in range(lb, le) if g.is_linear(l)]
+        f32 = np.float32
+        self._k = {l: xp.zeros(kv_shape(g, max_cells), dtype=f32) for l in self.attention_layers}
+        self._v = {l: xp.zeros(kv_shape(g, max_cells), dtype=f32) for l in self.attention_layers}
+        self._conv = {l: xp.zeros(conv_state_shape(g), dtype=f32) for l in self.linear_layers}
+        self._ssm = {l: xp.zeros(recurrent_state_shape(g), dtype=f32) for l in self.linear_layers}
+        cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base)
+        self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
+        self.scores = (xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=f32)
+                       if self.attention_layers else None)
+        self.n_past = 0
+
+    def _arrays(self) -> list:
+        arrays = [*self._k.values(), *self._v.values(), *self._conv.values(), *self._ssm.values(),
+                  self.rope_cos, self.rope_sin]
+        return arrays + ([self.scores] if self.scores is not None else [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._arrays())
+
+    def parts_nbytes(self) -> dict[str, int]:
+        """Bytes by the planner's part names (see plan.pricing.session_parts)."""
+        return {
+            "primary": int(self.rope_cos.nbytes + self.rope_sin.nbytes),
+            "kv": sum(int(a.nbytes) for a in (*self._k.values(), *self._v.values())),
+            "recurrent": sum(int(a.nbytes) for a in (*self._conv.values(), *self._ssm.values())),
+            "scratch": int(self.scores.nbytes) if self.scores is not None else 0,
+        }
+
+    def _check(self, layer: int, table: dict, what: str):
+        if not self.lb <= layer < self.le:
+            raise IndexError(f"layer {layer} is not in this session's range [{self.lb}, {self.le})")
+        if layer not in table:
+            raise IndexError(f"layer {layer} has no {what} (it is a "
+                             f"{'linear' if self.g.is_linear(layer) else 'attention'} layer)")
+        return table[layer]
+
+    def k(self, layer: int):
+        return self._check(layer, self._k, "KV cache")
+
+    def v(self, layer: int):
+        return self._check(layer, self._v, "KV cache")
+
+    def conv_state(self, layer: int):
+        return self._check(layer, self._conv, "conv state")
+
+    def recurrent_state(self, layer: int):
+        return self._check(layer, self._ssm, "recurrent state")
+
+    def score_buffer(self, shape):
+        """A view of the scratch for decode scores, or None when the rows do not fit in it."""
+        if self.scores is None:
+            return None
+        size = int(np.prod(shape))
+        return self.scores[:size].reshape(shape) if size <= self.scores.size else None
+
+    def reset(self, n_past: int = 0) -> None:
+        """Position the session at n_past. 0 starts a fresh conversation (conv and recurrent state
+        zeroed); the current position is a no-op. Any other position is refused when the range
+        holds a linear layer (RecurrentRewindError): the recurrent state is not positional."""
+        if n_past == 0:
+            for a in (*self._conv.values(), *self._ssm.values()):
+                a.fill(0)
+        elif n_past != self.n_past and self.linear_layers:
+            raise RecurrentRewindError(
+                f"cannot move a session with linear-attention state from position {self.n_past} "
+                f"to {n_past} (layers [{self.lb}, {self.le})); resuming there needs a checkpoint")
+        self.n_past = n_past
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+def _sigmoid(x, xp):
+    return np.float32(0.5) * xp.tanh(np.float32(0.5) * x) + np.float32(0.5)
+
+
+def _silu(x, xp):
+    return x * _sigmoid(x, xp)
+
+
+def _softplus(x, xp):
+    return xp.logaddexp(np.float32(0.0), x)
+
+
+class Qwen3Next:
+    """The qwen3next forward over the layers [lb, le) of a model file."""
+
+    def __init__(self, gguf: GGUFModel, backend, lb: int = 0, le: int | None = None,
+                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True,
+                 experts=None):
+        self.gguf, self.backend = gguf, backend
+        self.g = g = read_geometry(gguf)
+        validate(gguf, g)
+        self.lb, self.le = lb, g.n_layers if le is None else le
+        if not 0 <= self.lb < self.le <= g.n_layers:
+            raise ValueError(f"layer range [{self.lb}, {self.le}) is not inside [0, {g.n_layers})")
+        self.first = self.lb == 0 if first is None else first
+        self.last = self.le == g.n_layers if last is None else last
+        self.loaded_bytes = 0
+        self._tensors = {}
+        # weight_slice=False (STRATA_WEIGHT_SLICE=0): every stage loads all dense weights (A/B arm).
+        names = (dense_tensor_names(g, self.lb, self.le, self.first, self.last) if weight_slice
+                 else dense_tensor_names(g, 0, g.n_layers, True, True))
+        for name in names:
+            self._tensors[name] = self._load(name)
+        self.layers = {layer: {p: self._tensors[tensor_name(layer, p)] for p in layer_parts(g, layer)}
+                       for layer in range(self.lb, self.le)}
+        # a stage rank passes its tiered store; alone, the backend's own (every expert of [lb, le))
+        self.experts = experts if experts is not None else backend.make_expert_store(
+            gguf, range(self.lb, self.le))
+        # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
+        self.on_route = None
+
+    def _load(self, name: str):
+        info = self.gguf.tensor(name)
+        if keeps_f32(name, info.shape):
+            host = self.gguf.dequantize(name)
+            if _part(name) == SHEXP_GATE_PART:
+                host = host.reshape(1, -1)          # stored [n_embd] or [1, n_embd]
+            arr = self.backend.f32(host)
+        else:
+            arr = self.backend.dense_tensor(self.gguf, info)   # the rule of backends/layout.py
+        self.loaded_bytes += int(arr.nbytes)
+        return arr
+
+    def new_session(self, max_cells: int) -> HybridSession:
+        return HybridSession(self.backend, self.g, self.lb, self.le, max_cells)
+
+    # ---- stages of the forward -----------------------------------------------------------------
+    def embed(self, token_ids) -> object:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
+            raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        return self.backend.rows(self._tensors["token_embd.weight"], ids)
+
+    def forward_layers(self, h, session: HybridSession) -> object:
+        """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n,
+        carrying the conv and recurrent state of the linear layers across calls (a prompt read in
+        chunks gives the same result as one read whole).
+
+        The caller advances session.n_past after every stage of the pipeline has run."""
+        n = h.shape[0]
+        pos0 = session.n_past
+        if pos0 + n > session.max_cells:
+            raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
+        cos, sin = session.rope_cos[pos0:pos0 + n], session.rope_sin[pos0:pos0 + n]
+        xp, g = self.backend.xp, self.g
+        for layer in range(self.lb, self.le):
+            w = self.layers[layer]
+            x = rms_norm(h, w["attn_norm"], g.rms_eps, xp)
+            if g.is_linear(layer):
+                h = h + self._linear_attention(layer, x, session)
+            else:
+                h = h + self._attention(layer, x, session, pos0, cos, sin)
+            x = rms_norm(h, w["post_attention_norm"], g.rms_eps, xp)
+            h = h + self._moe(layer, x)
+        return h
+
+    def head(self, h) -> object:
+        """Final norm and output projection -> float32 logits [n, vocab]."""
+        xp = self.backend.xp
+        h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, xp)
+        w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
+        return self.backend.linear(h, w)
+
+    # ---- gated attention -----------------------------------------------------------------------
+    def _attention(self, layer, x, session, pos0, cos, sin):
+        xp, g, w, be = self.backend.xp, self.g, self.layers[layer], self.backend
+        n, hd = x.shape[0], g.head_dim
+        qg = be.linear(x, w["attn_q"]).reshape(n, g.n_head, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.n_head * hd)
+        k = be.linear(x, w["attn_k"]).reshape(n, g.n_head_kv, hd)
+        v = be.linear(x, w["attn_v"]).reshape(n, g.n_head_kv, hd)
+        q = apply_rope(rms_norm(q, w["attn_q_norm"], g.rms_eps, xp), cos, sin, xp)
+        k = apply_rope(rms_norm(k, w["attn_k_norm"], g.rms_eps, xp), cos, sin, xp)
+        kc, vc = session.k(layer), session.v(layer)
+        kc[pos0:pos0 + n] = k
+        vc[pos0:pos0 + n] = v
+        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session)
+        out = attn.reshape(n, g.n_head * hd) * _sigmoid(gate, xp)
+        return be.linear(out, w["attn_output"])
+
+    # ---- Gated DeltaNet ------------------------------------------------------------------------
+    def _qkvz(self, w, x):
+        """(mixed qkv [n, conv_dim] in [q | k | v] order, z [n, value_dim])."""
+        g, be = self.g, self.backend
+        if not g.fused_qkvz:
+            return be.linear(x, w["attn_qkv"]), be.linear(x, w["attn_gate"])
+        n, hk, r = x.shape[0], g.head_k_dim, g.n_v_heads // g.n_k_heads
+        per = be.linear(x, w["ssm_in"]).reshape(n, g.n_k_heads, -1)   # per key head: q k v z
+        q, k = per[..., :hk], per[..., hk:2 * hk]
+        v, z = per[..., 2 * hk:2 * hk + r * g.head_v_dim], per[..., 2 * hk + r * g.head_v_dim:]
+        qkv = be.xp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        return qkv, z.reshape(n, -1)
+
+    def _linear_attention(self, layer, x, session):
+        xp, g, w, be = self.backend.xp, self.g, self.layers[layer], self.backend
+        n = x.shape[0]
+        nk, nv, hk, hv = g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim
+        r = nv // nk
+        qkv, z = self._qkvz(w, x)
+        ba = be.linear(x, w["ssm_ba"]).reshape(n, nk, 2 * r)           # per key head: r b, r a
+        b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
+        beta = _sigmoid(b, xp)
+        decay = w["ssm_a"] * _softplus(a + w["ssm_dt"], xp)            # [n, nv], <= 0
+
+        # causal depthwise conv over [conv state | this chunk], then SiLU
+        conv = session.conv_state(layer)
+        kern = w["ssm_conv1d"]                                         # [conv_dim, K]
+        K = g.ssm_conv_kernel
+        xpad = xp.concatenate([conv, qkv], axis=0)                     # [K-1+n, conv_dim]
+        acc = xpad[0:n] * kern[:, 0]
+        for j in range(1, K):
+            acc = acc + xpad[j:j + n] * kern[:, j]
+        conv[...] = xpad[n:]                                           # the last K-1 inputs
+        mixed = _silu(acc, xp)
+
+        q = mixed[:, :g.key_dim].reshape(n, nk, hk)
+        k = mixed[:, g.key_dim:2 * g.key_dim].reshape(n, nk, hk)
+        v = mixed[:, 2 * g.key_dim:].reshape(n, nv, hv)
+        q = q / xp.sqrt((q * q).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
+        k = k / xp.sqrt((k * k).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
+        q = q * np.float32(1.0 / np.sqrt(hk))
+        if r > 1:  # value head h reads key head h // r
+            q, k = xp.repeat(q, r, axis=1), xp.repeat(k, r, axis=1)   # [n, nv, hk]
+
+        state = session.recurrent_state(layer)                          # [nv, hk, hv]
+        gexp = xp.exp(decay)
+        out = xp.empty((n, nv, hv), dtype=np.float32)
+        s = state
+        for t in range(n):
+            s = s * gexp[t][:, None, None]
+            kt = k[t][:, :, None]                                      # [nv, hk, 1]
+            kv_mem = (s * kt).sum(axis=1)                              # [nv, hv]
+            delta = (v[t] - kv_mem) * beta[t][:, None]
+            s = s + kt * delta[:, None, :]
+            out[t] = (s * q[t][:, :, None]).sum(axis=1)
+        state[...] = s
+
+        o = rms_norm(out, w["ssm_norm"], g.rms_eps, xp) * _silu(z.reshape(n, nv, hv), xp)
+        return be.linear(o.reshape(n, g.value_dim), w["ssm_out"])
+
+    # ---- MoE with the shared expert ------------------------------------------------------------
+    def route(self, x, router):
+        """Top-k experts per row in rank order and their weights (host arrays)."""
+        logits = self.backend.to_host(x @ router.T)
+        return softmax_topk(logits, self.g.n_expert_used, normalize=self.g.norm_topk_prob)
+
+    def _moe(self, layer, x):
+        xp, w, be = self.backend.xp, self.layers[layer], self.backend
+        idx, wts = self.route(x, w[ROUTER_PART])
+        if self.on_route is not None:
+            self.on_route(layer, idx)
+        routed = moe_combine(be, self.experts, layer, x, idx, wts)
+        hidden = _silu(be.linear(x, w["ffn_gate_shexp"]), xp) * be.linear(x, w["ffn_up_shexp"])
+        shared = be.linear(hidden, w["ffn_down_shexp"])
+        gate = _sigmoid(x @ w[SHEXP_GATE_PART].T, xp)                  # [n, 1]
+        return routed + gate * shared
+
+
+MODEL_CLASS = Qwen3Next

@@ -1,0 +1,260 @@
+"""The HTTP app (Starlette on uvicorn): the OpenAI endpoints, /health, /v1/status, /metrics and
+the Monitor page. Handlers never touch the coordinator: they queue a Job on the Worker and read
+its events."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import openai_api as oa
+from .metrics import make_registry, render
+from .monitor import PAGE
+from .status import MemoryProbe, RankView, status_value
+from .worker import Job, NotReady, QueueFull, Worker
+
+log = logging.getLogger("strata.server")
+
+MAX_BODY_BYTES = 32 * 2 ** 20
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerContext:
+    """Everything the handlers read. `views`/`plan` are filled in once the launch has loaded."""
+    worker: Worker
+    model_id: str
+    model_info: dict
+    api_key: str | None = None
+    loading: Callable[[], dict] = lambda: {}
+    plan: Any = None
+    views: list[RankView] = field(default_factory=list)
+    memory: MemoryProbe | None = None
+    started: float = field(default_factory=time.time)
+    limits: oa.Limits | None = None
+
+    def set_loaded(self, plan, views: list[RankView]) -> None:
+        self.plan, self.views = plan, views
+        self.memory = MemoryProbe(views)
+
+    def status(self) -> dict:
+        snap = self.worker.snapshot()
+        memory = self.memory.read(snap.get("rank_gauges")) if self.memory else {}
+        loading = self.loading() if snap["state"] == "loading" else None
+        return status_value(model=self.model_info, plan=self.plan, views=self.views, snapshot=snap,
+                            memory=memory, loading=loading, started=self.started)
+
+
+def _error(e: oa.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(ctx: ServerContext) -> Starlette:
+    registry = make_registry(ctx.status)
+    if not ctx.limits:
+        raise ValueError("ServerContext.limits must be set")
+    model_ids = ctx.limits.model_ids
+
+    def authorize(request: Request) -> None:
+        if ctx.api_key is None:
+            return
+        given = None
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        elif request.headers.get("x-api-key"):
+            given = request.headers["x-api-key"]
+        elif request.url.path == "/" and request.query_params.get("api_key"):
+            given = request.query_params["api_key"]
+        if given is None or not hmac.compare_digest(given.encode(), ctx.api_key.encode()):
+            raise oa.ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                              type="authentication_error", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+
+    async def json_body(request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise oa.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise oa.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise oa.ApiError(400, f"the request body is not valid JSON: {e}",
+                              code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise oa.ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    # ---- endpoints -------------------------------------------------------------------------------
+    async def health(request: Request) -> Response:
+        snap = ctx.worker.snapshot()
+        state = snap["state"]
+        body: dict[str, Any] = {"status": state}
+        if state == "loading":
+            body["loading"] = ctx.loading()
+        if snap.get("error"):
+            body["error"] = snap["error"]
+        if state == "ready":
+            body["queue"] = snap["queue"]
+        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    async def models(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [_model_card(ctx)]})
+
+    async def model_one(request: Request) -> Response:
+        authorize(request)
+        mid = request.path_params["model"]
+        if mid not in model_ids:
+            raise oa.ApiError(404, f"the model '{mid}' does not exist", param="model",
+                              code="model_not_found")
+        return JSONResponse(_model_card(ctx))
+
+    async def status(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse(ctx.status())
+
+    async def metrics(request: Request) -> Response:
+        authorize(request)
+        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def monitor(request: Request) -> Response:
+        authorize(request)
+        return HTMLResponse(PAGE)
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def generate(request: Request, kind: str) -> Response:
+        authorize(request)
+        body = await json_body(request)
+        parsed = (oa.parse_chat if kind == "chat" else oa.parse_completion)(body, ctx.limits)
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(parsed.spec, asyncio.get_running_loop(), events)
+        try:
+            ctx.worker.submit(job)
+        except QueueFull as e:
+            raise oa.ApiError(429, f"{e}; retry later", type="rate_limit_error",
+                              code="queue_full", headers={"Retry-After": "1"}) from None
+        except NotReady as e:
+            raise oa.ApiError(503, f"not ready: {e}", type="server_error",
+                              code="unavailable") from None
+        created = oa.now()
+        if parsed.stream:
+            return StreamingResponse(_sse(job, parsed, kind, created), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, job, parsed, kind, created)
+
+    async def _collect(request: Request, job: Job, parsed: oa.Parsed, kind: str,
+                       created: int) -> Response:
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    ev = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:   # tokens may flow without pause
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return Response(status_code=499)
+                if ev is None or ev.kind == "delta":
+                    continue
+                if ev.kind == "done":
+                    build = oa.chat_response if kind == "chat" else oa.completion_response
+                    return JSONResponse(build(job.id, parsed.model, created, ev.result))
+                if ev.kind == "error":
+                    return _error(oa.ApiError(ev.status, ev.message,
+                                              type="server_error" if ev.status >= 500
+                                              else "invalid_request_error", code=ev.code))
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+
+    async def _sse(job: Job, parsed: oa.Parsed, kind: str, created: int):
+        def line(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        model = parsed.model
+        try:
+            if kind == "chat":
+                yield line(oa.chat_chunk(job.id, model, created, {"role": "assistant", "content": ""}))
+            while True:
+                ev = await job.events.get()
+                if ev.kind == "delta":
+                    if kind == "chat":
+                        yield line(oa.chat_chunk(job.id, model, created, {"content": ev.text},
+                                                 token_ids=ev.token_ids))
+                    else:
+                        yield line(oa.completion_chunk(job.id, model, created, ev.text,
+                                                       token_ids=ev.token_ids))
+                elif ev.kind == "done":
+                    r = ev.result
+                    chunk = oa.chat_chunk if kind == "chat" else oa.completion_chunk
+                    first = {} if kind == "chat" else ""
+                    yield line(chunk(job.id, model, created, first, finish=r.finish_reason))
+                    if parsed.include_usage:
+                        yield line(chunk(job.id, model, created, first, usage_value=oa.usage(r),
+                                         empty=True))
+                    yield "data: [DONE]\n\n"
+                    return
+                elif ev.kind == "error":
+                    err = oa.ApiError(ev.status, ev.message, type="server_error"
+                                      if ev.status >= 500 else "invalid_request_error", code=ev.code)
+                    yield line(err.body())
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            job.cancel()   # the client left (or the stream ended: then this is a no-op)
+
+    async def on_api_error(request: Request, exc: oa.ApiError) -> Response:
+        return _error(exc)
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse({"error": {"message": msg, "type": kind, "param": None,
+                                       "code": str(exc.status_code)}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                       "type": "server_error", "param": None, "code": "internal"}},
+                            status_code=500)
+
+    routes = [
+        Route("/", monitor, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model_one, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={
+        oa.ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+
+
+def _model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_id, "object": "model", "created": int(ctx.started),
+            "owned_by": "strata-dist", "context_length": ctx.limits.ctx if ctx.limits else None,
+            "meta": ctx.model_info}

@@ -1,0 +1,318 @@
+"""The OpenAI wire format: request bodies checked and turned into a `GenSpec`, and the response
+and stream-chunk bodies. Every refusal is an `ApiError` with OpenAI's error body."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampler import SamplingParams
+from ..tokenizer import GGUFTokenizer, TemplateError, message_text
+from .worker import GenSpec, Result
+
+MAX_STOP_STRINGS = 16
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class Parsed:
+    spec: GenSpec
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+class Limits:
+    """What a request is checked against: the served model and its context."""
+
+    def __init__(self, model_ids: tuple[str, ...], ctx: int, n_vocab: int, tok: GGUFTokenizer):
+        self.model_ids, self.ctx, self.n_vocab, self.tok = model_ids, ctx, n_vocab, tok
+
+
+# ---- field readers ------------------------------------------------------------------------------------
+
+def _bad(param: str, message: str, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(body: dict, key: str, default=None, minimum: int | None = None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise _bad(key, f"'{key}' must be an integer, got {v!r}", "invalid_type")
+    if minimum is not None and v < minimum:
+        raise _bad(key, f"'{key}' must be >= {minimum}, got {v}")
+    return v
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(key, f"'{key}' must be a number, got {v!r}", "invalid_type")
+    v = float(v)
+    if v != v or v > hi or v < lo or (lo_open and v == lo):
+        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise _bad(key, f"'{key}' must be in {rng}, got {v}")
+    return v
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, f"'{key}' must be true or false, got {v!r}", "invalid_type")
+    return v
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    if len(v) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"'stop' has {len(v)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    if any(s == "" for s in v):
+        raise _bad("stop", "'stop' strings must not be empty")
+    return tuple(v)
+
+
+def _model(body: dict, lim: Limits) -> str:
+    m = body.get("model")
+    if m is None:
+        raise ApiError(400, "'model' is required", param="model", code="missing_required_parameter")
+    if not isinstance(m, str):
+        raise _bad("model", f"'model' must be a string, got {m!r}", "invalid_type")
+    if m not in lim.model_ids:
+        raise ApiError(400, f"the model '{m}' does not exist here; this server serves "
+                            f"'{lim.model_ids[0]}'", param="model", code="model_not_found")
+    return m
+
+
+def _unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _bad("n", f"'n' must be 1 (one choice per request), got {n!r}", "unsupported_value")
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v not in (None, 0, 0.0):
+            raise _bad(key, f"'{key}' is not supported (only 0)", "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "'logit_bias' is not supported", "unsupported_parameter")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", "'best_of' must be 1", "unsupported_value")
+    if body.get("suffix") not in (None, ""):
+        raise _bad("suffix", "'suffix' is not supported", "unsupported_parameter")
+    if body.get("echo"):
+        raise _bad("echo", "'echo' is not supported", "unsupported_parameter")
+    lp = body.get("logprobs")
+    if lp not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise _bad("logprobs", "'logprobs' is not supported", "unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _bad("response_format", "only response_format {'type': 'text'} is supported",
+                   "unsupported_value")
+
+
+def _sampling(body: dict) -> SamplingParams:
+    temperature = _float(body, "temperature", 1.0, 0.0, 100.0)
+    top_p = _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", 0, minimum=0)
+    min_p = _float(body, "min_p", 0.0, 0.0, 1.0)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise _bad("seed", f"'seed' must be an integer, got {seed!r}", "invalid_type")
+    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:
+        raise _bad("seed", f"'seed' {seed} is out of range")
+    if seed is not None and seed < 0:
+        seed = seed % 2 ** 64
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("stream_options", "'stream_options' must be an object", "invalid_type")
+        include_usage = _bool(opts, "include_usage")
+    return stream, include_usage
+
+
+def _check_prompt(ids: list[int], lim: Limits, param: str) -> None:
+    if not ids:
+        raise _bad(param, "the prompt is empty")
+    bad = next((i for i in ids if not _is_int(i) or not 0 <= i < lim.n_vocab), None)
+    if bad is not None:
+        raise _bad(param, f"token id {bad!r} is outside the vocabulary [0, {lim.n_vocab})")
+    if len(ids) >= lim.ctx:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds "
+                            f"{lim.ctx} (prompt + completion)", param=param,
+                       code="context_length_exceeded")
+
+
+def _max_new(body: dict, keys: tuple[str, ...], default: int | None, n_prompt: int, lim: Limits) -> int:
+    value = None
+    for k in keys:
+        value = _int(body, k, None, minimum=0)
+        if value is not None:
+            break
+    room = lim.ctx - n_prompt
+    if value is None:
+        value = room if default is None else default
+    return min(value, room)
+
+
+def _stop_ids(body: dict, lim: Limits) -> tuple[int, ...]:
+    return () if _bool(body, "ignore_eos") else lim.tok.stop_ids
+
+
+# ---- the two endpoints ---------------------------------------------------------------------------------
+
+def parse_chat(body: dict, lim: Limits) -> Parsed:
+    model = _model(body, lim)
+    _unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list", "invalid_type")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of "
+                                              f"{', '.join(ROLES)}, got {role!r}")
+        try:
+            content = message_text(m.get("content"))
+        except TemplateError as e:
+            raise _bad(f"messages[{i}].content", str(e)) from None
+        clean.append(dict(m, role=role, content=content))
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools", "'tools' must be a list", "invalid_type")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    sampling = _sampling(body)
+    stream, include_usage = _stream(body)
+    stops = _stop_strings(body)
+    try:
+        ids = lim.tok.encode_chat(clean, add_generation_prompt=True, tools=tools or None, **extra)
+    except TemplateError as e:
+        raise _bad("messages", str(e), "invalid_messages") from None
+    _check_prompt(ids, lim, "messages")
+    max_new = _max_new(body, ("max_completion_tokens", "max_tokens"), None, len(ids), lim)
+    spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
+                   stop_strings=stops, detok_context=_context(ids, lim),
+                   cache_prompt=_bool(body, "cache_prompt", True))
+    return Parsed(spec, stream, include_usage, model)
+
+
+def parse_completion(body: dict, lim: Limits) -> Parsed:
+    model = _model(body, lim)
+    _unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]     # a batch of one
+    if isinstance(prompt, str):
+        ids = lim.tok.encode(prompt, add_special=True)
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise _bad("prompt", f"one prompt per request, got a batch of {len(prompt)}",
+                   "unsupported_value")
+    elif prompt is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    else:
+        raise _bad("prompt", "'prompt' must be a string or a list of token ids", "invalid_type")
+    sampling = _sampling(body)
+    stream, include_usage = _stream(body)
+    stops = _stop_strings(body)
+    _check_prompt(ids, lim, "prompt")
+    max_new = _max_new(body, ("max_tokens",), 16, len(ids), lim)
+    spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
+                   stop_strings=stops, detok_context=_context(ids, lim),
+                   cache_prompt=_bool(body, "cache_prompt", True))
+    return Parsed(spec, stream, include_usage, model)
+
+
+def _context(ids: list[int], lim: Limits) -> tuple[int, ...]:
+    # A SentencePiece word's leading space shows only after a token to its left.
+    return tuple(ids[-4:]) if lim.tok.kind == "llama" else ()
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+
+def usage(r: Result) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.reused}}
+
+
+def chat_response(job_id: str, model: str, created: int, r: Result) -> dict:
+    return {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": created,
+            "model": model, "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                         "logprobs": None, "finish_reason": r.finish_reason,
+                         "token_ids": r.token_ids}],
+            "usage": usage(r), "timings": r.timings()}
+
+
+def completion_response(job_id: str, model: str, created: int, r: Result) -> dict:
+    return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": r.text, "logprobs": None,
+                         "finish_reason": r.finish_reason, "token_ids": r.token_ids}],
+            "usage": usage(r), "timings": r.timings()}
+
+
+def chat_chunk(job_id: str, model: str, created: int, delta: dict, finish: str | None = None,
+               token_ids: list[int] | None = None, usage_value: dict | None = None,
+               empty: bool = False) -> dict:
+    choices = [] if empty else [{"index": 0, "delta": delta, "logprobs": None,
+                                 "finish_reason": finish, "token_ids": token_ids or []}]
+    out = {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": created,
+           "model": model, "system_fingerprint": None, "choices": choices}
+    if usage_value is not None:
+        out["usage"] = usage_value
+    return out
+
+
+def completion_chunk(job_id: str, model: str, created: int, text: str, finish: str | None = None,
+                     token_ids: list[int] | None = None, usage_value: dict | None = None,
+                     empty: bool = False) -> dict:
+    choices = [] if empty else [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": finish, "token_ids": token_ids or []}]
+    out = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
+           "system_fingerprint": None, "choices": choices}
+    if usage_value is not None:
+        out["usage"] = usage_value
+    return out
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,200 @@
+"""Serving a launch over HTTP: the listener starts first (so /health answers 503 with the load
+progress while the ranks load), then the calling thread loads the launch and becomes the worker
+that owns the coordinator until Ctrl-C, SIGTERM or a dead rank."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Callable
+
+from ..head import HeadSession
+from ..tokenizer import GGUFTokenizer
+from .app import ServerContext, create_app
+from .openai_api import Limits
+from .status import is_loopback, rank_views
+from .worker import Worker
+
+LISTEN_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 5.0
+
+
+class ServeError(ValueError):
+    """A server that cannot start (the address is taken, a bad flag): exit 2."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class HttpThread:
+    """uvicorn on its own thread, on a socket bound by us (so a taken port is a clear error)."""
+
+    def __init__(self, app, sock: socket.socket):
+        import uvicorn
+        self.sock = sock
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=5, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, name="http", daemon=True)
+        self.failed: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # noqa: BLE001 - reported to the main thread
+            self.failed = e
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + LISTEN_TIMEOUT_S
+        while not self.server.started:
+            if self.failed is not None or not self.thread.is_alive():
+                raise ServeError(f"the HTTP server did not start: {self.failed!r}")
+            if time.monotonic() > deadline:
+                raise ServeError(f"the HTTP server did not start within {LISTEN_TIMEOUT_S:.0f} s")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(STOP_TIMEOUT_S)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(STOP_TIMEOUT_S)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: int, ctx: int,
+                 host: str, port: int, api_key: str | None, queue_size: int,
+                 gpu_of_rank: dict[int, int] | None = None,
+                 info_lines: Callable | None = None, say=None) -> int:
+    """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
+    coordinator, cfg.ranks). RankFailure from loading or serving propagates to the caller
+    (which stops the ranks); the HTTP listener is stopped here in every case."""
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    tok = GGUFTokenizer.from_gguf(launch.gguf)
+    if tok.vocab_size > n_vocab:
+        raise ServeError(f"{model_path}: the tokenizer has {tok.vocab_size} tokens but the model's "
+                         f"vocabulary is {n_vocab}")
+    stem = os.path.basename(model_path)
+    model_id = stem[:-5] if stem.endswith(".gguf") else stem
+    worker = Worker(tok, ctx, n_vocab, queue_size)
+    n_ranks = len(launch.cfg.ranks)
+    t0 = time.monotonic()
+    last_line = {"text": ""}
+
+    def loading() -> dict:
+        coord, plan = launch.coordinator, launch.plan
+        ready = len(launch.ready)
+        phase = "starting" if coord is None else "registering" if plan is None else "loading"
+        return {"phase": phase, "ranks_total": n_ranks, "ranks_ready": ready,
+                "progress": round(ready / n_ranks, 3) if n_ranks else 0.0,
+                "elapsed_s": round(time.monotonic() - t0, 3), "message": last_line["text"]}
+
+    info = {"id": model_id, "path": os.path.abspath(model_path), "arch": arch, "layers": n_layers,
+            "n_vocab": n_vocab, "context": ctx, "tokenizer": tok.kind, "pre_tokenizer": tok.pre,
+            "chat_template": "file" if tok.has_own_template else "chatml (fallback)"}
+    sctx = ServerContext(worker=worker, model_id=model_id, model_info=info, api_key=api_key,
+                         loading=loading,
+                         limits=Limits((model_id, stem), ctx, n_vocab, tok))
+    app = create_app(sctx)
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()
+    shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    url = f"http://{shown_host}:{bound[1]}"
+    http = HttpThread(app, sock)
+    http.start()
+    if not is_loopback(host) and not api_key:
+        say(f"warning: --host {host} serves beyond this machine without --api-key")
+    say(f"listening on {url} (loading; /health answers 503 until ready)")
+
+    progress = _Progress(loading, say)
+    echo = launch.echo
+
+    def echo_line(line: str) -> None:
+        last_line["text"] = line
+        progress.write(line) if progress.bar is not None else echo(line)
+
+    launch.echo = echo_line
+    try:
+        try:
+            progress.start()
+            plan = launch.start()
+        finally:
+            progress.close()
+            launch.echo = echo
+        sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
+        session = HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None)
+        if info_lines is not None:
+            for line in info_lines(plan):
+                say(line)
+        worker.attach(session)
+        say(f"ready: serving {model_id} on {url} (OpenAI API under /v1, Monitor at /, "
+            f"{time.monotonic() - t0:.1f} s to load)")
+        worker.run()
+        return 0
+    except BaseException as e:
+        if worker.state in ("loading", "ready"):
+            worker.fail(f"{type(e).__name__}: {e}" if not str(e) else str(e))
+        raise
+    finally:
+        worker.stop()
+        http.stop()
+
+
+class _Progress:
+    """Load progress on the console: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, loading: Callable[[], dict], say):
+        self.loading, self.say = loading, say
+        self.bar = None
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        if not sys.stderr.isatty():
+            return
+        from tqdm import tqdm
+        st = self.loading()
+        self.bar = tqdm(total=st["ranks_total"], desc="loading", unit="rank", file=sys.stderr,
+                        leave=False, dynamic_ncols=True)
+        self.thread = threading.Thread(target=self._poll, name="load-progress", daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.done.wait(0.2):
+            st = self.loading()
+            self.bar.set_description(st["phase"])
+            self.bar.n = st["ranks_ready"]
+            self.bar.refresh()
+
+    def write(self, line: str) -> None:
+        from tqdm import tqdm
+        tqdm.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(2.0)
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

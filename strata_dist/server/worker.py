@@ -1,0 +1,429 @@
+"""The one thread that talks to the coordinator.
+
+ZeroMQ sockets belong to one thread, so every call into the coordinator — loading, generation,
+idle heartbeat checks, stats — happens on the thread that runs `Worker.run()`. HTTP handlers
+never touch it: they put a `Job` on a bounded FIFO (`submit`, which refuses when full) and read
+the job's events from an asyncio queue the worker feeds with `loop.call_soon_threadsafe`.
+
+Per job the worker turns token ids into text (incremental detokenizer), applies stop strings (the
+text is cut before the match and the generation is cancelled), and records throughput."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..coordinator import RankFailure, RequestError
+from ..head import HeadSession
+from ..sampler import SamplingParams
+from ..tokenizer import GGUFTokenizer
+
+log = logging.getLogger("strata.server")
+
+# A rank's StatsReply counters: PROTOCOL.md calls them deltas since the previous reply, but the ranks
+# (strata_dist/rank.py) and `--serve STATS` treat them as totals since the rank started. The server
+# follows the ranks; flip this if they come to send deltas.
+COUNTERS_ARE_TOTALS = True
+STATS_EVERY_S = 2.0      # how often an idle worker asks the ranks for their counters
+STATS_TIMEOUT_S = 2.0
+RATE_WINDOW_S = 3.0      # live tok/s is measured over this window
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+@dataclass
+class GenSpec:
+    """One generation, already validated and tokenized."""
+    prompt_ids: list[int]
+    max_new: int
+    params: SamplingParams
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] = ()
+    detok_context: tuple[int, ...] = ()
+    cache_prompt: bool = True        # False: read the whole prompt, reuse nothing
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str           # stop | length
+    prompt_tokens: int
+    completion_tokens: int
+    reused: int
+    prompt_ms: float
+    decode_ms: float
+
+    def timings(self) -> dict:
+        decode_tps = (self.completion_tokens - 1) / self.decode_ms * 1e3 \
+            if self.completion_tokens > 1 and self.decode_ms > 0 else 0.0
+        read = self.prompt_tokens - self.reused
+        return {"prompt_reused": self.reused, "prompt_read": read,
+                "prompt_ms": round(self.prompt_ms, 3), "decode_ms": round(self.decode_ms, 3),
+                "prompt_tokens_per_second": round(read / self.prompt_ms * 1e3, 3)
+                if self.prompt_ms > 0 else 0.0,
+                "decode_tokens_per_second": round(decode_tps, 3)}
+
+
+@dataclass
+class Event:
+    kind: str                    # delta | done | error
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    result: Result | None = None
+    status: int = 0              # for errors: the HTTP status
+    message: str = ""
+    code: str = ""
+
+
+class Job:
+    _seq = itertools.count(1)
+
+    def __init__(self, spec: GenSpec, loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+        self.spec = spec
+        self.id = uuid.uuid4().hex[:24]
+        self.number = next(self._seq)
+        self.loop, self.events = loop, events
+        self.cancelled = threading.Event()     # the client went away
+        self.created = time.time()
+        self.on_cancel: Callable[["Job"], None] | None = None
+
+    def cancel(self) -> None:
+        """The client went away: a waiting job leaves the queue now, a running one is cancelled."""
+        self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
+
+    def post(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:   # the event loop is closed (server stopping): nobody listens
+            pass
+
+
+class JobQueue:
+    """A bounded FIFO whose waiting jobs can leave (their client went away) and free their place."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: deque[Job] = deque()
+        self.cond = threading.Condition()
+
+    def put_nowait(self, job: Job) -> None:
+        with self.cond:
+            if len(self.items) >= self.capacity:
+                raise queue.Full
+            self.items.append(job)
+            self.cond.notify()
+
+    def get(self, timeout: float) -> Job:
+        with self.cond:
+            if not self.items:
+                self.cond.wait(timeout)
+            if not self.items:
+                raise queue.Empty
+            return self.items.popleft()
+
+    def get_nowait(self) -> Job:
+        with self.cond:
+            if not self.items:
+                raise queue.Empty
+            return self.items.popleft()
+
+    def discard(self, job: Job) -> bool:
+        with self.cond:
+            try:
+                self.items.remove(job)
+                return True
+            except ValueError:
+                return False
+
+    def qsize(self) -> int:
+        with self.cond:
+            return len(self.items)
+
+
+class RateMeter:
+    """Tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window = window_s
+        self.marks: deque[tuple[float, int]] = deque()
+        self.lock = threading.Lock()
+
+    def add(self, n: int = 1, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            self.marks.append((now, n))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self.marks and now - self.marks[0][0] > self.window:
+            self.marks.popleft()
+
+    def rate(self, now: float | None = None) -> float:
+        """Tokens in the last window, per second (0 once nothing arrived for a window)."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            self._trim(now)
+            return sum(m[1] for m in self.marks) / self.window
+
+
+class TextStream:
+    """Detokenizes one job's tokens and applies its stop strings."""
+
+    def __init__(self, tok: GGUFTokenizer, spec: GenSpec):
+        self.tok = tok
+        self.stops = [s for s in spec.stop_strings if s]
+        self.stop_ids = set(spec.stop_ids)
+        self.detok = tok.incremental(spec.detok_context)
+        self.text = ""
+        self.emitted = 0
+        self.tokens: list[int] = []
+        self.pending_ids: list[int] = []
+        self.stop_hit = False
+        self._searched = 0
+
+    def push(self, token_id: int) -> Event | None:
+        if self.stop_hit:
+            return None
+        self.tokens.append(token_id)
+        self.pending_ids.append(token_id)
+        if token_id not in self.stop_ids:
+            self.text += self.detok.push(token_id)
+        return self._emit(final=False)
+
+    def finish(self) -> Event | None:
+        if not self.stop_hit:
+            self.text += self.detok.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> Event | None:
+        if self.stops and not self.stop_hit:
+            longest = max(len(s) for s in self.stops)
+            start = max(0, self._searched - longest + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            self._searched = len(self.text)
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stop_hit = True
+        if self.stop_hit or final:
+            safe = len(self.text)
+        else:
+            safe = len(self.text) - _partial_stop(self.text, self.stops)
+        if safe <= self.emitted and not (final and self.pending_ids):
+            return None
+        ev = Event("delta", text=self.text[self.emitted:safe], token_ids=self.pending_ids)
+        self.emitted = max(self.emitted, safe)
+        self.pending_ids = []
+        return ev
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that begins some stop string (held back)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
+class Worker:
+    """Owns the head session; `run()` is the coordinator's thread."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, ctx: int, n_vocab: int, queue_size: int):
+        if queue_size < 1:
+            raise ValueError(f"queue size must be >= 1, got {queue_size}")
+        self.tok, self.ctx, self.n_vocab = tokenizer, ctx, n_vocab
+        self.queue_size = queue_size
+        self.jobs = JobQueue(queue_size)
+        self.state = "loading"             # loading | ready | failed | stopping
+        self.error: str | None = None
+        self.session: HeadSession | None = None
+        self.coord = None
+        self.running: Job | None = None
+        self.running_tokens = 0
+        self.running_since = 0.0
+        self.lock = threading.Lock()
+        self.decode_rate = RateMeter()
+        self.totals = {"prompt_tokens": 0, "prompt_tokens_read": 0, "generated_tokens": 0,
+                       "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
+                       "requests_rejected": 0}
+        self.last: dict[str, Any] = {}
+        self.rank_counters: dict[int, dict[str, int]] = {}
+        self.rank_gauges: dict[int, dict[str, float]] = {}
+        self.stats_at = 0.0
+        self._stop = threading.Event()
+
+    # ---- from HTTP handlers (any thread) ----------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        if self.state != "ready":
+            raise NotReady(self.error or f"the server is {self.state}")
+        job.on_cancel = self._left
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            with self.lock:
+                self.totals["requests_rejected"] += 1
+            raise QueueFull(f"the queue is full ({self.queue_size} waiting)") from None
+
+    def _left(self, job: Job) -> None:
+        if self.jobs.discard(job):      # it was still waiting: it never runs
+            with self.lock:
+                self.totals["requests_cancelled"] += 1
+
+    def snapshot(self) -> dict:
+        """A consistent copy of the counters for /v1/status and /metrics."""
+        with self.lock:
+            running = self.running
+            live = 0.0
+            if running is not None and self.running_tokens > 1:
+                live = (self.running_tokens - 1) / max(time.monotonic() - self.running_since, 1e-3)
+            return {
+                "state": self.state, "error": self.error,
+                "queue": {"waiting": self.jobs.qsize(), "capacity": self.queue_size,
+                          "running": 1 if running is not None else 0},
+                "totals": dict(self.totals),
+                "decode_tokens_per_second": round(self.decode_rate.rate(), 3),
+                "running": None if running is None else {
+                    "id": running.id, "tokens": self.running_tokens,
+                    "tokens_per_second": round(live, 3)},
+                "last": dict(self.last),
+                "rank_counters": {r: dict(c) for r, c in self.rank_counters.items()},
+                "rank_gauges": {r: dict(g) for r, g in self.rank_gauges.items()},
+                "stats_age_s": round(time.monotonic() - self.stats_at, 3) if self.stats_at else None,
+            }
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- on the coordinator's thread ------------------------------------------------------------
+    def attach(self, session: HeadSession) -> None:
+        self.session = session
+        self.coord = session.coord
+        self.state = "ready"
+
+    def fail(self, message: str) -> None:
+        self.state, self.error = "failed", message
+        self._drain(503, message, "unavailable")
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Serve jobs until stop(); a dead rank raises RankFailure (after failing every job)."""
+        try:
+            while not self._stop.is_set() and not should_stop():
+                try:
+                    job = self.jobs.get(timeout=0.05)
+                except queue.Empty:
+                    self.coord.idle(0.0)
+                    if time.monotonic() - self.stats_at > STATS_EVERY_S:
+                        self._refresh_stats()
+                    continue
+                self._serve(job)
+        except RankFailure as e:
+            self.fail(str(e))
+            raise
+        finally:
+            if self.state == "ready":
+                self.state = "stopping"
+                self._drain(503, "the server is stopping", "unavailable")
+
+    def _drain(self, status: int, message: str, code: str) -> None:
+        if self.running is not None:
+            self.running.post(Event("error", status=status, message=message, code=code))
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.post(Event("error", status=status, message=message, code=code))
+
+    def _refresh_stats(self) -> None:
+        replies = self.coord.stats(timeout_s=STATS_TIMEOUT_S)
+        with self.lock:
+            for rank, rep in replies.items():
+                acc = self.rank_counters.setdefault(rank, {})
+                for k, v in rep.counters.items():
+                    acc[k] = int(v) if COUNTERS_ARE_TOTALS else acc.get(k, 0) + int(v)
+                self.rank_gauges[rank] = dict(rep.gauges)
+            self.stats_at = time.monotonic()
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled.is_set():     # its client left while it waited
+            with self.lock:
+                self.totals["requests_cancelled"] += 1
+            return
+        spec = job.spec
+        stream = TextStream(self.tok, spec)
+        with self.lock:
+            self.running, self.running_tokens, self.running_since = job, 0, time.monotonic()
+
+        def on_token(t: int) -> None:
+            now = time.monotonic()
+            self.decode_rate.add(1, now)
+            with self.lock:
+                if self.running_tokens == 0:
+                    self.running_since = now
+                self.running_tokens += 1
+            ev = stream.push(t)
+            if ev is not None:
+                job.post(ev)
+
+        outcome = "requests_error"
+        if not spec.cache_prompt:
+            self.session.tokens = []
+        try:
+            out = self.session.generate(
+                spec.prompt_ids, spec.max_new, spec.params, stop_ids=spec.stop_ids,
+                on_token=on_token,
+                should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit)
+            if job.cancelled.is_set() and not stream.stop_hit:
+                outcome = "requests_cancelled"
+                return
+            ev = stream.finish()
+            if ev is not None:
+                job.post(ev)
+            if stream.stop_hit or out.reason == "stop":
+                reason = "stop"
+            else:
+                reason = "length"
+            result = Result(text=stream.text, token_ids=list(stream.tokens), finish_reason=reason,
+                            prompt_tokens=len(spec.prompt_ids),
+                            completion_tokens=len(stream.tokens), reused=out.reused,
+                            prompt_ms=out.prompt_ms, decode_ms=out.decode_ms)
+            job.post(Event("done", result=result))
+            outcome = "requests_ok"
+            with self.lock:
+                self.totals["prompt_tokens"] += len(spec.prompt_ids)
+                self.totals["prompt_tokens_read"] += out.read
+                self.totals["generated_tokens"] += len(stream.tokens)
+                self.last = dict(result.timings(), completion_tokens=len(stream.tokens),
+                                 finished=time.time())
+        except ValueError as e:          # the head refused the prompt (checked earlier, normally)
+            job.post(Event("error", status=400, message=str(e), code="invalid_request"))
+        except RequestError as e:        # a rank failed this request; the ranks are still up
+            log.error("request %s failed: %s", job.id, e)
+            job.post(Event("error", status=500, message=str(e), code="request_failed"))
+        except RankFailure as e:         # the run is over: this request learns why
+            job.post(Event("error", status=503, message=str(e), code="unavailable"))
+            raise
+        finally:
+            with self.lock:
+                self.running = None
+                self.totals[outcome] += 1
+        if time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
+            self._refresh_stats()

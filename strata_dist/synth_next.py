@@ -1,0 +1,215 @@
+"""Synthetic qwen3next GGUFs (`strata-dist synth --like tiny-next | qwen3-next-80b-a3b`).
+
+The same streaming writer, random blocks and routing-popularity law as synth.py (read its
+docstring), carried over to the hybrid stack: the reserved slice [0, R) of the hidden state is read
+only by the routers and written by nothing, whatever the mixer is.
+  * attn_norm and output_norm are 0 on [0, R) (so neither mixer reads it), post_attention_norm is 1;
+  * rows [0, R) of attn_output, ssm_out, every expert's ffn_down and of ffn_down_shexp are zero,
+    and columns [0, R) of the experts' and the shared expert's gate/up are zero;
+  * so routing at every layer follows the law exactly, as in synth.py.
+The GDN tensors follow llama.cpp's conventions (see models/qwen3next.py): ssm_a = -A with A in
+[1, 8], ssm_dt.bias = softplus^-1 of a time step in [0.01, 0.1] (what Qwen3-Next's training init
+draws), ssm_norm 1, ssm_conv1d F32 [conv_dim, K]. Norms are written as stored (llama.cpp's +1
+already applied): 1 means an identity scale.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+
+from .synth import (CHANNEL_VALUE, EMBD_STD, QUANTS, WEIGHT_STD, MT, Popularity, SynthSummary, T,
+                    _attn_out_std, _const, _expert_type, _experts, _matrix, _router, _stream,
+                    _summary, _write_file, _zero_first_columns, calibrate_logit_means,
+                    parse_popularity, reserved_width)
+
+GDN_OUT_GAIN = 0.5     # ssm_out std so |ssm_out| * rms(gated norm output ~ 0.5) stays ~ this
+
+
+@dataclass(frozen=True)
+class NextSynthGeometry:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    n_vocab: int
+    n_k_heads: int          # linear attention key heads (ssm.group_count)
+    n_v_heads: int          # linear attention value heads (ssm.time_step_rank)
+    head_k_dim: int         # ssm.state_size
+    head_v_dim: int
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    partial_rotary: float = 0.25
+    context_length: int = 262144
+    rope_base: float = 1e7
+    rms_eps: float = 1e-6
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def is_linear(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval != 0
+
+
+# Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers (attention every 4th), hidden 2048,
+# 16 q / 2 kv heads of 256 (partial rotary 0.25: 64 dims), linear attention 16 key / 32 value heads
+# of 128, conv kernel 4, 512 experts top-10 of ff 512, shared expert ff 512, vocab 151936,
+# rope_theta 1e7, context 262144.
+NEXT_GEOMETRIES: dict[str, NextSynthGeometry] = {
+    "tiny-next": NextSynthGeometry("tiny-next", n_layer=8, n_embd=64, n_head=4, n_head_kv=2,
+                                   head_dim=16, n_expert=8, n_expert_used=2, n_ff_exp=32,
+                                   n_ff_shexp=32, n_vocab=512, n_k_heads=2, n_v_heads=4,
+                                   head_k_dim=16, head_v_dim=16, context_length=4096,
+                                   rope_base=1e6),
+    "qwen3-next-80b-a3b": NextSynthGeometry("qwen3-next-80b-a3b", n_layer=48, n_embd=2048,
+                                            n_head=16, n_head_kv=2, head_dim=256, n_expert=512,
+                                            n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
+                                            n_vocab=151936, n_k_heads=16, n_v_heads=32,
+                                            head_k_dim=128, head_v_dim=128),
+}
+
+
+def _name(t: MT, layer: int | None = None, suffix: str = ".weight") -> str:
+    return gguf.TENSOR_NAMES[t].format(bid=layer) + suffix
+
+
+def _plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
+    qtype = QUANTS[quant][0]
+    dense = T.F32 if qtype == T.F32 else T.F16
+    res = reserved_width(g, quant)
+    mu = calibrate_logit_means(pop, g.n_expert, g.n_expert_used)
+    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    ones = np.ones(g.n_embd, np.float32)
+    unreserved = ones.copy()
+    unreserved[:res] = 0
+    attn_out_std = _attn_out_std(g)
+    gdn_out_std = min(WEIGHT_STD, GDN_OUT_GAIN / (0.5 * math.sqrt(g.value_dim)))
+
+    def set_channel(r0: int, rows: np.ndarray) -> None:
+        rows[:, 0] = CHANNEL_VALUE
+
+    def zero_reserved_rows(r0: int, rows: np.ndarray) -> None:
+        rows[: max(0, res - r0)] = 0
+
+    def zero_reserved_cols(r0: int, rows: np.ndarray) -> None:
+        _zero_first_columns(dense, rows, res)
+
+    tensors = [_matrix(_name(MT.TOKEN_EMBD), dense, g.n_vocab, g.n_embd, lambda: _stream(seed, 0, 0),
+                       set_channel, std=EMBD_STD)]
+    ranks = np.empty((g.n_layer, g.n_expert), np.int64)
+    t_gu, t_down = _expert_type(qtype, g.n_embd), _expert_type(qtype, g.n_ff_exp)
+    for il in range(g.n_layer):
+        def bits(kind: int, il: int = il) -> Callable[[], np.random.SFC64]:
+            return lambda: _stream(seed, il + 1, kind)
+        ranks[il] = np.random.Generator(_stream(seed, il + 1, 99)).permutation(g.n_expert)
+        tensors.append(_const(_name(MT.ATTN_NORM, il), (g.n_embd,), lambda: unreserved))
+        if g.is_linear(il):
+            rng = lambda kind, il=il: np.random.Generator(_stream(seed, il + 1, kind))  # noqa: E731
+            tensors += [
+                _matrix(_name(MT.ATTN_QKV, il), dense, g.conv_dim, g.n_embd, bits(1)),
+                _matrix(_name(MT.ATTN_GATE, il), dense, g.value_dim, g.n_embd, bits(2)),
+                _const(_name(MT.SSM_CONV1D, il), (g.conv_dim, g.conv_kernel),
+                       lambda rng=rng: rng(20).uniform(-1, 1, (g.conv_dim, g.conv_kernel))
+                       / math.sqrt(g.conv_kernel)),
+                _const(_name(MT.SSM_DT, il, ".bias"), (g.n_v_heads,),
+                       lambda rng=rng: np.log(np.expm1(np.exp(rng(21).uniform(
+                           math.log(0.01), math.log(0.1), g.n_v_heads))))),
+                _const(_name(MT.SSM_A, il, ""), (g.n_v_heads,),
+                       lambda rng=rng: -rng(22).uniform(1.0, 8.0, g.n_v_heads)),
+                _matrix(_name(MT.SSM_BETA_ALPHA, il), dense, 2 * g.n_v_heads, g.n_embd, bits(3)),
+                _const(_name(MT.SSM_NORM, il), (g.head_v_dim,), lambda: np.ones(g.head_v_dim)),
+                _matrix(_name(MT.SSM_OUT, il), dense, g.n_embd, g.value_dim, bits(4),
+                        zero_reserved_rows, std=gdn_out_std),
+            ]
+        else:
+            tensors += [
+                _matrix(_name(MT.ATTN_Q, il), dense, 2 * q, g.n_embd, bits(1)),   # q and its gate
+                _matrix(_name(MT.ATTN_K, il), dense, kv, g.n_embd, bits(2)),
+                _matrix(_name(MT.ATTN_V, il), dense, kv, g.n_embd, bits(3)),
+                _matrix(_name(MT.ATTN_OUT, il), dense, g.n_embd, q, bits(4), zero_reserved_rows,
+                        std=attn_out_std),
+                _const(_name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
+                _const(_name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
+            ]
+        tensors += [
+            _const(_name(MT.ATTN_POST_NORM, il), (g.n_embd,), lambda: ones),
+            _const(_name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
+                   lambda il=il: _router(g, _stream(seed, il + 1, 9), mu, ranks[il], res)),
+            _experts(_name(MT.FFN_GATE_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
+            _experts(_name(MT.FFN_UP_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
+            _experts(_name(MT.FFN_DOWN_EXP, il), t_down, g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
+            _matrix(_name(MT.FFN_GATE_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(10), zero_reserved_cols),
+            _matrix(_name(MT.FFN_UP_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(11), zero_reserved_cols),
+            _matrix(_name(MT.FFN_DOWN_SHEXP, il), dense, g.n_embd, g.n_ff_shexp, bits(12), zero_reserved_rows),
+            _const(_name(MT.FFN_GATE_INP_SHEXP, il), (1, g.n_embd),
+                   lambda il=il: np.random.Generator(_stream(seed, il + 1, 13)).uniform(
+                       -1, 1, (1, g.n_embd)) * unreserved * (WEIGHT_STD * math.sqrt(3))),
+        ]
+    tensors += [_const(_name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
+                _matrix(_name(MT.OUTPUT), dense, g.n_vocab, g.n_embd, lambda: _stream(seed, 0, 1))]
+    return tensors, ranks
+
+
+def write_synthetic_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
+                         quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
+                         progress: Callable[[int, int], None] | None = None) -> SynthSummary:
+    """Write a synthetic qwen3next GGUF to `path` (see the module docstring)."""
+    g = like if isinstance(like, NextSynthGeometry) else NEXT_GEOMETRIES.get(like)
+    if g is None:
+        raise ValueError(f"unknown geometry {like!r}: expected one of {', '.join(NEXT_GEOMETRIES)}")
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANTS)}")
+    pop = parse_popularity(popularity) if isinstance(popularity, str) else popularity
+    if g.n_head % g.n_head_kv or g.n_v_heads % g.n_k_heads or not 0 < g.n_expert_used <= g.n_expert:
+        raise ValueError(f"{g.name}: needs n_head a multiple of n_head_kv, value heads a multiple "
+                         f"of key heads and 0 < n_expert_used <= n_expert")
+    if not 0 <= seed < 2 ** 32:
+        raise ValueError(f"seed {seed} is not in [0, 2**32)")
+    path = Path(path)
+    tensors, ranks = _plan_next(g, quant, pop, seed)
+
+    def metadata(w: gguf.GGUFWriter) -> None:   # what llama.cpp's Qwen3NextModel converter writes
+        w.add_block_count(g.n_layer)
+        w.add_context_length(g.context_length)
+        w.add_embedding_length(g.n_embd)
+        w.add_feed_forward_length(g.n_ff_exp)
+        w.add_expert_feed_forward_length(g.n_ff_exp)
+        w.add_expert_shared_feed_forward_length(g.n_ff_shexp)
+        w.add_head_count(g.n_head)
+        w.add_head_count_kv(g.n_head_kv)
+        w.add_key_length(g.head_dim)
+        w.add_value_length(g.head_dim)
+        w.add_rope_freq_base(g.rope_base)
+        w.add_rope_dimension_count(int(g.head_dim * g.partial_rotary))
+        w.add_layer_norm_rms_eps(g.rms_eps)
+        w.add_expert_count(g.n_expert)
+        w.add_expert_used_count(g.n_expert_used)
+        w.add_ssm_conv_kernel(g.conv_kernel)
+        w.add_ssm_state_size(g.head_k_dim)
+        w.add_ssm_group_count(g.n_k_heads)
+        w.add_ssm_time_step_rank(g.n_v_heads)
+        w.add_ssm_inner_size(g.value_dim)
+        w.add_full_attention_interval(g.full_attention_interval)
+
+    size = _write_file(path, "qwen3next", g, quant, pop, seed, ranks, metadata, tensors, progress)
+    return _summary(path, size, g, quant, pop, tensors, ranks)
