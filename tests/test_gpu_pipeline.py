@@ -52,3 +52,20 @@ def test_gpu_ranks_equal_single_process(model, baseline, split):
             assert all(int(r.get("handoff_ipc", 0)) >= 63 for r in stats[:-1]), stats
     finally:
         assert s.close() == 0
+
+
+def test_gpu_tiers_keep_the_tokens(model, baseline):
+    """Stage caches of a few pairs, a helper tier on a third rank, host misses streamed from
+    pinned memory: the tokens equal the single-process GPU run."""
+    s = ServeSession(model, "--gpus", "0,0,0", "--layer-split", "3", "--prefill", str(CHUNK),
+                     "--max-context", "512", "--gpu-order", "as_given",
+                     env={"STRATA_STAGE_CACHE_SLOTS": "20"}, timeout=120)
+    try:
+        out = s.gen(PROMPT, 64, "stats=1", timeout=120)
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == baseline
+        assert sum(int(r["remote"]) for r in out["stats"]) > 0
+        assert sum(int(r["host"]) for r in out["stats"]) > 0
+        assert sum(int(r["hits"]) for r in out["stats"]) > 0
+    finally:
+        assert s.close() == 0
