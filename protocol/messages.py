@@ -255,7 +255,7 @@ class Ready(Message):
 
 @message
 class Stats(Message):
-    """Ask a rank for its counters. ``request_id`` scopes the deltas to one request when not None."""
+    """Ask a rank for its counters. ``request_id`` is echoed in the reply."""
 
     TYPE = "stats"
     request_id: int | None = None
@@ -263,7 +263,8 @@ class Stats(Message):
 
 @message
 class StatsReply(Message):
-    """Counters as deltas since the previous StatsReply of this rank (hits, misses, remote, ...)."""
+    """Counters as totals since the rank started (hits, remote, host, ...): any number of readers can
+    take their own deltas between two replies, which per-rank deltas since the last reply would not allow."""
 
     TYPE = "stats_reply"
     rank: int

@@ -101,6 +101,8 @@ class RankProcess:
         self.assign = assign
         rank = assign.rank
         log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
+        if assign.helper_pairs:
+            self._open_helper(assign)
         if assign.role in ("stage", "stage+helper"):
             x = assign.extra
             self.stage = Stage(StageConfig(
@@ -108,11 +110,11 @@ class RankProcess:
                 first=assign.first, last=assign.last, max_context=assign.max_context,
                 weight_slice=bool(x.get("weight_slice", True)),
                 cache_pairs=[tuple(p) for p in x.get("cache_pairs", [])],
+                # this card's own helper tier is computed in place, never asked over a socket
                 helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []))
-                         for h in assign.helpers]))
+                         for h in assign.helpers if h.rank != rank],
+                local_helper=self.helper_arena))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
-        if assign.helper_pairs:
-            self._open_helper(assign)
         self.head = Channel("push", peer="head").connect(assign.head_endpoint)
         if self.stage:
             self._connect_neighbours(assign)
@@ -133,7 +135,7 @@ class RankProcess:
         Ready, and answers every request with an error (stages then use host memory)."""
         gguf = GGUFModel(self.opts.model)
         g = architecture_for(gguf).read_geometry(gguf)
-        backend = self.stage.backend if self.stage else _backend(self.opts.device_name)
+        backend = _backend(self.opts.device_name)
         try:
             self.helper_arena = BlobArena(backend, gguf, [tuple(p) for p in a.helper_pairs],
                                           g.n_layers, g.n_expert)

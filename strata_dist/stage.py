@@ -27,6 +27,7 @@ class StageConfig:
     weight_slice: bool = True
     cache_pairs: list = field(default_factory=list)      # the plan's pairs for this stage's cache
     helpers: list = field(default_factory=list)          # (rank, endpoint, pairs) of helper tiers
+    local_helper: object = None                          # this card's own helper tier (an arena)
 
 
 class Stage:
@@ -42,7 +43,8 @@ class Stage:
         self.cache = BlobArena(self.backend, self.gguf, own, g.n_layers, g.n_expert)
         helpers = [HelperClient(rank, ep, [p for p in pairs if cfg.lb <= p[0] < cfg.le])
                    for rank, ep, pairs in cfg.helpers]
-        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs])
+        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
+                                 local_helper=cfg.local_helper)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         self.sessions: dict[int, object] = {}

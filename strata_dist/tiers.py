@@ -58,8 +58,10 @@ class HelperClient:
 class ExpertTiers(ExpertStore):
     """The expert store a stage's model computes through."""
 
-    def __init__(self, backend, gguf, cache: BlobArena, helpers: list[HelperClient]):
+    def __init__(self, backend, gguf, cache: BlobArena, helpers: list[HelperClient],
+                 local_helper: BlobArena | None = None):
         self.backend, self.gguf, self.cache = backend, gguf, cache
+        self.local_helper = local_helper   # the helper tier on this stage's own card
         self.host = HostTier(backend, gguf)
         self.helpers = helpers
         self.remote_of = {pair: h for h in helpers for pair in h.pairs}
@@ -70,13 +72,16 @@ class ExpertTiers(ExpertStore):
         be = self.backend
         n, k = idx.shape
         y = be.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
-        tier = np.zeros((n, k), dtype=np.int8)          # 0 host, 1 hit, 2 remote
+        tier = np.zeros((n, k), dtype=np.int8)   # 0 host, 1 hit, 2 remote, 3 own card's helper tier
         asked: dict[HelperClient, np.ndarray] = {}
         for r in range(n):
             for j in range(k):
                 e = int(idx[r, j])
                 if self.cache.holds(layer, e):
                     tier[r, j] = 1
+                    continue
+                if not self.prompt and self.local_helper is not None and self.local_helper.holds(layer, e):
+                    tier[r, j] = 3
                     continue
                 h = None if self.prompt else self.remote_of.get((layer, e))
                 if h is not None and h.alive:
@@ -94,6 +99,8 @@ class ExpertTiers(ExpertStore):
                     tier[mask] = 0
         # local work overlaps with the helpers'
         self._run(self.cache, layer, x, idx, tier == 1, y)
+        if self.local_helper is not None:
+            self._run(self.local_helper, layer, x, idx, tier == 3, y)
         for h, mask, seq in pending:
             try:
                 out = h.reply(seq, time.monotonic() + REMOTE_TIMEOUT_MS / 1000)
@@ -104,7 +111,7 @@ class ExpertTiers(ExpertStore):
                 tier[mask] = 0
         self._run(self.host, layer, x, idx, tier == 0, y)
         self.counters["hits"] += int((tier == 1).sum())
-        self.counters["remote"] += int((tier == 2).sum())
+        self.counters["remote"] += int((tier >= 2).sum())   # served by a helper tier
         self.counters["host"] += int((tier == 0).sum())
         return y
 

@@ -504,3 +504,35 @@ def test_a_dead_rank_fails_the_request_and_stops_the_server(model):
         assert "error:" in s.err_text()
     finally:
         s.close()
+
+
+def test_sigterm_ends_open_streams_with_a_message(model):
+    s = ServerProcess(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G")
+    try:
+        ranks = launcher_children(s.proc.pid)
+        with httpx.Client(timeout=30) as http:
+            resp = _long_stream(s, http)
+            lines = resp.iter_lines()
+            while '"token_ids": [' not in next(lines):
+                pass
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [x for x in lines if x]   # ends: no hang, no broken chunked stream
+            resp.close()
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(next(x for x in rest if x.startswith('data: {"error"'))[6:])["error"]
+        assert err["message"] == "the server is stopping"
+        assert s.proc.wait(timeout=20) == 130
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and _alive(p) for p in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        s.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -62,6 +62,8 @@ def test_placement_invariance_and_counters(model, baseline, arm):
         total = sum(int(r["hits"]) + int(r["remote"]) + int(r["host"]) for r in stats)
         steps = len(PROMPT) + len(out["tokens"]) - 1      # the last token is not read
         assert total == steps * N_LAYERS * TOP_K
+        # no tier went silent (a stage asking its own card's tier over a socket would)
+        assert sum(int(r["remote_lost"]) for r in stats) == 0
         hits = sum(int(r["hits"]) for r in stats)
         remote = sum(int(r["remote"]) for r in stats)
         if cache == "none":

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -143,7 +144,9 @@ def create_app(ctx: ServerContext) -> Starlette:
     async def generate(request: Request, kind: str) -> Response:
         authorize(request)
         body = await json_body(request)
-        parsed = (oa.parse_chat if kind == "chat" else oa.parse_completion)(body, ctx.limits)
+        parse = oa.parse_chat if kind == "chat" else oa.parse_completion
+        # tokenizing a long prompt on a worker thread keeps the event loop answering others
+        parsed = await run_in_threadpool(parse, body, ctx.limits)
         events: asyncio.Queue = asyncio.Queue()
         job = Job(parsed.spec, asyncio.get_running_loop(), events)
         try:

@@ -372,16 +372,23 @@ class Worker:
         with self.lock:
             self.running, self.running_tokens, self.running_since = job, 0, time.monotonic()
 
+        failure: list[BaseException] = []
+
         def on_token(t: int) -> None:
-            now = time.monotonic()
-            self.decode_rate.add(1, now)
-            with self.lock:
-                if self.running_tokens == 0:
-                    self.running_since = now
-                self.running_tokens += 1
-            ev = stream.push(t)
-            if ev is not None:
-                job.post(ev)
+            try:
+                now = time.monotonic()
+                self.decode_rate.add(1, now)
+                with self.lock:
+                    if self.running_tokens == 0:
+                        self.running_since = now
+                    self.running_tokens += 1
+                ev = stream.push(t)
+                if ev is not None:
+                    job.post(ev)
+            except Exception as e:  # noqa: BLE001 - a bug here cancels this request, not the run
+                if not failure:
+                    log.exception("request %s: turning token %d into text failed", job.id, t)
+                    failure.append(e)
 
         outcome = "requests_error"
         if not spec.cache_prompt:
@@ -390,7 +397,9 @@ class Worker:
             out = self.session.generate(
                 spec.prompt_ids, spec.max_new, spec.params, stop_ids=spec.stop_ids,
                 on_token=on_token,
-                should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit)
+                should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
+            if failure:
+                raise failure[0]
             if job.cancelled.is_set() and not stream.stop_hit:
                 outcome = "requests_cancelled"
                 return
@@ -420,6 +429,14 @@ class Worker:
             job.post(Event("error", status=500, message=str(e), code="request_failed"))
         except RankFailure as e:         # the run is over: this request learns why
             job.post(Event("error", status=503, message=str(e), code="unavailable"))
+            raise
+        except Exception as e:           # a bug must fail this request only
+            log.exception("request %s failed", job.id)
+            self.session.tokens = []
+            job.post(Event("error", status=500, message=f"internal error: {type(e).__name__}: {e}",
+                           code="internal"))
+        except BaseException:            # Ctrl-C / SIGTERM: the stream ends with a message
+            job.post(Event("error", status=503, message="the server is stopping", code="unavailable"))
             raise
         finally:
             with self.lock:
