@@ -1,0 +1,62 @@
+"""strata-launch refusals (exit 2, naming both values) and --plan-only output."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_gguf(tiny_qwen3moe(31, n_layers=4), tmp_path_factory.mktemp("cli") / "m.gguf")
+
+
+def launch(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--cpu-ranks", "1", "--layer-split", "2"], ["--layer-split 2", "2 devices", "has 1"]),
+    (["--cpu-ranks", "3", "--layer-split", "3,2"], ["3", "2"]),
+    (["--cpu-ranks", "2", "--layer-split", "1,2"], ["stages", "2"]),
+    (["--cpu-ranks", "2", "--layer-split", "0"], ["0"]),
+    (["--gpus", "0", "--cpu-ranks", "2"], ["--gpus 0", "--cpu-ranks 2"]),
+    (["--cpu-ranks", "2", "--vram-budget", "1M,1M,1M"], ["3 values", "2 ranks"]),
+    (["--cpu-ranks", "2", "--vram-budget", "12Q"], ["12Q"]),
+    (["--cpu-ranks", "2", "--serve", "--prompt-ids", "1,2"], ["--serve", "--prompt-ids"]),
+    (["--cpu-ranks", "2", "--prefill", "0"], ["--prefill 0"]),
+    (["--cpu-ranks", "2", "--expert-cache", "-3"], ["-3"]),
+])
+def test_refusals_exit_2_naming_the_values(model, args, needles):
+    proc = launch("--model", model, "--plan-only", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error:") or "\nerror:" in proc.stderr
+    for n in needles:
+        assert n in proc.stderr, (n, proc.stderr)
+
+
+def test_a_card_too_small_is_refused_with_both_numbers(model):
+    proc = launch("--model", model, "--plan-only", "--cpu-ranks", "2", "--layer-split", "2",
+                  "--vram-budget", "16M")
+    assert proc.returncode == 2
+    assert "MiB" in proc.stderr and "16.0" in proc.stderr, proc.stderr
+
+
+def test_plan_only_json_is_the_plan_value(model, tmp_path):
+    rig = tmp_path / "rig.json"
+    rig.write_text(json.dumps([{"name": "a", "total_mib": 4096, "free_mib": 4000},
+                               {"name": "b", "total_mib": 4096, "free_mib": 4000,
+                                "mem_bandwidth_gbs": 900, "host": "h2"}]))
+    proc = launch("--model", model, "--inventory", str(rig), "--layer-split", "2", "--plan-only",
+                  "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert [(s["lb"], s["le"]) for s in plan["stages"]] == [(0, 2), (2, 4)]
+    assert plan["expert_slots"] >= plan["expert_slots_primary"] > 0
+    from strata_dist.plan import Plan
+    assert Plan.from_json(proc.stdout).to_dict() == plan
+    table = launch("--model", model, "--inventory", str(rig), "--layer-split", "2", "--plan-only")
+    assert "expert_slots" in table.stdout and "[0, 2)" in table.stdout
