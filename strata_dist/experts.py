@@ -74,6 +74,48 @@ class BlobArena(ExpertStore):
         self.buf = backend.asarray(host)
         # the residency table also lives on the device, for kernels that route there
         self.slot_of_device = backend.asarray(self.slot_of)
+        self.lent: list[int] = []      # slots lent to the prompt path (their pairs not resident)
+
+    # ---- prompt loans: the tail of the cache, lent for a prompt and refilled after -----------
+    def lend_tail(self, n_slots: int) -> int:
+        """Lend the last n_slots slots (the coldest pairs: the cache is in rank order) to the
+        prompt path; their pairs stop being resident. Returns the bytes lent."""
+        if self.lent or n_slots <= 0:
+            return self.loan_bytes
+        first = max(0, len(self.pairs) - n_slots)
+        self.lent = list(range(first, len(self.pairs)))
+        for i in self.lent:
+            layer, expert = self.pairs[i]
+            self.slot_of[layer, expert] = -1
+        self._sync_residency()
+        return self.loan_bytes
+
+    @property
+    def loan_bytes(self) -> int:
+        return int(self.nbytes - self.offsets[self.lent[0]]) if self.lent else 0
+
+    def loan_region(self):
+        """The lent bytes as one buffer: staging space for experts streamed during a prompt."""
+        return self.buf[int(self.offsets[self.lent[0]]):self.nbytes] if self.lent else None
+
+    def refill(self) -> int:
+        """Put every lent slot's own pair back from the model file and mark it resident again.
+        Only this arena's slots and only its own pairs: a slot refilled into another cache, or
+        another stage's rows marked, would still produce fluent tokens."""
+        if not self.lent:
+            return 0
+        n = len(self.lent)
+        for i in self.lent:
+            layer, expert = self.pairs[i]
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            self.buf[lo:hi] = self.backend.asarray(np.asarray(self.gguf.expert_blob(layer, expert)))
+            self.slot_of[layer, expert] = i
+        self.lent = []
+        self._sync_residency()
+        return n
+
+    def _sync_residency(self) -> None:
+        self.slot_of_device = self.backend.asarray(self.slot_of)
 
     def holds(self, layer: int, expert: int) -> bool:
         return bool(self.slot_of[layer, expert] >= 0)

@@ -110,6 +110,7 @@ class RankProcess:
                 first=assign.first, last=assign.last, max_context=assign.max_context,
                 weight_slice=bool(x.get("weight_slice", True)),
                 cache_pairs=[tuple(p) for p in x.get("cache_pairs", [])],
+                loan_slots=assign.loan_slots,
                 # this card's own helper tier is computed in place, never asked over a socket
                 helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []))
                          for h in assign.helpers if h.rank != rank],
@@ -279,6 +280,7 @@ class RankProcess:
             self._report(msg.request_id, f"rank {self.assign.rank}: hand-off failed: {e}")
         except Exception as e:  # a bad request must not take the rank down
             log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
+            self.stage.end_prompt()   # a failed prompt still gives its loan back
             self._report(msg.request_id, f"rank {self.assign.rank}: {type(e).__name__}: {e}")
         finally:
             if self.receiver is not None:
@@ -298,6 +300,8 @@ class RankProcess:
     def _compute(self, msg, arrays) -> None:
         t0 = time.perf_counter()
         is_prompt = msg.sampling is not None
+        if is_prompt and msg.chunk_index == 0:
+            self.stage.begin_prompt()
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt)
             n = len(msg.ids)
@@ -305,6 +309,8 @@ class RankProcess:
             out = self.stage.run(msg.session_id, msg.pos, hidden=self.receiver.rows(msg, arrays),
                                  prompt=is_prompt)
             n = msg.n
+        if is_prompt and msg.chunk_index == msg.chunk_total - 1:
+            self.stage.end_prompt()   # before the first decode step reaches this stage
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += n
         t1 = time.perf_counter()

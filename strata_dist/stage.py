@@ -28,6 +28,7 @@ class StageConfig:
     cache_pairs: list = field(default_factory=list)      # the plan's pairs for this stage's cache
     helpers: list = field(default_factory=list)          # (rank, endpoint, pairs) of helper tiers
     local_helper: object = None                          # this card's own helper tier (an arena)
+    loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
 
 
 class Stage:
@@ -64,6 +65,18 @@ class Stage:
 
     def release(self, session_id: int) -> None:
         self.sessions.pop(session_id, None)
+
+    def begin_prompt(self) -> None:
+        """The prompt path borrows the tail of this stage's own cache (its loan)."""
+        if self.cfg.loan_slots > 0 and not self.cache.lent:
+            self.cache.lend_tail(self.cfg.loan_slots)
+            self.tiers.counters["loans"] += 1
+
+    def end_prompt(self) -> None:
+        """After the prompt, the lent slots get their own pairs back: outside a prompt the whole
+        cache is expert cache."""
+        if self.cache.lent:
+            self.tiers.counters["refilled_slots"] += self.cache.refill()
 
     def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the

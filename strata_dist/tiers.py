@@ -19,7 +19,7 @@ import numpy as np
 
 from protocol import Channel, Error, ExpertReply, ExpertRequest, ProtocolError, ProtocolTimeout
 
-from .experts import BlobArena, ExpertStore, HostTier
+from .experts import BlobArena, ExpertStore, HostTier, swiglu
 
 log = logging.getLogger("strata.tiers")
 
@@ -109,7 +109,10 @@ class ExpertTiers(ExpertStore):
             except (ProtocolTimeout, ProtocolError) as e:
                 self._helper_lost(h, e)
                 tier[mask] = 0
-        self._run(self.host, layer, x, idx, tier == 0, y)
+        if self.prompt and self.cache.lent:
+            self._run_streamed(layer, x, idx, tier == 0, y)
+        else:
+            self._run(self.host, layer, x, idx, tier == 0, y)
         self.counters["hits"] += int((tier == 1).sum())
         self.counters["remote"] += int((tier >= 2).sum())   # served by a helper tier
         self.counters["host"] += int((tier == 0).sum())
@@ -121,6 +124,28 @@ class ExpertTiers(ExpertStore):
             rows, ranks = np.nonzero(mask & (idx == expert))
             sel = be.asarray(rows)
             y[sel, be.asarray(ranks)] = store.compute(layer, int(expert), x[sel])
+
+    def _run_streamed(self, layer: int, x, idx, mask, y) -> None:
+        """A prompt chunk's misses, streamed into the loaned tail of the cache a batch at a time
+        and computed there with the same kernel as a hit (no allocation per expert)."""
+        be, gguf = self.backend, self.gguf
+        region = self.cache.loan_region()
+        size = gguf.blob_bytes(layer)
+        per_batch = int(region.nbytes) // size
+        experts = [int(e) for e in np.unique(idx[mask])]
+        if per_batch == 0:   # a loan smaller than one of this layer's blobs: plain host path
+            self._run(self.host, layer, x, idx, mask, y)
+            return
+        for start in range(0, len(experts), per_batch):
+            batch = experts[start:start + per_batch]
+            for i, e in enumerate(batch):     # stream the batch in, then compute it
+                be.stage_blob(gguf.expert_blob(layer, e), out=region[i * size:(i + 1) * size])
+            for i, e in enumerate(batch):
+                rows, ranks = np.nonzero(mask & (idx == e))
+                sel = be.asarray(rows)
+                gate, up, down = be.expert_weights(gguf, layer, region[i * size:(i + 1) * size])
+                y[sel, be.asarray(ranks)] = swiglu(be, x[sel], gate, up, down)
+            self.counters["streamed"] += len(batch)
 
     def _helper_lost(self, h: HelperClient, err: Exception) -> None:
         if h.alive:

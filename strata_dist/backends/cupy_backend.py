@@ -99,13 +99,15 @@ class CupyBackend(Backend):
         return BlobArena(self, gguf, [(l, e) for l in g_layers for e in range(n_experts)],
                          n_layers, n_experts)
 
-    def stage_blob(self, host_blob):
-        """A host blob on the device, through a pinned staging buffer (DMA at full PCIe speed)."""
+    def stage_blob(self, host_blob, out=None):
+        """A host blob on the device (into `out` when given: a loaned cache slot), through a
+        pinned staging buffer, so the copy is a DMA at full PCIe speed."""
         n = int(host_blob.nbytes)
         if self._pinned is None or self._pinned.size < n:
             self._pinned = cupyx.empty_pinned(max(n, 1 << 20), dtype=np.uint8)
         self._pinned[:n] = np.asarray(host_blob, dtype=np.uint8)
-        out = cp.empty(n, dtype=cp.uint8)
+        if out is None:
+            out = cp.empty(n, dtype=cp.uint8)
         out.set(self._pinned[:n])
         return out
 

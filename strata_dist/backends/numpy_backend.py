@@ -37,8 +37,11 @@ class NumpyBackend(Backend):
         from ..experts import HostTier
         return HostTier(self, gguf)
 
-    def stage_blob(self, host_blob):
-        return host_blob
+    def stage_blob(self, host_blob, out=None):
+        if out is None:
+            return host_blob
+        out[...] = host_blob
+        return out
 
     def expert_weights(self, gguf, layer, blob):
         """(gate, up, down) float32 of one stored blob."""
