@@ -12,7 +12,8 @@ from protocol.auth import new_secret
 from strata_dist.coordinator import Coordinator, RankFailure, RankSlot
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
-from strata_dist.plan import Device, Plan, PlanParams, RoutingProfile, make_plan, skip_tier
+from strata_dist.plan import (Device, Plan, PlanParams, RoutingProfile, make_plan, render_table,
+                              skip_tier)
 
 from .spawn import LocalRanks, RankSpec
 
@@ -132,6 +133,8 @@ class Launch:
         self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
                               profile=cfg.profile, params=cfg.params, split=cfg.split,
                               order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill)
+        for line in render_table(self.plan).splitlines():
+            self.echo(f"plan: {line}")
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
                            cfg.params.weight_slice)
         self._assigned = work

@@ -10,8 +10,8 @@ def _mib(n: int) -> str:
 
 
 def render_table(plan: Plan) -> str:
-    head = ("device", "role", "[lb, le)", "free", "weights", "session", "loan", "cache", "helper",
-            "slots", "left")
+    head = ("device", "role", "[lb, le)", "free", "weights", "session", "reserve", "loan", "cache",
+            "helper", "slots", "left")
     rows = [head]
     for dev in plan.devices:
         st, h = plan.stage_on(dev), plan.helper_on(dev)
@@ -25,6 +25,7 @@ def render_table(plan: Plan) -> str:
         rows.append((
             dev.label, role, f"[{st.lb}, {st.le})" if st else "-", _mib(dev.free_bytes),
             _mib(st.weights_bytes) if st else "-", _mib(st.session_bytes) if st else "-",
+            _mib(st.reserve_bytes) if st else "-",
             (_mib(st.loan_bytes) if st.own_prompt_bytes == 0 else f"own {_mib(st.own_prompt_bytes)}") if st else "-",
             _mib(st.cache_bytes) if st else "-", _mib(h.bytes) if live else "-",
             " + ".join(slots) or "0", _mib(plan.left_bytes(dev)),
@@ -33,7 +34,8 @@ def render_table(plan: Plan) -> str:
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("(MiB; slots: stage cache + hN helper pairs)")
+    lines.append("(MiB; reserve: work buffers, hand-off rows and, on the last stage, the head's "
+                 "scratch; slots: stage cache + hN helper pairs)")
     lines.append(f"expert_slots {plan.expert_slots} (stage caches {plan.expert_slots_primary}), "
                  f"expert cache {plan.expert_cache_mib:.1f} MiB (stage caches {plan.expert_cache_primary_mib:.1f} MiB)")
     lines.append(f"predicted {plan.predicted_ms_per_token:.3f} ms/token = compute {plan.compute_ms:.3f} "
