@@ -2,15 +2,13 @@
 priced bytes and the loaded bytes come from one rule (DESIGN.md §4)."""
 from __future__ import annotations
 
-import numpy as np
-
 from .backends.layout import dense_nbytes
 from .gguf_model import GGUFModel
 from .models import architecture_for
 from .plan.shape import ModelShape, estimate_prompt_bytes_per_token
 
-# What a rank keeps of dense tensors: backends/layout.py. The KV cache and the linear layers' conv + recurrent state are float32 on both
-# for now.
+# What a rank keeps of dense tensors: backends/layout.py. The KV cache and the linear layers'
+# conv + recurrent state are float32 on every backend for now.
 KV_ITEMSIZE = 4
 STATE_ITEMSIZE = 4
 

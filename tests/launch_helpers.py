@@ -93,8 +93,8 @@ class ServeSession:
         return self.proc.returncode
 
 
-def rank_pids(session: ServeSession) -> list[int]:
-    """PIDs of the strata-rank children of a launcher (from /proc)."""
+def launcher_children(pid: int) -> list[int]:
+    """PIDs of the strata-rank children of a launcher process (from /proc)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -106,9 +106,13 @@ def rank_pids(session: ServeSession) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if ppid == session.proc.pid and b"strata_dist.rank_main" in cmd:
+        if ppid == pid and b"strata_dist.rank_main" in cmd:
             pids.append(int(entry))
     return sorted(pids)
+
+
+def rank_pids(session: ServeSession) -> list[int]:
+    return launcher_children(session.proc.pid)
 
 
 def alive(pid: int) -> bool:

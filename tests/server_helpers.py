@@ -107,19 +107,3 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def launcher_children(pid: int) -> list[int]:
-    """PIDs of the strata-rank children of a launcher (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if ppid == pid and b"strata_dist.rank_main" in cmd:
-            out.append(int(entry))
-    return sorted(out)

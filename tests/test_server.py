@@ -20,8 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch_helpers import ServeSession
-from server_helpers import ServerProcess, launcher_children
+from launch_helpers import ServeSession, launcher_children
+from server_helpers import ServerProcess
 from strata_dist.synth import write_synthetic
 from strata_dist.tokenizer import GGUFTokenizer
 

@@ -1,7 +1,6 @@
 """Expert tiers on CPU ranks: stage caches, helper tiers (on stage cards and on a card that runs
 no stage), host misses. The tokens never depend on where an expert was computed."""
 import os
-import re
 import signal
 import time
 
