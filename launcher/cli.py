@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.devices import cpu_device, gpu_device, parse_size, parse_size_list
 from strata_dist.gguf_model import GGUFError
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto, or K1,K2,… — the first layers of the second, third, … stage")
     plan.add_argument("--max-context", type=int, default=4096, help="session cells (default 4096)")
     plan.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
+    plan.add_argument("--prompt-cache-every", type=int, default=DEFAULT_EVERY, metavar="N",
+                      help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
+                           "chunk boundary past every N prompt tokens, besides each request's start "
+                           f"and prompt end; 0: only those (default {DEFAULT_EVERY})")
     plan.add_argument("--gpu-order", choices=("fastest_last", "as_given"), default="fastest_last")
     plan.add_argument("--split-skip-if-fits", action="store_true",
                       help="run on one card when everything fits there")
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = ap.add_argument_group("run")
     run.add_argument("--serve", action="store_true", help="the stdin/stdout line protocol")
     run.add_argument("--prompt-ids", default=None, help="generate once for these ids and exit")
+    run.add_argument("--prompt", default=None,
+                     help="generate once for this text (the model's tokenizer) and print the text")
+    run.add_argument("--chat", action="store_true", help="with --prompt: apply the chat template")
     run.add_argument("--max-new", type=int, default=32, help="with --prompt-ids (default 32)")
     run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
     http = ap.add_argument_group("http (an OpenAI-compatible server)")
@@ -196,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     if args.serve and args.prompt_ids:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
+    if args.prompt is not None and (args.serve or args.prompt_ids):
+        other = "--serve" if args.serve else "--prompt-ids"
+        raise UsageError(f"--prompt and {other} cannot be combined: pick one surface")
     http_flags(args)
     if args.json and not args.plan_only:
         raise UsageError("--json goes with --plan-only")
@@ -206,6 +217,9 @@ def _main(args) -> int:
     n_devices = len(specs) if specs else len(planning_devices(args, specs))
     split = split_arg(args.layer_split, n_devices)
     prefill = prefill_arg(args.prefill)
+    if args.prompt_cache_every < 0:
+        raise UsageError(f"--prompt-cache-every {args.prompt_cache_every}: N >= 0 (0: no "
+                         "mid-prompt checkpoints)")
     params = plan_params(args)
     profile = load_profile(args, gguf)
     if args.plan_only:
@@ -241,7 +255,8 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
         g = architecture_for(gguf).read_geometry(gguf)
         eos = gguf.metadata("tokenizer.ggml.eos_token_id")
         session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
-                              None if eos is None else int(eos))
+                              None if eos is None else int(eos),
+                              checkpoint_every=args.prompt_cache_every)
         server = LineServer(session)
         devices = [s.register.devices[0] for s in launch.coordinator.ranks]
         for line in info_lines(plan, launch.ready, devices, args.max_context,
@@ -251,12 +266,18 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
         if args.serve:
             server.say(f"READY {args.max_context}")
             code = server.serve(stdin_lines())
-        elif args.prompt_ids:
-            ids = args.prompt_ids.replace(",", " ")
+        elif args.prompt_ids or args.prompt is not None:
+            tok = None
+            if args.prompt is not None:
+                from strata_dist.cli import prompt_tokens
+                prompt, tok = prompt_tokens(args.model, args.prompt, args.chat)
+                ids = " ".join(map(str, prompt))
+            else:
+                ids = args.prompt_ids.replace(",", " ")
             out = _CaptureTokens()
             server.out = out
             server.generate(parse_gen(f"GEN {args.max_new} {ids}"))
-            print(",".join(str(t) for t in out.tokens))
+            print(tok.decode(out.tokens) if tok else ",".join(str(t) for t in out.tokens))
             print(out.summary, file=sys.stderr)
         else:
             print("ready; Ctrl-C stops every rank", file=sys.stderr)
@@ -284,7 +305,7 @@ def http_flags(args) -> None:
                 raise UsageError(f"{flag} goes with --port")
         return
     for flag, on in (("--serve", args.serve), ("--prompt-ids", args.prompt_ids),
-                     ("--plan-only", args.plan_only)):
+                     ("--prompt", args.prompt is not None), ("--plan-only", args.plan_only)):
         if on:
             raise UsageError(f"--port {args.port} and {flag} cannot be combined: pick one surface")
     if not 0 <= args.port <= 65535:
@@ -313,7 +334,7 @@ def _serve_http(args, gguf, launch, specs) -> int:
                         queue_size=args.queue_size if args.queue_size is not None else 64,
                         gpu_of_rank={s.index: s.visible_gpu for s in specs
                                      if s.visible_gpu is not None},
-                        info_lines=lines)
+                        info_lines=lines, prompt_cache_every=args.prompt_cache_every)
 
 
 class _CaptureTokens:

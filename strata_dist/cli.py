@@ -51,14 +51,28 @@ def _engine(args):
                   prefill_chunk=args.prefill)
 
 
+def prompt_tokens(gguf_path: str, text: str, chat: bool) -> tuple[list[int], object]:
+    """A text prompt through the model's own tokenizer (and chat template with chat=True)."""
+    from .tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer.from_gguf(gguf_path)
+    ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+    if not ids:
+        raise UsageError("--prompt encodes to no tokens")
+    return ids, tok
+
+
 def cmd_generate(args) -> int:
     from .sampler import SamplingParams
-    prompt = parse_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed)
     engine = _engine(args)
+    tok = None
+    if args.prompt is not None:
+        prompt, tok = prompt_tokens(engine.gguf.path, args.prompt, args.chat)
+    else:
+        prompt = parse_ids(args.prompt_ids)
     result = engine.generate(prompt, args.max_new, params)
-    print(",".join(str(t) for t in result.tokens))
+    print(tok.decode(result.tokens) if tok else ",".join(str(t) for t in result.tokens))
     decode_tps = (len(result.tokens) - 1) / (result.decode_ms / 1e3) if result.decode_ms > 0 else 0.0
     print(f"info: {len(prompt)} prompt tokens in {result.prompt_ms:.1f} ms, {len(result.tokens)} "
           f"generated ({decode_tps:.1f} tok/s decode), stop={result.stop_reason}, "
@@ -134,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy (or sampled) generation in one process")
     _add_run_flags(g)
     g.add_argument("--prompt-ids", default=DEFAULT_PROMPT_IDS, help="comma-separated token ids")
+    g.add_argument("--prompt", default=None,
+                   help="a text prompt, through the model's tokenizer (prints text, not ids)")
+    g.add_argument("--chat", action="store_true", help="with --prompt: apply the chat template")
     g.add_argument("--max-new", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -27,6 +27,7 @@ def launch(*args, timeout=60):
     (["--cpu-ranks", "2", "--vram-budget", "1M,1M,1M"], ["3 values", "2 ranks"]),
     (["--cpu-ranks", "2", "--vram-budget", "12Q"], ["12Q"]),
     (["--cpu-ranks", "2", "--serve", "--prompt-ids", "1,2"], ["--serve", "--prompt-ids"]),
+    (["--cpu-ranks", "2", "--serve", "--prompt", "hi"], ["--prompt", "--serve"]),
     (["--cpu-ranks", "2", "--prefill", "0"], ["--prefill 0"]),
     (["--cpu-ranks", "2", "--expert-cache", "-3"], ["-3"]),
 ])
@@ -60,3 +61,19 @@ def test_plan_only_json_is_the_plan_value(model, tmp_path):
     assert Plan.from_json(proc.stdout).to_dict() == plan
     table = launch("--model", model, "--inventory", str(rig), "--layer-split", "2", "--plan-only")
     assert "expert_slots" in table.stdout and "[0, 2)" in table.stdout
+
+
+def test_text_prompt_through_the_models_tokenizer(tmp_path):
+    """--prompt TEXT: the GGUF's tokenizer in, text out; the same text from one process and from
+    a 2-stage launch."""
+    from strata_dist.synth import write_synthetic
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, like="tiny", quant="f32", popularity="uniform")
+    single = subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model", str(path),
+                             "--prompt", "the cat", "--max-new", "8"], capture_output=True,
+                            text=True, timeout=60)
+    assert single.returncode == 0, single.stderr
+    split = launch("--model", str(path), "--cpu-ranks", "2", "--layer-split", "2", "--prompt",
+                   "the cat", "--max-new", "8")
+    assert split.returncode == 0, split.stderr
+    assert split.stdout == single.stdout and split.stdout.strip()
