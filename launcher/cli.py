@@ -20,6 +20,7 @@ from strata_dist.plan import (Device, PlanError, devices_from_json, make_plan, p
                               render_table)
 from strata_dist.plan.params import PlanParams
 
+from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
 from .spawn import RankSpec
 
 DEFAULT_CPU_BUDGET = "8G"
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="every endpoint but /health wants 'Authorization: Bearer KEY'")
     http.add_argument("--queue-size", type=int, default=None,
                       help="requests that may wait behind the running one (default 64; more: 429)")
+    add_cluster_flags(ap)
     return ap
 
 
@@ -212,9 +214,15 @@ def _main(args) -> int:
         raise UsageError("--json goes with --plan-only")
     if args.inventory and not args.plan_only:
         raise UsageError(f"--inventory {args.inventory} plans for another rig: add --plan-only")
+    check_cluster_flags(args)
     gguf = open_checked(args.model)
-    specs = rank_specs(args) if not args.inventory else []
-    n_devices = len(specs) if specs else len(planning_devices(args, specs))
+    if args.listen and args.backend == "local":      # the ranks register from elsewhere
+        specs, n_devices = [], args.expect_ranks
+    elif args.backend == "ray" and args.cpu_ranks is None:
+        specs, n_devices = [], 2                      # a rank per GPU of the cluster, counted at start
+    else:
+        specs = rank_specs(args) if not args.inventory else []
+        n_devices = len(specs) if specs else len(planning_devices(args, specs))
     split = split_arg(args.layer_split, n_devices)
     prefill = prefill_arg(args.prefill)
     if args.prompt_cache_every < 0:
@@ -240,7 +248,8 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
 
     cfg = LaunchConfig(model=args.model, ranks=specs, split=split, max_context=args.max_context,
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
-                       skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout)
+                       skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
+                       **cluster_config(args))
     launch = Launch(cfg)
 
     def on_signal(signum, _frame):

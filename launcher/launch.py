@@ -1,5 +1,6 @@
-"""A launch: spawn one rank per device, admit them, plan, assign, wait until every rank has loaded
-and check what each loaded against what the plan priced."""
+"""A launch: start the ranks (spawn one per local device, start them as Ray actors, or wait for
+ranks started elsewhere to register over TCP), admit them, plan, assign, wait until every rank has
+loaded and check what each loaded against what the plan priced."""
 from __future__ import annotations
 
 import logging
@@ -7,9 +8,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from protocol import Assign, Endpoints, PeerInfo
+from protocol import Assign, CurveKeys, Endpoints, PeerInfo
 from protocol.auth import new_secret
-from strata_dist.coordinator import Coordinator, RankFailure, RankSlot
+from protocol.transport import use_curve, write_curve_keys
+from strata_dist.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanParams, RoutingProfile, make_plan, render_table,
@@ -34,6 +36,14 @@ class LaunchConfig:
     load_timeout_s: float = 600.0
     register_timeout_s: float = 120.0
     extra_env: dict = field(default_factory=dict)
+    listen: str | None = None        # tcp:// control endpoint: ranks started elsewhere register here
+    expect_ranks: int = 0            # with listen: how many (instead of spawning cfg.ranks)
+    secret: bytes | None = None      # None: a fresh secret per launch, given to the spawned ranks
+    curve: CurveKeys | None = None   # the deployment's CURVE keypair: every link encrypted
+    cross_host_helpers: bool = True  # False: a stage asks only helper tiers on its own host
+    heartbeat_timeout_s: float = HEARTBEAT_LOST_S
+    backend: str = "local"           # local (spawn processes) | ray (actors in a placement group)
+    ray_address: str | None = None   # ray.init(address=…): "auto" joins a running cluster
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -59,9 +69,22 @@ def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
     return out
 
 
+def same_host_helpers_only(plan: Plan) -> Plan:
+    """--no-remote-cross-host: a helper tier on a host where no stage runs would serve nobody, so it
+    is skipped (kept in the plan with the reason; the totals no longer count it)."""
+    stage_hosts = {st.device.host for st in plan.stages}
+    for h in plan.live_helpers:
+        if h.device.host not in stage_hosts:
+            plan = skip_tier(plan, h.device, f"--no-remote-cross-host: no stage runs on host "
+                                             f"{h.device.host}")
+    return plan
+
+
 def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
-                weight_slice: bool) -> list[Assign]:
-    """One Assign per rank from the plan: its stage range, neighbours and share of the plan."""
+                weight_slice: bool, cross_host_helpers: bool = True) -> list[Assign]:
+    """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
+    Endpoints are the ones each rank registered (reachable from the other hosts). With
+    cross_host_helpers False a stage is told only of the helper tiers on its own host."""
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint
@@ -73,11 +96,12 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
         st = stage_of.get(s.rank)
         extra = {"weight_slice": weight_slice, "stage": st.stage if st else -1,
                  "host": s.register.host}
+        peers = [p for p in helper_peers if cross_host_helpers or p.host == s.register.host]
         if st is not None:
             extra["cache_pairs"] = [list(p) for p in st.pairs]
             # each helper's pairs of this stage's layers: a miss there becomes a remote request
-            extra["helper_pairs"] = {str(r): [list(p) for p in h.pairs if st.lb <= p[0] < st.le]
-                                     for r, h in helper_of.items()}
+            extra["helper_pairs"] = {str(p.rank): [list(x) for x in helper_of[p.rank].pairs
+                                                   if st.lb <= x[0] < st.le] for p in peers}
         nxt = None
         if st is not None and st.stage + 1 < len(plan.stages):
             n = slots[plan.stages[st.stage + 1].device.index]
@@ -93,7 +117,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             first_endpoint=first_ep, head_endpoint=head_endpoint,
             prefill_chunk=plan.chunk, max_context=max_context,
             cache_slots=st.cache_slots if st else 0, loan_slots=st.loan_slots if st else 0,
-            helpers=helper_peers if st else [],
+            helpers=peers if st else [],
             helper_slots=len(helper_of[s.rank].pairs) if s.rank in helper_of else 0,
             helper_pairs=[list(p) for p in helper_of[s.rank].pairs] if s.rank in helper_of else [],
             extra=extra))
@@ -107,7 +131,9 @@ class Launch:
         self.cfg = cfg
         self.echo = echo
         self.endpoints = Endpoints()
-        self.ranks = LocalRanks(self.endpoints.run_dir)
+        # who runs the rank processes: None when they are started elsewhere and register (--listen)
+        self.ranks = (LocalRanks(self.endpoints.run_dir)
+                      if cfg.backend == "local" and not cfg.listen else None)
         self.gguf = GGUFModel(cfg.model)
         self.coordinator: Coordinator | None = None
         self.plan: Plan | None = None
@@ -115,38 +141,87 @@ class Launch:
         self._assigned: list[Assign] = []
         self._lost: set[int] = set()
 
+    @property
+    def n_ranks(self) -> int:
+        if self.coordinator is not None and self.coordinator.ranks:
+            return len(self.coordinator.ranks)
+        return self.cfg.expect_ranks if self.cfg.listen and self.cfg.backend == "local" \
+            else len(self.cfg.ranks)
+
     def start(self) -> Plan:
         cfg, ep = self.cfg, self.endpoints
-        secret = new_secret()
-        self.coordinator = Coordinator(secret.encode(), self.gguf.fingerprint,
-                                       control_bind=ep.ipc("control"), head_bind=ep.ipc("head"),
-                                       liveness=self._liveness)
-        env = dict(cfg.extra_env)
-        env.update(cpu_thread_env(sum(1 for r in cfg.ranks if r.device == "cpu")))
-        for spec in cfg.ranks:
-            self.ranks.spawn(spec, cfg.model, self.coordinator.control_endpoint,
-                             ep.ipc(f"rank{spec.index}"), secret, env)
-        self.echo(f"launch: {len(cfg.ranks)} rank(s) starting, logs in {ep.run_dir}")
-        slots = self.coordinator.wait_for_ranks(len(cfg.ranks), cfg.register_timeout_s)
+        secret = cfg.secret or new_secret().encode()
+        if cfg.curve is not None:
+            use_curve(cfg.curve)   # every socket of this process from now on
+        if cfg.backend == "ray":
+            from .ray_backend import RayRanks
+            self.ranks = RayRanks(cfg.ray_address, self.echo)
+            control = cfg.listen or f"tcp://{self.ranks.head_address}:*"
+            head = _any_port(control)
+        elif cfg.listen:
+            control, head = cfg.listen, _any_port(cfg.listen)
+        else:
+            control, head = ep.ipc("control"), ep.ipc("head")
+        self.coordinator = Coordinator(secret, self.gguf.fingerprint, control_bind=control,
+                                       head_bind=head, liveness=self._liveness,
+                                       heartbeat_lost_s=cfg.heartbeat_timeout_s,
+                                       on_refusal=lambda m: self.echo(f"warning: {m}"))
+        n = self._start_ranks(secret.decode())
+        slots = self.coordinator.wait_for_ranks(n, cfg.register_timeout_s)
         kind = "cuda" if any(s.register.devices[0].kind == "cuda" for s in slots) else "cpu"
         shape = model_shape(self.gguf, kind)
+        # ranks counted only at start (registered, or one per GPU of a Ray cluster): one is no split
+        split = "none" if cfg.split == "auto" and len(slots) < 2 else cfg.split
         self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
-                              profile=cfg.profile, params=cfg.params, split=cfg.split,
+                              profile=cfg.profile, params=cfg.params, split=split,
                               order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill)
+        if not cfg.cross_host_helpers:
+            self.plan = same_host_helpers_only(self.plan)
+        hosts = sorted({s.register.host for s in slots})
+        if len(hosts) > 1:
+            self.echo(f"launch: {len(slots)} ranks on {len(hosts)} hosts ({', '.join(hosts)}); "
+                      "hand-offs between hosts travel over TCP")
         for line in render_table(self.plan).splitlines():
             self.echo(f"plan: {line}")
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
-                           cfg.params.weight_slice)
+                           cfg.params.weight_slice, cfg.cross_host_helpers)
         self._assigned = work
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
         return self.plan
 
+    def _start_ranks(self, secret: str) -> int:
+        """Start the rank processes this launch owns; the number of ranks to wait for."""
+        cfg, ep = self.cfg, self.endpoints
+        if self.ranks is None:
+            self.echo(f"launch: waiting for {cfg.expect_ranks} rank(s) to register at "
+                      f"{self.coordinator.control_endpoint}")
+            return cfg.expect_ranks
+        env = dict(cfg.extra_env)
+        if cfg.backend == "ray":
+            n = self.ranks.start(cfg.ranks, cfg.model, self.coordinator.control_endpoint, secret,
+                                 env, cfg.curve)
+            self.echo(f"launch: {n} rank(s) starting as Ray actors")
+            return n
+        args: tuple[str, ...] = ()
+        if cfg.curve is not None:
+            args = ("--curve-keys", os.path.join(ep.run_dir, "curve"))
+            write_curve_keys(args[1], cfg.curve)
+        env.update(cpu_thread_env(sum(1 for r in cfg.ranks if r.device == "cpu")))
+        for spec in cfg.ranks:
+            self.ranks.spawn(spec, cfg.model, self.coordinator.control_endpoint,
+                             ep.ipc(f"rank{spec.index}"), secret, env, args)
+        self.echo(f"launch: {len(cfg.ranks)} rank(s) starting, logs in {ep.run_dir}")
+        return len(cfg.ranks)
+
     def _liveness(self) -> str | None:
         """A dead stage rank ends the launch; a dead helper-only rank does not (the stages compute
-        its experts from host memory), it is reported once."""
+        its experts from host memory), it is reported once. Ranks this launch did not start are
+        watched by their heartbeats only."""
+        if self.ranks is None:
+            return None
         helper_only = frozenset(r for r, a in enumerate(self._assigned) if a.role == "helper")
         for r in helper_only - self._lost:
-            if self.ranks.procs[r].poll() is not None:
+            if self.ranks.exited(r):
                 self._lost.add(r)
                 self.echo(f"warning: helper rank {r} is gone: "
                           f"{self.ranks.first_dead() or 'exited'}; continuing without its tier")
@@ -188,8 +263,15 @@ class Launch:
     def close(self, reason: str = "") -> None:
         if self.coordinator is not None:
             self.coordinator.shutdown(reason)
-        self.ranks.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
         self.endpoints.cleanup()
 
 
-__all__ = ["Launch", "LaunchConfig", "RankFailure", "assignments", "devices_from_ranks"]
+def _any_port(endpoint: str) -> str:
+    """tcp://host:port -> tcp://host:* (the head's inbox beside the control socket)."""
+    return endpoint.rsplit(":", 1)[0] + ":*"
+
+
+__all__ = ["Launch", "LaunchConfig", "RankFailure", "assignments", "devices_from_ranks",
+           "same_host_helpers_only"]

@@ -28,10 +28,11 @@ class LocalRanks:
         self.logs: list[str] = []
 
     def spawn(self, spec: RankSpec, model: str, coordinator: str, data_bind: str,
-              secret: str, extra_env: dict | None = None) -> subprocess.Popen:
+              secret: str, extra_env: dict | None = None,
+              extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
         argv = [sys.executable, "-m", "strata_dist.rank_main", "--coordinator", coordinator,
                 "--model", model, "--device", spec.device, "--data-bind", data_bind,
-                "--rank", str(spec.index), "--parent-pid", str(os.getpid())]
+                "--rank", str(spec.index), "--parent-pid", str(os.getpid()), *extra_args]
         if spec.vram_budget:
             argv += ["--vram-budget", spec.vram_budget]
         env = dict(os.environ, STRATA_TOKEN=secret, **(extra_env or {}))
@@ -52,6 +53,9 @@ class LocalRanks:
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+    def exited(self, index: int) -> bool:
+        return self.procs[index].poll() is not None
 
     def first_dead(self, ignore: frozenset = frozenset()) -> str | None:
         """A message about the first rank process (not in `ignore`) that has exited, with its

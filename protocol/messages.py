@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -331,11 +331,13 @@ class Tokens(Message):
     chunk_index: int = 0
     chunk_total: int = 1
     sampling: Sampling | None = None
+    checkpoint_at: list[int] = field(default_factory=list)  # checkpoint each stage's part here
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, chunk_index=self.chunk_index)
         if not 0 <= self.chunk_index < self.chunk_total:
             raise ValueError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_total})")
+        _boundaries(self.checkpoint_at, self.pos, len(self.ids))
 
 
 @message
@@ -355,9 +357,13 @@ class Hidden(Message):
     chunk_index: int = 0
     chunk_total: int = 1
     sampling: Sampling | None = None
+    checkpoint_at: list[int] = field(default_factory=list)  # as Tokens.checkpoint_at
+    checkpoints: list[int] = field(default_factory=list)    # held by every stage so far (see PROTOCOL.md)
+    resume_any: bool = False                                # no stage so far holds recurrent state
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, n=self.n)
+        _boundaries(self.checkpoint_at, self.pos, self.n)
         if not self.shape or self.shape[0] != self.n:
             raise ValueError(f"shape {self.shape} does not start with n={self.n}")
         if not 0 <= self.chunk_index < self.chunk_total:
@@ -374,7 +380,9 @@ class Hidden(Message):
 @message
 class PromptProgress(Message):
     """Last stage → head: prompt chunk ``chunk_index`` of ``chunk_total`` has passed every stage; positions up
-    to ``pos`` are read. ``ms`` is the last stage's own time for the chunk."""
+    to ``pos`` are read. ``ms`` is the last stage's own time for the chunk. ``checkpoints``: the positions at which
+    every stage holding recurrent state holds its part of a checkpoint of the session (an incomplete set is no
+    checkpoint); ``resume_any``: no stage holds recurrent state, any position is resumable."""
 
     TYPE = "prompt_progress"
     request_id: int
@@ -383,6 +391,8 @@ class PromptProgress(Message):
     chunk_index: int
     chunk_total: int
     ms: float = 0.0
+    checkpoints: list[int] = field(default_factory=list)  # positions every stage holds its part at
+    resume_any: bool = False                              # no stage holds recurrent state
 
 
 @message
@@ -429,6 +439,12 @@ class ExpertReply(Message):
 
     def check(self, arrays: list) -> None:
         _expert_frames(self, arrays, 0 if self.slot is not None else 1)
+
+
+def _boundaries(positions: list[int], pos: int, n: int) -> None:
+    for p in positions:
+        if p != pos and p != pos + n:
+            raise ValueError(f"checkpoint_at {p} is not a boundary of rows [{pos}, {pos + n})")
 
 
 def _expert_frames(msg: ExpertRequest | ExpertReply, arrays: list, want: int) -> None:

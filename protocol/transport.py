@@ -70,6 +70,69 @@ class CurveKeys:
         return self.server_public is None
 
 
+# The process's deployment CURVE key (a server keypair), set by use_curve(): every Channel created without its own
+# ``curve=`` then binds as a CURVE server with it and connects as a CURVE client of its public key.
+_deployment_curve: CurveKeys | None = None
+
+CURVE_SECRET_FILE = "server.key_secret"   # zmq.auth certificate format (public + secret); keep it 0600
+CURVE_PUBLIC_FILE = "server.key"          # the public half only
+
+
+def use_curve(keys: CurveKeys | None) -> None:
+    """Encrypt every link this process opens from now on with the deployment's CURVE keypair (None: plain).
+
+    One keypair per deployment, present on every host: each rank binds server sockets (its data PULL, its helper
+    ROUTER) and connects client sockets, so every process holds the server half. A socket that connects uses a
+    fresh client keypair of its own. A peer without the deployment's public key cannot complete the CURVE
+    handshake, so it never gets as far as the HMAC admission (which still decides who may register)."""
+    global _deployment_curve
+    if keys is not None and not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support; install a pyzmq wheel built with libsodium")
+    _deployment_curve = CurveKeys(keys.public, keys.secret) if keys is not None else None
+
+
+def deployment_curve() -> CurveKeys | None:
+    return _deployment_curve
+
+
+def write_curve_keys(directory: str, keys: CurveKeys | None = None) -> CurveKeys:
+    """The deployment keypair (a fresh one unless ``keys``) written to ``directory`` (created 0700):
+    server.key_secret (0600) and server.key (the public half)."""
+    public, secret = (keys.public, keys.secret) if keys is not None else new_curve_keypair()
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    for name, body, mode in ((CURVE_SECRET_FILE, f'    public-key = "{public.decode()}"\n'
+                              f'    secret-key = "{secret.decode()}"\n', 0o600),
+                             (CURVE_PUBLIC_FILE, f'    public-key = "{public.decode()}"\n', 0o644)):
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            os.fchmod(fd, mode)
+            os.write(fd, ("#   strata-dist deployment CURVE key (zmq.auth certificate format)\n"
+                          "metadata\ncurve\n" + body).encode())
+        finally:
+            os.close(fd)
+    return CurveKeys(public, secret)
+
+
+def load_curve_keys(directory: str) -> CurveKeys:
+    """The deployment keypair from ``directory``/server.key_secret. Raises ValueError naming the file."""
+    path = os.path.join(directory, CURVE_SECRET_FILE)
+    keys: dict[str, bytes] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, sep, value = line.strip().partition("=")
+                if sep and key.strip() in ("public-key", "secret-key"):
+                    keys[key.strip()] = value.strip().strip('"').encode()
+    except OSError as e:
+        raise ValueError(f"cannot read the CURVE key {path}: {e.strerror or e} "
+                         "(strata-dist deploy systemd --curve writes it)") from None
+    if len(keys.get("public-key", b"")) != 40 or len(keys.get("secret-key", b"")) != 40:
+        raise ValueError(f"{path} is not a CURVE key file (wants public-key and secret-key, 40 Z85 characters each)")
+    return CurveKeys(keys["public-key"], keys["secret-key"])
+
+
 def new_curve_keypair() -> tuple[bytes, bytes]:
     """(public, secret) in Z85. Needs libzmq built with CURVE (``zmq.has('curve')``)."""
     if not zmq.has("curve"):
@@ -122,6 +185,32 @@ def advertise(endpoint: str, host: str) -> str:
     return endpoint
 
 
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ipc:// and inproc:// endpoints and tcp:// on 127.0.0.0/8, ::1 or localhost."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def local_address_toward(endpoint: str) -> str:
+    """This host's address on the route to ``endpoint`` (what peers there can reach us at). No packet is sent:
+    a UDP socket's connect only asks the kernel for the route. ipc:// and loopback peers → 127.0.0.1."""
+    import socket
+    if is_loopback_endpoint(endpoint):
+        return "127.0.0.1"
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port) if port.isdigit() else 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ValueError(f"cannot find a route to {endpoint}: {e.strerror or e}") from None
+
+
 def random_identity(prefix: str = "peer") -> bytes:
     """A readable but unguessable routing identity for a DEALER, e.g. b"rank-1.3f9c…" (96 random bits)."""
     return f"{prefix}.{secrets.token_hex(12)}".encode()
@@ -159,11 +248,22 @@ class Channel:
             s.heartbeat_timeout = 3 * heartbeat_ms
             s.heartbeat_ttl = 3 * heartbeat_ms
         if curve is not None:
-            s.curve_publickey, s.curve_secretkey = curve.public, curve.secret
-            if curve.is_server:
-                s.curve_server = True
-            else:
-                s.curve_serverkey = curve.server_public
+            self._apply_curve(curve)
+        # the deployment's keys (use_curve) apply when this socket binds (server) or connects (client)
+        self._auto_curve = _deployment_curve if curve is None else None
+
+    def _apply_curve(self, curve: CurveKeys) -> None:
+        s = self._sock
+        s.curve_publickey, s.curve_secretkey = curve.public, curve.secret
+        if curve.is_server:
+            s.curve_server = True
+        else:
+            s.curve_serverkey = curve.server_public
+
+    def _auto_curve_as(self, server: bool) -> None:
+        keys, self._auto_curve = self._auto_curve, None
+        if keys is not None:
+            self._apply_curve(keys if server else CurveKeys(*zmq.curve_keypair(), server_public=keys.public))
 
     # ------------------------------------------------------------ plumbing
 
@@ -178,20 +278,23 @@ class Channel:
 
     def bind(self, endpoint: str) -> str:
         """Bind and return the concrete endpoint (the real port for ``tcp://host:*``)."""
+        self._auto_curve_as(server=True)
         self._sock.bind(endpoint)
         actual = self._sock.last_endpoint.decode()
         self.endpoints.append(actual)
         return actual
 
     def connect(self, endpoint: str) -> "Channel":
+        self._auto_curve_as(server=False)
         self._sock.connect(endpoint)
         self.endpoints.append(endpoint)
         return self
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close now. ``linger_ms`` > 0 lets messages already queued (a last Shutdown) leave for that long."""
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
 
     def __enter__(self):
         return self
@@ -330,6 +433,7 @@ class Poller:
 
 __all__ = [
     "Channel", "RouterChannel", "Poller", "Endpoints", "CurveKeys", "ProtocolTimeout", "PeerGone",
-    "new_curve_keypair", "advertise", "random_identity", "CONNECT_TIMEOUT_MS", "RECV_TIMEOUT_MS", "SEND_TIMEOUT_MS",
+    "new_curve_keypair", "advertise", "random_identity", "use_curve", "deployment_curve", "write_curve_keys",
+    "load_curve_keys", "is_loopback_endpoint", "local_address_toward", "CONNECT_TIMEOUT_MS", "RECV_TIMEOUT_MS", "SEND_TIMEOUT_MS",
     "HEARTBEAT_INTERVAL_MS", "HEARTBEAT_TIMEOUT_MS",
 ]

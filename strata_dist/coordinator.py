@@ -17,11 +17,15 @@ from protocol import (Assign, Cancel, Channel, Error, Poller, PromptProgress, Pr
                       ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
                       Tokens)
 from protocol.auth import Authenticator, admit
-from protocol.messages import Sampling, Stats, StatsReply
+from protocol.messages import ERR_VERSION, Sampling, Stats, StatsReply, VersionMismatch
+from protocol.transport import is_loopback_endpoint
+
+from .checkpoints import chunk_positions
 
 log = logging.getLogger("strata.coordinator")
 
 HEARTBEAT_LOST_S = 10.0
+CONTROL_MAX_MSG_BYTES = 64 << 20   # a control socket exposed to a network drops bigger messages
 
 
 class RankFailure(RuntimeError):
@@ -54,11 +58,18 @@ class StreamEvent:
 
 class Coordinator:
     def __init__(self, secret: bytes, fingerprint: str, control_bind: str, head_bind: str,
-                 liveness: Callable[[], str | None] | None = None):
-        """`liveness()` returns an error message when a locally spawned rank process has died."""
+                 liveness: Callable[[], str | None] | None = None,
+                 heartbeat_lost_s: float = HEARTBEAT_LOST_S,
+                 on_refusal: Callable[[str], None] | None = None):
+        """`liveness()` returns an error message when a locally spawned rank process has died.
+        A rank silent for `heartbeat_lost_s` is dead; `on_refusal(message)` hears every refused rank."""
         self.fingerprint = fingerprint
+        self.heartbeat_lost_s = heartbeat_lost_s
+        self.on_refusal = on_refusal or (lambda message: log.warning("%s", message))
         self.auth = Authenticator(secret, server_id="strata-coordinator")
-        self.control = RouterChannel(peer="ranks")
+        exposed = not is_loopback_endpoint(control_bind)
+        self.control = RouterChannel(peer="ranks",
+                                     max_msg_bytes=CONTROL_MAX_MSG_BYTES if exposed else None)
         self.control_endpoint = self.control.bind(control_bind)
         self.inbox = Channel("pull", peer="last stage")
         self.head_endpoint = self.inbox.bind(head_bind)
@@ -80,9 +91,11 @@ class Coordinator:
                 raise RankFailure(f"only {len(self._by_identity)} of {n} ranks registered within "
                                   f"{timeout_s:.0f} s")
             self._pump(min(left, 0.5))
-        # Rank numbers follow the registration hints (the launcher's spawn order), then arrival.
+        # Rank numbers follow the registration hints (the launcher's spawn order), then host and
+        # device (ranks started by hand or by units: the same numbering whatever the arrival order).
         slots = sorted(self._by_identity.values(),
-                       key=lambda s: (s.register.rank is None, s.register.rank or 0))
+                       key=lambda s: (s.register.rank is None, s.register.rank or 0, s.register.host,
+                                      s.register.devices[0].index if s.register.devices else 0))
         for i, s in enumerate(slots):
             s.rank = i
         self.ranks = slots
@@ -92,13 +105,15 @@ class Coordinator:
         reply = self.auth.guard(identity, msg)
         if reply is not None:
             self._send(identity, reply)
+            if isinstance(reply, Error) and reply.fatal:
+                self.on_refusal(f"refused a rank: {reply.message}")
             return
         slot = self._by_identity.get(identity)
         if isinstance(msg, Register):
             refusal = admit(msg, self.fingerprint)
             if refusal is not None:
                 self._send(identity, refusal)
-                log.warning("refused a rank: %s", refusal.message)
+                self.on_refusal(f"refused a rank: {refusal.message}")
                 return
             if self.ranks:  # registration is closed once the ranks are numbered
                 self._send(identity, Error(rank=None, request_id=None, fatal=True,
@@ -164,6 +179,13 @@ class Coordinator:
                         events.append(msg)
                 except ProtocolTimeout:
                     break
+                except VersionMismatch as e:  # a rank of another build: say so, naming both versions
+                    if ch is self.control and e.peer is not None:
+                        self._send(e.peer, Error(rank=None, request_id=None, code=ERR_VERSION,
+                                                 fatal=True, message=str(e)))
+                        self.on_refusal(f"refused a rank: {e}")
+                    else:
+                        log.warning("dropped a message: %s", e)
                 except ProtocolError as e:  # garbage from a peer: dropped, never fatal
                     log.warning("dropped an invalid message: %s", e)
         return events
@@ -173,7 +195,7 @@ class Coordinator:
         for s in self.ranks:
             if s.rank in self.optional:
                 continue
-            if s.ready is not None and now - s.last_seen > HEARTBEAT_LOST_S:
+            if s.ready is not None and now - s.last_seen > self.heartbeat_lost_s:
                 raise RankFailure(f"rank {s.rank} ({s.register.host} pid {s.register.pid}) has sent "
                                   f"nothing for {now - s.last_seen:.0f} s")
 
@@ -181,16 +203,20 @@ class Coordinator:
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
                     chunk: int, on_event: Callable[[StreamEvent], None],
                     step_timeout_s: float = 120.0,
-                    should_cancel: Callable[[], bool] | None = None) -> str:
+                    should_cancel: Callable[[], bool] | None = None,
+                    checkpoint_at: tuple[int, ...] | list[int] = ()) -> str:
         """Send a prompt (tokens from position pos) through the pipeline and stream its events.
-        Returns the stop reason ("stop", "length", "cancelled", or "" when max_new is 0)."""
+        Returns the stop reason ("stop", "length", "cancelled", or "" when max_new is 0).
+        `checkpoint_at`: chunk boundaries where every stage checkpoints its part (checkpoints.py)."""
         request_id = next(self._request_ids)
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
         chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
         for i, part in enumerate(chunks):
+            at = chunk_positions(checkpoint_at, pos + i * chunk, len(part), first=i == 0)
             sender.send(Tokens(request_id=request_id, session_id=session_id, pos=pos + i * chunk,
-                               ids=part, chunk_index=i, chunk_total=len(chunks), sampling=sampling),
+                               ids=part, chunk_index=i, chunk_total=len(chunks), sampling=sampling,
+                               checkpoint_at=at),
                         timeout_ms=10_000)
         prompt_done = cancelled = False
         last_event = time.monotonic()
@@ -258,5 +284,7 @@ class Coordinator:
                 self.control.send(s.identity, Shutdown(reason=reason), timeout_ms=500)
             except (ProtocolTimeout, ConnectionError):
                 pass
-        for ch in list(self._senders.values()) + [self.inbox, self.control]:
+        for ch in list(self._senders.values()) + [self.inbox]:
             ch.close()
+        time.sleep(0.3)
+        self.control.close(linger_ms=1000)   # the Shutdowns reach ranks on other hosts

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .backends import get_backend
+from .checkpoints import DEFAULT_EVERY, CheckpointStore, request_positions, resume_point
 from .models import load_model, open_checked
 from .sampler import Sampler, SamplingParams
 
@@ -29,7 +30,7 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY):
         self.gguf = open_checked(model_path)
         self.backend = get_backend(device)
         self.model = load_model(self.gguf, self.backend)
@@ -40,6 +41,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.session = self.model.new_session(self.max_context)
         self.tokens: list[int] = []   # what the session's KV holds, position by position
+        # recurrent state resumes from checkpoints, by the rule the pipeline follows (checkpoints.py)
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
+        self.checkpoints = CheckpointStore()
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
         self.eos_id: int | None = None if eos is None else int(eos)
 
@@ -65,7 +71,7 @@ class Engine:
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits of every position of a fresh sequence, [n, vocab]."""
-        self.session.reset()
+        self.checkpoints.enter(self.session, 0)
         self.tokens = []
         return self.feed(token_ids)
 
@@ -77,14 +83,26 @@ class Engine:
             n += 1
         return min(n, len(prompt) - 1)
 
-    def prefill(self, token_ids: list[int], on_chunk: Callable[[int, int, float], None] | None = None):
-        """Read a prompt in chunks; returns the last position's logits (host float32)."""
+    def resume_point(self, prompt: list[int]) -> int:
+        """Where `prompt` resumes: the longest usable position <= the reusable prefix (0, the
+        session's end, or a checkpoint; any position when the state is positional)."""
+        return resume_point(self.reusable_prefix(prompt), self.session.n_past,
+                            self.checkpoints.held(self.session))
+
+    def prefill(self, token_ids: list[int], on_chunk: Callable[[int, int, float], None] | None = None,
+                checkpoint_at=()):
+        """Read a prompt in chunks; returns the last position's logits (host float32).
+        `checkpoint_at`: session positions to checkpoint at (chunk boundaries)."""
         self._check_fits(len(token_ids))
         last = None
+        if self.session.n_past in checkpoint_at:
+            self.checkpoints.save(self.session, self.session.n_past)
         for start in range(0, len(token_ids), self.prefill_chunk):
             t0 = time.perf_counter()
             chunk = token_ids[start:start + self.prefill_chunk]
             h = self._run(chunk)
+            if self.session.n_past in checkpoint_at:
+                self.checkpoints.save(self.session, self.session.n_past)
             if start + len(chunk) == len(token_ids):
                 last = self.backend.to_host(self.model.head(h[-1:]))[0]
             self.backend.synchronize()
@@ -100,15 +118,17 @@ class Engine:
             raise ValueError("the prompt is empty")
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
-        reuse = self.reusable_prefix(prompt) if resume else 0
-        self.session.reset(reuse)
+        reuse = self.resume_point(prompt) if resume else 0
+        self.checkpoints.enter(self.session, reuse)
+        at = request_positions(reuse, len(prompt), self.prefill_chunk, self.checkpoint_every)
         self.tokens = list(prompt)
         sampler = Sampler(params)
         res = result or GenerationResult([], len(prompt), 0.0, 0.0, "length")
         res.reused = reuse
         t0 = time.perf_counter()
         logits = self.prefill(prompt[reuse:],
-                              on_chunk=lambda pos, tot, ms: res.chunks.append((pos, ms)))
+                              on_chunk=lambda pos, tot, ms: res.chunks.append((pos, ms)),
+                              checkpoint_at=at)
         res.prompt_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         for i in range(max_new):

@@ -1,6 +1,9 @@
 """The head's view of a conversation: which tokens the stages' session holds, how much of a new
 prompt can be reused, and one generation through the pipeline. Used by the `--serve` line
-protocol and by the HTTP server, so both resume and stream the same way."""
+protocol and by the HTTP server, so both resume and stream the same way.
+
+A session with recurrent state (qwen3next) resumes only at 0, at its own end, or at a checkpoint
+every stage holds (strata_dist/checkpoints.py): the longest such position <= the common prefix."""
 from __future__ import annotations
 
 import time
@@ -9,6 +12,7 @@ from typing import Callable
 
 from protocol.messages import Sampling
 
+from .checkpoints import DEFAULT_EVERY, request_positions, resume_point
 from .coordinator import Coordinator, RequestError, StreamEvent
 from .sampler import SamplingParams
 
@@ -27,10 +31,17 @@ class HeadSession:
     """One session on the stages (its KV lives there); this object remembers its tokens."""
 
     def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
-                 eos_id: int | None, session_id: int = 0):
+                 eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY):
         self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
         self.eos_id, self.session_id = eos_id, session_id
         self.tokens: list[int] = []    # what the session's KV holds, position by position
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0: no mid-prompt checkpoints), "
+                             f"got {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every   # --prompt-cache-every
+        # Positions every stage holds a checkpoint at, as the last stage last reported; None: the
+        # state is positional on every stage (any position resumes). Until a report: none.
+        self.checkpoints: list[int] | None = []
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -42,10 +53,12 @@ class HeadSession:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.ctx}")
 
     def reusable(self, ids: list[int]) -> int:
+        """Where a request for `ids` resumes: the longest usable position <= the common prefix."""
         n = 0
         while n < min(len(ids), len(self.tokens)) and ids[n] == self.tokens[n]:
             n += 1
-        return min(n, len(ids) - 1)   # at least one token is read, to sample from its logits
+        n = min(n, len(ids) - 1)   # at least one token is read, to sample from its logits
+        return resume_point(n, len(self.tokens), self.checkpoints)
 
     def generate(self, ids: list[int], max_new: int, params: SamplingParams = SamplingParams(),
                  stop_ids: tuple[int, ...] = (),
@@ -67,6 +80,8 @@ class HeadSession:
                             min_p=params.min_p, seed=params.seed,
                             max_new=min(max_new, self.ctx - len(ids)), stop_ids=sorted(stops))
         self.tokens = ids[:out.reused]
+        at = (request_positions(out.reused, len(ids), self.chunk, self.checkpoint_every)
+              if self.checkpoints is not None else [])
         t0 = last = time.perf_counter()
 
         def on_event(ev: StreamEvent) -> None:
@@ -74,6 +89,7 @@ class HeadSession:
             now = time.perf_counter()
             if ev.kind == "progress":
                 m = ev.msg
+                self.checkpoints = None if m.resume_any else list(m.checkpoints)
                 n_chunk = m.pos - (out.reused + m.chunk_index * self.chunk)
                 ms = (now - last) * 1e3
                 if on_progress:
@@ -88,7 +104,8 @@ class HeadSession:
 
         try:
             reason = self.coord.run_request(self.session_id, out.reused, ids[out.reused:], sampling,
-                                            self.chunk, on_event, should_cancel=should_cancel)
+                                            self.chunk, on_event, should_cancel=should_cancel,
+                                            checkpoint_at=at)
         except RequestError:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh
             raise

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, ExpertReply,
                       ExpertRequest, Heartbeat, Hidden, IpcHandle, Poller, PromptProgress,
                       ProtocolError, ProtocolTimeout, Ready, Register, Release, RouterChannel,
-                      Shutdown, SlotFree, Stats, StatsReply, Token, Tokens)
+                      Shutdown, SlotFree, Stats, StatsReply, Token, Tokens, advertise)
 from protocol.auth import client_handshake
+from protocol.transport import is_loopback_endpoint, local_address_toward
 from protocol.messages import DeviceInfo, Sampling
 
+from .checkpoints import common_positions
 from .gguf_model import GGUFModel
 from .experts import BlobArena
 from .handoff import HandoffReceiver, HandoffSender
@@ -49,6 +51,14 @@ class RankOptions:
     rank_hint: int | None = None
     parent_pid: int | None = None
     assign_timeout_s: float = 300.0
+    advertise_host: str = ""        # address peers reach this rank at (default: the route to the coordinator)
+    helper_bind: str = ""           # endpoint of the helper socket (default: next to data_bind, any port)
+    connect_timeout_s: float = 15.0  # each handshake reply
+    coordinator_lost_s: float = COORDINATOR_LOST_S  # heartbeats undeliverable this long: the coordinator is gone
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator went away or no longer knows this rank (it restarted): register again or exit."""
 
 
 @dataclass
@@ -64,7 +74,9 @@ class _Request:
 class RankProcess:
     def __init__(self, opts: RankOptions):
         self.opts = opts
-        self.control = Channel("dealer", peer="coordinator")
+        # ZMTP pings on a network link: a cut cable drops the connection instead of leaving it silent
+        self.control = Channel("dealer", peer="coordinator",
+                               heartbeat_ms=None if is_loopback_endpoint(opts.coordinator) else 1000)
         self.data = Channel("pull", peer="upstream")
         self.helper_socket = RouterChannel(peer="stages")   # this card's helper tier, if any
         self.helper_arena: BlobArena | None = None
@@ -85,10 +97,15 @@ class RankProcess:
     def run(self) -> int:
         o = self.opts
         t0 = time.perf_counter()
-        data_ep = self.data.bind(o.data_bind)
-        helper_ep = self.helper_socket.bind(_sibling(o.data_bind, "helper"))
+        # a socket bound on a wildcard (tcp://0.0.0.0:P) is registered under an address peers can reach
+        reach = o.advertise_host or (local_address_toward(o.coordinator)
+                                     if o.data_bind.startswith("tcp://") else "")
+        data_ep = advertise(self.data.bind(o.data_bind), reach)
+        helper_ep = advertise(self.helper_socket.bind(o.helper_bind or _sibling(o.data_bind, "helper")),
+                              reach)
         self.control.connect(o.coordinator)
-        client_handshake(self.control, o.secret, f"rank-{os.getpid()}", timeout_ms=15_000)
+        client_handshake(self.control, o.secret, f"rank-{os.getpid()}",
+                         timeout_ms=int(o.connect_timeout_s * 1000))
         fingerprint = GGUFModel(o.model).fingerprint
         self.control.send(Register(rank=o.rank_hint, host=o.host_id or socket.gethostname(),
                                    pid=os.getpid(), devices=[o.device],
@@ -96,8 +113,8 @@ class RankProcess:
                                    protocol_version=PROTOCOL_VERSION,
                                    endpoints={"data": data_ep, "helper": helper_ep}))
         assign = self._wait_assign()
-        if assign is None:
-            return 2
+        if not isinstance(assign, Assign):
+            return assign
         self.assign = assign
         rank = assign.rank
         log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
@@ -116,7 +133,9 @@ class RankProcess:
                          for h in assign.helpers if h.rank != rank],
                 local_helper=self.helper_arena))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
-        self.head = Channel("push", peer="head").connect(assign.head_endpoint)
+        # a head listening on a wildcard is reached at the address this rank reached the coordinator at
+        self.head = Channel("push", peer="head").connect(
+            advertise(assign.head_endpoint, _endpoint_host(o.coordinator)))
         if self.stage:
             self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
@@ -127,6 +146,9 @@ class RankProcess:
                 allocated["helper_failed"] = 1
         if self.sender and self.sender.nbytes:
             allocated["handoff"] = self.sender.nbytes
+        if self.stage and self.stage.checkpoint_bound_bytes():
+            # allocated on demand: the bound for one session (strata_dist/checkpoints.py)
+            allocated["checkpoints"] = self.stage.checkpoint_bound_bytes()
         self.control.send(Ready(rank=rank, allocated=allocated,
                                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
         return self._serve()
@@ -169,8 +191,7 @@ class RankProcess:
         x, be = a.extra, self.stage.backend
         if not a.last:
             self.next = Channel("push", peer=f"stage after rank {a.rank}").connect(a.next_endpoint)
-            same_host = x.get("next_host") == x.get("host") and x.get("next_kind") == "cuda"
-            use_ipc = same_host and os.environ.get("STRATA_IPC", "1") != "0"
+            use_ipc = use_cuda_ipc(x, os.environ)
             g = self.stage.model.g
             self.sender = HandoffSender(self.next, be, x.get("host", ""), use_ipc,
                                         max_rows=max(a.prefill_chunk, 1), hidden=g.n_embd,
@@ -182,7 +203,16 @@ class RankProcess:
         if a.last:
             self.first = Channel("push", peer="first stage").connect(a.first_endpoint)
 
-    def _wait_assign(self) -> Assign | None:
+    def close(self) -> None:
+        """Close every socket (a rank that registers again binds the same endpoints anew)."""
+        helpers = self.stage.tiers.helpers if self.stage is not None and hasattr(self.stage, "tiers") else []
+        for ch in [self.control, self.data, self.helper_socket, self.next, self.head, self.first,
+                   getattr(self.receiver, "up", None)] + [getattr(h, "ch", None) for h in helpers]:
+            if ch is not None:
+                ch.close()
+
+    def _wait_assign(self) -> Assign | int:
+        """The Assign; or the exit status: 2 when refused, 0 when told to shut down."""
         deadline = time.monotonic() + self.opts.assign_timeout_s
         while time.monotonic() < deadline:
             self._watch_parent()
@@ -194,9 +224,9 @@ class RankProcess:
                 return msg
             if isinstance(msg, Error):
                 print(f"error: the coordinator refused this rank: {msg.message}", file=sys.stderr)
-                return None
+                return 2
             if isinstance(msg, Shutdown):
-                return None
+                return 0
         raise ProtocolTimeout("coordinator", "an assignment", self.opts.assign_timeout_s * 1e3)
 
     def _serve(self) -> int:
@@ -224,16 +254,24 @@ class RankProcess:
                 if ch is self.control:
                     if isinstance(msg, Shutdown):
                         return 0
+                    if isinstance(msg, Error) and msg.fatal:   # e.g. a restarted coordinator
+                        raise CoordinatorLost(f"the coordinator dropped this rank: {msg.message}")
                     if isinstance(msg, Stats):
                         self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
-                                                     request_id=msg.request_id))
+                                                     request_id=msg.request_id,
+                                                     gauges=self._gauges()))
                 else:
                     self._on_data(msg, arrays)
+
+    def _gauges(self) -> dict[str, float]:
+        """Point-in-time values: the bytes this stage's checkpoints hold now."""
+        return {"checkpoint_bytes": float(self.stage.checkpoint_bytes())} if self.stage else {}
 
     def _counters(self) -> dict[str, int]:
         c = dict(self.counters)
         if self.stage is not None:
             c.update(self.stage.tiers.counters)
+            c.update(self.stage.checkpoint_counters())
         if self.sender is not None:
             c.update(handoff_ipc=self.sender.sent_ipc, handoff_frames=self.sender.sent_frames)
         return c
@@ -244,9 +282,9 @@ class RankProcess:
             self.control.send(Heartbeat(rank=self.assign.rank, seq=self._beat_seq), timeout_ms=500)
             self._last_beat_ok = time.monotonic()
         except ProtocolTimeout:
-            if time.monotonic() - self._last_beat_ok > COORDINATOR_LOST_S:
-                raise SystemExit("the coordinator is gone (no heartbeat delivered for "
-                                 f"{COORDINATOR_LOST_S:.0f} s)")
+            if time.monotonic() - self._last_beat_ok > self.opts.coordinator_lost_s:
+                raise CoordinatorLost("the coordinator is gone (no heartbeat delivered for "
+                                      f"{self.opts.coordinator_lost_s:.0f} s)")
 
     def _watch_parent(self) -> None:
         if self.opts.parent_pid and os.getppid() != self.opts.parent_pid:
@@ -303,11 +341,12 @@ class RankProcess:
         if is_prompt and msg.chunk_index == 0:
             self.stage.begin_prompt()
         if isinstance(msg, Tokens):
-            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt)
+            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
+                                 checkpoint_at=msg.checkpoint_at)
             n = len(msg.ids)
         else:
             out = self.stage.run(msg.session_id, msg.pos, hidden=self.receiver.rows(msg, arrays),
-                                 prompt=is_prompt)
+                                 prompt=is_prompt, checkpoint_at=msg.checkpoint_at)
             n = msg.n
         if is_prompt and msg.chunk_index == msg.chunk_total - 1:
             self.stage.end_prompt()   # before the first decode step reaches this stage
@@ -324,17 +363,23 @@ class RankProcess:
         """Hand the result on: rows to the next stage, or (last stage) progress, the sampled
         token to the head and the next decode step to the first stage."""
         is_prompt = msg.sampling is not None
+        # the checkpoints every stage so far holds for the session (checkpoints.py; PROTOCOL.md §4a)
+        upstream = None if isinstance(msg, Tokens) or msg.resume_any else msg.checkpoints
+        held = common_positions(upstream, self.stage.checkpoint_positions(msg.session_id))
         if not self.assign.last:
             self.sender.send(out, request_id=msg.request_id, session_id=msg.session_id,
                              pos=msg.pos, chunk_index=msg.chunk_index,
-                             chunk_total=msg.chunk_total, sampling=msg.sampling)
+                             chunk_total=msg.chunk_total, sampling=msg.sampling,
+                             checkpoint_at=msg.checkpoint_at, checkpoints=held or [],
+                             resume_any=held is None)
             return
         end = msg.pos + n
         if is_prompt:
             self.head.send(PromptProgress(request_id=msg.request_id, session_id=msg.session_id,
                                           pos=end, chunk_index=msg.chunk_index,
                                           chunk_total=msg.chunk_total,
-                                          ms=(time.perf_counter() - t0) * 1e3))
+                                          ms=(time.perf_counter() - t0) * 1e3,
+                                          checkpoints=held or [], resume_any=held is None))
             if msg.chunk_index < msg.chunk_total - 1:
                 return
             self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
@@ -358,6 +403,20 @@ def _new_request(s: Sampling, session_id: int) -> _Request:
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                             min_p=s.min_p, seed=s.seed)
     return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
+
+
+def use_cuda_ipc(extra: dict, environ) -> bool:
+    """Rows go to the next stage through CUDA IPC only when it reports this rank's host identity
+    and computes on a GPU (and STRATA_IPC is not 0); every other hand-off is a TCP/ipc frame."""
+    same_host = bool(extra.get("host")) and extra.get("next_host") == extra.get("host")
+    return same_host and extra.get("next_kind") == "cuda" and environ.get("STRATA_IPC", "1") != "0"
+
+
+def _endpoint_host(endpoint: str) -> str:
+    """tcp://host:port -> host (brackets kept for IPv6); "" for other transports."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0]
 
 
 def _sibling(endpoint: str, name: str) -> str:

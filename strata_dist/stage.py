@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import get_backend
+from .checkpoints import CheckpointStore, bound_bytes
 from .experts import BlobArena
 from .models import architecture_for, load_model, open_checked
 from .tiers import ExpertTiers, HelperClient
@@ -49,6 +50,9 @@ class Stage:
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         self.sessions: dict[int, object] = {}
+        self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
+        self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
+                                 "checkpoint_failed": 0}
 
     @property
     def weights_bytes(self) -> int:
@@ -65,6 +69,35 @@ class Stage:
 
     def release(self, session_id: int) -> None:
         self.sessions.pop(session_id, None)
+        gone = self.checkpoints.pop(session_id, None)
+        if gone is not None:   # its counts stay in the rank's totals
+            self._released_counts = _add_counts(self._released_counts, gone)
+
+    # ---- checkpoints: this stage's part only (its own linear layers) ------------------------------
+    def checkpoint_store(self, session_id: int) -> CheckpointStore:
+        c = self.checkpoints.get(session_id)
+        if c is None:
+            c = self.checkpoints[session_id] = CheckpointStore()
+        return c
+
+    def checkpoint_positions(self, session_id: int) -> list[int] | None:
+        """Positions this stage holds its part of a checkpoint at; None: its state is positional
+        (no linear layer), so it can resume anywhere."""
+        return self.checkpoint_store(session_id).held(self.session(session_id))
+
+    def checkpoint_bound_bytes(self) -> int:
+        """The most checkpoints may take on this stage per session (allocated on demand)."""
+        return bound_bytes(self.session(0))
+
+    def checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self.checkpoints.values())
+
+    def checkpoint_counters(self) -> dict[str, int]:
+        """Saves, restores and skipped saves since the stage started (released sessions too)."""
+        out = dict(self._released_counts)
+        for c in self.checkpoints.values():
+            out = _add_counts(out, c)
+        return out
 
     def begin_prompt(self) -> None:
         """The prompt path borrows the tail of this stage's own cache (its loan)."""
@@ -78,19 +111,38 @@ class Stage:
         if self.cache.lent:
             self.tiers.counters["refilled_slots"] += self.cache.refill()
 
-    def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False):
+    def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False,
+            checkpoint_at=()):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the
         others hidden rows (float32 [n, n_embd], host or device). Returns the hidden rows as a
-        backend array, or on the last stage the host float32 logits of the last row [vocab]."""
+        backend array, or on the last stage the host float32 logits of the last row [vocab].
+        `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end."""
         s = self.session(session_id)
         self.tiers.prompt = prompt   # prompt chunks never go to helper tiers
-        s.reset(pos)  # a position earlier than the session's end rewinds it (KV is positional)
+        store = self.checkpoint_store(session_id)
+        n = len(ids) if self.cfg.first else int(hidden.shape[0])
+        bad = [p for p in checkpoint_at if p not in (pos, pos + n)]
+        if bad:
+            raise ValueError(f"checkpoint position {bad[0]} is not a boundary of rows "
+                             f"[{pos}, {pos + n})")
+        # an earlier position rewinds (KV is positional; recurrent state comes from a checkpoint)
+        store.enter(s, pos)
+        if pos in checkpoint_at:
+            store.save(s, pos)
         if self.cfg.first:
             h = self.model.embed(ids)
         else:
             h = self.backend.asarray(hidden)
         h = self.model.forward_layers(h, s)
         s.n_past = pos + h.shape[0]
+        if s.n_past in checkpoint_at:
+            store.save(s, s.n_past)
         if self.cfg.last:
             return self.backend.to_host(self.model.head(h[-1:]))[0].astype(np.float32)
         return h
+
+
+def _add_counts(counts: dict[str, int], store: CheckpointStore) -> dict[str, int]:
+    return {"checkpoint_saves": counts["checkpoint_saves"] + store.saves,
+            "checkpoint_restores": counts["checkpoint_restores"] + store.restores,
+            "checkpoint_failed": counts["checkpoint_failed"] + store.failed}

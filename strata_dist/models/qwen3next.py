@@ -25,6 +25,8 @@ Older files hold the unsplit blk.N.ssm_in instead of attn_qkv + attn_gate; both 
 A model object holds only the layers [lb, le) it was built for (plus the embedding when first, the
 output norm and head when last), exactly the tensors `dense_tensor_names` lists; its session holds
 conv + recurrent state only for its own linear layers and KV only for its own attention layers.
+That recurrent state is not positional: the session moves back only to a checkpoint of its own
+range (`HybridSession.save`/`restore`; the rules are in strata_dist/checkpoints.py).
 """
 from __future__ import annotations
 
@@ -305,6 +307,27 @@ class RecurrentRewindError(ValueError):
     not positional. Resuming there needs a checkpoint."""
 
 
+@dataclass
+class SessionCheckpoint:
+    """The non-positional part of a HybridSession at position `pos`: conv and delta-rule state of
+    the linear layers of [lb, le) only, copied (KV rows are positional: the session keeps them, and
+    they stay valid as long as nothing is read at an earlier position). It carries its range so a
+    session of another range refuses it (`HybridSession.restore`)."""
+    lb: int
+    le: int
+    pos: int
+    conv: dict
+    ssm: dict
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.conv)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (*self.conv.values(), *self.ssm.values()))
+
+
 class HybridSession:
     """The session of one conversation for the layers [lb, le) only, global ordinals kept:
 
@@ -391,6 +414,38 @@ class HybridSession:
                 f"cannot move a session with linear-attention state from position {self.n_past} "
                 f"to {n_past} (layers [{self.lb}, {self.le})); resuming there needs a checkpoint")
         self.n_past = n_past
+
+    # ---- checkpoints (strata_dist/checkpoints.py keeps them; this is the session's side) ---------
+    @property
+    def checkpoint_nbytes(self) -> int:
+        """Bytes of one checkpoint of this session: its conv + recurrent state (0 with no linear
+        layer: such a session is positional, like a KV-only one)."""
+        return self.parts_nbytes()["recurrent"]
+
+    def save(self, pos: int) -> SessionCheckpoint:
+        """A copy of the conv and recurrent state of this session's own linear layers at `pos`,
+        which must be the session's position (the state is of where the session is)."""
+        if pos != self.n_past:
+            raise ValueError(f"cannot checkpoint position {pos}: the session [{self.lb}, {self.le}) "
+                             f"is at {self.n_past}")
+        return SessionCheckpoint(lb=self.lb, le=self.le, pos=pos,
+                                 conv={l: a.copy() for l, a in self._conv.items()},
+                                 ssm={l: a.copy() for l, a in self._ssm.items()})
+
+    def restore(self, ckpt: SessionCheckpoint) -> None:
+        """Put a checkpoint of this session's own range back and move to its position. A checkpoint
+        of another range (another stage's part) is refused: restoring it would silently mix
+        another stage's state into this one."""
+        if (ckpt.lb, ckpt.le) != (self.lb, self.le) or ckpt.layers != self.linear_layers:
+            raise ValueError(f"a checkpoint of layers [{ckpt.lb}, {ckpt.le}) (linear {ckpt.layers}) "
+                             f"cannot be restored into the session of [{self.lb}, {self.le}) "
+                             f"(linear {self.linear_layers})")
+        if not 0 < ckpt.pos <= self.max_cells:
+            raise ValueError(f"checkpoint position {ckpt.pos} is outside (0, {self.max_cells}]")
+        for l in self.linear_layers:
+            self._conv[l][...] = ckpt.conv[l]
+            self._ssm[l][...] = ckpt.ssm[l]
+        self.n_past = ckpt.pos
 
 
 # ---- the model ----------------------------------------------------------------------------------

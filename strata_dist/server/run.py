@@ -86,7 +86,8 @@ class HttpThread:
 def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: int, ctx: int,
                  host: str, port: int, api_key: str | None, queue_size: int,
                  gpu_of_rank: dict[int, int] | None = None,
-                 info_lines: Callable | None = None, say=None) -> int:
+                 info_lines: Callable | None = None, say=None,
+                 prompt_cache_every: int | None = None) -> int:
     """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
     coordinator, cfg.ranks). RankFailure from loading or serving propagates to the caller
     (which stops the ranks); the HTTP listener is stopped here in every case."""
@@ -98,13 +99,13 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
     stem = os.path.basename(model_path)
     model_id = stem[:-5] if stem.endswith(".gguf") else stem
     worker = Worker(tok, ctx, n_vocab, queue_size)
-    n_ranks = len(launch.cfg.ranks)
     t0 = time.monotonic()
     last_line = {"text": ""}
 
     def loading() -> dict:
         coord, plan = launch.coordinator, launch.plan
         ready = len(launch.ready)
+        n_ranks = getattr(launch, "n_ranks", len(launch.cfg.ranks))   # known once ranks register
         phase = "starting" if coord is None else "registering" if plan is None else "loading"
         return {"phase": phase, "ranks_total": n_ranks, "ranks_ready": ready,
                 "progress": round(ready / n_ranks, 3) if n_ranks else 0.0,
@@ -143,7 +144,9 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             progress.close()
             launch.echo = echo
         sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
-        session = HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None)
+        session = HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None,
+                              **({} if prompt_cache_every is None
+                                 else {"checkpoint_every": prompt_cache_every}))
         if info_lines is not None:
             for line in info_lines(plan):
                 say(line)
