@@ -80,3 +80,72 @@ def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarra
     for r in range(k):
         out += w_dev[:, r:r + 1] * y[:, r]
     return out
+
+
+class LayerRangeModel:
+    """What every architecture's forward object shares: the layers [lb, le) of a file on a backend,
+    the dense tensors `arch.dense_tensor_names` lists (the planner prices exactly those), an expert
+    store, the embedding and the head. A subclass sets `arch` (its module) and builds
+    `self.layers` in `_build_layers`; the forward itself is the subclass's."""
+
+    arch = None   # the architecture module: read_geometry, validate, dense_tensor_names, keeps_f32
+
+    def __init__(self, gguf, backend, lb: int = 0, le: int | None = None,
+                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True,
+                 experts=None):
+        self.gguf, self.backend = gguf, backend
+        self.g = g = self.arch.read_geometry(gguf)
+        self.arch.validate(gguf, g)
+        self.lb, self.le = lb, g.n_layers if le is None else le
+        if not 0 <= self.lb < self.le <= g.n_layers:
+            raise ValueError(f"layer range [{self.lb}, {self.le}) is not inside [0, {g.n_layers})")
+        self.first = self.lb == 0 if first is None else first
+        self.last = self.le == g.n_layers if last is None else last
+        self.loaded_bytes = 0
+        # weight_slice=False (STRATA_WEIGHT_SLICE=0) is the A/B arm where every stage loads all
+        # dense weights, as before the carve; it still runs only [lb, le).
+        names = (self.arch.dense_tensor_names(g, self.lb, self.le, self.first, self.last)
+                 if weight_slice else self.arch.dense_tensor_names(g, 0, g.n_layers, True, True))
+        self._tensors = {name: self._load(name) for name in names}
+        self.layers = self._build_layers()
+        # a stage rank passes its tiered store; alone, the backend's own (every expert of [lb, le))
+        self.experts = experts if experts is not None else backend.make_expert_store(
+            gguf, range(self.lb, self.le))
+        # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
+        self.on_route = None
+
+    def _build_layers(self) -> dict:
+        raise NotImplementedError
+
+    def _host_f32(self, name: str) -> np.ndarray:
+        """A tensor kept in float32, as the backend receives it (a subclass may reshape)."""
+        return self.gguf.dequantize(name)
+
+    def _load(self, name: str):
+        info = self.gguf.tensor(name)
+        if self.arch.keeps_f32(name, info.shape):
+            arr = self.backend.f32(self._host_f32(name))
+        else:
+            arr = self.backend.dense_tensor(self.gguf, info)   # the rule of backends/layout.py
+        self.loaded_bytes += int(arr.nbytes)
+        return arr
+
+    def embed(self, token_ids):
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
+            raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        return self.backend.rows(self._tensors["token_embd.weight"], ids)
+
+    def head(self, h):
+        """Final norm and output projection -> float32 logits [n, vocab]."""
+        h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, self.backend.xp)
+        w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
+        return self.backend.linear(h, w)
+
+    def _routed(self, layer: int, x, router, normalize: bool):
+        """The routed experts' part of a MoE layer: route, report, combine in rank order."""
+        logits = self.backend.to_host(x @ router.T)
+        idx, wts = softmax_topk(logits, self.g.n_expert_used, normalize=normalize)
+        if self.on_route is not None:
+            self.on_route(layer, idx)
+        return moe_combine(self.backend, self.experts, layer, x, idx, wts)

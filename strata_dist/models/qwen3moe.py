@@ -8,13 +8,14 @@ the tensors `dense_tensor_names` lists, which is also what the planner prices.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import apply_rope, causal_attention, moe_combine, rms_norm, rope_tables, softmax_topk
+from .common import LayerRangeModel, apply_rope, causal_attention, rms_norm, rope_tables
 
 ARCH = "qwen3moe"
 
@@ -193,60 +194,23 @@ class LayerWeights:
     router: object
 
 
-class Qwen3Moe:
+class Qwen3Moe(LayerRangeModel):
     """The qwen3moe forward over the layers [lb, le) of a model file."""
 
-    def __init__(self, gguf: GGUFModel, backend, lb: int = 0, le: int | None = None,
-                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True,
-                 experts=None):
-        self.gguf, self.backend = gguf, backend
-        self.g = g = read_geometry(gguf)
-        validate(gguf, g)
-        self.lb, self.le = lb, g.n_layers if le is None else le
-        if not 0 <= self.lb < self.le <= g.n_layers:
-            raise ValueError(f"layer range [{self.lb}, {self.le}) is not inside [0, {g.n_layers})")
-        self.first = self.lb == 0 if first is None else first
-        self.last = self.le == g.n_layers if last is None else last
-        self.loaded_bytes = 0
-        self._tensors = {}
-        # weight_slice=False (STRATA_WEIGHT_SLICE=0) is the A/B arm where every stage loads all
-        # dense weights, as before the carve; it still runs only [lb, le).
-        names = (dense_tensor_names(g, self.lb, self.le, self.first, self.last) if weight_slice
-                 else dense_tensor_names(g, 0, g.n_layers, True, True))
-        for name in names:
-            self._tensors[name] = self._load(name)
-        self.layers = {layer: self._layer(layer) for layer in range(self.lb, self.le)}
-        # a stage rank passes its tiered store; alone, the backend's own (every expert of [lb, le))
-        self.experts = experts if experts is not None else backend.make_expert_store(
-            gguf, range(self.lb, self.le))
-        # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
-        self.on_route = None
+    arch = sys.modules[__name__]
 
-    def _load(self, name: str):
-        info = self.gguf.tensor(name)
-        if keeps_f32(name, info.shape):
-            arr = self.backend.f32(self.gguf.dequantize(name))
-        else:
-            arr = self.backend.dense_tensor(self.gguf, info)   # the rule of backends/layout.py
-        self.loaded_bytes += int(arr.nbytes)
-        return arr
-
-    def _layer(self, layer: int) -> LayerWeights:
-        t = lambda part: self._tensors[f"blk.{layer}.{part}.weight"]  # noqa: E731
-        return LayerWeights(t("attn_norm"), t("attn_q"), t("attn_k"), t("attn_v"),
-                            t("attn_output"), t("attn_q_norm"), t("attn_k_norm"), t("ffn_norm"),
-                            t(ROUTER_PART))
+    def _build_layers(self) -> dict:
+        def build(layer: int) -> LayerWeights:
+            t = lambda part: self._tensors[f"blk.{layer}.{part}.weight"]  # noqa: E731
+            return LayerWeights(t("attn_norm"), t("attn_q"), t("attn_k"), t("attn_v"),
+                                t("attn_output"), t("attn_q_norm"), t("attn_k_norm"),
+                                t("ffn_norm"), t(ROUTER_PART))
+        return {layer: build(layer) for layer in range(self.lb, self.le)}
 
     def new_session(self, max_cells: int) -> KVSession:
         return KVSession(self.backend, self.g, self.lb, self.le, max_cells)
 
     # ---- stages of the forward -----------------------------------------------------------------
-    def embed(self, token_ids) -> object:
-        ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
-            raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
-        return self.backend.rows(self._tensors["token_embd.weight"], ids)
-
     def forward_layers(self, h, session: KVSession) -> object:
         """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n.
 
@@ -259,13 +223,6 @@ class Qwen3Moe:
         for layer in range(self.lb, self.le):
             h = self._layer_forward(layer, h, session, pos0, cos, sin)
         return h
-
-    def head(self, h) -> object:
-        """Final norm and output projection -> float32 logits [n, vocab]."""
-        xp = self.backend.xp
-        h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, xp)
-        w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
-        return self.backend.linear(h, w)
 
     # ---- one layer -----------------------------------------------------------------------------
     def _layer_forward(self, layer, h, session, pos0, cos, sin):
@@ -285,16 +242,8 @@ class Qwen3Moe:
         x = rms_norm(h, w.ffn_norm, g.rms_eps, xp)
         return h + self._moe(layer, x, w.router)
 
-    def route(self, x, router):
-        """Top-k experts per row in rank order and their renormalised weights (host arrays)."""
-        logits = self.backend.to_host(x @ router.T)
-        return softmax_topk(logits, self.g.n_expert_used, normalize=True)
-
     def _moe(self, layer, x, router):
-        idx, wts = self.route(x, router)
-        if self.on_route is not None:
-            self.on_route(layer, idx)
-        return moe_combine(self.backend, self.experts, layer, x, idx, wts)
+        return self._routed(layer, x, router, normalize=True)
 
 
 MODEL_CLASS = Qwen3Moe

@@ -31,13 +31,14 @@ range (`HybridSession.save`/`restore`; the rules are in strata_dist/checkpoints.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import apply_rope, causal_attention, moe_combine, rms_norm, rope_tables, softmax_topk
+from .common import LayerRangeModel, apply_rope, causal_attention, rms_norm, rope_tables
 
 ARCH = "qwen3next"
 
@@ -462,57 +463,23 @@ def _softplus(x, xp):
     return xp.logaddexp(np.float32(0.0), x)
 
 
-class Qwen3Next:
+class Qwen3Next(LayerRangeModel):
     """The qwen3next forward over the layers [lb, le) of a model file."""
 
-    def __init__(self, gguf: GGUFModel, backend, lb: int = 0, le: int | None = None,
-                 first: bool | None = None, last: bool | None = None, weight_slice: bool = True,
-                 experts=None):
-        self.gguf, self.backend = gguf, backend
-        self.g = g = read_geometry(gguf)
-        validate(gguf, g)
-        self.lb, self.le = lb, g.n_layers if le is None else le
-        if not 0 <= self.lb < self.le <= g.n_layers:
-            raise ValueError(f"layer range [{self.lb}, {self.le}) is not inside [0, {g.n_layers})")
-        self.first = self.lb == 0 if first is None else first
-        self.last = self.le == g.n_layers if last is None else last
-        self.loaded_bytes = 0
-        self._tensors = {}
-        # weight_slice=False (STRATA_WEIGHT_SLICE=0): every stage loads all dense weights (A/B arm).
-        names = (dense_tensor_names(g, self.lb, self.le, self.first, self.last) if weight_slice
-                 else dense_tensor_names(g, 0, g.n_layers, True, True))
-        for name in names:
-            self._tensors[name] = self._load(name)
-        self.layers = {layer: {p: self._tensors[tensor_name(layer, p)] for p in layer_parts(g, layer)}
-                       for layer in range(self.lb, self.le)}
-        # a stage rank passes its tiered store; alone, the backend's own (every expert of [lb, le))
-        self.experts = experts if experts is not None else backend.make_expert_store(
-            gguf, range(self.lb, self.le))
-        # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
-        self.on_route = None
+    arch = sys.modules[__name__]
 
-    def _load(self, name: str):
-        info = self.gguf.tensor(name)
-        if keeps_f32(name, info.shape):
-            host = self.gguf.dequantize(name)
-            if _part(name) == SHEXP_GATE_PART:
-                host = host.reshape(1, -1)          # stored [n_embd] or [1, n_embd]
-            arr = self.backend.f32(host)
-        else:
-            arr = self.backend.dense_tensor(self.gguf, info)   # the rule of backends/layout.py
-        self.loaded_bytes += int(arr.nbytes)
-        return arr
+    def _build_layers(self) -> dict:
+        return {layer: {p: self._tensors[tensor_name(layer, p)] for p in layer_parts(self.g, layer)}
+                for layer in range(self.lb, self.le)}
+
+    def _host_f32(self, name: str) -> np.ndarray:
+        host = self.gguf.dequantize(name)
+        return host.reshape(1, -1) if _part(name) == SHEXP_GATE_PART else host  # [n_embd] or [1, n_embd]
 
     def new_session(self, max_cells: int) -> HybridSession:
         return HybridSession(self.backend, self.g, self.lb, self.le, max_cells)
 
     # ---- stages of the forward -----------------------------------------------------------------
-    def embed(self, token_ids) -> object:
-        ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
-            raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
-        return self.backend.rows(self._tensors["token_embd.weight"], ids)
-
     def forward_layers(self, h, session: HybridSession) -> object:
         """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n,
         carrying the conv and recurrent state of the linear layers across calls (a prompt read in
@@ -535,13 +502,6 @@ class Qwen3Next:
             x = rms_norm(h, w["post_attention_norm"], g.rms_eps, xp)
             h = h + self._moe(layer, x)
         return h
-
-    def head(self, h) -> object:
-        """Final norm and output projection -> float32 logits [n, vocab]."""
-        xp = self.backend.xp
-        h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, xp)
-        w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
-        return self.backend.linear(h, w)
 
     # ---- gated attention -----------------------------------------------------------------------
     def _attention(self, layer, x, session, pos0, cos, sin):
@@ -621,17 +581,9 @@ class Qwen3Next:
         return be.linear(o.reshape(n, g.value_dim), w["ssm_out"])
 
     # ---- MoE with the shared expert ------------------------------------------------------------
-    def route(self, x, router):
-        """Top-k experts per row in rank order and their weights (host arrays)."""
-        logits = self.backend.to_host(x @ router.T)
-        return softmax_topk(logits, self.g.n_expert_used, normalize=self.g.norm_topk_prob)
-
     def _moe(self, layer, x):
         xp, w, be = self.backend.xp, self.layers[layer], self.backend
-        idx, wts = self.route(x, w[ROUTER_PART])
-        if self.on_route is not None:
-            self.on_route(layer, idx)
-        routed = moe_combine(be, self.experts, layer, x, idx, wts)
+        routed = self._routed(layer, x, w[ROUTER_PART], normalize=self.g.norm_topk_prob)
         hidden = _silu(be.linear(x, w["ffn_gate_shexp"]), xp) * be.linear(x, w["ffn_up_shexp"])
         shared = be.linear(hidden, w["ffn_down_shexp"])
         gate = _sigmoid(x @ w[SHEXP_GATE_PART].T, xp)                  # [n, 1]
