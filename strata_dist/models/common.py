@@ -5,7 +5,36 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..gguf_model import GGUFError
 from ..plan.pricing import DECODE_ROWS
+
+
+def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
+    """The Geometry fields every architecture reads the same way (llama.cpp's metadata keys),
+    with the embedding's shape as the vocabulary's size; arch-specific defaults passed in."""
+    md = gguf.arch_metadata
+    n_embd = int(md("embedding_length", required=True))
+    n_head = int(md("attention.head_count", required=True))
+    emb = gguf.tensor("token_embd.weight")
+    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
+        raise GGUFError(gguf.path, f"has shape {list(emb.shape)}, expected [n_vocab, {n_embd}]",
+                        tensor=emb.name)
+    return dict(
+        arch=gguf.arch,
+        n_layers=int(md("block_count", required=True)),
+        n_embd=n_embd,
+        n_vocab=emb.shape[0],
+        n_head=n_head,
+        n_head_kv=int(md("attention.head_count_kv", default=n_head)),
+        head_dim=int(md("attention.key_length", default=n_embd // n_head)),
+        n_expert=int(md("expert_count", required=True)),
+        n_expert_used=int(md("expert_used_count", required=True)),
+        n_ff_exp=int(md("expert_feed_forward_length", required=True)),
+        rms_eps=float(md("attention.layer_norm_rms_epsilon", default=1e-6)),
+        rope_base=float(md("rope.freq_base", default=rope_base)),
+        context_length=int(md("context_length", default=context_length)),
+        tied_embeddings="output.weight" not in gguf.tensors,
+    )
 
 
 def rms_norm(x, w, eps, xp):

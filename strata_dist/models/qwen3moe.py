@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gguf_model import Geometry, GGUFError, GGUFModel
+from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import LayerRangeModel, apply_rope, causal_attention, rms_norm, rope_tables
+from .common import LayerRangeModel, transformer_geometry, apply_rope, causal_attention, rms_norm, rope_tables
 
 ARCH = "qwen3moe"
 
@@ -28,30 +28,7 @@ NORM_PARTS = {"attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm"}
 
 def read_geometry(gguf: GGUFModel) -> Geometry:
     """Geometry from the metadata, with the embedding's shape as the vocabulary's size."""
-    md = gguf.arch_metadata
-    n_embd = int(md("embedding_length", required=True))
-    n_head = int(md("attention.head_count", required=True))
-    head_dim = int(md("attention.key_length", default=n_embd // n_head))
-    emb = gguf.tensor("token_embd.weight")
-    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
-        raise GGUFError(gguf.path, f"has shape {list(emb.shape)}, expected [n_vocab, {n_embd}]",
-                        tensor=emb.name)
-    return Geometry(
-        arch=gguf.arch,
-        n_layers=int(md("block_count", required=True)),
-        n_embd=n_embd,
-        n_vocab=emb.shape[0],
-        n_head=n_head,
-        n_head_kv=int(md("attention.head_count_kv", default=n_head)),
-        head_dim=head_dim,
-        n_expert=int(md("expert_count", required=True)),
-        n_expert_used=int(md("expert_used_count", required=True)),
-        n_ff_exp=int(md("expert_feed_forward_length", required=True)),
-        rms_eps=float(md("attention.layer_norm_rms_epsilon", default=1e-6)),
-        rope_base=float(md("rope.freq_base", default=1e6)),
-        context_length=int(md("context_length", default=40960)),
-        tied_embeddings="output.weight" not in gguf.tensors,
-    )
+    return Geometry(**transformer_geometry(gguf, rope_base=1e6, context_length=40960))
 
 
 def expected_shapes(g: Geometry, layer: int) -> dict[str, tuple[int, ...]]:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import LayerRangeModel, apply_rope, causal_attention, rms_norm, rope_tables
+from .common import LayerRangeModel, transformer_geometry, apply_rope, causal_attention, rms_norm, rope_tables
 
 ARCH = "qwen3next"
 
@@ -118,14 +118,8 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
     """Geometry from the metadata keys llama.cpp's converter writes, with the embedding's shape as
     the vocabulary's size."""
     md = gguf.arch_metadata
-    n_embd = int(md("embedding_length", required=True))
-    n_head = int(md("attention.head_count", required=True))
-    head_dim = int(md("attention.key_length", default=n_embd // n_head))
-    n_layers = int(md("block_count", required=True))
-    emb = gguf.tensor("token_embd.weight")
-    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
-        raise GGUFError(gguf.path, f"has shape {list(emb.shape)}, expected [n_vocab, {n_embd}]",
-                        tensor=emb.name)
+    base = transformer_geometry(gguf, rope_base=10000.0, context_length=262144)
+    head_dim, n_layers = base["head_dim"], base["n_layers"]
     interval = int(md("full_attention_interval", default=4))
     n_rot = int(md("rope.dimension_count", default=head_dim))
     n_v = int(md("ssm.time_step_rank", required=True))
@@ -145,20 +139,7 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
              and tensor_name(first_linear, "attn_qkv") not in gguf.tensors
              and tensor_name(first_linear, "ssm_in") in gguf.tensors)
     return NextGeometry(
-        arch=gguf.arch,
-        n_layers=n_layers,
-        n_embd=n_embd,
-        n_vocab=emb.shape[0],
-        n_head=n_head,
-        n_head_kv=int(md("attention.head_count_kv", default=n_head)),
-        head_dim=head_dim,
-        n_expert=int(md("expert_count", required=True)),
-        n_expert_used=int(md("expert_used_count", required=True)),
-        n_ff_exp=int(md("expert_feed_forward_length", required=True)),
-        rms_eps=float(md("attention.layer_norm_rms_epsilon", default=1e-6)),
-        rope_base=float(md("rope.freq_base", default=10000.0)),
-        context_length=int(md("context_length", default=262144)),
-        tied_embeddings="output.weight" not in gguf.tensors,
+        **base,
         n_rot=n_rot,
         full_attention_interval=interval,
         ssm_conv_kernel=int(md("ssm.conv_kernel", required=True)),
