@@ -50,6 +50,7 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu") -> ModelShape:
         rope_bytes_per_cell=arch.rope_dim(g) * 4,
         embed_bytes=sum(size(n) for n in first_only),
         head_bytes=sum(size(n) for n in last_only),
+        head_shares_embedding=bool(first_only & last_only),
         prompt_bytes_per_token=estimate_prompt_bytes_per_token(
             g.n_embd, g.n_ff_exp, g.n_expert_used, g.n_expert,
             mixer_width=arch.mixer_width(g)) + arch.extra_prompt_elems(g) * 4,

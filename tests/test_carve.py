@@ -39,3 +39,13 @@ def test_weight_slice_off_loads_all_dense_weights(model):
     stage = Stage(StageConfig(model, "cpu", 2, 4, False, False, CELLS, weight_slice=False))
     assert stage.weights_bytes == weights_bytes(shape, 2, 4, False, False, weight_slice=False)
     assert stage.weights_bytes == weights_bytes(shape, 0, 6, True, True)
+
+
+@pytest.mark.parametrize("lb,le", [(0, 4), (0, 2), (2, 4)])
+def test_tied_embeddings_are_priced_once(tmp_path, lb, le):
+    """A tied head is the embedding itself: a stage that is first and last loads it once."""
+    path = write_gguf(tiny_qwen3moe(9, tied=True), tmp_path / "tied.gguf")
+    shape = model_shape(GGUFModel(path), "cpu")
+    first, last = lb == 0, le == 4
+    stage = Stage(StageConfig(path, "cpu", lb, le, first, last, CELLS))
+    assert stage.weights_bytes == weights_bytes(shape, lb, le, first, last)

@@ -52,6 +52,8 @@ def weights_bytes(shape: ModelShape, lb: int, le: int, first: bool, last: bool, 
         total += shape.embed_bytes
     if last:
         total += shape.head_bytes
+    if first and last and shape.head_shares_embedding:
+        total -= shape.embed_bytes      # one tensor serves both ends
     return total
 
 
@@ -127,6 +129,8 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
 
     if weight_slice:
         w = span(pre(shape.layer_dense_bytes)) + first * shape.embed_bytes + last * shape.head_bytes
+        if shape.head_shares_embedding:
+            w = w - (first & last) * shape.embed_bytes
         if replicate_routers:
             w = w + sum(shape.router_bytes) - span(pre(shape.router_bytes))
     else:

@@ -47,6 +47,8 @@ class ModelShape:
     embed_bytes          token embedding as loaded by the first stage.
     head_bytes           output norm + output head as loaded by the last stage (count the tied
                          embedding again if the head reuses it on another card).
+    head_shares_embedding  the head is the tied token embedding: a stage that is first AND last
+                         loads that tensor once, so it is counted once.
     prompt_bytes_per_token  bytes of prompt-path buffers per token of a prefill chunk (activations,
                          routing, expert rows) — what the prompt path allocates for a chunk of N
                          tokens is N * this. See estimate_prompt_bytes_per_token.
@@ -68,6 +70,7 @@ class ModelShape:
     embed_bytes: int
     head_bytes: int
     prompt_bytes_per_token: int
+    head_shares_embedding: bool = False
 
     def __post_init__(self) -> None:
         L = self.n_layers
