@@ -266,6 +266,8 @@ class Launch:
         if self.ranks is not None:
             self.ranks.stop()
         self.endpoints.cleanup()
+        if self.cfg.curve is not None:
+            use_curve(None)   # this process's later channels are plain again
 
 
 def _any_port(endpoint: str) -> str:

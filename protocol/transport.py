@@ -195,7 +195,8 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 def local_address_toward(endpoint: str) -> str:
     """This host's address on the route to ``endpoint`` (what peers there can reach us at). No packet is sent:
-    a UDP socket's connect only asks the kernel for the route. ipc:// and loopback peers → 127.0.0.1."""
+    a UDP socket's connect only asks the kernel for the route. ipc:// and loopback peers → 127.0.0.1.
+    Raises ConnectionError when the name does not resolve or no route exists (yet)."""
     import socket
     if is_loopback_endpoint(endpoint):
         return "127.0.0.1"
@@ -208,7 +209,8 @@ def local_address_toward(endpoint: str) -> str:
             s.connect(addr)
             return s.getsockname()[0]
     except OSError as e:
-        raise ValueError(f"cannot find a route to {endpoint}: {e.strerror or e}") from None
+        # a ConnectionError: the network may come up later (a unit started early retries)
+        raise ConnectionError(f"cannot find a route to {endpoint}: {e.strerror or e}") from None
 
 
 def random_identity(prefix: str = "peer") -> bytes:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+
+import zmq
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -278,13 +280,25 @@ class Coordinator:
         """Keep serving control traffic (heartbeats) while nothing else happens."""
         self._pump(seconds)
 
-    def shutdown(self, reason: str = "") -> None:
-        for s in self._by_identity.values():
+    def shutdown(self, reason: str = "", wait_s: float = 1.0) -> None:
+        """Tell every registered rank to stop, and wait (at most wait_s) until their connections
+        close: a process that exits right after queueing the Shutdowns would lose them, and ranks
+        on other hosts would wait for their heartbeat timeout instead."""
+        peers = list(self._by_identity.values())
+        monitor = self.control.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) if peers else None
+        for s in peers:
             try:
                 self.control.send(s.identity, Shutdown(reason=reason), timeout_ms=500)
             except (ProtocolTimeout, ConnectionError):
                 pass
         for ch in list(self._senders.values()) + [self.inbox]:
             ch.close()
-        time.sleep(0.3)
-        self.control.close(linger_ms=1000)   # the Shutdowns reach ranks on other hosts
+        if monitor is not None:
+            gone, deadline = 0, time.monotonic() + wait_s
+            while gone < len(peers) and deadline > time.monotonic():
+                if monitor.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                    monitor.recv_multipart()
+                    gone += 1
+            self.control.socket.disable_monitor()
+            monitor.close(linger=0)
+        self.control.close(linger_ms=1000)

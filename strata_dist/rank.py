@@ -15,10 +15,13 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import zmq
+
 from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, ExpertReply,
                       ExpertRequest, Heartbeat, Hidden, IpcHandle, Poller, PromptProgress,
                       ProtocolError, ProtocolTimeout, Ready, Register, Release, RouterChannel,
                       Shutdown, SlotFree, Stats, StatsReply, Token, Tokens, advertise)
+from protocol.transport import Endpoints
 from protocol.auth import client_handshake
 from protocol.transport import is_loopback_endpoint, local_address_toward
 from protocol.messages import DeviceInfo, Sampling
@@ -97,12 +100,20 @@ class RankProcess:
     def run(self) -> int:
         o = self.opts
         t0 = time.perf_counter()
-        # a socket bound on a wildcard (tcp://0.0.0.0:P) is registered under an address peers can reach
-        reach = o.advertise_host or (local_address_toward(o.coordinator)
-                                     if o.data_bind.startswith("tcp://") else "")
-        data_ep = advertise(self.data.bind(o.data_bind), reach)
-        helper_ep = advertise(self.helper_socket.bind(o.helper_bind or _sibling(o.data_bind, "helper")),
-                              reach)
+        # "auto": this host's address toward the coordinator (resolved per registration: a unit
+        # started before the network retries). A socket bound on a wildcard (tcp://0.0.0.0:P) is
+        # registered under that address; --advertise-host names the address outright (NAT).
+        bind, route = o.data_bind, ""
+        if bind == "auto" or bind.startswith("tcp://"):
+            route = local_address_toward(o.coordinator)
+        if bind == "auto":
+            bind = f"tcp://{route}:*"
+        data_ep = self._registered(self.data.bind(bind), route)
+        helper_ep = self._registered(
+            self.helper_socket.bind(o.helper_bind or _sibling(bind, "helper")), route)
+        # the control connection closing means the coordinator process is gone (a Shutdown, if
+        # any, arrives before it): no need to wait out an assignment or heartbeat timeout
+        self._control_events = self.control.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.control.connect(o.coordinator)
         client_handshake(self.control, o.secret, f"rank-{os.getpid()}",
                          timeout_ms=int(o.connect_timeout_s * 1000))
@@ -203,13 +214,30 @@ class RankProcess:
         if a.last:
             self.first = Channel("push", peer="first stage").connect(a.first_endpoint)
 
+    def _registered(self, bound: str, route: str) -> str:
+        """The address peers are given for a bound socket: --advertise-host if set, else the
+        route toward the coordinator in place of a wildcard."""
+        if self.opts.advertise_host and bound.startswith("tcp://"):
+            return Endpoints.tcp(self.opts.advertise_host, int(bound.rsplit(":", 1)[1]))
+        return advertise(bound, route)
+
     def close(self) -> None:
         """Close every socket (a rank that registers again binds the same endpoints anew)."""
+        events = getattr(self, "_control_events", None)
+        if events is not None:
+            self.control.socket.disable_monitor()
+            events.close(linger=0)
         helpers = self.stage.tiers.helpers if self.stage is not None and hasattr(self.stage, "tiers") else []
         for ch in [self.control, self.data, self.helper_socket, self.next, self.head, self.first,
                    getattr(self.receiver, "up", None)] + [getattr(h, "ch", None) for h in helpers]:
             if ch is not None:
                 ch.close()
+
+    def _check_connection(self, when: str) -> None:
+        events = getattr(self, "_control_events", None)
+        if events is not None and events.poll(0) and not self.control.poll(0):
+            events.recv_multipart()   # (a message still queued, a last Shutdown, is read first)
+            raise CoordinatorLost(f"the coordinator closed the connection {when}")
 
     def _wait_assign(self) -> Assign | int:
         """The Assign; or the exit status: 2 when refused, 0 when told to shut down."""
@@ -219,6 +247,7 @@ class RankProcess:
             try:
                 msg, _ = self.control.recv(timeout_ms=1000, what="an assignment")
             except ProtocolTimeout:
+                self._check_connection("before assigning this rank")
                 continue
             if isinstance(msg, Assign):
                 return msg
@@ -240,7 +269,10 @@ class RankProcess:
                 self._heartbeat()
                 next_beat = now + HEARTBEAT_S
             self._watch_parent()
-            for ch in poller.poll(int(HEARTBEAT_S * 1000)):
+            ready = poller.poll(int(HEARTBEAT_S * 1000))
+            if self.control not in ready:
+                self._check_connection("while this rank served")
+            for ch in ready:
                 if ch is self.helper_socket:
                     self._serve_helper()
                     continue

@@ -10,7 +10,7 @@ import time
 
 from protocol import ProtocolTimeout
 from protocol.auth import AuthError, load_secret
-from protocol.transport import load_curve_keys, local_address_toward, use_curve
+from protocol.transport import load_curve_keys, use_curve
 
 from .devices import cpu_device, gpu_device, parse_size
 from .gguf_model import GGUFError
@@ -75,11 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         secret = load_secret(args.token_file, os.environ)
         if args.curve_keys:
             use_curve(load_curve_keys(args.curve_keys))
-        data_bind = args.data_bind
-        if data_bind == "auto":
-            data_bind = f"tcp://{local_address_toward(args.coordinator)}:*"
         opts = RankOptions(coordinator=args.coordinator, model=args.model, device=device,
-                           device_name=args.device, secret=secret, data_bind=data_bind,
+                           device_name=args.device, secret=secret, data_bind=args.data_bind,
                            host_id=args.host_id, rank_hint=args.rank, parent_pid=args.parent_pid,
                            assign_timeout_s=args.assign_timeout, advertise_host=args.advertise_host,
                            helper_bind=args.helper_bind, connect_timeout_s=args.connect_timeout,
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except (GGUFError, ValueError, AuthError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ProtocolTimeout as e:
+    except (ProtocolTimeout, ConnectionError) as e:   # worth retrying: units restart on 3
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
@@ -110,7 +107,7 @@ def run_rank(opts: RankOptions, reconnect: bool) -> int:
             if not reconnect or code != 0:
                 return code
             why = "the coordinator shut this rank down"
-        except (ProtocolTimeout, CoordinatorLost) as e:
+        except (ProtocolTimeout, CoordinatorLost, ConnectionError) as e:
             if not reconnect:
                 raise
             why = str(e)

@@ -2,7 +2,6 @@
 started by hand, wildcard binds advertised at a reachable address, CURVE on every link, helper
 requests kept on one host (--no-remote-cross-host), cross-host hand-offs priced by the link, CUDA
 IPC only between ranks of one host identity, and the flag refusals."""
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from launcher.launch import assignments, same_host_helpers_only
 from netns_helpers import LineProcess
-from protocol import Channel, Release, new_secret
+from protocol import Channel, Release
 from protocol.auth import write_secret
 from protocol.messages import DeviceInfo, Register
 from protocol.transport import CurveKeys, ProtocolTimeout, new_curve_keypair, use_curve
@@ -70,8 +69,8 @@ def test_listen_on_loopback_with_ranks_started_by_hand(files, baseline):
              for h in ("left", "right")]
     try:
         head.wait_ready(60)
-        assert f"waiting for 2 rank(s) to register at tcp://127.0.0.1:{port}" in head.err()
-        assert "2 ranks on 2 hosts (left, right)" in head.err()
+        assert head.err_has(f"waiting for 2 rank(s) to register at tcp://127.0.0.1:{port}")
+        assert head.err_has("2 ranks on 2 hosts (left, right)")
         out = head.gen(PROMPT, 16)
         assert out["err"] is None, out["err"]
         assert out["tokens"] == baseline
@@ -85,17 +84,22 @@ def test_listen_on_loopback_with_ranks_started_by_hand(files, baseline):
                 p.kill()
 
 
-def test_a_wildcard_data_bind_registers_a_reachable_address(files):
+@pytest.mark.parametrize("bind, registered", [
+    ([], "tcp://127.0.0.1:"),                                         # auto: toward the coordinator
+    (["--data-bind", "tcp://0.0.0.0:*"], "tcp://127.0.0.1:"),         # a wildcard: the route
+    (["--data-bind", "tcp://0.0.0.0:*", "--advertise-host", "127.0.0.9"], "tcp://127.0.0.9:"),
+])
+def test_ranks_register_an_address_peers_can_reach(files, bind, registered):
     secret = open(files["token"]).read().strip()
     coord = Coordinator(secret.encode(), GGUFModel(files["model"]).fingerprint,
                         f"tcp://127.0.0.1:{free_port()}", "tcp://127.0.0.1:*")
-    proc = subprocess.Popen(rank_cmd(files, coord.control_endpoint, "h", "--data-bind",
-                                     "tcp://0.0.0.0:*"), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(rank_cmd(files, coord.control_endpoint, "h", *bind),
+                            stderr=subprocess.PIPE, text=True)
     try:
         (slot,) = coord.wait_for_ranks(1, timeout_s=30)
         for name in ("data", "helper"):
             ep = slot.register.endpoints[name]
-            assert ep.startswith("tcp://127.0.0.1:") and not ep.endswith(":0"), ep
+            assert ep.startswith(registered) and ep.rsplit(":", 1)[1].isdigit(), ep
         assert slot.register.host == "h"
     finally:
         coord.shutdown()
@@ -237,3 +241,27 @@ def test_reconnecting_rank_waits_for_a_coordinator_that_comes_later(files):
         proc.kill()
         _, err = proc.communicate(timeout=20)
     assert "registering again" in err
+
+
+def test_a_rank_notices_at_once_when_its_coordinator_dies(files):
+    """Killed (no Shutdown): a rank waiting for its assignment learns it from the closed
+    connection, not from the 300 s assignment timeout."""
+    port = free_port()
+    head = LineProcess(subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "--model", files["model"], "--serve", "--listen",
+         str(port), "--expect-ranks", "2", "--token-file", files["token"]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1))
+    rank = subprocess.Popen(rank_cmd(files, f"tcp://127.0.0.1:{port}", "h"),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert head.err_has("waiting for 2 rank(s)")
+        time.sleep(1.5)   # registered by now, waiting for an assignment that will not come
+        head.proc.kill()
+        t0 = time.monotonic()
+        assert rank.wait(timeout=20) == 1
+        assert time.monotonic() - t0 < 5
+        assert "closed the connection before assigning this rank" in rank.stderr.read()
+    finally:
+        for p in (head.proc, rank):
+            if p.poll() is None:
+                p.kill()

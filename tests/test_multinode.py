@@ -1,0 +1,212 @@
+"""Multi-node over TCP, with Linux network namespaces as separate hosts (tests/netns_helpers.py).
+
+A head (`strata-launch --listen … --expect-ranks 2`) in one namespace, two ranks started by hand
+(as a systemd unit would start them) in two others: the greedy tokens equal the single process,
+rows travel in frames (no CUDA IPC across hosts), and the fault drills end in bounded time: a
+killed rank and a pulled cable fail the request with ERR within the heartbeat timeout, and a
+restarted head is found again by the surviving ranks (--reconnect). Refusals over TCP: a wrong
+secret, another model (both fingerprints named), another protocol version (both named). With
+CURVE the same run works and a rank without the deployment key cannot register."""
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+from netns_helpers import LineProcess, NetLab, unavailable
+from protocol.auth import write_secret
+from protocol.transport import write_curve_keys
+from strata_dist.engine import Engine
+from strata_dist.gguf_model import GGUFModel
+
+CHUNK = 16
+PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
+PORT = 5555
+HEARTBEAT_S = 3.0
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = NetLab(["head", "a", "b"])
+    yield lab
+    lab.close()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("multinode")
+    model = write_gguf(tiny_qwen3moe(11, hidden=64, top_k=2, n_layers=6), d / "m6.gguf", "f32")
+    other = write_gguf(tiny_qwen3moe(22, n_layers=3), d / "other.gguf")
+    write_secret(str(d / "token"), "s" * 48)
+    write_secret(str(d / "wrong"), "w" * 48)
+    write_curve_keys(str(d / "curve"))
+    write_curve_keys(str(d / "other-curve"))
+    return {"model": str(model), "other": str(other), "token": str(d / "token"),
+            "wrong": str(d / "wrong"), "curve": str(d / "curve"), "other_curve": str(d / "other-curve"),
+            "dir": d}
+
+
+@pytest.fixture(scope="module")
+def baseline(files):
+    return Engine(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
+
+
+def head(lab, files, *extra, expect=2) -> LineProcess:
+    argv = [sys.executable, "-m", "launcher.cli", "--model", files["model"], "--serve",
+            "--listen", f"tcp://{lab.ip('head')}:{PORT}", "--expect-ranks", str(expect),
+            "--token-file", files["token"], "--heartbeat-timeout", str(HEARTBEAT_S),
+            "--register-timeout", "60", "--prefill", str(CHUNK), "--max-context", "512", *extra]
+    if expect == 2:
+        argv += ["--layer-split", "3"]
+    return LineProcess(lab.popen("head", argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, bufsize=1))
+
+
+def rank(lab, files, host, *extra, model=None, token=None, prefix=()) -> subprocess.Popen:
+    log = open(files["dir"] / f"rank-{host}-{time.monotonic_ns()}.log", "w+")
+    argv = [*(prefix or [sys.executable, "-m", "strata_dist.rank_main"]),
+            "--coordinator", f"tcp://{lab.ip('head')}:{PORT}", "--model", model or files["model"],
+            "--vram-budget", "1G", "--token-file", token or files["token"], "--host-id", host,
+            "--connect-timeout", "3", "--coordinator-timeout", "4", *extra]
+    p = lab.popen(host, argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    p.log = log
+    return p
+
+
+def log_of(p) -> str:
+    p.log.seek(0)
+    return p.log.read()
+
+
+def finish(p, timeout=30.0) -> int:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+
+
+def stop(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_two_hosts_over_tcp_then_a_kill_and_a_cut_cable(lab, files, baseline):
+    h = head(lab, files)
+    a = rank(lab, files, "a", "--reconnect")
+    b = rank(lab, files, "b", "--reconnect")
+    try:
+        info = h.wait_ready(60)
+        assert h.err_has("2 ranks on 2 hosts (a, b)")
+        assert [f for f in info if "rank=" in f][1].split()[4:6] == ["lb=3", "le=6"]
+        out = h.gen(PROMPT, 24)
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == baseline
+        stats = h.stats()
+        assert stats[0]["handoff_ipc"] == "0" and int(stats[0]["handoff_frames"]) > 0
+
+        # a rank killed mid-generation: ERR within the heartbeat timeout, the head stops
+        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
+        assert h.next_line(30).startswith("RESUME")
+        while not h.next_line(30).startswith("T"):
+            pass
+        t0 = time.monotonic()
+        b.kill()
+        line = h.next_line(30)
+        while line.startswith("T"):
+            line = h.next_line(30)
+        assert line.startswith("ERR") and "rank 1" in line, line
+        assert time.monotonic() - t0 < HEARTBEAT_S + 5
+        assert finish(h.proc) == 1
+
+        # the unit restarts the head and the killed rank; the survivor registers again by itself
+        h = head(lab, files)
+        b = rank(lab, files, "b", "--reconnect")
+        h.wait_ready(60)
+        assert "registering again" in log_of(a)
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+
+        # b's cable is pulled mid-generation: ERR within the heartbeat timeout
+        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
+        while not h.next_line(30).startswith("T"):
+            pass
+        t0 = time.monotonic()
+        lab.link("b", up=False)
+        line = h.next_line(30)
+        while line.startswith("T"):
+            line = h.next_line(30)
+        assert line.startswith("ERR") and "rank 1" in line, line
+        assert time.monotonic() - t0 < HEARTBEAT_S + 5
+        assert finish(h.proc) == 1
+        lab.link("b", up=True)
+        # the cable is back and the head restarted: both ranks find it again
+        h = head(lab, files)
+        h.wait_ready(60)
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+        h.send("QUIT")
+        assert finish(h.proc) == 0
+    finally:
+        lab.link("b", up=True)
+        stop(h.proc, a, b)
+
+
+def test_refusals_over_tcp_name_both_values(lab, files):
+    """A wrong secret, another model and another protocol version: each rank exits 2 saying why;
+    the head names both fingerprints and both versions, and keeps waiting."""
+    h = head(lab, files, expect=1)
+    v = "import protocol.messages as m, protocol.codec as c, protocol.auth as a, " \
+        "strata_dist.rank as r, sys; v = m.PROTOCOL_VERSION + 1; " \
+        "m.PROTOCOL_VERSION = c.PROTOCOL_VERSION = a.PROTOCOL_VERSION = r.PROTOCOL_VERSION = v; " \
+        "m.VersionMismatch.__init__.__defaults__ = (v,); " \
+        "from strata_dist.rank_main import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        wrong = rank(lab, files, "a", token=files["wrong"])
+        other = rank(lab, files, "b", model=files["other"])
+        newer = rank(lab, files, "a", prefix=[sys.executable, "-c", v])
+        for p in (wrong, other, newer):
+            assert finish(p) == 2, log_of(p)
+        assert "wrong shared secret" in log_of(wrong)
+        mine, theirs = GGUFModel(files["model"]).fingerprint, GGUFModel(files["other"]).fingerprint
+        assert mine in log_of(other) and theirs in log_of(other)
+        from protocol.messages import PROTOCOL_VERSION as ours
+        assert f"v{ours}" in log_of(newer) and f"v{ours + 1}" in log_of(newer), log_of(newer)
+        assert h.err_has(mine) and h.err_has(f"v{ours + 1}") and h.err_has("wrong shared secret")
+        err = h.err()
+        assert "wrong shared secret" in err
+        assert mine in err and theirs in err
+        assert f"v{ours + 1}" in err and f"v{ours}" in err
+        assert h.proc.poll() is None   # still waiting for a rank it can admit
+    finally:
+        stop(h.proc)
+
+
+def test_curve_encrypted_run_and_a_rank_without_the_key(lab, files, baseline):
+    h = head(lab, files, "--curve-keys", files["curve"])
+    try:
+        plain = rank(lab, files, "a")
+        stranger = rank(lab, files, "b", "--curve-keys", files["other_curve"])
+        for p in (plain, stranger):
+            assert finish(p) == 3, log_of(p)   # no CURVE handshake, so no HMAC one either
+            assert "timed out" in log_of(p)
+        a = rank(lab, files, "a", "--curve-keys", files["curve"])
+        b = rank(lab, files, "b", "--curve-keys", files["curve"])
+        h.wait_ready(60)
+        out = h.gen(PROMPT, 24)
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == baseline
+        h.send("QUIT")
+        assert finish(h.proc) == 0
+        assert finish(a) == 0 and finish(b) == 0
+    finally:
+        stop(h.proc)
