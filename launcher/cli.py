@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="with --prompt: apply the chat template")
     run.add_argument("--max-new", type=int, default=32, help="with --prompt-ids (default 32)")
     run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
+    run.add_argument("--restart-ranks", type=int, default=0, metavar="N",
+                     help="with --serve: after a rank dies (its request gets ERR), start every "
+                          "rank afresh, up to N times (default 0: the launch ends)")
     http = ap.add_argument_group("http (an OpenAI-compatible server)")
     http.add_argument("--port", type=int, default=None,
                       help="serve HTTP on this port (0: any free port, printed at start)")
@@ -210,6 +213,8 @@ def _main(args) -> int:
         other = "--serve" if args.serve else "--prompt-ids"
         raise UsageError(f"--prompt and {other} cannot be combined: pick one surface")
     http_flags(args)
+    if args.restart_ranks < 0 or (args.restart_ranks and not args.serve):
+        raise UsageError(f"--restart-ranks {args.restart_ranks} goes with --serve and N >= 0")
     if args.json and not args.plan_only:
         raise UsageError("--json goes with --plan-only")
     if args.inventory and not args.plan_only:
@@ -241,16 +246,15 @@ def _main(args) -> int:
 
 
 def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
-    from strata_dist.head import HeadSession
-
     from .launch import Launch, LaunchConfig
-    from .serve import LineServer, info_lines, parse_gen, stdin_lines
+    from .serve import parse_gen
 
     cfg = LaunchConfig(model=args.model, ranks=specs, split=split, max_context=args.max_context,
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        **cluster_config(args))
     launch = Launch(cfg)
+    current = [launch]   # the launch running now (a restart replaces it): the one to close
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -260,22 +264,11 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     try:
         if args.port is not None:
             return _serve_http(args, gguf, launch, specs)
-        plan = launch.start()
-        g = architecture_for(gguf).read_geometry(gguf)
-        eos = gguf.metadata("tokenizer.ggml.eos_token_id")
-        session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
-                              None if eos is None else int(eos),
-                              checkpoint_every=args.prompt_cache_every)
-        server = LineServer(session)
-        devices = [s.register.devices[0] for s in launch.coordinator.ranks]
-        for line in info_lines(plan, launch.ready, devices, args.max_context,
-                               {"model": os.path.basename(args.model), "arch": g.arch,
-                                "layers": g.n_layers}):
-            print(line, file=sys.stdout if args.serve else sys.stderr, flush=True)
         if args.serve:
-            server.say(f"READY {args.max_context}")
-            code = server.serve(stdin_lines())
-        elif args.prompt_ids or args.prompt is not None:
+            return _serve_lines(args, gguf, cfg, current)
+        plan = launch.start()
+        server = _line_server(args, gguf, launch, plan)
+        if args.prompt_ids or args.prompt is not None:
             tok = None
             if args.prompt is not None:
                 from strata_dist.cli import prompt_tokens
@@ -301,8 +294,48 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     except KeyboardInterrupt:
         code = 130
     finally:
-        launch.close("launcher stopping")
+        current[0].close("launcher stopping")
     return code
+
+
+def _line_server(args, gguf, launch, plan):
+    """The --serve / --prompt-ids surface over a started launch; prints the INFO lines."""
+    from strata_dist.head import HeadSession
+
+    from .serve import LineServer, info_lines
+    g = architecture_for(gguf).read_geometry(gguf)
+    eos = gguf.metadata("tokenizer.ggml.eos_token_id")
+    session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
+                          None if eos is None else int(eos),
+                          checkpoint_every=args.prompt_cache_every)
+    devices = [s.register.devices[0] for s in launch.coordinator.ranks]
+    for line in info_lines(plan, launch.ready, devices, args.max_context,
+                           {"model": os.path.basename(args.model), "arch": g.arch,
+                            "layers": g.n_layers}):
+        print(line, file=sys.stdout if args.serve else sys.stderr, flush=True)
+    return LineServer(session)
+
+
+def _serve_lines(args, gguf, cfg, current: list) -> int:
+    """--serve until QUIT. A rank that dies fails the request in flight (ERR); with
+    --restart-ranks N the launch then starts its ranks afresh (a new READY) up to N times.
+    `current[0]` is always the launch running, so the caller closes the right one."""
+    from .launch import Launch
+    from .serve import stdin_lines
+    lines = stdin_lines()
+    restarts = 0
+    while True:
+        launch = current[0]
+        server = _line_server(args, gguf, launch, launch.start())
+        server.say(f"READY {args.max_context}")
+        code = server.serve(lines)
+        if code != 1 or restarts >= args.restart_ranks:
+            return code
+        restarts += 1
+        print(f"warning: restarting every rank ({restarts} of {args.restart_ranks})",
+              file=sys.stderr, flush=True)
+        launch.close("restarting after a rank failure")
+        current[0] = Launch(cfg)
 
 
 def http_flags(args) -> None:

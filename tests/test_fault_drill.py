@@ -1,0 +1,67 @@
+"""The fault drill: 20 rank kills at random points of generation -> 20 clear errors, no hang, and
+after each one the service comes back (--restart-ranks) with the same tokens as before."""
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+from launch_helpers import ServeSession, rank_pids, wait_gone
+
+PROMPT = [int(x) for x in np.random.default_rng(3).integers(0, 320, 20)]
+KILLS = 20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_gguf(tiny_qwen3moe(41, n_layers=4), tmp_path_factory.mktemp("drill") / "m.gguf")
+
+
+def _until(s, prefix, timeout):
+    """Lines up to the first starting with `prefix` (bounded: no hang)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while True:
+        line = s.next_line(max(0.1, deadline - time.monotonic()))
+        seen.append(line)
+        if line.startswith(prefix):
+            return seen
+
+
+@pytest.mark.slow
+def test_twenty_kills_twenty_errors_and_the_same_tokens_after_each(model):
+    rng = random.Random(7)
+    s = ServeSession(model, "--cpu-ranks", "3", "--layer-split", "1,3", "--prefill", "8",
+                     "--max-context", "2048", "--restart-ranks", str(KILLS))
+    try:
+        before = s.gen(PROMPT, 24)
+        assert before["err"] is None and len(before["tokens"]) == 24
+        errors = 0
+        for i in range(KILLS):
+            pids = rank_pids(s)
+            assert len(pids) == 3, pids
+            s.send(f"GEN 1500 {' '.join(map(str, PROMPT))}")
+            _until(s, "T ", 30)                              # generation is under way
+            for _ in range(rng.randrange(0, 40)):            # a random point of it
+                line = s.next_line(30)
+                if line.startswith(("DONE", "ERR")):
+                    break
+            victim = rng.choice(pids)
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            lines = _until(s, "ERR", 30)
+            assert time.monotonic() - t0 < 30
+            err = lines[-1]
+            assert "rank" in err and ("killed" in err or "exited" in err or "nothing" in err), err
+            errors += 1
+            _until(s, "READY", 60)                           # the service is back
+            assert wait_gone(pids) == []                     # the old ranks are all gone
+            after = s.gen(PROMPT, 24)
+            assert after["err"] is None, after["err"]
+            assert after["tokens"] == before["tokens"], f"kill {i + 1}"
+        assert errors == KILLS
+    finally:
+        s.close()
