@@ -3,7 +3,7 @@ reference, including the state carried between calls and blocks of every length.
 import numpy as np
 import pytest
 
-from strata_dist.models.qwen3next import gated_delta_chunked, gated_delta_steps
+from strata_dist.models.delta_rule import gated_delta_chunked, gated_delta_steps
 
 
 def _inputs(seed, n, heads=4, dk=16, dv=8):
