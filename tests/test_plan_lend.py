@@ -95,3 +95,15 @@ def test_one_participant_is_exactly_the_single_device_plan():
     crowd = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes), part("big", 10 ** 6)],
                       shape.prompt_bytes_per_token)
     assert crowd.chunk == alone.chunk and crowd.loans[0] == alone.loans[0]
+
+
+def test_the_auto_chunk_never_exceeds_the_context():
+    from strata_dist.plan import Device, make_plan, qwen3_30b_a3b_shape
+    shape = qwen3_30b_a3b_shape()
+    devs = [Device("big", 140 << 30, 140 << 30, 4800.0, index=0)]
+    plan = lambda **kw: make_plan(shape, devs, split="none", **kw)  # noqa: E731
+    assert plan(cells=32768).chunk == 8192
+    assert plan(cells=4096).chunk == 4096
+    assert plan(cells=3000).chunk == 2048
+    assert plan(cells=100).chunk == 256      # the smallest chunk still stands
+    assert plan(cells=4096, prefill=8192).chunk == 8192  # the operator's number

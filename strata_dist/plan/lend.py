@@ -78,8 +78,10 @@ def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str
 
 
 def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: int | None = None,
-              lend_pct: int = 85) -> LendPlan:
-    """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`."""
+              lend_pct: int = 85, max_chunk: int | None = None) -> LendPlan:
+    """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`, which never
+    picks a chunk above max_chunk (the context: a longer chunk could never be filled) unless even
+    the smallest one is."""
     if not participants:
         raise ValueError("plan_lend: no participants")
     auto = chunk is None
@@ -89,11 +91,12 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: 
         return bytes_per_token * c
 
     if auto:
+        sizes = [c for c in LEND_CHUNKS if max_chunk is None or c <= max_chunk] or [LEND_CHUNKS[-1]]
         # each participant's largest lendable chunk (lendability only shrinks as the chunk grows)
-        best = [next((c for c in LEND_CHUNKS if lendable(p, c, bytes_per_token, pct)[0]), None)
+        best = [next((c for c in sizes if lendable(p, c, bytes_per_token, pct)[0]), None)
                 for p in participants]
         lenders = [c for c in best if c is not None]
-        cands = [c for c in LEND_CHUNKS if not lenders or c <= min(lenders)]
+        cands = [c for c in sizes if not lenders or c <= min(lenders)]
         # a participant that cannot lend takes its own buffers out of its cache's room; the auto
         # chunk keeps those within the same percentage cap a loan has
         fallbacks = [p for p, b in zip(participants, best) if b is None]
