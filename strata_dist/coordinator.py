@@ -168,7 +168,6 @@ class Coordinator:
         problem = self.liveness()
         if problem:
             raise RankFailure(problem)
-        self._check_heartbeats()
         events = []
         for ch in self.poller.poll(int(wait_s * 1000)):
             while ch.poll(0):
@@ -190,6 +189,8 @@ class Coordinator:
                         log.warning("dropped a message: %s", e)
                 except ProtocolError as e:  # garbage from a peer: dropped, never fatal
                     log.warning("dropped an invalid message: %s", e)
+        # after draining: heartbeats that queued while the head was busy elsewhere count
+        self._check_heartbeats()
         return events
 
     def _check_heartbeats(self) -> None:
