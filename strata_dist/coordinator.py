@@ -15,7 +15,7 @@ import zmq
 from dataclasses import dataclass, field
 from typing import Callable
 
-from protocol import (Assign, Cancel, Channel, Error, Poller, PromptProgress, ProtocolError,
+from protocol import (Assign, Heartbeat, Cancel, Channel, Error, Poller, PromptProgress, ProtocolError,
                       ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
                       Tokens)
 from protocol.auth import Authenticator, admit
@@ -124,6 +124,10 @@ class Coordinator:
             self._by_identity[identity] = RankSlot(identity, msg)
             return
         if slot is None:
+            if isinstance(msg, Heartbeat):   # a rank's pulse: its own authenticated connection
+                beat = next((r for r in self.ranks if r.rank == msg.rank), None)
+                if beat is not None:
+                    beat.last_seen = time.monotonic()
             return
         slot.last_seen = time.monotonic()
         if isinstance(msg, Ready):

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -62,6 +63,33 @@ class RankOptions:
 
 class CoordinatorLost(RuntimeError):
     """The coordinator went away or no longer knows this rank (it restarted): register again or exit."""
+
+
+class _Pulse(threading.Thread):
+    """Heartbeats on a connection of their own (authenticated like the control one), so a rank
+    busy with a long prompt chunk is not taken for dead; a rank that is stuck for good is caught
+    by the request's own step timeout instead."""
+
+    def __init__(self, endpoint: str, secret: bytes, rank: int, timeout_ms: int):
+        super().__init__(name="pulse", daemon=True)
+        self.endpoint, self.secret, self.rank, self.timeout_ms = endpoint, secret, rank, timeout_ms
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        ch = Channel("dealer", peer="coordinator (pulse)").connect(self.endpoint)
+        try:
+            client_handshake(ch, self.secret, f"rank-{os.getpid()}-pulse", timeout_ms=self.timeout_ms)
+            seq = 0
+            while not self.stopped.wait(HEARTBEAT_S):
+                seq += 1
+                try:
+                    ch.send(Heartbeat(rank=self.rank, seq=seq), timeout_ms=500)
+                except ProtocolTimeout:
+                    pass   # the main loop's own heartbeat decides when the coordinator is gone
+        except Exception as e:  # no pulse: the main loop's heartbeats still run between messages
+            log.warning("heartbeat connection failed: %s", e)
+        finally:
+            ch.close()
 
 
 @dataclass
@@ -259,6 +287,15 @@ class RankProcess:
         raise ProtocolTimeout("coordinator", "an assignment", self.opts.assign_timeout_s * 1e3)
 
     def _serve(self) -> int:
+        pulse = _Pulse(self.opts.coordinator, self.opts.secret, self.assign.rank,
+                       int(self.opts.connect_timeout_s * 1000))
+        pulse.start()
+        try:
+            return self._serve_loop()
+        finally:
+            pulse.stopped.set()
+
+    def _serve_loop(self) -> int:
         poller = Poller(self.control, self.data, self.helper_socket)
         if self.sender is not None:
             self.sender.offer()

@@ -102,3 +102,19 @@ def test_fuzzed_frames_never_crash_ranks_or_coordinator(model):
         assert after["tokens"] == before["tokens"]
     finally:
         assert s.close() == 0
+
+
+def test_a_long_prompt_chunk_is_not_taken_for_a_dead_rank(tmp_path):
+    """Heartbeats go on their own connection: a chunk that computes for longer than the heartbeat
+    timeout finishes instead of failing the launch."""
+    path = write_gguf(tiny_qwen3moe(5, hidden=256, top_k=8, n_experts=16, n_layers=8),
+                      tmp_path / "wide.gguf")
+    s = ServeSession(path, "--cpu-ranks", "2", "--layer-split", "4", "--prefill", "2048",
+                     "--max-context", "4096", "--heartbeat-timeout", "1.5")
+    try:
+        ids = [int(x) for x in np.random.default_rng(0).integers(0, 320, 2000)]
+        out = s.gen(ids, 4, timeout=120)
+        assert out["err"] is None, out["err"]
+        assert float(out["done"][2]) > 1500, out["done"]    # the chunk outlasted the timeout
+    finally:
+        assert s.close() == 0
