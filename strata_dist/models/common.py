@@ -111,6 +111,14 @@ def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarra
     return out
 
 
+def model_level_shapes(g) -> dict[str, tuple[int, ...]]:
+    """The embedding, the final norm and (unless tied to the embedding) the output head."""
+    shapes = {"token_embd.weight": (g.n_vocab, g.n_embd), "output_norm.weight": (g.n_embd,)}
+    if not g.tied_embeddings:
+        shapes["output.weight"] = (g.n_vocab, g.n_embd)
+    return shapes
+
+
 class LayerRangeModel:
     """What every architecture's forward object shares: the layers [lb, le) of a file on a backend,
     the dense tensors `arch.dense_tensor_names` lists (the planner prices exactly those), an expert

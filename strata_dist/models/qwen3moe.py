@@ -15,7 +15,8 @@ import numpy as np
 
 from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import LayerRangeModel, transformer_geometry, apply_rope, causal_attention, rms_norm, rope_tables
+from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
+                     rope_tables, transformer_geometry)
 
 ARCH = "qwen3moe"
 
@@ -48,13 +49,6 @@ def expected_shapes(g: Geometry, layer: int) -> dict[str, tuple[int, ...]]:
         p + "ffn_up_exps.weight": (g.n_expert, g.n_ff_exp, g.n_embd),
         p + "ffn_down_exps.weight": (g.n_expert, g.n_embd, g.n_ff_exp),
     }
-
-
-def model_level_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
-    shapes = {"token_embd.weight": (g.n_vocab, g.n_embd), "output_norm.weight": (g.n_embd,)}
-    if not g.tied_embeddings:
-        shapes["output.weight"] = (g.n_vocab, g.n_embd)
-    return shapes
 
 
 def validate(gguf: GGUFModel, g: Geometry) -> None:

@@ -38,8 +38,8 @@ import numpy as np
 
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import (LayerRangeModel, apply_rope, causal_attention, rms_norm, rope_tables,
-                     transformer_geometry)
+from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
+                     rope_tables, transformer_geometry)
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
 ARCH = "qwen3next"
@@ -193,13 +193,6 @@ def expected_shapes(g: NextGeometry, layer: int) -> dict[str, tuple[int, ...]]:
             "attn_q_norm": (g.head_dim,), "attn_k_norm": (g.head_dim,),
         })
     return {tensor_name(layer, p): s for p, s in parts.items()}
-
-
-def model_level_shapes(g: NextGeometry) -> dict[str, tuple[int, ...]]:
-    shapes = {"token_embd.weight": (g.n_vocab, g.n_embd), "output_norm.weight": (g.n_embd,)}
-    if not g.tied_embeddings:
-        shapes["output.weight"] = (g.n_vocab, g.n_embd)
-    return shapes
 
 
 def validate(gguf: GGUFModel, g: NextGeometry) -> None:
