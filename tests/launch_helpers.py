@@ -9,51 +9,61 @@ import threading
 import time
 
 
-class ServeSession:
-    """A strata-launch --serve process; `gen()` sends one GEN and collects its answer lines."""
+class LineProcess:
+    """A process speaking the --serve line protocol: stdout read line by line on a thread, stderr
+    collected; every wait bounded."""
 
-    def __init__(self, model: str, *args: str, env: dict | None = None, timeout: float = 60.0):
-        argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--serve", *args]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1,
-                                     env=dict(os.environ, **(env or {})))
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.stderr: list[str] = []
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
-        threading.Thread(target=self._drain_err, daemon=True).start()
         self.info: list[str] = []
-        while True:
-            line = self.next_line(timeout)
-            if line.startswith("READY"):
-                self.ctx = int(line.split()[1])
-                break
-            if line.startswith("INFO"):
-                self.info.append(line)
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
 
-    @staticmethod
-    def _read(stream, q) -> None:
-        for line in stream:
-            q.put(line.rstrip("\n"))
-        q.put(None)
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
 
-    def _drain_err(self) -> None:
+    def _drain(self) -> None:
         for line in self.proc.stderr:
             self.stderr.append(line)
+
+    def err(self) -> str:
+        return "".join(self.stderr)
+
+    def err_has(self, text: str, timeout: float = 10.0) -> bool:
+        """Whether stderr shows `text` within `timeout` (stderr is read on a thread: it may lag)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.err():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def next_line(self, timeout: float) -> str:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no line from strata-launch within {timeout} s; stderr: "
-                               f"{''.join(self.stderr)[-2000:]}") from None
+            raise TimeoutError(f"no line within {timeout} s; stderr: {self.err()[-3000:]}") from None
         if line is None:
-            raise EOFError(f"strata-launch ended (code {self.proc.poll()}); stderr: "
-                           f"{''.join(self.stderr)[-2000:]}")
+            raise EOFError(f"process ended (code {self.proc.poll()}); stderr: {self.err()[-3000:]}")
         return line
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
+
+    def wait_ready(self, timeout: float) -> list[str]:
+        """The INFO lines up to READY (kept in self.info)."""
+        while True:
+            line = self.next_line(timeout)
+            if line.startswith("READY"):
+                self.ctx = int(line.split()[1])
+                return self.info
+            if line.startswith("INFO"):
+                self.info.append(line)
 
     def gen(self, ids: list[int], max_new: int, options: str = "", timeout: float = 60.0) -> dict:
         self.send(f"GEN {max_new} {options} {' '.join(map(str, ids))}".replace("  ", " "))
@@ -76,6 +86,18 @@ class ServeSession:
                 out["err"] = rest
                 return out
 
+    def stats(self, timeout: float = 30.0) -> dict[int, dict[str, str]]:
+        """STATS: every rank's counters since start, by rank."""
+        self.send("STATS")
+        out = {}
+        while True:
+            line = self.next_line(timeout)
+            if line == "STATS END":
+                return out
+            if line.startswith("STATS rank="):
+                fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+                out[int(fields.pop("rank"))] = fields
+
     def info_fields(self) -> list[dict]:
         return [dict(kv.split("=", 1) for kv in line.split()[1:]) for line in self.info]
 
@@ -91,6 +113,17 @@ class ServeSession:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         return self.proc.returncode
+
+
+class ServeSession(LineProcess):
+    """strata-launch --serve with local ranks, started and waited for until READY."""
+
+    def __init__(self, model: str, *args: str, env: dict | None = None, timeout: float = 60.0):
+        argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--serve", *args]
+        super().__init__(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, bufsize=1,
+                                          env=dict(os.environ, **(env or {}))))
+        self.wait_ready(timeout)
 
 
 def launcher_children(pid: int) -> list[int]:

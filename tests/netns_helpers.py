@@ -11,12 +11,9 @@ and iproute2; `unavailable()` says why not, and tests skip with that reason."""
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import subprocess
 import sys
-import threading
-import time
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -101,86 +98,6 @@ class NetLab:
         for ns in reversed(self._made):
             _ip("netns", "del", ns, check=False)
         self._made.clear()
-
-
-class LineProcess:
-    """A process whose stdout is read line by line on a thread (stderr collected): strata-launch
-    --serve on a namespace host."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.lines: "queue.Queue[str | None]" = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-
-    def err(self) -> str:
-        return "".join(self.stderr)
-
-    def err_has(self, text: str, timeout: float = 10.0) -> bool:
-        """Whether stderr shows `text` within `timeout` (stderr is read on a thread: it may lag)."""
-        deadline = time.monotonic() + timeout
-        while text not in self.err():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def next_line(self, timeout: float) -> str:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no line within {timeout} s; stderr: {self.err()[-3000:]}") from None
-        if line is None:
-            raise EOFError(f"process ended (code {self.proc.poll()}); stderr: {self.err()[-3000:]}")
-        return line
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def wait_ready(self, timeout: float) -> list[str]:
-        info = []
-        while True:
-            line = self.next_line(timeout)
-            if line.startswith("READY"):
-                return info
-            if line.startswith("INFO"):
-                info.append(line)
-
-    def gen(self, ids: list[int], max_new: int, timeout: float = 60.0) -> dict:
-        self.send(f"GEN {max_new} {' '.join(map(str, ids))}")
-        out = {"tokens": [], "done": None, "err": None}
-        while True:
-            kind, _, rest = self.next_line(timeout).partition(" ")
-            if kind == "T":
-                out["tokens"].append(int(rest))
-            elif kind == "DONE":
-                out["done"] = rest.split()
-                return out
-            elif kind == "ERR":
-                out["err"] = rest
-                return out
-
-    def stats(self, timeout: float = 30.0) -> dict[int, dict[str, str]]:
-        self.send("STATS")
-        out = {}
-        while True:
-            line = self.next_line(timeout)
-            if line == "STATS END":
-                return out
-            if line.startswith("STATS rank="):
-                fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-                out[int(fields.pop("rank"))] = fields
 
 
 def python() -> str:

@@ -15,7 +15,7 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from launcher.launch import assignments, same_host_helpers_only
-from netns_helpers import LineProcess
+from launch_helpers import LineProcess
 from protocol import Channel, Release
 from protocol.auth import write_secret
 from protocol.messages import DeviceInfo, Register

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
-from netns_helpers import LineProcess, NetLab, unavailable
+from launch_helpers import LineProcess
+from netns_helpers import NetLab, unavailable
 from protocol.auth import write_secret
 from protocol.transport import write_curve_keys
 from strata_dist.engine import Engine

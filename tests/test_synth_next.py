@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from strata_dist.engine import Engine
-from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
 from strata_dist.models import open_checked, qwen3next
 from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
