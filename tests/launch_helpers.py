@@ -107,12 +107,17 @@ class LineProcess:
                 self.send("QUIT")
             except (BrokenPipeError, OSError):
                 pass
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        return self.proc.returncode
+        return wait_or_kill(self.proc, timeout)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
+    """Wait for a process to end; kill it if it will not (bounded either way)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+    return proc.returncode
 
 
 class ServeSession(LineProcess):

@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from launch_helpers import wait_or_kill
+
 _URL_RE = re.compile(r"listening on (http://\S+)")
 
 
@@ -99,11 +101,6 @@ class ServerProcess:
     def close(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        return self.proc.returncode
+        return wait_or_kill(self.proc, timeout)
 
 

@@ -111,6 +111,22 @@ def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarra
     return out
 
 
+def stage_tensor_names(g, lb: int, le: int, first: bool, last: bool, layer_names) -> list[str]:
+    """The dense tensors a stage running [lb, le) loads: the embedding on the first stage (and on
+    the last when the head is tied to it), `layer_names(layer)` for each of its layers, the final
+    norm and head on the last. The planner prices exactly this list."""
+    names = []
+    if first or (last and g.tied_embeddings):
+        names.append("token_embd.weight")
+    for layer in range(lb, le):
+        names += layer_names(layer)
+    if last:
+        names.append("output_norm.weight")
+        if not g.tied_embeddings:
+            names.append("output.weight")
+    return names
+
+
 def model_level_shapes(g) -> dict[str, tuple[int, ...]]:
     """The embedding, the final norm and (unless tied to the embedding) the output head."""
     shapes = {"token_embd.weight": (g.n_vocab, g.n_embd), "output_norm.weight": (g.n_embd,)}

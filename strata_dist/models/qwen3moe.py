@@ -16,7 +16,7 @@ import numpy as np
 from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
 from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
-                     rope_tables, transformer_geometry)
+                     rope_tables, stage_tensor_names, transformer_geometry)
 
 ARCH = "qwen3moe"
 
@@ -63,16 +63,8 @@ def validate(gguf: GGUFModel, g: Geometry) -> None:
 def dense_tensor_names(g: Geometry, lb: int, le: int, first: bool, last: bool) -> list[str]:
     """The dense tensors a stage running [lb, le) loads. The planner prices exactly this list,
     each tensor at the bytes backends/layout.py gives it."""
-    names = []
-    if first or (last and g.tied_embeddings):
-        names.append("token_embd.weight")
-    for layer in range(lb, le):
-        names += [f"blk.{layer}.{p}.weight" for p in LAYER_DENSE_PARTS + (ROUTER_PART,)]
-    if last:
-        names.append("output_norm.weight")
-        if not g.tied_embeddings:
-            names.append("output.weight")
-    return names
+    return stage_tensor_names(g, lb, le, first, last, lambda layer: [
+        f"blk.{layer}.{p}.weight" for p in LAYER_DENSE_PARTS + (ROUTER_PART,)])
 
 
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:

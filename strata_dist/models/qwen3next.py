@@ -39,7 +39,7 @@ import numpy as np
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
 from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
-                     rope_tables, transformer_geometry)
+                     rope_tables, stage_tensor_names, transformer_geometry)
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
 ARCH = "qwen3next"
@@ -213,16 +213,8 @@ def dense_tensor_names(g: NextGeometry, lb: int, le: int, first: bool, last: boo
     """The dense tensors a stage running [lb, le) loads: its layers' mixers (attention or GDN),
     norms, routers and shared experts. The planner prices exactly this list, each tensor at the
     bytes backends/layout.py gives it."""
-    names = []
-    if first or (last and g.tied_embeddings):
-        names.append("token_embd.weight")
-    for layer in range(lb, le):
-        names += [tensor_name(layer, p) for p in layer_parts(g, layer)]
-    if last:
-        names.append("output_norm.weight")
-        if not g.tied_embeddings:
-            names.append("output.weight")
-    return names
+    return stage_tensor_names(g, lb, le, first, last,
+                              lambda layer: [tensor_name(layer, p) for p in layer_parts(g, layer)])
 
 
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
