@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run on one card when everything fits there")
     plan.add_argument("--expert-profile", default=None, help="routing profile (strata-dist profile)")
     plan.add_argument("--no-remote-auto", action="store_true", help="no helper expert tier")
+    plan.add_argument("--no-prompt-loans", action="store_true",
+                      help="stages withhold their own prompt buffers instead of lending cache slots")
     plan.add_argument("--expert-cache", default="auto",
                       help="auto (fill what is left), N (at most N pairs per stage cache) or 0 "
                            "(no resident experts; the profile still drives the split search)")
@@ -150,6 +152,8 @@ def plan_params(args) -> PlanParams:
     params = params_from_env(os.environ)
     if args.no_remote_auto:
         params = replace(params, remote_auto=False)
+    if args.no_prompt_loans:
+        params = replace(params, prompt_loans=False)
     if args.expert_cache != "auto":
         try:
             n = int(args.expert_cache)

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -412,7 +412,8 @@ class Token(Message):
 @message
 class ExpertRequest(Message):
     """Stage → helper (decode only). Frames, in order: rows (n, d), expert_ids (n, k) int32 with -1 = not asked,
-    weights (n, k) float32. With ``slot`` set the rows are in the stage's IPC buffer and only ids/weights follow."""
+    weights (n, k) float32. With ``slot`` set the rows are in the stage's IPC buffer and only ids/weights follow;
+    the helper then writes the outputs into the same buffer at ``out`` (both or neither are set)."""
 
     TYPE = "expert_request"
     MAX_ARRAYS = 3
@@ -420,15 +421,18 @@ class ExpertRequest(Message):
     layer: int
     n: int
     slot: RowSlot | None = None
+    out: RowSlot | None = None
 
     def check(self, arrays: list) -> None:
+        if (self.slot is None) != (self.out is None):
+            raise ValueError(f"expert_request: slot={self.slot} and out={self.out} must be set together")
         _expert_frames(self, arrays, 2 if self.slot is not None else 3)
 
 
 @message
 class ExpertReply(Message):
     """Helper → stage: outputs (n, k, d), one row per asked (row, top-k rank) so the stage combines in rank order.
-    With ``slot`` set the outputs are in the helper's IPC buffer instead of a frame."""
+    With ``slot`` set the outputs are in the stage's IPC buffer (the request's ``out``) instead of a frame."""
 
     TYPE = "expert_reply"
     MAX_ARRAYS = 1

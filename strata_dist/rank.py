@@ -25,14 +25,14 @@ from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, ExpertRe
 from protocol.transport import Endpoints
 from protocol.auth import client_handshake
 from protocol.transport import is_loopback_endpoint, local_address_toward
-from protocol.messages import DeviceInfo, Sampling
+from protocol.messages import DeviceInfo, RowSlot, Sampling
 
 from .checkpoints import common_positions
 from .gguf_model import GGUFModel
 from .experts import BlobArena
 from .handoff import HandoffReceiver, HandoffSender
 from .models import architecture_for
-from .tiers import serve_request
+from .tiers import serve_ipc_request, serve_request
 from .sampler import Sampler, SamplingParams
 from .stage import Stage, StageConfig
 
@@ -112,6 +112,7 @@ class RankProcess:
         self.helper_socket = RouterChannel(peer="stages")   # this card's helper tier, if any
         self.helper_arena: BlobArena | None = None
         self.helper_error = ""
+        self.helper_links: dict[bytes, object] = {}   # stage identity -> its opened IPC buffer
         self.next = self.head = self.first = None
         self.sender: HandoffSender | None = None
         self.receiver: HandoffReceiver | None = None
@@ -168,7 +169,8 @@ class RankProcess:
                 cache_pairs=[tuple(p) for p in x.get("cache_pairs", [])],
                 loan_slots=assign.loan_slots,
                 # this card's own helper tier is computed in place, never asked over a socket
-                helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []))
+                helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []),
+                          use_cuda_ipc(x, os.environ, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
                 local_helper=self.helper_arena))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
@@ -183,8 +185,11 @@ class RankProcess:
             allocated["helper"] = self.helper_arena.nbytes if self.helper_arena else 0
             if self.helper_error:
                 allocated["helper_failed"] = 1
-        if self.sender and self.sender.nbytes:
-            allocated["handoff"] = self.sender.nbytes
+        # IPC buffers (hidden rows to the next stage, expert links): taken from the stage's reserve
+        ipc_bytes = (self.sender.nbytes if self.sender else 0) + sum(
+            h.nbytes for h in (self.stage.tiers.helpers if self.stage else []))
+        if ipc_bytes:
+            allocated["handoff"] = ipc_bytes
         if self.stage and self.stage.checkpoint_bound_bytes():
             # allocated on demand: the bound for one session (strata_dist/checkpoints.py)
             allocated["checkpoints"] = self.stage.checkpoint_bound_bytes()
@@ -211,18 +216,46 @@ class RankProcess:
         except (ProtocolTimeout, ProtocolError) as e:
             log.warning("helper socket: %s", e)
             return
+        if isinstance(msg, IpcHandle):
+            self._open_helper_link(identity, msg)
+            return
         if not isinstance(msg, ExpertRequest):
             return
         try:
             if self.helper_arena is None:
                 raise RuntimeError(self.helper_error or "this rank holds no helper tier")
-            out = serve_request(self.helper_arena, msg, arrays)
             self.counters["helper_requests"] = self.counters.get("helper_requests", 0) + 1
+            if msg.slot is not None:
+                link = self.helper_links.get(identity)
+                if link is None:
+                    raise RuntimeError("rows arrived in a CUDA IPC slot this helper never opened")
+                serve_ipc_request(self.helper_arena, link, msg, arrays)
+                self.helper_socket.send(identity, ExpertReply(seq=msg.seq, layer=msg.layer, n=msg.n,
+                                                              slot=msg.out), timeout_ms=2000)
+                return
+            out = serve_request(self.helper_arena, msg, arrays)
             self.helper_socket.send(identity, ExpertReply(seq=msg.seq, layer=msg.layer, n=msg.n),
                                     [out], timeout_ms=2000)
         except Exception as e:
             self.helper_socket.send(identity, Error(rank=self.assign.rank, request_id=None,
                                                     message=str(e), code="helper"), timeout_ms=2000)
+
+    def _open_helper_link(self, identity: bytes, msg: IpcHandle) -> None:
+        """A stage offers its CUDA IPC buffer for expert requests: open it, or refuse (the stage
+        then keeps sending frames)."""
+        try:
+            from protocol.cuda_ipc import IpcMapping
+            if self.helper_arena is None or self.helper_arena.backend.name != "cupy":
+                raise RuntimeError("this rank's helper tier is not on a GPU")
+            old = self.helper_links.pop(identity, None)
+            if old is not None:
+                old.close()
+            self.helper_links[identity] = IpcMapping(msg, device=self.helper_arena.backend.index)
+            reply = SlotFree(name=msg.name, slot=RowSlot(offset=0, nbytes=0))
+        except Exception as e:  # a CPU rank, a GPU this rank cannot see
+            log.warning("cannot open a stage's CUDA IPC buffer for expert requests: %s", e)
+            reply = Error(rank=self.assign.rank, request_id=None, message=str(e), code="ipc")
+        self.helper_socket.send(identity, reply, timeout_ms=2000)
 
     def _connect_neighbours(self, a: Assign) -> None:
         """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
@@ -343,6 +376,9 @@ class RankProcess:
             c.update(self.stage.checkpoint_counters())
         if self.sender is not None:
             c.update(handoff_ipc=self.sender.sent_ipc, handoff_frames=self.sender.sent_frames)
+        if self.stage is not None and self.stage.tiers.helpers:
+            c.update(remote_ipc=sum(h.sent_ipc for h in self.stage.tiers.helpers),
+                     remote_frames=sum(h.sent_frames for h in self.stage.tiers.helpers))
         return c
 
     def _heartbeat(self) -> None:
@@ -474,11 +510,15 @@ def _new_request(s: Sampling, session_id: int) -> _Request:
     return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
 
 
-def use_cuda_ipc(extra: dict, environ) -> bool:
-    """Rows go to the next stage through CUDA IPC only when it reports this rank's host identity
-    and computes on a GPU (and STRATA_IPC is not 0); every other hand-off is a TCP/ipc frame."""
-    same_host = bool(extra.get("host")) and extra.get("next_host") == extra.get("host")
-    return same_host and extra.get("next_kind") == "cuda" and environ.get("STRATA_IPC", "1") != "0"
+def use_cuda_ipc(extra: dict, environ, peer_host: str | None = None, peer_kind: str | None = None) -> bool:
+    """Rows go to a peer (the next stage by default) through CUDA IPC only when it reports this
+    rank's host identity and computes on a GPU (and STRATA_IPC is not 0); every other hand-off is
+    a TCP/ipc frame. A helper's kind is not in the assignment: the link offers IPC and a CPU
+    helper refuses it (PROTOCOL.md §6)."""
+    host = extra.get("next_host") if peer_host is None else peer_host
+    kind = extra.get("next_kind") if peer_kind is None else peer_kind
+    same_host = bool(extra.get("host")) and host == extra.get("host")
+    return same_host and kind == "cuda" and environ.get("STRATA_IPC", "1") != "0"
 
 
 def _endpoint_host(endpoint: str) -> str:

@@ -27,7 +27,7 @@ class StageConfig:
     max_context: int
     weight_slice: bool = True
     cache_pairs: list = field(default_factory=list)      # the plan's pairs for this stage's cache
-    helpers: list = field(default_factory=list)          # (rank, endpoint, pairs) of helper tiers
+    helpers: list = field(default_factory=list)          # (rank, endpoint, pairs, ipc) of helper tiers
     local_helper: object = None                          # this card's own helper tier (an arena)
     loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
 
@@ -43,8 +43,9 @@ class Stage:
         if len(own) != len(cfg.cache_pairs):
             raise ValueError(f"the plan gives stage [{cfg.lb}, {cfg.le}) pairs of other layers")
         self.cache = BlobArena(self.backend, self.gguf, own, g.n_layers, g.n_expert)
-        helpers = [HelperClient(rank, ep, [p for p in pairs if cfg.lb <= p[0] < cfg.le])
-                   for rank, ep, pairs in cfg.helpers]
+        helpers = [HelperClient(rank, ep, [p for p in pairs if cfg.lb <= p[0] < cfg.le],
+                                backend=self.backend, ipc=ipc, hidden=g.n_embd, top_k=g.n_expert_used)
+                   for rank, ep, pairs, ipc in cfg.helpers]
         self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
                                  local_helper=cfg.local_helper)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,

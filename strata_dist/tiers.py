@@ -17,39 +17,93 @@ from collections import Counter
 
 import numpy as np
 
-from protocol import Channel, Error, ExpertReply, ExpertRequest, ProtocolError, ProtocolTimeout
+from protocol import (Channel, Error, ExpertReply, ExpertRequest, ProtocolError, ProtocolTimeout,
+                      SlotFree)
+from protocol.messages import RowSlot
 
 from .experts import BlobArena, ExpertStore, HostTier, swiglu
 
 log = logging.getLogger("strata.tiers")
 
 REMOTE_TIMEOUT_MS = 2000
+IPC_NAME = "expert_rows"
+IPC_MAX_ROWS = 64   # decode rows per request that fit a link's IPC buffer; more go in frames
 
 
 class HelperClient:
-    """This stage's link to one helper tier (a DEALER to the helper's ROUTER)."""
+    """This stage's link to one helper tier (a DEALER to the helper's ROUTER).
 
-    def __init__(self, rank: int, endpoint: str, pairs):
+    On a GPU rank whose helper is on the same host the link also offers a CUDA IPC buffer this
+    stage owns (PROTOCOL.md §6, expert links): once the helper has opened it, a request's rows
+    and the helper's outputs stay in device memory and the messages carry only ids, weights and
+    slots. Until then, for requests larger than the buffer, and after a refusal: frames."""
+
+    def __init__(self, rank: int, endpoint: str, pairs, backend=None, ipc: bool = False,
+                 host: str = "", hidden: int = 0, top_k: int = 0, max_rows: int = IPC_MAX_ROWS):
         self.rank, self.endpoint = rank, endpoint
         self.pairs = {(int(l), int(e)) for l, e in pairs}
         self.ch = Channel("dealer", peer=f"helper rank {rank}").connect(endpoint)
         self.alive = True
         self._seq = 0
+        self.backend = backend
+        self.export = None
+        self.ipc_ready = False
+        self.sent_ipc = self.sent_frames = 0
+        if ipc and self.pairs and backend is not None and backend.name == "cupy":
+            from protocol.cuda_ipc import SLOT_ALIGN, IpcExport
+            self.max_rows, self.hidden, self.top_k = max_rows, hidden, top_k
+            rows_bytes = max_rows * hidden * 4
+            self.out_offset = -(-rows_bytes // SLOT_ALIGN) * SLOT_ALIGN
+            self.export = IpcExport(self.out_offset + max_rows * top_k * hidden * 4, backend.index,
+                                    IPC_NAME, "float32")
+            self.ch.send(self.export.message(host=host), timeout_ms=REMOTE_TIMEOUT_MS)
 
-    def request(self, layer: int, rows: np.ndarray, ids: np.ndarray, wts: np.ndarray) -> int:
+    @property
+    def nbytes(self) -> int:
+        return self.export.nbytes if self.export is not None else 0
+
+    def request(self, layer: int, x, ids: np.ndarray, wts: np.ndarray) -> int:
+        """Ask for the outputs of the pairs in ``ids`` (-1 = not asked) for rows ``x`` (a backend
+        array of this rank)."""
         self._seq += 1
-        self.ch.send(ExpertRequest(seq=self._seq, layer=layer, n=rows.shape[0]),
-                     [rows, ids.astype(np.int32), wts.astype(np.float32)], timeout_ms=REMOTE_TIMEOUT_MS)
+        n = int(x.shape[0])
+        ids, wts = ids.astype(np.int32), wts.astype(np.float32)
+        if self.ipc_ready and n <= self.max_rows:
+            d, k = self.hidden, ids.shape[1]
+            slot, out = RowSlot(offset=0, nbytes=n * d * 4), RowSlot(offset=self.out_offset,
+                                                                     nbytes=n * k * d * 4)
+            self.export.view(slot, np.float32, (n, d))[...] = x
+            self.backend.synchronize()      # the rows are in place before the doorbell rings
+            self.ch.send(ExpertRequest(seq=self._seq, layer=layer, n=n, slot=slot, out=out),
+                         [ids, wts], timeout_ms=REMOTE_TIMEOUT_MS)
+            self.sent_ipc += 1
+            return self._seq
+        rows = np.ascontiguousarray(self.backend.to_host(x) if self.backend else x, dtype=np.float32)
+        self.ch.send(ExpertRequest(seq=self._seq, layer=layer, n=n), [rows, ids, wts],
+                     timeout_ms=REMOTE_TIMEOUT_MS)
+        self.sent_frames += 1
         return self._seq
 
-    def reply(self, seq: int, deadline: float) -> np.ndarray:
+    def reply(self, seq: int, deadline: float):
+        """The outputs (n, k, d) of request ``seq``: a view of this link's buffer (IPC) or a host
+        array (frames)."""
         while True:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0:
                 raise ProtocolTimeout(self.ch.peer, "an expert reply", REMOTE_TIMEOUT_MS)
             msg, arrays = self.ch.recv(timeout_ms=left, what="an expert reply")
             if isinstance(msg, ExpertReply) and msg.seq == seq:
+                if msg.slot is not None:
+                    return self.export.view(msg.slot, np.float32, (msg.n, self.top_k, self.hidden))
                 return np.asarray(arrays[0], dtype=np.float32)
+            if isinstance(msg, SlotFree) and msg.name == IPC_NAME:
+                self.ipc_ready = self.export is not None    # the helper opened the buffer
+                continue
+            if isinstance(msg, Error) and msg.code == "ipc":
+                log.warning("helper rank %d cannot open this stage's CUDA IPC buffer (%s); its "
+                            "requests go in frames", self.rank, msg.message)
+                self.ipc_ready = False
+                continue
             if isinstance(msg, Error):
                 raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
             # a late reply to an earlier, timed-out request: skip it
@@ -88,15 +142,13 @@ class ExpertTiers(ExpertStore):
                     tier[r, j] = 2
                     asked.setdefault(h, np.zeros((n, k), dtype=bool))[r, j] = True
         pending = []
-        if asked:
-            x_host = np.ascontiguousarray(be.to_host(x), dtype=np.float32)
-            for h, mask in asked.items():
-                try:
-                    pending.append((h, mask, h.request(layer, x_host, np.where(mask, idx, -1),
-                                                       np.zeros((n, k), np.float32))))
-                except ProtocolTimeout as e:
-                    self._helper_lost(h, e)
-                    tier[mask] = 0
+        for h, mask in asked.items():
+            try:
+                pending.append((h, mask, h.request(layer, x, np.where(mask, idx, -1),
+                                                   np.zeros((n, k), np.float32))))
+            except ProtocolTimeout as e:
+                self._helper_lost(h, e)
+                tier[mask] = 0
         # local work overlaps with the helpers'
         self._run(self.cache, layer, x, idx, tier == 1, y)
         if self.local_helper is not None:
@@ -105,7 +157,8 @@ class ExpertTiers(ExpertStore):
             try:
                 out = h.reply(seq, time.monotonic() + REMOTE_TIMEOUT_MS / 1000)
                 rows, ranks = np.nonzero(mask)
-                y[be.asarray(rows), be.asarray(ranks)] = be.asarray(out[rows, ranks])
+                sel_rows, sel_ranks = be.asarray(rows), be.asarray(ranks)
+                y[sel_rows, sel_ranks] = be.asarray(out)[sel_rows, sel_ranks]
             except (ProtocolTimeout, ProtocolError) as e:
                 self._helper_lost(h, e)
                 tier[mask] = 0
@@ -156,15 +209,33 @@ class ExpertTiers(ExpertStore):
 
 
 def serve_request(store: BlobArena, msg: ExpertRequest, arrays) -> np.ndarray:
-    """A helper's answer: the unweighted output of every asked (row, rank), zeros elsewhere."""
-    rows, ids = arrays[0], arrays[1]
+    """A helper's answer in frames: the unweighted output of every asked (row, rank), zeros elsewhere."""
+    be = store.backend
+    x = be.asarray(np.ascontiguousarray(arrays[0], dtype=np.float32))
+    return np.ascontiguousarray(be.to_host(compute_request(store, msg.layer, x, arrays[1])),
+                                dtype=np.float32)
+
+
+def serve_ipc_request(store: BlobArena, mapping, msg: ExpertRequest, arrays) -> None:
+    """A helper's answer through the stage's IPC buffer: rows read at ``msg.slot``, outputs
+    written at ``msg.out`` and synchronized before the caller rings the doorbell."""
+    be = store.backend
+    ids = arrays[0]
+    n, k = ids.shape
+    x = mapping.view(msg.slot, np.float32, (n, msg.slot.nbytes // (4 * n)))
+    y = compute_request(store, msg.layer, x, ids)
+    mapping.view(msg.out, np.float32, y.shape)[...] = y
+    be.synchronize()
+
+
+def compute_request(store: BlobArena, layer: int, x, ids: np.ndarray):
+    """Outputs (n, k, d) of the asked pairs (ids >= 0) for rows ``x``, as a backend array."""
     be = store.backend
     n, k = ids.shape
-    x = be.asarray(np.ascontiguousarray(rows, dtype=np.float32))
     y = be.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
     for expert in np.unique(ids[ids >= 0]):
-        if not store.holds(msg.layer, int(expert)):
-            raise KeyError(f"asked for pair ({msg.layer}, {int(expert)}), which this helper does not hold")
+        if not store.holds(layer, int(expert)):
+            raise KeyError(f"asked for pair ({layer}, {int(expert)}), which this helper does not hold")
         r, j = np.nonzero(ids == expert)
-        y[be.asarray(r), be.asarray(j)] = store.compute(msg.layer, int(expert), x[be.asarray(r)])
-    return np.ascontiguousarray(be.to_host(y), dtype=np.float32)
+        y[be.asarray(r), be.asarray(j)] = store.compute(layer, int(expert), x[be.asarray(r)])
+    return y

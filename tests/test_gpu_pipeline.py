@@ -54,12 +54,14 @@ def test_gpu_ranks_equal_single_process(model, baseline, split):
         assert s.close() == 0
 
 
-def test_gpu_tiers_keep_the_tokens(model, baseline):
+@pytest.mark.parametrize("ipc", ["1", "0"])
+def test_gpu_tiers_keep_the_tokens(model, baseline, ipc):
     """Stage caches of a few pairs, a helper tier on a third rank, host misses streamed from
-    pinned memory: the tokens equal the single-process GPU run."""
+    pinned memory: the tokens equal the single-process GPU run. Remote expert requests go through
+    the stage's CUDA IPC buffer (after the helper opened it) or, with STRATA_IPC=0, in frames."""
     s = ServeSession(model, "--gpus", "0,0,0", "--layer-split", "3", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given",
-                     env={"STRATA_STAGE_CACHE_SLOTS": "20"}, timeout=120)
+                     env={"STRATA_STAGE_CACHE_SLOTS": "20", "STRATA_IPC": ipc}, timeout=120)
     try:
         out = s.gen(PROMPT, 64, "stats=1", timeout=120)
         assert out["err"] is None, out["err"]
@@ -67,5 +69,15 @@ def test_gpu_tiers_keep_the_tokens(model, baseline):
         assert sum(int(r["remote"]) for r in out["stats"]) > 0
         assert sum(int(r["host"]) for r in out["stats"]) > 0
         assert sum(int(r["hits"]) for r in out["stats"]) > 0
+        assert sum(int(r.get("remote_lost", 0)) for r in out["stats"]) == 0
+        stages = [r for r in _stats(s) if "remote_frames" in r]
+        assert stages, "no stage asked a helper tier"
+        via_ipc = sum(int(r["remote_ipc"]) for r in stages)
+        in_frames = sum(int(r["remote_frames"]) for r in stages)
+        if ipc == "1":
+            # only the requests before the helper's acceptance arrived go in frames
+            assert via_ipc > 0 and in_frames <= len(stages) * 4, stages
+        else:
+            assert via_ipc == 0 and in_frames > 0, stages
     finally:
         assert s.close() == 0

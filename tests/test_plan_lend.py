@@ -107,3 +107,28 @@ def test_the_auto_chunk_never_exceeds_the_context():
     assert plan(cells=3000).chunk == 2048
     assert plan(cells=100).chunk == 256      # the smallest chunk still stands
     assert plan(cells=4096, prefill=8192).chunk == 8192  # the operator's number
+
+
+def test_loans_off_every_participant_withholds_its_own_buffers():
+    """The A/B arm: nobody lends; each stage's own buffers come out of its cache's room."""
+    rich, poor = part("rich", 100_000, room=BPT * 8192), part("poor", 10_000, room=BPT * 2048)
+    plan = plan_lend([rich, poor], BPT, loans=False, lend_pct=100)
+    assert plan.chunk == 2048                     # the largest chunk whose buffers fit every room
+    assert not any(l.lends for l in plan.loans) and all(l.slots == 0 for l in plan.loans)
+    assert [l.own_bytes for l in plan.loans] == [BPT * 2048] * 2
+    assert all("prompt loans are off" in l.note for l in plan.loans)
+
+
+def test_loans_off_shrinks_the_stage_caches_by_the_prompt_buffers():
+    from strata_dist.plan import PlanParams
+    shape = qwen3_30b_a3b_shape()
+    devices = make_devices([12 * 1024, 16 * 1024])
+    on = make_plan(shape, devices, cells=4096, prefill=2048, split=[24])
+    off = make_plan(shape, devices, cells=4096, prefill=2048, split=[24],
+                    params=PlanParams(prompt_loans=False))
+    for st_on, st_off in zip(on.stages, off.stages):
+        assert st_on.loan_slots > 0 and st_off.loan_slots == 0
+        assert st_off.own_prompt_bytes == shape.prompt_bytes_per_token * 2048
+        # the cache gives up the buffers' bytes, to within a slot (a fill leaves less than one)
+        given_up = st_on.cache_bytes - st_off.cache_bytes
+        assert abs(given_up - st_off.own_prompt_bytes) <= max(shape.blob_bytes)

@@ -58,6 +58,8 @@ def examples():
         "token": (m.Token(request_id=1, session_id=5, token_id=42, pos=13, logprob=-0.25, done=True,
                           reason="length"), []),
         "expert_request": (m.ExpertRequest(seq=3, layer=7, n=3), [ROWS, IDS, WTS]),
+        "expert_request_ipc": (m.ExpertRequest(seq=4, layer=7, n=3, slot=m.RowSlot(offset=0, nbytes=96),
+                                               out=m.RowSlot(offset=256, nbytes=192)), [IDS, WTS]),
         "expert_reply": (m.ExpertReply(seq=3, layer=7, n=3), [OUT]),
         "ipc_handle": (m.IpcHandle(name="hidden", handle=bytes(64), device=0, nbytes=1 << 20, dtype="float16",
                                    device_uuid="ab" * 16, host="hostA", pid=99), []),
@@ -66,12 +68,12 @@ def examples():
 
 
 def test_every_registered_type_has_an_example():
-    assert set(examples()) == set(MESSAGE_TYPES)
+    assert {msg.TYPE for msg, _ in examples().values()} == set(MESSAGE_TYPES)
 
 
-@pytest.mark.parametrize("tag", sorted(MESSAGE_TYPES))
-def test_round_trip(tag):
-    msg, arrays = examples()[tag]
+@pytest.mark.parametrize("name", sorted(examples()))
+def test_round_trip(name):
+    msg, arrays = examples()[name]
     frames = encode(msg, arrays)
     assert len(frames) == 1 + len(arrays)
     got, got_arrays = decode([bytes(f) for f in frames])
@@ -79,7 +81,7 @@ def test_round_trip(tag):
     assert len(got_arrays) == len(arrays)
     for a, b in zip(arrays, got_arrays):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
-    assert peek_type(frames) == tag
+    assert peek_type(frames) == msg.TYPE
     assert from_dict(type(msg), to_dict(msg)) == msg
 
 
@@ -180,6 +182,8 @@ def _assign_fields(**over):
     ([_header(tag="assign", fields=_assign_fields(plan={"a": [{"b": b"bytes"}]}))], "not a JSON value"),
     ([_header(tag="assign", fields=_assign_fields(helpers=[{"rank": 1, "endpoint": "x"}]))], "missing fields"),
     ([_header(tag="slot_free", fields={"name": "h", "slot": {"offset": -1, "nbytes": 0}})], "offset must be >= 0"),
+    ([_header(tag="expert_request", fields={"seq": 0, "layer": 0, "n": 1, "slot": {"offset": 0, "nbytes": 4},
+                                            "out": None})], "must be set together"),
     ([_header(tag="release", fields={"session_id": 2 ** 64 - 1}), b"x"], "announces 0"),
     (b"not a list", "list of frames"),
 ])

@@ -62,7 +62,7 @@ class LendPlan:
     loans: tuple[Loan, ...]
 
 
-def lendable(p: Participant, chunk: int, bytes_per_token: int, lend_pct: int | None) -> tuple[bool, int]:
+def can_lend(p: Participant, chunk: int, bytes_per_token: int, lend_pct: int | None) -> tuple[bool, int]:
     """(can p lend `chunk`, slots it needs). lend_pct None = explicit chunk: the floor only."""
     need = loan_slots(chunk, bytes_per_token, p.slot_bytes)
     ok = p.slots - need >= SLOT_FLOOR
@@ -78,14 +78,19 @@ def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str
 
 
 def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: int | None = None,
-              lend_pct: int = 85, max_chunk: int | None = None) -> LendPlan:
+              lend_pct: int = 85, max_chunk: int | None = None, loans: bool = True) -> LendPlan:
     """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`, which never
     picks a chunk above max_chunk (the context: a longer chunk could never be filled) unless even
-    the smallest one is."""
+    the smallest one is. loans=False: nobody lends, every participant withholds its own buffers
+    (the A/B against loans)."""
     if not participants:
         raise ValueError("plan_lend: no participants")
     auto = chunk is None
     pct = lend_pct if auto else None
+
+    def lendable(p: Participant, c: int, bpt: int, cap: int | None) -> tuple[bool, int]:
+        ok, need = can_lend(p, c, bpt, cap)
+        return ok and loans, need
 
     def own(c: int) -> int:  # the prompt path's own buffers for a chunk of c tokens
         return bytes_per_token * c
@@ -105,22 +110,26 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: 
         if not cands:
             c = LEND_CHUNKS[-1]
             p = next(p for p in fallbacks if own(c) * 100 > lend_pct * p.room_bytes)
-            raise PlanError(f"{_why_not(p, c, lendable(p, c, bytes_per_token, pct)[1], pct)}, and its own "
+            why = _why_not(p, c, can_lend(p, c, bytes_per_token, pct)[1], pct) if loans else \
+                f"{p.name}: prompt loans are off"
+            raise PlanError(f"{why}, and its own "
                             f"prompt buffers for {c} tokens ({own(c) / MIB:.1f} MiB) exceed "
                             f"{lend_pct}% of its {p.room_bytes / MIB:.1f} MiB of room")
         chunk = max(cands)
     elif chunk < 1:
         raise PlanError(f"--prefill {chunk}: the chunk must be at least 1 token")
 
-    loans = []
+    out = []
     for p in participants:
         ok, need = lendable(p, chunk, bytes_per_token, pct)
         if ok:
-            loans.append(Loan(p.name, True, need, need * p.slot_bytes, 0))
+            out.append(Loan(p.name, True, need, need * p.slot_bytes, 0))
             continue
         if own(chunk) > p.room_bytes:  # explicit chunks only: auto already bounded the chunk by it
-            raise PlanError(f"--prefill {chunk}: {_why_not(p, chunk, need, pct)}, and its own prompt buffers "
+            why = _why_not(p, chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
+            raise PlanError(f"--prefill {chunk}: {why}, and its own prompt buffers "
                             f"({own(chunk) / MIB:.1f} MiB) exceed its {p.room_bytes / MIB:.1f} MiB of room")
-        note = f"{_why_not(p, chunk, need, pct)}; it uses its own prompt buffers ({own(chunk) / MIB:.1f} MiB)"
-        loans.append(Loan(p.name, False, 0, 0, own(chunk), note))
-    return LendPlan(int(chunk), auto, tuple(loans))
+        why = _why_not(p, chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
+        note = f"{why}; it uses its own prompt buffers ({own(chunk) / MIB:.1f} MiB)"
+        out.append(Loan(p.name, False, 0, 0, own(chunk), note))
+    return LendPlan(int(chunk), auto, tuple(out))

@@ -27,6 +27,8 @@ class PlanParams:
     kv_fill          mean fraction of the context a decode token reads from KV (0.5: a context
                      filled uniformly over its life).
     lend_pct         cap on the AUTO prompt loan, percent of a stage's cache slots (STRATA_PREFILL_LEND_PCT).
+    prompt_loans     prompts borrow the tail of each stage's cache (STRATA_PROMPT_LOANS=0 /
+                     --no-prompt-loans: every stage withholds its own prompt buffers instead).
     remote_auto      helper tiers on leftover VRAM (STRATA_REMOTE_AUTO=0 / --no-remote-auto turn off).
     weight_slice     a stage loads only its own layers' dense weights (STRATA_WEIGHT_SLICE=0: all).
     stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
@@ -42,6 +44,7 @@ class PlanParams:
     default_bw_gbs: float = 300.0
     kv_fill: float = 0.5
     lend_pct: int = 85
+    prompt_loans: bool = True
     remote_auto: bool = True
     weight_slice: bool = True
     stage_cache_slots: int | None = None
@@ -94,6 +97,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "STRATA_SPLIT_LINK_MS": ("link_ms", float),
     "STRATA_SPLIT_LINK_GBS": ("link_gbs", float),
     "STRATA_PREFILL_LEND_PCT": ("lend_pct", int),
+    "STRATA_PROMPT_LOANS": ("prompt_loans", _bool01),
     "STRATA_REMOTE_AUTO": ("remote_auto", _bool01),
     "STRATA_WEIGHT_SLICE": ("weight_slice", _bool01),
     "STRATA_STAGE_CACHE_SLOTS": ("stage_cache_slots", int),

@@ -264,7 +264,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     parts = [Participant(f"stage {i} ({ordered[d].label})", len(f.pairs),
                          min(shape.blob_bytes[f.lb:f.le]), max(0, f.budget))
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
-    lend = plan_lend(parts, shape.prompt_bytes_per_token, prefill, params.lend_pct, max_chunk=cells)
+    lend = plan_lend(parts, shape.prompt_bytes_per_token, prefill, params.lend_pct, max_chunk=cells,
+                     loans=params.prompt_loans)
     fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
              for f, loan in zip(fills, lend.loans)]
     notes += [loan.note for loan in lend.loans if loan.note]
