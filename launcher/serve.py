@@ -22,7 +22,8 @@ from strata_dist.sampler import SamplingParams
 
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
                  "stats": int}
-TIER_COUNTERS = ("hits", "remote", "host", "remote_lost", "helper_requests")
+TIER_COUNTERS = ("hits", "remote", "host", "remote_lost", "helper_requests", "streamed",
+                 "loan_overflow_bytes")
 
 
 class GenRequest:

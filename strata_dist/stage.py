@@ -5,6 +5,8 @@ It is what a stage rank computes, apart from any transport: ids or hidden rows i
 layers, keeping global layer ordinals (the session carve)."""
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,8 +14,12 @@ import numpy as np
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
 from .experts import BlobArena
+from .loan_arena import LoanAllocator
 from .models import architecture_for, load_model, open_checked
 from .tiers import ExpertTiers, HelperClient
+
+
+log = logging.getLogger("strata.stage")
 
 
 @dataclass
@@ -101,16 +107,32 @@ class Stage:
         return out
 
     def begin_prompt(self) -> None:
-        """The prompt path borrows the tail of this stage's own cache (its loan)."""
+        """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU every
+        buffer a prompt chunk allocates comes from it (strata_dist/loan_arena.py)."""
         if self.cfg.loan_slots > 0 and not self.cache.lent:
             self.cache.lend_tail(self.cfg.loan_slots)
             self.tiers.counters["loans"] += 1
+            if self.backend.name == "cupy":
+                self.tiers.loan = LoanAllocator(self.cache.loan_region())
 
     def end_prompt(self) -> None:
         """After the prompt, the lent slots get their own pairs back: outside a prompt the whole
         cache is expert cache."""
+        loan, self.tiers.loan = self.tiers.loan, None
+        if loan is not None:
+            c = self.tiers.counters
+            c["loan_peak_bytes"] = max(c["loan_peak_bytes"], loan.ranges.peak)
+            c["loan_overflow_bytes"] += loan.overflow_bytes
+            if loan.ranges.live_blocks:   # a prompt buffer outlived the prompt: a bug, said loudly
+                log.error("%d prompt buffer(s) still live in the loan at refill",
+                          loan.ranges.live_blocks)
+                c["loan_live_at_refill"] += loan.ranges.live_blocks
         if self.cache.lent:
             self.tiers.counters["refilled_slots"] += self.cache.refill()
+
+    def _prompt_buffers(self, prompt: bool):
+        loan = self.tiers.loan if prompt else None
+        return loan.active() if loan is not None else nullcontext()
 
     def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False,
             checkpoint_at=()):
@@ -130,17 +152,19 @@ class Stage:
         store.enter(s, pos)
         if pos in checkpoint_at:
             store.save(s, pos)
-        if self.cfg.first:
-            h = self.model.embed(ids)
-        else:
-            h = self.backend.asarray(hidden)
-        h = self.model.forward_layers(h, s)
-        s.n_past = pos + h.shape[0]
+        with self._prompt_buffers(prompt):
+            h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
+            h = self.model.forward_layers(h, s)
+            out = h[-1:] if self.cfg.last else h
+        if self.tiers.loan is not None and prompt:
+            out = out.copy()        # out of the loan: the rows outlive the prompt's buffers
+        del h
+        s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
         if self.cfg.last:
-            return self.backend.to_host(self.model.head(h[-1:]))[0].astype(np.float32)
-        return h
+            return self.backend.to_host(self.model.head(out))[0].astype(np.float32)
+        return out
 
 
 def _add_counts(counts: dict[str, int], store: CheckpointStore) -> dict[str, int]:

@@ -120,6 +120,7 @@ class ExpertTiers(ExpertStore):
         self.helpers = helpers
         self.remote_of = {pair: h for h in helpers for pair in h.pairs}
         self.prompt = False          # set by the stage: prompt chunks never go to helpers
+        self.loan = None             # a GPU stage's LoanAllocator while a prompt borrows the tail
         self.counters: Counter = Counter()
 
     def outputs(self, layer: int, x, idx: np.ndarray):
@@ -182,10 +183,18 @@ class ExpertTiers(ExpertStore):
         """A prompt chunk's misses, streamed into the loaned tail of the cache a batch at a time
         and computed there with the same kernel as a hit (no allocation per expert)."""
         be, gguf = self.backend, self.gguf
-        region = self.cache.loan_region()
         size = gguf.blob_bytes(layer)
-        per_batch = int(region.nbytes) // size
         experts = [int(e) for e in np.unique(idx[mask])]
+        if not experts:
+            return
+        if self.loan is not None:
+            # on a GPU the batch is one more prompt buffer carved from the loan (the chunk's
+            # activations hold the rest); at least one blob, from CuPy's pool if it must
+            per_batch = max(1, min(len(experts), self.loan.ranges.largest_free // size))
+            region = be.xp.empty(per_batch * size, dtype=np.uint8)
+        else:
+            region = self.cache.loan_region()
+            per_batch = int(region.nbytes) // size
         if per_batch == 0:   # a loan smaller than one of this layer's blobs: plain host path
             self._run(self.host, layer, x, idx, mask, y)
             return

@@ -1,0 +1,157 @@
+"""Prefill tok/s with prompt loans on and off, beside llama.cpp's, side by side in one run.
+
+Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
+short warm-up prompt, then each prompt length once (one new token) and prints prompt tok/s, the
+stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
+and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
+is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
+memory), and the ratio to llama.cpp is printed for every prompt length.
+
+    python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
+        --chunk 4096 --llama-bench .anchor/llama.cpp/build/bin/llama-bench --ncmoe 24
+    python benchmarks/bench_prefill.py --model tiny.gguf --cpu --budget 64M --prompts 256 --chunk 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from launch_helpers import ServeSession  # noqa: E402
+
+
+class PeakMemory:
+    """The device's peak memory in use while the block runs (NVML), in bytes above the start."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.02):
+        self.index, self.period_s = index, period_s
+        self.peak = self.base = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+            self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
+        except Exception:          # no NVML (a CPU run): nothing to sample
+            self._used = None
+            return self
+        self.base = self.peak = self._used()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, self._used())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._used is not None:
+            self._t.join(timeout=1)
+
+    @property
+    def gib(self) -> float:
+        return (self.peak - self.base) / 2**30
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    """n token ids below the specials, starting differently for every seed."""
+    top = min(vocab - 8, 100_000)
+    return [((i + seed) * 7919) % (top - 10) + 10 for i in range(n)]
+
+
+def strata_arm(args, loans: bool) -> dict:
+    devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", "0"]
+    extra = [] if loans else ["--no-prompt-loans"]
+    ctx = max(args.prompts) + 64
+    from strata_dist.gguf_model import GGUFModel
+    vocab = int(GGUFModel(args.model).tensor("token_embd.weight").shape[0])
+    with PeakMemory() as mem:
+        s = ServeSession(args.model, *devices, "--vram-budget", args.budget, "--max-context", str(ctx),
+                         "--prefill", str(args.chunk), "--no-remote-auto", *extra, timeout=900)
+        try:
+            info = s.info_fields()[0]
+            stage = next(f for f in s.info_fields() if "rank" in f)
+            s.gen(prompt_ids(256, 1, vocab), 1, timeout=600)       # warm-up
+            out = {"slots": info["expert_slots"], "loan_mib": stage.get("loan_mib", "0"), "runs": {}}
+            for n in args.prompts:
+                # a prompt of its own (no prefix in common with the last one: the whole is read)
+                r = s.gen(prompt_ids(n, n, vocab), 1, "stats=1", timeout=900)
+                if r["err"]:
+                    raise SystemExit(f"strata-dist failed on a {n}-token prompt: {r['err']}")
+                if r["resume"]:
+                    raise SystemExit(f"the {n}-token prompt resumed at {r['resume']}")
+                prompt_ms = float(r["done"][2])
+                st = r["stats"][0] if r["stats"] else {}
+                st["loan_peak_bytes"] = next(iter(s.stats().values())).get("loan_peak_bytes", 0)
+                out["runs"][n] = {"tps": n / (prompt_ms / 1e3), "stats": st}
+        finally:
+            s.close()
+    out["peak_gib"] = mem.gib
+    return out
+
+
+def llama_arm(args) -> dict:
+    cmd = [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
+           "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", "1", "-ub", str(args.ubatch),
+           "-b", str(max(args.ubatch, 2048)), "-o", "json"]
+    print("llama.cpp:", " ".join(cmd), flush=True)
+    with PeakMemory() as mem:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
+    rows = json.loads(done.stdout)
+    return {"runs": {int(r["n_prompt"]): {"tps": float(r["avg_ts"])} for r in rows},
+            "peak_gib": mem.gib}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--budget", required=True, help="the stage's VRAM budget (e.g. 21G)")
+    ap.add_argument("--prompts", default="4096,16384")
+    ap.add_argument("--chunk", type=int, default=4096, help="the prompt chunk of both arms")
+    ap.add_argument("--cpu", action="store_true", help="a CPU rank (no GPU needed)")
+    ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
+    ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp: layers whose experts stay on the CPU")
+    ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
+    args = ap.parse_args()
+    args.prompts = [int(x) for x in args.prompts.split(",")]
+    results = {}
+    for name, loans in (("loans on", True), ("loans off", False)):
+        t0 = time.perf_counter()
+        r = results[name] = strata_arm(args, loans)
+        print(f"{name:9s}: expert_slots={r['slots']} loan={r['loan_mib']} MiB peak device memory "
+              f"{r['peak_gib']:.1f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for n, run in r["runs"].items():
+            st = run["stats"]
+            tiers = {k: int(st.get(k, 0)) for k in ("hits", "host")}
+            total = max(1, sum(tiers.values()))
+            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill; hits {tiers['hits'] / total:.1%}, "
+                  f"streamed {st.get('streamed', 0)} blobs, loan peak "
+                  f"{int(st.get('loan_peak_bytes', 0)) / 2**20:.0f} MiB, overflow "
+                  f"{int(st.get('loan_overflow_bytes', 0)) / 2**20:.0f} MiB", flush=True)
+    if args.llama_bench:
+        r = results["llama.cpp"] = llama_arm(args)
+        print(f"llama.cpp -ncmoe {args.ncmoe} -ub {args.ubatch}: peak device memory {r['peak_gib']:.1f} GiB")
+        for n, run in r["runs"].items():
+            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill")
+    for n in args.prompts:
+        on, off = results["loans on"]["runs"][n]["tps"], results["loans off"]["runs"][n]["tps"]
+        line = f"{n:6d} tokens: loans on / off {on / off:.2f}x"
+        if "llama.cpp" in results and n in results["llama.cpp"]["runs"]:
+            line += f"; strata (loans on) / llama.cpp {on / results['llama.cpp']['runs'][n]['tps']:.2f}x"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
