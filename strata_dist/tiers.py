@@ -129,19 +129,18 @@ class ExpertTiers(ExpertStore):
         y = be.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
         tier = np.zeros((n, k), dtype=np.int8)   # 0 host, 1 hit, 2 remote, 3 own card's helper tier
         asked: dict[HelperClient, np.ndarray] = {}
-        for r in range(n):
-            for j in range(k):
-                e = int(idx[r, j])
-                if self.cache.holds(layer, e):
-                    tier[r, j] = 1
-                    continue
-                if not self.prompt and self.local_helper is not None and self.local_helper.holds(layer, e):
-                    tier[r, j] = 3
-                    continue
-                h = None if self.prompt else self.remote_of.get((layer, e))
-                if h is not None and h.alive:
-                    tier[r, j] = 2
-                    asked.setdefault(h, np.zeros((n, k), dtype=bool))[r, j] = True
+        for e in np.unique(idx):          # one decision per expert (a chunk routes to few)
+            e = int(e)
+            where = idx == e
+            if self.cache.holds(layer, e):
+                tier[where] = 1
+            elif self.prompt:
+                continue                  # prompt chunks never go to helper tiers
+            elif self.local_helper is not None and self.local_helper.holds(layer, e):
+                tier[where] = 3
+            elif (h := self.remote_of.get((layer, e))) is not None and h.alive:
+                tier[where] = 2
+                asked.setdefault(h, np.zeros((n, k), dtype=bool))[where] = True
         pending = []
         for h, mask in asked.items():
             try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..gguf_model import GGUFError
-from ..plan.pricing import DECODE_ROWS
+from ..plan.pricing import ATTN_TILE_BYTES, DECODE_ROWS
 
 
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
@@ -65,23 +65,40 @@ def apply_rope(x, cos, sin, xp):
 def causal_attention(q, k, v, pos0, xp, session):
     """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D].
 
-    Decode-sized batches (n <= DECODE_ROWS) write their scores into the session's scratch."""
+    Decode-sized batches (n <= DECODE_ROWS) write their scores into the session's scratch. A
+    prompt chunk is read in tiles of query rows whose scores take at most ATTN_TILE_BYTES (the
+    planner's work reserve, not a buffer per token of context), each against only the keys its
+    rows can see."""
     n, n_head, d = q.shape
     t, n_kv, _ = k.shape
     group = n_head // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]
     kt = k.transpose(1, 2, 0)[:, None]                                 # [KVH, 1, D, t]
-    out_buf = session.score_buffer((n_kv, group, n, t)) if n <= DECODE_ROWS else None
-    scores = xp.matmul(qg, kt, out=out_buf) if out_buf is not None else qg @ kt
-    scores *= np.float32(1.0 / np.sqrt(d))                             # [KVH, G, n, t]
-    qpos = xp.arange(pos0, pos0 + n)[:, None]
-    kpos = xp.arange(t)[None, :]
-    scores = xp.where(kpos <= qpos, scores, np.float32(-np.inf))
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    p = xp.exp(scores)
-    p = p / p.sum(axis=-1, keepdims=True)
-    out = p @ v.transpose(1, 0, 2)[:, None]                           # [KVH, G, n, D]
+    vt = v.transpose(1, 0, 2)[:, None]                                 # [KVH, 1, t, D]
+    if n <= DECODE_ROWS:
+        out = _attend(qg, kt, vt, pos0, xp, session.score_buffer((n_kv, group, n, t)))
+    else:
+        rows = max(1, ATTN_TILE_BYTES // (n_head * t * 4))
+        out = xp.empty((n_kv, group, n, d), dtype=np.float32)
+        for i in range(0, n, rows):
+            j = min(n, i + rows)
+            seen = pos0 + j                      # keys after the tile's last row are masked anyway
+            out[:, :, i:j] = _attend(qg[:, :, i:j], kt[..., :seen], vt[:, :, :seen], pos0 + i, xp)
     return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)
+
+
+def _attend(qg, kt, vt, q0, xp, out_buf=None):
+    """Softmax attention of query rows at positions q0.. over keys 0..t-1 (causal mask)."""
+    nq, t = qg.shape[2], kt.shape[-1]
+    scores = xp.matmul(qg, kt, out=out_buf) if out_buf is not None else qg @ kt
+    scores *= np.float32(1.0 / np.sqrt(qg.shape[-1]))                 # [KVH, G, nq, t]
+    qpos = xp.arange(q0, q0 + nq)[:, None]
+    kpos = xp.arange(t)[None, :]
+    scores += xp.where(kpos <= qpos, np.float32(0), np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    xp.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores @ vt                                                 # [KVH, G, nq, D]
 
 
 def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):

@@ -24,6 +24,8 @@ HANDOFF_DTYPE_BYTES = 4               # hidden rows travel as f32
 HELPER_RESERVE_BYTES = 32 * MIB       # per helper tier: request/response rows of remote experts
 DECODE_ROWS = 8                       # rows of a decode/verify step (sizes the score scratch)
 SCORE_DTYPE_BYTES = 4                 # attention scores are f32
+ATTN_TILE_BYTES = 48 * MIB            # a prompt chunk's attention scores, per tile of query rows
+                                       # (inside the work reserve above)
 
 
 def _check_range(shape: ModelShape, lb: int, le: int) -> None:
