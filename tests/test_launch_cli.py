@@ -77,3 +77,14 @@ def test_text_prompt_through_the_models_tokenizer(tmp_path):
                    "the cat", "--max-new", "8")
     assert split.returncode == 0, split.stderr
     assert split.stdout == single.stdout and split.stdout.strip()
+
+
+def test_no_prompt_loans_is_in_the_plan(model):
+    args = ["--model", model, "--plan-only", "--json", "--cpu-ranks", "2", "--layer-split", "2"]
+    on, off = launch(*args), launch(*args, "--no-prompt-loans")
+    assert on.returncode == 0 and off.returncode == 0, (on.stderr, off.stderr)
+    notes_on, notes_off = json.loads(on.stdout)["notes"], json.loads(off.stdout)["notes"]
+    assert not any("prompt loans are off" in n for n in notes_on)
+    assert sum("prompt loans are off" in n for n in notes_off) == 2, notes_off
+    assert all(s["loan_slots"] == 0 and s["own_prompt_bytes"] > 0
+               for s in json.loads(off.stdout)["stages"])
