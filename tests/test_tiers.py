@@ -130,3 +130,49 @@ def test_killing_a_helper_rank_mid_generation_recovers_with_the_same_tokens(mode
         assert s.gen(PROMPT, 8)["tokens"] == baseline[:8]   # the run goes on without the tier
     finally:
         s.close()
+
+
+def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_path):
+    """A stage may offer its CUDA IPC buffer to a helper it cannot tell is on a CPU: the helper
+    answers Error(code="ipc") and the link stays on frames; rows said to be in a slot it never
+    opened get an error, not a guess. Real sockets, the rank's own serving code."""
+    from protocol import Channel, Error, ExpertReply, ExpertRequest, IpcHandle
+    from protocol.messages import Assign, DeviceInfo, RowSlot
+    from strata_dist.rank import RankOptions, RankProcess
+    from strata_dist.tiers import serve_request
+
+    gguf = GGUFModel(model)
+    be = get_backend("cpu")
+    pairs = [(1, e) for e in range(8)]
+    rp = RankProcess(RankOptions(coordinator="tcp://127.0.0.1:9", model=str(model),
+                                 device=DeviceInfo(kind="cpu", name="cpu", index=0, total_bytes=1,
+                                                   free_bytes=1),
+                                 device_name="cpu", secret=b"s" * 32, data_bind="tcp://127.0.0.1:*"))
+    try:
+        rp.assign = Assign(rank=2, role="helper", lb=0, le=0, first=False, last=False, device="cpu",
+                           plan={})
+        rp.helper_arena = BlobArena(be, gguf, pairs, N_LAYERS, 8)
+        endpoint = rp.helper_socket.bind(f"ipc://{tmp_path}/helper.sock")
+        stage = Channel("dealer", peer="helper").connect(endpoint)
+
+        def ask(msg, arrays=()):
+            stage.send(msg, list(arrays), timeout_ms=2000)
+            rp._serve_helper()
+            return stage.recv(timeout_ms=2000)
+
+        reply, _ = ask(IpcHandle(name="expert_rows", handle=bytes(64), device=0, nbytes=1 << 20,
+                                 dtype="float32", host="h", pid=1))
+        assert isinstance(reply, Error) and reply.code == "ipc" and "not on a GPU" in reply.message
+        x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+        ids = np.array([[1, -1], [3, 5]], dtype=np.int32)
+        wts = np.zeros((2, 2), dtype=np.float32)
+        reply, _ = ask(ExpertRequest(seq=1, layer=1, n=2, slot=RowSlot(offset=0, nbytes=x.nbytes),
+                                     out=RowSlot(offset=4096, nbytes=4 * x.nbytes)), [ids, wts])
+        assert isinstance(reply, Error) and "never opened" in reply.message
+        msg = ExpertRequest(seq=2, layer=1, n=2)
+        reply, arrays = ask(msg, [x, ids, wts])
+        assert isinstance(reply, ExpertReply) and reply.seq == 2 and reply.slot is None
+        np.testing.assert_array_equal(arrays[0], serve_request(rp.helper_arena, msg, [x, ids, wts]))
+        stage.close()
+    finally:
+        rp.close()
