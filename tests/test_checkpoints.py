@@ -249,11 +249,7 @@ def test_conversation_resumes_from_checkpoints(model, split):
         early = PROMPT[:20] + _ids(6, 10, avoid=PROMPT[20])
         t5 = s.gen(early, N_NEW)
         turns = [(PROMPT, t1), (follow, t2), (follow, t3), (other, t4), (early, t5)]
-        s.send("STATS")
-        stats = {}
-        while (line := s.next_line(30)) != "STATS END":
-            fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-            stats[int(fields["rank"])] = fields
+        stats = s.stats()
     finally:
         assert s.close() == 0
     for _, t in turns:

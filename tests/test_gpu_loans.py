@@ -27,14 +27,6 @@ def baseline(model):
     return Engine(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
 
 
-def _stats(s):
-    s.send("STATS")
-    lines = []
-    while (line := s.next_line(30)) != "STATS END":
-        lines.append(dict(kv.split("=") for kv in line.split()[1:]))
-    return lines
-
-
 def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
     s = ServeSession(model, "--gpus", "0,0", "--layer-split", "3", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given", "--no-remote-auto",
@@ -43,7 +35,7 @@ def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
         out = s.gen(PROMPT, 32, timeout=120)
         assert out["err"] is None, out["err"]
         assert out["tokens"] == baseline
-        for r in _stats(s):
+        for r in s.stats().values():
             assert int(r["loans"]) == 1 and int(r["refilled_slots"]) > 0, r
             assert int(r["streamed"]) > 0, r
             assert int(r["loan_peak_bytes"]) > 0, r

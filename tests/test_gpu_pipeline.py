@@ -25,14 +25,6 @@ def baseline(model):
     return Engine(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
 
 
-def _stats(s):
-    s.send("STATS")
-    lines = []
-    while (line := s.next_line(30)) != "STATS END":
-        lines.append(dict(kv.split("=") for kv in line.split()[1:]))
-    return lines
-
-
 @pytest.mark.parametrize("split", ["", "3", "1,4"])
 def test_gpu_ranks_equal_single_process(model, baseline, split):
     n = len(split.split(",")) + 1 if split else 1
@@ -45,7 +37,7 @@ def test_gpu_ranks_equal_single_process(model, baseline, split):
         out = s.gen(PROMPT, 64, timeout=120)
         assert out["err"] is None, out["err"]
         assert out["tokens"] == baseline
-        stats = _stats(s)
+        stats = list(s.stats().values())   # by rank: the last stage last
         if n > 1:
             assert all(int(r.get("handoff_ipc", 0)) > 0 for r in stats[:-1]), stats
             # rows go in frames only until the next stage has opened the buffer (prompt chunks)
@@ -70,7 +62,7 @@ def test_gpu_tiers_keep_the_tokens(model, baseline, ipc):
         assert sum(int(r["host"]) for r in out["stats"]) > 0
         assert sum(int(r["hits"]) for r in out["stats"]) > 0
         assert sum(int(r.get("remote_lost", 0)) for r in out["stats"]) == 0
-        stages = [r for r in _stats(s) if "remote_frames" in r]
+        stages = [r for r in s.stats().values() if "remote_frames" in r]
         assert stages, "no stage asked a helper tier"
         via_ipc = sum(int(r["remote_ipc"]) for r in stages)
         in_frames = sum(int(r["remote_frames"]) for r in stages)
