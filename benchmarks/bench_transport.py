@@ -1,13 +1,16 @@
 """The hand-off itself, without a model: one decode row [1, 2048] float32 passed between two
 processes and back through strata_dist.handoff (the rank's own code path), as frames over ZeroMQ
-and, on a GPU, through CUDA IPC. Prints the median microseconds per hop.
+and, on a GPU, through CUDA IPC. Prints the median microseconds per hop. With --devices A,B the
+two processes sit on two cards (cuda:A and cuda:B), as two stages of a pipeline do.
 
     python benchmarks/bench_transport.py --device cuda:0
+    python benchmarks/bench_transport.py --devices 0,1 --json
     python benchmarks/bench_transport.py --device cpu
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -48,7 +51,7 @@ def _peer(device: str, ipc: bool, a: str, b: str, back: str, ready) -> None:
                 recv.release()
 
 
-def run(device: str, ipc: bool) -> float:
+def run(device: str, ipc: bool, peer_device: str | None = None) -> tuple[float, str]:
     from protocol import Channel, Hidden, IpcHandle, Poller, SlotFree, Tokens
     from strata_dist.backends import get_backend
     from strata_dist.handoff import HandoffReceiver, HandoffSender
@@ -56,7 +59,7 @@ def run(device: str, ipc: bool) -> float:
         a, b, back_a, back_b = (f"ipc://{d}/{n}" for n in ("a", "b", "ba", "bb"))
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
-        p = ctx.Process(target=_peer, args=(device, ipc, a, b, back_b, ready))
+        p = ctx.Process(target=_peer, args=(peer_device or device, ipc, a, b, back_b, ready))
         p.start()
         ready.wait(60)
         be = get_backend(device)
@@ -101,11 +104,23 @@ def run(device: str, ipc: bool) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--devices", default="", help="A,B: the two processes on cuda:A and cuda:B")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = ap.parse_args()
-    modes = [False] + ([True] if args.device.startswith("cuda") else [])
+    device, peer = args.device, None
+    if args.devices:
+        device, peer = (f"cuda:{d}" for d in args.devices.split(","))
+    modes = [False] + ([True] if device.startswith("cuda") else [])
+    figures = {}
     for ipc in modes:
-        us, path = run(args.device, ipc)
-        print(f"device={args.device} path={path}: {us:.0f} us per hop (median of {N} round trips / 2)")
+        us, path = run(device, ipc, peer)
+        figures[path] = us
+        print(f"device={device} peer={peer or device} path={path}: {us:.0f} us per hop "
+              f"(median of {N} round trips / 2)", flush=True)
+    if args.json:
+        # a decode row goes by IPC between stages of one host when it can, else in frames
+        print(json.dumps({"decode_row_median_us": figures.get("ipc", figures.get("frames")),
+                          **{f"{k}_us": v for k, v in figures.items()}}))
     return 0
 
 

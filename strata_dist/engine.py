@@ -46,6 +46,8 @@ class Engine:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         self.checkpoint_every = checkpoint_every
         self.checkpoints = CheckpointStore()
+        # decode steps as one device graph where the backend has one for this model (CuPy)
+        self.decode_graph = self.backend.decode_graph(self.model, self.max_context)
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
         self.eos_id: int | None = None if eos is None else int(eos)
 
@@ -59,6 +61,18 @@ class Engine:
         h = self.model.forward_layers(h, self.session)
         self.session.n_past += len(ids)
         return h
+
+    def decode_step(self, token_ids: list[int]):
+        """Append a few tokens (a decode step); the last position's logits, as a host array or
+        (graph path) the device step's StepLogits, which the sampler reads as they are."""
+        self._check_fits(len(token_ids))
+        runner = self.decode_graph
+        if runner is not None and runner.usable(len(token_ids)):
+            out = runner.step(self.session, self.session.n_past, ids=token_ids)
+            self.session.n_past += len(token_ids)
+            return out
+        h = self._run(token_ids)
+        return self.backend.to_host(self.model.head(h[-1:]))[0]
 
     def feed(self, token_ids: list[int]) -> np.ndarray:
         """Append tokens to the session; float32 logits of each of their positions, [n, vocab]."""
@@ -140,10 +154,8 @@ class Engine:
                 break
             if i + 1 == max_new:
                 break
-            self._check_fits(1)
             self.tokens.append(tok)
-            h = self._run([tok])
-            logits = self.backend.to_host(self.model.head(h))[0]
+            logits = self.decode_step([tok])
         res.decode_ms = (time.perf_counter() - t1) * 1e3
 
     def generate(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(),

@@ -36,9 +36,13 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    def __call__(self, logits) -> int:
+        """A token from one row of logits: a host array, or a device step's logits that carry
+        their greedy token already (`greedy_token`; the row is copied only when sampling)."""
         p = self.params
+        if p.greedy and getattr(logits, "greedy_token", None) is not None:
+            return int(logits.greedy_token)
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if p.greedy:
             return int(np.argmax(logits))
         order = np.argsort(-logits, kind="stable")

@@ -56,6 +56,8 @@ class Stage:
                                  local_helper=cfg.local_helper)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
+        # decode steps as one device graph when the cache holds every expert of the range (CuPy)
+        self.decode_graph = self.backend.decode_graph(self.model, cfg.max_context)
         self.sessions: dict[int, object] = {}
         self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
@@ -138,7 +140,8 @@ class Stage:
             checkpoint_at=()):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the
         others hidden rows (float32 [n, n_embd], host or device). Returns the hidden rows as a
-        backend array, or on the last stage the host float32 logits of the last row [vocab].
+        backend array, or on the last stage the logits of the last row [vocab]: host float32, or
+        a graph step's StepLogits (the sampler reads both).
         `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end."""
         s = self.session(session_id)
         self.tiers.prompt = prompt   # prompt chunks never go to helper tiers
@@ -152,6 +155,21 @@ class Stage:
         store.enter(s, pos)
         if pos in checkpoint_at:
             store.save(s, pos)
+        graph = self.decode_graph
+        if not prompt and graph is not None and graph.usable(n):
+            out = graph.step(s, pos, ids=ids, hidden=hidden)
+            g = self.model.g
+            self.tiers.counters["hits"] += n * g.n_expert_used * (self.cfg.le - self.cfg.lb)
+            self.tiers.counters["graph_steps"] += 1
+        else:
+            out = self._run_general(s, prompt, ids, hidden)
+        s.n_past = pos + n
+        if s.n_past in checkpoint_at:
+            store.save(s, s.n_past)
+        return out
+
+    def _run_general(self, s, prompt: bool, ids, hidden):
+        """The general path: any rows, any tiers (prompt chunks, partial caches)."""
         with self._prompt_buffers(prompt):
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
@@ -159,9 +177,6 @@ class Stage:
         if self.tiers.loan is not None and prompt:
             out = out.copy()        # out of the loan: the rows outlive the prompt's buffers
         del h
-        s.n_past = pos + n
-        if s.n_past in checkpoint_at:
-            store.save(s, s.n_past)
         if self.cfg.last:
             return self.backend.to_host(self.model.head(out))[0].astype(np.float32)
         return out

@@ -12,10 +12,11 @@ QT = GGMLQuantizationType
 
 
 def tiny_qwen3moe(seed: int, hidden: int = 64, top_k: int = 2, n_layers: int = 4,
-                  n_experts: int = 8, vocab: int = 320, tied: bool = False) -> Qwen3MoeForCausalLM:
-    """A random Qwen3-MoE whose weights are large enough that logits are far from uniform."""
+                  n_experts: int = 8, vocab: int = 320, tied: bool = False,
+                  head_dim: int = 16) -> Qwen3MoeForCausalLM:
+    """A random Qwen3-MoE whose weights are large enough that logits are far from uniform.
+    (head_dim=128 with hidden=256 is the smallest model the GPU decode kernels take.)"""
     torch.manual_seed(seed)
-    head_dim = 16
     cfg = Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         moe_intermediate_size=hidden // 2, num_hidden_layers=n_layers,

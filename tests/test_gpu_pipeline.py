@@ -1,5 +1,7 @@
 """GPU ranks (several sharing the one GPU of the test machine): greedy tokens of 1-3 stages equal
-the single-process GPU run, and hidden rows cross between them through CUDA IPC."""
+the single-process GPU run, and hidden rows cross between them through CUDA IPC. Stages whose
+cache holds their whole range decode through the device graph (backends/cuda_decode.py); stages
+with partial caches and helper tiers take the general path, and the tokens are the same."""
 import numpy as np
 import pytest
 
@@ -15,7 +17,8 @@ PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_gguf(tiny_qwen3moe(11, hidden=256, top_k=8, n_experts=16, n_layers=6),
+    return write_gguf(tiny_qwen3moe(11, hidden=256, head_dim=128, top_k=8, n_experts=16,
+                                    n_layers=6),
                       tmp_path_factory.mktemp("gpupipe") / "m.gguf", "q8_0")
 
 
@@ -38,6 +41,8 @@ def test_gpu_ranks_equal_single_process(model, baseline, split):
         assert out["err"] is None, out["err"]
         assert out["tokens"] == baseline
         stats = list(s.stats().values())   # by rank: the last stage last
+        # every decode step of every stage ran as a device graph (63 steps after the prompt)
+        assert all(int(r.get("graph_steps", 0)) == 63 for r in stats), stats
         if n > 1:
             assert all(int(r.get("handoff_ipc", 0)) > 0 for r in stats[:-1]), stats
             # rows go in frames only until the next stage has opened the buffer (prompt chunks)
@@ -62,6 +67,7 @@ def test_gpu_tiers_keep_the_tokens(model, baseline, ipc):
         assert sum(int(r["host"]) for r in out["stats"]) > 0
         assert sum(int(r["hits"]) for r in out["stats"]) > 0
         assert sum(int(r.get("remote_lost", 0)) for r in out["stats"]) == 0
+        assert sum(int(r["graph_steps"]) for r in out["stats"]) == 0   # partial caches
         stages = [r for r in s.stats().values() if "remote_frames" in r]
         assert stages, "no stage asked a helper tier"
         via_ipc = sum(int(r["remote_ipc"]) for r in stages)

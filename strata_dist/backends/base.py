@@ -18,6 +18,7 @@ class Backend:
     device = "cpu"
     xp = np
     dense_dtype = np.float32
+    kv_dtype = np.float32       # the session's K/V cache (model_shape.kv_itemsize prices it)
 
     # -- placement -------------------------------------------------------------------------------
     def dense(self, host: np.ndarray):
@@ -50,6 +51,11 @@ class Backend:
     def make_expert_store(self, model, layers):
         """The object that computes experts of `layers` (see experts.py)."""
         raise NotImplementedError
+
+    def decode_graph(self, model, max_cells: int):
+        """A runner of the model's decode steps as one device graph (`.step`), or None where the
+        general path runs (every backend but CuPy, or a stage the kernels do not cover)."""
+        return None
 
     def synchronize(self) -> None:
         pass

@@ -1,8 +1,9 @@
 """CuPy backend: dense weights in f16 on the GPU, activations in float32, experts kept on the device
 in the file's stored block format and dequantized by a kernel when computed.
 
-Correctness first: one dequantize + two GEMMs per (layer, expert) call. The fused kernels and CUDA
-graphs of DESIGN.md §5 replace this path without changing its interface."""
+This is the general path (prompt chunks, partial caches, helper tiers): one dequantize + two GEMMs
+per (layer, expert). Decode steps whose experts are all resident run through
+`backends/cuda_decode.py` instead: the same stored blocks read by fused kernels in one CUDA graph."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,32 +19,14 @@ from gguf import GGMLQuantizationType
 
 from .base import Backend, BackendError
 
-_KERNELS = r"""
-#include <cuda_fp16.h>
-extern "C" __global__ void dequant_q8_0(const unsigned char* __restrict__ src,
-                                        float* __restrict__ dst, long long n) {
-    // Q8_0 block: f16 scale d, then 32 int8 quants; value = d * q.
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const unsigned char* blk = src + (i >> 5) * 34;
-    float d = __half2float(*reinterpret_cast<const __half*>(blk));
-    dst[i] = d * (float)(signed char)blk[2 + (i & 31)];
-}
-"""
-_module = None
-
-
-def _kernels():
-    global _module
-    if _module is None:
-        _module = cp.RawModule(code=_KERNELS, options=("--std=c++14",))
-    return _module
-
+from ..kernels import function as kernel
+from .layout import GPU_NATIVE_QUANTS
 
 class CupyBackend(Backend):
     name = "cupy"
     xp = cp
     dense_dtype = np.float16
+    kv_dtype = np.float16       # half the bytes of f32 KV; the decode kernels read f16
 
     def __init__(self, index: int = 0):
         try:
@@ -62,15 +45,16 @@ class CupyBackend(Backend):
         return cp.asarray(np.asarray(host, dtype=np.float16))
 
     def dense_tensor(self, gguf, info):
-        if info.ggml_type == GGMLQuantizationType.Q8_0:
-            return Q8Matrix(cp.asarray(np.asarray(gguf.raw(info.name))), info.shape)
+        if info.ggml_type in GPU_NATIVE_QUANTS:
+            return QuantMatrix(cp.asarray(np.asarray(gguf.raw(info.name))), info.shape,
+                               int(info.ggml_type))
         if info.ggml_type == GGMLQuantizationType.F16:
             return cp.asarray(np.asarray(gguf.raw(info.name)).view(np.float16).reshape(info.shape))
         return self.dense(gguf.dequantize(info.name))
 
     def rows(self, table, ids):
         idx = cp.asarray(np.asarray(ids, dtype=np.int64))
-        if isinstance(table, Q8Matrix):
+        if isinstance(table, QuantMatrix):
             return table.rows(idx)
         return table[idx].astype(cp.float32)
 
@@ -84,7 +68,7 @@ class CupyBackend(Backend):
         return cp.asnumpy(x)
 
     def linear(self, x, w):
-        if isinstance(w, Q8Matrix):
+        if isinstance(w, QuantMatrix):
             return x @ w.dequantize().T
         if w.dtype == cp.float16:
             return (x.astype(cp.float16) @ w.T).astype(cp.float32)
@@ -119,8 +103,8 @@ class CupyBackend(Backend):
             per = t.n_bytes // t.shape[0]
             raw, pos = blob[pos:pos + per], pos + per
             rows, cols = t.shape[1], t.shape[2]
-            if t.ggml_type == GGMLQuantizationType.Q8_0:
-                out.append(_dequant_q8_0(raw, rows * cols).reshape(rows, cols))
+            if t.ggml_type in GPU_NATIVE_QUANTS:
+                out.append(dequantize_rows(raw, int(t.ggml_type), rows, cols))
             elif t.ggml_type == GGMLQuantizationType.F32:
                 out.append(raw.view(cp.float32).reshape(rows, cols))
             elif t.ggml_type == GGMLQuantizationType.F16:
@@ -131,6 +115,10 @@ class CupyBackend(Backend):
                                                        gguf.path, t.name)))
         return tuple(out)
 
+    def decode_graph(self, model, max_cells):
+        from .cuda_decode import decode_graph
+        return decode_graph(model, max_cells)
+
     def synchronize(self):
         cp.cuda.get_current_stream().synchronize()
 
@@ -139,25 +127,39 @@ class CupyBackend(Backend):
         return int(free), int(total)
 
 
-def _dequant_q8_0(raw, n: int):
-    out = cp.empty(n, dtype=cp.float32)
-    _kernels().get_function("dequant_q8_0")(((n + 255) // 256,), (256,), (raw, out, cp.int64(n)))
+def dequantize_rows(raw, ggml_type: int, n_rows: int, n_cols: int, rows=None):
+    """float32 [n_rows, n_cols] from rows stored in a native quant type (all rows, or the row
+    indices `rows`, a device int32 array), decoded by the same code the decode kernels read
+    weights with."""
+    out = cp.empty((n_rows, n_cols), dtype=cp.float32)
+    row_bytes = _row_bytes(ggml_type, n_cols)
+    groups = n_rows * (n_cols // 32)
+    kernel("decode.cu", "dequant_rows")(
+        (min((groups + 255) // 256, 65535),), (256,),
+        (raw, np.int32(ggml_type), np.int64(row_bytes), np.int32(n_cols),
+         rows if rows is not None else np.uint64(0), np.int32(n_rows),
+         out))
     return out
 
 
-class Q8Matrix:
-    """A Q8_0 matrix kept as stored on the device; decoded exactly to float32 where it is used."""
+def _row_bytes(ggml_type: int, n_cols: int) -> int:
+    from gguf import GGML_QUANT_SIZES
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return n_cols // block * size
 
-    def __init__(self, raw, shape):
-        self.raw, self.shape = raw, tuple(shape)
+
+class QuantMatrix:
+    """A matrix kept on the device in its stored quant type (Q8_0, Q4_K, Q5_K, Q6_K); decoded
+    exactly to float32 where the general path uses it, read as stored by the decode kernels."""
+
+    def __init__(self, raw, shape, ggml_type: int):
+        self.raw, self.shape, self.ggml_type = raw, tuple(shape), int(ggml_type)
         self.nbytes = int(raw.nbytes)
         self.row_bytes = self.nbytes // self.shape[0]
 
     def dequantize(self):
-        return _dequant_q8_0(self.raw, self.shape[0] * self.shape[1]).reshape(self.shape)
+        return dequantize_rows(self.raw, self.ggml_type, self.shape[0], self.shape[1])
 
     def rows(self, idx):
-        picked = self.raw.reshape(self.shape[0], self.row_bytes)[idx]
-        return _dequant_q8_0(picked.reshape(-1), len(idx) * self.shape[1]).reshape(len(idx), -1)
-
-
+        idx = cp.asarray(idx, dtype=cp.int32)
+        return dequantize_rows(self.raw, self.ggml_type, len(idx), self.shape[1], rows=idx)

@@ -1,0 +1,48 @@
+"""Where a decode step's time goes, in one process: the graph step's wall time per token, and one
+eager step with every kernel timed (CUDA events), summed per kernel over the layers.
+
+    python benchmarks/profile_decode.py --model q30.gguf [--context 1024] [--steps 64]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prompt", type=int, default=64, help="tokens read before decoding")
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    from strata_dist.engine import Engine
+    t0 = time.perf_counter()
+    eng = Engine(args.model, args.device, max_context=args.context, prefill_chunk=512)
+    runner = eng.decode_graph
+    if runner is None:
+        raise SystemExit("this model's decode steps take the general path (see the log)")
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    eng.prefill([(7919 * i) % 1000 + 10 for i in range(args.prompt)])
+    tok = 11
+    for _ in range(4):                                      # capture and warm up
+        tok = eng.decode_step([tok]).greedy_token
+    t1 = time.perf_counter()
+    for _ in range(args.steps):
+        tok = eng.decode_step([tok]).greedy_token
+    ms = (time.perf_counter() - t1) * 1e3 / args.steps
+    print(f"graph step: {ms:.3f} ms/token = {1e3 / ms:.1f} tok/s (one process, "
+          f"{runner.le - runner.lb} layers)")
+    times = runner.kernel_times(eng.session, eng.session.n_past, ids=[tok])
+    total = sum(times.values())
+    print(f"eager step, kernels only: {total / 1e3:.3f} ms")
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:18s} {us:9.1f} us  {us / total:6.1%}  "
+              f"({us / (runner.le - runner.lb):.1f} us per layer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""The decode step of a qwen3moe stage on a GPU, as one CUDA graph.
+
+The kernels of `kernels/decode.cu` read the weights in their stored blocks (no float copies),
+route on the device and run all k experts of a layer in two launches, so one token through a
+stage is ~9 launches per layer and nothing in between touches the host. The runner owns static
+buffers (hidden rows, q/k/v, attention partials, router output, expert activations, logits); the
+sessions own their KV outside it. A small descriptor (position, rows, token ids) and the bound
+session's pointer table are copied in before the graph runs, so one captured graph per row count
+replays for every position and session. Only the greedy token id comes back to the host; the full
+logits stay on the device until a sampler asks for them (`StepLogits`).
+
+Used when every expert of the stage's layers is resident in its cache arena (the single-process
+engine, or a stage whose cache holds its whole range) and nothing needs routing decisions on the
+host (profile recording). Otherwise the general path of cupy_backend.py runs, unchanged."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import cupy as cp
+import cupyx
+
+from ..kernels import function
+from ..kernels.abi import (ATTN_CHUNK, DESC_WORDS, EXPERT_SPEC, F16, F32, KERNEL_TYPES, MAT_SPEC,
+                           MAX_ROWS)
+from ..plan.pricing import DECODE_ROWS
+from .cupy_backend import QuantMatrix
+
+log = logging.getLogger("strata.decode")
+
+KERNELS = "decode.cu"
+WARPS = 8                         # output rows per block of the matrix kernels (256 threads)
+# The attention partials are the step's only buffer that grows with the context. The runner gives
+# them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs only
+# for the row counts that fit; larger steps take the general path.
+ATTN_SCRATCH_BYTES = 32 << 20
+NULL = np.uint64(0)
+assert MAX_ROWS == DECODE_ROWS
+
+
+class Unsupported(Exception):
+    """Why a stage cannot take the graph path (the general path runs instead)."""
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A dense matrix as the kernels see it: device pointer, GGML type, bytes per row, shape."""
+    ptr: int
+    type: int
+    row_bytes: int
+    nrows: int
+    ncols: int
+
+
+def weight_of(w, name: str) -> Weight:
+    if isinstance(w, QuantMatrix):
+        out = Weight(int(w.raw.data.ptr), w.ggml_type, w.row_bytes, *w.shape)
+    elif isinstance(w, cp.ndarray) and w.ndim == 2 and w.flags.c_contiguous and \
+            w.dtype in (np.float16, np.float32):
+        out = Weight(int(w.data.ptr), F16 if w.dtype == np.float16 else F32,
+                     w.shape[1] * w.itemsize, *w.shape)
+    else:
+        raise Unsupported(f"{name}: kept as {type(w).__name__}, which no decode kernel reads")
+    align = KERNEL_TYPES.get(out.type)
+    if align is None or out.ncols % 32 or out.ptr % align or out.row_bytes % align:
+        raise Unsupported(f"{name}: type {out.type} / {out.ncols} columns is not readable by the "
+                          f"decode kernels")
+    return out
+
+
+class StepLogits:
+    """The last row's logits of a graph step. The greedy token is already on the host; the full
+    row is copied only when asked (`np.asarray`). It is the runner's buffer: read it before the
+    next step."""
+
+    def __init__(self, token: int, logits):
+        self.greedy_token = token
+        self._logits = logits
+
+    def __array__(self, dtype=None, copy=None):
+        host = cp.asnumpy(self._logits)
+        return host if dtype is None else host.astype(dtype)
+
+
+def _spec_array(dtype, rows: list[dict]):
+    host = np.zeros(len(rows), dtype=dtype)
+    for i, r in enumerate(rows):
+        for key, value in r.items():
+            host[key][i] = value
+    return cp.asarray(host.view(np.uint8))
+
+
+def _mat(w: Weight, y, add=None, y_stride: int | None = None) -> dict:
+    return dict(w=w.ptr, y=int(y.data.ptr), add=0 if add is None else int(add.data.ptr),
+                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols,
+                y_stride=w.nrows if y_stride is None else y_stride, type=w.type)
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(a.data.ptr)
+
+
+class DecodeGraph:
+    """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
+    in `arena`, for sessions of `max_cells` cells."""
+
+    def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None):
+        g = model.g
+        self.model, self.arena, self.g = model, arena, g
+        self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
+        self.use_graph = (os.environ.get("STRATA_DECODE_GRAPH", "1") != "0"
+                          if use_graph is None else use_graph)
+        self._check_geometry(g)
+        self.n_split = math.ceil(max_cells / ATTN_CHUNK)
+        per_row = g.n_head * self.n_split * (g.head_dim + 2) * 4
+        self.max_rows = max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row))
+        self._check_residency()
+        with cp.cuda.Device(model.backend.index):
+            self._allocate(g)
+            self._build_specs(g)
+            self._fns = {name: function(KERNELS, name, model.backend.index) for name in (
+                "matvec", "embed_tokens", "qk_norm_rope_kv", "attn_partial_128", "attn_combine",
+                "topk_route", "moe_gate_up", "moe_down_combine", "argmax_row")}
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._ready = cp.cuda.Event(disable_timing=True)
+        self.graphs: dict[int, object] = {}
+        self._timing = None            # [(kernel, start, end)] while kernel_times runs
+        self._bound = None             # weakref to the session whose pointers are in sess_table
+        self.steps = 0
+
+    # ---- what the kernels support ---------------------------------------------------------------
+    def _check_geometry(self, g) -> None:
+        if g.arch != "qwen3moe":
+            raise Unsupported(f"no decode graph for {g.arch} yet")
+        if g.head_dim != 128:
+            raise Unsupported(f"head_dim {g.head_dim} (the attention kernel is built for 128)")
+        if g.n_head % g.n_head_kv or g.n_head // g.n_head_kv > 16:
+            raise Unsupported(f"{g.n_head} query heads over {g.n_head_kv} kv heads")
+        if g.n_expert > 512 or g.n_expert_used > 16:
+            raise Unsupported(f"{g.n_expert} experts, top-{g.n_expert_used} (the router kernel "
+                              f"takes <= 512, top <= 16)")
+        if g.n_embd % 32 or g.n_ff_exp % 32:
+            raise Unsupported("widths that are not whole groups of 32")
+
+    def _check_residency(self) -> None:
+        held = self.arena.slot_of[self.lb:self.le]
+        if not (held >= 0).all():
+            raise Unsupported(f"{int((held < 0).sum())} experts of layers [{self.lb}, {self.le}) "
+                              f"are not in this stage's cache")
+
+    def usable(self, n: int) -> bool:
+        """Whether a step of n rows can run here now (the cache may be lent to a prompt, or a
+        profile may be recording routes)."""
+        return (n <= self.max_rows and not self.arena.lent
+                and getattr(self.model, "on_route", None) is None)
+
+    # ---- static buffers and kernel argument tables ----------------------------------------------
+    def _allocate(self, g) -> None:
+        f32, R = cp.float32, self.max_rows
+        q_w, kv_w = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+        self.h = cp.zeros((R, g.n_embd), f32)          # the residual stream, in place
+        self.xn = cp.zeros((R, g.n_embd), f32)         # normed input of the experts
+        self.q = cp.zeros((R, q_w), f32)
+        self.k = cp.zeros((R, kv_w), f32)
+        self.v = cp.zeros((R, kv_w), f32)
+        self.attn = cp.zeros((R, q_w), f32)
+        self.part = cp.zeros(R * g.n_head * self.n_split * g.head_dim, f32)
+        self.ml = cp.zeros(R * g.n_head * self.n_split * 2, f32)
+        self.router_logits = cp.zeros((R, g.n_expert), f32)
+        self.ids = cp.zeros((R, g.n_expert_used), cp.int32)
+        self.wts = cp.zeros((R, g.n_expert_used), f32)
+        self.blobs = cp.zeros((R, g.n_expert_used), cp.uint64)   # each chosen expert's address
+        self.act = cp.zeros((R, g.n_expert_used, g.n_ff_exp), f32)
+        self.logits = cp.zeros(g.n_vocab if self.last else 1, f32)
+        self.token = cp.zeros(1, cp.int32)
+        self.desc = cp.zeros(DESC_WORDS, cp.int32)
+        self.desc_host = cupyx.empty_pinned(DESC_WORDS, dtype=np.int32)
+        self.token_host = cupyx.empty_pinned(1, dtype=np.int32)
+        self.sess_table = cp.zeros(2 * (self.le - self.lb) + 2, cp.uint64)
+        # the arena's own device table is replaced whenever it lends; slots never move, so a copy
+        # taken while everything is resident stays right
+        self.slot_of = cp.asarray(self.arena.slot_of.astype(np.int32))
+        self.offsets = cp.asarray(self.arena.offsets[:-1].astype(np.int64))
+
+    def _build_specs(self, g) -> None:
+        m = self.model
+        self.layer_specs = []
+        for layer in range(self.lb, self.le):
+            w = m.layers[layer]
+            name = f"blk.{layer}"
+            q, k, v = (weight_of(x, f"{name}.attn_{p}") for x, p in ((w.q, "q"), (w.k, "k"),
+                                                                      (w.v, "v")))
+            o = weight_of(w.o, f"{name}.attn_output")
+            router = weight_of(w.router, f"{name}.ffn_gate_inp")
+            self.layer_specs.append(dict(
+                qkv=_spec_array(MAT_SPEC, [_mat(q, self.q), _mat(k, self.k), _mat(v, self.v)]),
+                qkv_rows=max(q.nrows, k.nrows, v.nrows),
+                o=_spec_array(MAT_SPEC, [_mat(o, self.h, add=self.h)]),
+                router=_spec_array(MAT_SPEC, [_mat(router, self.router_logits)]),
+                experts=_spec_array(EXPERT_SPEC, [self._expert_spec(layer)]),
+                w=w))
+        if self.last:
+            t = m._tensors
+            head = t["token_embd.weight" if g.tied_embeddings else "output.weight"]
+            self.head_spec = _spec_array(MAT_SPEC, [_mat(weight_of(head, "output.weight"),
+                                                         self.logits)])
+            self.output_norm = t["output_norm.weight"]
+        if self.first:
+            self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
+
+    def _expert_spec(self, layer: int) -> dict:
+        g, gguf = self.g, self.model.gguf
+        parts = gguf.expert_parts(layer)           # gate, up, down as stored
+        types = [int(t.ggml_type) for t in parts]
+        per = [t.n_bytes // t.shape[0] for t in parts]
+        rows = [t.shape[1] for t in parts]
+        for t, ty, size, r in zip(parts, types, per, rows):
+            align = KERNEL_TYPES.get(ty)
+            if align is None or size % align or (size // r) % align:
+                raise Unsupported(f"{t.name}: type {t.ggml_type.name} is not readable by the "
+                                  f"expert kernels")
+        align = max(KERNEL_TYPES[t] for t in types)
+        if (self.arena.offsets % align).any():
+            raise Unsupported("cache slots are not aligned for the expert kernels")
+        return dict(arena=int(self.arena.buf.data.ptr), offsets=int(self.offsets.data.ptr),
+                    slot_of=int(self.slot_of.data.ptr) + 4 * layer * g.n_expert,
+                    up_at=per[0], down_at=per[0] + per[1], gate_row_bytes=per[0] // rows[0],
+                    up_row_bytes=per[1] // rows[1], down_row_bytes=per[2] // rows[2],
+                    gate_type=types[0], up_type=types[1], down_type=types[2], n_ff=g.n_ff_exp,
+                    n_embd=g.n_embd, k=g.n_expert_used)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _launch(self, name: str):
+        """The kernel `name`; while `kernel_times` runs, wrapped to time each launch."""
+        fn = self._fns[name]
+        if self._timing is None:
+            return fn
+
+        def timed(grid, block, args):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(self.stream)
+            fn(grid, block, args)
+            end.record(self.stream)
+            self._timing.append((name, start, end))
+        return timed
+
+    def kernel_times(self, session, pos: int, ids=None, hidden=None) -> dict[str, float]:
+        """One eager step with every launch timed: microseconds per kernel name, summed over the
+        layers (what benchmarks/profile_decode.py prints). The step is a real one: it advances
+        nothing but writes the KV of position `pos`."""
+        use_graph, self.use_graph, self._timing = self.use_graph, False, []
+        try:
+            self.step(session, pos, ids=ids, hidden=hidden)
+            out: dict[str, float] = {}
+            for name, start, end in self._timing:
+                out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(start, end) * 1e3
+            return out
+        finally:
+            self.use_graph, self._timing = use_graph, None
+
+    def _enqueue(self, n: int) -> None:
+        """Every kernel of one step of n rows, on self.stream (captured or run eagerly)."""
+        g, f = self.g, _Launcher(self)
+        eps = np.float32(g.rms_eps)
+        i32 = np.int32
+        nl = self.le - self.lb
+        if self.first:
+            e = self.embedding
+            f["embed_tokens"]((1, n), (128,), (np.uint64(e.ptr), i32(e.type), np.int64(e.row_bytes),
+                                              i32(e.ncols), self.desc, self.h))
+        scale = np.float32(1.0 / math.sqrt(g.head_dim))
+        for j, L in enumerate(self.layer_specs):
+            w = L["w"]
+            f["matvec"](((L["qkv_rows"] + WARPS - 1) // WARPS, 3), (32 * WARPS,),
+                        (L["qkv"], self.h, i32(g.n_embd), i32(n), w.attn_norm, eps, NULL))
+            f["qk_norm_rope_kv"]((g.n_head + g.n_head_kv, n), (32,),
+                                 (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
+                                  i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
+                                  i32(g.head_dim), i32(g.head_dim), eps))
+            f["attn_partial_128"]((g.n_head_kv, self.n_split, n), (256,),
+                                  (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
+                                   i32(g.n_head_kv), i32(self.n_split), scale, self.part, self.ml))
+            f["attn_combine"]((g.n_head, n), (128,),
+                              (self.part, self.ml, self.desc, i32(g.n_head), i32(self.n_split),
+                               i32(g.head_dim), self.attn))
+            f["matvec"](((g.n_embd + WARPS - 1) // WARPS, 1), (32 * WARPS,),
+                        (L["o"], self.attn, i32(g.n_head * g.head_dim), i32(n), NULL, eps, NULL))
+            f["matvec"](((g.n_expert + WARPS - 1) // WARPS, 1), (32 * WARPS,),
+                        (L["router"], self.h, i32(g.n_embd), i32(n), w.ffn_norm, eps, self.xn))
+            f["topk_route"]((n,), (32,), (self.router_logits, i32(g.n_expert),
+                                          i32(g.n_expert_used), i32(1), L["experts"], self.ids,
+                                          self.wts, self.blobs))
+            f["moe_gate_up"](((g.n_ff_exp + WARPS - 1) // WARPS, g.n_expert_used, n),
+                             (32 * WARPS,), (L["experts"], self.xn, self.blobs, self.act))
+            f["moe_down_combine"](((g.n_embd + WARPS - 1) // WARPS, n), (32 * WARPS,),
+                                  (L["experts"], self.act, self.blobs, self.wts, self.h))
+        if self.last:
+            f["matvec"](((g.n_vocab + WARPS - 1) // WARPS, 1), (32 * WARPS,),
+                        (self.head_spec, self.h[n - 1:n], i32(g.n_embd), i32(1),
+                         self.output_norm, eps, NULL))
+            f["argmax_row"]((1,), (1024,), (self.logits, i32(g.n_vocab), self.token))
+
+    def _graph(self, n: int):
+        graph = self.graphs.get(n)
+        if graph is None:
+            with self.stream:
+                self.stream.begin_capture()
+                try:
+                    self._enqueue(n)
+                finally:
+                    graph = self.stream.end_capture()
+            self.graphs[n] = graph
+        return graph
+
+    def _bind(self, session) -> None:
+        """Point the kernels at `session`'s KV and RoPE tables (only when the session changes)."""
+        if self._bound is not None and self._bound() is session:
+            return
+        ptrs = [int(a.data.ptr) for layer in range(self.lb, self.le)
+                for a in (session.k(layer), session.v(layer))]
+        ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
+        self.sess_table.set(np.asarray(ptrs, dtype=np.uint64), stream=self.stream)
+        self._bound = weakref.ref(session)
+
+    def step(self, session, pos: int, ids=None, hidden=None):
+        """Rows at positions pos.. of `session`: token ids on the first stage, else hidden rows
+        [n, n_embd]. Returns StepLogits on the last stage, else the hidden rows (a new device
+        array). The caller advances session.n_past."""
+        n = len(ids) if self.first else int(hidden.shape[0])
+        if not 1 <= n <= self.max_rows:
+            raise ValueError(f"a graph step takes 1..{self.max_rows} rows, got {n}")
+        if pos + n > session.max_cells:
+            raise ValueError(f"context full: {pos} + {n} tokens > {session.max_cells} cells")
+        if self.first:
+            ids = np.asarray(ids, dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= self.g.n_vocab:
+                raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        # whatever the default stream still has in flight (a prompt chunk writing this session's
+        # KV) comes first
+        self._ready.record(cp.cuda.Stream.null)
+        self.stream.wait_event(self._ready)
+        self._bind(session)
+        self.desc_host[0], self.desc_host[1] = pos, n
+        if self.first:
+            self.desc_host[2:2 + n] = ids
+        cp.cuda.runtime.memcpyAsync(self.desc.data.ptr, self.desc_host.ctypes.data,
+                                    self.desc_host.nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                    self.stream.ptr)
+        with self.stream:
+            if not self.first:
+                cp.copyto(self.h[:n], cp.asarray(hidden, dtype=cp.float32))
+            if self.use_graph:
+                self._graph(n).launch(self.stream)
+            else:
+                self._enqueue(n)
+            out = None if self.last else self.h[:n].copy()
+        if self.last:
+            cp.cuda.runtime.memcpyAsync(self.token_host.ctypes.data, self.token.data.ptr, 4,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        # the pinned descriptor may be rewritten only after this step has read it
+        self.stream.synchronize()
+        self.steps += 1
+        return StepLogits(int(self.token_host[0]), self.logits) if self.last else out
+
+
+class _Launcher:
+    """`f[name](grid, block, args)` for _enqueue, through DecodeGraph._launch."""
+
+    def __init__(self, runner: DecodeGraph):
+        self.runner = runner
+
+    def __getitem__(self, name: str):
+        return self.runner._launch(name)
+
+
+def decode_graph(model, max_cells: int):
+    """A DecodeGraph for the model's stage, or None (with the reason logged once) when its layers
+    cannot take the graph path."""
+    # a stage's tiers compute through their own cache first; helper tiers and host memory hold
+    # only pairs the cache lacks, so a cache with every pair never asks them
+    arena = getattr(model.experts, "cache", model.experts)
+    try:
+        return DecodeGraph(model, arena, max_cells)
+    except Unsupported as e:
+        log.info("decode steps of layers [%d, %d) take the general path: %s", model.lb, model.le, e)
+        return None

@@ -1,0 +1,39 @@
+"""CUDA C kernels of the GPU backend, kept as package data (`*.cu` beside this file).
+
+`module(name)` compiles a source once per process with NVRTC through CuPy's `RawModule`. CuPy
+keeps the compiled binary on disk (`CUPY_CACHE_DIR`, default `~/.cupy/kernel_cache`) under a key
+made of the source, the compile options, the device's compute capability and the CuPy and NVRTC
+versions, so a later process loads it without compiling. `tests/test_kernels_compile.py` builds
+every source with `nvcc -arch=sm_90` where nvcc exists, so a syntax error costs no GPU time.
+
+CuPy is imported only when a module is asked for: CPU ranks never load this."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+COMPILE_OPTIONS = ("--std=c++17",)
+
+
+def sources() -> list[Path]:
+    """Every kernel source of the package."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
+
+
+def source_text(name: str) -> str:
+    return (KERNEL_DIR / name).read_text()
+
+
+@lru_cache(maxsize=None)
+def module(name: str, device: int = 0):
+    """The compiled RawModule of `name` (e.g. "decode.cu") for a device, once per process."""
+    import cupy as cp
+    with cp.cuda.Device(device):
+        mod = cp.RawModule(code=source_text(name), options=COMPILE_OPTIONS)
+        mod.compile()
+    return mod
+
+
+def function(name: str, kernel: str, device: int = 0):
+    return module(name, device).get_function(kernel)

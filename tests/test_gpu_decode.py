@@ -1,0 +1,177 @@
+"""The GPU decode path (kernels/decode.cu through backends/cuda_decode.py) against references
+nobody here wrote: gguf-py's dequantizers for every block type the kernels read, numpy float32
+for the whole forward. Run on the GPU machine: pytest -m gpu."""
+import numpy as np
+import pytest
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf import GGMLQuantizationType as QT, GGML_QUANT_SIZES  # noqa: E402
+from gguf import quants as gguf_quants  # noqa: E402
+
+TYPES = [QT.F32, QT.F16, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+SCALE_AT = {QT.Q8_0: [0], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}   # f16 fields of a block
+
+
+def random_rows(qtype, n_rows: int, n_cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(stored bytes [n_rows, row_bytes], gguf-py's float32 decoding of them)."""
+    rng = np.random.default_rng(seed)
+    if qtype == QT.F32:
+        w = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        return w.view(np.uint8), w
+    if qtype == QT.F16:
+        w = rng.standard_normal((n_rows, n_cols)).astype(np.float16)
+        return w.view(np.uint8), w.astype(np.float32)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_rows, n_cols // block, size), dtype=np.uint8)
+    for at in SCALE_AT[qtype]:      # sane scales (random bytes could be inf or nan)
+        scales = (rng.random((n_rows, n_cols // block)) * 0.02 + 0.001).astype(np.float16)
+        raw[..., at:at + 2] = scales.view(np.uint8).reshape(n_rows, n_cols // block, 2)
+    raw = raw.reshape(n_rows, -1)
+    return raw, gguf_quants.dequantize(raw, qtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", TYPES[2:], ids=lambda t: t.name)
+def test_dequantize_matches_gguf(qtype):
+    from strata_dist.backends.cupy_backend import QuantMatrix
+    raw, ref = random_rows(qtype, 24, 512, 1)
+    m = QuantMatrix(cp.asarray(raw.reshape(-1)), ref.shape, int(qtype))
+    np.testing.assert_allclose(cp.asnumpy(m.dequantize()), ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(cp.asnumpy(m.rows(np.array([5, 0, 23]))), ref[[5, 0, 23]],
+                               rtol=1e-6, atol=1e-7)
+
+
+def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None):
+    from strata_dist.backends import cuda_decode as cd
+    w = cd.Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
+    n = x.shape[0]
+    y = cp.zeros((n, shape[0]), cp.float32) if add is None else add
+    spec = cd._spec_array(cd.MAT_SPEC, [cd._mat(w, y, add=add)])
+    cd.function("decode.cu", "matvec")(((shape[0] + 7) // 8, 1), (256,), (
+        spec, x, np.int32(shape[1]), np.int32(n), cd.NULL if norm_w is None else norm_w,
+        np.float32(1e-6), cd.NULL if normed is None else normed))
+    return cp.asnumpy(y)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n):
+    rows, cols = 203, 512                      # not a whole number of blocks of 8 rows
+    raw, w = random_rows(qtype, rows, cols, 2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    dev = cp.asarray(raw.reshape(-1))
+    got = _matvec(dev, qtype, (rows, cols), cp.asarray(x))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # the first row's bits do not depend on how many rows shared the launch
+    alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]))
+    assert np.array_equal(alone[0], got[0])
+    # fused RMSNorm, the normed rows written out, a residual added in place
+    nw = (1 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
+    res = rng.standard_normal((n, rows)).astype(np.float32)
+    normed = cp.zeros((n, cols), cp.float32)
+    got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), norm_w=cp.asarray(nw),
+                  add=cp.asarray(res), normed=normed)
+    xn = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
+    ref = res + xn @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(cp.asnumpy(normed), xn, rtol=1e-5, atol=1e-6)
+
+
+def _model(tmp_path, dtype, seed=7):
+    model = tiny_qwen3moe(seed, hidden=256, head_dim=128, top_k=4, n_experts=16, n_layers=3)
+    return write_gguf(model, tmp_path / f"m-{dtype}.gguf", dtype)
+
+
+PROMPT = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]   # > 256 keys: 2 splits
+NEXT = [17, 3, 250, 99, 4, 180, 61, 7]
+
+
+# F16 files: the prompt (general path) rounds activations to f16 before each cuBLAS product, which
+# alone moves these random models' logits by ~1e-2 (tests/test_gpu.py); the graph's own kernels
+# keep activations in f32.
+TOLERANCE = {"f32": 1e-2, "f16": 2e-2, "q8_0": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference):
+    from strata_dist.engine import Engine
+    path = _model(tmp_path, dtype)
+    cpu, gpu = Engine(path, "cpu", prefill_chunk=128), Engine(path, "cuda:0", prefill_chunk=128)
+    assert gpu.decode_graph is not None
+    cpu.prefill(PROMPT)
+    gpu.prefill(PROMPT)
+    for t in NEXT:                             # one row per step, as decode runs
+        ref = cpu.feed([t])[-1]
+        got = np.asarray(gpu.decode_step([t]))
+        assert np.abs(got - ref).max() <= TOLERANCE[dtype], t
+    for rows in ([5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]):   # several rows in one step
+        ref = cpu.feed(rows)[-1]
+        got = np.asarray(gpu.decode_step(rows))
+        assert np.abs(got - ref).max() <= TOLERANCE[dtype]
+    assert gpu.decode_graph.steps == len(NEXT) + 2
+
+
+def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
+    from strata_dist.engine import Engine
+    path = _model(tmp_path, "q8_0", seed=8)
+    graph, eager, general = (Engine(path, "cuda:0", prefill_chunk=128) for _ in range(3))
+    eager.decode_graph.use_graph = False
+    general.decode_graph = None
+    for e in (graph, eager):
+        e.prefill(PROMPT[:40])
+    for t in NEXT:
+        a, b = np.asarray(graph.decode_step([t])), np.asarray(eager.decode_step([t]))
+        assert np.array_equal(a, b)
+    assert len(graph.decode_graph.graphs) == 1 and not eager.decode_graph.graphs
+    want = general.generate(PROMPT[:40], 24).tokens
+    assert Engine(path, "cuda:0", prefill_chunk=128).generate(PROMPT[:40], 24).tokens == want
+
+
+def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
+    """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
+    from strata_dist.engine import Engine
+    from strata_dist.synth import SynthGeometry, write_synthetic
+    geo = SynthGeometry("small", n_layer=3, n_embd=512, n_head=4, n_head_kv=2, head_dim=128,
+                        n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=1024,
+                        context_length=2048)
+    path = str(tmp_path / "q4k.gguf")
+    write_synthetic(path, like=geo, quant="q4_k", popularity="zipf:1.0", seed=3)
+    cpu, gpu = Engine(path, "cpu", prefill_chunk=64), Engine(path, "cuda:0", prefill_chunk=64)
+    assert gpu.decode_graph is not None
+    prompt = [int(x) for x in np.random.default_rng(5).integers(10, 1000, 70)]
+    cpu.prefill(prompt)
+    gpu.prefill(prompt)
+    for t in NEXT:
+        ref = cpu.feed([t])[-1]
+        got = np.asarray(gpu.decode_step([t]))
+        assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
+
+
+def test_stage_takes_the_graph_only_with_every_expert_cached(tmp_path):
+    from strata_dist.stage import Stage, StageConfig
+    path = _model(tmp_path, "q8_0")
+    full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
+                             cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
+    part = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
+                             cache_pairs=[(l, e) for l in range(3) for e in range(8)]))
+    assert full.decode_graph is not None and part.decode_graph is None
+    toks = {}
+    for name, st in (("full", full), ("part", part)):
+        st.run(0, 0, ids=PROMPT[:20], prompt=True)
+        hits_after_prompt = st.tiers.counters["hits"]
+        out, pos, seq = None, 20, []
+        for t in NEXT:
+            out = st.run(0, pos, ids=[t])
+            pos += 1
+            seq.append(int(np.argmax(np.asarray(out))))
+        toks[name] = seq
+        if name == "full":   # every (token, layer, rank) of a graph step counts as a hit
+            assert st.tiers.counters["hits"] - hits_after_prompt == len(NEXT) * 4 * 3
+    assert toks["full"] == toks["part"]
+    assert full.tiers.counters["graph_steps"] == len(NEXT)
+
