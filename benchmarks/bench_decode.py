@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -76,6 +77,9 @@ def handoff_us(devices: str) -> float | None:
 
 
 def llama_arm(args) -> dict:
+    deadline = time.monotonic() + args.llama_wait     # a llama.cpp build may still be running
+    while not os.access(args.llama_bench, os.X_OK) and time.monotonic() < deadline:
+        time.sleep(5)
     cmd = [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-p", "0",
            "-n", str(args.tokens), "-r", "2", "-o", "json"]
     print("llama.cpp:", " ".join(cmd), flush=True)
@@ -103,8 +107,9 @@ def machine() -> dict:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=HERE, timeout=10).stdout.strip()
+        # "-dirty" when the tree measured differs from that commit
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                              capture_output=True, text=True, cwd=HERE, timeout=10).stdout.strip()
     except OSError:
         return ""
 
@@ -118,6 +123,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="--max-context")
     ap.add_argument("--cpu", action="store_true", help="one CPU rank (the harness, no GPU)")
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
+    ap.add_argument("--llama-wait", type=float, default=0,
+                    help="seconds to wait for llama-bench to appear (a build in the background)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     facts = model_facts(args.model)

@@ -87,7 +87,7 @@ def _model(tmp_path, dtype, seed=7):
     return write_gguf(model, tmp_path / f"m-{dtype}.gguf", dtype)
 
 
-PROMPT = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]   # > 256 keys: 2 splits
+PROMPT = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]   # 5 attention splits
 NEXT = [17, 3, 250, 99, 4, 180, 61, 7]
 
 

@@ -38,6 +38,7 @@ WARPS = 8                         # output rows per block of the matrix kernels 
 # them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs only
 # for the row counts that fit; larger steps take the general path.
 ATTN_SCRATCH_BYTES = 32 << 20
+ATTN_CHUNKS = (64, 128, ATTN_CHUNK)   # keys per split, the shortest that fits the budget
 NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
@@ -115,8 +116,16 @@ class DecodeGraph:
         self.use_graph = (os.environ.get("STRATA_DECODE_GRAPH", "1") != "0"
                           if use_graph is None else use_graph)
         self._check_geometry(g)
-        self.n_split = math.ceil(max_cells / ATTN_CHUNK)
-        per_row = g.n_head * self.n_split * (g.head_dim + 2) * 4
+        # keys per attention split: short chunks spread a context over more blocks, as long as
+        # the partials of one row stay inside the scratch budget
+        for chunk in ATTN_CHUNKS:
+            self.attn_chunk, self.n_split = chunk, math.ceil(max_cells / chunk)
+            per_row = g.n_head * self.n_split * (g.head_dim + 2) * 4
+            if per_row <= ATTN_SCRATCH_BYTES:
+                break
+        else:
+            raise Unsupported(f"{max_cells} cells need {per_row >> 20} MiB of attention partials "
+                              f"per row (more than {ATTN_SCRATCH_BYTES >> 20} MiB)")
         self.max_rows = max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row))
         self._check_residency()
         with cp.cuda.Device(model.backend.index):
@@ -283,10 +292,11 @@ class DecodeGraph:
                                   i32(g.head_dim), i32(g.head_dim), eps))
             f["attn_partial_128"]((g.n_head_kv, self.n_split, n), (256,),
                                   (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
-                                   i32(g.n_head_kv), i32(self.n_split), scale, self.part, self.ml))
+                                   i32(g.n_head_kv), i32(self.n_split), i32(self.attn_chunk),
+                                   scale, self.part, self.ml))
             f["attn_combine"]((g.n_head, n), (128,),
                               (self.part, self.ml, self.desc, i32(g.n_head), i32(self.n_split),
-                               i32(g.head_dim), self.attn))
+                               i32(self.attn_chunk), i32(g.head_dim), self.attn))
             f["matvec"](((g.n_embd + WARPS - 1) // WARPS, 1), (32 * WARPS,),
                         (L["o"], self.attn, i32(g.n_head * g.head_dim), i32(n), NULL, eps, NULL))
             f["matvec"](((g.n_expert + WARPS - 1) // WARPS, 1), (32 * WARPS,),

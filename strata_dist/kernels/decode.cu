@@ -20,7 +20,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define MAX_ROWS 8          // rows of one decode step (plan.pricing.DECODE_ROWS)
-#define ATTN_CHUNK 256      // keys per attention split (one block each)
+#define ATTN_CHUNK 256      // the most keys per attention split (one block each)
 
 // GGML type ids, as in the GGUF file
 #define T_F32 0
@@ -152,6 +152,7 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ wrow, int ncols,
     const int lane = threadIdx.x & 31;
     #pragma unroll
     for (int i = 0; i < MAX_ROWS; ++i) acc[i] = 0.f;
+    #pragma unroll 2
     for (int g = lane; g < (ncols >> 5); g += 32) {
         float w[32];
         group32<T>(wrow, g, w);
@@ -188,6 +189,7 @@ template <int T>
 __device__ __forceinline__ float lane_dot(const u8* __restrict__ wrow, int ncols,
                                           const float* __restrict__ x, int sub, int stride) {
     float acc = 0.f;
+    #pragma unroll 3
     for (int g = sub; g < (ncols >> 5); g += stride) {
         float w[32];
         group32<T>(wrow, g, w);
@@ -202,6 +204,31 @@ __device__ __forceinline__ float lane_dot(const u8* __restrict__ wrow, int ncols
     return acc;
 }
 
+// Two rows of the same type against one x (an expert's gate and up rows), lanes over groups.
+template <int T>
+__device__ __forceinline__ void pair_dot(const u8* __restrict__ a, const u8* __restrict__ b,
+                                         int ncols, const float* __restrict__ x, float& da,
+                                         float& db) {
+    float sa = 0.f, sb = 0.f;
+    #pragma unroll 2
+    for (int g = threadIdx.x & 31; g < (ncols >> 5); g += 32) {
+        float wa[32], wb[32];
+        group32<T>(a, g, wa);
+        group32<T>(b, g, wb);
+        const float4* xp = reinterpret_cast<const float4*>(x + 32 * g);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float4 v = __ldg(xp + j);
+            sa += wa[4 * j] * v.x; sa += wa[4 * j + 1] * v.y;
+            sa += wa[4 * j + 2] * v.z; sa += wa[4 * j + 3] * v.w;
+            sb += wb[4 * j] * v.x; sb += wb[4 * j + 1] * v.y;
+            sb += wb[4 * j + 2] * v.z; sb += wb[4 * j + 3] * v.w;
+        }
+    }
+    da = sa;
+    db = sb;
+}
+
 #define DISPATCH_TYPE(type, CALL)                                    \
     switch (type) {                                                  \
         case T_F32: { const int TT = T_F32; CALL; } break;           \
@@ -213,15 +240,27 @@ __device__ __forceinline__ float lane_dot(const u8* __restrict__ wrow, int ncols
         default: break;                                              \
     }
 
-// 1 / rms of each of the n rows of x (block-wide; every thread gets them through shared memory).
+// 1 / rms of each of the n rows of x, computed by the whole block (float4 loads, a fixed
+// reduction order) and shared with every thread through `inv`.
 __device__ void block_inv_rms(const float* __restrict__ x, int x_stride, int ncols, int n,
                               float eps, float* inv /* shared [MAX_ROWS] */) {
+    __shared__ float part[MAX_ROWS][32];
     const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (int i = warp; i < n; i += nwarps) {
+    for (int i = 0; i < n; ++i) {
         float s = 0.f;
-        for (int c = lane; c < ncols; c += 32) { float v = x[(i64)i * x_stride + c]; s += v * v; }
+        for (int c = 4 * threadIdx.x; c < ncols; c += 4 * blockDim.x) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(x + (i64)i * x_stride + c));
+            s += v.x * v.x; s += v.y * v.y; s += v.z * v.z; s += v.w * v.w;
+        }
         s = warp_sum(s);
-        if (lane == 0) inv[i] = rsqrtf(s / (float)ncols + eps);
+        if (lane == 0) part[i][warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        for (int i = 0; i < n; ++i) {
+            float s = warp_sum(lane < nwarps ? part[i][lane] : 0.f);
+            if (lane == 0) inv[i] = rsqrtf(s / (float)ncols + eps);
+        }
     }
     __syncthreads();
 }
@@ -238,7 +277,7 @@ struct MatSpec {
 
 // y[i, o] = add[i, o] + sum_c W[o, c] * xn[i, c], with xn = rms_norm(x) * norm_w when norm_w is
 // given (else x). One warp per output row. Block (0, 0) also writes xn to `normed` when given.
-extern "C" __global__ void matvec(const MatSpec* __restrict__ specs, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256, 2) matvec(const MatSpec* __restrict__ specs, const float* __restrict__ x,
                                   int x_stride, int n, const float* __restrict__ norm_w, float eps,
                                   float* __restrict__ normed) {
     __shared__ float inv[MAX_ROWS];
@@ -260,10 +299,13 @@ extern "C" __global__ void matvec(const MatSpec* __restrict__ specs, const float
     const u8* wrow = s.w + (i64)o * s.row_bytes;
     DISPATCH_TYPE(s.type, (row_dots<TT>(wrow, s.ncols, x, x_stride, n, norm_w, acc)));
     if (lane == 0) {
-        for (int i = 0; i < n; ++i) {
-            float v = norm_w != nullptr ? acc[i] * inv[i] : acc[i];
-            i64 at = (i64)i * s.y_stride + o;
-            s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
+        #pragma unroll
+        for (int i = 0; i < MAX_ROWS; ++i) {
+            if (i < n) {
+                const float v = norm_w != nullptr ? acc[i] * inv[i] : acc[i];
+                const i64 at = (i64)i * s.y_stride + o;
+                s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
+            }
         }
     }
 }
@@ -349,34 +391,38 @@ extern "C" __global__ void qk_norm_rope_kv(float* __restrict__ q, const float* _
     }
 }
 
-// Flash-decoding, first half: block (kv head, split, row) scores ATTN_CHUNK keys for the G query
-// heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
+// Flash-decoding, first half: block (kv head, split, row) scores `chunk` (<= ATTN_CHUNK) keys for
+// the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
+// Short chunks spread a short context over more blocks; the runner picks the chunk.
 template <int D>
 __device__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
                                   int layer_slot, const int* __restrict__ desc,
-                                  int n_head, int n_kv, int n_split, float scale,
+                                  int n_head, int n_kv, int n_split, int chunk, float scale,
                                   float* __restrict__ part, float* __restrict__ ml) {
-    constexpr int MAX_G = 16;
-    __shared__ float qs[MAX_G * D];
-    __shared__ float ps[MAX_G * ATTN_CHUNK];
+    constexpr int MAX_G = 16, PAIRS = D / 2;
+    // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
+    __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
     __shared__ float ms[MAX_G], ls[MAX_G];
+    float* qs = smem;
+    float* ps = smem + MAX_G * D;
     const int kvh = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
     const int G = n_head / n_kv, t = threadIdx.x;
     const int len = desc[DESC_POS] + i + 1;              // keys this row sees (causal)
-    const int start = split * ATTN_CHUNK;
+    const int start = split * chunk;
     if (start >= len) return;
-    const int count = min(ATTN_CHUNK, len - start);
+    const int count = min(chunk, len - start);
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
     for (int idx = t; idx < G * D; idx += blockDim.x)
         qs[idx] = q[((i64)i * n_head + kvh * G) * D + idx];
     __syncthreads();
+    // scores: one key per thread, its row in registers, q read four at a time
     if (t < count) {
         const uint4* kp = reinterpret_cast<const uint4*>(kc + ((i64)(start + t) * n_kv + kvh) * D);
         float kf[D];
         #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
-            uint4 raw = kp[j];
+            uint4 raw = __ldg(kp + j);
             const __half2* h2 = reinterpret_cast<const __half2*>(&raw);
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -385,9 +431,14 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
             }
         }
         for (int g = 0; g < G; ++g) {
+            const float4* q4 = reinterpret_cast<const float4*>(qs + g * D);
             float s = 0.f;
             #pragma unroll
-            for (int d = 0; d < D; ++d) s += qs[g * D + d] * kf[d];
+            for (int d = 0; d < D / 4; ++d) {
+                const float4 qv = q4[d];
+                s += qv.x * kf[4 * d]; s += qv.y * kf[4 * d + 1];
+                s += qv.z * kf[4 * d + 2]; s += qv.w * kf[4 * d + 3];
+            }
             ps[g * ATTN_CHUNK + t] = s * scale;
         }
     }
@@ -407,51 +458,67 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
         if (lane == 0) { ms[g] = m; ls[g] = l; }
     }
     __syncthreads();
-    // weighted V: thread t takes the dim pair dp of heads gq, gq + hstep, ... (one half2 load of
-    // V per key serves all of them)
-    constexpr int PAIRS = D / 2;
-    const int dp = t % PAIRS, gq = t / PAIRS, hstep = blockDim.x / PAIRS;
+    // weighted V: thread (kq, dp) takes keys kq, kq + KQ, ... for the dim pair dp of every head
+    // (one half2 load of V serves all G), then the KQ partial sums are added in kq order
+    const int KQ = blockDim.x / PAIRS, dp = t % PAIRS, kq = t / PAIRS;
     float2 acc[MAX_G];
     #pragma unroll
-    for (int j = 0; j < MAX_G; ++j) acc[j] = make_float2(0.f, 0.f);
+    for (int g = 0; g < MAX_G; ++g) acc[g] = make_float2(0.f, 0.f);
     const __half2* vp = reinterpret_cast<const __half2*>(vc + ((i64)start * n_kv + kvh) * D) + dp;
-    for (int c = 0; c < count; ++c) {
-        const float2 v = __half22float2(vp[(i64)c * n_kv * PAIRS]);
+    const i64 vstride = (i64)n_kv * PAIRS;
+    #pragma unroll 4
+    for (int c = kq; c < count; c += KQ) {
+        const float2 v = __half22float2(__ldg(vp + c * vstride));
         #pragma unroll
-        for (int j = 0; j < MAX_G; ++j) {
-            const int g = gq + j * hstep;
+        for (int g = 0; g < MAX_G; ++g) {
             if (g < G) {
                 const float p = ps[g * ATTN_CHUNK + c];
-                acc[j].x += p * v.x;
-                acc[j].y += p * v.y;
+                acc[g].x += p * v.x;
+                acc[g].y += p * v.y;
             }
         }
     }
-    #pragma unroll
-    for (int j = 0; j < MAX_G; ++j) {
-        const int g = gq + j * hstep;
-        if (g < G) {
-            const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + split;
-            reinterpret_cast<float2*>(part + at * D)[dp] = acc[j];
-            if (dp == 0) { ml[2 * at] = ms[g]; ml[2 * at + 1] = ls[g]; }
+    __syncthreads();                                     // qs and ps are read for the last time
+    float2* red = reinterpret_cast<float2*>(smem);       // [KQ - 1][MAX_G][PAIRS]
+    if (kq > 0) {
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g)
+            if (g < G) red[((kq - 1) * MAX_G + g) * PAIRS + dp] = acc[g];
+    }
+    __syncthreads();
+    if (kq == 0) {
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            if (g < G) {
+                float2 a = acc[g];
+                for (int o = 1; o < KQ; ++o) {
+                    const float2 b = red[((o - 1) * MAX_G + g) * PAIRS + dp];
+                    a.x += b.x;
+                    a.y += b.y;
+                }
+                const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + split;
+                reinterpret_cast<float2*>(part + at * D)[dp] = a;
+                if (dp == 0) { ml[2 * at] = ms[g]; ml[2 * at + 1] = ls[g]; }
+            }
         }
     }
 }
 
 extern "C" __global__ void attn_partial_128(const float* q, const u64* sess, int layer_slot,
                                             const int* desc, int n_head, int n_kv, int n_split,
-                                            float scale, float* part, float* ml) {
-    attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, scale, part, ml);
+                                            int chunk, float scale, float* part, float* ml) {
+    attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale, part,
+                           ml);
 }
 
 // Flash-decoding, second half: the splits of one (row, head) combined in split order.
 extern "C" __global__ void attn_combine(const float* __restrict__ part,
                                         const float* __restrict__ ml,
                                         const int* __restrict__ desc, int n_head, int n_split,
-                                        int D, float* __restrict__ out) {
+                                        int chunk, int D, float* __restrict__ out) {
     const int i = blockIdx.y, h = blockIdx.x;
     const int len = desc[DESC_POS] + i + 1;
-    const int used = (len + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    const int used = (len + chunk - 1) / chunk;
     const i64 base = ((i64)i * n_head + h) * n_split;
     float m = -INF_F32;
     for (int s = 0; s < used; ++s) m = fmaxf(m, ml[2 * (base + s)]);
@@ -546,13 +613,19 @@ extern "C" __global__ void moe_gate_up(const ExpertSpec* __restrict__ spec_p,
     if (blob == nullptr) {
         out = __int_as_float(0x7fc00000);    // not resident: the caller checked; NaN says loudly
     } else {
-        float g[MAX_ROWS], u[MAX_ROWS];
         const float* xi = x + (i64)i * sp.n_embd;
-        DISPATCH_TYPE(sp.gate_type, (row_dots<TT>(blob + (i64)f * sp.gate_row_bytes, sp.n_embd, xi,
-                                                  sp.n_embd, 1, nullptr, g)));
-        DISPATCH_TYPE(sp.up_type, (row_dots<TT>(blob + sp.up_at + (i64)f * sp.up_row_bytes,
-                                                sp.n_embd, xi, sp.n_embd, 1, nullptr, u)));
-        out = g[0] / (1.f + __expf(-g[0])) * u[0];
+        const u8* grow = blob + (i64)f * sp.gate_row_bytes;
+        const u8* urow = blob + sp.up_at + (i64)f * sp.up_row_bytes;
+        float g, u;
+        if (sp.gate_type == sp.up_type) {     // both rows' loads in flight together
+            DISPATCH_TYPE(sp.gate_type, (pair_dot<TT>(grow, urow, sp.n_embd, xi, g, u)));
+        } else {
+            DISPATCH_TYPE(sp.gate_type, (g = lane_dot<TT>(grow, sp.n_embd, xi, lane, 32)));
+            DISPATCH_TYPE(sp.up_type, (u = lane_dot<TT>(urow, sp.n_embd, xi, lane, 32)));
+        }
+        g = warp_sum(g);
+        u = warp_sum(u);
+        out = g / (1.f + __expf(-g)) * u;
     }
     if (lane == 0) act[((i64)i * sp.k + r) * sp.n_ff + f] = out;
 }
