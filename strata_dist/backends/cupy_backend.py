@@ -40,6 +40,7 @@ class CupyBackend(Backend):
         self._dev = cp.cuda.Device(index)
         self._dev.use()
         self._pinned = None
+        self._pinned_read = None    # recorded after the last copy out of the pinned buffer
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -87,12 +88,19 @@ class CupyBackend(Backend):
         """A host blob on the device (into `out` when given: a loaned cache slot), through a
         pinned staging buffer, so the copy is a DMA at full PCIe speed."""
         n = int(host_blob.nbytes)
+        # the copy out of pinned memory is asynchronous: the last one must have run before the
+        # buffer is rewritten (or freed by a resize), or a blob would be copied half overwritten
+        if self._pinned_read is not None:
+            self._pinned_read.synchronize()
         if self._pinned is None or self._pinned.size < n:
             self._pinned = cupyx.empty_pinned(max(n, 1 << 20), dtype=np.uint8)
         self._pinned[:n] = np.asarray(host_blob, dtype=np.uint8)
         if out is None:
             out = cp.empty(n, dtype=cp.uint8)
         out.set(self._pinned[:n])
+        if self._pinned_read is None:
+            self._pinned_read = cp.cuda.Event(disable_timing=True)
+        self._pinned_read.record()
         return out
 
     def expert_weights(self, gguf, layer, blob):
