@@ -101,10 +101,6 @@ def _mat(w: Weight, y, add=None, y_stride: int | None = None) -> dict:
                 y_stride=w.nrows if y_stride is None else y_stride, type=w.type)
 
 
-def _ptr(a) -> np.uint64:
-    return np.uint64(a.data.ptr)
-
-
 class DecodeGraph:
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
     in `arena`, for sessions of `max_cells` cells."""
