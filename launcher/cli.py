@@ -100,6 +100,8 @@ def rank_specs(args) -> list[RankSpec]:
             raise UsageError("--gpus lists no GPU")
         # A GPU listed twice runs two ranks that share it (testing a split on one card).
         budgets = _budgets(args.vram_budget, len(gpus), None)
+        for g in sorted(set(gpus)):   # NVML answers for each card before any rank starts
+            gpu_device(g)
         return [RankSpec(i, "cuda:0", g, b) for i, (g, b) in enumerate(zip(gpus, budgets))]
     n = args.cpu_ranks if args.cpu_ranks is not None else 1
     if n < 1:
@@ -211,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    if args.serve and args.prompt_ids:
+    if args.serve and args.prompt_ids is not None:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
-    if args.prompt is not None and (args.serve or args.prompt_ids):
+    if args.prompt is not None and (args.serve or args.prompt_ids is not None):
         other = "--serve" if args.serve else "--prompt-ids"
         raise UsageError(f"--prompt and {other} cannot be combined: pick one surface")
     http_flags(args)
@@ -225,6 +227,12 @@ def _main(args) -> int:
         raise UsageError(f"--inventory {args.inventory} plans for another rig: add --plan-only")
     check_cluster_flags(args)
     gguf = open_checked(args.model)
+    # the prompt is read before any rank starts: a bad one costs nothing
+    args.prompt_list, args.prompt_tokenizer = None, None
+    if args.prompt_ids is not None:
+        args.prompt_list = _ids(args.prompt_ids)
+    elif args.prompt is not None:
+        args.prompt_list, args.prompt_tokenizer = _text_prompt(args)
     if args.listen and args.backend == "local":      # the ranks register from elsewhere
         specs, n_devices = [], args.expect_ranks
     elif args.backend == "ray" and args.cpu_ranks is None:
@@ -247,6 +255,22 @@ def _main(args) -> int:
         print(plan.to_json() if args.json else render_table(plan))
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile)
+
+
+def _ids(text: str) -> list[int]:
+    from strata_dist.cli import UsageError as ToolsUsageError, parse_ids
+    try:
+        return parse_ids(text)
+    except ToolsUsageError as e:
+        raise UsageError(str(e)) from None
+
+
+def _text_prompt(args):
+    from strata_dist.cli import UsageError as ToolsUsageError, prompt_tokens
+    try:
+        return prompt_tokens(args.model, args.prompt, args.chat)
+    except ToolsUsageError as e:
+        raise UsageError(str(e)) from None
 
 
 def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
@@ -272,14 +296,9 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
             return _serve_lines(args, gguf, cfg, current)
         plan = launch.start()
         server = _line_server(args, gguf, launch, plan)
-        if args.prompt_ids or args.prompt is not None:
-            tok = None
-            if args.prompt is not None:
-                from strata_dist.cli import prompt_tokens
-                prompt, tok = prompt_tokens(args.model, args.prompt, args.chat)
-                ids = " ".join(map(str, prompt))
-            else:
-                ids = args.prompt_ids.replace(",", " ")
+        if args.prompt_list is not None:
+            tok = args.prompt_tokenizer
+            ids = " ".join(map(str, args.prompt_list))
             out = _CaptureTokens()
             server.out = out
             server.generate(parse_gen(f"GEN {args.max_new} {ids}"))
@@ -350,7 +369,7 @@ def http_flags(args) -> None:
             if value is not None:
                 raise UsageError(f"{flag} goes with --port")
         return
-    for flag, on in (("--serve", args.serve), ("--prompt-ids", args.prompt_ids),
+    for flag, on in (("--serve", args.serve), ("--prompt-ids", args.prompt_ids is not None),
                      ("--prompt", args.prompt is not None), ("--plan-only", args.plan_only)):
         if on:
             raise UsageError(f"--port {args.port} and {flag} cannot be combined: pick one surface")

@@ -58,6 +58,9 @@ def parse_gen(line: str) -> GenRequest:
             raise ValueError(f"token id '{tok}' is not an integer") from None
     if not ids:
         raise ValueError("GEN has no token ids")
+    sampling = {k: v for k, v in options.items() if k in ("temperature", "top_k", "top_p", "min_p",
+                                                           "seed")}
+    SamplingParams(**sampling)   # refused here, at parse, rather than by a rank mid-request
     return GenRequest(max_new, ids, options)
 
 
@@ -95,7 +98,7 @@ class LineServer:
                     self.say(f"ERR {e}")
                     return 1
                 continue
-            if not line.startswith("GEN"):
+            if line.split()[0] != "GEN":
                 self.say(f"ERR unknown command '{line.split()[0]}' (GEN, STATS or QUIT)")
                 continue
             try:
@@ -137,12 +140,17 @@ class LineServer:
 
 
 def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":
-    """Lines from a stream on a thread, so the head keeps watching its ranks while it waits."""
+    """Lines from a stream on a thread, so the head keeps watching its ranks while it waits.
+
+    The stream is read as bytes and each line decoded on its own: a byte that is not UTF-8 turns
+    into U+FFFD, which no command accepts, so that line gets ERR and the next ones are served (a
+    strict text decoder would kill this thread and leave QUIT and EOF unanswered)."""
     q: "queue.Queue[str | None]" = queue.Queue()
+    raw = getattr(stream, "buffer", stream)
 
     def pump() -> None:
-        for line in stream:
-            q.put(line)
+        for line in raw:
+            q.put(line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line)
         q.put(None)
 
     threading.Thread(target=pump, daemon=True, name="stdin").start()

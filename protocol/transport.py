@@ -281,7 +281,10 @@ class Channel:
     def bind(self, endpoint: str) -> str:
         """Bind and return the concrete endpoint (the real port for ``tcp://host:*``)."""
         self._auto_curve_as(server=True)
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as e:   # a port in use, an address not of this host
+            raise ProtocolError(f"cannot listen on {endpoint}: {e.strerror}") from None
         actual = self._sock.last_endpoint.decode()
         self.endpoints.append(actual)
         return actual

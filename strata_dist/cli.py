@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends import BackendError
 from .gguf_model import GGUFError
 
 DEFAULT_MODEL_LIKE = "tiny"
@@ -80,10 +81,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def writable_path(path: str, flag: str) -> Path:
+    """`path`, refused before any work when its folder does not exist or cannot be written."""
+    out = Path(path)
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {folder} is not writable")
+    return out
+
+
 def cmd_logits(args) -> int:
     ids = parse_ids(args.tokens, "--tokens")
+    writable_path(args.out, "--out")
     logits = _engine(args).logits(ids)
-    np.save(args.out, logits.astype(np.float32))
+    try:
+        np.save(args.out, logits.astype(np.float32))
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"info: wrote logits {list(logits.shape)} to {args.out}", file=sys.stderr)
     return 0
 
@@ -91,6 +107,7 @@ def cmd_logits(args) -> int:
 def cmd_synth(args) -> int:
     from .synth import write_synthetic
     from tqdm import tqdm
+    writable_path(args.out, "synth")
     bar = tqdm(total=0, unit="B", unit_scale=True, desc="synth", disable=args.quiet)
 
     def progress(done: int, total: int) -> None:
@@ -98,9 +115,13 @@ def cmd_synth(args) -> int:
         bar.n = done
         bar.refresh()
 
-    summary = write_synthetic(args.out, like=args.like, quant=args.quant,
-                              popularity=args.popularity, seed=args.seed, progress=progress)
-    bar.close()
+    try:
+        summary = write_synthetic(args.out, like=args.like, quant=args.quant,
+                                  popularity=args.popularity, seed=args.seed, progress=progress)
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
+    finally:
+        bar.close()
     print(f"wrote {summary.path}: {summary.bytes_written / 2**20:.1f} MiB, "
           f"{summary.n_params / 1e9:.3f} B parameters ({args.like}, {args.quant})")
     return 0
@@ -196,12 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(["generate"] + (argv or []))
     try:
         return args.func(args)
-    except (GGUFError, UsageError) as e:
+    except (GGUFError, UsageError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # a request the engine refuses (out-of-range id, context full)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # stdout closed early (`… | head`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

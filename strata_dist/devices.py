@@ -8,7 +8,12 @@ import re
 from protocol import DeviceInfo
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+MAX_SIZE = 1 << 50      # 1 PiB: more than any device; larger values are typos (and overflow the wire)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+class DeviceError(ValueError):
+    """A device that cannot be used or described (the message names it)."""
+
 
 # A CPU rank's speed figure when none is given: a typical DDR4/5 desktop's usable bandwidth.
 DEFAULT_CPU_BANDWIDTH_GBS = 20.0
@@ -22,7 +27,10 @@ def parse_size(text: str, default_unit: str = "M") -> int:
     number, unit = m.group(1), m.group(2).upper()
     if not unit:
         unit = default_unit.upper()
-    return int(float(number) * _UNITS[unit])
+    size = int(float(number) * _UNITS[unit])
+    if size > MAX_SIZE:
+        raise ValueError(f"'{text}' is larger than any device (at most 1024T)")
+    return size
 
 
 def parse_size_list(text: str) -> list[int]:
@@ -46,9 +54,14 @@ def physical_gpu_index(local_index: int) -> int:
 
 
 def gpu_device(local_index: int, budget_bytes: int | None = None) -> DeviceInfo:
-    """NVML's name and free/total memory; a budget (for emulating smaller cards) caps both."""
+    """NVML's name and free/total memory; a budget (for emulating smaller cards) caps both.
+    Raises DeviceError when NVML cannot answer (no driver, no such GPU)."""
     import pynvml
-    pynvml.nvmlInit()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise DeviceError(f"GPU {local_index}: NVML is not available ({e}); is the NVIDIA driver "
+                          f"installed?") from None
     try:
         h = pynvml.nvmlDeviceGetHandleByIndex(physical_gpu_index(local_index))
         name = pynvml.nvmlDeviceGetName(h)
@@ -56,6 +69,8 @@ def gpu_device(local_index: int, budget_bytes: int | None = None) -> DeviceInfo:
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         total, free = int(mem.total), int(mem.free)
         bandwidth = _nvml_bandwidth_gbs(pynvml, h)
+    except pynvml.NVMLError as e:
+        raise DeviceError(f"GPU {local_index}: NVML cannot read it ({e})") from None
     finally:
         pynvml.nvmlShutdown()
     if budget_bytes is not None:

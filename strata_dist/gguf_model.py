@@ -136,6 +136,8 @@ class GGUFModel:
         except (ValueError, KeyError, IndexError, UnicodeDecodeError, OverflowError) as e:
             # Bad magic, unsupported version, a header cut short: gguf-py's own words.
             raise GGUFError(self.path, f"not a readable GGUF file ({e})") from None
+        except OSError as e:   # no read permission, an I/O error
+            raise GGUFError(self.path, f"cannot be read ({e.strerror or e})") from None
         self.tensors: dict[str, TensorInfo] = {}
         for t in self._reader.tensors:
             layer, kind = self._classify(t.name)
@@ -158,6 +160,36 @@ class GGUFModel:
             if required:
                 raise GGUFError(self.path, f"metadata key '{self.arch}.{key}' is missing")
             return default
+        return value
+
+    def arch_int(self, key: str, default: int | None = None, required: bool = False,
+                 minimum: int | None = None) -> int | None:
+        """An integer metadata key of the architecture, checked: a value that is not a whole
+        number, or is below `minimum`, is a GGUFError naming the file and the key."""
+        value = self.arch_metadata(key, default=default, required=required)
+        if value is None:
+            return None
+        name = f"{self.arch}.{key}"
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise GGUFError(self.path, f"metadata key '{name}' is {value!r}, not an integer")
+        if minimum is not None and value < minimum:
+            raise GGUFError(self.path, f"metadata key '{name}' is {value}; it must be >= {minimum}")
+        return int(value)
+
+    def arch_float(self, key: str, default: float | None = None, required: bool = False,
+                   positive: bool = False) -> float | None:
+        """A float metadata key of the architecture that must be finite (and > 0 when
+        `positive`): NaN or a negative epsilon would give NaN logits, not an error."""
+        value = self.arch_metadata(key, default=default, required=required)
+        if value is None:
+            return None
+        name = f"{self.arch}.{key}"
+        if isinstance(value, (bool, str)) or not isinstance(value, (int, float, np.number)):
+            raise GGUFError(self.path, f"metadata key '{name}' is {value!r}, not a number")
+        value = float(value)
+        if not np.isfinite(value) or (positive and value <= 0):
+            raise GGUFError(self.path, f"metadata key '{name}' is {value}; it must be a finite"
+                                       f"{' positive' if positive else ''} number")
         return value
 
     def metadata_array(self, key: str) -> list | None:

@@ -86,7 +86,9 @@ def _stored(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, QT]:
 
 def write_gguf(model: Qwen3MoeForCausalLM, path, dtype: str = "f32",
                tensors: dict[str, np.ndarray] | None = None, arch: str = "qwen3moe",
-               eos_id: int | None = None) -> str:
+               eos_id: int | None = None, metadata: dict | None = None) -> str:
+    """`metadata`: {key under the architecture: (value, GGUFValueType)} written over the model's
+    own values (hostile-input tests)."""
     cfg = model.config
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -104,6 +106,8 @@ def write_gguf(model: Qwen3MoeForCausalLM, path, dtype: str = "f32",
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if eos_id is not None:
         w.add_eos_token_id(eos_id)
+    for key, (value, vtype) in (metadata or {}).items():
+        w.add_key_value(f"{arch}.{key}", value, vtype)
     for name, arr in (tensors if tensors is not None else gguf_tensors(model)).items():
         data, qtype = _stored(name, arr, dtype)
         w.add_tensor(name, data, raw_dtype=qtype)

@@ -18,7 +18,10 @@ def get_backend(device: str) -> Backend:
                 index = int(device.split(":", 1)[1])
             except ValueError:
                 raise BackendError(f"device '{device}' is not of the form cuda:N") from None
-        from .cupy_backend import CupyBackend  # optional dependency
+        try:
+            from .cupy_backend import CupyBackend  # optional dependency
+        except ImportError as e:
+            raise BackendError(f"device '{device}': {e}") from None
         return CupyBackend(index)
     raise BackendError(f"unknown device '{device}' (expected cpu or cuda:N)")
 

@@ -12,27 +12,35 @@ from ..plan.pricing import ATTN_TILE_BYTES, DECODE_ROWS
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
     """The Geometry fields every architecture reads the same way (llama.cpp's metadata keys),
     with the embedding's shape as the vocabulary's size; arch-specific defaults passed in."""
-    md = gguf.arch_metadata
-    n_embd = int(md("embedding_length", required=True))
-    n_head = int(md("attention.head_count", required=True))
+    n_embd = gguf.arch_int("embedding_length", required=True, minimum=1)
+    n_head = gguf.arch_int("attention.head_count", required=True, minimum=1)
+    n_expert = gguf.arch_int("expert_count", required=True, minimum=1)
+    n_used = gguf.arch_int("expert_used_count", required=True, minimum=1)
+    if n_used > n_expert:
+        raise GGUFError(gguf.path, f"metadata key '{gguf.arch}.expert_used_count' is {n_used}, "
+                                   f"more than the {n_expert} experts of expert_count")
     emb = gguf.tensor("token_embd.weight")
     if len(emb.shape) != 2 or emb.shape[1] != n_embd:
         raise GGUFError(gguf.path, f"has shape {list(emb.shape)}, expected [n_vocab, {n_embd}]",
                         tensor=emb.name)
+    n_head_kv = gguf.arch_int("attention.head_count_kv", default=n_head, minimum=1)
+    if n_head % n_head_kv:
+        raise GGUFError(gguf.path, f"metadata: {n_head} attention heads cannot be shared by "
+                                   f"{n_head_kv} kv heads ('{gguf.arch}.attention.head_count_kv')")
     return dict(
         arch=gguf.arch,
-        n_layers=int(md("block_count", required=True)),
+        n_layers=gguf.arch_int("block_count", required=True, minimum=1),
         n_embd=n_embd,
         n_vocab=emb.shape[0],
         n_head=n_head,
-        n_head_kv=int(md("attention.head_count_kv", default=n_head)),
-        head_dim=int(md("attention.key_length", default=n_embd // n_head)),
-        n_expert=int(md("expert_count", required=True)),
-        n_expert_used=int(md("expert_used_count", required=True)),
-        n_ff_exp=int(md("expert_feed_forward_length", required=True)),
-        rms_eps=float(md("attention.layer_norm_rms_epsilon", default=1e-6)),
-        rope_base=float(md("rope.freq_base", default=rope_base)),
-        context_length=int(md("context_length", default=context_length)),
+        n_head_kv=n_head_kv,
+        head_dim=gguf.arch_int("attention.key_length", default=n_embd // n_head, minimum=1),
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_ff_exp=gguf.arch_int("expert_feed_forward_length", required=True, minimum=1),
+        rms_eps=gguf.arch_float("attention.layer_norm_rms_epsilon", default=1e-6, positive=True),
+        rope_base=gguf.arch_float("rope.freq_base", default=rope_base, positive=True),
+        context_length=gguf.arch_int("context_length", default=context_length, minimum=1),
         tied_embeddings="output.weight" not in gguf.tensors,
     )
 

@@ -119,14 +119,14 @@ class NextGeometry(Geometry):
 def read_geometry(gguf: GGUFModel) -> NextGeometry:
     """Geometry from the metadata keys llama.cpp's converter writes, with the embedding's shape as
     the vocabulary's size."""
-    md = gguf.arch_metadata
+    md, num = gguf.arch_metadata, gguf.arch_int
     base = transformer_geometry(gguf, rope_base=10000.0, context_length=262144)
     head_dim, n_layers = base["head_dim"], base["n_layers"]
-    interval = int(md("full_attention_interval", default=4))
-    n_rot = int(md("rope.dimension_count", default=head_dim))
-    n_v = int(md("ssm.time_step_rank", required=True))
-    n_k = int(md("ssm.group_count", required=True))
-    inner = int(md("ssm.inner_size", required=True))
+    interval = num("full_attention_interval", default=4, minimum=1)
+    n_rot = num("rope.dimension_count", default=head_dim)
+    n_v = num("ssm.time_step_rank", required=True, minimum=1)
+    n_k = num("ssm.group_count", required=True, minimum=1)
+    inner = num("ssm.inner_size", required=True, minimum=1)
     if interval < 1 or n_rot < 2 or n_rot % 2 or n_rot > head_dim or n_k < 1 or n_v % n_k \
             or inner % n_v:
         raise GGUFError(gguf.path, f"inconsistent qwen3next metadata: full_attention_interval="
@@ -144,8 +144,8 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
         **base,
         n_rot=n_rot,
         full_attention_interval=interval,
-        ssm_conv_kernel=int(md("ssm.conv_kernel", required=True)),
-        ssm_state_size=int(md("ssm.state_size", required=True)),
+        ssm_conv_kernel=num("ssm.conv_kernel", required=True, minimum=1),
+        ssm_state_size=num("ssm.state_size", required=True, minimum=1),
         ssm_group_count=n_k,
         ssm_time_step_rank=n_v,
         ssm_inner_size=inner,

@@ -1,0 +1,144 @@
+"""Bad input gets one `error: …` line naming what is wrong and exit status 2, never a traceback or
+a hang: malformed metadata, unusable paths and devices, impossible flags, and bytes on the --serve
+line protocol that are not UTF-8."""
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from gguf import GGUFValueType as VT
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+
+TIMEOUT = 120
+
+
+def tool(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "strata_dist.cli", *args], capture_output=True,
+                          text=True, timeout=TIMEOUT, env=env, **kw)
+
+
+def launch(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
+                          text=True, timeout=TIMEOUT, env=dict(os.environ, **(env or {})), **kw)
+
+
+def refused(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in last, last
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny synthetic model: it has a tokenizer, so text prompts are read too."""
+    from strata_dist.synth import write_synthetic
+    path = tmp_path_factory.mktemp("hostile") / "m.gguf"
+    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
+    return str(path)
+
+
+@pytest.mark.parametrize("key,value,vtype,needle", [
+    ("attention.head_count", 0, VT.UINT32, "qwen3moe.attention.head_count"),
+    ("block_count", 0, VT.UINT32, "qwen3moe.block_count"),
+    ("embedding_length", "wide", VT.STRING, "qwen3moe.embedding_length"),
+    ("expert_used_count", 99, VT.UINT32, "qwen3moe.expert_used_count"),
+    ("attention.layer_norm_rms_epsilon", -1e-6, VT.FLOAT32, "layer_norm_rms_epsilon"),
+    ("rope.freq_base", float("nan"), VT.FLOAT32, "qwen3moe.rope.freq_base"),
+])
+def test_bad_metadata_names_the_file_and_the_key(tmp_path, key, value, vtype, needle):
+    bad = write_gguf(tiny_qwen3moe(5), tmp_path / "bad.gguf", metadata={key: (value, vtype)})
+    refused(tool("generate", "--model", bad, "--max-new", "2"), str(bad), needle)
+
+
+def test_qwen3next_time_step_rank_zero(tmp_path):
+    from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
+    good = write_next(tiny_qwen3next(1), tmp_path / "next.gguf", "f32")
+    from gguf import GGUFReader, GGUFWriter
+    # a copy with ssm.time_step_rank = 0: every other key and tensor as the good file has them
+    r = GGUFReader(good)
+    w = GGUFWriter(str(tmp_path / "bad.gguf"), "qwen3next")
+    for field in r.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == VT.ARRAY else None
+        if field.name == "qwen3next.ssm.time_step_rank":
+            value = 0
+        w.add_key_value(field.name, value, vtype, sub_type=sub_type)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(tool("generate", "--model", str(tmp_path / "bad.gguf"), "--max-new", "2"),
+            "qwen3next.ssm.time_step_rank")
+
+
+def test_unwritable_outputs_are_refused_before_any_work(model, tmp_path):
+    refused(tool("logits", "--model", model, "--tokens", "1,2", "--out", "/nonexistent/x.npy"),
+            "/nonexistent")
+    refused(tool("synth", str(tmp_path / "no" / "dir" / "x.gguf"), "--quiet"), "does not exist")
+
+
+def test_a_cuda_device_without_cuda(model):
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    refused(tool("generate", "--model", model, "--device", "cuda:0"), "cuda:0")
+
+
+def test_output_closed_early_is_no_traceback(model):
+    proc = subprocess.run(f"{sys.executable} -m strata_dist.cli generate --model {model} "
+                          f"--max-new 300 | true", shell=True, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt-ids", ""], "--prompt-ids is empty"),
+    (["--prompt", ""], "--prompt encodes to no tokens"),
+    (["--vram-budget", "99999999T", "--prompt-ids", "1,2"], "99999999T"),
+])
+def test_launch_refuses_at_start(model, args, needle):
+    refused(launch("--model", model, "--cpu-ranks", "1", *args), needle)
+
+
+def test_gpus_without_nvml(model):
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        pytest.skip("NVML answers here")
+    except Exception:
+        pass
+    refused(launch("--model", model, "--gpus", "0", "--prompt-ids", "1,2"), "NVML")
+
+
+def test_listen_on_a_port_in_use(model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused(launch("--model", model, "--listen", f"127.0.0.1:{port}", "--expect-ranks", "1",
+                       "--prompt-ids", "1,2", env={"STRATA_TOKEN": "0123456789abcdef0123"}),
+                "cannot listen", str(port))
+
+
+def test_serve_answers_err_to_bytes_that_are_not_utf8_and_goes_on(model):
+    lines = (b"GEN 2 1 2\n\xff\xfe GEN\nGENX 2 1 2\nGEN 2 temperature=nan 1 2\nGEN 2 3 4\n"
+             b"QUIT\n")
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model, "--cpu-ranks",
+                           "1", "--serve"], input=lines, capture_output=True, timeout=TIMEOUT,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    out = [l for l in proc.stdout.decode().splitlines() if not l.startswith("INFO")]
+    errs = [l for l in out if l.startswith("ERR")]
+    assert len(errs) == 3, out
+    assert "GENX" in errs[1] and "temperature" in errs[2]
+    assert sum(l.startswith("DONE") for l in out) == 2, out
