@@ -14,6 +14,7 @@ operator's explicit choice, and a warning says when it is not encrypted."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -107,7 +108,7 @@ def check_cluster_flags(args) -> None:
     if args.curve and args.listen and not args.curve_keys:
         raise ClusterUsageError(f"--curve with --listen {args.listen}: ranks elsewhere need the "
                                 "same key; pass --curve-keys DIR (strata-dist deploy --curve)")
-    if args.heartbeat_timeout <= 0:
+    if not math.isfinite(args.heartbeat_timeout) or args.heartbeat_timeout <= 0:
         raise ClusterUsageError(f"--heartbeat-timeout {args.heartbeat_timeout}: must be > 0")
 
 

@@ -105,6 +105,7 @@ def test_output_closed_early_is_no_traceback(model):
     (["--prompt-ids", ""], "--prompt-ids is empty"),
     (["--prompt", ""], "--prompt encodes to no tokens"),
     (["--vram-budget", "99999999T", "--prompt-ids", "1,2"], "99999999T"),
+    (["--heartbeat-timeout", "nan", "--prompt-ids", "1,2"], "--heartbeat-timeout nan"),
 ])
 def test_launch_refuses_at_start(model, args, needle):
     refused(launch("--model", model, "--cpu-ranks", "1", *args), needle)

@@ -233,12 +233,24 @@ def test_bad_input_is_400_with_an_openai_error(server, client):
         ({"model": "tiny", "prompt": "hi", "n": 2}, "unsupported_value"),
         ({"model": "tiny", "prompt": "hi", "stop": 5}, "invalid_type"),
         ({"model": "tiny", "prompt": ""}, "invalid_value"),
+        ({"model": "tiny", "prompt": "hi", "top_k": 10 ** 30}, "invalid_value"),
+        ({"model": "tiny", "prompt": "hi", "stop": ["x" * 100_000] * 16}, "invalid_value"),
     ]
     for body, code in cases:
         r = post("/v1/completions", json.dumps(body).encode())
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"]
+    # client input that used to be a 500 (and a dropped connection)
+    for content in (b"[" * 100_000 + b"]" * 100_000,            # nested deeper than a parser goes
+                    b'{"model": "tiny", "prompt": "hi", "seed": ' + b"9" * 5000 + b"}"):
+        r = post("/v1/completions", content)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    for key in ("add_generation_prompt", "tools", "messages"):
+        r = post("/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+             "chat_template_kwargs": {key: True}}).encode())
+        assert r.status_code == 400 and key in r.json()["error"]["message"], r.text
     r = post("/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode())
     assert r.status_code == 400
     r = post("/v1/chat/completions", json.dumps(

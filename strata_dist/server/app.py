@@ -91,7 +91,10 @@ def create_app(ctx: ServerContext) -> Starlette:
             raise oa.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise oa.ApiError(400, "the request body is nested too deeply",
+                              code="invalid_json") from None
+        except ValueError as e:   # malformed JSON, bad UTF-8, an integer of thousands of digits
             raise oa.ApiError(400, f"the request body is not valid JSON: {e}",
                               code="invalid_json") from None
         if not isinstance(body, dict):

@@ -11,6 +11,10 @@ from ..tokenizer import GGUFTokenizer, TemplateError, message_text
 from .worker import GenSpec, Result
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256          # per stop string: the hold-back search per token is bounded by it
+MAX_TOP_K = 2 ** 31 - 1
+# arguments encode_chat passes itself: chat_template_kwargs may not carry them
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -51,7 +55,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(body: dict, key: str, default=None, minimum: int | None = None):
+def _int(body: dict, key: str, default=None, minimum: int | None = None,
+         maximum: int | None = None):
     v = body.get(key)
     if v is None:
         return default
@@ -59,6 +64,8 @@ def _int(body: dict, key: str, default=None, minimum: int | None = None):
         raise _bad(key, f"'{key}' must be an integer, got {v!r}", "invalid_type")
     if minimum is not None and v < minimum:
         raise _bad(key, f"'{key}' must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise _bad(key, f"'{key}' must be <= {maximum}, got {v}")
     return v
 
 
@@ -96,6 +103,8 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
         raise _bad("stop", f"'stop' has {len(v)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(s == "" for s in v):
         raise _bad("stop", "'stop' strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise _bad("stop", f"'stop' strings may have at most {MAX_STOP_CHARS} characters")
     return tuple(v)
 
 
@@ -139,7 +148,7 @@ def _unsupported(body: dict) -> None:
 def _sampling(body: dict) -> SamplingParams:
     temperature = _float(body, "temperature", 1.0, 0.0, 100.0)
     top_p = _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _int(body, "top_k", 0, minimum=0)
+    top_k = _int(body, "top_k", 0, minimum=0, maximum=MAX_TOP_K)
     min_p = _float(body, "min_p", 0.0, 0.0, 1.0)
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
@@ -217,6 +226,10 @@ def parse_chat(body: dict, lim: Limits) -> Parsed:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict):
         raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    taken = [k for k in RESERVED_TEMPLATE_KWARGS if k in extra]
+    if taken:
+        raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(taken)}"
+                                           f" (they come from the request itself)")
     sampling = _sampling(body)
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)

@@ -237,7 +237,8 @@ def _partial_stop(text: str, stops: list[str]) -> int:
     best = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), best, -1):
-            if s.startswith(text[-k:]):
+            # the first character rules out most tails before a comparison of k characters
+            if text[-k] == s[0] and s.startswith(text[-k:]):
                 best = k
                 break
     return best
