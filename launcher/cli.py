@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="serve HTTP on this port (0: any free port, printed at start)")
     http.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     http.add_argument("--api-key", default=None,
-                      help="every endpoint but /health wants 'Authorization: Bearer KEY'")
+                      help="every endpoint but /health wants 'Authorization: Bearer KEY' (visible "
+                           "to every user in ps: prefer --api-key-file or STRATA_API_KEY)")
+    http.add_argument("--api-key-file", default=None,
+                      help="read the API key from this file (its first line)")
     http.add_argument("--queue-size", type=int, default=None,
                       help="requests that may wait behind the running one (default 64; more: 429)")
     add_cluster_flags(ap)
@@ -365,10 +368,12 @@ def http_flags(args) -> None:
     """--port's refusals: one surface per launch; the HTTP flags need --port."""
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
+                            ("--api-key-file", args.api_key_file),
                             ("--queue-size", args.queue_size)):
             if value is not None:
                 raise UsageError(f"{flag} goes with --port")
         return
+    args.api_key = api_key(args)
     for flag, on in (("--serve", args.serve), ("--prompt-ids", args.prompt_ids is not None),
                      ("--prompt", args.prompt is not None), ("--plan-only", args.plan_only)):
         if on:
@@ -379,6 +384,26 @@ def http_flags(args) -> None:
         raise UsageError(f"--queue-size {args.queue_size}: at least 1")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
+
+
+def api_key(args) -> str | None:
+    """The HTTP API key: --api-key, else the first line of --api-key-file, else STRATA_API_KEY
+    (the two last keep it out of the process list)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UsageError(f"--api-key and --api-key-file {args.api_key_file} cannot be combined")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: cannot be read "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+        if not key:
+            raise UsageError(f"--api-key-file {args.api_key_file} holds no key")
+        return key
+    if args.api_key is None and os.environ.get("STRATA_API_KEY", "").strip():
+        return os.environ["STRATA_API_KEY"].strip()
+    return args.api_key
 
 
 def _serve_http(args, gguf, launch, specs) -> int:

@@ -22,9 +22,13 @@ class ServerProcess:
     `watch_health` is set."""
 
     def __init__(self, model: str, *args: str, api_key: str | None = None, env: dict | None = None,
-                 timeout: float = 60.0, watch_health: bool = False):
+                 timeout: float = 60.0, watch_health: bool = False, api_key_file: str | None = None):
         argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--port", "0", *args]
-        if api_key:
+        if api_key and api_key_file:      # the key reaches the server through a file
+            with open(api_key_file, "w") as f:
+                f.write(api_key + "\n")
+            argv += ["--api-key-file", api_key_file]
+        elif api_key:
             argv += ["--api-key", api_key]
         self.api_key = api_key
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

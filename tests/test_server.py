@@ -94,6 +94,28 @@ def test_health_is_503_while_loading_then_200(server):
     assert set(codes) == {503, 200} and codes.index(200) == len(codes) - 1
 
 
+def test_api_key_from_a_file_or_the_environment(model, tmp_path, monkeypatch):
+    s = ServerProcess(model, "--cpu-ranks", "1", api_key="from-a-file",
+                      api_key_file=str(tmp_path / "key"))
+    try:
+        assert "from-a-file" not in " ".join(s.proc.args)       # not in the process list
+        r = httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer from-a-file"},
+                      timeout=10)
+        assert r.status_code == 200
+        assert httpx.get(f"{s.url}/v1/models", timeout=10).status_code == 401
+    finally:
+        s.close()
+    from launcher.cli import UsageError, api_key, build_parser
+    monkeypatch.setenv("STRATA_API_KEY", "from-the-env")
+    args = build_parser().parse_args(["--model", model, "--port", "0"])
+    assert api_key(args) == "from-the-env"
+    (tmp_path / "empty").write_text("\n")
+    args = build_parser().parse_args(["--model", model, "--port", "0", "--api-key-file",
+                                      str(tmp_path / "empty")])
+    with pytest.raises(UsageError, match="holds no key"):
+        api_key(args)
+
+
 def test_api_key_guards_everything_but_health(server):
     for path in ("/v1/models", "/v1/status", "/metrics", "/"):
         r = httpx.get(server.url + path, timeout=10)
