@@ -11,6 +11,7 @@ Errors answer `ERR <message>`. The session keeps its tokens between GENs: a GEN 
 them reads only the new part."""
 from __future__ import annotations
 
+import collections
 import queue
 import sys
 import threading
@@ -69,6 +70,25 @@ class LineServer:
         self.session = session
         self.coord = session.coord
         self.out = out
+        self._lines: "queue.Queue[str | None] | None" = None
+        self._pending: "collections.deque[str | None]" = collections.deque()  # read ahead
+
+    def _next_line(self, timeout: float) -> str | None:
+        if self._pending:
+            return self._pending.popleft()
+        return self._lines.get(timeout=timeout)
+
+    def _quit_waiting(self) -> bool:
+        """Whether QUIT (or the end of input) arrived behind the running generation: it is then
+        cancelled at once instead of running to max_new. Lines read ahead are kept, in order."""
+        if self._lines is None:
+            return False
+        while True:
+            try:
+                self._pending.append(self._lines.get_nowait())
+            except queue.Empty:
+                break
+        return any(line is None or line.strip() == "QUIT" for line in self._pending)
 
     def say(self, line: str) -> None:
         self.out.write(line + "\n")
@@ -76,9 +96,10 @@ class LineServer:
 
     def serve(self, lines: "queue.Queue[str | None]") -> int:
         """Answer lines until QUIT or end of input; a dead rank ends the run (returns 1)."""
+        self._lines = lines
         while True:
             try:
-                line = lines.get(timeout=0.5)
+                line = self._next_line(timeout=0.5)
             except queue.Empty:
                 try:
                     self.coord.idle(0.0)
@@ -128,7 +149,8 @@ class LineServer:
             req.ids, req.max_new, params,
             on_resume=lambda n: self.say(f"RESUME {n}"),
             on_progress=lambda pos, total, ms, tps: self.say(f"PP {pos} {total} {ms:.1f} {tps:.1f}"),
-            on_token=lambda t: self.say(f"T {t}"))
+            on_token=lambda t: self.say(f"T {t}"),
+            should_cancel=self._quit_waiting)
         if before is not None:
             for rank, reply in sorted(self.coord.stats().items()):
                 old = before[rank].counters if rank in before else {}

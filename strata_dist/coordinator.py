@@ -228,7 +228,9 @@ class Coordinator:
         prompt_done = cancelled = False
         last_event = time.monotonic()
         while True:
-            if not cancelled and should_cancel is not None and should_cancel():
+            # a cancel goes to the last stage once it knows the request (after the prompt's last
+            # chunk): sent earlier, it would find nothing to cancel there and be lost
+            if not cancelled and prompt_done and should_cancel is not None and should_cancel():
                 cancelled = True
                 self._sender(self._last_stage(), "last").send(Cancel(request_id=request_id),
                                                              timeout_ms=10_000)
