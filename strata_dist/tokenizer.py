@@ -255,14 +255,22 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
-    pairs = []
+    vocab = _vocab(tokens)
+    pairs, skipped = [], []
     for m in merges:
         a, sep, b = m.partition(" ")
         if not sep:
             raise TokenizerError(f"merge {m!r} is not two parts separated by a space")
-        pairs.append((a, b))
-    tk = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs, fuse_unk=False,
-                              ignore_merges=False))
+        if a in vocab and b in vocab and a + b in vocab:
+            pairs.append((a, b))
+        else:
+            skipped.append(m)
+    if skipped:
+        # llama.cpp loads such files (it never produces the missing token); so do we, without
+        # the merges that could only produce a token the vocabulary lacks
+        log.warning("%d merge(s) of tokenizer.ggml.merges use or make a token missing from the "
+                    "vocabulary (first: %r); skipped", len(skipped), skipped[0])
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
     name = pre or "default"
     if name not in PRE_TOKENIZERS:
         log.warning("tokenizer.ggml.pre '%s' is not known here: splitting with GPT-2's regex", name)

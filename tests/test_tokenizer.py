@@ -49,7 +49,7 @@ def _vocab_gguf(path, model="gpt2", pre="qwen2", template=None, merges=True, ext
     w.add_token_list(v.tokens)
     w.add_token_types(v.token_types)
     if merges:
-        w.add_token_merges(v.merges)
+        w.add_token_merges(v.merges + (merges if isinstance(merges, list) else []))
     w.add_bos_token_id(v.bos_id)
     w.add_eos_token_id(v.eos_id)
     if template is not None:
@@ -176,6 +176,14 @@ def test_unknown_pre_tokenizer_falls_back_to_gpt2(tmp_path, caplog):
     tok = GGUFTokenizer.from_gguf(_vocab_gguf(tmp_path / "odd.gguf", pre="some-new-model"))
     assert "some-new-model" in caplog.text
     assert tok.decode(tok.encode("it's 42 ok")) == "it's 42 ok"
+
+
+def test_merges_into_tokens_the_vocabulary_lacks_are_skipped(tmp_path, caplog):
+    """llama.cpp loads a file whose merges name a token missing from the vocabulary; so do we."""
+    path = _vocab_gguf(tmp_path / "merges.gguf", merges=["Ġthe zzqx", "zzqx Ġthe"])
+    tok = GGUFTokenizer.from_gguf(path)
+    assert "2 merge(s)" in caplog.text and "zzqx" in caplog.text
+    assert tok.decode(tok.encode("it's the end")) == "it's the end"
 
 
 # ---- chat templates -------------------------------------------------------------------------------
