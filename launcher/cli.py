@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new", type=int, default=32, help="with --prompt-ids (default 32)")
     run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
     run.add_argument("--restart-ranks", type=int, default=0, metavar="N",
-                     help="with --serve: after a rank dies (its request gets ERR), start every "
-                          "rank afresh, up to N times (default 0: the launch ends)")
+                     help="with --serve or --port: after a rank dies (its request gets ERR / an "
+                          "error), start every rank afresh, up to N times (default 0: the launch "
+                          "ends)")
     http = ap.add_argument_group("http (an OpenAI-compatible server)")
     http.add_argument("--port", type=int, default=None,
                       help="serve HTTP on this port (0: any free port, printed at start)")
@@ -222,8 +223,9 @@ def _main(args) -> int:
         other = "--serve" if args.serve else "--prompt-ids"
         raise UsageError(f"--prompt and {other} cannot be combined: pick one surface")
     http_flags(args)
-    if args.restart_ranks < 0 or (args.restart_ranks and not args.serve):
-        raise UsageError(f"--restart-ranks {args.restart_ranks} goes with --serve and N >= 0")
+    if args.restart_ranks < 0 or (args.restart_ranks and not args.serve and args.port is None):
+        raise UsageError(f"--restart-ranks {args.restart_ranks} goes with --serve or --port, "
+                         f"and N >= 0")
     if args.json and not args.plan_only:
         raise UsageError("--json goes with --plan-only")
     if args.inventory and not args.plan_only:
@@ -294,7 +296,11 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     code = 0
     try:
         if args.port is not None:
-            return _serve_http(args, gguf, launch, specs)
+            def relaunch():
+                current[0].close("restarting after a rank failure")
+                current[0] = Launch(cfg)
+                return current[0]
+            return _serve_http(args, gguf, launch, specs, relaunch)
         if args.serve:
             return _serve_lines(args, gguf, cfg, current)
         plan = launch.start()
@@ -406,7 +412,7 @@ def api_key(args) -> str | None:
     return args.api_key
 
 
-def _serve_http(args, gguf, launch, specs) -> int:
+def _serve_http(args, gguf, launch, specs, relaunch) -> int:
     from strata_dist.server import serve_launch
 
     from .serve import info_lines
@@ -420,7 +426,8 @@ def _serve_http(args, gguf, launch, specs) -> int:
 
     return serve_launch(launch, model_path=args.model, n_vocab=g.n_vocab, arch=g.arch,
                         n_layers=g.n_layers, ctx=args.max_context, host=args.host or "127.0.0.1",
-                        port=args.port, api_key=args.api_key,
+                        port=args.port, api_key=args.api_key, relaunch=relaunch,
+                        restarts=args.restart_ranks,
                         queue_size=args.queue_size if args.queue_size is not None else 64,
                         gpu_of_rank={s.index: s.visible_gpu for s in specs
                                      if s.visible_gpu is not None},

@@ -540,6 +540,34 @@ def test_a_dead_rank_fails_the_request_and_stops_the_server(model):
         s.close()
 
 
+def test_restart_ranks_under_port(model):
+    """With --restart-ranks, a rank's death fails the request in flight, /health answers 503 with
+    the error while fresh ranks load, then 200, and the next request is served."""
+    s = ServerProcess(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+                      "--restart-ranks", "1")
+    try:
+        ranks = launcher_children(s.proc.pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        seen, deadline = [], time.monotonic() + 30
+        with httpx.Client(timeout=10) as http:
+            while time.monotonic() < deadline:
+                r = http.get(f"{s.url}/health")
+                seen.append((r.status_code, r.json()))
+                if r.status_code == 200 and any(code == 503 for code, _ in seen):
+                    break
+                time.sleep(0.01)
+            failing = [body for code, body in seen if code == 503]
+            assert failing and any("rank" in body.get("error", "") for body in failing), seen[-3:]
+            assert seen[-1][0] == 200, seen[-3:]
+            r = http.post(f"{s.url}/v1/completions", headers=s.headers, timeout=30,
+                          json={"model": "tiny", "prompt": "again", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert s.proc.poll() is None
+        assert set(launcher_children(s.proc.pid)).isdisjoint(ranks)   # every rank is new
+    finally:
+        s.close()
+
+
 def test_sigterm_ends_open_streams_with_a_message(model):
     s = ServerProcess(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G")
     try:

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Callable
 
+from ..coordinator import RankFailure
 from ..head import HeadSession
 from ..tokenizer import GGUFTokenizer
 from .app import ServerContext, create_app
@@ -87,10 +88,13 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
                  host: str, port: int, api_key: str | None, queue_size: int,
                  gpu_of_rank: dict[int, int] | None = None,
                  info_lines: Callable | None = None, say=None,
-                 prompt_cache_every: int | None = None) -> int:
+                 prompt_cache_every: int | None = None,
+                 relaunch: Callable | None = None, restarts: int = 0) -> int:
     """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
-    coordinator, cfg.ranks). RankFailure from loading or serving propagates to the caller
-    (which stops the ranks); the HTTP listener is stopped here in every case."""
+    coordinator, cfg.ranks). When a rank dies, the request in flight and the queue fail (503),
+    /health answers 503 with the error, and up to `restarts` times `relaunch()` (which stops the
+    old ranks) gives a fresh launch that is loaded and served; after that RankFailure propagates
+    to the caller (which stops the ranks). The HTTP listener is stopped here in every case."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     tok = GGUFTokenizer.from_gguf(launch.gguf)
     if tok.vocab_size > n_vocab:
@@ -101,8 +105,10 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
     worker = Worker(tok, ctx, n_vocab, queue_size)
     t0 = time.monotonic()
     last_line = {"text": ""}
+    current = [launch]            # the launch being loaded or served (a restart replaces it)
 
     def loading() -> dict:
+        launch = current[0]
         coord, plan = launch.coordinator, launch.plan
         ready = len(launch.ready)
         n_ranks = getattr(launch, "n_ranks", len(launch.cfg.ranks))   # known once ranks register
@@ -128,15 +134,15 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
         say(f"warning: --host {host} serves beyond this machine without --api-key")
     say(f"listening on {url} (loading; /health answers 503 until ready)")
 
-    progress = _Progress(loading, say)
-    echo = launch.echo
+    def load(launch) -> None:
+        progress = _Progress(loading, say)
+        echo = launch.echo
 
-    def echo_line(line: str) -> None:
-        last_line["text"] = line
-        progress.write(line) if progress.bar is not None else echo(line)
+        def echo_line(line: str) -> None:
+            last_line["text"] = line
+            progress.write(line) if progress.bar is not None else echo(line)
 
-    launch.echo = echo_line
-    try:
+        launch.echo = echo_line
         try:
             progress.start()
             plan = launch.start()
@@ -153,8 +159,23 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
         worker.attach(session)
         say(f"ready: serving {model_id} on {url} (OpenAI API under /v1, Monitor at /, "
             f"{time.monotonic() - t0:.1f} s to load)")
-        worker.run()
-        return 0
+
+    try:
+        load(launch)
+        done = 0
+        while True:
+            try:
+                worker.run()
+                return 0
+            except RankFailure as e:
+                if relaunch is None or done >= restarts:
+                    raise
+                done += 1
+                say(f"warning: {e}; restarting every rank ({done} of {restarts}); /health "
+                    f"answers 503 with the error until they are ready")
+                worker.reload()
+                current[0] = relaunch()
+                load(current[0])
     except BaseException as e:
         if worker.state in ("loading", "ready"):
             worker.fail(f"{type(e).__name__}: {e}" if not str(e) else str(e))

@@ -317,7 +317,13 @@ class Worker:
     def attach(self, session: HeadSession) -> None:
         self.session = session
         self.coord = session.coord
-        self.state = "ready"
+        self.state, self.error = "ready", None
+
+    def reload(self) -> None:
+        """After a failure, while fresh ranks load: requests get 503, /health shows the loading
+        progress and the error that caused the restart."""
+        self.state = "loading"
+        self.session = self.coord = None
 
     def fail(self, message: str) -> None:
         self.state, self.error = "failed", message
