@@ -177,3 +177,19 @@ def test_eight_devices_use_the_dp():
     shape = make_shape(n_layers=16, n_experts=4)
     plan = make_plan(shape, make_devices([300] * 8), cells=CELLS, split="auto")
     assert plan.method == "dp"
+
+
+@pytest.mark.parametrize("rig", list(rigs()), ids=lambda r: f"{len(r)}dev")
+def test_expert_cache_zero_keeps_the_profile_in_the_search(rig):
+    """--expert-cache 0 (stage_cache_slots=0): nothing is resident, yet the placement is the one
+    the profile chooses with filled caches (with empty fills every placement would tie, and a
+    skewed and a uniform profile would give the same plan)."""
+    shape = make_shape(n_layers=9, n_experts=5, seed=11)
+    for prof in (RoutingProfile.uniform(9, 5), skewed_profile(9, 5)):
+        auto = make_plan(shape, rig, cells=CELLS, profile=prof, params=PlanParams(miss_ms=0.4))
+        none = make_plan(shape, rig, cells=CELLS, profile=prof,
+                         params=PlanParams(miss_ms=0.4, stage_cache_slots=0))
+        assert [(s.device, s.lb, s.le) for s in none.stages] == \
+            [(s.device, s.lb, s.le) for s in auto.stages]
+        assert all(not s.pairs and s.cache_bytes == 0 for s in none.stages)
+        assert none.predicted_ms_per_token >= auto.predicted_ms_per_token

@@ -257,7 +257,15 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     ordered = order_devices(devices, order, params.default_bw_gbs)
     cm = CostModel(shape, ordered, profile, cells, params)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
-    placement = _place(cm, split, skip_if_fits)
+    if params.stage_cache_slots == 0:
+        # --expert-cache 0: nothing is resident, but the profile still chooses the placement
+        # (searched as if the caches filled; with empty fills every placement would tie)
+        searched = CostModel(shape, ordered, profile, cells, replace(params, stage_cache_slots=None))
+        placement = _place(searched, split, skip_if_fits)
+        notes.append("expert cache 0: the placement was searched with filled caches; none is "
+                     "filled")
+    else:
+        placement = _place(cm, split, skip_if_fits)
 
     # stage caches, then the prompt loans (a stage that cannot lend gives its own buffers room)
     fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
