@@ -56,7 +56,7 @@ def main() -> int:
         results[name] = tps
         total = sum(tiers.values())
         print(f"{name:15s}: {tps:7.2f} tok/s decode; expert_slots={info['expert_slots']} "
-              f"(stage caches {info['expert_slots_primary']}); of {total} expert computations: "
+              f"(stage caches {info['expert_slots_stages']}); of {total} expert computations: "
               + ", ".join(f"{k} {v / total:.1%}" for k, v in tiers.items()))
     print(f"helper tier / no helper tier: {results['helper tier'] / results['no helper tier']:.2f}x")
     return 0

@@ -184,7 +184,8 @@ def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extr
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     head = dict(extra)
     head.update(ranks=len(ranks_devices), stages=len(plan.stages), ctx=ctx, prefill=plan.chunk,
-                expert_slots=plan.expert_slots, expert_slots_primary=plan.expert_slots_primary,
+                expert_slots=plan.expert_slots, expert_slots_stages=plan.expert_slots_stages,
+                expert_slots_primary=plan.expert_slots_primary,
                 expert_cache_mib=f"{plan.expert_cache_mib:.1f}",
                 expert_cache_primary_mib=f"{plan.expert_cache_primary_mib:.1f}",
                 predicted_ms_per_token=f"{plan.predicted_ms_per_token:.3f}")

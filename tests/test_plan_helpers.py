@@ -80,7 +80,9 @@ def test_plan_helpers_take_every_cards_leftover_and_skip_tier_drops_one():
     # pin the stage caches small so the stage cards have leftover and unheld pairs remain
     plan = make_plan(shape, devs, cells=2048, split=[4], order="as_given",
                      params=PlanParams(stage_cache_slots=10))
-    assert len(plan.stages) == 2 and plan.expert_slots_primary <= 20
+    assert len(plan.stages) == 2 and plan.expert_slots_stages <= 20
+    # the seeds' reporting: every tier of every card; the primary figure is the first card alone
+    assert plan.expert_slots_primary == plan.stages[0].cache_slots < plan.expert_slots_stages
     helper_only = [h for h in plan.helpers if plan.stage_on(h.device) is None]
     assert helper_only and not helper_only[0].skipped      # the card that runs no stage is a helper
     stage_tiers = [h for h in plan.helpers if plan.stage_on(h.device) is not None]
@@ -88,7 +90,7 @@ def test_plan_helpers_take_every_cards_leftover_and_skip_tier_drops_one():
     primary = {p for s in plan.stages for p in s.pairs}
     extra = [p for h in plan.live_helpers for p in h.pairs]
     assert len(extra) == len(set(extra)) and not set(extra) & primary
-    assert plan.expert_slots == plan.expert_slots_primary + len(extra)
+    assert plan.expert_slots == plan.expert_slots_stages + len(extra)
     for dev in plan.devices:
         assert plan.left_bytes(dev) >= 0
 
@@ -98,7 +100,7 @@ def test_plan_helpers_take_every_cards_leftover_and_skip_tier_drops_one():
     assert tier.skipped and tier.reason == "cudaMalloc failed"
     assert soft.expert_slots == plan.expert_slots - len(victim.pairs)
     assert soft.expert_cache_mib == pytest.approx(plan.expert_cache_mib - victim.bytes / MIB)
-    assert soft.expert_slots_primary == plan.expert_slots_primary
+    assert soft.expert_slots_stages == plan.expert_slots_stages
     assert soft.coverage_all == pytest.approx(plan.coverage_all - victim.mass)
 
 
@@ -106,4 +108,4 @@ def test_remote_auto_off_keeps_every_tier_skipped():
     shape = make_shape(n_layers=8, n_experts=32)
     plan = make_plan(shape, make_devices([600, 700, 900]), cells=2048, split=[4],
                      params=PlanParams(remote_auto=False, stage_cache_slots=100))
-    assert all(h.skipped for h in plan.helpers) and plan.expert_slots == plan.expert_slots_primary
+    assert all(h.skipped for h in plan.helpers) and plan.expert_slots == plan.expert_slots_stages

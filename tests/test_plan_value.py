@@ -41,6 +41,7 @@ def test_json_round_trip_with_skipped_tiers_fallbacks_and_a_measured_profile():
 def test_json_shape(qwen_plan):
     d = json.loads(qwen_plan.to_json())
     assert d["expert_slots"] == qwen_plan.expert_slots and d["expert_slots_primary"] == qwen_plan.expert_slots_primary
+    assert d["expert_slots_stages"] == sum(len(s["pairs"]) for s in d["stages"])
     for s, st in zip(d["stages"], qwen_plan.stages):
         assert (s["lb"], s["le"]) == (st.lb, st.le)
     d["expert_slots"] += 1
@@ -79,7 +80,8 @@ def test_render_table(qwen_plan):
     for word in ("role", "[lb, le)", "weights", "session", "loan", "cache", "helper", "slots", "left",
                  "expert_slots", "ms/token", "prefill chunk"):
         assert word in text
-    assert f"expert_slots {qwen_plan.expert_slots} (stage caches {qwen_plan.expert_slots_primary})" in text
+    assert (f"expert_slots {qwen_plan.expert_slots} (stage caches {qwen_plan.expert_slots_stages}, "
+            f"the first card's {qwen_plan.expert_slots_primary})") in text
     for st in qwen_plan.stages:
         assert f"[{st.lb}, {st.le})" in text
     assert len(text.splitlines()) >= 2 + len(qwen_plan.devices)

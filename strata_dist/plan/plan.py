@@ -23,7 +23,7 @@ from .search import (Placement, check_split_points, price_split, search, search_
                      shortfall_message)
 from .shape import ModelShape
 
-PLAN_FORMAT = "strata-plan/1"
+PLAN_FORMAT = "strata-plan/2"   # 2: *_stages totals; *_primary is the first card's alone
 
 
 @dataclass(frozen=True)
@@ -74,21 +74,32 @@ class Plan:
     def live_helpers(self) -> tuple[HelperTier, ...]:
         return tuple(h for h in self.helpers if not h.skipped)
 
+    # expert_slots / expert_cache_mib: every tier of every card. *_stages: the stage caches.
+    # *_primary: the first stage's card alone (the figure single-card reports gave, kept so runs
+    # can be compared with them).
     @property
-    def expert_slots_primary(self) -> int:
+    def expert_slots_stages(self) -> int:
         return sum(s.cache_slots for s in self.stages)
 
     @property
-    def expert_slots(self) -> int:
-        return self.expert_slots_primary + sum(len(h.pairs) for h in self.live_helpers)
+    def expert_slots_primary(self) -> int:
+        return self.stages[0].cache_slots if self.stages else 0
 
     @property
-    def expert_cache_primary_mib(self) -> float:
+    def expert_slots(self) -> int:
+        return self.expert_slots_stages + sum(len(h.pairs) for h in self.live_helpers)
+
+    @property
+    def expert_cache_stages_mib(self) -> float:
         return sum(s.cache_bytes for s in self.stages) / MIB
 
     @property
+    def expert_cache_primary_mib(self) -> float:
+        return (self.stages[0].cache_bytes if self.stages else 0) / MIB
+
+    @property
     def expert_cache_mib(self) -> float:
-        return self.expert_cache_primary_mib + sum(h.bytes for h in self.live_helpers) / MIB
+        return self.expert_cache_stages_mib + sum(h.bytes for h in self.live_helpers) / MIB
 
     @property
     def coverage_primary(self) -> float:
@@ -135,8 +146,11 @@ class Plan:
             "cells": self.cells, "chunk": self.chunk, "chunk_auto": self.chunk_auto, "method": self.method,
             "predicted_ms_per_token": self.predicted_ms_per_token, "compute_ms": self.compute_ms,
             "miss_ms": self.miss_ms, "handoff_ms": self.handoff_ms,
-            "expert_slots": self.expert_slots, "expert_slots_primary": self.expert_slots_primary,
-            "expert_cache_mib": self.expert_cache_mib, "expert_cache_primary_mib": self.expert_cache_primary_mib,
+            "expert_slots": self.expert_slots, "expert_slots_stages": self.expert_slots_stages,
+            "expert_slots_primary": self.expert_slots_primary,
+            "expert_cache_mib": self.expert_cache_mib,
+            "expert_cache_stages_mib": self.expert_cache_stages_mib,
+            "expert_cache_primary_mib": self.expert_cache_primary_mib,
             "devices": [d.to_dict() for d in self.devices],
             "stages": stages, "helpers": helpers,
             "params": self.params.to_dict(), "notes": list(self.notes),
@@ -165,7 +179,8 @@ class Plan:
                    predicted_ms_per_token=d["predicted_ms_per_token"], compute_ms=d["compute_ms"],
                    miss_ms=d["miss_ms"], handoff_ms=d["handoff_ms"],
                    params=PlanParams.from_dict(d["params"]), notes=tuple(d["notes"]))
-        for key in ("expert_slots", "expert_slots_primary", "expert_cache_mib", "expert_cache_primary_mib"):
+        for key in ("expert_slots", "expert_slots_stages", "expert_slots_primary", "expert_cache_mib",
+                    "expert_cache_stages_mib", "expert_cache_primary_mib"):
             if d[key] != getattr(plan, key):
                 raise ValueError(f"plan JSON: {key} = {d[key]} disagrees with its parts ({getattr(plan, key)})")
         return plan

@@ -36,8 +36,9 @@ def render_table(plan: Plan) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("(MiB; reserve: work buffers, hand-off rows and, on the last stage, the head's "
                  "scratch; slots: stage cache + hN helper pairs)")
-    lines.append(f"expert_slots {plan.expert_slots} (stage caches {plan.expert_slots_primary}), "
-                 f"expert cache {plan.expert_cache_mib:.1f} MiB (stage caches {plan.expert_cache_primary_mib:.1f} MiB)")
+    lines.append(f"expert_slots {plan.expert_slots} (stage caches {plan.expert_slots_stages}, the "
+                 f"first card's {plan.expert_slots_primary}), expert cache "
+                 f"{plan.expert_cache_mib:.1f} MiB (stage caches {plan.expert_cache_stages_mib:.1f} MiB)")
     lines.append(f"predicted {plan.predicted_ms_per_token:.3f} ms/token = compute {plan.compute_ms:.3f} "
                  f"+ host misses {plan.miss_ms:.3f} + hand-offs {plan.handoff_ms:.3f} "
                  f"(search: {plan.method}; helper tiers not counted)")

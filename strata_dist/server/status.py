@@ -196,6 +196,7 @@ def status_value(*, model: dict, plan, views: list[RankView], snapshot: dict,
         "plan": plan.to_dict() if plan is not None else None,
         "totals": {
             "expert_slots": plan.expert_slots if plan else 0,
+            "expert_slots_stages": plan.expert_slots_stages if plan else 0,
             "expert_slots_primary": plan.expert_slots_primary if plan else 0,
             "expert_cache_mib": round(plan.expert_cache_mib, 3) if plan else 0.0,
             "expert_cache_primary_mib": round(plan.expert_cache_primary_mib, 3) if plan else 0.0,
