@@ -193,3 +193,25 @@ def test_expert_cache_zero_keeps_the_profile_in_the_search(rig):
             [(s.device, s.lb, s.le) for s in auto.stages]
         assert all(not s.pairs and s.cache_bytes == 0 for s in none.stages)
         assert none.predicted_ms_per_token >= auto.predicted_ms_per_token
+
+
+@pytest.mark.parametrize("n_dev,method", [(3, "exhaustive"), (6, "dp")])
+def test_equal_cards_get_equal_shares_when_scores_tie(n_dev, method):
+    """Every pair cached on every card of an even split, so many splits score the same (the
+    compute is the same bytes over the same bandwidth): the tie goes to the split whose most-asked
+    card is asked least, not to one that leaves the first card mostly idle."""
+    from dataclasses import replace as dc_replace
+    L = 48
+    shape = dc_replace(make_shape(n_layers=L, n_experts=8), layer_dense_bytes=[20 * MIB] * L,
+                       router_bytes=[MIB // 2] * L, blob_bytes=[4 * MIB] * L,
+                       kv_bytes_per_cell=[1024] * L, embed_bytes=0, head_bytes=0)
+    per_layer = 20 * MIB + 8 * 4 * MIB + 1024 * CELLS
+    # a card holds a bit more than its share: several splits cache everything and tie
+    free = (L * per_layer / n_dev * 1.25 + 600 * MIB) / MIB
+    devs = make_devices([free] * n_dev, bw=[300] * n_dev)
+    cm = CostModel(shape, devs, RoutingProfile.uniform(L, 8), CELLS, PlanParams(handoff_ms=0.0))
+    got = search_exhaustive(cm, max_stages=n_dev) if method == "exhaustive" else search_dp(cm)
+    sizes = [e - b for b, e in got.ranges]
+    # equal shares of memory: the last card also holds the head's reserve, middle ones two
+    # hand-off buffers, so layer counts differ by a layer or two at most
+    assert len(sizes) == n_dev and max(sizes) - min(sizes) <= 2, got.ranges

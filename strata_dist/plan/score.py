@@ -50,6 +50,7 @@ class CostModel:
         self.links = np.array([[self._link(a, b) for b in self.devices] for a in self.devices])
         self._fills: dict[tuple[int, int, int], Fill] = {}
         self._stage: tuple[np.ndarray, np.ndarray] | None = None
+        self._load: np.ndarray | None = None
 
     # --- per-range quantities ---------------------------------------------------------------------
     def _read_table(self) -> np.ndarray:
@@ -126,6 +127,21 @@ class CostModel:
             T[:, bb, ee] = t
             self._stage = (S, T)
         return self._stage
+
+    def load_table(self) -> np.ndarray:
+        """U[d, b, e]: what a stage of [b, e) asks of device d, its fixed bytes plus every expert
+        of its layers, as a fraction of d's free memory (inf where it does not fit). The search
+        breaks ties of the score with the placement whose most-asked card is asked least: on
+        equal cards, equal shares instead of one card left mostly idle."""
+        if self._load is None:
+            S, _ = self.stage_table()
+            L = self.shape.n_layers
+            blobs = np.concatenate([[0], np.cumsum(np.asarray(self.shape.blob_bytes, dtype=np.float64)
+                                                   * self.shape.n_experts)])
+            ask = self.fixed[:L + 1, :L + 1] + (blobs[None, :] - blobs[:, None])     # [b, e]
+            U = ask[None] / np.maximum(self.free, 1)[:, None, None].astype(np.float64)
+            self._load = np.where(S < INF, U, INF)
+        return self._load
 
     # --- placements ---------------------------------------------------------------------------------
     def score(self, devices: Sequence[int], bounds: Sequence[int]) -> float:

@@ -9,7 +9,9 @@ serve only as a helper tier) and splits [0, L) into one non-empty range per pick
   boundaries (score.py), so the best placement whose last stage is device d ending at layer e
   extends the best placement of [0, b) ending on some earlier device d'. That is a shortest path in
   a DAG: EXACT, O(D^2 L + D L^2). Used for 5-8 devices; tests check it against brute force.
-Both read the same memoised stage table (one fill per (device, range)).
+Both read the same memoised stage table (one fill per (device, range)). Placements whose scores
+tie (to TIE_REL) are told apart by the load table: the one whose most-asked card is asked least
+wins (cm.load_table), so equal cards get equal shares rather than one card left mostly idle.
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ from .pricing import MIB
 from .score import INF, CostModel
 
 EXHAUSTIVE_MAX_DEVICES = 4
+TIE_REL = 1e-13   # scores this close (relative) are a tie: sums in another order differ by ulps
+
+
+def _tie(value: float) -> float:
+    return TIE_REL * max(1.0, abs(value))
 
 
 @dataclass(frozen=True)
@@ -41,51 +48,80 @@ class Placement:
 
 
 def search_exhaustive(cm: CostModel, max_stages: int = EXHAUSTIVE_MAX_DEVICES) -> Placement | None:
-    """The best placement among all with 1..max_stages stages; None if none fits."""
+    """The best placement among all with 1..max_stages stages (ties: the least-asked most-asked
+    card); None if none fits."""
     S, _ = cm.stage_table()
+    U = cm.load_table()
     L, D = cm.shape.n_layers, len(cm.devices)
-    best: Placement | None = None
+    tables = []                        # (combo, total, load) over every split point of each combo
     for s in range(1, min(max_stages, D, L) + 1):
         for combo in itertools.combinations(range(D), s):
             # total[k1, ..., k_{s-1}] over all split points; non-rising points hit S = inf
             if s == 1:
-                total = np.array(S[combo[0], 0, L])
+                total, load = np.array(S[combo[0], 0, L]), np.array(U[combo[0], 0, L])
             else:
-                total = S[combo[0], 0, :]
+                total, load = S[combo[0], 0, :], U[combo[0], 0, :]
                 for i in range(1, s - 1):
                     total = total[..., :, None] + cm.links[combo[i - 1], combo[i]] + S[combo[i]]
+                    load = np.maximum(load[..., :, None], U[combo[i]])
                 total = total + cm.links[combo[-2], combo[-1]] + S[combo[-1], :, L]
-            flat = int(np.argmin(total))
-            value = float(total.ravel()[flat])
-            if value < INF and (best is None or value + cm.baseline_ms() < best.score):
-                ks = np.unravel_index(flat, total.shape) if s > 1 else ()
-                best = Placement(combo, (0, *map(int, ks), L), value + cm.baseline_ms(), "exhaustive")
+                load = np.maximum(load, U[combo[-1], :, L])
+            tables.append((combo, total, load))
+    lowest = min((float(t.min()) for _, t, _ in tables), default=INF)
+    if lowest >= INF:
+        return None
+    best, best_key = None, None
+    for combo, total, load in tables:
+        near = np.flatnonzero(total.ravel() <= lowest + _tie(lowest))
+        if near.size == 0:
+            continue
+        pick = int(near[np.argmin(load.ravel()[near])])
+        key = (float(load.ravel()[pick]), float(total.ravel()[pick]))
+        if best_key is None or key < best_key:
+            ks = np.unravel_index(pick, total.shape) if len(combo) > 1 else ()
+            best_key = key
+            best = Placement(combo, (0, *map(int, ks), L), key[1] + cm.baseline_ms(), "exhaustive")
     return best
 
 
 def search_dp(cm: CostModel) -> Placement | None:
     """The best placement over any number of stages, by DP over (device, end layer); exact."""
     S, _ = cm.stage_table()
+    U = cm.load_table()
     L, D = cm.shape.n_layers, len(cm.devices)
+    # (cost, load) compared lexicographically, cost to a tie: a smaller load never hurts an
+    # extension (the load of a placement is the max over its stages), so the DP stays exact
     f = np.full((D, L + 1), INF)              # f[d, e]: best cost of [0, e) with device d's stage last
+    m = np.full((D, L + 1), INF)              # m[d, e]: its load
     from_b = np.zeros((D, L + 1), dtype=np.int64)
     from_d = np.full((D, L + 1), -1, dtype=np.int64)
+    cols = np.arange(L + 1)
     for d in range(D):
         g = np.full(L + 1, INF)                # g[b]: best cost of [0, b) handed to device d
+        gm = np.full(L + 1, INF)
         gd = np.full(L + 1, -1, dtype=np.int64)
-        g[0] = 0.0                             # device d runs the first stage
+        g[0], gm[0] = 0.0, 0.0                 # device d runs the first stage
         for prev in range(d):
-            cand = f[prev] + cm.links[prev, d]
+            cand, candm = f[prev] + cm.links[prev, d], m[prev].copy()
             cand[0] = INF
-            better = cand < g
-            g[better], gd[better] = cand[better], prev
+            with np.errstate(invalid="ignore"):       # inf - inf: not a tie
+                tie = np.abs(cand - g) <= TIE_REL * np.maximum(1.0, np.minimum(np.abs(cand),
+                                                                               np.abs(g)))
+            better = (cand < g) & ~tie | tie & (candm < gm) & (cand < INF)
+            g[better], gm[better], gd[better] = cand[better], candm[better], prev
         total = g[:, None] + S[d]              # [b, e]
-        b = np.argmin(total, axis=0)
-        f[d] = total[b, np.arange(L + 1)]
+        load = np.maximum(gm[:, None], U[d])
+        low = total.min(axis=0)
+        near = total <= low + TIE_REL * np.maximum(1.0, np.abs(low))
+        b = np.argmin(np.where(near, load, INF), axis=0)
+        b = np.where(np.isfinite(low) & near[b, cols], b, np.argmin(total, axis=0))
+        f[d], m[d] = total[b, cols], load[b, cols]
         from_b[d], from_d[d] = b, gd[b]
-    d = int(np.argmin(f[:, L]))
-    if f[d, L] == INF:
+    last = f[:, L]
+    if not np.isfinite(last).any() or last.min() >= INF:
         return None
+    near = last <= last.min() + _tie(float(last.min()))
+    d = int(np.argmin(np.where(near, m[:, L], INF)))
     score = float(f[d, L]) + cm.baseline_ms()
     devices, bounds, e = [], [L], L
     while d >= 0:
