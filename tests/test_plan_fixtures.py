@@ -62,8 +62,7 @@ def reference_score(shape: ModelShape, devices, profile: RoutingProfile, cells: 
     for i, d in enumerate(stage_devices):
         lb, le = bounds[i], bounds[i + 1]
         first, last = lb == 0, le == L
-        fixed = (weights_bytes(shape, lb, le, first, last, weight_slice=params.weight_slice,
-                               replicate_routers=params.replicate_routers)
+        fixed = (weights_bytes(shape, lb, le, first, last, weight_slice=params.weight_slice)
                  + session_bytes(shape, cells, lb, le) + reserve_bytes(shape, first, last))
         budget = devices[d].free_bytes - fixed
         if budget < 0:

@@ -43,11 +43,11 @@ def test_weight_slice_kill_switch_loads_every_dense_tensor():
     assert weights_bytes(shape, 2, 4, False, False, weight_slice=False) == whole
 
 
-def test_replicated_routers_add_the_other_layers_routers():
+def test_a_stage_prices_only_its_own_routers():
+    """(Replicated routers were priced but never loaded; they are gone from both.)"""
     shape = make_shape(n_layers=6)
-    extra = sum(shape.router_bytes) - sum(shape.router_bytes[2:4])
-    assert (weights_bytes(shape, 2, 4, False, False, replicate_routers=True)
-            == weights_bytes(shape, 2, 4, False, False) + extra)
+    assert weights_bytes(shape, 2, 4, False, False) == sum(shape.layer_dense_bytes[2:4])
+    assert "replicate_routers" not in PlanParams().to_dict()
 
 
 def test_range_without_attention_still_carves_one_primary_state():
@@ -73,16 +73,14 @@ def test_reserves_named_once():
     assert reserve_bytes(shape, False, True) == STAGE_WORK_RESERVE_BYTES + HEAD_RESERVE_BYTES + hand
 
 
-@pytest.mark.parametrize("params", [PlanParams(), PlanParams(weight_slice=False),
-                                    PlanParams(replicate_routers=True)])
+@pytest.mark.parametrize("params", [PlanParams(), PlanParams(weight_slice=False)])
 def test_vectorised_range_table_equals_scalar_pricing(params):
     shape = make_shape(n_layers=12, kinds=hybrid_kinds(12))
-    table = range_fixed_table(shape, 777, weight_slice=params.weight_slice,
-                              replicate_routers=params.replicate_routers)
+    table = range_fixed_table(shape, 777, weight_slice=params.weight_slice)
     for lb in range(12):
         for le in range(lb + 1, 13):
-            assert table[lb, le] == sum(stage_fixed_bytes(shape, 777, lb, le, weight_slice=params.weight_slice,
-                                                          replicate_routers=params.replicate_routers))
+            assert table[lb, le] == sum(stage_fixed_bytes(shape, 777, lb, le,
+                                                          weight_slice=params.weight_slice))
 
 
 def test_bad_ranges_refused():

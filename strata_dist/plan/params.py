@@ -32,7 +32,6 @@ class PlanParams:
     remote_auto      helper tiers on leftover VRAM (STRATA_REMOTE_AUTO=0 / --no-remote-auto turn off).
     weight_slice     a stage loads only its own layers' dense weights (STRATA_WEIGHT_SLICE=0: all).
     stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
-    replicate_routers  every stage also loads every other layer's router (see ModelShape.router_bytes).
     """
 
     cover_b: float = 3.0
@@ -48,7 +47,6 @@ class PlanParams:
     remote_auto: bool = True
     weight_slice: bool = True
     stage_cache_slots: int | None = None
-    replicate_routers: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cover_b) and self.cover_b > 0):

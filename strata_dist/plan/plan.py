@@ -213,8 +213,7 @@ def _skip_if_fits(cm: CostModel) -> Placement | None:
 def _no_fit_message(cm: CostModel) -> str:
     L = cm.shape.n_layers
     biggest = max(range(len(cm.devices)), key=lambda d: cm.free[d])
-    w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice,
-                                replicate_routers=cm.params.replicate_routers)
+    w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice)
     return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
             f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
             f"{(w + s) / MIB:.1f} MiB at {cm.cells} cells before per-stage reserves, "
@@ -296,8 +295,7 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     E = shape.n_experts
     stages = []
     for i, (d, f, loan) in enumerate(zip(placement.devices, fills, lend.loans)):
-        w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
-                                    replicate_routers=params.replicate_routers)
+        w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice)
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),

@@ -39,17 +39,14 @@ def blob_bytes(shape: ModelShape, layer: int) -> int:
 
 
 def weights_bytes(shape: ModelShape, lb: int, le: int, first: bool, last: bool, *,
-                  weight_slice: bool = True, replicate_routers: bool = False) -> int:
+                  weight_slice: bool = True) -> int:
     """Dense bytes a stage running [lb, le) loads: its layers' dense tensors, the embedding on the
     first stage, output norm + head on the last. weight_slice=False (STRATA_WEIGHT_SLICE=0) is the
-    kill switch: every stage loads the whole model's dense weights. replicate_routers adds the routers
-    of every layer outside the range."""
+    kill switch: every stage loads the whole model's dense weights."""
     _check_range(shape, lb, le)
     if not weight_slice:
         lb, le, first, last = 0, shape.n_layers, True, True
     total = sum(shape.layer_dense_bytes[lb:le])
-    if replicate_routers:
-        total += sum(shape.router_bytes) - sum(shape.router_bytes[lb:le])
     if first:
         total += shape.embed_bytes
     if last:
@@ -100,18 +97,16 @@ def reserve_bytes(shape: ModelShape, first: bool, last: bool) -> int:
             + handoff_bytes(shape) * ((not first) + (not last)))
 
 
-def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *, weight_slice: bool = True,
-                      replicate_routers: bool = False) -> tuple[int, int, int]:
+def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
+                      weight_slice: bool = True) -> tuple[int, int, int]:
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range."""
     first, last = lb == 0, le == shape.n_layers
-    return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice,
-                          replicate_routers=replicate_routers),
+    return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
             session_bytes(shape, cells, lb, le),
             reserve_bytes(shape, first, last))
 
 
-def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
-                      replicate_routers: bool = False) -> np.ndarray:
+def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True) -> np.ndarray:
     """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
     (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
     stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
@@ -133,10 +128,8 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
         w = span(pre(shape.layer_dense_bytes)) + first * shape.embed_bytes + last * shape.head_bytes
         if shape.head_shares_embedding:
             w = w - (first & last) * shape.embed_bytes
-        if replicate_routers:
-            w = w + sum(shape.router_bytes) - span(pre(shape.router_bytes))
     else:
-        whole = weights_bytes(shape, 0, L, True, True, replicate_routers=replicate_routers)
+        whole = weights_bytes(shape, 0, L, True, True)
         w = np.full((L + 1, L + 1), whole, dtype=np.int64)
 
     kv = span(pre([k if a else 0 for k, a in zip(shape.kv_bytes_per_cell, is_attn)])) * cells

@@ -40,8 +40,7 @@ class CostModel:
         self.ranking = profile.ranking()
         self.mass = pair_masses(profile, self.ranking, params.coverage, params.cover_b)
         self.tables = RankTables(shape, self.ranking, self.mass)
-        self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
-                                       replicate_routers=params.replicate_routers)
+        self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice)
         self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64)
         # bytes per millisecond of each device
         self.bw = np.array([(d.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6 for d in self.devices])

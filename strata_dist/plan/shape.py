@@ -32,8 +32,8 @@ class ModelShape:
     layer_dense_bytes[l] every tensor of layer l that is NOT a routed expert, as the loader allocates
                          it on the device: norms, attention/linear-attention projections, router
                          (ffn_gate_inp), shared expert and its gate (qwen3next). Includes router_bytes[l].
-    router_bytes[l]      the part of layer_dense_bytes[l] that is the router, kept apart so routers
-                         can be replicated on every stage (PlanParams.replicate_routers).
+    router_bytes[l]      the part of layer_dense_bytes[l] that is the router (reported; a stage
+                         loads only its own layers' routers).
     blob_bytes[l]        ONE routed expert of layer l: gate + up + down in their stored (quantised)
                          format, i.e. the bytes one expert-cache slot copy moves. Varies per layer in
                          mixed-quant files.
