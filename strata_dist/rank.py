@@ -41,6 +41,7 @@ log = logging.getLogger("strata.rank")
 HEARTBEAT_S = 1.0
 COORDINATOR_LOST_S = 15.0     # heartbeats failing this long: the coordinator is gone
 HANDOFF_TIMEOUT_MS = 30_000   # a next stage that takes no rows this long is considered dead
+LAST_MESSAGE_GRACE_MS = 500   # a queued last message may trail the disconnect event by this much
 
 
 @dataclass
@@ -296,8 +297,11 @@ class RankProcess:
 
     def _check_connection(self, when: str) -> None:
         events = getattr(self, "_control_events", None)
-        if events is not None and events.poll(0) and not self.control.poll(0):
-            events.recv_multipart()   # (a message still queued, a last Shutdown, is read first)
+        # The disconnect event and the coordinator's last message (a Shutdown) travel apart: the
+        # event can be seen first, so the message gets a moment to arrive; a shutdown must never
+        # read as a lost coordinator (exit 1).
+        if events is not None and events.poll(0) and not self.control.poll(LAST_MESSAGE_GRACE_MS):
+            events.recv_multipart()
             raise CoordinatorLost(f"the coordinator closed the connection {when}")
 
     def _wait_assign(self) -> Assign | int:
