@@ -135,6 +135,7 @@ class LineServer:
         for rank, reply in sorted(self.coord.stats().items()):
             fields = " ".join(f"{k}={v}" for k, v in sorted(reply.counters.items()))
             self.say(f"STATS rank={rank} {fields}")
+        self.say(f"STATS head forged_dropped={self.coord.seal.rejected}")
         self.say("STATS END")
 
     def generate(self, req: GenRequest) -> Outcome:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -232,6 +232,7 @@ class Assign(Message):
     loan_slots: int = 0    # prompt-loan slots borrowed from the cache tail
     helper_pairs: list[list[int]] = field(default_factory=list)  # [[layer, expert], ...] this rank serves
     extra: dict[str, Any] = field(default_factory=dict)
+    link_nonce: str = ""   # the launch's data-link nonce: TCP data links are sealed (protocol/seal.py)
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,

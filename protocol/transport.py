@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -21,6 +22,7 @@ import zmq
 
 from .codec import decode, encode
 from .messages import Message, ProtocolError
+from .seal import LinkSeal, Sealer
 
 # Defaults for every wait (milliseconds). Callers pass their own where the plan knows better.
 CONNECT_TIMEOUT_MS = 10_000    # handshake replies (Challenge, AuthOk)
@@ -253,7 +255,19 @@ class Channel:
             self._apply_curve(curve)
         # the deployment's keys (use_curve) apply when this socket binds (server) or connects (client)
         self._auto_curve = _deployment_curve if curve is None else None
+        self._seal: LinkSeal | None = None      # a sealed TCP data link (seal.py)
+        self._sealer: Sealer | None = None
 
+    def seal_tcp(self, seal: LinkSeal | None) -> "Channel":
+        """Seal what this channel sends, and take only sealed messages, when it is a TCP link
+        (bound or connected on tcp://; local ipc:// links stay as they are). Returns self."""
+        if seal is not None and any(ep.startswith("tcp://") for ep in self.endpoints):
+            self._seal, self._sealer = seal, seal.sealer()
+        return self
+
+    @property
+    def sealed(self) -> bool:
+        return self._seal is not None
     def _apply_curve(self, curve: CurveKeys) -> None:
         s = self._sock
         s.curve_publickey, s.curve_secretkey = curve.public, curve.secret
@@ -351,12 +365,31 @@ class Channel:
              timeout_ms: int | None = None) -> None:
         """Send a message. With copy=False (default) large arrays go out without a copy: do not write into them
         until the peer has them (pass copy=True, or a fresh array, when the buffer is reused right away)."""
-        self.send_frames(encode(msg, arrays), copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
+        frames = encode(msg, arrays)
+        if self._sealer is not None:
+            frames = self._sealer.seal(frames)
+        self.send_frames(frames, copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
+
+    def _recv_opened(self, timeout_ms: int, what: str, skip: int) -> list:
+        """The next message's frames; on a sealed link, the next one that proves itself (the
+        first `skip` frames, a ROUTER's identity, are outside the seal). Messages that do not are
+        dropped and counted by the seal, and the wait goes on until timeout_ms."""
+        if self._seal is None:
+            return self.recv_frames(timeout_ms, what=what)
+        deadline, left = time.monotonic() + timeout_ms / 1000, timeout_ms
+        while True:
+            frames = self.recv_frames(left, what=what)
+            opened = self._seal.open(frames[skip:])
+            if opened is not None:
+                return frames[:skip] + opened
+            left = int((deadline - time.monotonic()) * 1000)
+            if left <= 0:
+                raise ProtocolTimeout(self.peer, what, timeout_ms)
 
     def recv(self, timeout_ms: int = RECV_TIMEOUT_MS, *, what: str = "a message") -> tuple[Message, list[np.ndarray]]:
         """(message, arrays). Arrays are views of the received frames (no copy; treat as read-only). Raises
         ProtocolTimeout, or ProtocolError when the message was invalid (the channel stays usable)."""
-        frames = self.recv_frames(timeout_ms, what=what)
+        frames = self._recv_opened(timeout_ms, what, 0)
         return _decode_from(frames, self.peer, None)
 
 
@@ -371,7 +404,8 @@ class RouterChannel(Channel):
 
     def send(self, identity: bytes, msg: Message, arrays: Sequence[np.ndarray] = (), *,  # type: ignore[override]
              copy: bool = False, timeout_ms: int | None = None) -> None:
-        frames = [identity] + encode(msg, arrays)
+        body = encode(msg, arrays)
+        frames = [identity] + (self._sealer.seal(body) if self._sealer is not None else body)
         try:
             self.send_frames(frames, copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
         except PeerGone:
@@ -380,7 +414,7 @@ class RouterChannel(Channel):
     def recv(self, timeout_ms: int = RECV_TIMEOUT_MS, *,  # type: ignore[override]
              what: str = "a message") -> tuple[bytes, Message, list[np.ndarray]]:
         """(identity, message, arrays). A ProtocolError carries ``.peer`` = identity so the caller can answer."""
-        frames = self.recv_frames(timeout_ms, what=what)
+        frames = self._recv_opened(timeout_ms, what, 1)
         identity = frames[0].bytes
         msg, arrays = _decode_from(frames[1:], _show(identity), identity)
         return identity, msg, arrays

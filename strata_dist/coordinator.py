@@ -19,6 +19,7 @@ from protocol import (Assign, Heartbeat, Cancel, Channel, Error, Poller, PromptP
                       ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
                       Tokens)
 from protocol.auth import Authenticator, admit
+from protocol.seal import LinkSeal, link_key, new_nonce
 from protocol.messages import ERR_VERSION, Sampling, Stats, StatsReply, VersionMismatch
 from protocol.transport import is_loopback_endpoint
 
@@ -75,6 +76,11 @@ class Coordinator:
         self.control_endpoint = self.control.bind(control_bind)
         self.inbox = Channel("pull", peer="last stage")
         self.head_endpoint = self.inbox.bind(head_bind)
+        # TCP data links carry only messages sealed under this launch's key (protocol/seal.py);
+        # the ranks derive it from the secret and the nonce their Assign carries
+        self.link_nonce = new_nonce()
+        self.seal = LinkSeal(link_key(secret, self.link_nonce))
+        self.inbox.seal_tcp(self.seal)
         self.poller = Poller(self.control, self.inbox)
         self.liveness = liveness or (lambda: None)
         self.ranks: list[RankSlot] = []
@@ -148,6 +154,7 @@ class Coordinator:
                on_ready: Callable[[RankSlot], None] | None = None) -> None:
         """Send each rank its Assign and wait until all report Ready."""
         for slot, a in zip(self.ranks, assignments):
+            a.link_nonce = self.link_nonce
             slot.assign = a
             self._send(slot.identity, a)
         deadline = time.monotonic() + timeout_s
@@ -260,7 +267,7 @@ class Coordinator:
         ch = self._senders.get(role)
         if ch is None:
             ch = self._senders[role] = Channel("push", peer=f"rank {slot.rank}")
-            ch.connect(slot.data_endpoint)
+            ch.connect(slot.data_endpoint).seal_tcp(self.seal)
         return ch
 
     def _first_stage_sender(self, first: RankSlot) -> Channel:

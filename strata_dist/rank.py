@@ -24,6 +24,7 @@ from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, ExpertRe
                       Shutdown, SlotFree, Stats, StatsReply, Token, Tokens, advertise)
 from protocol.transport import Endpoints
 from protocol.auth import client_handshake
+from protocol.seal import LinkSeal, link_key
 from protocol.transport import is_loopback_endpoint, local_address_toward
 from protocol.messages import DeviceInfo, RowSlot, Sampling
 
@@ -119,6 +120,7 @@ class RankProcess:
         self.receiver: HandoffReceiver | None = None
         self.stage: Stage | None = None
         self.assign: Assign | None = None
+        self.link_seal: LinkSeal | None = None   # set from the Assign (TCP data links)
         self.requests: dict[int, _Request] = {}
         # compute_us: time in the stage's own work; send_us: time handing rows/tokens on.
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
@@ -158,6 +160,11 @@ class RankProcess:
             return assign
         self.assign = assign
         rank = assign.rank
+        # TCP data links: sealed under the launch's key (the secret and the Assign's nonce)
+        self.link_seal = (LinkSeal(link_key(o.secret, assign.link_nonce)) if assign.link_nonce
+                          else None)
+        self.data.seal_tcp(self.link_seal)
+        self.helper_socket.seal_tcp(self.link_seal)
         log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
         if assign.helper_pairs:
             self._open_helper(assign)
@@ -173,11 +180,11 @@ class RankProcess:
                 helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []),
                           use_cuda_ipc(x, os.environ, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
-                local_helper=self.helper_arena))
+                local_helper=self.helper_arena, link_seal=self.link_seal))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(
-            advertise(assign.head_endpoint, _endpoint_host(o.coordinator)))
+            advertise(assign.head_endpoint, _endpoint_host(o.coordinator))).seal_tcp(self.link_seal)
         if self.stage:
             self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
@@ -263,7 +270,8 @@ class RankProcess:
         on the last stage, the first (the next decode step)."""
         x, be = a.extra, self.stage.backend
         if not a.last:
-            self.next = Channel("push", peer=f"stage after rank {a.rank}").connect(a.next_endpoint)
+            self.next = Channel("push", peer=f"stage after rank {a.rank}").connect(
+                a.next_endpoint).seal_tcp(self.link_seal)
             use_ipc = use_cuda_ipc(x, os.environ)
             g = self.stage.model.g
             self.sender = HandoffSender(self.next, be, x.get("host", ""), use_ipc,
@@ -271,10 +279,12 @@ class RankProcess:
                                         timeout_ms=HANDOFF_TIMEOUT_MS)
         if not a.first:
             prev = x.get("prev_endpoint")
-            up = Channel("push", peer=f"stage before rank {a.rank}").connect(prev) if prev else None
+            up = (Channel("push", peer=f"stage before rank {a.rank}").connect(prev)
+                  .seal_tcp(self.link_seal) if prev else None)
             self.receiver = HandoffReceiver(be, up, HANDOFF_TIMEOUT_MS)
         if a.last:
-            self.first = Channel("push", peer="first stage").connect(a.first_endpoint)
+            self.first = Channel("push", peer="first stage").connect(
+                a.first_endpoint).seal_tcp(self.link_seal)
 
     def _registered(self, bound: str, route: str) -> str:
         """The address peers are given for a bound socket: --advertise-host if set, else the
@@ -383,6 +393,8 @@ class RankProcess:
         if self.stage is not None and self.stage.tiers.helpers:
             c.update(remote_ipc=sum(h.sent_ipc for h in self.stage.tiers.helpers),
                      remote_frames=sum(h.sent_frames for h in self.stage.tiers.helpers))
+        if self.link_seal is not None:
+            c["forged_dropped"] = self.link_seal.rejected   # messages that did not prove themselves
         return c
 
     def _heartbeat(self) -> None:

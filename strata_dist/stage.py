@@ -36,6 +36,7 @@ class StageConfig:
     helpers: list = field(default_factory=list)          # (rank, endpoint, pairs, ipc) of helper tiers
     local_helper: object = None                          # this card's own helper tier (an arena)
     loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
+    link_seal: object = None                             # the launch's seal for TCP data links
 
 
 class Stage:
@@ -50,7 +51,8 @@ class Stage:
             raise ValueError(f"the plan gives stage [{cfg.lb}, {cfg.le}) pairs of other layers")
         self.cache = BlobArena(self.backend, self.gguf, own, g.n_layers, g.n_expert)
         helpers = [HelperClient(rank, ep, [p for p in pairs if cfg.lb <= p[0] < cfg.le],
-                                backend=self.backend, ipc=ipc, hidden=g.n_embd, top_k=g.n_expert_used)
+                                backend=self.backend, ipc=ipc, hidden=g.n_embd, top_k=g.n_expert_used,
+                                seal=cfg.link_seal)
                    for rank, ep, pairs, ipc in cfg.helpers]
         self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
                                  local_helper=cfg.local_helper)

@@ -39,10 +39,11 @@ class HelperClient:
     slots. Until then, for requests larger than the buffer, and after a refusal: frames."""
 
     def __init__(self, rank: int, endpoint: str, pairs, backend=None, ipc: bool = False,
-                 host: str = "", hidden: int = 0, top_k: int = 0, max_rows: int = IPC_MAX_ROWS):
+                 host: str = "", hidden: int = 0, top_k: int = 0, max_rows: int = IPC_MAX_ROWS,
+                 seal=None):
         self.rank, self.endpoint = rank, endpoint
         self.pairs = {(int(l), int(e)) for l, e in pairs}
-        self.ch = Channel("dealer", peer=f"helper rank {rank}").connect(endpoint)
+        self.ch = Channel("dealer", peer=f"helper rank {rank}").connect(endpoint).seal_tcp(seal)
         self.alive = True
         self._seq = 0
         self.backend = backend
