@@ -99,3 +99,25 @@ def test_stage_cache_pin_and_fallback_refill():
             assert st.loan_slots == 0 and st.note
             assert st.cache_bytes + st.own_prompt_bytes <= st.budget_bytes
         assert plan.left_bytes(st.device) >= 0
+
+
+def test_hand_off_buffers_are_priced_for_the_plans_own_chunk():
+    """A boundary reserves one prompt chunk of hidden rows (what a rank allocates), not the
+    largest chunk there could be: with a chunk below HANDOFF_ROWS, the difference is cache."""
+    from strata_dist.plan import HANDOFF_ROWS, STAGE_WORK_RESERVE_BYTES, HEAD_RESERVE_BYTES
+    shape = qwen3_30b_a3b_shape()
+    rig = devices_from_json(RIG)
+    for cells, prefill in ((32768, 1024), (32768, 4096), (2048, None)):   # the last: auto chunk
+        plan = make_plan(shape, rig, cells=cells, split=[16, 32], order="as_given",
+                         prefill=prefill)
+        assert plan.chunk < HANDOFF_ROWS and plan.chunk == (prefill or plan.chunk)
+        for st in plan.stages:
+            ends = (st.stage > 0) + (st.stage < len(plan.stages) - 1)
+            head = HEAD_RESERVE_BYTES if st.stage == len(plan.stages) - 1 else 0
+            assert st.reserve_bytes == (STAGE_WORK_RESERVE_BYTES + head
+                                        + ends * plan.chunk * shape.hidden * 4)
+    wide = make_plan(shape, rig, cells=32768, split=[16, 32], order="as_given", prefill=8192)
+    narrow = make_plan(shape, rig, cells=32768, split=[16, 32], order="as_given", prefill=1024)
+    middle = 1
+    freed = 2 * (8192 - 1024) * shape.hidden * 4
+    assert narrow.stages[middle].reserve_bytes == wide.stages[middle].reserve_bytes - freed

@@ -16,7 +16,7 @@ from .fill import coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
 from .lend import Participant, plan_lend
 from .params import PlanParams
-from .pricing import MIB, stage_fixed_bytes
+from .pricing import HANDOFF_ROWS, MIB, stage_fixed_bytes
 from .profile import RoutingProfile
 from .score import CostModel
 from .search import (Placement, check_split_points, price_split, search, search_exhaustive,
@@ -269,12 +269,16 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
         notes.append("no routing profile: uniform ranking, coverage from H(f) = 1 - (1 - f)^b")
     ordered = order_devices(devices, order, params.default_bw_gbs)
-    cm = CostModel(shape, ordered, profile, cells, params)
+    # hand-off buffers hold one prompt chunk: the search prices the largest it may pick (the
+    # operator's, or the largest auto chunk); once the chunk is known, the rest goes to the caches
+    rows = prefill if prefill is not None else HANDOFF_ROWS
+    cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
     if params.stage_cache_slots == 0:
         # --expert-cache 0: nothing is resident, but the profile still chooses the placement
         # (searched as if the caches filled; with empty fills every placement would tie)
-        searched = CostModel(shape, ordered, profile, cells, replace(params, stage_cache_slots=None))
+        searched = CostModel(shape, ordered, profile, cells, replace(params, stage_cache_slots=None),
+                             handoff_rows=rows)
         placement = _place(searched, split, skip_if_fits)
         notes.append("expert cache 0: the placement was searched with filled caches; none is "
                      "filled")
@@ -288,6 +292,9 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
     lend = plan_lend(parts, shape.prompt_bytes_per_token, prefill, params.lend_pct, max_chunk=cells,
                      loans=params.prompt_loans)
+    if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
+        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk)
+        fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
     fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
              for f, loan in zip(fills, lend.loans)]
     notes += [loan.note for loan in lend.loans if loan.note]
@@ -295,7 +302,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     E = shape.n_experts
     stages = []
     for i, (d, f, loan) in enumerate(zip(placement.devices, fills, lend.loans)):
-        w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice)
+        w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
+                                    handoff_rows=cm.handoff_rows)
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),

@@ -19,7 +19,8 @@ MIB = 1 << 20
 STAGE_WORK_RESERVE_BYTES = 96 * MIB   # per stage: decode/verify work buffers, tiled attention scratch,
                                        # staging slots for streamed expert misses, allocator slack
 HEAD_RESERVE_BYTES = 64 * MIB         # last stage only: logits rows and sampler scratch
-HANDOFF_ROWS = 8192                   # hand-off buffers hold the largest prompt chunk's hidden rows
+HANDOFF_ROWS = 8192                   # the most rows a hand-off buffer holds (the largest auto chunk);
+                                       # a plan sizes them to its own chunk
 HANDOFF_DTYPE_BYTES = 4               # hidden rows travel as f32
 HELPER_RESERVE_BYTES = 32 * MIB       # per helper tier: request/response rows of remote experts
 DECODE_ROWS = 8                       # rows of a decode/verify step (sizes the score scratch)
@@ -84,29 +85,33 @@ def session_bytes(shape: ModelShape, cells: int, lb: int, le: int) -> int:
     return sum(session_parts(shape, cells, lb, le).values())
 
 
-def handoff_bytes(shape: ModelShape) -> int:
-    """One hand-off buffer (one direction of one stage boundary)."""
-    return HANDOFF_ROWS * shape.hidden * HANDOFF_DTYPE_BYTES
+def handoff_bytes(shape: ModelShape, rows: int = HANDOFF_ROWS) -> int:
+    """One hand-off buffer (one direction of one stage boundary) of `rows` hidden rows: a rank
+    sizes it to the plan's prompt chunk."""
+    return rows * shape.hidden * HANDOFF_DTYPE_BYTES
 
 
-def reserve_bytes(shape: ModelShape, first: bool, last: bool) -> int:
+def reserve_bytes(shape: ModelShape, first: bool, last: bool,
+                  handoff_rows: int = HANDOFF_ROWS) -> int:
     """Bytes a stage holds back besides weights and session: its work buffers, the head reserve on
     the last stage, and a hand-off buffer for each boundary it touches (receive unless first, send
     unless last)."""
     return (STAGE_WORK_RESERVE_BYTES + (HEAD_RESERVE_BYTES if last else 0)
-            + handoff_bytes(shape) * ((not first) + (not last)))
+            + handoff_bytes(shape, handoff_rows) * ((not first) + (not last)))
 
 
 def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
-                      weight_slice: bool = True) -> tuple[int, int, int]:
+                      weight_slice: bool = True,
+                      handoff_rows: int = HANDOFF_ROWS) -> tuple[int, int, int]:
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
             session_bytes(shape, cells, lb, le),
-            reserve_bytes(shape, first, last))
+            reserve_bytes(shape, first, last, handoff_rows))
 
 
-def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True) -> np.ndarray:
+def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
+                      handoff_rows: int = HANDOFF_ROWS) -> np.ndarray:
     """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
     (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
     stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
@@ -139,5 +144,6 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
     session = shape.rope_bytes_per_cell * cells + kv + rec + scratch
 
     reserve = (STAGE_WORK_RESERVE_BYTES + last * HEAD_RESERVE_BYTES
-               + handoff_bytes(shape) * ((~first).astype(np.int64) + (~last).astype(np.int64)))
+               + handoff_bytes(shape, handoff_rows) * ((~first).astype(np.int64)
+                                                       + (~last).astype(np.int64)))
     return (w + session + reserve).astype(np.int64)

@@ -21,7 +21,7 @@ import numpy as np
 from .device import Device
 from .fill import Fill, RankTables, pair_masses
 from .params import PlanParams
-from .pricing import HANDOFF_DTYPE_BYTES, range_fixed_table
+from .pricing import HANDOFF_DTYPE_BYTES, HANDOFF_ROWS, range_fixed_table
 from .profile import RoutingProfile
 from .shape import ModelShape
 
@@ -33,14 +33,17 @@ class CostModel:
     with fills memoised per (device, range)."""
 
     def __init__(self, shape: ModelShape, devices: Sequence[Device], profile: RoutingProfile,
-                 cells: int, params: PlanParams):
+                 cells: int, params: PlanParams, handoff_rows: int = HANDOFF_ROWS):
+        """`handoff_rows`: the hand-off buffers' rows each stage boundary reserves (the chunk)."""
         profile.check(shape.n_layers, shape.n_experts)
         self.shape, self.devices, self.cells, self.params = shape, tuple(devices), cells, params
+        self.handoff_rows = handoff_rows
         L = shape.n_layers
         self.ranking = profile.ranking()
         self.mass = pair_masses(profile, self.ranking, params.coverage, params.cover_b)
         self.tables = RankTables(shape, self.ranking, self.mass)
-        self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice)
+        self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
+                                       handoff_rows=handoff_rows)
         self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64)
         # bytes per millisecond of each device
         self.bw = np.array([(d.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6 for d in self.devices])
