@@ -6,7 +6,9 @@ rows travel in frames (no CUDA IPC across hosts), and the fault drills end in bo
 killed rank and a pulled cable fail the request with ERR within the heartbeat timeout, and a
 restarted head is found again by the surviving ranks (--reconnect). Refusals over TCP: a wrong
 secret, another model (both fingerprints named), another protocol version (both named). With
-CURVE the same run works and a rank without the deployment key cannot register."""
+CURVE the same run works and a rank without the deployment key cannot register. A machine
+without the secret cannot touch the data plane (sealed links)."""
+import os
 import signal
 import subprocess
 import sys
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 
 @pytest.fixture(scope="module")
 def lab():
-    lab = NetLab(["head", "a", "b"])
+    lab = NetLab(["head", "a", "b", "evil"])   # evil: a machine on the LAN without the secret
     yield lab
     lab.close()
 
@@ -211,3 +213,38 @@ def test_curve_encrypted_run_and_a_rank_without_the_key(lab, files, baseline):
         assert finish(a) == 0 and finish(b) == 0
     finally:
         stop(h.proc)
+
+
+def test_a_host_without_the_secret_cannot_touch_the_data_plane(lab, files, baseline):
+    """A fourth machine on the LAN, without the secret, pushes well-formed messages of every type
+    at both ranks' data and helper ports and at the head's inbox (tests/forger.py) while two
+    requests run: the tokens equal the single process, and every receiver counts its drops."""
+    from test_sealed_links import assert_drops_counted, listening_ports, stats_lines
+    h = head(lab, files)
+    ports = {"a": (7101, 7102), "b": (7201, 7202)}
+    ranks = [rank(lab, files, host, "--data-bind", f"tcp://{lab.ip(host)}:{d}",
+                  "--helper-bind", f"tcp://{lab.ip(host)}:{hp}") for host, (d, hp) in ports.items()]
+    evil = None
+    try:
+        h.wait_ready(60)
+        inbox = sorted(listening_ports(h.proc.pid) - {PORT})
+        assert inbox, "the head's inbox port was not found"
+        targets = [f"push=tcp://{lab.ip(host)}:{d}" for host, (d, _) in ports.items()]
+        targets += [f"dealer=tcp://{lab.ip(host)}:{hp}" for host, (_, hp) in ports.items()]
+        targets += [f"push=tcp://{lab.ip('head')}:{p}" for p in inbox]
+        forger = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forger.py")
+        evil = lab.popen("evil", [sys.executable, forger, *targets],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+        for _ in range(2):
+            out = h.gen(PROMPT, 24, timeout=120)
+            assert out["err"] is None, out["err"]
+            assert out["tokens"] == baseline
+        assert evil.poll() is None, "the forger stopped early"
+        assert_drops_counted(stats_lines(h), n_ranks=2)
+        h.send("QUIT")
+        assert finish(h.proc) == 0
+    finally:
+        if evil is not None and evil.poll() is None:
+            evil.kill()
+        stop(h.proc, *ranks)

@@ -7,12 +7,12 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 import zmq
 
 from launch_helpers import LineProcess
-from protocol import Cancel, Channel, Error, ExpertRequest, Hidden, PromptProgress, Token, Tokens
+from forger import attack
+from protocol import Channel, Tokens
 from protocol.codec import encode
 from protocol.seal import LinkSeal, link_key
 from test_cluster import CHUNK, PROMPT, baseline, files, free_port, rank_cmd  # noqa: F401
@@ -67,7 +67,24 @@ def test_local_ipc_links_are_not_sealed(tmp_path):
     assert rx.recv(2000)[0].ids == [1]
 
 
-def _listening_ports(pid: int) -> set[int]:
+def assert_drops_counted(stats_lines: list[str], n_ranks: int) -> None:
+    """Every rank and the head dropped (and counted) forged messages (STATS lines)."""
+    rank_drops = [int(kv.split("=")[1]) for line in stats_lines if line.startswith("STATS rank=")
+                  for kv in line.split() if kv.startswith("forged_dropped=")]
+    head_drops = [int(line.split("=")[1]) for line in stats_lines if line.startswith("STATS head")]
+    assert len(rank_drops) == n_ranks and all(n > 0 for n in rank_drops), stats_lines
+    assert head_drops and head_drops[0] > 0, stats_lines
+
+
+def stats_lines(head) -> list[str]:
+    head.send("STATS")
+    lines = []
+    while not lines or lines[-1] != "STATS END":
+        lines.append(head.next_line(30))
+    return lines
+
+
+def listening_ports(pid: int) -> set[int]:
     """TCP ports a process listens on (from /proc, no tool needed)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -78,7 +95,7 @@ def _listening_ports(pid: int) -> set[int]:
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
     ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):   # its network namespace
         if not os.path.exists(table):
             continue
         for line in open(table).read().splitlines()[1:]:
@@ -86,21 +103,6 @@ def _listening_ports(pid: int) -> set[int]:
             if f[3] == "0A" and f[9] in inodes:           # LISTEN
                 ports.add(int(f[1].rsplit(":", 1)[1], 16))
     return ports
-
-
-def _forged(request_id: int) -> list:
-    """Well-formed messages of every data-plane type, as a process without the key can make."""
-    rows = np.full((1, 64), 7.0, dtype=np.float32)
-    return [
-        (Token(request_id=request_id, session_id=0, token_id=1, pos=99, done=False), []),
-        (Error(rank=0, request_id=request_id, message="forged failure"), []),
-        (PromptProgress(request_id=request_id, session_id=0, pos=1, chunk_index=0, chunk_total=1,
-                        ms=1.0), []),
-        (Tokens(request_id=request_id, session_id=0, pos=0, ids=[5, 6, 7]), []),
-        (Hidden(request_id=request_id, session_id=0, pos=0, n=1, dtype="float32",
-                shape=[1, 64]), [rows]),
-        (Cancel(request_id=request_id), []),
-    ]
 
 
 def test_forged_frames_at_every_tcp_port_change_nothing(files, baseline):
@@ -120,45 +122,11 @@ def test_forged_frames_at_every_tcp_port_change_nothing(files, baseline):
     stop = threading.Event()
     try:
         head.wait_ready(60)
-        inbox = sorted(_listening_ports(head.proc.pid) - {port})
+        inbox = sorted(listening_ports(head.proc.pid) - {port})
         assert inbox, "the head's inbox port was not found"
-        targets = [f"tcp://127.0.0.1:{p}" for p in data + inbox]
-        ctx = zmq.Context.instance()
-
-        def attack():
-            socks = []
-            for ep in targets:
-                s = ctx.socket(zmq.PUSH)
-                s.linger, s.sndtimeo = 0, 100
-                s.connect(ep)
-                socks.append(s)
-            dealers = []
-            for hp in helper:
-                s = ctx.socket(zmq.DEALER)
-                s.linger, s.sndtimeo = 0, 100
-                s.connect(f"tcp://127.0.0.1:{hp}")
-                dealers.append(s)
-            ids = np.zeros((1, 2), dtype=np.int32)
-            wts = np.ones((1, 2), dtype=np.float32)
-            while not stop.is_set():
-                for request_id in range(1, 4):
-                    for msg, arrays in _forged(request_id):
-                        for s in socks:
-                            try:
-                                s.send_multipart(encode(msg, arrays))
-                            except zmq.Again:
-                                pass
-                    for s in dealers:
-                        try:
-                            s.send_multipart(encode(ExpertRequest(seq=1, layer=0, n=1),
-                                                    [np.ones((1, 64), np.float32), ids, wts]))
-                        except zmq.Again:
-                            pass
-                stop.wait(0.005)
-            for s in socks + dealers:
-                s.close()
-
-        t = threading.Thread(target=attack, daemon=True)
+        targets = [("push", f"tcp://127.0.0.1:{p}") for p in data + inbox]
+        targets += [("dealer", f"tcp://127.0.0.1:{p}") for p in helper]
+        t = threading.Thread(target=attack, args=(targets, stop.is_set), daemon=True)
         t.start()
         for _ in range(2):                      # two requests while forged frames keep coming
             out = head.gen(PROMPT, 16, timeout=120)
@@ -166,18 +134,8 @@ def test_forged_frames_at_every_tcp_port_change_nothing(files, baseline):
             assert out["tokens"] == baseline
         stop.set()
         t.join(10)
-        head.send("STATS")
-        lines = []
-        while True:
-            line = head.next_line(30)
-            lines.append(line)
-            if line == "STATS END":
-                break
-        rank_drops = [int(kv.split("=")[1]) for line in lines if line.startswith("STATS rank=")
-                      for kv in line.split() if kv.startswith("forged_dropped=")]
-        head_drops = [int(line.split("=")[1]) for line in lines if line.startswith("STATS head")]
-        assert len(rank_drops) == 2 and all(n > 0 for n in rank_drops), lines
-        assert head_drops and head_drops[0] > 0, lines
+        lines = stats_lines(head)
+        assert_drops_counted(lines, n_ranks=2)
         head.send("QUIT")
         assert head.proc.wait(timeout=20) == 0
     finally:
