@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in one call (device time is scarce; a machine is given back
+# soon after each call, so build, test and measure together):
+#   1. llama.cpp's llama-bench built in the background (.anchor/, see ../shared/tools/llamacpp-anchor.sh)
+#   2. the GPU tests (kernels against gguf-py and numpy, graph against eager, pipelines)
+#   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes)
+#   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; records
+#      and logs go to $OUT (copy the records into benchmarks/results/ afterwards)
+# Usage (from the repository root, wheels of the image's missing packages in .whl/):
+#   bash benchmarks/gpu_session.sh [--gpus 0|0,1] [--skip-tests] [--quants q8_0,q4_k]
+set -uo pipefail
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpus) GPUS=$2; shift 2 ;;
+    --skip-tests) TESTS=0; shift ;;
+    --quants) QUANTS=$2; shift 2 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-/tmp/gpu-session}; mkdir -p "$OUT" /tmp/m
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+export PYTHONUNBUFFERED=1
+T0=$(date +%s); LB=.anchor/llama.cpp/build/bin/llama-bench
+t() { echo "t=$(( $(date +%s) - T0 )) s: $*"; }
+[ -f .anchor/llamacpp-anchor.sh ] && (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
+if [ "$TESTS" = 1 ]; then
+  timeout 240 python3 -m pytest -m gpu -q tests/test_gpu_decode.py tests/test_gpu.py \
+    tests/test_gpu_pipeline.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  t "gpu tests"
+fi
+python3 - <<'PY' 2>&1 | tr '\r' '\n' | tail -1
+import dataclasses
+from strata_dist.synth import GEOMETRIES, write_synthetic
+g = dataclasses.replace(GEOMETRIES["qwen3-30b-a3b"], name="q30-8l", n_layer=8)
+write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant="q8_0", popularity="zipf:1.0", seed=0)
+PY
+timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/profile.log" | tail -13
+rm -f /tmp/m/q30_8l.gguf
+t "profile"
+for q in ${QUANTS//,/ }; do
+  timeout 120 python3 -m launcher.tools synth /tmp/m/q30.gguf --like qwen3-30b-a3b --quant "$q" \
+    --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
+  timeout 300 python3 benchmarks/bench_decode.py --model /tmp/m/q30.gguf --gpus "$GPUS" --tokens 128 \
+    --out "$OUT" --llama-bench "$LB" --llama-wait 300 2>&1 | tee "$OUT/bench_$q.log" | tail -6
+  rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
+  t "bench $q"
+done
