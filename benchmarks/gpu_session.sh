@@ -26,7 +26,11 @@ fi
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); LB=.anchor/llama.cpp/build/bin/llama-bench
 t() { echo "t=$(( $(date +%s) - T0 )) s: $*"; }
-[ -f .anchor/llamacpp-anchor.sh ] && (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
+LLAMA=()
+if [ -f .anchor/llamacpp-anchor.sh ]; then
+  (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
+  LLAMA=(--llama-bench "$LB" --llama-wait 300)
+fi
 if [ "$TESTS" = 1 ]; then
   timeout 240 python3 -m pytest -m gpu -q tests/test_gpu_decode.py tests/test_gpu.py \
     tests/test_gpu_pipeline.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
@@ -45,7 +49,7 @@ for q in ${QUANTS//,/ }; do
   timeout 120 python3 -m launcher.tools synth /tmp/m/q30.gguf --like qwen3-30b-a3b --quant "$q" \
     --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
   timeout 300 python3 benchmarks/bench_decode.py --model /tmp/m/q30.gguf --gpus "$GPUS" --tokens 128 \
-    --out "$OUT" --llama-bench "$LB" --llama-wait 300 2>&1 | tee "$OUT/bench_$q.log" | tail -6
+    --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_$q.log" | tail -6
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
   t "bench $q"
 done
