@@ -57,13 +57,18 @@ def rank_cmd(files, coordinator, host, *extra):
             "--host-id", host, "--connect-timeout", "5", *extra]
 
 
-def test_listen_on_loopback_with_ranks_started_by_hand(files, baseline):
-    port = free_port()
-    head = LineProcess(subprocess.Popen(
+def listening_head(files, port: int) -> LineProcess:
+    """`strata-launch --serve --listen PORT` waiting for two ranks started by hand (two stages)."""
+    return LineProcess(subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "--model", files["model"], "--serve", "--listen",
          str(port), "--expect-ranks", "2", "--token-file", files["token"], "--prefill", str(CHUNK),
          "--max-context", "512", "--layer-split", "3"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1))
+
+
+def test_listen_on_loopback_with_ranks_started_by_hand(files, baseline):
+    port = free_port()
+    head = listening_head(files, port)
     ranks = [subprocess.Popen(rank_cmd(files, f"tcp://127.0.0.1:{port}", h),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for h in ("left", "right")]

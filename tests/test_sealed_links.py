@@ -10,12 +10,12 @@ import threading
 import pytest
 import zmq
 
-from launch_helpers import LineProcess
 from forger import attack
 from protocol import Channel, Tokens
 from protocol.codec import encode
 from protocol.seal import LinkSeal, link_key
-from test_cluster import CHUNK, PROMPT, baseline, files, free_port, rank_cmd  # noqa: F401
+from test_cluster import (PROMPT, baseline, files, free_port, listening_head,  # noqa: F401
+                          rank_cmd)
 
 SECRET = b"s" * 32
 
@@ -107,11 +107,7 @@ def listening_ports(pid: int) -> set[int]:
 
 def test_forged_frames_at_every_tcp_port_change_nothing(files, baseline):
     port = free_port()
-    head = LineProcess(subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "--model", files["model"], "--serve", "--listen",
-         str(port), "--expect-ranks", "2", "--token-file", files["token"], "--prefill", str(CHUNK),
-         "--max-context", "512", "--layer-split", "3"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1))
+    head = listening_head(files, port)
     data = [free_port(), free_port()]
     helper = [free_port(), free_port()]
     ranks = [subprocess.Popen(rank_cmd(files, f"tcp://127.0.0.1:{port}", h,
