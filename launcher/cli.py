@@ -11,6 +11,7 @@ import signal
 import sys
 
 from strata_dist.checkpoints import DEFAULT_EVERY
+from strata_dist.cli import UsageError as ToolsUsageError, parse_ids, prompt_tokens
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.devices import cpu_device, gpu_device, parse_size, parse_size_list
 from strata_dist.gguf_model import GGUFError
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
-    except (UsageError, GGUFError, PlanError, ValueError) as e:
+    except (UsageError, ToolsUsageError, GGUFError, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -235,9 +236,9 @@ def _main(args) -> int:
     # the prompt is read before any rank starts: a bad one costs nothing
     args.prompt_list, args.prompt_tokenizer = None, None
     if args.prompt_ids is not None:
-        args.prompt_list = _ids(args.prompt_ids)
+        args.prompt_list = parse_ids(args.prompt_ids)
     elif args.prompt is not None:
-        args.prompt_list, args.prompt_tokenizer = _text_prompt(args)
+        args.prompt_list, args.prompt_tokenizer = prompt_tokens(args.model, args.prompt, args.chat)
     if args.listen and args.backend == "local":      # the ranks register from elsewhere
         specs, n_devices = [], args.expect_ranks
     elif args.backend == "ray" and args.cpu_ranks is None:
@@ -260,22 +261,6 @@ def _main(args) -> int:
         print(plan.to_json() if args.json else render_table(plan))
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile)
-
-
-def _ids(text: str) -> list[int]:
-    from strata_dist.cli import UsageError as ToolsUsageError, parse_ids
-    try:
-        return parse_ids(text)
-    except ToolsUsageError as e:
-        raise UsageError(str(e)) from None
-
-
-def _text_prompt(args):
-    from strata_dist.cli import UsageError as ToolsUsageError, prompt_tokens
-    try:
-        return prompt_tokens(args.model, args.prompt, args.chat)
-    except ToolsUsageError as e:
-        raise UsageError(str(e)) from None
 
 
 def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:

@@ -31,6 +31,12 @@ class GenRequest:
     def __init__(self, max_new: int, ids: list[int], options: dict):
         self.max_new, self.ids, self.options = max_new, ids, options
 
+    def sampling(self) -> SamplingParams:
+        o = self.options   # greedy unless the line says otherwise
+        return SamplingParams(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
+                              top_p=o.get("top_p", 1.0), min_p=o.get("min_p", 0.0),
+                              seed=o.get("seed"))
+
 
 def parse_gen(line: str) -> GenRequest:
     parts = line.split()
@@ -59,10 +65,9 @@ def parse_gen(line: str) -> GenRequest:
             raise ValueError(f"token id '{tok}' is not an integer") from None
     if not ids:
         raise ValueError("GEN has no token ids")
-    sampling = {k: v for k, v in options.items() if k in ("temperature", "top_k", "top_p", "min_p",
-                                                           "seed")}
-    SamplingParams(**sampling)   # refused here, at parse, rather than by a rank mid-request
-    return GenRequest(max_new, ids, options)
+    req = GenRequest(max_new, ids, options)
+    req.sampling()   # refused here, at parse, rather than by a rank mid-request
+    return req
 
 
 class LineServer:
@@ -143,11 +148,8 @@ class LineServer:
         deltas per rank) come before DONE."""
         o = req.options
         before = self.coord.stats() if o.get("stats") else None
-        params = SamplingParams(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
-                                top_p=o.get("top_p", 1.0), min_p=o.get("min_p", 0.0),
-                                seed=o.get("seed"))
         out = self.session.generate(
-            req.ids, req.max_new, params,
+            req.ids, req.max_new, req.sampling(),
             on_resume=lambda n: self.say(f"RESUME {n}"),
             on_progress=lambda pos, total, ms, tps: self.say(f"PP {pos} {total} {ms:.1f} {tps:.1f}"),
             on_token=lambda t: self.say(f"T {t}"),

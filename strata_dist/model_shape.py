@@ -2,19 +2,16 @@
 priced bytes and the loaded bytes come from one rule (DESIGN.md §4)."""
 from __future__ import annotations
 
-from .backends.layout import dense_nbytes
+import numpy as np
+
+from .backends.layout import dense_nbytes, kv_dtype
 from .gguf_model import GGUFModel
 from .models import architecture_for
 from .plan.shape import ModelShape, estimate_prompt_bytes_per_token
 
-# What a rank keeps of dense tensors: backends/layout.py. The KV cache is the backend's kv_dtype
-# (f16 on GPU ranks, f32 on CPU ranks); the linear layers' conv + recurrent state is float32.
+# What a rank keeps of dense tensors and of its KV cache: backends/layout.py. The linear layers'
+# conv + recurrent state is float32.
 STATE_ITEMSIZE = 4
-
-
-def kv_itemsize(device_kind: str) -> int:
-    """Bytes of one K or V element in a session (backends: kv_dtype)."""
-    return 2 if device_kind == "cuda" else 4
 
 
 def _tensor_loaded_bytes(gguf: GGUFModel, arch, name: str, device_kind: str) -> int:
@@ -47,7 +44,7 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu") -> ModelShape:
         blob_bytes=tuple(gguf.blob_bytes(layer) for layer in range(g.n_layers)),
         # the session's own rule (the arch module's shapes), in its dtype: KV only for attention
         # layers, conv + recurrent state only for linear layers, one RoPE table per stage
-        kv_bytes_per_cell=tuple(arch.kv_elems_per_cell(g, l) * kv_itemsize(device_kind) if kinds[l] == "attention"
+        kv_bytes_per_cell=tuple(arch.kv_elems_per_cell(g, l) * np.dtype(kv_dtype(device_kind)).itemsize if kinds[l] == "attention"
                                 else 0 for l in range(g.n_layers)),
         recurrent_bytes=tuple(arch.recurrent_elems(g, l) * STATE_ITEMSIZE if kinds[l] == "linear"
                               else 0 for l in range(g.n_layers)),

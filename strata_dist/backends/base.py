@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .layout import kv_dtype as layout_kv_dtype
+
 
 class BackendError(RuntimeError):
     pass
@@ -18,7 +20,7 @@ class Backend:
     device = "cpu"
     xp = np
     dense_dtype = np.float32
-    kv_dtype = np.float32       # the session's K/V cache (model_shape.kv_itemsize prices it)
+    kv_dtype = layout_kv_dtype("cpu")   # the session's K/V cache (the rule model_shape prices)
 
     # -- placement -------------------------------------------------------------------------------
     def dense(self, host: np.ndarray):

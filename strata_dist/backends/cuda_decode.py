@@ -95,10 +95,10 @@ def _spec_array(dtype, rows: list[dict]):
     return cp.asarray(host.view(np.uint8))
 
 
-def _mat(w: Weight, y, add=None, y_stride: int | None = None) -> dict:
+def _mat(w: Weight, y, add=None) -> dict:
+    """A MatSpec row: W times the input rows into y (one output row per W row), plus `add`."""
     return dict(w=w.ptr, y=int(y.data.ptr), add=0 if add is None else int(add.data.ptr),
-                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols,
-                y_stride=w.nrows if y_stride is None else y_stride, type=w.type)
+                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols, y_stride=w.nrows, type=w.type)
 
 
 class DecodeGraph:
@@ -269,46 +269,46 @@ class DecodeGraph:
 
     def _enqueue(self, n: int) -> None:
         """Every kernel of one step of n rows, on self.stream (captured or run eagerly)."""
-        g, f = self.g, _Launcher(self)
+        g, f = self.g, self._launch
         eps = np.float32(g.rms_eps)
         i32 = np.int32
         nl = self.le - self.lb
         if self.first:
             e = self.embedding
-            f["embed_tokens"]((1, n), (128,), (np.uint64(e.ptr), i32(e.type), np.int64(e.row_bytes),
+            f("embed_tokens")((1, n), (128,), (np.uint64(e.ptr), i32(e.type), np.int64(e.row_bytes),
                                               i32(e.ncols), self.desc, self.h))
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
-            f["matvec"](((L["qkv_rows"] + WARPS - 1) // WARPS, 3), (32 * WARPS,),
+            f("matvec")(((L["qkv_rows"] + WARPS - 1) // WARPS, 3), (32 * WARPS,),
                         (L["qkv"], self.h, i32(g.n_embd), i32(n), w.attn_norm, eps, NULL))
-            f["qk_norm_rope_kv"]((g.n_head + g.n_head_kv, n), (32,),
+            f("qk_norm_rope_kv")((g.n_head + g.n_head_kv, n), (32,),
                                  (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
                                   i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
                                   i32(g.head_dim), i32(g.head_dim), eps))
-            f["attn_partial_128"]((g.n_head_kv, self.n_split, n), (256,),
+            f("attn_partial_128")((g.n_head_kv, self.n_split, n), (256,),
                                   (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
                                    i32(g.n_head_kv), i32(self.n_split), i32(self.attn_chunk),
                                    scale, self.part, self.ml))
-            f["attn_combine"]((g.n_head, n), (128,),
+            f("attn_combine")((g.n_head, n), (128,),
                               (self.part, self.ml, self.desc, i32(g.n_head), i32(self.n_split),
                                i32(self.attn_chunk), i32(g.head_dim), self.attn))
-            f["matvec"](((g.n_embd + WARPS - 1) // WARPS, 1), (32 * WARPS,),
+            f("matvec")(((g.n_embd + WARPS - 1) // WARPS, 1), (32 * WARPS,),
                         (L["o"], self.attn, i32(g.n_head * g.head_dim), i32(n), NULL, eps, NULL))
-            f["matvec"](((g.n_expert + WARPS - 1) // WARPS, 1), (32 * WARPS,),
+            f("matvec")(((g.n_expert + WARPS - 1) // WARPS, 1), (32 * WARPS,),
                         (L["router"], self.h, i32(g.n_embd), i32(n), w.ffn_norm, eps, self.xn))
-            f["topk_route"]((n,), (32,), (self.router_logits, i32(g.n_expert),
+            f("topk_route")((n,), (32,), (self.router_logits, i32(g.n_expert),
                                           i32(g.n_expert_used), i32(1), L["experts"], self.ids,
                                           self.wts, self.blobs))
-            f["moe_gate_up"](((g.n_ff_exp + WARPS - 1) // WARPS, g.n_expert_used, n),
+            f("moe_gate_up")(((g.n_ff_exp + WARPS - 1) // WARPS, g.n_expert_used, n),
                              (32 * WARPS,), (L["experts"], self.xn, self.blobs, self.act))
-            f["moe_down_combine"](((g.n_embd + WARPS - 1) // WARPS, n), (32 * WARPS,),
+            f("moe_down_combine")(((g.n_embd + WARPS - 1) // WARPS, n), (32 * WARPS,),
                                   (L["experts"], self.act, self.blobs, self.wts, self.h))
         if self.last:
-            f["matvec"](((g.n_vocab + WARPS - 1) // WARPS, 1), (32 * WARPS,),
+            f("matvec")(((g.n_vocab + WARPS - 1) // WARPS, 1), (32 * WARPS,),
                         (self.head_spec, self.h[n - 1:n], i32(g.n_embd), i32(1),
                          self.output_norm, eps, NULL))
-            f["argmax_row"]((1,), (1024,), (self.logits, i32(g.n_vocab), self.token))
+            f("argmax_row")((1,), (1024,), (self.logits, i32(g.n_vocab), self.token))
 
     def _graph(self, n: int):
         graph = self.graphs.get(n)
@@ -371,16 +371,6 @@ class DecodeGraph:
         self.stream.synchronize()
         self.steps += 1
         return StepLogits(int(self.token_host[0]), self.logits) if self.last else out
-
-
-class _Launcher:
-    """`f[name](grid, block, args)` for _enqueue, through DecodeGraph._launch."""
-
-    def __init__(self, runner: DecodeGraph):
-        self.runner = runner
-
-    def __getitem__(self, name: str):
-        return self.runner._launch(name)
 
 
 def decode_graph(model, max_cells: int):

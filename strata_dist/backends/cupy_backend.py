@@ -17,16 +17,16 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 
 from gguf import GGMLQuantizationType
 
-from .base import Backend, BackendError
-
 from ..kernels import function as kernel
-from .layout import GPU_NATIVE_QUANTS
+from .base import Backend, BackendError
+from .layout import GPU_NATIVE_QUANTS, kv_dtype as layout_kv_dtype
+
 
 class CupyBackend(Backend):
     name = "cupy"
     xp = cp
     dense_dtype = np.float16
-    kv_dtype = np.float16       # half the bytes of f32 KV; the decode kernels read f16
+    kv_dtype = layout_kv_dtype("cuda")
 
     def __init__(self, index: int = 0):
         try:
@@ -112,7 +112,7 @@ class CupyBackend(Backend):
             raw, pos = blob[pos:pos + per], pos + per
             rows, cols = t.shape[1], t.shape[2]
             if t.ggml_type in GPU_NATIVE_QUANTS:
-                out.append(dequantize_rows(raw, int(t.ggml_type), rows, cols))
+                out.append(dequantize_rows(raw, int(t.ggml_type), per // rows, rows, cols))
             elif t.ggml_type == GGMLQuantizationType.F32:
                 out.append(raw.view(cp.float32).reshape(rows, cols))
             elif t.ggml_type == GGMLQuantizationType.F16:
@@ -135,12 +135,11 @@ class CupyBackend(Backend):
         return int(free), int(total)
 
 
-def dequantize_rows(raw, ggml_type: int, n_rows: int, n_cols: int, rows=None):
-    """float32 [n_rows, n_cols] from rows stored in a native quant type (all rows, or the row
-    indices `rows`, a device int32 array), decoded by the same code the decode kernels read
-    weights with."""
+def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None):
+    """float32 [n_rows, n_cols] from rows of `row_bytes` stored in a native quant type (all rows,
+    or the row indices `rows`, a device int32 array), decoded by the same code the decode kernels
+    read weights with."""
     out = cp.empty((n_rows, n_cols), dtype=cp.float32)
-    row_bytes = _row_bytes(ggml_type, n_cols)
     groups = n_rows * (n_cols // 32)
     kernel("decode.cu", "dequant_rows")(
         (min((groups + 255) // 256, 65535),), (256,),
@@ -148,12 +147,6 @@ def dequantize_rows(raw, ggml_type: int, n_rows: int, n_cols: int, rows=None):
          rows if rows is not None else np.uint64(0), np.int32(n_rows),
          out))
     return out
-
-
-def _row_bytes(ggml_type: int, n_cols: int) -> int:
-    from gguf import GGML_QUANT_SIZES
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    return n_cols // block * size
 
 
 class QuantMatrix:
@@ -166,8 +159,9 @@ class QuantMatrix:
         self.row_bytes = self.nbytes // self.shape[0]
 
     def dequantize(self):
-        return dequantize_rows(self.raw, self.ggml_type, self.shape[0], self.shape[1])
+        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape)
 
     def rows(self, idx):
         idx = cp.asarray(idx, dtype=cp.int32)
-        return dequantize_rows(self.raw, self.ggml_type, len(idx), self.shape[1], rows=idx)
+        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, len(idx), self.shape[1],
+                               rows=idx)

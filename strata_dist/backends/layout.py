@@ -1,5 +1,5 @@
-"""How a backend keeps a dense tensor of the file, in bytes — one rule for the loader and the
-planner (model_shape), so priced and loaded sizes cannot disagree.
+"""How a backend keeps a dense tensor of the file and its KV cache, in bytes — one rule for the
+loader and the planner (model_shape), so priced and loaded sizes cannot disagree.
 
 CPU ranks: float32. GPU ranks: norms and routers float32; F16, Q8_0, Q4_K, Q5_K and Q6_K matrices
 as stored (the decode kernels read these blocks directly, and they decode exactly: rounding a
@@ -15,6 +15,12 @@ from ..gguf_model import TensorInfo
 T = GGMLQuantizationType
 GPU_NATIVE_QUANTS = frozenset({T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})   # block types the kernels read
 GPU_NATIVE_DENSE = GPU_NATIVE_QUANTS | {T.F16}
+
+
+def kv_dtype(device_kind: str):
+    """The session's K/V cache: f16 on GPU ranks (half the bytes; the decode kernels read f16),
+    float32 on CPU ranks (the reference)."""
+    return np.float16 if device_kind == "cuda" else np.float32
 
 
 def dense_nbytes(info: TensorInfo, device_kind: str, keep_f32: bool) -> int:

@@ -29,8 +29,9 @@ EXHAUSTIVE_MAX_DEVICES = 4
 TIE_REL = 1e-13   # scores this close (relative) are a tie: sums in another order differ by ulps
 
 
-def _tie(value: float) -> float:
-    return TIE_REL * max(1.0, abs(value))
+def _tie(value):
+    """How close to `value` (a float or an array) a score still ties it."""
+    return TIE_REL * np.maximum(1.0, np.abs(value))
 
 
 @dataclass(frozen=True)
@@ -102,23 +103,21 @@ def search_dp(cm: CostModel) -> Placement | None:
         gd = np.full(L + 1, -1, dtype=np.int64)
         g[0], gm[0] = 0.0, 0.0                 # device d runs the first stage
         for prev in range(d):
-            cand, candm = f[prev] + cm.links[prev, d], m[prev].copy()
+            cand, candm = f[prev] + cm.links[prev, d], m[prev]
             cand[0] = INF
             with np.errstate(invalid="ignore"):       # inf - inf: not a tie
-                tie = np.abs(cand - g) <= TIE_REL * np.maximum(1.0, np.minimum(np.abs(cand),
-                                                                               np.abs(g)))
+                tie = np.abs(cand - g) <= _tie(np.minimum(np.abs(cand), np.abs(g)))
             better = (cand < g) & ~tie | tie & (candm < gm) & (cand < INF)
             g[better], gm[better], gd[better] = cand[better], candm[better], prev
         total = g[:, None] + S[d]              # [b, e]
         load = np.maximum(gm[:, None], U[d])
         low = total.min(axis=0)
-        near = total <= low + TIE_REL * np.maximum(1.0, np.abs(low))
-        b = np.argmin(np.where(near, load, INF), axis=0)
-        b = np.where(np.isfinite(low) & near[b, cols], b, np.argmin(total, axis=0))
+        near = total <= low + _tie(low)
+        b = np.argmin(np.where(near, load, INF), axis=0)   # (a column with no fit stays inf)
         f[d], m[d] = total[b, cols], load[b, cols]
         from_b[d], from_d[d] = b, gd[b]
     last = f[:, L]
-    if not np.isfinite(last).any() or last.min() >= INF:
+    if last.min() >= INF:
         return None
     near = last <= last.min() + _tie(float(last.min()))
     d = int(np.argmin(np.where(near, m[:, L], INF)))
