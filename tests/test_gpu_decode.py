@@ -9,29 +9,9 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf import GGMLQuantizationType as QT, GGML_QUANT_SIZES  # noqa: E402
-from gguf import quants as gguf_quants  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-TYPES = [QT.F32, QT.F16, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-SCALE_AT = {QT.Q8_0: [0], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}   # f16 fields of a block
-
-
-def random_rows(qtype, n_rows: int, n_cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(stored bytes [n_rows, row_bytes], gguf-py's float32 decoding of them)."""
-    rng = np.random.default_rng(seed)
-    if qtype == QT.F32:
-        w = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
-        return w.view(np.uint8), w
-    if qtype == QT.F16:
-        w = rng.standard_normal((n_rows, n_cols)).astype(np.float16)
-        return w.view(np.uint8), w.astype(np.float32)
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n_rows, n_cols // block, size), dtype=np.uint8)
-    for at in SCALE_AT[qtype]:      # sane scales (random bytes could be inf or nan)
-        scales = (rng.random((n_rows, n_cols // block)) * 0.02 + 0.001).astype(np.float16)
-        raw[..., at:at + 2] = scales.view(np.uint8).reshape(n_rows, n_cols // block, 2)
-    raw = raw.reshape(n_rows, -1)
-    return raw, gguf_quants.dequantize(raw, qtype).astype(np.float32)
+from quant_rows import TYPES, random_rows  # noqa: E402
 
 
 @pytest.mark.parametrize("qtype", TYPES[2:], ids=lambda t: t.name)
@@ -44,22 +24,28 @@ def test_dequantize_matches_gguf(qtype):
                                rtol=1e-6, atol=1e-7)
 
 
-def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None):
+def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False):
     from strata_dist.backends import cuda_decode as cd
+    from strata_dist.kernels.abi import matvec_kernel, rows_per_block
     w = cd.Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
     n = x.shape[0]
+    xs = cp.zeros((8, shape[1]), cp.float32)        # the runner's buffers hold 8 rows
+    xs[:n] = x
     y = cp.zeros((n, shape[0]), cp.float32) if add is None else add
     spec = cd._spec_array(cd.MAT_SPEC, [cd._mat(w, y, add=add)])
-    cd.function("decode.cu", "matvec")(((shape[0] + 7) // 8, 1), (256,), (
-        spec, x, np.int32(shape[1]), np.int32(n), cd.NULL if norm_w is None else norm_w,
-        np.float32(1e-6), cd.NULL if normed is None else normed))
+    per_block = rows_per_block(n, wide)
+    cd.function("decode.cu", matvec_kernel(int(qtype), n))(
+        ((shape[0] + per_block - 1) // per_block, 1), (256,), (
+            spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide),
+            cd.NULL if norm_w is None else norm_w, np.float32(1e-6),
+            cd.NULL if normed is None else normed, cd.NULL))
     return cp.asnumpy(y)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n):
-    rows, cols = 203, 512                      # not a whole number of blocks of 8 rows
+    rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -67,9 +53,11 @@ def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n):
     got = _matvec(dev, qtype, (rows, cols), cp.asarray(x))
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    # the first row's bits do not depend on how many rows shared the launch
-    alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]))
-    assert np.array_equal(alone[0], got[0])
+    # the first row's bits do not depend on how many rows shared the launch, nor on how many
+    # weight rows each warp took
+    for wide in (False, True):
+        alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), wide=wide)
+        assert np.array_equal(alone[0], got[0])
     # fused RMSNorm, the normed rows written out, a residual added in place
     nw = (1 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
     res = rng.standard_normal((n, rows)).astype(np.float32)

@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from strata_dist.kernels import KERNEL_DIR, sources
-from strata_dist.kernels.abi import STRUCTS
+from strata_dist.kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DOWN_PER_BLOCK, FF_PER_BLOCK,
+                                     MAX_ROWS, STRUCTS, kernel_names, rows_per_block)
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -25,13 +26,22 @@ def test_kernel_compiles_for_hopper(tmp_path, source):
                            "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    if source == "decode.cu":       # every kernel the runner may launch is in the binary
+        strings = set((tmp_path / "k.cubin").read_bytes().split(b"\0"))
+        missing = [k for k in kernel_names() if k.encode() not in strings]
+        assert not missing, missing
 
 
 @needs_nvcc
 def test_argument_tables_match_the_structs(tmp_path):
-    """A host program built from decode.cu prints sizeof and every field's offset; they must be
-    the numpy dtypes' (what the runner uploads)."""
-    lines = []
+    """A host program built from decode.cu prints its constants, the rows each matvec warp takes
+    and sizeof and every field's offset of the tables; they must be what the runner assumes
+    (kernels/abi.py)."""
+    lines = ['printf("MAX_ROWS %d ATTN_CHUNK %d BLOCK_THREADS %d FF_PER_BLOCK %d '
+             'DOWN_PER_BLOCK %d\\n", MAX_ROWS, ATTN_CHUNK, BLOCK_THREADS, FF_PER_BLOCK, '
+             'DOWN_PER_BLOCK);']
+    lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
+              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     for struct, dtype in STRUCTS.items():
         lines.append(f'printf("{struct} size %zu\\n", sizeof({struct}));')
         for field in dtype.names:
@@ -44,7 +54,10 @@ def test_argument_tables_match_the_structs(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split("\n")
-    want = []
+    want = [f"MAX_ROWS {MAX_ROWS} ATTN_CHUNK {ATTN_CHUNK} BLOCK_THREADS {BLOCK_THREADS} "
+            f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}"]
+    want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
+             for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     for struct, dtype in STRUCTS.items():
         want.append(f"{struct} size {dtype.itemsize}")
         want += [f"{struct} {f} {dtype.fields[f][1]}" for f in dtype.names]
@@ -99,3 +112,43 @@ def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
     lib.nvrtcGetProgramLog(prog, log)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, log.value.decode(errors="replace")
+
+
+@needs_nvcc
+def test_weight_decoders_match_gguf_on_the_host(tmp_path):
+    """decode.cu's `chunk8` (what every kernel reads weights with) built for the host and run over
+    random rows of each type: the floats must be gguf-py's."""
+    from quant_rows import TYPES, random_rows
+    main = tmp_path / "decoders.cu"
+    main.write_text(f'#include <cstdio>\n#include <vector>\n#include "{KERNEL_DIR / "decode.cu"}"\n' + r'''
+int main(int argc, char** argv) {
+    FILE* in = fopen(argv[1], "rb");
+    FILE* out = fopen(argv[2], "wb");
+    long long head[4];                      // type, row bytes, columns, rows
+    if (fread(head, sizeof head, 1, in) != 1) return 1;
+    std::vector<unsigned char> raw(head[1] * head[3]);
+    if (fread(raw.data(), 1, raw.size(), in) != raw.size()) return 1;
+    const int type = (int)head[0], ncols = (int)head[2];
+    for (long long r = 0; r < head[3]; ++r)
+        for (int c = 0; c < ncols / 8; ++c) {
+            float w[8] = {0};
+            DISPATCH_TYPE(type, (chunk8<TT>(raw.data() + r * head[1], c, w)));
+            fwrite(w, sizeof(float), 8, out);
+        }
+    return 0;
+}
+''')
+    exe = tmp_path / "decoders"
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import numpy as np
+    for qtype in TYPES:
+        raw, ref = random_rows(qtype, 5, 768, int(qtype))
+        data = tmp_path / f"{qtype.name}.bin"
+        data.write_bytes(np.array([int(qtype), raw.shape[1], 768, 5], dtype=np.int64).tobytes()
+                         + raw.tobytes())
+        got_path = tmp_path / f"{qtype.name}.out"
+        subprocess.run([str(exe), str(data), str(got_path)], check=True, timeout=60)
+        got = np.fromfile(got_path, dtype=np.float32).reshape(ref.shape)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7, err_msg=qtype.name)

@@ -1,8 +1,8 @@
 """The decode step of a qwen3moe stage on a GPU, as one CUDA graph.
 
 The kernels of `kernels/decode.cu` read the weights in their stored blocks (no float copies),
-route on the device and run all k experts of a layer in two launches, so one token through a
-stage is ~9 launches per layer and nothing in between touches the host. The runner owns static
+route on the device (the router's last block picks the top-k) and run all k experts of a layer in
+two launches, so one token through a stage is 8 launches per layer and nothing in between touches the host. The runner owns static
 buffers (hidden rows, q/k/v, attention partials, router output, expert activations, logits); the
 sessions own their KV outside it. A small descriptor (position, rows, token ids) and the bound
 session's pointer table are copied in before the graph runs, so one captured graph per row count
@@ -25,20 +25,22 @@ import cupy as cp
 import cupyx
 
 from ..kernels import function
-from ..kernels.abi import (ATTN_CHUNK, DESC_WORDS, EXPERT_SPEC, F16, F32, KERNEL_TYPES, MAT_SPEC,
-                           MAX_ROWS)
+from ..kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK, EXPERT_SPEC, F16, F32,
+                           FF_PER_BLOCK, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES,
+                           matvec_kernel, rows_per_block)
 from ..plan.pricing import DECODE_ROWS
 from .cupy_backend import QuantMatrix
 
 log = logging.getLogger("strata.decode")
 
 KERNELS = "decode.cu"
-WARPS = 8                         # output rows per block of the matrix kernels (256 threads)
+WIDE_MIN_ROWS = 1024              # matrices this tall take 8 rows per block (one x row)
+ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
 # The attention partials are the step's only buffer that grows with the context. The runner gives
 # them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs only
 # for the row counts that fit; larger steps take the general path.
 ATTN_SCRATCH_BYTES = 32 << 20
-ATTN_CHUNKS = (64, 128, ATTN_CHUNK)   # keys per split, the shortest that fits the budget
+ATTN_CHUNKS = (64, 128, 256)     # keys per split (<= ATTN_CHUNK), the shortest that fits
 NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
@@ -101,6 +103,25 @@ def _mat(w: Weight, y, add=None) -> dict:
                 row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols, y_stride=w.nrows, type=w.type)
 
 
+@dataclass(frozen=True)
+class MatLaunch:
+    """Matrices of one type that share a matvec launch (blockIdx.y picks the matrix)."""
+    type: int
+    specs: object           # device MatSpec table
+    count: int
+    rows: int               # the tallest matrix's rows
+
+
+def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
+    """(weight, MatSpec row) pairs grouped by type, one launch per type (q, k and v are one launch
+    unless a file stores them in different types)."""
+    by_type: dict[int, list] = {}
+    for w, row in pairs:
+        by_type.setdefault(w.type, []).append((w, row))
+    return [MatLaunch(t, _spec_array(MAT_SPEC, [row for _, row in group]), len(group),
+                      max(w.nrows for w, _ in group)) for t, group in by_type.items()]
+
+
 class DecodeGraph:
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
     in `arena`, for sessions of `max_cells` cells."""
@@ -127,9 +148,9 @@ class DecodeGraph:
         with cp.cuda.Device(model.backend.index):
             self._allocate(g)
             self._build_specs(g)
-            self._fns = {name: function(KERNELS, name, model.backend.index) for name in (
-                "matvec", "embed_tokens", "qk_norm_rope_kv", "attn_partial_128", "attn_combine",
-                "topk_route", "moe_gate_up", "moe_down_combine", "argmax_row")}
+            self._fns = {}
+            for name in self._kernel_names():     # compiled (or loaded from disk) once, here
+                self._fns[name] = function(KERNELS, name, model.backend.index)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[int, object] = {}
@@ -165,7 +186,9 @@ class DecodeGraph:
 
     # ---- static buffers and kernel argument tables ----------------------------------------------
     def _allocate(self, g) -> None:
-        f32, R = cp.float32, self.max_rows
+        # every row buffer holds MAX_ROWS rows: a matvec built for 4 or 8 rows reads (and drops)
+        # the rows past n
+        f32, R = cp.float32, MAX_ROWS
         q_w, kv_w = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
         self.h = cp.zeros((R, g.n_embd), f32)          # the residual stream, in place
         self.xn = cp.zeros((R, g.n_embd), f32)         # normed input of the experts
@@ -179,6 +202,11 @@ class DecodeGraph:
         self.ids = cp.zeros((R, g.n_expert_used), cp.int32)
         self.wts = cp.zeros((R, g.n_expert_used), f32)
         self.blobs = cp.zeros((R, g.n_expert_used), cp.uint64)   # each chosen expert's address
+        # blocks finished of the launches whose last block finishes the job (the router's top-k,
+        # the argmax); 0 between launches
+        self.done = cp.zeros(1, cp.uint32)
+        self.post_v = cp.zeros(ARGMAX_BLOCKS, f32)     # each argmax block's best value and index
+        self.post_i = cp.zeros(ARGMAX_BLOCKS, cp.int32)
         self.act = cp.zeros((R, g.n_expert_used, g.n_ff_exp), f32)
         self.logits = cp.zeros(g.n_vocab if self.last else 1, f32)
         self.token = cp.zeros(1, cp.int32)
@@ -201,21 +229,42 @@ class DecodeGraph:
                                                                       (w.v, "v")))
             o = weight_of(w.o, f"{name}.attn_output")
             router = weight_of(w.router, f"{name}.ffn_gate_inp")
+            experts = self._expert_spec(layer)
+            expert_table = _spec_array(EXPERT_SPEC, [experts])
             self.layer_specs.append(dict(
-                qkv=_spec_array(MAT_SPEC, [_mat(q, self.q), _mat(k, self.k), _mat(v, self.v)]),
-                qkv_rows=max(q.nrows, k.nrows, v.nrows),
-                o=_spec_array(MAT_SPEC, [_mat(o, self.h, add=self.h)]),
-                router=_spec_array(MAT_SPEC, [_mat(router, self.router_logits)]),
-                experts=_spec_array(EXPERT_SPEC, [self._expert_spec(layer)]),
+                qkv=mat_launches([(q, _mat(q, self.q)), (k, _mat(k, self.k)),
+                                  (v, _mat(v, self.v))]),
+                o=mat_launches([(o, _mat(o, self.h, add=self.h))]),
+                router=mat_launches([(router, _mat(router, self.router_logits))]),
+                experts=expert_table,
+                route=_spec_array(ROUTE_SPEC, [dict(
+                    experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
+                    ids=int(self.ids.data.ptr), wts=int(self.wts.data.ptr),
+                    blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
+                    n_expert=g.n_expert, k=g.n_expert_used, normalize=1)]),
+                expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
                 w=w))
         if self.last:
             t = m._tensors
-            head = t["token_embd.weight" if g.tied_embeddings else "output.weight"]
-            self.head_spec = _spec_array(MAT_SPEC, [_mat(weight_of(head, "output.weight"),
-                                                         self.logits)])
+            head = weight_of(t["token_embd.weight" if g.tied_embeddings else "output.weight"],
+                             "output.weight")
+            self.head = mat_launches([(head, _mat(head, self.logits))])
             self.output_norm = t["output_norm.weight"]
         if self.first:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
+
+    def _kernel_names(self) -> set[str]:
+        names = {"qk_norm_rope_kv", "attn_partial_128", "attn_combine"}
+        names |= {"embed_tokens"} if self.first else set()
+        names |= {"argmax_row"} if self.last else set()
+        launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
+        launches += self.head if self.last else []
+        for n in range(1, self.max_rows + 1):
+            names |= {matvec_kernel(x.type, n) for x in launches}
+        for L in self.layer_specs:
+            gate_up, down = L["expert_types"]
+            names |= {f"moe_gate_up_{gate_up}", f"moe_down_{down}"}
+        return names
 
     def _expert_spec(self, layer: int) -> dict:
         g, gguf = self.g, self.model.gguf
@@ -228,6 +277,9 @@ class DecodeGraph:
             if align is None or size % align or (size // r) % align:
                 raise Unsupported(f"{t.name}: type {t.ggml_type.name} is not readable by the "
                                   f"expert kernels")
+        if types[0] != types[1]:
+            raise Unsupported(f"{parts[0].name} and {parts[1].name} are stored in different types "
+                              f"(the expert kernel reads gate and up rows as one type)")
         align = max(KERNEL_TYPES[t] for t in types)
         if (self.arena.offsets % align).any():
             raise Unsupported("cache slots are not aligned for the expert kernels")
@@ -255,10 +307,15 @@ class DecodeGraph:
 
     def kernel_times(self, session, pos: int, ids=None, hidden=None) -> dict[str, float]:
         """One eager step with every launch timed: microseconds per kernel name, summed over the
-        layers (what benchmarks/profile_decode.py prints). The step is a real one: it advances
-        nothing but writes the KV of position `pos`."""
+        layers (what benchmarks/profile_decode.py prints). The launches queue behind a `spin`
+        kernel, so they run back to back as in a graph and the events time the GPU, not Python.
+        The step is a real one: it advances nothing but writes the KV of position `pos`."""
         use_graph, self.use_graph, self._timing = self.use_graph, False, []
         try:
+            hold_ns = 20_000 * (8 + 12 * (self.le - self.lb))     # ~20 us of Python per launch
+            with self.stream:
+                function(KERNELS, "spin", self.model.backend.index)((1,), (1,),
+                                                                    (np.uint64(hold_ns),))
             self.step(session, pos, ids=ids, hidden=hidden)
             out: dict[str, float] = {}
             for name, start, end in self._timing:
@@ -280,8 +337,7 @@ class DecodeGraph:
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
-            f("matvec")(((L["qkv_rows"] + WARPS - 1) // WARPS, 3), (32 * WARPS,),
-                        (L["qkv"], self.h, i32(g.n_embd), i32(n), w.attn_norm, eps, NULL))
+            self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
             f("qk_norm_rope_kv")((g.n_head + g.n_head_kv, n), (32,),
                                  (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
                                   i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
@@ -293,22 +349,35 @@ class DecodeGraph:
             f("attn_combine")((g.n_head, n), (128,),
                               (self.part, self.ml, self.desc, i32(g.n_head), i32(self.n_split),
                                i32(self.attn_chunk), i32(g.head_dim), self.attn))
-            f("matvec")(((g.n_embd + WARPS - 1) // WARPS, 1), (32 * WARPS,),
-                        (L["o"], self.attn, i32(g.n_head * g.head_dim), i32(n), NULL, eps, NULL))
-            f("matvec")(((g.n_expert + WARPS - 1) // WARPS, 1), (32 * WARPS,),
-                        (L["router"], self.h, i32(g.n_embd), i32(n), w.ffn_norm, eps, self.xn))
-            f("topk_route")((n,), (32,), (self.router_logits, i32(g.n_expert),
-                                          i32(g.n_expert_used), i32(1), L["experts"], self.ids,
-                                          self.wts, self.blobs))
-            f("moe_gate_up")(((g.n_ff_exp + WARPS - 1) // WARPS, g.n_expert_used, n),
-                             (32 * WARPS,), (L["experts"], self.xn, self.blobs, self.act))
-            f("moe_down_combine")(((g.n_embd + WARPS - 1) // WARPS, n), (32 * WARPS,),
+            self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
+            # the router's last block also picks the top-k (ids, weights, blob addresses)
+            self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,
+                         route=L["route"])
+            gate_up, down = L["expert_types"]
+            f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + FF_PER_BLOCK - 1) // FF_PER_BLOCK,
+                                         g.n_expert_used, n), (BLOCK_THREADS,),
+                                        (L["experts"], self.xn, self.blobs, self.act))
+            f(f"moe_down_{down}")(((g.n_embd + DOWN_PER_BLOCK - 1) // DOWN_PER_BLOCK, n),
+                                  (BLOCK_THREADS,),
                                   (L["experts"], self.act, self.blobs, self.wts, self.h))
         if self.last:
-            f("matvec")(((g.n_vocab + WARPS - 1) // WARPS, 1), (32 * WARPS,),
-                        (self.head_spec, self.h[n - 1:n], i32(g.n_embd), i32(1),
-                         self.output_norm, eps, NULL))
-            f("argmax_row")((1,), (1024,), (self.logits, i32(g.n_vocab), self.token))
+            self._matvec(self.head, self.h[n - 1:n], g.n_embd, 1, self.output_norm, eps)
+            f("argmax_row")((ARGMAX_BLOCKS,), (256,), (self.logits, i32(g.n_vocab), self.post_v,
+                                                       self.post_i, self.done, self.token))
+
+    def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
+                eps=np.float32(0), normed=None, route=None) -> None:
+        """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches`; `route`: the
+        router's RouteSpec (one matrix)."""
+        for m in launches:
+            wide = m.rows >= WIDE_MIN_ROWS
+            per_block = rows_per_block(n, wide)
+            self._launch(matvec_kernel(m.type, n))(
+                ((m.rows + per_block - 1) // per_block, m.count), (BLOCK_THREADS,),
+                (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
+                 NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
+                 NULL if route is None else route))
+            normed = None            # written once
 
     def _graph(self, n: int):
         graph = self.graphs.get(n)

@@ -140,9 +140,9 @@ def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: in
     or the row indices `rows`, a device int32 array), decoded by the same code the decode kernels
     read weights with."""
     out = cp.empty((n_rows, n_cols), dtype=cp.float32)
-    groups = n_rows * (n_cols // 32)
+    chunks = n_rows * (n_cols // 8)                 # one thread per 8 columns
     kernel("decode.cu", "dequant_rows")(
-        (min((groups + 255) // 256, 65535),), (256,),
+        (min((chunks + 255) // 256, 65535),), (256,),
         (raw, np.int32(ggml_type), np.int64(row_bytes), np.int32(n_cols),
          rows if rows is not None else np.uint64(0), np.int32(n_rows),
          out))

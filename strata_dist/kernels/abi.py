@@ -12,6 +12,35 @@ DESC_WORDS = 2 + MAX_ROWS   # the step descriptor: position, rows, token ids
 # GGML type ids the kernels read, with the byte alignment their loads need
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 8, 12, 13, 14
 KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2}
+# the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE)
+TYPE_NAMES = {F32: "f32", F16: "f16", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
+MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
+BLOCK_THREADS = 256             # threads of the matrix and expert kernels
+FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up
+DOWN_PER_BLOCK = 4              # outputs per block of moe_down
+
+
+def padded_rows(n: int) -> int:
+    """The matvec build for n activation rows (padded_rows in decode.cu)."""
+    return next(m for m in MATVEC_ROWS if n <= m)
+
+
+def rows_per_block(n: int, wide: bool) -> int:
+    """Weight rows one block of a matvec takes (rows_per_block in decode.cu)."""
+    return MAX_ROWS // padded_rows(n) if wide or padded_rows(n) > 1 else 1
+
+
+def matvec_kernel(ggml_type: int, n: int) -> str:
+    return f"matvec_{TYPE_NAMES[ggml_type]}_{padded_rows(n)}"
+
+
+def kernel_names() -> list[str]:
+    """Every kernel the runner may ask decode.cu for."""
+    names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "attn_partial_128",
+             "attn_combine", "argmax_row", "spin"]
+    for t in TYPE_NAMES.values():
+        names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
+    return names
 
 MAT_SPEC = np.dtype([("w", "<u8"), ("y", "<u8"), ("add", "<u8"), ("row_bytes", "<i8"),
                      ("nrows", "<i4"), ("ncols", "<i4"), ("y_stride", "<i4"), ("type", "<i4")])
@@ -20,4 +49,7 @@ EXPERT_SPEC = np.dtype([("arena", "<u8"), ("offsets", "<u8"), ("slot_of", "<u8")
                         ("up_row_bytes", "<i8"), ("down_row_bytes", "<i8"), ("gate_type", "<i4"),
                         ("up_type", "<i4"), ("down_type", "<i4"), ("n_ff", "<i4"),
                         ("n_embd", "<i4"), ("k", "<i4")])
-STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC}
+ROUTE_SPEC = np.dtype([("experts", "<u8"), ("logits", "<u8"), ("ids", "<u8"), ("wts", "<u8"),
+                       ("blobs", "<u8"), ("done", "<u8"), ("n_expert", "<i4"), ("k", "<i4"),
+                       ("normalize", "<i4")], align=True)    # sized as C pads it: 64 bytes
+STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC, "RouteSpec": ROUTE_SPEC}

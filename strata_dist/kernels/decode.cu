@@ -1,17 +1,32 @@
 // strata-dist decode kernels: one token (or up to MAX_ROWS rows) through a qwen3moe stage.
 //
 // Weights are read in the file's stored block format (F32, F16, Q8_0, Q4_K, Q5_K, Q6_K);
-// activations are float32. Every kernel computes a row's result with one fixed reduction order
-// (lanes over 32-element groups in group order, then a fixed xor-shuffle tree), whatever the
-// number of rows in the launch: a row's bits do not depend on its neighbours (batch invariance).
+// activations are float32. A row is read in chunks of 8 columns and a warp's 32 lanes take 32
+// consecutive chunks (256 columns, one K-quant super-block), so every load of a warp is contiguous
+// and the activations a lane needs sit in its registers for all the weight rows it serves.
+// Every output is summed in one fixed order (a lane's chunks in column order, then a fixed
+// xor-shuffle tree), whatever the number of rows in the launch: a row's bits do not depend on its
+// neighbours (batch invariance).
 //
 // Positions and token ids are read from a device descriptor (`desc`), and the session's KV and
 // RoPE tables through a device pointer table (`sess`), so a captured CUDA graph replays for any
 // position and any session of the same shape.
+//
+// The hot kernels exist once per weight type (`matvec_q8_0_1`, `moe_down_q6_k`, ...) so each gets
+// its own register budget; kernels/abi.py names them for the runner.
 #include <cuda_fp16.h>
 
 // NVRTC has no <math.h>: the one constant we need from it
 #define INF_F32 __int_as_float(0x7f800000)
+#define NAN_F32 __int_as_float(0x7fc00000)
+
+// The weight decoders also build for the host, where tests compare them with gguf-py.
+#ifdef __CUDA_ARCH__
+#define LDG(p) __ldg(p)
+#else
+#define LDG(p) (*(p))
+#endif
+#define HOST_DEVICE __host__ __device__ __forceinline__
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -21,6 +36,9 @@ typedef unsigned long long u64;
 
 #define MAX_ROWS 8          // rows of one decode step (plan.pricing.DECODE_ROWS)
 #define ATTN_CHUNK 256      // the most keys per attention split (one block each)
+#define BLOCK_THREADS 256   // threads of the matrix and expert kernels
+#define FF_PER_BLOCK 4      // expert rows f of one block of moe_gate_up (its gate and up rows)
+#define DOWN_PER_BLOCK 4    // outputs of one block of moe_down
 
 // GGML type ids, as in the GGUF file
 #define T_F32 0
@@ -34,6 +52,14 @@ typedef unsigned long long u64;
 #define DESC_POS 0
 #define DESC_TOKENS 2
 
+// The rows a matvec kernel is built for (n rounded up to 1, 2, 4 or 8) and the weight rows each
+// block takes: 8 / N when `wide` (tall matrices: more loads in flight per thread), else 1 for one
+// activation row (short matrices such as the router: more blocks).
+HOST_DEVICE constexpr int padded_rows(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+HOST_DEVICE constexpr int rows_per_block(int n, int wide) {
+    return wide || padded_rows(n) > 1 ? MAX_ROWS / padded_rows(n) : 1;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -46,187 +72,97 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-__device__ __forceinline__ float h2f(u16 bits) { return __half2float(__ushort_as_half(bits)); }
+HOST_DEVICE float h2f(u16 bits) { return __half2float(__ushort_as_half(bits)); }
 
-// ---- the 32 weights of group g of a row, decoded exactly as gguf-py decodes them -------------
-__device__ __forceinline__ void k_scale_min(const u8* sc, int j, int& s, int& m) {
-    if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
-    else {
-        s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-        m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+// ---- the 8 weights of chunk c (columns 8c .. 8c+7) of a row, decoded as gguf-py decodes them ----
+// K-quant 6-bit scale and min of sub-block j, from the 12 scale bytes held in three words
+HOST_DEVICE int scale_byte(u32 a, u32 b, u32 c, int i) {
+    const u32 word = i < 4 ? a : (i < 8 ? b : c);
+    return (int)((word >> (8 * (i & 3))) & 0xFF);
+}
+
+HOST_DEVICE void k_scale_min(u32 a, u32 b, u32 c, int j, int& s, int& m) {
+    if (j < 4) {
+        s = scale_byte(a, b, c, j) & 63;
+        m = scale_byte(a, b, c, j + 4) & 63;
+    } else {
+        const int hi = scale_byte(a, b, c, j + 4);
+        s = (hi & 0xF) | ((scale_byte(a, b, c, j - 4) >> 6) << 4);
+        m = (hi >> 4) | ((scale_byte(a, b, c, j) >> 6) << 4);
     }
 }
 
 template <int T>
-__device__ __forceinline__ void group32(const u8* __restrict__ row, int g, float* w) {
+HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
     if (T == T_F32) {
-        const float4* p = reinterpret_cast<const float4*>(row + (i64)g * 128);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float4 v = __ldg(p + j);
-            w[4 * j] = v.x; w[4 * j + 1] = v.y; w[4 * j + 2] = v.z; w[4 * j + 3] = v.w;
-        }
+        const float4* p = reinterpret_cast<const float4*>(row) + 2 * c;
+        const float4 a = LDG(p), b = LDG(p + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
     } else if (T == T_F16) {
-        const uint4* p = reinterpret_cast<const uint4*>(row + (i64)g * 64);
+        const uint4 v = LDG(reinterpret_cast<const uint4*>(row) + c);
+        const u32 parts[4] = {v.x, v.y, v.z, v.w};
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            uint4 v = __ldg(p + j);
-            u32 parts[4] = {v.x, v.y, v.z, v.w};
-            #pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                w[8 * j + 2 * t] = h2f((u16)(parts[t] & 0xFFFF));
-                w[8 * j + 2 * t + 1] = h2f((u16)(parts[t] >> 16));
-            }
+        for (int t = 0; t < 4; ++t) {
+            w[2 * t] = h2f((u16)(parts[t] & 0xFFFF));
+            w[2 * t + 1] = h2f((u16)(parts[t] >> 16));
         }
     } else if (T == T_Q8_0) {
-        // 34-byte block: f16 d, 32 int8 quants (2-byte aligned only)
-        const u16* p = reinterpret_cast<const u16*>(row + (i64)g * 34);
-        float d = h2f(__ldg(p));
+        // 34-byte block of 32: f16 d, 32 int8 quants (2-byte aligned only); 4 chunks per block
+        const u16* p = reinterpret_cast<const u16*>(row + (i64)(c >> 2) * 34);
+        const float d = h2f(LDG(p));
+        p += 1 + 4 * (c & 3);
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            u16 v = __ldg(p + 1 + j);
+        for (int j = 0; j < 4; ++j) {
+            const u16 v = LDG(p + j);
             w[2 * j] = d * (float)(signed char)(v & 0xFF);
             w[2 * j + 1] = d * (float)(signed char)(v >> 8);
         }
     } else if (T == T_Q4_K || T == T_Q5_K) {
         // super-block of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, [Q5_K: 32 bytes of
-        // high bits], 128 bytes of nibbles; sub-block j holds the low (j even) or high nibbles of
-        // bytes 32*(j/2) .. +32
-        const int bytes = (T == T_Q4_K) ? 144 : 176;
-        const u8* b = row + (i64)(g >> 3) * bytes;
-        const int j = g & 7;
-        float d = h2f(__ldg(reinterpret_cast<const u16*>(b)));
-        float dmin = h2f(__ldg(reinterpret_cast<const u16*>(b) + 1));
+        // high bits: bit j of byte l for element l of sub-block j], 128 bytes of nibbles:
+        // sub-block j (32 columns) holds the low (j even) or high nibbles of bytes 32*(j/2) ..
+        const u8* b = row + (i64)(c >> 5) * (T == T_Q4_K ? 144 : 176);
+        const int j = (c >> 2) & 7, q = c & 3;
+        const uint4 head = LDG(reinterpret_cast<const uint4*>(b));
         int s, m;
-        k_scale_min(b + 4, j, s, m);
-        const float ds = d * (float)s, dm = dmin * (float)m;
-        const u8* qs = b + ((T == T_Q4_K) ? 16 : 48) + 32 * (j >> 1);
+        k_scale_min(head.y, head.z, head.w, j, s, m);
+        const float ds = h2f((u16)(head.x & 0xFFFF)) * (float)s;
+        const float dm = h2f((u16)(head.x >> 16)) * (float)m;
+        const uint2 qv = LDG(reinterpret_cast<const uint2*>(
+            b + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * q));
         const int shift = (j & 1) * 4;
-        const uint4* q4 = reinterpret_cast<const uint4*>(qs);
-        uint4 lo = __ldg(q4), hi = __ldg(q4 + 1);
-        u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        u32 hw[8];
-        if (T == T_Q5_K) {
-            const uint4* h4 = reinterpret_cast<const uint4*>(b + 16);
-            uint4 a = __ldg(h4), c = __ldg(h4 + 1);
-            hw[0] = a.x; hw[1] = a.y; hw[2] = a.z; hw[3] = a.w;
-            hw[4] = c.x; hw[5] = c.y; hw[6] = c.z; hw[7] = c.w;
-        }
+        uint2 hv = make_uint2(0, 0);
+        if (T == T_Q5_K) hv = LDG(reinterpret_cast<const uint2*>(b + 16 + 8 * q));
         #pragma unroll
-        for (int l = 0; l < 32; ++l) {
-            int q = (words[l >> 2] >> (8 * (l & 3) + shift)) & 0xF;
-            if (T == T_Q5_K) q += ((hw[l >> 2] >> (8 * (l & 3) + j)) & 1) << 4;
-            w[l] = ds * (float)q - dm;
+        for (int l = 0; l < 8; ++l) {
+            const u32 word = l < 4 ? qv.x : qv.y;
+            int v = (int)((word >> (8 * (l & 3) + shift)) & 0xF);
+            if (T == T_Q5_K) v += (int)(((l < 4 ? hv.x : hv.y) >> (8 * (l & 3) + j)) & 1) << 4;
+            w[l] = ds * (float)v - dm;
         }
     } else if (T == T_Q6_K) {
-        // 210 bytes: ql[128], qh[64], int8 scales[16], f16 d (2-byte aligned only)
-        const u8* b = row + (i64)(g >> 3) * 210;
-        const int gi = g & 7, h = gi >> 2, t = gi & 3;
-        const u16* ql = reinterpret_cast<const u16*>(b + 64 * h + 32 * (t & 1));
-        const u16* qh = reinterpret_cast<const u16*>(b + 128 + 32 * h);
-        const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * h + 2 * t;
-        const float d = h2f(__ldg(reinterpret_cast<const u16*>(b + 208)));
-        const float d0 = d * (float)sc[0], d1 = d * (float)sc[1];
+        // 210 bytes (2-byte aligned only): ql[128], qh[64], int8 scales[16], f16 d. Element
+        // e = 128h + 32t + l: low nibble (t < 2) or high nibble of ql[64h + 32(t&1) + l], bits
+        // 2t.. of qh[32h + l], scale [8h + l/16 + 2t]
+        const u8* b = row + (i64)(c >> 5) * 210;
+        const int e0 = 8 * (c & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
+        const u16* ql = reinterpret_cast<const u16*>(b + 64 * h + 32 * (t & 1) + l0);
+        const u16* qh = reinterpret_cast<const u16*>(b + 128 + 32 * h + l0);
+        const float d = h2f(LDG(reinterpret_cast<const u16*>(b + 208))) *
+                        (float)(signed char)LDG(b + 192 + 8 * h + (l0 >> 4) + 2 * t);
         const int nshift = (t >> 1) * 4, hshift = 2 * t;
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            u16 lv = __ldg(ql + j), hv = __ldg(qh + j);
+        for (int j = 0; j < 4; ++j) {
+            const u16 lv = LDG(ql + j), hv = LDG(qh + j);
             #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                int l = 2 * j + e;
-                int lo = ((lv >> (8 * e)) >> nshift) & 0xF;
-                int hb = ((hv >> (8 * e)) >> hshift) & 3;
-                w[l] = (l < 16 ? d0 : d1) * (float)((lo | (hb << 4)) - 32);
+                const int lo = ((lv >> (8 * e)) >> nshift) & 0xF;
+                const int hb = ((hv >> (8 * e)) >> hshift) & 3;
+                w[2 * j + e] = d * (float)((lo | (hb << 4)) - 32);
             }
         }
     }
-}
-
-// Dot products of one weight row with up to MAX_ROWS activation rows; each lane takes groups
-// lane, lane+32, ... in order, then one fixed reduction tree. `scale` (per row) multiplies x
-// elementwise when given (a fused RMSNorm weight).
-template <int T>
-__device__ __forceinline__ void row_dots(const u8* __restrict__ wrow, int ncols,
-                                         const float* __restrict__ x, int x_stride, int n,
-                                         const float* __restrict__ xw, float* acc) {
-    const int lane = threadIdx.x & 31;
-    #pragma unroll
-    for (int i = 0; i < MAX_ROWS; ++i) acc[i] = 0.f;
-    #pragma unroll 2
-    for (int g = lane; g < (ncols >> 5); g += 32) {
-        float w[32];
-        group32<T>(wrow, g, w);
-        if (xw != nullptr) {
-            const float4* wp = reinterpret_cast<const float4*>(xw + 32 * g);
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                float4 v = __ldg(wp + j);
-                w[4 * j] *= v.x; w[4 * j + 1] *= v.y; w[4 * j + 2] *= v.z; w[4 * j + 3] *= v.w;
-            }
-        }
-        #pragma unroll
-        for (int i = 0; i < MAX_ROWS; ++i) {
-            if (i < n) {
-                const float4* xp = reinterpret_cast<const float4*>(x + (i64)i * x_stride + 32 * g);
-                float a = acc[i];
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    float4 v = __ldg(xp + j);
-                    a += w[4 * j] * v.x; a += w[4 * j + 1] * v.y;
-                    a += w[4 * j + 2] * v.z; a += w[4 * j + 3] * v.w;
-                }
-                acc[i] = a;
-            }
-        }
-    }
-    #pragma unroll
-    for (int i = 0; i < MAX_ROWS; ++i) if (i < n) acc[i] = warp_sum(acc[i]);
-}
-
-// One lane's share of a dot product: groups sub, sub+stride, ... of one row (the caller reduces
-// over the `stride` lanes with a fixed tree).
-template <int T>
-__device__ __forceinline__ float lane_dot(const u8* __restrict__ wrow, int ncols,
-                                          const float* __restrict__ x, int sub, int stride) {
-    float acc = 0.f;
-    #pragma unroll 3
-    for (int g = sub; g < (ncols >> 5); g += stride) {
-        float w[32];
-        group32<T>(wrow, g, w);
-        const float4* xp = reinterpret_cast<const float4*>(x + 32 * g);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float4 v = __ldg(xp + j);
-            acc += w[4 * j] * v.x; acc += w[4 * j + 1] * v.y;
-            acc += w[4 * j + 2] * v.z; acc += w[4 * j + 3] * v.w;
-        }
-    }
-    return acc;
-}
-
-// Two rows of the same type against one x (an expert's gate and up rows), lanes over groups.
-template <int T>
-__device__ __forceinline__ void pair_dot(const u8* __restrict__ a, const u8* __restrict__ b,
-                                         int ncols, const float* __restrict__ x, float& da,
-                                         float& db) {
-    float sa = 0.f, sb = 0.f;
-    #pragma unroll 2
-    for (int g = threadIdx.x & 31; g < (ncols >> 5); g += 32) {
-        float wa[32], wb[32];
-        group32<T>(a, g, wa);
-        group32<T>(b, g, wb);
-        const float4* xp = reinterpret_cast<const float4*>(x + 32 * g);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float4 v = __ldg(xp + j);
-            sa += wa[4 * j] * v.x; sa += wa[4 * j + 1] * v.y;
-            sa += wa[4 * j + 2] * v.z; sa += wa[4 * j + 3] * v.w;
-            sb += wb[4 * j] * v.x; sb += wb[4 * j + 1] * v.y;
-            sb += wb[4 * j + 2] * v.z; sb += wb[4 * j + 3] * v.w;
-        }
-    }
-    da = sa;
-    db = sb;
 }
 
 #define DISPATCH_TYPE(type, CALL)                                    \
@@ -239,6 +175,84 @@ __device__ __forceinline__ void pair_dot(const u8* __restrict__ a, const u8* __r
         case T_Q6_K: { const int TT = T_Q6_K; CALL; } break;         \
         default: break;                                              \
     }
+
+// the hot kernels once per type: X(suffix, type id)
+#define FOR_EACH_TYPE(X) X(f32, T_F32) X(f16, T_F16) X(q8_0, T_Q8_0) X(q4_k, T_Q4_K) \
+                         X(q5_k, T_Q5_K) X(q6_k, T_Q6_K)
+
+__device__ __forceinline__ void load8(const float* __restrict__ p, float* v) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ void store8(float* p, const float* v) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// ---- dot products of one block ----------------------------------------------------------------
+// The block's threads split a row's chunks: thread t takes chunks t, t + blockDim, ... (each
+// round the block reads 8 * blockDim contiguous columns of every row it serves). Each warp reduces
+// its lanes with a fixed xor tree, then the warps' partials are added in warp order: one order per
+// output whatever the rows n of the launch, the rows per block or the grid.
+
+// acc (M partial sums per thread) -> sums[M] in shared memory, read by every thread on return
+template <int M>
+__device__ __forceinline__ void block_reduce(float (&acc)[M], float* sums) {
+    __shared__ float part[BLOCK_THREADS / 32][M];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0) part[warp][m] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+        float s = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += part[w][threadIdx.x];
+        sums[threadIdx.x] = s;
+    }
+    __syncthreads();
+}
+
+// sums[r*N + i] = rows[r] . (x_i * xw) for R weight rows and N activation rows (x_i at
+// x + i*x_stride; xw, a fused norm weight, may be null)
+template <int T, int N, int R>
+__device__ __forceinline__ void block_dots(const u8* const (&rows)[R], int nchunks,
+                                           const float* __restrict__ x, int x_stride,
+                                           const float* __restrict__ xw, float* sums) {
+    float acc[R * N];
+    #pragma unroll
+    for (int m = 0; m < R * N; ++m) acc[m] = 0.f;
+    #pragma unroll 2
+    for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+        float xv[N][8];
+        #pragma unroll
+        for (int i = 0; i < N; ++i) load8(x + (i64)i * x_stride + 8 * c, xv[i]);
+        if (xw != nullptr) {
+            float s[8];
+            load8(xw + 8 * c, s);
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) xv[i][j] *= s[j];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float w[8];
+            chunk8<T>(rows[r], c, w);
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) acc[r * N + i] = fmaf(w[j], xv[i][j], acc[r * N + i]);
+            }
+        }
+    }
+    block_reduce<R * N>(acc, sums);
+}
 
 // 1 / rms of each of the n rows of x, computed by the whole block (float4 loads, a fixed
 // reduction order) and shared with every thread through `inv`.
@@ -265,8 +279,106 @@ __device__ void block_inv_rms(const float* __restrict__ x, int x_stride, int nco
     __syncthreads();
 }
 
+// ---- routing ----------------------------------------------------------------------------------
+// Where a layer's experts are: blob = arena + offsets[slot_of[expert]], gate rows then up rows
+// then down rows, each part in its stored type.
+struct ExpertSpec {
+    const u8* arena;
+    const i64* offsets;       // byte offset of each slot
+    const int* slot_of;       // [n_expert] slot of each expert of this layer
+    i64 up_at, down_at;       // byte offsets of the up and down parts inside a blob
+    i64 gate_row_bytes, up_row_bytes, down_row_bytes;
+    int gate_type, up_type, down_type;
+    int n_ff, n_embd, k;
+};
+
+// The router's matvec routes too: its last block to finish (counted in `done`, which it resets
+// for the next launch) turns the logits into the top-k.
+struct RouteSpec {
+    const ExpertSpec* experts;
+    const float* logits;      // [n, n_expert], written by this launch's other blocks
+    int* ids;                 // [n, k] chosen experts in rank order
+    float* wts;               // [n, k] their weights
+    u64* blobs;               // [n, k] their blob addresses (0: not resident)
+    u32* done;                // blocks finished, 0 between launches
+    int n_expert, k, normalize;
+};
+
+// Softmax over row i's router logits, the top-k in rank order (ties: the lower expert id, as a
+// stable sort does), weights renormalised over the k when `normalize`, and each chosen expert's
+// blob address for the expert kernels. One warp. The logits were written by other blocks of
+// this launch: read through L2 (__ldcg), not a possibly stale L1.
+__device__ void route_row(const RouteSpec& rs, int i) {
+    const int lane = threadIdx.x & 31, n_expert = rs.n_expert, k = rs.k;
+    float v[16];
+    const float* l = rs.logits + (i64)i * n_expert;
+    float m = -INF_F32;
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < n_expert ? __ldcg(l + e) : -INF_F32;
+        m = fmaxf(m, v[j]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < n_expert ? __expf(v[j] - m) : -1.f;   // probabilities are >= 0
+        if (e < n_expert) sum += v[j];
+    }
+    sum = warp_sum(sum);
+    float picked_sum = 0.f;
+    int mine = 0;                                         // lane r keeps the r-th pick
+    float mine_p = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float best = -1.f; int best_e = 0x7fffffff;
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int e = lane + 32 * j;
+            if (v[j] > best || (v[j] == best && e < best_e)) { best = v[j]; best_e = e; }
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
+        }
+        const float p = best / sum;
+        picked_sum += p;
+        if (lane == r) { mine = best_e; mine_p = p; }
+        #pragma unroll
+        for (int j = 0; j < 16; ++j)                      // taken (static indices: registers)
+            if (lane + 32 * j == best_e) v[j] = -2.f;
+    }
+    if (lane < k) {
+        rs.ids[i * k + lane] = mine;
+        rs.wts[i * k + lane] = rs.normalize ? mine_p / picked_sum : mine_p;
+        const ExpertSpec* sp = rs.experts;
+        const int slot = sp->slot_of[mine];
+        rs.blobs[i * k + lane] = slot < 0 ? 0ull
+                                          : reinterpret_cast<u64>(sp->arena + sp->offsets[slot]);
+    }
+}
+
+// Called by every block of the router's launch after its rows are written.
+__device__ void route_after_last_block(const RouteSpec* __restrict__ route, int n) {
+    __shared__ bool last;
+    __threadfence();                                      // this block's logits, before counting
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(route->done, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const RouteSpec rs = *route;
+    const int warp = threadIdx.x >> 5;
+    for (int i = warp; i < n; i += blockDim.x >> 5) route_row(rs, i);
+    if (threadIdx.x == 0) *rs.done = 0u;
+}
+
 // ---- dense projections ------------------------------------------------------------------------
-// One spec per matrix; blockIdx.y picks the spec, so q, k and v are one launch.
+// One spec per matrix; blockIdx.y picks the spec, so q, k and v of one type are one launch.
 struct MatSpec {
     const u8* w;          // [nrows, ncols] in `type`
     float* y;             // [n, y_stride]
@@ -276,55 +388,72 @@ struct MatSpec {
 };
 
 // y[i, o] = add[i, o] + sum_c W[o, c] * xn[i, c], with xn = rms_norm(x) * norm_w when norm_w is
-// given (else x). One warp per output row. Block (0, 0) also writes xn to `normed` when given.
-extern "C" __global__ void __launch_bounds__(256, 2) matvec(const MatSpec* __restrict__ specs, const float* __restrict__ x,
-                                  int x_stride, int n, const float* __restrict__ norm_w, float eps,
-                                  float* __restrict__ normed) {
+// given (else x), for the n <= N rows of x (buffers hold MAX_ROWS rows, so rows n..N-1 are read
+// and dropped). A block takes R consecutive rows o. Block (0, 0) also writes xn to `normed`.
+template <int T, int N, int R>
+__device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
+                                            const float* __restrict__ x, int x_stride, int n,
+                                            const float* __restrict__ norm_w, float eps,
+                                            float* __restrict__ normed) {
     __shared__ float inv[MAX_ROWS];
+    __shared__ float sums[R * N];
     const MatSpec s = specs[blockIdx.y];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.x * (blockDim.x >> 5) + warp;
+    const int o0 = blockIdx.x * R;
+    if (o0 >= s.nrows) return;                          // the whole block: uniform
     if (norm_w != nullptr) {
-        if ((int)(blockIdx.x * (blockDim.x >> 5)) >= s.nrows) return;   // whole block idle
         block_inv_rms(x, x_stride, s.ncols, n, eps, inv);
         if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
             for (int idx = threadIdx.x; idx < n * s.ncols; idx += blockDim.x) {
-                int i = idx / s.ncols, c = idx - i * s.ncols;
+                const int i = idx / s.ncols, c = idx - i * s.ncols;
                 normed[(i64)i * s.ncols + c] = x[(i64)i * x_stride + c] * inv[i] * norm_w[c];
             }
         }
     }
-    if (o >= s.nrows) return;
-    float acc[MAX_ROWS];
-    const u8* wrow = s.w + (i64)o * s.row_bytes;
-    DISPATCH_TYPE(s.type, (row_dots<TT>(wrow, s.ncols, x, x_stride, n, norm_w, acc)));
-    if (lane == 0) {
-        #pragma unroll
-        for (int i = 0; i < MAX_ROWS; ++i) {
-            if (i < n) {
-                const float v = norm_w != nullptr ? acc[i] * inv[i] : acc[i];
-                const i64 at = (i64)i * s.y_stride + o;
-                s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
-            }
+    const u8* rows[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
+    block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
+    if (threadIdx.x < R * N) {
+        const int r = threadIdx.x / N, i = threadIdx.x - r * N;
+        if (i < n && o0 + r < s.nrows) {
+            const float v = norm_w != nullptr ? sums[threadIdx.x] * inv[i] : sums[threadIdx.x];
+            const i64 at = (i64)i * s.y_stride + o0 + r;
+            s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
         }
     }
 }
 
-// Rows of any supported type decoded to float32 (embedding lookups on the fast path, and the
-// correctness path's dequantize). rows: the row indices, or null for rows 0..nrows-1.
+// route: null, or the router's RouteSpec (its top-k runs after the last block)
+#define MATVEC_ARGS const MatSpec* __restrict__ specs, const float* __restrict__ x, int x_stride, \
+                    int n, int wide, const float* __restrict__ norm_w, float eps,               \
+                    float* __restrict__ normed, const RouteSpec* __restrict__ route
+#define MATVEC_KERNEL(name, T, N)                                                               \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                                 \
+    matvec_##name##_##N(MATVEC_ARGS) {                                                          \
+        if (rows_per_block(N, wide) == rows_per_block(N, 1))                                    \
+            matvec_rows<T, N, rows_per_block(N, 1)>(specs, x, x_stride, n, norm_w, eps, normed); \
+        else                                                                                    \
+            matvec_rows<T, N, rows_per_block(N, 0)>(specs, x, x_stride, n, norm_w, eps, normed); \
+        if (route != nullptr) route_after_last_block(route, n);                                 \
+    }
+#define MATVEC_KERNELS(name, T) MATVEC_KERNEL(name, T, 1) MATVEC_KERNEL(name, T, 2) \
+                                MATVEC_KERNEL(name, T, 4) MATVEC_KERNEL(name, T, 8)
+FOR_EACH_TYPE(MATVEC_KERNELS)
+
+// Rows of any supported type decoded to float32 (the correctness path's dequantize). rows: the
+// row indices, or null for rows 0..nrows-1. One thread per chunk of 8.
 extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i64 row_bytes,
                                         int ncols, const int* __restrict__ rows, int nrows,
                                         float* __restrict__ dst) {
-    const i64 groups = (i64)nrows * (ncols >> 5);
-    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < groups;
+    const int per = ncols >> 3;
+    const i64 chunks = (i64)nrows * per;
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
-        int r = (int)(t / (ncols >> 5)), g = (int)(t - (i64)r * (ncols >> 5));
+        const int r = (int)(t / per), c = (int)(t - (i64)r * per);
         const u8* row = src + (i64)(rows != nullptr ? rows[r] : r) * row_bytes;
-        float w[32];
-        DISPATCH_TYPE(type, (group32<TT>(row, g, w)));
-        float* out = dst + (i64)r * ncols + 32 * g;
-        #pragma unroll
-        for (int l = 0; l < 32; ++l) out[l] = w[l];
+        float w[8];
+        DISPATCH_TYPE(type, (chunk8<TT>(row, c, w)));
+        store8(dst + (i64)r * ncols + 8 * c, w);
     }
 }
 
@@ -334,11 +463,11 @@ extern "C" __global__ void embed_tokens(const u8* __restrict__ table, int type, 
                                         float* __restrict__ h) {
     const int i = blockIdx.y;
     const u8* row = table + (i64)desc[DESC_TOKENS + i] * row_bytes;
-    for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < (ncols >> 5); g += gridDim.x * blockDim.x) {
-        float w[32];
-        DISPATCH_TYPE(type, (group32<TT>(row, g, w)));
-        #pragma unroll
-        for (int l = 0; l < 32; ++l) h[(i64)i * ncols + 32 * g + l] = w[l];
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < (ncols >> 3);
+         c += gridDim.x * blockDim.x) {
+        float w[8];
+        DISPATCH_TYPE(type, (chunk8<TT>(row, c, w)));
+        store8(h + (i64)i * ncols + 8 * c, w);
     }
 }
 
@@ -416,30 +545,42 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     for (int idx = t; idx < G * D; idx += blockDim.x)
         qs[idx] = q[((i64)i * n_head + kvh * G) * D + idx];
     __syncthreads();
-    // scores: one key per thread, its row in registers, q read four at a time
-    if (t < count) {
-        const uint4* kp = reinterpret_cast<const uint4*>(kc + ((i64)(start + t) * n_kv + kvh) * D);
-        float kf[D];
+    // scores: SPLIT threads per key, thread u taking dims 4u + 16j: its q reads from shared memory
+    // are conflict-free and the G heads' sums are independent chains. Every thread runs every
+    // round (the shuffles need whole warps); a round's keys past `count` are computed and dropped.
+    constexpr int SPLIT = 4;
+    const int u = t % SPLIT;
+    for (int base = 0; base < count; base += blockDim.x / SPLIT) {
+        const int key = base + t / SPLIT, kk = min(key, count - 1);
+        const __half* krow = kc + ((i64)(start + kk) * n_kv + kvh) * D;
+        float acc[MAX_G];
         #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            uint4 raw = __ldg(kp + j);
-            const __half2* h2 = reinterpret_cast<const __half2*>(&raw);
+        for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < D / (4 * SPLIT); ++j) {
+            const uint2 raw = __ldg(reinterpret_cast<const uint2*>(krow + 4 * u + 4 * SPLIT * j));
+            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+            const float2 k23 = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
             #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float2 f = __half22float2(h2[e]);
-                kf[8 * j + 2 * e] = f.x; kf[8 * j + 2 * e + 1] = f.y;
+            for (int g = 0; g < MAX_G; ++g) {
+                if (g < G) {
+                    const float4 qv =
+                        *reinterpret_cast<const float4*>(qs + g * D + 4 * u + 4 * SPLIT * j);
+                    acc[g] = fmaf(qv.x, k01.x, acc[g]);
+                    acc[g] = fmaf(qv.y, k01.y, acc[g]);
+                    acc[g] = fmaf(qv.z, k23.x, acc[g]);
+                    acc[g] = fmaf(qv.w, k23.y, acc[g]);
+                }
             }
         }
-        for (int g = 0; g < G; ++g) {
-            const float4* q4 = reinterpret_cast<const float4*>(qs + g * D);
-            float s = 0.f;
-            #pragma unroll
-            for (int d = 0; d < D / 4; ++d) {
-                const float4 qv = q4[d];
-                s += qv.x * kf[4 * d]; s += qv.y * kf[4 * d + 1];
-                s += qv.z * kf[4 * d + 2]; s += qv.w * kf[4 * d + 3];
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            if (g < G) {
+                float v = acc[g];
+                #pragma unroll
+                for (int o = 1; o < SPLIT; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (u == 0 && key < count) ps[g * ATTN_CHUNK + key] = v * scale;
             }
-            ps[g * ATTN_CHUNK + t] = s * scale;
         }
     }
     __syncthreads();
@@ -533,145 +674,110 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part,
     }
 }
 
-// ---- routing and experts ----------------------------------------------------------------------
-// Where a layer's experts are: blob = arena + offsets[slot_of[expert]], gate rows then up rows
-// then down rows, each part in its stored type.
-struct ExpertSpec {
-    const u8* arena;
-    const i64* offsets;       // byte offset of each slot
-    const int* slot_of;       // [n_expert] slot of each expert of this layer
-    i64 up_at, down_at;       // byte offsets of the up and down parts inside a blob
-    i64 gate_row_bytes, up_row_bytes, down_row_bytes;
-    int gate_type, up_type, down_type;
-    int n_ff, n_embd, k;
-};
-
-// Softmax over the router logits, the top-k in rank order (ties: the lower expert id, as a stable
-// sort does), weights renormalised over the k when `normalize`, and each chosen expert's blob
-// address (0 when it is not resident) for the expert kernels. One warp per row.
-extern "C" __global__ void topk_route(const float* __restrict__ logits, int n_expert, int k,
-                                      int normalize, const ExpertSpec* __restrict__ spec,
-                                      int* __restrict__ ids, float* __restrict__ wts,
-                                      u64* __restrict__ blobs) {
-    const int i = blockIdx.x, lane = threadIdx.x;
-    float v[16];
-    const float* l = logits + (i64)i * n_expert;
-    float m = -INF_F32;
-    #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const int e = lane + 32 * j;
-        v[j] = e < n_expert ? l[e] : -INF_F32;
-        m = fmaxf(m, v[j]);
-    }
-    m = warp_max(m);
-    float sum = 0.f;
-    #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const int e = lane + 32 * j;
-        v[j] = e < n_expert ? __expf(v[j] - m) : -1.f;   // probabilities are >= 0
-        if (e < n_expert) sum += v[j];
-    }
-    sum = warp_sum(sum);
-    float picked_sum = 0.f;
-    for (int r = 0; r < k; ++r) {
-        float best = -1.f; int best_e = 0x7fffffff;
-        #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int e = lane + 32 * j;
-            if (v[j] > best || (v[j] == best && e < best_e)) { best = v[j]; best_e = e; }
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
-        }
-        const float p = best / sum;
-        picked_sum += p;
-        if (lane == 0) { ids[i * k + r] = best_e; wts[i * k + r] = p; }
-        if ((best_e & 31) == lane) v[best_e >> 5] = -2.f;   // taken
-    }
-    __syncwarp();
-    if (lane < k) {
-        if (normalize) wts[i * k + lane] /= picked_sum;
-        const int slot = spec->slot_of[ids[i * k + lane]];
-        blobs[i * k + lane] = slot < 0 ? 0ull
-                                       : reinterpret_cast<u64>(spec->arena + spec->offsets[slot]);
-    }
-}
-
-// act[i, r, f] = silu(gate_e . x_i) * (up_e . x_i), e = ids[i, r]. One warp per f.
-extern "C" __global__ void moe_gate_up(const ExpertSpec* __restrict__ spec_p,
-                                       const float* __restrict__ x, const u64* __restrict__ blobs,
-                                       float* __restrict__ act) {
+// ---- experts ----------------------------------------------------------------------------------
+// act[i, r, f] = silu(gate_e[f] . x_i) * (up_e[f] . x_i), e = ids[i, r] (gate and up stored in
+// one type). A block takes FF_PER_BLOCK consecutive f: their gate and up rows load together.
+// Grid (f blocks, k, rows).
+template <int T>
+__device__ __forceinline__ void moe_gate_up_body(const ExpertSpec* __restrict__ spec_p,
+                                                 const float* __restrict__ x,
+                                                 const u64* __restrict__ blobs,
+                                                 float* __restrict__ act) {
+    __shared__ float sums[2 * FF_PER_BLOCK];
     const ExpertSpec sp = *spec_p;
-    const int f = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int r = blockIdx.y, i = blockIdx.z, lane = threadIdx.x & 31;
-    if (f >= sp.n_ff) return;
+    const int f0 = blockIdx.x * FF_PER_BLOCK, r = blockIdx.y, i = blockIdx.z;
+    float* out = act + ((i64)i * sp.k + r) * sp.n_ff;
     const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);
-    float out;
-    if (blob == nullptr) {
-        out = __int_as_float(0x7fc00000);    // not resident: the caller checked; NaN says loudly
-    } else {
-        const float* xi = x + (i64)i * sp.n_embd;
-        const u8* grow = blob + (i64)f * sp.gate_row_bytes;
-        const u8* urow = blob + sp.up_at + (i64)f * sp.up_row_bytes;
-        float g, u;
-        if (sp.gate_type == sp.up_type) {     // both rows' loads in flight together
-            DISPATCH_TYPE(sp.gate_type, (pair_dot<TT>(grow, urow, sp.n_embd, xi, g, u)));
-        } else {
-            DISPATCH_TYPE(sp.gate_type, (g = lane_dot<TT>(grow, sp.n_embd, xi, lane, 32)));
-            DISPATCH_TYPE(sp.up_type, (u = lane_dot<TT>(urow, sp.n_embd, xi, lane, 32)));
-        }
-        g = warp_sum(g);
-        u = warp_sum(u);
-        out = g / (1.f + __expf(-g)) * u;
+    if (blob == nullptr) {      // not resident: the caller checked; NaN says so loudly
+        if (threadIdx.x < FF_PER_BLOCK && f0 + threadIdx.x < sp.n_ff)
+            out[f0 + threadIdx.x] = NAN_F32;
+        return;
     }
-    if (lane == 0) act[((i64)i * sp.k + r) * sp.n_ff + f] = out;
+    const u8* rows[2 * FF_PER_BLOCK];
+    #pragma unroll
+    for (int q = 0; q < FF_PER_BLOCK; ++q) {
+        const int f = min(f0 + q, sp.n_ff - 1);
+        rows[q] = blob + (i64)f * sp.gate_row_bytes;
+        rows[FF_PER_BLOCK + q] = blob + sp.up_at + (i64)f * sp.up_row_bytes;
+    }
+    block_dots<T, 1, 2 * FF_PER_BLOCK>(rows, sp.n_embd >> 3, x + (i64)i * sp.n_embd, 0, nullptr,
+                                       sums);
+    if (threadIdx.x < FF_PER_BLOCK && f0 + threadIdx.x < sp.n_ff) {
+        const float g = sums[threadIdx.x], u = sums[FF_PER_BLOCK + threadIdx.x];
+        out[f0 + threadIdx.x] = g / (1.f + __expf(-g)) * u;
+    }
 }
 
-// h[i, d] += sum over r in rank order of wts[i, r] * (down_e . act[i, r]). One warp per d: the
-// warp's lanes are split among the k experts (lpe lanes each), so all k rows load at once; each
-// expert's lanes reduce with a fixed tree, then lane 0 adds the k dots in rank order.
-extern "C" __global__ void moe_down_combine(const ExpertSpec* __restrict__ spec_p,
-                                            const float* __restrict__ act,
-                                            const u64* __restrict__ blobs,
-                                            const float* __restrict__ wts, float* __restrict__ h) {
+// h[i, d] += sum over r of wts[i, r] * (down_e[d] . act[i, r]), e = ids[i, r]. The k experts'
+// rows are one sequence of chunks in rank order (as act[i] is), split over the block's threads
+// like one long row, with the rank weight folded into the activations: all k experts' loads are
+// in flight together and each sum has one fixed order. A block takes DOWN_PER_BLOCK outputs d.
+// Grid (d blocks, rows).
+template <int T>
+__device__ __forceinline__ void moe_down_body(const ExpertSpec* __restrict__ spec_p,
+                                              const float* __restrict__ act,
+                                              const u64* __restrict__ blobs,
+                                              const float* __restrict__ wts,
+                                              float* __restrict__ h) {
+    __shared__ float sums[DOWN_PER_BLOCK];
     const ExpertSpec sp = *spec_p;
-    const int d = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int i = blockIdx.y, lane = threadIdx.x & 31;
-    if (d >= sp.n_embd) return;
-    int lpe = 32;
-    while (lpe * sp.k > 32) lpe >>= 1;
-    const int r = lane / lpe, sub = lane - r * lpe;
-    float dot = 0.f;
-    if (r < sp.k) {
+    const int d0 = blockIdx.x * DOWN_PER_BLOCK, i = blockIdx.y;
+    const int per = sp.n_ff >> 3, total = per * sp.k;
+    const float* a = act + (i64)i * sp.k * sp.n_ff;
+    i64 row_at[DOWN_PER_BLOCK];
+    #pragma unroll
+    for (int q = 0; q < DOWN_PER_BLOCK; ++q)
+        row_at[q] = sp.down_at + (i64)min(d0 + q, sp.n_embd - 1) * sp.down_row_bytes;
+    float acc[DOWN_PER_BLOCK];
+    #pragma unroll
+    for (int q = 0; q < DOWN_PER_BLOCK; ++q) acc[q] = 0.f;
+    bool missing = false;
+    #pragma unroll 2
+    for (int t = threadIdx.x; t < total; t += blockDim.x) {
+        const int r = t / per, c = t - r * per;
         const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);
         if (blob == nullptr) {
-            dot = __int_as_float(0x7fc00000);
-        } else {
-            const u8* row = blob + sp.down_at + (i64)d * sp.down_row_bytes;
-            const float* a = act + ((i64)i * sp.k + r) * sp.n_ff;
-            DISPATCH_TYPE(sp.down_type, (dot = lane_dot<TT>(row, sp.n_ff, a, sub, lpe)));
+            missing = true;
+            continue;
+        }
+        const float wr = wts[i * sp.k + r];
+        float xv[8];
+        load8(a + 8 * (i64)t, xv);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] *= wr;
+        #pragma unroll
+        for (int q = 0; q < DOWN_PER_BLOCK; ++q) {
+            float w[8];
+            chunk8<T>(blob + row_at[q], c, w);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) acc[q] = fmaf(w[j], xv[j], acc[q]);
         }
     }
-    for (int o = lpe >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    float total = 0.f;
-    for (int rr = 0; rr < sp.k; ++rr)
-        total += wts[i * sp.k + rr] * __shfl_sync(0xffffffffu, dot, rr * lpe);
-    if (lane == 0) h[(i64)i * sp.n_embd + d] += total;
+    missing = __syncthreads_or(missing);
+    block_reduce<DOWN_PER_BLOCK>(acc, sums);
+    if (threadIdx.x < DOWN_PER_BLOCK && d0 + threadIdx.x < sp.n_embd)
+        h[(i64)i * sp.n_embd + d0 + threadIdx.x] += missing ? NAN_F32 : sums[threadIdx.x];
 }
 
+#define MOE_KERNELS(name, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_##name(               \
+            const ExpertSpec* __restrict__ spec, const float* __restrict__ x,                    \
+            const u64* __restrict__ blobs, float* __restrict__ act) {                            \
+        moe_gate_up_body<T>(spec, x, blobs, act);                                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_##name(                  \
+            const ExpertSpec* __restrict__ spec, const float* __restrict__ act,                  \
+            const u64* __restrict__ blobs, const float* __restrict__ wts, float* __restrict__ h) { \
+        moe_down_body<T>(spec, act, blobs, wts, h);                                              \
+    }
+FOR_EACH_TYPE(MOE_KERNELS)
+
 // ---- the token --------------------------------------------------------------------------------
-// Greedy token of a logits row: the largest value, the lowest id on ties (numpy's argmax).
-extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n, int* __restrict__ out) {
+// The best (value, index) of the block's threads, in every thread on return: the largest value,
+// the lowest index on ties (numpy's argmax).
+__device__ void block_best(float& best, int& best_i) {
     __shared__ float bv[32];
     __shared__ int bi[32];
-    float best = -INF_F32; int best_i = 0x7fffffff;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const float v = logits[j];
-        if (v > best) { best = v; best_i = j; }        // ascending j: first max kept
-    }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ob = __shfl_xor_sync(0xffffffffu, best, o);
@@ -691,6 +797,52 @@ extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n, i
             const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
             if (ob > best || (ob == best && oi < best_i)) { best = ob; best_i = oi; }
         }
-        if (lane == 0) out[0] = best_i;
+        if (lane == 0) { bv[0] = best; bi[0] = best_i; }
     }
+    __syncthreads();
+    best = bv[0];
+    best_i = bi[0];
+}
+
+// Greedy token of a logits row. Each block posts the best of its slice; the last block to finish
+// (counted in `done`, which it resets for the next launch) picks the best post.
+extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n,
+                                      float* __restrict__ post_v, int* __restrict__ post_i,
+                                      u32* __restrict__ done, int* __restrict__ out) {
+    __shared__ bool last;
+    float best = -INF_F32;
+    int best_i = 0x7fffffff;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+        const float v = logits[j];
+        if (v > best) { best = v; best_i = j; }        // ascending j: first max kept
+    }
+    block_best(best, best_i);
+    if (threadIdx.x == 0) {
+        post_v[blockIdx.x] = best;
+        post_i[blockIdx.x] = best_i;
+        __threadfence();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    best = -INF_F32;
+    best_i = 0x7fffffff;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+        const float v = __ldcg(post_v + b);
+        const int i = __ldcg(post_i + b);
+        if (v > best || (v == best && i < best_i)) { best = v; best_i = i; }
+    }
+    block_best(best, best_i);
+    if (threadIdx.x == 0) { *out = best_i; *done = 0u; }
+}
+
+// Holds its stream for `ns` nanoseconds. kernel_times queues a step's launches behind it, so the
+// events between them time the kernels, not the Python that launches them.
+extern "C" __global__ void spin(u64 ns) {
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
 }
