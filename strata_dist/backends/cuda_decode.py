@@ -2,11 +2,11 @@
 
 The kernels of `kernels/decode.cu` read the weights in their stored blocks (no float copies),
 route on the device (the router's last block picks the top-k) and run all k experts of a layer in
-two launches, so one token through a stage is 8 launches per layer and nothing in between touches the host. The runner owns static
-buffers (hidden rows, q/k/v, attention partials, router output, expert activations, logits); the
-sessions own their KV outside it. A small descriptor (position, rows, token ids) and the bound
-session's pointer table are copied in before the graph runs, so one captured graph per row count
-replays for every position and session. Only the greedy token id comes back to the host; the full
+two launches: one token through a stage is 7 launches per layer, and nothing in between touches
+the host. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
+expert activations, logits); the sessions own their KV outside it. A small descriptor (position,
+rows, token ids) and the bound session's pointer table are copied in before the graph runs, so one
+captured graph per row count replays for every position and session. Only the greedy token id comes back to the host; the full
 logits stay on the device until a sampler asks for them (`StepLogits`).
 
 Used when every expert of the stage's layers is resident in its cache arena (the single-process
@@ -155,6 +155,7 @@ class DecodeGraph:
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[int, object] = {}
         self._timing = None            # [(kernel, start, end)] while kernel_times runs
+        self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
         self.steps = 0
 
@@ -214,10 +215,15 @@ class DecodeGraph:
         self.desc_host = cupyx.empty_pinned(DESC_WORDS, dtype=np.int32)
         self.token_host = cupyx.empty_pinned(1, dtype=np.int32)
         self.sess_table = cp.zeros(2 * (self.le - self.lb) + 2, cp.uint64)
-        # the arena's own device table is replaced whenever it lends; slots never move, so a copy
-        # taken while everything is resident stays right
-        self.slot_of = cp.asarray(self.arena.slot_of.astype(np.int32))
-        self.offsets = cp.asarray(self.arena.offsets[:-1].astype(np.int64))
+        # each expert's blob address (0: not resident), [n_layer, n_expert]; slots never move, so a
+        # table taken while everything is resident stays right (the arena's own tables are
+        # replaced whenever it lends)
+        held = self.arena.slot_of
+        base = np.uint64(int(self.arena.buf.data.ptr))
+        addr = base + self.arena.offsets[np.maximum(held, 0)].astype(np.uint64)
+        self.blob_of = cp.asarray(np.where(held >= 0, addr, 0).astype(np.uint64))
+        # blocks finished of each (row, kv head)'s attention splits (attn_decode_128)
+        self.attn_done = cp.zeros(R * g.n_head_kv, cp.uint32)
 
     def _build_specs(self, g) -> None:
         m = self.model
@@ -254,7 +260,7 @@ class DecodeGraph:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
 
     def _kernel_names(self) -> set[str]:
-        names = {"qk_norm_rope_kv", "attn_partial_128", "attn_combine"}
+        names = {"qk_norm_rope_kv", "attn_decode_128"}
         names |= {"embed_tokens"} if self.first else set()
         names |= {"argmax_row"} if self.last else set()
         launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
@@ -283,8 +289,7 @@ class DecodeGraph:
         align = max(KERNEL_TYPES[t] for t in types)
         if (self.arena.offsets % align).any():
             raise Unsupported("cache slots are not aligned for the expert kernels")
-        return dict(arena=int(self.arena.buf.data.ptr), offsets=int(self.offsets.data.ptr),
-                    slot_of=int(self.slot_of.data.ptr) + 4 * layer * g.n_expert,
+        return dict(blob_of=int(self.blob_of.data.ptr) + 8 * layer * g.n_expert,
                     up_at=per[0], down_at=per[0] + per[1], gate_row_bytes=per[0] // rows[0],
                     up_row_bytes=per[1] // rows[1], down_row_bytes=per[2] // rows[2],
                     gate_type=types[0], up_type=types[1], down_type=types[2], n_ff=g.n_ff_exp,
@@ -296,30 +301,38 @@ class DecodeGraph:
         fn = self._fns[name]
         if self._timing is None:
             return fn
+        repeat = self._timing_repeat
 
         def timed(grid, block, args):
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(self.stream)
-            fn(grid, block, args)
+            for _ in range(repeat):
+                fn(grid, block, args)
             end.record(self.stream)
             self._timing.append((name, start, end))
         return timed
 
-    def kernel_times(self, session, pos: int, ids=None, hidden=None) -> dict[str, float]:
+    def kernel_times(self, session, pos: int, ids=None, hidden=None,
+                     repeat: int = 1) -> dict[str, float]:
         """One eager step with every launch timed: microseconds per kernel name, summed over the
         layers (what benchmarks/profile_decode.py prints). The launches queue behind a `spin`
         kernel, so they run back to back as in a graph and the events time the GPU, not Python.
-        The step is a real one: it advances nothing but writes the KV of position `pos`."""
+        With `repeat` > 1 each launch runs that many times in a row (the mean is reported): its
+        time alone, warm, without its neighbours. The step is a real one: it advances nothing but
+        writes the KV of position `pos` (with repeat > 1 the residual rows are added to several
+        times: a profile's last step)."""
         use_graph, self.use_graph, self._timing = self.use_graph, False, []
+        self._timing_repeat = repeat
         try:
-            hold_ns = 20_000 * (8 + 12 * (self.le - self.lb))     # ~20 us of Python per launch
+            hold_ns = 20_000 * repeat * (8 + 12 * (self.le - self.lb))   # ~20 us per launch
             with self.stream:
                 function(KERNELS, "spin", self.model.backend.index)((1,), (1,),
                                                                     (np.uint64(hold_ns),))
             self.step(session, pos, ids=ids, hidden=hidden)
             out: dict[str, float] = {}
             for name, start, end in self._timing:
-                out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(start, end) * 1e3
+                us = cp.cuda.get_elapsed_time(start, end) * 1e3 / repeat
+                out[name] = out.get(name, 0.0) + us
             return out
         finally:
             self.use_graph, self._timing = use_graph, None
@@ -342,13 +355,10 @@ class DecodeGraph:
                                  (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
                                   i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
                                   i32(g.head_dim), i32(g.head_dim), eps))
-            f("attn_partial_128")((g.n_head_kv, self.n_split, n), (256,),
-                                  (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
-                                   i32(g.n_head_kv), i32(self.n_split), i32(self.attn_chunk),
-                                   scale, self.part, self.ml))
-            f("attn_combine")((g.n_head, n), (128,),
-                              (self.part, self.ml, self.desc, i32(g.n_head), i32(self.n_split),
-                               i32(self.attn_chunk), i32(g.head_dim), self.attn))
+            f("attn_decode_128")((g.n_head_kv, self.n_split, n), (BLOCK_THREADS,),
+                                 (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
+                                  i32(g.n_head_kv), i32(self.n_split), i32(self.attn_chunk),
+                                  scale, self.part, self.ml, self.attn_done, self.attn))
             self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
             # the router's last block also picks the top-k (ids, weights, blob addresses)
             self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,

@@ -36,17 +36,16 @@ def matvec_kernel(ggml_type: int, n: int) -> str:
 
 def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
-    names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "attn_partial_128",
-             "attn_combine", "argmax_row", "spin"]
+    names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "attn_decode_128",
+             "argmax_row", "spin"]
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names
 
 MAT_SPEC = np.dtype([("w", "<u8"), ("y", "<u8"), ("add", "<u8"), ("row_bytes", "<i8"),
                      ("nrows", "<i4"), ("ncols", "<i4"), ("y_stride", "<i4"), ("type", "<i4")])
-EXPERT_SPEC = np.dtype([("arena", "<u8"), ("offsets", "<u8"), ("slot_of", "<u8"),
-                        ("up_at", "<i8"), ("down_at", "<i8"), ("gate_row_bytes", "<i8"),
-                        ("up_row_bytes", "<i8"), ("down_row_bytes", "<i8"), ("gate_type", "<i4"),
+EXPERT_SPEC = np.dtype([("blob_of", "<u8"), ("up_at", "<i8"), ("down_at", "<i8"),
+                        ("gate_row_bytes", "<i8"), ("up_row_bytes", "<i8"), ("down_row_bytes", "<i8"), ("gate_type", "<i4"),
                         ("up_type", "<i4"), ("down_type", "<i4"), ("n_ff", "<i4"),
                         ("n_embd", "<i4"), ("k", "<i4")])
 ROUTE_SPEC = np.dtype([("experts", "<u8"), ("logits", "<u8"), ("ids", "<u8"), ("wts", "<u8"),

@@ -280,12 +280,10 @@ __device__ void block_inv_rms(const float* __restrict__ x, int x_stride, int nco
 }
 
 // ---- routing ----------------------------------------------------------------------------------
-// Where a layer's experts are: blob = arena + offsets[slot_of[expert]], gate rows then up rows
-// then down rows, each part in its stored type.
+// Where a layer's experts are: each one's blob (gate rows, then up rows, then down rows, each
+// part in its stored type) in the stage's cache.
 struct ExpertSpec {
-    const u8* arena;
-    const i64* offsets;       // byte offset of each slot
-    const int* slot_of;       // [n_expert] slot of each expert of this layer
+    const u64* blob_of;       // [n_expert] device address of each expert's blob (0: not resident)
     i64 up_at, down_at;       // byte offsets of the up and down parts inside a blob
     i64 gate_row_bytes, up_row_bytes, down_row_bytes;
     int gate_type, up_type, down_type;
@@ -354,10 +352,7 @@ __device__ void route_row(const RouteSpec& rs, int i) {
     if (lane < k) {
         rs.ids[i * k + lane] = mine;
         rs.wts[i * k + lane] = rs.normalize ? mine_p / picked_sum : mine_p;
-        const ExpertSpec* sp = rs.experts;
-        const int slot = sp->slot_of[mine];
-        rs.blobs[i * k + lane] = slot < 0 ? 0ull
-                                          : reinterpret_cast<u64>(sp->arena + sp->offsets[slot]);
+        rs.blobs[i * k + lane] = rs.experts->blob_of[mine];
     }
 }
 
@@ -522,6 +517,7 @@ extern "C" __global__ void qk_norm_rope_kv(float* __restrict__ q, const float* _
 
 // Flash-decoding, first half: block (kv head, split, row) scores `chunk` (<= ATTN_CHUNK) keys for
 // the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
+// A block whose split starts past the row's keys returns at once (it still counts as finished).
 // Short chunks spread a short context over more blocks; the runner picks the chunk.
 template <int D>
 __device__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
@@ -542,25 +538,48 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     const int count = min(chunk, len - start);
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
+    // Every load that needs nothing computed here goes out first, so the block waits on memory
+    // once: the first round's K of this thread, its first V_AHEAD keys of V, and q.
+    constexpr int SPLIT = 4;                 // threads per key in the scores
+    constexpr int KQ = BLOCK_THREADS / PAIRS, V_AHEAD = 64 / KQ;  // V: KQ threads per dim pair
+    constexpr int KW = D / (4 * SPLIT);      // a thread's 4-dim pieces of a key
+    const int u = t % SPLIT, dp = t % PAIRS, kq = t / PAIRS;
+    uint2 k_ahead[KW];
+    {
+        const int kk = min(t / SPLIT, count - 1);
+        const uint2* krow = reinterpret_cast<const uint2*>(kc + ((i64)(start + kk) * n_kv + kvh) * D);
+        #pragma unroll
+        for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
+    }
+    const __half2* vp = reinterpret_cast<const __half2*>(vc + ((i64)start * n_kv + kvh) * D) + dp;
+    const i64 vstride = (i64)n_kv * PAIRS;
+    __half2 v_ahead[V_AHEAD];
+    #pragma unroll
+    for (int m = 0; m < V_AHEAD; ++m) {
+        const int c = kq + KQ * m;
+        v_ahead[m] = c < count ? __ldg(vp + c * vstride) : __float2half2_rn(0.f);
+    }
     for (int idx = t; idx < G * D; idx += blockDim.x)
         qs[idx] = q[((i64)i * n_head + kvh * G) * D + idx];
     __syncthreads();
     // scores: SPLIT threads per key, thread u taking dims 4u + 16j: its q reads from shared memory
     // are conflict-free and the G heads' sums are independent chains. Every thread runs every
     // round (the shuffles need whole warps); a round's keys past `count` are computed and dropped.
-    constexpr int SPLIT = 4;
-    const int u = t % SPLIT;
     for (int base = 0; base < count; base += blockDim.x / SPLIT) {
         const int key = base + t / SPLIT, kk = min(key, count - 1);
-        const __half* krow = kc + ((i64)(start + kk) * n_kv + kvh) * D;
+        if (base > 0) {
+            const uint2* krow =
+                reinterpret_cast<const uint2*>(kc + ((i64)(start + kk) * n_kv + kvh) * D);
+            #pragma unroll
+            for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
+        }
         float acc[MAX_G];
         #pragma unroll
         for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
         #pragma unroll
-        for (int j = 0; j < D / (4 * SPLIT); ++j) {
-            const uint2 raw = __ldg(reinterpret_cast<const uint2*>(krow + 4 * u + 4 * SPLIT * j));
-            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-            const float2 k23 = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+        for (int j = 0; j < KW; ++j) {
+            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].x));
+            const float2 k23 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].y));
             #pragma unroll
             for (int g = 0; g < MAX_G; ++g) {
                 if (g < G) {
@@ -601,14 +620,26 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     __syncthreads();
     // weighted V: thread (kq, dp) takes keys kq, kq + KQ, ... for the dim pair dp of every head
     // (one half2 load of V serves all G), then the KQ partial sums are added in kq order
-    const int KQ = blockDim.x / PAIRS, dp = t % PAIRS, kq = t / PAIRS;
     float2 acc[MAX_G];
     #pragma unroll
     for (int g = 0; g < MAX_G; ++g) acc[g] = make_float2(0.f, 0.f);
-    const __half2* vp = reinterpret_cast<const __half2*>(vc + ((i64)start * n_kv + kvh) * D) + dp;
-    const i64 vstride = (i64)n_kv * PAIRS;
+    #pragma unroll
+    for (int m = 0; m < V_AHEAD; ++m) {       // the keys whose V is already in registers
+        const int c = kq + KQ * m;
+        if (c < count) {
+            const float2 v = __half22float2(v_ahead[m]);
+            #pragma unroll
+            for (int g = 0; g < MAX_G; ++g) {
+                if (g < G) {
+                    const float p = ps[g * ATTN_CHUNK + c];
+                    acc[g].x += p * v.x;
+                    acc[g].y += p * v.y;
+                }
+            }
+        }
+    }
     #pragma unroll 4
-    for (int c = kq; c < count; c += KQ) {
+    for (int c = kq + KQ * V_AHEAD; c < count; c += KQ) {
         const float2 v = __half22float2(__ldg(vp + c * vstride));
         #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
@@ -645,33 +676,48 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     }
 }
 
-extern "C" __global__ void attn_partial_128(const float* q, const u64* sess, int layer_slot,
-                                            const int* desc, int n_head, int n_kv, int n_split,
-                                            int chunk, float scale, float* part, float* ml) {
-    attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale, part,
-                           ml);
-}
-
-// Flash-decoding, second half: the splits of one (row, head) combined in split order.
-extern "C" __global__ void attn_combine(const float* __restrict__ part,
-                                        const float* __restrict__ ml,
-                                        const int* __restrict__ desc, int n_head, int n_split,
-                                        int chunk, int D, float* __restrict__ out) {
-    const int i = blockIdx.y, h = blockIdx.x;
-    const int len = desc[DESC_POS] + i + 1;
+// Flash-decoding, second half, run by the last of a (row, kv head)'s split blocks to finish
+// (counted in done[i * n_kv + kvh], which it resets for the next launch): the splits of each of
+// the G heads combined in split order. The partials were written by other blocks: read via L2.
+template <int D>
+__device__ void attn_combine_heads(const float* part, const float* ml, int len, int n_head,
+                                   int n_kv, int n_split, int chunk, float* __restrict__ out) {
+    const int kvh = blockIdx.x, i = blockIdx.z, G = n_head / n_kv;
     const int used = (len + chunk - 1) / chunk;
-    const i64 base = ((i64)i * n_head + h) * n_split;
-    float m = -INF_F32;
-    for (int s = 0; s < used; ++s) m = fmaxf(m, ml[2 * (base + s)]);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int h = kvh * G + idx / D, d = idx % D;
+        const i64 base = ((i64)i * n_head + h) * n_split;
+        float m = -INF_F32;
+        for (int s = 0; s < used; ++s) m = fmaxf(m, __ldcg(ml + 2 * (base + s)));
         float num = 0.f, den = 0.f;
         for (int s = 0; s < used; ++s) {
-            const float w = __expf(ml[2 * (base + s)] - m);
-            num += w * part[(base + s) * D + d];
-            den += w * ml[2 * (base + s) + 1];
+            const float w = __expf(__ldcg(ml + 2 * (base + s)) - m);
+            num += w * __ldcg(part + (base + s) * D + d);
+            den += w * __ldcg(ml + 2 * (base + s) + 1);
         }
         out[((i64)i * n_head + h) * D + d] = num / den;
     }
+}
+
+// Grid (n_kv, n_split, rows), BLOCK_THREADS threads: out [rows, n_head, D] is the attention of
+// each row's query heads over its causal keys.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+attn_decode_128(const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,
+                int n_kv, int n_split, int chunk, float scale, float* part, float* ml,
+                u32* __restrict__ done, float* __restrict__ out) {
+    __shared__ bool last;
+    attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale, part,
+                           ml);
+    __threadfence();                          // this block's partials, before it is counted
+    __syncthreads();
+    u32* mine = done + blockIdx.z * n_kv + blockIdx.x;
+    if (threadIdx.x == 0) last = atomicAdd(mine, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    attn_combine_heads<128>(part, ml, desc[DESC_POS] + blockIdx.z + 1, n_head, n_kv, n_split,
+                            chunk, out);
+    if (threadIdx.x == 0) *mine = 0u;
 }
 
 // ---- experts ----------------------------------------------------------------------------------
