@@ -106,6 +106,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """The commit measured: $STRATA_COMMIT when set (a copied tree whose git metadata is older
+    than its files, as on the GPU machine, would otherwise name the wrong one), else git's."""
+    if os.environ.get("STRATA_COMMIT"):
+        return os.environ["STRATA_COMMIT"]
     try:
         # "-dirty" when the tree measured differs from that commit
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],

@@ -3,11 +3,14 @@
 # soon after each call, so build, test and measure together):
 #   1. llama.cpp's llama-bench built in the background (.anchor/, see ../shared/tools/llamacpp-anchor.sh)
 #   2. the GPU tests (kernels against gguf-py and numpy, graph against eager, pipelines)
-#   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes)
+#   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes),
+#      and bench_attention.py (the attention kernel alone against the context length)
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; records
 #      and logs go to $OUT (copy the records into benchmarks/results/ afterwards)
-# Usage (from the repository root, wheels of the image's missing packages in .whl/):
-#   bash benchmarks/gpu_session.sh [--gpus 0|0,1] [--skip-tests] [--quants q8_0,q4_k]
+# Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
+# machine's copy of .git may be older than its files, so name the commit measured):
+#   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
+#       [--skip-tests] [--quants q8_0,q4_k]
 set -uo pipefail
 GPUS=0; TESTS=1; QUANTS=q8_0,q4_k
 while [ $# -gt 0 ]; do
@@ -45,7 +48,14 @@ write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant="q8_0", popularity="zipf:1.0
 PY
 timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/profile.log" | tail -13
 rm -f /tmp/m/q30_8l.gguf
+timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" | tail -10
 t "profile"
+# the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
+# step slows down beside a parallel compile): wait for it first
+if [ ${#LLAMA[@]} -gt 0 ]; then
+  for _ in $(seq 300); do [ -x "$LB" ] && break; sleep 1; done
+  t "llama.cpp build"
+fi
 for q in ${QUANTS//,/ }; do
   timeout 120 python3 -m launcher.tools synth /tmp/m/q30.gguf --like qwen3-30b-a3b --quant "$q" \
     --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1

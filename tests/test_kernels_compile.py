@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from strata_dist.kernels import KERNEL_DIR, sources
+from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DOWN_PER_BLOCK, FF_PER_BLOCK,
                                      MAX_ROWS, STRUCTS, kernel_names, rows_per_block)
 
@@ -17,6 +17,8 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 def test_the_package_has_kernel_sources():
     assert [p.name for p in sources()] == ["decode.cu"]
+    text = source_text("decode.cu")        # weights.cuh inlined, once
+    assert "#include \"" not in text and text.count("HOST_DEVICE float h2f(") == 1
 
 
 @needs_nvcc
@@ -102,7 +104,7 @@ def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
     if lib is None or include is None:
         pytest.skip("no NVRTC library or CUDA headers")
     prog = ctypes.c_void_p()
-    src = (KERNEL_DIR / source).read_text().encode()
+    src = source_text(source).encode()          # what kernels.module hands to CuPy
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
     opts = [o.encode() for o in (*COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}")]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))

@@ -9,6 +9,7 @@ every source with `nvcc -arch=sm_90` where nvcc exists, so a syntax error costs 
 CuPy is imported only when a module is asked for: CPU ranks never load this."""
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,12 +18,27 @@ COMPILE_OPTIONS = ("--std=c++17",)
 
 
 def sources() -> list[Path]:
-    """Every kernel source of the package."""
+    """Every kernel source of the package (the `*.cuh` headers they include are not compiled on
+    their own)."""
     return sorted(KERNEL_DIR.glob("*.cu"))
 
 
-def source_text(name: str) -> str:
-    return (KERNEL_DIR / name).read_text()
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*$', re.MULTILINE)
+
+
+def source_text(name: str, _seen: set[str] | None = None) -> str:
+    """The source `name` with its local `#include "x.cuh"` lines replaced by the files (once each):
+    NVRTC then needs no include path, and CuPy's cache key, made of the source text, changes
+    whenever any byte compiled does."""
+    seen = set() if _seen is None else _seen
+    seen.add(name)
+
+    def inline(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:
+            return ""
+        return source_text(header, seen)
+    return _LOCAL_INCLUDE.sub(inline, (KERNEL_DIR / name).read_text())
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,260 @@
+// How the kernels read weights, shared by every kernel source: the stored block formats (F32,
+// F16, Q8_0, Q4_K, Q5_K, Q6_K) decoded 8 columns ("a chunk") at a time, exactly as gguf-py decodes
+// them, and the dot products of a block of threads against float32 activations.
+//
+// A block's threads take consecutive chunks of a row (each round the block reads 8 * blockDim
+// contiguous columns of every row it serves, so every load of a warp is contiguous) and keep the
+// activations of a chunk in registers for all the weight rows they serve. Every output is summed
+// in one fixed order (a thread's chunks in column order, a fixed xor-shuffle tree per warp, then
+// the warps in order), whatever the number of rows in the launch: a row's bits do not depend on
+// its neighbours (batch invariance).
+#pragma once
+#include <cuda_fp16.h>
+
+// NVRTC has no <math.h>: the constants we need from it
+#define INF_F32 __int_as_float(0x7f800000)
+#define NAN_F32 __int_as_float(0x7fc00000)
+
+// The weight decoders also build for the host, where tests compare them with gguf-py.
+#ifdef __CUDA_ARCH__
+#define LDG(p) __ldg(p)
+#else
+#define LDG(p) (*(p))
+#endif
+#define HOST_DEVICE __host__ __device__ __forceinline__
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define MAX_ROWS 8          // activation rows of one launch (plan.pricing.DECODE_ROWS)
+#define BLOCK_THREADS 256   // threads of the matrix and expert kernels
+
+// GGML type ids, as in the GGUF file
+#define T_F32 0
+#define T_F16 1
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+HOST_DEVICE float h2f(u16 bits) { return __half2float(__ushort_as_half(bits)); }
+
+// ---- the 8 weights of chunk c (columns 8c .. 8c+7) of a row, decoded as gguf-py decodes them ----
+// K-quant 6-bit scale and min of sub-block j, from the 12 scale bytes held in three words
+HOST_DEVICE int scale_byte(u32 a, u32 b, u32 c, int i) {
+    const u32 word = i < 4 ? a : (i < 8 ? b : c);
+    return (int)((word >> (8 * (i & 3))) & 0xFF);
+}
+
+HOST_DEVICE void k_scale_min(u32 a, u32 b, u32 c, int j, int& s, int& m) {
+    if (j < 4) {
+        s = scale_byte(a, b, c, j) & 63;
+        m = scale_byte(a, b, c, j + 4) & 63;
+    } else {
+        const int hi = scale_byte(a, b, c, j + 4);
+        s = (hi & 0xF) | ((scale_byte(a, b, c, j - 4) >> 6) << 4);
+        m = (hi >> 4) | ((scale_byte(a, b, c, j) >> 6) << 4);
+    }
+}
+
+template <int T>
+HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
+    if (T == T_F32) {
+        const float4* p = reinterpret_cast<const float4*>(row) + 2 * c;
+        const float4 a = LDG(p), b = LDG(p + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    } else if (T == T_F16) {
+        const uint4 v = LDG(reinterpret_cast<const uint4*>(row) + c);
+        const u32 parts[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[2 * t] = h2f((u16)(parts[t] & 0xFFFF));
+            w[2 * t + 1] = h2f((u16)(parts[t] >> 16));
+        }
+    } else if (T == T_Q8_0) {
+        // 34-byte block of 32: f16 d, 32 int8 quants (2-byte aligned only); 4 chunks per block
+        const u16* p = reinterpret_cast<const u16*>(row + (i64)(c >> 2) * 34);
+        const float d = h2f(LDG(p));
+        p += 1 + 4 * (c & 3);
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 v = LDG(p + j);
+            w[2 * j] = d * (float)(signed char)(v & 0xFF);
+            w[2 * j + 1] = d * (float)(signed char)(v >> 8);
+        }
+    } else if (T == T_Q4_K || T == T_Q5_K) {
+        // super-block of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, [Q5_K: 32 bytes of
+        // high bits: bit j of byte l for element l of sub-block j], 128 bytes of nibbles:
+        // sub-block j (32 columns) holds the low (j even) or high nibbles of bytes 32*(j/2) ..
+        const u8* b = row + (i64)(c >> 5) * (T == T_Q4_K ? 144 : 176);
+        const int j = (c >> 2) & 7, q = c & 3;
+        const uint4 head = LDG(reinterpret_cast<const uint4*>(b));
+        int s, m;
+        k_scale_min(head.y, head.z, head.w, j, s, m);
+        const float ds = h2f((u16)(head.x & 0xFFFF)) * (float)s;
+        const float dm = h2f((u16)(head.x >> 16)) * (float)m;
+        const uint2 qv = LDG(reinterpret_cast<const uint2*>(
+            b + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * q));
+        const int shift = (j & 1) * 4;
+        uint2 hv = make_uint2(0, 0);
+        if (T == T_Q5_K) hv = LDG(reinterpret_cast<const uint2*>(b + 16 + 8 * q));
+        #pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            const u32 word = l < 4 ? qv.x : qv.y;
+            int v = (int)((word >> (8 * (l & 3) + shift)) & 0xF);
+            if (T == T_Q5_K) v += (int)(((l < 4 ? hv.x : hv.y) >> (8 * (l & 3) + j)) & 1) << 4;
+            w[l] = ds * (float)v - dm;
+        }
+    } else if (T == T_Q6_K) {
+        // 210 bytes (2-byte aligned only): ql[128], qh[64], int8 scales[16], f16 d. Element
+        // e = 128h + 32t + l: low nibble (t < 2) or high nibble of ql[64h + 32(t&1) + l], bits
+        // 2t.. of qh[32h + l], scale [8h + l/16 + 2t]
+        const u8* b = row + (i64)(c >> 5) * 210;
+        const int e0 = 8 * (c & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
+        const u16* ql = reinterpret_cast<const u16*>(b + 64 * h + 32 * (t & 1) + l0);
+        const u16* qh = reinterpret_cast<const u16*>(b + 128 + 32 * h + l0);
+        const float d = h2f(LDG(reinterpret_cast<const u16*>(b + 208))) *
+                        (float)(signed char)LDG(b + 192 + 8 * h + (l0 >> 4) + 2 * t);
+        const int nshift = (t >> 1) * 4, hshift = 2 * t;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 lv = LDG(ql + j), hv = LDG(qh + j);
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int lo = ((lv >> (8 * e)) >> nshift) & 0xF;
+                const int hb = ((hv >> (8 * e)) >> hshift) & 3;
+                w[2 * j + e] = d * (float)((lo | (hb << 4)) - 32);
+            }
+        }
+    }
+}
+
+#define DISPATCH_TYPE(type, CALL)                                    \
+    switch (type) {                                                  \
+        case T_F32: { const int TT = T_F32; CALL; } break;           \
+        case T_F16: { const int TT = T_F16; CALL; } break;           \
+        case T_Q8_0: { const int TT = T_Q8_0; CALL; } break;         \
+        case T_Q4_K: { const int TT = T_Q4_K; CALL; } break;         \
+        case T_Q5_K: { const int TT = T_Q5_K; CALL; } break;         \
+        case T_Q6_K: { const int TT = T_Q6_K; CALL; } break;         \
+        default: break;                                              \
+    }
+
+// the hot kernels once per type: X(suffix, type id)
+#define FOR_EACH_TYPE(X) X(f32, T_F32) X(f16, T_F16) X(q8_0, T_Q8_0) X(q4_k, T_Q4_K) \
+                         X(q5_k, T_Q5_K) X(q6_k, T_Q6_K)
+
+__device__ __forceinline__ void load8(const float* __restrict__ p, float* v) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ void store8(float* p, const float* v) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// ---- dot products of one block ----------------------------------------------------------------
+// The block's threads split a row's chunks: thread t takes chunks t, t + blockDim, ... (each
+// round the block reads 8 * blockDim contiguous columns of every row it serves). Each warp reduces
+// its lanes with a fixed xor tree, then the warps' partials are added in warp order: one order per
+// output whatever the rows n of the launch, the rows per block or the grid.
+
+// acc (M partial sums per thread) -> sums[M] in shared memory, read by every thread on return
+template <int M>
+__device__ __forceinline__ void block_reduce(float (&acc)[M], float* sums) {
+    __shared__ float part[BLOCK_THREADS / 32][M];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0) part[warp][m] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+        float s = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += part[w][threadIdx.x];
+        sums[threadIdx.x] = s;
+    }
+    __syncthreads();
+}
+
+// sums[r*N + i] = rows[r] . (x_i * xw) for R weight rows and N activation rows (x_i at
+// x + i*x_stride; xw, a fused norm weight, may be null)
+template <int T, int N, int R>
+__device__ __forceinline__ void block_dots(const u8* const (&rows)[R], int nchunks,
+                                           const float* __restrict__ x, int x_stride,
+                                           const float* __restrict__ xw, float* sums) {
+    float acc[R * N];
+    #pragma unroll
+    for (int m = 0; m < R * N; ++m) acc[m] = 0.f;
+    #pragma unroll 2
+    for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+        float xv[N][8];
+        #pragma unroll
+        for (int i = 0; i < N; ++i) load8(x + (i64)i * x_stride + 8 * c, xv[i]);
+        if (xw != nullptr) {
+            float s[8];
+            load8(xw + 8 * c, s);
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) xv[i][j] *= s[j];
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float w[8];
+            chunk8<T>(rows[r], c, w);
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) acc[r * N + i] = fmaf(w[j], xv[i][j], acc[r * N + i]);
+            }
+        }
+    }
+    block_reduce<R * N>(acc, sums);
+}
+
+// 1 / rms of each of the n rows of x, computed by the whole block (float4 loads, a fixed
+// reduction order) and shared with every thread through `inv`.
+__device__ void block_inv_rms(const float* __restrict__ x, int x_stride, int ncols, int n,
+                              float eps, float* inv /* shared [MAX_ROWS] */) {
+    __shared__ float part[MAX_ROWS][32];
+    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (int i = 0; i < n; ++i) {
+        float s = 0.f;
+        for (int c = 4 * threadIdx.x; c < ncols; c += 4 * blockDim.x) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(x + (i64)i * x_stride + c));
+            s += v.x * v.x; s += v.y * v.y; s += v.z * v.z; s += v.w * v.w;
+        }
+        s = warp_sum(s);
+        if (lane == 0) part[i][warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        for (int i = 0; i < n; ++i) {
+            float s = warp_sum(lane < nwarps ? part[i][lane] : 0.f);
+            if (lane == 0) inv[i] = rsqrtf(s / (float)ncols + eps);
+        }
+    }
+    __syncthreads();
+}
