@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --serve or --port: after a rank dies (its request gets ERR / an "
                           "error), start every rank afresh, up to N times (default 0: the launch "
                           "ends)")
+    run.add_argument("--rejoin", action="store_true",
+                     help="with --serve or --port: a stage rank that dies is started again (ranks "
+                          "started elsewhere: waited for, up to --load-timeout) and takes its place "
+                          "while the other ranks keep their weights, caches and sessions; its "
+                          "request gets ERR / an error, the next one waits for it. Hand-offs "
+                          "between GPU ranks travel as frames (no CUDA IPC)")
     http = ap.add_argument_group("http (an OpenAI-compatible server)")
     http.add_argument("--port", type=int, default=None,
                       help="serve HTTP on this port (0: any free port, printed at start)")
@@ -227,6 +233,14 @@ def _main(args) -> int:
     if args.restart_ranks < 0 or (args.restart_ranks and not args.serve and args.port is None):
         raise UsageError(f"--restart-ranks {args.restart_ranks} goes with --serve or --port, "
                          f"and N >= 0")
+    if args.rejoin and not args.serve and args.port is None:
+        raise UsageError("--rejoin goes with --serve or --port")
+    if args.rejoin and args.restart_ranks:
+        raise UsageError(f"--rejoin and --restart-ranks {args.restart_ranks} cannot be combined: "
+                         "a rank is either replaced alone or every rank is restarted")
+    if args.rejoin and args.backend == "ray":
+        raise UsageError("--rejoin and --backend ray cannot be combined: Ray actors are not "
+                         "started again one by one")
     if args.json and not args.plan_only:
         raise UsageError("--json goes with --plan-only")
     if args.inventory and not args.plan_only:
@@ -270,6 +284,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     cfg = LaunchConfig(model=args.model, ranks=specs, split=split, max_context=args.max_context,
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
+                       rejoin_timeout_s=args.load_timeout if args.rejoin else None,
                        **cluster_config(args))
     launch = Launch(cfg)
     current = [launch]   # the launch running now (a restart replaces it): the one to close

@@ -21,6 +21,8 @@ from .spawn import LocalRanks, RankSpec
 
 log = logging.getLogger("strata.launch")
 
+REJOIN_TRIES = 3      # replacements of one rank started in a row that died before loading
+
 
 @dataclass
 class LaunchConfig:
@@ -42,6 +44,7 @@ class LaunchConfig:
     curve: CurveKeys | None = None   # the deployment's CURVE keypair: every link encrypted
     cross_host_helpers: bool = True  # False: a stage asks only helper tiers on its own host
     heartbeat_timeout_s: float = HEARTBEAT_LOST_S
+    rejoin_timeout_s: float | None = None   # set: a dead stage rank is replaced and rejoins
     backend: str = "local"           # local (spawn processes) | ray (actors in a placement group)
     ray_address: str | None = None   # ray.init(address=…): "auto" joins a running cluster
 
@@ -140,6 +143,8 @@ class Launch:
         self.ready: dict[int, dict] = {}
         self._assigned: list[Assign] = []
         self._lost: set[int] = set()
+        self._respawns: dict[int, int] = {}   # rejoin: replacements started since the last Ready
+        self._loaded = False                   # every rank has loaded once
 
     @property
     def n_ranks(self) -> int:
@@ -165,7 +170,9 @@ class Launch:
         self.coordinator = Coordinator(secret, self.gguf.fingerprint, control_bind=control,
                                        head_bind=head, liveness=self._liveness,
                                        heartbeat_lost_s=cfg.heartbeat_timeout_s,
-                                       on_refusal=lambda m: self.echo(f"warning: {m}"))
+                                       on_refusal=lambda m: self.echo(f"warning: {m}"),
+                                       rejoin_timeout_s=cfg.rejoin_timeout_s,
+                                       on_rejoin=self._on_rejoin)
         n = self._start_ranks(secret.decode())
         slots = self.coordinator.wait_for_ranks(n, cfg.register_timeout_s)
         kind = "cuda" if any(s.register.devices[0].kind == "cuda" for s in slots) else "cpu"
@@ -187,6 +194,7 @@ class Launch:
                            cfg.params.weight_slice, cfg.cross_host_helpers)
         self._assigned = work
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
+        self._loaded = True
         return self.plan
 
     def _start_ranks(self, secret: str) -> int:
@@ -197,6 +205,10 @@ class Launch:
                       f"{self.coordinator.control_endpoint}")
             return cfg.expect_ranks
         env = dict(cfg.extra_env)
+        if cfg.rejoin_timeout_s is not None:
+            # a replacement cannot take over CUDA IPC buffers its neighbours opened from the dead
+            # process: with rejoin on, hand-offs travel as frames
+            env["STRATA_IPC"] = "0"
         if cfg.backend == "ray":
             n = self.ranks.start(cfg.ranks, cfg.model, self.coordinator.control_endpoint, secret,
                                  env, cfg.curve)
@@ -214,9 +226,9 @@ class Launch:
         return len(cfg.ranks)
 
     def _liveness(self) -> str | None:
-        """A dead stage rank ends the launch; a dead helper-only rank does not (the stages compute
-        its experts from host memory), it is reported once. Ranks this launch did not start are
-        watched by their heartbeats only."""
+        """A dead stage rank ends the launch (with rejoin on, it is started again instead); a dead
+        helper-only rank does not (the stages compute its experts from host memory), it is
+        reported once. Ranks this launch did not start are watched by their heartbeats only."""
         if self.ranks is None:
             return None
         helper_only = frozenset(r for r, a in enumerate(self._assigned) if a.role == "helper")
@@ -226,7 +238,35 @@ class Launch:
                 self.echo(f"warning: helper rank {r} is gone: "
                           f"{self.ranks.first_dead() or 'exited'}; continuing without its tier")
                 self.coordinator.optional.add(r)
+        if (self.cfg.rejoin_timeout_s is not None and isinstance(self.ranks, LocalRanks)
+                and self._loaded):              # a rank failing its first load ends the launch
+            return self._replace_dead(helper_only)
         return self.ranks.first_dead(ignore=helper_only)
+
+    def _replace_dead(self, helper_only: frozenset) -> None:
+        """Rejoin: a dead stage rank is started again with the same number and endpoints, and the
+        coordinator waits for it (the other ranks keep everything they hold). A replacement that
+        dies before it has loaded is started again at most REJOIN_TRIES times in a row."""
+        for r in range(len(self._assigned)):
+            if r in helper_only:
+                continue
+            why = self.ranks.death(r)
+            if why is None:
+                continue
+            tries = self._respawns.get(r, 0)
+            if tries >= REJOIN_TRIES:
+                continue           # requests get ERR until someone fixes what kills it
+            self.coordinator.lose(r, why)
+            self._respawns[r] = tries + 1
+            pid = self.ranks.respawn(r).pid
+            self.echo(f"warning: {why.splitlines()[0]}; started rank {r} again (pid {pid}) to "
+                      f"rejoin")
+        return None
+
+    def _on_rejoin(self, slot: RankSlot) -> None:
+        self._on_ready(slot)
+        self._respawns.pop(slot.rank, None)
+        self.echo(f"rank {slot.rank} rejoined")
 
     def _on_ready(self, slot: RankSlot) -> None:
         a, alloc = slot.assign, slot.ready.allocated

@@ -96,7 +96,9 @@ class LineServer:
         return any(line is None or line.strip() == "QUIT" for line in self._pending)
 
     def say(self, line: str) -> None:
-        self.out.write(line + "\n")
+        """One protocol line: an error message that spans lines (a rank's last log lines) is
+        joined with " | ", so a reader never takes its tail for the next answer."""
+        self.out.write(" | ".join(part for part in line.splitlines() if part.strip()) + "\n")
         self.out.flush()
 
     def serve(self, lines: "queue.Queue[str | None]") -> int:

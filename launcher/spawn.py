@@ -21,11 +21,15 @@ class RankSpec:
     vram_budget: str | None
 
 
+RESPAWN_MARK = b"\n--- the rank is started again to rejoin ---\n"   # in its log
+
+
 class LocalRanks:
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
+        self._argv: list[tuple[list[str], dict]] = []   # how each was started (respawn)
 
     def spawn(self, spec: RankSpec, model: str, coordinator: str, data_bind: str,
               secret: str, extra_env: dict | None = None,
@@ -40,16 +44,33 @@ class LocalRanks:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.visible_gpu)
         log_path = os.path.join(self.run_dir, f"rank-{spec.index}.log")
         self.logs.append(log_path)
+        self._argv.append((argv, env))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                     start_new_session=True)
         self.procs.append(proc)
         return proc
 
+    def respawn(self, index: int) -> subprocess.Popen:
+        """Start rank `index` again, as it was started (its log continues), once it has exited:
+        the replacement registers with the same number and endpoints and rejoins."""
+        if self.procs[index].poll() is None:
+            raise RuntimeError(f"rank {index} (pid {self.procs[index].pid}) is still running")
+        argv, env = self._argv[index]
+        with open(self.logs[index], "ab") as log:
+            log.write(RESPAWN_MARK)
+            log.flush()
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                    start_new_session=True)
+        self.procs[index] = proc
+        return proc
+
     def log_tail(self, index: int, lines: int = 6) -> str:
+        """The last lines the rank's current process wrote (not those of one it replaced)."""
         try:
             with open(self.logs[index], "rb") as f:
-                text = f.read()[-8192:].decode("utf-8", errors="replace")
+                text = f.read()[-8192:].rsplit(RESPAWN_MARK, 1)[-1].decode("utf-8",
+                                                                          errors="replace")
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
@@ -57,17 +78,21 @@ class LocalRanks:
     def exited(self, index: int) -> bool:
         return self.procs[index].poll() is not None
 
+    def death(self, index: int) -> str | None:
+        """Why rank `index` is gone (with its last log lines), or None while it runs."""
+        p = self.procs[index]
+        code = p.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        tail = self.log_tail(index)
+        return f"rank {index} (pid {p.pid}) {how}" + (f": {tail}" if tail else "")
+
     def first_dead(self, ignore: frozenset = frozenset()) -> str | None:
-        """A message about the first rank process (not in `ignore`) that has exited, with its
-        last log lines."""
-        for i, p in enumerate(self.procs):
-            if i in ignore:
-                continue
-            code = p.poll()
-            if code is not None:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                tail = self.log_tail(i)
-                return f"rank {i} (pid {p.pid}) {how}" + (f": {tail}" if tail else "")
+        """A message about the first rank process (not in `ignore`) that has exited."""
+        for i in range(len(self.procs)):
+            if i not in ignore and (why := self.death(i)) is not None:
+                return why
         return None
 
     def stop(self, grace_s: float = 3.0) -> None:

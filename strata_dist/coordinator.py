@@ -7,6 +7,7 @@ uses both. Every wait is bounded; a rank that dies or goes silent fails the requ
 a message naming it (`RankFailure`)."""
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -39,6 +40,11 @@ class RequestError(RuntimeError):
     """A rank refused or failed one request; the ranks are still up."""
 
 
+class RankLost(RequestError):
+    """A stage rank died during the request; with rejoin on, a replacement is on its way and the
+    next request waits for it."""
+
+
 @dataclass
 class RankSlot:
     identity: bytes
@@ -63,10 +69,22 @@ class Coordinator:
     def __init__(self, secret: bytes, fingerprint: str, control_bind: str, head_bind: str,
                  liveness: Callable[[], str | None] | None = None,
                  heartbeat_lost_s: float = HEARTBEAT_LOST_S,
-                 on_refusal: Callable[[str], None] | None = None):
+                 on_refusal: Callable[[str], None] | None = None,
+                 rejoin_timeout_s: float | None = None,
+                 on_rejoin: Callable[[RankSlot], None] | None = None):
         """`liveness()` returns an error message when a locally spawned rank process has died.
-        A rank silent for `heartbeat_lost_s` is dead; `on_refusal(message)` hears every refused rank."""
+        A rank silent for `heartbeat_lost_s` is dead; `on_refusal(message)` hears every refused rank.
+
+        Rejoin (`rejoin_timeout_s` set): a lost rank no longer ends the launch. The request in
+        flight fails (RankLost), and a replacement that registers with the lost rank's number (or
+        host and device) on its host takes its assignment and endpoints while the others keep their
+        weights, caches and sessions; `on_rejoin(slot)` checks what it loaded. The next request
+        waits up to `rejoin_timeout_s` for it."""
         self.fingerprint = fingerprint
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self.on_rejoin = on_rejoin or (lambda slot: None)
+        self.lost: dict[int, str] = {}      # rank -> why, until its replacement is Ready
+        self.rejoins = 0                    # replacements that finished loading (HeadSession)
         self.heartbeat_lost_s = heartbeat_lost_s
         self.on_refusal = on_refusal or (lambda message: log.warning("%s", message))
         self.auth = Authenticator(secret, server_id="strata-coordinator")
@@ -123,9 +141,13 @@ class Coordinator:
                 self._send(identity, refusal)
                 self.on_refusal(f"refused a rank: {refusal.message}")
                 return
-            if self.ranks:  # registration is closed once the ranks are numbered
-                self._send(identity, Error(rank=None, request_id=None, fatal=True,
-                                           message="this launch already has all its ranks"))
+            if self.ranks:  # registration is closed once the ranks are numbered...
+                refusal = self._replacement(identity, msg)   # ...but for a lost rank's replacement
+                if refusal is not None:
+                    self._send(identity, Error(rank=None, request_id=None, fatal=True,
+                                               message=refusal))
+                    if self.rejoin_timeout_s is not None:
+                        self.on_refusal(f"refused a rank: {refusal}")
                 return
             self._by_identity[identity] = RankSlot(identity, msg)
             return
@@ -138,10 +160,75 @@ class Coordinator:
         slot.last_seen = time.monotonic()
         if isinstance(msg, Ready):
             slot.ready = msg
+            if slot.rank in self.lost and self.ranks and self.ranks[slot.rank] is slot:
+                self.on_rejoin(slot)
+                del self.lost[slot.rank]
+                self.rejoins += 1
+                log.info("rank %d rejoined (pid %s)", slot.rank, slot.register.pid)
         elif isinstance(msg, StatsReply):
             self._stats[slot.rank] = msg
         elif isinstance(msg, Error) and msg.fatal:
-            raise RankFailure(f"rank {slot.rank} failed: {msg.message}")
+            self.lose(slot.rank, f"rank {slot.rank} failed: {msg.message}")
+
+    # ---- rejoin -------------------------------------------------------------------------------------
+    def lose(self, rank: int, message: str) -> None:
+        """A stage rank is gone. Without rejoin the launch ends (RankFailure); with it, the rank
+        waits for a replacement: its old connection is forgotten, and the head's own links to the
+        stages are dropped with whatever they still queue for the dead process."""
+        if self.rejoin_timeout_s is None:
+            raise RankFailure(message)
+        if rank in self.lost:
+            return
+        self.lost[rank] = message
+        old = self.ranks[rank]
+        self._by_identity.pop(old.identity, None)
+        for ch in self._senders.values():
+            ch.close(linger_ms=0)
+        self._senders.clear()
+        log.info("%s; waiting for a replacement of rank %d", message, rank)
+
+    def _replacement(self, identity: bytes, msg: Register) -> str | None:
+        """Admit `msg` as a lost rank's replacement (sending it that rank's Assign), or say why not."""
+        if self.rejoin_timeout_s is None or not self.lost:
+            return "this launch already has all its ranks"
+        for r in self.lost:
+            old = self.ranks[r]
+            same = (msg.rank == r if msg.rank is not None else
+                    msg.host == old.register.host and msg.devices and old.register.devices and
+                    msg.devices[0].index == old.register.devices[0].index)
+            if not same:
+                continue
+            want = old.register.endpoints
+            assign = old.assign
+            if msg.endpoints.get("data") != want.get("data"):
+                # the other ranks keep sending to the old endpoints: the replacement takes them
+                # over, which it can only do on the same host
+                if msg.host != old.register.host:
+                    return (f"a replacement for rank {r} must run on host {old.register.host} "
+                            f"(the other ranks send to {want.get('data')}), not {msg.host}")
+                assign = copy.copy(assign)
+                assign.bind_endpoint = want.get("data")
+                assign.extra = dict(assign.extra, helper_bind=want.get("helper"))
+            slot = RankSlot(identity, msg, rank=r, assign=assign)
+            self.ranks[r] = slot
+            self._by_identity[identity] = slot
+            self._send(identity, assign)
+            log.info("rank %d: a replacement registered (pid %s); loading", r, msg.pid)
+            return None
+        return f"no lost rank matches this one (lost: {sorted(self.lost)})"
+
+    def await_ranks(self) -> None:
+        """Before a request: wait (bounded) until every lost rank's replacement is Ready."""
+        if not self.lost:
+            return
+        deadline = time.monotonic() + self.rejoin_timeout_s
+        while self.lost:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                r, why = next(iter(self.lost.items()))
+                raise RequestError(f"rank {r} is lost ({why}) and no replacement has loaded "
+                                   f"within {self.rejoin_timeout_s:.0f} s")
+            self._pump(min(left, 0.1))
 
     def _send(self, identity: bytes, msg) -> None:
         try:
@@ -207,11 +294,11 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for s in self.ranks:
-            if s.rank in self.optional:
+            if s.rank in self.optional or s.rank in self.lost:
                 continue
             if s.ready is not None and now - s.last_seen > self.heartbeat_lost_s:
-                raise RankFailure(f"rank {s.rank} ({s.register.host} pid {s.register.pid}) has sent "
-                                  f"nothing for {now - s.last_seen:.0f} s")
+                self.lose(s.rank, f"rank {s.rank} ({s.register.host} pid {s.register.pid}) has "
+                                  f"sent nothing for {now - s.last_seen:.0f} s")
 
     # ---- requests ----------------------------------------------------------------------------------
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
@@ -222,6 +309,7 @@ class Coordinator:
         """Send a prompt (tokens from position pos) through the pipeline and stream its events.
         Returns the stop reason ("stop", "length", "cancelled", or "" when max_new is 0).
         `checkpoint_at`: chunk boundaries where every stage checkpoints its part (checkpoints.py)."""
+        self.await_ranks()
         request_id = next(self._request_ids)
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
@@ -241,7 +329,12 @@ class Coordinator:
                 cancelled = True
                 self._sender(self._last_stage(), "last").send(Cancel(request_id=request_id),
                                                              timeout_ms=10_000)
-            for msg in self._pump(0.05):
+            events = self._pump(0.05)
+            if self.lost:
+                r, why = next(iter(self.lost.items()))
+                raise RankLost(f"{why}; the request is lost, a replacement of rank {r} is "
+                               f"loading")
+            for msg in events:
                 if getattr(msg, "request_id", None) != request_id:
                     continue  # a late message of an earlier, failed request
                 last_event = time.monotonic()
@@ -282,11 +375,13 @@ class Coordinator:
                                                          timeout_ms=5000)
 
     def stats(self, timeout_s: float = 5.0) -> dict[int, StatsReply]:
+        """Every live rank's counters (a lost rank's are gone with it)."""
         self._stats.clear()
-        for s in self.ranks:
+        live = [s for s in self.ranks if s.rank not in self.lost]
+        for s in live:
             self._send(s.identity, Stats())
         deadline = time.monotonic() + timeout_s
-        while len(self._stats) < len(self.ranks) and time.monotonic() < deadline:
+        while len(self._stats) < len(live) and time.monotonic() < deadline:
             self._pump(0.1)
         return dict(self._stats)
 

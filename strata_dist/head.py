@@ -42,6 +42,7 @@ class HeadSession:
         # Positions every stage holds a checkpoint at, as the last stage last reported; None: the
         # state is positional on every stage (any position resumes). Until a report: none.
         self.checkpoints: list[int] | None = []
+        self._rejoins = coordinator.rejoins   # a replacement rank holds none of the session
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -71,6 +72,9 @@ class HeadSession:
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
+        self.coord.await_ranks()
+        if self.coord.rejoins != self._rejoins:   # a rank was replaced: nothing is reusable
+            self.tokens, self.checkpoints, self._rejoins = [], [], self.coord.rejoins
         out = Outcome(reused=self.reusable(ids))
         out.read = len(ids) - out.reused
         if on_resume:

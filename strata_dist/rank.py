@@ -160,6 +160,8 @@ class RankProcess:
             return assign
         self.assign = assign
         rank = assign.rank
+        if assign.bind_endpoint and assign.bind_endpoint != data_ep:
+            self._take_over_endpoints(assign)
         # TCP data links: sealed under the launch's key (the secret and the Assign's nonce)
         self.link_seal = (LinkSeal(link_key(o.secret, assign.link_nonce)) if assign.link_nonce
                           else None)
@@ -285,6 +287,18 @@ class RankProcess:
         if a.last:
             self.first = Channel("push", peer="first stage").connect(
                 a.first_endpoint).seal_tcp(self.link_seal)
+
+    def _take_over_endpoints(self, a: Assign) -> None:
+        """A replacement of a lost rank (rejoin) binds the endpoints of the rank it replaces: the
+        other ranks keep sending there."""
+        log.info("taking over the endpoints %s of the rank this one replaces", a.bind_endpoint)
+        self.data.close()
+        self.data = Channel("pull", peer="upstream")
+        self.data.bind(a.bind_endpoint)
+        if a.extra.get("helper_bind"):
+            self.helper_socket.close()
+            self.helper_socket = RouterChannel(peer="stages")
+            self.helper_socket.bind(a.extra["helper_bind"])
 
     def _registered(self, bound: str, route: str) -> str:
         """The address peers are given for a bound socket: --advertise-host if set, else the

@@ -65,3 +65,43 @@ def test_twenty_kills_twenty_errors_and_the_same_tokens_after_each(model):
         assert errors == KILLS
     finally:
         s.close()
+
+
+@pytest.mark.slow
+def test_rejoin_twenty_kills_only_the_victim_is_replaced(model):
+    """--rejoin: each kill fails the request in flight with ERR; the launcher starts that rank
+    again and it rejoins while the other ranks keep running (their PIDs never change), and the
+    next request is served with the same tokens."""
+    rng = random.Random(11)
+    s = ServeSession(model, "--cpu-ranks", "3", "--layer-split", "1,3", "--prefill", "8",
+                     "--max-context", "2048", "--rejoin")
+    try:
+        before = s.gen(PROMPT, 24)
+        assert before["err"] is None and len(before["tokens"]) == 24
+        errors = 0
+        for i in range(KILLS):
+            pids = rank_pids(s)
+            assert len(pids) == 3, pids
+            s.send(f"GEN 1500 {' '.join(map(str, PROMPT))}")
+            _until(s, "T ", 30)                              # generation is under way
+            for _ in range(rng.randrange(0, 40)):            # a random point of it
+                line = s.next_line(30)
+                if line.startswith(("DONE", "ERR")):
+                    break
+            victim = rng.choice(pids)
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            err = _until(s, "ERR", 30)[-1]
+            assert time.monotonic() - t0 < 30
+            assert "rank" in err and "killed" in err and "replacement" in err, err
+            errors += 1
+            after = s.gen(PROMPT, 24)                        # waits for the replacement
+            assert after["err"] is None, after["err"]
+            assert after["tokens"] == before["tokens"], f"kill {i + 1}"
+            now = rank_pids(s)
+            survivors = [p for p in pids if p != victim]
+            assert len(now) == 3 and set(survivors) <= set(now), (pids, victim, now)
+            assert wait_gone([victim]) == []
+        assert errors == KILLS
+    finally:
+        s.close()

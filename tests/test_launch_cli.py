@@ -30,6 +30,10 @@ def launch(*args, timeout=60):
     (["--cpu-ranks", "2", "--serve", "--prompt", "hi"], ["--prompt", "--serve"]),
     (["--cpu-ranks", "2", "--prefill", "0"], ["--prefill 0"]),
     (["--cpu-ranks", "2", "--expert-cache", "-3"], ["-3"]),
+    (["--cpu-ranks", "2", "--rejoin"], ["--rejoin", "--serve"]),
+    (["--cpu-ranks", "2", "--serve", "--rejoin", "--restart-ranks", "2"],
+     ["--rejoin", "--restart-ranks 2"]),
+    (["--cpu-ranks", "2", "--serve", "--rejoin", "--backend", "ray"], ["--rejoin", "--backend ray"]),
 ])
 def test_refusals_exit_2_naming_the_values(model, args, needles):
     proc = launch("--model", model, "--plan-only", *args)

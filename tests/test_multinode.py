@@ -164,6 +164,42 @@ def test_two_hosts_over_tcp_then_a_kill_and_a_cut_cable(lab, files, baseline):
         stop(h.proc, a, b)
 
 
+def test_a_rank_started_again_by_hand_rejoins_and_the_other_keeps_running(lab, files, baseline):
+    """--rejoin over TCP: a killed rank fails the request in flight within the heartbeat timeout
+    and the head serves on. A replacement claiming its number from another host is refused,
+    naming both hosts; the rank started again on its host (as its unit would, on a fresh port)
+    takes over its endpoints while the other rank keeps its process, and the next request has
+    the baseline tokens."""
+    h = head(lab, files, "--rejoin")
+    a = rank(lab, files, "a", "--rank", "0")
+    b = rank(lab, files, "b", "--rank", "1")
+    wrong = None
+    try:
+        h.wait_ready(60)
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
+        while not h.next_line(30).startswith("T"):
+            pass
+        t0 = time.monotonic()
+        b.kill()
+        line = h.next_line(30)
+        while line.startswith("T"):
+            line = h.next_line(30)
+        assert line.startswith("ERR") and "rank 1" in line and "replacement" in line, line
+        assert time.monotonic() - t0 < HEARTBEAT_S + 5
+        assert h.proc.poll() is None                     # the head serves on
+        wrong = rank(lab, files, "a", "--rank", "1")
+        assert finish(wrong) != 0
+        assert h.err_has("must run on host b", timeout=10) and h.err_has("not a", timeout=10)
+        b = rank(lab, files, "b", "--rank", "1")
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+        assert a.poll() is None and "registering again" not in log_of(a)
+        h.send("QUIT")
+        assert finish(h.proc) == 0
+    finally:
+        stop(h.proc, a, b, *([wrong] if wrong is not None else []))
+
+
 def test_refusals_over_tcp_name_both_values(lab, files):
     """A wrong secret, another model and another protocol version: each rank exits 2 saying why;
     the head names both fingerprints and both versions, and keeps waiting."""

@@ -560,10 +560,42 @@ def test_restart_ranks_under_port(model):
             assert failing and any("rank" in body.get("error", "") for body in failing), seen[-3:]
             assert seen[-1][0] == 200, seen[-3:]
             r = http.post(f"{s.url}/v1/completions", headers=s.headers, timeout=30,
-                          json={"model": "tiny", "prompt": "again", "max_tokens": 3})
+                          json={"model": "tiny", "prompt": "again", "max_tokens": 3, **LONG})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert s.proc.poll() is None
         assert set(launcher_children(s.proc.pid)).isdisjoint(ranks)   # every rank is new
+    finally:
+        s.close()
+
+
+def test_rejoin_under_port_replaces_only_the_dead_rank(model):
+    """With --rejoin, a rank killed mid-request fails that request with 503 naming the rank; the
+    launcher starts it again while the other rank keeps its process, and the next request is
+    served (it waits for the replacement)."""
+    s = ServerProcess(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+                      "--rejoin")
+    try:
+        ranks = launcher_children(s.proc.pid)
+        with httpx.Client(timeout=30) as http:
+            first = http.post(f"{s.url}/v1/completions", headers=s.headers,
+                              json={"model": "tiny", "prompt": "again", "max_tokens": 3,
+                                    "temperature": 0, **LONG}).json()["choices"][0]["token_ids"]
+            with http.stream("POST", f"{s.url}/v1/completions", headers=s.headers,
+                             json={"model": "tiny", "prompt": "long", "max_tokens": 4000,
+                                   "stream": True, **LONG}) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data:"))   # under way
+                os.kill(ranks[1], signal.SIGKILL)
+                rest = "\n".join(lines)
+            assert "rank 1" in rest and "replacement" in rest, rest[-500:]
+            r = http.post(f"{s.url}/v1/completions", headers=s.headers,
+                          json={"model": "tiny", "prompt": "again", "max_tokens": 3,
+                                "temperature": 0, **LONG})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == first
+        now = launcher_children(s.proc.pid)
+        assert ranks[0] in now and ranks[1] not in now and len(now) == 2, (ranks, now)
+        assert s.proc.poll() is None
     finally:
         s.close()
 

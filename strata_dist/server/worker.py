@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..coordinator import RankFailure, RequestError
+from ..coordinator import RankFailure, RankLost, RequestError
 from ..head import HeadSession
 from ..sampler import SamplingParams
 from ..tokenizer import GGUFTokenizer
@@ -431,6 +431,9 @@ class Worker:
                                  finished=time.time())
         except ValueError as e:          # the head refused the prompt (checked earlier, normally)
             job.post(Event("error", status=400, message=str(e), code="invalid_request"))
+        except RankLost as e:            # a rank died; its replacement is loading (--rejoin)
+            log.error("request %s failed: %s", job.id, e)
+            job.post(Event("error", status=503, message=str(e), code="unavailable"))
         except RequestError as e:        # a rank failed this request; the ranks are still up
             log.error("request %s failed: %s", job.id, e)
             job.post(Event("error", status=500, message=str(e), code="request_failed"))
