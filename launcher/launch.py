@@ -84,10 +84,13 @@ def same_host_helpers_only(plan: Plan) -> Plan:
 
 
 def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
-                weight_slice: bool, cross_host_helpers: bool = True) -> list[Assign]:
+                weight_slice: bool, cross_host_helpers: bool = True,
+                ipc: bool = True) -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
     Endpoints are the ones each rank registered (reachable from the other hosts). With
-    cross_host_helpers False a stage is told only of the helper tiers on its own host."""
+    cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
+    False (rejoin on: a replacement cannot take over CUDA IPC buffers its neighbours opened from
+    the process it replaces) every hand-off travels as frames."""
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint
@@ -98,7 +101,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
     for s in slots:
         st = stage_of.get(s.rank)
         extra = {"weight_slice": weight_slice, "stage": st.stage if st else -1,
-                 "host": s.register.host}
+                 "host": s.register.host, "ipc": ipc}
         peers = [p for p in helper_peers if cross_host_helpers or p.host == s.register.host]
         if st is not None:
             extra["cache_pairs"] = [list(p) for p in st.pairs]
@@ -191,7 +194,8 @@ class Launch:
         for line in render_table(self.plan).splitlines():
             self.echo(f"plan: {line}")
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
-                           cfg.params.weight_slice, cfg.cross_host_helpers)
+                           cfg.params.weight_slice, cfg.cross_host_helpers,
+                           ipc=cfg.rejoin_timeout_s is None)
         self._assigned = work
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
         self._loaded = True
@@ -205,10 +209,6 @@ class Launch:
                       f"{self.coordinator.control_endpoint}")
             return cfg.expect_ranks
         env = dict(cfg.extra_env)
-        if cfg.rejoin_timeout_s is not None:
-            # a replacement cannot take over CUDA IPC buffers its neighbours opened from the dead
-            # process: with rejoin on, hand-offs travel as frames
-            env["STRATA_IPC"] = "0"
         if cfg.backend == "ray":
             n = self.ranks.start(cfg.ranks, cfg.model, self.coordinator.control_endpoint, secret,
                                  env, cfg.curve)

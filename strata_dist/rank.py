@@ -544,11 +544,13 @@ def use_cuda_ipc(extra: dict, environ, peer_host: str | None = None, peer_kind: 
     """Rows go to a peer (the next stage by default) through CUDA IPC only when it reports this
     rank's host identity and computes on a GPU (and STRATA_IPC is not 0); every other hand-off is
     a TCP/ipc frame. A helper's kind is not in the assignment: the link offers IPC and a CPU
-    helper refuses it (PROTOCOL.md §6)."""
+    helper refuses it (PROTOCOL.md §6). A launch with rejoin on says `ipc: false`: a replacement
+    could not take over buffers its neighbours opened from the process it replaces."""
     host = extra.get("next_host") if peer_host is None else peer_host
     kind = extra.get("next_kind") if peer_kind is None else peer_kind
     same_host = bool(extra.get("host")) and host == extra.get("host")
-    return same_host and kind == "cuda" and environ.get("STRATA_IPC", "1") != "0"
+    return (same_host and kind == "cuda" and extra.get("ipc", True)
+            and environ.get("STRATA_IPC", "1") != "0")
 
 
 def _endpoint_host(endpoint: str) -> str:

@@ -200,6 +200,7 @@ def test_cuda_ipc_only_between_gpu_ranks_of_one_host():
     assert not use_cuda_ipc(dict(gpu, next_kind="cpu"), {})
     assert not use_cuda_ipc(dict(gpu, host="", next_host=""), {})  # no identity: never assumed
     assert not use_cuda_ipc(gpu, {"STRATA_IPC": "0"})
+    assert not use_cuda_ipc(dict(gpu, ipc=False), {})               # --rejoin: frames
 
 
 @pytest.mark.parametrize("args, says", [
