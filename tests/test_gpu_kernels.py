@@ -1,0 +1,185 @@
+"""The decode kernels one by one against numpy on random data: the expert kernels (each weight type,
+gate/up and down in different types as Q4_K_M files store them), the router's matvec with its
+top-k tail, and the attention kernel at several context lengths and split sizes. Weights are
+decoded by gguf-py (tests/quant_rows.py), the reference nobody here wrote. Run on the GPU machine:
+pytest -m gpu."""
+import math
+
+import numpy as np
+import pytest
+
+from quant_rows import random_rows
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from strata_dist.backends import cuda_decode as cd  # noqa: E402
+from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK,  # noqa: E402
+                                     EXPERT_SPEC, FF_PER_BLOCK, MAT_SPEC, MAX_ROWS, ROUTE_SPEC,
+                                     TYPE_NAMES, matvec_kernel, rows_per_block)
+from strata_dist.models.common import softmax_topk  # noqa: E402
+
+N_EMBD, N_FF, N_EXPERT, K = 512, 256, 16, 4
+
+
+def _kernel(name):
+    return cd.function("decode.cu", name)
+
+
+class Experts:
+    """N_EXPERT expert blobs (gate rows, up rows, down rows) in one device buffer, their float32
+    decodings, and the ExpertSpec table the kernels read."""
+
+    def __init__(self, gate_up_type, down_type, seed: int):
+        self.ref, blobs = [], []
+        for e in range(N_EXPERT):
+            g_raw, g = random_rows(gate_up_type, N_FF, N_EMBD, seed + 3 * e)
+            u_raw, u = random_rows(gate_up_type, N_FF, N_EMBD, seed + 3 * e + 1)
+            d_raw, d = random_rows(down_type, N_EMBD, N_FF, seed + 3 * e + 2)
+            self.ref.append((g, u, d))
+            blobs.append(np.concatenate([g_raw.reshape(-1), u_raw.reshape(-1), d_raw.reshape(-1)]))
+        size = len(blobs[0])
+        self.stride = (size + 255) // 256 * 256
+        host = np.zeros(self.stride * N_EXPERT, dtype=np.uint8)
+        for e, b in enumerate(blobs):
+            host[e * self.stride:e * self.stride + size] = b
+        self.buf = cp.asarray(host)
+        self.blob_of = cp.asarray(np.array([int(self.buf.data.ptr) + e * self.stride
+                                            for e in range(N_EXPERT)], dtype=np.uint64))
+        g_bytes, u_bytes = g_raw.nbytes, u_raw.nbytes
+        self.types = (TYPE_NAMES[int(gate_up_type)], TYPE_NAMES[int(down_type)])
+        self.spec = cd._spec_array(EXPERT_SPEC, [dict(
+            blob_of=int(self.blob_of.data.ptr), up_at=g_bytes, down_at=g_bytes + u_bytes,
+            gate_row_bytes=g_bytes // N_FF, up_row_bytes=u_bytes // N_FF,
+            down_row_bytes=d_raw.nbytes // N_EMBD, gate_type=int(gate_up_type),
+            up_type=int(gate_up_type), down_type=int(down_type), n_ff=N_FF, n_embd=N_EMBD, k=K)])
+
+
+@pytest.mark.parametrize("gate_up,down", [(QT.F16, QT.F16), (QT.Q8_0, QT.Q8_0),
+                                          (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K)],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 3])
+def test_expert_kernels_match_numpy(gate_up, down, n):
+    ex = Experts(gate_up, down, seed=int(gate_up) * 100 + int(down))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+    ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n)])
+    wts = rng.random((n, K)).astype(np.float32)
+    h0 = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+    blobs = cp.asarray(cp.asnumpy(ex.blob_of)[ids])
+    act = cp.zeros((n, K, N_FF), cp.float32)
+    h = cp.asarray(h0)
+    _kernel(f"moe_gate_up_{ex.types[0]}")(
+        ((N_FF + FF_PER_BLOCK - 1) // FF_PER_BLOCK, K, n), (BLOCK_THREADS,),
+        (ex.spec, cp.asarray(x), blobs, act))
+    _kernel(f"moe_down_{ex.types[1]}")(
+        ((N_EMBD + DOWN_PER_BLOCK - 1) // DOWN_PER_BLOCK, n), (BLOCK_THREADS,),
+        (ex.spec, act, blobs, cp.asarray(wts), h))
+    want_act = np.zeros((n, K, N_FF))
+    want_h = h0.astype(np.float64).copy()
+    for i in range(n):
+        for r in range(K):
+            g, u, d = (m.astype(np.float64) for m in ex.ref[ids[i, r]])
+            gx, ux = g @ x[i], u @ x[i]
+            want_act[i, r] = gx / (1 + np.exp(-gx)) * ux
+            want_h[i] += wts[i, r] * (d @ want_act[i, r])
+    np.testing.assert_allclose(cp.asnumpy(act), want_act, rtol=1e-4,
+                               atol=1e-4 * np.abs(want_act).max())
+    np.testing.assert_allclose(cp.asnumpy(h), want_h, rtol=1e-4,
+                               atol=1e-4 * np.abs(want_h - h0).max())
+
+
+def test_a_missing_expert_reads_as_nan():
+    """A blob address of 0 (not resident) must never pass for a result."""
+    ex = Experts(QT.Q8_0, QT.Q8_0, seed=9)
+    blobs = cp.asarray(np.array([[int(cp.asnumpy(ex.blob_of)[0]), 0, 0, 0]], dtype=np.uint64))
+    act = cp.zeros((1, K, N_FF), cp.float32)
+    h = cp.zeros((1, N_EMBD), cp.float32)
+    x = cp.ones((1, N_EMBD), cp.float32)
+    _kernel("moe_gate_up_q8_0")(((N_FF + FF_PER_BLOCK - 1) // FF_PER_BLOCK, K, 1),
+                                (BLOCK_THREADS,), (ex.spec, x, blobs, act))
+    _kernel("moe_down_q8_0")(((N_EMBD + DOWN_PER_BLOCK - 1) // DOWN_PER_BLOCK, 1),
+                             (BLOCK_THREADS,), (ex.spec, act, blobs, cp.ones((1, K), cp.float32), h))
+    act, h = cp.asnumpy(act), cp.asnumpy(h)
+    assert np.isfinite(act[0, 0]).all() and np.isnan(act[0, 1:]).all()
+    assert np.isnan(h).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_router_matvec_picks_the_top_k(n):
+    """The router's matvec (RMSNorm fused) writes the logits, and its last block the top-k in
+    rank order with renormalised weights and each pick's blob address."""
+    ex = Experts(QT.Q8_0, QT.Q8_0, seed=17)
+    rng = np.random.default_rng(6)
+    raw, w = random_rows(QT.F32, N_EXPERT, N_EMBD, 7)
+    x = rng.standard_normal((MAX_ROWS, N_EMBD)).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(N_EMBD)).astype(np.float32)
+    weight = cp.asarray(raw.reshape(-1))
+    logits = cp.zeros((MAX_ROWS, N_EXPERT), cp.float32)
+    ids = cp.zeros((MAX_ROWS, K), cp.int32)
+    wts = cp.zeros((MAX_ROWS, K), cp.float32)
+    blobs = cp.zeros((MAX_ROWS, K), cp.uint64)
+    done = cp.zeros(1, cp.uint32)
+    mat = cd._spec_array(MAT_SPEC, [cd._mat(cd.Weight(int(weight.data.ptr), int(QT.F32),
+                                                      N_EMBD * 4, N_EXPERT, N_EMBD), logits)])
+    route = cd._spec_array(ROUTE_SPEC, [dict(
+        experts=int(ex.spec.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),
+        wts=int(wts.data.ptr), blobs=int(blobs.data.ptr), done=int(done.data.ptr),
+        n_expert=N_EXPERT, k=K, normalize=1)])
+    per_block = rows_per_block(n, False)
+    for _ in range(2):                  # the counter is back at 0 for the next launch
+        _kernel(matvec_kernel(int(QT.F32), n))(
+            ((N_EXPERT + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
+            (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0), cp.asarray(nw),
+             np.float32(1e-6), cd.NULL, route))
+        assert int(done.get()[0]) == 0
+    xn = x[:n] / np.sqrt((x[:n].astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
+    want_logits = xn @ w.T.astype(np.float64)
+    np.testing.assert_allclose(cp.asnumpy(logits)[:n], want_logits, rtol=1e-4, atol=1e-4)
+    want_ids, want_wts = softmax_topk(want_logits, K)
+    assert (cp.asnumpy(ids)[:n] == want_ids).all()
+    np.testing.assert_allclose(cp.asnumpy(wts)[:n], want_wts, rtol=1e-4, atol=1e-6)
+    assert (cp.asnumpy(blobs)[:n] == cp.asnumpy(ex.blob_of)[want_ids]).all()
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 300, 1000])
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_attention_kernel_matches_numpy(length, chunk):
+    """attn_decode_128: causal attention of each row over the session's f16 KV, the splits
+    combined by the last block of each kv head, for rows at positions length-1, length, ..."""
+    n_head, n_kv, D, n = 32, 4, 128, 3
+    cells = 1024 + n
+    n_split = math.ceil(cells / chunk)
+    rng = np.random.default_rng(length + chunk)
+    k = rng.standard_normal((cells, n_kv, D)).astype(np.float16)
+    v = rng.standard_normal((cells, n_kv, D)).astype(np.float16)
+    q = rng.standard_normal((MAX_ROWS, n_head * D)).astype(np.float32)
+    kd, vd = cp.asarray(k), cp.asarray(v)
+    rope = cp.zeros((cells, D // 2), cp.float32)
+    sess = cp.asarray(np.array([kd.data.ptr, vd.data.ptr, rope.data.ptr, rope.data.ptr],
+                               dtype=np.uint64))
+    desc = cp.asarray(np.array([length - 1, n] + [0] * (DESC_WORDS - 2), dtype=np.int32))
+    part = cp.zeros(MAX_ROWS * n_head * n_split * D, cp.float32)
+    ml = cp.zeros(MAX_ROWS * n_head * n_split * 2, cp.float32)
+    done = cp.zeros(MAX_ROWS * n_kv, cp.uint32)
+    out = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
+    scale = 1 / math.sqrt(D)
+    for _ in range(2):                  # the counters are back at 0 for the next launch
+        _kernel("attn_decode_128")(
+            (n_kv, n_split, n), (BLOCK_THREADS,),
+            (cp.asarray(q), sess, np.int32(0), desc, np.int32(n_head), np.int32(n_kv),
+             np.int32(n_split), np.int32(chunk), np.float32(scale), part, ml, done, out))
+        assert not cp.asnumpy(done).any()
+    got = cp.asnumpy(out)[:n].reshape(n, n_head, D)
+    G = n_head // n_kv
+    for i in range(n):
+        keys = length + i
+        for h in range(n_head):
+            kk = k[:keys, h // G].astype(np.float64)
+            s = kk @ q[i, h * D:(h + 1) * D] * scale
+            p = np.exp(s - s.max())
+            want = (p / p.sum()) @ v[:keys, h // G].astype(np.float64)
+            np.testing.assert_allclose(got[i, h], want, rtol=1e-3, atol=1e-4,
+                                       err_msg=f"row {i} head {h}")
