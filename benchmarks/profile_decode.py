@@ -58,9 +58,9 @@ def main() -> int:
         print(f"  {name:18s} {us:8.1f} us {us / total:6.1%} {us / layers:6.1f} us "
               f"{alone[name] / layers:6.1f} us")
     # the L1 / shared memory split: every kernel asking for the most shared memory, so the split
-    # never changes between kernels (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9)
+    # never changes between kernels
     for fn in runner._fns.values():
-        cp.cuda.driver.funcSetAttribute(fn.ptr, 9, 100)
+        fn.preferred_shared_memory_carveout = 100
     runner.graphs.clear()
     graph = runner._graph(1)
     graph.launch(stream)
