@@ -9,8 +9,6 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-
 from quant_rows import TYPES, random_rows  # noqa: E402
 
 

@@ -4,7 +4,6 @@ loopback TCP while a process without the secret pushes well-formed messages of e
 every data port: the tokens equal the clean run and the drops show in the counters."""
 import os
 import subprocess
-import sys
 import threading
 
 import pytest
