@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from protocol import Assign, CurveKeys, Endpoints, PeerInfo
@@ -21,7 +22,8 @@ from .spawn import LocalRanks, RankSpec
 
 log = logging.getLogger("strata.launch")
 
-REJOIN_TRIES = 3      # replacements of one rank started in a row that died before loading
+REJOIN_BACKOFF_S = 0.5       # a replacement that died before loading: the next one waits this,
+REJOIN_BACKOFF_MAX_S = 30.0  # doubling each time, up to this
 
 
 @dataclass
@@ -146,7 +148,8 @@ class Launch:
         self.ready: dict[int, dict] = {}
         self._assigned: list[Assign] = []
         self._lost: set[int] = set()
-        self._respawns: dict[int, int] = {}   # rejoin: replacements started since the last Ready
+        # rejoin: (replacements started since the rank's last Ready, when the next may start)
+        self._respawns: dict[int, tuple[int, float]] = {}
         self._loaded = False                   # every rank has loaded once
 
     @property
@@ -246,18 +249,22 @@ class Launch:
     def _replace_dead(self, helper_only: frozenset) -> None:
         """Rejoin: a dead stage rank is started again with the same number and endpoints, and the
         coordinator waits for it (the other ranks keep everything they hold). A replacement that
-        dies before it has loaded is started again at most REJOIN_TRIES times in a row."""
+        dies before it has loaded is started again after a delay that doubles each time (up to
+        REJOIN_BACKOFF_MAX_S): a rank that cannot load does not spin, and comes back once what
+        kills it is fixed; meanwhile requests get ERR."""
+        now = time.monotonic()
         for r in range(len(self._assigned)):
             if r in helper_only:
                 continue
             why = self.ranks.death(r)
             if why is None:
                 continue
-            tries = self._respawns.get(r, 0)
-            if tries >= REJOIN_TRIES:
-                continue           # requests get ERR until someone fixes what kills it
             self.coordinator.lose(r, why)
-            self._respawns[r] = tries + 1
+            tries, not_before = self._respawns.get(r, (0, 0.0))
+            if now < not_before:
+                continue
+            delay = min(REJOIN_BACKOFF_MAX_S, REJOIN_BACKOFF_S * 2 ** tries)
+            self._respawns[r] = (tries + 1, now + delay)
             pid = self.ranks.respawn(r).pid
             self.echo(f"warning: {why.splitlines()[0]}; started rank {r} again (pid {pid}) to "
                       f"rejoin")

@@ -105,3 +105,34 @@ def test_rejoin_twenty_kills_only_the_victim_is_replaced(model):
         assert errors == KILLS
     finally:
         s.close()
+
+
+@pytest.mark.slow
+def test_rejoin_retries_a_rank_that_cannot_load_until_it_can(model, tmp_path):
+    """A replacement that dies before loading (here: its model file is gone) is started again
+    with a growing delay; meanwhile each request gets ERR within the load timeout, and once the
+    file is back the rank rejoins and the next request has the same tokens."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(open(model, "rb").read())
+    s = ServeSession(str(path), "--cpu-ranks", "2", "--layer-split", "2", "--prefill", "8",
+                     "--max-context", "2048", "--rejoin", "--load-timeout", "8")
+    try:
+        before = s.gen(PROMPT, 8)
+        assert before["err"] is None
+        path.rename(tmp_path / "gone.gguf")
+        os.kill(rank_pids(s)[1], signal.SIGKILL)
+        assert s.err_has("started rank 1 again", timeout=10)    # noticed while idle
+        t0 = time.monotonic()
+        out = s.gen(PROMPT, 8, timeout=60)
+        assert out["err"] is not None and "no replacement has loaded within 8 s" in out["err"]
+        assert time.monotonic() - t0 < 30
+        (tmp_path / "gone.gguf").rename(path)
+        deadline = time.monotonic() + 90
+        while True:
+            after = s.gen(PROMPT, 8, timeout=60)
+            if after["err"] is None or time.monotonic() > deadline:
+                break
+        assert after["err"] is None, after["err"]
+        assert after["tokens"] == before["tokens"]
+    finally:
+        s.close()
