@@ -4,19 +4,21 @@
 #   1. llama.cpp's llama-bench built in the background (.anchor/, see ../shared/tools/llamacpp-anchor.sh)
 #   2. the GPU tests (kernels against gguf-py and numpy, graph against eager, pipelines)
 #   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes),
-#      and bench_attention.py (the attention kernel alone against the context length)
+#      and bench_attention.py (the attention kernel alone against the context length); with --tune,
+#      tune_decode.py (the expert kernels' shapes on the same file)
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; records
 #      and logs go to $OUT (copy the records into benchmarks/results/ afterwards)
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--quants q8_0,q4_k]
+#       [--skip-tests] [--tune] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; TUNE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
     --skip-tests) TESTS=0; shift ;;
+    --tune) TUNE=1; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -47,6 +49,9 @@ g = dataclasses.replace(GEOMETRIES["qwen3-30b-a3b"], name="q30-8l", n_layer=8)
 write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant="q8_0", popularity="zipf:1.0", seed=0)
 PY
 timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/profile.log" | tail -13
+if [ "$TUNE" = 1 ]; then
+  timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/tune.log" | tail -9
+fi
 rm -f /tmp/m/q30_8l.gguf
 timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" | tail -10
 t "profile"

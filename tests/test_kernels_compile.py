@@ -9,10 +9,18 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DOWN_PER_BLOCK, FF_PER_BLOCK,
-                                     MAX_ROWS, STRUCTS, kernel_names, rows_per_block)
+                                     MAX_ROWS, STRUCTS, KernelShape, kernel_names, rows_per_block)
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+
+
+def test_kernel_shape_parses_and_refuses():
+    assert KernelShape.parse("") == KernelShape() and KernelShape().defines() == ()
+    assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
+    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0"):
+        with pytest.raises(ValueError, match="kernel shape"):
+            KernelShape.parse(bad)
 
 
 def test_the_package_has_kernel_sources():
@@ -23,9 +31,12 @@ def test_the_package_has_kernel_sources():
 
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
-def test_kernel_compiles_for_hopper(tmp_path, source):
+@pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2"])
+def test_kernel_compiles_for_hopper(tmp_path, source, shape):
+    """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
+    defines = list(KernelShape.parse(shape).defines())
     done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Werror=all-warnings",
-                           "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
+                           *defines, "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     if source == "decode.cu":       # every kernel the runner may launch is in the binary

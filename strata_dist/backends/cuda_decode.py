@@ -25,9 +25,9 @@ import cupy as cp
 import cupyx
 
 from ..kernels import function
-from ..kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK, EXPERT_SPEC, F16, F32,
-                           FF_PER_BLOCK, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES,
-                           matvec_kernel, rows_per_block)
+from ..kernels.abi import (BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32, KERNEL_TYPES,
+                           MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES, KernelShape, matvec_kernel,
+                           rows_per_block)
 from ..plan.pricing import DECODE_ROWS
 from .cupy_backend import QuantMatrix
 
@@ -126,8 +126,12 @@ class DecodeGraph:
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
     in `arena`, for sessions of `max_cells` cells."""
 
-    def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None):
+    def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None,
+                 shape: KernelShape | None = None):
+        """`shape`: the expert kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
+        decode.cu's own)."""
         g = model.g
+        self.shape = shape or KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", ""))
         self.model, self.arena, self.g = model, arena, g
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
         self.use_graph = (os.environ.get("STRATA_DECODE_GRAPH", "1") != "0"
@@ -150,7 +154,8 @@ class DecodeGraph:
             self._build_specs(g)
             self._fns = {}
             for name in self._kernel_names():     # compiled (or loaded from disk) once, here
-                self._fns[name] = function(KERNELS, name, model.backend.index)
+                self._fns[name] = function(KERNELS, name, model.backend.index,
+                                           self.shape.defines())
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[int, object] = {}
@@ -326,8 +331,8 @@ class DecodeGraph:
         try:
             hold_ns = 20_000 * repeat * (8 + 12 * (self.le - self.lb))   # ~20 us per launch
             with self.stream:
-                function(KERNELS, "spin", self.model.backend.index)((1,), (1,),
-                                                                    (np.uint64(hold_ns),))
+                function(KERNELS, "spin", self.model.backend.index, self.shape.defines())(
+                    (1,), (1,), (np.uint64(hold_ns),))
             self.step(session, pos, ids=ids, hidden=hidden)
             out: dict[str, float] = {}
             for name, start, end in self._timing:
@@ -364,11 +369,11 @@ class DecodeGraph:
             self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,
                          route=L["route"])
             gate_up, down = L["expert_types"]
-            f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + FF_PER_BLOCK - 1) // FF_PER_BLOCK,
-                                         g.n_expert_used, n), (BLOCK_THREADS,),
+            ff, out = self.shape.ff_per_block, self.shape.down_per_block
+            f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                        (BLOCK_THREADS,),
                                         (L["experts"], self.xn, self.blobs, self.act))
-            f(f"moe_down_{down}")(((g.n_embd + DOWN_PER_BLOCK - 1) // DOWN_PER_BLOCK, n),
-                                  (BLOCK_THREADS,),
+            f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                                   (L["experts"], self.act, self.blobs, self.wts, self.h))
         if self.last:
             self._matvec(self.head, self.h[n - 1:n], g.n_embd, 1, self.output_norm, eps)

@@ -42,14 +42,15 @@ def source_text(name: str, _seen: set[str] | None = None) -> str:
 
 
 @lru_cache(maxsize=None)
-def module(name: str, device: int = 0):
-    """The compiled RawModule of `name` (e.g. "decode.cu") for a device, once per process."""
+def module(name: str, device: int = 0, defines: tuple[str, ...] = ()):
+    """The compiled RawModule of `name` (e.g. "decode.cu") for a device, once per process and per
+    set of `-D` defines (kernels/abi.py KernelShape)."""
     import cupy as cp
     with cp.cuda.Device(device):
-        mod = cp.RawModule(code=source_text(name), options=COMPILE_OPTIONS)
+        mod = cp.RawModule(code=source_text(name), options=COMPILE_OPTIONS + tuple(defines))
         mod.compile()
     return mod
 
 
-def function(name: str, kernel: str, device: int = 0):
-    return module(name, device).get_function(kernel)
+def function(name: str, kernel: str, device: int = 0, defines: tuple[str, ...] = ()):
+    return module(name, device, tuple(defines)).get_function(kernel)

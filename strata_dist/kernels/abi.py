@@ -3,6 +3,8 @@ the GGML type ids the kernels read, the constants sizing their buffers, and the 
 argument tables (`struct MatSpec`, `struct ExpertSpec`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 MAX_ROWS = 8          # rows of one decode step (MAX_ROWS in decode.cu; plan.pricing.DECODE_ROWS)
@@ -16,8 +18,45 @@ KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2}
 TYPE_NAMES = {F32: "f32", F16: "f16", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
-FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up
-DOWN_PER_BLOCK = 4              # outputs per block of moe_down
+FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
+DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """The compile-time shape of the expert kernels: the runner sizes its grids from the same value
+    it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
+    picks another (benchmarks/tune_decode.py measures them)."""
+    ff_per_block: int = FF_PER_BLOCK
+    down_per_block: int = DOWN_PER_BLOCK
+
+    def __post_init__(self) -> None:
+        for name in ("ff_per_block", "down_per_block"):
+            v = getattr(self, name)
+            if not 1 <= v <= 32:
+                raise ValueError(f"kernel shape {name}={v}: expected 1..32")
+
+    def defines(self) -> tuple[str, ...]:
+        """NVRTC options for this shape (none for the defaults, so the default build's cache key
+        stays the source's)."""
+        out = []
+        if self.ff_per_block != FF_PER_BLOCK:
+            out.append(f"-DFF_PER_BLOCK={self.ff_per_block}")
+        if self.down_per_block != DOWN_PER_BLOCK:
+            out.append(f"-DDOWN_PER_BLOCK={self.down_per_block}")
+        return tuple(out)
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelShape":
+        """"ff_per_block=8,down_per_block=2" (either may be left out)."""
+        fields = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or key not in cls.__dataclass_fields__ or not value.strip().isdigit():
+                raise ValueError(f"kernel shape {part!r}: expected ff_per_block=N or "
+                                 f"down_per_block=N")
+            fields[key] = int(value)
+        return cls(**fields)
 
 
 def padded_rows(n: int) -> int:

@@ -10,8 +10,14 @@
 #include "weights.cuh"
 
 #define ATTN_CHUNK 256      // the most keys per attention split (one block each)
+// The expert kernels' shape; the defaults are what kernels/abi.py's KernelShape holds, and
+// benchmarks/tune_decode.py compiles other values (-D) to measure them.
+#ifndef FF_PER_BLOCK
 #define FF_PER_BLOCK 4      // expert rows f of one block of moe_gate_up (its gate and up rows)
+#endif
+#ifndef DOWN_PER_BLOCK
 #define DOWN_PER_BLOCK 4    // outputs of one block of moe_down
+#endif
 
 // desc: [0] position of the first row, [1] rows, [2 .. 2+MAX_ROWS) token ids
 #define DESC_POS 0
