@@ -18,7 +18,7 @@ from strata_dist.model_shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanParams, RoutingProfile, make_plan, render_table,
                               skip_tier)
 
-from .spawn import LocalRanks, RankSpec
+from .spawn import LocalRanks, RankSpec, cpu_thread_env
 
 log = logging.getLogger("strata.launch")
 
@@ -49,18 +49,6 @@ class LaunchConfig:
     rejoin_timeout_s: float | None = None   # set: a dead stage rank is replaced and rejoins
     backend: str = "local"           # local (spawn processes) | ray (actors in a placement group)
     ray_address: str | None = None   # ray.init(address=…): "auto" joins a running cluster
-
-
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def cpu_thread_env(n_cpu_ranks: int) -> dict[str, str]:
-    """Share the cores among CPU ranks: BLAS pools that each take every core spin against each
-    other and turn a sub-millisecond hand-off into tens of milliseconds. Set variables win."""
-    if n_cpu_ranks == 0:
-        return {}
-    per = str(max(1, (os.cpu_count() or 1) // n_cpu_ranks))
-    return {v: os.environ.get(v, per) for v in THREAD_VARS}
 
 
 def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:

@@ -190,7 +190,7 @@ class RayRanks:
 
 
 def _thread_env(n_cpu_ranks: int) -> dict[str, str]:
-    from .launch import cpu_thread_env
+    from .spawn import cpu_thread_env
     return cpu_thread_env(n_cpu_ranks)
 
 

@@ -29,7 +29,7 @@ from ..kernels.abi import (BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32, KER
                            MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES, KernelShape, matvec_kernel,
                            rows_per_block)
 from ..plan.pricing import DECODE_ROWS
-from .cupy_backend import QuantMatrix
+from .quant_matrix import QuantMatrix
 
 log = logging.getLogger("strata.decode")
 

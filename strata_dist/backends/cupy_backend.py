@@ -17,9 +17,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 
 from gguf import GGMLQuantizationType
 
-from ..kernels import function as kernel
 from .base import Backend, BackendError
 from .layout import GPU_NATIVE_QUANTS, kv_dtype as layout_kv_dtype
+from .quant_matrix import QuantMatrix, dequantize_rows
 
 
 class CupyBackend(Backend):
@@ -133,35 +133,3 @@ class CupyBackend(Backend):
     def memory_info(self):
         free, total = cp.cuda.runtime.memGetInfo()
         return int(free), int(total)
-
-
-def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None):
-    """float32 [n_rows, n_cols] from rows of `row_bytes` stored in a native quant type (all rows,
-    or the row indices `rows`, a device int32 array), decoded by the same code the decode kernels
-    read weights with."""
-    out = cp.empty((n_rows, n_cols), dtype=cp.float32)
-    chunks = n_rows * (n_cols // 8)                 # one thread per 8 columns
-    kernel("decode.cu", "dequant_rows")(
-        (min((chunks + 255) // 256, 65535),), (256,),
-        (raw, np.int32(ggml_type), np.int64(row_bytes), np.int32(n_cols),
-         rows if rows is not None else np.uint64(0), np.int32(n_rows),
-         out))
-    return out
-
-
-class QuantMatrix:
-    """A matrix kept on the device in its stored quant type (Q8_0, Q4_K, Q5_K, Q6_K); decoded
-    exactly to float32 where the general path uses it, read as stored by the decode kernels."""
-
-    def __init__(self, raw, shape, ggml_type: int):
-        self.raw, self.shape, self.ggml_type = raw, tuple(shape), int(ggml_type)
-        self.nbytes = int(raw.nbytes)
-        self.row_bytes = self.nbytes // self.shape[0]
-
-    def dequantize(self):
-        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape)
-
-    def rows(self, idx):
-        idx = cp.asarray(idx, dtype=cp.int32)
-        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, len(idx), self.shape[1],
-                               rows=idx)

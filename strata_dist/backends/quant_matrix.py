@@ -1,0 +1,41 @@
+"""Weights kept on the device in their stored quant blocks (Q8_0, Q4_K, Q5_K, Q6_K): decoded to
+float32 by the same code the decode kernels read them with (kernels/weights.cuh). Shared by the
+general path (cupy_backend.py) and the decode graph (cuda_decode.py)."""
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ..kernels import function as kernel
+
+
+def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None):
+    """float32 [n_rows, n_cols] from rows of `row_bytes` stored in a native quant type (all rows,
+    or the row indices `rows`, a device int32 array), decoded by the same code the decode kernels
+    read weights with."""
+    out = cp.empty((n_rows, n_cols), dtype=cp.float32)
+    chunks = n_rows * (n_cols // 8)                 # one thread per 8 columns
+    kernel("decode.cu", "dequant_rows")(
+        (min((chunks + 255) // 256, 65535),), (256,),
+        (raw, np.int32(ggml_type), np.int64(row_bytes), np.int32(n_cols),
+         rows if rows is not None else np.uint64(0), np.int32(n_rows),
+         out))
+    return out
+
+
+class QuantMatrix:
+    """A matrix kept on the device in its stored quant type (Q8_0, Q4_K, Q5_K, Q6_K); decoded
+    exactly to float32 where the general path uses it, read as stored by the decode kernels."""
+
+    def __init__(self, raw, shape, ggml_type: int):
+        self.raw, self.shape, self.ggml_type = raw, tuple(shape), int(ggml_type)
+        self.nbytes = int(raw.nbytes)
+        self.row_bytes = self.nbytes // self.shape[0]
+
+    def dequantize(self):
+        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape)
+
+    def rows(self, idx):
+        idx = cp.asarray(idx, dtype=cp.int32)
+        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, len(idx), self.shape[1],
+                               rows=idx)
