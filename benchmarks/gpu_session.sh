@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (device time is scarce; a machine is given back
 # soon after each call, so build, test and measure together):
-#   1. llama.cpp's llama-bench built in the background (.anchor/, see ../shared/tools/llamacpp-anchor.sh)
+#   1. llama.cpp's llama-bench built in the background (from .anchor/, prepared on the development machine)
 #   2. the GPU tests (kernels against gguf-py and numpy, graph against eager, pipelines)
 #   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes),
 #      and bench_attention.py (the attention kernel alone against the context length); with --tune,
