@@ -12,9 +12,10 @@ import gguf
 import numpy as np
 import pytest
 
-from strata_dist.synth import (GEOMETRIES, Popularity, SynthGeometry, _inclusion_targets, parse_popularity,
+from strata_dist.synth import (GEOMETRIES, Popularity, SynthGeometry, parse_popularity,
                                reserved_width, top_k_inclusion, write_synthetic)
-from strata_dist.synth_tokenizer import CHAT_TEMPLATE
+from strata_dist.synth.writer import inclusion_targets
+from strata_dist.synth.tokenizer import CHAT_TEMPLATE
 
 T = gguf.GGMLQuantizationType
 TINY = GEOMETRIES["tiny"]
@@ -203,7 +204,8 @@ def test_streaming_memory_stays_far_below_file_size(tmp_path):
     script = textwrap.dedent(f"""
         import json, resource, sys
         from strata_dist import synth as S
-        S.CHUNK_BYTES = 4 << 20
+        from strata_dist.synth import writer
+        writer.CHUNK_BYTES = 4 << 20
         g = S.SynthGeometry("medium", n_layer=2, n_embd=1024, n_head=8, n_head_kv=2, head_dim=128,
                             n_expert=64, n_expert_used=8, n_ff_exp=512, n_vocab=8192)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -245,7 +247,7 @@ def test_zipf_popularity_follows_target_ranks(tmp_path, geometry, popularity):
     s = write_synthetic(tmp_path / "z.gguf", geometry, quant="q8_0", popularity=popularity, seed=3)
     k = geometry.n_expert_used
     # the law: share of rank r ∝ r^-S, where an expert can be in at most PI_CAP of the tokens' top-k
-    target = _inclusion_targets(s.popularity.shares(geometry.n_expert), k) / k
+    target = inclusion_targets(s.popularity.shares(geometry.n_expert), k) / k
     for layer in range(2):
         _, freq, _ = _route(tmp_path / "z.gguf", layer)
         by_rank = freq[s.expert_rank[layer]]

@@ -1,4 +1,4 @@
-"""strata_dist.synth_next: synthetic qwen3next GGUFs (tiny-next written and run; the 80B geometry
+"""strata_dist.synth.next: synthetic qwen3next GGUFs (tiny-next written and run; the 80B geometry
 checked against the architecture's own tensor table without writing 81 GiB)."""
 import math
 
@@ -9,7 +9,7 @@ from strata_dist.engine import Engine
 from strata_dist.model_shape import model_shape
 from strata_dist.models import open_checked, qwen3next
 from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
-from strata_dist.synth_next import NEXT_GEOMETRIES, _plan_next
+from strata_dist.synth.next import NEXT_GEOMETRIES, plan_next
 
 
 @pytest.mark.parametrize("quant", ["f32", "q8_0"])
@@ -36,7 +36,7 @@ def test_tiny_next_opens_runs_and_keeps_the_routing_law(tmp_path, quant):
 
 def test_80b_geometry_matches_the_architecture_table():
     g = NEXT_GEOMETRIES["qwen3-next-80b-a3b"]
-    tensors, _ = _plan_next(g, "q8_0", parse_popularity("uniform"), 0)
+    tensors, _ = plan_next(g, "q8_0", parse_popularity("uniform"), 0)
     planned = {t.name: t.shape for t in tensors}
     geo = qwen3next.NextGeometry(
         arch="qwen3next", n_layers=48, n_embd=2048, n_vocab=151936, n_head=16, n_head_kv=2,

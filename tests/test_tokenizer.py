@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata_dist.synth import write_synthetic
-from strata_dist.synth_tokenizer import CHAT_TEMPLATE, build_vocab
+from strata_dist.synth.tokenizer import CHAT_TEMPLATE, build_vocab
 from strata_dist.tokenizer import (CHATML_TEMPLATE, GGUFTokenizer, TemplateError, TokenizerError,
                                    message_text)
 

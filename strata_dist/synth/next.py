@@ -1,12 +1,12 @@
 """Synthetic qwen3next GGUFs (`strata-dist synth --like tiny-next | qwen3-next-80b-a3b`).
 
-The same streaming writer, random blocks and routing-popularity law as synth.py (read its
-docstring), carried over to the hybrid stack: the reserved slice [0, R) of the hidden state is read
+The same streaming writer, random blocks and routing-popularity law as the qwen3moe files (the
+package's docstring), carried over to the hybrid stack: the reserved slice [0, R) of the hidden state is read
 only by the routers and written by nothing, whatever the mixer is.
   * attn_norm and output_norm are 0 on [0, R) (so neither mixer reads it), post_attention_norm is 1;
   * rows [0, R) of attn_output, ssm_out, every expert's ffn_down and of ffn_down_shexp are zero,
     and columns [0, R) of the experts' and the shared expert's gate/up are zero;
-  * so routing at every layer follows the law exactly, as in synth.py.
+  * so routing at every layer follows the law exactly, as in the qwen3moe files.
 The GDN tensors follow llama.cpp's conventions (see models/qwen3next.py): ssm_a = -A with A in
 [1, 8], ssm_dt.bias = softplus^-1 of a time step in [0.01, 0.1] (what Qwen3-Next's training init
 draws), ssm_norm 1, ssm_conv1d F32 [conv_dim, K]. Norms are written as stored (llama.cpp's +1
@@ -23,9 +23,9 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from .synth import (CHANNEL_VALUE, EMBD_STD, QUANTS, WEIGHT_STD, MT, Popularity, SynthSummary, T,
-                    _attn_out_std, _const, _expert_type, _experts, _matrix, _router, _stream,
-                    _summary, _write_file, _zero_first_columns, calibrate_logit_means,
+from .writer import (CHANNEL_VALUE, EMBD_STD, QUANTS, WEIGHT_STD, MT, Popularity, SynthSummary, T,
+                    attn_out_std, const, expert_type, experts, matrix, router, stream,
+                    summary, write_file, zero_first_columns, calibrate_logit_means,
                     parse_popularity, reserved_width)
 
 GDN_OUT_GAIN = 0.5     # ssm_out std so |ssm_out| * rms(gated norm output ~ 0.5) stays ~ this
@@ -93,7 +93,7 @@ def _name(t: MT, layer: int | None = None, suffix: str = ".weight") -> str:
     return gguf.TENSOR_NAMES[t].format(bid=layer) + suffix
 
 
-def _plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
+def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
     qtype = QUANTS[quant][0]
     dense = T.F32 if qtype == T.F32 else T.F16
     res = reserved_width(g, quant)
@@ -102,7 +102,7 @@ def _plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
     ones = np.ones(g.n_embd, np.float32)
     unreserved = ones.copy()
     unreserved[:res] = 0
-    attn_out_std = _attn_out_std(g)
+    out_std = attn_out_std(g)
     gdn_out_std = min(WEIGHT_STD, GDN_OUT_GAIN / (0.5 * math.sqrt(g.value_dim)))
 
     def set_channel(r0: int, rows: np.ndarray) -> None:
@@ -112,65 +112,65 @@ def _plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
         rows[: max(0, res - r0)] = 0
 
     def zero_reserved_cols(r0: int, rows: np.ndarray) -> None:
-        _zero_first_columns(dense, rows, res)
+        zero_first_columns(dense, rows, res)
 
-    tensors = [_matrix(_name(MT.TOKEN_EMBD), dense, g.n_vocab, g.n_embd, lambda: _stream(seed, 0, 0),
+    tensors = [matrix(_name(MT.TOKEN_EMBD), dense, g.n_vocab, g.n_embd, lambda: stream(seed, 0, 0),
                        set_channel, std=EMBD_STD)]
     ranks = np.empty((g.n_layer, g.n_expert), np.int64)
-    t_gu, t_down = _expert_type(qtype, g.n_embd), _expert_type(qtype, g.n_ff_exp)
+    t_gu, t_down = expert_type(qtype, g.n_embd), expert_type(qtype, g.n_ff_exp)
     for il in range(g.n_layer):
         def bits(kind: int, il: int = il) -> Callable[[], np.random.SFC64]:
-            return lambda: _stream(seed, il + 1, kind)
-        ranks[il] = np.random.Generator(_stream(seed, il + 1, 99)).permutation(g.n_expert)
-        tensors.append(_const(_name(MT.ATTN_NORM, il), (g.n_embd,), lambda: unreserved))
+            return lambda: stream(seed, il + 1, kind)
+        ranks[il] = np.random.Generator(stream(seed, il + 1, 99)).permutation(g.n_expert)
+        tensors.append(const(_name(MT.ATTN_NORM, il), (g.n_embd,), lambda: unreserved))
         if g.is_linear(il):
-            rng = lambda kind, il=il: np.random.Generator(_stream(seed, il + 1, kind))  # noqa: E731
+            rng = lambda kind, il=il: np.random.Generator(stream(seed, il + 1, kind))  # noqa: E731
             tensors += [
-                _matrix(_name(MT.ATTN_QKV, il), dense, g.conv_dim, g.n_embd, bits(1)),
-                _matrix(_name(MT.ATTN_GATE, il), dense, g.value_dim, g.n_embd, bits(2)),
-                _const(_name(MT.SSM_CONV1D, il), (g.conv_dim, g.conv_kernel),
+                matrix(_name(MT.ATTN_QKV, il), dense, g.conv_dim, g.n_embd, bits(1)),
+                matrix(_name(MT.ATTN_GATE, il), dense, g.value_dim, g.n_embd, bits(2)),
+                const(_name(MT.SSM_CONV1D, il), (g.conv_dim, g.conv_kernel),
                        lambda rng=rng: rng(20).uniform(-1, 1, (g.conv_dim, g.conv_kernel))
                        / math.sqrt(g.conv_kernel)),
-                _const(_name(MT.SSM_DT, il, ".bias"), (g.n_v_heads,),
+                const(_name(MT.SSM_DT, il, ".bias"), (g.n_v_heads,),
                        lambda rng=rng: np.log(np.expm1(np.exp(rng(21).uniform(
                            math.log(0.01), math.log(0.1), g.n_v_heads))))),
-                _const(_name(MT.SSM_A, il, ""), (g.n_v_heads,),
+                const(_name(MT.SSM_A, il, ""), (g.n_v_heads,),
                        lambda rng=rng: -rng(22).uniform(1.0, 8.0, g.n_v_heads)),
-                _matrix(_name(MT.SSM_BETA_ALPHA, il), dense, 2 * g.n_v_heads, g.n_embd, bits(3)),
-                _const(_name(MT.SSM_NORM, il), (g.head_v_dim,), lambda: np.ones(g.head_v_dim)),
-                _matrix(_name(MT.SSM_OUT, il), dense, g.n_embd, g.value_dim, bits(4),
+                matrix(_name(MT.SSM_BETA_ALPHA, il), dense, 2 * g.n_v_heads, g.n_embd, bits(3)),
+                const(_name(MT.SSM_NORM, il), (g.head_v_dim,), lambda: np.ones(g.head_v_dim)),
+                matrix(_name(MT.SSM_OUT, il), dense, g.n_embd, g.value_dim, bits(4),
                         zero_reserved_rows, std=gdn_out_std),
             ]
         else:
             tensors += [
-                _matrix(_name(MT.ATTN_Q, il), dense, 2 * q, g.n_embd, bits(1)),   # q and its gate
-                _matrix(_name(MT.ATTN_K, il), dense, kv, g.n_embd, bits(2)),
-                _matrix(_name(MT.ATTN_V, il), dense, kv, g.n_embd, bits(3)),
-                _matrix(_name(MT.ATTN_OUT, il), dense, g.n_embd, q, bits(4), zero_reserved_rows,
-                        std=attn_out_std),
-                _const(_name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
-                _const(_name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
+                matrix(_name(MT.ATTN_Q, il), dense, 2 * q, g.n_embd, bits(1)),   # q and its gate
+                matrix(_name(MT.ATTN_K, il), dense, kv, g.n_embd, bits(2)),
+                matrix(_name(MT.ATTN_V, il), dense, kv, g.n_embd, bits(3)),
+                matrix(_name(MT.ATTN_OUT, il), dense, g.n_embd, q, bits(4), zero_reserved_rows,
+                        std=out_std),
+                const(_name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
+                const(_name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
             ]
         tensors += [
-            _const(_name(MT.ATTN_POST_NORM, il), (g.n_embd,), lambda: ones),
-            _const(_name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
-                   lambda il=il: _router(g, _stream(seed, il + 1, 9), mu, ranks[il], res)),
-            _experts(_name(MT.FFN_GATE_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
-            _experts(_name(MT.FFN_UP_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
-            _experts(_name(MT.FFN_DOWN_EXP, il), t_down, g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
-            _matrix(_name(MT.FFN_GATE_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(10), zero_reserved_cols),
-            _matrix(_name(MT.FFN_UP_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(11), zero_reserved_cols),
-            _matrix(_name(MT.FFN_DOWN_SHEXP, il), dense, g.n_embd, g.n_ff_shexp, bits(12), zero_reserved_rows),
-            _const(_name(MT.FFN_GATE_INP_SHEXP, il), (1, g.n_embd),
-                   lambda il=il: np.random.Generator(_stream(seed, il + 1, 13)).uniform(
+            const(_name(MT.ATTN_POST_NORM, il), (g.n_embd,), lambda: ones),
+            const(_name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
+                   lambda il=il: router(g, stream(seed, il + 1, 9), mu, ranks[il], res)),
+            experts(_name(MT.FFN_GATE_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
+            experts(_name(MT.FFN_UP_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
+            experts(_name(MT.FFN_DOWN_EXP, il), t_down, g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
+            matrix(_name(MT.FFN_GATE_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(10), zero_reserved_cols),
+            matrix(_name(MT.FFN_UP_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(11), zero_reserved_cols),
+            matrix(_name(MT.FFN_DOWN_SHEXP, il), dense, g.n_embd, g.n_ff_shexp, bits(12), zero_reserved_rows),
+            const(_name(MT.FFN_GATE_INP_SHEXP, il), (1, g.n_embd),
+                   lambda il=il: np.random.Generator(stream(seed, il + 1, 13)).uniform(
                        -1, 1, (1, g.n_embd)) * unreserved * (WEIGHT_STD * math.sqrt(3))),
         ]
-    tensors += [_const(_name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
-                _matrix(_name(MT.OUTPUT), dense, g.n_vocab, g.n_embd, lambda: _stream(seed, 0, 1))]
+    tensors += [const(_name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
+                matrix(_name(MT.OUTPUT), dense, g.n_vocab, g.n_embd, lambda: stream(seed, 0, 1))]
     return tensors, ranks
 
 
-def write_synthetic_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
+def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
                          quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
                          progress: Callable[[int, int], None] | None = None) -> SynthSummary:
     """Write a synthetic qwen3next GGUF to `path` (see the module docstring)."""
@@ -186,7 +186,7 @@ def write_synthetic_next(path: str | os.PathLike[str], like: str | NextSynthGeom
     if not 0 <= seed < 2 ** 32:
         raise ValueError(f"seed {seed} is not in [0, 2**32)")
     path = Path(path)
-    tensors, ranks = _plan_next(g, quant, pop, seed)
+    tensors, ranks = plan_next(g, quant, pop, seed)
 
     def metadata(w: gguf.GGUFWriter) -> None:   # what llama.cpp's Qwen3NextModel converter writes
         w.add_block_count(g.n_layer)
@@ -211,5 +211,5 @@ def write_synthetic_next(path: str | os.PathLike[str], like: str | NextSynthGeom
         w.add_ssm_inner_size(g.value_dim)
         w.add_full_attention_interval(g.full_attention_interval)
 
-    size = _write_file(path, "qwen3next", g, quant, pop, seed, ranks, metadata, tensors, progress)
-    return _summary(path, size, g, quant, pop, tensors, ranks)
+    size = write_file(path, "qwen3next", g, quant, pop, seed, ranks, metadata, tensors, progress)
+    return summary(path, size, g, quant, pop, tensors, ranks)

@@ -1,41 +1,5 @@
-"""`strata-dist synth`: a synthetic qwen3moe GGUF of a real geometry, random weights, a usable tokenizer.
-
-Streaming. The header, metadata and every tensor info go first (sizes are known up front), then each
-tensor's data, generated chunk by chunk (<= `CHUNK_BYTES`) from a per-tensor random stream and written
-straight into the file, so memory stays at a few chunks whatever the file size. Quantized expert data
-is generated directly as random blocks (random quants, f16 scales from a table picked by a random
-byte) instead of quantizing floats: that keeps the writer at disk speed.
-
-Types. Norms and routers are F32; other dense tensors (token_embd, output, attn_*) F32 for `f32`, else
-F16; the expert tensors take `quant`, falling back to Q8_0 then F16 for a tensor whose rows are not a
-whole number of the type's blocks (the tiny geometry's 64-wide rows cannot hold Q4_K's 256).
-Values: weights std WEIGHT_STD (dequantized), except attn_output, scaled so attention cannot amplify
-a component common to all positions layer after layer (`_attn_out_std`); norms 1.
-
-Popularity (`uniform` or `zipf:S`): a reserved slice of the hidden state that only routers read.
-  * Coordinates [0, R) of the hidden state are reserved, R = 1 + n_expert (rounded up to whole blocks
-    of 32 when the experts are quantized). Token embedding rows hold the constant A in coordinate 0 (`CHANNEL_VALUE`, the same
-    for every token) and random values (std EMBD_STD) everywhere else, reserved or not.
-  * Nothing writes the reserved slice: rows [0, R) of attn_output and of every expert's ffn_down are
-    zero, so the residual stream keeps exactly its embedding values there at every layer.
-  * Nothing else reads it: attn_norm and output_norm are 0 on [0, R), and columns [0, R) of
-    ffn_gate/ffn_up are zero (whole zero-scale blocks), so attention, experts and logits are those of
-    a plain random model of width n_embd - R.
-  * Router row e of layer l is zero outside [0, R): beta_e in column 0, and on [1, R) orthonormal rows
-    (R - 1 >= n_expert) scaled so that, at layer 0, logit_e = mu_e + noise_e with noise_e ~ N(0, 1)
-    i.i.d. over experts and tokens (ROUTER_NOISE). At a deeper layer the logits are the same values
-    times rms(h_0)/rms(h_l) (the RMSNorm denominator), and top-k is scale-free: a token's choice of
-    experts at layer l does not depend on what earlier layers computed, so the law holds exactly at
-    every depth, in any correct forward, whatever the prompt.
-  The means mu_e are calibrated once (quadrature on that noise model) so that top-k includes the
-  expert of popularity rank r with a frequency ∝ r^-S (capped at PI_CAP of the tokens where k times
-  the share would exceed it, e.g. the hottest experts of zipf:2). A per-layer random permutation
-  decides which expert holds which rank (`SynthSummary.expert_rank`; in the file as
-  `strata.synth.expert_rank`, n_layer x n_expert ids, hottest first).
-  Consequence: routing depends on the token and the layer, not on the context (as early layers of
-  real MoE models mostly do); the softmax weights flatten where the residual stream has grown. The
-  law is over tokens: measure it on many distinct token ids (random ids, or generated text).
-"""
+"""The shared writer of the synthetic files (the package docstring tells the whole story): tensor
+streams generated chunk by chunk, the routing law's calibration, and the GGUF layout."""
 from __future__ import annotations
 
 import math
@@ -49,7 +13,7 @@ from typing import Callable, Iterator
 import gguf
 import numpy as np
 
-from .synth_tokenizer import add_tokenizer
+from .tokenizer import add_tokenizer
 
 T = gguf.GGMLQuantizationType
 MT = gguf.MODEL_TENSOR
@@ -58,41 +22,11 @@ CHUNK_BYTES = 32 << 20       # generate and write at most this much at a time
 WEIGHT_STD = 0.03            # std of every random weight matrix (dequantized)
 EMBD_STD = 1.0               # std of the random part of token embeddings
 CHANNEL_VALUE = 4.0          # the constant in coordinate 0 of every token embedding
-ATTN_GAIN = 0.5              # attn_output std is set so |W_o W_v| ~ this (see _attn_out_std)
+ATTN_GAIN = 0.5              # attn_output std is set so |W_o W_v| ~ this (see attn_out_std)
 ROUTER_NOISE = 1.0           # std of the token-dependent part of a router logit (layer 0)
 PI_CAP = 0.95                # most tokens an expert may be routed (fraction) in the target law
 _INT8_STD = math.sqrt((256 ** 2 - 1) / 12)  # std of a uniform random int8
 
-
-@dataclass(frozen=True)
-class SynthGeometry:
-    name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
-    n_vocab: int
-    context_length: int = 40960
-    rope_base: float = 1e6
-    rms_eps: float = 1e-6
-
-
-# From the published config.json of each model (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B on HF).
-GEOMETRIES: dict[str, SynthGeometry] = {
-    "tiny": SynthGeometry("tiny", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
-                          n_expert=8, n_expert_used=2, n_ff_exp=32, n_vocab=512,
-                          context_length=4096, rope_base=1e6, rms_eps=1e-6),
-    "qwen3-30b-a3b": SynthGeometry("qwen3-30b-a3b", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4,
-                                   head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768,
-                                   n_vocab=151936),
-    "qwen3-235b-a22b": SynthGeometry("qwen3-235b-a22b", n_layer=94, n_embd=4096, n_head=64, n_head_kv=4,
-                                     head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=1536,
-                                     n_vocab=151936),
-}
 
 QUANTS: dict[str, tuple[T, gguf.LlamaFileType]] = {
     "f32": (T.F32, gguf.LlamaFileType.ALL_F32),
@@ -137,7 +71,7 @@ class SynthSummary:
     path: Path
     bytes_written: int
     n_params: int
-    geometry: SynthGeometry
+    geometry: object                  # the SynthGeometry or NextSynthGeometry written
     quant: str
     popularity: Popularity
     tensor_types: dict[str, str]      # tensor kind (name without blk.N.) -> GGML type name
@@ -146,7 +80,7 @@ class SynthSummary:
 
 # ---------------------------------------------------------------- random data, chunk by chunk
 
-def _stream(seed: int, *key: int) -> np.random.SFC64:
+def stream(seed: int, *key: int) -> np.random.SFC64:
     """An independent random stream per (seed, tensor); SFC64.random_raw is ~4 GB/s."""
     return np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key))
 
@@ -200,7 +134,7 @@ def _blocks_q4_k(bits: np.random.SFC64, n_blocks: int) -> np.ndarray:
 
 
 @dataclass
-class _Tensor:
+class Tensor:
     name: str
     shape: tuple[int, ...]             # numpy order (GGUF ne reversed)
     ggml_type: T
@@ -212,7 +146,7 @@ class _Tensor:
         return math.prod(self.shape) // block * size
 
 
-def _random_rows(t: T, bits: np.random.SFC64, n_rows: int, n_cols: int, std: float = WEIGHT_STD) -> np.ndarray:
+def random_rows(t: T, bits: np.random.SFC64, n_rows: int, n_cols: int, std: float = WEIGHT_STD) -> np.ndarray:
     """n_rows rows of n_cols random weights: float16/32 values, or block bytes [n_rows, row_bytes]."""
     if t in (T.F32, T.F16):
         return _uniform(bits, (n_rows, n_cols), std, np.float32 if t == T.F32 else np.float16)
@@ -221,7 +155,7 @@ def _random_rows(t: T, bits: np.random.SFC64, n_rows: int, n_cols: int, std: flo
     return make(bits, n_rows * n_cols // block).reshape(n_rows, -1)
 
 
-def _zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
+def zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
     """Make the first n weights of every row exactly zero (n a multiple of 32 for quant types)."""
     if t in (T.F32, T.F16):
         rows[:, :n] = 0
@@ -241,23 +175,23 @@ def _zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
                 sc[:, j] &= 0x3F
 
 
-def _matrix(name: str, t: T, n_rows: int, n_cols: int, bits: Callable[[], np.random.SFC64],
-            fix: Callable[[int, np.ndarray], None] | None = None, std: float = WEIGHT_STD) -> _Tensor:
+def matrix(name: str, t: T, n_rows: int, n_cols: int, bits: Callable[[], np.random.SFC64],
+            fix: Callable[[int, np.ndarray], None] | None = None, std: float = WEIGHT_STD) -> Tensor:
     """A 2-D random weight matrix; `fix(first_row, rows)` edits each chunk before it is written."""
     def chunks() -> Iterator[np.ndarray]:
         src = bits()
         block, size = gguf.GGML_QUANT_SIZES[t]
         step = max(1, CHUNK_BYTES // (n_cols // block * size))
         for r0 in range(0, n_rows, step):
-            rows = _random_rows(t, src, min(step, n_rows - r0), n_cols, std)
+            rows = random_rows(t, src, min(step, n_rows - r0), n_cols, std)
             if fix is not None:
                 fix(r0, rows)
             yield rows
-    return _Tensor(name, (n_rows, n_cols), t, chunks)
+    return Tensor(name, (n_rows, n_cols), t, chunks)
 
 
-def _experts(name: str, t: T, g: SynthGeometry, n_out: int, n_in: int, bits: Callable[[], np.random.SFC64],
-             reserved: int, writes: bool) -> _Tensor:
+def experts(name: str, t: T, g, n_out: int, n_in: int, bits: Callable[[], np.random.SFC64],
+             reserved: int, writes: bool) -> Tensor:
     """[n_expert, n_out, n_in]. The reserved slice [0, reserved) of the hidden state: ffn_down
     (`writes`) gets those rows of every expert zeroed, ffn_gate/ffn_up those columns."""
     def fix(r0: int, rows: np.ndarray) -> None:
@@ -265,25 +199,25 @@ def _experts(name: str, t: T, g: SynthGeometry, n_out: int, n_in: int, bits: Cal
             out = (r0 + np.arange(len(rows))) % n_out   # row index inside its expert
             rows[out < reserved] = 0
         else:
-            _zero_first_columns(t, rows, reserved)
-    m = _matrix(name, t, g.n_expert * n_out, n_in, bits, fix)
+            zero_first_columns(t, rows, reserved)
+    m = matrix(name, t, g.n_expert * n_out, n_in, bits, fix)
     m.shape = (g.n_expert, n_out, n_in)
     return m
 
 
-def _const(name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> _Tensor:
+def const(name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> Tensor:
     """A small F32 tensor, built only when written (routers of 94 layers would be 200 MB)."""
-    return _Tensor(name, shape, T.F32, lambda: iter([np.ascontiguousarray(make(), dtype=np.float32)]))
+    return Tensor(name, shape, T.F32, lambda: iter([np.ascontiguousarray(make(), dtype=np.float32)]))
 
 
-def _expert_type(quant: T, n_in: int) -> T:
+def expert_type(quant: T, n_in: int) -> T:
     """The requested expert type, or the first fallback whose blocks tile a row of n_in values."""
     return next(t for t in (quant, T.Q8_0, T.F16) if n_in % gguf.GGML_QUANT_SIZES[t][0] == 0)
 
 
 # ---------------------------------------------------------------- popularity
 
-def _inclusion_targets(p: np.ndarray, k: int) -> np.ndarray:
+def inclusion_targets(p: np.ndarray, k: int) -> np.ndarray:
     """Per-token top-k inclusion probability per rank: k * p, water-filled under PI_CAP."""
     pi = k * p
     for _ in range(len(p)):
@@ -296,7 +230,7 @@ def _inclusion_targets(p: np.ndarray, k: int) -> np.ndarray:
     return np.minimum(pi, PI_CAP)
 
 
-def _phi(x: np.ndarray) -> np.ndarray:
+def phi(x: np.ndarray) -> np.ndarray:
     """Standard normal CDF (Abramowitz & Stegun 7.1.26 for erf, |error| < 1e-7; numpy has no erf)."""
     a = np.abs(x) / math.sqrt(2)
     t = 1 / (1 + 0.3275911 * a)
@@ -304,11 +238,11 @@ def _phi(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1 + np.sign(x) * (1 - poly * np.exp(-a * a)))
 
 
-def _probit(p: np.ndarray) -> np.ndarray:
+def probit(p: np.ndarray) -> np.ndarray:
     lo, hi = np.full_like(p, -12.0), np.full_like(p, 12.0)
     for _ in range(50):                                  # bisection: robust in the tails
         mid = 0.5 * (lo + hi)
-        below = _phi(mid) < p
+        below = phi(mid) < p
         lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
     return 0.5 * (lo + hi)
 
@@ -321,7 +255,7 @@ def top_k_inclusion(mu: np.ndarray, k: int) -> np.ndarray:
     """P(expert e is in the top k) for logits mu + N(0, 1) i.i.d.: for each value of e's own logit,
     the number of other experts above it is Poisson-binomial (a DP over experts) and must be < k."""
     n = len(mu)
-    beats = _phi(mu[None, None, :] - (mu[:, None] + _Z[None, :])[:, :, None])  # [e, z, j]
+    beats = phi(mu[None, None, :] - (mu[:, None] + _Z[None, :])[:, :, None])  # [e, z, j]
     beats[np.arange(n), :, np.arange(n)] = 0
     count = np.zeros((n, len(_Z), k))                    # P(#others above = c), c < k
     count[..., 0] = 1
@@ -338,25 +272,25 @@ def calibrate_logit_means(pop: Popularity, n_expert: int, k: int) -> np.ndarray:
     that top-k routing over logits mu + N(0, 1) includes rank r with the target frequency."""
     mu = np.zeros(n_expert)
     if pop.kind == "zipf" and pop.s > 0 and k < n_expert:
-        target = _inclusion_targets(pop.shares(n_expert), k)
-        goal = _probit(target)
+        target = inclusion_targets(pop.shares(n_expert), k)
+        goal = probit(target)
         mu = goal - goal.mean()
         for _ in range(30):                              # Newton-like in probit space: 2-3 steps
             got = top_k_inclusion(mu, k)
             if np.abs(got - target).max() < 1e-4:
                 break
-            mu += 0.9 * (goal - _probit(np.clip(got, 1e-12, 1 - 1e-12)))
+            mu += 0.9 * (goal - probit(np.clip(got, 1e-12, 1 - 1e-12)))
             mu -= mu.mean()
     mu.flags.writeable = False                           # cached: shared between calls
     return mu
 
 
-def _router(g: SynthGeometry, bits: np.random.SFC64, mu_by_rank: np.ndarray, rank_order: np.ndarray,
+def router(g, bits: np.random.SFC64, mu_by_rank: np.ndarray, rank_order: np.ndarray,
             reserved: int) -> np.ndarray:
     """[n_expert, n_embd] F32 router reading only the reserved slice: column 0 times CHANNEL_VALUE
     gives the mean mu, orthonormal rows on [1, reserved) the token noise. In units of the layer-0
     RMSNorm input scale (rms_h), so logits at layer 0 are mu + N(0, 1) * ROUTER_NOISE."""
-    rms_h = _embedding_rms(g.n_embd)
+    rms_h = embedding_rms(g.n_embd)
     q, _ = np.linalg.qr(np.random.Generator(bits).standard_normal((reserved - 1, g.n_expert)))
     w = np.zeros((g.n_expert, g.n_embd), np.float32)
     w[:, 1:reserved] = q.T * (ROUTER_NOISE * rms_h / EMBD_STD)
@@ -368,7 +302,7 @@ def _router(g: SynthGeometry, bits: np.random.SFC64, mu_by_rank: np.ndarray, ran
 
 # ---------------------------------------------------------------- the file
 
-def _attn_out_std(g: SynthGeometry) -> float:
+def attn_out_std(g) -> float:
     """std of attn_output. Every position adds W_o W_v (mean of the normalised states it attends),
     so a part common to all positions is multiplied by |W_o W_v| ~ std_o * std_v * sqrt(n_embd * n_q)
     per layer: above 1 it runs away over depth (a random 30B would reach ~2.6 with WEIGHT_STD)."""
@@ -376,13 +310,13 @@ def _attn_out_std(g: SynthGeometry) -> float:
     return min(WEIGHT_STD, ATTN_GAIN / gain)
 
 
-def _embedding_rms(n_embd: int) -> float:
+def embedding_rms(n_embd: int) -> float:
     return math.sqrt((CHANNEL_VALUE ** 2 + (n_embd - 1) * EMBD_STD ** 2) / n_embd)
 
 
-def reserved_width(g: SynthGeometry, quant: str = "q8_0") -> int:
+def reserved_width(g, quant: str = "q8_0") -> int:
     """R: the hidden state's slice [0, R) that only routers read (the channel and the router noise)."""
-    gran = 1 if _expert_type(QUANTS[quant][0], g.n_embd) in (T.F32, T.F16) else 32  # whole blocks
+    gran = 1 if expert_type(QUANTS[quant][0], g.n_embd) in (T.F32, T.F16) else 32  # whole blocks
     r = -(-(1 + g.n_expert) // gran) * gran
     if r > g.n_embd // 2:
         raise ValueError(f"{g.name}: n_embd {g.n_embd} is too narrow for {g.n_expert} experts "
@@ -390,99 +324,7 @@ def reserved_width(g: SynthGeometry, quant: str = "q8_0") -> int:
     return r
 
 
-def _plan(g: SynthGeometry, quant: str, pop: Popularity, seed: int) -> tuple[list[_Tensor], np.ndarray]:
-    qtype = QUANTS[quant][0]
-    dense = T.F32 if qtype == T.F32 else T.F16
-    res = reserved_width(g, quant)
-    attn_out_std = _attn_out_std(g)
-    mu = calibrate_logit_means(pop, g.n_expert, g.n_expert_used)
-    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
-    ones = np.ones(g.n_embd, np.float32)
-    unreserved = ones.copy()
-    unreserved[:res] = 0
-
-    def name(t: MT, layer: int | None = None) -> str:
-        return gguf.TENSOR_NAMES[t].format(bid=layer) + ".weight"
-
-    def set_channel(r0: int, rows: np.ndarray) -> None:
-        rows[:, 0] = CHANNEL_VALUE
-
-    def zero_reserved_rows(r0: int, rows: np.ndarray) -> None:
-        rows[: max(0, res - r0)] = 0                     # rows [0, res) of the matrix
-
-    tensors = [_matrix(name(MT.TOKEN_EMBD), dense, g.n_vocab, g.n_embd, lambda: _stream(seed, 0, 0),
-                       set_channel, std=EMBD_STD)]
-    ranks = np.empty((g.n_layer, g.n_expert), np.int64)
-    t_gu, t_down = _expert_type(qtype, g.n_embd), _expert_type(qtype, g.n_ff_exp)
-    for il in range(g.n_layer):
-        def bits(kind: int, il: int = il) -> Callable[[], np.random.SFC64]:
-            return lambda: _stream(seed, il + 1, kind)
-        ranks[il] = np.random.Generator(_stream(seed, il + 1, 99)).permutation(g.n_expert)
-        tensors += [
-            _const(name(MT.ATTN_NORM, il), (g.n_embd,), lambda: unreserved),
-            _matrix(name(MT.ATTN_Q, il), dense, q, g.n_embd, bits(1)),
-            _matrix(name(MT.ATTN_K, il), dense, kv, g.n_embd, bits(2)),
-            _matrix(name(MT.ATTN_V, il), dense, kv, g.n_embd, bits(3)),
-            _matrix(name(MT.ATTN_OUT, il), dense, g.n_embd, q, bits(4), zero_reserved_rows, std=attn_out_std),
-            _const(name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
-            _const(name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
-            _const(name(MT.FFN_NORM, il), (g.n_embd,), lambda: ones),
-            _const(name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
-                   lambda il=il: _router(g, _stream(seed, il + 1, 9), mu, ranks[il], res)),
-            _experts(name(MT.FFN_GATE_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
-            _experts(name(MT.FFN_UP_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
-            _experts(name(MT.FFN_DOWN_EXP, il), t_down, g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
-        ]
-    tensors += [_const(name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
-                _matrix(name(MT.OUTPUT), dense, g.n_vocab, g.n_embd, lambda: _stream(seed, 0, 1))]
-    return tensors, ranks
-
-
-def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry, quant: str = "q8_0",
-                    popularity: str | Popularity = "uniform", seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> SynthSummary:
-    """Write a synthetic qwen3moe GGUF to `path`; `progress(bytes_written, total_bytes)` per chunk.
-    A qwen3next geometry (synth_next.NEXT_GEOMETRIES) writes a qwen3next file instead."""
-    from . import synth_next
-    if isinstance(like, synth_next.NextSynthGeometry) or like in synth_next.NEXT_GEOMETRIES:
-        return synth_next.write_synthetic_next(path, like, quant, popularity, seed, progress)
-    if isinstance(like, SynthGeometry):
-        g = like
-    elif like in GEOMETRIES:
-        g = GEOMETRIES[like]
-    else:
-        raise ValueError(f"unknown geometry {like!r}: expected one of "
-                         f"{', '.join([*GEOMETRIES, *synth_next.NEXT_GEOMETRIES])}")
-    if quant not in QUANTS:
-        raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANTS)}")
-    pop = parse_popularity(popularity) if isinstance(popularity, str) else popularity
-    if g.n_head % g.n_head_kv or not 0 < g.n_expert_used <= g.n_expert:
-        raise ValueError(f"{g.name}: needs n_head a multiple of n_head_kv and 0 < n_expert_used <= n_expert")
-    if not 0 <= seed < 2 ** 32:
-        raise ValueError(f"seed {seed} is not in [0, 2**32)")
-    path = Path(path)
-    tensors, ranks = _plan(g, quant, pop, seed)
-
-    def metadata(w: gguf.GGUFWriter) -> None:
-        w.add_block_count(g.n_layer)
-        w.add_context_length(g.context_length)
-        w.add_embedding_length(g.n_embd)
-        w.add_feed_forward_length(g.n_ff_exp)     # qwen3moe has no dense FFN; the expert ff stands in
-        w.add_expert_feed_forward_length(g.n_ff_exp)
-        w.add_head_count(g.n_head)
-        w.add_head_count_kv(g.n_head_kv)
-        w.add_key_length(g.head_dim)
-        w.add_value_length(g.head_dim)
-        w.add_rope_freq_base(g.rope_base)
-        w.add_layer_norm_rms_eps(g.rms_eps)
-        w.add_expert_count(g.n_expert)
-        w.add_expert_used_count(g.n_expert_used)
-
-    size = _write_file(path, "qwen3moe", g, quant, pop, seed, ranks, metadata, tensors, progress)
-    return _summary(path, size, g, quant, pop, tensors, ranks)
-
-
-def _summary(path: Path, size: int, g, quant: str, pop: Popularity, tensors: list[_Tensor],
+def summary(path: Path, size: int, g, quant: str, pop: Popularity, tensors: list[Tensor],
              ranks: np.ndarray) -> SynthSummary:
     types: dict[str, str] = {}
     for t in tensors:
@@ -491,8 +333,8 @@ def _summary(path: Path, size: int, g, quant: str, pop: Popularity, tensors: lis
                         geometry=g, quant=quant, popularity=pop, tensor_types=types, expert_rank=ranks)
 
 
-def _write_file(path: Path, arch: str, g, quant: str, pop: Popularity, seed: int, ranks: np.ndarray,
-                metadata: Callable[[gguf.GGUFWriter], None], tensors: list[_Tensor],
+def write_file(path: Path, arch: str, g, quant: str, pop: Popularity, seed: int, ranks: np.ndarray,
+                metadata: Callable[[gguf.GGUFWriter], None], tensors: list[Tensor],
                 progress: Callable[[int, int], None] | None) -> int:
     """Stream `tensors` into a GGUF of `arch` at `path` (via path.part, renamed once complete) with
     the architecture's `metadata`, the tokenizer and the strata.synth.* keys; returns its size."""

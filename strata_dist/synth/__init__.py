@@ -1,0 +1,70 @@
+"""`strata-dist synth`: a synthetic qwen3moe GGUF of a real geometry, random weights, a usable tokenizer.
+
+Streaming. The header, metadata and every tensor info go first (sizes are known up front), then each
+tensor's data, generated chunk by chunk (<= `CHUNK_BYTES`) from a per-tensor random stream and written
+straight into the file, so memory stays at a few chunks whatever the file size. Quantized expert data
+is generated directly as random blocks (random quants, f16 scales from a table picked by a random
+byte) instead of quantizing floats: that keeps the writer at disk speed.
+
+Types. Norms and routers are F32; other dense tensors (token_embd, output, attn_*) F32 for `f32`, else
+F16; the expert tensors take `quant`, falling back to Q8_0 then F16 for a tensor whose rows are not a
+whole number of the type's blocks (the tiny geometry's 64-wide rows cannot hold Q4_K's 256).
+Values: weights std WEIGHT_STD (dequantized), except attn_output, scaled so attention cannot amplify
+a component common to all positions layer after layer (`attn_out_std`); norms 1.
+
+Popularity (`uniform` or `zipf:S`): a reserved slice of the hidden state that only routers read.
+  * Coordinates [0, R) of the hidden state are reserved, R = 1 + n_expert (rounded up to whole blocks
+    of 32 when the experts are quantized). Token embedding rows hold the constant A in coordinate 0 (`CHANNEL_VALUE`, the same
+    for every token) and random values (std EMBD_STD) everywhere else, reserved or not.
+  * Nothing writes the reserved slice: rows [0, R) of attn_output and of every expert's ffn_down are
+    zero, so the residual stream keeps exactly its embedding values there at every layer.
+  * Nothing else reads it: attn_norm and output_norm are 0 on [0, R), and columns [0, R) of
+    ffn_gate/ffn_up are zero (whole zero-scale blocks), so attention, experts and logits are those of
+    a plain random model of width n_embd - R.
+  * Router row e of layer l is zero outside [0, R): beta_e in column 0, and on [1, R) orthonormal rows
+    (R - 1 >= n_expert) scaled so that, at layer 0, logit_e = mu_e + noise_e with noise_e ~ N(0, 1)
+    i.i.d. over experts and tokens (ROUTER_NOISE). At a deeper layer the logits are the same values
+    times rms(h_0)/rms(h_l) (the RMSNorm denominator), and top-k is scale-free: a token's choice of
+    experts at layer l does not depend on what earlier layers computed, so the law holds exactly at
+    every depth, in any correct forward, whatever the prompt.
+  The means mu_e are calibrated once (quadrature on that noise model) so that top-k includes the
+  expert of popularity rank r with a frequency ∝ r^-S (capped at PI_CAP of the tokens where k times
+  the share would exceed it, e.g. the hottest experts of zipf:2). A per-layer random permutation
+  decides which expert holds which rank (`SynthSummary.expert_rank`; in the file as
+  `strata.synth.expert_rank`, n_layer x n_expert ids, hottest first).
+  Consequence: routing depends on the token and the layer, not on the context (as early layers of
+  real MoE models mostly do); the softmax weights flatten where the residual stream has grown. The
+  law is over tokens: measure it on many distinct token ids (random ids, or generated text).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from .moe import GEOMETRIES, SynthGeometry, write_moe
+from .next import NEXT_GEOMETRIES, NextSynthGeometry, write_next
+from .writer import (QUANTS, Popularity, SynthSummary, parse_popularity, reserved_width,
+                     top_k_inclusion)
+
+
+def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry | NextSynthGeometry,
+                    quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> SynthSummary:
+    """Write a synthetic GGUF of a geometry (a name of GEOMETRIES or NEXT_GEOMETRIES, or the
+    value) to `path`; `progress(bytes_written, total_bytes)` per chunk."""
+    if isinstance(like, NextSynthGeometry) or like in NEXT_GEOMETRIES:
+        return write_next(path, like, quant, popularity, seed, progress)
+    if isinstance(like, SynthGeometry):
+        g = like
+    elif like in GEOMETRIES:
+        g = GEOMETRIES[like]
+    else:
+        raise ValueError(f"unknown geometry {like!r}: expected one of "
+                         f"{', '.join([*GEOMETRIES, *NEXT_GEOMETRIES])}")
+    pop = parse_popularity(popularity) if isinstance(popularity, str) else popularity
+    return write_moe(path, g, quant, pop, seed, progress)
+
+
+__all__ = ["GEOMETRIES", "NEXT_GEOMETRIES", "QUANTS", "NextSynthGeometry", "Popularity",
+           "SynthGeometry", "SynthSummary", "parse_popularity", "reserved_width", "top_k_inclusion",
+           "write_synthetic"]
