@@ -1,16 +1,17 @@
-"""Architectures, one module each. `architecture_for(gguf)` picks the module by the file's
-general.architecture and refuses the ones this product does not run."""
+"""Architectures, one module each (what a module provides: interface.py). `architecture_for(gguf)`
+picks the module by the file's general.architecture and refuses the ones this product does not
+run."""
 from __future__ import annotations
-
-from types import ModuleType
 
 from ..gguf_model import GGUFError, GGUFModel
 from . import qwen3moe, qwen3next
+from .interface import Architecture
 
-ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, qwen3next)}
+# each module provides interface.Architecture (tests/test_model_interface.py checks it)
+ARCHITECTURES: dict[str, Architecture] = {m.ARCH: m for m in (qwen3moe, qwen3next)}
 
 
-def architecture_for(gguf: GGUFModel) -> ModuleType:
+def architecture_for(gguf: GGUFModel) -> Architecture:
     module = ARCHITECTURES.get(gguf.arch)
     if module is None:
         raise GGUFError(gguf.path, f"unknown architecture '{gguf.arch}' "
