@@ -90,21 +90,13 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
     out = []
     for s in slots:
         st = stage_of.get(s.rank)
-        extra = {"weight_slice": weight_slice, "stage": st.stage if st else -1,
-                 "host": s.register.host, "ipc": ipc}
         peers = [p for p in helper_peers if cross_host_helpers or p.host == s.register.host]
-        if st is not None:
-            extra["cache_pairs"] = [list(p) for p in st.pairs]
-            # each helper's pairs of this stage's layers: a miss there becomes a remote request
-            extra["helper_pairs"] = {str(p.rank): [list(x) for x in helper_of[p.rank].pairs
-                                                   if st.lb <= x[0] < st.le] for p in peers}
-        nxt = None
+        nxt = nxt_reg = prev = None
         if st is not None and st.stage + 1 < len(plan.stages):
-            n = slots[plan.stages[st.stage + 1].device.index]
-            nxt = n.data_endpoint
-            extra.update(next_host=n.register.host, next_kind=n.register.devices[0].kind)
+            nxt_reg = slots[plan.stages[st.stage + 1].device.index]
+            nxt = nxt_reg.data_endpoint
         if st is not None and st.stage > 0:
-            extra["prev_endpoint"] = slots[plan.stages[st.stage - 1].device.index].data_endpoint
+            prev = slots[plan.stages[st.stage - 1].device.index].data_endpoint
         role = ("stage+helper" if s.rank in helper_of else "stage") if st else "helper"
         out.append(Assign(
             rank=s.rank, role=role, lb=st.lb if st else 0, le=st.le if st else 0,
@@ -113,10 +105,16 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             first_endpoint=first_ep, head_endpoint=head_endpoint,
             prefill_chunk=plan.chunk, max_context=max_context,
             cache_slots=st.cache_slots if st else 0, loan_slots=st.loan_slots if st else 0,
-            helpers=peers if st else [],
+            # each helper's pairs of this stage's layers: a miss there becomes a remote request
+            helpers=[PeerInfo(rank=p.rank, endpoint=p.endpoint, host=p.host,
+                              pairs=[list(x) for x in helper_of[p.rank].pairs
+                                     if st.lb <= x[0] < st.le]) for p in peers] if st else [],
             helper_slots=len(helper_of[s.rank].pairs) if s.rank in helper_of else 0,
             helper_pairs=[list(p) for p in helper_of[s.rank].pairs] if s.rank in helper_of else [],
-            extra=extra))
+            stage=st.stage if st else -1, host=s.register.host, weight_slice=weight_slice,
+            cache_pairs=[list(p) for p in st.pairs] if st else [], prev_endpoint=prev,
+            next_host=nxt_reg.register.host if nxt_reg else "",
+            next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc))
     return out
 
 
@@ -281,7 +279,7 @@ class Launch:
             self.echo(f"rank {slot.rank} ready: helper tier {mib(alloc.get('helper', 0))} MiB "
                       f"({len(a.helper_pairs)} pairs) in {slot.ready.elapsed_ms:.0f} ms")
             return
-        st = self.plan.stages[a.extra["stage"]]
+        st = self.plan.stages[a.stage]
         self.echo(f"rank {slot.rank} ready: stage {st.stage} [{a.lb}, {a.le}) weights "
                   f"{mib(alloc.get('weights', 0))} MiB (priced {mib(st.weights_bytes)}), session "
                   f"{mib(alloc.get('session', 0))} MiB (priced {mib(st.session_bytes)}), cache "

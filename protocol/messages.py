@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -120,11 +120,13 @@ class DeviceInfo(Struct):
 
 @struct
 class PeerInfo(Struct):
-    """Where to reach another rank. ``host`` is the host identity used to decide whether CUDA IPC is possible."""
+    """Where to reach another rank. ``host`` is the host identity used to decide whether CUDA IPC is possible.
+    In an Assign's ``helpers``, ``pairs`` are the [layer, expert] pairs of the stage's layers that helper serves."""
 
     rank: int
     endpoint: str
     host: str = ""
+    pairs: list[list[int]] = field(default_factory=list)
 
 
 @struct
@@ -231,8 +233,16 @@ class Assign(Message):
     helper_slots: int = 0  # helper-tier slot budget on this rank
     loan_slots: int = 0    # prompt-loan slots borrowed from the cache tail
     helper_pairs: list[list[int]] = field(default_factory=list)  # [[layer, expert], ...] this rank serves
-    extra: dict[str, Any] = field(default_factory=dict)
     link_nonce: str = ""   # the launch's data-link nonce: TCP data links are sealed (protocol/seal.py)
+    stage: int = -1        # this rank's stage (-1: a helper tier only)
+    host: str = ""         # this rank's host identity, as it registered
+    weight_slice: bool = True   # load only the stage's own layers' dense weights
+    cache_pairs: list[list[int]] = field(default_factory=list)   # [[layer, expert], ...] the stage cache holds
+    prev_endpoint: str | None = None      # previous stage's data endpoint (slot acknowledgements)
+    next_host: str = ""    # the next stage's host identity and device kind: CUDA IPC when both match
+    next_kind: str = ""
+    ipc: bool = True       # False: every hand-off as frames (a launch whose ranks may be replaced)
+    helper_bind: str | None = None        # with bind_endpoint: the helper endpoint of the rank replaced
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,

@@ -208,7 +208,7 @@ class Coordinator:
                             f"(the other ranks send to {want.get('data')}), not {msg.host}")
                 assign = copy.copy(assign)
                 assign.bind_endpoint = want.get("data")
-                assign.extra = dict(assign.extra, helper_bind=want.get("helper"))
+                assign.helper_bind = want.get("helper")
             slot = RankSlot(identity, msg, rank=r, assign=assign)
             self.ranks[r] = slot
             self._by_identity[identity] = slot

@@ -171,16 +171,15 @@ class RankProcess:
         if assign.helper_pairs:
             self._open_helper(assign)
         if assign.role in ("stage", "stage+helper"):
-            x = assign.extra
             self.stage = Stage(StageConfig(
                 model_path=o.model, device=o.device_name, lb=assign.lb, le=assign.le,
                 first=assign.first, last=assign.last, max_context=assign.max_context,
-                weight_slice=bool(x.get("weight_slice", True)),
-                cache_pairs=[tuple(p) for p in x.get("cache_pairs", [])],
+                weight_slice=assign.weight_slice,
+                cache_pairs=[tuple(p) for p in assign.cache_pairs],
                 loan_slots=assign.loan_slots,
                 # this card's own helper tier is computed in place, never asked over a socket
-                helpers=[(h.rank, h.endpoint, x.get("helper_pairs", {}).get(str(h.rank), []),
-                          use_cuda_ipc(x, os.environ, peer_host=h.host, peer_kind="cuda"))
+                helpers=[(h.rank, h.endpoint, h.pairs,
+                          use_cuda_ipc(assign, os.environ, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
                 local_helper=self.helper_arena, link_seal=self.link_seal))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
@@ -270,17 +269,17 @@ class RankProcess:
     def _connect_neighbours(self, a: Assign) -> None:
         """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
         on the last stage, the first (the next decode step)."""
-        x, be = a.extra, self.stage.backend
+        be = self.stage.backend
         if not a.last:
             self.next = Channel("push", peer=f"stage after rank {a.rank}").connect(
                 a.next_endpoint).seal_tcp(self.link_seal)
-            use_ipc = use_cuda_ipc(x, os.environ)
+            use_ipc = use_cuda_ipc(a, os.environ)
             g = self.stage.model.g
-            self.sender = HandoffSender(self.next, be, x.get("host", ""), use_ipc,
+            self.sender = HandoffSender(self.next, be, a.host, use_ipc,
                                         max_rows=max(a.prefill_chunk, 1), hidden=g.n_embd,
                                         timeout_ms=HANDOFF_TIMEOUT_MS)
         if not a.first:
-            prev = x.get("prev_endpoint")
+            prev = a.prev_endpoint
             up = (Channel("push", peer=f"stage before rank {a.rank}").connect(prev)
                   .seal_tcp(self.link_seal) if prev else None)
             self.receiver = HandoffReceiver(be, up, HANDOFF_TIMEOUT_MS)
@@ -295,10 +294,10 @@ class RankProcess:
         self.data.close()
         self.data = Channel("pull", peer="upstream")
         self.data.bind(a.bind_endpoint)
-        if a.extra.get("helper_bind"):
+        if a.helper_bind:
             self.helper_socket.close()
             self.helper_socket = RouterChannel(peer="stages")
-            self.helper_socket.bind(a.extra["helper_bind"])
+            self.helper_socket.bind(a.helper_bind)
 
     def _registered(self, bound: str, route: str) -> str:
         """The address peers are given for a bound socket: --advertise-host if set, else the
@@ -540,17 +539,16 @@ def _new_request(s: Sampling, session_id: int) -> _Request:
     return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
 
 
-def use_cuda_ipc(extra: dict, environ, peer_host: str | None = None, peer_kind: str | None = None) -> bool:
+def use_cuda_ipc(a: Assign, environ, peer_host: str | None = None, peer_kind: str | None = None) -> bool:
     """Rows go to a peer (the next stage by default) through CUDA IPC only when it reports this
     rank's host identity and computes on a GPU (and STRATA_IPC is not 0); every other hand-off is
     a TCP/ipc frame. A helper's kind is not in the assignment: the link offers IPC and a CPU
-    helper refuses it (PROTOCOL.md §6). A launch with rejoin on says `ipc: false`: a replacement
+    helper refuses it (PROTOCOL.md §6). A launch with rejoin on says `ipc=False`: a replacement
     could not take over buffers its neighbours opened from the process it replaces."""
-    host = extra.get("next_host") if peer_host is None else peer_host
-    kind = extra.get("next_kind") if peer_kind is None else peer_kind
-    same_host = bool(extra.get("host")) and host == extra.get("host")
-    return (same_host and kind == "cuda" and extra.get("ipc", True)
-            and environ.get("STRATA_IPC", "1") != "0")
+    host = a.next_host if peer_host is None else peer_host
+    kind = a.next_kind if peer_kind is None else peer_kind
+    same_host = bool(a.host) and host == a.host
+    return same_host and kind == "cuda" and a.ipc and environ.get("STRATA_IPC", "1") != "0"
 
 
 def _endpoint_host(endpoint: str) -> str:

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from launcher.launch import assignments, same_host_helpers_only
 from launch_helpers import LineProcess
 from protocol import Channel, Release
 from protocol.auth import write_secret
-from protocol.messages import DeviceInfo, Register
+from protocol.messages import Assign, DeviceInfo, Register
 from protocol.transport import CurveKeys, ProtocolTimeout, new_curve_keypair, use_curve
 from strata_dist.coordinator import Coordinator, RankSlot
 from strata_dist.engine import Engine
@@ -174,7 +175,7 @@ def test_no_remote_cross_host_keeps_helper_requests_on_each_host():
     kept = assignments(plan, slots, "tcp://head:1", 2048, True, cross_host_helpers=False)
     for a in kept[:2]:   # the two stages, on hostA
         assert all(p.host == "hostA" for p in a.helpers) and a.helpers
-        assert str(remote.device.index) not in a.extra["helper_pairs"]
+        assert remote.device.index not in {p.rank for p in a.helpers}
     trimmed = same_host_helpers_only(plan)
     tier = trimmed.helper_on(remote.device)
     assert tier.skipped and "--no-remote-cross-host" in tier.reason
@@ -194,13 +195,14 @@ def test_cross_host_hand_offs_are_priced_by_the_link():
 
 
 def test_cuda_ipc_only_between_gpu_ranks_of_one_host():
-    gpu = {"host": "a", "next_host": "a", "next_kind": "cuda"}
+    gpu = Assign(rank=0, role="stage", lb=0, le=1, first=True, last=False, device="cuda", plan={},
+                 host="a", next_host="a", next_kind="cuda")
     assert use_cuda_ipc(gpu, {})
-    assert not use_cuda_ipc(dict(gpu, next_host="b"), {})          # another host: frames over TCP
-    assert not use_cuda_ipc(dict(gpu, next_kind="cpu"), {})
-    assert not use_cuda_ipc(dict(gpu, host="", next_host=""), {})  # no identity: never assumed
+    assert not use_cuda_ipc(replace(gpu, next_host="b"), {})          # another host: frames over TCP
+    assert not use_cuda_ipc(replace(gpu, next_kind="cpu"), {})
+    assert not use_cuda_ipc(replace(gpu, host="", next_host=""), {})  # no identity: never assumed
     assert not use_cuda_ipc(gpu, {"STRATA_IPC": "0"})
-    assert not use_cuda_ipc(dict(gpu, ipc=False), {})               # --rejoin: frames
+    assert not use_cuda_ipc(replace(gpu, ipc=False), {})               # --rejoin: frames
 
 
 @pytest.mark.parametrize("args, says", [
