@@ -265,6 +265,12 @@ class Launch:
         a, alloc = slot.assign, slot.ready.allocated
         self.ready[slot.rank] = alloc
         mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+        if "free_before" in alloc:        # a GPU rank: device memory around each carve
+            steps = [("free_after_stage", "after its stage"),
+                     ("free_after_helper", "after its helper tier")]
+            self.echo(f"rank {slot.rank} device memory free: {mib(alloc['free_before'])} MiB "
+                      f"before loading" + "".join(f", {mib(alloc[k])} MiB {what}"
+                                                  for k, what in steps if k in alloc))
         tier = next((h for h in self.plan.live_helpers if h.device.index == slot.rank), None)
         if tier is not None:
             if alloc.get("helper_failed"):

@@ -168,8 +168,9 @@ class RankProcess:
         self.data.seal_tcp(self.link_seal)
         self.helper_socket.seal_tcp(self.link_seal)
         log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
-        if assign.helper_pairs:
-            self._open_helper(assign)
+        # device memory free before and after each carve, for the startup report (None: host)
+        probe = _backend(o.device_name).memory_info
+        free = {"free_before": probe()}
         if assign.role in ("stage", "stage+helper"):
             self.stage = Stage(StageConfig(
                 model_path=o.model, device=o.device_name, lb=assign.lb, le=assign.le,
@@ -181,8 +182,15 @@ class RankProcess:
                 helpers=[(h.rank, h.endpoint, h.pairs,
                           use_cuda_ipc(assign, os.environ, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
-                local_helper=self.helper_arena, link_seal=self.link_seal))
+                link_seal=self.link_seal))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
+            free["free_after_stage"] = probe()
+        # the helper tier last: it is the part that fails soft, so it must not starve the stage
+        if assign.helper_pairs:
+            self._open_helper(assign)
+            if self.stage is not None:   # this card's own tier is computed in place
+                self.stage.tiers.local_helper = self.helper_arena
+            free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(
             advertise(assign.head_endpoint, _endpoint_host(o.coordinator))).seal_tcp(self.link_seal)
@@ -202,6 +210,7 @@ class RankProcess:
         if self.stage and self.stage.checkpoint_bound_bytes():
             # allocated on demand: the bound for one session (strata_dist/checkpoints.py)
             allocated["checkpoints"] = self.stage.checkpoint_bound_bytes()
+        allocated.update({k: v[0] for k, v in free.items() if v is not None})
         self.control.send(Ready(rank=rank, allocated=allocated,
                                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
         return self._serve()
