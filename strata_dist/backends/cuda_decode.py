@@ -25,8 +25,8 @@ import cupy as cp
 import cupyx
 
 from ..kernels import function
-from ..kernels.abi import (BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32, KERNEL_TYPES,
-                           MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES, KernelShape, matvec_kernel,
+from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32,
+                           KERNEL_TYPES, MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES, KernelShape, matvec_kernel,
                            rows_per_block)
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -40,7 +40,7 @@ ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the
 # them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs only
 # for the row counts that fit; larger steps take the general path.
 ATTN_SCRATCH_BYTES = 32 << 20
-ATTN_CHUNKS = (64, 128, 256)     # keys per split (<= ATTN_CHUNK), the shortest that fits
+ATTN_CHUNKS = (64, 128, ATTN_CHUNK)   # keys per split, the shortest that fits the budget
 NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
@@ -73,6 +73,16 @@ def weight_of(w, name: str) -> Weight:
         raise Unsupported(f"{name}: type {out.type} / {out.ncols} columns is not readable by the "
                           f"decode kernels")
     return out
+
+
+def norm_vector(v, name: str):
+    """A norm weight as the kernels read it (float32, contiguous, 16-byte aligned: read 8 at a
+    time)."""
+    if not (isinstance(v, cp.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
+            and v.data.ptr % 16 == 0):
+        raise Unsupported(f"{name}: kept as {getattr(v, 'dtype', type(v).__name__)}, which the "
+                          f"decode kernels do not read")
+    return v
 
 
 class StepLogits:
@@ -202,8 +212,10 @@ class DecodeGraph:
         self.k = cp.zeros((R, kv_w), f32)
         self.v = cp.zeros((R, kv_w), f32)
         self.attn = cp.zeros((R, q_w), f32)
-        self.part = cp.zeros(R * g.n_head * self.n_split * g.head_dim, f32)
-        self.ml = cp.zeros(R * g.n_head * self.n_split * 2, f32)
+        # the attention partials grow with the context: only the rows a step may take (the
+        # budget that chose max_rows); no kernel reads rows past n of them
+        self.part = cp.zeros(self.max_rows * g.n_head * self.n_split * g.head_dim, f32)
+        self.ml = cp.zeros(self.max_rows * g.n_head * self.n_split * 2, f32)
         self.router_logits = cp.zeros((R, g.n_expert), f32)
         self.ids = cp.zeros((R, g.n_expert_used), cp.int32)
         self.wts = cp.zeros((R, g.n_expert_used), f32)
@@ -240,6 +252,9 @@ class DecodeGraph:
                                                                       (w.v, "v")))
             o = weight_of(w.o, f"{name}.attn_output")
             router = weight_of(w.router, f"{name}.ffn_gate_inp")
+            for vec, part in ((w.attn_norm, "attn_norm"), (w.ffn_norm, "ffn_norm"),
+                              (w.q_norm, "attn_q_norm"), (w.k_norm, "attn_k_norm")):
+                norm_vector(vec, f"{name}.{part}")
             experts = self._expert_spec(layer)
             expert_table = _spec_array(EXPERT_SPEC, [experts])
             self.layer_specs.append(dict(
@@ -260,7 +275,7 @@ class DecodeGraph:
             head = weight_of(t["token_embd.weight" if g.tied_embeddings else "output.weight"],
                              "output.weight")
             self.head = mat_launches([(head, _mat(head, self.logits))])
-            self.output_norm = t["output_norm.weight"]
+            self.output_norm = norm_vector(t["output_norm.weight"], "output_norm.weight")
         if self.first:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
 
@@ -294,6 +309,9 @@ class DecodeGraph:
         align = max(KERNEL_TYPES[t] for t in types)
         if (self.arena.offsets % align).any():
             raise Unsupported("cache slots are not aligned for the expert kernels")
+        if per[0] % KERNEL_TYPES[types[1]] or (per[0] + per[1]) % KERNEL_TYPES[types[2]]:
+            raise Unsupported(f"blk.{layer}: the up or down part of an expert blob is not aligned "
+                              f"for its type")
         return dict(blob_of=int(self.blob_of.data.ptr) + 8 * layer * g.n_expert,
                     up_at=per[0], down_at=per[0] + per[1], gate_row_bytes=per[0] // rows[0],
                     up_row_bytes=per[1] // rows[1], down_row_bytes=per[2] // rows[2],
@@ -454,7 +472,13 @@ class DecodeGraph:
         # the pinned descriptor may be rewritten only after this step has read it
         self.stream.synchronize()
         self.steps += 1
-        return StepLogits(int(self.token_host[0]), self.logits) if self.last else out
+        if not self.last:
+            return out
+        token = int(self.token_host[0])
+        if not 0 <= token < self.g.n_vocab:     # argmax_row found no finite logit
+            raise FloatingPointError(f"decode step at position {pos}: no finite logit (the "
+                                     f"model's activations overflowed or are NaN)")
+        return StepLogits(token, self.logits)
 
 
 def decode_graph(model, max_cells: int):

@@ -102,9 +102,11 @@ __device__ void route_row(const RouteSpec& rs, int i) {
             if (lane + 32 * j == best_e) v[j] = -2.f;
     }
     if (lane < k) {
-        rs.ids[i * k + lane] = mine;
-        rs.wts[i * k + lane] = rs.normalize ? mine_p / picked_sum : mine_p;
-        rs.blobs[i * k + lane] = rs.experts->blob_of[mine];
+        // NaN or infinite logits pick nothing: no address, so the expert kernels write NaN
+        const bool picked = mine >= 0 && mine < n_expert;
+        rs.ids[i * k + lane] = picked ? mine : -1;
+        rs.wts[i * k + lane] = !picked ? NAN_F32 : rs.normalize ? mine_p / picked_sum : mine_p;
+        rs.blobs[i * k + lane] = picked ? rs.experts->blob_of[mine] : 0ull;
     }
 }
 
