@@ -134,8 +134,11 @@ class Launch:
         self.ready: dict[int, dict] = {}
         self._assigned: list[Assign] = []
         self._lost: set[int] = set()
-        # rejoin: (replacements started since the rank's last Ready, when the next may start)
-        self._respawns: dict[int, tuple[int, float]] = {}
+        # rejoin: replacements started since each rank's last Ready, when each current death was
+        # noticed, and the pid of the replacement loading now
+        self._respawns: dict[int, int] = {}
+        self._noticed: dict[int, float] = {}
+        self._replacing: dict[int, int] = {}
         self._loaded = False                   # every rank has loaded once
 
     @property
@@ -234,24 +237,33 @@ class Launch:
 
     def _replace_dead(self, helper_only: frozenset) -> None:
         """Rejoin: a dead stage rank is started again with the same number and endpoints, and the
-        coordinator waits for it (the other ranks keep everything they hold). A replacement that
-        dies before it has loaded is started again after a delay that doubles each time (up to
-        REJOIN_BACKOFF_MAX_S): a rank that cannot load does not spin, and comes back once what
-        kills it is fixed; meanwhile requests get ERR."""
+        coordinator waits for it (the other ranks keep everything they hold). A rank the
+        coordinator lost while its process lives on (stopped, hung) is ended first. A
+        replacement that dies before it has loaded is started again after a delay that doubles
+        each time, counted from its death (up to REJOIN_BACKOFF_MAX_S): a rank that cannot load
+        does not spin, and comes back once what kills it is fixed; meanwhile requests get ERR."""
         now = time.monotonic()
         for r in range(len(self._assigned)):
             if r in helper_only:
                 continue
             why = self.ranks.death(r)
             if why is None:
+                proc = self.ranks.procs[r]
+                if r in self.coordinator.lost and proc.pid != self._replacing.get(r):
+                    self.echo(f"warning: rank {r} (pid {proc.pid}) is lost but still running; "
+                              f"ending it so that it can be replaced")
+                    proc.kill()
                 continue
             self.coordinator.lose(r, why)
-            tries, not_before = self._respawns.get(r, (0, 0.0))
-            if now < not_before:
+            noticed = self._noticed.setdefault(r, now)
+            tries = self._respawns.get(r, 0)
+            delay = 0.0 if tries == 0 else min(REJOIN_BACKOFF_MAX_S,
+                                               REJOIN_BACKOFF_S * 2 ** (tries - 1))
+            if now < noticed + delay:
                 continue
-            delay = min(REJOIN_BACKOFF_MAX_S, REJOIN_BACKOFF_S * 2 ** tries)
-            self._respawns[r] = (tries + 1, now + delay)
-            pid = self.ranks.respawn(r).pid
+            self._respawns[r] = tries + 1
+            self._noticed.pop(r)
+            pid = self._replacing[r] = self.ranks.respawn(r).pid
             self.echo(f"warning: {why.splitlines()[0]}; started rank {r} again (pid {pid}) to "
                       f"rejoin")
         return None
@@ -259,6 +271,7 @@ class Launch:
     def _on_rejoin(self, slot: RankSlot) -> None:
         self._on_ready(slot)
         self._respawns.pop(slot.rank, None)
+        self._replacing.pop(slot.rank, None)
         self.echo(f"rank {slot.rank} rejoined")
 
     def _on_ready(self, slot: RankSlot) -> None:

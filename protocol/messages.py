@@ -243,6 +243,7 @@ class Assign(Message):
     next_kind: str = ""
     ipc: bool = True       # False: every hand-off as frames (a launch whose ranks may be replaced)
     helper_bind: str | None = None        # with bind_endpoint: the helper endpoint of the rank replaced
+    min_request_id: int = 0  # a replacement drops rows and tokens of older requests (lost with the rank it replaces)
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
@@ -289,6 +290,7 @@ class Heartbeat(Message):
     TYPE = "heartbeat"
     rank: int
     seq: int
+    pid: int = 0           # the sender's process: a replaced rank's pulse is not its replacement's (v5)
 
 
 @message

@@ -85,6 +85,8 @@ class Coordinator:
         self.on_rejoin = on_rejoin or (lambda slot: None)
         self.lost: dict[int, str] = {}      # rank -> why, until its replacement is Ready
         self.rejoins = 0                    # replacements that finished loading (HeadSession)
+        self.endpoints_of: dict[int, dict[str, str]] = {}   # each rank's first endpoints
+        self._last_request_id = 0
         self.heartbeat_lost_s = heartbeat_lost_s
         self.on_refusal = on_refusal or (lambda message: log.warning("%s", message))
         self.auth = Authenticator(secret, server_id="strata-coordinator")
@@ -124,6 +126,7 @@ class Coordinator:
                                       s.register.devices[0].index if s.register.devices else 0))
         for i, s in enumerate(slots):
             s.rank = i
+            self.endpoints_of[i] = dict(s.register.endpoints)
         self.ranks = slots
         return slots
 
@@ -153,7 +156,8 @@ class Coordinator:
             return
         if slot is None:
             if isinstance(msg, Heartbeat):   # a rank's pulse: its own authenticated connection
-                beat = next((r for r in self.ranks if r.rank == msg.rank), None)
+                beat = next((r for r in self.ranks if r.rank == msg.rank and
+                             (not msg.pid or msg.pid == r.register.pid)), None)
                 if beat is not None:
                     beat.last_seen = time.monotonic()
             return
@@ -173,35 +177,52 @@ class Coordinator:
     # ---- rejoin -------------------------------------------------------------------------------------
     def lose(self, rank: int, message: str) -> None:
         """A stage rank is gone. Without rejoin the launch ends (RankFailure); with it, the rank
-        waits for a replacement: its old connection is forgotten, and the head's own links to the
-        stages are dropped with whatever they still queue for the dead process."""
+        waits for a replacement. Its process is told so (a rank that was only silent — a cable, a
+        stopped process — then leaves, or registers again with --reconnect) and its connection is
+        forgotten; the head's own links to the stages are dropped with whatever they still queue
+        for it. A replacement that dies before it is Ready is lost the same way."""
         if self.rejoin_timeout_s is None:
             raise RankFailure(message)
+        old = self.ranks[rank]
+        if self._by_identity.pop(old.identity, None) is not None:
+            self._send(old.identity, Error(rank=rank, request_id=None, fatal=True,
+                                           message=f"this rank was replaced: {message}"))
         if rank in self.lost:
+            self.lost[rank] = message       # the latest reason: why its replacement failed
             return
         self.lost[rank] = message
-        old = self.ranks[rank]
-        self._by_identity.pop(old.identity, None)
         for ch in self._senders.values():
             ch.close(linger_ms=0)
         self._senders.clear()
         log.info("%s; waiting for a replacement of rank %d", message, rank)
 
     def _replacement(self, identity: bytes, msg: Register) -> str | None:
-        """Admit `msg` as a lost rank's replacement (sending it that rank's Assign), or say why not."""
-        if self.rejoin_timeout_s is None or not self.lost:
+        """Admit `msg` as a lost rank's replacement (sending it that rank's Assign), or say why not.
+        A rank that registers with the number (or host and device) of one still counted live is
+        its restart, come before its loss was noticed (a unit restarts faster than heartbeats
+        expire): that rank is lost now, and this one replaces it."""
+        if self.rejoin_timeout_s is None:
             return "this launch already has all its ranks"
+
+        def matches(r: int) -> bool:
+            old = self.ranks[r].register
+            if msg.rank is not None:
+                return msg.rank == r
+            return (msg.host == old.host and bool(msg.devices) and bool(old.devices)
+                    and msg.devices[0].index == old.devices[0].index)
+        for s in self.ranks:
+            if (s.rank not in self.lost and s.rank not in self.optional and matches(s.rank)
+                    and s.register.pid != msg.pid):
+                self.lose(s.rank, f"rank {s.rank} (pid {s.register.pid}) was started again "
+                                  f"(pid {msg.pid})")
         for r in self.lost:
-            old = self.ranks[r]
-            same = (msg.rank == r if msg.rank is not None else
-                    msg.host == old.register.host and msg.devices and old.register.devices and
-                    msg.devices[0].index == old.register.devices[0].index)
-            if not same:
+            if not matches(r):
                 continue
-            want = old.register.endpoints
+            old = self.ranks[r]
+            want = self.endpoints_of[r]
             assign = old.assign
             if msg.endpoints.get("data") != want.get("data"):
-                # the other ranks keep sending to the old endpoints: the replacement takes them
+                # the other ranks keep sending to the first endpoints: the replacement takes them
                 # over, which it can only do on the same host
                 if msg.host != old.register.host:
                     return (f"a replacement for rank {r} must run on host {old.register.host} "
@@ -209,25 +230,36 @@ class Coordinator:
                 assign = copy.copy(assign)
                 assign.bind_endpoint = want.get("data")
                 assign.helper_bind = want.get("helper")
-            slot = RankSlot(identity, msg, rank=r, assign=assign)
+            if assign is old.assign:
+                assign = copy.copy(assign)
+            # what the other ranks still send for requests up to now belongs to the lost one
+            assign.min_request_id = self._last_request_id + 1
+            register = copy.copy(msg)
+            register.endpoints = dict(want)          # where the replacement is reached: the same
+            slot = RankSlot(identity, register, rank=r, assign=assign)
             self.ranks[r] = slot
             self._by_identity[identity] = slot
             self._send(identity, assign)
             log.info("rank %d: a replacement registered (pid %s); loading", r, msg.pid)
             return None
+        if not self.lost:
+            return "this launch already has all its ranks"
         return f"no lost rank matches this one (lost: {sorted(self.lost)})"
 
-    def await_ranks(self) -> None:
-        """Before a request: wait (bounded) until every lost rank's replacement is Ready."""
+    def await_ranks(self, should_cancel: Callable[[], bool] | None = None) -> None:
+        """Before a request: wait (bounded, and cancelled with the request) until every lost
+        rank's replacement is Ready."""
         if not self.lost:
             return
         deadline = time.monotonic() + self.rejoin_timeout_s
         while self.lost:
+            if should_cancel is not None and should_cancel():
+                raise RequestError("cancelled while a rank was being replaced")
             left = deadline - time.monotonic()
             if left <= 0:
                 r, why = next(iter(self.lost.items()))
-                raise RequestError(f"rank {r} is lost ({why}) and no replacement has loaded "
-                                   f"within {self.rejoin_timeout_s:.0f} s")
+                raise RankLost(f"rank {r} is lost ({why}) and no replacement has loaded "
+                               f"within {self.rejoin_timeout_s:.0f} s")
             self._pump(min(left, 0.1))
 
     def _send(self, identity: bytes, msg) -> None:
@@ -309,17 +341,27 @@ class Coordinator:
         """Send a prompt (tokens from position pos) through the pipeline and stream its events.
         Returns the stop reason ("stop", "length", "cancelled", or "" when max_new is 0).
         `checkpoint_at`: chunk boundaries where every stage checkpoints its part (checkpoints.py)."""
-        self.await_ranks()
-        request_id = next(self._request_ids)
+        self.await_ranks(should_cancel)
+        request_id = self._last_request_id = next(self._request_ids)
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
         chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
         for i, part in enumerate(chunks):
             at = chunk_positions(checkpoint_at, pos + i * chunk, len(part), first=i == 0)
-            sender.send(Tokens(request_id=request_id, session_id=session_id, pos=pos + i * chunk,
-                               ids=part, chunk_index=i, chunk_total=len(chunks), sampling=sampling,
-                               checkpoint_at=at),
-                        timeout_ms=10_000)
+            try:
+                sender.send(Tokens(request_id=request_id, session_id=session_id,
+                                   pos=pos + i * chunk, ids=part, chunk_index=i,
+                                   chunk_total=len(chunks), sampling=sampling, checkpoint_at=at),
+                            timeout_ms=10_000)
+            except ProtocolTimeout as e:
+                # the first stage took nothing for that long: most likely it died (its heartbeats
+                # say so now), else it is stuck
+                self._pump(0)
+                if self.lost:
+                    r, why = next(iter(self.lost.items()))
+                    raise RankLost(f"{why}; the request is lost, a replacement of rank {r} is "
+                                   f"loading") from None
+                raise RequestError(f"the first stage took no prompt: {e}") from None
         prompt_done = cancelled = False
         last_event = time.monotonic()
         while True:
@@ -332,6 +374,7 @@ class Coordinator:
             events = self._pump(0.05)
             if self.lost:
                 r, why = next(iter(self.lost.items()))
+                self._cancel_on_survivor(request_id)
                 raise RankLost(f"{why}; the request is lost, a replacement of rank {r} is "
                                f"loading")
             for msg in events:
@@ -354,6 +397,16 @@ class Coordinator:
             if time.monotonic() - last_event > step_timeout_s:
                 what = "a token" if prompt_done else "prompt progress"
                 raise RankFailure(f"no {what} for {step_timeout_s:.0f} s from the pipeline")
+
+    def _cancel_on_survivor(self, request_id: int) -> None:
+        """The last stage, if it lives on, forgets a request lost with another rank."""
+        last = self._last_stage()
+        if last.rank in self.lost:
+            return
+        try:
+            self._sender(last, "last").send(Cancel(request_id=request_id), timeout_ms=1000)
+        except (ProtocolTimeout, ConnectionError) as e:
+            log.warning("could not cancel request %d on the last stage: %s", request_id, e)
 
     def _sender(self, slot: RankSlot, role: str) -> Channel:
         """A PUSH channel to a stage's data socket (the first stage's, or the last's for Cancel)."""

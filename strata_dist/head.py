@@ -72,7 +72,7 @@ class HeadSession:
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
-        self.coord.await_ranks()
+        self.coord.await_ranks(should_cancel)
         if self.coord.rejoins != self._rejoins:   # a rank was replaced: nothing is reusable
             self.tokens, self.checkpoints, self._rejoins = [], [], self.coord.rejoins
         out = Outcome(reused=self.reusable(ids))

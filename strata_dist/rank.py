@@ -85,7 +85,7 @@ class _Pulse(threading.Thread):
             while not self.stopped.wait(HEARTBEAT_S):
                 seq += 1
                 try:
-                    ch.send(Heartbeat(rank=self.rank, seq=seq), timeout_ms=500)
+                    ch.send(Heartbeat(rank=self.rank, seq=seq, pid=os.getpid()), timeout_ms=500)
                 except ProtocolTimeout:
                     pass   # the main loop's own heartbeat decides when the coordinator is gone
         except Exception as e:  # no pulse: the main loop's heartbeats still run between messages
@@ -124,7 +124,7 @@ class RankProcess:
         self.requests: dict[int, _Request] = {}
         # compute_us: time in the stage's own work; send_us: time handing rows/tokens on.
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
-                         "send_us": 0}
+                         "send_us": 0, "stale_dropped": 0}
         self._last_beat_ok = time.monotonic()
         self._beat_seq = 0
 
@@ -422,7 +422,8 @@ class RankProcess:
     def _heartbeat(self) -> None:
         self._beat_seq += 1
         try:
-            self.control.send(Heartbeat(rank=self.assign.rank, seq=self._beat_seq), timeout_ms=500)
+            self.control.send(Heartbeat(rank=self.assign.rank, seq=self._beat_seq, pid=os.getpid()),
+                              timeout_ms=500)
             self._last_beat_ok = time.monotonic()
         except ProtocolTimeout:
             if time.monotonic() - self._last_beat_ok > self.opts.coordinator_lost_s:
@@ -454,6 +455,11 @@ class RankProcess:
                                      token_id=0, pos=0, done=True, reason="cancelled"))
             return
         if not isinstance(msg, (Tokens, Hidden)) or self.stage is None:
+            return
+        if msg.request_id < self.assign.min_request_id:
+            # a replacement: rows of the request that was lost with the rank it replaces, which the
+            # other ranks were still sending to this endpoint
+            self.counters["stale_dropped"] += 1
             return
         try:
             self._compute(msg, arrays)

@@ -200,6 +200,59 @@ def test_a_rank_started_again_by_hand_rejoins_and_the_other_keeps_running(lab, f
         stop(h.proc, a, b, *([wrong] if wrong is not None else []))
 
 
+def test_rejoin_when_units_restart_fast_the_first_stage_twice_and_a_stopped_rank(lab, files,
+                                                                                 baseline):
+    """--rejoin over TCP, the cases a unit meets: a rank restarted before its loss was noticed
+    (RestartSec is shorter than the heartbeat timeout) replaces the old one at once; rows the
+    other rank was still handing on for a lost request are dropped by the replacement, not run;
+    the first stage replaced, then its replacement replaced; a stopped rank that is lost and then
+    resumes learns it was replaced, registers again (--reconnect) and takes its own place back."""
+    h = head(lab, files, "--rejoin")
+    a = rank(lab, files, "a", "--rank", "0", "--reconnect")
+    b = rank(lab, files, "b", "--rank", "1", "--reconnect")
+    try:
+        h.wait_ready(60)
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+        # a fast restart with a request in flight
+        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
+        while not h.next_line(30).startswith("T"):
+            pass
+        b.kill()
+        b = rank(lab, files, "b", "--rank", "1", "--reconnect")
+        line = h.next_line(30)
+        while line.startswith("T"):
+            line = h.next_line(30)
+        assert line.startswith("ERR") and "rank 1" in line and "started again" in line, line
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+        # a request sent to a dead rank not yet noticed: the first stage reads it and waits to
+        # hand its rows on; they reach the replacement, which drops them instead of running them
+        b.kill()
+        time.sleep(1)                      # its connections are seen closed; its loss is not yet
+        out = h.gen(PROMPT, 400, timeout=30)
+        assert out["err"] is not None and "rank 1" in out["err"], out["err"]
+        b = rank(lab, files, "b", "--rank", "1", "--reconnect")
+        assert h.gen(PROMPT, 24)["tokens"] == baseline
+        assert int(h.stats()[1]["stale_dropped"]) >= 1
+        # the first stage, twice
+        for _ in range(2):
+            a.kill()
+            time.sleep(HEARTBEAT_S + 1)                      # noticed first, this time
+            a = rank(lab, files, "a", "--rank", "0", "--reconnect")
+            out = h.gen(PROMPT, 24)
+            assert out["err"] is None and out["tokens"] == baseline, out["err"]
+        # a stopped rank: lost after the heartbeat timeout, then it resumes
+        b.send_signal(signal.SIGSTOP)
+        time.sleep(HEARTBEAT_S + 2)
+        b.send_signal(signal.SIGCONT)
+        out = h.gen(PROMPT, 24, timeout=90)
+        assert out["err"] is None and out["tokens"] == baseline, out["err"]
+        assert b.poll() is None and "registering again" in log_of(b)
+        h.send("QUIT")
+        assert finish(h.proc) == 0
+    finally:
+        stop(h.proc, a, b)
+
+
 def test_refusals_over_tcp_name_both_values(lab, files):
     """A wrong secret, another model and another protocol version: each rank exits 2 saying why;
     the head names both fingerprints and both versions, and keeps waiting."""

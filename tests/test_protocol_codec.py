@@ -46,7 +46,7 @@ def examples():
         "stats": (m.Stats(request_id=9), []),
         "stats_reply": (m.StatsReply(rank=0, counters={"hits": 10, "misses": 2}, gauges={"free_mib": 1.5},
                                      request_id=9), []),
-        "heartbeat": (m.Heartbeat(rank=3, seq=17), []),
+        "heartbeat": (m.Heartbeat(rank=3, seq=17, pid=4242), []),
         "error": (m.Error(rank=2, request_id=None, message="boom", fatal=True, code=m.ERR_PEER), []),
         "shutdown": (m.Shutdown(reason="SIGTERM"), []),
         "release": (m.Release(session_id=5), []),
@@ -139,7 +139,8 @@ def test_version_mismatch_names_both_versions():
 
 
 def _header(tag="heartbeat", fields=None, buffers=None, **over):
-    h = {"v": PROTOCOL_VERSION, "t": tag, "f": {"rank": 0, "seq": 1} if fields is None else fields,
+    h = {"v": PROTOCOL_VERSION, "t": tag,
+         "f": {"rank": 0, "seq": 1, "pid": 7} if fields is None else fields,
          "b": [] if buffers is None else buffers}
     h.update(over)
     return msgpack.packb(h, use_bin_type=True)
@@ -158,11 +159,11 @@ def _assign_fields(**over):
     ([msgpack.packb({"t": "heartbeat"})], "version"),
     ([_header(tag="nope")], "unknown message type 'nope'"),
     ([_header(tag=5)], "unknown message type"),
-    ([_header(fields={"rank": 0})], "missing fields ['seq']"),
-    ([_header(fields={"rank": 0, "seq": 1, "x": 2})], "unexpected fields ['x']"),
-    ([_header(fields={"rank": "0", "seq": 1})], "heartbeat.rank: expected int, got str"),
-    ([_header(fields={"rank": True, "seq": 1})], "expected int, got bool"),
-    ([_header(fields={"rank": 0, "seq": 1.0})], "expected int, got float"),
+    ([_header(fields={"rank": 0, "pid": 7})], "missing fields ['seq']"),
+    ([_header(fields={"rank": 0, "seq": 1, "pid": 7, "x": 2})], "unexpected fields ['x']"),
+    ([_header(fields={"rank": "0", "seq": 1, "pid": 7})], "heartbeat.rank: expected int, got str"),
+    ([_header(fields={"rank": True, "seq": 1, "pid": 7})], "expected int, got bool"),
+    ([_header(fields={"rank": 0, "seq": 1.0, "pid": 7})], "expected int, got float"),
     ([_header(extra=1)], "header keys"),
     ([_header(buffers=[["<f4", [1]]])], "announces 1 buffer(s), 0 frame(s)"),
     ([_header(), b"xx"], "announces 0 buffer(s), 1 frame(s)"),
