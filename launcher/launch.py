@@ -135,10 +135,10 @@ class Launch:
         self._assigned: list[Assign] = []
         self._lost: set[int] = set()
         # rejoin: replacements started since each rank's last Ready, when each current death was
-        # noticed, and the pid of the replacement loading now
+        # noticed, and the replacement loading now (pid, started)
         self._respawns: dict[int, int] = {}
         self._noticed: dict[int, float] = {}
-        self._replacing: dict[int, int] = {}
+        self._replacing: dict[int, tuple[int, float]] = {}
         self._loaded = False                   # every rank has loaded once
 
     @property
@@ -238,10 +238,11 @@ class Launch:
     def _replace_dead(self, helper_only: frozenset) -> None:
         """Rejoin: a dead stage rank is started again with the same number and endpoints, and the
         coordinator waits for it (the other ranks keep everything they hold). A rank the
-        coordinator lost while its process lives on (stopped, hung) is ended first. A
-        replacement that dies before it has loaded is started again after a delay that doubles
-        each time, counted from its death (up to REJOIN_BACKOFF_MAX_S): a rank that cannot load
-        does not spin, and comes back once what kills it is fixed; meanwhile requests get ERR."""
+        coordinator lost while its process lives on (stopped, hung) is ended first, and so is a
+        replacement that has not loaded within the load timeout. A replacement that dies before
+        it has loaded is started again after a delay that doubles each time, counted from its
+        death (up to REJOIN_BACKOFF_MAX_S): a rank that cannot load does not spin, and comes back
+        once what kills it is fixed; meanwhile requests get ERR."""
         now = time.monotonic()
         for r in range(len(self._assigned)):
             if r in helper_only:
@@ -249,9 +250,14 @@ class Launch:
             why = self.ranks.death(r)
             if why is None:
                 proc = self.ranks.procs[r]
-                if r in self.coordinator.lost and proc.pid != self._replacing.get(r):
+                pid, started = self._replacing.get(r, (None, now))
+                if r in self.coordinator.lost and proc.pid != pid:
                     self.echo(f"warning: rank {r} (pid {proc.pid}) is lost but still running; "
                               f"ending it so that it can be replaced")
+                    proc.kill()
+                elif r in self.coordinator.lost and now - started > self.cfg.load_timeout_s:
+                    self.echo(f"warning: the replacement of rank {r} (pid {proc.pid}) has not "
+                              f"loaded within {self.cfg.load_timeout_s:.0f} s; ending it")
                     proc.kill()
                 continue
             self.coordinator.lose(r, why)
@@ -263,7 +269,8 @@ class Launch:
                 continue
             self._respawns[r] = tries + 1
             self._noticed.pop(r)
-            pid = self._replacing[r] = self.ranks.respawn(r).pid
+            pid = self.ranks.respawn(r).pid
+            self._replacing[r] = (pid, now)
             self.echo(f"warning: {why.splitlines()[0]}; started rank {r} again (pid {pid}) to "
                       f"rejoin")
         return None
