@@ -279,7 +279,7 @@ def _main(args) -> int:
 
 def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
     from .launch import Launch, LaunchConfig
-    from .serve import parse_gen
+    from .line_protocol import parse_gen
 
     cfg = LaunchConfig(model=args.model, ranks=specs, split=split, max_context=args.max_context,
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
@@ -334,7 +334,7 @@ def _line_server(args, gguf, launch, plan):
     """The --serve / --prompt-ids surface over a started launch; prints the INFO lines."""
     from strata_dist.head import HeadSession
 
-    from .serve import LineServer, info_lines
+    from .line_protocol import LineProtocol, info_lines
     g = architecture_for(gguf).read_geometry(gguf)
     eos = gguf.metadata("tokenizer.ggml.eos_token_id")
     session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
@@ -345,7 +345,7 @@ def _line_server(args, gguf, launch, plan):
                            {"model": os.path.basename(args.model), "arch": g.arch,
                             "layers": g.n_layers}):
         print(line, file=sys.stdout if args.serve else sys.stderr, flush=True)
-    return LineServer(session)
+    return LineProtocol(session)
 
 
 def _serve_lines(args, gguf, cfg, current: list) -> int:
@@ -353,14 +353,14 @@ def _serve_lines(args, gguf, cfg, current: list) -> int:
     --restart-ranks N the launch then starts its ranks afresh (a new READY) up to N times.
     `current[0]` is always the launch running, so the caller closes the right one."""
     from .launch import Launch
-    from .serve import stdin_lines
+    from .line_protocol import stdin_lines
     lines = stdin_lines()
     restarts = 0
     while True:
         launch = current[0]
         server = _line_server(args, gguf, launch, launch.start())
         server.say(f"READY {args.max_context}")
-        code = server.serve(lines)
+        code = server.run(lines)
         if code != 1 or restarts >= args.restart_ranks:
             return code
         restarts += 1
@@ -415,7 +415,7 @@ def api_key(args) -> str | None:
 def _serve_http(args, gguf, launch, specs, relaunch) -> int:
     from strata_dist.server import serve_launch
 
-    from .serve import info_lines
+    from .line_protocol import info_lines
 
     g = architecture_for(gguf).read_geometry(gguf)
 

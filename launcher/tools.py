@@ -1,5 +1,5 @@
 """The `strata-dist` command: the single-process tools of strata_dist.cli, plus `deploy` (systemd
-units for several hosts), which belongs to the launcher layer (DESIGN.md §2: launcher → strata_dist,
+units for several hosts), which belongs to the launcher layer (docs/DEVELOPING.md: launcher → strata_dist,
 never back), so the dispatch lives here."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """strata-dist wire protocol: typed messages, codec, ZeroMQ transport, HMAC admission, CUDA IPC buffers.
 
-Imports nothing else of this repository (DESIGN.md §2). The spec is PROTOCOL.md beside this file.
+Imports nothing else of this repository (docs/DEVELOPING.md, "Conventions"). The spec is PROTOCOL.md beside this file.
 """
 
 from .messages import *  # noqa: F401,F403  (the message classes are the package's vocabulary)

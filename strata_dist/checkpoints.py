@@ -3,8 +3,8 @@
 KV rows are positional: a session can move back to any earlier position and read on from there.
 The conv and delta-rule state of a linear layer is not: it is the whole past folded in, so moving
 back needs a copy of it taken at that position — a checkpoint. One rule, in this module, for the
-stages (strata_dist/stage.py), the head (strata_dist/head.py) and the single-process Engine, so a
-distributed run and the Engine resume at the same position and read the same chunks:
+stages (strata_dist/stage.py), the head (strata_dist/head.py) and the single-process SingleProcessRunner, so a
+distributed run and the SingleProcessRunner resume at the same position and read the same chunks:
 
 - Which positions a request checkpoints (`request_positions`), all chunk boundaries of the request:
   its start position when > 0 (where the previous request left the session: the end of each request
@@ -90,7 +90,7 @@ def resume_point(common: int, live: int, held: list[int] | None) -> int:
 
 
 class CheckpointStore:
-    """One stage's (or the Engine's) checkpoints of one session: at most `limit`, oldest dropped.
+    """One stage's (or the SingleProcessRunner's) checkpoints of one session: at most `limit`, oldest dropped.
     For a positional session it holds nothing and moves the session anywhere."""
 
     def __init__(self, limit: int = MAX_PER_SESSION):

@@ -46,9 +46,9 @@ def default_model_path() -> Path:
 
 
 def _engine(args):
-    from .engine import Engine
+    from .single_process import SingleProcessRunner
     model = args.model or default_model_path()
-    return Engine(str(model), device=args.device, max_context=args.max_context,
+    return SingleProcessRunner(str(model), device=args.device, max_context=args.max_context,
                   prefill_chunk=args.prefill)
 
 

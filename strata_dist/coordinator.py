@@ -106,6 +106,9 @@ class Coordinator:
         self.ranks: list[RankSlot] = []
         self._by_identity: dict[bytes, RankSlot] = {}
         self._request_ids = itertools.count(1)
+        # messages from a registered rank, by type (Register and pulses are handled before)
+        self._slot_handlers = {Ready: self._on_ready, StatsReply: self._on_stats_reply,
+                               Error: self._on_rank_error}
         self._stats: dict[int, StatsReply] = {}
         self._senders: dict[str, Channel] = {}
         self.optional: set[int] = set()   # ranks whose loss does not end the launch (helpers)
@@ -137,41 +140,54 @@ class Coordinator:
             if isinstance(reply, Error) and reply.fatal:
                 self.on_refusal(f"refused a rank: {reply.message}")
             return
-        slot = self._by_identity.get(identity)
         if isinstance(msg, Register):
-            refusal = admit(msg, self.fingerprint)
-            if refusal is not None:
-                self._send(identity, refusal)
-                self.on_refusal(f"refused a rank: {refusal.message}")
-                return
-            if self.ranks:  # registration is closed once the ranks are numbered...
-                refusal = self._replacement(identity, msg)   # ...but for a lost rank's replacement
-                if refusal is not None:
-                    self._send(identity, Error(rank=None, request_id=None, fatal=True,
-                                               message=refusal))
-                    if self.rejoin_timeout_s is not None:
-                        self.on_refusal(f"refused a rank: {refusal}")
-                return
-            self._by_identity[identity] = RankSlot(identity, msg)
+            self._on_register(identity, msg)
             return
+        slot = self._by_identity.get(identity)
         if slot is None:
             if isinstance(msg, Heartbeat):   # a rank's pulse: its own authenticated connection
-                beat = next((r for r in self.ranks if r.rank == msg.rank and
-                             (not msg.pid or msg.pid == r.register.pid)), None)
-                if beat is not None:
-                    beat.last_seen = time.monotonic()
+                self._on_pulse(msg)
             return
         slot.last_seen = time.monotonic()
-        if isinstance(msg, Ready):
-            slot.ready = msg
-            if slot.rank in self.lost and self.ranks and self.ranks[slot.rank] is slot:
-                self.on_rejoin(slot)
-                del self.lost[slot.rank]
-                self.rejoins += 1
-                log.info("rank %d rejoined (pid %s)", slot.rank, slot.register.pid)
-        elif isinstance(msg, StatsReply):
-            self._stats[slot.rank] = msg
-        elif isinstance(msg, Error) and msg.fatal:
+        handler = self._slot_handlers.get(type(msg))
+        if handler is not None:
+            handler(slot, msg)
+
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        refusal = admit(msg, self.fingerprint)
+        if refusal is not None:
+            self._send(identity, refusal)
+            self.on_refusal(f"refused a rank: {refusal.message}")
+            return
+        if self.ranks:  # registration is closed once the ranks are numbered...
+            refusal = self._replacement(identity, msg)   # ...but for a lost rank's replacement
+            if refusal is not None:
+                self._send(identity, Error(rank=None, request_id=None, fatal=True,
+                                           message=refusal))
+                if self.rejoin_timeout_s is not None:
+                    self.on_refusal(f"refused a rank: {refusal}")
+            return
+        self._by_identity[identity] = RankSlot(identity, msg)
+
+    def _on_pulse(self, msg: Heartbeat) -> None:
+        beat = next((r for r in self.ranks if r.rank == msg.rank and
+                     (not msg.pid or msg.pid == r.register.pid)), None)
+        if beat is not None:
+            beat.last_seen = time.monotonic()
+
+    def _on_ready(self, slot: RankSlot, msg: Ready) -> None:
+        slot.ready = msg
+        if slot.rank in self.lost and self.ranks and self.ranks[slot.rank] is slot:
+            self.on_rejoin(slot)
+            del self.lost[slot.rank]
+            self.rejoins += 1
+            log.info("rank %d rejoined (pid %s)", slot.rank, slot.register.pid)
+
+    def _on_stats_reply(self, slot: RankSlot, msg: StatsReply) -> None:
+        self._stats[slot.rank] = msg
+
+    def _on_rank_error(self, slot: RankSlot, msg: Error) -> None:
+        if msg.fatal:
             self.lose(slot.rank, f"rank {slot.rank} failed: {msg.message}")
 
     # ---- rejoin -------------------------------------------------------------------------------------

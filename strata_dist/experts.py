@@ -3,7 +3,7 @@
 Every store reads the expert's blob (gate, up, down as stored in the file) and decodes it with
 the backend's `expert_weights`, then runs the one `swiglu` — so a (token, expert) output is the
 same bits whichever store computed it, and whatever other rows shared the call (the
-batch-invariance rule of DESIGN.md §5)."""
+batch-invariance rule of docs/DEVELOPING.md, "Conventions")."""
 from __future__ import annotations
 
 import numpy as np

@@ -8,6 +8,7 @@ or the receiver could not open the handle, the rows go in the frame instead (nev
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 
@@ -60,22 +61,24 @@ class HandoffSender:
         return False
 
     def send(self, rows, **header) -> None:
-        n = int(rows.shape[0])
-        hdr = dict(header, n=n, dtype="float32", shape=[int(d) for d in rows.shape])
+        """Rows with the Hidden fields in ``header`` (n, dtype and shape are filled in)."""
+        shape = [int(d) for d in rows.shape]
+        self.send_hidden(Hidden(**dict(header, n=shape[0], dtype="float32", shape=shape)), rows)
+
+    def send_hidden(self, msg: Hidden, rows) -> None:
+        """A Hidden message whose rows go in a free IPC slot, or in the frame when none is."""
         slot = self.ring.acquire() if (self.ipc_ready and self.ring is not None) else None
         if slot is not None and rows.nbytes <= slot.nbytes:
-            view = self.export.view(RowSlot(offset=slot.offset, nbytes=rows.nbytes), np.float32,
-                                    rows.shape)
-            view[...] = rows
+            where = RowSlot(offset=slot.offset, nbytes=rows.nbytes)
+            self.export.view(where, np.float32, rows.shape)[...] = rows
             self.backend.synchronize()          # the rows are in place before the doorbell rings
-            self.ch.send(Hidden(slot=RowSlot(offset=slot.offset, nbytes=rows.nbytes), **hdr),
-                         timeout_ms=self.timeout_ms)
+            self.ch.send(replace(msg, slot=where), timeout_ms=self.timeout_ms)
             self.sent_ipc += 1
             return
         if slot is not None:
             self.ring.release(slot)
         host_rows = np.ascontiguousarray(self.backend.to_host(rows), dtype=np.float32)
-        self.ch.send(Hidden(**hdr), [host_rows], timeout_ms=self.timeout_ms)
+        self.ch.send(replace(msg, slot=None), [host_rows], timeout_ms=self.timeout_ms)
         self.sent_frames += 1
 
 

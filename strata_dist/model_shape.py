@@ -1,5 +1,5 @@
 """The planner's ModelShape, built from a GGUF header with the loader's own allocation rules, so the
-priced bytes and the loaded bytes come from one rule (DESIGN.md §4)."""
+priced bytes and the loaded bytes come from one rule (docs/DEVELOPING.md, "Conventions")."""
 from __future__ import annotations
 
 import numpy as np

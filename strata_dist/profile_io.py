@@ -1,6 +1,6 @@
 """Routing profiles on disk: record one from real runs, save it, load it for the planner.
 
-Recording. `record_profile` runs each prompt through the single-process `Engine` with the model's
+Recording. `record_profile` runs each prompt through the single-process `SingleProcessRunner` with the model's
 `on_route(layer, expert_ids[n, k])` hook counting every (layer, expert) choice: every prompt token
 (prefill, in chunks of `prefill_chunk`) and, with `max_new > 0`, every greedily decoded token that is
 fed back (a generation of m tokens feeds m - 1 of them; end-of-sequence stops it early). Each routed
@@ -47,7 +47,7 @@ def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]],
     `progress(done, total)` is called after each prompt. Raises ValueError for an empty prompt list,
     an empty prompt, an out-of-range token id or a prompt that does not fit the model's context
     (each naming the prompt, 1-based)."""
-    from .engine import Engine
+    from .single_process import SingleProcessRunner
 
     if max_new < 0:
         raise ValueError(f"max_new must be >= 0, got {max_new}")
@@ -57,7 +57,7 @@ def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]],
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
     need = max(len(p) for p in prompts) + max_new
-    engine = Engine(str(model_path), device=device, max_context=need, prefill_chunk=prefill_chunk)
+    engine = SingleProcessRunner(str(model_path), device=device, max_context=need, prefill_chunk=prefill_chunk)
     model = engine.model
     g = model.g
     if not hasattr(model, "on_route"):

@@ -1,10 +1,14 @@
-"""One rank process: connect to the coordinator, prove the shared secret, register the device,
-receive an assignment, load, report Ready, then serve the data plane until told to stop.
+"""The shell of one rank process: connect to the coordinator, prove the shared secret, register
+the device, receive an assignment, load, report Ready, then pass messages to their handlers until
+told to stop.
 
-Data plane (DESIGN.md §3): the head sends prompt chunks (Tokens) to the first stage; each stage
-runs its layers and pushes Hidden rows to the next; the last stage samples, sends the Token to the
-head and the next step's Tokens straight back to the first stage, so decode never waits on the
-head. Every wait is bounded; a rank whose coordinator or parent is gone exits."""
+The shell owns every socket and the liveness (heartbeats, the parent and the coordinator watched);
+what a stage computes is `StageStep` (strata_dist/stage_step.py), which takes one data message and
+returns what to send where; a helper tier's answers are `HelperServer` (strata_dist/helper_server.py).
+Data plane (docs/ARCHITECTURE.md, "A decode step"): the head sends prompt chunks (Tokens) to the
+first stage; each stage runs its layers and pushes Hidden rows to the next; the last stage samples,
+sends the Token to the head and the next step's Tokens straight back to the first stage, so decode
+never waits on the head. Every wait is bounded; a rank whose coordinator or parent is gone exits."""
 from __future__ import annotations
 
 import logging
@@ -18,24 +22,21 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, ExpertReply,
-                      ExpertRequest, Heartbeat, Hidden, IpcHandle, Poller, PromptProgress,
-                      ProtocolError, ProtocolTimeout, Ready, Register, Release, RouterChannel,
-                      Shutdown, SlotFree, Stats, StatsReply, Token, Tokens, advertise)
+from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden,
+                      IpcHandle, Poller, ProtocolError, ProtocolTimeout, Ready, Register, Release,
+                      RouterChannel, Shutdown, SlotFree, Stats, StatsReply, Tokens, advertise)
 from protocol.transport import Endpoints
 from protocol.auth import client_handshake
 from protocol.seal import LinkSeal, link_key
 from protocol.transport import is_loopback_endpoint, local_address_toward
-from protocol.messages import DeviceInfo, RowSlot, Sampling
+from protocol.messages import DeviceInfo
 
-from .checkpoints import common_positions
 from .gguf_model import GGUFModel
-from .experts import BlobArena
 from .handoff import HandoffReceiver, HandoffSender
+from .helper_server import HelperServer
 from .models import architecture_for
-from .tiers import serve_ipc_request, serve_request
-from .sampler import Sampler, SamplingParams
 from .stage import Stage, StageConfig
+from .stage_step import Outbound, StageStep, To
 
 log = logging.getLogger("strata.rank")
 
@@ -94,16 +95,6 @@ class _Pulse(threading.Thread):
             ch.close()
 
 
-@dataclass
-class _Request:
-    """What the last stage keeps per request: the sampler and how many tokens it has made."""
-    sampler: Sampler
-    max_new: int
-    stop_ids: frozenset
-    session_id: int
-    generated: int = 0
-
-
 class RankProcess:
     def __init__(self, opts: RankOptions):
         self.opts = opts
@@ -112,19 +103,21 @@ class RankProcess:
                                heartbeat_ms=None if is_loopback_endpoint(opts.coordinator) else 1000)
         self.data = Channel("pull", peer="upstream")
         self.helper_socket = RouterChannel(peer="stages")   # this card's helper tier, if any
-        self.helper_arena: BlobArena | None = None
-        self.helper_error = ""
-        self.helper_links: dict[bytes, object] = {}   # stage identity -> its opened IPC buffer
+        self.helper: HelperServer | None = None
         self.next = self.head = self.first = None
         self.sender: HandoffSender | None = None
         self.receiver: HandoffReceiver | None = None
         self.stage: Stage | None = None
+        self.step: StageStep | None = None   # what this rank does with data (stage ranks only)
         self.assign: Assign | None = None
         self.link_seal: LinkSeal | None = None   # set from the Assign (TCP data links)
-        self.requests: dict[int, _Request] = {}
-        # compute_us: time in the stage's own work; send_us: time handing rows/tokens on.
-        self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
-                         "send_us": 0, "stale_dropped": 0}
+        self.send_us = 0   # time handing rows and tokens on (the step counts its compute time)
+        self._control_handlers = {Shutdown: self._on_shutdown, Error: self._on_coordinator_error,
+                                  Stats: self._on_stats}
+        # transport messages go to the hand-off ends; the rest is the step's
+        self._data_handlers = {IpcHandle: self._on_ipc_handle, SlotFree: self._on_slot_reply,
+                               Error: self._on_slot_reply, Tokens: self._on_step,
+                               Hidden: self._on_step, Release: self._on_step, Cancel: self._on_step}
         self._last_beat_ok = time.monotonic()
         self._beat_seq = 0
 
@@ -184,12 +177,14 @@ class RankProcess:
                          for h in assign.helpers if h.rank != rank],
                 link_seal=self.link_seal))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
+            self.step = StageStep(self.stage, rank, last=assign.last,
+                                  min_request_id=assign.min_request_id)
             free["free_after_stage"] = probe()
         # the helper tier last: it is the part that fails soft, so it must not starve the stage
         if assign.helper_pairs:
             self._open_helper(assign)
             if self.stage is not None:   # this card's own tier is computed in place
-                self.stage.tiers.local_helper = self.helper_arena
+                self.stage.tiers.local_helper = self.helper.arena
             free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(
@@ -199,8 +194,8 @@ class RankProcess:
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
                      "cache": self.stage.cache.nbytes} if self.stage else {}
         if assign.helper_pairs:
-            allocated["helper"] = self.helper_arena.nbytes if self.helper_arena else 0
-            if self.helper_error:
+            allocated["helper"] = self.helper.nbytes
+            if self.helper.error:
                 allocated["helper_failed"] = 1
         # IPC buffers (hidden rows to the next stage, expert links): taken from the stage's reserve
         ipc_bytes = (self.sender.nbytes if self.sender else 0) + sum(
@@ -213,67 +208,14 @@ class RankProcess:
         allocated.update({k: v[0] for k, v in free.items() if v is not None})
         self.control.send(Ready(rank=rank, allocated=allocated,
                                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
-        return self._serve()
+        return self._run_data_plane()
 
     def _open_helper(self, a: Assign) -> None:
-        """This card's helper tier. Fail-soft: a tier that cannot open is logged, reported in
-        Ready, and answers every request with an error (stages then use host memory)."""
+        """This card's helper tier (fail-soft: see HelperServer)."""
         gguf = GGUFModel(self.opts.model)
         g = architecture_for(gguf).read_geometry(gguf)
-        backend = _backend(self.opts.device_name)
-        try:
-            self.helper_arena = BlobArena(backend, gguf, [tuple(p) for p in a.helper_pairs],
-                                          g.n_layers, g.n_expert)
-        except Exception as e:  # out of memory, most likely
-            self.helper_error = f"helper tier of {len(a.helper_pairs)} pairs did not open: {e}"
-            log.error("%s", self.helper_error)
-
-    def _serve_helper(self) -> None:
-        try:
-            identity, msg, arrays = self.helper_socket.recv(timeout_ms=100)
-        except (ProtocolTimeout, ProtocolError) as e:
-            log.warning("helper socket: %s", e)
-            return
-        if isinstance(msg, IpcHandle):
-            self._open_helper_link(identity, msg)
-            return
-        if not isinstance(msg, ExpertRequest):
-            return
-        try:
-            if self.helper_arena is None:
-                raise RuntimeError(self.helper_error or "this rank holds no helper tier")
-            self.counters["helper_requests"] = self.counters.get("helper_requests", 0) + 1
-            if msg.slot is not None:
-                link = self.helper_links.get(identity)
-                if link is None:
-                    raise RuntimeError("rows arrived in a CUDA IPC slot this helper never opened")
-                serve_ipc_request(self.helper_arena, link, msg, arrays)
-                self.helper_socket.send(identity, ExpertReply(seq=msg.seq, layer=msg.layer, n=msg.n,
-                                                              slot=msg.out), timeout_ms=2000)
-                return
-            out = serve_request(self.helper_arena, msg, arrays)
-            self.helper_socket.send(identity, ExpertReply(seq=msg.seq, layer=msg.layer, n=msg.n),
-                                    [out], timeout_ms=2000)
-        except Exception as e:
-            self.helper_socket.send(identity, Error(rank=self.assign.rank, request_id=None,
-                                                    message=str(e), code="helper"), timeout_ms=2000)
-
-    def _open_helper_link(self, identity: bytes, msg: IpcHandle) -> None:
-        """A stage offers its CUDA IPC buffer for expert requests: open it, or refuse (the stage
-        then keeps sending frames)."""
-        try:
-            from protocol.cuda_ipc import IpcMapping
-            if self.helper_arena is None or self.helper_arena.backend.name != "cupy":
-                raise RuntimeError("this rank's helper tier is not on a GPU")
-            old = self.helper_links.pop(identity, None)
-            if old is not None:
-                old.close()
-            self.helper_links[identity] = IpcMapping(msg, device=self.helper_arena.backend.index)
-            reply = SlotFree(name=msg.name, slot=RowSlot(offset=0, nbytes=0))
-        except Exception as e:  # a CPU rank, a GPU this rank cannot see
-            log.warning("cannot open a stage's CUDA IPC buffer for expert requests: %s", e)
-            reply = Error(rank=self.assign.rank, request_id=None, message=str(e), code="ipc")
-        self.helper_socket.send(identity, reply, timeout_ms=2000)
+        self.helper = HelperServer.open(a.rank, _backend(self.opts.device_name), gguf,
+                                        a.helper_pairs, g.n_layers, g.n_expert)
 
     def _connect_neighbours(self, a: Assign) -> None:
         """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
@@ -355,16 +297,18 @@ class RankProcess:
                 return 0
         raise ProtocolTimeout("coordinator", "an assignment", self.opts.assign_timeout_s * 1e3)
 
-    def _serve(self) -> int:
+    def _run_data_plane(self) -> int:
         pulse = _Pulse(self.opts.coordinator, self.opts.secret, self.assign.rank,
                        int(self.opts.connect_timeout_s * 1000))
         pulse.start()
         try:
-            return self._serve_loop()
+            return self._loop()
         finally:
             pulse.stopped.set()
 
-    def _serve_loop(self) -> int:
+    def _loop(self) -> int:
+        """Until a Shutdown: heartbeats, and each message to its handler. The exit status is
+        returned; a lost coordinator or parent raises."""
         poller = Poller(self.control, self.data, self.helper_socket)
         if self.sender is not None:
             self.sender.offer()
@@ -380,7 +324,7 @@ class RankProcess:
                 self._check_connection("while this rank served")
             for ch in ready:
                 if ch is self.helper_socket:
-                    self._serve_helper()
+                    self._answer_helper_request()
                     continue
                 try:
                     msg, arrays = ch.recv(timeout_ms=100)
@@ -389,24 +333,46 @@ class RankProcess:
                 except ProtocolError as e:   # garbage on a socket: drop the message, keep serving
                     log.warning("dropped an invalid message: %s", e)
                     continue
-                if ch is self.control:
-                    if isinstance(msg, Shutdown):
-                        return 0
-                    if isinstance(msg, Error) and msg.fatal:   # e.g. a restarted coordinator
-                        raise CoordinatorLost(f"the coordinator dropped this rank: {msg.message}")
-                    if isinstance(msg, Stats):
-                        self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
-                                                     request_id=msg.request_id,
-                                                     gauges=self._gauges()))
-                else:
-                    self._on_data(msg, arrays)
+                handlers = self._control_handlers if ch is self.control else self._data_handlers
+                handler = handlers.get(type(msg))
+                status = handler(msg, arrays) if handler is not None else None
+                if status is not None:
+                    return status
+
+    # ---- control messages ------------------------------------------------------------------------
+    def _on_shutdown(self, msg: Shutdown, arrays) -> int:
+        return 0
+
+    def _on_coordinator_error(self, msg: Error, arrays) -> None:
+        if msg.fatal:   # e.g. a restarted coordinator, or this rank was replaced
+            raise CoordinatorLost(f"the coordinator dropped this rank: {msg.message}")
+
+    def _on_stats(self, msg: Stats, arrays) -> None:
+        self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
+                                     request_id=msg.request_id, gauges=self._gauges()))
+
+    # ---- the helper tier -------------------------------------------------------------------------
+    def _answer_helper_request(self) -> None:
+        try:
+            identity, msg, arrays = self.helper_socket.recv(timeout_ms=100)
+        except (ProtocolTimeout, ProtocolError) as e:
+            log.warning("helper socket: %s", e)
+            return
+        helper = self.helper or HelperServer(self.assign.rank, None)
+        reply = helper.answer(identity, msg, arrays)
+        if reply is not None:
+            self.helper_socket.send(identity, reply[0], reply[1], timeout_ms=2000)
 
     def _gauges(self) -> dict[str, float]:
         """Point-in-time values: the bytes this stage's checkpoints hold now."""
         return {"checkpoint_bytes": float(self.stage.checkpoint_bytes())} if self.stage else {}
 
     def _counters(self) -> dict[str, int]:
-        c = dict(self.counters)
+        c = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
+             "stale_dropped": 0} if self.step is None else dict(self.step.counters)
+        c["send_us"] = self.send_us
+        if self.helper is not None:
+            c["helper_requests"] = self.helper.requests
         if self.stage is not None:
             c.update(self.stage.tiers.counters)
             c.update(self.stage.checkpoint_counters())
@@ -434,124 +400,61 @@ class RankProcess:
         if self.opts.parent_pid and os.getppid() != self.opts.parent_pid:
             raise SystemExit("the launcher that started this rank is gone")
 
-    # ---- the data plane --------------------------------------------------------------------------
-    def _on_data(self, msg, arrays) -> None:
-        if isinstance(msg, IpcHandle) and self.receiver is not None:
+    # ---- the data plane ----------------------------------------------------------------------------
+    def _on_ipc_handle(self, msg: IpcHandle, arrays) -> None:
+        if self.receiver is not None:   # the previous stage offers its hand-off buffer
             self.receiver.on_handle(msg)
-            return
-        if isinstance(msg, (SlotFree, Error)) and self.sender is not None:
+
+    def _on_slot_reply(self, msg: SlotFree | Error, arrays) -> None:
+        if self.sender is not None:     # the next stage freed a slot, or refused the buffer
             self.sender.on_reply(msg)
-            return
-        if isinstance(msg, Release):
-            if self.stage:
-                self.stage.release(msg.session_id)
-            if self.next:
-                self.next.send(msg, timeout_ms=HANDOFF_TIMEOUT_MS)
-            return
-        if isinstance(msg, Cancel):
-            req = self.requests.pop(msg.request_id, None)
-            if req is not None:   # still generating: say so; its step in flight is dropped
-                self.head.send(Token(request_id=msg.request_id, session_id=req.session_id,
-                                     token_id=0, pos=0, done=True, reason="cancelled"))
-            return
-        if not isinstance(msg, (Tokens, Hidden)) or self.stage is None:
-            return
-        if msg.request_id < self.assign.min_request_id:
-            # a replacement: rows of the request that was lost with the rank it replaces, which the
-            # other ranks were still sending to this endpoint
-            self.counters["stale_dropped"] += 1
+
+    def _on_step(self, msg, arrays) -> None:
+        """One data message through the stage's step, and what it causes sent on."""
+        if self.step is None:
             return
         try:
-            self._compute(msg, arrays)
+            rows = self.receiver.rows(msg, arrays) if isinstance(msg, Hidden) else None
+            outbound = self.step.step(msg, rows)
+            t0 = time.perf_counter()
+            try:
+                for out in outbound:
+                    self._send(out)
+            finally:
+                self.send_us += int((time.perf_counter() - t0) * 1e6)
         except (ProtocolTimeout, ProtocolError) as e:
-            self._report(msg.request_id, f"rank {self.assign.rank}: hand-off failed: {e}")
-        except Exception as e:  # a bad request must not take the rank down
+            self._send_error(self.step.error(
+                msg.request_id, f"rank {self.assign.rank}: hand-off failed: {e}"))
+        except Exception as e:   # e.g. rows in an IPC slot whose buffer was never opened
             log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
             self.stage.end_prompt()   # a failed prompt still gives its loan back
-            self._report(msg.request_id, f"rank {self.assign.rank}: {type(e).__name__}: {e}")
+            self._send_error(self.step.error(
+                msg.request_id, f"rank {self.assign.rank}: {type(e).__name__}: {e}"))
         finally:
-            if self.receiver is not None:
+            if self.receiver is not None and isinstance(msg, Hidden):
                 try:
                     self.receiver.release()   # the upstream slot is free, whatever happened
                 except ProtocolTimeout as e:
                     log.error("could not free an upstream slot: %s", e)
 
-    def _report(self, request_id: int, message: str) -> None:
-        self.counters["errors"] += 1
-        try:
-            self.head.send(Error(rank=self.assign.rank, request_id=request_id, message=message),
-                           timeout_ms=2000)
-        except ProtocolTimeout:
-            log.error("could not report to the head: %s", message)
-
-    def _compute(self, msg, arrays) -> None:
-        t0 = time.perf_counter()
-        is_prompt = msg.sampling is not None
-        if is_prompt and msg.chunk_index == 0:
-            self.stage.begin_prompt()
-        if isinstance(msg, Tokens):
-            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
-                                 checkpoint_at=msg.checkpoint_at)
-            n = len(msg.ids)
+    def _send(self, out: Outbound) -> None:
+        if out.to is To.HEAD:
+            if isinstance(out.msg, Error):
+                self._send_error(out)
+            else:
+                self.head.send(out.msg)
+        elif out.to is To.FIRST:
+            self.first.send(out.msg, timeout_ms=HANDOFF_TIMEOUT_MS)
+        elif out.rows is not None:
+            self.sender.send_hidden(out.msg, out.rows)
         else:
-            out = self.stage.run(msg.session_id, msg.pos, hidden=self.receiver.rows(msg, arrays),
-                                 prompt=is_prompt, checkpoint_at=msg.checkpoint_at)
-            n = msg.n
-        if is_prompt and msg.chunk_index == msg.chunk_total - 1:
-            self.stage.end_prompt()   # before the first decode step reaches this stage
-        self.counters["chunks" if is_prompt else "tokens"] += 1
-        self.counters["rows"] += n
-        t1 = time.perf_counter()
-        self.counters["compute_us"] += int((t1 - t0) * 1e6)
+            self.next.send(out.msg, timeout_ms=HANDOFF_TIMEOUT_MS)
+
+    def _send_error(self, out: Outbound) -> None:
         try:
-            self._forward(msg, out, n, t0)
-        finally:
-            self.counters["send_us"] += int((time.perf_counter() - t1) * 1e6)
-
-    def _forward(self, msg, out, n: int, t0: float) -> None:
-        """Hand the result on: rows to the next stage, or (last stage) progress, the sampled
-        token to the head and the next decode step to the first stage."""
-        is_prompt = msg.sampling is not None
-        # the checkpoints every stage so far holds for the session (checkpoints.py; PROTOCOL.md §4a)
-        upstream = None if isinstance(msg, Tokens) or msg.resume_any else msg.checkpoints
-        held = common_positions(upstream, self.stage.checkpoint_positions(msg.session_id))
-        if not self.assign.last:
-            self.sender.send(out, request_id=msg.request_id, session_id=msg.session_id,
-                             pos=msg.pos, chunk_index=msg.chunk_index,
-                             chunk_total=msg.chunk_total, sampling=msg.sampling,
-                             checkpoint_at=msg.checkpoint_at, checkpoints=held or [],
-                             resume_any=held is None)
-            return
-        end = msg.pos + n
-        if is_prompt:
-            self.head.send(PromptProgress(request_id=msg.request_id, session_id=msg.session_id,
-                                          pos=end, chunk_index=msg.chunk_index,
-                                          chunk_total=msg.chunk_total,
-                                          ms=(time.perf_counter() - t0) * 1e3,
-                                          checkpoints=held or [], resume_any=held is None))
-            if msg.chunk_index < msg.chunk_total - 1:
-                return
-            self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
-        req = self.requests.get(msg.request_id)
-        if req is None or req.max_new <= 0:
-            self.requests.pop(msg.request_id, None)
-            return
-        tok = req.sampler(out)
-        req.generated += 1
-        reason = "stop" if tok in req.stop_ids else ("length" if req.generated >= req.max_new else "")
-        self.head.send(Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok,
-                             pos=end, done=bool(reason), reason=reason))
-        if reason:
-            del self.requests[msg.request_id]
-            return
-        self.first.send(Tokens(request_id=msg.request_id, session_id=msg.session_id, pos=end,
-                               ids=[tok]), timeout_ms=HANDOFF_TIMEOUT_MS)
-
-
-def _new_request(s: Sampling, session_id: int) -> _Request:
-    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                            min_p=s.min_p, seed=s.seed)
-    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
+            self.head.send(out.msg, timeout_ms=2000)
+        except ProtocolTimeout:
+            log.error("could not report to the head: %s", out.msg.message)
 
 
 def use_cuda_ipc(a: Assign, environ, peer_host: str | None = None, peer_kind: str | None = None) -> bool:

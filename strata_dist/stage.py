@@ -180,7 +180,7 @@ class Stage:
             out = out.copy()        # out of the loan: the rows outlive the prompt's buffers
         del h
         if self.cfg.last:
-            return self.backend.to_host(self.model.head(out))[0].astype(np.float32)
+            return self.backend.to_host(self.model.output_logits(out))[0].astype(np.float32)
         return out
 
 

@@ -216,35 +216,3 @@ class ExpertTiers(ExpertStore):
         h.alive = False
         self.counters["remote_lost"] += 1
 
-
-def serve_request(store: BlobArena, msg: ExpertRequest, arrays) -> np.ndarray:
-    """A helper's answer in frames: the unweighted output of every asked (row, rank), zeros elsewhere."""
-    be = store.backend
-    x = be.asarray(np.ascontiguousarray(arrays[0], dtype=np.float32))
-    return np.ascontiguousarray(be.to_host(compute_request(store, msg.layer, x, arrays[1])),
-                                dtype=np.float32)
-
-
-def serve_ipc_request(store: BlobArena, mapping, msg: ExpertRequest, arrays) -> None:
-    """A helper's answer through the stage's IPC buffer: rows read at ``msg.slot``, outputs
-    written at ``msg.out`` and synchronized before the caller rings the doorbell."""
-    be = store.backend
-    ids = arrays[0]
-    n, k = ids.shape
-    x = mapping.view(msg.slot, np.float32, (n, msg.slot.nbytes // (4 * n)))
-    y = compute_request(store, msg.layer, x, ids)
-    mapping.view(msg.out, np.float32, y.shape)[...] = y
-    be.synchronize()
-
-
-def compute_request(store: BlobArena, layer: int, x, ids: np.ndarray):
-    """Outputs (n, k, d) of the asked pairs (ids >= 0) for rows ``x``, as a backend array."""
-    be = store.backend
-    n, k = ids.shape
-    y = be.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
-    for expert in np.unique(ids[ids >= 0]):
-        if not store.holds(layer, int(expert)):
-            raise KeyError(f"asked for pair ({layer}, {int(expert)}), which this helper does not hold")
-        r, j = np.nonzero(ids == expert)
-        y[be.asarray(r), be.asarray(j)] = store.compute(layer, int(expert), x[be.asarray(r)])
-    return y

@@ -3,7 +3,7 @@ stage saving and restoring only its own part, and resumes only at a position eve
 
 Real rank processes (CPU) for the conversation tests: RESUME > 0 over 2 and 3 stages, a follow-up
 equal to a fresh read at the same chunk boundaries, a regenerate, a prompt that diverges mid-way
-(resumed at the longest usable checkpoint before the divergence), and the single-process Engine
+(resumed at the longest usable checkpoint before the divergence), and the single-process SingleProcessRunner
 following the same rule turn by turn. In process: the rules, the bytes, an incomplete set (one
 stage's part dropped, or not allocated) is not used, and a stage refuses another stage's part."""
 import numpy as np
@@ -16,7 +16,7 @@ from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from strata_dist.checkpoints import (MAX_PER_SESSION, CheckpointStore, chunk_positions,
                                      common_positions, request_positions, resume_point)
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
 from strata_dist.models.qwen3next import RecurrentRewindError
@@ -116,7 +116,7 @@ def test_incomplete_set_is_not_used(model):
     with pytest.raises(RecurrentRewindError):                       # and no stage guesses
         stages[2].run(0, 32, hidden=np.zeros((1, 64), np.float32))
     logits, _ = _request(stages, start, other[start:])
-    fresh = Engine(model, prefill_chunk=CHUNK, max_context=CTX)
+    fresh = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX)
     assert np.array_equal(logits, fresh.prefill(other))
 
 
@@ -194,14 +194,14 @@ def test_store_of_a_positional_session_moves_anywhere():
 
 
 def test_engine_resumes_by_the_same_rule(model):
-    eng = Engine(model, prefill_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
+    eng = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
     first = eng.generate(PROMPT, N_NEW, resume=True)
     assert eng.checkpoints.positions() == [16, 32, 40]
     other = PROMPT[:36] + _ids(8, 20, avoid=PROMPT[36])
     again = eng.generate(other, N_NEW, resume=True)
     assert again.reused == 32
-    assert again.tokens == Engine(model, prefill_chunk=CHUNK, max_context=CTX).generate(other, N_NEW).tokens
-    assert first.tokens == Engine(model, prefill_chunk=CHUNK, max_context=CTX).generate(PROMPT, N_NEW).tokens
+    assert again.tokens == SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX).generate(other, N_NEW).tokens
+    assert first.tokens == SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX).generate(PROMPT, N_NEW).tokens
 
 
 # ---- real rank processes -------------------------------------------------------------------------
@@ -209,17 +209,17 @@ def test_engine_resumes_by_the_same_rule(model):
 def _fresh_read(path, segments, max_new):
     """Greedy tokens after reading `segments` on a fresh single-process session, each segment as
     one chunk (so the chunk boundaries are the ones given)."""
-    eng = Engine(path, max_context=CTX, prefill_chunk=10 ** 6)
+    eng = SingleProcessRunner(path, max_context=CTX, prefill_chunk=10 ** 6)
     logits = None
     for seg in segments:
         h = eng._run(seg)
-        logits = eng.backend.to_host(eng.model.head(h[-1:]))[0]
+        logits = eng.backend.to_host(eng.model.output_logits(h[-1:]))[0]
     out = []
     for i in range(max_new):
         out.append(int(np.argmax(logits)))
         if i + 1 < max_new:
             h = eng._run([out[-1]])
-            logits = eng.backend.to_host(eng.model.head(h[-1:]))[0]
+            logits = eng.backend.to_host(eng.model.output_logits(h[-1:]))[0]
     return out
 
 
@@ -262,10 +262,10 @@ def test_conversation_resumes_from_checkpoints(model, split):
     assert t3["tokens"] == t2["tokens"]
     # resumed at a multiple of the chunk, the boundaries are those of a plain fresh read
     for prompt, t in [(other, t4), (early, t5)]:
-        assert t["tokens"] == Engine(model, prefill_chunk=CHUNK, max_context=CTX).generate(
+        assert t["tokens"] == SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX).generate(
             prompt, N_NEW).tokens
     # the single process, resuming by the same rule, resumes at the same positions
-    eng = Engine(model, prefill_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
+    eng = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
     for prompt, t in turns:
         r = eng.generate(prompt, N_NEW, resume=True)
         assert (r.reused, r.tokens) == (t["resume"], t["tokens"])
@@ -289,7 +289,7 @@ def test_qwen3moe_resumes_at_any_prefix(tmp_path):
     finally:
         s.close()
     assert out["resume"] == 37                      # KV is positional: the divergence itself
-    eng = Engine(path, prefill_chunk=CHUNK, max_context=CTX)
+    eng = SingleProcessRunner(path, prefill_chunk=CHUNK, max_context=CTX)
     eng.generate(PROMPT, 4)
     again = eng.generate(other, 4, resume=True)
     assert (again.reused, again.tokens) == (37, out["tokens"])

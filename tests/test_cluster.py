@@ -22,7 +22,7 @@ from protocol.auth import write_secret
 from protocol.messages import Assign, DeviceInfo, Register
 from protocol.transport import CurveKeys, ProtocolTimeout, new_curve_keypair, use_curve
 from strata_dist.coordinator import Coordinator, RankSlot
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.plan import PlanParams, make_plan
 from strata_dist.plan.pricing import HANDOFF_DTYPE_BYTES
@@ -43,7 +43,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    return Engine(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
+    return SingleProcessRunner(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
 
 
 def free_port() -> int:

@@ -14,24 +14,24 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("seed,hidden,top_k,n_experts,dtype", [
     (0, 64, 2, 8, "f32"), (1, 64, 8, 16, "f16"), (2, 256, 2, 8, "q8_0"), (3, 256, 8, 16, "q8_0")])
 def test_cupy_logits_match_numpy(tmp_path, seed, hidden, top_k, n_experts, dtype, f16_kv_reference):
-    from strata_dist.engine import Engine
+    from strata_dist.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(seed, hidden=hidden, top_k=top_k, n_experts=n_experts),
                       tmp_path / "m.gguf", dtype)
     ids = [int(x) for x in np.random.default_rng(seed).integers(0, 320, 48)]
-    ref = Engine(path, "cpu").logits(ids)
-    got = Engine(path, "cuda:0").logits(ids)
+    ref = SingleProcessRunner(path, "cpu").logits(ids)
+    got = SingleProcessRunner(path, "cuda:0").logits(ids)
     assert np.abs(got - ref).max() <= 1e-2
 
 
 @pytest.mark.skipif(not os.environ.get("STRATA_BIG_MODEL_DIR"),
                     reason="set STRATA_BIG_MODEL_DIR to a folder with ~35 GB free")
 def test_synth_qwen3_30b_q8_0_generates_on_gpu():
-    from strata_dist.engine import Engine
+    from strata_dist.single_process import SingleProcessRunner
     from strata_dist.synth import write_synthetic
     path = os.path.join(os.environ["STRATA_BIG_MODEL_DIR"], "qwen3-30b-a3b-q8_0.gguf")
     if not os.path.exists(path):
         write_synthetic(path, like="qwen3-30b-a3b", quant="q8_0", popularity="zipf:1.0", seed=0)
-    eng = Engine(path, "cuda:0", max_context=1024)
+    eng = SingleProcessRunner(path, "cuda:0", max_context=1024)
     res = eng.generate(list(range(1, 33)), 16)
     assert len(res.tokens) == 16 and all(0 <= t < eng.model.g.n_vocab for t in res.tokens)
     print(f"30B q8_0: prompt {res.prompt_ms:.0f} ms, decode {res.decode_ms:.0f} ms for 16 tokens")
@@ -46,13 +46,13 @@ def test_cupy_qwen3next_matches_numpy(tmp_path, seed, top_k, n_experts, f16_kv_r
     moves these tiny random models' logits by 1e-2..1e0 (the GDN input projection is the most
     sensitive; reproduced on numpy by rounding the same way), so they are not a test of this code."""
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
-    from strata_dist.engine import Engine
+    from strata_dist.single_process import SingleProcessRunner
     path = write_next(tiny_qwen3next(seed, hidden=128, top_k=top_k, n_experts=n_experts),
                       tmp_path / "next.gguf", "q8_0")
     ids = [int(x) for x in np.random.default_rng(seed).integers(0, 320, 40)]
-    cpu = Engine(path, "cpu", prefill_chunk=16)
+    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=16)
     ref = np.concatenate([cpu.feed(ids[:32])] + [cpu.feed([t]) for t in ids[32:]])
-    gpu = Engine(path, "cuda:0", prefill_chunk=16)
+    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=16)
     got = np.concatenate([gpu.feed(ids[:32])] + [gpu.feed([t]) for t in ids[32:]])
     assert np.abs(got - ref).max() <= 1e-3
 

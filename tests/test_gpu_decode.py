@@ -85,9 +85,9 @@ TOLERANCE = {"f32": 1e-2, "f16": 2e-2, "q8_0": 1e-2}
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
 def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference):
-    from strata_dist.engine import Engine
+    from strata_dist.single_process import SingleProcessRunner
     path = _model(tmp_path, dtype)
-    cpu, gpu = Engine(path, "cpu", prefill_chunk=128), Engine(path, "cuda:0", prefill_chunk=128)
+    cpu, gpu = SingleProcessRunner(path, "cpu", prefill_chunk=128), SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
     assert gpu.decode_graph is not None
     cpu.prefill(PROMPT)
     gpu.prefill(PROMPT)
@@ -103,9 +103,9 @@ def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference):
 
 
 def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
-    from strata_dist.engine import Engine
+    from strata_dist.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=8)
-    graph, eager, general = (Engine(path, "cuda:0", prefill_chunk=128) for _ in range(3))
+    graph, eager, general = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(3))
     eager.decode_graph.use_graph = False
     general.decode_graph = None
     for e in (graph, eager):
@@ -115,19 +115,19 @@ def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
         assert np.array_equal(a, b)
     assert len(graph.decode_graph.graphs) == 1 and not eager.decode_graph.graphs
     want = general.generate(PROMPT[:40], 24).tokens
-    assert Engine(path, "cuda:0", prefill_chunk=128).generate(PROMPT[:40], 24).tokens == want
+    assert SingleProcessRunner(path, "cuda:0", prefill_chunk=128).generate(PROMPT[:40], 24).tokens == want
 
 
 def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
     """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
-    from strata_dist.engine import Engine
+    from strata_dist.single_process import SingleProcessRunner
     from strata_dist.synth import SynthGeometry, write_synthetic
     geo = SynthGeometry("small", n_layer=3, n_embd=512, n_head=4, n_head_kv=2, head_dim=128,
                         n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=1024,
                         context_length=2048)
     path = str(tmp_path / "q4k.gguf")
     write_synthetic(path, like=geo, quant="q4_k", popularity="zipf:1.0", seed=3)
-    cpu, gpu = Engine(path, "cpu", prefill_chunk=64), Engine(path, "cuda:0", prefill_chunk=64)
+    cpu, gpu = SingleProcessRunner(path, "cpu", prefill_chunk=64), SingleProcessRunner(path, "cuda:0", prefill_chunk=64)
     assert gpu.decode_graph is not None
     prompt = [int(x) for x in np.random.default_rng(5).integers(10, 1000, 70)]
     cpu.prefill(prompt)

@@ -23,8 +23,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    from strata_dist.engine import Engine
-    return Engine(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
+    from strata_dist.single_process import SingleProcessRunner
+    return SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
 
 
 def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
@@ -41,8 +41,8 @@ def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
             assert int(r["loan_peak_bytes"]) > 0, r
             assert int(r.get("loan_live_at_refill", 0)) == 0, r
         again = s.gen(PROMPT[:40], 32, timeout=120)     # decode reads the refilled slots
-        from strata_dist.engine import Engine
-        assert again["tokens"] == Engine(model, "cuda:0", prefill_chunk=CHUNK,
+        from strata_dist.single_process import SingleProcessRunner
+        assert again["tokens"] == SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK,
                                          max_context=512).generate(PROMPT[:40], 32).tokens
     finally:
         assert s.close() == 0

@@ -24,8 +24,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    from strata_dist.engine import Engine
-    return Engine(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
+    from strata_dist.single_process import SingleProcessRunner
+    return SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
 
 
 @pytest.mark.parametrize("split", ["", "3", "1,4"])

@@ -22,7 +22,7 @@ from launch_helpers import LineProcess
 from netns_helpers import NetLab, unavailable
 from protocol.auth import write_secret
 from protocol.transport import write_curve_keys
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.gguf_model import GGUFModel
 
 CHUNK = 16
@@ -56,7 +56,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    return Engine(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
+    return SingleProcessRunner(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
 
 
 def head(lab, files, *extra, expect=2) -> LineProcess:

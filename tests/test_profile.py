@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.plan.profile import RoutingProfile
 from strata_dist.profile_io import (load_profile, read_profile_file, read_prompt_ids_file, record_profile,
@@ -55,7 +55,7 @@ def test_decode_steps_are_counted(models):
     prompts = _prompts(3, 7, seed=3)
     max_new = 5
     prof = record_profile(models["uniform"], prompts, max_new=max_new)
-    eng = Engine(str(models["uniform"]), max_context=64)
+    eng = SingleProcessRunner(str(models["uniform"]), max_context=64)
     fed = sum(len(p) + len(eng.generate(p, max_new).tokens) - 1 for p in prompts)  # last token is not fed
     assert fed > sum(len(p) for p in prompts)
     np.testing.assert_array_equal(prof.counts.sum(axis=1), np.full(L, fed * K))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_fixtures import hf_logits, load_gguf_weights_into, tiny_qwen3moe, write_gguf
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.gguf_model import GGUFModel
 
 CONFIGS = [  # (seed, hidden, top_k, n_experts)
@@ -31,7 +31,7 @@ def f32_model(request, tmp_path_factory):
 def test_prefill_logits_match_f32(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed, 32)
-    ours = Engine(path).logits(ids)
+    ours = SingleProcessRunner(path).logits(ids)
     ref = hf_logits(hf, ids)
     assert ours.shape == ref.shape == (32, 320)
     assert np.abs(ours - ref).max() <= 1e-4
@@ -41,7 +41,7 @@ def test_incremental_decode_logits_match_f32(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed + 100, 32 + 64)
     ref = hf_logits(hf, ids)
-    eng = Engine(path, prefill_chunk=16)   # the 32-token prefill itself crosses a chunk boundary
+    eng = SingleProcessRunner(path, prefill_chunk=16)   # the 32-token prefill itself crosses a chunk boundary
     eng.session.reset()
     got = [eng.feed(ids[:32])]
     for t in ids[32:]:
@@ -57,7 +57,7 @@ def test_greedy_tokens_equal_transformers_generate(f32_model):
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = out[0, len(prompt):].tolist()
-    assert Engine(path).generate(prompt, 32).tokens == ref
+    assert SingleProcessRunner(path).generate(prompt, 32).tokens == ref
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
@@ -66,7 +66,7 @@ def test_quantized_files_match_reference_on_same_weights(tmp_path, dtype):
     path = write_gguf(hf, tmp_path / f"{dtype}.gguf", dtype)
     load_gguf_weights_into(hf, GGUFModel(path))   # the reference runs the file's own weights
     ids = _ids(7, 32)
-    ours = Engine(path).logits(ids)
+    ours = SingleProcessRunner(path).logits(ids)
     assert np.abs(ours - hf_logits(hf, ids)).max() <= 1e-3
 
 
@@ -75,12 +75,12 @@ def test_tied_embeddings(tmp_path):
     path = write_gguf(hf, tmp_path / "tied.gguf", "f32")
     assert "output.weight" not in GGUFModel(path).tensors
     ids = _ids(9, 20)
-    assert np.abs(Engine(path).logits(ids) - hf_logits(hf, ids)).max() <= 1e-4
+    assert np.abs(SingleProcessRunner(path).logits(ids) - hf_logits(hf, ids)).max() <= 1e-4
 
 
 def test_prefill_chunk_size_does_not_change_greedy_tokens(f32_model):
     _, path, seed = f32_model
     prompt = _ids(seed + 300, 40)
-    a = Engine(path, prefill_chunk=7).generate(prompt, 16).tokens
-    b = Engine(path, prefill_chunk=512).generate(prompt, 16).tokens
+    a = SingleProcessRunner(path, prefill_chunk=7).generate(prompt, 16).tokens
+    b = SingleProcessRunner(path, prefill_chunk=512).generate(prompt, 16).tokens
     assert a == b

@@ -8,7 +8,7 @@ import torch
 
 from hf_next_fixtures import hf_logits, load_gguf_weights_into, tiny_qwen3next, write_gguf
 from strata_dist.backends import get_backend
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.gguf_model import GGUFModel, TensorKind
 from strata_dist.model_shape import model_shape
 from strata_dist.models import load_model
@@ -42,7 +42,7 @@ def f32_model(request, tmp_path_factory):
 def test_prefill_logits_match_f32(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed, 32)
-    ours = Engine(path).logits(ids)
+    ours = SingleProcessRunner(path).logits(ids)
     ref = hf_logits(hf, ids)
     assert ours.shape == ref.shape == (32, VOCAB)
     assert ref.std() > 0.5                      # far from uniform: a wrong forward shows
@@ -52,7 +52,7 @@ def test_prefill_logits_match_f32(f32_model):
 def test_chunked_prefill_carries_the_recurrence(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed + 50, 32)
-    ours = Engine(path, prefill_chunk=7).logits(ids)   # 7+7+7+7+4: conv and delta state cross chunks
+    ours = SingleProcessRunner(path, prefill_chunk=7).logits(ids)   # 7+7+7+7+4: conv and delta state cross chunks
     assert np.abs(ours - hf_logits(hf, ids)).max() <= TOL
 
 
@@ -60,7 +60,7 @@ def test_incremental_decode_logits_match_f32(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed + 100, 32 + 64)
     ref = hf_logits(hf, ids)
-    eng = Engine(path, prefill_chunk=16)
+    eng = SingleProcessRunner(path, prefill_chunk=16)
     eng.session.reset()
     got = [eng.feed(ids[:32])]
     for t in ids[32:]:
@@ -75,7 +75,7 @@ def test_greedy_tokens_equal_transformers_generate(f32_model):
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = out[0, len(prompt):].tolist()
-    assert Engine(path, prefill_chunk=5).generate(prompt, 16).tokens == ref
+    assert SingleProcessRunner(path, prefill_chunk=5).generate(prompt, 16).tokens == ref
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
@@ -90,7 +90,7 @@ def test_quantized_files_match_reference_on_same_weights(tmp_path, dtype):
     load_gguf_weights_into(hf, GGUFModel(path))
     ref = hf_logits(hf, ids)
     assert np.abs(ref - before).max() > 10 * TOL      # the weights really were rounded
-    assert np.abs(Engine(path).logits(ids) - ref).max() <= TOL
+    assert np.abs(SingleProcessRunner(path).logits(ids) - ref).max() <= TOL
 
 
 def test_legacy_fused_ssm_in_file(tmp_path):
@@ -101,7 +101,7 @@ def test_legacy_fused_ssm_in_file(tmp_path):
     gguf = GGUFModel(path)
     assert "blk.0.ssm_in.weight" in gguf.tensors and "blk.0.attn_qkv.weight" not in gguf.tensors
     ids = _ids(3, 24)
-    assert np.abs(Engine(path, prefill_chunk=5).logits(ids) - hf_logits(hf, ids)).max() <= TOL
+    assert np.abs(SingleProcessRunner(path, prefill_chunk=5).logits(ids) - hf_logits(hf, ids)).max() <= TOL
 
 
 def test_tied_embeddings(tmp_path):
@@ -109,7 +109,7 @@ def test_tied_embeddings(tmp_path):
     path = write_gguf(hf, tmp_path / "tied.gguf")
     assert "output.weight" not in GGUFModel(path).tensors
     ids = _ids(9, 20)
-    assert np.abs(Engine(path).logits(ids) - hf_logits(hf, ids)).max() <= TOL
+    assert np.abs(SingleProcessRunner(path).logits(ids) - hf_logits(hf, ids)).max() <= TOL
 
 
 # ---- the carve -----------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def _run_split(path, bounds, prompt, chunk, n_decode):
             h = m.forward_layers(h, s)
         for _, s in stages:
             s.n_past += len(ids)
-        return stages[-1][0].head(h)
+        return stages[-1][0].output_logits(h)
 
     for start in range(0, len(prompt), chunk):
         logits.append(step(prompt[start:start + chunk]))
@@ -212,7 +212,7 @@ def test_model_shape_is_hybrid(carve_model):
 
 
 def test_recurrent_session_refuses_to_rewind(carve_model):
-    eng = Engine(carve_model, max_context=64)
+    eng = SingleProcessRunner(carve_model, max_context=64)
     eng.logits(_ids(5, 10))
     s = eng.session
     assert s.n_past == 10 and float(np.abs(s.recurrent_state(0)).sum()) > 0
@@ -221,5 +221,5 @@ def test_recurrent_session_refuses_to_rewind(carve_model):
         s.reset(4)                                # the recurrence cannot go back without a checkpoint
     s.reset(0)                                    # a fresh conversation clears every state
     assert float(np.abs(s.recurrent_state(0)).sum()) == 0 and float(np.abs(s.conv_state(0)).sum()) == 0
-    a = Engine(carve_model, max_context=64)
+    a = SingleProcessRunner(carve_model, max_context=64)
     assert np.array_equal(eng.logits(_ids(6, 9)), a.logits(_ids(6, 9)))

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.model_shape import model_shape
 from strata_dist.models import open_checked, qwen3next
 from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
@@ -19,7 +19,7 @@ def test_tiny_next_opens_runs_and_keeps_the_routing_law(tmp_path, quant):
     assert gguf.arch == "qwen3next"
     shape = model_shape(gguf, "cpu")
     assert shape.layer_kind == ("linear", "linear", "linear", "attention") * 2
-    eng = Engine(str(s.path), max_context=512)
+    eng = SingleProcessRunner(str(s.path), max_context=512)
     counts = np.zeros((8, 8))
     eng.model.on_route = lambda layer, idx: np.add.at(counts[layer], np.asarray(idx).ravel(), 1)
     ids = [int(x) for x in np.random.default_rng(0).integers(0, 512, 400)]

@@ -10,7 +10,7 @@ import pytest
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession, rank_pids
 from strata_dist.backends import get_backend
-from strata_dist.engine import Engine
+from strata_dist.single_process import SingleProcessRunner
 from strata_dist.experts import BlobArena, HostTier
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.stage import Stage, StageConfig
@@ -28,7 +28,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    return Engine(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
+    return SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
 
 
 def _launch(model, n_ranks, split, *extra, env=None):
@@ -139,7 +139,7 @@ def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_p
     from protocol import Channel, Error, ExpertReply, ExpertRequest, IpcHandle
     from protocol.messages import Assign, DeviceInfo, RowSlot
     from strata_dist.rank import RankOptions, RankProcess
-    from strata_dist.tiers import serve_request
+    from strata_dist.helper_server import HelperServer, serve_request
 
     gguf = GGUFModel(model)
     be = get_backend("cpu")
@@ -151,13 +151,13 @@ def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_p
     try:
         rp.assign = Assign(rank=2, role="helper", lb=0, le=0, first=False, last=False, device="cpu",
                            plan={})
-        rp.helper_arena = BlobArena(be, gguf, pairs, N_LAYERS, 8)
+        rp.helper = HelperServer(2, BlobArena(be, gguf, pairs, N_LAYERS, 8))
         endpoint = rp.helper_socket.bind(f"ipc://{tmp_path}/helper.sock")
         stage = Channel("dealer", peer="helper").connect(endpoint)
 
         def ask(msg, arrays=()):
             stage.send(msg, list(arrays), timeout_ms=2000)
-            rp._serve_helper()
+            rp._answer_helper_request()
             return stage.recv(timeout_ms=2000)
 
         reply, _ = ask(IpcHandle(name="expert_rows", handle=bytes(64), device=0, nbytes=1 << 20,
@@ -172,7 +172,7 @@ def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_p
         msg = ExpertRequest(seq=2, layer=1, n=2)
         reply, arrays = ask(msg, [x, ids, wts])
         assert isinstance(reply, ExpertReply) and reply.seq == 2 and reply.slot is None
-        np.testing.assert_array_equal(arrays[0], serve_request(rp.helper_arena, msg, [x, ids, wts]))
+        np.testing.assert_array_equal(arrays[0], serve_request(rp.helper.arena, msg, [x, ids, wts]))
         stage.close()
     finally:
         rp.close()

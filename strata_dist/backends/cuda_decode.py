@@ -272,9 +272,9 @@ class DecodeGraph:
                 w=w))
         if self.last:
             t = m._tensors
-            head = weight_of(t["token_embd.weight" if g.tied_embeddings else "output.weight"],
-                             "output.weight")
-            self.head = mat_launches([(head, _mat(head, self.logits))])
+            output_w = weight_of(t["token_embd.weight" if g.tied_embeddings else "output.weight"],
+                                 "output.weight")
+            self.output_projection = mat_launches([(output_w, _mat(output_w, self.logits))])
             self.output_norm = norm_vector(t["output_norm.weight"], "output_norm.weight")
         if self.first:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
@@ -284,7 +284,7 @@ class DecodeGraph:
         names |= {"embed_tokens"} if self.first else set()
         names |= {"argmax_row"} if self.last else set()
         launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
-        launches += self.head if self.last else []
+        launches += self.output_projection if self.last else []
         for n in range(1, self.max_rows + 1):
             names |= {matvec_kernel(x.type, n) for x in launches}
         for L in self.layer_specs:
@@ -394,7 +394,7 @@ class DecodeGraph:
             f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                                   (L["experts"], self.act, self.blobs, self.wts, self.h))
         if self.last:
-            self._matvec(self.head, self.h[n - 1:n], g.n_embd, 1, self.output_norm, eps)
+            self._matvec(self.output_projection, self.h[n - 1:n], g.n_embd, 1, self.output_norm, eps)
             f("argmax_row")((ARGMAX_BLOCKS,), (256,), (self.logits, i32(g.n_vocab), self.post_v,
                                                        self.post_i, self.done, self.token))
 

@@ -214,7 +214,7 @@ class LayerRangeModel:
             raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
         return self.backend.rows(self._tensors["token_embd.weight"], ids)
 
-    def head(self, h):
+    def output_logits(self, h):
         """Final norm and output projection -> float32 logits [n, vocab]."""
         h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, self.backend.xp)
         w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]

@@ -340,7 +340,7 @@ class Worker:
                     if time.monotonic() - self.stats_at > STATS_EVERY_S:
                         self._refresh_stats()
                     continue
-                self._serve(job)
+                self._run_job(job)
         except RankFailure as e:
             self.fail(str(e))
             raise
@@ -369,7 +369,7 @@ class Worker:
                 self.rank_gauges[rank] = dict(rep.gauges)
             self.stats_at = time.monotonic()
 
-    def _serve(self, job: Job) -> None:
+    def _run_job(self, job: Job) -> None:
         if job.cancelled.is_set():     # its client left while it waited
             with self.lock:
                 self.totals["requests_cancelled"] += 1

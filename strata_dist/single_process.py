@@ -1,4 +1,4 @@
-"""The single-process engine: one model over all layers, one session, chunked prefill, decode.
+"""The single-process runner: one model over all layers, one session, chunked prefill, decode.
 
 It is the baseline every distributed run is compared against (`strata-dist generate`)."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ class GenerationResult:
     chunks: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms) per prompt chunk
 
 
-class Engine:
+class SingleProcessRunner:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY):
         self.gguf = open_checked(model_path)
@@ -72,7 +72,7 @@ class Engine:
             self.session.n_past += len(token_ids)
             return out
         h = self._run(token_ids)
-        return self.backend.to_host(self.model.head(h[-1:]))[0]
+        return self.backend.to_host(self.model.output_logits(h[-1:]))[0]
 
     def feed(self, token_ids: list[int]) -> np.ndarray:
         """Append tokens to the session; float32 logits of each of their positions, [n, vocab]."""
@@ -80,7 +80,7 @@ class Engine:
         out = []
         for start in range(0, len(token_ids), self.prefill_chunk):
             h = self._run(token_ids[start:start + self.prefill_chunk])
-            out.append(self.backend.to_host(self.model.head(h)).astype(np.float32))
+            out.append(self.backend.to_host(self.model.output_logits(h)).astype(np.float32))
         return np.concatenate(out, axis=0)
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
@@ -118,7 +118,7 @@ class Engine:
             if self.session.n_past in checkpoint_at:
                 self.checkpoints.save(self.session, self.session.n_past)
             if start + len(chunk) == len(token_ids):
-                last = self.backend.to_host(self.model.head(h[-1:]))[0]
+                last = self.backend.to_host(self.model.output_logits(h[-1:]))[0]
             self.backend.synchronize()
             if on_chunk:
                 on_chunk(start + len(chunk), len(token_ids), (time.perf_counter() - t0) * 1e3)

@@ -1,4 +1,4 @@
-"""`--serve`: the stdin/stdout line protocol for scripted runs (DESIGN.md §6).
+"""`--serve`: the stdin/stdout line protocol for scripted runs (README.md, under `strata-launch`).
 
     INFO key=value …            startup facts (one line for the run, one per rank)
     READY <ctx>
@@ -70,7 +70,7 @@ def parse_gen(line: str) -> GenRequest:
     return req
 
 
-class LineServer:
+class LineProtocol:
     def __init__(self, session: HeadSession, out: TextIO = sys.stdout):
         self.session = session
         self.coord = session.coord
@@ -101,7 +101,7 @@ class LineServer:
         self.out.write(" | ".join(part for part in line.splitlines() if part.strip()) + "\n")
         self.out.flush()
 
-    def serve(self, lines: "queue.Queue[str | None]") -> int:
+    def run(self, lines: "queue.Queue[str | None]") -> int:
         """Answer lines until QUIT or end of input; a dead rank ends the run (returns 1)."""
         self._lines = lines
         while True:
@@ -211,4 +211,4 @@ def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extr
     return lines
 
 
-__all__ = ["LineServer", "parse_gen", "stdin_lines", "info_lines"]
+__all__ = ["LineProtocol", "parse_gen", "stdin_lines", "info_lines"]

@@ -1,0 +1,167 @@
+"""What a stage rank does with one data-plane message, with no socket in sight.
+
+`StageStep.step(msg, rows)` takes one message (prompt chunk or decode step as Tokens or Hidden rows,
+Release, Cancel) and returns the messages it causes, each addressed to a neighbour: the next stage,
+the head, or (last stage, the next decode step) the first stage. The rank's shell
+(strata_dist/rank.py) owns the sockets, receives, and sends what comes back. One decode token
+through a stage, in order: `_on_rows` → `Stage.run` (the layers) → `_hand_on` → rows to the next
+stage, or on the last stage `_sample` → Token to the head and Tokens to the first stage."""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass
+from enum import Enum
+
+from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Tokens
+from protocol.messages import Sampling
+
+from .checkpoints import common_positions
+from .sampler import Sampler, SamplingParams
+from .stage import Stage
+
+log = logging.getLogger("strata.step")
+
+
+class To(Enum):
+    NEXT = "next"      # the next stage (Hidden rows through the hand-off, or a Release)
+    HEAD = "head"      # the head session: progress, tokens, errors
+    FIRST = "first"    # the first stage: the next decode step (last stage only)
+
+
+@dataclass
+class Outbound:
+    to: To
+    msg: object
+    rows: object = None   # Hidden rows as a backend array: the shell hands them to the next stage
+
+
+@dataclass
+class _Request:
+    """What the last stage keeps per request: the sampler and how many tokens it has made."""
+    sampler: Sampler
+    max_new: int
+    stop_ids: frozenset
+    session_id: int
+    generated: int = 0
+
+
+class StageStep:
+    def __init__(self, stage: Stage, rank: int, last: bool, min_request_id: int = 0):
+        self.stage, self.rank, self.last = stage, rank, last
+        self.min_request_id = min_request_id
+        self.requests: dict[int, _Request] = {}
+        # compute_us: time in the stage's own work (the shell adds send_us)
+        self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
+                         "stale_dropped": 0}
+        self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
+                          Release: self._on_release, Cancel: self._on_cancel}
+
+    def step(self, msg, rows=None) -> list[Outbound]:
+        """The messages one data-plane message causes. ``rows`` are a Hidden message's rows as a
+        backend array (the shell reads them from the frame or the upstream IPC slot)."""
+        handler = self._handlers.get(type(msg))
+        return handler(msg, rows) if handler is not None else []
+
+    def _on_release(self, msg: Release, rows) -> list[Outbound]:
+        self.stage.release(msg.session_id)
+        return [] if self.last else [Outbound(To.NEXT, msg)]
+
+    def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
+        req = self.requests.pop(msg.request_id, None)
+        if req is None:
+            return []
+        # still generating: say so; its step in flight is dropped when it comes back
+        return [Outbound(To.HEAD, Token(request_id=msg.request_id, session_id=req.session_id,
+                                        token_id=0, pos=0, done=True, reason="cancelled"))]
+
+    def _on_rows(self, msg: Tokens | Hidden, rows) -> list[Outbound]:
+        if msg.request_id < self.min_request_id:
+            # a replacement (rejoin): rows of the request that was lost with the rank it
+            # replaces, which the other ranks were still sending to this endpoint
+            self.counters["stale_dropped"] += 1
+            return []
+        t0 = time.perf_counter()
+        try:
+            out = self._run(msg, rows)
+        except Exception as e:  # a bad request must not take the rank down
+            log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
+            self.stage.end_prompt()   # a failed prompt still gives its loan back
+            return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+        self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
+        return self._hand_on(msg, out, t0)
+
+    def error(self, request_id: int, message: str) -> Outbound:
+        self.counters["errors"] += 1
+        return Outbound(To.HEAD, Error(rank=self.rank, request_id=request_id, message=message))
+
+    def _run(self, msg: Tokens | Hidden, rows):
+        is_prompt = msg.sampling is not None
+        if is_prompt and msg.chunk_index == 0:
+            self.stage.begin_prompt()
+        if isinstance(msg, Tokens):
+            out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
+                                 checkpoint_at=msg.checkpoint_at)
+        else:
+            out = self.stage.run(msg.session_id, msg.pos, hidden=rows, prompt=is_prompt,
+                                 checkpoint_at=msg.checkpoint_at)
+        if is_prompt and msg.chunk_index == msg.chunk_total - 1:
+            self.stage.end_prompt()   # before the first decode step reaches this stage
+        self.counters["chunks" if is_prompt else "tokens"] += 1
+        self.counters["rows"] += _rows_of(msg)
+        return out
+
+    def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
+        """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
+        next decode step to the first stage."""
+        is_prompt = msg.sampling is not None
+        # the checkpoints every stage so far holds for the session (checkpoints.py; PROTOCOL.md §4a)
+        upstream = None if isinstance(msg, Tokens) or msg.resume_any else msg.checkpoints
+        held = common_positions(upstream, self.stage.checkpoint_positions(msg.session_id))
+        if not self.last:
+            shape = [int(d) for d in out.shape]
+            return [Outbound(To.NEXT, Hidden(
+                request_id=msg.request_id, session_id=msg.session_id, pos=msg.pos, n=shape[0],
+                dtype="float32", shape=shape, chunk_index=msg.chunk_index,
+                chunk_total=msg.chunk_total, sampling=msg.sampling,
+                checkpoint_at=msg.checkpoint_at, checkpoints=held or [],
+                resume_any=held is None), rows=out)]
+        end = msg.pos + _rows_of(msg)
+        sent: list[Outbound] = []
+        if is_prompt:
+            sent.append(Outbound(To.HEAD, PromptProgress(
+                request_id=msg.request_id, session_id=msg.session_id, pos=end,
+                chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
+                ms=(time.perf_counter() - t0) * 1e3, checkpoints=held or [],
+                resume_any=held is None)))
+            if msg.chunk_index < msg.chunk_total - 1:
+                return sent
+            self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
+        return sent + self._sample(msg, out, end)
+
+    def _sample(self, msg: Tokens | Hidden, logits, end: int) -> list[Outbound]:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
+            self.requests.pop(msg.request_id, None)
+            return []
+        tok = req.sampler(logits)
+        req.generated += 1
+        reason = "stop" if tok in req.stop_ids else ("length" if req.generated >= req.max_new else "")
+        sent = [Outbound(To.HEAD, Token(request_id=msg.request_id, session_id=msg.session_id,
+                                        token_id=tok, pos=end, done=bool(reason), reason=reason))]
+        if reason:
+            del self.requests[msg.request_id]
+            return sent
+        return sent + [Outbound(To.FIRST, Tokens(request_id=msg.request_id,
+                                                 session_id=msg.session_id, pos=end, ids=[tok]))]
+
+
+def _rows_of(msg: Tokens | Hidden) -> int:
+    return len(msg.ids) if isinstance(msg, Tokens) else msg.n
+
+
+def _new_request(s: Sampling, session_id: int) -> _Request:
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                            min_p=s.min_p, seed=s.seed)
+    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
