@@ -71,6 +71,25 @@ def main() -> int:
     end.synchronize()
     print(f"graph replay, all kernels preferring the most shared memory: "
           f"{cp.cuda.get_elapsed_time(start, end) / args.steps:.3f} ms/token")
+    # programmatic dependent launches (kernels/pdl.py): the same graph with programmatic edges
+    from strata_dist.kernels.pdl import ProgrammaticLauncher
+    runner._pdl = ProgrammaticLauncher()
+    runner.graphs.clear()
+    graph = runner._graph(1)
+    graph.launch(stream)
+    start.record(stream)
+    for _ in range(args.steps):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    print(f"graph replay with programmatic dependent launches: "
+          f"{cp.cuda.get_elapsed_time(start, end) / args.steps:.3f} ms/token")
+    tok_pdl = eng.decode_step([11]).greedy_token
+    runner._pdl = None
+    runner.graphs.clear()
+    eng.session.n_past -= 1
+    tok_plain = eng.decode_step([11]).greedy_token
+    print(f"the same step's token with and without them: {tok_pdl} {tok_plain}")
     return 0
 
 

@@ -118,6 +118,20 @@ def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
     assert SingleProcessRunner(path, "cuda:0", prefill_chunk=128).generate(PROMPT[:40], 24).tokens == want
 
 
+def test_programmatic_dependent_launches_change_no_bit(tmp_path):
+    """STRATA_PDL's graph (programmatic edges between the kernels) gives the plain graph's
+    logits exactly, step after step."""
+    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.kernels.pdl import ProgrammaticLauncher
+    path = _model(tmp_path, "q8_0", seed=9)
+    plain, pdl = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    pdl.decode_graph._pdl = ProgrammaticLauncher()
+    for e in (plain, pdl):
+        e.prefill(PROMPT[:40])
+    for t in NEXT:
+        assert np.array_equal(np.asarray(plain.decode_step([t])), np.asarray(pdl.decode_step([t])))
+
+
 def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
     """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
     from strata_dist.single_process import SingleProcessRunner

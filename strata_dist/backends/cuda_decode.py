@@ -28,6 +28,7 @@ from ..kernels import function
 from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32,
                            KERNEL_TYPES, MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES, KernelShape, matvec_kernel,
                            rows_per_block)
+from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
 
@@ -170,6 +171,9 @@ class DecodeGraph:
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[int, object] = {}
         self._timing = None            # [(kernel, start, end)] while kernel_times runs
+        # experimental: programmatic dependent launches (kernels/pdl.py), until measured
+        self._pdl = ProgrammaticLauncher() if os.environ.get("STRATA_PDL") == "1" else None
+        self._pdl_armed = False
         self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
         self.steps = 0
@@ -320,10 +324,15 @@ class DecodeGraph:
 
     # ---- the step -------------------------------------------------------------------------------
     def _launch(self, name: str):
-        """The kernel `name`; while `kernel_times` runs, wrapped to time each launch."""
+        """The kernel `name`; while `kernel_times` runs, wrapped to time each launch; with
+        STRATA_PDL=1 every launch of a step but its first is a programmatic dependent launch."""
         fn = self._fns[name]
         if self._timing is None:
-            return fn
+            if self._pdl is None or not self._pdl_armed:
+                self._pdl_armed = True          # the step's first kernel follows a copy
+                return fn
+            return lambda grid, block, args: self._pdl.launch(
+                fn, grid, block, args, cp.cuda.get_current_stream().ptr)
         repeat = self._timing_repeat
 
         def timed(grid, block, args):
@@ -362,6 +371,7 @@ class DecodeGraph:
 
     def _enqueue(self, n: int) -> None:
         """Every kernel of one step of n rows, on self.stream (captured or run eagerly)."""
+        self._pdl_armed = False
         g, f = self.g, self._launch
         eps = np.float32(g.rms_eps)
         i32 = np.int32

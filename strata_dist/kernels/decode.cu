@@ -179,6 +179,7 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
 #define MATVEC_KERNEL(name, T, N)                                                               \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                                 \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
+        pdl_entry();                                                                            \
         if (rows_per_block(N, wide) == rows_per_block(N, 1))                                    \
             matvec_rows<T, N, rows_per_block(N, 1)>(specs, x, x_stride, n, norm_w, eps, normed); \
         else                                                                                    \
@@ -194,6 +195,7 @@ FOR_EACH_TYPE(MATVEC_KERNELS)
 extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i64 row_bytes,
                                         int ncols, const int* __restrict__ rows, int nrows,
                                         float* __restrict__ dst) {
+    pdl_entry();
     const int per = ncols >> 3;
     const i64 chunks = (i64)nrows * per;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
@@ -210,6 +212,7 @@ extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i6
 extern "C" __global__ void embed_tokens(const u8* __restrict__ table, int type, i64 row_bytes,
                                         int ncols, const int* __restrict__ desc,
                                         float* __restrict__ h) {
+    pdl_entry();
     const int i = blockIdx.y;
     const u8* row = table + (i64)desc[DESC_TOKENS + i] * row_bytes;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < (ncols >> 3);
@@ -233,6 +236,7 @@ extern "C" __global__ void qk_norm_rope_kv(float* __restrict__ q, const float* _
                                            const u64* __restrict__ sess, int layer_slot, int n_layers,
                                            const int* __restrict__ desc, int n_head, int n_kv,
                                            int D, int rot, float eps) {
+    pdl_entry();
     const int i = blockIdx.y, head = blockIdx.x, lane = threadIdx.x;
     const int pos = desc[DESC_POS] + i;
     const bool is_q = head < n_head;
@@ -459,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
 attn_decode_128(const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,
                 int n_kv, int n_split, int chunk, float scale, float* part, float* ml,
                 u32* __restrict__ done, float* __restrict__ out) {
+    pdl_entry();
     __shared__ bool last;
     attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale, part,
                            ml);
@@ -563,11 +568,13 @@ __device__ __forceinline__ void moe_down_body(const ExpertSpec* __restrict__ spe
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_##name(               \
             const ExpertSpec* __restrict__ spec, const float* __restrict__ x,                    \
             const u64* __restrict__ blobs, float* __restrict__ act) {                            \
+        pdl_entry();                                                                             \
         moe_gate_up_body<T>(spec, x, blobs, act);                                                \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_##name(                  \
             const ExpertSpec* __restrict__ spec, const float* __restrict__ act,                  \
             const u64* __restrict__ blobs, const float* __restrict__ wts, float* __restrict__ h) { \
+        pdl_entry();                                                                             \
         moe_down_body<T>(spec, act, blobs, wts, h);                                              \
     }
 FOR_EACH_TYPE(MOE_KERNELS)
@@ -609,6 +616,7 @@ __device__ void block_best(float& best, int& best_i) {
 extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n,
                                       float* __restrict__ post_v, int* __restrict__ post_i,
                                       u32* __restrict__ done, int* __restrict__ out) {
+    pdl_entry();
     __shared__ bool last;
     float best = -INF_F32;
     int best_i = 0x7fffffff;

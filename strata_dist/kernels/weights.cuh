@@ -40,6 +40,17 @@ typedef unsigned long long u64;
 #define T_Q5_K 13
 #define T_Q6_K 14
 
+// Programmatic dependent launch (sm_90, kernels/pdl.py): a kernel launched with the programmatic
+// attribute may start while its predecessor finishes. Every kernel first waits for the grids it
+// depends on (a no-op when launched plainly), then lets its own successor start launching: the
+// successor's blocks wait in turn, so no result changes, only the gaps between kernels shrink.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
