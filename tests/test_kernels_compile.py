@@ -165,3 +165,32 @@ int main(int argc, char** argv) {
         subprocess.run([str(exe), str(data), str(got_path)], check=True, timeout=60)
         got = np.fromfile(got_path, dtype=np.float32).reshape(ref.shape)
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7, err_msg=qtype.name)
+
+
+@needs_nvcc
+def test_programmatic_launch_structs_match_cuda_h(tmp_path):
+    """kernels/pdl.py writes CUlaunchConfig and CUlaunchAttribute with ctypes: their sizes, field
+    offsets and the attribute's id must be cuda.h's, or the driver reads garbage on the GPU."""
+    import ctypes
+    from strata_dist.kernels import pdl
+    cfg_fields = [f for f, _ in pdl._Config._fields_]
+    src = tmp_path / "launch.c"
+    src.write_text(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <cuda.h>\nint main(void) {\n"
+        'printf("attr %zu %zu %zu\\n", sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, id),'
+        " offsetof(CUlaunchAttribute, value));\n"
+        'printf("id %d\\n", (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n'
+        'printf("cfg %zu\\n", sizeof(CUlaunchConfig));\n'
+        + "".join(f'printf("{f} %zu\\n", offsetof(CUlaunchConfig, {f}));\n' for f in cfg_fields)
+        + "return 0; }\n")
+    exe = tmp_path / "launch"
+    built = subprocess.run([NVCC, "-o", str(exe), str(src)], capture_output=True, text=True,
+                           timeout=120)      # nvcc knows where its cuda.h is
+    assert built.returncode == 0, built.stderr
+    got = dict(line.split(" ", 1) for line in subprocess.run(
+        [str(exe)], capture_output=True, text=True, timeout=30).stdout.splitlines())
+    assert got["attr"] == f"{ctypes.sizeof(pdl._Attr)} {pdl._Attr.id.offset} {pdl._Attr.value.offset}"
+    assert int(got["id"]) == pdl.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert int(got["cfg"]) == ctypes.sizeof(pdl._Config)
+    for f in cfg_fields:
+        assert int(got[f]) == getattr(pdl._Config, f).offset, f
