@@ -6,19 +6,23 @@
 #   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes),
 #      and bench_attention.py (the attention kernel alone against the context length); with --tune,
 #      tune_decode.py (the expert kernels' shapes on the same file)
-#   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; records
-#      and logs go to $OUT (copy the records into benchmarks/results/ afterwards)
+#   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
+#      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
+#      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
+#      (copy the records into benchmarks/results/ afterwards)
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--tune] [--quants q8_0,q4_k]
+#       [--skip-tests] [--skip-profile] [--tune] [--offload] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; TUNE=0
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; TUNE=0; OFFLOAD=0; PROFILE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
     --skip-tests) TESTS=0; shift ;;
     --tune) TUNE=1; shift ;;
+    --offload) OFFLOAD=1; shift ;;
+    --skip-profile) PROFILE=0; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -42,6 +46,7 @@ if [ "$TESTS" = 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks of this code"; exit 1; }
   t "gpu tests"
 fi
+if [ "$PROFILE" = 1 ]; then
 python3 - <<'PY' 2>&1 | tr '\r' '\n' | tail -1
 import dataclasses
 from strata_dist.synth import GEOMETRIES, write_synthetic
@@ -55,6 +60,7 @@ fi
 rm -f /tmp/m/q30_8l.gguf
 timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" | tail -10
 t "profile"
+fi
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
 # step slows down beside a parallel compile): wait for it first
 if [ ${#LLAMA[@]} -gt 0 ]; then
@@ -66,6 +72,11 @@ for q in ${QUANTS//,/ }; do
     --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
   timeout 300 python3 benchmarks/bench_decode.py --model /tmp/m/q30.gguf --gpus "$GPUS" --tokens 128 \
     --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_$q.log" | tail -6
+  if [ "$OFFLOAD" = 1 ]; then
+    LLAMA_OFF=(); [ -x "$LB" ] && LLAMA_OFF=(--llama-bench "$LB" --ncmoe 24)
+    timeout 400 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf --vram-budget 19G \
+      --out "$OUT" "${LLAMA_OFF[@]}" 2>&1 | tee "$OUT/offload_$q.log" | tail -6
+  fi
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
   t "bench $q"
 done

@@ -160,8 +160,7 @@ class Stage:
         graph = self.decode_graph
         if not prompt and graph is not None and graph.usable(n):
             out = graph.step(s, pos, ids=ids, hidden=hidden)
-            g = self.model.g
-            self.tiers.counters["hits"] += n * g.n_expert_used * (self.cfg.le - self.cfg.lb)
+            self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
             self.tiers.counters["graph_steps"] += 1
         else:
             out = self._run_general(s, prompt, ids, hidden)

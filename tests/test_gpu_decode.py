@@ -175,3 +175,31 @@ def test_stage_takes_the_graph_only_with_every_expert_cached(tmp_path):
     assert toks["full"] == toks["part"]
     assert full.tiers.counters["graph_steps"] == len(NEXT)
 
+
+
+def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch):
+    """STRATA_HOST_MAPPED=1: a stage caching half its experts keeps the graph, the other half
+    read in place from pinned host memory by the same kernels, so its logits equal a fully
+    cached stage's bit for bit, and each step's computations are counted by where they were."""
+    from strata_dist.stage import Stage, StageConfig
+    path = _model(tmp_path, "q8_0", seed=10)
+    full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
+                             cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
+    monkeypatch.setenv("STRATA_HOST_MAPPED", "1")
+    part = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
+                             cache_pairs=[(l, e) for l in range(3) for e in range(0, 16, 2)]))
+    assert part.decode_graph is not None and part.decode_graph.host_blobs is not None
+    assert len(part.decode_graph.host_blobs.pairs) == 3 * 8
+    for st in (full, part):
+        st.run(0, 0, ids=PROMPT[:20], prompt=True)
+    before = dict(part.tiers.counters)
+    pos = 20
+    for t in NEXT:
+        a = np.asarray(full.run(0, pos, ids=[t]))
+        b = np.asarray(part.run(0, pos, ids=[t]))
+        assert np.array_equal(a, b), t
+        pos += 1
+    hits = part.tiers.counters["hits"] - before.get("hits", 0)
+    host = part.tiers.counters["host"] - before.get("host", 0)
+    assert hits + host == len(NEXT) * 4 * 3 and host > 0 and hits > 0
+    assert part.tiers.counters["graph_steps"] == len(NEXT)

@@ -10,8 +10,10 @@ captured graph per row count replays for every position and session. Only the gr
 logits stay on the device until a sampler asks for them (`StepLogits`).
 
 Used when every expert of the stage's layers is resident in its cache arena (the single-process
-engine, or a stage whose cache holds its whole range) and nothing needs routing decisions on the
-host (profile recording). Otherwise the general path of cupy_backend.py runs, unchanged."""
+runner, or a stage whose cache holds its whole range), or, with STRATA_HOST_MAPPED=1, when the
+experts the cache lacks are pinned in host memory and read in place by the same kernels
+(backends/host_mapped.py; not yet measured on a GPU, hence opt-in); and when nothing needs routing
+decisions on the host (profile recording). Otherwise the general path of cupy_backend.py runs."""
 from __future__ import annotations
 
 import logging
@@ -138,15 +140,20 @@ class DecodeGraph:
     in `arena`, for sessions of `max_cells` cells."""
 
     def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None,
-                 shape: KernelShape | None = None):
+                 shape: KernelShape | None = None, host_misses: bool | None = None):
         """`shape`: the expert kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
-        decode.cu's own)."""
+        decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
+        and read there (default: $STRATA_HOST_MAPPED == "1"); else a missing expert makes the
+        stage take the general path."""
         g = model.g
         self.shape = shape or KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", ""))
         self.model, self.arena, self.g = model, arena, g
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
         self.use_graph = (os.environ.get("STRATA_DECODE_GRAPH", "1") != "0"
                           if use_graph is None else use_graph)
+        self.host_misses = (os.environ.get("STRATA_HOST_MAPPED", "0") == "1"
+                            if host_misses is None else host_misses)
+        self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         self._check_geometry(g)
         # keys per attention split: short chunks spread a context over more blocks, as long as
         # the partials of one row stay inside the scratch budget
@@ -159,8 +166,8 @@ class DecodeGraph:
             raise Unsupported(f"{max_cells} cells need {per_row >> 20} MiB of attention partials "
                               f"per row (more than {ATTN_SCRATCH_BYTES >> 20} MiB)")
         self.max_rows = max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row))
-        self._check_residency()
         with cp.cuda.Device(model.backend.index):
+            self._check_residency()
             self._allocate(g)
             self._build_specs(g)
             self._fns = {}
@@ -177,6 +184,7 @@ class DecodeGraph:
         self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
         self.steps = 0
+        self.last_tiers: dict[str, int] = {}   # the last step's expert computations per tier
 
     # ---- what the kernels support ---------------------------------------------------------------
     def _check_geometry(self, g) -> None:
@@ -193,10 +201,20 @@ class DecodeGraph:
             raise Unsupported("widths that are not whole groups of 32")
 
     def _check_residency(self) -> None:
+        """Every expert of the stage's layers in the cache, or (host_misses) the rest pinned."""
         held = self.arena.slot_of[self.lb:self.le]
-        if not (held >= 0).all():
-            raise Unsupported(f"{int((held < 0).sum())} experts of layers [{self.lb}, {self.le}) "
-                              f"are not in this stage's cache")
+        missing = [(self.lb + int(j), int(e)) for j, e in zip(*np.nonzero(held < 0))]
+        if not missing:
+            return
+        if not self.host_misses:
+            raise Unsupported(f"{len(missing)} experts of layers [{self.lb}, {self.le}) are not in "
+                              f"this stage's cache")
+        from .host_mapped import MappedHostBlobs
+        try:
+            self.host_blobs = MappedHostBlobs(self.model.gguf, missing)
+        except Exception as e:   # memlock limit, host memory, no mapped memory
+            raise Unsupported(f"the {len(missing)} experts missing from the cache could not be "
+                              f"pinned in host memory: {e}") from e
 
     def usable(self, n: int) -> bool:
         """Whether a step of n rows can run here now (the cache may be lent to a prompt, or a
@@ -221,7 +239,9 @@ class DecodeGraph:
         self.part = cp.zeros(self.max_rows * g.n_head * self.n_split * g.head_dim, f32)
         self.ml = cp.zeros(self.max_rows * g.n_head * self.n_split * 2, f32)
         self.router_logits = cp.zeros((R, g.n_expert), f32)
-        self.ids = cp.zeros((R, g.n_expert_used), cp.int32)
+        # each layer's chosen experts (its own rows: the tiers of a step are counted from them)
+        self.ids = cp.zeros((self.le - self.lb, R, g.n_expert_used), cp.int32)
+        self.ids_host = cupyx.empty_pinned(self.ids.shape, dtype=np.int32)
         self.wts = cp.zeros((R, g.n_expert_used), f32)
         self.blobs = cp.zeros((R, g.n_expert_used), cp.uint64)   # each chosen expert's address
         # blocks finished of the launches whose last block finishes the job (the router's top-k,
@@ -236,13 +256,18 @@ class DecodeGraph:
         self.desc_host = cupyx.empty_pinned(DESC_WORDS, dtype=np.int32)
         self.token_host = cupyx.empty_pinned(1, dtype=np.int32)
         self.sess_table = cp.zeros(2 * (self.le - self.lb) + 2, cp.uint64)
-        # each expert's blob address (0: not resident), [n_layer, n_expert]; slots never move, so a
-        # table taken while everything is resident stays right (the arena's own tables are
-        # replaced whenever it lends)
+        # each expert's blob address, [n_layer, n_expert]: its cache slot, else its pinned host
+        # copy, else 0 (not this stage's). Slots never move, so a table taken while nothing is
+        # lent stays right (the arena's own tables change whenever it lends; steps wait then).
         held = self.arena.slot_of
         base = np.uint64(int(self.arena.buf.data.ptr))
         addr = base + self.arena.offsets[np.maximum(held, 0)].astype(np.uint64)
-        self.blob_of = cp.asarray(np.where(held >= 0, addr, 0).astype(np.uint64))
+        table = np.where(held >= 0, addr, 0).astype(np.uint64)
+        self.in_cache = held[self.lb:self.le] >= 0      # [stage layers, n_expert], for counting
+        if self.host_blobs is not None:
+            for (layer, expert), at in self.host_blobs.addresses().items():
+                table[layer, expert] = at
+        self.blob_of = cp.asarray(table)
         # blocks finished of each (row, kv head)'s attention splits (attn_decode_128)
         self.attn_done = cp.zeros(R * g.n_head_kv, cp.uint32)
 
@@ -269,7 +294,7 @@ class DecodeGraph:
                 experts=expert_table,
                 route=_spec_array(ROUTE_SPEC, [dict(
                     experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
-                    ids=int(self.ids.data.ptr), wts=int(self.wts.data.ptr),
+                    ids=int(self.ids[layer - self.lb].data.ptr), wts=int(self.wts.data.ptr),
                     blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
                     n_expert=g.n_expert, k=g.n_expert_used, normalize=1)]),
                 expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
@@ -479,9 +504,14 @@ class DecodeGraph:
         if self.last:
             cp.cuda.runtime.memcpyAsync(self.token_host.ctypes.data, self.token.data.ptr, 4,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        if self.host_blobs is not None:   # the routes, to count the step's hits and host reads
+            cp.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data, self.ids.data.ptr,
+                                        self.ids.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
+                                        self.stream.ptr)
         # the pinned descriptor may be rewritten only after this step has read it
         self.stream.synchronize()
         self.steps += 1
+        self.last_tiers = self._count_tiers(n)
         if not self.last:
             return out
         token = int(self.token_host[0])
@@ -489,6 +519,16 @@ class DecodeGraph:
             raise FloatingPointError(f"decode step at position {pos}: no finite logit (the "
                                      f"model's activations overflowed or are NaN)")
         return StepLogits(token, self.logits)
+
+    def _count_tiers(self, n: int) -> dict[str, int]:
+        """The last step's expert computations by where the blob was: the cache or host memory."""
+        total = n * self.g.n_expert_used * (self.le - self.lb)
+        if self.host_blobs is None:
+            return {"hits": total, "host": 0}
+        ids = self.ids_host[:, :n]                        # [stage layers, n, k]
+        layer = np.arange(self.le - self.lb)[:, None, None]
+        hits = int(self.in_cache[layer, np.clip(ids, 0, None)][ids >= 0].sum())
+        return {"hits": hits, "host": int((ids >= 0).sum()) - hits}
 
 
 def decode_graph(model, max_cells: int):

@@ -1,0 +1,68 @@
+"""Expert blobs in pinned host memory that the decode kernels read in place (zero-copy over PCIe).
+
+A stage whose cache lacks some of its experts keeps the missing blobs here, laid out as in the
+cache (gate, up, down rows as stored, `GGUFModel.expert_blob`), and the decode graph's table of
+blob addresses points at them: the same expert kernels compute a cache hit and a host miss, so
+the bits do not depend on the tier and the step stays one graph. With unified addressing (every
+64-bit CUDA platform) pinned host memory has a device address, read over PCIe on demand.
+
+Pinning is page-locking: tens of GiB may exceed a unit's memlock limit (`LimitMEMLOCK`, set by
+deploy/) or the host's free memory; the caller then falls back to the general path."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+
+import numpy as np
+import cupy as cp
+
+log = logging.getLogger("strata.host_mapped")
+
+HOST_ALLOC_PORTABLE, HOST_ALLOC_MAPPED = 1, 2     # cudaHostAllocPortable, cudaHostAllocMapped
+BLOB_ALIGN = 256                                  # each blob starts on a 256-byte boundary
+
+
+class MappedHostBlobs:
+    """The blobs of `pairs` (layer, expert) of `gguf` in one pinned host buffer."""
+
+    def __init__(self, gguf, pairs):
+        t0 = time.perf_counter()
+        self.pairs = [(int(l), int(e)) for l, e in pairs]
+        sizes = np.array([gguf.blob_bytes(l) for l, _ in self.pairs], dtype=np.int64)
+        padded = (sizes + BLOB_ALIGN - 1) // BLOB_ALIGN * BLOB_ALIGN
+        self.offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+        self.nbytes = int(self.offsets[-1])
+        self.ptr = 0
+        if not self.pairs:
+            self.device_ptr = 0
+            return
+        self.ptr = int(cp.cuda.runtime.hostAlloc(self.nbytes,
+                                                 HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED))
+        try:
+            host = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.ptr))
+            for i, (layer, expert) in enumerate(self.pairs):
+                lo = int(self.offsets[i])
+                host[lo:lo + int(sizes[i])] = gguf.expert_blob(layer, expert)
+            # the address kernels use (the host address itself under unified addressing)
+            self.device_ptr = int(cp.cuda.runtime.pointerGetAttributes(self.ptr).devicePointer)
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d expert blobs (%.1f GiB) pinned in host memory for zero-copy reads in %.1f s",
+                 len(self.pairs), self.nbytes / 2**30, time.perf_counter() - t0)
+
+    def addresses(self) -> dict[tuple[int, int], int]:
+        """(layer, expert) -> the device address of its blob."""
+        return {p: self.device_ptr + int(self.offsets[i]) for i, p in enumerate(self.pairs)}
+
+    def close(self) -> None:
+        if self.ptr:
+            cp.cuda.runtime.freeHost(self.ptr)
+            self.ptr = 0
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:   # interpreter shutdown: the driver may be gone already
+            pass
