@@ -437,23 +437,72 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
 // Flash-decoding, second half, run by the last of a (row, kv head)'s split blocks to finish
 // (counted in done[i * n_kv + kvh], which it resets for the next launch): the splits of each of
 // the G heads combined in split order. The partials were written by other blocks: read via L2.
+// Latency, not bandwidth, bounds this: each head's max is found by a warp with all its loads in
+// flight, each tile's split weights go to shared memory once, and a thread's partial values are
+// loaded COMBINE_AHEAD at a time before they are summed. The sums run in split order with the same
+// expressions as one thread per output walking the splits, so the result is that one's, bit for bit.
+#define COMBINE_TILE 64     // splits whose weights are in shared memory at a time
+#define COMBINE_AHEAD 8     // partial values a thread has in flight
 template <int D>
 __device__ void attn_combine_heads(const float* part, const float* ml, int len, int n_head,
                                    int n_kv, int n_split, int chunk, float* __restrict__ out) {
+    constexpr int MAX_G = 16, PER = (MAX_G * D + BLOCK_THREADS - 1) / BLOCK_THREADS;
+    __shared__ float m_s[MAX_G], w_s[MAX_G][COMBINE_TILE], l_s[MAX_G][COMBINE_TILE];
     const int kvh = blockIdx.x, i = blockIdx.z, G = n_head / n_kv;
     const int used = (len + chunk - 1) / chunk;
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-        const int h = kvh * G + idx / D, d = idx % D;
-        const i64 base = ((i64)i * n_head + h) * n_split;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int g = warp; g < G; g += nwarps) {
+        const i64 base = ((i64)i * n_head + kvh * G + g) * n_split;
         float m = -INF_F32;
-        for (int s = 0; s < used; ++s) m = fmaxf(m, __ldcg(ml + 2 * (base + s)));
-        float num = 0.f, den = 0.f;
-        for (int s = 0; s < used; ++s) {
-            const float w = __expf(__ldcg(ml + 2 * (base + s)) - m);
-            num += w * __ldcg(part + (base + s) * D + d);
-            den += w * __ldcg(ml + 2 * (base + s) + 1);
+        for (int s = lane; s < used; s += 32) m = fmaxf(m, __ldcg(ml + 2 * (base + s)));
+        m = warp_max(m);
+        if (lane == 0) m_s[g] = m;
+    }
+    float num[PER], den[PER];
+    #pragma unroll
+    for (int r = 0; r < PER; ++r) { num[r] = 0.f; den[r] = 0.f; }
+    for (int s0 = 0; s0 < used; s0 += COMBINE_TILE) {
+        const int s1 = min(used, s0 + COMBINE_TILE);
+        __syncthreads();                      // m_s written; the last tile's weights read
+        for (int idx = threadIdx.x; idx < G * COMBINE_TILE; idx += blockDim.x) {
+            const int g = idx / COMBINE_TILE, s = s0 + idx % COMBINE_TILE;
+            if (s < s1) {
+                const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + s;
+                w_s[g][s - s0] = __expf(__ldcg(ml + 2 * at) - m_s[g]);
+                l_s[g][s - s0] = __ldcg(ml + 2 * at + 1);
+            }
         }
-        out[((i64)i * n_head + h) * D + d] = num / den;
+        __syncthreads();
+        #pragma unroll
+        for (int r = 0; r < PER; ++r) {
+            const int idx = threadIdx.x + r * BLOCK_THREADS;
+            if (idx < G * D) {
+                const int g = idx / D, d = idx % D;
+                const float* p = part + (((i64)i * n_head + kvh * G + g) * n_split) * D + d;
+                for (int s = s0; s < s1; s += COMBINE_AHEAD) {
+                    float v[COMBINE_AHEAD];
+                    #pragma unroll
+                    for (int u = 0; u < COMBINE_AHEAD; ++u)
+                        v[u] = s + u < s1 ? __ldcg(p + (i64)(s + u) * D) : 0.f;
+                    #pragma unroll
+                    for (int u = 0; u < COMBINE_AHEAD; ++u) {
+                        if (s + u < s1) {
+                            const float w = w_s[g][s + u - s0];
+                            num[r] += w * v[u];
+                            den[r] += w * l_s[g][s + u - s0];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        const int idx = threadIdx.x + r * BLOCK_THREADS;
+        if (idx < G * D) {
+            const int g = idx / D, d = idx % D;
+            out[((i64)i * n_head + kvh * G + g) * D + d] = num[r] / den[r];
+        }
     }
 }
 
