@@ -60,6 +60,7 @@ struct RouteSpec {
 // this launch: read through L2 (__ldcg), not a possibly stale L1.
 __device__ void route_row(const RouteSpec& rs, int i) {
     const int lane = threadIdx.x & 31, n_expert = rs.n_expert, k = rs.k;
+    const u64* blob_of = rs.experts->blob_of;   // loaded now, not after the top-k (a dependent load)
     float v[16];
     const float* l = rs.logits + (i64)i * n_expert;
     float m = -INF_F32;
@@ -106,7 +107,7 @@ __device__ void route_row(const RouteSpec& rs, int i) {
         const bool picked = mine >= 0 && mine < n_expert;
         rs.ids[i * k + lane] = picked ? mine : -1;
         rs.wts[i * k + lane] = !picked ? NAN_F32 : rs.normalize ? mine_p / picked_sum : mine_p;
-        rs.blobs[i * k + lane] = picked ? rs.experts->blob_of[mine] : 0ull;
+        rs.blobs[i * k + lane] = picked ? blob_of[mine] : 0ull;
     }
 }
 
@@ -149,7 +150,15 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     const MatSpec s = specs[blockIdx.y];
     const int o0 = blockIdx.x * R;
     if (o0 >= s.nrows) return;                          // the whole block: uniform
+    const u8* rows[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
     if (norm_w != nullptr) {
+        // the weight rows start on their way to L2 while the block computes the norm
+        #pragma unroll
+        for (int r = 0; r < R; ++r)
+            for (i64 b = 128 * threadIdx.x; b < s.row_bytes; b += 128 * blockDim.x)
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(rows[r] + b));
         block_inv_rms(x, x_stride, s.ncols, n, eps, inv);
         if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
             for (int idx = threadIdx.x; idx < n * s.ncols; idx += blockDim.x) {
@@ -158,9 +167,6 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
             }
         }
     }
-    const u8* rows[R];
-    #pragma unroll
-    for (int r = 0; r < R; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
     block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
     if (threadIdx.x < R * N) {
         const int r = threadIdx.x / N, i = threadIdx.x - r * N;
