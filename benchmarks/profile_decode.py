@@ -10,6 +10,21 @@ import sys
 import time
 
 
+def replay_ms(runner, steps: int) -> float:
+    """Capture the one-row graph afresh and replay it back to back: ms per replay."""
+    import cupy as cp
+    runner.graphs.clear()
+    graph, stream = runner._graph(1), runner.stream
+    graph.launch(stream)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(steps):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / steps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -36,15 +51,7 @@ def main() -> int:
     print(f"graph step: {ms:.3f} ms/token = {1e3 / ms:.1f} tok/s (one process, "
           f"{runner.le - runner.lb} layers)")
     # the graph alone on the GPU: replays queued back to back (the same position each time)
-    import cupy as cp
-    graph, stream = runner._graph(1), runner.stream
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    for _ in range(args.steps):
-        graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    gpu_ms = cp.cuda.get_elapsed_time(start, end) / args.steps
+    gpu_ms = replay_ms(runner, args.steps)
     print(f"graph replay on the GPU: {gpu_ms:.3f} ms/token; host and hand-back per step: "
           f"{ms - gpu_ms:.3f} ms")
     times = runner.kernel_times(eng.session, eng.session.n_past, ids=[tok])
@@ -57,39 +64,32 @@ def main() -> int:
     for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"  {name:18s} {us:8.1f} us {us / total:6.1%} {us / layers:6.1f} us "
               f"{alone[name] / layers:6.1f} us")
+    # the experiments, side by side: replay time, and the logits of one step at the same
+    # position (each variant rewrites that position's KV with the same values)
+    import numpy as np
+    from strata_dist.kernels.pdl import ProgrammaticLauncher
+    pos = eng.session.n_past
+    variants = [("as built", False, False),
+                ("programmatic dependent launches (STRATA_PDL=1)", True, False),
+                ("q/k norm fused into the q/k/v matvec (STRATA_FUSED_QK_NORM=1)", False, True),
+                ("both", True, True)]
+    base = None
+    for name, pdl, fused in variants:
+        runner._pdl = ProgrammaticLauncher() if pdl else None
+        runner.fused_qk_norm = fused
+        ms = replay_ms(runner, args.steps)
+        eng.session.n_past = pos
+        logits = np.asarray(eng.decode_step([11]))
+        base = logits if base is None else base
+        print(f"graph replay, {name}: {ms:.3f} ms/token; logits equal to the first: "
+              f"{np.array_equal(logits, base)}")
+    runner._pdl, runner.fused_qk_norm = None, False
     # the L1 / shared memory split: every kernel asking for the most shared memory, so the split
     # never changes between kernels
     for fn in runner._fns.values():
         fn.preferred_shared_memory_carveout = 100
-    runner.graphs.clear()
-    graph = runner._graph(1)
-    graph.launch(stream)
-    start.record(stream)
-    for _ in range(args.steps):
-        graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
     print(f"graph replay, all kernels preferring the most shared memory: "
-          f"{cp.cuda.get_elapsed_time(start, end) / args.steps:.3f} ms/token")
-    # programmatic dependent launches (kernels/pdl.py): the same graph with programmatic edges
-    from strata_dist.kernels.pdl import ProgrammaticLauncher
-    runner._pdl = ProgrammaticLauncher()
-    runner.graphs.clear()
-    graph = runner._graph(1)
-    graph.launch(stream)
-    start.record(stream)
-    for _ in range(args.steps):
-        graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    print(f"graph replay with programmatic dependent launches: "
-          f"{cp.cuda.get_elapsed_time(start, end) / args.steps:.3f} ms/token")
-    tok_pdl = eng.decode_step([11]).greedy_token
-    runner._pdl = None
-    runner.graphs.clear()
-    eng.session.n_past -= 1
-    tok_plain = eng.decode_step([11]).greedy_token
-    print(f"the same step's token with and without them: {tok_pdl} {tok_plain}")
+          f"{replay_ms(runner, args.steps):.3f} ms/token")
     return 0
 
 

@@ -36,7 +36,7 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
         ((shape[0] + per_block - 1) // per_block, 1), (256,), (
             spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide),
             cd.NULL if norm_w is None else norm_w, np.float32(1e-6),
-            cd.NULL if normed is None else normed, cd.NULL))
+            cd.NULL if normed is None else normed, cd.NULL, cd.NULL))
     return cp.asnumpy(y)
 
 
@@ -130,6 +130,19 @@ def test_programmatic_dependent_launches_change_no_bit(tmp_path):
         e.prefill(PROMPT[:40])
     for t in NEXT:
         assert np.array_equal(np.asarray(plain.decode_step([t])), np.asarray(pdl.decode_step([t])))
+
+
+def test_fused_qk_norm_changes_no_bit(tmp_path):
+    """STRATA_FUSED_QK_NORM's q/k/v matvec (each head finished by the block that completes it, v
+    written by its own blocks) gives the separate kernel's logits exactly, for 1, 3 and 8 rows."""
+    from strata_dist.single_process import SingleProcessRunner
+    path = _model(tmp_path, "q8_0", seed=12)
+    plain, fused = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    fused.decode_graph.fused_qk_norm = True
+    for e in (plain, fused):
+        e.prefill(PROMPT[:40])
+    for rows in [[t] for t in NEXT[:4]] + [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16]]:
+        assert np.array_equal(np.asarray(plain.decode_step(rows)), np.asarray(fused.decode_step(rows)))
 
 
 def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):

@@ -28,8 +28,8 @@ import cupyx
 
 from ..kernels import function
 from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32,
-                           KERNEL_TYPES, MAT_SPEC, MAX_ROWS, ROUTE_SPEC, TYPE_NAMES, KernelShape, matvec_kernel,
-                           rows_per_block)
+                           KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
+                           KernelShape, matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -154,6 +154,9 @@ class DecodeGraph:
         self.host_misses = (os.environ.get("STRATA_HOST_MAPPED", "0") == "1"
                             if host_misses is None else host_misses)
         self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
+        # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
+        # itself (no qk_norm_rope_kv launch; the same arithmetic)
+        self.fused_qk_norm = os.environ.get("STRATA_FUSED_QK_NORM") == "1"
         self._check_geometry(g)
         # keys per attention split: short chunks spread a context over more blocks, as long as
         # the partials of one row stay inside the scratch budget
@@ -270,10 +273,13 @@ class DecodeGraph:
         self.blob_of = cp.asarray(table)
         # blocks finished of each (row, kv head)'s attention splits (attn_decode_128)
         self.attn_done = cp.zeros(R * g.n_head_kv, cp.uint32)
+        # blocks finished of each q and k head of a fused q/k/v matvec
+        self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
 
     def _build_specs(self, g) -> None:
         m = self.model
         self.layer_specs = []
+        ptr = lambda a: int(a.data.ptr)  # noqa: E731
         for layer in range(self.lb, self.le):
             w = m.layers[layer]
             name = f"blk.{layer}"
@@ -298,6 +304,12 @@ class DecodeGraph:
                     blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
                     n_expert=g.n_expert, k=g.n_expert_used, normalize=1)]),
                 expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
+                qkv_spec=_spec_array(QKV_SPEC, [dict(
+                    q=ptr(self.q), k=ptr(self.k), v=ptr(self.v), q_norm=ptr(w.q_norm),
+                    k_norm=ptr(w.k_norm), sess=ptr(self.sess_table), desc=ptr(self.desc),
+                    done=ptr(self.qk_done), layer_slot=layer - self.lb, n_layers=self.le - self.lb,
+                    n_head=g.n_head, n_kv=g.n_head_kv, D=g.head_dim, rot=g.head_dim,
+                    eps=g.rms_eps)]),
                 w=w))
         if self.last:
             t = m._tensors
@@ -408,11 +420,14 @@ class DecodeGraph:
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
-            self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
-            f("qk_norm_rope_kv")((g.n_head + g.n_head_kv, n), (32,),
-                                 (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
-                                  i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
-                                  i32(g.head_dim), i32(g.head_dim), eps))
+            if self.fused_qk_norm:
+                self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps, qkv=L["qkv_spec"])
+            else:
+                self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
+                f("qk_norm_rope_kv")((g.n_head + g.n_head_kv, n), (32,),
+                                     (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
+                                      i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
+                                      i32(g.head_dim), i32(g.head_dim), eps))
             f("attn_decode_128")((g.n_head_kv, self.n_split, n), (BLOCK_THREADS,),
                                  (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
                                   i32(g.n_head_kv), i32(self.n_split), i32(self.attn_chunk),
@@ -434,9 +449,9 @@ class DecodeGraph:
                                                        self.post_i, self.done, self.token))
 
     def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
-                eps=np.float32(0), normed=None, route=None) -> None:
+                eps=np.float32(0), normed=None, route=None, qkv=None) -> None:
         """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches`; `route`: the
-        router's RouteSpec (one matrix)."""
+        router's RouteSpec (one matrix); `qkv`: a fused q/k/v launch's QkvSpec."""
         for m in launches:
             wide = m.rows >= WIDE_MIN_ROWS
             per_block = rows_per_block(n, wide)
@@ -444,7 +459,7 @@ class DecodeGraph:
                 ((m.rows + per_block - 1) // per_block, m.count), (BLOCK_THREADS,),
                 (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
                  NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
-                 NULL if route is None else route))
+                 NULL if route is None else route, NULL if qkv is None else qkv))
             normed = None            # written once
 
     def _graph(self, n: int):

@@ -1,6 +1,6 @@
 """What Python and decode.cu must agree on, in one place and without CuPy (so CPU tests check it):
 the GGML type ids the kernels read, the constants sizing their buffers, and the byte layout of the
-argument tables (`struct MatSpec`, `struct ExpertSpec`)."""
+argument tables (`struct MatSpec`, `ExpertSpec`, `RouteSpec`, `QkvSpec`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,4 +90,9 @@ EXPERT_SPEC = np.dtype([("blob_of", "<u8"), ("up_at", "<i8"), ("down_at", "<i8")
 ROUTE_SPEC = np.dtype([("experts", "<u8"), ("logits", "<u8"), ("ids", "<u8"), ("wts", "<u8"),
                        ("blobs", "<u8"), ("done", "<u8"), ("n_expert", "<i4"), ("k", "<i4"),
                        ("normalize", "<i4")], align=True)    # sized as C pads it: 64 bytes
-STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC, "RouteSpec": ROUTE_SPEC}
+QKV_SPEC = np.dtype([("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("q_norm", "<u8"), ("k_norm", "<u8"),
+                     ("sess", "<u8"), ("desc", "<u8"), ("done", "<u8"), ("layer_slot", "<i4"),
+                     ("n_layers", "<i4"), ("n_head", "<i4"), ("n_kv", "<i4"), ("D", "<i4"),
+                     ("rot", "<i4"), ("eps", "<f4")], align=True)    # 96 bytes, as C pads it
+STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC, "RouteSpec": ROUTE_SPEC,
+           "QkvSpec": QKV_SPEC}

@@ -1,0 +1,340 @@
+// Attention of the decode step (included by decode.cu): q/k RMSNorm + RoPE + the KV write, and
+// flash-decoding over the session's f16 KV (splits scored by blocks, combined by the last one).
+#pragma once
+
+// ---- q/k norm, RoPE and the KV write -----------------------------------------------------------
+// sess: k base of stage layer j at [2j], v base at [2j+1] (f16 [cells, n_kv, D]); the RoPE cos and
+// sin tables (f32 [cells, rot/2]) at [2*n_layers], [2*n_layers+1].
+
+// One head of row i (head < n_head: a query head, else key head head - n_head): RMSNorm (q_norm /
+// k_norm), NEOX RoPE over the first `rot` dims at the row's position, then q back in place, or k
+// (and, when v != null, v) into the session's cache at that position. One warp. Reads through L2:
+// the values may have been written by other blocks of the same launch.
+__device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ k,
+                               const float* __restrict__ v, const float* __restrict__ qn,
+                               const float* __restrict__ kn, const u64* __restrict__ sess,
+                               int layer_slot, int n_layers, const int* __restrict__ desc,
+                               int n_head, int n_kv, int D, int rot, float eps, int i, int head,
+                               int lane) {
+    const int pos = desc[DESC_POS] + i;
+    const bool is_q = head < n_head;
+    const int hh = is_q ? head : head - n_head;
+    const float* src = is_q ? q + ((i64)i * n_head + hh) * D : k + ((i64)i * n_kv + hh) * D;
+    const float* nw = is_q ? qn : kn;
+    float vals[8];
+    const int per = D >> 5;
+    float ss = 0.f;
+    for (int j = 0; j < per; ++j) { vals[j] = __ldcg(src + lane + 32 * j); ss += vals[j] * vals[j]; }
+    ss = warp_sum(ss);
+    const float inv = rsqrtf(ss / (float)D + eps);
+    for (int j = 0; j < per; ++j) vals[j] = vals[j] * inv * nw[lane + 32 * j];
+    const int half = rot >> 1, hj = half >> 5;
+    const float* cosT = reinterpret_cast<const float*>(sess[2 * n_layers]) + (i64)pos * half;
+    const float* sinT = reinterpret_cast<const float*>(sess[2 * n_layers + 1]) + (i64)pos * half;
+    for (int j = 0; j < hj; ++j) {
+        const int d = lane + 32 * j;
+        const float c = cosT[d], s = sinT[d], x1 = vals[j], x2 = vals[j + hj];
+        vals[j] = x1 * c - x2 * s;
+        vals[j + hj] = x2 * c + x1 * s;
+    }
+    if (is_q) {
+        float* dst = q + ((i64)i * n_head + hh) * D;
+        for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
+    } else {
+        __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + ((i64)pos * n_kv + hh) * D;
+        for (int j = 0; j < per; ++j) kc[lane + 32 * j] = __float2half(vals[j]);
+        if (v != nullptr) {
+            __half* vc = reinterpret_cast<__half*>(sess[2 * layer_slot + 1]) + ((i64)pos * n_kv + hh) * D;
+            const float* vs = v + ((i64)i * n_kv + hh) * D;
+            for (int j = 0; j < per; ++j) vc[lane + 32 * j] = __float2half(vs[lane + 32 * j]);
+        }
+    }
+}
+
+// What the q/k/v matvec needs to finish each head itself (STRATA_FUSED_QK_NORM=1): the block that
+// completes a q or k head's rows (counted in `done`, reset by it) normalises and rotates that head;
+// the v blocks write their rows into the cache. The same arithmetic as qk_norm_rope_kv.
+struct QkvSpec {
+    float* q;                 // the matvec's outputs [MAX_ROWS, heads * D]
+    float* k;
+    const float* v;
+    const float* q_norm;
+    const float* k_norm;
+    const u64* sess;
+    const int* desc;
+    u32* done;                // [n_head + n_kv] blocks finished per head, 0 between launches
+    int layer_slot, n_layers, n_head, n_kv, D, rot;
+    float eps;
+};
+
+// ---- attention --------------------------------------------------------------------------------
+// The flash-decoding partials (`part` [rows, n_head, n_split, D], `ml` [rows, n_head, n_split, 2])
+// are the step's own scratch.
+
+// Per head of each row: norm_rope_head (q back in place, k and v into the cache). One warp per
+// (head, row).
+extern "C" __global__ void qk_norm_rope_kv(float* __restrict__ q, const float* __restrict__ k,
+                                           const float* __restrict__ v,
+                                           const float* __restrict__ qn, const float* __restrict__ kn,
+                                           const u64* __restrict__ sess, int layer_slot, int n_layers,
+                                           const int* __restrict__ desc, int n_head, int n_kv,
+                                           int D, int rot, float eps) {
+    pdl_entry();
+    norm_rope_head(q, k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, D, rot, eps,
+                   blockIdx.y, blockIdx.x, threadIdx.x);
+}
+
+// Flash-decoding, first half: block (kv head, split, row) scores `chunk` (<= ATTN_CHUNK) keys for
+// the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
+// A block whose split starts past the row's keys returns at once (it still counts as finished).
+// Short chunks spread a short context over more blocks; the runner picks the chunk.
+template <int D>
+__device__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
+                                  int layer_slot, const int* __restrict__ desc,
+                                  int n_head, int n_kv, int n_split, int chunk, float scale,
+                                  float* __restrict__ part, float* __restrict__ ml) {
+    constexpr int MAX_G = 16, PAIRS = D / 2;
+    // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
+    __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
+    __shared__ float ms[MAX_G], ls[MAX_G];
+    float* qs = smem;
+    float* ps = smem + MAX_G * D;
+    const int kvh = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
+    const int G = n_head / n_kv, t = threadIdx.x;
+    const int len = desc[DESC_POS] + i + 1;              // keys this row sees (causal)
+    const int start = split * chunk;
+    if (start >= len) return;
+    const int count = min(chunk, len - start);
+    const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
+    const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
+    // Every load that needs nothing computed here goes out first, so the block waits on memory
+    // once: the first round's K of this thread, its first V_AHEAD keys of V, and q.
+    constexpr int SPLIT = 4;                 // threads per key in the scores
+    constexpr int KQ = BLOCK_THREADS / PAIRS, V_AHEAD = 64 / KQ;  // V: KQ threads per dim pair
+    constexpr int KW = D / (4 * SPLIT);      // a thread's 4-dim pieces of a key
+    const int u = t % SPLIT, dp = t % PAIRS, kq = t / PAIRS;
+    uint2 k_ahead[KW];
+    {
+        const int kk = min(t / SPLIT, count - 1);
+        const uint2* krow = reinterpret_cast<const uint2*>(kc + ((i64)(start + kk) * n_kv + kvh) * D);
+        #pragma unroll
+        for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
+    }
+    const __half2* vp = reinterpret_cast<const __half2*>(vc + ((i64)start * n_kv + kvh) * D) + dp;
+    const i64 vstride = (i64)n_kv * PAIRS;
+    __half2 v_ahead[V_AHEAD];
+    #pragma unroll
+    for (int m = 0; m < V_AHEAD; ++m) {
+        const int c = kq + KQ * m;
+        v_ahead[m] = c < count ? __ldg(vp + c * vstride) : __float2half2_rn(0.f);
+    }
+    for (int idx = t; idx < G * D; idx += blockDim.x)
+        qs[idx] = q[((i64)i * n_head + kvh * G) * D + idx];
+    __syncthreads();
+    // scores: SPLIT threads per key, thread u taking dims 4u + 16j: its q reads from shared memory
+    // are conflict-free and the G heads' sums are independent chains. Every thread runs every
+    // round (the shuffles need whole warps); a round's keys past `count` are computed and dropped.
+    for (int base = 0; base < count; base += blockDim.x / SPLIT) {
+        const int key = base + t / SPLIT, kk = min(key, count - 1);
+        if (base > 0) {
+            const uint2* krow =
+                reinterpret_cast<const uint2*>(kc + ((i64)(start + kk) * n_kv + kvh) * D);
+            #pragma unroll
+            for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
+        }
+        float acc[MAX_G];
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < KW; ++j) {
+            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].x));
+            const float2 k23 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].y));
+            #pragma unroll
+            for (int g = 0; g < MAX_G; ++g) {
+                if (g < G) {
+                    const float4 qv =
+                        *reinterpret_cast<const float4*>(qs + g * D + 4 * u + 4 * SPLIT * j);
+                    acc[g] = fmaf(qv.x, k01.x, acc[g]);
+                    acc[g] = fmaf(qv.y, k01.y, acc[g]);
+                    acc[g] = fmaf(qv.z, k23.x, acc[g]);
+                    acc[g] = fmaf(qv.w, k23.y, acc[g]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            if (g < G) {
+                float v = acc[g];
+                #pragma unroll
+                for (int o = 1; o < SPLIT; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (u == 0 && key < count) ps[g * ATTN_CHUNK + key] = v * scale;
+            }
+        }
+    }
+    __syncthreads();
+    const int warp = t >> 5, lane = t & 31, nwarps = blockDim.x >> 5;
+    for (int g = warp; g < G; g += nwarps) {
+        float m = -INF_F32;
+        for (int c = lane; c < count; c += 32) m = fmaxf(m, ps[g * ATTN_CHUNK + c]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int c = lane; c < count; c += 32) {
+            float e = __expf(ps[g * ATTN_CHUNK + c] - m);
+            ps[g * ATTN_CHUNK + c] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) { ms[g] = m; ls[g] = l; }
+    }
+    __syncthreads();
+    // weighted V: thread (kq, dp) takes keys kq, kq + KQ, ... for the dim pair dp of every head
+    // (one half2 load of V serves all G), then the KQ partial sums are added in kq order
+    float2 acc[MAX_G];
+    #pragma unroll
+    for (int g = 0; g < MAX_G; ++g) acc[g] = make_float2(0.f, 0.f);
+    #pragma unroll
+    for (int m = 0; m < V_AHEAD; ++m) {       // the keys whose V is already in registers
+        const int c = kq + KQ * m;
+        if (c < count) {
+            const float2 v = __half22float2(v_ahead[m]);
+            #pragma unroll
+            for (int g = 0; g < MAX_G; ++g) {
+                if (g < G) {
+                    const float p = ps[g * ATTN_CHUNK + c];
+                    acc[g].x += p * v.x;
+                    acc[g].y += p * v.y;
+                }
+            }
+        }
+    }
+    #pragma unroll 4
+    for (int c = kq + KQ * V_AHEAD; c < count; c += KQ) {
+        const float2 v = __half22float2(__ldg(vp + c * vstride));
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            if (g < G) {
+                const float p = ps[g * ATTN_CHUNK + c];
+                acc[g].x += p * v.x;
+                acc[g].y += p * v.y;
+            }
+        }
+    }
+    __syncthreads();                                     // qs and ps are read for the last time
+    float2* red = reinterpret_cast<float2*>(smem);       // [KQ - 1][MAX_G][PAIRS]
+    if (kq > 0) {
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g)
+            if (g < G) red[((kq - 1) * MAX_G + g) * PAIRS + dp] = acc[g];
+    }
+    __syncthreads();
+    if (kq == 0) {
+        #pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            if (g < G) {
+                float2 a = acc[g];
+                for (int o = 1; o < KQ; ++o) {
+                    const float2 b = red[((o - 1) * MAX_G + g) * PAIRS + dp];
+                    a.x += b.x;
+                    a.y += b.y;
+                }
+                const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + split;
+                reinterpret_cast<float2*>(part + at * D)[dp] = a;
+                if (dp == 0) { ml[2 * at] = ms[g]; ml[2 * at + 1] = ls[g]; }
+            }
+        }
+    }
+}
+
+// Flash-decoding, second half, run by the last of a (row, kv head)'s split blocks to finish
+// (counted in done[i * n_kv + kvh], which it resets for the next launch): the splits of each of
+// the G heads combined in split order. The partials were written by other blocks: read via L2.
+// Latency, not bandwidth, bounds this: each head's max is found by a warp with all its loads in
+// flight, each tile's split weights go to shared memory once, and a thread's partial values are
+// loaded COMBINE_AHEAD at a time before they are summed. The sums run in split order with the same
+// expressions as one thread per output walking the splits, so the result is that one's, bit for bit.
+#define COMBINE_TILE 64     // splits whose weights are in shared memory at a time
+#define COMBINE_AHEAD 8     // partial values a thread has in flight
+template <int D>
+__device__ void attn_combine_heads(const float* part, const float* ml, int len, int n_head,
+                                   int n_kv, int n_split, int chunk, float* __restrict__ out) {
+    constexpr int MAX_G = 16, PER = (MAX_G * D + BLOCK_THREADS - 1) / BLOCK_THREADS;
+    __shared__ float m_s[MAX_G], w_s[MAX_G][COMBINE_TILE], l_s[MAX_G][COMBINE_TILE];
+    const int kvh = blockIdx.x, i = blockIdx.z, G = n_head / n_kv;
+    const int used = (len + chunk - 1) / chunk;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int g = warp; g < G; g += nwarps) {
+        const i64 base = ((i64)i * n_head + kvh * G + g) * n_split;
+        float m = -INF_F32;
+        for (int s = lane; s < used; s += 32) m = fmaxf(m, __ldcg(ml + 2 * (base + s)));
+        m = warp_max(m);
+        if (lane == 0) m_s[g] = m;
+    }
+    float num[PER], den[PER];
+    #pragma unroll
+    for (int r = 0; r < PER; ++r) { num[r] = 0.f; den[r] = 0.f; }
+    for (int s0 = 0; s0 < used; s0 += COMBINE_TILE) {
+        const int s1 = min(used, s0 + COMBINE_TILE);
+        __syncthreads();                      // m_s written; the last tile's weights read
+        for (int idx = threadIdx.x; idx < G * COMBINE_TILE; idx += blockDim.x) {
+            const int g = idx / COMBINE_TILE, s = s0 + idx % COMBINE_TILE;
+            if (s < s1) {
+                const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + s;
+                w_s[g][s - s0] = __expf(__ldcg(ml + 2 * at) - m_s[g]);
+                l_s[g][s - s0] = __ldcg(ml + 2 * at + 1);
+            }
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int r = 0; r < PER; ++r) {
+            const int idx = threadIdx.x + r * BLOCK_THREADS;
+            if (idx < G * D) {
+                const int g = idx / D, d = idx % D;
+                const float* p = part + (((i64)i * n_head + kvh * G + g) * n_split) * D + d;
+                for (int s = s0; s < s1; s += COMBINE_AHEAD) {
+                    float v[COMBINE_AHEAD];
+                    #pragma unroll
+                    for (int u = 0; u < COMBINE_AHEAD; ++u)
+                        v[u] = s + u < s1 ? __ldcg(p + (i64)(s + u) * D) : 0.f;
+                    #pragma unroll
+                    for (int u = 0; u < COMBINE_AHEAD; ++u) {
+                        if (s + u < s1) {
+                            const float w = w_s[g][s + u - s0];
+                            num[r] += w * v[u];
+                            den[r] += w * l_s[g][s + u - s0];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        const int idx = threadIdx.x + r * BLOCK_THREADS;
+        if (idx < G * D) {
+            const int g = idx / D, d = idx % D;
+            out[((i64)i * n_head + kvh * G + g) * D + d] = num[r] / den[r];
+        }
+    }
+}
+
+// Grid (n_kv, n_split, rows), BLOCK_THREADS threads: out [rows, n_head, D] is the attention of
+// each row's query heads over its causal keys.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+attn_decode_128(const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,
+                int n_kv, int n_split, int chunk, float scale, float* part, float* ml,
+                u32* __restrict__ done, float* __restrict__ out) {
+    pdl_entry();
+    __shared__ bool last;
+    attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale, part,
+                           ml);
+    __threadfence();                          // this block's partials, before it is counted
+    __syncthreads();
+    u32* mine = done + blockIdx.z * n_kv + blockIdx.x;
+    if (threadIdx.x == 0) last = atomicAdd(mine, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    attn_combine_heads<128>(part, ml, desc[DESC_POS] + blockIdx.z + 1, n_head, n_kv, n_split,
+                            chunk, out);
+    if (threadIdx.x == 0) *mine = 0u;
+}

@@ -1,0 +1,199 @@
+// The experts of the decode step (included by decode.cu): the router's top-k (run by the router
+// matvec's last block) and the gate/up and down kernels reading each chosen expert's blob.
+#pragma once
+
+// ---- routing ----------------------------------------------------------------------------------
+// Where a layer's experts are: each one's blob (gate rows, then up rows, then down rows, each
+// part in its stored type) in the stage's cache.
+struct ExpertSpec {
+    const u64* blob_of;       // [n_expert] device address of each expert's blob (0: not resident)
+    i64 up_at, down_at;       // byte offsets of the up and down parts inside a blob
+    i64 gate_row_bytes, up_row_bytes, down_row_bytes;
+    int gate_type, up_type, down_type;
+    int n_ff, n_embd, k;
+};
+
+// The router's matvec routes too: its last block to finish (counted in `done`, which it resets
+// for the next launch) turns the logits into the top-k.
+struct RouteSpec {
+    const ExpertSpec* experts;
+    const float* logits;      // [n, n_expert], written by this launch's other blocks
+    int* ids;                 // [n, k] chosen experts in rank order
+    float* wts;               // [n, k] their weights
+    u64* blobs;               // [n, k] their blob addresses (0: not resident)
+    u32* done;                // blocks finished, 0 between launches
+    int n_expert, k, normalize;
+};
+
+// Softmax over row i's router logits, the top-k in rank order (ties: the lower expert id, as a
+// stable sort does), weights renormalised over the k when `normalize`, and each chosen expert's
+// blob address for the expert kernels. One warp. The logits were written by other blocks of
+// this launch: read through L2 (__ldcg), not a possibly stale L1.
+__device__ void route_row(const RouteSpec& rs, int i) {
+    const int lane = threadIdx.x & 31, n_expert = rs.n_expert, k = rs.k;
+    const u64* blob_of = rs.experts->blob_of;   // loaded now, not after the top-k (a dependent load)
+    float v[16];
+    const float* l = rs.logits + (i64)i * n_expert;
+    float m = -INF_F32;
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < n_expert ? __ldcg(l + e) : -INF_F32;
+        m = fmaxf(m, v[j]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < n_expert ? __expf(v[j] - m) : -1.f;   // probabilities are >= 0
+        if (e < n_expert) sum += v[j];
+    }
+    sum = warp_sum(sum);
+    float picked_sum = 0.f;
+    int mine = 0;                                         // lane r keeps the r-th pick
+    float mine_p = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float best = -1.f; int best_e = 0x7fffffff;
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int e = lane + 32 * j;
+            if (v[j] > best || (v[j] == best && e < best_e)) { best = v[j]; best_e = e; }
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
+        }
+        const float p = best / sum;
+        picked_sum += p;
+        if (lane == r) { mine = best_e; mine_p = p; }
+        #pragma unroll
+        for (int j = 0; j < 16; ++j)                      // taken (static indices: registers)
+            if (lane + 32 * j == best_e) v[j] = -2.f;
+    }
+    if (lane < k) {
+        // NaN or infinite logits pick nothing: no address, so the expert kernels write NaN
+        const bool picked = mine >= 0 && mine < n_expert;
+        rs.ids[i * k + lane] = picked ? mine : -1;
+        rs.wts[i * k + lane] = !picked ? NAN_F32 : rs.normalize ? mine_p / picked_sum : mine_p;
+        rs.blobs[i * k + lane] = picked ? blob_of[mine] : 0ull;
+    }
+}
+
+// Called by every block of the router's launch after its rows are written.
+__device__ void route_after_last_block(const RouteSpec* __restrict__ route, int n) {
+    __shared__ bool last;
+    __threadfence();                                      // this block's logits, before counting
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(route->done, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const RouteSpec rs = *route;
+    const int warp = threadIdx.x >> 5;
+    for (int i = warp; i < n; i += blockDim.x >> 5) route_row(rs, i);
+    if (threadIdx.x == 0) *rs.done = 0u;
+}
+
+// ---- experts ----------------------------------------------------------------------------------
+// act[i, r, f] = silu(gate_e[f] . x_i) * (up_e[f] . x_i), e = ids[i, r] (gate and up stored in
+// one type). A block takes FF_PER_BLOCK consecutive f: their gate and up rows load together.
+// Grid (f blocks, k, rows).
+template <int T>
+__device__ __forceinline__ void moe_gate_up_body(const ExpertSpec* __restrict__ spec_p,
+                                                 const float* __restrict__ x,
+                                                 const u64* __restrict__ blobs,
+                                                 float* __restrict__ act) {
+    __shared__ float sums[2 * FF_PER_BLOCK];
+    const ExpertSpec sp = *spec_p;
+    const int f0 = blockIdx.x * FF_PER_BLOCK, r = blockIdx.y, i = blockIdx.z;
+    float* out = act + ((i64)i * sp.k + r) * sp.n_ff;
+    const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);
+    if (blob == nullptr) {      // not resident: the caller checked; NaN says so loudly
+        if (threadIdx.x < FF_PER_BLOCK && f0 + threadIdx.x < sp.n_ff)
+            out[f0 + threadIdx.x] = NAN_F32;
+        return;
+    }
+    const u8* rows[2 * FF_PER_BLOCK];
+    #pragma unroll
+    for (int q = 0; q < FF_PER_BLOCK; ++q) {
+        const int f = min(f0 + q, sp.n_ff - 1);
+        rows[q] = blob + (i64)f * sp.gate_row_bytes;
+        rows[FF_PER_BLOCK + q] = blob + sp.up_at + (i64)f * sp.up_row_bytes;
+    }
+    block_dots<T, 1, 2 * FF_PER_BLOCK>(rows, sp.n_embd >> 3, x + (i64)i * sp.n_embd, 0, nullptr,
+                                       sums);
+    if (threadIdx.x < FF_PER_BLOCK && f0 + threadIdx.x < sp.n_ff) {
+        const float g = sums[threadIdx.x], u = sums[FF_PER_BLOCK + threadIdx.x];
+        out[f0 + threadIdx.x] = g / (1.f + __expf(-g)) * u;
+    }
+}
+
+// h[i, d] += sum over r of wts[i, r] * (down_e[d] . act[i, r]), e = ids[i, r]. The k experts'
+// rows are one sequence of chunks in rank order (as act[i] is), split over the block's threads
+// like one long row, with the rank weight folded into the activations: all k experts' loads are
+// in flight together and each sum has one fixed order. A block takes DOWN_PER_BLOCK outputs d.
+// Grid (d blocks, rows).
+template <int T>
+__device__ __forceinline__ void moe_down_body(const ExpertSpec* __restrict__ spec_p,
+                                              const float* __restrict__ act,
+                                              const u64* __restrict__ blobs,
+                                              const float* __restrict__ wts,
+                                              float* __restrict__ h) {
+    __shared__ float sums[DOWN_PER_BLOCK];
+    const ExpertSpec sp = *spec_p;
+    const int d0 = blockIdx.x * DOWN_PER_BLOCK, i = blockIdx.y;
+    const int per = sp.n_ff >> 3, total = per * sp.k;
+    const float* a = act + (i64)i * sp.k * sp.n_ff;
+    i64 row_at[DOWN_PER_BLOCK];
+    #pragma unroll
+    for (int q = 0; q < DOWN_PER_BLOCK; ++q)
+        row_at[q] = sp.down_at + (i64)min(d0 + q, sp.n_embd - 1) * sp.down_row_bytes;
+    float acc[DOWN_PER_BLOCK];
+    #pragma unroll
+    for (int q = 0; q < DOWN_PER_BLOCK; ++q) acc[q] = 0.f;
+    bool missing = false;
+    #pragma unroll 2
+    for (int t = threadIdx.x; t < total; t += blockDim.x) {
+        const int r = t / per, c = t - r * per;
+        const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);
+        if (blob == nullptr) {
+            missing = true;
+            continue;
+        }
+        const float wr = wts[i * sp.k + r];
+        float xv[8];
+        load8(a + 8 * (i64)t, xv);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] *= wr;
+        #pragma unroll
+        for (int q = 0; q < DOWN_PER_BLOCK; ++q) {
+            float w[8];
+            chunk8<T>(blob + row_at[q], c, w);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) acc[q] = fmaf(w[j], xv[j], acc[q]);
+        }
+    }
+    missing = __syncthreads_or(missing);
+    block_reduce<DOWN_PER_BLOCK>(acc, sums);
+    if (threadIdx.x < DOWN_PER_BLOCK && d0 + threadIdx.x < sp.n_embd)
+        h[(i64)i * sp.n_embd + d0 + threadIdx.x] += missing ? NAN_F32 : sums[threadIdx.x];
+}
+
+#define MOE_KERNELS(name, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_##name(               \
+            const ExpertSpec* __restrict__ spec, const float* __restrict__ x,                    \
+            const u64* __restrict__ blobs, float* __restrict__ act) {                            \
+        pdl_entry();                                                                             \
+        moe_gate_up_body<T>(spec, x, blobs, act);                                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_##name(                  \
+            const ExpertSpec* __restrict__ spec, const float* __restrict__ act,                  \
+            const u64* __restrict__ blobs, const float* __restrict__ wts, float* __restrict__ h) { \
+        pdl_entry();                                                                             \
+        moe_down_body<T>(spec, act, blobs, wts, h);                                              \
+    }
+FOR_EACH_TYPE(MOE_KERNELS)
