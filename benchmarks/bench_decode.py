@@ -17,7 +17,6 @@ benchmarks/results/decode-<like>-<quant>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -29,18 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from bench_prefill import PeakMemory, prompt_ids  # noqa: E402
+from records import PeakMemory, model_facts, prompt_ids, write_record  # noqa: E402
 from launch_helpers import ServeSession  # noqa: E402
-
-
-def model_facts(path: str) -> dict:
-    from strata_dist.gguf_model import GGUFModel
-    g = GGUFModel(path)
-    name = str(g.metadata("general.name") or os.path.basename(path))
-    gate = g.tensor("blk.0.ffn_gate_exps.weight")
-    return {"like": name.removeprefix("strata synthetic "), "quant": gate.ggml_type.name.lower(),
-            "popularity": str(g.metadata("strata.synth.popularity") or ""),
-            "bytes": os.path.getsize(path), "vocab": int(g.tensor("token_embd.weight").shape[0])}
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
@@ -92,32 +81,6 @@ def llama_arm(args) -> dict:
             "decode_tok_s": float(row["avg_ts"]), "peak_gib": round(mem.gib, 2)}
 
 
-def machine() -> dict:
-    out = {"cpu_cores": os.cpu_count()}
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        out["gpus"] = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                       for i in range(pynvml.nvmlDeviceGetCount())]
-        out["driver"] = pynvml.nvmlSystemGetDriverVersion()
-    except Exception:
-        out["gpus"] = []
-    return out
-
-
-def commit() -> str:
-    """The commit measured: $STRATA_COMMIT when set (a copied tree whose git metadata is older
-    than its files, as on the GPU machine, would otherwise name the wrong one), else git's."""
-    if os.environ.get("STRATA_COMMIT"):
-        return os.environ["STRATA_COMMIT"]
-    try:
-        # "-dirty" when the tree measured differs from that commit
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                              capture_output=True, text=True, cwd=HERE, timeout=10).stdout.strip()
-    except OSError:
-        return ""
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -157,13 +120,7 @@ def main() -> int:
     for arm in arms:
         arm.pop("_tokens", None)
         arm["decode_tok_s"] = round(arm["decode_tok_s"], 2)
-    today = datetime.date.today().isoformat()
-    record = {"bench": "decode", "date": today, "commit": commit(), "machine": machine(),
-              "model": {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}, "arms": arms}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode-{facts['like']}-{facts['quant']}-{today}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    path = write_record("decode", facts, arms, args.out)
     print(f"record: {path}")
     return 0
 

@@ -17,7 +17,6 @@ the record of ../RECORDS.md goes to benchmarks/results/offload-<like>-<quant>-<d
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -29,8 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from bench_decode import commit, machine, model_facts  # noqa: E402
-from bench_prefill import PeakMemory, prompt_ids  # noqa: E402
+from records import PeakMemory, model_facts, prompt_ids, write_record  # noqa: E402
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -128,13 +126,7 @@ def main() -> int:
         key = str(args.prefill_tokens)
         print(f"strata / {arm['name']}: decode {arms[0]['decode_tok_s'] / arm['decode_tok_s']:.2f}x, "
               f"prefill {arms[0]['prefill_tok_s'][key] / arm['prefill_tok_s'][key]:.2f}x")
-    today = datetime.date.today().isoformat()
-    record = {"bench": "offload", "date": today, "commit": commit(), "machine": machine(),
-              "model": {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}, "arms": arms}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"offload-{facts['like']}-{facts['quant']}-{today}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    path = write_record("offload", facts, arms, args.out)
     print(f"record: {path}")
     return 0
 

@@ -5,7 +5,9 @@ short warm-up prompt, then each prompt length once (one new token) and prints pr
 stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
 and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
-memory), and the ratio to llama.cpp is printed for every prompt length.
+memory), and the ratio to llama.cpp is printed for every prompt length. With --grouped a third
+arm runs loans on with STRATA_GROUPED_EXPERTS=1 (the row kernels of backends/expert_rows.py).
+The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
         --chunk 4096 --llama-bench .anchor/llama.cpp/build/bin/llama-bench --ncmoe 24
@@ -18,57 +20,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from launch_helpers import ServeSession  # noqa: E402
+from records import PeakMemory, model_facts, prompt_ids, write_record  # noqa: E402
 
 
-class PeakMemory:
-    """The device's peak memory in use while the block runs (NVML), in bytes above the start."""
-
-    def __init__(self, index: int = 0, period_s: float = 0.02):
-        self.index, self.period_s = index, period_s
-        self.peak = self.base = 0
-        self._stop = threading.Event()
-
-    def __enter__(self):
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self._h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-            self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
-        except Exception:          # no NVML (a CPU run): nothing to sample
-            self._used = None
-            return self
-        self.base = self.peak = self._used()
-        self._t = threading.Thread(target=self._sample, daemon=True)
-        self._t.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(self.period_s):
-            self.peak = max(self.peak, self._used())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._used is not None:
-            self._t.join(timeout=1)
-
-    @property
-    def gib(self) -> float:
-        return (self.peak - self.base) / 2**30
-
-
-def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
-    """n token ids below the specials, starting differently for every seed."""
-    top = min(vocab - 8, 100_000)
-    return [((i + seed) * 7919) % (top - 10) + 10 for i in range(n)]
-
-
-def strata_arm(args, loans: bool) -> dict:
+def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
     devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", "0"]
     extra = [] if loans else ["--no-prompt-loans"]
     ctx = max(args.prompts) + 64
@@ -76,7 +36,8 @@ def strata_arm(args, loans: bool) -> dict:
     vocab = int(GGUFModel(args.model).tensor("token_embd.weight").shape[0])
     with PeakMemory() as mem:
         s = ServeSession(args.model, *devices, "--vram-budget", args.budget, "--max-context", str(ctx),
-                         "--prefill", str(args.chunk), "--no-remote-auto", *extra, timeout=900)
+                         "--prefill", str(args.chunk), "--no-remote-auto", *extra, env=env,
+                         timeout=900)
         try:
             info = s.info_fields()[0]
             stage = next(f for f in s.info_fields() if "rank" in f)
@@ -123,12 +84,19 @@ def main() -> int:
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
     ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp: layers whose experts stay on the CPU")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
+    ap.add_argument("--grouped", action="store_true",
+                    help="a third arm: loans on, STRATA_GROUPED_EXPERTS=1")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results"))
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
     results = {}
-    for name, loans in (("loans on", True), ("loans off", False)):
+    variants = [("loans on", True, None), ("loans off", False, None)]
+    if args.grouped:
+        variants.append(("grouped experts", True, {"STRATA_GROUPED_EXPERTS": "1"}))
+    for name, loans, env in variants:
         t0 = time.perf_counter()
-        r = results[name] = strata_arm(args, loans)
+        r = results[name] = strata_arm(args, loans, env)
         print(f"{name:9s}: expert_slots={r['slots']} loan={r['loan_mib']} MiB peak device memory "
               f"{r['peak_gib']:.1f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
         for n, run in r["runs"].items():
@@ -147,9 +115,18 @@ def main() -> int:
     for n in args.prompts:
         on, off = results["loans on"]["runs"][n]["tps"], results["loans off"]["runs"][n]["tps"]
         line = f"{n:6d} tokens: loans on / off {on / off:.2f}x"
+        if "grouped experts" in results:
+            line += f"; grouped / loans on {results['grouped experts']['runs'][n]['tps'] / on:.2f}x"
         if "llama.cpp" in results and n in results["llama.cpp"]["runs"]:
             line += f"; strata (loans on) / llama.cpp {on / results['llama.cpp']['runs'][n]['tps']:.2f}x"
         print(line)
+    names = {"loans on": "strata", "loans off": "strata loans off",
+             "grouped experts": "strata grouped experts", "llama.cpp": "llama.cpp"}
+    arms = [{"name": names[k], "gpus": 0 if args.cpu else 1,
+             "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
+             "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
+            for k, r in results.items()]
+    print(f"record: {write_record('prefill', model_facts(args.model), arms, args.out)}")
     return 0
 
 

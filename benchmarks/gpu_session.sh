@@ -9,19 +9,23 @@
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
 #      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
 #      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
-#      (copy the records into benchmarks/results/ afterwards)
+#      (copy the records into benchmarks/results/ afterwards); with --prefill, bench_prefill.py on the
+#      same file, every expert resident, 512 and 4096 tokens, loans on/off and the row kernels
+#      (STRATA_GROUPED_EXPERTS=1) beside llama.cpp
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--skip-profile] [--tune] [--offload] [--quants q8_0,q4_k]
+#       [--skip-tests] [--skip-profile] [--tune] [--offload] [--prefill] [--skip-decode] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; TUNE=0; OFFLOAD=0; PROFILE=1
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; TUNE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
     --skip-tests) TESTS=0; shift ;;
     --tune) TUNE=1; shift ;;
     --offload) OFFLOAD=1; shift ;;
+    --prefill) PREFILL=1; shift ;;
+    --skip-decode) DECODE=0; shift ;;
     --skip-profile) PROFILE=0; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -70,8 +74,16 @@ fi
 for q in ${QUANTS//,/ }; do
   timeout 120 python3 -m launcher.tools synth /tmp/m/q30.gguf --like qwen3-30b-a3b --quant "$q" \
     --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
+  if [ "$DECODE" = 1 ]; then
   timeout 300 python3 benchmarks/bench_decode.py --model /tmp/m/q30.gguf --gpus "$GPUS" --tokens 128 \
     --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_$q.log" | tail -6
+  fi
+  if [ "$PREFILL" = 1 ]; then
+    LLAMA_PRE=(); [ -x "$LB" ] && LLAMA_PRE=(--llama-bench "$LB" --ncmoe 0)
+    timeout 580 python3 benchmarks/bench_prefill.py --model /tmp/m/q30.gguf --budget 100G \
+      --prompts 512,4096 --chunk 4096 --grouped --out "$OUT" "${LLAMA_PRE[@]}" 2>&1 \
+      | tee "$OUT/prefill_$q.log" | tail -8
+  fi
   if [ "$OFFLOAD" = 1 ]; then
     LLAMA_OFF=(); [ -x "$LB" ] && LLAMA_OFF=(--llama-bench "$LB" --ncmoe 24)
     timeout 580 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf --vram-budget 19G \

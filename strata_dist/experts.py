@@ -1,26 +1,24 @@
 """Expert stores: where a (layer, expert)'s weights come from and how its SwiGLU is computed.
 
-Every store reads the expert's blob (gate, up, down as stored in the file) and decodes it with
-the backend's `expert_weights`, then runs the one `swiglu` — so a (token, expert) output is the
-same bits whichever store computed it, and whatever other rows shared the call (the
-batch-invariance rule of docs/DEVELOPING.md, "Conventions")."""
+Every store hands the expert's blob (gate, up, down as stored in the file) to the backend's
+`expert_swiglu` / `experts_swiglu` (decode with `expert_weights`, then the one `swiglu`; or, on a
+GPU with STRATA_GROUPED_EXPERTS=1, the row kernels of backends/expert_rows.py) — so a (token,
+expert) output is the same bits whichever store computed it, and whatever other rows shared the
+call (the batch-invariance rule of docs/DEVELOPING.md, "Conventions")."""
 from __future__ import annotations
 
 import numpy as np
 
 
-def swiglu(backend, x, gate, up, down):
-    """down @ (silu(gate @ x) * (up @ x)) for each row of x."""
-    if backend.name == "numpy":
-        # One row at a time: BLAS picks different kernels for different shapes, and a row's
-        # result must not depend on how many rows share the call.
-        out = np.empty((x.shape[0], down.shape[0]), dtype=np.float32)
-        for i in range(x.shape[0]):
-            g = gate @ x[i]
-            out[i] = down @ (g / (1.0 + np.exp(-g)) * (up @ x[i]))
-        return out
-    g = x @ gate.T
-    return (g / (1.0 + backend.xp.exp(-g)) * (x @ up.T)) @ down.T
+def stored_rows_jobs(idx: np.ndarray, mask: np.ndarray, blob_of) -> list:
+    """The jobs of backend.experts_swiglu for the (row, rank) pairs of `mask`, one per expert:
+    (its blob, the rows, the flat output rows row * k + rank of an [n * k, d] output)."""
+    k = idx.shape[1]
+    jobs = []
+    for e in np.unique(idx[mask]):
+        rows, ranks = np.nonzero(mask & (idx == e))
+        jobs.append((blob_of(int(e)), rows, rows * k + ranks))
+    return jobs
 
 
 class ExpertStore:
@@ -50,8 +48,7 @@ class HostTier(ExpertStore):
 
     def compute(self, layer: int, expert: int, x):
         blob = self.backend.stage_blob(self.gguf.expert_blob(layer, expert))
-        gate, up, down = self.backend.expert_weights(self.gguf, layer, blob)
-        return swiglu(self.backend, x, gate, up, down)
+        return self.backend.expert_swiglu(self.gguf, layer, blob, x)
 
 
 class BlobArena(ExpertStore):
@@ -127,8 +124,21 @@ class BlobArena(ExpertStore):
         return self.buf[int(self.offsets[i]):int(self.offsets[i + 1])]
 
     def compute(self, layer: int, expert: int, x):
-        gate, up, down = self.backend.expert_weights(self.gguf, layer, self.blob(layer, expert))
-        return swiglu(self.backend, x, gate, up, down)
+        return self.backend.expert_swiglu(self.gguf, layer, self.blob(layer, expert), x)
+
+    def outputs(self, layer: int, x, idx: np.ndarray):
+        """y[row, rank] = expert idx[row, rank] applied to x[row], unweighted: every expert of the
+        call in one experts_swiglu."""
+        n, k = idx.shape
+        y = self.backend.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
+        self.compute_into(layer, x, idx, np.ones(idx.shape, dtype=bool), y)
+        return y
+
+    def compute_into(self, layer: int, x, idx: np.ndarray, mask: np.ndarray, y) -> None:
+        """y[row, rank] for the pairs of `mask` (all resident here)."""
+        jobs = stored_rows_jobs(idx, mask, lambda e: self.blob(layer, e))
+        n, k, d = y.shape
+        self.backend.experts_swiglu(self.gguf, layer, x, jobs, y.reshape(n * k, d))
 
 
 def all_pairs(gguf, layers, n_experts: int):

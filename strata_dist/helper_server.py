@@ -106,6 +106,5 @@ def compute_request(store: BlobArena, layer: int, x, ids: np.ndarray):
     for expert in np.unique(ids[ids >= 0]):
         if not store.holds(layer, int(expert)):
             raise KeyError(f"asked for pair ({layer}, {int(expert)}), which this helper does not hold")
-        r, j = np.nonzero(ids == expert)
-        y[be.asarray(r), be.asarray(j)] = store.compute(layer, int(expert), x[be.asarray(r)])
+    store.compute_into(layer, x, ids, ids >= 0, y)
     return y

@@ -21,7 +21,7 @@ from protocol import (Channel, Error, ExpertReply, ExpertRequest, ProtocolError,
                       SlotFree)
 from protocol.messages import RowSlot
 
-from .experts import BlobArena, ExpertStore, HostTier, swiglu
+from .experts import BlobArena, ExpertStore, HostTier, stored_rows_jobs
 
 log = logging.getLogger("strata.tiers")
 
@@ -173,6 +173,9 @@ class ExpertTiers(ExpertStore):
         return y
 
     def _run(self, store: ExpertStore, layer: int, x, idx, mask, y) -> None:
+        if isinstance(store, BlobArena):       # resident blobs: every expert in one call
+            store.compute_into(layer, x, idx, mask, y)
+            return
         be = self.backend
         for expert in np.unique(idx[mask]):
             rows, ranks = np.nonzero(mask & (idx == expert))
@@ -200,13 +203,13 @@ class ExpertTiers(ExpertStore):
             return
         for start in range(0, len(experts), per_batch):
             batch = experts[start:start + per_batch]
-            for i, e in enumerate(batch):     # stream the batch in, then compute it
-                be.stage_blob(gguf.expert_blob(layer, e), out=region[i * size:(i + 1) * size])
-            for i, e in enumerate(batch):
-                rows, ranks = np.nonzero(mask & (idx == e))
-                sel = be.asarray(rows)
-                gate, up, down = be.expert_weights(gguf, layer, region[i * size:(i + 1) * size])
-                y[sel, be.asarray(ranks)] = swiglu(be, x[sel], gate, up, down)
+            slot = {e: region[i * size:(i + 1) * size] for i, e in enumerate(batch)}
+            for e, blob in slot.items():      # stream the batch in, then compute it
+                be.stage_blob(gguf.expert_blob(layer, e), out=blob)
+            in_batch = mask & np.isin(idx, batch)
+            n, k, d = y.shape
+            be.experts_swiglu(gguf, layer, x, stored_rows_jobs(idx, in_batch, slot.__getitem__),
+                              y.reshape(n * k, d))
             self.counters["streamed"] += len(batch)
 
     def _helper_lost(self, h: HelperClient, err: Exception) -> None:

@@ -49,6 +49,8 @@ class Experts:
         self.blob_of = cp.asarray(np.array([int(self.buf.data.ptr) + e * self.stride
                                             for e in range(N_EXPERT)], dtype=np.uint64))
         g_bytes, u_bytes = g_raw.nbytes, u_raw.nbytes
+        self.size = size
+        self.layout = (g_bytes, u_bytes, d_raw.nbytes)
         self.types = (TYPE_NAMES[int(gate_up_type)], TYPE_NAMES[int(down_type)])
         self.spec = cd._spec_array(EXPERT_SPEC, [dict(
             blob_of=int(self.blob_of.data.ptr), up_at=g_bytes, down_at=g_bytes + u_bytes,
@@ -89,6 +91,45 @@ def test_expert_kernels_match_numpy(gate_up, down, n):
                                atol=1e-4 * np.abs(want_act).max())
     np.testing.assert_allclose(cp.asnumpy(h), want_h, rtol=1e-4,
                                atol=1e-4 * np.abs(want_h - h0).max())
+
+
+@pytest.mark.parametrize("gate_up,down", [(QT.F16, QT.F16), (QT.Q8_0, QT.Q8_0),
+                                          (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K)],
+                         ids=lambda t: t.name)
+def test_row_kernels_match_numpy_and_ignore_the_grouping(gate_up, down):
+    """The prompt path's expert kernels (backends/expert_rows.py): pairs of several experts, with
+    counts around the work item's 32, against float64 numpy; and every pair's bits the same when
+    its expert is computed alone or the pair alone (the tier or grouping never shows)."""
+    from strata_dist.backends.expert_rows import LayerExperts, RowsKernels
+    ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down))
+    g_bytes, u_bytes, d_bytes = ex.layout
+    spec = LayerExperts(int(gate_up), int(down), g_bytes, g_bytes + u_bytes, g_bytes // N_FF,
+                        u_bytes // N_FF, d_bytes // N_EMBD, N_FF, N_EMBD, 16)
+    kernels = RowsKernels(0)
+    rng = np.random.default_rng(8)
+    n = 80
+    x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+    blob = lambda e: ex.buf[e * ex.stride:e * ex.stride + ex.size]  # noqa: E731
+    counts = {0: 1, 3: 31, 5: 32, 6: 33, 9: 80}
+    jobs, at = [], 0
+    for e, c in counts.items():
+        rows = rng.choice(n, c, replace=False)
+        jobs.append((blob(e), rows, np.arange(at, at + c)))
+        at += c
+    out = cp.zeros((at, N_EMBD), cp.float32)
+    assert kernels.run_spec(spec, cp.asarray(x), jobs, out)
+    got = cp.asnumpy(out)
+    for (b, rows, dest), e in zip(jobs, counts):
+        g, u, d = (m.astype(np.float64) for m in ex.ref[e])
+        gx, ux = x[rows] @ g.T, x[rows] @ u.T
+        want = (gx / (1 + np.exp(-gx)) * ux) @ d.T
+        np.testing.assert_allclose(got[dest], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        alone = cp.zeros((len(rows), N_EMBD), cp.float32)
+        assert kernels.run_spec(spec, cp.asarray(x), [(b, rows, np.arange(len(rows)))], alone)
+        assert np.array_equal(cp.asnumpy(alone), got[dest])
+        one = cp.zeros((1, N_EMBD), cp.float32)
+        assert kernels.run_spec(spec, cp.asarray(x), [(b, rows[-1:], np.zeros(1, int))], one)
+        assert np.array_equal(cp.asnumpy(one)[0], got[dest[-1]])
 
 
 def test_a_missing_expert_reads_as_nan():

@@ -82,3 +82,35 @@ def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model):
     rows = CHUNK * int(GGUFModel(str(model)).arch_metadata("embedding_length")) * 4
     assert asked[0] > 4 * rows, asked
     assert asked[40] <= rows + 4096, asked
+
+
+def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypatch,
+                                                                f16_kv_reference):
+    """STRATA_GROUPED_EXPERTS=1 (every expert computation through backends/expert_rows.py): a
+    prompt's logits stay within numpy's tolerance, and a stage that streams half its experts
+    through a loan reads the prompt into the same bits as one that caches them all."""
+    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.stage import Stage, StageConfig
+    monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
+    eng = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    assert eng.backend._rows is not None
+    ref = SingleProcessRunner(model, "cpu", prefill_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]
+    got = np.asarray(eng.feed(PROMPT)[-1])
+    assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
+    every = [(l, e) for l in range(N_LAYERS) for e in range(N_EXPERTS)]
+    stages = {name: Stage(StageConfig(model_path=str(model), device="cuda:0", lb=0, le=N_LAYERS,
+                                      first=True, last=True, max_context=512, cache_pairs=pairs,
+                                      loan_slots=loan))
+              for name, pairs, loan in (("all", every, 0),
+                                        ("half", [p for p in every if p[1] % 2 == 0], 40))}
+    logits = {}
+    for name, st in stages.items():
+        out = None
+        for c in range(0, len(PROMPT), CHUNK):
+            if c == 0:
+                st.begin_prompt()
+            out = st.run(0, c, ids=PROMPT[c:c + CHUNK], prompt=True)
+        st.end_prompt()
+        logits[name] = np.asarray(out)
+    assert stages["half"].tiers.counters["streamed"] > 0
+    assert np.array_equal(logits["all"], logits["half"])

@@ -50,6 +50,21 @@ class Backend:
         """x [n, in] (float32) @ w[out, in].T -> [n, out] float32."""
         raise NotImplementedError
 
+    def expert_swiglu(self, gguf, layer: int, blob, x):
+        """The expert whose stored bytes are `blob` (on this backend) applied to the rows x: every
+        store computes an expert through here (or experts_swiglu), so the bits never depend on
+        the store."""
+        gate, up, down = self.expert_weights(gguf, layer, blob)
+        return swiglu(self, x, gate, up, down)
+
+    def experts_swiglu(self, gguf, layer: int, x, jobs, out) -> None:
+        """Several experts of one layer: for each job (blob, rows, dest), with host index arrays,
+        out[dest] = expert_swiglu(blob, x[rows])."""
+        for blob, rows, dest in jobs:
+            if len(rows):
+                out[self.asarray(np.asarray(dest))] = self.expert_swiglu(
+                    gguf, layer, blob, x[self.asarray(np.asarray(rows))])
+
     def make_expert_store(self, model, layers):
         """The object that computes experts of `layers` (see experts.py)."""
         raise NotImplementedError
@@ -65,3 +80,17 @@ class Backend:
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) bytes of the device, or None for host memory."""
         return None
+
+
+def swiglu(backend, x, gate, up, down):
+    """down @ (silu(gate @ x) * (up @ x)) for each row of x."""
+    if backend.name == "numpy":
+        # One row at a time: BLAS picks different kernels for different shapes, and a row's
+        # result must not depend on how many rows share the call.
+        out = np.empty((x.shape[0], down.shape[0]), dtype=np.float32)
+        for i in range(x.shape[0]):
+            g = gate @ x[i]
+            out[i] = down @ (g / (1.0 + np.exp(-g)) * (up @ x[i]))
+        return out
+    g = x @ gate.T
+    return (g / (1.0 + backend.xp.exp(-g)) * (x @ up.T)) @ down.T

@@ -6,6 +6,8 @@ per (layer, expert). Decode steps whose experts are all resident run through
 `backends/cuda_decode.py` instead: the same stored blocks read by fused kernels in one CUDA graph."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 try:
@@ -41,6 +43,11 @@ class CupyBackend(Backend):
         self._dev.use()
         self._pinned = None
         self._pinned_read = None    # recorded after the last copy out of the pinned buffer
+        # experimental, until measured: experts through the row kernels (backends/expert_rows.py)
+        self._rows = None
+        if os.environ.get("STRATA_GROUPED_EXPERTS") == "1":
+            from .expert_rows import RowsKernels
+            self._rows = RowsKernels(index)
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -122,6 +129,19 @@ class CupyBackend(Backend):
                 out.append(cp.asarray(dequantize_bytes(cp.asnumpy(raw), t.ggml_type, (rows, cols),
                                                        gguf.path, t.name)))
         return tuple(out)
+
+    def expert_swiglu(self, gguf, layer, blob, x):
+        if self._rows is not None:
+            n = int(x.shape[0])
+            out = cp.empty((n, int(x.shape[1])), dtype=cp.float32)
+            every = np.arange(n)
+            if self._rows.run(gguf, layer, x, [(blob, every, every)], out):
+                return out
+        return super().expert_swiglu(gguf, layer, blob, x)
+
+    def experts_swiglu(self, gguf, layer, x, jobs, out) -> None:
+        if self._rows is None or not self._rows.run(gguf, layer, x, jobs, out):
+            super().experts_swiglu(gguf, layer, x, jobs, out)
 
     def decode_graph(self, model, max_cells):
         from .cuda_decode import decode_graph

@@ -81,6 +81,12 @@ def kernel_names() -> list[str]:
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names
 
+def rows_kernel_names() -> list[str]:
+    """Every kernel backends/expert_rows.py may ask experts_rows.cu for."""
+    return [f"{kind}_{t}" for t in TYPE_NAMES.values()
+            for kind in ("moe_gate_up_rows", "moe_down_rows")]
+
+
 MAT_SPEC = np.dtype([("w", "<u8"), ("y", "<u8"), ("add", "<u8"), ("row_bytes", "<i8"),
                      ("nrows", "<i4"), ("ncols", "<i4"), ("y_stride", "<i4"), ("type", "<i4")])
 EXPERT_SPEC = np.dtype([("blob_of", "<u8"), ("up_at", "<i8"), ("down_at", "<i8"),

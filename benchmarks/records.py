@@ -1,0 +1,102 @@
+"""What every benchmark's record (benchmarks/results/, the format of docs/BENCHMARKS.md) is made
+of: the model file's facts, the machine, the commit measured, the device's peak memory while an
+arm runs, the prompts, and the file written."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class PeakMemory:
+    """The device's peak memory in use while the block runs (NVML), in bytes above the start."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.02):
+        self.index, self.period_s = index, period_s
+        self.peak = self.base = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+            self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
+        except Exception:          # no NVML (a CPU run): nothing to sample
+            self._used = None
+            return self
+        self.base = self.peak = self._used()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, self._used())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._used is not None:
+            self._t.join(timeout=1)
+
+    @property
+    def gib(self) -> float:
+        return (self.peak - self.base) / 2**30
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    """n token ids below the specials, starting differently for every seed."""
+    top = min(vocab - 8, 100_000)
+    return [((i + seed) * 7919) % (top - 10) + 10 for i in range(n)]
+
+
+def model_facts(path: str) -> dict:
+    from strata_dist.gguf_model import GGUFModel
+    g = GGUFModel(path)
+    name = str(g.metadata("general.name") or os.path.basename(path))
+    gate = g.tensor("blk.0.ffn_gate_exps.weight")
+    return {"like": name.removeprefix("strata synthetic "), "quant": gate.ggml_type.name.lower(),
+            "popularity": str(g.metadata("strata.synth.popularity") or ""),
+            "bytes": os.path.getsize(path), "vocab": int(g.tensor("token_embd.weight").shape[0])}
+
+
+def machine() -> dict:
+    out = {"cpu_cores": os.cpu_count()}
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        out["gpus"] = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                       for i in range(pynvml.nvmlDeviceGetCount())]
+        out["driver"] = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        out["gpus"] = []
+    return out
+
+
+def commit() -> str:
+    """The commit measured: $STRATA_COMMIT when set (a copied tree whose git metadata is older
+    than its files, as on the GPU machine, would otherwise name the wrong one), else git's."""
+    if os.environ.get("STRATA_COMMIT"):
+        return os.environ["STRATA_COMMIT"]
+    try:
+        # "-dirty" when the tree measured differs from that commit
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                              capture_output=True, text=True, cwd=HERE, timeout=10).stdout.strip()
+    except OSError:
+        return ""
+
+
+def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str) -> str:
+    """benchmarks/results/<bench>-<like>-<quant>-<date>.json; returns its path."""
+    today = datetime.date.today().isoformat()
+    record = {"bench": bench, "date": today, "commit": commit(), "machine": machine(),
+              "model": {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}, "arms": arms}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{bench}-{facts['like']}-{facts['quant']}-{today}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path

@@ -1,0 +1,112 @@
+"""Experts over many rows on the GPU: every (row, rank) pair of a layer sorted by expert and cut
+into work items, then two launches for the whole layer (kernels/experts_rows.cu) instead of a
+dequantize and three GEMMs per expert. Each output is one thread's sum in column order, so a
+pair's bits do not depend on how the pairs were grouped, which tier held the blob, or the chunk.
+
+Opt-in while unmeasured on a GPU: STRATA_GROUPED_EXPERTS=1 (CupyBackend reads it)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import cupy as cp
+
+from ..kernels import function
+from ..kernels.abi import KERNEL_TYPES, TYPE_NAMES
+
+KERNELS = "experts_rows.cu"
+TILE_M, TILE_N, TILE_K = 32, 64, 32      # experts_rows.cu
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """How a layer's expert blobs are laid out, as the kernels read them."""
+    gate_type: int
+    down_type: int
+    up_at: int
+    down_at: int
+    gate_row_bytes: int
+    up_row_bytes: int
+    down_row_bytes: int
+    n_ff: int
+    n_embd: int
+    align: int            # the byte alignment a blob's address needs
+
+
+def layer_experts(gguf, layer: int) -> LayerExperts | None:
+    """The layout of `layer`'s blobs, or None when the kernels cannot read them."""
+    parts = gguf.expert_parts(layer)              # gate, up, down as stored
+    types = [int(t.ggml_type) for t in parts]
+    if types[0] != types[1] or any(t not in KERNEL_TYPES for t in types):
+        return None
+    per = [t.n_bytes // t.shape[0] for t in parts]
+    rows = [t.shape[1] for t in parts]
+    n_ff, n_embd = rows[0], rows[2]
+    align = max(KERNEL_TYPES[t] for t in types)
+    if (n_ff % TILE_K or n_embd % TILE_K or per[0] % KERNEL_TYPES[types[1]]
+            or (per[0] + per[1]) % KERNEL_TYPES[types[2]]
+            or any((p // r) % KERNEL_TYPES[t] for p, r, t in zip(per, rows, types))):
+        return None
+    return LayerExperts(types[0], types[2], per[0], per[0] + per[1], per[0] // rows[0],
+                        per[1] // rows[1], per[2] // rows[2], n_ff, n_embd, align)
+
+
+class RowsKernels:
+    def __init__(self, device: int):
+        self.device = device
+        self._layers: dict[tuple[str, int], LayerExperts | None] = {}
+
+    def _layout(self, gguf, layer: int) -> LayerExperts | None:
+        key = (gguf.path, layer)
+        if key not in self._layers:
+            self._layers[key] = layer_experts(gguf, layer)
+        return self._layers[key]
+
+    def run(self, gguf, layer: int, x, jobs, out) -> bool:
+        """out[dest] = SwiGLU of expert `blob` on x[rows], for each job (blob, rows, dest): blob a
+        device uint8 array, rows and dest host integer arrays, out [m, n_embd] float32. False
+        (nothing done) when the kernels cannot take this layer or these blobs."""
+        spec = self._layout(gguf, layer)
+        return spec is not None and self.run_spec(spec, x, jobs, out)
+
+    def run_spec(self, spec: LayerExperts, x, jobs, out) -> bool:
+        """`run` for blobs of the layout `spec`."""
+        jobs = [(b, np.asarray(r), np.asarray(d)) for b, r, d in jobs if len(r)]
+        if x.shape[1] != spec.n_embd:
+            return False
+        if not jobs:
+            return True
+        blobs = np.array([int(b.data.ptr) for b, _, _ in jobs], dtype=np.uint64)
+        if (blobs % spec.align).any():
+            return False
+        items, start = [], 0
+        for j, (_, rows, _) in enumerate(jobs):
+            items += [(j, start + s, min(TILE_M, len(rows) - s), 0)
+                      for s in range(0, len(rows), TILE_M)]
+            start += len(rows)
+        # one upload for the index tables: items, then each pair's input row, then its output row
+        pack = np.concatenate([np.asarray(items, dtype=np.int32).ravel()]
+                              + [r.astype(np.int32) for _, r, _ in jobs]
+                              + [d.astype(np.int32) for _, _, d in jobs])
+        with cp.cuda.Device(self.device):
+            pack_d, blobs_d = cp.asarray(pack), cp.asarray(blobs)
+            n_items, pairs = len(items), start
+            items_d = pack_d[:4 * n_items]
+            rows_d = pack_d[4 * n_items:4 * n_items + pairs]
+            dest_d = pack_d[4 * n_items + pairs:]
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            act = cp.empty((pairs, spec.n_ff), dtype=cp.float32)
+            i32, i64 = np.int32, np.int64
+            self._fn("moe_gate_up_rows", spec.gate_type)(
+                (n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
+                (blobs_d, items_d, rows_d, x, i32(spec.n_embd), i64(spec.up_at),
+                 i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act))
+            self._fn("moe_down_rows", spec.down_type)(
+                (n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
+                (blobs_d, items_d, dest_d, act, i32(spec.n_ff), i64(spec.down_at),
+                 i64(spec.down_row_bytes), i32(spec.n_embd), out))
+        return True
+
+    def _fn(self, kind: str, ggml_type: int):
+        return function(KERNELS, f"{kind}_{TYPE_NAMES[ggml_type]}", self.device)
