@@ -3,10 +3,14 @@ into work items, then two launches for the whole layer (kernels/experts_rows.cu)
 dequantize and three GEMMs per expert. Each output is one thread's sum in column order, so a
 pair's bits do not depend on how the pairs were grouped, which tier held the blob, or the chunk.
 
-Opt-in while unmeasured on a GPU: STRATA_GROUPED_EXPERTS=1 (CupyBackend reads it)."""
+Two builds of the same kernels: on tensor cores (mma.sync, rows and weights rounded to f16 in
+shared memory as cuBLAS's f16 products round them; the default) and in float32 FMA
+(STRATA_ROWS_MMA=0). Opt-in while unmeasured on a GPU: STRATA_GROUPED_EXPERTS=1 (CupyBackend
+reads it)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +57,9 @@ def layer_experts(gguf, layer: int) -> LayerExperts | None:
 
 
 class RowsKernels:
-    def __init__(self, device: int):
+    def __init__(self, device: int, mma: bool | None = None):
         self.device = device
+        self.mma = os.environ.get("STRATA_ROWS_MMA", "1") != "0" if mma is None else mma
         self._layers: dict[tuple[str, int], LayerExperts | None] = {}
 
     def _layout(self, gguf, layer: int) -> LayerExperts | None:
@@ -109,4 +114,5 @@ class RowsKernels:
         return True
 
     def _fn(self, kind: str, ggml_type: int):
-        return function(KERNELS, f"{kind}_{TYPE_NAMES[ggml_type]}", self.device)
+        suffix = "_mma" if self.mma else ""
+        return function(KERNELS, f"{kind}{suffix}_{TYPE_NAMES[ggml_type]}", self.device)

@@ -83,7 +83,7 @@ def kernel_names() -> list[str]:
 
 def rows_kernel_names() -> list[str]:
     """Every kernel backends/expert_rows.py may ask experts_rows.cu for."""
-    return [f"{kind}_{t}" for t in TYPE_NAMES.values()
+    return [f"{kind}{mma}_{t}" for t in TYPE_NAMES.values() for mma in ("", "_mma")
             for kind in ("moe_gate_up_rows", "moe_down_rows")]
 
 

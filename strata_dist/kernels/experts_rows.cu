@@ -159,6 +159,164 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
     }
 }
 
+// ---- the same on tensor cores ------------------------------------------------------------------
+// mma.sync m16n8k16 (f16 inputs, f32 accumulation): the input rows and the decoded weights are
+// rounded to f16 in shared memory (as cuBLAS's f16 products round them), each output accumulated
+// k16 step after k16 step in column order, so a pair's bits still do not depend on its neighbours.
+// 8 warps: warp w takes the 16 pairs (w & 1) and the 16 outputs 16 * (w >> 1) of the 32 x 64 tile.
+#define MMA_PAD 8                   // halves of padding per shared row: conflict-free fragments
+#define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&h);
+}
+
+// TILE_K columns of the item's rows as f16, xs[m][k] (zeros past `count`)
+__device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], const float* __restrict__ x,
+                                             int x_cols, const int* __restrict__ rows, int count,
+                                             int k0) {
+    const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m < count)
+        v = __ldg(reinterpret_cast<const float4*>(x + (i64)rows[m] * x_cols + k0 + c));
+    uint2 packed;
+    packed.x = pack_half2(v.x, v.y);
+    packed.y = pack_half2(v.z, v.w);
+    *reinterpret_cast<uint2*>(&xs[m][c]) = packed;
+}
+
+// chunk q of weight row n as f16, ws[n][8q .. 8q+7] (thread t: n = t / 4, q = t % 4)
+template <int T>
+__device__ __forceinline__ void stage_weights_h(__half (*ws)[MMA_LD], const u8* __restrict__ base,
+                                                i64 row_bytes, int n0, int nrows, int k0) {
+    const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
+    const u8* row = base + (i64)min(n0 + n, nrows - 1) * row_bytes;
+    float w[8];
+    chunk8<T>(row, (k0 >> 3) + q, w);
+    uint4 packed;
+    packed.x = pack_half2(w[0], w[1]);
+    packed.y = pack_half2(w[2], w[3]);
+    packed.z = pack_half2(w[4], w[5]);
+    packed.w = pack_half2(w[6], w[7]);
+    *reinterpret_cast<uint4*>(&ws[n][8 * q]) = packed;
+}
+
+// The A fragment of rows m0.. and the B fragments of outputs n0.. for the k16 step at kk.
+__device__ __forceinline__ void load_a(u32 (&a)[4], __half (*xs)[MMA_LD], int m0, int kk) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    a[0] = *reinterpret_cast<const u32*>(&xs[m0 + g][kk + 2 * t]);
+    a[1] = *reinterpret_cast<const u32*>(&xs[m0 + g + 8][kk + 2 * t]);
+    a[2] = *reinterpret_cast<const u32*>(&xs[m0 + g][kk + 8 + 2 * t]);
+    a[3] = *reinterpret_cast<const u32*>(&xs[m0 + g + 8][kk + 8 + 2 * t]);
+}
+
+__device__ __forceinline__ void load_b(u32& b0, u32& b1, __half (*ws)[MMA_LD], int n0, int kk) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    b0 = *reinterpret_cast<const u32*>(&ws[n0 + g][kk + 2 * t]);
+    b1 = *reinterpret_cast<const u32*>(&ws[n0 + g][kk + 8 + 2 * t]);
+}
+
+template <int T>
+__device__ __forceinline__ void gate_up_rows_mma(const u64* __restrict__ blobs,
+                                                 const RowsItem* __restrict__ items,
+                                                 const int* __restrict__ rows,
+                                                 const float* __restrict__ x, int n_embd,
+                                                 i64 up_at, i64 gate_row_bytes, i64 up_row_bytes,
+                                                 int n_ff, float* __restrict__ act) {
+    __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
+    __shared__ __align__(16) __half gs[TILE_N][MMA_LD];
+    __shared__ __align__(16) __half us[TILE_N][MMA_LD];
+    const RowsItem it = items[blockIdx.x];
+    const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
+    const int f0 = blockIdx.y * TILE_N, warp = threadIdx.x >> 5;
+    const int m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
+    const int* my_rows = rows + it.start;
+    float g[2][4] = {}, u[2][4] = {};
+    for (int k0 = 0; k0 < n_embd; k0 += TILE_K) {
+        stage_rows_h(xs, x, n_embd, my_rows, it.count, k0);
+        stage_weights_h<T>(gs, blob, gate_row_bytes, f0, n_ff, k0);
+        stage_weights_h<T>(us, blob + up_at, up_row_bytes, f0, n_ff, k0);
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < TILE_K; kk += 16) {
+            u32 a[4];
+            load_a(a, xs, m0, kk);
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                u32 b0, b1;
+                load_b(b0, b1, gs, n0 + 8 * j, kk);
+                mma_16816(g[j], a, b0, b1);
+                load_b(b0, b1, us, n0 + 8 * j, kk);
+                mma_16816(u[j], a, b0, b1);
+            }
+        }
+        __syncthreads();
+    }
+    const int gi = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    #pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int m = m0 + gi + 8 * (r >> 1), f = f0 + n0 + 8 * j + 2 * t + (r & 1);
+            if (m < it.count && f < n_ff)
+                act[(i64)(it.start + m) * n_ff + f] = g[j][r] / (1.f + expf(-g[j][r])) * u[j][r];
+        }
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void down_rows_mma(const u64* __restrict__ blobs,
+                                              const RowsItem* __restrict__ items,
+                                              const int* __restrict__ dest,
+                                              const float* __restrict__ act, int n_ff, i64 down_at,
+                                              i64 down_row_bytes, int n_embd,
+                                              float* __restrict__ y) {
+    __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
+    __shared__ __align__(16) __half ws[TILE_N][MMA_LD];
+    __shared__ int own_rows[TILE_M];
+    const RowsItem it = items[blockIdx.x];
+    const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]) + down_at;
+    const int o0 = blockIdx.y * TILE_N, warp = threadIdx.x >> 5;
+    const int m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
+    if (threadIdx.x < TILE_M) own_rows[threadIdx.x] = it.start + threadIdx.x;
+    __syncthreads();
+    float acc[2][4] = {};
+    for (int k0 = 0; k0 < n_ff; k0 += TILE_K) {
+        stage_rows_h(xs, act, n_ff, own_rows, it.count, k0);
+        stage_weights_h<T>(ws, blob, down_row_bytes, o0, n_embd, k0);
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < TILE_K; kk += 16) {
+            u32 a[4];
+            load_a(a, xs, m0, kk);
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                u32 b0, b1;
+                load_b(b0, b1, ws, n0 + 8 * j, kk);
+                mma_16816(acc[j], a, b0, b1);
+            }
+        }
+        __syncthreads();
+    }
+    const int gi = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    #pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int m = m0 + gi + 8 * (r >> 1), o = o0 + n0 + 8 * j + 2 * t + (r & 1);
+            if (m < it.count && o < n_embd) y[(i64)dest[it.start + m] * n_embd + o] = acc[j][r];
+        }
+    }
+}
+
 #define ROWS_KERNELS(name, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_##name(          \
             const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
@@ -172,5 +330,18 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
             const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,  \
             i64 down_row_bytes, int n_embd, float* __restrict__ y) {                             \
         down_rows<T>(blobs, items, dest, act, n_ff, down_at, down_row_bytes, n_embd, y);         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_mma_##name(      \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
+            const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,    \
+            i64 gate_row_bytes, i64 up_row_bytes, int n_ff, float* __restrict__ act) {           \
+        gate_up_rows_mma<T>(blobs, items, rows, x, n_embd, up_at, gate_row_bytes, up_row_bytes,  \
+                            n_ff, act);                                                          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_mma_##name(         \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
+            const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,  \
+            i64 down_row_bytes, int n_embd, float* __restrict__ y) {                             \
+        down_rows_mma<T>(blobs, items, dest, act, n_ff, down_at, down_row_bytes, n_embd, y);     \
     }
 FOR_EACH_TYPE(ROWS_KERNELS)
