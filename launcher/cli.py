@@ -10,8 +10,9 @@ import os
 import signal
 import sys
 
+from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
-from strata_dist.cli import UsageError as ToolsUsageError, parse_ids, prompt_tokens
+from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.devices import cpu_device, gpu_device, parse_size, parse_size_list
 from strata_dist.gguf_model import GGUFError
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto, or K1,K2,… — the first layers of the second, third, … stage")
     plan.add_argument("--max-context", type=int, default=4096, help="session cells (default 4096)")
     plan.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
+    plan.add_argument("--kv-type", choices=KV_TYPES, default=None,
+                      help="how sessions keep K/V: f32, f16 or q8_0 (34 bytes per 32 values); "
+                           "default f16 on GPU ranks, f32 on CPU ranks. The decode graph reads f16")
     plan.add_argument("--prompt-cache-every", type=int, default=DEFAULT_EVERY, metavar="N",
                       help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
                            "chunk boundary past every N prompt tokens, besides each request's start "
@@ -247,6 +251,11 @@ def _main(args) -> int:
         raise UsageError(f"--inventory {args.inventory} plans for another rig: add --plan-only")
     check_cluster_flags(args)
     gguf = open_checked(args.model)
+    if args.kv_type is not None:
+        check_kv_type(args.model, args.kv_type)
+        if args.gpus and args.kv_type != "f16":
+            print(f"warning: --kv-type {args.kv_type}: GPU decode steps take the general path "
+                  f"(the decode graph reads f16 K/V)", file=sys.stderr)
     # the prompt is read before any rank starts: a bad one costs nothing
     args.prompt_list, args.prompt_tokenizer = None, None
     if args.prompt_ids is not None:
@@ -269,7 +278,7 @@ def _main(args) -> int:
     profile = load_profile(args, gguf)
     if args.plan_only:
         kind = "cuda" if args.gpus or args.inventory else "cpu"
-        plan = make_plan(model_shape(gguf, kind), planning_devices(args, specs),
+        plan = make_plan(model_shape(gguf, kind, args.kv_type), planning_devices(args, specs),
                          cells=args.max_context, profile=profile, params=params, split=split,
                          order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill)
         print(plan.to_json() if args.json else render_table(plan))
@@ -285,7 +294,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
-                       **cluster_config(args))
+                       kv_type=args.kv_type, **cluster_config(args))
     launch = Launch(cfg)
     current = [launch]   # the launch running now (a restart replaces it): the one to close
 

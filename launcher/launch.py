@@ -49,6 +49,7 @@ class LaunchConfig:
     rejoin_timeout_s: float | None = None   # set: a dead stage rank is replaced and rejoins
     backend: str = "local"           # local (spawn processes) | ray (actors in a placement group)
     ray_address: str | None = None   # ray.init(address=…): "auto" joins a running cluster
+    kv_type: str | None = None       # --kv-type: how sessions keep K/V (None: each device's default)
 
 
 def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
@@ -75,7 +76,7 @@ def same_host_helpers_only(plan: Plan) -> Plan:
 
 def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
                 weight_slice: bool, cross_host_helpers: bool = True,
-                ipc: bool = True) -> list[Assign]:
+                ipc: bool = True, kv_type: str = "") -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
     Endpoints are the ones each rank registered (reachable from the other hosts). With
     cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
@@ -114,7 +115,8 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             stage=st.stage if st else -1, host=s.register.host, weight_slice=weight_slice,
             cache_pairs=[list(p) for p in st.pairs] if st else [], prev_endpoint=prev,
             next_host=nxt_reg.register.host if nxt_reg else "",
-            next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc))
+            next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc,
+            kv_type=kv_type))
     return out
 
 
@@ -171,7 +173,7 @@ class Launch:
         n = self._start_ranks(secret.decode())
         slots = self.coordinator.wait_for_ranks(n, cfg.register_timeout_s)
         kind = "cuda" if any(s.register.devices[0].kind == "cuda" for s in slots) else "cpu"
-        shape = model_shape(self.gguf, kind)
+        shape = model_shape(self.gguf, kind, cfg.kv_type)
         # ranks counted only at start (registered, or one per GPU of a Ray cluster): one is no split
         split = "none" if cfg.split == "auto" and len(slots) < 2 else cfg.split
         self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
@@ -187,7 +189,7 @@ class Launch:
             self.echo(f"plan: {line}")
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
                            cfg.params.weight_slice, cfg.cross_host_helpers,
-                           ipc=cfg.rejoin_timeout_s is None)
+                           ipc=cfg.rejoin_timeout_s is None, kv_type=cfg.kv_type or "")
         self._assigned = work
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
         self._loaded = True

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -244,6 +244,7 @@ class Assign(Message):
     ipc: bool = True       # False: every hand-off as frames (a launch whose ranks may be replaced)
     helper_bind: str | None = None        # with bind_endpoint: the helper endpoint of the rank replaced
     min_request_id: int = 0  # a replacement drops rows and tokens of older requests (lost with the rank it replaces)
+    kv_type: str = ""      # how sessions keep K/V: f32 | f16 | q8_0 ("" : the device's default)
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
@@ -253,6 +254,8 @@ class Assign(Message):
             raise ValueError(f"layer range [{self.lb}, {self.le}) is reversed")
         if self.role != "helper" and self.lb == self.le:
             raise ValueError(f"role {self.role!r} needs a non-empty layer range, got [{self.lb}, {self.le})")
+        if self.kv_type not in ("", "f32", "f16", "q8_0"):
+            raise ValueError(f"kv_type {self.kv_type!r}: expected f32, f16 or q8_0")
 
 
 @message

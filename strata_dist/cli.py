@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .backends import BackendError
+from .backends.kv_cache import KV_TYPES
 from .gguf_model import GGUFError
 
 DEFAULT_MODEL_LIKE = "tiny"
@@ -48,8 +49,20 @@ def default_model_path() -> Path:
 def _engine(args):
     from .single_process import SingleProcessRunner
     model = args.model or default_model_path()
+    if args.kv_type is not None:
+        check_kv_type(str(model), args.kv_type)
     return SingleProcessRunner(str(model), device=args.device, max_context=args.max_context,
-                  prefill_chunk=args.prefill)
+                               prefill_chunk=args.prefill, kv_type=args.kv_type)
+
+
+def check_kv_type(model: str, kv_type: str) -> None:
+    """--kv-type against the model's heads (q8_0 needs whole blocks of 32), before loading."""
+    from .model_shape import model_shape
+    from .models import open_checked
+    try:
+        model_shape(open_checked(model), "cpu", kv_type)
+    except ValueError as e:
+        raise UsageError(f"--kv-type {kv_type} does not fit {model}: {e}") from None
 
 
 def prompt_tokens(gguf_path: str, text: str, chat: bool) -> tuple[list[int], object]:
@@ -160,6 +173,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=4096,
                    help="session cells, allocated up front (default 4096; capped at the model's)")
     p.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
+    p.add_argument("--kv-type", choices=KV_TYPES, default=None,
+                   help="how the session keeps K/V: f32, f16 or q8_0 (default f16 on a GPU, f32 "
+                        "on the CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,9 +2,9 @@
 priced bytes and the loaded bytes come from one rule (docs/DEVELOPING.md, "Conventions")."""
 from __future__ import annotations
 
-import numpy as np
 
-from .backends.layout import dense_nbytes, kv_dtype
+from .backends.kv_cache import default_kv_type, kv_cell_bytes
+from .backends.layout import dense_nbytes
 from .gguf_model import GGUFModel
 from .models import architecture_for
 from .plan.shape import ModelShape, estimate_prompt_bytes_per_token
@@ -19,8 +19,10 @@ def _tensor_loaded_bytes(gguf: GGUFModel, arch, name: str, device_kind: str) -> 
     return dense_nbytes(info, device_kind, arch.keeps_f32(name, info.shape))
 
 
-def model_shape(gguf: GGUFModel, device_kind: str = "cpu") -> ModelShape:
-    """ModelShape of `gguf` as a rank of `device_kind` ("cpu" or "cuda") would load it."""
+def model_shape(gguf: GGUFModel, device_kind: str = "cpu", kv_type: str | None = None) -> ModelShape:
+    """ModelShape of `gguf` as a rank of `device_kind` ("cpu" or "cuda") would load it, its
+    sessions keeping K/V as `kv_type` (default: the device kind's, backends/kv_cache.py)."""
+    kv_type = kv_type or default_kv_type(device_kind)
     arch = architecture_for(gguf)
     g = arch.read_geometry(gguf)
     size = lambda name: _tensor_loaded_bytes(gguf, arch, name, device_kind)  # noqa: E731
@@ -44,8 +46,8 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu") -> ModelShape:
         blob_bytes=tuple(gguf.blob_bytes(layer) for layer in range(g.n_layers)),
         # the session's own rule (the arch module's shapes), in its dtype: KV only for attention
         # layers, conv + recurrent state only for linear layers, one RoPE table per stage
-        kv_bytes_per_cell=tuple(arch.kv_elems_per_cell(g, l) * np.dtype(kv_dtype(device_kind)).itemsize if kinds[l] == "attention"
-                                else 0 for l in range(g.n_layers)),
+        kv_bytes_per_cell=tuple(kv_cell_bytes(arch.kv_elems_per_cell(g, l), kv_type, g.head_dim)
+                                if kinds[l] == "attention" else 0 for l in range(g.n_layers)),
         recurrent_bytes=tuple(arch.recurrent_elems(g, l) * STATE_ITEMSIZE if kinds[l] == "linear"
                               else 0 for l in range(g.n_layers)),
         rope_bytes_per_cell=arch.rope_dim(g) * 4,

@@ -30,9 +30,13 @@ class GenerationResult:
 
 class SingleProcessRunner:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY,
+                 kv_type: str | None = None):
+        """`kv_type`: how the session keeps K/V (backends/kv_cache.py; None: the device's default)."""
         self.gguf = open_checked(model_path)
         self.backend = get_backend(device)
+        if kv_type:
+            self.backend.kv_type = kv_type
         self.model = load_model(self.gguf, self.backend)
         g = self.model.g
         self.max_context = min(max_context or g.context_length, g.context_length)

@@ -37,6 +37,7 @@ class StageConfig:
     local_helper: object = None                          # this card's own helper tier (an arena)
     loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
     link_seal: object = None                             # the launch's seal for TCP data links
+    kv_type: str | None = None                           # --kv-type (None: the device's default)
 
 
 class Stage:
@@ -44,6 +45,8 @@ class Stage:
         self.cfg = cfg
         self.gguf = open_checked(cfg.model_path)
         self.backend = get_backend(cfg.device)
+        if cfg.kv_type:
+            self.backend.kv_type = cfg.kv_type            # how this stage's sessions keep K/V
         arch = architecture_for(self.gguf)
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]

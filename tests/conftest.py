@@ -1,7 +1,6 @@
 import os
 import sys
 
-import numpy as np
 import pytest
 
 # tests import their fixtures module (hf_fixtures) as a top-level module
@@ -16,4 +15,4 @@ def f16_kv_reference(monkeypatch):
     move a near-tie in routing, and a flipped expert moves that token's logits by far more than
     any rounding)."""
     from strata_dist.backends.numpy_backend import NumpyBackend
-    monkeypatch.setattr(NumpyBackend, "kv_dtype", np.float16)
+    monkeypatch.setattr(NumpyBackend, "kv_type", "f16")

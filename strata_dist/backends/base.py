@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import kv_dtype as layout_kv_dtype
+from .kv_cache import default_kv_type
 
 
 class BackendError(RuntimeError):
@@ -20,7 +20,8 @@ class Backend:
     device = "cpu"
     xp = np
     dense_dtype = np.float32
-    kv_dtype = layout_kv_dtype("cpu")   # the session's K/V cache (the rule model_shape prices)
+    kv_type = default_kv_type("cpu")   # how sessions store K/V (backends/kv_cache.py; a stage may
+                                       # set --kv-type on its instance)
 
     # -- placement -------------------------------------------------------------------------------
     def dense(self, host: np.ndarray):

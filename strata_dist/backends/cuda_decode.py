@@ -193,6 +193,9 @@ class DecodeGraph:
     def _check_geometry(self, g) -> None:
         if g.arch != "qwen3moe":
             raise Unsupported(f"no decode graph for {g.arch} yet")
+        if self.model.backend.kv_type != "f16":
+            raise Unsupported(f"K/V kept as {self.model.backend.kv_type} (the attention kernel "
+                              f"reads f16)")
         if g.head_dim != 128:
             raise Unsupported(f"head_dim {g.head_dim} (the attention kernel is built for 128)")
         if g.n_head % g.n_head_kv or g.n_head // g.n_head_kv > 16:

@@ -20,7 +20,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from .base import Backend, BackendError
-from .layout import GPU_NATIVE_QUANTS, kv_dtype as layout_kv_dtype
+from .kv_cache import default_kv_type
+from .layout import GPU_NATIVE_QUANTS
 from .quant_matrix import QuantMatrix, dequantize_rows
 
 
@@ -28,7 +29,7 @@ class CupyBackend(Backend):
     name = "cupy"
     xp = cp
     dense_dtype = np.float16
-    kv_dtype = layout_kv_dtype("cuda")
+    kv_type = default_kv_type("cuda")
 
     def __init__(self, index: int = 0):
         try:

@@ -17,12 +17,6 @@ GPU_NATIVE_QUANTS = frozenset({T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})   # block types 
 GPU_NATIVE_DENSE = GPU_NATIVE_QUANTS | {T.F16}
 
 
-def kv_dtype(device_kind: str):
-    """The session's K/V cache: f16 on GPU ranks (half the bytes; the decode kernels read f16),
-    float32 on CPU ranks (the reference)."""
-    return np.float16 if device_kind == "cuda" else np.float32
-
-
 def dense_nbytes(info: TensorInfo, device_kind: str, keep_f32: bool) -> int:
     n = int(np.prod(info.shape))
     if keep_f32 or device_kind == "cpu":

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends.kv_cache import new_kv
 from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
 from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
@@ -112,8 +113,8 @@ class KVSession:
         xp = backend.xp
         self.lb, self.le, self.max_cells = lb, le, max_cells
         shape = (max_cells, g.n_head_kv, g.head_dim)
-        self._k = [xp.zeros(shape, dtype=backend.kv_dtype) for _ in range(lb, le)]
-        self._v = [xp.zeros(shape, dtype=backend.kv_dtype) for _ in range(lb, le)]
+        self._k = [new_kv(xp, shape, backend.kv_type) for _ in range(lb, le)]
+        self._v = [new_kv(xp, shape, backend.kv_type) for _ in range(lb, le)]
         cos, sin = rope_tables(np.arange(max_cells), g.head_dim, g.rope_base)
         self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
         self.scores = xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=np.float32)

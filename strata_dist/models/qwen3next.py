@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends.kv_cache import new_kv
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
 from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
@@ -59,7 +60,7 @@ _SUFFIX = {"ssm_a": "", "ssm_dt": ".bias"}
 _F32_PARTS = {ROUTER_PART, SHEXP_GATE_PART, "ssm_conv1d"}
 _NAME_RE = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.(?:weight|bias))?$")
 L2_EPS = 1e-6       # of the q/k L2 norm (the reference's l2norm, fixed, not the RMS epsilon)
-STATE_ITEMSIZE = 4  # session state (conv, recurrent, RoPE, scores) is float32; KV: kv_dtype
+STATE_ITEMSIZE = 4  # session state (conv, recurrent, RoPE, scores) is float32; KV: --kv-type
 
 
 def tensor_name(layer: int, part: str) -> str:
@@ -307,7 +308,7 @@ class HybridSession:
       attention layer (the primary state),
     - the decode score scratch (DECODE_ROWS x n_head x max_cells), only when the range has an
       attention layer.
-    All float32 but K/V (the backend's kv_dtype: f16 on GPUs): exactly the parts
+    All float32 but K/V (the backend's kv_type: f16 on GPUs by default): exactly the parts
     `plan.pricing.session_parts` prices for the ModelShape that
     `model_shape` builds from the same geometry."""
 
@@ -317,9 +318,9 @@ class HybridSession:
         self.attention_layers = [l for l in range(lb, le) if not g.is_linear(l)]
         self.linear_layers = [l for l in range(lb, le) if g.is_linear(l)]
         f32 = np.float32
-        kv = backend.kv_dtype
-        self._k = {l: xp.zeros(kv_shape(g, max_cells), dtype=kv) for l in self.attention_layers}
-        self._v = {l: xp.zeros(kv_shape(g, max_cells), dtype=kv) for l in self.attention_layers}
+        kv = backend.kv_type
+        self._k = {l: new_kv(xp, kv_shape(g, max_cells), kv) for l in self.attention_layers}
+        self._v = {l: new_kv(xp, kv_shape(g, max_cells), kv) for l in self.attention_layers}
         self._conv = {l: xp.zeros(conv_state_shape(g), dtype=f32) for l in self.linear_layers}
         self._ssm = {l: xp.zeros(recurrent_state_shape(g), dtype=f32) for l in self.linear_layers}
         cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base)
