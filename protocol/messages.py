@@ -206,7 +206,6 @@ class Register(Message):
     model_fingerprint: str
     protocol_version: int
     endpoints: dict[str, str] = field(default_factory=dict)  # endpoints this rank has bound (e.g. "data")
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @message

@@ -450,7 +450,9 @@ class Coordinator:
         for s in live:
             self._send(s.identity, Stats())
         deadline = time.monotonic() + timeout_s
-        while len(self._stats) < len(live) and time.monotonic() < deadline:
+        # a rank lost while the replies come in is not waited for
+        while time.monotonic() < deadline and any(
+                s.rank not in self._stats and s.rank not in self.lost for s in live):
             self._pump(0.1)
         return dict(self._stats)
 

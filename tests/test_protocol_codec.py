@@ -30,7 +30,7 @@ def examples():
                                 devices=[DEV, m.DeviceInfo(name="cpu", kind="cpu", index=0, total_bytes=64 << 20,
                                                            free_bytes=64 << 20)],
                                 model_fingerprint="sha256:abc", protocol_version=PROTOCOL_VERSION,
-                                endpoints={"data": "ipc:///tmp/x/r1.sock"}, extra={"nvml": True}), []),
+                                endpoints={"data": "ipc:///tmp/x/r1.sock"}), []),
         "assign": (m.Assign(rank=1, role="stage+helper", lb=12, le=24, first=False, last=True, device="cuda:1",
                             plan={"stages": [[0, 12], [12, 24]], "score_ms": 12.5, "note": None},
                             next_endpoint=None, first_endpoint="tcp://10.0.0.1:5001",
