@@ -64,7 +64,7 @@ def main() -> int:
         done = cp.zeros(MAX_ROWS * n_kv, cp.uint32)
         out = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
         fargs = (q, sess, i32(0), desc, i32(n_head), i32(n_kv), i32(n_split), i32(chunk),
-                 f32(1 / math.sqrt(D)), part, ml, done, out)
+                 f32(1 / math.sqrt(D)), part, ml, done, out, i32(1))
         us = per_launch_us(lambda: attn((n_kv, n_split, 1), (BLOCK_THREADS,), fargs))
         kv_mb = 2 * length * n_kv * D * 2 / 1e6
         print(f"attention: {cells:6d} cells, {length:6d} keys, {chunk:3d} keys per split "

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
     plan.add_argument("--kv-type", choices=KV_TYPES, default=None,
                       help="how sessions keep K/V: f32, f16 or q8_0 (34 bytes per 32 values); "
-                           "default f16 on GPU ranks, f32 on CPU ranks. The decode graph reads f16")
+                           "default f16 on GPU ranks, f32 on CPU ranks")
     plan.add_argument("--prompt-cache-every", type=int, default=DEFAULT_EVERY, metavar="N",
                       help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
                            "chunk boundary past every N prompt tokens, besides each request's start "
@@ -253,9 +253,9 @@ def _main(args) -> int:
     gguf = open_checked(args.model)
     if args.kv_type is not None:
         check_kv_type(args.model, args.kv_type)
-        if args.gpus and args.kv_type != "f16":
-            print(f"warning: --kv-type {args.kv_type}: GPU decode steps take the general path "
-                  f"(the decode graph reads f16 K/V)", file=sys.stderr)
+        if args.gpus and args.kv_type == "f32":
+            print("warning: --kv-type f32: GPU decode steps take the general path (the decode "
+                  "graph reads f16 or q8_0 K/V)", file=sys.stderr)
     # the prompt is read before any rank starts: a bad one costs nothing
     args.prompt_list, args.prompt_tokenizer = None, None
     if args.prompt_ids is not None:

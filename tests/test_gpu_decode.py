@@ -102,6 +102,23 @@ def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference):
     assert gpu.decode_graph.steps == len(NEXT) + 2
 
 
+def test_graph_decode_with_q8_0_kv_matches_numpy(tmp_path):
+    """--kv-type q8_0: the graph's attention reads the session's q8_0 blocks (and its q/k kernel
+    writes them) within tolerance of numpy keeping the same blocks."""
+    from strata_dist.single_process import SingleProcessRunner
+    path = _model(tmp_path, "q8_0", seed=14)
+    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=128, kv_type="q8_0")
+    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, kv_type="q8_0")
+    assert gpu.decode_graph is not None and gpu.decode_graph.kv_suffix == "_q8"
+    cpu.prefill(PROMPT)
+    gpu.prefill(PROMPT)
+    for t in NEXT:
+        ref = cpu.feed([t])[-1]
+        got = np.asarray(gpu.decode_step([t]))
+        assert np.abs(got - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max()), t
+    assert gpu.decode_graph.steps == len(NEXT)
+
+
 def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
     from strata_dist.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=8)

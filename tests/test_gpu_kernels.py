@@ -190,9 +190,12 @@ def test_router_matvec_picks_the_top_k(n):
 
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 300, 1000])
 @pytest.mark.parametrize("chunk", [64, 256])
-def test_attention_kernel_matches_numpy(length, chunk):
-    """attn_decode_128: causal attention of each row over the session's f16 KV, the splits
-    combined by the last block of each kv head, for rows at positions length-1, length, ..."""
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_attention_kernel_matches_numpy(length, chunk, kv_type):
+    """attn_decode_128 (and _q8): causal attention of each row over the session's KV, f16 or in
+    q8_0 blocks (the host's Q8Rows wrote them), the splits combined by the last block of each kv
+    head, for rows at positions length-1, length, ..."""
+    from strata_dist.backends.kv_cache import Q8Rows
     n_head, n_kv, D, n = 32, 4, 128, 3
     cells = 1024 + n
     n_split = math.ceil(cells / chunk)
@@ -200,10 +203,17 @@ def test_attention_kernel_matches_numpy(length, chunk):
     k = rng.standard_normal((cells, n_kv, D)).astype(np.float16)
     v = rng.standard_normal((cells, n_kv, D)).astype(np.float16)
     q = rng.standard_normal((MAX_ROWS, n_head * D)).astype(np.float32)
-    kd, vd = cp.asarray(k), cp.asarray(v)
     rope = cp.zeros((cells, D // 2), cp.float32)
-    sess = cp.asarray(np.array([kd.data.ptr, vd.data.ptr, rope.data.ptr, rope.data.ptr],
-                               dtype=np.uint64))
+    if kv_type == "f16":
+        kd, vd = cp.asarray(k), cp.asarray(v)
+        table = [kd.data.ptr, vd.data.ptr, rope.data.ptr, rope.data.ptr]
+    else:
+        kd, vd = Q8Rows(cp, k.shape), Q8Rows(cp, v.shape)
+        kd[0:cells], vd[0:cells] = cp.asarray(k), cp.asarray(v)
+        k, v = cp.asnumpy(kd[0:cells]), cp.asnumpy(vd[0:cells])      # what the kernel reads
+        table = [kd.q.data.ptr, vd.q.data.ptr, rope.data.ptr, rope.data.ptr,
+                 kd.scale.data.ptr, vd.scale.data.ptr]
+    sess = cp.asarray(np.array(table, dtype=np.uint64))
     desc = cp.asarray(np.array([length - 1, n] + [0] * (DESC_WORDS - 2), dtype=np.int32))
     part = cp.zeros(MAX_ROWS * n_head * n_split * D, cp.float32)
     ml = cp.zeros(MAX_ROWS * n_head * n_split * 2, cp.float32)
@@ -211,10 +221,11 @@ def test_attention_kernel_matches_numpy(length, chunk):
     out = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
     scale = 1 / math.sqrt(D)
     for _ in range(2):                  # the counters are back at 0 for the next launch
-        _kernel("attn_decode_128")(
+        _kernel("attn_decode_128" + ("_q8" if kv_type == "q8_0" else ""))(
             (n_kv, n_split, n), (BLOCK_THREADS,),
             (cp.asarray(q), sess, np.int32(0), desc, np.int32(n_head), np.int32(n_kv),
-             np.int32(n_split), np.int32(chunk), np.float32(scale), part, ml, done, out))
+             np.int32(n_split), np.int32(chunk), np.float32(scale), part, ml, done, out,
+             np.int32(1)))
         assert not cp.asnumpy(done).any()
     got = cp.asnumpy(out)[:n].reshape(n, n_head, D)
     G = n_head // n_kv

@@ -157,6 +157,9 @@ class DecodeGraph:
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
         # itself (no qk_norm_rope_kv launch; the same arithmetic)
         self.fused_qk_norm = os.environ.get("STRATA_FUSED_QK_NORM") == "1"
+        # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer
+        # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
+        self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
         # keys per attention split: short chunks spread a context over more blocks, as long as
         # the partials of one row stay inside the scratch budget
@@ -193,9 +196,9 @@ class DecodeGraph:
     def _check_geometry(self, g) -> None:
         if g.arch != "qwen3moe":
             raise Unsupported(f"no decode graph for {g.arch} yet")
-        if self.model.backend.kv_type != "f16":
-            raise Unsupported(f"K/V kept as {self.model.backend.kv_type} (the attention kernel "
-                              f"reads f16)")
+        if self.model.backend.kv_type not in ("f16", "q8_0"):
+            raise Unsupported(f"K/V kept as {self.model.backend.kv_type} (the attention kernels "
+                              f"read f16 or q8_0)")
         if g.head_dim != 128:
             raise Unsupported(f"head_dim {g.head_dim} (the attention kernel is built for 128)")
         if g.n_head % g.n_head_kv or g.n_head // g.n_head_kv > 16:
@@ -261,7 +264,8 @@ class DecodeGraph:
         self.desc = cp.zeros(DESC_WORDS, cp.int32)
         self.desc_host = cupyx.empty_pinned(DESC_WORDS, dtype=np.int32)
         self.token_host = cupyx.empty_pinned(1, dtype=np.int32)
-        self.sess_table = cp.zeros(2 * (self.le - self.lb) + 2, cp.uint64)
+        nl = self.le - self.lb
+        self.sess_table = cp.zeros(2 * nl + 2 + (2 * nl if self.kv_suffix else 0), cp.uint64)
         # each expert's blob address, [n_layer, n_expert]: its cache slot, else its pinned host
         # copy, else 0 (not this stage's). Slots never move, so a table taken while nothing is
         # lent stays right (the arena's own tables change whenever it lends; steps wait then).
@@ -324,7 +328,7 @@ class DecodeGraph:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
 
     def _kernel_names(self) -> set[str]:
-        names = {"qk_norm_rope_kv", "attn_decode_128"}
+        names = {"qk_norm_rope_kv" + self.kv_suffix, "attn_decode_128" + self.kv_suffix}
         names |= {"embed_tokens"} if self.first else set()
         names |= {"argmax_row"} if self.last else set()
         launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
@@ -423,18 +427,20 @@ class DecodeGraph:
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
-            if self.fused_qk_norm:
+            if self.fused_qk_norm and not self.kv_suffix:
                 self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps, qkv=L["qkv_spec"])
             else:
                 self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
-                f("qk_norm_rope_kv")((g.n_head + g.n_head_kv, n), (32,),
-                                     (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table,
-                                      i32(j), i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv),
-                                      i32(g.head_dim), i32(g.head_dim), eps))
-            f("attn_decode_128")((g.n_head_kv, self.n_split, n), (BLOCK_THREADS,),
-                                 (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head),
-                                  i32(g.n_head_kv), i32(self.n_split), i32(self.attn_chunk),
-                                  scale, self.part, self.ml, self.attn_done, self.attn))
+                f("qk_norm_rope_kv" + self.kv_suffix)(
+                    (g.n_head + g.n_head_kv, n), (32,),
+                    (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
+                     self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim),
+                     i32(g.head_dim), eps))
+            f("attn_decode_128" + self.kv_suffix)(
+                (g.n_head_kv, self.n_split, n), (BLOCK_THREADS,),
+                (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
+                 i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
+                 self.attn_done, self.attn, i32(nl)))
             self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
             # the router's last block also picks the top-k (ids, weights, blob addresses)
             self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,
@@ -481,9 +487,14 @@ class DecodeGraph:
         """Point the kernels at `session`'s KV and RoPE tables (only when the session changes)."""
         if self._bound is not None and self._bound() is session:
             return
-        ptrs = [int(a.data.ptr) for layer in range(self.lb, self.le)
-                for a in (session.k(layer), session.v(layer))]
+        kv = [a for layer in range(self.lb, self.le) for a in (session.k(layer), session.v(layer))]
+        if self.kv_suffix:       # q8_0 (Q8Rows): the int8 values, and the scales after the RoPE
+            ptrs = [int(a.q.data.ptr) for a in kv]
+        else:
+            ptrs = [int(a.data.ptr) for a in kv]
         ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
+        if self.kv_suffix:
+            ptrs += [int(a.scale.data.ptr) for a in kv]
         self.sess_table.set(np.asarray(ptrs, dtype=np.uint64), stream=self.stream)
         self._bound = weakref.ref(session)
 

@@ -76,7 +76,7 @@ def matvec_kernel(ggml_type: int, n: int) -> str:
 def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
     names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "attn_decode_128",
-             "argmax_row", "spin"]
+             "qk_norm_rope_kv_q8", "attn_decode_128_q8", "argmax_row", "spin"]
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names

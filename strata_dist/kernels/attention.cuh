@@ -1,15 +1,31 @@
 // Attention of the decode step (included by decode.cu): q/k RMSNorm + RoPE + the KV write, and
-// flash-decoding over the session's f16 KV (splits scored by blocks, combined by the last one).
+// flash-decoding over the session's KV (splits scored by blocks, combined by the last one). The KV
+// is f16, or q8_0 blocks (`_q8` kernels; --kv-type q8_0, backends/kv_cache.py): int8 values and an
+// f16 scale per 32 values of a head, quantized here exactly as Q8Rows quantizes on the host.
 #pragma once
 
 // ---- q/k norm, RoPE and the KV write -----------------------------------------------------------
-// sess: k base of stage layer j at [2j], v base at [2j+1] (f16 [cells, n_kv, D]); the RoPE cos and
-// sin tables (f32 [cells, rot/2]) at [2*n_layers], [2*n_layers+1].
+// sess: k base of stage layer j at [2j], v base at [2j+1] (f16, or q8_0's int8 values, [cells,
+// n_kv, D]); the RoPE cos and sin tables (f32 [cells, rot/2]) at [2*n_layers], [2*n_layers+1];
+// with q8_0, the scales of k and v (f16 [cells, n_kv, D/32]) at [2*n_layers+2+2j], [+3+2j].
+#define K_SCALES(sess, n_layers, slot) (sess[2 * (n_layers) + 2 + 2 * (slot)])
+#define V_SCALES(sess, n_layers, slot) (sess[2 * (n_layers) + 3 + 2 * (slot)])
+
+// One block of 32 values, one per lane, into q8_0: scale = max |x| / 127 rounded to f16, values
+// rint(x / scale) clamped to [-127, 127] (backends/kv_cache.py Q8Rows, the same arithmetic).
+__device__ __forceinline__ void store_q8_block(float x, int lane, signed char* qv, __half* sc) {
+    const __half s = __float2half(warp_max(fabsf(x)) / 127.f);
+    const float sf = __half2float(s);
+    const float inv = sf > 0.f ? 1.f / sf : 0.f;
+    qv[lane] = (signed char)fminf(fmaxf(rintf(x * inv), -127.f), 127.f);
+    if (lane == 0) *sc = s;
+}
 
 // One head of row i (head < n_head: a query head, else key head head - n_head): RMSNorm (q_norm /
 // k_norm), NEOX RoPE over the first `rot` dims at the row's position, then q back in place, or k
 // (and, when v != null, v) into the session's cache at that position. One warp. Reads through L2:
 // the values may have been written by other blocks of the same launch.
+template <bool Q8>
 __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ k,
                                const float* __restrict__ v, const float* __restrict__ qn,
                                const float* __restrict__ kn, const u64* __restrict__ sess,
@@ -40,13 +56,24 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
     if (is_q) {
         float* dst = q + ((i64)i * n_head + hh) * D;
         for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
-    } else {
+    } else if constexpr (!Q8) {
         __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + ((i64)pos * n_kv + hh) * D;
         for (int j = 0; j < per; ++j) kc[lane + 32 * j] = __float2half(vals[j]);
         if (v != nullptr) {
             __half* vc = reinterpret_cast<__half*>(sess[2 * layer_slot + 1]) + ((i64)pos * n_kv + hh) * D;
             const float* vs = v + ((i64)i * n_kv + hh) * D;
             for (int j = 0; j < per; ++j) vc[lane + 32 * j] = __float2half(vs[lane + 32 * j]);
+        }
+    } else {                                  // block j of the head is lane + 32 j: one per lane
+        const i64 at = (i64)pos * n_kv + hh;
+        signed char* kc = reinterpret_cast<signed char*>(sess[2 * layer_slot]) + at * D;
+        __half* ks = reinterpret_cast<__half*>(K_SCALES(sess, n_layers, layer_slot)) + at * (D >> 5);
+        for (int j = 0; j < per; ++j) store_q8_block(vals[j], lane, kc + 32 * j, ks + j);
+        if (v != nullptr) {
+            signed char* vc = reinterpret_cast<signed char*>(sess[2 * layer_slot + 1]) + at * D;
+            __half* vsc = reinterpret_cast<__half*>(V_SCALES(sess, n_layers, layer_slot)) + at * (D >> 5);
+            const float* vs = v + ((i64)i * n_kv + hh) * D;
+            for (int j = 0; j < per; ++j) store_q8_block(vs[lane + 32 * j], lane, vc + 32 * j, vsc + j);
         }
     }
 }
@@ -73,24 +100,26 @@ struct QkvSpec {
 
 // Per head of each row: norm_rope_head (q back in place, k and v into the cache). One warp per
 // (head, row).
-extern "C" __global__ void qk_norm_rope_kv(float* __restrict__ q, const float* __restrict__ k,
-                                           const float* __restrict__ v,
-                                           const float* __restrict__ qn, const float* __restrict__ kn,
-                                           const u64* __restrict__ sess, int layer_slot, int n_layers,
-                                           const int* __restrict__ desc, int n_head, int n_kv,
-                                           int D, int rot, float eps) {
-    pdl_entry();
-    norm_rope_head(q, k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, D, rot, eps,
-                   blockIdx.y, blockIdx.x, threadIdx.x);
-}
+#define QK_NORM_ROPE_KV(suffix, Q8)                                                               \
+    extern "C" __global__ void qk_norm_rope_kv##suffix(                                           \
+            float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,      \
+            const float* __restrict__ qn, const float* __restrict__ kn,                          \
+            const u64* __restrict__ sess, int layer_slot, int n_layers,                          \
+            const int* __restrict__ desc, int n_head, int n_kv, int D, int rot, float eps) {      \
+        pdl_entry();                                                                             \
+        norm_rope_head<Q8>(q, k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, D,   \
+                           rot, eps, blockIdx.y, blockIdx.x, threadIdx.x);                       \
+    }
+QK_NORM_ROPE_KV(, false)
+QK_NORM_ROPE_KV(_q8, true)
 
 // Flash-decoding, first half: block (kv head, split, row) scores `chunk` (<= ATTN_CHUNK) keys for
 // the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
 // A block whose split starts past the row's keys returns at once (it still counts as finished).
 // Short chunks spread a short context over more blocks; the runner picks the chunk.
-template <int D>
+template <int D, bool Q8>
 __device__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
-                                  int layer_slot, const int* __restrict__ desc,
+                                  int layer_slot, int n_layers, const int* __restrict__ desc,
                                   int n_head, int n_kv, int n_split, int chunk, float scale,
                                   float* __restrict__ part, float* __restrict__ ml) {
     constexpr int MAX_G = 16, PAIRS = D / 2;
@@ -107,26 +136,65 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     const int count = min(chunk, len - start);
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
+    // q8_0: the same loads read 4 int8 values (a u32) of K and 2 (a u16) of V, plus their scales
+    const signed char* kq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot]);
+    const signed char* vq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot + 1]);
+    const __half* ksc = Q8 ? reinterpret_cast<const __half*>(K_SCALES(sess, n_layers, layer_slot))
+                           : nullptr;
+    const __half* vsc = Q8 ? reinterpret_cast<const __half*>(V_SCALES(sess, n_layers, layer_slot))
+                           : nullptr;
     // Every load that needs nothing computed here goes out first, so the block waits on memory
     // once: the first round's K of this thread, its first V_AHEAD keys of V, and q.
     constexpr int SPLIT = 4;                 // threads per key in the scores
     constexpr int KQ = BLOCK_THREADS / PAIRS, V_AHEAD = 64 / KQ;  // V: KQ threads per dim pair
     constexpr int KW = D / (4 * SPLIT);      // a thread's 4-dim pieces of a key
     const int u = t % SPLIT, dp = t % PAIRS, kq = t / PAIRS;
-    uint2 k_ahead[KW];
-    {
-        const int kk = min(t / SPLIT, count - 1);
-        const uint2* krow = reinterpret_cast<const uint2*>(kc + ((i64)(start + kk) * n_kv + kvh) * D);
-        #pragma unroll
-        for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
-    }
+    static_assert(!Q8 || D == 128, "q8_0 K rows are read as 4 scales of 32 (one uint2)");
+    uint2 k_ahead[KW];                       // f16: 4 halves per piece; q8_0: .x holds 4 int8
+    uint2 k_scales = make_uint2(0u, 0u);     // q8_0: the key's 4 block scales (f16)
+    auto load_k = [&](int kk) {
+        const i64 row = (i64)(start + kk) * n_kv + kvh;
+        if constexpr (!Q8) {
+            const uint2* krow = reinterpret_cast<const uint2*>(kc + row * D);
+            #pragma unroll
+            for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
+        } else {
+            const u32* krow = reinterpret_cast<const u32*>(kq8 + row * D);
+            #pragma unroll
+            for (int j = 0; j < KW; ++j) k_ahead[j].x = __ldg(krow + u + SPLIT * j);
+            k_scales = __ldg(reinterpret_cast<const uint2*>(ksc + row * (D >> 5)));
+        }
+    };
+    load_k(min(t / SPLIT, count - 1));
     const __half2* vp = reinterpret_cast<const __half2*>(vc + ((i64)start * n_kv + kvh) * D) + dp;
-    const i64 vstride = (i64)n_kv * PAIRS;
-    __half2 v_ahead[V_AHEAD];
+    const u16* vp8 = reinterpret_cast<const u16*>(vq8 + ((i64)start * n_kv + kvh) * D) + dp;
+    const __half* vs8 = Q8 ? vsc + ((i64)start * n_kv + kvh) * (D >> 5) + (2 * dp) / 32 : nullptr;
+    const i64 vstride = (i64)n_kv * PAIRS, sstride = (i64)n_kv * (D >> 5);
+    // V of key c (relative to the split's start) at dims 2 dp, 2 dp + 1, as 32 bits (f16: the
+    // half2; q8_0: the two int8 values, then the block's f16 scale) and as floats
+    auto load_v = [&](int c) -> u32 {
+        if constexpr (!Q8) {
+            const __half2 h = __ldg(vp + c * vstride);
+            return *reinterpret_cast<const u32*>(&h);
+        } else {
+            const u16 sbits = __half_as_ushort(__ldg(vs8 + c * sstride));
+            return (u32)__ldg(vp8 + c * vstride) | ((u32)sbits << 16);
+        }
+    };
+    auto v_floats = [&](u32 raw) -> float2 {
+        if constexpr (!Q8) {
+            return __half22float2(*reinterpret_cast<const __half2*>(&raw));
+        } else {
+            const float sc = __half2float(__ushort_as_half((u16)(raw >> 16)));
+            return make_float2((float)(signed char)(raw & 0xff) * sc,
+                               (float)(signed char)((raw >> 8) & 0xff) * sc);
+        }
+    };
+    u32 v_ahead[V_AHEAD];
     #pragma unroll
     for (int m = 0; m < V_AHEAD; ++m) {
         const int c = kq + KQ * m;
-        v_ahead[m] = c < count ? __ldg(vp + c * vstride) : __float2half2_rn(0.f);
+        v_ahead[m] = c < count ? load_v(c) : 0u;
     }
     for (int idx = t; idx < G * D; idx += blockDim.x)
         qs[idx] = q[((i64)i * n_head + kvh * G) * D + idx];
@@ -136,19 +204,26 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     // round (the shuffles need whole warps); a round's keys past `count` are computed and dropped.
     for (int base = 0; base < count; base += blockDim.x / SPLIT) {
         const int key = base + t / SPLIT, kk = min(key, count - 1);
-        if (base > 0) {
-            const uint2* krow =
-                reinterpret_cast<const uint2*>(kc + ((i64)(start + kk) * n_kv + kvh) * D);
-            #pragma unroll
-            for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
-        }
+        if (base > 0) load_k(kk);
         float acc[MAX_G];
         #pragma unroll
         for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
         #pragma unroll
         for (int j = 0; j < KW; ++j) {
-            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].x));
-            const float2 k23 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].y));
+            float2 k01, k23;
+            if constexpr (!Q8) {
+                k01 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].x));
+                k23 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].y));
+            } else {                         // dims 4u + 16j: block j / 2 of the head
+                const u32 w = k_ahead[j].x;
+                const u32 sw = (j >> 2) ? k_scales.y : k_scales.x;
+                const u16 sbits = (u16)(((j >> 1) & 1) ? (sw >> 16) : (sw & 0xffff));
+                const float sc = __half2float(__ushort_as_half(sbits));
+                k01 = make_float2((float)(signed char)(w & 0xff) * sc,
+                                  (float)(signed char)((w >> 8) & 0xff) * sc);
+                k23 = make_float2((float)(signed char)((w >> 16) & 0xff) * sc,
+                                  (float)(signed char)(w >> 24) * sc);
+            }
             #pragma unroll
             for (int g = 0; g < MAX_G; ++g) {
                 if (g < G) {
@@ -196,7 +271,7 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     for (int m = 0; m < V_AHEAD; ++m) {       // the keys whose V is already in registers
         const int c = kq + KQ * m;
         if (c < count) {
-            const float2 v = __half22float2(v_ahead[m]);
+            const float2 v = v_floats(v_ahead[m]);
             #pragma unroll
             for (int g = 0; g < MAX_G; ++g) {
                 if (g < G) {
@@ -209,7 +284,7 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     }
     #pragma unroll 4
     for (int c = kq + KQ * V_AHEAD; c < count; c += KQ) {
-        const float2 v = __half22float2(__ldg(vp + c * vstride));
+        const float2 v = v_floats(load_v(c));
         #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
             if (g < G) {
@@ -319,14 +394,15 @@ __device__ void attn_combine_heads(const float* part, const float* ml, int len, 
 
 // Grid (n_kv, n_split, rows), BLOCK_THREADS threads: out [rows, n_head, D] is the attention of
 // each row's query heads over its causal keys.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
-attn_decode_128(const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,
-                int n_kv, int n_split, int chunk, float scale, float* part, float* ml,
-                u32* __restrict__ done, float* __restrict__ out) {
-    pdl_entry();
+template <bool Q8>
+__device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess, int layer_slot,
+                                                 const int* desc, int n_head, int n_kv,
+                                                 int n_split, int chunk, float scale, float* part,
+                                                 float* ml, u32* __restrict__ done,
+                                                 float* __restrict__ out, int n_layers) {
     __shared__ bool last;
-    attn_partial_body<128>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale, part,
-                           ml);
+    attn_partial_body<128, Q8>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split, chunk,
+                               scale, part, ml);
     __threadfence();                          // this block's partials, before it is counted
     __syncthreads();
     u32* mine = done + blockIdx.z * n_kv + blockIdx.x;
@@ -338,3 +414,16 @@ attn_decode_128(const float* q, const u64* sess, int layer_slot, const int* desc
                             chunk, out);
     if (threadIdx.x == 0) *mine = 0u;
 }
+
+// n_layers: the stage's layers (where a q8_0 session's scales start in `sess`)
+#define ATTN_DECODE(suffix, Q8)                                                                   \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix(         \
+            const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
+            int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
+            u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
+        pdl_entry();                                                                             \
+        attn_decode_body<Q8>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale,     \
+                             part, ml, done, out, n_layers);                                     \
+    }
+ATTN_DECODE(, false)
+ATTN_DECODE(_q8, true)
