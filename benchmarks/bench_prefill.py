@@ -6,7 +6,8 @@ stage cache (expert slots), how the chunk's experts were computed, the loan's pe
 and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
 memory), and the ratio to llama.cpp is printed for every prompt length. With --grouped a third
-arm runs loans on with STRATA_GROUPED_EXPERTS=1 (the row kernels of backends/expert_rows.py).
+arm runs loans on with the prompt kernels: STRATA_GROUPED_EXPERTS=1 (the row kernels of
+backends/expert_rows.py) and STRATA_FLASH_PREFILL=1 (kernels/prefill_attention.cu).
 The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
@@ -85,7 +86,7 @@ def main() -> int:
     ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp: layers whose experts stay on the CPU")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
     ap.add_argument("--grouped", action="store_true",
-                    help="a third arm: loans on, STRATA_GROUPED_EXPERTS=1")
+                    help="a third arm: loans on, STRATA_GROUPED_EXPERTS=1 STRATA_FLASH_PREFILL=1")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
     args = ap.parse_args()
@@ -93,7 +94,8 @@ def main() -> int:
     results = {}
     variants = [("loans on", True, None), ("loans off", False, None)]
     if args.grouped:
-        variants.append(("grouped experts", True, {"STRATA_GROUPED_EXPERTS": "1"}))
+        variants.append(("grouped experts", True, {"STRATA_GROUPED_EXPERTS": "1",
+                                                   "STRATA_FLASH_PREFILL": "1"}))
     for name, loans, env in variants:
         t0 = time.perf_counter()
         r = results[name] = strata_arm(args, loans, env)
@@ -121,7 +123,7 @@ def main() -> int:
             line += f"; strata (loans on) / llama.cpp {on / results['llama.cpp']['runs'][n]['tps']:.2f}x"
         print(line)
     names = {"loans on": "strata", "loans off": "strata loans off",
-             "grouped experts": "strata grouped experts", "llama.cpp": "llama.cpp"}
+             "grouped experts": "strata prompt kernels", "llama.cpp": "llama.cpp"}
     arms = [{"name": names[k], "gpus": 0 if args.cpu else 1,
              "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
              "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}

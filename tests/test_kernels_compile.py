@@ -9,8 +9,8 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DOWN_PER_BLOCK, FF_PER_BLOCK,
-                                     MAX_ROWS, STRUCTS, KernelShape, kernel_names, rows_kernel_names,
-                                     rows_per_block)
+                                     MAX_ROWS, STRUCTS, KernelShape, rows_per_block,
+                                     source_kernel_names)
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -25,7 +25,7 @@ def test_kernel_shape_parses_and_refuses():
 
 
 def test_the_package_has_kernel_sources():
-    assert [p.name for p in sources()] == ["decode.cu", "experts_rows.cu"]
+    assert [p.name for p in sources()] == ["decode.cu", "experts_rows.cu", "prefill_attention.cu"]
     text = source_text("decode.cu")        # weights.cuh inlined, once
     assert "#include \"" not in text and text.count("HOST_DEVICE float h2f(") == 1
 
@@ -42,7 +42,7 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     assert done.returncode == 0, done.stderr
     # every kernel the runners may launch is in the binary
     strings = set((tmp_path / "k.cubin").read_bytes().split(b"\0"))
-    want = kernel_names() if source == "decode.cu" else rows_kernel_names()
+    want = source_kernel_names(source)
     missing = [k for k in want if k.encode() not in strings]
     assert not missing, missing
 

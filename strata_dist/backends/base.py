@@ -66,6 +66,11 @@ class Backend:
                 out[self.asarray(np.asarray(dest))] = self.expert_swiglu(
                     gguf, layer, blob, x[self.asarray(np.asarray(rows))])
 
+    def prompt_attention(self, q, k, v, pos0: int):
+        """The causal attention of a prompt chunk by the backend's own kernel, or None (the
+        models' tiled path runs): q [n, H, D] at positions pos0.., k and v [pos0 + n, KVH, D]."""
+        return None
+
     def make_expert_store(self, model, layers):
         """The object that computes experts of `layers` (see experts.py)."""
         raise NotImplementedError

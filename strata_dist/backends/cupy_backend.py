@@ -45,6 +45,8 @@ class CupyBackend(Backend):
         self._pinned = None
         self._pinned_read = None    # recorded after the last copy out of the pinned buffer
         # experimental, until measured: experts through the row kernels (backends/expert_rows.py)
+        # experimental, until measured: prompt attention by kernels/prefill_attention.cu
+        self._flash = os.environ.get("STRATA_FLASH_PREFILL") == "1"
         self._rows = None
         if os.environ.get("STRATA_GROUPED_EXPERTS") == "1":
             from .expert_rows import RowsKernels
@@ -143,6 +145,22 @@ class CupyBackend(Backend):
     def experts_swiglu(self, gguf, layer, x, jobs, out) -> None:
         if self._rows is None or not self._rows.run(gguf, layer, x, jobs, out):
             super().experts_swiglu(gguf, layer, x, jobs, out)
+
+    def prompt_attention(self, q, k, v, pos0):
+        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=1): f16 K/V of 128-wide heads."""
+        if (not self._flash or q.shape[-1] != 128 or k.dtype != cp.float16
+                or v.dtype != cp.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous)
+                or q.shape[1] % k.shape[1]):
+            return None
+        from ..kernels import function
+        n, n_head, d = (int(x) for x in q.shape)
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        out = cp.empty((n, n_head, d), dtype=cp.float32)
+        function("prefill_attention.cu", "prefill_attention_128", self.index)(
+            ((n + 63) // 64, n_head), (128,),
+            (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
+             np.float32(1.0 / np.sqrt(d)), out))
+        return out
 
     def decode_graph(self, model, max_cells):
         from .cuda_decode import decode_graph

@@ -81,6 +81,12 @@ def kernel_names() -> list[str]:
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names
 
+def source_kernel_names(source: str) -> list[str]:
+    """Every kernel the runners may ask a source for."""
+    return {"decode.cu": kernel_names, "experts_rows.cu": rows_kernel_names,
+            "prefill_attention.cu": lambda: ["prefill_attention_128"]}[source]()
+
+
 def rows_kernel_names() -> list[str]:
     """Every kernel backends/expert_rows.py may ask experts_rows.cu for."""
     return [f"{kind}{mma}_{t}" for t in TYPE_NAMES.values() for mma in ("", "_mma")

@@ -8,6 +8,7 @@
 // result does not depend on which other pairs share its item, its launch or its tier, so the bits
 // are the same whichever store computed the expert and however the chunk was grouped.
 #include "weights.cuh"
+#include "mma.cuh"
 
 #define TILE_M 32     // (row, rank) pairs of one work item
 #define TILE_N 64     // outputs of one block
@@ -166,18 +167,6 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
 // 8 warps: warp w takes the 16 pairs (w & 1) and the 16 outputs 16 * (w >> 1) of the 32 x 64 tile.
 #define MMA_PAD 8                   // halves of padding per shared row: conflict-free fragments
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const u32*>(&h);
-}
 
 // TILE_K columns of the item's rows as f16, xs[m][k] (zeros past `count`)
 __device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], const float* __restrict__ x,

@@ -70,14 +70,18 @@ def apply_rope(x, cos, sin, xp):
     return xp.concatenate(parts, axis=-1)
 
 
-def causal_attention(q, k, v, pos0, xp, session):
+def causal_attention(q, k, v, pos0, xp, session, backend=None):
     """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D].
 
     Decode-sized batches (n <= DECODE_ROWS) write their scores into the session's scratch. A
-    prompt chunk is read in tiles of query rows whose scores take at most ATTN_TILE_BYTES (the
-    planner's work reserve, not a buffer per token of context), each against only the keys its
-    rows can see."""
+    prompt chunk goes to the backend's own kernel where it has one (`prompt_attention`), else is
+    read in tiles of query rows whose scores take at most ATTN_TILE_BYTES (the planner's work
+    reserve, not a buffer per token of context), each against only the keys its rows can see."""
     n, n_head, d = q.shape
+    if backend is not None and n > DECODE_ROWS:
+        out = backend.prompt_attention(q, k, v, pos0)
+        if out is not None:
+            return out
     t, n_kv, _ = k.shape
     group = n_head // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]

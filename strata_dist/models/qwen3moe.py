@@ -201,7 +201,7 @@ class Qwen3Moe(LayerRangeModel):
         kc, vc = session.k(layer), session.v(layer)
         kc[pos0:pos0 + n] = k
         vc[pos0:pos0 + n] = v
-        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session)
+        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session, be)
         h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
         x = rms_norm(h, w.ffn_norm, g.rms_eps, xp)
         return h + self._moe(layer, x, w.router)

@@ -487,7 +487,7 @@ class Qwen3Next(LayerRangeModel):
         kc, vc = session.k(layer), session.v(layer)
         kc[pos0:pos0 + n] = k
         vc[pos0:pos0 + n] = v
-        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session)
+        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session, be)
         out = attn.reshape(n, g.n_head * hd) * _sigmoid(gate, xp)
         return be.linear(out, w["attn_output"])
 
