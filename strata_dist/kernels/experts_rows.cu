@@ -4,9 +4,10 @@
 // TILE_N outputs, reading the expert's blob (cache slot, loaned slot or staged copy: any address)
 // in its stored blocks.
 //
-// Every output is one thread's sum over the columns in column order (fmaf, float32): a pair's
-// result does not depend on which other pairs share its item, its launch or its tier, so the bits
-// are the same whichever store computed the expert and however the chunk was grouped.
+// Two builds: float32 FMA (`moe_*_rows_<type>`: every output one thread's sum over the columns in
+// column order) and tensor cores (`moe_*_rows_mma_<type>`, below). In both a pair's result does
+// not depend on which other pairs share its item, its launch or its tier, so the bits are the
+// same whichever store computed the expert and however the chunk was grouped.
 #include "weights.cuh"
 #include "mma.cuh"
 
