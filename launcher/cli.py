@@ -370,6 +370,8 @@ def _serve_lines(args, gguf, cfg, current: list) -> int:
         server = _line_server(args, gguf, launch, launch.start())
         server.say(f"READY {args.max_context}")
         code = server.run(lines)
+        if code == 1 and server.failure:     # the operator reads stderr, the client got ERR
+            print(f"error: {server.failure}", file=sys.stderr, flush=True)
         if code != 1 or restarts >= args.restart_ranks:
             return code
         restarts += 1

@@ -75,6 +75,7 @@ class LineProtocol:
         self.session = session
         self.coord = session.coord
         self.out = out
+        self.failure = ""     # why run() ended with 1 (a dead rank)
         self._lines: "queue.Queue[str | None] | None" = None
         self._pending: "collections.deque[str | None]" = collections.deque()  # read ahead
 
@@ -111,8 +112,7 @@ class LineProtocol:
                 try:
                     self.coord.idle(0.0)
                 except RankFailure as e:
-                    self.say(f"ERR {e}")
-                    return 1
+                    return self._fail(e)
                 continue
             if line is None or line.strip() == "QUIT":
                 return 0
@@ -123,8 +123,7 @@ class LineProtocol:
                 try:
                     self.stats()
                 except RankFailure as e:
-                    self.say(f"ERR {e}")
-                    return 1
+                    return self._fail(e)
                 continue
             if line.split()[0] != "GEN":
                 self.say(f"ERR unknown command '{line.split()[0]}' (GEN, STATS or QUIT)")
@@ -134,8 +133,14 @@ class LineProtocol:
             except (ValueError, RequestError) as e:
                 self.say(f"ERR {e}")
             except RankFailure as e:
-                self.say(f"ERR {e}")
-                return 1
+                return self._fail(e)
+
+    def _fail(self, e: RankFailure) -> int:
+        """A dead rank ends the run: ERR to the client, and the reason kept for the launcher's
+        stderr (a client's stdout is not where an operator looks)."""
+        self.failure = str(e)
+        self.say(f"ERR {e}")
+        return 1
 
     def stats(self) -> None:
         """One `STATS rank=<r> key=value …` line per rank (its counters since start), then END."""

@@ -118,3 +118,26 @@ def test_a_long_prompt_chunk_is_not_taken_for_a_dead_rank(tmp_path):
         assert float(out["done"][2]) > 1500, out["done"]    # the chunk outlasted the timeout
     finally:
         assert s.close() == 0
+
+
+def test_a_rank_killed_while_serve_idles_is_named_on_stderr(model):
+    """--serve with nothing in flight: a rank killed ends the launch (exit 1) with ERR for the
+    client on stdout and the reason for the operator on stderr, not only in the rank's log."""
+    import signal
+    import time
+    from launch_helpers import rank_pids
+    s = ServeSession(str(model), "--cpu-ranks", "2", "--layer-split", "2", timeout=60)
+    try:
+        victim = rank_pids(s)[1]
+        os.kill(victim, signal.SIGKILL)
+        line = s.next_line(timeout=30)
+        assert line.startswith("ERR ") and "killed by signal 9" in line, line
+        assert s.err_has(f"(pid {victim}) was killed by signal 9", timeout=30), s.err()
+        deadline = time.monotonic() + 30
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.proc.returncode == 1
+        assert "error: rank" in s.err().splitlines()[-1]
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
