@@ -122,6 +122,8 @@ class ExpertTiers(ExpertStore):
         self.remote_of = {pair: h for h in helpers for pair in h.pairs}
         self.prompt = False          # set by the stage: prompt chunks never go to helpers
         self.loan = None             # a GPU stage's LoanAllocator while a prompt borrows the tail
+        self.pinned = None           # MappedHostBlobs of the pairs the cache lacks (GPU, opt-in)
+        self._streamer = None
         self.counters: Counter = Counter()
 
     def outputs(self, layer: int, x, idx: np.ndarray):
@@ -201,13 +203,24 @@ class ExpertTiers(ExpertStore):
         if per_batch == 0:   # a loan smaller than one of this layer's blobs: plain host path
             self._run(self.host, layer, x, idx, mask, y)
             return
+        n, k, d = y.shape
+        if self.pinned is not None and all(self.pinned.holds(layer, e) for e in experts):
+            # pinned copies: DMA on a copy stream, double-buffered against the kernels
+            if self._streamer is None:
+                from .backends.host_mapped import BlobStreamer
+                self._streamer = BlobStreamer(self.pinned)
+
+            def compute(batch, blob_of):
+                jobs = stored_rows_jobs(idx, mask & np.isin(idx, batch), blob_of.__getitem__)
+                be.experts_swiglu(gguf, layer, x, jobs, y.reshape(n * k, d))
+            self.counters["streamed"] += self._streamer.run(layer, experts, region, size, compute)
+            return
         for start in range(0, len(experts), per_batch):
             batch = experts[start:start + per_batch]
             slot = {e: region[i * size:(i + 1) * size] for i, e in enumerate(batch)}
             for e, blob in slot.items():      # stream the batch in, then compute it
                 be.stage_blob(gguf.expert_blob(layer, e), out=blob)
             in_batch = mask & np.isin(idx, batch)
-            n, k, d = y.shape
             be.experts_swiglu(gguf, layer, x, stored_rows_jobs(idx, in_batch, slot.__getitem__),
                               y.reshape(n * k, d))
             self.counters["streamed"] += len(batch)

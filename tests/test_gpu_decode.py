@@ -235,11 +235,17 @@ def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch):
                              cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
     monkeypatch.setenv("STRATA_HOST_MAPPED", "1")
     part = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
-                             cache_pairs=[(l, e) for l in range(3) for e in range(0, 16, 2)]))
-    assert part.decode_graph is not None and part.decode_graph.host_blobs is not None
-    assert len(part.decode_graph.host_blobs.pairs) == 3 * 8
-    for st in (full, part):
-        st.run(0, 0, ids=PROMPT[:20], prompt=True)
+                             cache_pairs=[(l, e) for l in range(3) for e in range(0, 16, 2)],
+                             loan_slots=6))
+    assert part.decode_graph is not None and part.decode_graph.host_blobs is part.tiers.pinned
+    assert len(part.tiers.pinned.pairs) == 3 * 8
+    prompt_logits = []
+    for st in (full, part):       # the prompt: the misses streamed from the pinned copies
+        st.begin_prompt()
+        prompt_logits.append(np.asarray(st.run(0, 0, ids=PROMPT[:20], prompt=True)))
+        st.end_prompt()
+    assert np.array_equal(*prompt_logits)
+    assert part.tiers.counters["streamed"] > 0
     before = dict(part.tiers.counters)
     pos = 20
     for t in NEXT:

@@ -218,6 +218,10 @@ class DecodeGraph:
         if not self.host_misses:
             raise Unsupported(f"{len(missing)} experts of layers [{self.lb}, {self.le}) are not in "
                               f"this stage's cache")
+        shared = getattr(self.model.experts, "pinned", None)   # the stage's own pinned tier
+        if shared is not None and all(shared.holds(l, e) for l, e in missing):
+            self.host_blobs = shared
+            return
         from .host_mapped import MappedHostBlobs
         try:
             self.host_blobs = MappedHostBlobs(self.model.gguf, missing)

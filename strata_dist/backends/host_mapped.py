@@ -6,6 +6,10 @@ blob addresses points at them: the same expert kernels compute a cache hit and a
 the bits do not depend on the tier and the step stays one graph. With unified addressing (every
 64-bit CUDA platform) pinned host memory has a device address, read over PCIe on demand.
 
+The same pinned copies feed a prompt's misses (`BlobStreamer`): copied into the loan on a copy
+stream, double-buffered against the kernels computing the batch before, with no host copy and no
+synchronize.
+
 Pinning is page-locking: tens of GiB may exceed a unit's memlock limit (`LimitMEMLOCK`, set by
 deploy/) or the host's free memory; the caller then falls back to the general path."""
 from __future__ import annotations
@@ -34,6 +38,7 @@ class MappedHostBlobs:
         self.offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
         self.nbytes = int(self.offsets[-1])
         self.ptr = 0
+        self._index: dict[tuple[int, int], int] = {}
         if not self.pairs:
             self.device_ptr = 0
             return
@@ -46,6 +51,7 @@ class MappedHostBlobs:
                 host[lo:lo + int(sizes[i])] = gguf.expert_blob(layer, expert)
             # the address kernels use (the host address itself under unified addressing)
             self.device_ptr = int(cp.cuda.runtime.pointerGetAttributes(self.ptr).devicePointer)
+            self._index = {p: i for i, p in enumerate(self.pairs)}
         except BaseException:
             self.close()
             raise
@@ -55,6 +61,13 @@ class MappedHostBlobs:
     def addresses(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> the device address of its blob."""
         return {p: self.device_ptr + int(self.offsets[i]) for i, p in enumerate(self.pairs)}
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._index
+
+    def host_address(self, layer: int, expert: int) -> int:
+        """The host address of a held pair's blob (a DMA source)."""
+        return self.ptr + int(self.offsets[self._index[(layer, expert)]])
 
     def close(self) -> None:
         if self.ptr:
@@ -66,3 +79,40 @@ class MappedHostBlobs:
             self.close()
         except Exception:   # interpreter shutdown: the driver may be gone already
             pass
+
+
+class BlobStreamer:
+    """A prompt's missing experts of one layer, from pinned host memory into a device region
+    (the loan) in batches: the region is cut in two halves, batch b copied into half b % 2 on a
+    copy stream once the kernels of batch b - 2 are done with it, and batch b computed on the
+    current stream once its copy is in. The host only queues work."""
+
+    def __init__(self, blobs: MappedHostBlobs):
+        self.blobs = blobs
+        self.copy = cp.cuda.Stream(non_blocking=True)
+
+    def run(self, layer: int, experts: list[int], region, size: int, compute) -> int:
+        """compute(batch, blob_of) queues the kernels of a batch, blob_of[e] its device bytes.
+        Returns the number of experts streamed."""
+        slots = int(region.nbytes) // size
+        halves = 2 if slots >= 2 else 1
+        per = slots // halves
+        compute_stream = cp.cuda.get_current_stream()
+        free: list = [None] * halves        # the event after the last kernels reading each half
+        for b, start in enumerate(range(0, len(experts), per)):
+            batch, half = experts[start:start + per], b % halves
+            base = half * per * size
+            if free[half] is not None:
+                self.copy.wait_event(free[half])
+            for i, e in enumerate(batch):
+                cp.cuda.runtime.memcpyAsync(int(region.data.ptr) + base + i * size,
+                                            self.blobs.host_address(layer, e), size,
+                                            cp.cuda.runtime.memcpyHostToDevice, self.copy.ptr)
+            copied = cp.cuda.Event(disable_timing=True)
+            copied.record(self.copy)
+            compute_stream.wait_event(copied)
+            compute(batch, {e: region[base + i * size:base + (i + 1) * size]
+                            for i, e in enumerate(batch)})
+            free[half] = cp.cuda.Event(disable_timing=True)
+            free[half].record(compute_stream)
+        return len(experts)
