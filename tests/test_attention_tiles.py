@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from strata_dist.models import common
+from strata_dist.backends import array_ops as common
 
 
 class _Session:

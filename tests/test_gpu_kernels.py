@@ -19,7 +19,7 @@ from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK,  # noqa: E402
                                      EXPERT_SPEC, FF_PER_BLOCK, MAT_SPEC, MAX_ROWS, ROUTE_SPEC,
                                      TYPE_NAMES, matvec_kernel, rows_per_block)
-from strata_dist.models.common import softmax_topk  # noqa: E402
+from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
 
 N_EMBD, N_FF, N_EXPERT, K = 512, 256, 16, 4
 

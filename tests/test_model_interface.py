@@ -19,3 +19,24 @@ def test_architecture_modules_provide_the_interface(arch):
         want = list(inspect.signature(member).parameters)[1:]       # without self
         got = list(inspect.signature(getattr(module, name)).parameters)
         assert got == want, f"{arch}.{name}{tuple(got)}: the interface says {tuple(want)}"
+
+
+def test_backends_implement_the_layer_ops_the_models_call():
+    """backends/ops.py's LayerOps: the numpy reference implements every operation with the
+    protocol's parameters, and the models' layer code reaches the backend through these (no
+    `xp` in qwen3moe's forward)."""
+    import inspect
+
+    from strata_dist.backends.base import Backend
+    from strata_dist.backends.numpy_backend import NumpyBackend
+    from strata_dist.backends.ops import LayerOps
+    from strata_dist.models import qwen3moe
+    assert isinstance(NumpyBackend(), LayerOps)
+    ops = [n for n, f in vars(LayerOps).items() if callable(f) and not n.startswith("_")]
+    assert {"rms_norm", "rope", "attend", "route", "moe", "linear", "rows"} <= set(ops)
+    for name in ops:
+        want = list(inspect.signature(getattr(LayerOps, name)).parameters)
+        for cls in (Backend, NumpyBackend):
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
+    forward = inspect.getsource(qwen3moe.Qwen3Moe._layer_forward)
+    assert "xp" not in forward and "be.attend(" in forward and "be.rms_norm(" in forward

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plan.pricing import DECODE_ROWS
+from . import array_ops
 from .kv_cache import default_kv_type
 
 
@@ -46,17 +48,47 @@ class Backend:
     def to_host(self, x) -> np.ndarray:
         raise NotImplementedError
 
-    # -- compute ---------------------------------------------------------------------------------
+    # -- compute: the layer operations (backends/ops.py LayerOps) ---------------------------------
     def linear(self, x, w):
         """x [n, in] (float32) @ w[out, in].T -> [n, out] float32."""
         raise NotImplementedError
+
+    def rms_norm(self, x, w, eps: float):
+        return array_ops.rms_norm(x, w, eps, self.xp)
+
+    def rope(self, x, cos, sin):
+        return array_ops.apply_rope(x, cos, sin, self.xp)
+
+    def attend(self, q, k, v, pos0: int, session):
+        if q.shape[0] > DECODE_ROWS:          # a prompt chunk: the backend's own kernel, if any
+            out = self.prompt_attention(q, k, v, pos0)
+            if out is not None:
+                return out
+        return array_ops.causal_attention(q, k, v, pos0, self.xp, session)
+
+    def route(self, x, router, k: int, normalize: bool):
+        return array_ops.softmax_topk(self.to_host(x @ router.T), k, normalize=normalize)
+
+    def moe(self, experts, layer: int, x, idx, wts):
+        return array_ops.moe_combine(self, experts, layer, x, idx, wts)
+
+    def swiglu(self, x, gate, up, down):
+        g = x @ gate.T
+        return (g / (1.0 + self.xp.exp(-g)) * (x @ up.T)) @ down.T
+
+    def sigmoid(self, x):
+        xp = self.xp
+        return np.float32(0.5) * xp.tanh(np.float32(0.5) * x) + np.float32(0.5)
+
+    def silu(self, x):
+        return x * self.sigmoid(x)
 
     def expert_swiglu(self, gguf, layer: int, blob, x):
         """The expert whose stored bytes are `blob` (on this backend) applied to the rows x: every
         store computes an expert through here (or experts_swiglu), so the bits never depend on
         the store."""
         gate, up, down = self.expert_weights(gguf, layer, blob)
-        return swiglu(self, x, gate, up, down)
+        return self.swiglu(x, gate, up, down)
 
     def experts_swiglu(self, gguf, layer: int, x, jobs, out) -> None:
         """Several experts of one layer: for each job (blob, rows, dest), with host index arrays,
@@ -86,17 +118,3 @@ class Backend:
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) bytes of the device, or None for host memory."""
         return None
-
-
-def swiglu(backend, x, gate, up, down):
-    """down @ (silu(gate @ x) * (up @ x)) for each row of x."""
-    if backend.name == "numpy":
-        # One row at a time: BLAS picks different kernels for different shapes, and a row's
-        # result must not depend on how many rows share the call.
-        out = np.empty((x.shape[0], down.shape[0]), dtype=np.float32)
-        for i in range(x.shape[0]):
-            g = gate @ x[i]
-            out[i] = down @ (g / (1.0 + np.exp(-g)) * (up @ x[i]))
-        return out
-    g = x @ gate.T
-    return (g / (1.0 + backend.xp.exp(-g)) * (x @ up.T)) @ down.T

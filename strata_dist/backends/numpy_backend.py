@@ -33,6 +33,15 @@ class NumpyBackend(Backend):
     def linear(self, x, w):
         return x @ w.T
 
+    def swiglu(self, x, gate, up, down):
+        # One row at a time: BLAS picks different kernels for different shapes, and a row's
+        # result must not depend on how many rows share the call.
+        out = np.empty((x.shape[0], down.shape[0]), dtype=np.float32)
+        for i in range(x.shape[0]):
+            g = gate @ x[i]
+            out[i] = down @ (g / (1.0 + np.exp(-g)) * (up @ x[i]))
+        return out
+
     def make_expert_store(self, gguf, layers):
         from ..experts import HostTier
         return HostTier(self, gguf)

@@ -1,12 +1,11 @@
-"""Pieces of the forward that several architectures share: RMSNorm, NEOX RoPE (full or partial),
-causal grouped-query attention with the session's decode score scratch, softmax top-k routing and
-the rank-ordered MoE combine. Backend-agnostic: `xp` is numpy or cupy."""
+"""What several architectures share: the geometry every one reads the same way, the RoPE tables,
+the tensor lists a stage loads, and `LayerRangeModel` (a layer range's weights, embedding, output
+logits and routed experts). The arithmetic is the backend's (backends/ops.py)."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..gguf_model import GGUFError
-from ..plan.pricing import ATTN_TILE_BYTES, DECODE_ROWS
 
 
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
@@ -45,99 +44,11 @@ def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
     )
 
 
-def rms_norm(x, w, eps, xp):
-    var = (x * x).mean(axis=-1, keepdims=True)
-    return x / xp.sqrt(var + eps) * w
-
-
 def rope_tables(positions: np.ndarray, rot_dim: int, base: float):
     """cos/sin [n, rot_dim/2] for NEOX-style RoPE over the first `rot_dim` dims of a head."""
     inv = 1.0 / (base ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
     ang = positions.astype(np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-def apply_rope(x, cos, sin, xp):
-    """NEOX RoPE on x [n, H, D]: the first 2*cos.shape[-1] dims are rotated as two halves, the rest
-    pass through (partial rotary)."""
-    half = cos.shape[-1]
-    rot = 2 * half
-    x1, x2 = x[..., :half], x[..., half:rot]
-    c, s = cos[:, None, :], sin[:, None, :]
-    parts = [x1 * c - x2 * s, x2 * c + x1 * s]
-    if rot < x.shape[-1]:
-        parts.append(x[..., rot:])
-    return xp.concatenate(parts, axis=-1)
-
-
-def causal_attention(q, k, v, pos0, xp, session, backend=None):
-    """q [n, H, D]; k/v [t, KVH, D] with t = pos0 + n; causal; returns [n, H, D].
-
-    Decode-sized batches (n <= DECODE_ROWS) write their scores into the session's scratch. A
-    prompt chunk goes to the backend's own kernel where it has one (`prompt_attention`), else is
-    read in tiles of query rows whose scores take at most ATTN_TILE_BYTES (the planner's work
-    reserve, not a buffer per token of context), each against only the keys its rows can see."""
-    n, n_head, d = q.shape
-    if backend is not None and n > DECODE_ROWS:
-        out = backend.prompt_attention(q, k, v, pos0)
-        if out is not None:
-            return out
-    t, n_kv, _ = k.shape
-    group = n_head // n_kv
-    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [KVH, G, n, D]
-    kt = k.transpose(1, 2, 0)[:, None]                                 # [KVH, 1, D, t]
-    vt = v.transpose(1, 0, 2)[:, None]                                 # [KVH, 1, t, D]
-    if n <= DECODE_ROWS:
-        out = _attend(qg, kt, vt, pos0, xp, session.score_buffer((n_kv, group, n, t)))
-    else:
-        rows = max(1, ATTN_TILE_BYTES // (n_head * t * 4))
-        out = xp.empty((n_kv, group, n, d), dtype=np.float32)
-        for i in range(0, n, rows):
-            j = min(n, i + rows)
-            seen = pos0 + j                      # keys after the tile's last row are masked anyway
-            out[:, :, i:j] = _attend(qg[:, :, i:j], kt[..., :seen], vt[:, :, :seen], pos0 + i, xp)
-    return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)
-
-
-def _attend(qg, kt, vt, q0, xp, out_buf=None):
-    """Softmax attention of query rows at positions q0.. over keys 0..t-1 (causal mask)."""
-    nq, t = qg.shape[2], kt.shape[-1]
-    scores = xp.matmul(qg, kt, out=out_buf) if out_buf is not None else qg @ kt
-    scores *= np.float32(1.0 / np.sqrt(qg.shape[-1]))                 # [KVH, G, nq, t]
-    qpos = xp.arange(q0, q0 + nq)[:, None]
-    kpos = xp.arange(t)[None, :]
-    scores += xp.where(kpos <= qpos, np.float32(0), np.float32(-np.inf))
-    scores -= scores.max(axis=-1, keepdims=True)
-    xp.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    return scores @ vt                                                 # [KVH, G, nq, D]
-
-
-def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):
-    """Top-k experts per row in rank order (stable on ties) and their softmax weights, renormalised
-    over the k when `normalize` (host arrays: [n, k] int64, [n, k] float32)."""
-    logits = np.asarray(logits, dtype=np.float32)
-    logits = logits - logits.max(axis=-1, keepdims=True)
-    probs = np.exp(logits)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    wts = np.take_along_axis(probs, idx, axis=-1)
-    if normalize:
-        wts = wts / wts.sum(axis=-1, keepdims=True)
-    return idx, wts.astype(np.float32)
-
-
-def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarray):
-    """Σ_r wts[:, r] · expert_{idx[:, r]}(x), summed in top-k rank order so the order of the sum
-    never depends on how rows were grouped per expert."""
-    xp = backend.xp
-    n, k = idx.shape
-    y = experts.outputs(layer, x, idx)   # [n, k, d], whichever tier computed each entry
-    w_dev = backend.asarray(wts)
-    out = xp.zeros_like(x)
-    for r in range(k):
-        out += w_dev[:, r:r + 1] * y[:, r]
-    return out
 
 
 def stage_tensor_names(g, lb: int, le: int, first: bool, last: bool, layer_names) -> list[str]:
@@ -220,14 +131,13 @@ class LayerRangeModel:
 
     def output_logits(self, h):
         """Final norm and output projection -> float32 logits [n, vocab]."""
-        h = rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps, self.backend.xp)
+        h = self.backend.rms_norm(h, self._tensors["output_norm.weight"], self.g.rms_eps)
         w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
         return self.backend.linear(h, w)
 
     def _routed(self, layer: int, x, router, normalize: bool):
         """The routed experts' part of a MoE layer: route, report, combine in rank order."""
-        logits = self.backend.to_host(x @ router.T)
-        idx, wts = softmax_topk(logits, self.g.n_expert_used, normalize=normalize)
+        idx, wts = self.backend.route(x, router, self.g.n_expert_used, normalize)
         if self.on_route is not None:
             self.on_route(layer, idx)
-        return moe_combine(self.backend, self.experts, layer, x, idx, wts)
+        return self.backend.moe(self.experts, layer, x, idx, wts)

@@ -16,8 +16,8 @@ import numpy as np
 from ..backends.kv_cache import new_kv
 from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
-                     rope_tables, stage_tensor_names, transformer_geometry)
+from .common import (LayerRangeModel, model_level_shapes, rope_tables, stage_tensor_names,
+                     transformer_geometry)
 
 ARCH = "qwen3moe"
 
@@ -190,20 +190,20 @@ class Qwen3Moe(LayerRangeModel):
 
     # ---- one layer -----------------------------------------------------------------------------
     def _layer_forward(self, layer, h, session, pos0, cos, sin):
-        xp, g, w, be = self.backend.xp, self.g, self.layers[layer], self.backend
+        g, w, be = self.g, self.layers[layer], self.backend
         n = h.shape[0]
-        x = rms_norm(h, w.attn_norm, g.rms_eps, xp)
+        x = be.rms_norm(h, w.attn_norm, g.rms_eps)
         q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
         k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
         v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
-        q = apply_rope(rms_norm(q, w.q_norm, g.rms_eps, xp), cos, sin, xp)
-        k = apply_rope(rms_norm(k, w.k_norm, g.rms_eps, xp), cos, sin, xp)
+        q = be.rope(be.rms_norm(q, w.q_norm, g.rms_eps), cos, sin)
+        k = be.rope(be.rms_norm(k, w.k_norm, g.rms_eps), cos, sin)
         kc, vc = session.k(layer), session.v(layer)
         kc[pos0:pos0 + n] = k
         vc[pos0:pos0 + n] = v
-        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session, be)
+        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session)
         h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
-        x = rms_norm(h, w.ffn_norm, g.rms_eps, xp)
+        x = be.rms_norm(h, w.ffn_norm, g.rms_eps)
         return h + self._moe(layer, x, w.router)
 
     def _moe(self, layer, x, router):

@@ -39,8 +39,8 @@ import numpy as np
 from ..backends.kv_cache import new_kv
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import (LayerRangeModel, apply_rope, causal_attention, model_level_shapes, rms_norm,
-                     rope_tables, stage_tensor_names, transformer_geometry)
+from .common import (LayerRangeModel, model_level_shapes, rope_tables, stage_tensor_names,
+                     transformer_geometry)
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
 ARCH = "qwen3next"
@@ -422,14 +422,6 @@ class HybridSession:
 
 # ---- the model ----------------------------------------------------------------------------------
 
-def _sigmoid(x, xp):
-    return np.float32(0.5) * xp.tanh(np.float32(0.5) * x) + np.float32(0.5)
-
-
-def _silu(x, xp):
-    return x * _sigmoid(x, xp)
-
-
 def _softplus(x, xp):
     return xp.logaddexp(np.float32(0.0), x)
 
@@ -462,33 +454,33 @@ class Qwen3Next(LayerRangeModel):
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
         cos, sin = session.rope_cos[pos0:pos0 + n], session.rope_sin[pos0:pos0 + n]
-        xp, g = self.backend.xp, self.g
+        be, g = self.backend, self.g
         for layer in range(self.lb, self.le):
             w = self.layers[layer]
-            x = rms_norm(h, w["attn_norm"], g.rms_eps, xp)
+            x = be.rms_norm(h, w["attn_norm"], g.rms_eps)
             if g.is_linear(layer):
                 h = h + self._linear_attention(layer, x, session)
             else:
                 h = h + self._attention(layer, x, session, pos0, cos, sin)
-            x = rms_norm(h, w["post_attention_norm"], g.rms_eps, xp)
+            x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps)
             h = h + self._moe(layer, x)
         return h
 
     # ---- gated attention -----------------------------------------------------------------------
     def _attention(self, layer, x, session, pos0, cos, sin):
-        xp, g, w, be = self.backend.xp, self.g, self.layers[layer], self.backend
+        g, w, be = self.g, self.layers[layer], self.backend
         n, hd = x.shape[0], g.head_dim
         qg = be.linear(x, w["attn_q"]).reshape(n, g.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.n_head * hd)
         k = be.linear(x, w["attn_k"]).reshape(n, g.n_head_kv, hd)
         v = be.linear(x, w["attn_v"]).reshape(n, g.n_head_kv, hd)
-        q = apply_rope(rms_norm(q, w["attn_q_norm"], g.rms_eps, xp), cos, sin, xp)
-        k = apply_rope(rms_norm(k, w["attn_k_norm"], g.rms_eps, xp), cos, sin, xp)
+        q = be.rope(be.rms_norm(q, w["attn_q_norm"], g.rms_eps), cos, sin)
+        k = be.rope(be.rms_norm(k, w["attn_k_norm"], g.rms_eps), cos, sin)
         kc, vc = session.k(layer), session.v(layer)
         kc[pos0:pos0 + n] = k
         vc[pos0:pos0 + n] = v
-        attn = causal_attention(q, kc[:pos0 + n], vc[:pos0 + n], pos0, xp, session, be)
-        out = attn.reshape(n, g.n_head * hd) * _sigmoid(gate, xp)
+        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session)
+        out = attn.reshape(n, g.n_head * hd) * be.sigmoid(gate)
         return be.linear(out, w["attn_output"])
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
@@ -512,7 +504,7 @@ class Qwen3Next(LayerRangeModel):
         qkv, z = self._qkvz(w, x)
         ba = be.linear(x, w["ssm_ba"]).reshape(n, nk, 2 * r)           # per key head: r b, r a
         b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
-        beta = _sigmoid(b, xp)
+        beta = be.sigmoid(b)
         decay = w["ssm_a"] * _softplus(a + w["ssm_dt"], xp)            # [n, nv], <= 0
 
         # causal depthwise conv over [conv state | this chunk], then SiLU
@@ -524,7 +516,7 @@ class Qwen3Next(LayerRangeModel):
         for j in range(1, K):
             acc = acc + xpad[j:j + n] * kern[:, j]
         conv[...] = xpad[n:]                                           # the last K-1 inputs
-        mixed = _silu(acc, xp)
+        mixed = be.silu(acc)
 
         q = mixed[:, :g.key_dim].reshape(n, nk, hk)
         k = mixed[:, g.key_dim:2 * g.key_dim].reshape(n, nk, hk)
@@ -542,16 +534,16 @@ class Qwen3Next(LayerRangeModel):
         else:
             out = gated_delta_chunked(q, k, v, beta, decay, state, xp)
 
-        o = rms_norm(out, w["ssm_norm"], g.rms_eps, xp) * _silu(z.reshape(n, nv, hv), xp)
+        o = be.rms_norm(out, w["ssm_norm"], g.rms_eps) * be.silu(z.reshape(n, nv, hv))
         return be.linear(o.reshape(n, g.value_dim), w["ssm_out"])
 
     # ---- MoE with the shared expert ------------------------------------------------------------
     def _moe(self, layer, x):
-        xp, w, be = self.backend.xp, self.layers[layer], self.backend
+        w, be = self.layers[layer], self.backend
         routed = self._routed(layer, x, w[ROUTER_PART], normalize=self.g.norm_topk_prob)
-        hidden = _silu(be.linear(x, w["ffn_gate_shexp"]), xp) * be.linear(x, w["ffn_up_shexp"])
+        hidden = be.silu(be.linear(x, w["ffn_gate_shexp"])) * be.linear(x, w["ffn_up_shexp"])
         shared = be.linear(hidden, w["ffn_down_shexp"])
-        gate = _sigmoid(x @ w[SHEXP_GATE_PART].T, xp)                  # [n, 1]
+        gate = be.sigmoid(x @ w[SHEXP_GATE_PART].T)                  # [n, 1]
         return routed + gate * shared
 
 

@@ -1,0 +1,49 @@
+"""The operations a layer is written in, as one typed interface.
+
+`NumpyBackend` (the float32 reference) and `CupyBackend` implement them (`Backend` holds the
+shared array arithmetic of backends/array_ops.py; a backend overrides what it does its own way:
+numpy's per-row SwiGLU, CuPy's prompt attention kernel and row kernels). The architectures in
+strata_dist/models/ call these for everything two architectures share; what only one of them
+does (qwen3next's short convolution and gated delta rule) stays in its module, on `backend.xp`."""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class LayerOps(Protocol):
+    def rows(self, table, ids):
+        """float32 rows `ids` of an embedding table (the first stage's embedding)."""
+
+    def linear(self, x, w):
+        """x [n, in] float32 @ w[out, in].T -> [n, out] float32."""
+
+    def rms_norm(self, x, w, eps: float):
+        """RMSNorm over the last axis, times w."""
+
+    def rope(self, x, cos, sin):
+        """NEOX RoPE on x [n, H, D] over the first 2 * cos.shape[-1] dims (partial rotary)."""
+
+    def attend(self, q, k, v, pos0: int, session):
+        """Causal grouped-query attention of q [n, H, D] at positions pos0.. over k, v
+        [pos0 + n, KVH, D] -> [n, H, D] float32."""
+
+    def route(self, x, router, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k experts of each row in rank order and their weights (host arrays)."""
+
+    def moe(self, experts, layer: int, x, idx: np.ndarray, wts: np.ndarray):
+        """Σ_r wts[:, r] · expert idx[:, r] of x, in rank order, whichever store holds each."""
+
+    def swiglu(self, x, gate, up, down):
+        """down @ (silu(gate @ x) * (up @ x)) for each row of x (dense weights)."""
+
+    def sigmoid(self, x):
+        ...
+
+    def silu(self, x):
+        ...
+
+
+__all__ = ["LayerOps"]
