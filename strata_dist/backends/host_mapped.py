@@ -98,6 +98,11 @@ class BlobStreamer:
         halves = 2 if slots >= 2 else 1
         per = slots // halves
         compute_stream = cp.cuda.get_current_stream()
+        # the region's memory may have been read by kernels queued before this call (an earlier
+        # layer's batch): no copy into it starts before they are done
+        queued = cp.cuda.Event(disable_timing=True)
+        queued.record(compute_stream)
+        self.copy.wait_event(queued)
         free: list = [None] * halves        # the event after the last kernels reading each half
         for b, start in enumerate(range(0, len(experts), per)):
             batch, half = experts[start:start + per], b % halves
