@@ -312,7 +312,13 @@ class Launch:
                   f"{mib(alloc.get('weights', 0))} MiB (priced {mib(st.weights_bytes)}), session "
                   f"{mib(alloc.get('session', 0))} MiB (priced {mib(st.session_bytes)}), cache "
                   f"{st.cache_slots} slots {mib(alloc.get('cache', 0))} MiB in "
-                  f"{slot.ready.elapsed_ms:.0f} ms")
+                  f"{slot.ready.elapsed_ms:.0f} ms"
+                  + (f"; {mib(alloc['host_pinned'])} MiB of the experts it lacks pinned in host "
+                     f"memory" if alloc.get("host_pinned") else ""))
+        if alloc.get("host_pin_failed"):
+            self.echo(f"warning: rank {slot.rank} could not pin the experts its cache lacks in "
+                      f"host memory (memlock limit or host memory; its log says which): they are "
+                      f"read from the file")
         # The priced and the loaded layout come from one rule; a difference is a bug that would
         # make every plan silently wrong, so the launch stops on it.
         for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes),

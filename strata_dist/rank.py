@@ -202,6 +202,10 @@ class RankProcess:
             h.nbytes for h in (self.stage.tiers.helpers if self.stage else []))
         if ipc_bytes:
             allocated["handoff"] = ipc_bytes
+        if self.stage is not None and self.stage.tiers.pinned is not None:
+            allocated["host_pinned"] = self.stage.tiers.pinned.nbytes   # host memory, not device
+        if self.stage is not None and self.stage.pin_error:
+            allocated["host_pin_failed"] = 1
         if self.stage and self.stage.checkpoint_bound_bytes():
             # allocated on demand: the bound for one session (strata_dist/checkpoints.py)
             allocated["checkpoints"] = self.stage.checkpoint_bound_bytes()

@@ -60,8 +60,10 @@ class Stage:
                    for rank, ep, pairs, ipc in cfg.helpers]
         self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
                                  local_helper=cfg.local_helper)
+        self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         if os.environ.get("STRATA_HOST_MAPPED") == "1" and self.backend.name == "cupy":
-            self.tiers.pinned = _pin_missing(self.gguf, self.cache, cfg.lb, cfg.le, g.n_expert)
+            self.tiers.pinned, self.pin_error = _pin_missing(self.gguf, self.cache, cfg.lb,
+                                                             cfg.le, g.n_expert)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         # decode steps as one device graph when the cache holds every expert of the range (CuPy)
@@ -197,15 +199,16 @@ def _add_counts(counts: dict[str, int], store: CheckpointStore) -> dict[str, int
 
 def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int):
     """The blobs of the stage's layers its cache lacks, pinned in host memory: read in place by
-    the decode graph and streamed by DMA into a prompt's loan. Fail-soft: None (logged) when the
-    host will not pin them; the stage then reads its misses from the file."""
+    the decode graph and streamed by DMA into a prompt's loan; and why not, if not. Fail-soft:
+    (None, reason) when the host will not pin them (memlock limit, host memory); the stage then
+    reads its misses from the file."""
     from .backends.host_mapped import MappedHostBlobs
     missing = [(l, e) for l in range(lb, le) for e in range(n_expert) if not cache.holds(l, e)]
     if not missing:
-        return None
+        return None, ""
     try:
-        return MappedHostBlobs(gguf, missing)
-    except Exception as e:   # memlock limit, host memory
-        log.warning("the %d experts missing from the cache stay in the file: pinning them "
-                    "failed (%s)", len(missing), e)
-        return None
+        return MappedHostBlobs(gguf, missing), ""
+    except Exception as e:
+        reason = f"pinning the {len(missing)} experts the cache lacks failed: {e}"
+        log.warning("%s; they are read from the file", reason)
+        return None, reason
