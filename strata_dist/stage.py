@@ -63,7 +63,7 @@ class Stage:
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         if os.environ.get("STRATA_HOST_MAPPED") == "1" and self.backend.name == "cupy":
             self.tiers.pinned, self.pin_error = _pin_missing(self.gguf, self.cache, cfg.lb,
-                                                             cfg.le, g.n_expert)
+                                                             cfg.le, g.n_expert, cfg.loan_slots)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         # decode steps as one device graph when the cache holds every expert of the range (CuPy)
@@ -197,13 +197,15 @@ def _add_counts(counts: dict[str, int], store: CheckpointStore) -> dict[str, int
             "checkpoint_failed": counts["checkpoint_failed"] + store.failed}
 
 
-def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int):
+def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int, loan_slots: int):
     """The blobs of the stage's layers its cache lacks, pinned in host memory: read in place by
-    the decode graph and streamed by DMA into a prompt's loan; and why not, if not. Fail-soft:
+    the decode graph and streamed by DMA into a prompt's loan (with the pairs of the slots a prompt
+    borrows, which are missing while it runs); and why not, if not. Fail-soft:
     (None, reason) when the host will not pin them (memlock limit, host memory); the stage then
     reads its misses from the file."""
     from .backends.host_mapped import MappedHostBlobs
     missing = [(l, e) for l in range(lb, le) for e in range(n_expert) if not cache.holds(l, e)]
+    missing += cache.pairs[len(cache.pairs) - min(loan_slots, len(cache.pairs)):]
     if not missing:
         return None, ""
     try:
