@@ -238,7 +238,7 @@ def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch):
                              cache_pairs=[(l, e) for l in range(3) for e in range(0, 16, 2)],
                              loan_slots=6))
     assert part.decode_graph is not None and part.decode_graph.host_blobs is part.tiers.pinned
-    assert len(part.tiers.pinned.pairs) == 3 * 8 + 6     # the missing, and the 6 lent while prompting
+    assert len(part.tiers.pinned.pairs) == 3 * 8 + 6     # the missing, and the 6 lent
     prompt_logits = []
     for st in (full, part):       # the prompt: the misses streamed from the pinned copies
         st.begin_prompt()
