@@ -47,6 +47,28 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     assert not missing, missing
 
 
+# kernels allowed to use the stack (local memory), and how many bytes: the router's 4-row matvec
+# spills one 8-byte value
+STACK_ALLOWED = {"matvec_f32_4": 8}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", [p.name for p in sources()])
+def test_kernels_keep_their_values_in_registers(tmp_path, source):
+    """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
+    memory and costs a memory round trip per access), but for the ones allowed above."""
+    import re
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Xptxas", "-v",
+                           "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    stacks = dict(re.findall(r"Function properties for (\w+)\n\s+(\d+) bytes stack frame",
+                             done.stderr))
+    assert stacks, done.stderr[-2000:]
+    over = {k: int(v) for k, v in stacks.items() if int(v) > STACK_ALLOWED.get(k, 0)}
+    assert not over, over
+
+
 @needs_nvcc
 def test_argument_tables_match_the_structs(tmp_path):
     """A host program built from decode.cu prints its constants, the rows each matvec warp takes

@@ -25,28 +25,31 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 // k_norm), NEOX RoPE over the first `rot` dims at the row's position, then q back in place, or k
 // (and, when v != null, v) into the session's cache at that position. One warp. Reads through L2:
 // the values may have been written by other blocks of the same launch.
-template <bool Q8>
+// D: the head width, fully rotated (the decode graph takes 128-wide heads of qwen3moe only): a
+// compile-time width keeps a head's values in registers (a runtime one put them on the stack).
+template <bool Q8, int D>
 __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ k,
                                const float* __restrict__ v, const float* __restrict__ qn,
                                const float* __restrict__ kn, const u64* __restrict__ sess,
                                int layer_slot, int n_layers, const int* __restrict__ desc,
-                               int n_head, int n_kv, int D, int rot, float eps, int i, int head,
-                               int lane) {
+                               int n_head, int n_kv, float eps, int i, int head, int lane) {
     const int pos = desc[DESC_POS] + i;
     const bool is_q = head < n_head;
     const int hh = is_q ? head : head - n_head;
     const float* src = is_q ? q + ((i64)i * n_head + hh) * D : k + ((i64)i * n_kv + hh) * D;
     const float* nw = is_q ? qn : kn;
-    float vals[8];
-    const int per = D >> 5;
+    constexpr int per = D >> 5, half = D >> 1, hj = half >> 5;
+    float vals[per];
     float ss = 0.f;
+    #pragma unroll
     for (int j = 0; j < per; ++j) { vals[j] = __ldcg(src + lane + 32 * j); ss += vals[j] * vals[j]; }
     ss = warp_sum(ss);
     const float inv = rsqrtf(ss / (float)D + eps);
+    #pragma unroll
     for (int j = 0; j < per; ++j) vals[j] = vals[j] * inv * nw[lane + 32 * j];
-    const int half = rot >> 1, hj = half >> 5;
     const float* cosT = reinterpret_cast<const float*>(sess[2 * n_layers]) + (i64)pos * half;
     const float* sinT = reinterpret_cast<const float*>(sess[2 * n_layers + 1]) + (i64)pos * half;
+    #pragma unroll
     for (int j = 0; j < hj; ++j) {
         const int d = lane + 32 * j;
         const float c = cosT[d], s = sinT[d], x1 = vals[j], x2 = vals[j + hj];
@@ -55,9 +58,11 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
     }
     if (is_q) {
         float* dst = q + ((i64)i * n_head + hh) * D;
+        #pragma unroll
         for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
     } else if constexpr (!Q8) {
         __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + ((i64)pos * n_kv + hh) * D;
+        #pragma unroll
         for (int j = 0; j < per; ++j) kc[lane + 32 * j] = __float2half(vals[j]);
         if (v != nullptr) {
             __half* vc = reinterpret_cast<__half*>(sess[2 * layer_slot + 1]) + ((i64)pos * n_kv + hh) * D;
@@ -68,6 +73,7 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
         const i64 at = (i64)pos * n_kv + hh;
         signed char* kc = reinterpret_cast<signed char*>(sess[2 * layer_slot]) + at * D;
         __half* ks = reinterpret_cast<__half*>(K_SCALES(sess, n_layers, layer_slot)) + at * (D >> 5);
+        #pragma unroll
         for (int j = 0; j < per; ++j) store_q8_block(vals[j], lane, kc + 32 * j, ks + j);
         if (v != nullptr) {
             signed char* vc = reinterpret_cast<signed char*>(sess[2 * layer_slot + 1]) + at * D;
@@ -100,6 +106,8 @@ struct QkvSpec {
 
 // Per head of each row: norm_rope_head (q back in place, k and v into the cache). One warp per
 // (head, row).
+// D and rot stay in the arguments the runner passes; the kernels are built for 128-wide, fully
+// rotated heads (backends/cuda_decode.py takes no other geometry).
 #define QK_NORM_ROPE_KV(suffix, Q8)                                                               \
     extern "C" __global__ void qk_norm_rope_kv##suffix(                                           \
             float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,      \
@@ -107,8 +115,8 @@ struct QkvSpec {
             const u64* __restrict__ sess, int layer_slot, int n_layers,                          \
             const int* __restrict__ desc, int n_head, int n_kv, int D, int rot, float eps) {      \
         pdl_entry();                                                                             \
-        norm_rope_head<Q8>(q, k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, D,   \
-                           rot, eps, blockIdx.y, blockIdx.x, threadIdx.x);                       \
+        norm_rope_head<Q8, 128>(q, k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, \
+                                eps, blockIdx.y, blockIdx.x, threadIdx.x);                       \
     }
 QK_NORM_ROPE_KV(, false)
 QK_NORM_ROPE_KV(_q8, true)

@@ -115,9 +115,9 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
     __threadfence();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < n)                                       // one warp per row
-        norm_rope_head<false>(p.q, p.k, nullptr, p.q_norm, p.k_norm, p.sess, p.layer_slot, p.n_layers,
-                       p.desc, p.n_head, p.n_kv, p.D, p.rot, p.eps, warp,
-                       is_q ? head : p.n_head + head, lane);
+        norm_rope_head<false, 128>(p.q, p.k, nullptr, p.q_norm, p.k_norm, p.sess, p.layer_slot,
+                                   p.n_layers, p.desc, p.n_head, p.n_kv, p.eps, warp,
+                                   is_q ? head : p.n_head + head, lane);
     if (threadIdx.x == 0) *mine = 0u;
 }
 
