@@ -275,24 +275,7 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
     float2 acc[MAX_G];
     #pragma unroll
     for (int g = 0; g < MAX_G; ++g) acc[g] = make_float2(0.f, 0.f);
-    #pragma unroll
-    for (int m = 0; m < V_AHEAD; ++m) {       // the keys whose V is already in registers
-        const int c = kq + KQ * m;
-        if (c < count) {
-            const float2 v = v_floats(v_ahead[m]);
-            #pragma unroll
-            for (int g = 0; g < MAX_G; ++g) {
-                if (g < G) {
-                    const float p = ps[g * ATTN_CHUNK + c];
-                    acc[g].x += p * v.x;
-                    acc[g].y += p * v.y;
-                }
-            }
-        }
-    }
-    #pragma unroll 4
-    for (int c = kq + KQ * V_AHEAD; c < count; c += KQ) {
-        const float2 v = v_floats(load_v(c));
+    auto add_v = [&](int c, float2 v) {      // key c's weight times its V, for every head
         #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
             if (g < G) {
@@ -301,7 +284,14 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
                 acc[g].y += p * v.y;
             }
         }
+    };
+    #pragma unroll
+    for (int m = 0; m < V_AHEAD; ++m) {       // the keys whose V is already in registers
+        const int c = kq + KQ * m;
+        if (c < count) add_v(c, v_floats(v_ahead[m]));
     }
+    #pragma unroll 4
+    for (int c = kq + KQ * V_AHEAD; c < count; c += KQ) add_v(c, v_floats(load_v(c)));
     __syncthreads();                                     // qs and ps are read for the last time
     float2* red = reinterpret_cast<float2*>(smem);       // [KQ - 1][MAX_G][PAIRS]
     if (kq > 0) {

@@ -51,117 +51,7 @@ __device__ __forceinline__ void stage_weights(float (*ws)[TILE_N], const u8* __r
     for (int j = 0; j < 8; ++j) ws[8 * q + j][n] = w[j];
 }
 
-// act[p, f] = silu(gate_f . x_row(p)) * (up_f . x_row(p)) for the pairs p of each work item.
-// Grid (items, ceil(n_ff / TILE_N)), 256 threads. rows[p]: the input row of sorted pair p.
-template <int T>
-__device__ __forceinline__ void gate_up_rows(const u64* __restrict__ blobs,
-                                             const RowsItem* __restrict__ items,
-                                             const int* __restrict__ rows,
-                                             const float* __restrict__ x, int n_embd, i64 up_at,
-                                             i64 gate_row_bytes, i64 up_row_bytes, int n_ff,
-                                             float* __restrict__ act) {
-    __shared__ __align__(16) float xs[TILE_K][TILE_M];
-    __shared__ __align__(16) float gs[TILE_K][TILE_N];
-    __shared__ __align__(16) float us[TILE_K][TILE_N];
-    const RowsItem it = items[blockIdx.x];
-    const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
-    const int f0 = blockIdx.y * TILE_N, t = threadIdx.x;
-    const int* my_rows = rows + it.start;
-    float g[2][4], u[2][4];
-    #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) { g[a][b] = 0.f; u[a][b] = 0.f; }
-    }
-    for (int k0 = 0; k0 < n_embd; k0 += TILE_K) {
-        stage_rows(xs, x, n_embd, my_rows, it.count, k0);
-        stage_weights<T>(gs, blob, gate_row_bytes, f0, n_ff, k0);
-        stage_weights<T>(us, blob + up_at, up_row_bytes, f0, n_ff, k0);
-        __syncthreads();
-        #pragma unroll 8
-        for (int kk = 0; kk < TILE_K; ++kk) {
-            const float2 xv = *reinterpret_cast<const float2*>(&xs[kk][OWN_M(t)]);
-            const float4 gv = *reinterpret_cast<const float4*>(&gs[kk][OWN_N(t)]);
-            const float4 uv = *reinterpret_cast<const float4*>(&us[kk][OWN_N(t)]);
-            const float xa[2] = {xv.x, xv.y}, gw[4] = {gv.x, gv.y, gv.z, gv.w},
-                        uw[4] = {uv.x, uv.y, uv.z, uv.w};
-            #pragma unroll
-            for (int a = 0; a < 2; ++a) {
-                #pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    g[a][b] = fmaf(gw[b], xa[a], g[a][b]);
-                    u[a][b] = fmaf(uw[b], xa[a], u[a][b]);
-                }
-            }
-        }
-        __syncthreads();
-    }
-    #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-        const int m = OWN_M(t) + a;
-        if (m >= it.count) continue;
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            const int f = f0 + OWN_N(t) + b;
-            if (f < n_ff)
-                act[(i64)(it.start + m) * n_ff + f] = g[a][b] / (1.f + expf(-g[a][b])) * u[a][b];
-        }
-    }
-}
-
-// y[dest[p], o] = down_o . act[p] for the pairs p of each work item (dest: row * k + rank of the
-// unsorted output). Grid (items, ceil(n_embd / TILE_N)), 256 threads.
-template <int T>
-__device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
-                                          const RowsItem* __restrict__ items,
-                                          const int* __restrict__ dest,
-                                          const float* __restrict__ act, int n_ff, i64 down_at,
-                                          i64 down_row_bytes, int n_embd, float* __restrict__ y) {
-    __shared__ __align__(16) float xs[TILE_K][TILE_M];
-    __shared__ __align__(16) float ws[TILE_K][TILE_N];
-    __shared__ int own_rows[TILE_M];
-    const RowsItem it = items[blockIdx.x];
-    const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]) + down_at;
-    const int o0 = blockIdx.y * TILE_N, t = threadIdx.x;
-    if (t < TILE_M) own_rows[t] = it.start + t;          // act rows are the sorted pairs
-    __syncthreads();
-    float acc[2][4];
-    #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) acc[a][b] = 0.f;
-    }
-    for (int k0 = 0; k0 < n_ff; k0 += TILE_K) {
-        stage_rows(xs, act, n_ff, own_rows, it.count, k0);
-        stage_weights<T>(ws, blob, down_row_bytes, o0, n_embd, k0);
-        __syncthreads();
-        #pragma unroll 8
-        for (int kk = 0; kk < TILE_K; ++kk) {
-            const float2 xv = *reinterpret_cast<const float2*>(&xs[kk][OWN_M(t)]);
-            const float4 wv = *reinterpret_cast<const float4*>(&ws[kk][OWN_N(t)]);
-            const float xa[2] = {xv.x, xv.y}, w[4] = {wv.x, wv.y, wv.z, wv.w};
-            #pragma unroll
-            for (int a = 0; a < 2; ++a) {
-                #pragma unroll
-                for (int b = 0; b < 4; ++b) acc[a][b] = fmaf(w[b], xa[a], acc[a][b]);
-            }
-        }
-        __syncthreads();
-    }
-    #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-        const int m = OWN_M(t) + a;
-        if (m >= it.count) continue;
-        const i64 at = (i64)dest[it.start + m] * n_embd;
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            const int o = o0 + OWN_N(t) + b;
-            if (o < n_embd) y[at + o] = acc[a][b];
-        }
-    }
-}
-
-// ---- the same on tensor cores ------------------------------------------------------------------
+// ---- staging and fragments of the tensor-core build -------------------------------------------
 // mma.sync m16n8k16 (f16 inputs, f32 accumulation): the input rows and the decoded weights are
 // rounded to f16 in shared memory (as cuBLAS's f16 products round them), each output accumulated
 // k16 step after k16 step in column order, so a pair's bits still do not depend on its neighbours.
@@ -214,124 +104,160 @@ __device__ __forceinline__ void load_b(u32& b0, u32& b1, __half (*ws)[MMA_LD], i
     b1 = *reinterpret_cast<const u32*>(&ws[n0 + g][kk + 8 + 2 * t]);
 }
 
-template <int T>
-__device__ __forceinline__ void gate_up_rows_mma(const u64* __restrict__ blobs,
-                                                 const RowsItem* __restrict__ items,
-                                                 const int* __restrict__ rows,
-                                                 const float* __restrict__ x, int n_embd,
-                                                 i64 up_at, i64 gate_row_bytes, i64 up_row_bytes,
-                                                 int n_ff, float* __restrict__ act) {
-    __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
-    __shared__ __align__(16) __half gs[TILE_N][MMA_LD];
-    __shared__ __align__(16) __half us[TILE_N][MMA_LD];
+// ---- one tile ----------------------------------------------------------------------------------
+// Where this thread's output acc[i][r] lies in the 32 x 64 tile: pair m, output n.
+template <bool MMA>
+__device__ __forceinline__ void tile_coord(int i, int r, int& m, int& n) {
+    const int t = threadIdx.x;
+    if constexpr (MMA) {                     // the C fragment of n8 tile i of the warp's 16 x 16
+        const int warp = t >> 5, g = (t & 31) >> 2, q = t & 3;
+        m = 16 * (warp & 1) + g + 8 * (r >> 1);
+        n = 16 * (warp >> 1) + 8 * i + 2 * q + (r & 1);
+    } else {
+        m = OWN_M(t) + i;
+        n = OWN_N(t) + r;
+    }
+}
+
+// acc[mat][i][r] += the item's input rows (x rows `rows`, `count` of them, K columns) times rows
+// out0.. of each of the NMAT weight matrices (bases[mat], row_bytes[mat] a row; rows past `nrows`
+// repeat the last). NMAT = 2: gate and up share the staged input rows.
+template <int T, int NMAT, bool MMA>
+__device__ __forceinline__ void tile_products(float (&acc)[NMAT][2][4], const float* __restrict__ x,
+                                              int K, const int* __restrict__ rows, int count,
+                                              const u8* const (&bases)[NMAT],
+                                              const i64 (&row_bytes)[NMAT], int out0, int nrows) {
+    if constexpr (MMA) {
+        __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
+        __shared__ __align__(16) __half ws[NMAT][TILE_N][MMA_LD];
+        const int warp = threadIdx.x >> 5, m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
+        for (int k0 = 0; k0 < K; k0 += TILE_K) {
+            stage_rows_h(xs, x, K, rows, count, k0);
+            #pragma unroll
+            for (int mat = 0; mat < NMAT; ++mat)
+                stage_weights_h<T>(ws[mat], bases[mat], row_bytes[mat], out0, nrows, k0);
+            __syncthreads();
+            #pragma unroll
+            for (int kk = 0; kk < TILE_K; kk += 16) {
+                u32 a[4];
+                load_a(a, xs, m0, kk);
+                #pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    #pragma unroll
+                    for (int mat = 0; mat < NMAT; ++mat) {
+                        u32 b0, b1;
+                        load_b(b0, b1, ws[mat], n0 + 8 * i, kk);
+                        mma_16816(acc[mat][i], a, b0, b1);
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    } else {
+        __shared__ __align__(16) float xs[TILE_K][TILE_M];
+        __shared__ __align__(16) float ws[NMAT][TILE_K][TILE_N];
+        const int t = threadIdx.x;
+        for (int k0 = 0; k0 < K; k0 += TILE_K) {
+            stage_rows(xs, x, K, rows, count, k0);
+            #pragma unroll
+            for (int mat = 0; mat < NMAT; ++mat)
+                stage_weights<T>(ws[mat], bases[mat], row_bytes[mat], out0, nrows, k0);
+            __syncthreads();
+            #pragma unroll 8
+            for (int kk = 0; kk < TILE_K; ++kk) {
+                const float2 xv = *reinterpret_cast<const float2*>(&xs[kk][OWN_M(t)]);
+                const float xa[2] = {xv.x, xv.y};
+                #pragma unroll
+                for (int mat = 0; mat < NMAT; ++mat) {
+                    const float4 wv = *reinterpret_cast<const float4*>(&ws[mat][kk][OWN_N(t)]);
+                    const float w[4] = {wv.x, wv.y, wv.z, wv.w};
+                    #pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        #pragma unroll
+                        for (int r = 0; r < 4; ++r)
+                            acc[mat][i][r] = fmaf(w[r], xa[i], acc[mat][i][r]);
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// ---- the two launches of a layer --------------------------------------------------------------
+// act[p, f] = silu(gate_f . x_row(p)) * (up_f . x_row(p)) for the pairs p of each work item.
+// Grid (items, ceil(n_ff / TILE_N)), 256 threads. rows[p]: the input row of sorted pair p.
+template <int T, bool MMA>
+__device__ __forceinline__ void gate_up_rows(const u64* __restrict__ blobs,
+                                             const RowsItem* __restrict__ items,
+                                             const int* __restrict__ rows,
+                                             const float* __restrict__ x, int n_embd, i64 up_at,
+                                             i64 gate_row_bytes, i64 up_row_bytes, int n_ff,
+                                             float* __restrict__ act) {
     const RowsItem it = items[blockIdx.x];
     const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
-    const int f0 = blockIdx.y * TILE_N, warp = threadIdx.x >> 5;
-    const int m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
-    const int* my_rows = rows + it.start;
-    float g[2][4] = {}, u[2][4] = {};
-    for (int k0 = 0; k0 < n_embd; k0 += TILE_K) {
-        stage_rows_h(xs, x, n_embd, my_rows, it.count, k0);
-        stage_weights_h<T>(gs, blob, gate_row_bytes, f0, n_ff, k0);
-        stage_weights_h<T>(us, blob + up_at, up_row_bytes, f0, n_ff, k0);
-        __syncthreads();
-        #pragma unroll
-        for (int kk = 0; kk < TILE_K; kk += 16) {
-            u32 a[4];
-            load_a(a, xs, m0, kk);
-            #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                u32 b0, b1;
-                load_b(b0, b1, gs, n0 + 8 * j, kk);
-                mma_16816(g[j], a, b0, b1);
-                load_b(b0, b1, us, n0 + 8 * j, kk);
-                mma_16816(u[j], a, b0, b1);
-            }
-        }
-        __syncthreads();
-    }
-    const int gi = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int f0 = blockIdx.y * TILE_N;
+    const u8* const bases[2] = {blob, blob + up_at};
+    const i64 row_bytes[2] = {gate_row_bytes, up_row_bytes};
+    float acc[2][2][4] = {};                 // [gate | up][i][r]
+    tile_products<T, 2, MMA>(acc, x, n_embd, rows + it.start, it.count, bases, row_bytes, f0, n_ff);
     #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int i = 0; i < 2; ++i) {
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int m = m0 + gi + 8 * (r >> 1), f = f0 + n0 + 8 * j + 2 * t + (r & 1);
+            int m, n;
+            tile_coord<MMA>(i, r, m, n);
+            const int f = f0 + n;
+            const float g = acc[0][i][r], u = acc[1][i][r];
             if (m < it.count && f < n_ff)
-                act[(i64)(it.start + m) * n_ff + f] = g[j][r] / (1.f + expf(-g[j][r])) * u[j][r];
+                act[(i64)(it.start + m) * n_ff + f] = g / (1.f + expf(-g)) * u;
         }
     }
 }
 
-template <int T>
-__device__ __forceinline__ void down_rows_mma(const u64* __restrict__ blobs,
-                                              const RowsItem* __restrict__ items,
-                                              const int* __restrict__ dest,
-                                              const float* __restrict__ act, int n_ff, i64 down_at,
-                                              i64 down_row_bytes, int n_embd,
-                                              float* __restrict__ y) {
-    __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
-    __shared__ __align__(16) __half ws[TILE_N][MMA_LD];
+// y[dest[p], o] = down_o . act[p] for the pairs p of each work item (dest: row * k + rank of the
+// unsorted output). Grid (items, ceil(n_embd / TILE_N)), 256 threads.
+template <int T, bool MMA>
+__device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
+                                          const RowsItem* __restrict__ items,
+                                          const int* __restrict__ dest,
+                                          const float* __restrict__ act, int n_ff, i64 down_at,
+                                          i64 down_row_bytes, int n_embd, float* __restrict__ y) {
     __shared__ int own_rows[TILE_M];
     const RowsItem it = items[blockIdx.x];
-    const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]) + down_at;
-    const int o0 = blockIdx.y * TILE_N, warp = threadIdx.x >> 5;
-    const int m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
-    if (threadIdx.x < TILE_M) own_rows[threadIdx.x] = it.start + threadIdx.x;
+    const u8* const bases[1] = {reinterpret_cast<const u8*>(blobs[it.blob]) + down_at};
+    const i64 row_bytes[1] = {down_row_bytes};
+    const int o0 = blockIdx.y * TILE_N;
+    if (threadIdx.x < TILE_M) own_rows[threadIdx.x] = it.start + threadIdx.x;   // sorted pairs
     __syncthreads();
-    float acc[2][4] = {};
-    for (int k0 = 0; k0 < n_ff; k0 += TILE_K) {
-        stage_rows_h(xs, act, n_ff, own_rows, it.count, k0);
-        stage_weights_h<T>(ws, blob, down_row_bytes, o0, n_embd, k0);
-        __syncthreads();
-        #pragma unroll
-        for (int kk = 0; kk < TILE_K; kk += 16) {
-            u32 a[4];
-            load_a(a, xs, m0, kk);
-            #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                u32 b0, b1;
-                load_b(b0, b1, ws, n0 + 8 * j, kk);
-                mma_16816(acc[j], a, b0, b1);
-            }
-        }
-        __syncthreads();
-    }
-    const int gi = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    float acc[1][2][4] = {};
+    tile_products<T, 1, MMA>(acc, act, n_ff, own_rows, it.count, bases, row_bytes, o0, n_embd);
     #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int i = 0; i < 2; ++i) {
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int m = m0 + gi + 8 * (r >> 1), o = o0 + n0 + 8 * j + 2 * t + (r & 1);
-            if (m < it.count && o < n_embd) y[(i64)dest[it.start + m] * n_embd + o] = acc[j][r];
+            int m, n;
+            tile_coord<MMA>(i, r, m, n);
+            const int o = o0 + n;
+            if (m < it.count && o < n_embd) y[(i64)dest[it.start + m] * n_embd + o] = acc[0][i][r];
         }
     }
 }
 
-#define ROWS_KERNELS(name, T)                                                                     \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_##name(          \
+#define ROWS_KERNEL_PAIR(name, T, suffix, MMA)                                                    \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows##suffix##name(   \
             const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
             const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,    \
             i64 gate_row_bytes, i64 up_row_bytes, int n_ff, float* __restrict__ act) {           \
-        gate_up_rows<T>(blobs, items, rows, x, n_embd, up_at, gate_row_bytes, up_row_bytes,      \
-                        n_ff, act);                                                              \
+        gate_up_rows<T, MMA>(blobs, items, rows, x, n_embd, up_at, gate_row_bytes, up_row_bytes, \
+                             n_ff, act);                                                         \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_##name(             \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows##suffix##name(      \
             const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
             const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,  \
             i64 down_row_bytes, int n_embd, float* __restrict__ y) {                             \
-        down_rows<T>(blobs, items, dest, act, n_ff, down_at, down_row_bytes, n_embd, y);         \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_mma_##name(      \
-            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
-            const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,    \
-            i64 gate_row_bytes, i64 up_row_bytes, int n_ff, float* __restrict__ act) {           \
-        gate_up_rows_mma<T>(blobs, items, rows, x, n_embd, up_at, gate_row_bytes, up_row_bytes,  \
-                            n_ff, act);                                                          \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_mma_##name(         \
-            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
-            const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,  \
-            i64 down_row_bytes, int n_embd, float* __restrict__ y) {                             \
-        down_rows_mma<T>(blobs, items, dest, act, n_ff, down_at, down_row_bytes, n_embd, y);     \
+        down_rows<T, MMA>(blobs, items, dest, act, n_ff, down_at, down_row_bytes, n_embd, y);    \
     }
+#define ROWS_KERNELS(name, T) \
+    ROWS_KERNEL_PAIR(name, T, _, false) ROWS_KERNEL_PAIR(name, T, _mma_, true)
 FOR_EACH_TYPE(ROWS_KERNELS)
