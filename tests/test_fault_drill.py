@@ -31,6 +31,25 @@ def _until(s, prefix, timeout):
             return seen
 
 
+def _kill_during_generation(s, rng):
+    """A long generation, SIGKILL of one of the 3 ranks at a random point of it, and the ERR that
+    must follow within 30 s: (the rank PIDs before, the victim, the ERR line)."""
+    pids = rank_pids(s)
+    assert len(pids) == 3, pids
+    s.send(f"GEN 1500 {' '.join(map(str, PROMPT))}")
+    _until(s, "T ", 30)                              # generation is under way
+    for _ in range(rng.randrange(0, 40)):            # a random point of it
+        line = s.next_line(30)
+        if line.startswith(("DONE", "ERR")):
+            break
+    victim = rng.choice(pids)
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    err = _until(s, "ERR", 30)[-1]
+    assert time.monotonic() - t0 < 30
+    return pids, victim, err
+
+
 @pytest.mark.slow
 def test_twenty_kills_twenty_errors_and_the_same_tokens_after_each(model):
     rng = random.Random(7)
@@ -41,20 +60,7 @@ def test_twenty_kills_twenty_errors_and_the_same_tokens_after_each(model):
         assert before["err"] is None and len(before["tokens"]) == 24
         errors = 0
         for i in range(KILLS):
-            pids = rank_pids(s)
-            assert len(pids) == 3, pids
-            s.send(f"GEN 1500 {' '.join(map(str, PROMPT))}")
-            _until(s, "T ", 30)                              # generation is under way
-            for _ in range(rng.randrange(0, 40)):            # a random point of it
-                line = s.next_line(30)
-                if line.startswith(("DONE", "ERR")):
-                    break
-            victim = rng.choice(pids)
-            t0 = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-            lines = _until(s, "ERR", 30)
-            assert time.monotonic() - t0 < 30
-            err = lines[-1]
+            pids, victim, err = _kill_during_generation(s, rng)
             assert "rank" in err and ("killed" in err or "exited" in err or "nothing" in err), err
             errors += 1
             _until(s, "READY", 60)                           # the service is back
@@ -80,19 +86,7 @@ def test_rejoin_twenty_kills_only_the_victim_is_replaced(model):
         assert before["err"] is None and len(before["tokens"]) == 24
         errors = 0
         for i in range(KILLS):
-            pids = rank_pids(s)
-            assert len(pids) == 3, pids
-            s.send(f"GEN 1500 {' '.join(map(str, PROMPT))}")
-            _until(s, "T ", 30)                              # generation is under way
-            for _ in range(rng.randrange(0, 40)):            # a random point of it
-                line = s.next_line(30)
-                if line.startswith(("DONE", "ERR")):
-                    break
-            victim = rng.choice(pids)
-            t0 = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-            err = _until(s, "ERR", 30)[-1]
-            assert time.monotonic() - t0 < 30
+            pids, victim, err = _kill_during_generation(s, rng)
             assert "rank" in err and "killed" in err and "replacement" in err, err
             errors += 1
             after = s.gen(PROMPT, 24)                        # waits for the replacement

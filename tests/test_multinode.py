@@ -105,6 +105,22 @@ def stop(*procs) -> None:
             p.kill()
 
 
+def fault_mid_generation(h, fault):
+    """A long generation; once its tokens flow, `fault()`; then the first line that is not a
+    token. Returns (the lines before the first token, that line, seconds from the fault to it,
+    what `fault` returned)."""
+    h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
+    before = []
+    while not (line := h.next_line(30)).startswith("T"):
+        before.append(line)
+    t0 = time.monotonic()
+    result = fault()
+    line = h.next_line(30)
+    while line.startswith("T"):
+        line = h.next_line(30)
+    return before, line, time.monotonic() - t0, result
+
+
 def test_two_hosts_over_tcp_then_a_kill_and_a_cut_cable(lab, files, baseline):
     h = head(lab, files)
     a = rank(lab, files, "a", "--reconnect")
@@ -120,17 +136,10 @@ def test_two_hosts_over_tcp_then_a_kill_and_a_cut_cable(lab, files, baseline):
         assert stats[0]["handoff_ipc"] == "0" and int(stats[0]["handoff_frames"]) > 0
 
         # a rank killed mid-generation: ERR within the heartbeat timeout, the head stops
-        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
-        assert h.next_line(30).startswith("RESUME")
-        while not h.next_line(30).startswith("T"):
-            pass
-        t0 = time.monotonic()
-        b.kill()
-        line = h.next_line(30)
-        while line.startswith("T"):
-            line = h.next_line(30)
+        before, line, took, _ = fault_mid_generation(h, b.kill)
+        assert before and before[0].startswith("RESUME"), before
         assert line.startswith("ERR") and "rank 1" in line, line
-        assert time.monotonic() - t0 < HEARTBEAT_S + 5
+        assert took < HEARTBEAT_S + 5
         assert finish(h.proc) == 1
 
         # the unit restarts the head and the killed rank; the survivor registers again by itself
@@ -141,16 +150,9 @@ def test_two_hosts_over_tcp_then_a_kill_and_a_cut_cable(lab, files, baseline):
         assert h.gen(PROMPT, 24)["tokens"] == baseline
 
         # b's cable is pulled mid-generation: ERR within the heartbeat timeout
-        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
-        while not h.next_line(30).startswith("T"):
-            pass
-        t0 = time.monotonic()
-        lab.link("b", up=False)
-        line = h.next_line(30)
-        while line.startswith("T"):
-            line = h.next_line(30)
+        _, line, took, _ = fault_mid_generation(h, lambda: lab.link("b", up=False))
         assert line.startswith("ERR") and "rank 1" in line, line
-        assert time.monotonic() - t0 < HEARTBEAT_S + 5
+        assert took < HEARTBEAT_S + 5
         assert finish(h.proc) == 1
         lab.link("b", up=True)
         # the cable is back and the head restarted: both ranks find it again
@@ -177,16 +179,9 @@ def test_a_rank_started_again_by_hand_rejoins_and_the_other_keeps_running(lab, f
     try:
         h.wait_ready(60)
         assert h.gen(PROMPT, 24)["tokens"] == baseline
-        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
-        while not h.next_line(30).startswith("T"):
-            pass
-        t0 = time.monotonic()
-        b.kill()
-        line = h.next_line(30)
-        while line.startswith("T"):
-            line = h.next_line(30)
+        _, line, took, _ = fault_mid_generation(h, b.kill)
         assert line.startswith("ERR") and "rank 1" in line and "replacement" in line, line
-        assert time.monotonic() - t0 < HEARTBEAT_S + 5
+        assert took < HEARTBEAT_S + 5
         assert h.proc.poll() is None                     # the head serves on
         wrong = rank(lab, files, "a", "--rank", "1")
         assert finish(wrong) != 0
@@ -214,14 +209,10 @@ def test_rejoin_when_units_restart_fast_the_first_stage_twice_and_a_stopped_rank
         h.wait_ready(60)
         assert h.gen(PROMPT, 24)["tokens"] == baseline
         # a fast restart with a request in flight
-        h.send(f"GEN 400 {' '.join(map(str, PROMPT))}")
-        while not h.next_line(30).startswith("T"):
-            pass
-        b.kill()
-        b = rank(lab, files, "b", "--rank", "1", "--reconnect")
-        line = h.next_line(30)
-        while line.startswith("T"):
-            line = h.next_line(30)
+        def restart_b():
+            b.kill()
+            return rank(lab, files, "b", "--rank", "1", "--reconnect")
+        _, line, _, b = fault_mid_generation(h, restart_b)
         assert line.startswith("ERR") and "rank 1" in line and "started again" in line, line
         assert h.gen(PROMPT, 24)["tokens"] == baseline
         # a request sent to a dead rank not yet noticed: the first stage reads it and waits to
