@@ -102,11 +102,12 @@ def test_row_kernels_match_numpy_and_ignore_the_grouping(gate_up, down, mma):
     experts, with counts around the work item's 32, against float64 numpy (the tensor-core build
     rounds rows and weights to f16); and every pair's bits the same when its expert is computed
     alone or the pair alone (the tier or grouping never shows)."""
-    from strata_dist.backends.expert_rows import LayerExperts, RowsKernels
+    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.kernels.abi import ExpertLayout
     ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down))
     g_bytes, u_bytes, d_bytes = ex.layout
-    spec = LayerExperts(int(gate_up), int(down), g_bytes, g_bytes + u_bytes, g_bytes // N_FF,
-                        u_bytes // N_FF, d_bytes // N_EMBD, N_FF, N_EMBD, 16)
+    spec = ExpertLayout(int(gate_up), int(gate_up), int(down), g_bytes, g_bytes + u_bytes,
+                        g_bytes // N_FF, u_bytes // N_FF, d_bytes // N_EMBD, N_FF, N_EMBD, 16)
     kernels = RowsKernels(0, mma=mma)
     tol = 5e-3 if mma else 1e-4
     rng = np.random.default_rng(8)

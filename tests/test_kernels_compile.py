@@ -218,3 +218,23 @@ def test_programmatic_launch_structs_match_cuda_h(tmp_path):
     assert int(got["cfg"]) == ctypes.sizeof(pdl._Config)
     for f in cfg_fields:
         assert int(got[f]) == getattr(pdl._Config, f).offset, f
+
+
+def test_expert_layout_of_a_file_and_a_refusal(tmp_path, monkeypatch):
+    """kernels/abi.py expert_layout (what the decode graph and the row kernels read blobs by):
+    the parts of a Q8_0 file's blob add up to GGUFModel.blob_bytes, and a type no kernel reads
+    is refused naming the tensor."""
+    from gguf import GGMLQuantizationType as QT
+
+    from hf_fixtures import tiny_qwen3moe, write_gguf
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.kernels.abi import ExpertLayout, KERNEL_TYPES, expert_layout
+    g = GGUFModel(write_gguf(tiny_qwen3moe(5, head_dim=32), tmp_path / "q8.gguf", "q8_0"))
+    lay = expert_layout(g, 1)
+    assert isinstance(lay, ExpertLayout) and lay.gate_type == lay.up_type == int(QT.Q8_0)
+    assert lay.n_embd == 64 and lay.n_ff == 32 and lay.align == KERNEL_TYPES[int(QT.Q8_0)]
+    assert lay.down_at + lay.down_row_bytes * lay.n_embd == g.blob_bytes(1)
+    assert lay.up_at == lay.gate_row_bytes * lay.n_ff
+    monkeypatch.delitem(KERNEL_TYPES, int(QT.Q8_0))
+    with pytest.raises(ValueError, match="ffn_gate_exps.weight: type Q8_0 is not readable"):
+        expert_layout(g, 1)

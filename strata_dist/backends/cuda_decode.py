@@ -29,7 +29,7 @@ import cupyx
 from ..kernels import function
 from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32,
                            KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
-                           KernelShape, matvec_kernel, rows_per_block)
+                           KernelShape, expert_layout, matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -345,30 +345,18 @@ class DecodeGraph:
         return names
 
     def _expert_spec(self, layer: int) -> dict:
-        g, gguf = self.g, self.model.gguf
-        parts = gguf.expert_parts(layer)           # gate, up, down as stored
-        types = [int(t.ggml_type) for t in parts]
-        per = [t.n_bytes // t.shape[0] for t in parts]
-        rows = [t.shape[1] for t in parts]
-        for t, ty, size, r in zip(parts, types, per, rows):
-            align = KERNEL_TYPES.get(ty)
-            if align is None or size % align or (size // r) % align:
-                raise Unsupported(f"{t.name}: type {t.ggml_type.name} is not readable by the "
-                                  f"expert kernels")
-        if types[0] != types[1]:
-            raise Unsupported(f"{parts[0].name} and {parts[1].name} are stored in different types "
-                              f"(the expert kernel reads gate and up rows as one type)")
-        align = max(KERNEL_TYPES[t] for t in types)
-        if (self.arena.offsets % align).any():
+        g = self.g
+        try:
+            lay = expert_layout(self.model.gguf, layer)
+        except ValueError as e:
+            raise Unsupported(str(e)) from None
+        if (self.arena.offsets % lay.align).any():
             raise Unsupported("cache slots are not aligned for the expert kernels")
-        if per[0] % KERNEL_TYPES[types[1]] or (per[0] + per[1]) % KERNEL_TYPES[types[2]]:
-            raise Unsupported(f"blk.{layer}: the up or down part of an expert blob is not aligned "
-                              f"for its type")
         return dict(blob_of=int(self.blob_of.data.ptr) + 8 * layer * g.n_expert,
-                    up_at=per[0], down_at=per[0] + per[1], gate_row_bytes=per[0] // rows[0],
-                    up_row_bytes=per[1] // rows[1], down_row_bytes=per[2] // rows[2],
-                    gate_type=types[0], up_type=types[1], down_type=types[2], n_ff=g.n_ff_exp,
-                    n_embd=g.n_embd, k=g.n_expert_used)
+                    up_at=lay.up_at, down_at=lay.down_at, gate_row_bytes=lay.gate_row_bytes,
+                    up_row_bytes=lay.up_row_bytes, down_row_bytes=lay.down_row_bytes,
+                    gate_type=lay.gate_type, up_type=lay.up_type, down_type=lay.down_type,
+                    n_ff=g.n_ff_exp, n_embd=g.n_embd, k=g.n_expert_used)
 
     # ---- the step -------------------------------------------------------------------------------
     def _launch(self, name: str):

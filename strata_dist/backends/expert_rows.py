@@ -11,58 +11,33 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import cupy as cp
 
 from ..kernels import function
-from ..kernels.abi import KERNEL_TYPES, TYPE_NAMES
+from ..kernels.abi import TYPE_NAMES, ExpertLayout, expert_layout
 
 KERNELS = "experts_rows.cu"
 TILE_M, TILE_N, TILE_K = 32, 64, 32      # experts_rows.cu
 
 
-@dataclass(frozen=True)
-class LayerExperts:
-    """How a layer's expert blobs are laid out, as the kernels read them."""
-    gate_type: int
-    down_type: int
-    up_at: int
-    down_at: int
-    gate_row_bytes: int
-    up_row_bytes: int
-    down_row_bytes: int
-    n_ff: int
-    n_embd: int
-    align: int            # the byte alignment a blob's address needs
-
-
-def layer_experts(gguf, layer: int) -> LayerExperts | None:
-    """The layout of `layer`'s blobs, or None when the kernels cannot read them."""
-    parts = gguf.expert_parts(layer)              # gate, up, down as stored
-    types = [int(t.ggml_type) for t in parts]
-    if types[0] != types[1] or any(t not in KERNEL_TYPES for t in types):
+def layer_experts(gguf, layer: int) -> ExpertLayout | None:
+    """The layout of `layer`'s blobs, or None when the row kernels cannot read them."""
+    try:
+        lay = expert_layout(gguf, layer)
+    except ValueError:
         return None
-    per = [t.n_bytes // t.shape[0] for t in parts]
-    rows = [t.shape[1] for t in parts]
-    n_ff, n_embd = rows[0], rows[2]
-    align = max(KERNEL_TYPES[t] for t in types)
-    if (n_ff % TILE_K or n_embd % TILE_K or per[0] % KERNEL_TYPES[types[1]]
-            or (per[0] + per[1]) % KERNEL_TYPES[types[2]]
-            or any((p // r) % KERNEL_TYPES[t] for p, r, t in zip(per, rows, types))):
-        return None
-    return LayerExperts(types[0], types[2], per[0], per[0] + per[1], per[0] // rows[0],
-                        per[1] // rows[1], per[2] // rows[2], n_ff, n_embd, align)
+    return None if lay.n_ff % TILE_K or lay.n_embd % TILE_K else lay
 
 
 class RowsKernels:
     def __init__(self, device: int, mma: bool | None = None):
         self.device = device
         self.mma = os.environ.get("STRATA_ROWS_MMA", "1") != "0" if mma is None else mma
-        self._layers: dict[tuple[str, int], LayerExperts | None] = {}
+        self._layers: dict[tuple[str, int], ExpertLayout | None] = {}
 
-    def _layout(self, gguf, layer: int) -> LayerExperts | None:
+    def _layout(self, gguf, layer: int) -> ExpertLayout | None:
         key = (gguf.path, layer)
         if key not in self._layers:
             self._layers[key] = layer_experts(gguf, layer)
@@ -75,7 +50,7 @@ class RowsKernels:
         spec = self._layout(gguf, layer)
         return spec is not None and self.run_spec(spec, x, jobs, out)
 
-    def run_spec(self, spec: LayerExperts, x, jobs, out) -> bool:
+    def run_spec(self, spec: ExpertLayout, x, jobs, out) -> bool:
         """`run` for blobs of the layout `spec`."""
         jobs = [(b, np.asarray(r), np.asarray(d)) for b, r, d in jobs if len(r)]
         if x.shape[1] != spec.n_embd:

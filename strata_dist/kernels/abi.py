@@ -59,6 +59,45 @@ class KernelShape:
         return cls(**fields)
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a layer's expert blobs (gate rows, up rows, down rows, each as stored) are read by the
+    expert kernels: the decode graph's and the row kernels'."""
+    gate_type: int
+    up_type: int
+    down_type: int
+    up_at: int            # byte offsets of the up and down parts inside a blob
+    down_at: int
+    gate_row_bytes: int
+    up_row_bytes: int
+    down_row_bytes: int
+    n_ff: int
+    n_embd: int
+    align: int            # the byte alignment a blob's address needs
+
+
+def expert_layout(gguf, layer: int) -> ExpertLayout:
+    """`layer`'s blob layout; ValueError naming the tensor when the kernels cannot read it."""
+    parts = gguf.expert_parts(layer)           # gate, up, down as stored
+    types = [int(t.ggml_type) for t in parts]
+    per = [t.n_bytes // t.shape[0] for t in parts]
+    rows = [t.shape[1] for t in parts]
+    for t, ty, size, r in zip(parts, types, per, rows):
+        align = KERNEL_TYPES.get(ty)
+        if align is None or size % align or (size // r) % align:
+            raise ValueError(f"{t.name}: type {t.ggml_type.name} is not readable by the expert "
+                             f"kernels")
+    if types[0] != types[1]:
+        raise ValueError(f"{parts[0].name} and {parts[1].name} are stored in different types "
+                         f"(the expert kernel reads gate and up rows as one type)")
+    if per[0] % KERNEL_TYPES[types[1]] or (per[0] + per[1]) % KERNEL_TYPES[types[2]]:
+        raise ValueError(f"blk.{layer}: the up or down part of an expert blob is not aligned for "
+                         f"its type")
+    return ExpertLayout(types[0], types[1], types[2], per[0], per[0] + per[1], per[0] // rows[0],
+                        per[1] // rows[1], per[2] // rows[2], rows[0], rows[2],
+                        max(KERNEL_TYPES[t] for t in types))
+
+
 def padded_rows(n: int) -> int:
     """The matvec build for n activation rows (padded_rows in decode.cu)."""
     return next(m for m in MATVEC_ROWS if n <= m)
