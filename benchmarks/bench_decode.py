@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import PeakMemory, model_facts, prompt_ids, write_record  # noqa: E402
+from records import PeakMemory, llama_bench, model_facts, prompt_ids, write_record  # noqa: E402
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -69,16 +69,11 @@ def llama_arm(args) -> dict:
     deadline = time.monotonic() + args.llama_wait     # a llama.cpp build may still be running
     while not os.access(args.llama_bench, os.X_OK) and time.monotonic() < deadline:
         time.sleep(5)
-    cmd = [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-p", "0",
-           "-n", str(args.tokens), "-r", "2", "-o", "json"]
-    print("llama.cpp:", " ".join(cmd), flush=True)
-    with PeakMemory() as mem:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
-    row = json.loads(done.stdout)[0]
-    return {"name": "llama.cpp", "gpus": 1, "command": " ".join(["llama-bench"] + cmd[1:]),
-            "decode_tok_s": float(row["avg_ts"]), "peak_gib": round(mem.gib, 2)}
+    rows, peak, command = llama_bench([args.llama_bench, "-m", args.model, "-ngl", "99", "-fa",
+                                       "1", "-p", "0", "-n", str(args.tokens), "-r", "2",
+                                       "-o", "json"])
+    return {"name": "llama.cpp", "gpus": 1, "command": command,
+            "decode_tok_s": float(rows[0]["avg_ts"]), "peak_gib": round(peak, 2)}
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import PeakMemory, model_facts, prompt_ids, write_record  # noqa: E402
+from records import PeakMemory, llama_bench, model_facts, prompt_ids, write_record  # noqa: E402
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -77,20 +77,15 @@ def strata_arm(args, vocab: int, host_mapped: bool, profile: str) -> dict:
 
 
 def llama_arm(args) -> dict:
-    cmd = [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
-           "-p", str(args.prefill_tokens), "-n", str(args.tokens), "-r", "2", "-o", "json"]
-    print("llama.cpp:", " ".join(cmd), flush=True)
-    with PeakMemory() as mem:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
-    rows = json.loads(done.stdout)       # one row for the prompt test, one for generation
-    pp = next(r for r in rows if int(r["n_prompt"]) > 0)
-    tg = next(r for r in rows if int(r["n_gen"]) > 0)
-    return {"name": "llama.cpp", "gpus": 1, "command": " ".join(["llama-bench"] + cmd[1:]),
+    rows, peak, command = llama_bench(
+        [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
+         "-p", str(args.prefill_tokens), "-n", str(args.tokens), "-r", "2", "-o", "json"])
+    pp = next(r for r in rows if int(r["n_prompt"]) > 0)   # the prompt test's row
+    tg = next(r for r in rows if int(r["n_gen"]) > 0)      # the generation test's
+    return {"name": "llama.cpp", "gpus": 1, "command": command,
             "decode_tok_s": round(float(tg["avg_ts"]), 2),
             "prefill_tok_s": {str(args.prefill_tokens): round(float(pp["avg_ts"]), 1)},
-            "peak_gib": round(mem.gib, 2)}
+            "peak_gib": round(peak, 2)}
 
 
 def main() -> int:

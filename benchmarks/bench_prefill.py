@@ -17,16 +17,14 @@ The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<d
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from launch_helpers import ServeSession  # noqa: E402
-from records import PeakMemory, model_facts, prompt_ids, write_record  # noqa: E402
+from records import PeakMemory, llama_bench, model_facts, prompt_ids, write_record  # noqa: E402
 
 
 def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
@@ -62,17 +60,12 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
 
 
 def llama_arm(args) -> dict:
-    cmd = [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
-           "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", "1", "-ub", str(args.ubatch),
-           "-b", str(max(args.ubatch, 2048)), "-o", "json"]
-    print("llama.cpp:", " ".join(cmd), flush=True)
-    with PeakMemory() as mem:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
-    rows = json.loads(done.stdout)
+    rows, peak, _ = llama_bench(
+        [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
+         "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", "1", "-ub", str(args.ubatch),
+         "-b", str(max(args.ubatch, 2048)), "-o", "json"])
     return {"runs": {int(r["n_prompt"]): {"tps": float(r["avg_ts"])} for r in rows},
-            "peak_gib": mem.gib}
+            "peak_gib": peak}
 
 
 def main() -> int:

@@ -90,6 +90,17 @@ def commit() -> str:
         return ""
 
 
+def llama_bench(cmd: list[str]) -> tuple[list[dict], float, str]:
+    """Run llama.cpp's llama-bench (`cmd`, with `-o json`): its result rows, the device's peak
+    memory in GiB while it ran, and the command as a record names it."""
+    print("llama.cpp:", " ".join(cmd), flush=True)
+    with PeakMemory() as mem:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout), mem.gib, " ".join(["llama-bench"] + cmd[1:])
+
+
 def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str) -> str:
     """benchmarks/results/<bench>-<like>-<quant>-<date>.json; returns its path."""
     today = datetime.date.today().isoformat()
