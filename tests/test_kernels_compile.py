@@ -47,9 +47,9 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     assert not missing, missing
 
 
-# kernels allowed to use the stack (local memory), and how many bytes: the router's 4-row matvec
-# spills one 8-byte value
-STACK_ALLOWED = {"matvec_f32_4": 8}
+# kernels allowed to use the stack (local memory), and how many bytes: register spills of a few
+# multi-row matvecs (ptxas holds them to 64 registers; 8 or 16 bytes, not an array)
+STACK_ALLOWED = {"matvec_f32_4": 8, "matvec_f16_2": 16, "matvec_q8_0_2": 16}
 
 
 @needs_nvcc

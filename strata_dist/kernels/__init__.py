@@ -9,12 +9,16 @@ every source with `nvcc -arch=sm_90` where nvcc exists, so a syntax error costs 
 CuPy is imported only when a module is asked for: CPU ranks never load this."""
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
-COMPILE_OPTIONS = ("--std=c++17",)
+# STRATA_KERNEL_LINEINFO=1: source lines in the binaries, for Nsight Compute
+# (benchmarks/ncu_decode.sh)
+LINEINFO = ("-lineinfo",) if os.environ.get("STRATA_KERNEL_LINEINFO") == "1" else ()
+COMPILE_OPTIONS = ("--std=c++17",) + LINEINFO
 
 
 def sources() -> list[Path]:

@@ -398,19 +398,15 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
                                                  int n_split, int chunk, float scale, float* part,
                                                  float* ml, u32* __restrict__ done,
                                                  float* __restrict__ out, int n_layers) {
-    __shared__ bool last;
+    // splits past the row's keys leave at once and are not counted: the grid is sized for the
+    // longest context, and at a short one most of its blocks have nothing to do
+    const int len = desc[DESC_POS] + blockIdx.z + 1;
+    const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
+    if ((int)blockIdx.y >= used) return;
     attn_partial_body<128, Q8>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split, chunk,
                                scale, part, ml);
-    __threadfence();                          // this block's partials, before it is counted
-    __syncthreads();
-    u32* mine = done + blockIdx.z * n_kv + blockIdx.x;
-    if (threadIdx.x == 0) last = atomicAdd(mine, 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    attn_combine_heads<128>(part, ml, desc[DESC_POS] + blockIdx.z + 1, n_head, n_kv, n_split,
-                            chunk, out);
-    if (threadIdx.x == 0) *mine = 0u;
+    if (!last_block_to_finish(done + blockIdx.z * n_kv + blockIdx.x, (u32)used)) return;
+    attn_combine_heads<128>(part, ml, len, n_head, n_kv, n_split, chunk, out);
 }
 
 // n_layers: the stage's layers (where a q8_0 session's scales start in `sess`)

@@ -60,12 +60,10 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     const u8* rows[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
+    // the weight loads go out first; the norm's scale (1 / rms of each row) applies to the sums,
+    // so it is computed after them, from activations that are in cache by then
+    block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
     if (norm_w != nullptr) {
-        // the weight rows start on their way to L2 while the block computes the norm
-        #pragma unroll
-        for (int r = 0; r < R; ++r)
-            for (i64 b = 128 * threadIdx.x; b < s.row_bytes; b += 128 * blockDim.x)
-                asm volatile("prefetch.global.L2 [%0];" :: "l"(rows[r] + b));
         block_inv_rms(x, x_stride, s.ncols, n, eps, inv);
         if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
             for (int idx = threadIdx.x; idx < n * s.ncols; idx += blockDim.x) {
@@ -74,7 +72,6 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
             }
         }
     }
-    block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
     if (threadIdx.x < R * N) {
         const int r = threadIdx.x / N, i = threadIdx.x - r * N;
         if (i < n && o0 + r < s.nrows) {
@@ -88,14 +85,12 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
 // Called by every block of a fused q/k/v matvec after its rows are written (see QkvSpec).
 __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* __restrict__ specs,
                                 int R, int n) {
-    __shared__ bool last;
     const MatSpec s = specs[blockIdx.y];
     const int o0 = blockIdx.x * R;
     if (o0 >= s.nrows) return;                          // the whole block: uniform
     const QkvSpec p = *qp;
-    __threadfence();                                    // this block's rows, before counting
-    __syncthreads();
-    if (s.y == p.v) {                                   // v rows go to the cache as they are
+    if (s.y == p.v) {                                   // (the rows of this block: written by
+        __syncthreads();                                // its own threads, seen after a barrier)                                   // v rows go to the cache as they are
         __half* vc = reinterpret_cast<__half*>(p.sess[2 * p.layer_slot + 1]);
         for (int idx = threadIdx.x; idx < n * R; idx += blockDim.x) {
             const int i = idx / R, o = o0 + idx % R;
@@ -108,17 +103,12 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
     }
     const bool is_q = s.y == p.q;
     const int head = o0 / p.D;                          // R divides D: a block is in one head
-    u32* mine = p.done + (is_q ? head : p.n_head + head);
-    if (threadIdx.x == 0) last = atomicAdd(mine, 1u) == (u32)(p.D / R - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_to_finish(p.done + (is_q ? head : p.n_head + head), (u32)(p.D / R))) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < n)                                       // one warp per row
         norm_rope_head<false, 128>(p.q, p.k, nullptr, p.q_norm, p.k_norm, p.sess, p.layer_slot,
                                    p.n_layers, p.desc, p.n_head, p.n_kv, p.eps, warp,
                                    is_q ? head : p.n_head + head, lane);
-    if (threadIdx.x == 0) *mine = 0u;
 }
 
 // route: null, or the router's RouteSpec (its top-k runs after the last block); qkv: null, or a
@@ -213,7 +203,6 @@ extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n,
                                       float* __restrict__ post_v, int* __restrict__ post_i,
                                       u32* __restrict__ done, int* __restrict__ out) {
     pdl_entry();
-    __shared__ bool last;
     float best = -INF_F32;
     int best_i = 0x7fffffff;
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
@@ -224,12 +213,8 @@ extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n,
     if (threadIdx.x == 0) {
         post_v[blockIdx.x] = best;
         post_i[blockIdx.x] = best_i;
-        __threadfence();
-        last = atomicAdd(done, 1u) == gridDim.x - 1;
     }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_to_finish(done, gridDim.x)) return;
     best = -INF_F32;
     best_i = 0x7fffffff;
     for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
@@ -238,7 +223,7 @@ extern "C" __global__ void argmax_row(const float* __restrict__ logits, int n,
         if (v > best || (v == best && i < best_i)) { best = v; best_i = i; }
     }
     block_best(best, best_i);
-    if (threadIdx.x == 0) { *out = best_i; *done = 0u; }
+    if (threadIdx.x == 0) *out = best_i;
 }
 
 // Holds its stream for `ns` nanoseconds. kernel_times queues a step's launches behind it, so the

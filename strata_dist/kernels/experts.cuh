@@ -84,18 +84,10 @@ __device__ void route_row(const RouteSpec& rs, int i) {
 
 // Called by every block of the router's launch after its rows are written.
 __device__ void route_after_last_block(const RouteSpec* __restrict__ route, int n) {
-    __shared__ bool last;
-    __threadfence();                                      // this block's logits, before counting
-    __syncthreads();
-    if (threadIdx.x == 0)
-        last = atomicAdd(route->done, 1u) == gridDim.x * gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_to_finish(route->done, gridDim.x * gridDim.y)) return;
     const RouteSpec rs = *route;
     const int warp = threadIdx.x >> 5;
     for (int i = warp; i < n; i += blockDim.x >> 5) route_row(rs, i);
-    if (threadIdx.x == 0) *rs.done = 0u;
 }
 
 // ---- experts ----------------------------------------------------------------------------------

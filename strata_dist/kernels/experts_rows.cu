@@ -53,23 +53,34 @@ __device__ __forceinline__ void stage_weights(float (*ws)[TILE_N], const u8* __r
 
 // ---- staging and fragments of the tensor-core build -------------------------------------------
 // mma.sync m16n8k16 (f16 inputs, f32 accumulation): the input rows and the decoded weights are
-// rounded to f16 in shared memory (as cuBLAS's f16 products round them), each output accumulated
-// k16 step after k16 step in column order, so a pair's bits still do not depend on its neighbours.
+// rounded to f16 in shared memory (as cuBLAS's f16 products round them). A row's TILE_K values are
+// first multiplied by a power of two that puts their largest near 2^14 (exact, and activations of
+// any size stay inside f16's range: SwiGLU outputs overflow 65504 on real weights), the tile's
+// product is divided by it in f32; outputs accumulate tile after tile in column order, so a pair's
+// bits still do not depend on its neighbours.
 // 8 warps: warp w takes the 16 pairs (w & 1) and the 16 outputs 16 * (w >> 1) of the 32 x 64 tile.
 #define MMA_PAD 8                   // halves of padding per shared row: conflict-free fragments
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
 
-// TILE_K columns of the item's rows as f16, xs[m][k] (zeros past `count`)
-__device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], const float* __restrict__ x,
-                                             int x_cols, const int* __restrict__ rows, int count,
-                                             int k0) {
+// TILE_K columns of the item's rows as f16, xs[m][k] = x * 2^-unscale[m] (zeros past `count`);
+// the 8 threads of row m are 8 neighbouring lanes of one warp
+__device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], float* unscale,
+                                             const float* __restrict__ x, int x_cols,
+                                             const int* __restrict__ rows, int count, int k0) {
     const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (m < count)
         v = __ldg(reinterpret_cast<const float4*>(x + (i64)rows[m] * x_cols + k0 + c));
+    float top = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    #pragma unroll
+    for (int lane = 1; lane < 8; lane <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
+    int e = 0;
+    frexpf(top, &e);                     // top < 2^e (e = 0 for a row of zeros)
+    const float up = ldexpf(1.f, 14 - e);
+    if ((threadIdx.x & 7) == 0) unscale[m] = ldexpf(1.f, e - 14);
     uint2 packed;
-    packed.x = pack_half2(v.x, v.y);
-    packed.y = pack_half2(v.z, v.w);
+    packed.x = pack_half2(v.x * up, v.y * up);
+    packed.y = pack_half2(v.z * up, v.w * up);
     *reinterpret_cast<uint2*>(&xs[m][c]) = packed;
 }
 
@@ -130,13 +141,16 @@ __device__ __forceinline__ void tile_products(float (&acc)[NMAT][2][4], const fl
     if constexpr (MMA) {
         __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
         __shared__ __align__(16) __half ws[NMAT][TILE_N][MMA_LD];
+        __shared__ float unscale[TILE_M];
         const int warp = threadIdx.x >> 5, m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
+        const int g = (threadIdx.x & 31) >> 2;   // C fragment rows m0 + g (r < 2), m0 + g + 8
         for (int k0 = 0; k0 < K; k0 += TILE_K) {
-            stage_rows_h(xs, x, K, rows, count, k0);
+            stage_rows_h(xs, unscale, x, K, rows, count, k0);
             #pragma unroll
             for (int mat = 0; mat < NMAT; ++mat)
                 stage_weights_h<T>(ws[mat], bases[mat], row_bytes[mat], out0, nrows, k0);
             __syncthreads();
+            float part[NMAT][2][4] = {};
             #pragma unroll
             for (int kk = 0; kk < TILE_K; kk += 16) {
                 u32 a[4];
@@ -147,8 +161,18 @@ __device__ __forceinline__ void tile_products(float (&acc)[NMAT][2][4], const fl
                     for (int mat = 0; mat < NMAT; ++mat) {
                         u32 b0, b1;
                         load_b(b0, b1, ws[mat], n0 + 8 * i, kk);
-                        mma_16816(acc[mat][i], a, b0, b1);
+                        mma_16816(part[mat][i], a, b0, b1);
                     }
+                }
+            }
+            const float lo = unscale[m0 + g], hi = unscale[m0 + g + 8];
+            #pragma unroll
+            for (int mat = 0; mat < NMAT; ++mat) {
+                #pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        acc[mat][i][r] = fmaf(part[mat][i][r], r < 2 ? lo : hi, acc[mat][i][r]);
                 }
             }
             __syncthreads();

@@ -51,6 +51,26 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// True in every thread of the block that is the last of `expected` blocks to get here (counted
+// in *counter, which that block resets to 0 for the next launch). Thread 0 alone fences and counts
+// after a barrier (the cooperative-groups grid barrier's pattern): a fence in every thread (a
+// memory barrier and an L1 invalidation per warp) cost the attention and router launches more
+// than their work. The last block reads the others' results through L2 (__ldcg).
+__device__ __forceinline__ bool last_block_to_finish(u32* counter, u32 expected) {
+    __shared__ bool last;
+    __syncthreads();                          // the block's writes, before thread 0 publishes them
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(counter, 1u) == expected - 1;
+        if (last) {
+            __threadfence();                  // the other blocks' writes, before this block's reads
+            *counter = 0u;
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
