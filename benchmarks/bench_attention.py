@@ -40,12 +40,12 @@ def main() -> int:
     args = ap.parse_args()
     import cupy as cp
     from strata_dist.kernels import function
-    from strata_dist.kernels.abi import BLOCK_THREADS, DESC_WORDS, MAX_ROWS
+    from strata_dist.kernels.abi import BLOCK_THREADS, DESC_WORDS, MAX_ROWS, attn_kernel
     i32, f32, D = np.int32, np.float32, 128
     n_head, n_kv = args.heads, args.kv_heads
     spin = function("decode.cu", "spin")
     print(f"empty kernel: {per_launch_us(lambda: spin((1,), (1,), (np.uint64(0),))):.2f} us")
-    attn = function("decode.cu", "attn_decode_128")
+    attn = function("decode.cu", attn_kernel(n_head // n_kv, "f16"))
     rng = cp.random.default_rng(0)
     for cells, length, chunk in [(1024, 64, 64), (1024, 130, 64), (1024, 1000, 64),
                                  (4096, 130, 64), (4096, 4000, 64), (1024, 130, 256),

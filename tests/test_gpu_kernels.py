@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK,  # noqa: E402
                                      EXPERT_SPEC, FF_PER_BLOCK, MAT_SPEC, MAX_ROWS, ROUTE_SPEC,
-                                     TYPE_NAMES, matvec_kernel, rows_per_block)
+                                     TYPE_NAMES, attn_kernel, matvec_kernel,
+                                     rows_per_block)
 from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
 
 N_EMBD, N_FF, N_EXPERT, K = 512, 256, 16, 4
@@ -193,11 +194,21 @@ def test_router_matvec_picks_the_top_k(n):
 @pytest.mark.parametrize("chunk", [64, 256])
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 def test_attention_kernel_matches_numpy(length, chunk, kv_type):
-    """attn_decode_128 (and _q8): causal attention of each row over the session's KV, f16 or in
-    q8_0 blocks (the host's Q8Rows wrote them), the splits combined by the last block of each kv
-    head, for rows at positions length-1, length, ..."""
+    check_attention_kernel(length, chunk, kv_type, n_head=32)
+
+
+@pytest.mark.parametrize("n_head", [4, 12, 16, 40, 64])
+def test_attention_kernel_builds_for_each_group(n_head):
+    """The builds for at most 4, 8 and 16 query heads per kv head, full and partly used."""
+    check_attention_kernel(300, 64, "f16", n_head=n_head)
+
+
+def check_attention_kernel(length, chunk, kv_type, n_head):
+    """attn_decode_128_g* (and _q8): causal attention of each row over the session's KV, f16 or
+    in q8_0 blocks (the host's Q8Rows wrote them), the splits combined by the last block of each
+    kv head, for rows at positions length-1, length, ..."""
     from strata_dist.backends.kv_cache import Q8Rows
-    n_head, n_kv, D, n = 32, 4, 128, 3
+    n_kv, D, n = 4, 128, 3
     cells = 1024 + n
     n_split = math.ceil(cells / chunk)
     rng = np.random.default_rng(length + chunk)
@@ -222,7 +233,7 @@ def test_attention_kernel_matches_numpy(length, chunk, kv_type):
     out = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
     scale = 1 / math.sqrt(D)
     for _ in range(2):                  # the counters are back at 0 for the next launch
-        _kernel("attn_decode_128" + ("_q8" if kv_type == "q8_0" else ""))(
+        _kernel(attn_kernel(n_head // n_kv, kv_type))(
             (n_kv, n_split, n), (BLOCK_THREADS,),
             (cp.asarray(q), sess, np.int32(0), desc, np.int32(n_head), np.int32(n_kv),
              np.int32(n_split), np.int32(chunk), np.float32(scale), part, ml, done, out,

@@ -29,7 +29,8 @@ import cupyx
 from ..kernels import function
 from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32,
                            KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
-                           KernelShape, expert_layout, matvec_kernel, rows_per_block)
+                           KernelShape, attn_kernel, expert_layout, matvec_kernel,
+                           rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -161,6 +162,7 @@ class DecodeGraph:
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
+        self.attn_kernel = attn_kernel(g.n_head // g.n_head_kv, model.backend.kv_type)
         # keys per attention split: short chunks spread a context over more blocks, as long as
         # the partials of one row stay inside the scratch budget
         for chunk in ATTN_CHUNKS:
@@ -282,7 +284,7 @@ class DecodeGraph:
             for (layer, expert), at in self.host_blobs.addresses().items():
                 table[layer, expert] = at
         self.blob_of = cp.asarray(table)
-        # blocks finished of each (row, kv head)'s attention splits (attn_decode_128)
+        # blocks finished of each (row, kv head)'s attention splits (attn_decode_128_g*)
         self.attn_done = cp.zeros(R * g.n_head_kv, cp.uint32)
         # blocks finished of each q and k head of a fused q/k/v matvec
         self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
@@ -332,7 +334,7 @@ class DecodeGraph:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
 
     def _kernel_names(self) -> set[str]:
-        names = {"qk_norm_rope_kv" + self.kv_suffix, "attn_decode_128" + self.kv_suffix}
+        names = {"qk_norm_rope_kv" + self.kv_suffix, self.attn_kernel}
         names |= {"embed_tokens"} if self.first else set()
         names |= {"argmax_row"} if self.last else set()
         launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
@@ -428,7 +430,7 @@ class DecodeGraph:
                     (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
                      self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim),
                      i32(g.head_dim), eps))
-            f("attn_decode_128" + self.kv_suffix)(
+            f(self.attn_kernel)(
                 (g.n_head_kv, self.n_split, n), (BLOCK_THREADS,),
                 (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
                  i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,

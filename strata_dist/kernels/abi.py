@@ -112,10 +112,24 @@ def matvec_kernel(ggml_type: int, n: int) -> str:
     return f"matvec_{TYPE_NAMES[ggml_type]}_{padded_rows(n)}"
 
 
+ATTN_GROUPS = (4, 8, 16)     # the builds of attn_decode_128: query heads per kv head, at most
+
+
+def attn_kernel(group: int, kv_type: str) -> str:
+    """The decode attention build for `group` query heads per kv head over K/V kept as
+    `kv_type` (f16 or q8_0): the least bound that holds the group (attention.cuh ATTN_DECODE)."""
+    bound = next((b for b in ATTN_GROUPS if group <= b), None)
+    if bound is None:
+        raise ValueError(f"{group} query heads per kv head (the attention kernels take <= "
+                         f"{ATTN_GROUPS[-1]})")
+    return f"attn_decode_128_g{bound}" + ("_q8" if kv_type == "q8_0" else "")
+
+
 def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
-    names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "attn_decode_128",
-             "qk_norm_rope_kv_q8", "attn_decode_128_q8", "argmax_row", "spin"]
+    names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "qk_norm_rope_kv_q8",
+             "argmax_row", "spin"]
+    names += [attn_kernel(g, kv) for g in ATTN_GROUPS for kv in ("f16", "q8_0")]
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names

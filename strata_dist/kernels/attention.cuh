@@ -125,12 +125,12 @@ QK_NORM_ROPE_KV(_q8, true)
 // the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
 // A block whose split starts past the row's keys returns at once (it still counts as finished).
 // Short chunks spread a short context over more blocks; the runner picks the chunk.
-template <int D, bool Q8>
-__device__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
+template <int D, bool Q8, int MAX_G>
+__device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
                                   int layer_slot, int n_layers, const int* __restrict__ desc,
                                   int n_head, int n_kv, int n_split, int chunk, float scale,
                                   float* __restrict__ part, float* __restrict__ ml) {
-    constexpr int MAX_G = 16, PAIRS = D / 2;
+    constexpr int PAIRS = D / 2;
     // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
     __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
     __shared__ float ms[MAX_G], ls[MAX_G];
@@ -327,10 +327,10 @@ __device__ void attn_partial_body(const float* __restrict__ q, const u64* __rest
 // expressions as one thread per output walking the splits, so the result is that one's, bit for bit.
 #define COMBINE_TILE 64     // splits whose weights are in shared memory at a time
 #define COMBINE_AHEAD 8     // partial values a thread has in flight
-template <int D>
-__device__ void attn_combine_heads(const float* part, const float* ml, int len, int n_head,
+template <int D, int MAX_G>
+__device__ __forceinline__ void attn_combine_heads(const float* part, const float* ml, int len, int n_head,
                                    int n_kv, int n_split, int chunk, float* __restrict__ out) {
-    constexpr int MAX_G = 16, PER = (MAX_G * D + BLOCK_THREADS - 1) / BLOCK_THREADS;
+    constexpr int PER = (MAX_G * D + BLOCK_THREADS - 1) / BLOCK_THREADS;
     __shared__ float m_s[MAX_G], w_s[MAX_G][COMBINE_TILE], l_s[MAX_G][COMBINE_TILE];
     const int kvh = blockIdx.x, i = blockIdx.z, G = n_head / n_kv;
     const int used = (len + chunk - 1) / chunk;
@@ -392,7 +392,7 @@ __device__ void attn_combine_heads(const float* part, const float* ml, int len, 
 
 // Grid (n_kv, n_split, rows), BLOCK_THREADS threads: out [rows, n_head, D] is the attention of
 // each row's query heads over its causal keys.
-template <bool Q8>
+template <bool Q8, int MAX_G>
 __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess, int layer_slot,
                                                  const int* desc, int n_head, int n_kv,
                                                  int n_split, int chunk, float scale, float* part,
@@ -403,21 +403,28 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     const int len = desc[DESC_POS] + blockIdx.z + 1;
     const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
     if ((int)blockIdx.y >= used) return;
-    attn_partial_body<128, Q8>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split, chunk,
+    attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split, chunk,
                                scale, part, ml);
     if (!last_block_to_finish(done + blockIdx.z * n_kv + blockIdx.x, (u32)used)) return;
-    attn_combine_heads<128>(part, ml, len, n_head, n_kv, n_split, chunk, out);
+    attn_combine_heads<128, MAX_G>(part, ml, len, n_head, n_kv, n_split, chunk, out);
 }
 
-// n_layers: the stage's layers (where a q8_0 session's scales start in `sess`)
-#define ATTN_DECODE(suffix, Q8)                                                                   \
+// n_layers: the stage's layers (where a q8_0 session's scales start in `sess`). One build per
+// bound on the query heads per kv head (4, 8, 16: kernels/abi.py attn_kernel picks the least that
+// holds G): the per-head loops are unrolled to that bound, so a build for 16 heads running 8 would
+// issue twice the instructions, and these launches are bound by the instructions of one block.
+#define ATTN_DECODE(suffix, Q8, MAX_G)                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix(         \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
             int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
             u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
         pdl_entry();                                                                             \
-        attn_decode_body<Q8>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk, scale,     \
-                             part, ml, done, out, n_layers);                                     \
+        attn_decode_body<Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,     \
+                                    scale, part, ml, done, out, n_layers);                       \
     }
-ATTN_DECODE(, false)
-ATTN_DECODE(_q8, true)
+ATTN_DECODE(_g4, false, 4)
+ATTN_DECODE(_g8, false, 8)
+ATTN_DECODE(_g16, false, 16)
+ATTN_DECODE(_g4_q8, true, 4)
+ATTN_DECODE(_g8_q8, true, 8)
+ATTN_DECODE(_g16_q8, true, 16)

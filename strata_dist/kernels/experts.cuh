@@ -29,14 +29,17 @@ struct RouteSpec {
 // stable sort does), weights renormalised over the k when `normalize`, and each chosen expert's
 // blob address for the expert kernels. One warp. The logits were written by other blocks of
 // this launch: read through L2 (__ldcg), not a possibly stale L1.
-__device__ void route_row(const RouteSpec& rs, int i) {
+// PER: logits per lane (32 * PER >= n_expert): the loops are unrolled to it, so a router of 128
+// experts runs a quarter of the 512-expert build's instructions.
+template <int PER>
+__device__ __forceinline__ void route_row(const RouteSpec& rs, int i) {
     const int lane = threadIdx.x & 31, n_expert = rs.n_expert, k = rs.k;
     const u64* blob_of = rs.experts->blob_of;   // loaded now, not after the top-k (a dependent load)
-    float v[16];
+    float v[PER];
     const float* l = rs.logits + (i64)i * n_expert;
     float m = -INF_F32;
     #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < PER; ++j) {
         const int e = lane + 32 * j;
         v[j] = e < n_expert ? __ldcg(l + e) : -INF_F32;
         m = fmaxf(m, v[j]);
@@ -44,7 +47,7 @@ __device__ void route_row(const RouteSpec& rs, int i) {
     m = warp_max(m);
     float sum = 0.f;
     #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < PER; ++j) {
         const int e = lane + 32 * j;
         v[j] = e < n_expert ? __expf(v[j] - m) : -1.f;   // probabilities are >= 0
         if (e < n_expert) sum += v[j];
@@ -56,7 +59,7 @@ __device__ void route_row(const RouteSpec& rs, int i) {
     for (int r = 0; r < k; ++r) {
         float best = -1.f; int best_e = 0x7fffffff;
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < PER; ++j) {
             const int e = lane + 32 * j;
             if (v[j] > best || (v[j] == best && e < best_e)) { best = v[j]; best_e = e; }
         }
@@ -70,7 +73,7 @@ __device__ void route_row(const RouteSpec& rs, int i) {
         picked_sum += p;
         if (lane == r) { mine = best_e; mine_p = p; }
         #pragma unroll
-        for (int j = 0; j < 16; ++j)                      // taken (static indices: registers)
+        for (int j = 0; j < PER; ++j)                      // taken (static indices: registers)
             if (lane + 32 * j == best_e) v[j] = -2.f;
     }
     if (lane < k) {
@@ -87,7 +90,10 @@ __device__ void route_after_last_block(const RouteSpec* __restrict__ route, int 
     if (!last_block_to_finish(route->done, gridDim.x * gridDim.y)) return;
     const RouteSpec rs = *route;
     const int warp = threadIdx.x >> 5;
-    for (int i = warp; i < n; i += blockDim.x >> 5) route_row(rs, i);
+    for (int i = warp; i < n; i += blockDim.x >> 5) {
+        if (rs.n_expert <= 128) route_row<4>(rs, i);
+        else route_row<16>(rs, i);
+    }
 }
 
 // ---- experts ----------------------------------------------------------------------------------
