@@ -154,13 +154,14 @@ def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
 
 
 def test_programmatic_dependent_launches_change_no_bit(tmp_path):
-    """STRATA_PDL's graph (programmatic edges between the kernels) gives the plain graph's
-    logits exactly, step after step."""
+    """The default graph (programmatic edges between the kernels) gives the plain graph's
+    (STRATA_PDL=0) logits exactly, step after step."""
     from strata_dist.single_process import SingleProcessRunner
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     path = _model(tmp_path, "q8_0", seed=9)
     plain, pdl = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
-    pdl.decode_graph._pdl = ProgrammaticLauncher()
+    assert isinstance(pdl.decode_graph._pdl, ProgrammaticLauncher)
+    plain.decode_graph._pdl = None
     for e in (plain, pdl):
         e.prefill(PROMPT[:40])
     for t in NEXT:

@@ -186,8 +186,11 @@ class DecodeGraph:
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[int, object] = {}
         self._timing = None            # [(kernel, start, end)] while kernel_times runs
-        # experimental: programmatic dependent launches (kernels/pdl.py), until measured
-        self._pdl = ProgrammaticLauncher() if os.environ.get("STRATA_PDL") == "1" else None
+        # programmatic dependent launches (kernels/pdl.py; docs/BENCHMARKS.md: 3-4% off a step,
+        # the same logits), a Hopper feature; STRATA_PDL=0 launches plainly
+        hopper = int(cp.cuda.Device(model.backend.index).compute_capability) >= 90
+        self._pdl = (ProgrammaticLauncher() if hopper and os.environ.get("STRATA_PDL", "1") != "0"
+                     else None)
         self._pdl_armed = False
         self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
@@ -363,7 +366,8 @@ class DecodeGraph:
     # ---- the step -------------------------------------------------------------------------------
     def _launch(self, name: str):
         """The kernel `name`; while `kernel_times` runs, wrapped to time each launch; with
-        STRATA_PDL=1 every launch of a step but its first is a programmatic dependent launch."""
+        programmatic launches (the default; STRATA_PDL=0: off) every launch of a step but its
+        first is a programmatic dependent launch."""
         fn = self._fns[name]
         if self._timing is None:
             if self._pdl is None or not self._pdl_armed:

@@ -5,7 +5,7 @@ unchanged and only the gap between kernels shrinks. Launches go through the driv
 cuLaunchKernelEx (CuPy's RawKernel call has no launch attributes); captured into a CUDA graph the
 attribute becomes a programmatic edge.
 
-Experimental: on only with STRATA_PDL=1 (the decode runner reads it), until measured."""
+On by default in the decode runner (measured: docs/BENCHMARKS.md); STRATA_PDL=0 turns it off."""
 from __future__ import annotations
 
 import ctypes
