@@ -123,13 +123,14 @@ QK_NORM_ROPE_KV(_q8, true)
 
 // Flash-decoding, first half: block (kv head, split, row) scores `chunk` (<= ATTN_CHUNK) keys for
 // the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
-// A block whose split starts past the row's keys returns at once (it still counts as finished).
+// A block whose split starts past the row's keys returns at once (attn_decode_body does not count
+// it).
 // Short chunks spread a short context over more blocks; the runner picks the chunk.
 template <int D, bool Q8, int MAX_G>
-__device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, const u64* __restrict__ sess,
-                                  int layer_slot, int n_layers, const int* __restrict__ desc,
-                                  int n_head, int n_kv, int n_split, int chunk, float scale,
-                                  float* __restrict__ part, float* __restrict__ ml) {
+__device__ __forceinline__ void attn_partial_body(
+        const float* __restrict__ q, const u64* __restrict__ sess, int layer_slot, int n_layers,
+        const int* __restrict__ desc, int n_head, int n_kv, int n_split, int chunk, float scale,
+        float* __restrict__ part, float* __restrict__ ml) {
     constexpr int PAIRS = D / 2;
     // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
     __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
@@ -328,8 +329,9 @@ __device__ __forceinline__ void attn_partial_body(const float* __restrict__ q, c
 #define COMBINE_TILE 64     // splits whose weights are in shared memory at a time
 #define COMBINE_AHEAD 8     // partial values a thread has in flight
 template <int D, int MAX_G>
-__device__ __forceinline__ void attn_combine_heads(const float* part, const float* ml, int len, int n_head,
-                                   int n_kv, int n_split, int chunk, float* __restrict__ out) {
+__device__ __forceinline__ void attn_combine_heads(const float* part, const float* ml, int len,
+                                                   int n_head, int n_kv, int n_split, int chunk,
+                                                   float* __restrict__ out) {
     constexpr int PER = (MAX_G * D + BLOCK_THREADS - 1) / BLOCK_THREADS;
     __shared__ float m_s[MAX_G], w_s[MAX_G][COMBINE_TILE], l_s[MAX_G][COMBINE_TILE];
     const int kvh = blockIdx.x, i = blockIdx.z, G = n_head / n_kv;
@@ -403,8 +405,8 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     const int len = desc[DESC_POS] + blockIdx.z + 1;
     const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
     if ((int)blockIdx.y >= used) return;
-    attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split, chunk,
-                               scale, part, ml);
+    attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split,
+                                      chunk, scale, part, ml);
     if (!last_block_to_finish(done + blockIdx.z * n_kv + blockIdx.x, (u32)used)) return;
     attn_combine_heads<128, MAX_G>(part, ml, len, n_head, n_kv, n_split, chunk, out);
 }

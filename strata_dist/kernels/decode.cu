@@ -89,8 +89,8 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
     const int o0 = blockIdx.x * R;
     if (o0 >= s.nrows) return;                          // the whole block: uniform
     const QkvSpec p = *qp;
-    if (s.y == p.v) {                                   // (the rows of this block: written by
-        __syncthreads();                                // its own threads, seen after a barrier)                                   // v rows go to the cache as they are
+    if (s.y == p.v) {              // v rows go to the cache as they are, by the block that wrote
+        __syncthreads();           // them (its threads' writes, seen after a barrier)
         __half* vc = reinterpret_cast<__half*>(p.sess[2 * p.layer_slot + 1]);
         for (int idx = threadIdx.x; idx < n * R; idx += blockDim.x) {
             const int i = idx / R, o = o0 + idx % R;

@@ -73,7 +73,7 @@ __device__ __forceinline__ void route_row(const RouteSpec& rs, int i) {
         picked_sum += p;
         if (lane == r) { mine = best_e; mine_p = p; }
         #pragma unroll
-        for (int j = 0; j < PER; ++j)                      // taken (static indices: registers)
+        for (int j = 0; j < PER; ++j)                     // taken (static indices: registers)
             if (lane + 32 * j == best_e) v[j] = -2.f;
     }
     if (lane < k) {

@@ -73,7 +73,8 @@ __device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], float* unscal
         v = __ldg(reinterpret_cast<const float4*>(x + (i64)rows[m] * x_cols + k0 + c));
     float top = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     #pragma unroll
-    for (int lane = 1; lane < 8; lane <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
+    for (int lane = 1; lane < 8; lane <<= 1)
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
     int e = 0;
     frexpf(top, &e);                     // top < 2^e (e = 0 for a row of zeros)
     const float up = ldexpf(1.f, 14 - e);
