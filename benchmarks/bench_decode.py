@@ -28,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import PeakMemory, llama_bench, model_facts, prompt_ids, write_record  # noqa: E402
+from records import (PeakMemory, llama_bench, model_facts, predicted_ms_per_token,  # noqa: E402
+                     prompt_ids, write_record)
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -48,8 +49,11 @@ def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
         finally:
             s.close()
     command = "strata-launch --model M " + " ".join(devices + cmd) + " --serve"
+    tok_s = (gen - 1) / (decode_ms / 1e3)
     return {"name": "strata", "gpus": n_gpus, "command": command,
-            "decode_tok_s": (gen - 1) / (decode_ms / 1e3), "peak_gib": round(mem.gib, 2),
+            "decode_tok_s": tok_s, "peak_gib": round(mem.gib, 2),
+            "predicted_ms_per_token": predicted_ms_per_token(args.model, devices + cmd),
+            "measured_ms_per_token": round(1e3 / tok_s, 3),
             "tokens_sha256": hashlib.sha256(json.dumps(r["tokens"]).encode()).hexdigest(),
             "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gen - 1),
             "_tokens": r["tokens"]}

@@ -28,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import PeakMemory, llama_bench, model_facts, prompt_ids, write_record  # noqa: E402
+from records import (PeakMemory, llama_bench, model_facts, predicted_ms_per_token,  # noqa: E402
+                     prompt_ids, write_record)
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -69,6 +70,8 @@ def strata_arm(args, vocab: int, host_mapped: bool, profile: str) -> dict:
             "command": f"STRATA_HOST_MAPPED={env['STRATA_HOST_MAPPED']} strata-launch --model M "
                        + " ".join(devices + cmd) + " --serve",
             "decode_tok_s": round((gen - 1) / (decode_ms / 1e3), 2),
+            "predicted_ms_per_token": predicted_ms_per_token(args.model, devices + cmd, env),
+            "measured_ms_per_token": round(decode_ms / (gen - 1), 3),
             "prefill_tok_s": {str(args.prefill_tokens): round(args.prefill_tokens / (prompt_ms / 1e3), 1)},
             "peak_gib": round(mem.gib, 2),
             "vram_budget": args.vram_budget, "tiers": tiers,

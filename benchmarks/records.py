@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -99,6 +100,21 @@ def llama_bench(cmd: list[str]) -> tuple[list[dict], float, str]:
     if done.returncode != 0:
         raise SystemExit(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
     return json.loads(done.stdout), mem.gib, " ".join(["llama-bench"] + cmd[1:])
+
+
+def predicted_ms_per_token(model: str, launch_args: list[str], env: dict | None = None
+                           ) -> float | None:
+    """The plan's own prediction of decode ms/token for a strata arm: `strata-launch --plan-only
+    --json` with the arm's flags on this machine (the same inventory the arm plans on), so a
+    record holds the prediction beside the measurement. None when planning fails (said why)."""
+    argv = [sys.executable, "-m", "launcher.cli", "--model", model, *launch_args,
+            "--plan-only", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})}, cwd=os.path.join(HERE, ".."))
+    if done.returncode != 0:
+        print(f"plan-only failed: {done.stderr[-800:]}", flush=True)
+        return None
+    return round(float(json.loads(done.stdout)["predicted_ms_per_token"]), 3)
 
 
 def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str) -> str:

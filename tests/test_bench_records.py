@@ -1,0 +1,34 @@
+"""The benchmark harness on CPU ranks: bench_decode.py --cpu runs a real strata-launch --serve and
+writes a record (../RECORDS.md's fields) whose strata arm holds the plan's predicted ms/token
+beside the measured one."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from strata_dist.synth import write_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_record_holds_prediction_beside_measurement(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    env = {**os.environ, "STRATA_COMMIT": "abc1234"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
+                           str(model), "--cpu", "--tokens", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = out.glob("decode-tiny-f32-*.json")
+    record = json.loads(path.read_text())
+    assert record["bench"] == "decode" and record["commit"] == "abc1234"
+    assert record["model"]["like"] == "tiny" and record["model"]["quant"] == "f32"
+    [arm] = record["arms"]
+    assert arm["name"] == "strata" and arm["gpus"] == 1
+    assert arm["predicted_ms_per_token"] > 0
+    assert abs(arm["measured_ms_per_token"] * arm["decode_tok_s"] - 1e3) < 1.0
+    assert len(arm["tokens_sha256"]) == 64
