@@ -50,6 +50,25 @@ def main() -> int:
     ms = (time.perf_counter() - t1) * 1e3 / args.steps
     print(f"graph step: {ms:.3f} ms/token = {1e3 / ms:.1f} tok/s (one process, "
           f"{runner.le - runner.lb} layers)")
+    # the same loop with each next step launched before the host reads the token
+    # (STRATA_DECODE_AHEAD=1): what the host's share per token costs the GPU
+    start = eng.session.n_past
+    plain_tokens, tok0 = [], tok
+    for _ in range(16):
+        tok0 = eng.decode_step([tok0]).greedy_token
+        plain_tokens.append(tok0)
+    eng.session.n_past = start
+    runner.ahead_enabled, ahead_tokens, tok1 = True, [], tok
+    t2 = time.perf_counter()
+    for i in range(args.steps):
+        tok1 = eng.decode_step([tok1], ahead=i + 1 < args.steps).greedy_token
+        ahead_tokens.append(tok1)
+    ahead_ms = (time.perf_counter() - t2) * 1e3 / args.steps
+    runner.ahead_enabled = False
+    runner.settle()
+    print(f"graph step, the next one launched ahead (STRATA_DECODE_AHEAD=1): {ahead_ms:.3f} "
+          f"ms/token; the same tokens: {ahead_tokens[:16] == plain_tokens}")
+    eng.session.n_past = start
     # the graph alone on the GPU: replays queued back to back (the same position each time)
     gpu_ms = replay_ms(runner, args.steps)
     print(f"graph replay on the GPU: {gpu_ms:.3f} ms/token; host and hand-back per step: "

@@ -61,18 +61,21 @@ class SingleProcessRunner:
                              f"{self.max_context}")
 
     def _run(self, ids) -> object:
+        if self.decode_graph is not None:
+            self.decode_graph.settle()     # a decode step launched ahead, before the general path
         h = self.model.embed(ids)
         h = self.model.forward_layers(h, self.session)
         self.session.n_past += len(ids)
         return h
 
-    def decode_step(self, token_ids: list[int]):
+    def decode_step(self, token_ids: list[int], ahead: bool = False):
         """Append a few tokens (a decode step); the last position's logits, as a host array or
-        (graph path) the device step's StepLogits, which the sampler reads as they are."""
+        (graph path) the device step's StepLogits, which the sampler reads as they are. `ahead`:
+        the caller takes the greedy token only and asks for the next step after it."""
         self._check_fits(len(token_ids))
         runner = self.decode_graph
         if runner is not None and runner.usable(len(token_ids)):
-            out = runner.step(self.session, self.session.n_past, ids=token_ids)
+            out = runner.step(self.session, self.session.n_past, ids=token_ids, ahead=ahead)
             self.session.n_past += len(token_ids)
             return out
         h = self._run(token_ids)
@@ -136,6 +139,8 @@ class SingleProcessRunner:
             raise ValueError("the prompt is empty")
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
+        if self.decode_graph is not None:
+            self.decode_graph.settle()
         reuse = self.resume_point(prompt) if resume else 0
         self.checkpoints.enter(self.session, reuse)
         at = request_positions(reuse, len(prompt), self.prefill_chunk, self.checkpoint_every)
@@ -159,7 +164,7 @@ class SingleProcessRunner:
             if i + 1 == max_new:
                 break
             self.tokens.append(tok)
-            logits = self.decode_step([tok])
+            logits = self.decode_step([tok], ahead=params.greedy and i + 2 < max_new)
         res.decode_ms = (time.perf_counter() - t1) * 1e3
 
     def generate(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(),

@@ -87,6 +87,8 @@ class Stage:
         return sum(s.nbytes for s in self.sessions.values())
 
     def release(self, session_id: int) -> None:
+        if self.decode_graph is not None:
+            self.decode_graph.settle()      # a step ahead may still write this session's KV
         self.sessions.pop(session_id, None)
         gone = self.checkpoints.pop(session_id, None)
         if gone is not None:   # its counts stay in the rank's totals
@@ -122,6 +124,8 @@ class Stage:
         """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU every
         buffer a prompt chunk allocates comes from it (strata_dist/loan_arena.py)."""
         if self.cfg.loan_slots > 0 and not self.cache.lent:
+            if self.decode_graph is not None:
+                self.decode_graph.settle()  # a step ahead may still read the slots lent now
             self.cache.lend_tail(self.cfg.loan_slots)
             self.tiers.counters["loans"] += 1
             if self.backend.name == "cupy":
@@ -147,12 +151,13 @@ class Stage:
         return loan.active() if loan is not None else nullcontext()
 
     def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False,
-            checkpoint_at=()):
+            checkpoint_at=(), ahead: bool = False):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the
         others hidden rows (float32 [n, n_embd], host or device). Returns the hidden rows as a
         backend array, or on the last stage the logits of the last row [vocab]: host float32, or
         a graph step's StepLogits (the sampler reads both).
-        `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end."""
+        `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end.
+        `ahead`: the next greedy step of this session follows (DecodeGraph.step may launch it now)."""
         s = self.session(session_id)
         self.tiers.prompt = prompt   # prompt chunks never go to helper tiers
         store = self.checkpoint_store(session_id)
@@ -167,10 +172,12 @@ class Stage:
             store.save(s, pos)
         graph = self.decode_graph
         if not prompt and graph is not None and graph.usable(n):
-            out = graph.step(s, pos, ids=ids, hidden=hidden)
+            out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)
             self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
             self.tiers.counters["graph_steps"] += 1
         else:
+            if graph is not None:
+                graph.settle()
             out = self._run_general(s, prompt, ids, hidden)
         s.n_past = pos + n
         if s.n_past in checkpoint_at:

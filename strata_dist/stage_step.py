@@ -102,7 +102,7 @@ class StageStep:
             self.stage.begin_prompt()
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
-                                 checkpoint_at=msg.checkpoint_at)
+                                 checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg))
         else:
             out = self.stage.run(msg.session_id, msg.pos, hidden=rows, prompt=is_prompt,
                                  checkpoint_at=msg.checkpoint_at)
@@ -111,6 +111,14 @@ class StageStep:
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += _rows_of(msg)
         return out
+
+    def _ahead(self, msg: Tokens) -> bool:
+        """Whether the next decode step of this request will follow this one on this stage: a
+        greedy request with more than this step's token to go, on a stage that is first and last
+        (the stage may then start that step before the host has this one's token)."""
+        req = self.requests.get(msg.request_id)
+        return (self.last and msg.sampling is None and req is not None
+                and req.sampler.params.greedy and req.generated + 1 < req.max_new)
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the

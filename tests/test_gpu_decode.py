@@ -258,3 +258,40 @@ def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch):
     host = part.tiers.counters["host"] - before.get("host", 0)
     assert hits + host == len(NEXT) * 4 * 3 and host > 0 and hits > 0
     assert part.tiers.counters["graph_steps"] == len(NEXT)
+
+
+def test_steps_launched_ahead_give_the_same_tokens(tmp_path):
+    """STRATA_DECODE_AHEAD: a greedy generation whose every next step is launched before the host
+    reads the token gives the plain runner's tokens, and the steps ahead are the ones taken."""
+    from strata_dist.single_process import SingleProcessRunner
+    path = _model(tmp_path, "q8_0", seed=16)
+    plain, ahead = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    ahead.decode_graph.ahead_enabled = True
+    want = plain.generate(PROMPT[:40], 32).tokens
+    assert ahead.generate(PROMPT[:40], 32).tokens == want
+    # every decode step but the first was launched ahead (the last one launched is never asked
+    # for; fewer steps if a stop token came)
+    assert ahead.decode_graph.ahead_taken == max(0, len(want) - 2)
+    assert plain.decode_graph.ahead_taken == 0
+    # the next request on the same session reads its prompt after the runner settles
+    assert ahead.generate(PROMPT[:20], 8).tokens == plain.generate(PROMPT[:20], 8).tokens
+
+
+def test_a_step_ahead_not_taken_is_dropped(tmp_path):
+    """A step launched ahead whose token the caller does not feed (a sampler that picked another
+    token) is waited for and dropped; the step asked for is computed afresh, equal to a runner's
+    without steps ahead. Logits read after a later launch raise instead of being another step's."""
+    from strata_dist.single_process import SingleProcessRunner
+    path = _model(tmp_path, "q8_0", seed=17)
+    plain, ahead = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    ahead.decode_graph.ahead_enabled = True
+    for e in (plain, ahead):
+        e.prefill(PROMPT[:40])
+    first = ahead.decode_step([NEXT[0]], ahead=True)
+    with pytest.raises(RuntimeError):
+        np.asarray(first)                       # the step ahead has overwritten the row
+    plain.decode_step([NEXT[0]])
+    other = (first.greedy_token + 1) % 100      # not the token the step ahead read
+    got = np.asarray(ahead.decode_step([other]))
+    assert np.array_equal(got, np.asarray(plain.decode_step([other])))
+    assert ahead.decode_graph.ahead_taken == 0

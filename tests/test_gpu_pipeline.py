@@ -51,6 +51,22 @@ def test_gpu_ranks_equal_single_process(model, baseline, split):
         assert s.close() == 0
 
 
+def test_a_single_stage_rank_launching_steps_ahead_keeps_the_tokens(model, baseline):
+    """STRATA_DECODE_AHEAD=1 on a rank that is the whole pipeline: each next greedy step starts
+    before the rank has read the token; the tokens equal the single-process run, for a second
+    request on the same rank too (its prompt waits for the step left in flight)."""
+    s = ServeSession(model, "--gpus", "0", "--prefill", str(CHUNK), "--max-context", "512",
+                     env={"STRATA_DECODE_AHEAD": "1"}, timeout=120)
+    try:
+        out = s.gen(PROMPT, 64, timeout=120)
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == baseline
+        again = s.gen(PROMPT, 64, timeout=120)
+        assert again["err"] is None and again["tokens"] == baseline
+    finally:
+        assert s.close() == 0
+
+
 @pytest.mark.parametrize("ipc", ["1", "0"])
 def test_gpu_tiers_keep_the_tokens(model, baseline, ipc):
     """Stage caches of a few pairs, a helper tier on a third rank, host misses streamed from

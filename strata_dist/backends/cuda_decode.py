@@ -6,8 +6,10 @@ two launches: one token through a stage is 7 launches per layer, and nothing in 
 the host. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
 expert activations, logits); the sessions own their KV outside it. A small descriptor (position,
 rows, token ids) and the bound session's pointer table are copied in before the graph runs, so one
-captured graph per row count replays for every position and session. Only the greedy token id comes back to the host; the full
-logits stay on the device until a sampler asks for them (`StepLogits`).
+captured graph per row count replays for every position and session. Only the greedy token id
+comes back to the host; the full logits stay on the device until a sampler asks for them
+(`StepLogits`). With STRATA_DECODE_AHEAD=1 a single-stage pipeline's next greedy step is launched
+before the host reads this one's token (backends/step_slots.py; experimental until measured).
 
 Used when every expert of the stage's layers is resident in its cache arena (the single-process
 runner, or a stage whose cache holds its whole range), or, with STRATA_HOST_MAPPED=1, when the
@@ -24,16 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import cupy as cp
-import cupyx
 
 from ..kernels import function
-from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_WORDS, EXPERT_SPEC, F16, F32,
-                           KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
-                           KernelShape, attn_kernel, expert_layout, matvec_kernel,
+from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC,
+                           F16, F32, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC,
+                           TYPE_NAMES, KernelShape, attn_kernel, expert_layout, matvec_kernel,
                            rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
+from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")
 
@@ -87,20 +89,6 @@ def norm_vector(v, name: str):
         raise Unsupported(f"{name}: kept as {getattr(v, 'dtype', type(v).__name__)}, which the "
                           f"decode kernels do not read")
     return v
-
-
-class StepLogits:
-    """The last row's logits of a graph step. The greedy token is already on the host; the full
-    row is copied only when asked (`np.asarray`). It is the runner's buffer: read it before the
-    next step."""
-
-    def __init__(self, token: int, logits):
-        self.greedy_token = token
-        self._logits = logits
-
-    def __array__(self, dtype=None, copy=None):
-        host = cp.asnumpy(self._logits)
-        return host if dtype is None else host.astype(dtype)
 
 
 def _spec_array(dtype, rows: list[dict]):
@@ -194,6 +182,13 @@ class DecodeGraph:
         self._pdl_armed = False
         self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
+        # experimental, until measured: the next greedy step of a single-stage pipeline launched
+        # before the host reads this one's token (step_slots.py)
+        self.ahead_enabled = (os.environ.get("STRATA_DECODE_AHEAD") == "1"
+                              and self.first and self.last)
+        self._ahead: Ahead | None = None
+        self.launches = 0              # steps launched (StepLogits checks it is still current)
+        self.ahead_taken = 0           # steps launched ahead and then asked for
         self.steps = 0
         self.last_tiers: dict[str, int] = {}   # the last step's expert computations per tier
 
@@ -259,7 +254,6 @@ class DecodeGraph:
         self.router_logits = cp.zeros((R, g.n_expert), f32)
         # each layer's chosen experts (its own rows: the tiers of a step are counted from them)
         self.ids = cp.zeros((self.le - self.lb, R, g.n_expert_used), cp.int32)
-        self.ids_host = cupyx.empty_pinned(self.ids.shape, dtype=np.int32)
         self.wts = cp.zeros((R, g.n_expert_used), f32)
         self.blobs = cp.zeros((R, g.n_expert_used), cp.uint64)   # each chosen expert's address
         # blocks finished of the launches whose last block finishes the job (the router's top-k,
@@ -271,8 +265,8 @@ class DecodeGraph:
         self.logits = cp.zeros(g.n_vocab if self.last else 1, f32)
         self.token = cp.zeros(1, cp.int32)
         self.desc = cp.zeros(DESC_WORDS, cp.int32)
-        self.desc_host = cupyx.empty_pinned(DESC_WORDS, dtype=np.int32)
-        self.token_host = cupyx.empty_pinned(1, dtype=np.int32)
+        # the pinned buffers of a step in flight; two: a step ahead may be queued behind another
+        self.slots = [HostSlot.allocate(DESC_WORDS, self.ids.shape) for _ in range(2)]
         nl = self.le - self.lb
         self.sess_table = cp.zeros(2 * nl + 2 + (2 * nl if self.kv_suffix else 0), cp.uint64)
         # each expert's blob address, [n_layer, n_expert]: its cache slot, else its pinned host
@@ -395,6 +389,7 @@ class DecodeGraph:
         time alone, warm, without its neighbours. The step is a real one: it advances nothing but
         writes the KV of position `pos` (with repeat > 1 the residual rows are added to several
         times: a profile's last step)."""
+        self.settle()
         use_graph, self.use_graph, self._timing = self.use_graph, False, []
         self._timing_repeat = repeat
         try:
@@ -421,7 +416,7 @@ class DecodeGraph:
         if self.first:
             e = self.embedding
             f("embed_tokens")((1, n), (128,), (np.uint64(e.ptr), i32(e.type), np.int64(e.row_bytes),
-                                              i32(e.ncols), self.desc, self.h))
+                                              i32(e.ncols), i32(e.nrows), self.desc, self.h))
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
@@ -496,10 +491,12 @@ class DecodeGraph:
         self.sess_table.set(np.asarray(ptrs, dtype=np.uint64), stream=self.stream)
         self._bound = weakref.ref(session)
 
-    def step(self, session, pos: int, ids=None, hidden=None):
+    def step(self, session, pos: int, ids=None, hidden=None, ahead: bool = False):
         """Rows at positions pos.. of `session`: token ids on the first stage, else hidden rows
         [n, n_embd]. Returns StepLogits on the last stage, else the hidden rows (a new device
-        array). The caller advances session.n_past."""
+        array). The caller advances session.n_past. `ahead`: the caller will ask for the next
+        greedy step of this session (it takes this step's greedy token only); with
+        STRATA_DECODE_AHEAD=1 that step is launched now, before this one's token is read."""
         n = len(ids) if self.first else int(hidden.shape[0])
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"a graph step takes 1..{self.max_rows} rows, got {n}")
@@ -509,17 +506,44 @@ class DecodeGraph:
             ids = np.asarray(ids, dtype=np.int64)
             if ids.min() < 0 or ids.max() >= self.g.n_vocab:
                 raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        queued, out = self._ahead, None
+        if queued is not None and queued.is_for(session, pos, ids):
+            self._ahead, slot = None, queued.slot        # launched by the call before
+            self.ahead_taken += 1
+        else:
+            self.settle()
+            slot = 0
+            out = self._launch_step(session, pos, n, ids, hidden, slot)
+        if ahead and self.ahead_enabled and n == 1 and pos + 2 <= session.max_cells:
+            self._launch_step(session, pos + 1, 1, None, None, 1 - slot, token_on_device=True)
+            self._ahead = Ahead(weakref.ref(session), pos + 1, 1 - slot)
+        return self._finish(slot, pos, n, out)
+
+    def settle(self) -> None:
+        """Wait for a step launched ahead and drop it (before anything else uses the session,
+        the cache or the runner's buffers)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.stream.synchronize()
+
+    def _launch_step(self, session, pos: int, n: int, ids, hidden, slot: int,
+                     token_on_device: bool = False):
+        """Queue one step on self.stream; `token_on_device`: its one token id is the greedy token
+        the step queued before it leaves on the device. Returns the hidden rows (not last)."""
+        hs = self.slots[slot]
         # whatever the default stream still has in flight (a prompt chunk writing this session's
         # KV) comes first
         self._ready.record(cp.cuda.Stream.null)
         self.stream.wait_event(self._ready)
         self._bind(session)
-        self.desc_host[0], self.desc_host[1] = pos, n
-        if self.first:
-            self.desc_host[2:2 + n] = ids
-        cp.cuda.runtime.memcpyAsync(self.desc.data.ptr, self.desc_host.ctypes.data,
-                                    self.desc_host.nbytes, cp.cuda.runtime.memcpyHostToDevice,
-                                    self.stream.ptr)
+        hs.desc[0], hs.desc[1] = pos, n
+        if self.first and not token_on_device:
+            hs.desc[2:2 + n] = ids
+        cp.cuda.runtime.memcpyAsync(self.desc.data.ptr, hs.desc.ctypes.data, hs.desc.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if token_on_device:
+            cp.cuda.runtime.memcpyAsync(self.desc.data.ptr + 4 * DESC_TOKENS, self.token.data.ptr,
+                                        4, cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         with self.stream:
             if not self.first:
                 cp.copyto(self.h[:n], cp.asarray(hidden, dtype=cp.float32))
@@ -529,30 +553,41 @@ class DecodeGraph:
                 self._enqueue(n)
             out = None if self.last else self.h[:n].copy()
         if self.last:
-            cp.cuda.runtime.memcpyAsync(self.token_host.ctypes.data, self.token.data.ptr, 4,
+            cp.cuda.runtime.memcpyAsync(hs.token.ctypes.data, self.token.data.ptr, 4,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         if self.host_blobs is not None:   # the routes, to count the step's hits and host reads
-            cp.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data, self.ids.data.ptr,
-                                        self.ids.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
-                                        self.stream.ptr)
-        # the pinned descriptor may be rewritten only after this step has read it
-        self.stream.synchronize()
+            cp.cuda.runtime.memcpyAsync(hs.ids.ctypes.data, self.ids.data.ptr, self.ids.nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        hs.done.record(self.stream)
+        self.launches += 1
+        hs.launch_no = self.launches
+        return out
+
+    def _finish(self, slot: int, pos: int, n: int, out):
+        """Wait for the step of `slot` (its pinned descriptor may be rewritten only after it has
+        been read) and hand its result back."""
+        hs = self.slots[slot]
+        hs.done.synchronize()
         self.steps += 1
-        self.last_tiers = self._count_tiers(n)
+        self.last_tiers = self._count_tiers(n, hs.ids)
         if not self.last:
             return out
-        token = int(self.token_host[0])
+        token = int(hs.token[0])
+        if self._ahead is not None:
+            self._ahead.token = token                    # what the step ahead reads
         if not 0 <= token < self.g.n_vocab:     # argmax_row found no finite logit
+            self.settle()
             raise FloatingPointError(f"decode step at position {pos}: no finite logit (the "
                                      f"model's activations overflowed or are NaN)")
-        return StepLogits(token, self.logits)
+        launched = hs.launch_no
+        return StepLogits(token, self.logits, lambda: self.launches == launched)
 
-    def _count_tiers(self, n: int) -> dict[str, int]:
-        """The last step's expert computations by where the blob was: the cache or host memory."""
+    def _count_tiers(self, n: int, routes) -> dict[str, int]:
+        """A step's expert computations by where the blob was: the cache or host memory."""
         total = n * self.g.n_expert_used * (self.le - self.lb)
         if self.host_blobs is None:
             return {"hits": total, "host": 0}
-        ids = self.ids_host[:, :n]                        # [stage layers, n, k]
+        ids = routes[:, :n]                               # [stage layers, n, k]
         layer = np.arange(self.le - self.lb)[:, None, None]
         hits = int(self.in_cache[layer, np.clip(ids, 0, None)][ids >= 0].sum())
         return {"hits": hits, "host": int((ids >= 0).sum()) - hits}

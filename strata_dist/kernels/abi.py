@@ -9,7 +9,8 @@ import numpy as np
 
 MAX_ROWS = 8          # rows of one decode step (MAX_ROWS in decode.cu; plan.pricing.DECODE_ROWS)
 ATTN_CHUNK = 256      # keys per attention split (ATTN_CHUNK)
-DESC_WORDS = 2 + MAX_ROWS   # the step descriptor: position, rows, token ids
+DESC_TOKENS = 2             # where the token ids start in the step descriptor
+DESC_WORDS = DESC_TOKENS + MAX_ROWS   # the step descriptor: position, rows, token ids
 
 # GGML type ids the kernels read, with the byte alignment their loads need
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 8, 12, 13, 14

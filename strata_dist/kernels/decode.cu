@@ -150,17 +150,25 @@ extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i6
     }
 }
 
-// The first stage's rows: embedding rows of the descriptor's token ids.
+// The first stage's rows: embedding rows of the descriptor's token ids. An id outside the table
+// gives a row of NaN, not a read past it: the host checks the ids it writes, but a step launched
+// ahead reads the step before's argmax, which is no id when that step found no finite logit.
 extern "C" __global__ void embed_tokens(const u8* __restrict__ table, int type, i64 row_bytes,
-                                        int ncols, const int* __restrict__ desc,
+                                        int ncols, int nrows, const int* __restrict__ desc,
                                         float* __restrict__ h) {
     pdl_entry();
-    const int i = blockIdx.y;
-    const u8* row = table + (i64)desc[DESC_TOKENS + i] * row_bytes;
+    const int i = blockIdx.y, id = desc[DESC_TOKENS + i];
+    const bool ok = 0 <= id && id < nrows;
+    const u8* row = table + (i64)(ok ? id : 0) * row_bytes;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < (ncols >> 3);
          c += gridDim.x * blockDim.x) {
         float w[8];
-        DISPATCH_TYPE(type, (chunk8<TT>(row, c, w)));
+        if (ok) {
+            DISPATCH_TYPE(type, (chunk8<TT>(row, c, w)));
+        } else {
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) w[j] = NAN_F32;
+        }
         store8(h + (i64)i * ncols + 8 * c, w);
     }
 }
