@@ -139,8 +139,6 @@ class SingleProcessRunner:
             raise ValueError("the prompt is empty")
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
-        if self.decode_graph is not None:
-            self.decode_graph.settle()
         reuse = self.resume_point(prompt) if resume else 0
         self.checkpoints.enter(self.session, reuse)
         at = request_positions(reuse, len(prompt), self.prefill_chunk, self.checkpoint_every)

@@ -124,8 +124,6 @@ class Stage:
         """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU every
         buffer a prompt chunk allocates comes from it (strata_dist/loan_arena.py)."""
         if self.cfg.loan_slots > 0 and not self.cache.lent:
-            if self.decode_graph is not None:
-                self.decode_graph.settle()  # a step ahead may still read the slots lent now
             self.cache.lend_tail(self.cfg.loan_slots)
             self.tiers.counters["loans"] += 1
             if self.backend.name == "cupy":
@@ -177,6 +175,8 @@ class Stage:
             self.tiers.counters["graph_steps"] += 1
         else:
             if graph is not None:
+                # a step ahead still in flight reads the cache (a prompt writes its lent slots)
+                # and writes the session: it finishes before the general path starts
                 graph.settle()
             out = self._run_general(s, prompt, ids, hidden)
         s.n_past = pos + n
