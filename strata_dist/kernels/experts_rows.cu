@@ -26,27 +26,41 @@ struct RowsItem {
 #define OWN_M(t) (2 * ((t) >> 4))
 #define OWN_N(t) (4 * ((t) & 15))
 
-// Stage TILE_K columns [k0, k0 + TILE_K) of the item's input rows into xs[k][m] (zeros past
-// `count`): thread t loads four consecutive columns of one row.
+// What thread t stages of TILE_K columns [k0, k0 + TILE_K), in both builds: four consecutive
+// columns 4 (t % 8) .. of the item's input row m = t / 8 (zeros past `count`) ...
+__device__ __forceinline__ float4 tile_row_values(const float* __restrict__ x, int x_cols,
+                                                  const int* __restrict__ rows, int count, int k0,
+                                                  int m, int c) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m < count)
+        v = __ldg(reinterpret_cast<const float4*>(x + (i64)rows[m] * x_cols + k0 + c));
+    return v;
+}
+
+// ... and chunk q = t % 4 of weight row n0 + n, n = t / 4, decoded (rows past `nrows` read the
+// last row and are never written out)
+template <int T>
+__device__ __forceinline__ void tile_weight_chunk(const u8* __restrict__ base, i64 row_bytes,
+                                                  int n0, int nrows, int k0, int n, int q,
+                                                  float (&w)[8]) {
+    chunk8<T>(base + (i64)min(n0 + n, nrows - 1) * row_bytes, (k0 >> 3) + q, w);
+}
+
+// The FMA build's staging: input rows into xs[k][m], weights into ws[k][n].
 __device__ __forceinline__ void stage_rows(float (*xs)[TILE_M], const float* __restrict__ x,
                                            int x_cols, const int* __restrict__ rows, int count,
                                            int k0) {
     const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m < count)
-        v = __ldg(reinterpret_cast<const float4*>(x + (i64)rows[m] * x_cols + k0 + c));
+    const float4 v = tile_row_values(x, x_cols, rows, count, k0, m, c);
     xs[c][m] = v.x; xs[c + 1][m] = v.y; xs[c + 2][m] = v.z; xs[c + 3][m] = v.w;
 }
 
-// Decode chunk q of TILE_K / 8 of weight row n of the tile into ws[8q .. 8q+7][n] (thread t:
-// n = t / 4, q = t % 4). Rows past `nrows` read the last row and are never written out.
 template <int T>
 __device__ __forceinline__ void stage_weights(float (*ws)[TILE_N], const u8* __restrict__ base,
                                               i64 row_bytes, int n0, int nrows, int k0) {
     const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
-    const u8* row = base + (i64)min(n0 + n, nrows - 1) * row_bytes;
     float w[8];
-    chunk8<T>(row, (k0 >> 3) + q, w);
+    tile_weight_chunk<T>(base, row_bytes, n0, nrows, k0, n, q, w);
     #pragma unroll
     for (int j = 0; j < 8; ++j) ws[8 * q + j][n] = w[j];
 }
@@ -68,9 +82,7 @@ __device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], float* unscal
                                              const float* __restrict__ x, int x_cols,
                                              const int* __restrict__ rows, int count, int k0) {
     const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m < count)
-        v = __ldg(reinterpret_cast<const float4*>(x + (i64)rows[m] * x_cols + k0 + c));
+    const float4 v = tile_row_values(x, x_cols, rows, count, k0, m, c);
     float top = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     #pragma unroll
     for (int lane = 1; lane < 8; lane <<= 1)
@@ -85,14 +97,13 @@ __device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], float* unscal
     *reinterpret_cast<uint2*>(&xs[m][c]) = packed;
 }
 
-// chunk q of weight row n as f16, ws[n][8q .. 8q+7] (thread t: n = t / 4, q = t % 4)
+// chunk q of weight row n as f16, ws[n][8q .. 8q+7]
 template <int T>
 __device__ __forceinline__ void stage_weights_h(__half (*ws)[MMA_LD], const u8* __restrict__ base,
                                                 i64 row_bytes, int n0, int nrows, int k0) {
     const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
-    const u8* row = base + (i64)min(n0 + n, nrows - 1) * row_bytes;
     float w[8];
-    chunk8<T>(row, (k0 >> 3) + q, w);
+    tile_weight_chunk<T>(base, row_bytes, n0, nrows, k0, n, q, w);
     uint4 packed;
     packed.x = pack_half2(w[0], w[1]);
     packed.y = pack_half2(w[2], w[3]);
