@@ -84,31 +84,35 @@ def main() -> int:
         print(f"  {name:18s} {us:8.1f} us {us / total:6.1%} {us / layers:6.1f} us "
               f"{alone[name] / layers:6.1f} us")
     # the experiments, side by side: replay time, and the logits of one step at the same
-    # position (each variant rewrites that position's KV with the same values)
+    # position (each variant rewrites that position's KV with the same values; none may change
+    # a bit of them)
     import numpy as np
+    from strata_dist.backends.cuda_decode import DecodeGraph
+    from strata_dist.kernels.abi import KernelShape
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     pos = eng.session.n_past
-    variants = [("plain launches (STRATA_PDL=0)", False, False),
-                ("programmatic dependent launches (the default)", True, False),
-                ("q/k norm fused into the q/k/v matvec (STRATA_FUSED_QK_NORM=1)", False, True),
-                ("both", True, True)]
+    prefetch = KernelShape(prefetch=1 - KernelShape().prefetch)
+    variants = [("as built", {}, True),
+                ("plain launches (STRATA_PDL=0)", {}, False),
+                (f"weights prefetched before the wait {'on' if prefetch.prefetch else 'off'} "
+                 f"(STRATA_KERNEL_SHAPE=prefetch={prefetch.prefetch})", {"shape": prefetch}, True)]
+    group = runner.g.n_head // runner.g.n_head_kv
+    for heads in (2, 4, 8):
+        if heads < group and group % heads == 0 and heads != runner.attn_heads:
+            variants.append((f"attention {heads} query heads a block (STRATA_ATTN_HEADS={heads})",
+                             {"attn_heads": heads}, True))
+            variants.append((f"attention {heads} query heads a block and the prefetch flipped",
+                             {"attn_heads": heads, "shape": prefetch}, True))
     base = None
-    for name, pdl, fused in variants:
-        runner._pdl = ProgrammaticLauncher() if pdl else None
-        runner.fused_qk_norm = fused
-        ms = replay_ms(runner, args.steps)
-        eng.session.n_past = pos
-        logits = np.asarray(eng.decode_step([11]))
+    for name, kwargs, pdl in variants:
+        other = DecodeGraph(eng.model, runner.arena, args.context, **kwargs) if kwargs else runner
+        other._pdl = ProgrammaticLauncher() if pdl else None
+        logits = np.asarray(other.step(eng.session, pos, ids=[11]))   # and the position replayed
+        ms = replay_ms(other, args.steps)
         base = logits if base is None else base
         print(f"graph replay, {name}: {ms:.3f} ms/token; logits equal to the first: "
-              f"{np.array_equal(logits, base)}")
-    runner._pdl, runner.fused_qk_norm = ProgrammaticLauncher(), False     # as built
-    # the L1 / shared memory split: every kernel asking for the most shared memory, so the split
-    # never changes between kernels
-    for fn in runner._fns.values():
-        fn.preferred_shared_memory_carveout = 100
-    print(f"graph replay, all kernels preferring the most shared memory: "
-          f"{replay_ms(runner, args.steps):.3f} ms/token")
+              f"{np.array_equal(logits, base)}", flush=True)
+    runner._pdl = ProgrammaticLauncher()                                   # as built
     return 0
 
 

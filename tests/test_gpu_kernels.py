@@ -197,16 +197,25 @@ def test_attention_kernel_matches_numpy(length, chunk, kv_type):
     check_attention_kernel(length, chunk, kv_type, n_head=32)
 
 
-@pytest.mark.parametrize("n_head", [4, 12, 16, 40, 64])
+@pytest.mark.parametrize("n_head", [4, 8, 12, 16, 40, 64])
 def test_attention_kernel_builds_for_each_group(n_head):
-    """The builds for at most 4, 8 and 16 query heads per kv head, full and partly used."""
+    """The builds for at most 2, 4, 8 and 16 query heads per kv head, full and partly used."""
     check_attention_kernel(300, 64, "f16", n_head=n_head)
 
 
-def check_attention_kernel(length, chunk, kv_type, n_head):
+@pytest.mark.parametrize("heads_per_block", [2, 4])
+@pytest.mark.parametrize("length,kv_type", [(1, "f16"), (40, "q8_0"), (300, "f16"),
+                                            (1000, "q8_0")])
+def test_attention_kernel_splits_a_group_over_blocks(heads_per_block, length, kv_type):
+    """A kv head's 8 query heads taken 2 or 4 to a block (STRATA_ATTN_HEADS), with one split
+    (the block writes the attention itself) and several (the last block combines them)."""
+    check_attention_kernel(length, 64, kv_type, n_head=32, heads_per_block=heads_per_block)
+
+
+def check_attention_kernel(length, chunk, kv_type, n_head, heads_per_block=None):
     """attn_decode_128_g* (and _q8): causal attention of each row over the session's KV, f16 or
     in q8_0 blocks (the host's Q8Rows wrote them), the splits combined by the last block of each
-    kv head, for rows at positions length-1, length, ..."""
+    head group, for rows at positions length-1, length, ..."""
     from strata_dist.backends.kv_cache import Q8Rows
     n_kv, D, n = 4, 128, 3
     cells = 1024 + n
@@ -229,12 +238,13 @@ def check_attention_kernel(length, chunk, kv_type, n_head):
     desc = cp.asarray(np.array([length - 1, n] + [0] * (DESC_WORDS - 2), dtype=np.int32))
     part = cp.zeros(MAX_ROWS * n_head * n_split * D, cp.float32)
     ml = cp.zeros(MAX_ROWS * n_head * n_split * 2, cp.float32)
-    done = cp.zeros(MAX_ROWS * n_kv, cp.uint32)
+    hb = heads_per_block or n_head // n_kv
+    done = cp.zeros(MAX_ROWS * (n_head // hb), cp.uint32)
     out = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
     scale = 1 / math.sqrt(D)
     for _ in range(2):                  # the counters are back at 0 for the next launch
-        _kernel(attn_kernel(n_head // n_kv, kv_type))(
-            (n_kv, n_split, n), (BLOCK_THREADS,),
+        _kernel(attn_kernel(n_head // n_kv, kv_type, hb))(
+            (n_head // hb, n_split, n), (BLOCK_THREADS,),
             (cp.asarray(q), sess, np.int32(0), desc, np.int32(n_head), np.int32(n_kv),
              np.int32(n_split), np.int32(chunk), np.float32(scale), part, ml, done, out,
              np.int32(1)))

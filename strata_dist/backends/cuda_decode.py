@@ -129,11 +129,13 @@ class DecodeGraph:
     in `arena`, for sessions of `max_cells` cells."""
 
     def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None,
-                 shape: KernelShape | None = None, host_misses: bool | None = None):
-        """`shape`: the expert kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
+                 shape: KernelShape | None = None, host_misses: bool | None = None,
+                 attn_heads: int | None = None):
+        """`shape`: the kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
         decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
         and read there (default: $STRATA_HOST_MAPPED == "1"); else a missing expert makes the
-        stage take the general path."""
+        stage take the general path. `attn_heads`: query heads of one attention block (default:
+        $STRATA_ATTN_HEADS, else all those sharing a kv head)."""
         g = model.g
         self.shape = shape or KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", ""))
         self.model, self.arena, self.g = model, arena, g
@@ -150,7 +152,12 @@ class DecodeGraph:
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
-        self.attn_kernel = attn_kernel(g.n_head // g.n_head_kv, model.backend.kv_type)
+        # query heads of one attention block: the whole group sharing a kv head, or a part of it,
+        # so a short context's attention spreads over more blocks
+        group = g.n_head // g.n_head_kv
+        wanted = attn_heads or int(os.environ.get("STRATA_ATTN_HEADS") or 0)
+        self.attn_heads = wanted or group
+        self.attn_kernel = attn_kernel(group, model.backend.kv_type, self.attn_heads)
         # keys per attention split: short chunks spread a context over more blocks, as long as
         # the partials of one row stay inside the scratch budget
         for chunk in ATTN_CHUNKS:
@@ -281,8 +288,8 @@ class DecodeGraph:
             for (layer, expert), at in self.host_blobs.addresses().items():
                 table[layer, expert] = at
         self.blob_of = cp.asarray(table)
-        # blocks finished of each (row, kv head)'s attention splits (attn_decode_128_g*)
-        self.attn_done = cp.zeros(R * g.n_head_kv, cp.uint32)
+        # blocks finished of each (row, head group)'s attention splits (attn_decode_128_g*)
+        self.attn_done = cp.zeros(R * (g.n_head // self.attn_heads), cp.uint32)
         # blocks finished of each q and k head of a fused q/k/v matvec
         self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
 
@@ -430,7 +437,7 @@ class DecodeGraph:
                      self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim),
                      i32(g.head_dim), eps))
             f(self.attn_kernel)(
-                (g.n_head_kv, self.n_split, n), (BLOCK_THREADS,),
+                (g.n_head // self.attn_heads, self.n_split, n), (BLOCK_THREADS,),
                 (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
                  i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
                  self.attn_done, self.attn, i32(nl)))

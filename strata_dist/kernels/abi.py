@@ -21,21 +21,26 @@ MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
+PREFETCH_WEIGHTS = 0            # weights into L2 before the PDL wait (weights.cuh's default)
 
 
 @dataclass(frozen=True)
 class KernelShape:
-    """The compile-time shape of the expert kernels: the runner sizes its grids from the same value
+    """The compile-time shape of the decode kernels: the runner sizes its grids from the same value
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
-    picks another (benchmarks/tune_decode.py measures them)."""
+    picks another (benchmarks/tune_decode.py measures them). `prefetch`: the matvecs and moe_down
+    pull their weights into L2 before they wait for their predecessor (PREFETCH_WEIGHTS)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
+    prefetch: int = PREFETCH_WEIGHTS
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
+        if self.prefetch not in (0, 1):
+            raise ValueError(f"kernel shape prefetch={self.prefetch}: expected 0 or 1")
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key
@@ -45,17 +50,19 @@ class KernelShape:
             out.append(f"-DFF_PER_BLOCK={self.ff_per_block}")
         if self.down_per_block != DOWN_PER_BLOCK:
             out.append(f"-DDOWN_PER_BLOCK={self.down_per_block}")
+        if self.prefetch != PREFETCH_WEIGHTS:
+            out.append(f"-DPREFETCH_WEIGHTS={self.prefetch}")
         return tuple(out)
 
     @classmethod
     def parse(cls, text: str) -> "KernelShape":
-        """"ff_per_block=8,down_per_block=2" (either may be left out)."""
+        """"ff_per_block=8,down_per_block=2,prefetch=1" (any may be left out)."""
         fields = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             if not sep or key not in cls.__dataclass_fields__ or not value.strip().isdigit():
-                raise ValueError(f"kernel shape {part!r}: expected ff_per_block=N or "
-                                 f"down_per_block=N")
+                raise ValueError(f"kernel shape {part!r}: expected ff_per_block=N, "
+                                 f"down_per_block=N or prefetch=0|1")
             fields[key] = int(value)
         return cls(**fields)
 
@@ -113,16 +120,22 @@ def matvec_kernel(ggml_type: int, n: int) -> str:
     return f"matvec_{TYPE_NAMES[ggml_type]}_{padded_rows(n)}"
 
 
-ATTN_GROUPS = (4, 8, 16)     # the builds of attn_decode_128: query heads per kv head, at most
+ATTN_GROUPS = (2, 4, 8, 16)  # the builds of attn_decode_128: query heads of one block, at most
 
 
-def attn_kernel(group: int, kv_type: str) -> str:
+def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None) -> str:
     """The decode attention build for `group` query heads per kv head over K/V kept as
-    `kv_type` (f16 or q8_0): the least bound that holds the group (attention.cuh ATTN_DECODE)."""
-    bound = next((b for b in ATTN_GROUPS if group <= b), None)
+    `kv_type` (f16 or q8_0), each block taking `heads_per_block` of them (the whole group when
+    None; else a build's bound that divides the group): the least bound that holds them
+    (attention.cuh ATTN_DECODE). The launch's grid has n_head / heads_per_block columns."""
+    hb = group if heads_per_block is None else heads_per_block
+    bound = next((b for b in ATTN_GROUPS if hb <= b), None)
     if bound is None:
-        raise ValueError(f"{group} query heads per kv head (the attention kernels take <= "
+        raise ValueError(f"{hb} query heads per attention block (the attention kernels take <= "
                          f"{ATTN_GROUPS[-1]})")
+    if hb != group and (hb != bound or group % hb):
+        raise ValueError(f"{hb} query heads per attention block with {group} per kv head: "
+                         f"expected the group or one of {ATTN_GROUPS} dividing it")
     return f"attn_decode_128_g{bound}" + ("_q8" if kv_type == "q8_0" else "")
 
 

@@ -121,24 +121,25 @@ struct QkvSpec {
 QK_NORM_ROPE_KV(, false)
 QK_NORM_ROPE_KV(_q8, true)
 
-// Flash-decoding, first half: block (kv head, split, row) scores `chunk` (<= ATTN_CHUNK) keys for
-// the G query heads sharing that kv head and writes an unnormalised partial (max, sum, weighted V).
-// A block whose split starts past the row's keys returns at once (attn_decode_body does not count
-// it).
-// Short chunks spread a short context over more blocks; the runner picks the chunk.
+// Flash-decoding, first half: block (head group, split, row) scores `chunk` (<= ATTN_CHUNK) keys
+// for its `hb` query heads (h0 = blockIdx.x * hb on; one kv head serves them all) and writes an
+// unnormalised partial (max, sum, weighted V), or, when the split is the row's only one, the
+// attention itself (what attn_combine_heads would make of one partial, bit for bit).
+// Short chunks and small head groups spread a short context over more blocks; the runner picks
+// both (a block's instructions, not memory, bound these launches at short contexts).
 template <int D, bool Q8, int MAX_G>
 __device__ __forceinline__ void attn_partial_body(
         const float* __restrict__ q, const u64* __restrict__ sess, int layer_slot, int n_layers,
-        const int* __restrict__ desc, int n_head, int n_kv, int n_split, int chunk, float scale,
-        float* __restrict__ part, float* __restrict__ ml) {
+        const int* __restrict__ desc, int n_head, int n_kv, int hb, int n_split, int chunk,
+        float scale, float* __restrict__ part, float* __restrict__ ml, float* __restrict__ out) {
     constexpr int PAIRS = D / 2;
     // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
     __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
     __shared__ float ms[MAX_G], ls[MAX_G];
     float* qs = smem;
     float* ps = smem + MAX_G * D;
-    const int kvh = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
-    const int G = n_head / n_kv, t = threadIdx.x;
+    const int h0 = blockIdx.x * hb, split = blockIdx.y, i = blockIdx.z;
+    const int G = hb, kvh = h0 / (n_head / n_kv), t = threadIdx.x;
     const int len = desc[DESC_POS] + i + 1;              // keys this row sees (causal)
     const int start = split * chunk;
     if (start >= len) return;
@@ -206,7 +207,7 @@ __device__ __forceinline__ void attn_partial_body(
         v_ahead[m] = c < count ? load_v(c) : 0u;
     }
     for (int idx = t; idx < G * D; idx += blockDim.x)
-        qs[idx] = q[((i64)i * n_head + kvh * G) * D + idx];
+        qs[idx] = q[((i64)i * n_head + h0) * D + idx];
     __syncthreads();
     // scores: SPLIT threads per key, thread u taking dims 4u + 16j: its q reads from shared memory
     // are conflict-free and the G heads' sums are independent chains. Every thread runs every
@@ -301,6 +302,7 @@ __device__ __forceinline__ void attn_partial_body(
             if (g < G) red[((kq - 1) * MAX_G + g) * PAIRS + dp] = acc[g];
     }
     __syncthreads();
+    const bool only_split = count == len;
     if (kq == 0) {
         #pragma unroll
         for (int g = 0; g < MAX_G; ++g) {
@@ -311,7 +313,12 @@ __device__ __forceinline__ void attn_partial_body(
                     a.x += b.x;
                     a.y += b.y;
                 }
-                const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + split;
+                if (only_split) {             // the combine's weight would be exp(0) = 1
+                    reinterpret_cast<float2*>(out + ((i64)i * n_head + h0 + g) * D)[dp] =
+                        make_float2(a.x / ls[g], a.y / ls[g]);
+                    continue;
+                }
+                const i64 at = ((i64)i * n_head + h0 + g) * n_split + split;
                 reinterpret_cast<float2*>(part + at * D)[dp] = a;
                 if (dp == 0) { ml[2 * at] = ms[g]; ml[2 * at + 1] = ls[g]; }
             }
@@ -319,43 +326,66 @@ __device__ __forceinline__ void attn_partial_body(
     }
 }
 
-// Flash-decoding, second half, run by the last of a (row, kv head)'s split blocks to finish
-// (counted in done[i * n_kv + kvh], which it resets for the next launch): the splits of each of
-// the G heads combined in split order. The partials were written by other blocks: read via L2.
-// Latency, not bandwidth, bounds this: each head's max is found by a warp with all its loads in
-// flight, each tile's split weights go to shared memory once, and a thread's partial values are
-// loaded COMBINE_AHEAD at a time before they are summed. The sums run in split order with the same
+// Flash-decoding, second half, run by the last of a (row, head group)'s split blocks to finish
+// (counted in done[row * gridDim.x + blockIdx.x], which it resets for the next launch): the splits
+// of each of its heads combined in split order. The partials were written by other blocks: read
+// via L2. Latency, not bandwidth, bounds this, so the block waits on L2 twice, not three times:
+// the first AHEAD splits' values of a thread's outputs load together with the splits' (max, sum)
+// pairs, a warp per head keeps the pairs of the first 32 splits in registers from the max to the
+// weights, and later values load AHEAD at a time. The sums run in split order with the same
 // expressions as one thread per output walking the splits, so the result is that one's, bit for bit.
 #define COMBINE_TILE 64     // splits whose weights are in shared memory at a time
-#define COMBINE_AHEAD 8     // partial values a thread has in flight
 template <int D, int MAX_G>
 __device__ __forceinline__ void attn_combine_heads(const float* part, const float* ml, int len,
-                                                   int n_head, int n_kv, int n_split, int chunk,
+                                                   int n_head, int hb, int n_split, int chunk,
                                                    float* __restrict__ out) {
     constexpr int PER = (MAX_G * D + BLOCK_THREADS - 1) / BLOCK_THREADS;
-    __shared__ float m_s[MAX_G], w_s[MAX_G][COMBINE_TILE], l_s[MAX_G][COMBINE_TILE];
-    const int kvh = blockIdx.x, i = blockIdx.z, G = n_head / n_kv;
+    constexpr int AHEAD = 32 / PER < 2 ? 2 : 32 / PER > 8 ? 8 : 32 / PER;  // values in flight
+    constexpr int NWARPS = BLOCK_THREADS / 32, HEADS_PER_WARP = (MAX_G + NWARPS - 1) / NWARPS;
+    __shared__ float w_s[MAX_G][COMBINE_TILE], l_s[MAX_G][COMBINE_TILE];
+    const int h0 = blockIdx.x * hb, i = blockIdx.z, G = hb;
     const int used = (len + chunk - 1) / chunk;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    for (int g = warp; g < G; g += nwarps) {
-        const i64 base = ((i64)i * n_head + kvh * G + g) * n_split;
-        float m = -INF_F32;
-        for (int s = lane; s < used; s += 32) m = fmaxf(m, __ldcg(ml + 2 * (base + s)));
-        m = warp_max(m);
-        if (lane == 0) m_s[g] = m;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float2* ml2 = reinterpret_cast<const float2*>(ml);
+    auto first_split = [&](int g) -> i64 { return ((i64)i * n_head + h0 + g) * n_split; };
+    float ahead[PER][AHEAD];
+    #pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        const int idx = threadIdx.x + r * BLOCK_THREADS, g = idx / D, d = idx % D;
+        #pragma unroll
+        for (int u = 0; u < AHEAD; ++u)
+            ahead[r][u] = idx < G * D && u < used ? __ldcg(part + (first_split(g) + u) * D + d) : 0.f;
+    }
+    float2 pair[HEADS_PER_WARP];          // (max, sum) of split `lane` of head warp + NWARPS j
+    float m_head[HEADS_PER_WARP];         // the max over the head's splits
+    #pragma unroll
+    for (int j = 0; j < HEADS_PER_WARP; ++j) {
+        const int g = warp + NWARPS * j;
+        pair[j] = g < G && lane < used ? __ldcg(ml2 + first_split(g) + lane)
+                                       : make_float2(-INF_F32, 0.f);
+    }
+    #pragma unroll
+    for (int j = 0; j < HEADS_PER_WARP; ++j) {
+        const int g = warp + NWARPS * j;
+        float m = pair[j].x;
+        if (g < G)
+            for (int s = lane + 32; s < used; s += 32) m = fmaxf(m, __ldcg(ml + 2 * (first_split(g) + s)));
+        m_head[j] = warp_max(m);
     }
     float num[PER], den[PER];
     #pragma unroll
     for (int r = 0; r < PER; ++r) { num[r] = 0.f; den[r] = 0.f; }
     for (int s0 = 0; s0 < used; s0 += COMBINE_TILE) {
         const int s1 = min(used, s0 + COMBINE_TILE);
-        __syncthreads();                      // m_s written; the last tile's weights read
-        for (int idx = threadIdx.x; idx < G * COMBINE_TILE; idx += blockDim.x) {
-            const int g = idx / COMBINE_TILE, s = s0 + idx % COMBINE_TILE;
-            if (s < s1) {
-                const i64 at = ((i64)i * n_head + kvh * G + g) * n_split + s;
-                w_s[g][s - s0] = __expf(__ldcg(ml + 2 * at) - m_s[g]);
-                l_s[g][s - s0] = __ldcg(ml + 2 * at + 1);
+        __syncthreads();                      // the last tile's weights read
+        #pragma unroll
+        for (int j = 0; j < HEADS_PER_WARP; ++j) {
+            const int g = warp + NWARPS * j;
+            if (g >= G) continue;
+            for (int s = s0 + lane; s < s1; s += 32) {
+                const float2 p = s < 32 ? pair[j] : __ldcg(ml2 + first_split(g) + s);
+                w_s[g][s - s0] = __expf(p.x - m_head[j]);
+                l_s[g][s - s0] = p.y;
             }
         }
         __syncthreads();
@@ -364,14 +394,14 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
             const int idx = threadIdx.x + r * BLOCK_THREADS;
             if (idx < G * D) {
                 const int g = idx / D, d = idx % D;
-                const float* p = part + (((i64)i * n_head + kvh * G + g) * n_split) * D + d;
-                for (int s = s0; s < s1; s += COMBINE_AHEAD) {
-                    float v[COMBINE_AHEAD];
+                const float* p = part + first_split(g) * D + d;
+                for (int s = s0; s < s1; s += AHEAD) {
+                    float v[AHEAD];
                     #pragma unroll
-                    for (int u = 0; u < COMBINE_AHEAD; ++u)
-                        v[u] = s + u < s1 ? __ldcg(p + (i64)(s + u) * D) : 0.f;
+                    for (int u = 0; u < AHEAD; ++u)
+                        v[u] = s == 0 ? ahead[r][u] : s + u < s1 ? __ldcg(p + (i64)(s + u) * D) : 0.f;
                     #pragma unroll
-                    for (int u = 0; u < COMBINE_AHEAD; ++u) {
+                    for (int u = 0; u < AHEAD; ++u) {
                         if (s + u < s1) {
                             const float w = w_s[g][s + u - s0];
                             num[r] += w * v[u];
@@ -387,13 +417,14 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
         const int idx = threadIdx.x + r * BLOCK_THREADS;
         if (idx < G * D) {
             const int g = idx / D, d = idx % D;
-            out[((i64)i * n_head + kvh * G + g) * D + d] = num[r] / den[r];
+            out[((i64)i * n_head + h0 + g) * D + d] = num[r] / den[r];
         }
     }
 }
 
-// Grid (n_kv, n_split, rows), BLOCK_THREADS threads: out [rows, n_head, D] is the attention of
-// each row's query heads over its causal keys.
+// Grid (n_head / hb, n_split, rows), BLOCK_THREADS threads, hb = min(G, MAX_G) query heads per
+// block (G, the query heads per kv head, a multiple of hb): out [rows, n_head, D] is the attention
+// of each row's query heads over its causal keys.
 template <bool Q8, int MAX_G>
 __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess, int layer_slot,
                                                  const int* desc, int n_head, int n_kv,
@@ -405,16 +436,19 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     const int len = desc[DESC_POS] + blockIdx.z + 1;
     const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
     if ((int)blockIdx.y >= used) return;
-    attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, n_split,
-                                      chunk, scale, part, ml);
-    if (!last_block_to_finish(done + blockIdx.z * n_kv + blockIdx.x, (u32)used)) return;
-    attn_combine_heads<128, MAX_G>(part, ml, len, n_head, n_kv, n_split, chunk, out);
+    const int hb = min(n_head / n_kv, MAX_G);
+    attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
+                                      n_split, chunk, scale, part, ml, out);
+    if (used == 1) return;                   // the only split wrote the attention itself
+    if (!last_block_to_finish(done + blockIdx.z * gridDim.x + blockIdx.x, (u32)used)) return;
+    attn_combine_heads<128, MAX_G>(part, ml, len, n_head, hb, n_split, chunk, out);
 }
 
 // n_layers: the stage's layers (where a q8_0 session's scales start in `sess`). One build per
-// bound on the query heads per kv head (4, 8, 16: kernels/abi.py attn_kernel picks the least that
-// holds G): the per-head loops are unrolled to that bound, so a build for 16 heads running 8 would
-// issue twice the instructions, and these launches are bound by the instructions of one block.
+// bound on the query heads of a block (2, 4, 8, 16: kernels/abi.py attn_kernel picks it): the
+// per-head loops are unrolled to that bound, so a build for 16 heads running 8 would issue twice
+// the instructions, and these launches are bound by the instructions of one block. A bound below
+// the heads per kv head splits each kv head's queries over several blocks.
 #define ATTN_DECODE(suffix, Q8, MAX_G)                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix(         \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
@@ -424,9 +458,11 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
         attn_decode_body<Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,     \
                                     scale, part, ml, done, out, n_layers);                       \
     }
+ATTN_DECODE(_g2, false, 2)
 ATTN_DECODE(_g4, false, 4)
 ATTN_DECODE(_g8, false, 8)
 ATTN_DECODE(_g16, false, 16)
+ATTN_DECODE(_g2_q8, true, 2)
 ATTN_DECODE(_g4_q8, true, 4)
 ATTN_DECODE(_g8_q8, true, 8)
 ATTN_DECODE(_g16_q8, true, 16)
