@@ -88,21 +88,15 @@ def main() -> int:
     # a bit of them)
     import numpy as np
     from strata_dist.backends.cuda_decode import DecodeGraph
-    from strata_dist.kernels.abi import KernelShape
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     pos = eng.session.n_past
-    prefetch = KernelShape(prefetch=1 - KernelShape().prefetch)
-    variants = [("as built", {}, True),
-                ("plain launches (STRATA_PDL=0)", {}, False),
-                (f"weights prefetched before the wait {'on' if prefetch.prefetch else 'off'} "
-                 f"(STRATA_KERNEL_SHAPE=prefetch={prefetch.prefetch})", {"shape": prefetch}, True)]
+    variants = [(f"as built ({runner.attn_heads} query heads an attention block)", {}, True),
+                ("plain launches (STRATA_PDL=0)", {}, False)]
     group = runner.g.n_head // runner.g.n_head_kv
-    for heads in (2, 4, 8):
-        if heads < group and group % heads == 0 and heads != runner.attn_heads:
+    for heads in sorted({2, 4, 8, group}):
+        if heads <= group and group % heads == 0 and heads != runner.attn_heads:
             variants.append((f"attention {heads} query heads a block (STRATA_ATTN_HEADS={heads})",
                              {"attn_heads": heads}, True))
-            variants.append((f"attention {heads} query heads a block and the prefetch flipped",
-                             {"attn_heads": heads, "shape": prefetch}, True))
     base = None
     for name, kwargs, pdl in variants:
         other = DecodeGraph(eng.model, runner.arena, args.context, **kwargs) if kwargs else runner

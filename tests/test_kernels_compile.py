@@ -9,8 +9,8 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DOWN_PER_BLOCK, FF_PER_BLOCK,
-                                     MAX_ROWS, STRUCTS, KernelShape, rows_per_block,
-                                     source_kernel_names)
+                                     MAX_ROWS, STRUCTS, KernelShape, attn_kernel,
+                                     default_attn_heads, rows_per_block, source_kernel_names)
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -19,11 +19,21 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("") == KernelShape() and KernelShape().defines() == ()
     assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
-    flipped = 1 - KernelShape().prefetch
-    assert KernelShape.parse(f"prefetch={flipped}").defines() == (f"-DPREFETCH_WEIGHTS={flipped}",)
-    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "prefetch=2"):
+    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
+
+
+def test_attention_builds_take_whole_groups_or_parts_that_divide_them():
+    assert attn_kernel(8, "f16") == "attn_decode_128_g8"
+    assert attn_kernel(8, "q8_0", 2) == "attn_decode_128_g2_q8"
+    assert attn_kernel(6, "f16", 6) == "attn_decode_128_g8"       # a whole group: the next bound
+    for group, heads in ((8, 3), (6, 4), (2, 4), (32, 32)):
+        with pytest.raises(ValueError, match="query heads per attention block"):
+            attn_kernel(group, "f16", heads)
+    # short splits take 2 query heads a block; long ones (and odd groups) the whole group
+    assert default_attn_heads(8, 64) == 2 and default_attn_heads(8, 256) == 8
+    assert default_attn_heads(5, 64) == 5
 
 
 def test_the_package_has_kernel_sources():
@@ -34,11 +44,9 @@ def test_the_package_has_kernel_sources():
 
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
-@pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2", "prefetch=0",
-                                   "prefetch=1"])
+@pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
-    """Every source, with the default kernel shape, one that tune_decode.py tries, and the weight
-    prefetch off and on."""
+    """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
     defines = list(KernelShape.parse(shape).defines())
     done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Werror=all-warnings",
                            *defines, "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],

@@ -30,8 +30,8 @@ import cupy as cp
 from ..kernels import function
 from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC,
                            F16, F32, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC,
-                           TYPE_NAMES, KernelShape, attn_kernel, expert_layout, matvec_kernel,
-                           rows_per_block)
+                           TYPE_NAMES, KernelShape, attn_kernel, default_attn_heads,
+                           expert_layout, matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -152,12 +152,6 @@ class DecodeGraph:
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
-        # query heads of one attention block: the whole group sharing a kv head, or a part of it,
-        # so a short context's attention spreads over more blocks
-        group = g.n_head // g.n_head_kv
-        wanted = attn_heads or int(os.environ.get("STRATA_ATTN_HEADS") or 0)
-        self.attn_heads = wanted or group
-        self.attn_kernel = attn_kernel(group, model.backend.kv_type, self.attn_heads)
         # keys per attention split: short chunks spread a context over more blocks, as long as
         # the partials of one row stay inside the scratch budget
         for chunk in ATTN_CHUNKS:
@@ -169,6 +163,16 @@ class DecodeGraph:
             raise Unsupported(f"{max_cells} cells need {per_row >> 20} MiB of attention partials "
                               f"per row (more than {ATTN_SCRATCH_BYTES >> 20} MiB)")
         self.max_rows = max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row))
+        # query heads of one attention block: a part of the group sharing a kv head spreads a
+        # short context's attention over more blocks
+        text = os.environ.get("STRATA_ATTN_HEADS", "")
+        if not attn_heads and text:
+            if not text.isdigit():
+                raise ValueError(f"STRATA_ATTN_HEADS={text!r}: expected a number of query heads")
+            attn_heads = int(text)
+        group = g.n_head // g.n_head_kv
+        self.attn_heads = attn_heads or default_attn_heads(group, self.attn_chunk)
+        self.attn_kernel = attn_kernel(group, model.backend.kv_type, self.attn_heads)
         with cp.cuda.Device(model.backend.index):
             self._check_residency()
             self._allocate(g)

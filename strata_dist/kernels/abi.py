@@ -21,26 +21,21 @@ MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
-PREFETCH_WEIGHTS = 0            # weights into L2 before the PDL wait (weights.cuh's default)
 
 
 @dataclass(frozen=True)
 class KernelShape:
-    """The compile-time shape of the decode kernels: the runner sizes its grids from the same value
+    """The compile-time shape of the expert kernels: the runner sizes its grids from the same value
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
-    picks another (benchmarks/tune_decode.py measures them). `prefetch`: the matvecs and moe_down
-    pull their weights into L2 before they wait for their predecessor (PREFETCH_WEIGHTS)."""
+    picks another (benchmarks/tune_decode.py measures them)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
-    prefetch: int = PREFETCH_WEIGHTS
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
-        if self.prefetch not in (0, 1):
-            raise ValueError(f"kernel shape prefetch={self.prefetch}: expected 0 or 1")
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key
@@ -50,19 +45,17 @@ class KernelShape:
             out.append(f"-DFF_PER_BLOCK={self.ff_per_block}")
         if self.down_per_block != DOWN_PER_BLOCK:
             out.append(f"-DDOWN_PER_BLOCK={self.down_per_block}")
-        if self.prefetch != PREFETCH_WEIGHTS:
-            out.append(f"-DPREFETCH_WEIGHTS={self.prefetch}")
         return tuple(out)
 
     @classmethod
     def parse(cls, text: str) -> "KernelShape":
-        """"ff_per_block=8,down_per_block=2,prefetch=1" (any may be left out)."""
+        """"ff_per_block=8,down_per_block=2" (either may be left out)."""
         fields = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             if not sep or key not in cls.__dataclass_fields__ or not value.strip().isdigit():
-                raise ValueError(f"kernel shape {part!r}: expected ff_per_block=N, "
-                                 f"down_per_block=N or prefetch=0|1")
+                raise ValueError(f"kernel shape {part!r}: expected ff_per_block=N or "
+                                 f"down_per_block=N")
             fields[key] = int(value)
         return cls(**fields)
 
@@ -137,6 +130,15 @@ def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None) ->
         raise ValueError(f"{hb} query heads per attention block with {group} per kv head: "
                          f"expected the group or one of {ATTN_GROUPS} dividing it")
     return f"attn_decode_128_g{bound}" + ("_q8" if kv_type == "q8_0" else "")
+
+
+def default_attn_heads(group: int, chunk: int) -> int:
+    """Query heads of one decode attention block unless told otherwise: 2 where 2 divides the
+    group and a split holds at most 128 keys, else the whole group. A block's instructions, not
+    memory, bound these launches; measured on an H200 (docs/BENCHMARKS.md, bench_attention.py):
+    64-key splits of 8 heads, 2 a block against 8: 4.2 against 7.8 us at 64 keys, 19.8 against
+    31.9 us at 4,000; 256-key splits at 30,000 keys: 89 against 75 us."""
+    return 2 if group % 2 == 0 and chunk <= 128 else group
 
 
 def kernel_names() -> list[str]:

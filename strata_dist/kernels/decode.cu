@@ -111,13 +111,6 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
                                    is_q ? head : p.n_head + head, lane);
 }
 
-// The block's weight rows into L2 (prefetch_l2), before the kernel waits for its predecessor.
-__device__ __forceinline__ void matvec_prefetch(const MatSpec* __restrict__ specs, int R) {
-    const MatSpec s = specs[blockIdx.y];
-    const int o0 = blockIdx.x * R;
-    if (o0 < s.nrows) prefetch_l2(s.w + (i64)o0 * s.row_bytes, (i64)min(R, s.nrows - o0) * s.row_bytes);
-}
-
 // route: null, or the router's RouteSpec (its top-k runs after the last block); qkv: null, or a
 // fused q/k/v launch's QkvSpec
 #define MATVEC_ARGS const MatSpec* __restrict__ specs, const float* __restrict__ x, int x_stride, \
@@ -127,7 +120,6 @@ __device__ __forceinline__ void matvec_prefetch(const MatSpec* __restrict__ spec
 #define MATVEC_KERNEL(name, T, N)                                                               \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                                 \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
-        if (PREFETCH_WEIGHTS) matvec_prefetch(specs, rows_per_block(N, wide));                  \
         pdl_entry();                                                                            \
         if (rows_per_block(N, wide) == rows_per_block(N, 1))                                    \
             matvec_rows<T, N, rows_per_block(N, 1)>(specs, x, x_stride, n, norm_w, eps, normed); \

@@ -181,20 +181,6 @@ __device__ __forceinline__ void moe_down_body(const ExpertSpec* __restrict__ spe
         h[(i64)i * sp.n_embd + d0 + threadIdx.x] += missing ? NAN_F32 : sums[threadIdx.x];
 }
 
-// moe_down's rows of each chosen expert into L2 (prefetch_l2) while moe_gate_up runs: the
-// router that chose them finished before moe_gate_up started, and moe_down starts after that.
-// The addresses are read through L2; were one stale, only the hint would be wrong.
-__device__ __forceinline__ void moe_down_prefetch(const ExpertSpec* __restrict__ spec_p,
-                                                  const u64* __restrict__ blobs) {
-    const ExpertSpec sp = *spec_p;
-    const int d0 = blockIdx.x * DOWN_PER_BLOCK, i = blockIdx.y;
-    const i64 bytes = (i64)min(DOWN_PER_BLOCK, sp.n_embd - d0) * sp.down_row_bytes;
-    for (int r = 0; r < sp.k; ++r) {
-        const u8* blob = reinterpret_cast<const u8*>(__ldcg(blobs + i * sp.k + r));
-        if (blob != nullptr) prefetch_l2(blob + sp.down_at + (i64)d0 * sp.down_row_bytes, bytes);
-    }
-}
-
 #define MOE_KERNELS(name, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_##name(               \
             const ExpertSpec* __restrict__ spec, const float* __restrict__ x,                    \
@@ -205,7 +191,6 @@ __device__ __forceinline__ void moe_down_prefetch(const ExpertSpec* __restrict__
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_##name(                  \
             const ExpertSpec* __restrict__ spec, const float* __restrict__ act,                  \
             const u64* __restrict__ blobs, const float* __restrict__ wts, float* __restrict__ h) { \
-        if (PREFETCH_WEIGHTS) moe_down_prefetch(spec, blobs);                                    \
         pdl_entry();                                                                             \
         moe_down_body<T>(spec, act, blobs, wts, h);                                              \
     }

@@ -51,26 +51,6 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-// Weights a kernel will read, pulled into L2 before it waits for the grids it depends on: the
-// loads after the wait find them there, and the DRAM latency hides behind the predecessor's tail
-// (these launches are small; a block of the next one is resident long before it may start).
-// PREFETCH_WEIGHTS=1 builds it (KernelShape.prefetch). A hint only: no value read depends on it.
-// The range widens to 16-byte bounds (the bulk prefetch's), which never leaves its pages.
-#ifndef PREFETCH_WEIGHTS
-#define PREFETCH_WEIGHTS 0
-#endif
-#define PREFETCH_PIECE 4096   // bytes of one bulk prefetch
-__device__ __forceinline__ void prefetch_l2(const u8* p, i64 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && PREFETCH_WEIGHTS
-    const u64 lo = (u64)p & ~15ull, hi = ((u64)p + (u64)bytes + 15ull) & ~15ull;
-    for (u64 a = lo + (u64)threadIdx.x * PREFETCH_PIECE; a < hi;
-         a += (u64)blockDim.x * PREFETCH_PIECE) {
-        const u32 n = (u32)(hi - a < PREFETCH_PIECE ? hi - a : PREFETCH_PIECE);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(n) : "memory");
-    }
-#endif
-}
-
 // True in every thread of the block that is the last of `expected` blocks to get here (counted
 // in *counter, which that block resets to 0 for the next launch). Thread 0 alone fences and counts
 // after a barrier (the cooperative-groups grid barrier's pattern): a fence in every thread (a
