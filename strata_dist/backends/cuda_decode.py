@@ -131,11 +131,11 @@ class DecodeGraph:
     def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None,
                  shape: KernelShape | None = None, host_misses: bool | None = None,
                  attn_heads: int | None = None):
-        """`shape`: the kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
+        """`shape`: the expert kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
         decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
         and read there (default: $STRATA_HOST_MAPPED == "1"); else a missing expert makes the
         stage take the general path. `attn_heads`: query heads of one attention block (default:
-        $STRATA_ATTN_HEADS, else all those sharing a kv head)."""
+        $STRATA_ATTN_HEADS, else kernels/abi.py default_attn_heads)."""
         g = model.g
         self.shape = shape or KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", ""))
         self.model, self.arena, self.g = model, arena, g

@@ -354,7 +354,8 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
         const int idx = threadIdx.x + r * BLOCK_THREADS, g = idx / D, d = idx % D;
         #pragma unroll
         for (int u = 0; u < AHEAD; ++u)
-            ahead[r][u] = idx < G * D && u < used ? __ldcg(part + (first_split(g) + u) * D + d) : 0.f;
+            ahead[r][u] = idx < G * D && u < used ? __ldcg(part + (first_split(g) + u) * D + d)
+                                                  : 0.f;
     }
     float2 pair[HEADS_PER_WARP];          // (max, sum) of split `lane` of head warp + NWARPS j
     float m_head[HEADS_PER_WARP];         // the max over the head's splits
@@ -369,7 +370,8 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
         const int g = warp + NWARPS * j;
         float m = pair[j].x;
         if (g < G)
-            for (int s = lane + 32; s < used; s += 32) m = fmaxf(m, __ldcg(ml + 2 * (first_split(g) + s)));
+            for (int s = lane + 32; s < used; s += 32)
+                m = fmaxf(m, __ldcg(ml + 2 * (first_split(g) + s)));
         m_head[j] = warp_max(m);
     }
     float num[PER], den[PER];
@@ -399,7 +401,8 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
                     float v[AHEAD];
                     #pragma unroll
                     for (int u = 0; u < AHEAD; ++u)
-                        v[u] = s == 0 ? ahead[r][u] : s + u < s1 ? __ldcg(p + (i64)(s + u) * D) : 0.f;
+                        v[u] = s == 0 ? ahead[r][u]
+                                      : s + u < s1 ? __ldcg(p + (i64)(s + u) * D) : 0.f;
                     #pragma unroll
                     for (int u = 0; u < AHEAD; ++u) {
                         if (s + u < s1) {
