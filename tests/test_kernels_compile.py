@@ -8,8 +8,9 @@ import subprocess
 import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
-from strata_dist.kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DOWN_PER_BLOCK, FF_PER_BLOCK,
-                                     MAX_ROWS, STRUCTS, KernelShape, attn_kernel,
+from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BLOCK_THREADS,
+                                     DOWN_PER_BLOCK, FF_PER_BLOCK, MAX_ROWS, STRUCTS,
+                                     AttnScratchError, KernelShape, attn_kernel, attn_launch,
                                      default_attn_heads, rows_per_block, source_kernel_names)
 
 NVCC = shutil.which("nvcc")
@@ -34,6 +35,27 @@ def test_attention_builds_take_whole_groups_or_parts_that_divide_them():
     # short splits take 2 query heads a block; long ones (and odd groups) the whole group
     assert default_attn_heads(8, 64) == 2 and default_attn_heads(8, 256) == 8
     assert default_attn_heads(5, 64) == 5
+
+
+def test_attention_launch_takes_the_shortest_splits_that_fit():
+    """Qwen3-30B-A3B's 32 query heads over 4 kv heads: 64-key splits, 2 heads a block, up to the
+    scratch budget's cells; then 128- and 256-key splits with fewer rows a step; past that, the
+    general path (AttnScratchError)."""
+    a = attn_launch(32, 4, 128, 1024, "f16")
+    assert (a.kernel, a.heads, a.chunk, a.n_split, a.max_rows) == ("attn_decode_128_g2", 2, 64,
+                                                                   16, MAX_ROWS)
+    per_split_row = 32 * (128 + 2) * 4
+    longest_64 = (ATTN_SCRATCH_BYTES // per_split_row) * 64
+    assert attn_launch(32, 4, 128, longest_64, "f16").chunk == 64
+    b = attn_launch(32, 4, 128, longest_64 + 1, "q8_0")
+    assert (b.chunk, b.heads, b.kernel) == (128, 2, "attn_decode_128_g2_q8") and b.max_rows == 1
+    c = attn_launch(32, 4, 128, 3 * longest_64, "f16")
+    assert (c.chunk, c.heads, c.kernel) == (256, 8, "attn_decode_128_g8")
+    assert attn_launch(32, 4, 128, 1024, "f16", heads=4).kernel == "attn_decode_128_g4"
+    with pytest.raises(AttnScratchError, match="MiB of attention partials"):
+        attn_launch(32, 4, 128, 5 * longest_64, "f16")
+    with pytest.raises(ValueError, match="query heads per attention block"):
+        attn_launch(32, 4, 128, 1024, "f16", heads=3)
 
 
 def test_the_package_has_kernel_sources():

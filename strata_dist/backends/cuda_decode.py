@@ -28,10 +28,10 @@ import numpy as np
 import cupy as cp
 
 from ..kernels import function
-from ..kernels.abi import (ATTN_CHUNK, BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC,
-                           F16, F32, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC,
-                           TYPE_NAMES, KernelShape, attn_kernel, default_attn_heads,
-                           expert_layout, matvec_kernel, rows_per_block)
+from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, F16, F32,
+                           KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
+                           AttnScratchError, KernelShape, attn_launch, expert_layout,
+                           matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -42,11 +42,6 @@ log = logging.getLogger("strata.decode")
 KERNELS = "decode.cu"
 WIDE_MIN_ROWS = 1024              # matrices this tall take 8 rows per block (one x row)
 ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
-# The attention partials are the step's only buffer that grows with the context. The runner gives
-# them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs only
-# for the row counts that fit; larger steps take the general path.
-ATTN_SCRATCH_BYTES = 32 << 20
-ATTN_CHUNKS = (64, 128, ATTN_CHUNK)   # keys per split, the shortest that fits the budget
 NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
@@ -152,27 +147,19 @@ class DecodeGraph:
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
-        # keys per attention split: short chunks spread a context over more blocks, as long as
-        # the partials of one row stay inside the scratch budget
-        for chunk in ATTN_CHUNKS:
-            self.attn_chunk, self.n_split = chunk, math.ceil(max_cells / chunk)
-            per_row = g.n_head * self.n_split * (g.head_dim + 2) * 4
-            if per_row <= ATTN_SCRATCH_BYTES:
-                break
-        else:
-            raise Unsupported(f"{max_cells} cells need {per_row >> 20} MiB of attention partials "
-                              f"per row (more than {ATTN_SCRATCH_BYTES >> 20} MiB)")
-        self.max_rows = max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row))
-        # query heads of one attention block: a part of the group sharing a kv head spreads a
-        # short context's attention over more blocks
+        # the attention's splits and query heads a block ($STRATA_ATTN_HEADS overrides the heads)
         text = os.environ.get("STRATA_ATTN_HEADS", "")
         if not attn_heads and text:
             if not text.isdigit():
                 raise ValueError(f"STRATA_ATTN_HEADS={text!r}: expected a number of query heads")
             attn_heads = int(text)
-        group = g.n_head // g.n_head_kv
-        self.attn_heads = attn_heads or default_attn_heads(group, self.attn_chunk)
-        self.attn_kernel = attn_kernel(group, model.backend.kv_type, self.attn_heads)
+        try:
+            a = attn_launch(g.n_head, g.n_head_kv, g.head_dim, max_cells, model.backend.kv_type,
+                            attn_heads)
+        except AttnScratchError as e:
+            raise Unsupported(str(e)) from None
+        self.attn_kernel, self.attn_heads, self.attn_chunk = a.kernel, a.heads, a.chunk
+        self.n_split, self.max_rows = a.n_split, a.max_rows
         with cp.cuda.Device(model.backend.index):
             self._check_residency()
             self._allocate(g)

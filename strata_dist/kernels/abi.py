@@ -141,6 +141,47 @@ def default_attn_heads(group: int, chunk: int) -> int:
     return 2 if group % 2 == 0 and chunk <= 128 else group
 
 
+# The attention partials are a decode step's only buffer that grows with the context. The runner
+# gives them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs
+# only for the row counts that fit; larger steps take the general path.
+ATTN_SCRATCH_BYTES = 32 << 20
+ATTN_CHUNKS = (64, 128, ATTN_CHUNK)   # keys per split, the shortest that fits the budget
+
+
+class AttnScratchError(ValueError):
+    """A session too long for the attention partials' budget (the step takes the general path)."""
+
+
+@dataclass(frozen=True)
+class AttnLaunch:
+    """How a decode graph launches its attention for sessions of up to `max_cells` cells."""
+    kernel: str           # the build (attn_kernel)
+    heads: int            # query heads of one block: the grid is (n_head / heads, n_split, rows)
+    chunk: int            # keys per split
+    n_split: int          # splits of the longest context
+    max_rows: int         # rows of one step whose partials fit ATTN_SCRATCH_BYTES
+
+
+def attn_launch(n_head: int, n_kv: int, head_dim: int, max_cells: int, kv_type: str,
+                heads: int | None = None) -> AttnLaunch:
+    """The shortest splits whose partials of one row fit the scratch budget (short splits spread
+    a context over more blocks), and `heads` query heads a block (default_attn_heads when None).
+    Raises AttnScratchError when even the longest splits do not fit, ValueError when `heads` is
+    not a build's."""
+    for chunk in ATTN_CHUNKS:
+        n_split = -(-max_cells // chunk)
+        per_row = n_head * n_split * (head_dim + 2) * 4
+        if per_row <= ATTN_SCRATCH_BYTES:
+            break
+    else:
+        raise AttnScratchError(f"{max_cells} cells need {per_row >> 20} MiB of attention "
+                               f"partials per row (more than {ATTN_SCRATCH_BYTES >> 20} MiB)")
+    group = n_head // n_kv
+    heads = heads or default_attn_heads(group, chunk)
+    return AttnLaunch(attn_kernel(group, kv_type, heads), heads, chunk, n_split,
+                      max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row)))
+
+
 def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
     names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "qk_norm_rope_kv_q8",
