@@ -81,7 +81,7 @@ def reference_score(shape: ModelShape, devices, profile: RoutingProfile, cells: 
             read += L * k * mass[p] * shape.blob_bytes[p // E]
             held += mass[p]
         bw = (devices[d].mem_bandwidth_gbs or params.default_bw_gbs) * 1e6
-        total += read / bw
+        total += read / bw + params.layer_ms * (le - lb)
         if i:
             a, b = devices[stage_devices[i - 1]], devices[d]
             total += params.handoff_ms

@@ -151,11 +151,12 @@ def test_device_order_fastest_last_is_stable():
 # --- params ---------------------------------------------------------------------------------------
 def test_params_from_env():
     p = params_from_env({"STRATA_SPLIT_COVER_B": "2.5", "STRATA_SPLIT_MISS_MS": "0.3",
+                         "STRATA_SPLIT_LAYER_MS": "0.02",
                          "STRATA_SPLIT_HANDOFF_MS": "0.1", "STRATA_PREFILL_LEND_PCT": "50",
                          "STRATA_REMOTE_AUTO": "0", "STRATA_WEIGHT_SLICE": "0",
                          "STRATA_STAGE_CACHE_SLOTS": "100", "UNRELATED": "x", "STRATA_SPLIT_LINK_MS": ""})
-    assert p == PlanParams(cover_b=2.5, miss_ms=0.3, handoff_ms=0.1, lend_pct=50, remote_auto=False,
-                           weight_slice=False, stage_cache_slots=100)
+    assert p == PlanParams(cover_b=2.5, miss_ms=0.3, layer_ms=0.02, handoff_ms=0.1, lend_pct=50,
+                           remote_auto=False, weight_slice=False, stage_cache_slots=100)
     assert params_from_env({}) == PlanParams()
 
 
@@ -164,6 +165,7 @@ def test_params_from_env():
     ({"STRATA_SPLIT_COVER_B": "-1"}, "STRATA_SPLIT_COVER_B='-1'"),
     ({"STRATA_PREFILL_LEND_PCT": "150"}, "STRATA_PREFILL_LEND_PCT='150'"),
     ({"STRATA_REMOTE_AUTO": "yes"}, "STRATA_REMOTE_AUTO='yes'"),
+    ({"STRATA_SPLIT_LAYER_MS": "-0.1"}, "STRATA_SPLIT_LAYER_MS='-0.1'"),
 ])
 def test_params_from_env_names_the_bad_variable(env, match):
     with pytest.raises(ValueError, match=match):

@@ -121,3 +121,17 @@ def test_hand_off_buffers_are_priced_for_the_plans_own_chunk():
     middle = 1
     freed = 2 * (8192 - 1024) * shape.hidden * 4
     assert narrow.stages[middle].reserve_bytes == wide.stages[middle].reserve_bytes - freed
+
+
+def test_the_fixed_cost_per_layer_moves_the_prediction_never_the_choice():
+    """Every placement holds every layer once: layer_ms adds n_layers * layer_ms to each score."""
+    shape = make_shape(n_layers=8, n_experts=32, kinds=hybrid_kinds(8))
+    devices = make_devices([600, 900, 900], bw=[250, 300, None], hosts=["a", "a", "b"])
+    kwargs = dict(cells=2048, split="auto", profile=skewed_profile(8, 32))
+    without = make_plan(shape, devices, params=PlanParams(layer_ms=0.0), **kwargs)
+    default = make_plan(shape, devices, **kwargs)
+    assert [(s.device, s.lb, s.le, s.pairs) for s in default.stages] == \
+           [(s.device, s.lb, s.le, s.pairs) for s in without.stages]
+    assert default.predicted_ms_per_token == pytest.approx(
+        without.predicted_ms_per_token + 8 * PlanParams().layer_ms)
+    assert default.compute_ms == pytest.approx(without.compute_ms + 8 * PlanParams().layer_ms)

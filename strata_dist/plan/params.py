@@ -20,6 +20,11 @@ class PlanParams:
     coverage         "model": pair masses from H over the global rank; "measured": the profile's own
                      normalised counts; "auto": measured when the profile is non-uniform, else model.
     miss_ms          ms to compute ONE expert for one token from host memory (STRATA_SPLIT_MISS_MS).
+    layer_ms         fixed ms a decode token spends in each layer beyond its bytes: the decode graph's
+                     ~7 launches and their serial reductions (STRATA_SPLIT_LAYER_MS). 0.044 is what
+                     an H200 measured (docs/BENCHMARKS.md, 2026-12-01: 3.03 ms a token against 0.93 of
+                     bytes over 48 layers). Every placement holds every layer once, so it moves the
+                     prediction, never the choice.
     handoff_ms       ms per stage boundary on one host (STRATA_SPLIT_HANDOFF_MS).
     link_ms, link_gbs  a boundary between hosts costs handoff_ms + link_ms + hidden row / link_gbs
                      (STRATA_SPLIT_LINK_MS, STRATA_SPLIT_LINK_GBS).
@@ -37,6 +42,7 @@ class PlanParams:
     cover_b: float = 3.0
     coverage: str = "auto"
     miss_ms: float = 0.15
+    layer_ms: float = 0.044
     handoff_ms: float = 0.05
     link_ms: float = 0.2
     link_gbs: float = 1.25
@@ -53,7 +59,7 @@ class PlanParams:
             raise ValueError(f"cover_b must be > 0, got {self.cover_b}")
         if self.coverage not in COVERAGE_MODES:
             raise ValueError(f"coverage {self.coverage!r}: expected one of {COVERAGE_MODES}")
-        for name in ("miss_ms", "handoff_ms", "link_ms"):
+        for name in ("miss_ms", "layer_ms", "handoff_ms", "link_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -91,6 +97,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "STRATA_SPLIT_COVER_B": ("cover_b", float),
     "STRATA_SPLIT_COVERAGE": ("coverage", str),
     "STRATA_SPLIT_MISS_MS": ("miss_ms", float),
+    "STRATA_SPLIT_LAYER_MS": ("layer_ms", float),
     "STRATA_SPLIT_HANDOFF_MS": ("handoff_ms", float),
     "STRATA_SPLIT_LINK_MS": ("link_ms", float),
     "STRATA_SPLIT_LINK_GBS": ("link_gbs", float),

@@ -1,6 +1,7 @@
 """The score: predicted milliseconds per decode token of a placement.
 
     score = sum over stages of compute(stage)            bytes the stage reads per token / its bandwidth
+                                                         + layer_ms per layer (launches, reductions)
           + miss_ms * top_k * n_layers * (1 - held)      experts computed from host memory
           + sum over boundaries of link(dev_i, dev_i+1)   hand-offs (priced higher across hosts)
 
@@ -94,7 +95,7 @@ class CostModel:
         pairs = np.asarray(fill.pairs, dtype=np.int64)
         m = self.mass[pairs]
         mass_blob = float((m * np.asarray(self.shape.blob_bytes)[pairs // E]).sum()) if pairs.size else 0.0
-        compute = (self.read[lb, le] + self.lk * mass_blob) / self.bw[d]
+        compute = (self.read[lb, le] + self.lk * mass_blob) / self.bw[d] + self.params.layer_ms * (le - lb)
         return float(compute), float(m.sum())
 
     def stage_term(self, d: int, lb: int, le: int) -> float:
@@ -121,7 +122,8 @@ class CostModel:
                                       self.params.stage_cache_slots)
             held = self.tables.span(self.tables.mass, bb, ee, t)
             mass_blob = self.tables.span(self.tables.mass_blob, bb, ee, t)
-            compute = (self.read[bb, ee][None, :] + self.lk * mass_blob) / self.bw[:, None]
+            compute = ((self.read[bb, ee][None, :] + self.lk * mass_blob) / self.bw[:, None]
+                       + self.params.layer_ms * (ee - bb)[None, :])
             term = np.where(ok, compute - self.params.miss_ms * self.lk * held, INF)
             S = np.full((D, L + 1, L + 1), INF)
             T = np.zeros((D, L + 1, L + 1), dtype=np.int64)
