@@ -104,21 +104,18 @@ HOST_DEVICE float small_int_to_float(u32 v) {
 HOST_DEVICE float s8_to_float(u32 byte) { return small_int_to_float<128>((byte & 0xFF) ^ 0x80); }
 
 // ---- the 8 weights of chunk c (columns 8c .. 8c+7) of a row, decoded as gguf-py decodes them ----
-// K-quant 6-bit scale and min of sub-block j, from the 12 scale bytes held in three words
-HOST_DEVICE int scale_byte(u32 a, u32 b, u32 c, int i) {
-    const u32 word = i < 4 ? a : (i < 8 ? b : c);
-    return (int)((word >> (8 * (i & 3))) & 0xFF);
-}
-
+// K-quant 6-bit scale and min of sub-block j, from the 12 scale bytes held in three words a, b, c
+// (bytes 0-3, 4-7, 8-11). Sub-block j < 4: s is byte j, m byte j + 4 (low 6 bits each); j >= 4:
+// the low nibble (s) or high nibble (m) of byte j + 4, over the top 2 bits of byte j - 4 (s) or
+// byte j (m). The same byte k = j % 4 of each word serves both halves, so both are computed and
+// one selected: a warp's lanes hold every j, and a branch on j would run both sides in turn.
 HOST_DEVICE void k_scale_min(u32 a, u32 b, u32 c, int j, int& s, int& m) {
-    if (j < 4) {
-        s = scale_byte(a, b, c, j) & 63;
-        m = scale_byte(a, b, c, j + 4) & 63;
-    } else {
-        const int hi = scale_byte(a, b, c, j + 4);
-        s = (hi & 0xF) | ((scale_byte(a, b, c, j - 4) >> 6) << 4);
-        m = (hi >> 4) | ((scale_byte(a, b, c, j) >> 6) << 4);
-    }
+    const int sh = 8 * (j & 3);
+    const int ab = (int)((a >> sh) & 0xFF), bb = (int)((b >> sh) & 0xFF);
+    const int cb = (int)((c >> sh) & 0xFF);
+    const bool low = j < 4;
+    s = low ? ab & 63 : (cb & 0xF) | ((ab >> 6) << 4);
+    m = low ? bb & 63 : (cb >> 4) | ((bb >> 6) << 4);
 }
 
 template <int T>
@@ -160,14 +157,19 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
         const float dm = h2f((u16)(head.x >> 16)) * small_int_to_float<0>(m);
         const uint2 qv = LDG(reinterpret_cast<const uint2*>(
             b + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * q));
+        // this sub-block's nibbles (and Q5_K bits) moved to the bottom once, so each weight's
+        // shift below is a constant
         const int shift = (j & 1) * 4;
+        const uint2 nib = make_uint2(qv.x >> shift, qv.y >> shift);
         uint2 hv = make_uint2(0, 0);
-        if (T == T_Q5_K) hv = LDG(reinterpret_cast<const uint2*>(b + 16 + 8 * q));
+        if (T == T_Q5_K) {
+            hv = LDG(reinterpret_cast<const uint2*>(b + 16 + 8 * q));
+            hv = make_uint2(hv.x >> j, hv.y >> j);
+        }
         #pragma unroll
         for (int l = 0; l < 8; ++l) {
-            const u32 word = l < 4 ? qv.x : qv.y;
-            int v = (int)((word >> (8 * (l & 3) + shift)) & 0xF);
-            if (T == T_Q5_K) v += (int)(((l < 4 ? hv.x : hv.y) >> (8 * (l & 3) + j)) & 1) << 4;
+            u32 v = ((l < 4 ? nib.x : nib.y) >> (8 * (l & 3))) & 0xF;
+            if (T == T_Q5_K) v |= (((l < 4 ? hv.x : hv.y) >> (8 * (l & 3))) & 1) << 4;
             w[l] = ds * small_int_to_float<0>(v) - dm;
         }
     } else if (T == T_Q6_K) {
