@@ -3,7 +3,8 @@
 # soon after each call, so build, test and measure together):
 #   1. llama.cpp's llama-bench built in the background (from .anchor/, prepared on the development machine)
 #   2. the GPU tests (kernels against gguf-py and numpy, graph against eager, pipelines)
-#   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file (where a decode step's time goes),
+#   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file per --profile-quants (default
+#      q8_0; where a decode step's time goes),
 #      and bench_attention.py (the attention kernel alone against the context length); with --tune,
 #      tune_decode.py (the expert kernels' shapes on the same file)
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
@@ -15,9 +16,10 @@
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--skip-profile] [--tune] [--offload] [--prefill] [--skip-decode] [--quants q8_0,q4_k]
+#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--offload] [--prefill]
+#       [--skip-decode] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; TUNE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
@@ -28,6 +30,7 @@ while [ $# -gt 0 ]; do
     --skip-decode) DECODE=0; shift ;;
     --skip-profile) PROFILE=0; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
+    --profile-quants) PROFILE_QUANTS=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -51,17 +54,20 @@ if [ "$TESTS" = 1 ]; then
   t "gpu tests"
 fi
 if [ "$PROFILE" = 1 ]; then
-python3 - <<'PY' 2>&1 | tr '\r' '\n' | tail -1
-import dataclasses
+for pq in ${PROFILE_QUANTS//,/ }; do
+PQ=$pq python3 - <<'PY' 2>&1 | tr '\r' '\n' | tail -1
+import dataclasses, os
 from strata_dist.synth import GEOMETRIES, write_synthetic
 g = dataclasses.replace(GEOMETRIES["qwen3-30b-a3b"], name="q30-8l", n_layer=8)
-write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant="q8_0", popularity="zipf:1.0", seed=0)
+write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant=os.environ["PQ"], popularity="zipf:1.0", seed=0)
 PY
-timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/profile.log" | tail -13
+timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 \
+  | tee "$OUT/profile_$pq.log" | tail -13
 if [ "$TUNE" = 1 ]; then
-  timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/tune.log" | tail -9
+  timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/tune_$pq.log" | tail -9
 fi
 rm -f /tmp/m/q30_8l.gguf
+done
 timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" | tail -10
 t "profile"
 fi
