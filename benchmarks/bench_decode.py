@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 from records import (PeakMemory, llama_bench, model_facts, predicted_ms_per_token,  # noqa: E402
-                     prompt_ids, write_record)
+                     prompt_ids, tokens_against_records, write_record)
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -119,6 +119,7 @@ def main() -> int:
     for arm in arms:
         arm.pop("_tokens", None)
         arm["decode_tok_s"] = round(arm["decode_tok_s"], 2)
+    print(tokens_against_records("decode", facts, "strata", one["tokens_sha256"]), flush=True)
     path = write_record("decode", facts, arms, args.out)
     print(f"record: {path}")
     return 0

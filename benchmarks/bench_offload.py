@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 from records import (PeakMemory, llama_bench, model_facts, predicted_ms_per_token,  # noqa: E402
-                     prompt_ids, write_record)
+                     prompt_ids, tokens_against_records, write_record)
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -124,6 +124,9 @@ def main() -> int:
         key = str(args.prefill_tokens)
         print(f"strata / {arm['name']}: decode {arms[0]['decode_tok_s'] / arm['decode_tok_s']:.2f}x, "
               f"prefill {arms[0]['prefill_tok_s'][key] / arm['prefill_tok_s'][key]:.2f}x")
+    for arm in arms:
+        if arm.get("tokens_sha256"):
+            print(tokens_against_records("offload", facts, arm["name"], arm["tokens_sha256"]))
     path = write_record("offload", facts, arms, args.out)
     print(f"record: {path}")
     return 0

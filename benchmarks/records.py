@@ -117,6 +117,35 @@ def predicted_ms_per_token(model: str, launch_args: list[str], env: dict | None 
     return round(float(json.loads(done.stdout)["predicted_ms_per_token"]), 3)
 
 
+def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
+                           results_dir: str = os.path.join(HERE, "results")) -> str:
+    """A line saying whether arm `arm`'s greedy tokens (`sha`, their tokens_sha256) are those of
+    the latest earlier record of the same bench, file and arm in `results_dir`, so a run shows at
+    once whether a change moved a bit of the output."""
+    key = {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}
+    best = None
+    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
+        if not (name.startswith(f"{bench}-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(results_dir, name)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if record.get("model") != key:
+            continue
+        for a in record.get("arms", []):
+            if a.get("name") == arm and a.get("tokens_sha256"):
+                if best is None or record.get("date", "") >= best[0]:
+                    best = (record.get("date", ""), name, a["tokens_sha256"],
+                            record.get("commit", "?"))
+    if best is None:
+        return f"{arm}: no earlier record of this file to compare the tokens with"
+    date, name, earlier, commit_ = best
+    verdict = "the same tokens as" if earlier == sha else f"tokens DIFFER ({sha[:8]}… against {earlier[:8]}…) from"
+    return f"{arm}: {verdict} {name} (commit {commit_}, {date})"
+
+
 def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str) -> str:
     """benchmarks/results/<bench>-<like>-<quant>-<date>.json; returns its path."""
     today = datetime.date.today().isoformat()

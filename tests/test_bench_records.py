@@ -32,3 +32,16 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     assert arm["predicted_ms_per_token"] > 0
     assert abs(arm["measured_ms_per_token"] * arm["decode_tok_s"] - 1e3) < 1.0
     assert len(arm["tokens_sha256"]) == 64
+    # the next run of the same file says whether its tokens are the record's
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from records import model_facts, tokens_against_records
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    facts = model_facts(str(model))
+    same = tokens_against_records("decode", facts, "strata", arm["tokens_sha256"], str(out))
+    assert same.startswith("strata: the same tokens as decode-tiny-f32-") and "abc1234" in same
+    other = tokens_against_records("decode", facts, "strata", "0" * 64, str(out))
+    assert "tokens DIFFER (00000000… against" in other
+    assert "no earlier record" in tokens_against_records("decode", {**facts, "bytes": 1}, "strata",
+                                                         arm["tokens_sha256"], str(out))
