@@ -90,23 +90,25 @@ def main() -> int:
     from strata_dist.backends.cuda_decode import DecodeGraph
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     pos = eng.session.n_past
-    variants = [(f"as built ({runner.attn_heads} query heads an attention block)", {}, True),
+    built_pdl = runner._pdl
+    variants = [(f"as built ({runner.attn_heads} query heads an attention block)", {}, None),
                 ("plain launches (STRATA_PDL=0)", {}, False)]
     group = runner.g.n_head // runner.g.n_head_kv
     for heads in sorted({2, 4, 8, group}):
         if heads <= group and group % heads == 0 and heads != runner.attn_heads:
             variants.append((f"attention {heads} query heads a block (STRATA_ATTN_HEADS={heads})",
-                             {"attn_heads": heads}, True))
+                             {"attn_heads": heads}, None))
     base = None
     for name, kwargs, pdl in variants:
         other = DecodeGraph(eng.model, runner.arena, args.context, **kwargs) if kwargs else runner
-        other._pdl = ProgrammaticLauncher() if pdl else None
+        if pdl is not None:                    # else as built ($STRATA_PDL, the GPU)
+            other._pdl = ProgrammaticLauncher() if pdl else None
         logits = np.asarray(other.step(eng.session, pos, ids=[11]))   # and the position replayed
         ms = replay_ms(other, args.steps)
         base = logits if base is None else base
         print(f"graph replay, {name}: {ms:.3f} ms/token; logits equal to the first: "
               f"{np.array_equal(logits, base)}", flush=True)
-    runner._pdl = ProgrammaticLauncher()                                   # as built
+    runner._pdl = built_pdl
     return 0
 
 
