@@ -196,7 +196,8 @@ __device__ __forceinline__ void attn_partial_body(
             return __half22float2(*reinterpret_cast<const __half2*>(&raw));
         } else {
             const float sc = __half2float(__ushort_as_half((u16)(raw >> 16)));
-            return make_float2(s8_to_float(raw) * sc, s8_to_float(raw >> 8) * sc);
+            return make_float2((float)(signed char)(raw & 0xff) * sc,
+                               (float)(signed char)((raw >> 8) & 0xff) * sc);
         }
     };
     u32 v_ahead[V_AHEAD];
@@ -228,8 +229,10 @@ __device__ __forceinline__ void attn_partial_body(
                 const u32 sw = (j >> 2) ? k_scales.y : k_scales.x;
                 const u16 sbits = (u16)(((j >> 1) & 1) ? (sw >> 16) : (sw & 0xffff));
                 const float sc = __half2float(__ushort_as_half(sbits));
-                k01 = make_float2(s8_to_float(w) * sc, s8_to_float(w >> 8) * sc);
-                k23 = make_float2(s8_to_float(w >> 16) * sc, s8_to_float(w >> 24) * sc);
+                k01 = make_float2((float)(signed char)(w & 0xff) * sc,
+                                  (float)(signed char)((w >> 8) & 0xff) * sc);
+                k23 = make_float2((float)(signed char)((w >> 16) & 0xff) * sc,
+                                  (float)(signed char)(w >> 24) * sc);
             }
             #pragma unroll
             for (int g = 0; g < MAX_G; ++g) {

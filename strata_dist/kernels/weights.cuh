@@ -85,24 +85,6 @@ __device__ __forceinline__ float warp_max(float v) {
 
 HOST_DEVICE float h2f(u16 bits) { return __half2float(__ushort_as_half(bits)); }
 
-// (float)(v - OFFSET) for 0 <= v, OFFSET < 2^22, bit for bit, without a conversion instruction:
-// an int-to-float conversion issues at a fraction of an FMA's rate (16 a clock per SM on recent
-// GPUs against 128), and the expert kernels convert every weight they read. v in the low mantissa
-// bits of 2^23 is 2^23 + v exactly; subtracting 2^23 + OFFSET (exact too) leaves v - OFFSET.
-template <int OFFSET>
-HOST_DEVICE float small_int_to_float(u32 v) {
-#ifdef __CUDA_ARCH__
-    return __int_as_float(0x4B000000 | (int)v) - (8388608.f + (float)OFFSET);
-#else
-    union { u32 u; float f; } bits;
-    bits.u = 0x4B000000u | v;
-    return bits.f - (8388608.f + (float)OFFSET);
-#endif
-}
-
-// A signed byte (the low 8 bits of `byte`, two's complement) as a float: b ^ 0x80 is b + 128.
-HOST_DEVICE float s8_to_float(u32 byte) { return small_int_to_float<128>((byte & 0xFF) ^ 0x80); }
-
 // ---- the 8 weights of chunk c (columns 8c .. 8c+7) of a row, decoded as gguf-py decodes them ----
 // K-quant 6-bit scale and min of sub-block j, from the 12 scale bytes held in three words a, b, c
 // (bytes 0-3, 4-7, 8-11). Sub-block j < 4: s is byte j, m byte j + 4 (low 6 bits each); j >= 4:
@@ -141,8 +123,8 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u16 v = LDG(p + j);
-            w[2 * j] = d * s8_to_float(v);
-            w[2 * j + 1] = d * s8_to_float(v >> 8);
+            w[2 * j] = d * (float)(signed char)(v & 0xFF);
+            w[2 * j + 1] = d * (float)(signed char)(v >> 8);
         }
     } else if (T == T_Q4_K || T == T_Q5_K) {
         // super-block of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, [Q5_K: 32 bytes of
@@ -153,8 +135,8 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
         const uint4 head = LDG(reinterpret_cast<const uint4*>(b));
         int s, m;
         k_scale_min(head.y, head.z, head.w, j, s, m);
-        const float ds = h2f((u16)(head.x & 0xFFFF)) * small_int_to_float<0>(s);
-        const float dm = h2f((u16)(head.x >> 16)) * small_int_to_float<0>(m);
+        const float ds = h2f((u16)(head.x & 0xFFFF)) * (float)s;
+        const float dm = h2f((u16)(head.x >> 16)) * (float)m;
         const uint2 qv = LDG(reinterpret_cast<const uint2*>(
             b + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * q));
         // this sub-block's nibbles (and Q5_K bits) moved to the bottom once, so each weight's
@@ -170,7 +152,7 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
         for (int l = 0; l < 8; ++l) {
             u32 v = ((l < 4 ? nib.x : nib.y) >> (8 * (l & 3))) & 0xF;
             if (T == T_Q5_K) v |= (((l < 4 ? hv.x : hv.y) >> (8 * (l & 3))) & 1) << 4;
-            w[l] = ds * small_int_to_float<0>(v) - dm;
+            w[l] = ds * (float)(int)v - dm;
         }
     } else if (T == T_Q6_K) {
         // 210 bytes (2-byte aligned only): ql[128], qh[64], int8 scales[16], f16 d. Element
@@ -181,7 +163,7 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
         const u16* ql = reinterpret_cast<const u16*>(b + 64 * h + 32 * (t & 1) + l0);
         const u16* qh = reinterpret_cast<const u16*>(b + 128 + 32 * h + l0);
         const float d = h2f(LDG(reinterpret_cast<const u16*>(b + 208))) *
-                        s8_to_float(LDG(b + 192 + 8 * h + (l0 >> 4) + 2 * t));
+                        (float)(signed char)LDG(b + 192 + 8 * h + (l0 >> 4) + 2 * t);
         const int nshift = (t >> 1) * 4, hshift = 2 * t;
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -190,7 +172,7 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
             for (int e = 0; e < 2; ++e) {
                 const int lo = ((lv >> (8 * e)) >> nshift) & 0xF;
                 const int hb = ((hv >> (8 * e)) >> hshift) & 3;
-                w[2 * j + e] = d * small_int_to_float<32>(lo | (hb << 4));
+                w[2 * j + e] = d * (float)((lo | (hb << 4)) - 32);
             }
         }
     }
