@@ -41,13 +41,14 @@ def main() -> int:
     args = ap.parse_args()
     import cupy as cp
     from strata_dist.kernels import function
-    from strata_dist.kernels.abi import BLOCK_THREADS, DESC_WORDS, MAX_ROWS, attn_kernel
+    from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS, MAX_ROWS, attn_heads_choices,
+                                         attn_kernel)
     i32, f32, D = np.int32, np.float32, 128
     n_head, n_kv = args.heads, args.kv_heads
     spin = function("decode.cu", "spin")
     print(f"empty kernel: {per_launch_us(lambda: spin((1,), (1,), (np.uint64(0),))):.2f} us")
     group = n_head // n_kv
-    heads_options = [group] + [h for h in (4, 2) if h < group and group % h == 0]
+    heads_options = attn_heads_choices(group)
     rng = cp.random.default_rng(0)
     for cells, length, chunk in [(1024, 64, 64), (1024, 130, 32), (1024, 130, 64),
                                  (1024, 300, 64), (1024, 1000, 64), (4096, 130, 64),

@@ -88,14 +88,14 @@ def main() -> int:
     # a bit of them)
     import numpy as np
     from strata_dist.backends.cuda_decode import DecodeGraph
+    from strata_dist.kernels.abi import attn_heads_choices
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     pos = eng.session.n_past
     built_pdl = runner._pdl
     variants = [(f"as built ({runner.attn_heads} query heads an attention block)", {}, None),
                 ("plain launches (STRATA_PDL=0)", {}, False)]
-    group = runner.g.n_head // runner.g.n_head_kv
-    for heads in sorted({2, 4, 8, group}):
-        if heads <= group and group % heads == 0 and heads != runner.attn_heads:
+    for heads in attn_heads_choices(runner.g.n_head // runner.g.n_head_kv):
+        if heads != runner.attn_heads:
             variants.append((f"attention {heads} query heads a block (STRATA_ATTN_HEADS={heads})",
                              {"attn_heads": heads}, None))
     base = None

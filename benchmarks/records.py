@@ -117,12 +117,17 @@ def predicted_ms_per_token(model: str, launch_args: list[str], env: dict | None 
     return round(float(json.loads(done.stdout)["predicted_ms_per_token"]), 3)
 
 
+def record_model(facts: dict) -> dict:
+    """The file a record measured, as its `model` field names it (model_facts less the vocabulary)."""
+    return {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}
+
+
 def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
                            results_dir: str = os.path.join(HERE, "results")) -> str:
     """A line saying whether arm `arm`'s greedy tokens (`sha`, their tokens_sha256) are those of
     the latest earlier record of the same bench, file and arm in `results_dir`, so a run shows at
     once whether a change moved a bit of the output."""
-    key = {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}
+    key = record_model(facts)
     best = None
     for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
         if not (name.startswith(f"{bench}-") and name.endswith(".json")):
@@ -142,7 +147,8 @@ def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
     if best is None:
         return f"{arm}: no earlier record of this file to compare the tokens with"
     date, name, earlier, commit_ = best
-    verdict = "the same tokens as" if earlier == sha else f"tokens DIFFER ({sha[:8]}… against {earlier[:8]}…) from"
+    verdict = ("the same tokens as" if earlier == sha
+               else f"tokens DIFFER ({sha[:8]}… against {earlier[:8]}…) from")
     return f"{arm}: {verdict} {name} (commit {commit_}, {date})"
 
 
@@ -150,7 +156,7 @@ def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str) -> str
     """benchmarks/results/<bench>-<like>-<quant>-<date>.json; returns its path."""
     today = datetime.date.today().isoformat()
     record = {"bench": bench, "date": today, "commit": commit(), "machine": machine(),
-              "model": {k: facts[k] for k in ("like", "quant", "popularity", "bytes")}, "arms": arms}
+              "model": record_model(facts), "arms": arms}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{bench}-{facts['like']}-{facts['quant']}-{today}.json")
     with open(path, "w") as f:

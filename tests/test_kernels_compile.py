@@ -10,8 +10,9 @@ import pytest
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BLOCK_THREADS,
                                      DOWN_PER_BLOCK, FF_PER_BLOCK, MAX_ROWS, STRUCTS,
-                                     AttnScratchError, KernelShape, attn_kernel, attn_launch,
-                                     default_attn_heads, rows_per_block, source_kernel_names)
+                                     AttnScratchError, KernelShape, attn_heads_choices,
+                                     attn_kernel, attn_launch, default_attn_heads,
+                                     rows_per_block, source_kernel_names)
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -32,6 +33,8 @@ def test_attention_builds_take_whole_groups_or_parts_that_divide_them():
     for group, heads in ((8, 3), (6, 4), (2, 4), (32, 32)):
         with pytest.raises(ValueError, match="query heads per attention block"):
             attn_kernel(group, "f16", heads)
+    assert attn_heads_choices(8) == [8, 4, 2] and attn_heads_choices(6) == [6, 2]
+    assert attn_heads_choices(32) == [16, 8, 4, 2] and attn_heads_choices(1) == [1]
     # short splits take 2 query heads a block; long ones (and odd groups) the whole group
     assert default_attn_heads(8, 64) == 2 and default_attn_heads(8, 256) == 8
     assert default_attn_heads(5, 64) == 5

@@ -122,14 +122,21 @@ def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None) ->
     None; else a build's bound that divides the group): the least bound that holds them
     (attention.cuh ATTN_DECODE). The launch's grid has n_head / heads_per_block columns."""
     hb = group if heads_per_block is None else heads_per_block
-    bound = next((b for b in ATTN_GROUPS if hb <= b), None)
-    if bound is None:
+    if hb > ATTN_GROUPS[-1]:
         raise ValueError(f"{hb} query heads per attention block (the attention kernels take <= "
                          f"{ATTN_GROUPS[-1]})")
-    if hb != group and (hb != bound or group % hb):
+    if hb not in attn_heads_choices(group):
         raise ValueError(f"{hb} query heads per attention block with {group} per kv head: "
                          f"expected the group or one of {ATTN_GROUPS} dividing it")
+    bound = next(b for b in ATTN_GROUPS if hb <= b)
     return f"attn_decode_128_g{bound}" + ("_q8" if kv_type == "q8_0" else "")
+
+
+def attn_heads_choices(group: int) -> list[int]:
+    """Every count of query heads one attention block may take for `group` per kv head, the whole
+    group first: the group itself (when a build holds it) and each smaller build dividing it."""
+    whole = [group] if group <= ATTN_GROUPS[-1] else []
+    return whole + [b for b in reversed(ATTN_GROUPS) if b < group and group % b == 0]
 
 
 def default_attn_heads(group: int, chunk: int) -> int:
