@@ -6,7 +6,8 @@
 #   3. profile_decode.py on an 8-layer Qwen3-30B-A3B-geometry file per --profile-quants (default
 #      q8_0; where a decode step's time goes),
 #      and bench_attention.py (the attention kernel alone against the context length); with --tune,
-#      tune_decode.py (the expert kernels' shapes on the same file)
+#      tune_decode.py (the expert kernels' shapes on the same file; $TUNE_SHAPES, when set, the
+#      shapes to measure), with --tune-only that alone
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
 #      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
 #      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
@@ -16,15 +17,16 @@
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--offload] [--prefill]
+#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
     --skip-tests) TESTS=0; shift ;;
     --tune) TUNE=1; shift ;;
+    --tune-only) TUNE=1; TUNE_ONLY=1; shift ;;
     --offload) OFFLOAD=1; shift ;;
     --prefill) PREFILL=1; shift ;;
     --skip-decode) DECODE=0; shift ;;
@@ -61,14 +63,18 @@ from strata_dist.synth import GEOMETRIES, write_synthetic
 g = dataclasses.replace(GEOMETRIES["qwen3-30b-a3b"], name="q30-8l", n_layer=8)
 write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant=os.environ["PQ"], popularity="zipf:1.0", seed=0)
 PY
-timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 \
-  | tee "$OUT/profile_$pq.log" | tail -13
+if [ "$TUNE_ONLY" = 0 ]; then
+  timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 \
+    | tee "$OUT/profile_$pq.log" | tail -13
+fi
 if [ "$TUNE" = 1 ]; then
-  timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf 2>&1 | tee "$OUT/tune_$pq.log" | tail -9
+  timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf \
+    ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} 2>&1 | tee "$OUT/tune_$pq.log" | tail -12
 fi
 rm -f /tmp/m/q30_8l.gguf
 done
-timeout 120 python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" | tail -10
+[ "$TUNE_ONLY" = 1 ] || timeout 120 python3 benchmarks/bench_attention.py 2>&1 \
+  | tee "$OUT/attention.log" | tail -10
 t "profile"
 fi
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode

@@ -5,12 +5,16 @@ shape, fastest first, and checks that every shape gives the default's greedy tok
 goes into decode.cu's defaults (and abi.py's), or STRATA_KERNEL_SHAPE for a trial.
 
     python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "4,4 8,4 8,8 2,2 4,8"]
+    python benchmarks/tune_decode.py --model q30_8l.gguf \
+        --shapes "4,4 factored_dots=0,cvt_magic=0 ff_per_block=8,cvt_magic=0"
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+import numpy as np
 
 
 def main() -> int:
@@ -19,7 +23,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--shapes", default="4,4 8,4 8,8 16,8 2,2 4,8 4,2",
-                    help="ff_per_block,down_per_block pairs, space-separated")
+                    help="space-separated shapes: ff_per_block,down_per_block pairs or "
+                         "KernelShape texts (name=value,...)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     import cupy as cp
@@ -34,13 +39,20 @@ def main() -> int:
     rows = []
     want = None
     for text in args.shapes.split():
-        ff, down = (int(v) for v in text.split(","))
-        shape = KernelShape(ff_per_block=ff, down_per_block=down)
+        if "=" in text:
+            shape = KernelShape.parse(text)
+        else:
+            ff, down = (int(v) for v in text.split(","))
+            shape = KernelShape(ff_per_block=ff, down_per_block=down)
         t0 = time.perf_counter()
         runner = DecodeGraph(eng.model, eng.decode_graph.arena, args.context, shape=shape)
-        token = runner.step(eng.session, pos, ids=[11]).greedy_token
+        out = runner.step(eng.session, pos, ids=[11])
+        token, logits = out.greedy_token, np.asarray(out, dtype=np.float64)
         ready_s = time.perf_counter() - t0
-        want = token if want is None else want
+        if want is None:
+            want, want_logits = token, logits
+        # shapes that sum in another order round differently: how far from the first shape
+        drift = float(np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)))
         graph, stream = runner._graph(1), runner.stream
         graph.launch(stream)
         start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -50,14 +62,16 @@ def main() -> int:
         end.record(stream)
         end.synchronize()
         ms = cp.cuda.get_elapsed_time(start, end) / args.replays
-        rows.append((ms, ff, down, token, ready_s))
-        print(f"ff_per_block={ff} down_per_block={down}: {ms:.3f} ms/token, token {token} "
-              f"(compiled and captured in {ready_s:.1f} s)", flush=True)
+        name = " ".join(shape.defines()) or "defaults"
+        rows.append((ms, name, token, ready_s))
+        print(f"{name}: {ms:.3f} ms/token, token {token}, logits within {drift:.1e} of the "
+              f"first shape's (relative to their largest) (compiled and captured in "
+              f"{ready_s:.1f} s)", flush=True)
     print("fastest first:")
-    for ms, ff, down, token, _ in sorted(rows):
-        print(f"  {ms:.3f} ms/token  ff_per_block={ff} down_per_block={down}"
+    for ms, name, token, _ in sorted(rows):
+        print(f"  {ms:.3f} ms/token  {name}"
               + ("" if token == want else f"  TOKEN DIFFERS ({token} != {want})"))
-    return 0 if all(r[3] == want for r in rows) else 1
+    return 0 if all(r[2] == want for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("") == KernelShape() and KernelShape().defines() == ()
     assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
-    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0"):
+    assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
+        "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
+    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -69,7 +71,8 @@ def test_the_package_has_kernel_sources():
 
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
-@pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2"])
+@pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
+                                   "factored_dots=0,cvt_magic=0"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
     defines = list(KernelShape.parse(shape).defines())
@@ -130,7 +133,8 @@ def test_argument_tables_match_the_structs(tmp_path):
     main.write_text(f'#include <cstdio>\n#include <cstddef>\n#include "{KERNEL_DIR / "decode.cu"}"\n'
                     f'int main() {{ {" ".join(lines)} return 0; }}\n')
     exe = tmp_path / "abi"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", f"-DCVT_MAGIC={cvt_magic}",
+                           "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split("\n")
@@ -195,9 +199,10 @@ def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
 
 
 @needs_nvcc
-def test_weight_decoders_match_gguf_on_the_host(tmp_path):
+@pytest.mark.parametrize("cvt_magic", [1, 0])
+def test_weight_decoders_match_gguf_on_the_host(tmp_path, cvt_magic):
     """decode.cu's `chunk8` (what every kernel reads weights with) built for the host and run over
-    random rows of each type: the floats must be gguf-py's."""
+    random rows of each type, its integers converted either way: the floats must be gguf-py's."""
     from quant_rows import TYPES, random_rows
     main = tmp_path / "decoders.cu"
     main.write_text(f'#include <cstdio>\n#include <vector>\n#include "{KERNEL_DIR / "decode.cu"}"\n' + r'''
@@ -219,7 +224,8 @@ int main(int argc, char** argv) {
 }
 ''')
     exe = tmp_path / "decoders"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", f"-DCVT_MAGIC={cvt_magic}",
+                           "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     import numpy as np

@@ -27,35 +27,44 @@ DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's def
 class KernelShape:
     """The compile-time shape of the expert kernels: the runner sizes its grids from the same value
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
-    picks another (benchmarks/tune_decode.py measures them)."""
+    picks another (benchmarks/tune_decode.py measures them). The switches (0 or 1) pick how the
+    kernels compute, not their grids: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a
+    quantized row, `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh
+    says why each exists; both on by default, measured in docs/BENCHMARKS.md)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
+    factored_dots: int = 1
+    cvt_magic: int = 1
+
+    # field -> the macro decode.cu reads
+    MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
+              "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
+        for name in ("factored_dots", "cvt_magic"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key
         stays the source's)."""
-        out = []
-        if self.ff_per_block != FF_PER_BLOCK:
-            out.append(f"-DFF_PER_BLOCK={self.ff_per_block}")
-        if self.down_per_block != DOWN_PER_BLOCK:
-            out.append(f"-DDOWN_PER_BLOCK={self.down_per_block}")
-        return tuple(out)
+        default = KernelShape()
+        return tuple(f"-D{macro}={getattr(self, name)}" for name, macro in self.MACROS.items()
+                     if getattr(self, name) != getattr(default, name))
 
     @classmethod
     def parse(cls, text: str) -> "KernelShape":
-        """"ff_per_block=8,down_per_block=2" (either may be left out)."""
+        """"ff_per_block=8,down_per_block=2,factored_dots=1" (any may be left out)."""
         fields = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
-            if not sep or key not in cls.__dataclass_fields__ or not value.strip().isdigit():
-                raise ValueError(f"kernel shape {part!r}: expected ff_per_block=N or "
-                                 f"down_per_block=N")
+            if not sep or key not in cls.MACROS or not value.strip().isdigit():
+                raise ValueError(f"kernel shape {part!r}: expected NAME=N, NAME one of "
+                                 f"{', '.join(cls.MACROS)}")
             fields[key] = int(value)
         return cls(**fields)
 

@@ -53,18 +53,22 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
                                             const float* __restrict__ norm_w, float eps,
                                             float* __restrict__ normed) {
     __shared__ float inv[MAX_ROWS];
-    __shared__ float sums[R * N];
+    __shared__ float sums[R * N + N];
     const MatSpec s = specs[blockIdx.y];
     const int o0 = blockIdx.x * R;
     if (o0 >= s.nrows) return;                          // the whole block: uniform
     const u8* rows[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
-    // the weight loads go out first; the norm's scale (1 / rms of each row) applies to the sums,
-    // so it is computed after them, from activations that are in cache by then
-    block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
-    if (norm_w != nullptr) {
-        block_inv_rms(x, x_stride, s.ncols, n, eps, inv);
+    // the norm's scale (1 / rms of each row) applies to the sums, so the activations' sum of
+    // squares is taken in the same pass as the dots
+    if (norm_w == nullptr) {
+        block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, nullptr, sums);
+    } else {
+        block_dots<T, N, R, true>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
+        if (threadIdx.x < N)
+            inv[threadIdx.x] = rsqrtf(sums[R * N + threadIdx.x] / (float)s.ncols + eps);
+        __syncthreads();
         if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
             for (int idx = threadIdx.x; idx < n * s.ncols; idx += blockDim.x) {
                 const int i = idx / s.ncols, c = idx - i * s.ncols;

@@ -167,12 +167,12 @@ __device__ __forceinline__ void moe_down_body(const ExpertSpec* __restrict__ spe
         load8(a + 8 * (i64)t, xv);
         #pragma unroll
         for (int j = 0; j < 8; ++j) xv[j] *= wr;
+        const float xsum = ChunkDot<T>::needs_xsum ? sum8(xv) : 0.f;
         #pragma unroll
         for (int q = 0; q < DOWN_PER_BLOCK; ++q) {
-            float w[8];
-            chunk8<T>(blob + row_at[q], c, w);
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[q] = fmaf(w[j], xv[j], acc[q]);
+            ChunkDot<T> w;
+            w.load(blob + row_at[q], c);
+            acc[q] = w.dot(xv, xsum, acc[q]);
         }
     }
     missing = __syncthreads_or(missing);

@@ -87,18 +87,115 @@ HOST_DEVICE float h2f(u16 bits) { return __half2float(__ushort_as_half(bits)); }
 
 // ---- the 8 weights of chunk c (columns 8c .. 8c+7) of a row, decoded as gguf-py decodes them ----
 // K-quant 6-bit scale and min of sub-block j, from the 12 scale bytes held in three words a, b, c
-// (bytes 0-3, 4-7, 8-11). Sub-block j < 4: s is byte j, m byte j + 4 (low 6 bits each); j >= 4:
-// the low nibble (s) or high nibble (m) of byte j + 4, over the top 2 bits of byte j - 4 (s) or
-// byte j (m). The same byte k = j % 4 of each word serves both halves, so both are computed and
-// one selected: a warp's lanes hold every j, and a branch on j would run both sides in turn.
-HOST_DEVICE void k_scale_min(u32 a, u32 b, u32 c, int j, int& s, int& m) {
-    const int sh = 8 * (j & 3);
-    const int ab = (int)((a >> sh) & 0xFF), bb = (int)((b >> sh) & 0xFF);
-    const int cb = (int)((c >> sh) & 0xFF);
-    const bool low = j < 4;
-    s = low ? ab & 63 : (cb & 0xF) | ((ab >> 6) << 4);
-    m = low ? bb & 63 : (cb >> 4) | ((bb >> 6) << 4);
+// (bytes 0-3, 4-7, 8-11). A branch on j measured faster than selecting between both sides
+// (docs/BENCHMARKS.md).
+HOST_DEVICE int scale_byte(u32 a, u32 b, u32 c, int i) {
+    const u32 word = i < 4 ? a : (i < 8 ? b : c);
+    return (int)((word >> (8 * (i & 3))) & 0xFF);
 }
+
+HOST_DEVICE void k_scale_min(u32 a, u32 b, u32 c, int j, int& s, int& m) {
+    if (j < 4) {
+        s = scale_byte(a, b, c, j) & 63;
+        m = scale_byte(a, b, c, j + 4) & 63;
+    } else {
+        const int hi = scale_byte(a, b, c, j + 4);
+        s = (hi & 0xF) | ((scale_byte(a, b, c, j - 4) >> 6) << 4);
+        m = (hi >> 4) | ((scale_byte(a, b, c, j) >> 6) << 4);
+    }
+}
+
+// Small stored integers as floats. An int-to-float conversion issues at a fraction of an FMA's
+// rate (16 a clock per SM against 128); with CVT_MAGIC the value goes into the low mantissa bits
+// of 2^23 instead (2^23 + v exactly) and 2^23 + OFFSET is subtracted: the same float, bit for
+// bit, through two full-rate instructions.
+#ifndef CVT_MAGIC
+#define CVT_MAGIC 1
+#endif
+template <int OFFSET>
+HOST_DEVICE float small_int_to_float(u32 v /* 0 <= v < 2^22 */) {
+#if CVT_MAGIC
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(0x4B000000u | v) - (8388608.f + (float)OFFSET);
+#else
+    union { u32 u; float f; } bits;
+    bits.u = 0x4B000000u | v;
+    return bits.f - (8388608.f + (float)OFFSET);
+#endif
+#else
+    return (float)((int)v - OFFSET);
+#endif
+}
+
+// a signed byte (the low 8 bits of `byte`, two's complement): b ^ 0x80 is b + 128
+HOST_DEVICE float s8_to_float(u32 byte) { return small_int_to_float<128>((byte & 0xFF) ^ 0x80); }
+
+// The 8 stored integers of chunk c (columns 8c .. 8c+7) of a quantized row as exact floats q and
+// the chunk's affine map: its weights are a * q + b (Q8_0 and Q6_K: b = 0), as gguf-py decodes
+// them.
+template <int T>
+HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a, float& b) {
+    b = 0.f;
+    if (T == T_Q8_0) {
+        // 34-byte block of 32: f16 d, 32 int8 quants (2-byte aligned only); 4 chunks per block
+        const u16* p = reinterpret_cast<const u16*>(row + (i64)(c >> 2) * 34);
+        a = h2f(LDG(p));
+        p += 1 + 4 * (c & 3);
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 v = LDG(p + j);
+            q[2 * j] = s8_to_float(v);
+            q[2 * j + 1] = s8_to_float(v >> 8);
+        }
+    } else if (T == T_Q4_K || T == T_Q5_K) {
+        // super-block of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, [Q5_K: 32 bytes of
+        // high bits: bit j of byte l for element l of sub-block j], 128 bytes of nibbles:
+        // sub-block j (32 columns) holds the low (j even) or high nibbles of bytes 32*(j/2) ..
+        const u8* blk = row + (i64)(c >> 5) * (T == T_Q4_K ? 144 : 176);
+        const int j = (c >> 2) & 7, k = c & 3;
+        const uint4 head = LDG(reinterpret_cast<const uint4*>(blk));
+        int s, m;
+        k_scale_min(head.y, head.z, head.w, j, s, m);
+        a = h2f((u16)(head.x & 0xFFFF)) * small_int_to_float<0>(s);
+        b = -(h2f((u16)(head.x >> 16)) * small_int_to_float<0>(m));
+        const uint2 qv = LDG(reinterpret_cast<const uint2*>(
+            blk + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * k));
+        const int shift = (j & 1) * 4;
+        uint2 hv = make_uint2(0, 0);
+        if (T == T_Q5_K) hv = LDG(reinterpret_cast<const uint2*>(blk + 16 + 8 * k));
+        #pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            const u32 word = l < 4 ? qv.x : qv.y;
+            u32 v = (word >> (8 * (l & 3) + shift)) & 0xF;
+            if (T == T_Q5_K) v += (((l < 4 ? hv.x : hv.y) >> (8 * (l & 3) + j)) & 1) << 4;
+            q[l] = small_int_to_float<0>(v);
+        }
+    } else if (T == T_Q6_K) {
+        // 210 bytes (2-byte aligned only): ql[128], qh[64], int8 scales[16], f16 d. Element
+        // e = 128h + 32t + l: low nibble (t < 2) or high nibble of ql[64h + 32(t&1) + l], bits
+        // 2t.. of qh[32h + l], scale [8h + l/16 + 2t]
+        const u8* blk = row + (i64)(c >> 5) * 210;
+        const int e0 = 8 * (c & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
+        const u16* ql = reinterpret_cast<const u16*>(blk + 64 * h + 32 * (t & 1) + l0);
+        const u16* qh = reinterpret_cast<const u16*>(blk + 128 + 32 * h + l0);
+        a = h2f(LDG(reinterpret_cast<const u16*>(blk + 208))) *
+            s8_to_float(LDG(blk + 192 + 8 * h + (l0 >> 4) + 2 * t));
+        const int nshift = (t >> 1) * 4, hshift = 2 * t;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 lv = LDG(ql + j), hv = LDG(qh + j);
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 lo = ((lv >> (8 * e)) >> nshift) & 0xF;
+                const u32 hb = ((hv >> (8 * e)) >> hshift) & 3;
+                q[2 * j + e] = small_int_to_float<32>(lo | (hb << 4));
+            }
+        }
+    }
+}
+
+HOST_DEVICE constexpr bool is_quantized(int T) { return T != T_F32 && T != T_F16; }
+HOST_DEVICE constexpr bool has_min(int T) { return T == T_Q4_K || T == T_Q5_K; }
 
 template <int T>
 HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
@@ -115,67 +212,49 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
             w[2 * t] = h2f((u16)(parts[t] & 0xFFFF));
             w[2 * t + 1] = h2f((u16)(parts[t] >> 16));
         }
-    } else if (T == T_Q8_0) {
-        // 34-byte block of 32: f16 d, 32 int8 quants (2-byte aligned only); 4 chunks per block
-        const u16* p = reinterpret_cast<const u16*>(row + (i64)(c >> 2) * 34);
-        const float d = h2f(LDG(p));
-        p += 1 + 4 * (c & 3);
+    } else {
+        float a, b;
+        chunk8_q<T>(row, c, w, a, b);
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u16 v = LDG(p + j);
-            w[2 * j] = d * (float)(signed char)(v & 0xFF);
-            w[2 * j + 1] = d * (float)(signed char)(v >> 8);
-        }
-    } else if (T == T_Q4_K || T == T_Q5_K) {
-        // super-block of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, [Q5_K: 32 bytes of
-        // high bits: bit j of byte l for element l of sub-block j], 128 bytes of nibbles:
-        // sub-block j (32 columns) holds the low (j even) or high nibbles of bytes 32*(j/2) ..
-        const u8* b = row + (i64)(c >> 5) * (T == T_Q4_K ? 144 : 176);
-        const int j = (c >> 2) & 7, q = c & 3;
-        const uint4 head = LDG(reinterpret_cast<const uint4*>(b));
-        int s, m;
-        k_scale_min(head.y, head.z, head.w, j, s, m);
-        const float ds = h2f((u16)(head.x & 0xFFFF)) * (float)s;
-        const float dm = h2f((u16)(head.x >> 16)) * (float)m;
-        const uint2 qv = LDG(reinterpret_cast<const uint2*>(
-            b + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * q));
-        // this sub-block's nibbles (and Q5_K bits) moved to the bottom once, so each weight's
-        // shift below is a constant
-        const int shift = (j & 1) * 4;
-        const uint2 nib = make_uint2(qv.x >> shift, qv.y >> shift);
-        uint2 hv = make_uint2(0, 0);
-        if (T == T_Q5_K) {
-            hv = LDG(reinterpret_cast<const uint2*>(b + 16 + 8 * q));
-            hv = make_uint2(hv.x >> j, hv.y >> j);
-        }
-        #pragma unroll
-        for (int l = 0; l < 8; ++l) {
-            u32 v = ((l < 4 ? nib.x : nib.y) >> (8 * (l & 3))) & 0xF;
-            if (T == T_Q5_K) v |= (((l < 4 ? hv.x : hv.y) >> (8 * (l & 3))) & 1) << 4;
-            w[l] = ds * (float)(int)v - dm;
-        }
-    } else if (T == T_Q6_K) {
-        // 210 bytes (2-byte aligned only): ql[128], qh[64], int8 scales[16], f16 d. Element
-        // e = 128h + 32t + l: low nibble (t < 2) or high nibble of ql[64h + 32(t&1) + l], bits
-        // 2t.. of qh[32h + l], scale [8h + l/16 + 2t]
-        const u8* b = row + (i64)(c >> 5) * 210;
-        const int e0 = 8 * (c & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
-        const u16* ql = reinterpret_cast<const u16*>(b + 64 * h + 32 * (t & 1) + l0);
-        const u16* qh = reinterpret_cast<const u16*>(b + 128 + 32 * h + l0);
-        const float d = h2f(LDG(reinterpret_cast<const u16*>(b + 208))) *
-                        (float)(signed char)LDG(b + 192 + 8 * h + (l0 >> 4) + 2 * t);
-        const int nshift = (t >> 1) * 4, hshift = 2 * t;
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u16 lv = LDG(ql + j), hv = LDG(qh + j);
-            #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int lo = ((lv >> (8 * e)) >> nshift) & 0xF;
-                const int hb = ((hv >> (8 * e)) >> hshift) & 3;
-                w[2 * j + e] = d * (float)((lo | (hb << 4)) - 32);
-            }
-        }
+        for (int l = 0; l < 8; ++l) w[l] = has_min(T) ? fmaf(a, w[l], b) : a * w[l];
     }
+}
+
+// One chunk of a weight row held for dot products against several activation chunks. With
+// FACTORED_DOTS a quantized chunk keeps its integers and sums them against x before scaling once
+// (a * sum(q x) + b * sum(x), llama.cpp's order): a multiply a weight fewer than decoding each
+// weight first. Either way each output has one fixed order of operations (batch invariance); the
+// two forms round differently.
+#ifndef FACTORED_DOTS
+#define FACTORED_DOTS 1
+#endif
+template <int T>
+struct ChunkDot {
+    static constexpr bool factored = FACTORED_DOTS && is_quantized(T);
+    static constexpr bool needs_xsum = factored && has_min(T);   // b != 0: sum(x) enters
+    float v[8], a, b;
+
+    __device__ __forceinline__ void load(const u8* __restrict__ row, int c) {
+        if (factored) chunk8_q<T>(row, c, v, a, b);
+        else chunk8<T>(row, c, v);
+    }
+    // acc + this chunk . xv; xsum: the sum of xv's 8 values (read only when needs_xsum)
+    __device__ __forceinline__ float dot(const float* xv, float xsum, float acc) const {
+        if (!factored) {
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) acc = fmaf(v[j], xv[j], acc);
+            return acc;
+        }
+        float s = v[0] * xv[0];
+        #pragma unroll
+        for (int j = 1; j < 8; ++j) s = fmaf(v[j], xv[j], s);
+        acc = fmaf(a, s, acc);
+        return needs_xsum ? fmaf(b, xsum, acc) : acc;
+    }
+};
+
+__device__ __forceinline__ float sum8(const float* v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 #define DISPATCH_TYPE(type, CALL)                                    \
@@ -231,19 +310,29 @@ __device__ __forceinline__ void block_reduce(float (&acc)[M], float* sums) {
 }
 
 // sums[r*N + i] = rows[r] . (x_i * xw) for R weight rows and N activation rows (x_i at
-// x + i*x_stride; xw, a fused norm weight, may be null)
-template <int T, int N, int R>
+// x + i*x_stride; xw, a fused norm weight, may be null). SUMSQ: also sums[R*N + i] = x_i . x_i
+// (a fused RMSNorm's scale, summed in the same pass and reduction as the dots: the activations
+// are read once and the block waits at one reduction, not two).
+template <int T, int N, int R, bool SUMSQ = false>
 __device__ __forceinline__ void block_dots(const u8* const (&rows)[R], int nchunks,
                                            const float* __restrict__ x, int x_stride,
                                            const float* __restrict__ xw, float* sums) {
-    float acc[R * N];
+    constexpr int M = R * N + (SUMSQ ? N : 0);
+    float acc[M];
     #pragma unroll
-    for (int m = 0; m < R * N; ++m) acc[m] = 0.f;
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
     #pragma unroll 2
     for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
         float xv[N][8];
         #pragma unroll
         for (int i = 0; i < N; ++i) load8(x + (i64)i * x_stride + 8 * c, xv[i]);
+        if (SUMSQ) {
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) acc[R * N + i] = fmaf(xv[i][j], xv[i][j], acc[R * N + i]);
+            }
+        }
         if (xw != nullptr) {
             float s[8];
             load8(xw + 8 * c, s);
@@ -253,41 +342,16 @@ __device__ __forceinline__ void block_dots(const u8* const (&rows)[R], int nchun
                 for (int j = 0; j < 8; ++j) xv[i][j] *= s[j];
             }
         }
+        float xsum[N];
+        #pragma unroll
+        for (int i = 0; i < N; ++i) xsum[i] = ChunkDot<T>::needs_xsum ? sum8(xv[i]) : 0.f;
         #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float w[8];
-            chunk8<T>(rows[r], c, w);
+            ChunkDot<T> w;
+            w.load(rows[r], c);
             #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) acc[r * N + i] = fmaf(w[j], xv[i][j], acc[r * N + i]);
-            }
+            for (int i = 0; i < N; ++i) acc[r * N + i] = w.dot(xv[i], xsum[i], acc[r * N + i]);
         }
     }
-    block_reduce<R * N>(acc, sums);
-}
-
-// 1 / rms of each of the n rows of x, computed by the whole block (float4 loads, a fixed
-// reduction order) and shared with every thread through `inv`.
-__device__ void block_inv_rms(const float* __restrict__ x, int x_stride, int ncols, int n,
-                              float eps, float* inv /* shared [MAX_ROWS] */) {
-    __shared__ float part[MAX_ROWS][32];
-    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (int i = 0; i < n; ++i) {
-        float s = 0.f;
-        for (int c = 4 * threadIdx.x; c < ncols; c += 4 * blockDim.x) {
-            const float4 v = __ldg(reinterpret_cast<const float4*>(x + (i64)i * x_stride + c));
-            s += v.x * v.x; s += v.y * v.y; s += v.z * v.z; s += v.w * v.w;
-        }
-        s = warp_sum(s);
-        if (lane == 0) part[i][warp] = s;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        for (int i = 0; i < n; ++i) {
-            float s = warp_sum(lane < nwarps ? part[i][lane] : 0.f);
-            if (lane == 0) inv[i] = rsqrtf(s / (float)ncols + eps);
-        }
-    }
-    __syncthreads();
+    block_reduce<M>(acc, sums);
 }
