@@ -17,16 +17,17 @@
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--offload] [--prefill]
+#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--skip-attention] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
     --skip-tests) TESTS=0; shift ;;
     --tune) TUNE=1; shift ;;
-    --tune-only) TUNE=1; TUNE_ONLY=1; shift ;;
+    --tune-only) TUNE=1; TUNE_ONLY=1; ATTENTION=0; shift ;;
+    --skip-attention) ATTENTION=0; shift ;;
     --offload) OFFLOAD=1; shift ;;
     --prefill) PREFILL=1; shift ;;
     --skip-decode) DECODE=0; shift ;;
@@ -73,7 +74,7 @@ if [ "$TUNE" = 1 ]; then
 fi
 rm -f /tmp/m/q30_8l.gguf
 done
-[ "$TUNE_ONLY" = 1 ] || timeout 120 python3 benchmarks/bench_attention.py 2>&1 \
+[ "$ATTENTION" = 0 ] || timeout 120 python3 benchmarks/bench_attention.py 2>&1 \
   | tee "$OUT/attention.log" | tail -10
 t "profile"
 fi
