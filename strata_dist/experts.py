@@ -14,10 +14,18 @@ def stored_rows_jobs(idx: np.ndarray, mask: np.ndarray, blob_of) -> list:
     """The jobs of backend.experts_swiglu for the (row, rank) pairs of `mask`, one per expert:
     (its blob, the rows, the flat output rows row * k + rank of an [n * k, d] output)."""
     k = idx.shape[1]
+    # the pairs' flat positions row * k + rank, grouped by expert in one stable sort (each
+    # group keeps row-major order) instead of one scan of idx per expert
+    flat = np.flatnonzero(mask)
+    experts = idx.ravel()[flat]
+    order = np.argsort(experts, kind="stable")
+    flat, experts = flat[order], experts[order]
+    starts = np.flatnonzero(np.diff(experts, prepend=experts[:1] - 1)) if len(flat) else []
+    bounds = list(starts) + [len(flat)]
     jobs = []
-    for e in np.unique(idx[mask]):
-        rows, ranks = np.nonzero(mask & (idx == e))
-        jobs.append((blob_of(int(e)), rows, rows * k + ranks))
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        pos = flat[a:b]
+        jobs.append((blob_of(int(experts[a])), pos // k, pos))
     return jobs
 
 

@@ -66,6 +66,23 @@ def _attend(qg, kt, vt, q0, xp, out_buf=None):
     return scores @ vt                                                 # [KVH, G, nq, D]
 
 
+def _topk_stable(probs: np.ndarray, k: int) -> np.ndarray:
+    """np.argsort(-probs, kind="stable")[:, :k] without sorting whole rows (a prompt chunk routes
+    thousands of rows a layer, and the full sort was most of a prompt's host time,
+    docs/BENCHMARKS.md): k rounds of a row-wise argmax, each taking the largest value left (the
+    lowest index among equals, as the stable sort does) and striking it out."""
+    n = probs.shape[0]
+    if k >= probs.shape[1] or n == 0 or np.isnan(probs).any():   # NaN sorts last: the full sort
+        return np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    left = probs.copy()
+    idx = np.empty((n, k), dtype=np.int64)
+    rows = np.arange(n)
+    for r in range(k):
+        idx[:, r] = left.argmax(axis=-1)
+        left[rows, idx[:, r]] = -np.inf              # probabilities are >= 0
+    return idx
+
+
 def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):
     """Top-k experts per row in rank order (stable on ties) and their softmax weights, renormalised
     over the k when `normalize` (host arrays: [n, k] int64, [n, k] float32)."""
@@ -73,7 +90,7 @@ def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):
     logits = logits - logits.max(axis=-1, keepdims=True)
     probs = np.exp(logits)
     probs /= probs.sum(axis=-1, keepdims=True)
-    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    idx = _topk_stable(probs, k)
     wts = np.take_along_axis(probs, idx, axis=-1)
     if normalize:
         wts = wts / wts.sum(axis=-1, keepdims=True)
