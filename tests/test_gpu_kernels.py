@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK,  # noqa: E402
-                                     EXPERT_SPEC, FF_PER_BLOCK, MAT_SPEC, MAX_ROWS, ROUTE_SPEC,
+                                     EXPERT_SPEC, FF_PER_BLOCK, KernelShape, MAT_SPEC, MAX_ROWS,
+                                     ROUTE_SPEC,
                                      TYPE_NAMES, attn_kernel, matvec_kernel,
                                      rows_per_block)
 from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
@@ -25,8 +26,8 @@ from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
 N_EMBD, N_FF, N_EXPERT, K = 512, 256, 16, 4
 
 
-def _kernel(name):
-    return cd.function("decode.cu", name)
+def _kernel(name, shape: KernelShape = KernelShape()):
+    return cd.function("decode.cu", name, 0, shape.defines())
 
 
 class Experts:
@@ -64,7 +65,10 @@ class Experts:
                                           (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K)],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3])
-def test_expert_kernels_match_numpy(gate_up, down, n):
+@pytest.mark.parametrize("shape", ["", "ff_per_block=8,q4k_pairs=1", "factored_dots=0,cvt_magic=0"])
+def test_expert_kernels_match_numpy(gate_up, down, n, shape):
+    """Every build tune_decode.py measures computes the same experts (up to rounding)."""
+    shape = KernelShape.parse(shape)
     ex = Experts(gate_up, down, seed=int(gate_up) * 100 + int(down))
     rng = np.random.default_rng(5)
     x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
@@ -74,11 +78,11 @@ def test_expert_kernels_match_numpy(gate_up, down, n):
     blobs = cp.asarray(cp.asnumpy(ex.blob_of)[ids])
     act = cp.zeros((n, K, N_FF), cp.float32)
     h = cp.asarray(h0)
-    _kernel(f"moe_gate_up_{ex.types[0]}")(
-        ((N_FF + FF_PER_BLOCK - 1) // FF_PER_BLOCK, K, n), (BLOCK_THREADS,),
-        (ex.spec, cp.asarray(x), blobs, act))
-    _kernel(f"moe_down_{ex.types[1]}")(
-        ((N_EMBD + DOWN_PER_BLOCK - 1) // DOWN_PER_BLOCK, n), (BLOCK_THREADS,),
+    ff, out = shape.ff_per_block, shape.down_per_block
+    _kernel(f"moe_gate_up_{ex.types[0]}", shape)(
+        ((N_FF + ff - 1) // ff, K, n), (BLOCK_THREADS,), (ex.spec, cp.asarray(x), blobs, act))
+    _kernel(f"moe_down_{ex.types[1]}", shape)(
+        ((N_EMBD + out - 1) // out, n), (BLOCK_THREADS,),
         (ex.spec, act, blobs, cp.asarray(wts), h))
     want_act = np.zeros((n, K, N_FF))
     want_h = h0.astype(np.float64).copy()

@@ -23,7 +23,8 @@ def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
     assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
         "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
-    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2"):
+    for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
+                "q4k_pairs=1"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -72,7 +73,7 @@ def test_the_package_has_kernel_sources():
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
 @pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
-                                   "factored_dots=0,cvt_magic=0"])
+                                   "factored_dots=0,cvt_magic=0", "ff_per_block=8,q4k_pairs=1"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
     defines = list(KernelShape.parse(shape).defines())
@@ -133,8 +134,7 @@ def test_argument_tables_match_the_structs(tmp_path):
     main.write_text(f'#include <cstdio>\n#include <cstddef>\n#include "{KERNEL_DIR / "decode.cu"}"\n'
                     f'int main() {{ {" ".join(lines)} return 0; }}\n')
     exe = tmp_path / "abi"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", f"-DCVT_MAGIC={cvt_magic}",
-                           "-o", str(exe), str(main)],
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split("\n")

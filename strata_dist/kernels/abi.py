@@ -30,24 +30,32 @@ class KernelShape:
     picks another (benchmarks/tune_decode.py measures them). The switches (0 or 1) pick how the
     kernels compute, not their grids: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a
     quantized row, `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh
-    says why each exists; both on by default, measured in docs/BENCHMARKS.md)."""
+    says why each exists; both on by default, measured in docs/BENCHMARKS.md); `q4k_pairs` (off,
+    an experiment: experts.cuh) a warp per expert row of moe_gate_up_q4_k, then ff_per_block a
+    multiple of the block's warps."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
     cvt_magic: int = 1
+    q4k_pairs: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
-              "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC"}
+              "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
+              "q4k_pairs": "Q4K_PAIRS"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
-        for name in ("factored_dots", "cvt_magic"):
+        for name in ("factored_dots", "cvt_magic", "q4k_pairs"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
+        warps = BLOCK_THREADS // 32
+        if self.q4k_pairs and self.ff_per_block % warps:
+            raise ValueError(f"kernel shape q4k_pairs=1 with ff_per_block={self.ff_per_block}: "
+                             f"expected a multiple of {warps} (a block's warps)")
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key
