@@ -7,7 +7,8 @@
 #      q8_0; where a decode step's time goes),
 #      and bench_attention.py (the attention kernel alone against the context length); with --tune,
 #      tune_decode.py (the expert kernels' shapes on the same file; $TUNE_SHAPES, when set, the
-#      shapes to measure), with --tune-only that alone
+#      shapes to measure), with --tune-only that alone; with --prefill-profile,
+#      profile_prefill.py on the same file (512 and 4,096 tokens, row kernels and flash attention)
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
 #      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
 #      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
@@ -17,10 +18,10 @@
 # Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--skip-attention] [--offload] [--prefill]
+#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k]
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
@@ -28,6 +29,7 @@ while [ $# -gt 0 ]; do
     --tune) TUNE=1; shift ;;
     --tune-only) TUNE=1; TUNE_ONLY=1; ATTENTION=0; shift ;;
     --skip-attention) ATTENTION=0; shift ;;
+    --prefill-profile) PREFILL_PROFILE=1; shift ;;
     --offload) OFFLOAD=1; shift ;;
     --prefill) PREFILL=1; shift ;;
     --skip-decode) DECODE=0; shift ;;
@@ -71,6 +73,12 @@ fi
 if [ "$TUNE" = 1 ]; then
   timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf \
     ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} 2>&1 | tee "$OUT/tune_$pq.log" | tail -12
+fi
+if [ "$PREFILL_PROFILE" = 1 ]; then
+  for n in 512 4096; do
+    timeout 90 python3 benchmarks/profile_prefill.py --model /tmp/m/q30_8l.gguf --tokens $n \
+      --grouped --flash 2>&1 | tee "$OUT/profile_prefill_${pq}_$n.log" | head -16
+  done
 fi
 rm -f /tmp/m/q30_8l.gguf
 done
