@@ -8,7 +8,8 @@
 #      and bench_attention.py (the attention kernel alone against the context length); with --tune,
 #      tune_decode.py (the expert kernels' shapes on the same file; $TUNE_SHAPES, when set, the
 #      shapes to measure), with --tune-only that alone; with --prefill-profile,
-#      profile_prefill.py on the same file (512 and 4,096 tokens, row kernels and flash attention)
+#      profile_prefill.py on the same file (512 and 4,096 tokens, row kernels and flash attention,
+#      routed on the host and on the device)
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
 #      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
 #      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
@@ -76,8 +77,10 @@ if [ "$TUNE" = 1 ]; then
 fi
 if [ "$PREFILL_PROFILE" = 1 ]; then
   for n in 512 4096; do
-    timeout 90 python3 benchmarks/profile_prefill.py --model /tmp/m/q30_8l.gguf --tokens $n \
-      --grouped --flash 2>&1 | tee "$OUT/profile_prefill_${pq}_$n.log" | head -16
+    for dr in "" --device-routing; do
+      timeout 90 python3 benchmarks/profile_prefill.py --model /tmp/m/q30_8l.gguf --tokens $n \
+        --grouped --flash $dr 2>&1 | tee "$OUT/profile_prefill_${pq}_$n$dr.log" | head -16
+    done
   done
 fi
 rm -f /tmp/m/q30_8l.gguf

@@ -35,6 +35,11 @@ class ExpertStore:
     def compute(self, layer: int, expert: int, x):
         raise NotImplementedError
 
+    def outputs_device(self, layer: int, x, idx):
+        """`outputs` for routing held on the device (idx a device array), without bringing it
+        to the host, or None where this store cannot (the caller then brings it over)."""
+        return None
+
     def outputs(self, layer: int, x, idx: np.ndarray):
         """y[row, rank] = expert idx[row, rank] applied to x[row], unweighted."""
         xp = self.backend.xp
@@ -141,6 +146,21 @@ class BlobArena(ExpertStore):
         y = self.backend.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
         self.compute_into(layer, x, idx, np.ones(idx.shape, dtype=bool), y)
         return y
+
+    def outputs_device(self, layer: int, x, idx):
+        """Every expert of `layer` resident here: the backend groups and computes on the device."""
+        addresses = self.blob_addresses(layer)
+        routed = getattr(self.backend, "experts_routed", None)
+        return None if addresses is None or routed is None else routed(self.gguf, layer, x, idx,
+                                                                      addresses)
+
+    def blob_addresses(self, layer: int) -> np.ndarray | None:
+        """Each expert's blob address of `layer` (host uint64 [n_experts]), or None when one is not
+        resident (or the arena is host memory)."""
+        slots = self.slot_of[layer]
+        if (slots < 0).any() or isinstance(self.buf, np.ndarray):
+            return None
+        return (int(self.buf.data.ptr) + self.offsets[slots]).astype(np.uint64)
 
     def compute_into(self, layer: int, x, idx: np.ndarray, mask: np.ndarray, y) -> None:
         """y[row, rank] for the pairs of `mask` (all resident here)."""

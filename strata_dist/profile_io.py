@@ -74,6 +74,7 @@ def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]],
 
     def on_route(layer: int, expert_ids) -> None:
         ids = np.asarray(expert_ids).ravel()
+        ids = ids[ids >= 0]                  # a row whose logits picked nothing (NaN)
         counts[layer] += np.bincount(ids, minlength=g.n_expert)[: g.n_expert]
 
     model.on_route = on_route

@@ -126,6 +126,13 @@ class ExpertTiers(ExpertStore):
         self._streamer = None
         self.counters: Counter = Counter()
 
+    def outputs_device(self, layer: int, x, idx):
+        """Every expert of `layer` in this stage's cache: all hits, computed on the device."""
+        y = self.cache.outputs_device(layer, x, idx)
+        if y is not None:
+            self.counters["hits"] += int(idx.size)
+        return y
+
     def outputs(self, layer: int, x, idx: np.ndarray):
         be = self.backend
         n, k = idx.shape

@@ -141,6 +141,68 @@ def test_row_kernels_match_numpy_and_ignore_the_grouping(gate_up, down, mma):
         assert np.array_equal(cp.asnumpy(one)[0], got[dest[-1]])
 
 
+@pytest.mark.parametrize("popularity", ["uniform", "skewed"])
+def test_device_grouping_builds_the_host_layout(popularity):
+    """experts_rows.cu's group_* kernels (STRATA_DEVICE_ROUTING) against kernels/abi.py
+    group_layout, the layout the host path builds: experts with no pair, experts with more than a
+    work item, a row that picked nothing; the unused items of the worst-case launch empty."""
+    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.kernels.abi import group_layout
+    rng = np.random.default_rng(11)
+    n, k, n_expert = 300, 8, 128
+    p = np.ones(n_expert) if popularity == "uniform" else 1.0 / np.arange(1, n_expert + 1) ** 1.5
+    ids = np.stack([rng.choice(n_expert, k, replace=False, p=p / p.sum())
+                    for _ in range(n)]).astype(np.int32)
+    ids[5] = -1
+    rows, dest, items = RowsKernels(0).group(cp.asarray(ids), n_expert)
+    want_rows, want_dest, want_items = group_layout(ids, n_expert)
+    got_items = cp.asnumpy(items)
+    np.testing.assert_array_equal(got_items[:len(want_items)], want_items)
+    assert (got_items[len(want_items):, 2] == 0).all()
+    np.testing.assert_array_equal(cp.asnumpy(rows)[:len(want_rows)], want_rows)
+    np.testing.assert_array_equal(cp.asnumpy(dest)[:len(want_dest)], want_dest)
+
+
+def test_device_routing_matches_the_host_top_k():
+    """route_rows (the decode graph's top-k code) against array_ops.softmax_topk; a row of NaN
+    logits picks nothing (-1, NaN weights)."""
+    from strata_dist.backends.expert_rows import RowsKernels
+    rng = np.random.default_rng(12)
+    logits = (3 * rng.standard_normal((200, 128))).astype(np.float32)
+    logits[7] = np.nan
+    ids, wts = RowsKernels(0).route(cp.asarray(logits), 8, True)
+    ids, wts = cp.asnumpy(ids), cp.asnumpy(wts)
+    want_ids, want_wts = softmax_topk(np.delete(logits, 7, axis=0), 8)
+    np.testing.assert_array_equal(np.delete(ids, 7, axis=0), want_ids)
+    np.testing.assert_allclose(np.delete(wts, 7, axis=0), want_wts, rtol=1e-5)
+    assert (ids[7] == -1).all() and np.isnan(wts[7]).all()
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["fma", "mma"])
+def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
+    """run_routed (routing and grouping on the device) gives every pair the bits run_spec gives
+    it from the host's jobs: the grouping never shows."""
+    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.experts import stored_rows_jobs
+    from strata_dist.kernels.abi import ExpertLayout
+    ex = Experts(QT.Q4_K, QT.Q6_K, seed=31)
+    g_bytes, u_bytes, d_bytes = ex.layout
+    spec = ExpertLayout(int(QT.Q4_K), int(QT.Q4_K), int(QT.Q6_K), g_bytes, g_bytes + u_bytes,
+                        g_bytes // N_FF, u_bytes // N_FF, d_bytes // N_EMBD, N_FF, N_EMBD, 16)
+    kernels = RowsKernels(0, mma=mma)
+    rng = np.random.default_rng(13)
+    n = 90
+    x = cp.asarray(rng.standard_normal((n, N_EMBD)).astype(np.float32))
+    ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n)]).astype(np.int32)
+    routed = cp.zeros((n * K, N_EMBD), cp.float32)
+    kernels.run_routed(spec, x, cp.asarray(ids), ex.blob_of, routed)
+    blob = lambda e: ex.buf[e * ex.stride:e * ex.stride + ex.size]  # noqa: E731
+    hosted = cp.zeros((n * K, N_EMBD), cp.float32)
+    jobs = stored_rows_jobs(ids.astype(np.int64), np.ones(ids.shape, bool), blob)
+    assert kernels.run_spec(spec, x, jobs, hosted)
+    assert np.array_equal(cp.asnumpy(routed), cp.asnumpy(hosted))
+
+
 def test_a_missing_expert_reads_as_nan():
     """A blob address of 0 (not resident) must never pass for a result."""
     ex = Experts(QT.Q8_0, QT.Q8_0, seed=9)

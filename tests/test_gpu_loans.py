@@ -84,14 +84,18 @@ def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model):
     assert asked[40] <= rows + 4096, asked
 
 
+@pytest.mark.parametrize("device_routing", ["0", "1"])
 def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypatch,
-                                                                f16_kv_reference):
+                                                                f16_kv_reference, device_routing):
     """STRATA_GROUPED_EXPERTS=1 (every expert computation through backends/expert_rows.py): a
     prompt's logits stay within numpy's tolerance, and a stage that streams half its experts
-    through a loan reads the prompt into the same bits as one that caches them all."""
+    through a loan reads the prompt into the same bits as one that caches them all. With
+    STRATA_DEVICE_ROUTING=1 the stage that caches them all groups on the device, the other on the
+    host: the same bits still."""
     from strata_dist.single_process import SingleProcessRunner
     from strata_dist.stage import Stage, StageConfig
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
+    monkeypatch.setenv("STRATA_DEVICE_ROUTING", device_routing)
     eng = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
     assert eng.backend._rows is not None
     ref = SingleProcessRunner(model, "cpu", prefill_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]
@@ -113,4 +117,5 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
         st.end_prompt()
         logits[name] = np.asarray(out)
     assert stages["half"].tiers.counters["streamed"] > 0
+    assert eng.backend._device_routing == (device_routing == "1")
     assert np.array_equal(logits["all"], logits["half"])

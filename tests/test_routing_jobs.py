@@ -51,3 +51,25 @@ def test_jobs_group_pairs_by_expert_in_row_major_order(seed):
         for (_, rows, dest), (_, want_rows, want_dest) in zip(got, want):
             np.testing.assert_array_equal(rows, want_rows)
             np.testing.assert_array_equal(dest, want_dest)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_layout_is_the_layout_of_the_host_jobs(seed):
+    """kernels/abi.py group_layout (what the device grouping kernels must build, checked against
+    them on the GPU) is the host path's layout: the jobs of stored_rows_jobs in order, cut into
+    work items as backends/expert_rows.py run_spec cuts them; pairs with no expert left out."""
+    from strata_dist.kernels.abi import group_layout
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        n, k, n_expert = int(rng.integers(0, 70)), int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        ids = rng.integers(-1, n_expert, size=(n, k))
+        rows, dest, items = group_layout(ids, n_expert, tile_m=4)
+        jobs = stored_rows_jobs(ids, ids >= 0, lambda e: e)
+        want_items, start = [], 0
+        for e, job_rows, _ in jobs:
+            want_items += [(e, start + s, min(4, len(job_rows) - s), 0)
+                           for s in range(0, len(job_rows), 4)]
+            start += len(job_rows)
+        np.testing.assert_array_equal(items, np.asarray(want_items, dtype=np.int32).reshape(-1, 4))
+        np.testing.assert_array_equal(rows, np.concatenate([j[1] for j in jobs] + [[]]))
+        np.testing.assert_array_equal(dest, np.concatenate([j[2] for j in jobs] + [[]]))

@@ -97,12 +97,20 @@ def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):
     return idx, wts.astype(np.float32)
 
 
-def moe_combine(backend, experts, layer: int, x, idx: np.ndarray, wts: np.ndarray):
+def moe_combine(backend, experts, layer: int, x, idx, wts):
     """Σ_r wts[:, r] · expert_{idx[:, r]}(x), summed in top-k rank order so the order of the sum
-    never depends on how rows were grouped per expert."""
+    never depends on how rows were grouped per expert. `idx` on the device (routed there): the
+    store computes it there when it can, else it comes to the host."""
     xp = backend.xp
     n, k = idx.shape
-    y = experts.outputs(layer, x, idx)   # [n, k, d], whichever store computed each entry
+    y = None
+    if not isinstance(idx, np.ndarray):
+        y = experts.outputs_device(layer, x, idx)
+        if y is None:
+            # a row that picked nothing has -1 and a NaN weight: any expert computes it to NaN
+            idx = np.maximum(backend.to_host(idx).astype(np.int64), 0)
+    if y is None:
+        y = experts.outputs(layer, x, idx)   # [n, k, d], whichever store computed each entry
     w_dev = backend.asarray(wts)
     out = xp.zeros_like(x)
     for r in range(k):

@@ -19,6 +19,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 
 from gguf import GGMLQuantizationType
 
+from ..kernels.abi import MAX_GROUP_EXPERTS
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS
@@ -51,6 +52,11 @@ class CupyBackend(Backend):
         if os.environ.get("STRATA_GROUPED_EXPERTS") == "1":
             from .expert_rows import RowsKernels
             self._rows = RowsKernels(index)
+        # experimental, until measured: with the row kernels, chunks routed (every placement alike,
+        # so the tokens do not depend on it) and, where a layer is all resident, grouped on the
+        # device, without a host round trip a layer
+        self._device_routing = (self._rows is not None
+                                and os.environ.get("STRATA_DEVICE_ROUTING") == "1")
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -145,6 +151,25 @@ class CupyBackend(Backend):
     def experts_swiglu(self, gguf, layer, x, jobs, out) -> None:
         if self._rows is None or not self._rows.run(gguf, layer, x, jobs, out):
             super().experts_swiglu(gguf, layer, x, jobs, out)
+
+    def route(self, x, router, k: int, normalize: bool):
+        if self._device_routing:
+            routed = self._rows.route(x @ router.T, k, normalize)
+            if routed is not None:
+                return routed
+        return super().route(x, router, k, normalize)
+
+    def experts_routed(self, gguf, layer: int, x, ids, addresses: np.ndarray):
+        """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
+        `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
+        spec = None if self._rows is None else self._rows._layout(gguf, layer)
+        if (spec is None or int(x.shape[1]) != spec.n_embd or (addresses % spec.align).any()
+                or len(addresses) > MAX_GROUP_EXPERTS):
+            return None
+        n, k = (int(v) for v in ids.shape)
+        y = cp.empty((n, k, spec.n_embd), dtype=cp.float32)
+        self._rows.run_routed(spec, x, ids, cp.asarray(addresses), y.reshape(n * k, spec.n_embd))
+        return y
 
     def prompt_attention(self, q, k, v, pos0):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=1): f16 K/V of 128-wide heads."""

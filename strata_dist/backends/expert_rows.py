@@ -6,7 +6,8 @@ pair's bits do not depend on how the pairs were grouped, which tier held the blo
 Two builds of the same kernels: on tensor cores (mma.sync, rows and weights rounded to f16 in
 shared memory as cuBLAS's f16 products round them; the default) and in float32 FMA
 (STRATA_ROWS_MMA=0). Opt-in while unmeasured on a GPU: STRATA_GROUPED_EXPERTS=1 (CupyBackend
-reads it)."""
+reads it). With STRATA_DEVICE_ROUTING=1 as well, a chunk is routed (`route`) and, where a layer's
+experts are all resident, grouped (`run_routed`) on the device: no host round trip a layer."""
 from __future__ import annotations
 
 import math
@@ -16,10 +17,11 @@ import numpy as np
 import cupy as cp
 
 from ..kernels import function
-from ..kernels.abi import TYPE_NAMES, ExpertLayout, expert_layout
+from ..kernels.abi import (MAX_GROUP_EXPERTS, ROWS_TILE_M, TYPE_NAMES, ExpertLayout,
+                           expert_layout)
 
 KERNELS = "experts_rows.cu"
-TILE_M, TILE_N, TILE_K = 32, 64, 32      # experts_rows.cu
+TILE_M, TILE_N, TILE_K = ROWS_TILE_M, 64, 32      # experts_rows.cu
 
 
 def layer_experts(gguf, layer: int) -> ExpertLayout | None:
@@ -87,6 +89,69 @@ class RowsKernels:
                 (blobs_d, items_d, dest_d, act, i32(spec.n_ff), i64(spec.down_at),
                  i64(spec.down_row_bytes), i32(spec.n_embd), out))
         return True
+
+    def route(self, logits, k: int, normalize: bool):
+        """(ids, wts) [n, k] on the device from router logits [n, n_expert] (the decode graph's
+        top-k code, routing.cuh): int32 experts in rank order, -1 where a row picks nothing;
+        float32 weights, NaN there. None when a layer has more experts than the kernels take."""
+        n, n_expert = (int(v) for v in logits.shape)
+        if n_expert > MAX_GROUP_EXPERTS or k > 32:
+            return None
+        with cp.cuda.Device(self.device):
+            logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+            ids = cp.empty((n, k), dtype=cp.int32)
+            wts = cp.empty((n, k), dtype=cp.float32)
+            if n:
+                function(KERNELS, "route_rows", self.device)(
+                    (math.ceil(n / 8),), (256,),
+                    (logits, np.int32(n), np.int32(n_expert), np.int32(k), np.int32(normalize),
+                     ids, wts))
+        return ids, wts
+
+    def run_routed(self, spec: ExpertLayout, x, ids, blob_table, out) -> None:
+        """out[p] (p = row * k + rank, out [n * k, n_embd]) = SwiGLU of expert ids[row, rank] on
+        x[row], every expert's blob address in `blob_table` (device uint64 [n_expert]); the pairs
+        grouped on the device into the layout the host path builds (kernels/abi.py group_layout),
+        so the bits are the same. Rows that picked no expert are left unwritten (their weight is
+        NaN)."""
+        n, k = (int(v) for v in ids.shape)
+        i32, i64 = np.int32, np.int64
+        with cp.cuda.Device(self.device):
+            rows, dest, items = self.group(ids, int(blob_table.shape[0]))
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            act = cp.empty((n * k, spec.n_ff), dtype=cp.float32)
+            self._fn("moe_gate_up_rows", spec.gate_type)(
+                (len(items), math.ceil(spec.n_ff / TILE_N)), (256,),
+                (blob_table, items, rows, x, i32(spec.n_embd), i64(spec.up_at),
+                 i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act))
+            self._fn("moe_down_rows", spec.down_type)(
+                (len(items), math.ceil(spec.n_embd / TILE_N)), (256,),
+                (blob_table, items, dest, act, i32(spec.n_ff), i64(spec.down_at),
+                 i64(spec.down_row_bytes), i32(spec.n_embd), out))
+
+    def group(self, ids, n_expert: int):
+        """(rows, dest, items) of kernels/abi.py group_layout, built on the device from ids [n, k]:
+        items [n * k / TILE_M + n_expert, 4], the unused ones with count 0 (the launches are sized
+        before the counts exist on the host)."""
+        if not 0 < n_expert <= MAX_GROUP_EXPERTS:
+            raise ValueError(f"{n_expert} experts: the grouping kernels take 1..{MAX_GROUP_EXPERTS}")
+        n, k = (int(v) for v in ids.shape)
+        pairs = n * k
+        max_items = math.ceil(pairs / TILE_M) + n_expert
+        i32 = np.int32
+        g = lambda name: function(KERNELS, name, self.device)  # noqa: E731
+        with cp.cuda.Device(self.device):
+            ids = cp.ascontiguousarray(ids, dtype=cp.int32)
+            rank, rows, dest = (cp.empty(pairs, dtype=cp.int32) for _ in range(3))
+            counts, starts = cp.empty(n_expert, cp.int32), cp.empty(n_expert, cp.int32)
+            items = cp.empty((max_items, 4), dtype=cp.int32)
+            g("group_count")((n_expert,), (32,), (ids, i32(pairs), rank, counts))
+            g("group_items")((1,), (256,), (counts, i32(n_expert), i32(max_items), starts, items))
+            if pairs:
+                g("group_scatter")((math.ceil(pairs / 256),), (256,),
+                                   (ids, i32(pairs), i32(k), i32(n_expert), rank, starts, rows,
+                                    dest))
+        return rows, dest, items
 
     def _fn(self, kind: str, ggml_type: int):
         suffix = "_mma" if self.mma else ""

@@ -224,7 +224,31 @@ def source_kernel_names(source: str) -> list[str]:
 def rows_kernel_names() -> list[str]:
     """Every kernel backends/expert_rows.py may ask experts_rows.cu for."""
     return [f"{kind}{mma}_{t}" for t in TYPE_NAMES.values() for mma in ("", "_mma")
-            for kind in ("moe_gate_up_rows", "moe_down_rows")]
+            for kind in ("moe_gate_up_rows", "moe_down_rows")] + list(GROUP_KERNELS)
+
+
+# experts_rows.cu's routing and grouping of a chunk on the device
+GROUP_KERNELS = ("route_rows", "group_count", "group_items", "group_scatter")
+ROWS_TILE_M = 32                # pairs of one work item (TILE_M in experts_rows.cu)
+MAX_GROUP_EXPERTS = 512         # the most experts a layer may have for group_items
+
+
+def group_layout(ids: np.ndarray, n_expert: int, tile_m: int = ROWS_TILE_M):
+    """The sorted pair layout the row kernels read, as experts_rows.cu's group_* kernels build it
+    on the device and the host path builds it from its jobs: the pairs p = row * k + rank of
+    ids [n, k] grouped by expert (ascending), each group in row-major order; returns (rows, dest,
+    items): rows[q] and dest[q] the input row and the pair p of sorted place q, items [m, 4] of
+    (expert, first sorted place, pairs <= tile_m, 0). Pairs outside [0, n_expert) are left out."""
+    n, k = ids.shape
+    flat = ids.ravel().astype(np.int64)
+    valid = np.flatnonzero((flat >= 0) & (flat < n_expert))
+    order = valid[np.argsort(flat[valid], kind="stable")]
+    counts = np.bincount(flat[valid], minlength=n_expert)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    items = [(e, int(starts[e]) + t, min(tile_m, int(counts[e]) - t), 0)
+             for e in range(n_expert) for t in range(0, int(counts[e]), tile_m)]
+    return (order // k).astype(np.int32), order.astype(np.int32), \
+        np.asarray(items, dtype=np.int32).reshape(-1, 4)
 
 
 MAT_SPEC = np.dtype([("w", "<u8"), ("y", "<u8"), ("add", "<u8"), ("row_bytes", "<i8"),

@@ -1,6 +1,7 @@
 // The experts of the decode step (included by decode.cu): the router's top-k (run by the router
 // matvec's last block) and the gate/up and down kernels reading each chosen expert's blob.
 #pragma once
+#include "routing.cuh"      // topk_softmax_row
 
 // ---- routing ----------------------------------------------------------------------------------
 // Where a layer's experts are: each one's blob (gate rows, then up rows, then down rows, each
@@ -25,57 +26,16 @@ struct RouteSpec {
     int n_expert, k, normalize;
 };
 
-// Softmax over row i's router logits, the top-k in rank order (ties: the lower expert id, as a
-// stable sort does), weights renormalised over the k when `normalize`, and each chosen expert's
-// blob address for the expert kernels. One warp. The logits were written by other blocks of
-// this launch: read through L2 (__ldcg), not a possibly stale L1.
-// PER: logits per lane (32 * PER >= n_expert): the loops are unrolled to it, so a router of 128
-// experts runs a quarter of the 512-expert build's instructions.
+// Row i's top-k and weights (routing.cuh), renormalised over the k when `normalize`, and each
+// chosen expert's blob address for the expert kernels.
 template <int PER>
 __device__ __forceinline__ void route_row(const RouteSpec& rs, int i) {
     const int lane = threadIdx.x & 31, n_expert = rs.n_expert, k = rs.k;
     const u64* blob_of = rs.experts->blob_of;   // loaded now, not after the top-k (a dependent load)
-    float v[PER];
-    const float* l = rs.logits + (i64)i * n_expert;
-    float m = -INF_F32;
-    #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int e = lane + 32 * j;
-        v[j] = e < n_expert ? __ldcg(l + e) : -INF_F32;
-        m = fmaxf(m, v[j]);
-    }
-    m = warp_max(m);
-    float sum = 0.f;
-    #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int e = lane + 32 * j;
-        v[j] = e < n_expert ? __expf(v[j] - m) : -1.f;   // probabilities are >= 0
-        if (e < n_expert) sum += v[j];
-    }
-    sum = warp_sum(sum);
-    float picked_sum = 0.f;
-    int mine = 0;                                         // lane r keeps the r-th pick
-    float mine_p = 0.f;
-    for (int r = 0; r < k; ++r) {
-        float best = -1.f; int best_e = 0x7fffffff;
-        #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const int e = lane + 32 * j;
-            if (v[j] > best || (v[j] == best && e < best_e)) { best = v[j]; best_e = e; }
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
-        }
-        const float p = best / sum;
-        picked_sum += p;
-        if (lane == r) { mine = best_e; mine_p = p; }
-        #pragma unroll
-        for (int j = 0; j < PER; ++j)                     // taken (static indices: registers)
-            if (lane + 32 * j == best_e) v[j] = -2.f;
-    }
+    int mine;
+    float mine_p, picked_sum;
+    topk_softmax_row<PER>(rs.logits + (i64)i * n_expert, n_expert, k, lane, mine, mine_p,
+                          picked_sum);
     if (lane < k) {
         // NaN or infinite logits pick nothing: no address, so the expert kernels write NaN
         const bool picked = mine >= 0 && mine < n_expert;

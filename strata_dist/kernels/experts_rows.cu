@@ -10,13 +10,15 @@
 // same whichever store computed the expert and however the chunk was grouped.
 #include "weights.cuh"
 #include "mma.cuh"
+#include "routing.cuh"
 
 #define TILE_M 32     // (row, rank) pairs of one work item
 #define TILE_N 64     // outputs of one block
 #define TILE_K 32     // columns staged in shared memory per step (four chunks of 8)
 
 // A work item: the blob of its expert (an index into `blobs`), its first pair in the sorted order
-// and how many pairs it takes (<= TILE_M).
+// and how many pairs it takes (<= TILE_M; 0: an unused item of a launch sized before the count
+// was known, which leaves at once).
 struct RowsItem {
     int blob, start, count, pad;
 };
@@ -231,6 +233,7 @@ __device__ __forceinline__ void gate_up_rows(const u64* __restrict__ blobs,
                                              i64 gate_row_bytes, i64 up_row_bytes, int n_ff,
                                              float* __restrict__ act) {
     const RowsItem it = items[blockIdx.x];
+    if (it.count == 0) return;                          // the whole block: uniform
     const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
     const int f0 = blockIdx.y * TILE_N;
     const u8* const bases[2] = {blob, blob + up_at};
@@ -261,6 +264,7 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
                                           i64 down_row_bytes, int n_embd, float* __restrict__ y) {
     __shared__ int own_rows[TILE_M];
     const RowsItem it = items[blockIdx.x];
+    if (it.count == 0) return;                          // the whole block: uniform
     const u8* const bases[1] = {reinterpret_cast<const u8*>(blobs[it.blob]) + down_at};
     const i64 row_bytes[1] = {down_row_bytes};
     const int o0 = blockIdx.y * TILE_N;
@@ -297,3 +301,99 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
 #define ROWS_KERNELS(name, T) \
     ROWS_KERNEL_PAIR(name, T, _, false) ROWS_KERNEL_PAIR(name, T, _mma_, true)
 FOR_EACH_TYPE(ROWS_KERNELS)
+
+// ---- a chunk routed and grouped on the device (STRATA_DEVICE_ROUTING, backends/expert_rows.py) --
+// The same sorted layout the host builds (kernels/abi.py group_layout): the pairs p = row * k +
+// rank grouped by expert in ascending order, each group in row-major order, cut into items of at
+// most TILE_M pairs. No host round trip: the items are sized for the worst case and unused ones
+// carry count 0.
+#define MAX_GROUP_EXPERTS 512
+
+// ids[i, r], wts[i, r] of n router rows (logits [n, n_expert]): the top-k in rank order, weights
+// renormalised over the k when `normalize`; -1 and NaN where a row's logits pick nothing. A warp
+// per row: grid ceil(n / 8), 256 threads.
+extern "C" __global__ void route_rows(const float* __restrict__ logits, int n, int n_expert, int k,
+                                      int normalize, int* __restrict__ ids,
+                                      float* __restrict__ wts) {
+    const int i = blockIdx.x * (BLOCK_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (i >= n) return;                                 // the whole warp: uniform
+    int mine;
+    float mine_p, picked_sum;
+    const float* l = logits + (i64)i * n_expert;
+    if (n_expert <= 128) topk_softmax_row<4>(l, n_expert, k, lane, mine, mine_p, picked_sum);
+    else topk_softmax_row<16>(l, n_expert, k, lane, mine, mine_p, picked_sum);
+    if (lane < k) {
+        const bool picked = mine >= 0 && mine < n_expert;
+        ids[i * k + lane] = picked ? mine : -1;
+        wts[i * k + lane] = !picked ? NAN_F32 : normalize ? mine_p / picked_sum : mine_p;
+    }
+}
+
+// counts[e] = the pairs routed to expert e, and each such pair's place among them in row-major
+// order (rank_in_expert[p]). A warp per expert scans every pair: grid n_expert, 32 threads.
+extern "C" __global__ void group_count(const int* __restrict__ ids, int pairs,
+                                       int* __restrict__ rank_in_expert, int* __restrict__ counts) {
+    const int e = blockIdx.x, lane = threadIdx.x;
+    int running = 0;
+    for (int base = 0; base < pairs; base += 32) {
+        const int p = base + lane;
+        const bool mine = p < pairs && ids[p] == e;
+        const u32 ballot = __ballot_sync(0xffffffffu, mine);
+        if (mine) rank_in_expert[p] = running + __popc(ballot & ((1u << lane) - 1u));
+        running += __popc(ballot);
+    }
+    if (lane == 0) counts[e] = running;
+}
+
+// starts[e] (expert e's first sorted pair) and the work items, experts in ascending order, each
+// expert's pairs in TILE_M pieces; items past the last used one get count 0. One block.
+extern "C" __global__ void group_items(const int* __restrict__ counts, int n_expert,
+                                       int max_items, int* __restrict__ starts,
+                                       RowsItem* __restrict__ items) {
+    __shared__ int count_of[MAX_GROUP_EXPERTS], start_of[MAX_GROUP_EXPERTS];
+    __shared__ int item_of[MAX_GROUP_EXPERTS + 1];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count_of[e] = counts[e];
+    __syncthreads();
+    if (threadIdx.x == 0) {           // a few hundred additions: one thread, in order
+        int pair = 0, item = 0;
+        for (int e = 0; e < n_expert; ++e) {
+            start_of[e] = pair;
+            item_of[e] = item;
+            pair += count_of[e];
+            item += (count_of[e] + TILE_M - 1) / TILE_M;
+        }
+        item_of[n_expert] = item;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        starts[e] = start_of[e];
+        for (int t = 0; t * TILE_M < count_of[e]; ++t) {
+            RowsItem it;
+            it.blob = e;
+            it.start = start_of[e] + t * TILE_M;
+            it.count = min(TILE_M, count_of[e] - t * TILE_M);
+            it.pad = 0;
+            items[item_of[e] + t] = it;
+        }
+    }
+    for (int j = item_of[n_expert] + threadIdx.x; j < max_items; j += blockDim.x) {
+        RowsItem none;
+        none.blob = 0; none.start = 0; none.count = 0; none.pad = 0;
+        items[j] = none;
+    }
+}
+
+// Each routed pair to its sorted place: rows[q] = its input row, dest[q] = p (its output row of
+// the [n * k, d] result). Pairs that picked no expert are left out. Grid ceil(pairs / 256).
+extern "C" __global__ void group_scatter(const int* __restrict__ ids, int pairs, int k,
+                                         int n_expert, const int* __restrict__ rank_in_expert,
+                                         const int* __restrict__ starts, int* __restrict__ rows,
+                                         int* __restrict__ dest) {
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= pairs) return;
+    const int e = ids[p];
+    if (e < 0 || e >= n_expert) return;
+    const int at = starts[e] + rank_in_expert[p];
+    rows[at] = p / k;
+    dest[at] = p;
+}

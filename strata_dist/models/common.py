@@ -139,5 +139,5 @@ class LayerRangeModel:
         """The routed experts' part of a MoE layer: route, report, combine in rank order."""
         idx, wts = self.backend.route(x, router, self.g.n_expert_used, normalize)
         if self.on_route is not None:
-            self.on_route(layer, idx)
+            self.on_route(layer, self.backend.to_host(idx))   # routed on the device, maybe
         return self.backend.moe(self.experts, layer, x, idx, wts)
