@@ -163,8 +163,8 @@ class CupyBackend(Backend):
         """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
         `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
         spec = None if self._rows is None else self._rows._layout(gguf, layer)
-        if (spec is None or int(x.shape[1]) != spec.n_embd or (addresses % spec.align).any()
-                or len(addresses) > MAX_GROUP_EXPERTS):
+        if (spec is None or int(x.shape[1]) != spec.n_embd or len(addresses) > MAX_GROUP_EXPERTS
+                or (addresses % np.uint64(spec.align)).any()):
             return None
         n, k = (int(v) for v in ids.shape)
         y = cp.empty((n, k, spec.n_embd), dtype=cp.float32)
