@@ -150,9 +150,9 @@ class BlobArena(ExpertStore):
     def outputs_device(self, layer: int, x, idx):
         """Every expert of `layer` resident here: the backend groups and computes on the device."""
         addresses = self.blob_addresses(layer)
-        routed = getattr(self.backend, "experts_routed", None)
-        return None if addresses is None or routed is None else routed(self.gguf, layer, x, idx,
-                                                                      addresses)
+        if addresses is None:
+            return None
+        return self.backend.experts_routed(self.gguf, layer, x, idx, addresses)
 
     def blob_addresses(self, layer: int) -> np.ndarray | None:
         """Each expert's blob address of `layer` (host uint64 [n_experts]), or None when one is not

@@ -98,6 +98,13 @@ class Backend:
                 out[self.asarray(np.asarray(dest))] = self.expert_swiglu(
                     gguf, layer, blob, x[self.asarray(np.asarray(rows))])
 
+    def experts_routed(self, gguf, layer: int, x, ids, addresses):
+        """y [n, k, d] for routing held on the device (ids [n, k], a device array) with every
+        expert of `layer` at the blob addresses `addresses` (host uint64 [n_expert]), computed
+        without a host round trip; None where this backend cannot (the caller then brings the
+        routing to the host)."""
+        return None
+
     def prompt_attention(self, q, k, v, pos0: int):
         """The causal attention of a prompt chunk by the backend's own kernel, or None (the
         models' tiled path runs): q [n, H, D] at positions pos0.., k and v [pos0 + n, KVH, D]."""
