@@ -1,12 +1,15 @@
-"""The expert kernels' shape (kernels/abi.py KernelShape: expert rows per block of moe_gate_up,
-outputs per block of moe_down), measured in one process: one loaded stage, one DecodeGraph per
+"""The expert kernels' shape (kernels/abi.py KernelShape: the integer or float path, the rows a
+block or warp of moe_gate_up and moe_down takes), measured in one process: one loaded stage, one DecodeGraph per
 shape over the same weights and cache, each graph replayed back to back. Prints ms/token per
 shape, fastest first, and checks that every shape gives the default's greedy token. The winner
 goes into decode.cu's defaults (and abi.py's), or STRATA_KERNEL_SHAPE for a trial.
 
-    python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "4,4 8,4 8,8 2,2 4,8"]
+    python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_ff_per_warp=2"]
     python benchmarks/tune_decode.py --model q30_8l.gguf \
-        --shapes "4,4 factored_dots=0,cvt_magic=0 ff_per_block=8,cvt_magic=0"
+        --shapes "defaults int_gate_up=0,int_down=0 int_gate_up=0,int_down=0,factored_dots=0"
+
+A shape is "defaults", a KernelShape text (name=value,...), or "F,D": the float path's rows per
+block (ff_per_block, down_per_block), which with the integer path on moves only the float types.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--shapes", default="4,4 8,4 8,8 16,8 2,2 4,8 4,2",
+    ap.add_argument("--shapes", default="defaults int_gate_up=0,int_down=0 int_gate_up=0 "
+                                        "int_down=0 int_ff_per_warp=2 int_down_per_warp=2",
                     help="space-separated shapes: ff_per_block,down_per_block pairs or "
                          "KernelShape texts (name=value,...)")
     ap.add_argument("--replays", type=int, default=50)
@@ -39,7 +43,9 @@ def main() -> int:
     rows = []
     want = None
     for text in args.shapes.split():
-        if "=" in text:
+        if text == "defaults":
+            shape = KernelShape()
+        elif "=" in text:
             shape = KernelShape.parse(text)
         else:
             ff, down = (int(v) for v in text.split(","))

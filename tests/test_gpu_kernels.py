@@ -65,7 +65,9 @@ class Experts:
                                           (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K)],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("shape", ["", "ff_per_block=8,q4k_pairs=1", "factored_dots=0,cvt_magic=0"])
+@pytest.mark.parametrize("shape", ["", "int_ff_per_warp=2,int_down_per_warp=2",
+                                   "int_gate_up=0,int_down=0",
+                                   "int_gate_up=0,int_down=0,factored_dots=0,cvt_magic=0"])
 def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     """Every build tune_decode.py measures computes the same experts (up to rounding)."""
     shape = KernelShape.parse(shape)
@@ -78,7 +80,7 @@ def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     blobs = cp.asarray(cp.asnumpy(ex.blob_of)[ids])
     act = cp.zeros((n, K, N_FF), cp.float32)
     h = cp.asarray(h0)
-    ff, out = shape.ff_per_block, shape.down_per_block
+    ff, out = shape.gate_up_block(int(gate_up)), shape.down_block(int(down))
     _kernel(f"moe_gate_up_{ex.types[0]}", shape)(
         ((N_FF + ff - 1) // ff, K, n), (BLOCK_THREADS,), (ex.spec, cp.asarray(x), blobs, act))
     _kernel(f"moe_down_{ex.types[1]}", shape)(

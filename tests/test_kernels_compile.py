@@ -9,7 +9,8 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BLOCK_THREADS,
-                                     DOWN_PER_BLOCK, FF_PER_BLOCK, MAX_ROWS, STRUCTS,
+                                     DOWN_PER_BLOCK, FF_PER_BLOCK, MAX_ROWS, Q4_K, Q6_K,
+                                     Q8_0, STRUCTS,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
                                      rows_per_block, source_kernel_names)
@@ -23,8 +24,15 @@ def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
     assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
         "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
+    # Q8_0 and Q4_K experts take the integer path's grid (8 warps a block), others the float one's
+    shape = KernelShape.parse("int_ff_per_warp=2")
+    assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q8_0)) == \
+        (16, FF_PER_BLOCK, 8)
+    assert KernelShape(int_gate_up=0).gate_up_block(Q8_0) == FF_PER_BLOCK
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
-                "q4k_pairs=1"):
+                "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
+                "ff_per_block=16",                    # does not tile an integer-path block of 8
+                "int_down_per_warp=1,down_per_block=16"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -73,7 +81,8 @@ def test_the_package_has_kernel_sources():
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
 @pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
-                                   "factored_dots=0,cvt_magic=0", "ff_per_block=8,q4k_pairs=1"])
+                                   "factored_dots=0,cvt_magic=0", "int_ff_per_warp=2,int_down_per_warp=4",
+                                   "int_gate_up=0,int_down=0,ff_per_block=16"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
     defines = list(KernelShape.parse(shape).defines())
@@ -123,7 +132,8 @@ def test_argument_tables_match_the_structs(tmp_path):
     (kernels/abi.py)."""
     lines = ['printf("MAX_ROWS %d ATTN_CHUNK %d BLOCK_THREADS %d FF_PER_BLOCK %d '
              'DOWN_PER_BLOCK %d\\n", MAX_ROWS, ATTN_CHUNK, BLOCK_THREADS, FF_PER_BLOCK, '
-             'DOWN_PER_BLOCK);']
+             'DOWN_PER_BLOCK);',
+             'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);']
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     for struct, dtype in STRUCTS.items():
@@ -139,7 +149,9 @@ def test_argument_tables_match_the_structs(tmp_path):
     assert done.returncode == 0, done.stderr
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split("\n")
     want = [f"MAX_ROWS {MAX_ROWS} ATTN_CHUNK {ATTN_CHUNK} BLOCK_THREADS {BLOCK_THREADS} "
-            f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}"]
+            f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}",
+            f"INT_FF_BLOCK {KernelShape().gate_up_block(Q8_0)} "
+            f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}"]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     for struct, dtype in STRUCTS.items():

@@ -312,6 +312,7 @@ class DecodeGraph:
                     blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
                     n_expert=g.n_expert, k=g.n_expert_used, normalize=1)]),
                 expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
+                expert_codes=(experts["gate_type"], experts["down_type"]),
                 qkv_spec=_spec_array(QKV_SPEC, [dict(
                     q=ptr(self.q), k=ptr(self.k), v=ptr(self.v), q_norm=ptr(w.q_norm),
                     k_norm=ptr(w.k_norm), sess=ptr(self.sess_table), desc=ptr(self.desc),
@@ -437,7 +438,8 @@ class DecodeGraph:
             self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,
                          route=L["route"])
             gate_up, down = L["expert_types"]
-            ff, out = self.shape.ff_per_block, self.shape.down_per_block
+            ff, out = self.shape.gate_up_block(L["expert_codes"][0]), \
+                self.shape.down_block(L["expert_codes"][1])
             f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
                                         (BLOCK_THREADS,),
                                         (L["experts"], self.xn, self.blobs, self.act))

@@ -23,39 +23,73 @@ FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
 
 
+INT_TYPES = (Q8_0, Q4_K)        # expert types with the integer path (kernels/experts_int.cuh)
+WARPS = BLOCK_THREADS // 32
+
+
 @dataclass(frozen=True)
 class KernelShape:
     """The compile-time shape of the expert kernels: the runner sizes its grids from the same value
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
-    picks another (benchmarks/tune_decode.py measures them). The switches (0 or 1) pick how the
-    kernels compute, not their grids: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a
-    quantized row, `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh
-    says why each exists; both on by default, measured in docs/BENCHMARKS.md); `q4k_pairs` (off,
-    an experiment: experts.cuh) a warp per expert row of moe_gate_up_q4_k, then ff_per_block a
-    multiple of the block's warps."""
+    picks another (benchmarks/tune_decode.py measures them).
+
+    `int_gate_up` / `int_down` (on by default): Q8_0 and Q4_K experts take the integer path of
+    kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the stored integers),
+    whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp; the float path
+    (every other type, and a block the integer path cannot take) takes `ff_per_block` /
+    `down_per_block` rows per block. The float path's switches (0 or 1) pick how it computes:
+    `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored
+    integers to floats through the mantissa of 2^23 (weights.cuh says why each exists; both on,
+    measured in docs/BENCHMARKS.md)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
     cvt_magic: int = 1
-    q4k_pairs: int = 0
+    int_gate_up: int = 1
+    int_down: int = 1
+    int_ff_per_warp: int = 1
+    int_down_per_warp: int = 1
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
-              "q4k_pairs": "Q4K_PAIRS"}
+              "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
+              "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW"}
+    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down")
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
-        for name in ("factored_dots", "cvt_magic", "q4k_pairs"):
+        for name in ("int_ff_per_warp", "int_down_per_warp"):
+            v = getattr(self, name)
+            if not 1 <= v <= 4:
+                raise ValueError(f"kernel shape {name}={v}: expected 1..4")
+        for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
-        warps = BLOCK_THREADS // 32
-        if self.q4k_pairs and self.ff_per_block % warps:
-            raise ValueError(f"kernel shape q4k_pairs=1 with ff_per_block={self.ff_per_block}: "
-                             f"expected a multiple of {warps} (a block's warps)")
+        # a block the integer path cannot take runs the float body over its range, a float
+        # block at a time: the ranges must tile (moe_down adds into h)
+        for on, per_warp, per_block in (("int_gate_up", "int_ff_per_warp", "ff_per_block"),
+                                        ("int_down", "int_down_per_warp", "down_per_block")):
+            block = WARPS * getattr(self, per_warp)
+            if getattr(self, on) and block % getattr(self, per_block):
+                raise ValueError(f"kernel shape {per_block}={getattr(self, per_block)} with "
+                                 f"{per_warp}={getattr(self, per_warp)}: the integer path's "
+                                 f"{block} rows a block must be a multiple of {per_block}")
+
+    def gate_up_block(self, ggml_type: int) -> int:
+        """Expert rows f of one moe_gate_up block for experts stored as `ggml_type`."""
+        if self.int_gate_up and ggml_type in INT_TYPES:
+            return WARPS * self.int_ff_per_warp
+        return self.ff_per_block
+
+    def down_block(self, ggml_type: int) -> int:
+        """Outputs of one moe_down block for down rows stored as `ggml_type`."""
+        if self.int_down and ggml_type in INT_TYPES:
+            return WARPS * self.int_down_per_warp
+        return self.down_per_block
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key

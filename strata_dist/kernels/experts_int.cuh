@@ -1,0 +1,306 @@
+// The integer path of the decode expert kernels for Q8_0 and Q4_K (included by experts.cuh).
+//
+// Why: the float path decodes every weight to a float before its FMA, about a dozen instructions
+// a weight with the block reductions; Nsight Compute read moe_gate_up_q4_k issue-bound at 10% of
+// DRAM bandwidth (docs/BENCHMARKS.md). Here the stored integers meet integer activations in
+// __dp4a (four products and a sum in one instruction), and the scales apply once per 32 columns.
+//
+// Activations: each 32-column block b of x becomes x = s_b * (254 h + l) with h, l int8:
+// h = round(x / (amax / 127)) and l = round(254 * the remainder), so x is kept to amax / 32258
+// (about 16 bits; float32 sums of the stored weights stay the reference, kernels within 1e-4 of
+// it). The integer sums are exact, so only the per-block float steps round, in one fixed order.
+// Each block quantizes its own copy into shared memory from the float rows, so no other kernel
+// changes, and a (row, expert) result depends on nothing but that row and that expert.
+//
+// Weights: a warp stages its rows into shared memory with 16-byte cp.async copies (coalesced
+// whatever the block format's alignment; the copies of its first rows are in flight while the
+// block quantizes), then each lane decodes 64-column units from there.
+#pragma once
+
+#ifndef INT_GATE_UP
+#define INT_GATE_UP 1       // moe_gate_up_{q8_0,q4_k} take this path (0: the float path)
+#endif
+#ifndef INT_DOWN
+#define INT_DOWN 1          // moe_down_{q8_0,q4_k} take this path
+#endif
+#ifndef INT_FPW
+#define INT_FPW 1           // expert rows f (gate and up) each warp takes in turn
+#endif
+#ifndef INT_DPW
+#define INT_DPW 1           // outputs d each warp of moe_down takes in turn
+#endif
+#define INT_WARPS (BLOCK_THREADS / 32)
+#define INT_FF_BLOCK (INT_WARPS * INT_FPW)      // f of one moe_gate_up block (kernels/abi.py)
+#define INT_DOWN_BLOCK (INT_WARPS * INT_DPW)    // d of one moe_down block
+
+#define XQ_LEVELS 254           // l's step: 1/254 of h's
+#define INT_X_MAX 4096          // columns moe_gate_up quantizes (n_embd); larger: float path
+#define INT_ACT_MAX 8192        // columns moe_down quantizes (k * n_ff)
+#define INT_STAGE_GATE_UP 4608  // bytes a warp stages (a gate and an up row at once)
+#define INT_STAGE_DOWN 3072     // bytes a warp stages (down rows of several experts at once)
+#define XQ_UNIT_WORDS 20        // 16 words of a 64-column unit + 4 of padding: the lanes' 16-byte
+                                // reads of neighbouring units fall in different banks
+
+HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q8_0 || T == T_Q4_K; }
+HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
+
+// x quantized in shared memory: h and l bytes by unit (XQ_UNIT_WORDS words each), and per
+// 32-column block s / 254 and the block's float sum (the K-quants' min term)
+struct XQ {
+    u32* h;
+    u32* l;
+    float* step;
+    float* sum;
+};
+
+// x[0 .. n) (n a multiple of 64) into q, 8 columns a thread; with `seg_w`, column c is first
+// multiplied by seg_w[c / seg_len] (moe_down folds the rank weights in). A NaN anywhere in a
+// block makes its step NaN, so the outputs say so.
+__device__ void quantize_x(const float* __restrict__ x, int n, const float* __restrict__ seg_w,
+                           int seg_len, const XQ& q) {
+    const int n8 = n >> 3;
+    for (int base = 0; base < n8; base += blockDim.x) {     // uniform: whole warps shuffle
+        const int c8 = base + threadIdx.x;
+        const bool on = c8 < n8;
+        float v[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = 0.f;
+        if (on) {
+            load8(x + 8 * (i64)c8, v);
+            if (seg_w != nullptr) {
+                const float w = seg_w[8 * c8 / seg_len];
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] *= w;
+            }
+        }
+        float amax = 0.f, sum = sum8(v);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+        // the 4 threads of a 32-column block are 4 neighbouring lanes
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        u32 hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float t = v[j] * inv;
+            const int hq = __float2int_rn(t);
+            const int lq = __float2int_rn((t - (float)hq) * (float)XQ_LEVELS);
+            hw[j >> 2] |= (u32)(hq & 0xFF) << (8 * (j & 3));
+            lw[j >> 2] |= (u32)(lq & 0xFF) << (8 * (j & 3));
+        }
+        if (on) {
+            const int at = (c8 >> 3) * XQ_UNIT_WORDS + 2 * (c8 & 7);
+            *reinterpret_cast<uint2*>(q.h + at) = make_uint2(hw[0], hw[1]);
+            *reinterpret_cast<uint2*>(q.l + at) = make_uint2(lw[0], lw[1]);
+            if ((c8 & 3) == 0) {
+                q.step[c8 >> 2] = sum == sum ? amax * (1.f / (127.f * XQ_LEVELS)) : NAN_F32;
+                q.sum[c8 >> 2] = sum;
+            }
+        }
+    }
+}
+
+// One lane's activations of a 64-column unit v: h and l words, then per 32-column half its step
+// and sum
+struct XFrag {
+    u32 h[16], l[16];
+    float step[2], sum[2];
+};
+
+__device__ __forceinline__ void load_xfrag(XFrag& f, const XQ& q, int v) {
+    const uint4* hp = reinterpret_cast<const uint4*>(q.h + v * XQ_UNIT_WORDS);
+    const uint4* lp = reinterpret_cast<const uint4*>(q.l + v * XQ_UNIT_WORDS);
+    #pragma unroll
+    for (int g = 0; g < 4; ++g) {
+        const uint4 a = hp[g], b = lp[g];
+        f.h[4 * g] = a.x; f.h[4 * g + 1] = a.y; f.h[4 * g + 2] = a.z; f.h[4 * g + 3] = a.w;
+        f.l[4 * g] = b.x; f.l[4 * g + 1] = b.y; f.l[4 * g + 2] = b.z; f.l[4 * g + 3] = b.w;
+    }
+    f.step[0] = q.step[2 * v]; f.step[1] = q.step[2 * v + 1];
+    f.sum[0] = q.sum[2 * v]; f.sum[1] = q.sum[2 * v + 1];
+}
+
+// sum of 32 products q * (254 h + l), exact: the 8 words of q (4 int8 each) against half `half`
+// of the fragment
+__device__ __forceinline__ int dot32(const u32 (&q)[8], const XFrag& f, int half) {
+    int a = 0, b = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        a = __dp4a((int)q[i], (int)f.h[8 * half + i], a);
+        b = __dp4a((int)q[i], (int)f.l[8 * half + i], b);
+    }
+    return a * XQ_LEVELS + b;
+}
+
+// Unit u (columns 64u .. 64u + 63) of a staged row against its activations. Q8_0: blocks 2u and
+// 2u + 1, 68 bytes at 68u (4-byte aligned: the row is 16-aligned); Q4_K: pair u % 4 of
+// super-block u / 4, its low nibbles sub-block 2p and its high nibbles sub-block 2p + 1.
+template <int T>
+__device__ __forceinline__ float unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    if (T == T_Q8_0) {
+        const u32* p = reinterpret_cast<const u32*>(row + 68 * u);
+        u32 w[17];
+        #pragma unroll
+        for (int j = 0; j < 17; ++j) w[j] = p[j];
+        u32 q0[8], q1[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            q0[j] = __byte_perm(w[j], w[j + 1], 0x5432);   // bytes 2 .. 33: behind block 0's d
+            q1[j] = w[9 + j];                              // bytes 36 .. 67: behind block 1's d
+        }
+        const float d0 = h2f((u16)(w[0] & 0xFFFF)), d1 = h2f((u16)(w[8] >> 16));
+        const float r = d0 * ((float)dot32(q0, f, 0) * f.step[0]);
+        return fmaf(d1, (float)dot32(q1, f, 1) * f.step[1], r);
+    } else {
+        const int sb = u >> 2, p = u & 3;
+        const u8* blk = row + sb * 144;
+        const uint4 head = *reinterpret_cast<const uint4*>(blk);
+        const uint4 a = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[0];
+        const uint4 b = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[1];
+        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        u32 lo[8], hi[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            lo[j] = w[j] & 0x0F0F0F0Fu;
+            hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
+        }
+        int s0, m0, s1, m1;
+        k_scale_min(head.y, head.z, head.w, 2 * p, s0, m0);
+        k_scale_min(head.y, head.z, head.w, 2 * p + 1, s1, m1);
+        const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
+        float r = (d * (float)s0) * ((float)dot32(lo, f, 0) * f.step[0]);
+        r = fmaf(-(dmin * (float)m0), f.sum[0], r);
+        r = fmaf(d * (float)s1, (float)dot32(hi, f, 1) * f.step[1], r);
+        return fmaf(-(dmin * (float)m1), f.sum[1], r);
+    }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// a warp copies `bytes` (a multiple of 16) from src to its stage at dst
+__device__ __forceinline__ void stage_row(u8* dst, const u8* src, i64 bytes, int lane) {
+    for (int c = lane; c < (int)(bytes >> 4); c += 32) cp_async16(dst + 16 * c, src + 16 * c);
+}
+
+__device__ __forceinline__ bool aligned16(u64 v) { return (v & 15) == 0; }
+
+// Whether a block of moe_gate_up can take the integer path (uniform in the block)
+__device__ __forceinline__ bool gate_up_int_ok(const ExpertSpec& sp, const u8* blob) {
+    return blob != nullptr && aligned16((u64)blob | (u64)sp.up_at | (u64)sp.gate_row_bytes |
+                                        (u64)sp.up_row_bytes) &&
+           sp.n_embd % 64 == 0 && sp.n_embd <= INT_X_MAX &&
+           sp.gate_row_bytes + sp.up_row_bytes <= INT_STAGE_GATE_UP;
+}
+
+// act[i, r, f] = silu(gate_e[f] . x_i) * (up_e[f] . x_i) for the INT_FF_BLOCK f of this block:
+// warp w takes f0 + w, f0 + w + INT_WARPS, ...; each lane the units lane, lane + 32, ... of both
+// rows, then the warp's xor tree sums.
+template <int T>
+__device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const float* __restrict__ x,
+                                                const u8* __restrict__ blob,
+                                                float* __restrict__ out) {
+    __shared__ __align__(16) u32 xh[xq_words(INT_X_MAX)], xl[xq_words(INT_X_MAX)];
+    __shared__ float xstep[INT_X_MAX / 32], xsum[INT_X_MAX / 32];
+    __shared__ __align__(16) u8 stage[INT_WARPS][INT_STAGE_GATE_UP];
+    const XQ q{xh, xl, xstep, xsum};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int f_first = blockIdx.x * INT_FF_BLOCK + warp;
+    const i64 g_bytes = sp.gate_row_bytes, u_bytes = sp.up_row_bytes;
+    u8* st = stage[warp];
+    auto stage_f = [&](int f) {
+        stage_row(st, blob + (i64)f * g_bytes, g_bytes, lane);
+        stage_row(st + g_bytes, blob + sp.up_at + (i64)f * u_bytes, u_bytes, lane);
+    };
+    if (f_first < sp.n_ff) stage_f(f_first);       // in flight while the block quantizes
+    quantize_x(x, sp.n_embd, nullptr, 1, q);
+    __syncthreads();
+    const int units = sp.n_embd >> 6;
+    for (int f = f_first; f < min(sp.n_ff, (int)(blockIdx.x + 1) * INT_FF_BLOCK); f += INT_WARPS) {
+        if (f != f_first) stage_f(f);
+        cp_async_wait_all();
+        __syncwarp();
+        float g = 0.f, up = 0.f;
+        for (int u = lane; u < units; u += 32) {
+            XFrag xf;
+            load_xfrag(xf, q, u);
+            g += unit_dot<T>(st, u, xf);
+            up += unit_dot<T>(st + g_bytes, u, xf);
+        }
+        g = warp_sum(g);
+        up = warp_sum(up);
+        if (lane == 0) out[f] = g / (1.f + __expf(-g)) * up;
+        __syncwarp();                               // every lane read the stage before the next f
+    }
+}
+
+// Whether a block of moe_down for row i can take the integer path (uniform in the block)
+__device__ __forceinline__ bool down_int_ok(const ExpertSpec& sp, const u64* __restrict__ blobs,
+                                            int i) {
+    u64 bits = (u64)sp.down_at | (u64)sp.down_row_bytes;
+    bool all = true;
+    for (int r = 0; r < sp.k; ++r) {
+        const u64 b = blobs[i * sp.k + r];
+        all = all && b != 0ull;
+        bits |= b;
+    }
+    return all && aligned16(bits) && sp.n_ff % 64 == 0 && sp.k * sp.n_ff <= INT_ACT_MAX &&
+           sp.down_row_bytes <= INT_STAGE_DOWN;
+}
+
+// h[i, d] += sum over r of down_e[d] . (wts[i, r] * act[i, r]), e = ids[i, r], for the
+// INT_DOWN_BLOCK d of this block: warp w takes d0 + w, d0 + w + INT_WARPS, ...; for each it stages
+// the k experts' rows d a few at a time (as many as its stage holds), the lanes taking the (row,
+// unit) pairs of a group in turn, rows in rank order; then the warp's xor tree sums.
+template <int T>
+__device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* __restrict__ act,
+                                             const u64* __restrict__ blobs,
+                                             const float* __restrict__ wts,
+                                             float* __restrict__ h) {
+    __shared__ __align__(16) u32 xh[xq_words(INT_ACT_MAX)], xl[xq_words(INT_ACT_MAX)];
+    __shared__ float xstep[INT_ACT_MAX / 32], xsum[INT_ACT_MAX / 32];
+    __shared__ __align__(16) u8 stage[INT_WARPS][INT_STAGE_DOWN];
+    const XQ q{xh, xl, xstep, xsum};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, i = blockIdx.y;
+    const int k = sp.k, units = sp.n_ff >> 6;
+    const i64 rb = sp.down_row_bytes;
+    const int group = (int)(INT_STAGE_DOWN / rb);          // rows staged at once (>= 1)
+    const u64* b = blobs + i * k;
+    const int d_first = blockIdx.x * INT_DOWN_BLOCK + warp;
+    u8* st = stage[warp];
+    auto stage_group = [&](int d, int r0) {
+        for (int r = r0; r < min(k, r0 + group); ++r)
+            stage_row(st + (r - r0) * rb, reinterpret_cast<const u8*>(b[r]) + sp.down_at + d * rb,
+                      rb, lane);
+    };
+    if (d_first < sp.n_embd) stage_group(d_first, 0);  // in flight while the block quantizes
+    quantize_x(act + (i64)i * k * sp.n_ff, k * sp.n_ff, wts + i * k, sp.n_ff, q);
+    __syncthreads();
+    for (int d = d_first; d < min(sp.n_embd, (int)(blockIdx.x + 1) * INT_DOWN_BLOCK); d += INT_WARPS) {
+        float acc = 0.f;
+        for (int r0 = 0; r0 < k; r0 += group) {
+            if (d != d_first || r0 != 0) stage_group(d, r0);
+            cp_async_wait_all();
+            __syncwarp();
+            const int pairs = (min(k, r0 + group) - r0) * units;
+            for (int t = lane; t < pairs; t += 32) {
+                const int rr = t / units, u = t - rr * units;
+                XFrag xf;
+                load_xfrag(xf, q, (r0 + rr) * units + u);
+                acc += unit_dot<T>(st + rr * rb, u, xf);
+            }
+            __syncwarp();                           // every lane read the stage before the next
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) h[(i64)i * sp.n_embd + d] += acc;
+    }
+}
