@@ -20,7 +20,9 @@
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
 #       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
-#       [--skip-decode] [--quants q8_0,q4_k]
+#       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE]
+# --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
+# arms alike), e.g. --shape int_gate_up=1,int_down=1 for the integer expert path
 set -uo pipefail
 GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do
@@ -37,6 +39,7 @@ while [ $# -gt 0 ]; do
     --skip-profile) PROFILE=0; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
     --profile-quants) PROFILE_QUANTS=$2; shift 2 ;;
+    --shape) export STRATA_KERNEL_SHAPE=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done

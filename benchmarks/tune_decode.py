@@ -4,9 +4,9 @@ shape over the same weights and cache, each graph replayed back to back. Prints 
 shape, fastest first, and checks that every shape gives the default's greedy token. The winner
 goes into decode.cu's defaults (and abi.py's), or STRATA_KERNEL_SHAPE for a trial.
 
-    python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_ff_per_warp=2"]
+    python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_gate_up=1,int_down=1"]
     python benchmarks/tune_decode.py --model q30_8l.gguf \
-        --shapes "defaults int_gate_up=0,int_down=0 int_gate_up=0,int_down=0,factored_dots=0"
+        --shapes "defaults factored_dots=0,cvt_magic=0 int_gate_up=1,int_down=1,int_ff_per_warp=2"
 
 A shape is "defaults", a KernelShape text (name=value,...), or "F,D": the float path's rows per
 block (ff_per_block, down_per_block), which with the integer path on moves only the float types.
@@ -25,8 +25,9 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--shapes", default="defaults int_gate_up=0,int_down=0 int_gate_up=0 "
-                                        "int_down=0 int_ff_per_warp=2 int_down_per_warp=2",
+    ap.add_argument("--shapes", default="defaults int_gate_up=1,int_down=1 int_gate_up=1 int_down=1 "
+                                        "int_gate_up=1,int_down=1,int_ff_per_warp=2,"
+                                        "int_down_per_warp=2",
                     help="space-separated shapes: ff_per_block,down_per_block pairs or "
                          "KernelShape texts (name=value,...)")
     ap.add_argument("--replays", type=int, default=50)

@@ -25,14 +25,15 @@ def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
         "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
     # Q8_0 and Q4_K experts take the integer path's grid (8 warps a block), others the float one's
-    shape = KernelShape.parse("int_ff_per_warp=2")
+    shape = KernelShape.parse("int_gate_up=1,int_down=1,int_ff_per_warp=2")
+    assert shape.defines() == ("-DINT_GATE_UP=1", "-DINT_DOWN=1", "-DINT_FPW=2")
     assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q8_0)) == \
         (16, FF_PER_BLOCK, 8)
-    assert KernelShape(int_gate_up=0).gate_up_block(Q8_0) == FF_PER_BLOCK
+    assert KernelShape().gate_up_block(Q8_0) == FF_PER_BLOCK      # off until measured
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
-                "ff_per_block=16",                    # does not tile an integer-path block of 8
-                "int_down_per_warp=1,down_per_block=16"):
+                "int_gate_up=1,ff_per_block=16",    # does not tile an integer-path block of 8
+                "int_down=1,down_per_block=16"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -81,8 +82,8 @@ def test_the_package_has_kernel_sources():
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
 @pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
-                                   "factored_dots=0,cvt_magic=0", "int_ff_per_warp=2,int_down_per_warp=4",
-                                   "int_gate_up=0,int_down=0,ff_per_block=16"])
+                                   "factored_dots=0,cvt_magic=0", "int_gate_up=1,int_down=1",
+                                   "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=4"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
     defines = list(KernelShape.parse(shape).defines())
@@ -150,8 +151,8 @@ def test_argument_tables_match_the_structs(tmp_path):
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split("\n")
     want = [f"MAX_ROWS {MAX_ROWS} ATTN_CHUNK {ATTN_CHUNK} BLOCK_THREADS {BLOCK_THREADS} "
             f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}",
-            f"INT_FF_BLOCK {KernelShape().gate_up_block(Q8_0)} "
-            f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}"]
+            f"INT_FF_BLOCK {KernelShape(int_gate_up=1).gate_up_block(Q8_0)} "
+            f"INT_DOWN_BLOCK {KernelShape(int_down=1).down_block(Q4_K)}"]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     for struct, dtype in STRUCTS.items():
@@ -250,6 +251,88 @@ int main(int argc, char** argv) {
         subprocess.run([str(exe), str(data), str(got_path)], check=True, timeout=60)
         got = np.fromfile(got_path, dtype=np.float32).reshape(ref.shape)
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7, err_msg=qtype.name)
+
+
+INT_HARNESS = r"""
+int main(int argc, char** argv) {
+    FILE* in = fopen(argv[1], "rb");
+    FILE* out = fopen(argv[2], "wb");
+    long long head[4];                      // type, row bytes, columns, rows
+    float w;                                // the factor folded into x (moe_down's rank weight)
+    if (fread(head, sizeof head, 1, in) != 1 || fread(&w, sizeof w, 1, in) != 1) return 1;
+    const int type = (int)head[0], ncols = (int)head[2];
+    std::vector<float> x(ncols);
+    std::vector<unsigned char> raw(head[1] * head[3]);
+    if (fread(x.data(), sizeof(float), ncols, in) != (size_t)ncols) return 1;
+    if (fread(raw.data(), 1, raw.size(), in) != raw.size()) return 1;
+    std::vector<u32> h(xq_words(ncols)), l(xq_words(ncols));
+    std::vector<float> step(ncols / 32), sum(ncols / 32);
+    const XQ q{h.data(), l.data(), step.data(), sum.data()};
+    for (int b = 0; b < ncols / 32; ++b)
+        xq_block32(x.data() + 32 * b, w, q.h + xq_block_word(b), q.l + xq_block_word(b), q.step[b],
+                   q.sum[b]);
+    for (long long r = 0; r < head[3]; ++r) {
+        float acc = 0.f;
+        for (int u = 0; u < ncols / 64; ++u) {
+            XFrag f;
+            load_xfrag(f, q, u);
+            acc += type == T_Q8_0 ? unit_dot<T_Q8_0>(raw.data() + r * head[1], u, f)
+                                  : unit_dot<T_Q4_K>(raw.data() + r * head[1], u, f);
+        }
+        fwrite(&acc, sizeof(float), 1, out);
+    }
+    return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_integer_expert_path_matches_gguf_on_the_host(tmp_path):
+    """The integer path of the Q8_0 and Q4_K expert kernels (kernels/experts_int.cuh: activations
+    as x = s (254 h + l), __dp4a against the stored integers) built for the host: its quantizer,
+    the padded unit layout and the unit decoders over random rows, against gguf-py's decoding in
+    float64. Each output must be within the quantizer's bound (|x - x'| <= amax / 64516 per
+    32-column block) plus float rounding; a NaN in x comes out as NaN."""
+    import numpy as np
+    from quant_rows import random_rows
+    from gguf import GGMLQuantizationType as QT
+    main = tmp_path / "int_path.cu"
+    main.write_text(f'#include <cstdio>\n#include <vector>\n#include "{KERNEL_DIR / "decode.cu"}"\n'
+                    + INT_HARNESS)
+    exe = tmp_path / "int_path"
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rng = np.random.default_rng(11)
+
+    def run(qtype, x, w, raw):
+        data = tmp_path / "in.bin"
+        data.write_bytes(np.array([int(qtype), raw.shape[1], x.size, raw.shape[0]], np.int64)
+                         .tobytes() + np.float32(w).tobytes() + x.astype(np.float32).tobytes()
+                         + raw.tobytes())
+        subprocess.run([str(exe), str(data), str(tmp_path / "out.bin")], check=True, timeout=60)
+        return np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+
+    for qtype in (QT.Q8_0, QT.Q4_K):
+        for ncols, scale in ((768, 1.0), (2048, 30.0)):
+            raw, ref = random_rows(qtype, 16, ncols, int(qtype) + ncols)
+            # activations with a block of zeros, one of tiny values and one spike
+            x = (rng.standard_normal(ncols) * scale).astype(np.float32)
+            x[64:96], x[96:128] = 0.0, x[96:128] * 1e-6
+            x[200] = 40 * scale
+            w = np.float32(0.37)
+            xw = (x * w).astype(np.float64)
+            got = run(qtype, x, w, raw)
+            want = ref.astype(np.float64) @ xw
+            amax = np.repeat(np.abs(xw).reshape(-1, 32).max(axis=1), 32)
+            bound = np.abs(ref) @ (amax / 64516) + 1e-6 * (np.abs(ref) @ np.abs(xw))
+            err = np.abs(got - want)
+            assert (err <= bound).all(), (qtype.name, ncols, float((err / bound).max()))
+            # the path is not just within bounds by luck: far closer than an int8 activation
+            rel = err.max() / np.abs(want).max()
+            assert rel < 1e-4, (qtype.name, ncols, rel)
+        x[5] = np.nan
+        assert np.isnan(run(qtype, x, 1.0, raw)).all()
 
 
 @needs_nvcc

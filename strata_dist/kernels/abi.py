@@ -33,9 +33,9 @@ class KernelShape:
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
     picks another (benchmarks/tune_decode.py measures them).
 
-    `int_gate_up` / `int_down` (on by default): Q8_0 and Q4_K experts take the integer path of
-    kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the stored integers),
-    whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp; the float path
+    `int_gate_up` / `int_down` (off until measured on a GPU): Q8_0 and Q4_K experts take the
+    integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the
+    stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp; the float path
     (every other type, and a block the integer path cannot take) takes `ff_per_block` /
     `down_per_block` rows per block. The float path's switches (0 or 1) pick how it computes:
     `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored
@@ -45,8 +45,8 @@ class KernelShape:
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
     cvt_magic: int = 1
-    int_gate_up: int = 1
-    int_down: int = 1
+    int_gate_up: int = 0
+    int_down: int = 0
     int_ff_per_warp: int = 1
     int_down_per_warp: int = 1
 

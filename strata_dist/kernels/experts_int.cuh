@@ -17,11 +17,12 @@
 // block quantizes), then each lane decodes 64-column units from there.
 #pragma once
 
+// Off until measured on a GPU (kernels/abi.py KernelShape int_gate_up / int_down turn them on)
 #ifndef INT_GATE_UP
-#define INT_GATE_UP 1       // moe_gate_up_{q8_0,q4_k} take this path (0: the float path)
+#define INT_GATE_UP 0       // moe_gate_up_{q8_0,q4_k} take this path (0: the float path)
 #endif
 #ifndef INT_DOWN
-#define INT_DOWN 1          // moe_down_{q8_0,q4_k} take this path
+#define INT_DOWN 0          // moe_down_{q8_0,q4_k} take this path
 #endif
 #ifndef INT_FPW
 #define INT_FPW 1           // expert rows f (gate and up) each warp takes in turn
@@ -53,53 +54,71 @@ struct XQ {
     float* sum;
 };
 
-// x[0 .. n) (n a multiple of 64) into q, 8 columns a thread; with `seg_w`, column c is first
-// multiplied by seg_w[c / seg_len] (moe_down folds the rank weights in). A NaN anywhere in a
-// block makes its step NaN, so the outputs say so.
+// Host builds of the two intrinsics (the host test of tests/test_kernels_compile.py runs the
+// quantizer and the unit decoders below against gguf-py)
+HOST_DEVICE int dp4a_s8(int a, int b, int c) {
+#ifdef __CUDA_ARCH__
+    return __dp4a(a, b, c);
+#else
+    for (int j = 0; j < 4; ++j) c += (int)(signed char)(a >> (8 * j)) * (int)(signed char)(b >> (8 * j));
+    return c;
+#endif
+}
+
+HOST_DEVICE u32 byte_perm(u32 x, u32 y, u32 s) {
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long xy = ((unsigned long long)y << 32) | x;
+    u32 r = 0;
+    for (int j = 0; j < 4; ++j) r |= (u32)((xy >> (8 * ((s >> (4 * j)) & 7))) & 0xFF) << (8 * j);
+    return r;
+#endif
+}
+
+// One 32-column block v[0 .. 32) (each multiplied by w first) as h and l bytes (8 words each),
+// its step s / 254 and its float sum. A NaN in the block makes the step NaN, so outputs say so.
+HOST_DEVICE void xq_block32(const float* v, float w, u32* h, u32* l, float& step, float& sum) {
+    float amax = 0.f, part[4];
+    for (int g = 0; g < 4; ++g) {
+        float e[8];
+        for (int j = 0; j < 8; ++j) {
+            e[j] = v[8 * g + j] * w;
+            amax = fmaxf(amax, fabsf(e[j]));
+        }
+        part[g] = sum8(e);
+    }
+    sum = (part[0] + part[1]) + (part[2] + part[3]);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int q = 0; q < 8; ++q) {
+        u32 hw = 0u, lw = 0u;
+        for (int j = 0; j < 4; ++j) {
+            const float t = v[4 * q + j] * w * inv;
+            const float hq = rintf(t);
+            const float lq = rintf((t - hq) * (float)XQ_LEVELS);
+            hw |= (u32)((int)hq & 0xFF) << (8 * j);
+            lw |= (u32)((int)lq & 0xFF) << (8 * j);
+        }
+        h[q] = hw;
+        l[q] = lw;
+    }
+    step = sum == sum ? amax * (1.f / (127.f * XQ_LEVELS)) : sum;   // sum: NaN
+}
+
+// where 32-column block b's 8 words start in the h and l arrays
+HOST_DEVICE int xq_block_word(int b) { return (b >> 1) * XQ_UNIT_WORDS + 8 * (b & 1); }
+
+// x[0 .. n) (n a multiple of 64) into q, a 32-column block a thread; with `seg_w`, column c is
+// first multiplied by seg_w[c / seg_len] (moe_down folds the rank weights in)
 __device__ void quantize_x(const float* __restrict__ x, int n, const float* __restrict__ seg_w,
                            int seg_len, const XQ& q) {
-    const int n8 = n >> 3;
-    for (int base = 0; base < n8; base += blockDim.x) {     // uniform: whole warps shuffle
-        const int c8 = base + threadIdx.x;
-        const bool on = c8 < n8;
-        float v[8];
+    for (int b = threadIdx.x; b < (n >> 5); b += blockDim.x) {
+        float v[32];
         #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = 0.f;
-        if (on) {
-            load8(x + 8 * (i64)c8, v);
-            if (seg_w != nullptr) {
-                const float w = seg_w[8 * c8 / seg_len];
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] *= w;
-            }
-        }
-        float amax = 0.f, sum = sum8(v);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-        // the 4 threads of a 32-column block are 4 neighbouring lanes
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        u32 hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float t = v[j] * inv;
-            const int hq = __float2int_rn(t);
-            const int lq = __float2int_rn((t - (float)hq) * (float)XQ_LEVELS);
-            hw[j >> 2] |= (u32)(hq & 0xFF) << (8 * (j & 3));
-            lw[j >> 2] |= (u32)(lq & 0xFF) << (8 * (j & 3));
-        }
-        if (on) {
-            const int at = (c8 >> 3) * XQ_UNIT_WORDS + 2 * (c8 & 7);
-            *reinterpret_cast<uint2*>(q.h + at) = make_uint2(hw[0], hw[1]);
-            *reinterpret_cast<uint2*>(q.l + at) = make_uint2(lw[0], lw[1]);
-            if ((c8 & 3) == 0) {
-                q.step[c8 >> 2] = sum == sum ? amax * (1.f / (127.f * XQ_LEVELS)) : NAN_F32;
-                q.sum[c8 >> 2] = sum;
-            }
-        }
+        for (int g = 0; g < 4; ++g) load8(x + 32 * (i64)b + 8 * g, v + 8 * g);
+        const float w = seg_w != nullptr ? seg_w[32 * b / seg_len] : 1.f;
+        const int at = xq_block_word(b);
+        xq_block32(v, w, q.h + at, q.l + at, q.step[b], q.sum[b]);
     }
 }
 
@@ -110,7 +129,7 @@ struct XFrag {
     float step[2], sum[2];
 };
 
-__device__ __forceinline__ void load_xfrag(XFrag& f, const XQ& q, int v) {
+HOST_DEVICE void load_xfrag(XFrag& f, const XQ& q, int v) {
     const uint4* hp = reinterpret_cast<const uint4*>(q.h + v * XQ_UNIT_WORDS);
     const uint4* lp = reinterpret_cast<const uint4*>(q.l + v * XQ_UNIT_WORDS);
     #pragma unroll
@@ -125,12 +144,12 @@ __device__ __forceinline__ void load_xfrag(XFrag& f, const XQ& q, int v) {
 
 // sum of 32 products q * (254 h + l), exact: the 8 words of q (4 int8 each) against half `half`
 // of the fragment
-__device__ __forceinline__ int dot32(const u32 (&q)[8], const XFrag& f, int half) {
+HOST_DEVICE int dot32(const u32 (&q)[8], const XFrag& f, int half) {
     int a = 0, b = 0;
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        a = __dp4a((int)q[i], (int)f.h[8 * half + i], a);
-        b = __dp4a((int)q[i], (int)f.l[8 * half + i], b);
+        a = dp4a_s8((int)q[i], (int)f.h[8 * half + i], a);
+        b = dp4a_s8((int)q[i], (int)f.l[8 * half + i], b);
     }
     return a * XQ_LEVELS + b;
 }
@@ -139,7 +158,7 @@ __device__ __forceinline__ int dot32(const u32 (&q)[8], const XFrag& f, int half
 // 2u + 1, 68 bytes at 68u (4-byte aligned: the row is 16-aligned); Q4_K: pair u % 4 of
 // super-block u / 4, its low nibbles sub-block 2p and its high nibbles sub-block 2p + 1.
 template <int T>
-__device__ __forceinline__ float unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+HOST_DEVICE float unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
     if (T == T_Q8_0) {
         const u32* p = reinterpret_cast<const u32*>(row + 68 * u);
         u32 w[17];
@@ -148,7 +167,7 @@ __device__ __forceinline__ float unit_dot(const u8* __restrict__ row, int u, con
         u32 q0[8], q1[8];
         #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            q0[j] = __byte_perm(w[j], w[j + 1], 0x5432);   // bytes 2 .. 33: behind block 0's d
+            q0[j] = byte_perm(w[j], w[j + 1], 0x5432);   // bytes 2 .. 33: behind block 0's d
             q1[j] = w[9 + j];                              // bytes 36 .. 67: behind block 1's d
         }
         const float d0 = h2f((u16)(w[0] & 0xFFFF)), d1 = h2f((u16)(w[8] >> 16));

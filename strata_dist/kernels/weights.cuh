@@ -253,7 +253,7 @@ struct ChunkDot {
     }
 };
 
-__device__ __forceinline__ float sum8(const float* v) {
+HOST_DEVICE float sum8(const float* v) {
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
