@@ -458,7 +458,7 @@ class DecodeGraph:
             wide = m.rows >= WIDE_MIN_ROWS
             per_block = rows_per_block(n, wide)
             self._launch(matvec_kernel(m.type, n))(
-                ((m.rows + per_block - 1) // per_block, m.count), (BLOCK_THREADS,),
+                ((m.rows + per_block - 1) // per_block, m.count), (self.shape.matvec_threads,),
                 (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
                  NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
                  NULL if route is None else route, NULL if qkv is None else qkv))

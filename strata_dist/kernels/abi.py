@@ -40,7 +40,8 @@ class KernelShape:
     `down_per_block` rows per block. The float path's switches (0 or 1) pick how it computes:
     `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored
     integers to floats through the mantissa of 2^23 (weights.cuh says why each exists; both on,
-    measured in docs/BENCHMARKS.md)."""
+    measured in docs/BENCHMARKS.md). `matvec_threads` (256, or 128: off until measured) the
+    threads of a dense matvec block (decode.cu MATVEC_THREADS)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
@@ -49,12 +50,14 @@ class KernelShape:
     int_down: int = 0
     int_ff_per_warp: int = 1
     int_down_per_warp: int = 1
+    matvec_threads: int = BLOCK_THREADS
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
-              "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW"}
+              "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
+              "matvec_threads": "MATVEC_THREADS"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down")
 
     def __post_init__(self) -> None:
@@ -66,6 +69,9 @@ class KernelShape:
             v = getattr(self, name)
             if not 1 <= v <= 4:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..4")
+        if self.matvec_threads not in (128, BLOCK_THREADS):
+            raise ValueError(f"kernel shape matvec_threads={self.matvec_threads}: expected 128 or "
+                             f"{BLOCK_THREADS}")
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")

@@ -18,6 +18,13 @@
 #ifndef DOWN_PER_BLOCK
 #define DOWN_PER_BLOCK 4    // outputs of one block of moe_down
 #endif
+// Threads of a matvec block (128 or 256). With 128, a block's threads take two chunks of a
+// 2048-column row each and reduce over 4 warps; twice the blocks fit an SM, so Qwen3-30B's q/k/v
+// launch (640 blocks) runs in one wave instead of about 1.6. Off until measured (kernels/abi.py
+// KernelShape matvec_threads).
+#ifndef MATVEC_THREADS
+#define MATVEC_THREADS BLOCK_THREADS
+#endif
 
 // desc: [0] position of the first row, [1] rows, [2 .. 2+MAX_ROWS) token ids
 #define DESC_POS 0
@@ -30,6 +37,9 @@ HOST_DEVICE constexpr int padded_rows(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : 
 HOST_DEVICE constexpr int rows_per_block(int n, int wide) {
     return wide || padded_rows(n) > 1 ? MAX_ROWS / padded_rows(n) : 1;
 }
+
+static_assert(MATVEC_THREADS == 128 || MATVEC_THREADS == BLOCK_THREADS,
+              "a matvec block is 128 or BLOCK_THREADS threads");
 
 #include "experts.cuh"     // ExpertSpec, RouteSpec, the router's top-k, moe_gate_up / moe_down
 #include "attention.cuh"   // QkvSpec, norm_rope_head, qk_norm_rope_kv, attn_decode_128
@@ -109,9 +119,9 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
     const int head = o0 / p.D;                          // R divides D: a block is in one head
     if (!last_block_to_finish(p.done + (is_q ? head : p.n_head + head), (u32)(p.D / R))) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < n)                                       // one warp per row
+    for (int row = warp; row < n; row += blockDim.x >> 5)        // one warp per row
         norm_rope_head<false, 128>(p.q, p.k, nullptr, p.q_norm, p.k_norm, p.sess, p.layer_slot,
-                                   p.n_layers, p.desc, p.n_head, p.n_kv, p.eps, warp,
+                                   p.n_layers, p.desc, p.n_head, p.n_kv, p.eps, row,
                                    is_q ? head : p.n_head + head, lane);
 }
 
@@ -122,7 +132,7 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
                     float* __restrict__ normed, const RouteSpec* __restrict__ route,            \
                     const QkvSpec* __restrict__ qkv
 #define MATVEC_KERNEL(name, T, N)                                                               \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
         pdl_entry();                                                                            \
         if (rows_per_block(N, wide) == rows_per_block(N, 1))                                    \
