@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ToolsUsageError, GGUFError, PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # stdout closed early (`… | head`): the ranks are closed; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _main(args) -> int:

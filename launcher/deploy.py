@@ -88,6 +88,7 @@ def env_file(host: HostPlan, args, coord_host: str, port: int, listen: str, n_ra
                   f"STRATA_LISTEN=tcp://{listen}:{port}",
                   f"STRATA_EXPECT_RANKS={n_ranks}",
                   f"STRATA_LAUNCH_ARGS=--port {args.http_port}"
+                  + ("" if args.no_rejoin else " --rejoin")
                   + (" --no-remote-cross-host" if args.no_remote_cross_host else "")]
     return "\n".join(lines) + "\n"
 
@@ -190,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=8080, help="the head's HTTP port (loopback)")
     s.add_argument("--no-remote-cross-host", action="store_true",
                    help="stages ask only helper tiers on their own host")
+    s.add_argument("--no-rejoin", action="store_true",
+                   help="a lost rank restarts the head and every rank (default: the head runs "
+                        "with --rejoin, so the lost rank's unit restarts it alone and it takes "
+                        "its place)")
     s.add_argument("--bin-dir", default=None,
                    help="where strata-rank/strata-launch are installed on the hosts "
                         "(default: where they are here)")

@@ -67,9 +67,12 @@ def check_kv_type(model: str, kv_type: str) -> None:
 
 def prompt_tokens(gguf_path: str, text: str, chat: bool) -> tuple[list[int], object]:
     """A text prompt through the model's own tokenizer (and chat template with chat=True)."""
-    from .tokenizer import GGUFTokenizer
+    from .tokenizer import GGUFTokenizer, TextError
     tok = GGUFTokenizer.from_gguf(gguf_path)
-    ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+    try:
+        ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+    except TextError as e:
+        raise UsageError(f"--prompt is {e}") from None
     if not ids:
         raise UsageError("--prompt encodes to no tokens")
     return ids, tok

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+MAX_TOP_K = 2 ** 31 - 1       # the most a request may ask for (the wire carries an int32)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0      # <= 0 means greedy
@@ -18,8 +21,10 @@ class SamplingParams:
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:

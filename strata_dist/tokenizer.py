@@ -158,7 +158,9 @@ class GGUFTokenizer:
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`. Special-token strings in it (`<|im_start|>`) become their ids;
-        `add_special` adds BOS/EOS where the file asks for them."""
+        `add_special` adds BOS/EOS where the file asks for them. TextError when `text` is not
+        valid Unicode (a lone surrogate: JSON's "\\ud800", or bytes that are not UTF-8 in argv)."""
+        check_text(text)
         ids = self.tk.encode(text, add_special_tokens=False).ids
         if add_special:
             s = self.special
@@ -209,6 +211,19 @@ class GGUFTokenizer:
 
     def incremental(self, context: Sequence[int] = ()) -> "IncrementalDecoder":
         return IncrementalDecoder(self, context)
+
+
+class TextError(ValueError):
+    """Text the tokenizer cannot read: not valid Unicode."""
+
+
+def check_text(text: str) -> None:
+    """TextError naming the first character that UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TextError(f"not valid Unicode text: a lone surrogate (U+{ord(text[e.start]):04X}) at "
+                        f"character {e.start}; bytes that are not UTF-8 decode to these") from None
 
 
 class IncrementalDecoder:

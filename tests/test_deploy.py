@@ -90,8 +90,8 @@ def test_unit_command_lines_are_what_the_programs_accept(tmp_path):
     assert r.curve_keys == "/etc/strata-dist/curve" and r.model == "/models/M.gguf"
     head = exec_start((out / "hostA" / "strata-coordinator.service").read_text(), env)
     h = launch_parser().parse_args(head[1:])
-    assert (h.listen, h.expect_ranks, h.port, h.no_remote_cross_host) == \
-        ("tcp://0.0.0.0:5555", 3, 8080, True)
+    assert (h.listen, h.expect_ranks, h.port, h.no_remote_cross_host, h.rejoin) == \
+        ("tcp://0.0.0.0:5555", 3, 8080, True, True)    # a lost rank's unit brings it back alone
     assert h.token_file == "/etc/strata-dist/token"
 
 
@@ -112,8 +112,9 @@ def test_generated_units_pass_systemd_analyze_verify(tmp_path):
 def test_one_host_deploy_listens_on_loopback(tmp_path):
     out = tmp_path / "one"
     assert tools_main(["deploy", "systemd", "--coordinator", "box:5555", "--hosts", "box:0",
-                       "--model", "/m.gguf", "--out", str(out)]) == 0
+                       "--model", "/m.gguf", "--out", str(out), "--no-rejoin"]) == 0
     env = env_of(out / "box" / "strata.env")
+    assert env["STRATA_LAUNCH_ARGS"] == "--port 8080"       # --no-rejoin: no --rejoin
     assert env["STRATA_LISTEN"] == "tcp://127.0.0.1:5555"
     assert env["STRATA_COORDINATOR"] == "tcp://127.0.0.1:5555" and env["STRATA_CURVE_ARGS"] == ""
 

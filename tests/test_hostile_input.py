@@ -94,11 +94,59 @@ def test_a_cuda_device_without_cuda(model):
     refused(tool("generate", "--model", model, "--device", "cuda:0"), "cuda:0")
 
 
-def test_output_closed_early_is_no_traceback(model):
-    proc = subprocess.run(f"{sys.executable} -m strata_dist.cli generate --model {model} "
-                          f"--max-new 300 | true", shell=True, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+@pytest.mark.parametrize("command", [
+    "strata_dist.cli generate --max-new 300",
+    "launcher.cli --cpu-ranks 1 --prompt-ids 1,2,3 --max-new 300",
+    "launcher.cli --cpu-ranks 1 --plan-only",
+    "launcher.cli --cpu-ranks 1 --serve",
+], ids=["generate", "launch", "plan-only", "serve"])
+def test_output_closed_early_is_no_traceback(model, command):
+    """`… | true`: the reader is gone before the first line; every tool stops quietly (and a
+    launch closes its ranks: the test's timeout would catch one left running)."""
+    tool_name, _, flags = command.partition(" ")
+    feed = "(echo 'GEN 50 1 2 3'; sleep 2; echo QUIT) | " if "--serve" in flags else ""
+    proc = subprocess.run(f"{feed}{sys.executable} -m {tool_name} --model {model} {flags} | true",
+                          shell=True, capture_output=True, text=True, timeout=TIMEOUT)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("module,extra", [("strata_dist.cli", ["generate"]),
+                                          ("launcher.cli", ["--cpu-ranks", "1"])],
+                         ids=["generate", "launch"])
+def test_a_prompt_that_is_not_utf8_is_refused(model, module, extra):
+    """Bytes that are not UTF-8 in argv reach Python as lone surrogates, which the tokenizer
+    cannot read: refused at start, naming the flag."""
+    proc = subprocess.run([sys.executable.encode(), b"-m", module.encode(),
+                           *[a.encode() for a in extra], b"--model", model.encode(),
+                           b"--prompt", b"a\xffb"], capture_output=True, timeout=TIMEOUT)
+    refused(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(),
+                                        proc.stderr.decode(errors="replace")),
+            "--prompt is not valid Unicode")
+
+
+def _without_root_file_access():
+    """In the child before exec: drop the two capabilities that let root read any file
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) from the bounding set, so the tool meets a file's
+    mode bits as any user would."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:          # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_model_file_that_cannot_be_read(model, tmp_path):
+    """A file without read permission names the file and the reason (exit 2, no traceback)."""
+    locked = tmp_path / "locked.gguf"
+    locked.write_bytes(open(model, "rb").read())
+    locked.chmod(0o000)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model",
+                               str(locked)], capture_output=True, text=True, timeout=TIMEOUT,
+                              preexec_fn=_without_root_file_access if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError as e:
+        pytest.skip(f"cannot drop root's file access here: {e}")
+    refused(proc, str(locked), "cannot be read")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -132,16 +180,20 @@ def test_listen_on_a_port_in_use(model):
 
 
 def test_serve_answers_err_to_bytes_that_are_not_utf8_and_goes_on(model):
-    lines = (b"GEN 2 1 2\n\xff\xfe GEN\nGENX 2 1 2\nGEN 2 temperature=nan 1 2\nGEN 2 3 4\n"
-             b"QUIT\n")
+    lines = (b"GEN 2 1 2\n\xff\xfe GEN\nGENX 2 1 2\nGEN 2 temperature=nan 1 2\n"
+             b"GEN 2 temperature=1 seed=-1 1 2\nGEN 2 top_k=99999999999999999999 1 2\n"
+             b"GEN 2 3 4\nQUIT\n")
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model, "--cpu-ranks",
                            "1", "--serve"], input=lines, capture_output=True, timeout=TIMEOUT,
                           env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     out = [l for l in proc.stdout.decode().splitlines() if not l.startswith("INFO")]
     errs = [l for l in out if l.startswith("ERR")]
-    assert len(errs) == 3, out
+    assert len(errs) == 5, out
     assert "GENX" in errs[1] and "temperature" in errs[2]
+    # refused at parse, in the line protocol's words, not by a rank mid-request
+    assert errs[3] == "ERR seed must be in [0, 2^64), got -1", errs[3]
+    assert errs[4].startswith("ERR top_k must be in [0, 2147483647]"), errs[4]
     assert sum(l.startswith("DONE") for l in out) == 2, out
 
 

@@ -257,6 +257,7 @@ def test_bad_input_is_400_with_an_openai_error(server, client):
         ({"model": "tiny", "prompt": ""}, "invalid_value"),
         ({"model": "tiny", "prompt": "hi", "top_k": 10 ** 30}, "invalid_value"),
         ({"model": "tiny", "prompt": "hi", "stop": ["x" * 100_000] * 16}, "invalid_value"),
+        ({"model": "tiny", "prompt": "a\ud800b"}, "invalid_value"),     # not valid Unicode
     ]
     for body, code in cases:
         r = post("/v1/completions", json.dumps(body).encode())
@@ -273,6 +274,9 @@ def test_bad_input_is_400_with_an_openai_error(server, client):
             {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
              "chat_template_kwargs": {key: True}}).encode())
         assert r.status_code == 400 and key in r.json()["error"]["message"], r.text
+    r = post("/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x\udcff"}]}).encode())
+    assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"], r.text
     r = post("/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode())
     assert r.status_code == 400
     r = post("/v1/chat/completions", json.dumps(

@@ -6,13 +6,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampler import SamplingParams
-from ..tokenizer import GGUFTokenizer, TemplateError, message_text
+from ..sampler import MAX_TOP_K, SamplingParams
+from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
 from .worker import GenSpec, Result
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # per stop string: the hold-back search per token is bounded by it
-MAX_TOP_K = 2 ** 31 - 1
 # arguments encode_chat passes itself: chat_template_kwargs may not carry them
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -237,6 +236,8 @@ def parse_chat(body: dict, lim: Limits) -> Parsed:
         ids = lim.tok.encode_chat(clean, add_generation_prompt=True, tools=tools or None, **extra)
     except TemplateError as e:
         raise _bad("messages", str(e), "invalid_messages") from None
+    except TextError as e:
+        raise _bad("messages", f"the chat is {e}", "invalid_value") from None
     _check_prompt(ids, lim, "messages")
     max_new = _max_new(body, ("max_completion_tokens", "max_tokens"), None, len(ids), lim)
     spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
@@ -252,7 +253,10 @@ def parse_completion(body: dict, lim: Limits) -> Parsed:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]     # a batch of one
     if isinstance(prompt, str):
-        ids = lim.tok.encode(prompt, add_special=True)
+        try:
+            ids = lim.tok.encode(prompt, add_special=True)
+        except TextError as e:
+            raise _bad("prompt", f"'prompt' is {e}", "invalid_value") from None
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = list(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
