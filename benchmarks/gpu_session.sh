@@ -16,7 +16,8 @@
 #      (copy the records into benchmarks/results/ afterwards); with --prefill, bench_prefill.py on the
 #      same file, every expert resident, 512 and 4096 tokens, loans on/off and the row kernels
 #      (STRATA_GROUPED_EXPERTS=1) beside llama.cpp
-# Usage (from the repository root, wheels of the image's missing packages in .whl/; the GPU
+# Usage (from the repository root, wheels of the image's missing packages in .whl/, and
+# optionally the kernel binaries built ahead in .kcubins/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
 #       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
@@ -49,6 +50,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 export PYTHONUNBUFFERED=1
+# kernel binaries built ahead with nvcc (python -m strata_dist.kernels.prebuild --out .kcubins
+# --shape ...), carried: no device time spent compiling them
+[ -d .kcubins ] && export STRATA_KERNEL_CUBINS=$PWD/.kcubins
 T0=$(date +%s); LB=.anchor/llama.cpp/build/bin/llama-bench
 t() { echo "t=$(( $(date +%s) - T0 )) s: $*"; }
 LLAMA=()

@@ -383,3 +383,28 @@ def test_expert_layout_of_a_file_and_a_refusal(tmp_path, monkeypatch):
     monkeypatch.delitem(KERNEL_TYPES, int(QT.Q8_0))
     with pytest.raises(ValueError, match="ffn_gate_exps.weight: type Q8_0 is not readable"):
         expert_layout(g, 1)
+
+
+def test_prebuilt_cubins_are_named_by_what_was_compiled():
+    """A prebuilt binary is found only for the same source text, options, defines and compute
+    capability (kernels/__init__.py cubin_name); decode.cu is built once per shape asked for."""
+    from strata_dist.kernels import cubin_name
+    from strata_dist.kernels.prebuild import builds
+    base = cubin_name("decode.cu", (), "90")
+    assert base.startswith("decode-sm90-") and base.endswith(".cubin")
+    assert cubin_name("decode.cu", ("-DINT_DOWN=1",), "90") != base
+    assert cubin_name("decode.cu", (), "100") != base
+    assert cubin_name("experts_rows.cu", (), "90") != base
+    todo = builds(["", "int_gate_up=1,int_down=1", "int_down=1,int_gate_up=1"])
+    assert [n for n, _ in todo].count("decode.cu") == 2          # the same shape once
+    assert ("decode.cu", ("-DINT_GATE_UP=1", "-DINT_DOWN=1")) in todo
+    assert {n for n, _ in todo} == {p.name for p in sources()}
+
+
+@needs_nvcc
+def test_prebuild_writes_the_cubin_module_would_load(tmp_path):
+    from strata_dist.kernels import cubin_name
+    from strata_dist.kernels.prebuild import build
+    path = build(NVCC, "prefill_attention.cu", (), "90", tmp_path)
+    assert path.name == cubin_name("prefill_attention.cu", (), "90")
+    assert b"prefill_attention_128" in path.read_bytes()

@@ -6,13 +6,23 @@ made of the source, the compile options, the device's compute capability and the
 versions, so a later process loads it without compiling. `tests/test_kernels_compile.py` builds
 every source with `nvcc -arch=sm_90` where nvcc exists, so a syntax error costs no GPU time.
 
+Binaries built ahead: with $STRATA_KERNEL_CUBINS naming a directory, `module` first loads the
+cubin `kernels/prebuild.py` wrote there for the same source text, options, defines and compute
+capability (`cubin_name`), and compiles with NVRTC only when there is none or it does not load.
+A GPU machine lent for minutes then spends none of them compiling what nvcc built elsewhere.
+
 CuPy is imported only when a module is asked for: CPU ranks never load this."""
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
 from functools import lru_cache
 from pathlib import Path
+
+log = logging.getLogger("strata.kernels")
+CUBINS_ENV = "STRATA_KERNEL_CUBINS"
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # STRATA_KERNEL_LINEINFO=1: source lines in the binaries, for Nsight Compute
@@ -45,14 +55,42 @@ def source_text(name: str, _seen: set[str] | None = None) -> str:
     return _LOCAL_INCLUDE.sub(inline, (KERNEL_DIR / name).read_text())
 
 
+def cubin_name(name: str, defines: tuple[str, ...], arch: str) -> str:
+    """The file a prebuilt binary of source `name` has: its stem, the compute capability
+    (e.g. "90") and a hash of everything compiled (the inlined source, options, defines)."""
+    key = hashlib.sha256("\0".join((source_text(name), *COMPILE_OPTIONS, *defines, arch))
+                         .encode()).hexdigest()[:24]
+    return f"{Path(name).stem}-sm{arch}-{key}.cubin"
+
+
+def _prebuilt(name: str, defines: tuple[str, ...], arch: str):
+    """The RawModule of a prebuilt cubin under $STRATA_KERNEL_CUBINS, or None."""
+    import cupy as cp
+    folder = os.environ.get(CUBINS_ENV)
+    path = Path(folder) / cubin_name(name, defines, arch) if folder else None
+    if path is None or not path.is_file():
+        return None
+    from .abi import source_kernel_names
+    try:
+        mod = cp.RawModule(path=str(path))
+        mod.get_function(source_kernel_names(name)[0])      # loads the binary now
+        return mod
+    except Exception as e:     # another toolkit's binary, a truncated file: compile instead
+        log.warning("prebuilt %s does not load (%s); compiling with NVRTC", path, e)
+        return None
+
+
 @lru_cache(maxsize=None)
 def module(name: str, device: int = 0, defines: tuple[str, ...] = ()):
     """The compiled RawModule of `name` (e.g. "decode.cu") for a device, once per process and per
     set of `-D` defines (kernels/abi.py KernelShape)."""
     import cupy as cp
     with cp.cuda.Device(device):
-        mod = cp.RawModule(code=source_text(name), options=COMPILE_OPTIONS + tuple(defines))
-        mod.compile()
+        arch = str(cp.cuda.Device(device).compute_capability)
+        mod = _prebuilt(name, tuple(defines), arch)
+        if mod is None:
+            mod = cp.RawModule(code=source_text(name), options=COMPILE_OPTIONS + tuple(defines))
+            mod.compile()
     return mod
 
 
