@@ -111,12 +111,15 @@ def stack_allowed(kernel: str) -> int:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("source", [p.name for p in sources()])
-def test_kernels_keep_their_values_in_registers(tmp_path, source):
+@pytest.mark.parametrize("source,shape", [(p.name, "") for p in sources()]
+                         + [("decode.cu", "int_gate_up=1,int_down=1")])
+def test_kernels_keep_their_values_in_registers(tmp_path, source, shape):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
-    memory and costs a memory round trip per access), but for the ones allowed above."""
+    memory and costs a memory round trip per access), but for the ones allowed above; the
+    integer expert path's build too."""
     import re
-    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Xptxas", "-v",
+    defines = list(KernelShape.parse(shape).defines())
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Xptxas", "-v", *defines,
                            "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
