@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -244,6 +244,10 @@ class Assign(Message):
     helper_bind: str | None = None        # with bind_endpoint: the helper endpoint of the rank replaced
     min_request_id: int = 0  # a replacement drops rows and tokens of older requests (lost with the rank it replaces)
     kv_type: str = ""      # how sessions keep K/V: f32 | f16 | q8_0 ("" : the device's default)
+    # the epoch of each data/helper endpoint whose rank was replaced (absent: 0): the links to it
+    # are keyed by it (protocol/seal.py). Sent again to the ranks already running when a
+    # replacement is admitted; they answer Ready once they key those links by it.
+    link_epochs: dict[str, int] = field(default_factory=dict)
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
@@ -255,6 +259,9 @@ class Assign(Message):
             raise ValueError(f"role {self.role!r} needs a non-empty layer range, got [{self.lb}, {self.le})")
         if self.kv_type not in ("", "f32", "f16", "q8_0"):
             raise ValueError(f"kv_type {self.kv_type!r}: expected f32, f16 or q8_0")
+        bad = [ep for ep, e in self.link_epochs.items() if e < 0]
+        if bad:
+            raise ValueError(f"link_epochs[{bad[0]!r}] = {self.link_epochs[bad[0]]}: expected >= 0")
 
 
 @message

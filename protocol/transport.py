@@ -22,7 +22,7 @@ import zmq
 
 from .codec import decode, encode
 from .messages import Message, ProtocolError
-from .seal import LinkSeal, Sealer
+from .seal import LinkEnd, LinkSeal
 
 # Defaults for every wait (milliseconds). Callers pass their own where the plan knows better.
 CONNECT_TIMEOUT_MS = 10_000    # handshake replies (Challenge, AuthOk)
@@ -255,19 +255,23 @@ class Channel:
             self._apply_curve(curve)
         # the deployment's keys (use_curve) apply when this socket binds (server) or connects (client)
         self._auto_curve = _deployment_curve if curve is None else None
-        self._seal: LinkSeal | None = None      # a sealed TCP data link (seal.py)
-        self._sealer: Sealer | None = None
+        self._bound = False                      # bound (PULL, ROUTER) rather than connected
+        self._link: LinkEnd | None = None        # this channel's end of a sealed TCP data link
 
-    def seal_tcp(self, seal: LinkSeal | None) -> "Channel":
-        """Seal what this channel sends, and take only sealed messages, when it is a TCP link
-        (bound or connected on tcp://; local ipc:// links stay as they are). Returns self."""
+    def seal_tcp(self, seal: LinkSeal | None, link: str | None = None) -> "Channel":
+        """Seal what this channel sends, and take only messages sealed for this link, when it is a
+        TCP link (bound or connected on tcp://; local ipc:// links stay as they are). `link` names
+        the link: the endpoint of its bound end as the peers were told it (Register, Assign);
+        default: the endpoint this channel bound or connected. Returns self."""
         if seal is not None and any(ep.startswith("tcp://") for ep in self.endpoints):
-            self._seal, self._sealer = seal, seal.sealer()
+            ident = self._sock.identity if self.kind == "dealer" else b""
+            self._link = seal.end(link or self.endpoints[0], bound=self._bound, identity=ident)
         return self
 
     @property
     def sealed(self) -> bool:
-        return self._seal is not None
+        return self._link is not None
+
     def _apply_curve(self, curve: CurveKeys) -> None:
         s = self._sock
         s.curve_publickey, s.curve_secretkey = curve.public, curve.secret
@@ -301,6 +305,7 @@ class Channel:
             raise ProtocolError(f"cannot listen on {endpoint}: {e.strerror}") from None
         actual = self._sock.last_endpoint.decode()
         self.endpoints.append(actual)
+        self._bound = True
         return actual
 
     def connect(self, endpoint: str) -> "Channel":
@@ -366,20 +371,20 @@ class Channel:
         """Send a message. With copy=False (default) large arrays go out without a copy: do not write into them
         until the peer has them (pass copy=True, or a fresh array, when the buffer is reused right away)."""
         frames = encode(msg, arrays)
-        if self._sealer is not None:
-            frames = self._sealer.seal(frames)
+        if self._link is not None:
+            frames = self._link.seal(frames)
         self.send_frames(frames, copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
 
     def _recv_opened(self, timeout_ms: int, what: str, skip: int) -> list:
         """The next message's frames; on a sealed link, the next one that proves itself (the
         first `skip` frames, a ROUTER's identity, are outside the seal). Messages that do not are
         dropped and counted by the seal, and the wait goes on until timeout_ms."""
-        if self._seal is None:
+        if self._link is None:
             return self.recv_frames(timeout_ms, what=what)
         deadline, left = time.monotonic() + timeout_ms / 1000, timeout_ms
         while True:
             frames = self.recv_frames(left, what=what)
-            opened = self._seal.open(frames[skip:])
+            opened = self._link.open(frames[skip:])
             if opened is not None:
                 return frames[:skip] + opened
             left = int((deadline - time.monotonic()) * 1000)
@@ -405,7 +410,7 @@ class RouterChannel(Channel):
     def send(self, identity: bytes, msg: Message, arrays: Sequence[np.ndarray] = (), *,  # type: ignore[override]
              copy: bool = False, timeout_ms: int | None = None) -> None:
         body = encode(msg, arrays)
-        frames = [identity] + (self._sealer.seal(body) if self._sealer is not None else body)
+        frames = [identity] + (self._link.seal(body, peer=identity) if self._link is not None else body)
         try:
             self.send_frames(frames, copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
         except PeerGone:

@@ -96,11 +96,15 @@ class Coordinator:
         self.control_endpoint = self.control.bind(control_bind)
         self.inbox = Channel("pull", peer="last stage")
         self.head_endpoint = self.inbox.bind(head_bind)
-        # TCP data links carry only messages sealed under this launch's key (protocol/seal.py);
-        # the ranks derive it from the secret and the nonce their Assign carries
+        # TCP data links carry only messages sealed under this launch's key for their own link
+        # (protocol/seal.py); the ranks derive it from the secret and the nonce their Assign
+        # carries. A replaced rank's endpoints move to a new epoch (link_epochs): frames sealed
+        # for the process it replaces do not open there.
         self.link_nonce = new_nonce()
+        self.link_epochs: dict[str, int] = {}
         self.seal = LinkSeal(link_key(secret, self.link_nonce))
         self.inbox.seal_tcp(self.seal)
+        self._rekeying: set[int] = set()    # ranks told new link epochs that have not answered
         self.poller = Poller(self.control, self.inbox)
         self.liveness = liveness or (lambda: None)
         self.ranks: list[RankSlot] = []
@@ -176,6 +180,9 @@ class Coordinator:
             beat.last_seen = time.monotonic()
 
     def _on_ready(self, slot: RankSlot, msg: Ready) -> None:
+        if slot.ready is not None and slot.rank in self._rekeying:
+            self._rekeying.discard(slot.rank)   # it keys its links by the new epochs now
+            return
         slot.ready = msg
         if slot.rank in self.lost and self.ranks and self.ranks[slot.rank] is slot:
             self.on_rejoin(slot)
@@ -200,6 +207,7 @@ class Coordinator:
         if self.rejoin_timeout_s is None:
             raise RankFailure(message)
         old = self.ranks[rank]
+        self._rekeying.discard(rank)
         if self._by_identity.pop(old.identity, None) is not None:
             self._send(old.identity, Error(rank=rank, request_id=None, fatal=True,
                                            message=f"this rank was replaced: {message}"))
@@ -237,19 +245,26 @@ class Coordinator:
             old = self.ranks[r]
             want = self.endpoints_of[r]
             assign = old.assign
-            if msg.endpoints.get("data") != want.get("data"):
-                # the other ranks keep sending to the first endpoints: the replacement takes them
-                # over, which it can only do on the same host
+            # the other ranks keep sending to the first endpoints: the replacement takes over
+            # each one it did not bind itself (a fixed --data-bind keeps the data port, say, while
+            # the helper port is new), which it can only do on the same host
+            moved = [k for k in ("data", "helper")
+                     if want.get(k) and msg.endpoints.get(k) != want.get(k)]
+            if moved:
                 if msg.host != old.register.host:
                     return (f"a replacement for rank {r} must run on host {old.register.host} "
-                            f"(the other ranks send to {want.get('data')}), not {msg.host}")
+                            f"(the other ranks send to {want.get(moved[0])}), not {msg.host}")
                 assign = copy.copy(assign)
-                assign.bind_endpoint = want.get("data")
-                assign.helper_bind = want.get("helper")
+                assign.bind_endpoint = want.get("data") if "data" in moved else None
+                assign.helper_bind = want.get("helper") if "helper" in moved else None
             if assign is old.assign:
                 assign = copy.copy(assign)
             # what the other ranks still send for requests up to now belongs to the lost one
             assign.min_request_id = self._last_request_id + 1
+            # links to the replacement get a new epoch: what was sealed for the lost process
+            # (captured, or still on its way) does not open there
+            self._new_epoch(want)
+            assign.link_epochs = dict(self.link_epochs)
             register = copy.copy(msg)
             register.endpoints = dict(want)          # where the replacement is reached: the same
             slot = RankSlot(identity, register, rank=r, assign=assign)
@@ -262,17 +277,37 @@ class Coordinator:
             return "this launch already has all its ranks"
         return f"no lost rank matches this one (lost: {sorted(self.lost)})"
 
+    def _new_epoch(self, endpoints: dict[str, str]) -> None:
+        """A replacement takes over `endpoints`: the links to them move to their next epoch, here
+        and (told by their Assign again, answering Ready) on every other registered rank."""
+        for ep in endpoints.values():
+            self.link_epochs[ep] = self.link_epochs.get(ep, 0) + 1
+        self.seal.set_epochs(self.link_epochs)
+        for s in list(self._by_identity.values()):
+            if s.assign is None:
+                continue
+            s.assign = copy.copy(s.assign)
+            s.assign.link_epochs = dict(self.link_epochs)
+            self._rekeying.add(s.rank)
+            self._send(s.identity, s.assign)
+
+    def _rekey_pending(self) -> set[int]:
+        return {r for r in self._rekeying if r not in self.lost and r not in self.optional}
+
     def await_ranks(self, should_cancel: Callable[[], bool] | None = None) -> None:
         """Before a request: wait (bounded, and cancelled with the request) until every lost
-        rank's replacement is Ready."""
-        if not self.lost:
+        rank's replacement is Ready and every other rank keys its links to it by its new epoch."""
+        if not self.lost and not self._rekey_pending():
             return
         deadline = time.monotonic() + self.rejoin_timeout_s
-        while self.lost:
+        while self.lost or self._rekey_pending():
             if should_cancel is not None and should_cancel():
                 raise RequestError("cancelled while a rank was being replaced")
             left = deadline - time.monotonic()
             if left <= 0:
+                if not self.lost:
+                    raise RankLost(f"ranks {sorted(self._rekey_pending())} did not take the new "
+                                   f"link epochs within {self.rejoin_timeout_s:.0f} s")
                 r, why = next(iter(self.lost.items()))
                 raise RankLost(f"rank {r} is lost ({why}) and no replacement has loaded "
                                f"within {self.rejoin_timeout_s:.0f} s")
@@ -290,6 +325,7 @@ class Coordinator:
         """Send each rank its Assign and wait until all report Ready."""
         for slot, a in zip(self.ranks, assignments):
             a.link_nonce = self.link_nonce
+            a.link_epochs = dict(self.link_epochs)
             slot.assign = a
             self._send(slot.identity, a)
         deadline = time.monotonic() + timeout_s

@@ -117,7 +117,8 @@ class RankProcess:
         self.link_seal: LinkSeal | None = None   # set from the Assign (TCP data links)
         self.send_us = 0   # time handing rows and tokens on (the step counts its compute time)
         self._control_handlers = {Shutdown: self._on_shutdown, Error: self._on_coordinator_error,
-                                  Stats: self._on_stats}
+                                  Stats: self._on_stats, Assign: self._on_link_epochs}
+        self._allocated: dict[str, int] = {}   # what the Ready said (repeated after a re-key)
         # transport messages go to the hand-off ends; the rest is the step's
         self._data_handlers = {IpcHandle: self._on_ipc_handle, SlotFree: self._on_slot_reply,
                                Error: self._on_slot_reply, Tokens: self._on_step,
@@ -157,13 +158,15 @@ class RankProcess:
             return assign
         self.assign = assign
         rank = assign.rank
-        if assign.bind_endpoint and assign.bind_endpoint != data_ep:
+        if assign.bind_endpoint or assign.helper_bind:
             self._take_over_endpoints(assign)
-        # TCP data links: sealed under the launch's key (the secret and the Assign's nonce)
-        self.link_seal = (LinkSeal(link_key(o.secret, assign.link_nonce)) if assign.link_nonce
-                          else None)
-        self.data.seal_tcp(self.link_seal)
-        self.helper_socket.seal_tcp(self.link_seal)
+        # TCP data links: sealed under the launch's key (the secret and the Assign's nonce), one
+        # key per link, named by its bound end's endpoint as the peers know it (a replacement's:
+        # those of the rank it replaces), in that endpoint's epoch
+        self.link_seal = (LinkSeal(link_key(o.secret, assign.link_nonce), assign.link_epochs)
+                          if assign.link_nonce else None)
+        self.data.seal_tcp(self.link_seal, link=assign.bind_endpoint or data_ep)
+        self.helper_socket.seal_tcp(self.link_seal, link=assign.helper_bind or helper_ep)
         log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
         # device memory free before and after each carve, for the startup report (None: host)
         probe = _backend(o.device_name).memory_info
@@ -192,7 +195,8 @@ class RankProcess:
             free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(
-            advertise(assign.head_endpoint, _endpoint_host(o.coordinator))).seal_tcp(self.link_seal)
+            advertise(assign.head_endpoint, _endpoint_host(o.coordinator))).seal_tcp(
+                self.link_seal, link=assign.head_endpoint)
         if self.stage:
             self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
@@ -214,6 +218,7 @@ class RankProcess:
             # allocated on demand: the bound for one session (strata_dist/checkpoints.py)
             allocated["checkpoints"] = self.stage.checkpoint_bound_bytes()
         allocated.update({k: v[0] for k, v in free.items() if v is not None})
+        self._allocated = allocated
         self.control.send(Ready(rank=rank, allocated=allocated,
                                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
         return self._run_data_plane()
@@ -249,12 +254,16 @@ class RankProcess:
                 a.first_endpoint).seal_tcp(self.link_seal)
 
     def _take_over_endpoints(self, a: Assign) -> None:
-        """A replacement of a lost rank (rejoin) binds the endpoints of the rank it replaces: the
-        other ranks keep sending there."""
-        log.info("taking over the endpoints %s of the rank this one replaces", a.bind_endpoint)
-        self.data.close()
-        self.data = Channel("pull", peer="upstream")
-        self.data.bind(a.bind_endpoint)
+        """A replacement of a lost rank (rejoin) binds the endpoints of the rank it replaces that
+        it did not bind itself (Assign.bind_endpoint / helper_bind): the other ranks keep sending
+        there."""
+        log.info("taking over the endpoints of the rank this one replaces: %s",
+                 ", ".join(f"{k} {ep}" for k, ep in (("data", a.bind_endpoint),
+                                                      ("helper", a.helper_bind)) if ep))
+        if a.bind_endpoint:
+            self.data.close()
+            self.data = Channel("pull", peer="upstream")
+            self.data.bind(a.bind_endpoint)
         if a.helper_bind:
             self.helper_socket.close()
             self.helper_socket = RouterChannel(peer="stages")
@@ -360,6 +369,18 @@ class RankProcess:
         if msg.fatal:   # e.g. a restarted coordinator, or this rank was replaced
             raise CoordinatorLost(f"the coordinator dropped this rank: {msg.message}")
 
+    def _on_link_epochs(self, msg: Assign, arrays) -> None:
+        """The coordinator admitted a replacement: this rank's Assign again, with the new epochs
+        of the links to the replacement. Every later message on them is keyed by those; the
+        answer is this rank's Ready again (PROTOCOL.md §9)."""
+        if msg.rank != self.assign.rank or msg.link_nonce != self.assign.link_nonce:
+            log.warning("ignored an Assign for rank %d of another launch", msg.rank)
+            return
+        if self.link_seal is not None:
+            self.link_seal.set_epochs(msg.link_epochs)
+        self.assign.link_epochs = dict(msg.link_epochs)
+        self.control.send(Ready(rank=self.assign.rank, allocated=self._allocated, elapsed_ms=0.0))
+
     def _on_stats(self, msg: Stats, arrays) -> None:
         self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
                                      request_id=msg.request_id, gauges=self._gauges()))
@@ -396,6 +417,9 @@ class RankProcess:
                      remote_frames=sum(h.sent_frames for h in self.stage.tiers.helpers))
         if self.link_seal is not None:
             c["forged_dropped"] = self.link_seal.rejected   # messages that did not prove themselves
+            # sealed for the process this rank replaced: stale, like rows of older requests
+            c["link_stale_dropped"] = self.link_seal.stale
+            c["stale_dropped"] = c.get("stale_dropped", 0) + self.link_seal.stale
         return c
 
     def _heartbeat(self) -> None:

@@ -1,7 +1,13 @@
-"""A process without the secret that pushes well-formed data-plane messages of every type at the
+"""A process without the secret that sends well-formed data-plane messages of every type at the
 given TCP endpoints until killed (tests of the sealed links). Run as a script:
 
     python tests/forger.py push=tcp://10.0.0.2:7000 push=… dealer=tcp://10.0.0.2:7001 …
+
+Every data-plane message type goes to every target, a stage's data socket (push) and a helper
+tier's (dealer) alike: each receiver must drop what it would act on as well as what it would not
+expect there. `DATA_PLANE_TYPES` is every message type that may travel on a data link
+(tests/test_sealed_links.py checks that `forged` covers each, and that the protocol has no other
+type outside the control plane).
 """
 from __future__ import annotations
 
@@ -14,29 +20,42 @@ import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from protocol import Cancel, Error, ExpertRequest, Hidden, PromptProgress, Token, Tokens  # noqa: E402
+from protocol import (Cancel, Error, ExpertReply, ExpertRequest, Hidden, IpcHandle,  # noqa: E402
+                      PromptProgress, Release, SlotFree, Token, Tokens)
 from protocol.codec import encode  # noqa: E402
+from protocol.messages import RowSlot  # noqa: E402
+
+# the control plane: the handshake, registration, assignment and liveness (never on a data link)
+CONTROL_TYPES = frozenset({"hello", "challenge", "auth", "auth_ok", "register", "assign", "ready",
+                           "stats", "stats_reply", "heartbeat", "shutdown"})
+DATA_PLANE_TYPES = frozenset({"release", "cancel", "tokens", "hidden", "prompt_progress", "token",
+                              "expert_request", "expert_reply", "ipc_handle", "slot_free",
+                              "error"})
 
 
-def forged(request_id: int, hidden: int = 64) -> list:
-    """Messages of every type a data socket takes, for one request id."""
+def forged(request_id: int, hidden: int = 64, k: int = 2) -> list:
+    """Messages of every data-plane type, for one request id (and session 0, which the serving
+    session is: a Release of it that got through would drop the session's KV)."""
     rows = np.full((1, hidden), 7.0, dtype=np.float32)
+    slot = RowSlot(offset=0, nbytes=hidden * 4)
     return [
         (Token(request_id=request_id, session_id=0, token_id=1, pos=99, done=False), []),
-        (Error(rank=0, request_id=request_id, message="forged failure"), []),
+        (Error(rank=0, request_id=request_id, message="forged failure", code="ipc"), []),
         (PromptProgress(request_id=request_id, session_id=0, pos=1, chunk_index=0, chunk_total=1,
                         ms=1.0), []),
         (Tokens(request_id=request_id, session_id=0, pos=0, ids=[5, 6, 7]), []),
         (Hidden(request_id=request_id, session_id=0, pos=0, n=1, dtype="float32",
                 shape=[1, hidden]), [rows]),
         (Cancel(request_id=request_id), []),
+        (Release(session_id=0), []),
+        (SlotFree(name="hidden", slot=slot), []),
+        (SlotFree(name="expert_rows", slot=RowSlot(offset=0, nbytes=0)), []),
+        (IpcHandle(name="hidden", handle=bytes(64), device=0, nbytes=1 << 20, dtype="float32",
+                   host="evil", pid=1), []),
+        (ExpertRequest(seq=request_id, layer=0, n=1),
+         [np.ones((1, hidden), np.float32), np.zeros((1, k), np.int32), np.ones((1, k), np.float32)]),
+        (ExpertReply(seq=request_id, layer=0, n=1), [np.ones((1, k, hidden), np.float32)]),
     ]
-
-
-def expert_request(hidden: int = 64) -> tuple:
-    return (ExpertRequest(seq=1, layer=0, n=1),
-            [np.ones((1, hidden), np.float32), np.zeros((1, 2), np.int32),
-             np.ones((1, 2), np.float32)])
 
 
 def attack(targets: list[tuple[str, str]], should_stop=lambda: False, pause_s: float = 0.005) -> None:
@@ -46,18 +65,17 @@ def attack(targets: list[tuple[str, str]], should_stop=lambda: False, pause_s: f
         s = ctx.socket(zmq.PUSH if kind == "push" else zmq.DEALER)
         s.linger, s.sndtimeo = 0, 100
         s.connect(ep)
-        socks.append((kind, s))
+        socks.append(s)
     while not should_stop():
         for request_id in range(1, 4):
-            for kind, s in socks:
-                msgs = forged(request_id) if kind == "push" else [expert_request()]
-                for msg, arrays in msgs:
+            for s in socks:
+                for msg, arrays in forged(request_id):
                     try:
                         s.send_multipart(encode(msg, arrays))
                     except zmq.Again:
                         pass
         time.sleep(pause_s)
-    for _, s in socks:
+    for s in socks:
         s.close()
 
 

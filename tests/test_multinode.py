@@ -174,7 +174,10 @@ def test_a_rank_started_again_by_hand_rejoins_and_the_other_keeps_running(lab, f
     the baseline tokens."""
     h = head(lab, files, "--rejoin")
     a = rank(lab, files, "a", "--rank", "0")
-    b = rank(lab, files, "b", "--rank", "1")
+    # b's data port is fixed (--data-bind), its helper port is not: the replacement binds the same
+    # data endpoint by itself and must take over the helper endpoint
+    fixed = ("--data-bind", f"tcp://{lab.ip('b')}:{PORT + 17}", "--log-level", "INFO")
+    b = rank(lab, files, "b", "--rank", "1", *fixed)
     wrong = None
     try:
         h.wait_ready(60)
@@ -186,9 +189,12 @@ def test_a_rank_started_again_by_hand_rejoins_and_the_other_keeps_running(lab, f
         wrong = rank(lab, files, "a", "--rank", "1")
         assert finish(wrong) != 0
         assert h.err_has("must run on host b", timeout=10) and h.err_has("not a", timeout=10)
-        b = rank(lab, files, "b", "--rank", "1")
+        b = rank(lab, files, "b", "--rank", "1", *fixed)
         assert h.gen(PROMPT, 24)["tokens"] == baseline
         assert a.poll() is None and "registering again" not in log_of(a)
+        took_over = [l for l in log_of(b).splitlines() if "taking over the endpoints" in l]
+        assert len(took_over) == 1 and "helper tcp://" in took_over[0], log_of(b)
+        assert "data tcp://" not in took_over[0]
         h.send("QUIT")
         assert finish(h.proc) == 0
     finally:
