@@ -22,19 +22,19 @@ def test_dequantize_matches_gguf(qtype):
                                rtol=1e-6, atol=1e-7)
 
 
-def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False, threads=256):
+def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False, build=""):
     from strata_dist.backends import cuda_decode as cd
-    from strata_dist.kernels.abi import KernelShape, matvec_kernel, rows_per_block
+    from strata_dist.kernels.abi import KernelShape, matvec_kernel
     w = cd.Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
     n = x.shape[0]
     xs = cp.zeros((8, shape[1]), cp.float32)        # the runner's buffers hold 8 rows
     xs[:n] = x
     y = cp.zeros((n, shape[0]), cp.float32) if add is None else add
     spec = cd._spec_array(cd.MAT_SPEC, [cd._mat(w, y, add=add)])
-    per_block = rows_per_block(n, wide)
-    ks = KernelShape(matvec_threads=threads)
+    ks = KernelShape.parse(build)
+    per_block = ks.matvec_rows_per_block(n, wide)
     cd.function("decode.cu", matvec_kernel(int(qtype), n), 0, ks.defines())(
-        ((shape[0] + per_block - 1) // per_block, 1), (threads,), (
+        ((shape[0] + per_block - 1) // per_block, 1), (ks.matvec_threads,), (
             spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide),
             cd.NULL if norm_w is None else norm_w, np.float32(1e-6),
             cd.NULL if normed is None else normed, cd.NULL, cd.NULL))
@@ -43,31 +43,33 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("threads", [256, 128])
-def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, threads):
+@pytest.mark.parametrize("build", ["", "matvec_threads=128", "matvec_warp=1",
+                                   "matvec_warp=1,matvec_threads=128"])
+def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
     rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     dev = cp.asarray(raw.reshape(-1))
-    got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), threads=threads)
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    # the first row's bits do not depend on how many rows shared the launch, nor on how many
-    # weight rows each warp took
+    # tall and short matrices (the runner's `wide`) may sum in other orders, but a row's bits do
+    # not depend on how many rows shared the launch
     for wide in (False, True):
-        alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), wide=wide, threads=threads)
+        got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), wide=wide, build=build)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), wide=wide, build=build)
         assert np.array_equal(alone[0], got[0])
     # fused RMSNorm, the normed rows written out, a residual added in place
     nw = (1 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
     res = rng.standard_normal((n, rows)).astype(np.float32)
-    normed = cp.zeros((n, cols), cp.float32)
-    got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), norm_w=cp.asarray(nw),
-                  add=cp.asarray(res), normed=normed, threads=threads)
     xn = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
     ref = res + xn @ w.T.astype(np.float64)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    np.testing.assert_allclose(cp.asnumpy(normed), xn, rtol=1e-5, atol=1e-6)
+    for wide in (False, True):
+        normed = cp.zeros((n, cols), cp.float32)
+        got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), norm_w=cp.asarray(nw),
+                      add=cp.asarray(res), normed=normed, wide=wide, build=build)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        np.testing.assert_allclose(cp.asnumpy(normed), xn, rtol=1e-5, atol=1e-6)
 
 
 def _model(tmp_path, dtype, seed=7):

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
-from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS, DOWN_PER_BLOCK,  # noqa: E402
-                                     EXPERT_SPEC, FF_PER_BLOCK, KernelShape, MAT_SPEC, MAX_ROWS,
+from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS,  # noqa: E402
+                                     EXPERT_SPEC, KernelShape, MAT_SPEC, MAX_ROWS,
                                      ROUTE_SPEC,
                                      TYPE_NAMES, attn_kernel, matvec_kernel,
                                      rows_per_block)
@@ -205,17 +205,21 @@ def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     assert np.array_equal(cp.asnumpy(routed), cp.asnumpy(hosted))
 
 
-def test_a_missing_expert_reads_as_nan():
-    """A blob address of 0 (not resident) must never pass for a result."""
+@pytest.mark.parametrize("shape", ["", "int_gate_up=1,int_down=1"])
+def test_a_missing_expert_reads_as_nan(shape):
+    """A blob address of 0 (not resident) must never pass for a result (the integer path's
+    blocks hand such an expert to the float body)."""
+    shape = KernelShape.parse(shape)
     ex = Experts(QT.Q8_0, QT.Q8_0, seed=9)
     blobs = cp.asarray(np.array([[int(cp.asnumpy(ex.blob_of)[0]), 0, 0, 0]], dtype=np.uint64))
     act = cp.zeros((1, K, N_FF), cp.float32)
     h = cp.zeros((1, N_EMBD), cp.float32)
     x = cp.ones((1, N_EMBD), cp.float32)
-    _kernel("moe_gate_up_q8_0")(((N_FF + FF_PER_BLOCK - 1) // FF_PER_BLOCK, K, 1),
-                                (BLOCK_THREADS,), (ex.spec, x, blobs, act))
-    _kernel("moe_down_q8_0")(((N_EMBD + DOWN_PER_BLOCK - 1) // DOWN_PER_BLOCK, 1),
-                             (BLOCK_THREADS,), (ex.spec, act, blobs, cp.ones((1, K), cp.float32), h))
+    ff, out = shape.gate_up_block(int(QT.Q8_0)), shape.down_block(int(QT.Q8_0))
+    _kernel("moe_gate_up_q8_0", shape)(((N_FF + ff - 1) // ff, K, 1),
+                                       (BLOCK_THREADS,), (ex.spec, x, blobs, act))
+    _kernel("moe_down_q8_0", shape)(((N_EMBD + out - 1) // out, 1), (BLOCK_THREADS,),
+                                    (ex.spec, act, blobs, cp.ones((1, K), cp.float32), h))
     act, h = cp.asnumpy(act), cp.asnumpy(h)
     assert np.isfinite(act[0, 0]).all() and np.isnan(act[0, 1:]).all()
     assert np.isnan(h).all()

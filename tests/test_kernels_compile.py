@@ -30,6 +30,9 @@ def test_kernel_shape_parses_and_refuses():
     assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q8_0)) == \
         (16, FF_PER_BLOCK, 8)
     assert KernelShape().gate_up_block(Q8_0) == FF_PER_BLOCK      # off until measured
+    # a warp a row of the tall matrices: a block's rows are its warps
+    assert KernelShape(matvec_warp=1, matvec_threads=128).matvec_rows_per_block(1, True) == 4
+    assert KernelShape(matvec_warp=1).matvec_rows_per_block(1, False) == rows_per_block(1, False)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=16",  # 16 does not tile 8
@@ -84,7 +87,7 @@ def test_the_package_has_kernel_sources():
 @pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
                                    "factored_dots=0,cvt_magic=0", "int_gate_up=1,int_down=1",
                                    "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=4",
-                                   "matvec_threads=128"])
+                                   "matvec_threads=128,matvec_warp=1"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
     defines = list(KernelShape.parse(shape).defines())

@@ -31,7 +31,7 @@ from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, F16, F32,
                            KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
                            AttnScratchError, KernelShape, attn_launch, expert_layout,
-                           matvec_kernel, rows_per_block)
+                           matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -456,7 +456,7 @@ class DecodeGraph:
         router's RouteSpec (one matrix); `qkv`: a fused q/k/v launch's QkvSpec."""
         for m in launches:
             wide = m.rows >= WIDE_MIN_ROWS
-            per_block = rows_per_block(n, wide)
+            per_block = self.shape.matvec_rows_per_block(n, wide)
             self._launch(matvec_kernel(m.type, n))(
                 ((m.rows + per_block - 1) // per_block, m.count), (self.shape.matvec_threads,),
                 (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),

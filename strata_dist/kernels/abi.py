@@ -41,7 +41,8 @@ class KernelShape:
     `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored
     integers to floats through the mantissa of 2^23 (weights.cuh says why each exists; both on,
     measured in docs/BENCHMARKS.md). `matvec_threads` (256, or 128: off until measured) the
-    threads of a dense matvec block (decode.cu MATVEC_THREADS)."""
+    threads of a dense matvec block (decode.cu MATVEC_THREADS); `matvec_warp` (off until
+    measured) a warp a weight row for the tall matrices (decode.cu matvec_warp_rows)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
@@ -51,14 +52,15 @@ class KernelShape:
     int_ff_per_warp: int = 1
     int_down_per_warp: int = 1
     matvec_threads: int = BLOCK_THREADS
+    matvec_warp: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
-              "matvec_threads": "MATVEC_THREADS"}
-    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down")
+              "matvec_threads": "MATVEC_THREADS", "matvec_warp": "MATVEC_WARP"}
+    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "matvec_warp")
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -96,6 +98,12 @@ class KernelShape:
         if self.int_down and ggml_type in INT_TYPES:
             return WARPS * self.int_down_per_warp
         return self.down_per_block
+
+    def matvec_rows_per_block(self, n: int, wide: bool) -> int:
+        """Weight rows one block of a matvec of n activation rows takes (its grid's unit)."""
+        if self.matvec_warp and wide:
+            return self.matvec_threads // 32
+        return rows_per_block(n, wide)
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key
