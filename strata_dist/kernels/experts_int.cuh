@@ -6,9 +6,9 @@
 // __dp4a (four products and a sum in one instruction), and the scales apply once per 32 columns.
 //
 // Activations: each 32-column block b of x becomes x = s_b * (254 h + l) with h, l int8:
-// h = round(x / (amax / 127)) and l = round(254 * the remainder), so x is kept to amax / 32258
-// (about 16 bits; float32 sums of the stored weights stay the reference, kernels within 1e-4 of
-// it). The integer sums are exact, so only the per-block float steps round, in one fixed order.
+// h = round(x / (amax / 127)) and l = round(254 * the remainder): steps of amax / 32258 (about
+// 15 bits), each value within amax / 64516 (float32 sums of the stored weights stay the
+// reference; the kernels are tested within 1e-4 of it). The integer sums are exact, so only the per-block float steps round, in one fixed order.
 // Each block quantizes its own copy into shared memory from the float rows, so no other kernel
 // changes, and a (row, expert) result depends on nothing but that row and that expert.
 //
