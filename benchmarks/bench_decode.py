@@ -28,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import (PeakMemory, llama_bench, model_facts, predicted_ms_per_token,  # noqa: E402
-                     prompt_ids, tokens_against_records, write_record)
+from records import (PeakMemory, env_prefix, llama_bench, model_facts,  # noqa: E402
+                     predicted_ms_per_token, prompt_ids, tokens_against_records, write_record)
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
             steps = sum(int(st.get("graph_steps", 0)) for st in r["stats"])
         finally:
             s.close()
-    command = "strata-launch --model M " + " ".join(devices + cmd) + " --serve"
+    command = env_prefix() + "strata-launch --model M " + " ".join(devices + cmd) + " --serve"
     tok_s = (gen - 1) / (decode_ms / 1e3)
     return {"name": "strata", "gpus": n_gpus, "command": command,
             "decode_tok_s": tok_s, "peak_gib": round(mem.gib, 2),

@@ -28,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import (PeakMemory, llama_bench, model_facts, predicted_ms_per_token,  # noqa: E402
-                     prompt_ids, tokens_against_records, write_record)
+from records import (PeakMemory, env_prefix, llama_bench, model_facts,  # noqa: E402
+                     predicted_ms_per_token, prompt_ids, tokens_against_records, write_record)
 from launch_helpers import ServeSession  # noqa: E402
 
 
@@ -67,8 +67,8 @@ def strata_arm(args, vocab: int, host_mapped: bool, profile: str) -> dict:
     steps = sum(int(st.get("graph_steps", 0)) for st in r["stats"])
     name = "strata" if host_mapped else "strata general path"
     return {"name": name, "gpus": 1,
-            "command": f"STRATA_HOST_MAPPED={env['STRATA_HOST_MAPPED']} strata-launch --model M "
-                       + " ".join(devices + cmd) + " --serve",
+            "command": env_prefix(env) + "strata-launch --model M " + " ".join(devices + cmd)
+                       + " --serve",
             "decode_tok_s": round((gen - 1) / (decode_ms / 1e3), 2),
             "predicted_ms_per_token": predicted_ms_per_token(args.model, devices + cmd, env),
             "measured_ms_per_token": round(decode_ms / (gen - 1), 3),

@@ -78,6 +78,21 @@ def machine() -> dict:
     return out
 
 
+# environment variables that change how the GPU path computes: a strata arm's command names those set
+COMPUTE_ENV = ("STRATA_KERNEL_SHAPE", "STRATA_HOST_MAPPED", "STRATA_PDL", "STRATA_ATTN_HEADS",
+               "STRATA_DECODE_AHEAD", "STRATA_FUSED_QK_NORM", "STRATA_DECODE_GRAPH",
+               "STRATA_GROUPED_EXPERTS", "STRATA_ROWS_MMA", "STRATA_DEVICE_ROUTING",
+               "STRATA_FLASH_PREFILL")
+
+
+def env_prefix(env: dict | None = None) -> str:
+    """"K=V " for each of COMPUTE_ENV set in the environment (or in `env`, which wins), to put
+    before a command: a record then says which build and path its figure is of."""
+    import shlex
+    merged = {**os.environ, **(env or {})}
+    return "".join(f"{k}={shlex.quote(merged[k])} " for k in COMPUTE_ENV if merged.get(k))
+
+
 def commit() -> str:
     """The commit measured: $STRATA_COMMIT when set (a copied tree whose git metadata is older
     than its files, as on the GPU machine, would otherwise name the wrong one), else git's."""

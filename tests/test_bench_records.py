@@ -18,7 +18,7 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     model = tmp_path / "tiny.gguf"
     write_synthetic(str(model), like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
-    env = {**os.environ, "STRATA_COMMIT": "abc1234"}
+    env = {**os.environ, "STRATA_COMMIT": "abc1234", "STRATA_KERNEL_SHAPE": "int_down=1"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
                            str(model), "--cpu", "--tokens", "8", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -29,6 +29,8 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     assert record["model"]["like"] == "tiny" and record["model"]["quant"] == "f32"
     [arm] = record["arms"]
     assert arm["name"] == "strata" and arm["gpus"] == 1
+    # the command names the environment that picks the build and path measured
+    assert arm["command"].startswith("STRATA_KERNEL_SHAPE=int_down=1 strata-launch "), arm
     assert arm["predicted_ms_per_token"] > 0
     assert abs(arm["measured_ms_per_token"] * arm["decode_tok_s"] - 1e3) < 1.0
     assert len(arm["tokens_sha256"]) == 64
