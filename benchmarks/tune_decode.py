@@ -27,7 +27,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--shapes", default="defaults int_gate_up=1,int_down=1 int_gate_up=1 int_down=1 "
                                         "int_gate_up=1,int_down=1,int_ff_per_warp=2,"
-                                        "int_down_per_warp=2 matvec_threads=128 matvec_warp=1 "
+                                        "int_down_per_warp=2 int_gate_up=1,int_down=1,int_direct=1 "
+                                        "matvec_threads=128 matvec_warp=1 "
                                         "matvec_warp=1,matvec_threads=128",
                     help="space-separated shapes: ff_per_block,down_per_block pairs or "
                          "KernelShape texts (name=value,...)")

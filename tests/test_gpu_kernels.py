@@ -67,6 +67,7 @@ class Experts:
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("shape", ["", "int_gate_up=1,int_down=1",
                                    "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=2",
+                                   "int_gate_up=1,int_down=1,int_direct=1",
                                    "factored_dots=0,cvt_magic=0"])
 def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     """Every build tune_decode.py measures computes the same experts (up to rounding)."""

@@ -87,6 +87,7 @@ def test_the_package_has_kernel_sources():
 @pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
                                    "factored_dots=0,cvt_magic=0", "int_gate_up=1,int_down=1",
                                    "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=4",
+                                   "int_gate_up=1,int_down=1,int_direct=1",
                                    "matvec_threads=128,matvec_warp=1"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""

@@ -35,9 +35,10 @@ class KernelShape:
 
     `int_gate_up` / `int_down` (off until measured on a GPU): Q8_0 and Q4_K experts take the
     integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the
-    stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp; the float path
-    (every other type, and a block the integer path cannot take) takes `ff_per_block` /
-    `down_per_block` rows per block. The float path's switches (0 or 1) pick how it computes:
+    stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
+    (`int_direct`, an experiment: Q4_K rows read from device memory by the lanes instead of
+    staged); the float path (every other type, and a block the integer path cannot take) takes
+    `ff_per_block` / `down_per_block` rows per block. The float path's switches (0 or 1) pick how it computes:
     `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored
     integers to floats through the mantissa of 2^23 (weights.cuh says why each exists; both on,
     measured in docs/BENCHMARKS.md). `matvec_threads` (256, or 128: off until measured) the
@@ -51,6 +52,7 @@ class KernelShape:
     int_down: int = 0
     int_ff_per_warp: int = 1
     int_down_per_warp: int = 1
+    int_direct: int = 0
     matvec_threads: int = BLOCK_THREADS
     matvec_warp: int = 0
 
@@ -59,8 +61,10 @@ class KernelShape:
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
+              "int_direct": "INT_DIRECT",
               "matvec_threads": "MATVEC_THREADS", "matvec_warp": "MATVEC_WARP"}
-    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "matvec_warp")
+    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
+                "matvec_warp")
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):

@@ -14,7 +14,10 @@
 //
 // Weights: a warp stages its rows into shared memory with 16-byte cp.async copies (coalesced
 // whatever the block format's alignment; the copies of its first rows are in flight while the
-// block quantizes), then each lane decodes 64-column units from there.
+// block quantizes), then each lane decodes 64-column units from there. With INT_DIRECT (an
+// experiment, KernelShape int_direct) Q4_K rows, whose units are 16-byte aligned, are read by the
+// lanes straight from device memory instead: no stage, so a block needs a quarter of the shared
+// memory.
 #pragma once
 
 // Off until measured on a GPU (kernels/abi.py KernelShape int_gate_up / int_down turn them on)
@@ -30,6 +33,9 @@
 #ifndef INT_DPW
 #define INT_DPW 1           // outputs d each warp of moe_down takes in turn
 #endif
+#ifndef INT_DIRECT
+#define INT_DIRECT 0        // Q4_K rows read by each lane from device memory, not staged (below)
+#endif
 #define INT_WARPS (BLOCK_THREADS / 32)
 #define INT_FF_BLOCK (INT_WARPS * INT_FPW)      // f of one moe_gate_up block (kernels/abi.py)
 #define INT_DOWN_BLOCK (INT_WARPS * INT_DPW)    // d of one moe_down block
@@ -43,6 +49,7 @@
                                 // reads of neighbouring units fall in different banks
 
 HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q8_0 || T == T_Q4_K; }
+HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && T == T_Q4_K; }
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 
 // x quantized in shared memory: h and l bytes by unit (XQ_UNIT_WORDS words each), and per
@@ -214,11 +221,12 @@ __device__ __forceinline__ void stage_row(u8* dst, const u8* src, i64 bytes, int
 __device__ __forceinline__ bool aligned16(u64 v) { return (v & 15) == 0; }
 
 // Whether a block of moe_gate_up can take the integer path (uniform in the block)
+template <int T>
 __device__ __forceinline__ bool gate_up_int_ok(const ExpertSpec& sp, const u8* blob) {
     return blob != nullptr && aligned16((u64)blob | (u64)sp.up_at | (u64)sp.gate_row_bytes |
                                         (u64)sp.up_row_bytes) &&
            sp.n_embd % 64 == 0 && sp.n_embd <= INT_X_MAX &&
-           sp.gate_row_bytes + sp.up_row_bytes <= INT_STAGE_GATE_UP;
+           (int_direct(T) || sp.gate_row_bytes + sp.up_row_bytes <= INT_STAGE_GATE_UP);
 }
 
 // act[i, r, f] = silu(gate_e[f] . x_i) * (up_e[f] . x_i) for the INT_FF_BLOCK f of this block:
@@ -230,7 +238,8 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
                                                 float* __restrict__ out) {
     __shared__ __align__(16) u32 xh[xq_words(INT_X_MAX)], xl[xq_words(INT_X_MAX)];
     __shared__ float xstep[INT_X_MAX / 32], xsum[INT_X_MAX / 32];
-    __shared__ __align__(16) u8 stage[INT_WARPS][INT_STAGE_GATE_UP];
+    constexpr bool direct = int_direct(T);
+    __shared__ __align__(16) u8 stage[INT_WARPS][direct ? 16 : INT_STAGE_GATE_UP];
     const XQ q{xh, xl, xstep, xsum};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int f_first = blockIdx.x * INT_FF_BLOCK + warp;
@@ -240,20 +249,24 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
         stage_row(st, blob + (i64)f * g_bytes, g_bytes, lane);
         stage_row(st + g_bytes, blob + sp.up_at + (i64)f * u_bytes, u_bytes, lane);
     };
-    if (f_first < sp.n_ff) stage_f(f_first);       // in flight while the block quantizes
+    if (!direct && f_first < sp.n_ff) stage_f(f_first);   // in flight while the block quantizes
     quantize_x(x, sp.n_embd, nullptr, 1, q);
     __syncthreads();
     const int units = sp.n_embd >> 6;
     for (int f = f_first; f < min(sp.n_ff, (int)(blockIdx.x + 1) * INT_FF_BLOCK); f += INT_WARPS) {
-        if (f != f_first) stage_f(f);
-        cp_async_wait_all();
-        __syncwarp();
+        const u8* g_row = direct ? blob + (i64)f * g_bytes : st;
+        const u8* u_row = direct ? blob + sp.up_at + (i64)f * u_bytes : st + g_bytes;
+        if (!direct) {
+            if (f != f_first) stage_f(f);
+            cp_async_wait_all();
+            __syncwarp();
+        }
         float g = 0.f, up = 0.f;
         for (int u = lane; u < units; u += 32) {
             XFrag xf;
             load_xfrag(xf, q, u);
-            g += unit_dot<T>(st, u, xf);
-            up += unit_dot<T>(st + g_bytes, u, xf);
+            g += unit_dot<T>(g_row, u, xf);
+            up += unit_dot<T>(u_row, u, xf);
         }
         g = warp_sum(g);
         up = warp_sum(up);
@@ -263,6 +276,7 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
 }
 
 // Whether a block of moe_down for row i can take the integer path (uniform in the block)
+template <int T>
 __device__ __forceinline__ bool down_int_ok(const ExpertSpec& sp, const u64* __restrict__ blobs,
                                             int i) {
     u64 bits = (u64)sp.down_at | (u64)sp.down_row_bytes;
@@ -273,7 +287,7 @@ __device__ __forceinline__ bool down_int_ok(const ExpertSpec& sp, const u64* __r
         bits |= b;
     }
     return all && aligned16(bits) && sp.n_ff % 64 == 0 && sp.k * sp.n_ff <= INT_ACT_MAX &&
-           sp.down_row_bytes <= INT_STAGE_DOWN;
+           (int_direct(T) || sp.down_row_bytes <= INT_STAGE_DOWN);
 }
 
 // h[i, d] += sum over r of down_e[d] . (wts[i, r] * act[i, r]), e = ids[i, r], for the
@@ -287,12 +301,13 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
                                              float* __restrict__ h) {
     __shared__ __align__(16) u32 xh[xq_words(INT_ACT_MAX)], xl[xq_words(INT_ACT_MAX)];
     __shared__ float xstep[INT_ACT_MAX / 32], xsum[INT_ACT_MAX / 32];
-    __shared__ __align__(16) u8 stage[INT_WARPS][INT_STAGE_DOWN];
+    constexpr bool direct = int_direct(T);
+    __shared__ __align__(16) u8 stage[INT_WARPS][direct ? 16 : INT_STAGE_DOWN];
     const XQ q{xh, xl, xstep, xsum};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, i = blockIdx.y;
     const int k = sp.k, units = sp.n_ff >> 6;
     const i64 rb = sp.down_row_bytes;
-    const int group = (int)(INT_STAGE_DOWN / rb);          // rows staged at once (>= 1)
+    const int group = direct ? k : (int)(INT_STAGE_DOWN / rb);   // rows staged at once (>= 1)
     const u64* b = blobs + i * k;
     const int d_first = blockIdx.x * INT_DOWN_BLOCK + warp;
     u8* st = stage[warp];
@@ -301,23 +316,28 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
             stage_row(st + (r - r0) * rb, reinterpret_cast<const u8*>(b[r]) + sp.down_at + d * rb,
                       rb, lane);
     };
-    if (d_first < sp.n_embd) stage_group(d_first, 0);  // in flight while the block quantizes
+    if (!direct && d_first < sp.n_embd) stage_group(d_first, 0);   // in flight while quantizing
     quantize_x(act + (i64)i * k * sp.n_ff, k * sp.n_ff, wts + i * k, sp.n_ff, q);
     __syncthreads();
     for (int d = d_first; d < min(sp.n_embd, (int)(blockIdx.x + 1) * INT_DOWN_BLOCK); d += INT_WARPS) {
         float acc = 0.f;
         for (int r0 = 0; r0 < k; r0 += group) {
-            if (d != d_first || r0 != 0) stage_group(d, r0);
-            cp_async_wait_all();
-            __syncwarp();
+            if (!direct) {
+                if (d != d_first || r0 != 0) stage_group(d, r0);
+                cp_async_wait_all();
+                __syncwarp();
+            }
             const int pairs = (min(k, r0 + group) - r0) * units;
             for (int t = lane; t < pairs; t += 32) {
                 const int rr = t / units, u = t - rr * units;
                 XFrag xf;
                 load_xfrag(xf, q, (r0 + rr) * units + u);
-                acc += unit_dot<T>(st + rr * rb, u, xf);
+                const u8* row = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at +
+                                         d * rb
+                                       : st + rr * rb;
+                acc += unit_dot<T>(row, u, xf);
             }
-            __syncwarp();                           // every lane read the stage before the next
+            if (!direct) __syncwarp();              // every lane read the stage before the next
         }
         acc = warp_sum(acc);
         if (lane == 0) h[(i64)i * sp.n_embd + d] += acc;
