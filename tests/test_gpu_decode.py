@@ -185,6 +185,26 @@ def test_fused_qk_norm_changes_no_bit(tmp_path):
         assert np.array_equal(np.asarray(plain.decode_step(rows)), np.asarray(fused.decode_step(rows)))
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_q_k_norm_in_the_attention_changes_no_bit(tmp_path, monkeypatch, kv_type):
+    """STRATA_FUSED_QK_NORM=attention: one-row steps normalise, rotate and write q and the new K/V
+    in the attention (its _fq build, no qk_norm_rope_kv launch) with the separate kernel's
+    arithmetic: the same logits bit for bit, steps of several rows on the plain path between."""
+    from strata_dist.single_process import SingleProcessRunner
+    path = _model(tmp_path, "q8_0", seed=13)
+    plain = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, kv_type=kv_type)
+    monkeypatch.setenv("STRATA_FUSED_QK_NORM", "attention")
+    fused = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, kv_type=kv_type)
+    assert fused.decode_graph.fused_qk_attention and not plain.decode_graph.fused_qk_attention
+    for e in (plain, fused):
+        e.prefill(PROMPT[:70])      # the new keys land past a split's first cell and on its first
+    for rows in [[t] for t in NEXT] + [[5, 6, 7], [16], [17]]:
+        assert np.array_equal(np.asarray(plain.decode_step(rows)), np.asarray(fused.decode_step(rows)))
+    monkeypatch.setenv("STRATA_FUSED_QK_NORM", "yes")
+    with pytest.raises(ValueError, match="STRATA_FUSED_QK_NORM"):
+        SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
+
+
 def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
     """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
     from strata_dist.single_process import SingleProcessRunner

@@ -141,8 +141,13 @@ class DecodeGraph:
                             if host_misses is None else host_misses)
         self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
-        # itself (no qk_norm_rope_kv launch; the same arithmetic)
-        self.fused_qk_norm = os.environ.get("STRATA_FUSED_QK_NORM") == "1"
+        # itself ("1"), or the attention does for one-row steps ("attention"); either way no
+        # qk_norm_rope_kv launch and the same arithmetic
+        qk_mode = os.environ.get("STRATA_FUSED_QK_NORM", "")
+        if qk_mode not in ("", "0", "1", "attention"):
+            raise ValueError(f"STRATA_FUSED_QK_NORM={qk_mode!r}: expected 0, 1 or attention")
+        self.fused_qk_norm = qk_mode == "1"
+        self.fused_qk_attention = qk_mode == "attention"
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
@@ -331,6 +336,7 @@ class DecodeGraph:
 
     def _kernel_names(self) -> set[str]:
         names = {"qk_norm_rope_kv" + self.kv_suffix, self.attn_kernel}
+        names |= {self.attn_kernel + "_fq"} if self.fused_qk_attention else set()
         names |= {"embed_tokens"} if self.first else set()
         names |= {"argmax_row"} if self.last else set()
         launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
@@ -417,10 +423,15 @@ class DecodeGraph:
             f("embed_tokens")((1, n), (128,), (np.uint64(e.ptr), i32(e.type), np.int64(e.row_bytes),
                                               i32(e.ncols), i32(e.nrows), self.desc, self.h))
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
+        # one-row steps with STRATA_FUSED_QK_NORM=attention: the attention normalises, rotates and
+        # writes q and the new K/V itself (its _fq build)
+        in_attention = self.fused_qk_attention and n == 1
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
             if self.fused_qk_norm and not self.kv_suffix:
                 self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps, qkv=L["qkv_spec"])
+            elif in_attention:
+                self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
             else:
                 self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
                 f("qk_norm_rope_kv" + self.kv_suffix)(
@@ -428,11 +439,11 @@ class DecodeGraph:
                     (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
                      self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim),
                      i32(g.head_dim), eps))
-            f(self.attn_kernel)(
+            f(self.attn_kernel + ("_fq" if in_attention else ""))(
                 (g.n_head // self.attn_heads, self.n_split, n), (BLOCK_THREADS,),
                 (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
                  i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
-                 self.attn_done, self.attn, i32(nl)))
+                 self.attn_done, self.attn, i32(nl)) + ((L["qkv_spec"],) if in_attention else ()))
             self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
             # the router's last block also picks the top-k (ids, weights, blob addresses)
             self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,

@@ -262,7 +262,8 @@ def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
     names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "qk_norm_rope_kv_q8",
              "argmax_row", "spin"]
-    names += [attn_kernel(g, kv) for g in ATTN_GROUPS for kv in ("f16", "q8_0")]
+    names += [attn_kernel(g, kv) + fq for g in ATTN_GROUPS for kv in ("f16", "q8_0")
+              for fq in ("", "_fq")]
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names

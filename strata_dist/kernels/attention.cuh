@@ -23,8 +23,9 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 
 // One head of row i (head < n_head: a query head, else key head head - n_head): RMSNorm (q_norm /
 // k_norm), NEOX RoPE over the first `rot` dims at the row's position, then q back in place, or k
-// (and, when v != null, v) into the session's cache at that position. One warp. Reads through L2:
-// the values may have been written by other blocks of the same launch.
+// (and, when v != null, v) into the session's cache at that position; with q_dst, q goes there
+// instead (the attention block that fuses this step keeps it in shared memory). One warp. Reads
+// through L2: the values may have been written by other blocks of the same launch.
 // D: the head width, fully rotated (the decode graph takes 128-wide heads of qwen3moe only): a
 // compile-time width keeps a head's values in registers (a runtime one put them on the stack).
 template <bool Q8, int D>
@@ -32,7 +33,8 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
                                const float* __restrict__ v, const float* __restrict__ qn,
                                const float* __restrict__ kn, const u64* __restrict__ sess,
                                int layer_slot, int n_layers, const int* __restrict__ desc,
-                               int n_head, int n_kv, float eps, int i, int head, int lane) {
+                               int n_head, int n_kv, float eps, int i, int head, int lane,
+                               float* q_dst = nullptr) {
     const int pos = desc[DESC_POS] + i;
     const bool is_q = head < n_head;
     const int hh = is_q ? head : head - n_head;
@@ -57,7 +59,7 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
         vals[j + hj] = x2 * c + x1 * s;
     }
     if (is_q) {
-        float* dst = q + ((i64)i * n_head + hh) * D;
+        float* dst = q_dst != nullptr ? q_dst : q + ((i64)i * n_head + hh) * D;
         #pragma unroll
         for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
     } else if constexpr (!Q8) {
@@ -131,7 +133,8 @@ template <int D, bool Q8, int MAX_G>
 __device__ __forceinline__ void attn_partial_body(
         const float* __restrict__ q, const u64* __restrict__ sess, int layer_slot, int n_layers,
         const int* __restrict__ desc, int n_head, int n_kv, int hb, int n_split, int chunk,
-        float scale, float* __restrict__ part, float* __restrict__ ml, float* __restrict__ out) {
+        float scale, float* __restrict__ part, float* __restrict__ ml, float* __restrict__ out,
+        const QkvSpec* __restrict__ fuse) {
     constexpr int PAIRS = D / 2;
     // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
     __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
@@ -144,6 +147,16 @@ __device__ __forceinline__ void attn_partial_body(
     const int start = split * chunk;
     if (start >= len) return;
     const int count = min(chunk, len - start);
+    // q/k norm fused here (one-row steps, `fuse` set): the split holding the row's new key first
+    // writes that key and value into the cache (each block of the split the same bytes), so the
+    // loads below see them
+    const QkvSpec* f = fuse;
+    if (f != nullptr && len - 1 < start + chunk) {
+        if (t < 32)
+            norm_rope_head<Q8, 128>(nullptr, f->k, f->v, f->q_norm, f->k_norm, sess, layer_slot,
+                                    n_layers, desc, n_head, n_kv, f->eps, i, n_head + kvh, t);
+        __syncthreads();
+    }
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
     // q8_0: the same loads read 4 int8 values (a u32) of K and 2 (a u16) of V, plus their scales
@@ -206,8 +219,15 @@ __device__ __forceinline__ void attn_partial_body(
         const int c = kq + KQ * m;
         v_ahead[m] = c < count ? load_v(c) : 0u;
     }
-    for (int idx = t; idx < G * D; idx += blockDim.x)
-        qs[idx] = q[((i64)i * n_head + h0) * D + idx];
+    if (f != nullptr) {                      // q normalised and rotated into shared memory
+        for (int g = t >> 5; g < G; g += blockDim.x >> 5)
+            norm_rope_head<Q8, 128>(f->q, nullptr, nullptr, f->q_norm, f->k_norm, sess,
+                                    layer_slot, n_layers, desc, n_head, n_kv, f->eps, i, h0 + g,
+                                    t & 31, qs + g * D);
+    } else {
+        for (int idx = t; idx < G * D; idx += blockDim.x)
+            qs[idx] = q[((i64)i * n_head + h0) * D + idx];
+    }
     __syncthreads();
     // scores: SPLIT threads per key, thread u taking dims 4u + 16j: its q reads from shared memory
     // are conflict-free and the G heads' sums are independent chains. Every thread runs every
@@ -433,7 +453,8 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
                                                  const int* desc, int n_head, int n_kv,
                                                  int n_split, int chunk, float scale, float* part,
                                                  float* ml, u32* __restrict__ done,
-                                                 float* __restrict__ out, int n_layers) {
+                                                 float* __restrict__ out, int n_layers,
+                                                 const QkvSpec* __restrict__ fuse) {
     // splits past the row's keys leave at once and are not counted: the grid is sized for the
     // longest context, and at a short one most of its blocks have nothing to do
     const int len = desc[DESC_POS] + blockIdx.z + 1;
@@ -441,7 +462,7 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     if ((int)blockIdx.y >= used) return;
     const int hb = min(n_head / n_kv, MAX_G);
     attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
-                                      n_split, chunk, scale, part, ml, out);
+                                      n_split, chunk, scale, part, ml, out, fuse);
     if (used == 1) return;                   // the only split wrote the attention itself
     if (!last_block_to_finish(done + blockIdx.z * gridDim.x + blockIdx.x, (u32)used)) return;
     attn_combine_heads<128, MAX_G>(part, ml, len, n_head, hb, n_split, chunk, out);
@@ -452,6 +473,10 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
 // per-head loops are unrolled to that bound, so a build for 16 heads running 8 would issue twice
 // the instructions, and these launches are bound by the instructions of one block. A bound below
 // the heads per kv head splits each kv head's queries over several blocks.
+// The `_fq` builds (one-row steps with STRATA_FUSED_QK_NORM=attention, off until measured) take
+// the q/k/v matvec's QkvSpec last and normalise, rotate and write q and the new K/V themselves,
+// so the step has no qk_norm_rope_kv launch; the plain builds pass null, which the compiler folds
+// away (their machine code is what it was).
 #define ATTN_DECODE(suffix, Q8, MAX_G)                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix(         \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
@@ -459,7 +484,16 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
             u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
         pdl_entry();                                                                             \
         attn_decode_body<Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,     \
-                                    scale, part, ml, done, out, n_layers);                       \
+                                    scale, part, ml, done, out, n_layers, nullptr);              \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix##_fq(    \
+            const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
+            int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
+            u32* __restrict__ done, float* __restrict__ out, int n_layers,                       \
+            const QkvSpec* __restrict__ fuse) {                                                  \
+        pdl_entry();                                                                             \
+        attn_decode_body<Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,     \
+                                    scale, part, ml, done, out, n_layers, fuse);                 \
     }
 ATTN_DECODE(_g2, false, 2)
 ATTN_DECODE(_g4, false, 4)
