@@ -426,14 +426,12 @@ class DecodeGraph:
         # one-row steps with STRATA_FUSED_QK_NORM=attention: the attention normalises, rotates and
         # writes q and the new K/V itself (its _fq build)
         in_attention = self.fused_qk_attention and n == 1
+        in_matvec = self.fused_qk_norm and not self.kv_suffix
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
-            if self.fused_qk_norm and not self.kv_suffix:
-                self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps, qkv=L["qkv_spec"])
-            elif in_attention:
-                self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
-            else:
-                self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
+            self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps,
+                         qkv=L["qkv_spec"] if in_matvec else None)
+            if not (in_matvec or in_attention):
                 f("qk_norm_rope_kv" + self.kv_suffix)(
                     (g.n_head + g.n_head_kv, n), (32,),
                     (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
