@@ -63,10 +63,18 @@ def cubin_name(name: str, defines: tuple[str, ...], arch: str) -> str:
     return f"{Path(name).stem}-sm{arch}-{key}.cubin"
 
 
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
+
+
 def _prebuilt(name: str, defines: tuple[str, ...], arch: str):
     """The RawModule of a prebuilt cubin under $STRATA_KERNEL_CUBINS, or None."""
     import cupy as cp
     folder = os.environ.get(CUBINS_ENV)
+    if folder and not Path(folder).is_dir():
+        _warn_once(f"${CUBINS_ENV}={folder} is not a directory: compiling the kernels with NVRTC")
+        return None
     path = Path(folder) / cubin_name(name, defines, arch) if folder else None
     if path is None or not path.is_file():
         return None
