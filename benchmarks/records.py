@@ -78,7 +78,8 @@ def machine() -> dict:
     return out
 
 
-# environment variables that change how the GPU path computes: a strata arm's command names those set
+# environment variables that change how the GPU path computes: a strata arm's command names
+# those that are set
 COMPUTE_ENV = ("STRATA_KERNEL_SHAPE", "STRATA_HOST_MAPPED", "STRATA_PDL", "STRATA_ATTN_HEADS",
                "STRATA_DECODE_AHEAD", "STRATA_FUSED_QK_NORM", "STRATA_DECODE_GRAPH",
                "STRATA_GROUPED_EXPERTS", "STRATA_ROWS_MMA", "STRATA_DEVICE_ROUTING",

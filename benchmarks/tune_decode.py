@@ -1,10 +1,11 @@
-"""The expert kernels' shape (kernels/abi.py KernelShape: the integer or float path, the rows a
-block or warp of moe_gate_up and moe_down takes), measured in one process: one loaded stage, one DecodeGraph per
-shape over the same weights and cache, each graph replayed back to back. Prints ms/token per
+"""The decode kernels' build (kernels/abi.py KernelShape: the integer or float expert path, the
+rows a block or warp of moe_gate_up and moe_down takes, the dense matvecs' form), measured in one
+process: one loaded stage, one DecodeGraph per shape over the same weights and cache, each graph
+replayed back to back. Prints ms/token per
 shape, fastest first, and checks that every shape gives the default's greedy token. The winner
 goes into decode.cu's defaults (and abi.py's), or STRATA_KERNEL_SHAPE for a trial.
 
-    python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_gate_up=1,int_down=1"]
+    python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_down=1"]
     python benchmarks/tune_decode.py --model q30_8l.gguf \
         --shapes "defaults factored_dots=0,cvt_magic=0 int_gate_up=1,int_down=1,int_ff_per_warp=2"
 
@@ -20,16 +21,19 @@ import time
 import numpy as np
 
 
+# the float build, then each experiment of kernels/abi.py KernelShape on its own
+DEFAULT_SHAPES = ("defaults", "int_gate_up=1,int_down=1", "int_gate_up=1", "int_down=1",
+                  "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=2",
+                  "int_gate_up=1,int_down=1,int_direct=1", "matvec_threads=128", "matvec_warp=1",
+                  "matvec_warp=1,matvec_threads=128")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--shapes", default="defaults int_gate_up=1,int_down=1 int_gate_up=1 int_down=1 "
-                                        "int_gate_up=1,int_down=1,int_ff_per_warp=2,"
-                                        "int_down_per_warp=2 int_gate_up=1,int_down=1,int_direct=1 "
-                                        "matvec_threads=128 matvec_warp=1 "
-                                        "matvec_warp=1,matvec_threads=128",
+    ap.add_argument("--shapes", default=" ".join(DEFAULT_SHAPES),
                     help="space-separated shapes: ff_per_block,down_per_block pairs or "
                          "KernelShape texts (name=value,...)")
     ap.add_argument("--replays", type=int, default=50)

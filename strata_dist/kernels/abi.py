@@ -38,10 +38,10 @@ class KernelShape:
     stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
     (`int_direct`, an experiment: Q4_K rows read from device memory by the lanes instead of
     staged); the float path (every other type, and a block the integer path cannot take) takes
-    `ff_per_block` / `down_per_block` rows per block. The float path's switches (0 or 1) pick how it computes:
-    `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored
-    integers to floats through the mantissa of 2^23 (weights.cuh says why each exists; both on,
-    measured in docs/BENCHMARKS.md). `matvec_threads` (256, or 128: off until measured) the
+    `ff_per_block` / `down_per_block` rows per block. The float path's switches (0 or 1) pick how
+    it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
+    `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
+    exists; both on, measured in docs/BENCHMARKS.md). `matvec_threads` (256, or 128: off until measured) the
     threads of a dense matvec block (decode.cu MATVEC_THREADS); `matvec_warp` (off until
     measured) a warp a weight row for the tall matrices (decode.cu matvec_warp_rows)."""
     ff_per_block: int = FF_PER_BLOCK
