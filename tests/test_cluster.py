@@ -52,6 +52,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n ports free now and distinct (held together while picked: free_port called n times may
+    hand out one port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def rank_cmd(files, coordinator, host, *extra):
     return [sys.executable, "-m", "strata_dist.rank_main", "--coordinator", coordinator,
             "--model", files["model"], "--vram-budget", "1G", "--token-file", files["token"],

@@ -20,7 +20,7 @@ from protocol import Channel, RouterChannel, Tokens
 from protocol.codec import decode, encode
 from protocol.messages import MESSAGE_TYPES, ExpertReply, ExpertRequest, Sampling
 from protocol.seal import LinkSeal, link_key
-from test_cluster import (CHUNK, PROMPT, baseline, files, free_port, listening_head,  # noqa: F401
+from test_cluster import (CHUNK, PROMPT, baseline, files, free_ports, listening_head,  # noqa: F401
                           rank_cmd)
 
 SECRET = b"s" * 32
@@ -209,10 +209,9 @@ def listening_ports(pid: int) -> set[int]:
 
 
 def test_forged_frames_at_every_tcp_port_change_nothing(files, baseline):
-    port = free_port()
+    port, *ports = free_ports(5)
     head = listening_head(files, port)
-    data = [free_port(), free_port()]
-    helper = [free_port(), free_port()]
+    data, helper = ports[:2], ports[2:]
     ranks = [subprocess.Popen(rank_cmd(files, f"tcp://127.0.0.1:{port}", h,
                                        "--data-bind", f"tcp://127.0.0.1:{d}",
                                        "--helper-bind", f"tcp://127.0.0.1:{hp}"),
@@ -313,8 +312,8 @@ def test_frames_replayed_on_another_link_or_into_a_replacement_are_dropped(files
     from strata_dist.gguf_model import GGUFModel
     eos = GGUFModel(files["model"]).metadata("tokenizer.ggml.eos_token_id")
     eos = None if eos is None else int(eos)
-    port = free_port()
-    data, helper = [free_port(), free_port()], [free_port(), free_port()]
+    port, *ports = free_ports(5)
+    data, helper = ports[:2], ports[2:]
 
     def start_rank(r):
         return subprocess.Popen(rank_cmd(files, f"tcp://127.0.0.1:{port}", f"h{r}", "--rank", str(r),
@@ -326,6 +325,10 @@ def test_frames_replayed_on_another_link_or_into_a_replacement_are_dropped(files
     try:
         ranks = [start_rank(0), start_rank(1)]
         starter.join(90)
+        if starter.is_alive() or failure:      # say why a rank did not register
+            for r in ranks:
+                if r.poll() is not None:
+                    failure.append(f"rank exited {r.returncode}: {r.stderr.read()[-2000:]}")
         assert not starter.is_alive() and not failure, failure
         coord = launch.coordinator
         assert [s.data_endpoint for s in coord.ranks] == [f"tcp://127.0.0.1:{d}" for d in data]
