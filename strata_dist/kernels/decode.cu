@@ -61,6 +61,18 @@ struct MatSpec {
     int nrows, ncols, y_stride, type;
 };
 
+// normed[i] = x_i * inv[i] * norm_w for the n rows (a matvec's fused RMSNorm, written out once by
+// its block (0, 0) for the kernels after it)
+__device__ __forceinline__ void write_normed(float* __restrict__ normed,
+                                             const float* __restrict__ x, int x_stride, int n,
+                                             int ncols, const float* inv,
+                                             const float* __restrict__ norm_w) {
+    for (int idx = threadIdx.x; idx < n * ncols; idx += blockDim.x) {
+        const int i = idx / ncols, c = idx - i * ncols;
+        normed[(i64)i * ncols + c] = x[(i64)i * x_stride + c] * inv[i] * norm_w[c];
+    }
+}
+
 // y[i, o] = add[i, o] + sum_c W[o, c] * xn[i, c], with xn = rms_norm(x) * norm_w when norm_w is
 // given (else x), for the n <= N rows of x (buffers hold MAX_ROWS rows, so rows n..N-1 are read
 // and dropped). A block takes R consecutive rows o. Block (0, 0) also writes xn to `normed`.
@@ -86,12 +98,8 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
         if (threadIdx.x < N)
             inv[threadIdx.x] = rsqrtf(sums[R * N + threadIdx.x] / (float)s.ncols + eps);
         __syncthreads();
-        if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
-            for (int idx = threadIdx.x; idx < n * s.ncols; idx += blockDim.x) {
-                const int i = idx / s.ncols, c = idx - i * s.ncols;
-                normed[(i64)i * s.ncols + c] = x[(i64)i * x_stride + c] * inv[i] * norm_w[c];
-            }
-        }
+        if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
+            write_normed(normed, x, x_stride, n, s.ncols, inv, norm_w);
     }
     if (threadIdx.x < R * N) {
         const int r = threadIdx.x / N, i = threadIdx.x - r * N;
@@ -164,16 +172,12 @@ __device__ __forceinline__ void matvec_warp_rows(const MatSpec* __restrict__ spe
         }
     }
     if (normed != nullptr && norm_w != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
-        if (warp == 0 && lane < N) {
+        if (threadIdx.x == 0) {
             #pragma unroll
-            for (int i = 0; i < N; ++i)
-                if (lane == i) inv_shared[i] = inv[i];
+            for (int i = 0; i < N; ++i) inv_shared[i] = inv[i];
         }
         __syncthreads();                                 // block (0, 0) alone: uniform there
-        for (int idx = threadIdx.x; idx < n * s.ncols; idx += blockDim.x) {
-            const int i = idx / s.ncols, c = idx - i * s.ncols;
-            normed[(i64)i * s.ncols + c] = x[(i64)i * x_stride + c] * inv_shared[i] * norm_w[c];
-        }
+        write_normed(normed, x, x_stride, n, s.ncols, inv_shared, norm_w);
     }
 }
 

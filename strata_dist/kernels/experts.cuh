@@ -156,7 +156,7 @@ static_assert((!INT_GATE_UP || INT_FF_BLOCK % FF_PER_BLOCK == 0) &&
         if (INT_GATE_UP && int_type(T)) {                                                        \
             const int r = blockIdx.y, i = blockIdx.z;                                            \
             const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);                   \
-            if (gate_up_int_ok<T>(sp, blob)) {                                                      \
+            if (gate_up_int_ok<T>(sp, blob)) {                                                   \
                 moe_gate_up_int<T>(sp, x + (i64)i * sp.n_embd, blob,                             \
                                    act + ((i64)i * sp.k + r) * sp.n_ff);                         \
             } else {                                                                             \
@@ -174,7 +174,7 @@ static_assert((!INT_GATE_UP || INT_FF_BLOCK % FF_PER_BLOCK == 0) &&
         pdl_entry();                                                                             \
         const ExpertSpec sp = *spec;                                                             \
         if (INT_DOWN && int_type(T)) {                                                           \
-            if (down_int_ok<T>(sp, blobs, blockIdx.y)) {                                            \
+            if (down_int_ok<T>(sp, blobs, blockIdx.y)) {                                         \
                 moe_down_int<T>(sp, act, blobs, wts, h);                                         \
             } else {                                                                             \
                 const int d_end = min((int)(blockIdx.x + 1) * INT_DOWN_BLOCK, sp.n_embd);         \
