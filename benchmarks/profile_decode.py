@@ -97,10 +97,6 @@ def main() -> int:
                 ("plain launches (STRATA_PDL=0)", {}, False, {}),
                 ("q/k norm in the attention (STRATA_FUSED_QK_NORM=attention)", {}, None,
                  {"STRATA_FUSED_QK_NORM": "attention"})]
-    # later launches' weights asked into L2 ahead (STRATA_L2_PREFETCH; cuda_decode.py says which)
-    for modes in ("o", "o,qkv", "experts", "o,qkv,experts"):
-        variants.append((f"weights asked into L2 ahead (STRATA_L2_PREFETCH={modes})", {}, None,
-                         {"STRATA_L2_PREFETCH": modes}))
     for heads in attn_heads_choices(runner.g.n_head // runner.g.n_head_kv):
         if heads != runner.attn_heads:
             variants.append((f"attention {heads} query heads a block (STRATA_ATTN_HEADS={heads})",

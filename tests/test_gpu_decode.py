@@ -205,28 +205,6 @@ def test_q_k_norm_in_the_attention_changes_no_bit(tmp_path, monkeypatch, kv_type
         SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
 
 
-def test_weights_asked_into_l2_change_no_bit(tmp_path, monkeypatch):
-    """STRATA_L2_PREFETCH: launches ask later launches' weights (and the router the chosen
-    blobs) into L2; a prefetch moves no value, so the logits are the same bit for bit, on steps
-    of one and of several rows."""
-    from strata_dist.kernels.abi import MAT_SPEC, ROUTE_SPEC
-    from strata_dist.single_process import SingleProcessRunner
-    path = _model(tmp_path, "q8_0", seed=17)
-    plain = SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
-    monkeypatch.setenv("STRATA_L2_PREFETCH", "o,qkv,experts")
-    ahead = SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
-    specs = ahead.decode_graph.layer_specs[0]
-    assert cp.asnumpy(specs["qkv"][0].specs).view(MAT_SPEC)["pf_bytes"].any()
-    assert cp.asnumpy(specs["route"]).view(ROUTE_SPEC)["prefetch"][0] == 1
-    for e in (plain, ahead):
-        e.prefill(PROMPT[:40])
-    for rows in [[t] for t in NEXT] + [[5, 6, 7], [16]]:
-        assert np.array_equal(np.asarray(plain.decode_step(rows)), np.asarray(ahead.decode_step(rows)))
-    monkeypatch.setenv("STRATA_L2_PREFETCH", "everything")
-    with pytest.raises(ValueError, match="STRATA_L2_PREFETCH"):
-        SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
-
-
 def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
     """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
     from strata_dist.single_process import SingleProcessRunner
@@ -327,7 +305,6 @@ def test_a_step_ahead_not_taken_is_dropped(tmp_path):
     """A step launched ahead whose token the caller does not feed (a sampler that picked another
     token) is waited for and dropped; the step asked for is computed afresh, equal to a runner's
     without steps ahead. Logits read after a later launch raise instead of being another step's."""
-    from strata_dist.kernels.abi import MAT_SPEC, ROUTE_SPEC
     from strata_dist.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=17)
     plain, ahead = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))

@@ -13,7 +13,6 @@ from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BLOCK_THREA
                                      Q8_0, STRUCTS,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
-                                     l2_prefetch_modes,
                                      rows_per_block, source_kernel_names)
 
 NVCC = shutil.which("nvcc")
@@ -40,13 +39,6 @@ def test_kernel_shape_parses_and_refuses():
                 "int_down=1,down_per_block=16"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
-
-
-def test_l2_prefetch_modes_parse_and_refuse():
-    assert l2_prefetch_modes("") == frozenset()
-    assert l2_prefetch_modes(" o, qkv ,") == {"o", "qkv"}
-    with pytest.raises(ValueError, match="unknown everything; expected a comma list of o, qkv"):
-        l2_prefetch_modes("o,everything")
 
 
 def test_attention_builds_take_whole_groups_or_parts_that_divide_them():

@@ -31,7 +31,7 @@ from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, F16, F32,
                            KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
                            AttnScratchError, KernelShape, attn_launch, expert_layout,
-                           l2_prefetch_modes, matvec_kernel)
+                           matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .quant_matrix import QuantMatrix
@@ -94,13 +94,10 @@ def _spec_array(dtype, rows: list[dict]):
     return cp.asarray(host.view(np.uint8))
 
 
-def _mat(w: Weight, y, add=None, prefetch=()) -> dict:
-    """A MatSpec row: W times the input rows into y (one output row per W row), plus `add`;
-    `prefetch`: up to two (address, bytes) regions its launch asks into L2 for a later one."""
-    pf = list(prefetch) + [(0, 0)] * (2 - len(prefetch))
+def _mat(w: Weight, y, add=None) -> dict:
+    """A MatSpec row: W times the input rows into y (one output row per W row), plus `add`."""
     return dict(w=w.ptr, y=int(y.data.ptr), add=0 if add is None else int(add.data.ptr),
-                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols, y_stride=w.nrows, type=w.type,
-                pf=[a for a, _ in pf], pf_bytes=[b for _, b in pf])
+                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols, y_stride=w.nrows, type=w.type)
 
 
 @dataclass(frozen=True)
@@ -292,50 +289,33 @@ class DecodeGraph:
         # blocks finished of each q and k head of a fused q/k/v matvec
         self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
 
-    def _dense_weights(self, layer: int) -> dict[str, Weight]:
-        w, name = self.model.layers[layer], f"blk.{layer}"
-        for vec, part in ((w.attn_norm, "attn_norm"), (w.ffn_norm, "ffn_norm"),
-                          (w.q_norm, "attn_q_norm"), (w.k_norm, "attn_k_norm")):
-            norm_vector(vec, f"{name}.{part}")
-        return dict(q=weight_of(w.q, f"{name}.attn_q"), k=weight_of(w.k, f"{name}.attn_k"),
-                    v=weight_of(w.v, f"{name}.attn_v"), o=weight_of(w.o, f"{name}.attn_output"),
-                    router=weight_of(w.router, f"{name}.ffn_gate_inp"))
-
     def _build_specs(self, g) -> None:
         m = self.model
         self.layer_specs = []
         ptr = lambda a: int(a.data.ptr)  # noqa: E731
-        dense = [self._dense_weights(layer) for layer in range(self.lb, self.le)]
-        # which launches ask later launches' weights into L2 ($STRATA_L2_PREFETCH, off until
-        # measured): "o" the q/k/v launch asks for the layer's o and router (read after the
-        # attention, which leaves DRAM idle), "qkv" the o and router launches for the next
-        # layer's q/k/v (read after the experts), "experts" the router for the chosen blobs
-        modes = l2_prefetch_modes(os.environ.get("STRATA_L2_PREFETCH", ""))
-        region = lambda x: (x.ptr, x.nrows * x.row_bytes)  # noqa: E731
-        for j, layer in enumerate(range(self.lb, self.le)):
-            w, d = m.layers[layer], dense[j]
-            asks = {key: [] for key in d}
-            if "o" in modes:
-                asks["q"] += [region(d["o"]), region(d["router"])]
-            if "qkv" in modes and j + 1 < len(dense):
-                nxt = dense[j + 1]
-                asks["o"] += [region(nxt["q"]), region(nxt["k"])]
-                asks["router"] += [region(nxt["v"])]
-            mat = lambda key, y, add=None: (d[key], _mat(d[key], y, add, asks[key]))  # noqa: E731
+        for layer in range(self.lb, self.le):
+            w = m.layers[layer]
+            name = f"blk.{layer}"
+            q, k, v = (weight_of(x, f"{name}.attn_{p}") for x, p in ((w.q, "q"), (w.k, "k"),
+                                                                      (w.v, "v")))
+            o = weight_of(w.o, f"{name}.attn_output")
+            router = weight_of(w.router, f"{name}.ffn_gate_inp")
+            for vec, part in ((w.attn_norm, "attn_norm"), (w.ffn_norm, "ffn_norm"),
+                              (w.q_norm, "attn_q_norm"), (w.k_norm, "attn_k_norm")):
+                norm_vector(vec, f"{name}.{part}")
             experts = self._expert_spec(layer)
             expert_table = _spec_array(EXPERT_SPEC, [experts])
             self.layer_specs.append(dict(
-                qkv=mat_launches([mat("q", self.q), mat("k", self.k), mat("v", self.v)]),
-                o=mat_launches([mat("o", self.h, add=self.h)]),
-                router=mat_launches([mat("router", self.router_logits)]),
+                qkv=mat_launches([(q, _mat(q, self.q)), (k, _mat(k, self.k)),
+                                  (v, _mat(v, self.v))]),
+                o=mat_launches([(o, _mat(o, self.h, add=self.h))]),
+                router=mat_launches([(router, _mat(router, self.router_logits))]),
                 experts=expert_table,
                 route=_spec_array(ROUTE_SPEC, [dict(
                     experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
                     ids=int(self.ids[layer - self.lb].data.ptr), wts=int(self.wts.data.ptr),
                     blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
-                    n_expert=g.n_expert, k=g.n_expert_used, normalize=1,
-                    # host-mapped blobs are read over the bus as the kernels need them
-                    prefetch=int("experts" in modes and self.host_blobs is None))]),
+                    n_expert=g.n_expert, k=g.n_expert_used, normalize=1)]),
                 expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
                 expert_codes=(experts["gate_type"], experts["down_type"]),
                 qkv_spec=_spec_array(QKV_SPEC, [dict(

@@ -129,19 +129,6 @@ class KernelShape:
         return cls(**fields)
 
 
-L2_PREFETCH_MODES = ("o", "qkv", "experts")    # what $STRATA_L2_PREFETCH may list (cuda_decode)
-
-
-def l2_prefetch_modes(text: str) -> frozenset[str]:
-    """"o,qkv" -> the modes; an unknown name is refused with the names there are."""
-    modes = frozenset(p.strip() for p in text.split(",") if p.strip())
-    unknown = sorted(modes - set(L2_PREFETCH_MODES))
-    if unknown:
-        raise ValueError(f"STRATA_L2_PREFETCH={text!r}: unknown {', '.join(unknown)}; expected a "
-                         f"comma list of {', '.join(L2_PREFETCH_MODES)}")
-    return modes
-
-
 @dataclass(frozen=True)
 class ExpertLayout:
     """How a layer's expert blobs (gate rows, up rows, down rows, each as stored) are read by the
@@ -318,15 +305,14 @@ def group_layout(ids: np.ndarray, n_expert: int, tile_m: int = ROWS_TILE_M):
 
 
 MAT_SPEC = np.dtype([("w", "<u8"), ("y", "<u8"), ("add", "<u8"), ("row_bytes", "<i8"),
-                     ("nrows", "<i4"), ("ncols", "<i4"), ("y_stride", "<i4"), ("type", "<i4"),
-                     ("pf", "<u8", (2,)), ("pf_bytes", "<i8", (2,))])
+                     ("nrows", "<i4"), ("ncols", "<i4"), ("y_stride", "<i4"), ("type", "<i4")])
 EXPERT_SPEC = np.dtype([("blob_of", "<u8"), ("up_at", "<i8"), ("down_at", "<i8"),
                         ("gate_row_bytes", "<i8"), ("up_row_bytes", "<i8"), ("down_row_bytes", "<i8"), ("gate_type", "<i4"),
                         ("up_type", "<i4"), ("down_type", "<i4"), ("n_ff", "<i4"),
                         ("n_embd", "<i4"), ("k", "<i4")])
 ROUTE_SPEC = np.dtype([("experts", "<u8"), ("logits", "<u8"), ("ids", "<u8"), ("wts", "<u8"),
                        ("blobs", "<u8"), ("done", "<u8"), ("n_expert", "<i4"), ("k", "<i4"),
-                       ("normalize", "<i4"), ("prefetch", "<i4")], align=True)   # 64 bytes
+                       ("normalize", "<i4")], align=True)    # sized as C pads it: 64 bytes
 QKV_SPEC = np.dtype([("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("q_norm", "<u8"), ("k_norm", "<u8"),
                      ("sess", "<u8"), ("desc", "<u8"), ("done", "<u8"), ("layer_slot", "<i4"),
                      ("n_layers", "<i4"), ("n_head", "<i4"), ("n_kv", "<i4"), ("D", "<i4"),

@@ -59,18 +59,7 @@ struct MatSpec {
     const float* add;     // residual added to y (may alias y), or null
     i64 row_bytes;
     int nrows, ncols, y_stride, type;
-    // weights a later launch of the step reads (0 bytes: none), asked into L2 by this launch's
-    // blocks, each its share, before they wait for their inputs ($STRATA_L2_PREFETCH)
-    const u8* pf[2];
-    i64 pf_bytes[2];
 };
-
-__device__ __forceinline__ void prefetch_later_weights(const MatSpec* __restrict__ specs) {
-    const MatSpec& s = specs[blockIdx.y];       // the tables are written before the graph runs
-    #pragma unroll
-    for (int j = 0; j < 2; ++j)
-        if (s.pf_bytes[j] > 0) prefetch_l2_share(s.pf[j], s.pf_bytes[j], blockIdx.x, gridDim.x);
-}
 
 // normed[i] = x_i * inv[i] * norm_w for the n rows (a matvec's fused RMSNorm, written out once by
 // its block (0, 0) for the kernels after it)
@@ -230,7 +219,6 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
 #define MATVEC_KERNEL(name, T, N)                                                               \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
-        if (threadIdx.x == 0) prefetch_later_weights(specs);                                    \
         pdl_entry();                                                                            \
         if (MATVEC_WARP && wide)                                                                \
             matvec_warp_rows<T, N>(specs, x, x_stride, n, norm_w, eps, normed);                 \

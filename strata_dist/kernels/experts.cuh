@@ -24,7 +24,6 @@ struct RouteSpec {
     u64* blobs;               // [n, k] their blob addresses (0: not resident)
     u32* done;                // blocks finished, 0 between launches
     int n_expert, k, normalize;
-    int prefetch;             // 1: the chosen blobs asked into L2 once picked ($STRATA_L2_PREFETCH)
 };
 
 // Row i's top-k and weights (routing.cuh), renormalised over the k when `normalize`, and each
@@ -55,14 +54,6 @@ __device__ void route_after_last_block(const RouteSpec* __restrict__ route, int 
         if (rs.n_expert <= 128) route_row<4>(rs, i);
         else route_row<16>(rs, i);
     }
-    if (!rs.prefetch) return;
-    // the down rows are read a launch later than gate/up: their fetch starts now, beside gate/up's
-    __syncthreads();                            // the block's blob addresses, written above
-    const ExpertSpec& sp = *rs.experts;
-    const i64 blob_bytes = sp.down_at + (i64)sp.n_embd * sp.down_row_bytes;
-    for (int p = 0; p < n * rs.k; ++p)
-        prefetch_l2_share(reinterpret_cast<const u8*>(rs.blobs[p]), blob_bytes, threadIdx.x,
-                          blockDim.x);
 }
 
 // ---- experts ----------------------------------------------------------------------------------

@@ -51,25 +51,6 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-// Part `part` of `parts` of the bytes [p, p + bytes) asked into L2 ahead of their reads (a bulk
-// prefetch: one instruction, no registers held, nothing waits on it). Weights a later launch of
-// the step reads are fetched while the launches between them leave DRAM idle; a share's ends are
-// rounded inward to 16 bytes, so nothing outside the range is touched.
-__device__ __forceinline__ void prefetch_l2_share(const u8* p, i64 bytes, int part, int parts) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (p == nullptr || bytes <= 0) return;
-    const i64 share = (bytes + parts - 1) / parts;
-    const i64 lo = share * part;
-    if (lo >= bytes) return;
-    const u64 a = ((u64)(p + lo) + 15) & ~15ull, e = (u64)(p + min(lo + share, bytes)) & ~15ull;
-    if (e <= a) return;
-    u64 g;
-    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(a));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(g), "r"((u32)(e - a))
-                 : "memory");
-#endif
-}
-
 // True in every thread of the block that is the last of `expected` blocks to get here (counted
 // in *counter, which that block resets to 0 for the next launch). Thread 0 alone fences and counts
 // after a barrier (the cooperative-groups grid barrier's pattern): a fence in every thread (a
