@@ -23,7 +23,7 @@
 #       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE]
 # --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
-# arms alike), e.g. --shape int_gate_up=1,int_down=1 for the integer expert path
+# arms alike), e.g. --shape int_gate_up=0,int_down=0 for the float expert path
 set -uo pipefail
 GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
 while [ $# -gt 0 ]; do

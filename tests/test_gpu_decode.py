@@ -290,7 +290,8 @@ def test_steps_launched_ahead_give_the_same_tokens(tmp_path):
     from strata_dist.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=16)
     plain, ahead = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
-    ahead.decode_graph.ahead_enabled = True
+    assert ahead.decode_graph.ahead_enabled            # the default
+    plain.decode_graph.ahead_enabled = False            # as with STRATA_DECODE_AHEAD=0
     want = plain.generate(PROMPT[:40], 32).tokens
     assert ahead.generate(PROMPT[:40], 32).tokens == want
     # every decode step but the first was launched ahead (the last one launched is never asked

@@ -65,9 +65,9 @@ class Experts:
                                           (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K)],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("shape", ["", "int_gate_up=1,int_down=1",
-                                   "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=2",
-                                   "int_gate_up=1,int_down=1,int_direct=1",
+@pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0", "int_q8_0=1,int_direct=0",
+                                   "int_q8_0=1,int_ff_per_warp=1,int_down_per_warp=2",
+                                   "int_ff_per_warp=4,int_down_per_warp=2",
                                    "factored_dots=0,cvt_magic=0"])
 def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     """Every build tune_decode.py measures computes the same experts (up to rounding)."""
@@ -206,21 +206,24 @@ def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     assert np.array_equal(cp.asnumpy(routed), cp.asnumpy(hosted))
 
 
-@pytest.mark.parametrize("shape", ["", "int_gate_up=1,int_down=1"])
-def test_a_missing_expert_reads_as_nan(shape):
+@pytest.mark.parametrize("qtype,shape", [(QT.Q8_0, "int_gate_up=0,int_down=0"),
+                                         (QT.Q8_0, "int_q8_0=1"), (QT.Q4_K, ""),
+                                         (QT.Q4_K, "int_direct=0")], ids=str)
+def test_a_missing_expert_reads_as_nan(qtype, shape):
     """A blob address of 0 (not resident) must never pass for a result (the integer path's
     blocks hand such an expert to the float body)."""
     shape = KernelShape.parse(shape)
-    ex = Experts(QT.Q8_0, QT.Q8_0, seed=9)
+    ex = Experts(qtype, qtype, seed=9)
     blobs = cp.asarray(np.array([[int(cp.asnumpy(ex.blob_of)[0]), 0, 0, 0]], dtype=np.uint64))
     act = cp.zeros((1, K, N_FF), cp.float32)
     h = cp.zeros((1, N_EMBD), cp.float32)
     x = cp.ones((1, N_EMBD), cp.float32)
-    ff, out = shape.gate_up_block(int(QT.Q8_0)), shape.down_block(int(QT.Q8_0))
-    _kernel("moe_gate_up_q8_0", shape)(((N_FF + ff - 1) // ff, K, 1),
-                                       (BLOCK_THREADS,), (ex.spec, x, blobs, act))
-    _kernel("moe_down_q8_0", shape)(((N_EMBD + out - 1) // out, 1), (BLOCK_THREADS,),
-                                    (ex.spec, act, blobs, cp.ones((1, K), cp.float32), h))
+    ff, out = shape.gate_up_block(int(qtype)), shape.down_block(int(qtype))
+    name = qtype.name.lower()
+    _kernel(f"moe_gate_up_{name}", shape)(((N_FF + ff - 1) // ff, K, 1),
+                                         (BLOCK_THREADS,), (ex.spec, x, blobs, act))
+    _kernel(f"moe_down_{name}", shape)(((N_EMBD + out - 1) // out, 1), (BLOCK_THREADS,),
+                                      (ex.spec, act, blobs, cp.ones((1, K), cp.float32), h))
     act, h = cp.asnumpy(act), cp.asnumpy(h)
     assert np.isfinite(act[0, 0]).all() and np.isnan(act[0, 1:]).all()
     assert np.isnan(h).all()

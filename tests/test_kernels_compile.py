@@ -24,18 +24,22 @@ def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
     assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
         "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
-    # Q8_0 and Q4_K experts take the integer path's grid (8 warps a block), others the float one's
-    shape = KernelShape.parse("int_gate_up=1,int_down=1,int_ff_per_warp=2")
-    assert shape.defines() == ("-DINT_GATE_UP=1", "-DINT_DOWN=1", "-DINT_FPW=2")
-    assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q8_0)) == \
-        (16, FF_PER_BLOCK, 8)
-    assert KernelShape().gate_up_block(Q8_0) == FF_PER_BLOCK      # off until measured
+    # Q4_K experts take the integer path's grid (8 warps a block, two rows a warp for gate/up),
+    # Q8_0 ones only with int_q8_0 (measured slower), others the float one's
+    shape = KernelShape()
+    assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q4_K),
+            shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == \
+        (16, FF_PER_BLOCK, 8, FF_PER_BLOCK, DOWN_PER_BLOCK)
+    shape = KernelShape.parse("int_q8_0=1,int_ff_per_warp=1")
+    assert shape.defines() == ("-DINT_Q8_0=1", "-DINT_FPW=1")
+    assert (shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == (8, 8)
+    assert KernelShape.parse("int_gate_up=0,int_down=0").gate_up_block(Q4_K) == FF_PER_BLOCK
     # a warp a row of the tall matrices: a block's rows are its warps
     assert KernelShape(matvec_warp=1, matvec_threads=128).matvec_rows_per_block(1, True) == 4
     assert KernelShape(matvec_warp=1).matvec_rows_per_block(1, False) == rows_per_block(1, False)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
-                "matvec_threads=64", "int_gate_up=1,ff_per_block=16",  # 16 does not tile 8
+                "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
@@ -85,9 +89,9 @@ def test_the_package_has_kernel_sources():
 @needs_nvcc
 @pytest.mark.parametrize("source", [p.name for p in sources()])
 @pytest.mark.parametrize("shape", ["", "ff_per_block=8,down_per_block=2",
-                                   "factored_dots=0,cvt_magic=0", "int_gate_up=1,int_down=1",
-                                   "int_gate_up=1,int_down=1,int_ff_per_warp=2,int_down_per_warp=4",
-                                   "int_gate_up=1,int_down=1,int_direct=1",
+                                   "factored_dots=0,cvt_magic=0", "int_gate_up=0,int_down=0",
+                                   "int_q8_0=1,int_ff_per_warp=2,int_down_per_warp=4",
+                                   "int_q8_0=1,int_direct=0",
                                    "matvec_threads=128,matvec_warp=1"])
 def test_kernel_compiles_for_hopper(tmp_path, source, shape):
     """Every source, with the default expert-kernel shape and with one that tune_decode.py tries."""
@@ -116,11 +120,11 @@ def stack_allowed(kernel: str) -> int:
 
 @needs_nvcc
 @pytest.mark.parametrize("source,shape", [(p.name, "") for p in sources()]
-                         + [("decode.cu", "int_gate_up=1,int_down=1")])
+                         + [("decode.cu", "int_q8_0=1,int_direct=0")])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
-    integer expert path's build too."""
+    integer expert path's staged build (and Q8_0's) too."""
     import re
     defines = list(KernelShape.parse(shape).defines())
     done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Xptxas", "-v", *defines,
@@ -159,8 +163,8 @@ def test_argument_tables_match_the_structs(tmp_path):
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split("\n")
     want = [f"MAX_ROWS {MAX_ROWS} ATTN_CHUNK {ATTN_CHUNK} BLOCK_THREADS {BLOCK_THREADS} "
             f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}",
-            f"INT_FF_BLOCK {KernelShape(int_gate_up=1).gate_up_block(Q8_0)} "
-            f"INT_DOWN_BLOCK {KernelShape(int_down=1).down_block(Q4_K)}"]
+            f"INT_FF_BLOCK {KernelShape().gate_up_block(Q4_K)} "
+            f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}"]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     for struct, dtype in STRUCTS.items():
@@ -399,12 +403,12 @@ def test_prebuilt_cubins_are_named_by_what_was_compiled():
     from strata_dist.kernels.prebuild import builds
     base = cubin_name("decode.cu", (), "90")
     assert base.startswith("decode-sm90-") and base.endswith(".cubin")
-    assert cubin_name("decode.cu", ("-DINT_DOWN=1",), "90") != base
+    assert cubin_name("decode.cu", ("-DINT_DOWN=0",), "90") != base
     assert cubin_name("decode.cu", (), "100") != base
     assert cubin_name("experts_rows.cu", (), "90") != base
-    todo = builds(["", "int_gate_up=1,int_down=1", "int_down=1,int_gate_up=1"])
+    todo = builds(["", "int_gate_up=0,int_down=0", "int_down=0,int_gate_up=0"])
     assert [n for n, _ in todo].count("decode.cu") == 2          # the same shape once
-    assert ("decode.cu", ("-DINT_GATE_UP=1", "-DINT_DOWN=1")) in todo
+    assert ("decode.cu", ("-DINT_GATE_UP=0", "-DINT_DOWN=0")) in todo
     assert {n for n, _ in todo} == {p.name for p in sources()}
 
 

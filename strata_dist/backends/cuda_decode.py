@@ -8,8 +8,9 @@ expert activations, logits); the sessions own their KV outside it. A small descr
 rows, token ids) and the bound session's pointer table are copied in before the graph runs, so one
 captured graph per row count replays for every position and session. Only the greedy token id
 comes back to the host; the full logits stay on the device until a sampler asks for them
-(`StepLogits`). With STRATA_DECODE_AHEAD=1 a single-stage pipeline's next greedy step is launched
-before the host reads this one's token (backends/step_slots.py; experimental until measured).
+(`StepLogits`). A single-stage pipeline's next greedy step is launched before the host reads this
+one's token (backends/step_slots.py; measured faster, docs/BENCHMARKS.md; STRATA_DECODE_AHEAD=0
+turns it off).
 
 Used when every expert of the stage's layers is resident in its cache arena (the single-process
 runner, or a stage whose cache holds its whole range), or, with STRATA_HOST_MAPPED=1, when the
@@ -185,9 +186,9 @@ class DecodeGraph:
         self._pdl_armed = False
         self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
-        # experimental, until measured: the next greedy step of a single-stage pipeline launched
-        # before the host reads this one's token (step_slots.py)
-        self.ahead_enabled = (os.environ.get("STRATA_DECODE_AHEAD") == "1"
+        # the next greedy step of a single-stage pipeline launched before the host reads this
+        # one's token (step_slots.py; STRATA_DECODE_AHEAD=0: off)
+        self.ahead_enabled = (os.environ.get("STRATA_DECODE_AHEAD", "1") != "0"
                               and self.first and self.last)
         self._ahead: Ahead | None = None
         self.launches = 0              # steps launched (StepLogits checks it is still current)
@@ -504,8 +505,8 @@ class DecodeGraph:
         """Rows at positions pos.. of `session`: token ids on the first stage, else hidden rows
         [n, n_embd]. Returns StepLogits on the last stage, else the hidden rows (a new device
         array). The caller advances session.n_past. `ahead`: the caller will ask for the next
-        greedy step of this session (it takes this step's greedy token only); with
-        STRATA_DECODE_AHEAD=1 that step is launched now, before this one's token is read."""
+        greedy step of this session (it takes this step's greedy token only); unless
+        STRATA_DECODE_AHEAD=0, that step is launched now, before this one's token is read."""
         n = len(ids) if self.first else int(hidden.shape[0])
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"a graph step takes 1..{self.max_rows} rows, got {n}")

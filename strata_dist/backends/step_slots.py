@@ -1,7 +1,7 @@
 """What a decode graph step hands the host, and the host buffers of the steps in flight.
 
 A step's descriptor goes in and its token (and routes) come back through pinned host buffers; a
-`HostSlot` holds one step's set. With a step ahead (STRATA_DECODE_AHEAD=1, cuda_decode.py) two
+`HostSlot` holds one step's set. With a step ahead (the default, cuda_decode.py) two
 steps can be in flight, so the runner keeps two slots: the next step's descriptor must not
 overwrite the pinned buffer a queued copy still reads.
 

@@ -23,7 +23,6 @@ FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
 
 
-INT_TYPES = (Q8_0, Q4_K)        # expert types with the integer path (kernels/experts_int.cuh)
 WARPS = BLOCK_THREADS // 32
 
 
@@ -33,38 +32,40 @@ class KernelShape:
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
     picks another (benchmarks/tune_decode.py measures them).
 
-    `int_gate_up` / `int_down` (off until measured on a GPU): Q8_0 and Q4_K experts take the
-    integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the
-    stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
-    (`int_direct`, an experiment: Q4_K rows read from device memory by the lanes instead of
-    staged); the float path (every other type, and a block the integer path cannot take) takes
-    `ff_per_block` / `down_per_block` rows per block. The float path's switches (0 or 1) pick how
-    it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
-    `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
-    exists; both on, measured in docs/BENCHMARKS.md). `matvec_threads` (256, or 128: off until measured) the
-    threads of a dense matvec block (decode.cu MATVEC_THREADS); `matvec_warp` (off until
-    measured) a warp a weight row for the tall matrices (decode.cu matvec_warp_rows)."""
+    `int_gate_up` / `int_down` (on: measured faster, docs/BENCHMARKS.md): Q4_K experts (and Q8_0
+    ones with `int_q8_0`, off: measured slower than their float path) take the integer path of
+    kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the stored integers),
+    whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp (`int_direct`: Q4_K
+    rows read from device memory by the lanes instead of staged); the float path (every other
+    type, and a block the integer path cannot take) takes `ff_per_block` / `down_per_block` rows
+    per block. The float path's switches (0 or 1) pick how it computes: `factored_dots`
+    a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored integers to floats
+    through the mantissa of 2^23 (weights.cuh says why each exists; both on, measured).
+    `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
+    (decode.cu MATVEC_THREADS); `matvec_warp` (off: measured slower) a warp a weight row for the
+    tall matrices (decode.cu matvec_warp_rows)."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
     cvt_magic: int = 1
-    int_gate_up: int = 0
-    int_down: int = 0
-    int_ff_per_warp: int = 1
+    int_gate_up: int = 1
+    int_down: int = 1
+    int_q8_0: int = 0
+    int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
-    int_direct: int = 0
+    int_direct: int = 1
     matvec_threads: int = BLOCK_THREADS
     matvec_warp: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
-              "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
+              "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN", "int_q8_0": "INT_Q8_0",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
               "matvec_threads": "MATVEC_THREADS", "matvec_warp": "MATVEC_WARP"}
-    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                "matvec_warp")
+    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_q8_0",
+                "int_direct", "matvec_warp")
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -91,15 +92,19 @@ class KernelShape:
                                  f"{per_warp}={getattr(self, per_warp)}: the integer path's "
                                  f"{block} rows a block must be a multiple of {per_block}")
 
+    def int_type(self, ggml_type: int) -> bool:
+        """Whether experts stored as `ggml_type` may take the integer path (experts_int.cuh)."""
+        return ggml_type == Q4_K or (ggml_type == Q8_0 and bool(self.int_q8_0))
+
     def gate_up_block(self, ggml_type: int) -> int:
         """Expert rows f of one moe_gate_up block for experts stored as `ggml_type`."""
-        if self.int_gate_up and ggml_type in INT_TYPES:
+        if self.int_gate_up and self.int_type(ggml_type):
             return WARPS * self.int_ff_per_warp
         return self.ff_per_block
 
     def down_block(self, ggml_type: int) -> int:
         """Outputs of one moe_down block for down rows stored as `ggml_type`."""
-        if self.int_down and ggml_type in INT_TYPES:
+        if self.int_down and self.int_type(ggml_type):
             return WARPS * self.int_down_per_warp
         return self.down_per_block
 

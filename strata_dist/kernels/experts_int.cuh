@@ -14,27 +14,33 @@
 //
 // Weights: a warp stages its rows into shared memory with 16-byte cp.async copies (coalesced
 // whatever the block format's alignment; the copies of its first rows are in flight while the
-// block quantizes), then each lane decodes 64-column units from there. With INT_DIRECT (an
-// experiment, KernelShape int_direct) Q4_K rows, whose units are 16-byte aligned, are read by the
+// block quantizes), then each lane decodes 64-column units from there. With INT_DIRECT (the
+// default, KernelShape int_direct) Q4_K rows, whose units are 16-byte aligned, are read by the
 // lanes straight from device memory instead: no stage, so a block needs a quarter of the shared
-// memory.
+// memory (and measured faster).
 #pragma once
 
-// Off until measured on a GPU (kernels/abi.py KernelShape int_gate_up / int_down turn them on)
+// The defaults are the fastest measured (docs/BENCHMARKS.md; kernels/abi.py KernelShape holds the
+// same): Q4_K experts take this path, two gate/up rows a warp, rows read in place. Q8_0 experts
+// measured faster on the float path (their 34-byte blocks cannot be read in place), so they take
+// this path only with INT_Q8_0.
 #ifndef INT_GATE_UP
-#define INT_GATE_UP 0       // moe_gate_up_{q8_0,q4_k} take this path (0: the float path)
+#define INT_GATE_UP 1       // moe_gate_up_q4_k (and _q8_0 with INT_Q8_0) take this path
 #endif
 #ifndef INT_DOWN
-#define INT_DOWN 0          // moe_down_{q8_0,q4_k} take this path
+#define INT_DOWN 1          // moe_down_q4_k (and _q8_0 with INT_Q8_0) take this path
+#endif
+#ifndef INT_Q8_0
+#define INT_Q8_0 0          // Q8_0 experts too
 #endif
 #ifndef INT_FPW
-#define INT_FPW 1           // expert rows f (gate and up) each warp takes in turn
+#define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
 #endif
 #ifndef INT_DPW
 #define INT_DPW 1           // outputs d each warp of moe_down takes in turn
 #endif
 #ifndef INT_DIRECT
-#define INT_DIRECT 0        // Q4_K rows read by each lane from device memory, not staged (below)
+#define INT_DIRECT 1        // Q4_K rows read by each lane from device memory, not staged (below)
 #endif
 #define INT_WARPS (BLOCK_THREADS / 32)
 #define INT_FF_BLOCK (INT_WARPS * INT_FPW)      // f of one moe_gate_up block (kernels/abi.py)
@@ -48,7 +54,7 @@
 #define XQ_UNIT_WORDS 20        // 16 words of a 64-column unit + 4 of padding: the lanes' 16-byte
                                 // reads of neighbouring units fall in different banks
 
-HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q8_0 || T == T_Q4_K; }
+HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q4_K || (INT_Q8_0 && T == T_Q8_0); }
 HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && T == T_Q4_K; }
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 

@@ -3,7 +3,7 @@ $STRATA_KERNEL_CUBINS). Each source is built once per KernelShape asked for (dec
 shapes' -D defines; the other sources none), from the same inlined text and options NVRTC gets,
 into files named by `cubin_name`:
 
-    python -m strata_dist.kernels.prebuild --out .kcubins --shape int_gate_up=1,int_down=1
+    python -m strata_dist.kernels.prebuild --out .kcubins --shape int_gate_up=0,int_down=0
     STRATA_KERNEL_CUBINS=$PWD/.kcubins python ...      # on the GPU machine
 """
 from __future__ import annotations
