@@ -10,7 +10,7 @@ experts of N layers in host memory, computed by the CPU). Prints tok/s, where ea
 computation ran, the peak device memory of every arm and the ratios;
 the record of ../RECORDS.md goes to benchmarks/results/offload-<like>-<quant>-<date>.json.
 
-    python benchmarks/bench_offload.py --model q30.gguf --vram-budget 19G \\
+    python benchmarks/bench_offload.py --model q30.gguf --vram-budget 10G --prefill-tokens 1024 \\
         --llama-bench .anchor/llama.cpp/build/bin/llama-bench --ncmoe 24
     python benchmarks/bench_offload.py --model tiny.gguf --cpu --vram-budget 2M --tokens 16
 """

@@ -117,7 +117,8 @@ for q in ${QUANTS//,/ }; do
   fi
   if [ "$OFFLOAD" = 1 ]; then
     LLAMA_OFF=(); [ -x "$LB" ] && LLAMA_OFF=(--llama-bench "$LB" --ncmoe 24)
-    timeout 580 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf --vram-budget 19G \
+    timeout 580 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf --vram-budget 10G \
+      --prefill-tokens 1024 \
       --out "$OUT" "${LLAMA_OFF[@]}" 2>&1 | tee "$OUT/offload_$q.log" | tail -6
   fi
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
