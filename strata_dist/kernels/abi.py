@@ -266,7 +266,7 @@ def attn_launch(n_head: int, n_kv: int, head_dim: int, max_cells: int, kv_type: 
 def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
     names = ["dequant_rows", "embed_tokens", "qk_norm_rope_kv", "qk_norm_rope_kv_q8",
-             "argmax_row", "spin"]
+             "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
     names += [attn_kernel(g, kv) + fq for g in ATTN_GROUPS for kv in ("f16", "q8_0")
               for fq in ("", "_fq")]
     for t in TYPE_NAMES.values():
@@ -322,5 +322,9 @@ QKV_SPEC = np.dtype([("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("q_norm", "<u8")
                      ("sess", "<u8"), ("desc", "<u8"), ("done", "<u8"), ("layer_slot", "<i4"),
                      ("n_layers", "<i4"), ("n_head", "<i4"), ("n_kv", "<i4"), ("D", "<i4"),
                      ("rot", "<i4"), ("eps", "<f4")], align=True)    # 96 bytes, as C pads it
+GDN_SPEC = np.dtype([(f, "<u8") for f in ("qkv", "z", "ba", "conv_w", "ssm_a", "ssm_dt", "norm_w",
+                                         "mixed", "out", "conv_state", "state")]
+                    + [(f, "<i4") for f in ("n_k", "n_v", "head_k", "head_v", "conv_dim", "K")]
+                    + [("eps", "<f4")], align=True)          # 120 bytes, as C pads it
 STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC, "RouteSpec": ROUTE_SPEC,
-           "QkvSpec": QKV_SPEC}
+           "QkvSpec": QKV_SPEC, "GdnSpec": GDN_SPEC}

@@ -426,6 +426,48 @@ def _softplus(x, xp):
     return xp.logaddexp(np.float32(0.0), x)
 
 
+def gdn_mixer(be, g: NextGeometry, w: dict, qkv, z, ba, conv, state):
+    """A linear layer between its input projections (qkv [n, conv_dim], z [n, value_dim], ba
+    [n, n_k * 2r]) and ssm_out: the causal conv over `conv` [K-1, conv_dim] and the gated delta
+    rule on `state` [n_v, head_k, head_v] (both updated in place), then the gated RMSNorm.
+    Returns [n, n_v, head_v]. The GPU's gdn_conv_step / gdn_delta_step (kernels/gated_delta.cuh)
+    are tested against this."""
+    xp = be.xp
+    n = qkv.shape[0]
+    nk, nv, hk, hv = g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim
+    r = nv // nk
+    ba = ba.reshape(n, nk, 2 * r)                                      # per key head: r b, r a
+    b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
+    beta = be.sigmoid(b)
+    decay = w["ssm_a"] * _softplus(a + w["ssm_dt"], xp)                # [n, nv], <= 0
+
+    # causal depthwise conv over [conv state | this chunk], then SiLU
+    kern = w["ssm_conv1d"]                                             # [conv_dim, K]
+    K = g.ssm_conv_kernel
+    xpad = xp.concatenate([conv, qkv], axis=0)                         # [K-1+n, conv_dim]
+    acc = xpad[0:n] * kern[:, 0]
+    for j in range(1, K):
+        acc = acc + xpad[j:j + n] * kern[:, j]
+    conv[...] = xpad[n:]                                               # the last K-1 inputs
+    mixed = be.silu(acc)
+
+    q = mixed[:, :g.key_dim].reshape(n, nk, hk)
+    k = mixed[:, g.key_dim:2 * g.key_dim].reshape(n, nk, hk)
+    v = mixed[:, 2 * g.key_dim:].reshape(n, nv, hv)
+    q = q / xp.sqrt((q * q).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
+    k = k / xp.sqrt((k * k).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
+    q = q * np.float32(1.0 / np.sqrt(hk))
+    if r > 1:  # value head h reads key head h // r
+        q, k = xp.repeat(q, r, axis=1), xp.repeat(k, r, axis=1)       # [n, nv, hk]
+
+    # numpy reads token by token (exact); a GPU reads a prompt chunk in blocks (few launches)
+    if xp is np or n == 1:
+        out = gated_delta_steps(q, k, v, beta, decay, state, xp)
+    else:
+        out = gated_delta_chunked(q, k, v, beta, decay, state, xp)
+    return be.rms_norm(out, w["ssm_norm"], g.rms_eps) * be.silu(z.reshape(n, nv, hv))
+
+
 class Qwen3Next(LayerRangeModel):
     """The qwen3next forward over the layers [lb, le) of a model file."""
 
@@ -497,44 +539,12 @@ class Qwen3Next(LayerRangeModel):
         return qkv, z.reshape(n, -1)
 
     def _linear_attention(self, layer, x, session):
-        xp, g, w, be = self.backend.xp, self.g, self.layers[layer], self.backend
+        g, w, be = self.g, self.layers[layer], self.backend
         n = x.shape[0]
-        nk, nv, hk, hv = g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim
-        r = nv // nk
         qkv, z = self._qkvz(w, x)
-        ba = be.linear(x, w["ssm_ba"]).reshape(n, nk, 2 * r)           # per key head: r b, r a
-        b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
-        beta = be.sigmoid(b)
-        decay = w["ssm_a"] * _softplus(a + w["ssm_dt"], xp)            # [n, nv], <= 0
-
-        # causal depthwise conv over [conv state | this chunk], then SiLU
-        conv = session.conv_state(layer)
-        kern = w["ssm_conv1d"]                                         # [conv_dim, K]
-        K = g.ssm_conv_kernel
-        xpad = xp.concatenate([conv, qkv], axis=0)                     # [K-1+n, conv_dim]
-        acc = xpad[0:n] * kern[:, 0]
-        for j in range(1, K):
-            acc = acc + xpad[j:j + n] * kern[:, j]
-        conv[...] = xpad[n:]                                           # the last K-1 inputs
-        mixed = be.silu(acc)
-
-        q = mixed[:, :g.key_dim].reshape(n, nk, hk)
-        k = mixed[:, g.key_dim:2 * g.key_dim].reshape(n, nk, hk)
-        v = mixed[:, 2 * g.key_dim:].reshape(n, nv, hv)
-        q = q / xp.sqrt((q * q).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
-        k = k / xp.sqrt((k * k).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
-        q = q * np.float32(1.0 / np.sqrt(hk))
-        if r > 1:  # value head h reads key head h // r
-            q, k = xp.repeat(q, r, axis=1), xp.repeat(k, r, axis=1)   # [n, nv, hk]
-
-        state = session.recurrent_state(layer)                          # [nv, hk, hv]
-        # numpy reads token by token (exact); a GPU reads a prompt chunk in blocks (few launches)
-        if xp is np or n == 1:
-            out = gated_delta_steps(q, k, v, beta, decay, state, xp)
-        else:
-            out = gated_delta_chunked(q, k, v, beta, decay, state, xp)
-
-        o = be.rms_norm(out, w["ssm_norm"], g.rms_eps) * be.silu(z.reshape(n, nv, hv))
+        ba = be.linear(x, w["ssm_ba"])
+        o = gdn_mixer(be, g, w, qkv, z, ba, session.conv_state(layer),
+                      session.recurrent_state(layer))
         return be.linear(o.reshape(n, g.value_dim), w["ssm_out"])
 
     # ---- MoE with the shared expert ------------------------------------------------------------

@@ -1,0 +1,137 @@
+// The Gated DeltaNet mixer of a qwen3next decode step (included by decode.cu), between its input
+// matvecs (attn_qkv, attn_gate, ssm_ba) and its output matvec (ssm_out), in two launches:
+//
+//   gdn_conv_step   the causal depthwise convolution of each channel over its conv state, SiLU,
+//                   and the L2 norm of every q and k head (q also scaled by 1/sqrt(head_k)): one
+//                   block a head of head_k channels, one thread a channel; the thread that reads a
+//                   channel's state is the one that shifts it, so no block waits on another.
+//   gdn_delta_step  the gated delta rule on each value head's state [head_k, head_v] and the gated
+//                   RMSNorm of its output: one block a value head, one thread a state column j
+//                   (the columns of a head are independent given q and k).
+//
+// The rows of one step are consecutive positions of one session, so both take them in order. The
+// arithmetic is models/qwen3next.py's (`_linear_attention`) and models/delta_rule.py's
+// `gated_delta_steps`, in the same order per value; the per-value steps are HOST_DEVICE functions
+// so that tests/test_kernels_compile.py runs them on the host against that numpy reference.
+#pragma once
+
+#define GDN_L2_EPS 1e-6f     // the q/k L2 norm's epsilon (models/qwen3next.py L2_EPS)
+#define GDN_MAX_CONV_K 8     // the longest conv kernel (Qwen3-Next: 4)
+
+// One linear layer's pointers and sizes (kernels/abi.py GDN_SPEC). conv_state and state are the
+// bound session's (rewritten when the runner binds another).
+struct GdnSpec {
+    const float* qkv;         // [n, conv_dim] attn_qkv's rows: q of every key head | k | v
+    const float* z;           // [n, n_v * head_v] attn_gate's rows
+    const float* ba;          // [n, n_k * 2r] ssm_ba's rows: per key head r b, then r a
+    const float* conv_w;      // [conv_dim, K] ssm_conv1d
+    const float* ssm_a;       // [n_v] -exp(A_log)
+    const float* ssm_dt;      // [n_v] the dt bias
+    const float* norm_w;      // [head_v] ssm_norm
+    float* mixed;             // [n, conv_dim] the convolved rows (q and k normalised)
+    float* out;               // [n, n_v * head_v] the gated-normed output, ssm_out's input
+    float* conv_state;        // [K - 1, conv_dim] the last K - 1 inputs, updated in place
+    float* state;             // [n_v, head_k, head_v] updated in place
+    int n_k, n_v, head_k, head_v, conv_dim, K;
+    float eps;                // the gated RMSNorm's
+};
+
+// the backends' forms (backends/base.py): sigmoid through tanh, SiLU as x sigmoid(x)
+HOST_DEVICE float gdn_sigmoid(float x) { return 0.5f * tanhf(0.5f * x) + 0.5f; }
+HOST_DEVICE float gdn_silu(float x) { return x * gdn_sigmoid(x); }
+// log(1 + e^x) as numpy's logaddexp(0, x) computes it: max + log1p(exp(-|x|))
+HOST_DEVICE float gdn_softplus(float x) { return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x))); }
+
+// One channel of one row: acc = sum_j window[j] w[j] over [its K - 1 state values | x], then the
+// state shifts by one (the oldest input drops out). Returns SiLU(acc).
+HOST_DEVICE float gdn_conv_channel(float* state, int stride, const float* w, float x, int K) {
+    float acc = 0.f;
+    for (int j = 0; j < K - 1; ++j) acc += state[(long long)j * stride] * w[j];
+    acc += x * w[K - 1];
+    for (int j = 0; j + 1 < K - 1; ++j) state[(long long)j * stride] = state[(long long)(j + 1) * stride];
+    if (K > 1) state[(long long)(K - 2) * stride] = x;
+    return gdn_silu(acc);
+}
+
+// A value head's gates for one row: beta = sigmoid(b), exp(g) with g = ssm_a * softplus(a + dt)
+HOST_DEVICE void gdn_gates(float b, float a, float ssm_a, float dt, float& beta, float& gexp) {
+    beta = gdn_sigmoid(b);
+    gexp = expf(ssm_a * gdn_softplus(a + dt));
+}
+
+// Column j of a value head's state S [head_k, head_v] (s points at S[0, j]; stride head_v) for
+// one row: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; returns o_j = (S^T q)_j.
+HOST_DEVICE float gdn_column_step(float* s, int stride, const float* q, const float* k, float v,
+                                  float beta, float gexp, int head_k) {
+    float kv = 0.f;
+    for (int i = 0; i < head_k; ++i) kv += s[(long long)i * stride] * gexp * k[i];
+    const float delta = (v - kv) * beta;
+    float o = 0.f;
+    for (int i = 0; i < head_k; ++i) {
+        const float si = s[(long long)i * stride] * gexp + k[i] * delta;
+        s[(long long)i * stride] = si;
+        o += si * q[i];
+    }
+    return o;
+}
+
+// Sum of v over the block (blockDim.x a multiple of 32, <= 1024), in every thread.
+__device__ __forceinline__ float gdn_block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    __syncthreads();                            // scratch free from any earlier call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+// Grid (conv_dim / head_k), block head_k threads: block b holds channels [b head_k, (b+1) head_k);
+// the blocks of the q and k parts are each one head, normalised here.
+extern "C" __global__ void gdn_conv_step(const GdnSpec* __restrict__ spec, int n) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const GdnSpec p = *spec;
+    const int c = blockIdx.x * p.head_k + threadIdx.x;
+    const int key_dim = p.n_k * p.head_k;
+    const bool is_q = c < key_dim, is_k = !is_q && c < 2 * key_dim;   // uniform over the block
+    const float scale = is_q ? rsqrtf((float)p.head_k) : 1.f;
+    for (int t = 0; t < n; ++t) {
+        float m = gdn_conv_channel(p.conv_state + c, p.conv_dim, p.conv_w + (long long)c * p.K,
+                                   p.qkv[(long long)t * p.conv_dim + c], p.K);
+        if (is_q || is_k) {
+            const float ss = gdn_block_sum(m * m, scratch);
+            m = m / sqrtf(ss + GDN_L2_EPS) * scale;
+        }
+        p.mixed[(long long)t * p.conv_dim + c] = m;
+    }
+}
+
+// Grid (n_v), block head_v threads; shared memory 2 head_k floats (q and k of the row).
+extern "C" __global__ void gdn_delta_step(const GdnSpec* __restrict__ spec, int n) {
+    pdl_entry();
+    extern __shared__ float qk[];
+    __shared__ float scratch[32];
+    const GdnSpec p = *spec;
+    const int h = blockIdx.x, j = threadIdx.x, r = p.n_v / p.n_k, kh = h / r;
+    const int key_dim = p.n_k * p.head_k, value_dim = p.n_v * p.head_v;
+    float* s = p.state + (long long)h * p.head_k * p.head_v + j;
+    for (int t = 0; t < n; ++t) {
+        const float* row = p.mixed + (long long)t * p.conv_dim;
+        __syncthreads();                        // the previous row's q and k are read
+        for (int i = threadIdx.x; i < p.head_k; i += blockDim.x) {
+            qk[i] = row[kh * p.head_k + i];
+            qk[p.head_k + i] = row[key_dim + kh * p.head_k + i];
+        }
+        __syncthreads();
+        const float* ba = p.ba + (long long)t * p.n_k * 2 * r + kh * 2 * r;
+        float beta, gexp;
+        gdn_gates(ba[h % r], ba[r + h % r], p.ssm_a[h], p.ssm_dt[h], beta, gexp);
+        const float v = row[2 * key_dim + h * p.head_v + j];
+        const float o = gdn_column_step(s, p.head_v, qk, qk + p.head_k, v, beta, gexp, p.head_k);
+        const float ss = gdn_block_sum(o * o, scratch);
+        const long long at = (long long)t * value_dim + h * p.head_v + j;
+        p.out[at] = o / sqrtf(ss / (float)p.head_v + p.eps) * p.norm_w[j] * gdn_silu(p.z[at]);
+    }
+}

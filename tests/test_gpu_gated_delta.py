@@ -1,0 +1,85 @@
+"""qwen3next's linear-layer decode kernels on the GPU (kernels/gated_delta.cuh: gdn_conv_step,
+gdn_delta_step) against models/qwen3next.py's gdn_mixer over 64 decode steps, the state carried
+on the device, and one step of several rows. Run on the GPU machine: pytest -m gpu."""
+import numpy as np
+import pytest
+
+from test_gated_delta_kernel import _layer
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+class LinearLayer:
+    """One layer's weights, state and buffers on the device, and its GdnSpec table."""
+
+    def __init__(self, g, w, conv, state, rows: int):
+        from strata_dist.backends import cuda_decode as cd
+        from strata_dist.kernels.abi import GDN_SPEC
+        self.g, self.rows = g, rows
+        conv_dim = 2 * g.key_dim + g.value_dim
+        self.dev = {k: cp.asarray(v) for k, v in w.items()}
+        self.qkv = cp.zeros((rows, conv_dim), cp.float32)
+        self.z = cp.zeros((rows, g.value_dim), cp.float32)
+        self.ba = cp.zeros((rows, 2 * g.n_v_heads), cp.float32)
+        self.mixed = cp.zeros((rows, conv_dim), cp.float32)
+        self.out = cp.zeros((rows, g.value_dim), cp.float32)
+        self.conv, self.state = cp.asarray(conv), cp.asarray(state)
+        ptr = lambda a: int(a.data.ptr)  # noqa: E731
+        self.spec = cd._spec_array(GDN_SPEC, [dict(
+            qkv=ptr(self.qkv), z=ptr(self.z), ba=ptr(self.ba), conv_w=ptr(self.dev["ssm_conv1d"]),
+            ssm_a=ptr(self.dev["ssm_a"]), ssm_dt=ptr(self.dev["ssm_dt"]),
+            norm_w=ptr(self.dev["ssm_norm"]), mixed=ptr(self.mixed), out=ptr(self.out),
+            conv_state=ptr(self.conv), state=ptr(self.state), n_k=g.n_k_heads, n_v=g.n_v_heads,
+            head_k=g.head_k_dim, head_v=g.head_v_dim, conv_dim=conv_dim, K=g.ssm_conv_kernel,
+            eps=g.rms_eps)])
+        self.conv_fn = cd.function("decode.cu", "gdn_conv_step")
+        self.delta_fn = cd.function("decode.cu", "gdn_delta_step")
+
+    def step(self, qkv, z, ba):
+        n, g = qkv.shape[0], self.g
+        self.qkv[:n], self.z[:n], self.ba[:n] = cp.asarray(qkv), cp.asarray(z), cp.asarray(ba)
+        conv_dim = 2 * g.key_dim + g.value_dim
+        self.conv_fn((conv_dim // g.head_k_dim,), (g.head_k_dim,), (self.spec, np.int32(n)))
+        self.delta_fn((g.n_v_heads,), (g.head_v_dim,), (self.spec, np.int32(n)),
+                      shared_mem=2 * g.head_k_dim * 4)
+        return cp.asnumpy(self.out[:n]).reshape(n, g.n_v_heads, g.head_v_dim)
+
+
+@pytest.mark.parametrize("nk,nv,hk,hv,K", [(2, 4, 32, 64, 4), (16, 32, 128, 128, 4)])
+def test_linear_layer_kernels_match_the_numpy_path_over_64_steps(nk, nv, hk, hv, K):
+    """The second geometry is Qwen3-Next-80B-A3B's (16 key heads, 32 value heads of 128)."""
+    from strata_dist.backends.numpy_backend import NumpyBackend
+    from strata_dist.models.qwen3next import gdn_mixer
+    rng = np.random.default_rng(nk + hk)
+    g, w, conv_dim = _layer(rng, nk, nv, hk, hv, K)
+    conv = (rng.standard_normal((K - 1, conv_dim)) * 0.3).astype(np.float32)
+    state = (rng.standard_normal((nv, hk, hv)) * 0.1).astype(np.float32)
+    layer = LinearLayer(g, w, conv, state, rows=1)
+    be = NumpyBackend()
+    for _ in range(64):
+        qkv = rng.standard_normal((1, conv_dim)).astype(np.float32)
+        z = rng.standard_normal((1, nv * hv)).astype(np.float32)
+        ba = (rng.standard_normal((1, 2 * nv)) * 2).astype(np.float32)
+        want = gdn_mixer(be, g, w, qkv, z, ba, conv, state)
+        got = layer.step(qkv, z, ba)
+        assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_array_equal(cp.asnumpy(layer.conv), conv)
+    np.testing.assert_allclose(cp.asnumpy(layer.state), state, rtol=1e-3,
+                               atol=1e-4 * max(1.0, float(np.abs(state).max())))
+
+
+def test_a_step_of_several_rows_equals_one_row_steps():
+    rng = np.random.default_rng(3)
+    g, w, conv_dim = _layer(rng, 2, 4, 32, 32, 4)
+    conv = (rng.standard_normal((3, conv_dim)) * 0.3).astype(np.float32)
+    state = (rng.standard_normal((4, 32, 32)) * 0.1).astype(np.float32)
+    qkv = rng.standard_normal((5, conv_dim)).astype(np.float32)
+    z = rng.standard_normal((5, 4 * 32)).astype(np.float32)
+    ba = rng.standard_normal((5, 8)).astype(np.float32)
+    many = LinearLayer(g, w, conv, state, rows=8)
+    got = many.step(qkv, z, ba)
+    one = LinearLayer(g, w, conv, state, rows=8)
+    for t in range(5):
+        np.testing.assert_array_equal(one.step(qkv[t:t + 1], z[t:t + 1], ba[t:t + 1])[0], got[t])
+    np.testing.assert_array_equal(cp.asnumpy(one.state), cp.asnumpy(many.state))
