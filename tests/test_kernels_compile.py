@@ -149,6 +149,8 @@ def test_argument_tables_match_the_structs(tmp_path):
              'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);']
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
+    # every KernelShape default is the macro's own (an undefined -D builds the default shape)
+    lines += [f'printf("{macro} %d\\n", (int)({macro}));' for macro in KernelShape.MACROS.values()]
     for struct, dtype in STRUCTS.items():
         lines.append(f'printf("{struct} size %zu\\n", sizeof({struct}));')
         for field in dtype.names:
@@ -167,6 +169,7 @@ def test_argument_tables_match_the_structs(tmp_path):
             f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}"]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
+    want += [f"{macro} {getattr(KernelShape(), name)}" for name, macro in KernelShape.MACROS.items()]
     for struct, dtype in STRUCTS.items():
         want.append(f"{struct} size {dtype.itemsize}")
         want += [f"{struct} {f} {dtype.fields[f][1]}" for f in dtype.names]
