@@ -205,15 +205,21 @@ def test_q_k_norm_in_the_attention_changes_no_bit(tmp_path, monkeypatch, kv_type
         SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
 
 
-def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
-    """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
-    from strata_dist.single_process import SingleProcessRunner
+def _k_quant_model(tmp_path, seed=3):
+    """Q4_K experts (the synthetic writer's blocks), F16 dense: 3 layers of 16 experts, top-4."""
     from strata_dist.synth import SynthGeometry, write_synthetic
     geo = SynthGeometry("small", n_layer=3, n_embd=512, n_head=4, n_head_kv=2, head_dim=128,
                         n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=1024,
                         context_length=2048)
     path = str(tmp_path / "q4k.gguf")
-    write_synthetic(path, like=geo, quant="q4_k", popularity="zipf:1.0", seed=3)
+    write_synthetic(path, like=geo, quant="q4_k", popularity="zipf:1.0", seed=seed)
+    return path
+
+
+def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
+    """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
+    from strata_dist.single_process import SingleProcessRunner
+    path = _k_quant_model(tmp_path)
     cpu, gpu = SingleProcessRunner(path, "cpu", prefill_chunk=64), SingleProcessRunner(path, "cuda:0", prefill_chunk=64)
     assert gpu.decode_graph is not None
     prompt = [int(x) for x in np.random.default_rng(5).integers(10, 1000, 70)]
@@ -250,12 +256,14 @@ def test_stage_takes_the_graph_only_with_every_expert_cached(tmp_path):
 
 
 
-def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("experts", ["q8_0", "q4_k"])
+def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch, experts):
     """STRATA_HOST_MAPPED=1: a stage caching half its experts keeps the graph, the other half
     read in place from pinned host memory by the same kernels, so its logits equal a fully
-    cached stage's bit for bit, and each step's computations are counted by where they were."""
+    cached stage's bit for bit, and each step's computations are counted by where they were.
+    Q4_K experts take the integer path, whose lanes read the rows in place (host memory too)."""
     from strata_dist.stage import Stage, StageConfig
-    path = _model(tmp_path, "q8_0", seed=10)
+    path = _model(tmp_path, "q8_0", seed=10) if experts == "q8_0" else _k_quant_model(tmp_path)
     full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
                              cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
     monkeypatch.setenv("STRATA_HOST_MAPPED", "1")
