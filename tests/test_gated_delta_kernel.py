@@ -1,6 +1,6 @@
 """qwen3next's linear-layer decode kernels (kernels/gated_delta.cuh) built for the host with nvcc:
-their per-value steps (the causal conv of a channel, a value head's gates, a state column's delta
-rule), driven in the kernels' order, against models/qwen3next.py's gdn_mixer (the numpy path the
+their per-value steps (the causal conv of a channel, a value head's gates, the delta rule on a
+thread's rows of a state column), driven in the kernels' order and thread layout, against models/qwen3next.py's gdn_mixer (the numpy path the
 transformers reference checks) over 64 decode steps and over one step of several rows. The GPU
 launches themselves are tests/test_gpu_decode.py's. Skips where nvcc is not installed."""
 import shutil
@@ -55,20 +55,41 @@ int main(int argc, char** argv) {
             for (int i = 0; i < hk; ++i) m[head * hk + i] = m[head * hk + i] / sqrtf(ss + GDN_L2_EPS) * scale;
         }
     }
-    // gdn_delta_step: a block a value head, a thread a state column, rows in order
+    // gdn_delta_step: a block a value head; "thread" (g, j) holds rows [g R, (g+1) R) of column j
+    const int R = GDN_ROWS, groups = hk / R;
     for (int h = 0; h < nv; ++h) {
         const int kh = h / r;
+        float* S = state.data() + (size_t)h * hk * hv;
+        std::vector<float> regs((size_t)groups * hv * R), part((size_t)groups * hv);
+        auto reg = [&](int g, int j) -> float (&)[GDN_ROWS] {
+            return *reinterpret_cast<float (*)[GDN_ROWS]>(regs.data() + ((size_t)g * hv + j) * R);
+        };
+        for (int g = 0; g < groups; ++g)
+            for (int j = 0; j < hv; ++j)
+                for (int i = 0; i < R; ++i) reg(g, j)[i] = S[(size_t)(g * R + i) * hv + j];
         for (int t = 0; t < n; ++t) {
             const float* row = mixed.data() + (size_t)t * conv_dim;
+            const float* q = row + kh * hk;
+            const float* k = row + key_dim + kh * hk;
             const float* b = ba.data() + (size_t)t * nk * 2 * r + kh * 2 * r;
             float beta, gexp;
             gdn_gates(b[h % r], b[r + h % r], ssm_a[h], dt[h], beta, gexp);
-            std::vector<float> o(hv);
+            for (int g = 0; g < groups; ++g)
+                for (int j = 0; j < hv; ++j)
+                    part[(size_t)g * hv + j] = gdn_decay_dot<GDN_ROWS>(reg(g, j), gexp, k + g * R);
+            std::vector<float> delta(hv), o(hv, 0.f);
+            for (int j = 0; j < hv; ++j) {
+                float kv = 0.f;
+                for (int g = 0; g < groups; ++g) kv += part[(size_t)g * hv + j];
+                delta[j] = (row[2 * key_dim + h * hv + j] - kv) * beta;
+            }
+            for (int g = 0; g < groups; ++g)
+                for (int j = 0; j < hv; ++j)
+                    part[(size_t)g * hv + j] = gdn_rows_update<GDN_ROWS>(reg(g, j), gexp, k + g * R,
+                                                                        delta[j], q + g * R);
             float ss = 0.f;
             for (int j = 0; j < hv; ++j) {
-                o[j] = gdn_column_step(state.data() + (size_t)h * hk * hv + j, hv, row + kh * hk,
-                                       row + key_dim + kh * hk, row[2 * key_dim + h * hv + j],
-                                       beta, gexp, hk);
+                for (int g = 0; g < groups; ++g) o[j] += part[(size_t)g * hv + j];
                 ss += o[j] * o[j];
             }
             for (int j = 0; j < hv; ++j) {
@@ -76,6 +97,9 @@ int main(int argc, char** argv) {
                 out[at] = o[j] / sqrtf(ss / (float)hv + eps) * norm_w[j] * gdn_silu(z[at]);
             }
         }
+        for (int g = 0; g < groups; ++g)
+            for (int j = 0; j < hv; ++j)
+                for (int i = 0; i < R; ++i) S[(size_t)(g * R + i) * hv + j] = reg(g, j)[i];
     }
     FILE* res = fopen(argv[2], "wb");
     fwrite(out.data(), sizeof(float), out.size(), res);

@@ -41,8 +41,10 @@ class LinearLayer:
         self.qkv[:n], self.z[:n], self.ba[:n] = cp.asarray(qkv), cp.asarray(z), cp.asarray(ba)
         conv_dim = 2 * g.key_dim + g.value_dim
         self.conv_fn((conv_dim // g.head_k_dim,), (g.head_k_dim,), (self.spec, np.int32(n)))
-        self.delta_fn((g.n_v_heads,), (g.head_v_dim,), (self.spec, np.int32(n)),
-                      shared_mem=2 * g.head_k_dim * 4)
+        # a thread per 16 rows of a state column (GDN_ROWS), with its partial sums in shared memory
+        threads = g.head_k_dim * g.head_v_dim // 16
+        self.delta_fn((g.n_v_heads,), (threads,), (self.spec, np.int32(n)),
+                      shared_mem=(2 * g.head_k_dim + threads) * 4)
         return cp.asnumpy(self.out[:n]).reshape(n, g.n_v_heads, g.head_v_dim)
 
 

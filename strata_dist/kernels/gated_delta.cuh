@@ -6,8 +6,12 @@
 //                   block a head of head_k channels, one thread a channel; the thread that reads a
 //                   channel's state is the one that shifts it, so no block waits on another.
 //   gdn_delta_step  the gated delta rule on each value head's state [head_k, head_v] and the gated
-//                   RMSNorm of its output: one block a value head, one thread a state column j
-//                   (the columns of a head are independent given q and k).
+//                   RMSNorm of its output: one block a value head; thread (g, j) holds rows
+//                   [g R, (g + 1) R) of state column j in registers (R = GDN_ROWS; the columns
+//                   of a head are independent given q and k), so the state is read and written
+//                   once a step,
+//                   all of a block's loads in flight together, and the R-row partial sums of a
+//                   column meet in shared memory in g order.
 //
 // The rows of one step are consecutive positions of one session, so both take them in order. The
 // arithmetic is models/qwen3next.py's (`_linear_attention`) and models/delta_rule.py's
@@ -59,18 +63,34 @@ HOST_DEVICE void gdn_gates(float b, float a, float ssm_a, float dt, float& beta,
     gexp = expf(ssm_a * gdn_softplus(a + dt));
 }
 
-// Column j of a value head's state S [head_k, head_v] (s points at S[0, j]; stride head_v) for
-// one row: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; returns o_j = (S^T q)_j.
-HOST_DEVICE float gdn_column_step(float* s, int stride, const float* q, const float* k, float v,
-                                  float beta, float gexp, int head_k) {
+// The rows of a state column one thread of gdn_delta_step holds: a block of head_k head_v / 16
+// threads, so heads of up to 16,384 state values (Qwen3-Next: 128 x 128); the runner checks.
+#define GDN_ROWS 16
+#define GDN_MAX_STATE (GDN_ROWS * 1024)
+
+// One row's delta rule on R rows of a state column s (values S[i, j], i in [i0, i0 + R)), in two
+// steps, since kv needs all of the column's rows between them:
+//   gdn_decay_dot:   the part of kv_j = sum_i exp(g) S[i, j] k[i] over these rows;
+//   gdn_rows_update: S[i, j] <- exp(g) S[i, j] + k[i] delta_j, returning this part of
+//                    o_j = sum_i S[i, j] q[i];
+// with delta_j = beta (v_j - kv_j) between them: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T;
+// o = S^T q, as models/delta_rule.py's gated_delta_steps.
+template <int R>
+HOST_DEVICE float gdn_decay_dot(const float (&s)[R], float gexp, const float* k) {
     float kv = 0.f;
-    for (int i = 0; i < head_k; ++i) kv += s[(long long)i * stride] * gexp * k[i];
-    const float delta = (v - kv) * beta;
+    #pragma unroll
+    for (int i = 0; i < R; ++i) kv += s[i] * gexp * k[i];
+    return kv;
+}
+
+template <int R>
+HOST_DEVICE float gdn_rows_update(float (&s)[R], float gexp, const float* k, float delta,
+                                  const float* q) {
     float o = 0.f;
-    for (int i = 0; i < head_k; ++i) {
-        const float si = s[(long long)i * stride] * gexp + k[i] * delta;
-        s[(long long)i * stride] = si;
-        o += si * q[i];
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+        s[i] = s[i] * gexp + k[i] * delta;
+        o += s[i] * q[i];
     }
     return o;
 }
@@ -108,30 +128,58 @@ extern "C" __global__ void gdn_conv_step(const GdnSpec* __restrict__ spec, int n
     }
 }
 
-// Grid (n_v), block head_v threads; shared memory 2 head_k floats (q and k of the row).
-extern "C" __global__ void gdn_delta_step(const GdnSpec* __restrict__ spec, int n) {
-    pdl_entry();
-    extern __shared__ float qk[];
+// Grid (n_v), block head_k head_v / R threads (thread j + head_v g: column j, rows [g R, (g+1) R));
+// shared memory 2 head_k floats (q and k of the row) and head_k head_v / R partial sums.
+template <int R>
+__device__ __forceinline__ void gdn_delta_body(const GdnSpec p, int n) {
+    extern __shared__ float smem[];
     __shared__ float scratch[32];
-    const GdnSpec p = *spec;
-    const int h = blockIdx.x, j = threadIdx.x, r = p.n_v / p.n_k, kh = h / r;
+    const int h = blockIdx.x, r = p.n_v / p.n_k, kh = h / r;
+    const int j = threadIdx.x % p.head_v, grp = threadIdx.x / p.head_v, groups = p.head_k / R;
     const int key_dim = p.n_k * p.head_k, value_dim = p.n_v * p.head_v;
-    float* s = p.state + (long long)h * p.head_k * p.head_v + j;
+    float* q = smem;
+    float* k = smem + p.head_k;
+    float* part = smem + 2 * p.head_k;          // [groups, head_v]
+    float* col = p.state + (long long)h * p.head_k * p.head_v + (long long)grp * R * p.head_v + j;
+    float s[R];
+    #pragma unroll
+    for (int i = 0; i < R; ++i) s[i] = col[(long long)i * p.head_v];
     for (int t = 0; t < n; ++t) {
         const float* row = p.mixed + (long long)t * p.conv_dim;
-        __syncthreads();                        // the previous row's q and k are read
+        __syncthreads();                        // the previous row's q, k and partials are read
         for (int i = threadIdx.x; i < p.head_k; i += blockDim.x) {
-            qk[i] = row[kh * p.head_k + i];
-            qk[p.head_k + i] = row[key_dim + kh * p.head_k + i];
+            q[i] = row[kh * p.head_k + i];
+            k[i] = row[key_dim + kh * p.head_k + i];
         }
         __syncthreads();
         const float* ba = p.ba + (long long)t * p.n_k * 2 * r + kh * 2 * r;
         float beta, gexp;
         gdn_gates(ba[h % r], ba[r + h % r], p.ssm_a[h], p.ssm_dt[h], beta, gexp);
-        const float v = row[2 * key_dim + h * p.head_v + j];
-        const float o = gdn_column_step(s, p.head_v, qk, qk + p.head_k, v, beta, gexp, p.head_k);
-        const float ss = gdn_block_sum(o * o, scratch);
-        const long long at = (long long)t * value_dim + h * p.head_v + j;
-        p.out[at] = o / sqrtf(ss / (float)p.head_v + p.eps) * p.norm_w[j] * gdn_silu(p.z[at]);
+        part[grp * p.head_v + j] = gdn_decay_dot<R>(s, gexp, k + grp * R);
+        __syncthreads();
+        float kv = 0.f;
+        for (int g = 0; g < groups; ++g) kv += part[g * p.head_v + j];
+        const float delta = (row[2 * key_dim + h * p.head_v + j] - kv) * beta;
+        const float o_part = gdn_rows_update<R>(s, gexp, k + grp * R, delta, q + grp * R);
+        __syncthreads();                        // every kv read before part is reused
+        part[grp * p.head_v + j] = o_part;
+        __syncthreads();
+        float o = 0.f;
+        for (int g = 0; g < groups; ++g) o += part[g * p.head_v + j];
+        // the gated RMSNorm over the head's head_v outputs (every group holds them all: group 0's
+        // are summed)
+        const float ss = gdn_block_sum(grp == 0 ? o * o : 0.f, scratch);
+        if (grp == 0) {
+            const long long at = (long long)t * value_dim + h * p.head_v + j;
+            p.out[at] = o / sqrtf(ss / (float)p.head_v + p.eps) * p.norm_w[j] * gdn_silu(p.z[at]);
+        }
     }
+    #pragma unroll
+    for (int i = 0; i < R; ++i) col[(long long)i * p.head_v] = s[i];
+}
+
+extern "C" __global__ void __launch_bounds__(1024) gdn_delta_step(const GdnSpec* __restrict__ spec,
+                                                                   int n) {
+    pdl_entry();
+    gdn_delta_body<GDN_ROWS>(*spec, n);
 }
