@@ -26,11 +26,13 @@ class LinearLayer:
         self.out = cp.zeros((rows, g.value_dim), cp.float32)
         self.conv, self.state = cp.asarray(conv), cp.asarray(state)
         ptr = lambda a: int(a.data.ptr)  # noqa: E731
+        # the pointer table as the decode graph's: layer slot 1's conv and recurrent state
+        self.sess = cp.asarray(np.array([0, 0, ptr(self.conv), ptr(self.state)], np.uint64))
         self.spec = cd._spec_array(GDN_SPEC, [dict(
             qkv=ptr(self.qkv), z=ptr(self.z), ba=ptr(self.ba), conv_w=ptr(self.dev["ssm_conv1d"]),
             ssm_a=ptr(self.dev["ssm_a"]), ssm_dt=ptr(self.dev["ssm_dt"]),
             norm_w=ptr(self.dev["ssm_norm"]), mixed=ptr(self.mixed), out=ptr(self.out),
-            conv_state=ptr(self.conv), state=ptr(self.state), n_k=g.n_k_heads, n_v=g.n_v_heads,
+            sess=ptr(self.sess), layer_slot=1, n_k=g.n_k_heads, n_v=g.n_v_heads,
             head_k=g.head_k_dim, head_v=g.head_v_dim, conv_dim=conv_dim, K=g.ssm_conv_kernel,
             eps=g.rms_eps)])
         self.conv_fn = cd.function("decode.cu", "gdn_conv_step")

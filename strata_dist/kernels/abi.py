@@ -323,8 +323,9 @@ QKV_SPEC = np.dtype([("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("q_norm", "<u8")
                      ("n_layers", "<i4"), ("n_head", "<i4"), ("n_kv", "<i4"), ("D", "<i4"),
                      ("rot", "<i4"), ("eps", "<f4")], align=True)    # 96 bytes, as C pads it
 GDN_SPEC = np.dtype([(f, "<u8") for f in ("qkv", "z", "ba", "conv_w", "ssm_a", "ssm_dt", "norm_w",
-                                         "mixed", "out", "conv_state", "state")]
-                    + [(f, "<i4") for f in ("n_k", "n_v", "head_k", "head_v", "conv_dim", "K")]
-                    + [("eps", "<f4")], align=True)          # 120 bytes, as C pads it
+                                         "mixed", "out", "sess")]
+                    + [(f, "<i4") for f in ("layer_slot", "n_k", "n_v", "head_k", "head_v",
+                                            "conv_dim", "K")]
+                    + [("eps", "<f4")], align=True)          # 112 bytes, as C pads it
 STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC, "RouteSpec": ROUTE_SPEC,
            "QkvSpec": QKV_SPEC, "GdnSpec": GDN_SPEC}

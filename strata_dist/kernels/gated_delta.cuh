@@ -22,8 +22,10 @@
 #define GDN_L2_EPS 1e-6f     // the q/k L2 norm's epsilon (models/qwen3next.py L2_EPS)
 #define GDN_MAX_CONV_K 8     // the longest conv kernel (Qwen3-Next: 4)
 
-// One linear layer's pointers and sizes (kernels/abi.py GDN_SPEC). conv_state and state are the
-// bound session's (rewritten when the runner binds another).
+// One linear layer's pointers and sizes (kernels/abi.py GDN_SPEC). Its state is the bound
+// session's, read through the decode graph's pointer table as K and V are (cuda_decode.py
+// `_bind`): a linear layer's two entries are its conv state and its recurrent state, so one
+// captured graph serves every session.
 struct GdnSpec {
     const float* qkv;         // [n, conv_dim] attn_qkv's rows: q of every key head | k | v
     const float* z;           // [n, n_v * head_v] attn_gate's rows
@@ -34,9 +36,10 @@ struct GdnSpec {
     const float* norm_w;      // [head_v] ssm_norm
     float* mixed;             // [n, conv_dim] the convolved rows (q and k normalised)
     float* out;               // [n, n_v * head_v] the gated-normed output, ssm_out's input
-    float* conv_state;        // [K - 1, conv_dim] the last K - 1 inputs, updated in place
-    float* state;             // [n_v, head_k, head_v] updated in place
-    int n_k, n_v, head_k, head_v, conv_dim, K;
+    const u64* sess;          // the pointer table: [2 layer_slot] the conv state [K - 1, conv_dim]
+                              // (the last K - 1 inputs), [2 layer_slot + 1] the recurrent state
+                              // [n_v, head_k, head_v]; both updated in place
+    int layer_slot, n_k, n_v, head_k, head_v, conv_dim, K;
     float eps;                // the gated RMSNorm's
 };
 
@@ -114,11 +117,12 @@ extern "C" __global__ void gdn_conv_step(const GdnSpec* __restrict__ spec, int n
     __shared__ float scratch[32];
     const GdnSpec p = *spec;
     const int c = blockIdx.x * p.head_k + threadIdx.x;
+    float* conv_state = reinterpret_cast<float*>(p.sess[2 * p.layer_slot]);
     const int key_dim = p.n_k * p.head_k;
     const bool is_q = c < key_dim, is_k = !is_q && c < 2 * key_dim;   // uniform over the block
     const float scale = is_q ? rsqrtf((float)p.head_k) : 1.f;
     for (int t = 0; t < n; ++t) {
-        float m = gdn_conv_channel(p.conv_state + c, p.conv_dim, p.conv_w + (long long)c * p.K,
+        float m = gdn_conv_channel(conv_state + c, p.conv_dim, p.conv_w + (long long)c * p.K,
                                    p.qkv[(long long)t * p.conv_dim + c], p.K);
         if (is_q || is_k) {
             const float ss = gdn_block_sum(m * m, scratch);
@@ -140,7 +144,8 @@ __device__ __forceinline__ void gdn_delta_body(const GdnSpec p, int n) {
     float* q = smem;
     float* k = smem + p.head_k;
     float* part = smem + 2 * p.head_k;          // [groups, head_v]
-    float* col = p.state + (long long)h * p.head_k * p.head_v + (long long)grp * R * p.head_v + j;
+    float* state = reinterpret_cast<float*>(p.sess[2 * p.layer_slot + 1]);
+    float* col = state + (long long)h * p.head_k * p.head_v + (long long)grp * R * p.head_v + j;
     float s[R];
     #pragma unroll
     for (int i = 0; i < R; ++i) s[i] = col[(long long)i * p.head_v];
