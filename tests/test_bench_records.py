@@ -1,6 +1,6 @@
 """The benchmark harness on CPU ranks: bench_decode.py --cpu runs a real strata-launch --serve and
 writes a record (../RECORDS.md's fields) whose strata arm holds the plan's predicted ms/token
-beside the measured one."""
+beside the measured one; bench_prefill.py --cpu writes one arm per variant."""
 from __future__ import annotations
 
 import json
@@ -47,3 +47,25 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     assert "tokens DIFFER (00000000… against" in other
     assert "no earlier record" in tokens_against_records("decode", {**facts, "bytes": 1}, "strata",
                                                          arm["tokens_sha256"], str(out))
+
+
+def test_prefill_record_names_every_arm(tmp_path):
+    """bench_prefill.py --cpu: loans on and off, the prompt kernels and their device-routed arm
+    (environment switches a CPU rank ignores: the harness, not the speed), one record with an
+    arm each, named as ../RECORDS.md asks."""
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill.py"),
+                           "--model", str(model), "--cpu", "--budget", "400M", "--prompts", "128",
+                           "--chunk", "64", "--grouped", "--device-routing", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "device routing / loans on" in done.stdout
+    [path] = out.glob("prefill-tiny-q8_0-*.json")
+    record = json.loads(path.read_text())
+    assert record["bench"] == "prefill"
+    assert [a["name"] for a in record["arms"]] == [
+        "strata", "strata loans off", "strata prompt kernels",
+        "strata prompt kernels device routing"]
+    assert all(a["prefill_tok_s"]["128"] > 0 for a in record["arms"])
