@@ -21,10 +21,10 @@ class PlanParams:
                      normalised counts; "auto": measured when the profile is non-uniform, else model.
     miss_ms          ms to compute ONE expert for one token from host memory (STRATA_SPLIT_MISS_MS).
     layer_ms         fixed ms a decode token spends in each layer beyond its bytes: the decode graph's
-                     ~7 launches and their serial reductions (STRATA_SPLIT_LAYER_MS). 0.044 is what
-                     an H200 measured (docs/BENCHMARKS.md, 2026-12-01: 3.03 ms a token against 0.93 of
-                     bytes over 48 layers). Every placement holds every layer once, so it moves the
-                     prediction, never the choice.
+                     ~7 launches and their serial reductions (STRATA_SPLIT_LAYER_MS). 0.038 is what
+                     an H200 measured (docs/BENCHMARKS.md, 2026-12-02, commit dfe1689: 2.53 and 2.77 ms
+                     a token against 0.74 and 0.93 of bytes over 48 layers, Q4_K and Q8_0). Every
+                     placement holds every layer once, so it moves the prediction, never the choice.
     handoff_ms       ms per stage boundary on one host (STRATA_SPLIT_HANDOFF_MS).
     link_ms, link_gbs  a boundary between hosts costs handoff_ms + link_ms + hidden row / link_gbs
                      (STRATA_SPLIT_LINK_MS, STRATA_SPLIT_LINK_GBS).
@@ -42,7 +42,7 @@ class PlanParams:
     cover_b: float = 3.0
     coverage: str = "auto"
     miss_ms: float = 0.15
-    layer_ms: float = 0.044
+    layer_ms: float = 0.038
     handoff_ms: float = 0.05
     link_ms: float = 0.2
     link_gbs: float = 1.25
