@@ -134,6 +134,21 @@ def _layer(rng, nk, nv, hk, hv, K):
     return g, w, conv_dim
 
 
+def _states(rng, g, conv_dim):
+    """A session's conv state [K-1, conv_dim] and recurrent state [n_v, head_k, head_v]."""
+    conv = (rng.standard_normal((g.ssm_conv_kernel - 1, conv_dim)) * 0.3).astype(np.float32)
+    state = (rng.standard_normal((g.n_v_heads, g.head_k_dim, g.head_v_dim)) * 0.1).astype(np.float32)
+    return conv, state
+
+
+def _rows(rng, g, conv_dim, n, ba_scale=1.0):
+    """n rows of the layer's input projections: qkv, z and ba."""
+    qkv = rng.standard_normal((n, conv_dim)).astype(np.float32)
+    z = rng.standard_normal((n, g.value_dim)).astype(np.float32)
+    ba = (rng.standard_normal((n, 2 * g.n_v_heads)) * ba_scale).astype(np.float32)
+    return qkv, z, ba
+
+
 def _run(harness, g, w, qkv, z, ba, conv, state):
     exe, tmp = harness
     head = np.array([g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim, g.ssm_conv_kernel,
@@ -155,14 +170,11 @@ def test_linear_layer_steps_match_the_numpy_path_over_64_steps(harness, nk, nv, 
     rng = np.random.default_rng(nk * 100 + hk)
     g, w, conv_dim = _layer(rng, nk, nv, hk, hv, K)
     be = NumpyBackend()
-    conv = (rng.standard_normal((K - 1, conv_dim)) * 0.3).astype(np.float32)
-    state = (rng.standard_normal((nv, hk, hv)) * 0.1).astype(np.float32)
+    conv, state = _states(rng, g, conv_dim)
     conv_ref, state_ref = conv.copy(), state.copy()
     worst = 0.0
     for step in range(64):
-        qkv = rng.standard_normal((1, conv_dim)).astype(np.float32)
-        z = rng.standard_normal((1, nv * hv)).astype(np.float32)
-        ba = (rng.standard_normal((1, 2 * nv)) * 2).astype(np.float32)
+        qkv, z, ba = _rows(rng, g, conv_dim, 1, ba_scale=2.0)
         want = gdn_mixer(be, g, w, qkv, z, ba, conv_ref, state_ref)
         got, conv, state = _run(harness, g, w, qkv, z, ba, conv, state)
         # the states carried on are the host's own: a drift would compound over the steps
@@ -177,11 +189,8 @@ def test_one_step_of_several_rows_takes_them_in_order(harness):
     """A step of 5 rows (consecutive positions of one session) equals 5 steps of one row."""
     rng = np.random.default_rng(7)
     g, w, conv_dim = _layer(rng, 2, 4, 32, 32, 4)
-    conv = (rng.standard_normal((3, conv_dim)) * 0.3).astype(np.float32)
-    state = (rng.standard_normal((4, 32, 32)) * 0.1).astype(np.float32)
-    qkv = rng.standard_normal((5, conv_dim)).astype(np.float32)
-    z = rng.standard_normal((5, 4 * 32)).astype(np.float32)
-    ba = rng.standard_normal((5, 8)).astype(np.float32)
+    conv, state = _states(rng, g, conv_dim)
+    qkv, z, ba = _rows(rng, g, conv_dim, 5)
     got, conv5, state5 = _run(harness, g, w, qkv, z, ba, conv, state)
     want = gdn_mixer(NumpyBackend(), g, w, qkv, z, ba, conv.copy(), state.copy())
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))

@@ -4,7 +4,8 @@ on the device, and one step of several rows. Run on the GPU machine: pytest -m g
 import numpy as np
 import pytest
 
-from test_gated_delta_kernel import _layer
+from strata_dist.kernels.abi import GDN_ROWS, GDN_SPEC
+from test_gated_delta_kernel import _layer, _rows, _states
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -15,7 +16,6 @@ class LinearLayer:
 
     def __init__(self, g, w, conv, state, rows: int):
         from strata_dist.backends import cuda_decode as cd
-        from strata_dist.kernels.abi import GDN_SPEC
         self.g, self.rows = g, rows
         conv_dim = 2 * g.key_dim + g.value_dim
         self.dev = {k: cp.asarray(v) for k, v in w.items()}
@@ -43,8 +43,8 @@ class LinearLayer:
         self.qkv[:n], self.z[:n], self.ba[:n] = cp.asarray(qkv), cp.asarray(z), cp.asarray(ba)
         conv_dim = 2 * g.key_dim + g.value_dim
         self.conv_fn((conv_dim // g.head_k_dim,), (g.head_k_dim,), (self.spec, np.int32(n)))
-        # a thread per 16 rows of a state column (GDN_ROWS), with its partial sums in shared memory
-        threads = g.head_k_dim * g.head_v_dim // 16
+        # a thread per GDN_ROWS rows of a state column, its partial sums in shared memory
+        threads = g.head_k_dim * g.head_v_dim // GDN_ROWS
         self.delta_fn((g.n_v_heads,), (threads,), (self.spec, np.int32(n)),
                       shared_mem=(2 * g.head_k_dim + threads) * 4)
         return cp.asnumpy(self.out[:n]).reshape(n, g.n_v_heads, g.head_v_dim)
@@ -57,14 +57,11 @@ def test_linear_layer_kernels_match_the_numpy_path_over_64_steps(nk, nv, hk, hv,
     from strata_dist.models.qwen3next import gdn_mixer
     rng = np.random.default_rng(nk + hk)
     g, w, conv_dim = _layer(rng, nk, nv, hk, hv, K)
-    conv = (rng.standard_normal((K - 1, conv_dim)) * 0.3).astype(np.float32)
-    state = (rng.standard_normal((nv, hk, hv)) * 0.1).astype(np.float32)
+    conv, state = _states(rng, g, conv_dim)
     layer = LinearLayer(g, w, conv, state, rows=1)
     be = NumpyBackend()
     for _ in range(64):
-        qkv = rng.standard_normal((1, conv_dim)).astype(np.float32)
-        z = rng.standard_normal((1, nv * hv)).astype(np.float32)
-        ba = (rng.standard_normal((1, 2 * nv)) * 2).astype(np.float32)
+        qkv, z, ba = _rows(rng, g, conv_dim, 1, ba_scale=2.0)
         want = gdn_mixer(be, g, w, qkv, z, ba, conv, state)
         got = layer.step(qkv, z, ba)
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
@@ -76,11 +73,8 @@ def test_linear_layer_kernels_match_the_numpy_path_over_64_steps(nk, nv, hk, hv,
 def test_a_step_of_several_rows_equals_one_row_steps():
     rng = np.random.default_rng(3)
     g, w, conv_dim = _layer(rng, 2, 4, 32, 32, 4)
-    conv = (rng.standard_normal((3, conv_dim)) * 0.3).astype(np.float32)
-    state = (rng.standard_normal((4, 32, 32)) * 0.1).astype(np.float32)
-    qkv = rng.standard_normal((5, conv_dim)).astype(np.float32)
-    z = rng.standard_normal((5, 4 * 32)).astype(np.float32)
-    ba = rng.standard_normal((5, 8)).astype(np.float32)
+    conv, state = _states(rng, g, conv_dim)
+    qkv, z, ba = _rows(rng, g, conv_dim, 5)
     many = LinearLayer(g, w, conv, state, rows=8)
     got = many.step(qkv, z, ba)
     one = LinearLayer(g, w, conv, state, rows=8)

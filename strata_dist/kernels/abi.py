@@ -24,6 +24,7 @@ DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's def
 
 
 WARPS = BLOCK_THREADS // 32
+GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 
 
 @dataclass(frozen=True)

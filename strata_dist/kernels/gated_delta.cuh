@@ -20,7 +20,6 @@
 #pragma once
 
 #define GDN_L2_EPS 1e-6f     // the q/k L2 norm's epsilon (models/qwen3next.py L2_EPS)
-#define GDN_MAX_CONV_K 8     // the longest conv kernel (Qwen3-Next: 4)
 
 // One linear layer's pointers and sizes (kernels/abi.py GDN_SPEC). Its state is the bound
 // session's, read through the decode graph's pointer table as K and V are (cuda_decode.py
@@ -67,9 +66,8 @@ HOST_DEVICE void gdn_gates(float b, float a, float ssm_a, float dt, float& beta,
 }
 
 // The rows of a state column one thread of gdn_delta_step holds: a block of head_k head_v / 16
-// threads, so heads of up to 16,384 state values (Qwen3-Next: 128 x 128); the runner checks.
+// threads (at most 1,024), so heads of up to 16,384 state values (Qwen3-Next: 128 x 128).
 #define GDN_ROWS 16
-#define GDN_MAX_STATE (GDN_ROWS * 1024)
 
 // One row's delta rule on R rows of a state column s (values S[i, j], i in [i0, i0 + R)), in two
 // steps, since kv needs all of the column's rows between them:
