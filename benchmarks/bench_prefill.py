@@ -5,11 +5,11 @@ short warm-up prompt, then each prompt length once (one new token) and prints pr
 stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
 and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
-memory), and the ratio to llama.cpp is printed for every prompt length. With --grouped a third
-arm runs loans on with the prompt kernels: STRATA_GROUPED_EXPERTS=1 (the row kernels of
-backends/expert_rows.py) and STRATA_FLASH_PREFILL=1 (kernels/prefill_attention.cu); with
---device-routing one more, those with STRATA_DEVICE_ROUTING=1 (each chunk routed and grouped on
-the device, no routing table back to the host per layer).
+memory), and the ratio to llama.cpp is printed for every prompt length. The strata arms run the
+GPU defaults: the row kernels of backends/expert_rows.py, kernels/prefill_attention.cu, each chunk
+routed and grouped on the device. With --host-routing one more arm routes on the host
+(STRATA_DEVICE_ROUTING=0), with --general-path one more takes the general path
+(STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0: per-expert dequantize and GEMMs).
 The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
@@ -80,21 +80,21 @@ def main() -> int:
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
     ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp: layers whose experts stay on the CPU")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
-    ap.add_argument("--grouped", action="store_true",
-                    help="a third arm: loans on, STRATA_GROUPED_EXPERTS=1 STRATA_FLASH_PREFILL=1")
-    ap.add_argument("--device-routing", action="store_true",
-                    help="one more arm: the prompt kernels with STRATA_DEVICE_ROUTING=1")
+    ap.add_argument("--host-routing", action="store_true",
+                    help="one more arm: loans on, STRATA_DEVICE_ROUTING=0")
+    ap.add_argument("--general-path", action="store_true",
+                    help="one more arm: loans on, STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
     results = {}
     variants = [("loans on", True, None), ("loans off", False, None)]
-    kernels = {"STRATA_GROUPED_EXPERTS": "1", "STRATA_FLASH_PREFILL": "1"}
-    if args.grouped:
-        variants.append(("grouped experts", True, kernels))
-    if args.device_routing:
-        variants.append(("device routing", True, {**kernels, "STRATA_DEVICE_ROUTING": "1"}))
+    if args.host_routing:
+        variants.append(("host routing", True, {"STRATA_DEVICE_ROUTING": "0"}))
+    if args.general_path:
+        variants.append(("general path", True, {"STRATA_GROUPED_EXPERTS": "0",
+                                                "STRATA_FLASH_PREFILL": "0"}))
     for name, loans, env in variants:
         t0 = time.perf_counter()
         r = results[name] = strata_arm(args, loans, env)
@@ -116,18 +116,18 @@ def main() -> int:
     for n in args.prompts:
         on, off = results["loans on"]["runs"][n]["tps"], results["loans off"]["runs"][n]["tps"]
         line = f"{n:6d} tokens: loans on / off {on / off:.2f}x"
-        for arm in ("grouped experts", "device routing"):
+        for arm in ("host routing", "general path"):
             if arm in results:
                 line += f"; {arm} / loans on {results[arm]['runs'][n]['tps'] / on:.2f}x"
         if "llama.cpp" in results and n in results["llama.cpp"]["runs"]:
             theirs = results["llama.cpp"]["runs"][n]["tps"]
-            for arm in ("loans on", "grouped experts", "device routing"):
+            for arm in ("loans on", "loans off", "host routing", "general path"):
                 if arm in results:
                     line += f"; {arm} / llama.cpp {results[arm]['runs'][n]['tps'] / theirs:.2f}x"
         print(line)
     names = {"loans on": "strata", "loans off": "strata loans off",
-             "grouped experts": "strata prompt kernels",
-             "device routing": "strata prompt kernels device routing", "llama.cpp": "llama.cpp"}
+             "host routing": "strata host routing", "general path": "strata general path",
+             "llama.cpp": "llama.cpp"}
     arms = [{"name": names[k], "gpus": 0 if args.cpu else 1,
              "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
              "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}

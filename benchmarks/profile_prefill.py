@@ -6,8 +6,8 @@ synchronization until the end, so overlap stays as it is). Operations nest (`moe
 `experts_swiglu`, `route` holds `to_host`), so their rows overlap; the wall time is the reference.
 With --cprofile the host's top functions by cumulative time follow.
 
-    python benchmarks/profile_prefill.py --model q30_8l.gguf --tokens 512 [--grouped] [--flash] \
-        [--device-routing]
+    python benchmarks/profile_prefill.py --model q30_8l.gguf --tokens 512 [--host-routing] \
+        [--general-path]
 """
 from __future__ import annotations
 
@@ -53,19 +53,17 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--grouped", action="store_true", help="STRATA_GROUPED_EXPERTS=1 (row kernels)")
-    ap.add_argument("--flash", action="store_true", help="STRATA_FLASH_PREFILL=1 (flash attention)")
-    ap.add_argument("--device-routing", action="store_true",
-                    help="STRATA_DEVICE_ROUTING=1 (route and group on the device; with --grouped)")
+    ap.add_argument("--host-routing", action="store_true",
+                    help="STRATA_DEVICE_ROUTING=0 (route and group on the host)")
+    ap.add_argument("--general-path", action="store_true",
+                    help="STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0 (per-expert GEMMs)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the host's N top functions by cumulative time")
     args = ap.parse_args()
-    if args.grouped:
-        os.environ["STRATA_GROUPED_EXPERTS"] = "1"
-    if args.flash:
-        os.environ["STRATA_FLASH_PREFILL"] = "1"
-    if args.device_routing:
-        os.environ["STRATA_DEVICE_ROUTING"] = "1"
+    if args.host_routing:
+        os.environ["STRATA_DEVICE_ROUTING"] = "0"
+    if args.general_path:
+        os.environ["STRATA_GROUPED_EXPERTS"] = os.environ["STRATA_FLASH_PREFILL"] = "0"
     import cupy as cp
     from strata_dist.single_process import SingleProcessRunner
     eng = SingleProcessRunner(args.model, args.device, max_context=args.tokens + 64,
@@ -84,8 +82,8 @@ def main() -> int:
     read()                                            # warm-up: builds, pools
     wall = read()
     layers = eng.model.le - eng.model.lb
-    print(f"{args.tokens} tokens, {layers} layers, grouped={args.grouped} flash={args.flash} "
-          f"device_routing={args.device_routing}: "
+    print(f"{args.tokens} tokens, {layers} layers, general_path={args.general_path} "
+          f"host_routing={args.host_routing}: "
           f"{wall * 1e3:.1f} ms ({args.tokens / wall:.0f} tok/s, {wall * 1e3 / layers:.2f} ms a "
           f"layer)")
     host, events, calls = wrap_ops(eng.backend, cp)

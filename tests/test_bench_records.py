@@ -50,7 +50,7 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
 
 
 def test_prefill_record_names_every_arm(tmp_path):
-    """bench_prefill.py --cpu: loans on and off, the prompt kernels and their device-routed arm
+    """bench_prefill.py --cpu: loans on and off, routing on the host, the general path
     (environment switches a CPU rank ignores: the harness, not the speed), one record with an
     arm each, named as ../RECORDS.md asks."""
     model = tmp_path / "tiny.gguf"
@@ -58,14 +58,13 @@ def test_prefill_record_names_every_arm(tmp_path):
     out = tmp_path / "records"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill.py"),
                            "--model", str(model), "--cpu", "--budget", "400M", "--prompts", "128",
-                           "--chunk", "64", "--grouped", "--device-routing", "--out", str(out)],
+                           "--chunk", "64", "--host-routing", "--general-path", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "device routing / loans on" in done.stdout
+    assert "general path / loans on" in done.stdout
     [path] = out.glob("prefill-tiny-q8_0-*.json")
     record = json.loads(path.read_text())
     assert record["bench"] == "prefill"
     assert [a["name"] for a in record["arms"]] == [
-        "strata", "strata loans off", "strata prompt kernels",
-        "strata prompt kernels device routing"]
+        "strata", "strata loans off", "strata host routing", "strata general path"]
     assert all(a["prefill_tok_s"]["128"] > 0 for a in record["arms"])

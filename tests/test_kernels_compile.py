@@ -177,6 +177,23 @@ def test_argument_tables_match_the_structs(tmp_path):
     assert [line for line in got if line] == want
 
 
+
+@needs_nvcc
+def test_row_kernel_tiles_match_the_host(tmp_path):
+    """experts_rows.cu's tile and grouping macros are the ones the host sizes its launches and
+    its work items by (kernels/abi.py; the host's items must be the device grouping's)."""
+    from strata_dist.kernels.abi import MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N
+    main = tmp_path / "rows.cu"
+    main.write_text(f'#include <cstdio>\n#include "{KERNEL_DIR / "experts_rows.cu"}"\n'
+                    'int main() { printf("%d %d %d %d %zu", TILE_M, TILE_N, TILE_K, '
+                    'MAX_GROUP_EXPERTS, sizeof(RowsItem)); return 0; }\n')
+    exe = tmp_path / "rows"
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout
+    assert got == f"{ROWS_TILE_M} {ROWS_TILE_N} {ROWS_TILE_K} {MAX_GROUP_EXPERTS} 16"
+
 def _nvrtc():
     """libnvrtc (the nvidia-cuda-nvrtc wheel of the test extras, or the system's), or None."""
     import ctypes

@@ -45,18 +45,19 @@ class CupyBackend(Backend):
         self._dev.use()
         self._pinned = None
         self._pinned_read = None    # recorded after the last copy out of the pinned buffer
-        # experimental, until measured: experts through the row kernels (backends/expert_rows.py)
-        # experimental, until measured: prompt attention by kernels/prefill_attention.cu
-        self._flash = os.environ.get("STRATA_FLASH_PREFILL") == "1"
+        # a prompt's experts through the row kernels (backends/expert_rows.py), its attention by
+        # kernels/prefill_attention.cu, and each chunk routed (every placement alike, so the
+        # tokens do not depend on it) and, where a layer is all resident, grouped on the device:
+        # no host round trip a layer. The row kernels measured 4x the general path at 512 tokens,
+        # device routing 2x host routing at 4,096 (docs/BENCHMARKS.md); each switch set to 0
+        # gives the general path back.
+        self._flash = os.environ.get("STRATA_FLASH_PREFILL", "1") != "0"
         self._rows = None
-        if os.environ.get("STRATA_GROUPED_EXPERTS") == "1":
+        if os.environ.get("STRATA_GROUPED_EXPERTS", "1") != "0":
             from .expert_rows import RowsKernels
             self._rows = RowsKernels(index)
-        # experimental, until measured: with the row kernels, chunks routed (every placement alike,
-        # so the tokens do not depend on it) and, where a layer is all resident, grouped on the
-        # device, without a host round trip a layer
         self._device_routing = (self._rows is not None
-                                and os.environ.get("STRATA_DEVICE_ROUTING") == "1")
+                                and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -172,7 +173,7 @@ class CupyBackend(Backend):
         return y
 
     def prompt_attention(self, q, k, v, pos0):
-        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=1): f16 K/V of 128-wide heads."""
+        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide heads."""
         if (not self._flash or q.shape[-1] != 128 or k.dtype != cp.float16
                 or v.dtype != cp.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous)
                 or q.shape[1] % k.shape[1]):

@@ -1,13 +1,13 @@
 """Experts over many rows on the GPU: every (row, rank) pair of a layer sorted by expert and cut
 into work items, then two launches for the whole layer (kernels/experts_rows.cu) instead of a
-dequantize and three GEMMs per expert. Each output is one thread's sum in column order, so a
-pair's bits do not depend on how the pairs were grouped, which tier held the blob, or the chunk.
+dequantize and three GEMMs per expert. Each output is summed in one fixed order over the
+columns, whatever else shares its work item, so a pair's bits do not depend on how the pairs were grouped, which tier held the blob, or the chunk.
 
 Two builds of the same kernels: on tensor cores (mma.sync, rows and weights rounded to f16 in
 shared memory as cuBLAS's f16 products round them; the default) and in float32 FMA
-(STRATA_ROWS_MMA=0). Opt-in while unmeasured on a GPU: STRATA_GROUPED_EXPERTS=1 (CupyBackend
-reads it). With STRATA_DEVICE_ROUTING=1 as well, a chunk is routed (`route`) and, where a layer's
-experts are all resident, grouped (`run_routed`) on the device: no host round trip a layer."""
+(STRATA_ROWS_MMA=0). The GPU default (CupyBackend; STRATA_GROUPED_EXPERTS=0: the general path).
+Unless STRATA_DEVICE_ROUTING=0, a chunk is routed (`route`) and, where a layer's experts are all
+resident, grouped (`run_routed`) on the device: no host round trip a layer."""
 from __future__ import annotations
 
 import math
@@ -17,11 +17,11 @@ import numpy as np
 import cupy as cp
 
 from ..kernels import function
-from ..kernels.abi import (MAX_GROUP_EXPERTS, ROWS_TILE_M, TYPE_NAMES, ExpertLayout,
-                           expert_layout)
+from ..kernels.abi import (MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N,
+                           TYPE_NAMES, ExpertLayout, expert_layout)
 
 KERNELS = "experts_rows.cu"
-TILE_M, TILE_N, TILE_K = ROWS_TILE_M, 64, 32      # experts_rows.cu
+TILE_M, TILE_N, TILE_K = ROWS_TILE_M, ROWS_TILE_N, ROWS_TILE_K
 
 
 def layer_experts(gguf, layer: int) -> ExpertLayout | None:

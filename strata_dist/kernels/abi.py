@@ -288,7 +288,9 @@ def rows_kernel_names() -> list[str]:
 
 # experts_rows.cu's routing and grouping of a chunk on the device
 GROUP_KERNELS = ("route_rows", "group_count", "group_items", "group_scatter")
-ROWS_TILE_M = 32                # pairs of one work item (TILE_M in experts_rows.cu)
+ROWS_TILE_M = 64                # pairs of one work item (TILE_M in experts_rows.cu)
+ROWS_TILE_N = 64                # outputs of one block (TILE_N)
+ROWS_TILE_K = 32                # columns of one staged step (TILE_K): K must be whole steps
 MAX_GROUP_EXPERTS = 512         # the most experts a layer may have for group_items
 
 

@@ -12,7 +12,8 @@
 #include "mma.cuh"
 #include "routing.cuh"
 
-#define TILE_M 32     // (row, rank) pairs of one work item
+#define TILE_M 64     // (row, rank) pairs of one work item (kernels/abi.py ROWS_TILE_M)
+#define FMA_M 32      // pairs of one tile of the FMA build: it takes an item in slices of FMA_M
 #define TILE_N 64     // outputs of one block
 #define TILE_K 32     // columns staged in shared memory per step (four chunks of 8)
 
@@ -23,13 +24,12 @@ struct RowsItem {
     int blob, start, count, pad;
 };
 
-// Thread t of 256 owns pairs 2 * (t / 16) + {0, 1} and outputs 4 * (t % 16) + {0, 1, 2, 3} of the
-// tile: 8 sums, each a sequential fmaf over the columns.
+// FMA build: thread t of 256 owns pairs 2 * (t / 16) + {0, 1} of the slice and outputs
+// 4 * (t % 16) + {0, 1, 2, 3} of the tile: 8 sums, each a sequential fmaf over the columns.
 #define OWN_M(t) (2 * ((t) >> 4))
 #define OWN_N(t) (4 * ((t) & 15))
 
-// What thread t stages of TILE_K columns [k0, k0 + TILE_K), in both builds: four consecutive
-// columns 4 (t % 8) .. of the item's input row m = t / 8 (zeros past `count`) ...
+// Four consecutive columns k0 + c .. of input row m of a tile (zeros past `count`).
 __device__ __forceinline__ float4 tile_row_values(const float* __restrict__ x, int x_cols,
                                                   const int* __restrict__ rows, int count, int k0,
                                                   int m, int c) {
@@ -39,8 +39,8 @@ __device__ __forceinline__ float4 tile_row_values(const float* __restrict__ x, i
     return v;
 }
 
-// ... and chunk q = t % 4 of weight row n0 + n, n = t / 4, decoded (rows past `nrows` read the
-// last row and are never written out)
+// Chunk q of weight row n0 + n (8 columns from k0 + 8q), decoded; rows past `nrows` read the last
+// row and are never written out. Thread t stages chunk t % 4 of row t / 4 in both builds.
 template <int T>
 __device__ __forceinline__ void tile_weight_chunk(const u8* __restrict__ base, i64 row_bytes,
                                                   int n0, int nrows, int k0, int n, int q,
@@ -49,7 +49,7 @@ __device__ __forceinline__ void tile_weight_chunk(const u8* __restrict__ base, i
 }
 
 // The FMA build's staging: input rows into xs[k][m], weights into ws[k][n].
-__device__ __forceinline__ void stage_rows(float (*xs)[TILE_M], const float* __restrict__ x,
+__device__ __forceinline__ void stage_rows(float (*xs)[FMA_M], const float* __restrict__ x,
                                            int x_cols, const int* __restrict__ rows, int count,
                                            int k0) {
     const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
@@ -67,24 +67,85 @@ __device__ __forceinline__ void stage_weights(float (*ws)[TILE_N], const u8* __r
     for (int j = 0; j < 8; ++j) ws[8 * q + j][n] = w[j];
 }
 
-// ---- staging and fragments of the tensor-core build -------------------------------------------
+// acc[mat][i][r] += slice rows (x rows `rows`, `count` <= FMA_M of them, K columns) times rows
+// out0.. of each of the NMAT weight matrices (bases[mat], row_bytes[mat] a row; rows past `nrows`
+// repeat the last). NMAT = 2: gate and up share the staged input rows.
+template <int T, int NMAT>
+__device__ __forceinline__ void tile_products_fma(float (&acc)[NMAT][2][4],
+                                                  const float* __restrict__ x, int K,
+                                                  const int* __restrict__ rows, int count,
+                                                  const u8* const (&bases)[NMAT],
+                                                  const i64 (&row_bytes)[NMAT], int out0,
+                                                  int nrows) {
+    __shared__ __align__(16) float xs[TILE_K][FMA_M];
+    __shared__ __align__(16) float ws[NMAT][TILE_K][TILE_N];
+    const int t = threadIdx.x;
+    for (int k0 = 0; k0 < K; k0 += TILE_K) {
+        stage_rows(xs, x, K, rows, count, k0);
+        #pragma unroll
+        for (int mat = 0; mat < NMAT; ++mat)
+            stage_weights<T>(ws[mat], bases[mat], row_bytes[mat], out0, nrows, k0);
+        __syncthreads();
+        #pragma unroll 8
+        for (int kk = 0; kk < TILE_K; ++kk) {
+            const float2 xv = *reinterpret_cast<const float2*>(&xs[kk][OWN_M(t)]);
+            const float xa[2] = {xv.x, xv.y};
+            #pragma unroll
+            for (int mat = 0; mat < NMAT; ++mat) {
+                const float4 wv = *reinterpret_cast<const float4*>(&ws[mat][kk][OWN_N(t)]);
+                const float w[4] = {wv.x, wv.y, wv.z, wv.w};
+                #pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        acc[mat][i][r] = fmaf(w[r], xa[i], acc[mat][i][r]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---- the tensor-core build ---------------------------------------------------------------------
 // mma.sync m16n8k16 (f16 inputs, f32 accumulation): the input rows and the decoded weights are
 // rounded to f16 in shared memory (as cuBLAS's f16 products round them). A row's TILE_K values are
 // first multiplied by a power of two that puts their largest near 2^14 (exact, and activations of
 // any size stay inside f16's range: SwiGLU outputs overflow 65504 on real weights), the tile's
 // product is divided by it in f32; outputs accumulate tile after tile in column order, so a pair's
 // bits still do not depend on its neighbours.
-// 8 warps: warp w takes the 16 pairs (w & 1) and the 16 outputs 16 * (w >> 1) of the 32 x 64 tile.
-#define MMA_PAD 8                   // halves of padding per shared row: conflict-free fragments
+// 8 warps: warp w takes the 16 pairs 16 (w % 4) and the 32 outputs 32 (w / 4) of the 64 x 64 tile.
+// Shared memory holds two steps: the step after the one being multiplied is read from global
+// memory into registers while the tensor cores run, then written to the other half (one barrier a
+// step).
+#define MMA_PAD 8                   // halves of padding per shared row: conflict-free ldmatrix
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
 
-// TILE_K columns of the item's rows as f16, xs[m][k] = x * 2^-unscale[m] (zeros past `count`);
-// the 8 threads of row m are 8 neighbouring lanes of one warp
-__device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], float* unscale,
-                                             const float* __restrict__ x, int x_cols,
-                                             const int* __restrict__ rows, int count, int k0) {
+// What thread t reads of one step, before it is rounded and stored: four columns 4 (t % 8) .. of
+// rows t / 8 and t / 8 + 32, and chunk t % 4 of weight row t / 4 of each matrix.
+template <int NMAT>
+struct MmaStep {
+    float4 x[2];
+    float w[NMAT][8];
+};
+
+template <int T, int NMAT>
+__device__ __forceinline__ void mma_step_load(MmaStep<NMAT>& s, const float* __restrict__ x,
+                                              int K, const int* __restrict__ rows, int count,
+                                              const u8* const (&bases)[NMAT],
+                                              const i64 (&row_bytes)[NMAT], int out0, int nrows,
+                                              int k0) {
     const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
-    const float4 v = tile_row_values(x, x_cols, rows, count, k0, m, c);
+    s.x[0] = tile_row_values(x, K, rows, count, k0, m, c);
+    s.x[1] = tile_row_values(x, K, rows, count, k0, m + 32, c);
+    #pragma unroll
+    for (int mat = 0; mat < NMAT; ++mat)
+        tile_weight_chunk<T>(bases[mat], row_bytes[mat], out0, nrows, k0, threadIdx.x >> 2,
+                             threadIdx.x & 3, s.w[mat]);
+}
+
+// One input row's four values as f16, x * 2^-unscale (the 8 threads of a row are 8 neighbouring
+// lanes of one warp: they agree on the row's largest value)
+__device__ __forceinline__ void store_row_h(__half* row, float* unscale, float4 v, int c) {
     float top = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     #pragma unroll
     for (int lane = 1; lane < 8; lane <<= 1)
@@ -92,132 +153,137 @@ __device__ __forceinline__ void stage_rows_h(__half (*xs)[MMA_LD], float* unscal
     int e = 0;
     frexpf(top, &e);                     // top < 2^e (e = 0 for a row of zeros)
     const float up = ldexpf(1.f, 14 - e);
-    if ((threadIdx.x & 7) == 0) unscale[m] = ldexpf(1.f, e - 14);
+    if (c == 0) *unscale = ldexpf(1.f, e - 14);
     uint2 packed;
     packed.x = pack_half2(v.x * up, v.y * up);
     packed.y = pack_half2(v.z * up, v.w * up);
-    *reinterpret_cast<uint2*>(&xs[m][c]) = packed;
+    *reinterpret_cast<uint2*>(row + c) = packed;
 }
 
-// chunk q of weight row n as f16, ws[n][8q .. 8q+7]
-template <int T>
-__device__ __forceinline__ void stage_weights_h(__half (*ws)[MMA_LD], const u8* __restrict__ base,
-                                                i64 row_bytes, int n0, int nrows, int k0) {
+template <int NMAT>
+__device__ __forceinline__ void mma_step_store(const MmaStep<NMAT>& s, __half (*xs)[MMA_LD],
+                                               __half (*ws)[TILE_N][MMA_LD], float* unscale) {
+    const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
+    store_row_h(xs[m], unscale + m, s.x[0], c);
+    store_row_h(xs[m + 32], unscale + m + 32, s.x[1], c);
     const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
-    float w[8];
-    tile_weight_chunk<T>(base, row_bytes, n0, nrows, k0, n, q, w);
-    uint4 packed;
-    packed.x = pack_half2(w[0], w[1]);
-    packed.y = pack_half2(w[2], w[3]);
-    packed.z = pack_half2(w[4], w[5]);
-    packed.w = pack_half2(w[6], w[7]);
-    *reinterpret_cast<uint4*>(&ws[n][8 * q]) = packed;
+    #pragma unroll
+    for (int mat = 0; mat < NMAT; ++mat) {
+        uint4 packed;
+        packed.x = pack_half2(s.w[mat][0], s.w[mat][1]);
+        packed.y = pack_half2(s.w[mat][2], s.w[mat][3]);
+        packed.z = pack_half2(s.w[mat][4], s.w[mat][5]);
+        packed.w = pack_half2(s.w[mat][6], s.w[mat][7]);
+        *reinterpret_cast<uint4*>(&ws[mat][n][8 * q]) = packed;
+    }
 }
 
-// The A fragment of rows m0.. and the B fragments of outputs n0.. for the k16 step at kk.
-__device__ __forceinline__ void load_a(u32 (&a)[4], __half (*xs)[MMA_LD], int m0, int kk) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    a[0] = *reinterpret_cast<const u32*>(&xs[m0 + g][kk + 2 * t]);
-    a[1] = *reinterpret_cast<const u32*>(&xs[m0 + g + 8][kk + 2 * t]);
-    a[2] = *reinterpret_cast<const u32*>(&xs[m0 + g][kk + 8 + 2 * t]);
-    a[3] = *reinterpret_cast<const u32*>(&xs[m0 + g + 8][kk + 8 + 2 * t]);
+// acc[mat][i][r] += the item's input rows (x rows `rows`, `count` <= TILE_M of them, K columns)
+// times rows out0.. of each of the NMAT weight matrices, as tile_products_fma.
+template <int T, int NMAT>
+__device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][4][4],
+                                                  const float* __restrict__ x, int K,
+                                                  const int* __restrict__ rows, int count,
+                                                  const u8* const (&bases)[NMAT],
+                                                  const i64 (&row_bytes)[NMAT], int out0,
+                                                  int nrows) {
+    __shared__ __align__(16) __half xs[2][TILE_M][MMA_LD];
+    __shared__ __align__(16) __half ws[2][NMAT][TILE_N][MMA_LD];
+    __shared__ float unscale[2][TILE_M];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+    const int g = lane >> 2;                 // C fragment rows m0 + g (r < 2), m0 + g + 8
+    // ldmatrix rows of this lane: matrix lane / 8, row lane % 8 of it
+    const int lm = lane >> 3, lr = lane & 7;
+    MmaStep<NMAT> next;
+    mma_step_load<T, NMAT>(next, x, K, rows, count, bases, row_bytes, out0, nrows, 0);
+    mma_step_store<NMAT>(next, xs[0], ws[0], unscale[0]);
+    __syncthreads();
+    for (int k0 = 0, s = 0; k0 < K; k0 += TILE_K, s ^= 1) {
+        const bool more = k0 + TILE_K < K;                      // uniform
+        if (more)
+            mma_step_load<T, NMAT>(next, x, K, rows, count, bases, row_bytes, out0, nrows,
+                                   k0 + TILE_K);
+        float part[NMAT][4][4] = {};
+        #pragma unroll
+        for (int kk = 0; kk < TILE_K; kk += 16) {
+            u32 a[4];
+            ldmatrix_x4(a, &xs[s][m0 + lr + 8 * (lm & 1)][kk + 8 * (lm >> 1)]);
+            #pragma unroll
+            for (int mat = 0; mat < NMAT; ++mat) {
+                #pragma unroll
+                for (int p = 0; p < 2; ++p) {        // n8 tiles 2p and 2p + 1
+                    u32 b[4];
+                    ldmatrix_x4(b, &ws[s][mat][n0 + 16 * p + lr + 8 * (lm >> 1)][kk + 8 * (lm & 1)]);
+                    mma_16816(part[mat][2 * p], a, b[0], b[1]);
+                    mma_16816(part[mat][2 * p + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        const float lo = unscale[s][m0 + g], hi = unscale[s][m0 + g + 8];
+        #pragma unroll
+        for (int mat = 0; mat < NMAT; ++mat) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                #pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    acc[mat][i][r] = fmaf(part[mat][i][r], r < 2 ? lo : hi, acc[mat][i][r]);
+            }
+        }
+        if (more) mma_step_store<NMAT>(next, xs[s ^ 1], ws[s ^ 1], unscale[s ^ 1]);
+        __syncthreads();
+    }
 }
 
-__device__ __forceinline__ void load_b(u32& b0, u32& b1, __half (*ws)[MMA_LD], int n0, int kk) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    b0 = *reinterpret_cast<const u32*>(&ws[n0 + g][kk + 2 * t]);
-    b1 = *reinterpret_cast<const u32*>(&ws[n0 + g][kk + 8 + 2 * t]);
-}
-
-// ---- one tile ----------------------------------------------------------------------------------
-// Where this thread's output acc[i][r] lies in the 32 x 64 tile: pair m, output n.
+// Where this thread's output acc[i][r] lies in its tile: pair m, output n (MMA: the C fragment of
+// n8 tile i of the warp's 16 x 32; FMA: of the 32-pair slice).
 template <bool MMA>
 __device__ __forceinline__ void tile_coord(int i, int r, int& m, int& n) {
     const int t = threadIdx.x;
-    if constexpr (MMA) {                     // the C fragment of n8 tile i of the warp's 16 x 16
+    if constexpr (MMA) {
         const int warp = t >> 5, g = (t & 31) >> 2, q = t & 3;
-        m = 16 * (warp & 1) + g + 8 * (r >> 1);
-        n = 16 * (warp >> 1) + 8 * i + 2 * q + (r & 1);
+        m = 16 * (warp & 3) + g + 8 * (r >> 1);
+        n = 32 * (warp >> 2) + 8 * i + 2 * q + (r & 1);
     } else {
         m = OWN_M(t) + i;
         n = OWN_N(t) + r;
     }
 }
 
-// acc[mat][i][r] += the item's input rows (x rows `rows`, `count` of them, K columns) times rows
-// out0.. of each of the NMAT weight matrices (bases[mat], row_bytes[mat] a row; rows past `nrows`
-// repeat the last). NMAT = 2: gate and up share the staged input rows.
-template <int T, int NMAT, bool MMA>
-__device__ __forceinline__ void tile_products(float (&acc)[NMAT][2][4], const float* __restrict__ x,
-                                              int K, const int* __restrict__ rows, int count,
+// acc of NMAT matrices for the pairs [first, first + count) of an item, each build's own
+// accumulator shape; `write(m, n, acc_of_mat...)` for every output inside the tile.
+template <int T, int NMAT, bool MMA, class Write>
+__device__ __forceinline__ void item_products(const float* __restrict__ x, int K,
+                                              const int* __restrict__ rows, int count,
                                               const u8* const (&bases)[NMAT],
-                                              const i64 (&row_bytes)[NMAT], int out0, int nrows) {
+                                              const i64 (&row_bytes)[NMAT], int out0, int nrows,
+                                              Write write) {
     if constexpr (MMA) {
-        __shared__ __align__(16) __half xs[TILE_M][MMA_LD];
-        __shared__ __align__(16) __half ws[NMAT][TILE_N][MMA_LD];
-        __shared__ float unscale[TILE_M];
-        const int warp = threadIdx.x >> 5, m0 = 16 * (warp & 1), n0 = 16 * (warp >> 1);
-        const int g = (threadIdx.x & 31) >> 2;   // C fragment rows m0 + g (r < 2), m0 + g + 8
-        for (int k0 = 0; k0 < K; k0 += TILE_K) {
-            stage_rows_h(xs, unscale, x, K, rows, count, k0);
+        float acc[NMAT][4][4] = {};
+        tile_products_mma<T, NMAT>(acc, x, K, rows, count, bases, row_bytes, out0, nrows);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
             #pragma unroll
-            for (int mat = 0; mat < NMAT; ++mat)
-                stage_weights_h<T>(ws[mat], bases[mat], row_bytes[mat], out0, nrows, k0);
-            __syncthreads();
-            float part[NMAT][2][4] = {};
-            #pragma unroll
-            for (int kk = 0; kk < TILE_K; kk += 16) {
-                u32 a[4];
-                load_a(a, xs, m0, kk);
-                #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    #pragma unroll
-                    for (int mat = 0; mat < NMAT; ++mat) {
-                        u32 b0, b1;
-                        load_b(b0, b1, ws[mat], n0 + 8 * i, kk);
-                        mma_16816(part[mat][i], a, b0, b1);
-                    }
-                }
+            for (int r = 0; r < 4; ++r) {
+                int m, n;
+                tile_coord<true>(i, r, m, n);
+                if (m < count) write(m, out0 + n, acc[0][i][r], acc[NMAT - 1][i][r]);
             }
-            const float lo = unscale[m0 + g], hi = unscale[m0 + g + 8];
-            #pragma unroll
-            for (int mat = 0; mat < NMAT; ++mat) {
-                #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    #pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        acc[mat][i][r] = fmaf(part[mat][i][r], r < 2 ? lo : hi, acc[mat][i][r]);
-                }
-            }
-            __syncthreads();
         }
     } else {
-        __shared__ __align__(16) float xs[TILE_K][TILE_M];
-        __shared__ __align__(16) float ws[NMAT][TILE_K][TILE_N];
-        const int t = threadIdx.x;
-        for (int k0 = 0; k0 < K; k0 += TILE_K) {
-            stage_rows(xs, x, K, rows, count, k0);
+        for (int s = 0; s < count; s += FMA_M) {               // uniform
+            float acc[NMAT][2][4] = {};
+            const int c = min(FMA_M, count - s);
+            tile_products_fma<T, NMAT>(acc, x, K, rows + s, c, bases, row_bytes, out0, nrows);
             #pragma unroll
-            for (int mat = 0; mat < NMAT; ++mat)
-                stage_weights<T>(ws[mat], bases[mat], row_bytes[mat], out0, nrows, k0);
-            __syncthreads();
-            #pragma unroll 8
-            for (int kk = 0; kk < TILE_K; ++kk) {
-                const float2 xv = *reinterpret_cast<const float2*>(&xs[kk][OWN_M(t)]);
-                const float xa[2] = {xv.x, xv.y};
+            for (int i = 0; i < 2; ++i) {
                 #pragma unroll
-                for (int mat = 0; mat < NMAT; ++mat) {
-                    const float4 wv = *reinterpret_cast<const float4*>(&ws[mat][kk][OWN_N(t)]);
-                    const float w[4] = {wv.x, wv.y, wv.z, wv.w};
-                    #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        #pragma unroll
-                        for (int r = 0; r < 4; ++r)
-                            acc[mat][i][r] = fmaf(w[r], xa[i], acc[mat][i][r]);
-                    }
+                for (int r = 0; r < 4; ++r) {
+                    int m, n;
+                    tile_coord<false>(i, r, m, n);
+                    if (m < c) write(s + m, out0 + n, acc[0][i][r], acc[NMAT - 1][i][r]);
                 }
             }
-            __syncthreads();
         }
     }
 }
@@ -235,23 +301,13 @@ __device__ __forceinline__ void gate_up_rows(const u64* __restrict__ blobs,
     const RowsItem it = items[blockIdx.x];
     if (it.count == 0) return;                          // the whole block: uniform
     const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
-    const int f0 = blockIdx.y * TILE_N;
     const u8* const bases[2] = {blob, blob + up_at};
     const i64 row_bytes[2] = {gate_row_bytes, up_row_bytes};
-    float acc[2][2][4] = {};                 // [gate | up][i][r]
-    tile_products<T, 2, MMA>(acc, x, n_embd, rows + it.start, it.count, bases, row_bytes, f0, n_ff);
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int m, n;
-            tile_coord<MMA>(i, r, m, n);
-            const int f = f0 + n;
-            const float g = acc[0][i][r], u = acc[1][i][r];
-            if (m < it.count && f < n_ff)
-                act[(i64)(it.start + m) * n_ff + f] = g / (1.f + expf(-g)) * u;
-        }
-    }
+    float* own_act = act + (i64)it.start * n_ff;
+    item_products<T, 2, MMA>(x, n_embd, rows + it.start, it.count, bases, row_bytes,
+                             blockIdx.y * TILE_N, n_ff, [=](int m, int f, float g, float u) {
+        if (f < n_ff) own_act[(i64)m * n_ff + f] = g / (1.f + expf(-g)) * u;
+    });
 }
 
 // y[dest[p], o] = down_o . act[p] for the pairs p of each work item (dest: row * k + rank of the
@@ -267,21 +323,13 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
     if (it.count == 0) return;                          // the whole block: uniform
     const u8* const bases[1] = {reinterpret_cast<const u8*>(blobs[it.blob]) + down_at};
     const i64 row_bytes[1] = {down_row_bytes};
-    const int o0 = blockIdx.y * TILE_N;
     if (threadIdx.x < TILE_M) own_rows[threadIdx.x] = it.start + threadIdx.x;   // sorted pairs
     __syncthreads();
-    float acc[1][2][4] = {};
-    tile_products<T, 1, MMA>(acc, act, n_ff, own_rows, it.count, bases, row_bytes, o0, n_embd);
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int m, n;
-            tile_coord<MMA>(i, r, m, n);
-            const int o = o0 + n;
-            if (m < it.count && o < n_embd) y[(i64)dest[it.start + m] * n_embd + o] = acc[0][i][r];
-        }
-    }
+    const int* own_dest = dest + it.start;
+    item_products<T, 1, MMA>(act, n_ff, own_rows, it.count, bases, row_bytes,
+                             blockIdx.y * TILE_N, n_embd, [=](int m, int o, float v, float) {
+        if (o < n_embd) y[(i64)own_dest[m] * n_embd + o] = v;
+    });
 }
 
 #define ROWS_KERNEL_PAIR(name, T, suffix, MMA)                                                    \

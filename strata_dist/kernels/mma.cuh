@@ -21,3 +21,13 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
 }
+
+// Four 8x8 matrices of 16-bit values from shared memory: lane i names row i % 8 of matrix i / 8
+// (16 bytes each); register j receives matrix j's (row lane / 4, columns 2 (lane % 4) ..), the
+// layout of the fragments above (CUTLASS's SM80 copy atoms use the same instruction).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
