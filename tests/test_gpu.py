@@ -38,7 +38,8 @@ def test_synth_qwen3_30b_q8_0_generates_on_gpu():
 
 
 @pytest.mark.parametrize("seed,top_k,n_experts", [(0, 2, 8), (1, 8, 16)])
-def test_cupy_qwen3next_matches_numpy(tmp_path, seed, top_k, n_experts, f16_kv_reference):
+def test_cupy_qwen3next_matches_numpy(tmp_path, seed, top_k, n_experts, f16_kv_reference,
+                                      float32_prompt_kernels):
     """The hybrid forward (GDN + gated attention + shared expert) on CuPy, prefill in chunks and
     decode steps, against numpy. Q8_0 matrices stay as stored on the GPU and decode exactly, with
     float32 activations and K/V stored in f16 by both (f16_kv_reference), so the two runs compute

@@ -88,7 +88,8 @@ TOLERANCE = {"f32": 1e-2, "f16": 2e-2, "q8_0": 1e-2}
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
-def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference):
+def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference,
+                                        float32_prompt_kernels):
     from strata_dist.single_process import SingleProcessRunner
     path = _model(tmp_path, dtype)
     cpu, gpu = SingleProcessRunner(path, "cpu", prefill_chunk=128), SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
