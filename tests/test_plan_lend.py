@@ -85,7 +85,7 @@ def test_auto_with_a_participant_that_cannot_lend_bounds_the_chunk_by_its_own_bu
 
 def test_one_participant_is_exactly_the_single_device_plan():
     shape = qwen3_30b_a3b_shape(n_layers=8)
-    dev = make_devices([12_000], bw=[400])
+    dev = make_devices([6_000], bw=[400])     # the cache holds 882 of the 1,024 pairs: it lends
     single = make_plan(shape, dev, cells=8192, split="none")
     st = single.stages[0]
     alone = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes)],
@@ -95,6 +95,28 @@ def test_one_participant_is_exactly_the_single_device_plan():
     crowd = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes), part("big", 10 ** 6)],
                       shape.prompt_bytes_per_token)
     assert crowd.chunk == alone.chunk and crowd.loans[0] == alone.loans[0]
+
+
+def test_a_cache_holding_every_pair_lends_nothing():
+    """Where the budget holds every pair of the stage's layers with room left, the prompt buffers
+    take that room: a loan would evict experts to free memory that is already free. Where the
+    room is too small for them, the stage lends as before."""
+    roomy = Participant("roomy", 500, SLOT, ROOM, spare_bytes=BPT * 8192)
+    plan = plan_lend([roomy], BPT)
+    assert plan.chunk == 8192
+    [loan] = plan.loans
+    assert (loan.lends, loan.slots, loan.bytes, loan.own_bytes) == (False, 0, 0, BPT * 8192)
+    assert "holds every pair of its layers" in loan.note
+    tight = Participant("tight", 5000, SLOT, ROOM, spare_bytes=BPT * 8192 - 1)
+    assert plan_lend([tight], BPT).loans[0].slots == need(8192)
+    assert plan_lend([roomy], BPT, loans=False).loans[0].note.endswith(
+        "it uses its own prompt buffers (781.2 MiB)")
+    # the planner: 12 GB holds all 1,024 pairs of 8 layers and the buffers beside them
+    shape = qwen3_30b_a3b_shape(n_layers=8)
+    st = make_plan(shape, make_devices([12_000], bw=[400]), cells=8192, split="none").stages[0]
+    assert st.cache_slots == 8 * shape.n_experts and st.loan_slots == 0
+    assert st.own_prompt_bytes == shape.prompt_bytes_per_token * 8192
+    assert st.cache_bytes + st.own_prompt_bytes <= st.budget_bytes
 
 
 def test_the_auto_chunk_never_exceeds_the_context():

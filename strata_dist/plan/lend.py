@@ -8,6 +8,9 @@ The rule, exactly:
 - Lending a chunk must leave SLOT_FLOOR (128) slots of the participant's cache.
 - The percentage cap (STRATA_PREFILL_LEND_PCT, default 85) applies to the AUTO chunk only; an explicit
   `--prefill N` is the operator's number and a loan of it only has to leave the floor.
+- A participant whose cache already holds every pair it may (its budget has room to spare) does not
+  lend: its own prompt buffers take the room the cache left, when they fit there. Lending would only
+  evict experts to free memory that is already free.
 - A participant that cannot lend falls back to its own prompt buffers (a note names both numbers),
   taken from the room its cache would have used: with the auto chunk they stay within the same
   percentage cap (which bounds the auto chunk); with an explicit chunk they only have to fit.
@@ -36,13 +39,15 @@ def loan_slots(n_tokens: int, bytes_per_token: int, slot_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Participant:
-    """A stage's prompt path: its cache (slots = pairs held), the slot size for loans, and the bytes
-    its own buffers may take instead (its cache budget) if it cannot lend."""
+    """A stage's prompt path: its cache (slots = pairs held), the slot size for loans, the bytes
+    its own buffers may take instead (its cache budget) if it cannot lend, and the part of that
+    budget its cache leaves unused (every pair of its layers held: nothing to evict for)."""
 
     name: str
     slots: int
     slot_bytes: int
     room_bytes: int
+    spare_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,14 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: 
     def own(c: int) -> int:  # the prompt path's own buffers for a chunk of c tokens
         return bytes_per_token * c
 
+    def spared(p: Participant, c: int) -> bool:  # its buffers fit where its cache left room
+        return loans and own(c) <= p.spare_bytes
+
     if auto:
         sizes = [c for c in LEND_CHUNKS if max_chunk is None or c <= max_chunk] or [LEND_CHUNKS[-1]]
         # each participant's largest lendable chunk (lendability only shrinks as the chunk grows)
-        best = [next((c for c in sizes if lendable(p, c, bytes_per_token, pct)[0]), None)
-                for p in participants]
+        best = [next((c for c in sizes if spared(p, c) or lendable(p, c, bytes_per_token, pct)[0]),
+                     None) for p in participants]
         lenders = [c for c in best if c is not None]
         cands = [c for c in sizes if not lenders or c <= min(lenders)]
         # a participant that cannot lend takes its own buffers out of its cache's room; the auto
@@ -121,6 +129,12 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: 
 
     out = []
     for p in participants:
+        if spared(p, chunk):
+            out.append(Loan(p.name, False, 0, 0, own(chunk),
+                            f"{p.name} holds every pair of its layers: its prompt buffers "
+                            f"({own(chunk) / MIB:.1f} MiB) take the {p.spare_bytes / MIB:.1f} MiB "
+                            f"its cache leaves, no loan"))
+            continue
         ok, need = lendable(p, chunk, bytes_per_token, pct)
         if ok:
             out.append(Loan(p.name, True, need, need * p.slot_bytes, 0))

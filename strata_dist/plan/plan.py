@@ -288,7 +288,9 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     # stage caches, then the prompt loans (a stage that cannot lend gives its own buffers room)
     fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
     parts = [Participant(f"stage {i} ({ordered[d].label})", len(f.pairs),
-                         min(shape.blob_bytes[f.lb:f.le]), max(0, f.budget))
+                         min(shape.blob_bytes[f.lb:f.le]), max(0, f.budget),
+                         max(0, f.budget - f.bytes) if len(f.pairs) == (f.le - f.lb) * shape.n_experts
+                         else 0)
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
     lend = plan_lend(parts, shape.prompt_bytes_per_token, prefill, params.lend_pct, max_chunk=cells,
                      loans=params.prompt_loans)
