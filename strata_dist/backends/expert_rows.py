@@ -77,18 +77,37 @@ class RowsKernels:
             items_d = pack_d[:4 * n_items]
             rows_d = pack_d[4 * n_items:4 * n_items + pairs]
             dest_d = pack_d[4 * n_items + pairs:]
-            x = cp.ascontiguousarray(x, dtype=cp.float32)
-            act = cp.empty((pairs, spec.n_ff), dtype=cp.float32)
-            i32, i64 = np.int32, np.int64
-            self._fn("moe_gate_up_rows", spec.gate_type)(
-                (n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
-                (blobs_d, items_d, rows_d, x, i32(spec.n_embd), i64(spec.up_at),
-                 i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act))
-            self._fn("moe_down_rows", spec.down_type)(
-                (n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
-                (blobs_d, items_d, dest_d, act, i32(spec.n_ff), i64(spec.down_at),
-                 i64(spec.down_row_bytes), i32(spec.n_embd), out))
+            self._launch(spec, blobs_d, items_d, n_items, rows_d, dest_d, pairs, x, out)
         return True
+
+    def _launch(self, spec: ExpertLayout, blobs, items, n_items: int, rows, dest, pairs: int, x,
+                out) -> None:
+        """The layer's two launches over `n_items` work items of `pairs` sorted pairs (rows[q],
+        dest[q]: input row and output row of sorted pair q). The tensor-core build reads its rows
+        as f16 (`rows_to_half`: x, then the SwiGLU outputs)."""
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        act = cp.empty((pairs, spec.n_ff), dtype=cp.float32)
+        i32, i64 = np.int32, np.int64
+        rows_in = self._half(x) if self.mma else (x,)
+        self._fn("moe_gate_up_rows", spec.gate_type)(
+            (n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
+            (blobs, items, rows, *rows_in, i32(spec.n_embd), i64(spec.up_at),
+             i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act))
+        act_in = self._half(act) if self.mma else (act,)
+        self._fn("moe_down_rows", spec.down_type)(
+            (n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
+            (blobs, items, dest, *act_in, i32(spec.n_ff), i64(spec.down_at),
+             i64(spec.down_row_bytes), i32(spec.n_embd), out))
+
+    def _half(self, a):
+        """(f16 rows, their unscale) of float32 rows a [m, K] (experts_rows.cu rows_to_half)."""
+        m, cols = (int(v) for v in a.shape)
+        h = cp.empty((m, cols), dtype=cp.float16)
+        unscale = cp.empty(m, dtype=cp.float32)
+        if m:
+            function(KERNELS, "rows_to_half", self.device)((m,), (256,),
+                                                          (a, np.int32(cols), h, unscale))
+        return h, unscale
 
     def route(self, logits, k: int, normalize: bool):
         """(ids, wts) [n, k] on the device from router logits [n, n_expert] (the decode graph's
@@ -115,19 +134,9 @@ class RowsKernels:
         so the bits are the same. Rows that picked no expert are left unwritten (their weight is
         NaN)."""
         n, k = (int(v) for v in ids.shape)
-        i32, i64 = np.int32, np.int64
         with cp.cuda.Device(self.device):
             rows, dest, items = self.group(ids, int(blob_table.shape[0]))
-            x = cp.ascontiguousarray(x, dtype=cp.float32)
-            act = cp.empty((n * k, spec.n_ff), dtype=cp.float32)
-            self._fn("moe_gate_up_rows", spec.gate_type)(
-                (len(items), math.ceil(spec.n_ff / TILE_N)), (256,),
-                (blob_table, items, rows, x, i32(spec.n_embd), i64(spec.up_at),
-                 i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act))
-            self._fn("moe_down_rows", spec.down_type)(
-                (len(items), math.ceil(spec.n_embd / TILE_N)), (256,),
-                (blob_table, items, dest, act, i32(spec.n_ff), i64(spec.down_at),
-                 i64(spec.down_row_bytes), i32(spec.n_embd), out))
+            self._launch(spec, blob_table, items, len(items), rows, dest, n * k, x, out)
 
     def group(self, ids, n_expert: int):
         """(rows, dest, items) of kernels/abi.py group_layout, built on the device from ids [n, k]:

@@ -283,12 +283,13 @@ def source_kernel_names(source: str) -> list[str]:
 def rows_kernel_names() -> list[str]:
     """Every kernel backends/expert_rows.py may ask experts_rows.cu for."""
     return [f"{kind}{mma}_{t}" for t in TYPE_NAMES.values() for mma in ("", "_mma")
-            for kind in ("moe_gate_up_rows", "moe_down_rows")] + list(GROUP_KERNELS)
+            for kind in ("moe_gate_up_rows", "moe_down_rows")] + ["rows_to_half"] \
+        + list(GROUP_KERNELS)
 
 
 # experts_rows.cu's routing and grouping of a chunk on the device
 GROUP_KERNELS = ("route_rows", "group_count", "group_items", "group_scatter")
-ROWS_TILE_M = 64                # pairs of one work item (TILE_M in experts_rows.cu)
+ROWS_TILE_M = 128               # pairs of one work item (TILE_M in experts_rows.cu)
 ROWS_TILE_N = 64                # outputs of one block (TILE_N)
 ROWS_TILE_K = 32                # columns of one staged step (TILE_K): K must be whole steps
 MAX_GROUP_EXPERTS = 512         # the most experts a layer may have for group_items

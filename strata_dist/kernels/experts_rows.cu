@@ -12,7 +12,7 @@
 #include "mma.cuh"
 #include "routing.cuh"
 
-#define TILE_M 64     // (row, rank) pairs of one work item (kernels/abi.py ROWS_TILE_M)
+#define TILE_M 128    // (row, rank) pairs of one work item (kernels/abi.py ROWS_TILE_M)
 #define FMA_M 32      // pairs of one tile of the FMA build: it takes an item in slices of FMA_M
 #define TILE_N 64     // outputs of one block
 #define TILE_K 32     // columns staged in shared memory per step (four chunks of 8)
@@ -107,181 +107,217 @@ __device__ __forceinline__ void tile_products_fma(float (&acc)[NMAT][2][4],
 }
 
 // ---- the tensor-core build ---------------------------------------------------------------------
-// mma.sync m16n8k16 (f16 inputs, f32 accumulation): the input rows and the decoded weights are
-// rounded to f16 in shared memory (as cuBLAS's f16 products round them). A row's TILE_K values are
-// first multiplied by a power of two that puts their largest near 2^14 (exact, and activations of
-// any size stay inside f16's range: SwiGLU outputs overflow 65504 on real weights), the tile's
-// product is divided by it in f32; outputs accumulate tile after tile in column order, so a pair's
-// bits still do not depend on its neighbours.
-// 8 warps: warp w takes the 16 pairs 16 (w % 4) and the 32 outputs 32 (w / 4) of the 64 x 64 tile.
-// Shared memory holds two steps: the step after the one being multiplied is read from global
-// memory into registers while the tensor cores run, then written to the other half (one barrier a
-// step).
+// mma.sync m16n8k16 (f16 inputs, f32 accumulation). The input rows are rounded to f16 once per
+// layer by `rows_to_half`: each row multiplied by a power of two that puts its largest value near
+// 2^14 (exact; activations of any size stay inside f16's range: SwiGLU outputs overflow 65504 on
+// real weights), the product divided by it in f32 at the end. The decoded weights are rounded to
+// f16 in shared memory (as cuBLAS's f16 products round them). Every output accumulates over the
+// columns in one order, whatever other pairs share its item, so a pair's bits do not depend on its
+// neighbours.
+// A block takes MMA_M pairs: 8 warps, warp w the 32 pairs 32 (w % 4) and the 32 outputs
+// 32 (w / 4) of the MMA_M x TILE_N tile. Shared memory holds two steps: the next step's rows
+// arrive by cp.async and its weights are read into registers while the tensor cores multiply the
+// current one (one barrier a step).
+#define MMA_M TILE_M                // pairs of a tensor-core block
 #define MMA_PAD 8                   // halves of padding per shared row: conflict-free ldmatrix
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
 
-// What thread t reads of one step, before it is rounded and stored: four columns 4 (t % 8) .. of
-// rows t / 8 and t / 8 + 32, and chunk t % 4 of weight row t / 4 of each matrix.
-template <int NMAT>
-struct MmaStep {
-    float4 x[2];
-    float w[NMAT][8];
-};
+// xh[r] = x[r] * 2^(14 - e) as f16 and unscale[r] = 2^(e - 14), e the exponent of the row's
+// largest |value| (0 for a row of zeros; NaN stays NaN). Grid: rows, 256 threads; K % 4 == 0.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) rows_to_half(
+        const float* __restrict__ x, int K, __half* __restrict__ xh, float* __restrict__ unscale) {
+    __shared__ float warp_top[BLOCK_THREADS / 32];
+    const float* row = x + (i64)blockIdx.x * K;
+    float top = 0.f;
+    for (int c = 4 * threadIdx.x; c < K; c += 4 * BLOCK_THREADS) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
+        top = fmaxf(top, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    #pragma unroll
+    for (int lane = 16; lane > 0; lane >>= 1)
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
+    if ((threadIdx.x & 31) == 0) warp_top[threadIdx.x >> 5] = top;
+    __syncthreads();
+    top = 0.f;
+    #pragma unroll
+    for (int w = 0; w < BLOCK_THREADS / 32; ++w) top = fmaxf(top, warp_top[w]);
+    int e = 0;
+    frexpf(top, &e);                     // top < 2^e
+    const float up = ldexpf(1.f, 14 - e);
+    if (threadIdx.x == 0) unscale[blockIdx.x] = ldexpf(1.f, e - 14);
+    __half* out = xh + (i64)blockIdx.x * K;
+    for (int c = 4 * threadIdx.x; c < K; c += 4 * BLOCK_THREADS) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
+        uint2 packed;
+        packed.x = pack_half2(v.x * up, v.y * up);
+        packed.y = pack_half2(v.z * up, v.w * up);
+        *reinterpret_cast<uint2*>(out + c) = packed;
+    }
+}
 
+// 16 bytes from global to shared memory without a register (zeros where !valid)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(at), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// Chunk t % 4 of weight row t / 4 of each matrix for the step at k0, decoded, and its f16 store.
 template <int T, int NMAT>
-__device__ __forceinline__ void mma_step_load(MmaStep<NMAT>& s, const float* __restrict__ x,
-                                              int K, const int* __restrict__ rows, int count,
-                                              const u8* const (&bases)[NMAT],
-                                              const i64 (&row_bytes)[NMAT], int out0, int nrows,
-                                              int k0) {
-    const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
-    s.x[0] = tile_row_values(x, K, rows, count, k0, m, c);
-    s.x[1] = tile_row_values(x, K, rows, count, k0, m + 32, c);
+__device__ __forceinline__ void mma_weights_load(float (&w)[NMAT][8], const u8* const (&bases)[NMAT],
+                                                 const i64 (&row_bytes)[NMAT], int out0, int nrows,
+                                                 int k0) {
     #pragma unroll
     for (int mat = 0; mat < NMAT; ++mat)
         tile_weight_chunk<T>(bases[mat], row_bytes[mat], out0, nrows, k0, threadIdx.x >> 2,
-                             threadIdx.x & 3, s.w[mat]);
-}
-
-// One input row's four values as f16, x * 2^-unscale (the 8 threads of a row are 8 neighbouring
-// lanes of one warp: they agree on the row's largest value)
-__device__ __forceinline__ void store_row_h(__half* row, float* unscale, float4 v, int c) {
-    float top = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-    #pragma unroll
-    for (int lane = 1; lane < 8; lane <<= 1)
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
-    int e = 0;
-    frexpf(top, &e);                     // top < 2^e (e = 0 for a row of zeros)
-    const float up = ldexpf(1.f, 14 - e);
-    if (c == 0) *unscale = ldexpf(1.f, e - 14);
-    uint2 packed;
-    packed.x = pack_half2(v.x * up, v.y * up);
-    packed.y = pack_half2(v.z * up, v.w * up);
-    *reinterpret_cast<uint2*>(row + c) = packed;
+                             threadIdx.x & 3, w[mat]);
 }
 
 template <int NMAT>
-__device__ __forceinline__ void mma_step_store(const MmaStep<NMAT>& s, __half (*xs)[MMA_LD],
-                                               __half (*ws)[TILE_N][MMA_LD], float* unscale) {
-    const int m = threadIdx.x >> 3, c = 4 * (threadIdx.x & 7);
-    store_row_h(xs[m], unscale + m, s.x[0], c);
-    store_row_h(xs[m + 32], unscale + m + 32, s.x[1], c);
+__device__ __forceinline__ void mma_weights_store(const float (&w)[NMAT][8],
+                                                  __half (*ws)[TILE_N][MMA_LD]) {
     const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
     #pragma unroll
     for (int mat = 0; mat < NMAT; ++mat) {
         uint4 packed;
-        packed.x = pack_half2(s.w[mat][0], s.w[mat][1]);
-        packed.y = pack_half2(s.w[mat][2], s.w[mat][3]);
-        packed.z = pack_half2(s.w[mat][4], s.w[mat][5]);
-        packed.w = pack_half2(s.w[mat][6], s.w[mat][7]);
+        packed.x = pack_half2(w[mat][0], w[mat][1]);
+        packed.y = pack_half2(w[mat][2], w[mat][3]);
+        packed.z = pack_half2(w[mat][4], w[mat][5]);
+        packed.w = pack_half2(w[mat][6], w[mat][7]);
         *reinterpret_cast<uint4*>(&ws[mat][n][8 * q]) = packed;
     }
 }
 
-// acc[mat][i][r] += the item's input rows (x rows `rows`, `count` <= TILE_M of them, K columns)
-// times rows out0.. of each of the NMAT weight matrices, as tile_products_fma.
+// acc[mat][mi][i][r] = the item's f16 rows (xh rows `rows`, `count` <= MMA_M of them, K columns)
+// times rows out0.. of each of the NMAT weight matrices (bases[mat], row_bytes[mat] a row; rows
+// past `nrows` repeat the last), before the rows' unscale.
 template <int T, int NMAT>
-__device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][4][4],
-                                                  const float* __restrict__ x, int K,
+__device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
+                                                  const __half* __restrict__ xh, int K,
                                                   const int* __restrict__ rows, int count,
                                                   const u8* const (&bases)[NMAT],
                                                   const i64 (&row_bytes)[NMAT], int out0,
                                                   int nrows) {
-    __shared__ __align__(16) __half xs[2][TILE_M][MMA_LD];
+    __shared__ __align__(16) __half xs[2][MMA_M][MMA_LD];
     __shared__ __align__(16) __half ws[2][NMAT][TILE_N][MMA_LD];
-    __shared__ float unscale[2][TILE_M];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
-    const int g = lane >> 2;                 // C fragment rows m0 + g (r < 2), m0 + g + 8
-    // ldmatrix rows of this lane: matrix lane / 8, row lane % 8 of it
-    const int lm = lane >> 3, lr = lane & 7;
-    MmaStep<NMAT> next;
-    mma_step_load<T, NMAT>(next, x, K, rows, count, bases, row_bytes, out0, nrows, 0);
-    mma_step_store<NMAT>(next, xs[0], ws[0], unscale[0]);
+    const int m0 = 32 * (warp & 3), n0 = 32 * (warp >> 2);
+    const int lm = lane >> 3, lr = lane & 7;    // ldmatrix: matrix lane / 8, its row lane % 8
+    // this thread's two 16-byte pieces of each step's rows: piece j = t + 256 j is 8 columns
+    // 8 (j % 4) .. of tile row j / 4
+    const __half* src[2];
+    bool valid[2];
+    int dst_row[2], dst_col[2];
+    #pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int piece = threadIdx.x + BLOCK_THREADS * j, m = piece >> 2;
+        valid[j] = m < count;
+        dst_row[j] = m;
+        dst_col[j] = 8 * (piece & 3);
+        src[j] = xh + (valid[j] ? (i64)rows[m] * K : 0) + dst_col[j];
+    }
+    float w[NMAT][8];
+    #pragma unroll
+    for (int j = 0; j < 2; ++j) cp_async16(&xs[0][dst_row[j]][dst_col[j]], src[j], valid[j]);
+    cp_async_commit();
+    mma_weights_load<T, NMAT>(w, bases, row_bytes, out0, nrows, 0);
+    mma_weights_store<NMAT>(w, ws[0]);
+    cp_async_wait_all();
     __syncthreads();
     for (int k0 = 0, s = 0; k0 < K; k0 += TILE_K, s ^= 1) {
         const bool more = k0 + TILE_K < K;                      // uniform
-        if (more)
-            mma_step_load<T, NMAT>(next, x, K, rows, count, bases, row_bytes, out0, nrows,
-                                   k0 + TILE_K);
-        float part[NMAT][4][4] = {};
+        if (more) {
+            #pragma unroll
+            for (int j = 0; j < 2; ++j)
+                cp_async16(&xs[s ^ 1][dst_row[j]][dst_col[j]], src[j] + k0 + TILE_K, valid[j]);
+            cp_async_commit();
+            mma_weights_load<T, NMAT>(w, bases, row_bytes, out0, nrows, k0 + TILE_K);
+        }
         #pragma unroll
         for (int kk = 0; kk < TILE_K; kk += 16) {
-            u32 a[4];
-            ldmatrix_x4(a, &xs[s][m0 + lr + 8 * (lm & 1)][kk + 8 * (lm >> 1)]);
+            u32 a[2][4];
+            #pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+                ldmatrix_x4(a[mi], &xs[s][m0 + 16 * mi + lr + 8 * (lm & 1)][kk + 8 * (lm >> 1)]);
             #pragma unroll
             for (int mat = 0; mat < NMAT; ++mat) {
                 #pragma unroll
                 for (int p = 0; p < 2; ++p) {        // n8 tiles 2p and 2p + 1
                     u32 b[4];
                     ldmatrix_x4(b, &ws[s][mat][n0 + 16 * p + lr + 8 * (lm >> 1)][kk + 8 * (lm & 1)]);
-                    mma_16816(part[mat][2 * p], a, b[0], b[1]);
-                    mma_16816(part[mat][2 * p + 1], a, b[2], b[3]);
+                    #pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        mma_16816(acc[mat][mi][2 * p], a[mi], b[0], b[1]);
+                        mma_16816(acc[mat][mi][2 * p + 1], a[mi], b[2], b[3]);
+                    }
                 }
             }
         }
-        const float lo = unscale[s][m0 + g], hi = unscale[s][m0 + g + 8];
-        #pragma unroll
-        for (int mat = 0; mat < NMAT; ++mat) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    acc[mat][i][r] = fmaf(part[mat][i][r], r < 2 ? lo : hi, acc[mat][i][r]);
-            }
-        }
-        if (more) mma_step_store<NMAT>(next, xs[s ^ 1], ws[s ^ 1], unscale[s ^ 1]);
+        if (more) mma_weights_store<NMAT>(w, ws[s ^ 1]);
+        cp_async_wait_all();
         __syncthreads();
     }
 }
 
-// Where this thread's output acc[i][r] lies in its tile: pair m, output n (MMA: the C fragment of
-// n8 tile i of the warp's 16 x 32; FMA: of the 32-pair slice).
-template <bool MMA>
-__device__ __forceinline__ void tile_coord(int i, int r, int& m, int& n) {
-    const int t = threadIdx.x;
-    if constexpr (MMA) {
-        const int warp = t >> 5, g = (t & 31) >> 2, q = t & 3;
-        m = 16 * (warp & 3) + g + 8 * (r >> 1);
-        n = 32 * (warp >> 2) + 8 * i + 2 * q + (r & 1);
-    } else {
-        m = OWN_M(t) + i;
-        n = OWN_N(t) + r;
+// Where acc[mat][mi][i][r] of the tensor-core build lies in its tile: pair m, output n (the C
+// fragment of n8 tile i of m16 tile mi of the warp's 32 x 32).
+__device__ __forceinline__ void mma_coord(int mi, int i, int r, int& m, int& n) {
+    const int t = threadIdx.x, warp = t >> 5, g = (t & 31) >> 2, q = t & 3;
+    m = 32 * (warp & 3) + 16 * mi + g + 8 * (r >> 1);
+    n = 32 * (warp >> 2) + 8 * i + 2 * q + (r & 1);
+}
+
+// The FMA build over an item's pairs [0, count), FMA_M at a time: `write(m, n, acc of the first
+// matrix, acc of the last)` for every output inside the tile.
+template <int T, int NMAT, class Write>
+__device__ __forceinline__ void item_products_fma(const float* __restrict__ x, int K,
+                                                  const int* __restrict__ rows, int count,
+                                                  const u8* const (&bases)[NMAT],
+                                                  const i64 (&row_bytes)[NMAT], int out0,
+                                                  int nrows, Write write) {
+    for (int s = 0; s < count; s += FMA_M) {               // uniform
+        float acc[NMAT][2][4] = {};
+        const int c = min(FMA_M, count - s);
+        tile_products_fma<T, NMAT>(acc, x, K, rows + s, c, bases, row_bytes, out0, nrows);
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int m = OWN_M(threadIdx.x) + i, n = OWN_N(threadIdx.x) + r;
+                if (m < c) write(s + m, out0 + n, acc[0][i][r], acc[NMAT - 1][i][r]);
+            }
+        }
     }
 }
 
-// acc of NMAT matrices for the pairs [first, first + count) of an item, each build's own
-// accumulator shape; `write(m, n, acc_of_mat...)` for every output inside the tile.
-template <int T, int NMAT, bool MMA, class Write>
-__device__ __forceinline__ void item_products(const float* __restrict__ x, int K,
-                                              const int* __restrict__ rows, int count,
-                                              const u8* const (&bases)[NMAT],
-                                              const i64 (&row_bytes)[NMAT], int out0, int nrows,
-                                              Write write) {
-    if constexpr (MMA) {
-        float acc[NMAT][4][4] = {};
-        tile_products_mma<T, NMAT>(acc, x, K, rows, count, bases, row_bytes, out0, nrows);
+// The same for the tensor-core build, its f16 rows xh and their unscale by input row (`rows`).
+template <int T, int NMAT, class Write>
+__device__ __forceinline__ void item_products_mma(const __half* __restrict__ xh,
+                                                  const float* __restrict__ unscale, int K,
+                                                  const int* __restrict__ rows, int count,
+                                                  const u8* const (&bases)[NMAT],
+                                                  const i64 (&row_bytes)[NMAT], int out0,
+                                                  int nrows, Write write) {
+    float acc[NMAT][2][4][4] = {};
+    tile_products_mma<T, NMAT>(acc, xh, K, rows, count, bases, row_bytes, out0, nrows);
+    #pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
         #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int r = 0; r < 4; r += 2) {                 // r and r + 1: the same pair
+            int m, n;
+            mma_coord(mi, 0, r, m, n);
+            if (m >= count) continue;
+            const float us = unscale[rows[m]];
             #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int m, n;
-                tile_coord<true>(i, r, m, n);
-                if (m < count) write(m, out0 + n, acc[0][i][r], acc[NMAT - 1][i][r]);
-            }
-        }
-    } else {
-        for (int s = 0; s < count; s += FMA_M) {               // uniform
-            float acc[NMAT][2][4] = {};
-            const int c = min(FMA_M, count - s);
-            tile_products_fma<T, NMAT>(acc, x, K, rows + s, c, bases, row_bytes, out0, nrows);
-            #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            for (int i = 0; i < 4; ++i) {
                 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    int m, n;
-                    tile_coord<false>(i, r, m, n);
-                    if (m < c) write(s + m, out0 + n, acc[0][i][r], acc[NMAT - 1][i][r]);
+                for (int h = 0; h < 2; ++h) {
+                    mma_coord(mi, i, r + h, m, n);
+                    write(m, out0 + n, acc[0][mi][i][r + h] * us, acc[NMAT - 1][mi][i][r + h] * us);
                 }
             }
         }
@@ -290,64 +326,96 @@ __device__ __forceinline__ void item_products(const float* __restrict__ x, int K
 
 // ---- the two launches of a layer --------------------------------------------------------------
 // act[p, f] = silu(gate_f . x_row(p)) * (up_f . x_row(p)) for the pairs p of each work item.
-// Grid (items, ceil(n_ff / TILE_N)), 256 threads. rows[p]: the input row of sorted pair p.
+// Grid (items, ceil(n_ff / TILE_N)), 256 threads. rows[p]: the input row of sorted pair p. The
+// tensor-core build reads x as rows_to_half left it (xh, unscale).
 template <int T, bool MMA>
 __device__ __forceinline__ void gate_up_rows(const u64* __restrict__ blobs,
                                              const RowsItem* __restrict__ items,
-                                             const int* __restrict__ rows,
-                                             const float* __restrict__ x, int n_embd, i64 up_at,
-                                             i64 gate_row_bytes, i64 up_row_bytes, int n_ff,
-                                             float* __restrict__ act) {
+                                             const int* __restrict__ rows, const float* __restrict__ x,
+                                             const __half* __restrict__ xh,
+                                             const float* __restrict__ unscale, int n_embd,
+                                             i64 up_at, i64 gate_row_bytes, i64 up_row_bytes,
+                                             int n_ff, float* __restrict__ act) {
     const RowsItem it = items[blockIdx.x];
     if (it.count == 0) return;                          // the whole block: uniform
     const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
     const u8* const bases[2] = {blob, blob + up_at};
     const i64 row_bytes[2] = {gate_row_bytes, up_row_bytes};
     float* own_act = act + (i64)it.start * n_ff;
-    item_products<T, 2, MMA>(x, n_embd, rows + it.start, it.count, bases, row_bytes,
-                             blockIdx.y * TILE_N, n_ff, [=](int m, int f, float g, float u) {
+    const auto write = [=](int m, int f, float g, float u) {
         if (f < n_ff) own_act[(i64)m * n_ff + f] = g / (1.f + expf(-g)) * u;
-    });
+    };
+    if constexpr (!MMA)
+        item_products_fma<T, 2>(x, n_embd, rows + it.start, it.count, bases, row_bytes,
+                                blockIdx.y * TILE_N, n_ff, write);
+    else
+        item_products_mma<T, 2>(xh, unscale, n_embd, rows + it.start, it.count, bases, row_bytes,
+                                blockIdx.y * TILE_N, n_ff, write);
 }
 
 // y[dest[p], o] = down_o . act[p] for the pairs p of each work item (dest: row * k + rank of the
-// unsorted output). Grid (items, ceil(n_embd / TILE_N)), 256 threads.
+// unsorted output). Grid (items, ceil(n_embd / TILE_N)), 256 threads; the tensor-core build reads
+// act as rows_to_half left it.
 template <int T, bool MMA>
 __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
                                           const RowsItem* __restrict__ items,
-                                          const int* __restrict__ dest,
-                                          const float* __restrict__ act, int n_ff, i64 down_at,
+                                          const int* __restrict__ dest, const float* __restrict__ act,
+                                          const __half* __restrict__ act_h,
+                                          const float* __restrict__ unscale, int n_ff, i64 down_at,
                                           i64 down_row_bytes, int n_embd, float* __restrict__ y) {
     __shared__ int own_rows[TILE_M];
     const RowsItem it = items[blockIdx.x];
     if (it.count == 0) return;                          // the whole block: uniform
     const u8* const bases[1] = {reinterpret_cast<const u8*>(blobs[it.blob]) + down_at};
     const i64 row_bytes[1] = {down_row_bytes};
-    if (threadIdx.x < TILE_M) own_rows[threadIdx.x] = it.start + threadIdx.x;   // sorted pairs
+    for (int m = threadIdx.x; m < TILE_M; m += BLOCK_THREADS)
+        own_rows[m] = it.start + m;                     // sorted pairs
     __syncthreads();
     const int* own_dest = dest + it.start;
-    item_products<T, 1, MMA>(act, n_ff, own_rows, it.count, bases, row_bytes,
-                             blockIdx.y * TILE_N, n_embd, [=](int m, int o, float v, float) {
+    const auto write = [=](int m, int o, float v, float) {
         if (o < n_embd) y[(i64)own_dest[m] * n_embd + o] = v;
-    });
+    };
+    if constexpr (!MMA)
+        item_products_fma<T, 1>(act, n_ff, own_rows, it.count, bases, row_bytes,
+                                blockIdx.y * TILE_N, n_embd, write);
+    else
+        item_products_mma<T, 1>(act_h, unscale, n_ff, own_rows, it.count, bases, row_bytes,
+                                blockIdx.y * TILE_N, n_embd, write);
 }
 
-#define ROWS_KERNEL_PAIR(name, T, suffix, MMA)                                                    \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows##suffix##name(   \
+// The FMA build reads x (act) in float32; the tensor-core build, `_mma_`, the f16 rows and
+// unscale rows_to_half made of them.
+#define ROWS_KERNELS(name, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_##name(          \
             const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
             const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,    \
             i64 gate_row_bytes, i64 up_row_bytes, int n_ff, float* __restrict__ act) {           \
-        gate_up_rows<T, MMA>(blobs, items, rows, x, n_embd, up_at, gate_row_bytes, up_row_bytes, \
-                             n_ff, act);                                                         \
+        gate_up_rows<T, false>(blobs, items, rows, x, nullptr, nullptr, n_embd, up_at, gate_row_bytes,  \
+                        up_row_bytes, n_ff, act);                                                \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows##suffix##name(      \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_##name(             \
             const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
             const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,  \
             i64 down_row_bytes, int n_embd, float* __restrict__ y) {                             \
-        down_rows<T, MMA>(blobs, items, dest, act, n_ff, down_at, down_row_bytes, n_embd, y);    \
+        down_rows<T, false>(blobs, items, dest, act, nullptr, nullptr, n_ff, down_at, down_row_bytes,   \
+                     n_embd, y);                                                                 \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_mma_##name(      \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
+            const int* __restrict__ rows, const __half* __restrict__ xh,                         \
+            const float* __restrict__ unscale, int n_embd, i64 up_at, i64 gate_row_bytes,        \
+            i64 up_row_bytes, int n_ff, float* __restrict__ act) {                               \
+        gate_up_rows<T, true>(blobs, items, rows, nullptr, xh, unscale, n_embd, up_at, gate_row_bytes, \
+                        up_row_bytes, n_ff, act);                                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_mma_##name(         \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
+            const int* __restrict__ dest, const __half* __restrict__ act_h,                      \
+            const float* __restrict__ unscale, int n_ff, i64 down_at, i64 down_row_bytes,        \
+            int n_embd, float* __restrict__ y) {                                                 \
+        down_rows<T, true>(blobs, items, dest, nullptr, act_h, unscale, n_ff, down_at, down_row_bytes, \
+                     n_embd, y);                                                                 \
     }
-#define ROWS_KERNELS(name, T) \
-    ROWS_KERNEL_PAIR(name, T, _, false) ROWS_KERNEL_PAIR(name, T, _mma_, true)
 FOR_EACH_TYPE(ROWS_KERNELS)
 
 // ---- a chunk routed and grouped on the device (STRATA_DEVICE_ROUTING, backends/expert_rows.py) --
