@@ -58,7 +58,7 @@ def reference_score(shape: ModelShape, devices, profile: RoutingProfile, cells: 
     ranking = profile.ranking()
     mass = pair_masses(profile, ranking, params.coverage, params.cover_b)
     L, E, k = shape.n_layers, shape.n_experts, shape.top_k
-    total, held = 0.0, 0.0
+    total, held, held_blob = 0.0, 0.0, 0.0
     for i, d in enumerate(stage_devices):
         lb, le = bounds[i], bounds[i + 1]
         first, last = lb == 0, le == L
@@ -80,6 +80,7 @@ def reference_score(shape: ModelShape, devices, profile: RoutingProfile, cells: 
         for p in fill.pairs:
             read += L * k * mass[p] * shape.blob_bytes[p // E]
             held += mass[p]
+            held_blob += mass[p] * shape.blob_bytes[p // E]
         bw = (devices[d].mem_bandwidth_gbs or params.default_bw_gbs) * 1e6
         total += read / bw + params.layer_ms * (le - lb)
         if i:
@@ -87,7 +88,9 @@ def reference_score(shape: ModelShape, devices, profile: RoutingProfile, cells: 
             total += params.handoff_ms
             if a.host != b.host:
                 total += params.link_ms + shape.hidden * HANDOFF_DTYPE_BYTES / (params.link_gbs * 1e6)
-    return total + params.miss_ms * L * k * (1.0 - held)
+    all_blob = sum(mass[p] * shape.blob_bytes[p // E] for p in range(L * E))
+    return total + L * k * (params.miss_ms * (1.0 - held)
+                            + (all_blob - held_blob) / (params.host_gbs * 1e6))
 
 
 def all_placements(n_devices: int, n_layers: int, max_stages: int | None = None):

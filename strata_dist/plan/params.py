@@ -19,7 +19,14 @@ class PlanParams:
     cover_b          exponent of the coverage model H(f) = 1 - (1 - f)^b (STRATA_SPLIT_COVER_B).
     coverage         "model": pair masses from H over the global rank; "measured": the profile's own
                      normalised counts; "auto": measured when the profile is non-uniform, else model.
-    miss_ms          ms to compute ONE expert for one token from host memory (STRATA_SPLIT_MISS_MS).
+    host_gbs         GB/s at which a decode token reads an expert's blob from host memory (the
+                     graph's kernels read a missing blob in place over PCIe): ONE expert computed
+                     from host memory costs miss_ms + its blob's bytes / host_gbs
+                     (STRATA_SPLIT_HOST_GBS). 34 is what an H200 measured (docs/BENCHMARKS.md,
+                     2026-12-02, commit 1d2eeb6: 7.67 ms a token with half the Q4_K experts in
+                     host memory, 5.1 ms of it for the plan's 66.5 host activations of 2.65 MB;
+                     for a Q8_0 blob of 5.0 MB it gives the 0.15 ms the model took before).
+    miss_ms          fixed ms a host miss costs beyond its bytes (STRATA_SPLIT_MISS_MS).
     layer_ms         fixed ms a decode token spends in each layer beyond its bytes: the decode graph's
                      ~7 launches and their serial reductions (STRATA_SPLIT_LAYER_MS). 0.038 is what
                      an H200 measured (docs/BENCHMARKS.md, 2026-12-02, commit dfe1689: 2.53 and 2.77 ms
@@ -41,7 +48,8 @@ class PlanParams:
 
     cover_b: float = 3.0
     coverage: str = "auto"
-    miss_ms: float = 0.15
+    host_gbs: float = 34.0
+    miss_ms: float = 0.0
     layer_ms: float = 0.038
     handoff_ms: float = 0.05
     link_ms: float = 0.2
@@ -63,7 +71,7 @@ class PlanParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
-        for name in ("link_gbs", "default_bw_gbs"):
+        for name in ("link_gbs", "default_bw_gbs", "host_gbs"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0, got {v}")
@@ -97,6 +105,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "STRATA_SPLIT_COVER_B": ("cover_b", float),
     "STRATA_SPLIT_COVERAGE": ("coverage", str),
     "STRATA_SPLIT_MISS_MS": ("miss_ms", float),
+    "STRATA_SPLIT_HOST_GBS": ("host_gbs", float),
     "STRATA_SPLIT_LAYER_MS": ("layer_ms", float),
     "STRATA_SPLIT_HANDOFF_MS": ("handoff_ms", float),
     "STRATA_SPLIT_LINK_MS": ("link_ms", float),

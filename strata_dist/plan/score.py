@@ -2,7 +2,8 @@
 
     score = sum over stages of compute(stage)            bytes the stage reads per token / its bandwidth
                                                          + layer_ms per layer (launches, reductions)
-          + miss_ms * top_k * n_layers * (1 - held)      experts computed from host memory
+          + top_k * n_layers * sum over pairs not held of  experts computed from host memory:
+              mass * (miss_ms + blob bytes / host_gbs)     each one's blob read over PCIe
           + sum over boundaries of link(dev_i, dev_i+1)   hand-offs (priced higher across hosts)
 
 A stage reads, per token: its layers' dense tensors, its share of KV (kv_fill of the context) and
@@ -49,6 +50,9 @@ class CostModel:
         # bytes per millisecond of each device
         self.bw = np.array([(d.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6 for d in self.devices])
         self.lk = shape.top_k * L   # routed expert activations per token
+        self.host_bw = params.host_gbs * 1e6    # bytes per millisecond of a host miss
+        # what one routed activation costs when nothing is held: the mass-weighted blob
+        self.all_mass_blob = float(self.tables.span(self.tables.mass_blob, 0, L, self.tables.n))
         self.read = self._read_table()
         self.links = np.array([[self._link(a, b) for b in self.devices] for a in self.devices])
         self._fills: dict[tuple[int, int, int], Fill] = {}
@@ -89,25 +93,30 @@ class CostModel:
     def held_mass(self, pairs: Sequence[int]) -> float:
         return float(self.mass[list(pairs)].sum()) if pairs else 0.0
 
-    def stage_parts(self, d: int, lb: int, le: int, fill: Fill) -> tuple[float, float]:
-        """(compute ms, routing mass held) of a stage from its fill — the scalar path."""
+    def stage_parts(self, d: int, lb: int, le: int, fill: Fill) -> tuple[float, float, float]:
+        """(compute ms, routing mass held, mass-weighted blob bytes held) of a stage from its fill
+        — the scalar path."""
         E = self.shape.n_experts
         pairs = np.asarray(fill.pairs, dtype=np.int64)
         m = self.mass[pairs]
         mass_blob = float((m * np.asarray(self.shape.blob_bytes)[pairs // E]).sum()) if pairs.size else 0.0
         compute = (self.read[lb, le] + self.lk * mass_blob) / self.bw[d] + self.params.layer_ms * (le - lb)
-        return float(compute), float(m.sum())
+        return float(compute), float(m.sum()), mass_blob
+
+    def miss_credit(self, held, held_mass_blob):
+        """The host misses a stage saves by holding `held` routing mass of `held_mass_blob`."""
+        return self.lk * (self.params.miss_ms * held + held_mass_blob / self.host_bw)
 
     def stage_term(self, d: int, lb: int, le: int) -> float:
         """The stage's additive share of the score (inf when its weights and session do not fit)."""
         if self.budget(d, lb, le) < 0:
             return INF
-        compute, held = self.stage_parts(d, lb, le, self.fill(d, lb, le))
-        return compute - self.params.miss_ms * self.lk * held
+        compute, held, mass_blob = self.stage_parts(d, lb, le, self.fill(d, lb, le))
+        return compute - self.miss_credit(held, mass_blob)
 
     def baseline_ms(self) -> float:
         """The miss cost if nothing were held; every stage term subtracts its credit from it."""
-        return self.params.miss_ms * self.lk
+        return self.miss_credit(1.0, self.all_mass_blob)
 
     # --- all ranges at once -------------------------------------------------------------------------
     def stage_table(self) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +133,7 @@ class CostModel:
             mass_blob = self.tables.span(self.tables.mass_blob, bb, ee, t)
             compute = ((self.read[bb, ee][None, :] + self.lk * mass_blob) / self.bw[:, None]
                        + self.params.layer_ms * (ee - bb)[None, :])
-            term = np.where(ok, compute - self.params.miss_ms * self.lk * held, INF)
+            term = np.where(ok, compute - self.miss_credit(held, mass_blob), INF)
             S = np.full((D, L + 1, L + 1), INF)
             T = np.zeros((D, L + 1, L + 1), dtype=np.int64)
             S[:, bb, ee] = term
@@ -160,12 +169,13 @@ class CostModel:
     def breakdown(self, devices: Sequence[int], bounds: Sequence[int],
                   fills: Sequence[Fill]) -> dict[str, float]:
         """compute / miss / hand-off ms of a placement with the given fills."""
-        compute = held = 0.0
+        compute = held = held_mass_blob = 0.0
         for i, d in enumerate(devices):
-            c, h = self.stage_parts(d, bounds[i], bounds[i + 1], fills[i])
+            c, h, mb = self.stage_parts(d, bounds[i], bounds[i + 1], fills[i])
             compute += c
             held += h
+            held_mass_blob += mb
         handoff = float(sum(self.links[a, b] for a, b in zip(devices, devices[1:])))
-        miss = self.params.miss_ms * self.lk * (1.0 - held)
+        miss = self.baseline_ms() - self.miss_credit(held, held_mass_blob)
         return {"compute_ms": compute, "miss_ms": miss, "handoff_ms": handoff,
                 "total_ms": compute + miss + handoff, "held_mass": held}
