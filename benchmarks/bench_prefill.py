@@ -26,7 +26,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from launch_helpers import ServeSession  # noqa: E402
-from records import PeakMemory, llama_bench, model_facts, prompt_ids, write_record  # noqa: E402
+from records import (PeakMemory, env_prefix, llama_bench, model_facts, prompt_ids,  # noqa: E402
+                     write_record)
 
 
 def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
@@ -35,15 +36,17 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
     ctx = max(args.prompts) + 64
     from strata_dist.gguf_model import GGUFModel
     vocab = int(GGUFModel(args.model).tensor("token_embd.weight").shape[0])
+    flags = [*devices, "--vram-budget", args.budget, "--max-context", str(ctx), "--prefill",
+             str(args.chunk), "--no-remote-auto", *extra]
     with PeakMemory() as mem:
-        s = ServeSession(args.model, *devices, "--vram-budget", args.budget, "--max-context", str(ctx),
-                         "--prefill", str(args.chunk), "--no-remote-auto", *extra, env=env,
-                         timeout=900)
+        s = ServeSession(args.model, *flags, env=env, timeout=900)
         try:
             info = s.info_fields()[0]
             stage = next(f for f in s.info_fields() if "rank" in f)
             s.gen(prompt_ids(256, 1, vocab), 1, timeout=600)       # warm-up
-            out = {"slots": info["expert_slots"], "loan_mib": stage.get("loan_mib", "0"), "runs": {}}
+            out = {"slots": info["expert_slots"], "loan_mib": stage.get("loan_mib", "0"), "runs": {},
+                   "command": env_prefix(env) + "strata-launch --model M " + " ".join(flags)
+                   + " --serve"}
             for n in args.prompts:
                 # a prompt of its own (no prefix in common with the last one: the whole is read)
                 r = s.gen(prompt_ids(n, n, vocab), 1, "stats=1", timeout=900)
@@ -62,12 +65,12 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
 
 
 def llama_arm(args) -> dict:
-    rows, peak, _ = llama_bench(
+    rows, peak, command = llama_bench(
         [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
          "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", "1", "-ub", str(args.ubatch),
          "-b", str(max(args.ubatch, 2048)), "-o", "json"])
     return {"runs": {int(r["n_prompt"]): {"tps": float(r["avg_ts"])} for r in rows},
-            "peak_gib": peak}
+            "peak_gib": peak, "command": command}
 
 
 def main() -> int:
@@ -128,7 +131,7 @@ def main() -> int:
     names = {"loans on": "strata", "loans off": "strata loans off",
              "host routing": "strata host routing", "general path": "strata general path",
              "llama.cpp": "llama.cpp"}
-    arms = [{"name": names[k], "gpus": 0 if args.cpu else 1,
+    arms = [{"name": names[k], "gpus": 0 if args.cpu else 1, "command": r["command"],
              "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
              "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
             for k, r in results.items()]

@@ -68,3 +68,8 @@ def test_prefill_record_names_every_arm(tmp_path):
     assert [a["name"] for a in record["arms"]] == [
         "strata", "strata loans off", "strata host routing", "strata general path"]
     assert all(a["prefill_tok_s"]["128"] > 0 for a in record["arms"])
+    commands = {a["name"]: a["command"] for a in record["arms"]}
+    assert commands["strata"].startswith("strata-launch --model M --cpu-ranks 1 --vram-budget 400M")
+    assert commands["strata loans off"].endswith("--no-prompt-loans --serve")
+    assert commands["strata general path"].startswith(
+        "STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0 strata-launch"), commands
