@@ -1,7 +1,7 @@
 """Prefill tok/s with prompt loans on and off, beside llama.cpp's, side by side in one run.
 
 Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
-short warm-up prompt, then each prompt length once (one new token) and prints prompt tok/s, the
+warm-up prompt of each length, then each prompt length once (one new token) and prints prompt tok/s, the
 stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
 and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
@@ -43,7 +43,10 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
         try:
             info = s.info_fields()[0]
             stage = next(f for f in s.info_fields() if "rank" in f)
-            s.gen(prompt_ids(256, 1, vocab), 1, timeout=600)       # warm-up
+            # warm-up: a prompt of every measured length first, so no figure carries what a
+            # process does once per shape (kernel loads, the pool's first growth to that size)
+            for n in args.prompts:
+                s.gen(prompt_ids(n, 7 * n + 1, vocab), 1, timeout=900)
             out = {"slots": info["expert_slots"], "loan_mib": stage.get("loan_mib", "0"), "runs": {},
                    "command": env_prefix(env) + "strata-launch --model M " + " ".join(flags)
                    + " --serve"}

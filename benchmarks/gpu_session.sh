@@ -14,7 +14,7 @@
 #      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
 #      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
 #      (copy the records into benchmarks/results/ afterwards); with --prefill, bench_prefill.py on the
-#      same file, every expert resident, 512 and 4096 tokens, loans on/off, the row kernels
+#      same file, every expert resident, 512, 4096 and 16384 tokens, loans on/off, the row kernels
 #      and device routing (the defaults) beside
 #      llama.cpp
 # Usage (from the repository root, wheels of the image's missing packages in .whl/, and
@@ -113,7 +113,7 @@ for q in ${QUANTS//,/ }; do
   if [ "$PREFILL" = 1 ]; then
     LLAMA_PRE=(); [ -x "$LB" ] && LLAMA_PRE=(--llama-bench "$LB" --ncmoe 0)
     timeout 580 python3 benchmarks/bench_prefill.py --model /tmp/m/q30.gguf --budget 100G \
-      --prompts 512,4096 --chunk 4096 --out "$OUT" "${LLAMA_PRE[@]}" 2>&1 \
+      --prompts 512,4096,16384 --chunk 4096 --out "$OUT" "${LLAMA_PRE[@]}" 2>&1 \
       | tee "$OUT/prefill_$q.log" | tail -8
   fi
   if [ "$OFFLOAD" = 1 ]; then
