@@ -288,12 +288,22 @@ def test_attention_kernel_splits_a_group_over_blocks(heads_per_block, length, kv
     check_attention_kernel(length, 64, kv_type, n_head=32, heads_per_block=heads_per_block)
 
 
-def check_attention_kernel(length, chunk, kv_type, n_head, heads_per_block=None):
-    """attn_decode_128_g* (and _q8): causal attention of each row over the session's KV, f16 or
-    in q8_0 blocks (the host's Q8Rows wrote them), the splits combined by the last block of each
-    head group, for rows at positions length-1, length, ..."""
+@pytest.mark.parametrize("heads_per_block", [2, 8])
+@pytest.mark.parametrize("length", [1, 300])
+def test_attention_kernel_of_256_wide_heads(heads_per_block, length):
+    """attn_decode_256_g* (next_attention.cuh: qwen3next's heads, f16 K/V): the same reference,
+    Qwen3-Next-80B's 16 query heads over 2 kv heads."""
+    check_attention_kernel(length, 64, "f16", n_head=16, heads_per_block=heads_per_block,
+                           head_dim=256, n_kv=2)
+
+
+def check_attention_kernel(length, chunk, kv_type, n_head, heads_per_block=None, head_dim=128,
+                           n_kv=4):
+    """attn_decode_<head_dim>_g* (and _q8): causal attention of each row over the session's KV,
+    f16 or in q8_0 blocks (the host's Q8Rows wrote them), the splits combined by the last block of
+    each head group, for rows at positions length-1, length, ..."""
     from strata_dist.backends.kv_cache import Q8Rows
-    n_kv, D, n = 4, 128, 3
+    D, n = head_dim, 3
     cells = 1024 + n
     n_split = math.ceil(cells / chunk)
     rng = np.random.default_rng(length + chunk)
@@ -319,7 +329,7 @@ def check_attention_kernel(length, chunk, kv_type, n_head, heads_per_block=None)
     out = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
     scale = 1 / math.sqrt(D)
     for _ in range(2):                  # the counters are back at 0 for the next launch
-        _kernel(attn_kernel(n_head // n_kv, kv_type, hb))(
+        _kernel(attn_kernel(n_head // n_kv, kv_type, hb, head_dim))(
             (n_head // hb, n_split, n), (BLOCK_THREADS,),
             (cp.asarray(q), sess, np.int32(0), desc, np.int32(n_head), np.int32(n_kv),
              np.int32(n_split), np.int32(chunk), np.float32(scale), part, ml, done, out,

@@ -188,14 +188,20 @@ def matvec_kernel(ggml_type: int, n: int) -> str:
     return f"matvec_{TYPE_NAMES[ggml_type]}_{padded_rows(n)}"
 
 
+ATTN_HEAD_DIMS = (128, 256)    # head widths of the decode attention builds
 ATTN_GROUPS = (2, 4, 8, 16)  # the builds of attn_decode_128: query heads of one block, at most
 
 
-def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None) -> str:
+def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None,
+                head_dim: int = 128) -> str:
     """The decode attention build for `group` query heads per kv head over K/V kept as
     `kv_type` (f16 or q8_0), each block taking `heads_per_block` of them (the whole group when
     None; else a build's bound that divides the group): the least bound that holds them
-    (attention.cuh ATTN_DECODE). The launch's grid has n_head / heads_per_block columns."""
+    (attention.cuh ATTN_DECODE; 256-wide heads, f16 only: next_attention.cuh). The launch's grid
+    has n_head / heads_per_block columns."""
+    if head_dim not in ATTN_HEAD_DIMS or (head_dim != 128 and kv_type != "f16"):
+        raise ValueError(f"no decode attention build for {head_dim}-wide heads over {kv_type} K/V "
+                         f"(builds: 128 over f16 or q8_0, 256 over f16)")
     hb = group if heads_per_block is None else heads_per_block
     if hb > ATTN_GROUPS[-1]:
         raise ValueError(f"{hb} query heads per attention block (the attention kernels take <= "
@@ -204,7 +210,7 @@ def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None) ->
         raise ValueError(f"{hb} query heads per attention block with {group} per kv head: "
                          f"expected the group or one of {ATTN_GROUPS} dividing it")
     bound = next(b for b in ATTN_GROUPS if hb <= b)
-    return f"attn_decode_128_g{bound}" + ("_q8" if kv_type == "q8_0" else "")
+    return f"attn_decode_{head_dim}_g{bound}" + ("_q8" if kv_type == "q8_0" else "")
 
 
 def attn_heads_choices(group: int) -> list[int]:
@@ -260,7 +266,7 @@ def attn_launch(n_head: int, n_kv: int, head_dim: int, max_cells: int, kv_type: 
                                f"partials per row (more than {ATTN_SCRATCH_BYTES >> 20} MiB)")
     group = n_head // n_kv
     heads = heads or default_attn_heads(group, chunk)
-    return AttnLaunch(attn_kernel(group, kv_type, heads), heads, chunk, n_split,
+    return AttnLaunch(attn_kernel(group, kv_type, heads, head_dim), heads, chunk, n_split,
                       max(1, min(MAX_ROWS, ATTN_SCRATCH_BYTES // per_row)))
 
 
@@ -270,6 +276,8 @@ def kernel_names() -> list[str]:
              "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
     names += [attn_kernel(g, kv) + fq for g in ATTN_GROUPS for kv in ("f16", "q8_0")
               for fq in ("", "_fq")]
+    names += ["next_qk_norm_rope_kv", "next_attn_gate", "next_shexp_act"]
+    names += [attn_kernel(g, "f16", head_dim=256) for g in ATTN_GROUPS]   # next_attention.cuh
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names

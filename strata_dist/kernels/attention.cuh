@@ -26,9 +26,11 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 // (and, when v != null, v) into the session's cache at that position; with q_dst, q goes there
 // instead (the attention block that fuses this step keeps it in shared memory). One warp. Reads
 // through L2: the values may have been written by other blocks of the same launch.
-// D: the head width, fully rotated (the decode graph takes 128-wide heads of qwen3moe only): a
-// compile-time width keeps a head's values in registers (a runtime one put them on the stack).
-template <bool Q8, int D>
+// D: the head width; ROT: the dims rotated (pairs d, d + ROT / 2; qwen3next rotates the first
+// 64 of 256); QS: the floats between a row's query heads in q (2 D where each head's q is followed
+// by its output gate, qwen3next's attn_q). Compile-time widths keep a head's values in registers
+// (a runtime one put them on the stack).
+template <bool Q8, int D, int ROT = D, int QS = D>
 __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ k,
                                const float* __restrict__ v, const float* __restrict__ qn,
                                const float* __restrict__ kn, const u64* __restrict__ sess,
@@ -38,9 +40,10 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
     const int pos = desc[DESC_POS] + i;
     const bool is_q = head < n_head;
     const int hh = is_q ? head : head - n_head;
-    const float* src = is_q ? q + ((i64)i * n_head + hh) * D : k + ((i64)i * n_kv + hh) * D;
+    const float* src = is_q ? q + ((i64)i * n_head + hh) * QS : k + ((i64)i * n_kv + hh) * D;
     const float* nw = is_q ? qn : kn;
-    constexpr int per = D >> 5, half = D >> 1, hj = half >> 5;
+    constexpr int per = D >> 5, half = ROT >> 1, hj = half >> 5;
+    static_assert(ROT % 64 == 0 && ROT <= D, "rotated dims: whole pairs of warps");
     float vals[per];
     float ss = 0.f;
     #pragma unroll
@@ -59,7 +62,7 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
         vals[j + hj] = x2 * c + x1 * s;
     }
     if (is_q) {
-        float* dst = q_dst != nullptr ? q_dst : q + ((i64)i * n_head + hh) * D;
+        float* dst = q_dst != nullptr ? q_dst : q + ((i64)i * n_head + hh) * QS;
         #pragma unroll
         for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
     } else if constexpr (!Q8) {
@@ -150,7 +153,7 @@ __device__ __forceinline__ void attn_partial_body(
     // q/k norm fused here (one-row steps, `fuse` set): the split holding the row's new key first
     // writes that key and value into the cache (each block of the split the same bytes), so the
     // loads below see them
-    const QkvSpec* f = fuse;
+    const QkvSpec* f = D == 128 ? fuse : nullptr;    // the fused builds are qwen3moe's only
     if (f != nullptr && len - 1 < start + chunk) {
         if (t < 32)
             norm_rope_head<Q8, 128>(nullptr, f->k, f->v, f->q_norm, f->k_norm, sess, layer_slot,
@@ -448,7 +451,7 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
 // Grid (n_head / hb, n_split, rows), BLOCK_THREADS threads, hb = min(G, MAX_G) query heads per
 // block (G, the query heads per kv head, a multiple of hb): out [rows, n_head, D] is the attention
 // of each row's query heads over its causal keys.
-template <bool Q8, int MAX_G>
+template <int D, bool Q8, int MAX_G>
 __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess, int layer_slot,
                                                  const int* desc, int n_head, int n_kv,
                                                  int n_split, int chunk, float scale, float* part,
@@ -461,11 +464,11 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
     if ((int)blockIdx.y >= used) return;
     const int hb = min(n_head / n_kv, MAX_G);
-    attn_partial_body<128, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
-                                      n_split, chunk, scale, part, ml, out, fuse);
+    attn_partial_body<D, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
+                                    n_split, chunk, scale, part, ml, out, fuse);
     if (used == 1) return;                   // the only split wrote the attention itself
     if (!last_block_to_finish(done + blockIdx.z * gridDim.x + blockIdx.x, (u32)used)) return;
-    attn_combine_heads<128, MAX_G>(part, ml, len, n_head, hb, n_split, chunk, out);
+    attn_combine_heads<D, MAX_G>(part, ml, len, n_head, hb, n_split, chunk, out);
 }
 
 // n_layers: the stage's layers (where a q8_0 session's scales start in `sess`). One build per
@@ -483,8 +486,8 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
             int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
             u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
         pdl_entry();                                                                             \
-        attn_decode_body<Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,     \
-                                    scale, part, ml, done, out, n_layers, nullptr);              \
+        attn_decode_body<128, Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,\
+                                         scale, part, ml, done, out, n_layers, nullptr);         \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix##_fq(    \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
@@ -492,8 +495,8 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
             u32* __restrict__ done, float* __restrict__ out, int n_layers,                       \
             const QkvSpec* __restrict__ fuse) {                                                  \
         pdl_entry();                                                                             \
-        attn_decode_body<Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,     \
-                                    scale, part, ml, done, out, n_layers, fuse);                 \
+        attn_decode_body<128, Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,\
+                                         scale, part, ml, done, out, n_layers, fuse);            \
     }
 ATTN_DECODE(_g2, false, 2)
 ATTN_DECODE(_g4, false, 4)
