@@ -50,6 +50,25 @@ def test_lend_and_refill_keep_the_tokens(model, baseline):
         assert s.close() == 0
 
 
+
+def test_a_stage_holding_every_pair_lends_nothing(model, baseline):
+    """A budget that caches every pair of a stage's layers: its prompt buffers take the room its
+    cache leaves (plan/lend.py), so no stage lends, nothing is streamed or refilled, and the
+    tokens are the same."""
+    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "3", "--prefill", str(CHUNK),
+                     "--max-context", "512", "--gpu-order", "as_given", "--no-remote-auto")
+    try:
+        stages = [f for f in s.info_fields() if "rank" in f]
+        assert len(stages) == 2 and all(float(f["loan_mib"]) == 0 for f in stages), s.info
+        assert int(s.info_fields()[0]["expert_slots_stages"]) == N_LAYERS * N_EXPERTS, s.info
+        out = s.gen(PROMPT, 32, "stats=1")
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == baseline
+        for r in s.stats().values():
+            assert int(r.get("loans", 0)) == 0 and int(r.get("streamed", 0)) == 0, r
+    finally:
+        assert s.close() == 0
+
 def test_second_turn_equals_a_fresh_read_of_the_conversation(model):
     first_turn = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "3", "--prefill",
                               str(CHUNK), "--max-context", "512", "--no-remote-auto")
