@@ -1,5 +1,6 @@
 """Experts over many rows on the GPU: every (row, rank) pair of a layer sorted by expert and cut
-into work items, then two launches for the whole layer (kernels/experts_rows.cu) instead of a
+into work items, then two expert launches for the whole layer (kernels/experts_rows.cu; the
+tensor-core build rounds each launch's input rows to f16 first, `rows_to_half`) instead of a
 dequantize and three GEMMs per expert. Each output is summed in one fixed order over the
 columns, whatever else shares its work item, so a pair's bits do not depend on how the pairs were grouped, which tier held the blob, or the chunk.
 
