@@ -1,8 +1,8 @@
 """Prefill tok/s with prompt loans on and off, beside llama.cpp's, side by side in one run.
 
 Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
-warm-up prompt of each length, then each prompt length once (one new token) and prints prompt tok/s, the
-stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
+warm-up prompt of each length, then each prompt length once (one new token) and prints prompt
+tok/s, the stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
 and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
 memory), and the ratio to llama.cpp is printed for every prompt length. The strata arms run the

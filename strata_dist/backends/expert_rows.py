@@ -2,7 +2,8 @@
 into work items, then two expert launches for the whole layer (kernels/experts_rows.cu; the
 tensor-core build rounds each launch's input rows to f16 first, `rows_to_half`) instead of a
 dequantize and three GEMMs per expert. Each output is summed in one fixed order over the
-columns, whatever else shares its work item, so a pair's bits do not depend on how the pairs were grouped, which tier held the blob, or the chunk.
+columns, whatever else shares its work item, so a pair's bits do not depend on how the pairs were
+grouped, which tier held the blob, or the chunk.
 
 Two builds of the same kernels: on tensor cores (mma.sync, rows and weights rounded to f16 in
 shared memory as cuBLAS's f16 products round them; the default) and in float32 FMA

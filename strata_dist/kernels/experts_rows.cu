@@ -114,11 +114,10 @@ __device__ __forceinline__ void tile_products_fma(float (&acc)[NMAT][2][4],
 // f16 in shared memory (as cuBLAS's f16 products round them). Every output accumulates over the
 // columns in one order, whatever other pairs share its item, so a pair's bits do not depend on its
 // neighbours.
-// A block takes MMA_M pairs: 8 warps, warp w the 32 pairs 32 (w % 4) and the 32 outputs
-// 32 (w / 4) of the MMA_M x TILE_N tile. Shared memory holds two steps: the next step's rows
+// A block takes TILE_M pairs: 8 warps, warp w the 32 pairs 32 (w % 4) and the 32 outputs
+// 32 (w / 4) of the TILE_M x TILE_N tile. Shared memory holds two steps: the next step's rows
 // arrive by cp.async and its weights are read into registers while the tensor cores multiply the
 // current one (one barrier a step).
-#define MMA_M TILE_M                // pairs of a tensor-core block
 #define MMA_PAD 8                   // halves of padding per shared row: conflict-free ldmatrix
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
 
@@ -192,7 +191,7 @@ __device__ __forceinline__ void mma_weights_store(const float (&w)[NMAT][8],
     }
 }
 
-// acc[mat][mi][i][r] = the item's f16 rows (xh rows `rows`, `count` <= MMA_M of them, K columns)
+// acc[mat][mi][i][r] = the item's f16 rows (xh rows `rows`, `count` <= TILE_M of them, K columns)
 // times rows out0.. of each of the NMAT weight matrices (bases[mat], row_bytes[mat] a row; rows
 // past `nrows` repeat the last), before the rows' unscale.
 template <int T, int NMAT>
@@ -202,13 +201,13 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
                                                   const u8* const (&bases)[NMAT],
                                                   const i64 (&row_bytes)[NMAT], int out0,
                                                   int nrows) {
-    __shared__ __align__(16) __half xs[2][MMA_M][MMA_LD];
+    __shared__ __align__(16) __half xs[2][TILE_M][MMA_LD];
     __shared__ __align__(16) __half ws[2][NMAT][TILE_N][MMA_LD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = 32 * (warp & 3), n0 = 32 * (warp >> 2);
     const int lm = lane >> 3, lr = lane & 7;    // ldmatrix: matrix lane / 8, its row lane % 8
-    // this thread's two 16-byte pieces of each step's rows: piece j = t + 256 j is 8 columns
-    // 8 (j % 4) .. of tile row j / 4
+    // this thread's two 16-byte pieces of each step's rows: piece p = t + 256 j is the 8 columns
+    // 8 (p % 4) .. of tile row p / 4
     const __half* src[2];
     bool valid[2];
     int dst_row[2], dst_col[2];
@@ -385,36 +384,36 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
 
 // The FMA build reads x (act) in float32; the tensor-core build, `_mma_`, the f16 rows and
 // unscale rows_to_half made of them.
-#define ROWS_KERNELS(name, T)                                                                    \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_##name(          \
-            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
-            const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,    \
-            i64 gate_row_bytes, i64 up_row_bytes, int n_ff, float* __restrict__ act) {           \
-        gate_up_rows<T, false>(blobs, items, rows, x, nullptr, nullptr, n_embd, up_at, gate_row_bytes,  \
-                        up_row_bytes, n_ff, act);                                                \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_##name(             \
-            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
-            const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,  \
-            i64 down_row_bytes, int n_embd, float* __restrict__ y) {                             \
-        down_rows<T, false>(blobs, items, dest, act, nullptr, nullptr, n_ff, down_at, down_row_bytes,   \
-                     n_embd, y);                                                                 \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_mma_##name(      \
-            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
-            const int* __restrict__ rows, const __half* __restrict__ xh,                         \
-            const float* __restrict__ unscale, int n_embd, i64 up_at, i64 gate_row_bytes,        \
-            i64 up_row_bytes, int n_ff, float* __restrict__ act) {                               \
-        gate_up_rows<T, true>(blobs, items, rows, nullptr, xh, unscale, n_embd, up_at, gate_row_bytes, \
-                        up_row_bytes, n_ff, act);                                                \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_mma_##name(         \
-            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                   \
-            const int* __restrict__ dest, const __half* __restrict__ act_h,                      \
-            const float* __restrict__ unscale, int n_ff, i64 down_at, i64 down_row_bytes,        \
-            int n_embd, float* __restrict__ y) {                                                 \
-        down_rows<T, true>(blobs, items, dest, nullptr, act_h, unscale, n_ff, down_at, down_row_bytes, \
-                     n_embd, y);                                                                 \
+#define ROWS_KERNELS(name, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_##name(           \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                     \
+            const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,      \
+            i64 gate_row_bytes, i64 up_row_bytes, int n_ff, float* __restrict__ act) {             \
+        gate_up_rows<T, false>(blobs, items, rows, x, nullptr, nullptr, n_embd, up_at,             \
+                gate_row_bytes, up_row_bytes, n_ff, act);                                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_##name(              \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                     \
+            const int* __restrict__ dest, const float* __restrict__ act, int n_ff, i64 down_at,    \
+            i64 down_row_bytes, int n_embd, float* __restrict__ y) {                               \
+        down_rows<T, false>(blobs, items, dest, act, nullptr, nullptr, n_ff, down_at,              \
+                down_row_bytes, n_embd, y);                                                        \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_mma_##name(       \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                     \
+            const int* __restrict__ rows, const __half* __restrict__ xh,                           \
+            const float* __restrict__ unscale, int n_embd, i64 up_at, i64 gate_row_bytes,          \
+            i64 up_row_bytes, int n_ff, float* __restrict__ act) {                                 \
+        gate_up_rows<T, true>(blobs, items, rows, nullptr, xh, unscale, n_embd, up_at,             \
+                gate_row_bytes, up_row_bytes, n_ff, act);                                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_rows_mma_##name(          \
+            const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                     \
+            const int* __restrict__ dest, const __half* __restrict__ act_h,                        \
+            const float* __restrict__ unscale, int n_ff, i64 down_at, i64 down_row_bytes,          \
+            int n_embd, float* __restrict__ y) {                                                   \
+        down_rows<T, true>(blobs, items, dest, nullptr, act_h, unscale, n_ff, down_at,             \
+                down_row_bytes, n_embd, y);                                                        \
     }
 FOR_EACH_TYPE(ROWS_KERNELS)
 
