@@ -18,11 +18,11 @@ _URL_RE = re.compile(r"listening on (http://\S+)")
 
 class ServerProcess:
     """A strata-launch HTTP server on a free port. `url` is known as soon as it listens (before
-    the ranks have loaded); `health_log` holds what /health answered while it loaded, when
-    `watch_health` is set."""
+    the ranks have loaded); the constructor returns once /health answers 200, or right after
+    the listen line when `wait=False` (ranks started by hand come later)."""
 
     def __init__(self, model: str, *args: str, api_key: str | None = None, env: dict | None = None,
-                 timeout: float = 60.0, watch_health: bool = False, api_key_file: str | None = None):
+                 timeout: float = 60.0, wait: bool = True, api_key_file: str | None = None):
         argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--port", "0", *args]
         if api_key and api_key_file:      # the key reaches the server through a file
             with open(api_key_file, "w") as f:
@@ -39,19 +39,8 @@ class ServerProcess:
         threading.Thread(target=self._drain, daemon=True).start()
         threading.Thread(target=lambda: self.proc.stdout.read(), daemon=True).start()
         self.url = self._wait_for(_URL_RE, timeout).group(1)
-        self.health_log: list[tuple[int, dict]] = []
-        if watch_health:
-            deadline = time.monotonic() + timeout
-            with httpx.Client(timeout=5.0) as c:
-                while time.monotonic() < deadline:
-                    r = c.get(f"{self.url}/health")
-                    self.health_log.append((r.status_code, r.json()))
-                    if r.status_code == 200:
-                        break
-                    if self.proc.poll() is not None:
-                        break
-                    time.sleep(0.002)
-        self.wait_ready(timeout)
+        if wait:
+            self.wait_ready(timeout)
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
