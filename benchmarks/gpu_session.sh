@@ -17,16 +17,19 @@
 #      same file, every expert resident, 512, 4096 and 16384 tokens, loans on/off, the row kernels
 #      and device routing (the defaults) beside
 #      llama.cpp
+#   5. with --next, qwen3next: profile_decode.py on an 8-layer Qwen3-Next-80B-A3B-geometry Q4_K
+#      file (its decode graph, backends/next_decode.py), then bench_decode.py on the whole
+#      synthetic Qwen3-Next-80B-A3B Q4_K (about 45 GiB) beside llama.cpp
 # Usage (from the repository root, wheels of the image's missing packages in .whl/, and
 # optionally the kernel binaries built ahead in .kcubins/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
 #       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
-#       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE]
+#       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE] [--next]
 # --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
 # arms alike), e.g. --shape int_gate_up=0,int_down=0 for the float expert path
 set -uo pipefail
-GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1
+GPUS=0; TESTS=1; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1; NEXT=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
@@ -38,6 +41,7 @@ while [ $# -gt 0 ]; do
     --offload) OFFLOAD=1; shift ;;
     --prefill) PREFILL=1; shift ;;
     --skip-decode) DECODE=0; shift ;;
+    --next) NEXT=1; shift ;;
     --skip-profile) PROFILE=0; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
     --profile-quants) PROFILE_QUANTS=$2; shift 2 ;;
@@ -64,7 +68,7 @@ fi
 if [ "$TESTS" = 1 ]; then
   timeout 420 python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_decode.py tests/test_gpu.py \
     tests/test_gpu_pipeline.py tests/test_gpu_loans.py tests/test_gpu_gated_delta.py \
-    tests/test_gpu_next_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_gpu_next_attention.py tests/test_gpu_next_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks of this code"; exit 1; }
   t "gpu tests"
 fi
@@ -126,3 +130,20 @@ for q in ${QUANTS//,/ }; do
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
   t "bench $q"
 done
+if [ "$NEXT" = 1 ]; then
+  python3 - <<'PY' 2>&1 | tr '\r' '\n' | tail -1
+import dataclasses
+from strata_dist.synth import NEXT_GEOMETRIES, write_synthetic
+g = dataclasses.replace(NEXT_GEOMETRIES["qwen3-next-80b-a3b"], name="next-8l", n_layer=8)
+write_synthetic("/tmp/m/next_8l.gguf", like=g, quant="q4_k", popularity="zipf:1.0", seed=0)
+PY
+  timeout 120 python3 benchmarks/profile_decode.py --model /tmp/m/next_8l.gguf 2>&1 \
+    | tee "$OUT/profile_next.log" | tail -16
+  rm -f /tmp/m/next_8l.gguf
+  timeout 420 python3 -m launcher.tools synth /tmp/m/next.gguf --like qwen3-next-80b-a3b \
+    --quant q4_k --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
+  timeout 400 python3 benchmarks/bench_decode.py --model /tmp/m/next.gguf --gpus "$GPUS" \
+    --tokens 128 --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_next.log" | tail -6
+  rm -f /tmp/m/next.gguf
+  t "bench next"
+fi

@@ -27,8 +27,10 @@ def tiny_qwen3next(seed: int, hidden: int = 64, top_k: int = 2, n_layers: int = 
                    n_experts: int = 8, vocab: int = 320, tied: bool = False, interval: int = 4,
                    head_dim: int = 32, n_k_heads: int = 2, n_v_heads: int = 4,
                    head_k_dim: int = 16, head_v_dim: int = 24, init: float = 0.5,
-                   head_gain: float = 2.0) -> Qwen3NextForCausalLM:
-    """A random Qwen3-Next whose logits are far from uniform (std ~1).
+                   head_gain: float = 2.0, n_head: int | None = None,
+                   n_kv: int | None = None) -> Qwen3NextForCausalLM:
+    """A random Qwen3-Next whose logits are far from uniform (std ~1). Its attention has
+    2 hidden / head_dim query heads over hidden / head_dim kv heads unless `n_head` / `n_kv` say.
 
     The body's weights are drawn at init/sqrt(hidden): at 1/sqrt(hidden) the hidden states grow
     ~20x over 8 layers and float32 rounding alone (transformers in float32 against float64) moves
@@ -38,8 +40,8 @@ def tiny_qwen3next(seed: int, hidden: int = 64, top_k: int = 2, n_layers: int = 
     cfg = Qwen3NextConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
-        num_hidden_layers=n_layers, num_attention_heads=hidden // head_dim * 2,
-        num_key_value_heads=max(1, hidden // head_dim), head_dim=head_dim,
+        num_hidden_layers=n_layers, num_attention_heads=n_head or hidden // head_dim * 2,
+        num_key_value_heads=n_kv or max(1, hidden // head_dim), head_dim=head_dim,
         linear_conv_kernel_dim=4, linear_key_head_dim=head_k_dim, linear_value_head_dim=head_v_dim,
         linear_num_key_heads=n_k_heads, linear_num_value_heads=n_v_heads,
         num_experts=n_experts, num_experts_per_tok=top_k, norm_topk_prob=True,

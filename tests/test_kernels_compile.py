@@ -9,7 +9,8 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BLOCK_THREADS,
-                                     DOWN_PER_BLOCK, FF_PER_BLOCK, GDN_ROWS, MAX_ROWS, Q4_K,
+                                     DOWN_PER_BLOCK, FF_PER_BLOCK, GDN_ROWS, MAX_ROWS,
+                                     NEXT_HEAD_DIM, NEXT_ROT, Q4_K,
                                      Q6_K, Q8_0, STRUCTS,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
@@ -150,7 +151,7 @@ def test_argument_tables_match_the_structs(tmp_path):
              'DOWN_PER_BLOCK %d\\n", MAX_ROWS, ATTN_CHUNK, BLOCK_THREADS, FF_PER_BLOCK, '
              'DOWN_PER_BLOCK);',
              'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);',
-             'printf("GDN_ROWS %d\\n", GDN_ROWS);']
+             'printf("GDN_ROWS %d NEXT_D %d NEXT_ROT %d\\n", GDN_ROWS, NEXT_D, NEXT_ROT);']
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     # every KernelShape default is the macro's own (an undefined -D builds the default shape)
@@ -170,7 +171,8 @@ def test_argument_tables_match_the_structs(tmp_path):
     want = [f"MAX_ROWS {MAX_ROWS} ATTN_CHUNK {ATTN_CHUNK} BLOCK_THREADS {BLOCK_THREADS} "
             f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}",
             f"INT_FF_BLOCK {KernelShape().gate_up_block(Q4_K)} "
-            f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}", f"GDN_ROWS {GDN_ROWS}"]
+            f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}",
+            f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT}"]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     want += [f"{macro} {getattr(KernelShape(), name)}" for name, macro in KernelShape.MACROS.items()]

@@ -16,7 +16,8 @@ Used when every expert of the stage's layers is resident in its cache arena (the
 runner, or a stage whose cache holds its whole range), or, with STRATA_HOST_MAPPED=1, when the
 experts the cache lacks are pinned in host memory and read in place by the same kernels
 (backends/host_mapped.py; not yet measured on a GPU, hence opt-in); and when nothing needs routing
-decisions on the host (profile recording). Otherwise the general path of cupy_backend.py runs."""
+decisions on the host (profile recording). Otherwise the general path of cupy_backend.py runs.
+backends/next_decode.py builds the same runner with qwen3next's layers."""
 from __future__ import annotations
 
 import logging
@@ -291,41 +292,8 @@ class DecodeGraph:
         self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
 
     def _build_specs(self, g) -> None:
+        self.layer_specs = [self._layer_spec(layer) for layer in range(self.lb, self.le)]
         m = self.model
-        self.layer_specs = []
-        ptr = lambda a: int(a.data.ptr)  # noqa: E731
-        for layer in range(self.lb, self.le):
-            w = m.layers[layer]
-            name = f"blk.{layer}"
-            q, k, v = (weight_of(x, f"{name}.attn_{p}") for x, p in ((w.q, "q"), (w.k, "k"),
-                                                                      (w.v, "v")))
-            o = weight_of(w.o, f"{name}.attn_output")
-            router = weight_of(w.router, f"{name}.ffn_gate_inp")
-            for vec, part in ((w.attn_norm, "attn_norm"), (w.ffn_norm, "ffn_norm"),
-                              (w.q_norm, "attn_q_norm"), (w.k_norm, "attn_k_norm")):
-                norm_vector(vec, f"{name}.{part}")
-            experts = self._expert_spec(layer)
-            expert_table = _spec_array(EXPERT_SPEC, [experts])
-            self.layer_specs.append(dict(
-                qkv=mat_launches([(q, _mat(q, self.q)), (k, _mat(k, self.k)),
-                                  (v, _mat(v, self.v))]),
-                o=mat_launches([(o, _mat(o, self.h, add=self.h))]),
-                router=mat_launches([(router, _mat(router, self.router_logits))]),
-                experts=expert_table,
-                route=_spec_array(ROUTE_SPEC, [dict(
-                    experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
-                    ids=int(self.ids[layer - self.lb].data.ptr), wts=int(self.wts.data.ptr),
-                    blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
-                    n_expert=g.n_expert, k=g.n_expert_used, normalize=1)]),
-                expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
-                expert_codes=(experts["gate_type"], experts["down_type"]),
-                qkv_spec=_spec_array(QKV_SPEC, [dict(
-                    q=ptr(self.q), k=ptr(self.k), v=ptr(self.v), q_norm=ptr(w.q_norm),
-                    k_norm=ptr(w.k_norm), sess=ptr(self.sess_table), desc=ptr(self.desc),
-                    done=ptr(self.qk_done), layer_slot=layer - self.lb, n_layers=self.le - self.lb,
-                    n_head=g.n_head, n_kv=g.n_head_kv, D=g.head_dim, rot=g.head_dim,
-                    eps=g.rms_eps)]),
-                w=w))
         if self.last:
             t = m._tensors
             output_w = weight_of(t["token_embd.weight" if g.tied_embeddings else "output.weight"],
@@ -335,12 +303,56 @@ class DecodeGraph:
         if self.first:
             self.embedding = weight_of(m._tensors["token_embd.weight"], "token_embd.weight")
 
+    def _layer_spec(self, layer: int) -> dict:
+        """One layer's launches and argument tables. Every layer spec holds `mats` (all of its
+        matvec launches, for the kernel names) and what `_routed_experts` reads."""
+        g, w = self.g, self.model.layers[layer]
+        ptr = lambda a: int(a.data.ptr)  # noqa: E731
+        name = f"blk.{layer}"
+        q, k, v = (weight_of(x, f"{name}.attn_{p}") for x, p in ((w.q, "q"), (w.k, "k"),
+                                                                  (w.v, "v")))
+        o = weight_of(w.o, f"{name}.attn_output")
+        for vec, part in ((w.attn_norm, "attn_norm"), (w.ffn_norm, "ffn_norm"),
+                          (w.q_norm, "attn_q_norm"), (w.k_norm, "attn_k_norm")):
+            norm_vector(vec, f"{name}.{part}")
+        spec = dict(
+            qkv=mat_launches([(q, _mat(q, self.q)), (k, _mat(k, self.k)), (v, _mat(v, self.v))]),
+            o=mat_launches([(o, _mat(o, self.h, add=self.h))]),
+            qkv_spec=_spec_array(QKV_SPEC, [dict(
+                q=ptr(self.q), k=ptr(self.k), v=ptr(self.v), q_norm=ptr(w.q_norm),
+                k_norm=ptr(w.k_norm), sess=ptr(self.sess_table), desc=ptr(self.desc),
+                done=ptr(self.qk_done), layer_slot=layer - self.lb, n_layers=self.le - self.lb,
+                n_head=g.n_head, n_kv=g.n_head_kv, D=g.head_dim, rot=g.head_dim,
+                eps=g.rms_eps)]),
+            w=w)
+        spec.update(self._experts_spec(layer, w.router, w.ffn_norm, normalize=True))
+        spec["mats"] = spec["qkv"] + spec["o"] + spec["router"]
+        return spec
+
+    def _experts_spec(self, layer: int, router_w, ffn_norm, normalize: bool) -> dict:
+        """The routed experts' part of a layer spec: the router's matvec (its fused RMSNorm by
+        `ffn_norm`, its last block picking the top-k) and the expert kernels' tables."""
+        g = self.g
+        router = weight_of(router_w, f"blk.{layer}.ffn_gate_inp")
+        experts = self._expert_spec(layer)
+        expert_table = _spec_array(EXPERT_SPEC, [experts])
+        return dict(
+            ffn_norm=ffn_norm,
+            router=mat_launches([(router, _mat(router, self.router_logits))]),
+            experts=expert_table,
+            route=_spec_array(ROUTE_SPEC, [dict(
+                experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
+                ids=int(self.ids[layer - self.lb].data.ptr), wts=int(self.wts.data.ptr),
+                blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
+                n_expert=g.n_expert, k=g.n_expert_used, normalize=int(normalize))]),
+            expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
+            expert_codes=(experts["gate_type"], experts["down_type"]))
+
     def _kernel_names(self) -> set[str]:
-        names = {"qk_norm_rope_kv" + self.kv_suffix, self.attn_kernel}
-        names |= {self.attn_kernel + "_fq"} if self.fused_qk_attention else set()
+        names = self._layer_kernel_names()
         names |= {"embed_tokens"} if self.first else set()
         names |= {"argmax_row"} if self.last else set()
-        launches = [x for L in self.layer_specs for key in ("qkv", "o", "router") for x in L[key]]
+        launches = [x for L in self.layer_specs for x in L["mats"]]
         launches += self.output_projection if self.last else []
         for n in range(1, self.max_rows + 1):
             names |= {matvec_kernel(x.type, n) for x in launches}
@@ -348,6 +360,11 @@ class DecodeGraph:
             gate_up, down = L["expert_types"]
             names |= {f"moe_gate_up_{gate_up}", f"moe_down_{down}"}
         return names
+
+    def _layer_kernel_names(self) -> set[str]:
+        """The layers' kernels other than the matvecs and the experts'."""
+        names = {"qk_norm_rope_kv" + self.kv_suffix, self.attn_kernel}
+        return names | ({self.attn_kernel + "_fq"} if self.fused_qk_attention else set())
 
     def _expert_spec(self, layer: int) -> dict:
         g = self.g
@@ -373,15 +390,15 @@ class DecodeGraph:
             if self._pdl is None or not self._pdl_armed:
                 self._pdl_armed = True          # the step's first kernel follows a copy
                 return fn
-            return lambda grid, block, args: self._pdl.launch(
-                fn, grid, block, args, cp.cuda.get_current_stream().ptr)
+            return lambda grid, block, args, shared_mem=0: self._pdl.launch(
+                fn, grid, block, args, cp.cuda.get_current_stream().ptr, shared_mem)
         repeat = self._timing_repeat
 
-        def timed(grid, block, args):
+        def timed(grid, block, args, shared_mem=0):
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(self.stream)
             for _ in range(repeat):
-                fn(grid, block, args)
+                fn(grid, block, args, shared_mem=shared_mem)
             end.record(self.stream)
             self._timing.append((name, start, end))
         return timed
@@ -419,10 +436,7 @@ class DecodeGraph:
         eps = np.float32(g.rms_eps)
         i32 = np.int32
         nl = self.le - self.lb
-        if self.first:
-            e = self.embedding
-            f("embed_tokens")((1, n), (128,), (np.uint64(e.ptr), i32(e.type), np.int64(e.row_bytes),
-                                              i32(e.ncols), i32(e.nrows), self.desc, self.h))
+        self._embed(n)
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         # one-row steps with STRATA_FUSED_QK_NORM=attention: the attention normalises, rotates and
         # writes q and the new K/V itself (its _fq build)
@@ -444,21 +458,40 @@ class DecodeGraph:
                  i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
                  self.attn_done, self.attn, i32(nl)) + ((L["qkv_spec"],) if in_attention else ()))
             self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
-            # the router's last block also picks the top-k (ids, weights, blob addresses)
-            self._matvec(L["router"], self.h, g.n_embd, n, w.ffn_norm, eps, normed=self.xn,
-                         route=L["route"])
-            gate_up, down = L["expert_types"]
-            ff, out = self.shape.gate_up_block(L["expert_codes"][0]), \
-                self.shape.down_block(L["expert_codes"][1])
-            f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                        (BLOCK_THREADS,),
-                                        (L["experts"], self.xn, self.blobs, self.act))
-            f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
-                                  (L["experts"], self.act, self.blobs, self.wts, self.h))
+            self._routed_experts(L, n, eps)
+        self._output(n, eps)
+
+    def _embed(self, n: int) -> None:
+        """The first stage's rows: the embeddings of the descriptor's token ids, into h."""
+        if self.first:
+            e = self.embedding
+            self._launch("embed_tokens")(
+                (1, n), (128,), (np.uint64(e.ptr), np.int32(e.type), np.int64(e.row_bytes),
+                                 np.int32(e.ncols), np.int32(e.nrows), self.desc, self.h))
+
+    def _routed_experts(self, L: dict, n: int, eps) -> None:
+        """h += the layer's routed experts of rms_norm(h) (left in xn for what follows)."""
+        g, f = self.g, self._launch
+        # the router's last block also picks the top-k (ids, weights, blob addresses)
+        self._matvec(L["router"], self.h, g.n_embd, n, L["ffn_norm"], eps, normed=self.xn,
+                     route=L["route"])
+        gate_up, down = L["expert_types"]
+        ff, out = self.shape.gate_up_block(L["expert_codes"][0]), \
+            self.shape.down_block(L["expert_codes"][1])
+        f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                    (BLOCK_THREADS,), (L["experts"], self.xn, self.blobs, self.act))
+        f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
+                              (L["experts"], self.act, self.blobs, self.wts, self.h))
+
+    def _output(self, n: int, eps) -> None:
+        """The last stage's logits of the last row and its greedy token."""
         if self.last:
-            self._matvec(self.output_projection, self.h[n - 1:n], g.n_embd, 1, self.output_norm, eps)
-            f("argmax_row")((ARGMAX_BLOCKS,), (256,), (self.logits, i32(g.n_vocab), self.post_v,
-                                                       self.post_i, self.done, self.token))
+            g = self.g
+            self._matvec(self.output_projection, self.h[n - 1:n], g.n_embd, 1, self.output_norm,
+                         eps)
+            self._launch("argmax_row")((ARGMAX_BLOCKS,), (256,),
+                                       (self.logits, np.int32(g.n_vocab), self.post_v,
+                                        self.post_i, self.done, self.token))
 
     def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
                 eps=np.float32(0), normed=None, route=None, qkv=None) -> None:
@@ -490,6 +523,13 @@ class DecodeGraph:
         """Point the kernels at `session`'s KV and RoPE tables (only when the session changes)."""
         if self._bound is not None and self._bound() is session:
             return
+        self.sess_table.set(np.asarray(self._session_pointers(session), dtype=np.uint64),
+                            stream=self.stream)
+        self._bound = weakref.ref(session)
+
+    def _session_pointers(self, session) -> list[int]:
+        """The pointer table: each layer slot's K and V, then the RoPE tables (then, q8_0, the
+        K and V scales)."""
         kv = [a for layer in range(self.lb, self.le) for a in (session.k(layer), session.v(layer))]
         if self.kv_suffix:       # q8_0 (Q8Rows): the int8 values, and the scales after the RoPE
             ptrs = [int(a.q.data.ptr) for a in kv]
@@ -498,8 +538,7 @@ class DecodeGraph:
         ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
         if self.kv_suffix:
             ptrs += [int(a.scale.data.ptr) for a in kv]
-        self.sess_table.set(np.asarray(ptrs, dtype=np.uint64), stream=self.stream)
-        self._bound = weakref.ref(session)
+        return ptrs
 
     def step(self, session, pos: int, ids=None, hidden=None, ahead: bool = False):
         """Rows at positions pos.. of `session`: token ids on the first stage, else hidden rows
@@ -603,14 +642,15 @@ class DecodeGraph:
         return {"hits": hits, "host": int((ids >= 0).sum()) - hits}
 
 
-def decode_graph(model, max_cells: int):
-    """A DecodeGraph for the model's stage, or None (with the reason logged once) when its layers
-    cannot take the graph path."""
+def decode_graph(model, max_cells: int, graph_class: type = DecodeGraph):
+    """A `graph_class` runner (DecodeGraph: qwen3moe; next_decode.NextDecodeGraph: qwen3next) for
+    the model's stage, or None (with the reason logged once) when its layers cannot take the graph
+    path."""
     # a stage's tiers compute through their own cache first; helper tiers and host memory hold
     # only pairs the cache lacks, so a cache with every pair never asks them
     arena = getattr(model.experts, "cache", model.experts)
     try:
-        return DecodeGraph(model, arena, max_cells)
+        return graph_class(model, arena, max_cells)
     except Unsupported as e:
         log.info("decode steps of layers [%d, %d) take the general path: %s", model.lb, model.le, e)
         return None

@@ -190,6 +190,9 @@ class CupyBackend(Backend):
 
     def decode_graph(self, model, max_cells):
         from .cuda_decode import decode_graph
+        if model.g.arch == "qwen3next":
+            from .next_decode import NextDecodeGraph
+            return decode_graph(model, max_cells, NextDecodeGraph)
         return decode_graph(model, max_cells)
 
     def synchronize(self):

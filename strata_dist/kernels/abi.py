@@ -25,6 +25,8 @@ DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's def
 
 WARPS = BLOCK_THREADS // 32
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
+NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
+NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
 
 
 @dataclass(frozen=True)

@@ -53,14 +53,15 @@ class ProgrammaticLauncher:
         self._attr = _Attr(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attr.value.programmatic = 1
 
-    def launch(self, kernel, grid, block, args, stream_ptr: int) -> None:
-        """`kernel`: a CuPy RawKernel; launched on the stream with the programmatic attribute."""
+    def launch(self, kernel, grid, block, args, stream_ptr: int, shared_mem: int = 0) -> None:
+        """`kernel`: a CuPy RawKernel; launched on the stream with the programmatic attribute and
+        `shared_mem` bytes of dynamic shared memory."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         values = [_arg(a) for a in args]
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        cfg = _Config(*grid, *block, 0, ctypes.c_void_p(stream_ptr), ctypes.pointer(self._attr), 1)
+        cfg = _Config(*grid, *block, int(shared_mem), ctypes.c_void_p(stream_ptr), ctypes.pointer(self._attr), 1)
         rc = self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr),
                                         params, None)
         if rc != 0:

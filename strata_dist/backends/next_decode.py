@@ -1,0 +1,213 @@
+"""The decode step of a qwen3next stage on a GPU, as one CUDA graph: cuda_decode.py's runner (static
+buffers, one captured graph per row count, the router picking the top-k on the device, the same
+expert kernels, the step launched ahead) with qwen3next's layers.
+
+Per layer, after the layer's RMSNorm fused into its input matvecs:
+- a linear layer: attn_qkv, attn_gate and ssm_ba in one matvec launch (per type);
+  `gdn_conv_step` (the causal conv over the session's conv state, SiLU, the q/k L2 norms) and
+  `gdn_delta_step` (the gated delta rule on the session's recurrent state, the gated RMSNorm),
+  both reading and writing the state in place (kernels/gated_delta.cuh); ssm_out + residual;
+- an attention layer: attn_q ([q | gate] per head), attn_k, attn_v; `next_qk_norm_rope_kv` (q and
+  k normed per head, the first 64 dims rotated, K/V written into the session);
+  `attn_decode_256_g*`; `next_attn_gate`; attn_output + residual (kernels/next_attention.cuh);
+- the MoE: the router's matvec (post_attention_norm fused, its last block picking the top-k of up
+  to 512 experts) and the routed experts' two launches as qwen3moe's; the shared expert's gate and
+  up rows and its one-row gate logit in one matvec launch over the same normed rows,
+  `next_shexp_act` (SwiGLU times the sigmoid of that logit), ffn_down_shexp + residual.
+
+The pointer table holds two entries per layer slot, K and V of an attention layer or the conv
+and recurrent state of a linear one, so one graph serves every session. The arithmetic is
+models/qwen3next.py's, the reference tests/test_gpu_next_decode.py checks it against."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import cupy as cp
+
+from ..kernels.abi import (BLOCK_THREADS, GDN_ROWS, GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT)
+from .cuda_decode import DecodeGraph, Unsupported, _mat, _spec_array, mat_launches, norm_vector, \
+    weight_of
+
+MAX_THREADS = 1024          # a block's threads (gdn_conv_step: a key head; gdn_delta_step: a state)
+
+
+def _mat_into(w, y, column: int, y_stride: int) -> dict:
+    """A MatSpec row writing W's outputs into columns [column, column + W rows) of y [n, y_stride]
+    (gate and up of the shared expert side by side in one buffer)."""
+    spec = _mat(w, y)
+    spec.update(y=int(y.data.ptr) + 4 * column, y_stride=y_stride)
+    return spec
+
+
+def _f32_array(a, name: str, shape: tuple[int, ...]):
+    """A small float32 tensor the GDN kernels read in place (conv kernel, gates, norm)."""
+    if not (isinstance(a, cp.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+            and tuple(a.shape) == shape):
+        raise Unsupported(f"{name}: kept as {getattr(a, 'dtype', type(a).__name__)} "
+                          f"{getattr(a, 'shape', '')}, not float32 {shape} as the GDN kernels read")
+    return a
+
+
+class NextDecodeGraph(DecodeGraph):
+    """Decode steps of the layers [model.lb, model.le) of a qwen3next model whose experts are all
+    in `arena` (or pinned in host memory, as DecodeGraph), for sessions of `max_cells` cells."""
+
+    # ---- what the kernels support ---------------------------------------------------------------
+    def _check_geometry(self, g) -> None:
+        if g.arch != "qwen3next":
+            raise Unsupported(f"{g.arch} is not qwen3next")
+        if self.model.backend.kv_type != "f16":
+            raise Unsupported(f"K/V kept as {self.model.backend.kv_type} (qwen3next's attention "
+                              f"kernels read f16)")
+        if g.head_dim != NEXT_HEAD_DIM or g.n_rot != NEXT_ROT:
+            raise Unsupported(f"attention heads of {g.head_dim} with {g.n_rot} rotated dims (the "
+                              f"kernels are built for {NEXT_HEAD_DIM} with {NEXT_ROT})")
+        if g.n_head % g.n_head_kv or g.n_head // g.n_head_kv > 16:
+            raise Unsupported(f"{g.n_head} query heads over {g.n_head_kv} kv heads")
+        if g.n_expert > 512 or g.n_expert_used > 16:
+            raise Unsupported(f"{g.n_expert} experts, top-{g.n_expert_used} (the router kernel "
+                              f"takes <= 512, top <= 16)")
+        if g.n_embd % 32 or g.n_ff_exp % 32 or g.n_ff_shexp % 32:
+            raise Unsupported("widths that are not whole groups of 32")
+        if g.fused_qkvz:
+            raise Unsupported("the fused ssm_in of older files (the kernels read attn_qkv and "
+                              "attn_gate)")
+        hk, hv = g.head_k_dim, g.head_v_dim
+        threads = hk * hv // GDN_ROWS
+        if (hk % 32 or hk > MAX_THREADS or hk % GDN_ROWS or g.value_dim % hk
+                or threads % 32 or threads > MAX_THREADS):
+            raise Unsupported(f"linear-attention heads of {hk} x {hv} (the GDN kernels take a key "
+                              f"head of whole warps and a state of <= {MAX_THREADS * GDN_ROWS} "
+                              f"values)")
+        # q and k are normed and rotated by next_qk_norm_rope_kv: neither fused form applies
+        self.fused_qk_norm = self.fused_qk_attention = False
+        self.gdn_threads = threads
+        self.attention_layers = [l for l in range(self.lb, self.le) if not g.is_linear(l)]
+        self.linear_layers = [l for l in range(self.lb, self.le) if g.is_linear(l)]
+
+    # ---- static buffers and kernel argument tables ----------------------------------------------
+    def _allocate(self, g) -> None:
+        super()._allocate(g)
+        f32, R = cp.float32, MAX_ROWS
+        if self.attention_layers:
+            self.qg = cp.zeros((R, 2 * g.n_head * g.head_dim), f32)   # attn_q: [q | gate] a head
+        if self.linear_layers:
+            self.qkv = cp.zeros((R, g.conv_dim), f32)
+            self.z = cp.zeros((R, g.value_dim), f32)
+            self.ba = cp.zeros((R, 2 * g.n_v_heads), f32)
+            self.mixed = cp.zeros((R, g.conv_dim), f32)
+            self.gdn_out = cp.zeros((R, g.value_dim), f32)
+        self.shexp_gu = cp.zeros((R, 2 * g.n_ff_shexp), f32)          # gate | up
+        self.shexp_logit = cp.zeros((R, 1), f32)
+        self.shexp_act = cp.zeros((R, g.n_ff_shexp), f32)
+
+    def _layer_spec(self, layer: int) -> dict:
+        g, w = self.g, self.model.layers[layer]
+        name = f"blk.{layer}"
+        ptr = lambda a: int(a.data.ptr)  # noqa: E731
+
+        def W(part):
+            return weight_of(w[part], f"{name}.{part}")
+
+        spec = dict(attn_norm=norm_vector(w["attn_norm"], f"{name}.attn_norm"),
+                    linear=g.is_linear(layer))
+        if spec["linear"]:
+            qkv, gate, ba, out = W("attn_qkv"), W("attn_gate"), W("ssm_ba"), W("ssm_out")
+            hv = g.head_v_dim
+            spec.update(
+                mix_in=mat_launches([(qkv, _mat(qkv, self.qkv)), (gate, _mat(gate, self.z)),
+                                     (ba, _mat(ba, self.ba))]),
+                mix_out=mat_launches([(out, _mat(out, self.h, add=self.h))]),
+                gdn=_spec_array(GDN_SPEC, [dict(
+                    qkv=ptr(self.qkv), z=ptr(self.z), ba=ptr(self.ba),
+                    conv_w=ptr(_f32_array(w["ssm_conv1d"], f"{name}.ssm_conv1d",
+                                          (g.conv_dim, g.ssm_conv_kernel))),
+                    ssm_a=ptr(_f32_array(w["ssm_a"], f"{name}.ssm_a", (g.n_v_heads,))),
+                    ssm_dt=ptr(_f32_array(w["ssm_dt"], f"{name}.ssm_dt", (g.n_v_heads,))),
+                    norm_w=ptr(_f32_array(w["ssm_norm"], f"{name}.ssm_norm", (hv,))),
+                    mixed=ptr(self.mixed), out=ptr(self.gdn_out), sess=ptr(self.sess_table),
+                    layer_slot=layer - self.lb, n_k=g.n_k_heads, n_v=g.n_v_heads,
+                    head_k=g.head_k_dim, head_v=hv, conv_dim=g.conv_dim, K=g.ssm_conv_kernel,
+                    eps=g.rms_eps)]))
+            mats = spec["mix_in"] + spec["mix_out"]
+        else:
+            q, k, v, o = W("attn_q"), W("attn_k"), W("attn_v"), W("attn_output")
+            spec.update(
+                qkv=mat_launches([(q, _mat(q, self.qg)), (k, _mat(k, self.k)),
+                                  (v, _mat(v, self.v))]),
+                o=mat_launches([(o, _mat(o, self.h, add=self.h))]),
+                q_norm=norm_vector(w["attn_q_norm"], f"{name}.attn_q_norm"),
+                k_norm=norm_vector(w["attn_k_norm"], f"{name}.attn_k_norm"))
+            mats = spec["qkv"] + spec["o"]
+        ffn_norm = norm_vector(w["post_attention_norm"], f"{name}.post_attention_norm")
+        spec.update(self._experts_spec(layer, w["ffn_gate_inp"], ffn_norm,
+                                       normalize=g.norm_topk_prob))
+        sh = g.n_ff_shexp
+        sh_gate, sh_up, sh_down = W("ffn_gate_shexp"), W("ffn_up_shexp"), W("ffn_down_shexp")
+        sh_logit = W("ffn_gate_inp_shexp")
+        spec.update(
+            shexp_in=mat_launches([(sh_gate, _mat_into(sh_gate, self.shexp_gu, 0, 2 * sh)),
+                                   (sh_up, _mat_into(sh_up, self.shexp_gu, sh, 2 * sh)),
+                                   (sh_logit, _mat(sh_logit, self.shexp_logit))]),
+            shexp_down=mat_launches([(sh_down, _mat(sh_down, self.h, add=self.h))]))
+        spec["mats"] = mats + spec["router"] + spec["shexp_in"] + spec["shexp_down"]
+        return spec
+
+    def _layer_kernel_names(self) -> set[str]:
+        names = {"next_shexp_act"}
+        if self.attention_layers:
+            names |= {"next_qk_norm_rope_kv", self.attn_kernel, "next_attn_gate"}
+        if self.linear_layers:
+            names |= {"gdn_conv_step", "gdn_delta_step"}
+        return names
+
+    def _session_pointers(self, session) -> list[int]:
+        ptrs = []
+        for layer in range(self.lb, self.le):
+            pair = ((session.conv_state(layer), session.recurrent_state(layer))
+                    if self.g.is_linear(layer) else (session.k(layer), session.v(layer)))
+            ptrs += [int(a.data.ptr) for a in pair]
+        return ptrs + [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _enqueue(self, n: int) -> None:
+        self._pdl_armed = False
+        g, f = self.g, self._launch
+        eps = np.float32(g.rms_eps)
+        i32 = np.int32
+        nl = self.le - self.lb
+        self._embed(n)
+        scale = np.float32(1.0 / math.sqrt(g.head_dim))
+        q_width = g.n_head * g.head_dim
+        sh = g.n_ff_shexp
+        for j, L in enumerate(self.layer_specs):
+            if L["linear"]:
+                self._matvec(L["mix_in"], self.h, g.n_embd, n, L["attn_norm"], eps)
+                f("gdn_conv_step")((g.conv_dim // g.head_k_dim,), (g.head_k_dim,),
+                                   (L["gdn"], i32(n)))
+                # q and k of the row, then a partial sum per thread (gated_delta.cuh)
+                f("gdn_delta_step")((g.n_v_heads,), (self.gdn_threads,), (L["gdn"], i32(n)),
+                                    shared_mem=(2 * g.head_k_dim + self.gdn_threads) * 4)
+                self._matvec(L["mix_out"], self.gdn_out, g.value_dim, n)
+            else:
+                self._matvec(L["qkv"], self.h, g.n_embd, n, L["attn_norm"], eps)
+                f("next_qk_norm_rope_kv")(
+                    (g.n_head + g.n_head_kv, n), (32,),
+                    (self.qg, self.k, self.v, L["q_norm"], L["k_norm"], self.sess_table, i32(j),
+                     i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv), eps, self.q))
+                f(self.attn_kernel)(
+                    (g.n_head // self.attn_heads, self.n_split, n), (BLOCK_THREADS,),
+                    (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
+                     i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
+                     self.attn_done, self.attn, i32(nl)))
+                f("next_attn_gate")((-(-q_width // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                                    (self.attn, self.qg, i32(g.n_head)))
+                self._matvec(L["o"], self.attn, q_width, n)
+            self._routed_experts(L, n, eps)
+            # the shared expert over the rows the router's matvec normed into xn
+            self._matvec(L["shexp_in"], self.xn, g.n_embd, n)
+            f("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                                (self.shexp_gu, self.shexp_logit, i32(sh), self.shexp_act))
+            self._matvec(L["shexp_down"], self.shexp_act, sh, n)
+        self._output(n, eps)
