@@ -126,7 +126,8 @@ def _layer(rng, nk, nv, hk, hv, K):
     """Random weights of one linear layer in the shapes gdn_mixer reads, and its geometry."""
     conv_dim = 2 * nk * hk + nv * hv
     g = SimpleNamespace(n_k_heads=nk, n_v_heads=nv, head_k_dim=hk, head_v_dim=hv,
-                        key_dim=nk * hk, value_dim=nv * hv, ssm_conv_kernel=K, rms_eps=1e-6)
+                        key_dim=nk * hk, value_dim=nv * hv, conv_dim=conv_dim, ssm_conv_kernel=K,
+                        rms_eps=1e-6)
     w = {"ssm_conv1d": (rng.standard_normal((conv_dim, K)) * 0.5).astype(np.float32),
          "ssm_a": -np.exp(rng.standard_normal(nv) * 0.5).astype(np.float32),
          "ssm_dt": (rng.standard_normal(nv) * 0.5).astype(np.float32),

@@ -1,6 +1,7 @@
 """qwen3next's linear-layer decode kernels on the GPU (kernels/gated_delta.cuh: gdn_conv_step,
 gdn_delta_step) against models/qwen3next.py's gdn_mixer over 64 decode steps, the state carried
-on the device, and one step of several rows. Run on the GPU machine: pytest -m gpu."""
+on the device, one step of several rows, and a prompt chunk through the CuPy backend's
+linear_attention (the same kernels). Run on the GPU machine: pytest -m gpu."""
 import numpy as np
 import pytest
 
@@ -81,3 +82,26 @@ def test_a_step_of_several_rows_equals_one_row_steps():
     for t in range(5):
         np.testing.assert_array_equal(one.step(qkv[t:t + 1], z[t:t + 1], ba[t:t + 1])[0], got[t])
     np.testing.assert_array_equal(cp.asnumpy(one.state), cp.asnumpy(many.state))
+
+
+@pytest.mark.parametrize("nk,nv,hk,hv,K", [(2, 4, 32, 64, 4), (16, 32, 128, 128, 4)])
+def test_a_prompt_chunk_through_the_backend_matches_the_numpy_path(nk, nv, hk, hv, K):
+    """CupyBackend.linear_attention (what gdn_mixer calls on a GPU) over 300 rows: the token
+    loop's outputs and the conv and recurrent state it leaves, within float32 rounding."""
+    from strata_dist.backends.cupy_backend import CupyBackend
+    from strata_dist.backends.numpy_backend import NumpyBackend
+    from strata_dist.models.qwen3next import gdn_mixer
+    rng = np.random.default_rng(nv + hv)
+    g, w, conv_dim = _layer(rng, nk, nv, hk, hv, K)
+    conv, state = _states(rng, g, conv_dim)
+    qkv, z, ba = _rows(rng, g, conv_dim, 300, ba_scale=2.0)
+    conv_d, state_d = cp.asarray(conv), cp.asarray(state)
+    got = CupyBackend(0).linear_attention(g, {k: cp.asarray(v) for k, v in w.items()},
+                                          cp.asarray(qkv), cp.asarray(z), cp.asarray(ba),
+                                          conv_d, state_d)
+    assert got is not None
+    want = gdn_mixer(NumpyBackend(), g, w, qkv, z, ba, conv, state)
+    assert np.abs(cp.asnumpy(got) - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_array_equal(cp.asnumpy(conv_d), conv)
+    np.testing.assert_allclose(cp.asnumpy(state_d), state, rtol=1e-3,
+                               atol=1e-4 * max(1.0, float(np.abs(state).max())))

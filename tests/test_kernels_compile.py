@@ -84,6 +84,19 @@ def test_attention_launch_takes_the_shortest_splits_that_fit():
         attn_launch(32, 4, 128, 1024, "f16", heads=3)
 
 
+def test_gdn_launches_of_the_qwen3_next_geometry_and_a_refusal():
+    """gated_delta.cuh's launches for Qwen3-Next-80B's linear layers (16 key heads and 32 value
+    heads of 128): a block a key head of channels for the conv, a block of 1,024 threads a value
+    head for the delta rule; a key head narrower than a warp is refused, naming it."""
+    from strata_dist.kernels.abi import gdn_launch
+    got = gdn_launch(n_v=32, head_k=128, head_v=128, conv_dim=2 * 16 * 128 + 32 * 128)
+    assert (got.conv_blocks, got.conv_threads, got.delta_blocks, got.delta_threads) == \
+        (64, 128, 32, 1024)
+    assert got.delta_shared == (2 * 128 + 1024) * 4
+    with pytest.raises(ValueError, match="16 x 24"):
+        gdn_launch(n_v=4, head_k=16, head_v=24, conv_dim=2 * 2 * 16 + 4 * 24)
+
+
 def test_the_package_has_kernel_sources():
     assert [p.name for p in sources()] == ["decode.cu", "experts_rows.cu", "prefill_attention.cu"]
     text = source_text("decode.cu")        # weights.cuh inlined, once

@@ -110,6 +110,12 @@ class Backend:
         models' tiled path runs): q [n, H, D] at positions pos0.., k and v [pos0 + n, KVH, D]."""
         return None
 
+    def linear_attention(self, g, w: dict, qkv, z, ba, conv, state):
+        """A qwen3next linear layer's mixer (models/qwen3next.py gdn_mixer: the conv over `conv`
+        and the gated delta rule on `state`, both updated in place, then the gated RMSNorm) by
+        the backend's own kernels, or None (the models' array path runs)."""
+        return None
+
     def make_expert_store(self, model, layers):
         """The object that computes experts of `layers` (see experts.py)."""
         raise NotImplementedError

@@ -58,6 +58,8 @@ class CupyBackend(Backend):
             self._rows = RowsKernels(index)
         self._device_routing = (self._rows is not None
                                 and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
+        # qwen3next's linear layers in prompts through the decode graph's GDN kernels
+        self._gdn = os.environ.get("STRATA_GDN_KERNELS", "1") != "0"
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -186,6 +188,38 @@ class CupyBackend(Backend):
             ((n + 63) // 64, n_head), (128,),
             (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
              np.float32(1.0 / np.sqrt(d)), out))
+        return out
+
+    def linear_attention(self, g, w, qkv, z, ba, conv, state):
+        """gdn_mixer through kernels/gated_delta.cuh (the decode graph's kernels): the rows in
+        order, each in the token loop's float32 arithmetic, the state in place; one launch each
+        for the conv and the delta rule instead of the blocked form's dozens of array operations
+        per 64 rows. None (the array path) for a geometry the kernels do not take or with
+        STRATA_GDN_KERNELS=0."""
+        if not self._gdn:
+            return None
+        from ..kernels import function
+        from ..kernels.abi import KernelShape, gdn_launch
+        from .next_decode import Unsupported, gdn_spec, launch_gdn
+        try:
+            launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
+        except ValueError:
+            return None
+        if not (conv.flags.c_contiguous and state.flags.c_contiguous
+                and conv.dtype == cp.float32 and state.dtype == cp.float32):
+            return None
+        n = int(qkv.shape[0])
+        rows = [cp.ascontiguousarray(a, dtype=cp.float32) for a in (qkv, z, ba)]
+        mixed = cp.empty((n, g.conv_dim), dtype=cp.float32)
+        out = cp.empty((n, g.n_v_heads, g.head_v_dim), dtype=cp.float32)
+        sess = cp.asarray(np.array([conv.data.ptr, state.data.ptr], dtype=np.uint64))
+        try:
+            spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0)
+        except Unsupported:
+            return None
+        # decode.cu as the decode graph builds it (one module for both)
+        defines = KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", "")).defines()
+        launch_gdn(lambda name: function("decode.cu", name, self.index, defines), spec, n, launch)
         return out
 
     def decode_graph(self, model, max_cells):

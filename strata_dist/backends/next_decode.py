@@ -25,11 +25,10 @@ import math
 import numpy as np
 import cupy as cp
 
-from ..kernels.abi import (BLOCK_THREADS, GDN_ROWS, GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT)
+from ..kernels.abi import (BLOCK_THREADS, GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT,
+                           gdn_launch)
 from .cuda_decode import DecodeGraph, Unsupported, _mat, _spec_array, mat_launches, norm_vector, \
     weight_of
-
-MAX_THREADS = 1024          # a block's threads (gdn_conv_step: a key head; gdn_delta_step: a state)
 
 
 def _mat_into(w, y, column: int, y_stride: int) -> dict:
@@ -47,6 +46,33 @@ def _f32_array(a, name: str, shape: tuple[int, ...]):
         raise Unsupported(f"{name}: kept as {getattr(a, 'dtype', type(a).__name__)} "
                           f"{getattr(a, 'shape', '')}, not float32 {shape} as the GDN kernels read")
     return a
+
+
+def gdn_spec(g, w: dict, name: str, qkv, z, ba, mixed, out, sess, layer_slot: int):
+    """A linear layer's GdnSpec table (kernels/gated_delta.cuh): its weights `w` (models/qwen3next
+    parts), the rows qkv [n, conv_dim], z [n, value_dim], ba [n, 2 n_v] it reads, the scratch
+    `mixed` [n, conv_dim] and `out` [n, value_dim] it writes, and the pointer table `sess` whose
+    entries 2 layer_slot and 2 layer_slot + 1 are its conv and recurrent state."""
+    ptr = lambda a: int(a.data.ptr)  # noqa: E731
+    return _spec_array(GDN_SPEC, [dict(
+        qkv=ptr(qkv), z=ptr(z), ba=ptr(ba),
+        conv_w=ptr(_f32_array(w["ssm_conv1d"], f"{name}.ssm_conv1d",
+                              (g.conv_dim, g.ssm_conv_kernel))),
+        ssm_a=ptr(_f32_array(w["ssm_a"], f"{name}.ssm_a", (g.n_v_heads,))),
+        ssm_dt=ptr(_f32_array(w["ssm_dt"], f"{name}.ssm_dt", (g.n_v_heads,))),
+        norm_w=ptr(_f32_array(w["ssm_norm"], f"{name}.ssm_norm", (g.head_v_dim,))),
+        mixed=ptr(mixed), out=ptr(out), sess=ptr(sess), layer_slot=layer_slot, n_k=g.n_k_heads,
+        n_v=g.n_v_heads, head_k=g.head_k_dim, head_v=g.head_v_dim, conv_dim=g.conv_dim,
+        K=g.ssm_conv_kernel, eps=g.rms_eps)])
+
+
+def launch_gdn(launch, spec, n: int, gdn) -> None:
+    """gdn_conv_step then gdn_delta_step over n rows in order; `launch(name)` gives the kernel
+    (the decode graph's launcher, or a plain function), `gdn` the layer's GdnLaunch."""
+    i32 = np.int32
+    launch("gdn_conv_step")((gdn.conv_blocks,), (gdn.conv_threads,), (spec, i32(n)))
+    launch("gdn_delta_step")((gdn.delta_blocks,), (gdn.delta_threads,), (spec, i32(n)),
+                             shared_mem=gdn.delta_shared)
 
 
 class NextDecodeGraph(DecodeGraph):
@@ -73,16 +99,12 @@ class NextDecodeGraph(DecodeGraph):
         if g.fused_qkvz:
             raise Unsupported("the fused ssm_in of older files (the kernels read attn_qkv and "
                               "attn_gate)")
-        hk, hv = g.head_k_dim, g.head_v_dim
-        threads = hk * hv // GDN_ROWS
-        if (hk % 32 or hk > MAX_THREADS or hk % GDN_ROWS or g.value_dim % hk
-                or threads % 32 or threads > MAX_THREADS):
-            raise Unsupported(f"linear-attention heads of {hk} x {hv} (the GDN kernels take a key "
-                              f"head of whole warps and a state of <= {MAX_THREADS * GDN_ROWS} "
-                              f"values)")
+        try:
+            self.gdn = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
+        except ValueError as e:
+            raise Unsupported(str(e)) from None
         # q and k are normed and rotated by next_qk_norm_rope_kv: neither fused form applies
         self.fused_qk_norm = self.fused_qk_attention = False
-        self.gdn_threads = threads
         self.attention_layers = [l for l in range(self.lb, self.le) if not g.is_linear(l)]
         self.linear_layers = [l for l in range(self.lb, self.le) if g.is_linear(l)]
 
@@ -105,7 +127,6 @@ class NextDecodeGraph(DecodeGraph):
     def _layer_spec(self, layer: int) -> dict:
         g, w = self.g, self.model.layers[layer]
         name = f"blk.{layer}"
-        ptr = lambda a: int(a.data.ptr)  # noqa: E731
 
         def W(part):
             return weight_of(w[part], f"{name}.{part}")
@@ -114,22 +135,12 @@ class NextDecodeGraph(DecodeGraph):
                     linear=g.is_linear(layer))
         if spec["linear"]:
             qkv, gate, ba, out = W("attn_qkv"), W("attn_gate"), W("ssm_ba"), W("ssm_out")
-            hv = g.head_v_dim
             spec.update(
                 mix_in=mat_launches([(qkv, _mat(qkv, self.qkv)), (gate, _mat(gate, self.z)),
                                      (ba, _mat(ba, self.ba))]),
                 mix_out=mat_launches([(out, _mat(out, self.h, add=self.h))]),
-                gdn=_spec_array(GDN_SPEC, [dict(
-                    qkv=ptr(self.qkv), z=ptr(self.z), ba=ptr(self.ba),
-                    conv_w=ptr(_f32_array(w["ssm_conv1d"], f"{name}.ssm_conv1d",
-                                          (g.conv_dim, g.ssm_conv_kernel))),
-                    ssm_a=ptr(_f32_array(w["ssm_a"], f"{name}.ssm_a", (g.n_v_heads,))),
-                    ssm_dt=ptr(_f32_array(w["ssm_dt"], f"{name}.ssm_dt", (g.n_v_heads,))),
-                    norm_w=ptr(_f32_array(w["ssm_norm"], f"{name}.ssm_norm", (hv,))),
-                    mixed=ptr(self.mixed), out=ptr(self.gdn_out), sess=ptr(self.sess_table),
-                    layer_slot=layer - self.lb, n_k=g.n_k_heads, n_v=g.n_v_heads,
-                    head_k=g.head_k_dim, head_v=hv, conv_dim=g.conv_dim, K=g.ssm_conv_kernel,
-                    eps=g.rms_eps)]))
+                gdn=gdn_spec(g, w, name, self.qkv, self.z, self.ba, self.mixed, self.gdn_out,
+                             self.sess_table, layer - self.lb))
             mats = spec["mix_in"] + spec["mix_out"]
         else:
             q, k, v, o = W("attn_q"), W("attn_k"), W("attn_v"), W("attn_output")
@@ -184,11 +195,7 @@ class NextDecodeGraph(DecodeGraph):
         for j, L in enumerate(self.layer_specs):
             if L["linear"]:
                 self._matvec(L["mix_in"], self.h, g.n_embd, n, L["attn_norm"], eps)
-                f("gdn_conv_step")((g.conv_dim // g.head_k_dim,), (g.head_k_dim,),
-                                   (L["gdn"], i32(n)))
-                # q and k of the row, then a partial sum per thread (gated_delta.cuh)
-                f("gdn_delta_step")((g.n_v_heads,), (self.gdn_threads,), (L["gdn"], i32(n)),
-                                    shared_mem=(2 * g.head_k_dim + self.gdn_threads) * 4)
+                launch_gdn(f, L["gdn"], n, self.gdn)
                 self._matvec(L["mix_out"], self.gdn_out, g.value_dim, n)
             else:
                 self._matvec(L["qkv"], self.h, g.n_embd, n, L["attn_norm"], eps)

@@ -231,6 +231,30 @@ def default_attn_heads(group: int, chunk: int) -> int:
     return 2 if group % 2 == 0 and chunk <= 128 else group
 
 
+@dataclass(frozen=True)
+class GdnLaunch:
+    """How gated_delta.cuh's two kernels are launched for a linear layer's geometry (the decode
+    graph's steps and the prompt path's chunks alike: both take the rows in order)."""
+    conv_blocks: int      # gdn_conv_step: a block of a key head's width of channels
+    conv_threads: int
+    delta_blocks: int     # gdn_delta_step: a block a value head
+    delta_threads: int    # a thread per GDN_ROWS rows of a state column
+    delta_shared: int     # bytes of dynamic shared memory: q and k of a row, a partial per thread
+
+
+def gdn_launch(n_v: int, head_k: int, head_v: int, conv_dim: int) -> GdnLaunch:
+    """The launches for `n_v` value heads of head_k x head_v state over `conv_dim` channels;
+    ValueError naming the geometry when the kernels cannot take it (a key head must be whole warps
+    of at most 1,024 channels, a state at most 1,024 threads of GDN_ROWS rows)."""
+    threads = head_k * head_v // GDN_ROWS
+    if (head_k % 32 or head_k > 1024 or head_k % GDN_ROWS or conv_dim % head_k
+            or threads % 32 or threads > 1024):
+        raise ValueError(f"linear-attention heads of {head_k} x {head_v} over {conv_dim} "
+                         f"channels (the GDN kernels take key heads of whole warps up to 1,024 "
+                         f"and states of up to {1024 * GDN_ROWS} values)")
+    return GdnLaunch(conv_dim // head_k, head_k, n_v, threads, (2 * head_k + threads) * 4)
+
+
 # The attention partials are a decode step's only buffer that grows with the context. The runner
 # gives them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs
 # only for the row counts that fit; larger steps take the general path.

@@ -431,7 +431,11 @@ def gdn_mixer(be, g: NextGeometry, w: dict, qkv, z, ba, conv, state):
     [n, n_k * 2r]) and ssm_out: the causal conv over `conv` [K-1, conv_dim] and the gated delta
     rule on `state` [n_v, head_k, head_v] (both updated in place), then the gated RMSNorm.
     Returns [n, n_v, head_v]. The GPU's gdn_conv_step / gdn_delta_step (kernels/gated_delta.cuh)
-    are tested against this."""
+    are tested against this; on a GPU they also read prompt chunks (`Backend.linear_attention`),
+    row by row in this token loop's arithmetic."""
+    fast = be.linear_attention(g, w, qkv, z, ba, conv, state)
+    if fast is not None:
+        return fast
     xp = be.xp
     n = qkv.shape[0]
     nk, nv, hk, hv = g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim
