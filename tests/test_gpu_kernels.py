@@ -348,15 +348,16 @@ def check_attention_kernel(length, chunk, kv_type, n_head, heads_per_block=None,
                                        err_msg=f"row {i} head {h}")
 
 
+@pytest.mark.parametrize("n_head,n_kv,D", [(32, 4, 128), (16, 2, 256)])
 @pytest.mark.parametrize("n,pos0", [(9, 0), (64, 0), (65, 37), (200, 500), (130, 64)])
-def test_prefill_attention_kernel_matches_numpy(n, pos0, monkeypatch):
+def test_prefill_attention_kernel_matches_numpy(n, pos0, n_head, n_kv, D, monkeypatch):
     """kernels/prefill_attention.cu (STRATA_FLASH_PREFILL=1): a prompt chunk's rows at positions
-    pos0.. over f16 K/V, causal, 32 query heads over 4 kv heads, against float64 numpy (the kernel
-    rounds q and the softmax weights to f16)."""
+    pos0.. over f16 K/V, causal, against float64 numpy (the kernel rounds q and the softmax
+    weights to f16): Qwen3-30B-A3B's heads (32 over 4 kv heads of 128) and Qwen3-Next-80B's (16
+    over 2 of 256, each head's output dims over two warps)."""
     from strata_dist.backends import get_backend
     monkeypatch.setenv("STRATA_FLASH_PREFILL", "1")
     be = get_backend("cuda:0")
-    n_head, n_kv, D = 32, 4, 128
     t = pos0 + n
     rng = np.random.default_rng(n + pos0)
     q = rng.standard_normal((n, n_head, D)).astype(np.float32)

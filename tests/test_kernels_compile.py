@@ -212,6 +212,21 @@ def test_row_kernel_tiles_match_the_host(tmp_path):
     got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout
     assert got == f"{ROWS_TILE_M} {ROWS_TILE_N} {ROWS_TILE_K} {MAX_GROUP_EXPERTS} 16"
 
+@needs_nvcc
+def test_prompt_attention_rows_match_the_host(tmp_path):
+    """prefill_attention.cu's rows a block are the ones the host sizes its grid by."""
+    from strata_dist.kernels.abi import PREFILL_ATTENTION_ROWS
+    main = tmp_path / "fa.cu"
+    main.write_text(f'#include <cstdio>\n#include "{KERNEL_DIR / "prefill_attention.cu"}"\n'
+                    'int main() { printf("%d", FA_BM); return 0; }\n')
+    exe = tmp_path / "fa"
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout
+    assert got == str(PREFILL_ATTENTION_ROWS)
+
+
 def _nvrtc():
     """libnvrtc (the nvidia-cuda-nvrtc wheel of the test extras, or the system's), or None."""
     import ctypes

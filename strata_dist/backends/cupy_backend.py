@@ -175,8 +175,11 @@ class CupyBackend(Backend):
         return y
 
     def prompt_attention(self, q, k, v, pos0):
-        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide heads."""
-        if (not self._flash or q.shape[-1] != 128 or k.dtype != cp.float16
+        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
+        (qwen3moe) or 256-wide (qwen3next) heads."""
+        from ..kernels.abi import PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_THREADS
+        threads = PREFILL_ATTENTION_THREADS.get(int(q.shape[-1]))
+        if (not self._flash or threads is None or k.dtype != cp.float16
                 or v.dtype != cp.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous)
                 or q.shape[1] % k.shape[1]):
             return None
@@ -184,8 +187,9 @@ class CupyBackend(Backend):
         n, n_head, d = (int(x) for x in q.shape)
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((n, n_head, d), dtype=cp.float32)
-        function("prefill_attention.cu", "prefill_attention_128", self.index)(
-            ((n + 63) // 64, n_head), (128,),
+        rows = PREFILL_ATTENTION_ROWS
+        function("prefill_attention.cu", f"prefill_attention_{d}", self.index)(
+            ((n + rows - 1) // rows, n_head), (threads,),
             (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
              np.float32(1.0 / np.sqrt(d)), out))
         return out

@@ -311,7 +311,14 @@ def kernel_names() -> list[str]:
 def source_kernel_names(source: str) -> list[str]:
     """Every kernel the runners may ask a source for."""
     return {"decode.cu": kernel_names, "experts_rows.cu": rows_kernel_names,
-            "prefill_attention.cu": lambda: ["prefill_attention_128"]}[source]()
+            "prefill_attention.cu": lambda: [f"prefill_attention_{d}"
+                                             for d in PREFILL_ATTENTION_THREADS]}[source]()
+
+
+# prefill_attention.cu's builds: head width -> threads of a block (a 256-wide head's output over
+# two warps); its blocks take 64 query rows each
+PREFILL_ATTENTION_THREADS = {128: 128, 256: 256}
+PREFILL_ATTENTION_ROWS = 64
 
 
 def rows_kernel_names() -> list[str]:
