@@ -17,9 +17,10 @@
 #      same file, every expert resident, 512, 4096 and 16384 tokens, loans on/off, the row kernels
 #      and device routing (the defaults) beside
 #      llama.cpp
-#   5. with --next, qwen3next: profile_decode.py on an 8-layer Qwen3-Next-80B-A3B-geometry Q4_K
-#      file (its decode graph, backends/next_decode.py), then bench_decode.py on the whole
-#      synthetic Qwen3-Next-80B-A3B Q4_K (about 45 GiB) beside llama.cpp
+#   5. with --next, qwen3next: profile_decode.py and profile_prefill.py (4,096 tokens) on an
+#      8-layer Qwen3-Next-80B-A3B-geometry Q4_K file (its decode graph, backends/next_decode.py;
+#      its prompts' GDN and attention kernels), then bench_decode.py and bench_prefill.py (512 and
+#      4,096 tokens) on the whole synthetic Qwen3-Next-80B-A3B Q4_K (about 45 GiB) beside llama.cpp
 # Usage (from the repository root, wheels of the image's missing packages in .whl/, and
 # optionally the kernel binaries built ahead in .kcubins/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
@@ -139,11 +140,17 @@ write_synthetic("/tmp/m/next_8l.gguf", like=g, quant="q4_k", popularity="zipf:1.
 PY
   timeout 120 python3 benchmarks/profile_decode.py --model /tmp/m/next_8l.gguf 2>&1 \
     | tee "$OUT/profile_next.log" | tail -16
+  timeout 120 python3 benchmarks/profile_prefill.py --model /tmp/m/next_8l.gguf --tokens 4096 2>&1 \
+    | tee "$OUT/profile_prefill_next.log" | head -18
   rm -f /tmp/m/next_8l.gguf
   timeout 420 python3 -m launcher.tools synth /tmp/m/next.gguf --like qwen3-next-80b-a3b \
     --quant q4_k --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
   timeout 400 python3 benchmarks/bench_decode.py --model /tmp/m/next.gguf --gpus "$GPUS" \
     --tokens 128 --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_next.log" | tail -6
+  LLAMA_PRE=(); [ -x "$LB" ] && LLAMA_PRE=(--llama-bench "$LB" --ncmoe 0)
+  timeout 400 python3 benchmarks/bench_prefill.py --model /tmp/m/next.gguf --budget 100G \
+    --prompts 512,4096 --chunk 4096 --out "$OUT" "${LLAMA_PRE[@]}" 2>&1 \
+    | tee "$OUT/prefill_next.log" | tail -8
   rm -f /tmp/m/next.gguf
   t "bench next"
 fi

@@ -19,7 +19,7 @@ import sys
 import time
 from collections import defaultdict
 
-OPS = ("rms_norm", "rope", "linear", "attend", "prompt_attention", "route", "moe",
+OPS = ("rms_norm", "rope", "linear", "attend", "prompt_attention", "linear_attention", "route", "moe",
        "experts_swiglu", "expert_swiglu", "rows", "asarray", "to_host", "synchronize")
 
 
