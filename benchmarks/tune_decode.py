@@ -38,7 +38,6 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     import cupy as cp
-    from strata_dist.backends.cuda_decode import DecodeGraph
     from strata_dist.single_process import SingleProcessRunner
     from strata_dist.kernels.abi import KernelShape
     eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prefill_chunk=512)
@@ -57,7 +56,8 @@ def main() -> int:
             ff, down = (int(v) for v in text.split(","))
             shape = KernelShape(ff_per_block=ff, down_per_block=down)
         t0 = time.perf_counter()
-        runner = DecodeGraph(eng.model, eng.decode_graph.arena, args.context, shape=shape)
+        runner = type(eng.decode_graph)(eng.model, eng.decode_graph.arena, args.context,
+                                        shape=shape)    # qwen3moe's or qwen3next's runner
         out = runner.step(eng.session, pos, ids=[11])
         token, logits = out.greedy_token, np.asarray(out, dtype=np.float64)
         ready_s = time.perf_counter() - t0
