@@ -67,9 +67,9 @@ if [ -f .anchor/llamacpp-anchor.sh ]; then
   LLAMA=(--llama-bench "$LB" --llama-wait 300)
 fi
 if [ "$TESTS" = 1 ]; then
-  timeout 420 python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_decode.py tests/test_gpu.py \
+  timeout 560 python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_decode.py tests/test_gpu.py \
     tests/test_gpu_pipeline.py tests/test_gpu_loans.py tests/test_gpu_gated_delta.py \
-    tests/test_gpu_next_attention.py tests/test_gpu_next_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_gpu_next_attention.py tests/test_gpu_next_decode.py tests/test_gpu_prompt_ops.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks of this code"; exit 1; }
   t "gpu tests"
 fi

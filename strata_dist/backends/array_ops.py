@@ -101,8 +101,6 @@ def moe_combine(backend, experts, layer: int, x, idx, wts):
     """Σ_r wts[:, r] · expert_{idx[:, r]}(x), summed in top-k rank order so the order of the sum
     never depends on how rows were grouped per expert. `idx` on the device (routed there): the
     store computes it there when it can, else it comes to the host."""
-    xp = backend.xp
-    n, k = idx.shape
     y = None
     if not isinstance(idx, np.ndarray):
         y = experts.outputs_device(layer, x, idx)
@@ -111,8 +109,12 @@ def moe_combine(backend, experts, layer: int, x, idx, wts):
             idx = np.maximum(backend.to_host(idx).astype(np.int64), 0)
     if y is None:
         y = experts.outputs(layer, x, idx)   # [n, k, d], whichever store computed each entry
-    w_dev = backend.asarray(wts)
-    out = xp.zeros_like(x)
-    for r in range(k):
-        out += w_dev[:, r:r + 1] * y[:, r]
+    return backend.combine_ranked(y, backend.asarray(wts))
+
+
+def combine_ranked(y, wts, xp):
+    """sum over r of wts[:, r] * y[:, r] for y [n, k, d], wts [n, k], added in rank order r."""
+    out = xp.zeros((y.shape[0], y.shape[2]), dtype=np.float32)
+    for r in range(y.shape[1]):
+        out += wts[:, r:r + 1] * y[:, r]
     return out

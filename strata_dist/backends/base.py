@@ -59,6 +59,21 @@ class Backend:
     def rope(self, x, cos, sin):
         return array_ops.apply_rope(x, cos, sin, self.xp)
 
+    def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps: float, session, layer: int,
+                        pos0: int):
+        """An attention layer's rows after their projections: q [n, H, D] and k [n, KVH, D]
+        RMSNormed per head and rotated at positions pos0.. (the session's RoPE tables), k and v
+        written into the session's cache of `layer` there. Returns q (the rows given may be
+        overwritten: a backend may normalise them in place)."""
+        n = q.shape[0]
+        cos, sin = session.rope_cos[pos0:pos0 + n], session.rope_sin[pos0:pos0 + n]
+        q = self.rope(self.rms_norm(q, q_norm, eps), cos, sin)
+        k = self.rope(self.rms_norm(k, k_norm, eps), cos, sin)
+        kc, vc = session.k(layer), session.v(layer)
+        kc[pos0:pos0 + n] = k
+        vc[pos0:pos0 + n] = v
+        return q
+
     def attend(self, q, k, v, pos0: int, session):
         if q.shape[0] > DECODE_ROWS:          # a prompt chunk: the backend's own kernel, if any
             out = self.prompt_attention(q, k, v, pos0)
@@ -71,6 +86,10 @@ class Backend:
 
     def moe(self, experts, layer: int, x, idx, wts):
         return array_ops.moe_combine(self, experts, layer, x, idx, wts)
+
+    def combine_ranked(self, y, wts):
+        """sum over r of wts[:, r] * y[:, r] (y [n, k, d], wts [n, k]) in rank order."""
+        return array_ops.combine_ranked(y, wts, self.xp)
 
     def swiglu(self, x, gate, up, down):
         g = x @ gate.T

@@ -60,6 +60,9 @@ class CupyBackend(Backend):
                                 and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
         # qwen3next's linear layers in prompts through the decode graph's GDN kernels
         self._gdn = os.environ.get("STRATA_GDN_KERNELS", "1") != "0"
+        # a chunk's RMSNorms, q/k norm + RoPE + K/V write and rank-ordered combine as one launch
+        # each (kernels/prompt_ops.cu, decode.cu) instead of several array operations each
+        self._fused_ops = os.environ.get("STRATA_FUSED_PROMPT_OPS", "1") != "0"
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -194,6 +197,57 @@ class CupyBackend(Backend):
              np.float32(1.0 / np.sqrt(d)), out))
         return out
 
+    # ---- a chunk's row-wise steps, one launch each ------------------------------------------
+    def rms_norm(self, x, w, eps):
+        d = int(x.shape[-1])
+        if not (self._fused_ops and _f32_rows(x) and _f32_rows(w) and w.shape == (d,)):
+            return super().rms_norm(x, w, eps)
+        from ..kernels import function
+        out = cp.empty(x.shape, dtype=cp.float32)
+        rows = int(x.size) // d
+        if rows:
+            function("prompt_ops.cu", "rms_norm_rows", self.index)(
+                (rows,), (OPS_THREADS,), (x, w, np.int32(d), np.float32(eps), out))
+        return out
+
+    def combine_ranked(self, y, wts):
+        if not (self._fused_ops and _f32_rows(y) and _f32_rows(wts) and y.ndim == 3
+                and wts.shape == y.shape[:2] and y.shape[0] <= MAX_GRID_Y):
+            return super().combine_ranked(y, wts)
+        from ..kernels import function
+        n, k, d = (int(v) for v in y.shape)
+        out = cp.empty((n, d), dtype=cp.float32)
+        if n:
+            function("prompt_ops.cu", "combine_ranked", self.index)(
+                (-(-d // OPS_THREADS), n), (OPS_THREADS,), (y, wts, np.int32(k), np.int32(d), out))
+        return out
+
+    def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps, session, layer, pos0):
+        """decode.cu's qk_norm_rope_kv over the chunk's rows (the decode step's kernel: a warp a
+        head of a row, q normalised and rotated in place) where the heads are 128 wide, fully
+        rotated, and the cache is f16; else the array path."""
+        n, n_head, d = (int(v) for v in q.shape)
+        n_kv = int(k.shape[1])
+        kc, vc = session.k(layer), session.v(layer)
+        cos, sin = session.rope_cos, session.rope_sin
+        if not (self._fused_ops and d == 128 and 2 * int(cos.shape[-1]) == d and n <= MAX_GRID_Y
+                and all(_f32_rows(a) for a in (q, k, v, q_norm, k_norm, cos, sin))
+                and tuple(k.shape) == tuple(v.shape) == (n, n_kv, d)
+                and all(isinstance(c, cp.ndarray) and c.dtype == cp.float16
+                        and c.flags.c_contiguous for c in (kc, vc))):
+            return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
+        from ..kernels import function
+        from ..kernels.abi import DESC_WORDS
+        table = cp.asarray(np.array([kc.data.ptr, vc.data.ptr, cos.data.ptr, sin.data.ptr],
+                                    dtype=np.uint64))
+        desc = np.zeros(DESC_WORDS, dtype=np.int32)
+        desc[0], desc[1] = pos0, n
+        function("decode.cu", "qk_norm_rope_kv", self.index, _decode_defines())(
+            (n_head + n_kv, n), (32,),
+            (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), cp.asarray(desc),
+             np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(d), np.float32(eps)))
+        return q
+
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
         """gdn_mixer through kernels/gated_delta.cuh (the decode graph's kernels): the rows in
         order, each in the token loop's float32 arithmetic, the state in place; one launch each
@@ -203,7 +257,7 @@ class CupyBackend(Backend):
         if not self._gdn:
             return None
         from ..kernels import function
-        from ..kernels.abi import KernelShape, gdn_launch
+        from ..kernels.abi import gdn_launch
         from .next_decode import Unsupported, gdn_spec, launch_gdn
         try:
             launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
@@ -221,9 +275,8 @@ class CupyBackend(Backend):
             spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0)
         except Unsupported:
             return None
-        # decode.cu as the decode graph builds it (one module for both)
-        defines = KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", "")).defines()
-        launch_gdn(lambda name: function("decode.cu", name, self.index, defines), spec, n, launch)
+        launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines()), spec,
+                   n, launch)
         return out
 
     def decode_graph(self, model, max_cells):
@@ -239,3 +292,19 @@ class CupyBackend(Backend):
     def memory_info(self):
         free, total = cp.cuda.runtime.memGetInfo()
         return int(free), int(total)
+
+
+OPS_THREADS = 256     # prompt_ops.cu's block
+MAX_GRID_Y = 65535    # a launch's rows are its grid's y (a chunk is far shorter)
+
+
+def _f32_rows(a) -> bool:
+    """A contiguous float32 device array (what the fused prompt kernels read)."""
+    return isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.flags.c_contiguous
+
+
+def _decode_defines() -> tuple[str, ...]:
+    """decode.cu's build as the decode graph makes it ($STRATA_KERNEL_SHAPE): one module for the
+    graph and the prompt path's use of its kernels."""
+    from ..kernels.abi import KernelShape
+    return KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", "")).defines()

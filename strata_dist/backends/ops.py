@@ -26,6 +26,11 @@ class LayerOps(Protocol):
     def rope(self, x, cos, sin):
         """NEOX RoPE on x [n, H, D] over the first 2 * cos.shape[-1] dims (partial rotary)."""
 
+    def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps: float, session, layer: int,
+                        pos0: int):
+        """q and k RMSNormed per head and rotated at positions pos0.., k and v written into the
+        session's cache of `layer`; returns q."""
+
     def attend(self, q, k, v, pos0: int, session):
         """Causal grouped-query attention of q [n, H, D] at positions pos0.. over k, v
         [pos0 + n, KVH, D] -> [n, H, D] float32."""
@@ -35,6 +40,9 @@ class LayerOps(Protocol):
 
     def moe(self, experts, layer: int, x, idx: np.ndarray, wts: np.ndarray):
         """Σ_r wts[:, r] · expert idx[:, r] of x, in rank order, whichever store holds each."""
+
+    def combine_ranked(self, y, wts):
+        """sum over r of wts[:, r] * y[:, r] (y [n, k, d], wts [n, k]) in rank order."""
 
     def swiglu(self, x, gate, up, down):
         """down @ (silu(gate @ x) * (up @ x)) for each row of x (dense weights)."""

@@ -311,6 +311,7 @@ def kernel_names() -> list[str]:
 def source_kernel_names(source: str) -> list[str]:
     """Every kernel the runners may ask a source for."""
     return {"decode.cu": kernel_names, "experts_rows.cu": rows_kernel_names,
+            "prompt_ops.cu": lambda: ["rms_norm_rows", "combine_ranked"],
             "prefill_attention.cu": lambda: [f"prefill_attention_{d}"
                                              for d in PREFILL_ATTENTION_THREADS]}[source]()
 

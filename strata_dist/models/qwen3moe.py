@@ -183,24 +183,20 @@ class Qwen3Moe(LayerRangeModel):
         pos0 = session.n_past
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        cos, sin = session.rope_cos[pos0:pos0 + n], session.rope_sin[pos0:pos0 + n]
         for layer in range(self.lb, self.le):
-            h = self._layer_forward(layer, h, session, pos0, cos, sin)
+            h = self._layer_forward(layer, h, session, pos0)
         return h
 
     # ---- one layer -----------------------------------------------------------------------------
-    def _layer_forward(self, layer, h, session, pos0, cos, sin):
+    def _layer_forward(self, layer, h, session, pos0):
         g, w, be = self.g, self.layers[layer], self.backend
         n = h.shape[0]
         x = be.rms_norm(h, w.attn_norm, g.rms_eps)
         q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
         k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
         v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
-        q = be.rope(be.rms_norm(q, w.q_norm, g.rms_eps), cos, sin)
-        k = be.rope(be.rms_norm(k, w.k_norm, g.rms_eps), cos, sin)
+        q = be.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, g.rms_eps, session, layer, pos0)
         kc, vc = session.k(layer), session.v(layer)
-        kc[pos0:pos0 + n] = k
-        vc[pos0:pos0 + n] = v
         attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session)
         h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
         x = be.rms_norm(h, w.ffn_norm, g.rms_eps)
