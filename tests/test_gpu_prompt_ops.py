@@ -1,5 +1,5 @@
 """A prompt chunk's fused row-wise steps on the GPU (kernels/prompt_ops.cu, and decode.cu's
-qk_norm_rope_kv over a chunk's rows) against the array path they replace (the same backend with
+qk_norm_rope_kv and next_qk_norm_rope_kv over a chunk's rows) against the array path they replace (the same backend with
 STRATA_FUSED_PROMPT_OPS=0): RMSNorm within float32 rounding, the rank-ordered combine bit for
 bit, q/k norm + RoPE + the K/V write within float32 (q) and one f16 rounding (K). Run on the GPU
 machine: pytest -m gpu."""
@@ -48,8 +48,8 @@ def test_combine_ranked_is_the_loop_bit_for_bit(n, k, d, monkeypatch):
 class _Session:
     """The parts of a session the op reads: the cache of one layer and the RoPE tables."""
 
-    def __init__(self, cells, n_kv, d):
-        cos, sin = rope_tables(np.arange(cells), d, 1_000_000.0)
+    def __init__(self, cells, n_kv, d, rot=None):
+        cos, sin = rope_tables(np.arange(cells), rot or d, 1_000_000.0)
         self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
         self._k = cp.full((cells, n_kv, d), 7, cp.float16)
         self._v = cp.full((cells, n_kv, d), 7, cp.float16)
@@ -82,6 +82,29 @@ def test_qk_norm_rope_kv_over_a_chunk(n, pos0, monkeypatch):
     np.testing.assert_array_equal(cp.asnumpy(a._v), cp.asnumpy(b._v))
     untouched = np.r_[0:pos0, pos0 + n:cells]
     assert (ka[untouched] == 7).all() and (cp.asnumpy(a._v)[untouched] == 7).all()
+
+
+def test_qk_norm_rope_kv_of_qwen3next_heads(monkeypatch):
+    """qwen3next: q is the first half of each head of attn_q's [q | gate] rows (a strided view),
+    256 wide with its first 64 dims rotated; next_qk_norm_rope_kv reads it there."""
+    fused, plain = _backends(monkeypatch)
+    n, pos0, n_head, n_kv, d = 100, 33, 16, 2, 256
+    cells = pos0 + n + 3
+    rng = np.random.default_rng(5)
+    qg = cp.asarray(rng.standard_normal((n, n_head, 2 * d)).astype(np.float32))
+    k = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    qn = cp.asarray((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    kn = cp.asarray((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    a, b = _Session(cells, n_kv, d, rot=64), _Session(cells, n_kv, d, rot=64)
+    got = fused.qk_norm_rope_kv(qg[..., :d], cp.asarray(k), cp.asarray(v), qn, kn, 1e-6, a, 0,
+                                pos0)
+    want = plain.qk_norm_rope_kv(qg[..., :d], cp.asarray(k), cp.asarray(v), qn, kn, 1e-6, b, 0,
+                                 pos0)
+    np.testing.assert_allclose(cp.asnumpy(got), cp.asnumpy(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(a._k).astype(np.float32),
+                               cp.asnumpy(b._k).astype(np.float32), rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(cp.asnumpy(a._v), cp.asnumpy(b._v))
 
 
 def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch):

@@ -223,30 +223,46 @@ class CupyBackend(Backend):
         return out
 
     def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps, session, layer, pos0):
-        """decode.cu's qk_norm_rope_kv over the chunk's rows (the decode step's kernel: a warp a
-        head of a row, q normalised and rotated in place) where the heads are 128 wide, fully
-        rotated, and the cache is f16; else the array path."""
+        """The decode step's kernels over the chunk's rows, a warp a head of a row, where the
+        cache is f16: decode.cu's qk_norm_rope_kv for 128-wide fully rotated heads (q normalised
+        and rotated in place), next_attention.cuh's next_qk_norm_rope_kv for qwen3next's
+        256-wide heads with 64 rotated dims, q read out of attn_q's [q | gate] rows; else the
+        array path."""
+        from ..kernels.abi import DESC_WORDS, NEXT_HEAD_DIM, NEXT_ROT
         n, n_head, d = (int(v) for v in q.shape)
         n_kv = int(k.shape[1])
         kc, vc = session.k(layer), session.v(layer)
         cos, sin = session.rope_cos, session.rope_sin
-        if not (self._fused_ops and d == 128 and 2 * int(cos.shape[-1]) == d and n <= MAX_GRID_Y
-                and all(_f32_rows(a) for a in (q, k, v, q_norm, k_norm, cos, sin))
+        rot = 2 * int(cos.shape[-1])
+        full = d == 128 and rot == d and _f32_rows(q)
+        # q the first half of each head of qg [n, n_head, 2 D] (models/qwen3next.py _attention)
+        gated = (d == NEXT_HEAD_DIM and rot == NEXT_ROT and isinstance(q, cp.ndarray)
+                 and q.dtype == cp.float32 and q.strides == (n_head * 8 * d, 8 * d, 4))
+        if not (self._fused_ops and (full or gated) and n <= MAX_GRID_Y
+                and all(_f32_rows(a) for a in (k, v, q_norm, k_norm, cos, sin))
                 and tuple(k.shape) == tuple(v.shape) == (n, n_kv, d)
                 and all(isinstance(c, cp.ndarray) and c.dtype == cp.float16
                         and c.flags.c_contiguous for c in (kc, vc))):
             return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
         from ..kernels import function
-        from ..kernels.abi import DESC_WORDS
         table = cp.asarray(np.array([kc.data.ptr, vc.data.ptr, cos.data.ptr, sin.data.ptr],
                                     dtype=np.uint64))
         desc = np.zeros(DESC_WORDS, dtype=np.int32)
         desc[0], desc[1] = pos0, n
-        function("decode.cu", "qk_norm_rope_kv", self.index, _decode_defines())(
+        desc = cp.asarray(desc)
+        kernel = lambda name: function("decode.cu", name, self.index, _decode_defines())  # noqa: E731
+        if full:
+            kernel("qk_norm_rope_kv")(
+                (n_head + n_kv, n), (32,),
+                (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc,
+                 np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(d), np.float32(eps)))
+            return q
+        out = cp.empty((n, n_head, d), dtype=cp.float32)
+        kernel("next_qk_norm_rope_kv")(
             (n_head + n_kv, n), (32,),
-            (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), cp.asarray(desc),
-             np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(d), np.float32(eps)))
-        return q
+            (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc, np.int32(n_head),
+             np.int32(n_kv), np.float32(eps), out))
+        return out
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
         """gdn_mixer through kernels/gated_delta.cuh (the decode graph's kernels): the rows in

@@ -499,7 +499,6 @@ class Qwen3Next(LayerRangeModel):
         pos0 = session.n_past
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        cos, sin = session.rope_cos[pos0:pos0 + n], session.rope_sin[pos0:pos0 + n]
         be, g = self.backend, self.g
         for layer in range(self.lb, self.le):
             w = self.layers[layer]
@@ -507,24 +506,22 @@ class Qwen3Next(LayerRangeModel):
             if g.is_linear(layer):
                 h = h + self._linear_attention(layer, x, session)
             else:
-                h = h + self._attention(layer, x, session, pos0, cos, sin)
+                h = h + self._attention(layer, x, session, pos0)
             x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps)
             h = h + self._moe(layer, x)
         return h
 
     # ---- gated attention -----------------------------------------------------------------------
-    def _attention(self, layer, x, session, pos0, cos, sin):
+    def _attention(self, layer, x, session, pos0):
         g, w, be = self.g, self.layers[layer], self.backend
         n, hd = x.shape[0], g.head_dim
         qg = be.linear(x, w["attn_q"]).reshape(n, g.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.n_head * hd)
         k = be.linear(x, w["attn_k"]).reshape(n, g.n_head_kv, hd)
         v = be.linear(x, w["attn_v"]).reshape(n, g.n_head_kv, hd)
-        q = be.rope(be.rms_norm(q, w["attn_q_norm"], g.rms_eps), cos, sin)
-        k = be.rope(be.rms_norm(k, w["attn_k_norm"], g.rms_eps), cos, sin)
+        q = be.qk_norm_rope_kv(q, k, v, w["attn_q_norm"], w["attn_k_norm"], g.rms_eps, session,
+                               layer, pos0)
         kc, vc = session.k(layer), session.v(layer)
-        kc[pos0:pos0 + n] = k
-        vc[pos0:pos0 + n] = v
         attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session)
         out = attn.reshape(n, g.n_head * hd) * be.sigmoid(gate)
         return be.linear(out, w["attn_output"])
