@@ -24,13 +24,14 @@ def test_dequantize_matches_gguf(qtype):
 
 def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False, build=""):
     from strata_dist.backends import cuda_decode as cd
-    from strata_dist.kernels.abi import KernelShape, matvec_kernel
-    w = cd.Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
+    from strata_dist.backends.graph_tables import Weight
+    from strata_dist.kernels.abi import MAT_SPEC, KernelShape, matvec_kernel
+    w = Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
     n = x.shape[0]
     xs = cp.zeros((8, shape[1]), cp.float32)        # the runner's buffers hold 8 rows
     xs[:n] = x
     y = cp.zeros((n, shape[0]), cp.float32) if add is None else add
-    spec = cd._spec_array(cd.MAT_SPEC, [cd._mat(w, y, add=add)])
+    spec = cd._spec_array(MAT_SPEC, [cd._mat(w, y, add=add)])
     ks = KernelShape.parse(build)
     per_block = ks.matvec_rows_per_block(n, wide)
     cd.function("decode.cu", matvec_kernel(int(qtype), n), 0, ks.defines())(

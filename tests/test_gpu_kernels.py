@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
+from strata_dist.backends.graph_tables import Weight  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS,  # noqa: E402
                                      EXPERT_SPEC, KernelShape, MAT_SPEC, MAX_ROWS,
                                      ROUTE_SPEC,
@@ -244,7 +245,7 @@ def test_router_matvec_picks_the_top_k(n):
     wts = cp.zeros((MAX_ROWS, K), cp.float32)
     blobs = cp.zeros((MAX_ROWS, K), cp.uint64)
     done = cp.zeros(1, cp.uint32)
-    mat = cd._spec_array(MAT_SPEC, [cd._mat(cd.Weight(int(weight.data.ptr), int(QT.F32),
+    mat = cd._spec_array(MAT_SPEC, [cd._mat(Weight(int(weight.data.ptr), int(QT.F32),
                                                       N_EMBD * 4, N_EXPERT, N_EMBD), logits)])
     route = cd._spec_array(ROUTE_SPEC, [dict(
         experts=int(ex.spec.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),

@@ -24,19 +24,18 @@ import logging
 import math
 import os
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import cupy as cp
 
 from ..kernels import function
-from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, F16, F32,
-                           KERNEL_TYPES, MAT_SPEC, MAX_ROWS, QKV_SPEC, ROUTE_SPEC, TYPE_NAMES,
-                           AttnScratchError, KernelShape, attn_launch, expert_layout,
-                           matvec_kernel)
+from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS,
+                           QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
+                           attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
-from .quant_matrix import QuantMatrix
+from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
+                           norm_vector, weight_of)
 from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")
@@ -46,79 +45,6 @@ WIDE_MIN_ROWS = 1024              # matrices this tall take 8 rows per block (on
 ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
 NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
-
-
-class Unsupported(Exception):
-    """Why a stage cannot take the graph path (the general path runs instead)."""
-
-
-@dataclass(frozen=True)
-class Weight:
-    """A dense matrix as the kernels see it: device pointer, GGML type, bytes per row, shape."""
-    ptr: int
-    type: int
-    row_bytes: int
-    nrows: int
-    ncols: int
-
-
-def weight_of(w, name: str) -> Weight:
-    if isinstance(w, QuantMatrix):
-        out = Weight(int(w.raw.data.ptr), w.ggml_type, w.row_bytes, *w.shape)
-    elif isinstance(w, cp.ndarray) and w.ndim == 2 and w.flags.c_contiguous and \
-            w.dtype in (np.float16, np.float32):
-        out = Weight(int(w.data.ptr), F16 if w.dtype == np.float16 else F32,
-                     w.shape[1] * w.itemsize, *w.shape)
-    else:
-        raise Unsupported(f"{name}: kept as {type(w).__name__}, which no decode kernel reads")
-    align = KERNEL_TYPES.get(out.type)
-    if align is None or out.ncols % 32 or out.ptr % align or out.row_bytes % align:
-        raise Unsupported(f"{name}: type {out.type} / {out.ncols} columns is not readable by the "
-                          f"decode kernels")
-    return out
-
-
-def norm_vector(v, name: str):
-    """A norm weight as the kernels read it (float32, contiguous, 16-byte aligned: read 8 at a
-    time)."""
-    if not (isinstance(v, cp.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
-            and v.data.ptr % 16 == 0):
-        raise Unsupported(f"{name}: kept as {getattr(v, 'dtype', type(v).__name__)}, which the "
-                          f"decode kernels do not read")
-    return v
-
-
-def _spec_array(dtype, rows: list[dict]):
-    host = np.zeros(len(rows), dtype=dtype)
-    for i, r in enumerate(rows):
-        for key, value in r.items():
-            host[key][i] = value
-    return cp.asarray(host.view(np.uint8))
-
-
-def _mat(w: Weight, y, add=None) -> dict:
-    """A MatSpec row: W times the input rows into y (one output row per W row), plus `add`."""
-    return dict(w=w.ptr, y=int(y.data.ptr), add=0 if add is None else int(add.data.ptr),
-                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols, y_stride=w.nrows, type=w.type)
-
-
-@dataclass(frozen=True)
-class MatLaunch:
-    """Matrices of one type that share a matvec launch (blockIdx.y picks the matrix)."""
-    type: int
-    specs: object           # device MatSpec table
-    count: int
-    rows: int               # the tallest matrix's rows
-
-
-def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
-    """(weight, MatSpec row) pairs grouped by type, one launch per type (q, k and v are one launch
-    unless a file stores them in different types)."""
-    by_type: dict[int, list] = {}
-    for w, row in pairs:
-        by_type.setdefault(w.type, []).append((w, row))
-    return [MatLaunch(t, _spec_array(MAT_SPEC, [row for _, row in group]), len(group),
-                      max(w.nrows for w, _ in group)) for t, group in by_type.items()]
 
 
 class DecodeGraph:

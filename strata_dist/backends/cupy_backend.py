@@ -274,7 +274,8 @@ class CupyBackend(Backend):
             return None
         from ..kernels import function
         from ..kernels.abi import gdn_launch
-        from .next_decode import Unsupported, gdn_spec, launch_gdn
+        from .graph_tables import Unsupported
+        from .next_decode import gdn_spec, launch_gdn
         try:
             launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
         except ValueError:

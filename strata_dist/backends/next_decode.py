@@ -27,8 +27,8 @@ import cupy as cp
 
 from ..kernels.abi import (BLOCK_THREADS, GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT,
                            gdn_launch)
-from .cuda_decode import DecodeGraph, Unsupported, _mat, _spec_array, mat_launches, norm_vector, \
-    weight_of
+from .cuda_decode import DecodeGraph
+from .graph_tables import Unsupported, _mat, _spec_array, mat_launches, norm_vector, weight_of
 
 
 def _mat_into(w, y, column: int, y_stride: int) -> dict:
