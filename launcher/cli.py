@@ -20,7 +20,7 @@ from strata_dist.model_shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import (Device, PlanError, devices_from_json, make_plan, params_from_env,
                               render_table)
-from strata_dist.plan.params import PlanParams
+from strata_dist.plan.params import ENV_VARS, PlanParams
 
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
 from .spawn import RankSpec
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--expert-cache", default="auto",
                       help="auto (fill what is left), N (at most N pairs per stage cache) or 0 "
                            "(no resident experts; the profile still drives the split search)")
+    plan.add_argument("--calibration", default=None, metavar="FILE",
+                      help="plan with the constants `strata-dist calibrate --out FILE` measured "
+                           "on this rig (a STRATA_SPLIT_* variable still overrides its field)")
     plan.add_argument("--plan-only", action="store_true", help="print the plan and exit")
     plan.add_argument("--json", action="store_true", help="with --plan-only: the plan as JSON")
     run = ap.add_argument_group("run")
@@ -166,7 +169,20 @@ def prefill_arg(text: str) -> int | None:
 
 def plan_params(args) -> PlanParams:
     from dataclasses import replace
-    params = params_from_env(os.environ)
+    base = PlanParams()
+    if args.calibration:
+        from strata_dist.calibrate import CalibrationError, load_calibration
+        try:
+            measured = load_calibration(args.calibration)
+        except CalibrationError as e:
+            raise UsageError(str(e)) from None
+        base = replace(base, **measured)
+        overridden = {name for var, (name, _) in ENV_VARS.items() if os.environ.get(var, "").strip()}
+        shown = ", ".join(f"{k} {v:g}" + (" (overridden by the environment)" if k in overridden
+                                          else "") for k, v in measured.items())
+        print(f"info: planner constants from calibration {args.calibration}: {shown}",
+              file=sys.stderr)
+    params = params_from_env(os.environ, base)
     if args.no_remote_auto:
         params = replace(params, remote_auto=False)
     if args.no_prompt_loans:

@@ -6,7 +6,8 @@
 writes, per host, a directory to copy there: the unit templates (deploy/strata-rank@.service on
 every host, deploy/strata-coordinator.service on the coordinator's), its environment file
 (strata.env), the shared secret (token, mode 0600), with --curve the deployment's CURVE key
-(curve/server.key_secret, 0600), and install.sh; then prints how to install them. Nothing here
+(curve/server.key_secret, 0600), with --calibration the planner constants the coordinator plans
+with (calibration.json, from `strata-dist calibrate --out`), and install.sh; then prints how to install them. Nothing here
 touches the machine it runs on beyond --out."""
 from __future__ import annotations
 
@@ -89,11 +90,12 @@ def env_file(host: HostPlan, args, coord_host: str, port: int, listen: str, n_ra
                   f"STRATA_EXPECT_RANKS={n_ranks}",
                   f"STRATA_LAUNCH_ARGS=--port {args.http_port}"
                   + ("" if args.no_rejoin else " --rejoin")
-                  + (" --no-remote-cross-host" if args.no_remote_cross_host else "")]
+                  + (" --no-remote-cross-host" if args.no_remote_cross_host else "")
+                  + (f" --calibration {etc}/calibration.json" if args.calibration else "")]
     return "\n".join(lines) + "\n"
 
 
-def install_script(host: HostPlan, etc: str, user: str | None) -> str:
+def install_script(host: HostPlan, etc: str, user: str | None, calibration: bool = False) -> str:
     units = ([HEAD_UNIT] if host.coordinator else []) + [f"strata-rank@{g}.service" for g in host.gpus]
     own = f'chown -R {user} "$ETC"\n' if user else ""
     return f"""#!/bin/sh
@@ -104,7 +106,7 @@ ETC={etc}
 install -d -m 0700 "$ETC"
 install -m 0644 strata.env "$ETC/strata.env"
 install -m 0600 token "$ETC/token"
-if [ -d curve ]; then
+{'install -m 0644 calibration.json "$ETC/calibration.json"' + chr(10) if calibration else ''}if [ -d curve ]; then
     install -d -m 0700 "$ETC/curve"
     install -m 0600 curve/server.key_secret "$ETC/curve/server.key_secret"
     install -m 0644 curve/server.key "$ETC/curve/server.key"
@@ -119,6 +121,9 @@ echo "strata-dist on {host.name}: {', '.join(units)} enabled"
 
 def deploy_systemd(args, out=print) -> int:
     coord_host, port = parse_coordinator(args.coordinator)
+    if args.calibration:    # refused here, not on the coordinator at its first start
+        from strata_dist.calibrate import load_calibration
+        load_calibration(args.calibration)
     hosts = [HostPlan(n, g, n == coord_host) for n, g in parse_hosts(args.hosts)]
     if not any(h.coordinator for h in hosts):
         hosts.insert(0, HostPlan(coord_host, [], True))     # a head that runs no rank
@@ -151,8 +156,11 @@ def deploy_systemd(args, out=print) -> int:
             for name, mode in (("server.key_secret", 0o600), ("server.key", 0o644)):
                 shutil.copyfile(curve_dir / name, d / "curve" / name)
                 os.chmod(d / "curve" / name, mode)
+        calibration = bool(args.calibration) and h.coordinator
+        if calibration:
+            shutil.copyfile(args.calibration, d / "calibration.json")
         script = d / "install.sh"
-        script.write_text(install_script(h, args.etc, args.user))
+        script.write_text(install_script(h, args.etc, args.user, calibration))
         script.chmod(0o755)
     if args.curve:
         shutil.rmtree(curve_dir)
@@ -195,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a lost rank restarts the head and every rank (default: the head runs "
                         "with --rejoin, so the lost rank's unit restarts it alone and it takes "
                         "its place)")
+    s.add_argument("--calibration", default=None, metavar="FILE",
+                   help="the planner constants `strata-dist calibrate --out FILE` measured on "
+                        "these hosts: installed on the coordinator, which plans with them")
     s.add_argument("--bin-dir", default=None,
                    help="where strata-rank/strata-launch are installed on the hosts "
                         "(default: where they are here)")

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -497,6 +497,20 @@ class IpcHandle(Message):
     pid: int = 0
 
 
+# ---------------------------------------------------------------- calibration
+
+
+@message
+class LinkProbe(Message):
+    """`strata-dist calibrate --peer`: a probe of the link to another host (its frame, if any, is
+    payload the peer discards) and the peer's answer (the same seq, no frame). seq -1 stops the
+    peer."""
+
+    TYPE = "link_probe"
+    MAX_ARRAYS = 1
+    seq: int
+
+
 @message
 class SlotFree(Message):
     """Receiver → writer of an IPC buffer: the rows at ``slot`` were consumed, the writer may reuse them."""
@@ -511,5 +525,6 @@ __all__ = [
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
     "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
+    "LinkProbe",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
 ]

@@ -1,4 +1,4 @@
-"""`strata-dist`: the single-process tools — synth, logits, generate, profile.
+"""`strata-dist`: the single-process tools — synth, logits, generate, profile, calibrate.
 
 Bad input (a malformed model, an impossible flag) prints one `error: …` line and exits 2."""
 from __future__ import annotations
@@ -181,6 +181,46 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "on the CPU)")
 
 
+def tcp_endpoint(text: str, flag: str, default_host: str | None = None) -> str:
+    """tcp://HOST:PORT from "tcp://HOST:PORT", "HOST:PORT" or (with a default host) "PORT"."""
+    rest = text[len("tcp://"):] if text.startswith("tcp://") else text
+    host, sep, port = rest.rpartition(":")
+    if not sep and default_host is not None:
+        host, port = default_host, rest
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        want = "PORT, HOST:PORT or tcp://HOST:PORT" if default_host else "HOST:PORT or tcp://HOST:PORT"
+        raise UsageError(f"{flag} {text}: expected {want} (a port in 1-65535)")
+    return f"tcp://{host}:{port}"
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import CalibrationError, calibrate, save_calibration, serve_link
+    if args.serve is not None:
+        if args.peer or args.out:
+            raise UsageError(f"--serve {args.serve} is the peer's side: --peer and --out belong "
+                             f"to the prober's")
+        return serve_link(tcp_endpoint(args.serve, "--serve", "0.0.0.0"), args.idle,
+                          say=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.rounds < 10:
+        raise UsageError(f"--rounds {args.rounds}: at least 10 round trips")
+    peer = tcp_endpoint(args.peer, "--peer") if args.peer else None
+    try:
+        content = calibrate(args.device, peer, rounds=args.rounds)
+    except CalibrationError as e:
+        raise UsageError(str(e)) from None
+    m = content["measured"]
+    for name, value in content["params"].items():
+        print(f"{name:11s} {value:g}")
+    print(f"(hand-off by {m['handoff_path']} on {m['device']}"
+          + (f"; link to {m['peer']}: round trip {m['rtt_ms']:.3f} ms, "
+             f"{m['payload_bytes'] >> 20} MiB in {m['payload_ms']:.1f} ms" if peer else
+             "; no --peer: the link constants keep their defaults") + ")")
+    if args.out:
+        save_calibration(content, args.out)
+        print(f"wrote {args.out}: plan with strata-launch --calibration {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="strata-dist", description=__doc__)
     sub = ap.add_subparsers(dest="command")
@@ -225,6 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also greedily decode this many tokens per prompt and count them (default 0)")
     pr.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
     pr.set_defaults(func=cmd_profile)
+
+    c = sub.add_parser("calibrate", help="measure this machine's planner constants (the stage "
+                                         "hand-off, a link to another host) for strata-launch "
+                                         "--calibration")
+    c.add_argument("--device", default="cpu",
+                   help="cpu or cuda:N: where the hand-off between two stages is measured "
+                        "(CUDA IPC between GPU processes, frames on CPUs; default cpu)")
+    c.add_argument("--peer", default=None, metavar="HOST:PORT",
+                   help="`strata-dist calibrate --serve` on another host: measure the link to it")
+    c.add_argument("--rounds", type=int, default=2000, help="hand-off round trips (default 2000)")
+    c.add_argument("--out", default=None, help="write the calibration (JSON) here")
+    c.add_argument("--serve", default=None, metavar="PORT|HOST:PORT",
+                   help="be the peer of another host's --peer (binds 0.0.0.0 unless a host is "
+                        "given) and answer its probes")
+    c.add_argument("--idle", type=float, default=120.0,
+                   help="with --serve: stop after this many seconds without a probe (default 120)")
+    c.set_defaults(func=cmd_calibrate)
     return ap
 
 

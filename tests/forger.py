@@ -25,9 +25,10 @@ from protocol import (Cancel, Error, ExpertReply, ExpertRequest, Hidden, IpcHand
 from protocol.codec import encode  # noqa: E402
 from protocol.messages import RowSlot  # noqa: E402
 
-# the control plane: the handshake, registration, assignment and liveness (never on a data link)
+# the control plane: the handshake, registration, assignment and liveness (never on a data link),
+# and the calibration probe (never on any link of a rank)
 CONTROL_TYPES = frozenset({"hello", "challenge", "auth", "auth_ok", "register", "assign", "ready",
-                           "stats", "stats_reply", "heartbeat", "shutdown"})
+                           "stats", "stats_reply", "heartbeat", "shutdown", "link_probe"})
 DATA_PLANE_TYPES = frozenset({"release", "cancel", "tokens", "hidden", "prompt_progress", "token",
                               "expert_request", "expert_reply", "ipc_handle", "slot_free",
                               "error"})

@@ -141,3 +141,23 @@ def test_strata_dist_help_names_deploy(capsys):
     assert tools_main(["--help"]) == 0
     assert "deploy" in capsys.readouterr().out
     assert parse_hosts(["a:0,1", "b:2"]) == [("a", [0, 1]), ("b", [2])]
+
+
+def test_a_calibration_is_installed_on_the_coordinator_which_plans_with_it(tmp_path, capsys):
+    from strata_dist.calibrate import FORMAT, save_calibration
+    cal = tmp_path / "cal.json"
+    save_calibration({"strata_calibration": FORMAT, "params": {"link_ms": 0.4, "link_gbs": 2.0},
+                      "measured": {}}, str(cal))
+    code, out = deploy(tmp_path, "--calibration", str(cal))
+    assert code == 0
+    a, b = out / "hostA", out / "hostB"
+    assert (a / "calibration.json").read_text() == cal.read_text()
+    assert "calibration.json" not in os.listdir(b)
+    assert 'install -m 0644 calibration.json "$ETC/calibration.json"' in (a / "install.sh").read_text()
+    env = env_of(a / "strata.env")
+    head = exec_start((a / "strata-coordinator.service").read_text(), env)
+    assert launch_parser().parse_args(head[1:]).calibration == "/etc/strata-dist/calibration.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"strata_calibration": 1, "params": {"link_gbs": -2}}')
+    code, _ = deploy(tmp_path, "--calibration", str(bad))
+    assert code == 2 and f"calibration {bad}" in capsys.readouterr().err

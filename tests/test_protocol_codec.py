@@ -67,6 +67,7 @@ def examples():
         "ipc_handle": (m.IpcHandle(name="hidden", handle=bytes(64), device=0, nbytes=1 << 20, dtype="float16",
                                    device_uuid="ab" * 16, host="hostA", pid=99), []),
         "slot_free": (m.SlotFree(name="hidden", slot=m.RowSlot(offset=4096, nbytes=2048)), []),
+        "link_probe": (m.LinkProbe(seq=12), [np.zeros(1 << 10, dtype=np.uint8)]),
     }
 
 

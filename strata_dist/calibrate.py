@@ -1,0 +1,262 @@
+"""Planner constants measured on this machine (`strata-dist calibrate`).
+
+The planner prices a stage boundary on one host (`handoff_ms`) and a boundary between hosts
+(`handoff_ms + link_ms` + a hidden row / `link_gbs`) by constants (plan/params.py) whose defaults
+were measured on one rig. This measures them here, with the product's own code paths:
+
+- the hand-off: one decode row passed between two processes and back through
+  `strata_dist.handoff` (CUDA IPC between two GPU processes, which is what stages on one host
+  use; frames over ZeroMQ on CPUs);
+- a link to another host: `LinkProbe` messages over ZeroMQ TCP to `strata-dist calibrate --serve`
+  running there: the median round trip of a small probe gives the latency, a large probe's the
+  bandwidth.
+
+The figures go to a JSON file (`save_calibration`) that `strata-launch --calibration FILE` plans
+with; a STRATA_SPLIT_* variable still overrides the file, field by field. Nothing here is a
+planner input by itself: the planner stays pure and takes a PlanParams."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from .plan.params import PlanParams
+
+FORMAT = 1
+CALIBRATED = ("handoff_ms", "link_ms", "link_gbs")     # the PlanParams fields a file may set
+HIDDEN = 2048                  # the width of the row the hand-off passes (a Qwen3-30B-A3B row)
+PAYLOAD_MIB = 16               # a large probe of the link
+
+
+class CalibrationError(ValueError):
+    """A calibration that could not be measured, or a file that cannot be used (names which)."""
+
+
+# ---- the hand-off between two processes of this host --------------------------------------------
+
+def _handoff_peer(device: str, ipc: bool, a: str, b: str, back: str, ready) -> None:
+    """Receive rows on a, send them on through b (and acknowledge IPC slots on back)."""
+    from protocol import Channel, Hidden, IpcHandle, Poller, SlotFree, Tokens
+    from .backends import get_backend
+    from .handoff import HandoffReceiver, HandoffSender
+    be = get_backend(device)
+    rx = Channel("pull")
+    rx.bind(a)
+    up = Channel("push").connect(back)
+    tx = Channel("push").connect(b)
+    recv = HandoffReceiver(be, up, 10_000)
+    send = HandoffSender(tx, be, "h", ipc, max_rows=1, hidden=HIDDEN, timeout_ms=10_000)
+    ready.set()
+    send.offer()
+    poller = Poller(rx)
+    idle_until = time.monotonic() + 60
+    while time.monotonic() < idle_until:
+        for _ in poller.poll(1000):
+            msg, arrays = rx.recv(timeout_ms=1000)
+            idle_until = time.monotonic() + 60
+            if isinstance(msg, Tokens):
+                return
+            if isinstance(msg, IpcHandle):
+                recv.on_handle(msg)
+            elif isinstance(msg, SlotFree) or getattr(msg, "code", "") == "ipc":
+                send.on_reply(msg)
+            elif isinstance(msg, Hidden):
+                rows = recv.rows(msg, arrays) * 1.0      # a kernel reads the rows
+                send.send(rows, request_id=1, session_id=0, pos=msg.pos)
+                recv.release()
+
+
+def handoff_hop_us(device: str, ipc: bool, peer_device: str | None = None, rounds: int = 2000,
+                   timeout_s: float = 60.0) -> tuple[float, str]:
+    """Median microseconds of one hop of a decode row [1, HIDDEN] between this process and a peer
+    process (round trips / 2, the first fifth left out as warm-up), and the path it took ("ipc"
+    or "frames"). `peer_device`: the peer's device when not `device` (two cards)."""
+    from protocol import Channel, Hidden, IpcHandle, Poller, SlotFree, Tokens
+    from .backends import get_backend
+    from .handoff import HandoffReceiver, HandoffSender
+    with tempfile.TemporaryDirectory() as d:
+        a, b, back_b = (f"ipc://{d}/{n}" for n in ("a", "b", "bb"))
+        ready = mp.get_context("spawn").Event()
+        p = mp.get_context("spawn").Process(
+            target=_handoff_peer, args=(peer_device or device, ipc, a, b, back_b, ready))
+        p.start()
+        try:
+            if not ready.wait(timeout_s):
+                raise CalibrationError(f"the hand-off peer process did not start within "
+                                       f"{timeout_s:.0f} s")
+            be = get_backend(device)
+            rx = Channel("pull")
+            rx.bind(b)
+            acks = Channel("pull")
+            acks.bind(back_b)
+            tx = Channel("push").connect(a)
+            up = Channel("push").connect(a)     # our acknowledgements of the peer's slots
+            send = HandoffSender(tx, be, "h", ipc, max_rows=1, hidden=HIDDEN, timeout_ms=10_000)
+            recv = HandoffReceiver(be, up, 10_000)
+            send.offer()
+            rows = be.asarray(np.ones((1, HIDDEN), dtype=np.float32))
+            poller = Poller(rx, acks)
+            times: list[float] = []
+            deadline = time.monotonic() + timeout_s
+            while len(times) < rounds:
+                t0 = time.perf_counter()
+                send.send(rows, request_id=1, session_id=0, pos=len(times))
+                got = False
+                while not got:
+                    if time.monotonic() > deadline:
+                        raise CalibrationError(f"the hand-off peer answered {len(times)} of "
+                                               f"{rounds} rows within {timeout_s:.0f} s")
+                    for ch in poller.wait(1000):
+                        msg, arrays = ch.recv(timeout_ms=1000)
+                        if isinstance(msg, IpcHandle):
+                            recv.on_handle(msg)
+                        elif isinstance(msg, SlotFree) or getattr(msg, "code", "") == "ipc":
+                            send.on_reply(msg)
+                        elif isinstance(msg, Hidden):
+                            rows = recv.rows(msg, arrays) * 1.0
+                            recv.release()
+                            got = True
+                times.append(time.perf_counter() - t0)
+            tx.send(Tokens(request_id=0, session_id=0, pos=0, ids=[0]))
+            path = "ipc" if send.sent_ipc else "frames"
+            return statistics.median(times[len(times) // 5:]) / 2 * 1e6, path
+        finally:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+# ---- a link to another host ---------------------------------------------------------------------
+
+def serve_link(bind: str, idle_s: float = 120.0, say=print) -> int:
+    """The peer of `probe_link` on another host: answer LinkProbe messages on `bind`
+    (tcp://HOST:PORT) until told to stop or `idle_s` pass without one. Returns 0."""
+    from protocol import Channel, LinkProbe, ProtocolTimeout
+    ch = Channel("pair", peer="calibration prober")
+    endpoint = ch.bind(bind)
+    say(f"calibration peer on {endpoint}: waiting for `strata-dist calibrate --peer` "
+        f"(stops after {idle_s:.0f} s without a probe)")
+    try:
+        while True:
+            try:
+                msg, _ = ch.recv(timeout_ms=int(idle_s * 1000), what="a probe")
+            except ProtocolTimeout:
+                say(f"no probe for {idle_s:.0f} s: stopping")
+                return 0
+            if not isinstance(msg, LinkProbe):
+                continue
+            if msg.seq < 0:
+                say("the prober is done: stopping")
+                return 0
+            ch.send(LinkProbe(seq=msg.seq), timeout_ms=10_000)
+    finally:
+        ch.close()
+
+
+def probe_link(endpoint: str, rounds: int = 200, payload_mib: int = PAYLOAD_MIB,
+               timeout_s: float = 10.0) -> dict:
+    """The link to the `serve_link` peer at `endpoint`: {"link_ms": one-way latency of a small
+    probe (half its median round trip), "link_gbs": a large probe's bytes over its one-way time,
+    "rtt_ms", "payload_ms", "payload_bytes"}. CalibrationError when the peer does not answer."""
+    from protocol import Channel, LinkProbe, ProtocolTimeout
+    ch = Channel("pair", peer=f"calibration peer {endpoint}").connect(endpoint)
+    payload = np.random.default_rng(0).integers(0, 256, payload_mib << 20, dtype=np.uint8)
+    seq = 0
+
+    def round_trip(arrays) -> float:
+        nonlocal seq
+        t0 = time.perf_counter()
+        ch.send(LinkProbe(seq=seq), arrays, timeout_ms=int(timeout_s * 1000))
+        while True:
+            msg, _ = ch.recv(timeout_ms=int(timeout_s * 1000), what="the peer's answer")
+            if isinstance(msg, LinkProbe) and msg.seq == seq:
+                seq += 1
+                return time.perf_counter() - t0
+
+    try:
+        try:
+            small = [round_trip(()) for _ in range(rounds)]
+            large = [round_trip((payload,)) for _ in range(max(3, rounds // 20))]
+        except ProtocolTimeout:
+            raise CalibrationError(f"no answer from {endpoint} within {timeout_s:.0f} s: is "
+                                   f"`strata-dist calibrate --serve` running there?") from None
+        try:
+            ch.send(LinkProbe(seq=-1), timeout_ms=1000)
+        except ProtocolTimeout:
+            pass
+    finally:
+        ch.close(linger_ms=1000)          # the stop probe leaves before the socket goes
+    rtt = statistics.median(small[len(small) // 5:])
+    big = statistics.median(large[len(large) // 3:])
+    one_way = max(big - rtt / 2, 1e-9)      # the large probe out, the small answer back
+    return {"link_ms": rtt / 2 * 1e3, "link_gbs": payload.nbytes / one_way / 1e9,
+            "rtt_ms": rtt * 1e3, "payload_ms": big * 1e3, "payload_bytes": int(payload.nbytes)}
+
+
+# ---- the file ------------------------------------------------------------------------------------
+
+def calibrate(device: str, peer: str | None = None, rounds: int = 2000) -> dict:
+    """Measure what this machine can: the hand-off on `device`, the link to `peer` if given.
+    Returns the file's content (see save_calibration)."""
+    ipc = device.startswith("cuda")
+    us, path = handoff_hop_us(device, ipc, rounds=rounds)
+    params = {"handoff_ms": round(us / 1e3, 4)}
+    measured = {"handoff_path": path, "handoff_us": round(us, 1), "handoff_rounds": rounds}
+    if peer:
+        link = probe_link(peer, rounds=max(20, rounds // 10))
+        params.update(link_ms=round(link["link_ms"], 4), link_gbs=round(link["link_gbs"], 3))
+        measured.update(peer=peer, **{k: link[k] for k in ("rtt_ms", "payload_ms",
+                                                            "payload_bytes")})
+    return {"strata_calibration": FORMAT, "params": params,
+            "measured": dict(measured, host=socket.gethostname(), device=device,
+                             date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))}
+
+
+def save_calibration(content: dict, path: str) -> None:
+    load_params(content, path)            # what is written is what a launch can read back
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(content, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_params(content, path: str) -> dict[str, float]:
+    """The PlanParams fields of a calibration file's content; CalibrationError naming the file
+    and what is wrong with it."""
+    if not isinstance(content, dict) or content.get("strata_calibration") != FORMAT:
+        raise CalibrationError(f"calibration {path}: not a strata-dist calibration file (format "
+                               f"{FORMAT}; write one with `strata-dist calibrate --out`)")
+    params = content.get("params")
+    if not isinstance(params, dict):
+        raise CalibrationError(f"calibration {path}: 'params' must be an object")
+    for name, value in params.items():
+        if name not in CALIBRATED:
+            raise CalibrationError(f"calibration {path}: unknown field {name!r} (a calibration "
+                                   f"sets {', '.join(CALIBRATED)})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CalibrationError(f"calibration {path}: {name} must be a number, got {value!r}")
+        try:
+            replace(PlanParams(), **{name: float(value)})
+        except ValueError as e:
+            raise CalibrationError(f"calibration {path}: {e}") from None
+    return {k: float(v) for k, v in params.items()}
+
+
+def load_calibration(path: str) -> dict[str, float]:
+    """The PlanParams fields a calibration file sets (load_params), read from `path`."""
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except OSError as e:
+        raise CalibrationError(f"calibration {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"calibration {path}: not JSON ({e})") from None
+    return load_params(content, path)
