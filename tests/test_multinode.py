@@ -19,7 +19,7 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import LineProcess
-from netns_helpers import NetLab, unavailable
+from netns_helpers import NetLab, python, unavailable
 from protocol.auth import write_secret
 from protocol.transport import write_curve_keys
 from strata_dist.single_process import SingleProcessRunner
@@ -334,3 +334,33 @@ def test_a_host_without_the_secret_cannot_touch_the_data_plane(lab, files, basel
         if evil is not None and evil.poll() is None:
             evil.kill()
         stop(h.proc, *ranks)
+
+
+def test_calibrating_the_link_between_two_hosts(lab, files):
+    """`strata-dist calibrate --serve` on one host, `--peer` from another: the link's constants
+    measured over the namespaces' network, the file a head plans with; the peer stops once the
+    prober is done."""
+    import json
+    port = PORT + 31
+    peer = lab.popen("b", [python(), "-m", "strata_dist.cli", "calibrate", "--serve", str(port),
+                           "--idle", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
+    out = files["dir"] / "calibration.json"
+    prober = lab.popen("a", [python(), "-m", "strata_dist.cli", "calibrate", "--peer",
+                             f"{lab.ip('b')}:{port}", "--rounds", "100", "--out", str(out)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert prober.wait(timeout=90) == 0, prober.stderr.read()
+        assert peer.wait(timeout=20) == 0
+    finally:
+        for p in (prober, peer):
+            if p.poll() is None:
+                p.kill()
+    content = json.loads(out.read_text())
+    assert content["measured"]["peer"] == f"tcp://{lab.ip('b')}:{port}"
+    assert content["params"]["link_ms"] > 0 and content["params"]["link_gbs"] > 0
+    done = subprocess.run([python(), "-m", "launcher.cli", "--model", files["model"],
+                           "--cpu-ranks", "2", "--plan-only", "--json", "--calibration", str(out)],
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["params"]["link_ms"] == content["params"]["link_ms"]
