@@ -131,6 +131,17 @@ class ServeSession(LineProcess):
         self.wait_ready(timeout)
 
 
+def gpu_split_session(model: str, split: str, chunk: int, max_context: int = 512,
+                      timeout: float = 120.0) -> ServeSession:
+    """`strata-launch --serve` with one GPU rank per stage of `split` (a --layer-split; "" for one
+    stage), every rank on GPU 0 (a one-GPU machine tests pipelines so)."""
+    n = len(split.split(",")) + 1 if split else 1
+    args = ["--gpus", ",".join(["0"] * n), "--prefill", str(chunk), "--max-context",
+            str(max_context), "--gpu-order", "as_given"]
+    return ServeSession(model, *args, *(["--layer-split", split] if split else []),
+                        timeout=timeout)
+
+
 def launcher_children(pid: int) -> list[int]:
     """PIDs of the strata-rank children of a launcher process (from /proc)."""
     pids = []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hf_next_fixtures import tiny_qwen3next, write_gguf
-from launch_helpers import ServeSession
+from launch_helpers import gpu_split_session
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -84,12 +84,7 @@ def baseline(model):
 def test_gpu_ranks_equal_single_process(model, baseline, split):
     """Layers 3 and 7 are the attention layers: split 3 gives a first stage of linear layers
     only, split 1,4 a stage of one linear layer and one whose attention layer is its last."""
-    n = len(split.split(",")) + 1 if split else 1
-    args = ["--gpus", ",".join(["0"] * n), "--prefill", str(CHUNK), "--max-context", "512",
-            "--gpu-order", "as_given"]
-    if split:
-        args += ["--layer-split", split]
-    s = ServeSession(model, *args, timeout=120)
+    s = gpu_split_session(model, split, CHUNK)
     try:
         out = s.gen(PROMPT, 64, timeout=120)
         assert out["err"] is None, out["err"]

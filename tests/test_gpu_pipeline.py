@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
-from launch_helpers import ServeSession
+from launch_helpers import ServeSession, gpu_split_session
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -33,11 +33,7 @@ def baseline(model):
 @pytest.mark.parametrize("split", ["", "3", "1,4"])
 def test_gpu_ranks_equal_single_process(model, baseline, split):
     n = len(split.split(",")) + 1 if split else 1
-    args = ["--gpus", ",".join(["0"] * n), "--prefill", str(CHUNK), "--max-context", "512",
-            "--gpu-order", "as_given"]
-    if split:
-        args += ["--layer-split", split]
-    s = ServeSession(model, *args, timeout=120)
+    s = gpu_split_session(model, split, CHUNK)
     try:
         out = s.gen(PROMPT, 64, timeout=120)
         assert out["err"] is None, out["err"]

@@ -202,30 +202,29 @@ def test_row_kernel_tiles_match_the_host(tmp_path):
     """experts_rows.cu's tile and grouping macros are the ones the host sizes its launches and
     its work items by (kernels/abi.py; the host's items must be the device grouping's)."""
     from strata_dist.kernels.abi import MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N
-    main = tmp_path / "rows.cu"
-    main.write_text(f'#include <cstdio>\n#include "{KERNEL_DIR / "experts_rows.cu"}"\n'
-                    'int main() { printf("%d %d %d %d %zu", TILE_M, TILE_N, TILE_K, '
-                    'MAX_GROUP_EXPERTS, sizeof(RowsItem)); return 0; }\n')
-    exe = tmp_path / "rows"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout
+    got = _host_print(tmp_path, "experts_rows.cu", '"%d %d %d %d %zu", TILE_M, TILE_N, TILE_K, '
+                                                   'MAX_GROUP_EXPERTS, sizeof(RowsItem)')
     assert got == f"{ROWS_TILE_M} {ROWS_TILE_N} {ROWS_TILE_K} {MAX_GROUP_EXPERTS} 16"
 
 @needs_nvcc
 def test_prompt_attention_rows_match_the_host(tmp_path):
     """prefill_attention.cu's rows a block are the ones the host sizes its grid by."""
     from strata_dist.kernels.abi import PREFILL_ATTENTION_ROWS
-    main = tmp_path / "fa.cu"
-    main.write_text(f'#include <cstdio>\n#include "{KERNEL_DIR / "prefill_attention.cu"}"\n'
-                    'int main() { printf("%d", FA_BM); return 0; }\n')
-    exe = tmp_path / "fa"
+    assert _host_print(tmp_path, "prefill_attention.cu", '"%d", FA_BM') == \
+        str(PREFILL_ATTENTION_ROWS)
+
+
+def _host_print(tmp_path, source: str, printf_args: str) -> str:
+    """What printf(printf_args) prints in a host program built from a kernel source with nvcc
+    (its macros and struct sizes as the compiler sees them)."""
+    main = tmp_path / "host.cu"
+    main.write_text(f'#include <cstdio>\n#include "{KERNEL_DIR / source}"\n'
+                    f'int main() {{ printf({printf_args}); return 0; }}\n')
+    exe = tmp_path / "host"
     done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout
-    assert got == str(PREFILL_ATTENTION_ROWS)
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout
 
 
 def _nvrtc():
