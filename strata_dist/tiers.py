@@ -120,6 +120,8 @@ class ExpertTiers(ExpertStore):
         self.host = HostTier(backend, gguf)
         self.helpers = helpers
         self.remote_of = {pair: h for h in helpers for pair in h.pairs}
+        # per layer: each expert's helper (its index in `helpers`), -1 where none holds it
+        self._helper_of: dict[int, np.ndarray] = {}
         self.prompt = False          # set by the stage: prompt chunks never go to helpers
         self.loan = None             # a GPU stage's LoanAllocator while a prompt borrows the tail
         self.pinned = None           # MappedHostBlobs of the pairs the cache lacks (GPU, opt-in)
@@ -137,20 +139,15 @@ class ExpertTiers(ExpertStore):
         be = self.backend
         n, k = idx.shape
         y = be.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
-        tier = np.zeros((n, k), dtype=np.int8)   # 0 host, 1 hit, 2 remote, 3 own card's helper tier
+        # one decision per expert, then looked up for every (row, rank): a prompt chunk routes
+        # thousands of rows to most of a layer's experts
+        tier_of, helper_of = self._tiers_of(layer)
+        tier = tier_of[idx]               # 0 host, 1 hit, 2 remote, 3 own card's helper tier
         asked: dict[HelperClient, np.ndarray] = {}
-        for e in np.unique(idx):          # one decision per expert (a chunk routes to few)
-            e = int(e)
-            where = idx == e
-            if self.cache.holds(layer, e):
-                tier[where] = 1
-            elif self.prompt:
-                continue                  # prompt chunks never go to helper tiers
-            elif self.local_helper is not None and self.local_helper.holds(layer, e):
-                tier[where] = 3
-            elif (h := self.remote_of.get((layer, e))) is not None and h.alive:
-                tier[where] = 2
-                asked.setdefault(h, np.zeros((n, k), dtype=bool))[where] = True
+        if (tier == 2).any():
+            by_helper = helper_of[idx]
+            for i in np.unique(by_helper[tier == 2]):
+                asked[self.helpers[int(i)]] = (tier == 2) & (by_helper == i)
         pending = []
         for h, mask in asked.items():
             try:
@@ -180,6 +177,29 @@ class ExpertTiers(ExpertStore):
         self.counters["remote"] += int((tier >= 2).sum())   # served by a helper tier
         self.counters["host"] += int((tier == 0).sum())
         return y
+
+    def _tiers_of(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert of `layer`: its tier (0 host, 1 hit, 2 a live helper tier elsewhere, 3 this
+        card's helper tier; prompt chunks only 0 or 1) and, for tier 2, its helper's index."""
+        n_expert = self.cache.slot_of.shape[1]
+        tier_of = np.zeros(n_expert, dtype=np.int8)
+        tier_of[_held(self.cache, layer, n_expert)] = 1
+        if self.prompt:                   # prompt chunks never go to helper tiers
+            return tier_of, np.full(n_expert, -1, dtype=np.int64)
+        if self.local_helper is not None:
+            tier_of[(tier_of == 0) & _held(self.local_helper, layer, n_expert)] = 3
+        helper_of = self._helper_of.get(layer)
+        if helper_of is None:
+            helper_of = np.full(n_expert, -1, dtype=np.int64)
+            index = {id(h): i for i, h in enumerate(self.helpers)}
+            for (l, e), h in self.remote_of.items():   # a pair two helpers list: remote_of's
+                if l == layer:
+                    helper_of[e] = index[id(h)]
+            self._helper_of[layer] = helper_of
+        # the index -1 (no helper) reads the False appended last
+        alive = np.array([h.alive for h in self.helpers] + [False], dtype=bool)
+        tier_of[(tier_of == 0) & alive[helper_of]] = 2
+        return tier_of, helper_of
 
     def _run(self, store: ExpertStore, layer: int, x, idx, mask, y) -> None:
         if isinstance(store, BlobArena):       # resident blobs: every expert in one call
@@ -239,3 +259,9 @@ class ExpertTiers(ExpertStore):
         h.alive = False
         self.counters["remote_lost"] += 1
 
+
+def _held(arena: BlobArena, layer: int, n_expert: int) -> np.ndarray:
+    """Which experts of `layer` an arena holds (none for a layer beyond its table)."""
+    if layer >= arena.slot_of.shape[0]:
+        return np.zeros(n_expert, dtype=bool)
+    return arena.slot_of[layer] >= 0

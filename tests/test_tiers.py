@@ -176,3 +176,27 @@ def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_p
         stage.close()
     finally:
         rp.close()
+
+
+def test_each_expert_takes_the_first_tier_that_holds_it(model):
+    """The stage's cache, then its own card's helper tier, then a live helper tier elsewhere (of a
+    pair two helpers list, the later one's), else host memory; a prompt chunk asks no helper. A
+    dead helper's experts go to host memory."""
+    from strata_dist.tiers import ExpertTiers, HelperClient
+    be, gguf = get_backend("cpu"), GGUFModel(model)
+    cache = BlobArena(be, gguf, [(1, 0), (1, 1)], N_LAYERS, 8)
+    local = BlobArena(be, gguf, [(1, 1), (1, 2)], N_LAYERS, 8)
+    first = HelperClient(7, "tcp://127.0.0.1:9", [(1, 2), (1, 3), (1, 4), (2, 6)])
+    later = HelperClient(8, "tcp://127.0.0.1:9", [(1, 4), (1, 5)])
+    tiers = ExpertTiers(be, gguf, cache, [first, later], local_helper=local)
+    try:
+        tier_of, helper_of = tiers._tiers_of(1)
+        assert list(tier_of) == [1, 1, 3, 2, 2, 2, 0, 0]
+        assert list(helper_of[3:6]) == [0, 1, 1]
+        later.alive = False
+        assert list(tiers._tiers_of(1)[0]) == [1, 1, 3, 2, 0, 0, 0, 0]
+        tiers.prompt = True
+        assert list(tiers._tiers_of(1)[0]) == [1, 1, 0, 0, 0, 0, 0, 0]
+    finally:
+        for h in (first, later):
+            h.ch.close()
