@@ -1,0 +1,150 @@
+"""Every kernel launch of the GPU path, checked against its kernel's C signature without a GPU.
+
+Run as its own process with tests/fake_cupy first on the path (tests/test_launch_abi.py does):
+the GPU backend's Python runs on numpy stand-ins, and `strata_dist.kernels.function` hands out
+kernels that run nothing but check each launch: the number of arguments, each scalar's numpy
+type against the parameter's C type (a Python int where the kernel takes an `int` would reach it
+as 64 bits), a device array or address for every pointer, and the launch limits (1,024 threads a
+block, 65,535 blocks in y and z, 48 KiB of dynamic shared memory). The signatures come from the
+sources as nvcc preprocesses them (the macro-built kernels expanded).
+
+Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "errors": [...]}."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import cupy as cp
+import strata_dist.kernels as kernels
+
+_KERNEL = re.compile(r'extern "C" __attribute__\(\(global\)\)\s+void\s+'
+                     r'(?:__attribute__\(\(launch_bounds\([^)]*\)\)\)\s*)?(\w+)\s*\(([^)]*)\)', re.S)
+_SCALARS = {"int": np.int32, "float": np.float32, "long long": np.int64, "i64": np.int64,
+            "u64": np.uint64, "unsigned long long": np.uint64, "u32": np.uint32,
+            "unsigned int": np.uint32}
+
+
+def signatures(nvcc: str) -> dict[tuple[str, str], list[str]]:
+    """(source, kernel) -> its parameters, from each kernel source preprocessed by nvcc."""
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for src in kernels.sources():
+            pre = Path(d) / f"{src.name}.i"
+            subprocess.run([nvcc, "-E", "-arch=sm_90", "--std=c++17", "-x", "cu", str(src), "-o",
+                            str(pre)], check=True, capture_output=True, timeout=300)
+            for name, params in _KERNEL.findall(pre.read_text()):
+                out[(src.name, name)] = [p.strip() for p in params.split(",") if p.strip()]
+    return out
+
+
+def scalar_type(param: str):
+    words = [w for w in param.replace("const", " ").replace("__restrict__", " ").split()]
+    return _SCALARS.get(" ".join(words[:-1]))
+
+
+class CheckedKernel:
+    """A kernel that checks its launches (into `errors`) and counts them (into `counts`)."""
+
+    def __init__(self, source: str, name: str, params: list[str], counts, errors):
+        self.source, self.name, self.params = source, name, params
+        self.counts, self.errors = counts, errors
+        self.kernel = type("Function", (), {"ptr": 0})()     # what kernels/pdl.py reads
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        self.counts[self.name] += 1
+        at = f"{self.name}{tuple(grid)}x{tuple(block)}"
+        if len(args) != len(self.params):
+            self.errors.append(f"{at}: {len(args)} arguments for {len(self.params)} parameters "
+                               f"({', '.join(self.params)})")
+            return
+        for param, arg in zip(self.params, args):
+            if "*" in param:
+                if not isinstance(arg, (cp.ndarray, np.uint64)):
+                    self.errors.append(f"{at}: {param!r} got {type(arg).__name__}")
+            else:
+                want = scalar_type(param)
+                if want is None or type(arg) is not want:
+                    self.errors.append(f"{at}: {param!r} got {type(arg).__name__}, not "
+                                       f"{getattr(want, '__name__', want)}")
+        dims = tuple(grid) + tuple(block)
+        if any(not isinstance(v, (int, np.integer)) or v < 1 for v in dims):
+            self.errors.append(f"{at}: grid and block must be positive integers")
+        elif (int(np.prod(block)) > 1024 or any(v > 65535 for v in tuple(grid)[1:])
+              or shared_mem > 48 << 10):
+            self.errors.append(f"{at}: beyond the launch limits (shared {shared_mem} B)")
+
+
+def install(nvcc: str, counts, errors) -> None:
+    sigs = signatures(nvcc)
+
+    def function(source, kernel, device=0, defines=()):
+        if (source, kernel) not in sigs:
+            errors.append(f"{kernel} is not a kernel of {source}")
+            return CheckedKernel(source, kernel, [], counts, errors)
+        return CheckedKernel(source, kernel, sigs[(source, kernel)], counts, errors)
+
+    kernels.function = function        # before the backends import it
+
+    import strata_dist.kernels.pdl as pdl
+
+    class Programmatic:                # the programmatic launches, through the same check
+        def launch(self, kernel, grid, block, args, stream_ptr, shared_mem=0):
+            kernel(grid, block, args, shared_mem=shared_mem)
+    pdl.ProgrammaticLauncher = Programmatic
+
+
+def main() -> int:
+    nvcc = sys.argv[1]
+    counts, errors = collections.Counter(), []
+    install(nvcc, counts, errors)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_fixtures import tiny_qwen3moe, write_gguf
+    from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
+    from strata_dist.single_process import SingleProcessRunner
+
+    scenarios, graphs = {}, {}
+    prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
+
+    def run(name, path, **kw):
+        env = kw.pop("env", {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            r = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, max_context=512, **kw)
+            r.prefill(prompt)
+            r.decode_step([5])
+            r.decode_step([5, 6, 7])
+            r.generate([1, 2, 3, 4, 5], 4)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        graphs[name] = type(r.decode_graph).__name__ if r.decode_graph is not None else None
+        scenarios[name] = dict(counts)
+        counts.clear()
+
+    with tempfile.TemporaryDirectory() as d:
+        for dtype in ("q8_0", "f16"):
+            path = write_gguf(tiny_qwen3moe(7, hidden=256, head_dim=128, top_k=4, n_experts=16,
+                                            n_layers=3), Path(d) / f"moe-{dtype}.gguf", dtype)
+            run(f"qwen3moe {dtype}", path)
+            run(f"qwen3moe {dtype}, q8_0 K/V", path, kv_type="q8_0")
+            run(f"qwen3moe {dtype}, array prompt steps", path,
+                env={"STRATA_FUSED_PROMPT_OPS": "0"})
+        path = write_next(tiny_qwen3next(21, hidden=128, head_dim=256, n_head=4, n_kv=2,
+                                         n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
+                                         top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")
+        run("qwen3next q8_0", path)
+    print(json.dumps({"scenarios": scenarios, "graphs": graphs, "errors": errors}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

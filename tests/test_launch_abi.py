@@ -1,0 +1,77 @@
+"""The GPU path's kernel launches against the kernels' C signatures, on a machine without a GPU
+(tests/launch_abi_check.py: the backend's Python on numpy stand-ins for CuPy, every launch's
+arguments, scalar types and limits checked; nothing numeric, which the GPU tests own). A
+qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps, and a
+qwen3next file with the kernels' head geometry: prompt, one-row and three-row decode steps, a
+generation with steps launched ahead. Skips where nvcc is not installed."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NVCC = shutil.which("nvcc")
+HERE = Path(__file__).resolve().parent
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc is not installed"),
+              pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE / "fake_cupy"), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(HERE / "launch_abi_check.py"), NVCC], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_launch_matches_its_kernel(report):
+    assert report["errors"] == []
+
+
+def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
+    graphs, runs = report["graphs"], report["scenarios"]
+    assert graphs["qwen3moe q8_0"] == graphs["qwen3moe f16"] == "DecodeGraph"
+    assert graphs["qwen3next q8_0"] == "NextDecodeGraph"
+    moe, nxt = runs["qwen3moe f16"], runs["qwen3next q8_0"]
+    for kernel in ("rms_norm_rows", "qk_norm_rope_kv", "prefill_attention_128", "combine_ranked",
+                   "route_rows", "moe_gate_up_rows_mma_f16", "attn_decode_128_g2", "argmax_row"):
+        assert moe.get(kernel, 0) > 0, kernel
+    for kernel in ("gdn_conv_step", "gdn_delta_step", "next_qk_norm_rope_kv",
+                   "prefill_attention_256", "attn_decode_256_g2", "next_attn_gate",
+                   "next_shexp_act", "combine_ranked", "embed_tokens"):
+        assert nxt.get(kernel, 0) > 0, kernel
+    # q8_0 K/V: the decode graph's q8 builds; the prompt's attention and q/k steps take the array
+    # path (their kernels read f16); with the array prompt steps, none of the prompt's kernels
+    # (the decode graph keeps its own qk_norm_rope_kv)
+    assert runs["qwen3moe f16, q8_0 K/V"].get("attn_decode_128_g2_q8", 0) > 0
+    assert "prefill_attention_128" not in runs["qwen3moe f16, q8_0 K/V"]
+    off = runs["qwen3moe f16, array prompt steps"]
+    assert not {"rms_norm_rows", "combine_ranked"} & set(off)
+    assert off["qk_norm_rope_kv"] < moe["qk_norm_rope_kv"]
+
+
+def test_the_check_catches_a_wrong_launch(tmp_path):
+    """A launch one argument short and one with a Python int for an `int` are reported."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE / "fake_cupy"), str(HERE.parent), str(HERE)]))
+    code = (
+        "import collections, sys, numpy as np, cupy as cp\n"
+        "import launch_abi_check as c\n"
+        "counts, errors = collections.Counter(), []\n"
+        "c.install(sys.argv[1], counts, errors)\n"
+        "import strata_dist.kernels as k\n"
+        "f = k.function('prompt_ops.cu', 'rms_norm_rows')\n"
+        "x = cp.zeros((2, 64), cp.float32)\n"
+        "f((2,), (256,), (x, x, np.int32(64), np.float32(1e-6)))\n"
+        "f((2,), (256,), (x, x, 64, np.float32(1e-6), x))\n"
+        "print(len(errors)); print(errors)\n")
+    done = subprocess.run([sys.executable, "-c", code, NVCC], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    n, said = done.stdout.splitlines()[:2]
+    assert n == "2" and "4 arguments for 5 parameters" in said and "got int, not int32" in said
