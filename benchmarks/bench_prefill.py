@@ -9,7 +9,9 @@ memory), and the ratio to llama.cpp is printed for every prompt length. The stra
 GPU defaults: the row kernels of backends/expert_rows.py, kernels/prefill_attention.cu, each chunk
 routed and grouped on the device. With --host-routing one more arm routes on the host
 (STRATA_DEVICE_ROUTING=0), with --general-path one more takes the general path
-(STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0: per-expert dequantize and GEMMs).
+(STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0: per-expert dequantize and GEMMs), with
+--array-prompt-steps one more runs a chunk's RMSNorms, q/k norm + RoPE + K/V write and expert
+combine as array operations (STRATA_FUSED_PROMPT_OPS=0) instead of kernels/prompt_ops.cu's.
 The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
@@ -90,6 +92,8 @@ def main() -> int:
                     help="one more arm: loans on, STRATA_DEVICE_ROUTING=0")
     ap.add_argument("--general-path", action="store_true",
                     help="one more arm: loans on, STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0")
+    ap.add_argument("--array-prompt-steps", action="store_true",
+                    help="one more arm: loans on, STRATA_FUSED_PROMPT_OPS=0")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
     args = ap.parse_args()
@@ -101,6 +105,8 @@ def main() -> int:
     if args.general_path:
         variants.append(("general path", True, {"STRATA_GROUPED_EXPERTS": "0",
                                                 "STRATA_FLASH_PREFILL": "0"}))
+    if args.array_prompt_steps:
+        variants.append(("array steps", True, {"STRATA_FUSED_PROMPT_OPS": "0"}))
     for name, loans, env in variants:
         t0 = time.perf_counter()
         r = results[name] = strata_arm(args, loans, env)
@@ -122,17 +128,18 @@ def main() -> int:
     for n in args.prompts:
         on, off = results["loans on"]["runs"][n]["tps"], results["loans off"]["runs"][n]["tps"]
         line = f"{n:6d} tokens: loans on / off {on / off:.2f}x"
-        for arm in ("host routing", "general path"):
+        for arm in ("host routing", "general path", "array steps"):
             if arm in results:
                 line += f"; {arm} / loans on {results[arm]['runs'][n]['tps'] / on:.2f}x"
         if "llama.cpp" in results and n in results["llama.cpp"]["runs"]:
             theirs = results["llama.cpp"]["runs"][n]["tps"]
-            for arm in ("loans on", "loans off", "host routing", "general path"):
+            for arm in ("loans on", "loans off", "host routing", "general path", "array steps"):
                 if arm in results:
                     line += f"; {arm} / llama.cpp {results[arm]['runs'][n]['tps'] / theirs:.2f}x"
         print(line)
     names = {"loans on": "strata", "loans off": "strata loans off",
              "host routing": "strata host routing", "general path": "strata general path",
+             "array steps": "strata array prompt steps",
              "llama.cpp": "llama.cpp"}
     arms = [{"name": names[k], "gpus": 0 if args.cpu else 1, "command": r["command"],
              "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},

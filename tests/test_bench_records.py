@@ -50,15 +50,16 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
 
 
 def test_prefill_record_names_every_arm(tmp_path):
-    """bench_prefill.py --cpu: loans on and off, routing on the host, the general path
-    (environment switches a CPU rank ignores: the harness, not the speed), one record with an
-    arm each, named as ../RECORDS.md asks."""
+    """bench_prefill.py --cpu: loans on and off, routing on the host, the general path, the
+    array prompt steps (environment switches a CPU rank ignores: the harness, not the speed), one
+    record with an arm each, named as ../RECORDS.md asks."""
     model = tmp_path / "tiny.gguf"
     write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill.py"),
                            "--model", str(model), "--cpu", "--budget", "400M", "--prompts", "128",
-                           "--chunk", "64", "--host-routing", "--general-path", "--out", str(out)],
+                           "--chunk", "64", "--host-routing", "--general-path", "--array-prompt-steps",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "general path / loans on" in done.stdout
@@ -66,10 +67,12 @@ def test_prefill_record_names_every_arm(tmp_path):
     record = json.loads(path.read_text())
     assert record["bench"] == "prefill"
     assert [a["name"] for a in record["arms"]] == [
-        "strata", "strata loans off", "strata host routing", "strata general path"]
+        "strata", "strata loans off", "strata host routing", "strata general path",
+        "strata array prompt steps"]
     assert all(a["prefill_tok_s"]["128"] > 0 for a in record["arms"])
     commands = {a["name"]: a["command"] for a in record["arms"]}
     assert commands["strata"].startswith("strata-launch --model M --cpu-ranks 1 --vram-budget 400M")
     assert commands["strata loans off"].endswith("--no-prompt-loans --serve")
     assert commands["strata general path"].startswith(
         "STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0 strata-launch"), commands
+    assert commands["strata array prompt steps"].startswith("STRATA_FUSED_PROMPT_OPS=0 strata-launch")
