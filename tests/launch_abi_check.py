@@ -101,6 +101,30 @@ def install(nvcc: str, counts, errors) -> None:
     pdl.ProgrammaticLauncher = Programmatic
 
 
+def stage_run(scenarios, graphs, counts, path) -> None:
+    from strata_dist.stage import Stage, StageConfig
+    os.environ["STRATA_HOST_MAPPED"] = "1"
+    try:
+        st = Stage(StageConfig(model_path=str(path), device="cuda:0", lb=0, le=2, first=True,
+                               last=False, max_context=512,
+                               # not expert 0, the one the stand-ins' routing picks
+                               cache_pairs=[(l, e) for l in range(2) for e in range(8, 16)],
+                               loan_slots=4))
+        st.session(0)
+        st.begin_prompt()
+        h = st.run(0, 0, ids=list(range(1, 65)), prompt=True)
+        st.end_prompt()
+        st.run(0, 64, ids=[5], prompt=False)
+        st.run(0, 65, ids=[6, 7, 8], prompt=False)
+        assert st.tiers.counters["streamed"] > 0 and h.shape == (64, 256), st.tiers.counters
+    finally:
+        os.environ.pop("STRATA_HOST_MAPPED")
+    name = "qwen3moe stage, half cached, loan, host-mapped misses"
+    graphs[name] = type(st.decode_graph).__name__ if st.decode_graph is not None else None
+    scenarios[name] = dict(counts)
+    counts.clear()
+
+
 def main() -> int:
     nvcc = sys.argv[1]
     counts, errors = collections.Counter(), []
@@ -138,6 +162,11 @@ def main() -> int:
             run(f"qwen3moe {dtype}, q8_0 K/V", path, kv_type="q8_0")
             run(f"qwen3moe {dtype}, array prompt steps", path,
                 env={"STRATA_FUSED_PROMPT_OPS": "0"})
+        # a stage whose cache holds half its pairs: the prompt borrows the cache's tail and
+        # streams its misses from pinned host memory, the decode graph reads them in place
+        path = write_gguf(tiny_qwen3moe(9, hidden=256, head_dim=128, top_k=4, n_experts=16,
+                                        n_layers=4), Path(d) / "stage.gguf", "q8_0")
+        stage_run(scenarios, graphs, counts, path)
         path = write_next(tiny_qwen3next(21, hidden=128, head_dim=256, n_head=4, n_kv=2,
                                          n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")

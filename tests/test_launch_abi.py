@@ -3,7 +3,9 @@
 arguments, scalar types and limits checked; nothing numeric, which the GPU tests own). A
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps, and a
 qwen3next file with the kernels' head geometry: prompt, one-row and three-row decode steps, a
-generation with steps launched ahead. Skips where nvcc is not installed."""
+generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
+streaming the rest from pinned host memory, its decode graph reading them there. Skips where
+nvcc is not installed."""
 import json
 import os
 import shutil
@@ -53,6 +55,9 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     off = runs["qwen3moe f16, array prompt steps"]
     assert not {"rms_norm_rows", "combine_ranked"} & set(off)
     assert off["qk_norm_rope_kv"] < moe["qk_norm_rope_kv"]
+    # a stage streaming its misses: the decode graph reads them in place (host-mapped)
+    name = "qwen3moe stage, half cached, loan, host-mapped misses"
+    assert graphs[name] == "DecodeGraph" and runs[name].get("moe_down_q8_0", 0) > 0
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):
