@@ -10,13 +10,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture
 def float32_prompt_kernels(monkeypatch):
-    """A GPU prompt's experts and attention in float32 (the row kernels' FMA build, attention off
-    the tensor cores): the GPU default rounds a prompt's rows to f16 on the tensor cores, which
+    """A GPU prompt's experts, attention and quantized dense matrices in float32 (the row
+    kernels' FMA build, attention and GEMMs off the tensor cores): the GPU default rounds a
+    prompt's rows to f16 on the tensor cores, which
     alone moves tiny random models' logits by ~4e-2 (1e-2 on qwen3next's). Those kernels are
     checked against numpy at their own tolerance (test_gpu_kernels.py); a test of the model code
     against numpy at float32 precision takes this."""
     monkeypatch.setenv("STRATA_ROWS_MMA", "0")
     monkeypatch.setenv("STRATA_FLASH_PREFILL", "0")
+    monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")
 
 
 @pytest.fixture

@@ -96,6 +96,7 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
     from strata_dist.stage import Stage, StageConfig
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
     monkeypatch.setenv("STRATA_DEVICE_ROUTING", device_routing)
+    monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")       # this file's Q8_0 dense matrices exact
     eng = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
     assert eng.backend._rows is not None
     ref = SingleProcessRunner(model, "cpu", prefill_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]

@@ -122,3 +122,23 @@ def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch):
         out[on] = (runner.logits(prompt), runner.generate(prompt, 16).tokens)
     assert np.abs(out["1"][0] - out["0"][0]).max() <= 1e-3
     assert out["1"][1] == out["0"][1]
+
+
+def test_quantized_dense_matrices_on_tensor_cores(tmp_path, monkeypatch, f16_kv_reference):
+    """STRATA_F16_PROMPT_GEMM (the default): a prompt's Q8_0 dense matrices decoded to f16 and
+    multiplied on tensor cores, as an F16 file's are: within the F16 files' tolerance of numpy,
+    and of the float32 GEMM (STRATA_F16_PROMPT_GEMM=0), which decodes them exactly."""
+    from hf_fixtures import tiny_qwen3moe, write_gguf
+    from strata_dist.single_process import SingleProcessRunner
+    path = write_gguf(tiny_qwen3moe(6, hidden=256, head_dim=128, top_k=4, n_experts=16,
+                                    n_layers=3), tmp_path / "m.gguf", "q8_0")
+    prompt = [int(x) for x in np.random.default_rng(2).integers(0, 320, 200)]
+    ref = SingleProcessRunner(path, "cpu", prefill_chunk=64, max_context=512).logits(prompt)
+    got = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", on)
+        got[on] = SingleProcessRunner(path, "cuda:0", prefill_chunk=64,
+                                      max_context=512).logits(prompt)
+    scale = max(1.0, float(np.abs(ref).max()))
+    assert np.abs(got["1"] - ref).max() <= 5e-2 * scale
+    assert np.abs(got["1"] - got["0"]).max() <= 5e-2 * scale

@@ -40,6 +40,8 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     assert graphs["qwen3moe q8_0"] == graphs["qwen3moe f16"] == "DecodeGraph"
     assert graphs["qwen3next q8_0"] == "NextDecodeGraph"
     moe, nxt = runs["qwen3moe f16"], runs["qwen3next q8_0"]
+    # a Q8_0 file's dense matrices: decoded to f16 for the prompt's tensor-core GEMMs
+    assert runs["qwen3moe q8_0"].get("dequant_rows_f16", 0) > 0 and "dequant_rows_f16" not in moe
     for kernel in ("rms_norm_rows", "qk_norm_rope_kv", "prefill_attention_128", "combine_ranked",
                    "route_rows", "moe_gate_up_rows_mma_f16", "attn_decode_128_g2", "argmax_row"):
         assert moe.get(kernel, 0) > 0, kernel

@@ -63,6 +63,9 @@ class CupyBackend(Backend):
         # a chunk's RMSNorms, q/k norm + RoPE + K/V write and rank-ordered combine as one launch
         # each (kernels/prompt_ops.cu, decode.cu) instead of several array operations each
         self._fused_ops = os.environ.get("STRATA_FUSED_PROMPT_OPS", "1") != "0"
+        # quantized dense matrices (llama.cpp's Q4_K_M files keep attention in Q4_K/Q6_K) decoded
+        # to f16 and multiplied on tensor cores, as F16 files' are, not in float32 (SGEMM)
+        self._f16_gemm = os.environ.get("STRATA_F16_PROMPT_GEMM", "1") != "0"
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -92,6 +95,8 @@ class CupyBackend(Backend):
 
     def linear(self, x, w):
         if isinstance(w, QuantMatrix):
+            if self._f16_gemm:     # as an F16 file's matrices: tensor cores, f32 accumulation
+                return (x.astype(cp.float16) @ w.dequantize(cp.float16).T).astype(cp.float32)
             return x @ w.dequantize().T
         if w.dtype == cp.float16:
             return (x.astype(cp.float16) @ w.T).astype(cp.float32)

@@ -9,13 +9,15 @@ import numpy as np
 from ..kernels import function as kernel
 
 
-def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None):
-    """float32 [n_rows, n_cols] from rows of `row_bytes` stored in a native quant type (all rows,
-    or the row indices `rows`, a device int32 array), decoded by the same code the decode kernels
-    read weights with."""
-    out = cp.empty((n_rows, n_cols), dtype=cp.float32)
+def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None,
+                    dtype=cp.float32):
+    """float32 (or, with dtype float16, rounded to f16) [n_rows, n_cols] from rows of `row_bytes`
+    stored in a native quant type (all rows, or the row indices `rows`, a device int32 array),
+    decoded by the same code the decode kernels read weights with."""
+    half = np.dtype(dtype) == np.float16
+    out = cp.empty((n_rows, n_cols), dtype=cp.float16 if half else cp.float32)
     chunks = n_rows * (n_cols // 8)                 # one thread per 8 columns
-    kernel("decode.cu", "dequant_rows")(
+    kernel("decode.cu", "dequant_rows_f16" if half else "dequant_rows")(
         (min((chunks + 255) // 256, 65535),), (256,),
         (raw, np.int32(ggml_type), np.int64(row_bytes), np.int32(n_cols),
          rows if rows is not None else np.uint64(0), np.int32(n_rows),
@@ -32,8 +34,8 @@ class QuantMatrix:
         self.nbytes = int(raw.nbytes)
         self.row_bytes = self.nbytes // self.shape[0]
 
-    def dequantize(self):
-        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape)
+    def dequantize(self, dtype=cp.float32):
+        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape, dtype=dtype)
 
     def rows(self, idx):
         idx = cp.asarray(idx, dtype=cp.int32)

@@ -239,10 +239,18 @@ FOR_EACH_TYPE(MATVEC_KERNELS)
 
 // Rows of any supported type decoded to float32 (the correctness path's dequantize). rows: the
 // row indices, or null for rows 0..nrows-1. One thread per chunk of 8.
-extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i64 row_bytes,
-                                        int ncols, const int* __restrict__ rows, int nrows,
-                                        float* __restrict__ dst) {
-    pdl_entry();
+__device__ __forceinline__ void store8(__half* p, const float* v) {
+    __half2 h[4];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(h);
+}
+
+template <typename Out>
+__device__ __forceinline__ void dequant_rows_body(const u8* __restrict__ src, int type,
+                                                  i64 row_bytes, int ncols,
+                                                  const int* __restrict__ rows, int nrows,
+                                                  Out* __restrict__ dst) {
     const int per = ncols >> 3;
     const i64 chunks = (i64)nrows * per;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
@@ -253,6 +261,22 @@ extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i6
         DISPATCH_TYPE(type, (chunk8<TT>(row, c, w)));
         store8(dst + (i64)r * ncols + 8 * c, w);
     }
+}
+
+extern "C" __global__ void dequant_rows(const u8* __restrict__ src, int type, i64 row_bytes,
+                                        int ncols, const int* __restrict__ rows, int nrows,
+                                        float* __restrict__ dst) {
+    pdl_entry();
+    dequant_rows_body(src, type, row_bytes, ncols, rows, nrows, dst);
+}
+
+// The same rows rounded to f16 (round to nearest): a prompt's quantized dense matrices for an f16
+// GEMM on tensor cores (cupy_backend.py linear).
+extern "C" __global__ void dequant_rows_f16(const u8* __restrict__ src, int type, i64 row_bytes,
+                                            int ncols, const int* __restrict__ rows, int nrows,
+                                            __half* __restrict__ dst) {
+    pdl_entry();
+    dequant_rows_body(src, type, row_bytes, ncols, rows, nrows, dst);
 }
 
 // The first stage's rows: embedding rows of the descriptor's token ids. An id outside the table
