@@ -110,7 +110,7 @@ def test_health_is_503_while_loading_then_200(model, tmp_path):
                 [sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
                  f"tcp://127.0.0.1:{port}", "--model", model, "--vram-budget", "1G",
                  "--token-file", str(token), "--host-id", host, "--connect-timeout", "5"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{host}.log", "w"))
                 for host in ("left", "right")]
             codes = []
             deadline = time.monotonic() + 45
@@ -122,7 +122,8 @@ def test_health_is_503_while_loading_then_200(model, tmp_path):
                     break
                 assert r.json()["status"] == "loading", r.json()
                 time.sleep(0.01)
-            assert codes and codes[-1] == 200, (codes[-5:], s.err_text()[-2000:])
+            assert codes and codes[-1] == 200, (codes[-5:], s.err_text()[-2000:],
+                                                (tmp_path / "left.log").read_text()[-1000:])
             assert set(codes[:-1]) <= {503}, codes
             assert [c.get(f"{s.url}/health").status_code for _ in range(3)] == [200] * 3
     finally:
