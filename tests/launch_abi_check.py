@@ -162,6 +162,12 @@ def main() -> int:
             run(f"qwen3moe {dtype}, q8_0 K/V", path, kv_type="q8_0")
             run(f"qwen3moe {dtype}, array prompt steps", path,
                 env={"STRATA_FUSED_PROMPT_OPS": "0"})
+        q8 = Path(d) / "moe-q8_0.gguf"
+        run("qwen3moe q8_0, routed on the host", q8,
+            env={"STRATA_DEVICE_ROUTING": "0"})
+        run("qwen3moe q8_0, the general path", q8,
+            env={"STRATA_GROUPED_EXPERTS": "0", "STRATA_FLASH_PREFILL": "0",
+                 "STRATA_F16_PROMPT_GEMM": "0"})
         # a stage whose cache holds half its pairs: the prompt borrows the cache's tail and
         # streams its misses from pinned host memory, the decode graph reads them in place
         path = write_gguf(tiny_qwen3moe(9, hidden=256, head_dim=128, top_k=4, n_experts=16,
@@ -171,6 +177,7 @@ def main() -> int:
                                          n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")
         run("qwen3next q8_0", path)
+        run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
     print(json.dumps({"scenarios": scenarios, "graphs": graphs, "errors": errors}))
     return 0
 

@@ -1,8 +1,9 @@
 """The GPU path's kernel launches against the kernels' C signatures, on a machine without a GPU
 (tests/launch_abi_check.py: the backend's Python on numpy stand-ins for CuPy, every launch's
 arguments, scalar types and limits checked; nothing numeric, which the GPU tests own). A
-qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps, and a
-qwen3next file with the kernels' head geometry: prompt, one-row and three-row decode steps, a
+qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
+Q8_0 one routed on the host and on the general path), and a qwen3next file with the kernels'
+head geometry (and with the blocked delta rule): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
 streaming the rest from pinned host memory, its decode graph reading them there. Skips where
 nvcc is not installed."""
@@ -57,6 +58,15 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     off = runs["qwen3moe f16, array prompt steps"]
     assert not {"rms_norm_rows", "combine_ranked"} & set(off)
     assert off["qk_norm_rope_kv"] < moe["qk_norm_rope_kv"]
+    # the switches' other paths: routed on the host (the row kernels still), the general path
+    # (no row kernel, no flash attention), qwen3next's blocked delta rule (no GDN kernel in the
+    # prompt; its decode graph keeps them)
+    assert "route_rows" not in runs["qwen3moe q8_0, routed on the host"]
+    assert runs["qwen3moe q8_0, routed on the host"].get("moe_gate_up_rows_mma_q8_0", 0) > 0
+    general = runs["qwen3moe q8_0, the general path"]
+    assert not any(k.startswith(("moe_gate_up_rows", "prefill_attention")) for k in general)
+    blocked = runs["qwen3next q8_0, blocked delta rule"]
+    assert 0 < blocked["gdn_delta_step"] < nxt["gdn_delta_step"]
     # a stage streaming its misses: the decode graph reads them in place (host-mapped)
     name = "qwen3moe stage, half cached, loan, host-mapped misses"
     assert graphs[name] == "DecodeGraph" and runs[name].get("moe_down_q8_0", 0) > 0
