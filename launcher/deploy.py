@@ -7,8 +7,8 @@ writes, per host, a directory to copy there: the unit templates (deploy/strata-r
 every host, deploy/strata-coordinator.service on the coordinator's), its environment file
 (strata.env), the shared secret (token, mode 0600), with --curve the deployment's CURVE key
 (curve/server.key_secret, 0600), with --calibration the planner constants the coordinator plans
-with (calibration.json, from `strata-dist calibrate --out`), and install.sh; then prints how to install them. Nothing here
-touches the machine it runs on beyond --out."""
+with (calibration.json, from `strata-dist calibrate --out`), and install.sh; then prints how to
+install them. Nothing here touches the machine it runs on beyond --out."""
 from __future__ import annotations
 
 import argparse

@@ -41,9 +41,23 @@ class CalibrationError(ValueError):
 
 # ---- the hand-off between two processes of this host --------------------------------------------
 
+def _on_message(msg, arrays, send, recv):
+    """One message of a hand-off link: the IPC handle and slot acknowledgements go to the
+    receiver and the sender; a Hidden message gives its rows (read by a kernel, as a stage's
+    would be), else None."""
+    from protocol import Hidden, IpcHandle, SlotFree
+    if isinstance(msg, IpcHandle):
+        recv.on_handle(msg)
+    elif isinstance(msg, SlotFree) or getattr(msg, "code", "") == "ipc":
+        send.on_reply(msg)
+    elif isinstance(msg, Hidden):
+        return recv.rows(msg, arrays) * 1.0
+    return None
+
+
 def _handoff_peer(device: str, ipc: bool, a: str, b: str, back: str, ready) -> None:
     """Receive rows on a, send them on through b (and acknowledge IPC slots on back)."""
-    from protocol import Channel, Hidden, IpcHandle, Poller, SlotFree, Tokens
+    from protocol import Channel, Poller, Tokens
     from .backends import get_backend
     from .handoff import HandoffReceiver, HandoffSender
     be = get_backend(device)
@@ -63,12 +77,8 @@ def _handoff_peer(device: str, ipc: bool, a: str, b: str, back: str, ready) -> N
             idle_until = time.monotonic() + 60
             if isinstance(msg, Tokens):
                 return
-            if isinstance(msg, IpcHandle):
-                recv.on_handle(msg)
-            elif isinstance(msg, SlotFree) or getattr(msg, "code", "") == "ipc":
-                send.on_reply(msg)
-            elif isinstance(msg, Hidden):
-                rows = recv.rows(msg, arrays) * 1.0      # a kernel reads the rows
+            rows = _on_message(msg, arrays, send, recv)
+            if rows is not None:
                 send.send(rows, request_id=1, session_id=0, pos=msg.pos)
                 recv.release()
 
@@ -78,14 +88,15 @@ def handoff_hop_us(device: str, ipc: bool, peer_device: str | None = None, round
     """Median microseconds of one hop of a decode row [1, HIDDEN] between this process and a peer
     process (round trips / 2, the first fifth left out as warm-up), and the path it took ("ipc"
     or "frames"). `peer_device`: the peer's device when not `device` (two cards)."""
-    from protocol import Channel, Hidden, IpcHandle, Poller, SlotFree, Tokens
+    from protocol import Channel, Poller, Tokens
     from .backends import get_backend
     from .handoff import HandoffReceiver, HandoffSender
     with tempfile.TemporaryDirectory() as d:
         a, b, back_b = (f"ipc://{d}/{n}" for n in ("a", "b", "bb"))
-        ready = mp.get_context("spawn").Event()
-        p = mp.get_context("spawn").Process(
-            target=_handoff_peer, args=(peer_device or device, ipc, a, b, back_b, ready))
+        spawn = mp.get_context("spawn")
+        ready = spawn.Event()
+        p = spawn.Process(target=_handoff_peer,
+                          args=(peer_device or device, ipc, a, b, back_b, ready))
         p.start()
         try:
             if not ready.wait(timeout_s):
@@ -114,13 +125,9 @@ def handoff_hop_us(device: str, ipc: bool, peer_device: str | None = None, round
                         raise CalibrationError(f"the hand-off peer answered {len(times)} of "
                                                f"{rounds} rows within {timeout_s:.0f} s")
                     for ch in poller.wait(1000):
-                        msg, arrays = ch.recv(timeout_ms=1000)
-                        if isinstance(msg, IpcHandle):
-                            recv.on_handle(msg)
-                        elif isinstance(msg, SlotFree) or getattr(msg, "code", "") == "ipc":
-                            send.on_reply(msg)
-                        elif isinstance(msg, Hidden):
-                            rows = recv.rows(msg, arrays) * 1.0
+                        back = _on_message(*ch.recv(timeout_ms=1000), send, recv)
+                        if back is not None:
+                            rows = back
                             recv.release()
                             got = True
                 times.append(time.perf_counter() - t0)

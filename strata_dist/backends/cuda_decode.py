@@ -358,11 +358,16 @@ class DecodeGraph:
     def _enqueue(self, n: int) -> None:
         """Every kernel of one step of n rows, on self.stream (captured or run eagerly)."""
         self._pdl_armed = False
+        eps = np.float32(self.g.rms_eps)
+        self._embed(n)
+        self._enqueue_layers(n, eps)
+        self._output(n, eps)
+
+    def _enqueue_layers(self, n: int, eps) -> None:
+        """The layers' kernels of one step (the architecture's own part of `_enqueue`)."""
         g, f = self.g, self._launch
-        eps = np.float32(g.rms_eps)
         i32 = np.int32
         nl = self.le - self.lb
-        self._embed(n)
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         # one-row steps with STRATA_FUSED_QK_NORM=attention: the attention normalises, rotates and
         # writes q and the new K/V itself (its _fq build)
@@ -385,7 +390,6 @@ class DecodeGraph:
                  self.attn_done, self.attn, i32(nl)) + ((L["qkv_spec"],) if in_attention else ()))
             self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
             self._routed_experts(L, n, eps)
-        self._output(n, eps)
 
     def _embed(self, n: int) -> None:
         """The first stage's rows: the embeddings of the descriptor's token ids, into h."""

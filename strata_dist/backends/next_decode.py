@@ -182,13 +182,10 @@ class NextDecodeGraph(DecodeGraph):
         return ptrs + [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
 
     # ---- the step -------------------------------------------------------------------------------
-    def _enqueue(self, n: int) -> None:
-        self._pdl_armed = False
+    def _enqueue_layers(self, n: int, eps) -> None:
         g, f = self.g, self._launch
-        eps = np.float32(g.rms_eps)
         i32 = np.int32
         nl = self.le - self.lb
-        self._embed(n)
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         q_width = g.n_head * g.head_dim
         sh = g.n_ff_shexp
@@ -217,4 +214,3 @@ class NextDecodeGraph(DecodeGraph):
             f("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
                                 (self.shexp_gu, self.shexp_logit, i32(sh), self.shexp_act))
             self._matvec(L["shexp_down"], self.shexp_act, sh, n)
-        self._output(n, eps)

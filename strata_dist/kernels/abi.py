@@ -298,8 +298,8 @@ def attn_launch(n_head: int, n_kv: int, head_dim: int, max_cells: int, kv_type: 
 
 def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
-    names = ["dequant_rows", "dequant_rows_f16", "embed_tokens", "qk_norm_rope_kv", "qk_norm_rope_kv_q8",
-             "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
+    names = ["dequant_rows", "dequant_rows_f16", "embed_tokens", "qk_norm_rope_kv",
+             "qk_norm_rope_kv_q8", "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
     names += [attn_kernel(g, kv) + fq for g in ATTN_GROUPS for kv in ("f16", "q8_0")
               for fq in ("", "_fq")]
     names += ["next_qk_norm_rope_kv", "next_attn_gate", "next_shexp_act"]

@@ -61,7 +61,8 @@ class ProgrammaticLauncher:
         values = [_arg(a) for a in args]
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        cfg = _Config(*grid, *block, int(shared_mem), ctypes.c_void_p(stream_ptr), ctypes.pointer(self._attr), 1)
+        cfg = _Config(*grid, *block, int(shared_mem), ctypes.c_void_p(stream_ptr),
+                      ctypes.pointer(self._attr), 1)
         rc = self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr),
                                         params, None)
         if rc != 0:
