@@ -1,8 +1,8 @@
 """Prefill tok/s with prompt loans on and off, beside llama.cpp's, side by side in one run.
 
 Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
-warm-up prompt of each length, then each prompt length once (one new token) and prints prompt
-tok/s, the stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
+warm-up prompt of each length, then --repeats prompts of each length (one new token each) and
+prints the median prompt tok/s, the stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
 and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
 memory), and the ratio to llama.cpp is printed for every prompt length. The strata arms run the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -53,16 +54,22 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
                    "command": env_prefix(env) + "strata-launch --model M " + " ".join(flags)
                    + " --serve"}
             for n in args.prompts:
-                # a prompt of its own (no prefix in common with the last one: the whole is read)
-                r = s.gen(prompt_ids(n, n, vocab), 1, "stats=1", timeout=900)
-                if r["err"]:
-                    raise SystemExit(f"strata-dist failed on a {n}-token prompt: {r['err']}")
-                if r["resume"]:
-                    raise SystemExit(f"the {n}-token prompt resumed at {r['resume']}")
-                prompt_ms = float(r["done"][2])
-                st = r["stats"][0] if r["stats"] else {}
+                # --repeats prompts of their own (no prefix in common with the last one: the
+                # whole is read each time); the median, since one short prompt is noisy
+                times, stats = [], []
+                for rep in range(args.repeats):
+                    r = s.gen(prompt_ids(n, n + 104_729 * rep, vocab), 1, "stats=1", timeout=900)
+                    if r["err"]:
+                        raise SystemExit(f"strata-dist failed on a {n}-token prompt: {r['err']}")
+                    if r["resume"]:
+                        raise SystemExit(f"the {n}-token prompt resumed at {r['resume']}")
+                    times.append(float(r["done"][2]))
+                    stats.append(r["stats"][0] if r["stats"] else {})
+                prompt_ms = statistics.median(times)
+                st = stats[min(range(len(times)), key=lambda i: abs(times[i] - prompt_ms))]
                 st["loan_peak_bytes"] = next(iter(s.stats().values())).get("loan_peak_bytes", 0)
-                out["runs"][n] = {"tps": n / (prompt_ms / 1e3), "stats": st}
+                out["runs"][n] = {"tps": n / (prompt_ms / 1e3), "stats": st,
+                                  "tps_each": [round(n / (t / 1e3), 1) for t in times]}
         finally:
             s.close()
     out["peak_gib"] = mem.gib
@@ -72,7 +79,7 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
 def llama_arm(args) -> dict:
     rows, peak, command = llama_bench(
         [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
-         "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", "1", "-ub", str(args.ubatch),
+         "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", str(args.repeats), "-ub", str(args.ubatch),
          "-b", str(max(args.ubatch, 2048)), "-o", "json"])
     return {"runs": {int(r["n_prompt"]): {"tps": float(r["avg_ts"])} for r in rows},
             "peak_gib": peak, "command": command}
@@ -87,6 +94,8 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="a CPU rank (no GPU needed)")
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
     ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp: layers whose experts stay on the CPU")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="prompts of each length an arm reads (the median is reported)")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
     ap.add_argument("--host-routing", action="store_true",
                     help="one more arm: loans on, STRATA_DEVICE_ROUTING=0")
@@ -116,7 +125,7 @@ def main() -> int:
             st = run["stats"]
             tiers = {k: int(st.get(k, 0)) for k in ("hits", "host")}
             total = max(1, sum(tiers.values()))
-            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill; hits {tiers['hits'] / total:.1%}, "
+            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill (each {run['tps_each']}); hits {tiers['hits'] / total:.1%}, "
                   f"streamed {st.get('streamed', 0)} blobs, loan peak "
                   f"{int(st.get('loan_peak_bytes', 0)) / 2**20:.0f} MiB, overflow "
                   f"{int(st.get('loan_overflow_bytes', 0)) / 2**20:.0f} MiB", flush=True)
