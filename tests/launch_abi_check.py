@@ -178,6 +178,7 @@ def main() -> int:
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")
         run("qwen3next q8_0", path)
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
+        run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
     print(json.dumps({"scenarios": scenarios, "graphs": graphs, "errors": errors}))
     return 0
 

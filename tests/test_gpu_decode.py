@@ -128,10 +128,12 @@ def test_graph_decode_with_q8_0_kv_matches_numpy(tmp_path):
 def test_prompt_kernels_match_numpy(tmp_path, monkeypatch, f16_kv_reference):
     """STRATA_FLASH_PREFILL=1 and STRATA_GROUPED_EXPERTS=1: a 300-token prompt in chunks of 128
     through the flash attention and the row kernels, within tolerance of numpy, and the decode
-    graph after it too."""
+    graph after it too. The dense matrices in float32 (STRATA_F16_PROMPT_GEMM=0): their f16
+    GEMM flips near-ties of this model's routing (test_gpu_prompt_ops.py measures it)."""
     from strata_dist.single_process import SingleProcessRunner
     monkeypatch.setenv("STRATA_FLASH_PREFILL", "1")
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
+    monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")
     path = _model(tmp_path, "q8_0", seed=15)
     cpu = SingleProcessRunner(path, "cpu", prefill_chunk=128)
     gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=128)

@@ -1,7 +1,7 @@
 """qwen3next's linear-layer decode kernels on the GPU (kernels/gated_delta.cuh: gdn_conv_step,
 gdn_delta_step) against models/qwen3next.py's gdn_mixer over 64 decode steps, the state carried
-on the device, one step of several rows, and a prompt chunk through the CuPy backend's
-linear_attention (the same kernels). Run on the GPU machine: pytest -m gpu."""
+on the device, one step of several rows, and prompt chunks through the CuPy backend's
+linear_attention (gdn_prompt.cu's row kernels, or the same decode kernels). Run on the GPU machine: pytest -m gpu."""
 import numpy as np
 import pytest
 
@@ -84,24 +84,30 @@ def test_a_step_of_several_rows_equals_one_row_steps():
     np.testing.assert_array_equal(cp.asnumpy(one.state), cp.asnumpy(many.state))
 
 
+@pytest.mark.parametrize("mode", ["rows", "steps"])
 @pytest.mark.parametrize("nk,nv,hk,hv,K", [(2, 4, 32, 64, 4), (16, 32, 128, 128, 4)])
-def test_a_prompt_chunk_through_the_backend_matches_the_numpy_path(nk, nv, hk, hv, K):
-    """CupyBackend.linear_attention (what gdn_mixer calls on a GPU) over 300 rows: the token
-    loop's outputs and the conv and recurrent state it leaves, within float32 rounding."""
+def test_prompt_chunks_through_the_backend_match_the_numpy_path(nk, nv, hk, hv, K, mode,
+                                                                 monkeypatch):
+    """CupyBackend.linear_attention (what gdn_mixer calls on a GPU) over chunks of 300, 2 (fewer
+    rows than the conv state holds) and 37 rows, the state carried on the device between them:
+    the token loop's outputs and the conv and recurrent state it leaves, within float32
+    rounding. mode: gdn_prompt.cu's row kernels (the default) or the decode graph's token loop."""
     from strata_dist.backends.cupy_backend import CupyBackend
     from strata_dist.backends.numpy_backend import NumpyBackend
     from strata_dist.models.qwen3next import gdn_mixer
+    monkeypatch.setenv("STRATA_GDN_KERNELS", mode)
     rng = np.random.default_rng(nv + hv)
     g, w, conv_dim = _layer(rng, nk, nv, hk, hv, K)
     conv, state = _states(rng, g, conv_dim)
-    qkv, z, ba = _rows(rng, g, conv_dim, 300, ba_scale=2.0)
     conv_d, state_d = cp.asarray(conv), cp.asarray(state)
-    got = CupyBackend(0).linear_attention(g, {k: cp.asarray(v) for k, v in w.items()},
-                                          cp.asarray(qkv), cp.asarray(z), cp.asarray(ba),
-                                          conv_d, state_d)
-    assert got is not None
-    want = gdn_mixer(NumpyBackend(), g, w, qkv, z, ba, conv, state)
-    assert np.abs(cp.asnumpy(got) - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
-    np.testing.assert_array_equal(cp.asnumpy(conv_d), conv)
-    np.testing.assert_allclose(cp.asnumpy(state_d), state, rtol=1e-3,
-                               atol=1e-4 * max(1.0, float(np.abs(state).max())))
+    be, w_d = CupyBackend(0), {k: cp.asarray(v) for k, v in w.items()}
+    for n in (300, 2, 37):
+        qkv, z, ba = _rows(rng, g, conv_dim, n, ba_scale=2.0)
+        got = be.linear_attention(g, w_d, cp.asarray(qkv), cp.asarray(z), cp.asarray(ba),
+                                  conv_d, state_d)
+        assert got is not None
+        want = gdn_mixer(NumpyBackend(), g, w, qkv, z, ba, conv, state)
+        assert np.abs(cp.asnumpy(got) - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+        np.testing.assert_array_equal(cp.asnumpy(conv_d), conv)
+        np.testing.assert_allclose(cp.asnumpy(state_d), state, rtol=1e-3,
+                                   atol=1e-4 * max(1.0, float(np.abs(state).max())))

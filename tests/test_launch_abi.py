@@ -59,14 +59,20 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     assert not {"rms_norm_rows", "combine_ranked"} & set(off)
     assert off["qk_norm_rope_kv"] < moe["qk_norm_rope_kv"]
     # the switches' other paths: routed on the host (the row kernels still), the general path
-    # (no row kernel, no flash attention), qwen3next's blocked delta rule (no GDN kernel in the
-    # prompt; its decode graph keeps them)
+    # (no row kernel, no flash attention)
     assert "route_rows" not in runs["qwen3moe q8_0, routed on the host"]
     assert runs["qwen3moe q8_0, routed on the host"].get("moe_gate_up_rows_mma_q8_0", 0) > 0
     general = runs["qwen3moe q8_0, the general path"]
     assert not any(k.startswith(("moe_gate_up_rows", "prefill_attention")) for k in general)
+    # qwen3next's prompt chunks: gdn_prompt.cu's row kernels by default; the token loop of the
+    # decode graph's kernels (STRATA_GDN_KERNELS=steps); the blocked delta rule (=0: no GDN
+    # kernel in the prompt; its decode graph keeps its own)
+    from strata_dist.kernels.abi import GDN_ROWS_KERNELS as prompt_gdn
+    assert all(nxt.get(kernel, 0) > 0 for kernel in prompt_gdn)
     blocked = runs["qwen3next q8_0, blocked delta rule"]
-    assert 0 < blocked["gdn_delta_step"] < nxt["gdn_delta_step"]
+    steps = runs["qwen3next q8_0, GDN token loop"]
+    assert not set(prompt_gdn) & (set(blocked) | set(steps))
+    assert 0 < blocked["gdn_delta_step"] == nxt["gdn_delta_step"] < steps["gdn_delta_step"]
     # a stage streaming its misses: the decode graph reads them in place (host-mapped)
     name = "qwen3moe stage, half cached, loan, host-mapped misses"
     assert graphs[name] == "DecodeGraph" and runs[name].get("moe_down_q8_0", 0) > 0

@@ -58,8 +58,12 @@ class CupyBackend(Backend):
             self._rows = RowsKernels(index)
         self._device_routing = (self._rows is not None
                                 and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
-        # qwen3next's linear layers in prompts through the decode graph's GDN kernels
-        self._gdn = os.environ.get("STRATA_GDN_KERNELS", "1") != "0"
+        # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
+        # where they are independent), "steps" the decode graph's token loop, "0" the blocked
+        # array form
+        self._gdn = os.environ.get("STRATA_GDN_KERNELS", "rows")
+        if self._gdn not in ("rows", "steps", "0"):
+            raise ValueError(f"STRATA_GDN_KERNELS={self._gdn}: rows, steps or 0")
         # a chunk's RMSNorms, q/k norm + RoPE + K/V write and rank-ordered combine as one launch
         # each (kernels/prompt_ops.cu, decode.cu) instead of several array operations each
         self._fused_ops = os.environ.get("STRATA_FUSED_PROMPT_OPS", "1") != "0"
@@ -270,25 +274,29 @@ class CupyBackend(Backend):
         return out
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
-        """gdn_mixer through kernels/gated_delta.cuh (the decode graph's kernels): the rows in
-        order, each in the token loop's float32 arithmetic, the state in place; one launch each
-        for the conv and the delta rule instead of the blocked form's dozens of array operations
-        per 64 rows. None (the array path) for a geometry the kernels do not take or with
-        STRATA_GDN_KERNELS=0."""
-        if not self._gdn:
+        """gdn_mixer through kernels: by default gdn_prompt.cu's (the convolution and norms of
+        every row at once, the delta rule a warp a state column), with STRATA_GDN_KERNELS=steps
+        the decode graph's gated_delta.cuh (the rows in order, the token loop's arithmetic);
+        the state in place either way. None (the blocked array path) for a geometry the kernels
+        do not take or with STRATA_GDN_KERNELS=0."""
+        if self._gdn == "0":
             return None
         from ..kernels import function
-        from ..kernels.abi import gdn_launch
+        from ..kernels.abi import gdn_launch, gdn_rows_launch
         from .graph_tables import Unsupported
         from .next_decode import gdn_spec, launch_gdn
+        n = int(qkv.shape[0])
         try:
-            launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
+            if self._gdn == "rows":
+                launch = gdn_rows_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim,
+                                         g.ssm_conv_kernel)
+            else:
+                launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
         except ValueError:
             return None
         if not (conv.flags.c_contiguous and state.flags.c_contiguous
-                and conv.dtype == cp.float32 and state.dtype == cp.float32):
+                and conv.dtype == cp.float32 and state.dtype == cp.float32 and n <= MAX_GRID_Y):
             return None
-        n = int(qkv.shape[0])
         rows = [cp.ascontiguousarray(a, dtype=cp.float32) for a in (qkv, z, ba)]
         mixed = cp.empty((n, g.conv_dim), dtype=cp.float32)
         out = cp.empty((n, g.n_v_heads, g.head_v_dim), dtype=cp.float32)
@@ -297,8 +305,13 @@ class CupyBackend(Backend):
             spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0)
         except Unsupported:
             return None
-        launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines()), spec,
-                   n, launch)
+        if n == 0:
+            return out
+        if self._gdn == "rows":
+            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n)
+        else:
+            launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines()),
+                       spec, n, launch)
         return out
 
     def decode_graph(self, model, max_cells):

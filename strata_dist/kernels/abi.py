@@ -255,6 +255,48 @@ def gdn_launch(n_v: int, head_k: int, head_v: int, conv_dim: int) -> GdnLaunch:
     return GdnLaunch(conv_dim // head_k, head_k, n_v, threads, (2 * head_k + threads) * 4)
 
 
+GDN_LANE_ROWS = 4           # rows of a state column a gdn_delta_rows lane holds (gdn_prompt.cu)
+GDN_MAX_K = 8               # the longest convolution gdn_conv_tail takes
+GDN_COLUMNS_PER_BLOCK = 4   # gdn_delta_rows: a warp a state column
+GDN_TAIL_THREADS = 256
+GDN_ROWS_KERNELS = ("gdn_conv_rows", "gdn_conv_tail", "gdn_delta_rows", "gdn_gated_norm_rows")
+
+
+@dataclass(frozen=True)
+class GdnRowsLaunch:
+    """How gdn_prompt.cu's four kernels are launched over a chunk's n rows (grids (x, n) where
+    the rows are independent)."""
+    conv_blocks: int      # gdn_conv_rows: grid (conv_blocks, n), a key head's width of channels
+    conv_threads: int
+    tail_blocks: int      # gdn_conv_tail: GDN_TAIL_THREADS channels a block
+    delta_blocks: int     # gdn_delta_rows: GDN_COLUMNS_PER_BLOCK warps, a warp a state column
+    norm_blocks: int      # gdn_gated_norm_rows: grid (n_v, n), head_v threads
+    norm_threads: int
+
+    def launch(self, kernel, spec, n: int) -> None:
+        """The four launches in order; `kernel(name)` gives the function."""
+        i32 = np.int32
+        kernel("gdn_conv_rows")((self.conv_blocks, n), (self.conv_threads,), (spec, i32(n)))
+        kernel("gdn_conv_tail")((self.tail_blocks,), (GDN_TAIL_THREADS,), (spec, i32(n)))
+        kernel("gdn_delta_rows")((self.delta_blocks,), (32 * GDN_COLUMNS_PER_BLOCK,),
+                                 (spec, i32(n)))
+        kernel("gdn_gated_norm_rows")((self.norm_blocks, n), (self.norm_threads,), (spec, i32(n)))
+
+
+def gdn_rows_launch(n_v: int, head_k: int, head_v: int, conv_dim: int, K: int) -> GdnRowsLaunch:
+    """The prompt kernels' launches for a linear layer's geometry; ValueError naming it when they
+    cannot take it (key heads of whole warps up to 32 GDN_LANE_ROWS, value heads of whole warps
+    up to 1,024, a convolution of at most GDN_MAX_K)."""
+    if (head_k % 32 or head_k > 32 * GDN_LANE_ROWS or head_v % 32 or head_v > 1024
+            or conv_dim % head_k or not 1 <= K <= GDN_MAX_K):
+        raise ValueError(f"linear-attention heads of {head_k} x {head_v} over {conv_dim} "
+                         f"channels, convolution {K} (the prompt's GDN kernels take key heads of "
+                         f"whole warps up to {32 * GDN_LANE_ROWS}, value heads of whole warps up "
+                         f"to 1,024 and convolutions up to {GDN_MAX_K})")
+    return GdnRowsLaunch(conv_dim // head_k, head_k, -(-conv_dim // GDN_TAIL_THREADS),
+                         -(-n_v * head_v // GDN_COLUMNS_PER_BLOCK), n_v, head_v)
+
+
 # The attention partials are a decode step's only buffer that grows with the context. The runner
 # gives them at most this much (inside the planner's STAGE_WORK_RESERVE_BYTES) and captures graphs
 # only for the row counts that fit; larger steps take the general path.
@@ -312,6 +354,7 @@ def source_kernel_names(source: str) -> list[str]:
     """Every kernel the runners may ask a source for."""
     return {"decode.cu": kernel_names, "experts_rows.cu": rows_kernel_names,
             "prompt_ops.cu": lambda: ["rms_norm_rows", "combine_ranked"],
+            "gdn_prompt.cu": lambda: list(GDN_ROWS_KERNELS),
             "prefill_attention.cu": lambda: [f"prefill_attention_{d}"
                                              for d in PREFILL_ATTENTION_THREADS]}[source]()
 
