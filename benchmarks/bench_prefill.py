@@ -85,6 +85,21 @@ def llama_arm(args) -> dict:
             "peak_gib": peak, "command": command}
 
 
+ARM_NAMES = {"loans on": "strata", "loans off": "strata loans off",
+             "host routing": "strata host routing", "general path": "strata general path",
+             "array steps": "strata array prompt steps", "llama.cpp": "llama.cpp"}
+
+
+def save(args, results: dict) -> str:
+    """The record of the arms measured so far (rewritten after each, so a run cut short by a
+    time limit still leaves the arms it finished)."""
+    arms = [{"name": ARM_NAMES[k], "gpus": 0 if args.cpu else 1, "command": r["command"],
+             "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
+             "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
+            for k, r in results.items()]
+    return write_record("prefill", model_facts(args.model), arms, args.out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -125,12 +140,15 @@ def main() -> int:
             st = run["stats"]
             tiers = {k: int(st.get(k, 0)) for k in ("hits", "host")}
             total = max(1, sum(tiers.values()))
-            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill (each {run['tps_each']}); hits {tiers['hits'] / total:.1%}, "
+            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill (each {run['tps_each']}); "
+                  f"hits {tiers['hits'] / total:.1%}, "
                   f"streamed {st.get('streamed', 0)} blobs, loan peak "
                   f"{int(st.get('loan_peak_bytes', 0)) / 2**20:.0f} MiB, overflow "
                   f"{int(st.get('loan_overflow_bytes', 0)) / 2**20:.0f} MiB", flush=True)
+        save(args, results)
     if args.llama_bench:
         r = results["llama.cpp"] = llama_arm(args)
+        save(args, results)
         print(f"llama.cpp -ncmoe {args.ncmoe} -ub {args.ubatch}: peak device memory {r['peak_gib']:.1f} GiB")
         for n, run in r["runs"].items():
             print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill")
@@ -146,15 +164,7 @@ def main() -> int:
                 if arm in results:
                     line += f"; {arm} / llama.cpp {results[arm]['runs'][n]['tps'] / theirs:.2f}x"
         print(line)
-    names = {"loans on": "strata", "loans off": "strata loans off",
-             "host routing": "strata host routing", "general path": "strata general path",
-             "array steps": "strata array prompt steps",
-             "llama.cpp": "llama.cpp"}
-    arms = [{"name": names[k], "gpus": 0 if args.cpu else 1, "command": r["command"],
-             "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
-             "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
-            for k, r in results.items()]
-    print(f"record: {write_record('prefill', model_facts(args.model), arms, args.out)}")
+    print(f"record: {save(args, results)}")
     return 0
 
 
