@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="prompts of each length an arm reads (the median is reported)")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
+    ap.add_argument("--only-loans-on", action="store_true",
+                    help="no loans-off arm (a stage whose cache holds every pair lends nothing)")
     ap.add_argument("--host-routing", action="store_true",
                     help="one more arm: loans on, STRATA_DEVICE_ROUTING=0")
     ap.add_argument("--general-path", action="store_true",
@@ -123,7 +125,8 @@ def main() -> int:
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
     results = {}
-    variants = [("loans on", True, None), ("loans off", False, None)]
+    variants = [("loans on", True, None)] + ([] if args.only_loans_on
+                                             else [("loans off", False, None)])
     if args.host_routing:
         variants.append(("host routing", True, {"STRATA_DEVICE_ROUTING": "0"}))
     if args.general_path:
@@ -153,8 +156,10 @@ def main() -> int:
         for n, run in r["runs"].items():
             print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill")
     for n in args.prompts:
-        on, off = results["loans on"]["runs"][n]["tps"], results["loans off"]["runs"][n]["tps"]
-        line = f"{n:6d} tokens: loans on / off {on / off:.2f}x"
+        on = results["loans on"]["runs"][n]["tps"]
+        line = f"{n:6d} tokens:"
+        if "loans off" in results:
+            line += f" loans on / off {on / results['loans off']['runs'][n]['tps']:.2f}x"
         for arm in ("host routing", "general path", "array steps"):
             if arm in results:
                 line += f"; {arm} / loans on {results[arm]['runs'][n]['tps'] / on:.2f}x"

@@ -27,6 +27,10 @@
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
 #       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE] [--next] [--keep-going]
+#       [--next-parts profile,decode,prefill]
+# --next-parts runs some of --next's parts (the whole file is kept on the machine until the
+# prefill part reads it: `--next-parts decode` then, in a call right after it on the machine
+# kept warm, `--next-parts prefill`; a llama-bench built by the first call is used by the second)
 # --keep-going runs the benchmarks after failed GPU tests (each arm's figures still say what the
 # code does; read them beside gpu_tests.log). $TEST_TIMEOUT bounds the tests (default 560 s),
 # $PREFILL_PROMPTS the --prefill lengths (default 512,4096,16384), $PREFILL_ARGS adds
@@ -34,7 +38,7 @@
 # --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
 # arms alike), e.g. --shape int_gate_up=0,int_down=0 for the float expert path
 set -uo pipefail
-GPUS=0; TESTS=1; KEEP_GOING=0; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1; NEXT=0
+GPUS=0; TESTS=1; KEEP_GOING=0; NEXT_PARTS=profile,decode,prefill; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1; NEXT=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
     --prefill) PREFILL=1; shift ;;
     --skip-decode) DECODE=0; shift ;;
     --next) NEXT=1; shift ;;
+    --next-parts) NEXT=1; NEXT_PARTS=$2; shift 2 ;;
     --skip-profile) PROFILE=0; shift ;;
     --quants) QUANTS=$2; shift 2 ;;
     --profile-quants) PROFILE_QUANTS=$2; shift 2 ;;
@@ -67,7 +72,9 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s); LB=.anchor/llama.cpp/build/bin/llama-bench
 t() { echo "t=$(( $(date +%s) - T0 )) s: $*"; }
 LLAMA=()
-if [ -f .anchor/llamacpp-anchor.sh ]; then
+if [ -x "$LB" ]; then                 # built by an earlier call on this machine (kept warm)
+  LLAMA=(--llama-bench "$LB")
+elif [ -f .anchor/llamacpp-anchor.sh ]; then
   (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
   LLAMA=(--llama-bench "$LB" --llama-wait 300)
 fi
@@ -140,7 +147,8 @@ for q in ${QUANTS//,/ }; do
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
   t "bench $q"
 done
-if [ "$NEXT" = 1 ]; then
+has() { case ",$NEXT_PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
+if [ "$NEXT" = 1 ] && has profile; then
   python3 - <<'PY' 2>&1 | tr '\r' '\n' | tail -1
 import dataclasses
 from strata_dist.synth import NEXT_GEOMETRIES, write_synthetic
@@ -152,14 +160,24 @@ PY
   timeout 120 python3 benchmarks/profile_prefill.py --model /tmp/m/next_8l.gguf --tokens 4096 2>&1 \
     | tee "$OUT/profile_prefill_next.log" | head -18
   rm -f /tmp/m/next_8l.gguf
-  timeout 420 python3 -m launcher.tools synth /tmp/m/next.gguf --like qwen3-next-80b-a3b \
-    --quant q4_k --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
-  timeout 400 python3 benchmarks/bench_decode.py --model /tmp/m/next.gguf --gpus "$GPUS" \
-    --tokens 128 --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_next.log" | tail -6
-  LLAMA_PRE=(); [ -x "$LB" ] && LLAMA_PRE=(--llama-bench "$LB" --ncmoe 0)
-  timeout 400 python3 benchmarks/bench_prefill.py --model /tmp/m/next.gguf --budget 100G \
-    --prompts 512,4096 --chunk 4096 --out "$OUT" "${LLAMA_PRE[@]}" 2>&1 \
-    | tee "$OUT/prefill_next.log" | tail -8
-  rm -f /tmp/m/next.gguf
+  t "profile next"
+fi
+if [ "$NEXT" = 1 ] && { has decode || has prefill; }; then
+  # the whole file (about 45 GiB, 110 s to write) stays on the machine until the prefill part
+  # has read it, so decode and prefill can be two calls on a machine kept warm
+  [ -f /tmp/m/next.gguf ] || timeout 420 python3 -m launcher.tools synth /tmp/m/next.gguf \
+    --like qwen3-next-80b-a3b --quant q4_k --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
+  if has decode; then
+    timeout 400 python3 benchmarks/bench_decode.py --model /tmp/m/next.gguf --gpus "$GPUS" \
+      --tokens 128 --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_next.log" | tail -6
+  fi
+  if has prefill; then
+    LLAMA_PRE=(); [ -x "$LB" ] && LLAMA_PRE=(--llama-bench "$LB" --ncmoe 0)
+    # every pair resident at this budget: a loan would lend nothing, so no loans-off arm
+    timeout 400 python3 benchmarks/bench_prefill.py --model /tmp/m/next.gguf --budget 100G \
+      --prompts 512,4096 --chunk 4096 --only-loans-on --out "$OUT" "${LLAMA_PRE[@]}" 2>&1 \
+      | tee "$OUT/prefill_next.log" | tail -8
+    rm -f /tmp/m/next.gguf
+  fi
   t "bench next"
 fi

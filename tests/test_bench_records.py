@@ -76,3 +76,18 @@ def test_prefill_record_names_every_arm(tmp_path):
     assert commands["strata general path"].startswith(
         "STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0 strata-launch"), commands
     assert commands["strata array prompt steps"].startswith("STRATA_FUSED_PROMPT_OPS=0 strata-launch")
+
+
+def test_prefill_record_of_loans_on_alone(tmp_path):
+    """--only-loans-on: one arm, and the record holds it."""
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill.py"),
+                           "--model", str(model), "--cpu", "--budget", "400M", "--prompts", "128",
+                           "--chunk", "64", "--only-loans-on", "--repeats", "2",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = out.glob("prefill-tiny-q8_0-*.json")
+    assert [a["name"] for a in json.loads(path.read_text())["arms"]] == ["strata"]
