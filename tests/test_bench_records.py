@@ -49,22 +49,28 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
                                                          arm["tokens_sha256"], str(out))
 
 
-def test_prefill_record_names_every_arm(tmp_path):
-    """bench_prefill.py --cpu: loans on and off, routing on the host, the general path, the
-    array prompt steps (environment switches a CPU rank ignores: the harness, not the speed), one
-    record with an arm each, named as ../RECORDS.md asks."""
+def _prefill_record(tmp_path, *flags) -> tuple[dict, str]:
+    """bench_prefill.py --cpu on the tiny Q8_0 file (128-token prompts in chunks of 64) with
+    `flags`: its record and its stdout."""
     model = tmp_path / "tiny.gguf"
     write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill.py"),
                            "--model", str(model), "--cpu", "--budget", "400M", "--prompts", "128",
-                           "--chunk", "64", "--host-routing", "--general-path", "--array-prompt-steps",
-                           "--out", str(out)],
+                           "--chunk", "64", *flags, "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "general path / loans on" in done.stdout
     [path] = out.glob("prefill-tiny-q8_0-*.json")
-    record = json.loads(path.read_text())
+    return json.loads(path.read_text()), done.stdout
+
+
+def test_prefill_record_names_every_arm(tmp_path):
+    """bench_prefill.py --cpu: loans on and off, routing on the host, the general path, the
+    array prompt steps (environment switches a CPU rank ignores: the harness, not the speed), one
+    record with an arm each, named as ../RECORDS.md asks."""
+    record, stdout = _prefill_record(tmp_path, "--host-routing", "--general-path",
+                                     "--array-prompt-steps")
+    assert "general path / loans on" in stdout
     assert record["bench"] == "prefill"
     assert [a["name"] for a in record["arms"]] == [
         "strata", "strata loans off", "strata host routing", "strata general path",
@@ -80,14 +86,5 @@ def test_prefill_record_names_every_arm(tmp_path):
 
 def test_prefill_record_of_loans_on_alone(tmp_path):
     """--only-loans-on: one arm, and the record holds it."""
-    model = tmp_path / "tiny.gguf"
-    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
-    out = tmp_path / "records"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill.py"),
-                           "--model", str(model), "--cpu", "--budget", "400M", "--prompts", "128",
-                           "--chunk", "64", "--only-loans-on", "--repeats", "2",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [path] = out.glob("prefill-tiny-q8_0-*.json")
-    assert [a["name"] for a in json.loads(path.read_text())["arms"]] == ["strata"]
+    record, _ = _prefill_record(tmp_path, "--only-loans-on", "--repeats", "2")
+    assert [a["name"] for a in record["arms"]] == ["strata"]
