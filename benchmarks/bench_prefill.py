@@ -2,8 +2,8 @@
 
 Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
 warm-up prompt of each length, then --repeats prompts of each length (one new token each) and
-prints the median prompt tok/s, the stage cache (expert slots), how the chunk's experts were computed, the loan's peak and overflow,
-and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
+prints the median prompt tok/s, the stage cache (expert slots), how the chunk's experts were
+computed, the loan's peak and overflow, and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
 is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
 memory), and the ratio to llama.cpp is printed for every prompt length. The strata arms run the
 GPU defaults: the row kernels of backends/expert_rows.py, kernels/prefill_attention.cu, each chunk
@@ -79,7 +79,8 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
 def llama_arm(args) -> dict:
     rows, peak, command = llama_bench(
         [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
-         "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", str(args.repeats), "-ub", str(args.ubatch),
+         "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", str(args.repeats),
+         "-ub", str(args.ubatch),
          "-b", str(max(args.ubatch, 2048)), "-o", "json"])
     return {"runs": {int(r["n_prompt"]): {"tps": float(r["avg_ts"])} for r in rows},
             "peak_gib": peak, "command": command}

@@ -211,10 +211,13 @@ def test_row_kernel_tiles_match_the_host(tmp_path):
 def test_prompt_gdn_constants_match_the_host(tmp_path):
     """gdn_prompt.cu's lanes, convolution bound and columns a block are the ones the host checks
     a geometry against and sizes its grids by (kernels/abi.py gdn_rows_launch)."""
-    from strata_dist.kernels.abi import GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K
-    got = _host_print(tmp_path, "gdn_prompt.cu", '"%d %d %d", GDN_LANE_ROWS, GDN_MAX_K, '
-                                                 'GDN_COLUMNS_PER_BLOCK')
-    assert got == f"{GDN_LANE_ROWS} {GDN_MAX_K} {GDN_COLUMNS_PER_BLOCK}"
+    from strata_dist.kernels.abi import (GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K,
+                                         GDN_STAGE_ROWS)
+    got = _host_print(tmp_path, "gdn_prompt.cu", '"%d %d %d %d %d", GDN_LANE_ROWS, GDN_MAX_K, '
+                                                 'GDN_COLUMNS_PER_BLOCK, GDN_STAGE_ROWS, '
+                                                 'GDN_STAGE_HK')
+    assert got == (f"{GDN_LANE_ROWS} {GDN_MAX_K} {GDN_COLUMNS_PER_BLOCK} {GDN_STAGE_ROWS} "
+                   f"{32 * GDN_LANE_ROWS}")
 
 
 @needs_nvcc

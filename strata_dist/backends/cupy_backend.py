@@ -59,11 +59,11 @@ class CupyBackend(Backend):
         self._device_routing = (self._rows is not None
                                 and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
         # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
-        # where they are independent), "steps" the decode graph's token loop, "0" the blocked
-        # array form
+        # where they are independent), "staged" the same with the delta rule's inputs staged in
+        # shared memory, "steps" the decode graph's token loop, "0" the blocked array form
         self._gdn = os.environ.get("STRATA_GDN_KERNELS", "rows")
-        if self._gdn not in ("rows", "steps", "0"):
-            raise ValueError(f"STRATA_GDN_KERNELS={self._gdn}: rows, steps or 0")
+        if self._gdn not in ("rows", "staged", "steps", "0"):
+            raise ValueError(f"STRATA_GDN_KERNELS={self._gdn}: rows, staged, steps or 0")
         # a chunk's RMSNorms, q/k norm + RoPE + K/V write and rank-ordered combine as one launch
         # each (kernels/prompt_ops.cu, decode.cu) instead of several array operations each
         self._fused_ops = os.environ.get("STRATA_FUSED_PROMPT_OPS", "1") != "0"
@@ -275,7 +275,8 @@ class CupyBackend(Backend):
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
         """gdn_mixer through kernels: by default gdn_prompt.cu's (the convolution and norms of
-        every row at once, the delta rule a warp a state column), with STRATA_GDN_KERNELS=steps
+        every row at once, the delta rule a warp a state column; =staged its inputs staged in
+        shared memory), with STRATA_GDN_KERNELS=steps
         the decode graph's gated_delta.cuh (the rows in order, the token loop's arithmetic);
         the state in place either way. None (the blocked array path) for a geometry the kernels
         do not take or with STRATA_GDN_KERNELS=0."""
@@ -287,7 +288,7 @@ class CupyBackend(Backend):
         from .next_decode import gdn_spec, launch_gdn
         n = int(qkv.shape[0])
         try:
-            if self._gdn == "rows":
+            if self._gdn in ("rows", "staged"):
                 launch = gdn_rows_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim,
                                          g.ssm_conv_kernel)
             else:
@@ -307,8 +308,9 @@ class CupyBackend(Backend):
             return None
         if n == 0:
             return out
-        if self._gdn == "rows":
-            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n)
+        if self._gdn in ("rows", "staged"):
+            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n,
+                          staged=self._gdn == "staged")
         else:
             launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines()),
                        spec, n, launch)

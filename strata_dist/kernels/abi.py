@@ -259,7 +259,9 @@ GDN_LANE_ROWS = 4           # rows of a state column a gdn_delta_rows lane holds
 GDN_MAX_K = 8               # the longest convolution gdn_conv_tail takes
 GDN_COLUMNS_PER_BLOCK = 4   # gdn_delta_rows: a warp a state column
 GDN_TAIL_THREADS = 256
-GDN_ROWS_KERNELS = ("gdn_conv_rows", "gdn_conv_tail", "gdn_delta_rows", "gdn_gated_norm_rows")
+GDN_STAGE_ROWS = 8          # gdn_delta_rows_staged: rows of inputs in its shared-memory ring
+GDN_ROWS_KERNELS = ("gdn_conv_rows", "gdn_conv_tail", "gdn_delta_rows", "gdn_delta_rows_staged",
+                    "gdn_gated_norm_rows")
 
 
 @dataclass(frozen=True)
@@ -273,13 +275,14 @@ class GdnRowsLaunch:
     norm_blocks: int      # gdn_gated_norm_rows: grid (n_v, n), head_v threads
     norm_threads: int
 
-    def launch(self, kernel, spec, n: int) -> None:
-        """The four launches in order; `kernel(name)` gives the function."""
+    def launch(self, kernel, spec, n: int, staged: bool = False) -> None:
+        """The four launches in order; `kernel(name)` gives the function; `staged`: the delta
+        rule's inputs staged in shared memory (gdn_delta_rows_staged)."""
         i32 = np.int32
         kernel("gdn_conv_rows")((self.conv_blocks, n), (self.conv_threads,), (spec, i32(n)))
         kernel("gdn_conv_tail")((self.tail_blocks,), (GDN_TAIL_THREADS,), (spec, i32(n)))
-        kernel("gdn_delta_rows")((self.delta_blocks,), (32 * GDN_COLUMNS_PER_BLOCK,),
-                                 (spec, i32(n)))
+        kernel("gdn_delta_rows_staged" if staged else "gdn_delta_rows")(
+            (self.delta_blocks,), (32 * GDN_COLUMNS_PER_BLOCK,), (spec, i32(n)))
         kernel("gdn_gated_norm_rows")((self.norm_blocks, n), (self.norm_threads,), (spec, i32(n)))
 
 
