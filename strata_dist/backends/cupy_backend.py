@@ -274,12 +274,11 @@ class CupyBackend(Backend):
         return out
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
-        """gdn_mixer through kernels: by default gdn_prompt.cu's (the convolution and norms of
-        every row at once, the delta rule a warp a state column; =staged its inputs staged in
-        shared memory), with STRATA_GDN_KERNELS=steps
-        the decode graph's gated_delta.cuh (the rows in order, the token loop's arithmetic);
-        the state in place either way. None (the blocked array path) for a geometry the kernels
-        do not take or with STRATA_GDN_KERNELS=0."""
+        """gdn_mixer through kernels, the state updated in place: by default gdn_prompt.cu's
+        (the convolution and norms of every row at once, the delta rule a warp a state column;
+        STRATA_GDN_KERNELS=staged its inputs staged in shared memory), with =steps the decode
+        graph's gated_delta.cuh (the rows in order, the token loop's arithmetic). None (the
+        blocked array path) for a geometry the kernels do not take or with =0."""
         if self._gdn == "0":
             return None
         from ..kernels import function
