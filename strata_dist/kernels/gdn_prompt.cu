@@ -77,6 +77,53 @@ extern "C" __global__ void gdn_conv_tail(const GdnSpec* __restrict__ spec, int n
         if (j < p.K - 1) conv_state[(i64)j * p.conv_dim + c] = keep[j];
 }
 
+// A warp's state column (value head h, column j): lane l holds rows l, l + 32, .. of it (rl of
+// them, head_k / 32) in registers, read once before a chunk's rows and written once after.
+__device__ __forceinline__ float* gdn_state_column(const GdnSpec& p, int h, int j) {
+    return reinterpret_cast<float*>(p.sess[2 * p.layer_slot + 1]) + (i64)h * p.head_k * p.head_v
+           + j;
+}
+
+__device__ __forceinline__ void gdn_column_load(float (&s)[GDN_LANE_ROWS], const float* column,
+                                                int head_v, int rl, int lane) {
+    #pragma unroll
+    for (int m = 0; m < GDN_LANE_ROWS; ++m)
+        s[m] = m < rl ? column[(i64)(lane + 32 * m) * head_v] : 0.f;
+}
+
+__device__ __forceinline__ void gdn_column_store(const float (&s)[GDN_LANE_ROWS], float* column,
+                                                 int head_v, int rl, int lane) {
+    #pragma unroll
+    for (int m = 0; m < GDN_LANE_ROWS; ++m)
+        if (m < rl) column[(i64)(lane + 32 * m) * head_v] = s[m];
+}
+
+// One row of the delta rule on a warp's state column, q and k the lane's rows of the row's
+// (q[m] is row lane + 32 m): S <- exp(g) S; kv = S^T k; S <- S + k (beta (v - kv))^T; returns
+// o = S^T q (the warp's sum, in every lane), as gdn_delta_step.
+__device__ __forceinline__ float gdn_column_row(float (&s)[GDN_LANE_ROWS], int rl,
+                                                const float (&q)[GDN_LANE_ROWS],
+                                                const float (&k)[GDN_LANE_ROWS], float v, float b,
+                                                float a, float ssm_a, float dt) {
+    float beta, gexp;
+    gdn_gates(b, a, ssm_a, dt, beta, gexp);
+    float kv = 0.f;
+    #pragma unroll
+    for (int m = 0; m < GDN_LANE_ROWS; ++m)
+        if (m < rl) kv += s[m] * gexp * k[m];
+    kv = warp_sum(kv);
+    const float delta = (v - kv) * beta;
+    float o = 0.f;
+    #pragma unroll
+    for (int m = 0; m < GDN_LANE_ROWS; ++m) {
+        if (m < rl) {
+            s[m] = s[m] * gexp + k[m] * delta;
+            o += s[m] * q[m];
+        }
+    }
+    return warp_sum(o);
+}
+
 // One row's inputs to a column's delta rule, as a lane reads them.
 struct GdnRowInputs {
     float q[GDN_LANE_ROWS], k[GDN_LANE_ROWS], v, b, a;
@@ -99,8 +146,8 @@ __device__ __forceinline__ void gdn_load_row(GdnRowInputs& in, const GdnSpec& p,
 }
 
 // Grid (ceil(n_v head_v / GDN_COLUMNS_PER_BLOCK)), GDN_COLUMNS_PER_BLOCK warps a block: warp w
-// of block x is state column x GDN_COLUMNS_PER_BLOCK + w of all value heads' (head h, column j).
-// Per row: S <- exp(g) S; kv = S^T k; S <- S + k (beta (v - kv))^T; o = S^T q, as gdn_delta_step.
+// of block x is state column x GDN_COLUMNS_PER_BLOCK + w of all value heads' (head h, column j),
+// the chunk's rows through gdn_column_row in order.
 extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_delta_rows(
         const GdnSpec* __restrict__ spec, int n) {
     const GdnSpec p = *spec;
@@ -109,12 +156,9 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_del
     if (col >= p.n_v * p.head_v) return;                // a whole warp: no shuffle is left short
     const int h = col / p.head_v, j = col % p.head_v, r = p.n_v / p.n_k, kh = h / r;
     const int key_dim = p.n_k * p.head_k, value_dim = p.n_v * p.head_v, rl = p.head_k >> 5;
-    float* column = reinterpret_cast<float*>(p.sess[2 * p.layer_slot + 1])
-                    + (i64)h * p.head_k * p.head_v + j;
+    float* column = gdn_state_column(p, h, j);
     float s[GDN_LANE_ROWS];
-    #pragma unroll
-    for (int m = 0; m < GDN_LANE_ROWS; ++m)
-        s[m] = m < rl ? column[(i64)(lane + 32 * m) * p.head_v] : 0.f;
+    gdn_column_load(s, column, p.head_v, rl, lane);
     const float ssm_a = p.ssm_a[h], dt = p.ssm_dt[h];
     const float* qk = p.mixed + kh * p.head_k + lane;  // q of the key head; k key_dim further
     const float* vj = p.mixed + 2 * key_dim + h * p.head_v + j;
@@ -125,29 +169,11 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_del
     for (int t = 0; t < n; ++t) {
         // the next row's loads issued first: they do not depend on the state
         gdn_load_row(next, p, min(t + 1, n - 1), rl, qk, key_dim, vj, bap, ba_stride, r);
-        float beta, gexp;
-        gdn_gates(cur.b, cur.a, ssm_a, dt, beta, gexp);
-        float kv = 0.f;
-        #pragma unroll
-        for (int m = 0; m < GDN_LANE_ROWS; ++m)
-            if (m < rl) kv += s[m] * gexp * cur.k[m];
-        kv = warp_sum(kv);
-        const float delta = (cur.v - kv) * beta;
-        float o = 0.f;
-        #pragma unroll
-        for (int m = 0; m < GDN_LANE_ROWS; ++m) {
-            if (m < rl) {
-                s[m] = s[m] * gexp + cur.k[m] * delta;
-                o += s[m] * cur.q[m];
-            }
-        }
-        o = warp_sum(o);
+        const float o = gdn_column_row(s, rl, cur.q, cur.k, cur.v, cur.b, cur.a, ssm_a, dt);
         if (lane == 0) p.out[(i64)t * value_dim + h * p.head_v + j] = o;
         cur = next;
     }
-    #pragma unroll
-    for (int m = 0; m < GDN_LANE_ROWS; ++m)
-        if (m < rl) column[(i64)(lane + 32 * m) * p.head_v] = s[m];
+    gdn_column_store(s, column, p.head_v, rl, lane);
 }
 
 // gdn_delta_rows with the rows' inputs staged in shared memory GDN_STAGE_ROWS rows ahead
@@ -205,12 +231,9 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_del
             gdn_cp_async(dst + GDN_STAGE_B + 1,
                          p.ba + (i64)t * ba_stride + kh * 2 * r + r + h % r, 4);
     };
-    float* column = reinterpret_cast<float*>(p.sess[2 * p.layer_slot + 1])
-                    + (i64)h * p.head_k * p.head_v + j;
+    float* column = gdn_state_column(p, h, j);
     float s[GDN_LANE_ROWS];
-    #pragma unroll
-    for (int m = 0; m < GDN_LANE_ROWS; ++m)
-        s[m] = m < rl ? column[(i64)(lane + 32 * m) * p.head_v] : 0.f;
+    gdn_column_load(s, column, p.head_v, rl, lane);
     const float ssm_a = p.ssm_a[h], dt = p.ssm_dt[h];
     // every thread commits the same groups (some empty), so wait_group counts alike in all
     for (int t = 0; t < GDN_STAGE_ROWS - 1; ++t) {
@@ -223,28 +246,17 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_del
         if (t + GDN_STAGE_ROWS - 1 < n) stage(t + GDN_STAGE_ROWS - 1);
         gdn_cp_commit();
         const float* in = ring[t % GDN_STAGE_ROWS];
-        float beta, gexp;
-        gdn_gates(in[GDN_STAGE_B], in[GDN_STAGE_B + 1], ssm_a, dt, beta, gexp);
-        float kv = 0.f;
-        #pragma unroll
-        for (int m = 0; m < GDN_LANE_ROWS; ++m)
-            if (m < rl) kv += s[m] * gexp * in[GDN_STAGE_HK + lane + 32 * m];
-        kv = warp_sum(kv);
-        const float delta = (in[GDN_STAGE_V + warp] - kv) * beta;
-        float o = 0.f;
+        float q[GDN_LANE_ROWS], k[GDN_LANE_ROWS];
         #pragma unroll
         for (int m = 0; m < GDN_LANE_ROWS; ++m) {
-            if (m < rl) {
-                s[m] = s[m] * gexp + in[GDN_STAGE_HK + lane + 32 * m] * delta;
-                o += s[m] * in[lane + 32 * m];
-            }
+            q[m] = m < rl ? in[lane + 32 * m] : 0.f;
+            k[m] = m < rl ? in[GDN_STAGE_HK + lane + 32 * m] : 0.f;
         }
-        o = warp_sum(o);
+        const float o = gdn_column_row(s, rl, q, k, in[GDN_STAGE_V + warp], in[GDN_STAGE_B],
+                                       in[GDN_STAGE_B + 1], ssm_a, dt);
         if (lane == 0) p.out[(i64)t * value_dim + h * p.head_v + j] = o;
     }
-    #pragma unroll
-    for (int m = 0; m < GDN_LANE_ROWS; ++m)
-        if (m < rl) column[(i64)(lane + 32 * m) * p.head_v] = s[m];
+    gdn_column_store(s, column, p.head_v, rl, lane);
 }
 
 // Grid (n_v, n), block head_v threads: row blockIdx.y of value head blockIdx.x,
