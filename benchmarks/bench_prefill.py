@@ -3,11 +3,12 @@
 Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
 warm-up prompt of each length, then --repeats prompts of each length (one new token each) and
 prints the median prompt tok/s, the stage cache (expert slots), how the chunk's experts were
-computed, the loan's peak and overflow, and the device's peak memory in use (NVML, sampled every 20 ms). With --llama-bench the same file
-is read by llama.cpp's llama-bench with `-ncmoe N` (the experts of the first N layers stay in host
-memory), and the ratio to llama.cpp is printed for every prompt length. The strata arms run the
-GPU defaults: the row kernels of backends/expert_rows.py, kernels/prefill_attention.cu, each chunk
-routed and grouped on the device. With --host-routing one more arm routes on the host
+computed, the loan's peak and overflow, and the device's peak memory in use (NVML, sampled every
+20 ms). With --llama-bench the same file is read by llama.cpp's llama-bench with `-ncmoe N` (the
+experts of the first N layers stay in host memory), and the ratio to llama.cpp is printed for
+every prompt length. The strata arms run the GPU defaults: the row kernels of
+backends/expert_rows.py, kernels/prefill_attention.cu, each chunk routed and grouped on the
+device. With --host-routing one more arm routes on the host
 (STRATA_DEVICE_ROUTING=0), with --general-path one more takes the general path
 (STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0: per-expert dequantize and GEMMs), with
 --array-prompt-steps one more runs a chunk's RMSNorms, q/k norm + RoPE + K/V write and expert
@@ -91,14 +92,14 @@ ARM_NAMES = {"loans on": "strata", "loans off": "strata loans off",
              "array steps": "strata array prompt steps", "llama.cpp": "llama.cpp"}
 
 
-def save(args, results: dict) -> str:
+def save(args, facts: dict, results: dict) -> str:
     """The record of the arms measured so far (rewritten after each, so a run cut short by a
-    time limit still leaves the arms it finished)."""
+    time limit still leaves the arms it finished); `facts`: model_facts of the file."""
     arms = [{"name": ARM_NAMES[k], "gpus": 0 if args.cpu else 1, "command": r["command"],
              "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
              "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
             for k, r in results.items()]
-    return write_record("prefill", model_facts(args.model), arms, args.out)
+    return write_record("prefill", facts, arms, args.out)
 
 
 def main() -> int:
@@ -125,7 +126,7 @@ def main() -> int:
                                                   "results"))
     args = ap.parse_args()
     args.prompts = [int(x) for x in args.prompts.split(",")]
-    results = {}
+    results, facts = {}, model_facts(args.model)
     variants = [("loans on", True, None)] + ([] if args.only_loans_on
                                              else [("loans off", False, None)])
     if args.host_routing:
@@ -149,10 +150,10 @@ def main() -> int:
                   f"streamed {st.get('streamed', 0)} blobs, loan peak "
                   f"{int(st.get('loan_peak_bytes', 0)) / 2**20:.0f} MiB, overflow "
                   f"{int(st.get('loan_overflow_bytes', 0)) / 2**20:.0f} MiB", flush=True)
-        save(args, results)
+        save(args, facts, results)
     if args.llama_bench:
         r = results["llama.cpp"] = llama_arm(args)
-        save(args, results)
+        save(args, facts, results)
         print(f"llama.cpp -ncmoe {args.ncmoe} -ub {args.ubatch}: peak device memory {r['peak_gib']:.1f} GiB")
         for n, run in r["runs"].items():
             print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill")
@@ -170,7 +171,7 @@ def main() -> int:
                 if arm in results:
                     line += f"; {arm} / llama.cpp {results[arm]['runs'][n]['tps'] / theirs:.2f}x"
         print(line)
-    print(f"record: {save(args, results)}")
+    print(f"record: {save(args, facts, results)}")
     return 0
 
 

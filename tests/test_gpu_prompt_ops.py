@@ -159,7 +159,7 @@ def test_f16_gemm_of_a_quantized_matrix(qtype):
     assert np.abs(got - exact).max() <= 1e-3 * scale
 
 
-def test_quantized_dense_matrices_on_tensor_cores(tmp_path, monkeypatch, f16_kv_reference):
+def test_quantized_dense_matrices_on_tensor_cores(tmp_path, f16_kv_reference):
     """STRATA_F16_PROMPT_GEMM (the default): a prompt's Q8_0 dense matrices decoded to f16 and
     multiplied on tensor cores, as an F16 file's are, against numpy (float32, exact weights): the
     typical row within f16 rounding, and only the rows that f16 rounding moves across a routing
