@@ -9,7 +9,8 @@
 #      tune_decode.py (the expert kernels' shapes on the same file; $TUNE_SHAPES, when set, the
 #      shapes to measure), with --tune-only that alone; with --prefill-profile,
 #      profile_prefill.py on the same file (512 and 4,096 tokens, row kernels and flash attention,
-#      routed on the host and on the device)
+#      routed on the host and on the device); with --prefill-ncu, ncu_prefill.sh (every kernel of a
+#      512-token chunk on that file under Nsight Compute, a table by kernel)
 #   4. bench_decode.py on the synthetic Qwen3-30B-A3B at Q8_0 and Q4_K beside llama.cpp; with
 #      --offload, bench_offload.py on the same file (half the experts off the card, host reads in
 #      place against the general path and llama.cpp -ncmoe 24); records and logs go to $OUT
@@ -25,20 +26,23 @@
 # optionally the kernel binaries built ahead in .kcubins/; the GPU
 # machine's copy of .git may be older than its files, so name the commit measured):
 #   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
-#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--skip-attention] [--offload] [--prefill]
+#       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--prefill-ncu] [--skip-attention] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE] [--next] [--keep-going]
 #       [--next-parts profile,decode,prefill]
 # --next-parts runs some of --next's parts (the whole file is kept on the machine until the
 # prefill part reads it: `--next-parts decode` then, in a call right after it on the machine
-# kept warm, `--next-parts prefill`; a llama-bench built by the first call is used by the second)
+# kept warm, `--next-parts prefill`; a llama-bench built by the first call is used by the second;
+# `synth` only writes the whole file, e.g. beside the tests while llama.cpp builds).
+# $NEXT_GDN_MODES: the STRATA_GDN_KERNELS values the 8-layer prompt profile runs (default rows)
 # --keep-going runs the benchmarks after failed GPU tests (each arm's figures still say what the
-# code does; read them beside gpu_tests.log). $TEST_TIMEOUT bounds the tests (default 560 s),
+# code does; read them beside gpu_tests.log). $GPU_TESTS: the test files to run (default: every
+# GPU test file). $TEST_TIMEOUT bounds the tests (default 560 s),
 # $PREFILL_PROMPTS the --prefill lengths (default 512,4096,16384), $PREFILL_ARGS adds
 # bench_prefill.py flags (e.g. --array-prompt-steps)
 # --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
 # arms alike), e.g. --shape int_gate_up=0,int_down=0 for the float expert path
 set -uo pipefail
-GPUS=0; TESTS=1; KEEP_GOING=0; NEXT_PARTS=profile,decode,prefill; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1; NEXT=0
+GPUS=0; TESTS=1; KEEP_GOING=0; NEXT_PARTS=profile,decode,prefill; QUANTS=q8_0,q4_k; PROFILE_QUANTS=q8_0; TUNE=0; TUNE_ONLY=0; ATTENTION=1; PREFILL_PROFILE=0; PREFILL_NCU=0; OFFLOAD=0; PROFILE=1; PREFILL=0; DECODE=1; NEXT=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=$2; shift 2 ;;
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
     --tune-only) TUNE=1; TUNE_ONLY=1; ATTENTION=0; shift ;;
     --skip-attention) ATTENTION=0; shift ;;
     --prefill-profile) PREFILL_PROFILE=1; shift ;;
+    --prefill-ncu) PREFILL_NCU=1; shift ;;
     --offload) OFFLOAD=1; shift ;;
     --prefill) PREFILL=1; shift ;;
     --skip-decode) DECODE=0; shift ;;
@@ -79,9 +84,12 @@ elif [ -f .anchor/llamacpp-anchor.sh ]; then
   LLAMA=(--llama-bench "$LB" --llama-wait 300)
 fi
 if [ "$TESTS" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_decode.py tests/test_gpu.py \
-    tests/test_gpu_pipeline.py tests/test_gpu_loans.py tests/test_gpu_gated_delta.py \
-    tests/test_gpu_next_attention.py tests/test_gpu_next_decode.py tests/test_gpu_prompt_ops.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  ALL_TESTS="tests/test_gpu_kernels.py tests/test_gpu_decode.py tests/test_gpu.py
+    tests/test_gpu_pipeline.py tests/test_gpu_loans.py tests/test_gpu_gated_delta.py
+    tests/test_gpu_next_attention.py tests/test_gpu_next_decode.py tests/test_gpu_prompt_ops.py"
+  # shellcheck disable=SC2086  # $GPU_TESTS: file names, split on purpose
+  timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q ${GPU_TESTS:-$ALL_TESTS} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -8
   if [ "${PIPESTATUS[0]}" != 0 ]; then
     [ "$KEEP_GOING" = 1 ] || { echo "GPU tests failed: no benchmarks of this code"; exit 1; }
     echo "GPU tests failed (--keep-going: the benchmarks run anyway)"
@@ -104,6 +112,10 @@ if [ "$TUNE" = 1 ]; then
   timeout 300 python3 benchmarks/tune_decode.py --model /tmp/m/q30_8l.gguf \
     ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} 2>&1 | tee "$OUT/tune_$pq.log" | tail -12
 fi
+if [ "$PREFILL_NCU" = 1 ]; then
+  timeout 240 bash benchmarks/ncu_prefill.sh /tmp/m/q30_8l.gguf 512 2>&1 \
+    | tee "$OUT/ncu_prefill_$pq.txt" | head -30
+fi
 if [ "$PREFILL_PROFILE" = 1 ]; then
   for n in 512 4096; do
     for dr in "" --host-routing; do
@@ -119,11 +131,19 @@ done
 t "profile"
 fi
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
-# step slows down beside a parallel compile): wait for it first
-if [ ${#LLAMA[@]} -gt 0 ]; then
-  for _ in $(seq 300); do [ -x "$LB" ] && break; sleep 1; done
-  t "llama.cpp build"
-fi
+# step slows down beside a parallel compile): each benchmark waits for it first
+BUILD_WAITED=0
+wait_llama() {
+  [ ${#LLAMA[@]} -gt 0 ] && [ "$BUILD_WAITED" = 0 ] || return 0
+  for _ in $(seq 420); do
+    [ -x "$LB" ] && break
+    # the build ended without it (no process left running the anchor script)
+    grep -qs "llamacpp-anchor.sh" /proc/[0-9]*/cmdline || break
+    sleep 1
+  done
+  BUILD_WAITED=1; t "llama.cpp build"
+}
+[ -z "$QUANTS" ] || wait_llama
 for q in ${QUANTS//,/ }; do
   timeout 120 python3 -m launcher.tools synth /tmp/m/q30.gguf --like qwen3-30b-a3b --quant "$q" \
     --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
@@ -157,21 +177,25 @@ write_synthetic("/tmp/m/next_8l.gguf", like=g, quant="q4_k", popularity="zipf:1.
 PY
   timeout 120 python3 benchmarks/profile_decode.py --model /tmp/m/next_8l.gguf 2>&1 \
     | tee "$OUT/profile_next.log" | tail -16
-  timeout 120 python3 benchmarks/profile_prefill.py --model /tmp/m/next_8l.gguf --tokens 4096 2>&1 \
-    | tee "$OUT/profile_prefill_next.log" | head -18
+  for gdn in ${NEXT_GDN_MODES:-rows}; do
+    STRATA_GDN_KERNELS=$gdn timeout 120 python3 benchmarks/profile_prefill.py \
+      --model /tmp/m/next_8l.gguf --tokens 4096 2>&1 | tee "$OUT/profile_prefill_next_$gdn.log" | head -18
+  done
   rm -f /tmp/m/next_8l.gguf
   t "profile next"
 fi
-if [ "$NEXT" = 1 ] && { has decode || has prefill; }; then
+if [ "$NEXT" = 1 ] && { has synth || has decode || has prefill; }; then
   # the whole file (about 45 GiB, 110 s to write) stays on the machine until the prefill part
   # has read it, so decode and prefill can be two calls on a machine kept warm
   [ -f /tmp/m/next.gguf ] || timeout 420 python3 -m launcher.tools synth /tmp/m/next.gguf \
     --like qwen3-next-80b-a3b --quant q4_k --popularity zipf:1.0 2>&1 | tr '\r' '\n' | tail -1
   if has decode; then
+    wait_llama
     timeout 400 python3 benchmarks/bench_decode.py --model /tmp/m/next.gguf --gpus "$GPUS" \
       --tokens 128 --out "$OUT" "${LLAMA[@]}" 2>&1 | tee "$OUT/bench_next.log" | tail -6
   fi
   if has prefill; then
+    wait_llama
     LLAMA_PRE=(); [ -x "$LB" ] && LLAMA_PRE=(--llama-bench "$LB" --ncmoe 0)
     # every pair resident at this budget: a loan would lend nothing, so no loans-off arm
     timeout 400 python3 benchmarks/bench_prefill.py --model /tmp/m/next.gguf --budget 100G \
@@ -181,3 +205,6 @@ if [ "$NEXT" = 1 ] && { has decode || has prefill; }; then
   fi
   t "bench next"
 fi
+# a build still in flight (a call that ran no benchmark) is finished before the call returns, so
+# the next call on the machine kept warm finds llama-bench built
+wait_llama

@@ -57,6 +57,8 @@ def main() -> int:
                     help="STRATA_DEVICE_ROUTING=0 (route and group on the host)")
     ap.add_argument("--general-path", action="store_true",
                     help="STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0 (per-expert GEMMs)")
+    ap.add_argument("--once", action="store_true",
+                    help="read the prompt once and stop (for a profiler that wraps the script)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the host's N top functions by cumulative time")
     args = ap.parse_args()
@@ -79,7 +81,10 @@ def main() -> int:
         cp.cuda.get_current_stream().synchronize()
         return time.perf_counter() - t0
 
-    read()                                            # warm-up: builds, pools
+    first = read()                                    # warm-up: builds, pools
+    if args.once:
+        print(f"{args.tokens} tokens read once: {first * 1e3:.1f} ms (builds included)")
+        return 0
     wall = read()
     layers = eng.model.le - eng.model.lb
     print(f"{args.tokens} tokens, {layers} layers, general_path={args.general_path} "
