@@ -206,6 +206,10 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = 32 * (warp & 3), n0 = 32 * (warp >> 2);
     const int lm = lane >> 3, lr = lane & 7;    // ldmatrix: matrix lane / 8, its row lane % 8
+    // whether this warp's 32 rows hold a pair (warp-uniform): an item of 32 pairs keeps two warps
+    // of eight on the tensor cores, the rest only stage weights. A warp's sums do not depend on
+    // another's, so skipping one leaves the bits as they were.
+    const bool live = m0 < count;
     // this thread's two 16-byte pieces of each step's rows: piece p = t + 256 j is the 8 columns
     // 8 (p % 4) .. of tile row p / 4
     const __half* src[2];
@@ -237,7 +241,7 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
             mma_weights_load<T, NMAT>(w, bases, row_bytes, out0, nrows, k0 + TILE_K);
         }
         #pragma unroll
-        for (int kk = 0; kk < TILE_K; kk += 16) {
+        for (int kk = 0; kk < TILE_K && live; kk += 16) {
             u32 a[2][4];
             #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
