@@ -38,7 +38,8 @@
 # code does; read them beside gpu_tests.log). $GPU_TESTS: the test files to run (default: every
 # GPU test file). $TEST_TIMEOUT bounds the tests (default 560 s),
 # $PREFILL_PROMPTS the --prefill lengths (default 512,4096,16384), $PREFILL_ARGS adds
-# bench_prefill.py flags (e.g. --array-prompt-steps)
+# bench_prefill.py flags (e.g. --array-prompt-steps), $OFFLOAD_PREFILL_TOKENS the --offload
+# prompt (default 1024)
 # --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
 # arms alike), e.g. --shape int_gate_up=0,int_down=0 for the float expert path
 set -uo pipefail
@@ -161,7 +162,7 @@ for q in ${QUANTS//,/ }; do
   if [ "$OFFLOAD" = 1 ]; then
     LLAMA_OFF=(); [ -x "$LB" ] && LLAMA_OFF=(--llama-bench "$LB" --ncmoe 24)
     timeout 580 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf --vram-budget 10G \
-      --prefill-tokens 1024 \
+      --prefill-tokens "${OFFLOAD_PREFILL_TOKENS:-1024}" \
       --out "$OUT" "${LLAMA_OFF[@]}" 2>&1 | tee "$OUT/offload_$q.log" | tail -6
   fi
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time
