@@ -8,13 +8,19 @@ set -euo pipefail
 MODEL=$1; TOKENS=${2:-512}; LAUNCHES=${3:-2000}
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found" >&2; exit 1; }
-CSV=${OUT:-/tmp}/ncu_prefill_$TOKENS.csv
-"$NCU" -c "$LAUNCHES" --csv --page raw --metrics \
+# ncu's report and the script's output share stdout, its messages stderr: rows of the report are
+# the lines that start with a quote, wherever they went
+CSV=${OUT:-/tmp}/ncu_prefill_$TOKENS.csv; LOG=${OUT:-/tmp}/ncu_prefill_$TOKENS.log
+# Kernel replay failed on the first row kernel (moe_gate_up_rows_mma_q4_k, h200, 2026-12-02,
+# "Failed to profile"); application replay re-runs the deterministic --once read per pass instead.
+# Not yet run in this mode.
+"$NCU" -c "$LAUNCHES" --replay-mode "${NCU_REPLAY:-application}" --csv --page raw --metrics \
 gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,\
 sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
 dram__throughput.avg.pct_of_peak_sustained_elapsed \
-  python3 benchmarks/profile_prefill.py --model "$MODEL" --tokens "$TOKENS" --once 2>/dev/null \
-  | grep '^"' > "$CSV"
+  python3 benchmarks/profile_prefill.py --model "$MODEL" --tokens "$TOKENS" --once 2>"$LOG" \
+  > "$CSV.all" || { echo "ncu failed:"; tail -20 "$LOG" "$CSV.all"; exit 1; }
+cat "$CSV.all" "$LOG" | grep '^"' > "$CSV" || { echo "no kernel rows from ncu:"; tail -20 "$LOG" "$CSV.all"; exit 1; }
 python3 - "$CSV" <<'PY'
 import csv, sys
 from collections import defaultdict
