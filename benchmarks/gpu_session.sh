@@ -39,7 +39,7 @@
 # GPU test file). $TEST_TIMEOUT bounds the tests (default 560 s),
 # $PREFILL_PROMPTS the --prefill lengths (default 512,4096,16384), $PREFILL_ARGS adds
 # bench_prefill.py flags (e.g. --array-prompt-steps), $OFFLOAD_PREFILL_TOKENS the --offload
-# prompt (default 1024)
+# prompt (default 4096), $OFFLOAD_BUDGET its --vram-budget (default: match llama.cpp's peak)
 # --shape exports STRATA_KERNEL_SHAPE for everything the call runs (the GPU tests and the strata
 # arms alike), e.g. --shape int_gate_up=0,int_down=0 for the float expert path
 set -uo pipefail
@@ -160,9 +160,11 @@ for q in ${QUANTS//,/ }; do
       | tee "$OUT/prefill_$q.log" | tail -8
   fi
   if [ "$OFFLOAD" = 1 ]; then
-    LLAMA_OFF=(); [ -x "$LB" ] && LLAMA_OFF=(--llama-bench "$LB" --ncmoe 24)
-    timeout 580 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf --vram-budget 10G \
-      --prefill-tokens "${OFFLOAD_PREFILL_TOKENS:-1024}" \
+    # at llama.cpp's peak when it is there (bench_offload.py --vram-budget match), else 10.8G
+    LLAMA_OFF=(--vram-budget "${OFFLOAD_BUDGET:-10.8G}")
+    [ -x "$LB" ] && LLAMA_OFF=(--llama-bench "$LB" --ncmoe 24 --vram-budget "${OFFLOAD_BUDGET:-match}")
+    timeout 580 python3 benchmarks/bench_offload.py --model /tmp/m/q30.gguf \
+      --prefill-tokens "${OFFLOAD_PREFILL_TOKENS:-4096}" \
       --out "$OUT" "${LLAMA_OFF[@]}" 2>&1 | tee "$OUT/offload_$q.log" | tail -6
   fi
   rm -f /tmp/m/q30.gguf            # the one-GPU machine's disk holds one big file at a time

@@ -139,10 +139,13 @@ def record_model(facts: dict) -> dict:
 
 
 def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
-                           results_dir: str = os.path.join(HERE, "results")) -> str:
+                           results_dir: str = os.path.join(HERE, "results"),
+                           like: dict | None = None) -> str:
     """A line saying whether arm `arm`'s greedy tokens (`sha`, their tokens_sha256) are those of
     the latest earlier record of the same bench, file and arm in `results_dir`, so a run shows at
-    once whether a change moved a bit of the output."""
+    once whether a change moved a bit of the output. `like`: fields the earlier arm must hold
+    with the same values (the request the tokens are of: tokens of another prompt differ
+    without anything having changed)."""
     key = record_model(facts)
     best = None
     for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
@@ -156,12 +159,14 @@ def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
         if record.get("model") != key:
             continue
         for a in record.get("arms", []):
-            if a.get("name") == arm and a.get("tokens_sha256"):
+            if a.get("name") == arm and a.get("tokens_sha256") and all(
+                    a.get(k) == v for k, v in (like or {}).items()):
                 if best is None or record.get("date", "") >= best[0]:
                     best = (record.get("date", ""), name, a["tokens_sha256"],
                             record.get("commit", "?"))
     if best is None:
-        return f"{arm}: no earlier record of this file to compare the tokens with"
+        what = "".join(f", {k} {v}" for k, v in (like or {}).items())
+        return f"{arm}: no earlier record of this file{what} to compare the tokens with"
     date, name, earlier, commit_ = best
     verdict = ("the same tokens as" if earlier == sha
                else f"tokens DIFFER ({sha[:8]}… against {earlier[:8]}…) from")

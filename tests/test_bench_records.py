@@ -88,3 +88,40 @@ def test_prefill_record_of_loans_on_alone(tmp_path):
     """--only-loans-on: one arm, and the record holds it."""
     record, _ = _prefill_record(tmp_path, "--only-loans-on", "--repeats", "2")
     assert [a["name"] for a in record["arms"]] == ["strata"]
+
+
+def test_offload_record_times_prefill_and_decode_apart(tmp_path):
+    """bench_offload.py --cpu: a routing profile first, then the arm's prompt and decode as two
+    requests (llama-bench's pp and tg); the record says which request its tokens are of, and a
+    later run compares its tokens only with an earlier arm of the same request."""
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    env = {**os.environ, "STRATA_COMMIT": "def5678"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"), "--model", str(model),
+           "--cpu", "--vram-budget", "165M", "--tokens", "6", "--prefill-tokens", "64",
+           "--profile-prompts", "1", "--context", "256", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = out.glob("offload-tiny-q8_0-*.json")
+    [arm] = json.loads(path.read_text())["arms"]
+    assert arm["name"] == "strata" and arm["vram_budget"] == "165M"
+    assert arm["decode_prompt_tokens"] == 16 and arm["new_tokens"] == 6
+    assert set(arm["prefill_tok_s"]) == {"64"} and arm["prefill_tok_s"]["64"] > 0
+    assert arm["decode_tok_s"] > 0 and sum(arm["tiers"].values()) > 0
+    assert "no earlier record of this file, decode_prompt_tokens 16, new_tokens 6" in done.stdout
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from records import model_facts, tokens_against_records
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    facts = model_facts(str(model))
+    like = {"decode_prompt_tokens": 16, "new_tokens": 6}
+    same = tokens_against_records("offload", facts, "strata", arm["tokens_sha256"], str(out), like)
+    assert same.startswith("strata: the same tokens as offload-tiny-q8_0-"), same
+    other = tokens_against_records("offload", facts, "strata", arm["tokens_sha256"], str(out),
+                                   {**like, "new_tokens": 7})
+    assert "no earlier record" in other
+    refused = subprocess.run(cmd[:-2] + ["--vram-budget", "match"], capture_output=True,
+                             text=True, timeout=120, env=env, cwd=ROOT)
+    assert refused.returncode == 2 and "--llama-bench" in refused.stderr
