@@ -33,6 +33,8 @@
 # prefill part reads it: `--next-parts decode` then, in a call right after it on the machine
 # kept warm, `--next-parts prefill`; a llama-bench built by the first call is used by the second;
 # `synth` only writes the whole file, e.g. beside the tests while llama.cpp builds).
+# $DECODE_PROFILE=0 leaves profile_decode.py out of the profile step; $PREFILL_PROFILE_MODES the
+# routings --prefill-profile profiles (default "device host": on the device, then --host-routing)
 # $NEXT_GDN_MODES: the STRATA_GDN_KERNELS values the 8-layer prompt profile runs (default rows)
 # --keep-going runs the benchmarks after failed GPU tests (each arm's figures still say what the
 # code does; read them beside gpu_tests.log). $GPU_TESTS: the test files to run (default: every
@@ -105,7 +107,7 @@ from strata_dist.synth import GEOMETRIES, write_synthetic
 g = dataclasses.replace(GEOMETRIES["qwen3-30b-a3b"], name="q30-8l", n_layer=8)
 write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant=os.environ["PQ"], popularity="zipf:1.0", seed=0)
 PY
-if [ "$TUNE_ONLY" = 0 ]; then
+if [ "$TUNE_ONLY" = 0 ] && [ "${DECODE_PROFILE:-1}" = 1 ]; then
   timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 \
     | tee "$OUT/profile_$pq.log" | tail -13
 fi
@@ -119,9 +121,10 @@ if [ "$PREFILL_NCU" = 1 ]; then
 fi
 if [ "$PREFILL_PROFILE" = 1 ]; then
   for n in 512 4096; do
-    for dr in "" --host-routing; do
+    for mode in ${PREFILL_PROFILE_MODES:-device host}; do
+      flag=(); [ "$mode" = host ] && flag=(--host-routing)
       timeout 90 python3 benchmarks/profile_prefill.py --model /tmp/m/q30_8l.gguf --tokens $n \
-        $dr 2>&1 | tee "$OUT/profile_prefill_${pq}_$n$dr.log" | head -16
+        "${flag[@]}" 2>&1 | tee "$OUT/profile_prefill_${pq}_${n}_$mode.log" | head -16
     done
   done
 fi

@@ -5,7 +5,8 @@ the GPU backend's Python runs on numpy stand-ins, and `strata_dist.kernels.funct
 kernels that run nothing but check each launch: the number of arguments, each scalar's numpy
 type against the parameter's C type (a Python int where the kernel takes an `int` would reach it
 as 64 bits), a device array or address for every pointer, and the launch limits (1,024 threads a
-block, 65,535 blocks in y and z, 48 KiB of dynamic shared memory). The signatures come from the
+block, 65,535 blocks in y and z, 48 KiB of dynamic shared memory unless the kernel was allowed more
+through `max_dynamic_shared_size_bytes`, at most sm_90's 227 KiB). The signatures come from the
 sources as nvcc preprocesses them (the macro-built kernels expanded).
 
 Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "errors": [...]}."""
@@ -45,6 +46,9 @@ def signatures(nvcc: str) -> dict[tuple[str, str], list[str]]:
     return out
 
 
+MAX_SHARED_OPTIN = 227 << 10    # sm_90's shared memory a block may be allowed
+
+
 def scalar_type(param: str):
     words = [w for w in param.replace("const", " ").replace("__restrict__", " ").split()]
     return _SCALARS.get(" ".join(words[:-1]))
@@ -57,6 +61,18 @@ class CheckedKernel:
         self.source, self.name, self.params = source, name, params
         self.counts, self.errors = counts, errors
         self.kernel = type("Function", (), {"ptr": 0})()     # what kernels/pdl.py reads
+        self._max_shared = 48 << 10
+
+    # CuPy's RawKernel attribute: the dynamic shared memory a launch may ask for
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max_shared
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value) -> None:
+        if not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_SHARED_OPTIN:
+            self.errors.append(f"{self.name}: max_dynamic_shared_size_bytes = {value!r}")
+        self._max_shared = int(value)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.counts[self.name] += 1
@@ -78,7 +94,7 @@ class CheckedKernel:
         if any(not isinstance(v, (int, np.integer)) or v < 1 for v in dims):
             self.errors.append(f"{at}: grid and block must be positive integers")
         elif (int(np.prod(block)) > 1024 or any(v > 65535 for v in tuple(grid)[1:])
-              or shared_mem > 48 << 10):
+              or shared_mem > self._max_shared):
             self.errors.append(f"{at}: beyond the launch limits (shared {shared_mem} B)")
 
 

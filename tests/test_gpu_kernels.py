@@ -55,11 +55,20 @@ class Experts:
         self.size = size
         self.layout = (g_bytes, u_bytes, d_raw.nbytes)
         self.types = (TYPE_NAMES[int(gate_up_type)], TYPE_NAMES[int(down_type)])
+        self.gate_up_type, self.down_type = int(gate_up_type), int(down_type)
         self.spec = cd._spec_array(EXPERT_SPEC, [dict(
             blob_of=int(self.blob_of.data.ptr), up_at=g_bytes, down_at=g_bytes + u_bytes,
             gate_row_bytes=g_bytes // N_FF, up_row_bytes=u_bytes // N_FF,
             down_row_bytes=d_raw.nbytes // N_EMBD, gate_type=int(gate_up_type),
             up_type=int(gate_up_type), down_type=int(down_type), n_ff=N_FF, n_embd=N_EMBD, k=K)])
+
+    def rows_layout(self):
+        """The ExpertLayout the row kernels (backends/expert_rows.py) read these blobs by."""
+        from strata_dist.kernels.abi import ExpertLayout
+        g_bytes, u_bytes, d_bytes = self.layout
+        return ExpertLayout(self.gate_up_type, self.gate_up_type, self.down_type, g_bytes,
+                            g_bytes + u_bytes, g_bytes // N_FF, u_bytes // N_FF, d_bytes // N_EMBD,
+                            N_FF, N_EMBD, 16)
 
 
 @pytest.mark.parametrize("gate_up,down", [(QT.F16, QT.F16), (QT.Q8_0, QT.Q8_0),
@@ -112,11 +121,8 @@ def test_row_kernels_match_numpy_and_ignore_the_grouping(gate_up, down, mma):
     rounds rows and weights to f16); and every pair's bits the same when its expert is computed
     alone or the pair alone (the tier or grouping never shows)."""
     from strata_dist.backends.expert_rows import RowsKernels
-    from strata_dist.kernels.abi import ExpertLayout
     ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down))
-    g_bytes, u_bytes, d_bytes = ex.layout
-    spec = ExpertLayout(int(gate_up), int(gate_up), int(down), g_bytes, g_bytes + u_bytes,
-                        g_bytes // N_FF, u_bytes // N_FF, d_bytes // N_EMBD, N_FF, N_EMBD, 16)
+    spec = ex.rows_layout()
     kernels = RowsKernels(0, mma=mma)
     tol = 5e-3 if mma else 1e-4
     rng = np.random.default_rng(8)
@@ -188,11 +194,8 @@ def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     it from the host's jobs: the grouping never shows."""
     from strata_dist.backends.expert_rows import RowsKernels
     from strata_dist.experts import stored_rows_jobs
-    from strata_dist.kernels.abi import ExpertLayout
     ex = Experts(QT.Q4_K, QT.Q6_K, seed=31)
-    g_bytes, u_bytes, d_bytes = ex.layout
-    spec = ExpertLayout(int(QT.Q4_K), int(QT.Q4_K), int(QT.Q6_K), g_bytes, g_bytes + u_bytes,
-                        g_bytes // N_FF, u_bytes // N_FF, d_bytes // N_EMBD, N_FF, N_EMBD, 16)
+    spec = ex.rows_layout()
     kernels = RowsKernels(0, mma=mma)
     rng = np.random.default_rng(13)
     n = 600
@@ -205,6 +208,34 @@ def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     jobs = stored_rows_jobs(ids.astype(np.int64), np.ones(ids.shape, bool), blob)
     assert kernels.run_spec(spec, x, jobs, hosted)
     assert np.array_equal(cp.asnumpy(routed), cp.asnumpy(hosted))
+
+
+@pytest.mark.parametrize("gate_up,down", [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)],
+                         ids=lambda t: t.name)
+def test_row_kernels_read_blobs_in_pinned_host_memory_to_the_same_bits(gate_up, down):
+    """The tensor-core row kernels copy their weight stages with the copy engine
+    (cp.async.bulk, experts_rows.cu): blobs read in place from pinned host memory (over PCIe) give
+    every pair the bits the same blobs give in device memory."""
+    from strata_dist.backends.expert_rows import RowsKernels
+    ex = Experts(gate_up, down, seed=41)
+    spec = ex.rows_layout()
+    kernels = RowsKernels(0, mma=True)
+    rng = np.random.default_rng(14)
+    n = 200
+    x = cp.asarray(rng.standard_normal((n, N_EMBD)).astype(np.float32))
+    ids = cp.asarray(np.stack([rng.choice(N_EXPERT, K, replace=False)
+                               for _ in range(n)]).astype(np.int32))
+    on_card = cp.zeros((n * K, N_EMBD), cp.float32)
+    kernels.run_routed(spec, x, ids, ex.blob_of, on_card)
+    pinned = cp.cuda.alloc_pinned_memory(ex.buf.nbytes)
+    host = np.frombuffer(pinned, np.uint8, ex.buf.nbytes)
+    host[:] = cp.asnumpy(ex.buf)
+    table = cp.asarray(np.array([pinned.ptr + e * ex.stride for e in range(N_EXPERT)],
+                                dtype=np.uint64))
+    in_host = cp.zeros_like(on_card)
+    kernels.run_routed(spec, x, ids, table, in_host)
+    assert np.isfinite(cp.asnumpy(on_card)).all()
+    assert np.array_equal(cp.asnumpy(in_host), cp.asnumpy(on_card))
 
 
 @pytest.mark.parametrize("qtype,shape", [(QT.Q8_0, "int_gate_up=0,int_down=0"),

@@ -208,6 +208,22 @@ def test_row_kernel_tiles_match_the_host(tmp_path):
 
 
 @needs_nvcc
+def test_row_kernel_shared_memory_matches_the_host(tmp_path):
+    """The dynamic shared memory each tensor-core row kernel carves (weight stages, rows, decoded
+    steps) is what the host launches it with and allows it (kernels/abi.py rows_mma_shared_bytes):
+    a launch with less would overrun its buffers. Every build stays within sm_90's 227 KiB and,
+    for the two blocks an SM the kernels are tuned for, within half of the SM's 228 KiB."""
+    from strata_dist.kernels.abi import TYPE_NAMES, rows_mma_shared_bytes
+    cases = [(t, nmat) for t in TYPE_NAMES for nmat in (1, 2)]
+    fmt = " ".join("%d" for _ in cases)
+    args = ", ".join(f"rows_mma_shared_bytes({t}, {nmat})" for t, nmat in cases)
+    got = _host_print(tmp_path, "experts_rows.cu", f'"{fmt}", {args}').split()
+    want = [rows_mma_shared_bytes(t, nmat) for t, nmat in cases]
+    assert [int(v) for v in got] == want
+    assert max(want) + 1024 <= 228 << 9, want    # + the 1 KiB a block's runtime reserves
+
+
+@needs_nvcc
 def test_prompt_gdn_constants_match_the_host(tmp_path):
     """gdn_prompt.cu's lanes, convolution bound and columns a block are the ones the host checks
     a geometry against and sizes its grids by (kernels/abi.py gdn_rows_launch)."""

@@ -20,7 +20,7 @@ import cupy as cp
 
 from ..kernels import function
 from ..kernels.abi import (MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N,
-                           TYPE_NAMES, ExpertLayout, expert_layout)
+                           TYPE_NAMES, ExpertLayout, expert_layout, rows_mma_shared_bytes)
 
 KERNELS = "experts_rows.cu"
 TILE_M, TILE_N, TILE_K = ROWS_TILE_M, ROWS_TILE_N, ROWS_TILE_K
@@ -40,6 +40,7 @@ class RowsKernels:
         self.device = device
         self.mma = os.environ.get("STRATA_ROWS_MMA", "1") != "0" if mma is None else mma
         self._layers: dict[tuple[str, int], ExpertLayout | None] = {}
+        self._kernels: dict[tuple[str, int, int], tuple[object, int]] = {}
 
     def _layout(self, gguf, layer: int) -> ExpertLayout | None:
         key = (gguf.path, layer)
@@ -91,15 +92,16 @@ class RowsKernels:
         act = cp.empty((pairs, spec.n_ff), dtype=cp.float32)
         i32, i64 = np.int32, np.int64
         rows_in = self._half(x) if self.mma else (x,)
-        self._fn("moe_gate_up_rows", spec.gate_type)(
-            (n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
-            (blobs, items, rows, *rows_in, i32(spec.n_embd), i64(spec.up_at),
-             i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act))
+        fn, shared = self._fn("moe_gate_up_rows", spec.gate_type, 2)
+        fn((n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
+           (blobs, items, rows, *rows_in, i32(spec.n_embd), i64(spec.up_at),
+            i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act),
+           shared_mem=shared)
         act_in = self._half(act) if self.mma else (act,)
-        self._fn("moe_down_rows", spec.down_type)(
-            (n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
-            (blobs, items, dest, *act_in, i32(spec.n_ff), i64(spec.down_at),
-             i64(spec.down_row_bytes), i32(spec.n_embd), out))
+        fn, shared = self._fn("moe_down_rows", spec.down_type, 1)
+        fn((n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
+           (blobs, items, dest, *act_in, i32(spec.n_ff), i64(spec.down_at),
+            i64(spec.down_row_bytes), i32(spec.n_embd), out), shared_mem=shared)
 
     def _half(self, a):
         """(f16 rows, their unscale) of float32 rows a [m, K] (experts_rows.cu rows_to_half)."""
@@ -164,6 +166,17 @@ class RowsKernels:
                                     dest))
         return rows, dest, items
 
-    def _fn(self, kind: str, ggml_type: int):
-        suffix = "_mma" if self.mma else ""
-        return function(KERNELS, f"{kind}{suffix}_{TYPE_NAMES[ggml_type]}", self.device)
+    def _fn(self, kind: str, ggml_type: int, nmat: int):
+        """(kernel, its dynamic shared bytes): the tensor-core build copies its weight stages into
+        shared memory past the default 48 KiB, which the kernel has to be allowed once."""
+        key = (kind, ggml_type, nmat)
+        if key not in self._kernels:
+            if not self.mma:
+                self._kernels[key] = (
+                    function(KERNELS, f"{kind}_{TYPE_NAMES[ggml_type]}", self.device), 0)
+            else:
+                fn = function(KERNELS, f"{kind}_mma_{TYPE_NAMES[ggml_type]}", self.device)
+                shared = rows_mma_shared_bytes(ggml_type, nmat)
+                fn.max_dynamic_shared_size_bytes = shared
+                self._kernels[key] = (fn, shared)
+        return self._kernels[key]

@@ -381,6 +381,24 @@ ROWS_TILE_M = 128               # pairs of one work item (TILE_M in experts_rows
 ROWS_TILE_N = 64                # outputs of one block (TILE_N)
 ROWS_TILE_K = 32                # columns of one staged step (TILE_K): K must be whole steps
 MAX_GROUP_EXPERTS = 512         # the most experts a layer may have for group_items
+ROWS_X_BUFS = 3                 # input-row steps in shared memory (X_BUFS)
+ROWS_MMA_LD = ROWS_TILE_K + 8   # halves a shared row of a step (MMA_LD)
+
+
+def rows_stage_cols(ggml_type: int) -> int:
+    """Columns of one copied weight stage of the tensor-core row kernels (stage_cols)."""
+    return {F32: 32, F16: 64, Q8_0: 128}.get(ggml_type, 256)
+
+
+def rows_mma_shared_bytes(ggml_type: int, nmat: int) -> int:
+    """Dynamic shared memory of a tensor-core row kernel (experts_rows.cu rows_mma_shared_bytes;
+    a test builds both and compares): nmat = 2 for gate/up, 1 for down."""
+    cols = rows_stage_cols(ggml_type)
+    stored = {F32: 4 * cols, F16: 2 * cols, Q8_0: cols // 32 * 34, Q4_K: cols // 256 * 144,
+              Q5_K: cols // 256 * 176, Q6_K: cols // 256 * 210}[ggml_type]
+    stage_row = (stored + 30) // 16 * 16
+    return (ROWS_X_BUFS * ROWS_TILE_M * ROWS_MMA_LD * 2 + 2 * nmat * ROWS_TILE_N * ROWS_MMA_LD * 2
+            + 2 * nmat * ROWS_TILE_N * stage_row + 16)
 
 
 def group_layout(ids: np.ndarray, n_expert: int, tile_m: int = ROWS_TILE_M):

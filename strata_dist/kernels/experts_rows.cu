@@ -115,11 +115,41 @@ __device__ __forceinline__ void tile_products_fma(float (&acc)[NMAT][2][4],
 // columns in one order, whatever other pairs share its item, so a pair's bits do not depend on its
 // neighbours.
 // A block takes TILE_M pairs: 8 warps, warp w the 32 pairs 32 (w % 4) and the 32 outputs
-// 32 (w / 4) of the TILE_M x TILE_N tile. Shared memory holds two steps: the next step's rows
-// arrive by cp.async and its weights are read into registers while the tensor cores multiply the
-// current one (one barrier a step).
+// 32 (w / 4) of the TILE_M x TILE_N tile, TILE_K columns a step.
+//
+// What keeps the tensor cores fed when an item holds few pairs (a 512-token prompt gives an
+// expert ~32) is how many weight bytes are in flight, not arithmetic: a block that fetched only
+// the next step's 32 columns waited a memory latency every step (docs/BENCHMARKS.md, issue 15).
+// So the stored blocks of the weight tile's rows are copied, a stage of stage_cols(T) columns at
+// a time (eight steps of a K-quant), by the copy engine (cp.async.bulk, completion counted on an
+// mbarrier) into shared memory two stages deep: stage r + 1 is in flight while the steps of stage
+// r run. Each step decodes the next step's weights from that copy into f16 (the same decoder as
+// the global reads, so the same values) and multiplies the current one; the input rows arrive by
+// cp.async two steps ahead. Shared memory is dynamic: rows_mma_shared_bytes (kernels/abi.py
+// rows_mma_shared_bytes mirrors it).
 #define MMA_PAD 8                   // halves of padding per shared row: conflict-free ldmatrix
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
+#define X_BUFS 3                    // input-row steps in shared memory (two in flight)
+
+// columns of one copied stage: about 128-288 bytes of a row for every type
+HOST_DEVICE constexpr int stage_cols(int T) {
+    return T == T_F32 ? 32 : T == T_F16 ? 64 : T == T_Q8_0 ? 128 : 256;
+}
+// the stored bytes of `cols` columns (cols a whole number of the type's blocks)
+HOST_DEVICE constexpr i64 stored_bytes(int T, i64 cols) {
+    return T == T_F32 ? 4 * cols : T == T_F16 ? 2 * cols : T == T_Q8_0 ? cols / 32 * 34
+         : T == T_Q4_K ? cols / 256 * 144 : T == T_Q5_K ? cols / 256 * 176 : cols / 256 * 210;
+}
+// shared bytes a row's stage copy takes: its stored bytes from the 16-byte boundary below it to
+// the one above (the bulk copy moves whole 16-byte pieces, and the copy keeps the address mod 16
+// the decoders' aligned loads rely on)
+HOST_DEVICE constexpr int stage_row_bytes(int T) {
+    return (int)((stored_bytes(T, stage_cols(T)) + 15 + 15) / 16 * 16);
+}
+HOST_DEVICE constexpr int rows_mma_shared_bytes(int T, int nmat) {
+    return X_BUFS * TILE_M * MMA_LD * 2 + 2 * nmat * TILE_N * MMA_LD * 2
+         + 2 * nmat * TILE_N * stage_row_bytes(T) + 2 * 8;
+}
 
 // xh[r] = x[r] * 2^(14 - e) as f16 and unscale[r] = 2^(e - 14), e the exponent of the row's
 // largest |value| (0 for a row of zeros; NaN stays NaN). Grid: rows, 256 threads; K % 4 == 0.
@@ -161,39 +191,132 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
                  :: "r"(at), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+__device__ __forceinline__ void cp_async_wait_newest_pending() {   // all but the last group done
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
-// Chunk t % 4 of weight row t / 4 of each matrix for the step at k0, decoded, and its f16 store.
+// The copy engine's side (sm_90): an mbarrier counting `arrivals` threads and the bytes they
+// announce; bulk copies that count their bytes on it; a wait for one of its phases.
+__device__ __forceinline__ unsigned smem_at(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(u64* bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_at(bar)), "r"(arrivals));
+}
+__device__ __forceinline__ void mbar_init_fence() {     // the inits visible to the copy engine
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// this thread arrives, announcing `bytes`, then copies them (16-byte aligned, a multiple of 16)
+__device__ __forceinline__ void bulk_copy_counted(void* smem, const void* gmem, unsigned bytes,
+                                                  u64* bar) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after the reads of the last use
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_at(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 :: "r"(smem_at(smem)), "l"(gmem), "r"(bytes), "r"(smem_at(bar)) : "memory");
+}
+// Until phase `parity` of the barrier has completed. Bounded: a copy that never lands (a bad
+// address) traps, failing the launch, instead of hanging the device.
+__device__ __forceinline__ void mbar_wait(u64* bar, unsigned parity) {
+    for (unsigned tries = 0;; ++tries) {
+        unsigned done;
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(smem_at(bar)), "r"(parity) : "memory");
+        if (done) return;
+        if (tries > (1u << 24)) __trap();
+    }
+}
+
+// The block's shared memory of the tensor-core build, carved from the dynamic allocation.
 template <int T, int NMAT>
-__device__ __forceinline__ void mma_weights_load(float (&w)[NMAT][8], const u8* const (&bases)[NMAT],
-                                                 const i64 (&row_bytes)[NMAT], int out0, int nrows,
-                                                 int k0) {
-    #pragma unroll
-    for (int mat = 0; mat < NMAT; ++mat)
-        tile_weight_chunk<T>(bases[mat], row_bytes[mat], out0, nrows, k0, threadIdx.x >> 2,
-                             threadIdx.x & 3, w[mat]);
+struct MmaShared {
+    static_assert(NMAT == 1 || NMAT == 2, "gate and up, or down");
+    __half (*xs)[TILE_M][MMA_LD];               // [X_BUFS]: input rows of a step
+    __half (*ws)[NMAT][TILE_N][MMA_LD];         // [2]: decoded weights of a step
+    u8* stage;                                  // [2][NMAT][TILE_N][stage_row_bytes]: stored blocks
+    u64* bars;                                  // [2]: one barrier per stage buffer
+
+    __device__ __forceinline__ explicit MmaShared(u8* base) {
+        xs = reinterpret_cast<__half (*)[TILE_M][MMA_LD]>(base);
+        base += X_BUFS * TILE_M * MMA_LD * 2;
+        ws = reinterpret_cast<__half (*)[NMAT][TILE_N][MMA_LD]>(base);
+        base += 2 * NMAT * TILE_N * MMA_LD * 2;
+        stage = base;
+        base += 2 * NMAT * TILE_N * stage_row_bytes(T);
+        bars = reinterpret_cast<u64*>(base);
+    }
+    __device__ __forceinline__ u8* stage_row(int buf, int mat, int n) const {
+        return stage + ((buf * NMAT + mat) * TILE_N + n) * stage_row_bytes(T);
+    }
+};
+
+// Stage r (columns r * stage_cols(T) ..) of the tile's weight rows into buffer r % 2: thread
+// mat * TILE_N + n copies row n of matrix mat. Returns nothing to wait on: the stage's barrier
+// completes when every row has landed.
+template <int T, int NMAT>
+__device__ __forceinline__ void stage_issue(const MmaShared<T, NMAT>& sh, int r, int K,
+                                            const u8* const (&bases)[NMAT],
+                                            const i64 (&row_bytes)[NMAT], int out0, int nrows) {
+    const int t = threadIdx.x;
+    if (t >= NMAT * TILE_N) return;
+    const int mat = t / TILE_N, n = t % TILE_N;
+    const int k0 = r * stage_cols(T), cols = min(stage_cols(T), K - k0);
+    // (a select, not bases[mat]: an array indexed at run time would live on the stack)
+    const u8* base = mat == 0 ? bases[0] : bases[NMAT - 1];
+    const i64 row_step = mat == 0 ? row_bytes[0] : row_bytes[NMAT - 1];
+    const u8* from = base + (i64)min(out0 + n, nrows - 1) * row_step + stored_bytes(T, k0);
+    const u8* lo = reinterpret_cast<const u8*>(reinterpret_cast<u64>(from) & ~15ull);
+    const u64 hi = (reinterpret_cast<u64>(from) + stored_bytes(T, cols) + 15) & ~15ull;
+    bulk_copy_counted(sh.stage_row(r & 1, mat, n), lo,
+                      static_cast<unsigned>(hi - reinterpret_cast<u64>(lo)), &sh.bars[r & 1]);
 }
 
-template <int NMAT>
-__device__ __forceinline__ void mma_weights_store(const float (&w)[NMAT][8],
-                                                  __half (*ws)[TILE_N][MMA_LD]) {
+// The weights of the step at column k1 (in stage r1, already landed), decoded from the stage copy
+// and stored as f16: chunk t % 4 of row t / 4 of each matrix.
+template <int T, int NMAT>
+__device__ __forceinline__ void step_weights(const MmaShared<T, NMAT>& sh, int r1, int k1,
+                                             const u8* const (&bases)[NMAT],
+                                             const i64 (&row_bytes)[NMAT], int out0, int nrows,
+                                             __half (*ws)[TILE_N][MMA_LD]) {
     const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
+    const int k0 = r1 * stage_cols(T);
     #pragma unroll
     for (int mat = 0; mat < NMAT; ++mat) {
+        const u64 from = reinterpret_cast<u64>(bases[mat]) + stored_bytes(T, k0)
+                         + (u64)min(out0 + n, nrows - 1) * row_bytes[mat];
+        const u8* row = sh.stage_row(r1 & 1, mat, n) + (from & 15);   // column k0 of row n
+        float w[8];
+        chunk8<T, false>(row, ((k1 - k0) >> 3) + q, w);
         uint4 packed;
-        packed.x = pack_half2(w[mat][0], w[mat][1]);
-        packed.y = pack_half2(w[mat][2], w[mat][3]);
-        packed.z = pack_half2(w[mat][4], w[mat][5]);
-        packed.w = pack_half2(w[mat][6], w[mat][7]);
+        packed.x = pack_half2(w[0], w[1]);
+        packed.y = pack_half2(w[2], w[3]);
+        packed.z = pack_half2(w[4], w[5]);
+        packed.w = pack_half2(w[6], w[7]);
         *reinterpret_cast<uint4*>(&ws[mat][n][8 * q]) = packed;
     }
 }
 
+// Step s's input rows into xs[s % X_BUFS] (two 16-byte pieces a thread, zeros past the
+// item's pairs), as one cp.async group: empty past the last step, so the counting stays uniform.
+template <int T, int NMAT>
+__device__ __forceinline__ void rows_issue(const MmaShared<T, NMAT>& sh, int s, int K,
+                                           const __half* const (&src)[2], const bool (&valid)[2],
+                                           const int (&dst_row)[2], const int (&dst_col)[2]) {
+    if (s * TILE_K < K) {
+        #pragma unroll
+        for (int j = 0; j < 2; ++j)
+            cp_async16(&sh.xs[s % X_BUFS][dst_row[j]][dst_col[j]], src[j] + s * TILE_K, valid[j]);
+    }
+    cp_async_commit();
+}
+
 // acc[mat][mi][i][r] = the item's f16 rows (xh rows `rows`, `count` <= TILE_M of them, K columns)
 // times rows out0.. of each of the NMAT weight matrices (bases[mat], row_bytes[mat] a row; rows
-// past `nrows` repeat the last), before the rows' unscale.
+// past `nrows` repeat the last), before the rows' unscale. Needs rows_mma_shared_bytes(T, NMAT)
+// of dynamic shared memory.
 template <int T, int NMAT>
 __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
                                                   const __half* __restrict__ xh, int K,
@@ -201,13 +324,13 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
                                                   const u8* const (&bases)[NMAT],
                                                   const i64 (&row_bytes)[NMAT], int out0,
                                                   int nrows) {
-    __shared__ __align__(16) __half xs[2][TILE_M][MMA_LD];
-    __shared__ __align__(16) __half ws[2][NMAT][TILE_N][MMA_LD];
+    extern __shared__ __align__(16) u8 dynamic_shared[];
+    const MmaShared<T, NMAT> sh(dynamic_shared);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m0 = 32 * (warp & 3), n0 = 32 * (warp >> 2);
     const int lm = lane >> 3, lr = lane & 7;    // ldmatrix: matrix lane / 8, its row lane % 8
     // whether this warp's 32 rows hold a pair (warp-uniform): an item of 32 pairs keeps two warps
-    // of eight on the tensor cores, the rest only stage weights. A warp's sums do not depend on
+    // of eight on the tensor cores, the rest only decode weights. A warp's sums do not depend on
     // another's, so skipping one leaves the bits as they were.
     const bool live = m0 < count;
     // this thread's two 16-byte pieces of each step's rows: piece p = t + 256 j is the 8 columns
@@ -223,35 +346,42 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
         dst_col[j] = 8 * (piece & 3);
         src[j] = xh + (valid[j] ? (i64)rows[m] * K : 0) + dst_col[j];
     }
-    float w[NMAT][8];
-    #pragma unroll
-    for (int j = 0; j < 2; ++j) cp_async16(&xs[0][dst_row[j]][dst_col[j]], src[j], valid[j]);
-    cp_async_commit();
-    mma_weights_load<T, NMAT>(w, bases, row_bytes, out0, nrows, 0);
-    mma_weights_store<NMAT>(w, ws[0]);
-    cp_async_wait_all();
+    if (threadIdx.x == 0) {
+        mbar_init(&sh.bars[0], NMAT * TILE_N);
+        mbar_init(&sh.bars[1], NMAT * TILE_N);
+        mbar_init_fence();
+    }
     __syncthreads();
-    for (int k0 = 0, s = 0; k0 < K; k0 += TILE_K, s ^= 1) {
-        const bool more = k0 + TILE_K < K;                      // uniform
-        if (more) {
-            #pragma unroll
-            for (int j = 0; j < 2; ++j)
-                cp_async16(&xs[s ^ 1][dst_row[j]][dst_col[j]], src[j] + k0 + TILE_K, valid[j]);
-            cp_async_commit();
-            mma_weights_load<T, NMAT>(w, bases, row_bytes, out0, nrows, k0 + TILE_K);
-        }
+    constexpr int STEPS_PER_STAGE = stage_cols(T) / TILE_K;
+    const int steps = K / TILE_K, n_stages = (K + stage_cols(T) - 1) / stage_cols(T);
+    stage_issue<T, NMAT>(sh, 0, K, bases, row_bytes, out0, nrows);
+    rows_issue<T, NMAT>(sh, 0, K, src, valid, dst_row, dst_col);
+    rows_issue<T, NMAT>(sh, 1, K, src, valid, dst_row, dst_col);
+    mbar_wait(&sh.bars[0], 0);
+    step_weights<T, NMAT>(sh, 0, 0, bases, row_bytes, out0, nrows, sh.ws[0]);
+    cp_async_wait_newest_pending();
+    __syncthreads();
+    for (int s = 0; s < steps; ++s) {
+        const int r = s / STEPS_PER_STAGE;
+        // the next stage's copy starts with this stage's first step: its buffer's last reader
+        // (the decode of stage r - 1's last step) finished before the previous barrier
+        if (s % STEPS_PER_STAGE == 0 && r + 1 < n_stages)
+            stage_issue<T, NMAT>(sh, r + 1, K, bases, row_bytes, out0, nrows);
+        rows_issue<T, NMAT>(sh, s + 2, K, src, valid, dst_row, dst_col);
+        const __half (*xs)[MMA_LD] = sh.xs[s % X_BUFS];
+        const __half (*ws)[TILE_N][MMA_LD] = sh.ws[s & 1];
         #pragma unroll
         for (int kk = 0; kk < TILE_K && live; kk += 16) {
             u32 a[2][4];
             #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
-                ldmatrix_x4(a[mi], &xs[s][m0 + 16 * mi + lr + 8 * (lm & 1)][kk + 8 * (lm >> 1)]);
+                ldmatrix_x4(a[mi], &xs[m0 + 16 * mi + lr + 8 * (lm & 1)][kk + 8 * (lm >> 1)]);
             #pragma unroll
             for (int mat = 0; mat < NMAT; ++mat) {
                 #pragma unroll
                 for (int p = 0; p < 2; ++p) {        // n8 tiles 2p and 2p + 1
                     u32 b[4];
-                    ldmatrix_x4(b, &ws[s][mat][n0 + 16 * p + lr + 8 * (lm >> 1)][kk + 8 * (lm & 1)]);
+                    ldmatrix_x4(b, &ws[mat][n0 + 16 * p + lr + 8 * (lm >> 1)][kk + 8 * (lm & 1)]);
                     #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
                         mma_16816(acc[mat][mi][2 * p], a[mi], b[0], b[1]);
@@ -260,8 +390,13 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
                 }
             }
         }
-        if (more) mma_weights_store<NMAT>(w, ws[s ^ 1]);
-        cp_async_wait_all();
+        if (s + 1 < steps) {                                    // uniform
+            const int r1 = (s + 1) / STEPS_PER_STAGE;
+            if (r1 != r) mbar_wait(&sh.bars[r1 & 1], (r1 >> 1) & 1);
+            step_weights<T, NMAT>(sh, r1, (s + 1) * TILE_K, bases, row_bytes, out0, nrows,
+                                  sh.ws[(s + 1) & 1]);
+        }
+        cp_async_wait_newest_pending();
         __syncthreads();
     }
 }

@@ -15,12 +15,7 @@
 #define INF_F32 __int_as_float(0x7f800000)
 #define NAN_F32 __int_as_float(0x7fc00000)
 
-// The weight decoders also build for the host, where tests compare them with gguf-py.
-#ifdef __CUDA_ARCH__
-#define LDG(p) __ldg(p)
-#else
-#define LDG(p) (*(p))
-#endif
+// The weight decoders also build for the host, where tests compare them with gguf-py (ldw below).
 #define HOST_DEVICE __host__ __device__ __forceinline__
 
 typedef unsigned char u8;
@@ -28,6 +23,16 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
+
+// A weight load: read-only through the non-coherent cache (NC) from global memory, or plain, for
+// a copy of the stored blocks in shared memory (the row kernels stage them there).
+template <bool NC, class V>
+HOST_DEVICE V ldw(const V* p) {
+#ifdef __CUDA_ARCH__
+    if constexpr (NC) return __ldg(p);
+#endif
+    return *p;
+}
 
 #define MAX_ROWS 8          // activation rows of one launch (plan.pricing.DECODE_ROWS)
 #define BLOCK_THREADS 256   // threads of the matrix and expert kernels
@@ -133,17 +138,17 @@ HOST_DEVICE float s8_to_float(u32 byte) { return small_int_to_float<128>((byte &
 // The 8 stored integers of chunk c (columns 8c .. 8c+7) of a quantized row as exact floats q and
 // the chunk's affine map: its weights are a * q + b (Q8_0 and Q6_K: b = 0), as gguf-py decodes
 // them.
-template <int T>
+template <int T, bool NC = true>
 HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a, float& b) {
     b = 0.f;
     if (T == T_Q8_0) {
         // 34-byte block of 32: f16 d, 32 int8 quants (2-byte aligned only); 4 chunks per block
         const u16* p = reinterpret_cast<const u16*>(row + (i64)(c >> 2) * 34);
-        a = h2f(LDG(p));
+        a = h2f(ldw<NC>(p));
         p += 1 + 4 * (c & 3);
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u16 v = LDG(p + j);
+            const u16 v = ldw<NC>(p + j);
             q[2 * j] = s8_to_float(v);
             q[2 * j + 1] = s8_to_float(v >> 8);
         }
@@ -153,16 +158,16 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
         // sub-block j (32 columns) holds the low (j even) or high nibbles of bytes 32*(j/2) ..
         const u8* blk = row + (i64)(c >> 5) * (T == T_Q4_K ? 144 : 176);
         const int j = (c >> 2) & 7, k = c & 3;
-        const uint4 head = LDG(reinterpret_cast<const uint4*>(blk));
+        const uint4 head = ldw<NC>(reinterpret_cast<const uint4*>(blk));
         int s, m;
         k_scale_min(head.y, head.z, head.w, j, s, m);
         a = h2f((u16)(head.x & 0xFFFF)) * small_int_to_float<0>(s);
         b = -(h2f((u16)(head.x >> 16)) * small_int_to_float<0>(m));
-        const uint2 qv = LDG(reinterpret_cast<const uint2*>(
+        const uint2 qv = ldw<NC>(reinterpret_cast<const uint2*>(
             blk + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + 8 * k));
         const int shift = (j & 1) * 4;
         uint2 hv = make_uint2(0, 0);
-        if (T == T_Q5_K) hv = LDG(reinterpret_cast<const uint2*>(blk + 16 + 8 * k));
+        if (T == T_Q5_K) hv = ldw<NC>(reinterpret_cast<const uint2*>(blk + 16 + 8 * k));
         #pragma unroll
         for (int l = 0; l < 8; ++l) {
             const u32 word = l < 4 ? qv.x : qv.y;
@@ -178,12 +183,12 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
         const int e0 = 8 * (c & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
         const u16* ql = reinterpret_cast<const u16*>(blk + 64 * h + 32 * (t & 1) + l0);
         const u16* qh = reinterpret_cast<const u16*>(blk + 128 + 32 * h + l0);
-        a = h2f(LDG(reinterpret_cast<const u16*>(blk + 208))) *
-            s8_to_float(LDG(blk + 192 + 8 * h + (l0 >> 4) + 2 * t));
+        a = h2f(ldw<NC>(reinterpret_cast<const u16*>(blk + 208))) *
+            s8_to_float(ldw<NC>(blk + 192 + 8 * h + (l0 >> 4) + 2 * t));
         const int nshift = (t >> 1) * 4, hshift = 2 * t;
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u16 lv = LDG(ql + j), hv = LDG(qh + j);
+            const u16 lv = ldw<NC>(ql + j), hv = ldw<NC>(qh + j);
             #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const u32 lo = ((lv >> (8 * e)) >> nshift) & 0xF;
@@ -197,15 +202,15 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
 HOST_DEVICE constexpr bool is_quantized(int T) { return T != T_F32 && T != T_F16; }
 HOST_DEVICE constexpr bool has_min(int T) { return T == T_Q4_K || T == T_Q5_K; }
 
-template <int T>
+template <int T, bool NC = true>
 HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
     if (T == T_F32) {
         const float4* p = reinterpret_cast<const float4*>(row) + 2 * c;
-        const float4 a = LDG(p), b = LDG(p + 1);
+        const float4 a = ldw<NC>(p), b = ldw<NC>(p + 1);
         w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
         w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
     } else if (T == T_F16) {
-        const uint4 v = LDG(reinterpret_cast<const uint4*>(row) + c);
+        const uint4 v = ldw<NC>(reinterpret_cast<const uint4*>(row) + c);
         const u32 parts[4] = {v.x, v.y, v.z, v.w};
         #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -214,7 +219,7 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
         }
     } else {
         float a, b;
-        chunk8_q<T>(row, c, w, a, b);
+        chunk8_q<T, NC>(row, c, w, a, b);
         #pragma unroll
         for (int l = 0; l < 8; ++l) w[l] = has_min(T) ? fmaf(a, w[l], b) : a * w[l];
     }
