@@ -238,6 +238,85 @@ def test_row_kernels_read_blobs_in_pinned_host_memory_to_the_same_bits(gate_up, 
     assert np.array_equal(cp.asnumpy(in_host), cp.asnumpy(on_card))
 
 
+# A second process's device allocation holding the same bytes, exported through CUDA IPC: what a
+# helper tier's slot on another card of the host is to a stage (one GPU here, so the same card).
+_IPC_EXPORTER = """
+import sys, numpy as np, cupy as cp
+data = cp.asarray(np.fromfile(sys.argv[1], dtype=np.uint8))
+ptr = cp.cuda.runtime.malloc(data.nbytes)        # its own allocation: the handle names its base
+cp.cuda.runtime.memcpy(ptr, data.data.ptr, data.nbytes, 3)      # device to device
+cp.cuda.runtime.deviceSynchronize()
+print(cp.cuda.runtime.ipcGetMemHandle(ptr).hex(), flush=True)
+sys.stdin.readline()                               # the importer is done with it
+cp.cuda.runtime.free(ptr)
+"""
+
+
+@pytest.mark.parametrize("gate_up,down", [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)],
+                         ids=lambda t: t.name)
+def test_expert_kernels_give_the_same_bits_wherever_the_blob_lies(tmp_path, gate_up, down):
+    """The decode graph's expert kernels and the prompt's row kernels read a blob by address: in
+    the stage's own device memory, in another process's allocation opened through CUDA IPC (a
+    helper tier's slot) and in pinned host memory read in place, every output has the same bits."""
+    import subprocess
+    import sys
+    from strata_dist.backends.expert_rows import RowsKernels
+    ex = Experts(gate_up, down, seed=43)
+    nbytes = int(ex.buf.nbytes)
+    raw = tmp_path / "blobs.bin"
+    raw.write_bytes(cp.asnumpy(ex.buf).tobytes())
+    exporter = subprocess.Popen([sys.executable, "-c", _IPC_EXPORTER, str(raw)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pinned = cp.cuda.alloc_pinned_memory(nbytes)
+    np.frombuffer(pinned, np.uint8, nbytes)[:] = cp.asnumpy(ex.buf)
+    opened = None
+    try:
+        import select
+        ready, _, _ = select.select([exporter.stdout], [], [], 120)
+        assert ready, "the exporting process sent no handle in 120 s"
+        handle = bytes.fromhex(exporter.stdout.readline().strip())
+        opened = cp.cuda.runtime.ipcOpenMemHandle(handle)
+        bases = {"device": int(ex.buf.data.ptr), "ipc": int(opened), "pinned": int(pinned.ptr)}
+        rng = np.random.default_rng(15)
+        n = 3                                        # decode rows
+        x = cp.asarray(rng.standard_normal((n, N_EMBD)).astype(np.float32))
+        ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n)])
+        wts = cp.asarray(rng.random((n, K)).astype(np.float32))
+        rows_x = cp.asarray(rng.standard_normal((64, N_EMBD)).astype(np.float32))
+        rows_ids = cp.asarray(np.stack([rng.choice(N_EXPERT, K, replace=False)
+                                        for _ in range(64)]).astype(np.int32))
+        kernels, spec = RowsKernels(0, mma=True), ex.rows_layout()
+        shape = KernelShape()
+        ff, per = shape.gate_up_block(int(gate_up)), shape.down_block(int(down))
+        got = {}
+        for where, base in bases.items():
+            table = np.array([base + e * ex.stride for e in range(N_EXPERT)], dtype=np.uint64)
+            table_d = cp.asarray(table)
+            ex_spec = cd._spec_array(EXPERT_SPEC, [dict(
+                blob_of=int(table_d.data.ptr), up_at=spec.up_at, down_at=spec.down_at,
+                gate_row_bytes=spec.gate_row_bytes, up_row_bytes=spec.up_row_bytes,
+                down_row_bytes=spec.down_row_bytes, gate_type=int(gate_up), up_type=int(gate_up),
+                down_type=int(down), n_ff=N_FF, n_embd=N_EMBD, k=K)])
+            act = cp.zeros((n, K, N_FF), cp.float32)
+            h = cp.zeros((n, N_EMBD), cp.float32)
+            blobs = cp.asarray(table[ids])
+            _kernel(f"moe_gate_up_{ex.types[0]}")(
+                ((N_FF + ff - 1) // ff, K, n), (BLOCK_THREADS,), (ex_spec, x, blobs, act))
+            _kernel(f"moe_down_{ex.types[1]}")(
+                ((N_EMBD + per - 1) // per, n), (BLOCK_THREADS,), (ex_spec, act, blobs, wts, h))
+            routed = cp.zeros((64 * K, N_EMBD), cp.float32)
+            kernels.run_routed(spec, rows_x, rows_ids, table_d, routed)
+            got[where] = [cp.asnumpy(a) for a in (act, h, routed)]
+        assert all(np.isfinite(a).all() for a in got["device"])
+        for where in ("ipc", "pinned"):
+            for a, b in zip(got[where], got["device"]):
+                assert np.array_equal(a, b), where
+    finally:
+        if opened is not None:
+            cp.cuda.runtime.ipcCloseMemHandle(opened)
+        exporter.communicate("done\n", timeout=60)
+
+
 @pytest.mark.parametrize("qtype,shape", [(QT.Q8_0, "int_gate_up=0,int_down=0"),
                                          (QT.Q8_0, "int_q8_0=1"), (QT.Q4_K, ""),
                                          (QT.Q4_K, "int_direct=0")], ids=str)
