@@ -120,3 +120,62 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
     assert stages["half"].tiers.counters["streamed"] > 0
     assert eng.backend._device_routing == (device_routing == "1")
     assert np.array_equal(logits["all"], logits["half"])
+
+
+def test_a_32k_prompt_stays_inside_the_budget_the_plan_priced(model):
+    """A 32,768-token prompt (chunks of 4,096) on one GPU rank whose budget caches part of the
+    experts: the device's NVML peak never passes what the rank held before its first carve (its
+    CUDA context) plus the budget the plan gave the stage (its weights, session at 33K cells, cache,
+    reserves and prompt buffers all priced inside it), and nothing overflowed the loan into
+    CuPy's pool. The allowance on top is the cuBLAS workspace and graph memory created after the
+    carve (64 MiB)."""
+    import json
+    import re
+    import subprocess
+    import sys
+    import threading
+    import pynvml
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    # the smallest of these budgets that plans: its cache holds part of the experts (480M on CPU
+    # ranks, whose KV is float32, caches 283 of 384)
+    for budget in ("400M", "440M", "480M", "520M"):
+        args = ["--gpus", "0", "--vram-budget", budget, "--max-context", "33280", "--prefill",
+                "4096", "--no-remote-auto"]
+        planned = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", str(model),
+                                  *args, "--plan-only", "--json"], capture_output=True, text=True,
+                                 timeout=300, cwd=root)
+        if planned.returncode == 0:
+            break
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    [stage] = json.loads(planned.stdout)["stages"]
+    assert stage["cache_slots"] < N_LAYERS * N_EXPERTS, stage    # part of the experts off the card
+    pynvml.nvmlInit()
+    dev = pynvml.nvmlDeviceGetHandleByIndex(0)
+    used = lambda: pynvml.nvmlDeviceGetMemoryInfo(dev).used      # noqa: E731
+    total = pynvml.nvmlDeviceGetMemoryInfo(dev).total
+    peak, stop = [used()], threading.Event()
+
+    def sample():
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], used())
+
+    s = ServeSession(model, *args, timeout=300)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        prompt = [int(x) for x in np.random.default_rng(33).integers(0, 320, 32768)]
+        out = s.gen(prompt, 4, "stats=1", timeout=600)
+        assert out["err"] is None, out["err"]
+        stats = out["stats"]
+        assert sum(int(r.get("loan_overflow_bytes", 0)) for r in stats) == 0, stats
+    finally:
+        stop.set()
+        sampler.join(timeout=5)
+        s.close()
+    m = re.search(r"rank 0 device memory free: ([\d.]+) MiB before loading", s.err())
+    assert m, s.err()[-2000:]
+    before_carve = total - float(m.group(1)) * 2**20        # the device's use with the context
+    allowed = before_carve + stage["budget_bytes"] + (64 << 20)
+    assert peak[0] <= allowed, (f"peak {peak[0] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} "
+                                f"MiB (budget {stage['budget_bytes'] / 2**20:.0f} MiB)")
