@@ -9,7 +9,9 @@
 // not depend on which other pairs share its item, its launch or its tier, so the bits are the
 // same whichever store computed the expert and however the chunk was grouped.
 #include "weights.cuh"
+#include "weights_half.cuh"
 #include "mma.cuh"
+#include "async_copy.cuh"
 #include "routing.cuh"
 
 #define TILE_M 128    // (row, rank) pairs of one work item (kernels/abi.py ROWS_TILE_M)
@@ -184,52 +186,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) rows_to_half(
     }
 }
 
-// 16 bytes from global to shared memory without a register (zeros where !valid)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(at), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_newest_pending() {   // all but the last group done
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
-}
-
-// The copy engine's side (sm_90): an mbarrier counting `arrivals` threads and the bytes they
-// announce; bulk copies that count their bytes on it; a wait for one of its phases.
-__device__ __forceinline__ unsigned smem_at(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(u64* bar, int arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_at(bar)), "r"(arrivals));
-}
-__device__ __forceinline__ void mbar_init_fence() {     // the inits visible to the copy engine
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// this thread arrives, announcing `bytes`, then copies them (16-byte aligned, a multiple of 16)
-__device__ __forceinline__ void bulk_copy_counted(void* smem, const void* gmem, unsigned bytes,
-                                                  u64* bar) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after the reads of the last use
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(smem_at(bar)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];"
-                 :: "r"(smem_at(smem)), "l"(gmem), "r"(bytes), "r"(smem_at(bar)) : "memory");
-}
-// Until phase `parity` of the barrier has completed. Bounded: a copy that never lands (a bad
-// address) traps, failing the launch, instead of hanging the device.
-__device__ __forceinline__ void mbar_wait(u64* bar, unsigned parity) {
-    for (unsigned tries = 0;; ++tries) {
-        unsigned done;
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done) : "r"(smem_at(bar)), "r"(parity) : "memory");
-        if (done) return;
-        if (tries > (1u << 24)) __trap();
-    }
-}
-
 // The block's shared memory of the tensor-core build, carved from the dynamic allocation.
 template <int T, int NMAT>
 struct MmaShared {
@@ -272,68 +228,6 @@ __device__ __forceinline__ void stage_issue(const MmaShared<T, NMAT>& sh, int r,
     const u64 hi = (reinterpret_cast<u64>(from) + stored_bytes(T, cols) + 15) & ~15ull;
     bulk_copy_counted(sh.stage_row(r & 1, mat, n), lo,
                       static_cast<unsigned>(hi - reinterpret_cast<u64>(lo)), &sh.bars[r & 1]);
-}
-
-// ---- a chunk's 8 weights as four f16 pairs, decoded from the stage copy ------------------------
-// The decode is what a row kernel spends its instructions on when an item holds few pairs (every
-// block decodes its whole weight tile, however few pairs read it), so the two formats of the
-// synthetic files get decoders in f16 pair arithmetic, about two instructions a weight against
-// five in float32: a stored integer goes into the low mantissa bits of 1024 (0x6400 | u is
-// 1024 + u exactly), 1024 is subtracted, the scale applied in f16.
-//  - Q8_0: d * q with d the stored f16 scale: one correctly rounded f16 product, the same bits as
-//    the float32 product rounded to f16 (which is exact before that rounding).
-//  - Q4_K: a * q + b with a = d * scale and b = -dmin * min each rounded to f16 first, one f16
-//    fma: within an f16 unit or two of the float32 decoding rounded to f16 (tests/
-//    test_gpu_kernels.py against float64).
-// Other formats decode in float32 and are rounded to f16 (the global-memory decoder's values).
-__device__ __forceinline__ u32 half2_bits(__half2 h) { return *reinterpret_cast<u32*>(&h); }
-__device__ __forceinline__ __half2 bits_half2(u32 v) { return *reinterpret_cast<__half2*>(&v); }
-
-// bytes i and i + 1 of w as 0x64 b 0x64 b: two f16 of 1024 + byte
-__device__ __forceinline__ u32 byte_pair_1024(u32 w, int i) {
-    return __byte_perm(w, 0x64u, i == 0 ? 0x4140u : 0x4342u);
-}
-
-template <int T>
-__device__ __forceinline__ void chunk8_half(const u8* __restrict__ row, int c, uint4& out) {
-    u32 h[4];
-    if constexpr (T == T_Q8_0) {
-        const u16* p = reinterpret_cast<const u16*>(row + (c >> 2) * 34);
-        const u32 d = p[0];
-        const __half2 d2 = bits_half2(d | (d << 16));
-        const __half2 off = __float2half2_rn(1152.f);        // 1024 + the 128 of the sign flip
-        p += 1 + 4 * (c & 3);
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            // int8 b as b + 128 (its sign bit flipped) in 1024's mantissa
-            const u32 pair = byte_pair_1024(p[j], 0) ^ 0x00800080u;
-            h[j] = half2_bits(__hmul2(__hsub2(bits_half2(pair), off), d2));
-        }
-    } else if constexpr (T == T_Q4_K) {
-        const u8* blk = row + (c >> 5) * 144;
-        const int j = (c >> 2) & 7, k = c & 3;
-        const uint4 head = *reinterpret_cast<const uint4*>(blk);
-        int s, m;
-        k_scale_min(head.y, head.z, head.w, j, s, m);
-        const float a = h2f((u16)(head.x & 0xFFFF)) * (float)s;
-        const float b = -(h2f((u16)(head.x >> 16)) * (float)m);
-        const __half2 a2 = __float2half2_rn(a), b2 = __float2half2_rn(b);
-        const __half2 k1024 = __float2half2_rn(1024.f);
-        const uint2 qv = *reinterpret_cast<const uint2*>(blk + 16 + 32 * (j >> 1) + 8 * k);
-        const int shift = (j & 1) * 4;
-        const u32 words[2] = {qv.x >> shift, qv.y >> shift};
-        #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const u32 pair = byte_pair_1024(words[t >> 1], 2 * (t & 1)) & 0xFF0FFF0Fu;
-            h[t] = half2_bits(__hfma2(__hsub2(bits_half2(pair), k1024), a2, b2));
-        }
-    } else {
-        float w[8];
-        chunk8<T, false>(row, c, w);
-        #pragma unroll
-        for (int t = 0; t < 4; ++t) h[t] = pack_half2(w[2 * t], w[2 * t + 1]);
-    }
-    out = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // The weights of the step at column k1 (in stage r1, already landed), decoded from the stage copy
