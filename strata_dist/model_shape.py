@@ -54,7 +54,10 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu", kv_type: str | None =
         embed_bytes=sum(size(n) for n in first_only),
         head_bytes=sum(size(n) for n in last_only),
         head_shares_embedding=bool(first_only & last_only),
-        prompt_bytes_per_token=estimate_prompt_bytes_per_token(
-            g.n_embd, g.n_ff_exp, g.n_expert_used, g.n_expert,
-            mixer_width=arch.mixer_width(g)) + arch.extra_prompt_elems(g) * 4,
+        # the estimate sums a layer's phases; an attention layer's own live set is its floor
+        prompt_bytes_per_token=max(
+            estimate_prompt_bytes_per_token(g.n_embd, g.n_ff_exp, g.n_expert_used, g.n_expert,
+                                            mixer_width=arch.mixer_width(g))
+            + arch.extra_prompt_elems(g) * 4,
+            arch.attention_prompt_elems(g) * 4),
     )

@@ -44,3 +44,7 @@ class Architecture(Protocol):
 
     def extra_prompt_elems(self, g: Any) -> int:
         """Per-token prompt buffers beyond the qwen3moe estimate."""
+
+    def attention_prompt_elems(self, g: Any) -> int:
+        """Per-token float32 elements an attention layer of a prompt chunk holds at once on the
+        GPU path: a floor under the estimate, which sums the phases of a layer."""

@@ -101,6 +101,15 @@ def extra_prompt_elems(g: Geometry) -> int:
     return 0
 
 
+def attention_prompt_elems(g: Geometry) -> int:
+    """What an attention layer of a prompt chunk holds at once, per token, in float32 elements:
+    the residual and the normed rows (2 hidden), q, k and v, q rotated, the attention's output and
+    its f16 copy for the output GEMM (3.5 q + 2 kv), and that GEMM's output (hidden).
+    tests/test_prompt_bytes.py measures the path's live arrays against the price."""
+    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    return 3 * g.n_embd + 3 * q + q // 2 + 2 * kv
+
+
 # ---- the forward ---------------------------------------------------------------------------------
 
 class KVSession:

@@ -270,6 +270,17 @@ def extra_prompt_elems(g: NextGeometry) -> int:
     return 2 * g.n_ff_shexp + g.n_embd
 
 
+def attention_prompt_elems(g: NextGeometry) -> int:
+    """What a gated-attention layer of a prompt chunk holds at once, per token, in float32
+    elements: the residual and the normed rows (2 hidden), q with its gate (2 q), the gate's copy,
+    q rotated, the attention's output and the gated product (q each), the product's f16 copy for
+    the output GEMM (q / 2), k and v. Where the heads outweigh the experts (a file with few, narrow
+    experts) this is more than the estimate, which tests/test_prompt_bytes.py measured 20% short
+    on such a file."""
+    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    return 2 * g.n_embd + 6 * q + q // 2 + 2 * kv
+
+
 # ---- the session --------------------------------------------------------------------------------
 
 class RecurrentRewindError(ValueError):

@@ -4,8 +4,40 @@ numpy arrays whose `.data.ptr` is their host address, streams, events and graphs
 copies are memmoves. Kernels are not run; the check replaces strata_dist.kernels.function."""
 import contextlib
 import ctypes
+import weakref
 
 import numpy as _np
+
+
+class _Track:
+    """Device bytes live at once while tracking is on (tests/prompt_bytes_check.py): every array
+    that owns its memory, from a constructor or an operation's result, counted until it dies."""
+    on, epoch, live, peak = False, 0, 0, 0
+
+    @classmethod
+    def alloc(cls, a: _np.ndarray) -> None:
+        if not cls.on or a.nbytes == 0:
+            return
+        cls.live += a.nbytes
+        cls.peak = max(cls.peak, cls.live)
+        weakref.finalize(a, cls._free, int(a.nbytes), cls.epoch)
+
+    @classmethod
+    def _free(cls, nbytes: int, epoch: int) -> None:
+        if epoch == cls.epoch:
+            cls.live -= nbytes
+
+
+def track_start() -> None:
+    """From now on count the device bytes of new arrays (live and peak start at 0)."""
+    _Track.on, _Track.live, _Track.peak = True, 0, 0
+    _Track.epoch += 1
+
+
+def track_stop() -> tuple[int, int]:
+    """(peak, still live) bytes since track_start."""
+    _Track.on = False
+    return _Track.peak, _Track.live
 
 
 class _Ptr:
@@ -15,6 +47,10 @@ class _Ptr:
 
 
 class ndarray(_np.ndarray):
+    def __array_finalize__(self, obj):
+        if self.base is None:          # an operation's result, not a view
+            _Track.alloc(self)
+
     @property
     def data(self):
         return _Ptr(self.view(_np.ndarray))
@@ -28,6 +64,8 @@ class ndarray(_np.ndarray):
 
 def _wrap(x):
     if isinstance(x, _np.ndarray) and not isinstance(x, ndarray):
+        if x.base is None:             # new memory (a constructor's, or an upload's)
+            _Track.alloc(x)
         return x.view(ndarray)
     if isinstance(x, tuple):
         return tuple(_wrap(v) for v in x)
