@@ -168,7 +168,8 @@ def test_a_32k_prompt_stays_inside_the_budget_the_plan_priced(model):
         out = s.gen(prompt, 4, "stats=1", timeout=600)
         assert out["err"] is None, out["err"]
         stats = out["stats"]
-        assert sum(int(r.get("loan_overflow_bytes", 0)) for r in stats) == 0, stats
+        assert stats and all("loan_overflow_bytes" in r for r in stats), stats
+        assert sum(int(r["loan_overflow_bytes"]) for r in stats) == 0, stats
     finally:
         stop.set()
         sampler.join(timeout=5)
