@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     import cupy as cp
-    from strata_dist.backends.expert_rows import TILE_N, RowsKernels, layer_experts
+    from strata_dist.backends.expert_rows import TILE_M, TILE_N, RowsKernels, layer_experts
     from strata_dist.gguf_model import GGUFModel
     g = GGUFModel(args.model)
     spec = layer_experts(g, args.layer)
@@ -88,8 +88,10 @@ def main() -> int:
         flops = {"gate/up + SwiGLU": 2 * 2 * n * k * spec.n_ff * spec.n_embd,
                  "down": 2 * n * k * spec.n_ff * spec.n_embd}
         weight = {"gate/up + SwiGLU": gu_bytes, "down": d_bytes}
+        items_used = int(sum(-(-int(c) // TILE_M) for c in counts))
         print(f"{n} rows: {n * k} pairs, {used} experts with a pair (most {counts.max()}, "
-              f"median {int(np.median(counts))}), {n_items} work items")
+              f"median {int(np.median(counts))}), {items_used} work items ({n_items} launched: "
+              f"the grid is sized before the counts)")
         total = 0.0
         for name, launch in launches.items():
             start, stop = cp.cuda.Event(), cp.cuda.Event()
