@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 MAX_ROWS = 8          # rows of one decode step (MAX_ROWS in decode.cu; plan.pricing.DECODE_ROWS)
 ATTN_CHUNK = 256      # keys per attention split (ATTN_CHUNK)
@@ -393,9 +394,8 @@ def rows_stage_cols(ggml_type: int) -> int:
 def rows_mma_shared_bytes(ggml_type: int, nmat: int) -> int:
     """Dynamic shared memory of a tensor-core row kernel (experts_rows.cu rows_mma_shared_bytes;
     a test builds both and compares): nmat = 2 for gate/up, 1 for down."""
-    cols = rows_stage_cols(ggml_type)
-    stored = {F32: 4 * cols, F16: 2 * cols, Q8_0: cols // 32 * 34, Q4_K: cols // 256 * 144,
-              Q5_K: cols // 256 * 176, Q6_K: cols // 256 * 210}[ggml_type]
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    stored = rows_stage_cols(ggml_type) // block * type_size    # a stage's stored bytes of a row
     stage_row = (stored + 30) // 16 * 16
     return (ROWS_X_BUFS * ROWS_TILE_M * ROWS_MMA_LD * 2 + 2 * nmat * ROWS_TILE_N * ROWS_MMA_LD * 2
             + 2 * nmat * ROWS_TILE_N * stage_row + 16)
