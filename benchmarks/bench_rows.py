@@ -10,7 +10,6 @@ tensor-core rate (2 flops a multiply-add) and the weight bytes read a second, pe
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import numpy as np
@@ -33,7 +32,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     import cupy as cp
-    from strata_dist.backends.expert_rows import TILE_M, TILE_N, RowsKernels, layer_experts
+    from strata_dist.backends.expert_rows import TILE_M, RowsKernels, layer_experts
     from strata_dist.gguf_model import GGUFModel
     g = GGUFModel(args.model)
     spec = layer_experts(g, args.layer)
@@ -51,7 +50,6 @@ def main() -> int:
                                 dtype=np.uint64))
     popularity = str(g.metadata("strata.synth.popularity") or "uniform")
     kernels = RowsKernels(0)
-    i32, i64 = np.int32, np.int64
     print(f"{args.model}: layer {args.layer}, {n_expert} experts top-{k}, blob {size / 2**20:.2f} "
           f"MiB, popularity {popularity}, {'tensor cores' if kernels.mma else 'FMA'}")
     for n in (int(t) for t in args.tokens.split(",")):
@@ -64,23 +62,15 @@ def main() -> int:
         n_items = int(items.shape[0])
         act = cp.empty((n * k, spec.n_ff), cp.float32)
         out = cp.empty((n * k, spec.n_embd), cp.float32)
-        xh = kernels._half(x)
-        acth = kernels._half(act)
-        gate_up, gu_shared = kernels._fn("moe_gate_up_rows", spec.gate_type, 2)
-        down, d_shared = kernels._fn("moe_down_rows", spec.down_type, 1)
+        xh = kernels._half(x) if kernels.mma else (x,)       # what each build reads
+        acth = kernels._half(act) if kernels.mma else (act,)
         launches = {
             "group (count, items, scatter)": lambda: kernels.group(ids, n_expert),
             "rows_to_half (x)": lambda: kernels._half(x),
-            "gate/up + SwiGLU": lambda: gate_up(
-                (n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
-                (table, items, rows, *xh, i32(spec.n_embd), i64(spec.up_at),
-                 i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act),
-                shared_mem=gu_shared),
+            "gate/up + SwiGLU": lambda: kernels.gate_up(spec, table, items, n_items, rows, xh,
+                                                        act),
             "rows_to_half (act)": lambda: kernels._half(act),
-            "down": lambda: down(
-                (n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
-                (table, items, dest, *acth, i32(spec.n_ff), i64(spec.down_at),
-                 i64(spec.down_row_bytes), i32(spec.n_embd), out), shared_mem=d_shared),
+            "down": lambda: kernels.down(spec, table, items, n_items, dest, acth, out),
         }
         used = int((counts > 0).sum())
         gu_bytes = used * spec.down_at          # gate and up rows of every expert with a pair

@@ -90,18 +90,25 @@ class RowsKernels:
         as f16 (`rows_to_half`: x, then the SwiGLU outputs)."""
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         act = cp.empty((pairs, spec.n_ff), dtype=cp.float32)
-        i32, i64 = np.int32, np.int64
-        rows_in = self._half(x) if self.mma else (x,)
+        self.gate_up(spec, blobs, items, n_items, rows, self._half(x) if self.mma else (x,), act)
+        self.down(spec, blobs, items, n_items, dest, self._half(act) if self.mma else (act,), out)
+
+    def gate_up(self, spec: ExpertLayout, blobs, items, n_items: int, rows, rows_in, act) -> None:
+        """act[q] = SwiGLU of sorted pair q's expert on its input row (rows_in: (x,) for the FMA
+        build, (f16 rows, unscale) for the tensor-core build)."""
         fn, shared = self._fn("moe_gate_up_rows", spec.gate_type, 2)
         fn((n_items, math.ceil(spec.n_ff / TILE_N)), (256,),
-           (blobs, items, rows, *rows_in, i32(spec.n_embd), i64(spec.up_at),
-            i64(spec.gate_row_bytes), i64(spec.up_row_bytes), i32(spec.n_ff), act),
+           (blobs, items, rows, *rows_in, np.int32(spec.n_embd), np.int64(spec.up_at),
+            np.int64(spec.gate_row_bytes), np.int64(spec.up_row_bytes), np.int32(spec.n_ff), act),
            shared_mem=shared)
-        act_in = self._half(act) if self.mma else (act,)
+
+    def down(self, spec: ExpertLayout, blobs, items, n_items: int, dest, act_in, out) -> None:
+        """out[dest[q]] = sorted pair q's expert's down rows times its SwiGLU output (act_in as
+        rows_in above)."""
         fn, shared = self._fn("moe_down_rows", spec.down_type, 1)
         fn((n_items, math.ceil(spec.n_embd / TILE_N)), (256,),
-           (blobs, items, dest, *act_in, i32(spec.n_ff), i64(spec.down_at),
-            i64(spec.down_row_bytes), i32(spec.n_embd), out), shared_mem=shared)
+           (blobs, items, dest, *act_in, np.int32(spec.n_ff), np.int64(spec.down_at),
+            np.int64(spec.down_row_bytes), np.int32(spec.n_embd), out), shared_mem=shared)
 
     def _half(self, a):
         """(f16 rows, their unscale) of float32 rows a [m, K] (experts_rows.cu rows_to_half)."""
