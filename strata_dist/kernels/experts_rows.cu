@@ -209,6 +209,17 @@ struct MmaShared {
     }
 };
 
+// Where row out0 + n of matrix mat starts (rows past `nrows` read the last). A select, not
+// bases[mat]: an array indexed at run time would live on the stack.
+template <int NMAT>
+__device__ __forceinline__ const u8* weight_row(const u8* const (&bases)[NMAT],
+                                                const i64 (&row_bytes)[NMAT], int mat, int n,
+                                                int out0, int nrows) {
+    const u8* base = mat == 0 ? bases[0] : bases[NMAT - 1];
+    const i64 row_step = mat == 0 ? row_bytes[0] : row_bytes[NMAT - 1];
+    return base + (i64)min(out0 + n, nrows - 1) * row_step;
+}
+
 // Stage r (columns r * stage_cols(T) ..) of the tile's weight rows into buffer r % 2: thread
 // mat * TILE_N + n copies row n of matrix mat. Returns nothing to wait on: the stage's barrier
 // completes when every row has landed.
@@ -220,10 +231,7 @@ __device__ __forceinline__ void stage_issue(const MmaShared<T, NMAT>& sh, int r,
     if (t >= NMAT * TILE_N) return;
     const int mat = t / TILE_N, n = t % TILE_N;
     const int k0 = r * stage_cols(T), cols = min(stage_cols(T), K - k0);
-    // (a select, not bases[mat]: an array indexed at run time would live on the stack)
-    const u8* base = mat == 0 ? bases[0] : bases[NMAT - 1];
-    const i64 row_step = mat == 0 ? row_bytes[0] : row_bytes[NMAT - 1];
-    const u8* from = base + (i64)min(out0 + n, nrows - 1) * row_step + stored_bytes(T, k0);
+    const u8* from = weight_row<NMAT>(bases, row_bytes, mat, n, out0, nrows) + stored_bytes(T, k0);
     const u8* lo = reinterpret_cast<const u8*>(reinterpret_cast<u64>(from) & ~15ull);
     const u64 hi = (reinterpret_cast<u64>(from) + stored_bytes(T, cols) + 15) & ~15ull;
     bulk_copy_counted(sh.stage_row(r & 1, mat, n), lo,
@@ -298,9 +306,8 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
     int row_mod[NMAT];     // the decoding thread's weight row's address mod 16, per matrix
     #pragma unroll
     for (int mat = 0; mat < NMAT; ++mat)
-        row_mod[mat] = (int)((reinterpret_cast<u64>(bases[mat])
-                              + (u64)min(out0 + (int)(threadIdx.x >> 2), nrows - 1) * row_bytes[mat])
-                             & 15);
+        row_mod[mat] = (int)(reinterpret_cast<u64>(weight_row<NMAT>(
+                                 bases, row_bytes, mat, threadIdx.x >> 2, out0, nrows)) & 15);
     if (threadIdx.x == 0) {
         mbar_init(&sh.bars[0], NMAT * TILE_N);
         mbar_init(&sh.bars[1], NMAT * TILE_N);
