@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -180,3 +181,21 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
             return []
         time.sleep(0.1)
     return [p for p in pids if alive(p)]
+
+
+def generate_killing(session: ServeSession, ids: list[int], max_new: int, pid: int,
+                     after: int = 5, timeout: float = 60.0) -> list[int]:
+    """The tokens of one GEN request during which process `pid` is killed (SIGKILL) once `after`
+    tokens have arrived; an ERR line fails the caller's test."""
+    session.send(f"GEN {max_new} {' '.join(map(str, ids))}")
+    tokens = []
+    line = session.next_line(timeout)
+    while not line.startswith("DONE"):
+        assert not line.startswith("ERR"), line
+        if line.startswith("T "):
+            tokens.append(int(line[2:]))
+            if len(tokens) == after:
+                os.kill(pid, signal.SIGKILL)
+        line = session.next_line(2 * timeout)
+    return tokens
+

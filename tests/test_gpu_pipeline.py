@@ -101,31 +101,15 @@ def test_killing_a_gpu_helper_mid_generation_recovers_with_the_same_tokens(model
     """A helper tier's rank killed after the fifth token: the stages fall back to host memory for
     its pairs, the request finishes with the single-process tokens, the launcher says the helper is
     gone, and the next request runs without the tier."""
-    import os
-    import signal
-    import time
-    from launch_helpers import rank_pids
+    from launch_helpers import generate_killing, rank_pids
     s = ServeSession(model, "--gpus", "0,0,0", "--layer-split", "3", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given",
                      env={"STRATA_STAGE_CACHE_SLOTS": "20"}, timeout=120)
     try:
         helper = rank_pids(s)[2]
         assert any(f.get("role") == "helper" for f in s.info_fields())
-        s.send(f"GEN 64 {' '.join(map(str, PROMPT))}")
-        tokens = []
-        line = s.next_line(60)
-        while not line.startswith("DONE"):
-            assert not line.startswith("ERR"), line
-            if line.startswith("T "):
-                tokens.append(int(line[2:]))
-                if len(tokens) == 5:
-                    os.kill(helper, signal.SIGKILL)
-            line = s.next_line(120)
-        assert tokens == baseline
-        deadline = time.monotonic() + 20
-        while "helper rank 2 is gone" not in "".join(s.stderr) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "helper rank 2 is gone" in "".join(s.stderr)
+        assert generate_killing(s, PROMPT, 64, helper, after=5, timeout=60) == baseline
+        assert s.err_has("helper rank 2 is gone", timeout=20)
         again = s.gen(PROMPT, 8, timeout=120)
         assert again["err"] is None and again["tokens"] == baseline[:8]
     finally:

@@ -1,14 +1,11 @@
 """Expert tiers on CPU ranks: stage caches, helper tiers (on stage cards and on a card that runs
 no stage), host misses. The tokens never depend on where an expert was computed."""
-import os
-import signal
-import time
 
 import numpy as np
 import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
-from launch_helpers import ServeSession, rank_pids
+from launch_helpers import ServeSession, generate_killing, rank_pids
 from strata_dist.backends import get_backend
 from strata_dist.single_process import SingleProcessRunner
 from strata_dist.experts import BlobArena, HostTier
@@ -112,21 +109,8 @@ def test_killing_a_helper_rank_mid_generation_recovers_with_the_same_tokens(mode
     try:
         helper = rank_pids(s)[2]
         assert any(f.get("role") == "helper" for f in s.info_fields())
-        s.send(f"GEN 64 {' '.join(map(str, PROMPT))}")
-        tokens = []
-        line = s.next_line(30)
-        while not line.startswith("DONE"):
-            if line.startswith("T "):
-                tokens.append(int(line[2:]))
-                if len(tokens) == 5:
-                    os.kill(helper, signal.SIGKILL)
-            assert not line.startswith("ERR"), line
-            line = s.next_line(60)
-        assert tokens == baseline
-        deadline = time.monotonic() + 10
-        while "helper rank 2 is gone" not in "".join(s.stderr) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "helper rank 2 is gone" in "".join(s.stderr)
+        assert generate_killing(s, PROMPT, 64, helper, after=5, timeout=30) == baseline
+        assert s.err_has("helper rank 2 is gone", timeout=10)
         assert s.gen(PROMPT, 8)["tokens"] == baseline[:8]   # the run goes on without the tier
     finally:
         s.close()
