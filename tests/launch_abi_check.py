@@ -107,8 +107,13 @@ def install(nvcc: str, counts, errors) -> None:
             return CheckedKernel(source, kernel, [], counts, errors)
         return CheckedKernel(source, kernel, sigs[(source, kernel)], counts, errors)
 
-    kernels.function = function        # before the backends import it
+    install_kernels(function)
 
+
+def install_kernels(function) -> None:
+    """`function(source, kernel, device, defines)` hands out every kernel the GPU path launches,
+    programmatic launches included (call before the backends import strata_dist.kernels)."""
+    kernels.function = function
     import strata_dist.kernels.pdl as pdl
 
     class Programmatic:                # the programmatic launches, through the same check

@@ -68,14 +68,8 @@ class Kernel:
 
 
 def install() -> None:
-    import strata_dist.kernels as kernels
-    import strata_dist.kernels.pdl as pdl
-    kernels.function = lambda source, kernel, device=0, defines=(): Kernel()
-
-    class Programmatic:
-        def launch(self, kernel, grid, block, args, stream_ptr, shared_mem=0):
-            kernel(grid, block, args, shared_mem=shared_mem)
-    pdl.ProgrammaticLauncher = Programmatic
+    from launch_abi_check import install_kernels
+    install_kernels(lambda source, kernel, device=0, defines=(): Kernel())
 
 
 def main() -> int:
