@@ -239,20 +239,35 @@ __device__ __forceinline__ void stage_issue(const MmaShared<T, NMAT>& sh, int r,
 }
 
 // The weights of the step at column k1 (in stage r1, already landed), decoded from the stage copy
-// and stored as f16: chunk t % 4 of row t / 4 of each matrix. row_mod[mat]: this thread's row's
-// address mod 16 (the stage copy keeps it).
+// and stored as f16. One matrix (down): thread t decodes chunk t % 4 of row t / 4. Two (gate and
+// up): chunks 2 (t % 2) and 2 (t % 2) + 1 of row (t / 2) % TILE_N of matrix t / (2 TILE_N), so a
+// thread's two chunks share one Q4_K scale and min (chunk16_half) instead of each unpacking its
+// own. row_mod: this thread's row's address mod 16 (the stage copy keeps it).
+template <int NMAT>
+__device__ __forceinline__ void step_decoder(int& mat, int& n, int& q) {
+    const int t = threadIdx.x;
+    if constexpr (NMAT == 1) { mat = 0; n = t >> 2; q = t & 3; }
+    else { mat = t / (2 * TILE_N); n = (t >> 1) % TILE_N; q = 2 * (t & 1); }
+}
+
 template <int T, int NMAT>
 __device__ __forceinline__ void step_weights(const MmaShared<T, NMAT>& sh, int r1, int k1,
-                                             const int (&row_mod)[NMAT],
-                                             __half (*ws)[TILE_N][MMA_LD]) {
-    const int n = threadIdx.x >> 2, q = threadIdx.x & 3;
+                                             int row_mod, __half (*ws)[TILE_N][MMA_LD]) {
+    int mat, n, q;
+    step_decoder<NMAT>(mat, n, q);
     const int k0 = r1 * stage_cols(T);
-    #pragma unroll
-    for (int mat = 0; mat < NMAT; ++mat) {
-        const int at = (row_mod[mat] + (int)stored_bytes(T, k0)) & 15;
+    const int at = (row_mod + (int)stored_bytes(T, k0)) & 15;
+    const u8* from = sh.stage_row(r1 & 1, mat, n) + at;
+    const int c = ((k1 - k0) >> 3) + q;
+    if constexpr (NMAT == 1) {
         uint4 packed;
-        chunk8_half<T>(sh.stage_row(r1 & 1, mat, n) + at, ((k1 - k0) >> 3) + q, packed);
-        *reinterpret_cast<uint4*>(&ws[mat][n][8 * q]) = packed;
+        chunk8_half<T>(from, c, packed);
+        *reinterpret_cast<uint4*>(&ws[0][n][8 * q]) = packed;
+    } else {
+        uint4 lo, hi;
+        chunk16_half<T>(from, c, lo, hi);
+        *reinterpret_cast<uint4*>(&ws[mat][n][8 * q]) = lo;
+        *reinterpret_cast<uint4*>(&ws[mat][n][8 * q + 8]) = hi;
     }
 }
 
@@ -303,11 +318,13 @@ __device__ __forceinline__ void tile_products_mma(float (&acc)[NMAT][2][4][4],
         dst_col[j] = 8 * (piece & 3);
         src[j] = xh + (valid[j] ? (i64)rows[m] * K : 0) + dst_col[j];
     }
-    int row_mod[NMAT];     // the decoding thread's weight row's address mod 16, per matrix
-    #pragma unroll
-    for (int mat = 0; mat < NMAT; ++mat)
-        row_mod[mat] = (int)(reinterpret_cast<u64>(weight_row<NMAT>(
-                                 bases, row_bytes, mat, threadIdx.x >> 2, out0, nrows)) & 15);
+    int row_mod;           // the decoding thread's weight row's address mod 16
+    {
+        int mat, n, q;
+        step_decoder<NMAT>(mat, n, q);
+        row_mod = (int)(reinterpret_cast<u64>(weight_row<NMAT>(bases, row_bytes, mat, n, out0,
+                                                               nrows)) & 15);
+    }
     if (threadIdx.x == 0) {
         mbar_init(&sh.bars[0], NMAT * TILE_N);
         mbar_init(&sh.bars[1], NMAT * TILE_N);

@@ -23,6 +23,29 @@ __device__ __forceinline__ u32 byte_pair_1024(u32 w, int i) {
     return __byte_perm(w, 0x64u, i == 0 ? 0x4140u : 0x4342u);
 }
 
+// Q4_K sub-block j of the super-block at blk: a = d * scale and b = -dmin * min, each rounded
+// to f16, in both halves.
+__device__ __forceinline__ void q4_k_scale_min_half(const u8* __restrict__ blk, int j,
+                                                    __half2& a2, __half2& b2) {
+    const uint4 head = *reinterpret_cast<const uint4*>(blk);
+    int s, m;
+    k_scale_min(head.y, head.z, head.w, j, s, m);
+    a2 = __float2half2_rn(h2f((u16)(head.x & 0xFFFF)) * (float)s);
+    b2 = __float2half2_rn(-(h2f((u16)(head.x >> 16)) * (float)m));
+}
+
+// Eight Q4_K weights (the nibbles at `shift` of the eight bytes w0, w1) as a * q + b in f16 pairs.
+__device__ __forceinline__ void q4_k_nibbles_half(u32 w0, u32 w1, int shift, __half2 a2,
+                                                  __half2 b2, u32 (&h)[4]) {
+    const __half2 k1024 = __float2half2_rn(1024.f);
+    const u32 words[2] = {w0 >> shift, w1 >> shift};
+    #pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const u32 pair = byte_pair_1024(words[t >> 1], 2 * (t & 1)) & 0xFF0FFF0Fu;
+        h[t] = half2_bits(__hfma2(__hsub2(bits_half2(pair), k1024), a2, b2));
+    }
+}
+
 template <int T>
 __device__ __forceinline__ void chunk8_half(const u8* __restrict__ row, int c, uint4& out) {
     u32 h[4];
@@ -40,22 +63,11 @@ __device__ __forceinline__ void chunk8_half(const u8* __restrict__ row, int c, u
         }
     } else if constexpr (T == T_Q4_K) {
         const u8* blk = row + (c >> 5) * 144;
-        const int j = (c >> 2) & 7, k = c & 3;
-        const uint4 head = *reinterpret_cast<const uint4*>(blk);
-        int s, m;
-        k_scale_min(head.y, head.z, head.w, j, s, m);
-        const float a = h2f((u16)(head.x & 0xFFFF)) * (float)s;
-        const float b = -(h2f((u16)(head.x >> 16)) * (float)m);
-        const __half2 a2 = __float2half2_rn(a), b2 = __float2half2_rn(b);
-        const __half2 k1024 = __float2half2_rn(1024.f);
-        const uint2 qv = *reinterpret_cast<const uint2*>(blk + 16 + 32 * (j >> 1) + 8 * k);
-        const int shift = (j & 1) * 4;
-        const u32 words[2] = {qv.x >> shift, qv.y >> shift};
-        #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const u32 pair = byte_pair_1024(words[t >> 1], 2 * (t & 1)) & 0xFF0FFF0Fu;
-            h[t] = half2_bits(__hfma2(__hsub2(bits_half2(pair), k1024), a2, b2));
-        }
+        const int j = (c >> 2) & 7;
+        __half2 a2, b2;
+        q4_k_scale_min_half(blk, j, a2, b2);
+        const uint2 qv = *reinterpret_cast<const uint2*>(blk + 16 + 32 * (j >> 1) + 8 * (c & 3));
+        q4_k_nibbles_half(qv.x, qv.y, (j & 1) * 4, a2, b2, h);
     } else {
         float w[8];
         chunk8<T, false>(row, c, w);
@@ -64,3 +76,27 @@ __device__ __forceinline__ void chunk8_half(const u8* __restrict__ row, int c, u
     }
     out = make_uint4(h[0], h[1], h[2], h[3]);
 }
+
+// Chunks c and c + 1 (c even: one Q4_K sub-block's half) into lo and hi. For Q4_K the two share
+// their scale and min, which cost as many instructions as the weights, so they are unpacked once;
+// the same values as two chunk8_half calls.
+template <int T>
+__device__ __forceinline__ void chunk16_half(const u8* __restrict__ row, int c, uint4& lo,
+                                             uint4& hi) {
+    if constexpr (T == T_Q4_K) {
+        const u8* blk = row + (c >> 5) * 144;
+        const int j = (c >> 2) & 7;
+        __half2 a2, b2;
+        q4_k_scale_min_half(blk, j, a2, b2);
+        const uint4 qv = *reinterpret_cast<const uint4*>(blk + 16 + 32 * (j >> 1) + 8 * (c & 3));
+        u32 h[4];
+        q4_k_nibbles_half(qv.x, qv.y, (j & 1) * 4, a2, b2, h);
+        lo = make_uint4(h[0], h[1], h[2], h[3]);
+        q4_k_nibbles_half(qv.z, qv.w, (j & 1) * 4, a2, b2, h);
+        hi = make_uint4(h[0], h[1], h[2], h[3]);
+    } else {
+        chunk8_half<T>(row, c, lo);
+        chunk8_half<T>(row, c + 1, hi);
+    }
+}
+
