@@ -183,10 +183,10 @@ def test_a_32k_prompt_stays_inside_the_budget_the_plan_priced(tmp_path):
     m = re.search(r"rank 0 device memory free: ([\d.]+) MiB before loading", s.err())
     assert m, s.err()[-2000:]
     before_carve = total - float(m.group(1)) * 2**20        # the device's use with the context
-    # the stage's whole budget: its weights, session and reserves, and budget_bytes (cache and
-    # its own prompt buffers)
+    # what the plan puts on the stage's card, by its own sum (plan.Plan.left_bytes): weights,
+    # session, reserves, its own prompt buffers and its cache (the loan inside it)
     priced = sum(int(stage[k]) for k in ("weights_bytes", "session_bytes", "reserve_bytes",
-                                         "budget_bytes"))
+                                         "own_prompt_bytes", "cache_bytes"))
     allowed = before_carve + priced + (64 << 20)
     assert peak[0] <= allowed, (f"peak {peak[0] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} "
                                 f"MiB (priced {priced / 2**20:.0f} MiB)")
