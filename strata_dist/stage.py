@@ -6,7 +6,6 @@ layers, keeping global layer ordinals (the session carve)."""
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from .checkpoints import CheckpointStore, bound_bytes
 from .experts import BlobArena
 from .loan_arena import LoanAllocator
 from .models import architecture_for, load_model, open_checked
+from .host_pinning import pin_room_error, reads_host_in_place
 from .tiers import ExpertTiers, HelperClient
 
 
@@ -61,7 +61,7 @@ class Stage:
         self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
                                  local_helper=cfg.local_helper)
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
-        if os.environ.get("STRATA_HOST_MAPPED") == "1" and self.backend.name == "cupy":
+        if self.backend.name == "cupy" and reads_host_in_place(self.tiers):
             self.tiers.pinned, self.pin_error = _pin_missing(self.gguf, self.cache, cfg.lb,
                                                              cfg.le, g.n_expert, cfg.loan_slots)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
@@ -215,6 +215,11 @@ def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int, loan_slots: int):
     missing += cache.pairs[len(cache.pairs) - min(loan_slots, len(cache.pairs)):]
     if not missing:
         return None, ""
+    no_room = pin_room_error(sum(gguf.blob_bytes(l) for l, _ in missing))
+    if no_room:
+        log.warning("the experts the cache lacks are not pinned: %s; they are read from the file",
+                    no_room)
+        return None, no_room
     try:
         return MappedHostBlobs(gguf, missing), ""
     except Exception as e:

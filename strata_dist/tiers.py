@@ -128,6 +128,11 @@ class ExpertTiers(ExpertStore):
         self._streamer = None
         self.counters: Counter = Counter()
 
+    @property
+    def has_helper_pairs(self) -> bool:
+        """Whether a helper tier (another card's, or this card's own) holds pairs for this stage."""
+        return bool(self.helpers) or (self.local_helper is not None and bool(self.local_helper.pairs))
+
     def outputs_device(self, layer: int, x, idx):
         """Every expert of `layer` in this stage's cache: all hits, computed on the device."""
         y = self.cache.outputs_device(layer, x, idx)

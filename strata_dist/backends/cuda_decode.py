@@ -13,9 +13,9 @@ one's token (backends/step_slots.py; measured faster, docs/BENCHMARKS.md; STRATA
 turns it off).
 
 Used when every expert of the stage's layers is resident in its cache arena (the single-process
-runner, or a stage whose cache holds its whole range), or, with STRATA_HOST_MAPPED=1, when the
-experts the cache lacks are pinned in host memory and read in place by the same kernels
-(backends/host_mapped.py; not yet measured on a GPU, hence opt-in); and when nothing needs routing
+runner, or a stage whose cache holds its whole range), or when the experts the cache lacks are
+pinned in host memory and read in place by the same kernels (backends/host_mapped.py; the
+default for a stage without helper-tier pairs, host_pinning.py); and when nothing needs routing
 decisions on the host (profile recording). Otherwise the general path of cupy_backend.py runs.
 backends/next_decode.py builds the same runner with qwen3next's layers."""
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, 
                            QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
                            attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
+from ..host_pinning import reads_host_in_place
 from ..plan.pricing import DECODE_ROWS
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
                            norm_vector, weight_of)
@@ -56,7 +57,7 @@ class DecodeGraph:
                  attn_heads: int | None = None):
         """`shape`: the expert kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
         decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
-        and read there (default: $STRATA_HOST_MAPPED == "1"); else a missing expert makes the
+        and read there (default: host_pinning.reads_host_in_place); else a missing expert makes the
         stage take the general path. `attn_heads`: query heads of one attention block (default:
         $STRATA_ATTN_HEADS, else kernels/abi.py default_attn_heads)."""
         g = model.g
@@ -65,8 +66,8 @@ class DecodeGraph:
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
         self.use_graph = (os.environ.get("STRATA_DECODE_GRAPH", "1") != "0"
                           if use_graph is None else use_graph)
-        self.host_misses = (os.environ.get("STRATA_HOST_MAPPED", "0") == "1"
-                            if host_misses is None else host_misses)
+        self.host_misses = (reads_host_in_place(model.experts) if host_misses is None
+                            else host_misses)
         self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
         # itself ("1"), or the attention does for one-row steps ("attention"); either way no

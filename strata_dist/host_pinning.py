@@ -1,0 +1,43 @@
+"""Whether a GPU stage keeps the experts its cache lacks pinned in host memory
+(backends/host_mapped.py: its decode graph reads them in place, its prompts stream them by DMA).
+Policy only, no CUDA: the stage asks before pinning, the decode graph before building."""
+from __future__ import annotations
+
+import os
+
+HOST_MAPPED_MODES = {"1": True, "0": False, "": None, "auto": None}
+PIN_SHARE = 0.75     # by default pin at most this share of the host's available memory
+
+
+def reads_host_in_place(experts) -> bool:
+    """Whether a GPU stage pins the experts its cache lacks in host memory, its decode graph
+    reading them in place and its prompts streaming them by DMA (backends/host_mapped.py).
+    STRATA_HOST_MAPPED=1 always, =0 never; unset (or "auto") wherever no helper tier holds pairs
+    for the stage: measured 17-24x the general path's decode with experts off the card
+    (docs/BENCHMARKS.md), while a stage with helper pairs keeps the general path, whose decode asks
+    the helpers (the graph would read their pairs from host memory instead)."""
+    text = os.environ.get("STRATA_HOST_MAPPED", "")
+    if text not in HOST_MAPPED_MODES:
+        raise ValueError(f"STRATA_HOST_MAPPED={text!r}: expected 1, 0 or auto")
+    forced = HOST_MAPPED_MODES[text]
+    if forced is not None:
+        return forced
+    return not getattr(experts, "has_helper_pairs", False)
+
+
+def pin_room_error(nbytes: int, meminfo: str = "/proc/meminfo") -> str:
+    """Why pinning nbytes would not be left to the default (empty when it would): more than
+    PIN_SHARE of the host's available memory, which page-locked copies would take from the page
+    cache the model file is read through. STRATA_HOST_MAPPED=1 pins regardless."""
+    if os.environ.get("STRATA_HOST_MAPPED", "") == "1":
+        return ""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return ""          # not Linux's /proc: the allocation itself says whether it fits
+    if nbytes <= PIN_SHARE * available:
+        return ""
+    return (f"{nbytes / 2**30:.1f} GiB of experts would take more than {PIN_SHARE:.0%} of the "
+            f"host's {available / 2**30:.1f} GiB available (STRATA_HOST_MAPPED=1 pins them anyway)")
