@@ -143,7 +143,8 @@ class BlobArena(ExpertStore):
         """y[row, rank] = expert idx[row, rank] applied to x[row], unweighted: every expert of the
         call in one experts_swiglu."""
         n, k = idx.shape
-        y = self.backend.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
+        y = self.backend.buffer("y", (n, k, x.shape[1]), np.float32)
+        y.fill(0)
         self.compute_into(layer, x, idx, np.ones(idx.shape, dtype=bool), y)
         return y
 
@@ -158,7 +159,7 @@ class BlobArena(ExpertStore):
         """Each expert's blob address of `layer` (host uint64 [n_experts]), or None when one is not
         resident (or the arena is host memory)."""
         slots = self.slot_of[layer]
-        if (slots < 0).any() or isinstance(self.buf, np.ndarray):
+        if (slots < 0).any() or self.backend.xp is np:
             return None
         return (int(self.buf.data.ptr) + self.offsets[slots]).astype(np.uint64)
 

@@ -7,7 +7,8 @@ from .backends.kv_cache import default_kv_type, kv_cell_bytes
 from .backends.layout import dense_nbytes
 from .gguf_model import GGUFModel
 from .models import architecture_for
-from .plan.shape import ModelShape, estimate_prompt_bytes_per_token
+from .models.common import prompt_layout
+from .plan.shape import ModelShape
 
 # What a rank keeps of dense tensors and of its KV cache: backends/layout.py. The linear layers'
 # conv + recurrent state is float32.
@@ -38,6 +39,7 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu", kv_type: str | None =
     last_only = set(arch.dense_tensor_names(g, 0, 1, False, True)) - set(
         arch.dense_tensor_names(g, 0, 1, False, False))
     kinds = arch.layer_kinds(g)
+    layout = prompt_layout(arch, gguf, g)   # what a GPU stage carves for a chunk (plan/workspace.py)
     return ModelShape(
         arch=g.arch, n_layers=g.n_layers, n_experts=g.n_expert, top_k=g.n_expert_used,
         hidden=g.n_embd, n_head=g.n_head,
@@ -54,10 +56,6 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu", kv_type: str | None =
         embed_bytes=sum(size(n) for n in first_only),
         head_bytes=sum(size(n) for n in last_only),
         head_shares_embedding=bool(first_only & last_only),
-        # the estimate sums a layer's phases; an attention layer's own live set is its floor
-        prompt_bytes_per_token=max(
-            estimate_prompt_bytes_per_token(g.n_embd, g.n_ff_exp, g.n_expert_used, g.n_expert,
-                                            mixer_width=arch.mixer_width(g))
-            + arch.extra_prompt_elems(g) * 4,
-            arch.attention_prompt_elems(g) * 4),
+        prompt_bytes_per_token=layout.per_token(),
+        prompt_layout=tuple(tuple(r) for r in layout.to_list()),
     )

@@ -4,6 +4,7 @@ It is the baseline every distributed run is compared against (`strata-dist gener
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -12,6 +13,7 @@ import numpy as np
 from .backends import get_backend
 from .checkpoints import DEFAULT_EVERY, CheckpointStore, request_positions, resume_point
 from .models import load_model, open_checked
+from .prompt_workspace import PromptWorkspace
 from .sampler import Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -52,6 +54,12 @@ class SingleProcessRunner:
         self.checkpoints = CheckpointStore()
         # decode steps as one device graph where the backend has one for this model (CuPy)
         self.decode_graph = self.backend.decode_graph(self.model, self.max_context)
+        # a GPU chunk's buffers in one fixed layout, allocated once (strata_dist/prompt_workspace.py)
+        self.workspace = None
+        if self.backend.name == "cupy":
+            layout = self.model.prompt_layout()
+            self.workspace = PromptWorkspace(
+                layout, prefill_chunk, self.backend.xp.empty(layout.nbytes(prefill_chunk), np.uint8))
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
         self.eos_id: int | None = None if eos is None else int(eos)
 
@@ -61,10 +69,13 @@ class SingleProcessRunner:
                              f"{self.max_context}")
 
     def _run(self, ids) -> object:
+        """The hidden rows of `ids` after every layer: on a GPU a view of the workspace, read
+        before the next call."""
         if self.decode_graph is not None:
             self.decode_graph.settle()     # a decode step launched ahead, before the general path
-        h = self.model.embed(ids)
-        h = self.model.forward_layers(h, self.session)
+        with self.workspace.active(self.backend) if self.workspace is not None else nullcontext():
+            h = self.model.embed(ids)
+            h = self.model.forward_layers(h, self.session)
         self.session.n_past += len(ids)
         return h
 

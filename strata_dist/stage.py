@@ -14,7 +14,7 @@ import numpy as np
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
 from .experts import BlobArena
-from .loan_arena import LoanAllocator
+from .prompt_workspace import PromptWorkspace
 from .models import architecture_for, load_model, open_checked
 from .host_pinning import pin_room_error, reads_host_in_place
 from .tiers import ExpertTiers, HelperClient
@@ -39,6 +39,7 @@ class StageConfig:
     loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
     link_seal: object = None                             # the launch's seal for TCP data links
     kv_type: str | None = None                           # --kv-type (None: the device's default)
+    prompt_chunk: int = 0                                # the plan's prompt chunk (0: not known)
 
 
 class Stage:
@@ -68,6 +69,14 @@ class Stage:
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         # decode steps as one device graph when the cache holds every expert of the range (CuPy)
         self.decode_graph = self.backend.decode_graph(self.model, cfg.max_context)
+        # a GPU prompt chunk's buffers: the layout the plan priced, carved from the loan while a
+        # prompt borrows it, else from the stage's own prompt buffers, allocated here once
+        self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
+        self._workspace = self._own_workspace = None
+        if self.prompt_layout is not None and cfg.prompt_chunk and not cfg.loan_slots:
+            self._own_workspace = PromptWorkspace(
+                self.prompt_layout, cfg.prompt_chunk,
+                self.backend.xp.empty(self.prompt_layout.nbytes(cfg.prompt_chunk), np.uint8))
         self.sessions: dict[int, object] = {}
         self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
@@ -121,32 +130,36 @@ class Stage:
         return out
 
     def begin_prompt(self) -> None:
-        """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU every
-        buffer a prompt chunk allocates comes from it (strata_dist/loan_arena.py)."""
+        """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU the
+        chunk's buffers are carved from it by the priced layout (strata_dist/prompt_workspace.py)."""
         if self.cfg.loan_slots > 0 and not self.cache.lent:
             self.cache.lend_tail(self.cfg.loan_slots)
             self.tiers.counters["loans"] += 1
-            if self.backend.name == "cupy":
-                self.tiers.loan = LoanAllocator(self.cache.loan_region())
+            if self.prompt_layout is not None and self.cfg.prompt_chunk:
+                try:
+                    self._workspace = PromptWorkspace(self.prompt_layout, self.cfg.prompt_chunk,
+                                                      self.cache.loan_region())
+                except ValueError as e:   # a plan priced for another file: said, not hidden
+                    log.error("the loan cannot hold the prompt buffers (%s); they come from the "
+                              "pool", e)
+        elif self._own_workspace is not None:
+            self._workspace = self._own_workspace
 
     def end_prompt(self) -> None:
         """After the prompt, the lent slots get their own pairs back: outside a prompt the whole
         cache is expert cache."""
-        loan, self.tiers.loan = self.tiers.loan, None
-        if loan is not None:
+        ws, self._workspace = self._workspace, None
+        if ws is not None:
             c = self.tiers.counters
-            c["loan_peak_bytes"] = max(c["loan_peak_bytes"], loan.ranges.peak)
-            c["loan_overflow_bytes"] += loan.overflow_bytes
-            if loan.ranges.live_blocks:   # a prompt buffer outlived the prompt: a bug, said loudly
-                log.error("%d prompt buffer(s) still live in the loan at refill",
-                          loan.ranges.live_blocks)
-                c["loan_live_at_refill"] += loan.ranges.live_blocks
+            c["loan_peak_bytes"] = max(c["loan_peak_bytes"], ws.nbytes)   # carved, as priced
+            c["loan_overflow_bytes"] += ws.overflow_bytes
+            ws.overflow_bytes = 0
         if self.cache.lent:
             self.tiers.counters["refilled_slots"] += self.cache.refill()
 
     def _prompt_buffers(self, prompt: bool):
-        loan = self.tiers.loan if prompt else None
-        return loan.active() if loan is not None else nullcontext()
+        ws = self._workspace if prompt else None
+        return ws.active(self.backend) if ws is not None else nullcontext()
 
     def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False,
             checkpoint_at=(), ahead: bool = False):
@@ -190,8 +203,8 @@ class Stage:
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
             out = h[-1:] if self.cfg.last else h
-        if self.tiers.loan is not None and prompt:
-            out = out.copy()        # out of the loan: the rows outlive the prompt's buffers
+        if self._workspace is not None and prompt:
+            out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers
         del h
         if self.cfg.last:
             return self.backend.to_host(self.model.output_logits(out))[0].astype(np.float32)

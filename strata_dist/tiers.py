@@ -123,7 +123,6 @@ class ExpertTiers(ExpertStore):
         # per layer: each expert's helper (its index in `helpers`), -1 where none holds it
         self._helper_of: dict[int, np.ndarray] = {}
         self.prompt = False          # set by the stage: prompt chunks never go to helpers
-        self.loan = None             # a GPU stage's LoanAllocator while a prompt borrows the tail
         self.pinned = None           # MappedHostBlobs of the pairs the cache lacks (GPU, opt-in)
         self._streamer = None
         self.counters: Counter = Counter()
@@ -143,7 +142,8 @@ class ExpertTiers(ExpertStore):
     def outputs(self, layer: int, x, idx: np.ndarray):
         be = self.backend
         n, k = idx.shape
-        y = be.xp.zeros((n, k, x.shape[1]), dtype=np.float32)
+        y = be.buffer("y", (n, k, x.shape[1]), np.float32)
+        y.fill(0)
         # one decision per expert, then looked up for every (row, rank): a prompt chunk routes
         # thousands of rows to most of a layer's experts
         tier_of, helper_of = self._tiers_of(layer)
@@ -174,7 +174,7 @@ class ExpertTiers(ExpertStore):
             except (ProtocolTimeout, ProtocolError) as e:
                 self._helper_lost(h, e)
                 tier[mask] = 0
-        if self.prompt and self.cache.lent:
+        if self.prompt and (self.cache.lent or be.workspace is not None):
             self._run_streamed(layer, x, idx, tier == 0, y)
         else:
             self._run(self.host, layer, x, idx, tier == 0, y)
@@ -217,18 +217,17 @@ class ExpertTiers(ExpertStore):
             y[sel, be.asarray(ranks)] = store.compute(layer, int(expert), x[sel])
 
     def _run_streamed(self, layer: int, x, idx, mask, y) -> None:
-        """A prompt chunk's misses, streamed into the loaned tail of the cache a batch at a time
-        and computed there with the same kernel as a hit (no allocation per expert)."""
+        """A prompt chunk's misses, streamed a batch at a time into the prompt workspace's
+        `stream` buffer on a GPU (the loaned tail of the cache on a CPU rank) and computed there
+        with the same kernel as a hit (no allocation per expert)."""
         be, gguf = self.backend, self.gguf
         size = gguf.blob_bytes(layer)
         experts = [int(e) for e in np.unique(idx[mask])]
         if not experts:
             return
-        if self.loan is not None:
-            # on a GPU the batch is one more prompt buffer carved from the loan (the chunk's
-            # activations hold the rest); at least one blob, from CuPy's pool if it must
-            per_batch = max(1, min(len(experts), self.loan.ranges.largest_free // size))
-            region = be.xp.empty(per_batch * size, dtype=np.uint8)
+        if be.workspace is not None:
+            per_batch = min(len(experts), be.workspace.capacity("stream") // size)
+            region = be.buffer("stream", (per_batch * size,), np.uint8)
         else:
             region = self.cache.loan_region()
             per_batch = int(region.nbytes) // size

@@ -1,15 +1,18 @@
-"""What a prompt chunk's buffers really take on the GPU path, against what the plan prices for them.
+"""A prompt chunk's buffers on the GPU path against the fixed layout the plan prices them by.
 
 Run as its own process with tests/fake_cupy first on the path (tests/test_prompt_bytes.py does):
 the GPU backend's Python runs on numpy stand-ins whose arrays count their bytes while they live
-(fake_cupy track_start / track_stop), kernels replaced by stand-ins that run nothing. For each
-architecture, one GPU-path runner reads a first chunk (sessions, graphs and tables allocated),
-then one more chunk of each size under tracking: the peak bytes live at once.
-Two chunk sizes give the buffers' bytes per token (the slope) and their fixed part; the plan's
-`prompt_bytes_per_token` (model_shape.py) is what a loan or a stage's own prompt buffers are sized
-by. Kernels are not run (so routing picks the first experts), which changes no buffer's size.
+(fake_cupy track_start / track_stop; a view of the workspace is not new memory), kernels replaced
+by stand-ins that run nothing (but the router's, which spreads the rows over the experts). For each architecture at two geometries:
+- the single-process runner (every expert resident: routed and grouped on the device) reads a
+  first chunk, then one chunk of each size under tracking;
+- a stage caching all but one expert of each layer, lending the loan the plan prices for its chunk, reads a
+  prompt chunk (the misses streamed through the workspace, grouped on the host).
+Reported: the layout's bytes carved and the plan's price for the chunk (ModelShape.prompt_bytes),
+the bytes allocated outside the workspace at each chunk size, the workspace's buffers written,
+its overflow, and the layout's names.
 
-Prints one JSON line: {arch: {"priced_per_token", "per_token", "fixed", "peaks": {chunk: bytes}}}."""
+Prints one JSON line: {arch: {"runner": {...}, "stage": {...}, "layout": [names]}}."""
 from __future__ import annotations
 
 import json
@@ -21,7 +24,7 @@ import cupy as cp
 
 
 # two geometries an architecture, the smallest the GPU kernels take and one with other ratios of
-# heads, experts and widths: the price is a function of the geometry, not a fit to one file
+# heads, experts and widths: the layout is a function of the geometry, not a fit to one file
 MOE_GEOMETRIES = {
     "qwen3moe": dict(hidden=256, head_dim=128, top_k=4, n_experts=16),
     "qwen3moe, 8 of 32 experts": dict(hidden=512, head_dim=128, top_k=8, n_experts=32),
@@ -33,43 +36,91 @@ NEXT_GEOMETRIES = {
                                n_v_heads=8, head_k_dim=64, head_v_dim=64, top_k=8,
                                n_experts=32),
 }
+CHUNKS = (64, 256)
 
 
-def measure(path: Path, chunks: tuple[int, ...]) -> dict:
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.model_shape import model_shape
+def _ids(n: int) -> list[int]:
+    return [(7 * i) % 300 + 1 for i in range(n)]
+
+
+def measure_runner(path: Path, shape) -> dict:
     from strata_dist.single_process import SingleProcessRunner
-    top = max(chunks)
+    top = max(CHUNKS)
     runner = SingleProcessRunner(path, "cuda:0", prefill_chunk=top, max_context=4 * top + 64)
     runner.prefill(list(range(1, top + 1)))             # the first chunk: everything set up
-    peaks = {}
-    for n in chunks:
+    ws = runner.workspace
+    outside, taken = {}, set()
+    for n in CHUNKS:
         runner.prefill_chunk = n
+        ws.taken.clear()
         cp.track_start()
-        runner.prefill([(7 * i) % 300 + 1 for i in range(n)])
-        peak, _ = cp.track_stop()
-        peaks[n] = peak
-    lo, hi = min(chunks), max(chunks)
-    per_token = (peaks[hi] - peaks[lo]) / (hi - lo)
+        runner.prefill(_ids(n))
+        outside[n], _ = cp.track_stop()
+        taken |= ws.taken
+    return {"carved": ws.nbytes, "priced": shape.prompt_bytes(top), "outside": outside,
+            "taken": sorted(taken), "overflow": ws.overflow_bytes}
+
+
+def measure_stage(path: Path, shape) -> dict:
+    from strata_dist.plan.lend import loan_slots
+    from strata_dist.stage import Stage, StageConfig
+    n = CHUNKS[0]
+    slots = loan_slots(n, shape.prompt_bytes, min(shape.blob_bytes))
+    # every expert but the first of each layer cached (the tiny files' attention outweighs their
+    # experts, so a loan takes most of the cache): the loan's pairs and the first experts stream
+    half = [(l, e) for l in range(shape.n_layers) for e in range(1, shape.n_experts)]
+    if slots >= len(half):
+        raise SystemExit(f"a {n}-token loan takes {slots} slots, the stage caches {len(half)}")
+    st = Stage(StageConfig(str(path), "cuda:0", 0, shape.n_layers, True, True, 4 * n,
+                           cache_pairs=half, loan_slots=slots, prompt_chunk=n))
+    st.session(0)
+    outside, taken, pos = {}, set(), 0
+    for m in (n // 2, n):
+        st.begin_prompt()
+        ws = st._workspace
+        cp.track_start()
+        st.run(0, pos, ids=_ids(m), prompt=True)
+        outside[m], _ = cp.track_stop()
+        taken |= ws.taken
+        st.end_prompt()
+        pos += m
+    return {"carved": ws.nbytes, "priced": shape.prompt_bytes(n),
+            "lent": slots * min(shape.blob_bytes), "outside": outside, "taken": sorted(taken),
+            "overflow": int(st.tiers.counters["loan_overflow_bytes"]),
+            "streamed": int(st.tiers.counters["streamed"])}
+
+
+def measure(path: Path) -> dict:
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.model_shape import model_shape
+    from strata_dist.plan.workspace import PromptLayout
     shape = model_shape(GGUFModel(str(path)), "cuda")
-    return {"priced_per_token": shape.prompt_bytes_per_token, "per_token": per_token,
-            "fixed": peaks[lo] - per_token * lo, "peaks": peaks}
+    return {"runner": measure_runner(path, shape), "stage": measure_stage(path, shape),
+            "layout": [row[0] for row in PromptLayout.from_list(shape.prompt_layout).to_list()],
+            "priced_per_token": shape.prompt_bytes_per_token}
 
 
 class Kernel:
-    """A kernel that runs nothing (the buffers' sizes do not depend on the values)."""
+    """A kernel that runs nothing (the buffers' sizes do not depend on the values), but for the
+    router's top-k, which picks experts (row + rank) % n_expert at equal weights: the buffers it
+    writes are reused memory, whose old bytes would be no expert at all."""
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name
         self.kernel = type("Function", (), {"ptr": 0})()     # what kernels/pdl.py reads
         self.max_dynamic_shared_size_bytes = 48 << 10
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        pass
+        if self.name == "route_rows":
+            _, n, n_expert, k, _, ids, wts = args
+            n, n_expert, k = int(n), int(n_expert), int(k)
+            ids[...] = (cp.arange(n)[:, None] + cp.arange(k)[None, :]) % n_expert
+            wts[...] = 1.0 / k
 
 
 def install() -> None:
     from launch_abi_check import install_kernels
-    install_kernels(lambda source, kernel, device=0, defines=(): Kernel())
+    install_kernels(lambda source, kernel, device=0, defines=(): Kernel(kernel))
 
 
 def main() -> int:
@@ -80,12 +131,12 @@ def main() -> int:
     out = {}
     with tempfile.TemporaryDirectory() as d:
         for name, geo in MOE_GEOMETRIES.items():
-            path = write_gguf(tiny_qwen3moe(7, n_layers=2, **geo), Path(d) / f"{name}.gguf",
+            path = write_gguf(tiny_qwen3moe(7, n_layers=4, **geo), Path(d) / f"{name}.gguf",
                               "q8_0")
-            out[name] = measure(path, (64, 256))
+            out[name] = measure(path)
         for name, geo in NEXT_GEOMETRIES.items():
             path = write_next(tiny_qwen3next(21, **geo), Path(d) / f"{name}.gguf", "q8_0")
-            out[name] = measure(path, (64, 256))
+            out[name] = measure(path)
     print(json.dumps(out))
     return 0
 

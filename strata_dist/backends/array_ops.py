@@ -102,7 +102,7 @@ def moe_combine(backend, experts, layer: int, x, idx, wts):
     never depends on how rows were grouped per expert. `idx` on the device (routed there): the
     store computes it there when it can, else it comes to the host."""
     y = None
-    if not isinstance(idx, np.ndarray):
+    if backend.xp is not np and isinstance(idx, backend.xp.ndarray):
         y = experts.outputs_device(layer, x, idx)
         if y is None:
             # a row that picked nothing has -1 and a NaN weight: any expert computes it to NaN

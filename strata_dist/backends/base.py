@@ -24,6 +24,16 @@ class Backend:
     dense_dtype = np.float32
     kv_type = default_kv_type("cpu")   # how sessions store K/V (backends/kv_cache.py; a stage may
                                        # set --kv-type on its instance)
+    # a prompt chunk's buffers while it runs on a GPU (strata_dist/prompt_workspace.py): the
+    # operations write their results into its named buffers instead of new arrays
+    workspace = None
+
+    def buffer(self, name: str | None, shape, dtype=np.float32):
+        """Where an operation writes a result: the workspace's buffer `name` while a prompt chunk
+        runs with one, else a new array."""
+        if self.workspace is None or name is None:
+            return self.xp.empty(shape, dtype=dtype)
+        return self.workspace.take(name, shape, dtype)
 
     # -- placement -------------------------------------------------------------------------------
     def dense(self, host: np.ndarray):
@@ -34,8 +44,9 @@ class Backend:
         """A dense weight matrix of the file as the backend keeps it (backends/layout.py)."""
         raise NotImplementedError
 
-    def rows(self, table, ids):
-        """float32 rows `ids` of an embedding table kept by dense_tensor."""
+    def rows(self, table, ids, out: str | None = None):
+        """float32 rows `ids` of an embedding table kept by dense_tensor (`out`: the buffer a
+        backend with a workspace writes them into; the others ignore the names)."""
         raise NotImplementedError
 
     def f32(self, host: np.ndarray):
@@ -48,13 +59,22 @@ class Backend:
     def to_host(self, x) -> np.ndarray:
         raise NotImplementedError
 
+    def upload(self, name: str, host: np.ndarray):
+        """A small host table on the backend (a GPU writes it into the workspace's buffer `name`
+        while a prompt chunk runs with one)."""
+        return self.asarray(host)
+
     # -- compute: the layer operations (backends/ops.py LayerOps) ---------------------------------
-    def linear(self, x, w):
+    def linear(self, x, w, out: str | None = None):
         """x [n, in] (float32) @ w[out, in].T -> [n, out] float32."""
         raise NotImplementedError
 
-    def rms_norm(self, x, w, eps: float):
+    def rms_norm(self, x, w, eps: float, out: str | None = None):
         return array_ops.rms_norm(x, w, eps, self.xp)
+
+    def add(self, a, b, out: str | None = None):
+        """a + b (the residual stream's adds)."""
+        return self.xp.add(a, b, out=self.buffer(out, a.shape, np.float32))
 
     def rope(self, x, cos, sin):
         return array_ops.apply_rope(x, cos, sin, self.xp)
@@ -74,11 +94,11 @@ class Backend:
         vc[pos0:pos0 + n] = v
         return q
 
-    def attend(self, q, k, v, pos0: int, session):
+    def attend(self, q, k, v, pos0: int, session, out: str | None = None):
         if q.shape[0] > DECODE_ROWS:          # a prompt chunk: the backend's own kernel, if any
-            out = self.prompt_attention(q, k, v, pos0)
-            if out is not None:
-                return out
+            res = self.prompt_attention(q, k, v, pos0, out=out)
+            if res is not None:
+                return res
         return array_ops.causal_attention(q, k, v, pos0, self.xp, session)
 
     def route(self, x, router, k: int, normalize: bool):
@@ -95,12 +115,25 @@ class Backend:
         g = x @ gate.T
         return (g / (1.0 + self.xp.exp(-g)) * (x @ up.T)) @ down.T
 
-    def sigmoid(self, x):
-        xp = self.xp
-        return np.float32(0.5) * xp.tanh(np.float32(0.5) * x) + np.float32(0.5)
+    def sigmoid(self, x, out: str | None = None):
+        """0.5 tanh(x / 2) + 0.5, each step rounded as that expression rounds it, into `out`
+        (which may be x's own buffer)."""
+        xp, half = self.xp, np.float32(0.5)
+        t = self.buffer(out, x.shape, np.float32)
+        xp.multiply(x, half, out=t)
+        xp.tanh(t, out=t)
+        xp.multiply(t, half, out=t)
+        xp.add(t, half, out=t)
+        return t
 
-    def silu(self, x):
-        return x * self.sigmoid(x)
+    def silu(self, x, out: str | None = None):
+        """x * sigmoid(x), into `out` (not x's own buffer: x is read after its sigmoid)."""
+        return self.xp.multiply(x, self.sigmoid(x, out=out), out=self.buffer(out, x.shape))
+
+    def mul(self, a, b, out: str | None = None):
+        """a * b (broadcast), into `out` (which may be one of theirs)."""
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        return self.xp.multiply(a, b, out=self.buffer(out, shape, np.float32))
 
     def expert_swiglu(self, gguf, layer: int, blob, x):
         """The expert whose stored bytes are `blob` (on this backend) applied to the rows x: every
@@ -124,7 +157,7 @@ class Backend:
         routing to the host)."""
         return None
 
-    def prompt_attention(self, q, k, v, pos0: int):
+    def prompt_attention(self, q, k, v, pos0: int, out: str | None = None):
         """The causal attention of a prompt chunk by the backend's own kernel, or None (the
         models' tiled path runs): q [n, H, D] at positions pos0.., k and v [pos0 + n, KVH, D]."""
         return None

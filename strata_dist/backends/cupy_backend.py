@@ -55,7 +55,7 @@ class CupyBackend(Backend):
         self._rows = None
         if os.environ.get("STRATA_GROUPED_EXPERTS", "1") != "0":
             from .expert_rows import RowsKernels
-            self._rows = RowsKernels(index)
+            self._rows = RowsKernels(index, backend=self)
         self._device_routing = (self._rows is not None
                                 and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
         # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
@@ -82,11 +82,19 @@ class CupyBackend(Backend):
             return cp.asarray(np.asarray(gguf.raw(info.name)).view(np.float16).reshape(info.shape))
         return self.dense(gguf.dequantize(info.name))
 
-    def rows(self, table, ids):
-        idx = cp.asarray(np.asarray(ids, dtype=np.int64))
+    def rows(self, table, ids, out=None):
+        n, d = len(ids), int(table.shape[1])
         if isinstance(table, QuantMatrix):
-            return table.rows(idx)
-        return table[idx].astype(cp.float32)
+            idx = self.upload("tok_ids", np.asarray(ids, dtype=np.int32))
+            return table.rows(idx, out=self.buffer(out, (n, d), cp.float32))
+        idx = self.upload("tok_ids", np.asarray(ids, dtype=np.int64))
+        if table.dtype != cp.float16:
+            return table[idx].astype(cp.float32)
+        gathered = self.buffer("in16", (n, d), cp.float16)
+        cp.take(table, idx, axis=0, out=gathered)
+        res = self.buffer(out, (n, d), cp.float32)
+        cp.copyto(res, gathered)
+        return res
 
     def f32(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float32))
@@ -94,17 +102,41 @@ class CupyBackend(Backend):
     def asarray(self, host):
         return cp.asarray(host)
 
+    def upload(self, name: str, host: np.ndarray):
+        """A small host table (kernel arguments, routing tables) on the device: into the
+        workspace's buffer `name` while a prompt chunk runs with one (a copy queued on the current
+        stream, so the kernels still reading the last chunk's or layer's copy run first)."""
+        host = np.ascontiguousarray(host)
+        if self.workspace is None:
+            return cp.asarray(host)
+        dev = self.workspace.take(name, host.shape, host.dtype)
+        dev.set(host, stream=cp.cuda.get_current_stream())
+        return dev
+
     def to_host(self, x):
         return cp.asnumpy(x)
 
-    def linear(self, x, w):
+    def linear(self, x, w, out=None):
         if isinstance(w, QuantMatrix):
             if self._f16_gemm:     # as an F16 file's matrices: tensor cores, f32 accumulation
-                return (x.astype(cp.float16) @ w.dequantize(cp.float16).T).astype(cp.float32)
+                dense = self.buffer("dense16", w.shape, cp.float16)
+                return self._gemm_f16(x, w.dequantize(cp.float16, out=dense), out)
             return x @ w.dequantize().T
         if w.dtype == cp.float16:
-            return (x.astype(cp.float16) @ w.T).astype(cp.float32)
-        return x @ w.T
+            return self._gemm_f16(x, w, out)
+        return cp.matmul(x, w.T, out=self.buffer(out, (int(x.shape[0]), int(w.shape[0])),
+                                                 cp.float32))
+
+    def _gemm_f16(self, x, w16, out):
+        """x rounded to f16 times f16 weights on tensor cores (an f16 product, as CuPy's f16
+        matmul writes it), widened to float32 into the buffer `out`."""
+        n, rows = int(x.shape[0]), int(w16.shape[0])
+        x16 = self.buffer("in16", x.shape, cp.float16)
+        cp.copyto(x16, x, casting="same_kind")
+        y16 = cp.matmul(x16, w16.T, out=self.buffer("out16", (n, rows), cp.float16))
+        y = self.buffer(out, (n, rows), cp.float32)
+        cp.copyto(y, y16)
+        return y
 
     def make_expert_store(self, gguf, layers):
         """The single-process store: every expert of `layers` resident, in its stored format."""
@@ -169,7 +201,9 @@ class CupyBackend(Backend):
 
     def route(self, x, router, k: int, normalize: bool):
         if self._device_routing:
-            routed = self._rows.route(x @ router.T, k, normalize)
+            logits = cp.matmul(x, router.T, out=self.buffer(
+                "logits", (int(x.shape[0]), int(router.shape[0])), cp.float32))
+            routed = self._rows.route(logits, k, normalize)
             if routed is not None:
                 return routed
         return super().route(x, router, k, normalize)
@@ -182,11 +216,12 @@ class CupyBackend(Backend):
                 or (addresses % np.uint64(spec.align)).any()):
             return None
         n, k = (int(v) for v in ids.shape)
-        y = cp.empty((n, k, spec.n_embd), dtype=cp.float32)
-        self._rows.run_routed(spec, x, ids, cp.asarray(addresses), y.reshape(n * k, spec.n_embd))
+        y = self.buffer("y", (n, k, spec.n_embd), cp.float32)
+        self._rows.run_routed(spec, x, ids, self.upload("blob_table", addresses),
+                              y.reshape(n * k, spec.n_embd))
         return y
 
-    def prompt_attention(self, q, k, v, pos0):
+    def prompt_attention(self, q, k, v, pos0, out=None):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
         (qwen3moe) or 256-wide (qwen3next) heads."""
         from ..kernels.abi import PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_THREADS
@@ -198,7 +233,7 @@ class CupyBackend(Backend):
         from ..kernels import function
         n, n_head, d = (int(x) for x in q.shape)
         q = cp.ascontiguousarray(q, dtype=cp.float32)
-        out = cp.empty((n, n_head, d), dtype=cp.float32)
+        out = self.buffer(out, (n, n_head, d), cp.float32)
         rows = PREFILL_ATTENTION_ROWS
         function("prefill_attention.cu", f"prefill_attention_{d}", self.index)(
             ((n + rows - 1) // rows, n_head), (threads,),
@@ -207,12 +242,12 @@ class CupyBackend(Backend):
         return out
 
     # ---- a chunk's row-wise steps, one launch each ------------------------------------------
-    def rms_norm(self, x, w, eps):
+    def rms_norm(self, x, w, eps, out=None):
         d = int(x.shape[-1])
         if not (self._fused_ops and _f32_rows(x) and _f32_rows(w) and w.shape == (d,)):
             return super().rms_norm(x, w, eps)
         from ..kernels import function
-        out = cp.empty(x.shape, dtype=cp.float32)
+        out = self.buffer(out, x.shape, cp.float32)
         rows = int(x.size) // d
         if rows:
             function("prompt_ops.cu", "rms_norm_rows", self.index)(
@@ -225,7 +260,7 @@ class CupyBackend(Backend):
             return super().combine_ranked(y, wts)
         from ..kernels import function
         n, k, d = (int(v) for v in y.shape)
-        out = cp.empty((n, d), dtype=cp.float32)
+        out = self.buffer("moe_out", (n, d), cp.float32)
         if n:
             function("prompt_ops.cu", "combine_ranked", self.index)(
                 (-(-d // OPS_THREADS), n), (OPS_THREADS,), (y, wts, np.int32(k), np.int32(d), out))
@@ -254,11 +289,11 @@ class CupyBackend(Backend):
                         and c.flags.c_contiguous for c in (kc, vc))):
             return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
         from ..kernels import function
-        table = cp.asarray(np.array([kc.data.ptr, vc.data.ptr, cos.data.ptr, sin.data.ptr],
-                                    dtype=np.uint64))
+        table = self.upload("rope_ptrs", np.array(
+            [kc.data.ptr, vc.data.ptr, cos.data.ptr, sin.data.ptr], dtype=np.uint64))
         desc = np.zeros(DESC_WORDS, dtype=np.int32)
         desc[0], desc[1] = pos0, n
-        desc = cp.asarray(desc)
+        desc = self.upload("rope_desc", desc)
         kernel = lambda name: function("decode.cu", name, self.index, _decode_defines())  # noqa: E731
         if full:
             kernel("qk_norm_rope_kv")(
@@ -266,7 +301,7 @@ class CupyBackend(Backend):
                 (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc,
                  np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(d), np.float32(eps)))
             return q
-        out = cp.empty((n, n_head, d), dtype=cp.float32)
+        out = self.buffer("q_rot", (n, n_head, d), cp.float32)
         kernel("next_qk_norm_rope_kv")(
             (n_head + n_kv, n), (32,),
             (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc, np.int32(n_head),
@@ -298,11 +333,11 @@ class CupyBackend(Backend):
                 and conv.dtype == cp.float32 and state.dtype == cp.float32 and n <= MAX_GRID_Y):
             return None
         rows = [cp.ascontiguousarray(a, dtype=cp.float32) for a in (qkv, z, ba)]
-        mixed = cp.empty((n, g.conv_dim), dtype=cp.float32)
-        out = cp.empty((n, g.n_v_heads, g.head_v_dim), dtype=cp.float32)
-        sess = cp.asarray(np.array([conv.data.ptr, state.data.ptr], dtype=np.uint64))
+        mixed = self.buffer("mixed", (n, g.conv_dim), cp.float32)
+        out = self.buffer("gdn_out", (n, g.n_v_heads, g.head_v_dim), cp.float32)
+        sess = self.upload("gdn_ptrs", np.array([conv.data.ptr, state.data.ptr], dtype=np.uint64))
         try:
-            spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0)
+            spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0, upload=self.upload)
         except Unsupported:
             return None
         if n == 0:

@@ -36,11 +36,22 @@ def layer_experts(gguf, layer: int) -> ExpertLayout | None:
 
 
 class RowsKernels:
-    def __init__(self, device: int, mma: bool | None = None):
+    def __init__(self, device: int, mma: bool | None = None, backend=None):
+        """`backend`: the CupyBackend whose prompt workspace the launches' buffers come from
+        while a chunk runs (None: new arrays, as for the benchmarks and kernel tests)."""
         self.device = device
+        self.backend = backend
         self.mma = os.environ.get("STRATA_ROWS_MMA", "1") != "0" if mma is None else mma
         self._layers: dict[tuple[str, int], ExpertLayout | None] = {}
         self._kernels: dict[tuple[str, int, int], tuple[object, int]] = {}
+
+    def _buf(self, name: str, shape, dtype):
+        if self.backend is None:
+            return cp.empty(shape, dtype=dtype)
+        return self.backend.buffer(name, shape, dtype)
+
+    def _upload(self, name: str, host: np.ndarray):
+        return cp.asarray(host) if self.backend is None else self.backend.upload(name, host)
 
     def _layout(self, gguf, layer: int) -> ExpertLayout | None:
         key = (gguf.path, layer)
@@ -75,7 +86,7 @@ class RowsKernels:
                               + [r.astype(np.int32) for _, r, _ in jobs]
                               + [d.astype(np.int32) for _, _, d in jobs])
         with cp.cuda.Device(self.device):
-            pack_d, blobs_d = cp.asarray(pack), cp.asarray(blobs)
+            pack_d, blobs_d = self._upload("pack", pack), self._upload("pack_blobs", blobs)
             n_items, pairs = len(items), start
             items_d = pack_d[:4 * n_items]
             rows_d = pack_d[4 * n_items:4 * n_items + pairs]
@@ -89,9 +100,11 @@ class RowsKernels:
         dest[q]: input row and output row of sorted pair q). The tensor-core build reads its rows
         as f16 (`rows_to_half`: x, then the SwiGLU outputs)."""
         x = cp.ascontiguousarray(x, dtype=cp.float32)
-        act = cp.empty((pairs, spec.n_ff), dtype=cp.float32)
-        self.gate_up(spec, blobs, items, n_items, rows, self._half(x) if self.mma else (x,), act)
-        self.down(spec, blobs, items, n_items, dest, self._half(act) if self.mma else (act,), out)
+        act = self._buf("act", (pairs, spec.n_ff), cp.float32)
+        self.gate_up(spec, blobs, items, n_items, rows,
+                     self._half(x, "x16", "x_unscale") if self.mma else (x,), act)
+        self.down(spec, blobs, items, n_items, dest,
+                  self._half(act, "act16", "act_unscale") if self.mma else (act,), out)
 
     def gate_up(self, spec: ExpertLayout, blobs, items, n_items: int, rows, rows_in, act) -> None:
         """act[q] = SwiGLU of sorted pair q's expert on its input row (rows_in: (x,) for the FMA
@@ -110,11 +123,12 @@ class RowsKernels:
            (blobs, items, dest, *act_in, np.int32(spec.n_ff), np.int64(spec.down_at),
             np.int64(spec.down_row_bytes), np.int32(spec.n_embd), out), shared_mem=shared)
 
-    def _half(self, a):
-        """(f16 rows, their unscale) of float32 rows a [m, K] (experts_rows.cu rows_to_half)."""
+    def _half(self, a, name: str = "x16", unscale_name: str = "x_unscale"):
+        """(f16 rows, their unscale) of float32 rows a [m, K] (experts_rows.cu rows_to_half), in
+        the buffers of those names."""
         m, cols = (int(v) for v in a.shape)
-        h = cp.empty((m, cols), dtype=cp.float16)
-        unscale = cp.empty(m, dtype=cp.float32)
+        h = self._buf(name, (m, cols), cp.float16)
+        unscale = self._buf(unscale_name, (m,), cp.float32)
         if m:
             function(KERNELS, "rows_to_half", self.device)((m,), (256,),
                                                           (a, np.int32(cols), h, unscale))
@@ -129,8 +143,8 @@ class RowsKernels:
             return None
         with cp.cuda.Device(self.device):
             logits = cp.ascontiguousarray(logits, dtype=cp.float32)
-            ids = cp.empty((n, k), dtype=cp.int32)
-            wts = cp.empty((n, k), dtype=cp.float32)
+            ids = self._buf("ids", (n, k), cp.int32)
+            wts = self._buf("wts", (n, k), cp.float32)
             if n:
                 function(KERNELS, "route_rows", self.device)(
                     (math.ceil(n / 8),), (256,),
@@ -162,9 +176,11 @@ class RowsKernels:
         g = lambda name: function(KERNELS, name, self.device)  # noqa: E731
         with cp.cuda.Device(self.device):
             ids = cp.ascontiguousarray(ids, dtype=cp.int32)
-            rank, rows, dest = (cp.empty(pairs, dtype=cp.int32) for _ in range(3))
-            counts, starts = cp.empty(n_expert, cp.int32), cp.empty(n_expert, cp.int32)
-            items = cp.empty((max_items, 4), dtype=cp.int32)
+            rank, rows, dest = (self._buf(name, (pairs,), cp.int32)
+                                for name in ("pair_rank", "pair_rows", "pair_dest"))
+            counts = self._buf("group_counts", (n_expert,), cp.int32)
+            starts = self._buf("group_starts", (n_expert,), cp.int32)
+            items = self._buf("items", (max_items, 4), cp.int32)
             g("group_count")((n_expert,), (32,), (ids, i32(pairs), rank, counts))
             g("group_items")((1,), (256,), (counts, i32(n_expert), i32(max_items), starts, items))
             if pairs:

@@ -52,12 +52,13 @@ def norm_vector(v, name: str):
     return v
 
 
-def _spec_array(dtype, rows: list[dict]):
+def _spec_array(dtype, rows: list[dict], upload=None, name: str = ""):
+    """The rows as a device table of `dtype` (through `upload(name, bytes)` when given)."""
     host = np.zeros(len(rows), dtype=dtype)
     for i, r in enumerate(rows):
         for key, value in r.items():
             host[key][i] = value
-    return cp.asarray(host.view(np.uint8))
+    return cp.asarray(host.view(np.uint8)) if upload is None else upload(name, host.view(np.uint8))
 
 
 def _mat(w: Weight, y, add=None) -> dict:

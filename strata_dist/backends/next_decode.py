@@ -48,11 +48,13 @@ def _f32_array(a, name: str, shape: tuple[int, ...]):
     return a
 
 
-def gdn_spec(g, w: dict, name: str, qkv, z, ba, mixed, out, sess, layer_slot: int):
+def gdn_spec(g, w: dict, name: str, qkv, z, ba, mixed, out, sess, layer_slot: int,
+             upload=None):
     """A linear layer's GdnSpec table (kernels/gated_delta.cuh): its weights `w` (models/qwen3next
     parts), the rows qkv [n, conv_dim], z [n, value_dim], ba [n, 2 n_v] it reads, the scratch
     `mixed` [n, conv_dim] and `out` [n, value_dim] it writes, and the pointer table `sess` whose
-    entries 2 layer_slot and 2 layer_slot + 1 are its conv and recurrent state."""
+    entries 2 layer_slot and 2 layer_slot + 1 are its conv and recurrent state. `upload(name,
+    host bytes)`: how the table reaches the device (a prompt's workspace; default a new array)."""
     ptr = lambda a: int(a.data.ptr)  # noqa: E731
     return _spec_array(GDN_SPEC, [dict(
         qkv=ptr(qkv), z=ptr(z), ba=ptr(ba),
@@ -63,7 +65,7 @@ def gdn_spec(g, w: dict, name: str, qkv, z, ba, mixed, out, sess, layer_slot: in
         norm_w=ptr(_f32_array(w["ssm_norm"], f"{name}.ssm_norm", (g.head_v_dim,))),
         mixed=ptr(mixed), out=ptr(out), sess=ptr(sess), layer_slot=layer_slot, n_k=g.n_k_heads,
         n_v=g.n_v_heads, head_k=g.head_k_dim, head_v=g.head_v_dim, conv_dim=g.conv_dim,
-        K=g.ssm_conv_kernel, eps=g.rms_eps)])
+        K=g.ssm_conv_kernel, eps=g.rms_eps)], upload=upload, name="gdn_spec")
 
 
 def launch_gdn(launch, spec, n: int, gdn) -> None:

@@ -18,7 +18,7 @@ class NumpyBackend(Backend):
     def dense_tensor(self, gguf, info):
         return self.dense(gguf.dequantize(info.name))
 
-    def rows(self, table, ids):
+    def rows(self, table, ids, out=None):
         return table[np.asarray(ids, dtype=np.int64)]
 
     def f32(self, host):
@@ -30,7 +30,7 @@ class NumpyBackend(Backend):
     def to_host(self, x):
         return np.asarray(x)
 
-    def linear(self, x, w):
+    def linear(self, x, w, out=None):
         return x @ w.T
 
     def swiglu(self, x, gate, up, down):

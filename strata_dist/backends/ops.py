@@ -4,7 +4,11 @@
 shared array arithmetic of backends/array_ops.py; a backend overrides what it does its own way:
 numpy's per-row SwiGLU, CuPy's prompt attention kernel and row kernels). The architectures in
 strata_dist/models/ call these for everything two architectures share; what only one of them
-does (qwen3next's short convolution and gated delta rule) stays in its module, on `backend.xp`."""
+does (qwen3next's short convolution and gated delta rule) stays in its module, on `backend.xp`.
+
+`out` names the buffer of a prompt chunk's fixed layout the result goes to on a GPU
+(plan/workspace.py, the architecture's `prompt_buffers`); a backend without a workspace, and the
+numpy reference always, makes a new array instead."""
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
@@ -14,14 +18,20 @@ import numpy as np
 
 @runtime_checkable
 class LayerOps(Protocol):
-    def rows(self, table, ids):
+    def rows(self, table, ids, out=None):
         """float32 rows `ids` of an embedding table (the first stage's embedding)."""
 
-    def linear(self, x, w):
+    def linear(self, x, w, out=None):
         """x [n, in] float32 @ w[out, in].T -> [n, out] float32."""
 
-    def rms_norm(self, x, w, eps: float):
+    def rms_norm(self, x, w, eps: float, out=None):
         """RMSNorm over the last axis, times w."""
+
+    def add(self, a, b, out=None):
+        """a + b (the residual stream)."""
+
+    def mul(self, a, b, out=None):
+        """a * b, broadcast."""
 
     def rope(self, x, cos, sin):
         """NEOX RoPE on x [n, H, D] over the first 2 * cos.shape[-1] dims (partial rotary)."""
@@ -31,7 +41,7 @@ class LayerOps(Protocol):
         """q and k RMSNormed per head and rotated at positions pos0.., k and v written into the
         session's cache of `layer`; returns q."""
 
-    def attend(self, q, k, v, pos0: int, session):
+    def attend(self, q, k, v, pos0: int, session, out=None):
         """Causal grouped-query attention of q [n, H, D] at positions pos0.. over k, v
         [pos0 + n, KVH, D] -> [n, H, D] float32."""
 
@@ -47,10 +57,10 @@ class LayerOps(Protocol):
     def swiglu(self, x, gate, up, down):
         """down @ (silu(gate @ x) * (up @ x)) for each row of x (dense weights)."""
 
-    def sigmoid(self, x):
+    def sigmoid(self, x, out=None):
         ...
 
-    def silu(self, x):
+    def silu(self, x, out=None):
         ...
 
 

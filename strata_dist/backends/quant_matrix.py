@@ -10,12 +10,13 @@ from ..kernels import function as kernel
 
 
 def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None,
-                    dtype=cp.float32):
+                    dtype=cp.float32, out=None):
     """float32 (or, with dtype float16, rounded to f16) [n_rows, n_cols] from rows of `row_bytes`
     stored in a native quant type (all rows, or the row indices `rows`, a device int32 array),
-    decoded by the same code the decode kernels read weights with."""
+    decoded by the same code the decode kernels read weights with (into `out` when given)."""
     half = np.dtype(dtype) == np.float16
-    out = cp.empty((n_rows, n_cols), dtype=cp.float16 if half else cp.float32)
+    if out is None:
+        out = cp.empty((n_rows, n_cols), dtype=cp.float16 if half else cp.float32)
     chunks = n_rows * (n_cols // 8)                 # one thread per 8 columns
     kernel("decode.cu", "dequant_rows_f16" if half else "dequant_rows")(
         (min((chunks + 255) // 256, 65535),), (256,),
@@ -34,10 +35,13 @@ class QuantMatrix:
         self.nbytes = int(raw.nbytes)
         self.row_bytes = self.nbytes // self.shape[0]
 
-    def dequantize(self, dtype=cp.float32):
-        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape, dtype=dtype)
+    def dequantize(self, dtype=cp.float32, out=None):
+        return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape, dtype=dtype,
+                               out=out)
 
-    def rows(self, idx):
-        idx = cp.asarray(idx, dtype=cp.int32)
+    def rows(self, idx, out=None):
+        """Rows idx (a device int32 array, or host integers) decoded to float32 (into `out`)."""
+        if not isinstance(idx, cp.ndarray) or idx.dtype != cp.int32:
+            idx = cp.asarray(idx, dtype=cp.int32)
         return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, len(idx), self.shape[1],
-                               rows=idx)
+                               rows=idx, out=out)

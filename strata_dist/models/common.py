@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..gguf_model import GGUFError
+from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
+from ..plan.workspace import STREAM_BLOBS, Buffer, PromptLayout
 
 
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
@@ -75,6 +77,72 @@ def model_level_shapes(g) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# ---- a prompt chunk's buffers on a GPU (plan/workspace.py) ---------------------------------------
+
+def routed_expert_buffers(g, blob_bytes: int) -> list[Buffer]:
+    """The routed experts' part of a layer (both architectures): the normed input, router logits,
+    the top-k, the pairs grouped by expert (backends/expert_rows.py: on the device, or tables
+    built on the host for a partial cache), the SwiGLU rows and their f16 copies for the tensor
+    cores, the unweighted outputs, the rank-ordered sum, and the misses streamed in a batch."""
+    d, ff, k, n_exp = g.n_embd, g.n_ff_exp, g.n_expert_used, g.n_expert
+    items = -(-16 * k // ROWS_TILE_M)          # 4 int32 per work item of ROWS_TILE_M pairs
+    return [
+        Buffer("moe_x", "experts", 4 * d),
+        Buffer("logits", "experts", 4 * n_exp),
+        Buffer("ids", "experts", 4 * k), Buffer("wts", "experts", 4 * k),
+        Buffer("pair_rank", "experts", 4 * k), Buffer("pair_rows", "experts", 4 * k),
+        Buffer("pair_dest", "experts", 4 * k),
+        Buffer("group_counts", "experts", 0, 4 * n_exp),
+        Buffer("group_starts", "experts", 0, 4 * n_exp),
+        Buffer("items", "experts", items, 16 * (n_exp + 1)),
+        Buffer("blob_table", "experts", 0, 8 * n_exp),
+        # a host-built grouping (a partial cache): items, each pair's input and output row
+        Buffer("pack", "experts", items + 8 * k, 16 * (n_exp + 1)),
+        Buffer("pack_blobs", "experts", 0, 8 * n_exp),
+        Buffer("x16", "experts", 2 * d), Buffer("x_unscale", "experts", 4),
+        Buffer("act", "experts", 4 * k * ff), Buffer("act16", "experts", 2 * k * ff),
+        Buffer("act_unscale", "experts", 4 * k),
+        Buffer("y", "experts", 4 * k * d),
+        Buffer("moe_out", "experts", 4 * d),
+        Buffer("stream", "experts", 0, STREAM_BLOBS * blob_bytes),
+    ]
+
+
+def residual_buffers(g) -> list[Buffer]:
+    """What lives through the whole chunk: the residual stream before and after a layer's mixer
+    (each layer reads "h" and writes "h_mid", then "h" again), and the token ids."""
+    return [Buffer("h", "residual", 4 * g.n_embd), Buffer("h_mid", "residual", 4 * g.n_embd),
+            Buffer("tok_ids", "residual", 8)]
+
+
+def gemm_buffers(phase: str, widths_in, widths_out, dense16_bytes: int) -> list[Buffer]:
+    """The f16 GEMMs (cupy_backend.linear): the input rows rounded to f16, the f16 product, and
+    one quantized dense matrix decoded to f16 (dense16_bytes: 0 for F16 files). `phase`: where
+    every GEMM of the layer runs ("residual" when both a mixer and the experts phase have GEMMs)."""
+    return [Buffer("in16", phase, 2 * max(widths_in)), Buffer("out16", phase, 2 * max(widths_out)),
+            Buffer("dense16", phase, 0, dense16_bytes)]
+
+
+def rope_buffers() -> list[Buffer]:
+    """The pointer table and descriptor of an attention layer's q/k norm + RoPE launch."""
+    return [Buffer("rope_ptrs", "attention", 0, 32),
+            Buffer("rope_desc", "attention", 0, 4 * DESC_WORDS)]
+
+
+def prompt_layout(arch, gguf, g) -> PromptLayout:
+    """The layout of `arch`'s prompt buffers for the file: its `prompt_buffers` with the file's
+    largest expert blob (the streamed batch) and largest quantized dense matrix of a layer (decoded
+    to f16 for its GEMM; the embedding and head are read outside a chunk's layers)."""
+    from ..backends.layout import GPU_NATIVE_QUANTS
+    dense16 = 0
+    for name in arch.dense_tensor_names(g, 0, g.n_layers, False, False):
+        info = gguf.tensor(name)
+        if info.ggml_type in GPU_NATIVE_QUANTS and not arch.keeps_f32(name, info.shape):
+            dense16 = max(dense16, 2 * int(np.prod(info.shape)))
+    blob = max(gguf.blob_bytes(layer) for layer in range(g.n_layers))
+    return PromptLayout.of(arch.prompt_buffers(g, blob_bytes=blob, dense16_bytes=dense16))
+
+
 class LayerRangeModel:
     """What every architecture's forward object shares: the layers [lb, le) of a file on a backend,
     the dense tensors `arch.dense_tensor_names` lists (the planner prices exactly those), an expert
@@ -127,7 +195,11 @@ class LayerRangeModel:
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.g.n_vocab):
             raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
-        return self.backend.rows(self._tensors["token_embd.weight"], ids)
+        return self.backend.rows(self._tensors["token_embd.weight"], ids, out="h")
+
+    def prompt_layout(self) -> PromptLayout:
+        """This architecture's prompt buffers for the file (what a stage carves from its loan)."""
+        return prompt_layout(self.arch, self.gguf, self.g)
 
     def output_logits(self, h):
         """Final norm and output projection -> float32 logits [n, vocab]."""

@@ -39,12 +39,6 @@ class Architecture(Protocol):
     def rope_dim(self, g: Any) -> int:
         """Elements per cell of the session's RoPE table."""
 
-    def mixer_width(self, g: Any) -> int:
-        """The widest per-token mixer input projection (prompt buffers)."""
-
-    def extra_prompt_elems(self, g: Any) -> int:
-        """Per-token prompt buffers beyond the qwen3moe estimate."""
-
-    def attention_prompt_elems(self, g: Any) -> int:
-        """Per-token float32 elements an attention layer of a prompt chunk holds at once on the
-        GPU path: a floor under the estimate, which sums the phases of a layer."""
+    def prompt_buffers(self, g: Any, blob_bytes: int, dense16_bytes: int) -> list:
+        """Every buffer a prompt chunk's layer writes on the GPU path (plan/workspace.py Buffer):
+        the layout a loan is priced and carved by."""

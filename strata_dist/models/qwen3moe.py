@@ -16,7 +16,9 @@ import numpy as np
 from ..backends.kv_cache import new_kv
 from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
-from .common import (LayerRangeModel, model_level_shapes, rope_tables, stage_tensor_names,
+from ..plan.workspace import Buffer
+from .common import (LayerRangeModel, gemm_buffers, model_level_shapes, residual_buffers,
+                     rope_buffers, rope_tables, routed_expert_buffers, stage_tensor_names,
                      transformer_geometry)
 
 ARCH = "qwen3moe"
@@ -93,21 +95,16 @@ def rope_dim(g: Geometry) -> int:
     return g.head_dim
 
 
-def mixer_width(g: Geometry) -> int:
-    return (g.n_head + 2 * g.n_head_kv) * g.head_dim
-
-
-def extra_prompt_elems(g: Geometry) -> int:
-    return 0
-
-
-def attention_prompt_elems(g: Geometry) -> int:
-    """What an attention layer of a prompt chunk holds at once, per token, in float32 elements:
-    the residual and the normed rows (2 hidden), q, k and v, q rotated, the attention's output and
-    its f16 copy for the output GEMM (3.5 q + 2 kv), and that GEMM's output (hidden).
-    tests/test_prompt_bytes.py measures the path's live arrays against the price."""
-    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
-    return 3 * g.n_embd + 3 * q + q // 2 + 2 * kv
+def prompt_buffers(g: Geometry, blob_bytes: int, dense16_bytes: int) -> list[Buffer]:
+    """Every buffer `_layer_forward` writes on a GPU (plan/workspace.py): the attention's normed
+    rows, q, k and v, its output and the output projection's; then the routed experts'."""
+    q, kv, d = g.n_head * g.head_dim, g.n_head_kv * g.head_dim, g.n_embd
+    return [*residual_buffers(g),
+            Buffer("x", "attention", 4 * d), Buffer("q", "attention", 4 * q),
+            Buffer("k", "attention", 4 * kv), Buffer("v", "attention", 4 * kv),
+            Buffer("attn", "attention", 4 * q), Buffer("o", "attention", 4 * d),
+            *gemm_buffers("attention", (d, q), (q, kv, d), dense16_bytes), *rope_buffers(),
+            *routed_expert_buffers(g, blob_bytes)]
 
 
 # ---- the forward ---------------------------------------------------------------------------------
@@ -200,16 +197,17 @@ class Qwen3Moe(LayerRangeModel):
     def _layer_forward(self, layer, h, session, pos0):
         g, w, be = self.g, self.layers[layer], self.backend
         n = h.shape[0]
-        x = be.rms_norm(h, w.attn_norm, g.rms_eps)
-        q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
-        k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
-        v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
+        # the names are the buffers a prompt chunk writes on a GPU (prompt_buffers)
+        x = be.rms_norm(h, w.attn_norm, g.rms_eps, out="x")
+        q = be.linear(x, w.q, out="q").reshape(n, g.n_head, g.head_dim)
+        k = be.linear(x, w.k, out="k").reshape(n, g.n_head_kv, g.head_dim)
+        v = be.linear(x, w.v, out="v").reshape(n, g.n_head_kv, g.head_dim)
         q = be.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, g.rms_eps, session, layer, pos0)
         kc, vc = session.k(layer), session.v(layer)
-        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session)
-        h = h + be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o)
-        x = be.rms_norm(h, w.ffn_norm, g.rms_eps)
-        return h + self._moe(layer, x, w.router)
+        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session, out="attn")
+        h = be.add(h, be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o, out="o"), out="h_mid")
+        x = be.rms_norm(h, w.ffn_norm, g.rms_eps, out="moe_x")
+        return be.add(h, self._moe(layer, x, w.router), out="h")
 
     def _moe(self, layer, x, router):
         return self._routed(layer, x, router, normalize=True)

@@ -38,8 +38,11 @@ import numpy as np
 
 from ..backends.kv_cache import new_kv
 from ..gguf_model import Geometry, GGUFError, GGUFModel
+from ..kernels.abi import GDN_SPEC
 from ..plan.pricing import DECODE_ROWS
-from .common import (LayerRangeModel, model_level_shapes, rope_tables, stage_tensor_names,
+from ..plan.workspace import Buffer
+from .common import (LayerRangeModel, gemm_buffers, model_level_shapes, residual_buffers,
+                     rope_buffers, rope_tables, routed_expert_buffers, stage_tensor_names,
                      transformer_geometry)
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
@@ -60,6 +63,7 @@ _SUFFIX = {"ssm_a": "", "ssm_dt": ".bias"}
 _F32_PARTS = {ROUTER_PART, SHEXP_GATE_PART, "ssm_conv1d"}
 _NAME_RE = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.(?:weight|bias))?$")
 L2_EPS = 1e-6       # of the q/k L2 norm (the reference's l2norm, fixed, not the RMS epsilon)
+GDN_SPEC_BYTES = GDN_SPEC.itemsize   # a linear layer's kernel argument table (prompt_buffers)
 STATE_ITEMSIZE = 4  # session state (conv, recurrent, RoPE, scores) is float32; KV: --kv-type
 
 
@@ -258,27 +262,31 @@ def rope_dim(g: NextGeometry) -> int:
     return g.n_rot
 
 
-def mixer_width(g: NextGeometry) -> int:
-    """The widest per-token mixer input projection: attention q+gate, k, v; or GDN qkv, z, b, a."""
-    attn = 2 * g.n_head * g.head_dim + 2 * g.n_head_kv * g.head_dim
-    linear = g.conv_dim + g.value_dim + 2 * g.n_v_heads
-    return max(attn, linear)
-
-
-def extra_prompt_elems(g: NextGeometry) -> int:
-    """Per-token prompt buffers beyond the qwen3moe estimate: the shared expert's gate, up and out."""
-    return 2 * g.n_ff_shexp + g.n_embd
-
-
-def attention_prompt_elems(g: NextGeometry) -> int:
-    """What a gated-attention layer of a prompt chunk holds at once, per token, in float32
-    elements: the residual and the normed rows (2 hidden), q with its gate (2 q), the gate's copy,
-    q rotated, the attention's output and the gated product (q each), the product's f16 copy for
-    the output GEMM (q / 2), k and v. Where the heads outweigh the experts (a file with few, narrow
-    experts) this is more than the estimate, which tests/test_prompt_bytes.py measured 20% short
-    on such a file."""
-    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
-    return 2 * g.n_embd + 6 * q + q // 2 + 2 * kv
+def prompt_buffers(g: NextGeometry, blob_bytes: int, dense16_bytes: int) -> list[Buffer]:
+    """Every buffer a layer writes on a GPU (plan/workspace.py): a gated-attention layer's q with
+    its gate, k, v, q rotated, the attention and its gated product; a linear layer's projections,
+    the convolution's output and the delta rule's; the routed experts' and the shared expert's.
+    The f16 GEMMs run in every phase, so their buffers live through the chunk."""
+    d, q, kv, fs = g.n_embd, g.n_head * g.head_dim, g.n_head_kv * g.head_dim, g.n_ff_shexp
+    conv, val = g.conv_dim, g.value_dim
+    fused = [Buffer("qkvz", "linear", 4 * (conv + val))] if g.fused_qkvz else []
+    return [*residual_buffers(g),
+            *gemm_buffers("residual", (d, q, val, fs), (2 * q, kv, conv + val, 2 * g.n_v_heads,
+                                                        d, fs), dense16_bytes),
+            Buffer("x", "attention", 4 * d), Buffer("qg", "attention", 8 * q),
+            Buffer("gate", "attention", 4 * q), Buffer("k", "attention", 4 * kv),
+            Buffer("v", "attention", 4 * kv), Buffer("q_rot", "attention", 4 * q),
+            Buffer("attn", "attention", 4 * q), Buffer("gated", "attention", 4 * q),
+            Buffer("o", "attention", 4 * d), *rope_buffers(),
+            Buffer("lx", "linear", 4 * d), *fused,
+            Buffer("qkv", "linear", 4 * conv), Buffer("z", "linear", 4 * val),
+            Buffer("ba", "linear", 8 * g.n_v_heads), Buffer("mixed", "linear", 4 * conv),
+            Buffer("gdn_out", "linear", 4 * val), Buffer("lo", "linear", 4 * d),
+            Buffer("gdn_ptrs", "linear", 0, 16), Buffer("gdn_spec", "linear", 0, GDN_SPEC_BYTES),
+            *routed_expert_buffers(g, blob_bytes),
+            Buffer("shexp_gate", "experts", 4 * fs), Buffer("shexp_up", "experts", 4 * fs),
+            Buffer("shexp_hidden", "experts", 4 * fs), Buffer("shexp_out", "experts", 4 * d),
+            Buffer("shexp_g", "experts", 4), Buffer("moe_sum", "experts", 4 * d)]
 
 
 # ---- the session --------------------------------------------------------------------------------
@@ -513,60 +521,72 @@ class Qwen3Next(LayerRangeModel):
         be, g = self.backend, self.g
         for layer in range(self.lb, self.le):
             w = self.layers[layer]
-            x = be.rms_norm(h, w["attn_norm"], g.rms_eps)
+            # the names are the buffers a prompt chunk writes on a GPU (prompt_buffers)
             if g.is_linear(layer):
-                h = h + self._linear_attention(layer, x, session)
+                x = be.rms_norm(h, w["attn_norm"], g.rms_eps, out="lx")
+                h = be.add(h, self._linear_attention(layer, x, session), out="h_mid")
             else:
-                h = h + self._attention(layer, x, session, pos0)
-            x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps)
-            h = h + self._moe(layer, x)
+                x = be.rms_norm(h, w["attn_norm"], g.rms_eps, out="x")
+                h = be.add(h, self._attention(layer, x, session, pos0), out="h_mid")
+            x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps, out="moe_x")
+            h = be.add(h, self._moe(layer, x), out="h")
         return h
 
     # ---- gated attention -----------------------------------------------------------------------
     def _attention(self, layer, x, session, pos0):
         g, w, be = self.g, self.layers[layer], self.backend
         n, hd = x.shape[0], g.head_dim
-        qg = be.linear(x, w["attn_q"]).reshape(n, g.n_head, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.n_head * hd)
-        k = be.linear(x, w["attn_k"]).reshape(n, g.n_head_kv, hd)
-        v = be.linear(x, w["attn_v"]).reshape(n, g.n_head_kv, hd)
+        qg = be.linear(x, w["attn_q"], out="qg").reshape(n, g.n_head, 2 * hd)
+        q = qg[..., :hd]
+        gate = be.buffer("gate", (n, g.n_head, hd))       # each head's gate half, in rows
+        gate[...] = qg[..., hd:]
+        k = be.linear(x, w["attn_k"], out="k").reshape(n, g.n_head_kv, hd)
+        v = be.linear(x, w["attn_v"], out="v").reshape(n, g.n_head_kv, hd)
         q = be.qk_norm_rope_kv(q, k, v, w["attn_q_norm"], w["attn_k_norm"], g.rms_eps, session,
                                layer, pos0)
         kc, vc = session.k(layer), session.v(layer)
-        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session)
-        out = attn.reshape(n, g.n_head * hd) * be.sigmoid(gate)
-        return be.linear(out, w["attn_output"])
+        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session, out="attn")
+        gate = be.sigmoid(gate.reshape(n, g.n_head * hd), out="gate")
+        out = be.mul(attn.reshape(n, g.n_head * hd), gate, out="gated")
+        return be.linear(out, w["attn_output"], out="o")
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
     def _qkvz(self, w, x):
         """(mixed qkv [n, conv_dim] in [q | k | v] order, z [n, value_dim])."""
         g, be = self.g, self.backend
         if not g.fused_qkvz:
-            return be.linear(x, w["attn_qkv"]), be.linear(x, w["attn_gate"])
+            return be.linear(x, w["attn_qkv"], out="qkv"), be.linear(x, w["attn_gate"], out="z")
         n, hk, r = x.shape[0], g.head_k_dim, g.n_v_heads // g.n_k_heads
-        per = be.linear(x, w["ssm_in"]).reshape(n, g.n_k_heads, -1)   # per key head: q k v z
-        q, k = per[..., :hk], per[..., hk:2 * hk]
-        v, z = per[..., 2 * hk:2 * hk + r * g.head_v_dim], per[..., 2 * hk + r * g.head_v_dim:]
-        qkv = be.xp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        nk, rv = g.n_k_heads, r * g.head_v_dim
+        per = be.linear(x, w["ssm_in"], out="qkvz").reshape(n, nk, -1)   # per key head: q k v z
+        # regrouped as [all q | all k | all v] and z, as the split projections give them
+        qkv = be.buffer("qkv", (n, g.conv_dim))
+        qkv[:, :nk * hk].reshape(n, nk, hk)[...] = per[..., :hk]
+        qkv[:, nk * hk:2 * nk * hk].reshape(n, nk, hk)[...] = per[..., hk:2 * hk]
+        qkv[:, 2 * nk * hk:].reshape(n, nk, rv)[...] = per[..., 2 * hk:2 * hk + rv]
+        z = be.buffer("z", (n, nk, g.value_dim // nk))
+        z[...] = per[..., 2 * hk + rv:]
         return qkv, z.reshape(n, -1)
 
     def _linear_attention(self, layer, x, session):
         g, w, be = self.g, self.layers[layer], self.backend
         n = x.shape[0]
         qkv, z = self._qkvz(w, x)
-        ba = be.linear(x, w["ssm_ba"])
+        ba = be.linear(x, w["ssm_ba"], out="ba")
         o = gdn_mixer(be, g, w, qkv, z, ba, session.conv_state(layer),
                       session.recurrent_state(layer))
-        return be.linear(o.reshape(n, g.value_dim), w["ssm_out"])
+        return be.linear(o.reshape(n, g.value_dim), w["ssm_out"], out="lo")
 
     # ---- MoE with the shared expert ------------------------------------------------------------
     def _moe(self, layer, x):
         w, be = self.layers[layer], self.backend
         routed = self._routed(layer, x, w[ROUTER_PART], normalize=self.g.norm_topk_prob)
-        hidden = be.silu(be.linear(x, w["ffn_gate_shexp"])) * be.linear(x, w["ffn_up_shexp"])
-        shared = be.linear(hidden, w["ffn_down_shexp"])
-        gate = be.sigmoid(x @ w[SHEXP_GATE_PART].T)                  # [n, 1]
-        return routed + gate * shared
+        hidden = be.silu(be.linear(x, w["ffn_gate_shexp"], out="shexp_gate"), out="shexp_hidden")
+        hidden = be.mul(hidden, be.linear(x, w["ffn_up_shexp"], out="shexp_up"),
+                        out="shexp_hidden")
+        shared = be.linear(hidden, w["ffn_down_shexp"], out="shexp_out")
+        gate = be.sigmoid(be.linear(x, w[SHEXP_GATE_PART], out="shexp_g"), out="shexp_g")  # [n, 1]
+        return be.add(routed, be.mul(gate, shared, out="shexp_out"), out="moe_sum")
 
 
 MODEL_CLASS = Qwen3Next

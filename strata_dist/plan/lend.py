@@ -19,7 +19,7 @@ The rule, exactly:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 from .errors import PlanError
 from .pricing import MIB
@@ -27,14 +27,22 @@ from .pricing import MIB
 LEND_CHUNKS = (8192, 6144, 4096, 3072, 2048, 1024, 512, 256)
 SLOT_FLOOR = 128
 
+# a prompt chunk's buffers: bytes per token, or the bytes of a chunk of n tokens
+# (ModelShape.prompt_bytes: the architecture's fixed layout, plan/workspace.py)
+PromptBytes = Union[int, Callable[[int], int]]
 
-def loan_slots(n_tokens: int, bytes_per_token: int, slot_bytes: int) -> int:
-    """Cache slots a prompt chunk of n_tokens borrows: ceil(bytes_per_token * n_tokens / slot_bytes).
+
+def chunk_bytes(prompt_bytes: PromptBytes, n_tokens: int) -> int:
+    return prompt_bytes(n_tokens) if callable(prompt_bytes) else prompt_bytes * n_tokens
+
+
+def loan_slots(n_tokens: int, bytes_per_token: PromptBytes, slot_bytes: int) -> int:
+    """Cache slots a prompt chunk of n_tokens borrows: ceil(its buffers' bytes / slot_bytes).
     slot_bytes is the participant's SMALLEST blob, so evicting that many tail pairs always frees at
     least the buffers' bytes, whatever layers the tail pairs belong to."""
     if slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
-    return -(-bytes_per_token * n_tokens // slot_bytes)
+    return -(-chunk_bytes(bytes_per_token, n_tokens) // slot_bytes)
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ class LendPlan:
     loans: tuple[Loan, ...]
 
 
-def can_lend(p: Participant, chunk: int, bytes_per_token: int, lend_pct: int | None) -> tuple[bool, int]:
+def can_lend(p: Participant, chunk: int, bytes_per_token: PromptBytes,
+             lend_pct: int | None) -> tuple[bool, int]:
     """(can p lend `chunk`, slots it needs). lend_pct None = explicit chunk: the floor only."""
     need = loan_slots(chunk, bytes_per_token, p.slot_bytes)
     ok = p.slots - need >= SLOT_FLOOR
@@ -82,7 +91,8 @@ def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str
             f"{p.slots} (floor {SLOT_FLOOR}{cap})")
 
 
-def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: int | None = None,
+def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
+              chunk: int | None = None,
               lend_pct: int = 85, max_chunk: int | None = None, loans: bool = True) -> LendPlan:
     """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`, which never
     picks a chunk above max_chunk (the context: a longer chunk could never be filled) unless even
@@ -93,12 +103,12 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: int, chunk: 
     auto = chunk is None
     pct = lend_pct if auto else None
 
-    def lendable(p: Participant, c: int, bpt: int, cap: int | None) -> tuple[bool, int]:
+    def lendable(p: Participant, c: int, bpt: PromptBytes, cap: int | None) -> tuple[bool, int]:
         ok, need = can_lend(p, c, bpt, cap)
         return ok and loans, need
 
     def own(c: int) -> int:  # the prompt path's own buffers for a chunk of c tokens
-        return bytes_per_token * c
+        return chunk_bytes(bytes_per_token, c)
 
     def spared(p: Participant, c: int) -> bool:  # its buffers fit where its cache left room
         return loans and own(c) <= p.spare_bytes

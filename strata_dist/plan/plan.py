@@ -292,7 +292,7 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                          max(0, f.budget - f.bytes) if len(f.pairs) == (f.le - f.lb) * shape.n_experts
                          else 0)
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
-    lend = plan_lend(parts, shape.prompt_bytes_per_token, prefill, params.lend_pct, max_chunk=cells,
+    lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=cells,
                      loans=params.prompt_loans)
     if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
         cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk)

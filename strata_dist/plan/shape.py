@@ -50,8 +50,12 @@ class ModelShape:
     head_shares_embedding  the head is the tied token embedding: a stage that is first AND last
                          loads that tensor once, so it is counted once.
     prompt_bytes_per_token  bytes of prompt-path buffers per token of a prefill chunk (activations,
-                         routing, expert rows) — what the prompt path allocates for a chunk of N
-                         tokens is N * this. See estimate_prompt_bytes_per_token.
+                         routing, expert rows). With a prompt_layout, its slope (for reports);
+                         without one (shapes built from a geometry), the price: N * this for a
+                         chunk of N tokens (estimate_prompt_bytes_per_token).
+    prompt_layout        the architecture's fixed layout of a chunk's buffers (plan/workspace.py
+                         PromptLayout.to_list), the one a GPU stage carves from its loan: a chunk
+                         of N tokens is priced at exactly what it carves (`prompt_bytes`).
     """
 
     arch: str
@@ -71,8 +75,17 @@ class ModelShape:
     head_bytes: int
     prompt_bytes_per_token: int
     head_shares_embedding: bool = False
+    prompt_layout: tuple = ()
+
+    def prompt_bytes(self, n_tokens: int) -> int:
+        """A prompt chunk's buffers for n_tokens: the layout's, else the per-token estimate."""
+        if self.prompt_layout:
+            from .workspace import PromptLayout
+            return PromptLayout.from_list(self.prompt_layout).nbytes(n_tokens)
+        return self.prompt_bytes_per_token * n_tokens
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_layout", tuple(tuple(r) for r in self.prompt_layout))
         L = self.n_layers
         if L < 1 or self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"ModelShape: bad n_layers={L} n_experts={self.n_experts} top_k={self.top_k}")
