@@ -183,7 +183,8 @@ class RankProcess:
                           use_cuda_ipc(assign, os.environ, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
-                prompt_chunk=assign.prefill_chunk))
+                prompt_chunk=assign.prefill_chunk,
+                local_helper_pairs=[tuple(p) for p in assign.helper_pairs]))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id)

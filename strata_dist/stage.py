@@ -40,6 +40,10 @@ class StageConfig:
     link_seal: object = None                             # the launch's seal for TCP data links
     kv_type: str | None = None                           # --kv-type (None: the device's default)
     prompt_chunk: int = 0                                # the plan's prompt chunk (0: not known)
+    # pairs of this stage's layers that this card's own helper tier will hold (opened after the
+    # stage: it is the part that fails soft); they decide the default for host misses as a
+    # helper elsewhere does
+    local_helper_pairs: list = field(default_factory=list)
 
 
 class Stage:
@@ -61,6 +65,8 @@ class Stage:
                    for rank, ep, pairs, ipc in cfg.helpers]
         self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
                                  local_helper=cfg.local_helper)
+        self.tiers.local_helper_pairs = sum(1 for l, _ in cfg.local_helper_pairs
+                                            if cfg.lb <= l < cfg.le)
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         if self.backend.name == "cupy" and reads_host_in_place(self.tiers):
             self.tiers.pinned, self.pin_error = _pin_missing(self.gguf, self.cache, cfg.lb,

@@ -123,6 +123,7 @@ class ExpertTiers(ExpertStore):
         # per layer: each expert's helper (its index in `helpers`), -1 where none holds it
         self._helper_of: dict[int, np.ndarray] = {}
         self.prompt = False          # set by the stage: prompt chunks never go to helpers
+        self.local_helper_pairs = 0  # pairs this card's helper tier will hold (set by the stage)
         self.pinned = None           # MappedHostBlobs of the pairs the cache lacks (GPU, opt-in)
         self._streamer = None
         self.counters: Counter = Counter()
@@ -130,7 +131,8 @@ class ExpertTiers(ExpertStore):
     @property
     def has_helper_pairs(self) -> bool:
         """Whether a helper tier (another card's, or this card's own) holds pairs for this stage."""
-        return bool(self.helpers) or (self.local_helper is not None and bool(self.local_helper.pairs))
+        return (bool(self.helpers) or self.local_helper_pairs > 0
+                or (self.local_helper is not None and bool(self.local_helper.pairs)))
 
     def outputs_device(self, layer: int, x, idx):
         """Every expert of `layer` in this stage's cache: all hits, computed on the device."""

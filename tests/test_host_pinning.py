@@ -26,11 +26,15 @@ def test_default_pins_where_no_helper_holds_pairs(model, monkeypatch):
     # a helper link to an endpoint nobody serves: connecting is lazy, nothing is asked here
     helped = _stage(model, [(1, "tcp://127.0.0.1:9", [(0, 3), (1, 5)], False)])
     past_range = _stage(model, [(1, "tcp://127.0.0.1:9", [(7, 3)], False)])
+    # this card's own helper tier, opened after the stage, holding pairs of its layers
+    own_card = Stage(StageConfig(str(model), "cpu", 0, 2, True, True, 64,
+                                 cache_pairs=[(0, 0), (1, 0)], local_helper_pairs=[(1, 4)]))
     try:
         assert not alone.tiers.has_helper_pairs and reads_host_in_place(alone.tiers)
         assert helped.tiers.has_helper_pairs and not reads_host_in_place(helped.tiers)
         # a helper whose pairs are all outside the stage's layers is no helper of this stage
         assert not past_range.tiers.has_helper_pairs and reads_host_in_place(past_range.tiers)
+        assert own_card.tiers.has_helper_pairs and not reads_host_in_place(own_card.tiers)
         monkeypatch.setenv("STRATA_HOST_MAPPED", "auto")
         assert reads_host_in_place(alone.tiers) and not reads_host_in_place(helped.tiers)
         monkeypatch.setenv("STRATA_HOST_MAPPED", "1")
