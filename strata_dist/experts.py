@@ -108,17 +108,23 @@ class BlobArena(ExpertStore):
         """The lent bytes as one buffer: staging space for experts streamed during a prompt."""
         return self.buf[int(self.offsets[self.lent[0]]):self.nbytes] if self.lent else None
 
-    def refill(self) -> int:
-        """Put every lent slot's own pair back from the model file and mark it resident again.
-        Only this arena's slots and only its own pairs: a slot refilled into another cache, or
-        another stage's rows marked, would still produce fluent tokens."""
+    def refill(self, pinned=None) -> int:
+        """Put every lent slot's own pair back and mark it resident again: from its pinned host
+        copy where `pinned` (backends/host_mapped.py MappedHostBlobs) holds it (a DMA queued on
+        the current stream), else from the model file. Only this arena's slots and only its own
+        pairs: a slot refilled into another cache, or another stage's rows marked, would still
+        produce fluent tokens."""
         if not self.lent:
             return 0
         n = len(self.lent)
         for i in self.lent:
             layer, expert = self.pairs[i]
             lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-            self.buf[lo:hi] = self.backend.asarray(np.asarray(self.gguf.expert_blob(layer, expert)))
+            if pinned is not None and pinned.holds(layer, expert):
+                self.backend.copy_from_pinned(self.buf[lo:hi], pinned.host_address(layer, expert))
+            else:
+                self.buf[lo:hi] = self.backend.asarray(
+                    np.asarray(self.gguf.expert_blob(layer, expert)))
             self.slot_of[layer, expert] = i
         self.lent = []
         self._sync_residency()

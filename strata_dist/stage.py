@@ -161,7 +161,7 @@ class Stage:
             c["loan_overflow_bytes"] += ws.overflow_bytes
             ws.overflow_bytes = 0
         if self.cache.lent:
-            self.tiers.counters["refilled_slots"] += self.cache.refill()
+            self.tiers.counters["refilled_slots"] += self.cache.refill(self.tiers.pinned)
 
     def _prompt_buffers(self, prompt: bool):
         ws = self._workspace if prompt else None

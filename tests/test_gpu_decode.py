@@ -235,8 +235,12 @@ def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference
         assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
 
 
-def test_stage_takes_the_graph_only_with_every_expert_cached(tmp_path):
+def test_stage_takes_the_graph_only_with_every_expert_cached(tmp_path, monkeypatch):
+    """With host reads off (STRATA_HOST_MAPPED=0; the default reads a partial cache's misses in
+    place, test_host_mapped_misses_give_the_cached_stages_bits) a stage takes the graph only when
+    its cache holds every expert, and both give the same tokens."""
     from strata_dist.stage import Stage, StageConfig
+    monkeypatch.setenv("STRATA_HOST_MAPPED", "0")
     path = _model(tmp_path, "q8_0")
     full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
                              cache_pairs=[(l, e) for l in range(3) for e in range(16)]))

@@ -116,6 +116,13 @@ class CupyBackend(Backend):
     def to_host(self, x):
         return cp.asnumpy(x)
 
+    def copy_from_pinned(self, out, host_address: int) -> None:
+        """out's bytes from pinned host memory at host_address: a DMA queued on the current
+        stream (the decode graph's stream waits on it before its next step)."""
+        cp.cuda.runtime.memcpyAsync(int(out.data.ptr), host_address, int(out.nbytes),
+                                    cp.cuda.runtime.memcpyHostToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+
     def linear(self, x, w, out=None):
         if isinstance(w, QuantMatrix):
             if self._f16_gemm:     # as an F16 file's matrices: tensor cores, f32 accumulation
