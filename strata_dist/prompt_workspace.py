@@ -32,6 +32,9 @@ class PromptWorkspace:
         self.overflow_bytes = 0        # allocated from the pool while active
         self.taken: set[str] = set()   # the buffers written (what tests check the layout by)
         self._short: set[str] = set()
+        # each (name, shape, dtype) asked before: its view, as it was made (every layer asks the
+        # same ones, and a view made anew costs the host several CuPy calls)
+        self._views: dict = {}
 
     def capacity(self, name: str) -> int:
         return self.slots[name][1] if name in self.slots else 0
@@ -39,9 +42,13 @@ class PromptWorkspace:
     def take(self, name: str, shape, dtype):
         """A view of buffer `name` as an array of `shape` and `dtype`; a new (counted) array when
         the layout has no such buffer or it is too small."""
+        self.taken.add(name)
+        key = (name, tuple(shape), dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize
-        self.taken.add(name)
         at, size = self.slots.get(name, (0, -1))
         if nbytes > size:
             if name not in self._short:
@@ -51,7 +58,8 @@ class PromptWorkspace:
                           self.n_tokens)
             import cupy as cp
             return cp.empty(shape, dtype=dtype)
-        return self.region[at:at + nbytes].view(dtype).reshape(shape)
+        view = self._views[key] = self.region[at:at + nbytes].view(dtype).reshape(shape)
+        return view
 
     @contextmanager
     def active(self, backend):

@@ -70,6 +70,7 @@ class CupyBackend(Backend):
         # quantized dense matrices (llama.cpp's Q4_K_M files keep attention in Q4_K/Q6_K) decoded
         # to f16 and multiplied on tensor cores, as F16 files' are, not in float32 (SGEMM)
         self._f16_gemm = os.environ.get("STRATA_F16_PROMPT_GEMM", "1") != "0"
+        self._staging = None        # PinnedStaging of upload(), made at the first one
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
@@ -104,13 +105,17 @@ class CupyBackend(Backend):
 
     def upload(self, name: str, host: np.ndarray):
         """A small host table (kernel arguments, routing tables) on the device: into the
-        workspace's buffer `name` while a prompt chunk runs with one (a copy queued on the current
-        stream, so the kernels still reading the last chunk's or layer's copy run first)."""
+        workspace's buffer `name` while a prompt chunk runs with one, by a copy queued on the
+        current stream (so the kernels still reading the last layer's copy run first) out of a
+        pinned staging ring: a copy from pageable memory may make the host wait for the device,
+        which at every layer would stop the launches from running ahead."""
         host = np.ascontiguousarray(host)
         if self.workspace is None:
             return cp.asarray(host)
         dev = self.workspace.take(name, host.shape, host.dtype)
-        dev.set(host, stream=cp.cuda.get_current_stream())
+        if self._staging is None:
+            self._staging = PinnedStaging()
+        self._staging.copy(dev, host)
         return dev
 
     def to_host(self, x):
@@ -370,6 +375,39 @@ class CupyBackend(Backend):
     def memory_info(self):
         free, total = cp.cuda.runtime.memGetInfo()
         return int(free), int(total)
+
+
+class PinnedStaging:
+    """Small host tables on their way to the device through one pinned buffer used as a ring:
+    each is written after the last and copied on the current stream. Before the ring starts over
+    the host waits for the last copy queued (all of a lap's copies then have run): once every
+    `nbytes` of tables, about a chunk's host-built grouping tables at 64 MiB."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int = 64 << 20):
+        self.buf = cupyx.empty_pinned(nbytes, dtype=np.uint8)
+        self.at = 0
+        self.last = None                 # the event after the last copy queued
+
+    def copy(self, dev, host: np.ndarray) -> None:
+        n = int(host.nbytes)
+        if n > self.buf.size:                   # not a table: a plain (synchronous) copy
+            dev.set(host)
+            return
+        if self.at + n > self.buf.size:
+            if self.last is not None:
+                self.last.synchronize()
+            self.at = 0
+        lo = self.at
+        self.buf[lo:lo + n] = host.reshape(-1).view(np.uint8)
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(int(dev.data.ptr), int(self.buf.ctypes.data) + lo, n,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        if self.last is None:
+            self.last = cp.cuda.Event(disable_timing=True)
+        self.last.record(stream)
+        self.at = -(-(lo + n) // self.ALIGN) * self.ALIGN
 
 
 OPS_THREADS = 256     # prompt_ops.cu's block
