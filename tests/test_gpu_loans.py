@@ -22,6 +22,15 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def model128(tmp_path_factory):
+    """The same geometry with 128-wide heads: the prompt path's own attention kernels take it
+    (16-wide heads take the array attention, whose tiles allocate as they go)."""
+    return write_gguf(tiny_qwen3moe(17, hidden=256, top_k=TOP_K, n_experts=N_EXPERTS,
+                                    n_layers=N_LAYERS, head_dim=128),
+                      tmp_path_factory.mktemp("gpuloans128") / "m.gguf", "q8_0")
+
+
+@pytest.fixture(scope="module")
 def baseline(model):
     from strata_dist.single_process import SingleProcessRunner
     return SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
@@ -57,7 +66,7 @@ def _loan(model, chunk: int) -> int:
     return loan_slots(chunk, shape.prompt_bytes, min(shape.blob_bytes))
 
 
-def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model):
+def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model128):
     """The same chunk read without a loan or workspace (every buffer from CuPy's pool) and with
     the loan the plan prices (the layout carved from it), counting what the stage asks of CuPy's
     allocator: without, every activation; with, only the rows handed on."""
@@ -66,8 +75,8 @@ def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model):
     ids = PROMPT[:CHUNK]
     pool = cp.get_default_memory_pool()
     asked = {}
-    for loan in (0, _loan(model, CHUNK)):
-        st = Stage(StageConfig(model_path=str(model), device="cuda:0", lb=0, le=3, first=True,
+    for loan in (0, _loan(model128, CHUNK)):
+        st = Stage(StageConfig(model_path=str(model128), device="cuda:0", lb=0, le=3, first=True,
                                last=False, max_context=512, cache_pairs=[(l, e) for l in range(3)
                                                                         for e in range(60)],
                                loan_slots=loan, prompt_chunk=CHUNK if loan else 0))
@@ -89,7 +98,7 @@ def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model):
             assert c["loan_peak_bytes"] > 0 and c["streamed"] > 0, c
             assert c["loan_overflow_bytes"] == 0 and c["loan_live_at_refill"] == 0, c
         del st, h
-    rows = CHUNK * int(GGUFModel(str(model)).arch_metadata("embedding_length")) * 4
+    rows = CHUNK * int(GGUFModel(str(model128)).arch_metadata("embedding_length")) * 4
     assert asked[0] > 4 * rows, asked
     assert asked[max(asked)] <= rows + 4096, asked
 
