@@ -212,6 +212,9 @@ class RankProcess:
             h.nbytes for h in (self.stage.tiers.helpers if self.stage else []))
         if ipc_bytes:
             allocated["handoff"] = ipc_bytes
+        if self.stage is not None and self.stage.own_prompt_bytes:
+            # a stage that does not lend: its prompt layout, allocated once (plan: own prompt)
+            allocated["own_prompt"] = self.stage.own_prompt_bytes
         if self.stage is not None and self.stage.tiers.pinned is not None:
             allocated["host_pinned"] = self.stage.tiers.pinned.nbytes   # host memory, not device
         if self.stage is not None and self.stage.pin_error:

@@ -92,6 +92,11 @@ class Stage:
     def weights_bytes(self) -> int:
         return self.model.loaded_bytes
 
+    @property
+    def own_prompt_bytes(self) -> int:
+        """The prompt layout this stage allocated for itself (it does not lend), else 0."""
+        return self._own_workspace.nbytes if self._own_workspace is not None else 0
+
     def session(self, session_id: int):
         s = self.sessions.get(session_id)
         if s is None:
