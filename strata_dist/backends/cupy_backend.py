@@ -131,6 +131,10 @@ class CupyBackend(Backend):
     def linear(self, x, w, out=None):
         if isinstance(w, QuantMatrix):
             if self._f16_gemm:     # as an F16 file's matrices: tensor cores, f32 accumulation
+                rows, cols = w.shape
+                fits = 2 * rows * cols <= max(F16_SCRATCH_BYTES, self._scratch("dense16"))
+                if not fits:       # the head of a Q4_K_M file: 600 MB as f16, unpriced
+                    return self._gemm_f16_slices(x, w, out)
                 dense = self.buffer("dense16", w.shape, cp.float16)
                 return self._gemm_f16(x, w.dequantize(cp.float16, out=dense), out)
             return x @ w.dequantize().T
@@ -138,6 +142,21 @@ class CupyBackend(Backend):
             return self._gemm_f16(x, w, out)
         return cp.matmul(x, w.T, out=self.buffer(out, (int(x.shape[0]), int(w.shape[0])),
                                                  cp.float32))
+
+    def _scratch(self, name: str) -> int:
+        return 0 if self.workspace is None else self.workspace.capacity(name)
+
+    def _gemm_f16_slices(self, x, w: QuantMatrix, out):
+        """`_gemm_f16` of a quantized matrix decoded to f16 F16_SCRATCH_BYTES at a time (its rows
+        in slices), so a large one (an output head) never takes its whole f16 copy at once."""
+        n, (rows, cols) = int(x.shape[0]), w.shape
+        per = max(1, F16_SCRATCH_BYTES // (2 * cols))
+        y = self.buffer(out, (n, rows), cp.float32)
+        x16 = x.astype(cp.float16)
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            cp.copyto(y[:, r0:r1], x16 @ w.row_slice(r0, r1).dequantize(cp.float16).T)
+        return y
 
     def _gemm_f16(self, x, w16, out):
         """x rounded to f16 times f16 weights on tensor cores (an f16 product, as CuPy's f16
@@ -411,6 +430,9 @@ class PinnedStaging:
 
 
 OPS_THREADS = 256     # prompt_ops.cu's block
+# a quantized matrix larger than this (and than the prompt layout's dense16) is decoded to f16 a
+# slice of rows at a time: well inside a stage's work reserve (plan/pricing.py)
+F16_SCRATCH_BYTES = 32 << 20
 MAX_GRID_Y = 65535    # a launch's rows are its grid's y (a chunk is far shorter)
 
 

@@ -39,6 +39,12 @@ class QuantMatrix:
         return dequantize_rows(self.raw, self.ggml_type, self.row_bytes, *self.shape, dtype=dtype,
                                out=out)
 
+    def row_slice(self, r0: int, r1: int) -> "QuantMatrix":
+        """Rows [r0, r1) as a matrix of their own (a view of the stored bytes: blocks never span
+        rows)."""
+        return QuantMatrix(self.raw.reshape(-1)[r0 * self.row_bytes:r1 * self.row_bytes],
+                           (r1 - r0, self.shape[1]), self.ggml_type)
+
     def rows(self, idx, out=None):
         """Rows idx (a device int32 array, or host integers) decoded to float32 (into `out`)."""
         if not isinstance(idx, cp.ndarray) or idx.dtype != cp.int32:
