@@ -559,13 +559,15 @@ class Qwen3Next(LayerRangeModel):
         n, hk, r = x.shape[0], g.head_k_dim, g.n_v_heads // g.n_k_heads
         nk, rv = g.n_k_heads, r * g.head_v_dim
         per = be.linear(x, w["ssm_in"], out="qkvz").reshape(n, nk, -1)   # per key head: q k v z
-        # regrouped as [all q | all k | all v] and z, as the split projections give them
+        # regrouped as [all q | all k | all v] and z, as the split projections give them, a key
+        # head at a time (2-D slices: a reshape of a strided view may be a copy on some backends)
         qkv = be.buffer("qkv", (n, g.conv_dim))
-        qkv[:, :nk * hk].reshape(n, nk, hk)[...] = per[..., :hk]
-        qkv[:, nk * hk:2 * nk * hk].reshape(n, nk, hk)[...] = per[..., hk:2 * hk]
-        qkv[:, 2 * nk * hk:].reshape(n, nk, rv)[...] = per[..., 2 * hk:2 * hk + rv]
         z = be.buffer("z", (n, nk, g.value_dim // nk))
         z[...] = per[..., 2 * hk + rv:]
+        for i in range(nk):
+            qkv[:, i * hk:(i + 1) * hk] = per[:, i, :hk]
+            qkv[:, (nk + i) * hk:(nk + i + 1) * hk] = per[:, i, hk:2 * hk]
+            qkv[:, 2 * nk * hk + i * rv:2 * nk * hk + (i + 1) * rv] = per[:, i, 2 * hk:2 * hk + rv]
         return qkv, z.reshape(n, -1)
 
     def _linear_attention(self, layer, x, session):
