@@ -9,6 +9,14 @@ HOST_MAPPED_MODES = {"1": True, "0": False, "": None, "auto": None}
 PIN_SHARE = 0.75     # by default pin at most this share of the host's available memory
 
 
+def _forced() -> bool | None:
+    """STRATA_HOST_MAPPED as given: True (1), False (0), None (unset or auto)."""
+    text = os.environ.get("STRATA_HOST_MAPPED", "")
+    if text not in HOST_MAPPED_MODES:
+        raise ValueError(f"STRATA_HOST_MAPPED={text!r}: expected 1, 0 or auto")
+    return HOST_MAPPED_MODES[text]
+
+
 def reads_host_in_place(experts) -> bool:
     """Whether a GPU stage pins the experts its cache lacks in host memory, its decode graph
     reading them in place and its prompts streaming them by DMA (backends/host_mapped.py).
@@ -16,10 +24,7 @@ def reads_host_in_place(experts) -> bool:
     for the stage: measured 17-24x the general path's decode with experts off the card
     (docs/BENCHMARKS.md), while a stage with helper pairs keeps the general path, whose decode asks
     the helpers (the graph would read their pairs from host memory instead)."""
-    text = os.environ.get("STRATA_HOST_MAPPED", "")
-    if text not in HOST_MAPPED_MODES:
-        raise ValueError(f"STRATA_HOST_MAPPED={text!r}: expected 1, 0 or auto")
-    forced = HOST_MAPPED_MODES[text]
+    forced = _forced()
     if forced is not None:
         return forced
     return not getattr(experts, "has_helper_pairs", False)
@@ -29,7 +34,7 @@ def pin_room_error(nbytes: int, meminfo: str = "/proc/meminfo") -> str:
     """Why pinning nbytes would not be left to the default (empty when it would): more than
     PIN_SHARE of the host's available memory, which page-locked copies would take from the page
     cache the model file is read through. STRATA_HOST_MAPPED=1 pins regardless."""
-    if os.environ.get("STRATA_HOST_MAPPED", "") == "1":
+    if _forced():
         return ""
     try:
         with open(meminfo) as f:

@@ -36,6 +36,12 @@ class PromptWorkspace:
         # same ones, and a view made anew costs the host several CuPy calls)
         self._views: dict = {}
 
+    @classmethod
+    def allocate(cls, layout, n_tokens: int, xp) -> "PromptWorkspace":
+        """A workspace over a region of its own (a stage that does not lend, the single-process
+        runner), allocated once."""
+        return cls(layout, n_tokens, xp.empty(layout.nbytes(n_tokens), dtype=np.uint8))
+
     def capacity(self, name: str) -> int:
         return self.slots[name][1] if name in self.slots else 0
 

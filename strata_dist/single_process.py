@@ -57,9 +57,8 @@ class SingleProcessRunner:
         # a GPU chunk's buffers in one fixed layout, allocated once (strata_dist/prompt_workspace.py)
         self.workspace = None
         if self.backend.name == "cupy":
-            layout = self.model.prompt_layout()
-            self.workspace = PromptWorkspace(
-                layout, prefill_chunk, self.backend.xp.empty(layout.nbytes(prefill_chunk), np.uint8))
+            self.workspace = PromptWorkspace.allocate(self.model.prompt_layout(), prefill_chunk,
+                                                      self.backend.xp)
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
         self.eos_id: int | None = None if eos is None else int(eos)
 

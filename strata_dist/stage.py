@@ -80,9 +80,8 @@ class Stage:
         self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
         self._workspace = self._own_workspace = None
         if self.prompt_layout is not None and cfg.prompt_chunk and not cfg.loan_slots:
-            self._own_workspace = PromptWorkspace(
-                self.prompt_layout, cfg.prompt_chunk,
-                self.backend.xp.empty(self.prompt_layout.nbytes(cfg.prompt_chunk), np.uint8))
+            self._own_workspace = PromptWorkspace.allocate(self.prompt_layout, cfg.prompt_chunk,
+                                                           self.backend.xp)
         self.sessions: dict[int, object] = {}
         self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
