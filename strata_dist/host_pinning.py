@@ -20,14 +20,15 @@ def _forced() -> bool | None:
 def reads_host_in_place(experts) -> bool:
     """Whether a GPU stage pins the experts its cache lacks in host memory, its decode graph
     reading them in place and its prompts streaming them by DMA (backends/host_mapped.py).
-    STRATA_HOST_MAPPED=1 always, =0 never; unset (or "auto") wherever no helper tier holds pairs
-    for the stage: measured 17-24x the general path's decode with experts off the card
-    (docs/BENCHMARKS.md), while a stage with helper pairs keeps the general path, whose decode asks
-    the helpers (the graph would read their pairs from host memory instead)."""
+    STRATA_HOST_MAPPED=1 always, =0 never; unset (or "auto") wherever no helper tier on another
+    card holds pairs for the stage: measured 17-24x the general path's decode with experts off the
+    card (docs/BENCHMARKS.md). The card's own helper tier does not count: the decode graph reads its
+    pairs in place, as it does the cache's. A stage another card's helper serves keeps the general
+    path, whose decode asks that helper (the graph would read its pairs from host memory instead)."""
     forced = _forced()
     if forced is not None:
         return forced
-    return not getattr(experts, "has_helper_pairs", False)
+    return not getattr(experts, "asks_helpers", False)
 
 
 def pin_room_error(nbytes: int, meminfo: str = "/proc/meminfo") -> str:

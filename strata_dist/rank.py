@@ -193,7 +193,7 @@ class RankProcess:
         if assign.helper_pairs:
             self._open_helper(assign)
             if self.stage is not None:   # this card's own tier is computed in place
-                self.stage.tiers.local_helper = self.helper.arena
+                self.stage.attach_local_helper(self.helper.arena)
             free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(

@@ -65,16 +65,25 @@ class Stage:
                    for rank, ep, pairs, ipc in cfg.helpers]
         self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
                                  local_helper=cfg.local_helper)
-        self.tiers.local_helper_pairs = sum(1 for l, _ in cfg.local_helper_pairs
-                                            if cfg.lb <= l < cfg.le)
+        # pairs of this stage's layers that this card's own helper tier will hold: read in place
+        # by the decode graph once the tier opens (attach_local_helper), so never pinned
+        self.own_helper_pairs = {(int(l), int(e)) for l, e in cfg.local_helper_pairs
+                                 if cfg.lb <= l < cfg.le}
+        self.tiers.local_helper_pairs = len(self.own_helper_pairs)
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
+        self.n_expert = g.n_expert
         if self.backend.name == "cupy" and reads_host_in_place(self.tiers):
-            self.tiers.pinned, self.pin_error = _pin_missing(self.gguf, self.cache, cfg.lb,
-                                                             cfg.le, g.n_expert, cfg.loan_slots)
+            self.tiers.pinned, self.pin_error = _pin_missing(
+                self.gguf, self.cache, cfg.lb, cfg.le, g.n_expert, cfg.loan_slots,
+                skip=self.own_helper_pairs)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
-        # decode steps as one device graph when the cache holds every expert of the range (CuPy)
-        self.decode_graph = self.backend.decode_graph(self.model, cfg.max_context)
+        # decode steps as one device graph when every expert of the range is in the cache, this
+        # card's helper tier or pinned host memory (CuPy); with pairs in this card's helper tier,
+        # once that tier has opened (it opens after the stage)
+        self.decode_graph = None
+        if not (self.own_helper_pairs and cfg.local_helper is None):
+            self.decode_graph = self.backend.decode_graph(self.model, cfg.max_context)
         # a GPU prompt chunk's buffers: the layout the plan priced, carved from the loan while a
         # prompt borrows it, else from the stage's own prompt buffers, allocated here once
         self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
@@ -86,6 +95,23 @@ class Stage:
         self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
+
+    def attach_local_helper(self, arena) -> None:
+        """This card's own helper tier has opened (`arena`), or failed to (None): its pairs are
+        computed in place from now on, and the decode graph is built reading them where they
+        are. A tier that did not open leaves its pairs to host memory: pinned, where the stage
+        pins, else read from the file by the general path."""
+        self.tiers.local_helper = arena
+        if self.backend.name != "cupy" or not self.own_helper_pairs:
+            return
+        if arena is None and reads_host_in_place(self.tiers):
+            old = self.tiers.pinned
+            self.tiers.pinned, self.pin_error = _pin_missing(
+                self.gguf, self.cache, self.cfg.lb, self.cfg.le, self.n_expert,
+                self.cfg.loan_slots)
+            if old is not None:
+                old.close()
+        self.decode_graph = self.backend.decode_graph(self.model, self.cfg.max_context)
 
     @property
     def weights_bytes(self) -> int:
@@ -227,14 +253,15 @@ def _add_counts(counts: dict[str, int], store: CheckpointStore) -> dict[str, int
             "checkpoint_failed": counts["checkpoint_failed"] + store.failed}
 
 
-def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int, loan_slots: int):
+def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int, loan_slots: int, skip=()):
     """The blobs of the stage's layers its cache lacks, pinned in host memory: read in place by
     the decode graph and streamed by DMA into a prompt's loan (with the pairs of the slots a prompt
     borrows, which are missing while it runs); and why not, if not. Fail-soft:
     (None, reason) when the host will not pin them (memlock limit, host memory); the stage then
-    reads its misses from the file."""
+    reads its misses from the file. `skip`: pairs this card's helper tier holds (read there)."""
     from .backends.host_mapped import MappedHostBlobs
-    missing = [(l, e) for l in range(lb, le) for e in range(n_expert) if not cache.holds(l, e)]
+    missing = [(l, e) for l in range(lb, le) for e in range(n_expert)
+               if not cache.holds(l, e) and (l, e) not in skip]
     missing += cache.pairs[len(cache.pairs) - min(loan_slots, len(cache.pairs)):]
     if not missing:
         return None, ""

@@ -129,10 +129,18 @@ class ExpertTiers(ExpertStore):
         self.counters: Counter = Counter()
 
     @property
-    def has_helper_pairs(self) -> bool:
-        """Whether a helper tier (another card's, or this card's own) holds pairs for this stage."""
-        return (bool(self.helpers) or self.local_helper_pairs > 0
-                or (self.local_helper is not None and bool(self.local_helper.pairs)))
+    def asks_helpers(self) -> bool:
+        """Whether a helper tier reached over a socket (another card's) holds pairs for this
+        stage: the general path asks it, a decode graph cannot read it."""
+        return bool(self.helpers)
+
+    def helper_addresses(self, lb: int, le: int) -> dict[tuple[int, int], int]:
+        """(layer, expert) -> the device address of the blob of a pair of layers [lb, le) that
+        this card's own helper tier holds: the decode graph reads those in place, as it does its
+        cache's (an empty dict when the card has no helper tier, or it did not open)."""
+        if self.local_helper is None or self.backend.name != "cupy":
+            return {}
+        return self.local_helper.device_addresses(lb, le)
 
     def outputs_device(self, layer: int, x, idx):
         """Every expert of `layer` in this stage's cache: all hits, computed on the device."""
@@ -187,14 +195,15 @@ class ExpertTiers(ExpertStore):
 
     def _tiers_of(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Per expert of `layer`: its tier (0 host, 1 hit, 2 a live helper tier elsewhere, 3 this
-        card's helper tier; prompt chunks only 0 or 1) and, for tier 2, its helper's index."""
+        card's helper tier, computed in place; prompt chunks never 2) and, for tier 2, its
+        helper's index."""
         n_expert = self.cache.slot_of.shape[1]
         tier_of = np.zeros(n_expert, dtype=np.int8)
         tier_of[_held(self.cache, layer, n_expert)] = 1
-        if self.prompt:                   # prompt chunks never go to helper tiers
-            return tier_of, np.full(n_expert, -1, dtype=np.int64)
         if self.local_helper is not None:
             tier_of[(tier_of == 0) & _held(self.local_helper, layer, n_expert)] = 3
+        if self.prompt:                   # prompt chunks never go to other cards' helper tiers
+            return tier_of, np.full(n_expert, -1, dtype=np.int64)
         helper_of = self._helper_of.get(layer)
         if helper_of is None:
             helper_of = np.full(n_expert, -1, dtype=np.int64)

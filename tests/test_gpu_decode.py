@@ -300,6 +300,54 @@ def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch, e
     assert part.tiers.counters["graph_steps"] == len(NEXT)
 
 
+def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeypatch):
+    """A stage+helper card in one rank: a third of the stage's experts cached, a third in the
+    card's own helper tier (opened after the stage, as a rank opens it), the rest pinned in host
+    memory. The decode graph reads all three kinds of address with the same kernels, so its
+    logits equal a fully cached stage's bit for bit, and each step's computations are counted by
+    tier. A helper tier that did not open leaves its pairs to host memory: the same bits."""
+    from strata_dist.experts import BlobArena
+    from strata_dist.stage import Stage, StageConfig
+    monkeypatch.delenv("STRATA_HOST_MAPPED", raising=False)
+    path = _model(tmp_path, "q8_0", seed=10)
+    full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
+                             cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
+    cached = [(l, e) for l in range(3) for e in range(0, 16, 3)]
+    helper = [(l, e) for l in range(3) for e in range(1, 16, 3)]
+
+    def stage():
+        return Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512, cache_pairs=cached,
+                                 local_helper_pairs=helper))
+    part, lost = stage(), stage()
+    assert part.decode_graph is None                 # it waits for the card's helper tier
+    assert not any(part.tiers.pinned.holds(l, e) for l, e in helper)
+    part.attach_local_helper(BlobArena(part.backend, part.gguf, helper, 3, 16))
+    assert set(part.decode_graph.helper_blobs) == set(helper)
+    lost.attach_local_helper(None)                   # the tier did not open (fail-soft)
+    assert lost.decode_graph is not None and not lost.decode_graph.helper_blobs
+    assert all(lost.tiers.pinned.holds(l, e) for l, e in helper)
+    logits = []
+    for st in (full, part, lost):
+        st.begin_prompt()
+        logits.append(np.asarray(st.run(0, 0, ids=PROMPT[:20], prompt=True)))
+        st.end_prompt()
+    assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
+    before = {id(st): dict(st.tiers.counters) for st in (part, lost)}
+    pos = 20
+    for t in NEXT:
+        a = np.asarray(full.run(0, pos, ids=[t]))
+        for st in (part, lost):
+            assert np.array_equal(a, np.asarray(st.run(0, pos, ids=[t]))), t
+        pos += 1
+    for st in (part, lost):
+        done = {k: st.tiers.counters[k] - before[id(st)].get(k, 0)
+                for k in ("hits", "remote", "host", "graph_steps")}
+        assert done["graph_steps"] == len(NEXT)
+        assert done["hits"] + done["remote"] + done["host"] == len(NEXT) * 4 * 3
+        assert done["hits"] > 0 and done["host"] > 0
+        assert (done["remote"] > 0) == (st is part)
+
+
 def test_steps_launched_ahead_give_the_same_tokens(tmp_path):
     """STRATA_DECODE_AHEAD: a greedy generation whose every next step is launched before the host
     reads the token gives the plain runner's tokens, and the steps ahead are the ones taken."""

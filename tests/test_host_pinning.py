@@ -1,6 +1,6 @@
 """Whether a stage pins the experts its cache lacks (strata_dist/host_pinning.py): by default
-wherever no helper tier holds pairs for it, never past the host's available memory unless forced.
-The helper-pair rule is read off real stages on CPU ranks with a real helper link."""
+wherever no other card's helper tier holds pairs for it, never past the host's available memory
+unless forced. The helper-pair rule is read off real stages on CPU ranks with a real helper link."""
 
 import pytest
 
@@ -30,11 +30,13 @@ def test_default_pins_where_no_helper_holds_pairs(model, monkeypatch):
     own_card = Stage(StageConfig(str(model), "cpu", 0, 2, True, True, 64,
                                  cache_pairs=[(0, 0), (1, 0)], local_helper_pairs=[(1, 4)]))
     try:
-        assert not alone.tiers.has_helper_pairs and reads_host_in_place(alone.tiers)
-        assert helped.tiers.has_helper_pairs and not reads_host_in_place(helped.tiers)
+        assert not alone.tiers.asks_helpers and reads_host_in_place(alone.tiers)
+        assert helped.tiers.asks_helpers and not reads_host_in_place(helped.tiers)
         # a helper whose pairs are all outside the stage's layers is no helper of this stage
-        assert not past_range.tiers.has_helper_pairs and reads_host_in_place(past_range.tiers)
-        assert own_card.tiers.has_helper_pairs and not reads_host_in_place(own_card.tiers)
+        assert not past_range.tiers.asks_helpers and reads_host_in_place(past_range.tiers)
+        # this card's own tier is read in place (by the decode graph, on a GPU): it asks no one
+        assert not own_card.tiers.asks_helpers and reads_host_in_place(own_card.tiers)
+        assert own_card.tiers.local_helper_pairs == 1
         monkeypatch.setenv("STRATA_HOST_MAPPED", "auto")
         assert reads_host_in_place(alone.tiers) and not reads_host_in_place(helped.tiers)
         monkeypatch.setenv("STRATA_HOST_MAPPED", "1")

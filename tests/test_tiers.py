@@ -164,8 +164,8 @@ def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_p
 
 def test_each_expert_takes_the_first_tier_that_holds_it(model):
     """The stage's cache, then its own card's helper tier, then a live helper tier elsewhere (of a
-    pair two helpers list, the later one's), else host memory; a prompt chunk asks no helper. A
-    dead helper's experts go to host memory."""
+    pair two helpers list, the later one's), else host memory; a prompt chunk asks no other card's
+    helper (its own card's tier is computed in place). A dead helper's experts go to host memory."""
     from strata_dist.tiers import ExpertTiers, HelperClient
     be, gguf = get_backend("cpu"), GGUFModel(model)
     cache = BlobArena(be, gguf, [(1, 0), (1, 1)], N_LAYERS, 8)
@@ -180,7 +180,7 @@ def test_each_expert_takes_the_first_tier_that_holds_it(model):
         later.alive = False
         assert list(tiers._tiers_of(1)[0]) == [1, 1, 3, 2, 0, 0, 0, 0]
         tiers.prompt = True
-        assert list(tiers._tiers_of(1)[0]) == [1, 1, 0, 0, 0, 0, 0, 0]
+        assert list(tiers._tiers_of(1)[0]) == [1, 1, 3, 0, 0, 0, 0, 0]
     finally:
         for h in (first, later):
             h.ch.close()

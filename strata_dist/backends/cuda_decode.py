@@ -142,9 +142,13 @@ class DecodeGraph:
             raise Unsupported("widths that are not whole groups of 32")
 
     def _check_residency(self) -> None:
-        """Every expert of the stage's layers in the cache, or (host_misses) the rest pinned."""
+        """Every expert of the stage's layers in the cache or this card's helper tier, or (with
+        host_misses) the rest pinned."""
         held = self.arena.slot_of[self.lb:self.le]
-        missing = [(self.lb + int(j), int(e)) for j, e in zip(*np.nonzero(held < 0))]
+        helper = getattr(self.model.experts, "helper_addresses", None)
+        self.helper_blobs = helper(self.lb, self.le) if helper is not None else {}
+        missing = [(self.lb + int(j), int(e)) for j, e in zip(*np.nonzero(held < 0))
+                   if (self.lb + int(j), int(e)) not in self.helper_blobs]
         if not missing:
             return
         if not self.host_misses:
@@ -201,17 +205,26 @@ class DecodeGraph:
         self.slots = [HostSlot.allocate(DESC_WORDS, self.ids.shape) for _ in range(2)]
         nl = self.le - self.lb
         self.sess_table = cp.zeros(2 * nl + 2 + (2 * nl if self.kv_suffix else 0), cp.uint64)
-        # each expert's blob address, [n_layer, n_expert]: its cache slot, else its pinned host
-        # copy, else 0 (not this stage's). Slots never move, so a table taken while nothing is
-        # lent stays right (the arena's own tables change whenever it lends; steps wait then).
+        # each expert's blob address, [n_layer, n_expert]: its cache slot, else its slot in this
+        # card's helper tier, else its pinned host copy, else 0 (not this stage's). Slots never
+        # move, so a table taken while nothing is lent stays right (the arena's own tables change
+        # whenever it lends; steps wait then; a helper tier never lends).
         held = self.arena.slot_of
         base = np.uint64(int(self.arena.buf.data.ptr))
         addr = base + self.arena.offsets[np.maximum(held, 0)].astype(np.uint64)
         table = np.where(held >= 0, addr, 0).astype(np.uint64)
         self.in_cache = held[self.lb:self.le] >= 0      # [stage layers, n_expert], for counting
-        if self.host_blobs is not None:
-            for (layer, expert), at in self.host_blobs.addresses().items():
+        self.in_helper = np.zeros_like(self.in_cache)
+        for (layer, expert), at in self.helper_blobs.items():
+            if held[layer, expert] < 0:
                 table[layer, expert] = at
+                self.in_helper[layer - self.lb, expert] = True
+        if self.host_blobs is not None:
+            # only where no device copy is: the pinned tier also holds the loan's pairs, which
+            # the cache holds whenever a decode step runs
+            for (layer, expert), at in self.host_blobs.addresses().items():
+                if table[layer, expert] == 0:
+                    table[layer, expert] = at
         self.blob_of = cp.asarray(table)
         # blocks finished of each (row, head group)'s attention splits (attn_decode_128_g*)
         self.attn_done = cp.zeros(R * (g.n_head // self.attn_heads), cp.uint32)
@@ -535,7 +548,7 @@ class DecodeGraph:
         if self.last:
             cp.cuda.runtime.memcpyAsync(hs.token.ctypes.data, self.token.data.ptr, 4,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-        if self.host_blobs is not None:   # the routes, to count the step's hits and host reads
+        if self.counts_routes:   # the routes, to count the step's hits, helper and host reads
             cp.cuda.runtime.memcpyAsync(hs.ids.ctypes.data, self.ids.data.ptr, self.ids.nbytes,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         hs.done.record(self.stream)
@@ -563,14 +576,22 @@ class DecodeGraph:
         return StepLogits(token, self.logits, lambda: self.launches == launched)
 
     def _count_tiers(self, n: int, routes) -> dict[str, int]:
-        """A step's expert computations by where the blob was: the cache or host memory."""
+        """A step's expert computations by where the blob was: the cache, this card's helper
+        tier ("remote", as the general path counts a helper's) or host memory."""
         total = n * self.g.n_expert_used * (self.le - self.lb)
-        if self.host_blobs is None:
-            return {"hits": total, "host": 0}
+        if not self.counts_routes:
+            return {"hits": total, "remote": 0, "host": 0}
         ids = routes[:, :n]                               # [stage layers, n, k]
         layer = np.arange(self.le - self.lb)[:, None, None]
-        hits = int(self.in_cache[layer, np.clip(ids, 0, None)][ids >= 0].sum())
-        return {"hits": hits, "host": int((ids >= 0).sum()) - hits}
+        chosen, asked = np.clip(ids, 0, None), ids >= 0
+        hits = int(self.in_cache[layer, chosen][asked].sum())
+        helper = int(self.in_helper[layer, chosen][asked].sum())
+        return {"hits": hits, "remote": helper, "host": int(asked.sum()) - hits - helper}
+
+    @property
+    def counts_routes(self) -> bool:
+        """Whether some expert is outside the cache (the step's routes come back to count)."""
+        return self.host_blobs is not None or bool(self.helper_blobs)
 
 
 def decode_graph(model, max_cells: int, graph_class: type = DecodeGraph):
