@@ -7,6 +7,7 @@ per (layer, expert). Decode steps whose experts are all resident run through
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import numpy as np
 
@@ -444,5 +445,11 @@ def _f32_rows(a) -> bool:
 def _decode_defines() -> tuple[str, ...]:
     """decode.cu's build as the decode graph makes it ($STRATA_KERNEL_SHAPE): one module for the
     graph and the prompt path's use of its kernels."""
+    return _shape_defines(os.environ.get("STRATA_KERNEL_SHAPE", ""))
+
+
+@lru_cache(maxsize=None)
+def _shape_defines(text: str) -> tuple[str, ...]:
+    """The -D defines of a kernel shape's text (parsed once: the prompt path asks every layer)."""
     from ..kernels.abi import KernelShape
-    return KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", "")).defines()
+    return tuple(KernelShape.parse(text).defines())

@@ -102,5 +102,9 @@ def module(name: str, device: int = 0, defines: tuple[str, ...] = ()):
     return mod
 
 
+@lru_cache(maxsize=None)
 def function(name: str, kernel: str, device: int = 0, defines: tuple[str, ...] = ()):
+    """Kernel `kernel` of module `name`, looked up once: the prompt path asks for its kernels at
+    every layer, and a lookup through the module costs tens of microseconds of host time
+    (docs/BENCHMARKS.md, a 512-token prompt's profile)."""
     return module(name, device, tuple(defines)).get_function(kernel)
