@@ -106,6 +106,11 @@ class _Mapped:
     _ptr: int
     _owner: Any
 
+    @property
+    def ptr(self) -> int:
+        """The buffer's device address in this process (0 once closed)."""
+        return self._ptr
+
     def view(self, slot: RowSlot, dtype: Any, shape: tuple[int, ...] | list[int]) -> Any:
         """A cupy array of ``shape``/``dtype`` over the slot's bytes (no copy)."""
         cpm = _need_cupy()

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -497,6 +497,43 @@ class IpcHandle(Message):
     pid: int = 0
 
 
+@message
+class ExpertTierAsk(Message):
+    """Stage → helper on the same host, after its IpcHandle: the helper's tier buffer, so that the stage's
+    decode graph reads the helper's blobs in place (over NVLink from another card) instead of asking."""
+
+    TYPE = "expert_tier_ask"
+
+
+@message
+class ExpertTier(Message):
+    """Helper → stage: the helper tier's device buffer as a CUDA IPC handle, and in frames the pairs it holds
+    (n, 2) int32 (layer, expert) and each pair's blob offset (n,) int64 in that buffer. Answered with
+    Error(code="ipc_tier") by a helper that cannot export its tier."""
+
+    TYPE = "expert_tier"
+    MAX_ARRAYS = 2
+    handle: bytes  # cudaIpcMemHandle_t, 64 bytes
+    device: int    # index in the helper's CUDA numbering
+    nbytes: int
+    device_uuid: str = ""
+    pid: int = 0
+
+    def check(self, arrays: list) -> None:
+        _nonneg(device=self.device, nbytes=self.nbytes)
+        if len(arrays) != 2:
+            raise ValueError(f"expert_tier: expected 2 frames (pairs, offsets), got {len(arrays)}")
+        pairs, offsets = arrays
+        if pairs.ndim != 2 or pairs.shape[1] != 2 or offsets.shape != (pairs.shape[0],):
+            raise ValueError(f"expert_tier: pairs {list(pairs.shape)} and offsets {list(offsets.shape)} "
+                             f"are not (n, 2) and (n,)")
+
+    def ipc_handle(self, host: str = "") -> IpcHandle:
+        """The buffer as the IpcHandle that cuda_ipc.IpcMapping opens."""
+        return IpcHandle(name="expert_tier", handle=self.handle, device=self.device, nbytes=self.nbytes,
+                         dtype="uint8", device_uuid=self.device_uuid, host=host, pid=self.pid)
+
+
 # ---------------------------------------------------------------- calibration
 
 
@@ -525,6 +562,6 @@ __all__ = [
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
     "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
-    "LinkProbe",
+    "ExpertTierAsk", "ExpertTier", "LinkProbe",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
 ]

@@ -68,8 +68,12 @@ class BlobArena(ExpertStore):
     """Expert blobs packed in one buffer (device memory on a GPU rank, host memory on a CPU rank),
     each in its stored format, plus the residency table pair -> slot (-1 when not resident)."""
 
-    def __init__(self, backend, gguf, pairs, n_layers: int, n_experts: int):
+    def __init__(self, backend, gguf, pairs, n_layers: int, n_experts: int,
+                 exportable: bool = False):
+        """`exportable` (a GPU helper tier): the blobs go into one allocation of their own, whose
+        CUDA IPC handle other processes on the host open to read them in place (`ipc_export`)."""
         self.backend, self.gguf = backend, gguf
+        self.ipc_export = None
         self.pairs = [(int(l), int(e)) for l, e in pairs]
         sizes = [gguf.blob_bytes(l) for l, _ in self.pairs]
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
@@ -81,7 +85,18 @@ class BlobArena(ExpertStore):
                 raise ValueError(f"pair ({layer}, {expert}) is listed twice")
             host[self.offsets[i]:self.offsets[i + 1]] = gguf.expert_blob(layer, expert)
             self.slot_of[layer, expert] = i
-        self.buf = backend.asarray(host)
+        if exportable and backend.name == "cupy" and self.nbytes:
+            # an IPC handle names a whole allocation: not a block of CuPy's pool
+            import cupy as cp
+            from protocol.cuda_ipc import IpcExport
+            from protocol.messages import RowSlot
+            self.ipc_export = IpcExport(self.nbytes, backend.index, "expert_tier")
+            self.buf = self.ipc_export.view(RowSlot(offset=0, nbytes=self.nbytes), np.uint8,
+                                            (self.nbytes,))
+            cp.cuda.runtime.memcpy(int(self.buf.data.ptr), int(host.ctypes.data), self.nbytes,
+                                   cp.cuda.runtime.memcpyHostToDevice)
+        else:
+            self.buf = backend.asarray(host)
         # the residency table also lives on the device, for kernels that route there
         self.slot_of_device = backend.asarray(self.slot_of)
         self.lent: list[int] = []      # slots lent to the prompt path (their pairs not resident)

@@ -7,10 +7,11 @@ returns the reply, so the rank's shell owns the socket and this module owns the 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
-from protocol import Error, ExpertReply, ExpertRequest, IpcHandle, SlotFree
+from protocol import Error, ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk, IpcHandle, SlotFree
 from protocol.messages import RowSlot
 
 from .experts import BlobArena
@@ -30,7 +31,8 @@ class HelperServer:
     @classmethod
     def open(cls, rank: int, backend, gguf, pairs, n_layers: int, n_expert: int) -> "HelperServer":
         try:
-            return cls(rank, BlobArena(backend, gguf, [tuple(p) for p in pairs], n_layers, n_expert))
+            return cls(rank, BlobArena(backend, gguf, [tuple(p) for p in pairs], n_layers, n_expert,
+                                       exportable=True))
         except Exception as e:  # out of memory, most likely
             error = f"helper tier of {len(pairs)} pairs did not open: {e}"
             log.error("%s", error)
@@ -44,6 +46,8 @@ class HelperServer:
         """The reply (message, arrays) to one message from a stage; None for anything else."""
         if isinstance(msg, IpcHandle):
             return self._open_link(identity, msg), []
+        if isinstance(msg, ExpertTierAsk):
+            return self._tier()
         if not isinstance(msg, ExpertRequest):
             return None
         try:
@@ -60,6 +64,20 @@ class HelperServer:
             return ExpertReply(seq=msg.seq, layer=msg.layer, n=msg.n), [out]
         except Exception as e:
             return Error(rank=self.rank, request_id=None, message=str(e), code="helper"), []
+
+    def _tier(self) -> tuple[object, list]:
+        """This tier's buffer for a stage on the same host to read in place (its decode graph),
+        or why not (a CPU tier, one that did not open)."""
+        export = self.arena.ipc_export if self.arena is not None else None
+        if export is None:
+            why = self.error or "this rank's helper tier is not in an exportable GPU buffer"
+            return Error(rank=self.rank, request_id=None, message=why, code="ipc_tier"), []
+        from protocol.cuda_ipc import device_uuid
+        a = self.arena
+        pairs = np.array(a.pairs, dtype=np.int32).reshape(-1, 2)
+        return (ExpertTier(handle=export.handle, device=export.device, nbytes=export.nbytes,
+                           device_uuid=device_uuid(export.device), pid=os.getpid()),
+                [pairs, a.offsets[:len(a.pairs)].astype(np.int64)])
 
     def _open_link(self, identity: bytes, msg: IpcHandle):
         """A stage offers its CUDA IPC buffer for expert requests: open it, or refuse (the stage

@@ -17,17 +17,22 @@ def _forced() -> bool | None:
     return HOST_MAPPED_MODES[text]
 
 
-def reads_host_in_place(experts) -> bool:
+def reads_host_in_place(experts, once_opened: bool = False) -> bool:
     """Whether a GPU stage pins the experts its cache lacks in host memory, its decode graph
     reading them in place and its prompts streaming them by DMA (backends/host_mapped.py).
     STRATA_HOST_MAPPED=1 always, =0 never; unset (or "auto") wherever no helper tier on another
     card holds pairs for the stage: measured 17-24x the general path's decode with experts off the
     card (docs/BENCHMARKS.md). The card's own helper tier does not count: the decode graph reads its
     pairs in place, as it does the cache's. A stage another card's helper serves keeps the general
-    path, whose decode asks that helper (the graph would read its pairs from host memory instead)."""
+    path, whose decode asks that helper (the graph would read its pairs from host memory instead),
+    until the helper's tier is opened through CUDA IPC and read in place too (tiers.py).
+    `once_opened`: as it will be once every helper asked for its tier buffer has answered (what a
+    stage pins for when it starts, before any answer)."""
     forced = _forced()
     if forced is not None:
         return forced
+    if once_opened and getattr(experts, "may_read_helpers", False):
+        return True
     return not getattr(experts, "asks_helpers", False)
 
 

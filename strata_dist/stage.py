@@ -72,7 +72,7 @@ class Stage:
         self.tiers.local_helper_pairs = len(self.own_helper_pairs)
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         self.n_expert = g.n_expert
-        if self.backend.name == "cupy" and reads_host_in_place(self.tiers):
+        if self.backend.name == "cupy" and reads_host_in_place(self.tiers, once_opened=True):
             self.tiers.pinned, self.pin_error = _pin_missing(
                 self.gguf, self.cache, cfg.lb, cfg.le, g.n_expert, cfg.loan_slots,
                 skip=self.own_helper_pairs)
@@ -104,13 +104,20 @@ class Stage:
         self.tiers.local_helper = arena
         if self.backend.name != "cupy" or not self.own_helper_pairs:
             return
-        if arena is None and reads_host_in_place(self.tiers):
+        if arena is None and reads_host_in_place(self.tiers, once_opened=True):
             old = self.tiers.pinned
             self.tiers.pinned, self.pin_error = _pin_missing(
                 self.gguf, self.cache, self.cfg.lb, self.cfg.le, self.n_expert,
                 self.cfg.loan_slots)
             if old is not None:
                 old.close()
+        self._rebuild_graph()
+
+    def _rebuild_graph(self) -> None:
+        """The decode graph for the tiers as they are now (a helper tier opened here or on
+        another card, or one that stopped): its table of addresses is taken when it is built."""
+        if self.decode_graph is not None:
+            self.decode_graph.settle()
         self.decode_graph = self.backend.decode_graph(self.model, self.cfg.max_context)
 
     @property
@@ -217,6 +224,9 @@ class Stage:
         store.enter(s, pos)
         if pos in checkpoint_at:
             store.save(s, pos)
+        if (not prompt and self.tiers.helpers and self.backend.name == "cupy"
+                and self.tiers.tiers_changed()):
+            self._rebuild_graph()       # another card's tier opened (read in place), or stopped
         graph = self.decode_graph
         if not prompt and graph is not None and graph.usable(n):
             out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)

@@ -12,13 +12,14 @@ marked dead and its experts are computed from host memory: the tokens stay the s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 
 import numpy as np
 
-from protocol import (Channel, Error, ExpertReply, ExpertRequest, ProtocolError, ProtocolTimeout,
-                      SlotFree)
+from protocol import (Channel, Error, ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk,
+                      ProtocolError, ProtocolTimeout, SlotFree)
 from protocol.messages import RowSlot
 
 from .experts import BlobArena, ExpertStore, HostTier, stored_rows_jobs
@@ -58,6 +59,12 @@ class HelperClient:
             self.export = IpcExport(self.out_offset + max_rows * top_k * hidden * 4, backend.index,
                                     IPC_NAME, "float32")
             self.ch.send(self.export.message(host=host), timeout_ms=REMOTE_TIMEOUT_MS)
+            # and the helper's own tier buffer, for the decode graph to read in place
+            self.ch.send(ExpertTierAsk(), timeout_ms=REMOTE_TIMEOUT_MS)
+        self.tier = None               # the helper's tier buffer opened here (IpcMapping)
+        self.tier_pid = 0              # the helper's process, watched while its tier is read
+        self.tier_addresses: dict[tuple[int, int], int] = {}   # this stage's pairs -> address
+        self.tier_changed = False      # opened (or lost) since the stage last looked
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +107,13 @@ class HelperClient:
             if isinstance(msg, SlotFree) and msg.name == IPC_NAME:
                 self.ipc_ready = self.export is not None    # the helper opened the buffer
                 continue
+            if isinstance(msg, ExpertTier):
+                self._open_tier(msg, arrays)
+                continue
+            if isinstance(msg, Error) and msg.code == "ipc_tier":
+                log.info("helper rank %d's tier is not read in place (%s); it is asked",
+                         self.rank, msg.message)
+                continue
             if isinstance(msg, Error) and msg.code == "ipc":
                 log.warning("helper rank %d cannot open this stage's CUDA IPC buffer (%s); its "
                             "requests go in frames", self.rank, msg.message)
@@ -108,6 +122,51 @@ class HelperClient:
             if isinstance(msg, Error):
                 raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
             # a late reply to an earlier, timed-out request: skip it
+
+
+    def _open_tier(self, msg: ExpertTier, arrays) -> None:
+        """Open the helper's tier buffer: from now on the stage's decode graph may read this
+        link's pairs there. Any doubt (a pair missing, an offset outside the buffer, a GPU this
+        process cannot map) leaves the link asked as before."""
+        try:
+            from protocol.cuda_ipc import IpcMapping
+            pairs, offsets = arrays
+            at = {(int(l), int(e)): int(o) for (l, e), o in zip(pairs, offsets)}
+            lacking = sorted(self.pairs - at.keys())
+            if lacking:
+                raise ValueError(f"its tier lacks {len(lacking)} of the pairs the plan gave it "
+                                 f"(first {lacking[0]})")
+            bad = [p for p in self.pairs if not 0 <= at[p] < msg.nbytes]
+            if bad:
+                raise ValueError(f"pair {bad[0]} at offset {at[bad[0]]}, outside its "
+                                 f"{msg.nbytes}-byte buffer")
+            if not _process_alive(msg.pid):
+                raise ValueError(f"its process {msg.pid} is not visible from here")
+            mapping = IpcMapping(msg.ipc_handle(), device=self.backend.index)
+        except Exception as e:
+            log.warning("helper rank %d's tier cannot be read in place (%s); it is asked",
+                        self.rank, e)
+            return
+        self.tier, self.tier_pid = mapping, msg.pid
+        self.tier_addresses = {p: mapping.ptr + at[p] for p in self.pairs}
+        self.tier_changed = True
+        log.info("helper rank %d: %d pairs read in place from its tier", self.rank, len(self.pairs))
+
+    def tier_alive(self) -> bool:
+        """Whether the helper whose tier is read in place still runs (a process on this host)."""
+        return self.tier is not None and _process_alive(self.tier_pid)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # another user's process: it exists
+        return True
+    return True
 
 
 class ExpertTiers(ExpertStore):
@@ -130,17 +189,42 @@ class ExpertTiers(ExpertStore):
 
     @property
     def asks_helpers(self) -> bool:
-        """Whether a helper tier reached over a socket (another card's) holds pairs for this
-        stage: the general path asks it, a decode graph cannot read it."""
-        return bool(self.helpers)
+        """Whether a live helper tier of another card holds pairs for this stage that are not read
+        in place: the general path asks it, a decode graph cannot read it."""
+        return any(h.alive and h.tier is None for h in self.helpers)
+
+    @property
+    def may_read_helpers(self) -> bool:
+        """Whether every other card's helper tier of this stage was asked for its buffer (CUDA IPC
+        on this host): once they answer, no helper is asked (see asks_helpers)."""
+        return all(h.export is not None for h in self.helpers)
 
     def helper_addresses(self, lb: int, le: int) -> dict[tuple[int, int], int]:
-        """(layer, expert) -> the device address of the blob of a pair of layers [lb, le) that
-        this card's own helper tier holds: the decode graph reads those in place, as it does its
-        cache's (an empty dict when the card has no helper tier, or it did not open)."""
-        if self.local_helper is None or self.backend.name != "cupy":
+        """(layer, expert) -> the device address of the blob of a pair of layers [lb, le) that a
+        helper tier holds where this process reads it in place: this card's own tier, and the
+        tiers of other cards opened through CUDA IPC whose process still runs. The decode graph
+        reads those as it does its cache's."""
+        if self.backend.name != "cupy":
             return {}
-        return self.local_helper.device_addresses(lb, le)
+        out: dict[tuple[int, int], int] = {}
+        for h in self.helpers:
+            if h.alive and h.tier is not None:
+                out.update((p, a) for p, a in h.tier_addresses.items() if lb <= p[0] < le)
+        if self.local_helper is not None:
+            out.update(self.local_helper.device_addresses(lb, le))
+        return out
+
+    def tiers_changed(self) -> bool:
+        """Whether a helper's tier was opened, or a helper read in place stopped, since the last
+        call (the stage then rebuilds its decode graph's address table)."""
+        changed = False
+        for h in self.helpers:
+            if h.tier is not None and h.alive and not h.tier_alive():
+                self._helper_lost(h, RuntimeError(f"its process {h.tier_pid} has exited"))
+                h.tier_changed = True
+            changed |= h.tier_changed
+            h.tier_changed = False
+        return changed
 
     def outputs_device(self, layer: int, x, idx):
         """Every expert of `layer` in this stage's cache: all hits, computed on the device."""

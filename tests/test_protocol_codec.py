@@ -66,6 +66,9 @@ def examples():
         "expert_reply": (m.ExpertReply(seq=3, layer=7, n=3), [OUT]),
         "ipc_handle": (m.IpcHandle(name="hidden", handle=bytes(64), device=0, nbytes=1 << 20, dtype="float16",
                                    device_uuid="ab" * 16, host="hostA", pid=99), []),
+        "expert_tier_ask": (m.ExpertTierAsk(), []),
+        "expert_tier": (m.ExpertTier(handle=bytes(64), device=1, nbytes=1 << 30, device_uuid="cd" * 16, pid=7),
+                        [np.array([[0, 3], [2, 5]], dtype=np.int32), np.array([0, 4096], dtype=np.int64)]),
         "slot_free": (m.SlotFree(name="hidden", slot=m.RowSlot(offset=4096, nbytes=2048)), []),
         "link_probe": (m.LinkProbe(seq=12), [np.zeros(1 << 10, dtype=np.uint8)]),
     }
