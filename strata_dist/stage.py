@@ -71,11 +71,8 @@ class Stage:
                                  if cfg.lb <= l < cfg.le}
         self.tiers.local_helper_pairs = len(self.own_helper_pairs)
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
-        self.n_expert = g.n_expert
         if self.backend.name == "cupy" and reads_host_in_place(self.tiers, once_opened=True):
-            self.tiers.pinned, self.pin_error = _pin_missing(
-                self.gguf, self.cache, cfg.lb, cfg.le, g.n_expert, cfg.loan_slots,
-                skip=self.own_helper_pairs)
+            self._pin(skip=self.own_helper_pairs)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
         # decode steps as one device graph when every expert of the range is in the cache, this
@@ -106,12 +103,17 @@ class Stage:
             return
         if arena is None and reads_host_in_place(self.tiers, once_opened=True):
             old = self.tiers.pinned
-            self.tiers.pinned, self.pin_error = _pin_missing(
-                self.gguf, self.cache, self.cfg.lb, self.cfg.le, self.n_expert,
-                self.cfg.loan_slots)
+            self._pin()
             if old is not None:
                 old.close()
         self._rebuild_graph()
+
+    def _pin(self, skip=()) -> None:
+        """Pin the blobs of this stage's layers its cache lacks, less `skip` (_pin_missing)."""
+        cfg = self.cfg
+        self.tiers.pinned, self.pin_error = _pin_missing(
+            self.gguf, self.cache, cfg.lb, cfg.le, self.cache.slot_of.shape[1], cfg.loan_slots,
+            skip=skip)
 
     def _rebuild_graph(self) -> None:
         """The decode graph for the tiers as they are now (a helper tier opened here or on

@@ -123,7 +123,6 @@ class HelperClient:
                 raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
             # a late reply to an earlier, timed-out request: skip it
 
-
     def _open_tier(self, msg: ExpertTier, arrays) -> None:
         """Open the helper's tier buffer: from now on the stage's decode graph may read this
         link's pairs there. Any doubt (a pair missing, an offset outside the buffer, a GPU this
