@@ -147,7 +147,8 @@ def main() -> int:
             total = max(1, sum(tiers.values()))
             print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill (each {run['tps_each']}); "
                   f"hits {tiers['hits'] / total:.1%}, "
-                  f"streamed {st.get('streamed', 0)} blobs, loan peak "
+                  f"streamed {st.get('streamed', 0)} blobs, "
+                  f"{st.get('prompt_layers_on_device', 0)} layers grouped on the device, loan peak "
                   f"{int(st.get('loan_peak_bytes', 0)) / 2**20:.0f} MiB, overflow "
                   f"{int(st.get('loan_overflow_bytes', 0)) / 2**20:.0f} MiB", flush=True)
         save(args, facts, results)

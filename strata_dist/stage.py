@@ -177,6 +177,7 @@ class Stage:
     def begin_prompt(self) -> None:
         """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU the
         chunk's buffers are carved from it by the priced layout (strata_dist/prompt_workspace.py)."""
+        self.tiers.begin_prompt()
         if self.cfg.loan_slots > 0 and not self.cache.lent:
             self.cache.lend_tail(self.cfg.loan_slots)
             self.tiers.counters["loans"] += 1
@@ -193,6 +194,7 @@ class Stage:
     def end_prompt(self) -> None:
         """After the prompt, the lent slots get their own pairs back: outside a prompt the whole
         cache is expert cache."""
+        self.tiers.settle_prompt_counts()   # before the refill: the tiers the prompt saw
         ws, self._workspace = self._workspace, None
         if ws is not None:
             c = self.tiers.counters

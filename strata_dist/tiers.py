@@ -185,6 +185,10 @@ class ExpertTiers(ExpertStore):
         self.pinned = None           # MappedHostBlobs of the pairs the cache lacks (GPU, opt-in)
         self._streamer = None
         self.counters: Counter = Counter()
+        # `_prompt_on_device`'s pairs per (layer, expert), on the device until the prompt ends,
+        # and the tier of each expert of the layers counted there
+        self._pair_counts = None
+        self._counted_tiers: dict[int, np.ndarray] = {}
 
     @property
     def asks_helpers(self) -> bool:
@@ -226,11 +230,111 @@ class ExpertTiers(ExpertStore):
         return changed
 
     def outputs_device(self, layer: int, x, idx):
-        """Every expert of `layer` in this stage's cache: all hits, computed on the device."""
+        """The outputs of device-routed ids idx [n, k], computed on the device: every expert of
+        `layer` in this stage's cache (all hits), or a prompt chunk's experts through
+        `_prompt_on_device`. None: the ids go to the host (`outputs`)."""
         y = self.cache.outputs_device(layer, x, idx)
         if y is not None:
             self.counters["hits"] += int(idx.size)
-        return y
+            return y
+        return self._prompt_on_device(layer, x, idx) if self.prompt else None
+
+    # ---- a prompt chunk's experts on the device, whatever the cache holds --------------------
+    def begin_prompt(self) -> None:
+        """Before a prompt's first chunk (the stage's loan is lent): the streamer forgets which
+        kernels read its region (a loan's region was cache slots the decode graph read), and the
+        device's pair counts exist before the chunk's workspace is active (no pool allocation
+        inside it)."""
+        if self._streamer is not None:
+            self._streamer.reset()
+        if self.backend.name == "cupy" and self._pair_counts is None:
+            self._pair_counts = self.backend.xp.zeros(self.cache.slot_of.shape, dtype=np.int32)
+
+    def _prompt_on_device(self, layer: int, x, idx):
+        """A prompt chunk's experts of a layer the cache holds in part, with no host round trip:
+        the pairs grouped once on the device; the experts in device memory (the cache, this
+        card's helper tier) in one launch pair; every other expert of the layer streamed from
+        its pinned host copy through the workspace's `stream` buffer and computed a batch at a
+        time (backends/host_mapped.py BlobStreamer: the copy stream fills the buffer with the
+        next layer's first batch while this layer computes). A chunk reads nearly all of a
+        layer's experts, so every miss streams, without the routing going to the host first.
+        None (the host path): a chunk too short for that, a miss not pinned, no workspace, or
+        a layer the row kernels do not read."""
+        be, n_expert = self.backend, self.cache.slot_of.shape[1]
+        n, k = (int(v) for v in idx.shape)
+        spec = be.row_layout(self.gguf, layer)
+        if be.workspace is None or spec is None or n * k < 2 * n_expert:
+            return None
+        table, tier = self._device_blobs(layer, n_expert)
+        misses = [int(e) for e in np.flatnonzero(table == 0)]
+        size = self.gguf.blob_bytes(layer)
+        stride = -(-size // spec.align) * spec.align
+        if misses and (self.pinned is None or be.workspace.capacity("stream") < stride
+                       or not all(self.pinned.holds(layer, e) for e in misses)):
+            return None
+        if (table % np.uint64(spec.align)).any():
+            return None
+        pairs = be.routed_pairs(self.gguf, layer, x, idx, n_expert)
+        if pairs is None:
+            return None
+        if len(misses) < n_expert:
+            be.compute_routed(pairs, table)
+        if misses:
+            streamer = self._streamer_of_pinned()
+
+            def compute(batch, blob_of):
+                only = np.zeros(n_expert, dtype=np.uint64)
+                for e, blob in blob_of.items():
+                    only[e] = int(blob.data.ptr)
+                be.compute_routed(pairs, only)
+            region = be.buffer("stream", (be.workspace.capacity("stream"),), np.uint8)
+            self.counters["streamed"] += streamer.run(layer, misses, region, size, compute,
+                                                      stride)
+        # the pairs each tier computed, counted on the device and read after the prompt
+        if self._pair_counts is None:
+            self.begin_prompt()
+        counts = self._pair_counts[layer]
+        be.xp.add(counts, pairs.counts, out=counts)
+        self._counted_tiers[layer] = tier
+        self.counters["prompt_layers_on_device"] += 1
+        return pairs.y
+
+    def _streamer_of_pinned(self):
+        """The streamer of the pinned copies as they are now (the stage pins anew when this
+        card's helper tier does not open)."""
+        if self._streamer is None or self._streamer.blobs is not self.pinned:
+            from .backends.host_mapped import BlobStreamer
+            self._streamer = BlobStreamer(self.pinned)
+        return self._streamer
+
+    def _device_blobs(self, layer: int, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert of `layer`: the device address of its blob in this stage's cache or this
+        card's helper tier (host uint64, 0: neither holds it), and its tier as `outputs` numbers
+        them (1 hit, 3 this card's helper tier, 0 host)."""
+        table = np.zeros(n_expert, dtype=np.uint64)
+        tier = np.zeros(n_expert, dtype=np.int8)
+        for arena, t in ((self.local_helper, 3), (self.cache, 1)):   # the cache's copy wins
+            if arena is None or layer >= arena.slot_of.shape[0]:
+                continue
+            slots = arena.slot_of[layer]
+            held = slots >= 0
+            table[held] = (int(arena.buf.data.ptr) + arena.offsets[slots[held]]).astype(np.uint64)
+            tier[held] = t
+        return table, tier
+
+    def settle_prompt_counts(self) -> None:
+        """The pairs `_prompt_on_device` computed, by tier, into the counters: one read of the
+        device's counts after a prompt (a read per layer would stop the launches running ahead)."""
+        if not self._counted_tiers:
+            return
+        counts = self.backend.to_host(self._pair_counts)
+        self._pair_counts.fill(0)
+        for layer, tier in self._counted_tiers.items():
+            c = counts[layer]
+            self.counters["hits"] += int(c[tier == 1].sum())
+            self.counters["remote"] += int(c[tier == 3].sum())
+            self.counters["host"] += int(c[tier == 0].sum())
+        self._counted_tiers.clear()
 
     def outputs(self, layer: int, x, idx: np.ndarray):
         be = self.backend
@@ -331,14 +435,12 @@ class ExpertTiers(ExpertStore):
         n, k, d = y.shape
         if self.pinned is not None and all(self.pinned.holds(layer, e) for e in experts):
             # pinned copies: DMA on a copy stream, double-buffered against the kernels
-            if self._streamer is None:
-                from .backends.host_mapped import BlobStreamer
-                self._streamer = BlobStreamer(self.pinned)
+            streamer = self._streamer_of_pinned()
 
             def compute(batch, blob_of):
                 jobs = stored_rows_jobs(idx, mask & np.isin(idx, batch), blob_of.__getitem__)
                 be.experts_swiglu(gguf, layer, x, jobs, y.reshape(n * k, d))
-            self.counters["streamed"] += self._streamer.run(layer, experts, region, size, compute)
+            self.counters["streamed"] += streamer.run(layer, experts, region, size, compute)
             return
         for start in range(0, len(experts), per_batch):
             batch = experts[start:start + per_batch]

@@ -6,8 +6,9 @@ the GPU backend's Python runs on numpy stand-ins whose arrays count their bytes 
 by stand-ins that run nothing (but the router's, which spreads the rows over the experts). For each architecture at two geometries:
 - the single-process runner (every expert resident: routed and grouped on the device) reads a
   first chunk, then one chunk of each size under tracking;
-- a stage caching all but one expert of each layer, lending the loan the plan prices for its chunk, reads a
-  prompt chunk (the misses streamed through the workspace, grouped on the host).
+- a stage caching all but one expert of each layer, lending the loan the plan prices for its chunk, reads
+  prompt chunks: a short one grouped on the host, longer ones grouped on the device, the misses
+  streamed through the workspace by both.
 Reported: the layout's bytes carved and the plan's price for the chunk (ModelShape.prompt_bytes),
 the bytes allocated outside the workspace at each chunk size, the workspace's buffers written,
 its overflow, and the layout's names.
@@ -75,7 +76,9 @@ def measure_stage(path: Path, shape) -> dict:
                            cache_pairs=half, loan_slots=slots, prompt_chunk=n))
     st.session(0)
     outside, taken, pos = {}, set(), 0
-    for m in (n // 2, n):
+    # a 2-token chunk is grouped on the host (too short to stream every miss of a layer); the
+    # longer ones on the device, their misses streamed through the workspace
+    for m in (2, n // 2, n):
         st.begin_prompt()
         ws = st._workspace
         cp.track_start()
@@ -135,7 +138,9 @@ def main() -> int:
                               "q8_0")
             out[name] = measure(path)
         for name, geo in NEXT_GEOMETRIES.items():
-            path = write_next(tiny_qwen3next(21, **geo), Path(d) / f"{name}.gguf", "q8_0")
+            # 16 layers: the loan (its streamed misses live through the chunk) leaves cache
+            path = write_next(tiny_qwen3next(21, n_layers=16, **geo), Path(d) / f"{name}.gguf",
+                              "q8_0")
             out[name] = measure(path)
     print(json.dumps(out))
     return 0

@@ -210,6 +210,38 @@ def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     assert np.array_equal(cp.asnumpy(routed), cp.asnumpy(hosted))
 
 
+@pytest.mark.parametrize("popularity", ["uniform", "skewed"])
+def test_grouped_pairs_computed_a_few_experts_at_a_time_give_the_same_bits(popularity):
+    """A partial cache's prompt path (tiers.py `_prompt_on_device`) groups a layer's pairs once
+    and computes them in several launches, each with a blob table holding some experts (0 for
+    the others, whose pairs that launch leaves alone): the union is run_routed's output bit for
+    bit, whichever experts share a launch, experts with no pair among them."""
+    from strata_dist.backends.expert_rows import RowsKernels
+    ex = Experts(QT.Q4_K, QT.Q6_K, seed=33)
+    spec = ex.rows_layout()
+    kernels = RowsKernels(0, mma=True)
+    rng = np.random.default_rng(15)
+    n = 333
+    p = np.ones(N_EXPERT) if popularity == "uniform" else 1.0 / np.arange(1, N_EXPERT + 1) ** 2
+    ids = np.stack([rng.choice(N_EXPERT, K, replace=False, p=p / p.sum())
+                    for _ in range(n)]).astype(np.int32)
+    x = cp.asarray(rng.standard_normal((n, N_EMBD)).astype(np.float32))
+    whole = cp.zeros((n * K, N_EMBD), cp.float32)
+    kernels.run_routed(spec, x, cp.asarray(ids), ex.blob_of, whole)
+    table = cp.asnumpy(ex.blob_of)
+    parts = cp.full((n * K, N_EMBD), np.nan, cp.float32)
+    pairs = kernels.group_routed(spec, x, cp.asarray(ids), N_EXPERT)
+    order = rng.permutation(N_EXPERT)
+    for batch in np.array_split(order, 4):
+        only = np.zeros(N_EXPERT, dtype=np.uint64)
+        only[batch] = table[batch]
+        kernels.compute_grouped(pairs, cp.asarray(only), parts)
+    np.testing.assert_array_equal(cp.asnumpy(pairs.counts), np.bincount(ids.ravel(),
+                                                                        minlength=N_EXPERT))
+    assert np.isfinite(cp.asnumpy(whole)).all()
+    assert np.array_equal(cp.asnumpy(parts), cp.asnumpy(whole))
+
+
 @pytest.mark.parametrize("gate_up,down", [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)],
                          ids=lambda t: t.name)
 def test_row_kernels_read_blobs_in_pinned_host_memory_to_the_same_bits(gate_up, down):

@@ -109,8 +109,9 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
     """STRATA_GROUPED_EXPERTS=1 (every expert computation through backends/expert_rows.py): a
     prompt's logits stay within numpy's tolerance, and a stage that streams half its experts
     through a loan reads the prompt into the same bits as one that caches them all. With
-    STRATA_DEVICE_ROUTING=1 the stage that caches them all groups on the device, the other on the
-    host: the same bits still."""
+    STRATA_DEVICE_ROUTING=1 both group on the device, the half stage computing its misses a
+    streamed batch at a time (its last, short chunk on the host); with 0 both on the host: the
+    same bits still, and every pair counted once by the tier that computed it."""
     from strata_dist.single_process import SingleProcessRunner
     from strata_dist.stage import Stage, StageConfig
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
@@ -137,7 +138,10 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
             out = st.run(0, c, ids=PROMPT[c:c + CHUNK], prompt=True)
         st.end_prompt()
         logits[name] = np.asarray(out)
-    assert stages["half"].tiers.counters["streamed"] > 0
+    c = stages["half"].tiers.counters
+    assert c["streamed"] > 0
+    assert (c["prompt_layers_on_device"] > 0) == (device_routing == "1"), c
+    assert c["hits"] + c["host"] == N_LAYERS * len(PROMPT) * TOP_K and c["host"] > 0, c
     assert eng.backend._device_routing == (device_routing == "1")
     assert np.array_equal(logits["all"], logits["half"])
 

@@ -157,6 +157,11 @@ class Backend:
         routing to the host)."""
         return None
 
+    def row_layout(self, gguf, layer: int):
+        """How this backend's row kernels read `layer`'s expert blobs, or None (no row kernels:
+        the device-grouped prompt path of tiers.py `_prompt_on_device` is not taken)."""
+        return None
+
     def prompt_attention(self, q, k, v, pos0: int, out: str | None = None):
         """The causal attention of a prompt chunk by the backend's own kernel, or None (the
         models' tiled path runs): q [n, H, D] at positions pos0.., k and v [pos0 + n, KVH, D]."""

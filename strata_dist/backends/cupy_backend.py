@@ -243,15 +243,41 @@ class CupyBackend(Backend):
     def experts_routed(self, gguf, layer: int, x, ids, addresses: np.ndarray):
         """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
         `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
-        spec = None if self._rows is None else self._rows._layout(gguf, layer)
-        if (spec is None or int(x.shape[1]) != spec.n_embd or len(addresses) > MAX_GROUP_EXPERTS
-                or (addresses % np.uint64(spec.align)).any()):
+        spec = self.row_layout(gguf, layer)
+        if spec is None or (addresses % np.uint64(spec.align)).any():
             return None
+        pairs = self.routed_pairs(gguf, layer, x, ids, len(addresses))
+        if pairs is None:
+            return None
+        self.compute_routed(pairs, addresses)
+        return pairs.y
+
+    def row_layout(self, gguf, layer: int):
+        """How the row kernels read `layer`'s expert blobs (kernels/abi.py ExpertLayout), or None
+        when they do not."""
+        return None if self._rows is None else self._rows._layout(gguf, layer)
+
+    def routed_pairs(self, gguf, layer: int, x, ids, n_expert: int):
+        """The device-routed pairs of ids [n, k] grouped by expert (backends/expert_rows.py
+        RoutedPairs, with `y`, the [n, k, n_embd] outputs `compute_routed` writes), or None when
+        the row kernels do not read this layer."""
+        spec = self.row_layout(gguf, layer)
+        if spec is None or int(x.shape[1]) != spec.n_embd or n_expert > MAX_GROUP_EXPERTS:
+            return None
+        pairs = self._rows.group_routed(spec, x, ids, n_expert)
         n, k = (int(v) for v in ids.shape)
-        y = self.buffer("y", (n, k, spec.n_embd), cp.float32)
-        self._rows.run_routed(spec, x, ids, self.upload("blob_table", addresses),
-                              y.reshape(n * k, spec.n_embd))
-        return y
+        pairs.y = self.buffer("y", (n, k, spec.n_embd), cp.float32)
+        return pairs
+
+    def compute_routed(self, pairs, addresses: np.ndarray) -> bool:
+        """Compute into pairs.y the pairs whose expert has a blob address in `addresses` (host
+        uint64 [n_expert]; 0: another call's). False (nothing done) for a misaligned blob."""
+        if (addresses % np.uint64(pairs.spec.align)).any():
+            return False
+        n, k, d = (int(v) for v in pairs.y.shape)
+        self._rows.compute_grouped(pairs, self.upload("blob_table", addresses),
+                                   pairs.y.reshape(n * k, d))
+        return True
 
     def prompt_attention(self, q, k, v, pos0, out=None):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide

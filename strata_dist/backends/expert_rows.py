@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import cupy as cp
@@ -33,6 +34,21 @@ def layer_experts(gguf, layer: int) -> ExpertLayout | None:
     except ValueError:
         return None
     return None if lay.n_ff % TILE_K or lay.n_embd % TILE_K else lay
+
+
+@dataclass
+class RoutedPairs:
+    """One layer's pairs as `RowsKernels.group_routed` left them on the device: sorted pairs'
+    input and output rows, the work items, the input rows as the launches read them, and each
+    expert's pair count (group_counts)."""
+    spec: ExpertLayout
+    rows: object
+    dest: object
+    items: object
+    n_pairs: int
+    rows_in: tuple
+    counts: object
+    y: object = None      # the outputs [n, k, n_embd] the backend gives them (cupy_backend.py)
 
 
 class RowsKernels:
@@ -158,15 +174,39 @@ class RowsKernels:
         grouped on the device into the layout the host path builds (kernels/abi.py group_layout),
         so the bits are the same. Rows that picked no expert are left unwritten (their weight is
         NaN)."""
+        self.compute_grouped(self.group_routed(spec, x, ids, int(blob_table.shape[0])),
+                             blob_table, out)
+
+    def group_routed(self, spec: ExpertLayout, x, ids, n_expert: int) -> "RoutedPairs":
+        """A layer's device-routed pairs grouped by expert, and its input rows as the launches
+        read them: computed by one `compute_grouped` (every blob resident) or by several, each
+        with a table holding some of the experts (a partial cache's misses, a batch at a time)."""
         n, k = (int(v) for v in ids.shape)
         with cp.cuda.Device(self.device):
-            rows, dest, items = self.group(ids, int(blob_table.shape[0]))
-            self._launch(spec, blob_table, items, len(items), rows, dest, n * k, x, out)
+            rows, dest, items, counts = self._group(ids, n_expert)
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            rows_in = self._half(x, "x16", "x_unscale") if self.mma else (x,)
+        return RoutedPairs(spec, rows, dest, items, n * k, rows_in, counts)
+
+    def compute_grouped(self, pairs: "RoutedPairs", blob_table, out) -> None:
+        """out[p] for the grouped pairs whose expert has a blob in `blob_table` (device uint64
+        [n_expert]; 0: not in this launch, its pairs left as they are)."""
+        spec = pairs.spec
+        with cp.cuda.Device(self.device):
+            act = self._buf("act", (pairs.n_pairs, spec.n_ff), cp.float32)
+            n_items = len(pairs.items)
+            self.gate_up(spec, blob_table, pairs.items, n_items, pairs.rows, pairs.rows_in, act)
+            self.down(spec, blob_table, pairs.items, n_items, pairs.dest,
+                      self._half(act, "act16", "act_unscale") if self.mma else (act,), out)
 
     def group(self, ids, n_expert: int):
         """(rows, dest, items) of kernels/abi.py group_layout, built on the device from ids [n, k]:
         items [n * k / TILE_M + n_expert, 4], the unused ones with count 0 (the launches are sized
         before the counts exist on the host)."""
+        return self._group(ids, n_expert)[:3]
+
+    def _group(self, ids, n_expert: int):
+        """`group`, and each expert's pair count (device int32 [n_expert])."""
         if not 0 < n_expert <= MAX_GROUP_EXPERTS:
             raise ValueError(f"{n_expert} experts: the grouping kernels take 1..{MAX_GROUP_EXPERTS}")
         n, k = (int(v) for v in ids.shape)
@@ -187,7 +227,7 @@ class RowsKernels:
                 g("group_scatter")((math.ceil(pairs / 256),), (256,),
                                    (ids, i32(pairs), i32(k), i32(n_expert), rank, starts, rows,
                                     dest))
-        return rows, dest, items
+        return rows, dest, items, counts
 
     def _fn(self, kind: str, ggml_type: int, nmat: int):
         """(kernel, its dynamic shared bytes): the tensor-core build copies its weight stages into

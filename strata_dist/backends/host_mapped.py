@@ -82,42 +82,63 @@ class MappedHostBlobs:
 
 
 class BlobStreamer:
-    """A prompt's missing experts of one layer, from pinned host memory into a device region
-    (the loan) in batches: the region is cut in two halves, batch b copied into half b % 2 on a
-    copy stream once the kernels of batch b - 2 are done with it, and batch b computed on the
-    current stream once its copy is in. The host only queues work."""
+    """A prompt's missing experts, from pinned host memory into a device region in batches: the
+    region is cut in two halves, each batch copied into the next half on a copy stream once the
+    kernels of the batch before last are done with it, and computed on the current stream once
+    its copy is in. The host only queues work, so while the device computes one layer the copy
+    stream already fills the other half with the next layer's first batch. Which kernels read
+    each half last is kept from one call to the next, for as long as the region is the same
+    memory cut the same way; `reset` forgets it (a region that may have been other buffers)."""
 
     def __init__(self, blobs: MappedHostBlobs):
         self.blobs = blobs
         self.copy = cp.cuda.Stream(non_blocking=True)
+        self.reset()
 
-    def run(self, layer: int, experts: list[int], region, size: int, compute) -> int:
-        """compute(batch, blob_of) queues the kernels of a batch, blob_of[e] its device bytes.
-        Returns the number of experts streamed."""
-        slots = int(region.nbytes) // size
+    def reset(self) -> None:
+        self._cut = None      # (region address, half bytes, halves) the events below are about
+        self._free: list = []  # per half: the event after the last kernels reading it
+        self._next = 0        # the half the next batch goes to
+
+    def run(self, layer: int, experts: list[int], region, size: int, compute,
+            stride: int | None = None) -> int:
+        """compute(batch, blob_of) queues the kernels of a batch, blob_of[e] its device bytes
+        (`stride` bytes apart in the region, at least `size`). Returns the number of experts
+        streamed."""
+        stride = size if stride is None else stride
+        slots = int(region.nbytes) // stride
+        if not experts or slots == 0:
+            return 0
         halves = 2 if slots >= 2 else 1
         per = slots // halves
         compute_stream = cp.cuda.get_current_stream()
-        # the region's memory may have been read by kernels queued before this call (an earlier
-        # layer's batch): no copy into it starts before they are done
-        queued = cp.cuda.Event(disable_timing=True)
-        queued.record(compute_stream)
-        self.copy.wait_event(queued)
-        free: list = [None] * halves        # the event after the last kernels reading each half
-        for b, start in enumerate(range(0, len(experts), per)):
-            batch, half = experts[start:start + per], b % halves
-            base = half * per * size
-            if free[half] is not None:
-                self.copy.wait_event(free[half])
+        cut = (int(region.data.ptr), per * stride, halves)
+        if cut != self._cut:
+            # memory the kernels queued so far may still read (other buffers, an earlier cut):
+            # no copy into it starts before they are done
+            queued = cp.cuda.Event(disable_timing=True)
+            queued.record(compute_stream)
+            self.copy.wait_event(queued)
+            self._cut, self._free, self._next = cut, [None] * halves, 0
+        # batches of even size: a layer's last batch is not a few experts computed alone
+        n_batches = -(-len(experts) // per)
+        each = -(-len(experts) // n_batches)
+        for start in range(0, len(experts), each):
+            batch, half = experts[start:start + each], self._next
+            self._next = (half + 1) % halves
+            base = int(region.data.ptr) + half * per * stride
+            if self._free[half] is not None:
+                self.copy.wait_event(self._free[half])
             for i, e in enumerate(batch):
-                cp.cuda.runtime.memcpyAsync(int(region.data.ptr) + base + i * size,
-                                            self.blobs.host_address(layer, e), size,
-                                            cp.cuda.runtime.memcpyHostToDevice, self.copy.ptr)
+                cp.cuda.runtime.memcpyAsync(base + i * stride, self.blobs.host_address(layer, e),
+                                            size, cp.cuda.runtime.memcpyHostToDevice,
+                                            self.copy.ptr)
             copied = cp.cuda.Event(disable_timing=True)
             copied.record(self.copy)
             compute_stream.wait_event(copied)
-            compute(batch, {e: region[base + i * size:base + (i + 1) * size]
+            off = base - int(region.data.ptr)
+            compute(batch, {e: region[off + i * stride:off + i * stride + size]
                             for i, e in enumerate(batch)})
-            free[half] = cp.cuda.Event(disable_timing=True)
-            free[half].record(compute_stream)
+            self._free[half] = cp.cuda.Event(disable_timing=True)
+            self._free[half].record(compute_stream)
         return len(experts)

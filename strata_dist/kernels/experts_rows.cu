@@ -453,7 +453,9 @@ __device__ __forceinline__ void gate_up_rows(const u64* __restrict__ blobs,
                                              i64 up_at, i64 gate_row_bytes, i64 up_row_bytes,
                                              int n_ff, float* __restrict__ act) {
     const RowsItem it = items[blockIdx.x];
-    if (it.count == 0) return;                          // the whole block: uniform
+    // an unused item, or an expert whose blob this launch does not hold (address 0: a partial
+    // cache's misses are computed by later launches, a batch at a time); the whole block: uniform
+    if (it.count == 0 || blobs[it.blob] == 0) return;
     const u8* blob = reinterpret_cast<const u8*>(blobs[it.blob]);
     const u8* const bases[2] = {blob, blob + up_at};
     const i64 row_bytes[2] = {gate_row_bytes, up_row_bytes};
@@ -481,7 +483,7 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
                                           i64 down_row_bytes, int n_embd, float* __restrict__ y) {
     __shared__ int own_rows[TILE_M];
     const RowsItem it = items[blockIdx.x];
-    if (it.count == 0) return;                          // the whole block: uniform
+    if (it.count == 0 || blobs[it.blob] == 0) return;   // as in gate_up_rows
     const u8* const bases[1] = {reinterpret_cast<const u8*>(blobs[it.blob]) + down_at};
     const i64 row_bytes[1] = {down_row_bytes};
     for (int m = threadIdx.x; m < TILE_M; m += BLOCK_THREADS)

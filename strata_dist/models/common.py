@@ -82,8 +82,10 @@ def model_level_shapes(g) -> dict[str, tuple[int, ...]]:
 def routed_expert_buffers(g, blob_bytes: int) -> list[Buffer]:
     """The routed experts' part of a layer (both architectures): the normed input, router logits,
     the top-k, the pairs grouped by expert (backends/expert_rows.py: on the device, or tables
-    built on the host for a partial cache), the SwiGLU rows and their f16 copies for the tensor
-    cores, the unweighted outputs, the rank-ordered sum, and the misses streamed in a batch."""
+    built on the host where the routing went there: a short chunk of a partial cache, or
+    STRATA_DEVICE_ROUTING=0), the SwiGLU rows and their f16 copies for the tensor
+    cores, the unweighted outputs, the rank-ordered sum, and the misses streamed in a batch (live
+    through the chunk)."""
     d, ff, k, n_exp = g.n_embd, g.n_ff_exp, g.n_expert_used, g.n_expert
     items = -(-16 * k // ROWS_TILE_M)          # 4 int32 per work item of ROWS_TILE_M pairs
     return [
@@ -104,7 +106,10 @@ def routed_expert_buffers(g, blob_bytes: int) -> list[Buffer]:
         Buffer("act_unscale", "experts", 4 * k),
         Buffer("y", "experts", 4 * k * d),
         Buffer("moe_out", "experts", 4 * d),
-        Buffer("stream", "experts", 0, STREAM_BLOBS * blob_bytes),
+        # the copy stream fills it with the next layer's first misses while this layer's
+        # attention runs (tiers.py `_prompt_on_device`): it cannot share room with that phase.
+        # Never more than a layer's experts: two halves of half a layer each
+        Buffer("stream", "residual", 0, min(STREAM_BLOBS, n_exp) * blob_bytes),
     ]
 
 

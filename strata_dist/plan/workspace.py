@@ -19,7 +19,7 @@ from typing import Iterable
 
 ALIGN = 512          # CuPy's own pool rounds to 512 bytes: every kernel's alignment holds
 PHASES = ("residual", "attention", "linear", "experts")
-STREAM_BLOBS = 16    # a prompt's streamed misses: blobs a batch (two halves, double-buffered)
+STREAM_BLOBS = 32    # a prompt's streamed misses: blobs in flight (two halves, double-buffered)
 
 
 @dataclass(frozen=True)
