@@ -24,7 +24,7 @@ from strata_dist.sampler import SamplingParams
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
                  "stats": int}
 TIER_COUNTERS = ("hits", "remote", "host", "remote_lost", "helper_requests", "streamed",
-                 "loan_overflow_bytes", "graph_steps")
+                 "loan_overflow_bytes", "graph_steps", "prompt_layers_on_device")
 
 
 class GenRequest:
