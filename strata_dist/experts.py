@@ -186,10 +186,18 @@ class BlobArena(ExpertStore):
     def blob_addresses(self, layer: int) -> np.ndarray | None:
         """Each expert's blob address of `layer` (host uint64 [n_experts]), or None when one is not
         resident (or the arena is host memory)."""
-        slots = self.slot_of[layer]
-        if (slots < 0).any() or self.backend.xp is np:
+        if (self.slot_of[layer] < 0).any() or self.backend.xp is np:
             return None
-        return (int(self.buf.data.ptr) + self.offsets[slots]).astype(np.uint64)
+        return self.held_addresses(layer)
+
+    def held_addresses(self, layer: int) -> np.ndarray:
+        """Each expert's blob address of `layer` in this (device) arena, 0 where it is not
+        resident (host uint64 [n_experts])."""
+        slots = self.slot_of[layer]
+        held = slots >= 0
+        out = np.zeros(len(slots), dtype=np.uint64)
+        out[held] = (int(self.buf.data.ptr) + self.offsets[slots[held]]).astype(np.uint64)
+        return out
 
     def compute_into(self, layer: int, x, idx: np.ndarray, mask: np.ndarray, y) -> None:
         """y[row, rank] for the pairs of `mask` (all resident here)."""

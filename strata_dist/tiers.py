@@ -265,7 +265,7 @@ class ExpertTiers(ExpertStore):
         spec = be.row_layout(self.gguf, layer)
         if be.workspace is None or spec is None or n * k < 2 * n_expert:
             return None
-        table, tier = self._device_blobs(layer, n_expert)
+        table, tier = self._device_blobs(layer)
         misses = [int(e) for e in np.flatnonzero(table == 0)]
         size = self.gguf.blob_bytes(layer)
         stride = -(-size // spec.align) * spec.align
@@ -307,19 +307,15 @@ class ExpertTiers(ExpertStore):
             self._streamer = BlobStreamer(self.pinned)
         return self._streamer
 
-    def _device_blobs(self, layer: int, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per expert of `layer`: the device address of its blob in this stage's cache or this
-        card's helper tier (host uint64, 0: neither holds it), and its tier as `outputs` numbers
-        them (1 hit, 3 this card's helper tier, 0 host)."""
-        table = np.zeros(n_expert, dtype=np.uint64)
-        tier = np.zeros(n_expert, dtype=np.int8)
-        for arena, t in ((self.local_helper, 3), (self.cache, 1)):   # the cache's copy wins
-            if arena is None or layer >= arena.slot_of.shape[0]:
-                continue
-            slots = arena.slot_of[layer]
-            held = slots >= 0
-            table[held] = (int(arena.buf.data.ptr) + arena.offsets[slots[held]]).astype(np.uint64)
-            tier[held] = t
+    def _device_blobs(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert of `layer`: its tier as a prompt sees it (`_tiers_of`: 1 hit, 3 this card's
+        helper tier, 0 host) and the device address of its blob in that tier (host uint64, 0 for
+        the host)."""
+        tier, _ = self._tiers_of(layer)
+        table = np.zeros(len(tier), dtype=np.uint64)
+        table[tier == 1] = self.cache.held_addresses(layer)[tier == 1]
+        if (tier == 3).any():
+            table[tier == 3] = self.local_helper.held_addresses(layer)[tier == 3]
         return table, tier
 
     def settle_prompt_counts(self) -> None:
