@@ -238,10 +238,14 @@ def test_prompt_gdn_constants_match_the_host(tmp_path):
 
 @needs_nvcc
 def test_prompt_attention_rows_match_the_host(tmp_path):
-    """prefill_attention.cu's rows a block are the ones the host sizes its grid by."""
-    from strata_dist.kernels.abi import PREFILL_ATTENTION_ROWS
-    assert _host_print(tmp_path, "prefill_attention.cu", '"%d", FA_BM') == \
-        str(PREFILL_ATTENTION_ROWS)
+    """prefill_attention.cu's rows a block and shared bytes are the ones the host sizes its
+    launches by."""
+    from strata_dist.kernels.abi import PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_SHARED
+    got = _host_print(tmp_path, "prefill_attention.cu",
+                      '"%d %d %d", FA_BM, FA_SHARED_BYTES(128, FA_BN_128), '
+                      'FA_SHARED_BYTES(256, FA_BN_256)')
+    assert got == (f"{PREFILL_ATTENTION_ROWS} {PREFILL_ATTENTION_SHARED[128]} "
+                   f"{PREFILL_ATTENTION_SHARED[256]}")
 
 
 def _host_print(tmp_path, source: str, printf_args: str) -> str:

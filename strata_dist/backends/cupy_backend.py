@@ -53,6 +53,7 @@ class CupyBackend(Backend):
         # device routing 2x host routing at 4,096 (docs/BENCHMARKS.md); each switch set to 0
         # gives the general path back.
         self._flash = os.environ.get("STRATA_FLASH_PREFILL", "1") != "0"
+        self._flash_kernels = {}    # head width -> the kernel, allowed its shared memory once
         self._rows = None
         if os.environ.get("STRATA_GROUPED_EXPERTS", "1") != "0":
             from .expert_rows import RowsKernels
@@ -280,7 +281,8 @@ class CupyBackend(Backend):
     def prompt_attention(self, q, k, v, pos0, out=None):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
         (qwen3moe) or 256-wide (qwen3next) heads."""
-        from ..kernels.abi import PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_THREADS
+        from ..kernels.abi import (PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_SHARED,
+                                   PREFILL_ATTENTION_THREADS)
         threads = PREFILL_ATTENTION_THREADS.get(int(q.shape[-1]))
         if (not self._flash or threads is None or k.dtype != cp.float16
                 or v.dtype != cp.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous)
@@ -290,11 +292,15 @@ class CupyBackend(Backend):
         n, n_head, d = (int(x) for x in q.shape)
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = self.buffer(out, (n, n_head, d), cp.float32)
-        rows = PREFILL_ATTENTION_ROWS
-        function("prefill_attention.cu", f"prefill_attention_{d}", self.index)(
-            ((n + rows - 1) // rows, n_head), (threads,),
-            (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
-             np.float32(1.0 / np.sqrt(d)), out))
+        rows, shared = PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_SHARED[d]
+        fn = self._flash_kernels.get(d)
+        if fn is None:                                 # past the default 48 KiB of shared memory
+            fn = function("prefill_attention.cu", f"prefill_attention_{d}", self.index)
+            fn.max_dynamic_shared_size_bytes = shared
+            self._flash_kernels[d] = fn
+        fn((n_head, (n + rows - 1) // rows), (threads,),
+           (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
+            np.float32(1.0 / np.sqrt(d)), out), shared_mem=shared)
         return out
 
     # ---- a chunk's row-wise steps, one launch each ------------------------------------------

@@ -364,8 +364,10 @@ def source_kernel_names(source: str) -> list[str]:
 
 
 # prefill_attention.cu's builds: head width -> threads of a block (a 256-wide head's output over
-# two warps); its blocks take 64 query rows each
+# two warps), and -> the dynamic shared bytes of its two stages of K and V tiles (64 keys of a
+# 128-wide head, 32 of a 256-wide one, rows padded by 8 halves); its blocks take 64 query rows each
 PREFILL_ATTENTION_THREADS = {128: 128, 256: 256}
+PREFILL_ATTENTION_SHARED = {128: 2 * 2 * 64 * 136 * 2, 256: 2 * 2 * 32 * 264 * 2}
 PREFILL_ATTENTION_ROWS = 64
 
 

@@ -31,3 +31,12 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(at));
 }
+
+// The same four matrices transposed: register j receives matrix j's (rows 2 (lane % 4) .., column
+// lane / 4), a B fragment of a matrix stored k-major (the keys of attention's V tile as rows).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
