@@ -239,23 +239,27 @@ def test_prompt_gdn_constants_match_the_host(tmp_path):
 @needs_nvcc
 def test_prompt_attention_rows_match_the_host(tmp_path):
     """prefill_attention.cu's rows a block and shared bytes are the ones the host sizes its
-    launches by."""
-    from strata_dist.kernels.abi import PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_SHARED
-    got = _host_print(tmp_path, "prefill_attention.cu",
-                      '"%d %d %d", FA_BM, FA_SHARED_BYTES(128, FA_BN_128), '
-                      'FA_SHARED_BYTES(256, FA_BN_256)')
-    assert got == (f"{PREFILL_ATTENTION_ROWS} {PREFILL_ATTENTION_SHARED[128]} "
-                   f"{PREFILL_ATTENTION_SHARED[256]}")
+    launches by, for both builds and for a build with other -D values."""
+    from strata_dist.kernels.abi import prefill_attention_launch
+    printf = ('"%d %d %d %d", FA_ROWS(FA_MT_128), FA_SHARED_BYTES(128, FA_BN_128, FA_MT_128), '
+              'FA_ROWS(FA_MT_256), FA_SHARED_BYTES(256, FA_BN_256, FA_MT_256)')
+    (rows128, _, shared128), (rows256, _, shared256) = (prefill_attention_launch(128),
+                                                        prefill_attention_launch(256))
+    assert _host_print(tmp_path, "prefill_attention.cu", printf) == \
+        f"{rows128} {shared128} {rows256} {shared256}"
+    rows, _, shared = prefill_attention_launch(128, mt=1, bn=64)
+    assert _host_print(tmp_path, "prefill_attention.cu", printf,
+                       ("-DFA_MT_128=1", "-DFA_BN_128=64")).split()[:2] == [str(rows), str(shared)]
 
 
-def _host_print(tmp_path, source: str, printf_args: str) -> str:
+def _host_print(tmp_path, source: str, printf_args: str, defines=()) -> str:
     """What printf(printf_args) prints in a host program built from a kernel source with nvcc
     (its macros and struct sizes as the compiler sees them)."""
     main = tmp_path / "host.cu"
     main.write_text(f'#include <cstdio>\n#include "{KERNEL_DIR / source}"\n'
                     f'int main() {{ printf({printf_args}); return 0; }}\n')
     exe = tmp_path / "host"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-o", str(exe), str(main)],
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", *defines, "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout

@@ -281,10 +281,9 @@ class CupyBackend(Backend):
     def prompt_attention(self, q, k, v, pos0, out=None):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
         (qwen3moe) or 256-wide (qwen3next) heads."""
-        from ..kernels.abi import (PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_SHARED,
-                                   PREFILL_ATTENTION_THREADS)
-        threads = PREFILL_ATTENTION_THREADS.get(int(q.shape[-1]))
-        if (not self._flash or threads is None or k.dtype != cp.float16
+        from ..kernels.abi import PREFILL_ATTENTION_BUILDS, prefill_attention_launch
+        if (not self._flash or int(q.shape[-1]) not in PREFILL_ATTENTION_BUILDS
+                or k.dtype != cp.float16
                 or v.dtype != cp.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous)
                 or q.shape[1] % k.shape[1]):
             return None
@@ -292,7 +291,7 @@ class CupyBackend(Backend):
         n, n_head, d = (int(x) for x in q.shape)
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = self.buffer(out, (n, n_head, d), cp.float32)
-        rows, shared = PREFILL_ATTENTION_ROWS, PREFILL_ATTENTION_SHARED[d]
+        rows, threads, shared = prefill_attention_launch(d)
         fn = self._flash_kernels.get(d)
         if fn is None:                                 # past the default 48 KiB of shared memory
             fn = function("prefill_attention.cu", f"prefill_attention_{d}", self.index)

@@ -360,15 +360,26 @@ def source_kernel_names(source: str) -> list[str]:
             "prompt_ops.cu": lambda: ["rms_norm_rows", "combine_ranked"],
             "gdn_prompt.cu": lambda: list(GDN_ROWS_KERNELS),
             "prefill_attention.cu": lambda: [f"prefill_attention_{d}"
-                                             for d in PREFILL_ATTENTION_THREADS]}[source]()
+                                             for d in PREFILL_ATTENTION_BUILDS]}[source]()
 
 
-# prefill_attention.cu's builds: head width -> threads of a block (a 256-wide head's output over
-# two warps), and -> the dynamic shared bytes of its two stages of K and V tiles (64 keys of a
-# 128-wide head, 32 of a 256-wide one, rows padded by 8 halves); its blocks take 64 query rows each
-PREFILL_ATTENTION_THREADS = {128: 128, 256: 256}
-PREFILL_ATTENTION_SHARED = {128: 2 * 2 * 64 * 136 * 2, 256: 2 * 2 * 32 * 264 * 2}
-PREFILL_ATTENTION_ROWS = 64
+# prefill_attention.cu's builds by head width: (16-row query tiles a warp, keys a tile, warps over
+# a head's output dims); every build has 4 warps over its query rows
+PREFILL_ATTENTION_BUILDS = {128: (2, 32, 1), 256: (1, 32, 2)}
+PREFILL_ATTENTION_WARPS_M = 4
+
+
+def prefill_attention_launch(d: int, mt: int | None = None, bn: int | None = None,
+                             warps_m: int = PREFILL_ATTENTION_WARPS_M) -> tuple[int, int, int]:
+    """(query rows a block, threads a block, dynamic shared bytes) of the head-width-d build
+    (mt / bn / warps_m: a build with other -D values, as FA_SHARED_BYTES counts them): two stages
+    of a K and a V tile, and with two query tiles a warp the block's q in f16, rows of d + 8
+    halves."""
+    build_mt, build_bn, dsplit = PREFILL_ATTENTION_BUILDS[d]
+    mt, bn = mt or build_mt, bn or build_bn
+    rows = 16 * mt * warps_m
+    shared = (2 * 2 * bn + (rows if mt > 1 else 0)) * (d + 8) * 2
+    return rows, 32 * warps_m * dsplit, shared
 
 
 def rows_kernel_names() -> list[str]:

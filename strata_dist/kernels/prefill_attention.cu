@@ -3,14 +3,17 @@
 // matrix in memory), on tensor cores (mma.sync m16n8k16: q and the softmax weights rounded to
 // f16, every product accumulated in f32).
 //
-// Grid (n_head, ceil(n / FA_BM)), FA_WARPS_M * DSPLIT warps: block (h, y) takes query tile
-// gridDim.y - 1 - y of head h (the tiles with the most keys start first, so the short ones fill
-// the tail), warp w its rows 16 (w % FA_WARPS_M) .. +15 and output dims [w / FA_WARPS_M,
-// +1) D / DSPLIT. The K and V tiles of BN keys are copied by cp.async into two stages of dynamic
-// shared memory, tile i + 1 landing while tile i is computed; both are kept key-major as the
-// cache holds them, and ldmatrix (.trans for V) hands out the fragments, so no thread transposes
-// V through shared memory. Only the tiles a warp's rows straddle are masked; a warp whose rows
-// all precede a tile skips it. A 256-wide head (qwen3next) is split over two warps so a warp's
+// Grid (n_head, ceil(n / rows)), FA_WARPS_M * DSPLIT warps, rows = FA_ROWS(MT): block (h, y)
+// takes query tile gridDim.y - 1 - y of head h (the tiles with the most keys start first, so the
+// short ones fill the tail), warp w the block's rows 16 MT (w % FA_WARPS_M) .. + 16 MT - 1 and
+// output dims [w / FA_WARPS_M, +1) D / DSPLIT. The K and V tiles of BN keys are copied by
+// cp.async into two stages of dynamic shared memory, tile i + 1 landing while tile i is
+// computed; both are kept key-major as the cache holds them, and ldmatrix (.trans for V) hands
+// out the fragments, so no thread transposes V through shared memory. A warp of two 16-row tiles
+// (MT = 2, 128-wide heads) uses each K and V fragment twice, which halves the shared-memory reads
+// a product costs; its q is read from shared memory, as registers would not hold it beside both
+// tiles' accumulators. Only the tiles a warp's rows straddle are masked; a warp whose rows all
+// precede a tile skips it. A 256-wide head (qwen3next) is split over two warps so a warp's
 // accumulators stay in registers; both compute the same scores (the same arithmetic, so the same
 // softmax).
 #include "weights.cuh"
@@ -18,17 +21,28 @@
 #include "async_copy.cuh"
 
 #ifndef FA_WARPS_M
-#define FA_WARPS_M 4                     // warps over a block's query rows, 16 rows each
+#define FA_WARPS_M 4                     // warps over a block's query rows
 #endif
-#ifndef FA_MIN_BLOCKS
-#define FA_MIN_BLOCKS 1                  // blocks an SM must hold (a register bound for ptxas)
+// a build's query tiles of 16 rows a warp (MT), keys a tile (BN), blocks an SM must hold (a
+// register bound for ptxas); -D overrides them (benchmarks/bench_prompt_attention.py --variant)
+#ifndef FA_MT_128
+#define FA_MT_128 2
 #endif
-#define FA_BM (16 * FA_WARPS_M)          // query rows of a block
-#define FA_BN_128 64                     // keys a tile, 128-wide heads
-#define FA_BN_256 32                     // keys a tile, 256-wide heads
-// dynamic shared bytes of a block: two stages of a K and a V tile, rows padded by 8 halves
-// (conflict-free ldmatrix: a row is 16 bytes past a multiple of 128)
-#define FA_SHARED_BYTES(D, BN) (2 * 2 * (BN) * ((D) + 8) * 2)
+#ifndef FA_BN_128
+#define FA_BN_128 32
+#endif
+#ifndef FA_MIN_BLOCKS_128
+#define FA_MIN_BLOCKS_128 1
+#endif
+#define FA_MT_256 1
+#define FA_BN_256 32
+#define FA_ROWS(MT) (16 * (MT) * FA_WARPS_M)           // query rows of a block
+// dynamic shared bytes of a block: two stages of a K and a V tile, and with two query tiles a
+// warp the block's q rounded to f16 (a warp's 32 rows of q would not fit its registers beside
+// their accumulators); rows padded by 8 halves: ldmatrix without bank conflicts (a row is 16
+// bytes past a multiple of 128)
+#define FA_SHARED_BYTES(D, BN, MT) \
+    ((2 * 2 * (BN) + ((MT) > 1 ? FA_ROWS(MT) : 0)) * ((D) + 8) * 2)
 
 __device__ __forceinline__ float fast_exp2(float x) {      // 2^x, 0 at -inf
     float y;
@@ -38,32 +52,49 @@ __device__ __forceinline__ float fast_exp2(float x) {      // 2^x, 0 at -inf
 
 // q [n, n_head, D] float32 at positions pos0 ..; k, v [cells, n_kv, D] f16 (keys 0 .. pos0 + n - 1
 // valid); out [n, n_head, D] float32.
-template <int D, int BN, int DSPLIT>
+template <int D, int BN, int DSPLIT, int MT>
 __device__ __forceinline__ void prefill_attention_body(
         const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
         int n, int pos0, int n_head, int n_kv, float scale, float* __restrict__ out) {
-    constexpr int LD = D + 8;          // a tile row's stride in halves
+    constexpr int LD = D + 8;          // a shared row's stride in halves
     constexpr int DO = D / DSPLIT;     // output dims of one warp
+    constexpr int BM = FA_ROWS(MT);
+    constexpr bool Q_SHARED = MT > 1;
     static_assert(D % 32 == 0 && DO % 16 == 0 && BN % 16 == 0, "whole ldmatrix_x4 steps");
     extern __shared__ __align__(16) unsigned char fa_shared[];
     __half (*ks)[BN][LD] = reinterpret_cast<__half (*)[BN][LD]>(fa_shared);   // [2][BN][LD]
     __half (*vs)[BN][LD] = ks + 2;
+    __half (*qs)[LD] = reinterpret_cast<__half (*)[LD]>(ks + 4);              // [BM][LD]
     const int h = blockIdx.x, kvh = h / (n_head / n_kv);
     const int tile = gridDim.y - 1 - blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int lm = lane >> 3, lr = lane & 7;     // ldmatrix: this lane's matrix and row in it
-    const int r0 = tile * FA_BM + (warp % FA_WARPS_M) * 16;
+    const int w0 = (warp % FA_WARPS_M) * 16 * MT;         // the warp's first row in the block
+    const int r0 = tile * BM + w0;
     const int d0 = (warp / FA_WARPS_M) * DO;
     const bool idle = r0 >= n;                   // a ragged last tile's warps past the chunk
-    // this thread's two query rows (past n: the last row, computed and never written)
-    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
-    const int qpos_a = pos0 + ra, qpos_b = pos0 + rb;
-    const int warp_first = pos0 + r0, warp_last = pos0 + min(r0 + 15, n - 1);
-    // the warp's 16 rows of q as A fragments, one per k16 step of the head
-    unsigned qa[D / 16][4];
-    {
-        const float* qra = q + ((i64)ra * n_head + h) * D;
-        const float* qrb = q + ((i64)rb * n_head + h) * D;
+    // this thread's query positions: rows g and g + 8 of each 16-row tile (rows past n: the
+    // last row, computed and never written)
+    int qpos[MT][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        qpos[mt][0] = pos0 + min(r0 + 16 * mt + g, n - 1);
+        qpos[mt][1] = pos0 + min(r0 + 16 * mt + g + 8, n - 1);
+    }
+    const int warp_first = pos0 + r0, warp_last = pos0 + min(r0 + 16 * MT - 1, n - 1);
+    // q as A fragments: in registers for one 16-row tile a warp, else through shared memory
+    unsigned qa[Q_SHARED ? 1 : D / 16][4];
+    if constexpr (Q_SHARED) {
+        for (int c = threadIdx.x; c < BM * (D / 4); c += blockDim.x) {
+            const int row = c / (D / 4), d4 = 4 * (c % (D / 4));
+            const float4 x = *reinterpret_cast<const float4*>(
+                q + ((i64)min(tile * BM + row, n - 1) * n_head + h) * D + d4);
+            *reinterpret_cast<uint2*>(&qs[row][d4]) = make_uint2(pack_half2(x.x, x.y),
+                                                                 pack_half2(x.z, x.w));
+        }                                        // visible after the loop's first barrier
+    } else {
+        const float* qra = q + ((i64)(qpos[0][0] - pos0) * n_head + h) * D;
+        const float* qrb = q + ((i64)(qpos[0][1] - pos0) * n_head + h) * D;
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const int d = 16 * kk + 2 * t;
@@ -77,13 +108,17 @@ __device__ __forceinline__ void prefill_attention_body(
             qa[kk][3] = pack_half2(a3.x, a3.y);
         }
     }
-    float o[DO / 8][4];
+    float o[MT][DO / 8][4];
     #pragma unroll
-    for (int i = 0; i < DO / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int i = 0; i < DO / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
     // scores in log2 units: one multiply folds the scale and exp's base change
     const float scale2 = scale * 1.4426950408889634f;
-    float m_a = -INF_F32, m_b = -INF_F32, l_a = 0.f, l_b = 0.f;
-    const int last_key = pos0 + min(n, (tile + 1) * FA_BM) - 1;
+    float m[MT][2], l[MT][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INF_F32, l[mt][0] = l[mt][1] = 0.f;
+    const int last_key = pos0 + min(n, (tile + 1) * BM) - 1;
     const int n_tiles = last_key / BN + 1;
 
     auto load_tile = [&](int it, int stage) {    // keys past last_key repeat it (masked anyway)
@@ -104,119 +139,148 @@ __device__ __forceinline__ void prefill_attention_body(
         cp_async_wait_newest_pending();          // this thread's copies of tile it
         __syncthreads();                         // everyone's
         if (!idle && k0 <= warp_last) {
-            // scores of the warp's 16 rows against the tile's BN keys (BN / 8 tiles of 8 keys)
-            float s[BN / 8][4];
+            // scores of the warp's rows against the tile's BN keys (BN / 8 tiles of 8 keys); a
+            // K fragment pair serves every 16-row tile of the warp
+            float s[MT][BN / 8][4];
             #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
-                for (int kk = 0; kk < D / 16; kk += 2) {
+                for (int j = 0; j < BN / 8; ++j)
+                    s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk += 2) {
+                unsigned a[MT][2][4];            // q of steps kk, kk + 1
+                if constexpr (Q_SHARED) {
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        #pragma unroll
+                        for (int x = 0; x < 2; ++x)
+                            ldmatrix_x4(a[mt][x], &qs[w0 + 16 * mt + lr + 8 * (lm & 1)]
+                                                     [16 * (kk + x) + 8 * (lm >> 1)]);
+                }
+                #pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
                     unsigned b[4];
                     ldmatrix_x4(b, &ks[stage][8 * j + lr][16 * kk + 8 * lm]);
-                    mma_16816(s[j], qa[kk], b[0], b[1]);
-                    mma_16816(s[j], qa[kk + 1], b[2], b[3]);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if constexpr (Q_SHARED) {
+                            mma_16816(s[mt][j], a[mt][0], b[0], b[1]);
+                            mma_16816(s[mt][j], a[mt][1], b[2], b[3]);
+                        } else {
+                            mma_16816(s[mt][j], qa[kk], b[0], b[1]);
+                            mma_16816(s[mt][j], qa[kk + 1], b[2], b[3]);
+                        }
+                    }
                 }
             }
             // scale, the causal mask where the tile reaches past the warp's first row, the
             // online softmax (a row's values live in the 4 lanes of a quad)
             const bool straddles = k0 + BN - 1 > warp_first;
-            float mx_a = m_a, mx_b = m_b;
+            float p_scale[MT][2];
             #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
+            for (int mt = 0; mt < MT; ++mt) {
+                float mx[2] = {m[mt][0], m[mt][1]};
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = k0 + 8 * j + 2 * t + e;
-                    s[j][e] *= scale2;
-                    s[j][2 + e] *= scale2;
-                    if (straddles) {
-                        if (key > qpos_a) s[j][e] = -INF_F32;
-                        if (key > qpos_b) s[j][2 + e] = -INF_F32;
+                for (int j = 0; j < BN / 8; ++j)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + 8 * j + 2 * t + (e & 1), r = e >> 1;
+                        s[mt][j][e] *= scale2;
+                        if (straddles && key > qpos[mt][r]) s[mt][j][e] = -INF_F32;
+                        mx[r] = fmaxf(mx[r], s[mt][j][e]);
                     }
-                    mx_a = fmaxf(mx_a, s[j][e]);
-                    mx_b = fmaxf(mx_b, s[j][2 + e]);
-                }
-            }
-            #pragma unroll
-            for (int o2 = 1; o2 < 4; o2 <<= 1) {
-                mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, o2));
-                mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o2));
-            }
-            // key 0 is in the first tile and every row sees it: the maxima are finite from there
-            // on (a row whose keys in a later tile are all masked keeps its maximum: factor 1)
-            const float ca = fast_exp2(m_a - mx_a), cb = fast_exp2(m_b - mx_b);
-            m_a = mx_a;
-            m_b = mx_b;
-            float rs_a = 0.f, rs_b = 0.f;
-            #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[j][e] = fast_exp2(s[j][e] - m_a);
-                    s[j][2 + e] = fast_exp2(s[j][2 + e] - m_b);
-                    rs_a += s[j][e];
-                    rs_b += s[j][2 + e];
+                for (int r = 0; r < 2; ++r) {
+                    #pragma unroll
+                    for (int o2 = 1; o2 < 4; o2 <<= 1)
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o2));
+                    // key 0 is in the first tile and every row sees it: the maxima are finite
+                    // from there on (a row whose keys in a later tile are all masked keeps its
+                    // maximum: factor 1)
+                    p_scale[mt][r] = fast_exp2(m[mt][r] - mx[r]);
+                    m[mt][r] = mx[r];
                 }
-            }
-            #pragma unroll
-            for (int o2 = 1; o2 < 4; o2 <<= 1) {
-                rs_a += __shfl_xor_sync(0xffffffffu, rs_a, o2);
-                rs_b += __shfl_xor_sync(0xffffffffu, rs_b, o2);
-            }
-            l_a = l_a * ca + rs_a;
-            l_b = l_b * cb + rs_b;
-            #pragma unroll
-            for (int i = 0; i < DO / 8; ++i) {
-                o[i][0] *= ca; o[i][1] *= ca;
-                o[i][2] *= cb; o[i][3] *= cb;
+                float rs[2] = {0.f, 0.f};
+                #pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[mt][j][e] = fast_exp2(s[mt][j][e] - m[mt][e >> 1]);
+                        rs[e >> 1] += s[mt][j][e];
+                    }
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    #pragma unroll
+                    for (int o2 = 1; o2 < 4; o2 <<= 1)
+                        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], o2);
+                    l[mt][r] = l[mt][r] * p_scale[mt][r] + rs[r];
+                }
+                #pragma unroll
+                for (int i = 0; i < DO / 8; ++i) {
+                    o[mt][i][0] *= p_scale[mt][0]; o[mt][i][1] *= p_scale[mt][0];
+                    o[mt][i][2] *= p_scale[mt][1]; o[mt][i][3] *= p_scale[mt][1];
+                }
             }
             // o += p v: the score fragments of two adjacent 8-key tiles are the A fragment of 16
             // keys; V's B fragments come transposed out of its key-major tile, two dim tiles a
-            // load (matrix lm: keys + 8 (lm & 1), dims + 8 (lm >> 1))
+            // load (matrix lm: keys + 8 (lm & 1), dims + 8 (lm >> 1)), each serving every
+            // 16-row tile of the warp
             #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
-                const unsigned pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
-                                        pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                                        pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                        pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                unsigned pa[MT][4];
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    pa[mt][0] = pack_half2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = pack_half2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = pack_half2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = pack_half2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
                 #pragma unroll
                 for (int i = 0; i < DO / 8; i += 2) {
                     unsigned b[4];
                     ldmatrix_x4_trans(b, &vs[stage][16 * kk + 8 * (lm & 1) + lr]
                                             [d0 + 8 * i + 8 * (lm >> 1)]);
-                    mma_16816(o[i], pa, b[0], b[1]);
-                    mma_16816(o[i + 1], pa, b[2], b[3]);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816(o[mt][i], pa[mt], b[0], b[1]);
+                        mma_16816(o[mt][i + 1], pa[mt], b[2], b[3]);
+                    }
                 }
             }
         }
         __syncthreads();                         // tile it read before its stage is refilled
     }
     if (idle) return;
-    const bool write_a = r0 + g < n, write_b = r0 + g + 8 < n;
-    const float ia = 1.f / l_a, ib = 1.f / l_b;
     #pragma unroll
-    for (int i = 0; i < DO / 8; ++i) {
-        const int d = d0 + 8 * i + 2 * t;
-        if (write_a)
-            *reinterpret_cast<float2*>(out + ((i64)(r0 + g) * n_head + h) * D + d) =
-                make_float2(o[i][0] * ia, o[i][1] * ia);
-        if (write_b)
-            *reinterpret_cast<float2*>(out + ((i64)(r0 + g + 8) * n_head + h) * D + d) =
-                make_float2(o[i][2] * ib, o[i][3] * ib);
-    }
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = r0 + 16 * mt + g + 8 * r;
+            if (row >= n) continue;
+            const float inv = 1.f / l[mt][r];
+            float* dst = out + ((i64)row * n_head + h) * D + d0 + 2 * t;
+            #pragma unroll
+            for (int i = 0; i < DO / 8; ++i)
+                *reinterpret_cast<float2*>(dst + 8 * i) =
+                    make_float2(o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv);
+        }
 }
 
-// 128-wide heads (qwen3moe): 64 keys a tile, a warp the whole head.
-extern "C" __global__ void __launch_bounds__(32 * FA_WARPS_M, FA_MIN_BLOCKS)
+// 128-wide heads (qwen3moe): a warp the whole head, FA_MT_128 tiles of 16 rows.
+extern "C" __global__ void __launch_bounds__(32 * FA_WARPS_M, FA_MIN_BLOCKS_128)
 prefill_attention_128(const float* __restrict__ q, const __half* __restrict__ kc,
                       const __half* __restrict__ vc, int n, int pos0, int n_head, int n_kv,
                       float scale, float* __restrict__ out) {
-    prefill_attention_body<128, FA_BN_128, 1>(q, kc, vc, n, pos0, n_head, n_kv, scale, out);
+    prefill_attention_body<128, FA_BN_128, 1, FA_MT_128>(q, kc, vc, n, pos0, n_head, n_kv, scale,
+                                                         out);
 }
 
-// 256-wide heads (qwen3next): 32 keys a tile, the output dims of a head over two warps.
-extern "C" __global__ void __launch_bounds__(64 * FA_WARPS_M, FA_MIN_BLOCKS)
+// 256-wide heads (qwen3next): the output dims of a head over two warps, one 16-row tile each.
+extern "C" __global__ void __launch_bounds__(64 * FA_WARPS_M)
 prefill_attention_256(const float* __restrict__ q, const __half* __restrict__ kc,
                       const __half* __restrict__ vc, int n, int pos0, int n_head, int n_kv,
                       float scale, float* __restrict__ out) {
-    prefill_attention_body<256, FA_BN_256, 2>(q, kc, vc, n, pos0, n_head, n_kv, scale, out);
+    prefill_attention_body<256, FA_BN_256, 2, FA_MT_256>(q, kc, vc, n, pos0, n_head, n_kv, scale,
+                                                         out);
 }
