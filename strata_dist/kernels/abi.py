@@ -363,23 +363,24 @@ def source_kernel_names(source: str) -> list[str]:
                                              for d in PREFILL_ATTENTION_BUILDS]}[source]()
 
 
-# prefill_attention.cu's builds by head width: (16-row query tiles a warp, keys a tile, warps over
-# a head's output dims); every build has 4 warps over its query rows
-PREFILL_ATTENTION_BUILDS = {128: (2, 32, 1), 256: (1, 32, 2)}
+# prefill_attention.cu's builds by head width: (16-row query tiles a warp, keys a tile); every
+# build has 4 warps over its query rows, each warp the whole head
+PREFILL_ATTENTION_BUILDS = {128: (2, 32), 256: (1, 32)}
 PREFILL_ATTENTION_WARPS_M = 4
 
 
 def prefill_attention_launch(d: int, mt: int | None = None, bn: int | None = None,
                              warps_m: int = PREFILL_ATTENTION_WARPS_M) -> tuple[int, int, int]:
     """(query rows a block, threads a block, dynamic shared bytes) of the head-width-d build
-    (mt / bn / warps_m: a build with other -D values, as FA_SHARED_BYTES counts them): two stages
-    of a K and a V tile, and with two query tiles a warp the block's q in f16, rows of d + 8
-    halves."""
-    build_mt, build_bn, dsplit = PREFILL_ATTENTION_BUILDS[d]
+    (mt / bn / warps_m: a build with other -D values), as FA_SHARED_BYTES counts them: two stages
+    of a K and a V tile, and the block's q in f16 unless one 16-row tile of a 128-wide head keeps
+    it in registers; rows of d + 8 halves."""
+    build_mt, build_bn = PREFILL_ATTENTION_BUILDS[d]
     mt, bn = mt or build_mt, bn or build_bn
     rows = 16 * mt * warps_m
-    shared = (2 * 2 * bn + (rows if mt > 1 else 0)) * (d + 8) * 2
-    return rows, 32 * warps_m * dsplit, shared
+    q_shared = mt > 1 or d > 128
+    shared = (2 * 2 * bn + (rows if q_shared else 0)) * (d + 8) * 2
+    return rows, 32 * warps_m, shared
 
 
 def rows_kernel_names() -> list[str]:

@@ -3,19 +3,15 @@
 // matrix in memory), on tensor cores (mma.sync m16n8k16: q and the softmax weights rounded to
 // f16, every product accumulated in f32).
 //
-// Grid (n_head, ceil(n / rows)), FA_WARPS_M * DSPLIT warps, rows = FA_ROWS(MT): block (h, y)
-// takes query tile gridDim.y - 1 - y of head h (the tiles with the most keys start first, so the
-// short ones fill the tail), warp w the block's rows 16 MT (w % FA_WARPS_M) .. + 16 MT - 1 and
-// output dims [w / FA_WARPS_M, +1) D / DSPLIT. The K and V tiles of BN keys are copied by
-// cp.async into two stages of dynamic shared memory, tile i + 1 landing while tile i is
-// computed; both are kept key-major as the cache holds them, and ldmatrix (.trans for V) hands
-// out the fragments, so no thread transposes V through shared memory. A warp of two 16-row tiles
-// (MT = 2, 128-wide heads) uses each K and V fragment twice, which halves the shared-memory reads
-// a product costs; its q is read from shared memory, as registers would not hold it beside both
-// tiles' accumulators. Only the tiles a warp's rows straddle are masked; a warp whose rows all
-// precede a tile skips it. A 256-wide head (qwen3next) is split over two warps so a warp's
-// accumulators stay in registers; both compute the same scores (the same arithmetic, so the same
-// softmax).
+// Grid (n_head, ceil(n / rows)), FA_WARPS_M warps, rows = FA_ROWS(MT): block (h, y) takes query
+// tile gridDim.y - 1 - y of head h (the tiles with the most keys start first, so the short ones
+// fill the tail), warp w the block's rows 16 MT w .. 16 MT (w + 1) - 1, every output dim of the
+// head. The K and V tiles of BN keys are copied by cp.async into two stages of dynamic shared
+// memory, tile i + 1 landing while tile i is computed; both are kept key-major as the cache
+// holds them, and ldmatrix (.trans for V) hands out the fragments, so no thread transposes V
+// through shared memory. A warp of two 16-row tiles (MT = 2, 128-wide heads) uses each K and V
+// fragment twice, which halves the shared-memory reads a product costs. Only the tiles a warp's
+// rows straddle are masked; a warp whose rows all precede a tile skips it.
 #include "weights.cuh"
 #include "mma.cuh"
 #include "async_copy.cuh"
@@ -34,15 +30,21 @@
 #ifndef FA_MIN_BLOCKS_128
 #define FA_MIN_BLOCKS_128 1
 #endif
+#ifndef FA_MT_256
 #define FA_MT_256 1
+#endif
+#ifndef FA_BN_256
 #define FA_BN_256 32
+#endif
 #define FA_ROWS(MT) (16 * (MT) * FA_WARPS_M)           // query rows of a block
-// dynamic shared bytes of a block: two stages of a K and a V tile, and with two query tiles a
-// warp the block's q rounded to f16 (a warp's 32 rows of q would not fit its registers beside
-// their accumulators); rows padded by 8 halves: ldmatrix without bank conflicts (a row is 16
+// q stays in registers for one 16-row tile of a 128-wide head; beside the accumulators of two
+// tiles, or of a 256-wide head, it would not fit, and is read from shared memory instead
+#define FA_Q_SHARED(D, MT) ((MT) > 1 || (D) > 128)
+// dynamic shared bytes of a block: two stages of a K and a V tile, and the block's q rounded to
+// f16 where it is shared; rows padded by 8 halves: ldmatrix without bank conflicts (a row is 16
 // bytes past a multiple of 128)
 #define FA_SHARED_BYTES(D, BN, MT) \
-    ((2 * 2 * (BN) + ((MT) > 1 ? FA_ROWS(MT) : 0)) * ((D) + 8) * 2)
+    ((2 * 2 * (BN) + (FA_Q_SHARED(D, MT) ? FA_ROWS(MT) : 0)) * ((D) + 8) * 2)
 
 __device__ __forceinline__ float fast_exp2(float x) {      // 2^x, 0 at -inf
     float y;
@@ -52,15 +54,14 @@ __device__ __forceinline__ float fast_exp2(float x) {      // 2^x, 0 at -inf
 
 // q [n, n_head, D] float32 at positions pos0 ..; k, v [cells, n_kv, D] f16 (keys 0 .. pos0 + n - 1
 // valid); out [n, n_head, D] float32.
-template <int D, int BN, int DSPLIT, int MT>
+template <int D, int BN, int MT>
 __device__ __forceinline__ void prefill_attention_body(
         const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
         int n, int pos0, int n_head, int n_kv, float scale, float* __restrict__ out) {
     constexpr int LD = D + 8;          // a shared row's stride in halves
-    constexpr int DO = D / DSPLIT;     // output dims of one warp
     constexpr int BM = FA_ROWS(MT);
-    constexpr bool Q_SHARED = MT > 1;
-    static_assert(D % 32 == 0 && DO % 16 == 0 && BN % 16 == 0, "whole ldmatrix_x4 steps");
+    constexpr bool Q_SHARED = FA_Q_SHARED(D, MT);
+    static_assert(D % 32 == 0 && BN % 16 == 0, "whole ldmatrix_x4 steps");
     extern __shared__ __align__(16) unsigned char fa_shared[];
     __half (*ks)[BN][LD] = reinterpret_cast<__half (*)[BN][LD]>(fa_shared);   // [2][BN][LD]
     __half (*vs)[BN][LD] = ks + 2;
@@ -69,9 +70,8 @@ __device__ __forceinline__ void prefill_attention_body(
     const int tile = gridDim.y - 1 - blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int lm = lane >> 3, lr = lane & 7;     // ldmatrix: this lane's matrix and row in it
-    const int w0 = (warp % FA_WARPS_M) * 16 * MT;         // the warp's first row in the block
+    const int w0 = warp * 16 * MT;               // the warp's first row in the block
     const int r0 = tile * BM + w0;
-    const int d0 = (warp / FA_WARPS_M) * DO;
     const bool idle = r0 >= n;                   // a ragged last tile's warps past the chunk
     // this thread's query positions: rows g and g + 8 of each 16-row tile (rows past n: the
     // last row, computed and never written)
@@ -108,11 +108,11 @@ __device__ __forceinline__ void prefill_attention_body(
             qa[kk][3] = pack_half2(a3.x, a3.y);
         }
     }
-    float o[MT][DO / 8][4];
+    float o[MT][D / 8][4];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
-        for (int i = 0; i < DO / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+        for (int i = 0; i < D / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
     // scores in log2 units: one multiply folds the scale and exp's base change
     const float scale2 = scale * 1.4426950408889634f;
     float m[MT][2], l[MT][2];
@@ -217,7 +217,7 @@ __device__ __forceinline__ void prefill_attention_body(
                     l[mt][r] = l[mt][r] * p_scale[mt][r] + rs[r];
                 }
                 #pragma unroll
-                for (int i = 0; i < DO / 8; ++i) {
+                for (int i = 0; i < D / 8; ++i) {
                     o[mt][i][0] *= p_scale[mt][0]; o[mt][i][1] *= p_scale[mt][0];
                     o[mt][i][2] *= p_scale[mt][1]; o[mt][i][3] *= p_scale[mt][1];
                 }
@@ -237,10 +237,10 @@ __device__ __forceinline__ void prefill_attention_body(
                     pa[mt][3] = pack_half2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
                 #pragma unroll
-                for (int i = 0; i < DO / 8; i += 2) {
+                for (int i = 0; i < D / 8; i += 2) {
                     unsigned b[4];
                     ldmatrix_x4_trans(b, &vs[stage][16 * kk + 8 * (lm & 1) + lr]
-                                            [d0 + 8 * i + 8 * (lm >> 1)]);
+                                            [8 * i + 8 * (lm >> 1)]);
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma_16816(o[mt][i], pa[mt], b[0], b[1]);
@@ -259,9 +259,9 @@ __device__ __forceinline__ void prefill_attention_body(
             const int row = r0 + 16 * mt + g + 8 * r;
             if (row >= n) continue;
             const float inv = 1.f / l[mt][r];
-            float* dst = out + ((i64)row * n_head + h) * D + d0 + 2 * t;
+            float* dst = out + ((i64)row * n_head + h) * D + 2 * t;
             #pragma unroll
-            for (int i = 0; i < DO / 8; ++i)
+            for (int i = 0; i < D / 8; ++i)
                 *reinterpret_cast<float2*>(dst + 8 * i) =
                     make_float2(o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv);
         }
@@ -272,15 +272,15 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS_M, FA_MIN_BLOCKS_128)
 prefill_attention_128(const float* __restrict__ q, const __half* __restrict__ kc,
                       const __half* __restrict__ vc, int n, int pos0, int n_head, int n_kv,
                       float scale, float* __restrict__ out) {
-    prefill_attention_body<128, FA_BN_128, 1, FA_MT_128>(q, kc, vc, n, pos0, n_head, n_kv, scale,
-                                                         out);
+    prefill_attention_body<128, FA_BN_128, FA_MT_128>(q, kc, vc, n, pos0, n_head, n_kv, scale,
+                                                      out);
 }
 
-// 256-wide heads (qwen3next): the output dims of a head over two warps, one 16-row tile each.
-extern "C" __global__ void __launch_bounds__(64 * FA_WARPS_M)
+// 256-wide heads (qwen3next): one 16-row tile a warp, its q from shared memory.
+extern "C" __global__ void __launch_bounds__(32 * FA_WARPS_M)
 prefill_attention_256(const float* __restrict__ q, const __half* __restrict__ kc,
                       const __half* __restrict__ vc, int n, int pos0, int n_head, int n_kv,
                       float scale, float* __restrict__ out) {
-    prefill_attention_body<256, FA_BN_256, 2, FA_MT_256>(q, kc, vc, n, pos0, n_head, n_kv, scale,
-                                                         out);
+    prefill_attention_body<256, FA_BN_256, FA_MT_256>(q, kc, vc, n, pos0, n_head, n_kv, scale,
+                                                      out);
 }
