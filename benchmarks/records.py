@@ -14,10 +14,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class PeakMemory:
-    """The device's peak memory in use while the block runs (NVML), in bytes above the start."""
+    """The devices' peak memory in use while the block runs (NVML), in bytes above the start:
+    `index`, one card or several (a list: their sum, sampled together; a card named twice, as
+    two ranks sharing it, counts once)."""
 
-    def __init__(self, index: int = 0, period_s: float = 0.02):
-        self.index, self.period_s = index, period_s
+    def __init__(self, index: int | list[int] = 0, period_s: float = 0.02):
+        self.indices = sorted(set(index if isinstance(index, (list, tuple)) else [index]))
+        self.period_s = period_s
         self.peak = self.base = 0
         self._stop = threading.Event()
 
@@ -25,8 +28,8 @@ class PeakMemory:
         try:
             import pynvml
             pynvml.nvmlInit()
-            self._h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-            self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+            self._used = lambda: sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)
         except Exception:          # no NVML (a CPU run): nothing to sample
             self._used = None
             return self
@@ -173,13 +176,16 @@ def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
     return f"{arm}: {verdict} {name} (commit {commit_}, {date})"
 
 
-def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str) -> str:
-    """benchmarks/results/<bench>-<like>-<quant>-<date>.json; returns its path."""
+def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str, tag: str = "") -> str:
+    """benchmarks/results/<bench>-<like>-<quant>-<date>[-<tag>].json; returns its path. `tag`
+    tells apart two benches writing records of one kind (bench_tiers.py's `helper` offload
+    records beside bench_offload.py's)."""
     today = datetime.date.today().isoformat()
     record = {"bench": bench, "date": today, "commit": commit(), "machine": machine(),
               "model": record_model(facts), "arms": arms}
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{bench}-{facts['like']}-{facts['quant']}-{today}.json")
+    path = os.path.join(out_dir, f"{bench}-{facts['like']}-{facts['quant']}-{today}"
+                                 f"{'-' + tag if tag else ''}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     return path

@@ -1,6 +1,7 @@
 """The benchmark harness on CPU ranks: bench_decode.py --cpu runs a real strata-launch --serve and
 writes a record (../RECORDS.md's fields) whose strata arm holds the plan's predicted ms/token
-beside the measured one; bench_prefill.py --cpu writes one arm per variant."""
+beside the measured one; bench_prefill.py --cpu writes one arm per variant; bench_tiers.py --cpu
+one arm per tier arrangement."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from strata_dist.synth import write_synthetic
 
@@ -125,3 +128,35 @@ def test_offload_record_times_prefill_and_decode_apart(tmp_path):
     refused = subprocess.run(cmd[:-2] + ["--vram-budget", "match"], capture_output=True,
                              text=True, timeout=120, env=env, cwd=ROOT)
     assert refused.returncode == 2 and "--llama-bench" in refused.stderr
+
+
+def test_tiers_record_moves_host_misses_to_the_helper_tier(tmp_path):
+    """bench_tiers.py --cpu: two stage ranks, the second's leftover a helper tier holding the
+    first's hottest misses. Every arm gives the one-rank arm's tokens; the helper arm computes
+    per token exactly the expert computations the no-helper arm takes from the host, less
+    those it leaves there (the same cache hits in both); the plan prices the tier."""
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_tiers.py"),
+                           "--model", str(model), "--cpu", "--budgets", "99960K,210M",
+                           "--resident-budget", "400M", "--split", "2", "--tokens", "12",
+                           "--profile-prompts", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = out.glob("offload-tiny-q8_0-*-helper.json")
+    record = json.loads(path.read_text())
+    assert record["bench"] == "offload"
+    arms = {a["name"]: a for a in record["arms"]}
+    assert list(arms) == ["strata", "strata resident", "strata helper tier", "strata no helper tier"]
+    assert all(a["tokens_identical_to_1gpu"] for a in record["arms"][1:])
+    per_token = 4 * 2    # the tiny geometry: 4 layers, top-2
+    for a in record["arms"]:
+        assert sum(a["tiers_per_token"].values()) == pytest.approx(per_token, abs=0.02), a
+        assert a["predicted_ms_per_token"] > 0 and a["new_tokens"] == 12
+    on, off = arms["strata helper tier"]["tiers_per_token"], arms["strata no helper tier"]["tiers_per_token"]
+    assert on["remote"] > 0 and off["remote"] == 0 and on["hits"] == off["hits"] < per_token
+    assert on["remote"] + on["host"] == pytest.approx(off["host"], abs=0.02)
+    assert "--no-remote-auto" in arms["strata no helper tier"]["command"]
+    assert "helper_read_us" in arms["strata helper tier"]
+    assert "helper tier / no helper tier:" in done.stdout

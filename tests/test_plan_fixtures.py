@@ -109,3 +109,34 @@ def brute_force(shape, devices, profile, cells, params, max_stages=None):
         if v < best[0]:
             best = (v, (combo, bounds))
     return best
+
+
+def reference_helper_ms(shape: ModelShape, plan, profile: RoutingProfile, params: PlanParams) -> float:
+    """What the live helper tiers add to a plan's prediction, from the definition, pair by pair:
+    each pair's host miss is spared, and its blob is read where the tier is instead (the stage's
+    own card at its bandwidth, another card of its host at peer_gbs, another host by a request per
+    (layer, tier) a token routes to, at most one a layer)."""
+    ranking = profile.ranking()
+    mass = pair_masses(profile, ranking, params.coverage, params.cover_b)
+    L, E, k = shape.n_layers, shape.n_experts, shape.top_k
+    total = 0.0
+    for tier in plan.live_helpers:
+        asked: dict[int, float] = {}
+        for layer, e in tier.pairs:
+            m, blob = mass[layer * E + e], shape.blob_bytes[layer]
+            total -= L * k * m * (params.miss_ms + blob / (params.host_gbs * 1e6))
+            stage = next(s for s in plan.stages if s.lb <= layer < s.le)
+            bw = (tier.device.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6
+            if stage.device == tier.device:
+                total += L * k * m * blob / bw
+            elif stage.device.host == tier.device.host:
+                total += L * k * m * blob / (params.peer_gbs * 1e6)
+            else:
+                total += L * k * m * blob / bw
+                asked[layer] = asked.get(layer, 0.0) + L * k * m
+        for layer, expected in asked.items():
+            stage = next(s for s in plan.stages if s.lb <= layer < s.le)
+            one_way = (params.handoff_ms + params.link_ms
+                       + shape.hidden * HANDOFF_DTYPE_BYTES / (params.link_gbs * 1e6))
+            total += min(1.0, expected) * 2 * one_way
+    return total

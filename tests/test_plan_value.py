@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from test_plan_fixtures import MIB, hybrid_kinds, make_devices, make_shape, reference_score, skewed_profile
+from test_plan_fixtures import (MIB, hybrid_kinds, make_devices, make_shape, reference_helper_ms,
+                                reference_score, skewed_profile)
 from strata_dist.plan import (Plan, PlanParams, RoutingProfile, devices_from_json, make_plan, qwen3_30b_a3b_shape,
                               render_table, session_bytes, skip_tier, weights_bytes)
 
@@ -67,12 +68,17 @@ def test_qwen3_30b_plan_is_consistent(qwen_plan):
     assert len(everything) == len(set(everything)) == plan.expert_slots
     assert plan.expert_cache_mib == pytest.approx(plan.expert_slots * shape.blob_bytes[0] / MIB)
     assert plan.chunk in (8192, 6144, 4096, 3072, 2048, 1024, 512, 256) and plan.chunk_auto
-    # the reported prediction is the score of the chosen placement
+    # the reported prediction is the score of the chosen placement, with its helper tiers priced
     devs = list(plan.devices)
     idx = tuple(devs.index(s.device) for s in plan.stages)
     bounds = tuple(s.lb for s in plan.stages) + (48,)
-    assert plan.predicted_ms_per_token == pytest.approx(reference_score(
-        shape, devs, RoutingProfile.uniform(48, 128), 32768, PlanParams(), idx, bounds))
+    uniform = RoutingProfile.uniform(48, 128)
+    assert plan.compute_ms + plan.miss_ms + plan.handoff_ms == pytest.approx(reference_score(
+        shape, devs, uniform, 32768, PlanParams(), idx, bounds))
+    assert plan.live_helpers
+    assert plan.helper_ms - (plan.miss_ms - plan.host_miss_ms) == pytest.approx(
+        reference_helper_ms(shape, plan, uniform, PlanParams()))
+    assert plan.helper_ms < plan.miss_ms - plan.host_miss_ms   # a tier read in place beats the host
 
 
 def test_render_table(qwen_plan):
@@ -135,3 +141,31 @@ def test_the_fixed_cost_per_layer_moves_the_prediction_never_the_choice():
     assert default.predicted_ms_per_token == pytest.approx(
         without.predicted_ms_per_token + 8 * PlanParams().layer_ms)
     assert default.compute_ms == pytest.approx(without.compute_ms + 8 * PlanParams().layer_ms)
+
+
+@pytest.mark.parametrize("peer_gbs", [300.0, 20.0])
+def test_helper_tiers_are_priced_by_where_they_sit(peer_gbs):
+    """A stage's own card, another card of its host, another host: each tier's pairs are priced
+    as read from there (the reference walks pair by pair), the host misses they spare are taken
+    off, and a tier skipped at start gives its pairs back to the host misses."""
+    shape = make_shape(n_layers=8, n_experts=32)
+    prof = skewed_profile(8, 32)
+    params = PlanParams(stage_cache_slots=6, peer_gbs=peer_gbs, miss_ms=0.01)
+    plan = make_plan(shape, make_devices([700, 700, 900, 900], bw=[250, 300, 300, 200],
+                                         hosts=["a", "a", "a", "b"]),
+                     cells=2048, split=[4], profile=prof, params=params, order="as_given")
+    stage_devices = {s.device for s in plan.stages}
+    kinds = {("own" if h.device in stage_devices else "peer" if h.device.host == "a" else "host")
+             for h in plan.live_helpers}
+    assert kinds == {"own", "peer", "host"}, plan.helpers
+    assert plan.helper_ms - (plan.miss_ms - plan.host_miss_ms) == pytest.approx(
+        reference_helper_ms(shape, plan, prof, params))
+    assert plan.predicted_ms_per_token == pytest.approx(
+        plan.compute_ms + plan.host_miss_ms + plan.helper_ms + plan.handoff_ms)
+    assert "helper reads" in render_table(plan)
+    bare = plan
+    for h in plan.live_helpers:
+        bare = skip_tier(bare, h.device, "could not open")
+    assert bare.helper_ms == 0 and bare.host_miss_ms == bare.miss_ms == plan.miss_ms
+    assert bare.predicted_ms_per_token == pytest.approx(
+        plan.compute_ms + plan.miss_ms + plan.handoff_ms)

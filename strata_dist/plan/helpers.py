@@ -33,6 +33,10 @@ class HelperTier:
     mass: float = 0.0         # share of all routed activations its pairs take (filled by the planner)
     skipped: bool = False
     reason: str = ""
+    # per decode token (score.py CostModel.helper_costs): the host misses its pairs spare, and
+    # what reading them where they are costs instead
+    saved_ms: float = 0.0
+    read_ms: float = 0.0
 
     @property
     def reserve_bytes(self) -> int:
@@ -40,7 +44,8 @@ class HelperTier:
         return 0 if self.skipped else HELPER_RESERVE_BYTES
 
     def skip(self, reason: str) -> "HelperTier":
-        return replace(self, pairs=(), bytes=0, mass=0.0, skipped=True, reason=reason)
+        return replace(self, pairs=(), bytes=0, mass=0.0, skipped=True, reason=reason,
+                       saved_ms=0.0, read_ms=0.0)
 
 
 def select_helpers(shape: ModelShape, ranking: np.ndarray, held: Iterable[int],

@@ -27,6 +27,12 @@ class PlanParams:
                      host memory, 5.1 ms of it for the plan's 66.5 host activations of 2.65 MB;
                      for a Q8_0 blob of 5.0 MB it gives the 0.15 ms the model took before).
     miss_ms          fixed ms a host miss costs beyond its bytes (STRATA_SPLIT_MISS_MS).
+    peer_gbs         GB/s at which a stage's kernels read a blob in place from a helper tier on
+                     another card of the same host (CUDA IPC; over NVLink where the cards have
+                     it) (STRATA_SPLIT_PEER_GBS). 300 is an estimate below the ~390 GB/s two H200s
+                     copy at over NVLink; no in-place read across cards has been measured yet
+                     (docs/BENCHMARKS.md, issue 16). A tier on the stage's own card is read at
+                     the card's bandwidth, one on another host by a request (score.py).
     layer_ms         fixed ms a decode token spends in each layer beyond its bytes: the decode graph's
                      ~7 launches and their serial reductions (STRATA_SPLIT_LAYER_MS). 0.038 is what
                      an H200 measured (docs/BENCHMARKS.md, 2026-12-02, commit dfe1689: 2.53 and 2.77 ms
@@ -50,6 +56,7 @@ class PlanParams:
     coverage: str = "auto"
     host_gbs: float = 34.0
     miss_ms: float = 0.0
+    peer_gbs: float = 300.0
     layer_ms: float = 0.038
     handoff_ms: float = 0.05
     link_ms: float = 0.2
@@ -71,7 +78,7 @@ class PlanParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
-        for name in ("link_gbs", "default_bw_gbs", "host_gbs"):
+        for name in ("link_gbs", "default_bw_gbs", "host_gbs", "peer_gbs"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0, got {v}")
@@ -106,6 +113,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "STRATA_SPLIT_COVERAGE": ("coverage", str),
     "STRATA_SPLIT_MISS_MS": ("miss_ms", float),
     "STRATA_SPLIT_HOST_GBS": ("host_gbs", float),
+    "STRATA_SPLIT_PEER_GBS": ("peer_gbs", float),
     "STRATA_SPLIT_LAYER_MS": ("layer_ms", float),
     "STRATA_SPLIT_HANDOFF_MS": ("handoff_ms", float),
     "STRATA_SPLIT_LINK_MS": ("link_ms", float),

@@ -23,7 +23,7 @@ from .search import (Placement, check_split_points, price_split, search, search_
                      shortfall_message)
 from .shape import ModelShape
 
-PLAN_FORMAT = "strata-plan/2"   # 2: *_stages totals; *_primary is the first card's alone
+PLAN_FORMAT = "strata-plan/3"   # 3: helper tiers priced (saved_ms, read_ms); 2: *_stages totals
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,8 @@ class Plan:
     chunk: int
     chunk_auto: bool
     method: str                          # exhaustive | dp | explicit | single | skip_if_fits
-    predicted_ms_per_token: float        # compute + miss + hand-off; helper tiers are not in it
     compute_ms: float
-    miss_ms: float
+    miss_ms: float                       # host misses with the stage caches alone
     handoff_ms: float
     params: PlanParams = field(default_factory=PlanParams)
     notes: tuple[str, ...] = ()
@@ -73,6 +72,22 @@ class Plan:
     @property
     def live_helpers(self) -> tuple[HelperTier, ...]:
         return tuple(h for h in self.helpers if not h.skipped)
+
+    @property
+    def host_miss_ms(self) -> float:
+        """Host misses per decode token once the live helper tiers hold their pairs."""
+        return self.miss_ms - sum(h.saved_ms for h in self.live_helpers)
+
+    @property
+    def helper_ms(self) -> float:
+        """What a decode token spends reading the live helper tiers' pairs."""
+        return sum(h.read_ms for h in self.live_helpers)
+
+    @property
+    def predicted_ms_per_token(self) -> float:
+        """compute + host misses + helper reads + hand-offs (a tier skipped at start, fail
+        soft, leaves its pairs to the host misses again)."""
+        return self.compute_ms + self.host_miss_ms + self.helper_ms + self.handoff_ms
 
     # expert_slots / expert_cache_mib: every tier of every card. *_stages: the stage caches.
     # *_primary: the first stage's card alone (the figure single-card reports gave, kept so runs
@@ -146,6 +161,7 @@ class Plan:
             "cells": self.cells, "chunk": self.chunk, "chunk_auto": self.chunk_auto, "method": self.method,
             "predicted_ms_per_token": self.predicted_ms_per_token, "compute_ms": self.compute_ms,
             "miss_ms": self.miss_ms, "handoff_ms": self.handoff_ms,
+            "host_miss_ms": self.host_miss_ms, "helper_ms": self.helper_ms,
             "expert_slots": self.expert_slots, "expert_slots_stages": self.expert_slots_stages,
             "expert_slots_primary": self.expert_slots_primary,
             "expert_cache_mib": self.expert_cache_mib,
@@ -175,12 +191,12 @@ class Plan:
                                       "device": devices[h["device"]], "pairs": pairs(h["pairs"])})
                         for h in d["helpers"])
         plan = cls(devices=devices, stages=stages, helpers=helpers, cells=d["cells"], chunk=d["chunk"],
-                   chunk_auto=d["chunk_auto"], method=d["method"],
-                   predicted_ms_per_token=d["predicted_ms_per_token"], compute_ms=d["compute_ms"],
+                   chunk_auto=d["chunk_auto"], method=d["method"], compute_ms=d["compute_ms"],
                    miss_ms=d["miss_ms"], handoff_ms=d["handoff_ms"],
                    params=PlanParams.from_dict(d["params"]), notes=tuple(d["notes"]))
         for key in ("expert_slots", "expert_slots_stages", "expert_slots_primary", "expert_cache_mib",
-                    "expert_cache_stages_mib", "expert_cache_primary_mib"):
+                    "expert_cache_stages_mib", "expert_cache_primary_mib", "predicted_ms_per_token",
+                    "host_miss_ms", "helper_ms"):
             if d[key] != getattr(plan, key):
                 raise ValueError(f"plan JSON: {key} = {d[key]} disagrees with its parts ({getattr(plan, key)})")
         return plan
@@ -321,9 +337,12 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         offers.append((dev, left))
     held = [p for f in fills for p in f.pairs]
     helpers = select_helpers(shape, cm.ranking, held, offers, params.remote_auto, cm.mass)
+    costs = cm.helper_costs([(d, f.lb, f.le) for d, f in zip(placement.devices, fills)], helpers)
+    helpers = tuple(replace(h, saved_ms=saved, read_ms=read) if not h.skipped else h
+                    for h, (saved, read) in zip(helpers, costs))
 
     bd = cm.breakdown(placement.devices, placement.bounds, fills)
     return Plan(devices=ordered, stages=tuple(stages), helpers=helpers, cells=cells, chunk=lend.chunk,
-                chunk_auto=lend.auto, method=placement.method, predicted_ms_per_token=bd["total_ms"],
+                chunk_auto=lend.auto, method=placement.method,
                 compute_ms=bd["compute_ms"], miss_ms=bd["miss_ms"], handoff_ms=bd["handoff_ms"],
                 params=params, notes=tuple(notes))

@@ -40,8 +40,8 @@ def render_table(plan: Plan) -> str:
                  f"first card's {plan.expert_slots_primary}), expert cache "
                  f"{plan.expert_cache_mib:.1f} MiB (stage caches {plan.expert_cache_stages_mib:.1f} MiB)")
     lines.append(f"predicted {plan.predicted_ms_per_token:.3f} ms/token = compute {plan.compute_ms:.3f} "
-                 f"+ host misses {plan.miss_ms:.3f} + hand-offs {plan.handoff_ms:.3f} "
-                 f"(search: {plan.method}; helper tiers not counted)")
+                 f"+ host misses {plan.host_miss_ms:.3f} + helper reads {plan.helper_ms:.3f} "
+                 f"+ hand-offs {plan.handoff_ms:.3f} (search: {plan.method})")
     lines.append(f"routing mass held: {100 * plan.coverage_all:.2f}% (stage caches {100 * plan.coverage_primary:.2f}%)")
     lines.append(f"prefill chunk {plan.chunk} ({'auto' if plan.chunk_auto else 'explicit'}), "
                  f"context {plan.cells} cells")

@@ -13,6 +13,10 @@ cache holds — those experts' blobs. `held` is the routing mass the stage cache
 Every term depends on one stage's (range, device) or on one boundary's pair of devices, so the score
 is ADDITIVE over stages: stage_term(d, b, e) = compute - miss credit for the mass it holds. That is
 what makes the DP in search.py exact.
+
+The search scores placements with the stage caches alone. Helper tiers are chosen after it
+(helpers.py) and priced then (`helper_costs`): the plan's prediction adds what reading their pairs
+costs and takes off the host misses they spare.
 """
 from __future__ import annotations
 
@@ -155,6 +159,45 @@ class CostModel:
             U = ask[None] / np.maximum(self.free, 1)[:, None, None].astype(np.float64)
             self._load = np.where(S < INF, U, INF)
         return self._load
+
+    # --- helper tiers (priced after the placement; they never change it) ---------------------------
+    def helper_costs(self, stages: Sequence[tuple[int, int, int]], tiers: Sequence
+                     ) -> list[tuple[float, float]]:
+        """(saved ms, read ms) per decode token of each tier in `tiers` (HelperTiers holding
+        their pairs): the host misses its pairs no longer are, and what reading them costs
+        instead. `stages`: (device index, lb, le) of each stage. A pair is read by the stage that
+        runs its layer: in place at that card's bandwidth from a tier on the same card; at
+        peer_gbs from another card of the same host (CUDA IPC); from another host by a request,
+        one round trip per (layer, tier) a token routes to (at most one a layer), the blob read
+        by the helper's own card."""
+        E = self.shape.n_experts
+        blob = np.asarray(self.shape.blob_bytes, dtype=np.float64)
+        owner = np.full(self.shape.n_layers, -1, dtype=np.int64)
+        for d, lb, le in stages:
+            owner[lb:le] = d
+        out = []
+        for tier in tiers:
+            if not tier.pairs:
+                out.append((0.0, 0.0))
+                continue
+            t = self.devices.index(tier.device)
+            layers = np.array([p[0] for p in tier.pairs], dtype=np.int64)
+            m = self.mass[layers * E + np.array([p[1] for p in tier.pairs], dtype=np.int64)]
+            saved = self.miss_credit(float(m.sum()), float((m * blob[layers]).sum()))
+            read = 0.0
+            for d in np.unique(owner[layers]):
+                mine = owner[layers] == d
+                bytes_read = self.lk * float((m[mine] * blob[layers[mine]]).sum())
+                if d == t:
+                    read += bytes_read / self.bw[t]
+                elif self.devices[d].host == tier.device.host:
+                    read += bytes_read / (self.params.peer_gbs * 1e6)
+                else:
+                    per_layer = np.bincount(layers[mine], weights=m[mine], minlength=self.shape.n_layers)
+                    asked = np.minimum(1.0, self.lk * per_layer).sum()
+                    read += bytes_read / self.bw[t] + asked * 2 * self.links[d, t]
+            out.append((float(saved), float(read)))
+        return out
 
     # --- placements ---------------------------------------------------------------------------------
     def score(self, devices: Sequence[int], bounds: Sequence[int]) -> float:
