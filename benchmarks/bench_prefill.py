@@ -13,6 +13,10 @@ device. With --host-routing one more arm routes on the host
 (STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0: per-expert dequantize and GEMMs), with
 --array-prompt-steps one more runs a chunk's RMSNorms, q/k norm + RoPE + K/V write and expert
 combine as array operations (STRATA_FUSED_PROMPT_OPS=0) instead of kernels/prompt_ops.cu's.
+With --two-stages 0,1 one more arm runs two stage ranks, one a card (each at --budget): the
+head sends every chunk at once, so stage 0 reads chunk c+1 while stage 1 reads chunk c; its first
+new tokens are compared with the one-card arm's (`tokens_identical_to_1gpu`). `0,0` puts both
+stages on one card (the pipeline's tokens and overhead, not its speed-up).
 The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
@@ -34,15 +38,20 @@ from records import (PeakMemory, env_prefix, llama_bench, model_facts, prompt_id
                      write_record)
 
 
-def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
-    devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", "0"]
-    extra = [] if loans else ["--no-prompt-loans"]
+def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | None = None,
+               split: list[str] = ()) -> dict:
+    """One launch reading every prompt length (a warm-up of each first): one GPU by default,
+    `devices` and `split` for stages on several ranks. Records the first new token of every
+    prompt (the tokens the arms compare)."""
+    devices = devices or (["--cpu-ranks", "1"] if args.cpu else ["--gpus", "0"])
+    extra = [*split] + ([] if loans else ["--no-prompt-loans"])
     ctx = max(args.prompts) + 64
     from strata_dist.gguf_model import GGUFModel
     vocab = int(GGUFModel(args.model).tensor("token_embd.weight").shape[0])
     flags = [*devices, "--vram-budget", args.budget, "--max-context", str(ctx), "--prefill",
              str(args.chunk), "--no-remote-auto", *extra]
-    with PeakMemory() as mem:
+    cards = [] if args.cpu else sorted({int(g) for g in devices[1].split(",")})
+    with PeakMemory(cards or 0) as mem:
         s = ServeSession(args.model, *flags, env=env, timeout=900)
         try:
             info = s.info_fields()[0]
@@ -53,7 +62,7 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
                 s.gen(prompt_ids(n, 7 * n + 1, vocab), 1, timeout=900)
             out = {"slots": info["expert_slots"], "loan_mib": stage.get("loan_mib", "0"), "runs": {},
                    "command": env_prefix(env) + "strata-launch --model M " + " ".join(flags)
-                   + " --serve"}
+                   + " --serve", "cards": len(cards), "tokens": []}
             for n in args.prompts:
                 # --repeats prompts of their own (no prefix in common with the last one: the
                 # whole is read each time); the median, since one short prompt is noisy
@@ -65,6 +74,7 @@ def strata_arm(args, loans: bool, env: dict | None = None) -> dict:
                     if r["resume"]:
                         raise SystemExit(f"the {n}-token prompt resumed at {r['resume']}")
                     times.append(float(r["done"][2]))
+                    out["tokens"] += r["tokens"]
                     stats.append(r["stats"][0] if r["stats"] else {})
                 prompt_ms = statistics.median(times)
                 st = stats[min(range(len(times)), key=lambda i: abs(times[i] - prompt_ms))]
@@ -92,13 +102,25 @@ ARM_NAMES = {"loans on": "strata", "loans off": "strata loans off",
              "array steps": "strata array prompt steps", "llama.cpp": "llama.cpp"}
 
 
+def arm_name(key: str, r: dict) -> str:
+    """The record's name of an arm: two stages on two cards are `strata` with gpus 2, as
+    ../RECORDS.md names them; two stages sharing one card are a variant of the one-card arm."""
+    if key != "two stages":
+        return ARM_NAMES[key]
+    return "strata" if r["cards"] > 1 else "strata two stages"
+
+
 def save(args, facts: dict, results: dict) -> str:
     """The record of the arms measured so far (rewritten after each, so a run cut short by a
     time limit still leaves the arms it finished); `facts`: model_facts of the file."""
-    arms = [{"name": ARM_NAMES[k], "gpus": 0 if args.cpu else 1, "command": r["command"],
-             "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
-             "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
-            for k, r in results.items()]
+    arms = []
+    for k, r in results.items():
+        arm = {"name": arm_name(k, r), "gpus": r.get("cards", 1), "command": r["command"],
+               "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
+               "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
+        if k == "two stages" and "loans on" in results:
+            arm["tokens_identical_to_1gpu"] = r["tokens"] == results["loans on"]["tokens"]
+        arms.append(arm)
     return write_record("prefill", facts, arms, args.out)
 
 
@@ -122,6 +144,12 @@ def main() -> int:
                     help="one more arm: loans on, STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0")
     ap.add_argument("--array-prompt-steps", action="store_true",
                     help="one more arm: loans on, STRATA_FUSED_PROMPT_OPS=0")
+    ap.add_argument("--two-stages", default="", metavar="GPUS",
+                    help="one more arm: two stage ranks on these cards (0,1; 0,0 shares one card), "
+                         "each at --budget, chunks pipelined through them; its first tokens are "
+                         "compared with the one-card arm's")
+    ap.add_argument("--two-stage-split", default="auto",
+                    help="the two-stage arm's --layer-split (default auto)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
     args = ap.parse_args()
@@ -136,9 +164,13 @@ def main() -> int:
                                                 "STRATA_FLASH_PREFILL": "0"}))
     if args.array_prompt_steps:
         variants.append(("array steps", True, {"STRATA_FUSED_PROMPT_OPS": "0"}))
+    if args.two_stages:
+        variants.append(("two stages", True, None))
     for name, loans, env in variants:
         t0 = time.perf_counter()
-        r = results[name] = strata_arm(args, loans, env)
+        two = (["--cpu-ranks", "2"] if args.cpu else ["--gpus", args.two_stages])
+        r = results[name] = (strata_arm(args, loans, env) if name != "two stages" else strata_arm(
+            args, loans, env, two, ["--layer-split", args.two_stage_split]))
         print(f"{name:9s}: expert_slots={r['slots']} loan={r['loan_mib']} MiB peak device memory "
               f"{r['peak_gib']:.1f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
         for n, run in r["runs"].items():
@@ -160,18 +192,22 @@ def main() -> int:
             print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill")
     for n in args.prompts:
         on = results["loans on"]["runs"][n]["tps"]
-        line = f"{n:6d} tokens:"
+        parts = []
         if "loans off" in results:
-            line += f" loans on / off {on / results['loans off']['runs'][n]['tps']:.2f}x"
-        for arm in ("host routing", "general path", "array steps"):
+            parts.append(f"loans on / off {on / results['loans off']['runs'][n]['tps']:.2f}x")
+        for arm in ("host routing", "general path", "array steps", "two stages"):
             if arm in results:
-                line += f"; {arm} / loans on {results[arm]['runs'][n]['tps'] / on:.2f}x"
+                parts.append(f"{arm} / loans on {results[arm]['runs'][n]['tps'] / on:.2f}x")
         if "llama.cpp" in results and n in results["llama.cpp"]["runs"]:
             theirs = results["llama.cpp"]["runs"][n]["tps"]
-            for arm in ("loans on", "loans off", "host routing", "general path", "array steps"):
+            for arm in ("loans on", "loans off", "host routing", "general path", "array steps",
+                        "two stages"):
                 if arm in results:
-                    line += f"; {arm} / llama.cpp {results[arm]['runs'][n]['tps'] / theirs:.2f}x"
-        print(line)
+                    parts.append(f"{arm} / llama.cpp {results[arm]['runs'][n]['tps'] / theirs:.2f}x")
+        print(f"{n:6d} tokens: " + "; ".join(parts))
+    if "two stages" in results:
+        same = results["two stages"]["tokens"] == results["loans on"]["tokens"]
+        print(f"two stages: first tokens {'identical to' if same else 'DIFFER from'} one card's")
     print(f"record: {save(args, facts, results)}")
     return 0
 

@@ -93,6 +93,18 @@ def test_prefill_record_of_loans_on_alone(tmp_path):
     assert [a["name"] for a in record["arms"]] == ["strata"]
 
 
+def test_prefill_record_of_two_stages_compares_their_tokens(tmp_path):
+    """--two-stages: one more arm, two stage ranks reading the same prompts in pipelined
+    chunks; its first tokens are the one-rank arm's (CPU ranks: `strata two stages`, gpus 0)."""
+    record, stdout = _prefill_record(tmp_path, "--only-loans-on", "--repeats", "2",
+                                     "--two-stages", "0,1")
+    assert [a["name"] for a in record["arms"]] == ["strata", "strata two stages"]
+    two = record["arms"][1]
+    assert two["tokens_identical_to_1gpu"] is True and two["prefill_tok_s"]["128"] > 0
+    assert "--cpu-ranks 2" in two["command"] and "--layer-split auto" in two["command"]
+    assert "two stages: first tokens identical to one card's" in stdout
+
+
 def test_offload_record_times_prefill_and_decode_apart(tmp_path):
     """bench_offload.py --cpu: a routing profile first, then the arm's prompt and decode as two
     requests (llama-bench's pp and tg); the record says which request its tokens are of, and a
