@@ -217,7 +217,7 @@ class Stage:
         `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end.
         `ahead`: the next greedy step of this session follows (DecodeGraph.step may launch it now)."""
         s = self.session(session_id)
-        self.tiers.prompt = prompt   # prompt chunks never go to helper tiers
+        self.tiers.prompt = prompt   # prompt chunks never ask helpers (tiers.py)
         store = self.checkpoint_store(session_id)
         n = len(ids) if self.cfg.first else int(hidden.shape[0])
         bad = [p for p in checkpoint_at if p not in (pos, pos + n)]

@@ -2,8 +2,10 @@
 
 For every (row, top-k rank) a layer routes, one tier computes the expert:
   hit     the pair is resident in this stage's cache (a slot of its arena)
-  remote  a helper tier holds it: sent as an ExpertRequest (decode only — prompt chunks never go
-          to helpers) and answered with the unweighted outputs
+  remote  a helper tier holds it: sent as an ExpertRequest and answered with the unweighted
+          outputs, or, where the tier's buffer is opened here through CUDA IPC, read in place
+          by the stage's own kernels (the decode graph; a prompt chunk grouped on the device).
+          Prompt chunks never send requests
   host    nobody holds it: computed from the model file (a GPU rank streams the stored blob to the
           device and runs the same kernel as a hit)
 Outputs land in y[row, rank] and the caller combines them in rank order, so a token's output
@@ -180,7 +182,7 @@ class ExpertTiers(ExpertStore):
         self.remote_of = {pair: h for h in helpers for pair in h.pairs}
         # per layer: each expert's helper (its index in `helpers`), -1 where none holds it
         self._helper_of: dict[int, np.ndarray] = {}
-        self.prompt = False          # set by the stage: prompt chunks never go to helpers
+        self.prompt = False          # set by the stage: prompt chunks never ask helpers
         self.local_helper_pairs = 0  # pairs this card's helper tier will hold (set by the stage)
         self.pinned = None           # MappedHostBlobs of the pairs the cache lacks (GPU, opt-in)
         self._streamer = None
@@ -253,7 +255,7 @@ class ExpertTiers(ExpertStore):
     def _prompt_on_device(self, layer: int, x, idx):
         """A prompt chunk's experts of a layer the cache holds in part, with no host round trip:
         the pairs grouped once on the device; the experts in device memory (the cache, this
-        card's helper tier) in one launch pair; every other expert of the layer streamed from
+        card's helper tier, another card's tier opened here through CUDA IPC) in one launch pair; every other expert of the layer streamed from
         its pinned host copy through the workspace's `stream` buffer and computed a batch at a
         time (backends/host_mapped.py BlobStreamer: the copy stream fills the buffer with the
         next layer's first batch while this layer computes). A chunk reads nearly all of a
@@ -309,13 +311,22 @@ class ExpertTiers(ExpertStore):
 
     def _device_blobs(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Per expert of `layer`: its tier as a prompt sees it (`_tiers_of`: 1 hit, 3 this card's
-        helper tier, 0 host) and the device address of its blob in that tier (host uint64, 0 for
-        the host)."""
+        helper tier, 2 another card's tier opened here through CUDA IPC whose process still
+        runs, 0 host) and the device address of its blob there (host uint64, 0 for the host).
+        A chunk reads such a tier in place, as the decode graph does, rather than streaming
+        those blobs from host memory."""
         tier, _ = self._tiers_of(layer)
         table = np.zeros(len(tier), dtype=np.uint64)
         table[tier == 1] = self.cache.held_addresses(layer)[tier == 1]
         if (tier == 3).any():
             table[tier == 3] = self.local_helper.held_addresses(layer)[tier == 3]
+        for h in self.helpers:
+            if not (h.alive and h.tier is not None and h.tier_alive()):
+                continue
+            for e in np.flatnonzero(tier == 0):
+                address = h.tier_addresses.get((layer, int(e)))
+                if address:
+                    table[e], tier[e] = address, 2
         return table, tier
 
     def settle_prompt_counts(self) -> None:
@@ -328,7 +339,7 @@ class ExpertTiers(ExpertStore):
         for layer, tier in self._counted_tiers.items():
             c = counts[layer]
             self.counters["hits"] += int(c[tier == 1].sum())
-            self.counters["remote"] += int(c[tier == 3].sum())
+            self.counters["remote"] += int(c[(tier == 2) | (tier == 3)].sum())
             self.counters["host"] += int(c[tier == 0].sum())
         self._counted_tiers.clear()
 
@@ -378,14 +389,14 @@ class ExpertTiers(ExpertStore):
 
     def _tiers_of(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Per expert of `layer`: its tier (0 host, 1 hit, 2 a live helper tier elsewhere, 3 this
-        card's helper tier, computed in place; prompt chunks never 2) and, for tier 2, its
-        helper's index."""
+        card's helper tier, computed in place) and, for tier 2, its helper's index. A prompt chunk
+        never asks a helper: no 2 here (`_device_blobs` adds the tiers it reads in place)."""
         n_expert = self.cache.slot_of.shape[1]
         tier_of = np.zeros(n_expert, dtype=np.int8)
         tier_of[_held(self.cache, layer, n_expert)] = 1
         if self.local_helper is not None:
             tier_of[(tier_of == 0) & _held(self.local_helper, layer, n_expert)] = 3
-        if self.prompt:                   # prompt chunks never go to other cards' helper tiers
+        if self.prompt:                   # prompt chunks never ask other cards' helpers
             return tier_of, np.full(n_expert, -1, dtype=np.int64)
         helper_of = self._helper_of.get(layer)
         if helper_of is None:

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 
 CHUNK = 16
 PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
+SECOND = [int(x) for x in np.random.default_rng(6).integers(0, 320, 48)]   # shares no prefix
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,13 @@ def baseline(model):
     runner = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
     runner.decode_graph.ahead_enabled = False      # every step after its token is read
     return runner.generate(PROMPT, 64).tokens
+
+
+@pytest.fixture(scope="module")
+def second_baseline(model):
+    from strata_dist.single_process import SingleProcessRunner
+    runner = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    return runner.generate(SECOND, 4).tokens
 
 
 @pytest.mark.parametrize("split", ["", "3", "1,4"])
@@ -68,12 +76,13 @@ def test_a_single_stage_rank_launching_steps_ahead_keeps_the_tokens(model, basel
 
 
 @pytest.mark.parametrize("ipc", ["1", "0"])
-def test_gpu_tiers_keep_the_tokens(model, baseline, ipc):
+def test_gpu_tiers_keep_the_tokens(model, baseline, second_baseline, ipc):
     """Stage caches of a few pairs, a helper tier on a third rank, host misses streamed from
     pinned memory: the tokens equal the single-process GPU run. With CUDA IPC the first decode
     step asks the helper (through the stage's buffer once the helper opened it) while the helper's
     tier opens here; from then on each stage's decode graph reads the tier in place, with the same
-    kernels and bits. With STRATA_IPC=0 every step asks, in frames."""
+    kernels and bits, and so do the chunks of the next prompt (grouped on the device: the tier's
+    pairs are not streamed from host memory). With STRATA_IPC=0 every step asks, in frames."""
     s = ServeSession(model, "--gpus", "0,0,0", "--layer-split", "3", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given",
                      env={"STRATA_STAGE_CACHE_SLOTS": "20", "STRATA_IPC": ipc}, timeout=120)
@@ -96,6 +105,19 @@ def test_gpu_tiers_keep_the_tokens(model, baseline, ipc):
             assert via_ipc + in_frames <= len(stages) * 2 * 3, stages
         else:
             assert graph_steps == 0 and via_ipc == 0 and in_frames > 0, stages
+        # a prompt after the tiers opened: one new token, so every count is the prompt's. Both
+        # prompts are three chunks, and a chunk grouped on the device streams every expert of a
+        # layer that is not in device memory (whatever its rows route to): the second streams
+        # fewer blobs exactly when the other ranks' tiers, opened since, are read in place
+        nxt = s.gen(SECOND, 1, "stats=1", timeout=120)
+        assert nxt["err"] is None and nxt["tokens"] == second_baseline[:1]
+        if ipc == "1":   # (in frames nothing is pinned: chunks take the host path)
+            assert sum(int(r.get("prompt_layers_on_device", 0)) for r in nxt["stats"]) > 0
+            streamed = [sum(int(r.get("streamed", 0)) for r in o["stats"]) for o in (out, nxt)]
+            assert streamed[1] < streamed[0], streamed
+            assert sum(int(r["remote"]) for r in nxt["stats"]) > 0, nxt["stats"]
+        again = s.gen(SECOND, 4, timeout=120)
+        assert again["err"] is None and again["tokens"] == second_baseline
     finally:
         assert s.close() == 0
 
