@@ -9,7 +9,10 @@ were measured on one rig. This measures them here, with the product's own code p
   use; frames over ZeroMQ on CPUs);
 - a link to another host: `LinkProbe` messages over ZeroMQ TCP to `strata-dist calibrate --serve`
   running there: the median round trip of a small probe gives the latency, a large probe's the
-  bandwidth.
+  bandwidth;
+- on a GPU, what a decode step's kernels get reading expert blobs in place from each kind of
+  tier (`tier_read_gbs`): pinned, device-mapped host memory (`host_gbs`, the misses) and, with a
+  second card that has peer access, that card's memory (`peer_gbs`, a helper tier there).
 
 The figures go to a JSON file (`save_calibration`) that `strata-launch --calibration FILE` plans
 with; a STRATA_SPLIT_* variable still overrides the file, field by field. Nothing here is a
@@ -30,7 +33,7 @@ import numpy as np
 from .plan.params import PlanParams
 
 FORMAT = 1
-CALIBRATED = ("handoff_ms", "link_ms", "link_gbs")     # the PlanParams fields a file may set
+CALIBRATED = ("handoff_ms", "link_ms", "link_gbs", "host_gbs", "peer_gbs")   # fields a file may set
 HIDDEN = 2048                  # the width of the row the hand-off passes (a Qwen3-30B-A3B row)
 PAYLOAD_MIB = 16               # a large probe of the link
 
@@ -207,6 +210,82 @@ def probe_link(endpoint: str, rounds: int = 200, payload_mib: int = PAYLOAD_MIB,
             "rtt_ms": rtt * 1e3, "payload_ms": big * 1e3, "payload_bytes": int(payload.nbytes)}
 
 
+# ---- expert blobs read in place, by tier -----------------------------------------------------------
+
+BLOB_BYTES = 3 * 884_736  # a Qwen3-30B-A3B Q4_K expert: gate, up and down, 884,736 bytes each
+BLOBS_A_READ = 2         # about a layer's host misses in a decode step of a half-cached stage
+_READ_KERNEL = r"""
+extern "C" __global__ void read_blobs(const unsigned long long* __restrict__ blobs, int n_blobs,
+                                      unsigned long long n16, unsigned int* sink) {
+    // each block reads its share of every blob in 16-byte loads, as the expert kernels stream a
+    // blob's rows; the xor keeps the loads from being optimised away
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (int b = 0; b < n_blobs; ++b) {
+        const uint4* src = reinterpret_cast<const uint4*>(blobs[b]);
+        for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n16;
+             i += (unsigned long long)gridDim.x * blockDim.x) {
+            uint4 v = src[i];
+            acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+        }
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = 1u;
+}
+"""
+
+
+def tier_read_gbs(device: str, rounds: int = 50) -> dict[str, float]:
+    """GB/s a kernel on `device` (cuda:N) gets reading BLOBS_A_READ blobs of BLOB_BYTES in place
+    from each tier it can: `device` (this card's memory: the reference), `host` (pinned,
+    device-mapped host memory, as backends/host_mapped.py keeps the misses) and `peer` (another
+    card's memory through peer access, as a helper tier there is read; only where one has it).
+    The median of `rounds` launches, timed by events; a launch's fixed cost is in the figure, as
+    it is in a decode step's."""
+    import cupy as cp
+    from .backends.host_mapped import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE
+    index = int(device.split(":")[1]) if ":" in device else 0
+    nbytes = BLOBS_A_READ * BLOB_BYTES
+    out: dict[str, float] = {}
+    with cp.cuda.Device(index):
+        kernel = cp.RawKernel(_READ_KERNEL, "read_blobs")
+        sink = cp.zeros(1, dtype=cp.uint32)
+        sms = cp.cuda.Device(index).attributes["MultiProcessorCount"]
+
+        def timed(base: int) -> float:
+            table = cp.asarray(np.array([base + i * BLOB_BYTES for i in range(BLOBS_A_READ)],
+                                        dtype=np.uint64))
+            args = (table, np.int32(BLOBS_A_READ), np.uint64(BLOB_BYTES // 16), sink)
+            start, stop, ms = cp.cuda.Event(), cp.cuda.Event(), []
+            for r in range(rounds + 5):
+                start.record()
+                kernel((sms * 4,), (256,), args)
+                stop.record()
+                stop.synchronize()
+                if r >= 5:   # the first launches load the module and warm the TLBs
+                    ms.append(cp.cuda.get_elapsed_time(start, stop))
+            return nbytes / (statistics.median(ms) / 1e3) / 1e9
+
+        local = cp.zeros(nbytes, dtype=cp.uint8)
+        out["device"] = timed(int(local.data.ptr))
+        host = int(cp.cuda.runtime.hostAlloc(nbytes, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED))
+        try:
+            out["host"] = timed(int(cp.cuda.runtime.pointerGetAttributes(host).devicePointer))
+        finally:
+            cp.cuda.runtime.freeHost(host)
+        for other in range(cp.cuda.runtime.getDeviceCount()):
+            if other == index or not cp.cuda.runtime.deviceCanAccessPeer(index, other):
+                continue
+            with cp.cuda.Device(other):
+                remote = cp.zeros(nbytes, dtype=cp.uint8)
+            try:
+                cp.cuda.runtime.deviceEnablePeerAccess(other)
+            except cp.cuda.runtime.CUDARuntimeError:
+                pass     # already enabled in this process
+            out["peer"] = timed(int(remote.data.ptr))
+            out["peer_device"] = other
+            break
+    return out
+
+
 # ---- the file ------------------------------------------------------------------------------------
 
 def calibrate(device: str, peer: str | None = None, rounds: int = 2000) -> dict:
@@ -216,6 +295,14 @@ def calibrate(device: str, peer: str | None = None, rounds: int = 2000) -> dict:
     us, path = handoff_hop_us(device, ipc, rounds=rounds)
     params = {"handoff_ms": round(us / 1e3, 4)}
     measured = {"handoff_path": path, "handoff_us": round(us, 1), "handoff_rounds": rounds}
+    if ipc:
+        reads = tier_read_gbs(device)
+        params["host_gbs"] = round(reads["host"], 2)
+        measured.update(blob_bytes=BLOB_BYTES, blobs_a_read=BLOBS_A_READ,
+                        device_read_gbs=round(reads["device"], 1))
+        if "peer" in reads:
+            params["peer_gbs"] = round(reads["peer"], 2)
+            measured["peer_device"] = reads["peer_device"]
     if peer:
         link = probe_link(peer, rounds=max(20, rounds // 10))
         params.update(link_ms=round(link["link_ms"], 4), link_gbs=round(link["link_gbs"], 3))

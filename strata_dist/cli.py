@@ -211,6 +211,11 @@ def cmd_calibrate(args) -> int:
     m = content["measured"]
     for name, value in content["params"].items():
         print(f"{name:11s} {value:g}")
+    if "device_read_gbs" in m:
+        print(f"(blobs read in place: {m['device_read_gbs']:g} GB/s from this card's memory; "
+              + ("host and peer" if "peer_gbs" in content["params"] else
+                 "host only: no second card with peer access, peer_gbs keeps its default")
+              + ")")
     print(f"(hand-off by {m['handoff_path']} on {m['device']}"
           + (f"; link to {m['peer']}: round trip {m['rtt_ms']:.3f} ms, "
              f"{m['payload_bytes'] >> 20} MiB in {m['payload_ms']:.1f} ms" if peer else
@@ -267,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
 
     c = sub.add_parser("calibrate", help="measure this machine's planner constants (the stage "
-                                         "hand-off, a link to another host) for strata-launch "
-                                         "--calibration")
+                                         "hand-off, a link to another host; on a GPU, expert "
+                                         "blobs read in place from host memory and another "
+                                         "card) for strata-launch --calibration")
     c.add_argument("--device", default="cpu",
                    help="cpu or cuda:N: where the hand-off between two stages is measured "
                         "(CUDA IPC between GPU processes, frames on CPUs; default cpu)")

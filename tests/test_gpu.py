@@ -101,3 +101,26 @@ def test_cuda_qwen3next_stage_loads_and_carves_what_is_priced(tmp_path, dtype):
         stage.session(0)
         assert stage.weights_bytes == weights_bytes(shape, lb, le, lb == 0, le == 8)
         assert stage.session_bytes() == session_bytes(shape, 128, lb, le)
+
+
+def test_calibrate_prices_in_place_reads_by_tier(tmp_path):
+    """`strata-dist calibrate --device cuda:0`: the hand-off through CUDA IPC, and a kernel
+    reading expert blobs in place from pinned host memory (host_gbs) into a file a launch plans
+    with; host memory is read slower than the card's own, and peer_gbs is measured only where a
+    second card has peer access."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "cal.json"
+    done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "calibrate", "--device",
+                           "cuda:0", "--rounds", "200", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    content = json.loads(out.read_text())
+    params, measured = content["params"], content["measured"]
+    assert measured["handoff_path"] == "ipc"
+    assert 1 < params["host_gbs"] < measured["device_read_gbs"], content
+    two = cp.cuda.runtime.getDeviceCount() > 1 and cp.cuda.runtime.deviceCanAccessPeer(0, 1)
+    assert ("peer_gbs" in params) == bool(two), content
+    from strata_dist.calibrate import load_calibration
+    assert load_calibration(str(out))["host_gbs"] == params["host_gbs"]
