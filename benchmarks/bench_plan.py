@@ -49,6 +49,7 @@ def random_placements_best(cm: CostModel, n: int, rng: np.random.Generator) -> f
             total += S[devs[:, i], bounds[:, i], bounds[:, i + 1]]
             if i:
                 total += cm.links[devs[:, i - 1], devs[:, i]]
+        total += cm.back[devs[:, -1], devs[:, 0]]
         best = min(best, float(total.min()))
     return best
 

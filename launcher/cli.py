@@ -116,16 +116,37 @@ def rank_specs(args) -> list[RankSpec]:
             raise UsageError(f"--gpus wants comma-separated indices, got '{args.gpus}'") from None
         if not gpus:
             raise UsageError("--gpus lists no GPU")
-        # A GPU listed twice runs two ranks that share it (testing a split on one card).
         budgets = _budgets(args.vram_budget, len(gpus), None)
-        for g in sorted(set(gpus)):   # NVML answers for each card before any rank starts
-            gpu_device(g)
+        free = {g: gpu_device(g).free_bytes for g in sorted(set(gpus))}   # NVML answers first
+        budgets = share_listed_gpus(gpus, budgets, free)
         return [RankSpec(i, "cuda:0", g, b) for i, (g, b) in enumerate(zip(gpus, budgets))]
     n = args.cpu_ranks if args.cpu_ranks is not None else 1
     if n < 1:
         raise UsageError(f"--cpu-ranks {n}: at least one rank is needed")
     budgets = _budgets(args.vram_budget, n, DEFAULT_CPU_BUDGET)
     return [RankSpec(i, "cpu", None, b) for i, b in enumerate(budgets)]
+
+
+def share_listed_gpus(gpus: list[int], budgets: list[str | None], free: dict[int, int]
+                      ) -> list[str | None]:
+    """A GPU listed k times runs k ranks that share it (a split tried on one card): they split its
+    free memory, or each would plan the whole card. A rank with a --vram-budget takes that; the
+    others take equal parts of what is left. Refused when one card's budgets ask more than it
+    has free."""
+    out = list(budgets)
+    for g, have in free.items():
+        ranks = [i for i, x in enumerate(gpus) if x == g]
+        if len(ranks) < 2:
+            continue
+        asked = sum(parse_size(budgets[i]) for i in ranks if budgets[i])
+        rest = [i for i in ranks if not budgets[i]]
+        if asked > have or (rest and asked == have):
+            given = ",".join(budgets[i] or "(a share)" for i in ranks)
+            raise UsageError(f"--vram-budget {given} for ranks {','.join(map(str, ranks))}, which "
+                             f"share GPU {g}: {have / 2**30:.1f} GiB of it is free")
+        for i in rest:
+            out[i] = f"{(have - asked) // len(rest) >> 20}M"
+    return out
 
 
 def _budgets(text: str | None, n: int, default: str | None) -> list[str | None]:
@@ -228,7 +249,7 @@ def planning_devices(args, specs: list[RankSpec]) -> list[Device]:
         budget = parse_size(s.vram_budget) if s.vram_budget else None
         d = cpu_device(budget) if s.device == "cpu" else gpu_device(s.visible_gpu, budget)
         out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
-                          mem_bandwidth_gbs=d.mem_bandwidth_gbs, index=s.index))
+                          mem_bandwidth_gbs=d.mem_bandwidth_gbs, index=s.index, card=d.uuid))
     return out
 
 

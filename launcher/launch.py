@@ -16,7 +16,7 @@ from strata_dist.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, 
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanParams, RoutingProfile, make_plan, render_table,
-                              skip_tier)
+                              skip_tier, split_shared_cards)
 
 from .spawn import LocalRanks, RankSpec, cpu_thread_env
 
@@ -53,14 +53,15 @@ class LaunchConfig:
 
 
 def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
-    """The planner's inventory: one device per rank, identified by the rank number."""
+    """The planner's inventory: one device per rank, identified by the rank number; ranks that
+    share one card split its free memory (split_shared_cards)."""
     out = []
     for s in slots:
         d = s.register.devices[0]
         out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
                           mem_bandwidth_gbs=d.mem_bandwidth_gbs, host=s.register.host,
-                          index=s.rank))
-    return out
+                          index=s.rank, card=d.uuid))
+    return split_shared_cards(out)
 
 
 def same_host_helpers_only(plan: Plan) -> Plan:

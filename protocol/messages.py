@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -108,7 +108,9 @@ def _nonneg(**values: int) -> None:
 
 @struct
 class DeviceInfo(Struct):
-    """One device a rank can use. CPU ranks report their --vram-budget as total/free bytes."""
+    """One device a rank can use. CPU ranks report their --vram-budget as total/free bytes.
+    ``uuid``: the physical card (NVML's UUID; "" for CPUs): two ranks of one host with the same
+    uuid share one card, and the planner prices them so."""
 
     name: str
     kind: DeviceKind
@@ -116,6 +118,7 @@ class DeviceInfo(Struct):
     total_bytes: int
     free_bytes: int
     mem_bandwidth_gbs: float | None = None
+    uuid: str = ""
 
 
 @struct

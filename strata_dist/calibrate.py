@@ -6,7 +6,9 @@ were measured on one rig. This measures them here, with the product's own code p
 
 - the hand-off: one decode row passed between two processes and back through
   `strata_dist.handoff` (CUDA IPC between two GPU processes, which is what stages on one host
-  use; frames over ZeroMQ on CPUs);
+  use; frames over ZeroMQ on CPUs). On a GPU, two processes on the one card take turns on it,
+  which ranks on two cards do not: that figure is `shared_card_handoff_ms` (a GPU listed twice),
+  and `handoff_ms` is measured between this card and a second one, where there is one;
 - a link to another host: `LinkProbe` messages over ZeroMQ TCP to `strata-dist calibrate --serve`
   running there: the median round trip of a small probe gives the latency, a large probe's the
   bandwidth;
@@ -33,7 +35,7 @@ import numpy as np
 from .plan.params import PlanParams
 
 FORMAT = 1
-CALIBRATED = ("handoff_ms", "link_ms", "link_gbs", "host_gbs", "peer_gbs")   # fields a file may set
+CALIBRATED = ("handoff_ms", "shared_card_handoff_ms", "link_ms", "link_gbs", "host_gbs", "peer_gbs")   # fields a file may set
 HIDDEN = 2048                  # the width of the row the hand-off passes (a Qwen3-30B-A3B row)
 PAYLOAD_MIB = 16               # a large probe of the link
 
@@ -286,6 +288,14 @@ def tier_read_gbs(device: str, rounds: int = 50) -> dict[str, float]:
     return out
 
 
+def _another_card(device: str) -> str | None:
+    """A second visible GPU for the hand-off between two cards (None with one card)."""
+    import cupy as cp
+    index = int(device.split(":")[1]) if ":" in device else 0
+    others = [i for i in range(cp.cuda.runtime.getDeviceCount()) if i != index]
+    return f"cuda:{others[0]}" if others else None
+
+
 # ---- the file ------------------------------------------------------------------------------------
 
 def calibrate(device: str, peer: str | None = None, rounds: int = 2000) -> dict:
@@ -293,9 +303,18 @@ def calibrate(device: str, peer: str | None = None, rounds: int = 2000) -> dict:
     Returns the file's content (see save_calibration)."""
     ipc = device.startswith("cuda")
     us, path = handoff_hop_us(device, ipc, rounds=rounds)
-    params = {"handoff_ms": round(us / 1e3, 4)}
-    measured = {"handoff_path": path, "handoff_us": round(us, 1), "handoff_rounds": rounds}
-    if ipc:
+    measured = {"handoff_path": path, "handoff_rounds": rounds}
+    if not ipc:
+        params = {"handoff_ms": round(us / 1e3, 4)}
+        measured["handoff_us"] = round(us, 1)
+    else:
+        params = {"shared_card_handoff_ms": round(us / 1e3, 4)}
+        measured["shared_card_handoff_us"] = round(us, 1)
+        other = _another_card(device)
+        if other is not None:
+            us, _ = handoff_hop_us(device, ipc, peer_device=other, rounds=rounds)
+            params["handoff_ms"] = round(us / 1e3, 4)
+            measured.update(handoff_us=round(us, 1), handoff_peer_device=other)
         reads = tier_read_gbs(device)
         params["host_gbs"] = round(reads["host"], 2)
         measured.update(blob_bytes=BLOB_BYTES, blobs_a_read=BLOBS_A_READ,

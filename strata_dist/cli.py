@@ -210,12 +210,15 @@ def cmd_calibrate(args) -> int:
         raise UsageError(str(e)) from None
     m = content["measured"]
     for name, value in content["params"].items():
-        print(f"{name:11s} {value:g}")
+        print(f"{name:22s} {value:g}")
     if "device_read_gbs" in m:
         print(f"(blobs read in place: {m['device_read_gbs']:g} GB/s from this card's memory; "
               + ("host and peer" if "peer_gbs" in content["params"] else
                  "host only: no second card with peer access, peer_gbs keeps its default")
               + ")")
+    if "shared_card_handoff_us" in m and "handoff_us" not in m:
+        print("(one card: shared_card_handoff_ms is two ranks taking turns on it; handoff_ms, "
+              "between two cards, keeps its default)")
     print(f"(hand-off by {m['handoff_path']} on {m['device']}"
           + (f"; link to {m['peer']}: round trip {m['rtt_ms']:.3f} ms, "
              f"{m['payload_bytes'] >> 20} MiB in {m['payload_ms']:.1f} ms" if peer else

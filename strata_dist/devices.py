@@ -69,6 +69,8 @@ def gpu_device(local_index: int, budget_bytes: int | None = None) -> DeviceInfo:
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         total, free = int(mem.total), int(mem.free)
         bandwidth = _nvml_bandwidth_gbs(pynvml, h)
+        uuid = pynvml.nvmlDeviceGetUUID(h)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
     except pynvml.NVMLError as e:
         raise DeviceError(f"GPU {local_index}: NVML cannot read it ({e})") from None
     finally:
@@ -76,7 +78,7 @@ def gpu_device(local_index: int, budget_bytes: int | None = None) -> DeviceInfo:
     if budget_bytes is not None:
         total, free = min(total, budget_bytes), min(free, budget_bytes)
     return DeviceInfo(name=name, kind="cuda", index=local_index, total_bytes=total,
-                      free_bytes=free, mem_bandwidth_gbs=bandwidth)
+                      free_bytes=free, mem_bandwidth_gbs=bandwidth, uuid=uuid)
 
 
 def _nvml_bandwidth_gbs(pynvml, handle) -> float | None:

@@ -104,7 +104,8 @@ def test_cuda_qwen3next_stage_loads_and_carves_what_is_priced(tmp_path, dtype):
 
 
 def test_calibrate_prices_in_place_reads_by_tier(tmp_path):
-    """`strata-dist calibrate --device cuda:0`: the hand-off through CUDA IPC, and a kernel
+    """`strata-dist calibrate --device cuda:0`: the hand-off through CUDA IPC (between two ranks
+    on this card, and between two cards where there are two), and a kernel
     reading expert blobs in place from pinned host memory (host_gbs) into a file a launch plans
     with; host memory is read slower than the card's own, and peer_gbs is measured only where a
     second card has peer access."""
@@ -120,6 +121,8 @@ def test_calibrate_prices_in_place_reads_by_tier(tmp_path):
     params, measured = content["params"], content["measured"]
     assert measured["handoff_path"] == "ipc"
     assert 1 < params["host_gbs"] < measured["device_read_gbs"], content
+    assert params["shared_card_handoff_ms"] > 0           # two ranks taking turns on this card
+    assert ("handoff_ms" in params) == (cp.cuda.runtime.getDeviceCount() > 1), content
     two = cp.cuda.runtime.getDeviceCount() > 1 and cp.cuda.runtime.deviceCanAccessPeer(0, 1)
     assert ("peer_gbs" in params) == bool(two), content
     from strata_dist.calibrate import load_calibration

@@ -92,3 +92,18 @@ def test_no_prompt_loans_is_in_the_plan(model):
     assert sum("prompt loans are off" in n for n in notes_off) == 2, notes_off
     assert all(s["loan_slots"] == 0 and s["own_prompt_bytes"] > 0
                for s in json.loads(off.stdout)["stages"])
+
+
+def test_ranks_listed_on_one_gpu_split_its_free_memory():
+    """--gpus 0,0,1: the two ranks of GPU 0 take halves of its free memory (or what a budget
+    leaves), GPU 1's rank keeps its own; budgets asking more than the card has are refused."""
+    from launcher.cli import UsageError, share_listed_gpus
+    gib = 1 << 30
+    free = {0: 80 * gib, 1: 60 * gib}
+    assert share_listed_gpus([0, 0, 1], [None, None, None], free) == ["40960M", "40960M", None]
+    assert share_listed_gpus([0, 1, 0], ["20G", None, None], free) == ["20G", None, "61440M"]
+    assert share_listed_gpus([0, 0], ["30G", "50G"], free) == ["30G", "50G"]
+    with pytest.raises(UsageError, match=r"--vram-budget 50G,40G for ranks 0,1, which share GPU 0: 80\.0 GiB"):
+        share_listed_gpus([0, 0], ["50G", "40G"], free)
+    with pytest.raises(UsageError, match=r"80G,\(a share\)"):
+        share_listed_gpus([0, 0], ["80G", None], free)

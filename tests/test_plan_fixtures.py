@@ -40,11 +40,13 @@ def hybrid_kinds(n_layers: int) -> list[str]:
 
 
 def make_devices(free_mib: list[float], bw: list[float | None] | None = None,
-                 hosts: list[str] | None = None) -> list[Device]:
+                 hosts: list[str] | None = None, cards: list[str] | None = None) -> list[Device]:
+    """`cards`: the physical card of each rank (the same name twice on one host: ranks sharing it)."""
     bw = bw or [None] * len(free_mib)
     hosts = hosts or ["localhost"] * len(free_mib)
-    return [Device(f"gpu{i}", int(f * MIB) + 64 * MIB, int(f * MIB), b, h, i)
-            for i, (f, b, h) in enumerate(zip(free_mib, bw, hosts))]
+    cards = cards or [""] * len(free_mib)
+    return [Device(f"gpu{i}", int(f * MIB) + 64 * MIB, int(f * MIB), b, h, i, c)
+            for i, (f, b, h, c) in enumerate(zip(free_mib, bw, hosts, cards))]
 
 
 def skewed_profile(n_layers: int, n_experts: int, seed: int = 1) -> RoutingProfile:
@@ -84,13 +86,22 @@ def reference_score(shape: ModelShape, devices, profile: RoutingProfile, cells: 
         bw = (devices[d].mem_bandwidth_gbs or params.default_bw_gbs) * 1e6
         total += read / bw + params.layer_ms * (le - lb)
         if i:
-            a, b = devices[stage_devices[i - 1]], devices[d]
-            total += params.handoff_ms
-            if a.host != b.host:
-                total += params.link_ms + shape.hidden * HANDOFF_DTYPE_BYTES / (params.link_gbs * 1e6)
+            total += reference_hop_ms(shape, params, devices[stage_devices[i - 1]], devices[d],
+                                      shape.hidden * HANDOFF_DTYPE_BYTES)
+    if len(stage_devices) > 1:     # the sampled token goes back from the last stage to the first
+        total += reference_hop_ms(shape, params, devices[stage_devices[-1]], devices[stage_devices[0]], 0)
     all_blob = sum(mass[p] * shape.blob_bytes[p // E] for p in range(L * E))
     return total + L * k * (params.miss_ms * (1.0 - held)
                             + (all_blob - held_blob) / (params.host_gbs * 1e6))
+
+
+def reference_hop_ms(shape, params, a, b, row_bytes) -> float:
+    """One hop between two ranks: turns on one shared card, a boundary on one host, or a link."""
+    if a.card and a.card == b.card and a.host == b.host:
+        return params.shared_card_handoff_ms
+    if a.host == b.host:
+        return params.handoff_ms
+    return params.handoff_ms + params.link_ms + row_bytes / (params.link_gbs * 1e6)
 
 
 def all_placements(n_devices: int, n_layers: int, max_stages: int | None = None):
@@ -114,7 +125,7 @@ def brute_force(shape, devices, profile, cells, params, max_stages=None):
 def reference_helper_ms(shape: ModelShape, plan, profile: RoutingProfile, params: PlanParams) -> float:
     """What the live helper tiers add to a plan's prediction, from the definition, pair by pair:
     each pair's host miss is spared, and its blob is read where the tier is instead (the stage's
-    own card at its bandwidth, another card of its host at peer_gbs, another host by a request per
+    own card, or a rank sharing it, at its bandwidth, another card of its host at peer_gbs, another host by a request per
     (layer, tier) a token routes to, at most one a layer)."""
     ranking = profile.ranking()
     mass = pair_masses(profile, ranking, params.coverage, params.cover_b)
@@ -127,7 +138,8 @@ def reference_helper_ms(shape: ModelShape, plan, profile: RoutingProfile, params
             total -= L * k * m * (params.miss_ms + blob / (params.host_gbs * 1e6))
             stage = next(s for s in plan.stages if s.lb <= layer < s.le)
             bw = (tier.device.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6
-            if stage.device == tier.device:
+            if stage.device == tier.device or (stage.device.card == tier.device.card != ""
+                                               and stage.device.host == tier.device.host):
                 total += L * k * m * blob / bw
             elif stage.device.host == tier.device.host:
                 total += L * k * m * blob / (params.peer_gbs * 1e6)

@@ -16,6 +16,8 @@ def rigs():
     yield make_devices([700, 350, 350], bw=[300, 300, 900])
     yield make_devices([400, 500, 380, 450], bw=[300, 300, 300, 300], hosts=["a", "a", "b", "b"])
     yield make_devices([900, 240], bw=[100, 800])
+    # two ranks sharing one card (a GPU listed twice) beside two cards of their own
+    yield make_devices([300, 300, 420, 650], bw=[300, 300, 450, 600], cards=["x", "x", "y", "z"])
 
 
 @pytest.mark.parametrize("rig", list(rigs()), ids=lambda r: f"{len(r)}dev")
@@ -40,7 +42,8 @@ def test_dp_equals_brute_force_for_5_to_8_devices(n_dev):
     free = rng.integers(200, 520, n_dev).tolist()
     bw = rng.integers(150, 900, n_dev).tolist()
     hosts = ["a" if i < n_dev // 2 else "b" for i in range(n_dev)]
-    devs = make_devices(free, bw=bw, hosts=hosts)
+    cards = ["shared", "shared"] + [f"c{i}" for i in range(2, n_dev)]   # ranks 0 and 1 share a card
+    devs = make_devices(free, bw=bw, hosts=hosts, cards=cards)
     prof = skewed_profile(8, 4, seed=n_dev)
     params = PlanParams(miss_ms=0.5, handoff_ms=0.02)
     got = search_dp(CostModel(shape, devs, prof, CELLS, params))
@@ -215,3 +218,40 @@ def test_equal_cards_get_equal_shares_when_scores_tie(n_dev, method):
     # equal shares of memory: the last card also holds the head's reserve, middle ones two
     # hand-off buffers, so layer counts differ by a layer or two at most
     assert len(sizes) == n_dev and max(sizes) - min(sizes) <= 2, got.ranges
+
+
+@pytest.mark.parametrize("cards", [["c0", "c0", "c1"], ["c1", "c0", "c0"]])
+def test_a_split_does_not_cross_two_ranks_sharing_a_card(cards):
+    """Two ranks on one card take turns on it (shared_card_handoff_ms a hop, and the token's way
+    back is a hop too), so two stages go on two cards when either choice fits."""
+    shape = make_shape(n_layers=8, n_experts=4)
+    devs = make_devices([400, 400, 400], bw=[300, 300, 300], cards=cards)
+    plan = make_plan(shape, devs, cells=CELLS, order="as_given")
+    a, b = (s.device for s in plan.stages)
+    assert not a.shares_card_with(b)
+    assert plan.handoff_ms == pytest.approx(2 * PlanParams().handoff_ms)
+    shared = [d for d in devs if d.card == "c0"]
+    cm = CostModel(shape, shared, RoutingProfile.uniform(8, 4), CELLS, PlanParams())
+    assert cm.links[0, 1] == cm.back[1, 0] == PlanParams().shared_card_handoff_ms
+    forced = make_plan(shape, shared, cells=CELLS, split=[4], order="as_given")
+    assert forced.handoff_ms == pytest.approx(2 * PlanParams().shared_card_handoff_ms)
+
+
+def test_ranks_of_one_card_that_measured_it_alone_split_its_free_memory():
+    """Two ranks started without budgets on one card each see all of it free: the plan gives each
+    half; a rank a budget capped keeps its budget and the other takes the rest; other cards and
+    ranks without a card are left as they are."""
+    from strata_dist.plan import Device, split_shared_cards
+    gib = 1 << 30
+    card = dict(total_bytes=140 * gib, host="h")
+    alone = [Device("a", free_bytes=100 * gib, index=0, card="u0", **card),
+             Device("b", free_bytes=100 * gib, index=1, card="u0", **card),
+             Device("c", free_bytes=100 * gib, index=2, card="u1", **card),
+             Device("cpu", total_bytes=8 * gib, free_bytes=8 * gib, index=3)]
+    assert [d.free_bytes // gib for d in split_shared_cards(alone)] == [50, 50, 100, 8]
+    budgeted = [Device("a", total_bytes=30 * gib, free_bytes=30 * gib, host="h", index=0, card="u0"),
+                alone[1]]
+    assert [d.free_bytes // gib for d in split_shared_cards(budgeted)] == [30, 70]
+    split = [Device("a", total_bytes=50 * gib, free_bytes=50 * gib, host="h", index=i, card="u0")
+             for i in range(2)]
+    assert split_shared_cards(split) == split

@@ -169,3 +169,23 @@ def test_helper_tiers_are_priced_by_where_they_sit(peer_gbs):
     assert bare.helper_ms == 0 and bare.host_miss_ms == bare.miss_ms == plan.miss_ms
     assert bare.predicted_ms_per_token == pytest.approx(
         plan.compute_ms + plan.miss_ms + plan.handoff_ms)
+
+
+def test_a_tier_on_a_rank_sharing_the_stages_card_is_read_at_the_cards_bandwidth():
+    """Two ranks listed on one GPU: the tier of one is the other's card memory, so its reads are
+    priced at that card's bandwidth whatever peer_gbs says; on two cards they are not."""
+    shape = make_shape(n_layers=8, n_experts=32)
+    prof = skewed_profile(8, 32)
+    helper_ms = {}
+    for cards in (["x", "x"], ["x", "y"]):
+        for peer_gbs in (300.0, 1.0):
+            params = PlanParams(stage_cache_slots=6, peer_gbs=peer_gbs, miss_ms=0.01)
+            plan = make_plan(shape, make_devices([700, 900], bw=[250, 250], cards=cards), cells=2048,
+                             split=[4], profile=prof, params=params, order="as_given")
+            assert plan.live_helpers, plan.helpers
+            assert plan.helper_ms - (plan.miss_ms - plan.host_miss_ms) == pytest.approx(
+                reference_helper_ms(shape, plan, prof, params))
+            helper_ms[cards[1], peer_gbs] = plan.helper_ms
+    assert helper_ms["x", 300.0] == pytest.approx(helper_ms["x", 1.0])
+    assert helper_ms["y", 1.0] > helper_ms["y", 300.0]
+

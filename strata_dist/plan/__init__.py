@@ -5,7 +5,7 @@
     plan = make_plan(shape, devices, cells=32768, profile=prof, params=params_from_env(os.environ))
     print(render_table(plan)); wire = plan.to_json(); Plan.from_json(wire) == plan
 """
-from .device import Device, devices_from_json, order_devices
+from .device import Device, devices_from_json, order_devices, split_shared_cards
 from .errors import PlanError
 from .fill import Fill, RankTables, cover_h, fill_stage, pair_masses
 from .helpers import HelperTier, select_helpers
@@ -21,7 +21,7 @@ from .search import Placement, price_split, search, search_dp, search_exhaustive
 from .shape import ModelShape, estimate_prompt_bytes_per_token, qwen3_30b_a3b_shape, shape_from_geometry
 
 __all__ = [
-    "Device", "devices_from_json", "order_devices", "PlanError", "Fill", "RankTables", "cover_h", "fill_stage",
+    "Device", "devices_from_json", "order_devices", "split_shared_cards", "PlanError", "Fill", "RankTables", "cover_h", "fill_stage",
     "pair_masses", "HelperTier", "select_helpers", "LEND_CHUNKS", "SLOT_FLOOR", "LendPlan", "Loan",
     "Participant", "loan_slots", "plan_lend", "PlanParams", "params_from_env", "Plan", "StagePlan",
     "make_plan", "skip_tier", "HANDOFF_ROWS", "HEAD_RESERVE_BYTES", "HELPER_RESERVE_BYTES",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from .pricing import MIB
@@ -18,6 +18,8 @@ class Device:
     run will allocate (DESIGN §4; seed #390: --split-skip-if-fits must add the full dense cost).
     mem_bandwidth_gbs is the speed figure (NVML for GPUs, flags for CPU ranks); None means unknown
     and the planner uses PlanParams.default_bw_gbs. index is the device ordinal on its host (cuda:N).
+    card names the physical card (its NVML UUID; "" when unknown or a CPU rank): two ranks listed
+    on one GPU are two Devices of one card, which take turns on it (`shares_card_with`).
     """
 
     name: str
@@ -26,6 +28,11 @@ class Device:
     mem_bandwidth_gbs: float | None = None
     host: str = "localhost"
     index: int = 0
+    card: str = ""
+
+    def shares_card_with(self, other: "Device") -> bool:
+        """Whether `other` is a rank on this one's physical card (asked of two different ranks)."""
+        return bool(self.card) and self.card == other.card and self.host == other.host
 
     @property
     def label(self) -> str:
@@ -41,7 +48,7 @@ class Device:
 
 
 _REQUIRED = ("name", "total_mib", "free_mib")
-_OPTIONAL = ("mem_bandwidth_gbs", "host", "index")
+_OPTIONAL = ("mem_bandwidth_gbs", "host", "index", "card")
 
 
 def _number(entry_name: str, key: str, value: Any, *, positive: bool = False) -> float:
@@ -56,8 +63,9 @@ def devices_from_json(obj: Any) -> list[Device]:
     """Parse the `--inventory rig.json` value (already json-decoded) into Devices.
 
     Format: a non-empty JSON list of objects with `name`, `total_mib`, `free_mib` and optionally
-    `mem_bandwidth_gbs` (number or null), `host` (default "localhost") and `index` (default: the
-    entry's position). Unknown keys are refused so a typo ("free_mb") is not silently ignored.
+    `mem_bandwidth_gbs` (number or null), `host` (default "localhost"), `index` (default: the
+    entry's position) and `card` (entries of one host naming the same card are ranks sharing it:
+    their free_mib are their shares of it). Unknown keys are refused so a typo ("free_mb") is not silently ignored.
     Raises ValueError naming the entry and the field.
     """
     if not isinstance(obj, list) or not obj:
@@ -94,8 +102,34 @@ def devices_from_json(obj: Any) -> list[Device]:
         if (host, index) in seen:
             raise ValueError(f"{where}: device {host}:{index} is listed twice")
         seen.add((host, index))
+        card = entry.get("card", "")
+        if not isinstance(card, str):
+            raise ValueError(f"{where}: card must be a string, got {card!r}")
         out.append(Device(name=entry["name"], total_bytes=int(round(total * MIB)),
-                          free_bytes=int(round(free * MIB)), mem_bandwidth_gbs=bw, host=host, index=index))
+                          free_bytes=int(round(free * MIB)), mem_bandwidth_gbs=bw, host=host, index=index,
+                          card=card))
+    return out
+
+
+def split_shared_cards(devices: Sequence[Device]) -> list[Device]:
+    """Ranks of one card that each measured its free memory alone (started by hand or by units,
+    without budgets splitting it) split it, as strata-launch splits a GPU listed twice: a rank a
+    budget capped (free == total == its budget) keeps it, the others take equal parts of what is
+    left of the card's free memory (the largest figure they measured). So a plan never asks one
+    card twice for the same bytes."""
+    out = list(devices)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, d in enumerate(out):
+        if d.card:
+            groups.setdefault((d.host, d.card), []).append(i)
+    for ranks in groups.values():
+        open_ = [i for i in ranks if out[i].free_bytes < out[i].total_bytes]
+        if len(ranks) < 2 or not open_:
+            continue
+        capped = sum(out[i].free_bytes for i in ranks if i not in open_)
+        share = max(0, max(out[i].free_bytes for i in open_) - capped) // len(open_)
+        for i in open_:
+            out[i] = replace(out[i], free_bytes=min(out[i].free_bytes, share))
     return out
 
 

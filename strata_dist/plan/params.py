@@ -38,7 +38,13 @@ class PlanParams:
                      an H200 measured (docs/BENCHMARKS.md, 2026-12-02, commit dfe1689: 2.53 and 2.77 ms
                      a token against 0.74 and 0.93 of bytes over 48 layers, Q4_K and Q8_0). Every
                      placement holds every layer once, so it moves the prediction, never the choice.
-    handoff_ms       ms per stage boundary on one host (STRATA_SPLIT_HANDOFF_MS).
+    handoff_ms       ms per stage boundary between cards of one host (STRATA_SPLIT_HANDOFF_MS). A
+                     token crosses every boundary and then returns from the last stage to the
+                     first, so K stages pay K hops a token (score.py).
+    shared_card_handoff_ms  ms per boundary between two ranks on ONE card (a GPU listed twice):
+                     the processes take turns on it (STRATA_SPLIT_SHARED_CARD_HANDOFF_MS). 0.5 is
+                     what `strata-dist calibrate` measured on an H200 (docs/BENCHMARKS.md,
+                     2026-12-04).
     link_ms, link_gbs  a boundary between hosts costs handoff_ms + link_ms + hidden row / link_gbs
                      (STRATA_SPLIT_LINK_MS, STRATA_SPLIT_LINK_GBS).
     default_bw_gbs   bandwidth for a device that reports none.
@@ -59,6 +65,7 @@ class PlanParams:
     peer_gbs: float = 300.0
     layer_ms: float = 0.038
     handoff_ms: float = 0.05
+    shared_card_handoff_ms: float = 0.5
     link_ms: float = 0.2
     link_gbs: float = 1.25
     default_bw_gbs: float = 300.0
@@ -74,7 +81,7 @@ class PlanParams:
             raise ValueError(f"cover_b must be > 0, got {self.cover_b}")
         if self.coverage not in COVERAGE_MODES:
             raise ValueError(f"coverage {self.coverage!r}: expected one of {COVERAGE_MODES}")
-        for name in ("miss_ms", "layer_ms", "handoff_ms", "link_ms"):
+        for name in ("miss_ms", "layer_ms", "handoff_ms", "shared_card_handoff_ms", "link_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -116,6 +123,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "STRATA_SPLIT_PEER_GBS": ("peer_gbs", float),
     "STRATA_SPLIT_LAYER_MS": ("layer_ms", float),
     "STRATA_SPLIT_HANDOFF_MS": ("handoff_ms", float),
+    "STRATA_SPLIT_SHARED_CARD_HANDOFF_MS": ("shared_card_handoff_ms", float),
     "STRATA_SPLIT_LINK_MS": ("link_ms", float),
     "STRATA_SPLIT_LINK_GBS": ("link_gbs", float),
     "STRATA_PREFILL_LEND_PCT": ("lend_pct", int),

@@ -4,7 +4,10 @@
                                                          + layer_ms per layer (launches, reductions)
           + top_k * n_layers * sum over pairs not held of  experts computed from host memory:
               mass * (miss_ms + blob bytes / host_gbs)     each one's blob read over PCIe
-          + sum over boundaries of link(dev_i, dev_i+1)   hand-offs (priced higher across hosts)
+          + sum over boundaries of link(dev_i, dev_i+1)   hand-offs (priced higher across hosts,
+                                                         and between two ranks sharing one card)
+          + back(dev_last, dev_first)                   the sampled token's way back to the first
+                                                         stage: K stages take K hops a token
 
 A stage reads, per token: its layers' dense tensors, its share of KV (kv_fill of the context) and
 recurrent state (read + write), the head if last, and — for the fraction of routed activations its
@@ -59,6 +62,9 @@ class CostModel:
         self.all_mass_blob = float(self.tables.span(self.tables.mass_blob, 0, L, self.tables.n))
         self.read = self._read_table()
         self.links = np.array([[self._link(a, b) for b in self.devices] for a in self.devices])
+        # back[last, first]: a token id instead of a hidden row (0 on the diagonal: one stage)
+        self.back = np.array([[0.0 if i == j else self._link(a, b, row_bytes=0)
+                               for j, b in enumerate(self.devices)] for i, a in enumerate(self.devices)])
         self._fills: dict[tuple[int, int, int], Fill] = {}
         self._stage: tuple[np.ndarray, np.ndarray] | None = None
         self._load: np.ndarray | None = None
@@ -77,11 +83,16 @@ class CostModel:
         read[:, L] += s.head_bytes
         return read
 
-    def _link(self, a: Device, b: Device) -> float:
+    def _link(self, a: Device, b: Device, row_bytes: int | None = None) -> float:
+        """One hop from a's rank to b's carrying `row_bytes` (default: a decode row of hidden)."""
         p = self.params
+        if a.shares_card_with(b):     # two processes taking turns on one card
+            return p.shared_card_handoff_ms
         if a.host == b.host:
             return p.handoff_ms
-        return p.handoff_ms + p.link_ms + self.shape.hidden * HANDOFF_DTYPE_BYTES / (p.link_gbs * 1e6)
+        if row_bytes is None:
+            row_bytes = self.shape.hidden * HANDOFF_DTYPE_BYTES
+        return p.handoff_ms + p.link_ms + row_bytes / (p.link_gbs * 1e6)
 
     def budget(self, d: int, lb: int, le: int) -> int:
         """Bytes left for device d's stage cache on [lb, le) after weights, session and reserves."""
@@ -166,7 +177,8 @@ class CostModel:
         """(saved ms, read ms) per decode token of each tier in `tiers` (HelperTiers holding
         their pairs): the host misses its pairs no longer are, and what reading them costs
         instead. `stages`: (device index, lb, le) of each stage. A pair is read by the stage that
-        runs its layer: in place at that card's bandwidth from a tier on the same card; at
+        runs its layer: in place at that card's bandwidth from a tier on the same card (its own,
+        or that of another rank sharing the card); at
         peer_gbs from another card of the same host (CUDA IPC); from another host by a request,
         one round trip per (layer, tier) a token routes to (at most one a layer), the blob read
         by the helper's own card."""
@@ -188,7 +200,7 @@ class CostModel:
             for d in np.unique(owner[layers]):
                 mine = owner[layers] == d
                 bytes_read = self.lk * float((m[mine] * blob[layers[mine]]).sum())
-                if d == t:
+                if d == t or self.devices[d].shares_card_with(tier.device):
                     read += bytes_read / self.bw[t]
                 elif self.devices[d].host == tier.device.host:
                     read += bytes_read / (self.params.peer_gbs * 1e6)
@@ -207,7 +219,7 @@ class CostModel:
             total += self.stage_term(d, bounds[i], bounds[i + 1])
             if i:
                 total += self.links[devices[i - 1], d]
-        return total
+        return total + self.back[devices[-1], devices[0]]
 
     def breakdown(self, devices: Sequence[int], bounds: Sequence[int],
                   fills: Sequence[Fill]) -> dict[str, float]:
@@ -218,7 +230,8 @@ class CostModel:
             compute += c
             held += h
             held_mass_blob += mb
-        handoff = float(sum(self.links[a, b] for a, b in zip(devices, devices[1:])))
+        handoff = float(sum(self.links[a, b] for a, b in zip(devices, devices[1:]))
+                        + self.back[devices[-1], devices[0]])
         miss = self.baseline_ms() - self.miss_credit(held, held_mass_blob)
         return {"compute_ms": compute, "miss_ms": miss, "handoff_ms": handoff,
                 "total_ms": compute + miss + handoff, "held_mass": held}

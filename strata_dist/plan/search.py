@@ -8,7 +8,8 @@ serve only as a helper tier) and splits [0, L) into one non-empty range per pick
 - search_dp: dynamic programming over (device, layer). The score is additive over stages and
   boundaries (score.py), so the best placement whose last stage is device d ending at layer e
   extends the best placement of [0, b) ending on some earlier device d'. That is a shortest path in
-  a DAG: EXACT, O(D^2 L + D L^2). Used for 5-8 devices; tests check it against brute force.
+  a DAG, run once per first device (the token's way back joins the last stage to the first):
+  EXACT, O(D^3 L + D^2 L^2). Used for 5-8 devices; tests check it against brute force.
 Both read the same memoised stage table (one fill per (device, range)). Placements whose scores
 tie (to TIE_REL) are told apart by the load table: the one whose most-asked card is asked least
 wins (cm.load_table), so equal cards get equal shares rather than one card left mostly idle.
@@ -65,7 +66,8 @@ def search_exhaustive(cm: CostModel, max_stages: int = EXHAUSTIVE_MAX_DEVICES) -
                 for i in range(1, s - 1):
                     total = total[..., :, None] + cm.links[combo[i - 1], combo[i]] + S[combo[i]]
                     load = np.maximum(load[..., :, None], U[combo[i]])
-                total = total + cm.links[combo[-2], combo[-1]] + S[combo[-1], :, L]
+                total = (total + cm.links[combo[-2], combo[-1]] + S[combo[-1], :, L]
+                         + cm.back[combo[-1], combo[0]])
                 load = np.maximum(load, U[combo[-1], :, L])
             tables.append((combo, total, load))
     lowest = min((float(t.min()) for _, t, _ in tables), default=INF)
@@ -86,7 +88,28 @@ def search_exhaustive(cm: CostModel, max_stages: int = EXHAUSTIVE_MAX_DEVICES) -
 
 
 def search_dp(cm: CostModel) -> Placement | None:
-    """The best placement over any number of stages, by DP over (device, end layer); exact."""
+    """The best placement over any number of stages, by DP over (device, end layer); exact.
+    The token's way back (cm.back) joins the last stage to the first, so the DP runs once per
+    first device and adds it at the end."""
+    best = None                                   # (cost, load, devices, bounds)
+    for first in range(len(cm.devices)):
+        found = _dp_from(cm, first)
+        if found is None:
+            continue
+        if best is None:
+            best = found
+            continue
+        with np.errstate(invalid="ignore"):
+            tie = abs(found[0] - best[0]) <= _tie(min(abs(found[0]), abs(best[0])))
+        if (found[0] < best[0] and not tie) or (tie and found[1] < best[1]):
+            best = found
+    if best is None:
+        return None
+    return Placement(best[2], best[3], best[0] + cm.baseline_ms(), "dp")
+
+
+def _dp_from(cm: CostModel, first: int) -> tuple[float, float, tuple, tuple] | None:
+    """(cost, load, devices, bounds) of the best placement whose first stage runs on `first`."""
     S, _ = cm.stage_table()
     U = cm.load_table()
     L, D = cm.shape.n_layers, len(cm.devices)
@@ -97,12 +120,13 @@ def search_dp(cm: CostModel) -> Placement | None:
     from_b = np.zeros((D, L + 1), dtype=np.int64)
     from_d = np.full((D, L + 1), -1, dtype=np.int64)
     cols = np.arange(L + 1)
-    for d in range(D):
+    for d in range(first, D):
         g = np.full(L + 1, INF)                # g[b]: best cost of [0, b) handed to device d
         gm = np.full(L + 1, INF)
         gd = np.full(L + 1, -1, dtype=np.int64)
-        g[0], gm[0] = 0.0, 0.0                 # device d runs the first stage
-        for prev in range(d):
+        if d == first:
+            g[0], gm[0] = 0.0, 0.0             # device d runs the first stage
+        for prev in range(first, d):
             cand, candm = f[prev] + cm.links[prev, d], m[prev]
             cand[0] = INF
             with np.errstate(invalid="ignore"):       # inf - inf: not a tie
@@ -116,19 +140,19 @@ def search_dp(cm: CostModel) -> Placement | None:
         b = np.argmin(np.where(near, load, INF), axis=0)   # (a column with no fit stays inf)
         f[d], m[d] = total[b, cols], load[b, cols]
         from_b[d], from_d[d] = b, gd[b]
-    last = f[:, L]
+    last = f[:, L] + cm.back[:, first]
     if last.min() >= INF:
         return None
     near = last <= last.min() + _tie(float(last.min()))
     d = int(np.argmin(np.where(near, m[:, L], INF)))
-    score = float(f[d, L]) + cm.baseline_ms()
+    cost, load = float(last[d]), float(m[d, L])
     devices, bounds, e = [], [L], L
     while d >= 0:
         devices.append(d)
         b = int(from_b[d, e])
         bounds.append(b)
         d, e = int(from_d[d, e]), b
-    return Placement(tuple(reversed(devices)), tuple(reversed(bounds)), score, "dp")
+    return cost, load, tuple(reversed(devices)), tuple(reversed(bounds))
 
 
 def search(cm: CostModel) -> Placement | None:
