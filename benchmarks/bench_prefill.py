@@ -16,7 +16,8 @@ combine as array operations (STRATA_FUSED_PROMPT_OPS=0) instead of kernels/promp
 With --two-stages 0,1 one more arm runs two stage ranks, one a card (each at --budget): the
 head sends every chunk at once, so stage 0 reads chunk c+1 while stage 1 reads chunk c; its first
 new tokens are compared with the one-card arm's (`tokens_identical_to_1gpu`). `0,0` puts both
-stages on one card (the pipeline's tokens and overhead, not its speed-up).
+stages on one card (the pipeline's tokens and overhead, not its speed-up; the two budgets must
+fit on it together, e.g. 60G on an H200, or strata-launch refuses them).
 The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\

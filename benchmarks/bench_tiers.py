@@ -41,7 +41,7 @@ from records import (PeakMemory, env_prefix, model_facts, predicted_ms_per_token
                      prompt_ids, write_record)
 
 DECODE_PROMPT = 16   # ids before the measured decode (as bench_offload.py's)
-RESIDENT = "100G"    # a budget that holds every expert of a Qwen3-30B-A3B-sized file
+RESIDENT = "60G"     # holds every expert of a Qwen3-30B-A3B-sized file; two fit on one H200
 
 
 def arm(args, vocab: int, name: str, devices: list[str], budgets: str, extra: list[str]) -> dict:
