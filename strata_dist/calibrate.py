@@ -35,7 +35,8 @@ import numpy as np
 from .plan.params import PlanParams
 
 FORMAT = 1
-CALIBRATED = ("handoff_ms", "shared_card_handoff_ms", "link_ms", "link_gbs", "host_gbs", "peer_gbs")   # fields a file may set
+# the fields a file may set
+CALIBRATED = ("handoff_ms", "shared_card_handoff_ms", "link_ms", "link_gbs", "host_gbs", "peer_gbs")
 HIDDEN = 2048                  # the width of the row the hand-off passes (a Qwen3-30B-A3B row)
 PAYLOAD_MIB = 16               # a large probe of the link
 

@@ -65,7 +65,8 @@ def devices_from_json(obj: Any) -> list[Device]:
     Format: a non-empty JSON list of objects with `name`, `total_mib`, `free_mib` and optionally
     `mem_bandwidth_gbs` (number or null), `host` (default "localhost"), `index` (default: the
     entry's position) and `card` (entries of one host naming the same card are ranks sharing it:
-    their free_mib are their shares of it). Unknown keys are refused so a typo ("free_mb") is not silently ignored.
+    their free_mib are their shares of it). Unknown keys are refused so a typo ("free_mb") is not
+    silently ignored.
     Raises ValueError naming the entry and the field.
     """
     if not isinstance(obj, list) or not obj:

@@ -23,7 +23,9 @@ from .search import (Placement, check_split_points, price_split, search, search_
                      shortfall_message)
 from .shape import ModelShape
 
-PLAN_FORMAT = "strata-plan/4"   # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms, read_ms); 2: *_stages totals
+# 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
+# read_ms); 2: *_stages totals
+PLAN_FORMAT = "strata-plan/4"
 
 
 @dataclass(frozen=True)
