@@ -235,6 +235,11 @@ def test_a_split_does_not_cross_two_ranks_sharing_a_card(cards):
     assert cm.links[0, 1] == cm.back[1, 0] == PlanParams().shared_card_handoff_ms
     forced = make_plan(shape, shared, cells=CELLS, split=[4], order="as_given")
     assert forced.handoff_ms == pytest.approx(2 * PlanParams().shared_card_handoff_ms)
+    from strata_dist.plan import render_table
+    a, b = shared
+    assert f"{a.label} and {b.label} share one card" in render_table(forced)
+    apart = make_plan(shape, make_devices([400, 400], cards=["c0", "c1"]), cells=CELLS, split=[4])
+    assert "share one card" not in render_table(apart)
 
 
 def test_ranks_of_one_card_that_measured_it_alone_split_its_free_memory():

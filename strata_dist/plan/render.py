@@ -45,8 +45,18 @@ def render_table(plan: Plan) -> str:
     lines.append(f"routing mass held: {100 * plan.coverage_all:.2f}% (stage caches {100 * plan.coverage_primary:.2f}%)")
     lines.append(f"prefill chunk {plan.chunk} ({'auto' if plan.chunk_auto else 'explicit'}), "
                  f"context {plan.cells} cells")
+    for dev, other in _shared_cards(plan):
+        lines.append(f"{dev.label} and {other.label} share one card: their memory is split between "
+                     f"them, and a hop between them costs {plan.params.shared_card_handoff_ms:g} ms "
+                     f"(they take turns on it)")
     for h in plan.helpers:
         if h.skipped:
             lines.append(f"helper tier on {h.device.label} skipped: {h.reason}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _shared_cards(plan: Plan):
+    """Each pair of devices of the plan that are ranks on one card, once."""
+    devs = plan.devices
+    return [(a, b) for i, a in enumerate(devs) for b in devs[i + 1:] if a.shares_card_with(b)]
