@@ -19,7 +19,7 @@ from strata_dist.gguf_model import GGUFError
 from strata_dist.model_shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import (Device, PlanError, devices_from_json, make_plan, params_from_env,
-                              render_table)
+                              render_table, split_shared_cards)
 from strata_dist.plan.params import ENV_VARS, PlanParams
 
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
@@ -118,7 +118,7 @@ def rank_specs(args) -> list[RankSpec]:
             raise UsageError("--gpus lists no GPU")
         budgets = _budgets(args.vram_budget, len(gpus), None)
         free = {g: gpu_device(g).free_bytes for g in sorted(set(gpus))}   # NVML answers first
-        budgets = share_listed_gpus(gpus, budgets, free)
+        check_listed_gpus(gpus, budgets, free)
         return [RankSpec(i, "cuda:0", g, b) for i, (g, b) in enumerate(zip(gpus, budgets))]
     n = args.cpu_ranks if args.cpu_ranks is not None else 1
     if n < 1:
@@ -127,26 +127,20 @@ def rank_specs(args) -> list[RankSpec]:
     return [RankSpec(i, "cpu", None, b) for i, b in enumerate(budgets)]
 
 
-def share_listed_gpus(gpus: list[int], budgets: list[str | None], free: dict[int, int]
-                      ) -> list[str | None]:
-    """A GPU listed k times runs k ranks that share it (a split tried on one card): they split its
-    free memory, or each would plan the whole card. A rank with a --vram-budget takes that; the
-    others take equal parts of what is left. Refused when one card's budgets ask more than it
-    has free."""
-    out = list(budgets)
+def check_listed_gpus(gpus: list[int], budgets: list[str | None], free: dict[int, int]) -> None:
+    """A GPU listed k times runs k ranks that share it (a split tried on one card); the plan splits
+    its free memory between them (plan.split_shared_cards: a rank's budget first, equal parts of
+    the rest). Refused here, before any rank starts, when one card's budgets ask more than it has
+    free."""
     for g, have in free.items():
         ranks = [i for i, x in enumerate(gpus) if x == g]
         if len(ranks) < 2:
             continue
         asked = sum(parse_size(budgets[i]) for i in ranks if budgets[i])
-        rest = [i for i in ranks if not budgets[i]]
-        if asked > have or (rest and asked == have):
+        if asked > have or (asked == have and not all(budgets[i] for i in ranks)):
             given = ",".join(budgets[i] or "(a share)" for i in ranks)
             raise UsageError(f"--vram-budget {given} for ranks {','.join(map(str, ranks))}, which "
                              f"share GPU {g}: {have / 2**30:.1f} GiB of it is free")
-        for i in rest:
-            out[i] = f"{(have - asked) // len(rest) >> 20}M"
-    return out
 
 
 def _budgets(text: str | None, n: int, default: str | None) -> list[str | None]:
@@ -250,7 +244,7 @@ def planning_devices(args, specs: list[RankSpec]) -> list[Device]:
         d = cpu_device(budget) if s.device == "cpu" else gpu_device(s.visible_gpu, budget)
         out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
                           mem_bandwidth_gbs=d.mem_bandwidth_gbs, index=s.index, card=d.uuid))
-    return out
+    return split_shared_cards(out)
 
 
 # ---- the run ---------------------------------------------------------------------------------------

@@ -97,13 +97,25 @@ def test_no_prompt_loans_is_in_the_plan(model):
 def test_ranks_listed_on_one_gpu_split_its_free_memory():
     """--gpus 0,0,1: the two ranks of GPU 0 take halves of its free memory (or what a budget
     leaves), GPU 1's rank keeps its own; budgets asking more than the card has are refused."""
-    from launcher.cli import UsageError, share_listed_gpus
+    from launcher.cli import UsageError, check_listed_gpus
+    from strata_dist.plan import Device, split_shared_cards
     gib = 1 << 30
     free = {0: 80 * gib, 1: 60 * gib}
-    assert share_listed_gpus([0, 0, 1], [None, None, None], free) == ["40960M", "40960M", None]
-    assert share_listed_gpus([0, 1, 0], ["20G", None, None], free) == ["20G", None, "61440M"]
-    assert share_listed_gpus([0, 0], ["30G", "50G"], free) == ["30G", "50G"]
+
+    def reported(gpus, budgets):     # what each rank's gpu_device(g, budget) tells the coordinator
+        check_listed_gpus(gpus, budgets, free)
+        out = []
+        for i, (g, b) in enumerate(zip(gpus, budgets)):
+            cap = int(b[:-1]) * gib if b else None
+            total, have = 141 * gib, free[g]
+            out.append(Device("h200", min(total, cap or total), min(have, cap or have),
+                              index=i, card=f"uuid-{g}"))
+        return [d.free_bytes // (1 << 20) for d in split_shared_cards(out)]
+
+    assert reported([0, 0, 1], [None, None, None]) == [40960, 40960, 61440]
+    assert reported([0, 1, 0], ["20G", None, None]) == [20480, 61440, 61440]
+    assert reported([0, 0], ["30G", "50G"]) == [30720, 51200]
     with pytest.raises(UsageError, match=r"--vram-budget 50G,40G for ranks 0,1, which share GPU 0: 80\.0 GiB"):
-        share_listed_gpus([0, 0], ["50G", "40G"], free)
+        check_listed_gpus([0, 0], ["50G", "40G"], free)
     with pytest.raises(UsageError, match=r"80G,\(a share\)"):
-        share_listed_gpus([0, 0], ["80G", None], free)
+        check_listed_gpus([0, 0], ["80G", None], free)

@@ -125,8 +125,8 @@ def brute_force(shape, devices, profile, cells, params, max_stages=None):
 def reference_helper_ms(shape: ModelShape, plan, profile: RoutingProfile, params: PlanParams) -> float:
     """What the live helper tiers add to a plan's prediction, from the definition, pair by pair:
     each pair's host miss is spared, and its blob is read where the tier is instead (the stage's
-    own card, or a rank sharing it, at its bandwidth, another card of its host at peer_gbs, another host by a request per
-    (layer, tier) a token routes to, at most one a layer)."""
+    own card, or a rank sharing it, at its bandwidth, another card of its host at peer_gbs,
+    another host by a request per (layer, tier) a token routes to, at most one a layer)."""
     ranking = profile.ranking()
     mass = pair_masses(profile, ranking, params.coverage, params.cover_b)
     L, E, k = shape.n_layers, shape.n_experts, shape.top_k

@@ -99,8 +99,7 @@ def search_dp(cm: CostModel) -> Placement | None:
         if best is None:
             best = found
             continue
-        with np.errstate(invalid="ignore"):
-            tie = abs(found[0] - best[0]) <= _tie(min(abs(found[0]), abs(best[0])))
+        tie = abs(found[0] - best[0]) <= _tie(min(abs(found[0]), abs(best[0])))   # both finite
         if (found[0] < best[0] and not tie) or (tie and found[1] < best[1]):
             best = found
     if best is None:
