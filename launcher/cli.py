@@ -243,7 +243,8 @@ def planning_devices(args, specs: list[RankSpec]) -> list[Device]:
         budget = parse_size(s.vram_budget) if s.vram_budget else None
         d = cpu_device(budget) if s.device == "cpu" else gpu_device(s.visible_gpu, budget)
         out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
-                          mem_bandwidth_gbs=d.mem_bandwidth_gbs, index=s.index, card=d.uuid))
+                          mem_bandwidth_gbs=d.mem_bandwidth_gbs, index=s.index, card=d.uuid,
+                          kind=d.kind))
     return split_shared_cards(out)
 
 

@@ -60,7 +60,7 @@ def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
         d = s.register.devices[0]
         out.append(Device(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
                           mem_bandwidth_gbs=d.mem_bandwidth_gbs, host=s.register.host,
-                          index=s.rank, card=d.uuid))
+                          index=s.rank, card=d.uuid, kind=d.kind))
     return split_shared_cards(out)
 
 

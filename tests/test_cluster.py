@@ -164,7 +164,7 @@ def _slots(plan_devices):
     out = []
     for d in plan_devices:
         reg = Register(rank=d.index, host=d.host, pid=1000 + d.index,
-                       devices=[DeviceInfo(name=d.name, kind="cuda", index=0,
+                       devices=[DeviceInfo(name=d.name, kind=d.kind, index=0,
                                            total_bytes=d.total_bytes, free_bytes=d.free_bytes)],
                        model_fingerprint="f", protocol_version=1,
                        endpoints={"data": f"tcp://{d.host}:{6000 + d.index}",
@@ -174,8 +174,10 @@ def _slots(plan_devices):
 
 
 def test_no_remote_cross_host_keeps_helper_requests_on_each_host():
+    # CPU stages: a tier on another host serves only stages without a decode graph
     shape = make_shape(n_layers=8, n_experts=32)
-    devs = make_devices([600, 900, 900], bw=[300, 300, 300], hosts=["hostA", "hostA", "hostB"])
+    devs = make_devices([600, 900, 900], bw=[300, 300, 300], hosts=["hostA", "hostA", "hostB"],
+                        kinds=["cpu", "cpu", "cuda"])
     plan = make_plan(shape, devs, cells=2048, split=[4], order="as_given",
                      params=PlanParams(stage_cache_slots=10))
     remote = next(h for h in plan.live_helpers if h.device.host == "hostB")

@@ -40,13 +40,16 @@ def hybrid_kinds(n_layers: int) -> list[str]:
 
 
 def make_devices(free_mib: list[float], bw: list[float | None] | None = None,
-                 hosts: list[str] | None = None, cards: list[str] | None = None) -> list[Device]:
-    """`cards`: the physical card of each rank (the same name twice on one host: ranks sharing it)."""
+                 hosts: list[str] | None = None, cards: list[str] | None = None,
+                 kinds: list[str] | None = None) -> list[Device]:
+    """`cards`: the physical card of each rank (the same name twice on one host: ranks sharing it);
+    `kinds`: "cuda" (the default) or "cpu" per rank."""
     bw = bw or [None] * len(free_mib)
     hosts = hosts or ["localhost"] * len(free_mib)
     cards = cards or [""] * len(free_mib)
-    return [Device(f"gpu{i}", int(f * MIB) + 64 * MIB, int(f * MIB), b, h, i, c)
-            for i, (f, b, h, c) in enumerate(zip(free_mib, bw, hosts, cards))]
+    kinds = kinds or ["cuda"] * len(free_mib)
+    return [Device(f"{k.replace('cuda', 'gpu')}{i}", int(f * MIB) + 64 * MIB, int(f * MIB), b, h, i, c, k)
+            for i, (f, b, h, c, k) in enumerate(zip(free_mib, bw, hosts, cards, kinds))]
 
 
 def skewed_profile(n_layers: int, n_experts: int, seed: int = 1) -> RoutingProfile:
@@ -125,8 +128,8 @@ def brute_force(shape, devices, profile, cells, params, max_stages=None):
 def reference_helper_ms(shape: ModelShape, plan, profile: RoutingProfile, params: PlanParams) -> float:
     """What the live helper tiers add to a plan's prediction, from the definition, pair by pair:
     each pair's host miss is spared, and its blob is read where the tier is instead (the stage's
-    own card, or a rank sharing it, at its bandwidth, another card of its host at peer_gbs,
-    another host by a request per (layer, tier) a token routes to, at most one a layer)."""
+    own card, or a rank sharing it, at its bandwidth; another card of its host at peer_gbs by a
+    GPU stage; otherwise by a request per (layer, tier) a token routes to, at most one a layer)."""
     ranking = profile.ranking()
     mass = pair_masses(profile, ranking, params.coverage, params.cover_b)
     L, E, k = shape.n_layers, shape.n_experts, shape.top_k
@@ -141,14 +144,15 @@ def reference_helper_ms(shape: ModelShape, plan, profile: RoutingProfile, params
             if stage.device == tier.device or (stage.device.card == tier.device.card != ""
                                                and stage.device.host == tier.device.host):
                 total += L * k * m * blob / bw
-            elif stage.device.host == tier.device.host:
+            elif stage.device.host == tier.device.host and stage.device.kind == "cuda":
                 total += L * k * m * blob / (params.peer_gbs * 1e6)
             else:
                 total += L * k * m * blob / bw
                 asked[layer] = asked.get(layer, 0.0) + L * k * m
         for layer, expected in asked.items():
             stage = next(s for s in plan.stages if s.lb <= layer < s.le)
-            one_way = (params.handoff_ms + params.link_ms
-                       + shape.hidden * HANDOFF_DTYPE_BYTES / (params.link_gbs * 1e6))
+            one_way = params.handoff_ms
+            if stage.device.host != tier.device.host:
+                one_way += params.link_ms + shape.hidden * HANDOFF_DTYPE_BYTES / (params.link_gbs * 1e6)
             total += min(1.0, expected) * 2 * one_way
     return total

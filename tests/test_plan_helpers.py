@@ -74,6 +74,43 @@ def test_fail_soft_reasons():
     assert full.skipped and "already held" in full.reason
 
 
+def test_a_tier_holds_only_pairs_of_the_stages_it_serves():
+    """GPU stages read tiers of their own host in place; a tier on another host would be asked by
+    request, off the decode graph, so it takes none of their pairs. Each tier's pairs are a rank
+    prefix of the unheld pairs it may hold; a CPU stage's pairs go to any tier."""
+    shape = make_shape(n_layers=4, n_experts=8)
+    rank = skewed_profile(4, 8).ranking()
+    a0, a1, b0, b1 = make_devices([0] * 4, hosts=["a", "a", "b", "b"])
+    readers = [a0, a0, b0, b0]                     # layers 0-1 on host a, 2-3 on host b
+    offers = [(a1, HELPER_RESERVE_BYTES + 100 * MIB), (b1, HELPER_RESERVE_BYTES + 100 * MIB)]
+    on_a, on_b = select_helpers(shape, rank, [], offers, readers=readers)
+    assert {l for l, _ in on_a.pairs} <= {0, 1} and {l for l, _ in on_b.pairs} <= {2, 3}
+    pos = {p: i for i, p in enumerate(rank.tolist())}
+    for tier, layers in ((on_a, {0, 1}), (on_b, {2, 3})):
+        mine = [p for p in rank.tolist() if p // 8 in layers]
+        assert flat(shape, tier.pairs) == mine[:len(tier.pairs)] and tier.pairs
+        assert [pos[p] for p in flat(shape, tier.pairs)] == sorted(pos[p] for p in flat(shape, tier.pairs))
+    # only host b's stage is a CPU rank: host a's tier may now hold its pairs too
+    (cpu_b,) = make_devices([0], hosts=["b"], kinds=["cpu"])
+    on_a, on_b = select_helpers(shape, rank, [], offers, readers=[a0, a0, cpu_b, cpu_b])
+    assert {l for l, _ in on_a.pairs} == {0, 1, 2, 3} and {l for l, _ in on_b.pairs} <= {2, 3}
+    # a tier on a host that runs no GPU stage it could serve is skipped, saying why
+    (c0,) = make_devices([0], hosts=["c"])
+    (lone,) = select_helpers(shape, rank, [], [(c0, HELPER_RESERVE_BYTES + 100 * MIB)], readers=readers)
+    assert lone.skipped and "serves no stage" in lone.reason and "other hosts than c" in lone.reason
+
+
+def test_a_two_host_plan_keeps_each_hosts_tiers_for_its_own_gpu_stages():
+    shape = make_shape(n_layers=8, n_experts=32)
+    devs = make_devices([900, 900], bw=[300] * 2, hosts=["a", "b"])    # one stage card a host
+    plan = make_plan(shape, devs, cells=2048, split=[4], order="as_given",
+                     params=PlanParams(stage_cache_slots=10))
+    host_of = {l: st.device.host for st in plan.stages for l in range(st.lb, st.le)}
+    assert len(set(host_of.values())) == 2 and plan.live_helpers
+    for h in plan.live_helpers:
+        assert all(host_of[l] == h.device.host for l, _ in h.pairs), h
+
+
 def test_plan_helpers_take_every_cards_leftover_and_skip_tier_drops_one():
     shape = make_shape(n_layers=8, n_experts=32)
     devs = make_devices([600, 900, 900], bw=[300, 300, 300])

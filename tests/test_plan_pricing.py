@@ -114,9 +114,12 @@ def test_devices_from_json():
     devs = devices_from_json([
         {"name": "RTX 3060", "total_mib": 12288, "free_mib": 11000.5, "mem_bandwidth_gbs": 360},
         {"name": "H200", "total_mib": 143771, "free_mib": 140000, "host": "box2", "index": 3},
+        {"name": "cpu", "total_mib": 65536, "free_mib": 60000, "kind": "cpu"},
     ])
     assert devs[0] == Device("RTX 3060", 12288 * MIB, int(11000.5 * MIB), 360.0, "localhost", 0)
     assert devs[1].host == "box2" and devs[1].index == 3 and devs[1].mem_bandwidth_gbs is None
+    assert devs[0].kind == "cuda" and devs[0].decodes_as_graph
+    assert devs[2].kind == "cpu" and not devs[2].decodes_as_graph
 
 
 @pytest.mark.parametrize("obj, match", [
@@ -131,6 +134,7 @@ def test_devices_from_json():
     ([{"name": "a", "total_mib": 10, "free_mib": -1}], "free_mib must be >= 0"),
     ([{"name": "a", "total_mib": 10, "free_mib": 5, "mem_bandwidth_gbs": 0}], "mem_bandwidth_gbs must be > 0"),
     ([{"name": "", "total_mib": 10, "free_mib": 5}], "name must be a non-empty string"),
+    ([{"name": "a", "total_mib": 10, "free_mib": 5, "kind": "gpu"}], "kind must be one of cuda, cpu, got 'gpu'"),
     ([{"name": "a", "total_mib": 10, "free_mib": 5},
       {"name": "b", "total_mib": 10, "free_mib": 5, "index": 0}], r"entry 1 \('b'\): device localhost:0 is listed twice"),
 ])

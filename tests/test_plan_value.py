@@ -144,20 +144,30 @@ def test_the_fixed_cost_per_layer_moves_the_prediction_never_the_choice():
 
 
 @pytest.mark.parametrize("peer_gbs", [300.0, 20.0])
-def test_helper_tiers_are_priced_by_where_they_sit(peer_gbs):
+@pytest.mark.parametrize("stage_kind", ["cuda", "cpu"])
+def test_helper_tiers_are_priced_by_where_they_sit(peer_gbs, stage_kind):
     """A stage's own card, another card of its host, another host: each tier's pairs are priced
     as read from there (the reference walks pair by pair), the host misses they spare are taken
-    off, and a tier skipped at start gives its pairs back to the host misses."""
+    off, and a tier skipped at start gives its pairs back to the host misses. GPU stages read
+    tiers of their host in place and hold none on another host (a request would take their
+    decode off its graph); CPU stages ask every tier but their own by request."""
     shape = make_shape(n_layers=8, n_experts=32)
     prof = skewed_profile(8, 32)
     params = PlanParams(stage_cache_slots=6, peer_gbs=peer_gbs, miss_ms=0.01)
     plan = make_plan(shape, make_devices([700, 700, 900, 900], bw=[250, 300, 300, 200],
-                                         hosts=["a", "a", "a", "b"]),
+                                         hosts=["a", "a", "a", "b"],
+                                         kinds=[stage_kind] * 3 + ["cuda"]),
                      cells=2048, split=[4], profile=prof, params=params, order="as_given")
     stage_devices = {s.device for s in plan.stages}
+    assert {s.device.host for s in plan.stages} == {"a"}
     kinds = {("own" if h.device in stage_devices else "peer" if h.device.host == "a" else "host")
              for h in plan.live_helpers}
-    assert kinds == {"own", "peer", "host"}, plan.helpers
+    if stage_kind == "cpu":
+        assert kinds == {"own", "peer", "host"}, plan.helpers
+    else:
+        assert kinds == {"own", "peer"}, plan.helpers
+        (other_host,) = [h for h in plan.helpers if h.device.host == "b"]
+        assert other_host.skipped and "serves no stage" in other_host.reason
     assert plan.helper_ms - (plan.miss_ms - plan.host_miss_ms) == pytest.approx(
         reference_helper_ms(shape, plan, prof, params))
     assert plan.predicted_ms_per_token == pytest.approx(

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from .pricing import MIB
 
 ORDERS = ("fastest_last", "as_given")
+KINDS = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class Device:
     mem_bandwidth_gbs is the speed figure (NVML for GPUs, flags for CPU ranks); None means unknown
     and the planner uses PlanParams.default_bw_gbs. index is the device ordinal on its host (cuda:N).
     card names the physical card (its NVML UUID; "" when unknown or a CPU rank): two ranks listed
-    on one GPU are two Devices of one card, which take turns on it (`shares_card_with`).
+    on one GPU are two Devices of one card, which take turns on it (`shares_card_with`). kind is
+    "cuda" (a stage there decodes as one graph, `decodes_as_graph`) or "cpu".
     """
 
     name: str
@@ -29,6 +31,18 @@ class Device:
     host: str = "localhost"
     index: int = 0
     card: str = ""
+    kind: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"device {self.name!r}: kind {self.kind!r}, expected one of {KINDS}")
+
+    @property
+    def decodes_as_graph(self) -> bool:
+        """Whether a stage here runs a decode token as one device graph, reading every expert in
+        place (cache, helper tiers of its host, pinned host memory); a request to a helper on
+        another host would take its decode off that graph (helpers.py `serves`)."""
+        return self.kind == "cuda"
 
     def shares_card_with(self, other: "Device") -> bool:
         """Whether `other` is a rank on this one's physical card (asked of two different ranks)."""
@@ -48,7 +62,7 @@ class Device:
 
 
 _REQUIRED = ("name", "total_mib", "free_mib")
-_OPTIONAL = ("mem_bandwidth_gbs", "host", "index", "card")
+_OPTIONAL = ("mem_bandwidth_gbs", "host", "index", "card", "kind")
 
 
 def _number(entry_name: str, key: str, value: Any, *, positive: bool = False) -> float:
@@ -64,8 +78,8 @@ def devices_from_json(obj: Any) -> list[Device]:
 
     Format: a non-empty JSON list of objects with `name`, `total_mib`, `free_mib` and optionally
     `mem_bandwidth_gbs` (number or null), `host` (default "localhost"), `index` (default: the
-    entry's position) and `card` (entries of one host naming the same card are ranks sharing it:
-    their free_mib are their shares of it). Unknown keys are refused so a typo ("free_mb") is not
+    entry's position), `card` (entries of one host naming the same card are ranks sharing it:
+    their free_mib are their shares of it) and `kind` ("cuda", the default, or "cpu"). Unknown keys are refused so a typo ("free_mb") is not
     silently ignored.
     Raises ValueError naming the entry and the field.
     """
@@ -106,9 +120,12 @@ def devices_from_json(obj: Any) -> list[Device]:
         card = entry.get("card", "")
         if not isinstance(card, str):
             raise ValueError(f"{where}: card must be a string, got {card!r}")
+        kind = entry.get("kind", "cuda")
+        if kind not in KINDS:
+            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
         out.append(Device(name=entry["name"], total_bytes=int(round(total * MIB)),
                           free_bytes=int(round(free * MIB)), mem_bandwidth_gbs=bw, host=host, index=index,
-                          card=card))
+                          card=card, kind=kind))
     return out
 
 

@@ -7,6 +7,13 @@ of unheld pairs (the walk stops at the first pair that fits no tier), striped ro
 tiers so the hottest pairs' remote requests spread over the cards. Disjoint from every stage cache
 and from each other by construction. A tier that cannot hold anything is kept in the plan, marked
 skipped with its reason (fail soft); totals count only tiers that are not skipped.
+
+A tier holds only pairs of stages it serves (`serves`): a GPU stage reads a tier of its own host
+in place, inside its decode graph, but a tier on another host only by a request over the network,
+which takes the stage's decode off its graph (the general path: 4.9 against 169 tok/s on an H200,
+docs/BENCHMARKS.md, issue 16) to spare host misses its graph reads in place for about 55 us each.
+So tiers of other hosts hold pairs of CPU stages only; with `readers` (the device of each layer's
+stage) each tier's pairs are a rank prefix of the pairs it may hold.
 """
 from __future__ import annotations
 
@@ -48,19 +55,35 @@ class HelperTier:
                        saved_ms=0.0, read_ms=0.0)
 
 
+def serves(tier: Device, reader: Device) -> bool:
+    """Whether a helper tier on `tier` may hold pairs the stage on `reader` computes: a tier of
+    the stage's own host (its decode graph reads the tier in place: the same card, or another
+    through CUDA IPC), or any tier for a stage with no decode graph (a CPU rank asks it by
+    request, as it computes any expert it lacks on the general path)."""
+    return tier.host == reader.host or not reader.decodes_as_graph
+
+
 def select_helpers(shape: ModelShape, ranking: np.ndarray, held: Iterable[int],
                    offers: Sequence[tuple[Device, int]], enabled: bool = True,
-                   mass: np.ndarray | None = None) -> tuple[HelperTier, ...]:
+                   mass: np.ndarray | None = None,
+                   readers: Sequence[Device] | None = None) -> tuple[HelperTier, ...]:
     """Helper tiers for `offers` = (device, leftover bytes) in device order.
 
     held: flat pair ids (layer * n_experts + expert) the stage caches hold.
     A tier's blob budget is its leftover minus HELPER_RESERVE_BYTES. mass (per flat pair id), if
-    given, sets each tier's held routing mass.
+    given, sets each tier's held routing mass. readers (per layer: the device of the stage that
+    runs it), if given, limits each tier to the layers it `serves`; without it every tier may hold
+    every pair.
     """
     E = shape.n_experts
     held_set = set(int(p) for p in held)
     unheld = [int(p) for p in ranking if int(p) not in held_set]
     smallest = min((shape.blob_bytes[p // E] for p in unheld), default=0)
+    n_layers = len(shape.blob_bytes)
+    may = np.ones((len(offers), n_layers), dtype=bool)      # may[tier, layer]
+    if readers is not None:
+        for i, (dev, _) in enumerate(offers):
+            may[i] = [serves(dev, r) for r in readers]
 
     tiers = [HelperTier(dev, max(0, left - HELPER_RESERVE_BYTES)) for dev, left in offers]
     open_ = []
@@ -69,6 +92,11 @@ def select_helpers(shape: ModelShape, ranking: np.ndarray, held: Iterable[int],
             tiers[i] = tier.skip("helper tiers are off (STRATA_REMOTE_AUTO=0 / --no-remote-auto)")
         elif not unheld:
             tiers[i] = tier.skip("every pair is already held by a stage cache")
+        elif not any(may[i, p // E] for p in unheld):
+            tiers[i] = tier.skip(f"serves no stage: the stages its pairs would go to are GPU stages on "
+                                 f"other hosts than {tier.device.host}, whose decode graphs read their "
+                                 f"misses from host memory in place (a request over the network would "
+                                 f"take them off the graph)")
         elif tier.budget_bytes < smallest:
             tiers[i] = tier.skip(f"leftover {left / MIB:.1f} MiB minus the {HELPER_RESERVE_BYTES / MIB:.0f} MiB "
                                  f"helper reserve holds no expert (smallest unheld {smallest / MIB:.2f} MiB)")
@@ -77,18 +105,24 @@ def select_helpers(shape: ModelShape, ranking: np.ndarray, held: Iterable[int],
 
     room = {i: tiers[i].budget_bytes for i in open_}
     taken: dict[int, list[int]] = {i: [] for i in open_}
+    filling = set(open_)       # tiers still taking pairs: each stops at the first it has no room for
     cursor = 0
-    for p in unheld if open_ else ():
-        size = shape.blob_bytes[p // E]
-        for j in range(len(open_)):
-            i = open_[(cursor + j) % len(open_)]
+    for p in unheld:
+        size, layer = shape.blob_bytes[p // E], p // E
+        candidates = [open_[(cursor + j) % len(open_)] for j in range(len(open_))]
+        candidates = [i for i in candidates if may[i, layer] and i in filling]
+        if not candidates:
+            if not filling:
+                break
+            continue            # no tier still filling may hold it: it stays a host miss
+        for i in candidates:
             if room[i] >= size:
                 taken[i].append(p)
                 room[i] -= size
-                cursor = (cursor + j + 1) % len(open_)
+                cursor = (open_.index(i) + 1) % len(open_)
                 break
         else:
-            break   # fits no tier: stop, so the selection stays a rank prefix
+            filling -= set(candidates)   # fits none of them: they stop, so each stays a rank prefix
 
     for i in open_:
         if not taken[i]:

@@ -25,7 +25,7 @@ from .shape import ModelShape
 
 # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
 # read_ms); 2: *_stages totals
-PLAN_FORMAT = "strata-plan/4"
+PLAN_FORMAT = "strata-plan/5"
 
 
 @dataclass(frozen=True)
@@ -338,7 +338,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         left = dev.free_bytes if st is None else st.budget_bytes - st.own_prompt_bytes - st.cache_bytes
         offers.append((dev, left))
     held = [p for f in fills for p in f.pairs]
-    helpers = select_helpers(shape, cm.ranking, held, offers, params.remote_auto, cm.mass)
+    readers = [st.device for st in stages for _ in range(st.lb, st.le)]   # each layer's stage
+    helpers = select_helpers(shape, cm.ranking, held, offers, params.remote_auto, cm.mass, readers)
     costs = cm.helper_costs([(d, f.lb, f.le) for d, f in zip(placement.devices, fills)], helpers)
     helpers = tuple(replace(h, saved_ms=saved, read_ms=read) if not h.skipped else h
                     for h, (saved, read) in zip(helpers, costs))

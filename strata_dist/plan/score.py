@@ -178,10 +178,10 @@ class CostModel:
         their pairs): the host misses its pairs no longer are, and what reading them costs
         instead. `stages`: (device index, lb, le) of each stage. A pair is read by the stage that
         runs its layer: in place at that card's bandwidth from a tier on the same card (its own,
-        or that of another rank sharing the card); at
-        peer_gbs from another card of the same host (CUDA IPC); from another host by a request,
-        one round trip per (layer, tier) a token routes to (at most one a layer), the blob read
-        by the helper's own card."""
+        or that of another rank sharing the card); by a GPU stage at peer_gbs from another card
+        of the same host (CUDA IPC); otherwise (a CPU stage; tiers of other hosts hold only CPU
+        stages' pairs, helpers.py `serves`) by a request, one round trip per (layer, tier) a
+        token routes to (at most one a layer), the blob read by the helper's own card."""
         E = self.shape.n_experts
         blob = np.asarray(self.shape.blob_bytes, dtype=np.float64)
         owner = np.full(self.shape.n_layers, -1, dtype=np.int64)
@@ -202,7 +202,7 @@ class CostModel:
                 bytes_read = self.lk * float((m[mine] * blob[layers[mine]]).sum())
                 if d == t or self.devices[d].shares_card_with(tier.device):
                     read += bytes_read / self.bw[t]
-                elif self.devices[d].host == tier.device.host:
+                elif self.devices[d].host == tier.device.host and self.devices[d].decodes_as_graph:
                     read += bytes_read / (self.params.peer_gbs * 1e6)
                 else:
                     per_layer = np.bincount(layers[mine], weights=m[mine], minlength=self.shape.n_layers)
