@@ -14,6 +14,7 @@ import numpy as np
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
 from .experts import BlobArena
+from .plan.workspace import STREAMED
 from .prompt_workspace import PromptWorkspace
 from .models import architecture_for, load_model, open_checked
 from .host_pinning import pin_room_error, reads_host_in_place
@@ -84,6 +85,10 @@ class Stage:
         # a GPU prompt chunk's buffers: the layout the plan priced, carved from the loan while a
         # prompt borrows it, else from the stage's own prompt buffers, allocated here once
         self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
+        if (self.prompt_layout is not None and not cfg.loan_slots
+                and len(own) == (cfg.le - cfg.lb) * g.n_expert):
+            # every pair of its layers cached, none lent: no miss to stream (plan/lend.py `own`)
+            self.prompt_layout = self.prompt_layout.without(STREAMED)
         self._workspace = self._own_workspace = None
         if self.prompt_layout is not None and cfg.prompt_chunk and not cfg.loan_slots:
             self._own_workspace = PromptWorkspace.allocate(self.prompt_layout, cfg.prompt_chunk,

@@ -8,7 +8,9 @@ by stand-ins that run nothing (but the router's, which spreads the rows over the
   first chunk, then one chunk of each size under tracking;
 - a stage caching all but one expert of each layer, lending the loan the plan prices for its chunk, reads
   prompt chunks: a short one grouped on the host, longer ones grouped on the device, the misses
-  streamed through the workspace by both.
+  streamed through the workspace by both;
+- a stage caching every expert, lending nothing, reads two chunks through its own buffers: the
+  layout less its stream buffer.
 Reported: the layout's bytes carved and the plan's price for the chunk (ModelShape.prompt_bytes),
 the bytes allocated outside the workspace at each chunk size, the workspace's buffers written,
 its overflow, and the layout's names.
@@ -93,12 +95,39 @@ def measure_stage(path: Path, shape) -> dict:
             "streamed": int(st.tiers.counters["streamed"])}
 
 
+def measure_resident_stage(path: Path, shape) -> dict:
+    """A stage whose cache holds every pair and lends nothing: its own buffers, the layout less
+    the stream buffer (ModelShape.resident_prompt_bytes), allocated once."""
+    from strata_dist.stage import Stage, StageConfig
+    n = CHUNKS[0]
+    every = [(l, e) for l in range(shape.n_layers) for e in range(shape.n_experts)]
+    st = Stage(StageConfig(str(path), "cuda:0", 0, shape.n_layers, True, True, 4 * n,
+                           cache_pairs=every, prompt_chunk=n))
+    st.session(0)
+    outside, taken, pos = {}, set(), 0
+    for m in (n // 2, n):
+        st.begin_prompt()
+        ws = st._workspace
+        cp.track_start()
+        st.run(0, pos, ids=_ids(m), prompt=True)
+        outside[m], _ = cp.track_stop()
+        taken |= ws.taken
+        st.end_prompt()
+        pos += m
+    return {"carved": ws.nbytes, "priced": shape.resident_prompt_bytes(n),
+            "own": st.own_prompt_bytes, "outside": outside, "taken": sorted(taken),
+            "overflow": int(st.tiers.counters["loan_overflow_bytes"]),
+            "streamed": int(st.tiers.counters["streamed"]),
+            "layout": [b.name for b in st.prompt_layout.buffers]}
+
+
 def measure(path: Path) -> dict:
     from strata_dist.gguf_model import GGUFModel
     from strata_dist.model_shape import model_shape
     from strata_dist.plan.workspace import PromptLayout
     shape = model_shape(GGUFModel(str(path)), "cuda")
     return {"runner": measure_runner(path, shape), "stage": measure_stage(path, shape),
+            "resident_stage": measure_resident_stage(path, shape),
             "layout": [row[0] for row in PromptLayout.from_list(shape.prompt_layout).to_list()],
             "priced_per_token": shape.prompt_bytes_per_token}
 

@@ -11,13 +11,14 @@ from strata_dist.gguf_model import GGUFModel
 from strata_dist.stage import Stage, StageConfig
 
 CHUNK = 16
-N_LAYERS, N_EXPERTS, TOP_K = 6, 64, 2
+N_LAYERS, N_EXPERTS, TOP_K = 8, 64, 2
 PROMPT = [int(x) for x in np.random.default_rng(9).integers(0, 320, 70)]   # 5 chunks
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    # 64 experts a layer: a stage of 3 layers caches 192 pairs, enough above the 128-slot floor
+    # 64 experts a layer: a stage of 4 layers caches 256 pairs, enough above the 128-slot floor
+    # to lend a chunk's buffers (their stream buffer alone holds a layer's 64 blobs)
     return write_gguf(tiny_qwen3moe(17, hidden=64, top_k=TOP_K, n_experts=N_EXPERTS,
                                     n_layers=N_LAYERS),
                       tmp_path_factory.mktemp("loans") / "m.gguf", "q8_0")
@@ -29,11 +30,11 @@ def baseline(model):
 
 
 def test_lend_and_refill_keep_the_tokens(model, baseline):
-    # caches of 176 of a stage's 192 pairs (the loan takes 40 of them, the floor keeps 128): the
-    # chunks have misses to stream through the loan
-    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "3", "--prefill", str(CHUNK),
+    # caches of 240 of a stage's 256 pairs (the loan takes about 70 of them, the floor keeps
+    # 128): the chunks have misses to stream through the loan
+    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "4", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given", "--no-remote-auto",
-                     env={"STRATA_STAGE_CACHE_SLOTS": "176"})
+                     env={"STRATA_STAGE_CACHE_SLOTS": "240"})
     try:
         loans = [int(f["loan_mib"].replace(".", "") or 0) for f in s.info_fields() if "rank" in f]
         assert all(x > 0 for x in loans), s.info   # every stage lends
@@ -56,7 +57,7 @@ def test_a_stage_holding_every_pair_lends_nothing(model, baseline):
     """A budget that caches every pair of a stage's layers: its prompt buffers take the room its
     cache leaves (plan/lend.py), so no stage lends, nothing is streamed or refilled, and the
     tokens are the same."""
-    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "3", "--prefill", str(CHUNK),
+    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "4", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given", "--no-remote-auto")
     try:
         stages = [f for f in s.info_fields() if "rank" in f]
@@ -71,7 +72,7 @@ def test_a_stage_holding_every_pair_lends_nothing(model, baseline):
         assert s.close() == 0
 
 def test_second_turn_equals_a_fresh_read_of_the_conversation(model):
-    first_turn = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "3", "--prefill",
+    first_turn = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "4", "--prefill",
                               str(CHUNK), "--max-context", "512", "--no-remote-auto")
     try:
         a = first_turn.gen(PROMPT, 8)
@@ -80,7 +81,7 @@ def test_second_turn_equals_a_fresh_read_of_the_conversation(model):
         assert b["resume"] > 0
     finally:
         first_turn.close()
-    fresh = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "3", "--prefill", str(CHUNK),
+    fresh = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "4", "--prefill", str(CHUNK),
                          "--max-context", "512", "--no-remote-auto")
     try:
         c = fresh.gen(convo, 16)
@@ -92,7 +93,7 @@ def test_second_turn_equals_a_fresh_read_of_the_conversation(model):
 
 def test_refill_touches_only_its_own_cache_and_layers(model):
     gguf = GGUFModel(model)
-    lb, le = 3, 6
+    lb, le = 4, 8
     pairs = [(l, e) for l in range(lb, le) for e in range(N_EXPERTS)]
     stage = Stage(StageConfig(model, "cpu", lb, le, False, True, 256, cache_pairs=pairs,
                               loan_slots=40))

@@ -119,6 +119,50 @@ def test_a_cache_holding_every_pair_lends_nothing():
     assert st.cache_bytes + st.own_prompt_bytes <= st.budget_bytes
 
 
+def test_a_cache_holding_every_pair_prices_no_stream_buffer():
+    """A participant that holds every pair and keeps its own buffers in the room its cache left
+    streams no miss, so they are the resident layout (no stream buffer). One that lends, or whose
+    buffers take pairs out of its cache, streams, and pays for the stream buffer."""
+    stream = 7 * SLOT                                   # the stream buffer, whatever the chunk
+
+    def with_stream(c):
+        return BPT * c + stream
+
+    def resident(c):
+        return BPT * c
+
+    roomy = Participant("roomy", 500, SLOT, ROOM, spare_bytes=BPT * 8192, holds_all=True)
+    [loan] = plan_lend([roomy], with_stream, resident_bytes=resident).loans
+    assert not loan.lends and loan.own_bytes == BPT * 8192, loan
+    # loans off: the same own buffers, where they fit in the room the cache left
+    [off] = plan_lend([roomy], with_stream, loans=False, resident_bytes=resident).loans
+    assert off.own_bytes == BPT * 8192, off
+    # its buffers fit nowhere but in its cache: it evicts pairs, so it streams
+    tight = Participant("tight", 500, SLOT, ROOM, spare_bytes=BPT * 1024 - 1, holds_all=True)
+    [own] = plan_lend([tight], with_stream, 1024, loans=False, resident_bytes=resident).loans
+    assert own.own_bytes == with_stream(1024), own
+    # a partial cache streams: the full layout, lent or its own
+    partial = Participant("partial", 5000, SLOT, ROOM)
+    [lent] = plan_lend([partial], with_stream, 1024, resident_bytes=resident).loans
+    assert lent.lends and lent.slots == loan_slots(1024, with_stream, SLOT), lent
+    [kept] = plan_lend([partial], with_stream, 1024, loans=False, resident_bytes=resident).loans
+    assert kept.own_bytes == with_stream(1024), kept
+    # the planner, with a layout: a stage caching every pair carves the resident one
+    from dataclasses import replace
+    from strata_dist.plan.workspace import STREAMED, Buffer, PromptLayout
+    shape = qwen3_30b_a3b_shape(n_layers=8)
+    layout = PromptLayout.of([Buffer("h", "residual", 4 * shape.hidden),
+                              Buffer("y", "experts", 4 * shape.top_k * shape.hidden),
+                              Buffer(STREAMED, "residual", 0, shape.n_experts * max(shape.blob_bytes))])
+    shape = replace(shape, prompt_layout=tuple(layout.to_list()))
+    assert shape.resident_prompt_bytes(4096) == layout.without(STREAMED).nbytes(4096)
+    assert shape.prompt_bytes(4096) == layout.nbytes(4096) > shape.resident_prompt_bytes(4096)
+    st = make_plan(shape, make_devices([12_000], bw=[400]), cells=8192, split="none",
+                   prefill=4096).stages[0]
+    assert st.cache_slots == 8 * shape.n_experts and st.loan_slots == 0
+    assert st.own_prompt_bytes == shape.resident_prompt_bytes(4096)
+
+
 def test_the_auto_chunk_never_exceeds_the_context():
     from strata_dist.plan import Device, make_plan, qwen3_30b_a3b_shape
     shape = qwen3_30b_a3b_shape()

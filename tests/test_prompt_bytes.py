@@ -47,6 +47,18 @@ def test_what_is_carved_is_what_is_priced(measured, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_stage_that_holds_every_pair_carves_no_stream_buffer(measured, name):
+    """Its cache holds every pair and it lends nothing, so no miss streams: its own buffers are the
+    resident layout the plan prices for it (plan/lend.py), allocated once, and nothing overflows."""
+    r = measured[name]["resident_stage"]
+    assert r["carved"] == r["priced"] == r["own"], r
+    assert "stream" in measured[name]["layout"] and "stream" not in r["layout"], r["layout"]
+    assert r["overflow"] == 0 and r["streamed"] == 0, r
+    assert len(set(r["outside"].values())) == 1, r["outside"]
+    assert r["priced"] < measured[name]["stage"]["priced"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_chunk_allocates_nothing_that_grows_with_it(measured, name):
     """Outside the workspace a chunk allocates only what does not depend on its length (the
     head's logits after the last chunk, kernel tables): the same bytes at either chunk size."""

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..gguf_model import GGUFError
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
-from ..plan.workspace import STREAM_BLOBS, Buffer, PromptLayout
+from ..plan.workspace import STREAMED, Buffer, PromptLayout
 
 
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
@@ -106,10 +106,13 @@ def routed_expert_buffers(g, blob_bytes: int) -> list[Buffer]:
         Buffer("act_unscale", "experts", 4 * k),
         Buffer("y", "experts", 4 * k * d),
         Buffer("moe_out", "experts", 4 * d),
-        # the copy stream fills it with the next layer's first misses while this layer's
-        # attention runs (tiers.py `_prompt_on_device`): it cannot share room with that phase.
-        # Never more than a layer's experts: two halves of half a layer each
-        Buffer("stream", "residual", 0, min(STREAM_BLOBS, n_exp) * blob_bytes),
+        # the copy stream fills it with the next layer's misses while this layer's attention
+        # runs (tiers.py `_prompt_on_device`): it cannot share room with that phase. A layer's
+        # experts, in two halves of half a layer: with half the experts in host memory a 4,096-
+        # token prompt read 15,067 tok/s through 32 blobs, 16,647 through 64, 19,584 through a
+        # layer's 128, 19,339 through 256 (docs/BENCHMARKS.md, issue 16). A stage whose cache
+        # holds every pair and lends nothing streams nothing and carves none (plan/lend.py)
+        Buffer(STREAMED, "residual", 0, n_exp * blob_bytes),
     ]
 
 

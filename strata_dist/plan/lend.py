@@ -10,7 +10,9 @@ The rule, exactly:
   `--prefill N` is the operator's number and a loan of it only has to leave the floor.
 - A participant whose cache already holds every pair it may (its budget has room to spare) does not
   lend: its own prompt buffers take the room the cache left, when they fit there. Lending would only
-  evict experts to free memory that is already free.
+  evict experts to free memory that is already free. Such a participant never streams a miss, so its
+  own buffers are the resident layout (`resident_bytes`: no stream buffer) wherever they fit in that
+  room; where they do not, they evict pairs and the full layout is priced.
 - A participant that cannot lend falls back to its own prompt buffers (a note names both numbers),
   taken from the room its cache would have used: with the auto chunk they stay within the same
   percentage cap (which bounds the auto chunk); with an explicit chunk they only have to fit.
@@ -49,13 +51,15 @@ def loan_slots(n_tokens: int, bytes_per_token: PromptBytes, slot_bytes: int) -> 
 class Participant:
     """A stage's prompt path: its cache (slots = pairs held), the slot size for loans, the bytes
     its own buffers may take instead (its cache budget) if it cannot lend, and the part of that
-    budget its cache leaves unused (every pair of its layers held: nothing to evict for)."""
+    budget its cache leaves unused (every pair of its layers held: nothing to evict for).
+    holds_all: its cache holds every pair of its layers (without a loan it streams nothing)."""
 
     name: str
     slots: int
     slot_bytes: int
     room_bytes: int
     spare_bytes: int = 0
+    holds_all: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,11 +97,13 @@ def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str
 
 def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
               chunk: int | None = None,
-              lend_pct: int = 85, max_chunk: int | None = None, loans: bool = True) -> LendPlan:
+              lend_pct: int = 85, max_chunk: int | None = None, loans: bool = True,
+              resident_bytes: PromptBytes | None = None) -> LendPlan:
     """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`, which never
     picks a chunk above max_chunk (the context: a longer chunk could never be filled) unless even
     the smallest one is. loans=False: nobody lends, every participant withholds its own buffers
-    (the A/B against loans)."""
+    (the A/B against loans). resident_bytes: the own buffers of a participant that holds every
+    pair and lends nothing, so streams no miss (default: bytes_per_token)."""
     if not participants:
         raise ValueError("plan_lend: no participants")
     auto = chunk is None
@@ -107,11 +113,18 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
         ok, need = can_lend(p, c, bpt, cap)
         return ok and loans, need
 
-    def own(c: int) -> int:  # the prompt path's own buffers for a chunk of c tokens
+    def own(p: Participant, c: int) -> int:
+        """p's own prompt buffers for a chunk of c tokens. Resident ones (no stream buffer) where
+        its cache holds every pair and they fit in the room it leaves: the cache then keeps every
+        pair, so the stage streams nothing (stage.py carves by the same rule)."""
+        if p.holds_all and resident_bytes is not None:
+            resident = chunk_bytes(resident_bytes, c)
+            if resident <= p.spare_bytes:
+                return resident
         return chunk_bytes(bytes_per_token, c)
 
     def spared(p: Participant, c: int) -> bool:  # its buffers fit where its cache left room
-        return loans and own(c) <= p.spare_bytes
+        return loans and own(p, c) <= p.spare_bytes
 
     if auto:
         sizes = [c for c in LEND_CHUNKS if max_chunk is None or c <= max_chunk] or [LEND_CHUNKS[-1]]
@@ -124,14 +137,14 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
         # chunk keeps those within the same percentage cap a loan has
         fallbacks = [p for p, b in zip(participants, best) if b is None]
         for p in fallbacks:
-            cands = [c for c in cands if own(c) * 100 <= lend_pct * p.room_bytes]
+            cands = [c for c in cands if own(p, c) * 100 <= lend_pct * p.room_bytes]
         if not cands:
             c = LEND_CHUNKS[-1]
-            p = next(p for p in fallbacks if own(c) * 100 > lend_pct * p.room_bytes)
+            p = next(p for p in fallbacks if own(p, c) * 100 > lend_pct * p.room_bytes)
             why = _why_not(p, c, can_lend(p, c, bytes_per_token, pct)[1], pct) if loans else \
                 f"{p.name}: prompt loans are off"
             raise PlanError(f"{why}, and its own "
-                            f"prompt buffers for {c} tokens ({own(c) / MIB:.1f} MiB) exceed "
+                            f"prompt buffers for {c} tokens ({own(p, c) / MIB:.1f} MiB) exceed "
                             f"{lend_pct}% of its {p.room_bytes / MIB:.1f} MiB of room")
         chunk = max(cands)
     elif chunk < 1:
@@ -140,20 +153,20 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
     out = []
     for p in participants:
         if spared(p, chunk):
-            out.append(Loan(p.name, False, 0, 0, own(chunk),
+            out.append(Loan(p.name, False, 0, 0, own(p, chunk),
                             f"{p.name} holds every pair of its layers: its prompt buffers "
-                            f"({own(chunk) / MIB:.1f} MiB) take the {p.spare_bytes / MIB:.1f} MiB "
+                            f"({own(p, chunk) / MIB:.1f} MiB) take the {p.spare_bytes / MIB:.1f} MiB "
                             f"its cache leaves, no loan"))
             continue
         ok, need = lendable(p, chunk, bytes_per_token, pct)
         if ok:
             out.append(Loan(p.name, True, need, need * p.slot_bytes, 0))
             continue
-        if own(chunk) > p.room_bytes:  # explicit chunks only: auto already bounded the chunk by it
+        if own(p, chunk) > p.room_bytes:  # explicit chunks only: auto already bounded the chunk by it
             why = _why_not(p, chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
             raise PlanError(f"--prefill {chunk}: {why}, and its own prompt buffers "
-                            f"({own(chunk) / MIB:.1f} MiB) exceed its {p.room_bytes / MIB:.1f} MiB of room")
+                            f"({own(p, chunk) / MIB:.1f} MiB) exceed its {p.room_bytes / MIB:.1f} MiB of room")
         why = _why_not(p, chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
-        note = f"{why}; it uses its own prompt buffers ({own(chunk) / MIB:.1f} MiB)"
-        out.append(Loan(p.name, False, 0, 0, own(chunk), note))
+        note = f"{why}; it uses its own prompt buffers ({own(p, chunk) / MIB:.1f} MiB)"
+        out.append(Loan(p.name, False, 0, 0, own(p, chunk), note))
     return LendPlan(int(chunk), auto, tuple(out))

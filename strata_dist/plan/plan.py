@@ -305,13 +305,15 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
 
     # stage caches, then the prompt loans (a stage that cannot lend gives its own buffers room)
     fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
+    def holds_all(f: Fill) -> bool:
+        return len(f.pairs) == (f.le - f.lb) * shape.n_experts
+
     parts = [Participant(f"stage {i} ({ordered[d].label})", len(f.pairs),
                          min(shape.blob_bytes[f.lb:f.le]), max(0, f.budget),
-                         max(0, f.budget - f.bytes) if len(f.pairs) == (f.le - f.lb) * shape.n_experts
-                         else 0)
+                         max(0, f.budget - f.bytes) if holds_all(f) else 0, holds_all(f))
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
     lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=cells,
-                     loans=params.prompt_loans)
+                     loans=params.prompt_loans, resident_bytes=shape.resident_prompt_bytes)
     if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
         cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk)
         fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]

@@ -84,6 +84,14 @@ class ModelShape:
             return PromptLayout.from_list(self.prompt_layout).nbytes(n_tokens)
         return self.prompt_bytes_per_token * n_tokens
 
+    def resident_prompt_bytes(self, n_tokens: int) -> int:
+        """The same for a stage that never streams a miss (its cache holds every pair of its
+        layers and lends nothing): the layout less its STREAMED buffer."""
+        if self.prompt_layout:
+            from .workspace import STREAMED, PromptLayout
+            return PromptLayout.from_list(self.prompt_layout).without(STREAMED).nbytes(n_tokens)
+        return self.prompt_bytes(n_tokens)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_layout", tuple(tuple(r) for r in self.prompt_layout))
         L = self.n_layers

@@ -19,7 +19,7 @@ from typing import Iterable
 
 ALIGN = 512          # CuPy's own pool rounds to 512 bytes: every kernel's alignment holds
 PHASES = ("residual", "attention", "linear", "experts")
-STREAM_BLOBS = 32    # a prompt's streamed misses: blobs in flight (two halves, double-buffered)
+STREAMED = "stream"  # the buffer a prompt's misses stream through (tiers.py `_prompt_on_device`)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ class PromptLayout:
     @classmethod
     def of(cls, buffers: Iterable[Buffer]) -> "PromptLayout":
         return cls(tuple(buffers))
+
+    def without(self, *names: str) -> "PromptLayout":
+        """The layout less the buffers `names` (a stage that never streams has no STREAMED)."""
+        return PromptLayout(tuple(b for b in self.buffers if b.name not in names))
 
     def carve(self, n_tokens: int) -> dict[str, tuple[int, int]]:
         """name -> (offset, nbytes) of every buffer for a chunk of n_tokens."""
