@@ -12,7 +12,7 @@ from typing import Sequence
 
 from .device import Device, order_devices
 from .errors import PlanError
-from .fill import coverage_mode
+from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
 from .lend import Participant, plan_lend
 from .params import PlanParams
