@@ -14,6 +14,7 @@ import numpy as np
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
 from .experts import BlobArena
+from .plan.lend import loan_slots
 from .plan.workspace import STREAMED
 from .prompt_workspace import PromptWorkspace
 from .models import architecture_for, load_model, open_checked
@@ -179,16 +180,24 @@ class Stage:
             out = _add_counts(out, c)
         return out
 
-    def begin_prompt(self) -> None:
+    def begin_prompt(self, rows: int | None = None) -> None:
         """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU the
-        chunk's buffers are carved from it by the priced layout (strata_dist/prompt_workspace.py)."""
+        chunk's buffers are carved from it by the priced layout (strata_dist/prompt_workspace.py).
+        `rows`: the prompt's one chunk has this many (None: chunks up to the plan's): a GPU stage
+        then borrows only the slots that layout takes, so a short prompt evicts, streams and
+        refills fewer pairs."""
         self.tiers.begin_prompt()
         if self.cfg.loan_slots > 0 and not self.cache.lent:
-            self.cache.lend_tail(self.cfg.loan_slots)
+            chunk, slots = self.cfg.prompt_chunk, self.cfg.loan_slots
+            if self.prompt_layout is not None and chunk and rows is not None and 0 < rows < chunk:
+                chunk = rows
+                slot_bytes = min(self.gguf.blob_bytes(l) for l in range(self.cfg.lb, self.cfg.le))
+                slots = min(slots, loan_slots(chunk, self.prompt_layout.nbytes, slot_bytes))
+            self.cache.lend_tail(slots)
             self.tiers.counters["loans"] += 1
-            if self.prompt_layout is not None and self.cfg.prompt_chunk:
+            if self.prompt_layout is not None and chunk:
                 try:
-                    self._workspace = PromptWorkspace(self.prompt_layout, self.cfg.prompt_chunk,
+                    self._workspace = PromptWorkspace(self.prompt_layout, chunk,
                                                       self.cache.loan_region())
                 except ValueError as e:   # a plan priced for another file: said, not hidden
                     log.error("the loan cannot hold the prompt buffers (%s); they come from the "

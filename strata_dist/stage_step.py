@@ -99,7 +99,8 @@ class StageStep:
     def _run(self, msg: Tokens | Hidden, rows):
         is_prompt = msg.sampling is not None
         if is_prompt and msg.chunk_index == 0:
-            self.stage.begin_prompt()
+            # a prompt of one chunk borrows only what its rows need
+            self.stage.begin_prompt(_rows_of(msg) if msg.chunk_total == 1 else None)
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
                                  checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg))

@@ -89,10 +89,23 @@ def measure_stage(path: Path, shape) -> dict:
         taken |= ws.taken
         st.end_prompt()
         pos += m
-    return {"carved": ws.nbytes, "priced": shape.prompt_bytes(n),
-            "lent": slots * min(shape.blob_bytes), "outside": outside, "taken": sorted(taken),
-            "overflow": int(st.tiers.counters["loan_overflow_bytes"]),
-            "streamed": int(st.tiers.counters["streamed"])}
+    out = {"carved": ws.nbytes, "priced": shape.prompt_bytes(n),
+           "lent": slots * min(shape.blob_bytes), "outside": outside, "taken": sorted(taken),
+           "overflow": int(st.tiers.counters["loan_overflow_bytes"]),
+           "streamed": int(st.tiers.counters["streamed"])}
+    # a prompt of one short chunk borrows only the slots its rows' layout takes
+    m = n // 4
+    st.begin_prompt(rows=m)
+    short = {"rows": m, "lent_slots": len(st.cache.lent), "plan_slots": slots,
+             "want_slots": loan_slots(m, shape.prompt_bytes, min(shape.blob_bytes)),
+             "carved": st._workspace.nbytes, "priced": shape.prompt_bytes(m)}
+    st.run(0, pos, ids=_ids(m), prompt=True)
+    st.end_prompt()
+    short["overflow"] = int(st.tiers.counters["loan_overflow_bytes"])
+    short["resident_after"] = int((st.cache.slot_of >= 0).sum())
+    short["cached"] = len(half)
+    out["short"] = short
+    return out
 
 
 def measure_resident_stage(path: Path, shape) -> dict:

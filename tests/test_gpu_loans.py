@@ -10,7 +10,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 CHUNK = 32
-N_LAYERS, N_EXPERTS, TOP_K = 6, 64, 4
+N_LAYERS, N_EXPERTS, TOP_K = 8, 64, 4
 PROMPT = [int(x) for x in np.random.default_rng(9).integers(0, 320, 150)]   # 5 chunks
 
 
@@ -37,9 +37,11 @@ def baseline(model):
 
 
 def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
-    s = ServeSession(model, "--gpus", "0,0", "--layer-split", "3", "--prefill", str(CHUNK),
+    # caches of 240 of a stage's 256 pairs: the floor of 128 leaves room to lend a chunk's
+    # buffers, whose stream buffer alone holds a layer's 64 blobs
+    s = ServeSession(model, "--gpus", "0,0", "--layer-split", "4", "--prefill", str(CHUNK),
                      "--max-context", "512", "--gpu-order", "as_given", "--no-remote-auto",
-                     env={"STRATA_STAGE_CACHE_SLOTS": "170"}, timeout=120)
+                     env={"STRATA_STAGE_CACHE_SLOTS": "240"}, timeout=120)
     try:
         out = s.gen(PROMPT, 32, timeout=120)
         assert out["err"] is None, out["err"]

@@ -47,6 +47,17 @@ def test_what_is_carved_is_what_is_priced(measured, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_one_chunk_prompt_borrows_only_what_its_rows_take(measured, name):
+    """A prompt shorter than the plan's chunk lends the slots its own rows' layout takes (fewer
+    pairs evicted, streamed and refilled), carves that layout, overflows nothing, and gives every
+    slot back."""
+    s = measured[name]["stage"]["short"]
+    assert s["lent_slots"] == s["want_slots"] < s["plan_slots"], s
+    assert s["carved"] == s["priced"] and s["overflow"] == 0, s
+    assert s["resident_after"] == s["cached"], s
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_stage_that_holds_every_pair_carves_no_stream_buffer(measured, name):
     """Its cache holds every pair and it lends nothing, so no miss streams: its own buffers are the
     resident layout the plan prices for it (plan/lend.py), allocated once, and nothing overflows."""
