@@ -151,7 +151,7 @@ def test_tiers_record_moves_host_misses_to_the_helper_tier(tmp_path):
     write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_tiers.py"),
-                           "--model", str(model), "--cpu", "--budgets", "99960K,210M",
+                           "--model", str(model), "--cpu", "--budgets", "99940K,210M",
                            "--resident-budget", "400M", "--split", "2", "--tokens", "12",
                            "--profile-prompts", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
