@@ -55,3 +55,33 @@ def test_the_planner_prices_a_loan_by_the_layout():
     plan = plan_lend([p], LAYOUT.nbytes, chunk=4096)
     assert plan.loans[0].slots == loan_slots(4096, LAYOUT.nbytes, p.slot_bytes)
     assert plan.loans[0].bytes >= LAYOUT.nbytes(4096) > plan.loans[0].bytes - p.slot_bytes
+
+
+def test_a_capped_buffer_grows_with_the_chunk_up_to_its_cap():
+    b = Buffer("s", "residual", 10 * ALIGN, 4 * ALIGN, most=100 * ALIGN)
+    assert b.nbytes(0) == 4 * ALIGN and b.nbytes(5) == 54 * ALIGN and b.nbytes(10**6) == 100 * ALIGN
+    layout = PromptLayout.of([Buffer("h", "residual", 16), b])
+    assert PromptLayout.from_list(layout.to_list()) == layout
+    with pytest.raises(ValueError, match="negative"):
+        Buffer("x", "experts", 4, most=-1)
+
+
+def test_the_stream_buffer_takes_a_layer_at_long_chunks_and_less_at_short_ones():
+    """32 blobs and one more per 32 tokens of the chunk, at most a layer's experts: a 4,096-token
+    chunk of a 128-expert layer streams through a whole layer (what the GPU measured best), a
+    512-token one through 48 blobs; a layer of 16 experts never takes more than its 16."""
+    from types import SimpleNamespace
+    from strata_dist.models.common import routed_expert_buffers
+    from strata_dist.plan.workspace import STREAMED
+
+    def blobs(n_expert, n_tokens, blob=2_654_208):
+        g = SimpleNamespace(n_embd=2048, n_ff_exp=768, n_expert_used=8, n_expert=n_expert)
+        (stream,) = [b for b in routed_expert_buffers(g, blob) if b.name == STREAMED]
+        return stream.nbytes(n_tokens) / blob
+
+    assert blobs(128, 4096) == pytest.approx(128, abs=0.01)
+    assert blobs(128, 8192) == pytest.approx(128, abs=0.01)
+    assert blobs(128, 512) == pytest.approx(48, abs=0.01)
+    assert blobs(128, 0) == pytest.approx(32, abs=0.01)
+    assert blobs(512, 4096) == pytest.approx(160, abs=0.01)
+    assert blobs(16, 4096) == pytest.approx(16, abs=0.01)

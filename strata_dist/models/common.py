@@ -7,7 +7,7 @@ import numpy as np
 
 from ..gguf_model import GGUFError
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
-from ..plan.workspace import STREAMED, Buffer, PromptLayout
+from ..plan.workspace import STREAM_BLOBS, STREAM_TOKENS_PER_BLOB, STREAMED, Buffer, PromptLayout
 
 
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
@@ -107,12 +107,14 @@ def routed_expert_buffers(g, blob_bytes: int) -> list[Buffer]:
         Buffer("y", "experts", 4 * k * d),
         Buffer("moe_out", "experts", 4 * d),
         # the copy stream fills it with the next layer's misses while this layer's attention
-        # runs (tiers.py `_prompt_on_device`): it cannot share room with that phase. A layer's
-        # experts, in two halves of half a layer: with half the experts in host memory a 4,096-
-        # token prompt read 15,067 tok/s through 32 blobs, 16,647 through 64, 19,584 through a
-        # layer's 128, 19,339 through 256 (docs/BENCHMARKS.md, issue 16). A stage whose cache
-        # holds every pair and lends nothing streams nothing and carves none (plan/lend.py)
-        Buffer(STREAMED, "residual", 0, n_exp * blob_bytes),
+        # runs (tiers.py `_prompt_on_device`): it cannot share room with that phase. Two halves:
+        # with half the experts in host memory a 4,096-token chunk read 15,067 tok/s through 32
+        # blobs, 16,647 through 64, 19,584 through a layer's 128, 19,339 through 256
+        # (docs/BENCHMARKS.md, issue 16). A shorter chunk computes less while a layer's misses
+        # copy, so it takes less: 32 blobs and one more per 32 tokens, at most a layer's. A stage
+        # whose cache holds every pair and lends nothing streams nothing and carves none
+        Buffer(STREAMED, "residual", -(-blob_bytes // STREAM_TOKENS_PER_BLOB),
+               STREAM_BLOBS * blob_bytes, most=n_exp * blob_bytes),
     ]
 
 

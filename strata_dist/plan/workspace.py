@@ -20,6 +20,8 @@ from typing import Iterable
 ALIGN = 512          # CuPy's own pool rounds to 512 bytes: every kernel's alignment holds
 PHASES = ("residual", "attention", "linear", "experts")
 STREAMED = "stream"  # the buffer a prompt's misses stream through (tiers.py `_prompt_on_device`)
+STREAM_BLOBS = 32    # ... of at least this many blobs,
+STREAM_TOKENS_PER_BLOB = 32   # and one more per this many tokens of the chunk (models/common.py)
 
 
 @dataclass(frozen=True)
@@ -28,16 +30,20 @@ class Buffer:
     phase: str
     per_token: int          # bytes per token of the chunk
     fixed: int = 0          # bytes whatever the chunk
+    most: int = 0           # at most this many bytes (0: no cap)
 
     def __post_init__(self):
         if self.phase not in PHASES:
             raise ValueError(f"buffer {self.name}: phase {self.phase!r} is not one of {PHASES}")
-        if self.per_token < 0 or self.fixed < 0:
+        if self.per_token < 0 or self.fixed < 0 or self.most < 0:
             raise ValueError(f"buffer {self.name}: negative size {self.per_token}/token + "
-                             f"{self.fixed}")
+                             f"{self.fixed}, at most {self.most}")
 
     def nbytes(self, n_tokens: int) -> int:
-        return -(-(self.per_token * n_tokens + self.fixed) // ALIGN) * ALIGN
+        size = self.per_token * n_tokens + self.fixed
+        if self.most:
+            size = min(size, self.most)
+        return -(-size // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,8 @@ class PromptLayout:
         return -(-(self.nbytes(4096) - self.nbytes(0)) // 4096)
 
     def to_list(self) -> list[list]:
-        return [[b.name, b.phase, b.per_token, b.fixed] for b in self.buffers]
+        return [[b.name, b.phase, b.per_token, b.fixed, b.most] for b in self.buffers]
 
     @classmethod
     def from_list(cls, rows) -> "PromptLayout":
-        return cls(tuple(Buffer(str(n), str(p), int(t), int(f)) for n, p, t, f in rows))
+        return cls(tuple(Buffer(str(n), str(p), int(t), int(f), int(m)) for n, p, t, f, m in rows))
