@@ -198,3 +198,32 @@ def test_loans_off_shrinks_the_stage_caches_by_the_prompt_buffers():
         # the cache gives up the buffers' bytes, to within a slot (a fill leaves less than one)
         given_up = st_on.cache_bytes - st_off.cache_bytes
         assert abs(given_up - st_off.own_prompt_bytes) <= max(shape.blob_bytes)
+
+
+@pytest.mark.parametrize("free_mib", [1_500, 2_000, 2_300, 2_500, 3_000])   # own, lend, ..., resident
+@pytest.mark.parametrize("prefill", [None, 256, 2048])
+def test_own_buffers_are_the_resident_layout_exactly_where_the_stage_carves_it(free_mib, prefill):
+    """The stage carves the layout less its stream buffer where its final cache holds every pair
+    of its layers and it lends nothing (stage.py); the plan prices its own buffers by the same
+    rule, whatever the fills and the chunk (so priced == carved)."""
+    from dataclasses import replace
+    from strata_dist.plan.workspace import STREAMED, Buffer, PromptLayout
+    shape = qwen3_30b_a3b_shape(n_layers=4)
+    layout = PromptLayout.of([Buffer("h", "residual", 4 * shape.hidden),
+                              Buffer("y", "experts", 4 * shape.top_k * shape.hidden),
+                              Buffer(STREAMED, "residual", 0, 32 * max(shape.blob_bytes))])
+    shape = replace(shape, prompt_layout=tuple(layout.to_list()))
+    try:
+        plan = make_plan(shape, make_devices([free_mib, free_mib], bw=[400, 400]), cells=4096,
+                         split=[2], prefill=prefill, order="as_given")
+    except PlanError:
+        return
+    for st in plan.stages:
+        holds_all = st.cache_slots == (st.le - st.lb) * shape.n_experts
+        if st.loan_slots:
+            assert st.own_prompt_bytes == 0
+        elif holds_all:
+            assert st.own_prompt_bytes == shape.resident_prompt_bytes(plan.chunk), st
+        else:
+            assert st.own_prompt_bytes == shape.prompt_bytes(plan.chunk), st
+        assert st.cache_bytes + st.own_prompt_bytes <= st.budget_bytes

@@ -20,7 +20,7 @@ The rule, exactly:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence, Union
 
 from .errors import PlanError
@@ -93,6 +93,14 @@ def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str
     cap = "" if lend_pct is None else f", cap {lend_pct}% = {lend_pct * p.slots // 100} slots"
     return (f"{p.name} cannot lend a {chunk}-token chunk: it needs {need} slots, its cache has "
             f"{p.slots} (floor {SLOT_FLOOR}{cap})")
+
+
+def with_own_bytes(loan: Loan, own_bytes: int) -> Loan:
+    """`loan` (one that does not lend) with own prompt buffers of own_bytes, its note saying so."""
+    if own_bytes == loan.own_bytes:
+        return loan
+    note = loan.note.replace(f"({loan.own_bytes / MIB:.1f} MiB)", f"({own_bytes / MIB:.1f} MiB)")
+    return replace(loan, own_bytes=own_bytes, note=note)
 
 
 def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,

@@ -14,7 +14,7 @@ from .device import Device, order_devices
 from .errors import PlanError
 from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
-from .lend import Participant, plan_lend
+from .lend import Participant, plan_lend, with_own_bytes
 from .params import PlanParams
 from .pricing import HANDOFF_ROWS, MIB, stage_fixed_bytes
 from .profile import RoutingProfile
@@ -319,11 +319,16 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
     fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
              for f, loan in zip(fills, lend.loans)]
-    notes += [loan.note for loan in lend.loans if loan.note]
+    # a stage whose cache holds every pair and lends nothing streams no miss: its own buffers are
+    # the resident layout, as it carves them (stage.py); a cache the smaller hand-off rows filled
+    # further may only now hold every pair
+    loans = [with_own_bytes(loan, shape.resident_prompt_bytes(lend.chunk))
+             if not loan.lends and holds_all(f) else loan for f, loan in zip(fills, lend.loans)]
+    notes += [loan.note for loan in loans if loan.note]
 
     E = shape.n_experts
     stages = []
-    for i, (d, f, loan) in enumerate(zip(placement.devices, fills, lend.loans)):
+    for i, (d, f, loan) in enumerate(zip(placement.devices, fills, loans)):
         w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
                                     handoff_rows=cm.handoff_rows)
         stages.append(StagePlan(
