@@ -64,6 +64,23 @@ def measure_runner(path: Path, shape) -> dict:
             "taken": sorted(taken), "overflow": ws.overflow_bytes}
 
 
+def _read_prompts(st, sizes) -> tuple:
+    """One prompt of each size in `sizes` read by stage `st` (session 0, one after the other),
+    each under tracking: (the last prompt's workspace, bytes allocated outside the workspace per
+    size, the workspace buffers written, the next position)."""
+    outside, taken, pos, ws = {}, set(), 0, None
+    for m in sizes:
+        st.begin_prompt()
+        ws = st._workspace
+        cp.track_start()
+        st.run(0, pos, ids=_ids(m), prompt=True)
+        outside[m], _ = cp.track_stop()
+        taken |= ws.taken
+        st.end_prompt()
+        pos += m
+    return ws, outside, taken, pos
+
+
 def measure_stage(path: Path, shape) -> dict:
     from strata_dist.plan.lend import loan_slots
     from strata_dist.stage import Stage, StageConfig
@@ -77,18 +94,9 @@ def measure_stage(path: Path, shape) -> dict:
     st = Stage(StageConfig(str(path), "cuda:0", 0, shape.n_layers, True, True, 4 * n,
                            cache_pairs=half, loan_slots=slots, prompt_chunk=n))
     st.session(0)
-    outside, taken, pos = {}, set(), 0
     # a 2-token chunk is grouped on the host (too short to stream every miss of a layer); the
     # longer ones on the device, their misses streamed through the workspace
-    for m in (2, n // 2, n):
-        st.begin_prompt()
-        ws = st._workspace
-        cp.track_start()
-        st.run(0, pos, ids=_ids(m), prompt=True)
-        outside[m], _ = cp.track_stop()
-        taken |= ws.taken
-        st.end_prompt()
-        pos += m
+    ws, outside, taken, pos = _read_prompts(st, (2, n // 2, n))
     out = {"carved": ws.nbytes, "priced": shape.prompt_bytes(n),
            "lent": slots * min(shape.blob_bytes), "outside": outside, "taken": sorted(taken),
            "overflow": int(st.tiers.counters["loan_overflow_bytes"]),
@@ -117,16 +125,7 @@ def measure_resident_stage(path: Path, shape) -> dict:
     st = Stage(StageConfig(str(path), "cuda:0", 0, shape.n_layers, True, True, 4 * n,
                            cache_pairs=every, prompt_chunk=n))
     st.session(0)
-    outside, taken, pos = {}, set(), 0
-    for m in (n // 2, n):
-        st.begin_prompt()
-        ws = st._workspace
-        cp.track_start()
-        st.run(0, pos, ids=_ids(m), prompt=True)
-        outside[m], _ = cp.track_stop()
-        taken |= ws.taken
-        st.end_prompt()
-        pos += m
+    ws, outside, taken, _ = _read_prompts(st, (n // 2, n))
     return {"carved": ws.nbytes, "priced": shape.resident_prompt_bytes(n),
             "own": st.own_prompt_bytes, "outside": outside, "taken": sorted(taken),
             "overflow": int(st.tiers.counters["loan_overflow_bytes"]),
