@@ -32,11 +32,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from protocol.bounded_read import MIB, FileTooLarge, read_capped
+
 from .plan.params import PlanParams
 
 FORMAT = 1
 # the fields a file may set
 CALIBRATED = ("handoff_ms", "shared_card_handoff_ms", "link_ms", "link_gbs", "host_gbs", "peer_gbs")
+CALIBRATION_FILE_MAX = 1 * MIB  # a calibration is a few numbers; past this, not one (refused unread)
 HIDDEN = 2048                  # the width of the row the hand-off passes (a Qwen3-30B-A3B row)
 PAYLOAD_MIB = 16               # a large probe of the link
 
@@ -367,10 +370,13 @@ def load_params(content, path: str) -> dict[str, float]:
 def load_calibration(path: str) -> dict[str, float]:
     """The PlanParams fields a calibration file sets (load_params), read from `path`."""
     try:
-        with open(path) as f:
-            content = json.load(f)
+        content = json.loads(read_capped(path, CALIBRATION_FILE_MAX, "--calibration"))
+    except FileTooLarge as e:
+        raise CalibrationError(str(e)) from None
     except OSError as e:
         raise CalibrationError(f"calibration {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CalibrationError(f"calibration {path}: not JSON ({e})") from None
+    except RecursionError:
+        raise CalibrationError(f"calibration {path}: not a calibration (nested too deep)") from None
     return load_params(content, path)

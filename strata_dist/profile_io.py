@@ -32,10 +32,17 @@ from typing import Callable
 
 import numpy as np
 
+from protocol.bounded_read import MIB, read_capped
+
 from .plan.profile import _MAGIC, RoutingProfile
 
 FORMAT = "strata-routing-profile"
 VERSION = 1
+# past these a file is not what its flag wants (/dev/zero, a log): refused unread. A profile of
+# 128 layers x 1,024 experts written as JSON is about 3 MiB; the prompt ids file holds prompts of
+# up to a context each: 16 MiB is some 2 million ids (a 1M-token context at 7 bytes an id, twice)
+PROFILE_FILE_MAX = 16 * MIB
+PROMPT_IDS_FILE_MAX = 16 * MIB
 
 
 # ---------------------------------------------------------------- recording
@@ -133,7 +140,7 @@ def read_profile_file(path: str | os.PathLike[str]) -> tuple[RoutingProfile, str
     it is not one."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_capped(path, PROFILE_FILE_MAX, "--expert-profile")
     except OSError as e:
         raise ValueError(f"{path}: cannot read the routing profile ({e.strerror or e})") from None
     if data[:8] == _MAGIC:
@@ -143,8 +150,9 @@ def read_profile_file(path: str | os.PathLike[str]) -> tuple[RoutingProfile, str
             raise ValueError(f"{path}: malformed routing profile: {e}") from None
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a routing profile (neither JSON nor STRPROF1 binary): {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not a routing profile (neither JSON nor STRPROF1 binary): "
+                         f"{e if not isinstance(e, RecursionError) else 'nested too deep'}") from None
 
     def bad(why: str) -> ValueError:
         return ValueError(f"{path}: malformed routing profile: {why}")
@@ -204,7 +212,7 @@ def read_prompt_ids_file(path: str | os.PathLike[str]) -> list[list[int]]:
     does a file with no prompt at all or one that cannot be read."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, PROMPT_IDS_FILE_MAX, "--prompt-ids-file").decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot read the prompt ids file ({getattr(e, 'strerror', None) or e})") from None
     prompts: list[list[int]] = []
