@@ -18,6 +18,7 @@ import secrets
 from collections import OrderedDict
 from typing import Mapping
 
+from .bounded_read import KIB, FileTooLarge, read_capped
 from .messages import (ERR_AUTH, ERR_FINGERPRINT, ERR_VERSION, PROTOCOL_VERSION, Auth, AuthOk, Challenge, Error,
                        Hello, Message, ProtocolError, Register, VersionMismatch)
 from .transport import CONNECT_TIMEOUT_MS, Channel
@@ -25,6 +26,7 @@ from .transport import CONNECT_TIMEOUT_MS, Channel
 SECRET_ENV = "STRATA_TOKEN"
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16  # shorter secrets are refused: they can be guessed offline from one recorded exchange
+SECRET_FILE_MAX = 64 * KIB  # a token file past this is not a token (/dev/zero, a log): refused unread
 _SERVER_TAG = b"strata-server\0"
 
 
@@ -49,8 +51,9 @@ def load_secret(token_file: str | None = None, environ: Mapping[str, str] | None
     environ = os.environ if environ is None else environ
     if token_file:
         try:
-            with open(token_file, "rb") as f:
-                raw, source = f.read(), f"token file {token_file}"
+            raw, source = read_capped(token_file, SECRET_FILE_MAX, "--token-file"), f"token file {token_file}"
+        except FileTooLarge as e:
+            raise AuthError(str(e)) from None
         except OSError as e:
             raise AuthError(f"cannot read token file {token_file}: {e.strerror or e}") from None
     elif environ.get(SECRET_ENV):
