@@ -6,16 +6,21 @@ straight into the file, so memory stays at a few chunks whatever the file size. 
 is generated directly as random blocks (random quants, f16 scales from a table picked by a random
 byte) instead of quantizing floats: that keeps the writer at disk speed.
 
-Types. Norms and routers are F32; other dense tensors (token_embd, output, attn_*) F32 for `f32`, else
-F16; the expert tensors take `quant`, falling back to Q8_0 then F16 for a tensor whose rows are not a
-whole number of the type's blocks (the tiny geometry's 64-wide rows cannot hold Q4_K's 256).
+Types. `quant` is a file type (ftypes.py): each tensor gets the type the reference quantizer's rules
+give it for that file type and architecture (q4_k_m: attn_v and half the layers' ffn_down in Q6_K,
+the output in Q6_K, the rest Q4_K; norms and routers F32), a tensor whose rows do not hold the
+type's blocks falling back as those rules say (the tiny geometry's 64-wide rows cannot hold 256-wide
+K blocks). The legacy `q4_k` keeps its first meaning: Q4_K experts, F16 dense tensors.
+Shards (`split_max_size`): shards.py.
 Values: weights std WEIGHT_STD (dequantized), except attn_output, scaled so attention cannot amplify
 a component common to all positions layer after layer (`attn_out_std`); norms 1.
 
 Popularity (`uniform` or `zipf:S`): a reserved slice of the hidden state that only routers read.
   * Coordinates [0, R) of the hidden state are reserved, R = 1 + n_expert (rounded up to whole blocks
-    of 32 when the experts are quantized). Token embedding rows hold the constant A in coordinate 0 (`CHANNEL_VALUE`, the same
-    for every token) and random values (std EMBD_STD) everywhere else, reserved or not.
+    of 32 when the experts are quantized). Token embedding rows hold the constant A in coordinate 0
+    (the same for every token: CHANNEL_VALUE in a float embedding; in a quantized one the value the
+    first block's fixed scales give, `embedding_channel`) and random values (std EMBD_STD)
+    everywhere else, reserved or not.
   * Nothing writes the reserved slice: rows [0, R) of attn_output and of every expert's ffn_down are
     zero, so the residual stream keeps exactly its embedding values there at every layer.
   * Nothing else reads it: attn_norm and output_norm are 0 on [0, R), and columns [0, R) of
@@ -43,17 +48,23 @@ from typing import Callable
 
 from .moe import GEOMETRIES, SynthGeometry, write_moe
 from .next import NEXT_GEOMETRIES, NextSynthGeometry, write_next
+from .ftypes import FILE_TYPES
+from .shards import parse_size
 from .writer import (QUANTS, Popularity, SynthSummary, parse_popularity, reserved_width,
                      top_k_inclusion)
 
 
 def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry | NextSynthGeometry,
                     quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> SynthSummary:
+                    progress: Callable[[int, int], None] | None = None,
+                    split_max_size: int | str = 0) -> SynthSummary:
     """Write a synthetic GGUF of a geometry (a name of GEOMETRIES or NEXT_GEOMETRIES, or the
-    value) to `path`; `progress(bytes_written, total_bytes)` per chunk."""
+    value) to `path`; `progress(bytes_written, total_bytes)` per chunk. `split_max_size` (bytes, or
+    text such as "4G"): write shards `<path without .gguf>-0000i-of-0000N.gguf` instead."""
+    if isinstance(split_max_size, str):
+        split_max_size = parse_size(split_max_size)
     if isinstance(like, NextSynthGeometry) or like in NEXT_GEOMETRIES:
-        return write_next(path, like, quant, popularity, seed, progress)
+        return write_next(path, like, quant, popularity, seed, progress, split_max_size)
     if isinstance(like, SynthGeometry):
         g = like
     elif like in GEOMETRIES:
@@ -62,9 +73,9 @@ def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry | Ne
         raise ValueError(f"unknown geometry {like!r}: expected one of "
                          f"{', '.join([*GEOMETRIES, *NEXT_GEOMETRIES])}")
     pop = parse_popularity(popularity) if isinstance(popularity, str) else popularity
-    return write_moe(path, g, quant, pop, seed, progress)
+    return write_moe(path, g, quant, pop, seed, progress, split_max_size)
 
 
-__all__ = ["GEOMETRIES", "NEXT_GEOMETRIES", "QUANTS", "NextSynthGeometry", "Popularity",
+__all__ = ["FILE_TYPES", "GEOMETRIES", "NEXT_GEOMETRIES", "QUANTS", "NextSynthGeometry", "Popularity",
            "SynthGeometry", "SynthSummary", "parse_popularity", "reserved_width", "top_k_inclusion",
-           "write_synthetic"]
+           "parse_size", "write_synthetic"]

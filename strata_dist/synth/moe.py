@@ -9,9 +9,10 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from .writer import (EMBD_STD, CHANNEL_VALUE, MT, QUANTS, T, Popularity, SynthSummary, Tensor,
-                     attn_out_std, calibrate_logit_means, const, expert_type, experts, matrix,
-                     reserved_width, router, stream, summary, write_file)
+from .writer import (EMBD_STD, MT, QUANTS, Popularity, SynthSummary, Tensor, assign_types,
+                     attn_out_std, calibrate_logit_means, const, embedding_channel, experts, matrix,
+                     reserved_width, router, set_embedding_channel, stream, summary, write_file,
+                     zero_reserved_rows)
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,9 @@ GEOMETRIES: dict[str, SynthGeometry] = {
 
 
 def plan_moe(g: SynthGeometry, quant: str, pop: Popularity, seed: int) -> tuple[list[Tensor], np.ndarray]:
-    qtype = QUANTS[quant][0]
-    dense = T.F32 if qtype == T.F32 else T.F16
+    """The tensors of the file, in order, each of the type file type `quant` gives it."""
     res = reserved_width(g, quant)
+    channel = embedding_channel(g, quant)
     out_std = attn_out_std(g)
     mu = calibrate_logit_means(pop, g.n_expert, g.n_expert_used)
     q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
@@ -59,43 +60,38 @@ def plan_moe(g: SynthGeometry, quant: str, pop: Popularity, seed: int) -> tuple[
     def name(t: MT, layer: int | None = None) -> str:
         return gguf.TENSOR_NAMES[t].format(bid=layer) + ".weight"
 
-    def set_channel(r0: int, rows: np.ndarray) -> None:
-        rows[:, 0] = CHANNEL_VALUE
-
-    def zero_reserved_rows(r0: int, rows: np.ndarray) -> None:
-        rows[: max(0, res - r0)] = 0                     # rows [0, res) of the matrix
-
-    tensors = [matrix(name(MT.TOKEN_EMBD), dense, g.n_vocab, g.n_embd, lambda: stream(seed, 0, 0),
-                       set_channel, std=EMBD_STD)]
+    tensors = [matrix(name(MT.TOKEN_EMBD), g.n_vocab, g.n_embd, lambda: stream(seed, 0, 0),
+                      set_embedding_channel, std=EMBD_STD)]
     ranks = np.empty((g.n_layer, g.n_expert), np.int64)
-    t_gu, t_down = expert_type(qtype, g.n_embd), expert_type(qtype, g.n_ff_exp)
     for il in range(g.n_layer):
         def bits(kind: int, il: int = il) -> Callable[[], np.random.SFC64]:
             return lambda: stream(seed, il + 1, kind)
         ranks[il] = np.random.Generator(stream(seed, il + 1, 99)).permutation(g.n_expert)
         tensors += [
             const(name(MT.ATTN_NORM, il), (g.n_embd,), lambda: unreserved),
-            matrix(name(MT.ATTN_Q, il), dense, q, g.n_embd, bits(1)),
-            matrix(name(MT.ATTN_K, il), dense, kv, g.n_embd, bits(2)),
-            matrix(name(MT.ATTN_V, il), dense, kv, g.n_embd, bits(3)),
-            matrix(name(MT.ATTN_OUT, il), dense, g.n_embd, q, bits(4), zero_reserved_rows, std=out_std),
+            matrix(name(MT.ATTN_Q, il), q, g.n_embd, bits(1)),
+            matrix(name(MT.ATTN_K, il), kv, g.n_embd, bits(2)),
+            matrix(name(MT.ATTN_V, il), kv, g.n_embd, bits(3)),
+            matrix(name(MT.ATTN_OUT, il), g.n_embd, q, bits(4), zero_reserved_rows(res), std=out_std),
             const(name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
             const(name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
             const(name(MT.FFN_NORM, il), (g.n_embd,), lambda: ones),
             const(name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
-                   lambda il=il: router(g, stream(seed, il + 1, 9), mu, ranks[il], res)),
-            experts(name(MT.FFN_GATE_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
-            experts(name(MT.FFN_UP_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
-            experts(name(MT.FFN_DOWN_EXP, il), t_down, g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
+                  lambda il=il: router(g, stream(seed, il + 1, 9), mu, ranks[il], res, channel)),
+            experts(name(MT.FFN_GATE_EXP, il), g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
+            experts(name(MT.FFN_UP_EXP, il), g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
+            experts(name(MT.FFN_DOWN_EXP, il), g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
         ]
     tensors += [const(name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
-                matrix(name(MT.OUTPUT), dense, g.n_vocab, g.n_embd, lambda: stream(seed, 0, 1))]
+                matrix(name(MT.OUTPUT), g.n_vocab, g.n_embd, lambda: stream(seed, 0, 1))]
+    assign_types(g, quant, tensors)
     return tensors, ranks
 
 
 def write_moe(path: str | os.PathLike[str], g: SynthGeometry, quant: str, pop: Popularity,
-              seed: int, progress: Callable[[int, int], None] | None) -> SynthSummary:
-    """Write a synthetic qwen3moe GGUF of geometry `g` to `path`."""
+              seed: int, progress: Callable[[int, int], None] | None,
+              split_max_size: int = 0) -> SynthSummary:
+    """Write a synthetic qwen3moe GGUF of geometry `g` to `path` (or its shards)."""
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANTS)}")
     if g.n_head % g.n_head_kv or not 0 < g.n_expert_used <= g.n_expert:
@@ -120,5 +116,6 @@ def write_moe(path: str | os.PathLike[str], g: SynthGeometry, quant: str, pop: P
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)
 
-    size = write_file(path, "qwen3moe", g, quant, pop, seed, ranks, metadata, tensors, progress)
-    return summary(path, size, g, quant, pop, tensors, ranks)
+    paths = write_file(path, "qwen3moe", g, quant, pop, seed, ranks, metadata, tensors, progress,
+                       split_max_size)
+    return summary(paths, sum(p.stat().st_size for p in paths), g, quant, pop, tensors, ranks)

@@ -23,10 +23,10 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from .writer import (CHANNEL_VALUE, EMBD_STD, QUANTS, WEIGHT_STD, MT, Popularity, SynthSummary, T,
-                    attn_out_std, const, expert_type, experts, matrix, router, stream,
-                    summary, write_file, zero_first_columns, calibrate_logit_means,
-                    parse_popularity, reserved_width)
+from .writer import (EMBD_STD, QUANTS, WEIGHT_STD, MT, Popularity, SynthSummary, assign_types,
+                     attn_out_std, const, embedding_channel, experts, matrix, router,
+                     set_embedding_channel, stream, summary, write_file, calibrate_logit_means,
+                     parse_popularity, reserved_width, zero_reserved_cols, zero_reserved_rows)
 
 GDN_OUT_GAIN = 0.5     # ssm_out std so |ssm_out| * rms(gated norm output ~ 0.5) stays ~ this
 
@@ -94,9 +94,9 @@ def _name(t: MT, layer: int | None = None, suffix: str = ".weight") -> str:
 
 
 def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
-    qtype = QUANTS[quant][0]
-    dense = T.F32 if qtype == T.F32 else T.F16
+    """The tensors of the file, in order, each of the type file type `quant` gives it."""
     res = reserved_width(g, quant)
+    channel = embedding_channel(g, quant)
     mu = calibrate_logit_means(pop, g.n_expert, g.n_expert_used)
     q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
     ones = np.ones(g.n_embd, np.float32)
@@ -104,20 +104,11 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
     unreserved[:res] = 0
     out_std = attn_out_std(g)
     gdn_out_std = min(WEIGHT_STD, GDN_OUT_GAIN / (0.5 * math.sqrt(g.value_dim)))
+    no_write, no_read = zero_reserved_rows(res), zero_reserved_cols(res)
 
-    def set_channel(r0: int, rows: np.ndarray) -> None:
-        rows[:, 0] = CHANNEL_VALUE
-
-    def zero_reserved_rows(r0: int, rows: np.ndarray) -> None:
-        rows[: max(0, res - r0)] = 0
-
-    def zero_reserved_cols(r0: int, rows: np.ndarray) -> None:
-        zero_first_columns(dense, rows, res)
-
-    tensors = [matrix(_name(MT.TOKEN_EMBD), dense, g.n_vocab, g.n_embd, lambda: stream(seed, 0, 0),
-                       set_channel, std=EMBD_STD)]
+    tensors = [matrix(_name(MT.TOKEN_EMBD), g.n_vocab, g.n_embd, lambda: stream(seed, 0, 0),
+                      set_embedding_channel, std=EMBD_STD)]
     ranks = np.empty((g.n_layer, g.n_expert), np.int64)
-    t_gu, t_down = expert_type(qtype, g.n_embd), expert_type(qtype, g.n_ff_exp)
     for il in range(g.n_layer):
         def bits(kind: int, il: int = il) -> Callable[[], np.random.SFC64]:
             return lambda: stream(seed, il + 1, kind)
@@ -126,8 +117,8 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
         if g.is_linear(il):
             rng = lambda kind, il=il: np.random.Generator(stream(seed, il + 1, kind))  # noqa: E731
             tensors += [
-                matrix(_name(MT.ATTN_QKV, il), dense, g.conv_dim, g.n_embd, bits(1)),
-                matrix(_name(MT.ATTN_GATE, il), dense, g.value_dim, g.n_embd, bits(2)),
+                matrix(_name(MT.ATTN_QKV, il), g.conv_dim, g.n_embd, bits(1)),
+                matrix(_name(MT.ATTN_GATE, il), g.value_dim, g.n_embd, bits(2)),
                 const(_name(MT.SSM_CONV1D, il), (g.conv_dim, g.conv_kernel),
                        lambda rng=rng: rng(20).uniform(-1, 1, (g.conv_dim, g.conv_kernel))
                        / math.sqrt(g.conv_kernel)),
@@ -136,44 +127,45 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
                            math.log(0.01), math.log(0.1), g.n_v_heads))))),
                 const(_name(MT.SSM_A, il, ""), (g.n_v_heads,),
                        lambda rng=rng: -rng(22).uniform(1.0, 8.0, g.n_v_heads)),
-                matrix(_name(MT.SSM_BETA_ALPHA, il), dense, 2 * g.n_v_heads, g.n_embd, bits(3)),
+                matrix(_name(MT.SSM_BETA_ALPHA, il), 2 * g.n_v_heads, g.n_embd, bits(3)),
                 const(_name(MT.SSM_NORM, il), (g.head_v_dim,), lambda: np.ones(g.head_v_dim)),
-                matrix(_name(MT.SSM_OUT, il), dense, g.n_embd, g.value_dim, bits(4),
-                        zero_reserved_rows, std=gdn_out_std),
+                matrix(_name(MT.SSM_OUT, il), g.n_embd, g.value_dim, bits(4), no_write,
+                       std=gdn_out_std),
             ]
         else:
             tensors += [
-                matrix(_name(MT.ATTN_Q, il), dense, 2 * q, g.n_embd, bits(1)),   # q and its gate
-                matrix(_name(MT.ATTN_K, il), dense, kv, g.n_embd, bits(2)),
-                matrix(_name(MT.ATTN_V, il), dense, kv, g.n_embd, bits(3)),
-                matrix(_name(MT.ATTN_OUT, il), dense, g.n_embd, q, bits(4), zero_reserved_rows,
-                        std=out_std),
+                matrix(_name(MT.ATTN_Q, il), 2 * q, g.n_embd, bits(1)),   # q and its gate
+                matrix(_name(MT.ATTN_K, il), kv, g.n_embd, bits(2)),
+                matrix(_name(MT.ATTN_V, il), kv, g.n_embd, bits(3)),
+                matrix(_name(MT.ATTN_OUT, il), g.n_embd, q, bits(4), no_write, std=out_std),
                 const(_name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
                 const(_name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
             ]
         tensors += [
             const(_name(MT.ATTN_POST_NORM, il), (g.n_embd,), lambda: ones),
             const(_name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
-                   lambda il=il: router(g, stream(seed, il + 1, 9), mu, ranks[il], res)),
-            experts(_name(MT.FFN_GATE_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
-            experts(_name(MT.FFN_UP_EXP, il), t_gu, g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
-            experts(_name(MT.FFN_DOWN_EXP, il), t_down, g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
-            matrix(_name(MT.FFN_GATE_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(10), zero_reserved_cols),
-            matrix(_name(MT.FFN_UP_SHEXP, il), dense, g.n_ff_shexp, g.n_embd, bits(11), zero_reserved_cols),
-            matrix(_name(MT.FFN_DOWN_SHEXP, il), dense, g.n_embd, g.n_ff_shexp, bits(12), zero_reserved_rows),
+                   lambda il=il: router(g, stream(seed, il + 1, 9), mu, ranks[il], res, channel)),
+            experts(_name(MT.FFN_GATE_EXP, il), g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
+            experts(_name(MT.FFN_UP_EXP, il), g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
+            experts(_name(MT.FFN_DOWN_EXP, il), g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
+            matrix(_name(MT.FFN_GATE_SHEXP, il), g.n_ff_shexp, g.n_embd, bits(10), no_read),
+            matrix(_name(MT.FFN_UP_SHEXP, il), g.n_ff_shexp, g.n_embd, bits(11), no_read),
+            matrix(_name(MT.FFN_DOWN_SHEXP, il), g.n_embd, g.n_ff_shexp, bits(12), no_write),
             const(_name(MT.FFN_GATE_INP_SHEXP, il), (1, g.n_embd),
                    lambda il=il: np.random.Generator(stream(seed, il + 1, 13)).uniform(
                        -1, 1, (1, g.n_embd)) * unreserved * (WEIGHT_STD * math.sqrt(3))),
         ]
     tensors += [const(_name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
-                matrix(_name(MT.OUTPUT), dense, g.n_vocab, g.n_embd, lambda: stream(seed, 0, 1))]
+                matrix(_name(MT.OUTPUT), g.n_vocab, g.n_embd, lambda: stream(seed, 0, 1))]
+    assign_types(g, quant, tensors)
     return tensors, ranks
 
 
 def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
-                         quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
-                         progress: Callable[[int, int], None] | None = None) -> SynthSummary:
-    """Write a synthetic qwen3next GGUF to `path` (see the module docstring)."""
+               quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
+               progress: Callable[[int, int], None] | None = None,
+               split_max_size: int = 0) -> SynthSummary:
+    """Write a synthetic qwen3next GGUF to `path`, or its shards (see the module docstring)."""
     g = like if isinstance(like, NextSynthGeometry) else NEXT_GEOMETRIES.get(like)
     if g is None:
         raise ValueError(f"unknown geometry {like!r}: expected one of {', '.join(NEXT_GEOMETRIES)}")
@@ -211,5 +203,6 @@ def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
         w.add_ssm_inner_size(g.value_dim)
         w.add_full_attention_interval(g.full_attention_interval)
 
-    size = write_file(path, "qwen3next", g, quant, pop, seed, ranks, metadata, tensors, progress)
-    return summary(path, size, g, quant, pop, tensors, ranks)
+    paths = write_file(path, "qwen3next", g, quant, pop, seed, ranks, metadata, tensors, progress,
+                       split_max_size)
+    return summary(paths, sum(p.stat().st_size for p in paths), g, quant, pop, tensors, ranks)

@@ -3,8 +3,6 @@ streams generated chunk by chunk, the routing law's calibration, and the GGUF la
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -13,6 +11,9 @@ from typing import Callable, Iterator
 import gguf
 import numpy as np
 
+from .blocks import channel_value, random_rows, set_channel, zero_first_columns
+from .ftypes import FILE_TYPES, ModelInfo, tensor_types
+from .shards import write_gguf
 from .tokenizer import add_tokenizer
 
 T = gguf.GGMLQuantizationType
@@ -25,15 +26,9 @@ CHANNEL_VALUE = 4.0          # the constant in coordinate 0 of every token embed
 ATTN_GAIN = 0.5              # attn_output std is set so |W_o W_v| ~ this (see attn_out_std)
 ROUTER_NOISE = 1.0           # std of the token-dependent part of a router logit (layer 0)
 PI_CAP = 0.95                # most tokens an expert may be routed (fraction) in the target law
-_INT8_STD = math.sqrt((256 ** 2 - 1) / 12)  # std of a uniform random int8
 
 
-QUANTS: dict[str, tuple[T, gguf.LlamaFileType]] = {
-    "f32": (T.F32, gguf.LlamaFileType.ALL_F32),
-    "f16": (T.F16, gguf.LlamaFileType.MOSTLY_F16),
-    "q8_0": (T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-    "q4_k": (T.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
-}
+QUANTS = FILE_TYPES             # the accepted --quant values (strata_dist/synth/ftypes.py)
 
 
 @dataclass(frozen=True)
@@ -68,151 +63,119 @@ def parse_popularity(text: str) -> Popularity:
 
 @dataclass
 class SynthSummary:
-    path: Path
-    bytes_written: int
+    path: Path                        # the file, or its first shard
+    bytes_written: int                # over all shards
     n_params: int
     geometry: object                  # the SynthGeometry or NextSynthGeometry written
     quant: str
     popularity: Popularity
-    tensor_types: dict[str, str]      # tensor kind (name without blk.N.) -> GGML type name
+    tensor_types: dict[str, str]      # tensor kind (name without blk.N.) -> its type in layer 0
     expert_rank: np.ndarray = field(repr=False)  # [n_layer, n_expert]: expert ids, hottest first
+    types: dict[str, str] = field(default_factory=dict, repr=False)  # every tensor -> its type
+    shards: list[Path] = field(default_factory=list)                 # the files written, in order
 
 
-# ---------------------------------------------------------------- random data, chunk by chunk
+# ---------------------------------------------------------------- tensors, chunk by chunk
 
 def stream(seed: int, *key: int) -> np.random.SFC64:
     """An independent random stream per (seed, tensor); SFC64.random_raw is ~4 GB/s."""
     return np.random.SFC64(np.random.SeedSequence(seed, spawn_key=key))
 
 
-def _raw(bits: np.random.SFC64, n: int) -> np.ndarray:
-    return bits.random_raw((n + 7) // 8).view(np.uint8)[:n]
-
-
-def _uniform(bits: np.random.SFC64, shape: tuple[int, ...], std: float, dtype: type) -> np.ndarray:
-    """Values on 256 levels symmetric about 0 with the given std, one random byte each through a
-    lookup table: one pass, several times faster than normals or int8 -> float arithmetic."""
-    levels = ((np.arange(256) - 127.5) * (std / _INT8_STD)).astype(dtype)
-    raw = _raw(bits, math.prod(shape))
-    out = np.empty(raw.size, dtype)
-    for i in range(0, raw.size, 1 << 20):               # take() widens indices to int64: slice it
-        np.take(levels, raw[i:i + (1 << 20)], out=out[i:i + (1 << 20)])
-    return out.reshape(shape)
-
-
-def _scale_table(mean: float) -> np.ndarray:
-    """256 f16 scales spread ±25% around `mean`, as uint16 bit patterns, picked by a random byte."""
-    return (mean * np.linspace(0.75, 1.25, 256)).astype(np.float16).view(np.uint16)
-
-
-# Q8_0 block: f16 d, 32 int8 quants; w = d * q. Uniform int8 quants have std _INT8_STD.
-_Q8_D = _scale_table(WEIGHT_STD / _INT8_STD)
-# Q4_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins for 8 sub-blocks, 128 bytes of
-# 4-bit quants; w = d*sc*q - dmin*m. We store m = sc and dmin = 7.5*d so w = d*sc*(q - 7.5) has zero
-# mean; scales in 32..63 (rms 48.4) and uniform 4-bit q (std 4.61) give std = d * 223.
-_Q4K_D = _scale_table(WEIGHT_STD / (48.4 * 4.61))
-_Q4K_DMIN = (_Q4K_D.view(np.float16).astype(np.float32) * 7.5).astype(np.float16).view(np.uint16)
-
-
-def _blocks_q8_0(bits: np.random.SFC64, n_blocks: int) -> np.ndarray:
-    b = _raw(bits, n_blocks * 34).reshape(n_blocks, 34)
-    b[:, 0:2] = _Q8_D[b[:, 0]].view(np.uint8).reshape(n_blocks, 2)
-    return b
-
-
-def _blocks_q4_k(bits: np.random.SFC64, n_blocks: int) -> np.ndarray:
-    b = _raw(bits, n_blocks * 144).reshape(n_blocks, 144)
-    pick = b[:, 0].copy()
-    b[:, 0:2] = _Q4K_D[pick].view(np.uint8).reshape(n_blocks, 2)
-    b[:, 2:4] = _Q4K_DMIN[pick].view(np.uint8).reshape(n_blocks, 2)
-    # scales[0:4] low 6 bits = scale j<4, top 2 bits = high bits of scale j+4; 0xA0 puts every scale
-    # in 32..63. scales[4:8] the same for the mins; scales[8:12] nibbles = low bits of scale/min j+4.
-    b[:, 4:8] |= 0xA0
-    b[:, 8:12] = b[:, 4:8]
-    b[:, 12:16] = (b[:, 12:16] & 0x0F) * 17
-    return b
-
-
 @dataclass
 class Tensor:
+    """A tensor to write: its type is set once the file type's plan is known (`assign_types`);
+    `chunks(type)` generates its bytes."""
     name: str
     shape: tuple[int, ...]             # numpy order (GGUF ne reversed)
     ggml_type: T
-    chunks: Callable[[], Iterator[np.ndarray]]
+    chunks: Callable[[T], Iterator[np.ndarray]]
 
     @property
     def nbytes(self) -> int:
         block, size = gguf.GGML_QUANT_SIZES[self.ggml_type]
         return math.prod(self.shape) // block * size
 
-
-def random_rows(t: T, bits: np.random.SFC64, n_rows: int, n_cols: int, std: float = WEIGHT_STD) -> np.ndarray:
-    """n_rows rows of n_cols random weights: float16/32 values, or block bytes [n_rows, row_bytes]."""
-    if t in (T.F32, T.F16):
-        return _uniform(bits, (n_rows, n_cols), std, np.float32 if t == T.F32 else np.float16)
-    block = gguf.GGML_QUANT_SIZES[t][0]
-    make = _blocks_q8_0 if t == T.Q8_0 else _blocks_q4_k
-    return make(bits, n_rows * n_cols // block).reshape(n_rows, -1)
+    def data(self) -> Iterator[np.ndarray]:
+        return self.chunks(self.ggml_type)
 
 
-def zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
-    """Make the first n weights of every row exactly zero (n a multiple of 32 for quant types)."""
-    if t in (T.F32, T.F16):
-        rows[:, :n] = 0
-    elif t == T.Q8_0:
-        rows[:, :n // 32 * 34] = 0                       # d = 0 and q = 0: whole blocks
-    else:
-        whole = n // 256                                 # Q4_K: whole super-blocks (d = dmin = 0) ...
-        rows[:, :whole * 144] = 0
-        sc = rows[:, whole * 144 + 4: whole * 144 + 16]  # ... then sub-blocks: scale = min = 0
-        for j in range(n % 256 // 32):
-            if j < 4:
-                sc[:, j] &= 0xC0                         # keep the top bits: they belong to j + 4
-                sc[:, j + 4] &= 0xC0
-            else:
-                sc[:, j + 4] = 0
-                sc[:, j - 4] &= 0x3F
-                sc[:, j] &= 0x3F
+Fix = Callable[[T, int, np.ndarray], None]   # (type, first row, rows): edits a chunk before writing
 
 
-def matrix(name: str, t: T, n_rows: int, n_cols: int, bits: Callable[[], np.random.SFC64],
-            fix: Callable[[int, np.ndarray], None] | None = None, std: float = WEIGHT_STD) -> Tensor:
-    """A 2-D random weight matrix; `fix(first_row, rows)` edits each chunk before it is written."""
-    def chunks() -> Iterator[np.ndarray]:
+def matrix(name: str, n_rows: int, n_cols: int, bits: Callable[[], np.random.SFC64],
+           fix: Fix | None = None, std: float = WEIGHT_STD) -> Tensor:
+    """A 2-D random weight matrix, of the type the plan gives it."""
+    def chunks(t: T) -> Iterator[np.ndarray]:
         src = bits()
         block, size = gguf.GGML_QUANT_SIZES[t]
         step = max(1, CHUNK_BYTES // (n_cols // block * size))
         for r0 in range(0, n_rows, step):
             rows = random_rows(t, src, min(step, n_rows - r0), n_cols, std)
             if fix is not None:
-                fix(r0, rows)
+                fix(t, r0, rows)
             yield rows
-    return Tensor(name, (n_rows, n_cols), t, chunks)
+    return Tensor(name, (n_rows, n_cols), T.F16, chunks)
 
 
-def experts(name: str, t: T, g, n_out: int, n_in: int, bits: Callable[[], np.random.SFC64],
-             reserved: int, writes: bool) -> Tensor:
+def experts(name: str, g, n_out: int, n_in: int, bits: Callable[[], np.random.SFC64],
+            reserved: int, writes: bool) -> Tensor:
     """[n_expert, n_out, n_in]. The reserved slice [0, reserved) of the hidden state: ffn_down
     (`writes`) gets those rows of every expert zeroed, ffn_gate/ffn_up those columns."""
-    def fix(r0: int, rows: np.ndarray) -> None:
+    def fix(t: T, r0: int, rows: np.ndarray) -> None:
         if writes:
             out = (r0 + np.arange(len(rows))) % n_out   # row index inside its expert
             rows[out < reserved] = 0
         else:
             zero_first_columns(t, rows, reserved)
-    m = matrix(name, t, g.n_expert * n_out, n_in, bits, fix)
+    m = matrix(name, g.n_expert * n_out, n_in, bits, fix)
     m.shape = (g.n_expert, n_out, n_in)
     return m
 
 
 def const(name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> Tensor:
-    """A small F32 tensor, built only when written (routers of 94 layers would be 200 MB)."""
-    return Tensor(name, shape, T.F32, lambda: iter([np.ascontiguousarray(make(), dtype=np.float32)]))
+    """A small F32 tensor (never quantized), built only when written (routers of 94 layers would
+    be 200 MB)."""
+    return Tensor(name, shape, T.F32, lambda t: iter([np.ascontiguousarray(make(), dtype=np.float32)]))
 
 
-def expert_type(quant: T, n_in: int) -> T:
-    """The requested expert type, or the first fallback whose blocks tile a row of n_in values."""
-    return next(t for t in (quant, T.Q8_0, T.F16) if n_in % gguf.GGML_QUANT_SIZES[t][0] == 0)
+def zero_reserved_rows(reserved: int) -> Fix:
+    """Rows [0, reserved) of the matrix are zero: it does not write the routers' slice."""
+    def fix(t: T, r0: int, rows: np.ndarray) -> None:
+        rows[: max(0, reserved - r0)] = 0
+    return fix
+
+
+def zero_reserved_cols(reserved: int) -> Fix:
+    """Columns [0, reserved) are zero: the matrix does not read the routers' slice."""
+    return lambda t, r0, rows: zero_first_columns(t, rows, reserved)
+
+
+def set_embedding_channel(t: T, r0: int, rows: np.ndarray) -> None:
+    set_channel(t, rows, EMBD_STD, CHANNEL_VALUE)
+
+
+def model_info(g) -> ModelInfo:
+    return ModelInfo(n_layer=g.n_layer, n_expert=g.n_expert, n_gqa=g.n_head // g.n_head_kv)
+
+
+def one_type(g, quant: str, name: str, shape: tuple[int, ...]) -> T:
+    """The plan's type of one tensor whose rule reads no other tensor (experts, token_embd)."""
+    others = [("output.weight", (1, 1), T.F32)]           # present: the embedding is not tied
+    return tensor_types(quant, [(name, shape, T.F16), *others], model_info(g))[name]
+
+
+def assign_types(g, quant: str, tensors: list[Tensor]) -> None:
+    """Give every tensor its type under file type `quant` (strata_dist/synth/ftypes.py)."""
+    types = tensor_types(quant, [(t.name, t.shape, t.ggml_type) for t in tensors], model_info(g))
+    for t in tensors:
+        t.ggml_type = types[t.name]
+
+
+def embedding_channel(g, quant: str) -> float:
+    """A: the value coordinate 0 of every token embedding holds in the file."""
+    t = one_type(g, quant, "token_embd.weight", (g.n_vocab, g.n_embd))
+    return channel_value(t, EMBD_STD, CHANNEL_VALUE)
 
 
 # ---------------------------------------------------------------- popularity
@@ -286,17 +249,17 @@ def calibrate_logit_means(pop: Popularity, n_expert: int, k: int) -> np.ndarray:
 
 
 def router(g, bits: np.random.SFC64, mu_by_rank: np.ndarray, rank_order: np.ndarray,
-            reserved: int) -> np.ndarray:
-    """[n_expert, n_embd] F32 router reading only the reserved slice: column 0 times CHANNEL_VALUE
+           reserved: int, channel: float) -> np.ndarray:
+    """[n_expert, n_embd] F32 router reading only the reserved slice: column 0 times the channel A
     gives the mean mu, orthonormal rows on [1, reserved) the token noise. In units of the layer-0
     RMSNorm input scale (rms_h), so logits at layer 0 are mu + N(0, 1) * ROUTER_NOISE."""
-    rms_h = embedding_rms(g.n_embd)
+    rms_h = embedding_rms(g.n_embd, channel)
     q, _ = np.linalg.qr(np.random.Generator(bits).standard_normal((reserved - 1, g.n_expert)))
     w = np.zeros((g.n_expert, g.n_embd), np.float32)
     w[:, 1:reserved] = q.T * (ROUTER_NOISE * rms_h / EMBD_STD)
     mu = np.empty(g.n_expert)
     mu[rank_order] = mu_by_rank                          # expert rank_order[r] has rank r
-    w[:, 0] = mu * ROUTER_NOISE * rms_h / CHANNEL_VALUE
+    w[:, 0] = mu * ROUTER_NOISE * rms_h / channel
     return w
 
 
@@ -310,13 +273,15 @@ def attn_out_std(g) -> float:
     return min(WEIGHT_STD, ATTN_GAIN / gain)
 
 
-def embedding_rms(n_embd: int) -> float:
-    return math.sqrt((CHANNEL_VALUE ** 2 + (n_embd - 1) * EMBD_STD ** 2) / n_embd)
+def embedding_rms(n_embd: int, channel: float = CHANNEL_VALUE) -> float:
+    return math.sqrt((channel ** 2 + (n_embd - 1) * EMBD_STD ** 2) / n_embd)
 
 
 def reserved_width(g, quant: str = "q8_0") -> int:
-    """R: the hidden state's slice [0, R) that only routers read (the channel and the router noise)."""
-    gran = 1 if expert_type(QUANTS[quant][0], g.n_embd) in (T.F32, T.F16) else 32  # whole blocks
+    """R: the hidden state's slice [0, R) that only routers read (the channel and the router noise);
+    whole blocks of 32 where the experts' gate is quantized (zeroed columns are whole sub-blocks)."""
+    gate = one_type(g, quant, "blk.0.ffn_gate_exps.weight", (g.n_expert, g.n_ff_exp, g.n_embd))
+    gran = 1 if gate in (T.F32, T.F16, T.BF16) else 32
     r = -(-(1 + g.n_expert) // gran) * gran
     if r > g.n_embd // 2:
         raise ValueError(f"{g.name}: n_embd {g.n_embd} is too narrow for {g.n_expert} experts "
@@ -324,72 +289,29 @@ def reserved_width(g, quant: str = "q8_0") -> int:
     return r
 
 
-def summary(path: Path, size: int, g, quant: str, pop: Popularity, tensors: list[Tensor],
-             ranks: np.ndarray) -> SynthSummary:
+def summary(paths: list[Path], size: int, g, quant: str, pop: Popularity, tensors: list[Tensor],
+            ranks: np.ndarray) -> SynthSummary:
     types: dict[str, str] = {}
     for t in tensors:
         types.setdefault(t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name, t.ggml_type.name)
-    return SynthSummary(path=path, bytes_written=size, n_params=sum(math.prod(t.shape) for t in tensors),
-                        geometry=g, quant=quant, popularity=pop, tensor_types=types, expert_rank=ranks)
+    return SynthSummary(path=paths[0], bytes_written=size, n_params=sum(math.prod(t.shape) for t in tensors),
+                        geometry=g, quant=quant, popularity=pop, tensor_types=types, expert_rank=ranks,
+                        types={t.name: t.ggml_type.name for t in tensors}, shards=paths)
 
 
 def write_file(path: Path, arch: str, g, quant: str, pop: Popularity, seed: int, ranks: np.ndarray,
-                metadata: Callable[[gguf.GGUFWriter], None], tensors: list[Tensor],
-                progress: Callable[[int, int], None] | None) -> int:
-    """Stream `tensors` into a GGUF of `arch` at `path` (via path.part, renamed once complete) with
-    the architecture's `metadata`, the tokenizer and the strata.synth.* keys; returns its size."""
-    need, free = sum(t.nbytes for t in tensors), shutil.disk_usage(path.parent).free
-    if need > free:  # refuse at the start rather than fail an hour in
-        mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
-        raise ValueError(f"{g.name} {quant} needs {mib(need)}, {path.parent} has {mib(free)} free")
-
-    part = path.with_name(path.name + ".part")           # renamed into place once complete
-    w = gguf.GGUFWriter(part, arch)
-    w.add_name(f"strata synthetic {g.name}")
-    metadata(w)
-    w.add_file_type(int(QUANTS[quant][1]))
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_tokenizer(w, g.n_vocab)
-    w.add_string("strata.synth.popularity", str(pop))
-    w.add_uint32("strata.synth.seed", seed)
-    w.add_array("strata.synth.expert_rank", [int(x) for x in ranks.ravel()])
-    for t in tensors:
-        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.ggml_type)
-
-    align = w.data_alignment
-    ok = False
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        # Data, as GGUFWriter.write_tensor_data lays it out (each tensor aligned, then padded),
-        # but in chunks: that method wants the whole tensor in memory.
-        assert w.fout is not None and len(w.fout) == 1
-        f = w.fout[0]
-        pad = gguf.GGUFWriter.ggml_pad
-        data_start = pad(f.tell(), align)
-        total = data_start + sum(pad(t.nbytes, align) for t in tensors)
-        f.write(bytes(data_start - f.tell()))
-        if progress is not None:
-            progress(data_start, total)
-        for t in tensors:
-            written = 0
-            for chunk in t.chunks():
-                chunk.tofile(f)
-                written += chunk.nbytes
-                if progress is not None:
-                    progress(f.tell(), total)
-            if written != t.nbytes:
-                raise AssertionError(f"{t.name}: generated {written} bytes, expected {t.nbytes}")
-            f.write(bytes(pad(written, align) - written))
-        f.flush()
-        size = f.tell()
-        if size != total:
-            raise AssertionError(f"{path}: wrote {size} bytes, expected {total}")
-        ok = True
-    finally:
-        w.close()
-        if not ok:
-            part.unlink(missing_ok=True)
-    os.replace(part, path)
-    return size
+               metadata: Callable[[gguf.GGUFWriter], None], tensors: list[Tensor],
+               progress: Callable[[int, int], None] | None, split_max_size: int = 0) -> list[Path]:
+    """Stream `tensors` into a GGUF of `arch` at `path` (or its shards, at most `split_max_size`
+    bytes of tensor data each) with the architecture's `metadata`, the tokenizer and the
+    strata.synth.* keys; returns the files written."""
+    def all_metadata(w: gguf.GGUFWriter) -> None:
+        w.add_name(f"strata synthetic {g.name}")
+        metadata(w)
+        w.add_file_type(int(FILE_TYPES[quant].file_type))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_tokenizer(w, g.n_vocab)
+        w.add_string("strata.synth.popularity", str(pop))
+        w.add_uint32("strata.synth.seed", seed)
+        w.add_array("strata.synth.expert_rank", [int(x) for x in ranks.ravel()])
+    return write_gguf(path, arch, all_metadata, tensors, progress, split_max_size, f"{g.name} {quant}")
