@@ -121,9 +121,15 @@ def cmd_logits(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from .synth import write_synthetic
+    from .synth import FILE_TYPES, parse_size, write_synthetic
     from tqdm import tqdm
     writable_path(args.out, "synth")
+    if args.quant not in FILE_TYPES:
+        raise UsageError(f"--quant {args.quant}: expected one of {', '.join(FILE_TYPES)}")
+    try:
+        split = parse_size(args.split_max_size) if args.split_max_size is not None else 0
+    except ValueError as e:
+        raise UsageError(f"--split-max-size {args.split_max_size}: {e}") from None
     bar = tqdm(total=0, unit="B", unit_scale=True, desc="synth", disable=args.quiet)
 
     def progress(done: int, total: int) -> None:
@@ -133,12 +139,15 @@ def cmd_synth(args) -> int:
 
     try:
         summary = write_synthetic(args.out, like=args.like, quant=args.quant,
-                                  popularity=args.popularity, seed=args.seed, progress=progress)
+                                  popularity=args.popularity, seed=args.seed, progress=progress,
+                                  split_max_size=split)
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     finally:
         bar.close()
-    print(f"wrote {summary.path}: {summary.bytes_written / 2**20:.1f} MiB, "
+    files = (f"{summary.path} and {len(summary.shards) - 1} more shard(s)" if len(summary.shards) > 1
+             else str(summary.path))
+    print(f"wrote {files}: {summary.bytes_written / 2**20:.1f} MiB, "
           f"{summary.n_params / 1e9:.3f} B parameters ({args.like}, {args.quant})")
     return 0
 
@@ -257,7 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output .gguf path")
     s.add_argument("--like", default="tiny",
                    help="tiny | qwen3-30b-a3b | qwen3-235b-a22b | tiny-next | qwen3-next-80b-a3b")
-    s.add_argument("--quant", default="q8_0", help="f32 | f16 | q8_0 | q4_k")
+    s.add_argument("--quant", default="q8_0",
+                   help="a file type: q4_k_m | q4_k_s | q5_k_m | q5_k_s | q6_k | q3_k_m | q3_k_s | "
+                        "q3_k_l | q2_k | q8_0 | q4_0 | q4_1 | q5_0 | q5_1 | bf16 | f16 | f32, each "
+                        "tensor typed as the reference quantizer's rules say (docs/DEVELOPING.md); "
+                        "or q4_k: Q4_K experts with F16 dense tensors (the first synth files)")
+    s.add_argument("--split-max-size", default=None, metavar="N[K|M|G]",
+                   help="write shards OUT-00001-of-0000N.gguf of at most this much tensor data "
+                        "each (decimal units, e.g. 4G)")
     s.add_argument("--popularity", default="uniform", help="uniform | zipf:S")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
