@@ -1,0 +1,124 @@
+"""llama.cpp, the tuned peer of every benchmark (../shared/RECORDS.md): llama-bench over every
+micro-batch (`-ub` 512, 1024, 2048, 4096; `-b` the largest) and, where experts stay in host memory,
+with the weights mmap'd and not; its best figures, every test kept, its version string and flags."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+from records import PeakMemory, fail
+
+UBATCHES = (512, 1024, 2048, 4096)
+
+
+def llama_wait(path: str, seconds: float) -> None:
+    """Wait for a llama-bench a build in the background is still making (bounded)."""
+    deadline = time.monotonic() + seconds
+    while not os.access(path, os.X_OK) and time.monotonic() < deadline:
+        time.sleep(5)
+    if not os.access(path, os.X_OK):
+        fail(f"--llama-bench {path}: not an executable file")
+
+
+def llama_build(path: str) -> str:
+    """llama.cpp's version string, as `llama-bench --version` prints it."""
+    done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    return next((ln for ln in lines if ln.startswith("version")), lines[0] if lines else "")
+
+
+def llama_mmap_flags(path: str) -> dict[str, list[str]]:
+    """The flags that load the weights mmap'd (pageable) and not (read into memory): `-mmp 1/0`
+    in builds that have it, `-lm mmap/none` in those whose --load-mode replaced it."""
+    done = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
+    text = done.stdout + done.stderr
+    if re.search(r"(^|\s)-mmp[,\s]", text):
+        return {"on": ["-mmp", "1"], "off": ["-mmp", "0"]}
+    if "--load-mode" in text:
+        return {"on": ["-lm", "mmap"], "off": ["-lm", "none"]}
+    fail(f"{path} --help names neither -mmp nor --load-mode")
+
+
+def llama_sweep(path: str, base: list[str], prompts: list[int], gen: int, repeats: int,
+                mmap: dict[str, list[str]] | None = None, ubatches=UBATCHES) -> list[dict]:
+    """llama-bench over every -ub of `ubatches` (-b the largest, so -b >= -ub), once per load
+    mode of `mmap` (None: the default only; `ubatches` empty: llama-bench's own -ub and -b): one process per mode, its tests read one by one
+    (-o jsonl), each with the device's peak while it ran. Every test as a dict: its flags
+    (`command`), the mode, -ub, n_prompt/n_gen, avg and every repeat's tok/s, peak_gib."""
+    tests = []
+    for mode, flags in (mmap or {"default": []}).items():
+        sizes = ["-ub", ",".join(map(str, ubatches)), "-b", str(max(ubatches))] if ubatches else []
+        cmd = [path, *base, "-p", ",".join(map(str, prompts)) if prompts else "0",
+               "-n", str(gen), "-r", str(repeats), *sizes, *flags, "-o", "jsonl"]
+        print("llama.cpp:", " ".join(cmd), flush=True)
+        with PeakMemory() as mem:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            err: list[str] = []
+            threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+            timer = threading.Timer(3600, proc.kill)    # bounded: a hung llama-bench is killed
+            timer.start()
+            try:
+                for line in proc.stdout:
+                    if not line.startswith("{"):
+                        continue
+                    row = json.loads(line)
+                    tests.append({
+                        "command": " ".join(["llama-bench", *cmd[1:]]), "mmap": mode,
+                        "ubatch": int(row["n_ubatch"]), "batch": int(row["n_batch"]),
+                        "n_prompt": int(row["n_prompt"]), "n_gen": int(row["n_gen"]),
+                        "tps": round(float(row["avg_ts"]), 2),
+                        "tps_each": [round(float(x), 2) for x in row.get("samples_ts", [])],
+                        "peak_gib": round(mem.mark(), 2),
+                        "build": f"{row.get('build_number', '')} ({row.get('build_commit', '')})"})
+                proc.wait(timeout=60)
+            finally:
+                timer.cancel()
+        if proc.returncode != 0:
+            fail(f"llama-bench exited {proc.returncode}: {''.join(err)[-1500:]}")
+    return tests
+
+
+def llama_arm(path: str, tests: list[dict], prompts: list[int], gen: int) -> dict:
+    """The tuned peer's arm from a sweep: each prompt length at its best test, decode at its best,
+    `ubatch_sweep` (-ub -> prompt length -> tok/s, the best load mode's), peak_gib the largest
+    peak among the tests whose figures the arm quotes, and the command of the best prompt test."""
+    arm: dict = {"name": "llama.cpp", "gpus": 1, "build": llama_build(path),
+                 "build_rows": tests[0]["build"] if tests else ""}
+    pp = [t for t in tests if t["n_prompt"] > 0]
+    tg = [t for t in tests if t["n_gen"] > 0]
+    used = []
+    if pp:
+        arm["prefill_tok_s"], arm["tps_each"], best_of = {}, {}, {}
+        for n in prompts:
+            best = max((t for t in pp if t["n_prompt"] == n), key=lambda t: t["tps"])
+            arm["prefill_tok_s"][str(n)] = best["tps"]
+            arm["tps_each"][str(n)] = best["tps_each"]
+            best_of[str(n)] = {"ubatch": best["ubatch"], "batch": best["batch"],
+                               "mmap": best["mmap"]}
+            used.append(best)
+        arm["best"] = best_of
+        mode = used[-1]["mmap"]
+        arm["ubatch_sweep"] = {str(u): {str(t["n_prompt"]): t["tps"] for t in pp
+                                        if t["ubatch"] == u and t["mmap"] == mode}
+                               for u in sorted({t["ubatch"] for t in pp})}
+        modes = sorted({t["mmap"] for t in pp})
+        if len(modes) > 1:
+            arm["mmap_sweep"] = {m: {str(n): max(t["tps"] for t in pp if t["mmap"] == m
+                                                 and t["n_prompt"] == n) for n in prompts}
+                                 for m in modes}
+    if tg:
+        best = max(tg, key=lambda t: t["tps"])
+        arm["decode_tok_s"], arm["new_tokens"] = best["tps"], gen
+        arm["tps_each"] = {**arm.get("tps_each", {}), "decode": best["tps_each"]}
+        arm["decode_best"] = {"ubatch": best["ubatch"], "mmap": best["mmap"]}
+        used.append(best)
+    arm["command"] = (used[0] if used else tests[0])["command"]
+    arm["peak_gib"] = max(t["peak_gib"] for t in used) if used else 0.0
+    arm["sweep"] = tests
+    return arm
+
+

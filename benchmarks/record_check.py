@@ -1,0 +1,119 @@
+"""The checker of ../shared/RECORDS.md: what a record under benchmarks/results/ lacks of the
+format's fields (tests/test_bench_records.py runs it on every record; gpu_session.sh on the records
+of its run before they are copied back).
+
+    python benchmarks/record_check.py benchmarks/results/*.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from llama_runs import UBATCHES
+
+NAME = re.compile(r"^(?P<bench>[a-z]+)-(?P<rest>.+)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<hms>\d{6})-"
+                  r"(?P<commit>[0-9a-f]{7,40}(-dirty)?)\.json$")
+
+
+def check_record(record: dict, filename: str) -> list[str]:
+    """What a record lacks of ../shared/RECORDS.md's fields, one line each (empty: complete). A
+    record marked `"legacy": true` is older than the format and is not held to it."""
+    if record.get("legacy") is True:
+        return []
+    bad = []
+
+    def need(obj, key, where, kind=None):
+        if not isinstance(obj, dict) or key not in obj:
+            bad.append(f"{where}{key} missing")
+            return None
+        if kind is not None and not isinstance(obj[key], kind):
+            bad.append(f"{where}{key} is {type(obj[key]).__name__}, not {kind}")
+            return None
+        return obj[key]
+
+    for key, kind in (("bench", str), ("date", str), ("time", str), ("commit", str),
+                      ("commit_source", str), ("options", dict), ("machine", dict),
+                      ("model", dict), ("arms", list)):
+        need(record, key, "", kind)
+    if record.get("commit_source") not in (None, "git", "archive"):
+        bad.append(f"commit_source {record['commit_source']!r}: git or archive")
+    if isinstance(record.get("options"), dict) and not any(
+            k.startswith("STRATA_") for k in record["options"]):
+        bad.append("options name no STRATA_ option")
+    m = record.get("machine") or {}
+    need(m, "gpus", "machine.", list)
+    need(m, "cpu_cores", "machine.", int)
+    need(m, "cpu", "machine.", str)
+    model = record.get("model") or {}
+    for key, kind in (("like", str), ("quant", str), ("popularity", str), ("bytes", int),
+                      ("types", dict)):
+        need(model, key, "model.", kind)
+    if model.get("popularity") == "":
+        bad.append("model.popularity is empty")
+    match = NAME.match(os.path.basename(filename))
+    if not match:
+        bad.append(f"file name {os.path.basename(filename)!r} is not "
+                   f"<bench>-<like>-<quant>-<date>-<HHMMSS>-<commit>.json")
+    else:
+        expect = (f"{record.get('bench')}-{model.get('like')}-{model.get('quant')}-"
+                  f"{record.get('date')}-{str(record.get('time', '')).replace(':', '')}-"
+                  f"{record.get('commit')}.json")
+        if os.path.basename(filename) != expect:
+            bad.append(f"file name {os.path.basename(filename)!r}: the record's fields say {expect!r}")
+    arms = record.get("arms") or []
+    if isinstance(record.get("arms"), list) and not arms:
+        bad.append("arms is empty")
+    llama_new = None
+    for i, arm in enumerate(arms if isinstance(arms, list) else []):
+        where = f"arms[{i}]."
+        name = need(arm, "name", where, str) or ""
+        need(arm, "gpus", where, int)
+        need(arm, "command", where, str)
+        if name != "llama.cpp" and name != "strata" and not name.startswith("strata "):
+            bad.append(f"{where}name {name!r}: strata, strata <variant> or llama.cpp")
+        if "decode_tok_s" in arm:
+            need(arm, "new_tokens", where, int)
+            need(arm, "tps_each", where, dict)
+        if "prefill_tok_s" in arm:
+            each = need(arm, "tps_each", where, dict) or {}
+            for n in arm["prefill_tok_s"]:
+                if n not in each:
+                    bad.append(f"{where}tps_each lacks the {n}-token prompt's repeats")
+        if name == "llama.cpp":
+            need(arm, "build", where, str)
+            if "prefill_tok_s" in arm:
+                sweep = need(arm, "ubatch_sweep", where, dict) or {}
+                missing = [u for u in map(str, UBATCHES) if u not in sweep]
+                if missing:
+                    bad.append(f"{where}ubatch_sweep lacks -ub {', '.join(missing)}")
+            if record.get("bench") == "offload" and "mmap_sweep" not in arm:
+                bad.append(f"{where}mmap_sweep missing (the offload arm tries -mmp 0 beside mmap)")
+            if "decode_tok_s" in arm:
+                llama_new = arm.get("new_tokens")
+                if isinstance(llama_new, int) and llama_new < 128:
+                    bad.append(f"{where}new_tokens {llama_new}: llama.cpp decodes -n >= 128")
+    if isinstance(llama_new, int):
+        for i, arm in enumerate(arms):
+            if arm.get("name") != "llama.cpp" and isinstance(arm.get("new_tokens"), int) \
+                    and "decode_tok_s" in arm and arm["new_tokens"] < llama_new:
+                bad.append(f"arms[{i}].new_tokens {arm['new_tokens']}: fewer than llama.cpp's "
+                           f"{llama_new}")
+    return bad
+
+
+def check_files(paths: list[str]) -> int:
+    """Print what each record lacks; the number of records that lack something."""
+    failed = 0
+    for path in paths:
+        with open(path) as f:
+            problems = check_record(json.load(f), path)
+        for line in problems:
+            print(f"{path}: {line}")
+        failed += bool(problems)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(1 if check_files(sys.argv[1:]) else 0)
