@@ -9,7 +9,9 @@ serve only as a helper tier) and splits [0, L) into one non-empty range per pick
   boundaries (score.py), so the best placement whose last stage is device d ending at layer e
   extends the best placement of [0, b) ending on some earlier device d'. That is a shortest path in
   a DAG, run once per first device (the token's way back joins the last stage to the first):
-  EXACT, O(D^3 L + D^2 L^2). Used for 5-8 devices; tests check it against brute force.
+  EXACT, O(D^3 L + D^2 L^2). Used beyond 4 devices; tests check it against brute force. It sees
+  at most L devices of each run of interchangeable ones (interchangeable_runs_cut), so D counts
+  distinct devices, not identical ranks.
 Both read the same memoised stage table (one fill per (device, range)). Placements whose scores
 tie (to TIE_REL) are told apart by the load table: the one whose most-asked card is asked least
 wins (cm.load_table), so equal cards get equal shares rather than one card left mostly idle.
@@ -87,13 +89,44 @@ def search_exhaustive(cm: CostModel, max_stages: int = EXHAUSTIVE_MAX_DEVICES) -
     return best
 
 
+def interchangeable_runs_cut(cm: CostModel) -> list[int]:
+    """The devices the DP needs to see, in order: of each run of consecutive devices that are
+    interchangeable for the score (the same stage and load rows, the same host and card, so the
+    same hand-offs to every other device and among themselves), the first L only. A placement
+    has at most L stages, and any placement using later members of a run costs (and loads)
+    exactly what the one using its first members in the same order does, so the DP stays exact
+    while many identical ranks (--cpu-ranks 1000, one card listed many times) cost L each
+    instead of a cube in their number."""
+    S, _ = cm.stage_table()
+    U = cm.load_table()
+    L = cm.shape.n_layers
+    keep: list[int] = []
+    start, taken = 0, 0
+    for d, dev in enumerate(cm.devices):
+        if d > 0:
+            head = cm.devices[start]
+            same = (dev.host == head.host and dev.card == head.card
+                    and np.array_equal(S[d], S[start]) and np.array_equal(U[d], U[start]))
+            if not same:
+                start, taken = d, 0
+        if taken < L:
+            keep.append(d)
+            taken += 1
+    return keep
+
+
 def search_dp(cm: CostModel) -> Placement | None:
     """The best placement over any number of stages, by DP over (device, end layer); exact.
     The token's way back (cm.back) joins the last stage to the first, so the DP runs once per
-    first device and adds it at the end."""
+    first device and adds it at the end. Runs of interchangeable devices are cut to L first
+    (interchangeable_runs_cut)."""
+    keep = interchangeable_runs_cut(cm)
+    S, _ = cm.stage_table()
+    U = cm.load_table()
+    tables = (S[keep], U[keep], cm.links[np.ix_(keep, keep)], cm.back[np.ix_(keep, keep)])
     best = None                                   # (cost, load, devices, bounds)
-    for first in range(len(cm.devices)):
-        found = _dp_from(cm, first)
+    for first in range(len(keep)):
+        found = _dp_from(tables, cm.shape.n_layers, first)
         if found is None:
             continue
         if best is None:
@@ -104,14 +137,15 @@ def search_dp(cm: CostModel) -> Placement | None:
             best = found
     if best is None:
         return None
-    return Placement(best[2], best[3], best[0] + cm.baseline_ms(), "dp")
+    return Placement(tuple(keep[d] for d in best[2]), best[3], best[0] + cm.baseline_ms(), "dp")
 
 
-def _dp_from(cm: CostModel, first: int) -> tuple[float, float, tuple, tuple] | None:
-    """(cost, load, devices, bounds) of the best placement whose first stage runs on `first`."""
-    S, _ = cm.stage_table()
-    U = cm.load_table()
-    L, D = cm.shape.n_layers, len(cm.devices)
+def _dp_from(tables: tuple, L: int, first: int) -> tuple[float, float, tuple, tuple] | None:
+    """(cost, load, devices, bounds) of the best placement whose first stage runs on `first`.
+    `tables`: the stage, load, link and way-back tables of the devices searched (S, U, links,
+    back as CostModel has them, cut to those devices)."""
+    S, U, links, back = tables
+    D = len(S)
     # (cost, load) compared lexicographically, cost to a tie: a smaller load never hurts an
     # extension (the load of a placement is the max over its stages), so the DP stays exact
     f = np.full((D, L + 1), INF)              # f[d, e]: best cost of [0, e) with device d's stage last
@@ -126,7 +160,7 @@ def _dp_from(cm: CostModel, first: int) -> tuple[float, float, tuple, tuple] | N
         if d == first:
             g[0], gm[0] = 0.0, 0.0             # device d runs the first stage
         for prev in range(first, d):
-            cand, candm = f[prev] + cm.links[prev, d], m[prev]
+            cand, candm = f[prev] + links[prev, d], m[prev]
             cand[0] = INF
             with np.errstate(invalid="ignore"):       # inf - inf: not a tie
                 tie = np.abs(cand - g) <= _tie(np.minimum(np.abs(cand), np.abs(g)))
@@ -139,7 +173,7 @@ def _dp_from(cm: CostModel, first: int) -> tuple[float, float, tuple, tuple] | N
         b = np.argmin(np.where(near, load, INF), axis=0)   # (a column with no fit stays inf)
         f[d], m[d] = total[b, cols], load[b, cols]
         from_b[d], from_d[d] = b, gd[b]
-    last = f[:, L] + cm.back[:, first]
+    last = f[:, L] + back[:, first]
     if last.min() >= INF:
         return None
     near = last <= last.min() + _tie(float(last.min()))
