@@ -14,21 +14,21 @@ for output); USER_DEFINED tokens are matched whole but printed.
 
 The chat template is `tokenizer.chat_template`, rendered by jinja2 in a sandbox with what Hugging
 Face templates expect (`raise_exception`, `strftime_now`, `tojson`, `bos_token`, `eos_token`,
-`add_generation_prompt`). A file without one gets ChatML, the format of the Qwen family.
+`add_generation_prompt`; strata_dist/template_sandbox.py). A file without one gets ChatML, the
+format of the Qwen family.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
-from datetime import datetime
 from functools import cached_property
 from typing import Any, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .gguf_model import GGUFError, GGUFModel
+from .template_sandbox import TemplateError, compile_template, render_template
 
 log = logging.getLogger("strata.tokenizer")
 
@@ -68,10 +68,6 @@ CHATML_TEMPLATE = (
 
 class TokenizerError(ValueError):
     """A GGUF whose tokenizer cannot be built; the message names the file and the key."""
-
-
-class TemplateError(ValueError):
-    """A chat template that refused the messages (raise_exception) or failed to render."""
 
 
 @dataclass(frozen=True)
@@ -191,17 +187,25 @@ class GGUFTokenizer:
         return bool(self.chat_template_source)
 
     @cached_property
-    def _compiled_template(self):
+    def compiled_template(self):
         return compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None, **kwargs: Any) -> str:
+    def chat_context(self, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: list | None = None, extra: dict | None = None) -> dict:
+        """What the template sees: `extra` (chat_template_kwargs), then the names it may not set."""
         s = self.special
-        ctx = dict(kwargs)
+        ctx = dict(extra or {})
         ctx.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                    bos_token=self.tokens[s.bos] if s.bos is not None else "",
                    eos_token=self.tokens[s.eos] if s.eos is not None else "")
-        return render_template(self._compiled_template, ctx)
+        return ctx
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None, **kwargs: Any) -> str:
+        """The template's text, rendered in this process (the HTTP server renders in a bounded
+        child instead: strata_dist/server/templates.py)."""
+        return render_template(self.compiled_template,
+                               self.chat_context(messages, add_generation_prompt, tools, kwargs))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:
@@ -339,43 +343,8 @@ def _add_specials(tk: Tokenizer, tokens: list[str], types: list[int]) -> None:
 
 
 # ---- chat templates ------------------------------------------------------------------------------------
-
-def _raise_exception(message: str):
-    raise TemplateError(message)
-
-
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys,
-                      separators=separators)
-
-
-def compile_template(source: str):
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"],
-                                        undefined=jinja2.Undefined)
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise TemplateError(f"the chat template does not parse: {e}") from None
-
-
-def render_template(template, context: dict) -> str:
-    import jinja2
-    try:
-        return template.render(**context)
-    except TemplateError:
-        raise
-    except jinja2.TemplateError as e:
-        raise TemplateError(f"the chat template failed: {e}") from None
-    except (TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
-        raise TemplateError(f"the chat template failed on these messages: "
-                            f"{type(e).__name__}: {e}") from None
+# compiled and rendered in strata_dist/template_sandbox.py (the HTTP server renders in its child
+# process, with a deadline and bounds)
 
 
 def message_text(content: Any) -> str:

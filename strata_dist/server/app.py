@@ -4,8 +4,10 @@ its events."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
+import threading
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,9 +21,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import openai_api as oa
+from .hosts import HostCheck
 from .metrics import make_registry, render
 from .monitor import PAGE
 from .status import MemoryProbe, RankView, status_value
+from .templates import RenderCancelled, TemplateRenderer
 from .worker import Job, NotReady, QueueFull, Worker
 
 log = logging.getLogger("strata.server")
@@ -43,6 +47,8 @@ class ServerContext:
     memory: MemoryProbe | None = None
     started: float = field(default_factory=time.time)
     limits: oa.Limits | None = None
+    renderer: TemplateRenderer | None = None
+    hosts: HostCheck = field(default_factory=lambda: HostCheck(("*",)))
 
     def set_loaded(self, plan, views: list[RankView]) -> None:
         self.plan, self.views = plan, views
@@ -52,23 +58,24 @@ class ServerContext:
         snap = self.worker.snapshot()
         memory = self.memory.read(snap.get("rank_gauges")) if self.memory else {}
         loading = self.loading() if snap["state"] == "loading" else None
-        return status_value(model=self.model_info, plan=self.plan, views=self.views, snapshot=snap,
-                            memory=memory, loading=loading, started=self.started)
+        value = status_value(model=self.model_info, plan=self.plan, views=self.views,
+                             snapshot=snap, memory=memory, loading=loading, started=self.started)
+        if self.renderer is not None:
+            value["chat_templates"] = self.renderer.stats()
+        return value
 
 
 def _error(e: oa.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def create_app(ctx: ServerContext) -> Starlette:
+def create_app(ctx: ServerContext):
     registry = make_registry(ctx.status)
     if not ctx.limits:
         raise ValueError("ServerContext.limits must be set")
     model_ids = ctx.limits.model_ids
 
-    def authorize(request: Request) -> None:
-        if ctx.api_key is None:
-            return
+    def given_key(request: Request) -> str | None:
         given = None
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
@@ -77,18 +84,32 @@ def create_app(ctx: ServerContext) -> Starlette:
             given = request.headers["x-api-key"]
         elif request.url.path == "/" and request.query_params.get("api_key"):
             given = request.query_params["api_key"]
-        if given is None or not hmac.compare_digest(given.encode(), ctx.api_key.encode()):
+        return given
+
+    def key_ok(request: Request) -> bool:
+        if ctx.api_key is None:
+            return True
+        given = given_key(request)
+        return given is not None and hmac.compare_digest(given.encode(), ctx.api_key.encode())
+
+    def authorize(request: Request) -> None:
+        if not key_ok(request):
             raise oa.ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
                               type="authentication_error", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
 
     async def json_body(request: Request) -> dict:
+        too_big = oa.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                              code="request_too_large")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise oa.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise oa.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            raise too_big
+        # counted as it arrives: a chunked upload has no Content-Length to refuse it by
+        raw = bytearray()
+        async for chunk in request.stream():
+            if len(raw) + len(chunk) > MAX_BODY_BYTES:
+                raise too_big
+            raw += chunk
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -101,17 +122,34 @@ def create_app(ctx: ServerContext) -> Starlette:
             raise oa.ApiError(400, "the request body must be a JSON object", code="invalid_json")
         return body
 
+    def cache_salt(request: Request, requested: str) -> str:
+        """Whose cached prompt state a request may reuse: the same API key's and `cache_salt`'s
+        (hashed: the worker keeps it, not the key)."""
+        key = given_key(request) if ctx.api_key is not None else ""
+        return hashlib.sha256(f"{key}\0{requested}".encode("utf-8", "surrogatepass")).hexdigest()
+
     # ---- endpoints -------------------------------------------------------------------------------
     async def health(request: Request) -> Response:
+        """200 only when a request would be served now. Anyone may ask (probes send no key, nor
+        always the listen address as Host); the details (load progress and launcher lines, the
+        error, the queue) only a caller who may read /v1/status sees."""
         snap = ctx.worker.snapshot()
         state = snap["state"]
+        error = snap.get("error")
+        if state == "ready" and snap.get("lost"):
+            # rejoin: a stage rank is lost; requests wait for its replacement, and fail if it
+            # does not load (a replaced or damaged model file, say)
+            state = "rejoining"
+            error = "; ".join(f"rank {r} is lost ({why}); requests wait for its replacement"
+                              for r, why in sorted(snap["lost"].items()))
         body: dict[str, Any] = {"status": state}
-        if state == "loading":
-            body["loading"] = ctx.loading()
-        if snap.get("error"):
-            body["error"] = snap["error"]
-        if state == "ready":
-            body["queue"] = snap["queue"]
+        if key_ok(request) and ctx.hosts.allows(request.headers.get("host")):
+            if state == "loading":
+                body["loading"] = ctx.loading()
+            if error:
+                body["error"] = error
+            if state == "ready":
+                body["queue"] = snap["queue"]
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
     async def models(request: Request) -> Response:
@@ -148,8 +186,27 @@ def create_app(ctx: ServerContext) -> Starlette:
         authorize(request)
         body = await json_body(request)
         parse = oa.parse_chat if kind == "chat" else oa.parse_completion
-        # tokenizing a long prompt on a worker thread keeps the event loop answering others
-        parsed = await run_in_threadpool(parse, body, ctx.limits)
+        # tokenizing a long prompt (and rendering a chat template) on a worker thread keeps the
+        # event loop answering others; a client that leaves meanwhile stops the render
+        left = threading.Event()
+        parsing = asyncio.ensure_future(run_in_threadpool(parse, body, ctx.limits, left.is_set))
+        try:
+            while True:
+                done, _ = await asyncio.wait({parsing}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    left.set()
+        except asyncio.CancelledError:
+            left.set()
+            raise
+        try:
+            parsed = parsing.result()
+        except RenderCancelled:
+            return Response(status_code=499)
+        if left.is_set():
+            return Response(status_code=499)
+        parsed.spec.cache_salt = cache_salt(request, parsed.spec.cache_salt)
         events: asyncio.Queue = asyncio.Queue()
         job = Job(parsed.spec, asyncio.get_running_loop(), events)
         try:
@@ -256,8 +313,29 @@ def create_app(ctx: ServerContext) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={
+    app = Starlette(routes=routes, exception_handlers={
         oa.ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+    return _HostGuard(app, ctx)
+
+
+class _HostGuard:
+    """Requests under a Host that is not on the allow-list get 421 (DNS rebinding: hosts.py);
+    /health answers anyone, with its status only."""
+
+    def __init__(self, app, ctx: ServerContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            host = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                         if k == b"host"), None)
+            if not self.ctx.hosts.allows(host):
+                err = oa.ApiError(421, f"this server does not answer for Host {host[:200]!r}; it "
+                                       f"answers for {self.ctx.hosts.shown} (--allowed-hosts)",
+                                  code="misdirected_request")
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _model_card(ctx: ServerContext) -> dict:

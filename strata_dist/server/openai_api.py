@@ -2,19 +2,30 @@
 and stream-chunk bodies. Every refusal is an `ApiError` with OpenAI's error body."""
 from __future__ import annotations
 
+import keyword
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..sampler import MAX_TOP_K, SamplingParams
+from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
 from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
+from .templates import RenderUnavailable, TemplateLimit, TemplateRenderer
 from .worker import GenSpec, Result
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # per stop string: the hold-back search per token is bounded by it
-# arguments encode_chat passes itself: chat_template_kwargs may not carry them
-RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
+# names the renderer gives the template itself (and jinja2's own): chat_template_kwargs may not
+# carry them
+RESERVED_TEMPLATE_KWARGS = CONTEXT_NAMES + GLOBAL_NAMES + JINJA_NAMES
+MAX_TEMPLATE_KWARGS = 64
+MAX_CACHE_SALT_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# A prompt longer than (context tokens) x (the bytes of the vocabulary's longest token) cannot fit
+# the context, whatever its tokens: it is refused before the tokenizer reads it (tokenizing costs
+# hundreds of bytes of memory per byte of text). A vocabulary with longer tokens still counts at most
+# this many bytes per token: real text averages under 8.
+PROMPT_BYTES_PER_TOKEN = 32
 
 
 class ApiError(Exception):
@@ -38,10 +49,23 @@ class Parsed:
 
 
 class Limits:
-    """What a request is checked against: the served model and its context."""
+    """What a request is checked against: the served model and its context; `renderer` renders
+    chat prompts (one in-process child pool per server)."""
 
-    def __init__(self, model_ids: tuple[str, ...], ctx: int, n_vocab: int, tok: GGUFTokenizer):
+    def __init__(self, model_ids: tuple[str, ...], ctx: int, n_vocab: int, tok: GGUFTokenizer,
+                 renderer: TemplateRenderer | None = None):
         self.model_ids, self.ctx, self.n_vocab, self.tok = model_ids, ctx, n_vocab, tok
+        self.renderer = renderer
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.tokens), default=1)
+        self.bytes_per_token = max(1, min(longest, PROMPT_BYTES_PER_TOKEN))
+        self.max_prompt_bytes = ctx * self.bytes_per_token
+
+    def check_prompt_bytes(self, n_bytes: int, param: str, what: str) -> None:
+        if n_bytes > self.max_prompt_bytes:
+            raise ApiError(400, f"{what} is {n_bytes} bytes; this server reads at most "
+                                f"{self.max_prompt_bytes} bytes of prompt text (its context of "
+                                f"{self.ctx} tokens x {self.bytes_per_token} bytes per token)",
+                           param=param, code="context_length_exceeded")
 
 
 # ---- field readers ------------------------------------------------------------------------------------
@@ -170,6 +194,24 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _cache_salt(body: dict) -> str:
+    """The request's own `cache_salt`: it reuses cached prompt state only from requests of the same
+    salt (and the same API key: app.py adds the key)."""
+    v = body.get("cache_salt")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise _bad("cache_salt", f"'cache_salt' must be a string, got {type(v).__name__}",
+                   "invalid_type")
+    if len(v) > MAX_CACHE_SALT_CHARS:
+        raise _bad("cache_salt", f"'cache_salt' may have at most {MAX_CACHE_SALT_CHARS} characters")
+    return v
+
+
 def _check_prompt(ids: list[int], lim: Limits, param: str) -> None:
     if not ids:
         raise _bad(param, "the prompt is empty")
@@ -200,13 +242,52 @@ def _stop_ids(body: dict, lim: Limits) -> tuple[int, ...]:
 
 # ---- the two endpoints ---------------------------------------------------------------------------------
 
-def parse_chat(body: dict, lim: Limits) -> Parsed:
+def _template_kwargs(body: dict) -> dict:
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    if len(extra) > MAX_TEMPLATE_KWARGS:
+        raise _bad("chat_template_kwargs", f"'chat_template_kwargs' has {len(extra)} keys; at most "
+                                           f"{MAX_TEMPLATE_KWARGS} are allowed")
+    taken = [k for k in RESERVED_TEMPLATE_KWARGS if k in extra]
+    if taken:
+        raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(taken)}"
+                                           f" (the server or the template language sets them)")
+    for k in extra:
+        if not k.isidentifier() or keyword.iskeyword(k) or k.startswith("__"):
+            raise _bad("chat_template_kwargs", f"'chat_template_kwargs' key {k[:64]!r} is not a name "
+                                               f"a template can read (letters, digits, _)")
+    return extra
+
+
+def _render(lim: Limits, context: dict, cancelled: Callable[[], bool] | None) -> str:
+    """The chat prompt's text, bounded: at most the prompt bytes this server reads."""
+    try:
+        if lim.renderer is None:     # in this process: bounded in output, not in time
+            return render_template(lim.tok.compiled_template, context, lim.max_prompt_bytes)
+        return lim.renderer.render(context, lim.max_prompt_bytes, cancelled)
+    except TemplateLimit as e:
+        if e.kind == "output":
+            raise ApiError(400, f"{e}: {lim.max_prompt_bytes} bytes (its context of {lim.ctx} "
+                                f"tokens x {lim.bytes_per_token} bytes per token)", param="messages",
+                           code="context_length_exceeded") from None
+        raise ApiError(400, f"{e}; refused", param="messages", code="template_limit") from None
+    except RenderUnavailable as e:
+        raise ApiError(503, f"the chat prompt cannot be rendered now: {e}", type="server_error",
+                       code="unavailable", headers={"Retry-After": "1"}) from None
+    except TemplateError as e:
+        raise _bad("messages", str(e), "invalid_messages") from None
+
+
+def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = None) -> Parsed:
+    """`cancelled()` turns true when the client left: the render stops (RenderCancelled)."""
     model = _model(body, lim)
     _unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list", "invalid_type")
     clean = []
+    n_bytes = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object", "invalid_type")
@@ -218,41 +299,40 @@ def parse_chat(body: dict, lim: Limits) -> Parsed:
             content = message_text(m.get("content"))
         except TemplateError as e:
             raise _bad(f"messages[{i}].content", str(e)) from None
+        n_bytes += _utf8_len(content)
         clean.append(dict(m, role=role, content=content))
+    lim.check_prompt_bytes(n_bytes, "messages", "the messages' text")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools", "'tools' must be a list", "invalid_type")
-    extra = body.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict):
-        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
-    taken = [k for k in RESERVED_TEMPLATE_KWARGS if k in extra]
-    if taken:
-        raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(taken)}"
-                                           f" (they come from the request itself)")
+    extra = _template_kwargs(body)
     sampling = _sampling(body)
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
+    salt = _cache_salt(body)
+    text = _render(lim, lim.tok.chat_context(clean, True, tools or None, extra), cancelled)
+    lim.check_prompt_bytes(_utf8_len(text), "messages", "the chat prompt")
     try:
-        ids = lim.tok.encode_chat(clean, add_generation_prompt=True, tools=tools or None, **extra)
-    except TemplateError as e:
-        raise _bad("messages", str(e), "invalid_messages") from None
+        ids = lim.tok.encode(text, add_special=True)
     except TextError as e:
         raise _bad("messages", f"the chat is {e}", "invalid_value") from None
     _check_prompt(ids, lim, "messages")
     max_new = _max_new(body, ("max_completion_tokens", "max_tokens"), None, len(ids), lim)
     spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
                    stop_strings=stops, detok_context=_context(ids, lim),
-                   cache_prompt=_bool(body, "cache_prompt", True))
+                   cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt)
     return Parsed(spec, stream, include_usage, model)
 
 
-def parse_completion(body: dict, lim: Limits) -> Parsed:
+def parse_completion(body: dict, lim: Limits,
+                     cancelled: Callable[[], bool] | None = None) -> Parsed:
     model = _model(body, lim)
     _unsupported(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]     # a batch of one
     if isinstance(prompt, str):
+        lim.check_prompt_bytes(_utf8_len(prompt), "prompt", "'prompt'")
         try:
             ids = lim.tok.encode(prompt, add_special=True)
         except TextError as e:
@@ -269,11 +349,12 @@ def parse_completion(body: dict, lim: Limits) -> Parsed:
     sampling = _sampling(body)
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
+    salt = _cache_salt(body)
     _check_prompt(ids, lim, "prompt")
     max_new = _max_new(body, ("max_tokens",), 16, len(ids), lim)
     spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
                    stop_strings=stops, detok_context=_context(ids, lim),
-                   cache_prompt=_bool(body, "cache_prompt", True))
+                   cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt)
     return Parsed(spec, stream, include_usage, model)
 
 

@@ -14,8 +14,10 @@ from ..coordinator import RankFailure
 from ..head import HeadSession
 from ..tokenizer import GGUFTokenizer
 from .app import ServerContext, create_app
+from .hosts import HostCheck, default_allowed_hosts, parse_allowed_hosts
 from .openai_api import Limits
 from .status import is_loopback, rank_views
+from .templates import TemplateRenderer
 from .worker import Worker
 
 LISTEN_TIMEOUT_S = 15.0
@@ -89,12 +91,14 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
                  gpu_of_rank: dict[int, int] | None = None,
                  info_lines: Callable | None = None, say=None,
                  prompt_cache_every: int | None = None,
-                 relaunch: Callable | None = None, restarts: int = 0) -> int:
+                 relaunch: Callable | None = None, restarts: int = 0,
+                 allowed_hosts: str | None = None) -> int:
     """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
     coordinator, cfg.ranks). When a rank dies, the request in flight and the queue fail (503),
     /health answers 503 with the error, and up to `restarts` times `relaunch()` (which stops the
     old ranks) gives a fresh launch that is loaded and served; after that RankFailure propagates
-    to the caller (which stops the ranks). The HTTP listener is stopped here in every case."""
+    to the caller (which stops the ranks). The HTTP listener is stopped here in every case.
+    `allowed_hosts`: --allowed-hosts (hosts.py; None: the listen address and localhost)."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     tok = GGUFTokenizer.from_gguf(launch.gguf)
     if tok.vocab_size > n_vocab:
@@ -120,12 +124,17 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
     info = {"id": model_id, "path": os.path.abspath(model_path), "arch": arch, "layers": n_layers,
             "n_vocab": n_vocab, "context": ctx, "tokenizer": tok.kind, "pre_tokenizer": tok.pre,
             "chat_template": "file" if tok.has_own_template else "chatml (fallback)"}
+    hosts = parse_allowed_hosts(allowed_hosts) if allowed_hosts is not None else None
+    # the chat template is the model file's (`tokenizer.chat_template`, else ChatML): rendered in
+    # bounded child processes (templates.py)
+    renderer = TemplateRenderer(tok.chat_template)
     sctx = ServerContext(worker=worker, model_id=model_id, model_info=info, api_key=api_key,
-                         loading=loading,
-                         limits=Limits((model_id, stem), ctx, n_vocab, tok))
+                         loading=loading, renderer=renderer,
+                         limits=Limits((model_id, stem), ctx, n_vocab, tok, renderer))
     app = create_app(sctx)
     sock = listen_socket(host, port)
     bound = sock.getsockname()
+    sctx.hosts = HostCheck(hosts or default_allowed_hosts(host, bound[1]))
     shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     url = f"http://{shown_host}:{bound[1]}"
     http = HttpThread(app, sock)
@@ -160,6 +169,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
         say(f"ready: serving {model_id} on {url} (OpenAI API under /v1, Monitor at /, "
             f"{time.monotonic() - t0:.1f} s to load)")
 
+    renderer.warm()
     try:
         load(launch)
         done = 0
@@ -183,6 +193,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
     finally:
         worker.stop()
         http.stop()
+        renderer.close()
 
 
 class _Progress:

@@ -54,6 +54,10 @@ class GenSpec:
     stop_strings: tuple[str, ...] = ()
     detok_context: tuple[int, ...] = ()
     cache_prompt: bool = True        # False: read the whole prompt, reuse nothing
+    # Prompt state is reused only from a request of the same salt (its API key and `cache_salt`):
+    # a reuse shows in the reply (cached_tokens, timings), so across salts it would tell one
+    # client how much of its prompt matches another's.
+    cache_salt: str = ""
 
 
 @dataclass
@@ -269,6 +273,8 @@ class Worker:
         self.rank_counters: dict[int, dict[str, int]] = {}
         self.rank_gauges: dict[int, dict[str, float]] = {}
         self.stats_at = 0.0
+        self.session_salt = ""             # the salt of the request whose tokens the session holds
+        self.lost: dict[int, str] = {}     # stage ranks lost, until their replacements load
         self._stop = threading.Event()
 
     # ---- from HTTP handlers (any thread) ----------------------------------------------------------
@@ -296,7 +302,7 @@ class Worker:
             if running is not None and self.running_tokens > 1:
                 live = (self.running_tokens - 1) / max(time.monotonic() - self.running_since, 1e-3)
             return {
-                "state": self.state, "error": self.error,
+                "state": self.state, "error": self.error, "lost": dict(self.lost),
                 "queue": {"waiting": self.jobs.qsize(), "capacity": self.queue_size,
                           "running": 1 if running is not None else 0},
                 "totals": dict(self.totals),
@@ -317,7 +323,16 @@ class Worker:
     def attach(self, session: HeadSession) -> None:
         self.session = session
         self.coord = session.coord
+        self.session_salt = ""
+        self.lost = {}
         self.state, self.error = "ready", None
+
+    def _note_lost(self) -> None:
+        """What /health reports: the stage ranks lost (rejoin) as the coordinator last saw them."""
+        lost = getattr(self.coord, "lost", None) or {}
+        if lost != self.lost:
+            with self.lock:
+                self.lost = dict(lost)
 
     def reload(self) -> None:
         """After a failure, while fresh ranks load: requests get 503, /health shows the loading
@@ -337,10 +352,12 @@ class Worker:
                     job = self.jobs.get(timeout=0.05)
                 except queue.Empty:
                     self.coord.idle(0.0)
+                    self._note_lost()
                     if time.monotonic() - self.stats_at > STATS_EVERY_S:
                         self._refresh_stats()
                     continue
                 self._run_job(job)
+                self._note_lost()
         except RankFailure as e:
             self.fail(str(e))
             raise
@@ -398,8 +415,9 @@ class Worker:
                     failure.append(e)
 
         outcome = "requests_error"
-        if not spec.cache_prompt:
+        if not spec.cache_prompt or spec.cache_salt != self.session_salt:
             self.session.tokens = []
+        self.session_salt = spec.cache_salt
         try:
             out = self.session.generate(
                 spec.prompt_ids, spec.max_new, spec.params, stop_ids=spec.stop_ids,
