@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="read the API key from this file (its first line)")
     http.add_argument("--queue-size", type=int, default=None,
                       help="requests that may wait behind the running one (default 64; more: 429)")
+    http.add_argument("--allowed-hosts", default=None, metavar="HOST[:PORT],...",
+                      help="answer only requests whose Host header is one of these (a name without "
+                           "a port: any port; '*': any Host). Default: the --host address, "
+                           "localhost, 127.0.0.1 and [::1], with the port (guards a local server "
+                           "against DNS rebinding from web pages)")
     add_cluster_flags(ap)
     return ap
 
@@ -421,7 +426,8 @@ def http_flags(args) -> None:
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),
-                            ("--queue-size", args.queue_size)):
+                            ("--queue-size", args.queue_size),
+                            ("--allowed-hosts", args.allowed_hosts)):
             if value is not None:
                 raise UsageError(f"{flag} goes with --port")
         return
@@ -436,6 +442,12 @@ def http_flags(args) -> None:
         raise UsageError(f"--queue-size {args.queue_size}: at least 1")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
+    if args.allowed_hosts is not None:
+        from strata_dist.server.hosts import parse_allowed_hosts
+        try:
+            parse_allowed_hosts(args.allowed_hosts)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def api_key(args) -> str | None:
@@ -477,7 +489,8 @@ def _serve_http(args, gguf, launch, specs, relaunch) -> int:
                         queue_size=args.queue_size if args.queue_size is not None else 64,
                         gpu_of_rank={s.index: s.visible_gpu for s in specs
                                      if s.visible_gpu is not None},
-                        info_lines=lines, prompt_cache_every=args.prompt_cache_every)
+                        info_lines=lines, prompt_cache_every=args.prompt_cache_every,
+                        allowed_hosts=args.allowed_hosts)
 
 
 class _CaptureTokens:
