@@ -2,6 +2,7 @@
 and stream-chunk bodies. Every refusal is an `ApiError` with OpenAI's error body."""
 from __future__ import annotations
 
+import json
 import keyword
 import time
 from dataclasses import dataclass
@@ -301,11 +302,18 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
             raise _bad(f"messages[{i}].content", str(e)) from None
         n_bytes += _utf8_len(content)
         clean.append(dict(m, role=role, content=content))
-    lim.check_prompt_bytes(n_bytes, "messages", "the messages' text")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools", "'tools' must be a list", "invalid_type")
     extra = _template_kwargs(body)
+    # the rest the template may write out: the messages' other fields, the tools, the kwargs
+    try:
+        rest = json.dumps([[{k: v for k, v in m.items() if k != "content"} for m in messages],
+                           tools, extra], ensure_ascii=False)
+    except (ValueError, RecursionError):
+        raise _bad("messages", "the chat is nested too deeply") from None
+    n_bytes += _utf8_len(rest)
+    lim.check_prompt_bytes(n_bytes, "messages", "the chat's text")
     sampling = _sampling(body)
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)

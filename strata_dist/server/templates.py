@@ -126,11 +126,13 @@ class TemplateRenderer:
             self.busy += 1
         threading.Thread(target=start, name="template-warm", daemon=True).start()
 
-    def _take(self) -> _Child | None:
+    def _take(self, cancelled: Callable[[], bool] | None) -> _Child | None:
         """An idle child, or None when the caller may start one (its place is reserved)."""
         deadline = time.monotonic() + WAIT_FOR_CHILD_S
         with self.cond:
             while True:
+                if cancelled is not None and cancelled():
+                    raise RenderCancelled()
                 if self.closed:
                     raise RenderUnavailable("the server is stopping")
                 if self.idle:
@@ -143,7 +145,7 @@ class TemplateRenderer:
                 if left <= 0:
                     raise RenderUnavailable(f"all {self.max_children} chat-template renderers "
                                             f"stayed busy for {WAIT_FOR_CHILD_S:.0f} s")
-                self.cond.wait(left)
+                self.cond.wait(min(left, POLL_S * 5))
 
     def _put_back(self, child: _Child | None) -> None:
         with self.cond:
@@ -164,7 +166,11 @@ class TemplateRenderer:
         """The prompt text. TemplateError when the template fails on these messages, TemplateLimit
         past a bound (time, output, memory), RenderCancelled when `cancelled()` turns true,
         RenderUnavailable when no child can render."""
-        child = self._take()
+        try:
+            child = self._take(cancelled)
+        except RenderCancelled:
+            self._count("cancelled")
+            raise
         keep = False
         try:
             if child is None:
