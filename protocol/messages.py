@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -181,9 +181,13 @@ class Challenge(Message):
 
 @message
 class Auth(Message):
+    """Client → server: ``mac`` answers the Challenge, whose nonce comes back in ``challenge`` (v11): the
+    server keeps no state per half-open handshake, so strangers cannot crowd out a rank's."""
+
     TYPE = "auth"
     client_id: str
     mac: bytes
+    challenge: bytes = b""
 
 
 @message

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from protocol import messages as m
-from protocol.auth import (SECRET_ENV, AuthError, Authenticator, admit, client_handshake, client_mac, load_secret,
-                           new_secret, server_mac, write_secret)
+from protocol.auth import (CHALLENGE_WINDOW_S, SECRET_ENV, AuthError, Authenticator, StrangerLimits, admit,
+                           client_handshake, client_mac, load_secret, new_secret, server_mac, write_secret)
 from protocol.transport import Channel, Endpoints, ProtocolTimeout, RouterChannel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +124,7 @@ def test_unauthenticated_requests_are_refused(coord):
         assert isinstance(reply, m.Error) and reply.code == m.ERR_AUTH and "not authenticated" in reply.message
         ch.send(m.Auth(client_id="x", mac=bytes(32)))  # Auth without Hello
         reply, _ = ch.recv(5000)
-        assert isinstance(reply, m.Error) and "without a pending Challenge" in reply.message
+        assert isinstance(reply, m.Error) and "without a Challenge" in reply.message and "send Hello" in reply.message
 
 
 def test_client_detects_an_impostor_server():
@@ -150,24 +150,63 @@ def test_client_detects_an_impostor_server():
 
 
 def test_authenticator_state_machine():
-    a = Authenticator(SECRET, max_pending=2)
+    now = [1000.0]
+    a = Authenticator(SECRET, clock=lambda: now[0])
     nonce_c = os.urandom(32)
-    ch = a.handle(b"p", m.Hello(client_id="r", protocol_version=m.PROTOCOL_VERSION, nonce=nonce_c))
-    assert isinstance(ch, m.Challenge) and len(ch.nonce) == 32
+
+    def hello(peer, client_id="r"):
+        return a.handle(peer, m.Hello(client_id=client_id, protocol_version=m.PROTOCOL_VERSION, nonce=nonce_c))
+
+    def auth(peer, challenge, client_id="r", secret=SECRET):
+        return a.handle(peer, m.Auth(client_id=client_id, mac=client_mac(secret, challenge, client_id),
+                                     challenge=challenge))
+
+    ch = hello(b"p")
+    assert isinstance(ch, m.Challenge) and nonce_c in ch.nonce
     assert a.handle(b"p", m.Heartbeat(rank=0, seq=0)) is None and not a.is_authenticated(b"p")
-    ok = a.handle(b"p", m.Auth(client_id="r", mac=client_mac(SECRET, ch.nonce, "r")))
+    ok = auth(b"p", ch.nonce)
     assert isinstance(ok, m.AuthOk) and ok.mac == server_mac(SECRET, nonce_c, ch.nonce)
     assert a.is_authenticated(b"p") and a.client_id(b"p") == "r" and a.guard(b"p", m.Stats()) is None
-    # a replayed answer is useless: the nonce was consumed
-    assert isinstance(a.handle(b"q", m.Auth(client_id="r", mac=client_mac(SECRET, ch.nonce, "r"))), m.Error)
-    # client id must match the Hello
-    ch2 = a.handle(b"s", m.Hello(client_id="r", protocol_version=m.PROTOCOL_VERSION, nonce=nonce_c))
-    assert "after Hello" in a.handle(b"s", m.Auth(client_id="z", mac=client_mac(SECRET, ch2.nonce, "z"))).message
-    for i in range(10):  # half-open handshakes stay bounded
-        a.handle(bytes([i]), m.Hello(client_id="r", protocol_version=m.PROTOCOL_VERSION, nonce=nonce_c))
-    assert len(a._pending) == 2
+    # a recorded answer is useless: on another connection, and on its own once spent
+    assert "issued to this connection" in auth(b"q", ch.nonce).message
+    assert "already answered" in auth(b"p", ch.nonce).message
+    # the client id must be the Hello's, the secret the server's
+    ch2 = hello(b"s")
+    assert "issued to this connection and client id" in auth(b"s", ch2.nonce, client_id="z").message
+    assert "wrong shared secret" in auth(b"s", ch2.nonce, secret=b"x" * 32).message
+    # a challenge expires (its window or the next), and a forged one is refused
+    ch3 = hello(b"t")
+    now[0] += 2 * CHALLENGE_WINDOW_S
+    assert "older than" in auth(b"t", ch3.nonce).message
+    assert "without a Challenge" in auth(b"t", b"x" * 12).message
+    # strangers' Hellos leave nothing behind: a handshake in progress survives any number of them
+    ch4 = hello(b"u")
+    for i in range(5000):
+        hello(b"stranger-%d" % i)
+    assert isinstance(auth(b"u", ch4.nonce), m.AuthOk)
+    assert len(a._answered) == 1 and set(a._authed) == {b"p", b"u"}   # p's spent challenge expired
     a.forget(b"p")
     assert not a.is_authenticated(b"p")
+
+
+def test_stranger_limits_rate_and_log_once_a_minute():
+    now = [0.0]
+    s = StrangerLimits(rate=5, burst=10, log_every_s=60, lines=2, max_peers=3, clock=lambda: now[0])
+    assert sum(s.admit(b"a") for _ in range(100)) == 10 and s.dropped == 90
+    now[0] += 1.0
+    assert sum(s.admit(b"a") for _ in range(100)) == 5           # refilled at its rate
+    assert all(s.admit(b"b") for _ in range(10))                  # each peer its own allowance
+    lines = [s.refusal("10.0.0.1", "refused a rank: x") for _ in range(1000)]
+    assert sum(line is not None for line in lines) == 1 and "from 10.0.0.1" in lines[0]
+    assert s.refusal("10.0.0.2", "refused") is not None and s.refusal("10.0.0.3", "refused") is None   # lines: 2
+    assert s.summary() is None                                      # the minute is not over
+    now[0] += 60
+    summary = s.summary()
+    assert "1000 refusal(s) not logged" in summary and "185 message(s)" in summary, summary
+    assert s.refusal("10.0.0.1", "refused a rank: x") is not None   # a new minute: said again
+    for i in range(100):
+        s.admit(b"peer-%d" % i)
+    assert len(s._buckets) == 3
 
 
 def test_load_secret(tmp_path):
