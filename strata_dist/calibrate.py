@@ -42,6 +42,7 @@ CALIBRATED = ("handoff_ms", "shared_card_handoff_ms", "link_ms", "link_gbs", "ho
 CALIBRATION_FILE_MAX = 1 * MIB  # a calibration is a few numbers; past this, not one (refused unread)
 HIDDEN = 2048                  # the width of the row the hand-off passes (a Qwen3-30B-A3B row)
 PAYLOAD_MIB = 16               # a large probe of the link
+GARBAGE_SAID = 5               # --serve says this many messages that are not probes, then counts
 
 
 class CalibrationError(ValueError):
@@ -153,25 +154,46 @@ def handoff_hop_us(device: str, ipc: bool, peer_device: str | None = None, round
 
 def serve_link(bind: str, idle_s: float = 120.0, say=print) -> int:
     """The peer of `probe_link` on another host: answer LinkProbe messages on `bind`
-    (tcp://HOST:PORT) until told to stop or `idle_s` pass without one. Returns 0."""
-    from protocol import Channel, LinkProbe, ProtocolTimeout
-    ch = Channel("pair", peer="calibration prober")
+    (tcp://HOST:PORT) until told to stop or `idle_s` pass without one. Returns 0. Anyone who can
+    reach the port can talk to it (it holds no secret and guards nothing): a frame over a probe's
+    size disconnects its sender unread, anything that is not a probe is dropped (the first few
+    said, the rest counted), and neither stops the peer."""
+    from protocol import Channel, LinkProbe, ProtocolError, ProtocolTimeout
+    from protocol.limits import FrameCaps
+    from protocol.transport import is_loopback_endpoint
+    ch = Channel("pair", peer="calibration prober",
+                 max_msg_bytes=FrameCaps.probe(PAYLOAD_MIB << 20))
     endpoint = ch.bind(bind)
-    say(f"calibration peer on {endpoint}: waiting for `strata-dist calibrate --peer` "
+    reach = ("only this host can probe it: pass --bind ADDRESS (this host's address on the link "
+             "to measure) for a prober on another host" if is_loopback_endpoint(endpoint) else
+             "any host that reaches this address can probe it")
+    say(f"calibration peer on {endpoint} ({reach}): waiting for `strata-dist calibrate --peer` "
         f"(stops after {idle_s:.0f} s without a probe)")
+    dropped = 0
     try:
         while True:
             try:
                 msg, _ = ch.recv(timeout_ms=int(idle_s * 1000), what="a probe")
             except ProtocolTimeout:
-                say(f"no probe for {idle_s:.0f} s: stopping")
+                say(f"no probe for {idle_s:.0f} s: stopping"
+                    + (f" ({dropped} message(s) that were not probes dropped)" if dropped else ""))
                 return 0
+            except ProtocolError as e:
+                msg = e
             if not isinstance(msg, LinkProbe):
+                dropped += 1
+                if dropped <= GARBAGE_SAID:
+                    what = msg if isinstance(msg, ProtocolError) else f"a {msg.TYPE} message"
+                    say(f"dropped a message that is not a probe: {what}"
+                        + (" (further ones are counted)" if dropped == GARBAGE_SAID else ""))
                 continue
             if msg.seq < 0:
                 say("the prober is done: stopping")
                 return 0
-            ch.send(LinkProbe(seq=msg.seq), timeout_ms=10_000)
+            try:
+                ch.send(LinkProbe(seq=msg.seq), timeout_ms=10_000)
+            except ProtocolTimeout:
+                say("a probe's answer found no prober to take it: dropped")
     finally:
         ch.close()
 

@@ -202,14 +202,26 @@ def tcp_endpoint(text: str, flag: str, default_host: str | None = None) -> str:
     return f"tcp://{host}:{port}"
 
 
+def serve_endpoint(serve: str, bind: str | None) -> str:
+    """--serve PORT listens on --bind (default loopback: this host only); --serve HOST:PORT on HOST."""
+    names_host = ":" in (serve[len("tcp://"):] if serve.startswith("tcp://") else serve)
+    if names_host and bind is not None:
+        raise UsageError(f"--serve {serve} names the address to listen on and so does --bind {bind}: "
+                         f"give one")
+    host = bind if bind is not None else "127.0.0.1"
+    return tcp_endpoint(serve, "--serve", f"[{host}]" if ":" in host else host)
+
+
 def cmd_calibrate(args) -> int:
     from .calibrate import CalibrationError, calibrate, save_calibration, serve_link
     if args.serve is not None:
         if args.peer or args.out:
             raise UsageError(f"--serve {args.serve} is the peer's side: --peer and --out belong "
                              f"to the prober's")
-        return serve_link(tcp_endpoint(args.serve, "--serve", "0.0.0.0"), args.idle,
+        return serve_link(serve_endpoint(args.serve, args.bind), args.idle,
                           say=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.bind is not None:
+        raise UsageError(f"--bind {args.bind} goes with --serve (the address the peer listens on)")
     if args.rounds < 10:
         raise UsageError(f"--rounds {args.rounds}: at least 10 round trips")
     peer = tcp_endpoint(args.peer, "--peer") if args.peer else None
@@ -302,8 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rounds", type=int, default=2000, help="hand-off round trips (default 2000)")
     c.add_argument("--out", default=None, help="write the calibration (JSON) here")
     c.add_argument("--serve", default=None, metavar="PORT|HOST:PORT",
-                   help="be the peer of another host's --peer (binds 0.0.0.0 unless a host is "
-                        "given) and answer its probes")
+                   help="be the peer of another host's --peer and answer its probes (listens on "
+                        "--bind, or the HOST given)")
+    c.add_argument("--bind", default=None, metavar="ADDRESS",
+                   help="with --serve PORT: the address to listen on (default 127.0.0.1, this host "
+                        "only; give this host's address on the link to measure, or 0.0.0.0)")
     c.add_argument("--idle", type=float, default=120.0,
                    help="with --serve: stop after this many seconds without a probe (default 120)")
     c.set_defaults(func=cmd_calibrate)
