@@ -19,6 +19,7 @@ import pytest
 import strata_dist.synth.tokenizer as synth_tokenizer
 from launch_helpers import launcher_children
 from server_helpers import ServerProcess
+from strata_dist.server.hosts import HostCheck, default_allowed_hosts, parse_allowed_hosts
 from strata_dist.synth import write_synthetic
 
 pytestmark = pytest.mark.timeout(60)
@@ -213,6 +214,21 @@ def test_a_foreign_host_header_is_refused(server):
     # /health answers any Host (probes), with its status only
     r = httpx.get(server.url + "/health", headers={"Host": f"evil.example:{port}"}, timeout=5)
     assert r.status_code == 200 and r.json() == {"status": "ready"}, r.text
+
+
+def test_host_policy_of_a_server_on_every_interface():
+    """Listening on 0.0.0.0, the LAN reaches the server by its addresses and this machine's name;
+    a name that is not its own (a rebound one) is still refused."""
+    check = HostCheck(default_allowed_hosts("0.0.0.0", 8080), addresses_on=8080)
+    for ok in ("192.168.1.20:8080", "[fe80::1]:8080", "localhost:8080",
+               f"{socket.gethostname()}:8080"):
+        assert check.allows(ok), ok
+    for bad in ("evil.example:8080", "192.168.1.20:9", "localhost:9"):
+        assert not check.allows(bad), bad
+    named = HostCheck(parse_allowed_hosts("api.example,10.0.0.1:80"))
+    assert named.allows("api.example") and named.allows("API.example:1234")
+    assert named.allows("10.0.0.1") and named.allows("10.0.0.1:80")
+    assert not named.allows("10.0.0.1:8080") and not named.allows("127.0.0.1:80")
 
 
 def test_cached_prompt_state_is_reused_only_within_a_salt(server):

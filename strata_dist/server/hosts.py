@@ -3,11 +3,14 @@ requests to a server on this machine under the page's own name (DNS rebinding: `
 resolving to 127.0.0.1), and with no API key those would be served. The browser still says
 `Host: evil.example:PORT`, so a request is served only under a name the server was given.
 
-Default: the address it listens on, localhost, 127.0.0.1 and [::1], each with the port (and, when it
-listens on every interface, this machine's own names and addresses). An entry with a port matches
-that port only; an entry without one matches the name on any port; `*` allows any Host."""
+Default: the address it listens on, localhost, 127.0.0.1 and [::1], each with the port; when it
+listens on every interface, also this machine's own names and any IP address with the port (a Host
+that is an address never comes from a rebound name: the browser then talks to that address itself).
+An entry with a port matches that port only; an entry without one matches the name on any port;
+`*` allows any Host."""
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 ANY = "*"
@@ -58,7 +61,6 @@ def default_allowed_hosts(bind_host: str, port: int) -> tuple[str, ...]:
         try:
             me = socket.gethostname()
             names += [me, socket.getfqdn()]
-            names += [info[4][0] for info in socket.getaddrinfo(me, None)]
         except OSError:
             pass
     out: list[str] = []
@@ -69,8 +71,20 @@ def default_allowed_hosts(bind_host: str, port: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") else name)
+        return True
+    except ValueError:
+        return False
+
+
 class HostCheck:
-    def __init__(self, allowed: tuple[str, ...]):
+    """`addresses_on`: a port on which any IP-address Host is allowed (the default list of a
+    server that listens on every interface)."""
+
+    def __init__(self, allowed: tuple[str, ...], addresses_on: int | None = None):
+        self.addresses_on = addresses_on
         self.any = ANY in allowed
         self.exact: set[str] = set()     # name:port
         self.names: set[str] = set()     # a name on any port
@@ -78,11 +92,15 @@ class HostCheck:
             if e != ANY:
                 name, port = _split(e)
                 (self.exact.add(f"{name}:{port}") if port is not None else self.names.add(name))
-        self.shown = ", ".join(allowed)
+        self.shown = ", ".join(allowed) + (f", any IP address:{addresses_on}"
+                                           if addresses_on is not None else "")
 
     def allows(self, host: str | None) -> bool:
         if self.any or host is None:   # no Host at all: no browser sent it
             return True
         name, port = _split(host)
         # no port in Host: the scheme's own (this server speaks plain HTTP)
-        return name in self.names or f"{name}:{port or 80}" in self.exact
+        port = port or "80"
+        if self.addresses_on is not None and port == str(self.addresses_on) and _is_address(name):
+            return True
+        return name in self.names or f"{name}:{port}" in self.exact

@@ -14,7 +14,7 @@ from ..coordinator import RankFailure
 from ..head import HeadSession
 from ..tokenizer import GGUFTokenizer
 from .app import ServerContext, create_app
-from .hosts import HostCheck, default_allowed_hosts, parse_allowed_hosts
+from .hosts import WILDCARD_BINDS, HostCheck, default_allowed_hosts, parse_allowed_hosts
 from .openai_api import Limits
 from .status import is_loopback, rank_views
 from .templates import TemplateRenderer
@@ -134,7 +134,9 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
     app = create_app(sctx)
     sock = listen_socket(host, port)
     bound = sock.getsockname()
-    sctx.hosts = HostCheck(hosts or default_allowed_hosts(host, bound[1]))
+    sctx.hosts = (HostCheck(hosts) if hosts else HostCheck(
+        default_allowed_hosts(host, bound[1]),
+        addresses_on=bound[1] if host in WILDCARD_BINDS else None))
     shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     url = f"http://{shown_host}:{bound[1]}"
     http = HttpThread(app, sock)
