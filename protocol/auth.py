@@ -163,7 +163,8 @@ class Authenticator:
                 return Error(rank=None, request_id=None, code=ERR_VERSION, fatal=True,
                              message=str(VersionMismatch(msg.protocol_version, what=msg.client_id)))
             if len(msg.nonce) != NONCE_BYTES:
-                return _refusal(f"Hello from {msg.client_id!r}: its nonce is {len(msg.nonce)} bytes, not {NONCE_BYTES}")
+                return _refusal(f"Hello from {msg.client_id!r}: its nonce is {len(msg.nonce)} bytes, "
+                                f"not {NONCE_BYTES}")
             window = self._window()
             nonce = _WINDOW.pack(window) + msg.nonce + self._tag(window, peer, msg.nonce, msg.client_id)
             return Challenge(nonce=nonce, protocol_version=PROTOCOL_VERSION, server_id=self.server_id)
@@ -251,13 +252,11 @@ class StrangerLimits:
             return None
         span, self._period_start = now - self._period_start, now
         quiet, dropped = self._quiet_now, self._dropped_now
-        sources = sum(1 for n in self._logged.values() if n)
         self._logged, self._quiet_now, self._dropped_now = {}, 0, 0
         if not quiet and not dropped:
             return None
-        return (f"unauthenticated peers in the last {span:.0f} s: {quiet} refusal(s) not logged"
-                f"{f' (from {sources} source(s) logged before)' if sources else ''}, {dropped} message(s) over "
-                f"the rate of {self.rate:g}/s per peer dropped unread")
+        return (f"unauthenticated peers in the last {span:.0f} s: {quiet} refusal(s) not logged, {dropped} "
+                f"message(s) over the rate of {self.rate:g}/s per peer dropped unread")
 
 
 def admit(reg: Register, model_fingerprint: str) -> Error | None:
@@ -302,5 +301,5 @@ def _expect(channel: Channel, cls: type, timeout_ms: int):
     return msg
 
 
-__all__ = ["AuthError", "Authenticator", "StrangerLimits", "CHALLENGE_WINDOW_S", "SECRET_ENV", "new_secret", "load_secret", "write_secret", "client_mac",
-           "server_mac", "admit", "client_handshake"]
+__all__ = ["AuthError", "Authenticator", "StrangerLimits", "CHALLENGE_WINDOW_S", "SECRET_ENV", "new_secret",
+           "load_secret", "write_secret", "client_mac", "server_mac", "admit", "client_handshake"]

@@ -308,6 +308,26 @@ class Channel:
         self._bound = True
         return actual
 
+    def cap_frames(self, max_msg_bytes: int, timeout_s: float = 5.0) -> None:
+        """From now on a peer announcing a frame over ``max_msg_bytes`` is disconnected by libzmq before the
+        frame is read (protocol/limits.py). libzmq takes the option when a socket binds, so a bound channel
+        listens anew on the same endpoints (connected peers reconnect by themselves); ProtocolError when an
+        endpoint cannot be bound again within ``timeout_s``."""
+        self._sock.maxmsgsize = max_msg_bytes
+        if not self._bound:
+            return
+        for endpoint in self.endpoints:
+            self._sock.unbind(endpoint)
+            deadline = time.monotonic() + timeout_s
+            while True:   # the listener is closed by libzmq's I/O thread: the address frees a moment later
+                try:
+                    self._sock.bind(endpoint)
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                        raise ProtocolError(f"cannot listen on {endpoint} again: {e.strerror}") from None
+                    time.sleep(0.005)
+
     def connect(self, endpoint: str) -> "Channel":
         self._auto_curve_as(server=False)
         self._sock.connect(endpoint)
@@ -419,10 +439,32 @@ class RouterChannel(Channel):
     def recv(self, timeout_ms: int = RECV_TIMEOUT_MS, *,  # type: ignore[override]
              what: str = "a message") -> tuple[bytes, Message, list[np.ndarray]]:
         """(identity, message, arrays). A ProtocolError carries ``.peer`` = identity so the caller can answer."""
-        frames = self._recv_opened(timeout_ms, what, 1)
+        return self.parse(self.recv_raw(timeout_ms, what=what))
+
+    def recv_raw(self, timeout_ms: int = RECV_TIMEOUT_MS, *, what: str = "a message") -> list:
+        """The next message's frames, identity first, not yet decoded: a server can look at who sent it (the
+        identity, `peer_address`) before it spends a decode on it."""
+        return self._recv_opened(timeout_ms, what, 1)
+
+    @staticmethod
+    def parse(frames: list) -> tuple[bytes, Message, list[np.ndarray]]:
+        """(identity, message, arrays) of frames from recv_raw; ProtocolError as recv."""
         identity = frames[0].bytes
         msg, arrays = _decode_from(frames[1:], _show(identity), identity)
         return identity, msg, arrays
+
+
+def peer_address(frame) -> str | None:
+    """The network address a received frame came from (TCP: the peer's IP), or None where the transport has none."""
+    try:
+        return frame.get("Peer-Address") or None
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+
+
+def show_identity(identity: bytes) -> str:
+    """A routing identity as text (printable as is, else hex)."""
+    return _show(identity)
 
 
 def _show(identity: bytes) -> str:
@@ -478,6 +520,7 @@ class Poller:
 __all__ = [
     "Channel", "RouterChannel", "Poller", "Endpoints", "CurveKeys", "ProtocolTimeout", "PeerGone",
     "new_curve_keypair", "advertise", "random_identity", "use_curve", "deployment_curve", "write_curve_keys",
-    "load_curve_keys", "is_loopback_endpoint", "local_address_toward", "CONNECT_TIMEOUT_MS", "RECV_TIMEOUT_MS", "SEND_TIMEOUT_MS",
+    "load_curve_keys", "is_loopback_endpoint", "peer_address", "show_identity", "local_address_toward",
+    "CONNECT_TIMEOUT_MS", "RECV_TIMEOUT_MS", "SEND_TIMEOUT_MS",
     "HEARTBEAT_INTERVAL_MS", "HEARTBEAT_TIMEOUT_MS",
 ]

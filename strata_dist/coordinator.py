@@ -19,17 +19,22 @@ from typing import Callable
 from protocol import (Assign, Heartbeat, Cancel, Channel, Error, Poller, PromptProgress, ProtocolError,
                       ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
                       Tokens)
-from protocol.auth import Authenticator, admit
+from protocol.auth import Authenticator, StrangerLimits, admit
 from protocol.seal import LinkSeal, link_key, new_nonce
 from protocol.messages import ERR_VERSION, Sampling, Stats, StatsReply, VersionMismatch
-from protocol.transport import is_loopback_endpoint
+from protocol.transport import peer_address, show_identity
+
+from protocol.limits import FrameCaps
 
 from .checkpoints import chunk_positions
 
 log = logging.getLogger("strata.coordinator")
 
 HEARTBEAT_LOST_S = 10.0
-CONTROL_MAX_MSG_BYTES = 64 << 20   # a control socket exposed to a network drops bigger messages
+# One turn of the pump handles at most this many control messages, then the inbox: control traffic (a
+# stranger's flood included) never keeps the pipeline's tokens waiting.
+CONTROL_BATCH = 64
+INBOX_BATCH = 1024
 
 
 class RankFailure(RuntimeError):
@@ -90,11 +95,11 @@ class Coordinator:
         self.heartbeat_lost_s = heartbeat_lost_s
         self.on_refusal = on_refusal or (lambda message: log.warning("%s", message))
         self.auth = Authenticator(secret, server_id="strata-coordinator")
-        exposed = not is_loopback_endpoint(control_bind)
-        self.control = RouterChannel(peer="ranks",
-                                     max_msg_bytes=CONTROL_MAX_MSG_BYTES if exposed else None)
+        self.strangers = StrangerLimits()   # what peers without the secret may cost (and log)
+        # every frame a rank sends either socket is a small message (protocol/limits.py)
+        self.control = RouterChannel(peer="ranks", max_msg_bytes=FrameCaps.CONTROL)
         self.control_endpoint = self.control.bind(control_bind)
-        self.inbox = Channel("pull", peer="last stage")
+        self.inbox = Channel("pull", peer="last stage", max_msg_bytes=FrameCaps.CONTROL)
         self.head_endpoint = self.inbox.bind(head_bind)
         # TCP data links carry only messages sealed under this launch's key for their own link
         # (protocol/seal.py); the ranks derive it from the secret and the nonce their Assign
@@ -137,12 +142,13 @@ class Coordinator:
         self.ranks = slots
         return slots
 
-    def _on_control(self, identity: bytes, msg) -> None:
+    def _on_control(self, identity: bytes, msg, frame=None) -> None:
+        stranger = not self.auth.is_authenticated(identity)
         reply = self.auth.guard(identity, msg)
         if reply is not None:
-            self._send(identity, reply)
+            self._send(identity, reply, stranger=stranger)
             if isinstance(reply, Error) and reply.fatal:
-                self.on_refusal(f"refused a rank: {reply.message}")
+                self._refused(identity, frame, f"refused a rank: {reply.message}", stranger)
             return
         if isinstance(msg, Register):
             self._on_register(identity, msg)
@@ -313,11 +319,23 @@ class Coordinator:
                                f"within {self.rejoin_timeout_s:.0f} s")
             self._pump(min(left, 0.1))
 
-    def _send(self, identity: bytes, msg) -> None:
+    def _send(self, identity: bytes, msg, stranger: bool = False) -> None:
+        """Answer a peer. A peer that has not proved the secret is answered only if its queue has room
+        now: one that sends without reading its answers cannot make the pump wait on it."""
         try:
-            self.control.send(identity, msg, timeout_ms=2000)
+            self.control.send(identity, msg, timeout_ms=0 if stranger else 2000)
         except (ProtocolTimeout, ConnectionError) as e:
-            log.warning("could not answer a peer: %s", e)
+            if not stranger:
+                log.warning("could not answer a peer: %s", e)
+
+    def _refused(self, identity: bytes, frame, message: str, stranger: bool) -> None:
+        """Tell the operator of a refusal: every one of a peer that proved the secret (a rank of another
+        model), those of strangers once per source a minute (StrangerLimits), the rest counted."""
+        if stranger:
+            source = (peer_address(frame) if frame is not None else None) or show_identity(identity)
+            message = self.strangers.refusal(source, message)
+        if message is not None:
+            self.on_refusal(message)
 
     # ---- assignment --------------------------------------------------------------------------------
     def assign(self, assignments: list[Assign], timeout_s: float,
@@ -346,34 +364,57 @@ class Coordinator:
 
     # ---- the event loop ----------------------------------------------------------------------------
     def _pump(self, wait_s: float) -> list:
-        """Handle control traffic for up to wait_s; return data-plane messages that arrived."""
+        """Handle control traffic (waiting up to wait_s for something); return the data-plane messages that
+        arrived. One call handles at most CONTROL_BATCH control messages, then the inbox."""
         problem = self.liveness()
         if problem:
             raise RankFailure(problem)
         events = []
-        for ch in self.poller.poll(int(wait_s * 1000)):
-            while ch.poll(0):
-                try:
-                    if ch is self.control:
-                        identity, msg, _ = self.control.recv(timeout_ms=100)
-                        self._on_control(identity, msg)
-                    else:
-                        msg, _ = self.inbox.recv(timeout_ms=100)
-                        events.append(msg)
-                except ProtocolTimeout:
+        if self.poller.poll(int(wait_s * 1000)):
+            for _ in range(CONTROL_BATCH):
+                if not self.control.poll(0) or not self._control_one():
                     break
-                except VersionMismatch as e:  # a rank of another build: say so, naming both versions
-                    if ch is self.control and e.peer is not None:
-                        self._send(e.peer, Error(rank=None, request_id=None, code=ERR_VERSION,
-                                                 fatal=True, message=str(e)))
-                        self.on_refusal(f"refused a rank: {e}")
-                    else:
-                        log.warning("dropped a message: %s", e)
-                except ProtocolError as e:  # garbage from a peer: dropped, never fatal
-                    log.warning("dropped an invalid message: %s", e)
+            for _ in range(INBOX_BATCH):
+                if not self.inbox.poll(0):
+                    break
+                try:
+                    msg, _ = self.inbox.recv(timeout_ms=0)
+                except ProtocolTimeout:   # only frames that did not prove themselves (dropped, counted)
+                    break
+                except ProtocolError as e:  # garbage: dropped, never fatal
+                    self._refused(b"inbox", None, f"dropped an invalid message on the inbox: {e}", True)
+                    continue
+                events.append(msg)
         # after draining: heartbeats that queued while the head was busy elsewhere count
         self._check_heartbeats()
+        summary = self.strangers.summary()
+        if summary:
+            self.on_refusal(summary)
         return events
+
+    def _control_one(self) -> bool:
+        """Read and handle one control message; False when none was waiting. A peer that has not proved
+        the secret is held to its rate (StrangerLimits): the rest of its messages are dropped unread."""
+        try:
+            frames = self.control.recv_raw(timeout_ms=0)
+        except ProtocolTimeout:
+            return False
+        identity = frames[0].bytes
+        stranger = not self.auth.is_authenticated(identity)
+        if stranger and not self.strangers.admit(identity):
+            return True
+        try:
+            _, msg, _ = RouterChannel.parse(frames)
+        except VersionMismatch as e:  # a rank of another build: say so, naming both versions
+            self._send(identity, Error(rank=None, request_id=None, code=ERR_VERSION, fatal=True,
+                                       message=str(e)), stranger=stranger)
+            self._refused(identity, frames[0], f"refused a rank: {e}", stranger)
+            return True
+        except ProtocolError as e:  # garbage from a peer: dropped, never fatal
+            self._refused(identity, frames[0], f"dropped an invalid message: {e}", stranger)
+            return True
+        self._on_control(identity, msg, frames[0])
+        return True
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()

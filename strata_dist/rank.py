@@ -31,6 +31,7 @@ from protocol.auth import client_handshake
 from protocol.seal import LinkSeal, link_key
 from protocol.transport import is_loopback_endpoint, local_address_toward
 from protocol.messages import DeviceInfo
+from protocol.limits import FrameCaps
 
 from .gguf_model import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
@@ -80,7 +81,8 @@ class _Pulse(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        ch = Channel("dealer", peer="coordinator (pulse)").connect(self.endpoint)
+        ch = Channel("dealer", peer="coordinator (pulse)",
+                     max_msg_bytes=FrameCaps.CONTROL).connect(self.endpoint)
         try:
             client_handshake(ch, self.secret, f"rank-{os.getpid()}-pulse", timeout_ms=self.timeout_ms)
             seq = 0
@@ -100,10 +102,14 @@ class RankProcess:
     def __init__(self, opts: RankOptions):
         self.opts = opts
         # ZMTP pings on a network link: a cut cable drops the connection instead of leaving it silent
-        self.control = Channel("dealer", peer="coordinator",
+        self.control = Channel("dealer", peer="coordinator", max_msg_bytes=FrameCaps.ASSIGN,
                                heartbeat_ms=None if is_loopback_endpoint(opts.coordinator) else 1000)
-        self.data = Channel("pull", peer="upstream")
-        self.helper_socket = RouterChannel(peer="stages")   # this card's helper tier, if any
+        # until the Assign names the prompt chunk, the bound sockets take control-sized frames only
+        # (protocol/limits.py); _cap_frames sets the plan's caps
+        early = FrameCaps.before_assign()
+        self.data = Channel("pull", peer="upstream", max_msg_bytes=early.data)
+        self.helper_socket = RouterChannel(peer="stages",      # this card's helper tier, if any
+                                           max_msg_bytes=early.helper)
         self.helper: HelperServer | None = None
         self.next = self.head = self.first = None
         # a stage that is both first and last hands its next decode step to itself here, not
@@ -160,6 +166,7 @@ class RankProcess:
         rank = assign.rank
         if assign.bind_endpoint or assign.helper_bind:
             self._take_over_endpoints(assign)
+        self._cap_frames(assign)
         # TCP data links: sealed under the launch's key (the secret and the Assign's nonce), one
         # key per link, named by its bound end's endpoint as the peers know it (a replacement's:
         # those of the rank it replaces), in that endpoint's epoch
@@ -273,6 +280,15 @@ class RankProcess:
             self.helper_socket.close()
             self.helper_socket = RouterChannel(peer="stages")
             self.helper_socket.bind(a.helper_bind)
+
+    def _cap_frames(self, a: Assign) -> None:
+        """The data and helper sockets take frames up to the plan's largest legal one (a prompt chunk's
+        rows, an expert request): a peer announcing more is disconnected unread."""
+        gguf = GGUFModel(self.opts.model)
+        g = architecture_for(gguf).read_geometry(gguf)
+        caps = FrameCaps.for_stage(g.n_embd, g.n_expert_used, a.prefill_chunk)
+        self.data.cap_frames(caps.data)
+        self.helper_socket.cap_frames(caps.helper)
 
     def _registered(self, bound: str, route: str) -> str:
         """The address peers are given for a bound socket: --advertise-host if set, else the
