@@ -1,8 +1,10 @@
 """Reading a GGUF MoE model: geometry, a tensor index by layer and kind, per-expert blobs.
 
-The file is memory-mapped through gguf-py's reader, so opening even a 30 GB model reads only its
-header; tensor bytes are touched when a caller asks for them. Every way a file can be malformed
-becomes a `GGUFError` that names the file and, where there is one, the tensor.
+The header is read through bounds (gguf_fields.py) and the files are memory-mapped, so opening
+even a 30 GB model reads only its header; tensor bytes are touched when a caller asks for them.
+A model split in shards is one model here: each tensor knows its shard (gguf_split.py). Every way
+a file can be malformed becomes a `GGUFError` that names the file and, where there is one, the
+key or the tensor.
 """
 from __future__ import annotations
 
@@ -14,17 +16,23 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as gguf_quants
+
+from .gguf_fields import Field
+from .gguf_finite import find_non_finite
+from .gguf_split import ShardProblem, open_shards, read_shard
 
 
 class GGUFError(Exception):
-    """A model file that cannot be used; the message names the file and the tensor."""
+    """A model file that cannot be used; the message names the file and the tensor or key."""
 
-    def __init__(self, path: str | os.PathLike, message: str, tensor: str | None = None):
+    def __init__(self, path: str | os.PathLike, message: str, tensor: str | None = None,
+                 key: str | None = None):
         self.path = str(path)
-        self.tensor = tensor
-        where = f"{self.path}: tensor '{tensor}'" if tensor else self.path
+        self.tensor, self.key = tensor, key
+        where = (f"{self.path}: tensor '{tensor}'" if tensor else
+                 f"{self.path}: key '{key}'" if key else self.path)
         super().__init__(f"{where}: {message}")
 
 
@@ -45,7 +53,9 @@ class TensorInfo:
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]     # numpy (row-major) order: GGUF's ne reversed
     n_bytes: int               # bytes as stored in the file
-    offset: int                # absolute byte offset of the data in the file
+    offset: int                # absolute byte offset of the data in its file
+    file: str = ""             # the file holding it: the model's, or one of its shards
+    shard: int = 0             # that file's place among the model's shards
 
     @property
     def type_name(self) -> str:
@@ -82,77 +92,69 @@ _MODEL_LEVEL = {
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
-class _BoundsCheckedReader(GGUFReader):
-    """gguf-py's reader, but a tensor whose data runs past the end of the file (or whose type is
-    unknown) is reported by name instead of as a bare numpy reshape error."""
-
-    def _build_tensors(self, start_offs, fields):
-        file_size = len(self.data)
-        for field in fields:
-            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            try:
-                ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorProblem(name, f"unknown GGML type {int(raw_dtype[0])}") from None
-            block, type_size = GGML_QUANT_SIZES[ggml_type]
-            n_elems = int(np.prod(dims.astype(np.int64)))
-            if n_elems % block:
-                raise _TensorProblem(name, f"{n_elems} elements is not a whole number of "
-                                           f"{ggml_type.name} blocks of {block}")
-            end = int(start_offs) + int(offset_tensor[0]) + n_elems // block * type_size
-            if end > file_size:
-                raise _TensorProblem(name, f"data ends at byte {end} but the file has only "
-                                           f"{file_size} bytes (truncated)")
-        super()._build_tensors(start_offs, fields)
+def _decode(raw: bytes, path: str, key: str, index: int | None = None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        entry = "" if index is None else f" entry {index}"
+        raise GGUFError(path, f"string{entry} is not valid UTF-8 (byte {e.start})",
+                        key=key) from None
 
 
-class _TensorProblem(Exception):
-    def __init__(self, tensor: str, message: str):
-        super().__init__(message)
-        self.tensor = tensor
-
-
-def _scalar(reader: GGUFReader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    if field.types and field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]][0].item()
+def _array_values(field: Field, path: str, key: str) -> list:
+    if field.element_type == GGUFValueType.STRING:
+        return [_decode(v, path, key, i) for i, v in enumerate(field.value)]
+    if field.element_type == GGUFValueType.ARRAY:
+        return [_array_values(f, path, key) for f in field.value]
+    return field.value.tolist()
 
 
 class GGUFModel:
-    """One GGUF model file, opened lazily. Architecture modules validate the tensors they need."""
+    """One GGUF model, opened lazily: a single file, or the first of its shards (the others are
+    found by name and mapped too: gguf_split.py). Architecture modules validate the tensors they
+    need. Every tensor is checked for NaN/Inf the first time its bytes are read (gguf_finite.py),
+    so a process checks exactly the tensors it loads."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         if not os.path.isfile(self.path):
             raise GGUFError(self.path, "no such file")
         try:
-            self._reader = _BoundsCheckedReader(self.path)
-        except _TensorProblem as e:
-            raise GGUFError(self.path, str(e), tensor=e.tensor) from None
-        except (ValueError, KeyError, IndexError, UnicodeDecodeError, OverflowError) as e:
-            # Bad magic, unsupported version, a header cut short: gguf-py's own words.
-            raise GGUFError(self.path, f"not a readable GGUF file ({e})") from None
+            self.shards = open_shards(read_shard(self.path))
+        except ShardProblem as e:
+            raise GGUFError(e.path, str(e), tensor=e.tensor, key=e.key) from None
         except OSError as e:   # no read permission, an I/O error
-            raise GGUFError(self.path, f"cannot be read ({e.strerror or e})") from None
+            raise GGUFError(getattr(e, "filename", None) or self.path,
+                            f"cannot be read ({e.strerror or e})") from None
+        self._fields = self.shards[0].header.fields
         self.tensors: dict[str, TensorInfo] = {}
-        for t in self._reader.tensors:
-            layer, kind = self._classify(t.name)
-            self.tensors[t.name] = TensorInfo(
-                name=t.name, layer=layer, kind=kind, ggml_type=t.tensor_type,
-                shape=tuple(int(d) for d in reversed(t.shape.tolist())),
-                n_bytes=int(t.n_bytes), offset=int(t.data_offset))
+        for index, shard in enumerate(self.shards):
+            for t in shard.header.tensors:
+                layer, kind = self._classify(t.name)
+                self.tensors[t.name] = TensorInfo(
+                    name=t.name, layer=layer, kind=kind, ggml_type=t.ggml_type,
+                    shape=tuple(reversed(t.dims)), n_bytes=t.n_bytes,
+                    offset=shard.header.data_offset + t.relative_offset,
+                    file=shard.path, shard=index)
+        self._maps: list[np.memmap | None] = [None] * len(self.shards)
+        self._checked: set[str] = set()                      # tensors read through raw()
+        self._checked_experts: set[tuple[int, int]] = set()   # (layer, expert) blobs read
         self.arch = self.metadata("general.architecture")
         if not isinstance(self.arch, str):
-            raise GGUFError(self.path, "metadata has no general.architecture")
+            raise GGUFError(self.path, "is missing or not a string", key="general.architecture")
 
     # ---- metadata -------------------------------------------------------------------------------
     def metadata(self, key: str, default=None):
-        value = _scalar(self._reader, key)
-        return default if value is None else value
+        """A key's value (the first shard's metadata is the model's): str, int, float, bool, or
+        a list for an array. A string that is not UTF-8 is a GGUFError naming the key."""
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        if field.type == GGUFValueType.STRING:
+            return _decode(field.value, self.path, key)
+        if field.type == GGUFValueType.ARRAY:
+            return _array_values(field, self.path, key)
+        return field.value
 
     def arch_metadata(self, key: str, default=None, required: bool = False):
         value = self.metadata(f"{self.arch}.{key}")
@@ -193,21 +195,24 @@ class GGUFModel:
         return value
 
     def metadata_array(self, key: str) -> list | None:
-        field = self._reader.fields.get(key)
+        field = self._fields.get(key)
         if field is None:
             return None
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i][0].item() for i in field.data]
+        if field.type != GGUFValueType.ARRAY:
+            raise GGUFError(self.path, f"is {field.type.name}, not an array", key=key)
+        return _array_values(field, self.path, key)
 
     def metadata_keys(self) -> list[str]:
-        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
+        return list(self._fields)
 
     @cached_property
     def fingerprint(self) -> str:
-        """A hash of the header and tensor table: two ranks agree on the model iff this matches."""
+        """A hash of the headers and tensor tables (every shard's, in order): two ranks agree on
+        the model iff this matches."""
         h = hashlib.sha256()
-        h.update(bytes(self._reader.data[: self._reader.data_offset]))
+        for shard in self.shards:
+            with open(shard.path, "rb") as f:
+                h.update(f.read(shard.header.data_offset))
         return h.hexdigest()[:16]
 
     # ---- tensor index ---------------------------------------------------------------------------
@@ -242,10 +247,37 @@ class GGUFModel:
                             tensor=name)
         return info
 
+    def _map(self, shard: int) -> np.memmap:
+        mm = self._maps[shard]
+        if mm is None:
+            try:
+                mm = self._maps[shard] = np.memmap(self.shards[shard].path, dtype=np.uint8,
+                                                   mode="r")
+            except OSError as e:
+                raise GGUFError(self.shards[shard].path,
+                                f"cannot be read ({e.strerror or e})") from None
+        return mm
+
+    def _stored(self, info: TensorInfo) -> np.ndarray:
+        return self._map(info.shard)[info.offset: info.offset + info.n_bytes]
+
+    def check_finite(self, info: TensorInfo) -> None:
+        """Refuse a tensor holding NaN or Inf (gguf_finite.py says how much of it is read), once
+        per tensor: the first read of its bytes through raw() calls this (expert blobs are
+        checked one expert at a time, as they are read)."""
+        if info.name in self._checked:
+            return
+        problem = find_non_finite(self._stored(info), info.ggml_type,
+                                  info.shape[-1] if info.shape else 1)
+        if problem:
+            raise GGUFError(info.file, problem, tensor=info.name)
+        self._checked.add(info.name)
+
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of a tensor as a uint8 view of the memory map (no copy)."""
         info = self.tensor(name)
-        return self._reader.data[info.offset: info.offset + info.n_bytes]
+        self.check_finite(info)
+        return self._stored(info)
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in numpy shape, through gguf-py's decoders (every type it knows)."""
@@ -269,8 +301,20 @@ class GGUFModel:
             if not 0 <= expert < t.shape[0]:
                 raise IndexError(f"expert {expert} out of range for {t.name} ({t.shape[0]} experts)")
             per = t.n_bytes // t.shape[0]
-            pieces.append(self._reader.data[t.offset + expert * per: t.offset + (expert + 1) * per])
-        return np.concatenate(pieces)
+            pieces.append(self._map(t.shard)[t.offset + expert * per: t.offset + (expert + 1) * per])
+        blob = np.concatenate(pieces)
+        if (layer, expert) not in self._checked_experts:
+            self._check_expert(layer, expert, blob)
+        return blob
+
+    def _check_expert(self, layer: int, expert: int, blob: np.ndarray) -> None:
+        """An expert's bytes are checked whole the first time they are read, from the copy just
+        made: a process reads the experts it holds anyway, so this costs no read of its own."""
+        for t, part in self.split_blob(layer, blob):
+            problem = find_non_finite(part, t.ggml_type, t.shape[-1])
+            if problem:
+                raise GGUFError(t.file, f"expert {expert}: {problem}", tensor=t.name)
+        self._checked_experts.add((layer, expert))
 
     def split_blob(self, layer: int, blob: np.ndarray) -> list[tuple[TensorInfo, np.ndarray]]:
         """The (part, bytes) of a blob made by expert_blob, in gate, up, down order."""
@@ -288,13 +332,14 @@ class GGUFModel:
                      for t, b in self.split_blob(layer, blob))
 
     def close(self) -> None:
-        mm = getattr(self._reader.data, "_mmap", None)
-        self._reader = None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a view is still alive; the map closes when it goes
+        maps, self._maps = self._maps, [None] * len(self.shards)
+        for m in maps:
+            mm = getattr(m, "_mmap", None)
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass  # a view is still alive; the map closes when it goes
 
 
 def dequantize_bytes(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
