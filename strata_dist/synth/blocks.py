@@ -148,28 +148,29 @@ def random_rows(t: T, bits: np.random.SFC64, n_rows: int, n_cols: int, std: floa
     return random_blocks(t, bits, n_rows * n_cols // block, std).reshape(n_rows, -1)
 
 
-# Sub-block scale zeroing in a K super-block: (sub-block width, how to zero sub-block j in place).
-def _zero_q4k(sb: np.ndarray, j: int) -> None:          # sb: the super-block's bytes [rows, size]
+# Zeroing the scales of sub-blocks [0, k) of a K super-block: (sub-block width, how, in place).
+def _zero_q4k(sb: np.ndarray, k: int) -> None:          # sb: the super-block's bytes [rows, size]
     sc = sb[:, 4:16]
-    if j < 4:
-        sc[:, j] &= 0xC0                                 # keep the top bits: they belong to j + 4
-        sc[:, j + 4] &= 0xC0
-    else:
-        sc[:, j + 4] = 0
-        sc[:, j - 4] &= 0x3F
-        sc[:, j] &= 0x3F
+    for j in range(k):
+        if j < 4:
+            sc[:, j] &= 0xC0                             # keep the top bits: they belong to j + 4
+            sc[:, j + 4] &= 0xC0
+        else:
+            sc[:, j + 4] = 0
+            sc[:, j - 4] &= 0x3F
+            sc[:, j] &= 0x3F
 
 
-def _zero_q3k(sb: np.ndarray, j: int) -> None:
+def _zero_q3k(sb: np.ndarray, k: int) -> None:
     v = _q3k_unpack(sb[:, 96:108])
-    v[:, j] = 32                                         # stored with a +32 bias
+    v[:, :k] = 32                                        # stored with a +32 bias
     sb[:, 96:108] = _q3k_pack(v)
 
 
 _SUB_ZERO = {
     T.Q4_K: (32, _zero_q4k), T.Q5_K: (32, _zero_q4k),
-    T.Q2_K: (16, lambda sb, j: sb.__setitem__((slice(None), j), 0)),
-    T.Q6_K: (16, lambda sb, j: sb.__setitem__((slice(None), 192 + j), 0)),
+    T.Q2_K: (16, lambda sb, k: sb.__setitem__((slice(None), slice(0, k)), 0)),
+    T.Q6_K: (16, lambda sb, k: sb.__setitem__((slice(None), slice(192, 192 + k)), 0)),
     T.Q3_K: (16, _zero_q3k),
 }
 
@@ -184,9 +185,7 @@ def zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
     rows[:, :whole * size] = 0                           # all-zero blocks dequantize to 0
     if n % block:
         sub, zero = _SUB_ZERO[t]
-        sb = rows[:, whole * size:(whole + 1) * size]
-        for j in range(n % block // sub):
-            zero(sb, j)
+        zero(rows[:, whole * size:(whole + 1) * size], n % block // sub)
 
 
 # The first block of every row, fixed so that coordinate 0 holds one constant: (the block's d
