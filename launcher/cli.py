@@ -1,15 +1,22 @@
 """`strata-launch`: one rank per device, a coordinator, and a surface (--serve, --prompt-ids, or
 --plan-only). Impossible flag combinations are refused at start (exit 2) naming both values; a
-rank that dies stops the launch with that rank's error (exit 1); Ctrl-C or SIGTERM stops every
-rank (no process is left behind)."""
+rank that dies stops the launch with that rank's error (exit 1); Ctrl-C, SIGTERM or SIGHUP stops
+every rank (no process is left behind; exit 130)."""
 from __future__ import annotations
+
+import os
+import sys
+
+from .stop_signals import EXIT_STOPPED, StopSignals, exit_at_once_while_starting
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "strata-launch":
+    exit_at_once_while_starting()   # before the imports below, which take about 0.2 s
 
 import argparse
 import json
-import os
-import signal
-import sys
+import math
 
+from protocol.bounded_read import KIB, MIB, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
@@ -26,6 +33,10 @@ from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
 from .spawn import RankSpec
 
 DEFAULT_CPU_BUDGET = "8G"
+# files named by flags are read up to these (protocol/bounded_read.py): a key is a line, an
+# inventory a few hundred bytes a device
+KEY_FILE_MAX = 64 * KIB
+INVENTORY_FILE_MAX = 4 * MIB
 
 
 class UsageError(Exception):
@@ -237,12 +248,15 @@ def planning_devices(args, specs: list[RankSpec]) -> list[Device]:
     """The inventory for --plan-only: a file, or this machine's devices as the ranks would see them."""
     if args.inventory:
         try:
-            with open(args.inventory) as f:
-                return devices_from_json(json.load(f))
+            return devices_from_json(json.loads(read_capped(args.inventory, INVENTORY_FILE_MAX,
+                                                            "--inventory")))
         except OSError as e:
             raise UsageError(f"--inventory {args.inventory}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UsageError(f"--inventory {args.inventory}: not JSON ({e})") from None
+        except RecursionError:
+            raise UsageError(f"--inventory {args.inventory}: not an inventory (nested too "
+                             "deep)") from None
     out = []
     for s in specs:
         budget = parse_size(s.vram_budget) if s.vram_budget else None
@@ -256,18 +270,22 @@ def planning_devices(args, specs: list[RankSpec]) -> list[Device]:
 # ---- the run ---------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _main(args)
-    except (UsageError, ToolsUsageError, GGUFError, PlanError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:   # stdout closed early (`… | head`): the ranks are closed; stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    with StopSignals() as signals:
+        try:
+            args = build_parser().parse_args(argv)
+            return _main(args, signals)
+        except (UsageError, ToolsUsageError, GGUFError, PlanError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:   # stdout closed early (`… | head`): the ranks are closed; stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except KeyboardInterrupt:   # stopped before any rank started: nothing to close
+            return EXIT_STOPPED
 
 
-def _main(args) -> int:
+def _main(args, signals: StopSignals) -> int:
+    check_seconds(args)
     if args.serve and args.prompt_ids is not None:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
     if args.prompt is not None and (args.serve or args.prompt_ids is not None):
@@ -323,10 +341,23 @@ def _main(args) -> int:
                          order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill)
         print(plan.to_json() if args.json else render_table(plan))
         return 0
-    return run_launch(args, gguf, specs, split, prefill, params, profile)
+    return run_launch(args, gguf, specs, split, prefill, params, profile, signals)
 
 
-def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
+SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "register_timeout"),
+                 ("--heartbeat-timeout", "heartbeat_timeout"))
+
+
+def check_seconds(args) -> None:
+    """Every wait given in seconds is a finite number > 0: NaN would make every deadline
+    comparison false (a wait that never ends or never starts), inf a wait without bound."""
+    for flag, name in SECONDS_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} {value}: want a finite number of seconds > 0")
+
+
+def run_launch(args, gguf, specs, split, prefill, params, profile, signals: StopSignals) -> int:
     from .launch import Launch, LaunchConfig
     from .line_protocol import parse_gen
 
@@ -335,15 +366,10 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
                        kv_type=args.kv_type, **cluster_config(args))
-    launch = Launch(cfg)
-    current = [launch]   # the launch running now (a restart replaces it): the one to close
-
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, on_signal)
+    current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0
     try:
+        launch = current[0] = Launch(cfg)
         if args.port is not None:
             def relaunch():
                 current[0].close("restarting after a rank failure")
@@ -351,7 +377,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
                 return current[0]
             return _serve_http(args, gguf, launch, specs, relaunch)
         if args.serve:
-            return _serve_lines(args, gguf, cfg, current)
+            return _serve_lines(args, gguf, cfg, current, signals)
         plan = launch.start()
         server = _line_server(args, gguf, launch, plan)
         if args.prompt_list is not None:
@@ -373,9 +399,12 @@ def run_launch(args, gguf, specs, split, prefill, params, profile) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_STOPPED
     finally:
-        current[0].close("launcher stopping")
+        signals.on_interrupt = None
+        if current[0] is not None:
+            with signals.held():
+                current[0].close("launcher stopping")
     return code
 
 
@@ -397,10 +426,11 @@ def _line_server(args, gguf, launch, plan):
     return LineProtocol(session)
 
 
-def _serve_lines(args, gguf, cfg, current: list) -> int:
-    """--serve until QUIT. A rank that dies fails the request in flight (ERR); with
-    --restart-ranks N the launch then starts its ranks afresh (a new READY) up to N times.
-    `current[0]` is always the launch running, so the caller closes the right one."""
+def _serve_lines(args, gguf, cfg, current: list, signals: StopSignals) -> int:
+    """--serve until QUIT or the end of input. A rank that dies fails the request in flight (ERR);
+    with --restart-ranks N the launch then starts its ranks afresh (a new READY) up to N times.
+    `current[0]` is always the launch running, so the caller closes the right one. A SIGINT
+    while a generation runs cancels it (LineProtocol.interrupt); otherwise it stops the launch."""
     from .launch import Launch
     from .line_protocol import stdin_lines
     lines = stdin_lines()
@@ -408,8 +438,10 @@ def _serve_lines(args, gguf, cfg, current: list) -> int:
     while True:
         launch = current[0]
         server = _line_server(args, gguf, launch, launch.start())
+        signals.on_interrupt = server.interrupt
         server.say(f"READY {args.max_context}")
         code = server.run(lines)
+        signals.on_interrupt = None
         if code == 1 and server.failure:     # the operator reads stderr, the client got ERR
             print(f"error: {server.failure}", file=sys.stderr, flush=True)
         if code != 1 or restarts >= args.restart_ranks:
@@ -457,8 +489,8 @@ def api_key(args) -> str | None:
         raise UsageError(f"--api-key and --api-key-file {args.api_key_file} cannot be combined")
     if args.api_key_file is not None:
         try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                key = f.readline().strip()
+            text = read_capped(args.api_key_file, KEY_FILE_MAX, "--api-key-file")
+            key = text.decode("utf-8").partition("\n")[0].strip()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--api-key-file {args.api_key_file}: cannot be read "
                              f"({getattr(e, 'strerror', None) or e})") from None

@@ -127,11 +127,13 @@ class Launch:
     def __init__(self, cfg: LaunchConfig, echo=lambda line: print(line, file=sys.stderr)):
         self.cfg = cfg
         self.echo = echo
+        self.gguf = GGUFModel(cfg.model)
+        # the run directory last: nothing after it can fail before the caller holds this launch
+        # (and closes it, which removes the directory)
         self.endpoints = Endpoints()
         # who runs the rank processes: None when they are started elsewhere and register (--listen)
         self.ranks = (LocalRanks(self.endpoints.run_dir)
                       if cfg.backend == "local" and not cfg.listen else None)
-        self.gguf = GGUFModel(cfg.model)
         self.coordinator: Coordinator | None = None
         self.plan: Plan | None = None
         self.ready: dict[int, dict] = {}

@@ -6,7 +6,10 @@
                                                 prompt chunk, T <id> per token, then
                                                 DONE <gen> <prompt> <prompt_ms> <decode_ms> <stop|length>
     STATS                       ->  STATS rank=<r> key=value … per rank, then STATS END
+    CANCEL                      the running GEN ends early (its DONE says cancelled)
     QUIT
+Lines are served in order: QUIT and the end of input come after every GEN before them, each
+answered in full; only CANCEL (or SIGINT, LineProtocol.interrupt) cuts a generation short.
 Errors answer `ERR <message>`. The session keeps its tokens between GENs: a GEN whose ids extend
 them reads only the new part."""
 from __future__ import annotations
@@ -15,6 +18,7 @@ import collections
 import queue
 import sys
 import threading
+import time
 from typing import TextIO
 
 from strata_dist.coordinator import RankFailure, RequestError
@@ -23,6 +27,8 @@ from strata_dist.sampler import SamplingParams
 
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
                  "stats": int}
+# a SIGINT this soon after one that cancelled a generation ends the run (a double Ctrl-C)
+SECOND_INTERRUPT_S = 2.0
 TIER_COUNTERS = ("hits", "remote", "host", "remote_lost", "helper_requests", "streamed",
                  "loan_overflow_bytes", "graph_steps", "prompt_layers_on_device")
 
@@ -78,15 +84,33 @@ class LineProtocol:
         self.failure = ""     # why run() ended with 1 (a dead rank)
         self._lines: "queue.Queue[str | None] | None" = None
         self._pending: "collections.deque[str | None]" = collections.deque()  # read ahead
+        self._generating = False
+        self._interrupted = False          # a SIGINT cancelled the running generation
+        self._last_interrupt = float("-inf")
 
     def _next_line(self, timeout: float) -> str | None:
         if self._pending:
             return self._pending.popleft()
         return self._lines.get(timeout=timeout)
 
-    def _quit_waiting(self) -> bool:
-        """Whether QUIT (or the end of input) arrived behind the running generation: it is then
-        cancelled at once instead of running to max_new. Lines read ahead are kept, in order."""
+    def interrupt(self) -> bool:
+        """SIGINT: whether it was taken as a CANCEL of the running generation. It is not (the
+        caller then ends the run) while no generation runs, when a SIGINT already cancelled this
+        one, or within SECOND_INTERRUPT_S of the last SIGINT that cancelled."""
+        now = time.monotonic()
+        if (not self._generating or self._interrupted
+                or now - self._last_interrupt < SECOND_INTERRUPT_S):
+            return False
+        self._interrupted, self._last_interrupt = True, now
+        return True
+
+    def _cancel_requested(self) -> bool:
+        """Whether the running generation is to end now: a SIGINT, or a CANCEL line read ahead
+        before any later GEN (a CANCEL behind a queued GEN is that one's). The CANCEL is taken
+        out; every other line read ahead is kept, in order. QUIT and the end of input cancel
+        nothing: they are served after the generation, as lines are."""
+        if self._interrupted:
+            return True
         if self._lines is None:
             return False
         while True:
@@ -94,7 +118,14 @@ class LineProtocol:
                 self._pending.append(self._lines.get_nowait())
             except queue.Empty:
                 break
-        return any(line is None or line.strip() == "QUIT" for line in self._pending)
+        for i, line in enumerate(self._pending):
+            word = _command(line)
+            if word == "CANCEL":
+                del self._pending[i]
+                return True
+            if word in ("GEN", "QUIT", None):
+                return False
+        return False
 
     def say(self, line: str) -> None:
         """One protocol line: an error message that spans lines (a rank's last log lines) is
@@ -103,7 +134,8 @@ class LineProtocol:
         self.out.flush()
 
     def run(self, lines: "queue.Queue[str | None]") -> int:
-        """Answer lines until QUIT or end of input; a dead rank ends the run (returns 1)."""
+        """Answer lines in order until QUIT or end of input (every GEN before them answered in
+        full); a dead rank ends the run (returns 1)."""
         self._lines = lines
         while True:
             try:
@@ -117,7 +149,7 @@ class LineProtocol:
             if line is None or line.strip() == "QUIT":
                 return 0
             line = line.strip()
-            if not line:
+            if not line or line == "CANCEL":   # CANCEL with nothing running: it came too late
                 continue
             if line == "STATS":
                 try:
@@ -126,7 +158,7 @@ class LineProtocol:
                     return self._fail(e)
                 continue
             if line.split()[0] != "GEN":
-                self.say(f"ERR unknown command '{line.split()[0]}' (GEN, STATS or QUIT)")
+                self.say(f"ERR unknown command '{line.split()[0]}' (GEN, STATS, CANCEL or QUIT)")
                 continue
             try:
                 self.generate(parse_gen(line))
@@ -155,12 +187,17 @@ class LineProtocol:
         deltas per rank) come before DONE."""
         o = req.options
         before = self.coord.stats() if o.get("stats") else None
-        out = self.session.generate(
-            req.ids, req.max_new, req.sampling(),
-            on_resume=lambda n: self.say(f"RESUME {n}"),
-            on_progress=lambda pos, total, ms, tps: self.say(f"PP {pos} {total} {ms:.1f} {tps:.1f}"),
-            on_token=lambda t: self.say(f"T {t}"),
-            should_cancel=self._quit_waiting)
+        self._generating, self._interrupted = True, False
+        try:
+            out = self.session.generate(
+                req.ids, req.max_new, req.sampling(),
+                on_resume=lambda n: self.say(f"RESUME {n}"),
+                on_progress=lambda pos, total, ms, tps: self.say(f"PP {pos} {total} {ms:.1f} "
+                                                                 f"{tps:.1f}"),
+                on_token=lambda t: self.say(f"T {t}"),
+                should_cancel=self._cancel_requested)
+        finally:
+            self._generating = False
         if before is not None:
             for rank, reply in sorted(self.coord.stats().items()):
                 old = before[rank].counters if rank in before else {}
@@ -169,6 +206,14 @@ class LineProtocol:
         self.say(f"DONE {len(out.tokens)} {out.read} {out.prompt_ms:.1f} {out.decode_ms:.1f} "
                  f"{out.reason}")
         return out
+
+
+def _command(line: str | None) -> str | None:
+    """A line's first word ("" for a blank line); None for the end of input."""
+    if line is None:
+        return None
+    words = line.split(maxsplit=1)
+    return words[0] if words else ""
 
 
 def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":
@@ -181,8 +226,11 @@ def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":
     raw = getattr(stream, "buffer", stream)
 
     def pump() -> None:
-        for line in raw:
-            q.put(line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line)
+        try:
+            for line in raw:
+                q.put(line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line)
+        except (OSError, ValueError):   # a terminal hung up, a stream closed under us: the end
+            pass
         q.put(None)
 
     threading.Thread(target=pump, daemon=True, name="stdin").start()

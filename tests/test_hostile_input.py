@@ -198,12 +198,14 @@ def test_serve_answers_err_to_bytes_that_are_not_utf8_and_goes_on(model):
 
 
 @pytest.mark.parametrize("tail", [b"QUIT\n", b""], ids=["quit", "eof"])
-def test_quit_or_eof_cancels_the_running_generation(model, tail):
-    """QUIT (or the end of input) behind a long GEN ends it at once (DONE … cancelled), on a
-    pipeline of two stages, instead of running to max_new."""
+def test_cancel_read_ahead_ends_the_running_generation(model, tail):
+    """CANCEL behind a long GEN ends it at once (DONE … cancelled), on a pipeline of two stages,
+    instead of running to max_new; QUIT (or the end of input) then ends the run. QUIT alone
+    cancels nothing: tests/test_serve_lines.py."""
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model, "--cpu-ranks",
-                           "2", "--layer-split", "2", "--serve"], input=b"GEN 3000 1 2 3\n" + tail,
-                          capture_output=True, timeout=TIMEOUT)
+                           "2", "--layer-split", "2", "--serve"],
+                          input=b"GEN 3000 1 2 3\nCANCEL\n" + tail, capture_output=True,
+                          timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     done = [l for l in proc.stdout.decode().splitlines() if l.startswith("DONE")]
     assert len(done) == 1 and done[0].endswith("cancelled"), done
