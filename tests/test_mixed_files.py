@@ -1,7 +1,7 @@
 """Mixed files on the CPU: synthetic files of the common file types (a type per tensor: Q2_K..Q6_K
 side by side in one layer, gate/up and down differing) run by the numpy forward against
 transformers' Qwen3MoeForCausalLM on the file's own dequantized weights, and generate the same
-tokens in one process and across two CPU ranks."""
+tokens in one process and across two CPU ranks; the synth's shards generate the unsplit file's."""
 from __future__ import annotations
 
 import subprocess
@@ -73,15 +73,33 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(mixed):
     assert SingleProcessRunner(path).generate(ids[:8], 12).tokens == out[0, 8:].tolist()
 
 
+def _tokens(*cmd: str) -> list[int]:
+    p = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=180,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return [int(x) for x in p.stdout.strip().splitlines()[-1].split(",")]
+
+
+def _single(path: str) -> list[int]:
+    return _tokens("strata_dist.cli", "generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new", "4")
+
+
+def _two_ranks(path: str) -> list[int]:
+    return _tokens("launcher.cli", "--model", path, "--cpu-ranks", "2", "--layer-split", "1",
+                   "--prompt-ids", "1,2,3", "--max-new", "4")
+
+
 def test_one_process_and_two_cpu_ranks_generate_the_same_tokens(tmp_path):
     path = str(write_synthetic(tmp_path / "m.gguf", MIXED, quant="q3_k_m", seed=12).path)
+    single = _single(path)
+    assert len(single) == 4 and _two_ranks(path) == single
 
-    def run(*cmd: str) -> list[int]:
-        p = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=180,
-                           cwd=ROOT)
-        assert p.returncode == 0, p.stderr[-2000:]
-        return [int(x) for x in p.stdout.strip().splitlines()[-1].split(",")]
-    single = run("strata_dist.cli", "generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new", "4")
-    ranks = run("launcher.cli", "--model", path, "--cpu-ranks", "2", "--layer-split", "1",
-                "--prompt-ids", "1,2,3", "--max-new", "4")
-    assert len(single) == 4 and ranks == single
+
+def test_the_synths_shards_generate_the_unsplit_files_tokens(tmp_path):
+    whole = write_synthetic(tmp_path / "whole.gguf", MIXED, quant="q4_k_m", seed=13)
+    split = write_synthetic(tmp_path / "m.gguf", MIXED, quant="q4_k_m", seed=13, split_max_size="3M")
+    assert len(split.shards) >= 3
+    ids = [int(x) for x in np.random.default_rng(6).integers(0, MIXED.n_vocab, 16)]
+    assert np.array_equal(SingleProcessRunner(str(split.path)).logits(ids),
+                          SingleProcessRunner(str(whole.path)).logits(ids))
+    assert _two_ranks(str(split.path)) == _single(str(whole.path))
