@@ -12,7 +12,7 @@ from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
 from strata_dist.synth.next import NEXT_GEOMETRIES, plan_next
 
 
-@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+@pytest.mark.parametrize("quant", ["f32", "q8_0", "q3_k_m", "bf16"])
 def test_tiny_next_opens_runs_and_keeps_the_routing_law(tmp_path, quant):
     s = write_synthetic(tmp_path / "tn.gguf", "tiny-next", quant=quant, popularity="zipf:1.0", seed=1)
     gguf = open_checked(str(s.path))
