@@ -22,6 +22,9 @@ RENDER_TIMEOUT_S = 1.0         # a chat template renders in milliseconds; past t
 CHILD_MEMORY_BYTES = 512 * 2 ** 20
 CHILD_START_TIMEOUT_S = 30.0   # a Python interpreter and jinja2 on a busy machine
 WAIT_FOR_CHILD_S = 30.0        # every child busy: a request waits this long for one
+# ...and past this many waiting, a request is refused at once: each waits on one of the HTTP
+# server's worker threads, which other requests need too
+MAX_WAITING = 8
 POLL_S = 0.02                  # how often a waiting render looks at its cancel flag
 
 
@@ -109,6 +112,7 @@ class TemplateRenderer:
         self.memory_bytes = memory_bytes
         self.idle: list[_Child] = []
         self.busy = 0
+        self.waiting = 0
         self.cond = threading.Condition()
         self.closed = False
         self.counts = {"rendered": 0, "failed": 0, "timed_out": 0, "cancelled": 0,
@@ -130,22 +134,29 @@ class TemplateRenderer:
         """An idle child, or None when the caller may start one (its place is reserved)."""
         deadline = time.monotonic() + WAIT_FOR_CHILD_S
         with self.cond:
-            while True:
-                if cancelled is not None and cancelled():
-                    raise RenderCancelled()
-                if self.closed:
-                    raise RenderUnavailable("the server is stopping")
-                if self.idle:
-                    self.busy += 1
-                    return self.idle.pop()
-                if self.busy < self.max_children:
-                    self.busy += 1
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RenderUnavailable(f"all {self.max_children} chat-template renderers "
-                                            f"stayed busy for {WAIT_FOR_CHILD_S:.0f} s")
-                self.cond.wait(min(left, POLL_S * 5))
+            if not self.idle and self.busy >= self.max_children and self.waiting >= MAX_WAITING:
+                raise RenderUnavailable(f"all {self.max_children} chat-template renderers are "
+                                        f"busy and {self.waiting} requests wait for one")
+            self.waiting += 1
+            try:
+                while True:
+                    if cancelled is not None and cancelled():
+                        raise RenderCancelled()
+                    if self.closed:
+                        raise RenderUnavailable("the server is stopping")
+                    if self.idle:
+                        self.busy += 1
+                        return self.idle.pop()
+                    if self.busy < self.max_children:
+                        self.busy += 1
+                        return None
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RenderUnavailable(f"all {self.max_children} chat-template renderers "
+                                                f"stayed busy for {WAIT_FOR_CHILD_S:.0f} s")
+                    self.cond.wait(min(left, POLL_S * 5))
+            finally:
+                self.waiting -= 1
 
     def _put_back(self, child: _Child | None) -> None:
         with self.cond:
@@ -216,7 +227,7 @@ class TemplateRenderer:
 
     def stats(self) -> dict:
         with self.cond:
-            return dict(self.counts, idle=len(self.idle), busy=self.busy,
+            return dict(self.counts, idle=len(self.idle), busy=self.busy, waiting=self.waiting,
                         timeout_s=self.timeout_s)
 
     def close(self) -> None:
