@@ -71,6 +71,19 @@ def test_30b_types_follow_the_rule_table(ftype):
                                                     "ffn_up_exps")} == {T.Q4_K}
 
 
+# The sizes of the published qwen3-30b-a3b files of these types (decimal GB; q4_k_m: 17.28 GiB):
+# a rule that moves a tensor class between types (ffn_down, the output) moves the total by more
+# than the 0.3% allowed for the metadata and the quantizer's version.
+PUBLISHED_30B_GB = {"q8_0": 32.48, "q6_k": 25.10, "q5_k_m": 21.74, "q5_k_s": 21.10,
+                    "q4_k_m": 17.28 * 2 ** 30 / 1e9, "bf16": 61.10}
+
+
+@pytest.mark.parametrize("ftype", list(PUBLISHED_30B_GB))
+def test_30b_plan_is_the_size_of_the_published_file(ftype):
+    tensors, _ = plan_moe(GEOMETRIES["qwen3-30b-a3b"], ftype, UNIFORM, 0)
+    assert sum(t.nbytes for t in tensors) / 1e9 == pytest.approx(PUBLISHED_30B_GB[ftype], rel=0.003)
+
+
 def test_legacy_q4_k_keeps_f16_dense_tensors():
     tensors, _ = plan_moe(GEOMETRIES["qwen3-30b-a3b"], "q4_k", UNIFORM, 0)
     got = {t.name: t.ggml_type for t in tensors}
