@@ -143,6 +143,16 @@ class GGUFModel:
         if not isinstance(self.arch, str):
             raise GGUFError(self.path, "is missing or not a string", key="general.architecture")
 
+    @property
+    def shard_paths(self) -> list[str]:
+        """The model's files in order: [path] for a single file."""
+        return [s.path for s in self.shards]
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes of every file of the model together."""
+        return sum(s.size for s in self.shards)
+
     # ---- metadata -------------------------------------------------------------------------------
     def metadata(self, key: str, default=None):
         """A key's value (the first shard's metadata is the model's): str, int, float, bool, or
