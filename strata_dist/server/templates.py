@@ -184,19 +184,21 @@ class TemplateRenderer:
             raise
         keep = False
         try:
+            reused = child is not None
             if child is None:
-                try:
-                    child = _Child(self.source, self.memory_bytes)
-                except TemplateError:        # the file's template does not parse
-                    self._count("failed")
-                    raise
-                except (OSError, EOFError, TimeoutError, ValueError) as e:
-                    raise RenderUnavailable(f"the chat-template renderer did not start: "
-                                            f"{e or type(e).__name__}") from None
+                child = self._start()
             request = {"context": context, "max_chars": max_chars,
                        "alarm_s": self.timeout_s * 2 + 1}
             try:
-                child.send(request)
+                try:
+                    child.send(request)
+                except OSError:
+                    if not reused:
+                        raise
+                    child.kill()             # an idle child that died (killed from outside)
+                    child = None
+                    child = self._start()
+                    child.send(request)
                 reply = child.read(time.monotonic() + self.timeout_s, cancelled,
                                    6 * max_chars + (1 << 20))
             except TimeoutError:
@@ -224,6 +226,16 @@ class TemplateRenderer:
             if child is not None and not keep:
                 child.kill()
             self._put_back(child if keep else None)
+
+    def _start(self) -> _Child:
+        try:
+            return _Child(self.source, self.memory_bytes)
+        except TemplateError:        # the file's template does not parse
+            self._count("failed")
+            raise
+        except (OSError, EOFError, TimeoutError, ValueError) as e:
+            raise RenderUnavailable(f"the chat-template renderer did not start: "
+                                    f"{e or type(e).__name__}") from None
 
     def stats(self) -> dict:
         with self.cond:
