@@ -1,17 +1,23 @@
 """Decode tok/s of strata-dist beside llama.cpp's, on the same file, side by side in one run.
 
 Each strata arm launches `strata-launch --serve` (one rank per listed GPU), reads a warm-up
-request (the decode graph is captured there), then one greedy request of --tokens new tokens, and
-prints decode tok/s (tokens after the first / decode seconds), the share of steps that ran as a
-device graph, and the device's peak memory. With two GPUs it also checks the tokens against the
-one-GPU arm and measures the hand-off of one decode row between the two cards
-(bench_transport.py's median). With --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1 -n N`
-reads the same file and the ratio is printed. The record of ../RECORDS.md goes to
-benchmarks/results/decode-<like>-<quant>-<date>.json.
+request (the decode graph is captured there), then --repeats greedy requests of --tokens new
+tokens each, every one after a prompt of its own (a request that RESUMEs a cached prefix is
+refused), and prints the median decode tok/s (tokens after the first / decode seconds; every
+repeat is kept in `tps_each`), the share of steps that ran as a device graph, and the device's
+peak memory. A prompt whose greedy tokens hit end of text before --tokens gives way to the next
+(llama-bench's tg never stops): the record's `new_tokens` is what each measured request generated. With two GPUs it also checks the tokens against the one-GPU arm
+and measures the hand-off of one decode row between the two cards (bench_transport.py's median).
+With --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1 -p 0 -n N` reads the same file (its
+version string and every flag recorded) and the ratio is printed. The record of
+../shared/RECORDS.md goes to benchmarks/results/decode-<like>-<quant>-<date>-<HHMMSS>-<commit>.json
+(records.py computes the commit). `--popularity` names the routing law of a file that does not
+store it (a synthetic file does).
 
     python benchmarks/bench_decode.py --model q30.gguf --gpus 0 \\
         --llama-bench .anchor/llama.cpp/build/bin/llama-bench
     python benchmarks/bench_decode.py --model q30.gguf --gpus 0,1 --split 24
+    strata-dist synth tiny.gguf --like tiny --quant q8_0 --popularity zipf:1.0 --quiet
     python benchmarks/bench_decode.py --model tiny.gguf --cpu --tokens 16     # the harness, no GPU
 """
 from __future__ import annotations
@@ -22,15 +28,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from records import (PeakMemory, env_prefix, llama_bench, model_facts,  # noqa: E402
-                     predicted_ms_per_token, prompt_ids, tokens_against_records, write_record)
-from launch_helpers import ServeSession  # noqa: E402
+from llama_runs import llama_arm as tuned_llama_arm, llama_sweep, llama_wait  # noqa: E402
+from records import (PeakMemory, env_prefix, fail, full_decodes, median_tps,  # noqa: E402
+                     model_facts, predicted_ms_per_token, prompt_ids, serve_session,
+                     tokens_against_records, write_record)
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
@@ -38,24 +44,31 @@ def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
     cmd = ["--layer-split", split, "--max-context", str(args.context), "--no-remote-auto"]
     n_gpus = len(gpus.split(","))
     with PeakMemory() as mem:
-        s = ServeSession(args.model, *devices, *cmd, timeout=1200)
+        s = serve_session(args.model, *devices, *cmd, timeout=1200)
         try:
             s.gen(prompt_ids(32, 1, vocab), 16, timeout=900)         # warm-up: graphs captured
-            r = s.gen(prompt_ids(32, 2, vocab), args.tokens, "stats=1", timeout=900)
-            if r["err"]:
-                raise SystemExit(f"strata-dist failed: {r['err']}")
-            gen, decode_ms = int(r["done"][0]), float(r["done"][3])
-            steps = sum(int(st.get("graph_steps", 0)) for st in r["stats"])
+            # a prompt of its own each: its first id (its seed's, distinct modulo any
+            # vocabulary's id range) is no earlier request's, so none RESUMEs a prefix
+            runs, skipped = full_decodes(s, [prompt_ids(32, 2 + 61 * rep, vocab)
+                                             for rep in range(3 * args.repeats)],
+                                         args.tokens, args.repeats)
         finally:
             s.close()
+    gens = [int(r["done"][0]) for r in runs]
+    # decode tok/s: the tokens after the first over the decode seconds, each repeat (every
+    # request generated --tokens: the same count over each time)
+    tok_s, each = median_tps(args.tokens - 1, [float(r["done"][3]) for r in runs], "a decode")
+    r = runs[0]
+    steps = sum(int(st.get("graph_steps", 0)) for st in r["stats"])
     command = env_prefix() + "strata-launch --model M " + " ".join(devices + cmd) + " --serve"
-    tok_s = (gen - 1) / (decode_ms / 1e3)
     return {"name": "strata", "gpus": n_gpus, "command": command,
-            "decode_tok_s": tok_s, "peak_gib": round(mem.gib, 2),
+            "decode_tok_s": tok_s, "new_tokens": min(gens), "tps_each": {"decode": each},
+            "decode_prompts_stopped_early": skipped,
+            "peak_gib": round(mem.gib, 2),
             "predicted_ms_per_token": predicted_ms_per_token(args.model, devices + cmd),
             "measured_ms_per_token": round(1e3 / tok_s, 3),
             "tokens_sha256": hashlib.sha256(json.dumps(r["tokens"]).encode()).hexdigest(),
-            "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gen - 1),
+            "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gens[0] - 1),
             "_tokens": r["tokens"]}
 
 
@@ -70,14 +83,15 @@ def handoff_us(devices: str) -> float | None:
 
 
 def llama_arm(args) -> dict:
-    deadline = time.monotonic() + args.llama_wait     # a llama.cpp build may still be running
-    while not os.access(args.llama_bench, os.X_OK) and time.monotonic() < deadline:
-        time.sleep(5)
-    rows, peak, command = llama_bench([args.llama_bench, "-m", args.model, "-ngl", "99", "-fa",
-                                       "1", "-p", "0", "-n", str(args.tokens), "-r", "2",
-                                       "-o", "json"])
-    return {"name": "llama.cpp", "gpus": 1, "command": command,
-            "decode_tok_s": float(rows[0]["avg_ts"]), "peak_gib": round(peak, 2)}
+    """llama-bench's tg test of --tokens on the whole file on the card (its -ub plays no part in
+    one-token steps: llama-bench's own -ub and -b)."""
+    llama_wait(args.llama_bench, args.llama_wait)     # a llama.cpp build may still be running
+    tests = llama_sweep(args.llama_bench, ["-m", args.model, "-ngl", "99", "-fa", "1"], [],
+                        args.tokens, args.repeats, ubatches=())
+    arm = tuned_llama_arm(args.llama_bench, tests, [], args.tokens)
+    for key in ("sweep", "decode_best"):     # one test: its figures are the arm's own
+        arm.pop(key, None)
+    return arm
 
 
 def main() -> int:
@@ -85,7 +99,12 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--gpus", default="0", help="0 (one arm) or 0,1 (a 1-GPU and a 2-GPU arm)")
     ap.add_argument("--split", default="", help="--layer-split of the 2-GPU arm (default auto)")
-    ap.add_argument("--tokens", type=int, default=128, help="new tokens per measured request")
+    ap.add_argument("--tokens", type=int, default=128,
+                    help="new tokens per measured request (llama-bench -n the same)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="measured requests (the median is the figure; llama-bench -r the same)")
+    ap.add_argument("--popularity", default="",
+                    help="the file's routing law where it does not store it (uniform, zipf:S)")
     ap.add_argument("--context", type=int, default=1024, help="--max-context")
     ap.add_argument("--cpu", action="store_true", help="one CPU rank (the harness, no GPU)")
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
@@ -93,7 +112,9 @@ def main() -> int:
                     help="seconds to wait for llama-bench to appear (a build in the background)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
-    facts = model_facts(args.model)
+    if args.tokens < 2 or not 1 <= args.repeats <= 8:
+        fail(f"--tokens {args.tokens} / --repeats {args.repeats}: at least 2 tokens, 1 to 8 repeats")
+    facts = model_facts(args.model, args.popularity)
     arms = []
     gpus = args.gpus.split(",")
     one = strata_arm(args, gpus[0], "auto", facts["vocab"])
@@ -112,7 +133,7 @@ def main() -> int:
     if args.llama_bench:
         ll = llama_arm(args)
         arms.append(ll)
-        print(f"llama.cpp: {ll['decode_tok_s']:.1f} tok/s decode", flush=True)
+        print(f"llama.cpp {ll['build']}: {ll['decode_tok_s']:.1f} tok/s decode", flush=True)
         for arm in arms[:-1]:
             print(f"strata {arm['gpus']} GPU(s) / llama.cpp 1 GPU: "
                   f"{arm['decode_tok_s'] / ll['decode_tok_s']:.2f}x", flush=True)

@@ -5,7 +5,7 @@ split adds is the hand-offs. Per hand-off cost = (ms/token with K stages - ms/to
 stage) / (K - 1), measured side by side in one run, for CUDA IPC and for frames over ZeroMQ.
 
     python benchmarks/bench_handoff.py --device cuda      # GPU ranks sharing GPU 0
-    python benchmarks/bench_handoff.py --device cpu       # CPU ranks (ratios only)
+    python benchmarks/bench_handoff.py --device cpu --tokens 8 --reps 1   # CPU ranks (ratios only)
 """
 from __future__ import annotations
 

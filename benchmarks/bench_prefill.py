@@ -2,11 +2,19 @@
 
 Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budget`), reads a
 warm-up prompt of each length, then --repeats prompts of each length (one new token each) and
-prints the median prompt tok/s, the stage cache (expert slots), how the chunk's experts were
+prints the median prompt tok/s (every repeat kept in the record's `tps_each`; the repeats are read
+back to back after the warm-up, so each carries the refill of the loan the prompt before it
+borrowed: a stage refills after the last chunk, on its stream, after the prompt's figure is
+taken; a repeat that RESUMEs a cached prefix is refused), the stage cache (expert slots), how the chunk's experts were
 computed, the loan's peak and overflow, and the device's peak memory in use (NVML, sampled every
 20 ms). With --llama-bench the same file is read by llama.cpp's llama-bench with `-ncmoe N` (the
-experts of the first N layers stay in host memory), and the ratio to llama.cpp is printed for
-every prompt length. The strata arms run the GPU defaults: the row kernels of
+experts of the first N layers stay in host memory), tuned: every `-ub` of --ubatches (512, 1024,
+2048, 4096; `-b` the largest), and where N > 0 with the weights both mmap'd and read into memory
+(`-mmp 0`, or `-lm none` where the build's --load-mode replaced it); its best per prompt length is
+the arm's figure and the ratio printed, every test kept (`ubatch_sweep`, `sweep`). With
+--profile-prompts N a routing profile is recorded first on N prompts of 512 ids drawn apart from
+every measured prompt (checked), and the plans rank experts by it (a budget that holds part of
+the experts). The strata arms run the GPU defaults: the row kernels of
 backends/expert_rows.py, kernels/prefill_attention.cu, each chunk routed and grouped on the
 device. With --host-routing one more arm routes on the host
 (STRATA_DEVICE_ROUTING=0), with --general-path one more takes the general path
@@ -18,25 +26,40 @@ head sends every chunk at once, so stage 0 reads chunk c+1 while stage 1 reads c
 new tokens are compared with the one-card arm's (`tokens_identical_to_1gpu`). `0,0` puts both
 stages on one card (the pipeline's tokens and overhead, not its speed-up; the two budgets must
 fit on it together, e.g. 60G on an H200, or strata-launch refuses them).
-The record of ../RECORDS.md goes to benchmarks/results/prefill-<like>-<quant>-<date>.json.
+The record of ../shared/RECORDS.md goes to
+benchmarks/results/prefill-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (rewritten after each arm,
+so a run cut short keeps the arms it finished); `--popularity` names the routing law of a file that
+does not store it.
 
     python benchmarks/bench_prefill.py --model q30.gguf --budget 21G --prompts 4096,16384 \\
-        --chunk 4096 --llama-bench .anchor/llama.cpp/build/bin/llama-bench --ncmoe 24
-    python benchmarks/bench_prefill.py --model tiny.gguf --cpu --budget 64M --prompts 256 --chunk 64
+        --chunk 4096 --llama-bench .anchor/llama.cpp/build/bin/llama-bench --ncmoe 24 \\
+        --profile-prompts 8
+    strata-dist synth tiny.gguf --like tiny --quant q8_0 --popularity zipf:1.0 --quiet
+    python benchmarks/bench_prefill.py --model tiny.gguf --cpu --budget 400M --prompts 256 --chunk 64
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch_helpers import ServeSession  # noqa: E402
-from records import (PeakMemory, env_prefix, llama_bench, model_facts, prompt_ids,  # noqa: E402
-                     write_record)
+from llama_runs import (llama_arm as tuned_llama_arm, llama_mmap_flags,  # noqa: E402
+                        llama_sweep, llama_wait)
+from records import (PeakMemory, Recorder, env_prefix, fail, measured,  # noqa: E402
+                     median_tps, model_facts, prompt_ids, record_profile, serve_session)
+
+PROMPT_TIMING = ("median of --repeats prompts read back to back after a warm-up of the same "
+                 "length: each carries the refill of the loan before it")
+
+
+def measured_prompts(args, vocab: int) -> list[list[int]]:
+    """Every prompt the arms read: the warm-ups and the measured repeats."""
+    return [prompt_ids(n, seed, vocab) for n in args.prompts
+            for seed in [7 * n + 1] + [n + 104_729 * rep for rep in range(args.repeats)]]
 
 
 def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | None = None,
@@ -50,10 +73,11 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
     from strata_dist.gguf_model import GGUFModel
     vocab = int(GGUFModel(args.model).tensor("token_embd.weight").shape[0])
     flags = [*devices, "--vram-budget", args.budget, "--max-context", str(ctx), "--prefill",
-             str(args.chunk), "--no-remote-auto", *extra]
+             str(args.chunk), "--no-remote-auto", *extra,
+             *(["--expert-profile", args.profile] if args.profile else [])]
     cards = [] if args.cpu else sorted({int(g) for g in devices[1].split(",")})
     with PeakMemory(cards or 0) as mem:
-        s = ServeSession(args.model, *flags, env=env, timeout=900)
+        s = serve_session(args.model, *flags, env=env, timeout=900)
         try:
             info = s.info_fields()[0]
             stage = next(f for f in s.info_fields() if "rank" in f)
@@ -69,19 +93,15 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
                 # whole is read each time); the median, since one short prompt is noisy
                 times, stats = [], []
                 for rep in range(args.repeats):
-                    r = s.gen(prompt_ids(n, n + 104_729 * rep, vocab), 1, "stats=1", timeout=900)
-                    if r["err"]:
-                        raise SystemExit(f"strata-dist failed on a {n}-token prompt: {r['err']}")
-                    if r["resume"]:
-                        raise SystemExit(f"the {n}-token prompt resumed at {r['resume']}")
+                    r = measured(s.gen(prompt_ids(n, n + 104_729 * rep, vocab), 1, "stats=1",
+                                       timeout=900), f"the {n}-token prompt {rep + 1}")
                     times.append(float(r["done"][2]))
                     out["tokens"] += r["tokens"]
                     stats.append(r["stats"][0] if r["stats"] else {})
-                prompt_ms = statistics.median(times)
-                st = stats[min(range(len(times)), key=lambda i: abs(times[i] - prompt_ms))]
+                tps, each = median_tps(n, times)
+                st = stats[min(range(len(each)), key=lambda i: abs(each[i] - tps))]
                 st["loan_peak_bytes"] = next(iter(s.stats().values())).get("loan_peak_bytes", 0)
-                out["runs"][n] = {"tps": n / (prompt_ms / 1e3), "stats": st,
-                                  "tps_each": [round(n / (t / 1e3), 1) for t in times]}
+                out["runs"][n] = {"tps": tps, "stats": st, "tps_each": each}
         finally:
             s.close()
     out["peak_gib"] = mem.gib
@@ -89,13 +109,18 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
 
 
 def llama_arm(args) -> dict:
-    rows, peak, command = llama_bench(
-        [args.llama_bench, "-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe),
-         "-p", ",".join(map(str, args.prompts)), "-n", "0", "-r", str(args.repeats),
-         "-ub", str(args.ubatch),
-         "-b", str(max(args.ubatch, 2048)), "-o", "json"])
-    return {"runs": {int(r["n_prompt"]): {"tps": float(r["avg_ts"])} for r in rows},
-            "peak_gib": peak, "command": command}
+    """llama.cpp tuned: every -ub of --ubatches, and with experts in host memory (-ncmoe > 0)
+    the weights mmap'd and not; each prompt length at its best."""
+    llama_wait(args.llama_bench, args.llama_wait)
+    base = ["-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe)]
+    mmap = llama_mmap_flags(args.llama_bench) if args.ncmoe > 0 else None
+    tests = llama_sweep(args.llama_bench, base, args.prompts, 0, args.repeats, mmap,
+                        args.ubatches)
+    arm = tuned_llama_arm(args.llama_bench, tests, args.prompts, 0)
+    arm["runs"] = {n: {"tps": arm["prefill_tok_s"][str(n)], "tps_each": arm["tps_each"][str(n)]}
+                   for n in args.prompts}
+    arm["cards"] = 1
+    return arm
 
 
 ARM_NAMES = {"loans on": "strata", "loans off": "strata loans off",
@@ -111,18 +136,23 @@ def arm_name(key: str, r: dict) -> str:
     return "strata" if r["cards"] > 1 else "strata two stages"
 
 
-def save(args, facts: dict, results: dict) -> str:
+def save(args, recorder: Recorder, results: dict) -> str:
     """The record of the arms measured so far (rewritten after each, so a run cut short by a
-    time limit still leaves the arms it finished); `facts`: model_facts of the file."""
+    time limit still leaves the arms it finished)."""
     arms = []
     for k, r in results.items():
+        if k == "llama.cpp":
+            arms.append({key: v for key, v in r.items() if key not in ("runs", "cards")})
+            continue
         arm = {"name": arm_name(k, r), "gpus": r.get("cards", 1), "command": r["command"],
                "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},
+               "tps_each": {str(n): run["tps_each"] for n, run in r["runs"].items()},
+               "new_tokens": 1, "prompt_timing": PROMPT_TIMING,
                "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
         if k == "two stages" and "loans on" in results:
             arm["tokens_identical_to_1gpu"] = r["tokens"] == results["loans on"]["tokens"]
         arms.append(arm)
-    return write_record("prefill", facts, arms, args.out)
+    return recorder.save(arms)
 
 
 def main() -> int:
@@ -136,7 +166,15 @@ def main() -> int:
     ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp: layers whose experts stay on the CPU")
     ap.add_argument("--repeats", type=int, default=3,
                     help="prompts of each length an arm reads (the median is reported)")
-    ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp: micro-batch")
+    ap.add_argument("--ubatches", default="512,1024,2048,4096",
+                    help="llama.cpp: the micro-batches (-ub) swept; its best is the figure")
+    ap.add_argument("--llama-wait", type=float, default=0,
+                    help="seconds to wait for llama-bench to appear (a build in the background)")
+    ap.add_argument("--profile-prompts", type=int, default=0,
+                    help="512-id prompts a routing profile is recorded on first (0: none, the "
+                         "plan ranks experts uniformly)")
+    ap.add_argument("--popularity", default="",
+                    help="the file's routing law where it does not store it (uniform, zipf:S)")
     ap.add_argument("--only-loans-on", action="store_true",
                     help="no loans-off arm (a stage whose cache holds every pair lends nothing)")
     ap.add_argument("--host-routing", action="store_true",
@@ -154,8 +192,21 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
     args = ap.parse_args()
-    args.prompts = [int(x) for x in args.prompts.split(",")]
-    results, facts = {}, model_facts(args.model)
+    try:
+        args.prompts = [int(x) for x in args.prompts.split(",")]
+        args.ubatches = [int(x) for x in args.ubatches.split(",")]
+    except ValueError:
+        fail(f"--prompts {args.prompts} / --ubatches {args.ubatches}: comma-separated numbers")
+    if min(args.prompts) < 1 or args.repeats < 1 or args.chunk < 1:
+        fail(f"--prompts {args.prompts}, --repeats {args.repeats}, --chunk {args.chunk}: each "
+             f"at least 1")
+    results, facts = {}, model_facts(args.model, args.popularity)
+    args.profile = ""
+    if args.profile_prompts > 0:
+        args.profile = os.path.join(tempfile.mkdtemp(prefix="prefill-"), "profile.json")
+        record_profile(args.model, args.profile_prompts, facts["vocab"], args.profile,
+                       "cpu" if args.cpu else "cuda:0", measured_prompts(args, facts["vocab"]))
+    recorder = Recorder("prefill", facts, args.out)
     variants = [("loans on", True, None)] + ([] if args.only_loans_on
                                              else [("loans off", False, None)])
     if args.host_routing:
@@ -184,13 +235,15 @@ def main() -> int:
                   f"{st.get('prompt_layers_on_device', 0)} layers grouped on the device, loan peak "
                   f"{int(st.get('loan_peak_bytes', 0)) / 2**20:.0f} MiB, overflow "
                   f"{int(st.get('loan_overflow_bytes', 0)) / 2**20:.0f} MiB", flush=True)
-        save(args, facts, results)
+        save(args, recorder, results)
     if args.llama_bench:
         r = results["llama.cpp"] = llama_arm(args)
-        save(args, facts, results)
-        print(f"llama.cpp -ncmoe {args.ncmoe} -ub {args.ubatch}: peak device memory {r['peak_gib']:.1f} GiB")
+        save(args, recorder, results)
+        print(f"llama.cpp {r['build']} -ncmoe {args.ncmoe}: peak device memory "
+              f"{r['peak_gib']:.1f} GiB; -ub sweep {r['ubatch_sweep']}")
         for n, run in r["runs"].items():
-            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill")
+            print(f"  {n:6d} tokens: {run['tps']:8.1f} tok/s prefill (best: "
+                  f"{r['best'][str(n)]})")
     for n in args.prompts:
         on = results["loans on"]["runs"][n]["tps"]
         parts = []
@@ -209,7 +262,7 @@ def main() -> int:
     if "two stages" in results:
         same = results["two stages"]["tokens"] == results["loans on"]["tokens"]
         print(f"two stages: first tokens {'identical to' if same else 'DIFFER from'} one card's")
-    print(f"record: {save(args, facts, results)}")
+    print(f"record: {save(args, recorder, results)}")
     return 0
 
 

@@ -16,11 +16,15 @@ plan's prediction beside the measured ms/token, where each expert computation ra
 whether its tokens are the one-card arm's, and the cards' NVML peak. From the differences between
 the arms, what one helper read and one host miss cost a token is derived (helper_read_us,
 host_miss_us; both arms make the same cache hits). The record (../RECORDS.md, `bench: offload`)
-goes to benchmarks/results/offload-<like>-<quant>-<date>-helper.json.
+goes to benchmarks/results/offload-<like>-<quant>-<date>-<HHMMSS>-<commit>.json, its `tag`
+`helper`. The routing profile's prompts are drawn apart from every prompt an arm reads (checked);
+`--popularity` names the routing law of a file that does not store it.
 
     python benchmarks/bench_tiers.py --model q30.gguf --gpus 0,1 --budgets 5G,14G --split 24
     python benchmarks/bench_tiers.py --model q30.gguf --gpus 0,0 ...   # both ranks on one card
-    python benchmarks/bench_tiers.py --model tiny.gguf --cpu --budgets 166M,200M --split 2
+    strata-dist synth tiny.gguf --like tiny --quant q8_0 --popularity zipf:1.0 --quiet
+    python benchmarks/bench_tiers.py --model tiny.gguf --cpu --budgets 99940K,210M \
+        --resident-budget 400M --split 2 --tokens 12 --profile-prompts 2
 """
 from __future__ import annotations
 
@@ -35,10 +39,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from bench_offload import record_profile  # noqa: E402
-from launch_helpers import ServeSession  # noqa: E402
-from records import (PeakMemory, env_prefix, model_facts, predicted_ms_per_token,  # noqa: E402
-                     prompt_ids, write_record)
+from records import (PeakMemory, env_prefix, fail, model_facts,  # noqa: E402
+                     predicted_ms_per_token, prompt_ids, record_profile, serve_session,
+                     write_record)
 
 DECODE_PROMPT = 16   # ids before the measured decode (as bench_offload.py's)
 RESIDENT = "60G"     # holds every expert of a Qwen3-30B-A3B-sized file; two fit on one H200
@@ -54,13 +57,13 @@ def arm(args, vocab: int, name: str, devices: list[str], budgets: str, extra: li
              "--expert-profile", args.profile, *extra]
     cards = [] if args.cpu else sorted({int(g) for g in devices[1].split(",")})
     with PeakMemory(cards or 0) as mem:
-        s = ServeSession(args.model, *flags, timeout=1200)
+        s = serve_session(args.model, *flags, timeout=1200)
         try:
             s.gen(prompt_ids(32, 1, vocab), 16, timeout=900)
             s.gen(prompt_ids(DECODE_PROMPT, 3, vocab), 1, timeout=900)
             out = s.gen(prompt_ids(DECODE_PROMPT, 3, vocab), args.tokens, "stats=1", timeout=1800)
             if out["err"]:
-                raise SystemExit(f"strata-dist failed in arm {name!r}: {out['err']}")
+                fail(f"strata-dist failed in arm {name!r}: {out['err']}")
             info = s.info_fields()[0]
         finally:
             s.close()
@@ -73,7 +76,8 @@ def arm(args, vocab: int, name: str, devices: list[str], budgets: str, extra: li
     return {"name": name, "gpus": len(cards) if cards else 0,
             "command": env_prefix() + "strata-launch --model M " + " ".join(flags) + " --serve",
             "decode_tok_s": round(steps / (decode_ms / 1e3), 2),
-            "decode_prompt_tokens": DECODE_PROMPT, "new_tokens": args.tokens,
+            "decode_prompt_tokens": DECODE_PROMPT, "new_tokens": gen,
+            "tps_each": {"decode": [round(steps / (decode_ms / 1e3), 2)]},
             "predicted_ms_per_token": predicted_ms_per_token(args.model, flags),
             "measured_ms_per_token": round(decode_ms / steps, 3),
             "peak_gib": round(mem.gib, 2), "vram_budget": budgets,
@@ -114,12 +118,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile-prompts", type=int, default=8, help="512-id prompts profiled first")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--popularity", default="",
+                    help="the file's routing law where it does not store it (uniform, zipf:S)")
     args = ap.parse_args()
-    facts = model_facts(args.model)
+    facts = model_facts(args.model, args.popularity)
     from strata_dist.gguf_model import GGUFModel
     split = args.split or str(int(GGUFModel(args.model).arch_metadata("block_count")) // 2)
     args.profile = os.path.join(tempfile.mkdtemp(prefix="tiers-"), "profile.json")
-    record_profile(args, facts["vocab"], args.profile)
+    record_profile(args.model, args.profile_prompts, facts["vocab"], args.profile,
+                   "cpu" if args.cpu else "cuda:0",
+                   [prompt_ids(32, 1, facts["vocab"]), prompt_ids(DECODE_PROMPT, 3, facts["vocab"])])
     two = ["--cpu-ranks", "2"] if args.cpu else ["--gpus", args.gpus]
     one = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", args.gpus.split(",")[0]]
     split_flags = ["--layer-split", split, "--gpu-order", "as_given"]

@@ -43,6 +43,21 @@ def llama_mmap_flags(path: str) -> dict[str, list[str]]:
     fail(f"{path} --help names neither -mmp nor --load-mode")
 
 
+def test_command(cmd: list[str], row: dict) -> str:
+    """The command that runs one test of a sweep alone: the invocation with this test's -ub and
+    prompt or generation length in place of the lists (llama-bench runs each combination of its
+    lists on its own, so the figure is this command's)."""
+    out, i = ["llama-bench"], 1
+    own = {"-ub": str(row["n_ubatch"]), "-p": str(row["n_prompt"]), "-n": str(row["n_gen"])}
+    while i < len(cmd):
+        out.append(cmd[i])
+        if cmd[i] in own and i + 1 < len(cmd):
+            out.append(own[cmd[i]])
+            i += 1
+        i += 1
+    return " ".join(out)
+
+
 def llama_sweep(path: str, base: list[str], prompts: list[int], gen: int, repeats: int,
                 mmap: dict[str, list[str]] | None = None, ubatches=UBATCHES) -> list[dict]:
     """llama-bench over every -ub of `ubatches` (-b the largest, so -b >= -ub), once per load
@@ -67,7 +82,7 @@ def llama_sweep(path: str, base: list[str], prompts: list[int], gen: int, repeat
                         continue
                     row = json.loads(line)
                     tests.append({
-                        "command": " ".join(["llama-bench", *cmd[1:]]), "mmap": mode,
+                        "command": test_command(cmd, row), "mmap": mode,
                         "ubatch": int(row["n_ubatch"]), "batch": int(row["n_batch"]),
                         "n_prompt": int(row["n_prompt"]), "n_gen": int(row["n_gen"]),
                         "tps": round(float(row["avg_ts"]), 2),
@@ -85,7 +100,8 @@ def llama_sweep(path: str, base: list[str], prompts: list[int], gen: int, repeat
 def llama_arm(path: str, tests: list[dict], prompts: list[int], gen: int) -> dict:
     """The tuned peer's arm from a sweep: each prompt length at its best test, decode at its best,
     `ubatch_sweep` (-ub -> prompt length -> tok/s, the best load mode's), peak_gib the largest
-    peak among the tests whose figures the arm quotes, and the command of the best prompt test."""
+    peak among the tests whose figures the arm quotes, `command` that of the first quoted test
+    (each best's own in `best` / `decode_best`, every test's in `sweep`)."""
     arm: dict = {"name": "llama.cpp", "gpus": 1, "build": llama_build(path),
                  "build_rows": tests[0]["build"] if tests else ""}
     pp = [t for t in tests if t["n_prompt"] > 0]
@@ -98,7 +114,7 @@ def llama_arm(path: str, tests: list[dict], prompts: list[int], gen: int) -> dic
             arm["prefill_tok_s"][str(n)] = best["tps"]
             arm["tps_each"][str(n)] = best["tps_each"]
             best_of[str(n)] = {"ubatch": best["ubatch"], "batch": best["batch"],
-                               "mmap": best["mmap"]}
+                               "mmap": best["mmap"], "command": best["command"]}
             used.append(best)
         arm["best"] = best_of
         mode = used[-1]["mmap"]
@@ -114,7 +130,8 @@ def llama_arm(path: str, tests: list[dict], prompts: list[int], gen: int) -> dic
         best = max(tg, key=lambda t: t["tps"])
         arm["decode_tok_s"], arm["new_tokens"] = best["tps"], gen
         arm["tps_each"] = {**arm.get("tps_each", {}), "decode": best["tps_each"]}
-        arm["decode_best"] = {"ubatch": best["ubatch"], "mmap": best["mmap"]}
+        arm["decode_best"] = {"ubatch": best["ubatch"], "mmap": best["mmap"],
+                              "command": best["command"]}
         used.append(best)
     arm["command"] = (used[0] if used else tests[0])["command"]
     arm["peak_gib"] = max(t["peak_gib"] for t in used) if used else 0.0

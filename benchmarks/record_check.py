@@ -107,8 +107,11 @@ def check_files(paths: list[str]) -> int:
     """Print what each record lacks; the number of records that lack something."""
     failed = 0
     for path in paths:
-        with open(path) as f:
-            problems = check_record(json.load(f), path)
+        try:
+            with open(path) as f:
+                problems = check_record(json.load(f), path)
+        except (OSError, ValueError) as e:
+            problems = [f"not a readable JSON record ({e})"]
         for line in problems:
             print(f"{path}: {line}")
         failed += bool(problems)

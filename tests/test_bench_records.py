@@ -1,11 +1,15 @@
 """The benchmark harness on CPU ranks: bench_decode.py --cpu runs a real strata-launch --serve and
-writes a record (../RECORDS.md's fields) whose strata arm holds the plan's predicted ms/token
-beside the measured one; bench_prefill.py --cpu writes one arm per variant; bench_tiers.py --cpu
-one arm per tier arrangement."""
+writes a record (../shared/RECORDS.md's fields) whose strata arm holds the plan's predicted
+ms/token beside the measured one; bench_prefill.py --cpu writes one arm per variant;
+bench_tiers.py --cpu one arm per tier arrangement. Every record under benchmarks/results/ holds
+the format's fields (or is marked legacy), the commit is computed (git, or the archive of a copy
+without .git), a record is never overwritten, a measured request that RESUMEs is refused, and the
+routing profile's prompts are none of the measured ones."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,37 +19,46 @@ import pytest
 from strata_dist.synth import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import records  # noqa: E402
+from record_check import check_record  # noqa: E402
+from records import model_facts, tokens_against_records  # noqa: E402
 
 
 def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     model = tmp_path / "tiny.gguf"
     write_synthetic(str(model), like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
-    env = {**os.environ, "STRATA_COMMIT": "abc1234", "STRATA_KERNEL_SHAPE": "int_down=1"}
+    env = {**os.environ, "STRATA_KERNEL_SHAPE": "int_down=1"}
+    expected = records.commit_info()
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
-                           str(model), "--cpu", "--tokens", "8", "--out", str(out)],
+                           str(model), "--cpu", "--tokens", "16", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = out.glob("decode-tiny-f32-*.json")
     record = json.loads(path.read_text())
-    assert record["bench"] == "decode" and record["commit"] == "abc1234"
+    assert check_record(record, str(path)) == []
+    # the commit is git's own of this tree, never typed in; the file is named by it
+    assert record["bench"] == "decode" and record["commit"] == expected["commit"]
+    assert record["commit_source"] == "git" and path.name.endswith(f"-{expected['commit']}.json")
+    assert record["options"]["STRATA_KERNEL_SHAPE"] == "int_down=1"
+    assert record["options"]["STRATA_DECODE_GRAPH"] == "1"      # a default, in force
+    assert record["model"]["popularity"] == "zipf:1" and record["model"]["types"]["F32"] > 0
     assert record["model"]["like"] == "tiny" and record["model"]["quant"] == "f32"
     [arm] = record["arms"]
-    assert arm["name"] == "strata" and arm["gpus"] == 1
+    assert arm["name"] == "strata" and arm["gpus"] == 1 and arm["new_tokens"] == 16
+    assert len(arm["tps_each"]["decode"]) == 3
     # the command names the environment that picks the build and path measured
     assert arm["command"].startswith("STRATA_KERNEL_SHAPE=int_down=1 strata-launch "), arm
     assert arm["predicted_ms_per_token"] > 0
     assert abs(arm["measured_ms_per_token"] * arm["decode_tok_s"] - 1e3) < 1.0
     assert len(arm["tokens_sha256"]) == 64
     # the next run of the same file says whether its tokens are the record's
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from records import model_facts, tokens_against_records
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     facts = model_facts(str(model))
     same = tokens_against_records("decode", facts, "strata", arm["tokens_sha256"], str(out))
-    assert same.startswith("strata: the same tokens as decode-tiny-f32-") and "abc1234" in same
+    assert same.startswith("strata: the same tokens as decode-tiny-f32-")
+    assert expected["commit"] in same
     other = tokens_against_records("decode", facts, "strata", "0" * 64, str(out))
     assert "tokens DIFFER (00000000… against" in other
     assert "no earlier record" in tokens_against_records("decode", {**facts, "bytes": 1}, "strata",
@@ -64,7 +77,9 @@ def _prefill_record(tmp_path, *flags) -> tuple[dict, str]:
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = out.glob("prefill-tiny-q8_0-*.json")
-    return json.loads(path.read_text()), done.stdout
+    record = json.loads(path.read_text())
+    assert check_record(record, str(path)) == []
+    return record, done.stdout
 
 
 def test_prefill_record_names_every_arm(tmp_path):
@@ -112,30 +127,30 @@ def test_offload_record_times_prefill_and_decode_apart(tmp_path):
     model = tmp_path / "tiny.gguf"
     write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
-    env = {**os.environ, "STRATA_COMMIT": "def5678"}
+    env = dict(os.environ)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"), "--model", str(model),
-           "--cpu", "--vram-budget", "165M", "--tokens", "6", "--prefill-tokens", "64",
+           "--cpu", "--vram-budget", "165M", "--tokens", "16", "--prefill-tokens", "64",
            "--profile-prompts", "1", "--context", "256", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = out.glob("offload-tiny-q8_0-*.json")
-    [arm] = json.loads(path.read_text())["arms"]
+    record = json.loads(path.read_text())
+    assert check_record(record, str(path)) == []
+    [arm] = record["arms"]
     assert arm["name"] == "strata" and arm["vram_budget"] == "165M"
-    assert arm["decode_prompt_tokens"] == 16 and arm["new_tokens"] == 6
+    assert arm["decode_prompt_tokens"] == 16 and arm["new_tokens"] == 16
     assert set(arm["prefill_tok_s"]) == {"64"} and arm["prefill_tok_s"]["64"] > 0
+    # the prompt figure is the median of its repeats, each kept
+    assert len(arm["tps_each"]["64"]) == 3 and "back to back" in arm["prompt_timing"]
+    assert arm["prefill_tok_s"]["64"] == sorted(arm["tps_each"]["64"])[1]
     assert arm["decode_tok_s"] > 0 and sum(arm["tiers"].values()) > 0
-    assert "no earlier record of this file, decode_prompt_tokens 16, new_tokens 6" in done.stdout
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from records import model_facts, tokens_against_records
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    assert "no earlier record of this file, decode_prompt_tokens 16, new_tokens 16" in done.stdout
     facts = model_facts(str(model))
-    like = {"decode_prompt_tokens": 16, "new_tokens": 6}
+    like = {"decode_prompt_tokens": 16, "new_tokens": 16}
     same = tokens_against_records("offload", facts, "strata", arm["tokens_sha256"], str(out), like)
     assert same.startswith("strata: the same tokens as offload-tiny-q8_0-"), same
     other = tokens_against_records("offload", facts, "strata", arm["tokens_sha256"], str(out),
-                                   {**like, "new_tokens": 7})
+                                   {**like, "new_tokens": 17})
     assert "no earlier record" in other
     refused = subprocess.run(cmd[:-2] + ["--vram-budget", "match"], capture_output=True,
                              text=True, timeout=120, env=env, cwd=ROOT)
@@ -156,9 +171,10 @@ def test_tiers_record_moves_host_misses_to_the_helper_tier(tmp_path):
                            "--profile-prompts", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    [path] = out.glob("offload-tiny-q8_0-*-helper.json")
+    [path] = out.glob("offload-tiny-q8_0-*.json")
     record = json.loads(path.read_text())
-    assert record["bench"] == "offload"
+    assert record["bench"] == "offload" and record["tag"] == "helper"
+    assert check_record(record, str(path)) == []
     arms = {a["name"]: a for a in record["arms"]}
     assert list(arms) == ["strata", "strata resident", "strata helper tier", "strata no helper tier"]
     assert all(a["tokens_identical_to_1gpu"] for a in record["arms"][1:])
@@ -172,3 +188,159 @@ def test_tiers_record_moves_host_misses_to_the_helper_tier(tmp_path):
     assert "--no-remote-auto" in arms["strata no helper tier"]["command"]
     assert "helper_read_us" in arms["strata helper tier"]
     assert "helper tier / no helper tier:" in done.stdout
+
+
+def test_every_record_in_results_holds_the_format():
+    """Every record under benchmarks/results/ (a file with `arms`; kernels/' own figures are not
+    records) has each field ../shared/RECORDS.md requires, or says it is older (`legacy`)."""
+    paths = sorted((ROOT / "benchmarks" / "results").rglob("*.json"))
+    assert paths
+    checked = 0
+    for path in paths:
+        record = json.loads(path.read_text())
+        if not isinstance(record.get("arms"), list):
+            continue
+        checked += 1
+        assert check_record(record, str(path)) == [], path.name
+    assert checked >= 40
+
+
+def _complete_record() -> tuple[dict, str]:
+    """A record as the benchmarks write it now: a strata arm and a tuned llama.cpp arm."""
+    record = {"bench": "offload", "date": "2026-12-05", "time": "07:00:01",
+              "commit": "abc1234-dirty", "commit_source": "archive",
+              "options": {"STRATA_PDL": "1"},
+              "machine": {"gpus": ["NVIDIA H100"], "driver": "580", "cpu_cores": 16,
+                          "cpu": "AMD EPYC"},
+              "model": {"like": "qwen3-30b-a3b", "quant": "q4_k", "popularity": "uniform",
+                        "bytes": 1, "types": {"Q4_K": 1}},
+              "arms": [{"name": "strata", "gpus": 1, "command": "strata-launch ...",
+                        "decode_tok_s": 1.0, "new_tokens": 128, "prefill_tok_s": {"4096": 1.0},
+                        "tps_each": {"4096": [1.0], "decode": [1.0]}},
+                       {"name": "llama.cpp", "gpus": 1, "command": "llama-bench ...",
+                        "build": "version: 1 (x)", "decode_tok_s": 1.0, "new_tokens": 128,
+                        "prefill_tok_s": {"4096": 1.0}, "tps_each": {"4096": [1.0]},
+                        "ubatch_sweep": {u: {"4096": 1.0} for u in ("512", "1024", "2048", "4096")},
+                        "mmap_sweep": {"on": {"4096": 1.0}, "off": {"4096": 1.0}}}]}
+    return record, "offload-qwen3-30b-a3b-q4_k-2026-12-05-070001-abc1234-dirty.json"
+
+
+@pytest.mark.parametrize("where, key", [
+    ((), "time"), ((), "commit"), ((), "commit_source"), ((), "options"),
+    (("machine",), "gpus"), (("machine",), "cpu"), (("model",), "popularity"),
+    (("model",), "types"), (("arms", 0), "new_tokens"), (("arms", 0), "tps_each"),
+    (("arms", 1), "build"), (("arms", 1), "ubatch_sweep"), (("arms", 1), "mmap_sweep")])
+def test_checker_names_a_missing_field(where, key):
+    record, name = _complete_record()
+    assert check_record(record, name) == []
+    obj = record
+    for step in where:
+        obj = obj[step]
+    del obj[key]
+    problems = check_record(record, name)
+    assert problems and any(key in p for p in problems), problems
+    assert check_record({**record, "legacy": True}, name) == []     # older than the format
+
+
+def test_checker_holds_the_tuned_anchor_and_the_name():
+    record, name = _complete_record()
+    del record["arms"][1]["ubatch_sweep"]["4096"]
+    assert any("-ub 4096" in p for p in check_record(record, name))
+    record, name = _complete_record()
+    record["arms"][1]["new_tokens"] = 64                      # llama.cpp decodes -n >= 128
+    assert any("-n >= 128" in p for p in check_record(record, name))
+    record, name = _complete_record()
+    record["arms"][0]["new_tokens"] = 100                     # strata generates at least as many
+    assert any("fewer than llama.cpp's" in p for p in check_record(record, name))
+    record, name = _complete_record()
+    assert any("file name" in p for p in check_record(record, name.replace("070001", "070002")))
+
+
+def test_a_record_is_never_overwritten(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="uniform", seed=0)
+    facts = model_facts(str(model))
+    first = records.Recorder("decode", facts, str(tmp_path))
+    path = Path(first.save([{"name": "strata", "gpus": 0, "command": "x"}]))
+    assert path.name.startswith("decode-tiny-q8_0-") and facts["popularity"] == "uniform"
+    second = records.Recorder.__new__(records.Recorder)      # the same name, another run
+    second.__dict__.update(first.__dict__, written=False)
+    before = path.read_text()
+    with pytest.raises(SystemExit) as e:
+        second.save([])
+    assert e.value.code == 2 and path.read_text() == before
+
+
+def test_commit_of_a_copy_without_git_is_its_archive(tmp_path):
+    """The development side archives its tree (describe and tree hash); a copy of the same files
+    without .git names that commit, `commit_source: archive`; a copy whose files differ from the
+    archive's is refused."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.py").write_text("x = 1\n")
+    git = lambda *a: subprocess.run(["git", *a], cwd=tree, check=True, capture_output=True,  # noqa: E731
+                                    timeout=60)
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x")
+    git("add", "a.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "y")
+    assert records.commit_info(str(tree))["commit_source"] == "git"
+    (tree / "a.py").write_text("x = 2\n")                   # a change not committed: -dirty
+    (tree / "b.py").write_text("y = 2\n")                   # a file not tracked: in the copy too
+    info = records.archive(str(tree))
+    assert info["commit"].endswith("-dirty") and len(info["tree"]) == 40
+    copy = tmp_path / "copy"
+    shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git"))
+    got = records.commit_info(str(copy))
+    assert got == {"commit": info["commit"], "commit_source": "archive", "tree": info["tree"]}
+    (copy / "a.py").write_text("x = 3\n")
+    with pytest.raises(SystemExit) as e:
+        records.commit_info(str(copy))
+    assert e.value.code == 2
+
+
+def test_a_measured_request_that_resumes_is_refused(tmp_path):
+    """records.measured, which every measured request of bench_decode, bench_offload and
+    bench_prefill passes: a request reading a prefix the session holds (RESUME n > 0) is
+    refused; a fresh one is not."""
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="uniform", seed=0)
+    s = records.serve_session(str(model), "--cpu-ranks", "1", "--vram-budget", "400M",
+                              "--max-context", "256", timeout=120)
+    try:
+        ids = records.prompt_ids(32, 1, 512)
+        assert records.measured(s.gen(ids, 2, timeout=60), "first")["resume"] in (None, 0)
+        again = s.gen(ids + records.prompt_ids(8, 9, 512), 2, timeout=60)
+        assert again["resume"]
+        with pytest.raises(SystemExit) as e:
+            records.measured(again, "second")
+        assert e.value.code == 2
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("vocab", [512, 151_936])
+def test_profile_prompts_are_none_of_the_measured(vocab):
+    """The profile's prompts share no two consecutive ids with any measured prompt; the old
+    profile prompts (a slice of the measured prompt's progression) are refused."""
+    measured = [records.prompt_ids(n, seed, vocab) for n, seed in
+                [(4096, 2), (4096, 63), (16, 3), (32, 1), (512, 7 * 512 + 1), (16384, 16384)]]
+    profile = [records.profile_prompt_ids(512, k, vocab) for k in range(8)]
+    records.assert_disjoint(profile, measured)
+    with pytest.raises(SystemExit):
+        records.assert_disjoint([records.prompt_ids(512, 1000 + k, vocab) for k in range(8)],
+                                measured)
+
+
+@pytest.mark.skipif(records.nvml_available(), reason="NVML answers here")
+def test_vram_budget_match_without_nvml_is_one_error_line(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="q8_0", popularity="zipf:1.0", seed=0)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"),
+                           "--model", str(model), "--cpu", "--vram-budget", "match",
+                           "--llama-bench", sys.executable], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --vram-budget match needs NVML (the peaks it matches are NVML's) and none "
+        "answers here: give a budget, e.g. --vram-budget 10G"]
