@@ -394,7 +394,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                 launch.coordinator.idle(1.0)
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
-        code = 1
+        code = 2 if _a_rank_refused_its_input(current[0]) else 1
     except RequestError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1
@@ -406,6 +406,13 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
             with signals.held():
                 current[0].close("launcher stopping")
     return code
+
+
+def _a_rank_refused_its_input(launch) -> bool:
+    """A rank process that exited with status 2 refused what it was given (the model file: NaN
+    weights it found loading them; a flag): the launch ends with that status too."""
+    procs = getattr(getattr(launch, "ranks", None), "procs", None) or []
+    return any(p.poll() == 2 for p in procs)
 
 
 def _line_server(args, gguf, launch, plan):
