@@ -152,3 +152,73 @@ def test_unknown_architecture(tmp_path):
 
 def test_not_a_file(tmp_path):
     _expect(tmp_path / "nope.gguf", tmp_path, "nope.gguf", "no such file")
+
+
+# ---- NaN/Inf in stored weights (gguf_finite.py) ---------------------------------------------------
+
+def _finite_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:
+    """Random blocks of `qtype` whose float scale fields hold small finite values."""
+    from strata_dist.gguf_finite import _F32_SCALES, _SCALE_FIELDS
+    _, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    dtype = np.float32 if qtype in _F32_SCALES else np.float16
+    for off in _SCALE_FIELDS[qtype]:
+        vals = rng.uniform(-0.05, 0.05, n_blocks).astype(dtype)
+        data[:, off:off + dtype().itemsize] = vals.view(np.uint8).reshape(n_blocks, -1)
+    return data
+
+
+def _scale_types():
+    from strata_dist.gguf_finite import _SCALE_FIELDS
+    return sorted(_SCALE_FIELDS, key=int)
+
+
+@pytest.mark.parametrize("qtype", _scale_types(), ids=lambda q: q.name)
+def test_a_nan_scale_is_found_where_the_decoder_reads_it(qtype):
+    """Each scale field of each quant type is where gguf-py's decoder reads a scale: a NaN put
+    there is reported for that block, and (where gguf-py decodes the type) decodes to NaN."""
+    from strata_dist.gguf_finite import _F32_SCALES, _SCALE_FIELDS, find_non_finite
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    blocks = _finite_blocks(qtype, 16, rng)
+    assert find_non_finite(blocks, qtype, 4 * block) is None
+    dtype = np.float32 if qtype in _F32_SCALES else np.float16
+    for off in _SCALE_FIELDS[qtype]:
+        bad = blocks.copy()
+        bad[9, off:off + dtype().itemsize] = np.array([np.nan], dtype).view(np.uint8)
+        assert find_non_finite(bad, qtype, 4 * block) == "NaN in the scale of block 9 (row 2)"
+        bad[9, off:off + dtype().itemsize] = np.array([-np.inf], dtype).view(np.uint8)
+        assert find_non_finite(bad, qtype, 4 * block) == "Inf in the scale of block 9 (row 2)"
+        try:
+            with np.errstate(invalid="ignore", over="ignore"):
+                values = gguf_quants.dequantize(bad, qtype).reshape(16, block)
+        except NotImplementedError:
+            continue
+        assert np.isfinite(values[:9]).all() and not np.isfinite(values[9]).all()
+
+
+@pytest.mark.parametrize("qtype,dtype", [(QT.F32, np.float32), (QT.F16, np.float16),
+                                         (QT.BF16, None)])
+def test_nan_and_inf_in_float_tensors(qtype, dtype):
+    from strata_dist.gguf_finite import find_non_finite
+    values = np.linspace(-3, 3, 640, dtype=np.float32).reshape(10, 64)
+    for bad_value, word in ((np.nan, "NaN"), (np.inf, "Inf"), (-np.inf, "Inf")):
+        v = values.copy()
+        v[3, 5] = bad_value
+        stored = (v.view(np.uint32) >> 16).astype(np.uint16) if dtype is None else v.astype(dtype)
+        assert find_non_finite(stored.view(np.uint8), qtype, 64) == \
+               f"{word} at element {3 * 64 + 5} (row 3)"
+    ok = (values.view(np.uint32) >> 16).astype(np.uint16) if dtype is None else values.astype(dtype)
+    assert find_non_finite(ok.view(np.uint8), qtype, 64) is None
+
+
+def test_a_tensor_past_the_full_scan_size_is_sampled_first_and_last_block_included():
+    from strata_dist import gguf_finite
+    n = gguf_finite.FULL_SCAN_BYTES // 2 + 4096          # f16 values: just past a full scan
+    values = np.zeros(n, dtype=np.float16)
+    for at in (0, n - 1):
+        v = values.copy()
+        v[at] = np.nan
+        assert gguf_finite.find_non_finite(v.view(np.uint8), QT.F16, 4096) == \
+               f"NaN at element {at} (row {at // 4096})"
+    assert gguf_finite.find_non_finite(values.view(np.uint8), QT.F16, 4096) is None
