@@ -51,7 +51,7 @@ class Parsed:
 
 class Limits:
     """What a request is checked against: the served model and its context; `renderer` renders
-    chat prompts (one in-process child pool per server)."""
+    chat prompts (child processes: templates.py)."""
 
     def __init__(self, model_ids: tuple[str, ...], ctx: int, n_vocab: int, tok: GGUFTokenizer,
                  renderer: TemplateRenderer | None = None):
