@@ -138,8 +138,8 @@ def llama_arm(args) -> dict:
     the arm quotes its best prompt and its best decode."""
     llama_wait(args.llama_bench, args.llama_wait)
     base = ["-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe)]
-    tests = llama_sweep(args.llama_bench, base, [args.prefill_tokens], args.tokens, args.repeats,
-                        llama_mmap_flags(args.llama_bench))
+    tests = llama_sweep(args.llama_bench, base, [args.prefill_tokens], args.tokens,
+                        args.llama_repeats or args.repeats, llama_mmap_flags(args.llama_bench))
     return tuned_llama_arm(args.llama_bench, tests, [args.prefill_tokens], args.tokens)
 
 
@@ -161,6 +161,8 @@ def main() -> int:
                     help="the file's routing law where it does not store it (uniform, zipf:S)")
     ap.add_argument("--cpu", action="store_true", help="one CPU rank (the harness, no GPU)")
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
+    ap.add_argument("--llama-repeats", type=int, default=0,
+                    help="llama-bench -r (default --repeats; its sweep runs every test that often)")
     ap.add_argument("--llama-wait", type=float, default=0,
                     help="seconds to wait for llama-bench to appear (a build in the background)")
     ap.add_argument("--ncmoe", type=int, default=24, help="llama.cpp's -ncmoe (layers' experts on the CPU)")

@@ -114,8 +114,8 @@ def llama_arm(args) -> dict:
     llama_wait(args.llama_bench, args.llama_wait)
     base = ["-m", args.model, "-ngl", "99", "-fa", "1", "-ncmoe", str(args.ncmoe)]
     mmap = llama_mmap_flags(args.llama_bench) if args.ncmoe > 0 else None
-    tests = llama_sweep(args.llama_bench, base, args.prompts, 0, args.repeats, mmap,
-                        args.ubatches)
+    tests = llama_sweep(args.llama_bench, base, args.prompts, 0,
+                        args.llama_repeats or args.repeats, mmap, args.ubatches)
     arm = tuned_llama_arm(args.llama_bench, tests, args.prompts, 0)
     arm["runs"] = {n: {"tps": arm["prefill_tok_s"][str(n)], "tps_each": arm["tps_each"][str(n)]}
                    for n in args.prompts}
@@ -168,6 +168,8 @@ def main() -> int:
                     help="prompts of each length an arm reads (the median is reported)")
     ap.add_argument("--ubatches", default="512,1024,2048,4096",
                     help="llama.cpp: the micro-batches (-ub) swept; its best is the figure")
+    ap.add_argument("--llama-repeats", type=int, default=0,
+                    help="llama-bench -r (default --repeats; its sweep runs every test that often)")
     ap.add_argument("--llama-wait", type=float, default=0,
                     help="seconds to wait for llama-bench to appear (a build in the background)")
     ap.add_argument("--profile-prompts", type=int, default=0,

@@ -22,10 +22,13 @@
 #      8-layer Qwen3-Next-80B-A3B-geometry Q4_K file (its decode graph, backends/next_decode.py;
 #      its prompts' GDN and attention kernels), then bench_decode.py and bench_prefill.py (512 and
 #      4,096 tokens) on the whole synthetic Qwen3-Next-80B-A3B Q4_K (about 45 GiB) beside llama.cpp
+# Issue 42's "Must show" sequence (decode, resident prompt and offload on three routing laws
+# against the tuned llama.cpp) is benchmarks/must_show.sh.
 # Usage (from the repository root, wheels of the image's missing packages in .whl/, and
-# optionally the kernel binaries built ahead in .kcubins/; the GPU
-# machine's copy of .git may be older than its files, so name the commit measured):
-#   STRATA_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
+# optionally the kernel binaries built ahead in .kcubins/; the GPU machine's copy has no usable
+# .git, so the development side runs `python benchmarks/records.py --archive` just before the
+# call, carrying .anchor/, and every record names that archive's commit):
+#   bash benchmarks/gpu_session.sh [--gpus 0|0,1] \
 #       [--skip-tests] [--skip-profile] [--profile-quants q8_0,q4_k] [--tune] [--tune-only] [--prefill-profile] [--prefill-ncu] [--skip-attention] [--offload] [--prefill]
 #       [--skip-decode] [--quants q8_0,q4_k] [--shape KERNEL_SHAPE] [--next] [--keep-going]
 #       [--next-parts profile,decode,prefill]

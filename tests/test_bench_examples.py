@@ -131,3 +131,32 @@ def test_documented_cpu_examples_run_and_write_complete_records(archived_copy):
         ran.append(script)
     assert set(ran) >= RECORDING | {"bench_plan.py", "bench_transport.py", "bench_handoff.py"}
     assert ran[-1] == "record_check.py"
+
+
+def test_must_show_script_parses_and_gives_only_flags_its_commands_take(tmp_path):
+    """benchmarks/must_show.sh (the GPU run of issue 42's "Must show"): bash parses it, and every
+    flag of every benchmark command it prints for the GPU run is one that script's --help names
+    (its CPU dry run, `--cpu`, runs the same commands on CPU ranks: see its header)."""
+    script = BENCH / "must_show.sh"
+    assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "m")}
+    done = subprocess.run(["bash", str(script), "--print"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    commands = [ln[2:].split() for ln in done.stdout.splitlines() if ln.startswith("+ ")]
+    benches = [c for c in commands if any(w.startswith("benchmarks/bench_") for w in c)]
+    assert len(benches) == 6        # decode x2, the resident prompt, offload x3
+    laws = [c[c.index("--popularity") + 1] for c in commands if "--popularity" in c]
+    assert sorted(set(laws)) == ["uniform", "zipf:0.5", "zipf:1.0"]
+    helps = {}
+    for c in benches:
+        path = next(w for w in c if w.startswith("benchmarks/bench_"))
+        if path not in helps:
+            helps[path] = subprocess.run([sys.executable, path, "--help"], cwd=ROOT,
+                                         capture_output=True, text=True, timeout=60).stdout
+        for flag in (w for w in c[c.index(path) + 1:] if w.startswith("--")):
+            assert re.search(rf"(^|\s){re.escape(flag)}[\s,=]", helps[path]), (path, flag)
+    assert done.stderr == "" and "unknown" not in done.stdout
+    bad = subprocess.run(["bash", str(script), "--parts", "nonesuch"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --parts: unknown part nonesuch")

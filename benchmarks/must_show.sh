@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Issue 42's "Must show", in one command on the GPU machine: on the synthetic Qwen3-30B-A3B,
+#   decode   Q8_0 and Q4_K (zipf:1.0), strata beside llama.cpp -n 128, one record each
+#   prompt   Q4_K resident, 512 / 4,096 / 16,384 tokens, beside llama.cpp tuned over -ub 512..4096
+#   offload  Q4_K at llama.cpp's own device memory (-ncmoe 24, tuned over -ub and mmap on/off) on
+#            three files of one geometry: uniform, zipf:0.5, zipf:1.0; decode and a 4,096-token prompt
+# every record written by the benchmark itself into $OUT, then checked (benchmarks/record_check.py).
+#
+# The development side first (the GPU copy has no usable .git; the records name this archive):
+#   bash ../shared/tools/llamacpp-anchor.sh prepare      # .anchor/llama.tar.xz (once)
+#   python benchmarks/records.py --archive               # .anchor/commit.json, just before the call
+# then one device call, carry [".anchor"] (and .whl/.kcubins where used):
+#   bash benchmarks/must_show.sh                         # everything, about 30 min of device time
+#   bash benchmarks/must_show.sh --parts decode_q8_0,q4_k      # ... or in parts under 10 min each,
+#   bash benchmarks/must_show.sh --parts offload_zipf1.0       # the machine kept warm between calls
+#   bash benchmarks/must_show.sh --parts offload_uniform,offload_zipf0.5
+# Parts (in this order when several): decode_q8_0 (~3 min), q4_k (decode + resident prompt, ~5 min),
+# offload_zipf1.0, offload_uniform, offload_zipf0.5 (~7 min each: the llama.cpp sweep is 2 load
+# modes x 4 micro-batches). A llama-bench built by an earlier call on the warm machine is reused; the
+# first call builds it (about 5 min, beside the first file's synthesis; the benchmarks wait for it).
+# Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
+#
+# --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
+# command and flag this script gives (no GPU; $LLAMA_BENCH names a llama-bench to run, e.g. a CPU
+# build, else the llama.cpp arms are left out). --print: the commands only.
+# $OUT (default /tmp/must-show) gets the records and a log per command.
+set -uo pipefail
+PARTS=decode_q8_0,q4_k,offload_zipf1.0,offload_uniform,offload_zipf0.5; CPU=0; PRINT=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --parts) PARTS=$2; shift 2 ;;
+    --cpu) CPU=1; shift ;;
+    --print) PRINT=1; shift ;;
+    *) echo "error: unknown argument $1 (--parts P,.. | --cpu | --print)" >&2; exit 2 ;;
+  esac
+done
+for p in ${PARTS//,/ }; do
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5) ;;
+    *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
+done
+OUT=${OUT:-/tmp/must-show}; M=${MODELS:-/tmp/m}; mkdir -p "$OUT" "$M"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+[ -d .kcubins ] && export STRATA_KERNEL_CUBINS=$PWD/.kcubins
+# the commit every record will name, said now (a stale archive is refused before any device time)
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import records; print('measuring', records.commit_info())" || exit 2
+T0=$(date +%s); t() { echo "t=$(( $(date +%s) - T0 )) s: $*"; }
+
+if [ "$CPU" = 1 ]; then
+  LIKE=tiny; LB=${LLAMA_BENCH:-}
+  DECODE=(--cpu --tokens 128); PROMPTS=(--cpu --budget 400M --prompts 128,256 --chunk 64)
+  OFFLOAD=(--cpu --vram-budget 200M --tokens 128 --prefill-tokens 256 --context 512 --ncmoe 2)
+  RESIDENT_NCMOE=(--ncmoe 0)
+else
+  LIKE=qwen3-30b-a3b; LB=.anchor/llama.cpp/build/bin/llama-bench
+  DECODE=(--gpus 0 --tokens 128)
+  PROMPTS=(--budget 60G --prompts 512,4096,16384 --chunk 4096)   # every pair resident (H100 or H200)
+  # --vram-budget match: the strata rank's NVML peak within 5% of llama.cpp's best tests'
+  OFFLOAD=(--vram-budget match --tokens 128 --prefill-tokens 4096 --ncmoe 24 --llama-repeats 2)
+  RESIDENT_NCMOE=(--ncmoe 0)
+fi
+LLAMA=()
+if [ -n "$LB" ]; then
+  if [ -x "$LB" ]; then LLAMA=(--llama-bench "$LB")
+  elif [ "$PRINT" = 1 ]; then LLAMA=(--llama-bench "$LB" --llama-wait 60)   # as a first call gives
+  elif [ "$CPU" = 0 ] && [ -f .anchor/llamacpp-anchor.sh ]; then
+    [ "$PRINT" = 1 ] || (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
+    LLAMA=(--llama-bench "$LB" --llama-wait 60)
+  else
+    echo "error: no llama-bench at $LB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
+  fi
+fi
+[ "$CPU" = 0 ] && [ ${#LLAMA[@]} = 0 ] && { echo "error: the GPU run needs llama.cpp (.anchor)" >&2; exit 2; }
+
+# the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
+# step slows down beside a parallel compile): every benchmark waits for it first
+wait_llama() {
+  [ "$PRINT" = 1 ] && return 0
+  for _ in $(seq 900); do
+    [ -z "$LB" ] || [ -x "$LB" ] && return 0
+    grep -qs "llamacpp-anchor.sh" /proc/[0-9]*/cmdline || return 0   # the build ended without it
+    sleep 1
+  done
+}
+FAILED=0
+run() {   # run NAME CMD...: the command, its log in $OUT/NAME.log, its tail here
+  local name=$1; shift
+  echo "+ $*"
+  [ "$PRINT" = 1 ] && return 0
+  case "$name" in synth_*) ;; *) wait_llama ;; esac
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -8 "$OUT/$name.log"
+  [ $rc = 0 ] || { echo "FAILED ($rc): $name"; FAILED=1; }
+  t "$name"
+}
+synth() {   # synth FILE QUANT LAW: the file, unless a call before this one left it
+  [ -f "$1" ] && [ "$PRINT" = 0 ] && return 0
+  run "synth_$(basename "$1" .gguf)" timeout 420 python3 -m launcher.tools synth "$1" --like "$LIKE" \
+    --quant "$2" --popularity "$3" --quiet
+}
+has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
+# one big file at a time beside the next (the one-GPU machine's disk is 64 GiB; Q8_0 is ~32 GiB)
+keep_only() {
+  [ "$PRINT" = 1 ] && return 0
+  local g; for g in "$M"/must_*.gguf; do [ "$g" = "$1" ] || rm -f "$g"; done
+}
+
+if has decode_q8_0; then
+  f=$M/must_q8_0_zipf1.gguf; keep_only "$f"; synth "$f" q8_0 zipf:1.0
+  run decode_q8_0 timeout 580 python3 benchmarks/bench_decode.py --model "$f" "${DECODE[@]}" \
+    --out "$OUT" "${LLAMA[@]}"
+  keep_only none
+fi
+Q4=$M/must_q4_k_zipf1.gguf
+if has q4_k; then
+  keep_only "$Q4"; synth "$Q4" q4_k zipf:1.0
+  run decode_q4_k timeout 580 python3 benchmarks/bench_decode.py --model "$Q4" "${DECODE[@]}" \
+    --out "$OUT" "${LLAMA[@]}"
+  # every pair resident at this budget: a loan would lend nothing, so no loans-off arm
+  run prefill_q4_k timeout 580 python3 benchmarks/bench_prefill.py --model "$Q4" "${PROMPTS[@]}" \
+    --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
+fi
+for law in zipf1.0 uniform zipf0.5; do
+  has "offload_$law" || continue
+  popularity=${law/zipf/zipf:}; f=$M/must_q4_k_$law.gguf; [ "$law" = zipf1.0 ] && f=$Q4
+  keep_only "$f"; synth "$f" q4_k "$popularity"
+  run "offload_$law" timeout 590 python3 benchmarks/bench_offload.py --model "$f" "${OFFLOAD[@]}" \
+    --out "$OUT" "${LLAMA[@]}"
+done
+[ "$PRINT" = 1 ] && exit 0
+# a build still in flight is finished before the call returns (the next call on the warm machine
+# finds llama-bench built)
+wait_llama
+python3 benchmarks/record_check.py "$OUT"/*.json && echo "records complete: $(ls "$OUT"/*.json | wc -l)" || FAILED=1
+exit $FAILED
