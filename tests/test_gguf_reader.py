@@ -212,8 +212,9 @@ def test_nan_and_inf_in_float_tensors(qtype, dtype):
     assert find_non_finite(ok.view(np.uint8), qtype, 64) is None
 
 
-def test_a_tensor_past_the_full_scan_size_is_sampled_first_and_last_block_included():
+def test_a_tensor_past_the_full_scan_size_is_sampled_first_and_last_block_included(monkeypatch):
     from strata_dist import gguf_finite
+    monkeypatch.setattr(gguf_finite, "FULL_SCAN_BYTES", 4 << 20)   # the rule, on a small tensor
     n = gguf_finite.FULL_SCAN_BYTES // 2 + 4096          # f16 values: just past a full scan
     values = np.zeros(n, dtype=np.float16)
     for at in (0, n - 1):
