@@ -311,7 +311,8 @@ class GGUFModel:
             if not 0 <= expert < t.shape[0]:
                 raise IndexError(f"expert {expert} out of range for {t.name} ({t.shape[0]} experts)")
             per = t.n_bytes // t.shape[0]
-            pieces.append(self._map(t.shard)[t.offset + expert * per: t.offset + (expert + 1) * per])
+            start = t.offset + expert * per
+            pieces.append(self._map(t.shard)[start: start + per])
         blob = np.concatenate(pieces)
         if (layer, expert) not in self._checked_experts:
             self._check_expert(layer, expert, blob)

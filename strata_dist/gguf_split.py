@@ -72,6 +72,8 @@ def open_shards(first: Shard) -> list[Shard]:
     if count is None or not 1 <= count <= MAX_SHARDS:
         raise ShardProblem(first.path, f"is {count}; a split model has 1 to {MAX_SHARDS} shards",
                            key=SPLIT_COUNT)
+    if number is None:
+        raise ShardProblem(first.path, f"is missing ('{SPLIT_COUNT}' is {count})", key=SPLIT_NO)
     if number != 0:
         raise ShardProblem(first.path, f"is {number}: this is shard {number} (0-based) of "
                                        f"{count}; open the first shard (-00001-of-{count:05d})",

@@ -29,6 +29,8 @@ def split_gguf(src, folder, stem: str, max_tensors: int) -> list[Path]:
     w.write_tensors_to_file()
     w.close()
     n = -(-len(r.tensors) // max_tensors)
+    if n == 1:      # the writer does not split a model that fits one shard
+        return [Path(folder) / f"{stem}.gguf"]
     return [Path(folder) / f"{stem}-{i + 1:05d}-of-{n:05d}.gguf" for i in range(n)]
 
 
@@ -36,7 +38,7 @@ _SPLIT_KEY_FORMAT = {"split.no": "<H", "split.count": "<H", "split.tensors.count
 
 
 def set_split_key(path, key: str, value: int) -> None:
-    """Overwrite the value of one split key of one shard (same type, same size: the layout holds)."""
+    """Overwrite one split key of one shard in place (same type, same size: the layout holds)."""
     data = bytearray(Path(path).read_bytes())
     name = key.encode()
     at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4

@@ -28,7 +28,7 @@ def every_entry_point(path, *needles, load=False):
         refused_in_bounds(bounded(*launch, "--plan-only"), *needles)
 
 
-# ---- the header -----------------------------------------------------------------------------------
+# ---- the header ----------------------------------------------------------------------------------
 
 def _string(s: bytes) -> bytes:
     return struct.pack("<Q", len(s)) + s
@@ -133,7 +133,7 @@ def test_a_token_that_is_not_utf8(model, tmp_path):
                       str(bad), "key 'tokenizer.ggml.tokens'", "entry 1", "not valid UTF-8")
 
 
-# ---- weights --------------------------------------------------------------------------------------
+# ---- weights -------------------------------------------------------------------------------------
 
 def _tensor_at(path, name: str, element: int = 0) -> int:
     info = GGUFModel(path).tensor(name)
@@ -184,7 +184,7 @@ def test_f16_inf_in_a_dense_tensor(tmp_path):
     every_entry_point(bad, str(bad), f"tensor '{name}'", "Inf at element 77", load=True)
 
 
-# ---- tensor layout --------------------------------------------------------------------------------
+# ---- tensor layout -------------------------------------------------------------------------------
 
 def _tensor_info_at(data: bytes, name: str) -> tuple[int, int]:
     """(where the type field of tensor `name`'s table entry is, where its offset field is)."""
