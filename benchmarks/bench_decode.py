@@ -1,18 +1,19 @@
 """Decode tok/s of strata-dist beside llama.cpp's, on the same file, side by side in one run.
 
-Each strata arm launches `strata-launch --serve` (one rank per listed GPU), reads a warm-up
-request (the decode graph is captured there), then --repeats greedy requests of --tokens new
-tokens each, every one after a prompt of its own (a request that RESUMEs a cached prefix is
-refused), and prints the median decode tok/s (tokens after the first / decode seconds; every
-repeat is kept in `tps_each`), the share of steps that ran as a device graph, and the device's
-peak memory. A prompt whose greedy tokens hit end of text before --tokens gives way to the next
-(llama-bench's tg never stops): the record's `new_tokens` is what each measured request generated. With two GPUs it also checks the tokens against the one-GPU arm
-and measures the hand-off of one decode row between the two cards (bench_transport.py's median).
-With --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1 -p 0 -n N` reads the same file (its
-version string and every flag recorded) and the ratio is printed. The record of
-../shared/RECORDS.md goes to benchmarks/results/decode-<like>-<quant>-<date>-<HHMMSS>-<commit>.json
-(records.py computes the commit). `--popularity` names the routing law of a file that does not
-store it (a synthetic file does).
+Each strata arm launches `strata-launch --serve` (one rank per listed GPU), reads a warm-up request
+(the decode graph is captured there), then --repeats greedy requests of --tokens new tokens each,
+every one after a prompt of its own (a request that RESUMEs a cached prefix is refused), and prints
+the median decode tok/s (tokens after the first / decode seconds; every repeat is kept in
+`tps_each`), the share of steps that ran as a device graph, and the device's peak memory. A prompt
+whose greedy tokens hit end of text before --tokens gives way to the next (llama-bench's tg never
+stops): the record's `new_tokens` is what each measured request generated. With two GPUs it also
+checks the tokens against the one-GPU arm and measures the hand-off of one decode row between the
+two cards (bench_transport.py's median). With --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1
+-p 0 -n N` reads the same file (its version string and every flag recorded) and the ratio is
+printed. The record of ../shared/RECORDS.md goes to
+benchmarks/results/decode-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (records.py computes the
+commit). `--popularity` names the routing law of a file that does not store it (a synthetic file
+does).
 
     python benchmarks/bench_decode.py --model q30.gguf --gpus 0 \\
         --llama-bench .anchor/llama.cpp/build/bin/llama-bench
@@ -113,7 +114,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.tokens < 2 or not 1 <= args.repeats <= 8:
-        fail(f"--tokens {args.tokens} / --repeats {args.repeats}: at least 2 tokens, 1 to 8 repeats")
+        fail(f"--tokens {args.tokens} / --repeats {args.repeats}: at least 2 tokens, 1 to 8 "
+             f"repeats")
     facts = model_facts(args.model, args.popularity)
     arms = []
     gpus = args.gpus.split(",")

@@ -5,22 +5,23 @@ ids drawn apart from every prompt the run measures: no measured request holds a 
 checked), then llama.cpp reads the file with `-ncmoe N` (the experts of N layers in host memory,
 computed by the CPU): tuned, at every `-ub` of 512, 1024, 2048 and 4096 (`-b` 4096) and with the
 weights both mmap'd (its default) and read into memory (`-mmp 0`, or `-lm none` where the build's
---load-mode replaced it); its best prompt and best decode are the arm's figures, every test kept
-in the record (`ubatch_sweep`, `mmap_sweep`, `sweep`), its NVML peak that of the tests it quotes.
-Then one GPU rank at `--vram-budget` (`match`: the budget whose peak is within 5% of llama.cpp's,
-found in at most two runs; needs NVML), measured twice: the experts its cache lacks read in place
-from pinned host memory by the decode graph's own kernels (STRATA_HOST_MAPPED=1), and through the
-general path (each miss streamed to the device and computed by its own launches).
-Like llama-bench's pp and tg tests, each arm times --prefill-tokens prompts and, apart, --tokens
-new tokens after a 16-id prompt, each --repeats times (a decode prompt whose greedy tokens hit
-end of text before --tokens gives way to the next: llama-bench's tg never stops). The prompt figure is the median of its
-repeats, read back to back after a warm-up prompt of the same length: each measured prompt then
-carries the refill of the loan the prompt before it borrowed (a stage refills after the last
-chunk, on its stream, after the prompt's figure is taken). A measured request that RESUMEs a
-cached prefix, or stops before --tokens, is refused. Prints tok/s, where each decode's expert
+--load-mode replaced it); its best prompt and best decode are the arm's figures, every test kept in
+the record (`ubatch_sweep`, `mmap_sweep`, `sweep`), its NVML peak that of the tests it quotes. Then
+one GPU rank at `--vram-budget` (`match`: the budget whose peak is within 5% of llama.cpp's, found
+in at most two runs; needs NVML), measured twice: the experts its cache lacks read in place from
+pinned host memory by the decode graph's own kernels (STRATA_HOST_MAPPED=1), and through the
+general path (each miss streamed to the device and computed by its own launches). Like
+llama-bench's pp and tg tests, each arm times --prefill-tokens prompts and, apart, --tokens new
+tokens after a 16-id prompt, each --repeats times (a decode prompt whose greedy tokens hit end of
+text before --tokens gives way to the next: llama-bench's tg never stops). The prompt figure is the
+median of its repeats, read back to back after a warm-up prompt of the same length: each measured
+prompt then carries the refill of the loan the prompt before it borrowed (a stage refills after the
+last chunk, on its stream, after the prompt's figure is taken). A measured request that RESUMEs a
+cached prefix is refused. Prints tok/s, where each decode's expert
 computations ran, the peak device memory of every arm and the ratios; the record of
-../shared/RECORDS.md goes to benchmarks/results/offload-<like>-<quant>-<date>-<HHMMSS>-<commit>.json,
-its `model.popularity` the file's routing law (--popularity for a file that does not store it).
+../shared/RECORDS.md goes to
+benchmarks/results/offload-<like>-<quant>-<date>-<HHMMSS>-<commit>.json, its `model.popularity` the
+file's routing law (--popularity for a file that does not store it).
 
     python benchmarks/bench_offload.py --model q30.gguf --vram-budget match --prefill-tokens 4096 \\
         --llama-bench .anchor/llama.cpp/build/bin/llama-bench --ncmoe 24

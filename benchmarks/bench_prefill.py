@@ -4,17 +4,17 @@ Each arm launches strata-dist on one GPU with the same VRAM budget (`--vram-budg
 warm-up prompt of each length, then --repeats prompts of each length (one new token each) and
 prints the median prompt tok/s (every repeat kept in the record's `tps_each`; the repeats are read
 back to back after the warm-up, so each carries the refill of the loan the prompt before it
-borrowed: a stage refills after the last chunk, on its stream, after the prompt's figure is
-taken; a repeat that RESUMEs a cached prefix is refused), the stage cache (expert slots), how the chunk's experts were
-computed, the loan's peak and overflow, and the device's peak memory in use (NVML, sampled every
-20 ms). With --llama-bench the same file is read by llama.cpp's llama-bench with `-ncmoe N` (the
-experts of the first N layers stay in host memory), tuned: every `-ub` of --ubatches (512, 1024,
-2048, 4096; `-b` the largest), and where N > 0 with the weights both mmap'd and read into memory
-(`-mmp 0`, or `-lm none` where the build's --load-mode replaced it); its best per prompt length is
-the arm's figure and the ratio printed, every test kept (`ubatch_sweep`, `sweep`). With
---profile-prompts N a routing profile is recorded first on N prompts of 512 ids drawn apart from
-every measured prompt (checked), and the plans rank experts by it (a budget that holds part of
-the experts). The strata arms run the GPU defaults: the row kernels of
+borrowed: a stage refills after the last chunk, on its stream, after the prompt's figure is taken;
+a repeat that RESUMEs a cached prefix is refused), the stage cache (expert slots), how the chunk's
+experts were computed, the loan's peak and overflow, and the device's peak memory in use (NVML,
+sampled every 20 ms). With --llama-bench the same file is read by llama.cpp's llama-bench with
+`-ncmoe N` (the experts of the first N layers stay in host memory), tuned: every `-ub` of
+--ubatches (512, 1024, 2048, 4096; `-b` the largest), and where N > 0 with the weights both mmap'd
+and read into memory (`-mmp 0`, or `-lm none` where the build's --load-mode replaced it); its best
+per prompt length is the arm's figure and the ratio printed, every test kept (`ubatch_sweep`,
+`sweep`). With --profile-prompts N a routing profile is recorded first on N prompts of 512 ids
+drawn apart from every measured prompt (checked), and the plans rank experts by it (a budget that
+holds part of the experts). The strata arms run the GPU defaults: the row kernels of
 backends/expert_rows.py, kernels/prefill_attention.cu, each chunk routed and grouped on the
 device. With --host-routing one more arm routes on the host
 (STRATA_DEVICE_ROUTING=0), with --general-path one more takes the general path

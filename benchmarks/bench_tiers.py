@@ -127,7 +127,8 @@ def main() -> int:
     args.profile = os.path.join(tempfile.mkdtemp(prefix="tiers-"), "profile.json")
     record_profile(args.model, args.profile_prompts, facts["vocab"], args.profile,
                    "cpu" if args.cpu else "cuda:0",
-                   [prompt_ids(32, 1, facts["vocab"]), prompt_ids(DECODE_PROMPT, 3, facts["vocab"])])
+                   [prompt_ids(32, 1, facts["vocab"]),
+                    prompt_ids(DECODE_PROMPT, 3, facts["vocab"])])
     two = ["--cpu-ranks", "2"] if args.cpu else ["--gpus", args.gpus]
     one = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", args.gpus.split(",")[0]]
     split_flags = ["--layer-split", split, "--gpu-order", "as_given"]

@@ -61,7 +61,8 @@ def test_command(cmd: list[str], row: dict) -> str:
 def llama_sweep(path: str, base: list[str], prompts: list[int], gen: int, repeats: int,
                 mmap: dict[str, list[str]] | None = None, ubatches=UBATCHES) -> list[dict]:
     """llama-bench over every -ub of `ubatches` (-b the largest, so -b >= -ub), once per load
-    mode of `mmap` (None: the default only; `ubatches` empty: llama-bench's own -ub and -b): one process per mode, its tests read one by one
+    mode of `mmap` (None: the default only; `ubatches` empty: llama-bench's own -ub and -b): one
+    process per mode, its tests read one by one
     (-o jsonl), each with the device's peak while it ran. Every test as a dict: its flags
     (`command`), the mode, -ub, n_prompt/n_gen, avg and every repeat's tok/s, peak_gib."""
     tests = []

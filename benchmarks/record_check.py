@@ -61,7 +61,8 @@ def check_record(record: dict, filename: str) -> list[str]:
                   f"{record.get('date')}-{str(record.get('time', '')).replace(':', '')}-"
                   f"{record.get('commit')}.json")
         if os.path.basename(filename) != expect:
-            bad.append(f"file name {os.path.basename(filename)!r}: the record's fields say {expect!r}")
+            bad.append(f"file name {os.path.basename(filename)!r}: the record's fields say "
+                       f"{expect!r}")
     arms = record.get("arms") or []
     if isinstance(record.get("arms"), list) and not arms:
         bad.append("arms is empty")

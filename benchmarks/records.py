@@ -5,7 +5,7 @@ file written (named by its time and commit, never overwritten).
 
 The development side, before a GPU call whose copy of the tree has no usable .git:
 
-    python benchmarks/records.py --archive        # writes .anchor/commit.json (carried with .anchor)
+    python benchmarks/records.py --archive      # writes .anchor/commit.json (carried with .anchor)
 """
 from __future__ import annotations
 
@@ -295,7 +295,8 @@ def tree_hash(root: str = ROOT, excludes: list[str] | None = None) -> str:
     """The git tree hash of the files under `root` as they are (tracked or not; .gitignore
     honoured, NOT_CODE left out), computed in a scratch repository so neither the real index nor a
     copy's stale .git takes part: the development side and a GPU machine's copy of the same files
-    give the same hash. `excludes`: more patterns (the development side's .git/info/exclude,
+    give the same hash (file modes left out: a copy need not keep the executable bits).
+    `excludes`: more patterns (the development side's .git/info/exclude,
     default this tree's own). "" without git."""
     with tempfile.TemporaryDirectory() as scratch:
         exclude_file = os.path.join(scratch, "exclude")
@@ -305,8 +306,9 @@ def tree_hash(root: str = ROOT, excludes: list[str] | None = None) -> str:
         env = {"GIT_DIR": os.path.join(scratch, "git"), "GIT_WORK_TREE": root,
                "GIT_INDEX_FILE": os.path.join(scratch, "index")}
         try:
-            for args in (("init", "-q"), ("-c", f"core.excludesFile={exclude_file}", "add", "-A", "."),
-                         ("write-tree",)):
+            add = ("-c", f"core.excludesFile={exclude_file}", "-c", "core.fileMode=false",
+                   "add", "-A", ".")
+            for args in (("init", "-q"), add, ("write-tree",)):
                 done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root,
                                       timeout=120, env={**os.environ, **env})
                 if done.returncode != 0:
@@ -359,8 +361,9 @@ def commit_info(root: str = ROOT) -> dict:
             archived = json.load(f)
     tree = tree_hash(root, archived.get("excludes") if archived else None)
     if archived is not None and (not tree or archived.get("tree") == tree):
+        # tree_checked false: no git here to hash the files with (the archive is taken on trust)
         return {"commit": archived["commit"], "commit_source": "archive",
-                "tree": archived.get("tree", "")}
+                "tree": archived.get("tree", ""), "tree_checked": bool(tree)}
     if archived is not None:
         stale = (f"{archived_at} names tree {archived.get('tree')} ({archived.get('commit')}), "
                  f"but the files here are tree {tree}")

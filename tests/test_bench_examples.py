@@ -127,7 +127,7 @@ def test_documented_cpu_examples_run_and_write_complete_records(archived_copy):
             assert check_record(record, str(path)) == [], (cmd, check_record(record, str(path)))
             archived = json.loads((copy / ".anchor" / "commit.json").read_text())
             assert record["commit_source"] == "archive" and record["commit"] == archived["commit"]
-            assert record["tree"] == archived["tree"]
+            assert record["tree"] == archived["tree"] and record["tree_checked"] is True
         ran.append(script)
     assert set(ran) >= RECORDING | {"bench_plan.py", "bench_transport.py", "bench_handoff.py"}
     assert ran[-1] == "record_check.py"

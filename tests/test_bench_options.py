@@ -14,7 +14,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import records  # noqa: E402
 
 # os.environ.get("STRATA_X", "default") / environ.get("STRATA_X") / os.environ["STRATA_X"]
-READ = re.compile(r"""environ(?:\.get\(\s*|\[\s*)["'](STRATA_[A-Z0-9_]+)["']\s*(?:,\s*["']([^"']*)["'])?""")
+READ = re.compile(r"""environ(?:\.get\(\s*|\[\s*)["'](STRATA_[A-Z0-9_]+)["']"""
+                  r"""\s*(?:,\s*["']([^"']*)["'])?""")
 
 
 def reads_of_the_product() -> dict[str, set[str | None]]:

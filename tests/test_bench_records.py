@@ -278,8 +278,8 @@ def test_commit_of_a_copy_without_git_is_its_archive(tmp_path):
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "a.py").write_text("x = 1\n")
-    git = lambda *a: subprocess.run(["git", *a], cwd=tree, check=True, capture_output=True,  # noqa: E731
-                                    timeout=60)
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tree, check=True, capture_output=True, timeout=60)
     git("init", "-q")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x")
     git("add", "a.py")
@@ -292,7 +292,8 @@ def test_commit_of_a_copy_without_git_is_its_archive(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git"))
     got = records.commit_info(str(copy))
-    assert got == {"commit": info["commit"], "commit_source": "archive", "tree": info["tree"]}
+    assert got == {"commit": info["commit"], "commit_source": "archive", "tree": info["tree"],
+                   "tree_checked": True}
     (copy / "a.py").write_text("x = 3\n")
     with pytest.raises(SystemExit) as e:
         records.commit_info(str(copy))
