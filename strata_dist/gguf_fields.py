@@ -22,7 +22,11 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4                     # a tensor has at most 4 dimensions (the format's limit)
 MAX_ARRAY_NESTING = 2            # an array of arrays at most; no model key nests deeper
-MAX_STRING_ARRAY = 1 << 24       # entries of one string array (a vocabulary is ~10^5)
+# Caps far above any model's (a vocabulary of ~2.6e5 tokens and ~5e5 merges, ~50 keys, ~2,000
+# tensors), so a file of legal size cannot make the reader build millions of objects either
+MAX_STRING_ARRAY = 1 << 22       # entries of one string array
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 20
 HEADER_BYTES = 4 + 4 + 8 + 8     # magic, version, tensor count, key count
 MIN_KV_BYTES = 8 + 4 + 1         # an empty key, its type, the smallest value
 MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8   # an empty name, n_dims 0, its type, its offset
@@ -178,6 +182,9 @@ def _parse(buf, size: int) -> Header:
     if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > cur.left():
         raise HeaderProblem(f"the header declares {n_kv} keys and {n_tensors} tensors, more than "
                             f"a file of {size} bytes can hold")
+    if n_kv > MAX_KEYS or n_tensors > MAX_TENSORS:
+        raise HeaderProblem(f"the header declares {n_kv} keys and {n_tensors} tensors; this "
+                            f"reader takes at most {MAX_KEYS} keys and {MAX_TENSORS} tensors")
 
     fields: dict[str, Field] = {}
     for i in range(n_kv):

@@ -75,6 +75,21 @@ def test_counts_no_file_of_its_size_could_hold(tmp_path, n_tensors, n_kv):
     every_entry_point(path, str(path), f"declares {n_kv} keys and {n_tensors} tensors")
 
 
+def test_more_keys_than_any_model_has_in_a_file_that_could_hold_them(tmp_path):
+    path = tmp_path / "keys.gguf"
+    n = 70_000
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, n) + bytes(13 * n))
+    every_entry_point(path, str(path), f"declares {n} keys", "at most 65536 keys")
+
+
+def test_a_string_array_of_more_entries_than_any_vocabulary(tmp_path):
+    path = tmp_path / "vocab.gguf"
+    n = (1 << 22) + 1
+    path.write_bytes(_header(0, _string(b"tokenizer.ggml.merges")
+                             + struct.pack("<IIQ", VT.ARRAY, VT.STRING, n) + bytes(8 * n)))
+    every_entry_point(path, str(path), "key 'tokenizer.ggml.merges'", f"array of {n} strings")
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from strata_dist.synth import write_synthetic
