@@ -6,6 +6,12 @@ Every type's values have mean ~0 (a min offset, or scales of random sign) and th
 Two edits serve the routing law (the package docstring): `zero_first_columns` makes the first n
 weights of every row exactly zero (whole blocks, then sub-block scales), and `set_channel` gives
 coordinate 0 of every row one constant value (`channel_value`) by fixing the first block's scales.
+
+The i-quants (IQUANT_TYPES) are random bytes with a finite f16 d: every other field of those
+formats is valid whatever its bits (each grid index is in its grid, each 7-bit sign index names
+a sign pattern whose 8th sign is the parity of the 7). Most of them cannot zero part of a block
+(no sub-block scale reaches 0, no grid value is 0): `column_granule` says how many columns a
+zeroed prefix must be a multiple of.
 """
 from __future__ import annotations
 
@@ -70,7 +76,51 @@ UNIT_RMS: dict[T, float] = {
     T.Q4_K: _SC_K * math.sqrt(21.25), T.Q5_K: _SC_K * math.sqrt(85.25),
     T.Q6_K: _SC_16 * math.sqrt(341.25 + 0.25),
 }
-SIGNED_D = {T.Q4_0, T.Q5_0}                 # the d of these types carries the sign
+SIGNED_D = {T.Q4_0, T.Q5_0, T.IQ4_NL}       # the d of these types carries the sign
+
+IQUANT_TYPES = (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL,
+                T.IQ4_XS)
+# Where each i-quant block keeps its f16 d (IQ1_M: in the top nibbles of its four scale words).
+_IQ_D_AT = {t: 0 for t in IQUANT_TYPES if t != T.IQ1_M}
+
+
+def _iq1m_set_d(b: np.ndarray, d16: np.ndarray) -> None:
+    words = b[:, 48:56].copy().view(np.uint16)
+    for k in range(4):
+        words[:, k] = (words[:, k] & 0x0FFF) | (((d16 >> (4 * k)) & 0xF) << 12)
+    b[:, 48:56] = words.view(np.uint8)
+
+
+def _iq_set_d(t: T, b: np.ndarray, d16: np.ndarray) -> None:
+    if t == T.IQ1_M:
+        _iq1m_set_d(b, d16)
+    else:
+        _f16(b, _IQ_D_AT[t], d16)
+
+
+@lru_cache(maxsize=None)
+def _iq_unit_rms(t: T) -> float:
+    """rms of the values of random blocks of t with d = 1 (sub-scales, grid entries and signs
+    random as random_blocks draws them), measured through gguf-py's decoder."""
+    size = gguf.GGML_QUANT_SIZES[t][1]
+    b = raw_bytes(np.random.SFC64(12345), 4096 * size).reshape(4096, size).copy()
+    _iq_set_d(t, b, np.full(4096, 0x3C00, np.uint16))          # f16 1.0
+    return float(np.sqrt(np.mean(gguf.quants.dequantize(b, t).astype(np.float64) ** 2)))
+
+
+def unit_rms(t: T) -> float:
+    return _iq_unit_rms(t) if t in IQUANT_TYPES else UNIT_RMS[t]
+
+
+def column_granule(t: T) -> int:
+    """The multiple of columns `zero_first_columns` can zero: 1 for floats, 32 where a block or
+    sub-block scale can be 0, a whole 256-value block for the i-quants that cannot (their
+    sub-block scales are d (0.5 + s) / 4, d (1 + 2 s), ... and no grid value is 0)."""
+    if t in (T.F32, T.F16, T.BF16):
+        return 1
+    if t in IQUANT_TYPES and t not in (T.IQ4_XS, T.IQ4_NL):
+        return gguf.GGML_QUANT_SIZES[t][0]
+    return 32
 
 
 def _q3k_pack(v: np.ndarray) -> np.ndarray:
@@ -102,8 +152,11 @@ def random_blocks(t: T, bits: np.random.SFC64, n_blocks: int, std: float) -> np.
     """n_blocks random blocks of type t, values of mean ~0 and std ~`std`: [n_blocks, block bytes]."""
     size = gguf.GGML_QUANT_SIZES[t][1]
     b = raw_bytes(bits, n_blocks * size).reshape(n_blocks, size)
-    d = _table(std / UNIT_RMS[t], t in SIGNED_D)
-    if t in (T.Q8_0, T.Q4_0, T.Q5_0):
+    d = _table(std / unit_rms(t), t in SIGNED_D)
+    if t in IQUANT_TYPES:
+        # IQ4_XS: the 6-bit sub-block scales (s - 32) carry the sign; the grids' signs are random
+        _iq_set_d(t, b, d[b[:, 1] if t == T.IQ1_M else b[:, 0]])
+    elif t in (T.Q8_0, T.Q4_0, T.Q5_0):
         _f16(b, 0, d[b[:, 0]])
     elif t in (T.Q4_1, T.Q5_1):
         pick = d[b[:, 0]]
@@ -161,6 +214,15 @@ def _zero_q4k(sb: np.ndarray, k: int) -> None:          # sb: the super-block's 
             sc[:, j] &= 0x3F
 
 
+def _zero_iq4xs(sb: np.ndarray, k: int) -> None:
+    """Sub-blocks [0, k) get the scale code 32 (d (32 - 32) = 0): low nibble 0, high bits 2."""
+    high = sb[:, 2:4].copy().view(np.uint16)[:, 0]
+    for j in range(k):
+        sb[:, 4 + j // 2] &= 0xF0 if j % 2 == 0 else 0x0F
+        high = (high & ~np.uint16(3 << (2 * j))) | np.uint16(2 << (2 * j))
+    sb[:, 2:4] = high.astype(np.uint16).view(np.uint8).reshape(len(sb), 2)
+
+
 def _zero_q3k(sb: np.ndarray, k: int) -> None:
     v = _q3k_unpack(sb[:, 96:108])
     v[:, :k] = 32                                        # stored with a +32 bias
@@ -172,6 +234,7 @@ _SUB_ZERO = {
     T.Q2_K: (16, lambda sb, k: sb.__setitem__((slice(None), slice(0, k)), 0)),
     T.Q6_K: (16, lambda sb, k: sb.__setitem__((slice(None), slice(192, 192 + k)), 0)),
     T.Q3_K: (16, _zero_q3k),
+    T.IQ4_XS: (32, _zero_iq4xs),
 }
 
 
@@ -184,6 +247,9 @@ def zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
     whole = n // block
     rows[:, :whole * size] = 0                           # all-zero blocks dequantize to 0
     if n % block:
+        if t not in _SUB_ZERO:
+            raise ValueError(f"{t.name} cannot zero {n} columns: only whole blocks of {block} "
+                             f"(column_granule)")
         sub, zero = _SUB_ZERO[t]
         zero(rows[:, whole * size:(whole + 1) * size], n % block // sub)
 
@@ -191,7 +257,7 @@ def zero_first_columns(t: T, rows: np.ndarray, n: int) -> None:
 # The first block of every row, fixed so that coordinate 0 holds one constant: (the block's d
 # and sub-block 0's scale at their typical value, element 0's quant at its largest positive code).
 def _channel_block(t: T, first: np.ndarray, std: float) -> None:
-    d = _table(std / UNIT_RMS[t], False)[128:129]        # the table's middle, positive
+    d = _table(std / unit_rms(t), False)[128:129]        # the table's middle, positive
     n = len(first)
     rep = lambda bits16: np.repeat(bits16, n)            # noqa: E731
     if t == T.Q8_0:
@@ -239,8 +305,62 @@ def _channel_block(t: T, first: np.ndarray, std: float) -> None:
         first[:, 192] = 24
         first[:, 0] |= 0x0F
         first[:, 128] |= 3                               # q = 63: 31 * 24 d
+    elif t in IQUANT_TYPES:
+        _iq_channel_block(t, first, rep(d))
     else:
         raise ValueError(f"no channel block for {t.name}")
+
+
+@lru_cache(maxsize=None)
+def _top_entry(t: T) -> int:
+    """The grid entry whose first value is the largest (first found)."""
+    cls = {T.IQ1_M: gguf.quants.IQ1_S}.get(t) or getattr(gguf.quants, t.name)
+    cls.init_grid()
+    return int(np.argmax(np.asarray(cls.grid).reshape(cls.grid_shape)[:, 0]))
+
+
+def _iq_channel_block(t: T, first: np.ndarray, d16: np.ndarray) -> None:
+    """d, sub-block 0's scale at a middle code, element 0 the top grid entry's first value (or
+    the top level), positive."""
+    top = _top_entry(t) if t not in (T.IQ4_NL, T.IQ4_XS) else 15
+    _iq_set_d(t, first, d16)
+    u32 = lambda at: first[:, at:at + 4].copy().view(np.uint32)[:, 0]          # noqa: E731
+    put32 = lambda at, v: first.__setitem__((slice(None), slice(at, at + 4)),   # noqa: E731
+                                            v.astype(np.uint32).view(np.uint8).reshape(len(first), 4))
+    if t in (T.IQ2_XXS, T.IQ3_XXS):
+        at = 6 if t == T.IQ2_XXS else 66                  # the word of 4 sign indices and the scale
+        put32(at, (u32(at) & np.uint32(0x0FFFFF80)) | np.uint32(8 << 28))   # scale 8, signs 0..6 +
+        first[:, 2] = top
+    elif t == T.IQ2_XS:
+        first[:, 2] = top & 0xFF
+        first[:, 3] = (top >> 8) & 1                      # sign index 0: every sign +
+        first[:, 66] = (first[:, 66] & 0xF0) | 8
+    elif t == T.IQ2_S:
+        first[:, 2] = top & 0xFF
+        first[:, 66] = (first[:, 66] & 0xFC) | (top >> 8)
+        first[:, 34] &= 0xFE
+        first[:, 74] = (first[:, 74] & 0xF0) | 8
+    elif t == T.IQ3_S:
+        first[:, 2] = top & 0xFF
+        first[:, 66] = (first[:, 66] & 0xFE) | (top >> 8)
+        first[:, 74] &= 0xFE
+        first[:, 106] = (first[:, 106] & 0xF0) | 8
+    elif t == T.IQ1_S:
+        first[:, 2] = top & 0xFF
+        qh = first[:, 34:36].copy().view(np.uint16)[:, 0]
+        qh = (qh & np.uint16(0x0FF8)) | np.uint16(top >> 8) | np.uint16(4 << 12)   # scale 4, delta +
+        first[:, 34:36] = qh.view(np.uint8).reshape(len(first), 2)
+    elif t == T.IQ1_M:
+        first[:, 0] = top & 0xFF
+        first[:, 32] = (first[:, 32] & 0xF0) | (top >> 8)  # delta +
+        w0 = first[:, 48:50].copy().view(np.uint16)[:, 0]
+        first[:, 48:50] = ((w0 & np.uint16(0xFFF8)) | np.uint16(4)).view(np.uint8).reshape(len(first), 2)
+    elif t == T.IQ4_NL:
+        first[:, 2] = (first[:, 2] & 0xF0) | top
+    elif t == T.IQ4_XS:
+        first[:, 4] = (first[:, 4] & 0xF0) | 0               # scale code 48: 16 d
+        first[:, 2] = (first[:, 2] & 0xFC) | 3
+        first[:, 8] = (first[:, 8] & 0xF0) | top
 
 
 def channel_value(t: T, std: float, float_value: float) -> float:

@@ -10,7 +10,11 @@ rules are those of the reference quantizer for the file types named in FILE_TYPE
     those keep their written type (F32 here).
   * The rest starts at the file type's default type, then RULES may raise it by the tensor's
     category (below), its layer and the model's hyperparameters; the output tensor gets Q6_K
-    (Q8_0 in a Q8_0 file, or where its rows do not hold the default type's blocks).
+    (Q8_0 in a Q8_0 file, or where its rows do not hold the default type's blocks; Q5_K in the
+    2-bit-class i-quant files, OUTPUT_Q5_K).
+  * The i-quant file types whose default type needs an importance matrix (iq1_*, iq2_*, iq3_xxs)
+    are only ever made with one, so their rules are the importance-matrix rules (iq3_xxs: attn_v
+    IQ3_XXS where n_gqa < 4, no Q4_K/Q3_K ffn_down); the others follow the rules without one.
   * Last, a tensor whose rows are not a whole number of the type's blocks falls back (FALLBACK),
     then to F16.
   * Float file types (f32, f16, bf16) write every quantizable tensor in that type.
@@ -56,12 +60,33 @@ FILE_TYPES: dict[str, FileType] = {f.name: f for f in (
     FileType("q5_k_m", T.Q5_K, FT.MOSTLY_Q5_K_M),
     FileType("q6_k", T.Q6_K, FT.MOSTLY_Q6_K),
     FileType("q4_k", T.Q4_K, FT.MOSTLY_Q4_K_M, experts_only=True),
+    # i-quants; iq2_s's default type is IQ2_XS and iq2_m's IQ2_S (the reference's own mapping)
+    FileType("iq1_s", T.IQ1_S, FT.MOSTLY_IQ1_S),
+    FileType("iq1_m", T.IQ1_M, FT.MOSTLY_IQ1_M),
+    FileType("iq2_xxs", T.IQ2_XXS, FT.MOSTLY_IQ2_XXS),
+    FileType("iq2_xs", T.IQ2_XS, FT.MOSTLY_IQ2_XS),
+    FileType("iq2_s", T.IQ2_XS, FT.MOSTLY_IQ2_S),
+    FileType("iq2_m", T.IQ2_S, FT.MOSTLY_IQ2_M),
+    FileType("iq3_xxs", T.IQ3_XXS, FT.MOSTLY_IQ3_XXS),
+    FileType("iq3_xs", T.IQ3_S, FT.MOSTLY_IQ3_XS),
+    FileType("iq3_s", T.IQ3_S, FT.MOSTLY_IQ3_S),
+    FileType("iq3_m", T.IQ3_S, FT.MOSTLY_IQ3_M),
+    FileType("iq4_nl", T.IQ4_NL, FT.MOSTLY_IQ4_NL),
+    FileType("iq4_xs", T.IQ4_XS, FT.MOSTLY_IQ4_XS),
 )}
 
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 # A type whose blocks do not tile a row falls back to this one (then to F16).
-FALLBACK: dict[T, T] = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+FALLBACK: dict[T, T] = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+                        **{t: T.IQ4_NL for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S,
+                                                 T.IQ3_XXS, T.IQ3_S, T.IQ4_XS)}}
+
+# The 2-bit-class i-quant files: a rule set of their own (attn_v Q4_K wherever n_gqa >= 4 or
+# there are 4+ experts, no Q8_0 for the 8-expert attn_v/attn_k, the first ffn_down tensors
+# counted in file order raised), and the output in Q5_K.
+IQ2_CLASS = frozenset({"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m"})
+OUTPUT_Q5_K = IQ2_CLASS | {"iq3_xxs"}
 
 
 @dataclass(frozen=True)
@@ -75,10 +100,12 @@ class ModelInfo:
 @dataclass(frozen=True)
 class Where:
     """A tensor's place, as a rule sees it: `i` is the layer (or, for the attn_v-like category, the
-    running count of such tensors in layer order) and `n` the number of layers (or of such tensors)."""
+    running count of such tensors in layer order) and `n` the number of layers (or of such tensors);
+    `count` the running count of its category's tensors in (layer, name) order."""
     i: int
     n: int
     info: ModelInfo
+    count: int = 0
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -90,10 +117,44 @@ Cond = Callable[[Where], bool]
 ALWAYS: Cond = lambda w: True                                   # noqa: E731
 MORE_BITS: Cond = lambda w: use_more_bits(w.i, w.n)             # noqa: E731
 EIGHT_EXPERTS: Cond = lambda w: w.info.n_expert == 8           # noqa: E731
+GQA4: Cond = lambda w: w.info.n_gqa >= 4                        # noqa: E731
+FIRST_EIGHTH: Cond = lambda w: w.i < w.n // 8                   # noqa: E731
+IQ2S_M = frozenset({"iq2_s", "iq2_m"})
+IQ1 = frozenset({"iq1_s", "iq1_m"})
 
 # (category, file types, condition, type): per category the first matching row wins; an
 # OVERRIDES row then applies on top, whatever the first match was.
 RULES: list[tuple[str, frozenset[str], Cond, T]] = [
+    # the 2-bit-class i-quant files (the reference tests these first, whatever the category)
+    ("token_embd", IQ1 | {"iq2_xxs", "iq2_xs"}, ALWAYS, T.Q2_K),
+    ("token_embd", IQ2S_M | {"iq3_xxs"}, ALWAYS, T.IQ3_S),
+    ("attn_v", IQ2_CLASS, lambda w: w.info.n_gqa >= 4 or w.info.n_expert >= 4, T.Q4_K),
+    ("attn_v", IQ2S_M, ALWAYS, T.IQ3_S),
+    ("attn_v", IQ2_CLASS, ALWAYS, T.Q2_K),
+    ("attn_k", IQ2_CLASS, EIGHT_EXPERTS, T.Q4_K),
+    ("ffn_down", IQ2S_M, lambda w: w.count < w.info.n_layer // 8, T.IQ3_S),
+    ("ffn_down", IQ2_CLASS, lambda w: w.count < w.info.n_layer // 8, T.Q2_K),
+    ("attn_output", IQ2_CLASS, EIGHT_EXPERTS, T.Q5_K),
+    ("attn_output", IQ1, ALWAYS, T.IQ2_XXS),
+    ("attn_output", IQ2S_M, ALWAYS, T.IQ3_S),
+    # the other i-quant files
+    ("attn_v", frozenset({"iq3_xxs", "iq3_xs", "iq3_s", "iq3_m"}), GQA4, T.Q4_K),
+    ("attn_v", frozenset({"iq3_m"}), ALWAYS, T.Q4_K),
+    ("attn_v", frozenset({"iq4_nl", "iq4_xs"}), GQA4, T.Q5_K),
+    ("attn_k", frozenset({"iq3_xs"}), ALWAYS, T.IQ3_XXS),
+    ("attn_k", frozenset({"iq3_xxs"}), ALWAYS, T.IQ2_S),
+    ("attn_q", frozenset({"iq3_xs"}), ALWAYS, T.IQ3_XXS),
+    ("attn_q", frozenset({"iq3_xxs"}), ALWAYS, T.IQ2_S),
+    ("ffn_down", frozenset({"iq3_m"}), lambda w: w.i < w.n // 8 or (w.info.n_expert == 8 and MORE_BITS(w)),
+     T.Q4_K),
+    ("ffn_down", frozenset({"iq4_nl", "iq4_xs"}), FIRST_EIGHTH, T.Q5_K),
+    ("ffn_gate", frozenset({"iq3_xs"}), lambda w: w.n // 8 <= w.i < 7 * w.n // 8, T.IQ3_XXS),
+    ("ffn_up", frozenset({"iq3_xs"}), lambda w: w.n // 8 <= w.i < 7 * w.n // 8, T.IQ3_XXS),
+    ("attn_output", frozenset({"iq3_xxs", "iq3_xs", "iq3_s", "iq3_m", "iq4_nl", "iq4_xs"}), EIGHT_EXPERTS,
+     T.Q5_K),
+    ("attn_output", frozenset({"iq3_xxs"}), ALWAYS, T.IQ3_S),
+    ("attn_output", frozenset({"iq3_m"}), ALWAYS, T.Q4_K),
+    # the K and legacy files
     ("attn_v", frozenset({"q2_k"}), lambda w: w.info.n_gqa >= 4, T.Q4_K),
     ("attn_v", frozenset({"q2_k"}), ALWAYS, T.Q3_K),
     ("attn_v", frozenset({"q3_k_m"}), lambda w: w.i < 2, T.Q5_K),
@@ -114,8 +175,8 @@ RULES: list[tuple[str, frozenset[str], Cond, T]] = [
 ]
 QUANTIZED_FILE_TYPES = frozenset(n for n, f in FILE_TYPES.items() if f.default not in FLOAT_TYPES)
 OVERRIDES: list[tuple[str, frozenset[str], Cond, T]] = [
-    ("attn_v", QUANTIZED_FILE_TYPES, EIGHT_EXPERTS, T.Q8_0),
-    ("attn_k", QUANTIZED_FILE_TYPES, EIGHT_EXPERTS, T.Q8_0),
+    ("attn_v", QUANTIZED_FILE_TYPES - IQ2_CLASS, EIGHT_EXPERTS, T.Q8_0),
+    ("attn_k", QUANTIZED_FILE_TYPES - IQ2_CLASS, EIGHT_EXPERTS, T.Q8_0),
 ]
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -180,6 +241,7 @@ def tensor_types(ftype: str, tensors: Iterable[tuple[str, tuple[int, ...], T]],
     n_wv = sum(category(n) == "attn_v" for n, _, _ in tensors)
     tied = not any(n == "output.weight" for n, _, _ in tensors)
     i_wv = 0
+    seen: dict[str, int] = {}        # tensors of each category so far, in (layer, name) order
     out: dict[str, T] = {}
     for name, shape, written in sorted(tensors, key=order):
         if not quantizable(name, shape):
@@ -197,10 +259,14 @@ def tensor_types(ftype: str, tensors: Iterable[tuple[str, tuple[int, ...], T]],
             cat = "output"
         m = _LAYER.match(name)
         layer = int(m.group(1)) if m else 0
-        where = (Where(i_wv, n_wv, info) if cat == "attn_v" else Where(layer, info.n_layer, info))
+        count = seen.get(cat, 0)
+        seen[cat] = count + 1
+        where = (Where(i_wv, n_wv, info, count) if cat == "attn_v"
+                 else Where(layer, info.n_layer, info, count))
         if cat == "output":
             row_fits = shape[-1] % block_size(f.default) == 0
-            t = T.Q6_K if row_fits and f.default != T.Q8_0 else T.Q8_0
+            t = (T.Q8_0 if not row_fits or f.default == T.Q8_0
+                 else T.Q5_K if ftype in OUTPUT_Q5_K else T.Q6_K)
         else:
             t = _pick(OVERRIDES, cat, ftype, where, _pick(RULES, cat, ftype, where, f.default))
         if cat == "attn_v":

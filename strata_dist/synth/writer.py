@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import gguf
 import numpy as np
 
-from .blocks import channel_value, random_rows, set_channel, zero_first_columns
+from .blocks import channel_value, column_granule, random_rows, set_channel, zero_first_columns
 from .ftypes import FILE_TYPES, ModelInfo, tensor_types
 from .shards import write_gguf
 from .tokenizer import add_tokenizer
@@ -279,9 +279,12 @@ def embedding_rms(n_embd: int, channel: float = CHANNEL_VALUE) -> float:
 
 def reserved_width(g, quant: str = "q8_0") -> int:
     """R: the hidden state's slice [0, R) that only routers read (the channel and the router noise);
-    whole blocks of 32 where the experts' gate is quantized (zeroed columns are whole sub-blocks)."""
-    gate = one_type(g, quant, "blk.0.ffn_gate_exps.weight", (g.n_expert, g.n_ff_exp, g.n_embd))
-    gran = 1 if gate in (T.F32, T.F16, T.BF16) else 32
+    whole blocks of 32 where the experts' gate is quantized (zeroed columns are whole sub-blocks),
+    of 256 where it is an i-quant that can only zero whole blocks (blocks.column_granule)."""
+    gates = [one_type(g, quant, "blk.0.ffn_gate_exps.weight", (g.n_expert, g.n_ff_exp, g.n_embd))]
+    if hasattr(g, "n_ff_shexp"):
+        gates.append(one_type(g, quant, "blk.0.ffn_gate_shexp.weight", (g.n_ff_shexp, g.n_embd)))
+    gran = max(1 if t in (T.F32, T.F16, T.BF16) else max(32, column_granule(t)) for t in gates)
     r = -(-(1 + g.n_expert) // gran) * gran
     if r > g.n_embd // 2:
         raise ValueError(f"{g.name}: n_embd {g.n_embd} is too narrow for {g.n_expert} experts "
