@@ -11,6 +11,8 @@ before the seal or the decoder could drop it. The caps follow from what the sock
   (Hidden: one float32 row of the model's width per token of the plan's prompt chunk);
 - a helper tier's socket: an expert request's rows (decode rows, never more than a prompt chunk's)
   and their (row, top-k) ids and weights;
+  both where bound on TCP (`Channel.cap_frames`): an ipc:// socket is in a directory only the
+  launching user can open;
 - a `strata-dist calibrate --serve` peer: a link probe's payload.
 
 Note that libzmq bounds each frame, not a message's frame count: a peer that may connect can still

@@ -296,9 +296,12 @@ class Channel:
     def closed(self) -> bool:
         return self._closed
 
-    def bind(self, endpoint: str) -> str:
-        """Bind and return the concrete endpoint (the real port for ``tcp://host:*``)."""
+    def bind(self, endpoint: str, *, tcp_max_msg_bytes: int | None = None) -> str:
+        """Bind and return the concrete endpoint (the real port for ``tcp://host:*``). ``tcp_max_msg_bytes``: where
+        the endpoint is TCP, the largest frame it takes (see cap_frames)."""
         self._auto_curve_as(server=True)
+        if tcp_max_msg_bytes is not None and endpoint.startswith("tcp://"):
+            self._sock.maxmsgsize = tcp_max_msg_bytes
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:   # a port in use, an address not of this host
@@ -309,17 +312,17 @@ class Channel:
         return actual
 
     def cap_frames(self, max_msg_bytes: int, timeout_s: float = 5.0) -> None:
-        """From now on a peer announcing a frame over ``max_msg_bytes`` is disconnected by libzmq before the
-        frame is read (protocol/limits.py). libzmq takes the option when a socket binds, so a bound channel
-        listens anew on the same endpoints (connected peers reconnect by themselves); ProtocolError when an
-        endpoint cannot be bound again within ``timeout_s``."""
-        self._sock.maxmsgsize = max_msg_bytes
-        if not self._bound:
-            return
-        for endpoint in self.endpoints:
+        """From now on a peer announcing a frame over ``max_msg_bytes`` on one of this channel's TCP endpoints is
+        disconnected by libzmq before the frame is read (protocol/limits.py). libzmq takes the option when a socket
+        binds, so each TCP endpoint is listened on anew (the port stays; connected peers reconnect by themselves);
+        ProtocolError when one cannot be bound again within ``timeout_s``. Local ipc:// endpoints keep theirs: only
+        this user can open their directory, and libzmq, closing an ipc listener later in its I/O thread, would
+        unlink the path its replacement had just bound."""
+        for endpoint in [ep for ep in self.endpoints if ep.startswith("tcp://")]:
             self._sock.unbind(endpoint)
+            self._sock.maxmsgsize = max_msg_bytes
             deadline = time.monotonic() + timeout_s
-            while True:   # the listener is closed by libzmq's I/O thread: the address frees a moment later
+            while True:   # the old listener is closed by libzmq's I/O thread: the port frees a moment later
                 try:
                     self._sock.bind(endpoint)
                     break

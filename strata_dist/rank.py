@@ -104,12 +104,8 @@ class RankProcess:
         # ZMTP pings on a network link: a cut cable drops the connection instead of leaving it silent
         self.control = Channel("dealer", peer="coordinator", max_msg_bytes=FrameCaps.ASSIGN,
                                heartbeat_ms=None if is_loopback_endpoint(opts.coordinator) else 1000)
-        # until the Assign names the prompt chunk, the bound sockets take control-sized frames only
-        # (protocol/limits.py); _cap_frames sets the plan's caps
-        early = FrameCaps.before_assign()
-        self.data = Channel("pull", peer="upstream", max_msg_bytes=early.data)
-        self.helper_socket = RouterChannel(peer="stages",      # this card's helper tier, if any
-                                           max_msg_bytes=early.helper)
+        self.data = Channel("pull", peer="upstream")
+        self.helper_socket = RouterChannel(peer="stages")   # this card's helper tier, if any
         self.helper: HelperServer | None = None
         self.next = self.head = self.first = None
         # a stage that is both first and last hands its next decode step to itself here, not
@@ -144,9 +140,12 @@ class RankProcess:
             route = local_address_toward(o.coordinator)
         if bind == "auto":
             bind = f"tcp://{route}:*"
-        data_ep = self._registered(self.data.bind(bind), route)
-        helper_ep = self._registered(
-            self.helper_socket.bind(o.helper_bind or _sibling(bind, "helper")), route)
+        # bound on TCP, they take control-sized frames only until the Assign names the prompt chunk
+        # (protocol/limits.py); _cap_frames then sets the plan's caps
+        early = FrameCaps.before_assign()
+        data_ep = self._registered(self.data.bind(bind, tcp_max_msg_bytes=early.data), route)
+        helper_ep = self._registered(self.helper_socket.bind(
+            o.helper_bind or _sibling(bind, "helper"), tcp_max_msg_bytes=early.helper), route)
         # the control connection closing means the coordinator process is gone (a Shutdown, if
         # any, arrives before it): no need to wait out an assignment or heartbeat timeout
         self._control_events = self.control.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -282,8 +281,9 @@ class RankProcess:
             self.helper_socket.bind(a.helper_bind)
 
     def _cap_frames(self, a: Assign) -> None:
-        """The data and helper sockets take frames up to the plan's largest legal one (a prompt chunk's
-        rows, an expert request): a peer announcing more is disconnected unread."""
+        """The data and helper sockets, where bound on TCP, take frames up to the plan's largest legal
+        one (a prompt chunk's rows, an expert request): a peer announcing more is disconnected unread.
+        (ipc:// sockets are in a directory only this user can open.)"""
         gguf = GGUFModel(self.opts.model)
         g = architecture_for(gguf).read_geometry(gguf)
         caps = FrameCaps.for_stage(g.n_embd, g.n_expert_used, a.prefill_chunk)
