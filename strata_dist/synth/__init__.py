@@ -17,7 +17,7 @@ a component common to all positions layer after layer (`attn_out_std`); norms 1.
 
 Popularity (`uniform` or `zipf:S`): a reserved slice of the hidden state that only routers read.
   * Coordinates [0, R) of the hidden state are reserved, R = 1 + n_expert (rounded up to whole blocks
-    of 32 when the experts are quantized). Token embedding rows hold the constant A in coordinate 0
+    of 32 when the experts are quantized, of 256 for the i-quants that zero only whole blocks). Token embedding rows hold the constant A in coordinate 0
     (the same for every token: CHANNEL_VALUE in a float embedding; in a quantized one the value the
     first block's fixed scales give, `embedding_channel`) and random values (std EMBD_STD)
     everywhere else, reserved or not.
