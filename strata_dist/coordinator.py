@@ -37,6 +37,10 @@ CONTROL_BATCH = 64
 INBOX_BATCH = 1024
 
 
+def _warn(message: str) -> None:
+    log.warning("%s", message)
+
+
 class RankFailure(RuntimeError):
     """A rank died, went silent or reported a fatal error; the message names it."""
 
@@ -328,14 +332,16 @@ class Coordinator:
             if not stranger:
                 log.warning("could not answer a peer: %s", e)
 
-    def _refused(self, identity: bytes, frame, message: str, stranger: bool) -> None:
-        """Tell the operator of a refusal: every one of a peer that proved the secret (a rank of another
-        model), those of strangers once per source a minute (StrangerLimits), the rest counted."""
+    def _refused(self, identity: bytes, frame, message: str, stranger: bool,
+                 say: Callable[[str], None] | None = None) -> None:
+        """Tell the operator of a refusal (`say`, default on_refusal): every one of a peer that proved
+        the secret (a rank of another model), those of strangers once per source a minute
+        (StrangerLimits), the rest counted."""
         if stranger:
             source = (peer_address(frame) if frame is not None else None) or show_identity(identity)
             message = self.strangers.refusal(source, message)
         if message is not None:
-            self.on_refusal(message)
+            (say or self.on_refusal)(message)
 
     # ---- assignment --------------------------------------------------------------------------------
     def assign(self, assignments: list[Assign], timeout_s: float,
@@ -382,7 +388,8 @@ class Coordinator:
                 except ProtocolTimeout:   # only frames that did not prove themselves (dropped, counted)
                     break
                 except ProtocolError as e:  # garbage: dropped, never fatal
-                    self._refused(b"inbox", None, f"dropped an invalid message on the inbox: {e}", True)
+                    self._refused(b"the inbox", None, f"dropped an invalid message on the inbox: {e}",
+                                  True, say=_warn)
                     continue
                 events.append(msg)
         # after draining: heartbeats that queued while the head was busy elsewhere count
@@ -411,7 +418,7 @@ class Coordinator:
             self._refused(identity, frames[0], f"refused a rank: {e}", stranger)
             return True
         except ProtocolError as e:  # garbage from a peer: dropped, never fatal
-            self._refused(identity, frames[0], f"dropped an invalid message: {e}", stranger)
+            self._refused(identity, frames[0], f"dropped an invalid message: {e}", stranger, say=_warn)
             return True
         self._on_control(identity, msg, frames[0])
         return True
