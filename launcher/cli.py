@@ -14,7 +14,6 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "strata-launch":
 
 import argparse
 import json
-import math
 
 from protocol.bounded_read import KIB, MIB, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
@@ -22,6 +21,7 @@ from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.devices import cpu_device, gpu_device, parse_size, parse_size_list
+from strata_dist.flag_values import check_seconds
 from strata_dist.gguf_model import GGUFError
 from strata_dist.model_shape import model_shape
 from strata_dist.models import architecture_for, open_checked
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, signals: StopSignals) -> int:
-    check_seconds(args)
+    check_seconds_flags(args)
     if args.serve and args.prompt_ids is not None:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
     if args.prompt is not None and (args.serve or args.prompt_ids is not None):
@@ -348,13 +348,10 @@ SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "reg
                  ("--heartbeat-timeout", "heartbeat_timeout"))
 
 
-def check_seconds(args) -> None:
-    """Every wait given in seconds is a finite number > 0: NaN would make every deadline
-    comparison false (a wait that never ends or never starts), inf a wait without bound."""
+def check_seconds_flags(args) -> None:
+    """Every wait given in seconds is a finite number > 0 (strata_dist/flag_values.py)."""
     for flag, name in SECONDS_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise UsageError(f"{flag} {value}: want a finite number of seconds > 0")
+        check_seconds(flag, getattr(args, name, None))
 
 
 def run_launch(args, gguf, specs, split, prefill, params, profile, signals: StopSignals) -> int:

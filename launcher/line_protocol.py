@@ -4,7 +4,8 @@
     READY <ctx>
     GEN <max_new> [key=val …] <id> <id> …   ->  RESUME <n>, PP <pos> <total> <ms> <tok/s> per
                                                 prompt chunk, T <id> per token, then
-                                                DONE <gen> <prompt> <prompt_ms> <decode_ms> <stop|length>
+                                                DONE <gen> <prompt> <prompt_ms> <decode_ms>
+                                                <stop|length|cancelled>
     STATS                       ->  STATS rank=<r> key=value … per rank, then STATS END
     CANCEL                      the running GEN ends early (its DONE says cancelled)
     QUIT
@@ -119,12 +120,11 @@ class LineProtocol:
             except queue.Empty:
                 break
         for i, line in enumerate(self._pending):
-            word = _command(line)
-            if word == "CANCEL":
+            if line is None or line.strip() == "QUIT" or line.split()[:1] == ["GEN"]:
+                return False
+            if line.strip() == "CANCEL":
                 del self._pending[i]
                 return True
-            if word in ("GEN", "QUIT", None):
-                return False
         return False
 
     def say(self, line: str) -> None:
@@ -206,14 +206,6 @@ class LineProtocol:
         self.say(f"DONE {len(out.tokens)} {out.read} {out.prompt_ms:.1f} {out.decode_ms:.1f} "
                  f"{out.reason}")
         return out
-
-
-def _command(line: str | None) -> str | None:
-    """A line's first word ("" for a blank line); None for the end of input."""
-    if line is None:
-        return None
-    words = line.split(maxsplit=1)
-    return words[0] if words else ""
 
 
 def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":

@@ -214,7 +214,9 @@ def serve_endpoint(serve: str, bind: str | None) -> str:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import CalibrationError, calibrate, save_calibration, serve_link
+    from .flag_values import check_seconds
     if args.serve is not None:
+        check_seconds("--idle", args.idle)
         if args.peer or args.out:
             raise UsageError(f"--serve {args.serve} is the peer's side: --peer and --out belong "
                              f"to the prober's")

@@ -13,6 +13,7 @@ from protocol.auth import AuthError, load_secret
 from protocol.transport import load_curve_keys, use_curve
 
 from .devices import cpu_device, gpu_device, parse_size
+from .flag_values import check_seconds
 from .gguf_model import GGUFError
 from .rank import COORDINATOR_LOST_S, CoordinatorLost, RankOptions, RankProcess
 
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        for flag, value in (("--connect-timeout", args.connect_timeout),
+                            ("--coordinator-timeout", args.coordinator_timeout),
+                            ("--assign-timeout", args.assign_timeout)):
+            check_seconds(flag, value)
         budget = parse_size(args.vram_budget) if args.vram_budget else None
         if args.device == "cpu":
             if budget is None:

@@ -117,8 +117,10 @@ def test_cancel_mid_generation_ends_it_and_the_next_gen_is_served(model):
         assert done[-1] == "cancelled" and int(done[0]) < 3000, done
         nxt = s.gen(SECOND, 8)
         assert len(nxt["tokens"]) == 8 and nxt["done"][-1] == "length", nxt
-    finally:
-        assert s.close() == 0, s.err()
+    except BaseException:
+        s.close()
+        raise
+    assert s.close() == 0, s.err()
 
 
 def _stopped_cleanly(s: ServeSession, ranks: list[int], code: int = 130) -> None:
@@ -277,6 +279,20 @@ def refused_at_once(argv: list[str], *needles: str) -> str:
 def test_seconds_that_are_not_finite_and_positive_are_refused(model, flag, value):
     refused_at_once(launcher("--model", model, "--cpu-ranks", "1", "--serve", flag, value),
                     f"{flag} {float(value)}")
+
+
+@pytest.mark.parametrize("flag,value", [("--connect-timeout", "nan"),
+                                        ("--coordinator-timeout", "-1"),
+                                        ("--assign-timeout", "inf")])
+def test_a_rank_refuses_seconds_that_are_not_finite_and_positive(model, tmp_path, flag, value):
+    refused_at_once([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+                     f"ipc://{tmp_path}/nobody", "--model", model, "--vram-budget", "1G",
+                     flag, value], f"{flag} {float(value)}")
+
+
+def test_the_calibration_peer_refuses_nan_idle_seconds():
+    refused_at_once([sys.executable, "-m", "strata_dist.cli", "calibrate", "--serve",
+                     "127.0.0.1:9", "--idle", "nan"], "--idle nan")
 
 
 @pytest.mark.parametrize("args,flag,cap", [
