@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
+from .bounded_read import KIB, read_capped
 from .codec import decode, encode
 from .messages import Message, ProtocolError
 from .seal import LinkEnd, LinkSeal
@@ -78,6 +79,7 @@ _deployment_curve: CurveKeys | None = None
 
 CURVE_SECRET_FILE = "server.key_secret"   # zmq.auth certificate format (public + secret); keep it 0600
 CURVE_PUBLIC_FILE = "server.key"          # the public half only
+CURVE_KEY_FILE_MAX = 64 * KIB             # a key file is a few lines: past this, refused unread
 
 
 def use_curve(keys: CurveKeys | None) -> None:
@@ -122,11 +124,11 @@ def load_curve_keys(directory: str) -> CurveKeys:
     path = os.path.join(directory, CURVE_SECRET_FILE)
     keys: dict[str, bytes] = {}
     try:
-        with open(path) as f:
-            for line in f:
-                key, sep, value = line.strip().partition("=")
-                if sep and key.strip() in ("public-key", "secret-key"):
-                    keys[key.strip()] = value.strip().strip('"').encode()
+        text = read_capped(path, CURVE_KEY_FILE_MAX, "--curve-keys").decode("utf-8", errors="replace")
+        for line in text.splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and key.strip() in ("public-key", "secret-key"):
+                keys[key.strip()] = value.strip().strip('"').encode()
     except OSError as e:
         raise ValueError(f"cannot read the CURVE key {path}: {e.strerror or e} "
                          "(strata-dist deploy systemd --curve writes it)") from None

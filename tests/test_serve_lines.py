@@ -315,3 +315,12 @@ def test_the_tools_and_the_rank_read_their_files_with_a_bound(model, tmp_path):
                      f"ipc://{tmp_path}/nobody", "--model", model, "--vram-budget", "1G",
                      "--token-file", "/dev/zero"],
                     f"--token-file /dev/zero: larger than {64 << 10} bytes")
+
+
+def test_a_curve_key_file_that_is_dev_zero_is_refused_at_once(model, tmp_path):
+    keys = tmp_path / "curve"
+    keys.mkdir()
+    (keys / "server.key_secret").symlink_to("/dev/zero")
+    refused_at_once(launcher("--model", model, "--cpu-ranks", "1", "--serve", "--curve-keys",
+                             str(keys)),
+                    f"--curve-keys {keys}/server.key_secret: larger than {64 << 10} bytes")
