@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 from llama_runs import llama_arm as tuned_llama_arm, llama_sweep, llama_wait  # noqa: E402
 from records import (PeakMemory, env_prefix, fail, full_decodes, median_tps,  # noqa: E402
                      model_facts, predicted_ms_per_token, prompt_ids, serve_session,
-                     tokens_against_records, write_record)
+                     tokens_against_records, Recorder)
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
@@ -117,6 +117,9 @@ def main() -> int:
         fail(f"--tokens {args.tokens} / --repeats {args.repeats}: at least 2 tokens, 1 to 8 "
              f"repeats")
     facts = model_facts(args.model, args.popularity)
+    # the record's identity (commit, time, options, machine) now: a tree no commit can be named
+    # for is refused before anything is measured
+    recorder = Recorder("decode", facts, args.out)
     arms = []
     gpus = args.gpus.split(",")
     one = strata_arm(args, gpus[0], "auto", facts["vocab"])
@@ -143,7 +146,7 @@ def main() -> int:
         arm.pop("_tokens", None)
         arm["decode_tok_s"] = round(arm["decode_tok_s"], 2)
     print(tokens_against_records("decode", facts, "strata", one["tokens_sha256"]), flush=True)
-    path = write_record("decode", facts, arms, args.out)
+    path = recorder.save(arms)
     print(f"record: {path}")
     return 0
 

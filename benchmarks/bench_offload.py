@@ -46,7 +46,7 @@ from llama_runs import (llama_arm as tuned_llama_arm, llama_mmap_flags,  # noqa:
 from records import (PeakMemory, env_prefix, fail, full_decodes, measured,  # noqa: E402
                      median_tps, model_facts, nvml_available, predicted_ms_per_token,
                      prompt_ids, record_profile, serve_session, tokens_against_records,
-                     write_record)
+                     Recorder)
 
 DECODE_PROMPT = 16      # ids before a decode measurement: llama-bench's tg test starts empty
 PEAK_TOLERANCE = 0.05   # "equal device memory": NVML peaks within 5% (issue 16)
@@ -181,6 +181,9 @@ def main() -> int:
         fail(f"--context {args.context}: the --prefill-tokens {args.prefill_tokens} prompt and "
              f"its token do not fit")
     facts = model_facts(args.model, args.popularity)
+    # the record's identity (commit, time, options, machine) now: a tree no commit can be named
+    # for is refused before anything is measured
+    recorder = Recorder("offload", facts, args.out)
     profile = os.path.join(tempfile.mkdtemp(prefix="offload-"), "profile.json")
     prompts = run_prompts(args, facts["vocab"])
     record_profile(args.model, args.profile_prompts, facts["vocab"], profile,
@@ -216,7 +219,7 @@ def main() -> int:
             print(tokens_against_records("offload", facts, arm["name"], arm["tokens_sha256"],
                                          like={k: arm[k] for k in ("decode_prompt_tokens",
                                                                    "new_tokens")}))
-    path = write_record("offload", facts, arms, args.out)
+    path = recorder.save(arms)
     print(f"record: {path}")
     return 0
 

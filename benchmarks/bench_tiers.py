@@ -41,7 +41,7 @@ sys.path.insert(0, HERE)
 
 from records import (PeakMemory, env_prefix, fail, model_facts,  # noqa: E402
                      predicted_ms_per_token, prompt_ids, record_profile, serve_session,
-                     write_record)
+                     Recorder)
 
 DECODE_PROMPT = 16   # ids before the measured decode (as bench_offload.py's)
 RESIDENT = "60G"     # holds every expert of a Qwen3-30B-A3B-sized file; two fit on one H200
@@ -122,6 +122,9 @@ def main() -> int:
                     help="the file's routing law where it does not store it (uniform, zipf:S)")
     args = ap.parse_args()
     facts = model_facts(args.model, args.popularity)
+    # the record's identity (commit, time, options, machine) now: a tree no commit can be named
+    # for is refused before anything is measured
+    recorder = Recorder("offload", facts, args.out, tag="helper")
     from strata_dist.gguf_model import GGUFModel
     split = args.split or str(int(GGUFModel(args.model).arch_metadata("block_count")) // 2)
     args.profile = os.path.join(tempfile.mkdtemp(prefix="tiers-"), "profile.json")
@@ -160,7 +163,7 @@ def main() -> int:
     for a in (on, off):
         if a["predicted_ms_per_token"]:
             print(f"{a['name']}: measured / predicted {a['measured_ms_per_token'] / a['predicted_ms_per_token']:.2f}")
-    print(f"record: {write_record('offload', facts, arms, args.out, tag='helper')}")
+    print(f"record: {recorder.save(arms)}")
     return 0
 
 

@@ -479,14 +479,6 @@ class Recorder:
         return self.path
 
 
-def write_record(bench: str, facts: dict, arms: list[dict], out_dir: str, tag: str = "",
-                 **extra) -> str:
-    """benchmarks/results/<bench>-<like>-<quant>-<date>-<HHMMSS>-<commit>.json; returns its path
-    (refused if it exists). `tag`, a field of the record, tells apart two benches writing records
-    of one kind (bench_tiers.py's `helper` offload records beside bench_offload.py's)."""
-    return Recorder(bench, facts, out_dir, tag).save(arms, **extra)
-
-
 if __name__ == "__main__":
     if sys.argv[1:] == ["--archive"]:
         print(json.dumps(archive()))
