@@ -203,12 +203,12 @@ def main() -> int:
         fail(f"--prompts {args.prompts}, --repeats {args.repeats}, --chunk {args.chunk}: each "
              f"at least 1")
     results, facts = {}, model_facts(args.model, args.popularity)
+    recorder = Recorder("prefill", facts, args.out)     # a tree no commit names: refused now
     args.profile = ""
     if args.profile_prompts > 0:
         args.profile = os.path.join(tempfile.mkdtemp(prefix="prefill-"), "profile.json")
         record_profile(args.model, args.profile_prompts, facts["vocab"], args.profile,
                        "cpu" if args.cpu else "cuda:0", measured_prompts(args, facts["vocab"]))
-    recorder = Recorder("prefill", facts, args.out)
     variants = [("loans on", True, None)] + ([] if args.only_loans_on
                                              else [("loans off", False, None)])
     if args.host_routing:

@@ -14,7 +14,7 @@ import sys
 from llama_runs import UBATCHES
 
 NAME = re.compile(r"^(?P<bench>[a-z]+)-(?P<rest>.+)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<hms>\d{6})-"
-                  r"(?P<commit>[0-9a-f]{7,40}(-dirty)?)\.json$")
+                  r"(?P<commit>[^\s/]+)\.json$")
 
 
 def check_record(record: dict, filename: str) -> list[str]:
