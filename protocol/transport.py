@@ -247,6 +247,7 @@ class Channel:
             # Admission is bound to the routing identity, so it must be unguessable (else a stranger could
             # connect under an authenticated rank's name once that rank's connection drops).
             s.identity = identity if identity is not None else random_identity()
+        self._max_msg_bytes = -1 if max_msg_bytes is None else max_msg_bytes   # for every endpoint
         if max_msg_bytes is not None:
             s.maxmsgsize = max_msg_bytes  # a peer sending more is disconnected by libzmq
         if heartbeat_ms:  # ZMTP pings: a silently dead TCP peer (cut cable) is noticed and dropped
@@ -302,8 +303,8 @@ class Channel:
         """Bind and return the concrete endpoint (the real port for ``tcp://host:*``). ``tcp_max_msg_bytes``: where
         the endpoint is TCP, the largest frame it takes (see cap_frames)."""
         self._auto_curve_as(server=True)
-        if tcp_max_msg_bytes is not None and endpoint.startswith("tcp://"):
-            self._sock.maxmsgsize = tcp_max_msg_bytes
+        tcp = tcp_max_msg_bytes is not None and endpoint.startswith("tcp://")
+        self._sock.maxmsgsize = tcp_max_msg_bytes if tcp else self._max_msg_bytes
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:   # a port in use, an address not of this host
@@ -332,6 +333,7 @@ class Channel:
                     if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                         raise ProtocolError(f"cannot listen on {endpoint} again: {e.strerror}") from None
                     time.sleep(0.005)
+        self._sock.maxmsgsize = self._max_msg_bytes   # what any later bind of another kind takes
 
     def connect(self, endpoint: str) -> "Channel":
         self._auto_curve_as(server=False)

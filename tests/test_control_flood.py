@@ -214,17 +214,32 @@ def test_strangers_hellos_cannot_crowd_out_a_ranks_handshake(files):
     t = threading.Thread(target=rank_side, daemon=True)
     t0 = time.monotonic()
     t.start()
+    rank = None
     try:
         deadline = time.monotonic() + 20
         while "auth" not in result and t.is_alive() and time.monotonic() < deadline:
             coord.idle(0.05)
         assert isinstance(result.get("auth"), AuthOk), result.get("auth")
-        (slot,) = coord.wait_for_ranks(1, timeout_s=5)
-        assert slot.register.host == "h"
-        assert time.monotonic() - t0 < 15
+        # and a real rank process starting while strangers keep saying Hello gets in as well
+        hellos = threading.Thread(target=_strangers_say_hello, args=(coord.control_endpoint, 1500), daemon=True)
+        hellos.start()
+        rank = subprocess.Popen([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+                                 coord.control_endpoint, "--model", files["model"], "--vram-budget", "1G",
+                                 "--token-file", files["token"], "--host-id", "real", "--connect-timeout", "10",
+                                 "--assign-timeout", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        slots = coord.wait_for_ranks(2, timeout_s=20)
+        assert sorted(s.register.host for s in slots) == ["h", "real"]
+        hellos.join(20)
+        assert time.monotonic() - t0 < 20
     finally:
         t.join(5)
         coord.shutdown()
+        if rank is not None:
+            try:
+                rank.wait(timeout=20)
+            finally:
+                if rank.poll() is None:
+                    rank.kill()
 
 
 def _send_huge(endpoint: str, kind: int, payload: memoryview) -> None:
@@ -292,3 +307,28 @@ def test_calibrate_serve_listens_on_loopback_by_default_and_survives_garbage():
         done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "calibrate", *args],
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_frame_caps_follow_the_plan_and_apply_to_tcp_endpoints(tmp_path):
+    from protocol.limits import FrameCaps
+    from protocol.transport import Endpoints
+    caps = FrameCaps.for_stage(hidden=2048, top_k=8, chunk=512)
+    assert caps.data == caps.helper == 512 * 2048 * 4          # a prompt chunk's float32 rows
+    assert FrameCaps.for_stage(64, 2, 0).data == FrameCaps.CONTROL + 9   # one row: a control message's cap
+    with pytest.raises(ValueError):
+        FrameCaps.for_stage(0, 2, 16)
+    with Endpoints(str(tmp_path / "run")) as eps:
+        pull = Channel("pull", peer="stage")
+        tcp = pull.bind("tcp://127.0.0.1:*", tcp_max_msg_bytes=1 << 20)
+        ipc = pull.bind(eps.ipc("data"))
+        pull.cap_frames(4 << 20)                                   # the plan's cap, once assigned
+        got = []
+        for ep, size in ((tcp, 3 << 20), (tcp, 5 << 20), (ipc, 5 << 20)):
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.linger = 0
+            push.connect(ep)
+            push.send(bytes(size))
+            got.append(len(pull.socket.recv()) if pull.poll(1500) else None)
+            push.close()
+        pull.close()
+    assert got == [3 << 20, None, 5 << 20]     # under the cap; over it on TCP: dropped; ipc: local, uncapped
