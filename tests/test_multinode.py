@@ -343,8 +343,8 @@ def test_calibrating_the_link_between_two_hosts(lab, files):
     import json
     port = PORT + 31
     peer = lab.popen("b", [python(), "-m", "strata_dist.cli", "calibrate", "--serve", str(port),
-                           "--idle", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                     text=True)
+                           "--bind", lab.ip("b"), "--idle", "60"], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
     out = files["dir"] / "calibration.json"
     prober = lab.popen("a", [python(), "-m", "strata_dist.cli", "calibrate", "--peer",
                              f"{lab.ip('b')}:{port}", "--rounds", "100", "--out", str(out)],
