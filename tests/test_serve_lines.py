@@ -324,3 +324,37 @@ def test_a_curve_key_file_that_is_dev_zero_is_refused_at_once(model, tmp_path):
     refused_at_once(launcher("--model", model, "--cpu-ranks", "1", "--serve", "--curve-keys",
                              str(keys)),
                     f"--curve-keys {keys}/server.key_secret: larger than {64 << 10} bytes")
+
+
+def test_sighup_ends_open_http_streams_with_a_message(model):
+    """`--port`: a terminal closing (SIGHUP) mid-stream ends the stream with the server's error
+    event and [DONE], as SIGTERM does, then every rank stops and the run directory goes."""
+    import json
+
+    import httpx
+
+    from server_helpers import ServerProcess
+    s = ServerProcess(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G")
+    ranks = launcher_children(s.proc.pid)
+    try:
+        body = {"model": os.path.basename(model).removesuffix(".gguf"), "prompt": [5, 6, 7],
+                "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=30) as http:
+            resp = http.send(http.build_request("POST", f"{s.url}/v1/completions", json=body),
+                             stream=True)
+            lines = resp.iter_lines()
+            while '"token_ids": [' not in next(lines):
+                pass
+            s.proc.send_signal(signal.SIGHUP)
+            rest = [x for x in lines if x]
+            resp.close()
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        err = json.loads(next(x for x in rest if x.startswith('data: {"error"'))[6:])["error"]
+        assert err["message"] == "the server is stopping"
+        assert s.proc.wait(timeout=20) == 130
+        stderr = "".join(s.stderr)
+        assert "Traceback" not in stderr, stderr
+        assert not os.path.exists(run_dir(stderr)), stderr
+        assert wait_gone(ranks) == []
+    finally:
+        s.close()
