@@ -13,11 +13,16 @@ ATTN_CHUNK = 256      # keys per attention split (ATTN_CHUNK)
 DESC_TOKENS = 2             # where the token ids start in the step descriptor
 DESC_WORDS = DESC_TOKENS + MAX_ROWS   # the step descriptor: position, rows, token ids
 
-# GGML type ids the kernels read, with the byte alignment their loads need
+# GGML type ids the kernels read (kernels/weights.cuh's type table, FOR_EACH_TYPE), with the byte
+# alignment their loads need: a row (and a blob part) of that type must start on it
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 8, 12, 13, 14
-KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2}
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, BF16 = 2, 3, 6, 7, 10, 11, 30
+KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2,
+                BF16: 16, Q4_0: 2, Q4_1: 4, Q5_0: 2, Q5_1: 4, Q2_K: 4, Q3_K: 2}
 # the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE)
-TYPE_NAMES = {F32: "f32", F16: "f16", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
+TYPE_NAMES = {F32: "f32", F16: "f16", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k",
+              BF16: "bf16", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1",
+              Q2_K: "q2_k", Q3_K: "q3_k"}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
@@ -402,7 +407,7 @@ ROWS_MMA_LD = ROWS_TILE_K + 8   # halves a shared row of a step (MMA_LD)
 
 def rows_stage_cols(ggml_type: int) -> int:
     """Columns of one copied weight stage of the tensor-core row kernels (stage_cols)."""
-    return {F32: 32, F16: 64, Q8_0: 128}.get(ggml_type, 256)
+    return {F32: 32, F16: 64, BF16: 64, Q8_0: 128}.get(ggml_type, 256)
 
 
 def rows_mma_shared_bytes(ggml_type: int, nmat: int) -> int:

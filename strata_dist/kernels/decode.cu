@@ -233,7 +233,7 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
             qkv_after_block(qkv, specs, MATVEC_WARP && wide ? MATVEC_THREADS / 32                \
                                                             : rows_per_block(N, wide), n);      \
     }
-#define MATVEC_KERNELS(name, T) MATVEC_KERNEL(name, T, 1) MATVEC_KERNEL(name, T, 2) \
+#define MATVEC_KERNELS(name, T, ...) MATVEC_KERNEL(name, T, 1) MATVEC_KERNEL(name, T, 2) \
                                 MATVEC_KERNEL(name, T, 4) MATVEC_KERNEL(name, T, 8)
 FOR_EACH_TYPE(MATVEC_KERNELS)
 

@@ -147,7 +147,7 @@ static_assert((!INT_GATE_UP || INT_FF_BLOCK % FF_PER_BLOCK == 0) &&
 // INT_DOWN_BLOCK; kernels/abi.py KernelShape.gate_up_block / down_block), and a block that cannot
 // (an expert not resident, an address or size it does not take) computes its range with the float
 // path's body, FF_PER_BLOCK or DOWN_PER_BLOCK at a time.
-#define MOE_KERNELS(name, T)                                                                     \
+#define MOE_KERNELS(name, T, ...)                                                                \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_##name(               \
             const ExpertSpec* __restrict__ spec, const float* __restrict__ x,                    \
             const u64* __restrict__ blobs, float* __restrict__ act) {                            \

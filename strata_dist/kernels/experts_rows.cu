@@ -133,14 +133,15 @@ __device__ __forceinline__ void tile_products_fma(float (&acc)[NMAT][2][4],
 #define MMA_LD (TILE_K + MMA_PAD)   // 40 halves = 80 bytes per row
 #define X_BUFS 3                    // input-row steps in shared memory (two in flight)
 
-// columns of one copied stage: about 128-288 bytes of a row for every type
+// columns of one copied stage: about 128-288 bytes of a row for most types (Q2_K's 84 and
+// Q3_K's 110: one super-block, as for the other K-quants; kernels/abi.py rows_stage_cols)
 HOST_DEVICE constexpr int stage_cols(int T) {
-    return T == T_F32 ? 32 : T == T_F16 ? 64 : T == T_Q8_0 ? 128 : 256;
+    return T == T_F32 ? 32 : T == T_F16 || T == T_BF16 ? 64 : T == T_Q8_0 ? 128 : 256;
 }
-// the stored bytes of `cols` columns (cols a whole number of the type's blocks)
+// the stored bytes of `cols` columns (cols a whole number of the type's blocks; weights.cuh's
+// type table)
 HOST_DEVICE constexpr i64 stored_bytes(int T, i64 cols) {
-    return T == T_F32 ? 4 * cols : T == T_F16 ? 2 * cols : T == T_Q8_0 ? cols / 32 * 34
-         : T == T_Q4_K ? cols / 256 * 144 : T == T_Q5_K ? cols / 256 * 176 : cols / 256 * 210;
+    return cols / block_cols(T) * block_bytes(T);
 }
 // shared bytes a row's stage copy takes: its stored bytes from the 16-byte boundary below it to
 // the one above (the bulk copy moves whole 16-byte pieces, and the copy keeps the address mod 16
@@ -503,7 +504,7 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
 
 // The FMA build reads x (act) in float32; the tensor-core build, `_mma_`, the f16 rows and
 // unscale rows_to_half made of them.
-#define ROWS_KERNELS(name, T)                                                                      \
+#define ROWS_KERNELS(name, T, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_rows_##name(           \
             const u64* __restrict__ blobs, const RowsItem* __restrict__ items,                     \
             const int* __restrict__ rows, const float* __restrict__ x, int n_embd, i64 up_at,      \

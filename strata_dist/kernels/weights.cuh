@@ -1,6 +1,12 @@
 // How the kernels read weights, shared by every kernel source: the stored block formats (F32,
-// F16, Q8_0, Q4_K, Q5_K, Q6_K) decoded 8 columns ("a chunk") at a time, exactly as gguf-py decodes
-// them, and the dot products of a block of threads against float32 activations.
+// F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K here; Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K in quant_blocks.cuh)
+// decoded 8 columns ("a chunk") at a time, exactly as gguf-py decodes them, and the dot products
+// of a block of threads against float32 activations.
+//
+// Every type the kernels read is one line of FOR_EACH_TYPE below (its kernels' suffix, GGML id,
+// block columns and bytes) and one case of chunk8_q (or chunk8 for float types): the per-type
+// kernels, the dispatch of the type-generic ones (DISPATCH_TYPE) and the row kernels' stage sizes
+// all follow from those two places (kernels/abi.py KERNEL_TYPES / TYPE_NAMES mirror the line).
 //
 // A block's threads take consecutive chunks of a row (each round the block reads 8 * blockDim
 // contiguous columns of every row it serves, so every load of a warp is contiguous) and keep the
@@ -40,10 +46,35 @@ HOST_DEVICE V ldw(const V* p) {
 // GGML type ids, as in the GGUF file
 #define T_F32 0
 #define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
 #define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_BF16 30
+
+// THE TYPE TABLE: every stored type the kernels read, X(kernel suffix, id, block columns, block
+// bytes). The hot kernels exist once per line (decode.cu's matvec_*, experts.cuh's moe_*,
+// experts_rows.cu's moe_*_rows*), DISPATCH_TYPE switches over the lines, block_cols / block_bytes
+// read the sizes. A new type: its line here and its case in chunk8_q.
+#define FOR_EACH_TYPE(X)                                                                      \
+    X(f32, T_F32, 1, 4) X(f16, T_F16, 1, 2) X(q8_0, T_Q8_0, 32, 34) X(q4_k, T_Q4_K, 256, 144) \
+    X(q5_k, T_Q5_K, 256, 176) X(q6_k, T_Q6_K, 256, 210) X(bf16, T_BF16, 1, 2)                 \
+    X(q4_0, T_Q4_0, 32, 18) X(q4_1, T_Q4_1, 32, 20) X(q5_0, T_Q5_0, 32, 22)                   \
+    X(q5_1, T_Q5_1, 32, 24) X(q2_k, T_Q2_K, 256, 84) X(q3_k, T_Q3_K, 256, 110)
+
+#define TYPE_TABLE_COLS_(name, id, cols, bytes) T == id ? cols :
+#define TYPE_TABLE_BYTES_(name, id, cols, bytes) T == id ? bytes :
+// columns and bytes of one stored block of type T (0: not a type of the table)
+HOST_DEVICE constexpr int block_cols(int T) { return FOR_EACH_TYPE(TYPE_TABLE_COLS_) 0; }
+HOST_DEVICE constexpr int block_bytes(int T) { return FOR_EACH_TYPE(TYPE_TABLE_BYTES_) 0; }
+#undef TYPE_TABLE_COLS_
+#undef TYPE_TABLE_BYTES_
 
 // Programmatic dependent launch (sm_90, kernels/pdl.py): a kernel launched with the programmatic
 // attribute may start while its predecessor finishes. Every kernel first waits for the grids it
@@ -135,13 +166,25 @@ HOST_DEVICE float small_int_to_float(u32 v /* 0 <= v < 2^22 */) {
 // a signed byte (the low 8 bits of `byte`, two's complement): b ^ 0x80 is b + 128
 HOST_DEVICE float s8_to_float(u32 byte) { return small_int_to_float<128>((byte & 0xFF) ^ 0x80); }
 
+// a * q rounded on its own, never fused with a following add (the types whose weights gguf-py
+// computes as a rounded product plus a min: quant_blocks.cuh)
+HOST_DEVICE float mul_rn(float a, float q) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, q);
+#else
+    return a * q;
+#endif
+}
+
+#include "quant_blocks.cuh"   // Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, BF16
+
 // The 8 stored integers of chunk c (columns 8c .. 8c+7) of a quantized row as exact floats q and
 // the chunk's affine map: its weights are a * q + b (Q8_0 and Q6_K: b = 0), as gguf-py decodes
 // them.
 template <int T, bool NC = true>
 HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a, float& b) {
     b = 0.f;
-    if (T == T_Q8_0) {
+    if constexpr (T == T_Q8_0) {
         // 34-byte block of 32: f16 d, 32 int8 quants (2-byte aligned only); 4 chunks per block
         const u16* p = reinterpret_cast<const u16*>(row + (i64)(c >> 2) * 34);
         a = h2f(ldw<NC>(p));
@@ -152,7 +195,7 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
             q[2 * j] = s8_to_float(v);
             q[2 * j + 1] = s8_to_float(v >> 8);
         }
-    } else if (T == T_Q4_K || T == T_Q5_K) {
+    } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
         // super-block of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, [Q5_K: 32 bytes of
         // high bits: bit j of byte l for element l of sub-block j], 128 bytes of nibbles:
         // sub-block j (32 columns) holds the low (j even) or high nibbles of bytes 32*(j/2) ..
@@ -175,7 +218,7 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
             if (T == T_Q5_K) v += (((l < 4 ? hv.x : hv.y) >> (8 * (l & 3) + j)) & 1) << 4;
             q[l] = small_int_to_float<0>(v);
         }
-    } else if (T == T_Q6_K) {
+    } else if constexpr (T == T_Q6_K) {
         // 210 bytes (2-byte aligned only): ql[128], qh[64], int8 scales[16], f16 d. Element
         // e = 128h + 32t + l: low nibble (t < 2) or high nibble of ql[64h + 32(t&1) + l], bits
         // 2t.. of qh[32h + l], scale [8h + l/16 + 2t]
@@ -196,20 +239,30 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
                 q[2 * j + e] = small_int_to_float<32>(lo | (hb << 4));
             }
         }
+    } else {
+        qb_chunk8_q<T, NC>(row, c, q, a, b);     // quant_blocks.cuh
     }
 }
 
-HOST_DEVICE constexpr bool is_quantized(int T) { return T != T_F32 && T != T_F16; }
-HOST_DEVICE constexpr bool has_min(int T) { return T == T_Q4_K || T == T_Q5_K; }
+HOST_DEVICE constexpr bool is_quantized(int T) { return T != T_F32 && T != T_F16 && T != T_BF16; }
+// b != 0: the types with a min (or Q4_1 / Q5_1's added m)
+HOST_DEVICE constexpr bool has_min(int T) {
+    return T == T_Q4_K || T == T_Q5_K || T == T_Q4_1 || T == T_Q5_1 || T == T_Q2_K;
+}
+// a * q + b as gguf-py rounds it (the product, then the sum) rather than one fused multiply-add:
+// the types added with quant_blocks.cuh; Q4_K / Q5_K keep their measured fmaf
+HOST_DEVICE constexpr bool unfused_min(int T) {
+    return T == T_Q4_1 || T == T_Q5_1 || T == T_Q2_K;
+}
 
 template <int T, bool NC = true>
 HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
-    if (T == T_F32) {
+    if constexpr (T == T_F32) {
         const float4* p = reinterpret_cast<const float4*>(row) + 2 * c;
         const float4 a = ldw<NC>(p), b = ldw<NC>(p + 1);
         w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
         w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    } else if (T == T_F16) {
+    } else if constexpr (T == T_F16) {
         const uint4 v = ldw<NC>(reinterpret_cast<const uint4*>(row) + c);
         const u32 parts[4] = {v.x, v.y, v.z, v.w};
         #pragma unroll
@@ -217,11 +270,21 @@ HOST_DEVICE void chunk8(const u8* __restrict__ row, int c, float* w) {
             w[2 * t] = h2f((u16)(parts[t] & 0xFFFF));
             w[2 * t + 1] = h2f((u16)(parts[t] >> 16));
         }
+    } else if constexpr (T == T_BF16) {
+        const uint4 v = ldw<NC>(reinterpret_cast<const uint4*>(row) + c);
+        const u32 parts[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[2 * t] = bf16_bits_to_float(parts[t] & 0xFFFF);
+            w[2 * t + 1] = bf16_bits_to_float(parts[t] >> 16);
+        }
     } else {
         float a, b;
         chunk8_q<T, NC>(row, c, w, a, b);
         #pragma unroll
-        for (int l = 0; l < 8; ++l) w[l] = has_min(T) ? fmaf(a, w[l], b) : a * w[l];
+        for (int l = 0; l < 8; ++l)
+            w[l] = unfused_min(T) ? mul_rn(a, w[l]) + b
+                 : has_min(T) ? fmaf(a, w[l], b) : a * w[l];
     }
 }
 
@@ -262,20 +325,23 @@ HOST_DEVICE float sum8(const float* v) {
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-#define DISPATCH_TYPE(type, CALL)                                    \
-    switch (type) {                                                  \
-        case T_F32: { const int TT = T_F32; CALL; } break;           \
-        case T_F16: { const int TT = T_F16; CALL; } break;           \
-        case T_Q8_0: { const int TT = T_Q8_0; CALL; } break;         \
-        case T_Q4_K: { const int TT = T_Q4_K; CALL; } break;         \
-        case T_Q5_K: { const int TT = T_Q5_K; CALL; } break;         \
-        case T_Q6_K: { const int TT = T_Q6_K; CALL; } break;         \
-        default: break;                                              \
-    }
+// CALL with TT the constant of run-time `type`, for every line of FOR_EACH_TYPE (a type not in
+// the table calls nothing)
+template <int V>
+struct TypeTag { static constexpr int value = V; };
 
-// the hot kernels once per type: X(suffix, type id)
-#define FOR_EACH_TYPE(X) X(f32, T_F32) X(f16, T_F16) X(q8_0, T_Q8_0) X(q4_k, T_Q4_K) \
-                         X(q5_k, T_Q5_K) X(q6_k, T_Q6_K)
+template <class F>
+HOST_DEVICE void dispatch_type(int type, F&& f) {
+#define TYPE_CASE_(name, id, cols, bytes) case id: f(TypeTag<id>{}); break;
+    switch (type) {
+        FOR_EACH_TYPE(TYPE_CASE_)
+        default: break;
+    }
+#undef TYPE_CASE_
+}
+
+#define DISPATCH_TYPE(type, CALL)                                                          \
+    dispatch_type((type), [&](auto tag_) { constexpr int TT = decltype(tag_)::value; CALL; })
 
 __device__ __forceinline__ void load8(const float* __restrict__ p, float* v) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(p));
