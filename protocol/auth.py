@@ -203,9 +203,9 @@ def _refusal(message: str) -> Error:
 
 class StrangerLimits:
     """What peers that have not proved the secret may cost a server: each (ROUTER identity) gets `rate` messages
-    a second (bursts of `burst`), the rest are dropped unread; and the refusals they earn are logged once per
-    source (network address, else identity) per `log_every_s`, at most `lines` sources a period, the rest counted
-    and told in one summary line a period. Memory is bounded by `max_peers` (the least recently heard beyond it
+    a second (bursts of `burst`), the rest are dropped unread; and each refusal they earn is logged once per
+    source (network address, else identity) per `log_every_s`, at most `lines` a period, the rest counted and
+    told in one summary line a period. Memory is bounded by `max_peers` (the least recently heard beyond it
     are forgotten: a forgotten peer only gets a fresh allowance). Authenticated peers are never limited here."""
 
     def __init__(self, rate: float = 5.0, burst: float = 20.0, log_every_s: float = 60.0, lines: int = 16,
@@ -213,7 +213,7 @@ class StrangerLimits:
         self.rate, self.burst, self.log_every_s, self.lines, self.max_peers = rate, burst, log_every_s, lines, max_peers
         self._clock = clock
         self._buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()   # peer → (tokens, when)
-        self._logged: dict[str, int] = {}     # source → refusals this period (the first one logged)
+        self._logged: set[tuple[str, str]] = set()   # (source, refusal) logged this period
         self._period_start = clock()
         self.dropped = self.refused = 0       # totals: messages dropped unread, refusals not logged
         self._dropped_now = self._quiet_now = 0
@@ -233,13 +233,13 @@ class StrangerLimits:
         return ok
 
     def refusal(self, source: str, message: str) -> str | None:
-        """The line to log for a refusal from `source`, or None when it is only counted."""
-        seen = self._logged.get(source)
-        if seen is None and len(self._logged) < self.lines:
-            self._logged[source] = 0
-            return f"{message} (from {source}; further refusals from it are counted, logged once a minute)"
-        if seen is not None:
-            self._logged[source] = seen + 1
+        """The line to log for a refusal from `source`, or None when it is only counted: each refusal of a
+        source is said once a period (a host whose ranks are refused for two reasons shows both), at most
+        `lines` a period in all (a stranger varying what it sends cannot fill the log)."""
+        key = (source, message)
+        if key not in self._logged and len(self._logged) < self.lines:
+            self._logged.add(key)
+            return f"{message} (from {source}; the same again is counted, said once a minute)"
         self.refused += 1
         self._quiet_now += 1
         return None
@@ -252,7 +252,7 @@ class StrangerLimits:
             return None
         span, self._period_start = now - self._period_start, now
         quiet, dropped = self._quiet_now, self._dropped_now
-        self._logged, self._quiet_now, self._dropped_now = {}, 0, 0
+        self._logged, self._quiet_now, self._dropped_now = set(), 0, 0
         if not quiet and not dropped:
             return None
         return (f"unauthenticated peers in the last {span:.0f} s: {quiet} refusal(s) not logged, {dropped} "

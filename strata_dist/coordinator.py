@@ -335,7 +335,7 @@ class Coordinator:
     def _refused(self, identity: bytes, frame, message: str, stranger: bool,
                  say: Callable[[str], None] | None = None) -> None:
         """Tell the operator of a refusal (`say`, default on_refusal): every one of a peer that proved
-        the secret (a rank of another model), those of strangers once per source a minute
+        the secret (a rank of another model), each of a stranger once per source a minute
         (StrangerLimits), the rest counted."""
         if stranger:
             source = (peer_address(frame) if frame is not None else None) or show_identity(identity)
