@@ -6,7 +6,9 @@ per (layer, expert). Decode steps whose experts are all resident run through
 `backends/cuda_decode.py` instead: the same stored blocks read by fused kernels in one CUDA graph."""
 from __future__ import annotations
 
+import logging
 import os
+import re
 from functools import lru_cache
 
 import numpy as np
@@ -23,8 +25,11 @@ from gguf import GGMLQuantizationType
 from ..kernels.abi import MAX_GROUP_EXPERTS
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
-from .layout import GPU_NATIVE_QUANTS
+from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
 from .quant_matrix import QuantMatrix, dequantize_rows
+
+log = logging.getLogger("strata.cupy")
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 class CupyBackend(Backend):
@@ -73,17 +78,34 @@ class CupyBackend(Backend):
         # to f16 and multiplied on tensor cores, as F16 files' are, not in float32 (SGEMM)
         self._f16_gemm = os.environ.get("STRATA_F16_PROMPT_GEMM", "1") != "0"
         self._staging = None        # PinnedStaging of upload(), made at the first one
+        self._noted: set = set()    # (file, layer) checked and (file, line) warned at load
 
     def dense(self, host):
         return cp.asarray(np.asarray(host, dtype=np.float16))
 
     def dense_tensor(self, gguf, info):
+        self._note_slow_types(gguf, info)
         if info.ggml_type in GPU_NATIVE_QUANTS:
             return QuantMatrix(cp.asarray(np.asarray(gguf.raw(info.name))), info.shape,
                                int(info.ggml_type))
         if info.ggml_type == GGMLQuantizationType.F16:
             return cp.asarray(np.asarray(gguf.raw(info.name)).view(np.float16).reshape(info.shape))
         return self.dense(gguf.dequantize(info.name))
+
+    def _note_slow_types(self, gguf, info) -> None:
+        """A warning, once per tensor at load, for each tensor of a type no kernel reads as stored
+        (backends/layout.py): this dense matrix, and with a layer's first dense matrix that
+        layer's expert tensors (loaded by the expert store, which every layer loaded here has)."""
+        seen = self._noted
+        notes = [dense_type_note(info)]
+        m = _LAYER.match(info.name)
+        if m and (gguf.path, int(m.group(1))) not in seen:
+            seen.add((gguf.path, int(m.group(1))))
+            notes += expert_type_notes(gguf, int(m.group(1)))
+        for note in filter(None, notes):
+            if (gguf.path, note) not in seen:
+                seen.add((gguf.path, note))
+                log.warning("%s", note)
 
     def rows(self, table, ids, out=None):
         n, d = len(ids), int(table.shape[1])
