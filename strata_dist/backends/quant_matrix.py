@@ -1,6 +1,6 @@
-"""Weights kept on the device in their stored quant blocks (Q8_0, Q4_K, Q5_K, Q6_K): decoded to
-float32 by the same code the decode kernels read them with (kernels/weights.cuh). Shared by the
-general path (cupy_backend.py) and the decode graph (cuda_decode.py)."""
+"""Weights kept on the device in their stored blocks (backends/layout.py GPU_NATIVE_QUANTS):
+decoded to float32 by the same code the decode kernels read them with (kernels/weights.cuh).
+Shared by the general path (cupy_backend.py) and the decode graph (cuda_decode.py)."""
 from __future__ import annotations
 
 import cupy as cp
@@ -27,7 +27,7 @@ def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: in
 
 
 class QuantMatrix:
-    """A matrix kept on the device in its stored quant type (Q8_0, Q4_K, Q5_K, Q6_K); decoded
+    """A matrix kept on the device in its stored block type (GPU_NATIVE_QUANTS); decoded
     exactly to float32 where the general path uses it, read as stored by the decode kernels."""
 
     def __init__(self, raw, shape, ggml_type: int):
