@@ -436,8 +436,8 @@ def _serve_lines(args, gguf, cfg, current: list, signals: StopSignals) -> int:
     `current[0]` is always the launch running, so the caller closes the right one. A SIGINT
     while a generation runs cancels it (LineProtocol.interrupt); otherwise it stops the launch."""
     from .launch import Launch
-    from .line_protocol import stdin_lines
-    lines = stdin_lines()
+    from .line_protocol import max_line_bytes, stdin_lines
+    lines = stdin_lines(max_line=max_line_bytes(args.max_context))
     restarts = 0
     while True:
         launch = current[0]

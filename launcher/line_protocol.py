@@ -148,6 +148,10 @@ class LineProtocol:
                 continue
             if line is None or line.strip() == "QUIT":
                 return 0
+            if isinstance(line, OverlongLine):
+                self.say(f"ERR a line longer than {line.limit} bytes (a GEN of the whole context "
+                         f"fits): dropped")
+                continue
             line = line.strip()
             if not line or line == "CANCEL":   # CANCEL with nothing running: it came too late
                 continue
@@ -208,18 +212,42 @@ class LineProtocol:
         return out
 
 
-def stdin_lines(stream: TextIO = sys.stdin) -> "queue.Queue[str | None]":
+def max_line_bytes(max_context: int) -> int:
+    """The longest line read: a GEN of a whole context of ids (at most 16 bytes an id, an id and
+    its separator are 7 for a 300k vocabulary) and its options. A longer line is dropped unread
+    (ERR), so a stream without newlines (`< /dev/zero`) costs this much memory, not all of it."""
+    return 16 * max_context + 4096
+
+
+class OverlongLine(str):
+    """Stands for a line longer than the reader's bound, dropped: answered with ERR."""
+
+    def __new__(cls, limit: int):
+        line = super().__new__(cls, "")
+        line.limit = limit
+        return line
+
+
+def stdin_lines(stream: TextIO = sys.stdin,
+                max_line: int = max_line_bytes(1 << 20)) -> "queue.Queue[str | None]":
     """Lines from a stream on a thread, so the head keeps watching its ranks while it waits.
 
     The stream is read as bytes and each line decoded on its own: a byte that is not UTF-8 turns
     into U+FFFD, which no command accepts, so that line gets ERR and the next ones are served (a
-    strict text decoder would kill this thread and leave QUIT and EOF unanswered)."""
+    strict text decoder would kill this thread and leave QUIT and EOF unanswered). A line longer
+    than `max_line` bytes becomes an OverlongLine, its bytes read and dropped up to its newline."""
     q: "queue.Queue[str | None]" = queue.Queue()
     raw = getattr(stream, "buffer", stream)
 
     def pump() -> None:
         try:
-            for line in raw:
+            while line := raw.readline(max_line + 1):
+                newline = b"\n" if isinstance(line, bytes) else "\n"
+                if len(line) > max_line and not line.endswith(newline):
+                    q.put(OverlongLine(max_line))
+                    while (rest := raw.readline(max_line + 1)) and not rest.endswith(newline):
+                        pass
+                    continue
                 q.put(line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line)
         except (OSError, ValueError):   # a terminal hung up, a stream closed under us: the end
             pass
@@ -256,4 +284,5 @@ def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extr
     return lines
 
 
-__all__ = ["LineProtocol", "parse_gen", "stdin_lines", "info_lines"]
+__all__ = ["LineProtocol", "OverlongLine", "info_lines", "max_line_bytes", "parse_gen",
+           "stdin_lines"]

@@ -220,14 +220,19 @@ def test_sigint_during_startup_exits_quietly(model, delay):
 LIMIT_S, LIMIT_MB = 10.0, 500
 
 
-def run_bounded(argv: list[str]) -> tuple[int, str, float]:
-    """(exit status, stderr, peak RSS in MB) of a process that must end within LIMIT_S without
-    passing LIMIT_MB resident; past either it is killed and the test fails."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    err: list[bytes] = []
-    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
-    reader.start()
+def run_bounded(argv: list[str], feed: bytes | None = None) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a process that must end within LIMIT_S without passing
+    LIMIT_MB resident (peak, from wait4); past either it is killed and the test fails. `feed`:
+    its stdin."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if feed is None else subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out: dict[str, bytes] = {}
+    readers = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
+               for k, f in (("out", proc.stdout), ("err", proc.stderr))]
+    if feed is not None:
+        readers.append(threading.Thread(target=_feed, args=(proc.stdin, feed), daemon=True))
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + LIMIT_S
     try:
         while True:
@@ -243,11 +248,20 @@ def run_bounded(argv: list[str]) -> tuple[int, str, float]:
         if proc.returncode is None:
             proc.kill()
             proc.wait(timeout=5)
-    reader.join(timeout=5)
-    text = b"".join(err).decode(errors="replace")
+    for t in readers:
+        t.join(timeout=5)
     peak = usage.ru_maxrss / 1024   # KiB on Linux
     assert peak <= LIMIT_MB, f"{argv[3:]}: peak {peak:.0f} MB resident"
-    return proc.returncode, text, peak
+    text = {k: v.decode(errors="replace") for k, v in out.items()}
+    return proc.returncode, text.get("out", ""), text.get("err", "")
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, OSError):
+        pass
 
 
 def _rss_mb(pid: int) -> float:
@@ -262,7 +276,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def refused_at_once(argv: list[str], *needles: str) -> str:
-    code, err, _ = run_bounded(argv)
+    code, _, err = run_bounded(argv)
     assert code == 2, (code, err)
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
@@ -358,3 +372,16 @@ def test_sighup_ends_open_http_streams_with_a_message(model):
         assert wait_gone(ranks) == []
     finally:
         s.close()
+
+
+def test_a_line_past_the_bound_is_dropped_with_err_and_the_next_is_served(model):
+    """A 32 MB line (a client gone wrong, `< /dev/zero`) is read and dropped in bounded memory
+    (it was held whole and split into 16 million words: gigabytes), answered ERR, and the GEN
+    after it is served."""
+    feed = b"GEN 4 " + b"7 " * (16 << 20) + b"\n" + gen(4, FIRST) + b"QUIT\n"
+    code, out, err = run_bounded(launcher("--model", model, "--cpu-ranks", "1", "--serve"), feed)
+    assert code == 0, err
+    errs = [line for line in out.splitlines() if line.startswith("ERR")]
+    assert len(errs) == 1 and "longer than" in errs[0], out[-2000:]
+    done = [line for line in out.splitlines() if line.startswith("DONE")]
+    assert len(done) == 1 and done[0].split()[1] == "4", out[-2000:]
