@@ -237,3 +237,38 @@ def test_row_kernels_of_every_type(gate_up, down, mma):
         assert np.array_equal(cp.asnumpy(from_host), got[dest])
     finally:
         ex.close()
+
+
+def test_a_tensor_no_kernel_reads_is_named_once_at_load(tmp_path, caplog):
+    """CupyBackend.dense_tensor (what a stage's load calls for every dense matrix): a TQ2_0 matrix
+    is named with its cost once however often it is loaded, and the experts of its layer with
+    it; a Q4_0 one (read as stored) is not named."""
+    import logging
+    from gguf import GGML_QUANT_SIZES, GGUFWriter
+    from strata_dist.backends.cupy_backend import CupyBackend
+    from strata_dist.gguf_model import GGUFModel
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "qwen3moe")
+    types = {"blk.0.attn_q.weight": QT.TQ2_0, "blk.0.attn_k.weight": QT.Q4_0,
+             "blk.0.ffn_gate_exps.weight": QT.TQ2_0, "blk.0.ffn_up_exps.weight": QT.TQ2_0,
+             "blk.0.ffn_down_exps.weight": QT.Q4_K}
+    for name, qtype in types.items():
+        shape = (2, 256, 256) if "exps" in name else (256, 256)
+        block, size = GGML_QUANT_SIZES[qtype]
+        w.add_tensor(name, np.zeros((*shape[:-1], 256 // block * size), np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = GGUFModel(str(tmp_path / "t.gguf"))
+    be = CupyBackend(0)
+    with caplog.at_level(logging.WARNING, logger="strata.cupy"):
+        for _ in range(2):
+            be.dense_tensor(g, g.tensor("blk.0.attn_k.weight"))
+            be.dense_tensor(g, g.tensor("blk.0.attn_q.weight"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "strata.cupy"]
+    assert lines[0] == "blk.0.ffn_gate_exps.weight: TQ2_0 has no GPU kernel: decoded on the " \
+                       "host to float32 at each use (15.5x the bytes moved), and its stage's " \
+                       "decode steps take the general path"
+    assert lines[1].startswith("blk.0.ffn_up_exps.weight: TQ2_0 has no GPU kernel")
+    assert lines[2] == "blk.0.attn_q.weight: TQ2_0 read as f16, 7.8x the bytes"
+    assert len(lines) == 3, lines
