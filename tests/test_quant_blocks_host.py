@@ -124,6 +124,10 @@ def test_type_table_is_the_hosts(decoder):
     checks alignment by) has kernels, and a type that is not in the table (Q8_1, which no file
     stores weights in) is not dispatched."""
     assert {int(t) for t in ALL_TYPES} <= set(TYPE_NAMES) == set(KERNEL_TYPES)
+    from gguf import GGML_QUANT_SIZES
+    for t in ALL_TYPES:         # a row of whole blocks keeps the alignment its loads need
+        block, size = GGML_QUANT_SIZES[t]
+        assert (8 // block * size if block == 1 else size) % KERNEL_TYPES[int(t)] == 0, t.name
     raw = np.zeros((1, 36), np.uint8)
     with pytest.raises(AssertionError, match="Q8_1"):
         decoder(QT.Q8_1, raw, 32)
