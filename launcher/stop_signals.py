@@ -20,11 +20,18 @@ def _exit_at_once(_signum, _frame) -> None:
     os._exit(EXIT_STOPPED)   # nothing is owned yet (no rank, no run directory): nothing to undo
 
 
+def _ignored(sig) -> bool:
+    """A signal this process was started ignoring: SIGHUP under nohup, SIGINT in a shell's
+    background job. It stays ignored, as the one who started us asked."""
+    return signal.getsignal(sig) is signal.SIG_IGN
+
+
 def exit_at_once_while_starting() -> None:
     """Until main() installs StopSignals: a stop signal ends the process there and then. Raising
     instead would print a traceback from whichever import it interrupted."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _exit_at_once)
+        if not _ignored(sig):
+            signal.signal(sig, _exit_at_once)
 
 
 def detach_terminal() -> None:
@@ -46,7 +53,8 @@ class StopSignals:
     """The three stop signals raise KeyboardInterrupt (naming the signal) in the main thread, where
     the launcher's `finally` closes what it owns. `on_interrupt`, when set, is asked first about a
     SIGINT: True means it took it (a cancelled generation) and nothing is raised. Leaving the
-    `with` block puts back the handlers that were there before."""
+    `with` block puts back the handlers that were there before. A signal the process was started
+    ignoring (nohup's SIGHUP) stays ignored."""
 
     def __init__(self):
         self.on_interrupt: Callable[[], bool] | None = None
@@ -54,7 +62,8 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         for sig in STOP_SIGNALS:
-            self._before[sig] = signal.signal(sig, self._on_signal)
+            if not _ignored(sig):
+                self._before[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,12 +81,12 @@ class StopSignals:
     def held(self):
         """While the launch closes: another stop signal is ignored rather than cutting the close
         short (it is bounded: LocalRanks.stop waits a few seconds at most)."""
-        for sig in STOP_SIGNALS:
+        for sig in self._before:
             signal.signal(sig, signal.SIG_IGN)
         try:
             yield
         finally:
-            for sig in STOP_SIGNALS:
+            for sig in self._before:
                 signal.signal(sig, self._on_signal)
 
 

@@ -28,6 +28,15 @@ def model(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture
+def hangup_default():
+    """Processes started in the test take SIGHUP's default (as from a terminal), even where the
+    tests run under nohup (an ignored SIGHUP is inherited, and the launcher keeps it ignored)."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, before)
+
+
 def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher.cli", *args]
 
@@ -162,7 +171,7 @@ def test_a_second_sigint_during_a_generation_exits(model):
         wait_or_kill(s.proc, 5)
 
 
-def test_sighup_stops_like_sigterm(model):
+def test_sighup_stops_like_sigterm(model, hangup_default):
     """A terminal closing (SIGHUP) mid-generation: every rank stopped, the run directory
     removed, exit 130 and no traceback, as SIGTERM does."""
     s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "2")
@@ -175,6 +184,24 @@ def test_sighup_stops_like_sigterm(model):
         _stopped_cleanly(s, ranks)
     finally:
         wait_or_kill(s.proc, 5)
+
+
+def test_a_sighup_ignored_at_start_stays_ignored(model):
+    """Started under nohup (SIGHUP ignored), the launcher keeps serving when the terminal goes."""
+    argv = launcher("--model", model, "--serve", "--cpu-ranks", "1")
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, bufsize=1,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    s = LineProcess(proc)
+    try:
+        s.wait_ready(TIMEOUT)
+        proc.send_signal(signal.SIGHUP)
+        got = s.gen(FIRST, 8)
+        assert len(got["tokens"]) == 8 and got["done"][-1] == "length", got
+    except BaseException:
+        s.close()
+        raise
+    assert s.close() == 0, s.err()
 
 
 def _catches_sighup(pid: int) -> bool:
@@ -191,7 +218,7 @@ def _catches_sighup(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.03, 0.1, 0.2, 0.4])
-def test_sigint_during_startup_exits_quietly(model, delay):
+def test_sigint_during_startup_exits_quietly(model, delay, hangup_default):
     """Ctrl-C while the launcher is still importing (about 0.2 s of it), planning or loading:
     exit 130, no traceback, nothing left behind. Counted from the moment the launcher's own code
     runs (before that, the interpreter is starting, which no handler of ours can cover)."""
@@ -340,7 +367,7 @@ def test_a_curve_key_file_that_is_dev_zero_is_refused_at_once(model, tmp_path):
                     f"--curve-keys {keys}/server.key_secret: larger than {64 << 10} bytes")
 
 
-def test_sighup_ends_open_http_streams_with_a_message(model):
+def test_sighup_ends_open_http_streams_with_a_message(model, hangup_default):
     """`--port`: a terminal closing (SIGHUP) mid-stream ends the stream with the server's error
     event and [DONE], as SIGTERM does, then every rank stops and the run directory goes."""
     import json
