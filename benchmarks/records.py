@@ -204,9 +204,25 @@ def model_facts(path: str, popularity: str = "") -> dict:
     types: dict[str, int] = {}
     for t in g.tensors.values():
         types[t.ggml_type.name] = types.get(t.ggml_type.name, 0) + 1
-    return {"like": name.removeprefix("strata synthetic "), "quant": gate.ggml_type.name.lower(),
-            "popularity": law, "bytes": os.path.getsize(path), "types": dict(sorted(types.items())),
+    return {"like": name.removeprefix("strata synthetic "), "quant": file_type_name(g, gate),
+            "shards": len(g.shard_paths), "popularity": law, "bytes": g.file_bytes,
+            "types": dict(sorted(types.items())),
             "vocab": int(g.tensor("token_embd.weight").shape[0])}
+
+
+def file_type_name(g, gate) -> str:
+    """The file type a user would name the file by: the synth's --quant where the synth wrote it
+    (q4_k and q4_k_m share general.file_type), else llama.cpp's general.file_type (q4_k_m, iq3_s
+    ...), else the experts' block type for a file that says neither."""
+    from gguf import LlamaFileType
+    synth = g.metadata("strata.synth.quant")
+    if synth:
+        return str(synth)
+    ftype = g.metadata("general.file_type")
+    try:
+        return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").lower()
+    except (TypeError, ValueError):
+        return gate.ggml_type.name.lower()
 
 
 def cpu_model() -> str:
@@ -394,7 +410,7 @@ def predicted_ms_per_token(model: str, launch_args: list[str], env: dict | None 
 
 def record_model(facts: dict) -> dict:
     """The file a record measured, as its `model` field names it (model_facts less the vocabulary)."""
-    return {k: facts[k] for k in ("like", "quant", "popularity", "bytes", "types") if k in facts}
+    return {k: facts[k] for k in ("like", "quant", "shards", "popularity", "bytes", "types") if k in facts}
 
 
 def median_tps(n: int, times_ms: list[float], what: str = "a measured request"

@@ -345,3 +345,18 @@ def test_vram_budget_match_without_nvml_is_one_error_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: --vram-budget match needs NVML (the peaks it matches are NVML's) and none "
         "answers here: give a budget, e.g. --vram-budget 10G"]
+
+
+def test_model_facts_name_the_file_type_and_every_shard(tmp_path):
+    """A record names the file as its user does: the file type (q4_k_m, not its experts' Q4_K),
+    the shard count and the bytes of every shard (the first shard's size was the whole model's)."""
+    whole = write_synthetic(str(tmp_path / "m.gguf"), like="tiny", quant="q4_k_m",
+                            popularity="zipf:1.0", seed=0)
+    split = write_synthetic(str(tmp_path / "s.gguf"), like="tiny", quant="q4_k_m",
+                            popularity="zipf:1.0", seed=0, split_max_size=200_000)
+    assert len(split.shards) >= 2
+    one, many = model_facts(str(whole.path)), model_facts(str(split.shards[0]))
+    assert one["quant"] == many["quant"] == "q4_k_m"
+    assert one["shards"] == 1 and many["shards"] == len(split.shards)
+    assert many["bytes"] == sum(os.path.getsize(p) for p in split.shards) > os.path.getsize(split.shards[0])
+    assert one["types"] == many["types"]

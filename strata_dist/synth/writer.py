@@ -315,6 +315,7 @@ def write_file(path: Path, arch: str, g, quant: str, pop: Popularity, seed: int,
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_tokenizer(w, g.n_vocab)
         w.add_string("strata.synth.popularity", str(pop))
+        w.add_string("strata.synth.quant", quant)   # the --quant asked: q4_k and q4_k_m share a file type
         w.add_uint32("strata.synth.seed", seed)
         w.add_array("strata.synth.expert_rank", [int(x) for x in ranks.ravel()])
     return write_gguf(path, arch, all_metadata, tensors, progress, split_max_size, f"{g.name} {quant}")
