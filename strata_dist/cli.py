@@ -252,6 +252,20 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def synth_quant_help() -> str:
+    """`synth --quant`'s help, from the synth's table of file types (synth/ftypes.py FILE_TYPES),
+    so a file type added there is listed here."""
+    from .synth.ftypes import FILE_TYPES
+    ruled = [n for n, f in FILE_TYPES.items() if not f.experts_only]
+    experts_only = [n for n, f in FILE_TYPES.items() if f.experts_only]
+    text = (f"a file type: {' | '.join(ruled)}, each tensor typed as the reference quantizer's "
+            f"rules say (docs/DEVELOPING.md)")
+    for name in experts_only:
+        text += (f"; or {name}: {FILE_TYPES[name].default.name} experts with F16 dense tensors "
+                 f"(the first synth files)")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="strata-dist", description=__doc__)
     sub = ap.add_subparsers(dest="command")
@@ -280,11 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output .gguf path")
     s.add_argument("--like", default="tiny",
                    help="tiny | qwen3-30b-a3b | qwen3-235b-a22b | tiny-next | qwen3-next-80b-a3b")
-    s.add_argument("--quant", default="q8_0",
-                   help="a file type: q4_k_m | q4_k_s | q5_k_m | q5_k_s | q6_k | q3_k_m | q3_k_s | "
-                        "q3_k_l | q2_k | q8_0 | q4_0 | q4_1 | q5_0 | q5_1 | bf16 | f16 | f32, each "
-                        "tensor typed as the reference quantizer's rules say (docs/DEVELOPING.md); "
-                        "or q4_k: Q4_K experts with F16 dense tensors (the first synth files)")
+    s.add_argument("--quant", default="q8_0", help=synth_quant_help())
     s.add_argument("--split-max-size", default=None, metavar="N[K|M|G]",
                    help="write shards OUT-00001-of-0000N.gguf of at most this much tensor data "
                         "each (decimal units, e.g. 4G)")

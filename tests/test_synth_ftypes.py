@@ -265,3 +265,13 @@ def test_cli_writes_shards_and_refuses_bad_flags(tmp_path):
         assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
         assert bad.stderr.startswith("error: ") and says in bad.stderr, bad.stderr
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_cli_help_lists_every_file_type():
+    """`synth --quant`'s help names each file type the synth accepts (its own table), the
+    i-quant ones included."""
+    from strata_dist.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["synth"]
+    text = next(a for a in sub._actions if a.dest == "quant").help
+    listed = set(text.replace(",", " ").replace(":", " ").replace(";", " ").split())
+    assert set(FILE_TYPES) <= listed, sorted(set(FILE_TYPES) - listed)
