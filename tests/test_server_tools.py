@@ -1,0 +1,131 @@
+"""Tool calls, the parser alone: the model's `<tool_call>` blocks become OpenAI `tool_calls`, whole
+or streamed in pieces of any size (each answer is split at every character and must assemble to
+the whole-text parse), and the request's tools and tool messages are checked."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from strata_dist.server.tools import (TAGGED_JSON, ToolCallStream, ToolRequestError, check_message_tools,
+                                      check_tools, join_deltas, parse_tool_text, tool_format)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ids():
+    n = itertools.count()
+    return lambda: f"call_{next(n)}"
+
+
+def call(name: str, args: dict | str, cid: str) -> dict:
+    a = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": a}}
+
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+CASES = [
+    # (model text, content, calls)
+    (WEATHER, None, [call("get_weather", {"city": "Paris"}, "call_0")]),
+    ("Let me look.\n" + WEATHER, "Let me look.", [call("get_weather", {"city": "Paris"}, "call_0")]),
+    (WEATHER + "\n" + WEATHER.replace("Paris", "Köln"), None,
+     [call("get_weather", {"city": "Paris"}, "call_0"), call("get_weather", {"city": "Köln"}, "call_1")]),
+    (WEATHER + "\nDone.", "Done.", [call("get_weather", {"city": "Paris"}, "call_0")]),
+    ('<tool_call>{"name": "now"}</tool_call>', None, [call("now", {}, "call_0")]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None,
+     [call("f", '{"x": 1}', "call_0")]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "</tool"}}</tool_call>', None,
+     [call("f", {"s": "</tool"}, "call_0")]),
+    ("no tags at all\n", "no tags at all\n", []),
+    ("a < b and <tool but not a tag", "a < b and <tool but not a tag", []),
+    # not a call: the raw text stays content
+    ('Hi\n<tool_call>{"name": "f", "arguments": {</tool_call>', 'Hi\n<tool_call>{"name": "f", '
+     '"arguments": {</tool_call>', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("<tool_call>[1, 2]</tool_call>", "<tool_call>[1, 2]</tool_call>", []),
+    ('x <tool_call>{"name": "f"', 'x <tool_call>{"name": "f"', []),      # cut by max_tokens
+    ("<tool_call>", "<tool_call>", []),
+    ("ends with <tool_c", "ends with <tool_c", []),
+    (WEATHER + "\n<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>",
+     [call("get_weather", {"city": "Paris"}, "call_0")]),
+    ("", None, []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_whole_text(text, content, calls):
+    assert parse_tool_text(text, ids()) == (content, calls)
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_stream_split_at_every_character_and_pair(text, content, calls):
+    """Every split into two pieces, and into three at every pair of points of short texts: the
+    deltas assemble to the whole-text answer, a name comes before its arguments."""
+    cuts = [(i,) for i in range(len(text) + 1)]
+    if len(text) <= 80:
+        cuts += list(itertools.combinations(range(len(text) + 1), 2))
+    for cut in cuts:
+        bounds = (0, *cut, len(text))
+        stream = ToolCallStream(ids())
+        deltas = []
+        for a, b in zip(bounds, bounds[1:]):
+            deltas += stream.push(text[a:b])
+        deltas += stream.finish()
+        assert join_deltas(deltas) == (content, calls), cut
+        for d in deltas:
+            for c in d.get("tool_calls", ()):
+                if "id" in c:
+                    assert c["function"]["arguments"] == "" and c["function"]["name"]
+
+
+def test_stream_content_comes_before_the_call_ends():
+    """Text outside the tags is sent as it comes, not held to the end."""
+    stream = ToolCallStream(ids())
+    assert stream.push("Hello there") == [{"content": "Hello there"}]
+    assert stream.push(" <tool") == []                      # a tag may begin: held
+    assert stream.push("_call>{") == [] and stream.push('"name": "f"}') == []
+    out = stream.push("</tool_call>")
+    assert out[0] == {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                      "function": {"name": "f", "arguments": ""}}]}
+    assert out[1] == {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
+
+
+def test_tool_format_follows_the_template():
+    assert tool_format("{% if tools %}<tool_call>{% endif %}") == TAGGED_JSON
+    assert tool_format("{{ messages }}") is None and tool_format(None) is None
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_check_tools():
+    assert check_tools({}, None) == (None, False)
+    assert check_tools({"tools": [TOOL]}, TAGGED_JSON) == ([TOOL], True)
+    assert check_tools({"tools": [TOOL], "tool_choice": "none"}, TAGGED_JSON) == ([TOOL], False)
+    assert check_tools({"tools": [TOOL], "tool_choice": "auto"}, TAGGED_JSON) == ([TOOL], True)
+    with pytest.raises(ToolRequestError, match="template has no tool-call format") as e:
+        check_tools({"tools": [TOOL]}, None)
+    assert e.value.param == "tools"
+    for bad, param in (({"tools": {}}, "tools"), ({"tools": [{"type": "function"}]}, "tools[0]"),
+                       ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+                       ({"tools": [TOOL], "tool_choice": {"type": "function",
+                                                          "function": {"name": "x"}}}, "tool_choice")):
+        with pytest.raises(ToolRequestError) as e:
+            check_tools(bad, TAGGED_JSON)
+        assert e.value.param == param, bad
+
+
+def test_check_message_tools():
+    m = {"role": "assistant", "content": None,
+         "tool_calls": [call("get_weather", {"city": "Paris"}, "call_0")]}
+    out = check_message_tools(0, m)
+    assert out["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert check_message_tools(1, {"role": "tool", "tool_call_id": "call_0", "content": "9 C"})
+    with pytest.raises(ToolRequestError) as e:
+        check_message_tools(1, {"role": "tool", "content": "9 C"})
+    assert e.value.param == "messages[1].tool_call_id"
+    with pytest.raises(ToolRequestError) as e:
+        check_message_tools(2, {"role": "user", "content": "x", "tool_calls": []})
+    assert e.value.param == "messages[2].tool_calls"
