@@ -30,7 +30,7 @@ class ServerProcess:
             argv += ["--api-key-file", api_key_file]
         elif api_key:
             argv += ["--api-key", api_key]
-        self.api_key = api_key
+        self.api_key, self.model = api_key, model
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=1,
                                      env=dict(os.environ, **(env or {})))
@@ -97,3 +97,82 @@ class ServerProcess:
         return wait_or_kill(self.proc, timeout)
 
 
+
+
+# ---- a model that calls a tool -------------------------------------------------------------------------
+# A template in the tool format of Qwen3's (tools listed in the system turn, the answer's calls in
+# <tool_call> blocks, tool results as <tool_response> in a user turn).
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    "For each call return <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call>"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content }}"
+    "{%- for tc in message.tool_calls or [] %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
+    "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}{{- '}\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# What the model answers to any chat: one token each (added to the vocabulary as Qwen's GGUFs add
+# <tool_call>), then <|im_end|>.
+TOOL_ANSWER = ("Checking.", "<tool_call>", '{"name":"get_weather",', '"arguments":{"city":"Paris"}}',
+               "</tool_call>")
+
+
+def write_tool_calling_model(path) -> None:
+    """A tiny synthetic model whose greedy answer to every chat is TOOL_ANSWER: the layers add
+    nothing to the residual stream (attention outputs and expert down-projections are zero), so
+    the last position's hidden state is its token's embedding, and the output head maps each
+    answer token's embedding (orthonormal ones) to the next answer token: a bigram chain started
+    by the newline that ends the generation prompt. Everything else runs as on any model: the
+    real ranks, sampler, detokenizer and server."""
+    import gguf
+    import numpy as np
+
+    import strata_dist.synth.tokenizer as synth_tokenizer
+    from strata_dist.synth import write_synthetic
+
+    plain_vocab = synth_tokenizer.build_vocab
+
+    def vocab_with_answer(n_vocab: int):
+        v = plain_vocab(n_vocab)
+        first = v.tokens.index("[PAD%d]" % (v.tokens.index("<|im_end|>") + 1))
+        for k, text in enumerate(TOOL_ANSWER):
+            v.tokens[first + k] = text
+            v.token_types[first + k] = int(gguf.TokenType.USER_DEFINED)
+        return v
+
+    with pytest_monkeypatch() as mp:
+        mp.setattr(synth_tokenizer, "CHAT_TEMPLATE", TOOL_TEMPLATE)
+        mp.setattr(synth_tokenizer, "build_vocab", vocab_with_answer)
+        write_synthetic(path, like="tiny", quant="f32")
+    reader = gguf.GGUFReader(str(path), "r+")
+    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in reader.fields["tokenizer.ggml.tokens"].data]
+    newline = "\u010a"      # the newline byte's character in the byte-level vocabulary
+    chain = [tokens.index(newline)] + [tokens.index(t) for t in TOOL_ANSWER] \
+        + [tokens.index("<|im_end|>")]
+    tensors = {t.name: t.data for t in reader.tensors}
+    embd, out = tensors["token_embd.weight"], tensors["output.weight"]
+    basis, _ = np.linalg.qr(np.random.default_rng(7).standard_normal((embd.shape[1], len(chain))))
+    for k, tid in enumerate(chain):
+        embd[tid] = basis[:, k] * 8.0
+    out[:] = 0.0
+    for k in range(len(chain) - 1):
+        out[chain[k + 1]] = basis[:, k] * 8.0
+    tensors["output_norm.weight"][:] = 1.0
+    for name, data in tensors.items():
+        if name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
+            data[:] = 0.0
+    reader.data.flush()
+
+
+def pytest_monkeypatch():
+    import pytest
+    return pytest.MonkeyPatch.context()

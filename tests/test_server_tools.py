@@ -1,13 +1,20 @@
-"""Tool calls, the parser alone: the model's `<tool_call>` blocks become OpenAI `tool_calls`, whole
+"""Tool calls. The parser alone: the model's `<tool_call>` blocks become OpenAI `tool_calls`, whole
 or streamed in pieces of any size (each answer is split at every character and must assemble to
-the whole-text parse), and the request's tools and tool messages are checked."""
+the whole-text parse), and the request's tools and tool messages are checked. End to end: the
+official client against `strata-launch --port` on a CPU rank whose model answers with a tool call
+(server_helpers.write_tool_calling_model), streaming and not, and the call's round trip."""
 from __future__ import annotations
 
 import itertools
 import json
 
+import openai
 import pytest
 
+from server_helpers import TOOL_ANSWER, ServerProcess, write_tool_calling_model
+from strata_dist.server.openai_api import ApiError, Limits, parse_chat
+from strata_dist.synth import write_synthetic
+from strata_dist.tokenizer import GGUFTokenizer
 from strata_dist.server.tools import (TAGGED_JSON, ToolCallStream, ToolRequestError, check_message_tools,
                                       check_tools, join_deltas, parse_tool_text, tool_format)
 
@@ -129,3 +136,110 @@ def test_check_message_tools():
     with pytest.raises(ToolRequestError) as e:
         check_message_tools(2, {"role": "user", "content": "x", "tool_calls": []})
     assert e.value.param == "messages[2].tool_calls"
+
+
+# ---- end to end: a real server whose model calls a tool ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "tool.gguf"
+    write_tool_calling_model(path)
+    s = ServerProcess(str(path), "--cpu-ranks", "1", "--vram-budget", "1G", "--max-context", "4096")
+    yield s
+    s.close()
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_tool_call_comes_back_parsed(tool_server):
+    client = tool_server.client()
+    r = client.chat.completions.create(model="tool", messages=ASK, tools=[WEATHER_TOOL],
+                                       temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    (tc,) = choice.message.tool_calls
+    assert tc.type == "function" and tc.id.startswith("call_") and tc.function.name == "get_weather"
+    assert json.loads(tc.function.arguments) == {"city": "Paris"}
+    # without tools (or with tool_choice none) the same answer is text
+    for extra in ({}, {"tools": [WEATHER_TOOL], "tool_choice": "none"}):
+        r = client.chat.completions.create(model="tool", messages=ASK, temperature=0, **extra)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == "".join(TOOL_ANSWER)
+
+
+def test_a_tool_call_streams_name_then_arguments(tool_server):
+    client = tool_server.client()
+    stream = client.chat.completions.create(model="tool", messages=ASK, tools=[WEATHER_TOOL],
+                                            temperature=0, stream=True)
+    deltas, finish, token_ids = [], None, []
+    for chunk in stream:
+        c = chunk.choices[0]
+        token_ids += c.model_extra["token_ids"]
+        d = c.delta.model_dump(exclude_none=True)
+        d.pop("role", None)
+        if d.get("content") == "":
+            d.pop("content")
+        if d:
+            deltas.append(d)
+        finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    named = [i for i, d in enumerate(deltas) if d.get("tool_calls") and
+             d["tool_calls"][0].get("function", {}).get("name")]
+    argued = [i for i, d in enumerate(deltas) if d.get("tool_calls") and
+              d["tool_calls"][0]["function"].get("arguments")]
+    assert named and argued and named[0] < argued[0]
+    content, calls = join_deltas(deltas)
+    assert content == "Checking." and len(calls) == 1
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert len(token_ids) == len(TOOL_ANSWER) + 1     # every token id still arrives, end included
+
+
+def test_the_round_trip_renders_the_call_and_its_result(tool_server):
+    """The assistant's call and the tool's answer go back in the history: accepted, and rendered
+    by the template (the prompt's token count is the template's text's)."""
+    client = tool_server.client()
+    first = client.chat.completions.create(model="tool", messages=ASK, tools=[WEATHER_TOOL],
+                                           temperature=0)
+    tc = first.choices[0].message.tool_calls[0]
+    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tc.id, "content": "9 C, rain"}]
+    r = client.chat.completions.create(model="tool", messages=history, tools=[WEATHER_TOOL],
+                                       temperature=0, max_tokens=3)
+    tok = GGUFTokenizer.from_gguf(tool_server.model)
+    rendered = tok.apply_chat_template(
+        [ASK[0], {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": tc.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "tool_call_id": tc.id, "content": "9 C, rain"}], tools=[WEATHER_TOOL])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+        in rendered and "<tool_response>\n9 C, rain\n</tool_response>" in rendered
+    assert r.usage.prompt_tokens == len(tok.encode(rendered))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tool", messages=history[:2] + [
+            {"role": "tool", "content": "no id"}], tools=[WEATHER_TOOL])
+    assert e.value.body["param"] == "messages[2].tool_call_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tool", messages=ASK, tools=[WEATHER_TOOL],
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+
+
+def test_tools_for_a_template_without_a_tool_format_are_refused(tmp_path):
+    """The plain synthetic template never writes <tool_call>: tools get a 400 naming the
+    template, not a silent answer without them (the real tokenizer and request parser)."""
+    path = tmp_path / "plain.gguf"
+    write_synthetic(path, like="tiny", quant="f32")
+    tok = GGUFTokenizer.from_gguf(path)
+    lim = Limits(("plain",), 4096, tok.vocab_size, tok)
+    body = {"model": "plain", "messages": ASK, "tools": [WEATHER_TOOL]}
+    with pytest.raises(ApiError) as e:
+        parse_chat(body, lim)
+    assert e.value.status == 400 and e.value.param == "tools"
+    assert "chat template has no tool-call format" in e.value.message
+    assert not parse_chat(dict(body, tools=None), lim).parse_tools

@@ -26,6 +26,7 @@ from .metrics import make_registry, render
 from .monitor import PAGE
 from .status import MemoryProbe, RankView, status_value
 from .templates import RenderCancelled, TemplateRenderer
+from .tools import ToolCallStream
 from .worker import Job, NotReady, QueueFull, Worker
 
 log = logging.getLogger("strata.server")
@@ -255,8 +256,11 @@ def create_app(ctx: ServerContext):
                 if ev is None or ev.kind == "delta":
                     continue
                 if ev.kind == "done":
-                    build = oa.chat_response if kind == "chat" else oa.completion_response
-                    return JSONResponse(build(job.id, parsed.model, created, ev.result))
+                    if kind == "chat":
+                        return JSONResponse(oa.chat_response(job.id, parsed.model, created,
+                                                             ev.result, parsed.parse_tools))
+                    return JSONResponse(oa.completion_response(job.id, parsed.model, created,
+                                                               ev.result))
                 if ev.kind == "error":
                     return _error(oa.ApiError(ev.status, ev.message,
                                               type="server_error" if ev.status >= 500
@@ -270,13 +274,27 @@ def create_app(ctx: ServerContext):
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         model = parsed.model
+        # with tools, the text goes through the tool-call parser: a chunk per delta it gives, the
+        # token ids of text it holds back riding on the next chunk
+        tool_stream = ToolCallStream() if parsed.parse_tools else None
+        held_ids: list[int] = []
+
+        def tool_chunks(deltas: list[dict], ids: list[int]):
+            held_ids.extend(ids)
+            for d in deltas:
+                yield line(oa.chat_chunk(job.id, model, created, d, token_ids=held_ids[:]))
+                held_ids.clear()
+
         try:
             if kind == "chat":
                 yield line(oa.chat_chunk(job.id, model, created, {"role": "assistant", "content": ""}))
             while True:
                 ev = await job.events.get()
                 if ev.kind == "delta":
-                    if kind == "chat":
+                    if tool_stream is not None:
+                        for chunk_line in tool_chunks(tool_stream.push(ev.text), ev.token_ids):
+                            yield chunk_line
+                    elif kind == "chat":
                         yield line(oa.chat_chunk(job.id, model, created, {"content": ev.text},
                                                  token_ids=ev.token_ids))
                     else:
@@ -286,7 +304,14 @@ def create_app(ctx: ServerContext):
                     r = ev.result
                     chunk = oa.chat_chunk if kind == "chat" else oa.completion_chunk
                     first = {} if kind == "chat" else ""
-                    yield line(chunk(job.id, model, created, first, finish=r.finish_reason))
+                    finish = r.finish_reason
+                    if tool_stream is not None:
+                        for chunk_line in tool_chunks(tool_stream.finish(), []):
+                            yield chunk_line
+                        if tool_stream.calls:
+                            finish = oa.tool_finish(finish)
+                    yield line(chunk(job.id, model, created, first, finish=finish,
+                                     token_ids=held_ids or None))
                     if parsed.include_usage:
                         yield line(chunk(job.id, model, created, first, usage_value=oa.usage(r),
                                          empty=True))

@@ -12,6 +12,7 @@ from ..sampler import MAX_TOP_K, SamplingParams
 from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
 from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
 from .templates import RenderUnavailable, TemplateLimit, TemplateRenderer
+from .tools import ToolRequestError, check_message_tools, check_tools, parse_tool_text, tool_format
 from .worker import GenSpec, Result
 
 MAX_STOP_STRINGS = 16
@@ -47,6 +48,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str
+    parse_tools: bool = False     # the answer's <tool_call> blocks become tool_calls
 
 
 class Limits:
@@ -57,6 +59,7 @@ class Limits:
                  renderer: TemplateRenderer | None = None):
         self.model_ids, self.ctx, self.n_vocab, self.tok = model_ids, ctx, n_vocab, tok
         self.renderer = renderer
+        self.tool_format = tool_format(tok.chat_template)
         longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.tokens), default=1)
         self.bytes_per_token = max(1, min(longest, PROMPT_BYTES_PER_TOKEN))
         self.max_prompt_bytes = ctx * self.bytes_per_token
@@ -301,10 +304,14 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
         except TemplateError as e:
             raise _bad(f"messages[{i}].content", str(e)) from None
         n_bytes += _utf8_len(content)
-        clean.append(dict(m, role=role, content=content))
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _bad("tools", "'tools' must be a list", "invalid_type")
+        try:
+            clean.append(dict(check_message_tools(i, m), role=role, content=content))
+        except ToolRequestError as e:
+            raise _bad(e.param, str(e), e.code) from None
+    try:
+        tools, parse_tools = check_tools(body, lim.tool_format)
+    except ToolRequestError as e:
+        raise _bad(e.param, str(e), e.code) from None
     extra = _template_kwargs(body)
     # the rest the template may write out: the messages' other fields, the tools, the kwargs
     try:
@@ -318,7 +325,7 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
     salt = _cache_salt(body)
-    text = _render(lim, lim.tok.chat_context(clean, True, tools or None, extra), cancelled)
+    text = _render(lim, lim.tok.chat_context(clean, True, tools, extra), cancelled)
     lim.check_prompt_bytes(_utf8_len(text), "messages", "the chat prompt")
     try:
         ids = lim.tok.encode(text, add_special=True)
@@ -329,7 +336,7 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
     spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
                    stop_strings=stops, detok_context=_context(ids, lim),
                    cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt)
-    return Parsed(spec, stream, include_usage, model)
+    return Parsed(spec, stream, include_usage, model, parse_tools)
 
 
 def parse_completion(body: dict, lim: Limits,
@@ -379,13 +386,26 @@ def usage(r: Result) -> dict:
             "prompt_tokens_details": {"cached_tokens": r.reused}}
 
 
-def chat_response(job_id: str, model: str, created: int, r: Result) -> dict:
+def chat_response(job_id: str, model: str, created: int, r: Result,
+                  parse_tools: bool = False) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": r.text}
+    finish = r.finish_reason
+    if parse_tools:
+        content, calls = parse_tool_text(r.text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish = tool_finish(finish)
     return {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": created,
             "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                         "logprobs": None, "finish_reason": r.finish_reason,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": None, "finish_reason": finish,
                          "token_ids": r.token_ids}],
             "usage": usage(r), "timings": r.timings()}
+
+
+def tool_finish(finish_reason: str) -> str:
+    """An answer that called tools ends with "tool_calls" (one cut by max_tokens stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def completion_response(job_id: str, model: str, created: int, r: Result) -> dict:
