@@ -21,6 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import openai_api as oa
+from . import tokenize_api
 from .hosts import HostCheck
 from .metrics import make_registry, render
 from .monitor import PAGE
@@ -80,7 +81,7 @@ def _error(e: oa.ApiError) -> JSONResponse:
 
 
 def create_app(ctx: ServerContext):
-    registry = make_registry(ctx.status)
+    registry = make_registry(ctx.status, ctx.worker.latency)
     if not ctx.limits:
         raise ValueError("ServerContext.limits must be set")
     model_ids = ctx.limits.model_ids
@@ -190,6 +191,22 @@ def create_app(ctx: ServerContext):
     async def monitor(request: Request) -> Response:
         authorize(request)
         return HTMLResponse(PAGE)
+
+    async def tokenize(request: Request) -> Response:
+        authorize(request)
+        body = await json_body(request)
+        # on a worker thread: a long text takes a while to tokenize
+        return JSONResponse(await run_in_threadpool(tokenize_api.tokenize, body, ctx.limits))
+
+    async def detokenize(request: Request) -> Response:
+        authorize(request)
+        body = await json_body(request)
+        return JSONResponse(await run_in_threadpool(tokenize_api.detokenize, body, ctx.limits))
+
+    async def embeddings(request: Request) -> Response:
+        authorize(request)
+        raise oa.ApiError(404, tokenize_api.NO_EMBEDDINGS, type="not_found",
+                          code="embeddings_not_supported")
 
     async def chat(request: Request) -> Response:
         return await generate(request, "chat")
@@ -351,6 +368,9 @@ def create_app(ctx: ServerContext):
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={
         oa.ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})

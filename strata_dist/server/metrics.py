@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .status import hit_rates
@@ -98,9 +98,43 @@ class StrataCollector:
         yield rates
 
 
-def make_registry(status: Callable[[], dict]) -> CollectorRegistry:
+# Seconds. A request waits and answers in ms on a fast card and in minutes on CPU ranks or behind a
+# long queue; a token comes in about a millisecond to seconds.
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class LatencyHistograms:
+    """What the worker measures per request, for /metrics (not in a global registry: several
+    servers may live in one process)."""
+
+    def __init__(self):
+        self.queue_wait = Histogram(
+            "strata_queue_wait_seconds", "time a request waited in the queue before it ran",
+            buckets=REQUEST_BUCKETS, registry=None)
+        self.time_to_first_token = Histogram(
+            "strata_time_to_first_token_seconds",
+            "time from a request's arrival in the queue to its first generated token",
+            buckets=REQUEST_BUCKETS, registry=None)
+        self.inter_token = Histogram(
+            "strata_inter_token_latency_seconds", "time between consecutive generated tokens",
+            buckets=TOKEN_BUCKETS, registry=None)
+        self.request = Histogram(
+            "strata_request_latency_seconds",
+            "time from a request's arrival in the queue to its last token (requests that finish)",
+            buckets=REQUEST_BUCKETS, registry=None)
+
+    def all(self) -> tuple[Histogram, ...]:
+        return self.queue_wait, self.time_to_first_token, self.inter_token, self.request
+
+
+def make_registry(status: Callable[[], dict],
+                  latency: LatencyHistograms | None = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StrataCollector(status))
+    for h in latency.all() if latency else ():
+        reg.register(h)
     return reg
 
 

@@ -24,6 +24,7 @@ from ..coordinator import RankFailure, RankLost, RequestError
 from ..head import HeadSession
 from ..sampler import SamplingParams
 from ..tokenizer import GGUFTokenizer
+from .metrics import LatencyHistograms
 
 log = logging.getLogger("strata.server")
 
@@ -103,6 +104,7 @@ class Job:
         self.loop, self.events = loop, events
         self.cancelled = threading.Event()     # the client went away
         self.created = time.time()
+        self.queued_at = time.monotonic()
         self.on_cancel: Callable[["Job"], None] | None = None
 
     def cancel(self) -> None:
@@ -275,6 +277,7 @@ class Worker:
         self.stats_at = 0.0
         self.session_salt = ""             # the salt of the request whose tokens the session holds
         self.lost: dict[int, str] = {}     # stage ranks lost, until their replacements load
+        self.latency = LatencyHistograms()
         self._stop = threading.Event()
 
     # ---- from HTTP handlers (any thread) ----------------------------------------------------------
@@ -393,14 +396,23 @@ class Worker:
             return
         spec = job.spec
         stream = TextStream(self.tok, spec)
+        started = time.monotonic()
+        self.latency.queue_wait.observe(started - job.queued_at)
         with self.lock:
-            self.running, self.running_tokens, self.running_since = job, 0, time.monotonic()
+            self.running, self.running_tokens, self.running_since = job, 0, started
 
         failure: list[BaseException] = []
+        last_token_at: list[float] = []
 
         def on_token(t: int) -> None:
             try:
                 now = time.monotonic()
+                if last_token_at:
+                    self.latency.inter_token.observe(now - last_token_at[0])
+                    last_token_at[0] = now
+                else:
+                    self.latency.time_to_first_token.observe(now - job.queued_at)
+                    last_token_at.append(now)
                 self.decode_rate.add(1, now)
                 with self.lock:
                     if self.running_tokens == 0:
@@ -441,6 +453,7 @@ class Worker:
                             prompt_ms=out.prompt_ms, decode_ms=out.decode_ms)
             job.post(Event("done", result=result))
             outcome = "requests_ok"
+            self.latency.request.observe(time.monotonic() - job.queued_at)
             with self.lock:
                 self.totals["prompt_tokens"] += len(spec.prompt_ids)
                 self.totals["prompt_tokens_read"] += out.read
