@@ -134,6 +134,7 @@ def write_tool_calling_model(path) -> None:
     real ranks, sampler, detokenizer and server."""
     import gguf
     import numpy as np
+    import pytest
 
     import strata_dist.synth.tokenizer as synth_tokenizer
     from strata_dist.synth import write_synthetic
@@ -148,7 +149,7 @@ def write_tool_calling_model(path) -> None:
             v.token_types[first + k] = int(gguf.TokenType.USER_DEFINED)
         return v
 
-    with pytest_monkeypatch() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(synth_tokenizer, "CHAT_TEMPLATE", TOOL_TEMPLATE)
         mp.setattr(synth_tokenizer, "build_vocab", vocab_with_answer)
         write_synthetic(path, like="tiny", quant="f32")
@@ -171,8 +172,3 @@ def write_tool_calling_model(path) -> None:
         if name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
             data[:] = 0.0
     reader.data.flush()
-
-
-def pytest_monkeypatch():
-    import pytest
-    return pytest.MonkeyPatch.context()

@@ -52,6 +52,12 @@ CASES = [
      '"arguments": {</tool_call>', []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ("<tool_call>[1, 2]</tool_call>", "<tool_call>[1, 2]</tool_call>", []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": null}</tool_call>', None, [call("f", {}, "call_0")]),
+    ('<tool_call>{"name": "f", "parameters": {"a": "é"}}</tool_call>', None,
+     [call("f", {"a": "é"}, "call_0")]),
+    ("a\n\n<tool_call>{}</tool_call>\n b \n", "a\n\n<tool_call>{}</tool_call>\n b \n", []),
     ('x <tool_call>{"name": "f"', 'x <tool_call>{"name": "f"', []),      # cut by max_tokens
     ("<tool_call>", "<tool_call>", []),
     ("ends with <tool_c", "ends with <tool_c", []),
@@ -64,6 +70,8 @@ CASES = [
 @pytest.mark.parametrize("text,content,calls", CASES)
 def test_whole_text(text, content, calls):
     assert parse_tool_text(text, ids()) == (content, calls)
+    if not calls:               # without a call the text is the content, unchanged
+        assert content == (text or None)
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)

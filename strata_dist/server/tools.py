@@ -111,9 +111,13 @@ def _call_of(inside: str) -> tuple[str, str] | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj.get("arguments", obj.get("parameters"))
+    if args is None:
+        args = {}
     if isinstance(args, str):
         return obj["name"], args
+    if not isinstance(args, dict):       # OpenAI's arguments are an object
+        return None
     try:
         return obj["name"], json.dumps(args, ensure_ascii=False)
     except (ValueError, RecursionError):
