@@ -251,3 +251,31 @@ def test_tools_for_a_template_without_a_tool_format_are_refused(tmp_path):
     assert e.value.status == 400 and e.value.param == "tools"
     assert "chat template has no tool-call format" in e.value.message
     assert not parse_chat(dict(body, tools=None), lim).parse_tools
+
+
+def test_an_answer_cut_inside_a_call_is_text_streamed_or_not(tool_server):
+    """max_tokens cuts the answer at every token: streamed and whole answers agree, and a call
+    cut before its closing tag comes back as the raw text, finish_reason "length"."""
+    client = tool_server.client()
+    for n in range(1, len(TOOL_ANSWER) + 2):
+        whole = client.chat.completions.create(model="tool", messages=ASK, tools=[WEATHER_TOOL],
+                                               temperature=0, max_tokens=n).choices[0]
+        deltas, finish = [], None
+        for chunk in client.chat.completions.create(model="tool", messages=ASK, temperature=0,
+                                                    tools=[WEATHER_TOOL], max_tokens=n,
+                                                    stream=True):
+            d = chunk.choices[0].delta.model_dump(exclude_none=True)
+            d.pop("role", None)
+            deltas.append(d)
+            finish = chunk.choices[0].finish_reason or finish
+        content, calls = join_deltas(deltas)
+        assert finish == whole.finish_reason, n
+        assert content == whole.message.content, n
+        assert [c["function"] for c in calls] == \
+            [c.function.model_dump() for c in whole.message.tool_calls or []], n
+        if n < len(TOOL_ANSWER):
+            assert whole.finish_reason == "length" and not calls
+            assert whole.message.content == "".join(TOOL_ANSWER[:n])
+        else:
+            assert whole.finish_reason == ("length" if n == len(TOOL_ANSWER) else "tool_calls")
+            assert len(calls) == 1
