@@ -9,11 +9,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
+from bounded_run import run_bounded
 from launch_helpers import LineProcess, ServeSession, launcher_children, wait_gone, wait_or_kill
 
 TIMEOUT = 60
@@ -243,64 +243,6 @@ def test_sigint_during_startup_exits_quietly(model, delay, hangup_default):
 
 
 # ---- refusals bounded in time and memory ---------------------------------------------------------
-
-LIMIT_S, LIMIT_MB = 10.0, 500
-
-
-def run_bounded(argv: list[str], feed: bytes | None = None) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of a process that must end within LIMIT_S without passing
-    LIMIT_MB resident (peak, from wait4); past either it is killed and the test fails. `feed`:
-    its stdin."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if feed is None else subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out: dict[str, bytes] = {}
-    readers = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
-               for k, f in (("out", proc.stdout), ("err", proc.stderr))]
-    if feed is not None:
-        readers.append(threading.Thread(target=_feed, args=(proc.stdin, feed), daemon=True))
-    for t in readers:
-        t.start()
-    deadline = time.monotonic() + LIMIT_S
-    try:
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                break
-            rss = _rss_mb(proc.pid)
-            assert rss <= LIMIT_MB, f"{argv[3:]}: {rss:.0f} MB resident"
-            assert time.monotonic() < deadline, f"{argv[3:]}: still running after {LIMIT_S} s"
-            time.sleep(0.02)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            proc.wait(timeout=5)
-    for t in readers:
-        t.join(timeout=5)
-    peak = usage.ru_maxrss / 1024   # KiB on Linux
-    assert peak <= LIMIT_MB, f"{argv[3:]}: peak {peak:.0f} MB resident"
-    text = {k: v.decode(errors="replace") for k, v in out.items()}
-    return proc.returncode, text.get("out", ""), text.get("err", "")
-
-
-def _feed(pipe, data: bytes) -> None:
-    try:
-        pipe.write(data)
-        pipe.close()
-    except (BrokenPipeError, OSError):
-        pass
-
-
-def _rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
 
 def refused_at_once(argv: list[str], *needles: str) -> str:
     code, _, err = run_bounded(argv)
