@@ -1,5 +1,6 @@
 """Every weight-reading kernel x every stored type of the kernels' type table (kernels/weights.cuh
-FOR_EACH_TYPE: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) against
+FOR_EACH_TYPE: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the
+i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) against
 gguf-py's `dequantize` (tests/type_rows.py), the reference nobody here wrote:
 
 - dequant_rows / dequant_rows_f16 (QuantMatrix: the general path's experts, a prompt's dense
@@ -144,8 +145,12 @@ class Blobs:
         cp.cuda.runtime.freeHost(self.pinned)
 
 
+# each type with itself, and mixes as files mix them (an i-quant file's first ffn_down tensors
+# IQ3_S or Q2_K, K-quants for the 4-bit ones)
 PAIRS = [(t, t) for t in ALL_TYPES] + [(QT.Q4_0, QT.Q8_0), (QT.Q2_K, QT.Q3_K),
-                                       (QT.Q3_K, QT.Q6_K), (QT.Q4_K, QT.Q5_1), (QT.BF16, QT.Q4_1)]
+                                       (QT.Q3_K, QT.Q6_K), (QT.Q4_K, QT.Q5_1), (QT.BF16, QT.Q4_1),
+                                       (QT.IQ2_XXS, QT.IQ3_S), (QT.IQ1_M, QT.Q2_K),
+                                       (QT.IQ4_XS, QT.Q5_K)]
 
 
 @pytest.mark.parametrize("gate_up,down", PAIRS, ids=ids)

@@ -144,16 +144,14 @@ def test_decoders_build_for_the_gpu_with_every_type(tmp_path):
 def test_decoders_build_with_nvrtc_as_cupy_does():
     """The kernels reach the GPU through NVRTC (no system headers, __CUDA_ARCH__ always set: the
     tables are device arrays there): the same source, its headers inlined as kernels.source_text
-    inlines them."""
+    inlines them (weights.cuh brings iquants.cuh)."""
     import ctypes
     from test_kernels_compile import _cuda_include, _nvrtc
     from strata_dist.kernels import COMPILE_OPTIONS, source_text
     lib, include = _nvrtc(), _cuda_include()
     if lib is None or include is None:
         pytest.skip("no NVRTC library or CUDA headers")
-    seen: set[str] = set()
-    text = source_text("weights.cuh", seen) + source_text("iquants.cuh", seen) + \
-        DEVICE.split('#include "iquants.cuh"', 1)[1]
+    text = source_text("weights.cuh") + DEVICE.split('#include "iquants.cuh"', 1)[1]
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"iq.cu", 0, None, None) == 0
     opts = [o.encode() for o in (*COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}")]

@@ -1,7 +1,8 @@
 """The block decoders every weight-reading kernel uses (kernels/weights.cuh chunk8 / chunk8_q and
 quant_blocks.cuh), built for the host with nvcc and run over random rows of every type of the
-type table (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), against
-gguf-py's `dequantize`:
+type table (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the
+i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS), against gguf-py's
+`dequantize`:
 
 - chunk8 (the decoded weights of dequant_rows, embed_tokens, the row kernels' staged tiles and
   the non-factored dots) is gguf-py's float32, bit for bit, for every type but Q4_K and Q5_K,
@@ -9,7 +10,8 @@ gguf-py's `dequantize`:
   product, then the sum): within one unit in the last place of the weight there;
 - chunk8_q's parts (what the factored dots of the decode kernels read: integers q, the chunk's
   scale a and offset b) put together in gguf-py's order (a * q rounded, then + b) are gguf-py's
-  float32 bit for bit for every quantized type, and every q is an integer.
+  float32 bit for bit for every quantized type, and every q is an integer (IQ1_S / IQ1_M: a
+  whole number of eighths, their grid values plus or minus 1/8).
 
 Both conversions of stored integers to floats (CVT_MAGIC 1 and 0) are built. The GPU runs of the
 kernels themselves are tests/test_gpu_quant_types.py's. Skips where nvcc is not installed."""
@@ -28,6 +30,7 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 FUSED = {QT.Q4_K, QT.Q5_K}      # chunk8 keeps fmaf(a, q, b) for these
 WITH_MIN = {QT.Q4_1, QT.Q5_1, QT.Q2_K, QT.Q4_K, QT.Q5_K}      # b != 0 (weights.cuh has_min)
+EIGHTHS = {QT.IQ1_S, QT.IQ1_M}      # q = grid value +- 1/8 (iquants.cuh IQ1_DELTA)
 
 HARNESS = r"""
 #include <cstdio>
@@ -109,7 +112,8 @@ def test_block_decoders_are_gguf_py_bit_for_bit(decoder, qtype, synth):
     if qtype in (QT.F32, QT.F16, QT.BF16):
         return
     q, a, b = out[..., 8:16], out[..., 16:17], out[..., 17:18]
-    assert (q == np.round(q)).all() and np.abs(q).max() <= 128, qtype.name
+    steps = q * (8 if qtype in EIGHTHS else 1)
+    assert (steps == np.round(steps)).all() and np.abs(q).max() <= 128, qtype.name
     joined = (a * q).astype(np.float32)                        # float32: rounded, then added
     if qtype in WITH_MIN:
         joined = joined + b

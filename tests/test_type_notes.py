@@ -46,20 +46,20 @@ def test_every_block_type_of_the_kernels_is_priced_as_stored(tmp_path):
 
 
 def test_a_type_without_a_kernel_is_named_with_its_cost(tmp_path):
-    g = _file(tmp_path, {"blk.0.attn_q.weight": QT.IQ4_NL, "blk.0.attn_k.weight": QT.Q4_0,
-                         "blk.0.ffn_gate_exps.weight": QT.IQ4_NL,
-                         "blk.0.ffn_up_exps.weight": QT.IQ4_NL,
+    g = _file(tmp_path, {"blk.0.attn_q.weight": QT.TQ2_0, "blk.0.attn_k.weight": QT.Q4_0,
+                         "blk.0.ffn_gate_exps.weight": QT.TQ2_0,
+                         "blk.0.ffn_up_exps.weight": QT.TQ2_0,
                          "blk.0.ffn_down_exps.weight": QT.Q6_K,
                          "blk.1.ffn_gate_exps.weight": QT.Q2_K, "blk.1.ffn_up_exps.weight": QT.Q2_K,
                          "blk.1.ffn_down_exps.weight": QT.Q3_K})
     q = g.tensor("blk.0.attn_q.weight")
     assert dense_nbytes(q, "cuda", False) == 2 * N_FF * N_EMBD          # decoded to f16
-    # IQ4_NL: 18 bytes a 32 weights, so its f16 copy is 64 / 18 = 3.6 times the bytes
-    assert dense_type_note(q) == "blk.0.attn_q.weight: IQ4_NL read as f16, 3.6x the bytes"
+    # TQ2_0 (ternary): 66 bytes a 256 weights, so its f16 copy is 512 / 66 = 7.8 times the bytes
+    assert dense_type_note(q) == "blk.0.attn_q.weight: TQ2_0 read as f16, 7.8x the bytes"
     assert dense_type_note(g.tensor("blk.0.attn_k.weight")) is None
     notes = expert_type_notes(g, 0)
-    assert len(notes) == 2 and all("has no GPU kernel" in n and "7.1x the bytes" in n
+    assert len(notes) == 2 and all("has no GPU kernel" in n and "15.5x the bytes" in n
                                    for n in notes), notes
-    assert notes[0].startswith("blk.0.ffn_gate_exps.weight: IQ4_NL")
-    assert notes[1].startswith("blk.0.ffn_up_exps.weight: IQ4_NL")
+    assert notes[0].startswith("blk.0.ffn_gate_exps.weight: TQ2_0")
+    assert notes[1].startswith("blk.0.ffn_up_exps.weight: TQ2_0")
     assert expert_type_notes(g, 1) == [] and expert_type_notes(g, 7) == []

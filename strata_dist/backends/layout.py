@@ -3,7 +3,8 @@ loader and the planner (model_shape), so priced and loaded sizes cannot disagree
 
 CPU ranks: float32. GPU ranks: norms and routers float32; F16 matrices and those of every block
 type the kernels read (kernels/weights.cuh's type table, kernels/abi.py KERNEL_TYPES: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16) as stored: every weight-reading kernel (the
+Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 and the i-quants IQ1_S, IQ1_M, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) as stored: every weight-reading kernel (the
 decode matvecs and expert kernels, the prompt's row kernels and dequantize-to-f16 GEMMs, the reads
 of host-mapped and helper blobs) reads these blocks directly, and they decode exactly (rounding a
 quantized weight to f16 would move it, and a near-tie in routing then flips an expert); anything

@@ -17,12 +17,19 @@ DESC_WORDS = DESC_TOKENS + MAX_ROWS   # the step descriptor: position, rows, tok
 # alignment their loads need: a row (and a blob part) of that type must start on it
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 8, 12, 13, 14
 Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, BF16 = 2, 3, 6, 7, 10, 11, 30
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M = 16, 17, 18, 19, 20, 21, 22, \
+    23, 29
+IQUANTS = (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS)
+# the i-quants' blocks leave rows 2-byte aligned only (iquants.cuh reads them as u16 words)
 KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2,
-                BF16: 16, Q4_0: 2, Q4_1: 4, Q5_0: 2, Q5_1: 4, Q2_K: 4, Q3_K: 2}
+                BF16: 16, Q4_0: 2, Q4_1: 4, Q5_0: 2, Q5_1: 4, Q2_K: 4, Q3_K: 2,
+                **{t: 2 for t in IQUANTS}}
 # the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE)
 TYPE_NAMES = {F32: "f32", F16: "f16", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k",
               BF16: "bf16", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1",
-              Q2_K: "q2_k", Q3_K: "q3_k"}
+              Q2_K: "q2_k", Q3_K: "q3_k", IQ1_S: "iq1_s", IQ1_M: "iq1_m", IQ2_XXS: "iq2_xxs",
+              IQ2_XS: "iq2_xs", IQ2_S: "iq2_s", IQ3_XXS: "iq3_xxs", IQ3_S: "iq3_s",
+              IQ4_NL: "iq4_nl", IQ4_XS: "iq4_xs"}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)

@@ -10,21 +10,10 @@
 // (kernels/gen_iq_tables.py). Blocks of 66, 74, 82, 98, 110, 50 and 18 bytes leave rows 2-byte
 // aligned only, so the stored bytes are read as u16 (or u8) words.
 //
-// Included by weights.cuh after its helpers (ldw, h2f, small_int_to_float), as quant_blocks.cuh
-// is; until weights.cuh dispatches to it, a source includes weights.cuh and then this.
+// Included by weights.cuh after its helpers (ldw, h2f, small_int_to_float) and its type ids
+// (T_IQ*), as quant_blocks.cuh is; weights.cuh's chunk8_q dispatches to iq_chunk8_q.
 #pragma once
 #include "iq_tables.cuh"
-
-// GGML type ids, as in the GGUF file
-#define T_IQ2_XXS 16
-#define T_IQ2_XS 17
-#define T_IQ3_XXS 18
-#define T_IQ1_S 19
-#define T_IQ4_NL 20
-#define T_IQ3_S 21
-#define T_IQ2_S 22
-#define T_IQ4_XS 23
-#define T_IQ1_M 29
 
 HOST_DEVICE constexpr bool is_iquant(int T) {
     return T == T_IQ2_XXS || T == T_IQ2_XS || T == T_IQ3_XXS || T == T_IQ1_S || T == T_IQ4_NL ||

@@ -1,7 +1,8 @@
 // How the kernels read weights, shared by every kernel source: the stored block formats (F32,
-// F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K here; Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K in quant_blocks.cuh)
-// decoded 8 columns ("a chunk") at a time, exactly as gguf-py decodes them, and the dot products
-// of a block of threads against float32 activations.
+// F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K here; Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K in quant_blocks.cuh;
+// the i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS in
+// iquants.cuh) decoded 8 columns ("a chunk") at a time, exactly as gguf-py decodes them, and the
+// dot products of a block of threads against float32 activations.
 //
 // Every type the kernels read is one line of FOR_EACH_TYPE below (its kernels' suffix, GGML id,
 // block columns and bytes) and one case of chunk8_q (or chunk8 for float types): the per-type
@@ -56,17 +57,36 @@ HOST_DEVICE V ldw(const V* p) {
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ2_XXS 16
+#define T_IQ2_XS 17
+#define T_IQ3_XXS 18
+#define T_IQ1_S 19
+#define T_IQ4_NL 20
+#define T_IQ3_S 21
+#define T_IQ2_S 22
+#define T_IQ4_XS 23
+#define T_IQ1_M 29
 #define T_BF16 30
 
 // THE TYPE TABLE: every stored type the kernels read, X(kernel suffix, id, block columns, block
 // bytes). The hot kernels exist once per line (decode.cu's matvec_*, experts.cuh's moe_*,
 // experts_rows.cu's moe_*_rows*), DISPATCH_TYPE switches over the lines, block_cols / block_bytes
 // read the sizes. A new type: its line here and its case in chunk8_q.
-#define FOR_EACH_TYPE(X)                                                                      \
+// A build may define a table of fewer lines first (a header given to nvcc with --pre-include;
+// nvcc splits a -D value at its commas): the compile tests do, for the builds that check what
+// does not depend on the type (a kernel shape's other -D values, the argument tables), since each
+// line costs every such build seconds. The runners (kernels/__init__.py, prebuild.py) always
+// build the whole table.
+#ifndef FOR_EACH_TYPE
+#define FOR_EACH_TYPE(X)                                                                   \
     X(f32, T_F32, 1, 4) X(f16, T_F16, 1, 2) X(q8_0, T_Q8_0, 32, 34) X(q4_k, T_Q4_K, 256, 144) \
-    X(q5_k, T_Q5_K, 256, 176) X(q6_k, T_Q6_K, 256, 210) X(bf16, T_BF16, 1, 2)                 \
-    X(q4_0, T_Q4_0, 32, 18) X(q4_1, T_Q4_1, 32, 20) X(q5_0, T_Q5_0, 32, 22)                   \
-    X(q5_1, T_Q5_1, 32, 24) X(q2_k, T_Q2_K, 256, 84) X(q3_k, T_Q3_K, 256, 110)
+    X(q5_k, T_Q5_K, 256, 176) X(q6_k, T_Q6_K, 256, 210) X(bf16, T_BF16, 1, 2)              \
+    X(q4_0, T_Q4_0, 32, 18) X(q4_1, T_Q4_1, 32, 20) X(q5_0, T_Q5_0, 32, 22)                \
+    X(q5_1, T_Q5_1, 32, 24) X(q2_k, T_Q2_K, 256, 84) X(q3_k, T_Q3_K, 256, 110)             \
+    X(iq1_s, T_IQ1_S, 256, 50) X(iq1_m, T_IQ1_M, 256, 56) X(iq2_xxs, T_IQ2_XXS, 256, 66)   \
+    X(iq2_xs, T_IQ2_XS, 256, 74) X(iq2_s, T_IQ2_S, 256, 82) X(iq3_xxs, T_IQ3_XXS, 256, 98) \
+    X(iq3_s, T_IQ3_S, 256, 110) X(iq4_nl, T_IQ4_NL, 32, 18) X(iq4_xs, T_IQ4_XS, 256, 136)
+#endif
 
 #define TYPE_TABLE_COLS_(name, id, cols, bytes) T == id ? cols :
 #define TYPE_TABLE_BYTES_(name, id, cols, bytes) T == id ? bytes :
@@ -177,6 +197,10 @@ HOST_DEVICE float mul_rn(float a, float q) {
 }
 
 #include "quant_blocks.cuh"   // Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, BF16
+// The i-quants. Their grids, sign patterns and levels (iq_tables.cuh) are read from global
+// memory, through the cache, at every chunk: a first version, not measured against copies in
+// shared or constant memory.
+#include "iquants.cuh"
 
 // The 8 stored integers of chunk c (columns 8c .. 8c+7) of a quantized row as exact floats q and
 // the chunk's affine map: its weights are a * q + b (Q8_0 and Q6_K: b = 0), as gguf-py decodes
@@ -239,6 +263,8 @@ HOST_DEVICE void chunk8_q(const u8* __restrict__ row, int c, float* q, float& a,
                 q[2 * j + e] = small_int_to_float<32>(lo | (hb << 4));
             }
         }
+    } else if constexpr (is_iquant(T)) {
+        iq_chunk8_q<T, NC>(row, c, q, a, b);     // iquants.cuh
     } else {
         qb_chunk8_q<T, NC>(row, c, q, a, b);     // quant_blocks.cuh
     }
