@@ -3,7 +3,6 @@ real sockets) keeps serving through a flood of unauthenticated Heartbeats and lo
 Hellos cannot crowd out a rank's handshake; a huge frame on any exposed port is refused unread (the receiver's
 peak memory stays flat); `strata-dist calibrate --serve` listens on loopback by default and survives garbage."""
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from protocol.auth import client_mac, write_secret
 from protocol.messages import PROTOCOL_VERSION, Auth, AuthOk, Challenge, Heartbeat, Hello, Register, Release
 from strata_dist.coordinator import Coordinator
 from strata_dist.gguf_model import GGUFModel
+from test_cluster import free_ports
+from test_sealed_links import listening_ports
 
 CHUNK = 16
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, 320, 40)]
@@ -33,17 +34,6 @@ def files(tmp_path_factory):
     model = write_gguf(tiny_qwen3moe(13, hidden=64, top_k=2, n_layers=4), d / "m.gguf", "f32")
     write_secret(str(d / "token"), SECRET)
     return {"model": str(model), "token": str(d / "token")}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def launch(files, port: int, *rank_flags: str) -> tuple[LineProcess, subprocess.Popen]:
@@ -86,25 +76,6 @@ def peak_growth(pid: int, action) -> int:
     before = _status(pid, "VmRSS")
     action()
     return _status(pid, "VmHWM") - before
-
-
-def listening_ports(pid: int) -> set[int]:
-    """The TCP ports `pid` listens on (its socket inodes matched in /proc/net/tcp)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:       # LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 class Flood(threading.Thread):
