@@ -137,9 +137,8 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, depth: int) -> Field:
         raise HeaderProblem(f"an array of {count} {etype.name} elements needs at least {least} "
                             f"bytes but the file has only {cur.left()} left", key=cur.key)
     if etype in _SCALAR_DTYPE:
-        n = count * _MIN_ELEMENT_BYTES[etype]
         values = np.frombuffer(cur.buf, dtype=_SCALAR_DTYPE[etype], count=count, offset=cur.pos)
-        cur.pos += n
+        cur.pos += least
         return Field(vtype, values.astype(bool) if etype == VT.BOOL else values.copy(), etype)
     if etype == VT.STRING:
         if count > MAX_STRING_ARRAY:

@@ -253,7 +253,7 @@ class GGUFModel:
         """The tensor, checked against the shape the architecture expects."""
         info = self.tensor(name)
         if info.shape != tuple(shape):
-            raise GGUFError(self.path, f"has shape {list(info.shape)}, expected {list(shape)}",
+            raise GGUFError(info.file or self.path, f"has shape {list(info.shape)}, expected {list(shape)}",
                             tensor=name)
         return info
 
@@ -292,7 +292,7 @@ class GGUFModel:
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in numpy shape, through gguf-py's decoders (every type it knows)."""
         info = self.tensor(name)
-        return dequantize_bytes(self.raw(name), info.ggml_type, info.shape, self.path, name)
+        return dequantize_bytes(self.raw(name), info.ggml_type, info.shape, info.file or self.path, name)
 
     # ---- experts --------------------------------------------------------------------------------
     def expert_parts(self, layer: int) -> list[TensorInfo]:
@@ -339,7 +339,7 @@ class GGUFModel:
     def dequantize_expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [ff, embd], up [ff, embd], down [embd, ff]) of one expert, float32."""
         blob = self.expert_blob(layer, expert)
-        return tuple(dequantize_bytes(b, t.ggml_type, t.shape[1:], self.path, t.name)
+        return tuple(dequantize_bytes(b, t.ggml_type, t.shape[1:], t.file or self.path, t.name)
                      for t, b in self.split_blob(layer, blob))
 
     def close(self) -> None:

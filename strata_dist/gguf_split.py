@@ -14,10 +14,12 @@ import re
 from dataclasses import dataclass
 
 from gguf import GGUFValueType as VT
+from gguf import Keys
 
 from .gguf_fields import Field, Header, HeaderProblem, check_layout, parse_header
 
-SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT,
+                                        Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
 SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MAX_SHARDS = 99999          # the five digits of a shard's number
 INTEGER_TYPES = {VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64}

@@ -19,6 +19,8 @@ from typing import Callable, Iterator, Protocol
 import gguf
 import numpy as np
 
+from ..gguf_split import shard_name
+
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "K": 1000, "M": 1000 ** 2, "G": 1000 ** 3}
 
@@ -44,7 +46,7 @@ def parse_size(text: str) -> int:
 def shard_path(path: Path, index: int, count: int) -> Path:
     """Shard `index` (0-based) of `count` for the output `path` (`m.gguf` -> `m-00001-of-00003.gguf`)."""
     stem = path.name[:-5] if path.name.endswith(".gguf") else path.name
-    return path.with_name(f"{stem}-{index + 1:05d}-of-{count:05d}.gguf")
+    return path.with_name(shard_name(stem, index, count))
 
 
 def assign_shards(sizes: list[int], max_size: int) -> list[int]:
