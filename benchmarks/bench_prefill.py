@@ -119,7 +119,6 @@ def llama_arm(args) -> dict:
     arm = tuned_llama_arm(args.llama_bench, tests, args.prompts, 0)
     arm["runs"] = {n: {"tps": arm["prefill_tok_s"][str(n)], "tps_each": arm["tps_each"][str(n)]}
                    for n in args.prompts}
-    arm["cards"] = 1
     return arm
 
 
@@ -142,7 +141,7 @@ def save(args, recorder: Recorder, results: dict) -> str:
     arms = []
     for k, r in results.items():
         if k == "llama.cpp":
-            arms.append({key: v for key, v in r.items() if key not in ("runs", "cards")})
+            arms.append({key: v for key, v in r.items() if key != "runs"})
             continue
         arm = {"name": arm_name(k, r), "gpus": r.get("cards", 1), "command": r["command"],
                "prefill_tok_s": {str(n): round(run["tps"], 1) for n, run in r["runs"].items()},

@@ -67,7 +67,7 @@ if [ -n "$LB" ]; then
   if [ -x "$LB" ]; then LLAMA=(--llama-bench "$LB")
   elif [ "$PRINT" = 1 ]; then LLAMA=(--llama-bench "$LB" --llama-wait 60)   # as a first call gives
   elif [ "$CPU" = 0 ] && [ -f .anchor/llamacpp-anchor.sh ]; then
-    [ "$PRINT" = 1 ] || (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
+    (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
     LLAMA=(--llama-bench "$LB" --llama-wait 60)
   else
     echo "error: no llama-bench at $LB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2

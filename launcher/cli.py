@@ -15,7 +15,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "strata-launch":
 import argparse
 import json
 
-from protocol.bounded_read import KIB, MIB, read_capped
+from protocol.bounded_read import KEY_FILE_MAX, MIB, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
@@ -35,7 +35,6 @@ from .spawn import RankSpec
 DEFAULT_CPU_BUDGET = "8G"
 # files named by flags are read up to these (protocol/bounded_read.py): a key is a line, an
 # inventory a few hundred bytes a device
-KEY_FILE_MAX = 64 * KIB
 INVENTORY_FILE_MAX = 4 * MIB
 
 

@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Mapping
 
-from .bounded_read import KIB, FileTooLarge, read_capped
+from .bounded_read import KEY_FILE_MAX, FileTooLarge, read_capped
 from .messages import (ERR_AUTH, ERR_FINGERPRINT, ERR_VERSION, PROTOCOL_VERSION, Auth, AuthOk, Challenge, Error,
                        Hello, Message, ProtocolError, Register, VersionMismatch)
 from .transport import CONNECT_TIMEOUT_MS, Channel
@@ -40,7 +40,6 @@ from .transport import CONNECT_TIMEOUT_MS, Channel
 SECRET_ENV = "STRATA_TOKEN"
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16  # shorter secrets are refused: they can be guessed offline from one recorded exchange
-SECRET_FILE_MAX = 64 * KIB  # a token file past this is not a token (/dev/zero, a log): refused unread
 _SERVER_TAG = b"strata-server\0"
 _CHALLENGE_TAG = b"strata-challenge\0"
 CHALLENGE_WINDOW_S = 30.0   # a challenge is answered within its window or the next: 30 to 60 s (replies wait 10 s)
@@ -70,7 +69,7 @@ def load_secret(token_file: str | None = None, environ: Mapping[str, str] | None
     environ = os.environ if environ is None else environ
     if token_file:
         try:
-            raw, source = read_capped(token_file, SECRET_FILE_MAX, "--token-file"), f"token file {token_file}"
+            raw, source = read_capped(token_file, KEY_FILE_MAX, "--token-file"), f"token file {token_file}"
         except FileTooLarge as e:
             raise AuthError(str(e)) from None
         except OSError as e:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 KIB, MIB = 1 << 10, 1 << 20
+# a key, token or CURVE key file is a few lines: past this it is not one (/dev/zero, a log)
+KEY_FILE_MAX = 64 * KIB
 
 
 class FileTooLarge(ValueError):
@@ -25,4 +27,4 @@ def read_capped(path: str | os.PathLike[str], cap: int, flag: str) -> bytes:
     return data
 
 
-__all__ = ["FileTooLarge", "KIB", "MIB", "read_capped"]
+__all__ = ["FileTooLarge", "KEY_FILE_MAX", "KIB", "MIB", "read_capped"]

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
-from .bounded_read import KIB, read_capped
+from .bounded_read import KEY_FILE_MAX, read_capped
 from .codec import decode, encode
 from .messages import Message, ProtocolError
 from .seal import LinkEnd, LinkSeal
@@ -79,7 +79,6 @@ _deployment_curve: CurveKeys | None = None
 
 CURVE_SECRET_FILE = "server.key_secret"   # zmq.auth certificate format (public + secret); keep it 0600
 CURVE_PUBLIC_FILE = "server.key"          # the public half only
-CURVE_KEY_FILE_MAX = 64 * KIB             # a key file is a few lines: past this, refused unread
 
 
 def use_curve(keys: CurveKeys | None) -> None:
@@ -124,7 +123,7 @@ def load_curve_keys(directory: str) -> CurveKeys:
     path = os.path.join(directory, CURVE_SECRET_FILE)
     keys: dict[str, bytes] = {}
     try:
-        text = read_capped(path, CURVE_KEY_FILE_MAX, "--curve-keys").decode("utf-8", errors="replace")
+        text = read_capped(path, KEY_FILE_MAX, "--curve-keys").decode("utf-8", errors="replace")
         for line in text.splitlines():
             key, sep, value = line.strip().partition("=")
             if sep and key.strip() in ("public-key", "secret-key"):
@@ -441,7 +440,7 @@ class RouterChannel(Channel):
         try:
             self.send_frames(frames, copy=copy, timeout_ms=timeout_ms, what=msg.TYPE)
         except PeerGone:
-            raise PeerGone(_show(identity), msg.TYPE) from None
+            raise PeerGone(show_identity(identity), msg.TYPE) from None
 
     def recv(self, timeout_ms: int = RECV_TIMEOUT_MS, *,  # type: ignore[override]
              what: str = "a message") -> tuple[bytes, Message, list[np.ndarray]]:
@@ -457,7 +456,7 @@ class RouterChannel(Channel):
     def parse(frames: list) -> tuple[bytes, Message, list[np.ndarray]]:
         """(identity, message, arrays) of frames from recv_raw; ProtocolError as recv."""
         identity = frames[0].bytes
-        msg, arrays = _decode_from(frames[1:], _show(identity), identity)
+        msg, arrays = _decode_from(frames[1:], show_identity(identity), identity)
         return identity, msg, arrays
 
 
@@ -471,10 +470,6 @@ def peer_address(frame) -> str | None:
 
 def show_identity(identity: bytes) -> str:
     """A routing identity as text (printable as is, else hex)."""
-    return _show(identity)
-
-
-def _show(identity: bytes) -> str:
     try:
         s = identity.decode()
         if s.isprintable():

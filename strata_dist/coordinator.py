@@ -146,8 +146,7 @@ class Coordinator:
         self.ranks = slots
         return slots
 
-    def _on_control(self, identity: bytes, msg, frame=None) -> None:
-        stranger = not self.auth.is_authenticated(identity)
+    def _on_control(self, identity: bytes, msg, frame, stranger: bool) -> None:
         reply = self.auth.guard(identity, msg)
         if reply is not None:
             self._send(identity, reply, stranger=stranger)
@@ -378,14 +377,12 @@ class Coordinator:
         events = []
         if self.poller.poll(int(wait_s * 1000)):
             for _ in range(CONTROL_BATCH):
-                if not self.control.poll(0) or not self._control_one():
+                if not self._control_one():
                     break
             for _ in range(INBOX_BATCH):
-                if not self.inbox.poll(0):
-                    break
                 try:
                     msg, _ = self.inbox.recv(timeout_ms=0)
-                except ProtocolTimeout:   # only frames that did not prove themselves (dropped, counted)
+                except ProtocolTimeout:   # nothing waiting, or only frames that did not prove themselves
                     break
                 except ProtocolError as e:  # garbage: dropped, never fatal
                     self._refused(b"the inbox", None, f"dropped an invalid message on the inbox: {e}",
@@ -420,7 +417,7 @@ class Coordinator:
         except ProtocolError as e:  # garbage from a peer: dropped, never fatal
             self._refused(identity, frames[0], f"dropped an invalid message: {e}", stranger, say=_warn)
             return True
-        self._on_control(identity, msg, frames[0])
+        self._on_control(identity, msg, frames[0], stranger)
         return True
 
     def _check_heartbeats(self) -> None:

@@ -8,20 +8,20 @@ IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS) as stored: every weight-reading k
 decode matvecs and expert kernels, the prompt's row kernels and dequantize-to-f16 GEMMs, the reads
 of host-mapped and helper blobs) reads these blocks directly, and they decode exactly (rounding a
 quantized weight to f16 would move it, and a near-tie in routing then flips an expert); anything
-else is decoded to f16, and `slow_type_notes` names each such tensor at load with its cost."""
+else is decoded to f16, and `dense_type_note` / `expert_type_notes` name each such tensor at load
+with its cost."""
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..gguf_model import TensorInfo
+from ..gguf_model import EXPERT_PARTS, TensorInfo
 from ..kernels.abi import KERNEL_TYPES
 
 T = GGMLQuantizationType
 # block types the kernels read (every kernel that reads weights has a build for each: one table)
 GPU_NATIVE_QUANTS = frozenset(T(t) for t in KERNEL_TYPES) - {T.F32, T.F16}
 GPU_NATIVE_DENSE = GPU_NATIVE_QUANTS | {T.F16}
-EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def dense_nbytes(info: TensorInfo, device_kind: str, keep_f32: bool) -> int:
@@ -40,7 +40,7 @@ def _ratio(wide_bytes: int, info: TensorInfo) -> str:
 def dense_type_note(info: TensorInfo) -> str | None:
     """The line naming a dense matrix a GPU rank keeps decoded to f16 because no kernel reads its
     stored type, with what that costs (None: read as stored, or F32, whose f16 copy is smaller)."""
-    if info.ggml_type in GPU_NATIVE_DENSE or info.ggml_type == T.F32:
+    if int(info.ggml_type) in KERNEL_TYPES:
         return None
     return (f"{info.name}: {info.ggml_type.name} read as f16, "
             f"{_ratio(2 * int(np.prod(info.shape)), info)}")

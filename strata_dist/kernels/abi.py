@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAX_ROWS = 8          # rows of one decode step (MAX_ROWS in decode.cu; plan.pricing.DECODE_ROWS)
 ATTN_CHUNK = 256      # keys per attention split (ATTN_CHUNK)
@@ -24,12 +24,8 @@ IQUANTS = (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS)
 KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2,
                 BF16: 16, Q4_0: 2, Q4_1: 4, Q5_0: 2, Q5_1: 4, Q2_K: 4, Q3_K: 2,
                 **{t: 2 for t in IQUANTS}}
-# the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE)
-TYPE_NAMES = {F32: "f32", F16: "f16", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k",
-              BF16: "bf16", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1",
-              Q2_K: "q2_k", Q3_K: "q3_k", IQ1_S: "iq1_s", IQ1_M: "iq1_m", IQ2_XXS: "iq2_xxs",
-              IQ2_XS: "iq2_xs", IQ2_S: "iq2_s", IQ3_XXS: "iq3_xxs", IQ3_S: "iq3_s",
-              IQ4_NL: "iq4_nl", IQ4_XS: "iq4_xs"}
+# the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE): the type's GGML name
+TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)

@@ -122,9 +122,10 @@ def create_app(ctx: ServerContext):
                 raise too_big
             raw += chunk
         most = max(MIN_JSON_SEPARATORS, 8 * ctx.limits.ctx)
-        if json_separators(raw) > most:
+        separators = json_separators(raw)
+        if separators > most:
             raise oa.ApiError(413, f"the request body holds more than {most} JSON values (it has "
-                                   f"{json_separators(raw)} ',', '[' and '{{', strings included)",
+                                   f"{separators} ',', '[' and '{{', strings included)",
                               code="request_too_large")
         try:
             body = json.loads(raw)
