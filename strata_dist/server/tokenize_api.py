@@ -5,23 +5,13 @@ Both request shapes clients send are read: `{"content": text}` and `{"prompt": t
 `max_model_len`; `content` and `prompt`)."""
 from __future__ import annotations
 
-from typing import Any
-
 from ..tokenizer import TextError
-from .openai_api import ApiError, Limits
+from .openai_api import ApiError, Limits, _bad, _is_int, _utf8_len
 
 # The served family (Qwen3 MoE decoders) defines no pooling of its hidden states into one vector:
 # any vector this server returned would be one it made up.
 NO_EMBEDDINGS = ("this server has no embeddings: the model family it serves (a decoder-only "
                  "mixture of experts) defines no pooling of its hidden states into an embedding")
-
-
-def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def tokenize(body: dict, lim: Limits) -> dict:
@@ -38,7 +28,7 @@ def tokenize(body: dict, lim: Limits) -> dict:
         raise _bad(add_key, f"'{add_key}' must be true or false, got {add_special!r}",
                    "invalid_type")
     # tokenizing costs hundreds of bytes of memory per byte of text: the prompt bound applies
-    lim.check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), key, f"'{key}'")
+    lim.check_prompt_bytes(_utf8_len(text), key, f"'{key}'")
     try:
         ids = lim.tok.encode(text, add_special=add_special)
     except TextError as e:
