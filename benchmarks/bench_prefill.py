@@ -56,10 +56,19 @@ PROMPT_TIMING = ("median of --repeats prompts read back to back after a warm-up 
                  "length: each carries the refill of the loan before it")
 
 
+def warm_up_prompt(n: int, vocab: int) -> list[int]:
+    return prompt_ids(n, 7 * n + 1, vocab)
+
+
+def repeat_prompt(n: int, rep: int, vocab: int) -> list[int]:
+    return prompt_ids(n, n + 104_729 * rep, vocab)
+
+
 def measured_prompts(args, vocab: int) -> list[list[int]]:
     """Every prompt the arms read: the warm-ups and the measured repeats."""
-    return [prompt_ids(n, seed, vocab) for n in args.prompts
-            for seed in [7 * n + 1] + [n + 104_729 * rep for rep in range(args.repeats)]]
+    return [p for n in args.prompts
+            for p in [warm_up_prompt(n, vocab)] + [repeat_prompt(n, rep, vocab)
+                                                  for rep in range(args.repeats)]]
 
 
 def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | None = None,
@@ -84,7 +93,7 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
             # warm-up: a prompt of every measured length first, so no figure carries what a
             # process does once per shape (kernel loads, the pool's first growth to that size)
             for n in args.prompts:
-                s.gen(prompt_ids(n, 7 * n + 1, vocab), 1, timeout=900)
+                s.gen(warm_up_prompt(n, vocab), 1, timeout=900)
             out = {"slots": info["expert_slots"], "loan_mib": stage.get("loan_mib", "0"), "runs": {},
                    "command": env_prefix(env) + "strata-launch --model M " + " ".join(flags)
                    + " --serve", "cards": len(cards), "tokens": []}
@@ -93,7 +102,7 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
                 # whole is read each time); the median, since one short prompt is noisy
                 times, stats = [], []
                 for rep in range(args.repeats):
-                    r = measured(s.gen(prompt_ids(n, n + 104_729 * rep, vocab), 1, "stats=1",
+                    r = measured(s.gen(repeat_prompt(n, rep, vocab), 1, "stats=1",
                                        timeout=900), f"the {n}-token prompt {rep + 1}")
                     times.append(float(r["done"][2]))
                     out["tokens"] += r["tokens"]
