@@ -17,10 +17,13 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
+GrammarKind = Literal["", "json_schema", "lark"]
+# the largest grammar a request carries: it rides in a data message's header (protocol/limits.py)
+MAX_GRAMMAR_BYTES = 1 << 16
 
 # Error.code values (free-form strings on the wire; these are the ones this repo emits).
 ERR_AUTH = "auth"                # wrong secret / handshake out of order
@@ -154,6 +157,18 @@ class Sampling(Struct):
     seed: int | None = None
     max_new: int = 0
     stop_ids: list[int] = field(default_factory=list)
+    # structured output (v12): the last stage draws only tokens this grammar allows
+    # (strata_dist/structured.py); "" = no grammar
+    grammar_kind: GrammarKind = ""
+    grammar: str = ""
+
+    def check(self, arrays: list) -> None:
+        if bool(self.grammar_kind) != bool(self.grammar):
+            raise ValueError(f"grammar_kind {self.grammar_kind!r} and grammar come together "
+                             f"(grammar has {len(self.grammar)} characters)")
+        n = len(self.grammar.encode("utf-8", "surrogatepass"))
+        if n > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"grammar is {n} bytes; at most {MAX_GRAMMAR_BYTES}")
 
 
 # ---------------------------------------------------------------- handshake (see auth.py)
