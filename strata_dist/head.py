@@ -82,7 +82,8 @@ class HeadSession:
         stops = set(stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
         sampling = Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             min_p=params.min_p, seed=params.seed,
-                            max_new=min(max_new, self.ctx - len(ids)), stop_ids=sorted(stops))
+                            max_new=min(max_new, self.ctx - len(ids)), stop_ids=sorted(stops),
+                            grammar_kind=params.grammar_kind, grammar=params.grammar)
         self.tokens = ids[:out.reused]
         at = (request_positions(out.reused, len(ids), self.chunk, self.checkpoint_every)
               if self.checkpoints is not None else [])

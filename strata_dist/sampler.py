@@ -17,6 +17,10 @@ class SamplingParams:
     top_p: float = 1.0            # 1: off
     min_p: float = 0.0            # 0: off
     seed: int | None = None
+    # structured output: the grammar the tokens must follow ("json_schema" or "lark" and its text;
+    # strata_dist/structured.py), drawn on the last stage through `masked_row`
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -65,3 +69,10 @@ class Sampler:
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
         probs = probs[:keep] / probs[:keep].sum()
         return int(order[self.rng.choice(keep, p=probs)])
+
+
+def masked_row(logits, allowed: np.ndarray) -> np.ndarray:
+    """A host copy of one row of logits in which the tokens not `allowed` (a bool per token) can
+    never be drawn: greedy or sampled, the draw then picks among the allowed only."""
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    return np.where(allowed, row, -np.inf)

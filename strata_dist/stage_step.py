@@ -14,12 +14,15 @@ import traceback
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+
 from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Tokens
 from protocol.messages import Sampling
 
 from .checkpoints import common_positions
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams, masked_row
 from .stage import Stage
+from .structured import GrammarError, GrammarMatcher, model_tokenizer
 
 log = logging.getLogger("strata.step")
 
@@ -45,6 +48,7 @@ class _Request:
     stop_ids: frozenset
     session_id: int
     generated: int = 0
+    grammar: GrammarMatcher | None = None   # structured output: what the tokens must follow
 
 
 class StageStep:
@@ -119,7 +123,8 @@ class StageStep:
         (the stage may then start that step before the host has this one's token)."""
         req = self.requests.get(msg.request_id)
         return (self.last and msg.sampling is None and req is not None
-                and req.sampler.params.greedy and req.generated + 1 < req.max_new)
+                and req.sampler.params.greedy and req.generated + 1 < req.max_new
+                and req.grammar is None)   # a grammar's draw needs the row, masked, on the host
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
@@ -147,6 +152,7 @@ class StageStep:
             if msg.chunk_index < msg.chunk_total - 1:
                 return sent
             self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
+            self._attach_grammar(self.requests[msg.request_id], msg.sampling)
         return sent + self._sample(msg, out, end)
 
     def _sample(self, msg: Tokens | Hidden, logits, end: int) -> list[Outbound]:
@@ -154,9 +160,14 @@ class StageStep:
         if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
             self.requests.pop(msg.request_id, None)
             return []
-        tok = req.sampler(logits)
+        try:
+            tok, finished = _draw(req, logits)
+        except GrammarError as e:   # the request ends with its error; the rank serves on
+            del self.requests[msg.request_id]
+            return [self.error(msg.request_id, f"rank {self.rank}: structured output: {e}")]
         req.generated += 1
-        reason = "stop" if tok in req.stop_ids else ("length" if req.generated >= req.max_new else "")
+        reason = ("stop" if tok in req.stop_ids or finished
+                  else ("length" if req.generated >= req.max_new else ""))
         sent = [Outbound(To.HEAD, Token(request_id=msg.request_id, session_id=msg.session_id,
                                         token_id=tok, pos=end, done=bool(reason), reason=reason))]
         if reason:
@@ -164,6 +175,23 @@ class StageStep:
             return sent
         return sent + [Outbound(To.FIRST, Tokens(request_id=msg.request_id,
                                                  session_id=msg.session_id, pos=end, ids=[tok]))]
+
+    def _attach_grammar(self, req: _Request, s: Sampling) -> None:
+        """A request with a grammar gets its matcher (built at its first draw, from the model's
+        tokenizer, read once per process)."""
+        if s.grammar_kind:
+            req.grammar = GrammarMatcher(s.grammar_kind, s.grammar,
+                                         lambda: model_tokenizer(self.stage.gguf))
+
+
+def _draw(req: _Request, logits) -> tuple[int, bool]:
+    """The next token, and whether the request's grammar is finished with it. With a grammar the
+    mask is applied to the host copy of the row (a device row is copied here, as for sampling)."""
+    if req.grammar is None:
+        return req.sampler(logits), False
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    tok = req.sampler(masked_row(row, req.grammar.allowed(len(row))))
+    return tok, req.grammar.advance(tok)
 
 
 def _rows_of(msg: Tokens | Hidden) -> int:
