@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import keyword
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..sampler import MAX_TOP_K, SamplingParams
 from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
 from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
+from .structured_api import StructuredRequestError, structured_grammar
 from .templates import RenderUnavailable, TemplateLimit, TemplateRenderer
 from .tools import ToolRequestError, check_message_tools, check_tools, parse_tool_text, tool_format
 from .worker import GenSpec, Result
@@ -166,10 +167,6 @@ def _unsupported(body: dict) -> None:
     lp = body.get("logprobs")
     if lp not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise _bad("logprobs", "'logprobs' is not supported", "unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise _bad("response_format", "only response_format {'type': 'text'} is supported",
-                   "unsupported_value")
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -185,6 +182,15 @@ def _sampling(body: dict) -> SamplingParams:
     if seed is not None and seed < 0:
         seed = seed % 2 ** 64
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+
+
+def _with_grammar(body: dict, lim: Limits, sampling: SamplingParams) -> SamplingParams:
+    """Structured output: `response_format` / `grammar` checked (server/structured_api.py)."""
+    try:
+        kind, text = structured_grammar(body, lim.tok)
+    except StructuredRequestError as e:
+        raise _bad(e.param, str(e), e.code) from None
+    return replace(sampling, grammar_kind=kind, grammar=text) if kind else sampling
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -321,7 +327,7 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
         raise _bad("messages", "the chat is nested too deeply") from None
     n_bytes += _utf8_len(rest)
     lim.check_prompt_bytes(n_bytes, "messages", "the chat's text")
-    sampling = _sampling(body)
+    sampling = _with_grammar(body, lim, _sampling(body))
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
     salt = _cache_salt(body)
@@ -361,7 +367,7 @@ def parse_completion(body: dict, lim: Limits,
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
     else:
         raise _bad("prompt", "'prompt' must be a string or a list of token ids", "invalid_type")
-    sampling = _sampling(body)
+    sampling = _with_grammar(body, lim, _sampling(body))
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
     salt = _cache_salt(body)
