@@ -236,3 +236,33 @@ def test_cli_refusals_exit_2_naming_both_values(model48, rig, args, needles):
     assert last.startswith("error: ") and "Traceback" not in proc.stderr
     for n in needles:
         assert n in last, (n, last)
+
+
+def test_gpu_indices_become_the_ranks_running_them():
+    from strata_dist.plan.explicit import ranks_of_gpus
+    gpus = [2, 3, 0, 0]                                  # --gpus 2,3,0,0: ranks 2 and 3 share GPU 0
+    assert ranks_of_gpus(["3", "0"], gpus, "--stage-gpus 3,0") == ["1", "2", "3"]
+    with pytest.raises(PlanError, match=r"--stage-gpus 1: GPU 1 is not in --gpus 2,3,0,0"):
+        ranks_of_gpus(["1"], gpus, "--stage-gpus 1")
+    with pytest.raises(PlanError, match=r"GPU 0 runs 2 ranks .*a helper tier goes on one"):
+        ranks_of_gpus(["0"], gpus, "--expert-cache-device 0=100", one=True)
+
+
+def test_no_resident_cache_keeps_the_explicit_tier(seed):
+    shape, devs = seed
+    plan = make_plan(shape, devs, cells=CELLS, split=[30], stage_gpus=["0", "1"],
+                     params=PlanParams(stage_cache_slots=0, remote_auto=False),
+                     helper_tiers=[ExplicitTier("2", 500 * MIB)])
+    assert plan.expert_slots_stages == 0
+    assert [h.device.index for h in plan.live_helpers] == [2]
+    assert len(plan.live_helpers[0].pairs) == 500 * MIB // SEED_BLOB
+
+
+def test_cpu_ranks_are_named_by_their_numbers(model48):
+    proc = launch("--model", model48, "--plan-only", "--cpu-ranks", "3", "--stage-gpus", "2,0",
+                  "--layer-split", "20", "--expert-cache", "2", "--expert-cache-device", "1=1")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line[:1].isdigit()}
+    assert "stage 0" in rows["0"] and "[0, 20)" in rows["0"]
+    assert "stage 1" in rows["2"] and "[20, 48)" in rows["2"]
+    assert "helper (explicit)" in rows["1"] and "stage" not in rows["1"]
