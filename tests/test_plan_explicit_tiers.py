@@ -266,3 +266,13 @@ def test_cpu_ranks_are_named_by_their_numbers(model48):
     assert "stage 0" in rows["0"] and "[0, 20)" in rows["0"]
     assert "stage 1" in rows["2"] and "[20, 48)" in rows["2"]
     assert "helper (explicit)" in rows["1"] and "stage" not in rows["1"]
+
+
+def test_stage_cards_too_small_for_the_model_are_refused_with_the_numbers(seed):
+    shape, devs = seed
+    small = [replace(d, free_bytes=900 * MIB) if d.index < 2 else d for d in devs]
+    with pytest.raises(PlanError) as e:
+        make_plan(shape, small, cells=CELLS, stage_gpus=["0", "1"])
+    msg = str(e.value)
+    assert "over the --stage-gpus cards fits" in msg and "0 RTX 3060 900.0, 1 RTX 3060 900.0 MiB" in msg
+    assert "MiB at 32768 cells" in msg

@@ -24,7 +24,7 @@ from .search import (Placement, check_split_points, price_split, search, search_
                      search_fixed, shortfall_message)
 from .shape import ModelShape
 
-# 6: helper tiers say whether the operator sized them (explicit); 5: …
+# 6: helper tiers say whether the operator sized them (explicit)
 # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
 # read_ms); 2: *_stages totals
 PLAN_FORMAT = "strata-plan/6"
@@ -231,9 +231,9 @@ def _skip_if_fits(cm: CostModel, stage_set: Sequence[int] | None) -> Placement |
     return None
 
 
-def _no_fit_message(cm: CostModel, stage_set: Sequence[int] | None = None) -> str:
+def _no_fit_message(cm: CostModel) -> str:
     L = cm.shape.n_layers
-    biggest = max(range(len(cm.devices)) if stage_set is None else stage_set, key=lambda d: cm.free[d])
+    biggest = max(range(len(cm.devices)), key=lambda d: cm.free[d])
     w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice)
     return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
             f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
@@ -271,10 +271,10 @@ def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | 
 def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
     """--stage-gpus: one stage on each named card, in planning order; the split points explicit
     (as many stages as cards) or searched."""
-    names = ", ".join(cm.devices[d].label for d in stage_set)
     if not isinstance(split, str):
         return price_split(cm, split, stage_set)
     if split == "none" and len(stage_set) > 1:
+        names = ", ".join(cm.devices[d].label for d in stage_set)
         raise PlanError(f"one stage was asked, but --stage-gpus names {len(stage_set)} cards ({names})")
     if split not in ("auto", "none"):
         raise ValueError(f"split {split!r}: expected 'auto', 'none' or a sequence of split points")
@@ -283,8 +283,13 @@ def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
                         f"{cm.shape.n_layers} layers")
     p = search_fixed(cm, stage_set)
     if p is None:
-        raise PlanError(f"no split of the {cm.shape.n_layers} layers over the --stage-gpus cards "
-                        f"({names}) fits: {_no_fit_message(cm, stage_set)}")
+        L = cm.shape.n_layers
+        w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice)
+        free = ", ".join(f"{cm.devices[d].label} {cm.free[d] / MIB:.1f}" for d in stage_set)
+        raise PlanError(f"no split of the {L} layers over the --stage-gpus cards fits: the whole "
+                        f"model's dense weights and session need {(w + s) / MIB:.1f} MiB at "
+                        f"{cm.cells} cells before per-stage reserves; those cards have {free} MiB "
+                        f"free (after any explicit helper tier on them)")
     return p
 
 
