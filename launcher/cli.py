@@ -14,6 +14,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "strata-launch":
 
 import argparse
 import json
+from dataclasses import replace
 
 from protocol.bounded_read import KEY_FILE_MAX, MIB, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
@@ -27,6 +28,7 @@ from strata_dist.model_shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import (Device, PlanError, devices_from_json, make_plan, params_from_env,
                               render_table, split_shared_cards)
+from strata_dist.plan.explicit import parse_explicit_tiers, ranks_of_gpus
 from strata_dist.plan.params import ENV_VARS, PlanParams
 
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
@@ -75,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--expert-cache", default="auto",
                       help="auto (fill what is left), N (at most N pairs per stage cache) or 0 "
                            "(no resident experts; the profile still drives the split search)")
+    plan.add_argument("--stage-gpus", default=None, metavar="N,N,…",
+                      help="the listed devices that run stages (GPU indices as in --gpus; an "
+                           "inventory's index, host:N where hosts share one); the others hold "
+                           "helper tiers only. With --layer-split K1,…: one stage per device")
+    plan.add_argument("--expert-cache-device", action="append", default=[], metavar="N=MiB",
+                      help="an explicit helper tier of MiB on device N (repeatable, or N=MiB,N=MiB): "
+                           "taken before a stage card's cache, kept with --no-remote-auto, and the "
+                           "launch stops if it cannot open")
     plan.add_argument("--calibration", default=None, metavar="FILE",
                       help="plan with the constants `strata-dist calibrate --out FILE` measured "
                            "on this rig (a STRATA_SPLIT_* variable still overrides its field)")
@@ -198,7 +208,6 @@ def prefill_arg(text: str) -> int | None:
 
 
 def plan_params(args) -> PlanParams:
-    from dataclasses import replace
     base = PlanParams()
     if args.calibration:
         from strata_dist.calibrate import CalibrationError, load_calibration
@@ -232,6 +241,32 @@ def plan_params(args) -> PlanParams:
         if n == 0:   # no resident experts anywhere: no helper tiers either
             params = replace(params, remote_auto=False)
     return params
+
+
+def layout_args(args, specs: list[RankSpec], split) -> dict:
+    """make_plan's stage_gpus and helper_tiers from --stage-gpus and --expert-cache-device, in the
+    plan's device names (with --gpus, GPU indices become the rank numbers running them). Refused
+    here, before any rank starts: a GPU not in --gpus, a malformed entry, split points that do not
+    make one stage per --stage-gpus device."""
+    try:
+        tiers = parse_explicit_tiers(args.expert_cache_device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    stages = None
+    if args.stage_gpus is not None:
+        stages = [x.strip() for x in args.stage_gpus.split(",") if x.strip()]
+        if not stages:
+            raise UsageError(f"--stage-gpus {args.stage_gpus!r} names no device")
+        if not isinstance(split, str) and len(split) + 1 != len(stages):
+            raise UsageError(f"--layer-split {args.layer_split} makes {len(split) + 1} stages; "
+                             f"--stage-gpus {args.stage_gpus} names {len(stages)} device(s)")
+    gpus = [s.visible_gpu for s in specs if s.visible_gpu is not None]
+    if gpus and not args.inventory:
+        if stages is not None:
+            stages = ranks_of_gpus(stages, gpus, f"--stage-gpus {args.stage_gpus}")
+        tiers = tuple(replace(t, ref=ranks_of_gpus([t.ref], gpus, t.flag, one=True)[0], shown=t.ref)
+                      for t in tiers)
+    return {"stage_gpus": stages, "helper_tiers": tiers}
 
 
 def load_profile(args, gguf):
@@ -332,15 +367,17 @@ def _main(args, signals: StopSignals) -> int:
         raise UsageError(f"--prompt-cache-every {args.prompt_cache_every}: N >= 0 (0: no "
                          "mid-prompt checkpoints)")
     params = plan_params(args)
+    layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
     if args.plan_only:
         kind = "cuda" if args.gpus or args.inventory else "cpu"
         plan = make_plan(model_shape(gguf, kind, args.kv_type), planning_devices(args, specs),
                          cells=args.max_context, profile=profile, params=params, split=split,
-                         order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill)
+                         order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill,
+                         **layout)
         print(plan.to_json() if args.json else render_table(plan))
         return 0
-    return run_launch(args, gguf, specs, split, prefill, params, profile, signals)
+    return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
 
 
 SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "register_timeout"),
@@ -353,7 +390,8 @@ def check_seconds_flags(args) -> None:
         check_seconds(flag, getattr(args, name, None))
 
 
-def run_launch(args, gguf, specs, split, prefill, params, profile, signals: StopSignals) -> int:
+def run_launch(args, gguf, specs, split, prefill, params, profile, signals: StopSignals,
+               layout: dict | None = None) -> int:
     from .launch import Launch, LaunchConfig
     from .line_protocol import parse_gen
 
@@ -361,7 +399,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
-                       kv_type=args.kv_type, **cluster_config(args))
+                       kv_type=args.kv_type, **(layout or {}), **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0
     try:

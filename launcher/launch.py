@@ -15,8 +15,9 @@ from protocol.transport import use_curve, write_curve_keys
 from strata_dist.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
 from strata_dist.gguf_model import GGUFModel
 from strata_dist.model_shape import model_shape
-from strata_dist.plan import (Device, Plan, PlanParams, RoutingProfile, make_plan, render_table,
-                              skip_tier, split_shared_cards)
+from strata_dist.plan import (Device, Plan, PlanError, PlanParams, RoutingProfile, make_plan,
+                              render_table, skip_tier, split_shared_cards)
+from strata_dist.plan.explicit import ExplicitTier
 
 from .spawn import LocalRanks, RankSpec, cpu_thread_env
 
@@ -50,6 +51,8 @@ class LaunchConfig:
     backend: str = "local"           # local (spawn processes) | ray (actors in a placement group)
     ray_address: str | None = None   # ray.init(address=…): "auto" joins a running cluster
     kv_type: str | None = None       # --kv-type: how sessions keep K/V (None: each device's default)
+    stage_gpus: list[str] | None = None   # --stage-gpus, as rank numbers: the ranks that run stages
+    helper_tiers: tuple[ExplicitTier, ...] = ()   # --expert-cache-device: explicit helper tiers
 
 
 def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
@@ -69,6 +72,10 @@ def same_host_helpers_only(plan: Plan) -> Plan:
     is skipped (kept in the plan with the reason; the totals no longer count it)."""
     stage_hosts = {st.device.host for st in plan.stages}
     for h in plan.live_helpers:
+        if h.device.host not in stage_hosts and h.explicit:
+            raise PlanError(f"--no-remote-cross-host: the explicit helper tier on "
+                            f"{h.device.label} (--expert-cache-device) would serve no stage: "
+                            f"no stage runs on host {h.device.host}")
         if h.device.host not in stage_hosts:
             plan = skip_tier(plan, h.device, f"--no-remote-cross-host: no stage runs on host "
                                              f"{h.device.host}")
@@ -181,7 +188,8 @@ class Launch:
         split = "none" if cfg.split == "auto" and len(slots) < 2 else cfg.split
         self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
                               profile=cfg.profile, params=cfg.params, split=split,
-                              order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill)
+                              order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill,
+                              stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers)
         if not cfg.cross_host_helpers:
             self.plan = same_host_helpers_only(self.plan)
         hosts = sorted({s.register.host for s in slots})
@@ -298,6 +306,12 @@ class Launch:
                                                   for k, what in steps if k in alloc))
         tier = next((h for h in self.plan.live_helpers if h.device.index == slot.rank), None)
         if tier is not None:
+            if alloc.get("helper_failed") and tier.explicit:
+                # the operator sized it: a smaller run than asked would pass unnoticed
+                raise RankFailure(f"rank {slot.rank} ({tier.device.label}): its explicit helper "
+                                  f"tier (--expert-cache-device, {tier.budget_bytes / 2**20:.1f} "
+                                  f"MiB asked, {len(tier.pairs)} pairs of {tier.bytes / 2**20:.1f} "
+                                  f"MiB) did not open; the rank's log says why")
             if alloc.get("helper_failed"):
                 # fail-soft: the tier is skipped, and the totals the run reports say so
                 self.plan = skip_tier(self.plan, tier.device, "did not open on its rank")

@@ -7,6 +7,7 @@
 """
 from .device import Device, devices_from_json, order_devices, split_shared_cards
 from .errors import PlanError
+from .explicit import ExplicitTier, parse_explicit_tiers
 from .fill import Fill, RankTables, cover_h, fill_stage, pair_masses
 from .helpers import HelperTier, select_helpers
 from .lend import LEND_CHUNKS, SLOT_FLOOR, LendPlan, Loan, Participant, loan_slots, plan_lend
@@ -21,7 +22,8 @@ from .search import Placement, price_split, search, search_dp, search_exhaustive
 from .shape import ModelShape, estimate_prompt_bytes_per_token, qwen3_30b_a3b_shape, shape_from_geometry
 
 __all__ = [
-    "Device", "devices_from_json", "order_devices", "split_shared_cards", "PlanError", "Fill", "RankTables", "cover_h", "fill_stage",
+    "Device", "devices_from_json", "order_devices", "split_shared_cards", "PlanError", "ExplicitTier",
+    "parse_explicit_tiers", "Fill", "RankTables", "cover_h", "fill_stage",
     "pair_masses", "HelperTier", "select_helpers", "LEND_CHUNKS", "SLOT_FLOOR", "LendPlan", "Loan",
     "Participant", "loan_slots", "plan_lend", "PlanParams", "params_from_env", "Plan", "StagePlan",
     "make_plan", "skip_tier", "HANDOFF_ROWS", "HEAD_RESERVE_BYTES", "HELPER_RESERVE_BYTES",

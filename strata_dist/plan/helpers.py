@@ -44,6 +44,9 @@ class HelperTier:
     # what reading them where they are costs instead
     saved_ms: float = 0.0
     read_ms: float = 0.0
+    # sized by the operator (--expert-cache-device): kept with remote_auto off, and a hard
+    # requirement where it opens (the launch stops if it cannot), never skipped
+    explicit: bool = False
 
     @property
     def reserve_bytes(self) -> int:
@@ -66,14 +69,16 @@ def serves(tier: Device, reader: Device) -> bool:
 def select_helpers(shape: ModelShape, ranking: np.ndarray, held: Iterable[int],
                    offers: Sequence[tuple[Device, int]], enabled: bool = True,
                    mass: np.ndarray | None = None,
-                   readers: Sequence[Device] | None = None) -> tuple[HelperTier, ...]:
+                   readers: Sequence[Device] | None = None,
+                   explicit: Sequence[bool] | None = None) -> tuple[HelperTier, ...]:
     """Helper tiers for `offers` = (device, leftover bytes) in device order.
 
     held: flat pair ids (layer * n_experts + expert) the stage caches hold.
     A tier's blob budget is its leftover minus HELPER_RESERVE_BYTES. mass (per flat pair id), if
     given, sets each tier's held routing mass. readers (per layer: the device of the stage that
     runs it), if given, limits each tier to the layers it `serves`; without it every tier may hold
-    every pair.
+    every pair. explicit (per offer), if given, marks the tiers the operator sized: they stay on
+    when `enabled` is False (which turns off the automatic ones only).
     """
     E = shape.n_experts
     held_set = set(int(p) for p in held)
@@ -85,10 +90,12 @@ def select_helpers(shape: ModelShape, ranking: np.ndarray, held: Iterable[int],
         for i, (dev, _) in enumerate(offers):
             may[i] = [serves(dev, r) for r in readers]
 
-    tiers = [HelperTier(dev, max(0, left - HELPER_RESERVE_BYTES)) for dev, left in offers]
+    sized = list(explicit) if explicit is not None else [False] * len(offers)
+    tiers = [HelperTier(dev, max(0, left - HELPER_RESERVE_BYTES), explicit=bool(x))
+             for (dev, left), x in zip(offers, sized)]
     open_ = []
     for i, (tier, (_, left)) in enumerate(zip(tiers, offers)):
-        if not enabled:
+        if not enabled and not tier.explicit:
             tiers[i] = tier.skip("helper tiers are off (STRATA_REMOTE_AUTO=0 / --no-remote-auto)")
         elif not unheld:
             tiers[i] = tier.skip("every pair is already held by a stage cache")

@@ -12,20 +12,22 @@ from typing import Sequence
 
 from .device import Device, order_devices
 from .errors import PlanError
+from .explicit import ExplicitTier, explicit_tiers, stage_devices as named_stage_devices
 from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
 from .lend import Participant, plan_lend, with_own_bytes
 from .params import PlanParams
-from .pricing import HANDOFF_ROWS, MIB, stage_fixed_bytes
+from .pricing import HANDOFF_ROWS, HELPER_RESERVE_BYTES, MIB, stage_fixed_bytes
 from .profile import RoutingProfile
 from .score import CostModel
 from .search import (Placement, check_split_points, price_split, search, search_exhaustive,
-                     shortfall_message)
+                     search_fixed, shortfall_message)
 from .shape import ModelShape
 
+# 6: helper tiers say whether the operator sized them (explicit)
 # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
 # read_ms); 2: *_stages totals
-PLAN_FORMAT = "strata-plan/5"
+PLAN_FORMAT = "strata-plan/6"
 
 
 @dataclass(frozen=True)
@@ -216,13 +218,14 @@ def skip_tier(plan: Plan, device: Device, reason: str) -> Plan:
     return replace(plan, helpers=tuple(h.skip(reason) if h.device == device else h for h in plan.helpers))
 
 
-def _skip_if_fits(cm: CostModel) -> Placement | None:
+def _skip_if_fits(cm: CostModel, stage_set: Sequence[int] | None) -> Placement | None:
     """--split-skip-if-fits: one card when everything — the FULL dense cost (its free bytes were
     measured before any weights existed), session, reserves and every expert blob — fits there.
-    The fastest such card (devices are in stage order, fastest last)."""
+    The fastest such card (devices are in stage order, fastest last) of those that may run a
+    stage."""
     L, E = cm.shape.n_layers, cm.shape.n_experts
     everything = int(cm.fixed[0, L]) + E * sum(cm.shape.blob_bytes)
-    for d in reversed(range(len(cm.devices))):
+    for d in reversed(range(len(cm.devices)) if stage_set is None else stage_set):
         if cm.free[d] >= everything:
             return Placement((d,), (0, L), cm.score((d,), (0, L)), "skip_if_fits")
     return None
@@ -238,14 +241,16 @@ def _no_fit_message(cm: CostModel) -> str:
             f"{sum(cm.free) / MIB:.1f} MiB are free in total")
 
 
-def _place(cm: CostModel, split, skip_if_fits: bool) -> Placement:
+def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | None = None) -> Placement:
     n = len(cm.devices)
     if not isinstance(split, str):
         check_split_points(split, cm.shape.n_layers, n)   # refuse nonsense even when one card would do
     if skip_if_fits:
-        p = _skip_if_fits(cm)
+        p = _skip_if_fits(cm, stage_set)
         if p is not None:
             return p
+    if stage_set is not None:
+        return _place_on(cm, split, stage_set)
     if split == "none":
         p = search_exhaustive(cm, max_stages=1)
         if p is None:
@@ -263,15 +268,45 @@ def _place(cm: CostModel, split, skip_if_fits: bool) -> Placement:
     return price_split(cm, split)
 
 
+def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
+    """--stage-gpus: one stage on each named card, in planning order; the split points explicit
+    (as many stages as cards) or searched."""
+    if not isinstance(split, str):
+        return price_split(cm, split, stage_set)
+    if split == "none" and len(stage_set) > 1:
+        names = ", ".join(cm.devices[d].label for d in stage_set)
+        raise PlanError(f"one stage was asked, but --stage-gpus names {len(stage_set)} cards ({names})")
+    if split not in ("auto", "none"):
+        raise ValueError(f"split {split!r}: expected 'auto', 'none' or a sequence of split points")
+    if len(stage_set) > cm.shape.n_layers:
+        raise PlanError(f"--stage-gpus names {len(stage_set)} cards; the model has "
+                        f"{cm.shape.n_layers} layers")
+    p = search_fixed(cm, stage_set)
+    if p is None:
+        L = cm.shape.n_layers
+        w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice)
+        free = ", ".join(f"{cm.devices[d].label} {cm.free[d] / MIB:.1f}" for d in stage_set)
+        raise PlanError(f"no split of the {L} layers over the --stage-gpus cards fits: the whole "
+                        f"model's dense weights and session need {(w + s) / MIB:.1f} MiB at "
+                        f"{cm.cells} cells before per-stage reserves; those cards have {free} MiB "
+                        f"free (after any explicit helper tier on them)")
+    return p
+
+
 def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
               profile: RoutingProfile | None = None, params: PlanParams = PlanParams(),
               split: str | Sequence[int] = "auto", order: str = "fastest_last",
-              skip_if_fits: bool = False, prefill: int | None = None) -> Plan:
+              skip_if_fits: bool = False, prefill: int | None = None,
+              stage_gpus: Sequence[str] | None = None,
+              helper_tiers: Sequence[ExplicitTier] = ()) -> Plan:
     """Plan a run of `shape` on `devices` with `cells` context cells.
 
     split: "auto" (search), "none" (one stage on the best single device), or explicit split points
     K1, K2, ... (first layers of stages 2, 3, ...). order: "fastest_last" or "as_given".
     prefill: None for the auto prompt chunk, or the operator's explicit chunk.
+    stage_gpus: the devices (explicit.py names) that run stages, one each; the others are helper
+    tiers only. helper_tiers: explicit helper tiers, sized by the operator — taken off a stage
+    card before its cache fills, kept with --no-remote-auto, refused rather than skipped.
     Raises PlanError (a refusal naming the numbers) when the request cannot be honoured.
     """
     if not devices:
@@ -287,21 +322,34 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
         notes.append("no routing profile: uniform ranking, coverage from H(f) = 1 - (1 - f)^b")
     ordered = order_devices(devices, order, params.default_bw_gbs)
+    stage_set = None
+    if stage_gpus is not None:
+        named = named_stage_devices(stage_gpus, ordered)
+        stage_set = [d for d, dev in enumerate(ordered) if dev in named]    # planning order
+        helper_only = [dev.label for dev in ordered if dev not in named]
+        notes.append(f"--stage-gpus {','.join(stage_gpus)}: stages on "
+                     f"{', '.join(ordered[d].label for d in stage_set)}"
+                     + (f"; helper tiers only on {', '.join(helper_only)}" if helper_only else ""))
+    sized = explicit_tiers(helper_tiers, ordered)
+    # an explicit tier on a card that may run a stage comes first: the stage's cache fills the rest
+    withheld = [sized[dev].budget_bytes + HELPER_RESERVE_BYTES
+                if dev in sized and (stage_set is None or d in stage_set) else 0
+                for d, dev in enumerate(ordered)]
     # hand-off buffers hold one prompt chunk: the search prices the largest it may pick (the
     # operator's, or the largest auto chunk); once the chunk is known, the rest goes to the caches
     rows = prefill if prefill is not None else HANDOFF_ROWS
-    cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows)
+    cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
     if params.stage_cache_slots == 0:
         # --expert-cache 0: nothing is resident, but the profile still chooses the placement
         # (searched as if the caches filled; with empty fills every placement would tie)
         searched = CostModel(shape, ordered, profile, cells, replace(params, stage_cache_slots=None),
-                             handoff_rows=rows)
-        placement = _place(searched, split, skip_if_fits)
+                             handoff_rows=rows, withheld=withheld)
+        placement = _place(searched, split, skip_if_fits, stage_set)
         notes.append("expert cache 0: the placement was searched with filled caches; none is "
                      "filled")
     else:
-        placement = _place(cm, split, skip_if_fits)
+        placement = _place(cm, split, skip_if_fits, stage_set)
 
     # stage caches, then the prompt loans (a stage that cannot lend gives its own buffers room)
     fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
@@ -315,7 +363,7 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=cells,
                      loans=params.prompt_loans, resident_bytes=shape.resident_prompt_bytes)
     if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
-        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk)
+        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk, withheld=withheld)
         fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
     fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
              for f, loan in zip(fills, lend.loans)]
@@ -338,15 +386,23 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
             loan_bytes=loan.bytes, own_prompt_bytes=loan.own_bytes, mass=cm.held_mass(f.pairs),
             note=loan.note))
 
-    # helper tiers on every card's leftover (stage cards included), after the caches are fixed
+    # helper tiers on every card's leftover (stage cards included), after the caches are fixed;
+    # an explicit tier offers exactly its size (a stage card withheld it from its stage)
     offers = []
     for dev in ordered:
         st = next((s for s in stages if s.device == dev), None)
         left = dev.free_bytes if st is None else st.budget_bytes - st.own_prompt_bytes - st.cache_bytes
-        offers.append((dev, left))
+        offers.append((dev, sized[dev].budget_bytes + HELPER_RESERVE_BYTES if dev in sized else left))
     held = [p for f in fills for p in f.pairs]
     readers = [st.device for st in stages for _ in range(st.lb, st.le)]   # each layer's stage
-    helpers = select_helpers(shape, cm.ranking, held, offers, params.remote_auto, cm.mass, readers)
+    helpers = select_helpers(shape, cm.ranking, held, offers, params.remote_auto, cm.mass, readers,
+                             explicit=[dev in sized for dev in ordered])
+    for h in helpers:
+        if h.explicit and h.skipped:
+            raise PlanError(f"{sized[h.device].flag}: the tier on {h.device.label} would hold "
+                            f"nothing: {h.reason}")
+    notes += [f"explicit helper tier on {dev.label}: {t.budget_bytes / MIB:.1f} MiB ({t.flag})"
+              for dev, t in sized.items()]
     costs = cm.helper_costs([(d, f.lb, f.le) for d, f in zip(placement.devices, fills)], helpers)
     helpers = tuple(replace(h, saved_ms=saved, read_ms=read) if not h.skipped else h
                     for h, (saved, read) in zip(helpers, costs))

@@ -16,7 +16,8 @@ def render_table(plan: Plan) -> str:
     for dev in plan.devices:
         st, h = plan.stage_on(dev), plan.helper_on(dev)
         live = h is not None and not h.skipped
-        role = " + ".join(([f"stage {st.stage}"] if st else []) + (["helper"] if live else [])) or "idle"
+        helper = "helper (explicit)" if live and h.explicit else "helper"
+        role = " + ".join(([f"stage {st.stage}"] if st else []) + ([helper] if live else [])) or "idle"
         slots = []
         if st:
             slots.append(str(st.cache_slots))

@@ -42,8 +42,12 @@ class CostModel:
     with fills memoised per (device, range)."""
 
     def __init__(self, shape: ModelShape, devices: Sequence[Device], profile: RoutingProfile,
-                 cells: int, params: PlanParams, handoff_rows: int = HANDOFF_ROWS):
-        """`handoff_rows`: the hand-off buffers' rows each stage boundary reserves (the chunk)."""
+                 cells: int, params: PlanParams, handoff_rows: int = HANDOFF_ROWS,
+                 withheld: Sequence[int] | None = None):
+        """`handoff_rows`: the hand-off buffers' rows each stage boundary reserves (the chunk).
+        `withheld` (bytes per device): taken off each device's free memory before a stage is
+        priced there — an explicit helper tier (--expert-cache-device) comes before the stage's
+        cache, which fills what is left."""
         profile.check(shape.n_layers, shape.n_experts)
         self.shape, self.devices, self.cells, self.params = shape, tuple(devices), cells, params
         self.handoff_rows = handoff_rows
@@ -53,7 +57,9 @@ class CostModel:
         self.tables = RankTables(shape, self.ranking, self.mass)
         self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
                                        handoff_rows=handoff_rows)
-        self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64)
+        self.withheld = np.zeros(len(self.devices), dtype=np.int64) if withheld is None else \
+            np.array(withheld, dtype=np.int64)
+        self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64) - self.withheld
         # bytes per millisecond of each device
         self.bw = np.array([(d.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6 for d in self.devices])
         self.lk = shape.top_k * L   # routed expert activations per token

@@ -188,6 +188,38 @@ def _dp_from(tables: tuple, L: int, first: int) -> tuple[float, float, tuple, tu
     return cost, load, tuple(reversed(devices)), tuple(reversed(bounds))
 
 
+def search_fixed(cm: CostModel, combo: Sequence[int]) -> Placement | None:
+    """The best split of [0, L) over exactly the devices `combo` (indices of cm.devices, in stage
+    order), one non-empty range each: --stage-gpus names the cards that run stages. A DP over the
+    end layer of each stage, exact (the score is additive over stages and boundaries); ties go to
+    the placement whose most-asked card is asked least, as in the other searches. None if no
+    split fits."""
+    S, _ = cm.stage_table()
+    U = cm.load_table()
+    L = cm.shape.n_layers
+    combo = tuple(combo)
+    f, m = S[combo[0], 0, :].copy(), U[combo[0], 0, :].copy()     # f[e]: best cost of [0, e)
+    picks = []                                                       # per later stage: its start b
+    for prev, d in zip(combo, combo[1:]):
+        total = f[:, None] + cm.links[prev, d] + S[d]                # [b, e]
+        load = np.maximum(m[:, None], U[d])
+        low = total.min(axis=0)
+        near = total <= low + _tie(low)
+        b = np.argmin(np.where(near, load, INF), axis=0)
+        cols = np.arange(L + 1)
+        f, m = total[b, cols], load[b, cols]
+        picks.append(b)
+    cost = float(f[L] + cm.back[combo[-1], combo[0]])
+    if cost >= INF:
+        return None
+    bounds, e = [L], L
+    for b in reversed(picks):
+        e = int(b[e])
+        bounds.append(e)
+    bounds.append(0)
+    return Placement(combo, tuple(reversed(bounds)), cost + cm.baseline_ms(), "stage_gpus")
+
+
 def search(cm: CostModel) -> Placement | None:
     """Exhaustive for up to 4 devices (all placements scored), the exact DP beyond."""
     if len(cm.devices) <= EXHAUSTIVE_MAX_DEVICES:
@@ -217,19 +249,30 @@ def shortfall_message(cm: CostModel, d: int, lb: int, le: int, stage: int) -> st
     """'stage i [lb, le) on DEV needs X MiB (weights + session + reserves), Y MiB free'."""
     need = int(cm.fixed[lb, le])
     dev = cm.devices[d]
+    tier = int(cm.withheld[d])
+    after = (f" after its explicit helper tier's {tier / MIB:.1f} MiB (--expert-cache-device; "
+             f"{dev.free_bytes / MIB:.1f} MiB free before it)") if tier else " free"
     return (f"stage {stage} [{lb}, {le}) on {dev.label} needs {need / MIB:.1f} MiB for weights, session "
-            f"and reserves at {cm.cells} cells; {dev.free_bytes / MIB:.1f} MiB free")
+            f"and reserves at {cm.cells} cells; {cm.free[d] / MIB:.1f} MiB{after}")
 
 
-def price_split(cm: CostModel, points: Sequence[int]) -> Placement:
+def price_split(cm: CostModel, points: Sequence[int],
+                stage_set: Sequence[int] | None = None) -> Placement:
     """Price explicit split points on the best order-preserving choice of devices (all of them
-    when there are as many stages as devices). Raises PlanError when no choice fits."""
+    when there are as many stages as devices). With `stage_set` (the indices of the devices the
+    operator named to run stages, --stage-gpus) exactly those, one stage each. Raises PlanError
+    when no choice fits."""
     L, D = cm.shape.n_layers, len(cm.devices)
     bounds = (0, *check_split_points(points, L, D), L)
     s = len(bounds) - 1
+    if stage_set is not None and s != len(stage_set):
+        shown = ",".join(map(str, bounds[1:-1]))
+        raise PlanError(f"--layer-split {shown} makes {s} stages; --stage-gpus names "
+                        f"{len(stage_set)} card(s) ({', '.join(cm.devices[d].label for d in stage_set)})")
+    combos = [tuple(stage_set)] if stage_set is not None else itertools.combinations(range(D), s)
     best: Placement | None = None
     worst_miss: tuple[int, str] | None = None
-    for combo in itertools.combinations(range(D), s):
+    for combo in combos:
         short = [(i, d) for i, d in enumerate(combo) if cm.budget(d, bounds[i], bounds[i + 1]) < 0]
         if short:
             i, d = max(short, key=lambda x: cm.fixed[bounds[x[0]], bounds[x[0] + 1]] - cm.free[x[1]])
