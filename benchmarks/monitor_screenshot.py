@@ -47,7 +47,7 @@ def full_page_png(driver, path: str) -> None:
     """The whole page (the window grown to its height), saved as a PNG."""
     height = driver.execute_script("return document.documentElement.scrollHeight")
     width = driver.execute_script("return document.documentElement.scrollWidth")
-    driver.set_window_size(max(width, 1400), height + 20)
+    driver.set_window_size(max(width, 1400), height + 160)   # the window frame takes some
     time.sleep(1.5)                          # a redraw at the new size
     if not driver.save_screenshot(path):
         raise RuntimeError(f"chromium did not save {path}")
