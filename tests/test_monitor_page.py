@@ -262,5 +262,11 @@ def test_monitor_page_in_chromium(loaded, tmp_path):
                 lambda d: _positive(d.find_element(By.ID, "tok_s").text))
             WebDriverWait(driver, 10).until(
                 lambda d: d.find_elements(By.CSS_SELECTOR, "#requests td.st-running"))
+        # the client left: its row says so, with the tokens it got
+        deadline = time.monotonic() + 10
+        while (row := get(server, "/v1/status").json()["recent_requests"][0])["state"] != "cancelled":
+            assert time.monotonic() < deadline, row
+            time.sleep(0.1)
+        assert row["prompt_tokens"] > 0 and 10 <= row["generated_tokens"] < 3000, row
     finally:
         driver.quit()
