@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from starlette.routing import Route
 
 from . import openai_api as oa
 from . import tokenize_api
+from .history import StatusHistory
 from .hosts import HostCheck
 from .metrics import make_registry, render
 from .monitor import PAGE
@@ -70,7 +72,8 @@ class ServerContext:
         memory = self.memory.read(snap.get("rank_gauges")) if self.memory else {}
         loading = self.loading() if snap["state"] == "loading" else None
         value = status_value(model=self.model_info, plan=self.plan, views=self.views,
-                             snapshot=snap, memory=memory, loading=loading, started=self.started)
+                             snapshot=snap, memory=memory, loading=loading, started=self.started,
+                             recent_requests=self.worker.recent_requests())
         if self.renderer is not None:
             value["chat_templates"] = self.renderer.stats()
         return value
@@ -85,6 +88,8 @@ def create_app(ctx: ServerContext):
     if not ctx.limits:
         raise ValueError("ServerContext.limits must be set")
     model_ids = ctx.limits.model_ids
+    history = StatusHistory(ctx.worker, lambda: ctx.memory)   # the Monitor's charts
+    history.start()
 
     def given_key(request: Request) -> str | None:
         given = None
@@ -184,6 +189,20 @@ def create_app(ctx: ServerContext):
     async def status(request: Request) -> Response:
         authorize(request)
         return JSONResponse(ctx.status())
+
+    async def status_history(request: Request) -> Response:
+        authorize(request)
+        since = request.query_params.get("since")
+        t = None
+        if since is not None:
+            try:
+                t = float(since)
+            except ValueError:
+                t = math.nan
+            if not math.isfinite(t):
+                raise oa.ApiError(400, f"since must be a time in seconds since the epoch, got "
+                                       f"{since[:100]!r}", param="since", code="invalid_value")
+        return JSONResponse(history.value(t))
 
     async def metrics(request: Request) -> Response:
         authorize(request)
@@ -366,6 +385,7 @@ def create_app(ctx: ServerContext):
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_one, methods=["GET"]),
         Route("/v1/status", status, methods=["GET"]),
+        Route("/v1/status/history", status_history, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

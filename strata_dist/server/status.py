@@ -33,6 +33,9 @@ class RankView:
     cache_slots: int = 0
     helper_slots: int = 0
     gpu_index: int | None = None    # NVML index on this host, for local GPU ranks
+    # experts held per layer (index = layer): in the stage's expert cache, in the helper tier
+    cache_per_layer: list[int] = field(default_factory=list)
+    helper_per_layer: list[int] = field(default_factory=list)
 
     def card_bytes(self) -> dict[str, int]:
         """The card's numbers: what the rank allocated where it says, else what the plan priced."""
@@ -52,6 +55,7 @@ def rank_views(plan, slots, ready: dict[int, dict], gpu_of_rank: dict[int, int] 
     gpu_of_rank = gpu_of_rank or {}
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
+    n_layers = max((st.le for st in plan.stages), default=0)
     out = []
     for s in slots:
         dev = s.register.devices[0]
@@ -67,8 +71,19 @@ def rank_views(plan, slots, ready: dict[int, dict], gpu_of_rank: dict[int, int] 
             lb=st.lb if st else None, le=st.le if st else None,
             allocated=dict(ready.get(s.rank, {}) or {}), planned=planned,
             cache_slots=st.cache_slots if st else 0, helper_slots=len(h.pairs) if h else 0,
-            gpu_index=gpu_of_rank.get(s.rank) if str(dev.kind) == "cuda" else None))
+            gpu_index=gpu_of_rank.get(s.rank) if str(dev.kind) == "cuda" else None,
+            cache_per_layer=per_layer(st.pairs if st else (), n_layers),
+            helper_per_layer=per_layer(h.pairs if h else (), n_layers)))
     return out
+
+
+def per_layer(pairs, n_layers: int) -> list[int]:
+    """How many of the (layer, expert) pairs fall in each layer."""
+    counts = [0] * n_layers
+    for layer, _expert in pairs:
+        if 0 <= layer < n_layers:
+            counts[layer] += 1
+    return counts
 
 
 class MemoryProbe:
@@ -165,8 +180,31 @@ def hit_rates(counters: dict[str, int]) -> dict[str, float]:
 
 # ---- the status value --------------------------------------------------------------------------------
 
+# The plan's figure and the measured one are flagged apart past this factor either way
+PREDICTION_OFF_BY = 2.0
+
+
+def prediction(plan, snapshot: dict) -> dict[str, Any]:
+    """The plan's ms/token beside the measured one: the running request's decode rate, else the
+    last finished request's; `off_by` is measured / predicted, flagged past PREDICTION_OFF_BY."""
+    predicted = plan.predicted_ms_per_token if plan is not None else None
+    running = snapshot.get("running")
+    measured, source = None, None
+    if running and running.get("tokens_per_second"):
+        measured, source = 1e3 / running["tokens_per_second"], "running request"
+    elif (snapshot.get("last") or {}).get("decode_tokens_per_second"):
+        measured, source = 1e3 / snapshot["last"]["decode_tokens_per_second"], "last request"
+    ratio = measured / predicted if measured is not None and predicted else None
+    return {"predicted_ms_per_token": predicted,
+            "measured_ms_per_token": round(measured, 4) if measured is not None else None,
+            "measured_from": source,
+            "off_by": round(ratio, 3) if ratio is not None else None,
+            "flagged": ratio is not None and not (1 / PREDICTION_OFF_BY <= ratio <= PREDICTION_OFF_BY)}
+
+
 def status_value(*, model: dict, plan, views: list[RankView], snapshot: dict,
-                 memory: dict[int, dict], loading: dict | None, started: float) -> dict[str, Any]:
+                 memory: dict[int, dict], loading: dict | None, started: float,
+                 recent_requests: list[dict] | None = None) -> dict[str, Any]:
     counters = snapshot.get("rank_counters", {})
     ranks = []
     for v in views:
@@ -179,12 +217,14 @@ def status_value(*, model: dict, plan, views: list[RankView], snapshot: dict,
             "expert_slots": v.cache_slots, "helper_slots": v.helper_slots,
             "memory": memory.get(v.rank), "counters": c, "hit_rates": hit_rates(c),
             "gauges": snapshot.get("rank_gauges", {}).get(v.rank, {}),
+            "experts_per_layer": {"cache": v.cache_per_layer, "helper": v.helper_per_layer},
         })
     all_counters: dict[str, int] = {}
     for c in counters.values():
         for k, n in c.items():
             all_counters[k] = all_counters.get(k, 0) + n
     running = snapshot.get("running")
+    # /metrics' decode gauge keeps the last request's rate when idle; `idle` says it is the last
     live = running["tokens_per_second"] if running else snapshot.get("last", {}).get(
         "decode_tokens_per_second", 0.0)
     return {
@@ -202,11 +242,17 @@ def status_value(*, model: dict, plan, views: list[RankView], snapshot: dict,
             "expert_cache_primary_mib": round(plan.expert_cache_primary_mib, 3) if plan else 0.0,
             "predicted_ms_per_token": plan.predicted_ms_per_token if plan else None,
         },
+        "prediction": prediction(plan, snapshot),
         "ranks": ranks,
         "hit_rates": hit_rates(all_counters),
         "queue": snapshot.get("queue"),
         "requests": snapshot.get("totals"),
+        "recent_requests": recent_requests or [],
         "throughput": {
+            # idle: nothing generating, nothing waiting, no token in the rate window (a gap between
+            # two requests is not idle)
+            "idle": (running is None and not (snapshot.get("queue") or {}).get("waiting")
+                     and not snapshot.get("decode_tokens_per_second")),
             "tokens_per_second": live,
             "window_tokens_per_second": snapshot.get("decode_tokens_per_second", 0.0),
             "running": running, "last": snapshot.get("last"),
@@ -221,5 +267,5 @@ def is_loopback(host: str) -> bool:
     return host.startswith("127.")
 
 
-__all__ = ["RankView", "rank_views", "MemoryProbe", "hit_rates", "tier_counts", "status_value",
-           "is_loopback"]
+__all__ = ["RankView", "rank_views", "per_layer", "MemoryProbe", "hit_rates", "tier_counts",
+           "prediction", "PREDICTION_OFF_BY", "status_value", "is_loopback"]

@@ -24,6 +24,7 @@ from ..coordinator import RankFailure, RankLost, RequestError
 from ..head import HeadSession
 from ..sampler import SamplingParams
 from ..tokenizer import GGUFTokenizer
+from .history import RequestLog
 from .metrics import LatencyHistograms
 
 log = logging.getLogger("strata.server")
@@ -278,6 +279,7 @@ class Worker:
         self.session_salt = ""             # the salt of the request whose tokens the session holds
         self.lost: dict[int, str] = {}     # stage ranks lost, until their replacements load
         self.latency = LatencyHistograms()
+        self.requests = RequestLog()       # the Monitor's request list
         self._stop = threading.Event()
 
     # ---- from HTTP handlers (any thread) ----------------------------------------------------------
@@ -285,9 +287,11 @@ class Worker:
         if self.state != "ready":
             raise NotReady(self.error or f"the server is {self.state}")
         job.on_cancel = self._left
+        self.requests.queued(job)
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
+            self.requests.finished(job, "requests_rejected")
             with self.lock:
                 self.totals["requests_rejected"] += 1
             raise QueueFull(f"the queue is full ({self.queue_size} waiting)") from None
@@ -318,6 +322,13 @@ class Worker:
                 "rank_gauges": {r: dict(g) for r, g in self.rank_gauges.items()},
                 "stats_age_s": round(time.monotonic() - self.stats_at, 3) if self.stats_at else None,
             }
+
+    def recent_requests(self) -> list[dict]:
+        """The request list of /v1/status and the Monitor, newest first."""
+        with self.lock:
+            running, tokens, since = self.running, self.running_tokens, self.running_since
+        return self.requests.view(running=running, running_tokens=tokens, running_since=since,
+                                  serving=self.state == "ready")
 
     def stop(self) -> None:
         self._stop.set()
@@ -400,6 +411,7 @@ class Worker:
         self.latency.queue_wait.observe(started - job.queued_at)
         with self.lock:
             self.running, self.running_tokens, self.running_since = job, 0, started
+        self.requests.started(job)
 
         failure: list[BaseException] = []
         last_token_at: list[float] = []
@@ -427,6 +439,7 @@ class Worker:
                     failure.append(e)
 
         outcome = "requests_error"
+        result: Result | None = None
         if not spec.cache_prompt or spec.cache_salt != self.session_salt:
             self.session.tokens = []
         self.session_salt = spec.cache_salt
@@ -483,5 +496,7 @@ class Worker:
             with self.lock:
                 self.running = None
                 self.totals[outcome] += 1
+            self.requests.finished(job, outcome, result if outcome == "requests_ok" else None,
+                                   len(stream.tokens))
         if time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
             self._refresh_stats()
