@@ -12,7 +12,7 @@ import enum
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -62,6 +62,28 @@ class TensorInfo:
         return self.ggml_type.name
 
 
+ROPE_SCALING_KINDS = ("none", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a file stretches RoPE past the context it was pretrained on (its
+    `<arch>.rope.scaling.*` keys; models/common.py `rope_inv_freq` applies them). "linear" divides
+    every frequency by `factor`; "yarn" divides only the slow ones, ramping between the dims that
+    turn more than `beta_fast` and fewer than `beta_slow` times over `original_context`, and scales
+    cos/sin by `attn_factor * (1 + 0.1 ln factor)`."""
+    kind: str = "none"
+    factor: float = 1.0
+    original_context: int = 0      # rope.scaling.original_context_length (0: not given)
+    beta_fast: float = 32.0        # rope.scaling.yarn_beta_fast
+    beta_slow: float = 1.0         # rope.scaling.yarn_beta_slow
+    ext_factor: float = 1.0        # rope.scaling.yarn_ext_factor: how much of the ramp applies
+    attn_factor: float = 1.0       # rope.scaling.yarn_attn_factor: a factor on yarn's cos/sin scale
+
+
+NO_ROPE_SCALING = RopeScaling()
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The architecture-level numbers a forward pass and the planner need."""
@@ -79,6 +101,16 @@ class Geometry:
     rope_base: float
     context_length: int
     tied_embeddings: bool
+    rope_scaling: RopeScaling = field(default=NO_ROPE_SCALING, kw_only=True)
+
+    @property
+    def trained_context(self) -> int:
+        """The longest context the file says the model was trained for: its context_length, or
+        under yarn with an original length, factor x that length where it is longer."""
+        rs = self.rope_scaling
+        if rs.kind == "yarn" and rs.original_context:
+            return max(self.context_length, int(round(rs.factor * rs.original_context)))
+        return self.context_length
 
 
 # blk.N.<part>.weight, and the few per-layer tensors llama.cpp names otherwise: blk.N.ssm_a (no
