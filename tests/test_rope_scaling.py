@@ -5,7 +5,6 @@ tiny qwen3moe forward with yarn against Qwen3MoeForCausalLM with the same rope_p
 file keys written by the synth and refused when this code does not compute them."""
 import numpy as np
 import pytest
-import torch
 from gguf import GGUFValueType
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
