@@ -130,3 +130,15 @@ def test_a_plain_file_keeps_plain_rope(tmp_path):
     inv, scale = rope_inv_freq(16, 10000.0, g.rope_scaling)
     np.testing.assert_allclose(inv, 10000.0 ** (-np.arange(0, 16, 2) / 16), rtol=1e-15)
     assert scale == 1.0
+
+
+@pytest.mark.parametrize("spec", ["yarn:4", "yarn:x:32768", "linear:0.5", "yarn:4:0", "ntk:2"])
+def test_synth_refuses_a_rope_scaling_it_cannot_write_in_one_line(tmp_path, spec):
+    import subprocess
+    import sys
+    out = tmp_path / "x.gguf"
+    proc = subprocess.run([sys.executable, "-m", "strata_dist.cli", "synth", str(out), "--quiet",
+                           "--rope-scaling", spec], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(
+        f"error: --rope-scaling '{spec}': "), proc.stderr
