@@ -74,7 +74,8 @@ class RopeScaling:
     cos/sin by `attn_factor * (1 + 0.1 ln factor)`."""
     kind: str = "none"
     factor: float = 1.0
-    original_context: int = 0      # rope.scaling.original_context_length (0: not given)
+    original_context: int = 0      # yarn: rope.scaling.original_context_length, else context_length
+    stretched_context: int = 0     # yarn: factor x original_context_length where the file gives it
     beta_fast: float = 32.0        # rope.scaling.yarn_beta_fast
     beta_slow: float = 1.0         # rope.scaling.yarn_beta_slow
     ext_factor: float = 1.0        # rope.scaling.yarn_ext_factor: how much of the ramp applies
@@ -107,10 +108,7 @@ class Geometry:
     def trained_context(self) -> int:
         """The longest context the file says the model was trained for: its context_length, or
         under yarn with an original length, factor x that length where it is longer."""
-        rs = self.rope_scaling
-        if rs.kind == "yarn" and rs.original_context:
-            return max(self.context_length, int(round(rs.factor * rs.original_context)))
-        return self.context_length
+        return max(self.context_length, self.rope_scaling.stretched_context)
 
 
 # blk.N.<part>.weight, and the few per-layer tensors llama.cpp names otherwise: blk.N.ssm_a (no

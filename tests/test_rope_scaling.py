@@ -63,7 +63,7 @@ def test_session_tables_at_depth_match_transformers(tmp_path):
     path = tmp_path / "yarn.gguf"
     write_synthetic(path, like=geo, quant="f32", rope_scaling="yarn:4:32768")
     g = qwen3moe.read_geometry(GGUFModel(path))
-    assert g.rope_scaling == RopeScaling("yarn", 4.0, 32768)
+    assert g.rope_scaling == RopeScaling("yarn", 4.0, 32768, stretched_context=131072)
     assert g.context_length == g.trained_context == 131072
     positions = np.array([0, 1000, 100000])
     cos, sin = rope_tables(positions, g.head_dim, g.rope_base, g.rope_scaling)
@@ -112,6 +112,7 @@ def test_tiny_forward_with_scaling_matches_transformers(tmp_path, kind):
     ("rope.scaling.factor", -2.0, F32, "rope.scaling.factor"),
     ("rope.scaling.original_context_length", 0, U32, "original_context_length"),
     ("rope.scaling.yarn_beta_slow", 64.0, F32, "yarn_beta_slow"),
+    ("rope.scaling.yarn_ext_factor", 2.0, F32, "yarn_ext_factor"),
 ])
 def test_scaling_keys_that_cannot_be_computed_are_refused_naming_the_key(tmp_path, key, value,
                                                                          vtype, needle):

@@ -15,13 +15,21 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """tiny with a 1,024-token context, plain and stretched by yarn x4 over 512 (trained 2,048)."""
+    """tiny with a 1,024-token context; and a file whose context_length says 512 while its yarn
+    keys stretch x4 over 512 (trained 2,048: the longer of the two)."""
+    from gguf import GGUFValueType
+
+    from hf_fixtures import tiny_qwen3moe, write_gguf
     root = tmp_path_factory.mktemp("ctx")
     short = dataclasses.replace(GEOMETRIES["tiny"], name="tiny-1k", context_length=1024)
-    out = {}
-    for name, scaling in (("plain", None), ("yarn", "yarn:4:512")):
-        out[name] = str(root / f"{name}.gguf")
-        write_synthetic(out[name], like=short, quant="f32", rope_scaling=scaling)
+    out = {"plain": str(root / "plain.gguf"), "yarn": str(root / "yarn.gguf")}
+    write_synthetic(out["plain"], like=short, quant="f32")
+    hf = tiny_qwen3moe(3, hidden=64, top_k=2, n_layers=1)
+    hf.config.max_position_embeddings = 512      # the file's context_length
+    write_gguf(hf, out["yarn"], "f32", metadata={
+        "rope.scaling.type": ("yarn", GGUFValueType.STRING),
+        "rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+        "rope.scaling.original_context_length": (512, GGUFValueType.UINT32)})
     return out
 
 

@@ -67,8 +67,7 @@ def read_rope_scaling(gguf, context_length: int) -> RopeScaling:
     factor = num("rope.scaling.factor", default=1.0, positive=True)
     if kind == "linear":
         return RopeScaling(kind=kind, factor=factor)
-    original = gguf.arch_int("rope.scaling.original_context_length", default=context_length,
-                             minimum=1)
+    original = gguf.arch_int("rope.scaling.original_context_length", minimum=1)
     beta_fast = num("rope.scaling.yarn_beta_fast", default=32.0, positive=True)
     beta_slow = num("rope.scaling.yarn_beta_slow", default=1.0, positive=True)
     if beta_slow >= beta_fast:
@@ -77,8 +76,12 @@ def read_rope_scaling(gguf, context_length: int) -> RopeScaling:
     ext = num("rope.scaling.yarn_ext_factor", default=1.0)
     if ext < 0:     # llama.cpp's "unset" (-1): the whole ramp, as for a file without the key
         ext = 1.0
-    return RopeScaling(kind=kind, factor=factor, original_context=original, beta_fast=beta_fast,
-                       beta_slow=beta_slow, ext_factor=min(ext, 1.0),
+    if ext > 1:
+        raise GGUFError(gguf.path, f"is {ext}; it must be between 0 and 1 (or -1: unset)",
+                        key=f"{gguf.arch}.rope.scaling.yarn_ext_factor")
+    return RopeScaling(kind=kind, factor=factor, original_context=original or context_length,
+                       stretched_context=int(round(factor * original)) if original else 0,
+                       beta_fast=beta_fast, beta_slow=beta_slow, ext_factor=ext,
                        attn_factor=num("rope.scaling.yarn_attn_factor", default=1.0,
                                        positive=True))
 
