@@ -6,10 +6,10 @@ file keys written by the synth and refused when this code does not compute them.
 import numpy as np
 import pytest
 from gguf import GGUFValueType
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hf_fixtures import hf_logits, tiny_qwen3moe, write_gguf
+from hf_fixtures import hf_logits, rope_scaled_twin, tiny_qwen3moe, write_gguf
 from strata_dist.gguf_model import GGUFError, GGUFModel, RopeScaling
 from strata_dist.models import qwen3moe
 from strata_dist.models.common import rope_inv_freq, rope_tables
@@ -75,15 +75,6 @@ def test_session_tables_at_depth_match_transformers(tmp_path):
     assert np.abs(cos[0] - ref_scale).max() <= 1e-6   # position 0: the scale alone
 
 
-def _yarn_twin(hf: Qwen3MoeForCausalLM, rope_parameters: dict) -> Qwen3MoeForCausalLM:
-    """The same weights under other rope_parameters (the rotary tables are built at init)."""
-    cfg = Qwen3MoeConfig.from_dict(hf.config.to_dict())
-    cfg.rope_parameters = rope_parameters
-    twin = Qwen3MoeForCausalLM(cfg).eval()
-    twin.load_state_dict(hf.state_dict())
-    return twin
-
-
 @pytest.mark.parametrize("kind", ["yarn", "linear"])
 def test_tiny_forward_with_scaling_matches_transformers(tmp_path, kind):
     """A 300-token prefill and decode past it on a file whose original context is 256 (so yarn's
@@ -94,7 +85,7 @@ def test_tiny_forward_with_scaling_matches_transformers(tmp_path, kind):
     if kind == "yarn":
         params["original_max_position_embeddings"] = 256
         keys["rope.scaling.original_context_length"] = (256, U32)
-    hf = _yarn_twin(base, params)
+    hf = rope_scaled_twin(base, params)
     path = write_gguf(hf, tmp_path / f"{kind}.gguf", "f32", metadata=keys)
     ids = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
     ref = hf_logits(hf, ids)
