@@ -35,6 +35,7 @@ from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
 from .spawn import RankSpec
 
 DEFAULT_CPU_BUDGET = "8G"
+DEFAULT_CONTEXT = 4096   # session cells when --max-context is not given
 # files named by flags are read up to these (protocol/bounded_read.py): a key is a line, an
 # inventory a few hundred bytes a device
 INVENTORY_FILE_MAX = 4 * MIB
@@ -58,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan = ap.add_argument_group("plan")
     plan.add_argument("--layer-split", default="auto",
                       help="auto, or K1,K2,… — the first layers of the second, third, … stage")
-    plan.add_argument("--max-context", type=int, default=4096, help="session cells (default 4096)")
+    plan.add_argument("--max-context", type=int, default=None,
+                      help=f"session cells (default {DEFAULT_CONTEXT}, or the context the model "
+                           "was trained for where that is shorter; more than that is allowed, "
+                           "with a warning)")
     plan.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
     plan.add_argument("--kv-type", choices=KV_TYPES, default=None,
                       help="how sessions keep K/V: f32, f16 or q8_0 (34 bytes per 32 values); "
@@ -343,6 +347,7 @@ def _main(args, signals: StopSignals) -> int:
         raise UsageError(f"--inventory {args.inventory} plans for another rig: add --plan-only")
     check_cluster_flags(args)
     gguf = open_checked(args.model)
+    args.max_context = context_cells(args.max_context, gguf, args.model)
     if args.kv_type is not None:
         check_kv_type(args.model, args.kv_type)
         if args.gpus and args.kv_type == "f32":
@@ -378,6 +383,25 @@ def _main(args, signals: StopSignals) -> int:
         print(plan.to_json() if args.json else render_table(plan))
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
+
+
+def context_cells(asked: int | None, gguf, model: str) -> int:
+    """--max-context: unset, DEFAULT_CONTEXT capped at the context the file says the model was
+    trained for (context_length, or yarn's factor x original: Geometry.trained_context); asked
+    past that, granted with a warning naming the trained length (positions the model never saw)."""
+    g = architecture_for(gguf).read_geometry(gguf)
+    trained = g.trained_context
+    if asked is None:
+        return min(DEFAULT_CONTEXT, trained)
+    if asked > trained:
+        rs = g.rope_scaling
+        how = (f" (rope scaling {rs.kind} x{rs.factor:g} over {rs.original_context})"
+               if rs.kind == "yarn" else f" (rope scaling {rs.kind} x{rs.factor:g})"
+               if rs.kind != "none" else "")
+        print(f"warning: --max-context {asked} is past the {trained} positions "
+              f"{os.path.basename(model)} was trained for{how}: output past {trained} tokens "
+              "may degrade", file=sys.stderr)
+    return asked
 
 
 SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "register_timeout"),

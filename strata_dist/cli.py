@@ -121,7 +121,7 @@ def cmd_logits(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from .synth import FILE_TYPES, parse_size, write_synthetic
+    from .synth import FILE_TYPES, parse_rope_scaling, parse_size, write_synthetic
     from tqdm import tqdm
     writable_path(args.out, "synth")
     if args.quant not in FILE_TYPES:
@@ -130,6 +130,10 @@ def cmd_synth(args) -> int:
         split = parse_size(args.split_max_size) if args.split_max_size is not None else 0
     except ValueError as e:
         raise UsageError(f"--split-max-size {args.split_max_size}: {e}") from None
+    try:
+        rope_scaling = parse_rope_scaling(args.rope_scaling)
+    except ValueError as e:
+        raise UsageError(f"--rope-scaling {e}") from None
     bar = tqdm(total=0, unit="B", unit_scale=True, desc="synth", disable=args.quiet)
 
     def progress(done: int, total: int) -> None:
@@ -140,7 +144,7 @@ def cmd_synth(args) -> int:
     try:
         summary = write_synthetic(args.out, like=args.like, quant=args.quant,
                                   popularity=args.popularity, seed=args.seed, progress=progress,
-                                  split_max_size=split)
+                                  split_max_size=split, rope_scaling=rope_scaling)
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     finally:
@@ -293,12 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a synthetic model of a real geometry")
     s.add_argument("out", help="output .gguf path")
     s.add_argument("--like", default="tiny",
-                   help="tiny | qwen3-30b-a3b | qwen3-235b-a22b | tiny-next | qwen3-next-80b-a3b")
+                   help="tiny | qwen3-30b-a3b | qwen3-30b-a3b-2507 | qwen3-235b-a22b | tiny-next | "
+                        "qwen3-next-80b-a3b")
     s.add_argument("--quant", default="q8_0", help=synth_quant_help())
     s.add_argument("--split-max-size", default=None, metavar="N[K|M|G]",
                    help="write shards OUT-00001-of-0000N.gguf of at most this much tensor data "
                         "each (decimal units, e.g. 4G)")
     s.add_argument("--popularity", default="uniform", help="uniform | zipf:S")
+    s.add_argument("--rope-scaling", default=None, metavar="SPEC",
+                   help="the file's RoPE scaling keys: none, linear:FACTOR or "
+                        "yarn:FACTOR:ORIGINAL_CONTEXT (e.g. yarn:4:32768; context_length becomes "
+                        "factor x original)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_synth)

@@ -12,7 +12,7 @@ import enum
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -62,6 +62,29 @@ class TensorInfo:
         return self.ggml_type.name
 
 
+ROPE_SCALING_KINDS = ("none", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a file stretches RoPE past the context it was pretrained on (its
+    `<arch>.rope.scaling.*` keys; models/common.py `rope_inv_freq` applies them). "linear" divides
+    every frequency by `factor`; "yarn" divides only the slow ones, ramping between the dims that
+    turn more than `beta_fast` and fewer than `beta_slow` times over `original_context`, and scales
+    cos/sin by `attn_factor * (1 + 0.1 ln factor)`."""
+    kind: str = "none"
+    factor: float = 1.0
+    original_context: int = 0      # yarn: rope.scaling.original_context_length, else context_length
+    stretched_context: int = 0     # yarn: factor x original_context_length where the file gives it
+    beta_fast: float = 32.0        # rope.scaling.yarn_beta_fast
+    beta_slow: float = 1.0         # rope.scaling.yarn_beta_slow
+    ext_factor: float = 1.0        # rope.scaling.yarn_ext_factor: how much of the ramp applies
+    attn_factor: float = 1.0       # rope.scaling.yarn_attn_factor: a factor on yarn's cos/sin scale
+
+
+NO_ROPE_SCALING = RopeScaling()
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The architecture-level numbers a forward pass and the planner need."""
@@ -79,6 +102,13 @@ class Geometry:
     rope_base: float
     context_length: int
     tied_embeddings: bool
+    rope_scaling: RopeScaling = field(default=NO_ROPE_SCALING, kw_only=True)
+
+    @property
+    def trained_context(self) -> int:
+        """The longest context the file says the model was trained for: its context_length, or
+        under yarn with an original length, factor x that length where it is longer."""
+        return max(self.context_length, self.rope_scaling.stretched_context)
 
 
 # blk.N.<part>.weight, and the few per-layer tensors llama.cpp names otherwise: blk.N.ssm_a (no

@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections import deque
@@ -37,12 +36,12 @@ from .gguf_model import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
 from .helper_server import HelperServer
 from .models import architecture_for
+from .pulse import HEARTBEAT_S, Pulse
 from .stage import Stage, StageConfig
 from .stage_step import Outbound, StageStep, To
 
 log = logging.getLogger("strata.rank")
 
-HEARTBEAT_S = 1.0
 COORDINATOR_LOST_S = 15.0     # heartbeats failing this long: the coordinator is gone
 HANDOFF_TIMEOUT_MS = 30_000   # a next stage that takes no rows this long is considered dead
 LAST_MESSAGE_GRACE_MS = 500   # a queued last message may trail the disconnect event by this much
@@ -68,34 +67,6 @@ class RankOptions:
 
 class CoordinatorLost(RuntimeError):
     """The coordinator went away or no longer knows this rank (it restarted): register again or exit."""
-
-
-class _Pulse(threading.Thread):
-    """Heartbeats on a connection of their own (authenticated like the control one), so a rank
-    busy with a long prompt chunk is not taken for dead; a rank that is stuck for good is caught
-    by the request's own step timeout instead."""
-
-    def __init__(self, endpoint: str, secret: bytes, rank: int, timeout_ms: int):
-        super().__init__(name="pulse", daemon=True)
-        self.endpoint, self.secret, self.rank, self.timeout_ms = endpoint, secret, rank, timeout_ms
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        ch = Channel("dealer", peer="coordinator (pulse)",
-                     max_msg_bytes=FrameCaps.CONTROL).connect(self.endpoint)
-        try:
-            client_handshake(ch, self.secret, f"rank-{os.getpid()}-pulse", timeout_ms=self.timeout_ms)
-            seq = 0
-            while not self.stopped.wait(HEARTBEAT_S):
-                seq += 1
-                try:
-                    ch.send(Heartbeat(rank=self.rank, seq=seq, pid=os.getpid()), timeout_ms=500)
-                except ProtocolTimeout:
-                    pass   # the main loop's own heartbeat decides when the coordinator is gone
-        except Exception as e:  # no pulse: the main loop's heartbeats still run between messages
-            log.warning("heartbeat connection failed: %s", e)
-        finally:
-            ch.close()
 
 
 class RankProcess:
@@ -338,8 +309,8 @@ class RankProcess:
         raise ProtocolTimeout("coordinator", "an assignment", self.opts.assign_timeout_s * 1e3)
 
     def _run_data_plane(self) -> int:
-        pulse = _Pulse(self.opts.coordinator, self.opts.secret, self.assign.rank,
-                       int(self.opts.connect_timeout_s * 1000))
+        pulse = Pulse(self.opts.coordinator, self.opts.secret, self.assign.rank,
+                      int(self.opts.connect_timeout_s * 1000), parent_pid=self.opts.parent_pid)
         pulse.start()
         try:
             return self._loop()

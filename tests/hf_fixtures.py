@@ -156,3 +156,13 @@ def load_gguf_weights_into(model: Qwen3MoeForCausalLM, gguf_model) -> Qwen3MoeFo
 def hf_logits(model: Qwen3MoeForCausalLM, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def rope_scaled_twin(model: Qwen3MoeForCausalLM, rope_parameters: dict) -> Qwen3MoeForCausalLM:
+    """The same weights under other rope_parameters (a yarn or linear scaling: the rotary tables
+    are built when the model is)."""
+    cfg = Qwen3MoeConfig.from_dict(model.config.to_dict())
+    cfg.rope_parameters = rope_parameters
+    twin = Qwen3MoeForCausalLM(cfg).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin

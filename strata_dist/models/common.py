@@ -3,9 +3,11 @@ the tensor lists a stage loads, and `LayerRangeModel` (a layer range's weights, 
 logits and routed experts). The arithmetic is the backend's (backends/ops.py)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ..gguf_model import GGUFError
+from ..gguf_model import NO_ROPE_SCALING, ROPE_SCALING_KINDS, GGUFError, RopeScaling
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
 from ..plan.workspace import STREAM_BLOBS, STREAM_TOKENS_PER_BLOB, STREAMED, Buffer, PromptLayout
 
@@ -41,16 +43,88 @@ def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
         n_ff_exp=gguf.arch_int("expert_feed_forward_length", required=True, minimum=1),
         rms_eps=gguf.arch_float("attention.layer_norm_rms_epsilon", default=1e-6, positive=True),
         rope_base=gguf.arch_float("rope.freq_base", default=rope_base, positive=True),
-        context_length=gguf.arch_int("context_length", default=context_length, minimum=1),
+        context_length=(ctx := gguf.arch_int("context_length", default=context_length, minimum=1)),
         tied_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=read_rope_scaling(gguf, ctx),
     )
 
 
-def rope_tables(positions: np.ndarray, rot_dim: int, base: float):
-    """cos/sin [n, rot_dim/2] for NEOX-style RoPE over the first `rot_dim` dims of a head."""
+def read_rope_scaling(gguf, context_length: int) -> RopeScaling:
+    """The file's `<arch>.rope.scaling.*` keys (llama.cpp's names). No type, or "none", is plain
+    RoPE; a type this code does not compute is refused naming the key rather than run with the
+    wrong positions. Without original_context_length, yarn's original is the context_length (as
+    llama.cpp reads such a file)."""
+    key = f"{gguf.arch}.rope.scaling.type"
+    kind = gguf.metadata(key)
+    if kind is None:
+        return NO_ROPE_SCALING
+    if kind not in ROPE_SCALING_KINDS:
+        raise GGUFError(gguf.path, f"is {kind!r}; the RoPE scalings computed here are "
+                                   f"{', '.join(ROPE_SCALING_KINDS)}", key=key)
+    if kind == "none":
+        return NO_ROPE_SCALING
+    num = gguf.arch_float
+    factor = num("rope.scaling.factor", default=1.0, positive=True)
+    if kind == "linear":
+        return RopeScaling(kind=kind, factor=factor)
+    original = gguf.arch_int("rope.scaling.original_context_length", minimum=1)
+    beta_fast = num("rope.scaling.yarn_beta_fast", default=32.0, positive=True)
+    beta_slow = num("rope.scaling.yarn_beta_slow", default=1.0, positive=True)
+    if beta_slow >= beta_fast:
+        raise GGUFError(gguf.path, f"is {beta_slow}, not below yarn_beta_fast ({beta_fast})",
+                        key=f"{gguf.arch}.rope.scaling.yarn_beta_slow")
+    ext = num("rope.scaling.yarn_ext_factor", default=1.0)
+    if ext < 0:     # llama.cpp's "unset" (-1): the whole ramp, as for a file without the key
+        ext = 1.0
+    if ext > 1:
+        raise GGUFError(gguf.path, f"is {ext}; it must be between 0 and 1 (or -1: unset)",
+                        key=f"{gguf.arch}.rope.scaling.yarn_ext_factor")
+    return RopeScaling(kind=kind, factor=factor, original_context=original or context_length,
+                       stretched_context=int(round(factor * original)) if original else 0,
+                       beta_fast=beta_fast, beta_slow=beta_slow, ext_factor=ext,
+                       attn_factor=num("rope.scaling.yarn_attn_factor", default=1.0,
+                                       positive=True))
+
+
+def rope_inv_freq(rot_dim: int, base: float,
+                  scaling: RopeScaling = NO_ROPE_SCALING) -> tuple[np.ndarray, float]:
+    """(radians per position of each rotated pair [rot_dim/2], float64; the factor on cos/sin).
+
+    Plain RoPE: base^(-2i/rot_dim). Linear: each divided by the factor. YaRN: pair i keeps its
+    frequency where it turns more than beta_fast times over the original context, is divided by
+    the factor where it turns fewer than beta_slow times, and between the two (the correction
+    dims, rounded outwards) mixes both along a linear ramp; cos/sin are scaled by
+    attn_factor * (1 + 0.1 ln factor), which keeps attention's entropy as the context grows."""
     inv = 1.0 / (base ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    if scaling.kind == "linear":
+        return inv / scaling.factor, 1.0
+    if scaling.kind != "yarn":
+        return inv, 1.0
+    f = scaling.factor
+
+    def correction_dim(rotations: float) -> float:
+        # the dim whose wavelength fits `rotations` times into the original context
+        return (rot_dim * math.log(scaling.original_context / (rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), rot_dim - 1)
+    ramp = np.clip((np.arange(rot_dim // 2, dtype=np.float64) - low) / max(high - low, 0.001),
+                   0.0, 1.0)
+    keep = (1.0 - ramp) * scaling.ext_factor        # 1: the pair's own frequency (extrapolated)
+    inv = inv / f * (1.0 - keep) + inv * keep
+    mscale = 1.0 + 0.1 * math.log(f) if f > 1 and scaling.ext_factor else 1.0
+    return inv, scaling.attn_factor * mscale
+
+
+def rope_tables(positions: np.ndarray, rot_dim: int, base: float,
+                scaling: RopeScaling = NO_ROPE_SCALING):
+    """cos/sin [n, rot_dim/2] for NEOX-style RoPE over the first `rot_dim` dims of a head, with the
+    file's scaling (`rope_inv_freq`): every backend rotates by these tables (the GPU kernels read
+    them from the session), so the scaling lives here alone."""
+    inv, scale = rope_inv_freq(rot_dim, base, scaling)
     ang = positions.astype(np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return (scale * np.cos(ang)).astype(np.float32), (scale * np.sin(ang)).astype(np.float32)
 
 
 def stage_tensor_names(g, lb: int, le: int, first: bool, last: bool, layer_names) -> list[str]:

@@ -121,7 +121,8 @@ class KVSession:
         shape = (max_cells, g.n_head_kv, g.head_dim)
         self._k = [new_kv(xp, shape, backend.kv_type) for _ in range(lb, le)]
         self._v = [new_kv(xp, shape, backend.kv_type) for _ in range(lb, le)]
-        cos, sin = rope_tables(np.arange(max_cells), g.head_dim, g.rope_base)
+        cos, sin = rope_tables(np.arange(max_cells), g.head_dim, g.rope_base,
+                               g.rope_scaling)
         self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
         self.scores = xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=np.float32)
         self.n_past = 0

@@ -342,7 +342,7 @@ class HybridSession:
         self._v = {l: new_kv(xp, kv_shape(g, max_cells), kv) for l in self.attention_layers}
         self._conv = {l: xp.zeros(conv_state_shape(g), dtype=f32) for l in self.linear_layers}
         self._ssm = {l: xp.zeros(recurrent_state_shape(g), dtype=f32) for l in self.linear_layers}
-        cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base)
+        cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base, g.rope_scaling)
         self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
         self.scores = (xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=f32)
                        if self.attention_layers else None)

@@ -49,6 +49,7 @@ from typing import Callable
 from .moe import GEOMETRIES, SynthGeometry, write_moe
 from .next import NEXT_GEOMETRIES, NextSynthGeometry, write_next
 from .ftypes import FILE_TYPES
+from .rope import RopeScalingSpec, parse_rope_scaling
 from .shards import parse_size
 from .writer import (QUANTS, Popularity, SynthSummary, parse_popularity, reserved_width,
                      top_k_inclusion)
@@ -57,14 +58,20 @@ from .writer import (QUANTS, Popularity, SynthSummary, parse_popularity, reserve
 def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry | NextSynthGeometry,
                     quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
                     progress: Callable[[int, int], None] | None = None,
-                    split_max_size: int | str = 0) -> SynthSummary:
+                    split_max_size: int | str = 0,
+                    rope_scaling: str | RopeScalingSpec | None = None) -> SynthSummary:
     """Write a synthetic GGUF of a geometry (a name of GEOMETRIES or NEXT_GEOMETRIES, or the
     value) to `path`; `progress(bytes_written, total_bytes)` per chunk. `split_max_size` (bytes, or
-    text such as "4G"): write shards `<path without .gguf>-0000i-of-0000N.gguf` instead."""
+    text such as "4G"): write shards `<path without .gguf>-0000i-of-0000N.gguf` instead.
+    `rope_scaling` ("yarn:4:32768", "linear:2", "none"; synth/rope.py): the file's
+    rope.scaling.* keys, and under yarn its context_length factor x original."""
     if isinstance(split_max_size, str):
         split_max_size = parse_size(split_max_size)
+    if not isinstance(rope_scaling, RopeScalingSpec):
+        rope_scaling = parse_rope_scaling(rope_scaling)
     if isinstance(like, NextSynthGeometry) or like in NEXT_GEOMETRIES:
-        return write_next(path, like, quant, popularity, seed, progress, split_max_size)
+        return write_next(path, like, quant, popularity, seed, progress, split_max_size,
+                          rope_scaling)
     if isinstance(like, SynthGeometry):
         g = like
     elif like in GEOMETRIES:
@@ -73,9 +80,9 @@ def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry | Ne
         raise ValueError(f"unknown geometry {like!r}: expected one of "
                          f"{', '.join([*GEOMETRIES, *NEXT_GEOMETRIES])}")
     pop = parse_popularity(popularity) if isinstance(popularity, str) else popularity
-    return write_moe(path, g, quant, pop, seed, progress, split_max_size)
+    return write_moe(path, g, quant, pop, seed, progress, split_max_size, rope_scaling)
 
 
 __all__ = ["FILE_TYPES", "GEOMETRIES", "NEXT_GEOMETRIES", "QUANTS", "NextSynthGeometry", "Popularity",
-           "SynthGeometry", "SynthSummary", "parse_popularity", "reserved_width", "top_k_inclusion",
+           "RopeScalingSpec", "SynthGeometry", "parse_rope_scaling", "SynthSummary", "parse_popularity", "reserved_width", "top_k_inclusion",
            "parse_size", "write_synthetic"]

@@ -9,6 +9,7 @@ from typing import Callable
 import gguf
 import numpy as np
 
+from .rope import RopeScalingSpec
 from .writer import (EMBD_STD, MT, QUANTS, Popularity, SynthSummary, Tensor, assign_types,
                      attn_out_std, calibrate_logit_means, const, embedding_channel, experts, matrix,
                      reserved_width, router, set_embedding_channel, stream, summary, write_file,
@@ -43,6 +44,11 @@ GEOMETRIES: dict[str, SynthGeometry] = {
     "qwen3-235b-a22b": SynthGeometry("qwen3-235b-a22b", n_layer=94, n_embd=4096, n_head=64, n_head_kv=4,
                                      head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=1536,
                                      n_vocab=151936),
+    # Qwen/Qwen3-30B-A3B-Instruct-2507: the same layers, trained to 262,144 positions (theta 1e7)
+    "qwen3-30b-a3b-2507": SynthGeometry("qwen3-30b-a3b-2507", n_layer=48, n_embd=2048, n_head=32,
+                                        n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
+                                        n_ff_exp=768, n_vocab=151936, context_length=262144,
+                                        rope_base=1e7),
 }
 
 
@@ -90,8 +96,9 @@ def plan_moe(g: SynthGeometry, quant: str, pop: Popularity, seed: int) -> tuple[
 
 def write_moe(path: str | os.PathLike[str], g: SynthGeometry, quant: str, pop: Popularity,
               seed: int, progress: Callable[[int, int], None] | None,
-              split_max_size: int = 0) -> SynthSummary:
-    """Write a synthetic qwen3moe GGUF of geometry `g` to `path` (or its shards)."""
+              split_max_size: int = 0, rope_scaling: RopeScalingSpec | None = None) -> SynthSummary:
+    """Write a synthetic qwen3moe GGUF of geometry `g` to `path` (or its shards), with
+    `rope_scaling`'s keys where given (synth/rope.py)."""
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANTS)}")
     if g.n_head % g.n_head_kv or not 0 < g.n_expert_used <= g.n_expert:
@@ -103,7 +110,8 @@ def write_moe(path: str | os.PathLike[str], g: SynthGeometry, quant: str, pop: P
 
     def metadata(w: gguf.GGUFWriter) -> None:
         w.add_block_count(g.n_layer)
-        w.add_context_length(g.context_length)
+        w.add_context_length(rope_scaling.context_length(g.context_length) if rope_scaling
+                             else g.context_length)
         w.add_embedding_length(g.n_embd)
         w.add_feed_forward_length(g.n_ff_exp)     # qwen3moe has no dense FFN; the expert ff stands in
         w.add_expert_feed_forward_length(g.n_ff_exp)
@@ -112,6 +120,8 @@ def write_moe(path: str | os.PathLike[str], g: SynthGeometry, quant: str, pop: P
         w.add_key_length(g.head_dim)
         w.add_value_length(g.head_dim)
         w.add_rope_freq_base(g.rope_base)
+        if rope_scaling:
+            rope_scaling.write(w)
         w.add_layer_norm_rms_eps(g.rms_eps)
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)

@@ -23,6 +23,7 @@ from typing import Callable
 import gguf
 import numpy as np
 
+from .rope import RopeScalingSpec
 from .writer import (EMBD_STD, QUANTS, WEIGHT_STD, MT, Popularity, SynthSummary, assign_types,
                      attn_out_std, const, embedding_channel, experts, matrix, router,
                      set_embedding_channel, stream, summary, write_file, calibrate_logit_means,
@@ -164,8 +165,9 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
 def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
                quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
                progress: Callable[[int, int], None] | None = None,
-               split_max_size: int = 0) -> SynthSummary:
-    """Write a synthetic qwen3next GGUF to `path`, or its shards (see the module docstring)."""
+               split_max_size: int = 0, rope_scaling: RopeScalingSpec | None = None) -> SynthSummary:
+    """Write a synthetic qwen3next GGUF to `path`, or its shards (see the module docstring), with
+    `rope_scaling`'s keys where given (synth/rope.py)."""
     g = like if isinstance(like, NextSynthGeometry) else NEXT_GEOMETRIES.get(like)
     if g is None:
         raise ValueError(f"unknown geometry {like!r}: expected one of {', '.join(NEXT_GEOMETRIES)}")
@@ -182,7 +184,8 @@ def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
 
     def metadata(w: gguf.GGUFWriter) -> None:   # what llama.cpp's Qwen3NextModel converter writes
         w.add_block_count(g.n_layer)
-        w.add_context_length(g.context_length)
+        w.add_context_length(rope_scaling.context_length(g.context_length) if rope_scaling
+                             else g.context_length)
         w.add_embedding_length(g.n_embd)
         w.add_feed_forward_length(g.n_ff_exp)
         w.add_expert_feed_forward_length(g.n_ff_exp)
@@ -193,6 +196,8 @@ def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
         w.add_value_length(g.head_dim)
         w.add_rope_freq_base(g.rope_base)
         w.add_rope_dimension_count(int(g.head_dim * g.partial_rotary))
+        if rope_scaling:
+            rope_scaling.write(w)
         w.add_layer_norm_rms_eps(g.rms_eps)
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)
