@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
+from .compute_options import ComputeOptions
+from .structs import STRUCT_TYPES, Struct, struct
+
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -57,15 +60,6 @@ class VersionMismatch(ProtocolError):
         self.ours = ours
 
 
-class Struct:
-    """Base of everything the codec can carry (messages and nested records)."""
-
-    __slots__ = ()
-
-    def check(self, arrays: list) -> None:
-        """Semantic validation beyond types; raise ValueError. ``arrays`` are the decoded buffers (messages only)."""
-
-
 class Message(Struct):
     """Base of top-level messages: has a wire tag and a bound on how many raw buffers may follow the header."""
 
@@ -75,14 +69,6 @@ class Message(Struct):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
-STRUCT_TYPES: dict[str, type[Struct]] = {}
-
-
-def struct(cls):
-    """Decorator for nested records: a keyword-only slotted dataclass."""
-    cls = dataclass(kw_only=True, slots=True)(cls)
-    STRUCT_TYPES[cls.__name__] = cls
-    return cls
 
 
 def message(cls):
@@ -270,6 +256,9 @@ class Assign(Message):
     # are keyed by it (protocol/seal.py). Sent again to the ranks already running when a
     # replacement is admitted; they answer Ready once they key those links by it.
     link_epochs: dict[str, int] = field(default_factory=dict)
+    # every compute switch of the launch (v13), read once by the launcher: the rank runs this
+    # record, never its own environment's STRATA_* variables (protocol/compute_options.py)
+    compute: ComputeOptions = field(default_factory=ComputeOptions)
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,

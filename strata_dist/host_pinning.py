@@ -3,18 +3,14 @@
 Policy only, no CUDA: the stage asks before pinning, the decode graph before building."""
 from __future__ import annotations
 
-import os
+from .compute_options import compute_options
 
-HOST_MAPPED_MODES = {"1": True, "0": False, "": None, "auto": None}
 PIN_SHARE = 0.75     # by default pin at most this share of the host's available memory
 
 
 def _forced() -> bool | None:
-    """STRATA_HOST_MAPPED as given: True (1), False (0), None (unset or auto)."""
-    text = os.environ.get("STRATA_HOST_MAPPED", "")
-    if text not in HOST_MAPPED_MODES:
-        raise ValueError(f"STRATA_HOST_MAPPED={text!r}: expected 1, 0 or auto")
-    return HOST_MAPPED_MODES[text]
+    """ComputeOptions.host_mapped (STRATA_HOST_MAPPED): True (1), False (0), None (auto)."""
+    return compute_options().host_mapped
 
 
 def reads_host_in_place(experts, once_opened: bool = False) -> bool:

@@ -32,6 +32,7 @@ from protocol.transport import is_loopback_endpoint, local_address_toward
 from protocol.messages import DeviceInfo
 from protocol.limits import FrameCaps
 
+from .compute_options import install
 from .gguf_model import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
 from .helper_server import HelperServer
@@ -134,6 +135,8 @@ class RankProcess:
             return assign
         self.assign = assign
         rank = assign.rank
+        # the launch's compute switches, never this host's environment (compute_options.py)
+        install(assign.compute)
         if assign.bind_endpoint or assign.helper_bind:
             self._take_over_endpoints(assign)
         self._cap_frames(assign)
@@ -144,7 +147,8 @@ class RankProcess:
                           if assign.link_nonce else None)
         self.data.seal_tcp(self.link_seal, link=assign.bind_endpoint or data_ep)
         self.helper_socket.seal_tcp(self.link_seal, link=assign.helper_bind or helper_ep)
-        log.info("rank %d: %s [%d, %d) on %s", rank, assign.role, assign.lb, assign.le, o.device_name)
+        log.info("rank %d: %s [%d, %d) on %s; compute options %s", rank, assign.role, assign.lb,
+                 assign.le, o.device_name, assign.compute.describe())
         # device memory free before and after each carve, for the startup report (None: host)
         probe = _backend(o.device_name).memory_info
         free = {"free_before": probe()}
@@ -157,7 +161,7 @@ class RankProcess:
                 loan_slots=assign.loan_slots,
                 # this card's own helper tier is computed in place, never asked over a socket
                 helpers=[(h.rank, h.endpoint, h.pairs,
-                          use_cuda_ipc(assign, os.environ, peer_host=h.host, peer_kind="cuda"))
+                          use_cuda_ipc(assign, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
                 prompt_chunk=assign.prefill_chunk,
@@ -219,7 +223,7 @@ class RankProcess:
         if not a.last:
             self.next = Channel("push", peer=f"stage after rank {a.rank}").connect(
                 a.next_endpoint).seal_tcp(self.link_seal)
-            use_ipc = use_cuda_ipc(a, os.environ)
+            use_ipc = use_cuda_ipc(a)
             g = self.stage.model.g
             self.sender = HandoffSender(self.next, be, a.host, use_ipc,
                                         max_rows=max(a.prefill_chunk, 1), hidden=g.n_embd,
@@ -489,16 +493,16 @@ class RankProcess:
             log.error("could not report to the head: %s", out.msg.message)
 
 
-def use_cuda_ipc(a: Assign, environ, peer_host: str | None = None, peer_kind: str | None = None) -> bool:
+def use_cuda_ipc(a: Assign, peer_host: str | None = None, peer_kind: str | None = None) -> bool:
     """Rows go to a peer (the next stage by default) through CUDA IPC only when it reports this
-    rank's host identity and computes on a GPU (and STRATA_IPC is not 0); every other hand-off is
-    a TCP/ipc frame. A helper's kind is not in the assignment: the link offers IPC and a CPU
+    rank's host identity and computes on a GPU (and the launch's compute options keep cuda_ipc,
+    STRATA_IPC, on); every other hand-off is a TCP/ipc frame. A helper's kind is not in the assignment: the link offers IPC and a CPU
     helper refuses it (PROTOCOL.md §6). A launch with rejoin on says `ipc=False`: a replacement
     could not take over buffers its neighbours opened from the process it replaces."""
     host = a.next_host if peer_host is None else peer_host
     kind = a.next_kind if peer_kind is None else peer_kind
     same_host = bool(a.host) and host == a.host
-    return same_host and kind == "cuda" and a.ipc and environ.get("STRATA_IPC", "1") != "0"
+    return same_host and kind == "cuda" and a.ipc and a.compute.cuda_ipc
 
 
 def _endpoint_host(endpoint: str) -> str:

@@ -12,6 +12,7 @@ from protocol import ProtocolTimeout
 from protocol.auth import AuthError, load_secret
 from protocol.transport import load_curve_keys, use_curve
 
+from .compute_options import mark_rank_process
 from .devices import cpu_device, gpu_device, parse_size
 from .flag_values import check_seconds
 from .gguf_model import GGUFError
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    mark_rank_process()   # it runs the compute options its Assign carries, not this environment's
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

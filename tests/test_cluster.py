@@ -19,6 +19,7 @@ from launcher.launch import assignments, same_host_helpers_only
 from launch_helpers import LineProcess
 from protocol import Channel, Release
 from protocol.auth import write_secret
+from protocol.compute_options import ComputeOptions
 from protocol.messages import Assign, DeviceInfo, Register
 from protocol.transport import CurveKeys, ProtocolTimeout, new_curve_keypair, use_curve
 from strata_dist.coordinator import Coordinator, RankSlot
@@ -213,12 +214,13 @@ def test_cross_host_hand_offs_are_priced_by_the_link():
 def test_cuda_ipc_only_between_gpu_ranks_of_one_host():
     gpu = Assign(rank=0, role="stage", lb=0, le=1, first=True, last=False, device="cuda", plan={},
                  host="a", next_host="a", next_kind="cuda")
-    assert use_cuda_ipc(gpu, {})
-    assert not use_cuda_ipc(replace(gpu, next_host="b"), {})          # another host: frames over TCP
-    assert not use_cuda_ipc(replace(gpu, next_kind="cpu"), {})
-    assert not use_cuda_ipc(replace(gpu, host="", next_host=""), {})  # no identity: never assumed
-    assert not use_cuda_ipc(gpu, {"STRATA_IPC": "0"})
-    assert not use_cuda_ipc(replace(gpu, ipc=False), {})               # --rejoin: frames
+    assert use_cuda_ipc(gpu)
+    assert not use_cuda_ipc(replace(gpu, next_host="b"))          # another host: frames over TCP
+    assert not use_cuda_ipc(replace(gpu, next_kind="cpu"))
+    assert not use_cuda_ipc(replace(gpu, host="", next_host=""))  # no identity: never assumed
+    # STRATA_IPC=0 at the launcher: the record its Assign carries says so
+    assert not use_cuda_ipc(replace(gpu, compute=ComputeOptions(cuda_ipc=False)))
+    assert not use_cuda_ipc(replace(gpu, ipc=False))               # --rejoin: frames
 
 
 @pytest.mark.parametrize("args, says", [

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import weakref
 
 import numpy as np
@@ -33,6 +32,7 @@ from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, 
                            QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
                            attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
+from ..compute_options import compute_options
 from ..host_pinning import reads_host_in_place
 from ..plan.pricing import DECODE_ROWS
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
@@ -55,38 +55,33 @@ class DecodeGraph:
     def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None,
                  shape: KernelShape | None = None, host_misses: bool | None = None,
                  attn_heads: int | None = None):
-        """`shape`: the expert kernels' compile-time shape (default: $STRATA_KERNEL_SHAPE, else
-        decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
+        """`shape`: the expert kernels' compile-time shape (default: ComputeOptions.kernel_shape,
+        else decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
         and read there (default: host_pinning.reads_host_in_place); else a missing expert makes the
         stage take the general path. `attn_heads`: query heads of one attention block (default:
-        $STRATA_ATTN_HEADS, else kernels/abi.py default_attn_heads)."""
+        ComputeOptions.attn_heads, else kernels/abi.py default_attn_heads)."""
         g = model.g
-        self.shape = shape or KernelShape.parse(os.environ.get("STRATA_KERNEL_SHAPE", ""))
+        options = compute_options()   # the record in force (strata_dist/compute_options.py)
+        self.shape = shape or KernelShape.parse(options.kernel_shape)
         self.model, self.arena, self.g = model, arena, g
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
-        self.use_graph = (os.environ.get("STRATA_DECODE_GRAPH", "1") != "0"
-                          if use_graph is None else use_graph)
+        self.use_graph = options.decode_graph if use_graph is None else use_graph
         self.host_misses = (reads_host_in_place(model.experts) if host_misses is None
                             else host_misses)
         self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
         # itself ("1"), or the attention does for one-row steps ("attention"); either way no
         # qk_norm_rope_kv launch and the same arithmetic
-        qk_mode = os.environ.get("STRATA_FUSED_QK_NORM", "")
-        if qk_mode not in ("", "0", "1", "attention"):
-            raise ValueError(f"STRATA_FUSED_QK_NORM={qk_mode!r}: expected 0, 1 or attention")
-        self.fused_qk_norm = qk_mode == "1"
-        self.fused_qk_attention = qk_mode == "attention"
+        self.fused_qk_norm = options.fused_qk_norm == "matvec"
+        self.fused_qk_attention = options.fused_qk_norm == "attention"
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
-        # the attention's splits and query heads a block ($STRATA_ATTN_HEADS overrides the heads)
-        text = os.environ.get("STRATA_ATTN_HEADS", "")
-        if not attn_heads and text:
-            if not text.isdigit():
-                raise ValueError(f"STRATA_ATTN_HEADS={text!r}: expected a number of query heads")
-            attn_heads = int(text)
+        # the attention's splits and query heads a block (ComputeOptions.attn_heads overrides the
+        # heads; 0: by the geometry)
+        if not attn_heads and options.attn_heads:
+            attn_heads = options.attn_heads
         try:
             a = attn_launch(g.n_head, g.n_head_kv, g.head_dim, max_cells, model.backend.kv_type,
                             attn_heads)
@@ -109,15 +104,13 @@ class DecodeGraph:
         # programmatic dependent launches (kernels/pdl.py; docs/BENCHMARKS.md: 3-4% off a step,
         # the same logits), a Hopper feature; STRATA_PDL=0 launches plainly
         hopper = int(cp.cuda.Device(model.backend.index).compute_capability) >= 90
-        self._pdl = (ProgrammaticLauncher() if hopper and os.environ.get("STRATA_PDL", "1") != "0"
-                     else None)
+        self._pdl = ProgrammaticLauncher() if hopper and options.pdl else None
         self._pdl_armed = False
         self._timing_repeat = 1
         self._bound = None             # weakref to the session whose pointers are in sess_table
         # the next greedy step of a single-stage pipeline launched before the host reads this
         # one's token (step_slots.py; STRATA_DECODE_AHEAD=0: off)
-        self.ahead_enabled = (os.environ.get("STRATA_DECODE_AHEAD", "1") != "0"
-                              and self.first and self.last)
+        self.ahead_enabled = options.decode_ahead and self.first and self.last
         self._ahead: Ahead | None = None
         self.launches = 0              # steps launched (StepLogits checks it is still current)
         self.ahead_taken = 0           # steps launched ahead and then asked for

@@ -7,7 +7,6 @@ per (layer, expert). Decode steps whose experts are all resident run through
 from __future__ import annotations
 
 import logging
-import os
 import re
 from functools import lru_cache
 
@@ -23,6 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..kernels.abi import MAX_GROUP_EXPERTS
+from ..compute_options import compute_options, fall_back
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
@@ -57,26 +57,26 @@ class CupyBackend(Backend):
         # no host round trip a layer. The row kernels measured 4x the general path at 512 tokens,
         # device routing 2x host routing at 4,096 (docs/BENCHMARKS.md); each switch set to 0
         # gives the general path back.
-        self._flash = os.environ.get("STRATA_FLASH_PREFILL", "1") != "0"
+        # the switches of the record in force (strata_dist/compute_options.py): a rank's Assign's
+        options = compute_options()
+        self._flash = options.flash_prefill
         self._flash_kernels = {}    # head width -> the kernel, allowed its shared memory once
         self._rows = None
-        if os.environ.get("STRATA_GROUPED_EXPERTS", "1") != "0":
+        if options.grouped_experts:
             from .expert_rows import RowsKernels
-            self._rows = RowsKernels(index, backend=self)
-        self._device_routing = (self._rows is not None
-                                and os.environ.get("STRATA_DEVICE_ROUTING", "1") != "0")
+            self._rows = RowsKernels(index, mma=options.rows_mma, backend=self)
+        self._device_routing = self._rows is not None and options.device_routing
         # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
         # where they are independent), "staged" the same with the delta rule's inputs staged in
-        # shared memory, "steps" the decode graph's token loop, "0" the blocked array form
-        self._gdn = os.environ.get("STRATA_GDN_KERNELS", "rows")
-        if self._gdn not in ("rows", "staged", "steps", "0"):
-            raise ValueError(f"STRATA_GDN_KERNELS={self._gdn}: rows, staged, steps or 0")
+        # shared memory, "steps" the decode graph's token loop, "off" the blocked array form
+        self._gdn = options.gdn_kernels
         # a chunk's RMSNorms, q/k norm + RoPE + K/V write and rank-ordered combine as one launch
         # each (kernels/prompt_ops.cu, decode.cu) instead of several array operations each
-        self._fused_ops = os.environ.get("STRATA_FUSED_PROMPT_OPS", "1") != "0"
+        self._fused_ops = options.fused_prompt_ops
         # quantized dense matrices (llama.cpp's Q4_K_M files keep attention in Q4_K/Q6_K) decoded
         # to f16 and multiplied on tensor cores, as F16 files' are, not in float32 (SGEMM)
-        self._f16_gemm = os.environ.get("STRATA_F16_PROMPT_GEMM", "1") != "0"
+        self._f16_gemm = options.f16_prompt_gemm
+        self._kernel_shape = options.kernel_shape
         self._staging = None        # PinnedStaging of upload(), made at the first one
         self._noted: set = set()    # (file, layer) checked and (file, line) warned at load
 
@@ -304,10 +304,18 @@ class CupyBackend(Backend):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
         (qwen3moe) or 256-wide (qwen3next) heads."""
         from ..kernels.abi import PREFILL_ATTENTION_BUILDS, prefill_attention_launch
-        if (not self._flash or int(q.shape[-1]) not in PREFILL_ATTENTION_BUILDS
-                or k.dtype != cp.float16
-                or v.dtype != cp.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous)
-                or q.shape[1] % k.shape[1]):
+        if not self._flash:
+            return None
+        why = _first_failed((
+            (int(q.shape[-1]) in PREFILL_ATTENTION_BUILDS,
+             f"heads {int(q.shape[-1])} wide (built for {sorted(PREFILL_ATTENTION_BUILDS)})"),
+            (k.dtype == cp.float16 and v.dtype == cp.float16,
+             f"K/V kept as {k.dtype} (the kernel reads f16)"),
+            (k.flags.c_contiguous and v.flags.c_contiguous, "K/V not contiguous"),
+            (not q.shape[1] % k.shape[1],
+             f"{q.shape[1]} query heads over {k.shape[1]} kv heads")))
+        if why:
+            fall_back("the flash attention of a prompt chunk (flash_prefill)", why)
             return None
         from ..kernels import function
         n, n_head, d = (int(x) for x in q.shape)
@@ -365,11 +373,23 @@ class CupyBackend(Backend):
         # q the first half of each head of qg [n, n_head, 2 D] (models/qwen3next.py _attention)
         gated = (d == NEXT_HEAD_DIM and rot == NEXT_ROT and isinstance(q, cp.ndarray)
                  and q.dtype == cp.float32 and q.strides == (n_head * 8 * d, 8 * d, 4))
-        if not (self._fused_ops and (full or gated) and n <= MAX_GRID_Y
-                and all(_f32_rows(a) for a in (k, v, q_norm, k_norm, cos, sin))
-                and tuple(k.shape) == tuple(v.shape) == (n, n_kv, d)
-                and all(isinstance(c, cp.ndarray) and c.dtype == cp.float16
-                        and c.flags.c_contiguous for c in (kc, vc))):
+        if not self._fused_ops:
+            return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
+        why = _first_failed((
+            (full or gated, f"heads {d} wide with {rot} rotated dims, q {q.dtype} strides "
+                            f"{q.strides} (the kernels take 128-wide fully rotated float32 rows, "
+                            f"or {NEXT_HEAD_DIM}-wide with {NEXT_ROT} rotated in gated rows)"),
+            (n <= MAX_GRID_Y, f"{n} rows (a launch takes at most {MAX_GRID_Y})"),
+            (all(_f32_rows(a) for a in (k, v, q_norm, k_norm, cos, sin)),
+             "k, v, the norms or the RoPE tables are not contiguous float32 device rows"),
+            (tuple(k.shape) == tuple(v.shape) == (n, n_kv, d),
+             f"k {tuple(k.shape)} and v {tuple(v.shape)} are not [{n}, {n_kv}, {d}]"),
+            (all(isinstance(c, cp.ndarray) and c.dtype == cp.float16 and c.flags.c_contiguous
+                 for c in (kc, vc)), f"the K/V cache is kept as {getattr(kc, 'dtype', type(kc))} "
+                                     f"(the kernels write contiguous f16)")))
+        if why:
+            fall_back("the fused q/k norm + RoPE + K/V write of a prompt chunk (fused_prompt_ops)",
+                      why)
             return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
         from ..kernels import function
         table = self.upload("rope_ptrs", np.array(
@@ -377,7 +397,7 @@ class CupyBackend(Backend):
         desc = np.zeros(DESC_WORDS, dtype=np.int32)
         desc[0], desc[1] = pos0, n
         desc = self.upload("rope_desc", desc)
-        kernel = lambda name: function("decode.cu", name, self.index, _decode_defines())  # noqa: E731
+        kernel = lambda name: function("decode.cu", name, self.index, _decode_defines(self._kernel_shape))  # noqa: E731
         if full:
             kernel("qk_norm_rope_kv")(
                 (n_head + n_kv, n), (32,),
@@ -397,23 +417,30 @@ class CupyBackend(Backend):
         STRATA_GDN_KERNELS=staged its inputs staged in shared memory), with =steps the decode
         graph's gated_delta.cuh (the rows in order, the token loop's arithmetic). None (the
         blocked array path) for a geometry the kernels do not take or with =0."""
-        if self._gdn == "0":
+        if self._gdn == "off":
             return None
         from ..kernels import function
         from ..kernels.abi import gdn_launch, gdn_rows_launch
         from .graph_tables import Unsupported
         from .next_decode import gdn_spec, launch_gdn
         n = int(qkv.shape[0])
+        path = f"the linear layers' kernels of a prompt chunk (gdn_kernels={self._gdn})"
         try:
             if self._gdn in ("rows", "staged"):
                 launch = gdn_rows_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim,
                                          g.ssm_conv_kernel)
             else:
                 launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
-        except ValueError:
+        except ValueError as e:
+            fall_back(path, str(e))
             return None
-        if not (conv.flags.c_contiguous and state.flags.c_contiguous
-                and conv.dtype == cp.float32 and state.dtype == cp.float32 and n <= MAX_GRID_Y):
+        why = _first_failed((
+            (conv.flags.c_contiguous and state.flags.c_contiguous
+             and conv.dtype == cp.float32 and state.dtype == cp.float32,
+             "the session's convolution or recurrent state is not contiguous float32"),
+            (n <= MAX_GRID_Y, f"{n} rows (a launch takes at most {MAX_GRID_Y})")))
+        if why:
+            fall_back(path, why)
             return None
         rows = [cp.ascontiguousarray(a, dtype=cp.float32) for a in (qkv, z, ba)]
         mixed = self.buffer("mixed", (n, g.conv_dim), cp.float32)
@@ -421,7 +448,8 @@ class CupyBackend(Backend):
         sess = self.upload("gdn_ptrs", np.array([conv.data.ptr, state.data.ptr], dtype=np.uint64))
         try:
             spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0, upload=self.upload)
-        except Unsupported:
+        except Unsupported as e:
+            fall_back(path, str(e))
             return None
         if n == 0:
             return out
@@ -429,7 +457,7 @@ class CupyBackend(Backend):
             launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n,
                           staged=self._gdn == "staged")
         else:
-            launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines()),
+            launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines(self._kernel_shape)),
                        spec, n, launch)
         return out
 
@@ -488,15 +516,20 @@ F16_SCRATCH_BYTES = 32 << 20
 MAX_GRID_Y = 65535    # a launch's rows are its grid's y (a chunk is far shorter)
 
 
+def _first_failed(conditions) -> str:
+    """The reason of the first (holds, reason) pair that does not hold; "" when all hold."""
+    return next((reason for holds, reason in conditions if not holds), "")
+
+
 def _f32_rows(a) -> bool:
     """A contiguous float32 device array (what the fused prompt kernels read)."""
     return isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.flags.c_contiguous
 
 
-def _decode_defines() -> tuple[str, ...]:
-    """decode.cu's build as the decode graph makes it ($STRATA_KERNEL_SHAPE): one module for the
-    graph and the prompt path's use of its kernels."""
-    return _shape_defines(os.environ.get("STRATA_KERNEL_SHAPE", ""))
+def _decode_defines(kernel_shape: str) -> tuple[str, ...]:
+    """decode.cu's build as the decode graph makes it (ComputeOptions.kernel_shape): one module
+    for the graph and the prompt path's use of its kernels."""
+    return _shape_defines(kernel_shape)
 
 
 @lru_cache(maxsize=None)

@@ -13,12 +13,12 @@ resident, grouped (`run_routed`) on the device: no host round trip a layer."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import cupy as cp
 
+from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N,
                            TYPE_NAMES, ExpertLayout, expert_layout, rows_mma_shared_bytes)
@@ -54,10 +54,11 @@ class RoutedPairs:
 class RowsKernels:
     def __init__(self, device: int, mma: bool | None = None, backend=None):
         """`backend`: the CupyBackend whose prompt workspace the launches' buffers come from
-        while a chunk runs (None: new arrays, as for the benchmarks and kernel tests)."""
+        while a chunk runs (None: new arrays, as for the benchmarks and kernel tests). `mma`: the
+        tensor-core build (default: the record in force, ComputeOptions.rows_mma)."""
         self.device = device
         self.backend = backend
-        self.mma = os.environ.get("STRATA_ROWS_MMA", "1") != "0" if mma is None else mma
+        self.mma = compute_options().rows_mma if mma is None else mma
         self._layers: dict[tuple[str, int], ExpertLayout | None] = {}
         self._kernels: dict[tuple[str, int, int], tuple[object, int]] = {}
 

@@ -1,0 +1,160 @@
+"""ComputeOptions: every switch that changes which kernels or paths a rank runs, in one typed record.
+
+The launcher reads the record once from its environment (strata_dist/compute_options.py, the one
+module that reads the STRATA_* compute variables), prints it with the plan, keeps it in the plan's
+JSON and sends it in every Assign (since protocol v13); a rank runs the record it was sent and
+never reads these variables itself, so two hosts of one launch cannot take different paths.
+Single-process tools read it the same way at their start.
+
+Pure data: the record, how each variable's text becomes a field's value, and the checks of a
+value. The planner's own tunables (STRATA_SPLIT_*, STRATA_PROMPT_LOANS, STRATA_WEIGHT_SLICE, ...)
+are PlanParams (strata_dist/plan/params.py), read once by the launcher in the same way and kept
+in the plan beside this record."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Callable, Literal, Mapping
+
+from .structs import Struct, struct
+
+FusedQkNorm = Literal["off", "matvec", "attention"]
+GdnKernels = Literal["rows", "staged", "steps", "off"]
+MAX_KERNEL_SHAPE_CHARS = 512   # a kernel shape names a handful of NAME=N macros
+
+
+@struct
+class ComputeOptions(Struct):
+    """The compute switches of a launch; each default is what runs when its variable is unset.
+
+    kernel_shape      the decode kernels' compile-time shape, "NAME=N,..." (strata_dist/kernels/abi.py
+                      KernelShape; "" its defaults) (STRATA_KERNEL_SHAPE).
+    decode_graph      GPU decode steps replay one captured CUDA graph; off: the kernels launch one
+                      by one (STRATA_DECODE_GRAPH=0).
+    pdl               the decode step's kernels as programmatic dependent launches on Hopper
+                      cards (STRATA_PDL=0: plain launches).
+    decode_ahead      a rank that is the whole pipeline launches each next greedy step before the
+                      host reads the token (STRATA_DECODE_AHEAD=0: off).
+    attn_heads        query heads of one decode attention block (STRATA_ATTN_HEADS=N; 0: chosen
+                      by the geometry, kernels/abi.py default_attn_heads).
+    fused_qk_norm     where a decode step's q/k RMSNorm, RoPE and K/V write run: "off" their own
+                      kernel, "matvec" inside the q/k/v matvec (STRATA_FUSED_QK_NORM=1),
+                      "attention" inside the attention for one-row steps (=attention).
+    host_mapped       a GPU stage pins the experts its cache lacks in host memory, its decode graph
+                      reading them in place: None where no other card's helper tier holds pairs
+                      for it (strata_dist/host_pinning.py), True always (STRATA_HOST_MAPPED=1),
+                      False never (=0).
+    grouped_experts   a GPU prompt's experts through the row kernels, pairs grouped by expert
+                      (STRATA_GROUPED_EXPERTS=0: one dequantize and two GEMMs per expert).
+    rows_mma          the row kernels on tensor cores (STRATA_ROWS_MMA=0: float32 FMA).
+    device_routing    with the row kernels, a chunk's top-k and grouping on the device
+                      (STRATA_DEVICE_ROUTING=0: on the host).
+    flash_prefill     a prompt chunk's attention as one flash-attention kernel
+                      (STRATA_FLASH_PREFILL=0: array operations).
+    fused_prompt_ops  a chunk's RMSNorms, q/k norm + RoPE + K/V write and combine as one launch
+                      each (STRATA_FUSED_PROMPT_OPS=0: array operations).
+    f16_prompt_gemm   a prompt's quantized dense matrices decoded to f16 for tensor-core GEMMs
+                      (STRATA_F16_PROMPT_GEMM=0: float32 GEMMs).
+    gdn_kernels       a qwen3next prompt's linear layers: "rows" (gdn_prompt.cu), "staged" (its
+                      inputs staged in shared memory), "steps" (the decode graph's token loop),
+                      "off" (the blocked array form) (STRATA_GDN_KERNELS=rows|staged|steps|0).
+    cuda_ipc          hidden rows between GPU ranks of one host through CUDA IPC buffers
+                      (STRATA_IPC=0: every hand-off as frames).
+    """
+
+    kernel_shape: str = ""
+    decode_graph: bool = True
+    pdl: bool = True
+    decode_ahead: bool = True
+    attn_heads: int = 0
+    fused_qk_norm: FusedQkNorm = "off"
+    host_mapped: bool | None = None
+    grouped_experts: bool = True
+    rows_mma: bool = True
+    device_routing: bool = True
+    flash_prefill: bool = True
+    fused_prompt_ops: bool = True
+    f16_prompt_gemm: bool = True
+    gdn_kernels: GdnKernels = "rows"
+    cuda_ipc: bool = True
+
+    def check(self, arrays: list) -> None:
+        if self.attn_heads < 0:
+            raise ValueError(f"attn_heads must be >= 0 (0: by the geometry), got {self.attn_heads}")
+        if len(self.kernel_shape) > MAX_KERNEL_SHAPE_CHARS:
+            raise ValueError(f"kernel_shape is {len(self.kernel_shape)} characters; at most "
+                             f"{MAX_KERNEL_SHAPE_CHARS}")
+
+    def changed(self) -> list[str]:
+        """The fields whose value is not the default."""
+        default = ComputeOptions()
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+    def describe(self) -> str:
+        """"name=value ..." of every field (on/off for switches, auto for host_mapped's None)."""
+        def text(v) -> str:
+            return "auto" if v is None else ("on" if v else "off") if isinstance(v, bool) \
+                else (str(v) or "default")
+        return " ".join(f"{f.name}={text(getattr(self, f.name))}" for f in fields(self))
+
+
+def _switch(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError("expected 0 or 1")
+    return text == "1"
+
+
+def _heads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError("expected a number of query heads")
+    return int(text)
+
+
+def _choice(table: dict[str, object]) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        if text not in table:
+            raise ValueError(f"expected {', '.join(table)}")
+        return table[text]
+    return parse
+
+
+# variable -> (field, parser of its text); every field has exactly one variable
+ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "STRATA_KERNEL_SHAPE": ("kernel_shape", str),
+    "STRATA_DECODE_GRAPH": ("decode_graph", _switch),
+    "STRATA_PDL": ("pdl", _switch),
+    "STRATA_DECODE_AHEAD": ("decode_ahead", _switch),
+    "STRATA_ATTN_HEADS": ("attn_heads", _heads),
+    "STRATA_FUSED_QK_NORM": ("fused_qk_norm", _choice({"0": "off", "1": "matvec",
+                                                        "attention": "attention"})),
+    "STRATA_HOST_MAPPED": ("host_mapped", _choice({"auto": None, "1": True, "0": False})),
+    "STRATA_GROUPED_EXPERTS": ("grouped_experts", _switch),
+    "STRATA_ROWS_MMA": ("rows_mma", _switch),
+    "STRATA_DEVICE_ROUTING": ("device_routing", _switch),
+    "STRATA_FLASH_PREFILL": ("flash_prefill", _switch),
+    "STRATA_FUSED_PROMPT_OPS": ("fused_prompt_ops", _switch),
+    "STRATA_F16_PROMPT_GEMM": ("f16_prompt_gemm", _switch),
+    "STRATA_GDN_KERNELS": ("gdn_kernels", _choice({"rows": "rows", "staged": "staged",
+                                                    "steps": "steps", "0": "off"})),
+    "STRATA_IPC": ("cuda_ipc", _switch),
+}
+VARIABLE_OF = {name: var for var, (name, _) in ENV_VARS.items()}
+
+
+def options_from_env(environ: Mapping[str, str], base: ComputeOptions | None = None) -> ComputeOptions:
+    """ComputeOptions from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value).
+    Raises ValueError naming the variable and its value."""
+    options = base or ComputeOptions()
+    for var, (name, parse) in ENV_VARS.items():
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            options = replace(options, **{name: parse(raw)})
+            options.check([])
+        except ValueError as e:
+            raise ValueError(f"{var}={raw!r}: {e}") from None
+    return options
+
+
+__all__ = ["ComputeOptions", "ENV_VARS", "VARIABLE_OF", "options_from_env"]
