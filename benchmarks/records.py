@@ -251,21 +251,19 @@ def machine() -> dict:
     return out
 
 
-# Every environment variable that changes what or how a rank computes, with the value in force
-# when it is unset (the code's own default; "" where the code picks by itself: a kernel shape's
-# defaults, auto host mapping, the heads by the card). The plan's variables are read from their
-# typed registry (strata_dist/plan/params.py ENV_VARS). tests/test_bench_options.py checks that
-# every STRATA_ variable strata_dist reads is here, there or in NOT_COMPUTE.
-COMPUTE_OPTIONS = {
-    "STRATA_KERNEL_SHAPE": "", "STRATA_HOST_MAPPED": "", "STRATA_PDL": "1",
-    "STRATA_ATTN_HEADS": "", "STRATA_DECODE_AHEAD": "1", "STRATA_FUSED_QK_NORM": "",
-    "STRATA_DECODE_GRAPH": "1", "STRATA_GROUPED_EXPERTS": "1", "STRATA_ROWS_MMA": "1",
-    "STRATA_DEVICE_ROUTING": "1", "STRATA_FLASH_PREFILL": "1", "STRATA_FUSED_PROMPT_OPS": "1",
-    "STRATA_GDN_KERNELS": "rows", "STRATA_F16_PROMPT_GEMM": "1", "STRATA_IPC": "1"}
-# read by strata_dist but not a compute option (where files go, logging, credentials, how kernel
-# binaries are found: the same kernels either way)
+# Every compute option in force goes into a record, by the variable that sets it: the launch's
+# ComputeOptions (protocol/compute_options.py, read by the one reader strata-launch uses) and the
+# planner's PlanParams (strata_dist/plan/params.py). Read by strata_dist, no compute option
+# (where files go, logging, credentials, how kernel binaries are built and found: the same
+# kernels and paths either way); tests/test_compute_options.py checks that every other STRATA_
+# variable strata_dist reads is in one of the two typed records.
 NOT_COMPUTE = ("STRATA_CACHE_DIR", "STRATA_LOG", "STRATA_TOKEN", "STRATA_KERNEL_CUBINS",
                "STRATA_KERNEL_LINEINFO")
+
+
+def compute_env_vars() -> dict:
+    from protocol.compute_options import ENV_VARS
+    return ENV_VARS
 
 
 def plan_env_vars() -> dict:
@@ -274,13 +272,19 @@ def plan_env_vars() -> dict:
 
 
 def options(env: dict | None = None) -> dict:
-    """Every compute option in force (the environment, `env` winning): the value of each
-    COMPUTE_OPTIONS variable, its default where unset, and the planner's parameters by their
-    variables (the typed PlanParams, defaults included)."""
+    """Every compute option in force (the environment, `env` winning), by its variable: the
+    launch's compute options as strata-launch reads them (each variable's text for the value in
+    force, defaults included) and the planner's parameters (the typed PlanParams). A value the
+    launcher would refuse fails the run here, naming the variable."""
+    from protocol.compute_options import env_text
+    from strata_dist.compute_options import read_environment
     from strata_dist.plan.params import params_from_env
     merged = {**os.environ, **(env or {})}
-    out = {k: merged.get(k, default) for k, default in COMPUTE_OPTIONS.items()}
-    params = params_from_env(merged).to_dict()
+    try:
+        out = env_text(read_environment(merged))
+        params = params_from_env(merged).to_dict()
+    except ValueError as e:
+        fail(str(e))
     for var, (field, _) in plan_env_vars().items():
         value = params[field]
         out[var] = ("" if value is None else str(int(value)) if isinstance(value, bool)
@@ -292,7 +296,7 @@ def env_prefix(env: dict | None = None) -> str:
     """"K=V " for each compute variable set in the environment (or in `env`, which wins), to put
     before a command: a record then says which build and path its figure is of."""
     merged = {**os.environ, **(env or {})}
-    names = list(COMPUTE_OPTIONS) + list(plan_env_vars())
+    names = list(compute_env_vars()) + list(plan_env_vars())
     return "".join(f"{k}={shlex.quote(merged[k])} " for k in names if merged.get(k))
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 from protocol.bounded_read import KEY_FILE_MAX, MIB, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
+from strata_dist.compute_options import read_environment
 from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.devices import cpu_device, gpu_device, parse_size, parse_size_list
@@ -324,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args, signals: StopSignals) -> int:
     check_seconds_flags(args)
+    # every compute switch, read here once (a bad value: one error line naming it, exit 2); the
+    # plan prints and keeps it, every rank runs it (strata_dist/compute_options.py)
+    args.compute = read_environment()
     if args.serve and args.prompt_ids is not None:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
     if args.prompt is not None and (args.serve or args.prompt_ids is not None):
@@ -379,7 +383,7 @@ def _main(args, signals: StopSignals) -> int:
         plan = make_plan(model_shape(gguf, kind, args.kv_type), planning_devices(args, specs),
                          cells=args.max_context, profile=profile, params=params, split=split,
                          order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill,
-                         **layout)
+                         compute=args.compute, **layout)
         print(plan.to_json() if args.json else render_table(plan))
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
@@ -423,7 +427,8 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        prefill=prefill, params=params, profile=profile, order=args.gpu_order,
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
-                       kv_type=args.kv_type, **(layout or {}), **cluster_config(args))
+                       kv_type=args.kv_type, compute=args.compute, **(layout or {}),
+                       **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0
     try:

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import Assign, CurveKeys, Endpoints, PeerInfo
+from protocol.compute_options import ComputeOptions
 from protocol.auth import new_secret
 from protocol.transport import use_curve, write_curve_keys
 from strata_dist.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
@@ -53,6 +54,8 @@ class LaunchConfig:
     kv_type: str | None = None       # --kv-type: how sessions keep K/V (None: each device's default)
     stage_gpus: list[str] | None = None   # --stage-gpus, as rank numbers: the ranks that run stages
     helper_tiers: tuple[ExplicitTier, ...] = ()   # --expert-cache-device: explicit helper tiers
+    # every compute switch, as strata-launch read them from its environment (the ranks run this)
+    compute: ComputeOptions = field(default_factory=ComputeOptions)
 
 
 def devices_from_ranks(slots: list[RankSlot]) -> list[Device]:
@@ -89,7 +92,8 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
     Endpoints are the ones each rank registered (reachable from the other hosts). With
     cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
     False (rejoin on: a replacement cannot take over CUDA IPC buffers its neighbours opened from
-    the process it replaces) every hand-off travels as frames."""
+    the process it replaces) every hand-off travels as frames. Every rank gets the plan's compute
+    options."""
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint
@@ -124,7 +128,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             cache_pairs=[list(p) for p in st.pairs] if st else [], prev_endpoint=prev,
             next_host=nxt_reg.register.host if nxt_reg else "",
             next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc,
-            kv_type=kv_type))
+            kv_type=kv_type, compute=plan.compute))
     return out
 
 
@@ -189,7 +193,8 @@ class Launch:
         self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
                               profile=cfg.profile, params=cfg.params, split=split,
                               order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill,
-                              stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers)
+                              stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers,
+                              compute=cfg.compute)
         if not cfg.cross_host_helpers:
             self.plan = same_host_helpers_only(self.plan)
         hosts = sorted({s.register.host for s in slots})

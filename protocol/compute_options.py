@@ -115,6 +115,7 @@ def _choice(table: dict[str, object]) -> Callable[[str], object]:
         if text not in table:
             raise ValueError(f"expected {', '.join(table)}")
         return table[text]
+    parse.table = table
     return parse
 
 
@@ -141,6 +142,22 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
 VARIABLE_OF = {name: var for var, (name, _) in ENV_VARS.items()}
 
 
+def env_text(options: ComputeOptions) -> dict[str, str]:
+    """Each variable's text that gives `options`' value (the inverse of options_from_env; "" for
+    a value its variable's absence gives and no text names: the default kernel shape, the
+    geometry's attention heads)."""
+    out = {}
+    for var, (name, parse) in ENV_VARS.items():
+        value = getattr(options, name)
+        if isinstance(value, bool) and parse is _switch:
+            out[var] = "1" if value else "0"
+        elif hasattr(parse, "table"):
+            out[var] = next(k for k, v in parse.table.items() if v == value)
+        else:
+            out[var] = str(value) if value else ""
+    return out
+
+
 def options_from_env(environ: Mapping[str, str], base: ComputeOptions | None = None) -> ComputeOptions:
     """ComputeOptions from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value).
     Raises ValueError naming the variable and its value."""
@@ -157,4 +174,4 @@ def options_from_env(environ: Mapping[str, str], base: ComputeOptions | None = N
     return options
 
 
-__all__ = ["ComputeOptions", "ENV_VARS", "VARIABLE_OF", "options_from_env"]
+__all__ = ["ComputeOptions", "ENV_VARS", "VARIABLE_OF", "env_text", "options_from_env"]

@@ -12,6 +12,7 @@ import numpy as np
 
 from .backends import BackendError
 from .backends.kv_cache import KV_TYPES
+from .compute_options import installed, read_environment
 from .gguf_model import GGUFError
 
 DEFAULT_MODEL_LIKE = "tiny"
@@ -353,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         # The embedded default job: generate on the built-in tiny model.
         args = ap.parse_args(["generate"] + (argv or []))
     try:
-        return args.func(args)
+        # every compute switch read once, here (a bad value: one error line naming it); the
+        # command runs that record, not variables changed while it runs (compute_options.py)
+        with installed(read_environment()):
+            return args.func(args)
     except (GGUFError, UsageError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from protocol.transport import is_loopback_endpoint, local_address_toward
 from protocol.messages import DeviceInfo
 from protocol.limits import FrameCaps
 
-from .compute_options import install
+from .compute_options import compute_options, install
 from .gguf_model import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
 from .helper_server import HelperServer
@@ -148,7 +148,7 @@ class RankProcess:
         self.data.seal_tcp(self.link_seal, link=assign.bind_endpoint or data_ep)
         self.helper_socket.seal_tcp(self.link_seal, link=assign.helper_bind or helper_ep)
         log.info("rank %d: %s [%d, %d) on %s; compute options %s", rank, assign.role, assign.lb,
-                 assign.le, o.device_name, assign.compute.describe())
+                 assign.le, o.device_name, compute_options().describe())
         # device memory free before and after each carve, for the startup report (None: host)
         probe = _backend(o.device_name).memory_info
         free = {"free_before": probe()}

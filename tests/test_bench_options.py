@@ -1,11 +1,13 @@
-"""A record's `options` are every compute option in force (benchmarks/records.py): each STRATA_
-variable the product reads from its environment is there with the default the code falls back
-to, or is one of the planner's typed parameters, or is named as no compute option at all. A new
-variable that is none of these fails here until it is placed."""
+"""A record's `options` are every compute option in force (benchmarks/records.py): the variables
+of the launch's ComputeOptions and of the planner's PlanParams, each with the value the launcher's
+reader gives (defaults included). Every other STRATA_ variable the product reads is named as no
+compute option at all; a new one that is neither fails here until it is placed."""
 from __future__ import annotations
 
 import re
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,20 +30,26 @@ def reads_of_the_product() -> dict[str, set[str | None]]:
 
 def test_every_variable_the_product_reads_is_placed():
     reads = reads_of_the_product()
-    assert "STRATA_DECODE_GRAPH" in reads and "STRATA_HOST_MAPPED" in reads
-    plan = set(records.plan_env_vars())
-    for var, defaults in reads.items():
-        placed = var in records.COMPUTE_OPTIONS or var in plan or var in records.NOT_COMPUTE
-        assert placed, f"{var} is read by strata_dist but is in no list of benchmarks/records.py"
-        if var in records.COMPUTE_OPTIONS:
-            # the default a record writes for an unset variable is the code's own
-            assert defaults <= {records.COMPUTE_OPTIONS[var], ""}, (var, defaults)
+    assert "STRATA_CACHE_DIR" in reads and "STRATA_SPLIT_COVERAGE" not in reads   # the walk works
+    compute, plan = set(records.compute_env_vars()), set(records.plan_env_vars())
+    for var in reads:
+        placed = var in compute or var in plan or var in records.NOT_COMPUTE
+        assert placed, f"{var} is read by strata_dist but is in no typed record nor NOT_COMPUTE"
 
 
 def test_options_hold_every_compute_option_with_its_value_in_force():
     got = records.options({"STRATA_PDL": "0", "STRATA_SPLIT_HOST_GBS": "20",
-                           "STRATA_PROMPT_LOANS": "0"})
-    assert set(records.COMPUTE_OPTIONS) | set(records.plan_env_vars()) == set(got)
+                           "STRATA_PROMPT_LOANS": "0", "STRATA_GDN_KERNELS": ""})
+    assert set(records.compute_env_vars()) | set(records.plan_env_vars()) == set(got)
     assert got["STRATA_PDL"] == "0" and got["STRATA_SPLIT_HOST_GBS"] == "20.0"
     assert got["STRATA_PROMPT_LOANS"] == "0" and got["STRATA_REMOTE_AUTO"] == "1"
-    assert got["STRATA_GDN_KERNELS"] == records.COMPUTE_OPTIONS["STRATA_GDN_KERNELS"]
+    # unset: the default the launcher's reader gives, as the variable's text
+    assert got["STRATA_GDN_KERNELS"] == "rows" and got["STRATA_HOST_MAPPED"] == "auto"
+    assert got["STRATA_DECODE_GRAPH"] == "1" and got["STRATA_KERNEL_SHAPE"] == ""
+
+
+def test_a_value_the_launcher_would_refuse_fails_the_run(capsys):
+    with pytest.raises(SystemExit) as e:
+        records.options({"STRATA_ROWS_MMA": "yes"})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: STRATA_ROWS_MMA='yes': expected 0 or 1"

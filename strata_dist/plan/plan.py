@@ -10,6 +10,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from protocol.codec import from_dict as record_from_dict, to_dict as record_to_dict
+from protocol.compute_options import ComputeOptions
+
 from .device import Device, order_devices
 from .errors import PlanError
 from .explicit import ExplicitTier, explicit_tiers, stage_devices as named_stage_devices
@@ -24,10 +27,11 @@ from .search import (Placement, check_split_points, price_split, search, search_
                      search_fixed, shortfall_message)
 from .shape import ModelShape
 
+# 7: the launch's compute options (protocol/compute_options.py) kept beside the params
 # 6: helper tiers say whether the operator sized them (explicit)
 # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
 # read_ms); 2: *_stages totals
-PLAN_FORMAT = "strata-plan/6"
+PLAN_FORMAT = "strata-plan/7"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class Plan:
     handoff_ms: float
     params: PlanParams = field(default_factory=PlanParams)
     notes: tuple[str, ...] = ()
+    # the launch's compute switches: planned with, printed with and sent with the plan (every
+    # rank runs them; the ranks' own environments do not count)
+    compute: ComputeOptions = field(default_factory=ComputeOptions)
 
     # --- totals (derived, so they cannot disagree with the parts) --------------------------------
     @property
@@ -174,6 +181,7 @@ class Plan:
             "devices": [d.to_dict() for d in self.devices],
             "stages": stages, "helpers": helpers,
             "params": self.params.to_dict(), "notes": list(self.notes),
+            "compute": record_to_dict(self.compute),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -197,7 +205,8 @@ class Plan:
         plan = cls(devices=devices, stages=stages, helpers=helpers, cells=d["cells"], chunk=d["chunk"],
                    chunk_auto=d["chunk_auto"], method=d["method"], compute_ms=d["compute_ms"],
                    miss_ms=d["miss_ms"], handoff_ms=d["handoff_ms"],
-                   params=PlanParams.from_dict(d["params"]), notes=tuple(d["notes"]))
+                   params=PlanParams.from_dict(d["params"]), notes=tuple(d["notes"]),
+                   compute=record_from_dict(ComputeOptions, d["compute"]))
         for key in ("expert_slots", "expert_slots_stages", "expert_slots_primary", "expert_cache_mib",
                     "expert_cache_stages_mib", "expert_cache_primary_mib", "predicted_ms_per_token",
                     "host_miss_ms", "helper_ms"):
@@ -298,7 +307,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
               split: str | Sequence[int] = "auto", order: str = "fastest_last",
               skip_if_fits: bool = False, prefill: int | None = None,
               stage_gpus: Sequence[str] | None = None,
-              helper_tiers: Sequence[ExplicitTier] = ()) -> Plan:
+              helper_tiers: Sequence[ExplicitTier] = (),
+              compute: ComputeOptions = ComputeOptions()) -> Plan:
     """Plan a run of `shape` on `devices` with `cells` context cells.
 
     split: "auto" (search), "none" (one stage on the best single device), or explicit split points
@@ -307,6 +317,7 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     stage_gpus: the devices (explicit.py names) that run stages, one each; the others are helper
     tiers only. helper_tiers: explicit helper tiers, sized by the operator — taken off a stage
     card before its cache fills, kept with --no-remote-auto, refused rather than skipped.
+    compute: the launch's compute options, kept in the plan (they do not move its numbers).
     Raises PlanError (a refusal naming the numbers) when the request cannot be honoured.
     """
     if not devices:
@@ -411,4 +422,4 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     return Plan(devices=ordered, stages=tuple(stages), helpers=helpers, cells=cells, chunk=lend.chunk,
                 chunk_auto=lend.auto, method=placement.method,
                 compute_ms=bd["compute_ms"], miss_ms=bd["miss_ms"], handoff_ms=bd["handoff_ms"],
-                params=params, notes=tuple(notes))
+                params=params, notes=tuple(notes), compute=compute)

@@ -54,6 +54,9 @@ def render_table(plan: Plan) -> str:
         if h.skipped:
             lines.append(f"helper tier on {h.device.label} skipped: {h.reason}")
     lines += [f"note: {n}" for n in plan.notes]
+    changed = plan.compute.changed()
+    lines.append(f"compute options: {plan.compute.describe()} ("
+                 + (f"not the default: {', '.join(changed)})" if changed else "every default)"))
     return "\n".join(lines)
 
 
