@@ -310,7 +310,7 @@ class CupyBackend(Backend):
             (int(q.shape[-1]) in PREFILL_ATTENTION_BUILDS,
              f"heads {int(q.shape[-1])} wide (built for {sorted(PREFILL_ATTENTION_BUILDS)})"),
             (k.dtype == cp.float16 and v.dtype == cp.float16,
-             f"K/V kept as {k.dtype} (the kernel reads f16)"),
+             f"K/V arrays of {k.dtype} (the kernel reads f16)"),
             (k.flags.c_contiguous and v.flags.c_contiguous, "K/V not contiguous"),
             (not q.shape[1] % k.shape[1],
              f"{q.shape[1]} query heads over {k.shape[1]} kv heads")))
@@ -385,8 +385,9 @@ class CupyBackend(Backend):
             (tuple(k.shape) == tuple(v.shape) == (n, n_kv, d),
              f"k {tuple(k.shape)} and v {tuple(v.shape)} are not [{n}, {n_kv}, {d}]"),
             (all(isinstance(c, cp.ndarray) and c.dtype == cp.float16 and c.flags.c_contiguous
-                 for c in (kc, vc)), f"the K/V cache is kept as {getattr(kc, 'dtype', type(kc))} "
-                                     f"(the kernels write contiguous f16)")))
+                 for c in (kc, vc)), f"the session's K/V arrays are "
+                                     f"{getattr(kc, 'dtype', type(kc))} (the kernels write "
+                                     f"contiguous f16)")))
         if why:
             fall_back("the fused q/k norm + RoPE + K/V write of a prompt chunk (fused_prompt_ops)",
                       why)
