@@ -26,7 +26,10 @@ CUBINS_ENV = "STRATA_KERNEL_CUBINS"
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # STRATA_KERNEL_LINEINFO=1: source lines in the binaries, for Nsight Compute
-# (benchmarks/ncu_decode.sh)
+# (benchmarks/ncu_decode.sh). Read here from each process's environment, like $STRATA_KERNEL_CUBINS,
+# and not a compute option (protocol/compute_options.py): a line table changes no instruction a
+# kernel runs, so ranks built with and without it run the same code; it is read once, at import,
+# because the binaries' names (cubin_name) hash the options they were compiled with.
 LINEINFO = ("-lineinfo",) if os.environ.get("STRATA_KERNEL_LINEINFO") == "1" else ()
 COMPILE_OPTIONS = ("--std=c++17",) + LINEINFO
 
