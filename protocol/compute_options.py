@@ -1,4 +1,4 @@
-"""ComputeOptions: every switch that changes which kernels or paths a rank runs, in one typed record.
+"""ComputeOptions: every switch that changes which kernels or paths a rank runs, in one record.
 
 The launcher reads the record once from its environment (strata_dist/compute_options.py, the one
 module that reads the STRATA_* compute variables), prints it with the plan, keeps it in the plan's
@@ -27,7 +27,7 @@ MAX_KERNEL_SHAPE_CHARS = 512   # a kernel shape names a handful of NAME=N macros
 class ComputeOptions(Struct):
     """The compute switches of a launch; each default is what runs when its variable is unset.
 
-    kernel_shape      the decode kernels' compile-time shape, "NAME=N,..." (strata_dist/kernels/abi.py
+    kernel_shape      the decode kernels' compile-time shape, "NAME=N,..." (kernels/abi.py
                       KernelShape; "" its defaults) (STRATA_KERNEL_SHAPE).
     decode_graph      GPU decode steps replay one captured CUDA graph; off: the kernels launch one
                       by one (STRATA_DECODE_GRAPH=0).

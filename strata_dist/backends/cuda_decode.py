@@ -27,12 +27,12 @@ import weakref
 import numpy as np
 import cupy as cp
 
+from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS,
                            QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
                            attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
-from ..compute_options import compute_options
 from ..host_pinning import reads_host_in_place
 from ..plan.pricing import DECODE_ROWS
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
@@ -56,10 +56,10 @@ class DecodeGraph:
                  shape: KernelShape | None = None, host_misses: bool | None = None,
                  attn_heads: int | None = None):
         """`shape`: the expert kernels' compile-time shape (default: ComputeOptions.kernel_shape,
-        else decode.cu's own). `host_misses`: experts missing from the cache are pinned in host memory
-        and read there (default: host_pinning.reads_host_in_place); else a missing expert makes the
-        stage take the general path. `attn_heads`: query heads of one attention block (default:
-        ComputeOptions.attn_heads, else kernels/abi.py default_attn_heads)."""
+        else decode.cu's own). `host_misses`: experts missing from the cache are pinned in host
+        memory and read there (default: host_pinning.reads_host_in_place); else a missing expert
+        makes the stage take the general path. `attn_heads`: query heads of one attention block
+        (default: ComputeOptions.attn_heads, else kernels/abi.py default_attn_heads)."""
         g = model.g
         options = compute_options()   # the record in force (strata_dist/compute_options.py)
         self.shape = shape or KernelShape.parse(options.kernel_shape)
@@ -70,7 +70,7 @@ class DecodeGraph:
                             else host_misses)
         self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
-        # itself ("1"), or the attention does for one-row steps ("attention"); either way no
+        # itself ("matvec"), or the attention does for one-row steps ("attention"); either way no
         # qk_norm_rope_kv launch and the same arithmetic
         self.fused_qk_norm = options.fused_qk_norm == "matvec"
         self.fused_qk_attention = options.fused_qk_norm == "attention"

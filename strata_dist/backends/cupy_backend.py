@@ -21,8 +21,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 
 from gguf import GGMLQuantizationType
 
-from ..kernels.abi import MAX_GROUP_EXPERTS
 from ..compute_options import compute_options, fall_back
+from ..kernels.abi import MAX_GROUP_EXPERTS
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
@@ -398,7 +398,8 @@ class CupyBackend(Backend):
         desc = np.zeros(DESC_WORDS, dtype=np.int32)
         desc[0], desc[1] = pos0, n
         desc = self.upload("rope_desc", desc)
-        kernel = lambda name: function("decode.cu", name, self.index, _decode_defines(self._kernel_shape))  # noqa: E731
+        defines = _decode_defines(self._kernel_shape)
+        kernel = lambda name: function("decode.cu", name, self.index, defines)  # noqa: E731
         if full:
             kernel("qk_norm_rope_kv")(
                 (n_head + n_kv, n), (32,),
@@ -458,7 +459,8 @@ class CupyBackend(Backend):
             launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n,
                           staged=self._gdn == "staged")
         else:
-            launch_gdn(lambda name: function("decode.cu", name, self.index, _decode_defines(self._kernel_shape)),
+            defines = _decode_defines(self._kernel_shape)
+            launch_gdn(lambda name: function("decode.cu", name, self.index, defines),
                        spec, n, launch)
         return out
 

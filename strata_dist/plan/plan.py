@@ -75,8 +75,8 @@ class Plan:
     handoff_ms: float
     params: PlanParams = field(default_factory=PlanParams)
     notes: tuple[str, ...] = ()
-    # the launch's compute switches: planned with, printed with and sent with the plan (every
-    # rank runs them; the ranks' own environments do not count)
+    # the launch's compute switches: kept, printed and sent with the plan (every rank runs them;
+    # the ranks' own environments do not count); they move none of its numbers
     compute: ComputeOptions = field(default_factory=ComputeOptions)
 
     # --- totals (derived, so they cannot disagree with the parts) --------------------------------
