@@ -325,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args, signals: StopSignals) -> int:
     check_seconds_flags(args)
-    # every compute switch, read here once (a bad value: one error line naming it, exit 2); the
-    # plan prints and keeps it, every rank runs it (strata_dist/compute_options.py)
-    args.compute = read_environment()
+    args.compute = read_environment()   # every compute switch, once: the plan keeps, ranks run it
     if args.serve and args.prompt_ids is not None:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
     if args.prompt is not None and (args.serve or args.prompt_ids is not None):

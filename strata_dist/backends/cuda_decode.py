@@ -27,7 +27,7 @@ import weakref
 import numpy as np
 import cupy as cp
 
-from ..compute_options import compute_options
+from ..compute_options import compute_options, fall_back
 from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS,
                            QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
@@ -597,5 +597,6 @@ def decode_graph(model, max_cells: int, graph_class: type = DecodeGraph):
     try:
         return graph_class(model, arena, max_cells)
     except Unsupported as e:
-        log.info("decode steps of layers [%d, %d) take the general path: %s", model.lb, model.le, e)
+        fall_back(f"the decode graph of layers [{model.lb}, {model.le}) (decode_graph): its "
+                  f"steps take the general path", str(e))
         return None
