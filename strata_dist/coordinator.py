@@ -509,7 +509,7 @@ class Coordinator:
     def _cancel_everywhere(self, request_id: int) -> None:
         """Every stage drops the request: a stage between prompt chunks stops there and skips the
         chunks still queued for it; the last stage answers a final Token "cancelled" (PROTOCOL.md
-        §4b). Each Cancel travels on a link of its own, so it is read before the chunks queued
+        §4). Each Cancel travels on a link of its own, so it is read before the chunks queued
         on the data links."""
         for slot in self._stages():
             role = "last" if slot.assign.last else f"cancel {slot.rank}"

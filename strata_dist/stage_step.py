@@ -82,7 +82,7 @@ class StageStep:
         return [] if self.last else [Outbound(To.NEXT, msg)]
 
     def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
-        """Every stage hears a Cancel (PROTOCOL.md §4b): inside that request's prompt it ends the
+        """Every stage hears a Cancel (PROTOCOL.md §4): inside that request's prompt it ends the
         prompt here, and it drops the request's rows still to come. The last stage answers once,
         unless the request had already ended there."""
         if msg.request_id in self.cancelled:
