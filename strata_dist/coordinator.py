@@ -35,7 +35,10 @@ HEARTBEAT_LOST_S = 10.0
 # stranger's flood included) never keeps the pipeline's tokens waiting.
 CONTROL_BATCH = 64
 INBOX_BATCH = 1024
-# Prompt chunks in flight (sent, not yet reported by the last stage) per pipeline stage.
+# Prompt chunks in flight (sent, not yet reported by the last stage) per pipeline stage: one
+# computing and more queued behind it, so a stage never waits on the head's round trip (measured
+# on two CPU stages with 8-token chunks, 2 per stage read a prompt ~25% slower than sending every
+# chunk up front, 4 as fast). A cancel skips queued chunks unread, so the window costs it nothing.
 PROMPT_WINDOW_PER_STAGE = 4
 
 
@@ -445,9 +448,9 @@ class Coordinator:
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
         chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
-        # Paced prompt: at most `window` chunks are sent ahead of the last stage's progress, two per
-        # stage (one computing, one queued behind it), so the stages still overlap while a cancel
-        # leaves little queued behind it and the head never floods the first stage's socket.
+        # Paced prompt: at most `window` chunks are sent ahead of the last stage's progress, so the
+        # stages still overlap, a cancel stops the sending, and a long prompt never fills the
+        # first stage's queue (sent up front, 8,000 one-token chunks timed out there).
         window = PROMPT_WINDOW_PER_STAGE * max(1, len(self._stages()))
         sent = read = 0
         prompt_done = cancelled = False
