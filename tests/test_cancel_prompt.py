@@ -2,7 +2,8 @@
 (two CPU stages): `CANCEL` or a first SIGINT on `--serve` answers `DONE … cancelled` within 2 s
 while the prompt has most of its chunks to go, and an HTTP client that leaves mid-prompt frees
 the worker as fast. What the cancelled prompt left behind is reused only as far as the last
-stage read it: the next GEN resumes there and its greedy tokens equal a fresh launch's."""
+stage read it: the next GEN resumes there and its greedy tokens equal a fresh launch's. And the
+head paces the chunks, so a prompt of thousands of them no longer stalls the pipeline."""
 import signal
 import time
 from dataclasses import replace
@@ -121,3 +122,17 @@ def test_an_http_client_leaving_mid_prompt_frees_the_worker_within_2s(model):
         assert took < CANCEL_WITHIN_S, f"the next request took {took:.1f} s"
     finally:
         server.close()
+
+
+def test_a_prompt_of_thousands_of_chunks_is_read_to_its_end(model):
+    """The head sends chunks as the last stage reports them: 8,000 one-token chunks (more than
+    the sockets queue, sent up front, with the progress of each piling up unread) are read and
+    the GEN answered, every chunk reported."""
+    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "2", "--prefill", "1",
+                     "--max-context", str(CONTEXT))
+    try:
+        out = s.gen(LONG[:8000], 2, timeout=60)
+        assert out["err"] is None and out["done"][-1] == "length", out
+        assert len(out["pp"]) == 8000 and out["pp"][-1][0] == "8000"
+    finally:
+        s.close()
