@@ -474,6 +474,8 @@ class Coordinator:
                     continue  # a late message of an earlier, failed request
                 last_event = time.monotonic()
                 if isinstance(msg, Error):
+                    if not cancelled:   # the other stages end its prompt (their loans come back)
+                        self._cancel_everywhere(request_id)
                     raise RequestError(msg.message)
                 if isinstance(msg, PromptProgress):
                     read = msg.chunk_index + 1
@@ -516,7 +518,10 @@ class Coordinator:
         on the data links."""
         for slot in self._stages():
             role = "last" if slot.assign.last else f"cancel {slot.rank}"
-            self._sender(slot, role).send(Cancel(request_id=request_id), timeout_ms=10_000)
+            try:
+                self._sender(slot, role).send(Cancel(request_id=request_id), timeout_ms=10_000)
+            except (ProtocolTimeout, ConnectionError) as e:   # its heartbeats tell the rest
+                log.warning("could not cancel request %d on rank %d: %s", request_id, slot.rank, e)
 
     def _stages(self) -> list[RankSlot]:
         return [s for s in self.ranks if s.assign is not None and s.assign.stage >= 0]
