@@ -2,7 +2,8 @@
 (two CPU stages): `CANCEL` or a first SIGINT on `--serve` answers `DONE … cancelled` within 2 s
 while the prompt has most of its chunks to go, and an HTTP client that leaves mid-prompt frees
 the worker as fast. What the cancelled prompt left behind is reused only as far as the last
-stage read it: the next GEN resumes there and its greedy tokens equal a fresh launch's. And the
+stage read it: the next GEN resumes there (a session with recurrent state: at 0) and its greedy
+tokens equal a fresh launch's. And the
 head paces the chunks, so a prompt of thousands of them no longer stalls the pipeline."""
 import signal
 import time
@@ -134,5 +135,44 @@ def test_a_prompt_of_thousands_of_chunks_is_read_to_its_end(model):
         out = s.gen(LONG[:8000], 2, timeout=60)
         assert out["err"] is None and out["done"][-1] == "length", out
         assert len(out["pp"]) == 8000 and out["pp"][-1][0] == "8000"
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def next_model(tmp_path_factory):
+    from strata_dist.synth import write_synthetic
+    path = tmp_path_factory.mktemp("cancel-next") / "next.gguf"
+    write_synthetic(path, like="tiny-next", quant="f32", popularity="zipf:1.0", seed=0)
+    return str(path)
+
+
+def test_a_recurrent_session_cancelled_mid_prompt_reads_the_next_gen_afresh(next_model):
+    """qwen3next's linear-attention state is not positional: the first stage has read past what
+    the last stage reported, so the next GEN resumes at 0 (no checkpoint lies before the cancel)
+    and gives a fresh launch's tokens."""
+    args = ("--cpu-ranks", "2", "--layer-split", "4", "--prefill", "2", "--max-context", "4096")
+    prompt, follow = LONG[:4000], LONG[:600] + [9, 10, 11]
+    fresh = ServeSession(next_model, *args)
+    try:
+        want = fresh.gen(follow, 8)
+    finally:
+        fresh.close()
+    assert want["done"][-1] == "length", want
+    s = ServeSession(next_model, *args)
+    try:
+        s.send(_gen_line(prompt, 4))
+        seen = 0
+        while seen < 5:
+            line = s.next_line(30)
+            assert not line.startswith(("ERR", "DONE", "T ")), line
+            seen += line.startswith("PP ")
+        s.send("CANCEL")
+        while not (line := s.next_line(60)).startswith("DONE"):
+            assert not line.startswith(("ERR", "T ")), line
+        assert line.split()[-1] == "cancelled", line
+        nxt = s.gen(follow, 8)
+        assert nxt["err"] is None and nxt["resume"] == 0, nxt
+        assert nxt["tokens"] == want["tokens"]
     finally:
         s.close()
