@@ -342,8 +342,9 @@ class Release(Message):
 
 @message
 class Cancel(Message):
-    """Head → last stage: stop generating for ``request_id`` (its client went away). The last stage
-    answers with a final Token (done, reason "cancelled") unless the request already finished."""
+    """Head → every stage: stop ``request_id`` (its client went away). Each stage ends its prompt
+    between two chunks and drops its rows still to come; the last stage answers with a final Token
+    (done, reason "cancelled") unless the request already finished."""
 
     TYPE = "cancel"
     request_id: int

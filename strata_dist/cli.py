@@ -187,8 +187,10 @@ def cmd_profile(args) -> int:
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file (default: a built-in tiny synthetic model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
-    p.add_argument("--max-context", type=int, default=4096,
-                   help="session cells, allocated up front (default 4096; capped at the model's)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="session cells, allocated up front (default 4096, or the context the "
+                        "model was trained for where that is shorter; more is allowed, with a "
+                        "warning)")
     p.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
     p.add_argument("--kv-type", choices=KV_TYPES, default=None,
                    help="how the session keeps K/V: f32, f16 or q8_0 (default f16 on a GPU, f32 "

@@ -35,6 +35,11 @@ HEARTBEAT_LOST_S = 10.0
 # stranger's flood included) never keeps the pipeline's tokens waiting.
 CONTROL_BATCH = 64
 INBOX_BATCH = 1024
+# Prompt chunks in flight (sent, not yet reported by the last stage) per pipeline stage: one
+# computing and more queued behind it, so a stage never waits on the head's round trip (measured
+# on two CPU stages with 8-token chunks, 2 per stage read a prompt ~25% slower than sending every
+# chunk up front, 4 as fast). A cancel skips queued chunks unread, so the window costs it nothing.
+PROMPT_WINDOW_PER_STAGE = 4
 
 
 def _warn(message: str) -> None:
@@ -443,31 +448,21 @@ class Coordinator:
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
         chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
-        for i, part in enumerate(chunks):
-            at = chunk_positions(checkpoint_at, pos + i * chunk, len(part), first=i == 0)
-            try:
-                sender.send(Tokens(request_id=request_id, session_id=session_id,
-                                   pos=pos + i * chunk, ids=part, chunk_index=i,
-                                   chunk_total=len(chunks), sampling=sampling, checkpoint_at=at),
-                            timeout_ms=10_000)
-            except ProtocolTimeout as e:
-                # the first stage took nothing for that long: most likely it died (its heartbeats
-                # say so now), else it is stuck
-                self._pump(0)
-                if self.lost:
-                    r, why = next(iter(self.lost.items()))
-                    raise RankLost(f"{why}; the request is lost, a replacement of rank {r} is "
-                                   f"loading") from None
-                raise RequestError(f"the first stage took no prompt: {e}") from None
+        # Paced prompt: at most `window` chunks are sent ahead of the last stage's progress, so the
+        # stages still overlap, a cancel stops the sending, and a long prompt never fills the
+        # first stage's queue (sent up front, 8,000 one-token chunks timed out there).
+        window = PROMPT_WINDOW_PER_STAGE * max(1, len(self._stages()))
+        sent = read = 0
         prompt_done = cancelled = False
         last_event = time.monotonic()
         while True:
-            # a cancel goes to the last stage once it knows the request (after the prompt's last
-            # chunk): sent earlier, it would find nothing to cancel there and be lost
-            if not cancelled and prompt_done and should_cancel is not None and should_cancel():
+            if not cancelled and should_cancel is not None and should_cancel():
                 cancelled = True
-                self._sender(self._last_stage(), "last").send(Cancel(request_id=request_id),
-                                                             timeout_ms=10_000)
+                self._cancel_everywhere(request_id)
+            while not cancelled and sent < len(chunks) and sent - read < window:
+                self._send_chunk(sender, request_id, session_id, pos + sent * chunk, chunks[sent],
+                                 sent, len(chunks), sampling, checkpoint_at)
+                sent += 1
             events = self._pump(0.05)
             if self.lost:
                 r, why = next(iter(self.lost.items()))
@@ -479,8 +474,11 @@ class Coordinator:
                     continue  # a late message of an earlier, failed request
                 last_event = time.monotonic()
                 if isinstance(msg, Error):
+                    if not cancelled:   # the other stages end its prompt (their loans come back)
+                        self._cancel_everywhere(request_id)
                     raise RequestError(msg.message)
                 if isinstance(msg, PromptProgress):
+                    read = msg.chunk_index + 1
                     on_event(StreamEvent("progress", msg))
                     if msg.chunk_index == msg.chunk_total - 1:
                         prompt_done = True
@@ -494,6 +492,39 @@ class Coordinator:
             if time.monotonic() - last_event > step_timeout_s:
                 what = "a token" if prompt_done else "prompt progress"
                 raise RankFailure(f"no {what} for {step_timeout_s:.0f} s from the pipeline")
+
+    def _send_chunk(self, sender: Channel, request_id: int, session_id: int, at_pos: int,
+                    part: list[int], index: int, total: int, sampling: Sampling,
+                    checkpoint_at) -> None:
+        at = chunk_positions(checkpoint_at, at_pos, len(part), first=index == 0)
+        try:
+            sender.send(Tokens(request_id=request_id, session_id=session_id, pos=at_pos, ids=part,
+                               chunk_index=index, chunk_total=total, sampling=sampling,
+                               checkpoint_at=at), timeout_ms=10_000)
+        except ProtocolTimeout as e:
+            # the first stage took nothing for that long: most likely it died (its heartbeats
+            # say so now), else it is stuck
+            self._pump(0)
+            if self.lost:
+                r, why = next(iter(self.lost.items()))
+                raise RankLost(f"{why}; the request is lost, a replacement of rank {r} is "
+                               f"loading") from None
+            raise RequestError(f"the first stage took no prompt: {e}") from None
+
+    def _cancel_everywhere(self, request_id: int) -> None:
+        """Every stage drops the request: a stage between prompt chunks stops there and skips the
+        chunks still queued for it; the last stage answers a final Token "cancelled" (PROTOCOL.md
+        §4). Each Cancel travels on a link of its own, so it is read before the chunks queued
+        on the data links."""
+        for slot in self._stages():
+            role = "last" if slot.assign.last else f"cancel {slot.rank}"
+            try:
+                self._sender(slot, role).send(Cancel(request_id=request_id), timeout_ms=10_000)
+            except (ProtocolTimeout, ConnectionError) as e:   # its heartbeats tell the rest
+                log.warning("could not cancel request %d on rank %d: %s", request_id, slot.rank, e)
+
+    def _stages(self) -> list[RankSlot]:
+        return [s for s in self.ranks if s.assign is not None and s.assign.stage >= 0]
 
     def _cancel_on_survivor(self, request_id: int) -> None:
         """The last stage, if it lives on, forgets a request lost with another rank."""

@@ -88,13 +88,15 @@ class HeadSession:
         at = (request_positions(out.reused, len(ids), self.chunk, self.checkpoint_every)
               if self.checkpoints is not None else [])
         t0 = last = time.perf_counter()
+        read_to = out.reused   # what the last stage has read (every stage holds it)
 
         def on_event(ev: StreamEvent) -> None:
-            nonlocal last
+            nonlocal last, read_to
             now = time.perf_counter()
             if ev.kind == "progress":
                 m = ev.msg
                 self.checkpoints = None if m.resume_any else list(m.checkpoints)
+                read_to = m.pos
                 n_chunk = m.pos - (out.reused + m.chunk_index * self.chunk)
                 ms = (now - last) * 1e3
                 if on_progress:
@@ -119,5 +121,10 @@ class HeadSession:
         # the last token sampled has not been read by the stages yet
         self.tokens = ids + out.tokens[:-1] if out.tokens else list(ids)
         if out.reason == "cancelled":
-            self.tokens = []   # a cancelled decode may have run one step past what we saw
+            # A prompt cancelled between chunks: what the last stage read is held by every stage
+            # (an earlier stage may have read further; a positional session moves back there). A
+            # recurrent state is not positional, and a cancelled decode may have run one step past
+            # what we saw: both read afresh.
+            prompt_cut = read_to < len(ids) and not out.tokens
+            self.tokens = ids[:read_to] if prompt_cut and self.checkpoints is None else []
         return out

@@ -54,6 +54,7 @@ def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]],
     `progress(done, total)` is called after each prompt. Raises ValueError for an empty prompt list,
     an empty prompt, an out-of-range token id or a prompt that does not fit the model's context
     (each naming the prompt, 1-based)."""
+    from .models import architecture_for, open_checked
     from .single_process import SingleProcessRunner
 
     if max_new < 0:
@@ -64,14 +65,17 @@ def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]],
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
     need = max(len(p) for p in prompts) + max_new
+    # a profile stays inside the trained context (checked before the session is allocated)
+    gguf = open_checked(str(model_path))
+    trained = architecture_for(gguf).read_geometry(gguf).trained_context
+    if need > trained:
+        raise ValueError(f"the longest prompt ({max(len(p) for p in prompts)} tokens) + --max-new {max_new} "
+                         f"exceeds the model's context of {trained}")
     engine = SingleProcessRunner(str(model_path), device=device, max_context=need, prefill_chunk=prefill_chunk)
     model = engine.model
     g = model.g
     if not hasattr(model, "on_route"):
         raise ValueError(f"{model_path}: this architecture has no routing hook to profile")
-    if need > engine.max_context:
-        raise ValueError(f"the longest prompt ({max(len(p) for p in prompts)} tokens) + --max-new {max_new} "
-                         f"exceeds the model's context of {engine.max_context}")
     for i, p in enumerate(prompts, 1):
         bad = [t for t in p if not 0 <= int(t) < g.n_vocab]
         if bad:

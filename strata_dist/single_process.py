@@ -3,6 +3,8 @@
 It is the baseline every distributed run is compared against (`strata-dist generate`)."""
 from __future__ import annotations
 
+import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -17,6 +19,28 @@ from .prompt_workspace import PromptWorkspace
 from .sampler import Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_CONTEXT = 4096   # session cells when none is asked (the launcher's default too)
+
+
+def context_cells(asked: int | None, g, model_path: str,
+                  warn: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> int:
+    """The launcher's rule for --max-context: unset, DEFAULT_CONTEXT capped at the context the
+    file says the model was trained for (`trained_context`: context_length, or yarn's factor x
+    the original); asked past that, granted with a warning naming the trained length."""
+    trained = g.trained_context
+    if asked is None:
+        return min(DEFAULT_CONTEXT, trained)
+    if asked < 1:
+        raise ValueError(f"--max-context must be >= 1, got {asked}")
+    if asked > trained:
+        rs = g.rope_scaling
+        how = (f" (rope scaling {rs.kind} x{rs.factor:g} over {rs.original_context})"
+               if rs.kind == "yarn" else f" (rope scaling {rs.kind} x{rs.factor:g})"
+               if rs.kind != "none" else "")
+        warn(f"warning: --max-context {asked} is past the {trained} positions "
+             f"{os.path.basename(model_path)} was trained for{how}: output past {trained} "
+             "tokens may degrade")
+    return asked
 
 
 @dataclass
@@ -33,15 +57,20 @@ class GenerationResult:
 class SingleProcessRunner:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY,
-                 kv_type: str | None = None):
-        """`kv_type`: how the session keeps K/V (backends/kv_cache.py; None: the device's default)."""
+                 kv_type: str | None = None, warn: Callable[[str], None] | None = None):
+        """`kv_type`: how the session keeps K/V (backends/kv_cache.py; None: the device's default).
+        `max_context`: session cells by the launcher's rule (context_cells; `warn` hears a
+        context past the trained one)."""
+        if max_context is not None and max_context < 1:   # said before a model is loaded
+            raise ValueError(f"--max-context must be >= 1, got {max_context}")
         self.gguf = open_checked(model_path)
         self.backend = get_backend(device)
         if kv_type:
             self.backend.kv_type = kv_type
         self.model = load_model(self.gguf, self.backend)
         g = self.model.g
-        self.max_context = min(max_context or g.context_length, g.context_length)
+        self.max_context = context_cells(max_context, g, model_path,
+                                         **({"warn": warn} if warn is not None else {}))
         if prefill_chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -25,6 +26,8 @@ from .stage import Stage
 from .structured import GrammarError, GrammarMatcher, model_tokenizer
 
 log = logging.getLogger("strata.step")
+
+CANCELLED_KEPT = 16   # cancelled request ids a stage remembers (their late rows are dropped)
 
 
 class To(Enum):
@@ -56,9 +59,15 @@ class StageStep:
         self.stage, self.rank, self.last = stage, rank, last
         self.min_request_id = min_request_id
         self.requests: dict[int, _Request] = {}
+        # Cancelled requests (the latest few: requests run one after another): rows of theirs that
+        # come later are dropped unread. `prompting`: the request whose prompt this stage is inside
+        # (its loan is out), which a Cancel ends between two chunks.
+        self.cancelled: deque[int] = deque(maxlen=CANCELLED_KEPT)
+        self.prompting: int | None = None
+        self._finished = 0   # last stage: the latest request whose prompt it read to the end
         # compute_us: time in the stage's own work (the shell adds send_us)
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
-                         "stale_dropped": 0}
+                         "stale_dropped": 0, "cancelled_dropped": 0}
         self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
                           Release: self._on_release, Cancel: self._on_cancel}
 
@@ -73,12 +82,25 @@ class StageStep:
         return [] if self.last else [Outbound(To.NEXT, msg)]
 
     def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
-        req = self.requests.pop(msg.request_id, None)
-        if req is None:
+        """Every stage hears a Cancel (PROTOCOL.md §4): inside that request's prompt it ends the
+        prompt here, and it drops the request's rows still to come. The last stage answers once,
+        unless the request had already ended there."""
+        if msg.request_id in self.cancelled:
             return []
-        # still generating: say so; its step in flight is dropped when it comes back
-        return [Outbound(To.HEAD, Token(request_id=msg.request_id, session_id=req.session_id,
+        self.cancelled.append(msg.request_id)
+        if self.prompting == msg.request_id:
+            self._end_prompt()
+        req = self.requests.pop(msg.request_id, None)
+        if not self.last or (req is None and msg.request_id <= self._finished):
+            return []
+        # still reading or generating: say so; its step in flight is dropped when it comes back
+        return [Outbound(To.HEAD, Token(request_id=msg.request_id,
+                                        session_id=req.session_id if req else 0,
                                         token_id=0, pos=0, done=True, reason="cancelled"))]
+
+    def _end_prompt(self) -> None:
+        self.prompting = None
+        self.stage.end_prompt()
 
     def _on_rows(self, msg: Tokens | Hidden, rows) -> list[Outbound]:
         if msg.request_id < self.min_request_id:
@@ -86,12 +108,15 @@ class StageStep:
             # replaces, which the other ranks were still sending to this endpoint
             self.counters["stale_dropped"] += 1
             return []
+        if msg.request_id in self.cancelled:
+            self.counters["cancelled_dropped"] += 1
+            return []
         t0 = time.perf_counter()
         try:
             out = self._run(msg, rows)
         except Exception as e:  # a bad request must not take the rank down
             log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
-            self.stage.end_prompt()   # a failed prompt still gives its loan back
+            self._end_prompt()   # a failed prompt still gives its loan back
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
         self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
         return self._hand_on(msg, out, t0)
@@ -103,8 +128,11 @@ class StageStep:
     def _run(self, msg: Tokens | Hidden, rows):
         is_prompt = msg.sampling is not None
         if is_prompt and msg.chunk_index == 0:
+            if self.prompting is not None:   # a prompt left unfinished (its Cancel not here yet)
+                self._end_prompt()
             # a prompt of one chunk borrows only what its rows need
             self.stage.begin_prompt(_rows_of(msg) if msg.chunk_total == 1 else None)
+            self.prompting = msg.request_id
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
                                  checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg))
@@ -112,7 +140,7 @@ class StageStep:
             out = self.stage.run(msg.session_id, msg.pos, hidden=rows, prompt=is_prompt,
                                  checkpoint_at=msg.checkpoint_at)
         if is_prompt and msg.chunk_index == msg.chunk_total - 1:
-            self.stage.end_prompt()   # before the first decode step reaches this stage
+            self._end_prompt()   # before the first decode step reaches this stage
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += _rows_of(msg)
         return out
@@ -151,6 +179,7 @@ class StageStep:
                 resume_any=held is None)))
             if msg.chunk_index < msg.chunk_total - 1:
                 return sent
+            self._finished = max(self._finished, msg.request_id)
             self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
             self._attach_grammar(self.requests[msg.request_id], msg.sampling)
         return sent + self._sample(msg, out, end)
