@@ -26,8 +26,9 @@ from records import describe, tree_hash  # noqa: E402
 # scripts whose every example needs a CUDA device (each times kernels on the card) and why
 GPU_ONLY = {"bench_attention.py", "bench_prompt_attention.py", "bench_rows.py",
             "profile_decode.py", "profile_prefill.py", "tune_decode.py"}
-# the development side's commands (they describe the real tree's git, which the copy lacks)
-DEV_SIDE = {"records.py"}
+# the development side's commands: records.py describes the real tree's git (which the copy lacks);
+# monitor_screenshot.py draws docs/images/monitor.png (a minute of load and a browser, no record)
+DEV_SIDE = {"records.py", "monitor_screenshot.py"}
 # the scripts whose CPU examples write records
 RECORDING = {"bench_decode.py", "bench_prefill.py", "bench_offload.py", "bench_tiers.py"}
 
