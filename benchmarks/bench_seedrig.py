@@ -28,11 +28,10 @@ differs.
 
 The record (../shared/RECORDS.md, `bench: seedrig`) goes to
 benchmarks/results/seedrig-<like>-<quant>-<date>-<HHMMSS>-<commit>.json. Without --model the file
-is synthesized first into --models (kept there for the next call).
+is synthesized first into --models (kept there for the next call; with --cpu a fresh folder).
 
-    python benchmarks/bench_seedrig.py --models /tmp/m            # the GPU replay, about 6 min
-    python benchmarks/bench_seedrig.py --cpu --models /tmp/m      # the same sequence, CPU ranks,
-                                                                  # the tiny qwen3next geometry
+    python benchmarks/bench_seedrig.py --models /tmp/m      # the GPU replay, about 5 min + synth
+    python benchmarks/bench_seedrig.py --cpu                # CPU ranks, the tiny qwen3next file
 """
 from __future__ import annotations
 
@@ -181,7 +180,8 @@ def run_arm(args, name: str, flags: list[str], vocab: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="the file's first shard (default: synthesized)")
-    ap.add_argument("--models", default="/tmp/m", help="where the synthesized file goes")
+    ap.add_argument("--models", default="",
+                    help="where the synthesized file goes (default /tmp/m; --cpu: a new folder)")
     ap.add_argument("--cpu", action="store_true",
                     help="CPU ranks and the tiny qwen3next geometry (the harness, no GPU)")
     ap.add_argument("--budgets", help="the four ranks' --vram-budget (seed rig: 12G,12G,16G,16G)")
@@ -203,6 +203,7 @@ def main() -> int:
     if len(args.budgets.split(",")) != 4:
         fail(f"--budgets {args.budgets}: the seed rig has four cards, one budget each")
     args.context = args.prompt_tokens + args.tokens + 64
+    args.models = args.models or (tempfile.mkdtemp(prefix="seedrig-") if args.cpu else "/tmp/m")
     args.model = args.model or synthesized(args)
     facts = model_facts(args.model)
     if facts["shards"] != 2:
