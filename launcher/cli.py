@@ -280,14 +280,13 @@ def _rank_refs(refs: list[str], gpus: list[int], n_ranks: int, flag: str,
     """GPU indices -> the ranks running them (ranks_of_gpus; CPU ranks: as given); `rank:N` names
     rank N itself, the one way to tell apart ranks that share a card (--gpus 0,0,0,0)."""
     out = []
-    for ref in refs:
-        if not ref.strip().startswith("rank:"):
+    for ref in (r.strip() for r in refs):
+        if not ref.startswith("rank:"):
             out += ranks_of_gpus([ref], gpus, flag, one) if gpus else [ref]
-            continue
-        n = ref.strip()[5:]
-        if not n.isdigit() or int(n) >= n_ranks:
+        elif ref[5:].isdigit() and int(ref[5:]) < n_ranks:
+            out.append(str(int(ref[5:])))
+        else:
             raise UsageError(f"{flag}: {ref!r}: this launch runs ranks 0 to {n_ranks - 1}")
-        out.append(str(int(n)))
     return out
 
 
