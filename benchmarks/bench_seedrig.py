@@ -17,7 +17,8 @@ Each arm reads one --prompt-tokens prompt and generates --tokens tokens (greedy)
 after a short warm-up request. Its plan (`strata-launch --plan-only` with the arm's flags on this
 machine: what each rank holds, weights / session / reserve / loan / cache / helper / left, its
 expert slots, the prompt chunk it lends, and the plan's notes, each refusal with both numbers)
-goes into the record beside prompt and decode tok/s, where the expert computations ran, the
+goes into the record beside each rank's device memory in use after the request (NVML, by
+process, where it answers), prompt and decode tok/s, where the expert computations ran, the
 card's NVML peak and whether the tokens are the one-rank arm's. The identity rule is the seeds':
 with the same experts on the GPU a split gives the tokens of one card. The one-rank arm holds
 every pair, so an arm is held to it where its plan puts every pair on the card too (a stage
@@ -46,6 +47,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from records import (PeakMemory, env_prefix, fail, model_facts, prompt_ids,  # noqa: E402
                      record_profile, serve_session, Recorder)
@@ -138,6 +140,29 @@ def plan_of(model: str, flags: list[str]) -> tuple[dict, str]:
     return summary, done[1].stdout.rstrip()
 
 
+def rank_used_mib(session) -> dict[str, float]:
+    """Each rank's device memory in use now, by rank number (NVML's per-process figure on card 0,
+    matched to the rank processes by pid). Empty where NVML answers no such figure (no GPU, or
+    a container whose process ids NVML does not see): the field is then left out."""
+    from launch_helpers import rank_pids
+    rank_of = {}
+    for pid in rank_pids(session):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            rank_of[pid] = argv[argv.index("--rank") + 1]
+        except (OSError, ValueError, IndexError):
+            continue
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:      # no NVML (a CPU run)
+        return {}
+    return {rank_of[p.pid]: round(p.usedGpuMemory / MIB, 1) for p in procs
+            if p.pid in rank_of and isinstance(p.usedGpuMemory, int)}
+
+
 def run_arm(args, name: str, flags: list[str], vocab: int) -> dict:
     """One launch: the warm-up request, then the measured one (the prompt and --tokens new tokens,
     greedy, with the ranks' counters)."""
@@ -152,6 +177,7 @@ def run_arm(args, name: str, flags: list[str], vocab: int) -> dict:
                 fail(f"{name}: the warm-up request failed: {warm['err']}")
             out = s.gen(prompt_ids(args.prompt_tokens, 7, vocab), args.tokens, "stats=1",
                         timeout=3600)
+            used = {} if args.cpu else rank_used_mib(s)
         finally:
             s.close()
     if out["err"]:
@@ -173,6 +199,7 @@ def run_arm(args, name: str, flags: list[str], vocab: int) -> dict:
             "peak_gib": round(mem.gib, 2),
             "vram_budget": args.budgets if "--vram-budget" in flags else None,
             "tiers": tiers, "plan": plan,
+            **({"rank_used_mib_after": used} if used else {}),
             "plan_table": table.splitlines(), "tokens": out["tokens"],
             "tokens_sha256": hashlib.sha256(json.dumps(out["tokens"]).encode()).hexdigest()}
 
