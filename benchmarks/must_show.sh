@@ -18,6 +18,11 @@
 # offload_zipf1.0, offload_uniform, offload_zipf0.5 (~7 min each: the llama.cpp sweep is 2 load
 # modes x 4 micro-batches). A llama-bench built by an earlier call on the warm machine is reused; the
 # first call builds it (about 5 min, beside the first file's synthesis; the benchmarks wait for it).
+# seedrig (off by default: its own call, about 8 min: the synth of the 80B-A3B IQ3_S file, ~33 GiB
+# in two shards, ~3 min, then bench_seedrig.py ~5 min): issue 44's seed rig on one card, four ranks
+# at 12/12/16/16 GB beside one resident rank, a 16,384-token prompt and 256 tokens; it needs no
+# llama.cpp (no .anchor/llama.tar.xz for a call of this part alone).
+#   bash benchmarks/must_show.sh --parts seedrig
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
@@ -35,7 +40,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig) ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-/tmp/must-show}; M=${MODELS:-/tmp/m}; mkdir -p "$OUT" "$M"
@@ -62,6 +67,10 @@ else
   OFFLOAD=(--vram-budget match --tokens 128 --prefill-tokens 4096 --ncmoe 24 --llama-repeats 2)
   RESIDENT_NCMOE=(--ncmoe 0)
 fi
+# the seed rig replay: the qwen3next file of the seeds' geometry (CPU: the tiny one), two shards
+if [ "$CPU" = 1 ]; then SEED_LIKE=tiny-next; SEED_SHARD=250K; SEEDRIG=(--cpu)
+else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
+[ "$PARTS" = seedrig ] && LB=   # the one part without a llama.cpp arm
 LLAMA=()
 if [ -n "$LB" ]; then
   if [ -x "$LB" ]; then LLAMA=(--llama-bench "$LB")
@@ -73,7 +82,7 @@ if [ -n "$LB" ]; then
     echo "error: no llama-bench at $LB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
   fi
 fi
-[ "$CPU" = 0 ] && [ ${#LLAMA[@]} = 0 ] && { echo "error: the GPU run needs llama.cpp (.anchor)" >&2; exit 2; }
+[ "$CPU" = 0 ] && [ ${#LLAMA[@]} = 0 ] && [ "$PARTS" != seedrig ] && { echo "error: the GPU run needs llama.cpp (.anchor)" >&2; exit 2; }
 
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
 # step slows down beside a parallel compile): every benchmark waits for it first
@@ -130,6 +139,16 @@ for law in zipf1.0 uniform zipf0.5; do
   run "offload_$law" timeout 590 python3 benchmarks/bench_offload.py --model "$f" "${OFFLOAD[@]}" \
     --out "$OUT" "${LLAMA[@]}"
 done
+if has seedrig; then
+  keep_only none      # the 80B-A3B IQ3_S file is ~33 GiB: nothing else beside it
+  f=$M/seedrig-$SEED_LIKE-iq3_s.gguf; first=${f%.gguf}-00001-of-00002.gguf
+  if [ ! -f "$first" ] || [ "$PRINT" = 1 ]; then
+    run synth_seedrig timeout 580 python3 -m launcher.tools synth "$f" --like "$SEED_LIKE" \
+      --quant iq3_s --popularity zipf:1.0 --split-max-size "$SEED_SHARD" --quiet
+  fi
+  run seedrig timeout 590 python3 benchmarks/bench_seedrig.py --model "$first" "${SEEDRIG[@]}" \
+    --out "$OUT"
+fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine
 # finds llama-bench built)

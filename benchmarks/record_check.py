@@ -95,12 +95,46 @@ def check_record(record: dict, filename: str) -> list[str]:
                 llama_new = arm.get("new_tokens")
                 if isinstance(llama_new, int) and llama_new < 128:
                     bad.append(f"{where}new_tokens {llama_new}: llama.cpp decodes -n >= 128")
+    if record.get("bench") == "seedrig":
+        bad += seedrig_lacks(arms if isinstance(arms, list) else [])
     if isinstance(llama_new, int):
         for i, arm in enumerate(arms):
             if arm.get("name") != "llama.cpp" and isinstance(arm.get("new_tokens"), int) \
                     and "decode_tok_s" in arm and arm["new_tokens"] < llama_new:
                 bad.append(f"arms[{i}].new_tokens {arm['new_tokens']}: fewer than llama.cpp's "
                            f"{llama_new}")
+    return bad
+
+
+SEEDRIG_PLAN = ("stages", "ranks", "expert_slots", "chunk", "chunk_auto", "every_pair_held", "notes")
+SEEDRIG_RANK = ("rank", "free_mib", "role", "left_mib")
+SEEDRIG_STAGE = ("layers", "weights_mib", "session_mib", "reserve_mib", "loan_mib", "cache_mib",
+                 "cache_slots")
+
+
+def seedrig_lacks(arms: list) -> list[str]:
+    """bench_seedrig.py's fields: every arm's plan by rank (what each holds, its slots, the
+    chunk), its prompt and decode figures; every arm after the one-rank reference its identity."""
+    bad = []
+    for i, arm in enumerate(arms):
+        where = f"arms[{i}]."
+        if not isinstance(arm, dict):
+            continue
+        for key in ("prefill_tok_s", "decode_tok_s", "tiers", "tokens_sha256"):
+            if key not in arm:
+                bad.append(f"{where}{key} missing")
+        if i and not isinstance(arm.get("tokens_identical_to_1gpu"), bool):
+            bad.append(f"{where}tokens_identical_to_1gpu missing")
+        if i and not isinstance(arm.get("identity_rule_applies"), bool):
+            bad.append(f"{where}identity_rule_applies missing")
+        plan = arm.get("plan")
+        if not isinstance(plan, dict):
+            bad.append(f"{where}plan missing")
+            continue
+        bad += [f"{where}plan.{k} missing" for k in SEEDRIG_PLAN if k not in plan]
+        for r in plan.get("ranks") or []:
+            keys = SEEDRIG_RANK + (SEEDRIG_STAGE if "stage" in str(r.get("role", "")) else ())
+            bad += [f"{where}plan.ranks[{r.get('rank')}].{k} missing" for k in keys if k not in r]
     return bad
 
 

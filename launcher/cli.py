@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(no resident experts; the profile still drives the split search)")
     plan.add_argument("--stage-gpus", default=None, metavar="N,N,…",
                       help="the listed devices that run stages (GPU indices as in --gpus; an "
-                           "inventory's index, host:N where hosts share one); the others hold "
+                           "inventory's index, host:N where hosts share one, rank:N for one rank of "
+                           "a card several share); the others hold "
                            "helper tiers only. With --layer-split K1,…: one stage per device")
     plan.add_argument("--expert-cache-device", action="append", default=[], metavar="N=MiB",
                       help="an explicit helper tier of MiB on device N (repeatable, or N=MiB,N=MiB): "
@@ -266,12 +267,27 @@ def layout_args(args, specs: list[RankSpec], split) -> dict:
             raise UsageError(f"--layer-split {args.layer_split} makes {len(split) + 1} stages; "
                              f"--stage-gpus {args.stage_gpus} names {len(stages)} device(s)")
     gpus = [s.visible_gpu for s in specs if s.visible_gpu is not None]
-    if gpus and not args.inventory:
+    if specs and not args.inventory:   # CPU ranks: gpus is empty, a device's index is its rank
         if stages is not None:
-            stages = ranks_of_gpus(stages, gpus, f"--stage-gpus {args.stage_gpus}")
-        tiers = tuple(replace(t, ref=ranks_of_gpus([t.ref], gpus, t.flag, one=True)[0], shown=t.ref)
-                      for t in tiers)
+            stages = _rank_refs(stages, gpus, len(specs), f"--stage-gpus {args.stage_gpus}")
+        tiers = tuple(replace(t, ref=_rank_refs([t.ref], gpus, len(specs), t.flag, one=True)[0],
+                              shown=t.ref) for t in tiers)
     return {"stage_gpus": stages, "helper_tiers": tiers}
+
+
+def _rank_refs(refs: list[str], gpus: list[int], n_ranks: int, flag: str,
+               one: bool = False) -> list[str]:
+    """GPU indices -> the ranks running them (ranks_of_gpus; CPU ranks: as given); `rank:N` names
+    rank N itself, the one way to tell apart ranks that share a card (--gpus 0,0,0,0)."""
+    out = []
+    for ref in (r.strip() for r in refs):
+        if not ref.startswith("rank:"):
+            out += ranks_of_gpus([ref], gpus, flag, one) if gpus else [ref]
+        elif ref[5:].isdigit() and int(ref[5:]) < n_ranks:
+            out.append(str(int(ref[5:])))
+        else:
+            raise UsageError(f"{flag}: {ref!r}: this launch runs ranks 0 to {n_ranks - 1}")
+    return out
 
 
 def load_profile(args, gguf):
