@@ -265,7 +265,8 @@ def create_app(ctx: ServerContext):
             ctx.worker.submit(job)
         except QueueFull as e:
             raise oa.ApiError(429, f"{e}; retry later", type="rate_limit_error",
-                              code="queue_full", headers={"Retry-After": "1"}) from None
+                              code="queue_full",
+                              headers={"Retry-After": str(ctx.worker.retry_after_s())}) from None
         except NotReady as e:
             raise oa.ApiError(503, f"not ready: {e}", type="server_error",
                               code="unavailable") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ COUNTERS_ARE_TOTALS = True
 STATS_EVERY_S = 2.0      # how often an idle worker asks the ranks for their counters
 STATS_TIMEOUT_S = 2.0
 RATE_WINDOW_S = 3.0      # live tok/s is measured over this window
+RETRY_AFTER_MAX_S = 3600  # a refused client is never told to wait longer than this
 
 
 class QueueFull(Exception):
@@ -161,6 +163,10 @@ class JobQueue:
     def qsize(self) -> int:
         with self.cond:
             return len(self.items)
+
+    def waiting(self) -> list[Job]:
+        with self.cond:
+            return list(self.items)
 
 
 class RateMeter:
@@ -295,6 +301,31 @@ class Worker:
             with self.lock:
                 self.totals["requests_rejected"] += 1
             raise QueueFull(f"the queue is full ({self.queue_size} waiting)") from None
+
+    def retry_after_s(self) -> int:
+        """What a refused client is told to wait (Retry-After, whole seconds, at least 1): the time
+        the work ahead of it takes at the measured rates — what the running request has left to
+        generate plus each waiting one's prompt and max tokens. Requests that stop before their
+        max tokens free the queue sooner, so this is a bound rather than a promise."""
+        with self.lock:
+            running, made, since = self.running, self.running_tokens, self.running_since
+            last = dict(self.last)
+        # requests run one at a time, so the running one's decode rate (else the last one's) is
+        # what each waiting one will see
+        live = (made - 1) / max(time.monotonic() - since, 1e-3) if made > 1 else 0.0
+        decode_tps = live or last.get("decode_tokens_per_second") or self.decode_rate.rate()
+        prompt_tps = last.get("prompt_tokens_per_second") or 0.0
+        waiting = self.jobs.waiting()
+        if decode_tps <= 0:      # nothing measured yet: a second per request ahead
+            return int(min(RETRY_AFTER_MAX_S, max(1, len(waiting) + (running is not None))))
+        tokens = sum(j.spec.max_new for j in waiting)
+        prompt = sum(len(j.spec.prompt_ids) for j in waiting)
+        if running is not None:
+            tokens += max(running.spec.max_new - made, 0)
+            if made == 0:
+                prompt += len(running.spec.prompt_ids)
+        seconds = tokens / decode_tps + (prompt / prompt_tps if prompt_tps > 0 else 0.0)
+        return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(seconds))))
 
     def _left(self, job: Job) -> None:
         if self.jobs.discard(job):      # it was still waiting: it never runs
