@@ -23,7 +23,7 @@ from server_helpers import ServerProcess
 from strata_dist.synth import write_synthetic
 
 KEY = "sk-admission-31f"
-RANK_ARGS = ("--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G", "--max-context", "1024")
+RANK_ARGS = ("--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G", "--max-context", "8192")
 QUEUE = 4
 GREEDY = {"temperature": 0, "ignore_eos": True}     # every answer runs to max_tokens
 CLIENTS = 64
@@ -52,11 +52,20 @@ def status(server) -> dict:
     return r.json()
 
 
-def requests_by_outcome(server) -> dict[str, float]:
+def scrape(server) -> dict[str, float]:
+    """/metrics by sample name; strata_requests_total by its outcome label."""
     r = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10)
     assert r.status_code == 200
-    return {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(r.text)
-            for s in fam.samples if s.name == "strata_requests_total"}
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[s.labels["outcome"] if s.name == "strata_requests_total" else s.name] = s.value
+    return out
+
+
+def requests_by_outcome(server) -> dict[str, float]:
+    m = scrape(server)
+    return {k: m[k] for k in ("ok", "error", "cancelled", "rejected", "unavailable") if k in m}
 
 
 def body_of(i: int, kind: str, stream: bool) -> dict:
@@ -136,7 +145,7 @@ def test_sixty_four_clients_get_an_answer_or_a_429(server):
                 assert r.status_code == 200, r.text
                 alone[(i, kind)] = r.json()["choices"][0]["token_ids"]
                 assert len(alone[(i, kind)]) == TOKENS
-    before = requests_by_outcome(server)
+    before = scrape(server)
 
     async def everyone():
         limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=0)
@@ -164,10 +173,17 @@ def test_sixty_four_clients_get_an_answer_or_a_429(server):
         _, ids, finish = outcomes[i]
         assert finish == "length", (i, kinds[i], finish)
         assert ids == alone[(i % 5, kinds[i][0])], (i, kinds[i])
-    after = requests_by_outcome(server)
+    after = scrape(server)
     assert after["ok"] - before["ok"] == len(served)
     assert after["rejected"] - before["rejected"] == len(refused)
-    assert after["error"] == before["error"] and after["cancelled"] == before["cancelled"]
+    for outcome in ("error", "cancelled", "unavailable"):
+        assert after[outcome] == before[outcome], outcome
+    # each served request's wait in the queue, first token and last token are in the histograms
+    for histogram in ("strata_queue_wait_seconds", "strata_time_to_first_token_seconds",
+                      "strata_request_latency_seconds"):
+        assert after[f"{histogram}_count"] - before[f"{histogram}_count"] == len(served), histogram
+    assert after["strata_inter_token_latency_seconds_count"] \
+        - before["strata_inter_token_latency_seconds_count"] == len(served) * (TOKENS - 1)
     assert status(server)["queue"] == {"waiting": 0, "capacity": QUEUE, "running": 0}
 
 
@@ -222,3 +238,142 @@ def test_retry_after_is_when_the_queue_drains(server):
         drained = max(ends) - t0
     assert drained > 2.0, (drained, each, tps)     # long enough for the hint to be told apart from 1
     assert drained / 2 <= retry_after <= 2 * drained + 1, (retry_after, drained, each, tps)
+
+
+def test_clients_that_leave_while_queued_cost_nothing(server):
+    """Three clients leave while they wait behind a long generation (a plain-HTTP stream closed,
+    the official client's chat stream closed, a non-streaming client whose read times out): each
+    leaves the queue at once, while the generation ahead still runs, never starts, and is counted
+    as cancelled; the next request does not wait for them."""
+    before = status(server)["requests"]
+    with httpx.Client(timeout=30, headers=server.headers) as http:
+        running = _stream(http, server, 8000, "running")
+        _wait_queue(server, 1, 0)
+        plain = _stream(http, server, 50, "plain")
+        api = server.client(timeout=30)
+        chat = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=50, stream=True, extra_body=GREEDY)
+        gave_up: list[BaseException] = []
+
+        def impatient():
+            try:
+                httpx.post(f"{server.url}/v1/completions", headers=server.headers,
+                           json={"model": "tiny", "prompt": "impatient", "max_tokens": 50, **GREEDY},
+                           timeout=httpx.Timeout(10.0, read=1.0))
+            except httpx.ReadTimeout as e:
+                gave_up.append(e)
+
+        t = threading.Thread(target=impatient)
+        t.start()
+        _wait_queue(server, 1, 3)
+        plain.close()
+        chat.close()
+        t.join(10)
+        assert gave_up
+        _wait_queue(server, 1, 0, timeout=3.0)     # gone while the long one still runs
+        rows = sorted(status(server)["recent_requests"], key=lambda row: row["number"])[-4:]
+        assert rows[0]["state"] == "running", rows
+        for row in rows[1:]:
+            assert row["state"] == "cancelled" and row["generated_tokens"] == 0, row
+            assert "waited_s" not in row, row      # it never started
+        after = status(server)["requests"]
+        assert after["requests_cancelled"] == before["requests_cancelled"] + 3
+        running.close()
+        _wait_queue(server, 0, 0, timeout=3.0)
+        t0 = time.monotonic()
+        r = http.post(f"{server.url}/v1/completions",
+                      json={"model": "tiny", "prompt": "next", "max_tokens": 3, **GREEDY})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert time.monotonic() - t0 < 3.0
+    after = status(server)["requests"]
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 4
+    assert after["generated_tokens"] == before["generated_tokens"] + 3
+
+
+# ---- 503 while the server cannot serve ------------------------------------------------------------
+
+def check_503(code: int, body: dict) -> None:
+    assert code == 503, (code, body)
+    err = body["error"]
+    assert err["type"] == "server_error" and err["code"] == "unavailable", body
+    assert err["message"].startswith("not ready: "), body
+
+
+def test_requests_while_loading_get_503_as_health_does(model, tmp_path):
+    """Before any rank has registered (they are started by hand and never come), every request —
+    streaming or not, through the official client too — is refused with a 503 that says the
+    server is loading, as /health says, and counted as unavailable in /metrics."""
+    token = tmp_path / "token"
+    write_secret(str(token), "a" * 48)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = ServerProcess(model, "--listen", str(port), "--expect-ranks", "2", "--token-file", str(token),
+                      "--layer-split", "2", "--max-context", "1024", api_key=KEY, wait=False)
+    try:
+        with httpx.Client(timeout=10, headers=s.headers) as http:
+            health = http.get(f"{s.url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "loading"
+            for stream in (False, True):
+                r = http.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                                "max_tokens": 2, "stream": stream})
+                check_503(r.status_code, r.json())
+                assert "loading" in r.json()["error"]["message"]
+            with pytest.raises(openai.InternalServerError) as e:
+                s.client().chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+            check_503(e.value.status_code, e.value.response.json())
+            assert http.get(f"{s.url}/health").status_code == 503
+            assert requests_by_outcome(s)["unavailable"] == 3
+    finally:
+        s.close()
+
+
+def test_a_dead_rank_fails_what_it_held_then_503_until_reloaded(model):
+    """With --restart-ranks, killing a rank mid-generation ends the running stream and the one
+    waiting behind it with a 503 error naming the rank; while fresh ranks load, a request gets 503
+    whenever /health (asked just before and just after) says 503, and is served when it says 200.
+    Every request shows once in /metrics."""
+    s = ServerProcess(model, *RANK_ARGS, "--queue-size", "2", "--restart-ranks", "1", api_key=KEY)
+    try:
+        ranks = launcher_children(s.proc.pid)
+        sent = 0
+        with httpx.Client(timeout=30, headers=s.headers) as http:
+            held = [_stream(http, s, 8000, "running")]
+            _wait_queue(s, 1, 0)
+            held.append(_stream(http, s, 8, "queued"))
+            _wait_queue(s, 1, 1)
+            sent += 2
+            os.kill(ranks[1], signal.SIGKILL)
+            for r in held:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+                r.close()
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                err = json.loads(lines[-2][6:])["error"]
+                assert err["code"] == "unavailable" and "rank" in err["message"], err
+            pairs = []
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                first = http.get(f"{s.url}/health")
+                r = http.post(f"{s.url}/v1/completions",
+                              json={"model": "tiny", "prompt": "x", "max_tokens": 2, **GREEDY})
+                sent += 1
+                last = http.get(f"{s.url}/health")
+                pairs.append((first.status_code, r.status_code, last.status_code, r.json()))
+                if r.status_code == 200:
+                    break
+            for before, code, after, body in pairs:
+                assert code in (200, 503), body
+                if before == after:
+                    assert code == before, (before, code, after, body)
+                if code == 503:
+                    check_503(code, body)
+            unavailable = [p for p in pairs if p[0] == p[2] == p[1] == 503]
+            assert unavailable and pairs[-1][1] == 200, pairs[-3:]
+            assert pairs[-1][3]["usage"]["completion_tokens"] == 2
+        counts = requests_by_outcome(s)
+        assert sum(counts.values()) == sent, (counts, sent)
+        assert counts["error"] == 2 and counts["ok"] == 1, counts
+        assert counts["unavailable"] == len(pairs) - 1, counts
+    finally:
+        s.close()

@@ -277,7 +277,7 @@ class Worker:
         self.decode_rate = RateMeter()
         self.totals = {"prompt_tokens": 0, "prompt_tokens_read": 0, "generated_tokens": 0,
                        "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
-                       "requests_rejected": 0}
+                       "requests_rejected": 0, "requests_unavailable": 0}
         self.last: dict[str, Any] = {}
         self.rank_counters: dict[int, dict[str, int]] = {}
         self.rank_gauges: dict[int, dict[str, float]] = {}
@@ -291,6 +291,8 @@ class Worker:
     # ---- from HTTP handlers (any thread) ----------------------------------------------------------
     def submit(self, job: Job) -> None:
         if self.state != "ready":
+            with self.lock:      # refused with 503: counted, so that every request shows in /metrics
+                self.totals["requests_unavailable"] += 1
             raise NotReady(self.error or f"the server is {self.state}")
         job.on_cancel = self._left
         self.requests.queued(job)
@@ -420,6 +422,9 @@ class Worker:
             except queue.Empty:
                 return
             job.post(Event("error", status=status, message=message, code=code))
+            with self.lock:      # admitted, then failed unrun: an error like the running one's
+                self.totals["requests_error"] += 1
+            self.requests.finished(job, "requests_error")
 
     def _refresh_stats(self) -> None:
         replies = self.coord.stats(timeout_s=STATS_TIMEOUT_S)
