@@ -81,9 +81,10 @@ def body_of(i: int, kind: str, stream: bool) -> dict:
 def check_429(code: int, headers, body: dict) -> int:
     assert code == 429, (code, body)
     assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error", body
-    assert "queue is full" in body["error"]["message"], body
     after = headers["retry-after"]
     assert after.isdigit() and int(after) >= 1, after
+    assert "queue is full" in body["error"]["message"], body
+    assert f"retry in {after} s" in body["error"]["message"], body
     return int(after)
 
 

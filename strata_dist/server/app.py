@@ -264,9 +264,9 @@ def create_app(ctx: ServerContext):
         try:
             ctx.worker.submit(job)
         except QueueFull as e:
-            raise oa.ApiError(429, f"{e}; retry later", type="rate_limit_error",
-                              code="queue_full",
-                              headers={"Retry-After": str(ctx.worker.retry_after_s())}) from None
+            wait_s = ctx.worker.retry_after_s()
+            raise oa.ApiError(429, f"{e}; retry in {wait_s} s", type="rate_limit_error",
+                              code="queue_full", headers={"Retry-After": str(wait_s)}) from None
         except NotReady as e:
             raise oa.ApiError(503, f"not ready: {e}", type="server_error",
                               code="unavailable") from None
