@@ -83,7 +83,9 @@ def check_429(code: int, headers, body: dict) -> int:
     assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error", body
     after = headers["retry-after"]
     assert after.isdigit() and int(after) >= 1, after
-    assert "queue is full" in body["error"]["message"], body
+    # the generation queue is full, or (a chat) the chat-template renderers and their wait list
+    assert "the queue is full" in body["error"]["message"] \
+        or "chat-template renderers are busy" in body["error"]["message"], body
     assert f"retry in {after} s" in body["error"]["message"], body
     return int(after)
 
@@ -136,7 +138,10 @@ def test_sixty_four_clients_get_an_answer_or_a_429(server):
     completions) against a queue of 4: each gets its whole answer — the tokens the same request gets
     served alone — or a 429 with an OpenAI error and a Retry-After; none hangs, none gets a 500 or a
     reset connection, and /metrics counts every one of them once."""
-    kinds = [("chat" if i % 4 == 3 else "completion", i % 2 == 1) for i in range(CLIENTS)]
+    # client i: the official client when i % 8 < 4, chat when i % 4 >= 2, streaming when i is odd
+    # (eight of each of the eight kinds; 32 chats at once are more than the chat-template
+    # renderers take, so some are refused before the queue)
+    kinds = [("chat" if i % 4 >= 2 else "completion", i % 2 == 1) for i in range(CLIENTS)]
     alone: dict[tuple, list[int]] = {}
     with httpx.Client(timeout=30, headers=server.headers) as http:
         for i in range(5):
@@ -156,7 +161,7 @@ def test_sixty_four_clients_get_an_answer_or_a_429(server):
             tasks = []
             for i, (kind, stream) in enumerate(kinds):
                 body = body_of(i, kind, stream)
-                tasks.append(_openai_client(api, body, kind) if i % 4 in (0, 1)
+                tasks.append(_openai_client(api, body, kind) if i % 8 < 4
                              else _http_client(http, server.url, body, kind))
             # every client is answered within a bound: a hung one fails the test here
             return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
@@ -186,6 +191,51 @@ def test_sixty_four_clients_get_an_answer_or_a_429(server):
     assert after["strata_inter_token_latency_seconds_count"] \
         - before["strata_inter_token_latency_seconds_count"] == len(served) * (TOKENS - 1)
     assert status(server)["queue"] == {"waiting": 0, "capacity": QUEUE, "running": 0}
+
+
+# A ChatML template that first counts to 20,000 (about 0.15 s a render, under the 1 s a render
+# may take): a burst of chats keeps every chat-template renderer busy long enough to fill their
+# wait list on any machine.
+SLOW_TEMPLATE = (
+    "{%- set ns = namespace(n=0) %}{%- for i in range(20000) %}{%- set ns.n = ns.n + 1 %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_chats_past_the_template_renderers_get_429(tmp_path):
+    """30 chats at once against a slow chat template and a queue with room for all: those
+    past the renderers and their wait list are refused with a 429 and a Retry-After (not a 503:
+    the server is loaded, not broken), the rest are served, and /metrics counts each once."""
+    import strata_dist.synth.tokenizer as synth_tokenizer
+
+    path = tmp_path / "tiny.gguf"      # the model id is the file name
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(synth_tokenizer, "CHAT_TEMPLATE", SLOW_TEMPLATE)
+        write_synthetic(path, like="tiny", quant="f32")
+    s = ServerProcess(str(path), *RANK_ARGS, "--queue-size", "64", api_key=KEY)
+    try:
+        async def burst():
+            limits = httpx.Limits(max_connections=30, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=40, headers=s.headers, limits=limits) as http:
+                tasks = [_http_client(http, s.url, body_of(i, "chat", i % 2 == 1), "chat")
+                         for i in range(30)]
+                return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+        outcomes = asyncio.run(burst())
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        assert not errors, errors[:3]
+        served = [o for o in outcomes if o[0] == "served"]
+        refused = [o for o in outcomes if o[0] == "refused"]
+        assert served and refused, (len(served), len(refused))
+        assert all(o[2] == "length" and len(o[1]) == TOKENS for o in served), served
+        counts = requests_by_outcome(s)
+        assert counts["ok"] == len(served) and counts["rejected"] == len(refused), counts
+        assert counts["error"] == counts["unavailable"] == counts["cancelled"] == 0, counts
+    finally:
+        s.close()
 
 
 # ---- Retry-After, clients that leave ----------------------------------------------------------------

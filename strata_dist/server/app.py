@@ -256,6 +256,9 @@ def create_app(ctx: ServerContext):
             parsed = parsing.result()
         except RenderCancelled:
             return Response(status_code=499)
+        except oa.ApiError as e:
+            ctx.worker.refused_before_queue(e.status)
+            raise
         if left.is_set():
             return Response(status_code=499)
         parsed.spec.cache_salt = cache_salt(request, parsed.spec.cache_salt)

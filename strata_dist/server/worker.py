@@ -304,6 +304,15 @@ class Worker:
                 self.totals["requests_rejected"] += 1
             raise QueueFull(f"the queue is full ({self.queue_size} waiting)") from None
 
+    def refused_before_queue(self, status: int) -> None:
+        """A request refused while it was read (the chat renderers were full: 429, or could not
+        run: 503) is counted as one the queue refused, so /metrics' outcomes add up to the
+        requests received. Bad input (4xx other than 429) is not a request served or refused."""
+        key = {429: "requests_rejected", 503: "requests_unavailable"}.get(status)
+        if key is not None:
+            with self.lock:
+                self.totals[key] += 1
+
     def retry_after_s(self) -> int:
         """What a refused client is told to wait (Retry-After, whole seconds, at least 1): the time
         the work ahead of it takes at the measured rates — what the running request has left to
