@@ -396,7 +396,7 @@ def test_queue_full_answers_429(server, client):
         assert e.value.code == "queue_full"
         r = http.post(f"{server.url}/v1/chat/completions", headers=server.headers,
                       json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1   # admission tests: its value
         for s in [running] + queued:
             s.close()
     # the server notices the three disconnects: the running generation is cancelled and the

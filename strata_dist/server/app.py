@@ -256,6 +256,9 @@ def create_app(ctx: ServerContext):
             parsed = parsing.result()
         except RenderCancelled:
             return Response(status_code=499)
+        except oa.ApiError as e:
+            ctx.worker.refused_before_queue(e.status)
+            raise
         if left.is_set():
             return Response(status_code=499)
         parsed.spec.cache_salt = cache_salt(request, parsed.spec.cache_salt)
@@ -264,8 +267,9 @@ def create_app(ctx: ServerContext):
         try:
             ctx.worker.submit(job)
         except QueueFull as e:
-            raise oa.ApiError(429, f"{e}; retry later", type="rate_limit_error",
-                              code="queue_full", headers={"Retry-After": "1"}) from None
+            wait_s = ctx.worker.retry_after_s()
+            raise oa.ApiError(429, f"{e}; retry in {wait_s} s", type="rate_limit_error",
+                              code="queue_full", headers={"Retry-After": str(wait_s)}) from None
         except NotReady as e:
             raise oa.ApiError(503, f"not ready: {e}", type="server_error",
                               code="unavailable") from None

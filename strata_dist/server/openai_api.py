@@ -12,7 +12,7 @@ from ..sampler import MAX_TOP_K, SamplingParams
 from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
 from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
 from .structured_api import StructuredRequestError, structured_grammar
-from .templates import RenderUnavailable, TemplateLimit, TemplateRenderer
+from .templates import RenderBusy, RenderUnavailable, TemplateLimit, TemplateRenderer
 from .tools import ToolRequestError, check_message_tools, check_tools, parse_tool_text, tool_format
 from .worker import GenSpec, Result
 
@@ -282,6 +282,10 @@ def _render(lim: Limits, context: dict, cancelled: Callable[[], bool] | None) ->
                                 f"tokens x {lim.bytes_per_token} bytes per token)", param="messages",
                            code="context_length_exceeded") from None
         raise ApiError(400, f"{e}; refused", param="messages", code="template_limit") from None
+    except RenderBusy as e:     # a render takes milliseconds: a place frees within a second
+        raise ApiError(429, f"the chat prompt cannot be rendered now: {e}; retry in 1 s",
+                       type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
     except RenderUnavailable as e:
         raise ApiError(503, f"the chat prompt cannot be rendered now: {e}", type="server_error",
                        code="unavailable", headers={"Retry-After": "1"}) from None

@@ -44,6 +44,11 @@ class RenderUnavailable(Exception):
     """No child could render (all busy past the wait, or one could not start)."""
 
 
+class RenderBusy(RenderUnavailable):
+    """Every child busy and the wait list full, or the wait ran out: the server is loaded, not
+    broken, so the request is refused as a full queue's is (429), to be retried."""
+
+
 class _Child:
     def __init__(self, source: str, memory_bytes: int):
         self.proc = subprocess.Popen(
@@ -135,7 +140,7 @@ class TemplateRenderer:
         deadline = time.monotonic() + WAIT_FOR_CHILD_S
         with self.cond:
             if not self.idle and self.busy >= self.max_children and self.waiting >= MAX_WAITING:
-                raise RenderUnavailable(f"all {self.max_children} chat-template renderers are "
+                raise RenderBusy(f"all {self.max_children} chat-template renderers are "
                                         f"busy and {self.waiting} requests wait for one")
             self.waiting += 1
             try:
@@ -152,7 +157,7 @@ class TemplateRenderer:
                         return None
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise RenderUnavailable(f"all {self.max_children} chat-template renderers "
+                        raise RenderBusy(f"all {self.max_children} chat-template renderers "
                                                 f"stayed busy for {WAIT_FOR_CHILD_S:.0f} s")
                     self.cond.wait(min(left, POLL_S * 5))
             finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ COUNTERS_ARE_TOTALS = True
 STATS_EVERY_S = 2.0      # how often an idle worker asks the ranks for their counters
 STATS_TIMEOUT_S = 2.0
 RATE_WINDOW_S = 3.0      # live tok/s is measured over this window
+RETRY_AFTER_MAX_S = 3600  # a refused client is never told to wait longer than this
 
 
 class QueueFull(Exception):
@@ -162,6 +164,10 @@ class JobQueue:
         with self.cond:
             return len(self.items)
 
+    def waiting(self) -> list[Job]:
+        with self.cond:
+            return list(self.items)
+
 
 class RateMeter:
     """Tokens per second over a sliding window."""
@@ -271,7 +277,7 @@ class Worker:
         self.decode_rate = RateMeter()
         self.totals = {"prompt_tokens": 0, "prompt_tokens_read": 0, "generated_tokens": 0,
                        "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
-                       "requests_rejected": 0}
+                       "requests_rejected": 0, "requests_unavailable": 0}
         self.last: dict[str, Any] = {}
         self.rank_counters: dict[int, dict[str, int]] = {}
         self.rank_gauges: dict[int, dict[str, float]] = {}
@@ -285,6 +291,8 @@ class Worker:
     # ---- from HTTP handlers (any thread) ----------------------------------------------------------
     def submit(self, job: Job) -> None:
         if self.state != "ready":
+            with self.lock:      # refused with 503: counted, so that every request shows in /metrics
+                self.totals["requests_unavailable"] += 1
             raise NotReady(self.error or f"the server is {self.state}")
         job.on_cancel = self._left
         self.requests.queued(job)
@@ -295,6 +303,40 @@ class Worker:
             with self.lock:
                 self.totals["requests_rejected"] += 1
             raise QueueFull(f"the queue is full ({self.queue_size} waiting)") from None
+
+    def refused_before_queue(self, status: int) -> None:
+        """A request refused while it was read (the chat renderers were full: 429, or could not
+        run: 503) is counted as one the queue refused, so /metrics' outcomes add up to the
+        requests received. Bad input (4xx other than 429) is not a request served or refused."""
+        key = {429: "requests_rejected", 503: "requests_unavailable"}.get(status)
+        if key is not None:
+            with self.lock:
+                self.totals[key] += 1
+
+    def retry_after_s(self) -> int:
+        """What a refused client is told to wait (Retry-After, whole seconds, at least 1): the time
+        the work ahead of it takes at the measured rates — what the running request has left to
+        generate plus each waiting one's prompt and max tokens. Requests that stop before their
+        max tokens free the queue sooner, so this is a bound rather than a promise."""
+        with self.lock:
+            running, made, since = self.running, self.running_tokens, self.running_since
+            last = dict(self.last)
+        # requests run one at a time, so the running one's decode rate (else the last one's) is
+        # what each waiting one will see
+        live = (made - 1) / max(time.monotonic() - since, 1e-3) if made > 1 else 0.0
+        decode_tps = live or last.get("decode_tokens_per_second") or self.decode_rate.rate()
+        prompt_tps = last.get("prompt_tokens_per_second") or 0.0
+        waiting = self.jobs.waiting()
+        if decode_tps <= 0:      # nothing measured yet: a second per request ahead
+            return int(min(RETRY_AFTER_MAX_S, max(1, len(waiting) + (running is not None))))
+        tokens = sum(j.spec.max_new for j in waiting)
+        prompt = sum(len(j.spec.prompt_ids) for j in waiting)
+        if running is not None:
+            tokens += max(running.spec.max_new - made, 0)
+            if made == 0:
+                prompt += len(running.spec.prompt_ids)
+        seconds = tokens / decode_tps + (prompt / prompt_tps if prompt_tps > 0 else 0.0)
+        return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(seconds))))
 
     def _left(self, job: Job) -> None:
         if self.jobs.discard(job):      # it was still waiting: it never runs
@@ -389,6 +431,9 @@ class Worker:
             except queue.Empty:
                 return
             job.post(Event("error", status=status, message=message, code=code))
+            with self.lock:      # admitted, then failed unrun: an error like the running one's
+                self.totals["requests_error"] += 1
+            self.requests.finished(job, "requests_error")
 
     def _refresh_stats(self) -> None:
         replies = self.coord.stats(timeout_s=STATS_TIMEOUT_S)
