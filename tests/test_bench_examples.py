@@ -30,7 +30,8 @@ GPU_ONLY = {"bench_attention.py", "bench_prompt_attention.py", "bench_rows.py",
 # monitor_screenshot.py draws docs/images/monitor.png (a minute of load and a browser, no record)
 DEV_SIDE = {"records.py", "monitor_screenshot.py"}
 # the scripts whose CPU examples write records
-RECORDING = {"bench_decode.py", "bench_prefill.py", "bench_offload.py", "bench_tiers.py"}
+RECORDING = {"bench_decode.py", "bench_prefill.py", "bench_offload.py", "bench_tiers.py",
+             "bench_seedrig.py"}
 
 
 def documented_commands(path: Path) -> list[str]:
