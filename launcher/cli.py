@@ -32,6 +32,7 @@ from strata_dist.plan import (Device, PlanError, devices_from_json, make_plan, p
 from strata_dist.plan.explicit import parse_explicit_tiers, ranks_of_gpus
 from strata_dist.plan.params import ENV_VARS, PlanParams
 
+from .adapt_flags import add_adapt_flags, check_adapt_flags
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
 from .spawn import RankSpec
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--expert-cache", default="auto",
                       help="auto (fill what is left), N (at most N pairs per stage cache) or 0 "
                            "(no resident experts; the profile still drives the split search)")
+    add_adapt_flags(plan)
     plan.add_argument("--stage-gpus", default=None, metavar="N,N,…",
                       help="the listed devices that run stages (GPU indices as in --gpus; an "
                            "inventory's index, host:N where hosts share one, rank:N for one rank of "
@@ -341,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args, signals: StopSignals) -> int:
     check_seconds_flags(args)
+    check_adapt_flags(args)
     args.compute = read_environment()   # every compute switch, once: the plan keeps, ranks run it
     if args.serve and args.prompt_ids is not None:
         raise UsageError("--serve and --prompt-ids cannot be combined: pick one surface")
@@ -442,6 +445,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
                        kv_type=args.kv_type, compute=args.compute, **(layout or {}),
+                       adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
                        **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0

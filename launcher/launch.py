@@ -52,6 +52,8 @@ class LaunchConfig:
     backend: str = "local"           # local (spawn processes) | ray (actors in a placement group)
     ray_address: str | None = None   # ray.init(address=…): "auto" joins a running cluster
     kv_type: str | None = None       # --kv-type: how sessions keep K/V (None: each device's default)
+    adapt_every: int = 0             # --adapt-every / --adapt-swaps: the adaptive cache (0: off)
+    adapt_swaps: int = 0
     stage_gpus: list[str] | None = None   # --stage-gpus, as rank numbers: the ranks that run stages
     helper_tiers: tuple[ExplicitTier, ...] = ()   # --expert-cache-device: explicit helper tiers
     # every compute switch, as strata-launch read them from its environment (the ranks run this)
@@ -87,7 +89,7 @@ def same_host_helpers_only(plan: Plan) -> Plan:
 
 def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
                 weight_slice: bool, cross_host_helpers: bool = True,
-                ipc: bool = True, kv_type: str = "") -> list[Assign]:
+                ipc: bool = True, kv_type: str = "", adapt: tuple[int, int] = (0, 0)) -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
     Endpoints are the ones each rank registered (reachable from the other hosts). With
     cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
@@ -128,7 +130,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             cache_pairs=[list(p) for p in st.pairs] if st else [], prev_endpoint=prev,
             next_host=nxt_reg.register.host if nxt_reg else "",
             next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc,
-            kv_type=kv_type, compute=plan.compute))
+            kv_type=kv_type, compute=plan.compute, adapt_every=adapt[0], adapt_swaps=adapt[1]))
     return out
 
 
@@ -205,7 +207,8 @@ class Launch:
             self.echo(f"plan: {line}")
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
                            cfg.params.weight_slice, cfg.cross_host_helpers,
-                           ipc=cfg.rejoin_timeout_s is None, kv_type=cfg.kv_type or "")
+                           ipc=cfg.rejoin_timeout_s is None, kv_type=cfg.kv_type or "",
+                           adapt=(cfg.adapt_every, cfg.adapt_swaps))
         self._assigned = work
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
         self._loaded = True

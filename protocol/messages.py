@@ -259,11 +259,16 @@ class Assign(Message):
     # every compute switch of the launch (v13), read once by the launcher: the rank runs this
     # record, never its own environment's STRATA_* variables (protocol/compute_options.py)
     compute: ComputeOptions = field(default_factory=ComputeOptions)
+    # the adaptive cache: every adapt_every tokens a stage swaps up to adapt_swaps pairs
+    # (strata_dist/adapt.py); 0: the cache stays as the plan filled it
+    adapt_every: int = 0
+    adapt_swaps: int = 0
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
                 max_context=self.max_context, cache_slots=self.cache_slots,
-                helper_slots=self.helper_slots, loan_slots=self.loan_slots)
+                helper_slots=self.helper_slots, loan_slots=self.loan_slots,
+                adapt_every=self.adapt_every, adapt_swaps=self.adapt_swaps)
         if self.lb > self.le:
             raise ValueError(f"layer range [{self.lb}, {self.le}) is reversed")
         if self.role != "helper" and self.lb == self.le:

@@ -145,6 +145,37 @@ class BlobArena(ExpertStore):
         self._sync_residency()
         return n
 
+    def swap(self, pairs, pinned=None) -> int:
+        """The adaptive cache's swaps (strata_dist/adapt.py), [(evicted, taken), ...]: each taken
+        pair's blob is copied into its evicted pair's slot (from its pinned host copy where
+        `pinned` holds it, a DMA queued on the current stream, else from the model file), then
+        the residency table points at it. The caller makes sure no step reads the cache while
+        this runs (between steps, nothing lent). Returns the swaps made."""
+        if self.lent:
+            raise RuntimeError("the cache is lent to a prompt: no swap until it is refilled")
+        done = 0
+        for evict, take in pairs:
+            (el, ee), (tl, te) = (int(v) for v in evict), (int(v) for v in take)
+            i = int(self.slot_of[el, ee])
+            if i < 0 or self.slot_of[tl, te] >= 0:
+                raise ValueError(f"swap {evict} -> {take}: the first must be cached, the second not")
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            if self.gguf.blob_bytes(tl) != hi - lo:
+                raise ValueError(f"swap {evict} -> {take}: a {self.gguf.blob_bytes(tl)}-byte blob "
+                                 f"does not fit a {hi - lo}-byte slot")
+            # unmarked first: while the slot is being written it holds neither pair
+            self.slot_of[el, ee] = -1
+            if pinned is not None and pinned.holds(tl, te):
+                self.backend.copy_from_pinned(self.buf[lo:hi], pinned.host_address(tl, te))
+            else:
+                self.buf[lo:hi] = self.backend.asarray(np.asarray(self.gguf.expert_blob(tl, te)))
+            self.pairs[i] = (tl, te)
+            self.slot_of[tl, te] = i
+            done += 1
+        if done:
+            self._sync_residency()
+        return done
+
     def _sync_residency(self) -> None:
         self.slot_of_device = self.backend.asarray(self.slot_of)
 

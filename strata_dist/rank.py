@@ -165,7 +165,8 @@ class RankProcess:
                          for h in assign.helpers if h.rank != rank],
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
                 prompt_chunk=assign.prefill_chunk,
-                local_helper_pairs=[tuple(p) for p in assign.helper_pairs]))
+                local_helper_pairs=[tuple(p) for p in assign.helper_pairs],
+                adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id)

@@ -13,6 +13,7 @@ import numpy as np
 
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
+from .adapt import RoutingCounts, coverage, pick_swaps
 from .experts import BlobArena
 from .plan.lend import loan_slots
 from .plan.workspace import STREAMED
@@ -46,6 +47,8 @@ class StageConfig:
     # stage: it is the part that fails soft); they decide the default for host misses as a
     # helper elsewhere does
     local_helper_pairs: list = field(default_factory=list)
+    adapt_every: int = 0      # --adapt-every: tokens between the adaptive cache's rounds (0: off)
+    adapt_swaps: int = 0      # --adapt-swaps: the most pairs a round swaps
 
 
 class Stage:
@@ -72,6 +75,11 @@ class Stage:
         self.own_helper_pairs = {(int(l), int(e)) for l, e in cfg.local_helper_pairs
                                  if cfg.lb <= l < cfg.le}
         self.tiers.local_helper_pairs = len(self.own_helper_pairs)
+        # the adaptive cache (strata_dist/adapt.py): off unless both flags are > 0
+        self.routing = RoutingCounts((g.n_layers, g.n_expert), cfg.adapt_every, cfg.adapt_swaps)
+        self._adapt_due = False
+        if self.routing.on:
+            self.tiers.routing = self.routing
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         if self.backend.name == "cupy" and reads_host_in_place(self.tiers, once_opened=True):
             self._pin(skip=self.own_helper_pairs)
@@ -119,7 +127,7 @@ class Stage:
         cfg = self.cfg
         self.tiers.pinned, self.pin_error = _pin_missing(
             self.gguf, self.cache, cfg.lb, cfg.le, self.cache.slot_of.shape[1], cfg.loan_slots,
-            skip=skip)
+            skip=skip, every=self.routing.on)
 
     def _rebuild_graph(self) -> None:
         """The decode graph for the tiers as they are now (a helper tier opened here or on
@@ -259,7 +267,46 @@ class Stage:
         s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
+        if self.routing.on:
+            if graph is not None and not prompt and getattr(graph, "last_routes", None) is not None:
+                self.routing.add_layers(self.cfg.lb, graph.last_routes)
+            self._adapt_due |= self.routing.tick(n)
+            if self._adapt_due and not self.cache.lent:   # never while a prompt borrows slots
+                self._adapt()
         return out
+
+    def _adapt(self) -> None:
+        """One round of the adaptive cache, between steps: the coldest cached pairs swapped for
+        the hottest missed ones (adapt.pick_swaps), the blobs copied, then the tables pointed at
+        them; the coverage of the counted routing goes to the counters and the log."""
+        self._adapt_due = False
+        r, cache, lb, le = self.routing, self.cache, self.cfg.lb, self.cfg.le
+        cached = cache.slot_of >= 0
+        # a slot holds one blob size: pairs move only between layers of the same size
+        sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
+                          for l in range(cached.shape[0])], dtype=np.int64)
+        graph, evictable = self.decode_graph, None
+        if graph is not None and self.backend.name == "cupy":
+            # a pair leaving the cache stays readable by the graph only from its pinned copy
+            pinned, evictable = self.tiers.pinned, np.zeros_like(cached)
+            for l, e in cache.pairs:
+                evictable[l, e] = pinned is not None and pinned.holds(l, e)
+        before = coverage(r.counts[lb:le], cached[lb:le])
+        swaps = pick_swaps(r.counts, cached, r.swaps, size_class=sizes, evictable=evictable)
+        if swaps:
+            if graph is not None:
+                graph.settle()        # no step in flight reads a slot being rewritten
+            cache.swap(swaps, self.tiers.pinned)
+            if graph is not None:     # the graph's address table, after the copies (same stream)
+                graph.repoint([p for swap in swaps for p in swap])
+        after = coverage(r.counts[lb:le], (cache.slot_of >= 0)[lb:le])
+        c = self.tiers.counters
+        c["adapt_rounds"] += 1
+        c["adapt_swaps"] += len(swaps)
+        if swaps:
+            log.info("stage [%d, %d): adaptive cache swapped %d pairs; it holds %.1f%% of the "
+                     "recent routing (was %.1f%%)", lb, le, len(swaps), 100 * after, 100 * before)
+        r.decay()
 
     def _run_general(self, s, prompt: bool, ids, hidden):
         """The general path: any rows, any tiers (prompt chunks, partial caches)."""
@@ -281,16 +328,20 @@ def _add_counts(counts: dict[str, int], store: CheckpointStore) -> dict[str, int
             "checkpoint_failed": counts["checkpoint_failed"] + store.failed}
 
 
-def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int, loan_slots: int, skip=()):
+def _pin_missing(gguf, cache, lb: int, le: int, n_expert: int, loan_slots: int, skip=(),
+                 every: bool = False):
     """The blobs of the stage's layers its cache lacks, pinned in host memory: read in place by
     the decode graph and streamed by DMA into a prompt's loan (with the pairs of the slots a prompt
     borrows, which are missing while it runs); and why not, if not. Fail-soft:
     (None, reason) when the host will not pin them (memlock limit, host memory); the stage then
-    reads its misses from the file. `skip`: pairs this card's helper tier holds (read there)."""
+    reads its misses from the file. `skip`: pairs this card's helper tier holds (read there).
+    `every` (the adaptive cache): every pair of the stage's layers, cached ones too: a pair the
+    cache evicts is read from its pinned copy from then on."""
     from .backends.host_mapped import MappedHostBlobs
     missing = [(l, e) for l in range(lb, le) for e in range(n_expert)
-               if not cache.holds(l, e) and (l, e) not in skip]
-    missing += cache.pairs[len(cache.pairs) - min(loan_slots, len(cache.pairs)):]
+               if (every or not cache.holds(l, e)) and (l, e) not in skip]
+    if not every:
+        missing += cache.pairs[len(cache.pairs) - min(loan_slots, len(cache.pairs)):]
     if not missing:
         return None, ""
     no_room = pin_room_error(sum(gguf.blob_bytes(l) for l, _ in missing))

@@ -191,6 +191,8 @@ class ExpertTiers(ExpertStore):
         # and the tier of each expert of the layers counted there
         self._pair_counts = None
         self._counted_tiers: dict[int, np.ndarray] = {}
+        # the adaptive cache's routing counts (strata_dist/adapt.py), set by the stage when on
+        self.routing = None
 
     @property
     def asks_helpers(self) -> bool:
@@ -238,6 +240,8 @@ class ExpertTiers(ExpertStore):
         y = self.cache.outputs_device(layer, x, idx)
         if y is not None:
             self.counters["hits"] += int(idx.size)
+            if self.routing is not None:   # a read of the routes, only with adaptation on
+                self.routing.add(layer, self.backend.to_host(idx))
             return y
         return self._prompt_on_device(layer, x, idx) if self.prompt else None
 
@@ -338,6 +342,8 @@ class ExpertTiers(ExpertStore):
         self._pair_counts.fill(0)
         for layer, tier in self._counted_tiers.items():
             c = counts[layer]
+            if self.routing is not None:
+                self.routing.counts[layer] += c
             self.counters["hits"] += int(c[tier == 1].sum())
             self.counters["remote"] += int(c[(tier == 2) | (tier == 3)].sum())
             self.counters["host"] += int(c[tier == 0].sum())
@@ -352,6 +358,8 @@ class ExpertTiers(ExpertStore):
         # thousands of rows to most of a layer's experts
         tier_of, helper_of = self._tiers_of(layer)
         tier = tier_of[idx]               # 0 host, 1 hit, 2 remote, 3 own card's helper tier
+        if self.routing is not None:
+            self.routing.add(layer, idx)
         asked: dict[HelperClient, np.ndarray] = {}
         if (tier == 2).any():
             by_helper = helper_of[idx]

@@ -116,6 +116,7 @@ class DecodeGraph:
         self.ahead_taken = 0           # steps launched ahead and then asked for
         self.steps = 0
         self.last_tiers: dict[str, int] = {}   # the last step's expert computations per tier
+        self.last_routes = None        # its routes [stage layers, n, k] where they came back
 
     # ---- what the kernels support ---------------------------------------------------------------
     def _check_geometry(self, g) -> None:
@@ -556,6 +557,7 @@ class DecodeGraph:
         hs.done.synchronize()
         self.steps += 1
         self.last_tiers = self._count_tiers(n, hs.ids)
+        self.last_routes = hs.ids[:, :n].copy() if self.counts_routes else None
         if not self.last:
             return out
         token = int(hs.token[0])
@@ -580,6 +582,29 @@ class DecodeGraph:
         hits = int(self.in_cache[layer, chosen][asked].sum())
         helper = int(self.in_helper[layer, chosen][asked].sum())
         return {"hits": hits, "remote": helper, "host": int(asked.sum()) - hits - helper}
+
+    def repoint(self, pairs) -> None:
+        """Pairs whose blob moved (the adaptive cache swapped them, strata_dist/adapt.py): their
+        entries of the address table and of the hit masks, read again from the arena, else this
+        card's helper tier, else the pinned copies. Between steps only (settled first); the table
+        is written on the null stream, which every step waits for (_launch_step), so no step
+        reads an entry before the blob copies queued before it."""
+        self.settle()
+        base = int(self.arena.buf.data.ptr)
+        host = self.host_blobs.addresses() if self.host_blobs is not None else {}
+        with cp.cuda.Stream.null:
+            for layer, expert in pairs:
+                i = int(self.arena.slot_of[layer, expert])
+                in_helper = i < 0 and (layer, expert) in self.helper_blobs
+                at = (base + int(self.arena.offsets[i]) if i >= 0 else
+                      self.helper_blobs[(layer, expert)] if in_helper else
+                      host.get((layer, expert), 0))
+                if not at:
+                    raise Unsupported(f"pair ({layer}, {expert}) left the cache and is read "
+                                      f"nowhere else")
+                self.blob_of[layer, expert] = np.uint64(at)
+                self.in_cache[layer - self.lb, expert] = i >= 0
+                self.in_helper[layer - self.lb, expert] = in_helper
 
     @property
     def counts_routes(self) -> bool:
