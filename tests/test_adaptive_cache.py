@@ -132,7 +132,7 @@ def _hit_rate(stats: list[dict]) -> float:
     return hits / sum(int(r["hits"]) + int(r["remote"]) + int(r["host"]) for r in stats)
 
 
-def _phase2(model, profile, *extra, max_new=24, rounds=2):
+def _phase2(model, profile, *extra, max_new=24, rounds=2, options="stats=1"):
     """Phase 2's requests on a cache filled from phase 1's profile: their tokens and hit rates,
     and every rank's counters after."""
     s = _serve(model, profile, *extra)
@@ -140,7 +140,7 @@ def _phase2(model, profile, *extra, max_new=24, rounds=2):
         tokens, rates = [], []
         for _ in range(rounds):
             for prompt in PHASE2:
-                out = s.gen(prompt, max_new, "stats=1")
+                out = s.gen(prompt, max_new, options)
                 assert out["err"] is None, out["err"]
                 tokens.append(out["tokens"])
                 rates.append(_hit_rate(out["stats"]))
@@ -181,11 +181,13 @@ def test_adapting_raises_the_second_phases_hit_rate_with_the_same_tokens(model, 
 
 def test_swaps_every_token_keep_the_tokens(model, phase1_profile):
     """A swap round after every step of every stage over a few hundred tokens: the tokens are
-    those of a static cache, and nothing fails."""
-    off, _, _ = _phase2(model, phase1_profile, max_new=100, rounds=1)
+    those of a static cache, and nothing fails. Sampled (seeded), not greedy: a draw moves with
+    any change of the distribution, where this random model's argmax would hide one."""
+    sampled = "stats=1 temperature=1.5 seed=7"
+    off, _, _ = _phase2(model, phase1_profile, max_new=100, rounds=2, options=sampled)
     on, _, counters = _phase2(model, phase1_profile, "--adapt-every", "1", "--adapt-swaps", "4",
-                              max_new=100, rounds=1)
-    assert sum(map(len, on)) >= 250
+                              max_new=100, rounds=2, options=sampled)
+    assert sum(map(len, on)) >= 200
     assert on == off
     for c in counters.values():
         assert int(c.get("errors", 0)) == 0
