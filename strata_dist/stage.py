@@ -125,9 +125,12 @@ class Stage:
     def _pin(self, skip=()) -> None:
         """Pin the blobs of this stage's layers its cache lacks, less `skip` (_pin_missing)."""
         cfg = self.cfg
-        self.tiers.pinned, self.pin_error = _pin_missing(
-            self.gguf, self.cache, cfg.lb, cfg.le, self.cache.slot_of.shape[1], cfg.loan_slots,
-            skip=skip, every=self.routing.on)
+        args = (self.gguf, self.cache, cfg.lb, cfg.le, self.cache.slot_of.shape[1], cfg.loan_slots)
+        self.tiers.pinned, self.pin_error = _pin_missing(*args, skip=skip, every=self.routing.on)
+        if self.tiers.pinned is None and self.routing.on:
+            # no room for every pair: the misses alone, as without adaptation (a cached pair
+            # then leaves a graph's cache only once it has a pinned copy, Stage._adapt)
+            self.tiers.pinned, self.pin_error = _pin_missing(*args, skip=skip)
 
     def _rebuild_graph(self) -> None:
         """The decode graph for the tiers as they are now (a helper tier opened here or on
