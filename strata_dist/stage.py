@@ -306,6 +306,8 @@ class Stage:
         c = self.tiers.counters
         c["adapt_rounds"] += 1
         c["adapt_swaps"] += len(swaps)
+        # a level, not a total: the share of the recent routing the cache holds now
+        c["adapt_coverage_ppm"] = int(round(after * 1e6))
         if swaps:
             log.info("stage [%d, %d): adaptive cache swapped %d pairs; it holds %.1f%% of the "
                      "recent routing (was %.1f%%)", lb, le, len(swaps), 100 * after, 100 * before)

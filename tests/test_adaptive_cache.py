@@ -168,11 +168,14 @@ def test_the_phases_route_to_different_experts(model):
 
 
 def test_adapting_raises_the_second_phases_hit_rate_with_the_same_tokens(model, phase1_profile):
-    off_tokens, off_rates, _ = _phase2(model, phase1_profile)
+    off_tokens, off_rates, off_counters = _phase2(model, phase1_profile)
     on_tokens, on_rates, counters = _phase2(model, phase1_profile, "--adapt-every", "16",
-                                            "--adapt-swaps", "4")
+                                               "--adapt-swaps", "4")
     assert on_tokens == off_tokens
+    assert all("adapt_rounds" not in c for c in off_counters.values())   # off by default
     assert sum(int(c.get("adapt_swaps", 0)) for c in counters.values()) > 0
+    # the coverage as it changes: in STATS, a level in millionths
+    assert all(0 < int(c["adapt_coverage_ppm"]) <= 10 ** 6 for c in counters.values())
     # after the first request has been counted, every request hits more than the static cache
     assert all(on > off + 0.05 for on, off in zip(on_rates[1:], off_rates[1:])), (on_rates,
                                                                                   off_rates)
