@@ -56,7 +56,7 @@ def pick_swaps(counts: np.ndarray, cached: np.ndarray, max_swaps: int,
 
 
 def coverage(counts: np.ndarray, cached: np.ndarray) -> float:
-    """The share of the counted routing that the cached pairs hold (1.0 when nothing was counted)."""
+    """The share of the counted routing the cached pairs hold (1.0 when nothing was counted)."""
     total = float(counts.sum())
     return float(counts[cached].sum()) / total if total > 0 else 1.0
 

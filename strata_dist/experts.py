@@ -158,7 +158,8 @@ class BlobArena(ExpertStore):
             (el, ee), (tl, te) = (int(v) for v in evict), (int(v) for v in take)
             i = int(self.slot_of[el, ee])
             if i < 0 or self.slot_of[tl, te] >= 0:
-                raise ValueError(f"swap {evict} -> {take}: the first must be cached, the second not")
+                raise ValueError(f"swap {evict} -> {take}: the first must be cached, the second "
+                                 f"not")
             lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
             if self.gguf.blob_bytes(tl) != hi - lo:
                 raise ValueError(f"swap {evict} -> {take}: a {self.gguf.blob_bytes(tl)}-byte blob "

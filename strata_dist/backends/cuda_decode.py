@@ -36,7 +36,7 @@ from ..kernels.pdl import ProgrammaticLauncher
 from ..host_pinning import reads_host_in_place
 from ..plan.pricing import DECODE_ROWS
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
-                           norm_vector, weight_of)
+                           norm_vector, repoint_experts, weight_of)
 from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")
@@ -584,27 +584,9 @@ class DecodeGraph:
         return {"hits": hits, "remote": helper, "host": int(asked.sum()) - hits - helper}
 
     def repoint(self, pairs) -> None:
-        """Pairs whose blob moved (the adaptive cache swapped them, strata_dist/adapt.py): their
-        entries of the address table and of the hit masks, read again from the arena, else this
-        card's helper tier, else the pinned copies. Between steps only (settled first); the table
-        is written on the null stream, which every step waits for (_launch_step), so no step
-        reads an entry before the blob copies queued before it."""
+        """Pairs whose blob moved (the adaptive cache's swaps): graph_tables.repoint_experts."""
         self.settle()
-        base = int(self.arena.buf.data.ptr)
-        host = self.host_blobs.addresses() if self.host_blobs is not None else {}
-        with cp.cuda.Stream.null:
-            for layer, expert in pairs:
-                i = int(self.arena.slot_of[layer, expert])
-                in_helper = i < 0 and (layer, expert) in self.helper_blobs
-                at = (base + int(self.arena.offsets[i]) if i >= 0 else
-                      self.helper_blobs[(layer, expert)] if in_helper else
-                      host.get((layer, expert), 0))
-                if not at:
-                    raise Unsupported(f"pair ({layer}, {expert}) left the cache and is read "
-                                      f"nowhere else")
-                self.blob_of[layer, expert] = np.uint64(at)
-                self.in_cache[layer - self.lb, expert] = i >= 0
-                self.in_helper[layer - self.lb, expert] = in_helper
+        repoint_experts(self, pairs)
 
     @property
     def counts_routes(self) -> bool:

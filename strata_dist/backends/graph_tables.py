@@ -84,3 +84,26 @@ def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
         by_type.setdefault(w.type, []).append((w, row))
     return [MatLaunch(t, _spec_array(MAT_SPEC, [row for _, row in group]), len(group),
                       max(w.nrows for w, _ in group)) for t, group in by_type.items()]
+
+
+def repoint_experts(graph, pairs) -> None:
+    """Pairs whose blob moved (the adaptive cache swapped them, strata_dist/adapt.py): their entries
+    of a settled decode graph's address table and hit masks, read again from its arena, else this
+    card's helper tier, else the pinned copies. The table is written on the null stream, which
+    every step waits for (cuda_decode.DecodeGraph._launch_step), so no step reads an entry before
+    the blob copies queued there before it."""
+    base = int(graph.arena.buf.data.ptr)
+    host = graph.host_blobs.addresses() if graph.host_blobs is not None else {}
+    with cp.cuda.Stream.null:
+        for layer, expert in pairs:
+            i = int(graph.arena.slot_of[layer, expert])
+            in_helper = i < 0 and (layer, expert) in graph.helper_blobs
+            at = (base + int(graph.arena.offsets[i]) if i >= 0 else
+                  graph.helper_blobs[(layer, expert)] if in_helper else
+                  host.get((layer, expert), 0))
+            if not at:
+                raise Unsupported(f"pair ({layer}, {expert}) left the cache and is read nowhere "
+                                  f"else")
+            graph.blob_of[layer, expert] = np.uint64(at)
+            graph.in_cache[layer - graph.lb, expert] = i >= 0
+            graph.in_helper[layer - graph.lb, expert] = in_helper
