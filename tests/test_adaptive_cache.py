@@ -241,3 +241,12 @@ def test_a_negative_flag_is_one_error_line(flag, model):
                         "-1"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [f"error: {flag} -1: expected a number >= 0 (0: off)"]
+
+
+def test_an_assign_with_a_negative_adapt_field_is_refused():
+    from protocol.messages import Assign
+    ok = dict(rank=0, role="stage", lb=0, le=1, first=True, last=True, device="cpu", plan={})
+    Assign(**ok, adapt_every=100, adapt_swaps=16).check([])
+    for name in ("adapt_every", "adapt_swaps"):
+        with pytest.raises(ValueError, match=name):
+            Assign(**ok, **{name: -1}).check([])
