@@ -257,7 +257,8 @@ class Stage:
                 and self.tiers.tiers_changed()):
             self._rebuild_graph()       # another card's tier opened (read in place), or stopped
         graph = self.decode_graph
-        if not prompt and graph is not None and graph.usable(n):
+        graph_step = not prompt and graph is not None and graph.usable(n)
+        if graph_step:
             out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)
             self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
             self.tiers.counters["graph_steps"] += 1
@@ -271,7 +272,8 @@ class Stage:
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
         if self.routing.on:
-            if graph is not None and not prompt and getattr(graph, "last_routes", None) is not None:
+            # the general path counted its routes as it computed them (ExpertTiers)
+            if graph_step and graph.last_routes is not None:
                 self.routing.add_layers(self.cfg.lb, graph.last_routes)
             self._adapt_due |= self.routing.tick(n)
             if self._adapt_due and not self.cache.lent:   # never while a prompt borrows slots
