@@ -89,13 +89,14 @@ def same_host_helpers_only(plan: Plan) -> Plan:
 
 def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
                 weight_slice: bool, cross_host_helpers: bool = True,
-                ipc: bool = True, kv_type: str = "", adapt: tuple[int, int] = (0, 0)) -> list[Assign]:
+                ipc: bool = True, kv_type: str = "",
+                adapt: tuple[int, int] = (0, 0)) -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
     Endpoints are the ones each rank registered (reachable from the other hosts). With
     cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
     False (rejoin on: a replacement cannot take over CUDA IPC buffers its neighbours opened from
     the process it replaces) every hand-off travels as frames. Every rank gets the plan's compute
-    options."""
+    options and `adapt` (--adapt-every, --adapt-swaps)."""
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adapt import RoutingCounts, coverage, pick_swaps
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
-from .adapt import RoutingCounts, coverage, pick_swaps
 from .experts import BlobArena
 from .plan.lend import loan_slots
 from .plan.workspace import STREAMED
@@ -125,11 +125,15 @@ class Stage:
     def _pin(self, skip=()) -> None:
         """Pin the blobs of this stage's layers its cache lacks, less `skip` (_pin_missing)."""
         cfg = self.cfg
-        args = (self.gguf, self.cache, cfg.lb, cfg.le, self.cache.slot_of.shape[1], cfg.loan_slots)
-        self.tiers.pinned, self.pin_error = _pin_missing(*args, skip=skip, every=self.routing.on)
-        if self.tiers.pinned is None and self.routing.on:
-            # no room for every pair: the misses alone, as without adaptation (a cached pair
-            # then leaves a graph's cache only once it has a pinned copy, Stage._adapt)
+        n_expert = self.cache.slot_of.shape[1]
+        args = (self.gguf, self.cache, cfg.lb, cfg.le, n_expert, cfg.loan_slots)
+        # the adaptive cache pins every pair of its layers where the host has room, else only the
+        # misses, as without it (a cached pair then leaves a decode graph's cache only once it
+        # has a pinned copy, Stage._adapt)
+        every = self.routing.on and not pin_room_error(
+            sum(self.gguf.blob_bytes(l) * n_expert for l in range(cfg.lb, cfg.le)))
+        self.tiers.pinned, self.pin_error = _pin_missing(*args, skip=skip, every=every)
+        if self.tiers.pinned is None and every:
             self.tiers.pinned, self.pin_error = _pin_missing(*args, skip=skip)
 
     def _rebuild_graph(self) -> None:
