@@ -92,9 +92,13 @@ class RoutingCounts:
             self.counts[layer] += np.bincount(ids, minlength=self.counts.shape[1])
 
     def add_layers(self, lb: int, routes) -> None:
-        """Count routes [layers from lb, rows, k] (a decode graph's step)."""
-        for j, idx in enumerate(np.asarray(routes)):
-            self.add(lb + j, idx)
+        """Count routes [layers from lb, rows, k] (a decode graph's step): one bincount over
+        layer * n_experts + expert, not one per layer."""
+        routes = np.asarray(routes)
+        n_layers, n_experts = routes.shape[0], self.counts.shape[1]
+        flat = (np.arange(n_layers)[:, None, None] * n_experts + routes)[routes >= 0]
+        self.counts[lb:lb + n_layers] += np.bincount(
+            flat, minlength=n_layers * n_experts).reshape(n_layers, n_experts)
 
     def tick(self, n_tokens: int) -> bool:
         """n_tokens more processed: whether a round is due now."""

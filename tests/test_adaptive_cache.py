@@ -70,6 +70,10 @@ def test_counts_decay_and_the_clock_ticks_every_t_tokens():
     r = RoutingCounts((2, 4), every=5, swaps=2)
     r.add(1, np.array([[3, 1], [3, -1]]))
     np.testing.assert_array_equal(r.counts[1], [0, 1, 0, 2])
+    graph = RoutingCounts((4, 4), every=5, swaps=2)     # a graph step's routes of layers 1..2
+    graph.add_layers(1, np.array([[[0, 2]], [[3, -1]]]))
+    np.testing.assert_array_equal(graph.counts, [[0, 0, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1],
+                                                 [0, 0, 0, 0]])
     assert [r.tick(2), r.tick(2), r.tick(1), r.tick(4), r.tick(1)] == [False, False, True, False,
                                                                       True]
     r.decay()
