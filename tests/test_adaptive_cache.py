@@ -1,7 +1,10 @@
 """The adaptive expert cache (--adapt-every, --adapt-swaps): the swap policy, the arena's swaps, and
 real CPU ranks through the launcher on a two-phase workload. The tokens never depend on it."""
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -254,3 +257,20 @@ def test_an_assign_with_a_negative_adapt_field_is_refused():
     for name in ("adapt_every", "adapt_swaps"):
         with pytest.raises(ValueError, match=name):
             Assign(**ok, **{name: -1}).check([])
+
+
+def test_a_gpu_stage_swaps_between_graph_steps_and_repoints_its_graph():
+    """The GPU rank's Python on tests/fake_cupy (tests/adapt_gpu_check.py): the swaps copy the
+    pinned blobs into their slots, and the graph's table updated in place equals one built afresh.
+    The kernels themselves are the GPU tests' (test_gpu_adaptive_cache.py)."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(here / "fake_cupy"), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(here / "adapt_gpu_check.py")], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["graph"] == "DecodeGraph" and report["graph_steps"] == 8, report
+    # the stand-ins route every row to expert 0: it takes a slot in both layers
+    assert report["adapt_swaps"] == 2 and [0, 0] in report["cached"] and [1, 0] in report["cached"]
+    assert report["same_table"] and report["same_hits"] and report["slots_hold_their_pairs"]
