@@ -18,7 +18,7 @@ from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Toke
 from protocol.messages import Sampling
 
 from .checkpoints import common_positions
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams, prompt_logprobs, token_logprobs
 from .stage import Stage
 
 log = logging.getLogger("strata.step")
@@ -45,6 +45,8 @@ class _Request:
     stop_ids: frozenset
     session_id: int
     generated: int = 0
+    logprobs: bool = False      # each Token carries its logprob
+    top_logprobs: int = 0       # ... and this many alternatives
 
 
 class StageStep:
@@ -90,7 +92,11 @@ class StageStep:
             self.stage.end_prompt()   # a failed prompt still gives its loan back
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
         self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
-        return self._hand_on(msg, out, t0)
+        try:
+            return self._hand_on(msg, out, t0)
+        except (ValueError, IndexError) as e:   # sampling fields no sampler takes
+            self.requests.pop(msg.request_id, None)
+            return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
@@ -101,12 +107,14 @@ class StageStep:
         if is_prompt and msg.chunk_index == 0:
             # a prompt of one chunk borrows only what its rows need
             self.stage.begin_prompt(_rows_of(msg) if msg.chunk_total == 1 else None)
+        all_rows = self.last and is_prompt and msg.sampling.prompt_logprobs
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
-                                 checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg))
+                                 checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg),
+                                 all_rows=all_rows)
         else:
             out = self.stage.run(msg.session_id, msg.pos, hidden=rows, prompt=is_prompt,
-                                 checkpoint_at=msg.checkpoint_at)
+                                 checkpoint_at=msg.checkpoint_at, all_rows=all_rows)
         if is_prompt and msg.chunk_index == msg.chunk_total - 1:
             self.stage.end_prompt()   # before the first decode step reaches this stage
         self.counters["chunks" if is_prompt else "tokens"] += 1
@@ -119,7 +127,8 @@ class StageStep:
         (the stage may then start that step before the host has this one's token)."""
         req = self.requests.get(msg.request_id)
         return (self.last and msg.sampling is None and req is not None
-                and req.sampler.params.greedy and req.generated + 1 < req.max_new)
+                and req.sampler.params.greedy and not req.sampler.params.reshapes_logits
+                and req.generated + 1 < req.max_new)
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
@@ -139,11 +148,15 @@ class StageStep:
         end = msg.pos + _rows_of(msg)
         sent: list[Outbound] = []
         if is_prompt:
-            sent.append(Outbound(To.HEAD, PromptProgress(
+            progress = PromptProgress(
                 request_id=msg.request_id, session_id=msg.session_id, pos=end,
                 chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
                 ms=(time.perf_counter() - t0) * 1e3, checkpoints=held or [],
-                resume_any=held is None)))
+                resume_any=held is None)
+            if msg.sampling.prompt_logprobs:
+                _attach_prompt_logprobs(progress, out, msg.pos, msg.sampling)
+                out = out[-1]             # the row the first token is sampled from
+            sent.append(Outbound(To.HEAD, progress))
             if msg.chunk_index < msg.chunk_total - 1:
                 return sent
             self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
@@ -157,8 +170,12 @@ class StageStep:
         tok = req.sampler(logits)
         req.generated += 1
         reason = "stop" if tok in req.stop_ids else ("length" if req.generated >= req.max_new else "")
-        sent = [Outbound(To.HEAD, Token(request_id=msg.request_id, session_id=msg.session_id,
-                                        token_id=tok, pos=end, done=bool(reason), reason=reason))]
+        token = Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok, pos=end,
+                      done=bool(reason), reason=reason)
+        if req.logprobs:
+            lp = token_logprobs(logits, tok, req.top_logprobs)
+            token.logprob, token.top_ids, token.top_logprobs = lp.logprob, lp.top_ids, lp.top_logprobs
+        sent = [Outbound(To.HEAD, token)]
         if reason:
             del self.requests[msg.request_id]
             return sent
@@ -172,5 +189,21 @@ def _rows_of(msg: Tokens | Hidden) -> int:
 
 def _new_request(s: Sampling, session_id: int) -> _Request:
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                            min_p=s.min_p, seed=s.seed)
-    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
+                            min_p=s.min_p, seed=s.seed, presence_penalty=s.presence_penalty,
+                            frequency_penalty=s.frequency_penalty,
+                            repetition_penalty=s.repetition_penalty,
+                            logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)))
+    return _Request(Sampler(params, s.prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
+                    logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+
+
+def _attach_prompt_logprobs(progress: PromptProgress, rows, pos: int, s: Sampling) -> None:
+    """Each row's logprob of the prompt token after it (rows at positions pos..; the prompt's
+    last row has none: the first sampled token follows it)."""
+    n = min(len(rows), len(s.prompt_ids) - 1 - pos)
+    if n <= 0:
+        return
+    got = prompt_logprobs(rows[:n], s.prompt_ids[pos + 1:pos + 1 + n], s.top_logprobs)
+    progress.logprobs = [g.logprob for g in got]
+    progress.top_ids = [g.top_ids for g in got]
+    progress.top_logprobs = [g.top_logprobs for g in got]

@@ -10,6 +10,7 @@ text is cut before the match and the generation is cancelled), and records throu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..coordinator import RankFailure, RankLost, RequestError
-from ..head import HeadSession
-from ..sampler import SamplingParams
+from ..head import HeadSession, LogprobRequest
+from ..sampler import SamplingParams, TokenLogprob
 from ..tokenizer import GGUFTokenizer
 from .metrics import LatencyHistograms
 
@@ -59,22 +60,34 @@ class GenSpec:
     # a reuse shows in the reply (cached_tokens, timings), so across salts it would tell one
     # client how much of its prompt matches another's.
     cache_salt: str = ""
+    n: int = 1                       # choices, one after another on the prompt's cached state
+    logprobs: LogprobRequest = LogprobRequest()
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str           # stop | length
+    logprobs: list[TokenLogprob] | None = None   # one per token id, when asked
 
 
 @dataclass
 class Result:
-    text: str
-    token_ids: list[int]
-    finish_reason: str           # stop | length
+    choices: list[Choice]
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int       # of every choice
     reused: int
     prompt_ms: float
     decode_ms: float
+    # asked for (echo): the prompt's tokens from position 1 with their logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def timings(self) -> dict:
-        decode_tps = (self.completion_tokens - 1) / self.decode_ms * 1e3 \
-            if self.completion_tokens > 1 and self.decode_ms > 0 else 0.0
+        first_tokens = len(self.choices)     # each choice's first token comes with its prompt
+        decode_tps = (self.completion_tokens - first_tokens) / self.decode_ms * 1e3 \
+            if self.completion_tokens > first_tokens and self.decode_ms > 0 else 0.0
         read = self.prompt_tokens - self.reused
         return {"prompt_reused": self.reused, "prompt_read": read,
                 "prompt_ms": round(self.prompt_ms, 3), "decode_ms": round(self.decode_ms, 3),
@@ -88,6 +101,8 @@ class Event:
     kind: str                    # delta | done | error
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    index: int = 0               # the choice a delta is of
+    logprobs: list[TokenLogprob] | None = None   # a delta's, one per token id, when asked
     result: Result | None = None
     status: int = 0              # for errors: the HTTP status
     message: str = ""
@@ -200,14 +215,20 @@ class TextStream:
         self.emitted = 0
         self.tokens: list[int] = []
         self.pending_ids: list[int] = []
+        self.index = 0               # the choice this stream is of
+        self.logprobs: list[TokenLogprob] | None = [] if spec.logprobs.tokens else None
+        self.pending_logprobs: list[TokenLogprob] = []
         self.stop_hit = False
         self._searched = 0
 
-    def push(self, token_id: int) -> Event | None:
+    def push(self, token_id: int, logprob: TokenLogprob | None = None) -> Event | None:
         if self.stop_hit:
             return None
         self.tokens.append(token_id)
         self.pending_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+            self.pending_logprobs.append(logprob)
         if token_id not in self.stop_ids:
             self.text += self.detok.push(token_id)
         return self._emit(final=False)
@@ -232,9 +253,11 @@ class TextStream:
             safe = len(self.text) - _partial_stop(self.text, self.stops)
         if safe <= self.emitted and not (final and self.pending_ids):
             return None
-        ev = Event("delta", text=self.text[self.emitted:safe], token_ids=self.pending_ids)
+        ev = Event("delta", text=self.text[self.emitted:safe], token_ids=self.pending_ids,
+                   index=self.index,
+                   logprobs=self.pending_logprobs if self.logprobs is not None else None)
         self.emitted = max(self.emitted, safe)
-        self.pending_ids = []
+        self.pending_ids, self.pending_logprobs = [], []
         return ev
 
 
@@ -395,7 +418,6 @@ class Worker:
                 self.totals["requests_cancelled"] += 1
             return
         spec = job.spec
-        stream = TextStream(self.tok, spec)
         started = time.monotonic()
         self.latency.queue_wait.observe(started - job.queued_at)
         with self.lock:
@@ -403,6 +425,8 @@ class Worker:
 
         failure: list[BaseException] = []
         last_token_at: list[float] = []
+        stream = TextStream(self.tok, spec)
+        pending_logprob: list[TokenLogprob] = []
 
         def on_token(t: int) -> None:
             try:
@@ -418,7 +442,7 @@ class Worker:
                     if self.running_tokens == 0:
                         self.running_since = now
                     self.running_tokens += 1
-                ev = stream.push(t)
+                ev = stream.push(t, pending_logprob.pop() if pending_logprob else None)
                 if ev is not None:
                     job.post(ev)
             except Exception as e:  # noqa: BLE001 - a bug here cancels this request, not the run
@@ -430,35 +454,50 @@ class Worker:
         if not spec.cache_prompt or spec.cache_salt != self.session_salt:
             self.session.tokens = []
         self.session_salt = spec.cache_salt
+        choices: list[Choice] = []
+        reused = read = 0
+        prompt_ms = decode_ms = 0.0
+        prompt_logprobs = None
         try:
-            out = self.session.generate(
-                spec.prompt_ids, spec.max_new, spec.params, stop_ids=spec.stop_ids,
-                on_token=on_token,
-                should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
-            if failure:
-                raise failure[0]
-            if job.cancelled.is_set() and not stream.stop_hit:
-                outcome = "requests_cancelled"
-                return
-            ev = stream.finish()
-            if ev is not None:
-                job.post(ev)
-            if stream.stop_hit or out.reason == "stop":
-                reason = "stop"
-            else:
-                reason = "length"
-            result = Result(text=stream.text, token_ids=list(stream.tokens), finish_reason=reason,
-                            prompt_tokens=len(spec.prompt_ids),
-                            completion_tokens=len(stream.tokens), reused=out.reused,
-                            prompt_ms=out.prompt_ms, decode_ms=out.decode_ms)
+            for index in range(spec.n):
+                if index:
+                    stream = TextStream(self.tok, spec)
+                stream.index = index
+                out = self.session.generate(
+                    spec.prompt_ids, spec.max_new, _choice_params(spec.params, index),
+                    stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
+                    logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
+                                            spec.logprobs.prompt and index == 0),
+                    should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
+                if failure:
+                    raise failure[0]
+                if job.cancelled.is_set() and not stream.stop_hit:
+                    outcome = "requests_cancelled"
+                    return
+                ev = stream.finish()
+                if ev is not None:
+                    job.post(ev)
+                reason = "stop" if stream.stop_hit or out.reason == "stop" else "length"
+                choices.append(Choice(index, stream.text, list(stream.tokens), reason,
+                                      stream.logprobs))
+                if index == 0:
+                    reused = out.reused
+                    prompt_logprobs = out.prompt_logprobs if spec.logprobs.prompt else None
+                read += out.read
+                prompt_ms += out.prompt_ms
+                decode_ms += out.decode_ms
+            completion = sum(len(c.token_ids) for c in choices)
+            result = Result(choices=choices, prompt_tokens=len(spec.prompt_ids),
+                            completion_tokens=completion, reused=reused, prompt_ms=prompt_ms,
+                            decode_ms=decode_ms, prompt_logprobs=prompt_logprobs)
             job.post(Event("done", result=result))
             outcome = "requests_ok"
             self.latency.request.observe(time.monotonic() - job.queued_at)
             with self.lock:
                 self.totals["prompt_tokens"] += len(spec.prompt_ids)
-                self.totals["prompt_tokens_read"] += out.read
-                self.totals["generated_tokens"] += len(stream.tokens)
-                self.last = dict(result.timings(), completion_tokens=len(stream.tokens),
+                self.totals["prompt_tokens_read"] += read
+                self.totals["generated_tokens"] += completion
+                self.last = dict(result.timings(), completion_tokens=completion,
                                  finished=time.time())
         except ValueError as e:          # the head refused the prompt (checked earlier, normally)
             job.post(Event("error", status=400, message=str(e), code="invalid_request"))
@@ -485,3 +524,10 @@ class Worker:
                 self.totals[outcome] += 1
         if time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
             self._refresh_stats()
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: its own seed (the request's + index) when the request has one."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
