@@ -79,6 +79,7 @@ class Result:
     prompt_tokens: int
     completion_tokens: int       # of every choice
     reused: int
+    prompt_read: int             # prompt tokens the stages read (each later choice reads one or more)
     prompt_ms: float
     decode_ms: float
     # asked for (echo): the prompt's tokens from position 1 with their logprobs
@@ -88,7 +89,7 @@ class Result:
         first_tokens = len(self.choices)     # each choice's first token comes with its prompt
         decode_tps = (self.completion_tokens - first_tokens) / self.decode_ms * 1e3 \
             if self.completion_tokens > first_tokens and self.decode_ms > 0 else 0.0
-        read = self.prompt_tokens - self.reused
+        read = self.prompt_read
         return {"prompt_reused": self.reused, "prompt_read": read,
                 "prompt_ms": round(self.prompt_ms, 3), "decode_ms": round(self.decode_ms, 3),
                 "prompt_tokens_per_second": round(read / self.prompt_ms * 1e3, 3)
@@ -488,7 +489,8 @@ class Worker:
                 decode_ms += out.decode_ms
             completion = sum(len(c.token_ids) for c in choices)
             result = Result(choices=choices, prompt_tokens=len(spec.prompt_ids),
-                            completion_tokens=completion, reused=reused, prompt_ms=prompt_ms,
+                            completion_tokens=completion, reused=reused, prompt_read=read,
+                            prompt_ms=prompt_ms,
                             decode_ms=decode_ms, prompt_logprobs=prompt_logprobs)
             job.post(Event("done", result=result))
             outcome = "requests_ok"
