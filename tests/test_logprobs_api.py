@@ -243,35 +243,42 @@ def test_repetition_penalty_counts_the_prompt(client, reference):
 
 # ---- refusals ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path,extra,field", [
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
-    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
-    ("/v1/completions", {"n": 0}, "n"),
-    ("/v1/completions", {"n": 17}, "n"),
-    ("/v1/completions", {"logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"echo": True, "stream": True}, "echo"),
-    ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"512": 1}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": [1, 2]}, "logit_bias"),
-    ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+@pytest.mark.parametrize("path,bad,good,field", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21},
+     {"logprobs": True, "top_logprobs": 20}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"n": 0}, {"n": 2}, "n"),
+    ("/v1/completions", {"n": 17}, {"n": 16}, "n"),
+    ("/v1/completions", {"logprobs": 6}, {"logprobs": 5}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"echo": True, "stream": True}, {"echo": True}, "echo"),
+    ("/v1/completions", {"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"512": 1}}, {"logit_bias": {"511": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": [1, 2]}, {"logit_bias": {"1": 2}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 3}, {"presence_penalty": 2}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -2.5}, {"frequency_penalty": -2}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, {"repetition_penalty": 0.5}, "repetition_penalty"),
+    ("/v1/completions", {"n": 2, "best_of": 3}, {"n": 2, "best_of": 2}, "best_of"),
 ])
-def test_bad_values_are_400_naming_the_field(server, path, extra, field):
-    body = {"model": "tiny", "max_tokens": 1}
-    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
-    body.update(extra)
-    r = httpx.post(server.url + path, content=json.dumps(body), timeout=10,
-                   headers={"content-type": "application/json"})
+def test_bad_values_are_400_naming_the_field(server, path, bad, good, field):
+    """Each bad value is a 400 naming its field; its good neighbour is served."""
+    def post(extra):
+        body = {"model": "tiny", "max_tokens": 1}
+        body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path
+                    else {"prompt": "x"})
+        body.update(extra)
+        return httpx.post(server.url + path, content=json.dumps(body), timeout=30,
+                          headers={"content-type": "application/json"})
+
+    r = post(bad)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"], err
+    r = post(good)
+    assert r.status_code == 200, r.text
 
 
 def test_the_client_sees_a_bad_request(client):
