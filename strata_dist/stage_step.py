@@ -124,11 +124,12 @@ class StageStep:
     def _ahead(self, msg: Tokens) -> bool:
         """Whether the next decode step of this request will follow this one on this stage: a
         greedy request with more than this step's token to go, on a stage that is first and last
-        (the stage may then start that step before the host has this one's token)."""
+        (the stage may then start that step before the host has this one's token). Not when the
+        row itself is read (logprobs, penalties, bias): a step ahead overwrites it."""
         req = self.requests.get(msg.request_id)
         return (self.last and msg.sampling is None and req is not None
                 and req.sampler.params.greedy and not req.sampler.params.reshapes_logits
-                and req.generated + 1 < req.max_new)
+                and not req.logprobs and req.generated + 1 < req.max_new)
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
