@@ -156,7 +156,7 @@ def _model(body: dict, lim: Limits) -> str:
 
 def _unsupported(body: dict) -> None:
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if best_of is not None and best_of != (1 if body.get("n") is None else body.get("n")):
         raise _bad("best_of", f"'best_of' must equal 'n' (every choice is returned), got "
                               f"{best_of!r}", "unsupported_value")
     if body.get("suffix") not in (None, ""):
