@@ -95,6 +95,7 @@ def test_lm_eval_loglikelihood_and_generate(tmp_path: Path):
             argv + ["--model", "local-completions", "--model_args",
                     f"model=tiny,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
                     f"tokenizer={hf_dir},num_concurrent=1,max_retries=1,tokenized_requests=True",
+                    "--batch_size", "2",     # batched prompts: a list of prompts per request
                     "--tasks", "strata_mc,strata_gen", "--include_path", str(tasks),
                     "--output_path", str(out), "--log_samples"],
             capture_output=True, text=True, timeout=150,

@@ -185,6 +185,32 @@ def test_n_choices_read_the_prompt_once(server):
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_a_batch_of_prompts_is_choices_in_order(client, tok, reference):
+    """Completions given a list of prompts (text or ids): each prompt's n choices in order, each
+    what the prompt alone gives; echo and logprobs per prompt, as an evaluation harness asks."""
+    second = PROMPT[:7]
+    r = client.completions.create(model="tiny", prompt=[PROMPT, second], max_tokens=1, echo=True,
+                                  logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, ids in zip(r.choices, (PROMPT, second)):
+        lsm = log_softmax(reference(ids))
+        got = c.logprobs.token_logprobs
+        assert got[0] is None and len(got) == len(ids) + 1
+        assert np.abs(np.array(got[1:len(ids)]) - lsm[np.arange(len(ids) - 1), ids[1:]]).max() <= TOL
+        assert ids_of(c) == [int(np.argmax(lsm[-1]))]
+        assert c.text.startswith(tok.decode(ids, skip_special=False))
+    assert r.usage.prompt_tokens == len(PROMPT) + len(second)
+    ask = dict(model="tiny", max_tokens=4, temperature=1.0, seed=9, extra_body=LONG)
+    r = client.completions.create(prompt=["one two", "three four five"], n=2, **ask)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        p, j = divmod(c.index, 2)
+        alone = client.completions.create(prompt=["one two", "three four five"][p],
+                                          **dict(ask, seed=9 + j)).choices[0]
+        assert ids_of(c) == ids_of(alone)
+    assert r.usage.completion_tokens == 16
+
+
 # ---- penalties and logit_bias ----------------------------------------------------------------------------
 
 def penalized_greedy(reference, prompt, n, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
@@ -262,6 +288,8 @@ def test_repetition_penalty_counts_the_prompt(client, reference):
     ("/v1/completions", {"frequency_penalty": -2.5}, {"frequency_penalty": -2}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, {"repetition_penalty": 0.5}, "repetition_penalty"),
     ("/v1/completions", {"n": 2, "best_of": 3}, {"n": 2, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": ["x"] * 65}, {"prompt": ["x"] * 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["x", []]}, {"prompt": ["x", [5]]}, "prompt[1]"),
 ])
 def test_bad_values_are_400_naming_the_field(server, path, bad, good, field):
     """Each bad value is a 400 naming its field; its good neighbour is served."""

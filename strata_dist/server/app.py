@@ -317,7 +317,7 @@ def create_app(ctx: ServerContext):
                         at = chars.get(ev.index, 0)
                         chars[ev.index] = at + len(ev.text)
                         logprobs = oa.chunk_logprobs(kind, ctx.limits.tok, ev.logprobs,
-                                                     parsed.prompt_chars + at)
+                                                     parsed.text_start(ev.index) + at)
                         if kind == "chat":
                             yield line(oa.chat_chunk(job.id, model, created, {"content": ev.text},
                                                      token_ids=ev.token_ids, index=ev.index,

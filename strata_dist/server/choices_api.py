@@ -81,16 +81,19 @@ def completion_logprobs(tok: GGUFTokenizer, entries: list[TokenLogprob], offset:
             "text_offset": text_offset}
 
 
-def completion_choices(tok: GGUFTokenizer, r: Result, prompt_ids: list[int],
-                       echo_text: str | None, prompt_chars: int) -> list[dict]:
-    """With echo (`echo_text`: the prompt's text) each choice's text starts with the prompt."""
+def completion_choices(tok: GGUFTokenizer, r: Result, prompts: list[list[int]],
+                       echo_texts: list[str] | None, prompt_chars: list[int]) -> list[dict]:
+    """Per prompt of the request: its ids, and with echo (`echo_texts`) its text, which each of
+    its choices' text starts with; `prompt_chars`: its length in characters."""
     out = []
     for c in r.choices:
         logprobs: Any = None
         if c.logprobs is not None:
-            prompt = (prompt_ids, r.prompt_logprobs or []) if echo_text is not None else None
-            logprobs = completion_logprobs(tok, _kept(c), 0 if prompt else prompt_chars, prompt)
-        text = c.text if echo_text is None else echo_text + c.text
+            prompt = (prompts[c.prompt], c.prompt_logprobs or []) if echo_texts is not None \
+                else None
+            logprobs = completion_logprobs(tok, _kept(c), 0 if prompt else prompt_chars[c.prompt],
+                                           prompt)
+        text = c.text if echo_texts is None else echo_texts[c.prompt] + c.text
         out.append({"index": c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "token_ids": c.token_ids})
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import keyword
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..head import LogprobRequest
@@ -33,6 +33,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 PROMPT_BYTES_PER_TOKEN = 32
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BATCH_PROMPTS = 64        # completions' `prompt` as a list: prompts per request
 
 
 class ApiError(Exception):
@@ -54,8 +55,14 @@ class Parsed:
     include_usage: bool
     model: str
     parse_tools: bool = False     # the answer's <tool_call> blocks become tool_calls
-    echo_text: str | None = None  # completions with `echo`: the prompt's text, put before each answer
-    prompt_chars: int = 0         # completions: the prompt's length in characters (text offsets)
+    # completions, per prompt of the request: with `echo` its text, put before each of its
+    # choices' text; its length in characters (where its choices' text offsets start)
+    echo_texts: list[str] | None = None
+    prompt_chars: list[int] = field(default_factory=list)
+
+    def text_start(self, index: int) -> int:
+        """Where choice `index`'s generated text starts, in characters (text offsets)."""
+        return self.prompt_chars[index // self.spec.n] if self.prompt_chars else 0
 
 
 class Limits:
@@ -394,23 +401,15 @@ def parse_completion(body: dict, lim: Limits,
     model = _model(body, lim)
     _unsupported(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]     # a batch of one
-    if isinstance(prompt, str):
-        lim.check_prompt_bytes(_utf8_len(prompt), "prompt", "'prompt'")
-        try:
-            ids = lim.tok.encode(prompt, add_special=True)
-        except TextError as e:
-            raise _bad("prompt", f"'prompt' is {e}", "invalid_value") from None
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", f"one prompt per request, got a batch of {len(prompt)} (send each "
-                             f"as its own request)", "unsupported_value")
-    elif prompt is None:
+    if prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
-    else:
-        raise _bad("prompt", "'prompt' must be a string or a list of token ids", "invalid_type")
+    batch = prompt if isinstance(prompt, list) and prompt and \
+        all(isinstance(p, (str, list)) for p in prompt) else [prompt]
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise _bad("prompt", f"'prompt' is a batch of {len(batch)}; at most {MAX_BATCH_PROMPTS} "
+                             f"prompts are allowed")
+    params = ["prompt"] if len(batch) == 1 else [f"prompt[{i}]" for i in range(len(batch))]
+    prompts = [_prompt_ids(p, lim, param) for p, param in zip(batch, params)]
     sampling = _sampling(body, lim)
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
@@ -420,16 +419,31 @@ def parse_completion(body: dict, lim: Limits,
         raise _bad("echo", "'echo' with 'stream' is not supported (ask without 'stream')",
                    "unsupported_value")
     n = _int(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
-    _check_prompt(ids, lim, "prompt")
-    max_new = _max_new(body, ("max_tokens",), 16, len(ids), lim)
-    spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
-                   stop_strings=stops, detok_context=_context(ids, lim),
+    for ids, param in zip(prompts, params):
+        _check_prompt(ids, lim, param)
+    max_new = _max_new(body, ("max_tokens",), 16, min(len(ids) for ids in prompts), lim)
+    spec = GenSpec(prompt_ids=prompts[0], max_new=max_new, params=sampling,
+                   stop_ids=_stop_ids(body, lim), stop_strings=stops,
+                   detok_context=_context(prompts[0], lim),
                    cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt, n=n,
-                   logprobs=logprobs)
-    prompt_text = prompt if isinstance(prompt, str) else \
-        lim.tok.decode(ids, skip_special=False) if echo or logprobs.tokens else ""
-    return Parsed(spec, stream, include_usage, model, echo_text=prompt_text if echo else None,
-                  prompt_chars=len(prompt_text))
+                   logprobs=logprobs, later_prompts=[(ids, _context(ids, lim)) for ids in prompts[1:]])
+    texts = [p if isinstance(p, str) else lim.tok.decode(ids, skip_special=False)
+             if echo or logprobs.tokens else "" for p, ids in zip(batch, prompts)]
+    return Parsed(spec, stream, include_usage, model, echo_texts=texts if echo else None,
+                  prompt_chars=[len(t) for t in texts])
+
+
+def _prompt_ids(prompt: Any, lim: Limits, param: str) -> list[int]:
+    """One prompt: text (tokenized with the model's special tokens) or a list of token ids."""
+    if isinstance(prompt, str):
+        lim.check_prompt_bytes(_utf8_len(prompt), param, f"'{param}'")
+        try:
+            return lim.tok.encode(prompt, add_special=True)
+        except TextError as e:
+            raise _bad(param, f"'{param}' is {e}", "invalid_value") from None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    raise _bad(param, f"'{param}' must be a string or a list of token ids", "invalid_type")
 
 
 def _context(ids: list[int], lim: Limits) -> tuple[int, ...]:
@@ -472,8 +486,8 @@ def completion_response(job_id: str, created: int, r: Result, parsed: Parsed,
                         tok: GGUFTokenizer) -> dict:
     return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created,
             "model": parsed.model, "system_fingerprint": None,
-            "choices": completion_choices(tok, r, parsed.spec.prompt_ids, parsed.echo_text,
-                                          parsed.prompt_chars),
+            "choices": completion_choices(tok, r, [ids for ids, _ in parsed.spec.prompts],
+                                          parsed.echo_texts, parsed.prompt_chars),
             "usage": usage(r), "timings": r.timings()}
 
 

@@ -62,6 +62,14 @@ class GenSpec:
     cache_salt: str = ""
     n: int = 1                       # choices, one after another on the prompt's cached state
     logprobs: LogprobRequest = LogprobRequest()
+    # a batch (completions given a list of prompts): the prompts after prompt_ids, each with its
+    # detokenizer context; each gets its own n choices, indexed after the earlier prompts'
+    later_prompts: list[tuple[list[int], tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[tuple[list[int], tuple[int, ...]]]:
+        """Every prompt of the request with its detokenizer context, in order."""
+        return [(self.prompt_ids, self.detok_context)] + self.later_prompts
 
 
 @dataclass
@@ -71,19 +79,20 @@ class Choice:
     token_ids: list[int]
     finish_reason: str           # stop | length
     logprobs: list[TokenLogprob] | None = None   # one per token id, when asked
+    prompt: int = 0              # which prompt of the request it answers (a batch's)
+    # asked for (echo): its prompt's tokens from position 1 with their logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Result:
     choices: list[Choice]
-    prompt_tokens: int
+    prompt_tokens: int           # of every prompt
     completion_tokens: int       # of every choice
-    reused: int
+    reused: int                  # prompt tokens the session held (each prompt's first choice)
     prompt_read: int             # prompt tokens the stages read (each later choice reads one or more)
     prompt_ms: float
     decode_ms: float
-    # asked for (echo): the prompt's tokens from position 1 with their logprobs
-    prompt_logprobs: list[TokenLogprob] | None = None
 
     def timings(self) -> dict:
         first_tokens = len(self.choices)     # each choice's first token comes with its prompt
@@ -207,11 +216,12 @@ class RateMeter:
 class TextStream:
     """Detokenizes one job's tokens and applies its stop strings."""
 
-    def __init__(self, tok: GGUFTokenizer, spec: GenSpec):
+    def __init__(self, tok: GGUFTokenizer, spec: GenSpec,
+                 detok_context: tuple[int, ...] | None = None):
         self.tok = tok
         self.stops = [s for s in spec.stop_strings if s]
         self.stop_ids = set(spec.stop_ids)
-        self.detok = tok.incremental(spec.detok_context)
+        self.detok = tok.incremental(spec.detok_context if detok_context is None else detok_context)
         self.text = ""
         self.emitted = 0
         self.tokens: list[int] = []
@@ -459,16 +469,18 @@ class Worker:
         reused = read = 0
         prompt_ms = decode_ms = 0.0
         prompt_logprobs = None
+        runs = [(p, j, ids, context) for p, (ids, context) in enumerate(spec.prompts)
+                for j in range(spec.n)]
         try:
-            for index in range(spec.n):
+            for index, (p, j, ids, context) in enumerate(runs):
                 if index:
-                    stream = TextStream(self.tok, spec)
+                    stream = TextStream(self.tok, spec, context)
                 stream.index = index
                 out = self.session.generate(
-                    spec.prompt_ids, spec.max_new, _choice_params(spec.params, index),
+                    ids, spec.max_new, _choice_params(spec.params, j),
                     stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
                     logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
-                                            spec.logprobs.prompt and index == 0),
+                                            spec.logprobs.prompt and j == 0),
                     should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
                 if failure:
                     raise failure[0]
@@ -479,24 +491,24 @@ class Worker:
                 if ev is not None:
                     job.post(ev)
                 reason = "stop" if stream.stop_hit or out.reason == "stop" else "length"
-                choices.append(Choice(index, stream.text, list(stream.tokens), reason,
-                                      stream.logprobs))
-                if index == 0:
-                    reused = out.reused
+                if j == 0:    # the later choices of this prompt read it from the cache
+                    reused += out.reused
                     prompt_logprobs = out.prompt_logprobs if spec.logprobs.prompt else None
+                choices.append(Choice(index, stream.text, list(stream.tokens), reason,
+                                      stream.logprobs, prompt=p, prompt_logprobs=prompt_logprobs))
                 read += out.read
                 prompt_ms += out.prompt_ms
                 decode_ms += out.decode_ms
             completion = sum(len(c.token_ids) for c in choices)
-            result = Result(choices=choices, prompt_tokens=len(spec.prompt_ids),
+            prompt_tokens = sum(len(ids) for ids, _ in spec.prompts)
+            result = Result(choices=choices, prompt_tokens=prompt_tokens,
                             completion_tokens=completion, reused=reused, prompt_read=read,
-                            prompt_ms=prompt_ms,
-                            decode_ms=decode_ms, prompt_logprobs=prompt_logprobs)
+                            prompt_ms=prompt_ms, decode_ms=decode_ms)
             job.post(Event("done", result=result))
             outcome = "requests_ok"
             self.latency.request.observe(time.monotonic() - job.queued_at)
             with self.lock:
-                self.totals["prompt_tokens"] += len(spec.prompt_ids)
+                self.totals["prompt_tokens"] += prompt_tokens
                 self.totals["prompt_tokens_read"] += read
                 self.totals["generated_tokens"] += completion
                 self.last = dict(result.timings(), completion_tokens=completion,
