@@ -20,7 +20,7 @@ from .compute_options import ComputeOptions
 from .structs import STRUCT_TYPES, Struct, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -147,6 +147,18 @@ class Sampling(Struct):
     # (strata_dist/structured.py); "" = no grammar
     grammar_kind: GrammarKind = ""
     grammar: str = ""
+    # v14: what a request may ask beyond a token (strata_dist/sampler.py says how each applies)
+    logprobs: bool = False           # each sampled Token carries its logprob
+    top_logprobs: int = 0            # ... and the N most likely tokens' (Token.top_ids/top_logprobs)
+    prompt_logprobs: bool = False    # PromptProgress carries each prompt row's logprob of the next
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias_ids: list[int] = field(default_factory=list)      # with logit_bias_values, pairwise
+    logit_bias_values: list[float] = field(default_factory=list)
+    # the whole prompt from position 0: sent only when prompt_logprobs or a repetition penalty
+    # needs it on the last stage (each row's next token; the tokens the penalty counts)
+    prompt_ids: list[int] = field(default_factory=list)
 
     def check(self, arrays: list) -> None:
         if bool(self.grammar_kind) != bool(self.grammar):
@@ -155,6 +167,10 @@ class Sampling(Struct):
         n = len(self.grammar.encode("utf-8", "surrogatepass"))
         if n > MAX_GRAMMAR_BYTES:
             raise ValueError(f"grammar is {n} bytes; at most {MAX_GRAMMAR_BYTES}")
+        _nonneg(top_logprobs=self.top_logprobs)
+        if len(self.logit_bias_ids) != len(self.logit_bias_values):
+            raise ValueError(f"logit_bias_ids has {len(self.logit_bias_ids)} entries, "
+                             f"logit_bias_values {len(self.logit_bias_values)}")
 
 
 # ---------------------------------------------------------------- handshake (see auth.py)
@@ -432,6 +448,11 @@ class PromptProgress(Message):
     ms: float = 0.0
     checkpoints: list[int] = field(default_factory=list)  # positions every stage holds its part at
     resume_any: bool = False                              # no stage holds recurrent state
+    # v14, when the request's sampling asks for prompt_logprobs: per row of the chunk whose next
+    # token is in the prompt, in order, that token's logprob and the N most likely tokens' there
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @message
@@ -446,6 +467,8 @@ class Token(Message):
     logprob: float | None = None
     done: bool = False
     reason: str = ""  # "stop" | "length" when done
+    top_ids: list[int] = field(default_factory=list)        # v14: the N most likely tokens here
+    top_logprobs: list[float] = field(default_factory=list)  # and their logprobs, most likely first
 
 
 @message

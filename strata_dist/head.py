@@ -14,7 +14,7 @@ from protocol.messages import Sampling
 
 from .checkpoints import DEFAULT_EVERY, request_positions, resume_point
 from .coordinator import Coordinator, RequestError, StreamEvent
-from .sampler import SamplingParams
+from .sampler import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -25,6 +25,20 @@ class Outcome:
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     reason: str = "length"   # stop | length | cancelled
+    # asked for (LogprobRequest): per prompt position 1.. the logprob of its token (position 0 has
+    # none), and per sampled token its own
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a generation reports beyond its tokens: each token's logprob (`tokens`), the `top`
+    most likely alternatives with each, and (`prompt`) every prompt token's logprob but the
+    first's, which reads the whole prompt afresh."""
+    tokens: bool = False
+    top: int = 0
+    prompt: bool = False
 
 
 class HeadSession:
@@ -66,24 +80,25 @@ class HeadSession:
                  on_resume: Callable[[int], None] | None = None,
                  on_progress: Callable[[int, int, float, float], None] | None = None,
                  on_token: Callable[[int], None] | None = None,
-                 should_cancel: Callable[[], bool] | None = None) -> Outcome:
+                 should_cancel: Callable[[], bool] | None = None,
+                 logprobs: LogprobRequest = LogprobRequest(),
+                 on_logprob: Callable[[TokenLogprob], None] | None = None) -> Outcome:
         """Generate after `ids`, streaming through the callbacks:
-        on_progress(pos, total, chunk_ms, chunk_tok_per_s) per prompt chunk, on_token(id)."""
+        on_progress(pos, total, chunk_ms, chunk_tok_per_s) per prompt chunk, on_token(id), and
+        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob)."""
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
         self.coord.await_ranks(should_cancel)
         if self.coord.rejoins != self._rejoins:   # a rank was replaced: nothing is reusable
             self.tokens, self.checkpoints, self._rejoins = [], [], self.coord.rejoins
-        out = Outcome(reused=self.reusable(ids))
+        out = Outcome(reused=0 if logprobs.prompt else self.reusable(ids))
         out.read = len(ids) - out.reused
         if on_resume:
             on_resume(out.reused)
         stops = set(stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
-        sampling = Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            min_p=params.min_p, seed=params.seed,
-                            max_new=min(max_new, self.ctx - len(ids)), stop_ids=sorted(stops),
-                            grammar_kind=params.grammar_kind, grammar=params.grammar)
+        sampling = _sampling(params, logprobs, ids, max_new=min(max_new, self.ctx - len(ids)),
+                             stop_ids=sorted(stops))
         self.tokens = ids[:out.reused]
         at = (request_positions(out.reused, len(ids), self.chunk, self.checkpoint_every)
               if self.checkpoints is not None else [])
@@ -103,10 +118,20 @@ class HeadSession:
                     on_progress(m.pos, len(ids), ms, n_chunk / max(ms, 1e-9) * 1e3)
                 if m.chunk_index == m.chunk_total - 1:
                     out.prompt_ms = (now - t0) * 1e3
+                start = len(out.prompt_logprobs) + 1    # the position the chunk's first entry is of
+                out.prompt_logprobs += [TokenLogprob(ids[start + i], lp, top, tops)
+                                        for i, (lp, top, tops) in enumerate(
+                                            zip(m.logprobs, m.top_ids, m.top_logprobs))]
             else:
-                out.tokens.append(ev.msg.token_id)
+                m = ev.msg
+                out.tokens.append(m.token_id)
+                if m.logprob is not None:
+                    lp = TokenLogprob(m.token_id, m.logprob, list(m.top_ids), list(m.top_logprobs))
+                    out.logprobs.append(lp)
+                    if on_logprob:
+                        on_logprob(lp)
                 if on_token:
-                    on_token(ev.msg.token_id)
+                    on_token(m.token_id)
             last = now
 
         try:
@@ -128,3 +153,19 @@ class HeadSession:
             prompt_cut = read_to < len(ids) and not out.tokens
             self.tokens = ids[:read_to] if prompt_cut and self.checkpoints is None else []
         return out
+
+
+def _sampling(params: SamplingParams, logprobs: LogprobRequest, ids: list[int], max_new: int,
+              stop_ids: list[int]) -> Sampling:
+    """The wire's Sampling: the prompt's ids ride along only when the last stage needs them."""
+    needs_prompt = logprobs.prompt or params.repetition_penalty != 1.0
+    return Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                    min_p=params.min_p, seed=params.seed, max_new=max_new, stop_ids=stop_ids,
+                    logprobs=logprobs.tokens, top_logprobs=logprobs.top,
+                    prompt_logprobs=logprobs.prompt, presence_penalty=params.presence_penalty,
+                    frequency_penalty=params.frequency_penalty,
+                    repetition_penalty=params.repetition_penalty,
+                    grammar_kind=params.grammar_kind, grammar=params.grammar,
+                    logit_bias_ids=[t for t, _ in params.logit_bias],
+                    logit_bias_values=[b for _, b in params.logit_bias],
+                    prompt_ids=list(ids) if needs_prompt else [])

@@ -25,6 +25,8 @@ from .tiers import ExpertTiers, HelperClient
 
 log = logging.getLogger("strata.stage")
 
+LOGIT_BLOCK = 64    # rows of prompt logits computed at once when every row's are asked for
+
 
 @dataclass
 class StageConfig:
@@ -238,13 +240,14 @@ class Stage:
         return ws.active(self.backend) if ws is not None else nullcontext()
 
     def run(self, session_id: int, pos: int, ids=None, hidden=None, prompt: bool = False,
-            checkpoint_at=(), ahead: bool = False):
+            checkpoint_at=(), ahead: bool = False, all_rows: bool = False):
         """Process rows at positions pos.. of a session. The first stage takes token ids, the
         others hidden rows (float32 [n, n_embd], host or device). Returns the hidden rows as a
         backend array, or on the last stage the logits of the last row [vocab]: host float32, or
         a graph step's StepLogits (the sampler reads both).
         `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end.
-        `ahead`: the next greedy step of this session follows (DecodeGraph.step may launch it now)."""
+        `ahead`: the next greedy step of this session follows (DecodeGraph.step may launch it now).
+        `all_rows` (last stage, prompt rows): the logits of every row, host float32 [n, vocab]."""
         s = self.session(session_id)
         self.tiers.prompt = prompt   # prompt chunks never ask helpers (tiers.py)
         store = self.checkpoint_store(session_id)
@@ -271,7 +274,7 @@ class Stage:
                 # a step ahead still in flight reads the cache (a prompt writes its lent slots)
                 # and writes the session: it finishes before the general path starts
                 graph.settle()
-            out = self._run_general(s, prompt, ids, hidden)
+            out = self._run_general(s, prompt, ids, hidden, all_rows)
         s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
@@ -319,15 +322,20 @@ class Stage:
                      "recent routing (was %.1f%%)", lb, le, len(swaps), 100 * after, 100 * before)
         r.decay()
 
-    def _run_general(self, s, prompt: bool, ids, hidden):
+    def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False):
         """The general path: any rows, any tiers (prompt chunks, partial caches)."""
         with self._prompt_buffers(prompt):
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
-            out = h[-1:] if self.cfg.last else h
+            out = h[-1:] if self.cfg.last and not all_rows else h
         if self._workspace is not None and prompt:
             out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers
         del h
+        if self.cfg.last and all_rows:
+            # a block of rows at a time: the device holds at most LOGIT_BLOCK rows of logits
+            return np.concatenate([
+                self.backend.to_host(self.model.output_logits(out[i:i + LOGIT_BLOCK]))
+                .astype(np.float32) for i in range(0, int(out.shape[0]), LOGIT_BLOCK)])
         if self.cfg.last:
             return self.backend.to_host(self.model.output_logits(out))[0].astype(np.float32)
         return out

@@ -21,7 +21,7 @@ from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Toke
 from protocol.messages import Sampling
 
 from .checkpoints import common_positions
-from .sampler import Sampler, SamplingParams, masked_row
+from .sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
 from .stage import Stage
 from .structured import GrammarError, GrammarMatcher, model_tokenizer
 
@@ -52,6 +52,8 @@ class _Request:
     session_id: int
     generated: int = 0
     grammar: GrammarMatcher | None = None   # structured output: what the tokens must follow
+    logprobs: bool = False      # each Token carries its logprob
+    top_logprobs: int = 0       # ... and this many alternatives
 
 
 class StageStep:
@@ -119,7 +121,11 @@ class StageStep:
             self._end_prompt()   # a failed prompt still gives its loan back
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
         self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
-        return self._hand_on(msg, out, t0)
+        try:
+            return self._hand_on(msg, out, t0)
+        except (ValueError, IndexError) as e:   # sampling fields no sampler takes
+            self.requests.pop(msg.request_id, None)
+            return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
@@ -133,12 +139,14 @@ class StageStep:
             # a prompt of one chunk borrows only what its rows need
             self.stage.begin_prompt(_rows_of(msg) if msg.chunk_total == 1 else None)
             self.prompting = msg.request_id
+        all_rows = self.last and is_prompt and msg.sampling.prompt_logprobs
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
-                                 checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg))
+                                 checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg),
+                                 all_rows=all_rows)
         else:
             out = self.stage.run(msg.session_id, msg.pos, hidden=rows, prompt=is_prompt,
-                                 checkpoint_at=msg.checkpoint_at)
+                                 checkpoint_at=msg.checkpoint_at, all_rows=all_rows)
         if is_prompt and msg.chunk_index == msg.chunk_total - 1:
             self._end_prompt()   # before the first decode step reaches this stage
         self.counters["chunks" if is_prompt else "tokens"] += 1
@@ -148,10 +156,12 @@ class StageStep:
     def _ahead(self, msg: Tokens) -> bool:
         """Whether the next decode step of this request will follow this one on this stage: a
         greedy request with more than this step's token to go, on a stage that is first and last
-        (the stage may then start that step before the host has this one's token)."""
+        (the stage may then start that step before the host has this one's token). Not when the
+        row itself is read (logprobs, penalties, bias): a step ahead overwrites it."""
         req = self.requests.get(msg.request_id)
         return (self.last and msg.sampling is None and req is not None
-                and req.sampler.params.greedy and req.generated + 1 < req.max_new
+                and req.sampler.params.greedy and not req.sampler.params.reshapes_logits
+                and not req.logprobs and req.generated + 1 < req.max_new
                 and req.grammar is None)   # a grammar's draw needs the row, masked, on the host
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
@@ -172,11 +182,15 @@ class StageStep:
         end = msg.pos + _rows_of(msg)
         sent: list[Outbound] = []
         if is_prompt:
-            sent.append(Outbound(To.HEAD, PromptProgress(
+            progress = PromptProgress(
                 request_id=msg.request_id, session_id=msg.session_id, pos=end,
                 chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
                 ms=(time.perf_counter() - t0) * 1e3, checkpoints=held or [],
-                resume_any=held is None)))
+                resume_any=held is None)
+            if msg.sampling.prompt_logprobs:
+                _attach_prompt_logprobs(progress, out, msg.pos, msg.sampling)
+                out = out[-1]             # the row the first token is sampled from
+            sent.append(Outbound(To.HEAD, progress))
             if msg.chunk_index < msg.chunk_total - 1:
                 return sent
             self._finished = max(self._finished, msg.request_id)
@@ -197,8 +211,12 @@ class StageStep:
         req.generated += 1
         reason = ("stop" if tok in req.stop_ids or finished
                   else ("length" if req.generated >= req.max_new else ""))
-        sent = [Outbound(To.HEAD, Token(request_id=msg.request_id, session_id=msg.session_id,
-                                        token_id=tok, pos=end, done=bool(reason), reason=reason))]
+        token = Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok, pos=end,
+                      done=bool(reason), reason=reason)
+        if req.logprobs:
+            lp = token_logprobs(logits, tok, req.top_logprobs)
+            token.logprob, token.top_ids, token.top_logprobs = lp.logprob, lp.top_ids, lp.top_logprobs
+        sent = [Outbound(To.HEAD, token)]
         if reason:
             del self.requests[msg.request_id]
             return sent
@@ -229,5 +247,21 @@ def _rows_of(msg: Tokens | Hidden) -> int:
 
 def _new_request(s: Sampling, session_id: int) -> _Request:
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                            min_p=s.min_p, seed=s.seed)
-    return _Request(Sampler(params), s.max_new, frozenset(s.stop_ids), session_id)
+                            min_p=s.min_p, seed=s.seed, presence_penalty=s.presence_penalty,
+                            frequency_penalty=s.frequency_penalty,
+                            repetition_penalty=s.repetition_penalty,
+                            logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)))
+    return _Request(Sampler(params, s.prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
+                    logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+
+
+def _attach_prompt_logprobs(progress: PromptProgress, rows, pos: int, s: Sampling) -> None:
+    """Each row's logprob of the prompt token after it (rows at positions pos..; the prompt's
+    last row has none: the first sampled token follows it)."""
+    n = min(len(rows), len(s.prompt_ids) - 1 - pos)
+    if n <= 0:
+        return
+    got = prompt_logprobs(rows[:n], s.prompt_ids[pos + 1:pos + 1 + n], s.top_logprobs)
+    progress.logprobs = [g.logprob for g in got]
+    progress.top_ids = [g.top_ids for g in got]
+    progress.top_logprobs = [g.top_logprobs for g in got]

@@ -293,7 +293,7 @@ def test_bad_input_is_400_with_an_openai_error(server, client):
         ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "invalid_type"),
         ({"model": "tiny", "prompt": "hi", "top_p": 0}, "invalid_value"),
         ({"model": "tiny", "prompt": [1, 2, 99999]}, "invalid_value"),
-        ({"model": "tiny", "prompt": "hi", "n": 2}, "unsupported_value"),
+        ({"model": "tiny", "prompt": "hi", "n": 0}, "invalid_value"),
         ({"model": "tiny", "prompt": "hi", "stop": 5}, "invalid_type"),
         ({"model": "tiny", "prompt": ""}, "invalid_value"),
         ({"model": "tiny", "prompt": "hi", "top_k": 10 ** 30}, "invalid_value"),

@@ -297,11 +297,9 @@ def create_app(ctx: ServerContext):
                 if ev is None or ev.kind == "delta":
                     continue
                 if ev.kind == "done":
-                    if kind == "chat":
-                        return JSONResponse(oa.chat_response(job.id, parsed.model, created,
-                                                             ev.result, parsed.parse_tools))
-                    return JSONResponse(oa.completion_response(job.id, parsed.model, created,
-                                                               ev.result))
+                    answer = oa.chat_response if kind == "chat" else oa.completion_response
+                    return JSONResponse(answer(job.id, created, ev.result, parsed,
+                                               ctx.limits.tok))
                 if ev.kind == "error":
                     return _error(oa.ApiError(ev.status, ev.message,
                                               type="server_error" if ev.status >= 500
@@ -319,6 +317,7 @@ def create_app(ctx: ServerContext):
         # token ids of text it holds back riding on the next chunk
         tool_stream = ToolCallStream() if parsed.parse_tools else None
         held_ids: list[int] = []
+        chars: dict[int, int] = {}     # per choice: the characters of its text sent so far
 
         def tool_chunks(deltas: list[dict], ids: list[int]):
             held_ids.extend(ids)
@@ -328,31 +327,41 @@ def create_app(ctx: ServerContext):
 
         try:
             if kind == "chat":
-                yield line(oa.chat_chunk(job.id, model, created, {"role": "assistant", "content": ""}))
+                for index in range(parsed.spec.n):
+                    yield line(oa.chat_chunk(job.id, model, created,
+                                             {"role": "assistant", "content": ""}, index=index))
             while True:
                 ev = await job.events.get()
                 if ev.kind == "delta":
                     if tool_stream is not None:
                         for chunk_line in tool_chunks(tool_stream.push(ev.text), ev.token_ids):
                             yield chunk_line
-                    elif kind == "chat":
-                        yield line(oa.chat_chunk(job.id, model, created, {"content": ev.text},
-                                                 token_ids=ev.token_ids))
                     else:
-                        yield line(oa.completion_chunk(job.id, model, created, ev.text,
-                                                       token_ids=ev.token_ids))
+                        at = chars.get(ev.index, 0)
+                        chars[ev.index] = at + len(ev.text)
+                        logprobs = oa.chunk_logprobs(kind, ctx.limits.tok, ev.logprobs,
+                                                     parsed.text_start(ev.index) + at)
+                        if kind == "chat":
+                            yield line(oa.chat_chunk(job.id, model, created, {"content": ev.text},
+                                                     token_ids=ev.token_ids, index=ev.index,
+                                                     logprobs=logprobs))
+                        else:
+                            yield line(oa.completion_chunk(job.id, model, created, ev.text,
+                                                           token_ids=ev.token_ids, index=ev.index,
+                                                           logprobs=logprobs))
                 elif ev.kind == "done":
                     r = ev.result
                     chunk = oa.chat_chunk if kind == "chat" else oa.completion_chunk
                     first = {} if kind == "chat" else ""
-                    finish = r.finish_reason
-                    if tool_stream is not None:
-                        for chunk_line in tool_chunks(tool_stream.finish(), []):
-                            yield chunk_line
-                        if tool_stream.calls:
-                            finish = oa.tool_finish(finish)
-                    yield line(chunk(job.id, model, created, first, finish=finish,
-                                     token_ids=held_ids or None))
+                    for c in r.choices:
+                        finish = c.finish_reason
+                        if tool_stream is not None:     # one choice only (openai_api: 'n')
+                            for chunk_line in tool_chunks(tool_stream.finish(), []):
+                                yield chunk_line
+                            if tool_stream.calls:
+                                finish = oa.tool_finish(finish)
+                        yield line(chunk(job.id, model, created, first, finish=finish,
+                                         token_ids=held_ids or None, index=c.index))
                     if parsed.include_usage:
                         yield line(chunk(job.id, model, created, first, usage_value=oa.usage(r),
                                          empty=True))

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import keyword
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..sampler import MAX_TOP_K, SamplingParams
+from ..head import LogprobRequest
+from ..sampler import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_K, MAX_TOP_LOGPROBS, SamplingParams
 from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
 from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
 from .structured_api import StructuredRequestError, structured_grammar
 from .templates import RenderBusy, RenderUnavailable, TemplateLimit, TemplateRenderer
 from .tools import ToolRequestError, check_message_tools, check_tools, parse_tool_text, tool_format
 from .worker import GenSpec, Result
+from .choices_api import (MAX_CHOICES, MAX_COMPLETION_LOGPROBS, chat_choices, completion_choices,
+                          chat_chunk_logprobs, completion_chunk_logprobs)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # per stop string: the hold-back search per token is bounded by it
@@ -29,6 +32,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # hundreds of bytes of memory per byte of text). A vocabulary with longer tokens still counts at most
 # this many bytes per token: real text averages under 8.
 PROMPT_BYTES_PER_TOKEN = 32
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BATCH_PROMPTS = 64        # completions' `prompt` as a list: prompts per request
 
 
 class ApiError(Exception):
@@ -50,6 +56,14 @@ class Parsed:
     include_usage: bool
     model: str
     parse_tools: bool = False     # the answer's <tool_call> blocks become tool_calls
+    # completions, per prompt of the request: with `echo` its text, put before each of its
+    # choices' text; its length in characters (where its choices' text offsets start)
+    echo_texts: list[str] | None = None
+    prompt_chars: list[int] = field(default_factory=list)
+
+    def text_start(self, index: int) -> int:
+        """Where choice `index`'s generated text starts, in characters (text offsets)."""
+        return self.prompt_chars[index // self.spec.n] if self.prompt_chars else 0
 
 
 class Limits:
@@ -149,27 +163,15 @@ def _model(body: dict, lim: Limits) -> str:
 
 
 def _unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("n", f"'n' must be 1 (one choice per request), got {n!r}", "unsupported_value")
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v not in (None, 0, 0.0):
-            raise _bad(key, f"'{key}' is not supported (only 0)", "unsupported_parameter")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", "'logit_bias' is not supported", "unsupported_parameter")
-    if body.get("best_of") not in (None, 1):
-        raise _bad("best_of", "'best_of' must be 1", "unsupported_value")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != (1 if body.get("n") is None else body.get("n")):
+        raise _bad("best_of", f"'best_of' must equal 'n' (every choice is returned), got "
+                              f"{best_of!r}", "unsupported_value")
     if body.get("suffix") not in (None, ""):
         raise _bad("suffix", "'suffix' is not supported", "unsupported_parameter")
-    if body.get("echo"):
-        raise _bad("echo", "'echo' is not supported", "unsupported_parameter")
-    lp = body.get("logprobs")
-    if lp not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "'logprobs' is not supported", "unsupported_parameter")
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _sampling(body: dict, lim: "Limits") -> SamplingParams:
     temperature = _float(body, "temperature", 1.0, 0.0, 100.0)
     top_p = _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, minimum=0, maximum=MAX_TOP_K)
@@ -181,7 +183,54 @@ def _sampling(body: dict) -> SamplingParams:
         raise _bad("seed", f"'seed' {seed} is out of range")
     if seed is not None and seed < 0:
         seed = seed % 2 ** 64
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    presence = _float(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY)
+    frequency = _float(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY)
+    repetition = _float(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                          presence_penalty=presence, frequency_penalty=frequency,
+                          repetition_penalty=repetition, logit_bias=_logit_bias(body, lim))
+
+
+def _logit_bias(body: dict, lim: "Limits") -> tuple[tuple[int, float], ...]:
+    """`logit_bias` {"token id": bias in [-100, 100]}: added to the token's logit before sampling."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise _bad("logit_bias", "'logit_bias' must be an object of token id: bias", "invalid_type")
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad("logit_bias", f"'logit_bias' has {len(v)} entries; at most "
+                                 f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out = []
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12) or int(key) >= lim.n_vocab:
+            raise _bad("logit_bias", f"'logit_bias' key {key[:32]!r} is not a token id in "
+                                     f"[0, {lim.n_vocab})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"'logit_bias' value for {key} must be a number in "
+                                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def _chat_logprobs(body: dict) -> LogprobRequest:
+    """Chat: `logprobs` true, with `top_logprobs` 0..20 alternatives per token."""
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top and not want:
+        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return LogprobRequest(tokens=want, top=top)
+
+
+def _completion_logprobs(body: dict) -> tuple[LogprobRequest, bool]:
+    """Completions: `logprobs` 0..5 alternatives per token (null: none), `echo` the prompt (its
+    tokens' logprobs too when logprobs are asked)."""
+    echo = _bool(body, "echo")
+    top = _int(body, "logprobs", None, minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    if top is None:
+        return LogprobRequest(), echo
+    return LogprobRequest(tokens=True, top=top, prompt=echo), echo
 
 
 def _with_grammar(body: dict, lim: Limits, sampling: SamplingParams) -> SamplingParams:
@@ -331,10 +380,17 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
         raise _bad("messages", "the chat is nested too deeply") from None
     n_bytes += _utf8_len(rest)
     lim.check_prompt_bytes(n_bytes, "messages", "the chat's text")
-    sampling = _with_grammar(body, lim, _sampling(body))
+    sampling = _with_grammar(body, lim, _sampling(body, lim))
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
     salt = _cache_salt(body)
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "'echo' is for /v1/completions; a chat reply has no prompt text",
+                   "unsupported_parameter")
+    logprobs = _chat_logprobs(body)
+    n = _int(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
+    if n > 1 and parse_tools:
+        raise _bad("n", f"'n' must be 1 with 'tools' (got {n})", "unsupported_value")
     text = _render(lim, lim.tok.chat_context(clean, True, tools, extra), cancelled)
     lim.check_prompt_bytes(_utf8_len(text), "messages", "the chat prompt")
     try:
@@ -345,7 +401,8 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
     max_new = _max_new(body, ("max_completion_tokens", "max_tokens"), None, len(ids), lim)
     spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
                    stop_strings=stops, detok_context=_context(ids, lim),
-                   cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt)
+                   cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt, n=n,
+                   logprobs=logprobs)
     return Parsed(spec, stream, include_usage, model, parse_tools)
 
 
@@ -354,33 +411,49 @@ def parse_completion(body: dict, lim: Limits,
     model = _model(body, lim)
     _unsupported(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]     # a batch of one
-    if isinstance(prompt, str):
-        lim.check_prompt_bytes(_utf8_len(prompt), "prompt", "'prompt'")
-        try:
-            ids = lim.tok.encode(prompt, add_special=True)
-        except TextError as e:
-            raise _bad("prompt", f"'prompt' is {e}", "invalid_value") from None
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", f"one prompt per request, got a batch of {len(prompt)}",
-                   "unsupported_value")
-    elif prompt is None:
+    if prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
-    else:
-        raise _bad("prompt", "'prompt' must be a string or a list of token ids", "invalid_type")
-    sampling = _with_grammar(body, lim, _sampling(body))
+    batch = prompt if isinstance(prompt, list) and prompt and \
+        all(isinstance(p, (str, list)) for p in prompt) else [prompt]
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise _bad("prompt", f"'prompt' is a batch of {len(batch)}; at most {MAX_BATCH_PROMPTS} "
+                             f"prompts are allowed")
+    params = ["prompt"] if len(batch) == 1 else [f"prompt[{i}]" for i in range(len(batch))]
+    prompts = [_prompt_ids(p, lim, param) for p, param in zip(batch, params)]
+    sampling = _with_grammar(body, lim, _sampling(body, lim))
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
     salt = _cache_salt(body)
-    _check_prompt(ids, lim, "prompt")
-    max_new = _max_new(body, ("max_tokens",), 16, len(ids), lim)
-    spec = GenSpec(prompt_ids=ids, max_new=max_new, params=sampling, stop_ids=_stop_ids(body, lim),
-                   stop_strings=stops, detok_context=_context(ids, lim),
-                   cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt)
-    return Parsed(spec, stream, include_usage, model)
+    logprobs, echo = _completion_logprobs(body)
+    if echo and stream:
+        raise _bad("echo", "'echo' with 'stream' is not supported (ask without 'stream')",
+                   "unsupported_value")
+    n = _int(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
+    for ids, param in zip(prompts, params):
+        _check_prompt(ids, lim, param)
+    max_new = _max_new(body, ("max_tokens",), 16, min(len(ids) for ids in prompts), lim)
+    spec = GenSpec(prompt_ids=prompts[0], max_new=max_new, params=sampling,
+                   stop_ids=_stop_ids(body, lim), stop_strings=stops,
+                   detok_context=_context(prompts[0], lim),
+                   cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt, n=n,
+                   logprobs=logprobs, later_prompts=[(ids, _context(ids, lim)) for ids in prompts[1:]])
+    texts = [p if isinstance(p, str) else lim.tok.decode(ids, skip_special=False)
+             if echo or logprobs.tokens else "" for p, ids in zip(batch, prompts)]
+    return Parsed(spec, stream, include_usage, model, echo_texts=texts if echo else None,
+                  prompt_chars=[len(t) for t in texts])
+
+
+def _prompt_ids(prompt: Any, lim: Limits, param: str) -> list[int]:
+    """One prompt: text (tokenized with the model's special tokens) or a list of token ids."""
+    if isinstance(prompt, str):
+        lim.check_prompt_bytes(_utf8_len(prompt), param, f"'{param}'")
+        try:
+            return lim.tok.encode(prompt, add_special=True)
+        except TextError as e:
+            raise _bad(param, f"'{param}' is {e}", "invalid_value") from None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    raise _bad(param, f"'{param}' must be a string or a list of token ids", "invalid_type")
 
 
 def _context(ids: list[int], lim: Limits) -> tuple[int, ...]:
@@ -396,20 +469,21 @@ def usage(r: Result) -> dict:
             "prompt_tokens_details": {"cached_tokens": r.reused}}
 
 
-def chat_response(job_id: str, model: str, created: int, r: Result,
-                  parse_tools: bool = False) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": r.text}
-    finish = r.finish_reason
-    if parse_tools:
-        content, calls = parse_tool_text(r.text)
-        if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
-            finish = tool_finish(finish)
+def chat_response(job_id: str, created: int, r: Result, parsed: Parsed,
+                  tok: GGUFTokenizer) -> dict:
+    def message_of(c) -> tuple[dict, str]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if parsed.parse_tools:
+            content, calls = parse_tool_text(c.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = tool_finish(finish)
+        return message, finish
+
     return {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": created,
-            "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": None, "finish_reason": finish,
-                         "token_ids": r.token_ids}],
+            "model": parsed.model, "system_fingerprint": None,
+            "choices": chat_choices(tok, r, message_of),
             "usage": usage(r), "timings": r.timings()}
 
 
@@ -418,18 +492,19 @@ def tool_finish(finish_reason: str) -> str:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def completion_response(job_id: str, model: str, created: int, r: Result) -> dict:
-    return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "text": r.text, "logprobs": None,
-                         "finish_reason": r.finish_reason, "token_ids": r.token_ids}],
+def completion_response(job_id: str, created: int, r: Result, parsed: Parsed,
+                        tok: GGUFTokenizer) -> dict:
+    return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created,
+            "model": parsed.model, "system_fingerprint": None,
+            "choices": completion_choices(tok, r, [ids for ids, _ in parsed.spec.prompts],
+                                          parsed.echo_texts, parsed.prompt_chars),
             "usage": usage(r), "timings": r.timings()}
 
 
 def chat_chunk(job_id: str, model: str, created: int, delta: dict, finish: str | None = None,
                token_ids: list[int] | None = None, usage_value: dict | None = None,
-               empty: bool = False) -> dict:
-    choices = [] if empty else [{"index": 0, "delta": delta, "logprobs": None,
+               empty: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+    choices = [] if empty else [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish, "token_ids": token_ids or []}]
     out = {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": created,
            "model": model, "system_fingerprint": None, "choices": choices}
@@ -440,14 +515,21 @@ def chat_chunk(job_id: str, model: str, created: int, delta: dict, finish: str |
 
 def completion_chunk(job_id: str, model: str, created: int, text: str, finish: str | None = None,
                      token_ids: list[int] | None = None, usage_value: dict | None = None,
-                     empty: bool = False) -> dict:
-    choices = [] if empty else [{"index": 0, "text": text, "logprobs": None,
+                     empty: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+    choices = [] if empty else [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish, "token_ids": token_ids or []}]
     out = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
            "system_fingerprint": None, "choices": choices}
     if usage_value is not None:
         out["usage"] = usage_value
     return out
+
+
+def chunk_logprobs(kind: str, tok: GGUFTokenizer, entries, offset: int) -> dict | None:
+    """A streamed delta's logprobs (`offset`: where its text starts in its choice's text)."""
+    if kind == "chat":
+        return chat_chunk_logprobs(tok, entries)
+    return completion_chunk_logprobs(tok, entries, offset)
 
 
 def now() -> int:

@@ -10,6 +10,7 @@ text is cut before the match and the generation is cancelled), and records throu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..coordinator import RankFailure, RankLost, RequestError
-from ..head import HeadSession
-from ..sampler import SamplingParams
+from ..head import HeadSession, LogprobRequest
+from ..sampler import SamplingParams, TokenLogprob
 from ..tokenizer import GGUFTokenizer
 from .history import RequestLog
 from .metrics import LatencyHistograms
@@ -62,23 +63,45 @@ class GenSpec:
     # a reuse shows in the reply (cached_tokens, timings), so across salts it would tell one
     # client how much of its prompt matches another's.
     cache_salt: str = ""
+    n: int = 1                       # choices, one after another on the prompt's cached state
+    logprobs: LogprobRequest = LogprobRequest()
+    # a batch (completions given a list of prompts): the prompts after prompt_ids, each with its
+    # detokenizer context; each gets its own n choices, indexed after the earlier prompts'
+    later_prompts: list[tuple[list[int], tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[tuple[list[int], tuple[int, ...]]]:
+        """Every prompt of the request with its detokenizer context, in order."""
+        return [(self.prompt_ids, self.detok_context)] + self.later_prompts
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str           # stop | length
+    logprobs: list[TokenLogprob] | None = None   # one per token id, when asked
+    prompt: int = 0              # which prompt of the request it answers (a batch's)
+    # asked for (echo): its prompt's tokens from position 1 with their logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Result:
-    text: str
-    token_ids: list[int]
-    finish_reason: str           # stop | length
-    prompt_tokens: int
-    completion_tokens: int
-    reused: int
+    choices: list[Choice]
+    prompt_tokens: int           # of every prompt
+    completion_tokens: int       # of every choice
+    reused: int                  # prompt tokens the session held (each prompt's first choice)
+    prompt_read: int             # prompt tokens the stages read (each later choice reads one or more)
     prompt_ms: float
     decode_ms: float
 
     def timings(self) -> dict:
-        decode_tps = (self.completion_tokens - 1) / self.decode_ms * 1e3 \
-            if self.completion_tokens > 1 and self.decode_ms > 0 else 0.0
-        read = self.prompt_tokens - self.reused
+        first_tokens = len(self.choices)     # each choice's first token comes with its prompt
+        decode_tps = (self.completion_tokens - first_tokens) / self.decode_ms * 1e3 \
+            if self.completion_tokens > first_tokens and self.decode_ms > 0 else 0.0
+        read = self.prompt_read
         return {"prompt_reused": self.reused, "prompt_read": read,
                 "prompt_ms": round(self.prompt_ms, 3), "decode_ms": round(self.decode_ms, 3),
                 "prompt_tokens_per_second": round(read / self.prompt_ms * 1e3, 3)
@@ -91,6 +114,8 @@ class Event:
     kind: str                    # delta | done | error
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    index: int = 0               # the choice a delta is of
+    logprobs: list[TokenLogprob] | None = None   # a delta's, one per token id, when asked
     result: Result | None = None
     status: int = 0              # for errors: the HTTP status
     message: str = ""
@@ -198,23 +223,30 @@ class RateMeter:
 class TextStream:
     """Detokenizes one job's tokens and applies its stop strings."""
 
-    def __init__(self, tok: GGUFTokenizer, spec: GenSpec):
+    def __init__(self, tok: GGUFTokenizer, spec: GenSpec,
+                 detok_context: tuple[int, ...] | None = None):
         self.tok = tok
         self.stops = [s for s in spec.stop_strings if s]
         self.stop_ids = set(spec.stop_ids)
-        self.detok = tok.incremental(spec.detok_context)
+        self.detok = tok.incremental(spec.detok_context if detok_context is None else detok_context)
         self.text = ""
         self.emitted = 0
         self.tokens: list[int] = []
         self.pending_ids: list[int] = []
+        self.index = 0               # the choice this stream is of
+        self.logprobs: list[TokenLogprob] | None = [] if spec.logprobs.tokens else None
+        self.pending_logprobs: list[TokenLogprob] = []
         self.stop_hit = False
         self._searched = 0
 
-    def push(self, token_id: int) -> Event | None:
+    def push(self, token_id: int, logprob: TokenLogprob | None = None) -> Event | None:
         if self.stop_hit:
             return None
         self.tokens.append(token_id)
         self.pending_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+            self.pending_logprobs.append(logprob)
         if token_id not in self.stop_ids:
             self.text += self.detok.push(token_id)
         return self._emit(final=False)
@@ -239,9 +271,11 @@ class TextStream:
             safe = len(self.text) - _partial_stop(self.text, self.stops)
         if safe <= self.emitted and not (final and self.pending_ids):
             return None
-        ev = Event("delta", text=self.text[self.emitted:safe], token_ids=self.pending_ids)
+        ev = Event("delta", text=self.text[self.emitted:safe], token_ids=self.pending_ids,
+                   index=self.index,
+                   logprobs=self.pending_logprobs if self.logprobs is not None else None)
         self.emitted = max(self.emitted, safe)
-        self.pending_ids = []
+        self.pending_ids, self.pending_logprobs = [], []
         return ev
 
 
@@ -451,7 +485,6 @@ class Worker:
                 self.totals["requests_cancelled"] += 1
             return
         spec = job.spec
-        stream = TextStream(self.tok, spec)
         started = time.monotonic()
         self.latency.queue_wait.observe(started - job.queued_at)
         with self.lock:
@@ -460,6 +493,8 @@ class Worker:
 
         failure: list[BaseException] = []
         last_token_at: list[float] = []
+        stream = TextStream(self.tok, spec)
+        pending_logprob: list[TokenLogprob] = []
 
         def on_token(t: int) -> None:
             try:
@@ -475,7 +510,7 @@ class Worker:
                     if self.running_tokens == 0:
                         self.running_since = now
                     self.running_tokens += 1
-                ev = stream.push(t)
+                ev = stream.push(t, pending_logprob.pop() if pending_logprob else None)
                 if ev is not None:
                     job.post(ev)
             except Exception as e:  # noqa: BLE001 - a bug here cancels this request, not the run
@@ -488,35 +523,53 @@ class Worker:
         if not spec.cache_prompt or spec.cache_salt != self.session_salt:
             self.session.tokens = []
         self.session_salt = spec.cache_salt
+        choices: list[Choice] = []
+        reused = read = 0
+        prompt_ms = decode_ms = 0.0
+        prompt_logprobs = None
+        runs = [(p, j, ids, context) for p, (ids, context) in enumerate(spec.prompts)
+                for j in range(spec.n)]
         try:
-            out = self.session.generate(
-                spec.prompt_ids, spec.max_new, spec.params, stop_ids=spec.stop_ids,
-                on_token=on_token,
-                should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
-            if failure:
-                raise failure[0]
-            if job.cancelled.is_set() and not stream.stop_hit:
-                outcome = "requests_cancelled"
-                return
-            ev = stream.finish()
-            if ev is not None:
-                job.post(ev)
-            if stream.stop_hit or out.reason == "stop":
-                reason = "stop"
-            else:
-                reason = "length"
-            result = Result(text=stream.text, token_ids=list(stream.tokens), finish_reason=reason,
-                            prompt_tokens=len(spec.prompt_ids),
-                            completion_tokens=len(stream.tokens), reused=out.reused,
-                            prompt_ms=out.prompt_ms, decode_ms=out.decode_ms)
+            for index, (p, j, ids, context) in enumerate(runs):
+                if index:
+                    stream = TextStream(self.tok, spec, context)
+                stream.index = index
+                out = self.session.generate(
+                    ids, spec.max_new, _choice_params(spec.params, j),
+                    stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
+                    logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
+                                            spec.logprobs.prompt and j == 0),
+                    should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
+                if failure:
+                    raise failure[0]
+                if job.cancelled.is_set() and not stream.stop_hit:
+                    outcome = "requests_cancelled"
+                    return
+                ev = stream.finish()
+                if ev is not None:
+                    job.post(ev)
+                reason = "stop" if stream.stop_hit or out.reason == "stop" else "length"
+                if j == 0:    # the later choices of this prompt read it from the cache
+                    reused += out.reused
+                    prompt_logprobs = out.prompt_logprobs if spec.logprobs.prompt else None
+                choices.append(Choice(index, stream.text, list(stream.tokens), reason,
+                                      stream.logprobs, prompt=p, prompt_logprobs=prompt_logprobs))
+                read += out.read
+                prompt_ms += out.prompt_ms
+                decode_ms += out.decode_ms
+            completion = sum(len(c.token_ids) for c in choices)
+            prompt_tokens = sum(len(ids) for ids, _ in spec.prompts)
+            result = Result(choices=choices, prompt_tokens=prompt_tokens,
+                            completion_tokens=completion, reused=reused, prompt_read=read,
+                            prompt_ms=prompt_ms, decode_ms=decode_ms)
             job.post(Event("done", result=result))
             outcome = "requests_ok"
             self.latency.request.observe(time.monotonic() - job.queued_at)
             with self.lock:
-                self.totals["prompt_tokens"] += len(spec.prompt_ids)
-                self.totals["prompt_tokens_read"] += out.read
-                self.totals["generated_tokens"] += len(stream.tokens)
-                self.last = dict(result.timings(), completion_tokens=len(stream.tokens),
+                self.totals["prompt_tokens"] += prompt_tokens
+                self.totals["prompt_tokens_read"] += read
+                self.totals["generated_tokens"] += completion
+                self.last = dict(result.timings(), completion_tokens=completion,
                                  finished=time.time())
         except ValueError as e:          # the head refused the prompt (checked earlier, normally)
             job.post(Event("error", status=400, message=str(e), code="invalid_request"))
@@ -545,3 +598,10 @@ class Worker:
                                    len(stream.tokens))
         if time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
             self._refresh_stats()
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: its own seed (the request's + index) when the request has one."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2 ** 64)
