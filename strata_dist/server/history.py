@@ -60,7 +60,8 @@ class RequestLog:
             if result is not None:
                 row.generated_tokens = result.completion_tokens
                 row.timings = result.timings()
-                row.finish_reason = result.finish_reason
+                # a request of n choices (or a batch of prompts) says each distinct reason once
+                row.finish_reason = ",".join(dict.fromkeys(c.finish_reason for c in result.choices))
 
     def started(self, job) -> None:
         with self.lock:
