@@ -97,7 +97,7 @@ def test_no_prompt_loans_is_in_the_plan(model):
 def test_ranks_listed_on_one_gpu_split_its_free_memory():
     """--gpus 0,0,1: the two ranks of GPU 0 take halves of its free memory (or what a budget
     leaves), GPU 1's rank keeps its own; budgets asking more than the card has are refused."""
-    from launcher.cli import UsageError, check_listed_gpus
+    from launcher.layout_flags import UsageError, check_listed_gpus
     from strata_dist.plan import Device, split_shared_cards
     gib = 1 << 30
     free = {0: 80 * gib, 1: 60 * gib}
