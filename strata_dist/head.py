@@ -147,11 +147,16 @@ class HeadSession:
         self.tokens = ids + out.tokens[:-1] if out.tokens else list(ids)
         if out.reason == "cancelled":
             # A prompt cancelled between chunks: what the last stage read is held by every stage
-            # (an earlier stage may have read further; a positional session moves back there). A
-            # recurrent state is not positional, and a cancelled decode may have run one step past
-            # what we saw: both read afresh.
+            # (an earlier stage may have read further; a positional session moves back there).
+            # A decode cancelled (a stop string, a client gone, the next of n choices): every
+            # token before the last one seen went through every stage, and a stage that ran a
+            # step past it is overwritten by position. A recurrent state is not positional (it
+            # may hold a step past what we saw): it reads afresh.
             prompt_cut = read_to < len(ids) and not out.tokens
-            self.tokens = ids[:read_to] if prompt_cut and self.checkpoints is None else []
+            if self.checkpoints is not None:
+                self.tokens = []
+            elif prompt_cut:
+                self.tokens = ids[:read_to]
         return out
 
 

@@ -185,6 +185,22 @@ def test_n_choices_read_the_prompt_once(server):
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_n_choices_ended_by_a_stop_string_read_the_prompt_once(server):
+    """A stop string ends a choice by cancelling its decode: the prompt the stages hold is still
+    theirs, so the next choice reads only its last token again (not the whole prompt)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "cache_prompt": False, "ignore_eos": True}
+    text = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()[
+        "choices"][0]["text"]
+    stop = text[len(text) // 2:][:2]      # met inside the answer, before max_tokens
+    assert stop
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 3, "stop": [stop]},
+                   timeout=30).json()
+    assert [c["finish_reason"] for c in r["choices"]] == ["stop"] * 3, r
+    assert r["timings"]["prompt_read"] == len(PROMPT) + 2
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_a_batch_of_prompts_is_choices_in_order(client, tok, reference):
     """Completions given a list of prompts (text or ids): each prompt's n choices in order, each
     what the prompt alone gives; echo and logprobs per prompt, as an evaluation harness asks."""
