@@ -44,9 +44,11 @@ class Pulse(threading.Thread):
 
     def run(self) -> None:
         ch = Channel("dealer", peer="coordinator (pulse)", max_msg_bytes=FrameCaps.CONTROL)
-        # its own socket, so its own monitor: this thread may watch it while the main one computes
+        # its own socket, so its own monitor: this thread may watch it while the main one computes.
+        # Only a coordinator on this host: there a dropped connection means it closed; across a
+        # network it may be a blip ZeroMQ reconnects through (the heartbeats decide there).
         events = (ch.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                  if self.parent_pid else None)
+                  if self.parent_pid and on_this_host(self.endpoint) else None)
         ch.connect(self.endpoint)
         try:
             client_handshake(ch, self.secret, f"rank-{os.getpid()}-pulse", timeout_ms=self.timeout_ms)
@@ -94,6 +96,14 @@ class Pulse(threading.Thread):
             except (OSError, ValueError):
                 pass
         os._exit(EXIT_COORDINATOR_GONE)
+
+
+def on_this_host(endpoint: str) -> bool:
+    """Whether a ZeroMQ endpoint is on this host: ipc://, or tcp:// to a loopback address."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 class _CoordinatorClosed(Exception):

@@ -161,3 +161,13 @@ def test_a_launcher_killed_during_a_prompt_leaves_no_rank_computing(model):
         wait_or_kill(session.proc, 5)
         for pid in wait_gone(ranks, timeout=0):   # none, unless the assertion above failed
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_pulse_watches_only_a_coordinator_on_this_host():
+    """A dropped connection ends a busy rank only where it can mean the coordinator closed: across
+    a network it may be a blip that ZeroMQ reconnects through (the heartbeats decide there)."""
+    from strata_dist.pulse import on_this_host
+    assert on_this_host("ipc:///tmp/strata-x/control")
+    assert on_this_host("tcp://127.0.0.1:5555") and on_this_host("tcp://localhost:1")
+    assert on_this_host("tcp://[::1]:5555")
+    assert not on_this_host("tcp://10.0.0.7:5555") and not on_this_host("tcp://[fd00::7]:5555")
