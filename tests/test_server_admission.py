@@ -240,8 +240,9 @@ def test_chats_past_the_template_renderers_get_429(tmp_path):
 
 # ---- Retry-After, clients that leave ----------------------------------------------------------------
 
-def _stream(http: httpx.Client, server, max_tokens: int, prompt: str = "a long story"):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, **GREEDY}
+def _stream(http: httpx.Client, server, max_tokens: int, prompt: str = "a long story", n: int = 1):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "n": n,
+            **GREEDY}
     r = http.send(http.build_request("POST", f"{server.url}/v1/completions", json=body), stream=True)
     assert r.status_code == 200
     return r
@@ -254,18 +255,20 @@ def _wait_queue(server, running: int, waiting: int, timeout: float = 10.0) -> No
         time.sleep(0.02)
 
 
-def test_retry_after_is_when_the_queue_drains(server):
+@pytest.mark.parametrize("n", [1, 4])
+def test_retry_after_is_when_the_queue_drains(server, n):
     """The 429's Retry-After is the time the requests ahead take (their max tokens at the measured
-    rate): measured here against the time the running request and the four waiting behind it
-    really take to finish, with work for about 4 s on whatever machine runs the test."""
+    rate, for each of their n choices): measured here against the time the running request and
+    the four waiting behind it really take to finish, with work for about 4 s on whatever machine
+    runs the test."""
     with httpx.Client(timeout=60, headers=server.headers) as http:
         r = http.post(f"{server.url}/v1/completions",
                       json={"model": "tiny", "prompt": "warm", "max_tokens": 64, **GREEDY})
         tps = r.json()["timings"]["decode_tokens_per_second"]
-        each = max(20, int(tps * 4.0 / (QUEUE + 1)))
-        streams = [_stream(http, server, each)]
+        each = max(20, int(tps * 4.0 / (QUEUE + 1) / n))
+        streams = [_stream(http, server, each, n=n)]
         _wait_queue(server, 1, 0)
-        streams += [_stream(http, server, each, f"waiting {k}") for k in range(QUEUE)]
+        streams += [_stream(http, server, each, f"waiting {k}", n) for k in range(QUEUE)]
         _wait_queue(server, 1, QUEUE)
         time.sleep(0.3)          # the running request's rate is measured over a few tokens
         r = http.post(f"{server.url}/v1/completions",

@@ -291,6 +291,16 @@ def _partial_stop(text: str, stops: list[str]) -> int:
     return best
 
 
+
+def _most_tokens(spec: GenSpec) -> int:
+    """The most tokens a request generates: max_new for each choice of each prompt."""
+    return spec.max_new * spec.n * len(spec.prompts)
+
+
+def _prompt_tokens(spec: GenSpec) -> int:
+    return sum(len(ids) for ids, _ in spec.prompts)
+
+
 class Worker:
     """Owns the head session; `run()` is the coordinator's thread."""
 
@@ -363,12 +373,13 @@ class Worker:
         waiting = self.jobs.waiting()
         if decode_tps <= 0:      # nothing measured yet: a second per request ahead
             return int(min(RETRY_AFTER_MAX_S, max(1, len(waiting) + (running is not None))))
-        tokens = sum(j.spec.max_new for j in waiting)
-        prompt = sum(len(j.spec.prompt_ids) for j in waiting)
+        # a request makes n choices for each of its prompts, one after another
+        tokens = sum(_most_tokens(j.spec) for j in waiting)
+        prompt = sum(_prompt_tokens(j.spec) for j in waiting)
         if running is not None:
-            tokens += max(running.spec.max_new - made, 0)
+            tokens += max(_most_tokens(running.spec) - made, 0)   # made: of every choice so far
             if made == 0:
-                prompt += len(running.spec.prompt_ids)
+                prompt += _prompt_tokens(running.spec)
         seconds = tokens / decode_tps + (prompt / prompt_tps if prompt_tps > 0 else 0.0)
         return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(seconds))))
 
