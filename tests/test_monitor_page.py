@@ -99,6 +99,31 @@ def test_history_ring_is_bounded(model):
         StatusHistory(worker, lambda: None, every_s=0.0)
 
 
+def test_history_goes_on_after_a_sample_fails(model):
+    """One failed sample (a memory probe that raises) costs that second, not the charts."""
+    worker = Worker(GGUFTokenizer.from_gguf(model), ctx=256, n_vocab=512, queue_size=2)
+
+    class FlakyProbe:
+        calls = 0
+
+        def read(self, gauges):
+            FlakyProbe.calls += 1
+            if FlakyProbe.calls == 1:
+                raise RuntimeError("the probe's first read fails")
+            return {}
+
+    probe = FlakyProbe()
+    history = StatusHistory(worker, lambda: probe, every_s=0.05, keep_s=10.0)
+    history.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(history.since()) < 3:
+            assert time.monotonic() < deadline and history.thread.is_alive(), FlakyProbe.calls
+            time.sleep(0.02)
+    finally:
+        history.stop()
+
+
 def test_history_samples_the_load(loaded):
     server, replies = loaded
     assert len(replies) >= 4

@@ -3,6 +3,7 @@ request list) and a bounded ring of samples taken once a second (`/v1/status/his
 opened now shows the past minutes at once."""
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -10,6 +11,8 @@ from collections import deque
 from typing import Any, Callable
 
 from .status import tier_counts
+
+log = logging.getLogger("strata.server")
 
 RECENT_REQUESTS = 50         # rows kept for the request list
 SAMPLE_EVERY_S = 1.0
@@ -122,6 +125,7 @@ class StatusHistory:
         self._tiers: dict[str, int] | None = None
         self._at = time.time()
         self._stop = threading.Event()
+        self._failed: set[type] = set()
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -139,7 +143,13 @@ class StatusHistory:
                 next_at = time.monotonic() + self.every_s
             if self.worker.state == "stopping":
                 return
-            self.sample()
+            try:
+                self.sample()
+            except Exception as e:   # the charts go on from the next second; said once a kind
+                if type(e) not in self._failed:
+                    self._failed.add(type(e))
+                    log.warning("status history: a sample failed (%s: %s); sampling goes on",
+                                type(e).__name__, e)
 
     def sample(self) -> dict:
         snap = self.worker.snapshot()
