@@ -1,5 +1,5 @@
 """A cancel during a long prompt stops it between chunks on every stage, with real rank processes
-(two CPU stages): `CANCEL` or a first SIGINT on `--serve` answers `DONE … cancelled` within 2 s
+(two CPU stages): `CANCEL` or a first SIGINT on `--serve` answers `DONE … cancelled` within 5 s
 while the prompt has most of its chunks to go, and an HTTP client that leaves mid-prompt frees
 the worker as fast. What the cancelled prompt left behind is reused only as far as the last
 stage read it: the next GEN resumes there (a session with recurrent state: at 0) and its greedy
@@ -25,7 +25,9 @@ CHUNK = 32
 FOLLOW = LONG[:1024] + [9, 10, 11]
 ARGS = ("--cpu-ranks", "2", "--layer-split", "2", "--prefill", str(CHUNK),
         "--max-context", str(CONTEXT))
-CANCEL_WITHIN_S = 2.0
+# the issue's bound for a stop at depth; a cancel that waited for the prompt's end takes tens of
+# seconds here, and a loaded two-core CI machine needs more than the ~0.3 s a quiet one does
+CANCEL_WITHIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ def _check_follow(s: ServeSession, read_to: int, follow_tokens: list[int]) -> No
 
 
 @pytest.mark.parametrize("how", ["cancel-line", "sigint"])
-def test_a_cancel_mid_prompt_answers_within_2s_and_the_next_gen_is_right(model, follow_tokens,
+def test_a_cancel_mid_prompt_answers_in_seconds_and_the_next_gen_is_right(model, follow_tokens,
                                                                        how):
     s = ServeSession(model, *ARGS)
     try:
@@ -106,7 +108,7 @@ def test_a_cancel_mid_prompt_answers_within_2s_and_the_next_gen_is_right(model, 
         s.close()
 
 
-def test_an_http_client_leaving_mid_prompt_frees_the_worker_within_2s(model):
+def test_an_http_client_leaving_mid_prompt_frees_the_worker_in_seconds(model):
     server = ServerProcess(model, *ARGS)
     try:
         with httpx.Client(timeout=60.0) as c:
