@@ -80,6 +80,7 @@ class Stage:
         # the adaptive cache (strata_dist/adapt.py): off unless both flags are > 0
         self.routing = RoutingCounts((g.n_layers, g.n_expert), cfg.adapt_every, cfg.adapt_swaps)
         self._adapt_due = False
+        self._adapt_stuck_said = False   # said once: no pair can leave the cache (none pinned)
         if self.routing.on:
             self.tiers.routing = self.routing
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
@@ -303,6 +304,11 @@ class Stage:
             pinned, evictable = self.tiers.pinned, np.zeros_like(cached)
             for l, e in cache.pairs:
                 evictable[l, e] = pinned is not None and pinned.holds(l, e)
+            if not evictable.any() and not self._adapt_stuck_said:
+                self._adapt_stuck_said = True
+                log.warning("stage [%d, %d): the adaptive cache can swap nothing: no cached pair "
+                            "has a pinned host copy for the decode graph to read after it leaves "
+                            "(the host had no room to pin this stage's experts)", lb, le)
         before = coverage(r.counts[lb:le], cached[lb:le])
         swaps = pick_swaps(r.counts, cached, r.swaps, size_class=sizes, evictable=evictable)
         if swaps:
