@@ -134,7 +134,8 @@ class RowSlot(Struct):
 
 @struct
 class Sampling(Struct):
-    """How the last stage picks tokens. Sent with a request's first message; stages keep it per request."""
+    """How the last stage picks tokens. Each prompt chunk carries it (with its own share of
+    prompt_ids; the grammar on the final chunk only); the last stage keeps it per request."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
