@@ -134,7 +134,8 @@ class RowSlot(Struct):
 
 @struct
 class Sampling(Struct):
-    """How the last stage picks tokens. Sent with a request's first message; stages keep it per request."""
+    """How the last stage picks tokens. Each prompt chunk carries it (with its own share of
+    prompt_ids; the grammar on the final chunk only); the last stage keeps it per request."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
@@ -144,7 +145,7 @@ class Sampling(Struct):
     max_new: int = 0
     stop_ids: list[int] = field(default_factory=list)
     # structured output (v12): the last stage draws only tokens this grammar allows
-    # (strata_dist/structured.py); "" = no grammar
+    # (strata_dist/structured.py); "" = no grammar; on a prompt's final chunk only (v14)
     grammar_kind: GrammarKind = ""
     grammar: str = ""
     # v14: what a request may ask beyond a token (strata_dist/sampler.py says how each applies)
@@ -156,8 +157,9 @@ class Sampling(Struct):
     repetition_penalty: float = 1.0  # 1: off
     logit_bias_ids: list[int] = field(default_factory=list)      # with logit_bias_values, pairwise
     logit_bias_values: list[float] = field(default_factory=list)
-    # the whole prompt from position 0: sent only when prompt_logprobs or a repetition penalty
-    # needs it on the last stage (each row's next token; the tokens the penalty counts)
+    # a prompt chunk's share of the prompt's ids: its rows' and the one after its last row, the
+    # first chunk's from position 0; only when prompt_logprobs or a repetition penalty needs them
+    # on the last stage (each row's next token; the tokens the penalty counts), else empty
     prompt_ids: list[int] = field(default_factory=list)
 
     def check(self, arrays: list) -> None:

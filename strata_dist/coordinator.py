@@ -8,6 +8,7 @@ a message naming it (`RankFailure`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import time
@@ -499,7 +500,8 @@ class Coordinator:
         at = chunk_positions(checkpoint_at, at_pos, len(part), first=index == 0)
         try:
             sender.send(Tokens(request_id=request_id, session_id=session_id, pos=at_pos, ids=part,
-                               chunk_index=index, chunk_total=total, sampling=sampling,
+                               chunk_index=index, chunk_total=total,
+                               sampling=chunk_sampling(sampling, at_pos, len(part), index, total),
                                checkpoint_at=at), timeout_ms=10_000)
         except ProtocolTimeout as e:
             # the first stage took nothing for that long: most likely it died (its heartbeats
@@ -594,3 +596,15 @@ class Coordinator:
             self.control.socket.disable_monitor()
             monitor.close(linger=0)
         self.control.close(linger_ms=1000)
+
+
+def chunk_sampling(sampling: Sampling, pos: int, n: int, index: int, total: int) -> Sampling:
+    """One prompt chunk's share of the request's Sampling, bounded by the chunk (PROTOCOL.md): of
+    the prompt's ids its rows' and the next one's (the first chunk's from position 0: a reused
+    prefix counts for a repetition penalty); the grammar only on the final chunk."""
+    start = 0 if index == 0 else pos
+    final = index == total - 1
+    return dataclasses.replace(
+        sampling, prompt_ids=sampling.prompt_ids[start:pos + n + 1],
+        grammar_kind=sampling.grammar_kind if final else "",
+        grammar=sampling.grammar if final else "")

@@ -162,7 +162,8 @@ class HeadSession:
 
 def _sampling(params: SamplingParams, logprobs: LogprobRequest, ids: list[int], max_new: int,
               stop_ids: list[int]) -> Sampling:
-    """The wire's Sampling: the prompt's ids ride along only when the last stage needs them."""
+    """The request's Sampling: the prompt's ids (all of them, from position 0) are kept only when
+    the last stage needs them; each prompt chunk carries its own share (coordinator.chunk_sampling)."""
     needs_prompt = logprobs.prompt or params.repetition_penalty != 1.0
     return Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                     min_p=params.min_p, seed=params.seed, max_new=max_new, stop_ids=stop_ids,

@@ -66,6 +66,9 @@ class StageStep:
         # (its loan is out), which a Cancel ends between two chunks.
         self.cancelled: deque[int] = deque(maxlen=CANCELLED_KEPT)
         self.prompting: int | None = None
+        # last stage: the prompt's ids from position 0 so far, of the request whose prompt it reads
+        # and whose Sampling asks for them: each chunk carries only its share (PROTOCOL.md, Sampling)
+        self.prompt_ids: dict[int, list[int]] = {}
         self._finished = 0   # last stage: the latest request whose prompt it read to the end
         # compute_us: time in the stage's own work (the shell adds send_us)
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
@@ -90,6 +93,7 @@ class StageStep:
         if msg.request_id in self.cancelled:
             return []
         self.cancelled.append(msg.request_id)
+        self.prompt_ids.pop(msg.request_id, None)
         if self.prompting == msg.request_id:
             self._end_prompt()
         req = self.requests.pop(msg.request_id, None)
@@ -119,12 +123,14 @@ class StageStep:
         except Exception as e:  # a bad request must not take the rank down
             log.error("request %s failed:\n%s", msg.request_id, traceback.format_exc())
             self._end_prompt()   # a failed prompt still gives its loan back
+            self.prompt_ids.pop(msg.request_id, None)
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
         self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
         try:
             return self._hand_on(msg, out, t0)
         except (ValueError, IndexError) as e:   # sampling fields no sampler takes
             self.requests.pop(msg.request_id, None)
+            self.prompt_ids.pop(msg.request_id, None)
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
 
     def error(self, request_id: int, message: str) -> Outbound:
@@ -182,21 +188,42 @@ class StageStep:
         end = msg.pos + _rows_of(msg)
         sent: list[Outbound] = []
         if is_prompt:
+            ids = self._prompt_ids_so_far(msg)
             progress = PromptProgress(
                 request_id=msg.request_id, session_id=msg.session_id, pos=end,
                 chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
                 ms=(time.perf_counter() - t0) * 1e3, checkpoints=held or [],
                 resume_any=held is None)
             if msg.sampling.prompt_logprobs:
-                _attach_prompt_logprobs(progress, out, msg.pos, msg.sampling)
+                _attach_prompt_logprobs(progress, out, msg.pos, ids, msg.sampling.top_logprobs)
                 out = out[-1]             # the row the first token is sampled from
             sent.append(Outbound(To.HEAD, progress))
             if msg.chunk_index < msg.chunk_total - 1:
                 return sent
             self._finished = max(self._finished, msg.request_id)
-            self.requests[msg.request_id] = _new_request(msg.sampling, msg.session_id)
+            self.prompt_ids.pop(msg.request_id, None)
+            self.requests[msg.request_id] = _new_request(msg.sampling, ids, msg.session_id)
             self._attach_grammar(self.requests[msg.request_id], msg.sampling)
         return sent + self._sample(msg, out, end)
+
+    def _prompt_ids_so_far(self, msg: Tokens | Hidden) -> list[int]:
+        """The prompt's ids from position 0 through the one after this chunk's last row, gathered
+        from the chunks' shares (the first chunk's starts at 0, each later one at its own pos); []
+        when the request asks for none."""
+        share = msg.sampling.prompt_ids
+        if msg.chunk_index == 0:    # a prompt left unfinished leaves nothing behind
+            self.prompt_ids = {msg.request_id: list(share)} if share else {}
+            return self.prompt_ids.get(msg.request_id, [])
+        if not share:
+            return []
+        held = self.prompt_ids.get(msg.request_id, [])
+        if len(held) < msg.pos:
+            raise ValueError(f"chunk {msg.chunk_index}'s prompt ids start at position {msg.pos}, "
+                             f"the ones read end at {len(held)}")
+        del held[msg.pos:]          # the one after the previous chunk's last row is this one's first
+        held.extend(share)
+        self.prompt_ids[msg.request_id] = held
+        return held
 
     def _sample(self, msg: Tokens | Hidden, logits, end: int) -> list[Outbound]:
         req = self.requests.get(msg.request_id)
@@ -245,23 +272,24 @@ def _rows_of(msg: Tokens | Hidden) -> int:
     return len(msg.ids) if isinstance(msg, Tokens) else msg.n
 
 
-def _new_request(s: Sampling, session_id: int) -> _Request:
+def _new_request(s: Sampling, prompt_ids: list[int], session_id: int) -> _Request:
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                             min_p=s.min_p, seed=s.seed, presence_penalty=s.presence_penalty,
                             frequency_penalty=s.frequency_penalty,
                             repetition_penalty=s.repetition_penalty,
                             logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)))
-    return _Request(Sampler(params, s.prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
+    return _Request(Sampler(params, prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
                     logprobs=s.logprobs, top_logprobs=s.top_logprobs)
 
 
-def _attach_prompt_logprobs(progress: PromptProgress, rows, pos: int, s: Sampling) -> None:
-    """Each row's logprob of the prompt token after it (rows at positions pos..; the prompt's
-    last row has none: the first sampled token follows it)."""
-    n = min(len(rows), len(s.prompt_ids) - 1 - pos)
+def _attach_prompt_logprobs(progress: PromptProgress, rows, pos: int, prompt_ids: list[int],
+                            top: int) -> None:
+    """Each row's logprob of the prompt token after it (rows at positions pos..; `prompt_ids` from
+    position 0; the prompt's last row has none: the first sampled token follows it)."""
+    n = min(len(rows), len(prompt_ids) - 1 - pos)
     if n <= 0:
         return
-    got = prompt_logprobs(rows[:n], s.prompt_ids[pos + 1:pos + 1 + n], s.top_logprobs)
+    got = prompt_logprobs(rows[:n], prompt_ids[pos + 1:pos + 1 + n], top)
     progress.logprobs = [g.logprob for g in got]
     progress.top_ids = [g.top_ids for g in got]
     progress.top_logprobs = [g.top_logprobs for g in got]
