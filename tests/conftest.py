@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -6,6 +7,12 @@ import pytest
 # tests import their fixtures module (hf_fixtures) as a top-level module
 sys.path.insert(0, os.path.dirname(__file__))
 
+# A suite started as a shell's background job (`cmd &`, no job control) begins with SIGINT
+# ignored, and so would every launcher it starts: an ignored SIGINT stays ignored there, as the
+# one who started it asked (launcher/stop_signals.py). The tests that Ctrl-C a launcher need it
+# delivered, so the suite's own children start with it at its default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
