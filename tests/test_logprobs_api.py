@@ -148,6 +148,19 @@ def test_chat_logprobs_streamed_and_not(client, tok, reference):
     assert len(got) == 4 and np.abs(np.array(got) - lsm[np.arange(4), ids]).max() <= TOL
 
 
+def test_streamed_text_offsets_are_the_unstreamed_ones(client):
+    """A streamed completion's text_offset follows the rule the whole reply's does (each token's
+    text after the ones before it), whatever text the stream held back meanwhile (a token that
+    ends inside a UTF-8 character is sent with the next)."""
+    # sampled (seeded, so both replies are one answer): the tiny model's byte tokens come up
+    ask = dict(model="tiny", prompt=PROMPT, max_tokens=64, temperature=1.0, seed=7, logprobs=1,
+               extra_body=LONG)
+    whole = client.completions.create(**ask).choices[0].logprobs
+    parts = list(client.completions.create(stream=True, **ask))
+    streamed = [x for p in parts for c in p.choices if c.logprobs for x in c.logprobs.text_offset]
+    assert streamed == whole.text_offset
+
+
 # ---- n choices --------------------------------------------------------------------------------------------
 
 def test_n_choices(client):

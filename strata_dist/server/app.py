@@ -22,6 +22,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import openai_api as oa
+from .choices_api import token_text
 from . import tokenize_api
 from .history import StatusHistory
 from .hosts import HostCheck
@@ -317,7 +318,7 @@ def create_app(ctx: ServerContext):
         # token ids of text it holds back riding on the next chunk
         tool_stream = ToolCallStream() if parsed.parse_tools else None
         held_ids: list[int] = []
-        chars: dict[int, int] = {}     # per choice: the characters of its text sent so far
+        chars: dict[int, int] = {}     # per choice: the characters of its tokens' texts so far
 
         def tool_chunks(deltas: list[dict], ids: list[int]):
             held_ids.extend(ids)
@@ -337,8 +338,11 @@ def create_app(ctx: ServerContext):
                         for chunk_line in tool_chunks(tool_stream.push(ev.text), ev.token_ids):
                             yield chunk_line
                     else:
+                        # offsets count each token's text, as the whole reply's do
+                        # (choices_api.completion_logprobs), not the text sent so far
                         at = chars.get(ev.index, 0)
-                        chars[ev.index] = at + len(ev.text)
+                        chars[ev.index] = at + sum(len(token_text(ctx.limits.tok, e.token_id))
+                                                   for e in ev.logprobs or ())
                         logprobs = oa.chunk_logprobs(kind, ctx.limits.tok, ev.logprobs,
                                                      parsed.text_start(ev.index) + at)
                         if kind == "chat":
