@@ -25,6 +25,7 @@ from strata_dist.gguf_model import GGUFError
 from strata_dist.model_shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
+from strata_dist.plan.pricing import MIB
 from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
                            "chunk boundary past every N prompt tokens, besides each request's start "
                            f"and prompt end; 0: only those (default {DEFAULT_EVERY})")
+    plan.add_argument("--conversation-cache-mib", type=int, default=0, metavar="N",
+                      help="each stage keeps earlier conversations' state (its own layers' K/V "
+                           "and recurrent state) in up to N MiB, on its card before its expert "
+                           "cache fills (pinned host memory when the cards have no room; host "
+                           "memory on CPU ranks), so a request resumes from the longest prefix of "
+                           "any of them; least recently used first out (default 0: off, only the "
+                           "previous request's state is reused)")
     plan.add_argument("--gpu-order", choices=("fastest_last", "as_given"), default="fastest_last")
     plan.add_argument("--split-skip-if-fits", action="store_true",
                       help="run on one card when everything fits there")
@@ -195,6 +203,9 @@ def _main(args, signals: StopSignals) -> int:
     if args.prompt_cache_every < 0:
         raise UsageError(f"--prompt-cache-every {args.prompt_cache_every}: N >= 0 (0: no "
                          "mid-prompt checkpoints)")
+    if args.conversation_cache_mib < 0:
+        raise UsageError(f"--conversation-cache-mib {args.conversation_cache_mib}: N >= 0 "
+                         "(0: off)")
     params = plan_params(args)
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
@@ -203,7 +214,8 @@ def _main(args, signals: StopSignals) -> int:
         plan = make_plan(model_shape(gguf, kind, args.kv_type), planning_devices(args, specs),
                          cells=args.max_context, profile=profile, params=params, split=split,
                          order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill,
-                         compute=args.compute, **layout)
+                         compute=args.compute, conversation_bytes=args.conversation_cache_mib * MIB,
+                         **layout)
         print(plan.to_json() if args.json else render_table(plan))
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
@@ -230,6 +242,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
                        kv_type=args.kv_type, compute=args.compute, **(layout or {}),
                        adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
+                       conversation_bytes=args.conversation_cache_mib * MIB,
                        **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0
@@ -289,7 +302,8 @@ def _line_server(args, gguf, launch, plan):
     eos = gguf.metadata("tokenizer.ggml.eos_token_id")
     session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
                           None if eos is None else int(eos),
-                          checkpoint_every=args.prompt_cache_every)
+                          checkpoint_every=args.prompt_cache_every,
+                          keep_conversations=any(s.conversation_bytes for s in plan.stages))
     devices = [s.register.devices[0] for s in launch.coordinator.ranks]
     for line in info_lines(plan, launch.ready, devices, args.max_context,
                            {"model": os.path.basename(args.model), "arch": g.arch,

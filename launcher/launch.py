@@ -54,6 +54,7 @@ class LaunchConfig:
     kv_type: str | None = None       # --kv-type: how sessions keep K/V (None: each device's default)
     adapt_every: int = 0             # --adapt-every / --adapt-swaps: the adaptive cache (0: off)
     adapt_swaps: int = 0
+    conversation_bytes: int = 0      # --conversation-cache-mib: each stage's kept conversations
     stage_gpus: list[str] | None = None   # --stage-gpus, as rank numbers: the ranks that run stages
     helper_tiers: tuple[ExplicitTier, ...] = ()   # --expert-cache-device: explicit helper tiers
     # every compute switch, as strata-launch read them from its environment (the ranks run this)
@@ -197,7 +198,7 @@ class Launch:
                               profile=cfg.profile, params=cfg.params, split=split,
                               order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill,
                               stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers,
-                              compute=cfg.compute)
+                              compute=cfg.compute, conversation_bytes=cfg.conversation_bytes)
         if not cfg.cross_host_helpers:
             self.plan = same_host_helpers_only(self.plan)
         hosts = sorted({s.register.host for s in slots})
@@ -348,7 +349,8 @@ class Launch:
         # The priced and the loaded layout come from one rule; a difference is a bug that would
         # make every plan silently wrong, so the launch stops on it.
         for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes),
-                             ("cache", st.cache_bytes)):
+                             ("cache", st.cache_bytes),
+                             ("conversations", st.conversation_bytes or None)):
             if alloc.get(kind) != priced:
                 raise RankFailure(f"rank {slot.rank} allocated {alloc.get(kind)} bytes of {kind} "
                                   f"for [{a.lb}, {a.le}); the plan priced {priced}")

@@ -17,10 +17,11 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 from .compute_options import ComputeOptions
+from .conversations import ConversationStep
 from .structs import STRUCT_TYPES, Struct, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -389,6 +390,7 @@ class Tokens(Message):
     chunk_total: int = 1
     sampling: Sampling | None = None
     checkpoint_at: list[int] = field(default_factory=list)  # checkpoint each stage's part here
+    conversation: ConversationStep | None = None  # v15: first chunk only, kept conversations
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, chunk_index=self.chunk_index)
@@ -417,6 +419,8 @@ class Hidden(Message):
     checkpoint_at: list[int] = field(default_factory=list)  # as Tokens.checkpoint_at
     checkpoints: list[int] = field(default_factory=list)    # held by every stage so far (see PROTOCOL.md)
     resume_any: bool = False                                # no stage so far holds recurrent state
+    conversation: ConversationStep | None = None            # v15: as Tokens.conversation
+    conversations: list[int] = field(default_factory=list)  # v15: kept by every stage so far
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, n=self.n)
@@ -450,6 +454,7 @@ class PromptProgress(Message):
     ms: float = 0.0
     checkpoints: list[int] = field(default_factory=list)  # positions every stage holds its part at
     resume_any: bool = False                              # no stage holds recurrent state
+    conversations: list[int] = field(default_factory=list)  # v15: kept by every stage
     # v14, when the request's sampling asks for prompt_logprobs: per row of the chunk whose next
     # token is in the prompt, in order, that token's logprob and the N most likely tokens' there
     logprobs: list[float] = field(default_factory=list)

@@ -22,6 +22,7 @@ from protocol import (Assign, Heartbeat, Cancel, Channel, Error, Poller, PromptP
                       Tokens)
 from protocol.auth import Authenticator, StrangerLimits, admit
 from protocol.seal import LinkSeal, link_key, new_nonce
+from protocol.conversations import ConversationStep
 from protocol.messages import ERR_VERSION, Sampling, Stats, StatsReply, VersionMismatch
 from protocol.transport import peer_address, show_identity
 
@@ -440,10 +441,12 @@ class Coordinator:
                     chunk: int, on_event: Callable[[StreamEvent], None],
                     step_timeout_s: float = 120.0,
                     should_cancel: Callable[[], bool] | None = None,
-                    checkpoint_at: tuple[int, ...] | list[int] = ()) -> str:
+                    checkpoint_at: tuple[int, ...] | list[int] = (),
+                    conversation: ConversationStep | None = None) -> str:
         """Send a prompt (tokens from position pos) through the pipeline and stream its events.
         Returns the stop reason ("stop", "length", "cancelled", or "" when max_new is 0).
-        `checkpoint_at`: chunk boundaries where every stage checkpoints its part (checkpoints.py)."""
+        `checkpoint_at`: chunk boundaries where every stage checkpoints its part (checkpoints.py).
+        `conversation`: what every stage keeps and restores first (conversation_table.py)."""
         self.await_ranks(should_cancel)
         request_id = self._last_request_id = next(self._request_ids)
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
@@ -462,7 +465,8 @@ class Coordinator:
                 self._cancel_everywhere(request_id)
             while not cancelled and sent < len(chunks) and sent - read < window:
                 self._send_chunk(sender, request_id, session_id, pos + sent * chunk, chunks[sent],
-                                 sent, len(chunks), sampling, checkpoint_at)
+                                 sent, len(chunks), sampling, checkpoint_at,
+                                 conversation if sent == 0 else None)
                 sent += 1
             events = self._pump(0.05)
             if self.lost:
@@ -496,13 +500,13 @@ class Coordinator:
 
     def _send_chunk(self, sender: Channel, request_id: int, session_id: int, at_pos: int,
                     part: list[int], index: int, total: int, sampling: Sampling,
-                    checkpoint_at) -> None:
+                    checkpoint_at, conversation: ConversationStep | None = None) -> None:
         at = chunk_positions(checkpoint_at, at_pos, len(part), first=index == 0)
         try:
             sender.send(Tokens(request_id=request_id, session_id=session_id, pos=at_pos, ids=part,
                                chunk_index=index, chunk_total=total,
                                sampling=chunk_sampling(sampling, at_pos, len(part), index, total),
-                               checkpoint_at=at), timeout_ms=10_000)
+                               checkpoint_at=at, conversation=conversation), timeout_ms=10_000)
         except ProtocolTimeout as e:
             # the first stage took nothing for that long: most likely it died (its heartbeats
             # say so now), else it is stuck

@@ -13,6 +13,7 @@ from typing import Callable
 from protocol.messages import Sampling
 
 from .checkpoints import DEFAULT_EVERY, request_positions, resume_point
+from .conversation_table import ConversationTable
 from .coordinator import Coordinator, RequestError, StreamEvent
 from .sampler import SamplingParams, TokenLogprob
 
@@ -45,7 +46,10 @@ class HeadSession:
     """One session on the stages (its KV lives there); this object remembers its tokens."""
 
     def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
-                 eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY):
+                 eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY,
+                 keep_conversations: bool = False):
+        """`keep_conversations`: the stages keep earlier conversations (--conversation-cache-mib,
+        strata_dist/conversation_table.py), and a request resumes from the longest of any."""
         self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
         self.eos_id, self.session_id = eos_id, session_id
         self.tokens: list[int] = []    # what the session's KV holds, position by position
@@ -57,6 +61,8 @@ class HeadSession:
         # state is positional on every stage (any position resumes). Until a report: none.
         self.checkpoints: list[int] | None = []
         self._rejoins = coordinator.rejoins   # a replacement rank holds none of the session
+        self.salt = ""   # the salt (API key and cache_salt) of the request whose tokens it holds
+        self.conversations = ConversationTable(keep_conversations)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -82,17 +88,34 @@ class HeadSession:
                  on_token: Callable[[int], None] | None = None,
                  should_cancel: Callable[[], bool] | None = None,
                  logprobs: LogprobRequest = LogprobRequest(),
-                 on_logprob: Callable[[TokenLogprob], None] | None = None) -> Outcome:
+                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+                 cache_salt: str = "", reuse: bool = True) -> Outcome:
         """Generate after `ids`, streaming through the callbacks:
         on_progress(pos, total, chunk_ms, chunk_tok_per_s) per prompt chunk, on_token(id), and
-        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob)."""
+        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob).
+        Prompt state is reused only from requests of the same `cache_salt`; `reuse` False reads
+        the whole prompt (what it leaves is reused by later requests as any other's)."""
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
         self.coord.await_ranks(should_cancel)
         if self.coord.rejoins != self._rejoins:   # a rank was replaced: nothing is reusable
             self.tokens, self.checkpoints, self._rejoins = [], [], self.coord.rejoins
-        out = Outcome(reused=0 if logprobs.prompt else self.reusable(ids))
+            self.conversations.clear()
+        reuse = reuse and not logprobs.prompt
+        out = Outcome(reused=self.reusable(ids) if reuse and cache_salt == self.salt else 0)
+        table, positional = self.conversations, self.checkpoints is None
+        table.begin()
+        restore = table.best(ids, cache_salt, positional) if reuse else (0, 0)
+        if restore[1] <= out.reused:
+            restore = (0, 0)
+        else:
+            out.reused = restore[1]
+        conversation = table.step(self.tokens, self.salt, cache_salt, out.reused, restore,
+                                  positional)
+        self.salt = cache_salt
+        if restore[0] and not positional:
+            self.checkpoints = []   # the serving session's were of the conversation it leaves
         out.read = len(ids) - out.reused
         if on_resume:
             on_resume(out.reused)
@@ -111,6 +134,7 @@ class HeadSession:
             if ev.kind == "progress":
                 m = ev.msg
                 self.checkpoints = None if m.resume_any else list(m.checkpoints)
+                table.reported(m.conversations)
                 read_to = m.pos
                 n_chunk = m.pos - (out.reused + m.chunk_index * self.chunk)
                 ms = (now - last) * 1e3
@@ -137,7 +161,7 @@ class HeadSession:
         try:
             reason = self.coord.run_request(self.session_id, out.reused, ids[out.reused:], sampling,
                                             self.chunk, on_event, should_cancel=should_cancel,
-                                            checkpoint_at=at)
+                                            checkpoint_at=at, conversation=conversation)
         except RequestError:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh
             raise

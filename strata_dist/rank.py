@@ -166,7 +166,8 @@ class RankProcess:
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
                 prompt_chunk=assign.prefill_chunk,
                 local_helper_pairs=[tuple(p) for p in assign.helper_pairs],
-                adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps))
+                adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps,
+                **_conversation_budget(assign)))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id)
@@ -204,6 +205,9 @@ class RankProcess:
         if self.stage and self.stage.checkpoint_bound_bytes():
             # allocated on demand: the bound for one session (strata_dist/checkpoints.py)
             allocated["checkpoints"] = self.stage.checkpoint_bound_bytes()
+        if self.stage is not None and self.stage.conversations.budget_bytes:
+            # allocated on demand up to this bound, as the plan priced it (conversation_cache.py)
+            allocated["conversations"] = self.stage.conversations.budget_bytes
         allocated.update({k: v[0] for k, v in free.items() if v is not None})
         self._allocated = allocated
         self.control.send(Ready(rank=rank, allocated=allocated,
@@ -396,7 +400,10 @@ class RankProcess:
 
     def _gauges(self) -> dict[str, float]:
         """Point-in-time values: the bytes this stage's checkpoints hold now."""
-        return {"checkpoint_bytes": float(self.stage.checkpoint_bytes())} if self.stage else {}
+        if not self.stage:
+            return {}
+        return {"checkpoint_bytes": float(self.stage.checkpoint_bytes()),
+                "conversation_bytes": float(self.stage.conversations.nbytes)}
 
     def _counters(self) -> dict[str, int]:
         c = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
@@ -526,3 +533,10 @@ def _sibling(endpoint: str, name: str) -> str:
 def _backend(device: str):
     from .backends import get_backend
     return get_backend(device)
+
+
+def _conversation_budget(assign: Assign) -> dict:
+    """The stage's kept-conversation budget and place, as its part of the plan prices them."""
+    st = assign.plan.get("stages", [])[assign.stage] if assign.stage >= 0 else {}
+    return {"conversation_bytes": int(st.get("conversation_bytes", 0)),
+            "conversation_host": st.get("conversation_in", "device") == "host"}

@@ -14,6 +14,7 @@ import numpy as np
 from .adapt import RoutingCounts, coverage, pick_swaps
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
+from .conversation_cache import ConversationCache
 from .experts import BlobArena
 from .plan.lend import loan_slots
 from .plan.workspace import STREAMED
@@ -51,6 +52,10 @@ class StageConfig:
     local_helper_pairs: list = field(default_factory=list)
     adapt_every: int = 0      # --adapt-every: tokens between the adaptive cache's rounds (0: off)
     adapt_swaps: int = 0      # --adapt-swaps: the most pairs a round swaps
+    # --conversation-cache-mib: this stage's budget for kept conversations (the plan's
+    # conversation_bytes) and whether the plan put them in pinned host memory
+    conversation_bytes: int = 0
+    conversation_host: bool = False
 
 
 class Stage:
@@ -107,6 +112,8 @@ class Stage:
                                                            self.backend.xp)
         self.sessions: dict[int, object] = {}
         self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
+        self.conversations = ConversationCache(self.backend, cfg.conversation_bytes,
+                                               host=cfg.conversation_host)
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
 
@@ -196,7 +203,21 @@ class Stage:
         out = dict(self._released_counts)
         for c in self.checkpoints.values():
             out = _add_counts(out, c)
-        return out
+        return {**out, **self.conversations.counters}
+
+    def switch_conversation(self, session_id: int, step) -> None:
+        """A request's ConversationStep, before its first chunk (strata_dist/conversation_cache.py):
+        keep the serving session as a conversation, drop some, restore one into it."""
+        s = self.session(session_id)
+        if self.decode_graph is not None:
+            self.decode_graph.settle()      # a step ahead may still write the session
+        if step.keep:
+            self.conversations.keep(s, step.keep, step.keep_n, protect=step.restore)
+        self.conversations.forget(step.forget)
+        if step.restore:
+            self.conversations.restore(s, step.restore, step.restore_n)
+            # its checkpoints were of the conversation it left
+            self.checkpoint_store(session_id).clear()
 
     def begin_prompt(self, rows: int | None = None) -> None:
         """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU the

@@ -21,6 +21,7 @@ from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Toke
 from protocol.messages import Sampling
 
 from .checkpoints import common_positions
+from .conversation_cache import common_keys
 from .sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
 from .stage import Stage
 from .structured import GrammarError, GrammarMatcher, model_tokenizer
@@ -145,6 +146,8 @@ class StageStep:
             # a prompt of one chunk borrows only what its rows need
             self.stage.begin_prompt(_rows_of(msg) if msg.chunk_total == 1 else None)
             self.prompting = msg.request_id
+            if msg.conversation is not None:
+                self.stage.switch_conversation(msg.session_id, msg.conversation)
         all_rows = self.last and is_prompt and msg.sampling.prompt_logprobs
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
@@ -177,6 +180,9 @@ class StageStep:
         # the checkpoints every stage so far holds for the session (checkpoints.py; PROTOCOL.md §4a)
         upstream = None if isinstance(msg, Tokens) or msg.resume_any else msg.checkpoints
         held = common_positions(upstream, self.stage.checkpoint_positions(msg.session_id))
+        # the conversations every stage so far keeps (conversation_cache.py), with prompt chunks
+        kept = (common_keys(None if isinstance(msg, Tokens) else msg.conversations,
+                            self.stage.conversations.keys()) if is_prompt else [])
         if not self.last:
             shape = [int(d) for d in out.shape]
             return [Outbound(To.NEXT, Hidden(
@@ -184,7 +190,8 @@ class StageStep:
                 dtype="float32", shape=shape, chunk_index=msg.chunk_index,
                 chunk_total=msg.chunk_total, sampling=msg.sampling,
                 checkpoint_at=msg.checkpoint_at, checkpoints=held or [],
-                resume_any=held is None), rows=out)]
+                resume_any=held is None, conversation=msg.conversation,
+                conversations=kept), rows=out)]
         end = msg.pos + _rows_of(msg)
         sent: list[Outbound] = []
         if is_prompt:
@@ -193,7 +200,7 @@ class StageStep:
                 request_id=msg.request_id, session_id=msg.session_id, pos=end,
                 chunk_index=msg.chunk_index, chunk_total=msg.chunk_total,
                 ms=(time.perf_counter() - t0) * 1e3, checkpoints=held or [],
-                resume_any=held is None)
+                resume_any=held is None, conversations=kept)
             if msg.sampling.prompt_logprobs:
                 _attach_prompt_logprobs(progress, out, msg.pos, ids, msg.sampling.top_logprobs)
                 out = out[-1]             # the row the first token is sampled from

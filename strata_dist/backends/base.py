@@ -35,6 +35,15 @@ class Backend:
             return self.xp.empty(shape, dtype=dtype)
         return self.workspace.take(name, shape, dtype)
 
+    # -- kept conversations (strata_dist/conversation_cache.py) ---------------------------------
+    def keep_rows(self, a, n: int, host: bool = False):
+        """A copy of the first n rows of `a` (a host copy on this backend, `host` or not)."""
+        return np.array(a[:n])
+
+    def put_rows(self, dst, src) -> None:
+        """Write `src` (a keep_rows copy, or its first rows) over the first rows of `dst`."""
+        dst[:len(src)] = src
+
     # -- placement -------------------------------------------------------------------------------
     def dense(self, host: np.ndarray):
         """A dense weight matrix as the backend keeps it."""

@@ -471,6 +471,21 @@ class CupyBackend(Backend):
             return decode_graph(model, max_cells, NextDecodeGraph)
         return decode_graph(model, max_cells)
 
+    def keep_rows(self, a, n: int, host: bool = False):
+        """The first n rows of a device array: a device copy, or (`host`: the plan put the
+        conversation cache in host memory) a copy in pinned host memory."""
+        if not host:
+            return a[:n].copy()
+        buf = cupyx.empty_pinned((n,) + tuple(a.shape[1:]), dtype=a.dtype)
+        a[:n].get(out=buf)
+        return buf
+
+    def put_rows(self, dst, src) -> None:
+        if isinstance(src, np.ndarray):    # a pinned host copy
+            dst[:len(src)].set(src)
+        else:
+            dst[:len(src)] = src
+
     def synchronize(self):
         cp.cuda.get_current_stream().synchronize()
 

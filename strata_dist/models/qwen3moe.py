@@ -151,6 +151,10 @@ class KVSession:
     def reset(self, n_past: int = 0) -> None:
         self.n_past = n_past
 
+    def kv_rows(self) -> list:
+        """Every K/V store of the range, in one fixed order (what a kept conversation copies)."""
+        return self._k + self._v
+
 
 @dataclass
 class LayerWeights:

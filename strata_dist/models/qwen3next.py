@@ -406,6 +406,11 @@ class HybridSession:
                 f"to {n_past} (layers [{self.lb}, {self.le})); resuming there needs a checkpoint")
         self.n_past = n_past
 
+    def kv_rows(self) -> list:
+        """Every K/V store of the range's attention layers, in one fixed order (what a kept
+        conversation copies, strata_dist/conversation_cache.py)."""
+        return [*self._k.values(), *self._v.values()]
+
     # ---- checkpoints (strata_dist/checkpoints.py keeps them; this is the session's side) ---------
     @property
     def checkpoint_nbytes(self) -> int:

@@ -27,11 +27,12 @@ from .search import (Placement, check_split_points, price_split, search, search_
                      search_fixed, shortfall_message)
 from .shape import ModelShape
 
+# 8: stages price their kept conversations (--conversation-cache-mib): conversation_bytes/_in
 # 7: the launch's compute options (protocol/compute_options.py) kept beside the params
 # 6: helper tiers say whether the operator sized them (explicit)
 # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
 # read_ms); 2: *_stages totals
-PLAN_FORMAT = "strata-plan/7"
+PLAN_FORMAT = "strata-plan/8"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class StagePlan:
     own_prompt_bytes: int
     mass: float
     note: str = ""
+    # --conversation-cache-mib: the most this stage's kept conversations take (its own layers'
+    # K/V and state), on its device ("device": taken before its expert cache fills; host memory
+    # on a CPU stage) or, where the cards had no room for it, in pinned host memory ("host")
+    conversation_bytes: int = 0
+    conversation_in: str = "device"
 
     @property
     def cache_slots(self) -> int:
@@ -148,7 +154,8 @@ class Plan:
         st = self.stage_on(device)
         if st is not None:
             used += (st.weights_bytes + st.session_bytes + st.reserve_bytes + st.own_prompt_bytes
-                     + st.cache_bytes)
+                     + st.cache_bytes
+                     + (st.conversation_bytes if st.conversation_in == "device" else 0))
         h = self.helper_on(device)
         if h is not None:
             used += h.reserve_bytes + h.bytes
@@ -308,7 +315,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
               skip_if_fits: bool = False, prefill: int | None = None,
               stage_gpus: Sequence[str] | None = None,
               helper_tiers: Sequence[ExplicitTier] = (),
-              compute: ComputeOptions = ComputeOptions()) -> Plan:
+              compute: ComputeOptions = ComputeOptions(),
+              conversation_bytes: int = 0) -> Plan:
     """Plan a run of `shape` on `devices` with `cells` context cells.
 
     split: "auto" (search), "none" (one stage on the best single device), or explicit split points
@@ -318,6 +326,9 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     tiers only. helper_tiers: explicit helper tiers, sized by the operator — taken off a stage
     card before its cache fills, kept with --no-remote-auto, refused rather than skipped.
     compute: the launch's compute options, kept in the plan (they do not move its numbers).
+    conversation_bytes: each stage's budget for kept conversations (--conversation-cache-mib),
+    taken off its card before the cache fills; where no placement fits with it there, every
+    stage keeps it in pinned host memory instead (noted).
     Raises PlanError (a refusal naming the numbers) when the request cannot be honoured.
     """
     if not devices:
@@ -346,6 +357,22 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     withheld = [sized[dev].budget_bytes + HELPER_RESERVE_BYTES
                 if dev in sized and (stage_set is None or d in stage_set) else 0
                 for d, dev in enumerate(ordered)]
+    if conversation_bytes < 0:
+        raise PlanError(f"--conversation-cache-mib: {conversation_bytes} bytes; at least 0")
+    conversation_in = "device"
+    if conversation_bytes:
+        # card first: withheld from every card that may run a stage, as an explicit helper tier
+        on_card = [w + (conversation_bytes if stage_set is None or d in stage_set else 0)
+                   for d, w in enumerate(withheld)]
+        try:
+            _place(CostModel(shape, ordered, profile, cells, params, handoff_rows=prefill
+                             if prefill is not None else HANDOFF_ROWS, withheld=on_card),
+                   split, skip_if_fits, stage_set)
+            withheld = on_card
+        except PlanError:
+            conversation_in = "host"
+            notes.append(f"conversation cache: {conversation_bytes / MIB:.1f} MiB per stage in "
+                         f"pinned host memory (no placement fits with it on the cards)")
     # hand-off buffers hold one prompt chunk: the search prices the largest it may pick (the
     # operator's, or the largest auto chunk); once the chunk is known, the rest goes to the caches
     rows = prefill if prefill is not None else HANDOFF_ROWS
@@ -395,7 +422,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),
             cache_bytes=f.bytes, slot_bytes=parts[i].slot_bytes, loan_slots=loan.slots,
             loan_bytes=loan.bytes, own_prompt_bytes=loan.own_bytes, mass=cm.held_mass(f.pairs),
-            note=loan.note))
+            note=loan.note, conversation_bytes=conversation_bytes,
+            conversation_in=conversation_in))
 
     # helper tiers on every card's leftover (stage cards included), after the caches are fixed;
     # an explicit tier offers exactly its size (a stage card withheld it from its stage)

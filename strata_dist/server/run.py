@@ -162,6 +162,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             launch.echo = echo
         sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
         session = HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None,
+                              keep_conversations=any(s.conversation_bytes for s in plan.stages),
                               **({} if prompt_cache_every is None
                                  else {"checkpoint_every": prompt_cache_every}))
         if info_lines is not None:

@@ -326,7 +326,6 @@ class Worker:
         self.rank_counters: dict[int, dict[str, int]] = {}
         self.rank_gauges: dict[int, dict[str, float]] = {}
         self.stats_at = 0.0
-        self.session_salt = ""             # the salt of the request whose tokens the session holds
         self.lost: dict[int, str] = {}     # stage ranks lost, until their replacements load
         self.latency = LatencyHistograms()
         self.requests = RequestLog()       # the Monitor's request list
@@ -424,7 +423,6 @@ class Worker:
     def attach(self, session: HeadSession) -> None:
         self.session = session
         self.coord = session.coord
-        self.session_salt = ""
         self.lost = {}
         self.state, self.error = "ready", None
 
@@ -531,9 +529,6 @@ class Worker:
 
         outcome = "requests_error"
         result: Result | None = None
-        if not spec.cache_prompt or spec.cache_salt != self.session_salt:
-            self.session.tokens = []
-        self.session_salt = spec.cache_salt
         choices: list[Choice] = []
         reused = read = 0
         prompt_ms = decode_ms = 0.0
@@ -550,7 +545,8 @@ class Worker:
                     stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
                     logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
                                             spec.logprobs.prompt and j == 0),
-                    should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure))
+                    should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure),
+                    cache_salt=spec.cache_salt, reuse=spec.cache_prompt)
                 if failure:
                     raise failure[0]
                 if job.cancelled.is_set() and not stream.stop_hit:
