@@ -280,6 +280,10 @@ def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extr
                       loan_mib=mib(st.loan_bytes if st else 0), cache_mib=mib(st.cache_bytes if st else 0),
                       helper_mib=mib(h.bytes if h else 0), free_mib=mib(dev.free_bytes),
                       total_mib=mib(dev.total_bytes))
+        if st is not None and st.conversation_bytes:   # kept conversations: carved as priced
+            fields.update(conversation_bytes=alloc.get("conversations", 0),
+                          conversation_priced_bytes=st.conversation_bytes,
+                          conversation_in=st.conversation_in)
         lines.append("INFO " + " ".join(f"{k}={v}" for k, v in fields.items()))
     return lines
 

@@ -50,6 +50,11 @@ def render_table(plan: Plan) -> str:
         lines.append(f"{dev.label} and {other.label} share one card: their memory is split between "
                      f"them, and a hop between them costs {plan.params.shared_card_handoff_ms:g} ms "
                      f"(they take turns on it)")
+    kept = next((st for st in plan.stages if st.conversation_bytes), None)
+    if kept is not None:
+        where = ("on its device, taken before its expert cache fills"
+                 if kept.conversation_in == "device" else "in pinned host memory")
+        lines.append(f"conversation cache: {_mib(kept.conversation_bytes)} MiB per stage {where}")
     for h in plan.helpers:
         if h.skipped:
             lines.append(f"helper tier on {h.device.label} skipped: {h.reason}")
