@@ -114,10 +114,15 @@ class ConversationCache:
             del self._kept[old]
             self.counters["conversations_evicted"] += 1
         be = self.backend
-        self._kept[key] = KeptConversation(
-            n=n, rows=[be.keep_rows(a, n, self.host) for a in kv_parts(session)],
-            state=[be.keep_rows(a, int(a.shape[0]), self.host) for a in state_parts(session)],
-            nbytes=need)
+        try:
+            self._kept[key] = KeptConversation(
+                n=n, rows=[be.keep_rows(a, n, self.host) for a in kv_parts(session)],
+                state=[be.keep_rows(a, int(a.shape[0]), self.host) for a in state_parts(session)],
+                nbytes=need)
+        except (MemoryError, RuntimeError) as e:   # the device or pinned memory said no: fail soft
+            self.counters["conversations_skipped"] += 1
+            log.warning("conversation %d (%d cells) not kept: %s", key, n, e)
+            return False
         self.counters["conversations_kept"] += 1
         return True
 

@@ -414,6 +414,7 @@ class RankProcess:
         if self.stage is not None:
             c.update(self.stage.tiers.counters)
             c.update(self.stage.checkpoint_counters())
+            c.update(self.stage.conversations.counters)
         if self.sender is not None:
             c.update(handoff_ipc=self.sender.sent_ipc, handoff_frames=self.sender.sent_frames)
         if self.stage is not None and self.stage.tiers.helpers:

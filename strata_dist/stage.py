@@ -203,7 +203,7 @@ class Stage:
         out = dict(self._released_counts)
         for c in self.checkpoints.values():
             out = _add_counts(out, c)
-        return {**out, **self.conversations.counters}
+        return out
 
     def switch_conversation(self, session_id: int, step) -> None:
         """A request's ConversationStep, before its first chunk (strata_dist/conversation_cache.py):
@@ -218,6 +218,8 @@ class Stage:
             self.conversations.restore(s, step.restore, step.restore_n)
             # its checkpoints were of the conversation it left
             self.checkpoint_store(session_id).clear()
+        if step.keep or step.restore:
+            self.backend.synchronize()      # the copies, before a decode graph's own stream reads
 
     def begin_prompt(self, rows: int | None = None) -> None:
         """The prompt path borrows the tail of this stage's own cache (its loan). On a GPU the
