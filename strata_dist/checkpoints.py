@@ -147,6 +147,10 @@ class CheckpointStore:
             del self._by_pos[next(iter(self._by_pos))]
         return True
 
+    def before(self, pos: int) -> dict[int, object]:
+        """The checkpoints below `pos` (shared, not copied: a checkpoint is never written)."""
+        return {p: c for p, c in self._by_pos.items() if p < pos}
+
     def drop_after(self, pos: int) -> None:
         for p in [p for p in self._by_pos if p > pos]:
             del self._by_pos[p]

@@ -9,11 +9,13 @@ prompt chunk (protocol/conversations.py), before the chunk is read:
 1. `keep`: copy the serving session's state as the conversation `keep` of `keep_n` cells — the
    K/V rows [0, keep_n) of this stage's own attention layers and, on a stage with linear layers
    (qwen3next), their conv and recurrent state, which is valid only at the session's own position
-   (kept only when the session is at exactly `keep_n`).
+   (kept only when the session is at exactly `keep_n`), with the serving session's checkpoints
+   below `keep_n` (strata_dist/checkpoints.py: shared, not copied; device copies only).
 2. `forget`: drop conversations the head no longer needs.
 3. `restore`: copy conversation `restore`'s first `restore_n` cells back into the serving session
-   and move it there. Recurrent state exists only at the kept length: a stage with linear layers
-   refuses any other `restore_n` (the head never asks it), so a wrong state is never read.
+   and move it there. Recurrent state exists only at the kept length and at its kept checkpoints:
+   a stage with linear layers refuses any other `restore_n` (the head never asks it), so a wrong
+   state is never read.
 
 Each stage keeps only its own layers. A stage's kept conversations take at most its budget (the
 planner's `conversation_bytes`, priced per stage); the least recently kept or restored ones go
@@ -69,6 +71,7 @@ class KeptConversation:
     rows: list      # the first n cells of each kv_parts array
     state: list     # copies of state_parts (empty: positional)
     nbytes: int
+    prefix: dict    # position < n -> the serving session's checkpoint there (recurrent only)
 
 
 class ConversationCache:
@@ -91,16 +94,18 @@ class ConversationCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._kept.values())
 
-    def keep(self, session, key: int, n: int, protect: int = 0) -> bool:
+    def keep(self, session, key: int, n: int, protect: int = 0, prefix: dict | None = None) -> bool:
         """Copy the session's first `n` cells (and its recurrent state, which must be at n) as
         conversation `key`, making room by dropping the least recently used but `protect` (the
-        one about to be restored). False when not kept: it cannot fit the budget, or the
-        session's recurrent state is not at n."""
+        one about to be restored). `prefix`: the session's checkpoints below n, kept with it
+        (their bytes count; not with host copies, which hold no device state). False when not
+        kept: it cannot fit the budget, or the session's recurrent state is not at n."""
         if key <= 0 or not 0 < n <= session.max_cells:
             raise ValueError(f"conversation {key} of {n} cells: the key must be > 0 and the "
                              f"cells in (0, {session.max_cells}]")
         self._kept.pop(key, None)
-        need = conversation_nbytes(session, n)
+        prefix = {} if self.host or not is_recurrent(session) else dict(prefix or {})
+        need = conversation_nbytes(session, n) + sum(int(c.nbytes) for c in prefix.values())
         room = self.budget_bytes - (self._kept[protect].nbytes if protect in self._kept else 0)
         if need > room or (is_recurrent(session) and session.n_past != n):
             self.counters["conversations_skipped"] += 1
@@ -118,7 +123,7 @@ class ConversationCache:
             self._kept[key] = KeptConversation(
                 n=n, rows=[be.keep_rows(a, n, self.host) for a in kv_parts(session)],
                 state=[be.keep_rows(a, int(a.shape[0]), self.host) for a in state_parts(session)],
-                nbytes=need)
+                nbytes=need, prefix=prefix)
         except (MemoryError, RuntimeError) as e:   # the device or pinned memory said no: fail soft
             self.counters["conversations_skipped"] += 1
             log.warning("conversation %d (%d cells) not kept: %s", key, n, e)
@@ -128,19 +133,24 @@ class ConversationCache:
 
     def restore(self, session, key: int, n: int) -> None:
         """Put conversation `key`'s first `n` cells back into the session and move it to n. A
-        stage with linear layers restores only the kept length (its state exists only there)."""
+        stage with linear layers restores only the kept length or a kept checkpoint's position
+        (its state exists only there)."""
         kept = self._kept.get(key)
         if kept is None:
             raise ValueError(f"conversation {key} is not kept on this stage (kept: {self.keys()})")
-        if not 0 < n <= kept.n or (kept.state and n != kept.n):
+        if not 0 < n <= kept.n or (kept.state and n != kept.n and n not in kept.prefix):
             raise ValueError(f"conversation {key} keeps {kept.n} cells"
-                             + (" with recurrent state valid only there" if kept.state else "")
+                             + (f" with recurrent state valid only there and at "
+                                f"{sorted(kept.prefix)}" if kept.state else "")
                              + f"; {n} cannot be restored")
         be = self.backend
         for dst, src in zip(kv_parts(session), kept.rows):
             be.put_rows(dst, src[:n])
-        for dst, src in zip(state_parts(session), kept.state):
-            be.put_rows(dst, src)
+        if n in kept.prefix:
+            session.restore(kept.prefix[n])     # its own checkpoint's state, and position n
+        else:
+            for dst, src in zip(state_parts(session), kept.state):
+                be.put_rows(dst, src)
         session.n_past = n
         self._kept.move_to_end(key)
         self.counters["conversations_restored"] += 1

@@ -7,7 +7,8 @@ ConversationStep that tells every stage what to keep, drop and restore before it
   head.py) or of ANY kept conversation of the same salt (the API key and `cache_salt`: a reuse shows
   in the reply, so it never crosses salts). A kept conversation is usable up to its common prefix
   with the request when every stage's state is positional (K/V only), and only at exactly its
-  length when some stage holds recurrent state (qwen3next): that state exists only there.
+  length or at a checkpoint every stage held when it was kept when some stage holds recurrent
+  state (qwen3next): that state exists only there.
 - Before the serving session is overwritten (the request does not simply continue it, or comes
   under another salt), it is kept under a new key. With positional state, kept conversations whose
   tokens are a prefix of it are dropped: it serves every request they would.
@@ -26,6 +27,7 @@ from protocol.conversations import ConversationStep
 class KeptTokens:
     tokens: list[int]     # what the conversation's kept cells hold, position by position
     salt: str
+    positions: list[int] | None = None   # where it can be restored (None: anywhere, positional)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -59,16 +61,18 @@ class ConversationTable:
             if k.salt != salt:
                 continue
             n = min(common_prefix(ids, k.tokens), len(ids) - 1)
-            usable = n if positional else (n if n == len(k.tokens) else 0)
+            usable = n if positional or k.positions is None else max(
+                [0] + [p for p in k.positions if p <= n])
             if usable > best[1]:
                 best = (key, usable)
         return best
 
     def step(self, live: list[int], live_salt: str, salt: str, resume: int, restore: tuple[int, int],
-             positional: bool) -> ConversationStep | None:
+             positional: bool, live_checkpoints: list[int] = ()) -> ConversationStep | None:
         """What the stages do before the request: keep the serving session (`live`, under
-        `live_salt`) unless the request continues it (same salt, resuming at its end without a
-        restore), drop what is superseded or unconfirmed, restore `restore` = (key, cells)."""
+        `live_salt`, with its checkpoints every stage holds) unless the request continues it
+        (same salt, resuming at its end without a restore), drop what is superseded or
+        unconfirmed, restore `restore` = (key, cells)."""
         keep = keep_n = 0
         forget, self._forget = self._forget, []
         continues = not restore[0] and salt == live_salt and resume == len(live)
@@ -81,7 +85,8 @@ class ConversationTable:
                            and k.salt == live_salt and live[:len(k.tokens)] == k.tokens]
             for key in forget:
                 self.kept.pop(key, None)
-            self.kept[keep] = KeptTokens(list(live), live_salt)
+            self.kept[keep] = KeptTokens(list(live), live_salt, None if positional else sorted(
+                {p for p in live_checkpoints if 0 < p < len(live)} | {len(live)}))
             self._unconfirmed = [keep]
         if not (keep or forget or restore[0]):
             return None

@@ -112,7 +112,7 @@ class HeadSession:
         else:
             out.reused = restore[1]
         conversation = table.step(self.tokens, self.salt, cache_salt, out.reused, restore,
-                                  positional)
+                                  positional, self.checkpoints or [])
         self.salt = cache_salt
         if restore[0] and not positional:
             self.checkpoints = []   # the serving session's were of the conversation it leaves

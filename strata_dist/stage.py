@@ -212,7 +212,8 @@ class Stage:
         if self.decode_graph is not None:
             self.decode_graph.settle()      # a step ahead may still write the session
         if step.keep:
-            self.conversations.keep(s, step.keep, step.keep_n, protect=step.restore)
+            self.conversations.keep(s, step.keep, step.keep_n, protect=step.restore,
+                                    prefix=self.checkpoint_store(session_id).before(step.keep_n))
         self.conversations.forget(step.forget)
         if step.restore:
             self.conversations.restore(s, step.restore, step.restore_n)

@@ -128,24 +128,26 @@ def test_eviction_at_a_small_budget_falls_back_to_a_full_read(tmp_path):
     assert int(stats[0]["conversations_evicted"]) >= 1
 
 
-def test_qwen3next_restores_only_a_kept_conversations_exact_length(hybrid):
+def test_qwen3next_restores_only_at_a_kept_length_or_checkpoint(hybrid):
     rng = np.random.default_rng(2)
     system = _ids(rng, 20)
     starts = [system + _ids(rng, 15) for _ in range(3)]
 
     def requests(outs):
         yield from _interleaved(system, starts)(outs)
-        # diverging inside A's kept conversation: its state exists only at its end, so not there
+        # diverging inside A's kept conversation before any of its checkpoints: read afresh
         yield starts[0][:30] + [9, 9, 9]
+        # A2 again (a regenerate): A2's start is a checkpoint kept with its conversation
+        yield starts[0] + outs[0]["tokens"] + [5, 6, 7]
 
     on, stats, _ = _run(hybrid, "1", requests, "--layer-split", "3")
     off, _, _ = _run(hybrid, "0", requests, "--layer-split", "3")
     kept = len(starts[0]) + N_NEW - 1
-    assert [o["resume"] for o in on[3:]] == [kept] * 3 + [0]
-    assert [o["resume"] for o in off[3:]] == [0] * 4
+    assert [o["resume"] for o in on[3:]] == [kept] * 3 + [0, kept]
+    assert [o["resume"] for o in off[3:]] == [0] * 5
     assert [o["tokens"] for o in on] == [o["tokens"] for o in off]
     for rank in (0, 1):
-        assert int(stats[rank]["conversations_restored"]) == 3
+        assert int(stats[rank]["conversations_restored"]) == 4
 
 
 def test_kept_conversations_are_reused_only_within_a_salt(tmp_path):
@@ -235,7 +237,7 @@ def test_recurrent_state_is_restored_only_at_its_kept_length(hybrid):
     assert not stage.conversations.keep(s, 1, 20)        # the state is at 24, not 20
     assert stage.conversations.keep(s, 1, 24)
     _fill(stage, _ids(rng, 30))
-    with pytest.raises(ValueError, match="valid only there"):
+    with pytest.raises(ValueError, match="valid only there and at \\[\\]"):
         stage.conversations.restore(s, 1, 20)
     stage.conversations.restore(s, 1, 24)
     for l in s.linear_layers:
@@ -254,8 +256,13 @@ def test_the_head_table_picks_the_longest_prefix_of_its_salt():
     assert t.best([1, 2, 3, 7, 8], "a", positional=True) == (1, 3)
     assert t.best([1, 2, 3, 7, 8], "b", positional=True) == (2, 2)
     assert t.best([1, 2, 3, 7, 8], "c", positional=True) == (0, 0)
-    assert t.best([1, 2, 3, 7, 8], "a", positional=False) == (0, 0)   # 3 of 4: not its length
-    assert t.best([1, 2, 3, 4, 8], "a", positional=False) == (1, 4)
+    # recurrent state: a kept conversation serves only at its length or a checkpoint kept with it
+    r = ConversationTable(True)
+    r.step([1, 2, 3, 4, 5], "a", "a", 0, (0, 0), positional=False, live_checkpoints=[2, 9])
+    assert r.kept[1].positions == [2, 5]
+    assert r.best([1, 2, 3, 4, 5, 6], "a", positional=False) == (1, 5)
+    assert r.best([1, 2, 3, 4, 9], "a", positional=False) == (1, 2)
+    assert r.best([1, 7], "a", positional=False) == (0, 0)
 
 
 # ---- the planner ------------------------------------------------------------------------------------

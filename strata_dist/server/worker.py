@@ -546,7 +546,8 @@ class Worker:
                     logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
                                             spec.logprobs.prompt and j == 0),
                     should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure),
-                    cache_salt=spec.cache_salt, reuse=spec.cache_prompt)
+                    # cache_prompt false: nothing from before the request (its own runs reuse)
+                    cache_salt=spec.cache_salt, reuse=spec.cache_prompt or index > 0)
                 if failure:
                     raise failure[0]
                 if job.cancelled.is_set() and not stream.stop_hit:
