@@ -135,16 +135,19 @@ def test_qwen3next_restores_only_at_a_kept_length_or_checkpoint(hybrid):
 
     def requests(outs):
         yield from _interleaved(system, starts)(outs)
-        # diverging inside A's kept conversation before any of its checkpoints: read afresh
-        yield starts[0][:30] + [9, 9, 9]
-        # A2 again (a regenerate): A2's start is a checkpoint kept with its conversation
-        yield starts[0] + outs[0]["tokens"] + [5, 6, 7]
+        # diverging inside A1's kept conversation at 34: not at its length (38), but at the
+        # checkpoint its first prompt left at 32 (every 16 tokens), kept with it
+        yield starts[0][:34] + [9, 9, 9]
+        # diverging at 10, before any checkpoint: read afresh
+        yield starts[0][:10] + [9, 9, 9]
 
-    on, stats, _ = _run(hybrid, "1", requests, "--layer-split", "3")
-    off, _, _ = _run(hybrid, "0", requests, "--layer-split", "3")
+    args = ("--layer-split", "3", "--prompt-cache-every", "16")
+    on, stats, _ = _run(hybrid, "1", requests, *args)
+    off, _, _ = _run(hybrid, "0", requests, *args)
     kept = len(starts[0]) + N_NEW - 1
-    assert [o["resume"] for o in on[3:]] == [kept] * 3 + [0, kept]
-    assert [o["resume"] for o in off[3:]] == [0] * 5
+    assert [o["resume"] for o in on[3:]] == [kept] * 3 + [32, 0]
+    # without: the serving session's checkpoints alone (the shared system prompt's 16 at best)
+    assert all(o["resume"] <= 16 for o in off[3:])
     assert [o["tokens"] for o in on] == [o["tokens"] for o in off]
     for rank in (0, 1):
         assert int(stats[rank]["conversations_restored"]) == 4
