@@ -7,6 +7,7 @@ with the cache off; eviction at a small budget falling back to a full read; a qw
 restoring only at a kept conversation's exact length; reuse only within one cache_salt. In
 process: the stage's copies (restored bytes equal the kept ones, the budget, LRU order, a
 recurrent state refused at any other length) and the planner's price equal to the carve."""
+import httpx
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from server_helpers import ServerProcess
 from strata_dist.conversation_cache import ConversationCache, conversation_nbytes, kv_parts
 from strata_dist.conversation_table import ConversationTable
 from strata_dist.plan import PlanError, make_plan
+from strata_dist.plan.plan import Plan
 from strata_dist.stage import Stage, StageConfig
 from strata_dist.synth import write_synthetic
 from test_plan_fixtures import MIB, hybrid_kinds, make_devices, make_shape
@@ -176,6 +178,15 @@ def test_kept_conversations_are_reused_only_within_a_salt(tmp_path):
                                       temperature=0, extra_body={"cache_salt": "carol"})
         assert r.usage.prompt_tokens_details.cached_tokens == 0
         assert cached("bob") > 0            # bob's conversation was kept when carol's began
+        # n choices on the prompt's cache: the prompt is read once, each later choice reads
+        # only its last token again (each choice before it kept as a conversation)
+        r = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=30,
+                       json={"model": "tiny", "prompt": "a fresh prompt for three choices",
+                             "max_tokens": 3, "temperature": 0, "n": 3, "cache_salt": "dave"})
+        body = r.json()
+        assert r.status_code == 200, body
+        assert body["timings"]["prompt_read"] == body["usage"]["prompt_tokens"] + 2
+        assert len({c["text"] for c in body["choices"]}) == 1     # greedy: the same three times
     finally:
         server.close()
 
@@ -284,6 +295,7 @@ def test_the_plan_prices_the_cache_on_every_stage_before_its_expert_cache(kinds)
         assert after.cache_bytes <= after.budget_bytes
         assert plan.left_bytes(after.device) >= 0
     assert plan.expert_slots_stages < base.expert_slots_stages
+    assert Plan.from_json(plan.to_json()) == plan     # what the ranks receive keeps the price
 
 
 def test_cards_without_room_keep_it_in_pinned_host_memory():
