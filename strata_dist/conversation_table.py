@@ -99,6 +99,11 @@ class ConversationTable:
         self.kept = {k: v for k, v in self.kept.items() if k in held}
         self._unconfirmed = []
 
+    def discard(self, key: int) -> None:
+        """A restore of `key` failed: it is dropped here and, with the next step, on every stage."""
+        if self.kept.pop(key, None) is not None:
+            self._forget.append(key)
+
     def clear(self) -> None:
         """A rank was replaced: it holds none of them (the others drop theirs as unconfirmed)."""
         self._forget += list(self.kept)

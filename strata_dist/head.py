@@ -164,6 +164,8 @@ class HeadSession:
                                             checkpoint_at=at, conversation=conversation)
         except RequestError:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh
+            if restore[0] and read_to == out.reused:   # nothing read: the restore may have failed
+                table.discard(restore[0])
             raise
         out.reason = reason or "length"
         out.decode_ms = (time.perf_counter() - t0) * 1e3 - out.prompt_ms

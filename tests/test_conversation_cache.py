@@ -277,6 +277,14 @@ def test_the_head_table_picks_the_longest_prefix_of_its_salt():
     assert r.best([1, 2, 3, 4, 5, 6], "a", positional=False) == (1, 5)
     assert r.best([1, 2, 3, 4, 9], "a", positional=False) == (1, 2)
     assert r.best([1, 7], "a", positional=False) == (0, 0)
+    # a key sent to keep and never reported is no conversation: dropped on every stage next time
+    step = r.step([1, 2, 8], "a", "b", 0, (0, 0), positional=False)
+    r.begin()
+    assert 2 not in r.kept
+    assert r.step([], "b", "b", 0, (0, 0), positional=False).forget == [step.keep]
+    # a restore that failed before anything was read: dropped too
+    r.discard(1)
+    assert r.kept == {} and r.step([], "b", "b", 0, (0, 0), positional=False).forget == [1]
 
 
 # ---- the planner ------------------------------------------------------------------------------------
