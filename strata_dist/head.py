@@ -82,10 +82,12 @@ class HeadSession:
                  on_token: Callable[[int], None] | None = None,
                  should_cancel: Callable[[], bool] | None = None,
                  logprobs: LogprobRequest = LogprobRequest(),
-                 on_logprob: Callable[[TokenLogprob], None] | None = None) -> Outcome:
+                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+                 on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Outcome:
         """Generate after `ids`, streaming through the callbacks:
         on_progress(pos, total, chunk_ms, chunk_tok_per_s) per prompt chunk, on_token(id), and
-        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob)."""
+        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob); when `logprobs.prompt`,
+        on_prompt_logprobs(the prompt's) once the prompt is read, before the first token."""
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
@@ -122,6 +124,8 @@ class HeadSession:
                 out.prompt_logprobs += [TokenLogprob(ids[start + i], lp, top, tops)
                                         for i, (lp, top, tops) in enumerate(
                                             zip(m.logprobs, m.top_ids, m.top_logprobs))]
+                if on_prompt_logprobs and logprobs.prompt and m.chunk_index == m.chunk_total - 1:
+                    on_prompt_logprobs(list(out.prompt_logprobs))
             else:
                 m = ev.msg
                 out.tokens.append(m.token_id)

@@ -441,9 +441,6 @@ def parse_completion(body: dict, lim: Limits,
     stops = _stop_strings(body)
     salt = _cache_salt(body)
     logprobs, echo = _completion_logprobs(body)
-    if echo and stream:
-        raise _bad("echo", "'echo' with 'stream' is not supported (ask without 'stream')",
-                   "unsupported_value")
     n = _int(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
     for ids, param in zip(prompts, params):
         _check_prompt(ids, lim, param)
