@@ -9,9 +9,10 @@ For the `<tool_call>` format (server/tools.py) the answer is one call, or with
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-written as a Lark grammar for the grammar engine (strata_dist/structured.py): the fixed text around
-the arguments as string literals, the arguments as the engine's `%json {schema}`, a JSON schema
-nested in the Lark grammar at that place. The schema stays the root of its own nested grammar, so
+written as a Lark grammar for the grammar engine (strata_dist/structured.py): the tags as the
+model's tokens of that text where it has them (else as text), the fixed text around the arguments
+as string literals, the arguments as the engine's `%json {schema}`, a JSON schema nested in the
+Lark grammar at that place. The answer starts with the first call (no text, no thinking before it). The schema stays the root of its own nested grammar, so
 its `$ref`s into its own `$defs` resolve as they would alone. The answer then goes through the
 same parser as a free one (`tool_calls`, streamed deltas, `finish_reason: "tool_calls"`)."""
 from __future__ import annotations
