@@ -3,14 +3,11 @@ its logprobs (chat: `logprobs.content[...]`; completions: `tokens`, `token_logpr
 `top_logprobs`, `text_offset`, with echo the prompt's tokens first)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..sampler import TokenLogprob
 from ..tokenizer import GGUFTokenizer
 from .worker import Choice, Result
-
-if TYPE_CHECKING:
-    from .openai_api import Parsed
 
 MAX_CHOICES = 16               # `n`: choices per request
 MAX_COMPLETION_LOGPROBS = 5    # completions' `logprobs`: alternatives per token
@@ -115,9 +112,10 @@ class EchoChunks:
     """A streamed completion's `echo`: each choice's prompt text comes as a chunk of its own before
     the choice's generated text, with logprobs (when asked) the prompt's tokens' as the whole
     reply lists them (the first one's null); the choice's text offsets then go on after them, as
-    the whole reply's do. `chunk(index, text, logprobs)` writes one chunk."""
+    the whole reply's do. `parsed`: the request (openai_api.Parsed, which imports this module);
+    `chunk(index, text, logprobs)` writes one chunk."""
 
-    def __init__(self, parsed: "Parsed", tok: GGUFTokenizer,
+    def __init__(self, parsed: Any, tok: GGUFTokenizer,
                  chunk: Callable[[int, str, dict | None], str]):
         self.parsed, self.tok, self.chunk = parsed, tok, chunk
         self.sent: set[int] = set()
