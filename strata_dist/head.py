@@ -89,10 +89,12 @@ class HeadSession:
                  should_cancel: Callable[[], bool] | None = None,
                  logprobs: LogprobRequest = LogprobRequest(),
                  on_logprob: Callable[[TokenLogprob], None] | None = None,
-                 cache_salt: str = "", reuse: bool = True) -> Outcome:
+                 cache_salt: str = "", reuse: bool = True,
+                 on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Outcome:
         """Generate after `ids`, streaming through the callbacks:
         on_progress(pos, total, chunk_ms, chunk_tok_per_s) per prompt chunk, on_token(id), and
-        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob).
+        before it, when `logprobs.tokens`, on_logprob(its TokenLogprob); when `logprobs.prompt`,
+        on_prompt_logprobs(the prompt's) once the prompt is read, before the first token.
         Prompt state is reused only from requests of the same `cache_salt`; `reuse` False reads
         the whole prompt (what it leaves is reused by later requests as any other's)."""
         self.check_prompt(ids)
@@ -146,6 +148,8 @@ class HeadSession:
                 out.prompt_logprobs += [TokenLogprob(ids[start + i], lp, top, tops)
                                         for i, (lp, top, tops) in enumerate(
                                             zip(m.logprobs, m.top_ids, m.top_logprobs))]
+                if on_prompt_logprobs and logprobs.prompt and m.chunk_index == m.chunk_total - 1:
+                    on_prompt_logprobs(list(out.prompt_logprobs))
             else:
                 m = ev.msg
                 out.tokens.append(m.token_id)

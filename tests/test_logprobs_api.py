@@ -4,7 +4,6 @@ against a log-softmax and penalties written plainly in numpy here, over the logi
 single-process forward (which tests/test_qwen3moe_reference.py holds to transformers)."""
 from __future__ import annotations
 
-import json
 import signal
 
 import httpx
@@ -161,6 +160,56 @@ def test_streamed_text_offsets_are_the_unstreamed_ones(client):
     assert streamed == whole.text_offset
 
 
+def streamed_choices(client, **ask) -> dict[int, list]:
+    """Each choice's stream chunks (index: its chunks, in order)."""
+    by_index: dict[int, list] = {}
+    for chunk in client.completions.create(stream=True, **ask):
+        for c in chunk.choices:
+            by_index.setdefault(c.index, []).append(c)
+    return by_index
+
+
+def test_streamed_echo_comes_first_with_its_logprobs(client, tok, reference):
+    """A streamed completion with echo: each choice's first chunk is its prompt's text alone (no
+    generated ids), with logprobs the prompt's tokens' (the first null, the rest numpy's
+    log-softmax within 1e-4); then the generated chunks. Joined, each choice is the whole reply's
+    choice: text, tokens, logprobs, text offsets. Without logprobs the echo is the text alone; with
+    max_tokens 0 the echo is the whole answer."""
+    second = PROMPT[:7]
+    ask = dict(model="tiny", prompt=[PROMPT, second], max_tokens=4, temperature=1.0, seed=5,
+               n=2, echo=True, logprobs=2, extra_body=LONG)
+    whole = client.completions.create(**ask).choices
+    streamed = streamed_choices(client, **ask)
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for c in whole:
+        ids = (PROMPT, second)[c.index // 2]
+        first, rest = streamed[c.index][0], streamed[c.index][1:]
+        assert first.text == tok.decode(ids, skip_special=False) and not ids_of(first)
+        assert first.finish_reason is None
+        got = first.logprobs.token_logprobs
+        assert first.logprobs.tokens == [text_of(tok, t) for t in ids] and got[0] is None
+        lsm = log_softmax(reference(ids[:-1]))
+        assert np.abs(np.array(got[1:]) - lsm[np.arange(len(ids) - 1), ids[1:]]).max() <= TOL
+        assert all(ids_of(x) for x in rest[:-1]) and rest[-1].finish_reason == "length"
+        joined = [first] + rest
+        assert "".join(x.text for x in joined) == c.text
+        assert [t for x in joined for t in ids_of(x)] == ids_of(c)
+        for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+            assert [v for x in joined if x.logprobs for v in getattr(x.logprobs, key)] == \
+                getattr(c.logprobs, key), (c.index, key)
+    # echo alone: the prompt's text first, no logprobs
+    plain = streamed_choices(client, model="tiny", prompt="one two three", max_tokens=3,
+                             temperature=0, echo=True, extra_body=LONG)[0]
+    assert plain[0].text == "one two three" and plain[0].logprobs is None
+    assert not ids_of(plain[0]) and len([t for x in plain for t in ids_of(x)]) == 3
+    # max_tokens 0: the echo and the end
+    only = streamed_choices(client, model="tiny", prompt=PROMPT, max_tokens=0, echo=True,
+                            logprobs=0)[0]
+    assert [x.text for x in only] == [tok.decode(PROMPT, skip_special=False), ""]
+    assert len(only[0].logprobs.token_logprobs) == len(PROMPT)
+    assert only[-1].finish_reason == "length"
+
+
 # ---- n choices --------------------------------------------------------------------------------------------
 
 def test_n_choices(client):
@@ -308,7 +357,6 @@ def test_repetition_penalty_counts_the_prompt(client, reference):
     ("/v1/completions", {"n": 17}, {"n": 16}, "n"),
     ("/v1/completions", {"logprobs": 6}, {"logprobs": 5}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, {"logprobs": 1}, "logprobs"),
-    ("/v1/completions", {"echo": True, "stream": True}, {"echo": True}, "echo"),
     ("/v1/completions", {"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"512": 1}}, {"logit_bias": {"511": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, {"logit_bias": {"5": -100}}, "logit_bias"),
@@ -320,22 +368,21 @@ def test_repetition_penalty_counts_the_prompt(client, reference):
     ("/v1/completions", {"prompt": ["x"] * 65}, {"prompt": ["x"] * 2}, "prompt"),
     ("/v1/completions", {"prompt": ["x", []]}, {"prompt": ["x", [5]]}, "prompt[1]"),
 ])
-def test_bad_values_are_400_naming_the_field(server, path, bad, good, field):
-    """Each bad value is a 400 naming its field; its good neighbour is served."""
+def test_bad_values_are_400_naming_the_field(client, path, bad, good, field):
+    """Each bad value, sent by the official client, is a 400 naming its field; its good neighbour
+    is served."""
     def post(extra):
-        body = {"model": "tiny", "max_tokens": 1}
-        body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path
-                    else {"prompt": "x"})
-        body.update(extra)
-        return httpx.post(server.url + path, content=json.dumps(body), timeout=30,
-                          headers={"content-type": "application/json"})
+        if "chat" in path:
+            return client.chat.completions.create(model="tiny", max_tokens=1, extra_body=extra,
+                                                  messages=[{"role": "user", "content": "x"}])
+        return client.completions.create(model="tiny", max_tokens=1, prompt="x", extra_body=extra)
 
-    r = post(bad)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
+    with pytest.raises(openai.BadRequestError) as e:
+        post(bad)
+    assert e.value.status_code == 400
+    err = e.value.body
     assert err["param"] == field and field in err["message"], err
-    r = post(good)
-    assert r.status_code == 200, r.text
+    assert post(good).choices
 
 
 def test_the_client_sees_a_bad_request(client):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -15,8 +16,9 @@ from server_helpers import TOOL_ANSWER, ServerProcess, write_tool_calling_model
 from strata_dist.server.openai_api import ApiError, Limits, parse_chat
 from strata_dist.synth import write_synthetic
 from strata_dist.tokenizer import GGUFTokenizer
-from strata_dist.server.tools import (TAGGED_JSON, ToolCallStream, ToolRequestError, check_message_tools,
-                                      check_tools, join_deltas, parse_tool_text, tool_format)
+from strata_dist.server.tools import (TAGGED_JSON, ToolCallStream, ToolRequestError, ToolUse,
+                                      check_message_tools, check_tools, join_deltas, parse_tool_text,
+                                      tool_format)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,18 +117,32 @@ def test_tool_format_follows_the_template():
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
 def test_check_tools():
-    assert check_tools({}, None) == (None, False)
-    assert check_tools({"tools": [TOOL]}, TAGGED_JSON) == ([TOOL], True)
-    assert check_tools({"tools": [TOOL], "tool_choice": "none"}, TAGGED_JSON) == ([TOOL], False)
-    assert check_tools({"tools": [TOOL], "tool_choice": "auto"}, TAGGED_JSON) == ([TOOL], True)
+    assert check_tools({}, None) == ToolUse()
+    assert check_tools({"tools": [TOOL]}, TAGGED_JSON) == ToolUse([TOOL], True)
+    assert check_tools({"tools": [TOOL], "tool_choice": "auto"}, TAGGED_JSON) == ToolUse([TOOL], True)
+    # none: the tools are neither shown to the model nor parsed, whatever the template
+    assert check_tools({"tools": [TOOL], "tool_choice": "none"}, TAGGED_JSON) == ToolUse()
+    assert check_tools({"tools": [TOOL], "tool_choice": "none"}, None) == ToolUse()
+    other = {"type": "function", "function": {"name": "now"}}
+    assert check_tools({"tools": [TOOL, other], "tool_choice": "required"}, TAGGED_JSON) == \
+        ToolUse([TOOL, other], True, (0, 1), True)
+    assert check_tools({"tools": [other, TOOL], "tool_choice": NAMED,
+                        "parallel_tool_calls": False}, TAGGED_JSON) == \
+        ToolUse([other, TOOL], True, (1,), False)
     with pytest.raises(ToolRequestError, match="template has no tool-call format") as e:
         check_tools({"tools": [TOOL]}, None)
     assert e.value.param == "tools"
     for bad, param in (({"tools": {}}, "tools"), ({"tools": [{"type": "function"}]}, "tools[0]"),
-                       ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-                       ({"tools": [TOOL], "tool_choice": {"type": "function",
-                                                          "function": {"name": "x"}}}, "tool_choice")):
+                       ({"tool_choice": "required"}, "tool_choice"),
+                       ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+                       ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
+                       ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {
+                           "name": "x"}}}, "tool_choice.function.name"),
+                       ({"tools": [TOOL], "parallel_tool_calls": 1}, "parallel_tool_calls")):
         with pytest.raises(ToolRequestError) as e:
             check_tools(bad, TAGGED_JSON)
         assert e.value.param == param, bad
@@ -232,10 +248,6 @@ def test_the_round_trip_renders_the_call_and_its_result(tool_server):
         client.chat.completions.create(model="tool", messages=history[:2] + [
             {"role": "tool", "content": "no id"}], tools=[WEATHER_TOOL])
     assert e.value.body["param"] == "messages[2].tool_call_id"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tool", messages=ASK, tools=[WEATHER_TOOL],
-                                       tool_choice="required")
-    assert e.value.body["param"] == "tool_choice"
 
 
 def test_tools_for_a_template_without_a_tool_format_are_refused(tmp_path):
@@ -279,3 +291,182 @@ def test_an_answer_cut_inside_a_call_is_text_streamed_or_not(tool_server):
         else:
             assert whole.finish_reason == ("length" if n == len(TOOL_ANSWER) else "tool_calls")
             assert len(calls) == 1
+
+
+# ---- forced calls: tool_choice "required" or a named function ------------------------------------------
+# The tool model's answer is its bigram chain; under a forced call the grammar masks the chain's
+# tokens out and the rest of its logits are equal: at temperature 1 the draws are uniform over
+# whatever the grammar allows, so any shape the answer has comes from the grammar. The schemas
+# bound every string, so an answer ends within max_tokens whatever the draws.
+FORECAST = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}
+CLOCK = {"$defs": {"zone": {"enum": ["UTC", "CET", "JST"]}}, "type": "object",
+         "properties": {"zone": {"$ref": "#/$defs/zone"}, "h24": {"type": "boolean"}},
+         "required": ["zone", "h24"], "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
+                {"type": "function", "function": {"name": "clock", "parameters": CLOCK}},
+                {"type": "function", "function": {"name": "now"}}]      # no parameters: {}
+SCHEMAS = {"forecast": FORECAST, "clock": CLOCK,
+           "now": {"type": "object", "maxProperties": 0}}
+
+
+def forced(client, seed: int, **kw):
+    kw.setdefault("tools", FORCED_TOOLS)
+    return client.chat.completions.create(model="tool", messages=ASK, temperature=1.0, seed=seed,
+                                          max_tokens=400, **kw)
+
+
+def streamed_answer(stream) -> tuple[str | None, list, str | None]:
+    deltas, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            d = c.delta.model_dump(exclude_none=True)
+            d.pop("role", None)
+            deltas.append(d)
+            finish = c.finish_reason or finish
+    return (*join_deltas(deltas), finish)
+
+
+def assert_valid_calls(calls, names=tuple(SCHEMAS)) -> None:
+    for tc in calls:
+        name, args = tc["function"]["name"], tc["function"]["arguments"]
+        assert name in names, name
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+def test_required_gives_one_valid_call_streamed_or_not(tool_server):
+    """tool_choice "required" without parallel calls: every answer is one call of one of the
+    tools whose arguments validate against its schema (jsonschema); streamed with the same seed,
+    the deltas assemble to the same call."""
+    client = tool_server.client()
+    names = []
+    for seed in range(12):
+        r = forced(client, seed, tool_choice="required", parallel_tool_calls=False)
+        choice = choice_of(r)
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        (tc,) = choice.message.tool_calls
+        assert_valid_calls([tc.model_dump()])
+        names.append(tc.function.name)
+        if seed < 4:
+            content, calls, finish = streamed_answer(forced(
+                client, seed, tool_choice="required", parallel_tool_calls=False, stream=True))
+            assert (content, finish) == (None, "tool_calls")
+            assert [c["function"] for c in calls] == [tc.function.model_dump()]
+    assert len(set(names)) > 1, names       # any of the tools, as the draws fall
+
+
+def test_a_named_function_is_the_one_called(tool_server):
+    """tool_choice {"type": "function", "function": {"name": "clock"}}: every call is clock's, its
+    arguments valid ($ref into the schema's own $defs included); parallel calls allowed (the
+    default), so an answer may hold several, streamed as whole."""
+    client = tool_server.client()
+    choice = {"type": "function", "function": {"name": "clock"}}
+    # After </tool_call> the model's chain puts <|im_end|> (the stop token) at a logit of 64
+    # (the embeddings' norm of 8, squared) over 0 for the newline that starts another call: a
+    # bias of -64 evens the two, so some answers go on to a second call.
+    tok = GGUFTokenizer.from_gguf(tool_server.model)
+    even = {str(tok.tk.token_to_id("<|im_end|>")): -64}
+    counts = []
+    for seed in range(12):
+        r = choice_of(forced(client, seed, tool_choice=choice, logit_bias=even))
+        assert r.finish_reason == "tool_calls" and r.message.content is None
+        calls = [tc.model_dump() for tc in r.message.tool_calls]
+        assert_valid_calls(calls, ("clock",))
+        counts.append(len(calls))
+    assert min(counts) >= 1 and max(counts) > 1, counts
+    seed = counts.index(max(counts))
+    content, calls, finish = streamed_answer(forced(client, seed, tool_choice=choice, stream=True,
+                                                    logit_bias=even))
+    assert finish == "tool_calls" and len(calls) == max(counts)
+    assert_valid_calls(calls, ("clock",))
+    # the tool without parameters: its arguments are the empty object
+    r = choice_of(forced(client, 0, tool_choice={"type": "function", "function": {"name": "now"}},
+                         parallel_tool_calls=False))
+    assert [(tc.function.name, json.loads(tc.function.arguments))
+            for tc in r.message.tool_calls] == [("now", {})]
+
+
+def test_tool_choice_none_does_not_offer_the_tools(tool_server):
+    """With tool_choice "none" the template is rendered without the tools (the prompt is the one
+    without tools) and the answer is text."""
+    client = tool_server.client()
+    bare = client.chat.completions.create(model="tool", messages=ASK, max_tokens=1)
+    offered = client.chat.completions.create(model="tool", messages=ASK, tools=FORCED_TOOLS,
+                                             max_tokens=1)
+    none = client.chat.completions.create(model="tool", messages=ASK, tools=FORCED_TOOLS,
+                                          tool_choice="none", temperature=0)
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens < offered.usage.prompt_tokens
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == "".join(TOOL_ANSWER)
+
+
+BAD_SCHEMA_TOOLS = FORCED_TOOLS[:1] + [{"type": "function", "function": {
+    "name": "broken", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(("}}}}}]
+FORCED_REFUSALS = [   # (the request's fields, the field the 400 names, a word of its message)
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "needs 'tools'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "weather"}}},
+     "tool_choice.function.name", "'weather'"),
+    ({"tool_choice": "always"}, "tool_choice", "'always'"),
+    ({"tool_choice": "required", "tools": BAD_SCHEMA_TOOLS}, "tools[1].function.parameters",
+     "'broken'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "now"}},
+      "tools": [{"type": "function", "function": {"name": "now", "parameters": [1]}}]},
+     "tools[0].function.parameters", "'now'"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "tool calls only"),
+    ({"tool_choice": "required", "grammar": 'start: "x"'}, "grammar", "tool calls only"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tool_choice": "required", "n": 2}, "n", "'n' must be 1"),
+]
+
+
+@pytest.mark.parametrize("extra,param,word", FORCED_REFUSALS,
+                         ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(FORCED_REFUSALS)])
+def test_each_refused_tool_form_is_a_400_naming_the_field(tool_server, extra, param, word):
+    body = dict({"tools": FORCED_TOOLS}, **extra)
+    with pytest.raises(openai.BadRequestError) as e:
+        tool_server.client().chat.completions.create(model="tool", messages=ASK, max_tokens=4,
+                                                     extra_body=body)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and word in e.value.body["message"], e.value.body
+    assert f"'{param}'" in e.value.body["message"], e.value.body
+
+
+def test_a_refused_schema_names_the_tool_and_the_engines_reason(tool_server):
+    with pytest.raises(openai.BadRequestError) as e:
+        tool_server.client().chat.completions.create(
+            model="tool", messages=ASK, tools=BAD_SCHEMA_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "broken"}})
+    assert e.value.body["code"] == "invalid_grammar" and "unclosed group" in e.value.body["message"]
+
+
+def test_a_streamed_round_trip(tool_server):
+    """The call streamed, assembled from its deltas as a client does, sent back with the tool's
+    answer, and the next answer streamed: the template renders the call and its result (the
+    prompt's token count is the template's text's)."""
+    client = tool_server.client()
+    content, calls, finish = streamed_answer(client.chat.completions.create(
+        model="tool", messages=ASK, tools=[WEATHER_TOOL], temperature=0, stream=True))
+    assert finish == "tool_calls" and content == "Checking." and len(calls) == 1
+    history = ASK + [{"role": "assistant", "content": content, "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": calls[0]["id"], "content": "9 C, rain"}]
+    chunks = list(client.chat.completions.create(
+        model="tool", messages=history, tools=[WEATHER_TOOL], temperature=0, max_tokens=3,
+        stream=True, stream_options={"include_usage": True}))
+    tok = GGUFTokenizer.from_gguf(tool_server.model)
+    rendered = tok.apply_chat_template(
+        [ASK[0], {"role": "assistant", "content": "Checking.", "tool_calls": [
+            dict(calls[0], function={"name": "get_weather", "arguments": {"city": "Paris"}})]},
+         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "9 C, rain"}],
+        tools=[WEATHER_TOOL])
+    assert "<tool_response>\n9 C, rain\n</tool_response>" in rendered
+    assert chunks[-1].usage.prompt_tokens == len(tok.encode(rendered))
+    assert chunks[-1].usage.completion_tokens == 3
+
+
+def choice_of(r):
+    (c,) = r.choices
+    return c

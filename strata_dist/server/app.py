@@ -22,7 +22,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from . import openai_api as oa
-from .choices_api import token_text
+from .choices_api import EchoChunks, token_text
 from . import tokenize_api
 from .history import StatusHistory
 from .hosts import HostCheck
@@ -319,6 +319,8 @@ def create_app(ctx: ServerContext):
         tool_stream = ToolCallStream() if parsed.parse_tools else None
         held_ids: list[int] = []
         chars: dict[int, int] = {}     # per choice: the characters of its tokens' texts so far
+        echo = EchoChunks(parsed, ctx.limits.tok, lambda index, text, logprobs: line(
+            oa.completion_chunk(job.id, model, created, text, index=index, logprobs=logprobs)))
 
         def tool_chunks(deltas: list[dict], ids: list[int]):
             held_ids.extend(ids)
@@ -333,7 +335,12 @@ def create_app(ctx: ServerContext):
                                              {"role": "assistant", "content": ""}, index=index))
             while True:
                 ev = await job.events.get()
-                if ev.kind == "delta":
+                if ev.kind == "prompt":        # its logprobs (echo): the echoed prompt goes now
+                    for chunk_line in echo.prompt_read(ev.index, ev.logprobs):
+                        yield chunk_line
+                elif ev.kind == "delta":
+                    for chunk_line in echo.before(ev.index):
+                        yield chunk_line
                     if tool_stream is not None:
                         for chunk_line in tool_chunks(tool_stream.push(ev.text), ev.token_ids):
                             yield chunk_line
@@ -344,7 +351,7 @@ def create_app(ctx: ServerContext):
                         chars[ev.index] = at + sum(len(token_text(ctx.limits.tok, e.token_id))
                                                    for e in ev.logprobs or ())
                         logprobs = oa.chunk_logprobs(kind, ctx.limits.tok, ev.logprobs,
-                                                     parsed.text_start(ev.index) + at)
+                                                     echo.text_start(ev.index) + at)
                         if kind == "chat":
                             yield line(oa.chat_chunk(job.id, model, created, {"content": ev.text},
                                                      token_ids=ev.token_ids, index=ev.index,
@@ -358,6 +365,8 @@ def create_app(ctx: ServerContext):
                     chunk = oa.chat_chunk if kind == "chat" else oa.completion_chunk
                     first = {} if kind == "chat" else ""
                     for c in r.choices:
+                        for chunk_line in echo.before(c.index, c.prompt_logprobs):
+                            yield chunk_line
                         finish = c.finish_reason
                         if tool_stream is not None:     # one choice only (openai_api: 'n')
                             for chunk_line in tool_chunks(tool_stream.finish(), []):

@@ -3,7 +3,7 @@ its logprobs (chat: `logprobs.content[...]`; completions: `tokens`, `token_logpr
 `top_logprobs`, `text_offset`, with echo the prompt's tokens first)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..sampler import TokenLogprob
 from ..tokenizer import GGUFTokenizer
@@ -106,3 +106,43 @@ def completion_chunk_logprobs(tok: GGUFTokenizer, entries: list[TokenLogprob] | 
 
 def _kept(c: Choice) -> list[TokenLogprob]:
     return (c.logprobs or [])[:len(c.token_ids)]
+
+
+class EchoChunks:
+    """A streamed completion's `echo`: each choice's prompt text comes as a chunk of its own before
+    the choice's generated text, with logprobs (when asked) the prompt's tokens' as the whole
+    reply lists them (the first one's null); the choice's text offsets then go on after them, as
+    the whole reply's do. `parsed`: the request (openai_api.Parsed, which imports this module);
+    `chunk(index, text, logprobs)` writes one chunk."""
+
+    def __init__(self, parsed: Any, tok: GGUFTokenizer,
+                 chunk: Callable[[int, str, dict | None], str]):
+        self.parsed, self.tok, self.chunk = parsed, tok, chunk
+        self.sent: set[int] = set()
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}   # per prompt: its first choice's
+        self.starts: dict[int, int] = {}      # per choice: where its generated text's offsets start
+
+    def prompt_read(self, index: int, entries: list[TokenLogprob] | None) -> list[str]:
+        """Choice `index` read its prompt, whose tokens' logprobs are `entries`: its echo now."""
+        self.prompt_logprobs[index // self.parsed.spec.n] = list(entries or [])
+        return self.before(index)
+
+    def before(self, index: int, entries: list[TokenLogprob] | None = None) -> list[str]:
+        """The echo chunk of choice `index` if it has not gone yet (`entries`: the prompt's
+        logprobs, where no `prompt_read` gave them)."""
+        texts = self.parsed.echo_texts
+        if texts is None or index in self.sent:
+            return []
+        self.sent.add(index)
+        p = index // self.parsed.spec.n
+        logprobs = None
+        if self.parsed.spec.logprobs.prompt:
+            ids = self.parsed.spec.prompts[p][0]
+            logprobs = completion_logprobs(self.tok, [], 0,
+                                           (ids, self.prompt_logprobs.get(p, entries or [])))
+            self.starts[index] = sum(len(t) for t in logprobs["tokens"])
+        return [self.chunk(index, texts[p], logprobs)]
+
+    def text_start(self, index: int) -> int:
+        """Where choice `index`'s generated text starts, in characters (text offsets)."""
+        return self.starts.get(index, self.parsed.text_start(index))

@@ -14,6 +14,7 @@ from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_
 from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
 from .structured_api import StructuredRequestError, structured_grammar
 from .templates import RenderBusy, RenderUnavailable, TemplateLimit, TemplateRenderer
+from .tool_grammar import forced_call_grammar
 from .tools import ToolRequestError, check_message_tools, check_tools, parse_tool_text, tool_format
 from .worker import GenSpec, Result
 from .choices_api import (MAX_CHOICES, MAX_COMPLETION_LOGPROBS, chat_choices, completion_choices,
@@ -242,6 +243,19 @@ def _with_grammar(body: dict, lim: Limits, sampling: SamplingParams) -> Sampling
     return replace(sampling, grammar_kind=kind, grammar=text) if kind else sampling
 
 
+def _with_tool_grammar(body: dict, grammar: str, sampling: SamplingParams) -> SamplingParams:
+    """Forced tool calls: their grammar (server/tool_grammar.py) is the answer's, so a grammar of
+    the request's own cannot apply beside it."""
+    if not grammar:
+        return sampling
+    if sampling.grammar_kind:
+        own = "grammar" if body.get("grammar") is not None else "response_format"
+        raise _bad(own, f"'{own}' cannot apply with 'tool_choice' "
+                        f"{json.dumps(body.get('tool_choice'))[:200]}: the answer is tool calls "
+                        f"only, their arguments following the tools' schemas", "unsupported_value")
+    return replace(sampling, grammar_kind="lark", grammar=grammar)
+
+
 def _stream(body: dict) -> tuple[bool, bool]:
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -368,9 +382,11 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
         except ToolRequestError as e:
             raise _bad(e.param, str(e), e.code) from None
     try:
-        tools, parse_tools = check_tools(body, lim.tool_format)
+        use = check_tools(body, lim.tool_format)
+        tool_grammar = forced_call_grammar(use, lim.tok)
     except ToolRequestError as e:
         raise _bad(e.param, str(e), e.code) from None
+    tools = use.tools
     extra = _template_kwargs(body)
     # the rest the template may write out: the messages' other fields, the tools, the kwargs
     try:
@@ -380,7 +396,7 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
         raise _bad("messages", "the chat is nested too deeply") from None
     n_bytes += _utf8_len(rest)
     lim.check_prompt_bytes(n_bytes, "messages", "the chat's text")
-    sampling = _with_grammar(body, lim, _sampling(body, lim))
+    sampling = _with_tool_grammar(body, tool_grammar, _with_grammar(body, lim, _sampling(body, lim)))
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
     salt = _cache_salt(body)
@@ -389,7 +405,7 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
                    "unsupported_parameter")
     logprobs = _chat_logprobs(body)
     n = _int(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
-    if n > 1 and parse_tools:
+    if n > 1 and use.parse:
         raise _bad("n", f"'n' must be 1 with 'tools' (got {n})", "unsupported_value")
     text = _render(lim, lim.tok.chat_context(clean, True, tools, extra), cancelled)
     lim.check_prompt_bytes(_utf8_len(text), "messages", "the chat prompt")
@@ -403,7 +419,7 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
                    stop_strings=stops, detok_context=_context(ids, lim),
                    cache_prompt=_bool(body, "cache_prompt", True), cache_salt=salt, n=n,
                    logprobs=logprobs)
-    return Parsed(spec, stream, include_usage, model, parse_tools)
+    return Parsed(spec, stream, include_usage, model, use.parse)
 
 
 def parse_completion(body: dict, lim: Limits,
@@ -425,9 +441,6 @@ def parse_completion(body: dict, lim: Limits,
     stops = _stop_strings(body)
     salt = _cache_salt(body)
     logprobs, echo = _completion_logprobs(body)
-    if echo and stream:
-        raise _bad("echo", "'echo' with 'stream' is not supported (ask without 'stream')",
-                   "unsupported_value")
     n = _int(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
     for ids, param in zip(prompts, params):
         _check_prompt(ids, lim, param)

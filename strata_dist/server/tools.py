@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 TAGGED_JSON = "tagged_json"          # the only format known: the template names <tool_call>
-TOOL_CHOICES = ("none", "auto")
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 def tool_format(template_source: str | None) -> str | None:
@@ -42,10 +43,23 @@ class ToolRequestError(ValueError):
 
 # ---- the request -----------------------------------------------------------------------------------
 
-def check_tools(body: dict, template_format: str | None) -> tuple[list | None, bool]:
-    """The tools for the template (None when there are none) and whether the answer is parsed
-    for tool calls. Refuses tools a template cannot show the model, and tool_choice values the
-    server cannot honour (nothing constrains the output to a call)."""
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request does with its tools: which the template shows the model, whether the
+    answer is parsed for calls, and which tools (by index in `tools`) the answer must call, one or
+    (`parallel`) more calls in a row (empty: the model chooses; server/tool_grammar.py)."""
+    tools: list | None = None
+    parse: bool = False
+    forced: tuple[int, ...] = ()
+    parallel: bool = True
+
+
+def check_tools(body: dict, template_format: str | None) -> ToolUse:
+    """The request's tools and `tool_choice`: "auto" (the default) shows the tools and parses
+    the answer; "none" neither shows nor parses them; "required" constrains the answer to calls
+    of any of the tools, {"type": "function", "function": {"name": N}} to calls of N
+    (`parallel_tool_calls`, default true: one or more calls, false: exactly one). Refuses tools a
+    template cannot show the model."""
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ToolRequestError("tools", "'tools' must be a list", "invalid_type")
@@ -55,20 +69,50 @@ def check_tools(body: dict, template_format: str | None) -> tuple[list | None, b
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ToolRequestError(f"tools[{i}]", f"tools[{i}] must be {{'type': 'function', "
                                                   f"'function': {{'name': …, 'parameters': …}}}}")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in TOOL_CHOICES:
-        shown = choice if isinstance(choice, str) else json.dumps(choice)[:200]
-        raise ToolRequestError("tool_choice", f"'tool_choice' {shown!r} is not supported: this "
-                                              f"server does not constrain the output to a call "
-                                              f"(use 'auto' or 'none')", "unsupported_value")
-    if not tools:
-        return None, False
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolRequestError("parallel_tool_calls", f"'parallel_tool_calls' must be true or "
+                                                      f"false, got {_shown(parallel)}", "invalid_type")
+    forced = _forced(body.get("tool_choice"), tools or [])
+    if body.get("tool_choice") == "none" or not tools:
+        return ToolUse()
     if template_format is None:
         raise ToolRequestError("tools", "this model's chat template has no tool-call format (it "
                                         "never writes <tool_call>), so tools cannot be offered to "
                                         "the model; send the request without 'tools'",
                                "unsupported_parameter")
-    return tools, choice != "none"
+    return ToolUse(tools, True, forced, parallel is not False)
+
+
+def _forced(choice: Any, tools: list) -> tuple[int, ...]:
+    """The indexes of the tools `tool_choice` makes the answer call (empty: none forced)."""
+    if choice is None or choice in ("none", "auto"):
+        return ()
+    if choice == "required":
+        if not tools:
+            raise ToolRequestError("tool_choice", "'tool_choice' 'required' needs 'tools' to call")
+        return tuple(range(len(tools)))
+    named = isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict)
+    name = choice["function"].get("name") if named else None
+    if not isinstance(name, str):
+        raise ToolRequestError("tool_choice", f"'tool_choice' must be one of "
+                                              f"{', '.join(TOOL_CHOICES)} or {{'type': 'function', "
+                                              f"'function': {{'name': …}}}}, got {_shown(choice)}")
+    found = tuple(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+    if not found:
+        raise ToolRequestError("tool_choice.function.name", f"'tool_choice.function.name' "
+                                                            f"{_shown(name)} is not one of the "
+                                                            f"request's 'tools'")
+    return found[:1]
+
+
+def _shown(v: Any) -> str:
+    try:
+        text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        text = type(v).__name__
+    return repr(text if len(text) <= 200 else text[:197] + "...")
 
 
 def check_message_tools(i: int, m: dict) -> dict:

@@ -111,7 +111,7 @@ class Result:
 
 @dataclass
 class Event:
-    kind: str                    # delta | done | error
+    kind: str                    # prompt (its logprobs, for echo) | delta | done | error
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     index: int = 0               # the choice a delta is of
@@ -543,6 +543,8 @@ class Worker:
                 out = self.session.generate(
                     ids, spec.max_new, _choice_params(spec.params, j),
                     stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
+                    on_prompt_logprobs=lambda lps: job.post(Event("prompt", index=index,
+                                                                  logprobs=lps)),
                     logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
                                             spec.logprobs.prompt and j == 0),
                     should_cancel=lambda: job.cancelled.is_set() or stream.stop_hit or bool(failure),
