@@ -14,6 +14,7 @@
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency, chisquare
@@ -21,6 +22,7 @@ from scipy.stats import chi2_contingency, chisquare
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from launch_helpers import ServeSession
+from server_helpers import ServerProcess
 from protocol import Token, Tokens
 from protocol.messages import Sampling
 from strata_dist.sampler import Sampler, SamplingParams
@@ -28,6 +30,7 @@ from strata_dist.single_process import SingleProcessRunner
 from strata_dist.speculative import draw_against, ngram_draft
 from strata_dist.stage import Stage, StageConfig
 from strata_dist.stage_step import StageStep, To
+from strata_dist.synth import write_synthetic
 
 CTX = 256
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8]
@@ -189,6 +192,35 @@ def test_sampled_continuations_follow_one_distribution_with_and_without_speculat
         common = table.sum(axis=0) >= 10      # rare tokens pooled: the test wants >= 5 expected
         table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
         assert chi2_contingency(table).pvalue > 1e-3, position
+
+
+# ---- the HTTP server: usage, /metrics, the request list ------------------------------------------
+
+def test_server_reports_drafts_per_request(tmp_path):
+    path = str(tmp_path / "syn.gguf")
+    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
+    prompt = [11, 300, 42, 7, 199, 23, 400, 5, 77, 310, 2, 64, 128, 9, 251, 33, 18, 444, 90] * 2
+    want = SingleProcessRunner(path, prefill_chunk=8).generate(prompt, 24).tokens
+    s = ServerProcess(path, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+                      "--max-context", "1024", "--gpu-order", "as_given", "--prefill", "8",
+                      "--spec", "4")
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": "syn", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                             "ignore_eos": True}).json()
+        assert r["choices"][0]["token_ids"] == list(want)
+        details = r["usage"]["completion_tokens_details"]
+        accepted, rejected = details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]
+        assert accepted > 0
+        assert (r["timings"]["draft_tokens"], r["timings"]["draft_tokens_accepted"]) == (
+            accepted + rejected, accepted)
+        metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert f"strata_draft_tokens_total {float(accepted + rejected)}" in metrics
+        assert f"strata_draft_tokens_accepted_total {float(accepted)}" in metrics
+        row = httpx.get(f"{s.url}/v1/status", timeout=10).json()["recent_requests"][0]
+        assert (row["draft_tokens"], row["draft_tokens_accepted"]) == (accepted + rejected, accepted)
+    finally:
+        s.close()
 
 
 # ---- flags ----------------------------------------------------------------------------------------
