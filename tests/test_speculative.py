@@ -23,8 +23,11 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from launch_helpers import ServeSession
 from server_helpers import ServerProcess
+from test_plan_fixtures import hybrid_kinds, make_devices, make_shape
 from protocol import Token, Tokens
 from protocol.messages import Sampling
+from strata_dist.plan import PlanParams, make_plan
+from strata_dist.plan.pricing import range_fixed_table, stage_fixed_bytes, verify_window_bytes
 from strata_dist.sampler import Sampler, SamplingParams
 from strata_dist.single_process import SingleProcessRunner
 from strata_dist.speculative import draw_against, ngram_draft
@@ -221,6 +224,33 @@ def test_server_reports_drafts_per_request(tmp_path):
         assert (row["draft_tokens"], row["draft_tokens_accepted"]) == (accepted + rejected, accepted)
     finally:
         s.close()
+
+
+# ---- the planner prices a verify window on every stage ------------------------------------------
+
+def test_verify_window_is_priced_on_every_stage():
+    shape = make_shape(n_layers=12, kinds=hybrid_kinds(12))
+    linear = [l for l in range(12) if shape.layer_kind[l] == "linear"]
+    attention = [l for l in range(12) if shape.layer_kind[l] == "attention"]
+    # 5 rows: the prompt buffers of 5 tokens, and with linear layers their state and the rows
+    l = linear[0]
+    assert verify_window_bytes(shape, l, l + 1, 5) == (shape.prompt_bytes(5) + shape.recurrent_bytes[l]
+                                                       + 5 * shape.hidden * 4)
+    a = attention[0]
+    assert verify_window_bytes(shape, a, a + 1, 5) == shape.prompt_bytes(5)
+    assert verify_window_bytes(shape, 0, 12, 1) == verify_window_bytes(shape, 0, 12, 0) == 0
+    table = range_fixed_table(shape, 777, verify_rows=5)
+    plain = range_fixed_table(shape, 777)
+    for lb in range(12):
+        for le in range(lb + 1, 13):
+            assert table[lb, le] == sum(stage_fixed_bytes(shape, 777, lb, le, verify_rows=5))
+            assert table[lb, le] - plain[lb, le] == verify_window_bytes(shape, lb, le, 5)
+    devs = make_devices([600, 600], bw=[300, 300])
+    base = make_plan(shape, devs, cells=256, split=[6], order="as_given")
+    spec = make_plan(shape, devs, cells=256, split=[6], order="as_given",
+                     params=PlanParams(verify_rows=5))
+    for b, st in zip(base.stages, spec.stages):
+        assert st.reserve_bytes - b.reserve_bytes == verify_window_bytes(shape, st.lb, st.le, 5) > 0
 
 
 # ---- flags ----------------------------------------------------------------------------------------
