@@ -22,7 +22,7 @@ from protocol.messages import Sampling
 
 from .checkpoints import common_positions
 from .sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
-from .speculative import SpecState, draw_against
+from .speculative import MAX_SPEC, SpecState, draw_against
 from .stage import Stage
 from .structured import GrammarError, GrammarMatcher, model_tokenizer
 
@@ -310,7 +310,8 @@ def _new_request(s: Sampling, prompt_ids: list[int], session_id: int) -> _Reques
                             frequency_penalty=s.frequency_penalty,
                             repetition_penalty=s.repetition_penalty,
                             logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)))
-    spec = SpecState(s.spec_tokens, s.spec_min_p, list(prompt_ids)) if s.spec_tokens else None
+    spec = (SpecState(min(s.spec_tokens, MAX_SPEC), s.spec_min_p, list(prompt_ids))
+            if s.spec_tokens else None)   # a window fits the decode step's rows
     return _Request(Sampler(params, prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
                     logprobs=s.logprobs, top_logprobs=s.top_logprobs, spec=spec)
 
