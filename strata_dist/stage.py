@@ -200,7 +200,6 @@ class Stage:
         out = dict(self._released_counts)
         for c in self.checkpoints.values():
             out = _add_counts(out, c)
-        out["window_rerun_rows"] = self.window_rerun_rows   # recurrent roll-backs in verify windows
         return out
 
     def begin_prompt(self, rows: int | None = None) -> None:
@@ -315,7 +314,11 @@ class Stage:
         if pos > w.start:
             h = (self.model.embed(w.rows[:pos - w.start]) if self.cfg.first
                  else w.rows[:pos - w.start])
-            self.model.forward_layers(h, s)
+            reading, self.tiers.prompt = self.tiers.prompt, False   # the window's own tiers
+            try:
+                self.model.forward_layers(h, s)
+            finally:
+                self.tiers.prompt = reading
             s.n_past = pos
 
     def _adapt(self) -> None:

@@ -76,7 +76,9 @@ class StageStep:
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
                          "stale_dropped": 0, "cancelled_dropped": 0,
                          # last stage: verify windows, their drafts, the drafts accepted
-                         "spec_windows": 0, "spec_drafted": 0, "spec_accepted": 0}
+                         "spec_windows": 0, "spec_drafted": 0, "spec_accepted": 0,
+                         # rows a recurrent stage ran again to roll back inside a window
+                         "window_rerun_rows": 0}
         self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
                           Release: self._on_release, Cancel: self._on_cancel}
 
@@ -160,6 +162,7 @@ class StageStep:
                                  checkpoint_at=msg.checkpoint_at, all_rows=all_rows)
         if is_prompt and msg.chunk_index == msg.chunk_total - 1:
             self._end_prompt()   # before the first decode step reaches this stage
+        self.counters["window_rerun_rows"] = self.stage.window_rerun_rows
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += _rows_of(msg)
         return out
@@ -241,7 +244,7 @@ class StageStep:
             return []
         window = msg.sampling is None and _rows_of(msg) > 1
         rows = logits if window else [logits]
-        drafts = req.spec.drafts if window else []
+        drafts = req.spec.drafts if window and req.spec is not None else []
         sent: list[Outbound] = []
         for i, row in enumerate(rows):
             draft = drafts[i] if i < len(drafts) else None

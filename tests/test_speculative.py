@@ -11,6 +11,7 @@
   softmax written out here), and a tiny model's sampled continuations follow the same
   distribution with and without speculation;
 - bad flag values are refused at start with both values named."""
+import json
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ from server_helpers import ServerProcess
 from test_plan_fixtures import hybrid_kinds, make_devices, make_shape
 from protocol import Token, Tokens
 from protocol.messages import Sampling
+from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanParams, make_plan
 from strata_dist.plan.pricing import range_fixed_table, stage_fixed_bytes, verify_window_bytes
 from strata_dist.sampler import Sampler, SamplingParams
@@ -34,6 +36,7 @@ from strata_dist.speculative import draw_against, ngram_draft
 from strata_dist.stage import Stage, StageConfig
 from strata_dist.stage_step import StageStep, To
 from strata_dist.synth import write_synthetic
+from strata_dist.tokenizer import GGUFTokenizer
 
 CTX = 256
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8]
@@ -137,6 +140,32 @@ def test_penalties_bias_and_logprobs_apply_per_verified_row(moe):
     assert [t.token_id for t in spec] == [t.token_id for t in plain]
     assert [(t.logprob, t.top_ids) for t in spec] == [(t.logprob, t.top_ids) for t in plain]
     assert spec[-1].accepted > 0 and plain[-1].drafted == 0
+
+
+def test_a_grammar_masks_each_verified_row(tmp_path):
+    path = str(tmp_path / "syn.gguf")
+    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
+    tok = GGUFTokenizer.from_gguf(path)
+    schema = {"type": "object", "properties": {"n": {"type": "string", "maxLength": 6},
+                                               "c": {"enum": ["red", "blue"]}},
+              "required": ["n", "c"], "additionalProperties": False}
+    # JSON in the prompt: the drafter finds its quotes, keys and colons there
+    prompt = tok.encode('{"n":"ab","c":"red"} {"n":"xy","c":"blue"} {"n":"', add_special=False)
+    gguf = open_checked(path)
+    n_layers = architecture_for(gguf).read_geometry(gguf).n_layers
+    step = StageStep(Stage(StageConfig(path, "cpu", 0, n_layers, True, True, CTX)), rank=0,
+                     last=True)
+    kw = dict(max_new=48, grammar_kind="json_schema", grammar=json.dumps(schema),
+              prompt_ids=prompt)
+    for extra in ({}, {"temperature": 1.0, "seed": 3}):
+        plain = _run(step, 1 + 10 * len(extra), Sampling(**kw, **extra), prompt)
+        spec = _run(step, 2 + 10 * len(extra), Sampling(**kw, **extra, spec_tokens=4), prompt)
+        assert spec[-1].reason == "stop" and spec[-1].drafted > 0
+        answer = json.loads(tok.decode([t.token_id for t in spec]))
+        assert set(answer) == {"n", "c"} and answer["c"] in ("red", "blue")
+        if not extra:     # greedy: the very tokens of a one-row step each
+            assert [t.token_id for t in spec] == [t.token_id for t in plain]
+            assert spec[-1].accepted > 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1),
