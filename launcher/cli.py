@@ -27,6 +27,7 @@ from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
 from strata_dist.plan.pricing import MIB
 from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
+from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
@@ -100,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate once for this text (the model's tokenizer) and print the text")
     run.add_argument("--chat", action="store_true", help="with --prompt: apply the chat template")
     run.add_argument("--max-new", type=int, default=32, help="with --prompt-ids (default 32)")
+    run.add_argument("--spec", type=int, default=0, metavar="K",
+                     help=f"speculative decoding: each step verifies up to K draft tokens at once "
+                          f"(0-{MAX_SPEC}; default 0: off); greedy tokens are those of K = 0, "
+                          "sampled ones follow the same distribution")
+    run.add_argument("--draft", default="ngram", metavar="|".join(DRAFTERS),
+                     help="with --spec: the drafter; ngram (default) continues the longest suffix "
+                          "of the conversation that occurred in it before")
+    run.add_argument("--spec-min-p", type=float, default=0.0, metavar="P",
+                     help="with --spec: stop drafting where the drafter's probability (an n-gram's "
+                          "share of the suffix's earlier continuations) is below P (default 0)")
     run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
     run.add_argument("--restart-ranks", type=int, default=0, metavar="N",
                      help="with --serve or --port: after a rank dies (its request gets ERR / an "
@@ -206,6 +217,10 @@ def _main(args, signals: StopSignals) -> int:
     if args.conversation_cache_mib < 0:
         raise UsageError(f"--conversation-cache-mib {args.conversation_cache_mib}: N >= 0 "
                          "(0: off)")
+    try:
+        args.spec_options = SpecOptions(args.spec, args.draft, args.spec_min_p)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     params = plan_params(args)
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
@@ -303,7 +318,8 @@ def _line_server(args, gguf, launch, plan):
     session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
                           None if eos is None else int(eos),
                           checkpoint_every=args.prompt_cache_every,
-                          keep_conversations=any(s.conversation_bytes for s in plan.stages))
+                          keep_conversations=any(s.conversation_bytes for s in plan.stages),
+                          spec=args.spec_options)
     devices = [s.register.devices[0] for s in launch.coordinator.ranks]
     for line in info_lines(plan, launch.ready, devices, args.max_context,
                            {"model": os.path.basename(args.model), "arch": g.arch,
@@ -408,6 +424,7 @@ def _serve_http(args, gguf, launch, specs, relaunch) -> int:
                         gpu_of_rank={s.index: s.visible_gpu for s in specs
                                      if s.visible_gpu is not None},
                         info_lines=lines, prompt_cache_every=args.prompt_cache_every,
+                        spec=args.spec_options,
                         allowed_hosts=args.allowed_hosts)
 
 

@@ -124,6 +124,8 @@ def plan_params(args) -> PlanParams:
         params = replace(params, remote_auto=False)
     if args.no_prompt_loans:
         params = replace(params, prompt_loans=False)
+    if getattr(args, "spec", 0):     # every stage keeps room for a verify window of K + 1 rows
+        params = replace(params, verify_rows=args.spec + 1)
     if args.expert_cache != "auto":
         try:
             n = int(args.expert_cache)

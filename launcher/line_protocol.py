@@ -6,6 +6,8 @@
                                                 prompt chunk, T <id> per token, then
                                                 DONE <gen> <prompt> <prompt_ms> <decode_ms>
                                                 <stop|length|cancelled>
+                                                (with --spec K > 0, `STATS drafted=<d>
+                                                accepted=<a>` before DONE: its drafts)
     STATS                       ->  STATS rank=<r> key=value … per rank, then STATS END
     CANCEL                      the running GEN ends early (its DONE says cancelled)
     QUIT
@@ -207,6 +209,8 @@ class LineProtocol:
                 old = before[rank].counters if rank in before else {}
                 delta = {k: reply.counters.get(k, 0) - old.get(k, 0) for k in TIER_COUNTERS}
                 self.say(f"STATS rank={rank} " + " ".join(f"{k}={v}" for k, v in delta.items()))
+        if self.session.spec.k:
+            self.say(f"STATS drafted={out.drafted} accepted={out.accepted}")
         self.say(f"DONE {len(out.tokens)} {out.read} {out.prompt_ms:.1f} {out.decode_ms:.1f} "
                  f"{out.reason}")
         return out

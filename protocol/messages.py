@@ -162,8 +162,13 @@ class Sampling(Struct):
     # first chunk's from position 0; only when prompt_logprobs or a repetition penalty needs them
     # on the last stage (each row's next token; the tokens the penalty counts), else empty
     prompt_ids: list[int] = field(default_factory=list)
+    # v15: speculative decoding (strata_dist/speculative.py): up to spec_tokens n-gram drafts a
+    # step, drafting stopped below spec_min_p; the last stage then needs prompt_ids
+    spec_tokens: int = 0
+    spec_min_p: float = 0.0
 
     def check(self, arrays: list) -> None:
+        _nonneg(spec_tokens=self.spec_tokens)
         if bool(self.grammar_kind) != bool(self.grammar):
             raise ValueError(f"grammar_kind {self.grammar_kind!r} and grammar come together "
                              f"(grammar has {len(self.grammar)} characters)")
@@ -476,6 +481,8 @@ class Token(Message):
     reason: str = ""  # "stop" | "length" when done
     top_ids: list[int] = field(default_factory=list)        # v14: the N most likely tokens here
     top_logprobs: list[float] = field(default_factory=list)  # and their logprobs, most likely first
+    drafted: int = 0    # v15, on the final Token: the request's draft tokens, and those accepted
+    accepted: int = 0
 
 
 @message

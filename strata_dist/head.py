@@ -16,6 +16,7 @@ from .checkpoints import DEFAULT_EVERY, request_positions, resume_point
 from .conversation_table import ConversationTable
 from .coordinator import Coordinator, RequestError, StreamEvent
 from .sampler import SamplingParams, TokenLogprob
+from .speculative import SpecOptions
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Outcome:
     # none), and per sampled token its own
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    drafted: int = 0         # speculative decoding: draft tokens verified, and those accepted
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,12 @@ class HeadSession:
 
     def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
                  eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY,
-                 keep_conversations: bool = False):
+                 keep_conversations: bool = False,
+                 spec: SpecOptions = SpecOptions()):
         """`keep_conversations`: the stages keep earlier conversations (--conversation-cache-mib,
         strata_dist/conversation_table.py), and a request resumes from the longest of any."""
         self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
+        self.spec = spec        # --spec, --draft, --spec-min-p: every request speculates so
         self.eos_id, self.session_id = eos_id, session_id
         self.tokens: list[int] = []    # what the session's KV holds, position by position
         if checkpoint_every < 0:
@@ -123,7 +128,7 @@ class HeadSession:
             on_resume(out.reused)
         stops = set(stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
         sampling = _sampling(params, logprobs, ids, max_new=min(max_new, self.ctx - len(ids)),
-                             stop_ids=sorted(stops))
+                             stop_ids=sorted(stops), spec=self.spec)
         self.tokens = ids[:out.reused]
         at = (request_positions(out.reused, len(ids), self.chunk, self.checkpoint_every)
               if self.checkpoints is not None else [])
@@ -153,6 +158,8 @@ class HeadSession:
             else:
                 m = ev.msg
                 out.tokens.append(m.token_id)
+                if m.done:
+                    out.drafted, out.accepted = m.drafted, m.accepted
                 if m.logprob is not None:
                     lp = TokenLogprob(m.token_id, m.logprob, list(m.top_ids), list(m.top_logprobs))
                     out.logprobs.append(lp)
@@ -191,10 +198,11 @@ class HeadSession:
 
 
 def _sampling(params: SamplingParams, logprobs: LogprobRequest, ids: list[int], max_new: int,
-              stop_ids: list[int]) -> Sampling:
+              stop_ids: list[int], spec: SpecOptions = SpecOptions()) -> Sampling:
     """The request's Sampling: the prompt's ids (all of them, from position 0) are kept only when
-    the last stage needs them; each prompt chunk carries its own share (coordinator.chunk_sampling)."""
-    needs_prompt = logprobs.prompt or params.repetition_penalty != 1.0
+    the last stage needs them (the n-gram drafter matches over them); each prompt chunk carries
+    its own share (coordinator.chunk_sampling)."""
+    needs_prompt = logprobs.prompt or params.repetition_penalty != 1.0 or spec.k > 0
     return Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                     min_p=params.min_p, seed=params.seed, max_new=max_new, stop_ids=stop_ids,
                     logprobs=logprobs.tokens, top_logprobs=logprobs.top,
@@ -204,4 +212,5 @@ def _sampling(params: SamplingParams, logprobs: LogprobRequest, ids: list[int], 
                     grammar_kind=params.grammar_kind, grammar=params.grammar,
                     logit_bias_ids=[t for t, _ in params.logit_bias],
                     logit_bias_values=[b for _, b in params.logit_bias],
-                    prompt_ids=list(ids) if needs_prompt else [])
+                    prompt_ids=list(ids) if needs_prompt else [],
+                    spec_tokens=spec.k, spec_min_p=spec.min_p)

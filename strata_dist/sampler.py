@@ -87,10 +87,14 @@ class Sampler:
         their greedy token already (`greedy_token`; the row is copied only when sampling or
         when a penalty or bias reshapes it)."""
         tok = self._draw(logits)
+        self.record(tok)
+        return tok
+
+    def record(self, tok: int) -> None:
+        """`tok` is drawn: the penalties count it from now on."""
         self.drawn_counts[tok] = self.drawn_counts.get(tok, 0) + 1
         if self.params.repetition_penalty != 1.0:
             self.seen.add(tok)
-        return tok
 
     def adjust(self, logits: np.ndarray) -> np.ndarray:
         """The row the sampler draws from: `logits` (float64, a copy) with the penalties and bias."""
@@ -119,6 +123,20 @@ class Sampler:
             np.asarray(logits, dtype=np.float64).reshape(-1)
         if p.greedy:
             return int(np.argmax(logits))
+        order, probs = self._kept(logits)
+        return int(order[self.rng.choice(len(order), p=probs)])
+
+    def distribution(self, logits) -> tuple[np.ndarray, np.ndarray]:
+        """What a sampled (temperature > 0) draw picks from: the token ids it can draw and their
+        probabilities (summing to 1), after the penalties and bias, temperature, top-k, top-p and
+        min-p. A speculative window's rejection sampling reads it (strata_dist/speculative.py)."""
+        p = self.params
+        row = self.adjust(logits) if p.reshapes_logits else \
+            np.asarray(logits, dtype=np.float64).reshape(-1)
+        return self._kept(row)
+
+    def _kept(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        p = self.params
         order = np.argsort(-logits, kind="stable")
         if p.top_k:
             order = order[: p.top_k]
@@ -131,8 +149,7 @@ class Sampler:
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
         if p.min_p > 0.0:
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
-        probs = probs[:keep] / probs[:keep].sum()
-        return int(order[self.rng.choice(keep, p=probs)])
+        return order[:keep], probs[:keep] / probs[:keep].sum()
 
 
 def masked_row(logits, allowed: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .adapt import RoutingCounts, coverage, pick_swaps
 from .backends import get_backend
-from .checkpoints import CheckpointStore, bound_bytes
+from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
 from .experts import BlobArena
 from .plan.lend import loan_slots
@@ -21,6 +21,7 @@ from .plan.workspace import STREAMED
 from .prompt_workspace import PromptWorkspace
 from .models import architecture_for, load_model, open_checked
 from .host_pinning import pin_room_error, reads_host_in_place
+from .speculative import WindowRecord
 from .tiers import ExpertTiers, HelperClient
 
 
@@ -114,6 +115,8 @@ class Stage:
         self.checkpoints: dict[int, CheckpointStore] = {}   # per session (strata_dist/checkpoints.py)
         self.conversations = ConversationCache(self.backend, cfg.conversation_bytes,
                                                host=cfg.conversation_host)
+        self.windows: dict[int, WindowRecord] = {}   # a recurrent session's last verify window
+        self.window_rerun_rows = 0    # rows run again to roll recurrent state back in a window
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
 
@@ -175,6 +178,7 @@ class Stage:
         if self.decode_graph is not None:
             self.decode_graph.settle()      # a step ahead may still write this session's KV
         self.sessions.pop(session_id, None)
+        self.windows.pop(session_id, None)
         gone = self.checkpoints.pop(session_id, None)
         if gone is not None:   # its counts stay in the rank's totals
             self._released_counts = _add_counts(self._released_counts, gone)
@@ -211,6 +215,11 @@ class Stage:
         s = self.session(session_id)
         if self.decode_graph is not None:
             self.decode_graph.settle()      # a step ahead may still write the session
+        if step.keep:
+            # a last verify window's rejected drafts are still in the recurrent state: roll back
+            self._rewind_window(session_id, s, step.keep_n)
+        if step.keep or step.restore:
+            self.windows.pop(session_id, None)   # the window was of the conversation it leaves
         if step.keep:
             self.conversations.keep(s, step.keep, step.keep_n, protect=step.restore,
                                     prefix=self.checkpoint_store(session_id).before(step.keep_n))
@@ -272,7 +281,10 @@ class Stage:
         a graph step's StepLogits (the sampler reads both).
         `checkpoint_at`: positions to checkpoint this stage's part at, each the rows' start or end.
         `ahead`: the next greedy step of this session follows (DecodeGraph.step may launch it now).
-        `all_rows` (last stage, prompt rows): the logits of every row, host float32 [n, vocab]."""
+        `all_rows` (last stage, prompt rows or a verify window): the logits of every row, host
+        float32 [n, vocab]. A decode step of more than one row is a verify window
+        (strata_dist/speculative.py): it takes the many-row path, and on a session with recurrent
+        state the stage keeps what it needs to roll back inside it at the next step."""
         s = self.session(session_id)
         self.tiers.prompt = prompt   # prompt chunks never ask helpers (tiers.py)
         store = self.checkpoint_store(session_id)
@@ -281,15 +293,20 @@ class Stage:
         if bad:
             raise ValueError(f"checkpoint position {bad[0]} is not a boundary of rows "
                              f"[{pos}, {pos + n})")
+        verify = not prompt and n > 1
+        self._rewind_window(session_id, s, pos)
         # an earlier position rewinds (KV is positional; recurrent state comes from a checkpoint)
         store.enter(s, pos)
+        if verify and is_recurrent(s):
+            rows = list(ids) if self.cfg.first else self.backend.asarray(hidden).copy()
+            self.windows[session_id] = WindowRecord(pos, n, rows, s.save(pos))
         if pos in checkpoint_at:
             store.save(s, pos)
         if (not prompt and self.tiers.helpers and self.backend.name == "cupy"
                 and self.tiers.tiers_changed()):
             self._rebuild_graph()       # another card's tier opened (read in place), or stopped
         graph = self.decode_graph
-        graph_step = not prompt and graph is not None and graph.usable(n)
+        graph_step = not prompt and not verify and graph is not None and graph.usable(n)
         if graph_step:
             out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)
             self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
@@ -311,6 +328,27 @@ class Stage:
             if self._adapt_due and not self.cache.lent:   # never while a prompt borrows slots
                 self._adapt()
         return out
+
+    def _rewind_window(self, session_id: int, s, pos: int) -> None:
+        """A step inside the session's last verify window (its drafts were rejected from there
+        on): the recurrent state at the window's start comes back and the accepted rows run
+        again, through the same many-row path, so the state is what one-row steps leave."""
+        w = self.windows.pop(session_id, None)
+        if w is None or not w.covers(pos, s.n_past):
+            return
+        if self.decode_graph is not None:
+            self.decode_graph.settle()
+        s.restore(w.state)
+        self.window_rerun_rows += pos - w.start
+        if pos > w.start:
+            h = (self.model.embed(w.rows[:pos - w.start]) if self.cfg.first
+                 else w.rows[:pos - w.start])
+            reading, self.tiers.prompt = self.tiers.prompt, False   # the window's own tiers
+            try:
+                self.model.forward_layers(h, s)
+            finally:
+                self.tiers.prompt = reading
+            s.n_past = pos
 
     def _adapt(self) -> None:
         """One round of the adaptive cache, between steps: the coldest cached pairs swapped for

@@ -23,6 +23,7 @@ from protocol.messages import Sampling
 from .checkpoints import common_positions
 from .conversation_cache import common_keys
 from .sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
+from .speculative import MAX_SPEC, SpecState, draw_against
 from .stage import Stage
 from .structured import GrammarError, GrammarMatcher, model_tokenizer
 
@@ -55,6 +56,7 @@ class _Request:
     grammar: GrammarMatcher | None = None   # structured output: what the tokens must follow
     logprobs: bool = False      # each Token carries its logprob
     top_logprobs: int = 0       # ... and this many alternatives
+    spec: SpecState | None = None   # speculative decoding: drafts and verify windows
 
 
 class StageStep:
@@ -73,7 +75,11 @@ class StageStep:
         self._finished = 0   # last stage: the latest request whose prompt it read to the end
         # compute_us: time in the stage's own work (the shell adds send_us)
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
-                         "stale_dropped": 0, "cancelled_dropped": 0}
+                         "stale_dropped": 0, "cancelled_dropped": 0,
+                         # last stage: verify windows, their drafts, the drafts accepted
+                         "spec_windows": 0, "spec_drafted": 0, "spec_accepted": 0,
+                         # rows a recurrent stage ran again to roll back inside a window
+                         "window_rerun_rows": 0}
         self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
                           Release: self._on_release, Cancel: self._on_cancel}
 
@@ -148,7 +154,8 @@ class StageStep:
             self.prompting = msg.request_id
             if msg.conversation is not None:
                 self.stage.switch_conversation(msg.session_id, msg.conversation)
-        all_rows = self.last and is_prompt and msg.sampling.prompt_logprobs
+        # prompt logprobs, or a verify window (a decode step of more than one row): every row's
+        all_rows = self.last and (msg.sampling.prompt_logprobs if is_prompt else _rows_of(msg) > 1)
         if isinstance(msg, Tokens):
             out = self.stage.run(msg.session_id, msg.pos, ids=msg.ids, prompt=is_prompt,
                                  checkpoint_at=msg.checkpoint_at, ahead=self._ahead(msg),
@@ -158,6 +165,7 @@ class StageStep:
                                  checkpoint_at=msg.checkpoint_at, all_rows=all_rows)
         if is_prompt and msg.chunk_index == msg.chunk_total - 1:
             self._end_prompt()   # before the first decode step reaches this stage
+        self.counters["window_rerun_rows"] = self.stage.window_rerun_rows
         self.counters["chunks" if is_prompt else "tokens"] += 1
         self.counters["rows"] += _rows_of(msg)
         return out
@@ -171,7 +179,8 @@ class StageStep:
         return (self.last and msg.sampling is None and req is not None
                 and req.sampler.params.greedy and not req.sampler.params.reshapes_logits
                 and not req.logprobs and req.generated + 1 < req.max_new
-                and req.grammar is None)   # a grammar's draw needs the row, masked, on the host
+                and req.grammar is None    # a grammar's draw needs the row, masked, on the host
+                and req.spec is None)      # the next step's rows depend on this one's drafts
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
@@ -233,29 +242,54 @@ class StageStep:
         return held
 
     def _sample(self, msg: Tokens | Hidden, logits, end: int) -> list[Outbound]:
+        """The step's token(s) to the head and the next step to the first stage. A verify window
+        (`logits` of its every row) yields its accepted drafts and one token more
+        (strata_dist/speculative.py); each token is drawn exactly as a one-row step draws it."""
         req = self.requests.get(msg.request_id)
         if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
             self.requests.pop(msg.request_id, None)
             return []
-        try:
-            tok, finished = _draw(req, logits)
-        except GrammarError as e:   # the request ends with its error; the rank serves on
-            del self.requests[msg.request_id]
-            return [self.error(msg.request_id, f"rank {self.rank}: structured output: {e}")]
-        req.generated += 1
-        reason = ("stop" if tok in req.stop_ids or finished
-                  else ("length" if req.generated >= req.max_new else ""))
-        token = Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok, pos=end,
-                      done=bool(reason), reason=reason)
-        if req.logprobs:
-            lp = token_logprobs(logits, tok, req.top_logprobs)
-            token.logprob, token.top_ids, token.top_logprobs = lp.logprob, lp.top_ids, lp.top_logprobs
-        sent = [Outbound(To.HEAD, token)]
-        if reason:
-            del self.requests[msg.request_id]
-            return sent
+        window = msg.sampling is None and _rows_of(msg) > 1
+        rows = logits if window else [logits]
+        drafts = req.spec.drafts if window and req.spec is not None else []
+        sent: list[Outbound] = []
+        for i, row in enumerate(rows):
+            draft = drafts[i] if i < len(drafts) else None
+            try:
+                tok, finished = _draw(req, row, draft)
+            except GrammarError as e:   # the request ends with its error; the rank serves on
+                del self.requests[msg.request_id]
+                return [self.error(msg.request_id, f"rank {self.rank}: structured output: {e}")]
+            req.generated += 1
+            pos = end - len(rows) + i + 1
+            reason = ("stop" if tok in req.stop_ids or finished
+                      else ("length" if req.generated >= req.max_new else ""))
+            token = Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok,
+                          pos=pos, done=bool(reason), reason=reason)
+            if req.logprobs:
+                lp = token_logprobs(row, tok, req.top_logprobs)
+                token.logprob, token.top_ids, token.top_logprobs = (lp.logprob, lp.top_ids,
+                                                                    lp.top_logprobs)
+            sent.append(Outbound(To.HEAD, token))
+            accepted = tok == draft
+            if req.spec is not None:
+                req.spec.history.append(tok)
+                req.spec.accepted += accepted
+                self.counters["spec_accepted"] += accepted
+            if reason:
+                if req.spec is not None:
+                    token.drafted, token.accepted = req.spec.drafted, req.spec.accepted
+                del self.requests[msg.request_id]
+                return sent
+            if not accepted:
+                break
+        ids = [tok]
+        if req.spec is not None:
+            ids += req.spec.draft(req.max_new - req.generated)
+            self.counters["spec_drafted"] += len(ids) - 1
+            self.counters["spec_windows"] += len(ids) > 1
         return sent + [Outbound(To.FIRST, Tokens(request_id=msg.request_id,
-                                                 session_id=msg.session_id, pos=end, ids=[tok]))]
+                                                 session_id=msg.session_id, pos=pos, ids=ids))]
 
     def _attach_grammar(self, req: _Request, s: Sampling) -> None:
         """A request with a grammar gets its matcher (built at its first draw, from the model's
@@ -265,13 +299,14 @@ class StageStep:
                                          lambda: model_tokenizer(self.stage.gguf))
 
 
-def _draw(req: _Request, logits) -> tuple[int, bool]:
+def _draw(req: _Request, logits, draft: int | None = None) -> tuple[int, bool]:
     """The next token, and whether the request's grammar is finished with it. With a grammar the
-    mask is applied to the host copy of the row (a device row is copied here, as for sampling)."""
+    mask is applied to the host copy of the row (a device row is copied here, as for sampling).
+    `draft`: the verify window's draft of the next row (speculative.draw_against)."""
     if req.grammar is None:
-        return req.sampler(logits), False
+        return draw_against(req.sampler, logits, draft), False
     row = np.asarray(logits, dtype=np.float64).reshape(-1)
-    tok = req.sampler(masked_row(row, req.grammar.allowed(len(row))))
+    tok = draw_against(req.sampler, masked_row(row, req.grammar.allowed(len(row))), draft)
     return tok, req.grammar.advance(tok)
 
 
@@ -285,8 +320,10 @@ def _new_request(s: Sampling, prompt_ids: list[int], session_id: int) -> _Reques
                             frequency_penalty=s.frequency_penalty,
                             repetition_penalty=s.repetition_penalty,
                             logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)))
+    spec = (SpecState(min(s.spec_tokens, MAX_SPEC), s.spec_min_p, list(prompt_ids))
+            if s.spec_tokens else None)   # a window fits the decode step's rows
     return _Request(Sampler(params, prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
-                    logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+                    logprobs=s.logprobs, top_logprobs=s.top_logprobs, spec=spec)
 
 
 def _attach_prompt_logprobs(progress: PromptProgress, rows, pos: int, prompt_ids: list[int],

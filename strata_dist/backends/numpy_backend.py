@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plan.pricing import DECODE_ROWS
+from . import array_ops
 from .base import Backend
 
 
@@ -31,7 +33,17 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def linear(self, x, w, out=None):
+        if x.ndim == 2 and 1 < x.shape[0] <= DECODE_ROWS:
+            # A verify window's rows one at a time, as a decode step computes its one row: BLAS
+            # sums a row's products in another order when more rows share the call, and greedy
+            # tokens with and without speculation must agree (strata_dist/speculative.py).
+            # Prompt chunks longer than a window keep the faster many-row product.
+            return np.stack([w @ row for row in x])
         return x @ w.T
+
+    def route(self, x, router, k: int, normalize: bool):
+        # the router's product through `linear`: a verify window's rows as their decode steps
+        return array_ops.softmax_topk(self.linear(x, router), k, normalize=normalize)
 
     def swiglu(self, x, gate, up, down):
         # One row at a time: BLAS picks different kernels for different shapes, and a row's

@@ -416,7 +416,7 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     stages = []
     for i, (d, f, loan) in enumerate(zip(placement.devices, fills, loans)):
         w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
-                                    handoff_rows=cm.handoff_rows)
+                                    handoff_rows=cm.handoff_rows, verify_rows=params.verify_rows)
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),

@@ -91,6 +91,21 @@ def handoff_bytes(shape: ModelShape, rows: int = HANDOFF_ROWS) -> int:
     return rows * shape.hidden * HANDOFF_DTYPE_BYTES
 
 
+def verify_window_bytes(shape: ModelShape, lb: int, le: int, rows: int) -> int:
+    """What a verify window of `rows` rows (speculative decoding, --spec K: K + 1 rows;
+    strata_dist/speculative.py) takes on a stage of [lb, le) beyond a decode step: its rows'
+    buffers through the many-row path a prompt chunk takes (the prompt layout at `rows` tokens,
+    less the streamed experts a window never reads), and on a range with linear layers the
+    window's copy of their state and its input rows, kept to roll back inside the window. 0 for
+    rows <= 1 (no speculation)."""
+    _check_range(shape, lb, le)
+    if rows <= 1:
+        return 0
+    rec = sum(shape.recurrent_bytes[l] for l in range(lb, le) if shape.layer_kind[l] == "linear")
+    kept = rec + rows * shape.hidden * HANDOFF_DTYPE_BYTES if rec else 0
+    return shape.resident_prompt_bytes(rows) + kept
+
+
 def reserve_bytes(shape: ModelShape, first: bool, last: bool,
                   handoff_rows: int = HANDOFF_ROWS) -> int:
     """Bytes a stage holds back besides weights and session: its work buffers, the head reserve on
@@ -102,16 +117,19 @@ def reserve_bytes(shape: ModelShape, first: bool, last: bool,
 
 def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
                       weight_slice: bool = True,
-                      handoff_rows: int = HANDOFF_ROWS) -> tuple[int, int, int]:
-    """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range."""
+                      handoff_rows: int = HANDOFF_ROWS,
+                      verify_rows: int = 0) -> tuple[int, int, int]:
+    """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range.
+    The reserve holds a verify window of `verify_rows` rows (verify_window_bytes)."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
             session_bytes(shape, cells, lb, le),
-            reserve_bytes(shape, first, last, handoff_rows))
+            reserve_bytes(shape, first, last, handoff_rows)
+            + verify_window_bytes(shape, lb, le, verify_rows))
 
 
 def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
-                      handoff_rows: int = HANDOFF_ROWS) -> np.ndarray:
+                      handoff_rows: int = HANDOFF_ROWS, verify_rows: int = 0) -> np.ndarray:
     """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
     (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
     stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
@@ -146,4 +164,7 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
     reserve = (STAGE_WORK_RESERVE_BYTES + last * HEAD_RESERVE_BYTES
                + handoff_bytes(shape, handoff_rows) * ((~first).astype(np.int64)
                                                        + (~last).astype(np.int64)))
+    if verify_rows > 1:   # verify_window_bytes, every range at once
+        kept = np.where(rec > 0, rec + verify_rows * shape.hidden * HANDOFF_DTYPE_BYTES, 0)
+        reserve = reserve + shape.resident_prompt_bytes(verify_rows) + kept
     return (w + session + reserve).astype(np.int64)

@@ -91,7 +91,9 @@ class RequestLog:
                            finished=round(r.finished, 3),
                            prompt_read=t.get("prompt_read"),
                            tokens_per_second=t.get("decode_tokens_per_second"),
-                           prompt_tokens_per_second=t.get("prompt_tokens_per_second"))
+                           prompt_tokens_per_second=t.get("prompt_tokens_per_second"),
+                           draft_tokens=t.get("draft_tokens"),
+                           draft_tokens_accepted=t.get("draft_tokens_accepted"))
             elif r.job is running:
                 live = ((running_tokens - 1) / max(now - running_since, 1e-3)
                         if running_tokens > 1 else 0.0)

@@ -479,7 +479,10 @@ def _context(ids: list[int], lim: Limits) -> tuple[int, ...]:
 def usage(r: Result) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "total_tokens": r.prompt_tokens + r.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": r.reused}}
+            "prompt_tokens_details": {"cached_tokens": r.reused},
+            # speculative decoding (--spec): the drafts verified, accepted or not
+            "completion_tokens_details": {"accepted_prediction_tokens": r.accepted,
+                                          "rejected_prediction_tokens": r.drafted - r.accepted}}
 
 
 def chat_response(job_id: str, created: int, r: Result, parsed: Parsed,

@@ -92,7 +92,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
                  info_lines: Callable | None = None, say=None,
                  prompt_cache_every: int | None = None,
                  relaunch: Callable | None = None, restarts: int = 0,
-                 allowed_hosts: str | None = None) -> int:
+                 allowed_hosts: str | None = None, spec=None) -> int:
     """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
     coordinator, cfg.ranks). When a rank dies, the request in flight and the queue fail (503),
     /health answers 503 with the error, and up to `restarts` times `relaunch()` (which stops the
@@ -164,7 +164,8 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
         session = HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None,
                               keep_conversations=any(s.conversation_bytes for s in plan.stages),
                               **({} if prompt_cache_every is None
-                                 else {"checkpoint_every": prompt_cache_every}))
+                                 else {"checkpoint_every": prompt_cache_every}),
+                              **({} if spec is None else {"spec": spec}))
         if info_lines is not None:
             for line in info_lines(plan):
                 say(line)

@@ -96,6 +96,8 @@ class Result:
     prompt_read: int             # prompt tokens the stages read (each later choice reads one or more)
     prompt_ms: float
     decode_ms: float
+    drafted: int = 0             # speculative decoding (--spec): draft tokens verified
+    accepted: int = 0            # ... and those accepted
 
     def timings(self) -> dict:
         first_tokens = len(self.choices)     # each choice's first token comes with its prompt
@@ -106,7 +108,8 @@ class Result:
                 "prompt_ms": round(self.prompt_ms, 3), "decode_ms": round(self.decode_ms, 3),
                 "prompt_tokens_per_second": round(read / self.prompt_ms * 1e3, 3)
                 if self.prompt_ms > 0 else 0.0,
-                "decode_tokens_per_second": round(decode_tps, 3)}
+                "decode_tokens_per_second": round(decode_tps, 3),
+                "draft_tokens": self.drafted, "draft_tokens_accepted": self.accepted}
 
 
 @dataclass
@@ -321,7 +324,8 @@ class Worker:
         self.decode_rate = RateMeter()
         self.totals = {"prompt_tokens": 0, "prompt_tokens_read": 0, "generated_tokens": 0,
                        "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
-                       "requests_rejected": 0, "requests_unavailable": 0}
+                       "requests_rejected": 0, "requests_unavailable": 0,
+                       "draft_tokens": 0, "draft_tokens_accepted": 0}
         self.last: dict[str, Any] = {}
         self.rank_counters: dict[int, dict[str, int]] = {}
         self.rank_gauges: dict[int, dict[str, float]] = {}
@@ -533,6 +537,7 @@ class Worker:
         reused = read = 0
         prompt_ms = decode_ms = 0.0
         prompt_logprobs = None
+        drafted = accepted = 0
         runs = [(p, j, ids, context) for p, (ids, context) in enumerate(spec.prompts)
                 for j in range(spec.n)]
         try:
@@ -565,13 +570,15 @@ class Worker:
                 choices.append(Choice(index, stream.text, list(stream.tokens), reason,
                                       stream.logprobs, prompt=p, prompt_logprobs=prompt_logprobs))
                 read += out.read
+                drafted, accepted = drafted + out.drafted, accepted + out.accepted
                 prompt_ms += out.prompt_ms
                 decode_ms += out.decode_ms
             completion = sum(len(c.token_ids) for c in choices)
             prompt_tokens = sum(len(ids) for ids, _ in spec.prompts)
             result = Result(choices=choices, prompt_tokens=prompt_tokens,
                             completion_tokens=completion, reused=reused, prompt_read=read,
-                            prompt_ms=prompt_ms, decode_ms=decode_ms)
+                            prompt_ms=prompt_ms, decode_ms=decode_ms, drafted=drafted,
+                            accepted=accepted)
             job.post(Event("done", result=result))
             outcome = "requests_ok"
             self.latency.request.observe(time.monotonic() - job.queued_at)
@@ -579,6 +586,8 @@ class Worker:
                 self.totals["prompt_tokens"] += prompt_tokens
                 self.totals["prompt_tokens_read"] += read
                 self.totals["generated_tokens"] += completion
+                self.totals["draft_tokens"] += drafted
+                self.totals["draft_tokens_accepted"] += accepted
                 self.last = dict(result.timings(), completion_tokens=completion,
                                  finished=time.time())
         except ValueError as e:          # the head refused the prompt (checked earlier, normally)

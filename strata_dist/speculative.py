@@ -1,0 +1,148 @@
+"""Speculative decoding (`--spec K --draft ngram`): the drafter, the acceptance of a verify
+window's rows, and a stage's roll-back of recurrent state inside a window.
+
+The last stage drives it (strata_dist/stage_step.py). After a token it drafts up to K more with
+the n-gram drafter (a suffix of the conversation so far, prompt and generated tokens, matched
+against its earlier occurrences; no extra weights) and sends the token and its drafts as ONE
+decode step of K+1 rows: each stage runs them once (the many-row path prompt chunks take), and the
+last stage gets the logits of every row. Row i's draw decides token i+1 of the window:
+- greedy: the draw (the sampler's own, penalties, bias and grammar mask included, with the state
+  the tokens before it left) is the token; a draft that equals it is accepted and the next row
+  is read, else the window ends there with the drawn token. Every token emitted is the one a
+  decode step without speculation draws at that place, so the tokens are identical.
+- sampled (temperature > 0): the n-gram draft is a point mass q = [draft], so standard
+  speculative rejection sampling reduces to: accept the draft with probability p(draft), p the
+  sampler's distribution of that row; on rejection draw from p with the draft removed and
+  renormalised. A token is then `draft` with probability p(draft) and any other x with
+  (1 - p(draft)) p(x) / (1 - p(draft)) = p(x): the target's distribution, draw by draw.
+The window always yields at least one token (the row after the last accepted draft). What the
+stages computed past the accepted rows is rolled back at the next step: attention KV is
+positional (the next step's position overwrites it); a stage with recurrent state (qwen3next's
+linear layers) keeps the state at the window's start and the window's input rows
+(`WindowRecord`), and at the next step restores that state and runs the accepted rows again,
+through the same path, so its state is what one-row steps would have left.
+
+Bounds: a window has at most DECODE_ROWS rows (the decode score scratch every session is priced
+with), so K <= DECODE_ROWS - 1."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .plan.pricing import DECODE_ROWS
+
+DRAFTERS = ("ngram",)          # --draft values
+MAX_SPEC = DECODE_ROWS - 1     # --spec K: a window of K+1 rows fits the decode scratch
+MAX_NGRAM = 8                  # the longest suffix the n-gram drafter matches
+MIN_NGRAM = 1                  # ... and the shortest (--spec-min-p prunes weak matches)
+
+
+def check_spec(k: int, drafter: str, min_p: float) -> None:
+    """The flags' values, refused with the value and the bound named (ValueError)."""
+    if not 0 <= k <= MAX_SPEC:
+        raise ValueError(f"--spec {k}: K must be in [0, {MAX_SPEC}] (a verify window of K+1 "
+                         f"rows fits the {DECODE_ROWS}-row decode step)")
+    if drafter not in DRAFTERS:
+        raise ValueError(f"--draft {drafter!r}: the drafters are {', '.join(DRAFTERS)}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"--spec-min-p {min_p}: P must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """--spec K, --draft, --spec-min-p as the head applies them to every request (K = 0: off)."""
+    k: int = 0
+    drafter: str = "ngram"
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        check_spec(self.k, self.drafter, self.min_p)
+
+
+def ngram_next(history: np.ndarray) -> tuple[int, float] | None:
+    """The token most often following the longest suffix of `history` (MIN_NGRAM..MAX_NGRAM
+    tokens) that occurred earlier, and its share of those occurrences (the drafter's
+    probability); None when no such suffix occurred. Ties go to the token that followed the
+    latest occurrence."""
+    n_hist = len(history)
+    for n in range(min(MAX_NGRAM, n_hist - 1), MIN_NGRAM - 1, -1):
+        suffix = history[n_hist - n:]
+        # starts i of earlier occurrences, i + n < n_hist: a token follows each
+        starts = np.flatnonzero(history[:n_hist - n] == suffix[0])
+        for j in range(1, n):
+            starts = starts[history[starts + j] == suffix[j]]
+        if starts.size:
+            nexts = history[starts + n]
+            ids, counts = np.unique(nexts, return_counts=True)
+            best = set(ids[counts == counts.max()].tolist())
+            tok = next(int(t) for t in nexts[::-1] if int(t) in best)
+            return tok, float(counts.max()) / starts.size
+    return None
+
+
+def ngram_draft(history, k: int, min_p: float = 0.0) -> list[int]:
+    """Up to k draft tokens after `history` (prompt and generated ids): each the n-gram drafter's
+    next token of the history extended by the drafts before it. Drafting stops where no suffix
+    matches or the drafter's probability falls below `min_p` (--spec-min-p)."""
+    h = np.asarray(history, dtype=np.int64)
+    out: list[int] = []
+    while len(out) < k:
+        got = ngram_next(h)
+        if got is None or got[1] < min_p:
+            break
+        out.append(got[0])
+        h = np.append(h, got[0])
+    return out
+
+
+def draw_against(sampler, row, draft: int | None) -> int:
+    """Row i's token given the draft of row i+1 (None: the window's last row, or no draft): the
+    sampler's own draw when greedy (the caller accepts the draft when they are equal); when
+    sampled, the draft accepted with its probability, else a draw from the rest (module doc)."""
+    if draft is None or sampler.params.greedy:
+        return sampler(row)
+    ids, probs = sampler.distribution(row)
+    at = ids == draft
+    if sampler.rng.random() < float(probs[at].sum()):
+        tok = draft
+    else:
+        rest = np.where(at, 0.0, probs)
+        tok = int(ids[sampler.rng.choice(len(ids), p=rest / rest.sum())])
+    sampler.record(tok)
+    return tok
+
+
+@dataclass
+class SpecState:
+    """The last stage's speculation for one request: K, --spec-min-p, the conversation so far
+    (what the drafter matches), the drafts of the window in flight and the counts."""
+    k: int
+    min_p: float
+    history: list[int]
+    drafts: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    windows: int = 0
+
+    def draft(self, left: int) -> list[int]:
+        """The drafts of the next window: at most K, and fewer than `left` tokens to go (the
+        window's own token comes on top of them)."""
+        self.drafts = ngram_draft(self.history, min(self.k, left - 1), self.min_p)
+        self.drafted += len(self.drafts)
+        self.windows += bool(self.drafts)
+        return self.drafts
+
+
+@dataclass
+class WindowRecord:
+    """A stage's copy of a verify window on a session with recurrent state: the state at its
+    start (a SessionCheckpoint) and its input rows (ids on the first stage, else hidden rows)."""
+    start: int
+    n: int
+    rows: object
+    state: object
+
+    def covers(self, pos: int, n_past: int) -> bool:
+        """Whether a step at `pos` lands inside this window, as the session left it."""
+        return n_past == self.start + self.n and self.start <= pos < self.start + self.n
