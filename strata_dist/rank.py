@@ -176,6 +176,9 @@ class RankProcess:
             self._open_helper(assign)
             if self.stage is not None:   # this card's own tier is computed in place
                 self.stage.attach_local_helper(self.helper.arena)
+                self.stage.local_tier = self.helper   # its counts re-rank the tier directly
+                # a GPU stage's decode graph reads this card's tier at its addresses: no swaps
+                self.helper.read_in_place |= self.stage.backend.name == "cupy"
             free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(
@@ -215,7 +218,8 @@ class RankProcess:
         gguf = GGUFModel(self.opts.model)
         g = architecture_for(gguf).read_geometry(gguf)
         self.helper = HelperServer.open(a.rank, _backend(self.opts.device_name), gguf,
-                                        a.helper_pairs, g.n_layers, g.n_expert)
+                                        a.helper_pairs, g.n_layers, g.n_expert,
+                                        adapt_swaps=a.adapt_swaps if a.adapt_every > 0 else 0)
 
     def _connect_neighbours(self, a: Assign) -> None:
         """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
@@ -404,6 +408,8 @@ class RankProcess:
         c["send_us"] = self.send_us
         if self.helper is not None:
             c["helper_requests"] = self.helper.requests
+            if self.helper.adapt_swaps:
+                c.update(self.helper.counters)   # its re-ranking (helper_server.py)
         if self.stage is not None:
             c.update(self.stage.tiers.counters)
             c.update(self.stage.checkpoint_counters())

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol import ProtocolError, ProtocolTimeout
+
 from .adapt import RoutingCounts, coverage, pick_swaps
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes
@@ -70,8 +72,13 @@ class Stage:
                                 backend=self.backend, ipc=ipc, hidden=g.n_embd, top_k=g.n_expert_used,
                                 seal=cfg.link_seal)
                    for rank, ep, pairs, ipc in cfg.helpers]
-        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
+        # with the adaptive cache on, a helper holding none of this stage's pairs yet may take
+        # some when it re-ranks (helper_server.py): the stage keeps its link
+        adapting = cfg.adapt_every > 0 and cfg.adapt_swaps > 0
+        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache,
+                                 [h for h in helpers if h.pairs or adapting],
                                  local_helper=cfg.local_helper)
+        self.local_tier = None   # this card's own HelperServer, set by the rank (re-ranked here)
         # pairs of this stage's layers that this card's own helper tier will hold: read in place
         # by the decode graph once the tier opens (attach_local_helper), so never pinned
         self.own_helper_pairs = {(int(l), int(e)) for l, e in cfg.local_helper_pairs
@@ -318,6 +325,7 @@ class Stage:
             if graph is not None:     # the graph's address table, after the copies (same stream)
                 graph.repoint([p for swap in swaps for p in swap])
         after = coverage(r.counts[lb:le], (cache.slot_of >= 0)[lb:le])
+        self._rerank_helpers(cache.slot_of >= 0)
         c = self.tiers.counters
         c["adapt_rounds"] += 1
         c["adapt_swaps"] += len(swaps)
@@ -327,6 +335,28 @@ class Stage:
             log.info("stage [%d, %d): adaptive cache swapped %d pairs; it holds %.1f%% of the "
                      "recent routing (was %.1f%%)", lb, le, len(swaps), 100 * after, 100 * before)
         r.decay()
+
+    def _rerank_helpers(self, cached: np.ndarray) -> None:
+        """The helper tiers re-rank on this stage's counts too (helper_server.py): each gets the
+        counts of the pairs this stage's own cache misses and answers the pairs of its layers it
+        holds now; a helper that cannot answer keeps its old pairs here (it still answers them)."""
+        lb, le = self.cfg.lb, self.cfg.le
+        missed = np.where(cached[lb:le], 0.0, self.routing.counts[lb:le])
+        if self.local_tier is not None:      # this card's own tier: read here as it is now
+            self.local_tier.rerank(lb, le, missed)
+        changed = False
+        for h in self.tiers.helpers:
+            if not h.alive or h.tier is not None:   # read in place: such a tier never swaps
+                continue
+            try:
+                changed |= self.tiers.set_helper_pairs(h, h.rerank(lb, le, missed))
+            except ProtocolTimeout as e:
+                self.tiers._helper_lost(h, e)
+            except ProtocolError as e:
+                log.warning("helper rank %d did not re-rank (%s); its pairs stay as they were",
+                            h.rank, e)
+        if changed and self.backend.name == "cupy":
+            self._rebuild_graph()    # the graph's tiers are taken when it is built
 
     def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False):
         """The general path: any rows, any tiers (prompt chunks, partial caches)."""

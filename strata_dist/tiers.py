@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 
 from protocol import (Channel, Error, ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk,
-                      ProtocolError, ProtocolTimeout, SlotFree)
+                      ProtocolError, ProtocolTimeout, SlotFree, TierCounts, TierPairs)
 from protocol.messages import RowSlot
 
 from .experts import BlobArena, ExpertStore, HostTier, stored_rows_jobs
@@ -97,15 +97,32 @@ class HelperClient:
     def reply(self, seq: int, deadline: float):
         """The outputs (n, k, d) of request ``seq``: a view of this link's buffer (IPC) or a host
         array (frames)."""
+        msg, arrays = self._await(ExpertReply, seq, deadline, "an expert reply")
+        if msg.slot is not None:
+            return self.export.view(msg.slot, np.float32, (msg.n, self.top_k, self.hidden))
+        return np.asarray(arrays[0], dtype=np.float32)
+
+    def rerank(self, lb: int, le: int, counts: np.ndarray) -> list[tuple[int, int]]:
+        """The adaptive cache's round reaches this helper's tier (helper_server.py): this stage's
+        counts of layers [lb, le) out, the pairs of those layers the tier holds after its round
+        back. ProtocolTimeout / ProtocolError as `reply`."""
+        self._seq += 1
+        seq = self._seq
+        self.ch.send(TierCounts(seq=seq, lb=lb, le=le),
+                     [np.ascontiguousarray(counts, dtype=np.float64)], timeout_ms=REMOTE_TIMEOUT_MS)
+        msg, _ = self._await(TierPairs, seq, time.monotonic() + REMOTE_TIMEOUT_MS / 1000,
+                             "the helper tier's pairs")
+        return [(int(l), int(e)) for l, e in msg.pairs]
+
+    def _await(self, kind: type, seq: int, deadline: float, what: str):
+        """The `kind` message of `seq` from the helper, handling what else the link carries."""
         while True:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0:
-                raise ProtocolTimeout(self.ch.peer, "an expert reply", REMOTE_TIMEOUT_MS)
-            msg, arrays = self.ch.recv(timeout_ms=left, what="an expert reply")
-            if isinstance(msg, ExpertReply) and msg.seq == seq:
-                if msg.slot is not None:
-                    return self.export.view(msg.slot, np.float32, (msg.n, self.top_k, self.hidden))
-                return np.asarray(arrays[0], dtype=np.float32)
+                raise ProtocolTimeout(self.ch.peer, what, REMOTE_TIMEOUT_MS)
+            msg, arrays = self.ch.recv(timeout_ms=left, what=what)
+            if isinstance(msg, kind) and msg.seq == seq:
+                return msg, arrays
             if isinstance(msg, SlotFree) and msg.name == IPC_NAME:
                 self.ipc_ready = self.export is not None    # the helper opened the buffer
                 continue
@@ -220,6 +237,17 @@ class ExpertTiers(ExpertStore):
         if self.local_helper is not None:
             out.update(self.local_helper.device_addresses(lb, le))
         return out
+
+    def set_helper_pairs(self, h: HelperClient, pairs) -> bool:
+        """A helper tier re-ranked (HelperClient.rerank): `pairs` of this stage's layers are
+        where it holds them now. Whether they changed."""
+        pairs = {(int(l), int(e)) for l, e in pairs}
+        if pairs == h.pairs:
+            return False
+        h.pairs = pairs
+        self.remote_of = {pair: x for x in self.helpers for pair in x.pairs}
+        self._helper_of.clear()
+        return True
 
     def tiers_changed(self) -> bool:
         """Whether a helper's tier was opened, or a helper read in place stopped, since the last
