@@ -230,6 +230,8 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
                        kv_type=args.kv_type, compute=args.compute, **(layout or {}),
                        adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
+                       profile_out=args.expert_profile_out,
+                       profile_every_s=args.expert_profile_every,
                        **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0

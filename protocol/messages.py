@@ -281,6 +281,8 @@ class Assign(Message):
     # (strata_dist/adapt.py); 0: the cache stays as the plan filled it
     adapt_every: int = 0
     adapt_swaps: int = 0
+    # --expert-profile-out: a stage counts its layers' routing and sends the totals in StatsReply
+    count_routing: bool = False
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
@@ -326,6 +328,10 @@ class StatsReply(Message):
     counters: dict[str, int]
     gauges: dict[str, float] = field(default_factory=dict)  # point-in-time values (free bytes, ...)
     request_id: int | None = None
+    # with Assign.count_routing, a stage's routing totals since it started: routing[i][e] is how many
+    # rows layer routing_lb + i routed to expert e (the counts of a profile, strata_dist/profile_io.py)
+    routing_lb: int = 0
+    routing: list[list[int]] = field(default_factory=list)
 
 
 @message

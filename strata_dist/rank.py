@@ -166,7 +166,8 @@ class RankProcess:
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
                 prompt_chunk=assign.prefill_chunk,
                 local_helper_pairs=[tuple(p) for p in assign.helper_pairs],
-                adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps))
+                adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps,
+                count_routing=assign.count_routing))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id)
@@ -383,8 +384,12 @@ class RankProcess:
         self.control.send(Ready(rank=self.assign.rank, allocated=self._allocated, elapsed_ms=0.0))
 
     def _on_stats(self, msg: Stats, arrays) -> None:
+        routing = {}
+        if self.stage is not None and self.assign.count_routing:   # a live profile's counts
+            lb, le = self.assign.lb, self.assign.le
+            routing = dict(routing_lb=lb, routing=self.stage.routing.total[lb:le].tolist())
         self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
-                                     request_id=msg.request_id, gauges=self._gauges()))
+                                     request_id=msg.request_id, gauges=self._gauges(), **routing))
 
     # ---- the helper tier -------------------------------------------------------------------------
     def _answer_helper_request(self) -> None:

@@ -53,6 +53,7 @@ class StageConfig:
     local_helper_pairs: list = field(default_factory=list)
     adapt_every: int = 0      # --adapt-every: tokens between the adaptive cache's rounds (0: off)
     adapt_swaps: int = 0      # --adapt-swaps: the most pairs a round swaps
+    count_routing: bool = False   # --expert-profile-out: count routing totals (a live profile)
 
 
 class Stage:
@@ -88,7 +89,7 @@ class Stage:
         self.routing = RoutingCounts((g.n_layers, g.n_expert), cfg.adapt_every, cfg.adapt_swaps)
         self._adapt_due = False
         self._adapt_stuck_said = False   # said once: no pair can leave the cache (none pinned)
-        if self.routing.on:
+        if self.routing.on or cfg.count_routing:
             self.tiers.routing = self.routing
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         if self.backend.name == "cupy" and reads_host_in_place(self.tiers, once_opened=True):
@@ -100,7 +101,7 @@ class Stage:
         # once that tier has opened (it opens after the stage)
         self.decode_graph = None
         if not (self.own_helper_pairs and cfg.local_helper is None):
-            self.decode_graph = self.backend.decode_graph(self.model, cfg.max_context)
+            self._rebuild_graph()
         # a GPU prompt chunk's buffers: the layout the plan priced, carved from the loan while a
         # prompt borrows it, else from the stage's own prompt buffers, allocated here once
         self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
@@ -152,6 +153,8 @@ class Stage:
         if self.decode_graph is not None:
             self.decode_graph.settle()
         self.decode_graph = self.backend.decode_graph(self.model, self.cfg.max_context)
+        if self.decode_graph is not None and self.cfg.count_routing:
+            self.decode_graph.keep_routes = True    # a profile counts every step's routes
 
     @property
     def weights_bytes(self) -> int:
@@ -286,7 +289,7 @@ class Stage:
         s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
-        if self.routing.on:
+        if self.tiers.routing is not None:
             # the general path counted its routes as it computed them (ExpertTiers)
             if graph_step and graph.last_routes is not None:
                 self.routing.add_layers(self.cfg.lb, graph.last_routes)

@@ -208,7 +208,7 @@ class ExpertTiers(ExpertStore):
         # and the tier of each expert of the layers counted there
         self._pair_counts = None
         self._counted_tiers: dict[int, np.ndarray] = {}
-        # the adaptive cache's routing counts (strata_dist/adapt.py), set by the stage when on
+        # the routing counts (strata_dist/adapt.py), set by the stage when it adapts or profiles
         self.routing = None
 
     @property
@@ -268,7 +268,7 @@ class ExpertTiers(ExpertStore):
         y = self.cache.outputs_device(layer, x, idx)
         if y is not None:
             self.counters["hits"] += int(idx.size)
-            if self.routing is not None:   # a read of the routes, only with adaptation on
+            if self.routing is not None:   # a read of the routes, only when they are counted
                 self.routing.add(layer, self.backend.to_host(idx))
             return y
         return self._prompt_on_device(layer, x, idx) if self.prompt else None
@@ -371,7 +371,7 @@ class ExpertTiers(ExpertStore):
         for layer, tier in self._counted_tiers.items():
             c = counts[layer]
             if self.routing is not None:
-                self.routing.counts[layer] += c
+                self.routing.add_counts(layer, c)
             self.counters["hits"] += int(c[tier == 1].sum())
             self.counters["remote"] += int(c[(tier == 2) | (tier == 3)].sum())
             self.counters["host"] += int(c[tier == 0].sum())
