@@ -25,7 +25,7 @@ from protocol import (Error, ExpertReply, ExpertRequest, ExpertTier, ExpertTierA
                       TierCounts, TierPairs)
 from protocol.messages import RowSlot
 
-from .adapt import pick_swaps
+from .adapt import coverage, pick_swaps
 from .experts import BlobArena, HostTier
 
 log = logging.getLogger("strata.helper")
@@ -47,6 +47,8 @@ class HelperServer:
         self.host = HostTier(arena.backend, arena.gguf) if arena is not None else None
         self.read_in_place = False     # a decode graph reads this tier's addresses: no swap
         self.counters = {"tier_rounds": 0, "tier_swaps": 0, "tier_left_asked": 0}
+        # the pairs the plan gave the tier: what it would hold of the same counts without swaps
+        self.planned = arena.slot_of >= 0 if arena is not None else None
 
     @classmethod
     def open(cls, rank: int, backend, gguf, pairs, n_layers: int, n_expert: int,
@@ -120,8 +122,13 @@ class HelperServer:
             for evict, take in swaps:
                 self.left.add(evict)
                 self.left.discard(take)
-            self.counters["tier_rounds"] += 1
-            self.counters["tier_swaps"] += len(swaps)
+            c = self.counters
+            c["tier_rounds"] += 1
+            c["tier_swaps"] += len(swaps)
+            # levels, not totals: the share of the stages' latest missed routing the tier holds
+            # after this round, and what the plan's pairs would hold of it
+            c["tier_coverage_ppm"] = int(round(coverage(self.counts, a.slot_of >= 0) * 1e6))
+            c["tier_planned_coverage_ppm"] = int(round(coverage(self.counts, self.planned) * 1e6))
             if swaps:
                 log.info("helper tier swapped %d pairs on layers [%d, %d)'s counts", len(swaps),
                          lb, le)

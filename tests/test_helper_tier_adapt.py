@@ -12,9 +12,9 @@ from strata_dist.helper_server import HelperServer
 from strata_dist.profile_io import record_profile, save_profile
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
-# q8_0 blobs of 3 x 128 x 128 weights (~52 KiB): a 1 MiB tier holds 20 of the 128 pairs
-GEOMETRY = replace(GEOMETRIES["tiny"], name="tier32", n_embd=128, n_ff_exp=128, n_expert=32,
-                   n_head=4, n_head_kv=2, head_dim=32)
+# q8_0 blobs of 3 x 256 x 256 weights (208 KiB): a 1 MiB tier holds 5 of the 32 pairs
+GEOMETRY = replace(GEOMETRIES["tiny"], name="wide8", n_embd=256, n_ff_exp=256, n_expert=8,
+                   n_head=4, n_head_kv=2, head_dim=64)
 L, E = GEOMETRY.n_layer, GEOMETRY.n_expert
 # the synthetic model routes by token: each phase's few ids route to few experts per layer
 PHASE1 = [[11, 12, 13] * 16]
@@ -25,27 +25,27 @@ SAMPLED = "stats=1 temperature=1.5 seed=7"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("tier-adapt")
-    model = d / "tier32.gguf"
+    model = d / "wide8.gguf"
     write_synthetic(model, like=GEOMETRY, quant="q8_0", popularity="uniform", seed=0)
     profile = d / "phase1.json"
     save_profile(record_profile(model, PHASE1), profile)
     return str(model), str(profile)
 
 
-def _phase2(files, *extra, options=SAMPLED):
+def _phase2(files, *extra, options=SAMPLED, max_new=40):
     """Phase 2's requests, sampled, on tiers filled from phase 1's profile: the tokens, the
     helper tier's share of the routing per request (remote / all routed) and every rank's
     counters after."""
     model, profile = files
     s = ServeSession(model, "--cpu-ranks", "3", "--stage-gpus", "rank:0,rank:1", "--layer-split",
-                     "2", "--expert-cache", "2", "--expert-cache-device", "rank:2=1",
+                     "2", "--expert-cache", "1", "--expert-cache-device", "rank:2=1",
                      "--no-remote-auto", "--prefill", "16", "--max-context", "512",
                      "--expert-profile", profile, *extra, timeout=120)
     try:
         tokens, served = [], []
         for _ in range(2):
             for prompt in PHASE2:
-                out = s.gen(prompt, 40, options, timeout=120)
+                out = s.gen(prompt, max_new, options, timeout=120)
                 assert out["err"] is None, out["err"]
                 tokens.append(out["tokens"])
                 rows = out["stats"]
@@ -71,6 +71,21 @@ def test_a_helper_tier_reranks_every_step_with_the_same_tokens(files):
         assert int(counters[rank].get("errors", 0)) == 0
         assert int(counters[rank].get("remote_lost", 0)) == 0
 
+
+
+def test_a_reranked_tier_holds_more_of_the_second_phase(files):
+    """Rounds every 16 tokens, greedy: the tier ends holding more of the stages' recent missed
+    routing than the pairs the plan gave it from phase 1's profile would (its coverage levels in
+    STATS), and serves more of phase 2's lookups than the tier that stays as planned. Prompt
+    chunks never ask a helper, so its share is of the decode rows only."""
+    _, off, _ = _phase2(files, options="stats=1", max_new=24)
+    _, on, counters = _phase2(files, "--adapt-every", "16", "--adapt-swaps", "4",
+                              options="stats=1", max_new=24)
+    helper = counters[2]
+    assert int(helper["tier_swaps"]) > 0
+    assert (int(helper["tier_coverage_ppm"])
+            > int(helper["tier_planned_coverage_ppm"]) + 100_000), helper
+    assert np.mean(on[1:]) > np.mean(off[1:]), (on, off)
 
 
 def test_a_slot_moves_from_one_stages_layers_to_anothers(files):
