@@ -80,6 +80,7 @@ class Stage:
                                  [h for h in helpers if h.pairs or adapting],
                                  local_helper=cfg.local_helper)
         self.local_tier = None   # this card's own HelperServer, set by the rank (re-ranked here)
+        self._rerank_refused: set[int] = set()   # helpers whose refusal to re-rank was said
         # pairs of this stage's layers that this card's own helper tier will hold: read in place
         # by the decode graph once the tier opens (attach_local_helper), so never pinned
         self.own_helper_pairs = {(int(l), int(e)) for l, e in cfg.local_helper_pairs
@@ -356,8 +357,10 @@ class Stage:
             except ProtocolTimeout as e:
                 self.tiers._helper_lost(h, e)
             except ProtocolError as e:
-                log.warning("helper rank %d did not re-rank (%s); its pairs stay as they were",
-                            h.rank, e)
+                if h.rank not in self._rerank_refused:   # said once: it answers so every round
+                    self._rerank_refused.add(h.rank)
+                    log.warning("helper rank %d did not re-rank (%s); its pairs stay as they "
+                                "were", h.rank, e)
         if changed and self.backend.name == "cupy":
             self._rebuild_graph()    # the graph's tiers are taken when it is built
 

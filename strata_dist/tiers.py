@@ -215,13 +215,14 @@ class ExpertTiers(ExpertStore):
     def asks_helpers(self) -> bool:
         """Whether a live helper tier of another card holds pairs for this stage that are not read
         in place: the general path asks it, a decode graph cannot read it."""
-        return any(h.alive and h.tier is None for h in self.helpers)
+        return any(h.alive and h.tier is None and h.pairs for h in self.helpers)
 
     @property
     def may_read_helpers(self) -> bool:
         """Whether every other card's helper tier of this stage was asked for its buffer (CUDA IPC
         on this host): once they answer, no helper is asked (see asks_helpers)."""
-        return all(h.export is not None for h in self.helpers)
+        # a link kept for re-ranking only (no pair of this stage yet) is not asked
+        return all(h.export is not None for h in self.helpers if h.pairs)
 
     def helper_addresses(self, lb: int, le: int) -> dict[tuple[int, int], int]:
         """(layer, expert) -> the device address of the blob of a pair of layers [lb, le) that a
