@@ -20,7 +20,7 @@ from .compute_options import ComputeOptions
 from .structs import STRUCT_TYPES, Struct, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
