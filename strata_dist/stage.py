@@ -343,7 +343,8 @@ class Stage:
     def _rerank_helpers(self, cached: np.ndarray) -> None:
         """The helper tiers re-rank on this stage's counts too (helper_server.py): each gets the
         counts of the pairs this stage's own cache misses and answers the pairs of its layers it
-        holds now; a helper that cannot answer keeps its old pairs here (it still answers them)."""
+        holds then, taken here at the next round (HelperClient.rerank); until then a pair that
+        left is still answered, from the model file."""
         lb, le = self.cfg.lb, self.cfg.le
         missed = np.where(cached[lb:le], 0.0, self.routing.counts[lb:le])
         if self.local_tier is not None:      # this card's own tier: read here as it is now
@@ -353,7 +354,9 @@ class Stage:
             if not h.alive or h.tier is not None:   # read in place: such a tier never swaps
                 continue
             try:
-                changed |= self.tiers.set_helper_pairs(h, h.rerank(lb, le, missed))
+                held = h.rerank(lb, le, missed)
+                if held is not None:
+                    changed |= self.tiers.set_helper_pairs(h, held)
             except ProtocolTimeout as e:
                 self.tiers._helper_lost(h, e)
             except ProtocolError as e:

@@ -67,6 +67,7 @@ class HelperClient:
         self.tier_pid = 0              # the helper's process, watched while its tier is read
         self.tier_addresses: dict[tuple[int, int], int] = {}   # this stage's pairs -> address
         self.tier_changed = False      # opened (or lost) since the stage last looked
+        self.tier_pairs = None         # the tier's newest TierPairs answer, not yet taken (rerank)
 
     @property
     def nbytes(self) -> int:
@@ -102,17 +103,24 @@ class HelperClient:
             return self.export.view(msg.slot, np.float32, (msg.n, self.top_k, self.hidden))
         return np.asarray(arrays[0], dtype=np.float32)
 
-    def rerank(self, lb: int, le: int, counts: np.ndarray) -> list[tuple[int, int]]:
+    def rerank(self, lb: int, le: int, counts: np.ndarray) -> list[tuple[int, int]] | None:
         """The adaptive cache's round reaches this helper's tier (helper_server.py): this stage's
-        counts of layers [lb, le) out, the pairs of those layers the tier holds after its round
-        back. ProtocolTimeout / ProtocolError as `reply`."""
+        counts of layers [lb, le) go out, not waited for. A rank that holds a stage and a tier is
+        inside its own round when it would answer (a prompt's chunks run on the stages at once),
+        so each waiting on the other would stall both: the answer (TierPairs, the pairs of those
+        layers the tier holds after its round) is taken at the next round, or with any reply
+        before. Returns the newest answer taken since the last call, or None."""
+        while True:                       # what arrived since the last round, without waiting
+            try:
+                msg, arrays = self.ch.recv(timeout_ms=0, what="the helper tier's pairs")
+            except ProtocolTimeout:
+                break
+            self._side_message(msg, arrays)
         self._seq += 1
-        seq = self._seq
-        self.ch.send(TierCounts(seq=seq, lb=lb, le=le),
+        self.ch.send(TierCounts(seq=self._seq, lb=lb, le=le),
                      [np.ascontiguousarray(counts, dtype=np.float64)], timeout_ms=REMOTE_TIMEOUT_MS)
-        msg, _ = self._await(TierPairs, seq, time.monotonic() + REMOTE_TIMEOUT_MS / 1000,
-                             "the helper tier's pairs")
-        return [(int(l), int(e)) for l, e in msg.pairs]
+        held, self.tier_pairs = self.tier_pairs, None
+        return held
 
     def _await(self, kind: type, seq: int, deadline: float, what: str):
         """The `kind` message of `seq` from the helper, handling what else the link carries."""
@@ -123,24 +131,26 @@ class HelperClient:
             msg, arrays = self.ch.recv(timeout_ms=left, what=what)
             if isinstance(msg, kind) and msg.seq == seq:
                 return msg, arrays
-            if isinstance(msg, SlotFree) and msg.name == IPC_NAME:
-                self.ipc_ready = self.export is not None    # the helper opened the buffer
-                continue
-            if isinstance(msg, ExpertTier):
-                self._open_tier(msg, arrays)
-                continue
-            if isinstance(msg, Error) and msg.code == "ipc_tier":
-                log.info("helper rank %d's tier is not read in place (%s); it is asked",
-                         self.rank, msg.message)
-                continue
-            if isinstance(msg, Error) and msg.code == "ipc":
-                log.warning("helper rank %d cannot open this stage's CUDA IPC buffer (%s); its "
-                            "requests go in frames", self.rank, msg.message)
-                self.ipc_ready = False
-                continue
-            if isinstance(msg, Error):
-                raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
-            # a late reply to an earlier, timed-out request: skip it
+            self._side_message(msg, arrays)
+
+    def _side_message(self, msg, arrays) -> None:
+        """Anything the link carries besides the awaited reply."""
+        if isinstance(msg, TierPairs):
+            self.tier_pairs = [(int(l), int(e)) for l, e in msg.pairs]
+        elif isinstance(msg, SlotFree) and msg.name == IPC_NAME:
+            self.ipc_ready = self.export is not None    # the helper opened the buffer
+        elif isinstance(msg, ExpertTier):
+            self._open_tier(msg, arrays)
+        elif isinstance(msg, Error) and msg.code == "ipc_tier":
+            log.info("helper rank %d's tier is not read in place (%s); it is asked",
+                     self.rank, msg.message)
+        elif isinstance(msg, Error) and msg.code == "ipc":
+            log.warning("helper rank %d cannot open this stage's CUDA IPC buffer (%s); its "
+                        "requests go in frames", self.rank, msg.message)
+            self.ipc_ready = False
+        elif isinstance(msg, Error):
+            raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
+        # else a late reply to an earlier, timed-out request: skipped
 
     def _open_tier(self, msg: ExpertTier, arrays) -> None:
         """Open the helper's tier buffer: from now on the stage's decode graph may read this

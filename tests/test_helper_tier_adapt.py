@@ -32,15 +32,20 @@ def files(tmp_path_factory):
     return str(model), str(profile)
 
 
-def _phase2(files, *extra, options=SAMPLED, max_new=40):
+# two stages and a helper-only rank; or two stages each with a tier on its own card, which serves
+# the other stage (asked) and its own (computed in place, re-ranked there with no message)
+HELPER_RANK = ("--cpu-ranks", "3", "--expert-cache-device", "rank:2=1")
+STAGE_CARDS = ("--cpu-ranks", "2", "--expert-cache-device", "rank:0=1,rank:1=1")
+
+
+def _phase2(files, *extra, options=SAMPLED, max_new=40, layout=HELPER_RANK):
     """Phase 2's requests, sampled, on tiers filled from phase 1's profile: the tokens, the
-    helper tier's share of the routing per request (remote / all routed) and every rank's
+    helper tiers' share of the routing per request (remote / all routed) and every rank's
     counters after."""
     model, profile = files
-    s = ServeSession(model, "--cpu-ranks", "3", "--stage-gpus", "rank:0,rank:1", "--layer-split",
-                     "2", "--expert-cache", "1", "--expert-cache-device", "rank:2=1",
-                     "--no-remote-auto", "--prefill", "16", "--max-context", "512",
-                     "--expert-profile", profile, *extra, timeout=120)
+    s = ServeSession(model, *layout, "--stage-gpus", "rank:0,rank:1", "--layer-split", "2",
+                     "--expert-cache", "1", "--no-remote-auto", "--prefill", "16",
+                     "--max-context", "512", "--expert-profile", profile, *extra, timeout=120)
     try:
         tokens, served = [], []
         for _ in range(2):
@@ -57,8 +62,8 @@ def _phase2(files, *extra, options=SAMPLED, max_new=40):
 
 
 def test_a_helper_tier_reranks_every_step_with_the_same_tokens(files):
-    off, off_served, off_counters = _phase2(files)
-    on, on_served, counters = _phase2(files, "--adapt-every", "1", "--adapt-swaps", "4")
+    off, _, off_counters = _phase2(files)
+    on, _, counters = _phase2(files, "--adapt-every", "1", "--adapt-swaps", "4")
     assert sum(map(len, on)) >= 200
     assert on == off
     helper = counters[2]
@@ -70,6 +75,20 @@ def test_a_helper_tier_reranks_every_step_with_the_same_tokens(files):
     for rank in (0, 1):
         assert int(counters[rank].get("errors", 0)) == 0
         assert int(counters[rank].get("remote_lost", 0)) == 0
+
+
+def test_the_tiers_on_the_stages_own_cards_rerank_every_step_with_the_same_tokens(files):
+    """Each stage card's tier re-ranks on both stages' counts: its own stage's, handed over in
+    the process, and the other's, sent. Fewer tokens: the layout is what is new here."""
+    off, _, _ = _phase2(files, layout=STAGE_CARDS, max_new=20)
+    on, _, counters = _phase2(files, "--adapt-every", "1", "--adapt-swaps", "4",
+                              layout=STAGE_CARDS, max_new=20)
+    assert on == off
+    for rank in (0, 1):
+        c = counters[rank]
+        # two rounds a step: its own stage's and the other stage's
+        assert int(c["tier_rounds"]) >= 2 * sum(map(len, on)) - 12 and int(c["tier_swaps"]) > 0, c
+        assert int(c.get("errors", 0)) == 0 and int(c.get("remote_lost", 0)) == 0
 
 
 
