@@ -342,19 +342,30 @@ class Stage:
 
     def _rerank_helpers(self, cached: np.ndarray) -> None:
         """The helper tiers re-rank on this stage's counts too (helper_server.py): each gets the
-        counts of the pairs this stage's own cache misses and answers the pairs of its layers it
+        counts of its layers' pairs, less those held elsewhere (this stage's cache, the other
+        tiers: a tier takes only what none holds), and answers the pairs of those layers it
         holds then, taken here at the next round (HelperClient.rerank); until then a pair that
         left is still answered, from the model file."""
         lb, le = self.cfg.lb, self.cfg.le
-        missed = np.where(cached[lb:le], 0.0, self.routing.counts[lb:le])
-        if self.local_tier is not None:      # this card's own tier: read here as it is now
-            self.local_tier.rerank(lb, le, missed)
+        held_by = {id(h): np.zeros_like(cached) for h in self.tiers.helpers}
+        for h in self.tiers.helpers:
+            for l, e in h.pairs:
+                held_by[id(h)][l, e] = True
+        local = self.local_tier.arena if self.local_tier is not None else None
+        own = (local.slot_of >= 0) if local is not None else np.zeros_like(cached)
+        in_a_tier = np.logical_or.reduce([own, *held_by.values()])
+
+        def missed(mine: np.ndarray) -> np.ndarray:
+            elsewhere = cached | (in_a_tier & ~mine)
+            return np.where(elsewhere[lb:le], 0.0, self.routing.counts[lb:le])
+        if local is not None:   # this card's own tier, read here as it is
+            self.local_tier.rerank(lb, le, missed(own))
         changed = False
         for h in self.tiers.helpers:
             if not h.alive or h.tier is not None:   # read in place: such a tier never swaps
                 continue
             try:
-                held = h.rerank(lb, le, missed)
+                held = h.rerank(lb, le, missed(held_by[id(h)]))
                 if held is not None:
                     changed |= self.tiers.set_helper_pairs(h, held)
             except ProtocolTimeout as e:
