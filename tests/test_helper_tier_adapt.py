@@ -144,3 +144,27 @@ def test_a_tier_read_in_place_never_swaps_and_bad_counts_are_refused(files):
     for bad in (np.zeros((1, E)), np.full((2, E), -1.0), np.full((2, E), np.nan)):
         with pytest.raises(ValueError, match=r"layers \[0, 2\)"):
             tier.rerank(0, 2, bad)
+
+
+def test_a_tier_is_given_the_counts_of_pairs_no_other_tier_holds(files):
+    """A stage's round hands this card's tier its counts less the pairs its own cache holds and
+    those another card's tier holds: two tiers never take the same hot pair."""
+    from strata_dist.backends import get_backend
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.tiers import HelperClient
+    tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
+                             adapt_swaps=0)
+    stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
+                              local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
+    stage.local_tier = tier
+    other = HelperClient(1, "ipc:///nonexistent-helper", [(1, 2)])   # another card's tier
+    other.alive = False                                               # never asked here
+    stage.tiers.helpers.append(other)
+    stage.routing.counts[:2] = 5.0
+    stage._rerank_helpers(stage.cache.slot_of >= 0)
+    given = tier.counts[:2]
+    assert given[0, 1] == 0 and given[1, 2] == 0      # this cache's pair, the other tier's pair
+    assert given[0, 3] == 5 and given[1, 3] == 5      # its own pairs: their heat, to rank them
+    assert (given == 0).sum() == 2
+    other.ch.close()
