@@ -23,6 +23,10 @@
 # at 12/12/16/16 GB beside one resident rank, a 16,384-token prompt and 256 tokens; it needs no
 # llama.cpp (no .anchor/llama.tar.xz for a call of this part alone).
 #   bash benchmarks/must_show.sh --parts seedrig
+# adapt (off by default, its own call, about 8 min: the synth of the Q4_K_M file then
+# bench_adapt.py's three arms): issue 49's adaptive cache after the routing moved, one rank at
+# llama.cpp -ncmoe 24's device memory; no llama.cpp either.
+#   bash benchmarks/must_show.sh --parts adapt
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
@@ -40,7 +44,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt) ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-/tmp/must-show}; M=${MODELS:-/tmp/m}; mkdir -p "$OUT" "$M"
@@ -70,7 +74,11 @@ fi
 # the seed rig replay: the qwen3next file of the seeds' geometry (CPU: the tiny one), two shards
 if [ "$CPU" = 1 ]; then SEED_LIKE=tiny-next; SEED_SHARD=250K; SEEDRIG=(--cpu)
 else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
-[ "$PARTS" = seedrig ] && LB=   # the one part without a llama.cpp arm
+# the parts without a llama.cpp arm: the seed rig and the adaptive cache
+ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt) ;; *) ALONE=0 ;; esac; done
+[ "$ALONE" = 1 ] && LB=
+# the adaptive cache's file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry)
+if [ "$CPU" = 1 ]; then ADAPT_QUANT=q8_0; ADAPT=(--cpu); else ADAPT_QUANT=q4_k_m; ADAPT=(); fi
 LLAMA=()
 if [ -n "$LB" ]; then
   if [ -x "$LB" ]; then LLAMA=(--llama-bench "$LB")
@@ -82,7 +90,7 @@ if [ -n "$LB" ]; then
     echo "error: no llama-bench at $LB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
   fi
 fi
-[ "$CPU" = 0 ] && [ ${#LLAMA[@]} = 0 ] && [ "$PARTS" != seedrig ] && { echo "error: the GPU run needs llama.cpp (.anchor)" >&2; exit 2; }
+[ "$CPU" = 0 ] && [ ${#LLAMA[@]} = 0 ] && [ "$ALONE" = 0 ] && { echo "error: the GPU run needs llama.cpp (.anchor)" >&2; exit 2; }
 
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
 # step slows down beside a parallel compile): every benchmark waits for it first
@@ -148,6 +156,10 @@ if has seedrig; then
   fi
   run seedrig timeout 590 python3 benchmarks/bench_seedrig.py --model "$first" "${SEEDRIG[@]}" \
     --out "$OUT"
+fi
+if has adapt; then
+  f=$M/adapt-$LIKE-$ADAPT_QUANT.gguf; keep_only none; synth "$f" "$ADAPT_QUANT" zipf:1.0
+  run adapt timeout 590 python3 benchmarks/bench_adapt.py --model "$f" "${ADAPT[@]}" --out "$OUT"
 fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine

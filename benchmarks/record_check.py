@@ -97,12 +97,36 @@ def check_record(record: dict, filename: str) -> list[str]:
                     bad.append(f"{where}new_tokens {llama_new}: llama.cpp decodes -n >= 128")
     if record.get("bench") == "seedrig":
         bad += seedrig_lacks(arms if isinstance(arms, list) else [])
+    if record.get("bench") == "adapt":
+        bad += adapt_lacks(record, arms if isinstance(arms, list) else [])
     if isinstance(llama_new, int):
         for i, arm in enumerate(arms):
             if arm.get("name") != "llama.cpp" and isinstance(arm.get("new_tokens"), int) \
                     and "decode_tok_s" in arm and arm["new_tokens"] < llama_new:
                 bad.append(f"arms[{i}].new_tokens {arm['new_tokens']}: fewer than llama.cpp's "
                            f"{llama_new}")
+    return bad
+
+
+ADAPT_ARMS = ("strata phase one", "strata adapt off", "strata adapt on")
+ADAPT_ARM = ("decode_tok_s", "first_decode_tok_s", "hit_rates", "hit_rate_before", "hit_rate_after",
+             "tiers", "tokens_sha256")
+
+
+def adapt_lacks(record: dict, arms: list) -> list[str]:
+    """bench_adapt.py's fields: its three arms in order, each with its decode and hit-rate
+    figures; the on arm's identity with the off arm; the on/off ratio of the record."""
+    bad = []
+    names = [a.get("name") for a in arms if isinstance(a, dict)]
+    if names != list(ADAPT_ARMS):
+        bad.append(f"arms {names}: expected {list(ADAPT_ARMS)}")
+    for i, arm in enumerate(arms):
+        if isinstance(arm, dict):
+            bad += [f"arms[{i}].{k} missing" for k in ADAPT_ARM if k not in arm]
+    if len(arms) == 3 and not isinstance(arms[2].get("tokens_identical_to_adapt_off"), bool):
+        bad.append("arms[2].tokens_identical_to_adapt_off missing")
+    if not isinstance(record.get("adapt_on_over_off"), (int, float)):
+        bad.append("adapt_on_over_off missing")
     return bad
 
 

@@ -258,6 +258,8 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        kv_type=args.kv_type, compute=args.compute, **(layout or {}),
                        adapt_every=args.adapt_every, adapt_swaps=args.adapt_swaps,
                        conversation_bytes=args.conversation_cache_mib * MIB,
+                       profile_out=args.expert_profile_out,
+                       profile_every_s=args.expert_profile_every,
                        **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0

@@ -19,6 +19,7 @@ from strata_dist.model_shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanError, PlanParams, RoutingProfile, make_plan,
                               render_table, skip_tier, split_shared_cards)
 from strata_dist.plan.explicit import ExplicitTier
+from strata_dist.profile_io import LiveProfile
 
 from .spawn import LocalRanks, RankSpec, cpu_thread_env
 
@@ -57,6 +58,8 @@ class LaunchConfig:
     conversation_bytes: int = 0      # --conversation-cache-mib: each stage's kept conversations
     stage_gpus: list[str] | None = None   # --stage-gpus, as rank numbers: the ranks that run stages
     helper_tiers: tuple[ExplicitTier, ...] = ()   # --expert-cache-device: explicit helper tiers
+    profile_out: str | None = None   # --expert-profile-out: the routing seen, saved as a profile
+    profile_every_s: float = 60.0    # --expert-profile-every: seconds between its writes
     # every compute switch, as strata-launch read them from its environment (the ranks run this)
     compute: ComputeOptions = field(default_factory=ComputeOptions)
 
@@ -91,13 +94,14 @@ def same_host_helpers_only(plan: Plan) -> Plan:
 def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_context: int,
                 weight_slice: bool, cross_host_helpers: bool = True,
                 ipc: bool = True, kv_type: str = "",
-                adapt: tuple[int, int] = (0, 0)) -> list[Assign]:
+                adapt: tuple[int, int] = (0, 0), count_routing: bool = False) -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
     Endpoints are the ones each rank registered (reachable from the other hosts). With
     cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
     False (rejoin on: a replacement cannot take over CUDA IPC buffers its neighbours opened from
     the process it replaces) every hand-off travels as frames. Every rank gets the plan's compute
-    options and `adapt` (--adapt-every, --adapt-swaps)."""
+    options and `adapt` (--adapt-every, --adapt-swaps); `count_routing`: the stages count their
+    routing for a profile learnt live (--expert-profile-out)."""
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint
@@ -132,7 +136,8 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             cache_pairs=[list(p) for p in st.pairs] if st else [], prev_endpoint=prev,
             next_host=nxt_reg.register.host if nxt_reg else "",
             next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc,
-            kv_type=kv_type, compute=plan.compute, adapt_every=adapt[0], adapt_swaps=adapt[1]))
+            kv_type=kv_type, compute=plan.compute, adapt_every=adapt[0], adapt_swaps=adapt[1],
+            count_routing=count_routing))
     return out
 
 
@@ -160,6 +165,7 @@ class Launch:
         self._noticed: dict[int, float] = {}
         self._replacing: dict[int, tuple[int, float]] = {}
         self._loaded = False                   # every rank has loaded once
+        self.live_profile: LiveProfile | None = None   # --expert-profile-out
 
     @property
     def n_ranks(self) -> int:
@@ -210,8 +216,14 @@ class Launch:
         work = assignments(self.plan, slots, self.coordinator.head_endpoint, cfg.max_context,
                            cfg.params.weight_slice, cfg.cross_host_helpers,
                            ipc=cfg.rejoin_timeout_s is None, kv_type=cfg.kv_type or "",
-                           adapt=(cfg.adapt_every, cfg.adapt_swaps))
+                           adapt=(cfg.adapt_every, cfg.adapt_swaps),
+                           count_routing=cfg.profile_out is not None)
         self._assigned = work
+        if cfg.profile_out is not None:
+            self.live_profile = LiveProfile(
+                cfg.profile_out, shape.n_layers, shape.n_experts, cfg.profile_every_s,
+                model_fingerprint=self.gguf.fingerprint,
+                meta={"model": os.path.basename(cfg.model)})
         self.coordinator.assign(work, cfg.load_timeout_s, on_ready=self._on_ready)
         self._loaded = True
         return self.plan
@@ -244,6 +256,7 @@ class Launch:
         """A dead stage rank ends the launch (with rejoin on, it is started again instead); a dead
         helper-only rank does not (the stages compute its experts from host memory), it is
         reported once. Ranks this launch did not start are watched by their heartbeats only."""
+        self._profile_tick()
         if self.ranks is None:
             return None
         helper_only = frozenset(r for r, a in enumerate(self._assigned) if a.role == "helper")
@@ -355,7 +368,34 @@ class Launch:
                 raise RankFailure(f"rank {slot.rank} allocated {alloc.get(kind)} bytes of {kind} "
                                   f"for [{a.lb}, {a.le}); the plan priced {priced}")
 
+    def _profile_tick(self) -> None:
+        """--expert-profile-out's clock, on the coordinator's pump (it calls _liveness every
+        turn): when due, the counts the last replies brought are written and fresh ones asked."""
+        p = self.live_profile
+        if p is None or not self._loaded or not p.due():
+            return
+        try:
+            p.write(self.coordinator.routing)
+        except OSError as e:
+            self.echo(f"warning: --expert-profile-out {p.path}: not written ({e.strerror or e})")
+        self.coordinator.ask_stats()
+
+    def _final_profile(self) -> None:
+        """At shutdown: the stages' totals asked once more, then written."""
+        try:
+            self.coordinator.stats()
+        except Exception as e:   # a rank gone: what the earlier replies brought is written
+            self.echo(f"warning: --expert-profile-out: the ranks' last counts not read ({e})")
+        try:
+            if self.live_profile.write(self.coordinator.routing):
+                self.echo(f"launch: routing profile written to {self.live_profile.path}")
+        except OSError as e:
+            self.echo(f"warning: --expert-profile-out {self.live_profile.path}: not written "
+                      f"({e.strerror or e})")
+
     def close(self, reason: str = "") -> None:
+        if self.coordinator is not None and self.live_profile is not None and self._loaded:
+            self._final_profile()
         if self.coordinator is not None:
             self.coordinator.shutdown(reason)
         if self.ranks is not None:

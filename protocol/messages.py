@@ -287,6 +287,8 @@ class Assign(Message):
     # (strata_dist/adapt.py); 0: the cache stays as the plan filled it
     adapt_every: int = 0
     adapt_swaps: int = 0
+    # --expert-profile-out: a stage counts its layers' routing and sends the totals in StatsReply
+    count_routing: bool = False
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
@@ -332,6 +334,10 @@ class StatsReply(Message):
     counters: dict[str, int]
     gauges: dict[str, float] = field(default_factory=dict)  # point-in-time values (free bytes, ...)
     request_id: int | None = None
+    # with Assign.count_routing, a stage's routing totals since it started: routing[i][e] is how many
+    # rows layer routing_lb + i routed to expert e (the counts of a profile, strata_dist/profile_io.py)
+    routing_lb: int = 0
+    routing: list[list[int]] = field(default_factory=list)
 
 
 @message
@@ -588,6 +594,37 @@ class ExpertTier(Message):
                          dtype="uint8", device_uuid=self.device_uuid, host=host, pid=self.pid)
 
 
+@message
+class TierCounts(Message):
+    """Stage → helper, at each round of the stage's adaptive cache (strata_dist/adapt.py): in a frame the
+    decayed routing counts (le - lb, n_expert) float64 of the stage's layers [lb, le), 0 where its own cache
+    holds the pair. The helper re-ranks its tier over every stage's latest counts and answers TierPairs."""
+
+    TYPE = "tier_counts"
+    MAX_ARRAYS = 1
+    seq: int
+    lb: int
+    le: int
+
+    def check(self, arrays: list) -> None:
+        _nonneg(seq=self.seq, lb=self.lb, le=self.le)
+        if self.lb >= self.le:
+            raise ValueError(f"tier_counts: layer range [{self.lb}, {self.le}) is empty")
+        if len(arrays) != 1 or arrays[0].ndim != 2 or arrays[0].shape[0] != self.le - self.lb:
+            raise ValueError(f"tier_counts: expected one frame of {self.le - self.lb} layer rows")
+
+
+@message
+class TierPairs(Message):
+    """Helper → stage: the pairs of the asking stage's layers its tier holds after the round (``seq``
+    echoed), and how many pairs the round swapped across all stages' layers."""
+
+    TYPE = "tier_pairs"
+    seq: int
+    pairs: list[list[int]] = field(default_factory=list)
+    swaps: int = 0
+
+
 # ---------------------------------------------------------------- calibration
 
 
@@ -616,6 +653,6 @@ __all__ = [
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
     "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
-    "ExpertTierAsk", "ExpertTier", "LinkProbe",
+    "ExpertTierAsk", "ExpertTier", "TierCounts", "TierPairs", "LinkProbe",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
 ]

@@ -79,6 +79,9 @@ class RoutingCounts:
         self.counts = np.zeros(shape, dtype=np.float64)
         self.every, self.swaps = int(every), int(swaps)
         self.tokens = 0
+        # every routing counted since the start, never decayed: a profile learnt live
+        # (--expert-profile-out, strata_dist/profile_io.py)
+        self.total = np.zeros(shape, dtype=np.int64)
 
     @property
     def on(self) -> bool:
@@ -89,7 +92,12 @@ class RoutingCounts:
         ids = np.asarray(idx).ravel()
         ids = ids[ids >= 0]
         if ids.size:
-            self.counts[layer] += np.bincount(ids, minlength=self.counts.shape[1])
+            self.add_counts(layer, np.bincount(ids, minlength=self.counts.shape[1]))
+
+    def add_counts(self, layer: int, counts) -> None:
+        """Count `counts[e]` more routings of each expert e of `layer`."""
+        self.counts[layer] += counts
+        self.total[layer] += np.asarray(counts, dtype=np.int64)
 
     def add_layers(self, lb: int, routes) -> None:
         """Count routes [layers from lb, rows, k] (a decode graph's step): one bincount over
@@ -97,8 +105,9 @@ class RoutingCounts:
         routes = np.asarray(routes)
         n_layers, n_experts = routes.shape[0], self.counts.shape[1]
         flat = (np.arange(n_layers)[:, None, None] * n_experts + routes)[routes >= 0]
-        self.counts[lb:lb + n_layers] += np.bincount(
-            flat, minlength=n_layers * n_experts).reshape(n_layers, n_experts)
+        step = np.bincount(flat, minlength=n_layers * n_experts).reshape(n_layers, n_experts)
+        self.counts[lb:lb + n_layers] += step
+        self.total[lb:lb + n_layers] += step
 
     def tick(self, n_tokens: int) -> bool:
         """n_tokens more processed: whether a round is due now."""

@@ -130,6 +130,7 @@ class Coordinator:
         self._slot_handlers = {Ready: self._on_ready, StatsReply: self._on_stats_reply,
                                Error: self._on_rank_error}
         self._stats: dict[int, StatsReply] = {}
+        self.routing: dict[int, tuple[int, list]] = {}   # rank -> (lb, routing totals)
         self._senders: dict[str, Channel] = {}
         self.optional: set[int] = set()   # ranks whose loss does not end the launch (helpers)
 
@@ -208,6 +209,8 @@ class Coordinator:
 
     def _on_stats_reply(self, slot: RankSlot, msg: StatsReply) -> None:
         self._stats[slot.rank] = msg
+        if msg.routing:     # a stage's routing totals (--expert-profile-out): the latest kept
+            self.routing[slot.rank] = (msg.routing_lb, msg.routing)
 
     def _on_rank_error(self, slot: RankSlot, msg: Error) -> None:
         if msg.fatal:
@@ -573,6 +576,13 @@ class Coordinator:
                 s.rank not in self._stats and s.rank not in self.lost for s in live):
             self._pump(0.1)
         return dict(self._stats)
+
+    def ask_stats(self) -> None:
+        """Ask every live rank for its counters without waiting: the replies are taken as the pump
+        meets them (`routing` among them)."""
+        for s in self.ranks:
+            if s.rank not in self.lost:
+                self._send(s.identity, Stats())
 
     def idle(self, seconds: float) -> None:
         """Keep serving control traffic (heartbeats) while nothing else happens."""

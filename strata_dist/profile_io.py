@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -204,6 +205,42 @@ def load_profile(path: str | os.PathLike[str], n_layers: int, n_experts: int, *,
     return prof
 
 
+# ---------------------------------------------------------------- learnt live
+class LiveProfile:
+    """A profile learnt while serving (--expert-profile-out): the routing every stage counted
+    since it started (StatsReply.routing, rank -> (first layer, rows)), written in the format
+    above, atomically, every `every_s` seconds while it grows and once more at a clean shutdown;
+    `--expert-profile` reads the file at the next start."""
+
+    def __init__(self, path: str | os.PathLike[str], n_layers: int, n_experts: int,
+                 every_s: float, model_fingerprint: str | None = None, meta: dict | None = None):
+        self.path, self.every_s = Path(path), float(every_s)
+        self.shape = (n_layers, n_experts)
+        self.fingerprint, self.meta = model_fingerprint, dict(meta or {})
+        self.written_at = time.monotonic()
+        self.writes = 0
+        self._last: np.ndarray | None = None
+
+    def due(self) -> bool:
+        return time.monotonic() - self.written_at >= self.every_s
+
+    def write(self, routing: dict) -> bool:
+        """Write the counts of `routing` if they changed since the last write (none counted: no
+        file). Whether it wrote."""
+        self.written_at = time.monotonic()
+        counts = np.zeros(self.shape, dtype=np.int64)
+        for lb, rows in routing.values():
+            block = np.asarray(rows, dtype=np.int64).reshape(-1, self.shape[1])
+            counts[lb:lb + len(block)] = block
+        if not counts.any() or (self._last is not None and np.array_equal(counts, self._last)):
+            return False
+        save_profile(RoutingProfile(counts), self.path, model_fingerprint=self.fingerprint,
+                     meta=dict(self.meta, learnt="live", routed=int(counts.sum())))
+        self._last = counts
+        self.writes += 1
+        return True
+
+
 # ---------------------------------------------------------------- prompts
 _SEP = re.compile(r"[\s,]+")
 
@@ -237,5 +274,5 @@ def read_prompt_ids_file(path: str | os.PathLike[str]) -> list[list[int]]:
     return prompts
 
 
-__all__ = ["record_profile", "save_profile", "load_profile", "read_profile_file", "read_prompt_ids_file",
+__all__ = ["record_profile", "save_profile", "LiveProfile", "load_profile", "read_profile_file", "read_prompt_ids_file",
            "tokens_routed", "summary_line", "FORMAT", "VERSION"]

@@ -167,6 +167,7 @@ class RankProcess:
                 prompt_chunk=assign.prefill_chunk,
                 local_helper_pairs=[tuple(p) for p in assign.helper_pairs],
                 adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps,
+                count_routing=assign.count_routing,
                 **_conversation_budget(assign)))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
             self.step = StageStep(self.stage, rank, last=assign.last,
@@ -177,6 +178,9 @@ class RankProcess:
             self._open_helper(assign)
             if self.stage is not None:   # this card's own tier is computed in place
                 self.stage.attach_local_helper(self.helper.arena)
+                self.stage.local_tier = self.helper   # its counts re-rank the tier directly
+                # a GPU stage's decode graph reads this card's tier at its addresses: no swaps
+                self.helper.read_in_place |= self.stage.backend.name == "cupy"
             free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(
@@ -219,7 +223,8 @@ class RankProcess:
         gguf = GGUFModel(self.opts.model)
         g = architecture_for(gguf).read_geometry(gguf)
         self.helper = HelperServer.open(a.rank, _backend(self.opts.device_name), gguf,
-                                        a.helper_pairs, g.n_layers, g.n_expert)
+                                        a.helper_pairs, g.n_layers, g.n_expert,
+                                        adapt_swaps=a.adapt_swaps if a.adapt_every > 0 else 0)
 
     def _connect_neighbours(self, a: Assign) -> None:
         """Data channels to the next stage (rows), the previous one (slot acknowledgements) and,
@@ -383,8 +388,12 @@ class RankProcess:
         self.control.send(Ready(rank=self.assign.rank, allocated=self._allocated, elapsed_ms=0.0))
 
     def _on_stats(self, msg: Stats, arrays) -> None:
+        routing = {}
+        if self.stage is not None and self.assign.count_routing:   # a live profile's counts
+            lb, le = self.assign.lb, self.assign.le
+            routing = dict(routing_lb=lb, routing=self.stage.routing.total[lb:le].tolist())
         self.control.send(StatsReply(rank=self.assign.rank, counters=self._counters(),
-                                     request_id=msg.request_id, gauges=self._gauges()))
+                                     request_id=msg.request_id, gauges=self._gauges(), **routing))
 
     # ---- the helper tier -------------------------------------------------------------------------
     def _answer_helper_request(self) -> None:
@@ -411,6 +420,8 @@ class RankProcess:
         c["send_us"] = self.send_us
         if self.helper is not None:
             c["helper_requests"] = self.helper.requests
+            if self.helper.adapt_swaps:
+                c.update(self.helper.counters)   # its re-ranking (helper_server.py)
         if self.stage is not None:
             c.update(self.stage.tiers.counters)
             c.update(self.stage.checkpoint_counters())

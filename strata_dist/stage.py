@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol import ProtocolError, ProtocolTimeout
+
 from .adapt import RoutingCounts, coverage, pick_swaps
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
@@ -57,6 +59,7 @@ class StageConfig:
     # conversation_bytes) and whether the plan put them in pinned host memory
     conversation_bytes: int = 0
     conversation_host: bool = False
+    count_routing: bool = False   # --expert-profile-out: count routing totals (a live profile)
 
 
 class Stage:
@@ -76,8 +79,14 @@ class Stage:
                                 backend=self.backend, ipc=ipc, hidden=g.n_embd, top_k=g.n_expert_used,
                                 seal=cfg.link_seal)
                    for rank, ep, pairs, ipc in cfg.helpers]
-        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache, [h for h in helpers if h.pairs],
+        # with the adaptive cache on, a helper holding none of this stage's pairs yet may take
+        # some when it re-ranks (helper_server.py): the stage keeps its link
+        adapting = cfg.adapt_every > 0 and cfg.adapt_swaps > 0
+        self.tiers = ExpertTiers(self.backend, self.gguf, self.cache,
+                                 [h for h in helpers if h.pairs or adapting],
                                  local_helper=cfg.local_helper)
+        self.local_tier = None   # this card's own HelperServer, set by the rank (re-ranked here)
+        self._rerank_refused: set[int] = set()   # helpers whose refusal to re-rank was said
         # pairs of this stage's layers that this card's own helper tier will hold: read in place
         # by the decode graph once the tier opens (attach_local_helper), so never pinned
         self.own_helper_pairs = {(int(l), int(e)) for l, e in cfg.local_helper_pairs
@@ -87,7 +96,7 @@ class Stage:
         self.routing = RoutingCounts((g.n_layers, g.n_expert), cfg.adapt_every, cfg.adapt_swaps)
         self._adapt_due = False
         self._adapt_stuck_said = False   # said once: no pair can leave the cache (none pinned)
-        if self.routing.on:
+        if self.routing.on or cfg.count_routing:
             self.tiers.routing = self.routing
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
         if self.backend.name == "cupy" and reads_host_in_place(self.tiers, once_opened=True):
@@ -99,7 +108,7 @@ class Stage:
         # once that tier has opened (it opens after the stage)
         self.decode_graph = None
         if not (self.own_helper_pairs and cfg.local_helper is None):
-            self.decode_graph = self.backend.decode_graph(self.model, cfg.max_context)
+            self._rebuild_graph()
         # a GPU prompt chunk's buffers: the layout the plan priced, carved from the loan while a
         # prompt borrows it, else from the stage's own prompt buffers, allocated here once
         self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
@@ -155,6 +164,8 @@ class Stage:
         if self.decode_graph is not None:
             self.decode_graph.settle()
         self.decode_graph = self.backend.decode_graph(self.model, self.cfg.max_context)
+        if self.decode_graph is not None and self.cfg.count_routing:
+            self.decode_graph.keep_routes = True    # a profile counts every step's routes
 
     @property
     def weights_bytes(self) -> int:
@@ -320,7 +331,7 @@ class Stage:
         s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
-        if self.routing.on:
+        if self.tiers.routing is not None:
             # the general path counted its routes as it computed them (ExpertTiers)
             if graph_step and graph.last_routes is not None:
                 self.routing.add_layers(self.cfg.lb, graph.last_routes)
@@ -380,6 +391,7 @@ class Stage:
             if graph is not None:     # the graph's address table, after the copies (same stream)
                 graph.repoint([p for swap in swaps for p in swap])
         after = coverage(r.counts[lb:le], (cache.slot_of >= 0)[lb:le])
+        self._rerank_helpers(cache.slot_of >= 0)
         c = self.tiers.counters
         c["adapt_rounds"] += 1
         c["adapt_swaps"] += len(swaps)
@@ -389,6 +401,44 @@ class Stage:
             log.info("stage [%d, %d): adaptive cache swapped %d pairs; it holds %.1f%% of the "
                      "recent routing (was %.1f%%)", lb, le, len(swaps), 100 * after, 100 * before)
         r.decay()
+
+    def _rerank_helpers(self, cached: np.ndarray) -> None:
+        """The helper tiers re-rank on this stage's counts too (helper_server.py): each gets the
+        counts of its layers' pairs, less those held elsewhere (this stage's cache, the other
+        tiers: a tier takes only what none holds), and answers the pairs of those layers it
+        holds then, taken here at the next round (HelperClient.rerank); until then a pair that
+        left is still answered, from the model file."""
+        lb, le = self.cfg.lb, self.cfg.le
+        held_by = {id(h): np.zeros_like(cached) for h in self.tiers.helpers}
+        for h in self.tiers.helpers:
+            for l, e in h.pairs:
+                held_by[id(h)][l, e] = True
+        local = self.local_tier.arena if self.local_tier is not None else None
+        own = (local.slot_of >= 0) if local is not None else np.zeros_like(cached)
+        in_a_tier = np.logical_or.reduce([own, *held_by.values()])
+
+        def missed(mine: np.ndarray) -> np.ndarray:
+            elsewhere = cached | (in_a_tier & ~mine)
+            return np.where(elsewhere[lb:le], 0.0, self.routing.counts[lb:le])
+        if local is not None:   # this card's own tier, read here as it is
+            self.local_tier.rerank(lb, le, missed(own))
+        changed = False
+        for h in self.tiers.helpers:
+            if not h.alive or h.tier is not None:   # read in place: such a tier never swaps
+                continue
+            try:
+                held = h.rerank(lb, le, missed(held_by[id(h)]))
+                if held is not None:
+                    changed |= self.tiers.set_helper_pairs(h, held)
+            except ProtocolTimeout as e:
+                self.tiers._helper_lost(h, e)
+            except ProtocolError as e:
+                if h.rank not in self._rerank_refused:   # said once: it answers so every round
+                    self._rerank_refused.add(h.rank)
+                    log.warning("helper rank %d did not re-rank (%s); its pairs stay as they "
+                                "were", h.rank, e)
+        if changed and self.backend.name == "cupy":
+            self._rebuild_graph()    # the graph's tiers are taken when it is built
 
     def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False):
         """The general path: any rows, any tiers (prompt chunks, partial caches)."""

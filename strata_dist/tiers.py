@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 
 from protocol import (Channel, Error, ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk,
-                      ProtocolError, ProtocolTimeout, SlotFree)
+                      ProtocolError, ProtocolTimeout, SlotFree, TierCounts, TierPairs)
 from protocol.messages import RowSlot
 
 from .experts import BlobArena, ExpertStore, HostTier, stored_rows_jobs
@@ -67,6 +67,7 @@ class HelperClient:
         self.tier_pid = 0              # the helper's process, watched while its tier is read
         self.tier_addresses: dict[tuple[int, int], int] = {}   # this stage's pairs -> address
         self.tier_changed = False      # opened (or lost) since the stage last looked
+        self.tier_pairs = None         # the tier's newest TierPairs answer, not yet taken (rerank)
 
     @property
     def nbytes(self) -> int:
@@ -97,33 +98,59 @@ class HelperClient:
     def reply(self, seq: int, deadline: float):
         """The outputs (n, k, d) of request ``seq``: a view of this link's buffer (IPC) or a host
         array (frames)."""
+        msg, arrays = self._await(ExpertReply, seq, deadline, "an expert reply")
+        if msg.slot is not None:
+            return self.export.view(msg.slot, np.float32, (msg.n, self.top_k, self.hidden))
+        return np.asarray(arrays[0], dtype=np.float32)
+
+    def rerank(self, lb: int, le: int, counts: np.ndarray) -> list[tuple[int, int]] | None:
+        """The adaptive cache's round reaches this helper's tier (helper_server.py): this stage's
+        counts of layers [lb, le) go out, not waited for. A rank that holds a stage and a tier is
+        inside its own round when it would answer (a prompt's chunks run on the stages at once),
+        so each waiting on the other would stall both: the answer (TierPairs, the pairs of those
+        layers the tier holds after its round) is taken at the next round, or with any reply
+        before. Returns the newest answer taken since the last call, or None."""
+        while True:                       # what arrived since the last round, without waiting
+            try:
+                msg, arrays = self.ch.recv(timeout_ms=0, what="the helper tier's pairs")
+            except ProtocolTimeout:
+                break
+            self._side_message(msg, arrays)
+        self._seq += 1
+        self.ch.send(TierCounts(seq=self._seq, lb=lb, le=le),
+                     [np.ascontiguousarray(counts, dtype=np.float64)], timeout_ms=REMOTE_TIMEOUT_MS)
+        held, self.tier_pairs = self.tier_pairs, None
+        return held
+
+    def _await(self, kind: type, seq: int, deadline: float, what: str):
+        """The `kind` message of `seq` from the helper, handling what else the link carries."""
         while True:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0:
-                raise ProtocolTimeout(self.ch.peer, "an expert reply", REMOTE_TIMEOUT_MS)
-            msg, arrays = self.ch.recv(timeout_ms=left, what="an expert reply")
-            if isinstance(msg, ExpertReply) and msg.seq == seq:
-                if msg.slot is not None:
-                    return self.export.view(msg.slot, np.float32, (msg.n, self.top_k, self.hidden))
-                return np.asarray(arrays[0], dtype=np.float32)
-            if isinstance(msg, SlotFree) and msg.name == IPC_NAME:
-                self.ipc_ready = self.export is not None    # the helper opened the buffer
-                continue
-            if isinstance(msg, ExpertTier):
-                self._open_tier(msg, arrays)
-                continue
-            if isinstance(msg, Error) and msg.code == "ipc_tier":
-                log.info("helper rank %d's tier is not read in place (%s); it is asked",
-                         self.rank, msg.message)
-                continue
-            if isinstance(msg, Error) and msg.code == "ipc":
-                log.warning("helper rank %d cannot open this stage's CUDA IPC buffer (%s); its "
-                            "requests go in frames", self.rank, msg.message)
-                self.ipc_ready = False
-                continue
-            if isinstance(msg, Error):
-                raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
-            # a late reply to an earlier, timed-out request: skip it
+                raise ProtocolTimeout(self.ch.peer, what, REMOTE_TIMEOUT_MS)
+            msg, arrays = self.ch.recv(timeout_ms=left, what=what)
+            if isinstance(msg, kind) and msg.seq == seq:
+                return msg, arrays
+            self._side_message(msg, arrays)
+
+    def _side_message(self, msg, arrays) -> None:
+        """Anything the link carries besides the awaited reply."""
+        if isinstance(msg, TierPairs):
+            self.tier_pairs = [(int(l), int(e)) for l, e in msg.pairs]
+        elif isinstance(msg, SlotFree) and msg.name == IPC_NAME:
+            self.ipc_ready = self.export is not None    # the helper opened the buffer
+        elif isinstance(msg, ExpertTier):
+            self._open_tier(msg, arrays)
+        elif isinstance(msg, Error) and msg.code == "ipc_tier":
+            log.info("helper rank %d's tier is not read in place (%s); it is asked",
+                     self.rank, msg.message)
+        elif isinstance(msg, Error) and msg.code == "ipc":
+            log.warning("helper rank %d cannot open this stage's CUDA IPC buffer (%s); its "
+                        "requests go in frames", self.rank, msg.message)
+            self.ipc_ready = False
+        elif isinstance(msg, Error):
+            raise ProtocolError(f"helper rank {self.rank}: {msg.message}")
+        # else a late reply to an earlier, timed-out request: skipped
 
     def _open_tier(self, msg: ExpertTier, arrays) -> None:
         """Open the helper's tier buffer: from now on the stage's decode graph may read this
@@ -191,20 +218,21 @@ class ExpertTiers(ExpertStore):
         # and the tier of each expert of the layers counted there
         self._pair_counts = None
         self._counted_tiers: dict[int, np.ndarray] = {}
-        # the adaptive cache's routing counts (strata_dist/adapt.py), set by the stage when on
+        # the routing counts (strata_dist/adapt.py), set by the stage when it adapts or profiles
         self.routing = None
 
     @property
     def asks_helpers(self) -> bool:
         """Whether a live helper tier of another card holds pairs for this stage that are not read
         in place: the general path asks it, a decode graph cannot read it."""
-        return any(h.alive and h.tier is None for h in self.helpers)
+        return any(h.alive and h.tier is None and h.pairs for h in self.helpers)
 
     @property
     def may_read_helpers(self) -> bool:
         """Whether every other card's helper tier of this stage was asked for its buffer (CUDA IPC
         on this host): once they answer, no helper is asked (see asks_helpers)."""
-        return all(h.export is not None for h in self.helpers)
+        # a link kept for re-ranking only (no pair of this stage yet) is not asked
+        return all(h.export is not None for h in self.helpers if h.pairs)
 
     def helper_addresses(self, lb: int, le: int) -> dict[tuple[int, int], int]:
         """(layer, expert) -> the device address of the blob of a pair of layers [lb, le) that a
@@ -220,6 +248,17 @@ class ExpertTiers(ExpertStore):
         if self.local_helper is not None:
             out.update(self.local_helper.device_addresses(lb, le))
         return out
+
+    def set_helper_pairs(self, h: HelperClient, pairs) -> bool:
+        """A helper tier re-ranked (HelperClient.rerank): `pairs` of this stage's layers are
+        where it holds them now. Whether they changed."""
+        pairs = {(int(l), int(e)) for l, e in pairs}
+        if pairs == h.pairs:
+            return False
+        h.pairs = pairs
+        self.remote_of = {pair: x for x in self.helpers for pair in x.pairs}
+        self._helper_of.clear()
+        return True
 
     def tiers_changed(self) -> bool:
         """Whether a helper's tier was opened, or a helper read in place stopped, since the last
@@ -240,7 +279,7 @@ class ExpertTiers(ExpertStore):
         y = self.cache.outputs_device(layer, x, idx)
         if y is not None:
             self.counters["hits"] += int(idx.size)
-            if self.routing is not None:   # a read of the routes, only with adaptation on
+            if self.routing is not None:   # a read of the routes, only when they are counted
                 self.routing.add(layer, self.backend.to_host(idx))
             return y
         return self._prompt_on_device(layer, x, idx) if self.prompt else None
@@ -343,7 +382,7 @@ class ExpertTiers(ExpertStore):
         for layer, tier in self._counted_tiers.items():
             c = counts[layer]
             if self.routing is not None:
-                self.routing.counts[layer] += c
+                self.routing.add_counts(layer, c)
             self.counters["hits"] += int(c[tier == 1].sum())
             self.counters["remote"] += int(c[(tier == 2) | (tier == 3)].sum())
             self.counters["host"] += int(c[tier == 0].sum())

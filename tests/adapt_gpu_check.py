@@ -57,7 +57,18 @@ def main() -> int:
         cache = st.cache
         own = all(bytes(cp.asnumpy(cache.blob(l, e))) == bytes(np.asarray(st.gguf.expert_blob(l, e)))
                   for l, e in cache.pairs)
+        # a stage counting for a profile, every pair of its layers cached (no miss: its graph
+        # would not bring the routes back otherwise): the graph steps' routes are counted
+        counted = Stage(StageConfig(model_path=str(path), device="cuda:0", lb=2, le=4, first=False,
+                                    last=False, max_context=512,
+                                    cache_pairs=[(l, e) for l in range(2, 4) for e in range(16)],
+                                    count_routing=True))
+        counted.session(0)
+        for pos in range(4):
+            counted.run(0, pos, hidden=cp.ones((1, 256), dtype=cp.float32))
         print(json.dumps({
+            "profile_graph_steps": counted.tiers.counters["graph_steps"],
+            "profile_total": counted.routing.total.tolist(),
             "graph": type(graph).__name__,
             "graph_steps": st.tiers.counters["graph_steps"],
             "adapt_swaps": st.tiers.counters["adapt_swaps"],

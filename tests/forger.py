@@ -21,8 +21,8 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from protocol import (Cancel, Error, ExpertReply, ExpertRequest, ExpertTier,  # noqa: E402
-                      ExpertTierAsk, Hidden, IpcHandle, PromptProgress, Release, SlotFree, Token,
-                      Tokens)
+                      ExpertTierAsk, Hidden, IpcHandle, PromptProgress, Release, SlotFree,
+                      TierCounts, TierPairs, Token, Tokens)
 from protocol.codec import encode  # noqa: E402
 from protocol.messages import RowSlot  # noqa: E402
 
@@ -32,7 +32,8 @@ CONTROL_TYPES = frozenset({"hello", "challenge", "auth", "auth_ok", "register", 
                            "stats", "stats_reply", "heartbeat", "shutdown", "link_probe"})
 DATA_PLANE_TYPES = frozenset({"release", "cancel", "tokens", "hidden", "prompt_progress", "token",
                               "expert_request", "expert_reply", "ipc_handle", "slot_free",
-                              "expert_tier_ask", "expert_tier", "error"})
+                              "expert_tier_ask", "expert_tier", "tier_counts", "tier_pairs",
+                              "error"})
 
 
 def forged(request_id: int, hidden: int = 64, k: int = 2) -> list:
@@ -58,6 +59,9 @@ def forged(request_id: int, hidden: int = 64, k: int = 2) -> list:
          [np.ones((1, hidden), np.float32), np.zeros((1, k), np.int32), np.ones((1, k), np.float32)]),
         (ExpertReply(seq=request_id, layer=0, n=1), [np.ones((1, k, hidden), np.float32)]),
         (ExpertTierAsk(), []),
+        # a forged re-ranking: every pair of two layers hot, and pairs a tier never held
+        (TierCounts(seq=request_id, lb=0, le=2), [np.full((2, 8), 1e6)]),
+        (TierPairs(seq=request_id, pairs=[[0, 0]], swaps=1), []),
         # a forged tier: a handle to nothing, with pairs the plan never gave the helper
         (ExpertTier(handle=bytes(64), device=0, nbytes=1 << 20, pid=1),
          [np.array([[0, 0]], np.int32), np.zeros(1, np.int64)]),

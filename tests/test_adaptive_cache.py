@@ -274,3 +274,7 @@ def test_a_gpu_stage_swaps_between_graph_steps_and_repoints_its_graph():
     # the stand-ins route every row to expert 0: it takes a slot in both layers
     assert report["adapt_swaps"] == 2 and [0, 0] in report["cached"] and [1, 0] in report["cached"]
     assert report["same_table"] and report["same_hits"] and report["slots_hold_their_pairs"]
+    # a stage counting for a profile (--expert-profile-out) with no miss: its graph brings every
+    # step's routes back all the same, 4 steps x top-4 on expert 0 of each of its 2 layers
+    assert report["profile_graph_steps"] == 4
+    assert report["profile_total"] == [[0] * 16] * 2 + [[16] + [0] * 15] * 2

@@ -69,6 +69,8 @@ def examples():
         "expert_tier_ask": (m.ExpertTierAsk(), []),
         "expert_tier": (m.ExpertTier(handle=bytes(64), device=1, nbytes=1 << 30, device_uuid="cd" * 16, pid=7),
                         [np.array([[0, 3], [2, 5]], dtype=np.int32), np.array([0, 4096], dtype=np.int64)]),
+        "tier_counts": (m.TierCounts(seq=4, lb=2, le=4), [np.ones((2, 8), dtype=np.float64)]),
+        "tier_pairs": (m.TierPairs(seq=4, pairs=[[2, 5], [3, 1]], swaps=2), []),
         "slot_free": (m.SlotFree(name="hidden", slot=m.RowSlot(offset=4096, nbytes=2048)), []),
         "link_probe": (m.LinkProbe(seq=12), [np.zeros(1 << 10, dtype=np.uint8)]),
     }

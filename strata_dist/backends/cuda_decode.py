@@ -117,6 +117,7 @@ class DecodeGraph:
         self.steps = 0
         self.last_tiers: dict[str, int] = {}   # the last step's expert computations per tier
         self.last_routes = None        # its routes [stage layers, n, k] where they came back
+        self.keep_routes = False       # routes back on every step (a stage counting for a profile)
 
     # ---- what the kernels support ---------------------------------------------------------------
     def _check_geometry(self, g) -> None:
@@ -590,8 +591,9 @@ class DecodeGraph:
 
     @property
     def counts_routes(self) -> bool:
-        """Whether some expert is outside the cache (the step's routes come back to count)."""
-        return self.host_blobs is not None or bool(self.helper_blobs)
+        """Whether some expert is outside the cache, or the stage counts every route (the step's
+        routes come back to count)."""
+        return self.host_blobs is not None or bool(self.helper_blobs) or self.keep_routes
 
 
 def decode_graph(model, max_cells: int, graph_class: type = DecodeGraph):

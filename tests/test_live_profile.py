@@ -1,0 +1,86 @@
+"""A routing profile learnt while serving (--expert-profile-out): real CPU ranks through the
+launcher count their layers' routing; the file, written periodically and at shutdown, is the
+format --expert-profile reads, and a restart's plan caches the experts the traffic used."""
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from launch_helpers import ServeSession
+from strata_dist.profile_io import load_profile, record_profile
+from strata_dist.synth import GEOMETRIES, write_synthetic
+
+TINY = GEOMETRIES["tiny"]
+L, E = TINY.n_layer, TINY.n_expert
+PROMPTS = [[11, 12, 13] * 6, [40, 41] * 5]
+MAX_NEW = 12
+RANKS = ("--cpu-ranks", "2", "--layer-split", "2", "--no-remote-auto", "--expert-cache", "3",
+         "--prefill", "8", "--max-context", "512")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("live-profile") / "tiny.gguf"
+    write_synthetic(path, like="tiny", quant="q8_0", popularity="uniform", seed=0)
+    return str(path)
+
+
+def _plan_pairs(model: str, *flags: str) -> list[set]:
+    """Each stage's cached pairs in the plan strata-launch makes with `flags`."""
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model, *RANKS,
+                          "--plan-only", "--json", *flags], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [{tuple(p) for p in st["pairs"]} for st in json.loads(out.stdout)["stages"]]
+
+
+def test_served_routing_is_saved_and_the_next_plan_caches_it(model, tmp_path):
+    path = tmp_path / "learnt.json"
+    s = ServeSession(model, *RANKS, "--expert-profile-out", str(path),
+                     "--expert-profile-every", "0.5")
+    try:
+        replies = []
+        for prompt in PROMPTS:
+            out = s.gen(prompt, MAX_NEW)
+            assert out["err"] is None, out["err"]
+            replies.append(out["tokens"])
+        deadline = time.monotonic() + 10     # written while serving, not only at the end
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert path.exists()
+    finally:
+        assert s.close() == 0
+    learnt = load_profile(path, L, E).counts
+    # the same traffic through the single-process forward, counted by its routing hook: each
+    # prompt and its fed-back tokens (the last token of a reply is never fed back)
+    fed = [p + r[:-1] for p, r in zip(PROMPTS, replies)]
+    np.testing.assert_array_equal(learnt, record_profile(model, fed).counts)
+    assert json.loads(path.read_text())["meta"]["learnt"] == "live"
+
+    # restarted with it: each stage's cache is a hottest set of its layers' pairs (ties aside)
+    for (lb, le), pairs in zip([(0, 2), (2, 4)], _plan_pairs(model, "--expert-profile",
+                                                            str(path))):
+        held = np.zeros((L, E), dtype=bool)
+        for layer, expert in pairs:
+            held[layer, expert] = True
+        own = learnt[lb:le]
+        assert own[held[lb:le]].min() > 0
+        assert own[held[lb:le]].min() >= own[~held[lb:le]].max()
+    # and a plan without it would not have (the uniform ranking)
+    assert _plan_pairs(model) != _plan_pairs(model, "--expert-profile", str(path))
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--expert-profile-out", "/nonexistent-folder/p.json",
+     "error: --expert-profile-out /nonexistent-folder/p.json: its folder /nonexistent-folder is "
+     "not a writable folder"),
+    ("--expert-profile-every", "0", "error: --expert-profile-every 0: expected seconds > 0"),
+])
+def test_a_bad_profile_flag_is_one_error_line(model, flag, value, message):
+    p = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model, "--serve", flag,
+                        value], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [message]
