@@ -316,3 +316,33 @@ def test_cards_without_room_keep_it_in_pinned_host_memory():
     assert any("pinned host memory" in n for n in plan.notes)
     with pytest.raises(PlanError):
         make_plan(shape, make_devices([400, 400]), cells=512, conversation_bytes=-1)
+
+
+def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hybrid):
+    """A request whose last verify window rejected drafts leaves the recurrent state past its
+    tokens until the next step rolls it back: a conversation kept then must be kept rolled back,
+    so every follow-up's tokens equal those of a run without speculation."""
+    rng = np.random.default_rng(4)
+    system = _ids(rng, 20)
+    # prompts that repeat themselves, so the n-gram drafter drafts (and the random model rejects)
+    starts = [system + (_ids(rng, 5) * 4) for _ in range(3)]
+
+    def run(*spec):
+        s = ServeSession(hybrid, "--cpu-ranks", "2", "--prefill", "16", "--max-context", str(CTX),
+                         "--vram-budget", "1G", "--conversation-cache-mib", "1",
+                         "--layer-split", "3", "--prompt-cache-every", "16", *spec)
+        try:
+            outs = []
+            for ids in _interleaved(system, starts)(outs):
+                outs.append(s.gen(ids, 12))
+                assert outs[-1]["err"] is None, outs[-1]["err"]
+            return outs, s.stats()
+        finally:
+            assert s.close() == 0
+
+    spec, stats = run("--spec", "4")
+    plain, _ = run()
+    assert [o["tokens"] for o in spec] == [o["tokens"] for o in plain]
+    last = stats[max(stats)]
+    assert int(last["spec_drafted"]) > int(last["spec_accepted"]) > 0   # drafts both ways
+    assert int(stats[0]["conversations_restored"]) == 3
