@@ -319,9 +319,9 @@ def test_cards_without_room_keep_it_in_pinned_host_memory():
 
 
 def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hybrid):
-    """A request whose last verify window rejected drafts leaves the recurrent state past its
-    tokens until the next step rolls it back: a conversation kept then must be kept rolled back,
-    so every follow-up's tokens equal those of a run without speculation."""
+    """Kept conversations and verify windows together (a qwen3next stage rolls its recurrent
+    state back inside a window; a conversation is kept only at its exact length): every
+    follow-up resumes from its kept conversation and its tokens equal a run without speculation."""
     rng = np.random.default_rng(4)
     system = _ids(rng, 20)
     # prompts that repeat themselves, so the n-gram drafter drafts (and the random model rejects)
@@ -334,7 +334,7 @@ def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hy
         try:
             outs = []
             for ids in _interleaved(system, starts)(outs):
-                outs.append(s.gen(ids, 12))
+                outs.append(s.gen(ids, 40))
                 assert outs[-1]["err"] is None, outs[-1]["err"]
             return outs, s.stats()
         finally:
@@ -346,3 +346,4 @@ def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hy
     last = stats[max(stats)]
     assert int(last["spec_drafted"]) > int(last["spec_accepted"]) > 0   # drafts both ways
     assert int(stats[0]["conversations_restored"]) == 3
+    assert int(stats[0]["conversations_skipped"]) == 0
