@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .host_pinning import reads_host_in_place
+
 
 def stored_rows_jobs(idx: np.ndarray, mask: np.ndarray, blob_of) -> list:
     """The jobs of backend.experts_swiglu for the (row, rank) pairs of `mask`, one per expert:
@@ -56,7 +58,6 @@ class ExpertStore:
         """Whether a GPU decode graph over this store pins the experts its cache lacks in host
         memory and reads them there (host_pinning.reads_host_in_place of this store). The decode
         graph asks the store it is given, so that backends need not know the tiers' policy."""
-        from .host_pinning import reads_host_in_place
         return reads_host_in_place(self)
 
 
@@ -258,5 +259,4 @@ def resident_store(backend, gguf, layers) -> ExpertStore:
         return HostTier(backend, gguf)
     layers = list(layers)
     n_experts = gguf.tensor(f"blk.{layers[0]}.ffn_gate_exps.weight").shape[0]
-    return BlobArena(backend, gguf, [(l, e) for l in layers for e in range(n_experts)],
-                     max(layers) + 1, n_experts)
+    return BlobArena(backend, gguf, all_pairs(gguf, layers, n_experts), max(layers) + 1, n_experts)

@@ -56,9 +56,10 @@ class DecodeGraph:
                  attn_heads: int | None = None):
         """`shape`: the expert kernels' compile-time shape (default: ComputeOptions.kernel_shape,
         else decode.cu's own). `host_misses`: experts missing from the cache are pinned in host
-        memory and read there (default: the model's store says, misses_read_in_place); else a
-        missing expert makes the stage take the general path. `attn_heads`: query heads of one attention block
-        (default: ComputeOptions.attn_heads, else kernels/abi.py default_attn_heads)."""
+        memory and read there (default: what the model's store says, misses_read_in_place); else
+        a missing expert makes the stage take the general path. `attn_heads`: query heads of one
+        attention block (default: ComputeOptions.attn_heads, else kernels/abi.py
+        default_attn_heads)."""
         g = model.g
         options = compute_options()   # the record in force (strata_dist/compute_options.py)
         self.shape = shape or KernelShape.parse(options.kernel_shape)
