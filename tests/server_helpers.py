@@ -103,10 +103,9 @@ class ServerProcess:
         return wait_or_kill(self.proc, timeout)
 
 
-
-
-# ---- the shared module fixtures ------------------------------------------------------------------------
-CLEAN_EXIT = (0, 130, -signal.SIGTERM)   # a launcher's ends after a terminate: itself, Ctrl-C's, the signal
+# ---- the shared module fixtures ------------------------------------------------------------------
+# how a launcher may end after a terminate: on its own (0), as after Ctrl-C (130), by the signal
+CLEAN_EXIT = (0, 130, -signal.SIGTERM)
 
 
 def tiny_model_fixture(folder: str, popularity: str = "uniform", chat_template: str | None = None):

@@ -70,7 +70,7 @@ def test_the_tier_import_finder_finds_one_inside_a_function():
     assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.tiers"]}
 
 
-# ---- no branch on a backend's name outside backends/ -----------------------------------------------
+# ---- no branch on a backend's name outside backends/ --------------------------------------------
 def backend_name_checks(tree: ast.AST) -> list[int]:
     """Lines that compare a backend's name (`<...>backend.name` ==, !=, in, not in)."""
     def is_backend_name(node) -> bool:
