@@ -13,9 +13,10 @@ in the plan beside this record."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
-from typing import Callable, Literal, Mapping
+from dataclasses import fields
+from typing import Literal, Mapping
 
+from .env_table import EnvVar, checked_table, choice, record_from_env, switch, variable_of
 from .structs import Struct, struct
 
 FusedQkNorm = Literal["off", "matvec", "attention"]
@@ -98,48 +99,33 @@ class ComputeOptions(Struct):
         return " ".join(f"{f.name}={text(getattr(self, f.name))}" for f in fields(self))
 
 
-def _switch(text: str) -> bool:
-    if text not in ("0", "1"):
-        raise ValueError("expected 0 or 1")
-    return text == "1"
-
-
 def _heads(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ValueError("expected a number of query heads")
     return int(text)
 
 
-def _choice(table: dict[str, object]) -> Callable[[str], object]:
-    def parse(text: str) -> object:
-        if text not in table:
-            raise ValueError(f"expected {', '.join(table)}")
-        return table[text]
-    parse.table = table
-    return parse
-
-
-# variable -> (field, parser of its text); every field has exactly one variable
-ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
-    "STRATA_KERNEL_SHAPE": ("kernel_shape", str),
-    "STRATA_DECODE_GRAPH": ("decode_graph", _switch),
-    "STRATA_PDL": ("pdl", _switch),
-    "STRATA_DECODE_AHEAD": ("decode_ahead", _switch),
-    "STRATA_ATTN_HEADS": ("attn_heads", _heads),
-    "STRATA_FUSED_QK_NORM": ("fused_qk_norm", _choice({"0": "off", "1": "matvec",
-                                                        "attention": "attention"})),
-    "STRATA_HOST_MAPPED": ("host_mapped", _choice({"auto": None, "1": True, "0": False})),
-    "STRATA_GROUPED_EXPERTS": ("grouped_experts", _switch),
-    "STRATA_ROWS_MMA": ("rows_mma", _switch),
-    "STRATA_DEVICE_ROUTING": ("device_routing", _switch),
-    "STRATA_FLASH_PREFILL": ("flash_prefill", _switch),
-    "STRATA_FUSED_PROMPT_OPS": ("fused_prompt_ops", _switch),
-    "STRATA_F16_PROMPT_GEMM": ("f16_prompt_gemm", _switch),
-    "STRATA_GDN_KERNELS": ("gdn_kernels", _choice({"rows": "rows", "staged": "staged",
-                                                    "steps": "steps", "0": "off"})),
-    "STRATA_IPC": ("cuda_ipc", _switch),
-}
-VARIABLE_OF = {name: var for var, (name, _) in ENV_VARS.items()}
+# variable -> the field it sets and the parser of its text; every field has exactly one variable
+ENV_VARS: dict[str, EnvVar] = checked_table(ComputeOptions, {
+    "STRATA_KERNEL_SHAPE": EnvVar("kernel_shape", str),
+    "STRATA_DECODE_GRAPH": EnvVar("decode_graph", switch),
+    "STRATA_PDL": EnvVar("pdl", switch),
+    "STRATA_DECODE_AHEAD": EnvVar("decode_ahead", switch),
+    "STRATA_ATTN_HEADS": EnvVar("attn_heads", _heads),
+    "STRATA_FUSED_QK_NORM": EnvVar("fused_qk_norm", choice({"0": "off", "1": "matvec",
+                                                            "attention": "attention"})),
+    "STRATA_HOST_MAPPED": EnvVar("host_mapped", choice({"auto": None, "1": True, "0": False})),
+    "STRATA_GROUPED_EXPERTS": EnvVar("grouped_experts", switch),
+    "STRATA_ROWS_MMA": EnvVar("rows_mma", switch),
+    "STRATA_DEVICE_ROUTING": EnvVar("device_routing", switch),
+    "STRATA_FLASH_PREFILL": EnvVar("flash_prefill", switch),
+    "STRATA_FUSED_PROMPT_OPS": EnvVar("fused_prompt_ops", switch),
+    "STRATA_F16_PROMPT_GEMM": EnvVar("f16_prompt_gemm", switch),
+    "STRATA_GDN_KERNELS": EnvVar("gdn_kernels", choice({"rows": "rows", "staged": "staged",
+                                                        "steps": "steps", "0": "off"})),
+    "STRATA_IPC": EnvVar("cuda_ipc", switch),
+})
+VARIABLE_OF = variable_of(ENV_VARS)
 
 
 def env_text(options: ComputeOptions) -> dict[str, str]:
@@ -149,7 +135,7 @@ def env_text(options: ComputeOptions) -> dict[str, str]:
     out = {}
     for var, (name, parse) in ENV_VARS.items():
         value = getattr(options, name)
-        if isinstance(value, bool) and parse is _switch:
+        if isinstance(value, bool) and parse is switch:
             out[var] = "1" if value else "0"
         elif hasattr(parse, "table"):
             out[var] = next(k for k, v in parse.table.items() if v == value)
@@ -161,17 +147,8 @@ def env_text(options: ComputeOptions) -> dict[str, str]:
 def options_from_env(environ: Mapping[str, str], base: ComputeOptions | None = None) -> ComputeOptions:
     """ComputeOptions from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value).
     Raises ValueError naming the variable and its value."""
-    options = base or ComputeOptions()
-    for var, (name, parse) in ENV_VARS.items():
-        raw = environ.get(var, "").strip()
-        if not raw:
-            continue
-        try:
-            options = replace(options, **{name: parse(raw)})
-            options.check([])
-        except ValueError as e:
-            raise ValueError(f"{var}={raw!r}: {e}") from None
-    return options
+    return record_from_env(ENV_VARS, environ, base or ComputeOptions(),
+                           check=lambda options: options.check([]))
 
 
 __all__ = ["ComputeOptions", "ENV_VARS", "VARIABLE_OF", "env_text", "options_from_env"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .host_pinning import reads_host_in_place
+
 
 def stored_rows_jobs(idx: np.ndarray, mask: np.ndarray, blob_of) -> list:
     """The jobs of backend.experts_swiglu for the (row, rank) pairs of `mask`, one per expert:
@@ -51,6 +53,13 @@ class ExpertStore:
             y[sel, self.backend.asarray(ranks)] = self.compute(layer, int(expert), x[sel])
         return y
 
+    @property
+    def misses_read_in_place(self) -> bool:
+        """Whether a GPU decode graph over this store pins the experts its cache lacks in host
+        memory and reads them there (host_pinning.reads_host_in_place of this store). The decode
+        graph asks the store it is given, so that backends need not know the tiers' policy."""
+        return reads_host_in_place(self)
+
 
 class HostTier(ExpertStore):
     """Experts read from the model file when used (a GPU rank streams the stored blob to the
@@ -85,7 +94,7 @@ class BlobArena(ExpertStore):
                 raise ValueError(f"pair ({layer}, {expert}) is listed twice")
             host[self.offsets[i]:self.offsets[i + 1]] = gguf.expert_blob(layer, expert)
             self.slot_of[layer, expert] = i
-        if exportable and backend.name == "cupy" and self.nbytes:
+        if exportable and backend.on_gpu and self.nbytes:
             # an IPC handle names a whole allocation: not a block of CuPy's pool
             import cupy as cp
             from protocol.cuda_ipc import IpcExport
@@ -240,3 +249,14 @@ class BlobArena(ExpertStore):
 
 def all_pairs(gguf, layers, n_experts: int):
     return [(layer, e) for layer in layers for e in range(n_experts)]
+
+
+def resident_store(backend, gguf, layers) -> ExpertStore:
+    """A single process's store of every expert of `layers`: on a GPU, every blob resident in
+    one device buffer in its stored format; on the host, the blobs read from the file when used
+    (the file is mapped: resident already)."""
+    if not backend.on_gpu:
+        return HostTier(backend, gguf)
+    layers = list(layers)
+    n_experts = gguf.tensor(f"blk.{layers[0]}.ffn_gate_exps.weight").shape[0]
+    return BlobArena(backend, gguf, all_pairs(gguf, layers, n_experts), max(layers) + 1, n_experts)

@@ -28,7 +28,7 @@ class HandoffSender:
         self.export = self.ring = None
         self.ipc_ready = False
         self.sent_ipc = self.sent_frames = 0
-        if use_ipc and backend.name == "cupy":
+        if use_ipc and backend.on_gpu:
             from protocol.cuda_ipc import IpcExport, SlotRing
             slot_bytes = max_rows * hidden * 4
             self.export = IpcExport(SlotRing.bytes_for(IPC_SLOTS, slot_bytes), backend.index,
@@ -93,7 +93,7 @@ class HandoffReceiver:
     def on_handle(self, msg: IpcHandle) -> None:
         try:
             from protocol.cuda_ipc import IpcMapping
-            if self.backend.name != "cupy":
+            if not self.backend.on_gpu:
                 raise RuntimeError("this rank computes on the CPU")
             self.mapping = IpcMapping(msg, device=self.backend.index)
             reply = SlotFree(name=msg.name, slot=RowSlot(offset=0, nbytes=0))

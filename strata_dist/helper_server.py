@@ -154,7 +154,7 @@ class HelperServer:
         then keeps sending frames)."""
         try:
             from protocol.cuda_ipc import IpcMapping
-            if self.arena is None or self.arena.backend.name != "cupy":
+            if self.arena is None or not self.arena.backend.on_gpu:
                 raise RuntimeError("this rank's helper tier is not on a GPU")
             old = self.links.pop(identity, None)
             if old is not None:

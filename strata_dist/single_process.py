@@ -85,7 +85,7 @@ class SingleProcessRunner:
         self.decode_graph = self.backend.decode_graph(self.model, self.max_context)
         # a GPU chunk's buffers in one fixed layout, allocated once (strata_dist/prompt_workspace.py)
         self.workspace = None
-        if self.backend.name == "cupy":
+        if self.backend.on_gpu:
             self.workspace = PromptWorkspace.allocate(self.model.prompt_layout(), prefill_chunk,
                                                       self.backend.xp)
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")

@@ -53,7 +53,7 @@ class HelperClient:
         self.export = None
         self.ipc_ready = False
         self.sent_ipc = self.sent_frames = 0
-        if ipc and self.pairs and backend is not None and backend.name == "cupy":
+        if ipc and self.pairs and backend is not None and backend.on_gpu:
             from protocol.cuda_ipc import SLOT_ALIGN, IpcExport
             self.max_rows, self.hidden, self.top_k = max_rows, hidden, top_k
             rows_bytes = max_rows * hidden * 4
@@ -239,7 +239,7 @@ class ExpertTiers(ExpertStore):
         helper tier holds where this process reads it in place: this card's own tier, and the
         tiers of other cards opened through CUDA IPC whose process still runs. The decode graph
         reads those as it does its cache's."""
-        if self.backend.name != "cupy":
+        if not self.backend.on_gpu:
             return {}
         out: dict[tuple[int, int], int] = {}
         for h in self.helpers:
@@ -292,7 +292,7 @@ class ExpertTiers(ExpertStore):
         inside it)."""
         if self._streamer is not None:
             self._streamer.reset()
-        if self.backend.name == "cupy" and self._pair_counts is None:
+        if self.backend.on_gpu and self._pair_counts is None:
             self._pair_counts = self.backend.xp.zeros(self.cache.slot_of.shape, dtype=np.int32)
 
     def _prompt_on_device(self, layer: int, x, idx):

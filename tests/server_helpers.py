@@ -1,15 +1,21 @@
-"""Driving a real `strata-launch --port 0` (real rank processes, real HTTP) from tests."""
+"""Driving a real `strata-launch --port 0` (real rank processes, real HTTP) from tests, and the
+module fixtures the server test files share: a tiny synthetic model, a server over it, an OpenAI
+client of that server and the model's tokenizer. A test file names its fixtures by assigning
+them (`model = tiny_model_fixture("server")`, `server = server_fixture(*RANK_ARGS)`); each is
+built once per test module, as each file's own fixtures were."""
 from __future__ import annotations
 
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
+import pytest
 
 from launch_helpers import wait_or_kill
 
@@ -97,6 +103,58 @@ class ServerProcess:
         return wait_or_kill(self.proc, timeout)
 
 
+# ---- the shared module fixtures ------------------------------------------------------------------
+# how a launcher may end after a terminate: on its own (0), as after Ctrl-C (130), by the signal
+CLEAN_EXIT = (0, 130, -signal.SIGTERM)
+
+
+def tiny_model_fixture(folder: str, popularity: str = "uniform", chat_template: str | None = None):
+    """A module fixture: the path (str) of the tiny synthetic f32 model, written once under a
+    fresh temporary folder named `folder`; its experts' popularity as write_synthetic takes it
+    ("zipf:1.0": some experts far busier than others); `chat_template` in place of the synthetic
+    tokenizer's own."""
+    @pytest.fixture(scope="module")
+    def model(tmp_path_factory) -> str:
+        import strata_dist.synth.tokenizer as synth_tokenizer
+        from strata_dist.synth import write_synthetic
+        path = tmp_path_factory.mktemp(folder) / "tiny.gguf"
+        with pytest.MonkeyPatch.context() as mp:
+            if chat_template is not None:
+                mp.setattr(synth_tokenizer, "CHAT_TEMPLATE", chat_template)
+            write_synthetic(path, like="tiny", quant="f32", popularity=popularity)
+        return str(path)
+    return model
+
+
+def server_fixture(*args: str, clean_exit: bool = False, **kw):
+    """A module fixture: ServerProcess(model, *args, **kw) over the module's `model` fixture,
+    ready when the first test gets it and closed after the module's last; with `clean_exit` the
+    close must end the launcher cleanly (CLEAN_EXIT)."""
+    @pytest.fixture(scope="module")
+    def server(model):
+        s = ServerProcess(model, *args, **kw)
+        yield s
+        code = s.close()
+        if clean_exit:
+            assert code in CLEAN_EXIT, s.err_text()[-2000:]
+    return server
+
+
+def client_fixture():
+    """A module fixture: an OpenAI client of the module's `server` (no retries)."""
+    @pytest.fixture(scope="module")
+    def client(server):
+        return server.client()
+    return client
+
+
+def tokenizer_fixture():
+    """A module fixture: the tokenizer of the module's `model`."""
+    @pytest.fixture(scope="module")
+    def tok(model):
+        from strata_dist.tokenizer import GGUFTokenizer
+        return GGUFTokenizer.from_gguf(model)
+    return tok
 
 
 # ---- a model that calls a tool -------------------------------------------------------------------------

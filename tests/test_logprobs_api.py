@@ -4,17 +4,14 @@ against a log-softmax and penalties written plainly in numpy here, over the logi
 single-process forward (which tests/test_qwen3moe_reference.py holds to transformers)."""
 from __future__ import annotations
 
-import signal
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from server_helpers import ServerProcess
+from server_helpers import client_fixture, server_fixture, tiny_model_fixture, tokenizer_fixture
 from strata_dist.single_process import SingleProcessRunner
-from strata_dist.synth import write_synthetic
-from strata_dist.tokenizer import GGUFTokenizer
 
 RANK_ARGS = ("--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G", "--max-context", "4096",
              "--gpu-order", "as_given", "--prefill", "8")
@@ -25,28 +22,10 @@ TOL = 1e-4
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("logprobs") / "tiny.gguf"
-    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    s = ServerProcess(model, *RANK_ARGS)
-    yield s
-    assert s.close() in (0, 130, -signal.SIGTERM)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    return GGUFTokenizer.from_gguf(model)
+model = tiny_model_fixture("logprobs", popularity="zipf:1.0")
+server = server_fixture(*RANK_ARGS, clean_exit=True)
+client = client_fixture()
+tok = tokenizer_fixture()
 
 
 @pytest.fixture(scope="module")

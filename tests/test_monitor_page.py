@@ -15,10 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, tiny_model_fixture
 from strata_dist.server.history import RECENT_REQUESTS, StatusHistory
 from strata_dist.server.worker import Worker
-from strata_dist.synth import write_synthetic
 from strata_dist.tokenizer import GGUFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -35,11 +34,7 @@ HAS_CHROMIUM = bool(shutil.which("chromium") and shutil.which("chromedriver"))
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("monitor") / "tiny.gguf"
-    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
-    return str(path)
+model = tiny_model_fixture("monitor", popularity="zipf:1.0")
 
 
 @pytest.fixture(scope="module")

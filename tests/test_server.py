@@ -22,9 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launch_helpers import ServeSession, launcher_children
 from protocol.auth import write_secret
-from server_helpers import ServerProcess
-from strata_dist.synth import write_synthetic
-from strata_dist.tokenizer import GGUFTokenizer
+from server_helpers import (ServerProcess, client_fixture, server_fixture, tiny_model_fixture,
+                            tokenizer_fixture)
 
 KEY = "sk-test-7d1e"
 # Two stages and a card that runs none; stage caches pinned to 4 slots, so the leftover of every card
@@ -39,28 +38,10 @@ FRESH = {"cache_prompt": False}          # read the whole prompt (as a fresh --s
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("server") / "tiny.gguf"
-    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    s = ServerProcess(model, *RANK_ARGS, "--queue-size", "2", api_key=KEY, env=ENV)
-    yield s
-    assert s.close() in (0, 130, -signal.SIGTERM)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    return GGUFTokenizer.from_gguf(model)
+model = tiny_model_fixture("server", popularity="zipf:1.0")
+server = server_fixture(*RANK_ARGS, "--queue-size", "2", api_key=KEY, env=ENV, clean_exit=True)
+client = client_fixture()
+tok = tokenizer_fixture()
 
 
 def status(server) -> dict:

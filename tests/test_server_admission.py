@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launch_helpers import launcher_children
 from protocol.auth import write_secret
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, server_fixture, tiny_model_fixture
 from strata_dist.synth import write_synthetic
 
 KEY = "sk-admission-31f"
@@ -32,18 +32,8 @@ TOKENS = 8
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("admission") / "tiny.gguf"
-    write_synthetic(path, like="tiny", quant="f32")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    s = ServerProcess(model, *RANK_ARGS, "--queue-size", str(QUEUE), api_key=KEY)
-    yield s
-    assert s.close() in (0, 130, -signal.SIGTERM)
+model = tiny_model_fixture("admission")
+server = server_fixture(*RANK_ARGS, "--queue-size", str(QUEUE), api_key=KEY, clean_exit=True)
 
 
 def status(server) -> dict:

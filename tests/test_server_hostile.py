@@ -19,9 +19,8 @@ import pytest
 
 import strata_dist.synth.tokenizer as synth_tokenizer
 from launch_helpers import launcher_children
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, server_fixture, tiny_model_fixture
 from strata_dist.server.hosts import HostCheck, default_allowed_hosts, parse_allowed_hosts
-from strata_dist.synth import write_synthetic
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,21 +37,9 @@ HOSTILE_TEMPLATE = (
     + CHATML)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hostile") / "tiny.gguf"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(synth_tokenizer, "CHAT_TEMPLATE", HOSTILE_TEMPLATE)
-        write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    """No key and no --allowed-hosts: the defaults a local user gets."""
-    s = ServerProcess(model, "--cpu-ranks", "1", "--vram-budget", "1G", "--max-context", "4096")
-    yield s
-    s.close()
+model = tiny_model_fixture("hostile", popularity="zipf:1.0", chat_template=HOSTILE_TEMPLATE)
+# no key and no --allowed-hosts: the defaults a local user gets
+server = server_fixture("--cpu-ranks", "1", "--vram-budget", "1G", "--max-context", "4096")
 
 
 def peak_rss_mb(pid: int) -> float:

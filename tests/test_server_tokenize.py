@@ -9,8 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import ServerProcess
-from strata_dist.synth import write_synthetic
+from server_helpers import server_fixture, tiny_model_fixture
 from strata_dist.tokenizer import GGUFTokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -20,19 +19,9 @@ TEXTS = ["Hello, world!", "  two  spaces\nand a newline\t tab", "héllo wörld �
          "<|im_start|>user\nhi<|im_end|>", "", "the cat sat on the mat " * 40]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenize") / "tiny.gguf"
-    write_synthetic(path, like="tiny", quant="f32")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    s = ServerProcess(model, "--cpu-ranks", "1", "--vram-budget", "1G", "--max-context", "4096",
-                      api_key=KEY)
-    yield s
-    s.close()
+model = tiny_model_fixture("tokenize")
+server = server_fixture("--cpu-ranks", "1", "--vram-budget", "1G", "--max-context", "4096",
+                        api_key=KEY)
 
 
 def post(server, path: str, body, **kw) -> httpx.Response:

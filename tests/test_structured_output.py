@@ -16,10 +16,9 @@ import pytest
 from protocol import ProtocolError, Error, Token, Tokens
 from protocol.codec import decode, encode
 from protocol.messages import MAX_GRAMMAR_BYTES, Sampling
-from server_helpers import ServerProcess
+from server_helpers import client_fixture, server_fixture, tiny_model_fixture
 from strata_dist.stage import Stage, StageConfig
 from strata_dist.stage_step import StageStep, To
-from strata_dist.synth import write_synthetic
 from strata_dist.tokenizer import GGUFTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,25 +39,11 @@ LARK_MATCH = re.compile(r"(hi|yo) [0-9]{1,3}")
 MESSAGES = [{"role": "user", "content": "Describe a thing."}]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("structured") / "tiny.gguf"
-    write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    # two stages: the grammar rides the first stage's Hidden rows on to the last
-    s = ServerProcess(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
-                      "--max-context", "1024", "--gpu-order", "as_given")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+model = tiny_model_fixture("structured", popularity="zipf:1.0")
+# two stages: the grammar rides the first stage's Hidden rows on to the last
+server = server_fixture("--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+                        "--max-context", "1024", "--gpu-order", "as_given")
+client = client_fixture()
 
 
 def chat(client, seed: int, **kw):

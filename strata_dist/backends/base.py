@@ -20,6 +20,9 @@ class Backend:
 
     name = "base"
     device = "cpu"
+    # the arrays live in one CUDA card's memory: what CUDA IPC buffers, decode graphs, prompt
+    # workspaces and device-side counts need. Code outside backends/ asks this, never the name.
+    on_gpu = False
     xp = np
     dense_dtype = np.float32
     kv_type = default_kv_type("cpu")   # how sessions store K/V (backends/kv_cache.py; a stage may
@@ -181,10 +184,6 @@ class Backend:
         and the gated delta rule on `state`, both updated in place, then the gated RMSNorm) by
         the backend's own kernels, or None (the models' array path runs)."""
         return None
-
-    def make_expert_store(self, model, layers):
-        """The object that computes experts of `layers` (see experts.py)."""
-        raise NotImplementedError
 
     def decode_graph(self, model, max_cells: int):
         """A runner of the model's decode steps as one device graph (`.step`), or None where the

@@ -27,13 +27,12 @@ import weakref
 import numpy as np
 import cupy as cp
 
-from ..compute_options import compute_options, fall_back
+from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS,
                            QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
                            attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
-from ..host_pinning import reads_host_in_place
 from ..plan.pricing import DECODE_ROWS
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
                            norm_vector, repoint_experts, weight_of)
@@ -57,16 +56,17 @@ class DecodeGraph:
                  attn_heads: int | None = None):
         """`shape`: the expert kernels' compile-time shape (default: ComputeOptions.kernel_shape,
         else decode.cu's own). `host_misses`: experts missing from the cache are pinned in host
-        memory and read there (default: host_pinning.reads_host_in_place); else a missing expert
-        makes the stage take the general path. `attn_heads`: query heads of one attention block
-        (default: ComputeOptions.attn_heads, else kernels/abi.py default_attn_heads)."""
+        memory and read there (default: what the model's store says, misses_read_in_place); else
+        a missing expert makes the stage take the general path. `attn_heads`: query heads of one
+        attention block (default: ComputeOptions.attn_heads, else kernels/abi.py
+        default_attn_heads)."""
         g = model.g
         options = compute_options()   # the record in force (strata_dist/compute_options.py)
         self.shape = shape or KernelShape.parse(options.kernel_shape)
         self.model, self.arena, self.g = model, arena, g
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
         self.use_graph = options.decode_graph if use_graph is None else use_graph
-        self.host_misses = (reads_host_in_place(model.experts) if host_misses is None
+        self.host_misses = (model.experts.misses_read_in_place if host_misses is None
                             else host_misses)
         self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
@@ -594,18 +594,3 @@ class DecodeGraph:
         """Whether some expert is outside the cache, or the stage counts every route (the step's
         routes come back to count)."""
         return self.host_blobs is not None or bool(self.helper_blobs) or self.keep_routes
-
-
-def decode_graph(model, max_cells: int, graph_class: type = DecodeGraph):
-    """A `graph_class` runner (DecodeGraph: qwen3moe; next_decode.NextDecodeGraph: qwen3next) for
-    the model's stage, or None (with the reason logged once) when its layers cannot take the graph
-    path."""
-    # a stage's tiers compute through their own cache first; helper tiers and host memory hold
-    # only pairs the cache lacks, so a cache with every pair never asks them
-    arena = getattr(model.experts, "cache", model.experts)
-    try:
-        return graph_class(model, arena, max_cells)
-    except Unsupported as e:
-        fall_back(f"the decode graph of layers [{model.lb}, {model.le}) (decode_graph): its "
-                  f"steps take the general path", str(e))
-        return None

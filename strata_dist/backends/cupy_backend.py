@@ -34,6 +34,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 
 class CupyBackend(Backend):
     name = "cupy"
+    on_gpu = True
     xp = cp
     dense_dtype = np.float16
     kv_type = default_kv_type("cuda")
@@ -192,15 +193,6 @@ class CupyBackend(Backend):
         y = self.buffer(out, (n, rows), cp.float32)
         cp.copyto(y, y16)
         return y
-
-    def make_expert_store(self, gguf, layers):
-        """The single-process store: every expert of `layers` resident, in its stored format."""
-        from ..experts import BlobArena
-        g_layers = list(layers)
-        n_experts = gguf.tensor(f"blk.{g_layers[0]}.ffn_gate_exps.weight").shape[0]
-        n_layers = max(g_layers) + 1
-        return BlobArena(self, gguf, [(l, e) for l in g_layers for e in range(n_experts)],
-                         n_layers, n_experts)
 
     def stage_blob(self, host_blob, out=None):
         """A host blob on the device (into `out` when given: a loaned cache slot), through a
@@ -465,11 +457,22 @@ class CupyBackend(Backend):
         return out
 
     def decode_graph(self, model, max_cells):
-        from .cuda_decode import decode_graph
+        """A DecodeGraph (qwen3moe; next_decode.NextDecodeGraph: qwen3next) runner for the model's
+        stage, or None (with the reason logged once) when its layers cannot take the graph path."""
+        from .cuda_decode import DecodeGraph
+        from .graph_tables import Unsupported
+        graph_class = DecodeGraph
         if model.g.arch == "qwen3next":
-            from .next_decode import NextDecodeGraph
-            return decode_graph(model, max_cells, NextDecodeGraph)
-        return decode_graph(model, max_cells)
+            from .next_decode import NextDecodeGraph as graph_class
+        # a stage's tiers compute through their own cache first; helper tiers and host memory hold
+        # only pairs the cache lacks, so a cache with every pair never asks them
+        arena = getattr(model.experts, "cache", model.experts)
+        try:
+            return graph_class(model, arena, max_cells)
+        except Unsupported as e:
+            fall_back(f"the decode graph of layers [{model.lb}, {model.le}) (decode_graph): its "
+                      f"steps take the general path", str(e))
+            return None
 
     def keep_rows(self, a, n: int, host: bool = False):
         """The first n rows of a device array: a device copy, or (`host`: the plan put the

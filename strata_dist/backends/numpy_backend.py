@@ -54,10 +54,6 @@ class NumpyBackend(Backend):
             out[i] = down @ (g / (1.0 + np.exp(-g)) * (up @ x[i]))
         return out
 
-    def make_expert_store(self, gguf, layers):
-        from ..experts import HostTier
-        return HostTier(self, gguf)
-
     def stage_blob(self, host_blob, out=None):
         if out is None:
             return host_blob

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from ..experts import resident_store
 from ..gguf_model import NO_ROPE_SCALING, ROPE_SCALING_KINDS, GGUFError, RopeScaling
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
 from ..plan.workspace import STREAM_BLOBS, STREAM_TOKENS_PER_BLOB, STREAMED, Buffer, PromptLayout
@@ -253,9 +254,9 @@ class LayerRangeModel:
                  if weight_slice else self.arch.dense_tensor_names(g, 0, g.n_layers, True, True))
         self._tensors = {name: self._load(name) for name in names}
         self.layers = self._build_layers()
-        # a stage rank passes its tiered store; alone, the backend's own (every expert of [lb, le))
-        self.experts = experts if experts is not None else backend.make_expert_store(
-            gguf, range(self.lb, self.le))
+        # a stage rank passes its tiered store; alone, every expert of [lb, le) resident
+        self.experts = experts if experts is not None else resident_store(
+            backend, gguf, range(self.lb, self.le))
         # Called as on_route(layer, expert_ids [n, k]) for every routed batch (profile recording).
         self.on_route = None
 

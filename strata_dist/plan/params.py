@@ -6,8 +6,10 @@ passes os.environ), so a plan is reproducible from its inputs and its recorded p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
-from typing import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+from protocol.env_table import EnvVar, checked_table, record_from_env, switch
 
 COVERAGE_MODES = ("auto", "model", "measured")
 
@@ -113,42 +115,29 @@ class PlanParams:
         return cls(**d)
 
 
-def _bool01(v: str) -> bool:
-    if v not in ("0", "1"):
-        raise ValueError("expected 0 or 1")
-    return v == "1"
-
-
-# env var -> (PlanParams field, parser of its text)
-ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
-    "STRATA_SPLIT_COVER_B": ("cover_b", float),
-    "STRATA_SPLIT_COVERAGE": ("coverage", str),
-    "STRATA_SPLIT_MISS_MS": ("miss_ms", float),
-    "STRATA_SPLIT_HOST_GBS": ("host_gbs", float),
-    "STRATA_SPLIT_PEER_GBS": ("peer_gbs", float),
-    "STRATA_SPLIT_LAYER_MS": ("layer_ms", float),
-    "STRATA_SPLIT_HANDOFF_MS": ("handoff_ms", float),
-    "STRATA_SPLIT_SHARED_CARD_HANDOFF_MS": ("shared_card_handoff_ms", float),
-    "STRATA_SPLIT_LINK_MS": ("link_ms", float),
-    "STRATA_SPLIT_LINK_GBS": ("link_gbs", float),
-    "STRATA_PREFILL_LEND_PCT": ("lend_pct", int),
-    "STRATA_PROMPT_LOANS": ("prompt_loans", _bool01),
-    "STRATA_REMOTE_AUTO": ("remote_auto", _bool01),
-    "STRATA_WEIGHT_SLICE": ("weight_slice", _bool01),
-    "STRATA_STAGE_CACHE_SLOTS": ("stage_cache_slots", int),
-}
+# env var -> the PlanParams field it sets and the parser of its text (read by protocol/env_table.py,
+# the one reader ComputeOptions uses too)
+ENV_VARS: dict[str, EnvVar] = checked_table(PlanParams, {
+    "STRATA_SPLIT_COVER_B": EnvVar("cover_b", float),
+    "STRATA_SPLIT_COVERAGE": EnvVar("coverage", str),
+    "STRATA_SPLIT_MISS_MS": EnvVar("miss_ms", float),
+    "STRATA_SPLIT_HOST_GBS": EnvVar("host_gbs", float),
+    "STRATA_SPLIT_PEER_GBS": EnvVar("peer_gbs", float),
+    "STRATA_SPLIT_LAYER_MS": EnvVar("layer_ms", float),
+    "STRATA_SPLIT_HANDOFF_MS": EnvVar("handoff_ms", float),
+    "STRATA_SPLIT_SHARED_CARD_HANDOFF_MS": EnvVar("shared_card_handoff_ms", float),
+    "STRATA_SPLIT_LINK_MS": EnvVar("link_ms", float),
+    "STRATA_SPLIT_LINK_GBS": EnvVar("link_gbs", float),
+    "STRATA_PREFILL_LEND_PCT": EnvVar("lend_pct", int),
+    "STRATA_PROMPT_LOANS": EnvVar("prompt_loans", switch),
+    "STRATA_REMOTE_AUTO": EnvVar("remote_auto", switch),
+    "STRATA_WEIGHT_SLICE": EnvVar("weight_slice", switch),
+    "STRATA_STAGE_CACHE_SLOTS": EnvVar("stage_cache_slots", int),
+})
 
 
 def params_from_env(environ: Mapping[str, str], base: PlanParams | None = None) -> PlanParams:
-    """PlanParams from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value).
-    Raises ValueError naming the variable and its value."""
-    params = base or PlanParams()
-    for var, (name, parse) in ENV_VARS.items():
-        raw = environ.get(var, "").strip()
-        if not raw:
-            continue
-        try:
-            params = replace(params, **{name: parse(raw)})
-        except ValueError as e:
-            raise ValueError(f"{var}={raw!r}: {e}") from None
-    return params
+    """PlanParams from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value;
+    each new value is checked by PlanParams' construction). Raises ValueError naming the variable
+    and its value."""
+    return record_from_env(ENV_VARS, environ, base or PlanParams())
