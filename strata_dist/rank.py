@@ -180,7 +180,7 @@ class RankProcess:
                 self.stage.attach_local_helper(self.helper.arena)
                 self.stage.local_tier = self.helper   # its counts re-rank the tier directly
                 # a GPU stage's decode graph reads this card's tier at its addresses: no swaps
-                self.helper.read_in_place |= self.stage.backend.name == "cupy"
+                self.helper.read_in_place |= self.stage.backend.on_gpu
             free["free_after_helper"] = probe()
         # a head listening on a wildcard is reached at the address this rank reached the coordinator at
         self.head = Channel("push", peer="head").connect(

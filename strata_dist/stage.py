@@ -99,7 +99,7 @@ class Stage:
         if self.routing.on or cfg.count_routing:
             self.tiers.routing = self.routing
         self.pin_error = ""     # why the experts the cache lacks could not be pinned, if so
-        if self.backend.name == "cupy" and reads_host_in_place(self.tiers, once_opened=True):
+        if self.backend.on_gpu and reads_host_in_place(self.tiers, once_opened=True):
             self._pin(skip=self.own_helper_pairs)
         self.model = load_model(self.gguf, self.backend, cfg.lb, cfg.le, first=cfg.first,
                                 last=cfg.last, weight_slice=cfg.weight_slice, experts=self.tiers)
@@ -111,7 +111,7 @@ class Stage:
             self._rebuild_graph()
         # a GPU prompt chunk's buffers: the layout the plan priced, carved from the loan while a
         # prompt borrows it, else from the stage's own prompt buffers, allocated here once
-        self.prompt_layout = self.model.prompt_layout() if self.backend.name == "cupy" else None
+        self.prompt_layout = self.model.prompt_layout() if self.backend.on_gpu else None
         if (self.prompt_layout is not None and not cfg.loan_slots
                 and len(own) == (cfg.le - cfg.lb) * g.n_expert):
             # every pair of its layers cached, none lent: no miss to stream (plan/lend.py `own`)
@@ -135,7 +135,7 @@ class Stage:
         are. A tier that did not open leaves its pairs to host memory: pinned, where the stage
         pins, else read from the file by the general path."""
         self.tiers.local_helper = arena
-        if self.backend.name != "cupy" or not self.own_helper_pairs:
+        if not self.backend.on_gpu or not self.own_helper_pairs:
             return
         if arena is None and reads_host_in_place(self.tiers, once_opened=True):
             old = self.tiers.pinned
@@ -308,7 +308,7 @@ class Stage:
             self.windows[session_id] = WindowRecord(pos, n, rows, s.save(pos))
         if pos in checkpoint_at:
             store.save(s, pos)
-        if (not prompt and self.tiers.helpers and self.backend.name == "cupy"
+        if (not prompt and self.tiers.helpers and self.backend.on_gpu
                 and self.tiers.tiers_changed()):
             self._rebuild_graph()       # another card's tier opened (read in place), or stopped
         graph = self.decode_graph
@@ -367,7 +367,7 @@ class Stage:
         sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
                           for l in range(cached.shape[0])], dtype=np.int64)
         graph, evictable = self.decode_graph, None
-        if graph is not None and self.backend.name == "cupy":
+        if graph is not None and self.backend.on_gpu:
             # a pair leaving the cache stays readable by the graph only from its pinned copy
             pinned, evictable = self.tiers.pinned, np.zeros_like(cached)
             for l, e in cache.pairs:
@@ -432,7 +432,7 @@ class Stage:
                     self._rerank_refused.add(h.rank)
                     log.warning("helper rank %d did not re-rank (%s); its pairs stay as they "
                                 "were", h.rank, e)
-        if changed and self.backend.name == "cupy":
+        if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built
 
     def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False):
