@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 from .stop_signals import EXIT_STOPPED, StopSignals, exit_at_once_while_starting
 
@@ -27,6 +28,7 @@ from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
 from strata_dist.plan.pricing import MIB
 from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
+from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
 from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags
@@ -105,12 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"speculative decoding: each step verifies up to K draft tokens at once "
                           f"(0-{MAX_SPEC}; default 0: off); greedy tokens are those of K = 0, "
                           "sampled ones follow the same distribution")
-    run.add_argument("--draft", default="ngram", metavar="|".join(DRAFTERS),
+    run.add_argument("--draft", default=None, metavar="|".join(DRAFTERS),
                      help="with --spec: the drafter; ngram (default) continues the longest suffix "
-                          "of the conversation that occurred in it before")
+                          "of the conversation that occurred in it before; model: --draft-model's")
+    run.add_argument("--draft-model", default="", metavar="FILE.gguf",
+                     help="with --spec K: a small model of the same vocabulary drafts up to K "
+                          "tokens a step (implies --draft model); loaded on the last stage, which "
+                          "the plan prices with its weights and session")
     run.add_argument("--spec-min-p", type=float, default=0.0, metavar="P",
                      help="with --spec: stop drafting where the drafter's probability (an n-gram's "
-                          "share of the suffix's earlier continuations) is below P (default 0)")
+                          "share of the suffix's earlier continuations, the draft model's softmax) "
+                          "is below P (default 0)")
     run.add_argument("--load-timeout", type=float, default=600.0, help="seconds for ranks to load")
     run.add_argument("--restart-ranks", type=int, default=0, metavar="N",
                      help="with --serve or --port: after a rank dies (its request gets ERR / an "
@@ -218,10 +225,17 @@ def _main(args, signals: StopSignals) -> int:
         raise UsageError(f"--conversation-cache-mib {args.conversation_cache_mib}: N >= 0 "
                          "(0: off)")
     try:
-        args.spec_options = SpecOptions(args.spec, args.draft, args.spec_min_p)
+        drafter = args.draft or ("model" if args.draft_model else "ngram")
+        args.spec_options = SpecOptions(args.spec, drafter, args.spec_min_p, args.draft_model)
+        if args.draft_model:
+            check_draft_model(args.model, args.draft_model)
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = plan_params(args)
+    if args.draft_model:   # priced on the last stage, as the kind of device the plan sees
+        kind = "cuda" if args.gpus or args.inventory else "cpu"
+        params = replace(params, draft_bytes=draft_plan_bytes(args.draft_model, kind, args.kv_type,
+                                                               args.max_context))
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
     if args.plan_only:
@@ -260,6 +274,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        conversation_bytes=args.conversation_cache_mib * MIB,
                        profile_out=args.expert_profile_out,
                        profile_every_s=args.expert_profile_every,
+                       draft_model=args.draft_model,
                        **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0

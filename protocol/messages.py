@@ -21,7 +21,7 @@ from .conversations import ConversationStep
 from .structs import STRUCT_TYPES, Struct, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -289,6 +289,9 @@ class Assign(Message):
     adapt_swaps: int = 0
     # --expert-profile-out: a stage counts its layers' routing and sends the totals in StatsReply
     count_routing: bool = False
+    # v16, last stage with --spec K --draft-model: the draft model's file (strata_dist/
+    # draft_model.py), loaded whole beside the stage; "" : none (the n-gram drafter)
+    draft_model: str = ""
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,

@@ -38,6 +38,7 @@ from .handoff import HandoffReceiver, HandoffSender
 from .helper_server import HelperServer
 from .models import architecture_for
 from .pulse import HEARTBEAT_S, Pulse
+from .draft_model import DraftModel
 from .stage import Stage, StageConfig
 from .stage_step import Outbound, StageStep, To
 
@@ -170,8 +171,12 @@ class RankProcess:
                 count_routing=assign.count_routing,
                 **_conversation_budget(assign)))
             self.stage.session(0)  # the serving session is carved up front, as the plan priced it
+            # --draft-model: the last stage drafts with it, beside its own layers (priced there)
+            draft = (DraftModel(assign.draft_model, o.device_name, assign.max_context,
+                                assign.kv_type or None)
+                     if assign.last and assign.draft_model else None)
             self.step = StageStep(self.stage, rank, last=assign.last,
-                                  min_request_id=assign.min_request_id)
+                                  min_request_id=assign.min_request_id, draft_model=draft)
             free["free_after_stage"] = probe()
         # the helper tier last: it is the part that fails soft, so it must not starve the stage
         if assign.helper_pairs:
@@ -190,6 +195,9 @@ class RankProcess:
             self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
                      "cache": self.stage.cache.nbytes} if self.stage else {}
+        if self.step is not None and self.step.draft_model is not None:
+            allocated["draft_model"] = (self.step.draft_model.weights_bytes
+                                        + self.step.draft_model.stage.session_bytes())
         if assign.helper_pairs:
             allocated["helper"] = self.helper.nbytes
             if self.helper.error:

@@ -10,11 +10,14 @@ last stage gets the logits of every row. Row i's draw decides token i+1 of the w
   the tokens before it left) is the token; a draft that equals it is accepted and the next row
   is read, else the window ends there with the drawn token. Every token emitted is the one a
   decode step without speculation draws at that place, so the tokens are identical.
-- sampled (temperature > 0): the n-gram draft is a point mass q = [draft], so standard
-  speculative rejection sampling reduces to: accept the draft with probability p(draft), p the
-  sampler's distribution of that row; on rejection draw from p with the draft removed and
-  renormalised. A token is then `draft` with probability p(draft) and any other x with
-  (1 - p(draft)) p(x) / (1 - p(draft)) = p(x): the target's distribution, draw by draw.
+- sampled (temperature > 0): standard speculative rejection sampling. A draft x drawn from the
+  drafter's distribution q is accepted with probability min(1, p(x) / q(x)), p the sampler's
+  distribution of that row; on rejection the token is drawn from max(0, p - q) renormalised. A
+  token y then comes with probability q(y) min(1, p/q)(y) + (1 - sum min(p, q)) (p - q)+(y) /
+  sum (p - q)+ = min(p, q)(y) + (p - q)+(y) = p(y): the target's distribution, draw by draw.
+  The n-gram draft (and a draft model's greedy draft) is a point mass q = [x]: accept with
+  p(x), else draw from p with x removed and renormalised. A draft model
+  (--draft-model, strata_dist/draft_model.py) samples its drafts and hands q with them.
 The window always yields at least one token (the row after the last accepted draft). What the
 stages computed past the accepted rows is rolled back at the next step: attention KV is
 positional (the next step's position overwrites it); a stage with recurrent state (qwen3next's
@@ -32,13 +35,13 @@ import numpy as np
 
 from .plan.pricing import DECODE_ROWS
 
-DRAFTERS = ("ngram",)          # --draft values
+DRAFTERS = ("ngram", "model")  # --draft values (model: --draft-model FILE.gguf)
 MAX_SPEC = DECODE_ROWS - 1     # --spec K: a window of K+1 rows fits the decode scratch
 MAX_NGRAM = 8                  # the longest suffix the n-gram drafter matches
 MIN_NGRAM = 1                  # ... and the shortest (--spec-min-p prunes weak matches)
 
 
-def check_spec(k: int, drafter: str, min_p: float) -> None:
+def check_spec(k: int, drafter: str, min_p: float, draft_model: str = "") -> None:
     """The flags' values, refused with the value and the bound named (ValueError)."""
     if not 0 <= k <= MAX_SPEC:
         raise ValueError(f"--spec {k}: K must be in [0, {MAX_SPEC}] (a verify window of K+1 "
@@ -47,17 +50,27 @@ def check_spec(k: int, drafter: str, min_p: float) -> None:
         raise ValueError(f"--draft {drafter!r}: the drafters are {', '.join(DRAFTERS)}")
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"--spec-min-p {min_p}: P must be in [0, 1]")
+    if drafter == "model" and not draft_model:
+        raise ValueError("--draft model: name the draft model with --draft-model FILE.gguf")
+    if draft_model and drafter != "model":
+        raise ValueError(f"--draft {drafter} and --draft-model {draft_model}: a draft model is "
+                         "the drafter 'model' (leave --draft out)")
+    if draft_model and k == 0:
+        raise ValueError(f"--draft-model {draft_model} with --spec 0: the draft model drafts "
+                         "only with --spec K > 0")
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """--spec K, --draft, --spec-min-p as the head applies them to every request (K = 0: off)."""
+    """--spec K, --draft, --spec-min-p, --draft-model as the head applies them to every request
+    (K = 0: off). The last stage drafts with the draft model when it carries one."""
     k: int = 0
     drafter: str = "ngram"
     min_p: float = 0.0
+    draft_model: str = ""
 
     def __post_init__(self):
-        check_spec(self.k, self.drafter, self.min_p)
+        check_spec(self.k, self.drafter, self.min_p, self.draft_model)
 
 
 def ngram_next(history: np.ndarray) -> tuple[int, float] | None:
@@ -96,18 +109,31 @@ def ngram_draft(history, k: int, min_p: float = 0.0) -> list[int]:
     return out
 
 
-def draw_against(sampler, row, draft: int | None) -> int:
+def draw_against(sampler, row, draft: int | None, q=None) -> int:
     """Row i's token given the draft of row i+1 (None: the window's last row, or no draft): the
     sampler's own draw when greedy (the caller accepts the draft when they are equal); when
-    sampled, the draft accepted with its probability, else a draw from the rest (module doc)."""
+    sampled, the draft accepted with probability min(1, p/q), else a draw from the residual
+    max(0, p - q) (module doc). `q`: (ids, probs) the draft was drawn from; None: a point mass."""
     if draft is None or sampler.params.greedy:
         return sampler(row)
     ids, probs = sampler.distribution(row)
-    at = ids == draft
-    if sampler.rng.random() < float(probs[at].sum()):
+    p_draft = float(probs[ids == draft].sum())
+    if q is None:
+        q_ids, q_probs = np.array([draft]), np.array([1.0])
+    else:
+        q_ids, q_probs = q
+    q_draft = float(np.asarray(q_probs)[np.asarray(q_ids) == draft].sum())
+    if sampler.rng.random() * q_draft < p_draft:     # u < p/q, written without a division
         tok = draft
     else:
-        rest = np.where(at, 0.0, probs)
+        q_on_p = np.zeros(len(ids))
+        where = {int(t): i for i, t in enumerate(ids)}
+        for t, pr in zip(np.asarray(q_ids).tolist(), np.asarray(q_probs).tolist()):
+            if int(t) in where:
+                q_on_p[where[int(t)]] = pr
+        rest = np.maximum(probs - q_on_p, 0.0)
+        if rest.sum() <= 0.0:    # p <= q everywhere, so p == q: a rejection had probability 0
+            rest = probs
         tok = int(ids[sampler.rng.choice(len(ids), p=rest / rest.sum())])
     sampler.record(tok)
     return tok
@@ -116,19 +142,29 @@ def draw_against(sampler, row, draft: int | None) -> int:
 @dataclass
 class SpecState:
     """The last stage's speculation for one request: K, --spec-min-p, the conversation so far
-    (what the drafter matches), the drafts of the window in flight and the counts."""
+    (what the drafter matches), the drafts of the window in flight and the counts. `model`: a
+    draft model's drafting (a callable history, k, min_p -> drafts and each one's q), else the
+    n-gram drafter; `qs`: the distributions the window's drafts were drawn from (None: a point
+    mass)."""
     k: int
     min_p: float
     history: list[int]
     drafts: list[int] = field(default_factory=list)
+    qs: list = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
     windows: int = 0
+    model: object = None
 
     def draft(self, left: int) -> list[int]:
         """The drafts of the next window: at most K, and fewer than `left` tokens to go (the
         window's own token comes on top of them)."""
-        self.drafts = ngram_draft(self.history, min(self.k, left - 1), self.min_p)
+        k = min(self.k, left - 1)
+        if self.model is not None:
+            self.drafts, self.qs = self.model(self.history, k, self.min_p)
+        else:
+            self.drafts = ngram_draft(self.history, k, self.min_p)
+            self.qs = [None] * len(self.drafts)
         self.drafted += len(self.drafts)
         self.windows += bool(self.drafts)
         return self.drafts

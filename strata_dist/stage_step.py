@@ -60,8 +60,11 @@ class _Request:
 
 
 class StageStep:
-    def __init__(self, stage: Stage, rank: int, last: bool, min_request_id: int = 0):
+    def __init__(self, stage: Stage, rank: int, last: bool, min_request_id: int = 0,
+                 draft_model=None):
         self.stage, self.rank, self.last = stage, rank, last
+        # last stage, --draft-model: the DraftModel that drafts instead of the n-gram drafter
+        self.draft_model = draft_model
         self.min_request_id = min_request_id
         self.requests: dict[int, _Request] = {}
         # Cancelled requests (the latest few: requests run one after another): rows of theirs that
@@ -79,7 +82,9 @@ class StageStep:
                          # last stage: verify windows, their drafts, the drafts accepted
                          "spec_windows": 0, "spec_drafted": 0, "spec_accepted": 0,
                          # rows a recurrent stage ran again to roll back inside a window
-                         "window_rerun_rows": 0}
+                         "window_rerun_rows": 0,
+                         # rows the draft model read again to roll back (draft_model.py)
+                         "draft_rerun_rows": 0}
         self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
                           Release: self._on_release, Cancel: self._on_cancel}
 
@@ -91,6 +96,8 @@ class StageStep:
 
     def _on_release(self, msg: Release, rows) -> list[Outbound]:
         self.stage.release(msg.session_id)
+        if self.draft_model is not None:
+            self.draft_model.release(msg.session_id)
         return [] if self.last else [Outbound(To.NEXT, msg)]
 
     def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
@@ -219,6 +226,7 @@ class StageStep:
             self._finished = max(self._finished, msg.request_id)
             self.prompt_ids.pop(msg.request_id, None)
             self.requests[msg.request_id] = _new_request(msg.sampling, ids, msg.session_id)
+            self._attach_draft_model(self.requests[msg.request_id])
             self._attach_grammar(self.requests[msg.request_id], msg.sampling)
         return sent + self._sample(msg, out, end)
 
@@ -255,8 +263,9 @@ class StageStep:
         sent: list[Outbound] = []
         for i, row in enumerate(rows):
             draft = drafts[i] if i < len(drafts) else None
+            q = req.spec.qs[i] if draft is not None else None
             try:
-                tok, finished = _draw(req, row, draft)
+                tok, finished = _draw(req, row, draft, q)
             except GrammarError as e:   # the request ends with its error; the rank serves on
                 del self.requests[msg.request_id]
                 return [self.error(msg.request_id, f"rank {self.rank}: structured output: {e}")]
@@ -291,6 +300,23 @@ class StageStep:
         return sent + [Outbound(To.FIRST, Tokens(request_id=msg.request_id,
                                                  session_id=msg.session_id, pos=pos, ids=ids))]
 
+    def _attach_draft_model(self, req: _Request) -> None:
+        """A speculating request on a stage that carries a draft model drafts with it, in its
+        session's draft session; a sampled one draws its drafts from a stream of its own (the
+        target's stream stays the acceptance rule's)."""
+        if req.spec is None or self.draft_model is None:
+            return
+        params = req.sampler.params
+        seed = params.seed
+        rng = np.random.default_rng(None if seed is None else [seed, 1])
+        model, session_id = self.draft_model, req.session_id
+
+        def drafts(history, k, min_p):
+            out = model.draft(session_id, history, k, min_p, params, rng)
+            self.counters["draft_rerun_rows"] = model.rerun_rows
+            return out
+        req.spec.model = drafts
+
     def _attach_grammar(self, req: _Request, s: Sampling) -> None:
         """A request with a grammar gets its matcher (built at its first draw, from the model's
         tokenizer, read once per process)."""
@@ -299,14 +325,15 @@ class StageStep:
                                          lambda: model_tokenizer(self.stage.gguf))
 
 
-def _draw(req: _Request, logits, draft: int | None = None) -> tuple[int, bool]:
+def _draw(req: _Request, logits, draft: int | None = None, q=None) -> tuple[int, bool]:
     """The next token, and whether the request's grammar is finished with it. With a grammar the
     mask is applied to the host copy of the row (a device row is copied here, as for sampling).
-    `draft`: the verify window's draft of the next row (speculative.draw_against)."""
+    `draft`: the verify window's draft of the next row, `q` what it was drawn from
+    (speculative.draw_against)."""
     if req.grammar is None:
-        return draw_against(req.sampler, logits, draft), False
+        return draw_against(req.sampler, logits, draft, q), False
     row = np.asarray(logits, dtype=np.float64).reshape(-1)
-    tok = draw_against(req.sampler, masked_row(row, req.grammar.allowed(len(row))), draft)
+    tok = draw_against(req.sampler, masked_row(row, req.grammar.allowed(len(row))), draft, q)
     return tok, req.grammar.advance(tok)
 
 

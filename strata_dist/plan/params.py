@@ -60,6 +60,8 @@ class PlanParams:
     stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
     verify_rows      rows of a speculative verify window every stage keeps room for (--spec K:
                      K + 1; 0: no speculation), priced by pricing.verify_window_bytes.
+    draft_bytes      what the draft model (--draft-model) takes on the last stage, which carries
+                     it: weights, session and catch-up buffers (draft_model.plan_bytes); 0: none.
     """
 
     cover_b: float = 3.0
@@ -80,6 +82,7 @@ class PlanParams:
     weight_slice: bool = True
     stage_cache_slots: int | None = None
     verify_rows: int = 0
+    draft_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cover_b) and self.cover_b > 0):
@@ -98,6 +101,8 @@ class PlanParams:
             raise ValueError(f"kv_fill must be in [0, 1], got {self.kv_fill}")
         if not 1 <= self.lend_pct <= 100:
             raise ValueError(f"lend_pct must be in [1, 100], got {self.lend_pct}")
+        if self.draft_bytes < 0:
+            raise ValueError(f"draft_bytes must be >= 0, got {self.draft_bytes}")
         if self.verify_rows < 0:
             raise ValueError(f"verify_rows must be >= 0, got {self.verify_rows}")
         if self.stage_cache_slots is not None and self.stage_cache_slots < 0:

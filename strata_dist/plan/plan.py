@@ -254,7 +254,9 @@ def _no_fit_message(cm: CostModel) -> str:
     return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
             f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
             f"{(w + s) / MIB:.1f} MiB at {cm.cells} cells before per-stage reserves, "
-            f"{sum(cm.free) / MIB:.1f} MiB are free in total")
+            f"{sum(cm.free) / MIB:.1f} MiB are free in total"
+            + (f"; the draft model (--draft-model) takes {cm.params.draft_bytes / MIB:.1f} MiB of "
+               "the last stage's" if cm.params.draft_bytes else ""))
 
 
 def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | None = None) -> Placement:
@@ -378,6 +380,9 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     rows = prefill if prefill is not None else HANDOFF_ROWS
     cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
+    if params.draft_bytes:
+        notes.append(f"draft model (--draft-model): {params.draft_bytes / MIB:.1f} MiB of weights, "
+                     "session and catch-up buffers in the last stage's reserve")
     if params.stage_cache_slots == 0:
         # --expert-cache 0: nothing is resident, but the profile still chooses the placement
         # (searched as if the caches filled; with empty fills every placement would tie)
@@ -416,7 +421,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     stages = []
     for i, (d, f, loan) in enumerate(zip(placement.devices, fills, loans)):
         w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
-                                    handoff_rows=cm.handoff_rows, verify_rows=params.verify_rows)
+                                    handoff_rows=cm.handoff_rows, verify_rows=params.verify_rows,
+                                    draft_bytes=params.draft_bytes)
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),

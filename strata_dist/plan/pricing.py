@@ -118,18 +118,20 @@ def reserve_bytes(shape: ModelShape, first: bool, last: bool,
 def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
                       weight_slice: bool = True,
                       handoff_rows: int = HANDOFF_ROWS,
-                      verify_rows: int = 0) -> tuple[int, int, int]:
+                      verify_rows: int = 0, draft_bytes: int = 0) -> tuple[int, int, int]:
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range.
-    The reserve holds a verify window of `verify_rows` rows (verify_window_bytes)."""
+    The reserve holds a verify window of `verify_rows` rows (verify_window_bytes), and on the last
+    stage the draft model's `draft_bytes` (PlanParams.draft_bytes)."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
             session_bytes(shape, cells, lb, le),
             reserve_bytes(shape, first, last, handoff_rows)
-            + verify_window_bytes(shape, lb, le, verify_rows))
+            + verify_window_bytes(shape, lb, le, verify_rows) + (draft_bytes if last else 0))
 
 
 def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
-                      handoff_rows: int = HANDOFF_ROWS, verify_rows: int = 0) -> np.ndarray:
+                      handoff_rows: int = HANDOFF_ROWS, verify_rows: int = 0,
+                      draft_bytes: int = 0) -> np.ndarray:
     """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
     (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
     stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
@@ -167,4 +169,5 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
     if verify_rows > 1:   # verify_window_bytes, every range at once
         kept = np.where(rec > 0, rec + verify_rows * shape.hidden * HANDOFF_DTYPE_BYTES, 0)
         reserve = reserve + shape.resident_prompt_bytes(verify_rows) + kept
+    reserve = reserve + last * draft_bytes   # the draft model rides on the last stage
     return (w + session + reserve).astype(np.int64)
