@@ -143,13 +143,13 @@ class DraftModel:
         the logits of its last row."""
         s = self.stage.session(session_id)
         fed = self.fed.setdefault(session_id, [])
-        same = _common_prefix(fed, history)
-        if same == len(history):   # the last token's row is read again: its logits are wanted
-            same -= 1
+        common = _common_prefix(fed, history)
+        # the last token's row is read again when the session holds it: its logits are wanted
+        same = min(common, len(history) - 1)
         if is_recurrent(s) and same < len(fed):
             mark = self.mark.get(session_id, 0)
             same = mark if mark <= same else 0
-        self.rerun_rows += max(0, min(len(fed), len(history)) - same) if fed else 0
+        self.rerun_rows += common - same   # rows the session held that are read again
         del fed[same:]
         end = len(history)
         pos = same

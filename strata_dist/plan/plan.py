@@ -254,9 +254,7 @@ def _no_fit_message(cm: CostModel) -> str:
     return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
             f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
             f"{(w + s) / MIB:.1f} MiB at {cm.cells} cells before per-stage reserves, "
-            f"{sum(cm.free) / MIB:.1f} MiB are free in total"
-            + (f"; the draft model (--draft-model) takes {cm.params.draft_bytes / MIB:.1f} MiB of "
-               "the last stage's" if cm.params.draft_bytes else ""))
+            f"{sum(cm.free) / MIB:.1f} MiB are free in total")
 
 
 def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | None = None) -> Placement:
