@@ -99,12 +99,32 @@ def check_record(record: dict, filename: str) -> list[str]:
         bad += seedrig_lacks(arms if isinstance(arms, list) else [])
     if record.get("bench") == "adapt":
         bad += adapt_lacks(record, arms if isinstance(arms, list) else [])
+    if record.get("bench") == "spec":
+        bad += spec_lacks(arms if isinstance(arms, list) else [])
     if isinstance(llama_new, int):
         for i, arm in enumerate(arms):
             if arm.get("name") != "llama.cpp" and isinstance(arm.get("new_tokens"), int) \
                     and "decode_tok_s" in arm and arm["new_tokens"] < llama_new:
                 bad.append(f"arms[{i}].new_tokens {arm['new_tokens']}: fewer than llama.cpp's "
                            f"{llama_new}")
+    return bad
+
+
+SPEC_ARMS = ("strata", "strata self-draft", "strata ngram")   # the quantized draft: optional
+SPEC_ARM = ("k", "drafted", "accepted", "tokens_identical_to_k0", "over_k0")
+
+
+def spec_lacks(arms: list) -> list[str]:
+    """bench_spec.py's fields: its K = 0 arm and a self-draft and ngram arm at least; each
+    speculative arm (one with K) its drafts, acceptance, K and identity with its K = 0 arm."""
+    names = [a.get("name") for a in arms if isinstance(a, dict)]
+    bad = [f"arms lack {n!r}" for n in SPEC_ARMS if n not in names]
+    for i, arm in enumerate(arms):
+        if isinstance(arm, dict) and arm.get("name") not in ("strata",
+                                                              "strata repeating prompt"):
+            bad += [f"arms[{i}].{k} missing" for k in SPEC_ARM if k not in arm]
+            if not isinstance(arm.get("tokens_identical_to_k0", False), bool):
+                bad.append(f"arms[{i}].tokens_identical_to_k0 is not a bool")
     return bad
 
 

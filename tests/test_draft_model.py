@@ -115,6 +115,32 @@ def test_a_qwen3next_draft_rolls_its_state_back(tmp_path):
     assert drafter.stage.checkpoint_counters()["checkpoint_restores"] > 0
 
 
+@pytest.mark.parametrize("arch", ["moe", "next"])
+def test_a_rolled_back_draft_session_drafts_as_a_fresh_one(files, tmp_path, arch):
+    """After a window that accepted one draft of four, the draft session (rolled back: KV by
+    position, recurrent state by its checkpoint) drafts what a fresh one that read the whole
+    conversation drafts, with the same distributions."""
+    if arch == "moe":
+        path = files["q8"]
+    else:
+        path = str(write_next_gguf(tiny_qwen3next(2, tied=True, n_layers=4),
+                                   tmp_path / "next.gguf", "f32"))
+    sampled = SamplingParams(temperature=0.8, top_k=40)
+    used = DraftModel(path, "cpu", CTX)
+    first, _ = used.draft(0, PROMPT, 4, 0.0)
+    assert len(first) == 4
+    other = next(t for t in range(3, 300) if t != first[1])
+    # the window ended at its second draft; then the head sent one more token (a turn's text)
+    history = PROMPT + first[:1] + [other, 7]
+    rolled, rolled_q = used.draft(0, history, 4, 0.0, sampled, np.random.default_rng(1))
+    assert used.rerun_rows == (1 if arch == "next" else 0)   # the accepted draft read again
+    fresh, fresh_q = DraftModel(path, "cpu", CTX).draft(0, history, 4, 0.0, sampled,
+                                                        np.random.default_rng(1))
+    assert rolled == fresh and len(fresh) == 4
+    for (ids_a, p_a), (ids_b, p_b) in zip(rolled_q, fresh_q):
+        assert np.array_equal(ids_a, ids_b) and np.allclose(p_a, p_b, atol=1e-6)
+
+
 # ---- sampled: the acceptance rule of a drafter with a distribution ------------------------------
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1),

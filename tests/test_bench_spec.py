@@ -1,0 +1,81 @@
+"""`bench: spec`'s harness on a CPU rank: bench_spec.py's documented CPU example (the two synthetic
+files, then the bench) runs as written through real strata-launch --serve processes and writes a
+record that record_check.py accepts: every speculative arm's greedy tokens are its K = 0 arm's,
+the self-draft accepts every draft it makes, and the counts are the line protocol's."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from record_check import check_record  # noqa: E402
+from test_bench_examples import documented_commands  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-spec")
+    env = {**os.environ,
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    commands = [c for c in documented_commands(ROOT / "benchmarks" / "bench_spec.py")
+                if "--cpu" in c.split() or c.startswith("strata-dist synth")]
+    assert len(commands) == 3, commands
+    out = ""
+    for cmd in commands:
+        if "bench_spec.py" in cmd:   # the files here, the script and its records module there
+            cmd = cmd.replace("python benchmarks/", f"{sys.executable} {ROOT}/benchmarks/")
+            cmd += f" --out {tmp / 'out'}"
+        proc = subprocess.run(cmd, shell=True, cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-2000:])
+        out += proc.stdout
+    records = list((tmp / "out").glob("spec-*.json"))
+    assert len(records) == 1, records
+    return out, records[0]
+
+
+def test_the_cpu_run_writes_a_complete_record(run):
+    out, path = run
+    record = json.loads(path.read_text())
+    assert check_record(record, str(path)) == []
+    assert record["bench"] == "spec" and record["model"]["quant"] == "q8_0"
+    arms = {a["name"]: a for a in record["arms"]}
+    assert list(arms) == ["strata", "strata repeating prompt", "strata self-draft",
+                          "strata quantized draft", "strata ngram"]
+    for name in ("strata self-draft", "strata quantized draft", "strata ngram"):
+        a = arms[name]
+        assert a["k"] == 4 and "--spec 4" in a["command"], name
+        assert a["tokens_identical_to_k0"] is True, name
+        assert a["decode_tok_s"] > 0 and a["new_tokens"] == 16
+        reference = arms["strata repeating prompt" if name == "strata ngram" else "strata"]
+        assert a["over_k0"] == round(a["decode_tok_s"] / reference["decode_tok_s"], 3)
+    self_draft = arms["strata self-draft"]
+    assert self_draft["accepted"] == self_draft["drafted"] > 0 and self_draft["acceptance"] == 1
+    assert arms["strata quantized draft"]["draft_model"]["quant"] == "q2_k"
+    assert "--draft-model tiny-q2.gguf" in arms["strata quantized draft"]["command"]
+    assert "--draft ngram" in arms["strata ngram"]["command"]
+    assert f"{self_draft['accepted']}/{self_draft['drafted']} drafts accepted" in out
+
+
+def test_the_record_check_names_what_a_spec_record_lacks(run):
+    _, path = run
+    record = json.loads(path.read_text())
+    broken = copy.deepcopy(record)
+    del broken["arms"][2]["drafted"]
+    broken["arms"][4]["tokens_identical_to_k0"] = "yes"
+    broken["arms"] = [a for a in broken["arms"] if a["name"] != "strata ngram"] + [
+        broken["arms"][4]]
+    broken["arms"][-1]["name"] = "strata n-gram"
+    said = check_record(broken, str(path))
+    assert "arms lack 'strata ngram'" in said
+    assert "arms[2].drafted missing" in said
+    assert "arms[4].tokens_identical_to_k0 is not a bool" in said
