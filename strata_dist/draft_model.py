@@ -119,13 +119,15 @@ class DraftModel:
         qs: list = []
         fed = self.fed[session_id]
         while True:
-            row = np.asarray(logits, dtype=np.float64).reshape(-1)
-            if sampler is None:
+            if sampler is None and min_p == 0.0:
+                # a graph step's logits carry their argmax: the row stays on the device
+                tok, prob, q = int(_argmax(logits)), 1.0, None
+            elif sampler is None:
+                row = np.asarray(logits, dtype=np.float64).reshape(-1)
                 tok = int(np.argmax(row))
-                z = row - row[tok]
-                prob, q = 1.0 / float(np.exp(z).sum()), None
+                prob, q = 1.0 / float(np.exp(row - row[tok]).sum()), None
             else:
-                ids, probs = sampler.distribution(row)
+                ids, probs = sampler.distribution(np.asarray(logits, dtype=np.float64).reshape(-1))
                 at = int(rng.choice(len(ids), p=probs))
                 tok, prob, q = int(ids[at]), float(probs[at]), (ids, probs)
             if prob < min_p:
@@ -167,6 +169,11 @@ class DraftModel:
             pos += n
         self.mark[session_id] = end
         return logits
+
+
+def _argmax(logits) -> int:
+    token = getattr(logits, "greedy_token", None)
+    return int(token) if token is not None else int(np.argmax(np.asarray(logits).reshape(-1)))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
