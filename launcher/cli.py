@@ -21,6 +21,7 @@ from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.compute_options import read_environment
 from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
 from strata_dist.coordinator import RankFailure, RequestError
+from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
 from strata_dist.flag_values import check_seconds
 from strata_dist.gguf_model import GGUFError
 from strata_dist.model_shape import model_shape
@@ -28,7 +29,6 @@ from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
 from strata_dist.plan.pricing import MIB
 from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
-from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
 from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags

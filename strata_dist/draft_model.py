@@ -31,6 +31,9 @@ from .sampler import Sampler, SamplingParams
 from .stage import Stage, StageConfig
 
 CATCH_UP_ROWS = 64    # the most rows one catch-up call reads (the prompt's, at a request's start)
+# a recurrent draft session keeps one checkpoint, at the latest window's start (a roll-back goes
+# back no further); while the next is taken there are two
+CHECKPOINTS_KEPT = 2
 
 
 class DraftModelError(ValueError):
@@ -65,13 +68,16 @@ def check_draft_model(target_path: str, draft_path: str) -> None:
 
 def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: int) -> int:
     """What the draft model takes on the stage that carries it: its dense weights, every routed
-    expert (resident: drafting never streams), its session of `cells` cells, and the many-row
-    buffers of one catch-up chunk."""
+    expert (resident: drafting never streams), its session of `cells` cells, the many-row
+    buffers of one catch-up chunk, and with recurrent state its checkpoints (the one kept and the
+    next while it is taken)."""
     shape = model_shape(open_checked(draft_path), device_kind, kv_type)
     L = shape.n_layers
     experts = shape.n_experts * sum(shape.blob_bytes)
+    recurrent = sum(r for r, kind in zip(shape.recurrent_bytes, shape.layer_kind)
+                    if kind == "linear")
     return (weights_bytes(shape, 0, L, True, True) + experts + session_bytes(shape, cells, 0, L)
-            + shape.prompt_bytes(CATCH_UP_ROWS))
+            + shape.prompt_bytes(CATCH_UP_ROWS) + CHECKPOINTS_KEPT * recurrent)
 
 
 class DraftModel:
@@ -144,6 +150,7 @@ class DraftModel:
         """Read the tokens of `history` the session lacks (rolled back to where they differ);
         the logits of its last row."""
         s = self.stage.session(session_id)
+        self.stage.checkpoint_store(session_id).limit = CHECKPOINTS_KEPT - 1
         fed = self.fed.setdefault(session_id, [])
         common = _common_prefix(fed, history)
         # the last token's row is read again when the session holds it: its logits are wanted

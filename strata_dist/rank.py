@@ -33,12 +33,12 @@ from protocol.messages import DeviceInfo
 from protocol.limits import FrameCaps
 
 from .compute_options import compute_options, install
+from .draft_model import DraftModel
 from .gguf_model import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
 from .helper_server import HelperServer
 from .models import architecture_for
 from .pulse import HEARTBEAT_S, Pulse
-from .draft_model import DraftModel
 from .stage import Stage, StageConfig
 from .stage_step import Outbound, StageStep, To
 
