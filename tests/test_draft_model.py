@@ -95,6 +95,29 @@ def test_greedy_tokens_equal_without_speculation(files, draft, split):
         assert s.close() == 0
 
 
+def test_qwen3next_target_and_draft_across_two_stages(tmp_path):
+    """Both roll-backs at once: the target's stages re-run a window's accepted rows, the draft
+    restores its checkpoint; the tokens are those of the single process."""
+    model = tiny_qwen3next(2, tied=True, n_layers=4)
+    target = str(write_next_gguf(model, tmp_path / "next.gguf", "f32"))
+    draft = str(write_next_gguf(_noisy(model, 0.05), tmp_path / "noisy.gguf", "f32"))
+    want = SingleProcessRunner(target, prefill_chunk=16, max_context=CTX).generate(PROMPT, 48).tokens
+    s = ServeSession(target, "--cpu-ranks", "2", "--layer-split", "2", "--prefill", "16",
+                     "--max-context", str(CTX), "--vram-budget", "1G", "--gpu-order", "as_given",
+                     "--spec", "4", "--draft-model", draft)
+    try:
+        out = s.gen(PROMPT, 48)
+        assert out["err"] is None, out["err"]
+        assert out["tokens"] == list(want)
+        drafted, accepted = int(out["stats"][-1]["drafted"]), int(out["stats"][-1]["accepted"])
+        assert 0 < accepted < drafted
+        stats = s.stats()
+        assert all(int(f["window_rerun_rows"]) > 0 for f in stats.values())
+        assert int(stats[max(stats)]["draft_rerun_rows"]) > 0
+    finally:
+        assert s.close() == 0
+
+
 # ---- qwen3next as the draft: recurrent state rolled back by its checkpoint ----------------------
 
 def test_a_qwen3next_draft_rolls_its_state_back(tmp_path):
