@@ -16,7 +16,8 @@ next window restores it and reads the accepted tokens again (at most K + 1 rows)
 that diverges before that checkpoint is read again from position 0.
 
 The planner reserves `plan_bytes` on the last stage (PlanParams.draft_bytes): the draft's weights
-with every expert resident, its session for the context, and the buffers of a catch-up chunk."""
+with every expert resident, its session for the context, the buffers of a catch-up chunk and,
+with recurrent state, its checkpoints."""
 from __future__ import annotations
 
 import numpy as np
