@@ -227,6 +227,12 @@ class Stage:
         if self.decode_graph is not None:
             self.decode_graph.settle()      # a step ahead may still write the session
         if step.keep:
+            # a request that stopped inside a verify window (a stop token before its last row)
+            # left the recurrent state past its tokens: back to them before it is kept
+            self._rewind_window(session_id, s, step.keep_n)
+        if step.keep or step.restore:
+            self.windows.pop(session_id, None)   # the window was of the conversation it leaves
+        if step.keep:
             self.conversations.keep(s, step.keep, step.keep_n, protect=step.restore,
                                     prefix=self.checkpoint_store(session_id).before(step.keep_n))
         self.conversations.forget(step.forget)

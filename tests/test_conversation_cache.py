@@ -347,3 +347,35 @@ def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hy
     assert int(last["spec_drafted"]) > int(last["spec_accepted"]) > 0   # drafts both ways
     assert int(stats[0]["conversations_restored"]) == 3
     assert int(stats[0]["conversations_skipped"]) == 0
+
+
+def test_qwen3next_request_stopping_inside_a_verify_window_is_kept(tmp_path):
+    """A stop token before a verify window's last row leaves a qwen3next stage's recurrent state
+    past the request's tokens; the stage rolls it back before keeping the conversation, so the
+    follow-up resumes from it (not from scratch) with the tokens of a run without speculation."""
+    rng = np.random.default_rng(4)
+    system = _ids(rng, 20)
+    a, b = system + _ids(rng, 5) * 4, system + _ids(rng, 5) * 4
+    # token 84 is one this random model emits a few tokens in, inside a window that was drafted
+    model = write_next_gguf(tiny_qwen3next(4, hidden=64, top_k=2), tmp_path / "eos.gguf", "f32",
+                            eos_id=84)
+
+    def run(*spec):
+        s = ServeSession(model, "--cpu-ranks", "2", "--prefill", "16", "--max-context", str(CTX),
+                         "--vram-budget", "1G", "--conversation-cache-mib", "1",
+                         "--layer-split", "3", "--prompt-cache-every", "16", *spec)
+        try:
+            first = s.gen(a, 40)
+            s.gen(b, 40)
+            follow = s.gen(a + first["tokens"] + [5, 6, 7], 4)
+            return first, follow, s.stats()
+        finally:
+            assert s.close() == 0
+
+    first, follow, stats = run("--spec", "4")
+    plain_first, plain_follow, _ = run()
+    assert first["done"][-1] == "stop" and len(first["tokens"]) < 40   # it stopped early
+    assert int(stats[max(stats)]["spec_drafted"]) > 0
+    assert (first["tokens"], follow["tokens"]) == (plain_first["tokens"], plain_follow["tokens"])
+    assert follow["resume"] == plain_follow["resume"] == len(a) + len(first["tokens"]) - 1
+    assert all(int(f["conversations_skipped"]) == 0 for f in stats.values())
