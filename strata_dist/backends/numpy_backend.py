@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocol.batch import MAX_BATCH_ROWS
+
+from . import array_ops
 from .base import Backend
 
 
@@ -31,7 +34,19 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def linear(self, x, w, out=None):
-        return x @ w.T
+        # Up to MAX_BATCH_ROWS rows (decode steps, batched or not), one row at a time: BLAS picks
+        # different kernels for different row counts, and a batched decode step must give each
+        # row the bits that row gets alone (protocol/batch.py). A longer prompt chunk: one GEMM.
+        n = x.shape[0]
+        if n > MAX_BATCH_ROWS:
+            return x @ w.T
+        y = np.empty((n, w.shape[0]), dtype=np.result_type(x.dtype, w.dtype))
+        for i in range(n):
+            y[i] = w @ x[i]
+        return y
+
+    def route(self, x, router, k: int, normalize: bool):
+        return array_ops.softmax_topk(self.linear(x, router), k, normalize=normalize)
 
     def swiglu(self, x, gate, up, down):
         # One row at a time: BLAS picks different kernels for different shapes, and a row's

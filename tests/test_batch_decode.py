@@ -1,0 +1,98 @@
+"""Batched decode (--parallel; protocol/batch.py, strata_dist/batch_scheduler.py): a row's bits do
+not depend on the rows beside it, in process and through real ranks and real HTTP clients."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_fixtures import tiny_qwen3moe
+from hf_fixtures import write_gguf as write_moe_gguf
+from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
+from strata_dist.backends import get_backend
+from strata_dist.stage import Stage, StageConfig
+
+VOCAB = 320
+CTX = 128
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return write_moe_gguf(tiny_qwen3moe(11, hidden=64, top_k=2, n_layers=4),
+                          tmp_path_factory.mktemp("batch") / "moe.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return write_next_gguf(tiny_qwen3next(4, hidden=64, top_k=2),
+                           tmp_path_factory.mktemp("batch") / "next.gguf", "f32")
+
+
+def _stages(path, n_layers, split):
+    bounds = [0, *split, n_layers]
+    return [Stage(StageConfig(model_path=path, device="cpu", lb=lb, le=le, first=lb == 0,
+                              last=le == n_layers, max_context=CTX))
+            for lb, le in zip(bounds, bounds[1:])]
+
+
+def _through(stages, run):
+    """Rows through every stage: run(stage, rows) with ids on the first, hidden rows after."""
+    out = None
+    for i, st in enumerate(stages):
+        out = run(st, out)
+    return out
+
+
+@pytest.mark.parametrize("arch,n_layers,split", [("moe", 4, [2]), ("next", 8, [3])])
+def test_a_batched_step_gives_each_row_its_one_row_bits(arch, n_layers, split, moe, hybrid):
+    """Sessions of different lengths, stepped alone and then all in one batched step (several
+    orders): every row's logits and the KV (or recurrent state) it leaves are bit-identical."""
+    path = moe if arch == "moe" else hybrid
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(0, VOCAB, n)] for n in (3, 17, 9, 30, 1, 12)]
+    nxt = [int(x) for x in rng.integers(0, VOCAB, len(prompts))]
+
+    def fill(stages):
+        for sid, ids in enumerate(prompts):
+            _through(stages, lambda st, h: st.run(sid, 0, ids=ids if st.cfg.first else None,
+                                                  hidden=h, prompt=True))
+
+    alone_stages = _stages(path, n_layers, split)
+    fill(alone_stages)
+    alone = [_through(alone_stages, lambda st, h: st.run(
+        sid, len(prompts[sid]), ids=[nxt[sid]] if st.cfg.first else None, hidden=h))
+        for sid in range(len(prompts))]
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4], [2, 4]):
+        stages = _stages(path, n_layers, split)
+        fill(stages)
+        pos = [len(prompts[s]) for s in order]
+        got = _through(stages, lambda st, h: st.run_batch(
+            order, pos, ids=[nxt[s] for s in order] if st.cfg.first else None, hidden=h))
+        assert got.shape == (len(order), alone[0].shape[0])
+        for row, sid in enumerate(order):
+            np.testing.assert_array_equal(got[row], alone[sid], err_msg=f"session {sid}")
+            for a, b in zip(stages, alone_stages):
+                assert a.session(sid).n_past == b.session(sid).n_past == pos[row] + 1
+                for x, y in zip(_state(a.session(sid)), _state(b.session(sid))):
+                    np.testing.assert_array_equal(x, y)
+
+
+def _state(session):
+    """Every array a session keeps (K/V rows up to its position, recurrent state)."""
+    from strata_dist.conversation_cache import kv_parts, state_parts
+    return ([np.asarray(p[:session.n_past]) for p in kv_parts(session)]
+            + [np.asarray(p) for p in state_parts(session)])
+
+
+def test_numpy_rows_are_computed_alone():
+    """The numpy backend's matrix products over a decode step's rows give each row what it gets
+    alone (BLAS would pick other kernels for other row counts)."""
+    be = get_backend("cpu")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((257, 300)).astype(np.float32)
+    x = rng.standard_normal((13, 300)).astype(np.float32)
+    many = be.linear(x, w)
+    for i in range(13):
+        np.testing.assert_array_equal(many[i], be.linear(x[i:i + 1], w)[0])
+    # the reference: numpy's own product, to float32 rounding
+    np.testing.assert_allclose(many, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4,
+                               atol=1e-4)
