@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="read the API key from this file (its first line)")
     http.add_argument("--queue-size", type=int, default=None,
                       help="requests that may wait behind the running one (default 64; more: 429)")
+    http.add_argument("--parallel", type=int, default=None, metavar="B",
+                      help="serve up to B requests at once, their decode steps batched (each its "
+                           "own session on every stage; default 1: one after another)")
     http.add_argument("--allowed-hosts", default=None, metavar="HOST[:PORT],...",
                       help="answer only requests whose Host header is one of these (a name without "
                            "a port: any port; '*': any Host). Default: the --host address, "
@@ -344,7 +347,7 @@ def http_flags(args) -> None:
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),
-                            ("--queue-size", args.queue_size),
+                            ("--queue-size", args.queue_size), ("--parallel", args.parallel),
                             ("--allowed-hosts", args.allowed_hosts)):
             if value is not None:
                 raise UsageError(f"{flag} goes with --port")
@@ -358,6 +361,14 @@ def http_flags(args) -> None:
         raise UsageError(f"--port {args.port} is not a TCP port (0-65535)")
     if args.queue_size is not None and args.queue_size < 1:
         raise UsageError(f"--queue-size {args.queue_size}: at least 1")
+    if args.parallel is not None:
+        from protocol.batch import MAX_BATCH_ROWS
+        if not 1 <= args.parallel <= MAX_BATCH_ROWS:
+            raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
+        if args.parallel > 1 and args.conversation_cache_mib:
+            raise UsageError(f"--parallel {args.parallel} and --conversation-cache-mib "
+                             f"{args.conversation_cache_mib} cannot be combined yet (kept "
+                             f"conversations serve one session)")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
     if args.allowed_hosts is not None:
@@ -408,7 +419,7 @@ def _serve_http(args, gguf, launch, specs, relaunch) -> int:
                         gpu_of_rank={s.index: s.visible_gpu for s in specs
                                      if s.visible_gpu is not None},
                         info_lines=lines, prompt_cache_every=args.prompt_cache_every,
-                        allowed_hosts=args.allowed_hosts)
+                        allowed_hosts=args.allowed_hosts, parallel=args.parallel or 1)
 
 
 class _CaptureTokens:

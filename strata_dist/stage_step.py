@@ -119,6 +119,8 @@ class StageStep:
             self.counters["cancelled_dropped"] += 1
             return []
         t0 = time.perf_counter()
+        if msg.batch is not None:
+            return self._on_batch(msg, rows, t0)
         try:
             out = self._run(msg, rows)
         except Exception as e:  # a bad request must not take the rank down
@@ -133,6 +135,37 @@ class StageStep:
             self.requests.pop(msg.request_id, None)
             self.prompt_ids.pop(msg.request_id, None)
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+
+    def _on_batch(self, msg: Tokens | Hidden, rows, t0: float) -> list[Outbound]:
+        """A batched decode step (protocol/batch.py): every row through this stage's layers at
+        once; then the rows to the next stage, or (last stage) one Token per row to the head."""
+        b = msg.batch
+        try:
+            if isinstance(msg, Tokens):
+                out = self.stage.run_batch(b.session_ids, b.positions, ids=msg.ids)
+            else:
+                out = self.stage.run_batch(b.session_ids, b.positions, hidden=rows)
+        except Exception as e:  # the step's requests fail; the rank serves on
+            log.error("batched step %s failed:\n%s", msg.request_id, traceback.format_exc())
+            return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+        self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.counters["tokens"] += 1
+        self.counters["rows"] += len(b)
+        if not self.last:
+            shape = [int(d) for d in out.shape]
+            return [Outbound(To.NEXT, Hidden(
+                request_id=msg.request_id, session_id=0, pos=0, n=shape[0], dtype="float32",
+                shape=shape, batch=b), rows=out)]
+        sent: list[Outbound] = []
+        for i, (rid, sid, pos) in enumerate(zip(b.request_ids, b.session_ids, b.positions)):
+            if rid in self.cancelled or rid not in self.requests:
+                continue          # cancelled while its row was on its way: dropped
+            try:
+                sent += self._sample_one(rid, sid, out[i], pos + 1, loop=False)
+            except (ValueError, IndexError) as e:   # sampling fields no sampler takes
+                self.requests.pop(rid, None)
+                sent.append(self.error(rid, f"rank {self.rank}: {type(e).__name__}: {e}"))
+        return sent
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
@@ -233,29 +266,39 @@ class StageStep:
         return held
 
     def _sample(self, msg: Tokens | Hidden, logits, end: int) -> list[Outbound]:
-        req = self.requests.get(msg.request_id)
+        # a request whose decode steps the head sends (batched) gets no next step from here
+        loop = msg.sampling is None or not msg.sampling.head_steps
+        return self._sample_one(msg.request_id, msg.session_id, logits, end, loop)
+
+    def _sample_one(self, request_id: int, session_id: int, logits, end: int,
+                    loop: bool) -> list[Outbound]:
+        """Draw request_id's next token from `logits`: a Token to the head, and when `loop` and
+        the request goes on, its next decode step to the first stage."""
+        req = self.requests.get(request_id)
         if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
-            self.requests.pop(msg.request_id, None)
+            self.requests.pop(request_id, None)
             return []
         try:
             tok, finished = _draw(req, logits)
         except GrammarError as e:   # the request ends with its error; the rank serves on
-            del self.requests[msg.request_id]
-            return [self.error(msg.request_id, f"rank {self.rank}: structured output: {e}")]
+            del self.requests[request_id]
+            return [self.error(request_id, f"rank {self.rank}: structured output: {e}")]
         req.generated += 1
         reason = ("stop" if tok in req.stop_ids or finished
                   else ("length" if req.generated >= req.max_new else ""))
-        token = Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok, pos=end,
+        token = Token(request_id=request_id, session_id=session_id, token_id=tok, pos=end,
                       done=bool(reason), reason=reason)
         if req.logprobs:
             lp = token_logprobs(logits, tok, req.top_logprobs)
             token.logprob, token.top_ids, token.top_logprobs = lp.logprob, lp.top_ids, lp.top_logprobs
         sent = [Outbound(To.HEAD, token)]
         if reason:
-            del self.requests[msg.request_id]
+            del self.requests[request_id]
             return sent
-        return sent + [Outbound(To.FIRST, Tokens(request_id=msg.request_id,
-                                                 session_id=msg.session_id, pos=end, ids=[tok]))]
+        if not loop:
+            return sent
+        return sent + [Outbound(To.FIRST, Tokens(request_id=request_id,
+                                                 session_id=session_id, pos=end, ids=[tok]))]
 
     def _attach_grammar(self, req: _Request, s: Sampling) -> None:
         """A request with a grammar gets its matcher (built at its first draw, from the model's

@@ -96,3 +96,95 @@ def test_numpy_rows_are_computed_alone():
     # the reference: numpy's own product, to float32 rounding
     np.testing.assert_allclose(many, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4,
                                atol=1e-4)
+
+
+# ---- real ranks, real HTTP clients ---------------------------------------------------------------
+
+PARALLEL = 8
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    from strata_dist.synth import write_synthetic
+    paths = {}
+    for like in ("tiny", "tiny-next"):
+        paths[like] = str(tmp_path_factory.mktemp("batch") / f"{like}.gguf")
+        write_synthetic(paths[like], like=like, quant="f32")
+    return paths
+
+
+def _bodies(model: str) -> list[dict]:
+    """Eight requests of different prompt lengths and answer lengths, streamed or not, greedy
+    but for one seeded sampled one (its draws depend on its logits' bits too)."""
+    out = []
+    for i in range(PARALLEL):
+        body = {"model": model, "prompt": " ".join(f"w{(i * 7 + j) % 23}" for j in range(3 + 9 * i)),
+                "max_tokens": 16 + 8 * (i % 4), "temperature": 0, "ignore_eos": True,
+                "stream": i % 2 == 1}
+        if i == 5:
+            body.update(temperature=0.9, seed=1234)
+        out.append(body)
+    return out
+
+
+async def _complete(http, url: str, body: dict) -> list[int]:
+    import json
+    if not body["stream"]:
+        r = await http.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    ids = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    return ids
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("like,args", [("tiny", ("--cpu-ranks", "1")),
+                                       ("tiny", ("--cpu-ranks", "2", "--layer-split", "2")),
+                                       ("tiny-next", ("--cpu-ranks", "2", "--layer-split", "4"))])
+def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
+    """Eight concurrent clients against `--parallel 8` (in two arrival orders, at random small
+    offsets): each one's tokens are those it gets alone, and the decode steps carried several
+    requests' rows at once."""
+    import asyncio
+    import random
+
+    import httpx
+
+    from server_helpers import ServerProcess
+
+    server = ServerProcess(synth[like], *args, "--vram-budget", "1G", "--max-context", "512",
+                           "--prefill", "32", "--parallel", str(PARALLEL))
+    try:
+        bodies = _bodies(like)
+
+        async def alone() -> list[list[int]]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                return [await _complete(http, server.url, b) for b in bodies]
+
+        async def together(order: list[int]) -> list[list[int]]:
+            rnd = random.Random(order[0])
+
+            async def one(i):
+                await asyncio.sleep(rnd.uniform(0, 0.05))
+                return i, await _complete(http, server.url, bodies[i])
+            async with httpx.AsyncClient(timeout=120) as http:
+                got = dict(await asyncio.gather(*(one(i) for i in order)))
+            return [got[i] for i in range(len(bodies))]
+
+        want = asyncio.run(alone())
+        assert [len(w) for w in want] == [b["max_tokens"] for b in bodies]
+        before = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]
+        for order in (list(range(PARALLEL)), [7, 2, 5, 0, 3, 6, 1, 4]):
+            assert asyncio.run(together(order)) == want
+        q = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]
+        assert q["parallel"] == PARALLEL and len(q["sessions"]) == PARALLEL
+        steps = q["batched_steps"] - before["batched_steps"]
+        rows = q["batched_rows"] - before["batched_rows"]
+        assert steps > 0 and rows / steps > 2, (steps, rows)   # batched, not one at a time
+    finally:
+        server.close()

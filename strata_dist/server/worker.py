@@ -315,6 +315,7 @@ class Worker:
         self.session: HeadSession | None = None
         self.coord = None
         self.running: Job | None = None
+        self.parallel = None               # --parallel B > 1: server/parallel.py ParallelRuns
         self.running_tokens = 0
         self.running_since = 0.0
         self.lock = threading.Lock()
@@ -397,7 +398,9 @@ class Worker:
             return {
                 "state": self.state, "error": self.error, "lost": dict(self.lost),
                 "queue": {"waiting": self.jobs.qsize(), "capacity": self.queue_size,
-                          "running": 1 if running is not None else 0},
+                          "running": len(self.parallel.jobs_running()) if self.parallel
+                          else 1 if running is not None else 0,
+                          **(self.parallel.view() if self.parallel else {})},
                 "totals": dict(self.totals),
                 "decode_tokens_per_second": round(self.decode_rate.rate(), 3),
                 "running": None if running is None else {
@@ -420,9 +423,14 @@ class Worker:
         self._stop.set()
 
     # ---- on the coordinator's thread ------------------------------------------------------------
-    def attach(self, session: HeadSession) -> None:
+    def attach(self, session: HeadSession, more: list[HeadSession] = (),
+               prompt_budget: int = 0) -> None:
+        """`more`: the other sessions of --parallel (jobs then run at once, batched)."""
+        from .parallel import ParallelRuns
         self.session = session
         self.coord = session.coord
+        self.parallel = (ParallelRuns(self, [session, *more], prompt_budget or 1) if more
+                         else None)
         self.lost = {}
         self.state, self.error = "ready", None
 
@@ -448,6 +456,11 @@ class Worker:
         try:
             while not self._stop.is_set() and not should_stop():
                 try:
+                    if self.parallel is not None:   # jobs at once (--parallel)
+                        if self.parallel.turn():
+                            self._note_lost()
+                            continue
+                        raise queue.Empty
                     job = self.jobs.get(timeout=0.05)
                 except queue.Empty:
                     self.coord.idle(0.0)
@@ -466,8 +479,9 @@ class Worker:
                 self._drain(503, "the server is stopping", "unavailable")
 
     def _drain(self, status: int, message: str, code: str) -> None:
-        if self.running is not None:
-            self.running.post(Event("error", status=status, message=message, code=code))
+        for job in self.parallel.jobs_running() if self.parallel else [self.running]:
+            if job is not None:
+                job.post(Event("error", status=status, message=message, code=code))
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -488,7 +502,10 @@ class Worker:
                 self.rank_gauges[rank] = dict(rep.gauges)
             self.stats_at = time.monotonic()
 
-    def _run_job(self, job: Job) -> None:
+    def _run_job(self, job: Job, session: HeadSession | None = None, refresh: bool = True) -> None:
+        """Run one job on `session` (the worker's own by default); `refresh`: then ask the ranks
+        for their counters (only on the coordinator's thread)."""
+        session = session or self.session
         if job.cancelled.is_set():     # its client left while it waited
             with self.lock:
                 self.totals["requests_cancelled"] += 1
@@ -540,7 +557,7 @@ class Worker:
                 if index:
                     stream = TextStream(self.tok, spec, context)
                 stream.index = index
-                out = self.session.generate(
+                out = session.generate(
                     ids, spec.max_new, _choice_params(spec.params, j),
                     stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
                     logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
@@ -592,7 +609,7 @@ class Worker:
             raise
         except Exception as e:           # a bug must fail this request only
             log.exception("request %s failed", job.id)
-            self.session.tokens = []
+            session.tokens = []
             job.post(Event("error", status=500, message=f"internal error: {type(e).__name__}: {e}",
                            code="internal"))
         except BaseException:            # Ctrl-C / SIGTERM: the stream ends with a message
@@ -600,11 +617,12 @@ class Worker:
             raise
         finally:
             with self.lock:
-                self.running = None
+                if self.running is job:
+                    self.running = None
                 self.totals[outcome] += 1
             self.requests.finished(job, outcome, result if outcome == "requests_ok" else None,
                                    len(stream.tokens))
-        if time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
+        if refresh and time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
             self._refresh_stats()
 
 
