@@ -188,3 +188,78 @@ def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
         assert steps > 0 and rows / steps > 2, (steps, rows)   # batched, not one at a time
     finally:
         server.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_long_prompt_does_not_stall_a_running_stream(synth):
+    """A stream decodes while another request's 4,000-token prompt is read (125 chunks): the
+    prompt goes a chunk per decode step, so the stream's longest wait between two tokens is a
+    small part of that prompt's read (one after another, it would wait for all of it)."""
+    import json
+    import threading
+    import time
+
+    import httpx
+
+    from server_helpers import ServerProcess
+
+    server = ServerProcess(synth["tiny"], "--cpu-ranks", "1", "--vram-budget", "1G",
+                           "--max-context", "8192", "--prefill", "32", "--parallel", "2")
+    try:
+        stamps: list[float] = []
+        first = threading.Event()
+
+        def running_stream():
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        n = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                        stamps.extend([time.monotonic()] * n)
+                        first.set()
+
+        t = threading.Thread(target=running_stream)
+        t.start()
+        assert first.wait(60)
+        long = [int(x) for x in np.random.default_rng(1).integers(10, 300, 4000)]
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": long, "max_tokens": 1, "temperature": 0})
+        t1 = time.monotonic()
+        assert r.status_code == 200, r.text
+        t.join(120)
+        during = [s for s in stamps if t0 <= s <= t1]
+        gaps = np.diff([t0, *during, t1])
+        assert len(during) >= 50, (len(during), t1 - t0)
+        assert gaps.max() < 0.25 * (t1 - t0), (gaps.max(), t1 - t0)
+    finally:
+        server.close()
+
+
+def test_a_batched_step_crosses_the_wire_and_bad_ones_are_refused():
+    from protocol import Hidden, ProtocolError, Tokens
+    from protocol.batch import MAX_BATCH_ROWS, BatchRows
+    from protocol.codec import decode, encode
+
+    rows = BatchRows(request_ids=[7, 9], session_ids=[1, 0], positions=[12, 3])
+    msg = Tokens(request_id=11, session_id=0, pos=0, ids=[5, 6], batch=rows)
+    assert decode(encode(msg))[0] == msg
+    h = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got, arrays = decode(encode(Hidden(request_id=11, session_id=0, pos=0, n=2, dtype="float32",
+                                       shape=[2, 4], batch=rows), [h]))
+    assert got.batch == rows
+    np.testing.assert_array_equal(arrays[0], h)
+    for bad, needle in (
+            (BatchRows(request_ids=[7], session_ids=[1, 2], positions=[0]), "session_ids 2"),
+            (BatchRows(request_ids=[7, 8], session_ids=[1, 1], positions=[0, 4]), "twice"),
+            (BatchRows(request_ids=[7], session_ids=[1], positions=[-1]), ">= 0"),
+            (BatchRows(request_ids=list(range(MAX_BATCH_ROWS + 1)),
+                       session_ids=list(range(MAX_BATCH_ROWS + 1)),
+                       positions=[0] * (MAX_BATCH_ROWS + 1)), "1 to 64 rows")):
+        with pytest.raises(ProtocolError, match=needle):
+            decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1] * len(bad),
+                                 batch=bad)))
+    with pytest.raises(ProtocolError, match="carries 1 ids"):
+        decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1], batch=rows)))
