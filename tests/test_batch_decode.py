@@ -263,3 +263,74 @@ def test_a_batched_step_crosses_the_wire_and_bad_ones_are_refused():
                                  batch=bad)))
     with pytest.raises(ProtocolError, match="carries 1 ids"):
         decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1], batch=rows)))
+
+
+@pytest.mark.timeout(180)
+def test_sixty_four_clients_each_get_an_answer_or_a_429_and_a_leaver_costs_nothing(synth):
+    """--parallel 4 with 4 places in the queue: 64 clients at once (one of them leaving after its
+    first token, its request cancelled on every stage mid-batch) each get their tokens alone or a
+    429; /metrics counts every one, and the server serves on."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from server_helpers import ServerProcess
+
+    server = ServerProcess(synth["tiny"], "--cpu-ranks", "2", "--layer-split", "2",
+                           "--vram-budget", "1G", "--max-context", "1024", "--prefill", "32",
+                           "--parallel", "4", "--queue-size", "4")
+    try:
+        def body(i: int) -> dict:
+            return {"model": "tiny", "prompt": f"client {i % 5} asks " * (1 + i % 3),
+                    "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+
+        async def one(http, i: int):
+            b = body(i)
+            if not b["stream"]:
+                r = await http.post(server.url + "/v1/completions", json=b)
+                if r.status_code == 429:
+                    return "refused"
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            async with http.stream("POST", server.url + "/v1/completions", json=b) as r:
+                if r.status_code == 429:
+                    return "refused"
+                assert r.status_code == 200
+                ids = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                return ids
+
+        async def leaver(http):
+            b = dict(body(0), max_tokens=400, stream=True)
+            async with http.stream("POST", server.url + "/v1/completions", json=b) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        return "left"          # gone after its first token
+            return "refused"
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as http:
+                want = {i: await one(http, i) for i in range(15)}
+                got = await asyncio.gather(leaver(http), *(one(http, i) for i in range(63)))
+                after = await one(http, 7)
+            return want, got, after
+
+        want, got, after = asyncio.run(run())
+        assert got[0] == "left"
+        served = [i for i, g in enumerate(got[1:]) if g != "refused"]
+        assert served and len(served) < 63
+        for i in served:
+            assert got[1 + i] == want[i % 15], i
+        assert after == want[7]
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        count = {k: sum(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith(f'strata_requests_total{{outcome="{k}"}}'))
+                 for k in ("ok", "rejected", "cancelled", "error")}
+        assert count["error"] == 0
+        assert count["ok"] + count["rejected"] + count["cancelled"] == 15 + 64 + 1, count
+        assert count["ok"] == 15 + len(served) + 1 and count["cancelled"] == 1, count
+    finally:
+        server.close()
