@@ -343,11 +343,21 @@ def _serve_lines(args, gguf, cfg, current: list, signals: StopSignals) -> int:
 
 
 def http_flags(args) -> None:
-    """--port's refusals: one surface per launch; the HTTP flags need --port."""
+    """--port's refusals: one surface per launch; the HTTP flags need --port (--parallel
+    also goes with --plan-only, which prices its sessions)."""
+    if args.parallel is not None:
+        from protocol.batch import MAX_BATCH_ROWS
+        if not 1 <= args.parallel <= MAX_BATCH_ROWS:
+            raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
+        if args.parallel > 1 and args.conversation_cache_mib:
+            raise UsageError(f"--parallel {args.parallel} and --conversation-cache-mib "
+                             f"{args.conversation_cache_mib} cannot be combined yet (kept "
+                             f"conversations serve one session)")
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),
-                            ("--queue-size", args.queue_size), ("--parallel", args.parallel),
+                            ("--queue-size", args.queue_size),
+                            ("--parallel", None if args.plan_only else args.parallel),
                             ("--allowed-hosts", args.allowed_hosts)):
             if value is not None:
                 raise UsageError(f"{flag} goes with --port")
@@ -361,14 +371,6 @@ def http_flags(args) -> None:
         raise UsageError(f"--port {args.port} is not a TCP port (0-65535)")
     if args.queue_size is not None and args.queue_size < 1:
         raise UsageError(f"--queue-size {args.queue_size}: at least 1")
-    if args.parallel is not None:
-        from protocol.batch import MAX_BATCH_ROWS
-        if not 1 <= args.parallel <= MAX_BATCH_ROWS:
-            raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
-        if args.parallel > 1 and args.conversation_cache_mib:
-            raise UsageError(f"--parallel {args.parallel} and --conversation-cache-mib "
-                             f"{args.conversation_cache_mib} cannot be combined yet (kept "
-                             f"conversations serve one session)")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
     if args.allowed_hosts is not None:

@@ -334,3 +334,53 @@ def test_sixty_four_clients_each_get_an_answer_or_a_429_and_a_leaver_costs_nothi
         assert count["ok"] == 15 + len(served) + 1 and count["cancelled"] == 1, count
     finally:
         server.close()
+
+
+# ---- sessions priced as carved -------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,n_layers,split", [("moe", 4, [2]), ("next", 8, [3])])
+def test_the_plan_prices_each_session_a_stage_carves(arch, n_layers, split, moe, hybrid):
+    """--parallel 4: the plan prices four sessions on every stage, each what a stage carves for
+    one, and the stages carve exactly that (the launcher stops on any difference)."""
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.model_shape import model_shape
+    from strata_dist.plan import PlanParams
+    from strata_dist.plan.pricing import range_fixed_table, stage_fixed_bytes
+
+    path = moe if arch == "moe" else hybrid
+    shape = model_shape(GGUFModel(path), "cpu")
+    bounds = [0, *split, n_layers]
+    for stage, (lb, le) in zip(_stages(path, n_layers, split), zip(bounds, bounds[1:])):
+        for sid in range(4):
+            stage.session(sid)
+        one = stage_fixed_bytes(shape, CTX, lb, le)[1]
+        assert stage_fixed_bytes(shape, CTX, lb, le, sessions=4)[1] == stage.session_bytes() \
+            == 4 * stage.sessions[0].nbytes == 4 * one
+    table, one_table = (range_fixed_table(shape, CTX, sessions=n) for n in (4, 1))
+    for lb in range(n_layers):
+        for le in range(lb + 1, n_layers + 1):
+            assert table[lb, le] == sum(stage_fixed_bytes(shape, CTX, lb, le, sessions=4))
+            assert table[lb, le] - one_table[lb, le] == 3 * stage_fixed_bytes(shape, CTX, lb, le)[1]
+    with pytest.raises(ValueError, match="sessions must be >= 1"):
+        PlanParams(sessions=0)
+
+
+def test_plan_only_shows_the_sessions_and_bad_values_are_refused(moe, capsys):
+    from launcher.cli import main as launch_main
+
+    args = ["--model", moe, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+            "--max-context", str(CTX), "--plan-only", "--json"]
+    import json
+    assert launch_main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert launch_main(args + ["--parallel", "4"]) == 0
+    four = json.loads(capsys.readouterr().out)
+    assert four["params"]["sessions"] == 4
+    for a, b in zip(one["stages"], four["stages"]):
+        assert b["session_bytes"] == 4 * a["session_bytes"] > 0
+    for bad, needle in ((["--parallel", "0"], "--parallel 0: 1 to 64"),
+                        (["--parallel", "65"], "--parallel 65: 1 to 64"),
+                        (["--parallel", "2", "--conversation-cache-mib", "1"], "cannot be combined")):
+        assert launch_main(args + bad) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and "Traceback" not in err, err

@@ -56,6 +56,8 @@ class PlanParams:
     remote_auto      helper tiers on leftover VRAM (STRATA_REMOTE_AUTO=0 / --no-remote-auto turn off).
     weight_slice     a stage loads only its own layers' dense weights (STRATA_WEIGHT_SLICE=0: all).
     stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
+    sessions         sessions every stage carves (--parallel: a request at once each), each priced
+                     as one session of the context.
     """
 
     cover_b: float = 3.0
@@ -75,6 +77,7 @@ class PlanParams:
     remote_auto: bool = True
     weight_slice: bool = True
     stage_cache_slots: int | None = None
+    sessions: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cover_b) and self.cover_b > 0):
@@ -93,6 +96,8 @@ class PlanParams:
             raise ValueError(f"kv_fill must be in [0, 1], got {self.kv_fill}")
         if not 1 <= self.lend_pct <= 100:
             raise ValueError(f"lend_pct must be in [1, 100], got {self.lend_pct}")
+        if self.sessions < 1:
+            raise ValueError(f"sessions must be >= 1, got {self.sessions}")
         if self.stage_cache_slots is not None and self.stage_cache_slots < 0:
             raise ValueError(f"stage_cache_slots must be >= 0, got {self.stage_cache_slots}")
 
