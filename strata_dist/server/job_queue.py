@@ -5,10 +5,6 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .worker import Job
 
 RATE_WINDOW_S = 3.0      # live tok/s is measured over this window
 
@@ -18,17 +14,17 @@ class JobQueue:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.items: deque[Job] = deque()
+        self.items: deque = deque()
         self.cond = threading.Condition()
 
-    def put_nowait(self, job: Job) -> None:
+    def put_nowait(self, job) -> None:
         with self.cond:
             if len(self.items) >= self.capacity:
                 raise queue.Full
             self.items.append(job)
             self.cond.notify()
 
-    def get(self, timeout: float) -> Job:
+    def get(self, timeout: float) -> object:
         with self.cond:
             if not self.items:
                 self.cond.wait(timeout)
@@ -36,13 +32,13 @@ class JobQueue:
                 raise queue.Empty
             return self.items.popleft()
 
-    def get_nowait(self) -> Job:
+    def get_nowait(self) -> object:
         with self.cond:
             if not self.items:
                 raise queue.Empty
             return self.items.popleft()
 
-    def discard(self, job: Job) -> bool:
+    def discard(self, job) -> bool:
         with self.cond:
             try:
                 self.items.remove(job)
@@ -54,7 +50,7 @@ class JobQueue:
         with self.cond:
             return len(self.items)
 
-    def waiting(self) -> list[Job]:
+    def waiting(self) -> list:
         with self.cond:
             return list(self.items)
 
