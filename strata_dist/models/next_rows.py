@@ -41,8 +41,9 @@ def _attention_rows(model, layer, x, sessions, positions):
     v = be.linear(x, w["attn_v"]).reshape(n, g.n_head_kv, hd)
     rows = []
     for i, (s, pos) in enumerate(zip(sessions, positions)):
-        q = be.xp.ascontiguousarray(qg[i:i + 1, :, :hd])
-        q = be.qk_norm_rope_kv(q, k[i:i + 1], v[i:i + 1], w["attn_q_norm"], w["attn_k_norm"],
+        # q a view of the row's [q | gate] heads, as the one-row step hands it (a GPU's fused
+        # kernel reads it there)
+        q = be.qk_norm_rope_kv(qg[i:i + 1, :, :hd], k[i:i + 1], v[i:i + 1], w["attn_q_norm"], w["attn_k_norm"],
                                g.rms_eps, s, layer, pos)
         rows.append(be.attend(q, s.k(layer)[:pos + 1], s.v(layer)[:pos + 1], pos, s))
     attn = be.xp.concatenate(rows).reshape(n, g.n_head * hd)
