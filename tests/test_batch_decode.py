@@ -298,6 +298,9 @@ def test_sixty_four_clients_each_get_an_answer_or_a_429_and_a_leaver_costs_nothi
             if not b["stream"]:
                 r = await http.post(server.url + "/v1/completions", json=b)
                 if r.status_code == 429:
+                    after = r.headers["retry-after"]
+                    assert after.isdigit() and 1 <= int(after) < 60, after
+                    assert r.json()["error"]["code"] == "queue_full"
                     return "refused"
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["token_ids"]

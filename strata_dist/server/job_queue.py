@@ -7,6 +7,7 @@ import time
 from collections import deque
 
 RATE_WINDOW_S = 3.0      # live tok/s is measured over this window
+RETRY_AFTER_MAX_S = 3600  # a refused client is never told to wait longer than this
 
 
 class JobQueue:

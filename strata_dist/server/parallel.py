@@ -8,12 +8,14 @@ time) until a session is free."""
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 
 from ..batch_scheduler import BatchScheduler
 from ..coordinator import RankFailure
 from ..head import HeadSession
+from .job_queue import RETRY_AFTER_MAX_S
 
 log = logging.getLogger("strata.server")
 
@@ -52,6 +54,23 @@ class ParallelRuns:
         if self.failure is not None:
             raise self.failure
         return busy or started
+
+    def retry_after_s(self) -> int:
+        """Retry-After with B requests at once: every running and waiting request's prompt and
+        max tokens (a bound: the running ones have made some) at the rates measured over all
+        streams (the window's aggregate tokens per second, the last prompt's read rate)."""
+        w = self.worker
+        with w.lock:
+            last = dict(w.last)
+        jobs = w.jobs.waiting() + self.jobs_running()
+        decode_tps = w.decode_rate.rate() or last.get("decode_tokens_per_second") or 0.0
+        if decode_tps <= 0:      # nothing measured yet: a second per round of B requests
+            return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(len(jobs) / len(self.sessions)))))
+        tokens = sum(j.spec.max_new * j.spec.n * len(j.spec.prompts) for j in jobs)
+        prompt = sum(len(ids) for j in jobs for ids, _ in j.spec.prompts)
+        prompt_tps = last.get("prompt_tokens_per_second") or 0.0
+        seconds = tokens / decode_tps + (prompt / prompt_tps if prompt_tps > 0 else 0.0)
+        return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(seconds))))
 
     def jobs_running(self) -> list:
         with self.lock:

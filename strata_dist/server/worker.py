@@ -26,7 +26,7 @@ from ..head import HeadSession, LogprobRequest
 from ..sampler import SamplingParams, TokenLogprob
 from ..tokenizer import GGUFTokenizer
 from .history import RequestLog
-from .job_queue import JobQueue, RateMeter
+from .job_queue import RETRY_AFTER_MAX_S, JobQueue, RateMeter
 from .metrics import LatencyHistograms
 
 log = logging.getLogger("strata.server")
@@ -37,7 +37,6 @@ log = logging.getLogger("strata.server")
 COUNTERS_ARE_TOTALS = True
 STATS_EVERY_S = 2.0      # how often an idle worker asks the ranks for their counters
 STATS_TIMEOUT_S = 2.0
-RETRY_AFTER_MAX_S = 3600  # a refused client is never told to wait longer than this
 
 
 class QueueFull(Exception):
@@ -289,6 +288,8 @@ class Worker:
         the work ahead of it takes at the measured rates — what the running request has left to
         generate plus each waiting one's prompt and max tokens. Requests that stop before their
         max tokens free the queue sooner, so this is a bound rather than a promise."""
+        if self.parallel is not None:    # requests at once: the work ahead at the aggregate rate
+            return self.parallel.retry_after_s()
         with self.lock:
             running, made, since = self.running, self.running_tokens, self.running_since
             last = dict(self.last)
