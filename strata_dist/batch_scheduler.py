@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from protocol import Error, PromptProgress, Token, Tokens
+from protocol import Error, PromptProgress, ProtocolTimeout, Token, Tokens
 from protocol.batch import MAX_BATCH_ROWS, BatchRows
 from protocol.conversations import ConversationStep
 from protocol.messages import Sampling
@@ -124,10 +124,11 @@ class BatchScheduler:
 
     # ---- on the sockets' thread -----------------------------------------------------------------
     def pump(self, wait_s: float) -> None:
-        """Admit new requests, send what is due, handle what came back (waiting up to wait_s)."""
-        self._admit()
+        """Admit new requests, send what is due, handle what came back (waiting up to wait_s,
+        for the pipeline or, with nothing running, for a request)."""
+        self._admit(0.0 if self.streams else wait_s)
         self._cancels()
-        self._send_due()
+        self._send_due_or_fail()
         try:
             events = self.coord._pump(wait_s if self.streams else 0.0)
         except RankFailure as e:
@@ -142,15 +143,17 @@ class BatchScheduler:
             return
         for msg in events:
             self._on_message(msg)
-        self._send_due()
+        self._send_due_or_fail()
         self._check_timeouts()
 
-    def _admit(self) -> None:
+    def _admit(self, wait_s: float) -> None:
         while True:
             try:
-                st = self._submitted.get_nowait()
+                st = self._submitted.get(timeout=wait_s) if wait_s > 0 else \
+                    self._submitted.get_nowait()
             except queue.Empty:
                 return
+            wait_s = 0.0
             if self.coord.lost:
                 r, why = next(iter(self.coord.lost.items()))
                 st.events.put(("error", RankLost(f"rank {r} is lost ({why}); a replacement is "
@@ -169,6 +172,18 @@ class BatchScheduler:
                     self._finish(st, "cancelled")
                 else:                     # the last stage answers a final Token "cancelled"
                     self.coord._cancel_everywhere(st.request_id)
+
+    def _send_due_or_fail(self) -> None:
+        """_send_due; a first stage that takes nothing fails every request (it says why)."""
+        try:
+            self._send_due()
+        except RankLost as e:
+            self._fail_all(e)
+        except RequestError as e:
+            for st in list(self.streams.values()):
+                if st.sent:
+                    self.coord._cancel_everywhere(st.request_id)
+            self._fail_all(e)
 
     def _send_due(self) -> None:
         sender = None
@@ -224,8 +239,11 @@ class BatchScheduler:
         self._step = _Step(step_id, {st.request_id for st in rows})
         self.steps += 1
         self.rows += len(rows)
-        sender.send(Tokens(request_id=step_id, session_id=0, pos=0, ids=ids, batch=batch),
-                    timeout_ms=10_000)
+        try:
+            sender.send(Tokens(request_id=step_id, session_id=0, pos=0, ids=ids, batch=batch),
+                        timeout_ms=10_000)
+        except ProtocolTimeout as e:   # its heartbeats tell whether it died
+            raise RequestError(f"the first stage took no decode step: {e}") from None
 
     def _on_message(self, msg) -> None:
         rid = getattr(msg, "request_id", None)

@@ -20,6 +20,7 @@ from .job_queue import RETRY_AFTER_MAX_S
 log = logging.getLogger("strata.server")
 
 PUMP_S = 0.02        # the longest the scheduler waits for the pipeline in one turn
+IDLE_WAIT_S = 0.05   # the longest an idle turn waits for a job
 JOIN_S = 5.0         # a job thread's last words after the server stops
 
 
@@ -41,8 +42,9 @@ class ParallelRuns:
         self._reap()
         started = False
         while self.free:
-            try:
-                job = self.worker.jobs.get_nowait()
+            try:   # with nothing running, wait a moment for a job (the caller idles otherwise)
+                job = (self.worker.jobs.get(timeout=IDLE_WAIT_S) if not self.running
+                       and not started else self.worker.jobs.get_nowait())
             except queue.Empty:
                 break
             self._start(job)
