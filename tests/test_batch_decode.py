@@ -400,3 +400,33 @@ def test_plan_only_shows_the_sessions_and_bad_values_are_refused(moe, capsys):
         assert launch_main(args + bad) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_each_conversation_resumes_in_the_session_that_holds_it(synth):
+    """--parallel 3: three conversations interleaved; each follow-up goes to the session holding
+    its conversation and reads only its new tokens."""
+    import httpx
+
+    from server_helpers import ServerProcess
+
+    server = ServerProcess(synth["tiny"], "--cpu-ranks", "1", "--vram-budget", "1G",
+                           "--max-context", "512", "--prefill", "32", "--parallel", "3")
+    try:
+        def ask(prompt: list[int]) -> tuple[list[int], int]:
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return (r.json()["choices"][0]["token_ids"],
+                    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        starts = [[7, 8, 9] + [20 + 10 * c + i for i in range(30)] for c in range(3)]
+        replies = [ask(p)[0] for p in starts]
+        for c in (2, 0, 1):
+            follow = starts[c] + replies[c] + [5, 6]
+            _, cached = ask(follow)
+            # all it held: the prompt and the reply but its last token (never read)
+            assert cached == len(starts[c]) + len(replies[c]) - 1, (c, cached)
+    finally:
+        server.close()

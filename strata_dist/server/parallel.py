@@ -34,6 +34,8 @@ class ParallelRuns:
         self.sessions = list(sessions)
         self.running: dict[int, tuple[threading.Thread, HeadSession, object]] = {}
         self.failure: RankFailure | None = None     # a job thread's, raised on the worker's
+        self._used: dict[int, int] = {}               # session id -> when a job last took it
+        self._uses = 0
         self.lock = threading.Lock()
 
     def turn(self) -> bool:
@@ -89,12 +91,29 @@ class ParallelRuns:
                               "held_tokens": len(s.tokens)} for s in self.sessions]}
 
     def _start(self, job) -> None:
-        session = self.free.pop()
+        session = self._session_for(job.spec)
+        self.free.remove(session)
         t = threading.Thread(target=self._run, args=(job, session), daemon=True,
                              name=f"job-{job.number}")
         with self.lock:
             self.running[job.number] = (t, session, job)
         t.start()
+
+    def _session_for(self, spec) -> HeadSession:
+        """The free session whose whole conversation the job's prompt continues (of its salt;
+        the longest), so B conversations each resume where they left off; else an empty one;
+        else the least recently used."""
+        ids = spec.prompt_ids
+
+        def rank(s: HeadSession) -> tuple:
+            held = len(s.tokens)
+            continues = (spec.cache_prompt and s.salt == spec.cache_salt and 0 < held < len(ids)
+                         and ids[:held] == s.tokens)
+            return (held if continues else 0, not s.tokens, -self._used.get(s.session_id, 0))
+        self._uses += 1
+        best = max(self.free, key=rank)
+        self._used[best.session_id] = self._uses
+        return best
 
     def _run(self, job, session: HeadSession) -> None:
         try:
