@@ -430,3 +430,38 @@ def test_each_conversation_resumes_in_the_session_that_holds_it(synth):
             assert cached == len(starts[c]) + len(replies[c]) - 1, (c, cached)
     finally:
         server.close()
+
+
+def test_the_last_stage_answers_a_token_per_row_and_skips_a_cancelled_one(moe):
+    """StageStep on a stage that is first and last: a head_steps prompt gets its first token and
+    no next step; a batched step answers a Token per row; a row of a request cancelled meanwhile
+    is skipped; a step that fails names its own request id."""
+    from protocol import Cancel, Error, Token, Tokens
+    from protocol.batch import BatchRows
+    from protocol.messages import Sampling
+    from strata_dist.stage_step import StageStep, To
+
+    step = StageStep(_stages(moe, 4, [])[0], 0, last=True)
+    first = {}
+    for rid, sid, ids in ((1, 0, [3, 4, 5]), (2, 1, [9, 8])):
+        out = step.step(Tokens(request_id=rid, session_id=sid, pos=0, ids=ids,
+                               sampling=Sampling(max_new=5, head_steps=True)))
+        tokens = [o.msg for o in out if isinstance(o.msg, Token)]
+        assert [o.to for o in out if isinstance(o.msg, Token)] == [To.HEAD]
+        assert not [o for o in out if o.to is To.FIRST]
+        first[rid] = tokens[0]
+    rows = BatchRows(request_ids=[2, 1], session_ids=[1, 0], positions=[2, 3])
+    out = step.step(Tokens(request_id=3, session_id=0, pos=0, ids=[first[2].token_id,
+                                                                  first[1].token_id], batch=rows))
+    assert [(o.to, o.msg.request_id, o.msg.pos) for o in out] == [(To.HEAD, 2, 3),
+                                                                  (To.HEAD, 1, 4)]
+    assert all(isinstance(o.msg, Token) and not o.msg.done for o in out)
+    cancelled = step.step(Cancel(request_id=1))
+    assert [(o.msg.request_id, o.msg.reason) for o in cancelled] == [(1, "cancelled")]
+    rows = BatchRows(request_ids=[2, 1], session_ids=[1, 0], positions=[3, 4])
+    out = step.step(Tokens(request_id=4, session_id=0, pos=0, ids=[1, 1], batch=rows))
+    assert [o.msg.request_id for o in out] == [2]
+    full = BatchRows(request_ids=[2], session_ids=[1], positions=[CTX])
+    out = step.step(Tokens(request_id=5, session_id=0, pos=0, ids=[1], batch=full))
+    assert len(out) == 1 and isinstance(out[0].msg, Error) and out[0].msg.request_id == 5
+    assert "context full" in out[0].msg.message
