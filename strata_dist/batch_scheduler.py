@@ -3,8 +3,9 @@
 Each running request has its own session on every stage (the head names it: one HeadSession per
 slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
 - a batched decode step (protocol/batch.py) with one row per request that has a token to read
-  next, whenever no such step is in flight: every stage runs all rows once, the last stage answers
-  one Token per row (it never starts the next step itself: `Sampling.head_steps`);
+  next, while fewer such steps than stages are in flight (each step a group of requests of its
+  own: with K stages, K groups keep every stage busy): every stage runs all rows once, the last
+  stage answers one Token per row (it never starts the next step itself: `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
   `prompt_budget` tokens of prompt ride ahead of each decode step (a long prompt never stalls the
   running streams for more than a chunk a step); with nobody decoding, the window a lone request
@@ -82,7 +83,10 @@ class BatchScheduler:
         self.streams: dict[int, _Stream] = {}         # by request id
         self._prompts: deque[_Stream] = deque()       # waiting for their prompt, in order
         self._reading: _Stream | None = None          # the one whose chunks go out now
-        self._step: _Step | None = None               # the batched step in flight
+        # batched steps in flight, by their request id: up to one per stage, each a group of
+        # requests of its own, so stage k works on one group while stage k+1 works on another
+        self._steps: dict[int, _Step] = {}
+        self.most_in_flight = 0                       # the most steps in flight at once so far
         self.steps = 0                                # batched steps sent (for tests, status)
         self.rows = 0                                 # rows in them
 
@@ -187,12 +191,11 @@ class BatchScheduler:
 
     def _send_due(self) -> None:
         sender = None
-        decoding = [st for st in self.streams.values() if st.next_token is not None]
-        if self._step is None and decoding:
-            rows = [st for st in decoding if not st.cancelled][:self.parallel]
-            if rows:
-                sender = sender or self._sender()
-                self._send_step(sender, rows)
+        rows = [st for st in self.streams.values()
+                if st.next_token is not None and not st.cancelled][:self.parallel]
+        if rows and len(self._steps) < max(1, len(self.coord._stages())):
+            sender = sender or self._sender()
+            self._send_step(sender, rows)
         # prompt chunks: one request at a time, paced
         in_flight = sum(st.sent - st.read for st in self.streams.values())
         running = any(st.sent >= st.chunks and st.read >= st.chunks
@@ -236,7 +239,8 @@ class BatchScheduler:
         ids = [st.next_token for st in rows]
         for st in rows:
             st.next_token = None
-        self._step = _Step(step_id, {st.request_id for st in rows})
+        self._steps[step_id] = _Step(step_id, {st.request_id for st in rows})
+        self.most_in_flight = max(self.most_in_flight, len(self._steps))
         self.steps += 1
         self.rows += len(rows)
         try:
@@ -247,10 +251,9 @@ class BatchScheduler:
 
     def _on_message(self, msg) -> None:
         rid = getattr(msg, "request_id", None)
-        step = self._step
-        if isinstance(msg, Error) and step is not None and rid == step.request_id:
+        if isinstance(msg, Error) and rid in self._steps:
             # the whole step failed on a stage: every request in it fails (the ranks serve on)
-            self._step = None
+            step = self._steps.pop(rid)
             for r in step.waiting:
                 st = self.streams.get(r)
                 if st is not None:
@@ -261,10 +264,7 @@ class BatchScheduler:
         if st is None:
             return      # a late message of a request that ended
         st.last_event = time.monotonic()
-        if step is not None and rid in step.waiting:
-            step.waiting.discard(rid)
-            if not step.waiting:
-                self._step = None
+        self._answered(rid)
         if isinstance(msg, Error):
             if not st.cancelled:
                 self.coord._cancel_everywhere(rid)
@@ -303,13 +303,19 @@ class BatchScheduler:
         self.streams.pop(st.request_id, None)
         if self._reading is st:
             self._reading = None
-        if self._step is not None:
-            self._step.waiting.discard(st.request_id)
-            if not self._step.waiting:
-                self._step = None
+        self._answered(st.request_id)
+
+    def _answered(self, rid: int) -> None:
+        """Request rid's row of its step in flight came back (or it ended): a step whose rows
+        all came back is done."""
+        for step_id, step in list(self._steps.items()):
+            if rid in step.waiting:
+                step.waiting.discard(rid)
+                if not step.waiting:
+                    del self._steps[step_id]
 
     def _fail_all(self, error: BaseException) -> None:
         for st in list(self.streams.values()):
             self._fail(st, error)
         self._prompts.clear()
-        self._step = None
+        self._steps.clear()

@@ -194,6 +194,8 @@ def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
         steps = q["batched_steps"] - before["batched_steps"]
         rows = q["batched_rows"] - before["batched_rows"]
         assert steps > 0 and rows / steps > 2, (steps, rows)   # batched, not one at a time
+        # a group of requests on each stage at once (one step in flight per stage)
+        assert q["most_steps_in_flight"] == (2 if "--layer-split" in args else 1)
     finally:
         server.close()
 

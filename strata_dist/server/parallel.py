@@ -87,6 +87,7 @@ class ParallelRuns:
             busy = {session.session_id: job.id for _, session, job in self.running.values()}
         return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
                 "batched_rows": self.scheduler.rows,
+                "most_steps_in_flight": self.scheduler.most_in_flight,
                 "sessions": [{"session": s.session_id, "request": busy.get(s.session_id),
                               "held_tokens": len(s.tokens)} for s in self.sessions]}
 
