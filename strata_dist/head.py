@@ -68,6 +68,10 @@ class HeadSession:
         self._rejoins = coordinator.rejoins   # a replacement rank holds none of the session
         self.salt = ""   # the salt (API key and cache_salt) of the request whose tokens it holds
         self.conversations = ConversationTable(keep_conversations)
+        # what runs its requests: the coordinator itself, or (--parallel) a BatchScheduler that
+        # batches them with other sessions' (strata_dist/batch_scheduler.py), called from the
+        # request's own thread: the scheduler then also answers for lost ranks
+        self.runner = None
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -105,7 +109,8 @@ class HeadSession:
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
-        self.coord.await_ranks(should_cancel)
+        if self.runner is None:
+            self.coord.await_ranks(should_cancel)
         if self.coord.rejoins != self._rejoins:   # a rank was replaced: nothing is reusable
             self.tokens, self.checkpoints, self._rejoins = [], [], self.coord.rejoins
             self.conversations.clear()
@@ -170,9 +175,9 @@ class HeadSession:
             last = now
 
         try:
-            reason = self.coord.run_request(self.session_id, out.reused, ids[out.reused:], sampling,
-                                            self.chunk, on_event, should_cancel=should_cancel,
-                                            checkpoint_at=at, conversation=conversation)
+            reason = (self.runner or self.coord).run_request(
+                self.session_id, out.reused, ids[out.reused:], sampling, self.chunk, on_event,
+                should_cancel=should_cancel, checkpoint_at=at, conversation=conversation)
         except RequestError:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh
             if restore[0] and read_to == out.reused:   # nothing read: the restore may have failed

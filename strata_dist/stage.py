@@ -362,6 +362,29 @@ class Stage:
                 self.tiers.prompt = reading
             s.n_past = pos
 
+    def run_batch(self, session_ids: list[int], positions: list[int], ids=None, hidden=None):
+        """A batched decode step (protocol/batch.py): row i is the next token of session
+        session_ids[i] at positions[i] (ids on the first stage, hidden rows after it). The
+        general path runs it (no decode graph for more than one session's rows): returns the
+        hidden rows, or on the last stage every row's logits, host float32 [n, vocab]."""
+        sessions = [self.session(sid) for sid in session_ids]
+        for sid, s, pos in zip(session_ids, sessions, positions):
+            self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
+        self.tiers.prompt = False
+        if self.decode_graph is not None:
+            self.decode_graph.settle()    # a step ahead may still write a session's KV
+        h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
+        out = self.model.forward_rows(h, sessions, positions)
+        for s, pos in zip(sessions, positions):
+            s.n_past = pos + 1
+        if self.routing.on:
+            self._adapt_due |= self.routing.tick(len(sessions))
+            if self._adapt_due and not self.cache.lent:
+                self._adapt()
+        if self.cfg.last:
+            return self.backend.to_host(self.model.output_logits(out)).astype(np.float32)
+        return out
+
     def _adapt(self) -> None:
         """One round of the adaptive cache, between steps: the coldest cached pairs swapped for
         the hottest missed ones (adapt.pick_swaps), the blobs copied, then the tables pointed at

@@ -44,6 +44,7 @@ from ..plan.workspace import Buffer
 from .common import (LayerRangeModel, gemm_buffers, model_level_shapes, residual_buffers,
                      rope_buffers, rope_tables, routed_expert_buffers, stage_tensor_names,
                      transformer_geometry)
+from . import next_rows
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
 ARCH = "qwen3next"
@@ -536,6 +537,8 @@ class Qwen3Next(LayerRangeModel):
             x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps, out="moe_x")
             h = be.add(h, self._moe(layer, x), out="h")
         return h
+
+    forward_rows = next_rows.forward_rows   # a batched decode step (models/next_rows.py)
 
     # ---- gated attention -----------------------------------------------------------------------
     def _attention(self, layer, x, session, pos0):

@@ -60,6 +60,8 @@ class PlanParams:
     stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
     verify_rows      rows of a speculative verify window every stage keeps room for (--spec K:
                      K + 1; 0: no speculation), priced by pricing.verify_window_bytes.
+    sessions         sessions every stage carves (--parallel: a request at once each), each priced
+                     as one session of the context.
     """
 
     cover_b: float = 3.0
@@ -80,6 +82,7 @@ class PlanParams:
     weight_slice: bool = True
     stage_cache_slots: int | None = None
     verify_rows: int = 0
+    sessions: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cover_b) and self.cover_b > 0):
@@ -100,6 +103,8 @@ class PlanParams:
             raise ValueError(f"lend_pct must be in [1, 100], got {self.lend_pct}")
         if self.verify_rows < 0:
             raise ValueError(f"verify_rows must be >= 0, got {self.verify_rows}")
+        if self.sessions < 1:
+            raise ValueError(f"sessions must be >= 1, got {self.sessions}")
         if self.stage_cache_slots is not None and self.stage_cache_slots < 0:
             raise ValueError(f"stage_cache_slots must be >= 0, got {self.stage_cache_slots}")
 

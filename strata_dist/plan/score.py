@@ -56,7 +56,8 @@ class CostModel:
         self.mass = pair_masses(profile, self.ranking, params.coverage, params.cover_b)
         self.tables = RankTables(shape, self.ranking, self.mass)
         self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
-                                       handoff_rows=handoff_rows, verify_rows=params.verify_rows)
+                                       handoff_rows=handoff_rows, verify_rows=params.verify_rows,
+                                       sessions=params.sessions)
         self.withheld = np.zeros(len(self.devices), dtype=np.int64) if withheld is None else \
             np.array(withheld, dtype=np.int64)
         self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64) - self.withheld
