@@ -147,18 +147,12 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
              and tensor_name(first_linear, "attn_qkv") not in gguf.tensors
              and tensor_name(first_linear, "ssm_in") in gguf.tensors)
     return NextGeometry(
-        **base,
-        n_rot=n_rot,
-        full_attention_interval=interval,
+        **base, n_rot=n_rot, full_attention_interval=interval,
         ssm_conv_kernel=num("ssm.conv_kernel", required=True, minimum=1),
         ssm_state_size=num("ssm.state_size", required=True, minimum=1),
-        ssm_group_count=n_k,
-        ssm_time_step_rank=n_v,
-        ssm_inner_size=inner,
-        n_ff_shexp=int(n_ff_shexp),
-        norm_topk_prob=bool(md("expert_weights_norm", default=True)),
-        fused_qkvz=fused,
-    )
+        ssm_group_count=n_k, ssm_time_step_rank=n_v, ssm_inner_size=inner,
+        n_ff_shexp=int(n_ff_shexp), norm_topk_prob=bool(md("expert_weights_norm", default=True)),
+        fused_qkvz=fused)
 
 
 def layer_parts(g: NextGeometry, layer: int) -> tuple[str, ...]:
