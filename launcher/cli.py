@@ -371,6 +371,10 @@ def http_flags(args) -> None:
             raise UsageError(f"--parallel {args.parallel} and --conversation-cache-mib "
                              f"{args.conversation_cache_mib} cannot be combined yet (kept "
                              f"conversations serve one session)")
+        if args.parallel > 1 and getattr(args, "spec", 0):
+            raise UsageError(f"--parallel {args.parallel} and --spec {args.spec} cannot be "
+                             f"combined yet (a batched step carries one row per request, a "
+                             f"verify window several)")
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),

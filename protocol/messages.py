@@ -171,6 +171,8 @@ class Sampling(Struct):
 
     def check(self, arrays: list) -> None:
         _nonneg(spec_tokens=self.spec_tokens)
+        if self.head_steps and self.spec_tokens:   # a batched step has one row per request
+            raise ValueError(f"head_steps and spec_tokens {self.spec_tokens} cannot be combined")
         if bool(self.grammar_kind) != bool(self.grammar):
             raise ValueError(f"grammar_kind {self.grammar_kind!r} and grammar come together "
                              f"(grammar has {len(self.grammar)} characters)")

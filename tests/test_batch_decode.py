@@ -278,6 +278,11 @@ def test_a_batched_step_crosses_the_wire_and_bad_ones_are_refused():
                                  batch=bad)))
     with pytest.raises(ProtocolError, match="carries 1 ids"):
         decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1], batch=rows)))
+    # a batched request cannot speculate: its steps carry one row each (--parallel refuses --spec)
+    from protocol.messages import Sampling
+    with pytest.raises(ProtocolError, match="head_steps and spec_tokens 3"):
+        decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1],
+                             sampling=Sampling(max_new=4, head_steps=True, spec_tokens=3))))
 
 
 @pytest.mark.timeout(180)
@@ -398,7 +403,9 @@ def test_plan_only_shows_the_sessions_and_bad_values_are_refused(moe, capsys):
         assert b["session_bytes"] == 4 * a["session_bytes"] > 0
     for bad, needle in ((["--parallel", "0"], "--parallel 0: 1 to 64"),
                         (["--parallel", "65"], "--parallel 65: 1 to 64"),
-                        (["--parallel", "2", "--conversation-cache-mib", "1"], "cannot be combined")):
+                        (["--parallel", "2", "--conversation-cache-mib", "1"], "cannot be combined"),
+                        (["--parallel", "2", "--spec", "3"],
+                         "--parallel 2 and --spec 3 cannot be combined")):
         assert launch_main(args + bad) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and needle in err and "Traceback" not in err, err
@@ -467,3 +474,4 @@ def test_the_last_stage_answers_a_token_per_row_and_skips_a_cancelled_one(moe):
     out = step.step(Tokens(request_id=5, session_id=0, pos=0, ids=[1], batch=full))
     assert len(out) == 1 and isinstance(out[0].msg, Error) and out[0].msg.request_id == 5
     assert "context full" in out[0].msg.message
+
