@@ -99,6 +99,12 @@ class ConversationTable:
         self.kept = {k: v for k, v in self.kept.items() if k in held}
         self._unconfirmed = []
 
+    def unconfirmed(self, step: ConversationStep) -> None:
+        """`step` was sent but no stage reported after it: each stage may or may not have applied
+        it. Its new key stays unconfirmed (the next step drops it everywhere) and its forgets go
+        again with the next step (dropping an absent key is nothing); its restore only copies."""
+        self._forget += [k for k in step.forget if k not in self._forget]
+
     def discard(self, key: int) -> None:
         """A restore of `key` failed: it is dropped here and, with the next step, on every stage."""
         if self.kept.pop(key, None) is not None:

@@ -134,12 +134,14 @@ class HeadSession:
               if self.checkpoints is not None else [])
         t0 = last = time.perf_counter()
         read_to = out.reused   # what the last stage has read (every stage holds it)
+        confirmed = False      # a PromptProgress came back: every stage applied `conversation`
 
         def on_event(ev: StreamEvent) -> None:
-            nonlocal last, read_to
+            nonlocal last, read_to, confirmed
             now = time.perf_counter()
             if ev.kind == "progress":
                 m = ev.msg
+                confirmed = True
                 self.checkpoints = None if m.resume_any else list(m.checkpoints)
                 table.reported(m.conversations)
                 read_to = m.pos
@@ -177,6 +179,8 @@ class HeadSession:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh
             if restore[0] and read_to == out.reused:   # nothing read: the restore may have failed
                 table.discard(restore[0])
+            if conversation is not None and not confirmed:
+                table.unconfirmed(conversation)
             raise
         out.reason = reason or "length"
         out.decode_ms = (time.perf_counter() - t0) * 1e3 - out.prompt_ms
@@ -194,6 +198,16 @@ class HeadSession:
                 self.tokens = []
             elif prompt_cut:
                 self.tokens = ids[:read_to]
+            if conversation is not None and not confirmed:
+                # Cancelled before any stage reported chunk 0: the step rides on it, so some
+                # stages may have applied it (kept, dropped, restored) and others not (a Cancel
+                # read before the chunk drops it; one before sending sends none). Nothing is
+                # believed: the session reads afresh from 0 (which overwrites every stage's
+                # state), the new key stays unconfirmed and the forgets go again.
+                self.tokens = []
+                if self.checkpoints is not None:
+                    self.checkpoints = []
+                table.unconfirmed(conversation)
         return out
 
 

@@ -285,6 +285,16 @@ def test_the_head_table_picks_the_longest_prefix_of_its_salt():
     # a restore that failed before anything was read: dropped too
     r.discard(1)
     assert r.kept == {} and r.step([], "b", "b", 0, (0, 0), positional=False).forget == [1]
+    # a step no stage reported after (its request cancelled before chunk 0 came back): its
+    # forgets may not have reached every stage, so they go again, and its new key is dropped
+    u = ConversationTable(True)
+    u.step([1, 2], "a", "a", 0, (0, 0), positional=True)
+    u.reported([1])
+    step = u.step([1, 2, 3], "a", "a", 0, (0, 0), positional=True)   # supersedes 1
+    assert step.forget == [1] and 1 not in u.kept
+    u.unconfirmed(step)
+    u.begin()
+    assert u.step([], "a", "a", 0, (0, 0), positional=True).forget == [1, step.keep]
 
 
 # ---- the planner ------------------------------------------------------------------------------------
@@ -347,3 +357,30 @@ def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hy
     assert int(last["spec_drafted"]) > int(last["spec_accepted"]) > 0   # drafts both ways
     assert int(stats[0]["conversations_restored"]) == 3
     assert int(stats[0]["conversations_skipped"]) == 0
+
+
+def test_a_cancel_before_the_first_chunk_of_a_restoring_request_leaves_no_wrong_state(moe):
+    """The ConversationStep rides on chunk 0: a request cancelled before any stage reported that
+    chunk (here: before it was even sent) may have applied its restore on no stage, some, or all.
+    The next request still reads the state its tokens say: its reply equals the one read with the
+    same tokens before."""
+    rng = np.random.default_rng(0)
+    a_ids, b_ids = _ids(rng, 30), _ids(rng, 30)
+    s = ServeSession(moe, "--cpu-ranks", "1", "--prefill", "16", "--max-context", str(CTX),
+                     "--vram-budget", "1G", "--conversation-cache-mib", "1")
+    try:
+        a = s.gen(a_ids, N_NEW)["tokens"]
+        follow_up = a_ids + a + [5, 6, 7]
+        reference = s.gen(follow_up, 8)        # continues A: read on the state A left
+        assert reference["err"] is None and reference["resume"] == len(a_ids) + N_NEW - 1
+        assert s.gen(b_ids, N_NEW)["err"] is None   # the session now holds B; A's is kept
+        # GEN and CANCEL in one write: the CANCEL is read at the first check, before chunk 0
+        s.send(f"GEN 8 {' '.join(map(str, follow_up))}\nCANCEL")
+        while not (line := s.next_line(30)).startswith(("DONE", "ERR")):
+            pass
+        assert line.startswith("DONE") and line.endswith("cancelled"), line
+        again = s.gen(follow_up, 8)
+        assert again["err"] is None
+        assert again["tokens"] == reference["tokens"]
+    finally:
+        assert s.close() == 0
