@@ -50,10 +50,12 @@ class HeadSession:
 
     def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
                  eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY,
-                 keep_conversations: bool = False,
+                 keep_conversations: bool = False, conversations_in_host: bool = False,
                  spec: SpecOptions = SpecOptions()):
         """`keep_conversations`: the stages keep earlier conversations (--conversation-cache-mib,
-        strata_dist/conversation_table.py), and a request resumes from the longest of any."""
+        strata_dist/conversation_table.py), and a request resumes from the longest of any;
+        `conversations_in_host`: some stage keeps them in pinned host memory (the plan's
+        conversation_in), where no checkpoint is kept with them."""
         self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
         self.spec = spec        # --spec, --draft, --spec-min-p: every request speculates so
         self.eos_id, self.session_id = eos_id, session_id
@@ -67,7 +69,8 @@ class HeadSession:
         self.checkpoints: list[int] | None = []
         self._rejoins = coordinator.rejoins   # a replacement rank holds none of the session
         self.salt = ""   # the salt (API key and cache_salt) of the request whose tokens it holds
-        self.conversations = ConversationTable(keep_conversations)
+        self.conversations = ConversationTable(keep_conversations,
+                                               checkpoints_kept=not conversations_in_host)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -277,6 +277,10 @@ def test_the_head_table_picks_the_longest_prefix_of_its_salt():
     assert r.best([1, 2, 3, 4, 5, 6], "a", positional=False) == (1, 5)
     assert r.best([1, 2, 3, 4, 9], "a", positional=False) == (1, 2)
     assert r.best([1, 7], "a", positional=False) == (0, 0)
+    # stages that keep in host memory keep no checkpoints: only the kept length restores
+    h = ConversationTable(True, checkpoints_kept=False)
+    h.step([1, 2, 3, 4, 5], "a", "a", 0, (0, 0), positional=False, live_checkpoints=[2])
+    assert h.kept[1].positions == [5] and h.best([1, 2, 3, 4, 9], "a", positional=False) == (0, 0)
     # a key sent to keep and never reported is no conversation: dropped on every stage next time
     step = r.step([1, 2, 8], "a", "b", 0, (0, 0), positional=False)
     r.begin()
@@ -382,5 +386,26 @@ def test_a_cancel_before_the_first_chunk_of_a_restoring_request_leaves_no_wrong_
         again = s.gen(follow_up, 8)
         assert again["err"] is None
         assert again["tokens"] == reference["tokens"]
+    finally:
+        assert s.close() == 0
+
+
+def test_qwen3next_kept_in_host_memory_restores_only_at_a_kept_length(hybrid):
+    """Copies in pinned host memory keep no checkpoints: a follow-up that shares only a
+    checkpoint's prefix with a kept conversation reads afresh (it does not ask a stage for a state
+    it lacks), and one that extends the conversation resumes at its kept length."""
+    rng = np.random.default_rng(4)
+    a_ids, b_ids = _ids(rng, 50), _ids(rng, 50)
+    s = ServeSession(hybrid, "--cpu-ranks", "2", "--prefill", "16", "--max-context", str(CTX),
+                     "--vram-budget", "1G", "--conversation-cache-mib", "100000",
+                     "--layer-split", "3", "--prompt-cache-every", "16")
+    try:
+        assert [f.get("conversation_in") for f in s.info_fields()[1:]] == ["host", "host"]
+        a = s.gen(a_ids, N_NEW)
+        assert s.gen(b_ids, N_NEW)["err"] is None
+        branch = s.gen(a_ids[:40] + _ids(rng, 10), N_NEW)   # A's checkpoint at 32 is not kept
+        assert branch["err"] is None and branch["resume"] == 0
+        follow_up = s.gen(a_ids + a["tokens"] + [5, 6, 7], N_NEW)
+        assert follow_up["err"] is None and follow_up["resume"] == len(a_ids) + N_NEW - 1
     finally:
         assert s.close() == 0
