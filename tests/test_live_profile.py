@@ -2,6 +2,8 @@
 launcher count their layers' routing; the file, written periodically and at shutdown, is the
 format --expert-profile reads, and a restart's plan caches the experts the traffic used."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from launch_helpers import ServeSession
+from launch_helpers import ServeSession, rank_pids, wait_gone
 from strata_dist.profile_io import load_profile, record_profile
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
@@ -71,6 +73,43 @@ def test_served_routing_is_saved_and_the_next_plan_caches_it(model, tmp_path):
         assert own[held[lb:le]].min() >= own[~held[lb:le]].max()
     # and a plan without it would not have (the uniform ranking)
     assert _plan_pairs(model) != _plan_pairs(model, "--expert-profile", str(path))
+
+
+def test_a_replaced_rank_keeps_its_predecessors_routing_in_the_profile(model, tmp_path):
+    """A rank killed and replaced (--rejoin) counts from zero; the profile adds its counts to
+    what the lost process had counted, so no layer's history is lost."""
+    path = tmp_path / "learnt.json"
+    s = ServeSession(model, *RANKS, "--rejoin", "--expert-profile-out", str(path),
+                     "--expert-profile-every", "0.2")
+
+    def per_layer():
+        return np.array(json.loads(path.read_text())["counts"]).sum(axis=1)
+    try:
+        fed = 0    # rows read: each prompt and its fed-back tokens
+        for prompt in PROMPTS:
+            out = s.gen(prompt, MAX_NEW)
+            assert out["err"] is None
+            fed += len(prompt) + len(out["tokens"]) - 1
+        deadline = time.monotonic() + 10   # a write after the last request's counts came back
+        while not (path.exists() and per_layer().sum() == L * TINY.n_expert_used * fed) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        before = per_layer()
+        pid = rank_pids(s)[1]
+        os.kill(pid, signal.SIGKILL)
+        wait_gone([pid])
+        for _ in range(30):    # requests fail until the replacement is Ready
+            if s.gen([50, 51], 2)["err"] is None:
+                break
+            time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while per_layer()[2:].sum() <= before[2:].sum() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = per_layer()
+    finally:
+        assert s.close() == 0
+    assert (after >= before).all(), (before, after)
+    assert (after[2:] > before[2:]).all(), (before, after)    # the replacement's layers
 
 
 @pytest.mark.parametrize("flag,value,message", [
