@@ -77,7 +77,7 @@ class RankSlot:
 
 @dataclass
 class StreamEvent:
-    kind: str            # "progress" | "token"
+    kind: str            # "progress" | "token" | "cancelled" (the final Token of a cancel)
     msg: object
 
 
@@ -502,8 +502,9 @@ class Coordinator:
                         if sampling.max_new <= 0:
                             return ""
                 elif isinstance(msg, Token):
-                    if msg.reason != "cancelled":
-                        on_event(StreamEvent("token", msg))
+                    # a cancelled request's final Token carries no token, only its draft counts
+                    kind = "cancelled" if msg.reason == "cancelled" else "token"
+                    on_event(StreamEvent(kind, msg))
                     if msg.done:
                         return msg.reason
             if time.monotonic() - last_event > step_timeout_s:

@@ -160,6 +160,8 @@ class HeadSession:
                                             zip(m.logprobs, m.top_ids, m.top_logprobs))]
                 if on_prompt_logprobs and logprobs.prompt and m.chunk_index == m.chunk_total - 1:
                     on_prompt_logprobs(list(out.prompt_logprobs))
+            elif ev.kind == "cancelled":
+                out.drafted, out.accepted = ev.msg.drafted, ev.msg.accepted
             else:
                 m = ev.msg
                 out.tokens.append(m.token_id)
