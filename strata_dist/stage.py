@@ -402,7 +402,9 @@ class Stage:
         counts of its layers' pairs, less those held elsewhere (this stage's cache, the other
         tiers: a tier takes only what none holds), and answers the pairs of those layers it
         holds then, taken here at the next round (HelperClient.rerank); until then a pair that
-        left is still answered, from the model file."""
+        left is still answered, from the model file. A pair no tier holds is offered to one
+        tier only, the same one every round (by its index): two tiers never take it in one round,
+        nor one in the round after the other took it unheard."""
         lb, le = self.cfg.lb, self.cfg.le
         held_by = {id(h): np.zeros_like(cached) for h in self.tiers.helpers}
         for h in self.tiers.helpers:
@@ -411,10 +413,15 @@ class Stage:
         local = self.local_tier.arena if self.local_tier is not None else None
         own = (local.slot_of >= 0) if local is not None else np.zeros_like(cached)
         in_a_tier = np.logical_or.reduce([own, *held_by.values()])
+        # the tiers that swap this round: this card's own, then the others not read in place
+        takers = ([own] if local is not None else []) + [
+            held_by[id(h)] for h in self.tiers.helpers if h.alive and h.tier is None]
+        home = np.arange(cached.size).reshape(cached.shape) % max(1, len(takers))
 
         def missed(mine: np.ndarray) -> np.ndarray:
-            elsewhere = cached | (in_a_tier & ~mine)
-            return np.where(elsewhere[lb:le], 0.0, self.routing.counts[lb:le])
+            i = next(i for i, t in enumerate(takers) if t is mine)
+            offered = ~cached & (mine | (~in_a_tier & (home == i)))
+            return np.where(offered[lb:le], self.routing.counts[lb:le], 0.0)
         if local is not None:   # this card's own tier, read here as it is
             self.local_tier.rerank(lb, le, missed(own))
         changed = False
