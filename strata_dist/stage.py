@@ -13,7 +13,7 @@ import numpy as np
 
 from protocol import ProtocolError, ProtocolTimeout
 
-from .adapt import RoutingCounts, coverage, pick_swaps
+from .adapt import RoutingCounts, WindowRoutes, coverage, pick_swaps
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
@@ -126,6 +126,8 @@ class Stage:
                                                host=cfg.conversation_host)
         self.windows: dict[int, WindowRecord] = {}   # a recurrent session's last verify window
         self.window_rerun_rows = 0    # rows run again to roll recurrent state back in a window
+        # a session's last verify window's routes, counted until its next step says which stand
+        self.window_routes: dict[int, WindowRoutes] = {}
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
 
@@ -190,6 +192,7 @@ class Stage:
             self.decode_graph.settle()      # a step ahead may still write this session's KV
         self.sessions.pop(session_id, None)
         self.windows.pop(session_id, None)
+        self.window_routes.pop(session_id, None)
         gone = self.checkpoints.pop(session_id, None)
         if gone is not None:   # its counts stay in the rank's totals
             self._released_counts = _add_counts(self._released_counts, gone)
@@ -300,6 +303,10 @@ class Stage:
             raise ValueError(f"checkpoint position {bad[0]} is not a boundary of rows "
                              f"[{pos}, {pos + n})")
         verify = not prompt and n > 1
+        counting = self.tiers.routing is not None
+        window_routes = self.window_routes.pop(session_id, None)
+        if window_routes is not None:   # the window's rejected rows were no token of the traffic
+            self._adapt_due |= self.routing.tick(window_routes.settle(pos) - 1)
         self._rewind_window(session_id, s, pos)
         # an earlier position rewinds (KV is positional; recurrent state comes from a checkpoint)
         store.enter(s, pos)
@@ -322,7 +329,14 @@ class Stage:
                 # a step ahead still in flight reads the cache (a prompt writes its lent slots)
                 # and writes the session: it finishes before the general path starts
                 graph.settle()
-            out = self._run_general(s, prompt, ids, hidden, all_rows)
+            if verify and counting:   # counted row by row until the next step settles them
+                self.tiers.routing = self.window_routes[session_id] = WindowRoutes(
+                    self.routing, pos, n)
+            try:
+                out = self._run_general(s, prompt, ids, hidden, all_rows)
+            finally:
+                if counting:
+                    self.tiers.routing = self.routing
         s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
@@ -330,7 +344,9 @@ class Stage:
             # the general path counted its routes as it computed them (ExpertTiers)
             if graph_step and graph.last_routes is not None:
                 self.routing.add_layers(self.cfg.lb, graph.last_routes)
-            self._adapt_due |= self.routing.tick(n)
+            # a window's first row always stands (its token was the last one drawn); the rest
+            # tick when the next step settles them
+            self._adapt_due |= self.routing.tick(1 if verify else n)
             if self._adapt_due and not self.cache.lent:   # never while a prompt borrows slots
                 self._adapt()
         return out
@@ -350,10 +366,12 @@ class Stage:
             h = (self.model.embed(w.rows[:pos - w.start]) if self.cfg.first
                  else w.rows[:pos - w.start])
             reading, self.tiers.prompt = self.tiers.prompt, False   # the window's own tiers
+            # rows counted once already (their routes stood when the window settled)
+            counting, self.tiers.routing = self.tiers.routing, None
             try:
                 self.model.forward_layers(h, s)
             finally:
-                self.tiers.prompt = reading
+                self.tiers.prompt, self.tiers.routing = reading, counting
             s.n_past = pos
 
     def _adapt(self) -> None:

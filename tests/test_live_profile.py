@@ -123,3 +123,66 @@ def test_a_bad_profile_flag_is_one_error_line(model, flag, value, message):
                         value], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [message]
+
+
+# ---- speculative decoding: only the rows that stand are counted ---------------------------------
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    from hf_fixtures import tiny_qwen3moe, write_gguf as write_moe
+    from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
+    d = tmp_path_factory.mktemp("spec-profile")
+    return {"moe": str(write_moe(tiny_qwen3moe(11, hidden=64, top_k=2, n_layers=4),
+                                 d / "moe.gguf", "f32")),
+            "next": str(write_next(tiny_qwen3next(2, tied=True, n_layers=4), d / "next.gguf",
+                                   "f32"))}
+
+
+@pytest.mark.parametrize("arch", ["moe", "next"])
+def test_speculation_counts_only_the_rows_that_stand(hf_models, arch, tmp_path):
+    """--spec: a verify window's rows of rejected drafts, and the rows a qwen3next stage runs
+    again to roll its state back, are no token of the traffic: the profile equals the routing of
+    the prompts and the tokens fed back, counted by the single-process forward."""
+    model, path = hf_models[arch], tmp_path / "learnt.json"
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(0, 40, 60)] for _ in range(2)]
+    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+                     "--prefill", "8", "--max-context", "512", "--expert-profile-out", str(path),
+                     "--spec", "4")
+    try:
+        replies, drafted, accepted = [], 0, 0
+        for prompt in prompts:
+            out = s.gen(prompt, 30)
+            assert out["err"] is None and out["done"][-1] == "length", out
+            replies.append(out["tokens"])
+            drafted += int(out["stats"][-1]["drafted"])
+            accepted += int(out["stats"][-1]["accepted"])
+        assert drafted > accepted > 0                  # windows both accepted and rejected
+    finally:
+        assert s.close() == 0
+    learnt = load_profile(path, 4, json.loads(path.read_text())["n_experts"]).counts
+    fed = [p + r[:-1] for p, r in zip(prompts, replies)]
+    np.testing.assert_array_equal(learnt, record_profile(model, fed).counts)
+
+
+def test_the_adapt_clock_ticks_by_the_rows_that_stand(hf_models):
+    """A window of 5 rows of which 2 stand (the next step comes at its third row): the counts and
+    the adaptive cache's token clock are those of 2 one-row steps."""
+    from strata_dist.stage import Stage, StageConfig
+
+    def stage():
+        return Stage(StageConfig(hf_models["next"], "cpu", 0, 4, True, True, 128,
+                                 adapt_every=1000, adapt_swaps=1))
+    prompt = list(range(3, 19))
+    spec, plain = stage(), stage()
+    for st in (spec, plain):
+        st.run(0, 0, ids=prompt, prompt=True)
+    at = len(prompt)
+    spec.run(0, at, ids=[7, 9, 30, 31, 32], all_rows=True)   # 7 and 9 stand
+    for i, t in enumerate([7, 9]):
+        plain.run(0, at + i, ids=[t])
+    for st in (spec, plain):
+        st.run(0, at + 2, ids=[11])
+    np.testing.assert_array_equal(spec.routing.total, plain.routing.total)
+    np.testing.assert_array_equal(spec.routing.counts, plain.routing.counts)
+    assert spec.routing.tokens == plain.routing.tokens == len(prompt) + 3
