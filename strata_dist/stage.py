@@ -304,9 +304,6 @@ class Stage:
                              f"[{pos}, {pos + n})")
         verify = not prompt and n > 1
         counting = self.tiers.routing is not None
-        window_routes = self.window_routes.pop(session_id, None)
-        if window_routes is not None:   # the window's rejected rows were no token of the traffic
-            self._adapt_due |= self.routing.tick(window_routes.settle(pos) - 1)
         self._rewind_window(session_id, s, pos)
         # an earlier position rewinds (KV is positional; recurrent state comes from a checkpoint)
         store.enter(s, pos)
@@ -354,7 +351,11 @@ class Stage:
     def _rewind_window(self, session_id: int, s, pos: int) -> None:
         """A step inside the session's last verify window (its drafts were rejected from there
         on): the recurrent state at the window's start comes back and the accepted rows run
-        again, through the same many-row path, so the state is what one-row steps leave."""
+        again, through the same many-row path, so the state is what one-row steps leave. The
+        window's routes are settled at `pos` too: its rejected rows were no token of the traffic."""
+        routes = self.window_routes.pop(session_id, None)
+        if routes is not None:
+            self._adapt_due |= self.routing.tick(routes.settle(pos) - 1)
         w = self.windows.pop(session_id, None)
         if w is None or not w.covers(pos, s.n_past):
             return
