@@ -324,6 +324,8 @@ def _line_server(args, gguf, launch, plan):
                           None if eos is None else int(eos),
                           checkpoint_every=args.prompt_cache_every,
                           keep_conversations=any(s.conversation_bytes for s in plan.stages),
+                          conversations_in_host=any(s.conversation_in == "host"
+                                                    for s in plan.stages),
                           spec=args.spec_options)
     devices = [s.register.devices[0] for s in launch.coordinator.ranks]
     for line in info_lines(plan, launch.ready, devices, args.max_context,

@@ -106,10 +106,14 @@ class StageStep:
         req = self.requests.pop(msg.request_id, None)
         if not self.last or (req is None and msg.request_id <= self._finished):
             return []
-        # still reading or generating: say so; its step in flight is dropped when it comes back
+        # still reading or generating: say so, with the drafts verified and accepted so far; its
+        # step in flight is dropped when it comes back
+        spec = req.spec if req is not None else None
         return [Outbound(To.HEAD, Token(request_id=msg.request_id,
                                         session_id=req.session_id if req else 0,
-                                        token_id=0, pos=0, done=True, reason="cancelled"))]
+                                        token_id=0, pos=0, done=True, reason="cancelled",
+                                        drafted=spec.drafted if spec else 0,
+                                        accepted=spec.accepted if spec else 0))]
 
     def _end_prompt(self) -> None:
         self.prompting = None

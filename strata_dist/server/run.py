@@ -164,6 +164,8 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
         sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
         sessions = [HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None, session_id=i,
                                 keep_conversations=any(s.conversation_bytes for s in plan.stages),
+                                conversations_in_host=any(s.conversation_in == "host"
+                                                          for s in plan.stages),
                                 **({} if prompt_cache_every is None
                                    else {"checkpoint_every": prompt_cache_every}),
                                 **({} if spec is None else {"spec": spec}))
