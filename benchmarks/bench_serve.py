@@ -61,10 +61,14 @@ from records import (PeakMemory, Recorder, env_prefix, fail, model_facts,  # noq
                      prompt_ids)
 
 WARM_UP_SEED = 7
-# prompt i's seed: 613 apart, more than a prompt's length, so no two prompts share a run of ids
-PROMPT_SEEDS = [1000 + 613 * i for i in range(4096)]
 LISTENING = re.compile(r"listening on (http://\S+)")
 REQUEST_TIMEOUT_S = 1800.0
+
+
+def prompt_seed(i: int) -> int:
+    """Prompt i's seed: 613 apart, more than a default prompt's length, so no two prompts share a
+    run of ids."""
+    return 1000 + 613 * i
 
 
 class Server:
@@ -248,7 +252,7 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
     cards = [] if args.cpu else sorted({int(g) for g in args.gpus.split(",")})
     name = "strata" if ranks == max(1, len(cards)) else f"strata {ranks} ranks"
     command = env_prefix() + "strata-launch --model M --port 0 " + " ".join(flags)
-    prompts = [prompt_ids(args.prompt_tokens, PROMPT_SEEDS[i], vocab)
+    prompts = [prompt_ids(args.prompt_tokens, prompt_seed(i), vocab)
                for i in range(max(args.streams))]
     arms, all_same = [], True
     with PeakMemory(cards or 0) as mem:
@@ -259,8 +263,9 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
             run_streams(server, [prompt_ids(args.prompt_tokens, WARM_UP_SEED, vocab)],
                         args.tokens, [0])           # warm-up: graphs captured, pools grown
             alone = [run_streams(server, [p], args.tokens, [0])[0] for p in prompts]
-            print(f"  {len(prompts)} prompts alone: ttft p50 "
-                  f"{stream_figures(alone[:1])['ttft_p50_ms']:.0f} ms", flush=True)
+            ttft = [(r["arrivals"][0] - r["sent"]) * 1e3 for r in alone]
+            print(f"  {len(prompts)} prompts alone: ttft p50 {percentile(ttft, 50):.0f} ms",
+                  flush=True)
             mem.mark()
             for n in args.streams:
                 order = list(range(n))

@@ -27,14 +27,16 @@
 # bench_adapt.py's three arms): issue 49's adaptive cache after the routing moved, one rank at
 # llama.cpp -ncmoe 24's device memory; no llama.cpp either.
 #   bash benchmarks/must_show.sh --parts adapt
-# serve (off by default, its own call, about 9 min: the synth of the Q4_K_M-recipe file, ~3 min,
-# then bench_serve.py: 1, 4, 16 and 32 concurrent streams of 512-token prompts and 128 new tokens
-# through strata-launch --port, beside llama.cpp's llama-batched-bench swept over -ub): issue 45's
-# many streams on one card. serve_two_ranks (its own call too, ~4 min on the file the serve call
-# left): the same streams through two ranks on the one card (--gpus 0,0), strata alone. The anchor
-# build makes llama-bench only: for serve, llama-batched-bench is built after it, in the same
-# background job (cmake --build .anchor/llama.cpp/build --target llama-batched-bench, about a
-# minute more; a warm machine that has llama-bench builds only that target).
+# serve (off by default, its own call: the synth of the Q4_K_M-recipe file, ~3 min, beside the
+# llama.cpp build, then bench_serve.py: 1, 4, 16 and 32 concurrent streams of 512-token prompts and
+# 128 new tokens through strata-launch --port, then llama.cpp's llama-batched-bench on the same file
+# over 4 micro-batches): issue 45's many streams on one card. Estimated, not yet timed: close to
+# the 10-minute limit on a fresh machine (the build, ~6 min, is the longest part); the record is
+# rewritten after each arm, so a call cut short keeps the arms it finished. serve_two_ranks (its
+# own call, strata alone, ~5 min with the synth): the same streams through two ranks on the one
+# card (--gpus 0,0). The anchor build makes llama-bench only: for serve, llama-batched-bench is
+# built after it in the same background job (cmake --build .anchor/llama.cpp/build --target
+# llama-batched-bench; a machine that has llama-bench builds only that target).
 #   bash benchmarks/must_show.sh --parts serve
 #   bash benchmarks/must_show.sh --parts serve_two_ranks
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
