@@ -107,7 +107,8 @@ def test_the_record_check_names_what_a_serve_record_lacks(run):
                                                   "aggregate_tok_s", "end_to_end_tok_s",
                                                   "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms")}}
     record["arms"].append(llama)
-    assert check_record(record, str(path)) == ["arms[2].ubatch_sweep missing"]
+    assert check_record(record, str(path)) == [f"arms[{len(record['arms']) - 1}].ubatch_sweep "
+                                               f"missing"]
 
 
 def test_percentile_and_union_of_intervals():
@@ -118,17 +119,16 @@ def test_percentile_and_union_of_intervals():
     assert union_seconds([(5.0, 6.0), (0.0, 1.0)]) == pytest.approx(2.0)
 
 
-# llama-batched-bench's own output (the llama.cpp the anchor builds, CPU build, tiny file):
-# its log lines around the table, a row per N
-BATCHED_OUTPUT = """\
-main: n_kv_max = 256, n_batch = 64, n_ubatch = 32, flash_attn = 1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = 99, n_threads = 2, n_threads_batch = 2
+# llama-batched-bench's own standard output (the llama.cpp the anchor builds, a CPU build, on
+# the tiny q8_0 file: -c 156 -b 64 -ub 32 -npp 40 -ntg 12 -npl 1,3): a row per N
+BATCHED_OUTPUT = """
+llama_batched_bench: n_kv_max = 768, n_batch = 64, n_ubatch = 32, flash_attn = 1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = 99, n_threads = 2, n_threads_batch = 2
 
 |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
 |-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
-|    40 |     12 |    1 |     52 |    0.004 | 10256.41 |    0.011 |  1121.49 |    0.015 |  3511.04 |
-|    40 |     12 |    3 |    156 |    0.009 | 13186.81 |    0.019 |  1914.89 |    0.028 |  5612.68 |
+|    40 |     12 |    1 |     52 |    0.002 | 17873.10 |    0.002 |  5923.00 |    0.004 | 12195.12 |
+|    40 |     12 |    3 |    156 |    0.005 | 23019.38 |    0.004 |  9795.92 |    0.009 | 17551.76 |
 
-llama_perf_context_print:        load time =      21.53 ms
 """
 
 
@@ -136,11 +136,10 @@ def test_the_batched_bench_table_is_read_row_by_row():
     rows = parse_batched_table(BATCHED_OUTPUT)
     assert [(r["pp"], r["tg"], r["streams"], r["n_kv"]) for r in rows] == [(40, 12, 1, 52),
                                                                         (40, 12, 3, 156)]
-    assert rows[1]["t_pp_s"] == 0.009 and rows[1]["s_tg_tok_s"] == 1914.89
-    assert rows[1]["t_s"] == 0.028 and rows[1]["s_tok_s"] == 5612.68
-    # S_TG is B x TG over T_TG, as llama.cpp computes it
-    for r in rows:
-        assert r["s_tg_tok_s"] == pytest.approx(r["streams"] * r["tg"] / r["t_tg_s"], rel=0.1)
+    assert rows[1]["t_pp_s"] == 0.005 and rows[1]["s_pp_tok_s"] == 23019.38
+    assert rows[1]["t_tg_s"] == 0.004 and rows[1]["s_tg_tok_s"] == 9795.92
+    assert rows[1]["t_s"] == 0.009 and rows[1]["s_tok_s"] == 17551.76
+    assert parse_batched_table(BATCHED_OUTPUT.replace("|    40 |     12 |    3 |", "|")) == rows[:1]
 
 
 def test_bad_arguments_are_one_error_line(tmp_path):
