@@ -445,7 +445,8 @@ def main() -> int:
             print(f"  {ours['streams']:3d} streams: strata / llama.cpp aggregate decode "
                   f"{ours['aggregate_tok_s'] / theirs['aggregate_tok_s']:.2f}x; ttft p99 "
                   f"{ours['ttft_p99_ms']:.0f} ms against {theirs['ttft_p99_ms']:.0f} ms "
-                  f"(llama.cpp -ub {theirs['best']['decode']['ubatch']})", flush=True)
+                  f"(llama.cpp's decode at -ub {theirs['best']['decode']['ubatch']}, its first "
+                  f"token at -ub {theirs['best']['ttft']['ubatch']})", flush=True)
     else:
         print("llama.cpp: no --llama-batched-bench given, its arms left out", flush=True)
     first = arms["strata"][0]
