@@ -27,11 +27,24 @@
 # bench_adapt.py's three arms): issue 49's adaptive cache after the routing moved, one rank at
 # llama.cpp -ncmoe 24's device memory; no llama.cpp either.
 #   bash benchmarks/must_show.sh --parts adapt
+# serve (off by default, its own call: the synth of the Q4_K_M-recipe file, ~3 min, beside the
+# llama.cpp build, then bench_serve.py: 1, 4, 16 and 32 concurrent streams of 512-token prompts and
+# 128 new tokens through strata-launch --port, then llama.cpp's llama-batched-bench on the same file
+# over 4 micro-batches): issue 45's many streams on one card. Estimated, not yet timed: close to
+# the 10-minute limit on a fresh machine (the build, ~6 min, is the longest part); the record is
+# rewritten after each arm, so a call cut short keeps the arms it finished. serve_two_ranks (its
+# own call, strata alone, ~5 min with the synth): the same streams through two ranks on the one
+# card (--gpus 0,0). The anchor build makes llama-bench only: for serve, llama-batched-bench is
+# built after it in the same background job (cmake --build .anchor/llama.cpp/build --target
+# llama-batched-bench; a machine that has llama-bench builds only that target).
+#   bash benchmarks/must_show.sh --parts serve
+#   bash benchmarks/must_show.sh --parts serve_two_ranks
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
 # command and flag this script gives (no GPU; $LLAMA_BENCH names a llama-bench to run, e.g. a CPU
-# build, else the llama.cpp arms are left out). --print: the commands only.
+# build, else the llama.cpp arms are left out; $LLAMA_BATCHED_BENCH the same for the serve part).
+# --print: the commands only.
 # $OUT (default /tmp/must-show) gets the records and a log per command.
 set -uo pipefail
 PARTS=decode_q8_0,q4_k,offload_zipf1.0,offload_uniform,offload_zipf0.5; CPU=0; PRINT=0
@@ -44,9 +57,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks) ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
+has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
 OUT=${OUT:-/tmp/must-show}; M=${MODELS:-/tmp/m}; mkdir -p "$OUT" "$M"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -74,30 +88,66 @@ fi
 # the seed rig replay: the qwen3next file of the seeds' geometry (CPU: the tiny one), two shards
 if [ "$CPU" = 1 ]; then SEED_LIKE=tiny-next; SEED_SHARD=250K; SEEDRIG=(--cpu)
 else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
-# the parts without a llama.cpp arm: the seed rig and the adaptive cache
-ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt) ;; *) ALONE=0 ;; esac; done
+# the parts without llama-bench: the seed rig, the adaptive cache, the streams (the serve part
+# runs llama-batched-bench instead, LBB below)
+ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks) ;; *) ALONE=0 ;; esac; done
 [ "$ALONE" = 1 ] && LB=
+# the streams' file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry, short requests)
+LBB=""
+if [ "$CPU" = 1 ]; then
+  SERVE_QUANT=q8_0; SERVE_ONE=(--cpu); SERVE_TWO=(--cpu --cpu-ranks 2)
+  SERVE_SIZES=(--streams 1,2,4 --prompt-tokens 64 --tokens 16 --ubatches 64,128)
+  has serve && LBB=${LLAMA_BATCHED_BENCH:-}
+else
+  SERVE_QUANT=q4_k_m; SERVE_ONE=(--gpus 0); SERVE_TWO=(--gpus 0,0); SERVE_SIZES=()
+  has serve && LBB=.anchor/llama.cpp/build/bin/llama-batched-bench
+fi
 # the adaptive cache's file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry)
 if [ "$CPU" = 1 ]; then ADAPT_QUANT=q8_0; ADAPT=(--cpu); else ADAPT_QUANT=q4_k_m; ADAPT=(); fi
+# the background build of llama.cpp's tools: llama-bench (the anchor script) where it is not
+# there yet, then llama-batched-bench where the serve part asks for it (one job, so the benchmarks'
+# wait for the build waits for both)
+BUILDING=0
+start_anchor_build() {
+  [ "$BUILDING" = 1 ] && return 0
+  local then=""
+  [ -n "$LBB" ] && then='; cmake --build llama.cpp/build -j "$(nproc)" --target llama-batched-bench >> llama.cpp/build.log 2>&1'
+  (cd .anchor && setsid bash -c "[ -x llama.cpp/build/bin/llama-bench ] || bash llamacpp-anchor.sh build$then" \
+    > "$OUT/llama_build.log" 2>&1 &)
+  BUILDING=1
+}
 LLAMA=()
 if [ -n "$LB" ]; then
   if [ -x "$LB" ]; then LLAMA=(--llama-bench "$LB")
   elif [ "$PRINT" = 1 ]; then LLAMA=(--llama-bench "$LB" --llama-wait 60)   # as a first call gives
   elif [ "$CPU" = 0 ] && [ -f .anchor/llamacpp-anchor.sh ]; then
-    (cd .anchor && setsid bash llamacpp-anchor.sh build > "$OUT/llama_build.log" 2>&1 &)
+    start_anchor_build
     LLAMA=(--llama-bench "$LB" --llama-wait 60)
   else
     echo "error: no llama-bench at $LB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
   fi
 fi
 [ "$CPU" = 0 ] && [ ${#LLAMA[@]} = 0 ] && [ "$ALONE" = 0 ] && { echo "error: the GPU run needs llama.cpp (.anchor)" >&2; exit 2; }
+# llama-batched-bench (the serve part): built after llama-bench by the same background job, or
+# alone where llama-bench is there already
+LLAMA_BATCHED=()
+if [ -n "$LBB" ]; then
+  if [ -x "$LBB" ]; then LLAMA_BATCHED=(--llama-batched-bench "$LBB")
+  elif [ "$PRINT" = 1 ]; then LLAMA_BATCHED=(--llama-batched-bench "$LBB" --llama-wait 600)
+  elif [ "$CPU" = 0 ] && [ -f .anchor/llamacpp-anchor.sh ]; then
+    start_anchor_build
+    LLAMA_BATCHED=(--llama-batched-bench "$LBB" --llama-wait 600)
+  else
+    echo "error: no llama-batched-bench at $LBB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
+  fi
+fi
 
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
 # step slows down beside a parallel compile): every benchmark waits for it first
 wait_llama() {
   [ "$PRINT" = 1 ] && return 0
   for _ in $(seq 900); do
-    [ -z "$LB" ] || [ -x "$LB" ] && return 0
+    { [ -z "$LB" ] || [ -x "$LB" ]; } && { [ -z "$LBB" ] || [ -x "$LBB" ]; } && return 0
     grep -qs "llamacpp-anchor.sh" /proc/[0-9]*/cmdline || return 0   # the build ended without it
     sleep 1
   done
@@ -118,7 +168,6 @@ synth() {   # synth FILE QUANT LAW: the file, unless a call before this one left
   run "synth_$(basename "$1" .gguf)" timeout 420 python3 -m launcher.tools synth "$1" --like "$LIKE" \
     --quant "$2" --popularity "$3" --quiet
 }
-has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
 # one big file at a time beside the next (the one-GPU machine's disk is 64 GiB; Q8_0 is ~32 GiB)
 keep_only() {
   [ "$PRINT" = 1 ] && return 0
@@ -160,6 +209,17 @@ fi
 if has adapt; then
   f=$M/adapt-$LIKE-$ADAPT_QUANT.gguf; keep_only none; synth "$f" "$ADAPT_QUANT" zipf:1.0
   run adapt timeout 590 python3 benchmarks/bench_adapt.py --model "$f" "${ADAPT[@]}" --out "$OUT"
+fi
+SERVE_FILE=$M/must_${SERVE_QUANT}_zipf1.gguf
+if has serve; then
+  keep_only "$SERVE_FILE"; synth "$SERVE_FILE" "$SERVE_QUANT" zipf:1.0
+  run serve timeout 590 python3 benchmarks/bench_serve.py --model "$SERVE_FILE" "${SERVE_ONE[@]}" \
+    "${SERVE_SIZES[@]}" --out "$OUT" "${LLAMA_BATCHED[@]}"
+fi
+if has serve_two_ranks; then
+  keep_only "$SERVE_FILE"; synth "$SERVE_FILE" "$SERVE_QUANT" zipf:1.0
+  run serve_two_ranks timeout 590 python3 benchmarks/bench_serve.py --model "$SERVE_FILE" \
+    "${SERVE_TWO[@]}" "${SERVE_SIZES[@]}" --out "$OUT"
 fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine

@@ -99,6 +99,8 @@ def check_record(record: dict, filename: str) -> list[str]:
         bad += seedrig_lacks(arms if isinstance(arms, list) else [])
     if record.get("bench") == "adapt":
         bad += adapt_lacks(record, arms if isinstance(arms, list) else [])
+    if record.get("bench") == "serve":
+        bad += serve_lacks(arms if isinstance(arms, list) else [])
     if record.get("bench") == "spec":
         bad += spec_lacks(arms if isinstance(arms, list) else [])
     if isinstance(llama_new, int):
@@ -147,6 +149,41 @@ def adapt_lacks(record: dict, arms: list) -> list[str]:
         bad.append("arms[2].tokens_identical_to_adapt_off missing")
     if not isinstance(record.get("adapt_on_over_off"), (int, float)):
         bad.append("adapt_on_over_off missing")
+    return bad
+
+
+SERVE_ARM = (("streams", int), ("prompt_tokens", int), ("new_tokens", int),
+             ("aggregate_tok_s", (int, float)), ("end_to_end_tok_s", (int, float)),
+             ("ttft_p50_ms", (int, float)), ("ttft_p99_ms", (int, float)),
+             ("itl_p50_ms", (int, float)))
+SERVE_STRATA = (("itl_p99_ms", (int, float)), ("ttft_ms_each", list), ("send_order", list),
+                ("tokens_identical_to_alone", bool), ("tokens_sha256", str))
+
+
+def serve_lacks(arms: list) -> list[str]:
+    """bench_serve.py's fields: every arm's stream count, lengths and figures; a strata arm's
+    every stream's first-token time, its send order and its tokens against each prompt alone;
+    a llama.cpp arm's micro-batch sweep; every arm of the same lengths (the same requests)."""
+    bad = []
+    for i, arm in enumerate(arms):
+        if not isinstance(arm, dict):
+            continue
+        where = f"arms[{i}]."
+        own = SERVE_ARM + (SERVE_STRATA if str(arm.get("name", "")).startswith("strata") else
+                           (("ubatch_sweep", dict),))
+        for key, kind in own:
+            if key not in arm:
+                bad.append(f"{where}{key} missing")
+            elif not isinstance(arm[key], kind) or isinstance(arm[key], bool) and kind is not bool:
+                bad.append(f"{where}{key} is {type(arm[key]).__name__}")
+        each = arm.get("ttft_ms_each")
+        if isinstance(each, list) and isinstance(arm.get("streams"), int) \
+                and len(each) != arm["streams"]:
+            bad.append(f"{where}ttft_ms_each has {len(each)} streams' figures, not "
+                       f"{arm['streams']}")
+    lengths = {(a.get("prompt_tokens"), a.get("new_tokens")) for a in arms if isinstance(a, dict)}
+    if len(lengths) > 1:
+        bad.append(f"arms of different lengths (prompt_tokens, new_tokens): {sorted(lengths)}")
     return bad
 
 

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="read the API key from this file (its first line)")
     http.add_argument("--queue-size", type=int, default=None,
                       help="requests that may wait behind the running one (default 64; more: 429)")
+    http.add_argument("--parallel", type=int, default=None, metavar="B",
+                      help="serve up to B requests at once, their decode steps batched (each its "
+                           "own session on every stage; default 1: one after another)")
     http.add_argument("--allowed-hosts", default=None, metavar="HOST[:PORT],...",
                       help="answer only requests whose Host header is one of these (a name without "
                            "a port: any port; '*': any Host). Default: the --host address, "
@@ -336,6 +339,8 @@ def _line_server(args, gguf, launch, plan):
                           None if eos is None else int(eos),
                           checkpoint_every=args.prompt_cache_every,
                           keep_conversations=any(s.conversation_bytes for s in plan.stages),
+                          conversations_in_host=any(s.conversation_in == "host"
+                                                    for s in plan.stages),
                           spec=args.spec_options)
     devices = [s.register.devices[0] for s in launch.coordinator.ranks]
     for line in info_lines(plan, launch.ready, devices, args.max_context,
@@ -373,11 +378,25 @@ def _serve_lines(args, gguf, cfg, current: list, signals: StopSignals) -> int:
 
 
 def http_flags(args) -> None:
-    """--port's refusals: one surface per launch; the HTTP flags need --port."""
+    """--port's refusals: one surface per launch; the HTTP flags need --port (--parallel
+    also goes with --plan-only, which prices its sessions)."""
+    if args.parallel is not None:
+        from protocol.batch import MAX_BATCH_ROWS
+        if not 1 <= args.parallel <= MAX_BATCH_ROWS:
+            raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
+        if args.parallel > 1 and args.conversation_cache_mib:
+            raise UsageError(f"--parallel {args.parallel} and --conversation-cache-mib "
+                             f"{args.conversation_cache_mib} cannot be combined yet (kept "
+                             f"conversations serve one session)")
+        if args.parallel > 1 and getattr(args, "spec", 0):
+            raise UsageError(f"--parallel {args.parallel} and --spec {args.spec} cannot be "
+                             f"combined yet (a batched step carries one row per request, a "
+                             f"verify window several)")
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),
                             ("--queue-size", args.queue_size),
+                            ("--parallel", None if args.plan_only else args.parallel),
                             ("--allowed-hosts", args.allowed_hosts)):
             if value is not None:
                 raise UsageError(f"{flag} goes with --port")
@@ -442,7 +461,7 @@ def _serve_http(args, gguf, launch, specs, relaunch) -> int:
                                      if s.visible_gpu is not None},
                         info_lines=lines, prompt_cache_every=args.prompt_cache_every,
                         spec=args.spec_options,
-                        allowed_hosts=args.allowed_hosts)
+                        allowed_hosts=args.allowed_hosts, parallel=args.parallel or 1)
 
 
 class _CaptureTokens:

@@ -120,6 +120,8 @@ def plan_params(args) -> PlanParams:
         print(f"info: planner constants from calibration {args.calibration}: {shown}",
               file=sys.stderr)
     params = params_from_env(os.environ, base)
+    if getattr(args, "parallel", None):
+        params = replace(params, sessions=args.parallel)   # --parallel: a session each
     if args.no_remote_auto:
         params = replace(params, remote_auto=False)
     if args.no_prompt_loans:

@@ -17,11 +17,12 @@ from functools import lru_cache
 from typing import Any, ClassVar, Literal
 
 from .compute_options import ComputeOptions
+from .batch import BatchRows
 from .conversations import ConversationStep
 from .structs import STRUCT_TYPES, Struct, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -166,9 +167,12 @@ class Sampling(Struct):
     # step, drafting stopped below spec_min_p; the last stage then needs prompt_ids
     spec_tokens: int = 0
     spec_min_p: float = 0.0
+    head_steps: bool = False    # v16: the head sends each decode step (batched, protocol/batch.py)
 
     def check(self, arrays: list) -> None:
         _nonneg(spec_tokens=self.spec_tokens)
+        if self.head_steps and self.spec_tokens:   # a batched step has one row per request
+            raise ValueError(f"head_steps and spec_tokens {self.spec_tokens} cannot be combined")
         if bool(self.grammar_kind) != bool(self.grammar):
             raise ValueError(f"grammar_kind {self.grammar_kind!r} and grammar come together "
                              f"(grammar has {len(self.grammar)} characters)")
@@ -289,7 +293,7 @@ class Assign(Message):
     adapt_swaps: int = 0
     # --expert-profile-out: a stage counts its layers' routing and sends the totals in StatsReply
     count_routing: bool = False
-    # v16, last stage with --spec K --draft-model: the draft model's file (strata_dist/
+    # v17, last stage with --spec K --draft-model: the draft model's file (strata_dist/
     # draft_model.py), loaded whole beside the stage; "" : none (the n-gram drafter)
     draft_model: str = ""
 
@@ -405,12 +409,15 @@ class Tokens(Message):
     sampling: Sampling | None = None
     checkpoint_at: list[int] = field(default_factory=list)  # checkpoint each stage's part here
     conversation: ConversationStep | None = None  # v15: first chunk only, kept conversations
+    batch: BatchRows | None = None  # v16: a batched decode step, one row per id (protocol/batch.py)
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, chunk_index=self.chunk_index)
         if not 0 <= self.chunk_index < self.chunk_total:
             raise ValueError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_total})")
         _boundaries(self.checkpoint_at, self.pos, len(self.ids))
+        if self.batch is not None and len(self.batch) != len(self.ids):
+            raise ValueError(f"a batched step of {len(self.batch)} rows carries {len(self.ids)} ids")
 
 
 @message
@@ -435,9 +442,12 @@ class Hidden(Message):
     resume_any: bool = False                                # no stage so far holds recurrent state
     conversation: ConversationStep | None = None            # v15: as Tokens.conversation
     conversations: list[int] = field(default_factory=list)  # v15: kept by every stage so far
+    batch: BatchRows | None = None                          # v16: as Tokens.batch, a row each
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, n=self.n)
+        if self.batch is not None and len(self.batch) != self.n:
+            raise ValueError(f"a batched step of {len(self.batch)} rows carries n={self.n}")
         _boundaries(self.checkpoint_at, self.pos, self.n)
         if not self.shape or self.shape[0] != self.n:
             raise ValueError(f"shape {self.shape} does not start with n={self.n}")

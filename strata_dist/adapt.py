@@ -109,6 +109,16 @@ class RoutingCounts:
         self.counts[lb:lb + n_layers] += step
         self.total[lb:lb + n_layers] += step
 
+    def remove(self, layer: int, idx) -> None:
+        """Take back the routes `idx` of `layer` counted by `add` (rows of a verify window whose
+        drafts were rejected: never a token of the traffic). Decayed counts stay >= 0."""
+        ids = np.asarray(idx).ravel()
+        ids = ids[ids >= 0]
+        if ids.size:
+            c = np.bincount(ids, minlength=self.counts.shape[1])
+            self.counts[layer] = np.maximum(self.counts[layer] - c, 0.0)
+            self.total[layer] -= c
+
     def tick(self, n_tokens: int) -> bool:
         """n_tokens more processed: whether a round is due now."""
         if not self.on:
@@ -121,3 +131,25 @@ class RoutingCounts:
 
     def decay(self) -> None:
         self.counts *= DECAY
+
+
+class WindowRoutes:
+    """Counts a verify window's routes as `RoutingCounts` does and keeps each layer's, row by row
+    ([rows, k]), until the next step says how many rows were accepted (`settle`)."""
+
+    def __init__(self, counts: RoutingCounts, start: int, n: int):
+        self.counts, self.start, self.n = counts, start, n
+        self.rows: dict[int, np.ndarray] = {}
+
+    def add(self, layer: int, idx) -> None:
+        self.counts.add(layer, idx)
+        self.rows[layer] = np.array(idx).reshape(self.n, -1)
+
+    def settle(self, pos: int) -> int:
+        """The session's next step is at `pos`: inside the window, rows [pos - start, n) held
+        rejected drafts and their routes are taken back; elsewhere (the request ended, and a
+        later one may start anywhere) every row stands. The rows that stand."""
+        kept = pos - self.start if self.start < pos < self.start + self.n else self.n
+        for layer, idx in self.rows.items():
+            self.counts.remove(layer, idx[kept:])
+        return kept

@@ -38,8 +38,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ConversationTable:
-    def __init__(self, on: bool):
-        self.on = on
+    def __init__(self, on: bool, checkpoints_kept: bool = True):
+        """`checkpoints_kept` False: some stage keeps its copies in pinned host memory, which keep
+        no checkpoints (conversation_cache.py), so a recurrent conversation restores only at its
+        kept length."""
+        self.on, self.checkpoints_kept = on, checkpoints_kept
         self.kept: dict[int, KeptTokens] = {}   # as the stages last reported, plus the one sent
         self._next_key = 1
         self._unconfirmed: list[int] = []       # sent to keep, not reported yet
@@ -85,8 +88,9 @@ class ConversationTable:
                            and k.salt == live_salt and live[:len(k.tokens)] == k.tokens]
             for key in forget:
                 self.kept.pop(key, None)
+            below = live_checkpoints if self.checkpoints_kept else ()
             self.kept[keep] = KeptTokens(list(live), live_salt, None if positional else sorted(
-                {p for p in live_checkpoints if 0 < p < len(live)} | {len(live)}))
+                {p for p in below if 0 < p < len(live)} | {len(live)}))
             self._unconfirmed = [keep]
         if not (keep or forget or restore[0]):
             return None
@@ -98,6 +102,12 @@ class ConversationTable:
         held = set(keys)
         self.kept = {k: v for k, v in self.kept.items() if k in held}
         self._unconfirmed = []
+
+    def unconfirmed(self, step: ConversationStep) -> None:
+        """`step` was sent but no stage reported after it: each stage may or may not have applied
+        it. Its new key stays unconfirmed (the next step drops it everywhere) and its forgets go
+        again with the next step (dropping an absent key is nothing); its restore only copies."""
+        self._forget += [k for k in step.forget if k not in self._forget]
 
     def discard(self, key: int) -> None:
         """A restore of `key` failed: it is dropped here and, with the next step, on every stage."""

@@ -77,7 +77,7 @@ class RankSlot:
 
 @dataclass
 class StreamEvent:
-    kind: str            # "progress" | "token"
+    kind: str            # "progress" | "token" | "cancelled" (the final Token of a cancel)
     msg: object
 
 
@@ -131,6 +131,9 @@ class Coordinator:
                                Error: self._on_rank_error}
         self._stats: dict[int, StatsReply] = {}
         self.routing: dict[int, tuple[int, list]] = {}   # rank -> (lb, routing totals)
+        # rank -> its totals when it was last lost: its replacement counts from zero, so its own
+        # totals are added to these (the profile keeps the history of every process of the rank)
+        self._routing_base: dict[int, tuple[int, list]] = {}
         self._senders: dict[str, Channel] = {}
         self.optional: set[int] = set()   # ranks whose loss does not end the launch (helpers)
 
@@ -210,7 +213,11 @@ class Coordinator:
     def _on_stats_reply(self, slot: RankSlot, msg: StatsReply) -> None:
         self._stats[slot.rank] = msg
         if msg.routing:     # a stage's routing totals (--expert-profile-out): the latest kept
-            self.routing[slot.rank] = (msg.routing_lb, msg.routing)
+            rows = msg.routing
+            base = self._routing_base.get(slot.rank)
+            if base is not None and base[0] == msg.routing_lb:
+                rows = [[a + b for a, b in zip(r, q)] for r, q in zip(rows, base[1])]
+            self.routing[slot.rank] = (msg.routing_lb, rows)
 
     def _on_rank_error(self, slot: RankSlot, msg: Error) -> None:
         if msg.fatal:
@@ -227,6 +234,8 @@ class Coordinator:
             raise RankFailure(message)
         old = self.ranks[rank]
         self._rekeying.discard(rank)
+        if rank in self.routing:   # what it counted (with its predecessors'), its successor's base
+            self._routing_base[rank] = self.routing[rank]
         if self._by_identity.pop(old.identity, None) is not None:
             self._send(old.identity, Error(rank=rank, request_id=None, fatal=True,
                                            message=f"this rank was replaced: {message}"))
@@ -493,8 +502,9 @@ class Coordinator:
                         if sampling.max_new <= 0:
                             return ""
                 elif isinstance(msg, Token):
-                    if msg.reason != "cancelled":
-                        on_event(StreamEvent("token", msg))
+                    # a cancelled request's final Token carries no token, only its draft counts
+                    kind = "cancelled" if msg.reason == "cancelled" else "token"
+                    on_event(StreamEvent(kind, msg))
                     if msg.done:
                         return msg.reason
             if time.monotonic() - last_event > step_timeout_s:

@@ -50,10 +50,12 @@ class HeadSession:
 
     def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
                  eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY,
-                 keep_conversations: bool = False,
+                 keep_conversations: bool = False, conversations_in_host: bool = False,
                  spec: SpecOptions = SpecOptions()):
         """`keep_conversations`: the stages keep earlier conversations (--conversation-cache-mib,
-        strata_dist/conversation_table.py), and a request resumes from the longest of any."""
+        strata_dist/conversation_table.py), and a request resumes from the longest of any;
+        `conversations_in_host`: some stage keeps them in pinned host memory (the plan's
+        conversation_in), where no checkpoint is kept with them."""
         self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
         self.spec = spec        # --spec, --draft, --spec-min-p: every request speculates so
         self.eos_id, self.session_id = eos_id, session_id
@@ -67,7 +69,12 @@ class HeadSession:
         self.checkpoints: list[int] | None = []
         self._rejoins = coordinator.rejoins   # a replacement rank holds none of the session
         self.salt = ""   # the salt (API key and cache_salt) of the request whose tokens it holds
-        self.conversations = ConversationTable(keep_conversations)
+        self.conversations = ConversationTable(keep_conversations,
+                                               checkpoints_kept=not conversations_in_host)
+        # what runs its requests: the coordinator itself, or (--parallel) a BatchScheduler that
+        # batches them with other sessions' (strata_dist/batch_scheduler.py), called from the
+        # request's own thread: the scheduler then also answers for lost ranks
+        self.runner = None
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -105,7 +112,8 @@ class HeadSession:
         self.check_prompt(ids)
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
-        self.coord.await_ranks(should_cancel)
+        if self.runner is None:
+            self.coord.await_ranks(should_cancel)
         if self.coord.rejoins != self._rejoins:   # a rank was replaced: nothing is reusable
             self.tokens, self.checkpoints, self._rejoins = [], [], self.coord.rejoins
             self.conversations.clear()
@@ -134,12 +142,14 @@ class HeadSession:
               if self.checkpoints is not None else [])
         t0 = last = time.perf_counter()
         read_to = out.reused   # what the last stage has read (every stage holds it)
+        confirmed = False      # a PromptProgress came back: every stage applied `conversation`
 
         def on_event(ev: StreamEvent) -> None:
-            nonlocal last, read_to
+            nonlocal last, read_to, confirmed
             now = time.perf_counter()
             if ev.kind == "progress":
                 m = ev.msg
+                confirmed = True
                 self.checkpoints = None if m.resume_any else list(m.checkpoints)
                 table.reported(m.conversations)
                 read_to = m.pos
@@ -155,6 +165,8 @@ class HeadSession:
                                             zip(m.logprobs, m.top_ids, m.top_logprobs))]
                 if on_prompt_logprobs and logprobs.prompt and m.chunk_index == m.chunk_total - 1:
                     on_prompt_logprobs(list(out.prompt_logprobs))
+            elif ev.kind == "cancelled":
+                out.drafted, out.accepted = ev.msg.drafted, ev.msg.accepted
             else:
                 m = ev.msg
                 out.tokens.append(m.token_id)
@@ -170,13 +182,15 @@ class HeadSession:
             last = now
 
         try:
-            reason = self.coord.run_request(self.session_id, out.reused, ids[out.reused:], sampling,
-                                            self.chunk, on_event, should_cancel=should_cancel,
-                                            checkpoint_at=at, conversation=conversation)
+            reason = (self.runner or self.coord).run_request(
+                self.session_id, out.reused, ids[out.reused:], sampling, self.chunk, on_event,
+                should_cancel=should_cancel, checkpoint_at=at, conversation=conversation)
         except RequestError:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh
             if restore[0] and read_to == out.reused:   # nothing read: the restore may have failed
                 table.discard(restore[0])
+            if conversation is not None and not confirmed:
+                table.unconfirmed(conversation)
             raise
         out.reason = reason or "length"
         out.decode_ms = (time.perf_counter() - t0) * 1e3 - out.prompt_ms
@@ -194,6 +208,16 @@ class HeadSession:
                 self.tokens = []
             elif prompt_cut:
                 self.tokens = ids[:read_to]
+            if conversation is not None and not confirmed:
+                # Cancelled before any stage reported chunk 0: the step rides on it, so some
+                # stages may have applied it (kept, dropped, restored) and others not (a Cancel
+                # read before the chunk drops it; one before sending sends none). Nothing is
+                # believed: the session reads afresh from 0 (which overwrites every stage's
+                # state), the new key stays unconfirmed and the forgets go again.
+                self.tokens = []
+                if self.checkpoints is not None:
+                    self.checkpoints = []
+                table.unconfirmed(conversation)
         return out
 
 

@@ -170,7 +170,8 @@ class RankProcess:
                 adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps,
                 count_routing=assign.count_routing,
                 **_conversation_budget(assign)))
-            self.stage.session(0)  # the serving session is carved up front, as the plan priced it
+            for sid in range(_sessions(assign)):   # carved up front, as the plan priced them
+                self.stage.session(sid)
             # --draft-model: the last stage drafts with it, beside its own layers (priced there)
             draft = (DraftModel(assign.draft_model, o.device_name, assign.max_context,
                                 assign.kv_type or None)
@@ -553,6 +554,11 @@ def _sibling(endpoint: str, name: str) -> str:
 def _backend(device: str):
     from .backends import get_backend
     return get_backend(device)
+
+
+def _sessions(assign: Assign) -> int:
+    """The sessions the plan priced for every stage (--parallel; plan/params.py)."""
+    return int(assign.plan.get("params", {}).get("sessions", 1))
 
 
 def _conversation_budget(assign: Assign) -> dict:

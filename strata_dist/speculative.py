@@ -9,7 +9,9 @@ last stage gets the logits of every row. Row i's draw decides token i+1 of the w
 - greedy: the draw (the sampler's own, penalties, bias and grammar mask included, with the state
   the tokens before it left) is the token; a draft that equals it is accepted and the next row
   is read, else the window ends there with the drawn token. Every token emitted is the one a
-  decode step without speculation draws at that place, so the tokens are identical.
+  decode step without speculation draws at that place, so the tokens are identical where the
+  rows' logits are (the numpy backend computes a window's rows as one-row steps do; a GPU
+  stage's window takes the many-row path, its one-row steps the decode graph).
 - sampled (temperature > 0): standard speculative rejection sampling. A draft x drawn from the
   drafter's distribution q is accepted with probability min(1, p(x) / q(x)), p the sampler's
   distribution of that row; on rejection the token is drawn from max(0, p - q) renormalised. A

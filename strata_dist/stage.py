@@ -13,7 +13,7 @@ import numpy as np
 
 from protocol import ProtocolError, ProtocolTimeout
 
-from .adapt import RoutingCounts, coverage, pick_swaps
+from .adapt import RoutingCounts, WindowRoutes, coverage, pick_swaps
 from .backends import get_backend
 from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
@@ -126,6 +126,8 @@ class Stage:
                                                host=cfg.conversation_host)
         self.windows: dict[int, WindowRecord] = {}   # a recurrent session's last verify window
         self.window_rerun_rows = 0    # rows run again to roll recurrent state back in a window
+        # a session's last verify window's routes, counted until its next step says which stand
+        self.window_routes: dict[int, WindowRoutes] = {}
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
 
@@ -190,6 +192,7 @@ class Stage:
             self.decode_graph.settle()      # a step ahead may still write this session's KV
         self.sessions.pop(session_id, None)
         self.windows.pop(session_id, None)
+        self.window_routes.pop(session_id, None)
         gone = self.checkpoints.pop(session_id, None)
         if gone is not None:   # its counts stay in the rank's totals
             self._released_counts = _add_counts(self._released_counts, gone)
@@ -226,6 +229,12 @@ class Stage:
         s = self.session(session_id)
         if self.decode_graph is not None:
             self.decode_graph.settle()      # a step ahead may still write the session
+        if step.keep:
+            # a request that stopped inside a verify window (a stop token before its last row)
+            # left the recurrent state past its tokens: back to them before it is kept
+            self._rewind_window(session_id, s, step.keep_n)
+        if step.keep or step.restore:
+            self.windows.pop(session_id, None)   # the window was of the conversation it leaves
         if step.keep:
             self.conversations.keep(s, step.keep, step.keep_n, protect=step.restore,
                                     prefix=self.checkpoint_store(session_id).before(step.keep_n))
@@ -300,6 +309,7 @@ class Stage:
             raise ValueError(f"checkpoint position {bad[0]} is not a boundary of rows "
                              f"[{pos}, {pos + n})")
         verify = not prompt and n > 1
+        counting = self.tiers.routing is not None
         self._rewind_window(session_id, s, pos)
         # an earlier position rewinds (KV is positional; recurrent state comes from a checkpoint)
         store.enter(s, pos)
@@ -322,7 +332,14 @@ class Stage:
                 # a step ahead still in flight reads the cache (a prompt writes its lent slots)
                 # and writes the session: it finishes before the general path starts
                 graph.settle()
-            out = self._run_general(s, prompt, ids, hidden, all_rows)
+            if verify and counting:   # counted row by row until the next step settles them
+                self.tiers.routing = self.window_routes[session_id] = WindowRoutes(
+                    self.routing, pos, n)
+            try:
+                out = self._run_general(s, prompt, ids, hidden, all_rows)
+            finally:
+                if counting:
+                    self.tiers.routing = self.routing
         s.n_past = pos + n
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
@@ -330,7 +347,9 @@ class Stage:
             # the general path counted its routes as it computed them (ExpertTiers)
             if graph_step and graph.last_routes is not None:
                 self.routing.add_layers(self.cfg.lb, graph.last_routes)
-            self._adapt_due |= self.routing.tick(n)
+            # a window's first row always stands (its token was the last one drawn); the rest
+            # tick when the next step settles them
+            self._adapt_due |= self.routing.tick(1 if verify else n)
             if self._adapt_due and not self.cache.lent:   # never while a prompt borrows slots
                 self._adapt()
         return out
@@ -338,7 +357,11 @@ class Stage:
     def _rewind_window(self, session_id: int, s, pos: int) -> None:
         """A step inside the session's last verify window (its drafts were rejected from there
         on): the recurrent state at the window's start comes back and the accepted rows run
-        again, through the same many-row path, so the state is what one-row steps leave."""
+        again, through the same many-row path, so the state is what one-row steps leave. The
+        window's routes are settled at `pos` too: its rejected rows were no token of the traffic."""
+        routes = self.window_routes.pop(session_id, None)
+        if routes is not None:
+            self._adapt_due |= self.routing.tick(routes.settle(pos) - 1)
         w = self.windows.pop(session_id, None)
         if w is None or not w.covers(pos, s.n_past):
             return
@@ -350,11 +373,36 @@ class Stage:
             h = (self.model.embed(w.rows[:pos - w.start]) if self.cfg.first
                  else w.rows[:pos - w.start])
             reading, self.tiers.prompt = self.tiers.prompt, False   # the window's own tiers
+            # rows counted once already (their routes stood when the window settled)
+            counting, self.tiers.routing = self.tiers.routing, None
             try:
                 self.model.forward_layers(h, s)
             finally:
-                self.tiers.prompt = reading
+                self.tiers.prompt, self.tiers.routing = reading, counting
             s.n_past = pos
+
+    def run_batch(self, session_ids: list[int], positions: list[int], ids=None, hidden=None):
+        """A batched decode step (protocol/batch.py): row i is the next token of session
+        session_ids[i] at positions[i] (ids on the first stage, hidden rows after it). The
+        general path runs it (no decode graph for more than one session's rows): returns the
+        hidden rows, or on the last stage every row's logits, host float32 [n, vocab]."""
+        sessions = [self.session(sid) for sid in session_ids]
+        for sid, s, pos in zip(session_ids, sessions, positions):
+            self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
+        self.tiers.prompt = False
+        if self.decode_graph is not None:
+            self.decode_graph.settle()    # a step ahead may still write a session's KV
+        h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
+        out = self.model.forward_rows(h, sessions, positions)
+        for s, pos in zip(sessions, positions):
+            s.n_past = pos + 1
+        if self.routing.on:
+            self._adapt_due |= self.routing.tick(len(sessions))
+            if self._adapt_due and not self.cache.lent:
+                self._adapt()
+        if self.cfg.last:
+            return self.backend.to_host(self.model.output_logits(out)).astype(np.float32)
+        return out
 
     def _adapt(self) -> None:
         """One round of the adaptive cache, between steps: the coldest cached pairs swapped for
@@ -402,7 +450,9 @@ class Stage:
         counts of its layers' pairs, less those held elsewhere (this stage's cache, the other
         tiers: a tier takes only what none holds), and answers the pairs of those layers it
         holds then, taken here at the next round (HelperClient.rerank); until then a pair that
-        left is still answered, from the model file."""
+        left is still answered, from the model file. A pair no tier holds is offered to one
+        tier only, the same one every round (by its index): two tiers never take it in one round,
+        nor one in the round after the other took it unheard."""
         lb, le = self.cfg.lb, self.cfg.le
         held_by = {id(h): np.zeros_like(cached) for h in self.tiers.helpers}
         for h in self.tiers.helpers:
@@ -411,10 +461,15 @@ class Stage:
         local = self.local_tier.arena if self.local_tier is not None else None
         own = (local.slot_of >= 0) if local is not None else np.zeros_like(cached)
         in_a_tier = np.logical_or.reduce([own, *held_by.values()])
+        # the tiers that swap this round: this card's own, then the others not read in place
+        takers = ([own] if local is not None else []) + [
+            held_by[id(h)] for h in self.tiers.helpers if h.alive and h.tier is None]
+        home = np.arange(cached.size).reshape(cached.shape) % max(1, len(takers))
 
         def missed(mine: np.ndarray) -> np.ndarray:
-            elsewhere = cached | (in_a_tier & ~mine)
-            return np.where(elsewhere[lb:le], 0.0, self.routing.counts[lb:le])
+            i = next(i for i, t in enumerate(takers) if t is mine)
+            offered = ~cached & (mine | (~in_a_tier & (home == i)))
+            return np.where(offered[lb:le], self.routing.counts[lb:le], 0.0)
         if local is not None:   # this card's own tier, read here as it is
             self.local_tier.rerank(lb, le, missed(own))
         changed = False

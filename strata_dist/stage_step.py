@@ -113,10 +113,14 @@ class StageStep:
         req = self.requests.pop(msg.request_id, None)
         if not self.last or (req is None and msg.request_id <= self._finished):
             return []
-        # still reading or generating: say so; its step in flight is dropped when it comes back
+        # still reading or generating: say so, with the drafts verified and accepted so far; its
+        # step in flight is dropped when it comes back
+        spec = req.spec if req is not None else None
         return [Outbound(To.HEAD, Token(request_id=msg.request_id,
                                         session_id=req.session_id if req else 0,
-                                        token_id=0, pos=0, done=True, reason="cancelled"))]
+                                        token_id=0, pos=0, done=True, reason="cancelled",
+                                        drafted=spec.drafted if spec else 0,
+                                        accepted=spec.accepted if spec else 0))]
 
     def _end_prompt(self) -> None:
         self.prompting = None
@@ -132,6 +136,8 @@ class StageStep:
             self.counters["cancelled_dropped"] += 1
             return []
         t0 = time.perf_counter()
+        if msg.batch is not None:
+            return self._on_batch(msg, rows, t0)
         try:
             out = self._run(msg, rows)
         except Exception as e:  # a bad request must not take the rank down
@@ -146,6 +152,37 @@ class StageStep:
             self.requests.pop(msg.request_id, None)
             self.prompt_ids.pop(msg.request_id, None)
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+
+    def _on_batch(self, msg: Tokens | Hidden, rows, t0: float) -> list[Outbound]:
+        """A batched decode step (protocol/batch.py): every row through this stage's layers at
+        once; then the rows to the next stage, or (last stage) one Token per row to the head."""
+        b = msg.batch
+        try:
+            if isinstance(msg, Tokens):
+                out = self.stage.run_batch(b.session_ids, b.positions, ids=msg.ids)
+            else:
+                out = self.stage.run_batch(b.session_ids, b.positions, hidden=rows)
+        except Exception as e:  # the step's requests fail; the rank serves on
+            log.error("batched step %s failed:\n%s", msg.request_id, traceback.format_exc())
+            return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+        self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.counters["tokens"] += 1
+        self.counters["rows"] += len(b)
+        if not self.last:
+            shape = [int(d) for d in out.shape]
+            return [Outbound(To.NEXT, Hidden(
+                request_id=msg.request_id, session_id=0, pos=0, n=shape[0], dtype="float32",
+                shape=shape, batch=b), rows=out)]
+        sent: list[Outbound] = []
+        for i, (rid, sid, pos) in enumerate(zip(b.request_ids, b.session_ids, b.positions)):
+            if rid in self.cancelled or rid not in self.requests:
+                continue          # cancelled while its row was on its way: dropped
+            try:
+                sent += self._sample_one(rid, sid, [out[i]], pos + 1, loop=False)
+            except (ValueError, IndexError) as e:   # sampling fields no sampler takes
+                self.requests.pop(rid, None)
+                sent.append(self.error(rid, f"rank {self.rank}: {type(e).__name__}: {e}"))
+        return sent
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
@@ -253,13 +290,24 @@ class StageStep:
         """The step's token(s) to the head and the next step to the first stage. A verify window
         (`logits` of its every row) yields its accepted drafts and one token more
         (strata_dist/speculative.py); each token is drawn exactly as a one-row step draws it."""
-        req = self.requests.get(msg.request_id)
-        if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
-            self.requests.pop(msg.request_id, None)
-            return []
         window = msg.sampling is None and _rows_of(msg) > 1
-        rows = logits if window else [logits]
-        drafts = req.spec.drafts if window and req.spec is not None else []
+        # a request whose decode steps the head sends (batched) gets no next step from here
+        loop = msg.sampling is None or not msg.sampling.head_steps
+        return self._sample_one(msg.request_id, msg.session_id, logits if window else [logits],
+                                end, loop)
+
+    def _sample_one(self, request_id: int, session_id: int, rows, end: int,
+                    loop: bool) -> list[Outbound]:
+        """Draw request_id's next token from each of `rows` (one row; or a verify window's, the
+        last at position `end`) while its drafts are accepted: a Token each to the head, and when
+        `loop` and the request goes on, its next decode step to the first stage. A batched step's
+        row (--parallel) is a one-row step with `loop` off: the launcher refuses --spec beside
+        --parallel, so a batched request has no drafts."""
+        req = self.requests.get(request_id)
+        if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
+            self.requests.pop(request_id, None)
+            return []
+        drafts = req.spec.drafts if len(rows) > 1 and req.spec is not None else []
         sent: list[Outbound] = []
         for i, row in enumerate(rows):
             draft = drafts[i] if i < len(drafts) else None
@@ -267,13 +315,13 @@ class StageStep:
             try:
                 tok, finished = _draw(req, row, draft, q)
             except GrammarError as e:   # the request ends with its error; the rank serves on
-                del self.requests[msg.request_id]
-                return [self.error(msg.request_id, f"rank {self.rank}: structured output: {e}")]
+                del self.requests[request_id]
+                return [self.error(request_id, f"rank {self.rank}: structured output: {e}")]
             req.generated += 1
             pos = end - len(rows) + i + 1
             reason = ("stop" if tok in req.stop_ids or finished
                       else ("length" if req.generated >= req.max_new else ""))
-            token = Token(request_id=msg.request_id, session_id=msg.session_id, token_id=tok,
+            token = Token(request_id=request_id, session_id=session_id, token_id=tok,
                           pos=pos, done=bool(reason), reason=reason)
             if req.logprobs:
                 lp = token_logprobs(row, tok, req.top_logprobs)
@@ -288,17 +336,19 @@ class StageStep:
             if reason:
                 if req.spec is not None:
                     token.drafted, token.accepted = req.spec.drafted, req.spec.accepted
-                del self.requests[msg.request_id]
+                del self.requests[request_id]
                 return sent
             if not accepted:
                 break
+        if not loop:
+            return sent
         ids = [tok]
         if req.spec is not None:
             ids += req.spec.draft(req.max_new - req.generated)
             self.counters["spec_drafted"] += len(ids) - 1
             self.counters["spec_windows"] += len(ids) > 1
-        return sent + [Outbound(To.FIRST, Tokens(request_id=msg.request_id,
-                                                 session_id=msg.session_id, pos=pos, ids=ids))]
+        return sent + [Outbound(To.FIRST, Tokens(request_id=request_id,
+                                                 session_id=session_id, pos=pos, ids=ids))]
 
     def _attach_draft_model(self, req: _Request) -> None:
         """A speculating request on a stage that carries a draft model drafts with it, in its

@@ -31,7 +31,7 @@ GPU_ONLY = {"bench_attention.py", "bench_prompt_attention.py", "bench_rows.py",
 DEV_SIDE = {"records.py", "monitor_screenshot.py"}
 # the scripts whose CPU examples write records
 RECORDING = {"bench_decode.py", "bench_prefill.py", "bench_offload.py", "bench_tiers.py",
-             "bench_seedrig.py", "bench_adapt.py", "bench_spec.py"}
+             "bench_seedrig.py", "bench_adapt.py", "bench_serve.py", "bench_spec.py"}
 
 
 def documented_commands(path: Path) -> list[str]:

@@ -191,6 +191,54 @@ def test_kept_conversations_are_reused_only_within_a_salt(tmp_path):
         server.close()
 
 
+def test_a_cancel_before_the_first_chunk_of_a_restoring_request_leaves_no_wrong_state(moe):
+    """The ConversationStep rides on chunk 0: a request cancelled before any stage reported that
+    chunk (here: before it was even sent) may have applied its restore on no stage, some, or all.
+    The next request still reads the state its tokens say: its reply equals the one read with the
+    same tokens before."""
+    rng = np.random.default_rng(0)
+    a_ids, b_ids = _ids(rng, 30), _ids(rng, 30)
+    s = ServeSession(moe, "--cpu-ranks", "1", "--prefill", "16", "--max-context", str(CTX),
+                     "--vram-budget", "1G", "--conversation-cache-mib", "1")
+    try:
+        a = s.gen(a_ids, N_NEW)["tokens"]
+        follow_up = a_ids + a + [5, 6, 7]
+        reference = s.gen(follow_up, 8)        # continues A: read on the state A left
+        assert reference["err"] is None and reference["resume"] == len(a_ids) + N_NEW - 1
+        assert s.gen(b_ids, N_NEW)["err"] is None   # the session now holds B; A's is kept
+        # GEN and CANCEL in one write: the CANCEL is read at the first check, before chunk 0
+        s.send(f"GEN 8 {' '.join(map(str, follow_up))}\nCANCEL")
+        while not (line := s.next_line(30)).startswith(("DONE", "ERR")):
+            pass
+        assert line.startswith("DONE") and line.endswith("cancelled"), line
+        again = s.gen(follow_up, 8)
+        assert again["err"] is None
+        assert again["tokens"] == reference["tokens"]
+    finally:
+        assert s.close() == 0
+
+
+def test_qwen3next_kept_in_host_memory_restores_only_at_a_kept_length(hybrid):
+    """Copies in pinned host memory keep no checkpoints: a follow-up that shares only a
+    checkpoint's prefix with a kept conversation reads afresh (it does not ask a stage for a state
+    it lacks), and one that extends the conversation resumes at its kept length."""
+    rng = np.random.default_rng(4)
+    a_ids, b_ids = _ids(rng, 50), _ids(rng, 50)
+    s = ServeSession(hybrid, "--cpu-ranks", "2", "--prefill", "16", "--max-context", str(CTX),
+                     "--vram-budget", "1G", "--conversation-cache-mib", "100000",
+                     "--layer-split", "3", "--prompt-cache-every", "16")
+    try:
+        assert [f.get("conversation_in") for f in s.info_fields()[1:]] == ["host", "host"]
+        a = s.gen(a_ids, N_NEW)
+        assert s.gen(b_ids, N_NEW)["err"] is None
+        branch = s.gen(a_ids[:40] + _ids(rng, 10), N_NEW)   # A's checkpoint at 32 is not kept
+        assert branch["err"] is None and branch["resume"] == 0
+        follow_up = s.gen(a_ids + a["tokens"] + [5, 6, 7], N_NEW)
+        assert follow_up["err"] is None and follow_up["resume"] == len(a_ids) + N_NEW - 1
+    finally:
+        assert s.close() == 0
+
+
 def test_negative_budget_is_refused(moe, capsys):
     assert launch_main(["--model", moe, "--conversation-cache-mib", "-1", "--plan-only"]) == 2
     assert "--conversation-cache-mib -1" in capsys.readouterr().err
@@ -277,6 +325,10 @@ def test_the_head_table_picks_the_longest_prefix_of_its_salt():
     assert r.best([1, 2, 3, 4, 5, 6], "a", positional=False) == (1, 5)
     assert r.best([1, 2, 3, 4, 9], "a", positional=False) == (1, 2)
     assert r.best([1, 7], "a", positional=False) == (0, 0)
+    # stages that keep in host memory keep no checkpoints: only the kept length restores
+    h = ConversationTable(True, checkpoints_kept=False)
+    h.step([1, 2, 3, 4, 5], "a", "a", 0, (0, 0), positional=False, live_checkpoints=[2])
+    assert h.kept[1].positions == [5] and h.best([1, 2, 3, 4, 9], "a", positional=False) == (0, 0)
     # a key sent to keep and never reported is no conversation: dropped on every stage next time
     step = r.step([1, 2, 8], "a", "b", 0, (0, 0), positional=False)
     r.begin()
@@ -285,6 +337,16 @@ def test_the_head_table_picks_the_longest_prefix_of_its_salt():
     # a restore that failed before anything was read: dropped too
     r.discard(1)
     assert r.kept == {} and r.step([], "b", "b", 0, (0, 0), positional=False).forget == [1]
+    # a step no stage reported after (its request cancelled before chunk 0 came back): its
+    # forgets may not have reached every stage, so they go again, and its new key is dropped
+    u = ConversationTable(True)
+    u.step([1, 2], "a", "a", 0, (0, 0), positional=True)
+    u.reported([1])
+    step = u.step([1, 2, 3], "a", "a", 0, (0, 0), positional=True)   # supersedes 1
+    assert step.forget == [1] and 1 not in u.kept
+    u.unconfirmed(step)
+    u.begin()
+    assert u.step([], "a", "a", 0, (0, 0), positional=True).forget == [1, step.keep]
 
 
 # ---- the planner ------------------------------------------------------------------------------------
@@ -347,3 +409,35 @@ def test_qwen3next_speculation_keeps_each_conversation_at_its_accepted_tokens(hy
     assert int(last["spec_drafted"]) > int(last["spec_accepted"]) > 0   # drafts both ways
     assert int(stats[0]["conversations_restored"]) == 3
     assert int(stats[0]["conversations_skipped"]) == 0
+
+
+def test_qwen3next_request_stopping_inside_a_verify_window_is_kept(tmp_path):
+    """A stop token before a verify window's last row leaves a qwen3next stage's recurrent state
+    past the request's tokens; the stage rolls it back before keeping the conversation, so the
+    follow-up resumes from it (not from scratch) with the tokens of a run without speculation."""
+    rng = np.random.default_rng(4)
+    system = _ids(rng, 20)
+    a, b = system + _ids(rng, 5) * 4, system + _ids(rng, 5) * 4
+    # token 84 is one this random model emits a few tokens in, inside a window that was drafted
+    model = write_next_gguf(tiny_qwen3next(4, hidden=64, top_k=2), tmp_path / "eos.gguf", "f32",
+                            eos_id=84)
+
+    def run(*spec):
+        s = ServeSession(model, "--cpu-ranks", "2", "--prefill", "16", "--max-context", str(CTX),
+                         "--vram-budget", "1G", "--conversation-cache-mib", "1",
+                         "--layer-split", "3", "--prompt-cache-every", "16", *spec)
+        try:
+            first = s.gen(a, 40)
+            s.gen(b, 40)
+            follow = s.gen(a + first["tokens"] + [5, 6, 7], 4)
+            return first, follow, s.stats()
+        finally:
+            assert s.close() == 0
+
+    first, follow, stats = run("--spec", "4")
+    plain_first, plain_follow, _ = run()
+    assert first["done"][-1] == "stop" and len(first["tokens"]) < 40   # it stopped early
+    assert int(stats[max(stats)]["spec_drafted"]) > 0
+    assert (first["tokens"], follow["tokens"]) == (plain_first["tokens"], plain_follow["tokens"])
+    assert follow["resume"] == plain_follow["resume"] == len(a) + len(first["tokens"]) - 1
+    assert all(int(f["conversations_skipped"]) == 0 for f in stats.values())

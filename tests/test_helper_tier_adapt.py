@@ -168,3 +168,43 @@ def test_a_tier_is_given_the_counts_of_pairs_no_other_tier_holds(files):
     assert given[0, 3] == 5 and given[1, 3] == 5      # its own pairs: their heat, to rank them
     assert (given == 0).sum() == 2
     other.ch.close()
+
+
+def test_a_pair_no_tier_holds_is_offered_to_one_tier_only(files, tmp_path):
+    """Two tiers that may swap (this card's own and another card's, which hears its counts over a
+    real link): a hot pair none holds is in the counts of one of them only, so both cannot take
+    it in one round; each still gets the heat of its own pairs."""
+    from protocol import TierCounts
+    from protocol.transport import RouterChannel
+    from strata_dist.backends import get_backend
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.tiers import HelperClient
+    tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
+                             adapt_swaps=0)
+    stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
+                              local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
+    stage.local_tier = tier
+    router = RouterChannel(peer="the other tier")
+    endpoint = router.bind(f"ipc://{tmp_path}/other-tier")
+    other = HelperClient(1, endpoint, [(1, 2)])      # another card's tier, alive
+    stage.tiers.helpers.append(other)
+    try:
+        stage.routing.counts[:2] = 5.0
+        stage._rerank_helpers(stage.cache.slot_of >= 0)
+        _, msg, arrays = router.recv(5000, what="the stage's tier counts")
+        assert isinstance(msg, TierCounts) and (msg.lb, msg.le) == (0, 2)
+        given = {"own card": tier.counts[:2], "other card": arrays[0]}
+        assert given["own card"][0, 3] == 5 and given["other card"][1, 2] == 5   # their own pairs
+        for name, counts in given.items():
+            assert counts[0, 1] == 0, name                     # this stage's cache holds it
+        assert given["own card"][1, 2] == 0 and given["other card"][0, 3] == 0
+        unheld = np.ones((2, E), dtype=bool)
+        for l, e in [(0, 1), (0, 3), (1, 3), (1, 2)]:
+            unheld[l, e] = False
+        offered = (given["own card"] > 0).astype(int) + (given["other card"] > 0)
+        assert (offered[unheld] == 1).all(), offered       # each to exactly one tier
+        assert (given["own card"][unheld] > 0).any() and (given["other card"][unheld] > 0).any()
+    finally:
+        other.ch.close()
+        router.close()

@@ -2,6 +2,8 @@
 launcher count their layers' routing; the file, written periodically and at shutdown, is the
 format --expert-profile reads, and a restart's plan caches the experts the traffic used."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from launch_helpers import ServeSession
+from launch_helpers import ServeSession, rank_pids, wait_gone
 from strata_dist.profile_io import load_profile, record_profile
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
@@ -73,6 +75,43 @@ def test_served_routing_is_saved_and_the_next_plan_caches_it(model, tmp_path):
     assert _plan_pairs(model) != _plan_pairs(model, "--expert-profile", str(path))
 
 
+def test_a_replaced_rank_keeps_its_predecessors_routing_in_the_profile(model, tmp_path):
+    """A rank killed and replaced (--rejoin) counts from zero; the profile adds its counts to
+    what the lost process had counted, so no layer's history is lost."""
+    path = tmp_path / "learnt.json"
+    s = ServeSession(model, *RANKS, "--rejoin", "--expert-profile-out", str(path),
+                     "--expert-profile-every", "0.2")
+
+    def per_layer():
+        return np.array(json.loads(path.read_text())["counts"]).sum(axis=1)
+    try:
+        fed = 0    # rows read: each prompt and its fed-back tokens
+        for prompt in PROMPTS:
+            out = s.gen(prompt, MAX_NEW)
+            assert out["err"] is None
+            fed += len(prompt) + len(out["tokens"]) - 1
+        deadline = time.monotonic() + 10   # a write after the last request's counts came back
+        while not (path.exists() and per_layer().sum() == L * TINY.n_expert_used * fed) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        before = per_layer()
+        pid = rank_pids(s)[1]
+        os.kill(pid, signal.SIGKILL)
+        wait_gone([pid])
+        for _ in range(30):    # requests fail until the replacement is Ready
+            if s.gen([50, 51], 2)["err"] is None:
+                break
+            time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while per_layer()[2:].sum() <= before[2:].sum() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = per_layer()
+    finally:
+        assert s.close() == 0
+    assert (after >= before).all(), (before, after)
+    assert (after[2:] > before[2:]).all(), (before, after)    # the replacement's layers
+
+
 @pytest.mark.parametrize("flag,value,message", [
     ("--expert-profile-out", "/nonexistent-folder/p.json",
      "error: --expert-profile-out /nonexistent-folder/p.json: its folder /nonexistent-folder is "
@@ -84,3 +123,66 @@ def test_a_bad_profile_flag_is_one_error_line(model, flag, value, message):
                         value], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [message]
+
+
+# ---- speculative decoding: only the rows that stand are counted ---------------------------------
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    from hf_fixtures import tiny_qwen3moe, write_gguf as write_moe
+    from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
+    d = tmp_path_factory.mktemp("spec-profile")
+    return {"moe": str(write_moe(tiny_qwen3moe(11, hidden=64, top_k=2, n_layers=4),
+                                 d / "moe.gguf", "f32")),
+            "next": str(write_next(tiny_qwen3next(2, tied=True, n_layers=4), d / "next.gguf",
+                                   "f32"))}
+
+
+@pytest.mark.parametrize("arch", ["moe", "next"])
+def test_speculation_counts_only_the_rows_that_stand(hf_models, arch, tmp_path):
+    """--spec: a verify window's rows of rejected drafts, and the rows a qwen3next stage runs
+    again to roll its state back, are no token of the traffic: the profile equals the routing of
+    the prompts and the tokens fed back, counted by the single-process forward."""
+    model, path = hf_models[arch], tmp_path / "learnt.json"
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(0, 40, 60)] for _ in range(2)]
+    s = ServeSession(model, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
+                     "--prefill", "8", "--max-context", "512", "--expert-profile-out", str(path),
+                     "--spec", "4")
+    try:
+        replies, drafted, accepted = [], 0, 0
+        for prompt in prompts:
+            out = s.gen(prompt, 30)
+            assert out["err"] is None and out["done"][-1] == "length", out
+            replies.append(out["tokens"])
+            drafted += int(out["stats"][-1]["drafted"])
+            accepted += int(out["stats"][-1]["accepted"])
+        assert drafted > accepted > 0                  # windows both accepted and rejected
+    finally:
+        assert s.close() == 0
+    learnt = load_profile(path, 4, json.loads(path.read_text())["n_experts"]).counts
+    fed = [p + r[:-1] for p, r in zip(prompts, replies)]
+    np.testing.assert_array_equal(learnt, record_profile(model, fed).counts)
+
+
+def test_the_adapt_clock_ticks_by_the_rows_that_stand(hf_models):
+    """A window of 5 rows of which 2 stand (the next step comes at its third row): the counts and
+    the adaptive cache's token clock are those of 2 one-row steps."""
+    from strata_dist.stage import Stage, StageConfig
+
+    def stage():
+        return Stage(StageConfig(hf_models["next"], "cpu", 0, 4, True, True, 128,
+                                 adapt_every=1000, adapt_swaps=1))
+    prompt = list(range(3, 19))
+    spec, plain = stage(), stage()
+    for st in (spec, plain):
+        st.run(0, 0, ids=prompt, prompt=True)
+    at = len(prompt)
+    spec.run(0, at, ids=[7, 9, 30, 31, 32], all_rows=True)   # 7 and 9 stand
+    for i, t in enumerate([7, 9]):
+        plain.run(0, at + i, ids=[t])
+    for st in (spec, plain):
+        st.run(0, at + 2, ids=[11])
+    np.testing.assert_array_equal(spec.routing.total, plain.routing.total)
+    np.testing.assert_array_equal(spec.routing.counts, plain.routing.counts)
+    assert spec.routing.tokens == plain.routing.tokens == len(prompt) + 3

@@ -420,6 +420,7 @@ FORCED_REFUSALS = [   # (the request's fields, the field the 400 names, a word o
     ({"tool_choice": "required", "grammar": 'start: "x"'}, "grammar", "tool calls only"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
     ({"tool_choice": "required", "n": 2}, "n", "'n' must be 1"),
+    ({"tool_choice": "required", "stop": ["\n"]}, "stop", "cut the call"),
 ]
 
 

@@ -114,6 +114,28 @@ def test_greedy_tokens_equal_without_speculation(arch, split, request):
         assert s.close() == 0
 
 
+def test_a_cancelled_request_reports_its_drafts(moe):
+    """A request that ends by a cancel (a stop string, a client gone, CANCEL) still reports the
+    drafts it verified and accepted: the last stage's final Token carries them to the head."""
+    s = ServeSession(moe, "--cpu-ranks", "1", "--prefill", "16", "--max-context", str(CTX),
+                     "--vram-budget", "1G", "--spec", "4")
+    try:
+        s.send(f"GEN {CTX - len(PROMPT) - 1} {' '.join(map(str, PROMPT))}")
+        n, stats = 0, None
+        while not (line := s.next_line(30)).startswith(("DONE", "ERR")):
+            n += line.startswith("T ")
+            if n == 10 and line.startswith("T "):
+                s.send("CANCEL")
+            if line.startswith("STATS drafted="):
+                stats = dict(f.split("=") for f in line.split()[1:])
+        assert line.startswith("DONE") and line.endswith("cancelled"), line
+        rank = s.stats()[0]    # the session's only request: the rank's totals are its own
+        assert int(rank["spec_drafted"]) > 0
+        assert stats == {"drafted": rank["spec_drafted"], "accepted": rank["spec_accepted"]}
+    finally:
+        assert s.close() == 0
+
+
 # ---- in process: one stage that is first and last, its next steps handed back by hand ----------
 
 def _run(step: StageStep, request_id: int, sampling: Sampling, prompt=PROMPT,

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan.pricing import DECODE_ROWS
+from protocol.batch import MAX_BATCH_ROWS
+
 from . import array_ops
 from .base import Backend
 
@@ -33,16 +34,20 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def linear(self, x, w, out=None):
-        if x.ndim == 2 and 1 < x.shape[0] <= DECODE_ROWS:
-            # A verify window's rows one at a time, as a decode step computes its one row: BLAS
-            # sums a row's products in another order when more rows share the call, and greedy
-            # tokens with and without speculation must agree (strata_dist/speculative.py).
-            # Prompt chunks longer than a window keep the faster many-row product.
-            return np.stack([w @ row for row in x])
-        return x @ w.T
+        # Up to MAX_BATCH_ROWS rows (a decode step, a verify window's rows, a batched step's),
+        # one row at a time: BLAS sums a row's products in another order when more rows share
+        # the call, and a row must get the bits it gets alone: greedy tokens with and without
+        # speculation agree (strata_dist/speculative.py), and a batched row's do not depend on
+        # its neighbours (protocol/batch.py). A longer prompt chunk: one GEMM.
+        if x.ndim != 2 or x.shape[0] > MAX_BATCH_ROWS:
+            return x @ w.T
+        y = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x.dtype, w.dtype))
+        for i in range(x.shape[0]):
+            y[i] = w @ x[i]
+        return y
 
     def route(self, x, router, k: int, normalize: bool):
-        # the router's product through `linear`: a verify window's rows as their decode steps
+        # the router's product through `linear`: each row as its one-row step computes it
         return array_ops.softmax_topk(self.linear(x, router), k, normalize=normalize)
 
     def swiglu(self, x, gate, up, down):

@@ -263,6 +263,17 @@ class LayerRangeModel:
     def _build_layers(self) -> dict:
         raise NotImplementedError
 
+    def forward_rows(self, h, sessions: list, positions: list[int]):
+        """A batched decode step (protocol/batch.py): row i of h [n, n_embd] is the next token of
+        sessions[i] at positions[i]. Here each row runs alone through forward_layers (the
+        architecture's one-row step, so exact by construction); an architecture that batches its
+        dense and expert layers overrides it."""
+        out = []
+        for i, (s, pos) in enumerate(zip(sessions, positions)):
+            s.n_past = pos
+            out.append(self.forward_layers(h[i:i + 1], s))
+        return self.backend.xp.concatenate(out) if len(out) > 1 else out[0]
+
     def _host_f32(self, name: str) -> np.ndarray:
         """A tensor kept in float32, as the backend receives it (a subclass may reshape)."""
         return self.gguf.dequantize(name)

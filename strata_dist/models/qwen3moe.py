@@ -198,6 +198,35 @@ class Qwen3Moe(LayerRangeModel):
             h = self._layer_forward(layer, h, session, pos0)
         return h
 
+    def forward_rows(self, h, sessions: list, positions: list[int]):
+        """A batched decode step (protocol/batch.py): row i of h [n, n_embd] is the next token of
+        sessions[i] at positions[i]. The projections, router and experts run over all rows at
+        once; each row's q/k norm, RoPE, KV write and attention run alone, over its own
+        session's KV at its own position, as its one-row step runs them."""
+        for s, pos in zip(sessions, positions):
+            if pos + 1 > s.max_cells:
+                raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
+        for layer in range(self.lb, self.le):
+            h = self._layer_rows(layer, h, sessions, positions)
+        return h
+
+    def _layer_rows(self, layer, h, sessions, positions):
+        g, w, be = self.g, self.layers[layer], self.backend
+        n = h.shape[0]
+        x = be.rms_norm(h, w.attn_norm, g.rms_eps)
+        q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
+        k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
+        v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
+        rows = []
+        for i, (s, pos) in enumerate(zip(sessions, positions)):
+            qi = be.qk_norm_rope_kv(q[i:i + 1], k[i:i + 1], v[i:i + 1], w.q_norm, w.k_norm,
+                                    g.rms_eps, s, layer, pos)
+            rows.append(be.attend(qi, s.k(layer)[:pos + 1], s.v(layer)[:pos + 1], pos, s))
+        attn = be.xp.concatenate(rows).reshape(n, g.n_head * g.head_dim)
+        h = be.add(h, be.linear(attn, w.o))
+        x = be.rms_norm(h, w.ffn_norm, g.rms_eps)
+        return be.add(h, self._moe(layer, x, w.router))
+
     # ---- one layer -----------------------------------------------------------------------------
     def _layer_forward(self, layer, h, session, pos0):
         g, w, be = self.g, self.layers[layer], self.backend

@@ -44,6 +44,7 @@ from ..plan.workspace import Buffer
 from .common import (LayerRangeModel, gemm_buffers, model_level_shapes, residual_buffers,
                      rope_buffers, rope_tables, routed_expert_buffers, stage_tensor_names,
                      transformer_geometry)
+from . import next_rows
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
 ARCH = "qwen3next"
@@ -146,18 +147,12 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
              and tensor_name(first_linear, "attn_qkv") not in gguf.tensors
              and tensor_name(first_linear, "ssm_in") in gguf.tensors)
     return NextGeometry(
-        **base,
-        n_rot=n_rot,
-        full_attention_interval=interval,
+        **base, n_rot=n_rot, full_attention_interval=interval,
         ssm_conv_kernel=num("ssm.conv_kernel", required=True, minimum=1),
         ssm_state_size=num("ssm.state_size", required=True, minimum=1),
-        ssm_group_count=n_k,
-        ssm_time_step_rank=n_v,
-        ssm_inner_size=inner,
-        n_ff_shexp=int(n_ff_shexp),
-        norm_topk_prob=bool(md("expert_weights_norm", default=True)),
-        fused_qkvz=fused,
-    )
+        ssm_group_count=n_k, ssm_time_step_rank=n_v, ssm_inner_size=inner,
+        n_ff_shexp=int(n_ff_shexp), norm_topk_prob=bool(md("expert_weights_norm", default=True)),
+        fused_qkvz=fused)
 
 
 def layer_parts(g: NextGeometry, layer: int) -> tuple[str, ...]:
@@ -536,6 +531,8 @@ class Qwen3Next(LayerRangeModel):
             x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps, out="moe_x")
             h = be.add(h, self._moe(layer, x), out="h")
         return h
+
+    forward_rows = next_rows.forward_rows   # a batched decode step (models/next_rows.py)
 
     # ---- gated attention -----------------------------------------------------------------------
     def _attention(self, layer, x, session, pos0):

@@ -60,6 +60,8 @@ class PlanParams:
     stage_cache_slots  pin: at most this many pairs per stage cache (STRATA_STAGE_CACHE_SLOTS, tests).
     verify_rows      rows of a speculative verify window every stage keeps room for (--spec K:
                      K + 1; 0: no speculation), priced by pricing.verify_window_bytes.
+    sessions         sessions every stage carves (--parallel: a request at once each), each priced
+                     as one session of the context.
     draft_bytes      what the draft model (--draft-model) takes on the last stage, which carries
                      it: weights, session and catch-up buffers (draft_model.plan_bytes); 0: none.
     """
@@ -82,6 +84,7 @@ class PlanParams:
     weight_slice: bool = True
     stage_cache_slots: int | None = None
     verify_rows: int = 0
+    sessions: int = 1
     draft_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class PlanParams:
             raise ValueError(f"draft_bytes must be >= 0, got {self.draft_bytes}")
         if self.verify_rows < 0:
             raise ValueError(f"verify_rows must be >= 0, got {self.verify_rows}")
+        if self.sessions < 1:
+            raise ValueError(f"sessions must be >= 1, got {self.sessions}")
         if self.stage_cache_slots is not None and self.stage_cache_slots < 0:
             raise ValueError(f"stage_cache_slots must be >= 0, got {self.stage_cache_slots}")
 

@@ -250,7 +250,8 @@ def _skip_if_fits(cm: CostModel, stage_set: Sequence[int] | None) -> Placement |
 def _no_fit_message(cm: CostModel) -> str:
     L = cm.shape.n_layers
     biggest = max(range(len(cm.devices)), key=lambda d: cm.free[d])
-    w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice)
+    w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice,
+                                sessions=cm.params.sessions)
     return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
             f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
             f"{(w + s) / MIB:.1f} MiB at {cm.cells} cells before per-stage reserves, "
@@ -300,7 +301,8 @@ def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
     p = search_fixed(cm, stage_set)
     if p is None:
         L = cm.shape.n_layers
-        w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice)
+        w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice,
+                                    sessions=cm.params.sessions)
         free = ", ".join(f"{cm.devices[d].label} {cm.free[d] / MIB:.1f}" for d in stage_set)
         raise PlanError(f"no split of the {L} layers over the --stage-gpus cards fits: the whole "
                         f"model's dense weights and session need {(w + s) / MIB:.1f} MiB at "
@@ -420,7 +422,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     for i, (d, f, loan) in enumerate(zip(placement.devices, fills, loans)):
         w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
                                     handoff_rows=cm.handoff_rows, verify_rows=params.verify_rows,
-                                    draft_bytes=params.draft_bytes)
+                                    draft_bytes=params.draft_bytes,
+                                    sessions=params.sessions)
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),

@@ -116,22 +116,23 @@ def reserve_bytes(shape: ModelShape, first: bool, last: bool,
 
 
 def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
-                      weight_slice: bool = True,
-                      handoff_rows: int = HANDOFF_ROWS,
-                      verify_rows: int = 0, draft_bytes: int = 0) -> tuple[int, int, int]:
+                      weight_slice: bool = True, handoff_rows: int = HANDOFF_ROWS,
+                      verify_rows: int = 0, sessions: int = 1,
+                      draft_bytes: int = 0) -> tuple[int, int, int]:
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range.
-    The reserve holds a verify window of `verify_rows` rows (verify_window_bytes), and on the last
-    stage the draft model's `draft_bytes` (PlanParams.draft_bytes)."""
+    `sessions` (--parallel): that many sessions, each of `cells`. The reserve holds a verify window
+    of `verify_rows` rows (verify_window_bytes), and on the last stage the draft model's
+    `draft_bytes` (PlanParams.draft_bytes)."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
-            session_bytes(shape, cells, lb, le),
+            sessions * session_bytes(shape, cells, lb, le),
             reserve_bytes(shape, first, last, handoff_rows)
             + verify_window_bytes(shape, lb, le, verify_rows) + (draft_bytes if last else 0))
 
 
 def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
                       handoff_rows: int = HANDOFF_ROWS, verify_rows: int = 0,
-                      draft_bytes: int = 0) -> np.ndarray:
+                      sessions: int = 1, draft_bytes: int = 0) -> np.ndarray:
     """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
     (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
     stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
@@ -161,7 +162,7 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
     rec = span(pre([r if lin else 0 for r, lin in zip(shape.recurrent_bytes, is_lin)]))
     has_attn = span(pre(is_attn)) > 0
     scratch = has_attn * (DECODE_ROWS * shape.n_head * cells * SCORE_DTYPE_BYTES)
-    session = shape.rope_bytes_per_cell * cells + kv + rec + scratch
+    session = sessions * (shape.rope_bytes_per_cell * cells + kv + rec + scratch)
 
     reserve = (STAGE_WORK_RESERVE_BYTES + last * HEAD_RESERVE_BYTES
                + handoff_bytes(shape, handoff_rows) * ((~first).astype(np.int64)

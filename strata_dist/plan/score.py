@@ -57,7 +57,8 @@ class CostModel:
         self.tables = RankTables(shape, self.ranking, self.mass)
         self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
                                        handoff_rows=handoff_rows, verify_rows=params.verify_rows,
-                                       draft_bytes=params.draft_bytes)
+                                       draft_bytes=params.draft_bytes,
+                                       sessions=params.sessions)
         self.withheld = np.zeros(len(self.devices), dtype=np.int64) if withheld is None else \
             np.array(withheld, dtype=np.int64)
         self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64) - self.withheld

@@ -399,6 +399,10 @@ def parse_chat(body: dict, lim: Limits, cancelled: Callable[[], bool] | None = N
     sampling = _with_tool_grammar(body, tool_grammar, _with_grammar(body, lim, _sampling(body, lim)))
     stream, include_usage = _stream(body)
     stops = _stop_strings(body)
+    if stops and tool_grammar:
+        # the call's own text holds newlines, braces and quotes: a stop string would cut it
+        raise _bad("stop", "'stop' cannot be set with a forced tool call (tool_choice "
+                   "'required' or a named function): it would cut the call", "unsupported_parameter")
     salt = _cache_salt(body)
     if body.get("echo") not in (None, False):
         raise _bad("echo", "'echo' is for /v1/completions; a chat reply has no prompt text",

@@ -92,13 +92,14 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
                  info_lines: Callable | None = None, say=None,
                  prompt_cache_every: int | None = None,
                  relaunch: Callable | None = None, restarts: int = 0,
-                 allowed_hosts: str | None = None, spec=None) -> int:
+                 allowed_hosts: str | None = None, spec=None, parallel: int = 1) -> int:
     """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
     coordinator, cfg.ranks). When a rank dies, the request in flight and the queue fail (503),
     /health answers 503 with the error, and up to `restarts` times `relaunch()` (which stops the
     old ranks) gives a fresh launch that is loaded and served; after that RankFailure propagates
     to the caller (which stops the ranks). The HTTP listener is stopped here in every case.
-    `allowed_hosts`: --allowed-hosts (hosts.py; None: the listen address and localhost)."""
+    `allowed_hosts`: --allowed-hosts (hosts.py; None: the listen address and localhost).
+    `parallel`: --parallel, the requests served at once (a session each on every stage)."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     tok = GGUFTokenizer.from_gguf(launch.gguf)
     if tok.vocab_size > n_vocab:
@@ -161,15 +162,19 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             progress.close()
             launch.echo = echo
         sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
-        session = HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None,
-                              keep_conversations=any(s.conversation_bytes for s in plan.stages),
-                              **({} if prompt_cache_every is None
-                                 else {"checkpoint_every": prompt_cache_every}),
-                              **({} if spec is None else {"spec": spec}))
+        sessions = [HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None, session_id=i,
+                                keep_conversations=any(s.conversation_bytes for s in plan.stages),
+                                conversations_in_host=any(s.conversation_in == "host"
+                                                          for s in plan.stages),
+                                **({} if prompt_cache_every is None
+                                   else {"checkpoint_every": prompt_cache_every}),
+                                **({} if spec is None else {"spec": spec}))
+                    for i in range(parallel)]
         if info_lines is not None:
             for line in info_lines(plan):
                 say(line)
-        worker.attach(session)
+        # --parallel: while others decode, a prompt reads a chunk per decode step
+        worker.attach(sessions[0], sessions[1:], prompt_budget=plan.chunk)
         say(f"ready: serving {model_id} on {url} (OpenAI API under /v1, Monitor at /, "
             f"{time.monotonic() - t0:.1f} s to load)")
 

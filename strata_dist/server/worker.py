@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from ..head import HeadSession, LogprobRequest
 from ..sampler import SamplingParams, TokenLogprob
 from ..tokenizer import GGUFTokenizer
 from .history import RequestLog
+from .job_queue import RETRY_AFTER_MAX_S, JobQueue, RateMeter
 from .metrics import LatencyHistograms
 
 log = logging.getLogger("strata.server")
@@ -37,8 +37,6 @@ log = logging.getLogger("strata.server")
 COUNTERS_ARE_TOTALS = True
 STATS_EVERY_S = 2.0      # how often an idle worker asks the ranks for their counters
 STATS_TIMEOUT_S = 2.0
-RATE_WINDOW_S = 3.0      # live tok/s is measured over this window
-RETRY_AFTER_MAX_S = 3600  # a refused client is never told to wait longer than this
 
 
 class QueueFull(Exception):
@@ -151,78 +149,6 @@ class Job:
             pass
 
 
-class JobQueue:
-    """A bounded FIFO whose waiting jobs can leave (their client went away) and free their place."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.items: deque[Job] = deque()
-        self.cond = threading.Condition()
-
-    def put_nowait(self, job: Job) -> None:
-        with self.cond:
-            if len(self.items) >= self.capacity:
-                raise queue.Full
-            self.items.append(job)
-            self.cond.notify()
-
-    def get(self, timeout: float) -> Job:
-        with self.cond:
-            if not self.items:
-                self.cond.wait(timeout)
-            if not self.items:
-                raise queue.Empty
-            return self.items.popleft()
-
-    def get_nowait(self) -> Job:
-        with self.cond:
-            if not self.items:
-                raise queue.Empty
-            return self.items.popleft()
-
-    def discard(self, job: Job) -> bool:
-        with self.cond:
-            try:
-                self.items.remove(job)
-                return True
-            except ValueError:
-                return False
-
-    def qsize(self) -> int:
-        with self.cond:
-            return len(self.items)
-
-    def waiting(self) -> list[Job]:
-        with self.cond:
-            return list(self.items)
-
-
-class RateMeter:
-    """Tokens per second over a sliding window."""
-
-    def __init__(self, window_s: float = RATE_WINDOW_S):
-        self.window = window_s
-        self.marks: deque[tuple[float, int]] = deque()
-        self.lock = threading.Lock()
-
-    def add(self, n: int = 1, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        with self.lock:
-            self.marks.append((now, n))
-            self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self.marks and now - self.marks[0][0] > self.window:
-            self.marks.popleft()
-
-    def rate(self, now: float | None = None) -> float:
-        """Tokens in the last window, per second (0 once nothing arrived for a window)."""
-        now = time.monotonic() if now is None else now
-        with self.lock:
-            self._trim(now)
-            return sum(m[1] for m in self.marks) / self.window
-
-
 class TextStream:
     """Detokenizes one job's tokens and applies its stop strings."""
 
@@ -318,6 +244,7 @@ class Worker:
         self.session: HeadSession | None = None
         self.coord = None
         self.running: Job | None = None
+        self.parallel = None               # --parallel B > 1: server/parallel.py ParallelRuns
         self.running_tokens = 0
         self.running_since = 0.0
         self.lock = threading.Lock()
@@ -365,6 +292,8 @@ class Worker:
         the work ahead of it takes at the measured rates — what the running request has left to
         generate plus each waiting one's prompt and max tokens. Requests that stop before their
         max tokens free the queue sooner, so this is a bound rather than a promise."""
+        if self.parallel is not None:    # requests at once: the work ahead at the aggregate rate
+            return self.parallel.retry_after_s()
         with self.lock:
             running, made, since = self.running, self.running_tokens, self.running_since
             last = dict(self.last)
@@ -401,7 +330,9 @@ class Worker:
             return {
                 "state": self.state, "error": self.error, "lost": dict(self.lost),
                 "queue": {"waiting": self.jobs.qsize(), "capacity": self.queue_size,
-                          "running": 1 if running is not None else 0},
+                          "running": len(self.parallel.jobs_running()) if self.parallel
+                          else 1 if running is not None else 0,
+                          **(self.parallel.view() if self.parallel else {})},
                 "totals": dict(self.totals),
                 "decode_tokens_per_second": round(self.decode_rate.rate(), 3),
                 "running": None if running is None else {
@@ -424,9 +355,14 @@ class Worker:
         self._stop.set()
 
     # ---- on the coordinator's thread ------------------------------------------------------------
-    def attach(self, session: HeadSession) -> None:
+    def attach(self, session: HeadSession, more: list[HeadSession] = (),
+               prompt_budget: int = 0) -> None:
+        """`more`: the other sessions of --parallel (jobs then run at once, batched)."""
+        from .parallel import ParallelRuns
         self.session = session
         self.coord = session.coord
+        self.parallel = (ParallelRuns(self, [session, *more], prompt_budget or 1) if more
+                         else None)
         self.lost = {}
         self.state, self.error = "ready", None
 
@@ -452,6 +388,11 @@ class Worker:
         try:
             while not self._stop.is_set() and not should_stop():
                 try:
+                    if self.parallel is not None:   # jobs at once (--parallel)
+                        if self.parallel.turn():
+                            self._note_lost()
+                            continue
+                        raise queue.Empty
                     job = self.jobs.get(timeout=0.05)
                 except queue.Empty:
                     self.coord.idle(0.0)
@@ -470,8 +411,9 @@ class Worker:
                 self._drain(503, "the server is stopping", "unavailable")
 
     def _drain(self, status: int, message: str, code: str) -> None:
-        if self.running is not None:
-            self.running.post(Event("error", status=status, message=message, code=code))
+        for job in self.parallel.jobs_running() if self.parallel else [self.running]:
+            if job is not None:
+                job.post(Event("error", status=status, message=message, code=code))
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -492,7 +434,10 @@ class Worker:
                 self.rank_gauges[rank] = dict(rep.gauges)
             self.stats_at = time.monotonic()
 
-    def _run_job(self, job: Job) -> None:
+    def _run_job(self, job: Job, session: HeadSession | None = None, refresh: bool = True) -> None:
+        """Run one job on `session` (the worker's own by default); `refresh`: then ask the ranks
+        for their counters (only on the coordinator's thread)."""
+        session = session or self.session
         if job.cancelled.is_set():     # its client left while it waited
             with self.lock:
                 self.totals["requests_cancelled"] += 1
@@ -545,7 +490,7 @@ class Worker:
                 if index:
                     stream = TextStream(self.tok, spec, context)
                 stream.index = index
-                out = self.session.generate(
+                out = session.generate(
                     ids, spec.max_new, _choice_params(spec.params, j),
                     stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
                     on_prompt_logprobs=lambda lps: job.post(Event("prompt", index=index,
@@ -603,7 +548,7 @@ class Worker:
             raise
         except Exception as e:           # a bug must fail this request only
             log.exception("request %s failed", job.id)
-            self.session.tokens = []
+            session.tokens = []
             job.post(Event("error", status=500, message=f"internal error: {type(e).__name__}: {e}",
                            code="internal"))
         except BaseException:            # Ctrl-C / SIGTERM: the stream ends with a message
@@ -611,11 +556,12 @@ class Worker:
             raise
         finally:
             with self.lock:
-                self.running = None
+                if self.running is job:
+                    self.running = None
                 self.totals[outcome] += 1
             self.requests.finished(job, outcome, result if outcome == "requests_ok" else None,
                                    len(stream.tokens))
-        if time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
+        if refresh and time.monotonic() - self.stats_at > STATS_EVERY_S / 4:
             self._refresh_stats()
 
 

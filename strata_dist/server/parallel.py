@@ -1,0 +1,137 @@
+"""--parallel B on the server: up to B jobs at once, their decode steps batched.
+
+Each running job has a thread of its own and one of B head sessions (session ids 0..B-1 on every
+stage, each its own KV); its generation goes through the BatchScheduler
+(strata_dist/batch_scheduler.py), which the worker's thread pumps: that thread alone touches the
+coordinator's sockets. A job waits in the worker's queue (admission and 429 as with one at a
+time) until a session is free."""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+
+from ..batch_scheduler import BatchScheduler
+from ..coordinator import RankFailure
+from ..head import HeadSession
+from .job_queue import RETRY_AFTER_MAX_S
+
+log = logging.getLogger("strata.server")
+
+PUMP_S = 0.02        # the longest the scheduler waits for the pipeline in one turn
+IDLE_WAIT_S = 0.05   # the longest an idle turn waits for a job
+JOIN_S = 5.0         # a job thread's last words after the server stops
+
+
+class ParallelRuns:
+    def __init__(self, worker, sessions: list[HeadSession], prompt_budget: int):
+        self.worker = worker
+        self.scheduler = BatchScheduler(sessions[0].coord, len(sessions), prompt_budget)
+        for s in sessions:
+            s.runner = self.scheduler
+        self.free: list[HeadSession] = list(sessions)
+        self.sessions = list(sessions)
+        self.running: dict[int, tuple[threading.Thread, HeadSession, object]] = {}
+        self.failure: RankFailure | None = None     # a job thread's, raised on the worker's
+        self._used: dict[int, int] = {}               # session id -> when a job last took it
+        self._uses = 0
+        self.lock = threading.Lock()
+
+    def turn(self) -> bool:
+        """Start waiting jobs on free sessions and move the pipeline along once; False when
+        nothing was running or waiting (the caller idles)."""
+        self._reap()
+        started = False
+        while self.free:
+            try:   # with nothing running, wait a moment for a job (the caller idles otherwise)
+                job = (self.worker.jobs.get(timeout=IDLE_WAIT_S) if not self.running
+                       and not started else self.worker.jobs.get_nowait())
+            except queue.Empty:
+                break
+            self._start(job)
+            started = True
+        busy = bool(self.running)
+        if busy:
+            self.scheduler.pump(PUMP_S)
+        self._reap()
+        if self.failure is not None:
+            raise self.failure
+        return busy or started
+
+    def retry_after_s(self) -> int:
+        """Retry-After with B requests at once: every running and waiting request's prompt and
+        max tokens (a bound: the running ones have made some) at the rates measured over all
+        streams (the window's aggregate tokens per second, the last prompt's read rate)."""
+        w = self.worker
+        with w.lock:
+            last = dict(w.last)
+        jobs = w.jobs.waiting() + self.jobs_running()
+        decode_tps = w.decode_rate.rate() or last.get("decode_tokens_per_second") or 0.0
+        if decode_tps <= 0:      # nothing measured yet: a second per round of B requests
+            return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(len(jobs) / len(self.sessions)))))
+        tokens = sum(j.spec.max_new * j.spec.n * len(j.spec.prompts) for j in jobs)
+        prompt = sum(len(ids) for j in jobs for ids, _ in j.spec.prompts)
+        prompt_tps = last.get("prompt_tokens_per_second") or 0.0
+        seconds = tokens / decode_tps + (prompt / prompt_tps if prompt_tps > 0 else 0.0)
+        return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(seconds))))
+
+    def jobs_running(self) -> list:
+        with self.lock:
+            return [job for _, _, job in self.running.values()]
+
+    def view(self) -> dict:
+        """What /v1/status shows of it (in `queue`): the sessions, each with the job it serves,
+        and the batched steps so far with their rows (rows / steps: the mean batch)."""
+        with self.lock:
+            busy = {session.session_id: job.id for _, session, job in self.running.values()}
+        return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
+                "batched_rows": self.scheduler.rows,
+                "most_steps_in_flight": self.scheduler.most_in_flight,
+                "sessions": [{"session": s.session_id, "request": busy.get(s.session_id),
+                              "held_tokens": len(s.tokens)} for s in self.sessions]}
+
+    def _start(self, job) -> None:
+        session = self._session_for(job.spec)
+        self.free.remove(session)
+        t = threading.Thread(target=self._run, args=(job, session), daemon=True,
+                             name=f"job-{job.number}")
+        with self.lock:
+            self.running[job.number] = (t, session, job)
+        t.start()
+
+    def _session_for(self, spec) -> HeadSession:
+        """The free session whose whole conversation the job's prompt continues (of its salt;
+        the longest), so B conversations each resume where they left off; else an empty one;
+        else the least recently used."""
+        ids = spec.prompt_ids
+
+        def rank(s: HeadSession) -> tuple:
+            held = len(s.tokens)
+            continues = (spec.cache_prompt and s.salt == spec.cache_salt and 0 < held < len(ids)
+                         and ids[:held] == s.tokens)
+            return (held if continues else 0, not s.tokens, -self._used.get(s.session_id, 0))
+        self._uses += 1
+        best = max(self.free, key=rank)
+        self._used[best.session_id] = self._uses
+        return best
+
+    def _run(self, job, session: HeadSession) -> None:
+        try:
+            self.worker._run_job(job, session=session, refresh=False)
+        except RankFailure as e:
+            self.failure = self.failure or e
+        except BaseException:   # noqa: BLE001 - _run_job reported it to the client
+            log.exception("job %s ended with an error", job.id)
+
+    def _reap(self) -> None:
+        with self.lock:
+            done = [n for n, (t, _, _) in self.running.items() if not t.is_alive()]
+            for n in done:
+                _, session, _ = self.running.pop(n)
+                self.free.append(session)
+
+    def stop(self) -> None:
+        """The server stops: running jobs were told by the drain; their threads end."""
+        for t, _, _ in list(self.running.values()):
+            t.join(JOIN_S)
