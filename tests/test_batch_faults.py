@@ -1,0 +1,132 @@
+"""Faults and bookkeeping of batched decode (--parallel; strata_dist/batch_scheduler.py,
+strata_dist/server/parallel.py): step timeouts that tell a queued request from a silent pipeline,
+per-job running state and rank stats on /v1/status, a Cancel the last stage must answer. Real
+CPU ranks through the launcher, real HTTP clients."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from launcher.launch import Launch, LaunchConfig
+from launcher.spawn import RankSpec
+from protocol.messages import Sampling
+from strata_dist.batch_scheduler import BatchScheduler
+from strata_dist.coordinator import RankFailure
+from strata_dist.plan.params import PlanParams
+from strata_dist.synth import write_synthetic
+
+LONG_PROMPT = 8000      # tokens: a couple of seconds of prompt on two CPU stages
+QUEUED_TIMEOUT_S = 0.25 # many of them pass while the long prompt is read
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "tiny.gguf"
+    write_synthetic(str(path), like="tiny", quant="f32")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pipeline(synth):
+    """Two CPU stage ranks through the launcher, and a scheduler over them."""
+    cfg = LaunchConfig(model=synth, ranks=[RankSpec(i, "cpu", None, "1G") for i in range(2)],
+                       split=[2], max_context=LONG_PROMPT + 64, prefill=32,
+                       params=PlanParams(sessions=2), load_timeout_s=60, register_timeout_s=60)
+    launch = Launch(cfg, echo=lambda line: None)
+    try:
+        plan = launch.start()
+        yield launch, plan
+    finally:
+        launch.close()
+
+
+class _Pumped:
+    """The scheduler pumped on a thread of its own (as the server's worker does)."""
+
+    def __init__(self, coord, chunk: int):
+        self.scheduler = BatchScheduler(coord, 2, chunk)
+        self.chunk = chunk
+        self.failure: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.scheduler.pump(0.02)
+        except RankFailure as e:
+            self.failure.append(e)
+
+    def request(self, session_id: int, ids: list[int], step_timeout_s: float, out: dict,
+                name: str) -> threading.Thread:
+        def run():
+            started = time.monotonic()
+            try:
+                reason = self.scheduler.run_request(
+                    session_id, 0, ids, Sampling(max_new=4, temperature=0.0), self.chunk,
+                    lambda e: None, step_timeout_s=step_timeout_s)
+                out[name] = ("ok", reason, time.monotonic() - started)
+            except Exception as e:   # noqa: BLE001 - the test looks at what it was
+                out[name] = ("error", e, time.monotonic() - started)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_queued_behind_a_long_prompt_is_not_timed_out(pipeline):
+    """B waits (no message of its own) while A's long prompt takes many step timeouts to read:
+    both finish, and nobody declares the healthy ranks failed."""
+    launch, plan = pipeline
+    pumped = _Pumped(launch.coordinator, plan.chunk)
+    out: dict = {}
+    try:
+        long = [int(x) for x in np.random.default_rng(1).integers(10, 300, LONG_PROMPT)]
+        a = pumped.request(0, long, QUEUED_TIMEOUT_S, out, "a")
+        time.sleep(0.1)
+        b = pumped.request(1, [5, 6, 7], QUEUED_TIMEOUT_S, out, "b")
+        a.join(100)
+        b.join(100)
+    finally:
+        pumped.stop()
+    assert out["a"][:2] == ("ok", "length"), out
+    assert out["b"][:2] == ("ok", "length"), out
+    assert out["b"][2] > 3 * QUEUED_TIMEOUT_S, f"b was not queued behind a long prompt: {out}"
+    assert not pumped.failure
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_pipeline_still_fails_every_request_in_bounded_time(pipeline):
+    """A stage rank stopped (SIGSTOP: it holds its sockets, answers nothing, and its heartbeats
+    stop later than the step timeout): every request fails with RankFailure naming what never
+    came, within about the step timeout."""
+    launch, plan = pipeline
+    coord = launch.coordinator
+    last = next(s for s in coord.ranks if s.assign is not None and s.assign.last)
+    pumped = _Pumped(coord, plan.chunk)
+    out: dict = {}
+    os.kill(last.register.pid, signal.SIGSTOP)
+    try:
+        a = pumped.request(0, [5, 6, 7, 8], 1.0, out, "a")
+        b = pumped.request(1, [9, 10], 1.0, out, "b")
+        a.join(30)
+        b.join(30)
+    finally:
+        os.kill(last.register.pid, signal.SIGCONT)
+        pumped.stop()
+    for name in ("a", "b"):
+        kind, error, took = out[name]
+        assert kind == "error" and isinstance(error, RankFailure), out
+        assert "no prompt progress for 1 s from the pipeline" in str(error), out
+        assert took < 1.0 + 5, out
+    assert pumped.failure and isinstance(pumped.failure[0], RankFailure)
