@@ -9,12 +9,14 @@ import signal
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
 from launcher.launch import Launch, LaunchConfig
 from launcher.spawn import RankSpec
 from protocol.messages import Sampling
+from server_helpers import ServerProcess
 from strata_dist.batch_scheduler import BatchScheduler
 from strata_dist.coordinator import RankFailure
 from strata_dist.plan.params import PlanParams
@@ -130,3 +132,69 @@ def test_a_silent_pipeline_still_fails_every_request_in_bounded_time(pipeline):
         assert "no prompt progress for 1 s from the pipeline" in str(error), out
         assert took < 1.0 + 5, out
     assert pumped.failure and isinstance(pumped.failure[0], RankFailure)
+
+
+@pytest.fixture(scope="module")
+def server(synth):
+    """An HTTP server with two jobs at once, one CPU stage rank."""
+    srv = ServerProcess(synth, "--cpu-ranks", "1", "--vram-budget", "1G", "--max-context", "8192",
+                        "--parallel", "2")
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def _complete(server, prompt: list[int], max_tokens: int, out: dict, name: str):
+    def run():
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                             "temperature": 0, "ignore_eos": True})
+        out[name] = r
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _rows(server) -> dict[int, dict]:
+    return {r["number"]: r for r in httpx.get(server.url + "/v1/status", timeout=10)
+            .json()["recent_requests"]}
+
+
+def _until(what, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_every_running_job_with_its_own_token_count(server):
+    """Two jobs at once: /v1/status shows both running, each with the tokens it made (the long
+    one keeps counting after the short one ends)."""
+    out: dict = {}
+    before = set(_rows(server))
+    a = _complete(server, [5, 6, 7], 6000, out, "a")
+    a_number = _until(lambda: next(iter(set(_rows(server)) - before), None))
+    _until(lambda: _rows(server)[a_number].get("generated_tokens", 0) > 50)
+    b = _complete(server, [8, 9], 200, out, "b")
+    b_number = _until(lambda: next(iter(set(_rows(server)) - before - {a_number}), None))
+    both = _until(lambda: (lambda rows: rows if rows[b_number].get("generated_tokens", 0) > 0
+                           else None)(_rows(server)))
+    assert both[a_number]["state"] == both[b_number]["state"] == "running", both
+    # each its own count: the one that started first has made more
+    assert both[a_number]["generated_tokens"] > both[b_number]["generated_tokens"], both
+    b.join(60)
+    assert out["b"].status_code == 200, out["b"].text
+    after = _rows(server)
+    assert after[b_number]["state"] == "done" and after[b_number]["generated_tokens"] == 200
+    assert after[a_number]["state"] == "running", after
+    assert after[a_number]["generated_tokens"] > both[a_number]["generated_tokens"], after
+    status = httpx.get(server.url + "/v1/status", timeout=10).json()
+    assert status["queue"]["running"] == 1
+    assert status["throughput"]["running"]["tokens"] >= after[a_number]["generated_tokens"]
+    a.join(100)
+    assert out["a"].status_code == 200, out["a"].text
