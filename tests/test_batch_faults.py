@@ -20,6 +20,7 @@ from server_helpers import ServerProcess
 from strata_dist.batch_scheduler import BatchScheduler
 from strata_dist.coordinator import RankFailure
 from strata_dist.plan.params import PlanParams
+from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
 from strata_dist.synth import write_synthetic
 
 LONG_PROMPT = 8000      # tokens: a couple of seconds of prompt on two CPU stages
@@ -198,3 +199,36 @@ def test_status_shows_every_running_job_with_its_own_token_count(server):
     assert status["throughput"]["running"]["tokens"] >= after[a_number]["generated_tokens"]
     a.join(100)
     assert out["a"].status_code == 200, out["a"].text
+
+
+@pytest.mark.timeout(120)
+def test_rank_stats_stay_fresh_while_jobs_run_at_once(server):
+    """Two clients keep both sessions busy for several refresh periods: /v1/status's rank stats
+    keep being refreshed (asked without waiting, the replies met by the scheduler's pump)."""
+    load_s = 3 * (STATS_EVERY_S + STATS_TIMEOUT_S)
+    stop_at = time.monotonic() + load_s
+    failures: list = []
+
+    def client(prompt):
+        while time.monotonic() < stop_at:
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 300,
+                                 "temperature": 0, "ignore_eos": True})
+            if r.status_code != 200:
+                failures.append(r.text)
+    clients = [threading.Thread(target=client, args=([5 + i, 6],), daemon=True)
+               for i in range(2)]
+    for t in clients:
+        t.start()
+    ages, busy = [], []
+    while time.monotonic() < stop_at - 0.5:
+        time.sleep(0.5)
+        status = httpx.get(server.url + "/v1/status", timeout=10).json()
+        ages.append(status["stats_age_s"])
+        busy.append(status["queue"]["running"])
+    for t in clients:
+        t.join(60)
+    assert not failures, failures
+    assert sum(busy) >= len(busy), f"the server was not kept busy: {busy}"
+    assert max(ages[2:]) < STATS_EVERY_S + STATS_TIMEOUT_S + 1.0, ages
+    assert status["ranks"] and all(r.get("counters") for r in status["ranks"]), status["ranks"]

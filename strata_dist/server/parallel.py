@@ -11,11 +11,13 @@ import logging
 import math
 import queue
 import threading
+import time
 
 from ..batch_scheduler import BatchScheduler
 from ..coordinator import RankFailure
 from ..head import HeadSession
 from .job_queue import RETRY_AFTER_MAX_S
+from .worker import STATS_EVERY_S, STATS_TIMEOUT_S
 
 log = logging.getLogger("strata.server")
 
@@ -36,6 +38,7 @@ class ParallelRuns:
         self.failure: RankFailure | None = None     # a job thread's, raised on the worker's
         self._used: dict[int, int] = {}               # session id -> when a job last took it
         self._uses = 0
+        self._stats_asked_at: float | None = None   # the ranks' counters asked, not all back yet
         self.lock = threading.Lock()
 
     def turn(self) -> bool:
@@ -54,10 +57,30 @@ class ParallelRuns:
         busy = bool(self.running)
         if busy:
             self.scheduler.pump(PUMP_S)
+            self._stats_when_due()
         self._reap()
         if self.failure is not None:
             raise self.failure
         return busy or started
+
+    def _stats_when_due(self) -> None:
+        """The ranks' counters while jobs run. The waiting coord.stats() would read the inbox
+        and drop the scheduler's Tokens, so they are asked without waiting; the scheduler's pump
+        meets the replies (the coordinator keeps them) and they are taken once all came, or
+        what came after STATS_TIMEOUT_S."""
+        coord, now = self.worker.coord, time.monotonic()
+        if self._stats_asked_at is None:
+            if now - self.worker.stats_at > STATS_EVERY_S:
+                coord._stats.clear()    # what is there after this comes from this asking
+                coord.ask_stats()
+                self._stats_asked_at = now
+            return
+        replies = dict(coord._stats)
+        live = [s.rank for s in coord.ranks if s.rank not in coord.lost]
+        if all(r in replies for r in live) or now - self._stats_asked_at > STATS_TIMEOUT_S:
+            if replies:      # none at all: asked again next turn, the age keeps growing
+                self.worker.take_stats(replies)
+            self._stats_asked_at = None
 
     def retry_after_s(self) -> int:
         """Retry-After with B requests at once: every running and waiting request's prompt and

@@ -438,7 +438,11 @@ class Worker:
             self.requests.finished(job, "requests_error")
 
     def _refresh_stats(self) -> None:
-        replies = self.coord.stats(timeout_s=STATS_TIMEOUT_S)
+        self.take_stats(self.coord.stats(timeout_s=STATS_TIMEOUT_S))
+
+    def take_stats(self, replies: dict) -> None:
+        """The ranks' counters that came back (asked and waited for here, or with --parallel
+        asked without waiting and met by the scheduler's pump)."""
         with self.lock:
             for rank, rep in replies.items():
                 acc = self.rank_counters.setdefault(rank, {})
