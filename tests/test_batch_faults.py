@@ -15,12 +15,15 @@ import pytest
 
 from launcher.launch import Launch, LaunchConfig
 from launcher.spawn import RankSpec
+from protocol import Cancel, PromptProgress, Token, Tokens
 from protocol.messages import Sampling
 from server_helpers import ServerProcess
 from strata_dist.batch_scheduler import BatchScheduler
 from strata_dist.coordinator import RankFailure
 from strata_dist.plan.params import PlanParams
 from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
+from strata_dist.stage import Stage, StageConfig
+from strata_dist.stage_step import StageStep
 from strata_dist.synth import write_synthetic
 
 LONG_PROMPT = 8000      # tokens: a couple of seconds of prompt on two CPU stages
@@ -232,3 +235,32 @@ def test_rank_stats_stay_fresh_while_jobs_run_at_once(server):
     assert sum(busy) >= len(busy), f"the server was not kept busy: {busy}"
     assert max(ages[2:]) < STATS_EVERY_S + STATS_TIMEOUT_S + 1.0, ages
     assert status["ranks"] and all(r.get("counters") for r in status["ranks"]), status["ranks"]
+
+
+def test_the_last_stage_answers_a_cancel_of_a_request_that_did_not_end_there(synth):
+    """--parallel: B's prompt (sent after A's) ends on the last stage before A's Cancel comes
+    there; A never ended there, so the Cancel is answered (the head waits for that answer). A
+    Cancel of a request that did end there (its final Token sent) stays unanswered."""
+    stage = Stage(StageConfig(model_path=synth, device="cpu", lb=0, le=4, first=True, last=True,
+                              max_context=256))
+    for sid in (0, 1):
+        stage.session(sid)
+    step = StageStep(stage, 0, last=True)
+    sampling = Sampling(max_new=5, head_steps=True)
+    # A (request 5): chunk 0 of 2 read here; its chunk 1 was dropped upstream by A's Cancel
+    assert [type(o.msg) for o in step.step(Tokens(
+        request_id=5, session_id=0, pos=0, ids=[3, 4], chunk_index=0, chunk_total=2,
+        sampling=sampling))] == [PromptProgress]
+    # B (request 6) reads its whole prompt and gets its first token
+    assert [type(o.msg) for o in step.step(Tokens(
+        request_id=6, session_id=1, pos=0, ids=[7, 8], sampling=sampling))] == [PromptProgress,
+                                                                                  Token]
+    answer = step.step(Cancel(request_id=5))
+    assert [(o.msg.request_id, o.msg.done, o.msg.reason) for o in answer] == [
+        (5, True, "cancelled")]
+    assert step.step(Cancel(request_id=5)) == []      # once
+    # C (request 7) ends here (one token asked); its Cancel, come late, gets nothing
+    out = step.step(Tokens(request_id=7, session_id=0, pos=0, ids=[9],
+                           sampling=Sampling(max_new=1, head_steps=True)))
+    assert out[-1].msg.done and out[-1].msg.reason == "length"
+    assert step.step(Cancel(request_id=7)) == []
