@@ -312,7 +312,7 @@ class BatchScheduler:
         if now - self._heard_at > timeout_s:
             what = ("a token" if all(st.read >= st.chunks for st in owed)
                     else "prompt progress")
-            e = RankFailure(f"no {what} for {timeout_s:.0f} s from the pipeline")
+            e = RankFailure(f"no {what} for {timeout_s:g} s from the pipeline")
             self._fail_all(e)
             raise e
         for st in owed:
@@ -323,7 +323,7 @@ class BatchScheduler:
                 continue
             self.coord._cancel_everywhere(st.request_id)
             what = "a token" if st.read >= st.chunks else "prompt progress"
-            self._fail(st, RequestError(f"no {what} for {st.step_timeout_s:.0f} s for this "
+            self._fail(st, RequestError(f"no {what} for {st.step_timeout_s:g} s for this "
                                         f"request while the pipeline answered others"))
 
     def _finish(self, st: _Stream, reason: str) -> None:

@@ -15,11 +15,11 @@ import pytest
 
 from launcher.launch import Launch, LaunchConfig
 from launcher.spawn import RankSpec
-from protocol import Cancel, PromptProgress, Token, Tokens
+from protocol import Cancel, Channel, PromptProgress, Token, Tokens
 from protocol.messages import Sampling
 from server_helpers import ServerProcess
 from strata_dist.batch_scheduler import BatchScheduler
-from strata_dist.coordinator import RankFailure
+from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.plan.params import PlanParams
 from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
 from strata_dist.stage import Stage, StageConfig
@@ -70,13 +70,15 @@ class _Pumped:
             self.failure.append(e)
 
     def request(self, session_id: int, ids: list[int], step_timeout_s: float, out: dict,
-                name: str) -> threading.Thread:
+                name: str, max_new: int = 4, on_event=lambda e: None,
+                cancel: threading.Event | None = None) -> threading.Thread:
         def run():
             started = time.monotonic()
             try:
                 reason = self.scheduler.run_request(
-                    session_id, 0, ids, Sampling(max_new=4, temperature=0.0), self.chunk,
-                    lambda e: None, step_timeout_s=step_timeout_s)
+                    session_id, 0, ids, Sampling(max_new=max_new, temperature=0.0), self.chunk,
+                    on_event, step_timeout_s=step_timeout_s,
+                    should_cancel=cancel.is_set if cancel is not None else None)
                 out[name] = ("ok", reason, time.monotonic() - started)
             except Exception as e:   # noqa: BLE001 - the test looks at what it was
                 out[name] = ("error", e, time.monotonic() - started)
@@ -108,6 +110,48 @@ def test_a_request_queued_behind_a_long_prompt_is_not_timed_out(pipeline):
     assert out["a"][:2] == ("ok", "length"), out
     assert out["b"][:2] == ("ok", "length"), out
     assert out["b"][2] > 3 * QUEUED_TIMEOUT_S, f"b was not queued behind a long prompt: {out}"
+    assert not pumped.failure
+
+
+@pytest.mark.timeout(120)
+def test_a_request_the_pipeline_stops_answering_fails_alone(pipeline):
+    """A's prompt stops on the first stage (a Cancel sent to that stage alone drops its chunks
+    there: the last stage never hears of A again) while B decodes on: A fails alone after its
+    step timeout, B runs on until its client cancels it, and the ranks are not declared
+    failed."""
+    launch, plan = pipeline
+    coord = launch.coordinator
+    first = next(s for s in coord.ranks if s.assign is not None and s.assign.first)
+    to_first = Channel("push", peer=f"rank {first.rank}")
+    to_first.connect(first.data_endpoint).seal_tcp(coord.seal)
+    pumped = _Pumped(coord, plan.chunk)
+    out: dict = {}
+    b_tokens: list = []
+    b_cancel = threading.Event()
+    cut = threading.Event()
+
+    def a_event(event):   # A's first chunk came through: the rest stop on the first stage
+        if not cut.is_set():
+            cut.set()
+            to_first.send(Cancel(request_id=event.msg.request_id), timeout_ms=5000)
+    try:
+        b = pumped.request(1, [5, 6, 7], QUEUED_TIMEOUT_S, out, "b", max_new=LONG_PROMPT,
+                           on_event=b_tokens.append, cancel=b_cancel)
+        _until(lambda: len(b_tokens) > 3)
+        long = [int(x) for x in np.random.default_rng(2).integers(10, 300, LONG_PROMPT // 2)]
+        a = pumped.request(0, long, QUEUED_TIMEOUT_S, out, "a", on_event=a_event)
+        a.join(60)
+        b_running = "b" not in out
+        b_cancel.set()
+        b.join(60)
+    finally:
+        pumped.stop()
+        to_first.close()
+    kind, error, took = out["a"]
+    assert kind == "error" and isinstance(error, RequestError), out
+    assert f"no prompt progress for {QUEUED_TIMEOUT_S:g} s for this request" in str(error), out
+    assert b_running, f"b ended before a failed: {out}"
+    assert out["b"][:2] == ("ok", "cancelled"), out
     assert not pumped.failure
 
 
