@@ -17,7 +17,6 @@ from ..batch_scheduler import BatchScheduler
 from ..coordinator import RankFailure
 from ..head import HeadSession
 from .job_queue import RETRY_AFTER_MAX_S
-from .worker import STATS_EVERY_S, STATS_TIMEOUT_S
 
 log = logging.getLogger("strata.server")
 
@@ -27,8 +26,12 @@ JOIN_S = 5.0         # a job thread's last words after the server stops
 
 
 class ParallelRuns:
-    def __init__(self, worker, sessions: list[HeadSession], prompt_budget: int):
+    def __init__(self, worker, sessions: list[HeadSession], prompt_budget: int,
+                 stats_every_s: float, stats_timeout_s: float):
+        """`stats_every_s`: how often the ranks' counters are asked while jobs run;
+        `stats_timeout_s`: how long their replies are waited for (then what came is taken)."""
         self.worker = worker
+        self.stats_every_s, self.stats_timeout_s = stats_every_s, stats_timeout_s
         self.scheduler = BatchScheduler(sessions[0].coord, len(sessions), prompt_budget)
         for s in sessions:
             s.runner = self.scheduler
@@ -67,17 +70,18 @@ class ParallelRuns:
         """The ranks' counters while jobs run. The waiting coord.stats() would read the inbox
         and drop the scheduler's Tokens, so they are asked without waiting; the scheduler's pump
         meets the replies (the coordinator keeps them) and they are taken once all came, or
-        what came after STATS_TIMEOUT_S."""
+        what came after stats_timeout_s."""
         coord, now = self.worker.coord, time.monotonic()
         if self._stats_asked_at is None:
-            if now - self.worker.stats_at > STATS_EVERY_S:
+            if now - self.worker.stats_at > self.stats_every_s:
                 coord._stats.clear()    # what is there after this comes from this asking
                 coord.ask_stats()
                 self._stats_asked_at = now
             return
         replies = dict(coord._stats)
         live = [s.rank for s in coord.ranks if s.rank not in coord.lost]
-        if all(r in replies for r in live) or now - self._stats_asked_at > STATS_TIMEOUT_S:
+        if (all(r in replies for r in live)
+                or now - self._stats_asked_at > self.stats_timeout_s):
             if replies:      # none at all: asked again next turn, the age keeps growing
                 self.worker.take_stats(replies)
             self._stats_asked_at = None

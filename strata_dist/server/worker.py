@@ -373,8 +373,8 @@ class Worker:
         from .parallel import ParallelRuns
         self.session = session
         self.coord = session.coord
-        self.parallel = (ParallelRuns(self, [session, *more], prompt_budget or 1) if more
-                         else None)
+        self.parallel = (ParallelRuns(self, [session, *more], prompt_budget or 1,
+                                      STATS_EVERY_S, STATS_TIMEOUT_S) if more else None)
         self.lost = {}
         self.state, self.error = "ready", None
 
