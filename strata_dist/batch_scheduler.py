@@ -57,6 +57,8 @@ class _Stream:
     next_token: int | None = None   # sampled, not yet read by the stages
     next_pos: int = 0
     cancelled: bool = False         # Cancel sent to every stage
+    # when something of it last went out or came back: its clock runs only while the pipeline
+    # owes it an answer (`_owed`), so a request queued behind another's prompt is never timed out
     last_event: float = field(default_factory=time.monotonic)
 
     @property
@@ -86,6 +88,10 @@ class BatchScheduler:
         # batched steps in flight, by their request id: up to one per stage, each a group of
         # requests of its own, so stage k works on one group while stage k+1 works on another
         self._steps: dict[int, _Step] = {}
+        # when the pipeline last said anything (or work went out to an idle one): silent for a
+        # step timeout with answers owed, it is stuck or dead
+        self._heard_at = time.monotonic()
+        self._pumped_at = time.monotonic()            # the last turn of `pump` (any thread reads it)
         self.most_in_flight = 0                       # the most steps in flight at once so far
         self.steps = 0                                # batched steps sent (for tests, status)
         self.rows = 0                                 # rows in them
@@ -102,19 +108,20 @@ class BatchScheduler:
                      chunk, checkpoint_at, conversation, step_timeout_s)
         self._submitted.put(st)
         # the scheduler fails a silent pipeline after step_timeout_s; this bound only guards
-        # against a scheduler that stopped pumping
-        deadline = time.monotonic() + step_timeout_s + 30
+        # against a scheduler that stopped pumping (a request queued behind a long prompt may
+        # hear nothing for longer while the pump moves the others along)
+        stalled_s = step_timeout_s + 30
+        submitted_at = time.monotonic()
         while True:
             if should_cancel is not None and not st.cancel.is_set() and should_cancel():
                 st.cancel.set()
             try:
                 kind, payload = st.events.get(timeout=WAIT_S)
             except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise RankFailure(f"the scheduler answered nothing for "
-                                      f"{step_timeout_s + 30:.0f} s") from None
+                if time.monotonic() - max(self._pumped_at, submitted_at) > stalled_s:
+                    raise RankFailure(f"the scheduler has not run for {stalled_s:.0f} s") \
+                        from None
                 continue
-            deadline = time.monotonic() + step_timeout_s + 30
             if kind == "event":
                 on_event(payload)
             elif kind == "done":
@@ -130,6 +137,7 @@ class BatchScheduler:
     def pump(self, wait_s: float) -> None:
         """Admit new requests, send what is due, handle what came back (waiting up to wait_s,
         for the pipeline or, with nothing running, for a request)."""
+        self._pumped_at = time.monotonic()
         self._admit(0.0 if self.streams else wait_s)
         self._cancels()
         self._send_due_or_fail()
@@ -164,7 +172,6 @@ class BatchScheduler:
                                                  f"loading")))
                 continue
             st.request_id = self.coord._last_request_id = next(self.coord._request_ids)
-            st.last_event = time.monotonic()
             self.streams[st.request_id] = st
             self._prompts.append(st)
 
@@ -176,6 +183,7 @@ class BatchScheduler:
                     self._finish(st, "cancelled")
                 else:                     # the last stage answers a final Token "cancelled"
                     self.coord._cancel_everywhere(st.request_id)
+                    st.last_event = time.monotonic()
 
     def _send_due_or_fail(self) -> None:
         """_send_due; a first stage that takes nothing fails every request (it says why)."""
@@ -215,6 +223,7 @@ class BatchScheduler:
                                    st.sampling, st.checkpoint_at,
                                    st.conversation if i == 0 else None)
             st.sent += 1
+            st.last_event = time.monotonic()
             in_flight += 1
 
     def _chunk(self) -> int:
@@ -237,8 +246,9 @@ class BatchScheduler:
                           session_ids=[st.session_id for st in rows],
                           positions=[st.next_pos for st in rows])
         ids = [st.next_token for st in rows]
+        now = time.monotonic()
         for st in rows:
-            st.next_token = None
+            st.next_token, st.last_event = None, now
         self._steps[step_id] = _Step(step_id, {st.request_id for st in rows})
         self.most_in_flight = max(self.most_in_flight, len(self._steps))
         self.steps += 1
@@ -251,6 +261,7 @@ class BatchScheduler:
 
     def _on_message(self, msg) -> None:
         rid = getattr(msg, "request_id", None)
+        self._heard_at = time.monotonic()
         if isinstance(msg, Error) and rid in self._steps:
             # the whole step failed on a stage: every request in it fails (the ranks serve on)
             step = self._steps.pop(rid)
@@ -282,14 +293,38 @@ class BatchScheduler:
             elif not st.cancelled:
                 st.next_token, st.next_pos = msg.token_id, msg.pos
 
+    def _owed(self, st: _Stream) -> bool:
+        """The pipeline owes st an answer: prompt chunks sent and unread, a row of a step in
+        flight, or the final Token of a Cancel."""
+        return (st.sent > st.read or st.cancelled
+                or any(st.request_id in step.waiting for step in self._steps.values()))
+
     def _check_timeouts(self) -> None:
+        """A pipeline silent for a step timeout while it owes answers is stuck or dead: every
+        request fails (RankFailure). One request it owes and has not answered for its step
+        timeout, while it answers the others, fails alone (cancelled everywhere)."""
         now = time.monotonic()
-        for st in list(self.streams.values()):
-            if now - st.last_event > st.step_timeout_s:
-                what = "a token" if st.read >= st.chunks else "prompt progress"
-                e = RankFailure(f"no {what} for {st.step_timeout_s:.0f} s from the pipeline")
-                self._fail_all(e)
-                raise e
+        owed = [st for st in self.streams.values() if self._owed(st)]
+        if not owed:
+            self._heard_at = now       # the clock starts when work goes out to an idle pipeline
+            return
+        timeout_s = max(st.step_timeout_s for st in owed)
+        if now - self._heard_at > timeout_s:
+            what = ("a token" if all(st.read >= st.chunks for st in owed)
+                    else "prompt progress")
+            e = RankFailure(f"no {what} for {timeout_s:g} s from the pipeline")
+            self._fail_all(e)
+            raise e
+        for st in owed:
+            if now - st.last_event <= st.step_timeout_s:
+                continue
+            if st.cancelled:    # its final Token never came: it ended all the same
+                self._finish(st, "cancelled")
+                continue
+            self.coord._cancel_everywhere(st.request_id)
+            what = "a token" if st.read >= st.chunks else "prompt progress"
+            self._fail(st, RequestError(f"no {what} for {st.step_timeout_s:g} s for this "
+                                        f"request while the pipeline answered others"))
 
     def _finish(self, st: _Stream, reason: str) -> None:
         self._drop(st)

@@ -30,6 +30,10 @@ from .structured import GrammarError, GrammarMatcher, model_tokenizer
 log = logging.getLogger("strata.step")
 
 CANCELLED_KEPT = 16   # cancelled request ids a stage remembers (their late rows are dropped)
+# request ids the last stage ended (a final Token or an Error sent) that it remembers, so that a
+# Cancel of one of them goes unanswered: more than the requests at once (protocol/batch.py
+# MAX_BATCH_ROWS) can end between a Cancel's sending and its arrival
+ENDED_KEPT = 1024
 
 
 class To(Enum):
@@ -75,7 +79,9 @@ class StageStep:
         # last stage: the prompt's ids from position 0 so far, of the request whose prompt it reads
         # and whose Sampling asks for them: each chunk carries only its share (PROTOCOL.md, Sampling)
         self.prompt_ids: dict[int, list[int]] = {}
-        self._finished = 0   # last stage: the latest request whose prompt it read to the end
+        # last stage: the requests that ended here (the latest ENDED_KEPT). With --parallel, a
+        # later request may end before an earlier one's Cancel comes, so an order says nothing.
+        self.ended: deque[int] = deque(maxlen=ENDED_KEPT)
         # compute_us: time in the stage's own work (the shell adds send_us)
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
                          "stale_dropped": 0, "cancelled_dropped": 0,
@@ -103,7 +109,7 @@ class StageStep:
     def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
         """Every stage hears a Cancel (PROTOCOL.md §4): inside that request's prompt it ends the
         prompt here, and it drops the request's rows still to come. The last stage answers once,
-        unless the request had already ended there."""
+        unless the request had already ended there (its final Token or Error is the answer)."""
         if msg.request_id in self.cancelled:
             return []
         self.cancelled.append(msg.request_id)
@@ -111,7 +117,7 @@ class StageStep:
         if self.prompting == msg.request_id:
             self._end_prompt()
         req = self.requests.pop(msg.request_id, None)
-        if not self.last or (req is None and msg.request_id <= self._finished):
+        if not self.last or (req is None and msg.request_id in self.ended):
             return []
         # still reading or generating: say so, with the drafts verified and accepted so far; its
         # step in flight is dropped when it comes back
@@ -186,6 +192,8 @@ class StageStep:
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
+        if self.last:
+            self.ended.append(request_id)
         return Outbound(To.HEAD, Error(rank=self.rank, request_id=request_id, message=message))
 
     def _run(self, msg: Tokens | Hidden, rows):
@@ -260,7 +268,6 @@ class StageStep:
             sent.append(Outbound(To.HEAD, progress))
             if msg.chunk_index < msg.chunk_total - 1:
                 return sent
-            self._finished = max(self._finished, msg.request_id)
             self.prompt_ids.pop(msg.request_id, None)
             self.requests[msg.request_id] = _new_request(msg.sampling, ids, msg.session_id)
             self._attach_draft_model(self.requests[msg.request_id])
@@ -305,7 +312,8 @@ class StageStep:
         --parallel, so a batched request has no drafts."""
         req = self.requests.get(request_id)
         if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
-            self.requests.pop(request_id, None)
+            if self.requests.pop(request_id, None) is not None:
+                self.ended.append(request_id)
             return []
         drafts = req.spec.drafts if len(rows) > 1 and req.spec is not None else []
         sent: list[Outbound] = []
@@ -337,6 +345,7 @@ class StageStep:
                 if req.spec is not None:
                     token.drafted, token.accepted = req.spec.drafted, req.spec.accepted
                 del self.requests[request_id]
+                self.ended.append(request_id)
                 return sent
             if not accepted:
                 break

@@ -72,10 +72,12 @@ class RequestLog:
             if row is not None:
                 row.started = time.monotonic()
 
-    def view(self, *, running=None, running_tokens: int = 0, running_since: float = 0.0,
+    def view(self, *, running: dict[int, tuple[int, float]] | None = None,
              serving: bool = True) -> list[dict[str, Any]]:
-        """Newest first. `running`: the job generating now, with its token count and the time its
-        first token came (tok/s is counted from there, as the finished rows' is)."""
+        """Newest first. `running`: the jobs generating now (several with --parallel), by job
+        number, each with its token count and the time its first token came (tok/s is counted
+        from there, as the finished rows' is)."""
+        running = running or {}
         now = time.monotonic()
         out = []
         with self.lock:
@@ -94,7 +96,8 @@ class RequestLog:
                            prompt_tokens_per_second=t.get("prompt_tokens_per_second"),
                            draft_tokens=t.get("draft_tokens"),
                            draft_tokens_accepted=t.get("draft_tokens_accepted"))
-            elif r.job is running:
+            elif r.job.number in running:
+                running_tokens, running_since = running[r.job.number]
                 live = ((running_tokens - 1) / max(now - running_since, 1e-3)
                         if running_tokens > 1 else 0.0)
                 row.update(state="running", generated_tokens=running_tokens,

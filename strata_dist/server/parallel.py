@@ -11,6 +11,7 @@ import logging
 import math
 import queue
 import threading
+import time
 
 from ..batch_scheduler import BatchScheduler
 from ..coordinator import RankFailure
@@ -25,8 +26,12 @@ JOIN_S = 5.0         # a job thread's last words after the server stops
 
 
 class ParallelRuns:
-    def __init__(self, worker, sessions: list[HeadSession], prompt_budget: int):
+    def __init__(self, worker, sessions: list[HeadSession], prompt_budget: int,
+                 stats_every_s: float, stats_timeout_s: float):
+        """`stats_every_s`: how often the ranks' counters are asked while jobs run;
+        `stats_timeout_s`: how long their replies are waited for (then what came is taken)."""
         self.worker = worker
+        self.stats_every_s, self.stats_timeout_s = stats_every_s, stats_timeout_s
         self.scheduler = BatchScheduler(sessions[0].coord, len(sessions), prompt_budget)
         for s in sessions:
             s.runner = self.scheduler
@@ -36,6 +41,7 @@ class ParallelRuns:
         self.failure: RankFailure | None = None     # a job thread's, raised on the worker's
         self._used: dict[int, int] = {}               # session id -> when a job last took it
         self._uses = 0
+        self._stats_asked_at: float | None = None   # the ranks' counters asked, not all back yet
         self.lock = threading.Lock()
 
     def turn(self) -> bool:
@@ -54,10 +60,31 @@ class ParallelRuns:
         busy = bool(self.running)
         if busy:
             self.scheduler.pump(PUMP_S)
+            self._stats_when_due()
         self._reap()
         if self.failure is not None:
             raise self.failure
         return busy or started
+
+    def _stats_when_due(self) -> None:
+        """The ranks' counters while jobs run. The waiting coord.stats() would read the inbox
+        and drop the scheduler's Tokens, so they are asked without waiting; the scheduler's pump
+        meets the replies (the coordinator keeps them) and they are taken once all came, or
+        what came after stats_timeout_s."""
+        coord, now = self.worker.coord, time.monotonic()
+        if self._stats_asked_at is None:
+            if now - self.worker.stats_at > self.stats_every_s:
+                coord._stats.clear()    # what is there after this comes from this asking
+                coord.ask_stats()
+                self._stats_asked_at = now
+            return
+        replies = dict(coord._stats)
+        live = [s.rank for s in coord.ranks if s.rank not in coord.lost]
+        if (all(r in replies for r in live)
+                or now - self._stats_asked_at > self.stats_timeout_s):
+            if replies:      # none at all: asked again next turn, the age keeps growing
+                self.worker.take_stats(replies)
+            self._stats_asked_at = None
 
     def retry_after_s(self) -> int:
         """Retry-After with B requests at once: every running and waiting request's prompt and

@@ -123,6 +123,18 @@ class Event:
     code: str = ""
 
 
+@dataclasses.dataclass
+class RunningJob:
+    """A job generating now: its tokens so far (of every choice) and when its first token came
+    (its decode rate counts from there)."""
+    job: "Job"
+    tokens: int = 0
+    since: float = 0.0
+
+    def tokens_per_second(self, now: float) -> float:
+        return (self.tokens - 1) / max(now - self.since, 1e-3) if self.tokens > 1 else 0.0
+
+
 class Job:
     _seq = itertools.count(1)
 
@@ -243,10 +255,10 @@ class Worker:
         self.error: str | None = None
         self.session: HeadSession | None = None
         self.coord = None
-        self.running: Job | None = None
+        # the jobs generating now, by job number (several with --parallel), each with its tokens
+        # so far and when its first token came
+        self.running: dict[int, RunningJob] = {}
         self.parallel = None               # --parallel B > 1: server/parallel.py ParallelRuns
-        self.running_tokens = 0
-        self.running_since = 0.0
         self.lock = threading.Lock()
         self.decode_rate = RateMeter()
         self.totals = {"prompt_tokens": 0, "prompt_tokens_read": 0, "generated_tokens": 0,
@@ -295,8 +307,10 @@ class Worker:
         if self.parallel is not None:    # requests at once: the work ahead at the aggregate rate
             return self.parallel.retry_after_s()
         with self.lock:
-            running, made, since = self.running, self.running_tokens, self.running_since
+            now_running = next(iter(self.running.values()), None)
             last = dict(self.last)
+        running, made, since = ((now_running.job, now_running.tokens, now_running.since)
+                                if now_running is not None else (None, 0, 0.0))
         # requests run one at a time, so the running one's decode rate (else the last one's) is
         # what each waiting one will see
         live = (made - 1) / max(time.monotonic() - since, 1e-3) if made > 1 else 0.0
@@ -323,21 +337,20 @@ class Worker:
     def snapshot(self) -> dict:
         """A consistent copy of the counters for /v1/status and /metrics."""
         with self.lock:
-            running = self.running
-            live = 0.0
-            if running is not None and self.running_tokens > 1:
-                live = (self.running_tokens - 1) / max(time.monotonic() - self.running_since, 1e-3)
+            now = time.monotonic()
+            running = [{"id": r.job.id, "tokens": r.tokens,
+                        "tokens_per_second": round(r.tokens_per_second(now), 3)}
+                       for r in self.running.values()]
             return {
                 "state": self.state, "error": self.error, "lost": dict(self.lost),
                 "queue": {"waiting": self.jobs.qsize(), "capacity": self.queue_size,
                           "running": len(self.parallel.jobs_running()) if self.parallel
-                          else 1 if running is not None else 0,
+                          else len(running),
                           **(self.parallel.view() if self.parallel else {})},
                 "totals": dict(self.totals),
                 "decode_tokens_per_second": round(self.decode_rate.rate(), 3),
-                "running": None if running is None else {
-                    "id": running.id, "tokens": self.running_tokens,
-                    "tokens_per_second": round(live, 3)},
+                # the first started of the running jobs (the only one without --parallel)
+                "running": running[0] if running else None,
                 "last": dict(self.last),
                 "rank_counters": {r: dict(c) for r, c in self.rank_counters.items()},
                 "rank_gauges": {r: dict(g) for r, g in self.rank_gauges.items()},
@@ -347,9 +360,8 @@ class Worker:
     def recent_requests(self) -> list[dict]:
         """The request list of /v1/status and the Monitor, newest first."""
         with self.lock:
-            running, tokens, since = self.running, self.running_tokens, self.running_since
-        return self.requests.view(running=running, running_tokens=tokens, running_since=since,
-                                  serving=self.state == "ready")
+            running = {n: (r.tokens, r.since) for n, r in self.running.items()}
+        return self.requests.view(running=running, serving=self.state == "ready")
 
     def stop(self) -> None:
         self._stop.set()
@@ -361,8 +373,8 @@ class Worker:
         from .parallel import ParallelRuns
         self.session = session
         self.coord = session.coord
-        self.parallel = (ParallelRuns(self, [session, *more], prompt_budget or 1) if more
-                         else None)
+        self.parallel = (ParallelRuns(self, [session, *more], prompt_budget or 1,
+                                      STATS_EVERY_S, STATS_TIMEOUT_S) if more else None)
         self.lost = {}
         self.state, self.error = "ready", None
 
@@ -411,9 +423,10 @@ class Worker:
                 self._drain(503, "the server is stopping", "unavailable")
 
     def _drain(self, status: int, message: str, code: str) -> None:
-        for job in self.parallel.jobs_running() if self.parallel else [self.running]:
-            if job is not None:
-                job.post(Event("error", status=status, message=message, code=code))
+        with self.lock:
+            running = [r.job for r in self.running.values()]
+        for job in self.parallel.jobs_running() if self.parallel else running:
+            job.post(Event("error", status=status, message=message, code=code))
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -425,7 +438,11 @@ class Worker:
             self.requests.finished(job, "requests_error")
 
     def _refresh_stats(self) -> None:
-        replies = self.coord.stats(timeout_s=STATS_TIMEOUT_S)
+        self.take_stats(self.coord.stats(timeout_s=STATS_TIMEOUT_S))
+
+    def take_stats(self, replies: dict) -> None:
+        """The ranks' counters that came back (asked and waited for here, or with --parallel
+        asked without waiting and met by the scheduler's pump)."""
         with self.lock:
             for rank, rep in replies.items():
                 acc = self.rank_counters.setdefault(rank, {})
@@ -445,8 +462,9 @@ class Worker:
         spec = job.spec
         started = time.monotonic()
         self.latency.queue_wait.observe(started - job.queued_at)
+        run = RunningJob(job, since=started)
         with self.lock:
-            self.running, self.running_tokens, self.running_since = job, 0, started
+            self.running[job.number] = run
         self.requests.started(job)
 
         failure: list[BaseException] = []
@@ -465,9 +483,9 @@ class Worker:
                     last_token_at.append(now)
                 self.decode_rate.add(1, now)
                 with self.lock:
-                    if self.running_tokens == 0:
-                        self.running_since = now
-                    self.running_tokens += 1
+                    if run.tokens == 0:
+                        run.since = now
+                    run.tokens += 1
                 ev = stream.push(t, pending_logprob.pop() if pending_logprob else None)
                 if ev is not None:
                     job.post(ev)
@@ -556,8 +574,7 @@ class Worker:
             raise
         finally:
             with self.lock:
-                if self.running is job:
-                    self.running = None
+                self.running.pop(job.number, None)
                 self.totals[outcome] += 1
             self.requests.finished(job, outcome, result if outcome == "requests_ok" else None,
                                    len(stream.tokens))
