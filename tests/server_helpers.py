@@ -103,6 +103,19 @@ class ServerProcess:
         return wait_or_kill(self.proc, timeout)
 
 
+# ---- requests the server test files share ---------------------------------------------------------
+LONG = {"ignore_eos": True}              # a generation that runs until max_tokens
+FRESH = {"cache_prompt": False}          # read the whole prompt (as a fresh --serve GEN does)
+
+
+def long_stream(server, http: httpx.Client, max_tokens: int = 4000):
+    """A streamed completion that runs to max_tokens (its prompt read whole); the response open."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": max_tokens, "stream": True,
+            **LONG, **FRESH}
+    req = http.build_request("POST", f"{server.url}/v1/completions", json=body, headers=server.headers)
+    return http.send(req, stream=True)
+
+
 # ---- the shared module fixtures ------------------------------------------------------------------
 # how a launcher may end after a terminate: on its own (0), as after Ctrl-C (130), by the signal
 CLEAN_EXIT = (0, 130, -signal.SIGTERM)
