@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2_contingency, chisquare
+from scipy.stats import chisquare
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
@@ -34,7 +34,7 @@ from strata_dist.speculative import draw_against
 from strata_dist.stage import Stage, StageConfig
 from strata_dist.stage_step import StageStep
 from strata_dist.synth import write_synthetic
-from test_speculative import CTX, PROMPT, _run
+from test_speculative import CTX, PROMPT, _run, assert_drawn_alike, seeded_continuations
 
 MIB = 1 << 20
 
@@ -199,26 +199,9 @@ def test_sampled_continuations_follow_one_distribution_with_the_draft(files):
     target = files["target"]
     step = StageStep(Stage(StageConfig(target, "cpu", 0, 6, True, True, CTX)), rank=0, last=True,
                      draft_model=DraftModel(files["noisy"], "cpu", CTX))
-    _run(step, 1, Sampling(max_new=0), PROMPT)       # the session holds the prompt's KV
-    draws = {0: [], 2: []}
-    drafted = accepted = 0
-    for k in draws:
-        for i in range(500):   # each reads the prompt's last row again, then decodes
-            out = _run(step, 10_000 * (k + 1) + i,
-                       Sampling(temperature=0.5, seed=i + 7919 * k, max_new=3, spec_tokens=k,
-                                prompt_ids=PROMPT), PROMPT, pos=len(PROMPT) - 1)
-            draws[k].append(tuple(t.token_id for t in out[1:]))
-            drafted += out[-1].drafted
-            accepted += out[-1].accepted
+    draws, drafted, accepted = seeded_continuations(step, PROMPT, 0.5, (0, 2), 500)
     assert drafted > 300 and 40 < accepted < drafted - 40   # drafts made, accepted, rejected
-    for position in (0, 1):
-        a = [d[position] for d in draws[0]]
-        b = [d[position] for d in draws[2]]
-        tokens = sorted(set(a) | set(b))
-        table = np.array([[a.count(t) for t in tokens], [b.count(t) for t in tokens]])
-        common = table.sum(axis=0) >= 10      # rare tokens pooled: the test wants >= 5 expected
-        table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
-        assert chi2_contingency(table).pvalue > 1e-3, position
+    assert_drawn_alike(draws[0], draws[2])
 
 
 # ---- the planner ---------------------------------------------------------------------------------

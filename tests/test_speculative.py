@@ -152,6 +152,36 @@ def _run(step: StageStep, request_id: int, sampling: Sampling, prompt=PROMPT,
         sent = step.step(nxt[0])
 
 
+def seeded_continuations(step: StageStep, prompt: list[int], temperature: float,
+                         spec_tokens: tuple[int, ...], n: int):
+    """n seeded 3-token continuations of `prompt` for each K of `spec_tokens`, each reading the
+    prompt's last row again then decoding: ({K: [(2nd, 3rd token)]}, drafted, accepted)."""
+    _run(step, 1, Sampling(max_new=0), prompt)       # the session holds the prompt's KV
+    draws = {k: [] for k in spec_tokens}
+    drafted = accepted = 0
+    for k in spec_tokens:
+        for i in range(n):
+            out = _run(step, 10_000 * (k + 1) + i,
+                       Sampling(temperature=temperature, seed=i + 7919 * k, max_new=3,
+                                spec_tokens=k, prompt_ids=prompt), prompt, pos=len(prompt) - 1)
+            draws[k].append(tuple(t.token_id for t in out[1:]))
+            drafted += out[-1].drafted
+            accepted += out[-1].accepted
+    return draws, drafted, accepted
+
+
+def assert_drawn_alike(a_draws: list[tuple], b_draws: list[tuple]) -> None:
+    """Each position's tokens of two sets of draws pass a contingency chi-square at 1e-3."""
+    for position in (0, 1):
+        a = [d[position] for d in a_draws]
+        b = [d[position] for d in b_draws]
+        tokens = sorted(set(a) | set(b))
+        table = np.array([[a.count(t) for t in tokens], [b.count(t) for t in tokens]])
+        common = table.sum(axis=0) >= 10      # rare tokens pooled: the test wants >= 5 expected
+        table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
+        assert chi2_contingency(table).pvalue > 1e-3, position
+
+
 def test_penalties_bias_and_logprobs_apply_per_verified_row(moe):
     step = StageStep(Stage(StageConfig(moe, "cpu", 0, 6, True, True, CTX)), rank=0, last=True)
     kw = dict(max_new=40, frequency_penalty=-0.3, presence_penalty=0.2, repetition_penalty=0.95,
@@ -226,26 +256,9 @@ def test_sampled_continuations_follow_one_distribution_with_and_without_speculat
     # a history holding the tokens the model likes, so most first tokens have a draft after them
     prompt = PROMPT + list(SingleProcessRunner(moe3, prefill_chunk=16, max_context=CTX)
                            .generate(PROMPT, 40).tokens)
-    _run(step, 1, Sampling(max_new=0), prompt)       # the session holds the prompt's KV
-    draws = {0: [], 4: []}
-    drafted = accepted = 0
-    for k in draws:
-        for i in range(600):   # each reads the prompt's last row again, then decodes
-            out = _run(step, 10_000 * (k + 1) + i,
-                       Sampling(temperature=0.3, seed=i + 7919 * k, max_new=3, spec_tokens=k,
-                                prompt_ids=prompt), prompt, pos=len(prompt) - 1)
-            draws[k].append(tuple(t.token_id for t in out[1:]))
-            drafted += out[-1].drafted
-            accepted += out[-1].accepted
+    draws, drafted, accepted = seeded_continuations(step, prompt, 0.3, (0, 4), 600)
     assert drafted > 300 and 40 < accepted < drafted - 40   # drafts made, accepted, rejected
-    for position in (0, 1):
-        a = [d[position] for d in draws[0]]
-        b = [d[position] for d in draws[4]]
-        tokens = sorted(set(a) | set(b))
-        table = np.array([[a.count(t) for t in tokens], [b.count(t) for t in tokens]])
-        common = table.sum(axis=0) >= 10      # rare tokens pooled: the test wants >= 5 expected
-        table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
-        assert chi2_contingency(table).pvalue > 1e-3, position
+    assert_drawn_alike(draws[0], draws[4])
 
 
 # ---- the HTTP server: usage, /metrics, the request list ------------------------------------------
