@@ -42,12 +42,14 @@ def step(model):
 
 def _generate(step, request_id: int, sampling: Sampling):
     """(prompt progress messages, sampled Token messages) of one request on its own session."""
+    from strata_dist.coordinator import chunk_sampling
     from strata_dist.stage_step import To
     chunks = [PROMPT[i:i + CHUNK] for i in range(0, len(PROMPT), CHUNK)]
     progress, tokens, pending = [], [], []
     for i, c in enumerate(chunks):
         out = step.step(Tokens(request_id=request_id, session_id=request_id, pos=i * CHUNK, ids=c,
-                               chunk_index=i, chunk_total=len(chunks), sampling=sampling))
+                               chunk_index=i, chunk_total=len(chunks),
+                               sampling=chunk_sampling(sampling, i * CHUNK, len(c), i, len(chunks))))
         progress += [o.msg for o in out if isinstance(o.msg, PromptProgress)]
         pending = out
     while True:
