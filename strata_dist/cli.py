@@ -145,7 +145,9 @@ def cmd_synth(args) -> int:
     try:
         summary = write_synthetic(args.out, like=args.like, quant=args.quant,
                                   popularity=args.popularity, seed=args.seed, progress=progress,
-                                  split_max_size=split, rope_scaling=rope_scaling)
+                                  split_max_size=split, rope_scaling=rope_scaling, mtp=args.mtp)
+    except ValueError as e:    # --mtp on a geometry without an MTP layout
+        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     finally:
@@ -311,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the file's RoPE scaling keys: none, linear:FACTOR or "
                         "yarn:FACTOR:ORIGINAL_CONTEXT (e.g. yarn:4:32768; context_length becomes "
                         "factor x original)")
+    s.add_argument("--mtp", action="store_true",
+                   help="qwen3next geometries: one multi-token-prediction block after the stack, "
+                        "laid out as llama.cpp's converter writes it (for --draft mtp)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_synth)

@@ -3,6 +3,7 @@ the tensor lists a stage loads, and `LayerRangeModel` (a layer range's weights, 
 logits and routed experts). The arithmetic is the backend's (backends/ops.py)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -11,6 +12,51 @@ from ..experts import resident_store
 from ..gguf_model import NO_ROPE_SCALING, ROPE_SCALING_KINDS, GGUFError, RopeScaling
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
 from ..plan.workspace import STREAM_BLOBS, STREAM_TOKENS_PER_BLOB, STREAMED, Buffer, PromptLayout
+
+log = logging.getLogger("strata.models")
+
+# architectures whose multi-token-prediction block `--draft mtp` drafts with (strata_dist/mtp_draft.py)
+MTP_ARCHS = ("qwen3next",)
+_UNUSED_MTP_SAID: set[str] = set()   # files whose unused MTP block was said (once per process)
+
+
+def stack_layers(gguf) -> tuple[int, int]:
+    """(layers of the model's stack, multi-token-prediction layers after it). llama.cpp's converter
+    counts the MTP blocks in `<arch>.block_count` and says how many with
+    `<arch>.nextn_predict_layers`: they are the last indices, blk.{stack}.. , and never part of
+    the stack a stage runs."""
+    blocks = gguf.arch_int("block_count", required=True, minimum=1)
+    nextn = gguf.arch_int("nextn_predict_layers", default=0, minimum=0)
+    if nextn >= blocks:
+        raise GGUFError(gguf.path, f"is {nextn}, not below block_count ({blocks}): no layer would "
+                                   "be left for the model's stack",
+                        key=f"{gguf.arch}.nextn_predict_layers")
+    if nextn and gguf.arch not in MTP_ARCHS and gguf.path not in _UNUSED_MTP_SAID:
+        _UNUSED_MTP_SAID.add(gguf.path)
+        log.warning("%s: its %d multi-token-prediction layer(s) (blk.%d..) are unused: --draft "
+                    "mtp drafts with %s files only; the model's %d layers load", gguf.path, nextn,
+                    blocks - nextn, ", ".join(MTP_ARCHS), blocks - nextn)
+    return blocks - nextn, nextn
+
+
+def check_recurrent_layers(gguf, is_linear, n_layers: int, nextn: int) -> None:
+    """`<arch>.attention.recurrent_layers` (a bool per block, MTP blocks included), where the file
+    has it, must say what the architecture's own rule `is_linear(layer)` computes for the stack,
+    and False for the MTP blocks (full attention): a file that says otherwise is refused naming
+    the key, not run with another stack than it describes."""
+    key = f"{gguf.arch}.attention.recurrent_layers"
+    flags = gguf.metadata_array(key)
+    if flags is None:
+        return
+    want = [is_linear(layer) for layer in range(n_layers)] + [False] * nextn
+    if len(flags) != len(want):
+        raise GGUFError(gguf.path, f"has {len(flags)} entries for {len(want)} blocks", key=key)
+    bad = next((i for i, (a, b) in enumerate(zip(flags, want)) if bool(a) != b), None)
+    if bad is not None:
+        raise GGUFError(gguf.path, f"says block {bad} is {'' if flags[bad] else 'not '}recurrent; "
+                                   f"this build runs it as {'linear' if want[bad] else 'full'} "
+                                   "attention (the full_attention_interval rule, MTP blocks full)",
+                        key=key)
 
 
 def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
@@ -33,7 +79,7 @@ def transformer_geometry(gguf, rope_base: float, context_length: int) -> dict:
                                    f"{n_head_kv} kv heads ('{gguf.arch}.attention.head_count_kv')")
     return dict(
         arch=gguf.arch,
-        n_layers=gguf.arch_int("block_count", required=True, minimum=1),
+        n_layers=stack_layers(gguf)[0],
         n_embd=n_embd,
         n_vocab=emb.shape[0],
         n_head=n_head,

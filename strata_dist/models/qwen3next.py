@@ -41,9 +41,9 @@ from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..kernels.abi import GDN_SPEC
 from ..plan.pricing import DECODE_ROWS
 from ..plan.workspace import Buffer
-from .common import (LayerRangeModel, gemm_buffers, model_level_shapes, residual_buffers,
-                     rope_buffers, rope_tables, routed_expert_buffers, stage_tensor_names,
-                     transformer_geometry)
+from .common import (LayerRangeModel, check_recurrent_layers, gemm_buffers, model_level_shapes,
+                     residual_buffers, rope_buffers, rope_tables, routed_expert_buffers,
+                     stack_layers, stage_tensor_names, transformer_geometry)
 from . import next_rows
 from .delta_rule import gated_delta_chunked, gated_delta_steps
 
@@ -89,6 +89,7 @@ class NextGeometry(Geometry):
     n_ff_shexp: int
     norm_topk_prob: bool
     fused_qkvz: bool                # legacy files: blk.N.ssm_in instead of attn_qkv + attn_gate
+    n_nextn: int = 0                # MTP blocks after the stack: blk.{n_layers}.. (mtp_draft.py)
 
     @property
     def n_k_heads(self) -> int:
@@ -142,6 +143,8 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
     n_ff_shexp = md("expert_shared_feed_forward_length")
     if n_ff_shexp is None:   # llama.cpp falls back to the tensor itself
         n_ff_shexp = gguf.tensor(tensor_name(0, "ffn_up_shexp")).shape[0]
+    n_nextn = stack_layers(gguf)[1]
+    check_recurrent_layers(gguf, lambda l: (l + 1) % interval != 0, n_layers, n_nextn)
     first_linear = next((l for l in range(n_layers) if (l + 1) % interval), None)
     fused = (first_linear is not None
              and tensor_name(first_linear, "attn_qkv") not in gguf.tensors
@@ -152,7 +155,7 @@ def read_geometry(gguf: GGUFModel) -> NextGeometry:
         ssm_state_size=num("ssm.state_size", required=True, minimum=1),
         ssm_group_count=n_k, ssm_time_step_rank=n_v, ssm_inner_size=inner,
         n_ff_shexp=int(n_ff_shexp), norm_topk_prob=bool(md("expert_weights_norm", default=True)),
-        fused_qkvz=fused)
+        fused_qkvz=fused, n_nextn=n_nextn)
 
 
 def layer_parts(g: NextGeometry, layer: int) -> tuple[str, ...]:

@@ -59,19 +59,24 @@ def write_synthetic(path: str | os.PathLike[str], like: str | SynthGeometry | Ne
                     quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
                     progress: Callable[[int, int], None] | None = None,
                     split_max_size: int | str = 0,
-                    rope_scaling: str | RopeScalingSpec | None = None) -> SynthSummary:
+                    rope_scaling: str | RopeScalingSpec | None = None,
+                    mtp: bool = False) -> SynthSummary:
     """Write a synthetic GGUF of a geometry (a name of GEOMETRIES or NEXT_GEOMETRIES, or the
     value) to `path`; `progress(bytes_written, total_bytes)` per chunk. `split_max_size` (bytes, or
     text such as "4G"): write shards `<path without .gguf>-0000i-of-0000N.gguf` instead.
     `rope_scaling` ("yarn:4:32768", "linear:2", "none"; synth/rope.py): the file's
-    rope.scaling.* keys, and under yarn its context_length factor x original."""
+    rope.scaling.* keys, and under yarn its context_length factor x original. `mtp`: a qwen3next
+    file with one multi-token-prediction block (synth/next.py `mtp_block`)."""
     if isinstance(split_max_size, str):
         split_max_size = parse_size(split_max_size)
     if not isinstance(rope_scaling, RopeScalingSpec):
         rope_scaling = parse_rope_scaling(rope_scaling)
     if isinstance(like, NextSynthGeometry) or like in NEXT_GEOMETRIES:
         return write_next(path, like, quant, popularity, seed, progress, split_max_size,
-                          rope_scaling)
+                          rope_scaling, mtp)
+    if mtp:
+        raise ValueError(f"--mtp: {like if isinstance(like, str) else like.name} is a qwen3moe "
+                         f"geometry; the MTP block is written for {', '.join(NEXT_GEOMETRIES)}")
     if isinstance(like, SynthGeometry):
         g = like
     elif like in GEOMETRIES:

@@ -94,8 +94,9 @@ def _name(t: MT, layer: int | None = None, suffix: str = ".weight") -> str:
     return gguf.TENSOR_NAMES[t].format(bid=layer) + suffix
 
 
-def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
-    """The tensors of the file, in order, each of the type file type `quant` gives it."""
+def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int, mtp: bool = False):
+    """The tensors of the file, in order, each of the type file type `quant` gives it; with `mtp`,
+    one multi-token-prediction block after the stack, as blk.{n_layer} (`mtp_block`)."""
     res = reserved_width(g, quant)
     channel = embedding_channel(g, quant)
     mu = calibrate_logit_means(pop, g.n_expert, g.n_expert_used)
@@ -106,6 +107,29 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
     out_std = attn_out_std(g)
     gdn_out_std = min(WEIGHT_STD, GDN_OUT_GAIN / (0.5 * math.sqrt(g.value_dim)))
     no_write, no_read = zero_reserved_rows(res), zero_reserved_cols(res)
+
+    def attention(il: int, bits) -> list:    # a gated-attention layer's parts
+        return [
+            matrix(_name(MT.ATTN_Q, il), 2 * q, g.n_embd, bits(1)),   # q and its gate
+            matrix(_name(MT.ATTN_K, il), kv, g.n_embd, bits(2)),
+            matrix(_name(MT.ATTN_V, il), kv, g.n_embd, bits(3)),
+            matrix(_name(MT.ATTN_OUT, il), g.n_embd, q, bits(4), no_write, std=out_std),
+            const(_name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
+            const(_name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
+        ]
+
+    def moe(il: int, bits) -> list:          # the routed experts and the shared expert
+        return [
+            experts(_name(MT.FFN_GATE_EXP, il), g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
+            experts(_name(MT.FFN_UP_EXP, il), g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
+            experts(_name(MT.FFN_DOWN_EXP, il), g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
+            matrix(_name(MT.FFN_GATE_SHEXP, il), g.n_ff_shexp, g.n_embd, bits(10), no_read),
+            matrix(_name(MT.FFN_UP_SHEXP, il), g.n_ff_shexp, g.n_embd, bits(11), no_read),
+            matrix(_name(MT.FFN_DOWN_SHEXP, il), g.n_embd, g.n_ff_shexp, bits(12), no_write),
+            const(_name(MT.FFN_GATE_INP_SHEXP, il), (1, g.n_embd),
+                   lambda: np.random.Generator(stream(seed, il + 1, 13)).uniform(
+                       -1, 1, (1, g.n_embd)) * unreserved * (WEIGHT_STD * math.sqrt(3))),
+        ]
 
     tensors = [matrix(_name(MT.TOKEN_EMBD), g.n_vocab, g.n_embd, lambda: stream(seed, 0, 0),
                       set_embedding_channel, std=EMBD_STD)]
@@ -134,40 +158,55 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int):
                        std=gdn_out_std),
             ]
         else:
-            tensors += [
-                matrix(_name(MT.ATTN_Q, il), 2 * q, g.n_embd, bits(1)),   # q and its gate
-                matrix(_name(MT.ATTN_K, il), kv, g.n_embd, bits(2)),
-                matrix(_name(MT.ATTN_V, il), kv, g.n_embd, bits(3)),
-                matrix(_name(MT.ATTN_OUT, il), g.n_embd, q, bits(4), no_write, std=out_std),
-                const(_name(MT.ATTN_Q_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
-                const(_name(MT.ATTN_K_NORM, il), (g.head_dim,), lambda: np.ones(g.head_dim)),
-            ]
+            tensors += attention(il, bits)
         tensors += [
             const(_name(MT.ATTN_POST_NORM, il), (g.n_embd,), lambda: ones),
             const(_name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
                    lambda il=il: router(g, stream(seed, il + 1, 9), mu, ranks[il], res, channel)),
-            experts(_name(MT.FFN_GATE_EXP, il), g, g.n_ff_exp, g.n_embd, bits(5), res, writes=False),
-            experts(_name(MT.FFN_UP_EXP, il), g, g.n_ff_exp, g.n_embd, bits(6), res, writes=False),
-            experts(_name(MT.FFN_DOWN_EXP, il), g, g.n_embd, g.n_ff_exp, bits(7), res, writes=True),
-            matrix(_name(MT.FFN_GATE_SHEXP, il), g.n_ff_shexp, g.n_embd, bits(10), no_read),
-            matrix(_name(MT.FFN_UP_SHEXP, il), g.n_ff_shexp, g.n_embd, bits(11), no_read),
-            matrix(_name(MT.FFN_DOWN_SHEXP, il), g.n_embd, g.n_ff_shexp, bits(12), no_write),
-            const(_name(MT.FFN_GATE_INP_SHEXP, il), (1, g.n_embd),
-                   lambda il=il: np.random.Generator(stream(seed, il + 1, 13)).uniform(
-                       -1, 1, (1, g.n_embd)) * unreserved * (WEIGHT_STD * math.sqrt(3))),
-        ]
+            *moe(il, bits)]
     tensors += [const(_name(MT.OUTPUT_NORM), (g.n_embd,), lambda: unreserved),
                 matrix(_name(MT.OUTPUT), g.n_vocab, g.n_embd, lambda: stream(seed, 0, 1))]
+    if mtp:
+        tensors += mtp_block(g, seed, attention, moe, unreserved)
     assign_types(g, quant, tensors)
     return tensors, ranks
+
+
+def mtp_block(g: NextSynthGeometry, seed: int, attention, moe, unreserved) -> list:
+    """The multi-token-prediction block as llama.cpp's converter lays it out: blk.{n_layer} holds a
+    full-attention layer (the stack's attention parts and its MoE with the shared expert) and the
+    nextn parts: eh_proj [n_embd, 2 n_embd] (it reads [enorm(embedding) | hnorm(hidden)]),
+    enorm, hnorm and shared_head_norm; the embedding and head are the model's. Its own random
+    streams (layer index n_layer + 1), so the stack's tensors are those of the file without it.
+    enorm, hnorm and shared_head_norm are 0 on the routers' slice, as output_norm is; its router
+    is a plain random one (std 1/sqrt(n_embd): logits of about unit spread), the law being the
+    stack's."""
+    il = g.n_layer
+    bits = lambda kind: lambda: stream(seed, il + 1, kind)   # noqa: E731
+    rng = lambda kind: np.random.Generator(stream(seed, il + 1, kind))   # noqa: E731
+    return [
+        const(_name(MT.ATTN_NORM, il), (g.n_embd,), lambda: unreserved),
+        *attention(il, bits),
+        const(_name(MT.ATTN_POST_NORM, il), (g.n_embd,), lambda: np.ones(g.n_embd)),
+        const(_name(MT.FFN_GATE_INP, il), (g.n_expert, g.n_embd),
+               lambda: rng(9).normal(0, 1 / math.sqrt(g.n_embd), (g.n_expert, g.n_embd))),
+        *moe(il, bits),
+        matrix(_name(MT.NEXTN_EH_PROJ, il), g.n_embd, 2 * g.n_embd, bits(14)),
+        const(_name(MT.NEXTN_ENORM, il), (g.n_embd,), lambda: unreserved),
+        const(_name(MT.NEXTN_HNORM, il), (g.n_embd,), lambda: unreserved),
+        const(_name(MT.NEXTN_SHARED_HEAD_NORM, il), (g.n_embd,), lambda: unreserved),
+    ]
 
 
 def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
                quant: str = "q8_0", popularity: str | Popularity = "uniform", seed: int = 0,
                progress: Callable[[int, int], None] | None = None,
-               split_max_size: int = 0, rope_scaling: RopeScalingSpec | None = None) -> SynthSummary:
+               split_max_size: int = 0, rope_scaling: RopeScalingSpec | None = None,
+               mtp: bool = False) -> SynthSummary:
     """Write a synthetic qwen3next GGUF to `path`, or its shards (see the module docstring), with
-    `rope_scaling`'s keys where given (synth/rope.py)."""
+    `rope_scaling`'s keys where given (synth/rope.py); `mtp`: with one multi-token-prediction
+    block after the stack (`mtp_block`), counted in block_count as llama.cpp's converter counts
+    it, with nextn_predict_layers 1 and attention.recurrent_layers (a bool per block)."""
     g = like if isinstance(like, NextSynthGeometry) else NEXT_GEOMETRIES.get(like)
     if g is None:
         raise ValueError(f"unknown geometry {like!r}: expected one of {', '.join(NEXT_GEOMETRIES)}")
@@ -180,10 +219,14 @@ def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
     if not 0 <= seed < 2 ** 32:
         raise ValueError(f"seed {seed} is not in [0, 2**32)")
     path = Path(path)
-    tensors, ranks = plan_next(g, quant, pop, seed)
+    tensors, ranks = plan_next(g, quant, pop, seed, mtp)
 
     def metadata(w: gguf.GGUFWriter) -> None:   # what llama.cpp's Qwen3NextModel converter writes
-        w.add_block_count(g.n_layer)
+        w.add_block_count(g.n_layer + mtp)
+        if mtp:
+            w.add_nextn_predict_layers(1)
+            w.add_array(f"{w.arch}.attention.recurrent_layers",
+                        [g.is_linear(il) for il in range(g.n_layer)] + [False])
         w.add_context_length(rope_scaling.context_length(g.context_length) if rope_scaling
                              else g.context_length)
         w.add_embedding_length(g.n_embd)
