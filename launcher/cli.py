@@ -22,6 +22,7 @@ from strata_dist.compute_options import read_environment
 from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
+from strata_dist.mtp_draft import mtp_layer, plan_bytes as mtp_plan_bytes
 from strata_dist.flag_values import check_seconds
 from strata_dist.gguf_model import GGUFError
 from strata_dist.model_shape import model_shape
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "sampled ones follow the same distribution")
     run.add_argument("--draft", default=None, metavar="|".join(DRAFTERS),
                      help="with --spec: the drafter; ngram (default) continues the longest suffix "
-                          "of the conversation that occurred in it before; model: --draft-model's")
+                          "of the conversation that occurred in it before; model: --draft-model's; "
+                          "mtp: the model file's multi-token-prediction block (qwen3next files "
+                          "with blk.N.nextn.*), on the last stage")
     run.add_argument("--draft-model", default="", metavar="FILE.gguf",
                      help="with --spec K: a small model of the same vocabulary drafts up to K "
                           "tokens a step (implies --draft model); loaded on the last stage, which "
@@ -232,6 +235,8 @@ def _main(args, signals: StopSignals) -> int:
         args.spec_options = SpecOptions(args.spec, drafter, args.spec_min_p, args.draft_model)
         if args.draft_model:
             check_draft_model(args.model, args.draft_model)
+        if drafter == "mtp":
+            mtp_layer(args.model)      # a file with a block the drafter runs, else refused here
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = plan_params(args)
@@ -239,6 +244,12 @@ def _main(args, signals: StopSignals) -> int:
         kind = "cuda" if args.gpus or args.inventory else "cpu"
         params = replace(params, draft_bytes=draft_plan_bytes(args.draft_model, kind, args.kv_type,
                                                                args.max_context))
+    args.draft_mtp = args.spec_options.drafter == "mtp" and args.spec > 0
+    if args.draft_mtp:     # the MTP block and its session, priced on the last stage likewise
+        kind = "cuda" if args.gpus or args.inventory else "cpu"
+        params = replace(params, draft_bytes=mtp_plan_bytes(args.model, kind, args.kv_type,
+                                                             args.max_context),
+                         drafter=("MTP block", "--draft mtp"))
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
     if args.plan_only:
@@ -277,7 +288,7 @@ def run_launch(args, gguf, specs, split, prefill, params, profile, signals: Stop
                        conversation_bytes=args.conversation_cache_mib * MIB,
                        profile_out=args.expert_profile_out,
                        profile_every_s=args.expert_profile_every,
-                       draft_model=args.draft_model,
+                       draft_model=args.draft_model, draft_mtp=args.draft_mtp,
                        **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0

@@ -61,6 +61,7 @@ class LaunchConfig:
     profile_out: str | None = None   # --expert-profile-out: the routing seen, saved as a profile
     profile_every_s: float = 60.0    # --expert-profile-every: seconds between its writes
     draft_model: str = ""            # --draft-model: loaded by the last stage (Assign.draft_model)
+    draft_mtp: bool = False          # --draft mtp: the last stage drafts with the file's MTP block
     # every compute switch, as strata-launch read them from its environment (the ranks run this)
     compute: ComputeOptions = field(default_factory=ComputeOptions)
 
@@ -96,7 +97,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
                 weight_slice: bool, cross_host_helpers: bool = True,
                 ipc: bool = True, kv_type: str = "",
                 adapt: tuple[int, int] = (0, 0), count_routing: bool = False,
-                draft_model: str = "") -> list[Assign]:
+                draft_model: str = "", draft_mtp: bool = False) -> list[Assign]:
     """One Assign per rank from the plan: its stage range, neighbours and share of the plan.
     Endpoints are the ones each rank registered (reachable from the other hosts). With
     cross_host_helpers False a stage is told only of the helper tiers on its own host; with ipc
@@ -104,7 +105,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
     the process it replaces) every hand-off travels as frames. Every rank gets the plan's compute
     options and `adapt` (--adapt-every, --adapt-swaps); `count_routing`: the stages count their
     routing for a profile learnt live (--expert-profile-out); the last stage gets `draft_model`
-    (--draft-model), which the plan priced there."""
+    (--draft-model) or `draft_mtp` (--draft mtp), which the plan priced there."""
     stage_of = {st.device.index: st for st in plan.stages}
     helper_of = {h.device.index: h for h in plan.live_helpers}
     first_ep = slots[plan.stages[0].device.index].data_endpoint
@@ -141,7 +142,8 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             next_kind=nxt_reg.register.devices[0].kind if nxt_reg else "", ipc=ipc,
             kv_type=kv_type, compute=plan.compute, adapt_every=adapt[0], adapt_swaps=adapt[1],
             count_routing=count_routing,
-            draft_model=draft_model if st and st.stage == len(plan.stages) - 1 else ""))
+            draft_model=draft_model if st and st.stage == len(plan.stages) - 1 else "",
+            draft_mtp=draft_mtp and bool(st) and st.stage == len(plan.stages) - 1))
     return out
 
 
@@ -222,7 +224,7 @@ class Launch:
                            ipc=cfg.rejoin_timeout_s is None, kv_type=cfg.kv_type or "",
                            adapt=(cfg.adapt_every, cfg.adapt_swaps),
                            count_routing=cfg.profile_out is not None,
-                           draft_model=cfg.draft_model)
+                           draft_model=cfg.draft_model, draft_mtp=cfg.draft_mtp)
         self._assigned = work
         if cfg.profile_out is not None:
             self.live_profile = LiveProfile(

@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -261,6 +261,9 @@ class Assign(Message):
     # v17, last stage with --spec K --draft-model: the draft model's file (strata_dist/
     # draft_model.py), loaded whole beside the stage; "" : none (the n-gram drafter)
     draft_model: str = ""
+    # v18, last stage with --spec K --draft mtp: draft with the model file's own multi-token-
+    # prediction block (strata_dist/mtp_draft.py), loaded beside the stage
+    draft_mtp: bool = False
 
     def check(self, arrays: list) -> None:
         _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,

@@ -34,6 +34,7 @@ from protocol.limits import FrameCaps
 
 from .compute_options import compute_options, install
 from .draft_model import DraftModel
+from .mtp_draft import MtpDrafter
 from .gguf_model import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
 from .helper_server import HelperServer
@@ -176,6 +177,10 @@ class RankProcess:
             draft = (DraftModel(assign.draft_model, o.device_name, assign.max_context,
                                 assign.kv_type or None)
                      if assign.last and assign.draft_model else None)
+            if assign.last and assign.draft_mtp:   # --draft mtp: the file's own MTP block
+                draft = MtpDrafter(o.model, o.device_name, assign.max_context, self.stage.model,
+                                   assign.kv_type or None)
+                self.stage.hidden_sink = draft.take_hidden
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id, draft_model=draft)
             free["free_after_stage"] = probe()
@@ -196,9 +201,11 @@ class RankProcess:
             self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
                      "cache": self.stage.cache.nbytes} if self.stage else {}
-        if self.step is not None and self.step.draft_model is not None:
-            allocated["draft_model"] = (self.step.draft_model.weights_bytes
-                                        + self.step.draft_model.stage.session_bytes())
+        drafter = self.step.draft_model if self.step is not None else None
+        if isinstance(drafter, MtpDrafter):
+            allocated["draft_mtp"] = drafter.weights_bytes + drafter.session_bytes()
+        elif drafter is not None:
+            allocated["draft_model"] = drafter.weights_bytes + drafter.stage.session_bytes()
         if assign.helper_pairs:
             allocated["helper"] = self.helper.nbytes
             if self.helper.error:

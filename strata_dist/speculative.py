@@ -37,7 +37,9 @@ import numpy as np
 
 from .plan.pricing import DECODE_ROWS
 
-DRAFTERS = ("ngram", "model")  # --draft values (model: --draft-model FILE.gguf)
+# --draft values (model: --draft-model FILE.gguf; mtp: the file's multi-token-prediction block,
+# strata_dist/mtp_draft.py)
+DRAFTERS = ("ngram", "model", "mtp")
 MAX_SPEC = DECODE_ROWS - 1     # --spec K: a window of K+1 rows fits the decode scratch
 MAX_NGRAM = 8                  # the longest suffix the n-gram drafter matches
 MIN_NGRAM = 1                  # ... and the shortest (--spec-min-p prunes weak matches)
@@ -57,6 +59,8 @@ def check_spec(k: int, drafter: str, min_p: float, draft_model: str = "") -> Non
     if draft_model and drafter != "model":
         raise ValueError(f"--draft {drafter} and --draft-model {draft_model}: a draft model is "
                          "the drafter 'model' (leave --draft out)")
+    if drafter == "mtp" and k == 0:
+        raise ValueError("--draft mtp with --spec 0: the MTP block drafts only with --spec K > 0")
     if draft_model and k == 0:
         raise ValueError(f"--draft-model {draft_model} with --spec 0: the draft model drafts "
                          "only with --spec K > 0")

@@ -130,6 +130,9 @@ class Stage:
         self.window_routes: dict[int, WindowRoutes] = {}
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
+        # last stage, --draft mtp: called (session_id, pos, rows) with the final hidden rows of
+        # every run (strata_dist/mtp_draft.py); its one-row steps then take the general path
+        self.hidden_sink = None
 
     def attach_local_helper(self, arena) -> None:
         """This card's own helper tier has opened (`arena`), or failed to (None): its pairs are
@@ -322,7 +325,8 @@ class Stage:
                 and self.tiers.tiers_changed()):
             self._rebuild_graph()       # another card's tier opened (read in place), or stopped
         graph = self.decode_graph
-        graph_step = not prompt and not verify and graph is not None and graph.usable(n)
+        graph_step = (not prompt and not verify and graph is not None and graph.usable(n)
+                      and self.hidden_sink is None)
         if graph_step:
             out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)
             self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
@@ -336,7 +340,9 @@ class Stage:
                 self.tiers.routing = self.window_routes[session_id] = WindowRoutes(
                     self.routing, pos, n)
             try:
-                out = self._run_general(s, prompt, ids, hidden, all_rows)
+                sink = self.hidden_sink if self.cfg.last else None
+                out = self._run_general(s, prompt, ids, hidden, all_rows,
+                                        sink and (lambda rows: sink(session_id, pos, rows)))
             finally:
                 if counting:
                     self.tiers.routing = self.routing
@@ -490,11 +496,14 @@ class Stage:
         if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built
 
-    def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False):
-        """The general path: any rows, any tiers (prompt chunks, partial caches)."""
+    def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False, sink=None):
+        """The general path: any rows, any tiers (prompt chunks, partial caches). `sink`: given
+        every final hidden row (Stage.hidden_sink)."""
         with self._prompt_buffers(prompt):
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
+            if sink is not None:
+                sink(h)
             out = h[-1:] if self.cfg.last and not all_rows else h
         if self._workspace is not None and prompt:
             out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers

@@ -63,7 +63,9 @@ class PlanParams:
     sessions         sessions every stage carves (--parallel: a request at once each), each priced
                      as one session of the context.
     draft_bytes      what the draft model (--draft-model) takes on the last stage, which carries
-                     it: weights, session and catch-up buffers (draft_model.plan_bytes); 0: none.
+                     it: weights, session and catch-up buffers (draft_model.plan_bytes); or the
+                     MTP block (--draft mtp, mtp_draft.plan_bytes); 0: none.
+    drafter          what draft_bytes holds and its flag, as the plan's notes name them.
     """
 
     cover_b: float = 3.0
@@ -86,6 +88,7 @@ class PlanParams:
     verify_rows: int = 0
     sessions: int = 1
     draft_bytes: int = 0
+    drafter: tuple[str, str] = ("draft model", "--draft-model")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cover_b) and self.cover_b > 0):

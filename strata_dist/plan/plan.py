@@ -381,7 +381,8 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
     if params.draft_bytes:
-        notes.append(f"draft model (--draft-model): {params.draft_bytes / MIB:.1f} MiB of weights, "
+        notes.append(f"{params.drafter[0]} ({params.drafter[1]}): {params.draft_bytes / MIB:.1f} "
+                     "MiB of weights, "
                      "session and catch-up buffers in the last stage's reserve")
     if params.stage_cache_slots == 0:
         # --expert-cache 0: nothing is resident, but the profile still chooses the placement

@@ -253,8 +253,8 @@ def shortfall_message(cm: CostModel, d: int, lb: int, le: int, stage: int) -> st
     after = (f" after its explicit helper tier's {tier / MIB:.1f} MiB (--expert-cache-device; "
              f"{dev.free_bytes / MIB:.1f} MiB free before it)") if tier else " free"
     draft = cm.params.draft_bytes if le == cm.shape.n_layers else 0   # the last stage carries it
-    with_draft = f" (the draft model's {draft / MIB:.1f} MiB, --draft-model, among them)" \
-        if draft else ""
+    name, flag = cm.params.drafter
+    with_draft = f" (the {name}'s {draft / MIB:.1f} MiB, {flag}, among them)" if draft else ""
     return (f"stage {stage} [{lb}, {le}) on {dev.label} needs {need / MIB:.1f} MiB for weights, session "
             f"and reserves at {cm.cells} cells{with_draft}; {cm.free[d] / MIB:.1f} MiB{after}")
 
