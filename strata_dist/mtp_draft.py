@@ -312,7 +312,9 @@ class MtpDrafter:
     def draft(self, session_id: int, history: list[int], k: int, min_p: float,
               params=None, rng=None) -> tuple[list[int], list]:
         """Up to k greedy drafts after `history` (prompt and tokens so far, its last token the
-        one the next window starts with), each a point mass (q None)."""
+        one the next window starts with), each a point mass (q None). `params`, `rng`: the draft
+        model's interface; a sampled request takes these same drafts (the verifier's acceptance
+        rule keeps its distribution the model's)."""
         n = len(history)
         k = min(k, self.max_context - n)
         if k <= 0 or n == 0:
