@@ -303,3 +303,32 @@ def test_a_qwen3moe_file_with_nextn_layers_runs_its_stack_and_says_once(tmp_path
                                                     max_context=CTX).generate(PROMPT, 8).tokens)
     said = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
     assert len(said) == 1 and "unused" in said[0] and f"blk.{short.n_layer}" in said[0]
+
+
+def test_a_session_keeps_the_latest_rows_in_order(files, monkeypatch):
+    """The rows a session keeps before its next draft: continued, their tail overwritten by a
+    window that starts inside them, the oldest dropped past PENDING_ROWS, a zero row for each
+    position it lacks."""
+    import strata_dist.mtp_draft as mtp_draft
+    from strata_dist.backends import get_backend
+    monkeypatch.setattr(mtp_draft, "PENDING_ROWS", 5)
+    gguf_file = open_checked(files["mtp"])
+    s = MtpSession(get_backend("cpu"), architecture_for(gguf_file).read_geometry(gguf_file), 64)
+
+    def rows(a, b):
+        return np.repeat(np.arange(a, b, dtype=np.float32)[:, None], 64, axis=1)
+
+    def kept():
+        return s.pending_start, s.pending[:s.pending_n, 0].tolist()
+    s.keep(0, rows(0, 3))
+    s.keep(3, rows(3, 4))
+    assert kept() == (0, [0, 1, 2, 3])
+    s.keep(4, rows(4, 7))                  # past 5 rows: the oldest go
+    assert kept() == (2, [2, 3, 4, 5, 6])
+    s.keep(5, rows(105, 106))              # a window from position 5: the tail replaced
+    assert kept() == (2, [2, 3, 4, 105])
+    s.keep(20, rows(20, 30))               # elsewhere: only the latest 5 of these
+    assert kept() == (25, [25, 26, 27, 28, 29])
+    assert s.rows_before(24, 28)[:, 0].tolist() == [0, 0, 25, 26]
+    s.forget_before(27)
+    assert kept() == (27, [27, 28, 29])
