@@ -332,3 +332,24 @@ def test_a_session_keeps_the_latest_rows_in_order(files, monkeypatch):
     assert s.rows_before(24, 28)[:, 0].tolist() == [0, 0, 25, 26]
     s.forget_before(27)
     assert kept() == (27, [27, 28, 29])
+
+
+def test_drafts_are_those_of_llama_cpps_mtp(tmp_path):
+    """Recorded from llama.cpp (llama-speculative-simple -m F --spec-type draft-mtp -p "hello
+    world" -n 16 --temp 0 --spec-draft-n-max 4 -lv 5, its "draft candidate 0" lines) on F =
+    `strata-dist synth F --like tiny-next --quant f32 --mtp` (seed 0): with the prompt's last token
+    kept apart it drafts 392 112 497 177 at positions 6..9, draws 114, then after 114 and 238
+    drafts 20 484 293 341."""
+    path = str(tmp_path / "mtp.gguf")
+    write_synthetic(path, like="tiny-next", quant="f32", mtp=True)
+    prompt = [257, 298, 78, 265, 272, 337]          # "hello world" in the file's tokenizer
+    stage = Stage(StageConfig(path, "cpu", 0, 8, True, True, CTX))
+    drafter = MtpDrafter(path, "cpu", CTX, stage.model)
+    stage.hidden_sink = drafter.take_hidden
+    stage.run(0, 0, ids=prompt[:-1], prompt=True)
+    first = drafter.draft(0, prompt, 4, 0.0)[0]
+    assert first == [392, 112, 497, 177]
+    window = stage.run(0, 5, ids=[prompt[-1]] + first, all_rows=True)
+    assert int(np.argmax(window[0])) == 114           # no draft accepted: the window ends here
+    assert int(np.argmax(stage.run(0, 6, ids=[114]))) == 238
+    assert drafter.draft(0, prompt + [114, 238], 4, 0.0)[0] == [20, 484, 293, 341]
