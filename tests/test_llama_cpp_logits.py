@@ -16,9 +16,9 @@ The bound, derived (docs/DEVELOPING.md, "Numerics against llama.cpp", has the me
 llama.cpp's CPU dot products quantize the activation vector to 8 bits for every quantized weight
 type (one scale per block of 32 for the legacy types, of 256 for K and i-quants: step
 d = max|x| / 127), f16 for F16 weights and bf16 for BF16. A rounding error uniform in +-d/2
-adds to a dot product an error of relative rms eps_q = c / (127 * sqrt(12)), c the ratio of a
-block's max|x| to the rms of x: about 2.5 for a block of 32 and 3 for 256 of roughly normal
-values, so eps_q ~ 0.6-0.7%. The output projection adds eps_q to every logit; each earlier
+adds to a dot product an error of relative rms eps_q = c / (127 * sqrt(12)), c the rms of a
+block's max|x| over the rms of x: 2.4 for a block of 32 normal values and 3.1 for 256, so
+eps_q = 0.54% and 0.70%. The output projection adds eps_q to every logit; each earlier
 projection adds at most eps_q of its own branch, and independent errors add in quadrature, so the
 rms of (ours - llama.cpp) over a position's logits, over the std of its logits, is about one to
 two eps_q. RMS_BOUND = 3% (~4.5 eps_q, room for ~20 full-share projections) and, for the single
