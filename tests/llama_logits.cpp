@@ -60,8 +60,8 @@ int main(int argc, char ** argv) {
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
-    mp.use_extra_bufts = false;      // the plain CPU dot products: no weight repacking, and the
-                                     // AMX repack path crashes on the tiny files' q8_0 rows
+    mp.use_extra_bufts = false;      // the plain CPU dot products, no weight repacking: where the
+                                     // CPU lists AMX the repacked matmul can die (docs/DEVELOPING.md)
     mp.check_tensors = true;         // a block with a NaN/inf scale is refused at load
     llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) {
