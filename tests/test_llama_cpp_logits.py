@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,9 @@ def build_tool(llama_cpp: Path, out_dir: Path) -> Path:
         if not need.exists():
             pytest.fail(f"STRATA_LLAMA_CPP={llama_cpp}: {need} is missing (a llama.cpp source tree "
                         f"with a CPU build of libllama in build/bin is expected)")
+    if shutil.which("g++") is None:
+        pytest.fail(f"STRATA_LLAMA_CPP={llama_cpp} is set but g++ is not on PATH to build "
+                    f"{TOOL_SOURCE.name}")
     exe = out_dir / "llama_logits"
     cmd = ["g++", "-O1", "-std=c++17", f"-I{llama_cpp / 'include'}",
            f"-I{llama_cpp / 'ggml' / 'include'}", str(TOOL_SOURCE), f"-L{lib_dir}", "-lllama",
