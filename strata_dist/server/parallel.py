@@ -74,11 +74,10 @@ class ParallelRuns:
         coord, now = self.worker.coord, time.monotonic()
         if self._stats_asked_at is None:
             if now - self.worker.stats_at > self.stats_every_s:
-                coord._stats.clear()    # what is there after this comes from this asking
-                coord.ask_stats()
+                coord.ask_stats(fresh=True)   # what comes after this is from this asking
                 self._stats_asked_at = now
             return
-        replies = dict(coord._stats)
+        replies = coord.stats_replies()
         live = [s.rank for s in coord.ranks if s.rank not in coord.lost]
         if (all(r in replies for r in live)
                 or now - self._stats_asked_at > self.stats_timeout_s):
