@@ -14,6 +14,7 @@ import threading
 import time
 
 from ..batch_scheduler import BatchScheduler
+from ..conversation_table import SharedConversationTable
 from ..coordinator import RankFailure
 from ..head import HeadSession
 from .job_queue import RETRY_AFTER_MAX_S
@@ -33,8 +34,15 @@ class ParallelRuns:
         self.worker = worker
         self.stats_every_s, self.stats_timeout_s = stats_every_s, stats_timeout_s
         self.scheduler = BatchScheduler(sessions[0].coord, len(sessions), prompt_budget)
+        # --conversation-cache-mib: one table of kept conversations for every session, so a
+        # request resumes from any conversation of its salt, whichever session served it
+        table = sessions[0].conversations
+        self.table = (SharedConversationTable(True, table.checkpoints_kept, sessions[0].coord)
+                      if table.on else None)
         for s in sessions:
             s.runner = self.scheduler
+            if self.table is not None:
+                s.conversations = self.table
         self.free: list[HeadSession] = list(sessions)
         self.sessions = list(sessions)
         self.running: dict[int, tuple[threading.Thread, HeadSession, object]] = {}
@@ -129,14 +137,21 @@ class ParallelRuns:
     def _session_for(self, spec) -> HeadSession:
         """The free session whose whole conversation the job's prompt continues (of its salt;
         the longest), so B conversations each resume where they left off; else an empty one;
-        else the least recently used."""
+        else the least recently used. With kept conversations, the one it shares the longest
+        usable prefix with (the rest of that session's conversation is kept before it is
+        overwritten, conversation_table.py), and a kept conversation that serves further is
+        restored into whichever session it gets."""
         ids = spec.prompt_ids
 
         def rank(s: HeadSession) -> tuple:
             held = len(s.tokens)
-            continues = (spec.cache_prompt and s.salt == spec.cache_salt and 0 < held < len(ids)
-                         and ids[:held] == s.tokens)
-            return (held if continues else 0, not s.tokens, -self._used.get(s.session_id, 0))
+            mine = spec.cache_prompt and s.salt == spec.cache_salt and held > 0
+            if self.table is not None:
+                reused = s.reusable(ids) if mine else 0
+            else:
+                continues = mine and held < len(ids) and ids[:held] == s.tokens
+                reused = held if continues else 0
+            return (reused, not s.tokens, -self._used.get(s.session_id, 0))
         self._uses += 1
         best = max(self.free, key=rank)
         self._used[best.session_id] = self._uses
@@ -149,6 +164,9 @@ class ParallelRuns:
             self.failure = self.failure or e
         except BaseException:   # noqa: BLE001 - _run_job reported it to the client
             log.exception("job %s ended with an error", job.id)
+        finally:
+            if self.table is not None:   # a step of it never confirmed holds up no other job
+                self.table.settle()
 
     def _reap(self) -> None:
         with self.lock:
