@@ -18,6 +18,7 @@ from ..conversation_table import SharedConversationTable
 from ..coordinator import RankFailure
 from ..head import HeadSession
 from .job_queue import RETRY_AFTER_MAX_S
+from .running import session_row
 
 log = logging.getLogger("strata.server")
 
@@ -114,16 +115,17 @@ class ParallelRuns:
         with self.lock:
             return [job for _, _, job in self.running.values()]
 
-    def view(self) -> dict:
-        """What /v1/status shows of it (in `queue`): the sessions, each with the job it serves,
-        and the batched steps so far with their rows (rows / steps: the mean batch)."""
+    def view(self, running: dict, now: float) -> dict:
+        """What /v1/status shows of it (in `queue`): a row per session, with the job it serves
+        (`running`: the worker's RunningJob by job number, read under the worker's lock), and the
+        batched steps so far with their rows (rows / steps: the mean batch)."""
         with self.lock:
-            busy = {session.session_id: job.id for _, session, job in self.running.values()}
+            busy = {session.session_id: n for n, (_, session, _) in self.running.items()}
         return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
                 "batched_rows": self.scheduler.rows,
                 "most_steps_in_flight": self.scheduler.most_in_flight,
-                "sessions": [{"session": s.session_id, "request": busy.get(s.session_id),
-                              "held_tokens": len(s.tokens)} for s in self.sessions]}
+                "sessions": [session_row(s, running.get(busy.get(s.session_id)), now)
+                             for s in self.sessions]}
 
     def _start(self, job) -> None:
         session = self._session_for(job.spec)
