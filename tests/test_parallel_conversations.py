@@ -118,6 +118,76 @@ def test_eight_conversations_over_four_sessions_read_only_their_new_tokens(synth
     assert [second[c]["choices"][0]["token_ids"] for c in range(CONVERSATIONS)] == want_second
 
 
+@pytest.mark.timeout(240)
+def test_conversations_evicted_and_clients_leaving_mid_stream_lose_nothing(synth):
+    """Twelve long conversations over `--parallel 4` with room for a few of them on each stage:
+    kept ones are evicted while others restore, and four clients leave mid-stream. Every other
+    request is answered with the tokens it gets read whole, nothing hangs, and the server serves
+    on."""
+    rng = np.random.default_rng(11)
+    starts = [[int(x) for x in rng.integers(10, 300, 250)] for _ in range(12)]
+    # 512 bytes of K/V per cell on each of the two stages: 1 MiB holds about seven 255-cell
+    # conversations
+    server = ServerProcess(synth["tiny"], "--cpu-ranks", "2", "--layer-split", "2",
+                           "--vram-budget", "1G", "--max-context", "1024", "--prefill", "64",
+                           "--parallel", "4", "--conversation-cache-mib", "1",
+                           "--queue-size", "64")
+    try:
+        with httpx.Client(timeout=120) as http:
+            def whole(prompt, n):
+                r = http.post(server.url + "/v1/completions",
+                              json=_body("tiny", prompt, n, cache_prompt=False,
+                                         cache_salt="reference"))
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            want_first = [whole(p, N_NEW) for p in starts]
+            follows = [p + w + [5, 6, 7] for p, w in zip(starts, want_first)]
+            want_second = [whole(f, N_FOLLOW) for f in follows]
+
+        async def leaver(http, prompt):
+            body = _body("tiny", prompt, 400, stream=True)
+            async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        return "left"       # gone after its first token: cancelled
+            return "ended"
+
+        async def rounds():
+            rnd = random.Random(5)
+            async with httpx.AsyncClient(timeout=120) as http:
+                first = await asyncio.gather(*(
+                    _ask(http, server.url, _body("tiny", p, N_NEW), rnd.uniform(0, 0.1))
+                    for p in starts))
+                order = rnd.sample(range(12), 12)
+                got = await asyncio.gather(
+                    *(_ask(http, server.url, _body("tiny", follows[c], N_FOLLOW),
+                           rnd.uniform(0, 0.3)) for c in order),
+                    *(leaver(http, follows[c][:-2] + [9]) for c in (0, 4, 8, 11)))
+                after = await _ask(http, server.url, _body("tiny", follows[3], N_FOLLOW))
+                return first, dict(zip(order, got[:12])), got[12:], after
+        first, second, left, after = asyncio.run(rounds())
+        deadline = time.monotonic() + 15
+        while True:
+            ranks = httpx.get(server.url + "/v1/status", timeout=10).json()["ranks"]
+            evicted = [int(r["counters"].get("conversations_evicted", 0)) for r in ranks]
+            if all(n > 0 for n in evicted) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        server.close()
+    assert left == ["left"] * 4
+    assert [r["choices"][0]["token_ids"] for r in first] == want_first
+    assert [second[c]["choices"][0]["token_ids"] for c in range(12)] == want_second
+    assert after["choices"][0]["token_ids"] == want_second[3]
+    assert all(n > 0 for n in evicted), evicted      # the budget made room as it went
+    kept = len(starts[0]) + N_NEW - 1
+    cached = [second[c]["usage"]["prompt_tokens_details"]["cached_tokens"] for c in range(12)]
+    # each from its own conversation's kept end (or, after a leaver of the same conversation,
+    # from further on), or read afresh where its conversation was evicted
+    assert sum(n >= kept for n in cached) >= 4, cached
+
+
 # ---- in process: the shared table's order ---------------------------------------------------------
 
 def _in_thread(fn):
