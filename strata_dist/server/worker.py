@@ -466,12 +466,11 @@ class Worker:
         spec = job.spec
         started = time.monotonic()
         self.latency.queue_wait.observe(started - job.queued_at)
-        run = RunningJob(job, since=started)
+        run = RunningJob(job, since=started, session=session.session_id)
         with self.lock:
             self.running[job.number] = run
         self.requests.started(job)
 
-        run.session = session.session_id
         failure: list[BaseException] = []
         last_token_at: list[float] = []
         stream = TextStream(self.tok, spec)
