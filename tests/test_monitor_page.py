@@ -327,7 +327,7 @@ def test_sessions_show_each_running_request_in_status_and_the_page(model, tmp_pa
         started = {name: threading.Event() for name in ("follow", "fresh")}
 
         def stream(name: str, prompt: list[int]) -> None:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 3000, "temperature": 0,
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
                     "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                               headers=server.headers, timeout=60) as r:
