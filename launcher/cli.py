@@ -395,10 +395,6 @@ def http_flags(args) -> None:
         from protocol.batch import MAX_BATCH_ROWS
         if not 1 <= args.parallel <= MAX_BATCH_ROWS:
             raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
-        if args.parallel > 1 and args.conversation_cache_mib:
-            raise UsageError(f"--parallel {args.parallel} and --conversation-cache-mib "
-                             f"{args.conversation_cache_mib} cannot be combined yet (kept "
-                             f"conversations serve one session)")
         if args.parallel > 1 and getattr(args, "spec", 0):
             raise UsageError(f"--parallel {args.parallel} and --spec {args.spec} cannot be "
                              f"combined yet (a batched step carries one row per request, a "

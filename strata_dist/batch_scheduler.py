@@ -208,14 +208,18 @@ class BatchScheduler:
         in_flight = sum(st.sent - st.read for st in self.streams.values())
         running = any(st.sent >= st.chunks and st.read >= st.chunks
                       for st in self.streams.values())
-        window = (max(1, self.prompt_budget // max(1, self._chunk()))
-                  if running else PROMPT_WINDOW_PER_STAGE * max(1, len(self.coord._stages())))
-        while in_flight < window:
+        while True:
             st = self._reading
             if st is None or st.sent >= st.chunks or st.cancelled:
                 st = self._reading = self._next_prompt()
                 if st is None:
                     return
+            # the window is in chunks of the prompt being read (its own chunk size): computed
+            # before one was picked, a prompt budget of N tokens let N chunks ride ahead
+            window = (max(1, self.prompt_budget // st.chunk) if running
+                      else PROMPT_WINDOW_PER_STAGE * max(1, len(self.coord._stages())))
+            if in_flight >= window:
+                return
             sender = sender or self._sender()
             i = st.sent
             self.coord._send_chunk(sender, st.request_id, st.session_id, st.pos + i * st.chunk,
@@ -225,9 +229,6 @@ class BatchScheduler:
             st.sent += 1
             st.last_event = time.monotonic()
             in_flight += 1
-
-    def _chunk(self) -> int:
-        return self._reading.chunk if self._reading is not None else 1
 
     def _next_prompt(self) -> _Stream | None:
         while self._prompts:

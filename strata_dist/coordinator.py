@@ -443,12 +443,19 @@ class Coordinator(RankRejoin):
             self._pump(0.1)
         return dict(self._stats)
 
-    def ask_stats(self) -> None:
+    def ask_stats(self, fresh: bool = False) -> None:
         """Ask every live rank for its counters without waiting: the replies are taken as the pump
-        meets them (`routing` among them)."""
+        meets them (`routing` among them). `fresh`: the replies earlier askings brought are
+        forgotten first, so `stats_replies()` holds only this asking's."""
+        if fresh:
+            self._stats.clear()
         for s in self.ranks:
             if s.rank not in self.lost:
                 self._send(s.identity, Stats())
+
+    def stats_replies(self) -> dict[int, StatsReply]:
+        """The counters that came back so far, by rank (a copy)."""
+        return dict(self._stats)
 
     def idle(self, seconds: float) -> None:
         """Keep serving control traffic (heartbeats) while nothing else happens."""

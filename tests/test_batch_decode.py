@@ -403,7 +403,6 @@ def test_plan_only_shows_the_sessions_and_bad_values_are_refused(moe, capsys):
         assert b["session_bytes"] == 4 * a["session_bytes"] > 0
     for bad, needle in ((["--parallel", "0"], "--parallel 0: 1 to 64"),
                         (["--parallel", "65"], "--parallel 65: 1 to 64"),
-                        (["--parallel", "2", "--conversation-cache-mib", "1"], "cannot be combined"),
                         (["--parallel", "2", "--spec", "3"],
                          "--parallel 2 and --spec 3 cannot be combined")):
         assert launch_main(args + bad) == 2

@@ -290,3 +290,101 @@ def test_monitor_page_in_chromium(loaded, tmp_path):
         assert row["prompt_tokens"] > 0 and 10 <= row["generated_tokens"] < 3000, row
     finally:
         driver.quit()
+
+
+@pytest.mark.skipif(not HAS_CHROMIUM,
+                    reason="Debian chromium and chromium-driver are not installed (.ci/run installs them)")
+def test_sessions_show_each_running_request_in_status_and_the_page(model, tmp_path):
+    """--parallel 2 with kept conversations: two streams at once, one restored from a kept
+    conversation and one read whole. /v1/status's `queue.sessions` and the Monitor's sessions
+    table show each: its request, its position (prompt and tokens so far), its tokens and rate,
+    and where its prompt came from; an idle session shows as idle with what it holds."""
+    import json
+    import threading
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = ServerProcess(model, "--cpu-ranks", "1", "--vram-budget", "1G", "--max-context",
+                           "4096", "--parallel", "2", "--conversation-cache-mib", "4",
+                           api_key=KEY)
+    stop = threading.Event()
+    try:
+        def ask(prompt: list[int], n: int = 4) -> list[int]:
+            r = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=30,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        a = [7, 8, 9] + list(range(20, 50))
+        a_reply = ask(a)                           # A in one session
+        ask(list(range(60, 90)))                   # B in the other
+        ask(list(range(100, 130)))                 # C takes A's session: A is kept
+        follow = a + a_reply + [5, 6, 7]           # continues A: restored from the kept copy
+        fresh = list(range(140, 170))              # shares nothing: read whole
+        ids: dict[str, str] = {}
+        started = {name: threading.Event() for name in ("follow", "fresh")}
+
+        def stream(name: str, prompt: list[int]) -> None:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                              headers=server.headers, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        ids[name] = json.loads(line[6:])["id"].removeprefix("cmpl-")
+                        started[name].set()
+                    if stop.is_set():
+                        return          # the client leaves: its request is cancelled
+
+        threads = [threading.Thread(target=stream, args=("follow", follow), daemon=True)]
+        threads[0].start()
+        assert started["follow"].wait(30)
+        threads.append(threading.Thread(target=stream, args=("fresh", fresh), daemon=True))
+        threads[1].start()
+        assert started["fresh"].wait(30)
+
+        rows = get(server, "/v1/status").json()["queue"]["sessions"]
+        by_request = {r["request"]: r for r in rows}
+        assert set(by_request) == {ids["follow"], ids["fresh"]}, rows
+        f, n = by_request[ids["follow"]], by_request[ids["fresh"]]
+        assert (f["conversation"], f["cached_tokens"]) == ("kept", len(a) + len(a_reply) - 1)
+        assert (n["conversation"], n["cached_tokens"]) == ("none", 0)
+        for row, prompt in ((f, follow), (n, fresh)):
+            # the prompt read, then a token more per token generated (read under one lock)
+            assert row["tokens"] >= 1 and row["position"] == len(prompt) + row["tokens"], row
+        assert {f["session"], n["session"]} == {0, 1}
+
+        driver = headless_chromium(str(tmp_path / "profile"), 1400, 1400)
+        try:
+            driver.get(f"{server.url}/?api_key={KEY}")
+
+            def cells(d, request: str) -> list[str]:
+                found = d.find_elements(By.CSS_SELECTOR, f'#sessions tr[data-request="{request}"]')
+                return [c.text for c in found[0].find_elements(By.TAG_NAME, "td")] if found else []
+            WebDriverWait(driver, 15).until(lambda d: cells(d, ids["follow"])
+                                            and cells(d, ids["fresh"]))
+            got = {name: cells(driver, ids[name]) for name in ("follow", "fresh")}
+            for name, prompt, conversation in (("follow", follow, "kept conversation restored"),
+                                               ("fresh", fresh, "read whole")):
+                c = got[name]
+                assert c[1] == ids[name][:12] and c[6] == conversation, c
+                assert int(c[2]) > len(prompt) and int(c[3]) >= 1 and float(c[4]) >= 0, c
+            assert got["follow"][5] == str(len(a) + len(a_reply) - 1)
+            WebDriverWait(driver, 10).until(
+                lambda d: d.find_element(By.ID, "queue").text.endswith("+2 running"))
+            stop.set()
+            for t in threads:
+                t.join(30)
+            # both clients left: both sessions idle, each holding its conversation so far
+            WebDriverWait(driver, 15).until(lambda d: [
+                c.text for c in d.find_elements(By.CSS_SELECTOR, "#sessions td:nth-child(2)")]
+                == ["idle", "idle"])
+        finally:
+            driver.quit()
+        rows = get(server, "/v1/status").json()["queue"]["sessions"]
+        assert all(r["request"] is None and r["position"] > 30 for r in rows), rows
+    finally:
+        stop.set()
+        server.close()

@@ -14,9 +14,11 @@ import threading
 import time
 
 from ..batch_scheduler import BatchScheduler
+from ..conversation_table import SharedConversationTable
 from ..coordinator import RankFailure
 from ..head import HeadSession
 from .job_queue import RETRY_AFTER_MAX_S
+from .running import session_row
 
 log = logging.getLogger("strata.server")
 
@@ -33,8 +35,15 @@ class ParallelRuns:
         self.worker = worker
         self.stats_every_s, self.stats_timeout_s = stats_every_s, stats_timeout_s
         self.scheduler = BatchScheduler(sessions[0].coord, len(sessions), prompt_budget)
+        # --conversation-cache-mib: one table of kept conversations for every session, so a
+        # request resumes from any conversation of its salt, whichever session served it
+        table = sessions[0].conversations
+        self.table = (SharedConversationTable(True, table.checkpoints_kept, sessions[0].coord)
+                      if table.on else None)
         for s in sessions:
             s.runner = self.scheduler
+            if self.table is not None:
+                s.conversations = self.table
         self.free: list[HeadSession] = list(sessions)
         self.sessions = list(sessions)
         self.running: dict[int, tuple[threading.Thread, HeadSession, object]] = {}
@@ -74,11 +83,10 @@ class ParallelRuns:
         coord, now = self.worker.coord, time.monotonic()
         if self._stats_asked_at is None:
             if now - self.worker.stats_at > self.stats_every_s:
-                coord._stats.clear()    # what is there after this comes from this asking
-                coord.ask_stats()
+                coord.ask_stats(fresh=True)   # what comes after this is from this asking
                 self._stats_asked_at = now
             return
-        replies = dict(coord._stats)
+        replies = coord.stats_replies()
         live = [s.rank for s in coord.ranks if s.rank not in coord.lost]
         if (all(r in replies for r in live)
                 or now - self._stats_asked_at > self.stats_timeout_s):
@@ -107,16 +115,17 @@ class ParallelRuns:
         with self.lock:
             return [job for _, _, job in self.running.values()]
 
-    def view(self) -> dict:
-        """What /v1/status shows of it (in `queue`): the sessions, each with the job it serves,
-        and the batched steps so far with their rows (rows / steps: the mean batch)."""
+    def view(self, running: dict, now: float) -> dict:
+        """What /v1/status shows of it (in `queue`): a row per session, with the job it serves
+        (`running`: the worker's RunningJob by job number, read under the worker's lock), and the
+        batched steps so far with their rows (rows / steps: the mean batch)."""
         with self.lock:
-            busy = {session.session_id: job.id for _, session, job in self.running.values()}
+            busy = {session.session_id: n for n, (_, session, _) in self.running.items()}
         return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
                 "batched_rows": self.scheduler.rows,
                 "most_steps_in_flight": self.scheduler.most_in_flight,
-                "sessions": [{"session": s.session_id, "request": busy.get(s.session_id),
-                              "held_tokens": len(s.tokens)} for s in self.sessions]}
+                "sessions": [session_row(s, running.get(busy.get(s.session_id)), now)
+                             for s in self.sessions]}
 
     def _start(self, job) -> None:
         session = self._session_for(job.spec)
@@ -130,14 +139,21 @@ class ParallelRuns:
     def _session_for(self, spec) -> HeadSession:
         """The free session whose whole conversation the job's prompt continues (of its salt;
         the longest), so B conversations each resume where they left off; else an empty one;
-        else the least recently used."""
+        else the least recently used. With kept conversations, the one it shares the longest
+        usable prefix with (the rest of that session's conversation is kept before it is
+        overwritten, conversation_table.py), and a kept conversation that serves further is
+        restored into whichever session it gets."""
         ids = spec.prompt_ids
 
         def rank(s: HeadSession) -> tuple:
             held = len(s.tokens)
-            continues = (spec.cache_prompt and s.salt == spec.cache_salt and 0 < held < len(ids)
-                         and ids[:held] == s.tokens)
-            return (held if continues else 0, not s.tokens, -self._used.get(s.session_id, 0))
+            mine = spec.cache_prompt and s.salt == spec.cache_salt and held > 0
+            if self.table is not None:
+                reused = s.reusable(ids) if mine else 0
+            else:
+                continues = mine and held < len(ids) and ids[:held] == s.tokens
+                reused = held if continues else 0
+            return (reused, not s.tokens, -self._used.get(s.session_id, 0))
         self._uses += 1
         best = max(self.free, key=rank)
         self._used[best.session_id] = self._uses
@@ -150,6 +166,9 @@ class ParallelRuns:
             self.failure = self.failure or e
         except BaseException:   # noqa: BLE001 - _run_job reported it to the client
             log.exception("job %s ended with an error", job.id)
+        finally:
+            if self.table is not None:   # a step of it never confirmed holds up no other job
+                self.table.settle()
 
     def _reap(self) -> None:
         with self.lock:

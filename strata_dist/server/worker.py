@@ -28,6 +28,7 @@ from ..tokenizer import GGUFTokenizer
 from .history import RequestLog
 from .job_queue import RETRY_AFTER_MAX_S, JobQueue, RateMeter
 from .metrics import LatencyHistograms
+from .running import RunningJob, session_row
 
 log = logging.getLogger("strata.server")
 
@@ -121,18 +122,6 @@ class Event:
     status: int = 0              # for errors: the HTTP status
     message: str = ""
     code: str = ""
-
-
-@dataclasses.dataclass
-class RunningJob:
-    """A job generating now: its tokens so far (of every choice) and when its first token came
-    (its decode rate counts from there)."""
-    job: "Job"
-    tokens: int = 0
-    since: float = 0.0
-
-    def tokens_per_second(self, now: float) -> float:
-        return (self.tokens - 1) / max(now - self.since, 1e-3) if self.tokens > 1 else 0.0
 
 
 class Job:
@@ -338,15 +327,14 @@ class Worker:
         """A consistent copy of the counters for /v1/status and /metrics."""
         with self.lock:
             now = time.monotonic()
-            running = [{"id": r.job.id, "tokens": r.tokens,
-                        "tokens_per_second": round(r.tokens_per_second(now), 3)}
-                       for r in self.running.values()]
+            running = [r.row(now) for r in self.running.values()]
+            sessions = (self.parallel.view(self.running, now) if self.parallel
+                        else self._session_rows(now))
             return {
                 "state": self.state, "error": self.error, "lost": dict(self.lost),
                 "queue": {"waiting": self.jobs.qsize(), "capacity": self.queue_size,
                           "running": len(self.parallel.jobs_running()) if self.parallel
-                          else len(running),
-                          **(self.parallel.view() if self.parallel else {})},
+                          else len(running), **sessions},
                 "totals": dict(self.totals),
                 "decode_tokens_per_second": round(self.decode_rate.rate(), 3),
                 # the first started of the running jobs (the only one without --parallel)
@@ -356,6 +344,13 @@ class Worker:
                 "rank_gauges": {r: dict(g) for r, g in self.rank_gauges.items()},
                 "stats_age_s": round(time.monotonic() - self.stats_at, 3) if self.stats_at else None,
             }
+
+    def _session_rows(self, now: float) -> dict:
+        """One at a time: the one session's row (as --parallel shows each of its sessions')."""
+        if self.session is None:
+            return {}
+        run = next(iter(self.running.values()), None)
+        return {"sessions": [session_row(self.session, run, now)]}
 
     def recent_requests(self) -> list[dict]:
         """The request list of /v1/status and the Monitor, newest first."""
@@ -451,6 +446,15 @@ class Worker:
                 self.rank_gauges[rank] = dict(rep.gauges)
             self.stats_at = time.monotonic()
 
+    def _resumed(self, run: RunningJob, reused: int, own: int) -> None:
+        with self.lock:
+            run.cached_tokens = run.position = reused
+            run.conversation = "none" if not reused else "held" if reused <= own else "kept"
+
+    def _read_to(self, run: RunningJob, pos: int) -> None:
+        with self.lock:
+            run.position = pos
+
     def _run_job(self, job: Job, session: HeadSession | None = None, refresh: bool = True) -> None:
         """Run one job on `session` (the worker's own by default); `refresh`: then ask the ranks
         for their counters (only on the coordinator's thread)."""
@@ -462,7 +466,7 @@ class Worker:
         spec = job.spec
         started = time.monotonic()
         self.latency.queue_wait.observe(started - job.queued_at)
-        run = RunningJob(job, since=started)
+        run = RunningJob(job, since=started, session=session.session_id)
         with self.lock:
             self.running[job.number] = run
         self.requests.started(job)
@@ -486,6 +490,7 @@ class Worker:
                     if run.tokens == 0:
                         run.since = now
                     run.tokens += 1
+                    run.position += 1
                 ev = stream.push(t, pending_logprob.pop() if pending_logprob else None)
                 if ev is not None:
                     job.post(ev)
@@ -508,9 +513,13 @@ class Worker:
                 if index:
                     stream = TextStream(self.tok, spec, context)
                 stream.index = index
+                # what the session itself could resume from: more came from a kept conversation
+                own = session.reusable(ids) if ids and session.salt == spec.cache_salt else 0
                 out = session.generate(
                     ids, spec.max_new, _choice_params(spec.params, j),
                     stop_ids=spec.stop_ids, on_token=on_token, on_logprob=pending_logprob.append,
+                    on_resume=lambda n, own=own: self._resumed(run, n, own),
+                    on_progress=lambda pos, *_: self._read_to(run, pos),
                     on_prompt_logprobs=lambda lps: job.post(Event("prompt", index=index,
                                                                   logprobs=lps)),
                     logprobs=LogprobRequest(spec.logprobs.tokens, spec.logprobs.top,
