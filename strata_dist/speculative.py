@@ -157,6 +157,7 @@ class SpecState:
     accepted: int = 0
     windows: int = 0
     model: object = None
+    last_pos: int = 0   # the position of the latest token drawn (no stage has run it yet)
 
     def draft(self, left: int) -> list[int]:
         """The drafts of the next window: at most K, and fewer than `left` tokens to go (the
