@@ -35,7 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .model_shape import model_shape
+from .models import open_checked
 from .plan.pricing import DECODE_ROWS
+from .plan.speculation import SpecPrediction, predict_spec
 
 DRAFTERS = ("ngram", "model")  # --draft values (model: --draft-model FILE.gguf)
 MAX_SPEC = DECODE_ROWS - 1     # --spec K: a window of K+1 rows fits the decode scratch
@@ -139,6 +142,17 @@ def draw_against(sampler, row, draft: int | None, q=None) -> int:
         tok = int(ids[sampler.rng.choice(len(ids), p=rest / rest.sum())])
     sampler.record(tok)
     return tok
+
+
+def plan_prediction(plan, shape, profile, options: SpecOptions,
+                    kv_type: str | None = None) -> SpecPrediction:
+    """--plan-only's prediction of decode tok/s with `options` (K > 0) on `plan`; a draft model
+    is priced as the last stage's device loads it (plan/speculation.py)."""
+    draft = None
+    if options.draft_model:
+        draft = model_shape(open_checked(options.draft_model), plan.stages[-1].device.kind,
+                            kv_type)
+    return predict_spec(plan, shape, profile, options.k, options.drafter, draft)
 
 
 @dataclass
