@@ -4,7 +4,8 @@ A window's rows past the token that ends a request (an end-of-text drawn at its 
 held drafts nobody verified: the last stage sends `Settle` (protocol/messages.py) so that every
 stage takes them back when the request ends, not at a next step of the session that may never
 come. Real CPU ranks through the launcher, 2 stages: the profile learnt with --spec 4 equals
---spec 0's and the single-process forward's routing of the tokens fed."""
+--spec 0's and the single-process forward's routing of the tokens fed, for a request that stops
+on its end-of-text; and in process, a request cancelled with a window's next step in flight."""
 import json
 
 import numpy as np
@@ -57,3 +58,38 @@ def test_a_window_cut_by_end_of_text_counts_as_the_tokens_fed(model, tmp_path):
     # the prompt and every token but the last (no stage runs it), through the forward
     np.testing.assert_array_equal(counts[0],
                                   record_profile(model, [PROMPT + want[:-1]]).counts)
+
+
+def test_a_cancelled_window_counts_the_rows_that_stood(model):
+    """A Cancel while a window's next step is in flight (in process: one stage, first and last,
+    its steps handed back by hand, the in-flight one never): the last stage's answer waits for its
+    Settle, which takes back the window's rows past the tokens accepted, so the stage's routing
+    totals are the forward's over the prompt and the tokens before the last one drawn."""
+    from protocol import Cancel, Settle, Token, Tokens
+    from protocol.messages import Sampling
+    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.stage_step import StageStep, To
+
+    stage = Stage(StageConfig(model, "cpu", 0, N_LAYERS, True, True, 256, count_routing=True))
+    step = StageStep(stage, rank=0, last=True)
+    sent = step.step(Tokens(request_id=1, session_id=0, pos=0, ids=PROMPT,
+                            sampling=Sampling(max_new=40, spec_tokens=4, prompt_ids=PROMPT)))
+    tokens: list[int] = []
+    windows = 0
+    while True:
+        tokens += [o.msg.token_id for o in sent if isinstance(o.msg, Token)]
+        [nxt] = [o.msg for o in sent if o.to is To.FIRST]
+        windows += len(nxt.ids) > 1
+        if windows == 3:     # the third window in flight: cancelled before any stage runs it
+            break
+        sent = step.step(nxt)
+    assert stage.window_routes          # the second window's routes still wait to be settled
+    answer = step.step(Cancel(request_id=1))
+    [settle] = [o.msg for o in answer if o.to is To.FIRST]
+    assert isinstance(settle, Settle) and settle.pos == nxt.pos == len(PROMPT) + len(tokens) - 1
+    assert not [o for o in answer if o.to is To.HEAD]       # held until the Settle is back
+    [done] = [o.msg for o in step.step(settle)]
+    assert done.done and done.reason == "cancelled" and not stage.window_routes
+    fed = PROMPT + tokens[:-1]
+    np.testing.assert_array_equal(stage.routing.total,
+                                  record_profile(model, [fed]).counts.astype(np.int64))
