@@ -13,6 +13,10 @@ The drafter adds its own time: the n-gram drafter nothing the model prices; a dr
 one-row steps of its own weights on the last stage's device (`draft_step_ms`: a catch-up step,
 then K - 1 drafts, draft_model.py).
 
+Not priced: the per-row arithmetic (the model is of bytes read, as the planner's is), and on a
+stage with recurrent state (qwen3next) the accepted rows it runs again after a rejected draft to
+roll its state back (speculative.py), which makes such a stage's windows dearer than this says.
+
 A window yields the drafts accepted plus one token. With each draft accepted with probability a,
 independently (the i.i.d. acceptance model), the expected yield is
     1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)      (K + 1 at a = 1),
