@@ -2,8 +2,8 @@
 
 - a window's expected yield and decode tok/s at an acceptance, against numbers written out;
 - a step of R rows is priced as the planner prices one row, with each expert read once if any
-  row routes to it (1 - (1 - p)^R), hidden rows R times on a link between hosts, host misses
-  likewise: checked against sums written out for a two-layer shape;
+  row routes to it (1 - (1 - p)^R), hidden rows R times on a link between hosts, host misses and
+  a helper tier's reads likewise: checked against sums written out for a two-layer shape;
 - `--plan-only --spec K` prints the prediction (table and JSON), a draft model's steps priced;
 - the draft model is priced on the kind of device that carries it: a CPU rank reserves no
   resident experts, a GPU every one."""
@@ -158,3 +158,25 @@ def test_the_draft_model_is_priced_on_the_device_that_carries_it(files, devices,
         want += shape.n_experts * sum(shape.blob_bytes)
     assert priced[0] == plain[0]                  # not on the first stage
     assert priced[1] - plain[1] == want           # on the last, as its device loads it
+
+
+def test_a_window_reads_a_helper_tiers_experts_once_too():
+    """Half the experts in the stage's cache, the rest in a helper tier on another card of the
+    host (too small for a stage): at one row the window is the plan's ms per token, and the tier's
+    read time grows as the bytes its pairs are read for, by (1 - 0.75^5) / 0.25."""
+    shape, cells = _shape(), 64
+    params = PlanParams(coverage="measured", prompt_loans=False)
+    whole = make_plan(shape, [_device(0)], cells=cells, profile=EVEN, params=params, split="none")
+    st = whole.stages[0]
+    fixed = st.weights_bytes + st.session_bytes + st.reserve_bytes + st.own_prompt_bytes
+    stage_card = Device("gpu0", 4000 * MIB, fixed + 8 * MIB + MIB // 2, 100.0, "localhost", 0)
+    tier_card = Device("gpu1", 4000 * MIB, 32 * MIB + 9 * MIB, 100.0, "localhost", 1)
+    plan = make_plan(shape, [stage_card, tier_card], cells=cells, profile=EVEN, params=params,
+                     split="none", order="as_given")
+    [stage], [tier] = plan.stages, plan.live_helpers
+    assert stage.device.name == "gpu0" and stage.cache_slots == 8 and len(tier.pairs) == 8
+    assert tier.read_ms > 0 and tier.device.name == "gpu1"
+    assert window_ms(plan, shape, EVEN, 1) == pytest.approx(plan.predicted_ms_per_token)
+    once = 2 * 10 * MIB + 4 * MIB + 2 * 0.5 * cells * 1024
+    assert window_ms(plan, shape, EVEN, 5) == pytest.approx(
+        (once + 8 * READ_5 * MIB) / 1e8 + 2 * params.layer_ms + tier.read_ms * READ_5 / 0.25)
