@@ -17,8 +17,16 @@ drafted=/accepted=), K, its ratio to the K = 0 arm of its prompts, and whether i
 are those of that arm (they must be). Synthetic weights cannot show a real model's acceptance:
 the record states what was accepted, nothing more. The record of ../shared/RECORDS.md goes to
 benchmarks/results/spec-<like>-<quant>-<date>-<HHMMSS>-<commit>.json.
-llama.cpp's `llama-speculative` has no arm: the anchor build (.anchor/llamacpp-anchor.sh) makes
-llama-bench only.
+Each arm carries the planner's prediction beside what it measured (`predicted`: strata-launch
+--plan-only --json of its launch; a speculative arm's tok/s at the acceptance it measured, under
+the planner's i.i.d. acceptance model, strata_dist/plan/speculation.py).
+With --llama-speculative (and --draft), the `llama.cpp` arm: llama.cpp's `llama-speculative` on
+the same pair of files (target, draft), greedy (--temp 0), --spec-draft-n-max K, --tokens new
+tokens, once per measured prompt, given as text: the measured prompts are then their ids' text
+tokenized again (for every arm), which llama.cpp reads as the same tokens (the arm says whether
+its counts agree). Its printed "decoded N tokens in T seconds, speed: X t/s" (median) and
+n_drafted / n_accept (summed) make the arm.
+The anchor build makes llama-bench; must_show.sh's spec part builds llama-speculative after it.
 
     python benchmarks/bench_spec.py --model q30-q8_0.gguf --draft q30-q2_k.gguf --gpus 0
     python benchmarks/bench_spec.py --model q30.gguf --gpus 0,0 --k 4
@@ -26,6 +34,8 @@ llama-bench only.
     strata-dist synth tiny-q2.gguf --like tiny --quant q2_k --popularity zipf:1.0 --quiet
     python benchmarks/bench_spec.py --model tiny.gguf --draft tiny-q2.gguf --cpu --tokens 16 \\
         --repeats 1     # the harness, no GPU
+    python benchmarks/bench_spec.py --model q30-q8_0.gguf --draft q30-q2_k.gguf --gpus 0 \\
+        --llama-speculative .anchor/llama.cpp/build/bin/llama-speculative
 """
 from __future__ import annotations
 
@@ -33,15 +43,20 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.join(HERE, ".."))   # strata_dist, where no installed one comes first
 
 from records import (PeakMemory, env_prefix, fail, measured,  # noqa: E402
                      model_facts, prompt_ids, record_model, serve_session, Recorder)
+from llama_runs import llama_build, llama_wait  # noqa: E402
+from strata_dist.plan.speculation import spec_tok_s  # noqa: E402
 
 MAX_K = 7   # --spec's bound (strata_dist/speculative.py MAX_SPEC)
 
@@ -94,6 +109,107 @@ def run_arm(args, name: str, spec: list[str], prompts: list[list[int]], vocab: i
     return arm
 
 
+def predicted(args, spec: list[str]) -> dict:
+    """The planner's prediction of an arm's launch (strata-launch --plan-only --json): K = 0's
+    decode tok/s, and with --spec the window's and drafting's ms and tok/s at the acceptance
+    rates it prints."""
+    cmd = [sys.executable, "-m", "launcher.cli", "--model", args.model, *launch_args(args), *spec,
+           "--plan-only", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        fail(f"the plan of {' '.join(spec) or 'K = 0'}: {done.stderr.strip()[-800:]}")
+    plan = json.loads(done.stdout)
+    out = {"k0_tok_s": round(1000.0 / plan["predicted_ms_per_token"], 2)}
+    if "speculation" in plan:
+        out.update(plan["speculation"])
+    return out
+
+
+def with_prediction(arm: dict, prediction: dict) -> dict:
+    """The prediction beside the arm's measure: a speculative arm's tok/s at the acceptance it
+    measured too (the i.i.d. acceptance model, strata_dist/plan/speculation.py)."""
+    arm["predicted"] = prediction
+    if "window_ms" in prediction and arm.get("acceptance") is not None:
+        prediction["tok_s_at_measured_acceptance"] = round(spec_tok_s(
+            arm["acceptance"], arm["k"], prediction["window_ms"], prediction["drafter_ms"]), 2)
+    return arm
+
+
+# llama-speculative's summary lines (examples/speculative in llama.cpp), after its log prefix
+DECODED = re.compile(r"decoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds,\s+"
+                     r"speed:\s+([\d.]+)\s+t/s")
+ENCODED = re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s+seconds")
+COUNTS = {key: re.compile(rf"(?:^|\s){key}\s*=\s*([\d.]+)(%?)\s*$", re.M)
+          for key in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept")}
+
+
+def parse_speculative(text: str) -> dict:
+    """llama-speculative's printed summary: tokens decoded, seconds and t/s, prompt tokens, K
+    (n_draft), tokens drafted and accepted, and acceptance (its percent as a fraction); {} where
+    it printed no "decoded" line."""
+    m = DECODED.search(text)
+    if m is None:
+        return {}
+    out = {"decoded": int(m.group(1)), "decode_s": float(m.group(2)), "tok_s": float(m.group(3))}
+    e = ENCODED.search(text)
+    if e is not None:
+        out["prompt_tokens"] = int(e.group(1))
+    for key, pattern in COUNTS.items():
+        got = pattern.search(text)
+        if got is not None:
+            value = float(got.group(1))
+            out[key] = round(value / 100, 6) if got.group(2) else int(value)
+    return out
+
+
+def llama_arm(args, prompts: list[list[int]]) -> dict:
+    """llama.cpp's llama-speculative on --model and --draft, once per prompt (module doc)."""
+    from strata_dist.tokenizer import GGUFTokenizer
+    llama_wait(args.llama_speculative, args.llama_wait)
+    tok = GGUFTokenizer.from_gguf(args.model)
+    # a CPU build's repacked kernels may use instructions this host's kernel does not enable
+    # (AMX tiles): the dry run reads the weights as stored
+    device = ["--no-repack", "-t", str(os.cpu_count() or 1)] if args.cpu else \
+        ["-ngl", "99", "-ngld", "99"]
+    runs, commands = [], []
+    with PeakMemory() as mem:
+        for i, ids in enumerate(prompts):
+            cmd = [args.llama_speculative, "-m", args.model, "-md", args.draft, *device,
+                   "-c", str(args.context), "-n", str(args.tokens), "--temp", "0", "-s", "1",
+                   "--spec-draft-n-max", str(args.k), "-p", tok.decode(ids)]
+            commands.append(cmd)
+            print("llama.cpp:", " ".join(cmd[:-2]), "-p <prompt>", flush=True)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                                      timeout=1800)
+            except subprocess.TimeoutExpired:
+                fail(f"llama-speculative on prompt {i + 1} did not end within 1800 s")
+            got = parse_speculative(done.stdout + "\n" + done.stderr)
+            if done.returncode != 0 or not got:
+                fail(f"llama-speculative exited {done.returncode} printing no summary: "
+                     f"{(done.stdout + done.stderr)[-1200:]}")
+            runs.append(got)
+    drafted = sum(r.get("n_drafted", 0) for r in runs)
+    accepted = sum(r.get("n_accept", 0) for r in runs)
+    return {"name": "llama.cpp", "gpus": 0 if args.cpu else 1,
+            "command": " ".join(["llama-speculative", *commands[0][1:-2], "-p", "PROMPT"]),
+            "build": llama_build(args.llama_speculative), "k": args.k,
+            "decode_tok_s": statistics.median(r["tok_s"] for r in runs),
+            # -n asked; it decodes past it where a window's last accepted drafts overshoot
+            "new_tokens": args.tokens, "decoded_each": [r["decoded"] for r in runs],
+            "tps_each": {"decode": [r["tok_s"] for r in runs]},
+            "prompt_tokens_each": [r.get("prompt_tokens") for r in runs],
+            "prompt_basis": "the text of each measured prompt's ids, as the strata arms read it "
+                            "(tokenized again here), tokenized by llama.cpp",
+            "prompt_tokens_as_strata": [r.get("prompt_tokens") for r in runs]
+            == [len(p) for p in prompts],
+            "drafted": drafted, "accepted": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "acceptance_each": [r.get("accept") for r in runs],
+            "draft_model": record_model(model_facts(args.draft, args.popularity)),
+            "peak_gib": round(mem.gib, 2)}
+
+
 def against(arm: dict, reference: dict) -> dict:
     """The speculative arm beside its K = 0 arm: identical tokens, and the tok/s ratio."""
     arm["tokens_identical_to_k0"] = arm["_tokens"] == reference["_tokens"]
@@ -127,6 +243,11 @@ def main() -> int:
                     help="the file's routing law where it does not store it (uniform, zipf:S)")
     ap.add_argument("--context", type=int, default=1024, help="--max-context")
     ap.add_argument("--cpu", action="store_true", help="CPU ranks (the harness, no GPU)")
+    ap.add_argument("--llama-speculative", default="",
+                    help="path of llama.cpp's llama-speculative: its arm on --model and --draft")
+    ap.add_argument("--llama-wait", type=float, default=0,
+                    help="seconds to wait for llama-speculative to appear (a build in the "
+                         "background)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.tokens < 2 or not 1 <= args.repeats <= 8 or not 1 <= args.k <= MAX_K:
@@ -134,33 +255,51 @@ def main() -> int:
              f"tokens, 1 to 8 repeats, K in [1, {MAX_K}]")
     if args.draft and not os.path.isfile(args.draft):
         fail(f"--draft {args.draft}: no such file")
+    if args.llama_speculative and not args.draft:
+        fail(f"--llama-speculative {args.llama_speculative}: llama.cpp drafts with a draft file: "
+             "give --draft")
+    if args.llama_speculative and args.llama_wait <= 0 and not os.access(args.llama_speculative,
+                                                                          os.X_OK):
+        fail(f"--llama-speculative {args.llama_speculative}: not an executable file")
     facts = model_facts(args.model, args.popularity)
     recorder = Recorder("spec", facts, args.out)   # a tree no commit names is refused up front
     vocab = facts["vocab"]
     # prompts of their own (distinct first ids: no request RESUMEs another's prefix)
     plain = [prompt_ids(32, 2 + 61 * rep, vocab) for rep in range(args.repeats)]
     repeating = [repeating_prompt(5 + 61 * rep, vocab) for rep in range(args.repeats)]
+    if args.llama_speculative:
+        # llama-speculative reads text: every measured prompt becomes its ids' text tokenized
+        # again, which is what llama.cpp reads (the arm says whether the counts agree)
+        from strata_dist.tokenizer import GGUFTokenizer
+        tok = GGUFTokenizer.from_gguf(args.model)
+        plain = [tok.encode(tok.decode(p)) for p in plain]
     k = ["--spec", str(args.k)]
 
-    ref = run_arm(args, "strata", [], plain, vocab)
+    def arm(name: str, spec: list[str], prompts: list[list[int]]) -> dict:
+        return with_prediction(run_arm(args, name, spec, prompts, vocab), predicted(args, spec))
+
+    ref = arm("strata", [], plain)
     say(ref)
-    ref_repeat = run_arm(args, "strata repeating prompt", [], repeating, vocab)
+    ref_repeat = arm("strata repeating prompt", [], repeating)
     say(ref_repeat)
     arms = [ref, ref_repeat]
-    arms.append(against(run_arm(args, "strata self-draft", [*k, "--draft-model", args.model],
-                                plain, vocab), ref))
+    arms.append(against(arm("strata self-draft", [*k, "--draft-model", args.model], plain), ref))
     say(arms[-1])
     if args.draft:
-        quant = against(run_arm(args, "strata quantized draft",
-                                [*k, "--draft-model", args.draft], plain, vocab), ref)
+        quant = against(arm("strata quantized draft", [*k, "--draft-model", args.draft], plain),
+                        ref)
         quant["draft_model"] = record_model(model_facts(args.draft, args.popularity))
         arms.append(quant)
         say(quant)
-    arms.append(against(run_arm(args, "strata ngram", [*k, "--draft", "ngram"], repeating,
-                                vocab), ref_repeat))
+    arms.append(against(arm("strata ngram", [*k, "--draft", "ngram"], repeating), ref_repeat))
     say(arms[-1])
-    for arm in arms:
-        arm.pop("_tokens")
+    if args.llama_speculative:
+        arms.append(llama_arm(args, plain))
+        a = arms[-1]
+        print(f"llama.cpp llama-speculative: {a['decode_tok_s']:.1f} tok/s decode, K {args.k}: "
+              f"{a['accepted']}/{a['drafted']} drafts accepted", flush=True)
+    for a in arms:
+        a.pop("_tokens", None)
     path = recorder.save(arms)
     print(f"record: {path}")
     return 0 if all(a.get("tokens_identical_to_k0", True) for a in arms) else 1

@@ -39,11 +39,22 @@
 # llama-batched-bench; a machine that has llama-bench builds only that target).
 #   bash benchmarks/must_show.sh --parts serve
 #   bash benchmarks/must_show.sh --parts serve_two_ranks
+# spec, spec_two_ranks, spec_quant (off by default, each its own call; estimated, not yet timed):
+# issue 46's speculative decoding, bench_spec.py. spec: the Q4_K_M-recipe file (the serve parts'
+# file) on one card, K = 0 beside the self-draft (--draft-model the file itself) and the n-gram
+# drafter; spec_two_ranks the same through two ranks on the one card (--gpus 0,0); spec_quant:
+# the q8_0 file drafted by the q2_k file of the same geometry and seed, beside llama.cpp's
+# llama-speculative on the same pair (built after llama-bench in the same background job, as
+# llama-batched-bench is for serve; the two files, ~43 GiB, are the only ones kept).
+#   bash benchmarks/must_show.sh --parts spec
+#   bash benchmarks/must_show.sh --parts spec_two_ranks
+#   bash benchmarks/must_show.sh --parts spec_quant
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
 # command and flag this script gives (no GPU; $LLAMA_BENCH names a llama-bench to run, e.g. a CPU
-# build, else the llama.cpp arms are left out; $LLAMA_BATCHED_BENCH the same for the serve part).
+# build, else the llama.cpp arms are left out; $LLAMA_BATCHED_BENCH the same for the serve part,
+# $LLAMA_SPECULATIVE for spec_quant).
 # --print: the commands only.
 # $OUT (default /tmp/must-show) gets the records and a log per command.
 set -uo pipefail
@@ -57,7 +68,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant) ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
 has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
@@ -89,8 +100,9 @@ fi
 if [ "$CPU" = 1 ]; then SEED_LIKE=tiny-next; SEED_SHARD=250K; SEEDRIG=(--cpu)
 else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
 # the parts without llama-bench: the seed rig, the adaptive cache, the streams (the serve part
-# runs llama-batched-bench instead, LBB below)
-ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks) ;; *) ALONE=0 ;; esac; done
+# runs llama-batched-bench instead, LBB below), speculative decoding (spec_quant runs
+# llama-speculative, LSP below)
+ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant) ;; *) ALONE=0 ;; esac; done
 [ "$ALONE" = 1 ] && LB=
 # the streams' file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry, short requests)
 LBB=""
@@ -102,16 +114,28 @@ else
   SERVE_QUANT=q4_k_m; SERVE_ONE=(--gpus 0); SERVE_TWO=(--gpus 0,0); SERVE_SIZES=()
   has serve && LBB=.anchor/llama.cpp/build/bin/llama-batched-bench
 fi
+# speculative decoding: the serve parts' file (self-draft, n-gram), and a q8_0 target with its
+# q2_k draft (the CPU dry run: the tiny geometry, 128 tokens, one prompt an arm)
+LSP=""
+if [ "$CPU" = 1 ]; then
+  SPEC_ONE=(--cpu); SPEC_TWO=(--cpu --gpus 0,0); SPEC_SIZES=(--tokens 128 --repeats 1)
+  has spec_quant && LSP=${LLAMA_SPECULATIVE:-}
+else
+  SPEC_ONE=(--gpus 0); SPEC_TWO=(--gpus 0,0); SPEC_SIZES=()
+  has spec_quant && LSP=.anchor/llama.cpp/build/bin/llama-speculative
+fi
 # the adaptive cache's file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry)
 if [ "$CPU" = 1 ]; then ADAPT_QUANT=q8_0; ADAPT=(--cpu); else ADAPT_QUANT=q4_k_m; ADAPT=(); fi
 # the background build of llama.cpp's tools: llama-bench (the anchor script) where it is not
-# there yet, then llama-batched-bench where the serve part asks for it (one job, so the benchmarks'
-# wait for the build waits for both)
+# there yet, then llama-batched-bench where the serve part asks for it and llama-speculative where
+# spec_quant does (one job, so the benchmarks' wait for the build waits for all)
 BUILDING=0
 start_anchor_build() {
   [ "$BUILDING" = 1 ] && return 0
-  local then=""
-  [ -n "$LBB" ] && then='; cmake --build llama.cpp/build -j "$(nproc)" --target llama-batched-bench >> llama.cpp/build.log 2>&1'
+  local then="" targets=""
+  [ -n "$LBB" ] && targets="$targets llama-batched-bench"
+  [ -n "$LSP" ] && targets="$targets llama-speculative"
+  [ -n "$targets" ] && then="; cmake --build llama.cpp/build -j \"\$(nproc)\" --target$targets >> llama.cpp/build.log 2>&1"
   (cd .anchor && setsid bash -c "[ -x llama.cpp/build/bin/llama-bench ] || bash llamacpp-anchor.sh build$then" \
     > "$OUT/llama_build.log" 2>&1 &)
   BUILDING=1
@@ -141,13 +165,26 @@ if [ -n "$LBB" ]; then
     echo "error: no llama-batched-bench at $LBB and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
   fi
 fi
+# llama-speculative (spec_quant): built as llama-batched-bench is
+LLAMA_SPEC=()
+if [ -n "$LSP" ]; then
+  if [ -x "$LSP" ]; then LLAMA_SPEC=(--llama-speculative "$LSP")
+  elif [ "$PRINT" = 1 ]; then LLAMA_SPEC=(--llama-speculative "$LSP" --llama-wait 600)
+  elif [ "$CPU" = 0 ] && [ -f .anchor/llamacpp-anchor.sh ]; then
+    start_anchor_build
+    LLAMA_SPEC=(--llama-speculative "$LSP" --llama-wait 600)
+  else
+    echo "error: no llama-speculative at $LSP and no .anchor/llamacpp-anchor.sh to build one" >&2; exit 2
+  fi
+fi
 
 # the strata arms must not share the CPU with the llama.cpp build (the host side of each decode
 # step slows down beside a parallel compile): every benchmark waits for it first
 wait_llama() {
   [ "$PRINT" = 1 ] && return 0
   for _ in $(seq 900); do
-    { [ -z "$LB" ] || [ -x "$LB" ]; } && { [ -z "$LBB" ] || [ -x "$LBB" ]; } && return 0
+    { [ -z "$LB" ] || [ -x "$LB" ]; } && { [ -z "$LBB" ] || [ -x "$LBB" ]; } \
+      && { [ -z "$LSP" ] || [ -x "$LSP" ]; } && return 0
     grep -qs "llamacpp-anchor.sh" /proc/[0-9]*/cmdline || return 0   # the build ended without it
     sleep 1
   done
@@ -168,10 +205,11 @@ synth() {   # synth FILE QUANT LAW: the file, unless a call before this one left
   run "synth_$(basename "$1" .gguf)" timeout 420 python3 -m launcher.tools synth "$1" --like "$LIKE" \
     --quant "$2" --popularity "$3" --quiet
 }
-# one big file at a time beside the next (the one-GPU machine's disk is 64 GiB; Q8_0 is ~32 GiB)
+# one big file at a time beside the next (the one-GPU machine's disk is 64 GiB; Q8_0 is ~32 GiB);
+# keep_only FILE.. keeps those (spec_quant: a target and its draft)
 keep_only() {
   [ "$PRINT" = 1 ] && return 0
-  local g; for g in "$M"/must_*.gguf; do [ "$g" = "$1" ] || rm -f "$g"; done
+  local g; for g in "$M"/must_*.gguf; do case " $* " in *" $g "*) ;; *) rm -f "$g" ;; esac; done
 }
 
 if has decode_q8_0; then
@@ -220,6 +258,22 @@ if has serve_two_ranks; then
   keep_only "$SERVE_FILE"; synth "$SERVE_FILE" "$SERVE_QUANT" zipf:1.0
   run serve_two_ranks timeout 590 python3 benchmarks/bench_serve.py --model "$SERVE_FILE" \
     "${SERVE_TWO[@]}" "${SERVE_SIZES[@]}" --out "$OUT"
+fi
+if has spec; then
+  keep_only "$SERVE_FILE"; synth "$SERVE_FILE" "$SERVE_QUANT" zipf:1.0
+  run spec timeout 590 python3 benchmarks/bench_spec.py --model "$SERVE_FILE" "${SPEC_ONE[@]}" \
+    "${SPEC_SIZES[@]}" --out "$OUT"
+fi
+if has spec_two_ranks; then
+  keep_only "$SERVE_FILE"; synth "$SERVE_FILE" "$SERVE_QUANT" zipf:1.0
+  run spec_two_ranks timeout 590 python3 benchmarks/bench_spec.py --model "$SERVE_FILE" \
+    "${SPEC_TWO[@]}" "${SPEC_SIZES[@]}" --out "$OUT"
+fi
+if has spec_quant; then
+  target=$M/must_spec_q8_0_zipf1.gguf; draft=$M/must_spec_q2_k_zipf1.gguf
+  keep_only "$target" "$draft"; synth "$target" q8_0 zipf:1.0; synth "$draft" q2_k zipf:1.0
+  run spec_quant timeout 590 python3 benchmarks/bench_spec.py --model "$target" --draft "$draft" \
+    "${SPEC_ONE[@]}" "${SPEC_SIZES[@]}" --out "$OUT" "${LLAMA_SPEC[@]}"
 fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine

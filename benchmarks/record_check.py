@@ -114,16 +114,20 @@ def check_record(record: dict, filename: str) -> list[str]:
 
 SPEC_ARMS = ("strata", "strata self-draft", "strata ngram")   # the quantized draft: optional
 SPEC_ARM = ("k", "drafted", "accepted", "tokens_identical_to_k0", "over_k0")
+SPEC_LLAMA = ("k", "drafted", "accepted", "acceptance", "draft_model")   # llama-speculative
 
 
 def spec_lacks(arms: list) -> list[str]:
     """bench_spec.py's fields: its K = 0 arm and a self-draft and ngram arm at least; each
-    speculative arm (one with K) its drafts, acceptance, K and identity with its K = 0 arm."""
+    speculative arm (one with K) its drafts, acceptance, K and identity with its K = 0 arm; a
+    llama.cpp arm (llama-speculative) its K, drafts, acceptance and draft file."""
     names = [a.get("name") for a in arms if isinstance(a, dict)]
     bad = [f"arms lack {n!r}" for n in SPEC_ARMS if n not in names]
     for i, arm in enumerate(arms):
-        if isinstance(arm, dict) and arm.get("name") not in ("strata",
-                                                              "strata repeating prompt"):
+        if isinstance(arm, dict) and arm.get("name") == "llama.cpp":
+            bad += [f"arms[{i}].{k} missing" for k in SPEC_LLAMA if k not in arm]
+        elif isinstance(arm, dict) and arm.get("name") not in ("strata",
+                                                                "strata repeating prompt"):
             bad += [f"arms[{i}].{k} missing" for k in SPEC_ARM if k not in arm]
             if not isinstance(arm.get("tokens_identical_to_k0", False), bool):
                 bad.append(f"arms[{i}].tokens_identical_to_k0 is not a bool")

@@ -30,7 +30,7 @@ from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
 from strata_dist.plan.pricing import MIB
 from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
-from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions
+from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions, plan_prediction
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
@@ -240,26 +240,30 @@ def _main(args, signals: StopSignals) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = plan_params(args)
-    if args.draft_model:   # priced on the last stage, as the kind of device the plan sees
-        kind = "cuda" if args.gpus or args.inventory else "cpu"
-        params = replace(params, draft_bytes=draft_plan_bytes(args.draft_model, kind, args.kv_type,
-                                                               args.max_context))
+    if args.draft_model:   # priced on the last stage, as the kind of device it lands on
+        params = replace(params, **{
+            field: draft_plan_bytes(args.draft_model, kind, args.kv_type, args.max_context)
+            for field, kind in (("draft_bytes", "cuda"), ("draft_cpu_bytes", "cpu"))})
     args.draft_mtp = args.spec_options.drafter == "mtp" and args.spec > 0
     if args.draft_mtp:     # the MTP block and its session, priced on the last stage likewise
-        kind = "cuda" if args.gpus or args.inventory else "cpu"
-        params = replace(params, draft_bytes=mtp_plan_bytes(args.model, kind, args.kv_type,
-                                                             args.max_context),
-                         drafter=("MTP block", "--draft mtp"))
+        params = replace(params, drafter=("MTP block", "--draft mtp"), **{
+            field: mtp_plan_bytes(args.model, kind, args.kv_type, args.max_context)
+            for field, kind in (("draft_bytes", "cuda"), ("draft_cpu_bytes", "cpu"))})
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
     if args.plan_only:
         kind = "cuda" if args.gpus or args.inventory else "cpu"
-        plan = make_plan(model_shape(gguf, kind, args.kv_type), planning_devices(args, specs),
+        shape = model_shape(gguf, kind, args.kv_type)
+        plan = make_plan(shape, planning_devices(args, specs),
                          cells=args.max_context, profile=profile, params=params, split=split,
                          order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill,
                          compute=args.compute, conversation_bytes=args.conversation_cache_mib * MIB,
                          **layout)
-        print(plan.to_json() if args.json else render_table(plan))
+        out = plan.to_json() if args.json else render_table(plan)
+        if args.spec:   # decode tok/s with speculation at a few acceptance rates
+            pred = plan_prediction(plan, shape, profile, args.spec_options, args.kv_type)
+            out = pred.in_plan_json(out) if args.json else "\n".join([out, *pred.lines()])
+        print(out)
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
 

@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 18
+PROTOCOL_VERSION = 19
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -360,6 +360,23 @@ class Cancel(Message):
     request_id: int
 
 
+@message
+class Settle(Message):
+    """Last stage → first stage → … → last (v18): a speculating request ended (stop, length,
+    cancel) and no next step of it will come; each stage settles its session's last verify window
+    at ``pos``: the window's rows before ``pos`` stand (its first row always: its token was drawn),
+    the later ones held rejected or unverified drafts and leave the routing counts. The last stage
+    holds the request's final Token until its Settle has come round."""
+
+    TYPE = "settle"
+    request_id: int
+    session_id: int
+    pos: int
+
+    def check(self, arrays: list) -> None:
+        _nonneg(pos=self.pos)
+
+
 # ---------------------------------------------------------------- data plane
 
 
@@ -496,6 +513,7 @@ __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "VersionMismatch", "Struct", "Message", "MESSAGE_TYPES",
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
+    "Settle",
     "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
     "ExpertTierAsk", "ExpertTier", "TierCounts", "TierPairs", "LinkProbe",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",

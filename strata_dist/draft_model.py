@@ -15,8 +15,9 @@ checkpoint (strata_dist/checkpoints.py) at the position each window's drafting s
 next window restores it and reads the accepted tokens again (at most K + 1 rows). A conversation
 that diverges before that checkpoint is read again from position 0.
 
-The planner reserves `plan_bytes` on the last stage (PlanParams.draft_bytes): the draft's weights
-with every expert resident, its session for the context, the buffers of a catch-up chunk and,
+The planner reserves `plan_bytes` on the last stage, priced for the kind of device it lands on
+(PlanParams.draft_bytes on a GPU, draft_cpu_bytes on a CPU rank): the draft's weights (on a GPU
+with every expert resident), its session for the context, the buffers of a catch-up chunk and,
 with recurrent state, its checkpoints."""
 from __future__ import annotations
 
@@ -68,13 +69,14 @@ def check_draft_model(target_path: str, draft_path: str) -> None:
 
 
 def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: int) -> int:
-    """What the draft model takes on the stage that carries it: its dense weights, every routed
-    expert (resident: drafting never streams), its session of `cells` cells, the many-row
+    """What the draft model takes on a stage of `device_kind` that carries it: its dense weights,
+    on a GPU every routed expert (copied resident: drafting never streams; a CPU rank reads them
+    where the file maps them, as DraftModel loads it), its session of `cells` cells, the many-row
     buffers of one catch-up chunk, and with recurrent state its checkpoints (the one kept and the
     next while it is taken)."""
     shape = model_shape(open_checked(draft_path), device_kind, kv_type)
     L = shape.n_layers
-    experts = shape.n_experts * sum(shape.blob_bytes)
+    experts = shape.n_experts * sum(shape.blob_bytes) if device_kind == "cuda" else 0
     recurrent = sum(r for r, kind in zip(shape.recurrent_bytes, shape.layer_kind)
                     if kind == "linear")
     return (weights_bytes(shape, 0, L, True, True) + experts + session_bytes(shape, cells, 0, L)

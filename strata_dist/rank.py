@@ -24,7 +24,7 @@ import zmq
 
 from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden,
                       IpcHandle, Poller, ProtocolError, ProtocolTimeout, Ready, Register, Release,
-                      RouterChannel, Shutdown, SlotFree, Stats, StatsReply, Tokens, advertise)
+                      RouterChannel, Settle, Shutdown, SlotFree, Stats, StatsReply, Tokens, advertise)
 from protocol.transport import Endpoints
 from protocol.auth import client_handshake
 from protocol.seal import LinkSeal, link_key
@@ -98,7 +98,8 @@ class RankProcess:
         # transport messages go to the hand-off ends; the rest is the step's
         self._data_handlers = {IpcHandle: self._on_ipc_handle, SlotFree: self._on_slot_reply,
                                Error: self._on_slot_reply, Tokens: self._on_step,
-                               Hidden: self._on_step, Release: self._on_step, Cancel: self._on_step}
+                               Hidden: self._on_step, Release: self._on_step, Cancel: self._on_step,
+                               Settle: self._on_step}
         self._last_beat_ok = time.monotonic()
         self._beat_seq = 0
 

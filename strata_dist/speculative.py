@@ -35,7 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .model_shape import model_shape
+from .models import open_checked
 from .plan.pricing import DECODE_ROWS
+from .plan.speculation import SpecPrediction, predict_spec
 
 # --draft values (model: --draft-model FILE.gguf; mtp: the file's multi-token-prediction block,
 # strata_dist/mtp_draft.py)
@@ -145,6 +148,17 @@ def draw_against(sampler, row, draft: int | None, q=None) -> int:
     return tok
 
 
+def plan_prediction(plan, shape, profile, options: SpecOptions,
+                    kv_type: str | None = None) -> SpecPrediction:
+    """--plan-only's prediction of decode tok/s with `options` (K > 0) on `plan`; a draft model
+    is priced as the last stage's device loads it (plan/speculation.py)."""
+    draft = None
+    if options.draft_model:
+        draft = model_shape(open_checked(options.draft_model), plan.stages[-1].device.kind,
+                            kv_type)
+    return predict_spec(plan, shape, profile, options.k, options.drafter, draft)
+
+
 @dataclass
 class SpecState:
     """The last stage's speculation for one request: K, --spec-min-p, the conversation so far
@@ -161,6 +175,7 @@ class SpecState:
     accepted: int = 0
     windows: int = 0
     model: object = None
+    last_pos: int = 0   # the position of the latest token drawn (no stage has run it yet)
 
     def draft(self, left: int) -> list[int]:
         """The drafts of the next window: at most K, and fewer than `left` tokens to go (the

@@ -1,7 +1,7 @@
 """What a stage rank does with one data-plane message, with no socket in sight.
 
 `StageStep.step(msg, rows)` takes one message (prompt chunk or decode step as Tokens or Hidden rows,
-Release, Cancel) and returns the messages it causes, each addressed to a neighbour: the next stage,
+Release, Cancel, Settle) and returns the messages it causes, each addressed to a neighbour: the next stage,
 the head, or (last stage, the next decode step) the first stage. The rank's shell
 (strata_dist/rank.py) owns the sockets, receives, and sends what comes back. One decode token
 through a stage, in order: `_on_rows` → `Stage.run` (the layers) → `_hand_on` → rows to the next
@@ -17,7 +17,7 @@ from enum import Enum
 
 import numpy as np
 
-from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Tokens
+from protocol import Cancel, Error, Hidden, PromptProgress, Release, Settle, Token, Tokens
 from protocol.messages import Sampling
 
 from .checkpoints import common_positions
@@ -82,6 +82,9 @@ class StageStep:
         # last stage: the requests that ended here (the latest ENDED_KEPT). With --parallel, a
         # later request may end before an earlier one's Cancel comes, so an order says nothing.
         self.ended: deque[int] = deque(maxlen=ENDED_KEPT)
+        # last stage: the final Token of each speculating request that ended, held until its
+        # Settle has come round every stage (_on_settle)
+        self.settling: dict[int, Outbound] = {}
         # compute_us: time in the stage's own work (the shell adds send_us)
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
                          "stale_dropped": 0, "cancelled_dropped": 0,
@@ -92,7 +95,8 @@ class StageStep:
                          # rows the draft model read again to roll back (draft_model.py)
                          "draft_rerun_rows": 0}
         self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
-                          Release: self._on_release, Cancel: self._on_cancel}
+                          Release: self._on_release, Cancel: self._on_cancel,
+                          Settle: self._on_settle}
 
     def step(self, msg, rows=None) -> list[Outbound]:
         """The messages one data-plane message causes. ``rows`` are a Hidden message's rows as a
@@ -105,6 +109,26 @@ class StageStep:
         if self.draft_model is not None:
             self.draft_model.release(msg.session_id)
         return [] if self.last else [Outbound(To.NEXT, msg)]
+
+    def _on_settle(self, msg: Settle, rows) -> list[Outbound]:
+        """A speculating request ended: its last verify window settles here, then on the stages
+        after this one; back on the last stage, which sent it round, the request's final Token
+        held for it goes to the head (so every stage has settled once the head hears the end)."""
+        self.stage.settle_window(msg.session_id, msg.pos)
+        if not self.last:
+            return [Outbound(To.NEXT, msg)]
+        final = self.settling.pop(msg.request_id, None)
+        return [final] if final is not None else []
+
+    def _settle(self, request_id: int, req: "_Request", final: Outbound) -> list[Outbound]:
+        """A request's final Token, or for a speculating one (with a window drafted) its Settle:
+        every stage's last window stands up to the position of the last token drawn (which no
+        stage runs), and the Token waits for the Settle to come round (`_on_settle`)."""
+        if req.spec is None or not req.spec.windows:
+            return [final]
+        self.settling[request_id] = final
+        return [Outbound(To.FIRST, Settle(request_id=request_id, session_id=req.session_id,
+                                          pos=req.spec.last_pos))]
 
     def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
         """Every stage hears a Cancel (PROTOCOL.md §4): inside that request's prompt it ends the
@@ -122,11 +146,12 @@ class StageStep:
         # still reading or generating: say so, with the drafts verified and accepted so far; its
         # step in flight is dropped when it comes back
         spec = req.spec if req is not None else None
-        return [Outbound(To.HEAD, Token(request_id=msg.request_id,
-                                        session_id=req.session_id if req else 0,
-                                        token_id=0, pos=0, done=True, reason="cancelled",
-                                        drafted=spec.drafted if spec else 0,
-                                        accepted=spec.accepted if spec else 0))]
+        answer = Outbound(To.HEAD, Token(request_id=msg.request_id,
+                                         session_id=req.session_id if req else 0,
+                                         token_id=0, pos=0, done=True, reason="cancelled",
+                                         drafted=spec.drafted if spec else 0,
+                                         accepted=spec.accepted if spec else 0))
+        return self._settle(msg.request_id, req, answer) if req is not None else [answer]
 
     def _end_prompt(self) -> None:
         self.prompting = None
@@ -340,13 +365,15 @@ class StageStep:
             if req.spec is not None:
                 req.spec.history.append(tok)
                 req.spec.accepted += accepted
+                req.spec.last_pos = pos
                 self.counters["spec_accepted"] += accepted
             if reason:
                 if req.spec is not None:
                     token.drafted, token.accepted = req.spec.drafted, req.spec.accepted
                 del self.requests[request_id]
                 self.ended.append(request_id)
-                return sent
+                # the window settles on every stage before the head hears the request ended
+                return sent[:-1] + self._settle(request_id, req, sent[-1])
             if not accepted:
                 break
         if not loop:

@@ -1,7 +1,8 @@
 """`bench: spec`'s harness on a CPU rank: bench_spec.py's documented CPU example (the two synthetic
 files, then the bench) runs as written through real strata-launch --serve processes and writes a
 record that record_check.py accepts: every speculative arm's greedy tokens are its K = 0 arm's,
-the self-draft accepts every draft it makes, and the counts are the line protocol's."""
+the self-draft accepts every draft it makes, the counts are the line protocol's, and each arm
+carries the planner's prediction beside its measure."""
 from __future__ import annotations
 
 import copy
@@ -18,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from record_check import check_record  # noqa: E402
 from test_bench_examples import documented_commands  # noqa: E402
+from strata_dist.plan.speculation import spec_tok_s  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,21 @@ def test_the_cpu_run_writes_a_complete_record(run):
     assert "--draft-model tiny-q2.gguf" in arms["strata quantized draft"]["command"]
     assert "--draft ngram" in arms["strata ngram"]["command"]
     assert f"{self_draft['accepted']}/{self_draft['drafted']} drafts accepted" in out
+
+
+def test_each_arm_carries_the_planners_prediction(run):
+    """Beside each arm's measure, its launch's plan (--plan-only --json): K = 0's tok/s, and a
+    speculative arm's at 0.5/0.7/0.9 and at the acceptance it measured."""
+    arms = {a["name"]: a for a in json.loads(run[1].read_text())["arms"]}
+    k0 = arms["strata"]["predicted"]["k0_tok_s"]
+    assert k0 > 0 and "window_ms" not in arms["strata"]["predicted"]
+    for name in ("strata self-draft", "strata quantized draft", "strata ngram"):
+        p, a = arms[name]["predicted"], arms[name]
+        assert p["k"] == 4 and p["k0_tok_s"] == k0 and set(p["tok_s"]) == {"0.5", "0.7", "0.9"}
+        assert p["tok_s_at_measured_acceptance"] == pytest.approx(
+            spec_tok_s(a["acceptance"], 4, p["window_ms"], p["drafter_ms"]), abs=0.01)
+    assert arms["strata self-draft"]["predicted"]["drafter_ms"] > 0      # the draft model's steps
+    assert arms["strata ngram"]["predicted"]["drafter_ms"] == 0
 
 
 def test_the_record_check_names_what_a_spec_record_lacks(run):

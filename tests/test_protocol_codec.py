@@ -56,6 +56,7 @@ def examples():
                             chunk_index=0, chunk_total=2, sampling=SAMPLING, checkpoint_at=[10, 13],
                             checkpoints=[4, 8], resume_any=True), [ROWS]),
         "cancel": (m.Cancel(request_id=9), []),
+        "settle": (m.Settle(request_id=9, session_id=2, pos=41), []),
         "prompt_progress": (m.PromptProgress(request_id=1, session_id=5, pos=512, chunk_index=0,
                                              chunk_total=3, ms=12.5, checkpoints=[256, 512]), []),
         "token": (m.Token(request_id=1, session_id=5, token_id=42, pos=13, logprob=-0.25, done=True,

@@ -63,8 +63,12 @@ class PlanParams:
     sessions         sessions every stage carves (--parallel: a request at once each), each priced
                      as one session of the context.
     draft_bytes      what the draft model (--draft-model) takes on the last stage, which carries
-                     it: weights, session and catch-up buffers (draft_model.plan_bytes); or the
-                     MTP block (--draft mtp, mtp_draft.plan_bytes); 0: none.
+                     it, where that is a GPU's: weights with every expert resident, session and
+                     catch-up buffers (draft_model.plan_bytes; the MTP block: mtp_draft.plan_bytes);
+                     0: none.
+    draft_cpu_bytes  ... where the last stage is a CPU rank's: the same less the experts, which it
+                     reads where the file maps them. make_plan prices the kind of the device the
+                     last stage lands on (the plan's params then say that price in draft_bytes).
     drafter          what draft_bytes holds and its flag, as the plan's notes name them.
     """
 
@@ -88,6 +92,7 @@ class PlanParams:
     verify_rows: int = 0
     sessions: int = 1
     draft_bytes: int = 0
+    draft_cpu_bytes: int = 0
     drafter: tuple[str, str] = ("draft model", "--draft-model")
 
     def __post_init__(self) -> None:
@@ -107,8 +112,9 @@ class PlanParams:
             raise ValueError(f"kv_fill must be in [0, 1], got {self.kv_fill}")
         if not 1 <= self.lend_pct <= 100:
             raise ValueError(f"lend_pct must be in [1, 100], got {self.lend_pct}")
-        if self.draft_bytes < 0:
-            raise ValueError(f"draft_bytes must be >= 0, got {self.draft_bytes}")
+        for name in ("draft_bytes", "draft_cpu_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.verify_rows < 0:
             raise ValueError(f"verify_rows must be >= 0, got {self.verify_rows}")
         if self.sessions < 1:

@@ -354,6 +354,11 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         notes.append(f"--stage-gpus {','.join(stage_gpus)}: stages on "
                      f"{', '.join(ordered[d].label for d in stage_set)}"
                      + (f"; helper tiers only on {', '.join(helper_only)}" if helper_only else ""))
+    # the draft model is priced as the kind of device the last stage lands on, a CPU rank when
+    # every device that may run a stage is one (a launch has one kind of rank); an inventory
+    # that mixes kinds reserves the GPU price, the larger, wherever the last stage lands
+    if all(dev.kind == "cpu" for d, dev in enumerate(ordered) if stage_set is None or d in stage_set):
+        params = replace(params, draft_bytes=params.draft_cpu_bytes)
     sized = explicit_tiers(helper_tiers, ordered)
     # an explicit tier on a card that may run a stage comes first: the stage's cache fills the rest
     withheld = [sized[dev].budget_bytes + HELPER_RESERVE_BYTES
@@ -381,9 +386,9 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
     if params.draft_bytes:
-        notes.append(f"{params.drafter[0]} ({params.drafter[1]}): {params.draft_bytes / MIB:.1f} "
-                     "MiB of weights, "
-                     "session and catch-up buffers in the last stage's reserve")
+        resident = "" if params.draft_bytes == params.draft_cpu_bytes else " with every expert resident"
+        notes.append(f"{params.drafter[0]} ({params.drafter[1]}): {params.draft_bytes / MIB:.1f} MiB of "
+                     f"weights{resident}, session and catch-up buffers in the last stage's reserve")
     if params.stage_cache_slots == 0:
         # --expert-cache 0: nothing is resident, but the profile still chooses the placement
         # (searched as if the caches filled; with empty fills every placement would tie)

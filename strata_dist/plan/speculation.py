@@ -1,0 +1,153 @@
+"""Decode tok/s with speculative decoding (--spec K) at an acceptance rate: pure arithmetic.
+
+A verify window is one decode step of K + 1 rows through every stage (strata_dist/speculative.py).
+The planner prices it as it prices a one-row step (score.py), with what changes for R rows:
+- a stage reads its dense weights, head, K/V and recurrent state once for all rows (the many-row
+  path reads each tile of them once for the rows it holds), and spends layer_ms per layer once;
+- an expert is read once per step if any row routes to it: a pair that one token routes to with
+  probability p (top_k * n_layers times its share of the routing mass, at most 1) is read by a
+  step of R rows with probability 1 - (1 - p)^R, from wherever it lives (stage cache, helper
+  tier, host memory); at R = 1 this is the one-row price exactly;
+- a hand-off carries R hidden rows (the bytes matter only on a link between hosts).
+The drafter adds its own time: the n-gram drafter nothing the model prices; a draft model K
+one-row steps of its own weights on the last stage's device (`draft_step_ms`: a catch-up step,
+then K - 1 drafts, draft_model.py).
+
+Not priced: the per-row arithmetic (the model is of bytes read, as the planner's is), and on a
+stage with recurrent state (qwen3next) the accepted rows it runs again after a rejected draft to
+roll its state back (speculative.py), which makes such a stage's windows dearer than this says.
+
+A window yields the drafts accepted plus one token. With each draft accepted with probability a,
+independently (the i.i.d. acceptance model), the expected yield is
+    1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)      (K + 1 at a = 1),
+and decode tok/s = 1000 * yield / (window_ms + drafter_ms)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .params import PlanParams
+from .pricing import HANDOFF_DTYPE_BYTES, weights_bytes
+from .profile import RoutingProfile
+from .score import CostModel
+from .shape import ModelShape
+
+ACCEPTANCES = (0.5, 0.7, 0.9)   # the acceptance rates --plan-only predicts at
+
+
+def expected_yield(acceptance: float, k: int) -> float:
+    """Tokens a window of K drafts yields on average: (1 - a^(K+1)) / (1 - a)."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance {acceptance}: a rate in [0, 1]")
+    if k < 0:
+        raise ValueError(f"K {k}: at least 0 drafts")
+    if acceptance == 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def spec_tok_s(acceptance: float, k: int, window_ms: float, drafter_ms: float = 0.0) -> float:
+    """Decode tok/s of windows of K drafts that take `window_ms` to verify and `drafter_ms` to
+    draft, at the acceptance rate given."""
+    return 1000.0 * expected_yield(acceptance, k) / (window_ms + drafter_ms)
+
+
+def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int) -> float:
+    """Predicted milliseconds of one decode step of `rows` rows through every stage of `plan`
+    (made by make_plan for `shape` and `profile`; None: the uniform profile it then used): at
+    rows = 1, the plan's predicted ms per token."""
+    if rows < 1:
+        raise ValueError(f"rows {rows}: a step has at least one")
+    if profile is None:
+        profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
+    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params, handoff_rows=plan.chunk)
+    E = shape.n_experts
+    blob = np.repeat(np.asarray(shape.blob_bytes, dtype=np.float64), E)    # by flat pair id
+    one = np.minimum(1.0, cm.lk * cm.mass)          # a token routes to the pair
+    read = 1.0 - (1.0 - one) ** rows                # any of the step's rows does
+    index = {dev: i for i, dev in enumerate(plan.devices)}
+    placed = np.zeros(blob.size, dtype=bool)
+    total = 0.0
+    for st in plan.stages:
+        d = index[st.device]
+        held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
+        placed[held] = True
+        total += ((cm.read[st.lb, st.le] + float((read[held] * blob[held]).sum())) / cm.bw[d]
+                  + plan.params.layer_ms * (st.le - st.lb))
+    for h in plan.live_helpers:
+        ids = np.array([layer * E + e for layer, e in h.pairs], dtype=np.int64)
+        placed[ids] = True
+        once = float((one[ids] * blob[ids]).sum())
+        # what reading the tier's pairs costs, in proportion to the bytes the step reads of them
+        total += h.read_ms * (float((read[ids] * blob[ids]).sum()) / once if once else 0.0)
+    p = plan.params
+    missed = ~placed
+    total += float((read[missed] * (p.miss_ms + blob[missed] / cm.host_bw)).sum())
+    devs = [st.device for st in plan.stages]
+    row_bytes = rows * shape.hidden * HANDOFF_DTYPE_BYTES
+    total += sum(cm._link(a, b, row_bytes=row_bytes) for a, b in zip(devs, devs[1:]))
+    if len(devs) > 1:   # the window's tokens back to the first stage: ids, no hidden rows
+        total += cm._link(devs[-1], devs[0], row_bytes=0)
+    return float(total)
+
+
+def draft_step_ms(draft: ModelShape, bandwidth_gbs: float | None, params: PlanParams,
+                  cells: int) -> float:
+    """One one-row step of a draft model on the device of bandwidth `bandwidth_gbs` (None: the
+    planner's default): its dense weights and head, its K/V (kv_fill of `cells`) and recurrent
+    state, and the top_k experts of each layer a token routes to, read once; layer_ms a layer."""
+    L = draft.n_layers
+    state = sum(params.kv_fill * cells * draft.kv_bytes_per_cell[l]
+                if draft.layer_kind[l] == "attention" else 2.0 * draft.recurrent_bytes[l]
+                for l in range(L))
+    experts = draft.top_k * float(sum(draft.blob_bytes))
+    bw = (bandwidth_gbs or params.default_bw_gbs) * 1e6    # bytes per millisecond
+    return (weights_bytes(draft, 0, L, True, True) + state + experts) / bw + params.layer_ms * L
+
+
+@dataclass(frozen=True)
+class SpecPrediction:
+    """--spec K's predicted decode: one window's verify and draft milliseconds, and tok/s at each
+    acceptance rate of `acceptances` (beside K = 0's, the plan's one-row steps)."""
+    k: int
+    drafter: str
+    window_ms: float
+    drafter_ms: float
+    k0_tok_s: float
+    acceptances: tuple[float, ...]
+
+    def tok_s(self, acceptance: float) -> float:
+        return spec_tok_s(acceptance, self.k, self.window_ms, self.drafter_ms)
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "drafter": self.drafter, "window_ms": round(self.window_ms, 4),
+                "drafter_ms": round(self.drafter_ms, 4), "k0_tok_s": round(self.k0_tok_s, 2),
+                "tok_s": {f"{a:g}": round(self.tok_s(a), 2) for a in self.acceptances}}
+
+    def in_plan_json(self, plan_json: str) -> str:
+        """The plan's JSON (Plan.to_json) with this prediction under "speculation"."""
+        out = json.loads(plan_json)
+        out["speculation"] = self.to_dict()
+        return json.dumps(out, indent=1)
+
+    def lines(self) -> list[str]:
+        at = ", ".join(f"{self.tok_s(a):.1f} at {a:g}" for a in self.acceptances)
+        return [f"speculation (--spec {self.k}, drafter {self.drafter}): a window of {self.k + 1} "
+                f"rows {self.window_ms:.3f} ms + drafting {self.drafter_ms:.3f} ms; predicted "
+                f"decode tok/s {at} (acceptance per draft, i.i.d.; K = 0: "
+                f"{self.k0_tok_s:.1f})"]
+
+
+def predict_spec(plan, shape: ModelShape, profile: RoutingProfile | None, k: int,
+                 drafter: str = "ngram", draft: ModelShape | None = None,
+                 acceptances: tuple[float, ...] = ACCEPTANCES) -> SpecPrediction:
+    """The prediction of --spec K on `plan`; `draft`: the draft model's shape as the last stage's
+    device loads it (drafter "model"), priced there."""
+    drafting = 0.0
+    if draft is not None:
+        last = plan.stages[-1].device
+        drafting = k * draft_step_ms(draft, last.mem_bandwidth_gbs, plan.params, plan.cells)
+    return SpecPrediction(k, drafter, window_ms(plan, shape, profile, k + 1), drafting,
+                          1000.0 / plan.predicted_ms_per_token, tuple(acceptances))
