@@ -232,12 +232,12 @@ def offer_missed(counts: np.ndarray, missed: np.ndarray, held: list[np.ndarray],
             continue
         # hottest first, ties by (layer, expert): a stable order round after round
         want = want[np.lexsort((want[:, 1], want[:, 0], -counts[want[:, 0], want[:, 1]]))]
-        slots = [(t, pair) for t, mine in enumerate(held) for pair in np.argwhere(rows & mine)]
-        if not slots:
+        visible = [np.argwhere(rows & mine) for mine in held]
+        if not any(len(v) for v in visible):
             to[want[:, 0], want[:, 1]] = (want[:, 0] * counts.shape[1] + want[:, 1]) % len(held)
             continue
-        tier = np.array([t for t, _ in slots])
-        pairs = np.array([p for _, p in slots])
+        tier = np.concatenate([np.full(len(v), t) for t, v in enumerate(visible)])
+        pairs = np.concatenate(visible)
         # coldest first, ties by tier, then (layer, expert)
         order = np.lexsort((pairs[:, 1], pairs[:, 0], tier, counts[pairs[:, 0], pairs[:, 1]]))
         by_cold = tier[order]
