@@ -452,3 +452,30 @@ def test_checker_holds_new_records_to_name_their_llama_cpp():
                              ("package_version", None, "source.package_version missing")):
         record["arms"][1]["source"] = {**anchor, key: value}
         assert any(said in p for p in check_record(record, new_name)), (key, value)
+
+
+LLAMA_BENCH = os.environ.get("LLAMA_BENCH", "")
+
+
+@pytest.mark.skipif(not LLAMA_BENCH, reason="$LLAMA_BENCH names no llama-bench build")
+def test_a_real_llama_arm_names_its_source(tmp_path):
+    """bench_decode.py --cpu beside a real llama-bench ($LLAMA_BENCH, e.g. the anchor's
+    `build --cpu`): its arm carries the description of the tree it was built from, or the
+    commit its version line names, and the record checker holds it to that."""
+    from llama_runs import llama_build, llama_source
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
+                           str(model), "--cpu", "--tokens", "128", "--repeats", "1",
+                           "--llama-bench", LLAMA_BENCH, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = out.glob("decode-tiny-f32-*.json")
+    record = json.loads(path.read_text())
+    [llama] = [a for a in record["arms"] if a["name"] == "llama.cpp"]
+    assert llama["source"] == llama_source(LLAMA_BENCH, llama_build(LLAMA_BENCH))
+    assert llama["build"] == llama_build(LLAMA_BENCH) and "commit unknown" not in llama["build"]
+    from record_check import SOURCE_REQUIRED_FROM
+    record["date"] = SOURCE_REQUIRED_FROM            # held as the records from then on are
+    assert not [p for p in check_record(record, str(path)) if "source" in p]
