@@ -493,7 +493,7 @@ class Stage:
             i = index[h.rank]
             changed |= self._tier_call(h, lambda: h.rerank(lb, le, offered(i)))
             if h.alive and h.rank in answered:
-                self._offers.update(((int(l), int(e)), (h.rank, h._seq))
+                self._offers.update(((int(l), int(e)), (h.rank, h.counts_seq))
                                     for l, e in np.argwhere(to == i))
         if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built

@@ -70,6 +70,7 @@ class HelperClient:
         self.tier_pairs = None         # the tier's newest TierPairs answer, not yet taken (rerank)
         self.tier_pairs_seq = 0        # ... the TierCounts it answers
         self.answered_seq = 0          # the TierCounts the newest answer taken answers
+        self.counts_seq = 0            # the TierCounts sent last
 
     @property
     def nbytes(self) -> int:
@@ -112,9 +113,10 @@ class HelperClient:
         so each waiting on the other would stall both: the answer (TierPairs, the pairs of those
         layers the tier holds after its round) is taken at the next round, or with any reply
         before. Returns the newest answer taken since the last call (take_pairs's included), or
-        None; the seq of this round's counts is `self._seq` after it."""
+        None; `counts_seq` is then this round's."""
         held = self.take_pairs()
         self._seq += 1
+        self.counts_seq = self._seq
         self.ch.send(TierCounts(seq=self._seq, lb=lb, le=le),
                      [np.ascontiguousarray(counts, dtype=np.float64)], timeout_ms=REMOTE_TIMEOUT_MS)
         return held
