@@ -56,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from llama_runs import UBATCHES, llama_build, llama_wait  # noqa: E402
+from llama_runs import UBATCHES, llama_build, llama_source, llama_wait  # noqa: E402
 from records import (PeakMemory, Recorder, env_prefix, fail, model_facts,  # noqa: E402
                      prompt_ids)
 
@@ -358,13 +358,14 @@ def llama_arms(args, tests: list[dict]) -> list[dict]:
     """One arm per N: decode at the -ub with the highest S_TG, the first token at the -ub with the
     shortest prompt phase, every -ub's figures in ubatch_sweep."""
     build, arms = llama_build(args.llama_batched_bench), []
+    source = llama_source(args.llama_batched_bench, build)
     for n in args.streams:
         mine = [t for t in tests if t["streams"] == n]
         dec = max(mine, key=lambda t: t["s_tg_tok_s"])
         first = min(mine, key=lambda t: t["t_pp_s"])
         arms.append({
             "name": "llama.cpp", "gpus": 0 if args.cpu else 1, "command": dec["command"],
-            "build": build, "streams": n, "prompt_tokens": args.prompt_tokens,
+            "build": build, "source": source, "streams": n, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.tokens, "aggregate_tok_s": dec["s_tg_tok_s"],
             "end_to_end_tok_s": round(n * args.tokens / dec["t_s"], 2),
             "ttft_p50_ms": round(first["t_pp_s"] * 1e3, 2),

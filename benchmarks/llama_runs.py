@@ -1,6 +1,7 @@
 """llama.cpp, the tuned peer of every benchmark (../shared/RECORDS.md): llama-bench over every
 micro-batch (`-ub` 512, 1024, 2048, 4096; `-b` the largest) and, where experts stay in host memory,
-with the weights mmap'd and not; its best figures, every test kept, its version string and flags."""
+with the weights mmap'd and not; its best figures, every test kept, its version string, its source
+(llama_source) and flags."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ def llama_wait(path: str, seconds: float) -> None:
         time.sleep(5)
     if not os.access(path, os.X_OK):
         fail(f"--llama-bench {path}: not an executable file")
+    llama_source(path, llama_build(path))    # a llama.cpp no record could name: refused now
 
 
 def llama_build(path: str) -> str:
@@ -29,6 +31,42 @@ def llama_build(path: str) -> str:
     done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
     lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
     return next((ln for ln in lines if ln.startswith("version")), lines[0] if lines else "")
+
+
+# the commit a llama.cpp version line names: "version: 0.5.0-dev (build 0, commit 0c1e570)" or
+# the older "version: 4567 (0c1e570)"; "commit unknown" (a tree without git metadata) names none
+VERSION_COMMIT = re.compile(r"\((?:build \d+, commit )?([0-9a-f]{7,40})\)")
+SOURCE_FILE = "llama-source.json"
+
+
+def llama_source(path: str, build: str) -> dict:
+    """Which llama.cpp `path` (a llama-bench or llama-batched-bench) is, as a record names it: the
+    description that benchmarks/llamacpp-anchor.sh put into the tree it built from (the source
+    archive's name and sha256, the package version, the vendored llama.cpp commit), found in the
+    tree that holds build/bin/; else, for a build from a git checkout, the commit its version line
+    `build` names. Refused, before its figures are taken, where neither names it (a record would
+    then hold a figure of an unknown llama.cpp)."""
+    named = VERSION_COMMIT.search(build)
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(3):                     # bin/, build/, the tree: the tree's own description
+        candidate = os.path.join(folder, SOURCE_FILE)
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                source = json.load(f)
+            pinned = str(source.get("vendored_commit", ""))
+            if not pinned or not source.get("archive_sha256"):
+                fail(f"{candidate} names no vendored_commit or archive_sha256: run "
+                     f"benchmarks/llamacpp-anchor.sh prepare again")
+            if named and not pinned.startswith(named.group(1)):
+                fail(f"{path} says {build!r}, but {candidate} describes llama.cpp {pinned[:7]}: "
+                     f"the binary was not built from that tree")
+            return source
+        folder = os.path.dirname(folder)
+    if named:
+        return {"commit": named.group(1), "from": "its version line"}
+    fail(f"{path} says {build!r} and no {SOURCE_FILE} in the tree it was built from names its "
+         f"source: build it with benchmarks/llamacpp-anchor.sh (prepare, then build), or from a "
+         f"llama.cpp git checkout")
 
 
 def llama_mmap_flags(path: str) -> dict[str, list[str]]:
@@ -103,7 +141,9 @@ def llama_arm(path: str, tests: list[dict], prompts: list[int], gen: int) -> dic
     `ubatch_sweep` (-ub -> prompt length -> tok/s, the best load mode's), peak_gib the largest
     peak among the tests whose figures the arm quotes, `command` that of the first quoted test
     (each best's own in `best` / `decode_best`, every test's in `sweep`)."""
-    arm: dict = {"name": "llama.cpp", "gpus": 1, "build": llama_build(path),
+    build = llama_build(path)
+    arm: dict = {"name": "llama.cpp", "gpus": 1, "build": build,
+                 "source": llama_source(path, build),
                  "build_rows": tests[0]["build"] if tests else ""}
     pp = [t for t in tests if t["n_prompt"] > 0]
     tg = [t for t in tests if t["n_gen"] > 0]

@@ -7,7 +7,7 @@
 # every record written by the benchmark itself into $OUT, then checked (benchmarks/record_check.py).
 #
 # The development side first (the GPU copy has no usable .git; the records name this archive):
-#   bash ../shared/tools/llamacpp-anchor.sh prepare      # .anchor/llama.tar.xz (once)
+#   bash benchmarks/llamacpp-anchor.sh prepare           # .anchor/llama.tar.xz, llama-source.json (once)
 #   python benchmarks/records.py --archive               # .anchor/commit.json, just before the call
 # then one device call, carry [".anchor"] (and .whl/.kcubins where used):
 #   bash benchmarks/must_show.sh                         # everything, about 30 min of device time
@@ -140,6 +140,11 @@ start_anchor_build() {
     > "$OUT/llama_build.log" 2>&1 &)
   BUILDING=1
 }
+# every llama.cpp arm names its source (.anchor/llama-source.json, copied into the tree built):
+# a run that could not name it is refused before any device time
+if [ -n "$LB$LBB" ] && [ "$CPU" = 0 ] && [ "$PRINT" = 0 ] && [ ! -f .anchor/llama-source.json ]; then
+  echo "error: .anchor/llama-source.json missing: run bash benchmarks/llamacpp-anchor.sh prepare here first" >&2; exit 2
+fi
 LLAMA=()
 if [ -n "$LB" ]; then
   if [ -x "$LB" ]; then LLAMA=(--llama-bench "$LB")

@@ -13,6 +13,13 @@ import sys
 
 from llama_runs import UBATCHES
 
+# Records from this date on name the llama.cpp each llama.cpp arm ran (`source`: the source
+# archive's sha256 and package version and the vendored commit, or a git build's commit); the
+# records before it said only llama.cpp's version line ("commit unknown" for the anchor's build)
+# and stay valid as written (a record is never edited)
+SOURCE_REQUIRED_FROM = "2026-12-06"
+ANCHOR_SOURCE = ("package", "package_version", "archive", "archive_sha256", "vendored_commit")
+
 NAME = re.compile(r"^(?P<bench>[a-z]+)-(?P<rest>.+)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<hms>\d{6})-"
                   r"(?P<commit>[^\s/]+)\.json$")
 
@@ -84,6 +91,8 @@ def check_record(record: dict, filename: str) -> list[str]:
                     bad.append(f"{where}tps_each lacks the {n}-token prompt's repeats")
         if name == "llama.cpp":
             need(arm, "build", where, str)
+            if str(record.get("date", "")) >= SOURCE_REQUIRED_FROM:
+                bad += source_lacks(arm, where)
             if "prefill_tok_s" in arm:
                 sweep = need(arm, "ubatch_sweep", where, dict) or {}
                 missing = [u for u in map(str, UBATCHES) if u not in sweep]
@@ -109,6 +118,26 @@ def check_record(record: dict, filename: str) -> list[str]:
                     and "decode_tok_s" in arm and arm["new_tokens"] < llama_new:
                 bad.append(f"arms[{i}].new_tokens {arm['new_tokens']}: fewer than llama.cpp's "
                            f"{llama_new}")
+    return bad
+
+
+def source_lacks(arm: dict, where: str) -> list[str]:
+    """A llama.cpp arm's `source`: the anchor's description (every ANCHOR_SOURCE field, the
+    sha256 64 hex digits, the commit 40) or a git build's commit; what it lacks, one line each."""
+    source = arm.get("source")
+    if not isinstance(source, dict):
+        return [f"{where}source missing (which llama.cpp ran: benchmarks/llamacpp-anchor.sh's "
+                f"description or a git build's commit)"]
+    if "commit" in source and "archive_sha256" not in source:
+        ok = re.fullmatch(r"[0-9a-f]{7,40}", str(source["commit"]))
+        return [] if ok else [f"{where}source.commit {source['commit']!r} is not a commit"]
+    bad = [f"{where}source.{k} missing" for k in ANCHOR_SOURCE if not source.get(k)]
+    if source.get("archive_sha256") and not re.fullmatch(r"[0-9a-f]{64}",
+                                                         str(source["archive_sha256"])):
+        bad.append(f"{where}source.archive_sha256 {source['archive_sha256']!r} is not a sha256")
+    if source.get("vendored_commit") and not re.fullmatch(r"[0-9a-f]{40}",
+                                                          str(source["vendored_commit"])):
+        bad.append(f"{where}source.vendored_commit {source['vendored_commit']!r} is not a commit")
     return bad
 
 

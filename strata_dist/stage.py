@@ -24,7 +24,7 @@ from .prompt_workspace import PromptWorkspace
 from .models import architecture_for, load_model, open_checked
 from .host_pinning import pin_room_error, reads_host_in_place
 from .speculative import WindowRecord
-from .tiers import ExpertTiers, HelperClient
+from .tiers import ExpertTiers, HelperClient, offer_missed
 
 
 log = logging.getLogger("strata.stage")
@@ -87,6 +87,9 @@ class Stage:
                                  local_helper=cfg.local_helper)
         self.local_tier = None   # this card's own HelperServer, set by the rank (re-ranked here)
         self._rerank_refused: set[int] = set()   # helpers whose refusal to re-rank was said
+        # missed pairs offered to a helper tier whose answer to that round has not come yet:
+        # (layer, expert) -> (helper rank, the seq of the round's TierCounts)
+        self._offers: dict[tuple[int, int], tuple[int, int]] = {}
         # pairs of this stage's layers that this card's own helper tier will hold: read in place
         # by the decode graph once the tier opens (attach_local_helper), so never pinned
         self.own_helper_pairs = {(int(l), int(e)) for l, e in cfg.local_helper_pairs
@@ -466,44 +469,72 @@ class Stage:
         tiers: a tier takes only what none holds), and answers the pairs of those layers it
         holds then, taken here at the next round (HelperClient.rerank); until then a pair that
         left is still answered, from the model file. A pair no tier holds is offered to one
-        tier only, the same one every round (by its index): two tiers never take it in one round,
-        nor one in the round after the other took it unheard."""
+        tier only, chosen by heat (tiers.offer_missed: the hottest to the tier whose coldest
+        slot is coldest), and to that tier again until it answers the round it went out in: two
+        tiers never take it in one round, nor one in the round after the other took it unheard."""
         lb, le = self.cfg.lb, self.cfg.le
-        held_by = {id(h): np.zeros_like(cached) for h in self.tiers.helpers}
-        for h in self.tiers.helpers:
-            for l, e in h.pairs:
-                held_by[id(h)][l, e] = True
+        # a tier read in place never swaps; the others' answers since the last round come first
+        asked = [h for h in self.tiers.helpers if h.alive and h.tier is None]
+        changed = any([self._tier_call(h, h.take_pairs) for h in asked])
+        asked = [h for h in asked if h.alive]
         local = self.local_tier.arena if self.local_tier is not None else None
-        own = (local.slot_of >= 0) if local is not None else np.zeros_like(cached)
-        in_a_tier = np.logical_or.reduce([own, *held_by.values()])
-        # the tiers that swap this round: this card's own, then the others not read in place
-        takers = ([own] if local is not None else []) + [
-            held_by[id(h)] for h in self.tiers.helpers if h.alive and h.tier is None]
-        home = np.arange(cached.size).reshape(cached.shape) % max(1, len(takers))
+        held = ([local.slot_of >= 0] if local is not None else []) + [
+            self._pairs_of(h, cached.shape) for h in asked]
+        first = int(local is not None)       # held[first + j] is asked[j]'s
+        index = {h.rank: first + j for j, h in enumerate(asked)}
+        # a helper that refused to re-rank answers no round: no offer waits on it
+        answered = {h.rank: h.answered_seq for h in asked if h.rank not in self._rerank_refused}
+        self._offers = {p: (rank, seq) for p, (rank, seq) in self._offers.items()
+                        if rank in answered and answered[rank] < seq}
+        pending = np.full(cached.shape, -1, dtype=np.int64)
+        for (l, e), (rank, _) in self._offers.items():
+            pending[l, e] = index[rank]
+        counts = self.routing.counts
+        layers = np.zeros(cached.shape, dtype=bool)
+        layers[lb:le] = True
+        # every tier's pairs, a tier read in place or lost included: a pair no tier holds
+        in_a_tier = np.logical_or.reduce(held + [self._pairs_of(h, cached.shape)
+                                                 for h in self.tiers.helpers if h not in asked])
+        missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
+        sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
+                          for l in range(cached.shape[0])], dtype=np.int64)
+        to = offer_missed(counts, missed, held, sizes, pending)
 
-        def missed(mine: np.ndarray) -> np.ndarray:
-            i = next(i for i, t in enumerate(takers) if t is mine)
-            offered = ~cached & (mine | (~in_a_tier & (home == i)))
-            return np.where(offered[lb:le], self.routing.counts[lb:le], 0.0)
+        def offered(i: int) -> np.ndarray:
+            return np.where((~cached & (held[i] | (to == i)))[lb:le], counts[lb:le], 0.0)
         if local is not None:   # this card's own tier, read here as it is
-            self.local_tier.rerank(lb, le, missed(own))
-        changed = False
-        for h in self.tiers.helpers:
-            if not h.alive or h.tier is not None:   # read in place: such a tier never swaps
-                continue
-            try:
-                held = h.rerank(lb, le, missed(held_by[id(h)]))
-                if held is not None:
-                    changed |= self.tiers.set_helper_pairs(h, held)
-            except ProtocolTimeout as e:
-                self.tiers._helper_lost(h, e)
-            except ProtocolError as e:
-                if h.rank not in self._rerank_refused:   # said once: it answers so every round
-                    self._rerank_refused.add(h.rank)
-                    log.warning("helper rank %d did not re-rank (%s); its pairs stay as they "
-                                "were", h.rank, e)
+            self.local_tier.rerank(lb, le, offered(0))
+        for h in asked:
+            i = index[h.rank]
+            changed |= self._tier_call(h, lambda: h.rerank(lb, le, offered(i)))
+            if h.alive and h.rank in answered:
+                self._offers.update(((int(l), int(e)), (h.rank, h.counts_seq))
+                                    for l, e in np.argwhere(to == i))
         if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built
+
+    @staticmethod
+    def _pairs_of(h: HelperClient, shape: tuple[int, int]) -> np.ndarray:
+        mine = np.zeros(shape, dtype=bool)
+        for l, e in h.pairs:
+            mine[l, e] = True
+        return mine
+
+    def _tier_call(self, h: HelperClient, call) -> bool:
+        """One re-rank exchange with helper `h` (`call`: its rerank or take_pairs); whether the
+        pairs it holds of this stage's layers changed. A helper that does not answer is lost;
+        one that refuses keeps its pairs (said once)."""
+        try:
+            held = call()
+            return held is not None and self.tiers.set_helper_pairs(h, held)
+        except ProtocolTimeout as e:
+            self.tiers._helper_lost(h, e)
+        except ProtocolError as e:
+            if h.rank not in self._rerank_refused:   # said once: it answers so every round
+                self._rerank_refused.add(h.rank)
+                log.warning("helper rank %d did not re-rank (%s); its pairs stay as they "
+                            "were", h.rank, e)
+        return False
 
     def _run_general(self, s, prompt: bool, ids, hidden, all_rows: bool = False, sink=None):
         """The general path: any rows, any tiers (prompt chunks, partial caches). `sink`: given

@@ -68,6 +68,9 @@ class HelperClient:
         self.tier_addresses: dict[tuple[int, int], int] = {}   # this stage's pairs -> address
         self.tier_changed = False      # opened (or lost) since the stage last looked
         self.tier_pairs = None         # the tier's newest TierPairs answer, not yet taken (rerank)
+        self.tier_pairs_seq = 0        # ... the TierCounts it answers
+        self.answered_seq = 0          # the TierCounts the newest answer taken answers
+        self.counts_seq = 0            # the TierCounts sent last
 
     @property
     def nbytes(self) -> int:
@@ -109,17 +112,27 @@ class HelperClient:
         inside its own round when it would answer (a prompt's chunks run on the stages at once),
         so each waiting on the other would stall both: the answer (TierPairs, the pairs of those
         layers the tier holds after its round) is taken at the next round, or with any reply
-        before. Returns the newest answer taken since the last call, or None."""
-        while True:                       # what arrived since the last round, without waiting
+        before. Returns the newest answer taken since the last call (take_pairs's included), or
+        None; `counts_seq` is then this round's."""
+        held = self.take_pairs()
+        self._seq += 1
+        self.counts_seq = self._seq
+        self.ch.send(TierCounts(seq=self._seq, lb=lb, le=le),
+                     [np.ascontiguousarray(counts, dtype=np.float64)], timeout_ms=REMOTE_TIMEOUT_MS)
+        return held
+
+    def take_pairs(self) -> list[tuple[int, int]] | None:
+        """The tier's newest answer (TierPairs) that arrived since the last one taken, without
+        waiting, or None; `answered_seq` is then the round it answers."""
+        while True:
             try:
                 msg, arrays = self.ch.recv(timeout_ms=0, what="the helper tier's pairs")
             except ProtocolTimeout:
                 break
             self._side_message(msg, arrays)
-        self._seq += 1
-        self.ch.send(TierCounts(seq=self._seq, lb=lb, le=le),
-                     [np.ascontiguousarray(counts, dtype=np.float64)], timeout_ms=REMOTE_TIMEOUT_MS)
         held, self.tier_pairs = self.tier_pairs, None
+        if held is not None:
+            self.answered_seq = max(self.answered_seq, self.tier_pairs_seq)
         return held
 
     def _await(self, kind: type, seq: int, deadline: float, what: str):
@@ -137,6 +150,7 @@ class HelperClient:
         """Anything the link carries besides the awaited reply."""
         if isinstance(msg, TierPairs):
             self.tier_pairs = [(int(l), int(e)) for l, e in msg.pairs]
+            self.tier_pairs_seq = int(msg.seq)
         elif isinstance(msg, SlotFree) and msg.name == IPC_NAME:
             self.ipc_ready = self.export is not None    # the helper opened the buffer
         elif isinstance(msg, ExpertTier):
@@ -183,6 +197,57 @@ class HelperClient:
     def tier_alive(self) -> bool:
         """Whether the helper whose tier is read in place still runs (a process on this host)."""
         return self.tier is not None and _process_alive(self.tier_pid)
+
+
+def offer_missed(counts: np.ndarray, missed: np.ndarray, held: list[np.ndarray],
+                 size_class: np.ndarray | None = None, pending: np.ndarray | None = None
+                 ) -> np.ndarray:
+    """Which tier a stage offers each pair it misses in the helper tiers' re-rank
+    (stage.py `_rerank_helpers`): [L, E], the index into `held` of the one tier offered the pair,
+    -1 where it is not missed. One tier only, so two tiers never take the same pair in one round.
+
+    `counts` [L, E]: the stage's routing counts; `missed` [L, E] bool: the counted pairs no tier
+    and not the stage's cache holds; `held`: per tier, the pairs of the stage's layers it holds
+    (its slots the stage can see); `size_class` [L]: a pair moves only into a slot of a pair of the
+    same class (adapt.pick_swaps); `pending` [L, E]: the tier an earlier offer of a pair went to
+    and that has not answered that round yet (-1 none): it is offered there again, as the tier may
+    have taken it unheard.
+
+    The others are matched by heat, as pick_swaps matches within one tier: the k-th hottest missed
+    pair of a class goes to the tier of the k-th coldest visible slot of the class over every tier,
+    so the hottest goes to the tier whose coldest slot is coldest (the one that gains most by taking
+    it); one past the visible slots goes to the tier of the coldest. A class of which no tier
+    holds a visible slot is spread by position (pair index modulo the tiers), the same every
+    round."""
+    counts = np.asarray(counts, dtype=np.float64)
+    missed = np.asarray(missed, dtype=bool)
+    to = np.full(counts.shape, -1, dtype=np.int64)
+    if not held:
+        return to
+    free = missed if pending is None else missed & (np.asarray(pending) < 0)
+    classes = (np.zeros(counts.shape[0], dtype=np.int64) if size_class is None
+               else np.asarray(size_class))
+    for c in np.unique(classes):
+        rows = (classes == c)[:, None]
+        want = np.argwhere(rows & free)
+        if not len(want):
+            continue
+        # hottest first, ties by (layer, expert): a stable order round after round
+        want = want[np.lexsort((want[:, 1], want[:, 0], -counts[want[:, 0], want[:, 1]]))]
+        visible = [np.argwhere(rows & mine) for mine in held]
+        if not any(len(v) for v in visible):
+            to[want[:, 0], want[:, 1]] = (want[:, 0] * counts.shape[1] + want[:, 1]) % len(held)
+            continue
+        tier = np.concatenate([np.full(len(v), t) for t, v in enumerate(visible)])
+        pairs = np.concatenate(visible)
+        # coldest first, ties by tier, then (layer, expert)
+        order = np.lexsort((pairs[:, 1], pairs[:, 0], tier, counts[pairs[:, 0], pairs[:, 1]]))
+        by_cold = tier[order]
+        k = np.minimum(np.arange(len(want)), len(by_cold))
+        to[want[:, 0], want[:, 1]] = np.append(by_cold, by_cold[0])[k]
+    if pending is not None:
+        to = np.where(missed & (np.asarray(pending) >= 0), pending, to)
+    return to
 
 
 def _process_alive(pid: int) -> bool:

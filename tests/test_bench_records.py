@@ -360,3 +360,122 @@ def test_model_facts_name_the_file_type_and_every_shard(tmp_path):
     assert one["shards"] == 1 and many["shards"] == len(split.shards)
     assert many["bytes"] == sum(os.path.getsize(p) for p in split.shards) > os.path.getsize(split.shards[0])
     assert one["types"] == many["types"]
+
+
+def _source_archive(tmp_path) -> tuple[Path, str]:
+    """A source archive laid out as llama-cpp-python's on the package index: PKG-INFO, a vendored
+    llama.cpp tree without git metadata, and the package's own .git whose HEAD pins the vendored
+    commit as a gitlink (what benchmarks/llamacpp-anchor.sh reads). The archive and that commit."""
+    pkg = tmp_path / "sdist" / "llama_cpp_python-9.8.7"
+    (pkg / "vendor" / "llama.cpp").mkdir(parents=True)
+    (pkg / "vendor" / "llama.cpp" / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+    (pkg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: 9.8.7\n")
+    pinned = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+    def git(*a):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=pkg,
+                       check=True, capture_output=True, timeout=60)
+    git("init", "-q")
+    git("update-index", "--add", "--cacheinfo", f"160000,{pinned},vendor/llama.cpp")
+    git("commit", "-q", "-m", "bump")
+    archive = tmp_path / "llama_cpp_python-9.8.7.tar.gz"
+    subprocess.run(["tar", "czf", str(archive), "-C", str(pkg.parent), pkg.name], check=True,
+                   timeout=60)
+    return archive, pinned
+
+
+def test_the_anchor_names_the_llama_cpp_it_builds(tmp_path):
+    """benchmarks/llamacpp-anchor.sh prepare describes the source archive (its sha256, the package
+    version, the llama.cpp commit its git metadata pins); unpack puts the description into the
+    tree built from it, where llama_runs.llama_source finds it from the binary's path and a
+    record takes it. A version line that names another commit, or a build no description or
+    version line names, is refused."""
+    import hashlib
+    from llama_runs import llama_source
+    archive, pinned = _source_archive(tmp_path)
+    project = tmp_path / "project"
+    project.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True, timeout=60)
+    script = ROOT / "benchmarks" / "llamacpp-anchor.sh"
+    done = subprocess.run(["bash", str(script), "prepare", str(archive)], cwd=project,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    described = json.loads((project / ".anchor" / "llama-source.json").read_text())
+    assert described == {
+        "package": "llama-cpp-python", "package_version": "9.8.7",
+        "archive": archive.name, "archive_sha256": hashlib.sha256(archive.read_bytes()).hexdigest(),
+        "vendored": "vendor/llama.cpp", "vendored_commit": pinned, "repacked": "llama.tar.xz",
+        "repacked_sha256": hashlib.sha256(
+            (project / ".anchor" / "llama.tar.xz").read_bytes()).hexdigest()}
+    assert "/.anchor/" in (project / ".git" / "info" / "exclude").read_text()
+    done = subprocess.run(["bash", str(project / ".anchor" / "llamacpp-anchor.sh"), "unpack"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tree = project / ".anchor" / "llama.cpp"
+    assert (tree / "CMakeLists.txt").is_file()
+    binary = str(tree / "build" / "bin" / "llama-bench")
+    assert llama_source(binary, "version: 0.5.0-dev (build 0, commit 0c1e570)") == described
+    assert llama_source(binary, "version: 0.5.0-dev (build 0, commit unknown)") == described
+    with pytest.raises(SystemExit) as e:         # built from another tree than the one described
+        llama_source(binary, "version: 0.5.0-dev (build 0, commit 1234567)")
+    assert e.value.code == 2
+    elsewhere = str(tmp_path / "other" / "build" / "bin" / "llama-bench")
+    assert llama_source(elsewhere, "version: 4567 (abcdef1)") == {
+        "commit": "abcdef1", "from": "its version line"}
+    with pytest.raises(SystemExit) as e:         # nothing names it
+        llama_source(elsewhere, "version: 0.5.0-dev (build 0, commit unknown)")
+    assert e.value.code == 2
+    # the record checker takes the description as a llama.cpp arm's source
+    record, name = _complete_record()
+    record["arms"][1]["source"] = described
+    assert check_record(record, name) == []
+
+
+def test_checker_holds_new_records_to_name_their_llama_cpp():
+    """From SOURCE_REQUIRED_FROM on, a llama.cpp arm names its source (the anchor's description,
+    or a git build's commit); the records before it (version line only) stay valid as written."""
+    from record_check import SOURCE_REQUIRED_FROM
+    record, name = _complete_record()
+    assert record["date"] < SOURCE_REQUIRED_FROM and check_record(record, name) == []
+    new_name = name.replace(record["date"], SOURCE_REQUIRED_FROM)
+    record["date"] = SOURCE_REQUIRED_FROM
+    assert any("arms[1].source missing" in p for p in check_record(record, new_name))
+    anchor = {"package": "llama-cpp-python", "package_version": "0.3.36",
+              "archive": "llama_cpp_python-0.3.36.tar.gz", "archive_sha256": "8" * 64,
+              "vendored": "vendor/llama.cpp", "vendored_commit": "0" * 40}
+    record["arms"][1]["source"] = anchor
+    assert check_record(record, new_name) == []
+    record["arms"][1]["source"] = {"commit": "abcdef1", "from": "its version line"}
+    assert check_record(record, new_name) == []
+    for key, value, said in (("archive_sha256", "", "source.archive_sha256 missing"),
+                             ("archive_sha256", "x" * 64, "is not a sha256"),
+                             ("vendored_commit", "unknown", "is not a commit"),
+                             ("package_version", None, "source.package_version missing")):
+        record["arms"][1]["source"] = {**anchor, key: value}
+        assert any(said in p for p in check_record(record, new_name)), (key, value)
+
+
+LLAMA_BENCH = os.environ.get("LLAMA_BENCH", "")
+
+
+@pytest.mark.skipif(not LLAMA_BENCH, reason="$LLAMA_BENCH names no llama-bench build")
+def test_a_real_llama_arm_names_its_source(tmp_path):
+    """bench_decode.py --cpu beside a real llama-bench ($LLAMA_BENCH, e.g. the anchor's
+    `build --cpu`): its arm carries the description of the tree it was built from, or the
+    commit its version line names, and the record checker holds it to that."""
+    from llama_runs import llama_build, llama_source
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(str(model), like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
+    out = tmp_path / "records"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
+                           str(model), "--cpu", "--tokens", "128", "--repeats", "1",
+                           "--llama-bench", LLAMA_BENCH, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = out.glob("decode-tiny-f32-*.json")
+    record = json.loads(path.read_text())
+    [llama] = [a for a in record["arms"] if a["name"] == "llama.cpp"]
+    assert llama["source"] == llama_source(LLAMA_BENCH, llama_build(LLAMA_BENCH))
+    assert llama["build"] == llama_build(LLAMA_BENCH) and "commit unknown" not in llama["build"]
+    from record_check import SOURCE_REQUIRED_FROM
+    record["date"] = SOURCE_REQUIRED_FROM            # held as the records from then on are
+    assert not [p for p in check_record(record, str(path)) if "source" in p]

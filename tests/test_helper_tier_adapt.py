@@ -2,6 +2,7 @@
 through the launcher, two stages and a helper-only rank whose explicit tier serves both, a
 round after every step of every stage. The tokens are those with adaptation off, the tier swaps,
 and a stage that asks for a pair that left the tier before it heard is answered all the same."""
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -205,6 +206,78 @@ def test_a_pair_no_tier_holds_is_offered_to_one_tier_only(files, tmp_path):
         offered = (given["own card"] > 0).astype(int) + (given["other card"] > 0)
         assert (offered[unheld] == 1).all(), offered       # each to exactly one tier
         assert (given["own card"][unheld] > 0).any() and (given["other card"][unheld] > 0).any()
+    finally:
+        other.ch.close()
+        router.close()
+
+
+def test_a_missed_pair_goes_to_the_tier_whose_coldest_slot_is_coldest():
+    """tiers.offer_missed matches missed pairs to tiers as pick_swaps matches them to slots: the
+    k-th hottest to the tier of the k-th coldest visible slot over every tier; a pair still
+    awaiting a tier's answer stays with it; a size class none holds is spread by position."""
+    from strata_dist.tiers import offer_missed
+    counts = np.zeros((2, 8))
+    a, b = np.zeros((2, 8), dtype=bool), np.zeros((2, 8), dtype=bool)
+    a[0, 0], a[0, 1] = True, True
+    b[1, 0] = True
+    counts[0, 0], counts[0, 1], counts[1, 0] = 6.0, 9.0, 2.0      # b's slot is the coldest
+    counts[0, 4], counts[1, 6], counts[1, 7] = 20.0, 15.0, 3.0
+    missed = (counts > 0) & ~a & ~b
+    to = offer_missed(counts, missed, [a, b])
+    # hottest (0, 4) to b (slot at 2), next (1, 6) to a (slot at 6), the third to a (slot at 9)
+    assert (to[0, 4], to[1, 6], to[1, 7]) == (1, 0, 0)
+    assert (to[~missed] == -1).all()
+    b_hot = counts.copy()
+    b_hot[1, 0] = 30.0                                             # now a's slot at 6 is coldest
+    assert offer_missed(b_hot, missed, [a, b])[0, 4] == 0
+    pending = np.full((2, 8), -1)
+    pending[0, 4] = 1                                              # offered to b, unanswered
+    assert offer_missed(b_hot, missed, [a, b], pending=pending)[0, 4] == 1
+    # layer 1 a size class of its own that no tier holds a slot of: by position
+    sized = offer_missed(counts, missed & ~b, [a, np.zeros_like(b)], size_class=np.array([0, 1]))
+    assert (sized[1, 6], sized[1, 7]) == ((8 + 6) % 2, (8 + 7) % 2) and sized[0, 4] == 0
+
+
+def test_a_stage_offers_a_hot_missed_pair_to_the_tier_that_gains_most(files, tmp_path):
+    """Through a real stage and a real link: this card's tier holds warm pairs, another card's
+    tier a cold one, so the hot pair none holds goes to the other card's tier (by index it went to
+    this card's); while that tier has not answered the round, it is offered there again even
+    when the heat turns; once it answers without the pair, the pair goes where it gains most."""
+    from protocol import TierCounts, TierPairs
+    from protocol.transport import RouterChannel
+    from strata_dist.backends import get_backend
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.tiers import HelperClient
+    tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
+                             adapt_swaps=0)
+    stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
+                              local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
+    stage.local_tier = tier
+    router = RouterChannel(peer="the other tier")
+    endpoint = router.bind(f"ipc://{tmp_path}/other-tier")
+    other = HelperClient(1, endpoint, [(1, 2)])
+    stage.tiers.helpers.append(other)
+
+    def round_():
+        stage._rerank_helpers(stage.cache.slot_of >= 0)
+        identity, msg, arrays = router.recv(5000, what="the stage's tier counts")
+        assert isinstance(msg, TierCounts) and (msg.lb, msg.le) == (0, 2)
+        return identity, msg.seq, arrays[0], tier.counts[:2].copy()
+    try:
+        counts = stage.routing.counts
+        counts[0, 3], counts[1, 3], counts[1, 2] = 6.0, 7.0, 1.0   # the other card's slot: coldest
+        counts[0, 4] = 20.0                                      # hot, held by no tier
+        _, _, theirs, ours = round_()
+        assert theirs[0, 4] == 20.0 and ours[0, 4] == 0
+        counts[1, 2], counts[0, 3] = 30.0, 1.0                   # the heat turns: ours is coldest
+        identity, seq, theirs, ours = round_()
+        assert theirs[0, 4] == 20.0 and ours[0, 4] == 0          # not answered yet: still theirs
+        router.send(identity, TierPairs(seq=seq, pairs=[[1, 2]], swaps=0))
+        time.sleep(0.2)
+        _, _, theirs, ours = round_()
+        assert theirs[0, 4] == 0 and ours[0, 4] == 20.0          # declined: now to this card's
+        assert theirs[1, 2] == 30.0 and ours[0, 3] == 1.0        # each still ranks its own
     finally:
         other.ch.close()
         router.close()

@@ -230,7 +230,8 @@ def test_chats_past_the_template_renderers_get_429(tmp_path):
 
 # ---- Retry-After, clients that leave ----------------------------------------------------------------
 
-def _stream(http: httpx.Client, server, max_tokens: int, prompt: str = "a long story", n: int = 1):
+def _stream(http: httpx.Client, server, max_tokens: int, prompt: str | list[int] = "a long story",
+            n: int = 1):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "n": n,
             **GREEDY}
     r = http.send(http.build_request("POST", f"{server.url}/v1/completions", json=body), stream=True)
@@ -245,26 +246,52 @@ def _wait_queue(server, running: int, waiting: int, timeout: float = 10.0) -> No
         time.sleep(0.02)
 
 
+PROMPT_IDS = 4
+
+
+def _running(server, timeout: float = 10.0) -> tuple[int, float]:
+    """The running request's tokens so far (of every choice) and its decode rate, as the server
+    measures them (/v1/status), once it has made a few tokens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = status(server)["throughput"]["running"]
+        if running and running["tokens"] >= 8 and running["tokens_per_second"] > 0:
+            return int(running["tokens"]), float(running["tokens_per_second"])
+        assert time.monotonic() < deadline, running
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_retry_after_is_when_the_queue_drains(server, n):
-    """The 429's Retry-After is the time the requests ahead take (their max tokens at the measured
-    rate, for each of their n choices): measured here against the time the running request and
-    the four waiting behind it really take to finish, with work for about 4 s on whatever machine
-    runs the test."""
+    """The 429's Retry-After is the time the requests ahead take: their max tokens (each of their
+    n choices) less what the running one has made, at the rate the server measures. The bound is
+    what the server itself measured around the 429 (the running request's tokens and rate read
+    from /v1/status just before and after it), not the wall clock, which a loaded machine
+    stretches; the waiting requests are sized from that rate to ~4 s of work, so a hint that
+    leaves out waiting requests, their n choices or the running one's rest falls outside it.
+    And the hint is never far past the real drain (a loaded machine only lengthens that)."""
     with httpx.Client(timeout=60, headers=server.headers) as http:
         r = http.post(f"{server.url}/v1/completions",
                       json={"model": "tiny", "prompt": "warm", "max_tokens": 64, **GREEDY})
-        tps = r.json()["timings"]["decode_tokens_per_second"]
-        each = max(20, int(tps * 4.0 / (QUEUE + 1) / n))
-        streams = [_stream(http, server, each, n=n)]
+        warm = r.json()["timings"]       # the last request finished when the 429 comes
+        tps = warm["decode_tokens_per_second"]
+        # the running request: ~2 s at the warm-up's rate (room for that rate to be off by 2),
+        # still running when the queue is filled and the 429 asked for
+        running_max = max(40, int(tps * 2.0 / n))
+        streams = [_stream(http, server, running_max, n=n)]
         _wait_queue(server, 1, 0)
-        streams += [_stream(http, server, each, f"waiting {k}", n) for k in range(QUEUE)]
+        _, rate = _running(server)
+        each = max(20, int(rate * 4.0 / QUEUE / n))
+        # prompts of PROMPT_IDS ids each: the prompt time ahead is known exactly
+        streams += [_stream(http, server, each, [30 + 10 * k + i for i in range(PROMPT_IDS)], n)
+                    for k in range(QUEUE)]
         _wait_queue(server, 1, QUEUE)
-        time.sleep(0.3)          # the running request's rate is measured over a few tokens
+        made_before, rate_before = _running(server)
         r = http.post(f"{server.url}/v1/completions",
                       json={"model": "tiny", "prompt": "one too many", "max_tokens": 4})
         t0 = time.monotonic()
         retry_after = check_429(r.status_code, r.headers, r.json())
+        made_after, rate_after = _running(server)
         ends: list[float] = []
 
         def read(s):
@@ -280,8 +307,20 @@ def test_retry_after_is_when_the_queue_drains(server, n):
             t.join(60)
         assert len(ends) == QUEUE + 1
         drained = max(ends) - t0
-    assert drained > 2.0, (drained, each, tps)     # long enough for the hint to be told apart from 1
-    assert drained / 2 <= retry_after <= 2 * drained + 1, (retry_after, drained, each, tps)
+    waiting = QUEUE * each * n
+    fewest = waiting + running_max * n - made_after       # tokens ahead at the 429, at least
+    most = waiting + running_max * n - made_before        # ... and at most
+    slow, fast = min(rate_before, rate_after), max(rate_before, rate_after)
+    # the waiting prompts at the last finished request's read rate (the warm-up's)
+    prompts_s = (QUEUE * PROMPT_IDS / warm["prompt_tokens_per_second"]
+                 if warm["prompt_tokens_per_second"] > 0 else 0.0)
+    # 10% for the rate's drift between the readings and the 429, a second for the rounding up
+    low = fewest / (1.1 * fast) + prompts_s
+    high = most / (0.9 * slow) + prompts_s + 1
+    said = (retry_after, low, high, drained, each, rate_before, rate_after, made_before, made_after)
+    assert low >= 3, said                   # enough work that the hint tells apart from 1
+    assert low <= retry_after <= high, said
+    assert retry_after <= 2 * drained + 1, said
 
 
 def test_clients_that_leave_while_queued_cost_nothing(server):
