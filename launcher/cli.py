@@ -19,7 +19,8 @@ from protocol.bounded_read import KEY_FILE_MAX, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.compute_options import read_environment
-from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
+from strata_dist.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
+                             parse_ids, prompt_tokens)
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
 from strata_dist.flag_values import check_seconds
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-type", choices=KV_TYPES, default=None,
                       help="how sessions keep K/V: f32, f16 or q8_0 (34 bytes per 32 values); "
                            "default f16 on GPU ranks, f32 on CPU ranks")
+    plan.add_argument("--kv-resident", default=None, metavar="N|auto",
+                      help="each stage keeps N cells of each session's K/V on its device (the "
+                           "attention sinks and a ring of the newest), every cell in pinned host "
+                           "memory, priced so; auto: every cell where it fits, else the most that "
+                           "fit (default: every cell resident; CPU ranks only so far)")
     plan.add_argument("--prompt-cache-every", type=int, default=DEFAULT_EVERY, metavar="N",
                       help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
                            "chunk boundary past every N prompt tokens, besides each request's start "
@@ -235,6 +241,8 @@ def _main(args, signals: StopSignals) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = plan_params(args)
+    if args.kv_resident is not None:
+        params = replace(params, kv_resident=kv_resident_arg(args, prefill))
     if args.draft_model:   # priced on the last stage, as the kind of device the plan sees
         kind = "cuda" if args.gpus or args.inventory else "cpu"
         params = replace(params, draft_bytes=draft_plan_bytes(args.draft_model, kind, args.kv_type,
@@ -251,6 +259,18 @@ def _main(args, signals: StopSignals) -> int:
         print(plan.to_json() if args.json else render_table(plan))
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
+
+
+def kv_resident_arg(args, prefill: int | None) -> int:
+    """--kv-resident for the plan (strata_dist/cli.py check_kv_resident): GPU ranks refused unless
+    the plan is only printed, kept conversations refused (they copy K/V as the device holds it)."""
+    if args.conversation_cache_mib:
+        raise UsageError(f"--kv-resident {args.kv_resident} with --conversation-cache-mib "
+                         f"{args.conversation_cache_mib}: kept conversations are not yet copied "
+                         f"from K/V beyond the device; drop one of them")
+    gpus = bool(args.gpus) and not args.plan_only
+    return check_kv_resident(args.kv_resident, args.max_context, prefill, gpu=gpus,
+                             device=f"--gpus {args.gpus}", auto=True)
 
 
 SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "register_timeout"),
