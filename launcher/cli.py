@@ -212,6 +212,9 @@ def _main(args, signals: StopSignals) -> int:
         if args.gpus and args.kv_type == "f32":
             print("warning: --kv-type f32: GPU decode steps take the general path (the decode "
                   "graph reads f16 or q8_0 K/V)", file=sys.stderr)
+    # before any device is probed: a GPU launch is refused by the flag's own words
+    kv_resident = (kv_resident_arg(args, prefill_arg(args.prefill))
+                   if args.kv_resident is not None else 0)
     # the prompt is read before any rank starts: a bad one costs nothing
     args.prompt_list, args.prompt_tokenizer = None, None
     if args.prompt_ids is not None:
@@ -241,8 +244,8 @@ def _main(args, signals: StopSignals) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = plan_params(args)
-    if args.kv_resident is not None:
-        params = replace(params, kv_resident=kv_resident_arg(args, prefill))
+    if kv_resident:
+        params = replace(params, kv_resident=kv_resident)
     if args.draft_model:   # priced on the last stage, as the kind of device the plan sees
         kind = "cuda" if args.gpus or args.inventory else "cpu"
         params = replace(params, draft_bytes=draft_plan_bytes(args.draft_model, kind, args.kv_type,

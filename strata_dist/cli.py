@@ -73,9 +73,10 @@ def check_kv_resident(text: str, cells: int, chunk: int | None, gpu: bool = Fals
                       device: str = "", auto: bool = False) -> int:
     """--kv-resident N|auto as PlanParams.kv_resident (KV_RESIDENT_AUTO for auto, where `auto`
     is allowed: a plan picks it): N must leave cells in host memory (below the context `cells`)
-    and hold the sinks and a prompt chunk (`chunk`; None: the plan's auto chunk, which the ring
-    then caps). K/V beyond the device runs on CPU ranks only so far: `gpu` refuses it, naming
+    and hold the sinks and a prompt chunk (`chunk`; None: the plan's auto chunk, at least its
+    smallest, which the ring then caps). K/V beyond the device runs on CPU ranks only so far: `gpu` refuses it, naming
     `device`."""
+    from .plan.lend import LEND_CHUNKS
     from .plan.params import KV_RESIDENT_AUTO
     from .plan.pricing import KV_SINK_CELLS, kv_resident_floor
     if text == "auto":
@@ -92,11 +93,11 @@ def check_kv_resident(text: str, cells: int, chunk: int | None, gpu: bool = Fals
             raise UsageError(f"--kv-resident {n} with --max-context {cells}: every cell is "
                              f"resident already, nothing would be kept in host memory (give N "
                              f"below the context, or leave --kv-resident out)")
-        floor = kv_resident_floor(chunk or 1)
+        floor = kv_resident_floor(chunk or min(LEND_CHUNKS))
         if n < floor:
             raise UsageError(f"--kv-resident {n} is below its floor of {floor} cells: the "
                              f"{KV_SINK_CELLS} attention sinks plus a ring that holds a whole "
-                             f"prompt chunk (--prefill {chunk or 'auto: at least 1'})")
+                             f"prompt chunk (--prefill {chunk or 'auto: its smallest chunk'})")
     if gpu:
         raise UsageError(f"--kv-resident {text} on {device}: K/V beyond the device runs on CPU "
                          f"ranks only so far (the GPU attention kernels do not read a host copy "

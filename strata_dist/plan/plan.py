@@ -18,7 +18,7 @@ from .errors import PlanError
 from .explicit import ExplicitTier, explicit_tiers, stage_devices as named_stage_devices
 from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
-from .lend import Participant, plan_lend, with_own_bytes
+from .lend import LEND_CHUNKS, Participant, plan_lend, with_own_bytes
 from .params import PlanParams
 from .params import KV_RESIDENT_AUTO
 from .pricing import (HANDOFF_ROWS, HELPER_RESERVE_BYTES, KV_SINK_CELLS, MIB, kv_resident_floor,
@@ -327,14 +327,17 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     n = params.kv_resident
     if n == KV_RESIDENT_AUTO:
         return _auto_resident(shape, devices, cells, params, prefill, kw)
-    if 0 < n < cells and n < kv_resident_floor(prefill or 1):
-        raise PlanError(f"--kv-resident {n} is below its floor of {kv_resident_floor(prefill or 1)} "
+    if 0 < n < cells and n < resident_floor(prefill):
+        raise PlanError(f"--kv-resident {n} is below its floor of {resident_floor(prefill)} "
                         f"cells: the {KV_SINK_CELLS} attention sinks plus a ring that holds a "
-                        f"whole prompt chunk (--prefill {prefill or 1})")
+                        f"whole prompt chunk (--prefill {prefill or 'auto: its smallest chunk'})")
     return plan_for(shape, devices, cells=cells, params=params, prefill=prefill, **kw)
 
 
-AUTO_RING_CHUNK = 512     # the prompt chunk --kv-resident auto leaves room for with --prefill auto
+def resident_floor(prefill: int | None) -> int:
+    """--kv-resident's floor for the operator's chunk, or with --prefill auto (None) for the
+    smallest chunk it picks (the ring then caps the chunk it picks)."""
+    return kv_resident_floor(prefill or min(LEND_CHUNKS))
 
 
 def _auto_resident(shape, devices, cells: int, params: PlanParams, prefill: int | None,
@@ -348,8 +351,7 @@ def _auto_resident(shape, devices, cells: int, params: PlanParams, prefill: int 
         return attempt(0)
     except PlanError as e:
         whole = e
-    # an auto chunk (prefill None) is capped by the ring: keep room for a default one
-    lo, hi = kv_resident_floor(prefill or min(AUTO_RING_CHUNK, cells)), cells - 1
+    lo, hi = resident_floor(prefill), cells - 1
     if lo > hi:
         raise whole
     try:
