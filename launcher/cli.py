@@ -20,7 +20,7 @@ from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.compute_options import read_environment
 from strata_dist.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
-                             parse_ids, prompt_tokens)
+                             gpu_kv_resident_refusal, parse_ids, prompt_tokens)
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
 from strata_dist.flag_values import check_seconds
@@ -265,15 +265,18 @@ def _main(args, signals: StopSignals) -> int:
 
 
 def kv_resident_arg(args, prefill: int | None) -> int:
-    """--kv-resident for the plan (strata_dist/cli.py check_kv_resident): GPU ranks refused unless
-    the plan is only printed, kept conversations refused (they copy K/V as the device holds it)."""
+    """--kv-resident for the plan (strata_dist/cli.py check_kv_resident): on GPU ranks what their
+    kernels do not take yet refused unless the plan is only printed, kept conversations refused
+    (they copy K/V as the device holds it)."""
     if args.conversation_cache_mib:
         raise UsageError(f"--kv-resident {args.kv_resident} with --conversation-cache-mib "
                          f"{args.conversation_cache_mib}: kept conversations are not yet copied "
                          f"from K/V beyond the device; drop one of them")
-    gpus = bool(args.gpus) and not args.plan_only
-    return check_kv_resident(args.kv_resident, args.max_context, prefill, gpu=gpus,
-                             device=f"--gpus {args.gpus}", auto=True)
+    refusal = (gpu_kv_resident_refusal(open_checked(args.model), args.kv_type,
+                                       f"--gpus {args.gpus}")
+               if args.gpus and not args.plan_only else "")
+    return check_kv_resident(args.kv_resident, args.max_context, prefill, gpu_refusal=refusal,
+                             auto=True)
 
 
 SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "register_timeout"),

@@ -71,11 +71,12 @@ class Stage:
         self.backend = get_backend(cfg.device)
         if cfg.kv_type:
             self.backend.kv_type = cfg.kv_type            # how this stage's sessions keep K/V
-        if cfg.kv_resident and self.backend.on_gpu:       # the launcher refuses it first
-            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: K/V beyond the "
-                             "device runs on CPU ranks only so far")
         self.backend.kv_resident = cfg.kv_resident        # the rest in host memory (RingKV)
         arch = architecture_for(self.gguf)
+        if cfg.kv_resident and self.backend.on_gpu and (arch.ARCH != "qwen3moe"
+                                                        or self.backend.kv_type != "f16"):
+            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: the GPU ring "
+                             f"kernels take qwen3moe's f16 K/V only (the launcher refuses first)")
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
         if len(own) != len(cfg.cache_pairs):

@@ -40,7 +40,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
 def test_reads_take_sinks_and_newest_from_the_device_and_the_rest_from_the_host(kv_type):
     rng = np.random.default_rng(0)
-    rows = RingKV(np, np, (40, 2, 32), kv_type, sinks=4, ring=6)
+    rows = RingKV(np, (40, 2, 32), kv_type, sinks=4, ring=6)
     x = rng.standard_normal((40, 2, 32)).astype(np.float32)
     for a, b in [(0, 5), (5, 6), (6, 12), (12, 13), (13, 21)]:       # prompt chunks, then steps
         rows[a:b] = x[a:b]
@@ -67,7 +67,7 @@ def test_reads_take_sinks_and_newest_from_the_device_and_the_rest_from_the_host(
 
 def test_a_write_after_a_rewind_refills_the_ring_from_the_host_copy():
     rng = np.random.default_rng(1)
-    rows = RingKV(np, np, (64, 1, 32), "f32", sinks=4, ring=5)
+    rows = RingKV(np, (64, 1, 32), "f32", sinks=4, ring=5)
     first, second = (rng.standard_normal((64, 1, 32)).astype(np.float32) for _ in range(2))
     for p in range(30):
         rows[p:p + 1] = first[p:p + 1]
@@ -195,12 +195,15 @@ def test_bad_values_are_refused_with_one_line(models, tool):
     assert "sinks" in line
     line = _refused(base + ["--kv-resident", "lots"])
     assert "'lots'" in line
-    gpu = (["launcher.cli", "--model", path, "--gpus", "0", "--prompt-ids", "1,2", "--max-new",
-            "1", "--max-context", "64", "--kv-resident", "32"] if tool == "launch" else
-           ["strata_dist.cli", "generate", "--model", path, "--device", "cuda:0",
-            "--prefill", "16", "--max-context", "64", "--kv-resident", "32"])
-    line = _refused(gpu)
-    assert "--kv-resident 32" in line and ("--gpus 0" in line or "cuda:0" in line)
+    for arch, flags in (("qwen3next", []), ("qwen3moe", ["--kv-type", "q8_0"])):
+        # the GPU ring kernels take qwen3moe's f16 K/V only: the rest is refused on a GPU
+        gpu = (["launcher.cli", "--model", models[arch], "--gpus", "0", "--prompt-ids", "1,2",
+                "--max-new", "1"] if tool == "launch" else
+               ["strata_dist.cli", "generate", "--model", models[arch], "--device", "cuda:0"])
+        line = _refused(gpu + ["--prefill", "16", "--max-context", "64", "--kv-resident", "32",
+                               *flags])
+        assert "--kv-resident 32" in line and ("--gpus 0" in line or "cuda:0" in line)
+        assert (arch in line) if arch == "qwen3next" else "--kv-type q8_0" in line
     if tool == "generate":
         assert "strata-launch" in _refused(base + ["--kv-resident", "auto"])
     else:
