@@ -73,7 +73,7 @@ class DecodeGraph:
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
         # itself ("matvec"), or the attention does for one-row steps ("attention"); either way no
         # qk_norm_rope_kv launch and the same arithmetic
-        self.ring = DeviceRing(model.backend, max_cells)   # --kv-resident's `_ring` builds, if any
+        self.ring = DeviceRing(model, max_cells)   # --kv-resident's `_ring` builds, if any
         self.fused_qk_norm = options.fused_qk_norm == "matvec" and not self.ring
         self.fused_qk_attention = options.fused_qk_norm == "attention" and not self.ring
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer

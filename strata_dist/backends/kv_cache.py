@@ -244,18 +244,21 @@ class RingKV:
 
 
 class DeviceRing:
-    """A GPU decode graph's side of --kv-resident (backends/cuda_decode.py): whether its sessions
-    keep RingKV stores of (S sinks, R ring cells) for `max_cells` cells, the suffix of the kernel
+    """A GPU decode graph's side of --kv-resident (backends/cuda_decode.py) for `model`: whether its
+    sessions keep RingKV stores of (S sinks, R ring cells) for `max_cells` cells, the suffix of the kernel
     builds that write and read them (kernels/attention.cuh KvRing), the pointer table's words
     after the RoPE tables, and the stores' `end` around each step. Falsy when every cell is
     resident: then it changes nothing."""
 
-    def __init__(self, backend, max_cells: int):
+    def __init__(self, model, max_cells: int):
+        backend = model.backend
         self.split = kv_split(max_cells, backend.kv_resident)
-        if self.split and backend.kv_type != "f16":
+        why = ("" if not self.split else
+               f"K/V kept as {backend.kv_type}" if backend.kv_type != "f16" else
+               f"{model.g.arch}'s attention kernels" if model.g.arch != "qwen3moe" else "")
+        if why:         # the general path then reads the stores by their own rule
             from .graph_tables import Unsupported
-            raise Unsupported(f"K/V kept as {backend.kv_type} with --kv-resident (the ring "
-                              f"builds read f16)")
+            raise Unsupported(f"{why} with --kv-resident (the ring builds are qwen3moe's, f16)")
         self.suffix = "_ring" if self.split else ""
 
     def __bool__(self) -> bool:
