@@ -112,7 +112,8 @@ def new_session_kv(xp, shape: tuple[int, int, int], kv_type: str, resident: int 
 
 def mapped_host_rows(shape: tuple[int, int, int]):
     """Zeroed f16 rows in pinned host memory mapped into the device's address space (the kernels
-    read and write them in place over PCIe): a numpy array with `device_ptr`, freed with it."""
+    read and write them in place over PCIe): (the numpy array, its device address); the memory is
+    freed with the array."""
     import ctypes
     import weakref
 

@@ -19,8 +19,7 @@ from .explicit import ExplicitTier, explicit_tiers, stage_devices as named_stage
 from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
 from .lend import LEND_CHUNKS, Participant, plan_lend, with_own_bytes
-from .params import PlanParams
-from .params import KV_RESIDENT_AUTO
+from .params import KV_RESIDENT_AUTO, PlanParams
 from .pricing import (HANDOFF_ROWS, HELPER_RESERVE_BYTES, KV_SINK_CELLS, MIB, kv_resident_floor,
                       session_host_bytes, stage_fixed_bytes)
 from .profile import RoutingProfile
