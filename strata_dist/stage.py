@@ -15,6 +15,7 @@ from protocol import ProtocolError, ProtocolTimeout
 
 from .adapt import RoutingCounts, WindowRoutes, coverage, pick_swaps
 from .backends import get_backend
+from .backends.kv_cache import kv_host_nbytes
 from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
 from .experts import BlobArena
@@ -48,6 +49,7 @@ class StageConfig:
     loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
     link_seal: object = None                             # the launch's seal for TCP data links
     kv_type: str | None = None                           # --kv-type (None: the device's default)
+    kv_resident: int = 0      # --kv-resident: cells of each K/V on the device (0: every cell)
     prompt_chunk: int = 0                                # the plan's prompt chunk (0: not known)
     # pairs of this stage's layers that this card's own helper tier will hold (opened after the
     # stage: it is the part that fails soft); they decide the default for host misses as a
@@ -69,7 +71,12 @@ class Stage:
         self.backend = get_backend(cfg.device)
         if cfg.kv_type:
             self.backend.kv_type = cfg.kv_type            # how this stage's sessions keep K/V
+        self.backend.kv_resident = cfg.kv_resident        # the rest in host memory (RingKV)
         arch = architecture_for(self.gguf)
+        if cfg.kv_resident and self.backend.on_gpu and (arch.ARCH != "qwen3moe"
+                                                        or self.backend.kv_type != "f16"):
+            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: the GPU ring "
+                             f"kernels take qwen3moe's f16 K/V only (the launcher refuses first)")
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
         if len(own) != len(cfg.cache_pairs):
@@ -192,6 +199,10 @@ class Stage:
 
     def session_bytes(self) -> int:
         return sum(s.nbytes for s in self.sessions.values())
+
+    def kv_host_bytes(self) -> int:
+        """What the sessions keep of K/V in host memory beyond the device (--kv-resident)."""
+        return sum(kv_host_nbytes(s.kv_rows()) for s in self.sessions.values())
 
     def release(self, session_id: int) -> None:
         if self.decode_graph is not None:
