@@ -490,7 +490,7 @@ class Stage:
         asked = [h for h in asked if h.alive]
         local = self.local_tier.arena if self.local_tier is not None else None
         held = ([local.slot_of >= 0] if local is not None else []) + [
-            self._pairs_of(h, cached.shape) for h in asked]
+            h.pairs_mask(cached.shape) for h in asked]
         first = int(local is not None)       # held[first + j] is asked[j]'s
         index = {h.rank: first + j for j, h in enumerate(asked)}
         # a helper that refused to re-rank answers no round: no offer waits on it
@@ -504,7 +504,7 @@ class Stage:
         layers = np.zeros(cached.shape, dtype=bool)
         layers[lb:le] = True
         # every tier's pairs, a tier read in place or lost included: a pair no tier holds
-        in_a_tier = np.logical_or.reduce(held + [self._pairs_of(h, cached.shape)
+        in_a_tier = np.logical_or.reduce(held + [h.pairs_mask(cached.shape)
                                                  for h in self.tiers.helpers if h not in asked])
         missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
         sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
@@ -523,13 +523,6 @@ class Stage:
                                     for l, e in np.argwhere(to == i))
         if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built
-
-    @staticmethod
-    def _pairs_of(h: HelperClient, shape: tuple[int, int]) -> np.ndarray:
-        mine = np.zeros(shape, dtype=bool)
-        for l, e in h.pairs:
-            mine[l, e] = True
-        return mine
 
     def _tier_call(self, h: HelperClient, call) -> bool:
         """One re-rank exchange with helper `h` (`call`: its rerank or take_pairs); whether the

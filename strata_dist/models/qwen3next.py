@@ -336,10 +336,8 @@ class HybridSession:
         self.linear_layers = [l for l in range(lb, le) if g.is_linear(l)]
         f32 = np.float32
         kv, resident = backend.kv_type, backend.kv_resident   # --kv-type, --kv-resident
-        self._k = {l: new_session_kv(xp, kv_shape(g, max_cells), kv, resident)
-                   for l in self.attention_layers}
-        self._v = {l: new_session_kv(xp, kv_shape(g, max_cells), kv, resident)
-                   for l in self.attention_layers}
+        self._k, self._v = ({l: new_session_kv(xp, kv_shape(g, max_cells), kv, resident)
+                             for l in self.attention_layers} for _ in range(2))
         self._conv = {l: xp.zeros(conv_state_shape(g), dtype=f32) for l in self.linear_layers}
         self._ssm = {l: xp.zeros(recurrent_state_shape(g), dtype=f32) for l in self.linear_layers}
         cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base, g.rope_scaling)
