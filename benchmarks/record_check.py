@@ -112,6 +112,8 @@ def check_record(record: dict, filename: str) -> list[str]:
         bad += serve_lacks(arms if isinstance(arms, list) else [])
     if record.get("bench") == "spec":
         bad += spec_lacks(arms if isinstance(arms, list) else [])
+    if record.get("bench") == "depth":
+        bad += depth_lacks(arms if isinstance(arms, list) else [])
     if isinstance(llama_new, int):
         for i, arm in enumerate(arms):
             if arm.get("name") != "llama.cpp" and isinstance(arm.get("new_tokens"), int) \
@@ -160,6 +162,53 @@ def spec_lacks(arms: list) -> list[str]:
             bad += [f"arms[{i}].{k} missing" for k in SPEC_ARM if k not in arm]
             if not isinstance(arm.get("tokens_identical_to_k0", False), bool):
                 bad.append(f"arms[{i}].tokens_identical_to_k0 is not a bool")
+    return bad
+
+
+DEPTH_STRATA = (("prompt_tokens", int), ("max_context", int), ("kv_type", str),
+                ("kv_resident", str), ("tokens_sha256", str))
+
+
+def depth_lacks(arms: list) -> list[str]:
+    """bench_depth.py's fields: every arm its depth and decode figure, one arm per engine and
+    depth; a strata arm its prompt (depth 0: one id), context, K/V options and tokens, and past
+    depth 0 that prompt's figure; llama.cpp arms, where there are any, at the strata arms'
+    depths."""
+    bad, seen = [], {}
+    for i, arm in enumerate(arms):
+        if not isinstance(arm, dict):
+            continue
+        where, depth = f"arms[{i}].", arm.get("depth")
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            bad.append(f"{where}depth {depth!r}: a whole number >= 0")
+            continue
+        if "decode_tok_s" not in arm:
+            bad.append(f"{where}decode_tok_s missing (the figure at depth {depth})")
+        key = (arm.get("name"), depth)
+        if key in seen:
+            bad.append(f"{where}a second {key[0]} arm at depth {depth} (arms[{seen[key]}])")
+        seen[key] = i
+        if not str(arm.get("name", "")).startswith("strata"):
+            continue
+        for field, kind in DEPTH_STRATA:
+            if not isinstance(arm.get(field), kind) or isinstance(arm.get(field), bool):
+                bad.append(f"{where}{field} missing")
+        if isinstance(arm.get("prompt_tokens"), int) and arm["prompt_tokens"] != max(depth, 1):
+            bad.append(f"{where}prompt_tokens {arm['prompt_tokens']} at depth {depth}: the "
+                       f"prompt is the depth (one id at depth 0)")
+        if depth > 0 and str(depth) not in (arm.get("prefill_tok_s") or {}):
+            bad.append(f"{where}prefill_tok_s lacks the {depth}-id prompt's figure")
+        if isinstance(arm.get("max_context"), int) and isinstance(arm.get("new_tokens"), int) \
+                and max(depth, 1) + arm["new_tokens"] > arm["max_context"]:
+            bad.append(f"{where}depth {depth} + {arm['new_tokens']} new tokens pass max_context "
+                       f"{arm['max_context']}")
+    ours = {d for (name, d) in seen if str(name).startswith("strata")}
+    theirs = {d for (name, d) in seen if name == "llama.cpp"}
+    if not ours:
+        bad.append("arms lack a strata arm")
+    if theirs and theirs != ours:
+        bad.append(f"llama.cpp arms at depths {sorted(theirs)}, strata's at {sorted(ours)}: "
+                   f"the same depths")
     return bad
 
 
