@@ -20,7 +20,9 @@ figure, every test kept (`ubatch_sweep`, `sweep`). --kv-type T is `-ctk T -ctv T
 --cpu the llama.cpp side runs with `--repack 0` (a CPU build's repacked kernels may use
 instructions this host does not enable). Every arm carries `depth`; the ratios are printed per
 depth. A depth past --max-context (or, without it, past the context the file was trained for) is
-refused with one error line before anything runs. The record of ../shared/RECORDS.md goes to
+refused with one error line before anything runs. Each strata arm's greedy tokens (of its first
+request) are compared with the latest earlier record of the same file and depth, in --out and in
+benchmarks/results (a run with --kv-resident against one with every cell resident). The record of ../shared/RECORDS.md goes to
 benchmarks/results/depth-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (rewritten after each
 engine, so a run cut short keeps what it finished); `--popularity` names the routing law of a
 file that does not store it.
@@ -240,9 +242,13 @@ def main() -> int:
     context_limit(args, architecture_for(gguf).read_geometry(gguf).trained_context)
     recorder = Recorder("depth", facts, args.out)    # a tree no commit names: refused now
     arms = strata_arms(args, facts["vocab"])
-    for arm in arms:
-        print(tokens_against_records("depth", facts, "strata", arm["tokens_sha256"],
-                                     like={"depth": arm["depth"]}), flush=True)
+    # the tokens against the latest earlier record of this file and depth: in --out (an earlier
+    # part of the same call) and in benchmarks/results (the records kept), e.g. a run with
+    # --kv-resident against one with every cell resident
+    for folder in dict.fromkeys((os.path.abspath(args.out), os.path.join(HERE, "results"))):
+        for arm in arms:
+            print(tokens_against_records("depth", facts, "strata", arm["tokens_sha256"], folder,
+                                         like={"depth": arm["depth"]}), flush=True)
     recorder.save(arms)
     if args.llama_bench:
         theirs = llama_arms(args)

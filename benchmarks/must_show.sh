@@ -49,6 +49,22 @@
 #   bash benchmarks/must_show.sh --parts spec
 #   bash benchmarks/must_show.sh --parts spec_two_ranks
 #   bash benchmarks/must_show.sh --parts spec_quant
+# depth, depth_prompt, depth_resident (off by default, each its own call; estimated, not yet timed):
+# issue 47's decode far into a context, bench_depth.py, on the Q4_K file of the 2507 release's
+# geometry (Qwen3-30B-A3B trained to 262,144 positions; its synth ~3 min, kept for the three parts).
+# depth: strata beside llama-bench -d at depths 0 / 32,768 / 131,072, 128 tokens, two repeats
+# (~7 min where llama-bench is built, e.g. after the q4_k part on the warm machine; on a fresh
+# machine the build, ~5 min, runs beside the synth and may push it past 10 min). depth_prompt: one
+# 131,072-token prompt beside llama-bench -p 131072 tuned over -ub 512..4096 (-r 1; llama.cpp's
+# warm-up reads the whole prompt too: ~8 min, llama-bench built). depth_resident: strata alone at
+# the same depths on a rank held to 16 GB (--vram-budget 16G --kv-resident auto), its tokens
+# compared with the depth part's record of the same file (~5 min). Issue 47's qwen3next case
+# (--max-context 262144 --kv-type q8_0 --kv-resident auto) has no part: strata-launch refuses
+# --kv-resident on GPU ranks for qwen3next and for q8_0 K/V (the ring kernels read qwen3moe's f16
+# K/V only so far).
+#   bash benchmarks/must_show.sh --parts depth
+#   bash benchmarks/must_show.sh --parts depth_prompt
+#   bash benchmarks/must_show.sh --parts depth_resident
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
@@ -68,7 +84,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident) ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
 has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
@@ -102,7 +118,7 @@ else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
 # the parts without llama-bench: the seed rig, the adaptive cache, the streams (the serve part
 # runs llama-batched-bench instead, LBB below), speculative decoding (spec_quant runs
 # llama-speculative, LSP below)
-ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant) ;; *) ALONE=0 ;; esac; done
+ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth_resident) ;; *) ALONE=0 ;; esac; done
 [ "$ALONE" = 1 ] && LB=
 # the streams' file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry, short requests)
 LBB=""
@@ -123,6 +139,15 @@ if [ "$CPU" = 1 ]; then
 else
   SPEC_ONE=(--gpus 0); SPEC_TWO=(--gpus 0,0); SPEC_SIZES=()
   has spec_quant && LSP=.anchor/llama.cpp/build/bin/llama-speculative
+fi
+# decode at depth: the 2507 geometry (trained to 262,144 positions) at Q4_K (the CPU dry run: the
+# tiny geometry at q8_0, depths to 1,024, one repeat)
+if [ "$CPU" = 1 ]; then
+  DEPTH_LIKE=tiny; DEPTH_QUANT=q8_0; DEPTH_ONE=(--cpu); DEPTH_REPEATS=1
+  DEPTHS=(--depths 0,256,1024); DEEPEST=1024; DEPTH_HELD=(--kv-resident 512)
+else
+  DEPTH_LIKE=qwen3-30b-a3b-2507; DEPTH_QUANT=q4_k; DEPTH_ONE=(--gpus 0); DEPTH_REPEATS=2
+  DEPTHS=(--depths 0,32768,131072); DEEPEST=131072; DEPTH_HELD=(--vram-budget 16G --kv-resident auto)
 fi
 # the adaptive cache's file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry)
 if [ "$CPU" = 1 ]; then ADAPT_QUANT=q8_0; ADAPT=(--cpu); else ADAPT_QUANT=q4_k_m; ADAPT=(); fi
@@ -279,6 +304,27 @@ if has spec_quant; then
   keep_only "$target" "$draft"; synth "$target" q8_0 zipf:1.0; synth "$draft" q2_k zipf:1.0
   run spec_quant timeout 590 python3 benchmarks/bench_spec.py --model "$target" --draft "$draft" \
     "${SPEC_ONE[@]}" "${SPEC_SIZES[@]}" --out "$OUT" "${LLAMA_SPEC[@]}"
+fi
+DEPTH_FILE=$M/depth_${DEPTH_QUANT}_zipf1.gguf
+if has depth || has depth_prompt || has depth_resident; then
+  keep_only "$DEPTH_FILE"
+  if [ ! -f "$DEPTH_FILE" ] || [ "$PRINT" = 1 ]; then
+    run synth_depth timeout 420 python3 -m launcher.tools synth "$DEPTH_FILE" --like "$DEPTH_LIKE" \
+      --quant "$DEPTH_QUANT" --popularity zipf:1.0 --quiet
+  fi
+fi
+if has depth; then
+  run depth timeout 590 python3 benchmarks/bench_depth.py --model "$DEPTH_FILE" "${DEPTH_ONE[@]}" \
+    --repeats "$DEPTH_REPEATS" "${DEPTHS[@]}" --llama-prompts none --out "$OUT" "${LLAMA[@]}"
+fi
+if has depth_prompt; then
+  run depth_prompt timeout 590 python3 benchmarks/bench_depth.py --model "$DEPTH_FILE" \
+    "${DEPTH_ONE[@]}" --repeats 1 --depths "$DEEPEST" --llama-prompts "$DEEPEST" --llama-repeats 1 \
+    --out "$OUT" "${LLAMA[@]}"
+fi
+if has depth_resident; then
+  run depth_resident timeout 590 python3 benchmarks/bench_depth.py --model "$DEPTH_FILE" \
+    "${DEPTH_ONE[@]}" --repeats "$DEPTH_REPEATS" "${DEPTHS[@]}" "${DEPTH_HELD[@]}" --out "$OUT"
 fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine

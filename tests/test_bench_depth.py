@@ -150,3 +150,28 @@ def test_llama_cpp_arms_at_the_same_depths(run):
     assert set(llama[1]["ubatch_sweep"]) == {"512", "1024", "2048", "4096"}
     assert "-p 512 -n 0" in llama[1]["prompt_command"]
     assert "strata / llama.cpp, depth 512: decode " in done.stdout
+
+
+def test_must_show_gives_the_depth_parts_only_flags_bench_depth_takes(tmp_path):
+    """must_show.sh's depth parts (off by default): the 2507 geometry's Q4_K file at depths 0,
+    32K and 128K beside llama-bench, the 131,072-token prompt beside its tuned one, and a rank
+    held to 16 GB with --kv-resident auto; every flag one bench_depth.py --help names."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MODELS": str(tmp_path / "m")}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "must_show.sh"), "--parts",
+                           "depth,depth_prompt,depth_resident", "--print"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    commands = [ln[2:].split() for ln in done.stdout.splitlines() if ln.startswith("+ ")]
+    synth, *benches = commands
+    assert "--like" in synth and synth[synth.index("--like") + 1] == "qwen3-30b-a3b-2507"
+    assert synth[synth.index("--quant") + 1] == "q4_k"
+    assert len(benches) == 3 and all("benchmarks/bench_depth.py" in c for c in benches)
+    helps = subprocess.run([sys.executable, str(BENCH), "--help"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=60).stdout
+    for c in benches:
+        for flag in (w for w in c if w.startswith("--")):
+            assert f"{flag} " in helps or f"{flag}\n" in helps, flag
+    depth, prompt, held = (" ".join(c) for c in benches)
+    assert "--depths 0,32768,131072" in depth and "--llama-bench" in depth
+    assert "--depths 131072 --llama-prompts 131072" in prompt and "--llama-bench" in prompt
+    assert "--vram-budget 16G --kv-resident auto" in held and "--llama-bench" not in held
