@@ -11,7 +11,10 @@ of --tokens new tokens each:
 - `strata quantized draft` (with --draft): `--spec K --draft-model` the same geometry written at
   a lower quant (synthesised with the same seed: the same random stream, `q2_k` drafting for
   `q8_0`);
-- `strata ngram`: `--spec K --draft ngram` on the repeating prompts.
+- `strata ngram`: `--spec K --draft ngram` on the repeating prompts;
+- `strata mtp` (with --mtp): `--spec K --draft mtp`, the file's own multi-token-prediction block
+  drafting (a qwen3next file with one, as `strata-dist synth --mtp` writes; a file without one is
+  refused before anything runs), on the measured prompts.
 Each speculative arm records its tok/s, the drafts made and accepted (the line protocol's STATS
 drafted=/accepted=), K, its ratio to the K = 0 arm of its prompts, and whether its greedy tokens
 are those of that arm (they must be). Synthetic weights cannot show a real model's acceptance:
@@ -36,6 +39,11 @@ The anchor build makes llama-bench; must_show.sh's spec part builds llama-specul
         --repeats 1     # the harness, no GPU
     python benchmarks/bench_spec.py --model q30-q8_0.gguf --draft q30-q2_k.gguf --gpus 0 \\
         --llama-speculative .anchor/llama.cpp/build/bin/llama-speculative
+    python benchmarks/bench_spec.py --model next-mtp.gguf --mtp --gpus 0
+    strata-dist synth tiny-next-mtp.gguf --like tiny-next --quant q8_0 --popularity zipf:1.0 \\
+        --mtp --quiet
+    python benchmarks/bench_spec.py --model tiny-next-mtp.gguf --mtp --cpu --tokens 16 \\
+        --repeats 1     # the MTP arm's harness, no GPU
 """
 from __future__ import annotations
 
@@ -235,6 +243,8 @@ def main() -> int:
     ap.add_argument("--gpus", default="0",
                     help="the ranks' cards: 0 (one rank), 0,0 (two ranks on one card), 0,1")
     ap.add_argument("--split", default="", help="--layer-split with two ranks (default auto)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="one more arm: --draft mtp, the file's multi-token-prediction block")
     ap.add_argument("--k", type=int, default=4, help="--spec K of the speculative arms (default 4)")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per measured request")
     ap.add_argument("--repeats", type=int, default=3,
@@ -261,6 +271,12 @@ def main() -> int:
     if args.llama_speculative and args.llama_wait <= 0 and not os.access(args.llama_speculative,
                                                                           os.X_OK):
         fail(f"--llama-speculative {args.llama_speculative}: not an executable file")
+    if args.mtp:
+        from strata_dist.mtp_draft import MtpError, mtp_layer
+        try:
+            mtp_layer(args.model)       # the block the drafter runs, else refused before any arm
+        except (MtpError, ValueError) as e:
+            fail(f"--mtp: {str(e).removeprefix('--draft mtp: ')}")
     facts = model_facts(args.model, args.popularity)
     recorder = Recorder("spec", facts, args.out)   # a tree no commit names is refused up front
     vocab = facts["vocab"]
@@ -293,6 +309,9 @@ def main() -> int:
         say(quant)
     arms.append(against(arm("strata ngram", [*k, "--draft", "ngram"], repeating), ref_repeat))
     say(arms[-1])
+    if args.mtp:
+        arms.append(against(arm("strata mtp", [*k, "--draft", "mtp"], plain), ref))
+        say(arms[-1])
     if args.llama_speculative:
         arms.append(llama_arm(args, plain))
         a = arms[-1]

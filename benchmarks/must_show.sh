@@ -65,6 +65,11 @@
 #   bash benchmarks/must_show.sh --parts depth
 #   bash benchmarks/must_show.sh --parts depth_prompt
 #   bash benchmarks/must_show.sh --parts depth_resident
+# spec_mtp (off by default, its own call, strata alone; estimated, not yet timed): bench_spec.py
+# --mtp on the qwen3next 80B-A3B geometry at Q4_K written with one multi-token-prediction block
+# (synth --mtp, ~46 GiB, ~5 min), K = 0 beside the self-draft, n-gram and MTP drafters: ~9 min;
+# an H200 (the self-draft arm holds the file twice). The MTP block drafts on the general path.
+#   bash benchmarks/must_show.sh --parts spec_mtp
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
@@ -84,7 +89,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp) ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
 has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
@@ -118,7 +123,7 @@ else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
 # the parts without llama-bench: the seed rig, the adaptive cache, the streams (the serve part
 # runs llama-batched-bench instead, LBB below), speculative decoding (spec_quant runs
 # llama-speculative, LSP below)
-ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth_resident) ;; *) ALONE=0 ;; esac; done
+ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth_resident|spec_mtp) ;; *) ALONE=0 ;; esac; done
 [ "$ALONE" = 1 ] && LB=
 # the streams' file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry, short requests)
 LBB=""
@@ -305,7 +310,17 @@ if has spec_quant; then
   run spec_quant timeout 590 python3 benchmarks/bench_spec.py --model "$target" --draft "$draft" \
     "${SPEC_ONE[@]}" "${SPEC_SIZES[@]}" --out "$OUT" "${LLAMA_SPEC[@]}"
 fi
-DEPTH_FILE=$M/depth_${DEPTH_QUANT}_zipf1.gguf
+if has spec_mtp; then
+  if [ "$CPU" = 1 ]; then MTP_LIKE=tiny-next; MTP_QUANT=q8_0; else MTP_LIKE=qwen3-next-80b-a3b; MTP_QUANT=q4_k; fi
+  f=$M/must_spec_mtp_${MTP_QUANT}.gguf; keep_only "$f"
+  if [ ! -f "$f" ] || [ "$PRINT" = 1 ]; then
+    run synth_spec_mtp timeout 480 python3 -m launcher.tools synth "$f" --like "$MTP_LIKE" \
+      --quant "$MTP_QUANT" --popularity zipf:1.0 --mtp --quiet
+  fi
+  run spec_mtp timeout 590 python3 benchmarks/bench_spec.py --model "$f" --mtp "${SPEC_ONE[@]}" \
+    "${SPEC_SIZES[@]}" --out "$OUT"
+fi
+DEPTH_FILE=$M/must_depth_${DEPTH_QUANT}_zipf1.gguf   # must_*: keep_only clears it for the next part
 if has depth || has depth_prompt || has depth_resident; then
   keep_only "$DEPTH_FILE"
   if [ ! -f "$DEPTH_FILE" ] || [ "$PRINT" = 1 ]; then
