@@ -21,7 +21,7 @@ figure, every test kept (`ubatch_sweep`, `sweep`). --kv-type T is `-ctk T -ctv T
 instructions this host does not enable). Every arm carries `depth`; the ratios are printed per
 depth. A depth past --max-context (or, without it, past the context the file was trained for) is
 refused with one error line before anything runs. Each strata arm's greedy tokens (of its first
-request) are compared with the latest earlier record of the same file and depth, in --out and in
+request) are compared with the latest earlier record of the same file, depth and prompt, in --out and in
 benchmarks/results (a run with --kv-resident against one with every cell resident). The record of ../shared/RECORDS.md goes to
 benchmarks/results/depth-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (rewritten after each
 engine, so a run cut short keeps what it finished); `--popularity` names the routing law of a
@@ -55,16 +55,25 @@ from records import (PeakMemory, Recorder, env_prefix, fail, full_decodes,  # no
 
 
 class Prompts:
-    """Every prompt of the run, each starting at an id no earlier one starts at (seed stride 61:
+    """Every prompt of the run, each starting at an id no other one starts at (seed stride 61:
     prompt_ids' first id is 7919 x seed modulo a range no multiple of 61 divides), so no request
-    RESUMEs a cached prefix."""
+    RESUMEs a cached prefix. A measured prompt's seed is fixed by its depth's place in --depths and
+    its own in the depth's list (not by --repeats): two runs of the same --depths read the same
+    first prompt at each depth, so their tokens compare (`prompt_sha256` says which)."""
+
+    PER_DEPTH = 24         # measured prompts a depth may use (3 x --repeats at most)
 
     def __init__(self, vocab: int):
-        self.vocab, self.count = vocab, 0
+        self.vocab = vocab
 
-    def next(self, n: int) -> list[int]:
-        self.count += 1
-        return prompt_ids(max(n, 1), 2 + 61 * self.count, self.vocab)
+    def _ids(self, n: int, index: int) -> list[int]:
+        return prompt_ids(max(n, 1), 2 + 61 * index, self.vocab)
+
+    def warm_up(self, place: int, n: int) -> list[int]:
+        return self._ids(n, place)
+
+    def measured(self, place: int, n: int, count: int) -> list[list[int]]:
+        return [self._ids(n, 100 + self.PER_DEPTH * place + i) for i in range(count)]
 
 
 def context_limit(args, trained: int) -> int:
@@ -103,14 +112,14 @@ def strata_arms(args, vocab: int) -> list[dict]:
     with PeakMemory(cards or 0) as mem:
         s = serve_session(args.model, *flags, timeout=1800)
         try:
-            s.gen(prompts.next(32), 16, timeout=900)            # warm-up: graphs captured
-            for d in args.depths:                               # warm-up: each depth's shapes
+            s.gen(prompts.warm_up(0, 32), 16, timeout=900)      # warm-up: graphs captured
+            for place, d in enumerate(args.depths):             # warm-up: each depth's shapes
                 if d > 0:
-                    s.gen(prompts.next(d), 2, timeout=3600)
-            for d in args.depths:
+                    s.gen(prompts.warm_up(1 + place, d), 2, timeout=3600)
+            for place, d in enumerate(args.depths):
                 mem.mark()
-                runs, skipped = full_decodes(s, [prompts.next(d) for _ in range(3 * args.repeats)],
-                                             args.tokens, args.repeats)
+                offered = prompts.measured(place, d, 3 * args.repeats)
+                runs, skipped = full_decodes(s, offered, args.tokens, args.repeats)
                 for r in runs:
                     if int(r["done"][1]) != max(d, 1):
                         fail(f"depth {d}: the launch read {r['done'][1]} prompt ids, not "
@@ -126,6 +135,9 @@ def strata_arms(args, vocab: int) -> list[dict]:
                        "predicted_ms_per_token": predicted,
                        "measured_ms_per_token": round(1e3 / tok_s, 3),
                        "tokens_sha256": hashlib.sha256(json.dumps(runs[0]["tokens"]).encode())
+                       .hexdigest(),
+                       # the request the tokens are of: the first prompt offered at this depth
+                       "prompt_sha256": hashlib.sha256(json.dumps(offered[0]).encode())
                        .hexdigest()}
                 if d > 0:
                     prompt, prompt_each = median_tps(d, [float(r["done"][2]) for r in runs],
@@ -229,6 +241,8 @@ def main() -> int:
             fail(f"--llama-prompts {outside[0]}: not a depth > 0 of --depths {args.depths}")
     else:
         args.llama_prompts = [max(args.depths)] if max(args.depths) > 0 else []
+    if len(args.depths) > 16:
+        fail(f"--depths {args.depths}: at most 16 depths a run")
     if args.tokens < 2 or not 1 <= args.repeats <= 8 or args.llama_repeats < 0:
         fail(f"--tokens {args.tokens} / --repeats {args.repeats} / --llama-repeats "
              f"{args.llama_repeats}: at least 2 tokens, 1 to 8 repeats")
@@ -245,10 +259,14 @@ def main() -> int:
     # the tokens against the latest earlier record of this file and depth: in --out (an earlier
     # part of the same call) and in benchmarks/results (the records kept), e.g. a run with
     # --kv-resident against one with every cell resident
-    for folder in dict.fromkeys((os.path.abspath(args.out), os.path.join(HERE, "results"))):
-        for arm in arms:
-            print(tokens_against_records("depth", facts, "strata", arm["tokens_sha256"], folder,
-                                         like={"depth": arm["depth"]}), flush=True)
+    folders = dict.fromkeys((os.path.abspath(args.out), os.path.join(HERE, "results")))
+    for arm in arms:
+        said = [tokens_against_records("depth", facts, "strata", arm["tokens_sha256"], folder,
+                                       like={"depth": arm["depth"],
+                                             "prompt_sha256": arm["prompt_sha256"]})
+                for folder in folders]
+        found = [line for line in said if "no earlier record" not in line]
+        print("\n".join(found or said[:1]), flush=True)
     recorder.save(arms)
     if args.llama_bench:
         theirs = llama_arms(args)

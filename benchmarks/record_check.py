@@ -166,7 +166,7 @@ def spec_lacks(arms: list) -> list[str]:
 
 
 DEPTH_STRATA = (("prompt_tokens", int), ("max_context", int), ("kv_type", str),
-                ("kv_resident", str), ("tokens_sha256", str))
+                ("kv_resident", str), ("tokens_sha256", str), ("prompt_sha256", str))
 
 
 def depth_lacks(arms: list) -> list[str]:

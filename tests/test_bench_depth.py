@@ -77,6 +77,24 @@ def test_the_cpu_run_writes_one_arm_per_depth(run):
     assert len({a["tokens_sha256"] for a in arms}) == 3
 
 
+def test_every_cell_resident_decodes_the_tokens_of_the_kv_resident_run(run):
+    """The same depths with every cell resident (no --kv-resident) into the same --out: each
+    depth's tokens are said to be those of the --kv-resident 512 record (the ring and the host
+    cells read as the card would, on the CPU rank)."""
+    tmp, _, first = run
+    done = bench(["--model", "tiny.gguf", "--cpu", "--depths", "0,256,1024", "--tokens", "16",
+                  "--repeats", "1", "--out", str(first.parent)], tmp)
+    assert done.returncode == 0, done.stderr[-2000:]
+    same = [ln for ln in done.stdout.splitlines() if f"the same tokens as {first.name}" in ln]
+    assert len(same) == 3, done.stdout
+    second = next(p for p in first.parent.glob("depth-*.json") if p != first)
+    arms = json.loads(second.read_text())["arms"]
+    assert all("--kv-resident" not in a["command"] and a["kv_resident"] == "all" for a in arms)
+    assert [a["tokens_sha256"] for a in arms] == [
+        a["tokens_sha256"] for a in json.loads(first.read_text())["arms"]]
+    second.unlink()        # the module's other tests read the one record
+
+
 @pytest.mark.parametrize("args, said", [
     (["--depths", "0,8192"], "--depths 8192: a 8192-id prompt and --tokens 16 new tokens pass the "
                              "4096 positions tiny.gguf was trained for (give --max-context to go "
