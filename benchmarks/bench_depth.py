@@ -21,8 +21,9 @@ figure, every test kept (`ubatch_sweep`, `sweep`). --kv-type T is `-ctk T -ctv T
 instructions this host does not enable). Every arm carries `depth`; the ratios are printed per
 depth. A depth past --max-context (or, without it, past the context the file was trained for) is
 refused with one error line before anything runs. Each strata arm's greedy tokens (of its first
-request) are compared with the latest earlier record of the same file, depth and prompt, in --out and in
-benchmarks/results (a run with --kv-resident against one with every cell resident). The record of ../shared/RECORDS.md goes to
+request) are compared with the latest earlier record of the same file, depth and prompt, in --out
+and in benchmarks/results (a run with --kv-resident against one with every cell resident). The
+record of ../shared/RECORDS.md goes to
 benchmarks/results/depth-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (rewritten after each
 engine, so a run cut short keeps what it finished); `--popularity` names the routing law of a
 file that does not store it.
@@ -131,7 +132,8 @@ def strata_arms(args, vocab: int) -> list[dict]:
                        "decode_tok_s": tok_s, "new_tokens": min(int(r["done"][0]) for r in runs),
                        "tps_each": {"decode": each}, "decode_prompts_stopped_early": skipped,
                        "max_context": int(flags[flags.index("--max-context") + 1]),
-                       "kv_type": args.kv_type or "default", "kv_resident": args.kv_resident or "all",
+                       "kv_type": args.kv_type or "default",
+                       "kv_resident": args.kv_resident or "all",
                        "predicted_ms_per_token": predicted,
                        "measured_ms_per_token": round(1e3 / tok_s, 3),
                        "tokens_sha256": hashlib.sha256(json.dumps(runs[0]["tokens"]).encode())
