@@ -142,6 +142,27 @@ def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> 
     return dense + experts + session_nbytes(g, cells, kv_type) + work
 
 
+def step_bytes(path: str, device_kind: str, kv_type: str | None, cells: int,
+               kv_fill: float) -> float:
+    """What one one-row step of the block reads on a device of `device_kind` (the tok/s
+    prediction's drafting time, plan/speculation.py): its dense tensors as that device keeps them,
+    the head it projects with (its own shared_head_head, else the model's: MtpBlock's), the
+    top_k routed experts a row routes to, and its K/V filled `kv_fill` of `cells`."""
+    gguf = open_checked(path)
+    g = architecture_for(gguf).read_geometry(gguf)
+
+    def kept(name: str) -> int:
+        info = gguf.tensor(name)
+        return dense_nbytes(info, device_kind, keeps_f32(name, info.shape))
+    read = sum(kept(name) for name in dense_names(gguf, g))
+    if tensor_name(g.n_layers, "nextn.shared_head_head") not in gguf.tensors:
+        read += kept("token_embd.weight" if g.tied_embeddings else "output.weight")
+    read += g.n_expert_used * gguf.blob_bytes(g.n_layers)
+    kv_type = kv_type or default_kv_type(device_kind)
+    kv = kv_cell_bytes(2 * g.n_head_kv * g.head_dim, kv_type, g.head_dim)
+    return read + kv_fill * cells * kv
+
+
 class MtpSession:
     """One conversation's MTP state: the block's KV [cells, n_head_kv, head_dim] (positional),
     the RoPE table and score scratch the backend's attention reads (the session interface of

@@ -247,6 +247,40 @@ def test_the_block_is_priced_on_the_last_stage_as_carved(files):
     assert drafter.weights_bytes + drafter.session_bytes() == want - work
 
 
+def test_plan_only_prices_the_blocks_drafting_in_the_tok_s_prediction(files):
+    """--draft mtp's K drafts are K one-row steps of the block on the last stage's device: its
+    tensors (less the embedding, read a row at a time), the model's head (the file has no
+    shared_head_head), top_k of its experts and its K/V half filled, read once a step."""
+    path = files["mtp"]
+    base = ["--model", path, "--cpu-ranks", "2", "--layer-split", "4", "--max-context",
+            str(CTX), "--vram-budget", "1G", "--plan-only", "--spec", "4", "--json"]
+    r = _launch(*base, "--draft", "mtp")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    spec, params = got["speculation"], got["params"]
+    reader = gguf.GGUFReader(path)
+    meta = lambda k: int(reader.fields[f"qwen3next.{k}"].parts[-1][0])   # noqa: E731
+    L, top_k = meta("block_count") - 1, meta("expert_used_count")
+    block = {t.name: int(t.n_bytes) for t in reader.tensors if t.name.startswith(f"blk.{L}.")}
+    assert f"blk.{L}.nextn.shared_head_head.weight" not in block
+    head = next(int(t.n_bytes) for t in reader.tensors
+                if t.name == ("output.weight" if any(t.name == "output.weight"
+                                                    for t in reader.tensors)
+                              else "token_embd.weight"))
+    experts = sum(n for name, n in block.items() if "_exps." in name)
+    dense = sum(n for name, n in block.items()
+                if "_exps." not in name and "embed_tokens" not in name)
+    n_expert = meta("expert_count")
+    head_dim, n_kv = meta("attention.key_length"), meta("attention.head_count_kv")
+    kv = 2 * n_kv * head_dim * 4 * CTX * params["kv_fill"]          # f32 K and V on a CPU rank
+    step = dense + head + top_k * experts / n_expert + kv
+    bw = got["devices"][-1]["mem_bandwidth_gbs"] * 1e6                 # bytes a millisecond
+    assert spec["drafter"] == "mtp"
+    assert spec["drafter_ms"] == pytest.approx(4 * (step / bw + params["layer_ms"]), rel=1e-3)
+    ngram = json.loads(_launch(*base).stdout)["speculation"]
+    assert spec["tok_s"]["0.9"] < ngram["tok_s"]["0.9"]     # the block's drafting costs time
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 def _flip_first_recurrent_flag(src: str, dst: str) -> None:
