@@ -182,6 +182,11 @@ class MtpSession:
         self.pending_start, self.pending_n = 0, 0
         self.tokens: list[int] = []
         self.fed = 0
+        # the tokens the rows kept before the last draft were computed from (its history, then
+        # its drafts: the window the stage runs next), and the lowest position kept since: a
+        # later request's history that differs from them before a position makes that row stale
+        self.ran: list[int] = []
+        self.fresh_from = 0
 
     @property
     def nbytes(self) -> int:
@@ -202,6 +207,7 @@ class MtpSession:
         """The stage's final hidden rows of positions pos..: kept where they continue (or
         overwrite the tail of) the rows kept, else in their place; the latest PENDING_ROWS."""
         n = len(rows)
+        self.fresh_from = min(self.fresh_from, pos)
         if not self.pending_start <= pos <= self.pending_start + self.pending_n:
             self.pending_start, self.pending_n = pos, 0
         at = pos - self.pending_start
@@ -224,6 +230,25 @@ class MtpSession:
             if self.pending_start <= p < self.pending_start + self.pending_n:
                 out[i] = self.pending[p - self.pending_start]
         return out
+
+    def drop_stale(self, history: list[int]) -> None:
+        """Before a draft reads the rows: a row kept before the last draft whose position's
+        tokens (through it) differ from `history`'s (another conversation restored into the
+        session, --conversation-cache-mib) was computed from other tokens: it reads as a zero
+        row, as one never kept. Rows kept since the last draft are this history's."""
+        same = 0
+        limit = min(len(self.ran), len(history))
+        while same < limit and self.ran[same] == history[same]:
+            same += 1
+        lo = max(same, self.pending_start)
+        hi = min(self.fresh_from, self.pending_start + self.pending_n)
+        if lo < hi:
+            self.pending[lo - self.pending_start:hi - self.pending_start] = 0.0
+
+    def drafted(self, history: list[int], drafts: list[int]) -> None:
+        """A draft read the rows: what the next window's rows are computed from."""
+        self.ran = list(history) + list(drafts)
+        self.fresh_from = self.max_cells
 
     def forget_before(self, pos: int) -> None:
         """Rows of positions before `pos` are read: dropped, the later ones moved to the front."""
@@ -341,6 +366,7 @@ class MtpDrafter:
         if k <= 0 or n == 0:
             return [], []
         s = self.session(session_id)
+        s.drop_stale(history)
         same = 0
         limit = min(s.fed, len(s.tokens), n)
         while same < limit and s.tokens[same] == history[same]:
@@ -364,4 +390,5 @@ class MtpDrafter:
             if len(drafts) == k:
                 break
             logits, h = self.block.step([tok], h, s, n - 1 + len(drafts))
+        s.drafted(history, drafts)
         return drafts, [None] * len(drafts)

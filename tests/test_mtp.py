@@ -387,3 +387,43 @@ def test_drafts_are_those_of_llama_cpps_mtp(tmp_path):
     assert int(np.argmax(window[0])) == 114           # no draft accepted: the window ends here
     assert int(np.argmax(stage.run(0, 6, ids=[114]))) == 238
     assert drafter.draft(0, prompt + [114, 238], 4, 0.0)[0] == [20, 484, 293, 341]
+
+
+def test_rows_of_another_conversation_read_as_zero_rows(files):
+    """A kept conversation restored into a session (--conversation-cache-mib) leaves the rows the
+    session kept for the conversation before it at the positions the restore skips: computed from
+    other tokens, the block reads them as zero rows (as a position never computed), and reads the
+    rows of the positions both conversations share, and the new rows, as they were kept."""
+    path = files["mtp"]
+    stage = Stage(StageConfig(path, "cpu", 4, 8, False, True, CTX))
+    drafter = MtpDrafter(path, "cpu", CTX, stage.model)
+    read = []
+    step = drafter.block.step
+
+    def reading(token_ids, hidden, session, pos0):     # the real step, its rows recorded
+        read.append((pos0, np.array(hidden, dtype=np.float32)))
+        return step(token_ids, hidden, session, pos0)
+    drafter.block.step = reading
+    rng = np.random.default_rng(7)
+    n_embd = drafter.block.g.n_embd
+    a = [5, 6, 7, 8, 9, 10, 11, 12]
+    rows_a = rng.standard_normal((len(a), n_embd)).astype(np.float32)
+    drafter.take_hidden(0, 0, rows_a)
+    drafter.draft(0, a, 2, 0.0)
+    # conversation b shares a's first 3 tokens; its first 8 are restored, positions 8, 9 read
+    b = [5, 6, 7, 20, 21, 22, 23, 24, 25, 26]
+    rows_b = rng.standard_normal((2, n_embd)).astype(np.float32)
+    drafter.take_hidden(0, 8, rows_b)
+    read.clear()
+    drafter.draft(0, b, 2, 0.0)
+    pos0, hidden = read[0]            # the catch-up: positions 3..9 read rows 2..8
+
+    def normed(row):                  # the stack's output norm, as the head reads the row
+        w = next(np.asarray(t.data, dtype=np.float64) for t in gguf.GGUFReader(path).tensors
+                 if t.name == "output_norm.weight")
+        x = row.astype(np.float64)
+        return x / np.sqrt(np.mean(x * x) + drafter.block.g.rms_eps) * w
+    assert pos0 == 3 and len(hidden) == 7
+    by_pos = {p: hidden[p - 2] for p in range(2, 9)}
+    assert not np.any(by_pos[7])            # a's row 7, kept before the restore: zero
+    assert np.allclose(by_pos[8], normed(rows_b[0]), rtol=1e-4, atol=1e-5)
