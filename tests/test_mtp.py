@@ -247,6 +247,27 @@ def test_the_block_is_priced_on_the_last_stage_as_carved(files):
     assert drafter.weights_bytes + drafter.session_bytes() == want - work
 
 
+def test_an_inventory_of_both_kinds_reserves_the_blocks_larger_price(files, tmp_path):
+    """A GPU and a CPU rank may each run the last stage: the block is reserved at the larger of
+    its two prices, a CPU rank's here (its dense tensors f32, its K/V f32, its experts copied as
+    on a GPU), so it fits the stage wherever that lands."""
+    path = files["mtp"]
+    rig = tmp_path / "rig.json"
+    rig.write_text(json.dumps([{"name": f"{kind}{i}", "total_mib": 8000, "free_mib": 7000,
+                                "index": i, "kind": kind}
+                               for i, kind in enumerate(("cuda", "cpu"))]))
+    base = ["--model", path, "--inventory", str(rig), "--layer-split", "4", "--max-context",
+            str(CTX), "--plan-only", "--spec", "4", "--json"]
+    plain, priced = json.loads(_launch(*base).stdout), json.loads(_launch(*base, "--draft",
+                                                                          "mtp").stdout)
+    on_cpu, on_gpu = plan_bytes(path, "cpu", None, CTX), plan_bytes(path, "cuda", None, CTX)
+    assert on_cpu > on_gpu
+    assert priced["params"]["draft_bytes"] == on_cpu
+    last = [(a["reserve_bytes"], b["reserve_bytes"])
+            for a, b in zip(plain["stages"], priced["stages"])][-1]
+    assert last[1] - last[0] == on_cpu
+
+
 def test_plan_only_prices_the_blocks_drafting_in_the_tok_s_prediction(files):
     """--draft mtp's K drafts are K one-row steps of the block on the last stage's device: its
     tensors (less the embedding, read a row at a time), the model's head (the file has no
