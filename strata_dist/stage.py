@@ -542,9 +542,11 @@ class Stage:
         with self._prompt_buffers(prompt):
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
-            if sink is not None:
-                sink(h)
             out = h[-1:] if self.cfg.last and not all_rows else h
+        if sink is not None:
+            # once the chunk's buffers are closed (h still holds its rows: nothing ran since), so
+            # what the sink allocates is its own, not counted as the prompt layout's overflow
+            sink(h)
         if self._workspace is not None and prompt:
             out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers
         del h
