@@ -478,9 +478,12 @@ class Stage:
         changed = any([self._tier_call(h, h.take_pairs) for h in asked])
         asked = [h for h in asked if h.alive]
         local = self.local_tier.arena if self.local_tier is not None else None
-        held = ([local.slot_of >= 0] if local is not None else []) + [
+        # this card's own tier takes offers unless a decode graph reads it in place (a GPU
+        # stage's): then it never swaps, and a pair offered to it alone would never be taken
+        local_takes = local is not None and not self.local_tier.read_in_place
+        held = ([local.slot_of >= 0] if local_takes else []) + [
             self._pairs_of(h, cached.shape) for h in asked]
-        first = int(local is not None)       # held[first + j] is asked[j]'s
+        first = int(local_takes)             # held[first + j] is asked[j]'s
         index = {h.rank: first + j for j, h in enumerate(asked)}
         # a helper that refused to re-rank answers no round: no offer waits on it
         answered = {h.rank: h.answered_seq for h in asked if h.rank not in self._rerank_refused}
@@ -493,8 +496,9 @@ class Stage:
         layers = np.zeros(cached.shape, dtype=bool)
         layers[lb:le] = True
         # every tier's pairs, a tier read in place or lost included: a pair no tier holds
-        in_a_tier = np.logical_or.reduce(held + [self._pairs_of(h, cached.shape)
-                                                 for h in self.tiers.helpers if h not in asked])
+        in_a_tier = np.logical_or.reduce(
+            [np.zeros_like(cached), *held, *([local.slot_of >= 0] if local is not None else []),
+             *(self._pairs_of(h, cached.shape) for h in self.tiers.helpers if h not in asked)])
         missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
         sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
                           for l in range(cached.shape[0])], dtype=np.int64)
@@ -503,7 +507,8 @@ class Stage:
         def offered(i: int) -> np.ndarray:
             return np.where((~cached & (held[i] | (to == i)))[lb:le], counts[lb:le], 0.0)
         if local is not None:   # this card's own tier, read here as it is
-            self.local_tier.rerank(lb, le, offered(0))
+            self.local_tier.rerank(lb, le, offered(0) if local_takes else np.where(
+                (~cached & (local.slot_of >= 0))[lb:le], counts[lb:le], 0.0))
         for h in asked:
             i = index[h.rank]
             changed |= self._tier_call(h, lambda: h.rerank(lb, le, offered(i)))
