@@ -30,9 +30,9 @@ The arithmetic is the backend's general ops (the stack's attention and MoE code,
 `_attention` / `_moe`), so the block runs on the stage's device; a GPU stage that drafts with it
 takes the general path for its one-row steps too (no decode graph: every row's hidden is read).
 The planner reserves `plan_bytes` on the last stage: the block's dense tensors, every routed
-expert of it resident, its session (KV, RoPE table, score scratch) for the context, and the
-pending rows; the embedding rows are read from the file as needed and the model's head is the
-stage's own."""
+expert of it resident, its session (KV, RoPE table, score scratch) for the context, and on a
+CPU rank the pending rows (host memory, which a GPU's reserve never holds); the embedding rows are
+read from the file as needed and the model's head is the stage's own."""
 from __future__ import annotations
 
 import numpy as np
@@ -116,12 +116,13 @@ def dense_names(gguf, g) -> list[str]:
             if n in gguf.tensors or not _optional(n)]
 
 
-def session_nbytes(g, cells: int, kv_type: str) -> int:
-    """An MTP session of `cells` cells: K and V of its one attention layer, its RoPE table (cos +
-    sin), the decode score scratch (DECODE_ROWS rows), and the pending hidden rows (host)."""
+def session_nbytes(g, cells: int, kv_type: str, device_kind: str = "cpu") -> int:
+    """An MTP session of `cells` cells on a device of `device_kind`: K and V of its one attention
+    layer, its RoPE table (cos + sin), the decode score scratch (DECODE_ROWS rows), and on a CPU
+    rank the pending hidden rows, which live in host memory (a GPU's reserve never holds them)."""
     kv = kv_cell_bytes(2 * g.n_head_kv * g.head_dim, kv_type, g.head_dim) * cells
-    return (kv + cells * g.n_rot * 4 + DECODE_ROWS * g.n_head * cells * 4
-            + PENDING_ROWS * g.n_embd * 4)
+    pending = PENDING_ROWS * g.n_embd * 4 if device_kind == "cpu" else 0
+    return kv + cells * g.n_rot * 4 + DECODE_ROWS * g.n_head * cells * 4 + pending
 
 
 def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> int:
@@ -139,7 +140,7 @@ def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> 
     kv_type = kv_type or default_kv_type(device_kind)
     # a catch-up call's rows through a layer: the stage's prompt buffers at CATCH_UP_ROWS rows
     work = model_shape(gguf, device_kind, kv_type).prompt_bytes(CATCH_UP_ROWS)
-    return dense + experts + session_nbytes(g, cells, kv_type) + work
+    return dense + experts + session_nbytes(g, cells, kv_type, device_kind) + work
 
 
 def step_bytes(path: str, device_kind: str, kv_type: str | None, cells: int,
@@ -178,7 +179,8 @@ class MtpSession:
         cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base, g.rope_scaling)
         self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
         self.scores = xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=np.float32)
-        self.pending = np.zeros((PENDING_ROWS, g.n_embd), dtype=np.float32)
+        self.pending = np.zeros((PENDING_ROWS, g.n_embd), dtype=np.float32)   # host memory
+        self._pending_on_device = not backend.on_gpu     # a CPU rank's device is the host
         self.pending_start, self.pending_n = 0, 0
         self.tokens: list[int] = []
         self.fed = 0
@@ -190,8 +192,9 @@ class MtpSession:
 
     @property
     def nbytes(self) -> int:
-        return (int(self._k.nbytes + self._v.nbytes) + int(self.rope_cos.nbytes + self.rope_sin.nbytes) + int(self.scores.nbytes)
-                + int(self.pending.nbytes))
+        """The device memory it takes (session_nbytes): the pending rows only on a CPU rank."""
+        return (int(self._k.nbytes + self._v.nbytes) + int(self.rope_cos.nbytes + self.rope_sin.nbytes)
+                + int(self.scores.nbytes) + int(self.pending.nbytes) * self._pending_on_device)
 
     def k(self, layer: int):
         return self._k

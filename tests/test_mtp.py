@@ -448,3 +448,16 @@ def test_rows_of_another_conversation_read_as_zero_rows(files):
     by_pos = {p: hidden[p - 2] for p in range(2, 9)}
     assert not np.any(by_pos[7])            # a's row 7, kept before the restore: zero
     assert np.allclose(by_pos[8], normed(rows_b[0]), rtol=1e-4, atol=1e-5)
+
+
+def test_the_pending_rows_are_priced_only_where_the_host_is_the_device(files, monkeypatch):
+    """A session's pending hidden rows are host memory: a CPU rank's price holds them (n_embd
+    float32 a row), a GPU's reserve does not."""
+    import strata_dist.mtp_draft as mtp_draft
+    path = files["mtp"]
+    n_embd = int(gguf.GGUFReader(path).fields["qwen3next.embedding_length"].parts[-1][0])
+    before = {kind: plan_bytes(path, kind, None, CTX) for kind in ("cpu", "cuda")}
+    monkeypatch.setattr(mtp_draft, "PENDING_ROWS", mtp_draft.PENDING_ROWS + 100)
+    after = {kind: plan_bytes(path, kind, None, CTX) for kind in ("cpu", "cuda")}
+    assert after["cpu"] - before["cpu"] == 100 * n_embd * 4
+    assert after["cuda"] == before["cuda"]
