@@ -24,7 +24,7 @@ from .prompt_workspace import PromptWorkspace
 from .models import architecture_for, load_model, open_checked
 from .host_pinning import pin_room_error, reads_host_in_place
 from .speculative import WindowRecord
-from .tiers import ExpertTiers, HelperClient, offer_missed, pairs_mask
+from .tiers import ExpertTiers, HelperClient, offer_missed
 
 
 log = logging.getLogger("strata.stage")
@@ -478,10 +478,11 @@ class Stage:
         changed = any([self._tier_call(h, h.take_pairs) for h in asked])
         asked = [h for h in asked if h.alive]
         local = self.local_tier.arena if self.local_tier is not None else None
-        # this card's own tier read in place (a GPU stage's) never swaps: it is offered nothing
+        # this card's own tier takes offers unless a decode graph reads it in place (a GPU
+        # stage's): then it never swaps, and a pair offered to it alone would never be taken
         local_takes = local is not None and not self.local_tier.read_in_place
         held = ([local.slot_of >= 0] if local_takes else []) + [
-            pairs_mask(h.pairs, cached.shape) for h in asked]
+            self._pairs_of(h, cached.shape) for h in asked]
         first = int(local_takes)             # held[first + j] is asked[j]'s
         index = {h.rank: first + j for j, h in enumerate(asked)}
         # a helper that refused to re-rank answers no round: no offer waits on it
@@ -497,7 +498,7 @@ class Stage:
         # every tier's pairs, a tier read in place or lost included: a pair no tier holds
         in_a_tier = np.logical_or.reduce(
             [np.zeros_like(cached), *held, *([local.slot_of >= 0] if local is not None else []),
-             *(pairs_mask(h.pairs, cached.shape) for h in self.tiers.helpers if h not in asked)])
+             *(self._pairs_of(h, cached.shape) for h in self.tiers.helpers if h not in asked)])
         missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
         sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
                           for l in range(cached.shape[0])], dtype=np.int64)
@@ -516,6 +517,13 @@ class Stage:
                                     for l, e in np.argwhere(to == i))
         if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built
+
+    @staticmethod
+    def _pairs_of(h: HelperClient, shape: tuple[int, int]) -> np.ndarray:
+        mine = np.zeros(shape, dtype=bool)
+        for l, e in h.pairs:
+            mine[l, e] = True
+        return mine
 
     def _tier_call(self, h: HelperClient, call) -> bool:
         """One re-rank exchange with helper `h` (`call`: its rerank or take_pairs); whether the
@@ -540,7 +548,9 @@ class Stage:
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
             out = h[-1:] if self.cfg.last and not all_rows else h
-        if sink is not None:   # past the chunk's buffers: its allocations are not their overflow
+        if sink is not None:
+            # once the chunk's buffers are closed (h still holds its rows: nothing ran since), so
+            # what the sink allocates is its own, not counted as the prompt layout's overflow
             sink(h)
         if self._workspace is not None and prompt:
             out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers

@@ -199,14 +199,6 @@ class HelperClient:
         return self.tier is not None and _process_alive(self.tier_pid)
 
 
-def pairs_mask(pairs, shape: tuple[int, int]) -> np.ndarray:
-    """[L, E] bool: True at each (layer, expert) of `pairs` (a tier's, HelperClient.pairs)."""
-    mine = np.zeros(shape, dtype=bool)
-    for l, e in pairs:
-        mine[l, e] = True
-    return mine
-
-
 def offer_missed(counts: np.ndarray, missed: np.ndarray, held: list[np.ndarray],
                  size_class: np.ndarray | None = None, pending: np.ndarray | None = None
                  ) -> np.ndarray:
