@@ -19,7 +19,8 @@ from protocol.bounded_read import KEY_FILE_MAX, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.compute_options import read_environment
-from strata_dist.cli import UsageError as ToolsUsageError, check_kv_type, parse_ids, prompt_tokens
+from strata_dist.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
+                             gpu_kv_resident_refusal, parse_ids, prompt_tokens)
 from strata_dist.coordinator import RankFailure, RequestError
 from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
 from strata_dist.mtp_draft import mtp_layer, plan_bytes as mtp_plan_bytes
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-type", choices=KV_TYPES, default=None,
                       help="how sessions keep K/V: f32, f16 or q8_0 (34 bytes per 32 values); "
                            "default f16 on GPU ranks, f32 on CPU ranks")
+    plan.add_argument("--kv-resident", default=None, metavar="N|auto",
+                      help="each stage keeps N cells of each session's K/V on its device (the "
+                           "attention sinks and a ring of the newest), every cell in pinned host "
+                           "memory, priced so; auto: every cell where it fits, else the most that "
+                           "fit (default: every cell resident; on GPUs qwen3moe with f16 K/V only)")
     plan.add_argument("--prompt-cache-every", type=int, default=DEFAULT_EVERY, metavar="N",
                       help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
                            "chunk boundary past every N prompt tokens, besides each request's start "
@@ -209,6 +215,9 @@ def _main(args, signals: StopSignals) -> int:
         if args.gpus and args.kv_type == "f32":
             print("warning: --kv-type f32: GPU decode steps take the general path (the decode "
                   "graph reads f16 or q8_0 K/V)", file=sys.stderr)
+    # before any device is probed: a GPU launch is refused by the flag's own words
+    kv_resident = (kv_resident_arg(args, prefill_arg(args.prefill))
+                   if args.kv_resident is not None else 0)
     # the prompt is read before any rank starts: a bad one costs nothing
     args.prompt_list, args.prompt_tokenizer = None, None
     if args.prompt_ids is not None:
@@ -240,6 +249,8 @@ def _main(args, signals: StopSignals) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = plan_params(args)
+    if kv_resident:
+        params = replace(params, kv_resident=kv_resident)
     if args.draft_model:   # priced on the last stage, as the kind of device it lands on
         params = replace(params, **{
             field: draft_plan_bytes(args.draft_model, kind, args.kv_type, args.max_context)
@@ -267,6 +278,21 @@ def _main(args, signals: StopSignals) -> int:
         print(out)
         return 0
     return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
+
+
+def kv_resident_arg(args, prefill: int | None) -> int:
+    """--kv-resident for the plan (strata_dist/cli.py check_kv_resident): on GPU ranks what their
+    kernels do not take yet refused unless the plan is only printed, kept conversations refused
+    (they copy K/V as the device holds it)."""
+    if args.conversation_cache_mib:
+        raise UsageError(f"--kv-resident {args.kv_resident} with --conversation-cache-mib "
+                         f"{args.conversation_cache_mib}: kept conversations are not yet copied "
+                         f"from K/V beyond the device; drop one of them")
+    refusal = (gpu_kv_resident_refusal(open_checked(args.model), args.kv_type,
+                                       f"--gpus {args.gpus}")
+               if args.gpus and not args.plan_only else "")
+    return check_kv_resident(args.kv_resident, args.max_context, prefill, gpu_refusal=refusal,
+                             auto=True)
 
 
 SECONDS_FLAGS = (("--load-timeout", "load_timeout"), ("--register-timeout", "register_timeout"),

@@ -370,7 +370,8 @@ class Launch:
         # make every plan silently wrong, so the launch stops on it.
         for kind, priced in (("weights", st.weights_bytes), ("session", st.session_bytes),
                              ("cache", st.cache_bytes),
-                             ("conversations", st.conversation_bytes or None)):
+                             ("conversations", st.conversation_bytes or None),
+                             ("kv_host", st.kv_host_bytes or None)):
             if alloc.get(kind) != priced:
                 raise RankFailure(f"rank {slot.rank} allocated {alloc.get(kind)} bytes of {kind} "
                                   f"for [{a.lb}, {a.le}); the plan priced {priced}")

@@ -52,8 +52,70 @@ def _engine(args):
     model = args.model or default_model_path()
     if args.kv_type is not None:
         check_kv_type(str(model), args.kv_type)
+    resident = 0
+    if args.kv_resident is not None:
+        from .models import architecture_for, open_checked
+        from .single_process import context_cells
+        gguf = open_checked(str(model))
+        try:   # the cells the runner will carve (it warns about a long context itself)
+            cells = context_cells(args.max_context, architecture_for(gguf).read_geometry(gguf),
+                                  str(model), warn=lambda m: None)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        gpu = args.device.startswith("cuda")
+        resident = check_kv_resident(args.kv_resident, cells, args.prefill,
+                                     gpu_refusal=gpu_kv_resident_refusal(
+                                         gguf, args.kv_type, args.device) if gpu else "")
     return SingleProcessRunner(str(model), device=args.device, max_context=args.max_context,
-                               prefill_chunk=args.prefill, kv_type=args.kv_type)
+                               prefill_chunk=args.prefill, kv_type=args.kv_type,
+                               kv_resident=resident)
+
+
+def gpu_kv_resident_refusal(gguf, kv_type: str | None, device: str) -> str:
+    """Why --kv-resident cannot run on the GPUs `device` names, or "": the decode graph's ring
+    builds (kernels/attention.cuh) take qwen3moe's f16 K/V only."""
+    arch = gguf.arch
+    if arch != "qwen3moe":
+        return (f"on {device} for {arch}: the GPU ring kernels are qwen3moe's only so far "
+                f"(the CPU takes every architecture)")
+    if kv_type not in (None, "f16"):
+        return (f"with --kv-type {kv_type} on {device}: the GPU ring kernels read f16 K/V only "
+                f"so far")
+    return ""
+
+
+def check_kv_resident(text: str, cells: int, chunk: int | None, gpu_refusal: str = "",
+                      auto: bool = False) -> int:
+    """--kv-resident N|auto as PlanParams.kv_resident (KV_RESIDENT_AUTO for auto, where `auto`
+    is allowed: a plan picks it): N must leave cells in host memory (below the context `cells`)
+    and hold the sinks and a prompt chunk (`chunk`; None: the plan's auto chunk, at least its
+    smallest, which the ring then caps). `gpu_refusal` (gpu_kv_resident_refusal): a device
+    path not built yet, refused."""
+    from .plan.lend import LEND_CHUNKS
+    from .plan.params import KV_RESIDENT_AUTO
+    from .plan.pricing import KV_SINK_CELLS, kv_resident_floor
+    if text == "auto":
+        if not auto:
+            raise UsageError("--kv-resident auto: the resident cells are picked by a plan from "
+                             "each card's free memory (strata-launch); give a number here")
+        n = KV_RESIDENT_AUTO
+    else:
+        try:
+            n = int(text)
+        except ValueError:
+            raise UsageError(f"--kv-resident wants a number of cells or auto, got '{text}'") from None
+        if n >= cells:
+            raise UsageError(f"--kv-resident {n} with --max-context {cells}: every cell is "
+                             f"resident already, nothing would be kept in host memory (give N "
+                             f"below the context, or leave --kv-resident out)")
+        floor = kv_resident_floor(chunk or min(LEND_CHUNKS))
+        if n < floor:
+            raise UsageError(f"--kv-resident {n} is below its floor of {floor} cells: the "
+                             f"{KV_SINK_CELLS} attention sinks plus a ring that holds a whole "
+                             f"prompt chunk (--prefill {chunk or 'auto: its smallest chunk'})")
+    if gpu_refusal:
+        raise UsageError(f"--kv-resident {text} {gpu_refusal}")
+    return n
 
 
 def check_kv_type(model: str, kv_type: str) -> None:
@@ -197,6 +259,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", choices=KV_TYPES, default=None,
                    help="how the session keeps K/V: f32, f16 or q8_0 (default f16 on a GPU, f32 "
                         "on the CPU)")
+    p.add_argument("--kv-resident", default=None, metavar="N",
+                   help="keep N cells of each K/V resident (the attention sinks and a ring of the "
+                        "newest), every cell in host memory; below --max-context, at least "
+                        "--prefill + 4 (default: every cell resident; on a GPU qwen3moe with "
+                        "f16 K/V only so far)")
 
 
 def tcp_endpoint(text: str, flag: str, default_host: str | None = None) -> str:

@@ -167,6 +167,7 @@ class RankProcess:
                           use_cuda_ipc(assign, peer_host=h.host, peer_kind="cuda"))
                          for h in assign.helpers if h.rank != rank],
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
+                kv_resident=_kv_resident(assign),
                 prompt_chunk=assign.prefill_chunk,
                 local_helper_pairs=[tuple(p) for p in assign.helper_pairs],
                 adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps,
@@ -202,6 +203,8 @@ class RankProcess:
             self._connect_neighbours(assign)
         allocated = {"weights": self.stage.weights_bytes, "session": self.stage.session_bytes(),
                      "cache": self.stage.cache.nbytes} if self.stage else {}
+        if self.stage is not None and self.stage.kv_host_bytes():
+            allocated["kv_host"] = self.stage.kv_host_bytes()    # --kv-resident's host copies
         drafter = self.step.draft_model if self.step is not None else None
         if isinstance(drafter, MtpDrafter):
             allocated["draft_mtp"] = drafter.weights_bytes + drafter.session_bytes()
@@ -567,6 +570,11 @@ def _backend(device: str):
 def _sessions(assign: Assign) -> int:
     """The sessions the plan priced for every stage (--parallel; plan/params.py)."""
     return int(assign.plan.get("params", {}).get("sessions", 1))
+
+
+def _kv_resident(assign: Assign) -> int:
+    """Cells of each K/V the plan keeps on the device (--kv-resident, resolved; 0: every cell)."""
+    return int(assign.plan.get("params", {}).get("kv_resident", 0))
 
 
 def _conversation_budget(assign: Assign) -> dict:

@@ -57,8 +57,11 @@ class GenerationResult:
 class SingleProcessRunner:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY,
-                 kv_type: str | None = None, warn: Callable[[str], None] | None = None):
+                 kv_type: str | None = None, warn: Callable[[str], None] | None = None,
+                 kv_resident: int = 0):
         """`kv_type`: how the session keeps K/V (backends/kv_cache.py; None: the device's default).
+        `kv_resident`: cells of each K/V kept resident, the rest read from a host copy (RingKV;
+        0: every cell).
         `max_context`: session cells by the launcher's rule (context_cells; `warn` hears a
         context past the trained one)."""
         if max_context is not None and max_context < 1:   # said before a model is loaded
@@ -67,6 +70,7 @@ class SingleProcessRunner:
         self.backend = get_backend(device)
         if kv_type:
             self.backend.kv_type = kv_type
+        self.backend.kv_resident = kv_resident
         self.model = load_model(self.gguf, self.backend)
         g = self.model.g
         self.max_context = context_cells(max_context, g, model_path,

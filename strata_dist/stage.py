@@ -15,6 +15,7 @@ from protocol import ProtocolError, ProtocolTimeout
 
 from .adapt import RoutingCounts, WindowRoutes, coverage, pick_swaps
 from .backends import get_backend
+from .backends.kv_cache import kv_host_nbytes
 from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
 from .experts import BlobArena
@@ -48,6 +49,7 @@ class StageConfig:
     loan_slots: int = 0                                  # cache tail lent to each prompt (plan_lend)
     link_seal: object = None                             # the launch's seal for TCP data links
     kv_type: str | None = None                           # --kv-type (None: the device's default)
+    kv_resident: int = 0      # --kv-resident: cells of each K/V on the device (0: every cell)
     prompt_chunk: int = 0                                # the plan's prompt chunk (0: not known)
     # pairs of this stage's layers that this card's own helper tier will hold (opened after the
     # stage: it is the part that fails soft); they decide the default for host misses as a
@@ -69,7 +71,12 @@ class Stage:
         self.backend = get_backend(cfg.device)
         if cfg.kv_type:
             self.backend.kv_type = cfg.kv_type            # how this stage's sessions keep K/V
+        self.backend.kv_resident = cfg.kv_resident        # the rest in host memory (RingKV)
         arch = architecture_for(self.gguf)
+        if cfg.kv_resident and self.backend.on_gpu and (arch.ARCH != "qwen3moe"
+                                                        or self.backend.kv_type != "f16"):
+            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: the GPU ring "
+                             f"kernels take qwen3moe's f16 K/V only (the launcher refuses first)")
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
         if len(own) != len(cfg.cache_pairs):
@@ -192,6 +199,10 @@ class Stage:
 
     def session_bytes(self) -> int:
         return sum(s.nbytes for s in self.sessions.values())
+
+    def kv_host_bytes(self) -> int:
+        """What the sessions keep of K/V in host memory beyond the device (--kv-resident)."""
+        return sum(kv_host_nbytes(s.kv_rows()) for s in self.sessions.values())
 
     def release(self, session_id: int) -> None:
         if self.decode_graph is not None:
@@ -478,11 +489,10 @@ class Stage:
         changed = any([self._tier_call(h, h.take_pairs) for h in asked])
         asked = [h for h in asked if h.alive]
         local = self.local_tier.arena if self.local_tier is not None else None
-        # this card's own tier takes offers unless a decode graph reads it in place (a GPU
-        # stage's): then it never swaps, and a pair offered to it alone would never be taken
+        # this card's own tier read in place (a GPU stage's) never swaps: it is offered nothing
         local_takes = local is not None and not self.local_tier.read_in_place
-        held = ([local.slot_of >= 0] if local_takes else []) + [
-            self._pairs_of(h, cached.shape) for h in asked]
+        own = [local.slot_of >= 0] if local is not None else []
+        held = (own if local_takes else []) + [h.pairs_mask(cached.shape) for h in asked]
         first = int(local_takes)             # held[first + j] is asked[j]'s
         index = {h.rank: first + j for j, h in enumerate(asked)}
         # a helper that refused to re-rank answers no round: no offer waits on it
@@ -496,9 +506,8 @@ class Stage:
         layers = np.zeros(cached.shape, dtype=bool)
         layers[lb:le] = True
         # every tier's pairs, a tier read in place or lost included: a pair no tier holds
-        in_a_tier = np.logical_or.reduce(
-            [np.zeros_like(cached), *held, *([local.slot_of >= 0] if local is not None else []),
-             *(self._pairs_of(h, cached.shape) for h in self.tiers.helpers if h not in asked)])
+        in_a_tier = np.logical_or.reduce(own + held + [h.pairs_mask(cached.shape)
+                                                       for h in self.tiers.helpers if h not in asked])
         missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
         sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
                           for l in range(cached.shape[0])], dtype=np.int64)
@@ -508,7 +517,7 @@ class Stage:
             return np.where((~cached & (held[i] | (to == i)))[lb:le], counts[lb:le], 0.0)
         if local is not None:   # this card's own tier, read here as it is
             self.local_tier.rerank(lb, le, offered(0) if local_takes else np.where(
-                (~cached & (local.slot_of >= 0))[lb:le], counts[lb:le], 0.0))
+                (~cached & own[0])[lb:le], counts[lb:le], 0.0))
         for h in asked:
             i = index[h.rank]
             changed |= self._tier_call(h, lambda: h.rerank(lb, le, offered(i)))
@@ -517,13 +526,6 @@ class Stage:
                                     for l, e in np.argwhere(to == i))
         if changed and self.backend.on_gpu:
             self._rebuild_graph()    # the graph's tiers are taken when it is built
-
-    @staticmethod
-    def _pairs_of(h: HelperClient, shape: tuple[int, int]) -> np.ndarray:
-        mine = np.zeros(shape, dtype=bool)
-        for l, e in h.pairs:
-            mine[l, e] = True
-        return mine
 
     def _tier_call(self, h: HelperClient, call) -> bool:
         """One re-rank exchange with helper `h` (`call`: its rerank or take_pairs); whether the
@@ -548,9 +550,7 @@ class Stage:
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
             out = h[-1:] if self.cfg.last and not all_rows else h
-        if sink is not None:
-            # once the chunk's buffers are closed (h still holds its rows: nothing ran since), so
-            # what the sink allocates is its own, not counted as the prompt layout's overflow
+        if sink is not None:   # past the chunk's buffers: its allocations are not their overflow
             sink(h)
         if self._workspace is not None and prompt:
             out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers

@@ -72,6 +72,13 @@ class HelperClient:
         self.answered_seq = 0          # the TierCounts the newest answer taken answers
         self.counts_seq = 0            # the TierCounts sent last
 
+    def pairs_mask(self, shape: tuple[int, int]) -> np.ndarray:
+        """The pairs it holds as a [layers, experts] mask."""
+        mine = np.zeros(shape, dtype=bool)
+        for l, e in self.pairs:
+            mine[l, e] = True
+        return mine
+
     @property
     def nbytes(self) -> int:
         return self.export.nbytes if self.export is not None else 0

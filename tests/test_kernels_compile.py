@@ -174,8 +174,9 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # matvecs and the two smallest attention builds to 64-80 registers and spills a few values there
 # (up to 32 bytes, which moves with unrelated edits; an array indexed at run time is far larger);
 # moe_down of IQ2_XXS, IQ2_XS and IQ4_NL spill 4-8 bytes at 48 registers (ptxas -v, CUDA 13.0;
-# the i-quants' first version, not yet measured on a GPU)
-STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8)?", 16),
+# the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
+# those two spill 8 bytes (each key's row chosen between the card and the host copy)
+STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 
 

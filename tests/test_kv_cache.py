@@ -61,15 +61,18 @@ def test_cell_bytes_of_each_type():
 
 @pytest.mark.parametrize("kv_type", KV_TYPES)
 @pytest.mark.parametrize("lb,le", [(0, 4), (1, 3)])
-def test_sessions_equal_priced_for_every_type(moe32, next32, kv_type, lb, le):
+@pytest.mark.parametrize("resident", [0, 40])        # 40: --kv-resident, the rest on the host
+def test_sessions_equal_priced_for_every_type(moe32, next32, kv_type, lb, le, resident):
     for path, n_layers in ((moe32, 4), (next32, 8)):
         shape = model_shape(GGUFModel(path), "cpu", kv_type)
         stage = Stage(StageConfig(path, "cpu", lb, le, lb == 0, le == n_layers, CELLS,
-                                  kv_type=kv_type))
+                                  kv_type=kv_type, kv_resident=resident))
         s = stage.session(0)
-        assert stage.session_bytes() == session_bytes(shape, CELLS, lb, le), (path, kv_type)
+        assert stage.session_bytes() == session_bytes(shape, CELLS, lb, le, resident), \
+            (path, kv_type)
+        assert stage.kv_host_bytes() == session_parts(shape, CELLS, lb, le, resident)["kv_host"]
         if hasattr(s, "parts_nbytes"):
-            assert s.parts_nbytes() == session_parts(shape, CELLS, lb, le)
+            assert s.parts_nbytes() == session_parts(shape, CELLS, lb, le, resident)
     f32 = session_bytes(model_shape(GGUFModel(moe32), "cpu", "f32"), CELLS, 0, 4)
     q8 = session_bytes(model_shape(GGUFModel(moe32), "cpu", "q8_0"), CELLS, 0, 4)
     assert q8 < f32

@@ -73,14 +73,17 @@ def test_reserves_named_once():
     assert reserve_bytes(shape, False, True) == STAGE_WORK_RESERVE_BYTES + HEAD_RESERVE_BYTES + hand
 
 
-@pytest.mark.parametrize("params", [PlanParams(), PlanParams(weight_slice=False)])
+@pytest.mark.parametrize("params", [PlanParams(), PlanParams(weight_slice=False),
+                                    PlanParams(kv_resident=100)])
 def test_vectorised_range_table_equals_scalar_pricing(params):
     shape = make_shape(n_layers=12, kinds=hybrid_kinds(12))
-    table = range_fixed_table(shape, 777, weight_slice=params.weight_slice)
+    table = range_fixed_table(shape, 777, weight_slice=params.weight_slice,
+                              resident=params.kv_resident)
     for lb in range(12):
         for le in range(lb + 1, 13):
             assert table[lb, le] == sum(stage_fixed_bytes(shape, 777, lb, le,
-                                                          weight_slice=params.weight_slice))
+                                                          weight_slice=params.weight_slice,
+                                                          resident=params.kv_resident))
 
 
 def test_bad_ranges_refused():

@@ -27,6 +27,8 @@ class Backend:
     dense_dtype = np.float32
     kv_type = default_kv_type("cpu")   # how sessions store K/V (backends/kv_cache.py; a stage may
                                        # set --kv-type on its instance)
+    kv_resident = 0                    # --kv-resident: cells of each session's K/V kept on the
+                                       # device (0: every cell; backends/kv_cache.py RingKV)
     # a prompt chunk's buffers while it runs on a GPU (strata_dist/prompt_workspace.py): the
     # operations write their results into its named buffers instead of new arrays
     workspace = None

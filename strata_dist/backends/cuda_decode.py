@@ -34,6 +34,7 @@ from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, 
                            attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
+from .kv_cache import DeviceRing
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
                            norm_vector, repoint_experts, weight_of)
 from .step_slots import Ahead, HostSlot, StepLogits
@@ -72,8 +73,9 @@ class DecodeGraph:
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
         # itself ("matvec"), or the attention does for one-row steps ("attention"); either way no
         # qk_norm_rope_kv launch and the same arithmetic
-        self.fused_qk_norm = options.fused_qk_norm == "matvec"
-        self.fused_qk_attention = options.fused_qk_norm == "attention"
+        self.ring = DeviceRing(model, max_cells)   # --kv-resident's `_ring` builds, if any
+        self.fused_qk_norm = options.fused_qk_norm == "matvec" and not self.ring
+        self.fused_qk_attention = options.fused_qk_norm == "attention" and not self.ring
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer
         # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
@@ -87,7 +89,8 @@ class DecodeGraph:
                             attn_heads)
         except AttnScratchError as e:
             raise Unsupported(str(e)) from None
-        self.attn_kernel, self.attn_heads, self.attn_chunk = a.kernel, a.heads, a.chunk
+        self.attn_kernel, self.attn_heads, self.attn_chunk = a.kernel + self.ring.suffix, a.heads, \
+            a.chunk
         self.n_split, self.max_rows = a.n_split, a.max_rows
         with cp.cuda.Device(model.backend.index):
             self._check_residency()
@@ -199,7 +202,7 @@ class DecodeGraph:
         # the pinned buffers of a step in flight; two: a step ahead may be queued behind another
         self.slots = [HostSlot.allocate(DESC_WORDS, self.ids.shape) for _ in range(2)]
         nl = self.le - self.lb
-        self.sess_table = cp.zeros(2 * nl + 2 + (2 * nl if self.kv_suffix else 0), cp.uint64)
+        self.sess_table = cp.zeros(2 * nl + 2 + self.ring.words(nl, self.kv_suffix), cp.uint64)
         # each expert's blob address, [n_layer, n_expert]: its cache slot, else its slot in this
         # card's helper tier, else its pinned host copy, else 0 (not this stage's). Slots never
         # move, so a table taken while nothing is lent stays right (the arena's own tables change
@@ -298,7 +301,7 @@ class DecodeGraph:
 
     def _layer_kernel_names(self) -> set[str]:
         """The layers' kernels other than the matvecs and the experts'."""
-        names = {"qk_norm_rope_kv" + self.kv_suffix, self.attn_kernel}
+        names = {"qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix, self.attn_kernel}
         return names | ({self.attn_kernel + "_fq"} if self.fused_qk_attention else set())
 
     def _expert_spec(self, layer: int) -> dict:
@@ -387,7 +390,7 @@ class DecodeGraph:
             self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps,
                          qkv=L["qkv_spec"] if in_matvec else None)
             if not (in_matvec or in_attention):
-                f("qk_norm_rope_kv" + self.kv_suffix)(
+                f("qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix)(
                     (g.n_head + g.n_head_kv, n), (32,),
                     (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
                      self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim),
@@ -477,7 +480,7 @@ class DecodeGraph:
         ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
         if self.kv_suffix:
             ptrs += [int(a.scale.data.ptr) for a in kv]
-        return ptrs
+        return ptrs + self.ring.table_tail(kv)     # RingKV: its host copies' addresses, (S, R)
 
     def step(self, session, pos: int, ids=None, hidden=None, ahead: bool = False):
         """Rows at positions pos.. of `session`: token ids on the first stage, else hidden rows
@@ -519,6 +522,7 @@ class DecodeGraph:
         """Queue one step on self.stream; `token_on_device`: its one token id is the greedy token
         the step queued before it leaves on the device. Returns the hidden rows (not last)."""
         hs = self.slots[slot]
+        self.ring.step(session, self.lb, self.le, pos, n)     # a rewind first refills the ring
         # whatever the default stream still has in flight (a prompt chunk writing this session's
         # KV) comes first
         self._ready.record(cp.cuda.Stream.null)

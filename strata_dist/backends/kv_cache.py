@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plan.pricing import KV_SINK_CELLS
+
 KV_TYPES = ("f32", "f16", "q8_0")
 Q8_BLOCK = 32
 
@@ -82,3 +84,205 @@ class Q8Rows:
         n, heads, dim = q.shape
         blocks = q.reshape(n, heads, dim // Q8_BLOCK, Q8_BLOCK).astype(np.float32)
         return (blocks * scale.astype(np.float32)[..., None]).reshape(n, heads, dim)
+
+
+# ---- --kv-resident N: the newest cells on the card, every cell in host memory --------------------
+
+def kv_split(cells: int, resident: int) -> tuple[int, int] | None:
+    """(sinks S, ring R) of a session of `cells` cells keeping `resident` = S + R of them on the
+    card, or None when every cell is resident (resident 0, or at least `cells`)."""
+    if resident <= 0 or resident >= cells:
+        return None
+    if resident <= KV_SINK_CELLS:
+        raise ValueError(f"{resident} resident cells leave no ring beside the "
+                         f"{KV_SINK_CELLS} attention sinks")
+    return KV_SINK_CELLS, resident - KV_SINK_CELLS
+
+
+def new_session_kv(xp, shape: tuple[int, int, int], kv_type: str, resident: int = 0):
+    """A session's K or V rows of one layer: a plain store of every cell, or with `resident`
+    below the cells a RingKV (on a device, its f16 host copy pinned and mapped, which the decode
+    graph's kernels read in place)."""
+    split = kv_split(shape[0], resident)
+    if split is None:
+        return new_kv(xp, shape, kv_type)
+    host = mapped_host_rows(shape) if xp is not np and kv_type == "f16" else None
+    return RingKV(xp, shape, kv_type, *split, host=host)
+
+
+def mapped_host_rows(shape: tuple[int, int, int]):
+    """Zeroed f16 rows in pinned host memory mapped into the device's address space (the kernels
+    read and write them in place over PCIe): (the numpy array, its device address); the memory is
+    freed with the array."""
+    import ctypes
+    import weakref
+
+    import cupy as cp
+    from .host_mapped import HOST_ALLOC_MAPPED, HOST_ALLOC_PORTABLE
+    nbytes = int(np.prod(shape)) * 2
+    ptr = int(cp.cuda.runtime.hostAlloc(nbytes, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED))
+    buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    rows = np.frombuffer(buf, dtype=np.float16).reshape(shape)
+    rows[...] = 0
+    weakref.finalize(buf, cp.cuda.runtime.freeHost, ptr)    # once no view of it is left
+    return rows, int(cp.cuda.runtime.pointerGetAttributes(ptr).devicePointer)
+
+
+def kv_host_nbytes(stores) -> int:
+    """Bytes of host copies among a session's K/V stores (its `kv_rows()`; 0: every cell resident):
+    what --kv-resident keeps beyond the device, priced by plan.pricing.session_parts' kv_host."""
+    return sum(int(getattr(a, "host_nbytes", 0)) for a in stores)
+
+
+def _copy_cells(xp, dst, dst_idx, src, src_idx) -> None:
+    """dst[dst_idx] = src[src_idx], cell by stored cell, dst on the array module xp (a q8_0
+    store's quants and scales as they are, never decoded and quantized again)."""
+    if isinstance(dst, Q8Rows):
+        dst.q[dst_idx] = xp.asarray(src.q[src_idx])
+        dst.scale[dst_idx] = xp.asarray(src.scale[src_idx])
+    else:
+        dst[dst_idx] = xp.asarray(src[src_idx])
+
+
+class RingKV:
+    """K or V rows [cells, heads, head_dim] of one layer of a session that keeps only S + R cells
+    on the card (`--kv-resident`): a write-through host copy of every cell, and on the card the
+    first S cells (the sinks) and a ring of the newest R.
+
+    Writing cell p writes the host copy and the card: p < S to slot p, else to ring slot
+    S + (p - S) % R. Reading cells [a, b) takes cell p from the card when p < S or
+    p >= end - R, `end` the end of the latest write (the session's newest cell), else from the
+    host copy; a step's attention reads [0, end) right after writing its rows, so its own rows and
+    the R - n before them come from the ring. A write that does not continue the last one (a
+    session rewound to a shorter prefix, a rolled back window, a restored conversation) first
+    refills the ring with the R cells before it from the host copy: the slots may hold cells of
+    the abandoned continuation. Only slices of cells are indexed (what the sessions do).
+
+    The host copy is numpy: on a device, `host` = (rows, device address) from mapped_host_rows,
+    which a GPU decode graph's kernels write and read in place by the same rule (kernels/
+    attention.cuh KvRing); `before_step` / `after_step` keep `end` and the ring right around
+    such a step."""
+
+    def __init__(self, xp, shape: tuple[int, int, int], kv_type: str, sinks: int, ring: int,
+                 host=None):
+        cells, heads, dim = shape
+        if ring < 1 or sinks < 0 or sinks + ring >= cells:
+            raise ValueError(f"a ring of {ring} cells beside {sinks} sinks for {cells} cells")
+        self.xp, self.shape, self.sinks, self.ring = xp, tuple(shape), sinks, ring
+        self.host, self.host_device_ptr = host if host is not None else (
+            new_kv(np, shape, kv_type), 0)
+        self.card = new_kv(xp, (sinks + ring, heads, dim), kv_type)
+        self.dtype = self.card.dtype
+        self.end = 0            # the end of the latest write: the ring holds [end - R, end)
+
+    @property
+    def nbytes(self) -> int:
+        """What the store takes on the card (the host copy: host_nbytes)."""
+        return int(self.card.nbytes)
+
+    @property
+    def host_nbytes(self) -> int:
+        return int(self.host.nbytes)
+
+    @property
+    def data(self):
+        """The device part's memory (the pointer table's k / v entry of a decode graph)."""
+        return self.card.data
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        """The card slot of each cell position."""
+        s = self.sinks
+        return np.where(positions < s, positions, s + (positions - s) % self.ring)
+
+    def on_card(self, positions: np.ndarray) -> np.ndarray:
+        """Which of these cells a read takes from the card (the index rule above)."""
+        return (positions < self.sinks) | ((positions >= self.end - self.ring)
+                                           & (positions < self.end))
+
+    def _cells(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"RingKV is indexed by slices of cells, got {key!r}")
+        return np.arange(*key.indices(self.shape[0]))
+
+    def _to_card(self, positions: np.ndarray) -> None:
+        if positions.size:
+            _copy_cells(self.xp, self.card, self.xp.asarray(self.slots(positions)), self.host,
+                        positions)
+
+    def before_step(self, pos: int) -> None:
+        """A device step writes cells from `pos` on: the ring first holds the R before it."""
+        if pos != self.end:
+            self._to_card(np.arange(max(self.sinks, pos - self.ring), pos))
+            self.end = pos
+
+    def after_step(self, end: int) -> None:
+        """The device step wrote cells up to `end` into both copies."""
+        self.end = end
+
+    def __setitem__(self, key: slice, rows) -> None:
+        pos = self._cells(key)
+        if not pos.size:
+            return
+        a, b = int(pos[0]), int(pos[-1]) + 1
+        if a != self.end:     # not the next cells: the ring's history before a is the host's
+            self._to_card(np.arange(max(self.sinks, a - self.ring), a))
+        self.host[a:b] = rows if self.xp is np else self.xp.asnumpy(rows)
+        keep = pos[(pos < self.sinks) | (pos >= b - self.ring)]   # the newest R survive
+        self._to_card(keep)
+        self.end = b
+
+    def __getitem__(self, key: slice):
+        pos = self._cells(key)
+        out = self.xp.array(self.host[key])       # a copy: the card's cells go over it
+        card = self.on_card(pos)
+        if card.any():
+            at = pos[card]
+            out[self.xp.asarray(np.nonzero(card)[0])] = self.card[self.xp.asarray(self.slots(at))]
+        return out
+
+
+class DeviceRing:
+    """A GPU decode graph's side of --kv-resident (backends/cuda_decode.py) for `model`: whether its
+    sessions keep RingKV stores of (S sinks, R ring cells) for `max_cells` cells, the suffix of the kernel
+    builds that write and read them (kernels/attention.cuh KvRing), the pointer table's words
+    after the RoPE tables, and the stores' `end` around each step. Falsy when every cell is
+    resident: then it changes nothing."""
+
+    def __init__(self, model, max_cells: int):
+        backend = model.backend
+        self.split = kv_split(max_cells, backend.kv_resident)
+        why = ("" if not self.split else
+               f"K/V kept as {backend.kv_type}" if backend.kv_type != "f16" else
+               f"{model.g.arch}'s attention kernels" if model.g.arch != "qwen3moe" else "")
+        if why:         # the general path then reads the stores by their own rule
+            from .graph_tables import Unsupported
+            raise Unsupported(f"{why} with --kv-resident (the ring builds are qwen3moe's, f16)")
+        self.suffix = "_ring" if self.split else ""
+
+    def __bool__(self) -> bool:
+        return self.split is not None
+
+    def words(self, n_layers: int, q8: str) -> int:
+        """The pointer table's words after k, v and the RoPE tables: q8_0's scales (`q8` set),
+        or the host copies of k and v and the geometry word."""
+        return 2 * n_layers if q8 else 2 * n_layers + 1 if self.split else 0
+
+    def table_tail(self, kv: list) -> list[int]:
+        """Those words for a session's stores `kv` (k, v of each layer in the table's order)."""
+        if not self.split:
+            return []
+        sinks, ring = self.split
+        return [a.host_device_ptr for a in kv] + [sinks | ring << 32]
+
+    def step(self, session, lb: int, le: int, pos: int, n: int) -> None:
+        """Before a step writes cells [pos, pos + n) of `session` on the device: a store rewound
+        refills its ring from the host copy first (on the default stream, which the step waits
+        for), and every store then ends at pos + n."""
+        if self.split:
+            for layer in range(lb, le):
+                for a in (session.k(layer), session.v(layer)):
+                    a.before_step(pos)
+                    a.after_step(pos + n)

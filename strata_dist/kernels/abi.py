@@ -356,6 +356,8 @@ def kernel_names() -> list[str]:
              "qk_norm_rope_kv_q8", "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
     names += [attn_kernel(g, kv) + fq for g in ATTN_GROUPS for kv in ("f16", "q8_0")
               for fq in ("", "_fq")]
+    # --kv-resident's builds (f16): the KV write and attention of a sinks + ring + host copy
+    names += ["qk_norm_rope_kv_ring"] + [attn_kernel(g, "f16") + "_ring" for g in ATTN_GROUPS]
     names += ["next_qk_norm_rope_kv", "next_attn_gate", "next_shexp_act"]
     names += [attn_kernel(g, "f16", head_dim=256) for g in ATTN_GROUPS]   # next_attention.cuh
     for t in TYPE_NAMES.values():

@@ -11,6 +11,30 @@
 #define K_SCALES(sess, n_layers, slot) (sess[2 * (n_layers) + 2 + 2 * (slot)])
 #define V_SCALES(sess, n_layers, slot) (sess[2 * (n_layers) + 3 + 2 * (slot)])
 
+// --kv-resident (backends/kv_cache.py RingKV; the `_ring` builds, f16 only): [2j] and [2j+1] hold
+// the device's S sink cells and ring of R, the slots where q8_0's scales would be hold the device
+// address of the pinned, mapped host copy of every cell of k and v, and [4*n_layers+2] holds
+// S | R << 32. Cell p is written to the host copy and to slot p (p < S) or S + (p - S) % R; a step
+// whose newest cell is end - 1 reads cell p from the device when p < S or p >= end - R, else from
+// the host copy in place (over PCIe).
+#define K_HOST(sess, n_layers, slot) K_SCALES(sess, n_layers, slot)
+#define V_HOST(sess, n_layers, slot) V_SCALES(sess, n_layers, slot)
+#define RING_GEOMETRY(sess, n_layers) (sess[4 * (n_layers) + 2])
+
+struct KvRing {
+    int sinks, ring;
+    __device__ __forceinline__ explicit KvRing(u64 geometry)
+        : sinks((int)(geometry & 0xffffffffu)), ring((int)(geometry >> 32)) {}
+    __device__ __forceinline__ i64 slot(i64 p) const {
+        return p < sinks ? p : sinks + (p - sinks) % ring;
+    }
+    // the start of cell p's row ([n_kv, D] halves) for a step whose newest cell is end - 1
+    __device__ __forceinline__ const __half* row(const __half* card, const __half* host, i64 p,
+                                                 i64 end, i64 cell_elems) const {
+        return p < sinks || p >= end - ring ? card + slot(p) * cell_elems : host + p * cell_elems;
+    }
+};
+
 // One block of 32 values, one per lane, into q8_0: scale = max |x| / 127 rounded to f16, values
 // rint(x / scale) clamped to [-127, 127] (backends/kv_cache.py Q8Rows, the same arithmetic).
 __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* qv, __half* sc) {
@@ -30,7 +54,7 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 // 64 of 256); QS: the floats between a row's query heads in q (2 D where each head's q is followed
 // by its output gate, qwen3next's attn_q). Compile-time widths keep a head's values in registers
 // (a runtime one put them on the stack).
-template <bool Q8, int D, int ROT = D, int QS = D>
+template <bool Q8, int D, int ROT = D, int QS = D, bool RING = false>
 __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ k,
                                const float* __restrict__ v, const float* __restrict__ qn,
                                const float* __restrict__ kn, const u64* __restrict__ sess,
@@ -65,6 +89,28 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
         float* dst = q_dst != nullptr ? q_dst : q + ((i64)i * n_head + hh) * QS;
         #pragma unroll
         for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
+    } else if constexpr (RING) {          // the device's slot and the host copy, the same halves
+        static_assert(!Q8, "the ring builds keep f16 K/V");
+        const KvRing ring(RING_GEOMETRY(sess, n_layers));
+        const i64 at = (ring.slot(pos) * n_kv + hh) * D, host_at = ((i64)pos * n_kv + hh) * D;
+        __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + at;
+        __half* kh = reinterpret_cast<__half*>(K_HOST(sess, n_layers, layer_slot)) + host_at;
+        #pragma unroll
+        for (int j = 0; j < per; ++j) {
+            const __half x = __float2half(vals[j]);
+            kc[lane + 32 * j] = x;
+            kh[lane + 32 * j] = x;
+        }
+        if (v != nullptr) {
+            __half* vc = reinterpret_cast<__half*>(sess[2 * layer_slot + 1]) + at;
+            __half* vh = reinterpret_cast<__half*>(V_HOST(sess, n_layers, layer_slot)) + host_at;
+            const float* vs = v + ((i64)i * n_kv + hh) * D;
+            for (int j = 0; j < per; ++j) {
+                const __half x = __float2half(vs[lane + 32 * j]);
+                vc[lane + 32 * j] = x;
+                vh[lane + 32 * j] = x;
+            }
+        }
     } else if constexpr (!Q8) {
         __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + ((i64)pos * n_kv + hh) * D;
         #pragma unroll
@@ -113,18 +159,20 @@ struct QkvSpec {
 // (head, row).
 // D and rot stay in the arguments the runner passes; the kernels are built for 128-wide, fully
 // rotated heads (backends/cuda_decode.py takes no other geometry).
-#define QK_NORM_ROPE_KV(suffix, Q8)                                                               \
+#define QK_NORM_ROPE_KV(suffix, Q8, RING)                                                         \
     extern "C" __global__ void qk_norm_rope_kv##suffix(                                           \
             float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,      \
             const float* __restrict__ qn, const float* __restrict__ kn,                          \
             const u64* __restrict__ sess, int layer_slot, int n_layers,                          \
             const int* __restrict__ desc, int n_head, int n_kv, int D, int rot, float eps) {      \
         pdl_entry();                                                                             \
-        norm_rope_head<Q8, 128>(q, k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, \
-                                eps, blockIdx.y, blockIdx.x, threadIdx.x);                       \
+        norm_rope_head<Q8, 128, 128, 128, RING>(q, k, v, qn, kn, sess, layer_slot, n_layers,     \
+                                                desc, n_head, n_kv, eps, blockIdx.y, blockIdx.x, \
+                                                threadIdx.x);                                    \
     }
-QK_NORM_ROPE_KV(, false)
-QK_NORM_ROPE_KV(_q8, true)
+QK_NORM_ROPE_KV(, false, false)
+QK_NORM_ROPE_KV(_q8, true, false)
+QK_NORM_ROPE_KV(_ring, false, true)
 
 // Flash-decoding, first half: block (head group, split, row) scores `chunk` (<= ATTN_CHUNK) keys
 // for its `hb` query heads (h0 = blockIdx.x * hb on; one kv head serves them all) and writes an
@@ -132,7 +180,7 @@ QK_NORM_ROPE_KV(_q8, true)
 // attention itself (what attn_combine_heads would make of one partial, bit for bit).
 // Short chunks and small head groups spread a short context over more blocks; the runner picks
 // both (a block's instructions, not memory, bound these launches at short contexts).
-template <int D, bool Q8, int MAX_G>
+template <int D, bool Q8, int MAX_G, bool RING = false>
 __device__ __forceinline__ void attn_partial_body(
         const float* __restrict__ q, const u64* __restrict__ sess, int layer_slot, int n_layers,
         const int* __restrict__ desc, int n_head, int n_kv, int hb, int n_split, int chunk,
@@ -162,6 +210,14 @@ __device__ __forceinline__ void attn_partial_body(
     }
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
+    // the ring builds: each key's row from the device or the host copy (KvRing), the step's
+    // newest cell being its last row's
+    const __half* kh = RING ? reinterpret_cast<const __half*>(K_HOST(sess, n_layers, layer_slot))
+                            : nullptr;
+    const __half* vh = RING ? reinterpret_cast<const __half*>(V_HOST(sess, n_layers, layer_slot))
+                            : nullptr;
+    const KvRing ring(RING ? RING_GEOMETRY(sess, n_layers) : (u64)1 << 32);
+    const i64 step_end = (i64)desc[DESC_POS] + gridDim.z, cell_elems = (i64)n_kv * D;
     // q8_0: the same loads read 4 int8 values (a u32) of K and 2 (a u16) of V, plus their scales
     const signed char* kq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot]);
     const signed char* vq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot + 1]);
@@ -180,7 +236,12 @@ __device__ __forceinline__ void attn_partial_body(
     uint2 k_scales = make_uint2(0u, 0u);     // q8_0: the key's 4 block scales (f16)
     auto load_k = [&](int kk) {
         const i64 row = (i64)(start + kk) * n_kv + kvh;
-        if constexpr (!Q8) {
+        if constexpr (RING) {
+            const uint2* krow = reinterpret_cast<const uint2*>(
+                ring.row(kc, kh, start + kk, step_end, cell_elems) + kvh * D);
+            #pragma unroll
+            for (int j = 0; j < KW; ++j) k_ahead[j] = krow[u + SPLIT * j];
+        } else if constexpr (!Q8) {
             const uint2* krow = reinterpret_cast<const uint2*>(kc + row * D);
             #pragma unroll
             for (int j = 0; j < KW; ++j) k_ahead[j] = __ldg(krow + u + SPLIT * j);
@@ -199,7 +260,11 @@ __device__ __forceinline__ void attn_partial_body(
     // V of key c (relative to the split's start) at dims 2 dp, 2 dp + 1, as 32 bits (f16: the
     // half2; q8_0: the two int8 values, then the block's f16 scale) and as floats
     auto load_v = [&](int c) -> u32 {
-        if constexpr (!Q8) {
+        if constexpr (RING) {
+            const __half2 h = reinterpret_cast<const __half2*>(
+                ring.row(vc, vh, start + c, step_end, cell_elems) + kvh * D)[dp];
+            return *reinterpret_cast<const u32*>(&h);
+        } else if constexpr (!Q8) {
             const __half2 h = __ldg(vp + c * vstride);
             return *reinterpret_cast<const u32*>(&h);
         } else {
@@ -451,7 +516,7 @@ __device__ __forceinline__ void attn_combine_heads(const float* part, const floa
 // Grid (n_head / hb, n_split, rows), BLOCK_THREADS threads, hb = min(G, MAX_G) query heads per
 // block (G, the query heads per kv head, a multiple of hb): out [rows, n_head, D] is the attention
 // of each row's query heads over its causal keys.
-template <int D, bool Q8, int MAX_G>
+template <int D, bool Q8, int MAX_G, bool RING = false>
 __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess, int layer_slot,
                                                  const int* desc, int n_head, int n_kv,
                                                  int n_split, int chunk, float scale, float* part,
@@ -464,7 +529,7 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
     if ((int)blockIdx.y >= used) return;
     const int hb = min(n_head / n_kv, MAX_G);
-    attn_partial_body<D, Q8, MAX_G>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
+    attn_partial_body<D, Q8, MAX_G, RING>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
                                     n_split, chunk, scale, part, ml, out, fuse);
     if (used == 1) return;                   // the only split wrote the attention itself
     if (!last_block_to_finish(done + blockIdx.z * gridDim.x + blockIdx.x, (u32)used)) return;
@@ -498,6 +563,22 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
         attn_decode_body<128, Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,\
                                          scale, part, ml, done, out, n_layers, fuse);            \
     }
+// The ring builds (--kv-resident, f16): the plain ones reading each key where KvRing says; no
+// `_fq` form (the runner keeps the separate q/k norm launch, which writes both copies).
+#define ATTN_DECODE_RING(suffix, MAX_G)                                                           \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix##_ring(  \
+            const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
+            int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
+            u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
+        pdl_entry();                                                                             \
+        attn_decode_body<128, false, MAX_G, true>(q, sess, layer_slot, desc, n_head, n_kv,       \
+                                                  n_split, chunk, scale, part, ml, done, out,    \
+                                                  n_layers, nullptr);                            \
+    }
+ATTN_DECODE_RING(_g2, 2)
+ATTN_DECODE_RING(_g4, 4)
+ATTN_DECODE_RING(_g8, 8)
+ATTN_DECODE_RING(_g16, 16)
 ATTN_DECODE(_g2, false, 2)
 ATTN_DECODE(_g4, false, 4)
 ATTN_DECODE(_g8, false, 8)

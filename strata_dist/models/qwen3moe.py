@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.kv_cache import new_kv
+from ..backends.kv_cache import new_session_kv
 from ..gguf_model import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
 from ..plan.workspace import Buffer
@@ -113,14 +113,17 @@ class KVSession:
     """The session of one conversation for the layers [lb, le) only: K/V rows for those layers
     (global ordinals kept: `k[layer]` is valid for lb <= layer < le), one RoPE table (the primary
     state every stage carves, attention layers or not) and the decode score scratch. It allocates
-    exactly the parts `plan.pricing.session_parts` prices."""
+    exactly the parts `plan.pricing.session_parts` prices. With the backend's `kv_resident` below
+    `max_cells` (--kv-resident) each layer's K and V is a RingKV: that many cells on the device,
+    every cell in host memory (backends/kv_cache.py kv_host_nbytes)."""
 
     def __init__(self, backend, g: Geometry, lb: int, le: int, max_cells: int):
         xp = backend.xp
         self.lb, self.le, self.max_cells = lb, le, max_cells
         shape = (max_cells, g.n_head_kv, g.head_dim)
-        self._k = [new_kv(xp, shape, backend.kv_type) for _ in range(lb, le)]
-        self._v = [new_kv(xp, shape, backend.kv_type) for _ in range(lb, le)]
+        resident = backend.kv_resident
+        self._k = [new_session_kv(xp, shape, backend.kv_type, resident) for _ in range(lb, le)]
+        self._v = [new_session_kv(xp, shape, backend.kv_type, resident) for _ in range(lb, le)]
         cos, sin = rope_tables(np.arange(max_cells), g.head_dim, g.rope_base,
                                g.rope_scaling)
         self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)

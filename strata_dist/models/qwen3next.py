@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.kv_cache import new_kv
+from ..backends.kv_cache import kv_host_nbytes, new_session_kv
 from ..gguf_model import Geometry, GGUFError, GGUFModel
 from ..kernels.abi import GDN_SPEC
 from ..plan.pricing import DECODE_ROWS
@@ -335,9 +335,9 @@ class HybridSession:
         self.attention_layers = [l for l in range(lb, le) if not g.is_linear(l)]
         self.linear_layers = [l for l in range(lb, le) if g.is_linear(l)]
         f32 = np.float32
-        kv = backend.kv_type
-        self._k = {l: new_kv(xp, kv_shape(g, max_cells), kv) for l in self.attention_layers}
-        self._v = {l: new_kv(xp, kv_shape(g, max_cells), kv) for l in self.attention_layers}
+        kv, resident = backend.kv_type, backend.kv_resident   # --kv-type, --kv-resident
+        self._k, self._v = ({l: new_session_kv(xp, kv_shape(g, max_cells), kv, resident)
+                             for l in self.attention_layers} for _ in range(2))
         self._conv = {l: xp.zeros(conv_state_shape(g), dtype=f32) for l in self.linear_layers}
         self._ssm = {l: xp.zeros(recurrent_state_shape(g), dtype=f32) for l in self.linear_layers}
         cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base, g.rope_scaling)
@@ -362,6 +362,7 @@ class HybridSession:
             "kv": sum(int(a.nbytes) for a in (*self._k.values(), *self._v.values())),
             "recurrent": sum(int(a.nbytes) for a in (*self._conv.values(), *self._ssm.values())),
             "scratch": int(self.scores.nbytes) if self.scores is not None else 0,
+            "kv_host": kv_host_nbytes(self.kv_rows()),     # beyond the device: not in nbytes
         }
 
     def _check(self, layer: int, table: dict, what: str):

@@ -12,6 +12,7 @@ from typing import Mapping
 from protocol.env_table import EnvVar, checked_table, record_from_env, switch
 
 COVERAGE_MODES = ("auto", "model", "measured")
+KV_RESIDENT_AUTO = -1      # --kv-resident auto: the plan picks the resident cells
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,13 @@ class PlanParams:
                      last stage lands on, the larger of the two where the stages' devices mix
                      kinds (the plan's params then say that price in draft_bytes).
     drafter          what draft_bytes holds and its flag, as the plan's notes name them.
+    kv_resident      cells of each session's K/V every stage keeps on its device (--kv-resident):
+                     the attention sinks and a ring of the newest cells; every cell also lives in
+                     pinned host memory, and a decode token reads the others from there over
+                     PCIe at host_gbs (pricing.kv_host_read_ms). 0: every cell resident (no host
+                     part); KV_RESIDENT_AUTO (-1): make_plan picks it (plan.py) and records the
+                     number it picked. Kept out of the plan's JSON while 0, so a plan without it
+                     is byte for byte what it was.
     """
 
     cover_b: float = 3.0
@@ -96,6 +104,7 @@ class PlanParams:
     draft_bytes: int = 0
     draft_cpu_bytes: int = 0
     drafter: tuple[str, str] = ("draft model", "--draft-model")
+    kv_resident: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cover_b) and self.cover_b > 0):
@@ -119,13 +128,19 @@ class PlanParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.verify_rows < 0:
             raise ValueError(f"verify_rows must be >= 0, got {self.verify_rows}")
+        if self.kv_resident < KV_RESIDENT_AUTO:
+            raise ValueError(f"kv_resident must be >= 0 (or {KV_RESIDENT_AUTO}: auto), "
+                             f"got {self.kv_resident}")
         if self.sessions < 1:
             raise ValueError(f"sessions must be >= 1, got {self.sessions}")
         if self.stage_cache_slots is not None and self.stage_cache_slots < 0:
             raise ValueError(f"stage_cache_slots must be >= 0, got {self.stage_cache_slots}")
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if not d["kv_resident"]:
+            del d["kv_resident"]       # every cell resident: the plan as it was before the field
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "PlanParams":

@@ -18,9 +18,10 @@ from .errors import PlanError
 from .explicit import ExplicitTier, explicit_tiers, stage_devices as named_stage_devices
 from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
-from .lend import Participant, plan_lend, with_own_bytes
-from .params import PlanParams
-from .pricing import HANDOFF_ROWS, HELPER_RESERVE_BYTES, MIB, stage_fixed_bytes
+from .lend import LEND_CHUNKS, Participant, plan_lend, with_own_bytes
+from .params import KV_RESIDENT_AUTO, PlanParams
+from .pricing import (HANDOFF_ROWS, HELPER_RESERVE_BYTES, KV_SINK_CELLS, MIB, kv_resident_floor,
+                      session_host_bytes, stage_fixed_bytes)
 from .profile import RoutingProfile
 from .score import CostModel
 from .search import (Placement, check_split_points, price_split, search, search_exhaustive,
@@ -61,6 +62,9 @@ class StagePlan:
     # on a CPU stage) or, where the cards had no room for it, in pinned host memory ("host")
     conversation_bytes: int = 0
     conversation_in: str = "device"
+    # --kv-resident: what the stage's sessions keep of K/V in pinned host memory beyond the
+    # resident cells (PlanParams.kv_resident) on its device; 0: every cell resident
+    kv_host_bytes: int = 0
 
     @property
     def cache_slots(self) -> int:
@@ -167,6 +171,8 @@ class Plan:
         stages = []
         for s in self.stages:
             d = {k: v for k, v in s.__dict__.items() if k not in ("device", "pairs")}
+            if not d["kv_host_bytes"]:
+                del d["kv_host_bytes"]     # every cell resident: the stage as it was before
             d.update(device=pos[s.device], cache_slots=s.cache_slots, pairs=[list(p) for p in s.pairs])
             stages.append(d)
         helpers = []
@@ -251,7 +257,7 @@ def _no_fit_message(cm: CostModel) -> str:
     L = cm.shape.n_layers
     biggest = max(range(len(cm.devices)), key=lambda d: cm.free[d])
     w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice,
-                                sessions=cm.params.sessions)
+                                resident=cm.params.kv_resident, sessions=cm.params.sessions)
     return (f"no placement of the {L} layers fits on {len(cm.devices)} device(s): "
             f"{shortfall_message(cm, biggest, 0, L, 1)}; the whole model's dense weights and session need "
             f"{(w + s) / MIB:.1f} MiB at {cm.cells} cells before per-stage reserves, "
@@ -302,7 +308,7 @@ def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
     if p is None:
         L = cm.shape.n_layers
         w, s, _ = stage_fixed_bytes(cm.shape, cm.cells, 0, L, weight_slice=cm.params.weight_slice,
-                                    sessions=cm.params.sessions)
+                                    resident=cm.params.kv_resident, sessions=cm.params.sessions)
         free = ", ".join(f"{cm.devices[d].label} {cm.free[d] / MIB:.1f}" for d in stage_set)
         raise PlanError(f"no split of the {L} layers over the --stage-gpus cards fits: the whole "
                         f"model's dense weights and session need {(w + s) / MIB:.1f} MiB at "
@@ -312,6 +318,58 @@ def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
 
 
 def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
+              params: PlanParams = PlanParams(), prefill: int | None = None, **kw) -> Plan:
+    """Plan a run (`plan_for`'s arguments) with --kv-resident resolved: params.kv_resident cells
+    of each K/V on the device (checked against its floor, the sinks and a prompt chunk), or with
+    KV_RESIDENT_AUTO every cell where a placement fits so, else the most cells with which one
+    fits (the expert caches fill what is left), noted in the plan."""
+    n = params.kv_resident
+    if n == KV_RESIDENT_AUTO:
+        return _auto_resident(shape, devices, cells, params, prefill, kw)
+    if 0 < n < cells and n < resident_floor(prefill):
+        raise PlanError(f"--kv-resident {n} is below its floor of {resident_floor(prefill)} "
+                        f"cells: the {KV_SINK_CELLS} attention sinks plus a ring that holds a "
+                        f"whole prompt chunk (--prefill {prefill or 'auto: its smallest chunk'})")
+    return plan_for(shape, devices, cells=cells, params=params, prefill=prefill, **kw)
+
+
+def resident_floor(prefill: int | None) -> int:
+    """--kv-resident's floor for the operator's chunk, or with --prefill auto (None) for the
+    smallest chunk it picks (the ring then caps the chunk it picks)."""
+    return kv_resident_floor(prefill or min(LEND_CHUNKS))
+
+
+def _auto_resident(shape, devices, cells: int, params: PlanParams, prefill: int | None,
+                   kw: dict) -> Plan:
+    """--kv-resident auto: every cell when that fits, else a search for the most resident cells
+    that fit, down to the floor (a placement fits or not; fewer cells never fit worse)."""
+    def attempt(n: int) -> Plan:
+        return plan_for(shape, devices, cells=cells, params=replace(params, kv_resident=n),
+                        prefill=prefill, **kw)
+    try:
+        return attempt(0)
+    except PlanError as e:
+        whole = e
+    lo, hi = resident_floor(prefill), cells - 1
+    if lo > hi:
+        raise whole
+    try:
+        best = attempt(lo)
+    except PlanError as e:
+        raise PlanError(f"--kv-resident auto: not even its floor of {lo} resident cells fits "
+                        f"(every cell does not either): {e}") from None
+    while lo < hi:                     # best fits with lo cells; is there room for more?
+        mid = (lo + hi + 1) // 2
+        try:
+            best, lo = attempt(mid), mid
+        except PlanError:
+            hi = mid - 1
+    return replace(best, notes=best.notes + (
+        f"--kv-resident auto: {lo} of {cells} cells of each K/V on the device (every cell does "
+        f"not fit), the rest read from pinned host memory",))
+
+
+def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
               profile: RoutingProfile | None = None, params: PlanParams = PlanParams(),
               split: str | Sequence[int] = "auto", order: str = "fastest_last",
               skip_if_fits: bool = False, prefill: int | None = None,
@@ -414,7 +472,9 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                          min(shape.blob_bytes[f.lb:f.le]), max(0, f.budget),
                          max(0, f.budget - f.bytes) if holds_all(f) else 0, holds_all(f))
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
-    lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=cells,
+    # with fewer cells resident (--kv-resident) the ring holds a whole chunk: it caps the chunk
+    ring = params.kv_resident - KV_SINK_CELLS if 0 < params.kv_resident < cells else cells
+    lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=min(cells, ring),
                      loans=params.prompt_loans, resident_bytes=shape.resident_prompt_bytes)
     if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
         cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk, withheld=withheld)
@@ -434,14 +494,16 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
                                     handoff_rows=cm.handoff_rows, verify_rows=params.verify_rows,
                                     draft_bytes=params.draft_bytes,
-                                    sessions=params.sessions)
+                                    sessions=params.sessions, resident=params.kv_resident)
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),
             cache_bytes=f.bytes, slot_bytes=parts[i].slot_bytes, loan_slots=loan.slots,
             loan_bytes=loan.bytes, own_prompt_bytes=loan.own_bytes, mass=cm.held_mass(f.pairs),
             note=loan.note, conversation_bytes=conversation_bytes,
-            conversation_in=conversation_in))
+            conversation_in=conversation_in,
+            kv_host_bytes=params.sessions * session_host_bytes(shape, cells, f.lb, f.le,
+                                                               params.kv_resident)))
 
     # helper tiers on every card's leftover (stage cards included), after the caches are fixed;
     # an explicit tier offers exactly its size (a stage card withheld it from its stage)

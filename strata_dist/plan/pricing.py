@@ -25,6 +25,9 @@ HANDOFF_DTYPE_BYTES = 4               # hidden rows travel as f32
 HELPER_RESERVE_BYTES = 32 * MIB       # per helper tier: request/response rows of remote experts
 DECODE_ROWS = 8                       # rows of a decode/verify step (sizes the score scratch)
 SCORE_DTYPE_BYTES = 4                 # attention scores are f32
+# --kv-resident: the first cells of a context stay on the device whatever its depth (later tokens
+# attend to them strongly: the attention "sinks"); a ring of the newest cells beside them
+KV_SINK_CELLS = 4
 ATTN_TILE_BYTES = 48 * MIB            # a prompt chunk's attention scores, per tile of query rows
                                        # (inside the work reserve above)
 
@@ -57,12 +60,30 @@ def weights_bytes(shape: ModelShape, lb: int, le: int, first: bool, last: bool, 
     return total
 
 
-def session_parts(shape: ModelShape, cells: int, lb: int, le: int) -> dict[str, int]:
+def kv_resident_floor(chunk: int) -> int:
+    """The fewest resident cells (--kv-resident) a session may keep: the sinks plus a ring that
+    holds a whole prompt chunk's new cells (a chunk's rows attend to each other, all from the
+    ring, backends/kv_cache.py RingKV)."""
+    return KV_SINK_CELLS + chunk
+
+
+def resident_cells(cells: int, resident: int) -> int:
+    """Cells of each K/V a session keeps on its device: `resident` (--kv-resident) where it is
+    below the context, else every cell (resident 0: every cell)."""
+    return resident if 0 < resident < cells else cells
+
+
+def session_parts(shape: ModelShape, cells: int, lb: int, le: int,
+                  resident: int = 0) -> dict[str, int]:
     """The session a stage running [lb, le) carves for `cells` context cells, part by part:
 
     primary    ONE RoPE table, carved even when the range has no attention layer (model-level uses
                read it) — never one per attention layer.
-    kv         K + V of the range's attention layers, `cells` each.
+    kv         K + V of the range's attention layers, `cells` each (`resident` each where
+               --kv-resident keeps fewer on the device: its sinks and ring, backends/kv_cache.py).
+    kv_host    with fewer resident: K + V of every cell in pinned host memory (a write-through
+               copy the attention reads the older cells from); not device memory, so not in
+               session_bytes (session_host_bytes).
     recurrent  recurrent + conv state of the range's linear layers.
     scratch    decode attention scores (DECODE_ROWS x n_head x cells, f32), only if the range has an
                attention layer.
@@ -72,17 +93,37 @@ def session_parts(shape: ModelShape, cells: int, lb: int, le: int) -> dict[str, 
     if cells < 1:
         raise ValueError(f"cells must be >= 1, got {cells}")
     attn = [l for l in range(lb, le) if shape.layer_kind[l] == "attention"]
+    kv_cell = sum(shape.kv_bytes_per_cell[l] for l in attn)
+    on_device = resident_cells(cells, resident)
     return {
         "primary": shape.rope_bytes_per_cell * cells,
-        "kv": sum(shape.kv_bytes_per_cell[l] for l in attn) * cells,
+        "kv": kv_cell * on_device,
         "recurrent": sum(shape.recurrent_bytes[l] for l in range(lb, le) if shape.layer_kind[l] == "linear"),
         "scratch": DECODE_ROWS * shape.n_head * cells * SCORE_DTYPE_BYTES if attn else 0,
+        "kv_host": kv_cell * cells if on_device < cells else 0,
     }
 
 
-def session_bytes(shape: ModelShape, cells: int, lb: int, le: int) -> int:
-    """Total of session_parts: what the stage's session costs on its device."""
-    return sum(session_parts(shape, cells, lb, le).values())
+def session_bytes(shape: ModelShape, cells: int, lb: int, le: int, resident: int = 0) -> int:
+    """Total of session_parts but kv_host: what the stage's session costs on its device."""
+    parts = session_parts(shape, cells, lb, le, resident)
+    return sum(v for k, v in parts.items() if k != "kv_host")
+
+
+def session_host_bytes(shape: ModelShape, cells: int, lb: int, le: int, resident: int = 0) -> int:
+    """What --kv-resident keeps of the session in pinned host memory (0: every cell resident)."""
+    return session_parts(shape, cells, lb, le, resident)["kv_host"]
+
+
+def kv_host_read_ms(shape: ModelShape, cells: int, lb: int, le: int, resident: int,
+                    host_gbs: float) -> float:
+    """What a decode token at full depth spends reading the cells beyond the device over PCIe:
+    cells - resident of each attention layer of [lb, le), at host_gbs (the rate a kernel reads
+    expert blobs in place from host memory, PlanParams.host_gbs). 0 when every cell is resident."""
+    on_device = resident_cells(cells, resident)
+    kv_cell = sum(b for b, k in zip(shape.kv_bytes_per_cell[lb:le], shape.layer_kind[lb:le])
+                  if k == "attention")
+    return kv_cell * (cells - on_device) / (host_gbs * 1e6)
 
 
 def handoff_bytes(shape: ModelShape, rows: int = HANDOFF_ROWS) -> int:
@@ -118,21 +159,22 @@ def reserve_bytes(shape: ModelShape, first: bool, last: bool,
 def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
                       weight_slice: bool = True, handoff_rows: int = HANDOFF_ROWS,
                       verify_rows: int = 0, sessions: int = 1,
-                      draft_bytes: int = 0) -> tuple[int, int, int]:
+                      draft_bytes: int = 0, resident: int = 0) -> tuple[int, int, int]:
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range.
-    `sessions` (--parallel): that many sessions, each of `cells`. The reserve holds a verify window
+    `sessions` (--parallel): that many sessions, each of `cells` (`resident` of them on the
+    device, --kv-resident; 0: every cell). The reserve holds a verify window
     of `verify_rows` rows (verify_window_bytes), and on the last stage the draft model's
     `draft_bytes` (PlanParams.draft_bytes)."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
-            sessions * session_bytes(shape, cells, lb, le),
+            sessions * session_bytes(shape, cells, lb, le, resident),
             reserve_bytes(shape, first, last, handoff_rows)
             + verify_window_bytes(shape, lb, le, verify_rows) + (draft_bytes if last else 0))
 
 
 def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
                       handoff_rows: int = HANDOFF_ROWS, verify_rows: int = 0,
-                      sessions: int = 1, draft_bytes: int = 0) -> np.ndarray:
+                      sessions: int = 1, draft_bytes: int = 0, resident: int = 0) -> np.ndarray:
     """fixed[b, e] = weights + session + reserve of a stage running [b, e), for every range at once
     (int64, [L+1, L+1]; entries with e <= b are 0 and meaningless). The same rule as
     stage_fixed_bytes, by prefix sums; a test checks they agree on every range."""
@@ -158,7 +200,8 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
         whole = weights_bytes(shape, 0, L, True, True)
         w = np.full((L + 1, L + 1), whole, dtype=np.int64)
 
-    kv = span(pre([k if a else 0 for k, a in zip(shape.kv_bytes_per_cell, is_attn)])) * cells
+    kv = (span(pre([k if a else 0 for k, a in zip(shape.kv_bytes_per_cell, is_attn)]))
+          * resident_cells(cells, resident))
     rec = span(pre([r if lin else 0 for r, lin in zip(shape.recurrent_bytes, is_lin)]))
     has_attn = span(pre(is_attn)) > 0
     scratch = has_attn * (DECODE_ROWS * shape.n_head * cells * SCORE_DTYPE_BYTES)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .plan import Plan
-from .pricing import MIB
+from .pricing import KV_SINK_CELLS, MIB
 
 
 def _mib(n: int) -> str:
@@ -55,6 +55,7 @@ def render_table(plan: Plan) -> str:
         where = ("on its device, taken before its expert cache fills"
                  if kept.conversation_in == "device" else "in pinned host memory")
         lines.append(f"conversation cache: {_mib(kept.conversation_bytes)} MiB per stage {where}")
+    lines += _kv_lines(plan)
     for h in plan.helpers:
         if h.skipped:
             lines.append(f"helper tier on {h.device.label} skipped: {h.reason}")
@@ -69,3 +70,22 @@ def _shared_cards(plan: Plan):
     """Each pair of devices of the plan that are ranks on one card, once."""
     devs = plan.devices
     return [(a, b) for i, a in enumerate(devs) for b in devs[i + 1:] if a.shares_card_with(b)]
+
+
+def _kv_lines(plan: Plan) -> list[str]:
+    """--kv-resident: each stage's K/V on its device and in pinned host memory (every cell), and
+    what a decode token at full depth spends reading the cells beyond the device over PCIe at
+    host_gbs (pricing.kv_host_read_ms; inside the compute figure above)."""
+    n, cells, sessions = plan.params.kv_resident, plan.cells, plan.params.sessions
+    if not 0 < n < cells:
+        return []
+    lines = [f"K/V: {n} of {cells} cells of each session on the device (the {KV_SINK_CELLS} "
+             f"attention sinks and a ring of the newest {n - KV_SINK_CELLS}), every cell in pinned "
+             f"host memory (--kv-resident)"]
+    for st in plan.stages:
+        per_cell = st.kv_host_bytes // (sessions * cells)     # K + V of the stage's layers
+        ms = per_cell * (cells - n) / (plan.params.host_gbs * 1e6)
+        lines.append(f"  stage {st.stage} ({st.device.label}): K/V {_mib(sessions * per_cell * n)} "
+                     f"MiB on the device, {_mib(st.kv_host_bytes)} MiB in host memory, "
+                     f"{ms:.3f} ms/token over PCIe at full depth")
+    return lines

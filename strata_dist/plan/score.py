@@ -30,7 +30,7 @@ import numpy as np
 from .device import Device
 from .fill import Fill, RankTables, pair_masses
 from .params import PlanParams
-from .pricing import HANDOFF_DTYPE_BYTES, HANDOFF_ROWS, range_fixed_table
+from .pricing import HANDOFF_DTYPE_BYTES, HANDOFF_ROWS, range_fixed_table, resident_cells
 from .profile import RoutingProfile
 from .shape import ModelShape
 
@@ -58,17 +58,18 @@ class CostModel:
         self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
                                        handoff_rows=handoff_rows, verify_rows=params.verify_rows,
                                        draft_bytes=params.draft_bytes,
-                                       sessions=params.sessions)
+                                       sessions=params.sessions, resident=params.kv_resident)
         self.withheld = np.zeros(len(self.devices), dtype=np.int64) if withheld is None else \
             np.array(withheld, dtype=np.int64)
         self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64) - self.withheld
         # bytes per millisecond of each device
         self.bw = np.array([(d.mem_bandwidth_gbs or params.default_bw_gbs) * 1e6 for d in self.devices])
         self.lk = shape.top_k * L   # routed expert activations per token
-        self.host_bw = params.host_gbs * 1e6    # bytes per millisecond of a host miss
+        self.host_bw = params.host_gbs * 1e6    # bytes per millisecond of a host miss (and of
+                                                 # K/V read from host memory, --kv-resident)
         # what one routed activation costs when nothing is held: the mass-weighted blob
         self.all_mass_blob = float(self.tables.span(self.tables.mass_blob, 0, L, self.tables.n))
-        self.read = self._read_table()
+        self.read, self.kv_host_ms = self._read_table()
         self.links = np.array([[self._link(a, b) for b in self.devices] for a in self.devices])
         # back[last, first]: a token id instead of a hidden row (0 on the diagonal: one stage)
         self.back = np.array([[0.0 if i == j else self._link(a, b, row_bytes=0)
@@ -78,18 +79,27 @@ class CostModel:
         self._load: np.ndarray | None = None
 
     # --- per-range quantities ---------------------------------------------------------------------
-    def _read_table(self) -> np.ndarray:
-        """read[b, e]: non-expert bytes a stage on [b, e) reads per decode token."""
+    def _read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(read[b, e]: non-expert bytes a stage on [b, e) reads per decode token from its device,
+        host[b, e]: ms it spends reading the K/V cells --kv-resident keeps in host memory, at
+        full depth, over PCIe at host_gbs; 0 when every cell is resident)."""
         s, L = self.shape, self.shape.n_layers
+        on_device = resident_cells(self.cells, self.params.kv_resident)
+        attn = [k == "attention" for k in s.layer_kind]
         per_layer = np.array([
             s.layer_dense_bytes[l]
-            + (self.params.kv_fill * self.cells * s.kv_bytes_per_cell[l] if s.layer_kind[l] == "attention"
-               else 2.0 * s.recurrent_bytes[l])
+            + (min(self.params.kv_fill * self.cells, on_device) * s.kv_bytes_per_cell[l]
+               if attn[l] else 2.0 * s.recurrent_bytes[l])
             for l in range(L)])
-        pre = np.concatenate([[0.0], np.cumsum(per_layer)])
-        read = pre[None, :] - pre[:, None]
+        host_ms = np.array([s.kv_bytes_per_cell[l] * (self.cells - on_device) / self.host_bw
+                            if attn[l] else 0.0 for l in range(L)])
+
+        def span(values) -> np.ndarray:
+            pre = np.concatenate([[0.0], np.cumsum(values)])
+            return pre[None, :] - pre[:, None]
+        read = span(per_layer)
         read[:, L] += s.head_bytes
-        return read
+        return read, span(host_ms)
 
     def _link(self, a: Device, b: Device, row_bytes: int | None = None) -> float:
         """One hop from a's rank to b's carrying `row_bytes` (default: a decode row of hidden)."""
@@ -123,7 +133,8 @@ class CostModel:
         pairs = np.asarray(fill.pairs, dtype=np.int64)
         m = self.mass[pairs]
         mass_blob = float((m * np.asarray(self.shape.blob_bytes)[pairs // E]).sum()) if pairs.size else 0.0
-        compute = (self.read[lb, le] + self.lk * mass_blob) / self.bw[d] + self.params.layer_ms * (le - lb)
+        compute = ((self.read[lb, le] + self.lk * mass_blob) / self.bw[d]
+                   + self.params.layer_ms * (le - lb) + self.kv_host_ms[lb, le])
         return float(compute), float(m.sum()), mass_blob
 
     def miss_credit(self, held, held_mass_blob):
@@ -155,7 +166,7 @@ class CostModel:
             held = self.tables.span(self.tables.mass, bb, ee, t)
             mass_blob = self.tables.span(self.tables.mass_blob, bb, ee, t)
             compute = ((self.read[bb, ee][None, :] + self.lk * mass_blob) / self.bw[:, None]
-                       + self.params.layer_ms * (ee - bb)[None, :])
+                       + self.params.layer_ms * (ee - bb)[None, :] + self.kv_host_ms[bb, ee][None, :])
             term = np.where(ok, compute - self.miss_credit(held, mass_blob), INF)
             S = np.full((D, L + 1, L + 1), INF)
             T = np.zeros((D, L + 1, L + 1), dtype=np.int64)

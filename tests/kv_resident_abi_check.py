@@ -1,0 +1,65 @@
+"""--kv-resident on the GPU path without a GPU: a qwen3moe f16 runner on cuda:0 with fewer cells
+resident than its context, on the numpy stand-ins for CuPy (tests/fake_cupy) with every kernel
+launch checked against its C signature (tests/launch_abi_check.py). Nothing numeric runs (the
+kernels are not run); what runs is the Python around them: the sessions' RingKV stores with mapped
+host copies, the prompt's general path through them, the decode graph's `_ring` builds and its
+pointer table, and the ring's bookkeeping around graph steps and a rewind.
+
+Run as its own process with tests/fake_cupy first on the path (tests/test_kv_resident_gpu.py
+does). Prints one JSON line."""
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from launch_abi_check import install  # noqa: E402
+
+SINKS, RING = 4, 160
+
+
+def main() -> int:
+    counts, errors = collections.Counter(), []
+    install(sys.argv[1], counts, errors)
+    from hf_fixtures import tiny_qwen3moe, write_gguf
+    from strata_dist.single_process import SingleProcessRunner
+
+    prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
+    with tempfile.TemporaryDirectory() as d:
+        path = write_gguf(tiny_qwen3moe(7, hidden=256, head_dim=128, top_k=4, n_experts=16,
+                                        n_layers=3), Path(d) / "m.gguf", "f16")
+        r = SingleProcessRunner(str(path), "cuda:0", prefill_chunk=128, max_context=512,
+                                kv_resident=SINKS + RING)
+        r.prefill(prompt)                       # 300 cells through a ring of 160
+        ends = [r.session.k(0).end]
+        r.decode_step([5])
+        r.decode_step([5, 6, 7])
+        ends.append(r.session.k(0).end)
+        r.session.n_past = 200                  # rolled back: the next step refills the ring
+        r.decode_step([9])
+        ends.append(r.session.k(0).end)
+        g = r.decode_graph
+        stores = [a for layer in range(3) for a in (r.session.k(layer), r.session.v(layer))]
+        table = [int(x) for x in np.asarray(g.sess_table)]
+        want = ([int(a.card.data.ptr) for a in stores]
+                + [int(r.session.rope_cos.data.ptr), int(r.session.rope_sin.data.ptr)]
+                + [a.host_device_ptr for a in stores] + [SINKS | RING << 32])
+        print(json.dumps({
+            "graph": type(g).__name__ if g is not None else None,
+            "errors": errors, "counts": dict(counts), "ends": ends,
+            "table_matches": table == want,
+            "host_pinned": all(a.host_device_ptr == a.host.ctypes.data for a in stores),
+            "card_cells": [int(a.card.shape[0]) for a in stores],
+            "host_cells": [int(a.host.shape[0]) for a in stores],
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

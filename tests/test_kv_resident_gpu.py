@@ -1,0 +1,36 @@
+"""--kv-resident on the GPU path, checked without a GPU (tests/kv_resident_abi_check.py: the
+backend's Python on numpy stand-ins for CuPy, every kernel launch against its C signature): a
+qwen3moe f16 runner keeps S + R cells of each K/V on the card and every cell in a mapped host
+copy; its decode graph launches the `_ring` builds, its pointer table holds the card's cells,
+the RoPE tables, the host copies' device addresses and (S, R); the ring's end follows the graph
+steps and a rollback. Nothing numeric: that needs a GPU (untested there yet). Skips without
+nvcc."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NVCC = shutil.which("nvcc")
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+
+
+def test_the_decode_graph_reads_the_ring_and_the_host_copy():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE / "fake_cupy"), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(HERE / "kv_resident_abi_check.py"), NVCC],
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["errors"] == [] and report["graph"] == "DecodeGraph"
+    counts = report["counts"]
+    # the decode steps write and read through the ring builds, never the plain ones
+    assert counts.get("qk_norm_rope_kv_ring", 0) > 0 and counts.get("attn_decode_128_g2_ring", 0) > 0
+    assert "attn_decode_128_g2" not in counts and "qk_norm_rope_kv" not in counts
+    assert report["table_matches"] and report["host_pinned"]
+    assert report["card_cells"] == [164] * 6 and report["host_cells"] == [512] * 6
+    assert report["ends"] == [300, 304, 201]      # prompt, two steps (1 + 3 rows), a rollback
