@@ -148,6 +148,8 @@ class PlanParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"PlanParams: unknown field {unknown[0]!r}")
+        if "drafter" in d:     # JSON has no tuples: the pair comes back a list
+            d = {**d, "drafter": tuple(d["drafter"])}
         return cls(**d)
 
 
