@@ -4,11 +4,11 @@ run."""
 from __future__ import annotations
 
 from ..gguf_model import GGUFError, GGUFModel
-from . import qwen3moe, qwen3next
+from . import qwen3moe, qwen3next, qwen35moe
 from .interface import Architecture
 
 # each module provides interface.Architecture (tests/test_model_interface.py checks it)
-ARCHITECTURES: dict[str, Architecture] = {m.ARCH: m for m in (qwen3moe, qwen3next)}
+ARCHITECTURES: dict[str, Architecture] = {m.ARCH: m for m in (qwen3moe, qwen3next, qwen35moe)}
 
 
 def architecture_for(gguf: GGUFModel) -> Architecture:
