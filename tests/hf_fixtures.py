@@ -277,12 +277,12 @@ def qwen35moe_gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_qwen35moe_gguf(model, path, dtype: str = "f32", sections=None,
-                         metadata: dict | None = None, drop: tuple[str, ...] = ()) -> str:
+def write_qwen35moe_gguf(model, path, dtype: str = "f32", sections=None, recurrent=None,
+                         drop: tuple[str, ...] = ()) -> str:
     """The metadata the converter writes for Qwen3.5 MoE (Qwen3-Next's keys plus
-    rope.dimension_sections and attention.recurrent_layers) under `qwen35moe.`. `sections`
-    overrides the sections, `metadata` {key: (value, GGUFValueType)} writes further keys (hostile
-    input), `drop` leaves those tensors out."""
+    rope.dimension_sections and attention.recurrent_layers) under `qwen35moe.`. For hostile
+    input: `sections` / `recurrent` written instead of the model's ("omit": no key), `drop`
+    leaves those tensors out."""
     from gguf import GGUFValueType
     cfg, arch = model.config, "qwen35moe"
     w = GGUFWriter(str(path), arch)
@@ -304,14 +304,14 @@ def write_qwen35moe_gguf(model, path, dtype: str = "f32", sections=None,
     w.add_ssm_group_count(cfg.linear_num_key_heads)
     w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
     w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
-    w.add_key_value(f"{arch}.attention.recurrent_layers",
-                    [t == "linear_attention" for t in cfg.layer_types], GGUFValueType.ARRAY)
+    flags = [t == "linear_attention" for t in cfg.layer_types] if recurrent is None else recurrent
+    if flags != "omit":
+        w.add_key_value(f"{arch}.attention.recurrent_layers", flags, GGUFValueType.ARRAY)
     w.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    secs = list(cfg.rope_parameters["mrope_section"]) + [0] if sections is None else list(sections)
-    w.add_key_value(f"{arch}.rope.dimension_sections", secs, GGUFValueType.ARRAY)
-    for key, (value, vtype) in (metadata or {}).items():
-        w.add_key_value(f"{arch}.{key}", value, vtype)
+    secs = list(cfg.rope_parameters["mrope_section"]) + [0] if sections is None else sections
+    if secs != "omit":
+        w.add_key_value(f"{arch}.rope.dimension_sections", secs, GGUFValueType.ARRAY)
     for name, arr in qwen35moe_gguf_tensors(model).items():
         if name in drop:
             continue
