@@ -278,12 +278,13 @@ def qwen35moe_gguf_tensors(model) -> dict[str, np.ndarray]:
 
 
 def write_qwen35moe_gguf(model, path, dtype: str = "f32", sections=None, recurrent=None,
-                         drop: tuple[str, ...] = ()) -> str:
+                         drop: tuple[str, ...] = (), tokenizer: bool = False) -> str:
     """The metadata the converter writes for Qwen3.5 MoE (Qwen3-Next's keys plus
     rope.dimension_sections and attention.recurrent_layers) under `qwen35moe.`. For hostile
     input: `sections` / `recurrent` written instead of the model's ("omit": no key), `drop`
-    leaves those tensors out."""
+    leaves those tensors out; `tokenizer`: the synth's tokenizer too."""
     from gguf import GGUFValueType
+    from strata_dist.synth.tokenizer import add_tokenizer
     cfg, arch = model.config, "qwen35moe"
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -312,6 +313,8 @@ def write_qwen35moe_gguf(model, path, dtype: str = "f32", sections=None, recurre
     secs = list(cfg.rope_parameters["mrope_section"]) + [0] if sections is None else sections
     if secs != "omit":
         w.add_key_value(f"{arch}.rope.dimension_sections", secs, GGUFValueType.ARRAY)
+    if tokenizer:     # llama.cpp loads no file without one (the synth's: vocab >= 370)
+        add_tokenizer(w, cfg.vocab_size)
     for name, arr in qwen35moe_gguf_tensors(model).items():
         if name in drop:
             continue
