@@ -2,6 +2,8 @@
 here wrote), written by the rules of llama.cpp's converter (tests/hf_fixtures.py): prompt and
 decode logits, greedy tokens from one process and from 2 CPU ranks, and files this build does not
 run refused at start naming the key or tensor."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +116,15 @@ def test_converter_layout_is_what_the_file_holds(small):
     names = qwen35moe_gguf_tensors(hf)
     assert names["blk.0.ssm_beta.weight"].shape == names["blk.0.ssm_alpha.weight"].shape == (4, 64)
     assert not any(".ssm_ba." in n or ".ssm_in." in n for n in names)
+
+
+def test_a_plan_on_gpus_is_refused_at_start(small, capsys):
+    # the rig's GPUs are planned without touching one: the refusal comes before any rank loads
+    hf, tmp = small
+    path = write_qwen35moe_gguf(hf, tmp / "gpu.gguf")
+    rig = tmp / "rig.json"
+    rig.write_text(json.dumps([{"name": "a", "total_mib": 4096, "free_mib": 4000}]))
+    assert launch_main(["--model", path, "--inventory", str(rig), "--plan-only"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("warning: ")]
+    assert len(err) == 1 and err[0].startswith("error: ") and "CPU ranks only" in err[0], err
+    assert launch_main(["--model", path, "--cpu-ranks", "2", "--plan-only"]) == 0

@@ -19,6 +19,18 @@ def architecture_for(gguf: GGUFModel) -> Architecture:
     return module
 
 
+# architectures a GPU rank does not run yet, and why
+GPU_REFUSALS: dict[str, str] = {qwen35moe.ARCH: qwen35moe.GPU_REFUSAL}
+
+
+def check_device_kind(gguf: GGUFModel, device_kind: str) -> None:
+    """Refuse (GGUFError) a file whose architecture a rank of `device_kind` does not run: a plan
+    that puts such a file on a GPU stops at start, before any rank loads it."""
+    why = GPU_REFUSALS.get(gguf.arch) if device_kind != "cpu" else None
+    if why:
+        raise GGUFError(gguf.path, why)
+
+
 def load_model(gguf: GGUFModel, backend, lb: int = 0, le: int | None = None, **kw):
     """The forward object of `gguf`'s architecture over layers [lb, le)."""
     module = architecture_for(gguf)

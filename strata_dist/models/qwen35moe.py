@@ -51,6 +51,12 @@ SECTIONS_KEY = "rope.dimension_sections"
 N_SECTIONS = 4      # time, height, width, extra (llama.cpp's multi-section RoPE)
 
 
+# why a GPU rank does not run these files (models/__init__.py refuses a plan that would)
+GPU_REFUSAL = ("qwen35moe runs on CPU ranks only so far: its value heads are regrouped from "
+               "float32 weights at load, and a GPU keeps them quantized in blocks that span "
+               "heads; run it with CPU ranks (--cpu-ranks, or --device cpu)")
+
+
 def text_pairs(sections: list[int], n_pairs: int) -> list[bool]:
     """For each rotated pair of a head, whether it takes the token's own position for text input
     (one of the time / height / width sections, interleaved by pair index modulo 3 as llama.cpp's
@@ -163,9 +169,7 @@ class Qwen35Moe(_next.Qwen3Next):
 
     def __init__(self, gguf, backend, *args, **kw):
         if backend.xp is not np:
-            raise GGUFError(gguf.path, f"qwen35moe runs on CPU ranks only so far: its value heads "
-                                       f"are regrouped from float32 weights at load, which a GPU "
-                                       f"backend ({type(backend).__name__}) keeps quantized")
+            raise GGUFError(gguf.path, GPU_REFUSAL)
         super().__init__(gguf, backend, *args, **kw)
 
     def _build_layers(self) -> dict:
