@@ -11,7 +11,7 @@ from launcher.tools import main as tools_main
 from strata_dist.model_shape import model_shape
 from strata_dist.models import open_checked, qwen35moe
 from strata_dist.single_process import SingleProcessRunner
-from strata_dist.synth import parse_popularity, reserved_width
+from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
 from strata_dist.synth.next import NEXT_GEOMETRIES, plan_next
 
 
@@ -71,3 +71,15 @@ def test_35b_geometry_is_transformers_and_matches_the_architecture_table(tmp_pat
         expected.update(qwen35moe.expected_shapes(geo, layer))
     assert planned == expected
     assert 34e9 < sum(math.prod(s) for s in planned.values()) < 36e9
+
+
+def test_a_file_with_an_mtp_block_runs_its_stack(tmp_path):
+    # the converter writes Qwen3.5's MTP block after the stack: flagged non-recurrent, unused here
+    plain = write_synthetic(tmp_path / "p.gguf", "tiny-qwen35", quant="q8_0", seed=2)
+    mtp = write_synthetic(tmp_path / "m.gguf", "tiny-qwen35", quant="q8_0", seed=2, mtp=True)
+    gguf = open_checked(str(mtp.path))
+    assert gguf.metadata("qwen35moe.attention.recurrent_layers") == [True, True, True, False] * 2 \
+        + [False]
+    prompt = [1, 2, 3, 4, 5]
+    assert SingleProcessRunner(str(mtp.path)).generate(prompt, 6).tokens == \
+        SingleProcessRunner(str(plain.path)).generate(prompt, 6).tokens
