@@ -272,7 +272,8 @@ def _main(args, signals: StopSignals) -> int:
                          **layout)
         out = plan.to_json() if args.json else render_table(plan)
         if args.spec:   # decode tok/s with speculation at a few acceptance rates
-            pred = plan_prediction(plan, shape, profile, args.spec_options, args.kv_type)
+            pred = plan_prediction(plan, shape, profile, args.spec_options, args.kv_type,
+                                   args.model)
             out = pred.in_plan_json(out) if args.json else "\n".join([out, *pred.lines()])
         print(out)
         return 0

@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output .gguf path")
     s.add_argument("--like", default="tiny",
                    help="tiny | qwen3-30b-a3b | qwen3-30b-a3b-2507 | qwen3-235b-a22b | tiny-next | "
-                        "qwen3-next-80b-a3b")
+                        "qwen3-next-80b-a3b | tiny-qwen35 | qwen3.5-35b-a3b")
     s.add_argument("--quant", default="q8_0", help=synth_quant_help())
     s.add_argument("--split-max-size", default=None, metavar="N[K|M|G]",
                    help="write shards OUT-00001-of-0000N.gguf of at most this much tensor data "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .backends.kv_cache import default_kv_type, kv_cell_bytes
 from .backends.layout import dense_nbytes
 from .gguf_model import GGUFModel
-from .models import architecture_for
+from .models import architecture_for, check_device_kind
 from .models.common import prompt_layout
 from .plan.shape import ModelShape
 
@@ -25,6 +25,7 @@ def model_shape(gguf: GGUFModel, device_kind: str = "cpu", kv_type: str | None =
     sessions keeping K/V as `kv_type` (default: the device kind's, backends/kv_cache.py)."""
     kv_type = kv_type or default_kv_type(device_kind)
     arch = architecture_for(gguf)
+    check_device_kind(gguf, device_kind)
     g = arch.read_geometry(gguf)
     size = lambda name: _tensor_loaded_bytes(gguf, arch, name, device_kind)  # noqa: E731
 

@@ -30,9 +30,9 @@ The arithmetic is the backend's general ops (the stack's attention and MoE code,
 `_attention` / `_moe`), so the block runs on the stage's device; a GPU stage that drafts with it
 takes the general path for its one-row steps too (no decode graph: every row's hidden is read).
 The planner reserves `plan_bytes` on the last stage: the block's dense tensors, every routed
-expert of it resident, its session (KV, RoPE table, score scratch) for the context, and the
-pending rows; the embedding rows are read from the file as needed and the model's head is the
-stage's own."""
+expert of it resident, its session (KV, RoPE table, score scratch) for the context, and on a
+CPU rank the pending rows (host memory, which a GPU's reserve never holds); the embedding rows are
+read from the file as needed and the model's head is the stage's own."""
 from __future__ import annotations
 
 import numpy as np
@@ -116,12 +116,13 @@ def dense_names(gguf, g) -> list[str]:
             if n in gguf.tensors or not _optional(n)]
 
 
-def session_nbytes(g, cells: int, kv_type: str) -> int:
-    """An MTP session of `cells` cells: K and V of its one attention layer, its RoPE table (cos +
-    sin), the decode score scratch (DECODE_ROWS rows), and the pending hidden rows (host)."""
+def session_nbytes(g, cells: int, kv_type: str, device_kind: str = "cpu") -> int:
+    """An MTP session of `cells` cells on a device of `device_kind`: K and V of its one attention
+    layer, its RoPE table (cos + sin), the decode score scratch (DECODE_ROWS rows), and on a CPU
+    rank the pending hidden rows, which live in host memory (a GPU's reserve never holds them)."""
     kv = kv_cell_bytes(2 * g.n_head_kv * g.head_dim, kv_type, g.head_dim) * cells
-    return (kv + cells * g.n_rot * 4 + DECODE_ROWS * g.n_head * cells * 4
-            + PENDING_ROWS * g.n_embd * 4)
+    pending = PENDING_ROWS * g.n_embd * 4 if device_kind == "cpu" else 0
+    return kv + cells * g.n_rot * 4 + DECODE_ROWS * g.n_head * cells * 4 + pending
 
 
 def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> int:
@@ -139,7 +140,28 @@ def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> 
     kv_type = kv_type or default_kv_type(device_kind)
     # a catch-up call's rows through a layer: the stage's prompt buffers at CATCH_UP_ROWS rows
     work = model_shape(gguf, device_kind, kv_type).prompt_bytes(CATCH_UP_ROWS)
-    return dense + experts + session_nbytes(g, cells, kv_type) + work
+    return dense + experts + session_nbytes(g, cells, kv_type, device_kind) + work
+
+
+def step_bytes(path: str, device_kind: str, kv_type: str | None, cells: int,
+               kv_fill: float) -> float:
+    """What one one-row step of the block reads on a device of `device_kind` (the tok/s
+    prediction's drafting time, plan/speculation.py): its dense tensors as that device keeps them,
+    the head it projects with (its own shared_head_head, else the model's: MtpBlock's), the
+    top_k routed experts a row routes to, and its K/V filled `kv_fill` of `cells`."""
+    gguf = open_checked(path)
+    g = architecture_for(gguf).read_geometry(gguf)
+
+    def kept(name: str) -> int:
+        info = gguf.tensor(name)
+        return dense_nbytes(info, device_kind, keeps_f32(name, info.shape))
+    read = sum(kept(name) for name in dense_names(gguf, g))
+    if tensor_name(g.n_layers, "nextn.shared_head_head") not in gguf.tensors:
+        read += kept("token_embd.weight" if g.tied_embeddings else "output.weight")
+    read += g.n_expert_used * gguf.blob_bytes(g.n_layers)
+    kv_type = kv_type or default_kv_type(device_kind)
+    kv = kv_cell_bytes(2 * g.n_head_kv * g.head_dim, kv_type, g.head_dim)
+    return read + kv_fill * cells * kv
 
 
 class MtpSession:
@@ -157,15 +179,22 @@ class MtpSession:
         cos, sin = rope_tables(np.arange(max_cells), g.n_rot, g.rope_base, g.rope_scaling)
         self.rope_cos, self.rope_sin = backend.asarray(cos), backend.asarray(sin)
         self.scores = xp.empty(DECODE_ROWS * g.n_head * max_cells, dtype=np.float32)
-        self.pending = np.zeros((PENDING_ROWS, g.n_embd), dtype=np.float32)
+        self.pending = np.zeros((PENDING_ROWS, g.n_embd), dtype=np.float32)   # host memory
+        self._pending_on_device = not backend.on_gpu     # a CPU rank's device is the host
         self.pending_start, self.pending_n = 0, 0
         self.tokens: list[int] = []
         self.fed = 0
+        # the tokens the rows kept before the last draft were computed from (its history, then
+        # its drafts: the window the stage runs next), and the lowest position kept since: a
+        # later request's history that differs from them before a position makes that row stale
+        self.ran: list[int] = []
+        self.fresh_from = 0
 
     @property
     def nbytes(self) -> int:
-        return (int(self._k.nbytes + self._v.nbytes) + int(self.rope_cos.nbytes + self.rope_sin.nbytes) + int(self.scores.nbytes)
-                + int(self.pending.nbytes))
+        """The device memory it takes (session_nbytes): the pending rows only on a CPU rank."""
+        return (int(self._k.nbytes + self._v.nbytes) + int(self.rope_cos.nbytes + self.rope_sin.nbytes)
+                + int(self.scores.nbytes) + int(self.pending.nbytes) * self._pending_on_device)
 
     def k(self, layer: int):
         return self._k
@@ -181,6 +210,7 @@ class MtpSession:
         """The stage's final hidden rows of positions pos..: kept where they continue (or
         overwrite the tail of) the rows kept, else in their place; the latest PENDING_ROWS."""
         n = len(rows)
+        self.fresh_from = min(self.fresh_from, pos)
         if not self.pending_start <= pos <= self.pending_start + self.pending_n:
             self.pending_start, self.pending_n = pos, 0
         at = pos - self.pending_start
@@ -203,6 +233,25 @@ class MtpSession:
             if self.pending_start <= p < self.pending_start + self.pending_n:
                 out[i] = self.pending[p - self.pending_start]
         return out
+
+    def drop_stale(self, history: list[int]) -> None:
+        """Before a draft reads the rows: a row kept before the last draft whose position's
+        tokens (through it) differ from `history`'s (another conversation restored into the
+        session, --conversation-cache-mib) was computed from other tokens: it reads as a zero
+        row, as one never kept. Rows kept since the last draft are this history's."""
+        same = 0
+        limit = min(len(self.ran), len(history))
+        while same < limit and self.ran[same] == history[same]:
+            same += 1
+        lo = max(same, self.pending_start)
+        hi = min(self.fresh_from, self.pending_start + self.pending_n)
+        if lo < hi:
+            self.pending[lo - self.pending_start:hi - self.pending_start] = 0.0
+
+    def drafted(self, history: list[int], drafts: list[int]) -> None:
+        """A draft read the rows: what the next window's rows are computed from."""
+        self.ran = list(history) + list(drafts)
+        self.fresh_from = self.max_cells
 
     def forget_before(self, pos: int) -> None:
         """Rows of positions before `pos` are read: dropped, the later ones moved to the front."""
@@ -320,6 +369,7 @@ class MtpDrafter:
         if k <= 0 or n == 0:
             return [], []
         s = self.session(session_id)
+        s.drop_stale(history)
         same = 0
         limit = min(s.fed, len(s.tokens), n)
         while same < limit and s.tokens[same] == history[same]:
@@ -343,4 +393,5 @@ class MtpDrafter:
             if len(drafts) == k:
                 break
             logits, h = self.block.step([tok], h, s, n - 1 + len(drafts))
+        s.drafted(history, drafts)
         return drafts, [None] * len(drafts)

@@ -37,6 +37,7 @@ import numpy as np
 
 from .model_shape import model_shape
 from .models import open_checked
+from .mtp_draft import step_bytes as mtp_step_bytes
 from .plan.pricing import DECODE_ROWS
 from .plan.speculation import SpecPrediction, predict_spec
 
@@ -149,14 +150,19 @@ def draw_against(sampler, row, draft: int | None, q=None) -> int:
 
 
 def plan_prediction(plan, shape, profile, options: SpecOptions,
-                    kv_type: str | None = None) -> SpecPrediction:
-    """--plan-only's prediction of decode tok/s with `options` (K > 0) on `plan`; a draft model
-    is priced as the last stage's device loads it (plan/speculation.py)."""
-    draft = None
+                    kv_type: str | None = None, model: str = "") -> SpecPrediction:
+    """--plan-only's prediction of decode tok/s with `options` (K > 0) on `plan` of the file
+    `model`; a draft model, or the file's MTP block (--draft mtp), is priced as the last stage's
+    device loads it (plan/speculation.py)."""
+    draft, block = None, None
+    kind = plan.stages[-1].device.kind
     if options.draft_model:
-        draft = model_shape(open_checked(options.draft_model), plan.stages[-1].device.kind,
-                            kv_type)
-    return predict_spec(plan, shape, profile, options.k, options.drafter, draft)
+        draft = model_shape(open_checked(options.draft_model), kind, kv_type)
+    elif options.drafter == "mtp":   # the model file's own block, on the same device
+        block = mtp_step_bytes(model, kind, kv_type, plan.cells,
+                               plan.params.kv_fill)
+    return predict_spec(plan, shape, profile, options.k, options.drafter, draft,
+                        block_bytes=block)
 
 
 @dataclass

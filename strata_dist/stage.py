@@ -489,9 +489,11 @@ class Stage:
         changed = any([self._tier_call(h, h.take_pairs) for h in asked])
         asked = [h for h in asked if h.alive]
         local = self.local_tier.arena if self.local_tier is not None else None
-        held = ([local.slot_of >= 0] if local is not None else []) + [
-            h.pairs_mask(cached.shape) for h in asked]
-        first = int(local is not None)       # held[first + j] is asked[j]'s
+        # this card's own tier read in place (a GPU stage's) never swaps: it is offered nothing
+        local_takes = local is not None and not self.local_tier.read_in_place
+        own = [local.slot_of >= 0] if local is not None else []
+        held = (own if local_takes else []) + [h.pairs_mask(cached.shape) for h in asked]
+        first = int(local_takes)             # held[first + j] is asked[j]'s
         index = {h.rank: first + j for j, h in enumerate(asked)}
         # a helper that refused to re-rank answers no round: no offer waits on it
         answered = {h.rank: h.answered_seq for h in asked if h.rank not in self._rerank_refused}
@@ -504,8 +506,8 @@ class Stage:
         layers = np.zeros(cached.shape, dtype=bool)
         layers[lb:le] = True
         # every tier's pairs, a tier read in place or lost included: a pair no tier holds
-        in_a_tier = np.logical_or.reduce(held + [h.pairs_mask(cached.shape)
-                                                 for h in self.tiers.helpers if h not in asked])
+        in_a_tier = np.logical_or.reduce(own + held + [h.pairs_mask(cached.shape)
+                                                       for h in self.tiers.helpers if h not in asked])
         missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
         sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
                           for l in range(cached.shape[0])], dtype=np.int64)
@@ -514,7 +516,8 @@ class Stage:
         def offered(i: int) -> np.ndarray:
             return np.where((~cached & (held[i] | (to == i)))[lb:le], counts[lb:le], 0.0)
         if local is not None:   # this card's own tier, read here as it is
-            self.local_tier.rerank(lb, le, offered(0))
+            self.local_tier.rerank(lb, le, offered(0) if local_takes else np.where(
+                (~cached & own[0])[lb:le], counts[lb:le], 0.0))
         for h in asked:
             i = index[h.rank]
             changed |= self._tier_call(h, lambda: h.rerank(lb, le, offered(i)))
@@ -546,9 +549,9 @@ class Stage:
         with self._prompt_buffers(prompt):
             h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
             h = self.model.forward_layers(h, s)
-            if sink is not None:
-                sink(h)
             out = h[-1:] if self.cfg.last and not all_rows else h
+        if sink is not None:   # past the chunk's buffers: its allocations are not their overflow
+            sink(h)
         if self._workspace is not None and prompt:
             out = out.copy()        # out of the workspace: the rows outlive the chunk's buffers
         del h

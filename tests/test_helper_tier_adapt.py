@@ -2,7 +2,6 @@
 through the launcher, two stages and a helper-only rank whose explicit tier serves both, a
 round after every step of every stage. The tokens are those with adaptation off, the tier swaps,
 and a stage that asks for a pair that left the tier before it heard is answered all the same."""
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -274,10 +273,49 @@ def test_a_stage_offers_a_hot_missed_pair_to_the_tier_that_gains_most(files, tmp
         identity, seq, theirs, ours = round_()
         assert theirs[0, 4] == 20.0 and ours[0, 4] == 0          # not answered yet: still theirs
         router.send(identity, TierPairs(seq=seq, pairs=[[1, 2]], swaps=0))
-        time.sleep(0.2)
+        # the answer is there before the next round looks (it takes only what has arrived): a
+        # fixed sleep may end before it on a loaded machine
+        assert other.ch.poll(5000), "the tier's answer never reached the stage"
         _, _, theirs, ours = round_()
         assert theirs[0, 4] == 0 and ours[0, 4] == 20.0          # declined: now to this card's
         assert theirs[1, 2] == 30.0 and ours[0, 3] == 1.0        # each still ranks its own
+    finally:
+        other.ch.close()
+        router.close()
+
+
+def test_a_tier_read_in_place_is_offered_no_missed_pair(files, tmp_path):
+    """This card's own tier read in place (a GPU stage's decode graph reads its addresses) never
+    swaps: a hot pair no tier holds goes to the other card's tier even where this card's tier has
+    the coldest slot (offered to this one, it would never be taken by any), and this card's tier
+    still gets the counts of the pairs it holds."""
+    from protocol import TierCounts
+    from protocol.transport import RouterChannel
+    from strata_dist.backends import get_backend
+    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.tiers import HelperClient
+    tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
+                             adapt_swaps=1)
+    tier.read_in_place = True
+    stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
+                              local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
+    stage.local_tier = tier
+    router = RouterChannel(peer="the other tier")
+    endpoint = router.bind(f"ipc://{tmp_path}/other-tier")
+    other = HelperClient(1, endpoint, [(1, 2)])
+    stage.tiers.helpers.append(other)
+    try:
+        counts = stage.routing.counts
+        counts[0, 3], counts[1, 3], counts[1, 2] = 1.0, 7.0, 30.0   # this card's slot: coldest
+        counts[0, 4] = 20.0                                      # hot, held by no tier
+        stage._rerank_helpers(stage.cache.slot_of >= 0)
+        _, msg, arrays = router.recv(5000, what="the stage's tier counts")
+        assert isinstance(msg, TierCounts)
+        theirs, ours = arrays[0], tier.counts[:2]
+        assert theirs[0, 4] == 20.0 and ours[0, 4] == 0
+        assert (ours[0, 3], ours[1, 3]) == (1.0, 7.0) and theirs[1, 2] == 30.0
+        assert (tier.arena.slot_of >= 0).sum() == 2 and tier.arena.slot_of[0, 3] >= 0   # no swap
     finally:
         other.ch.close()
         router.close()

@@ -247,6 +247,61 @@ def test_the_block_is_priced_on_the_last_stage_as_carved(files):
     assert drafter.weights_bytes + drafter.session_bytes() == want - work
 
 
+def test_an_inventory_of_both_kinds_reserves_the_blocks_larger_price(files, tmp_path):
+    """A GPU and a CPU rank may each run the last stage: the block is reserved at the larger of
+    its two prices, a CPU rank's here (its dense tensors f32, its K/V f32, its experts copied as
+    on a GPU), so it fits the stage wherever that lands."""
+    path = files["mtp"]
+    rig = tmp_path / "rig.json"
+    rig.write_text(json.dumps([{"name": f"{kind}{i}", "total_mib": 8000, "free_mib": 7000,
+                                "index": i, "kind": kind}
+                               for i, kind in enumerate(("cuda", "cpu"))]))
+    base = ["--model", path, "--inventory", str(rig), "--layer-split", "4", "--max-context",
+            str(CTX), "--plan-only", "--spec", "4", "--json"]
+    plain, priced = json.loads(_launch(*base).stdout), json.loads(_launch(*base, "--draft",
+                                                                          "mtp").stdout)
+    on_cpu, on_gpu = plan_bytes(path, "cpu", None, CTX), plan_bytes(path, "cuda", None, CTX)
+    assert on_cpu > on_gpu
+    assert priced["params"]["draft_bytes"] == on_cpu
+    last = [(a["reserve_bytes"], b["reserve_bytes"])
+            for a, b in zip(plain["stages"], priced["stages"])][-1]
+    assert last[1] - last[0] == on_cpu
+
+
+def test_plan_only_prices_the_blocks_drafting_in_the_tok_s_prediction(files):
+    """--draft mtp's K drafts are K one-row steps of the block on the last stage's device: its
+    tensors (less the embedding, read a row at a time), the model's head (the file has no
+    shared_head_head), top_k of its experts and its K/V half filled, read once a step."""
+    path = files["mtp"]
+    base = ["--model", path, "--cpu-ranks", "2", "--layer-split", "4", "--max-context",
+            str(CTX), "--vram-budget", "1G", "--plan-only", "--spec", "4", "--json"]
+    r = _launch(*base, "--draft", "mtp")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    spec, params = got["speculation"], got["params"]
+    reader = gguf.GGUFReader(path)
+    meta = lambda k: int(reader.fields[f"qwen3next.{k}"].parts[-1][0])   # noqa: E731
+    L, top_k = meta("block_count") - 1, meta("expert_used_count")
+    block = {t.name: int(t.n_bytes) for t in reader.tensors if t.name.startswith(f"blk.{L}.")}
+    assert f"blk.{L}.nextn.shared_head_head.weight" not in block
+    head = next(int(t.n_bytes) for t in reader.tensors
+                if t.name == ("output.weight" if any(t.name == "output.weight"
+                                                    for t in reader.tensors)
+                              else "token_embd.weight"))
+    experts = sum(n for name, n in block.items() if "_exps." in name)
+    dense = sum(n for name, n in block.items()
+                if "_exps." not in name and "embed_tokens" not in name)
+    n_expert = meta("expert_count")
+    head_dim, n_kv = meta("attention.key_length"), meta("attention.head_count_kv")
+    kv = 2 * n_kv * head_dim * 4 * CTX * params["kv_fill"]          # f32 K and V on a CPU rank
+    step = dense + head + top_k * experts / n_expert + kv
+    bw = got["devices"][-1]["mem_bandwidth_gbs"] * 1e6                 # bytes a millisecond
+    assert spec["drafter"] == "mtp"
+    assert spec["drafter_ms"] == pytest.approx(4 * (step / bw + params["layer_ms"]), rel=1e-3)
+    ngram = json.loads(_launch(*base).stdout)["speculation"]
+    assert spec["tok_s"]["0.9"] < ngram["tok_s"]["0.9"]     # the block's drafting costs time
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 def _flip_first_recurrent_flag(src: str, dst: str) -> None:
@@ -353,3 +408,56 @@ def test_drafts_are_those_of_llama_cpps_mtp(tmp_path):
     assert int(np.argmax(window[0])) == 114           # no draft accepted: the window ends here
     assert int(np.argmax(stage.run(0, 6, ids=[114]))) == 238
     assert drafter.draft(0, prompt + [114, 238], 4, 0.0)[0] == [20, 484, 293, 341]
+
+
+def test_rows_of_another_conversation_read_as_zero_rows(files):
+    """A kept conversation restored into a session (--conversation-cache-mib) leaves the rows the
+    session kept for the conversation before it at the positions the restore skips: computed from
+    other tokens, the block reads them as zero rows (as a position never computed), and reads the
+    rows of the positions both conversations share, and the new rows, as they were kept."""
+    path = files["mtp"]
+    stage = Stage(StageConfig(path, "cpu", 4, 8, False, True, CTX))
+    drafter = MtpDrafter(path, "cpu", CTX, stage.model)
+    read = []
+    step = drafter.block.step
+
+    def reading(token_ids, hidden, session, pos0):     # the real step, its rows recorded
+        read.append((pos0, np.array(hidden, dtype=np.float32)))
+        return step(token_ids, hidden, session, pos0)
+    drafter.block.step = reading
+    rng = np.random.default_rng(7)
+    n_embd = drafter.block.g.n_embd
+    a = [5, 6, 7, 8, 9, 10, 11, 12]
+    rows_a = rng.standard_normal((len(a), n_embd)).astype(np.float32)
+    drafter.take_hidden(0, 0, rows_a)
+    drafter.draft(0, a, 2, 0.0)
+    # conversation b shares a's first 3 tokens; its first 8 are restored, positions 8, 9 read
+    b = [5, 6, 7, 20, 21, 22, 23, 24, 25, 26]
+    rows_b = rng.standard_normal((2, n_embd)).astype(np.float32)
+    drafter.take_hidden(0, 8, rows_b)
+    read.clear()
+    drafter.draft(0, b, 2, 0.0)
+    pos0, hidden = read[0]            # the catch-up: positions 3..9 read rows 2..8
+
+    def normed(row):                  # the stack's output norm, as the head reads the row
+        w = next(np.asarray(t.data, dtype=np.float64) for t in gguf.GGUFReader(path).tensors
+                 if t.name == "output_norm.weight")
+        x = row.astype(np.float64)
+        return x / np.sqrt(np.mean(x * x) + drafter.block.g.rms_eps) * w
+    assert pos0 == 3 and len(hidden) == 7
+    by_pos = {p: hidden[p - 2] for p in range(2, 9)}
+    assert not np.any(by_pos[7])            # a's row 7, kept before the restore: zero
+    assert np.allclose(by_pos[8], normed(rows_b[0]), rtol=1e-4, atol=1e-5)
+
+
+def test_the_pending_rows_are_priced_only_where_the_host_is_the_device(files, monkeypatch):
+    """A session's pending hidden rows are host memory: a CPU rank's price holds them (n_embd
+    float32 a row), a GPU's reserve does not."""
+    import strata_dist.mtp_draft as mtp_draft
+    path = files["mtp"]
+    n_embd = int(gguf.GGUFReader(path).fields["qwen3next.embedding_length"].parts[-1][0])
+    before = {kind: plan_bytes(path, kind, None, CTX) for kind in ("cpu", "cuda")}
+    monkeypatch.setattr(mtp_draft, "PENDING_ROWS", mtp_draft.PENDING_ROWS + 100)
+    after = {kind: plan_bytes(path, kind, None, CTX) for kind in ("cpu", "cuda")}
+    assert after["cpu"] - before["cpu"] == 100 * n_embd * 4
+    assert after["cuda"] == before["cuda"]

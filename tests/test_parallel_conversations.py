@@ -200,6 +200,14 @@ def _in_thread(fn):
     return out[0]
 
 
+def _until(done, timeout_s: float = 10.0) -> None:
+    """Wait for another thread's progress, bounded: one that failed before it fails this wait."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.01)
+
+
 def test_a_report_never_drops_a_key_a_later_step_kept():
     """Request A (a step-less continuation) reports after request B's step kept a key: the stages
     had not applied B's step when they read A's chunk, so A's report lacks B's key; B's own
@@ -255,8 +263,7 @@ def test_a_request_waits_until_the_step_ahead_is_confirmed_or_its_request_ends()
 
     ta = threading.Thread(target=a)
     ta.start()
-    while not order:
-        time.sleep(0.01)
+    _until(lambda: order)
 
     def b():
         go.set()
@@ -279,8 +286,7 @@ def test_a_request_waits_until_the_step_ahead_is_confirmed_or_its_request_ends()
         t.settle()
     tc = threading.Thread(target=c)
     tc.start()
-    while not c_step:
-        time.sleep(0.01)
+    _until(lambda: c_step)
     d = _in_thread(lambda: (t.begin(), t.step([], "s", "s", 0, (0, 0), True))[1])
     tc.join(5)
     assert c_step[0].keep not in t.kept and c_step[0].keep in d.forget

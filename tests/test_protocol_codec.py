@@ -300,6 +300,12 @@ def test_spec_names_every_message_and_field():
 
     spec = open(os.path.join(os.path.dirname(protocol.__file__), "PROTOCOL.md")).read()
     assert f"version {PROTOCOL_VERSION}" in spec
+    # the version rule's history says the same number, and its last entry is that version's
+    rule = spec[spec.index("`PROTOCOL_VERSION` (an int, now"):]
+    assert rule.startswith(f"`PROTOCOL_VERSION` (an int, now {PROTOCOL_VERSION};")
+    history = rule[:rule.index("changes whenever")]
+    assert f"v{PROTOCOL_VERSION} " in history
+    assert f"v{PROTOCOL_VERSION + 1} " not in history
     for cls in list(MESSAGE_TYPES.values()) + list(m.STRUCT_TYPES.values()):
         row = next((line for line in spec.splitlines()
                     if line.startswith(f"| `{getattr(cls, 'TYPE', '') or cls.__name__}` |")), None)

@@ -4,11 +4,11 @@ run."""
 from __future__ import annotations
 
 from ..gguf_model import GGUFError, GGUFModel
-from . import qwen3moe, qwen3next
+from . import qwen3moe, qwen3next, qwen35moe
 from .interface import Architecture
 
 # each module provides interface.Architecture (tests/test_model_interface.py checks it)
-ARCHITECTURES: dict[str, Architecture] = {m.ARCH: m for m in (qwen3moe, qwen3next)}
+ARCHITECTURES: dict[str, Architecture] = {m.ARCH: m for m in (qwen3moe, qwen3next, qwen35moe)}
 
 
 def architecture_for(gguf: GGUFModel) -> Architecture:
@@ -17,6 +17,18 @@ def architecture_for(gguf: GGUFModel) -> Architecture:
         raise GGUFError(gguf.path, f"unknown architecture '{gguf.arch}' "
                                    f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return module
+
+
+# architectures a GPU rank does not run yet, and why
+GPU_REFUSALS: dict[str, str] = {qwen35moe.ARCH: qwen35moe.GPU_REFUSAL}
+
+
+def check_device_kind(gguf: GGUFModel, device_kind: str) -> None:
+    """Refuse (GGUFError) a file whose architecture a rank of `device_kind` does not run: a plan
+    that puts such a file on a GPU stops at start, before any rank loads it."""
+    why = GPU_REFUSALS.get(gguf.arch) if device_kind != "cpu" else None
+    if why:
+        raise GGUFError(gguf.path, why)
 
 
 def load_model(gguf: GGUFModel, backend, lb: int = 0, le: int | None = None, **kw):

@@ -67,9 +67,11 @@ class PlanParams:
                      it, where that is a GPU's: weights with every expert resident, session and
                      catch-up buffers (draft_model.plan_bytes; the MTP block: mtp_draft.plan_bytes);
                      0: none.
-    draft_cpu_bytes  ... where the last stage is a CPU rank's: the same less the experts, which it
-                     reads where the file maps them. make_plan prices the kind of the device the
-                     last stage lands on (the plan's params then say that price in draft_bytes).
+    draft_cpu_bytes  ... where the last stage is a CPU rank's: a draft model's less the experts,
+                     which it reads where the file maps them; the MTP block's with its experts
+                     copied and its dense tensors f32. make_plan prices the kind of the device the
+                     last stage lands on, the larger of the two where the stages' devices mix
+                     kinds (the plan's params then say that price in draft_bytes).
     drafter          what draft_bytes holds and its flag, as the plan's notes name them.
     kv_resident      cells of each session's K/V every stage keeps on its device (--kv-resident):
                      the attention sinks and a ring of the newest cells; every cell also lives in
@@ -146,6 +148,8 @@ class PlanParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"PlanParams: unknown field {unknown[0]!r}")
+        if "drafter" in d:     # JSON has no tuples: the pair comes back a list
+            d = {**d, "drafter": tuple(d["drafter"])}
         return cls(**d)
 
 

@@ -414,9 +414,14 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                      + (f"; helper tiers only on {', '.join(helper_only)}" if helper_only else ""))
     # the draft model is priced as the kind of device the last stage lands on, a CPU rank when
     # every device that may run a stage is one (a launch has one kind of rank); an inventory
-    # that mixes kinds reserves the GPU price, the larger, wherever the last stage lands
-    if all(dev.kind == "cpu" for d, dev in enumerate(ordered) if stage_set is None or d in stage_set):
+    # that mixes kinds reserves the larger of the two prices wherever the last stage lands (a
+    # draft model's GPU copy of its experts is mostly the larger; the MTP block, which copies its
+    # experts on both kinds, costs more on a CPU rank, its dense tensors f32 there)
+    kinds = {dev.kind for d, dev in enumerate(ordered) if stage_set is None or d in stage_set}
+    if kinds == {"cpu"}:
         params = replace(params, draft_bytes=params.draft_cpu_bytes)
+    elif "cpu" in kinds:
+        params = replace(params, draft_bytes=max(params.draft_bytes, params.draft_cpu_bytes))
     sized = explicit_tiers(helper_tiers, ordered)
     # an explicit tier on a card that may run a stage comes first: the stage's cache fills the rest
     withheld = [sized[dev].budget_bytes + HELPER_RESERVE_BYTES

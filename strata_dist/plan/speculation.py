@@ -11,7 +11,9 @@ The planner prices it as it prices a one-row step (score.py), with what changes 
 - a hand-off carries R hidden rows (the bytes matter only on a link between hosts).
 The drafter adds its own time: the n-gram drafter nothing the model prices; a draft model K
 one-row steps of its own weights on the last stage's device (`draft_step_ms`: a catch-up step,
-then K - 1 drafts, draft_model.py).
+then K - 1 drafts, draft_model.py); the MTP block (--draft mtp) K one-row steps of its one layer
+and the head it projects with there (`block_step_ms` of mtp_draft.step_bytes: a catch-up call,
+then K - 1 chained drafts).
 
 Not priced: the per-row arithmetic (the model is of bytes read, as the planner's is), and on a
 stage with recurrent state (qwen3next) the accepted rows it runs again after a rejected draft to
@@ -107,6 +109,13 @@ def draft_step_ms(draft: ModelShape, bandwidth_gbs: float | None, params: PlanPa
     return (weights_bytes(draft, 0, L, True, True) + state + experts) / bw + params.layer_ms * L
 
 
+def block_step_ms(step_bytes: float, bandwidth_gbs: float | None, params: PlanParams) -> float:
+    """One one-row step of the MTP block that reads `step_bytes` (mtp_draft.step_bytes) on the
+    device of bandwidth `bandwidth_gbs` (None: the planner's default); layer_ms for its layer."""
+    bw = (bandwidth_gbs or params.default_bw_gbs) * 1e6    # bytes per millisecond
+    return step_bytes / bw + params.layer_ms
+
+
 @dataclass(frozen=True)
 class SpecPrediction:
     """--spec K's predicted decode: one window's verify and draft milliseconds, and tok/s at each
@@ -142,12 +151,16 @@ class SpecPrediction:
 
 def predict_spec(plan, shape: ModelShape, profile: RoutingProfile | None, k: int,
                  drafter: str = "ngram", draft: ModelShape | None = None,
-                 acceptances: tuple[float, ...] = ACCEPTANCES) -> SpecPrediction:
+                 acceptances: tuple[float, ...] = ACCEPTANCES,
+                 block_bytes: float | None = None) -> SpecPrediction:
     """The prediction of --spec K on `plan`; `draft`: the draft model's shape as the last stage's
-    device loads it (drafter "model"), priced there."""
+    device loads it (drafter "model"), priced there; `block_bytes`: what one step of the MTP
+    block reads there (drafter "mtp", mtp_draft.step_bytes)."""
     drafting = 0.0
+    last = plan.stages[-1].device
     if draft is not None:
-        last = plan.stages[-1].device
         drafting = k * draft_step_ms(draft, last.mem_bandwidth_gbs, plan.params, plan.cells)
+    elif block_bytes is not None:
+        drafting = k * block_step_ms(block_bytes, last.mem_bandwidth_gbs, plan.params)
     return SpecPrediction(k, drafter, window_ms(plan, shape, profile, k + 1), drafting,
                           1000.0 / plan.predicted_ms_per_token, tuple(acceptances))

@@ -1,4 +1,5 @@
-"""Synthetic qwen3next GGUFs (`strata-dist synth --like tiny-next | qwen3-next-80b-a3b`).
+"""Synthetic qwen3next GGUFs (`strata-dist synth --like tiny-next | qwen3-next-80b-a3b`) and
+qwen35moe ones (`--like tiny-qwen35 | qwen3.5-35b-a3b`).
 
 The same streaming writer, random blocks and routing-popularity law as the qwen3moe files (the
 package's docstring), carried over to the hybrid stack: the reserved slice [0, R) of the hidden state is read
@@ -11,6 +12,10 @@ The GDN tensors follow llama.cpp's conventions (see models/qwen3next.py): ssm_a 
 [1, 8], ssm_dt.bias = softplus^-1 of a time step in [0.01, 0.1] (what Qwen3-Next's training init
 draws), ssm_norm 1, ssm_conv1d F32 [conv_dim, K]. Norms are written as stored (llama.cpp's +1
 already applied): 1 means an identity scale.
+A qwen35moe file (Qwen3.5 MoE) is laid out as llama.cpp's converter writes that architecture:
+blk.N.ssm_beta and blk.N.ssm_alpha ([n_v, n_embd] each) instead of ssm_ba, the RoPE sections
+(rope.dimension_sections) and a recurrent flag per block (attention.recurrent_layers). Its value
+heads are random, so their order (tiled in such files, models/qwen35moe.py) needs no writing.
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ class NextSynthGeometry:
     context_length: int = 262144
     rope_base: float = 1e7
     rms_eps: float = 1e-6
+    arch: str = "qwen3next"             # or "qwen35moe"
+    rope_sections: tuple[int, ...] = ()  # qwen35moe: rope.dimension_sections
 
     @property
     def key_dim(self) -> int:
@@ -87,6 +94,23 @@ NEXT_GEOMETRIES: dict[str, NextSynthGeometry] = {
                                             n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
                                             n_vocab=151936, n_k_heads=16, n_v_heads=32,
                                             head_k_dim=128, head_v_dim=128),
+    # 8 pairs rotated per head (head 32, partial rotary 0.25) in sections 2 + 1 + 1
+    "tiny-qwen35": NextSynthGeometry("tiny-qwen35", n_layer=8, n_embd=64, n_head=4, n_head_kv=2,
+                                     head_dim=32, n_expert=8, n_expert_used=2, n_ff_exp=32,
+                                     n_ff_shexp=32, n_vocab=512, n_k_heads=2, n_v_heads=4,
+                                     head_k_dim=16, head_v_dim=16, context_length=4096,
+                                     rope_base=1e6, arch="qwen35moe", rope_sections=(2, 1, 1, 0)),
+    # Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults (40 layers, attention every
+    # 4th, hidden 2048, 16 q / 2 kv heads of 256, partial rotary 0.25, linear attention 16 key /
+    # 32 value heads of 128, 256 experts top-8 of ff 512, shared expert ff 512, vocab 248320,
+    # rope_theta 1e4, 32768 positions) and the converter's default sections [11, 11, 10, 0]
+    "qwen3.5-35b-a3b": NextSynthGeometry("qwen3.5-35b-a3b", n_layer=40, n_embd=2048, n_head=16,
+                                         n_head_kv=2, head_dim=256, n_expert=256,
+                                         n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+                                         n_vocab=248320, n_k_heads=16, n_v_heads=32,
+                                         head_k_dim=128, head_v_dim=128, context_length=32768,
+                                         rope_base=1e4, arch="qwen35moe",
+                                         rope_sections=(11, 11, 10, 0)),
 }
 
 
@@ -152,7 +176,10 @@ def plan_next(g: NextSynthGeometry, quant: str, pop: Popularity, seed: int, mtp:
                            math.log(0.01), math.log(0.1), g.n_v_heads))))),
                 const(_name(MT.SSM_A, il, ""), (g.n_v_heads,),
                        lambda rng=rng: -rng(22).uniform(1.0, 8.0, g.n_v_heads)),
-                matrix(_name(MT.SSM_BETA_ALPHA, il), 2 * g.n_v_heads, g.n_embd, bits(3)),
+                *([matrix(_name(MT.SSM_BETA, il), g.n_v_heads, g.n_embd, bits(3)),
+                   matrix(_name(MT.SSM_ALPHA, il), g.n_v_heads, g.n_embd, bits(8))]
+                  if g.arch == "qwen35moe" else
+                  [matrix(_name(MT.SSM_BETA_ALPHA, il), 2 * g.n_v_heads, g.n_embd, bits(3))]),
                 const(_name(MT.SSM_NORM, il), (g.head_v_dim,), lambda: np.ones(g.head_v_dim)),
                 matrix(_name(MT.SSM_OUT, il), g.n_embd, g.value_dim, bits(4), no_write,
                        std=gdn_out_std),
@@ -221,12 +248,15 @@ def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
     path = Path(path)
     tensors, ranks = plan_next(g, quant, pop, seed, mtp)
 
-    def metadata(w: gguf.GGUFWriter) -> None:   # what llama.cpp's Qwen3NextModel converter writes
+    def metadata(w: gguf.GGUFWriter) -> None:   # what llama.cpp's converter writes for the arch
         w.add_block_count(g.n_layer + mtp)
         if mtp:
             w.add_nextn_predict_layers(1)
+        if mtp or g.arch == "qwen35moe":
             w.add_array(f"{w.arch}.attention.recurrent_layers",
-                        [g.is_linear(il) for il in range(g.n_layer)] + [False])
+                        [g.is_linear(il) for il in range(g.n_layer)] + [False] * mtp)
+        if g.rope_sections:
+            w.add_array(f"{w.arch}.rope.dimension_sections", list(g.rope_sections))
         w.add_context_length(rope_scaling.context_length(g.context_length) if rope_scaling
                              else g.context_length)
         w.add_embedding_length(g.n_embd)
@@ -251,6 +281,6 @@ def write_next(path: str | os.PathLike[str], like: str | NextSynthGeometry,
         w.add_ssm_inner_size(g.value_dim)
         w.add_full_attention_interval(g.full_attention_interval)
 
-    paths = write_file(path, "qwen3next", g, quant, pop, seed, ranks, metadata, tensors, progress,
+    paths = write_file(path, g.arch, g, quant, pop, seed, ranks, metadata, tensors, progress,
                        split_max_size)
     return summary(paths, sum(p.stat().st_size for p in paths), g, quant, pop, tensors, ranks)
