@@ -62,6 +62,7 @@ def test_the_mtp_arm_drafts_with_the_files_block_and_keeps_the_tokens(run):
     assert mtp["acceptance"] == round(mtp["accepted"] / mtp["drafted"], 4)
     assert mtp["over_k0"] == round(mtp["decode_tok_s"] / arms["strata"]["decode_tok_s"], 3)
     assert mtp["predicted"]["drafter"] == "mtp" and mtp["predicted"]["k"] == 4
+    assert mtp["predicted"]["drafter_ms"] > 0          # the block's own steps, priced
     assert f"strata mtp: {mtp['decode_tok_s']:.1f} tok/s decode, K 4: " \
            f"{mtp['accepted']}/{mtp['drafted']} drafts accepted" in out
 
