@@ -374,9 +374,11 @@ def test_queue_full_answers_429(server, client):
     # the server notices the three disconnects: the running generation is cancelled and the
     # waiting two leave the queue without running
     t0 = time.monotonic()
-    while status(server)["queue"] != {"waiting": 0, "capacity": 2, "running": 0}:
+    while {k: v for k, v in status(server)["queue"].items() if k != "sessions"} != {
+            "waiting": 0, "capacity": 2, "running": 0}:
         assert time.monotonic() - t0 < 3.0, status(server)["queue"]
         time.sleep(0.02)
+    assert all(s["request"] is None for s in status(server)["queue"]["sessions"])
     r = client.completions.create(model="tiny", prompt="after the rush", max_tokens=3, extra_body=LONG)
     assert r.usage.completion_tokens == 3 and time.monotonic() - t0 < 4.0
 

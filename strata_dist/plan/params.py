@@ -140,6 +140,7 @@ class PlanParams:
         d = dict(self.__dict__)
         if not d["kv_resident"]:
             del d["kv_resident"]       # every cell resident: the plan as it was before the field
+        d["drafter"] = list(d["drafter"])     # as JSON carries it (from_dict makes it a pair again)
         return d
 
     @classmethod
