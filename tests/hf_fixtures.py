@@ -284,32 +284,14 @@ def write_qwen35moe_gguf(model, path, dtype: str = "f32", sections=None, recurre
     input: `sections` / `recurrent` written instead of the model's ("omit": no key), `drop`
     leaves those tensors out; `tokenizer`: the synth's tokenizer too."""
     from gguf import GGUFValueType
+    from hf_next_fixtures import write_hybrid_metadata
     from strata_dist.synth.tokenizer import add_tokenizer
     cfg, arch = model.config, "qwen35moe"
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
-    w.add_ssm_state_size(cfg.linear_key_head_dim)
-    w.add_ssm_group_count(cfg.linear_num_key_heads)
-    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
-    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    write_hybrid_metadata(w, cfg)
     flags = [t == "linear_attention" for t in cfg.layer_types] if recurrent is None else recurrent
     if flags != "omit":
         w.add_key_value(f"{arch}.attention.recurrent_layers", flags, GGUFValueType.ARRAY)
-    w.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
-    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
     secs = list(cfg.rope_parameters["mrope_section"]) + [0] if sections is None else sections
     if secs != "omit":
         w.add_key_value(f"{arch}.rope.dimension_sections", secs, GGUFValueType.ARRAY)

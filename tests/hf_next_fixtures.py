@@ -153,16 +153,13 @@ def _stored(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, QT]:
     return gguf_quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype), qtype
 
 
-def write_gguf(model: Qwen3NextForCausalLM, path, dtype: str = "f32", legacy: bool = False,
-               eos_id: int | None = None) -> str:
-    """The metadata Qwen3NextModel.set_gguf_parameters writes (Qwen2Moe's + ssm.*, the attention
-    interval and rope.dimension_count = head_dim * partial_rotary_factor)."""
-    cfg = model.config
-    w = GGUFWriter(str(path), "qwen3next")
+def write_hybrid_metadata(w: GGUFWriter, cfg) -> None:
+    """The hybrid stack's metadata both converters write (Qwen3-Next's and Qwen3.5-MoE's, under
+    the writer's architecture): Qwen2Moe's keys + ssm.*, the attention interval and
+    rope.dimension_count = head_dim * partial_rotary_factor."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
@@ -181,6 +178,16 @@ def write_gguf(model: Qwen3NextForCausalLM, path, dtype: str = "f32", legacy: bo
     interval = [t for t in cfg.layer_types].index("full_attention") + 1
     w.add_full_attention_interval(interval)
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+
+
+def write_gguf(model: Qwen3NextForCausalLM, path, dtype: str = "f32", legacy: bool = False,
+               eos_id: int | None = None) -> str:
+    """The metadata Qwen3NextModel.set_gguf_parameters writes (Qwen2Moe's + ssm.*, the attention
+    interval and rope.dimension_count = head_dim * partial_rotary_factor)."""
+    cfg = model.config
+    w = GGUFWriter(str(path), "qwen3next")
+    w.add_feed_forward_length(cfg.intermediate_size)
+    write_hybrid_metadata(w, cfg)
     if eos_id is not None:
         w.add_eos_token_id(eos_id)
     for name, arr in gguf_tensors(model, legacy=legacy).items():
