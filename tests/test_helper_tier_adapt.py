@@ -170,25 +170,35 @@ def test_a_tier_is_given_the_counts_of_pairs_no_other_tier_holds(files):
     other.ch.close()
 
 
-def test_a_pair_no_tier_holds_is_offered_to_one_tier_only(files, tmp_path):
-    """Two tiers that may swap (this card's own and another card's, which hears its counts over a
-    real link): a hot pair none holds is in the counts of one of them only, so both cannot take
-    it in one round; each still gets the heat of its own pairs."""
-    from protocol import TierCounts
+def _stage_beside_two_tiers(files, tmp_path, read_in_place: bool = False):
+    """A stage of layers [0, 2) holding (0, 1) in its cache, beside two tiers that may take pairs:
+    this card's own (pairs (0, 3) and (1, 3); `read_in_place`: as a GPU stage's graph reads it,
+    which never swaps) and another card's, alive behind a real link (pair (1, 2)), whose counts
+    the returned router receives. Returns (stage, this card's tier, router, the other's client)."""
     from protocol.transport import RouterChannel
     from strata_dist.backends import get_backend
     from strata_dist.gguf_model import GGUFModel
     from strata_dist.stage import Stage, StageConfig
     from strata_dist.tiers import HelperClient
     tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
-                             adapt_swaps=0)
+                             adapt_swaps=int(read_in_place))
+    tier.read_in_place = read_in_place
     stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
                               local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
     stage.local_tier = tier
     router = RouterChannel(peer="the other tier")
     endpoint = router.bind(f"ipc://{tmp_path}/other-tier")
-    other = HelperClient(1, endpoint, [(1, 2)])      # another card's tier, alive
+    other = HelperClient(1, endpoint, [(1, 2)])
     stage.tiers.helpers.append(other)
+    return stage, tier, router, other
+
+
+def test_a_pair_no_tier_holds_is_offered_to_one_tier_only(files, tmp_path):
+    """Two tiers that may swap (this card's own and another card's, which hears its counts over a
+    real link): a hot pair none holds is in the counts of one of them only, so both cannot take
+    it in one round; each still gets the heat of its own pairs."""
+    from protocol import TierCounts
+    stage, tier, router, other = _stage_beside_two_tiers(files, tmp_path)
     try:
         stage.routing.counts[:2] = 5.0
         stage._rerank_helpers(stage.cache.slot_of >= 0)
@@ -243,20 +253,7 @@ def test_a_stage_offers_a_hot_missed_pair_to_the_tier_that_gains_most(files, tmp
     this card's); while that tier has not answered the round, it is offered there again even
     when the heat turns; once it answers without the pair, the pair goes where it gains most."""
     from protocol import TierCounts, TierPairs
-    from protocol.transport import RouterChannel
-    from strata_dist.backends import get_backend
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.stage import Stage, StageConfig
-    from strata_dist.tiers import HelperClient
-    tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
-                             adapt_swaps=0)
-    stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
-                              local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
-    stage.local_tier = tier
-    router = RouterChannel(peer="the other tier")
-    endpoint = router.bind(f"ipc://{tmp_path}/other-tier")
-    other = HelperClient(1, endpoint, [(1, 2)])
-    stage.tiers.helpers.append(other)
+    stage, tier, router, other = _stage_beside_two_tiers(files, tmp_path)
 
     def round_():
         stage._rerank_helpers(stage.cache.slot_of >= 0)
@@ -290,21 +287,7 @@ def test_a_tier_read_in_place_is_offered_no_missed_pair(files, tmp_path):
     the coldest slot (offered to this one, it would never be taken by any), and this card's tier
     still gets the counts of the pairs it holds."""
     from protocol import TierCounts
-    from protocol.transport import RouterChannel
-    from strata_dist.backends import get_backend
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.stage import Stage, StageConfig
-    from strata_dist.tiers import HelperClient
-    tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
-                             adapt_swaps=1)
-    tier.read_in_place = True
-    stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
-                              local_helper=tier.arena, adapt_every=1, adapt_swaps=1))
-    stage.local_tier = tier
-    router = RouterChannel(peer="the other tier")
-    endpoint = router.bind(f"ipc://{tmp_path}/other-tier")
-    other = HelperClient(1, endpoint, [(1, 2)])
-    stage.tiers.helpers.append(other)
+    stage, tier, router, other = _stage_beside_two_tiers(files, tmp_path, read_in_place=True)
     try:
         counts = stage.routing.counts
         counts[0, 3], counts[1, 3], counts[1, 2] = 1.0, 7.0, 30.0   # this card's slot: coldest
