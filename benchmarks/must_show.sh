@@ -83,8 +83,12 @@
 # without it): the same q4_k_m file written again in three shards (--split-max-size a third of its
 # bytes and 5%), its decode record (model.shards 3) beside llama-bench on the split file, and
 # tokens_identical_to_unsplit: its greedy tokens against one launch on the unsplit file.
+# ftype_q4_k_m_split3_prompt (its own call, ~3 min after ftype_q4_k_m_split3, whose files stay on
+# the warm machine until a later part's synth): the 4,096-token prompt of the ftype parts on the
+# 3-shard file, beside the tuned llama-bench on it.
 #   bash benchmarks/must_show.sh --parts ftype_q4_k_m
 #   bash benchmarks/must_show.sh --parts ftype_q4_k_m_split3
+#   bash benchmarks/must_show.sh --parts ftype_q4_k_m_split3_prompt
 #   bash benchmarks/must_show.sh --parts ftype_q5_k_m     # ... one call each: ftype_q6_k,
 #   ftype_q3_k_m, ftype_q2_k, ftype_q8_0, ftype_iq3_s, ftype_iq4_xs, ftype_iq2_xxs
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
@@ -108,7 +112,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp|ftype_q4_k_m_split3) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp|ftype_q4_k_m_split3|ftype_q4_k_m_split3_prompt) ;;
     ftype_*) case " $FTYPES " in *" ${p#ftype_} "*) ;;
       *) echo "error: --parts: unknown part $p (file types: $FTYPES)" >&2; exit 2 ;; esac ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
@@ -382,10 +386,13 @@ for ft in $FTYPES; do
     "${FTYPE_PROMPTS[@]}" --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
   [ "$ft" = q4_k_m ] || keep_only none     # q4_k_m: ftype_q4_k_m_split3 reads it unsplit
 done
-if has ftype_q4_k_m_split3; then
-  whole=$M/must_q4_k_m_zipf1.gguf; split=$M/must_q4_k_m_zipf1_split3.gguf
-  first=${split%.gguf}-00001-of-00003.gguf
-  keep_only "$whole" "${split%.gguf}-0000[123]-of-00003.gguf"; synth "$whole" q4_k_m zipf:1.0
+# the 3-shard q4_k_m file (and the file unsplit), kept for the next call's part
+whole=$M/must_q4_k_m_zipf1.gguf; split=$M/must_q4_k_m_zipf1_split3.gguf
+first=${split%.gguf}-00001-of-00003.gguf
+if has ftype_q4_k_m_split3 || has ftype_q4_k_m_split3_prompt; then
+  keep_only "$whole" "${split%.gguf}-0000[123]-of-00003.gguf"
+  # the unsplit file: the decode's tokens compare with it, and the shards' size comes from it
+  { has ftype_q4_k_m_split3 || [ ! -f "$first" ]; } && synth "$whole" q4_k_m zipf:1.0
   if [ ! -f "$first" ] || [ "$PRINT" = 1 ]; then
     # a third of the whole file's bytes and 5% more a shard: three shards (no tensor comes near
     # 5% of the file); --print, before any file: 7G, three shards of the ~18.6 GB file
@@ -393,9 +400,14 @@ if has ftype_q4_k_m_split3; then
     run synth_q4_k_m_split3 timeout 420 python3 -m launcher.tools synth "$split" --like "$LIKE" \
       --quant q4_k_m --popularity zipf:1.0 --split-max-size "$shard" --quiet
   fi
+fi
+if has ftype_q4_k_m_split3; then
   run decode_ftype_q4_k_m_split3 timeout 590 python3 benchmarks/bench_decode.py --model "$first" \
     --unsplit "$whole" "${DECODE[@]}" --out "$OUT" "${LLAMA[@]}"
-  keep_only none
+fi
+if has ftype_q4_k_m_split3_prompt; then
+  run prefill_ftype_q4_k_m_split3 timeout 580 python3 benchmarks/bench_prefill.py --model "$first" \
+    "${FTYPE_PROMPTS[@]}" --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
 fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine
