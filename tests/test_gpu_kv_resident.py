@@ -1,0 +1,122 @@
+"""--kv-resident on a GPU (run on the GPU machine: pytest -m gpu): a session keeping the attention
+sinks and a small ring of its newest cells on the card and every cell in a pinned, mapped host
+copy (backends/kv_cache.py RingKV) gives the logits and greedy tokens of the same model with every
+cell resident. Decode steps run the decode graph's `_ring` builds (kernels/attention.cuh KvRing:
+cells read in place from the host copy over PCIe), prompt chunks the general path, which reads
+the store by its own index rule.
+
+The ring is 12 cells beside the 4 sinks: a 40-token prompt in chunks of 12 (the ring holds a whole
+chunk, the floor the launcher keeps), 30 one-row steps and a step of three rows (the ring wraps
+several times), a rewind to an earlier prefix (the ring then holds cells of the abandoned
+continuation and is refilled from the host copy before the next step), a prompt chunk read at a
+depth past the ring, and greedy generations with steps launched ahead. The tolerance is the other
+GPU decode tests' (tests/test_gpu_decode.py). A ring's prompt chunk writes K/V by the array path
+(the fused prompt kernel writes whole f16 arrays, cupy_backend.py qk_norm_rope_kv), so both
+runners take it here (STRATA_FUSED_PROMPT_OPS=0): then every kernel but the ring builds is shared
+and the logits are expected to agree far closer than the tolerance, no near-tie of the routing
+moved by a rounding of the reference alone."""
+import numpy as np
+import pytest
+
+from hf_fixtures import tiny_qwen3moe, write_gguf
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from strata_dist.backends.kv_cache import RingKV  # noqa: E402
+from strata_dist.plan.pricing import KV_SINK_CELLS  # noqa: E402
+
+RING = 12
+RESIDENT = KV_SINK_CELLS + RING
+CELLS = 256
+CHUNK = 12
+PROMPT = [int(x) for x in np.random.default_rng(47).integers(0, 320, 40)]
+STEPS = 30
+
+
+def _close(ref: np.ndarray, got: np.ndarray, what: str) -> None:
+    """Logits [n, vocab] (or [vocab]) of the ring's runner within the GPU decode tests'
+    tolerance of every-cell-resident ones, and the same greedy token on every row."""
+    ref, got = np.atleast_2d(np.asarray(ref)), np.atleast_2d(np.asarray(got))
+    diff = float(np.abs(got - ref).max())
+    assert diff <= 1e-2 * max(1.0, float(np.abs(ref).max())), f"{what}: max |ring - all| {diff:.3g}"
+    assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1)), f"{what}: greedy tokens differ"
+
+
+def _runners(path: str):
+    """(every cell resident, RESIDENT cells resident) on cuda:0, both taking the decode graph."""
+    from strata_dist.single_process import SingleProcessRunner
+    full, ring = (SingleProcessRunner(path, "cuda:0", prefill_chunk=CHUNK, max_context=CELLS,
+                                      kv_resident=n) for n in (0, RESIDENT))
+    assert full.decode_graph is not None and not full.decode_graph.ring
+    g = ring.decode_graph
+    assert g is not None and g.ring and g.ring.split == (KV_SINK_CELLS, RING)
+    assert g.attn_kernel.endswith("_ring")
+    k = ring.session.k(0)
+    assert isinstance(k, RingKV) and k.host_device_ptr and k.card.shape[0] == RESIDENT
+    return full, ring
+
+
+def _steps(full, ring, first: int, n: int, what: str) -> int:
+    """n one-row decode steps on both runners, each fed the full runner's greedy token; the token
+    the last step gives."""
+    tok = first
+    for i in range(n):
+        a = np.asarray(full.decode_step([tok]))
+        _close(a, np.asarray(ring.decode_step([tok])), f"{what}, step {i}")
+        tok = int(a.argmax())
+    return tok
+
+
+@pytest.fixture(autouse=True)
+def shared_prompt_arithmetic(monkeypatch):
+    monkeypatch.setenv("STRATA_FUSED_PROMPT_OPS", "0")
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_path(tmp_path_factory):
+    """128-wide heads (the decode graph's), 2 query heads over 1 kv head, f16 weights."""
+    model = tiny_qwen3moe(47, hidden=256, head_dim=128, top_k=4, n_experts=16, n_layers=3)
+    return write_gguf(model, tmp_path_factory.mktemp("ringgpu") / "m.gguf", "f16")
+
+
+def test_ring_decode_graph_rewind_and_prompt_at_depth_equal_every_cell_resident(qwen3moe_path):
+    full, ring = _runners(qwen3moe_path)
+    prompt = full.feed(PROMPT)                           # chunks of 12, 12, 12, 4: general path
+    _close(prompt, ring.feed(PROMPT), "the prompt")
+    tok = _steps(full, ring, int(prompt[-1].argmax()), STEPS, "decode")
+    rows = [tok, 5, 6]                                   # a step of three rows
+    _close(np.asarray(full.decode_step(rows)), np.asarray(ring.decode_step(rows)), "three rows")
+    depth = len(PROMPT) + STEPS + 3
+    assert ring.session.n_past == depth and ring.session.k(0).end == depth
+    for r in (full, ring):
+        assert r.decode_graph.steps == STEPS + 1
+
+    # rewound to 50: the ring's slots hold cells 61..72 of the abandoned continuation
+    for r in (full, ring):
+        r.session.n_past = 50
+    tok = _steps(full, ring, 77, 12, "after the rewind")
+    assert ring.session.k(0).end == 62
+
+    # a prompt chunk at a depth past the ring (the general path: 12 rows, then 8), then steps
+    more = [int(x) for x in np.random.default_rng(48).integers(0, 320, 20)]
+    _close(full.feed(more), ring.feed(more), "a prompt chunk at depth 62")
+    _steps(full, ring, tok, 8, "after the chunk at depth")
+    assert ring.session.n_past == full.session.n_past == 90
+    for r in (full, ring):
+        assert r.decode_graph.steps == STEPS + 1 + 12 + 8
+
+
+def test_greedy_generations_with_steps_ahead_equal_every_cell_resident(qwen3moe_path):
+    """stream()'s path: greedy steps launched ahead (the ring's end moved for a step not yet
+    asked for), then a follow-up resumed at an earlier prefix of the session."""
+    full, ring = _runners(qwen3moe_path)
+    want = full.generate(PROMPT, 40)
+    got = ring.generate(PROMPT, 40)
+    assert got.tokens == want.tokens
+    assert ring.decode_graph.ahead_taken == full.decode_graph.ahead_taken > 0
+    follow = PROMPT[:30] + [9, 8, 7, 6, 5]
+    want = full.generate(follow, 24, resume=True)
+    got = ring.generate(follow, 24, resume=True)
+    assert got.reused == want.reused == 30
+    assert got.tokens == want.tokens
