@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
+from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -34,36 +35,40 @@ PROMPT = [int(x) for x in np.random.default_rng(47).integers(0, 320, 40)]
 STEPS = 30
 
 
-def _close(ref: np.ndarray, got: np.ndarray, what: str) -> None:
+def _close(ref: np.ndarray, got: np.ndarray, what: str, tolerance: float = 1e-2) -> None:
     """Logits [n, vocab] (or [vocab]) of the ring's runner within the GPU decode tests'
-    tolerance of every-cell-resident ones, and the same greedy token on every row."""
+    tolerance of every-cell-resident ones (relative to the logits' size: qwen3moe's
+    tests/test_gpu_decode.py, qwen3next's 2e-3 of tests/test_gpu_next_decode.py), and the same
+    greedy token on every row."""
     ref, got = np.atleast_2d(np.asarray(ref)), np.atleast_2d(np.asarray(got))
     diff = float(np.abs(got - ref).max())
-    assert diff <= 1e-2 * max(1.0, float(np.abs(ref).max())), f"{what}: max |ring - all| {diff:.3g}"
+    assert diff <= tolerance * max(1.0, float(np.abs(ref).max())), \
+        f"{what}: max |ring - all| {diff:.3g}"
     assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1)), f"{what}: greedy tokens differ"
 
 
-def _runners(path: str):
-    """(every cell resident, RESIDENT cells resident) on cuda:0, both taking the decode graph."""
+def _runners(path: str, attention_layer: int = 0, **kw):
+    """(every cell resident, RESIDENT cells resident) on cuda:0, both taking the decode graph;
+    `attention_layer`: a layer with K/V."""
     from strata_dist.single_process import SingleProcessRunner
     full, ring = (SingleProcessRunner(path, "cuda:0", prefill_chunk=CHUNK, max_context=CELLS,
-                                      kv_resident=n) for n in (0, RESIDENT))
+                                      kv_resident=n, **kw) for n in (0, RESIDENT))
     assert full.decode_graph is not None and not full.decode_graph.ring
     g = ring.decode_graph
     assert g is not None and g.ring and g.ring.split == (KV_SINK_CELLS, RING)
     assert g.attn_kernel.endswith("_ring")
-    k = ring.session.k(0)
+    k = ring.session.k(attention_layer)
     assert isinstance(k, RingKV) and k.host_device_ptr and k.card.shape[0] == RESIDENT
     return full, ring
 
 
-def _steps(full, ring, first: int, n: int, what: str) -> int:
+def _steps(full, ring, first: int, n: int, what: str, tolerance: float = 1e-2) -> int:
     """n one-row decode steps on both runners, each fed the full runner's greedy token; the token
     the last step gives."""
     tok = first
     for i in range(n):
         a = np.asarray(full.decode_step([tok]))
-        _close(a, np.asarray(ring.decode_step([tok])), f"{what}, step {i}")
+        _close(a, np.asarray(ring.decode_step([tok])), f"{what}, step {i}", tolerance)
         tok = int(a.argmax())
     return tok
 
@@ -119,4 +124,67 @@ def test_greedy_generations_with_steps_ahead_equal_every_cell_resident(qwen3moe_
     want = full.generate(follow, 24, resume=True)
     got = ring.generate(follow, 24, resume=True)
     assert got.reused == want.reused == 30
+    assert got.tokens == want.tokens
+
+
+# ---- qwen3next: K/V in its attention layers only (next_attention.cuh's `_ring` builds) ---------
+
+# the kernels' attention geometry (tests/test_gpu_next_decode.py): heads of 256, their first 64
+# dims rotated, 4 query heads over 2 kv heads; 8 layers, attention in layers 3 and 7
+NEXT_GEOMETRY = dict(hidden=128, head_dim=256, n_head=4, n_kv=2, n_k_heads=2, n_v_heads=4,
+                     head_k_dim=32, head_v_dim=32, top_k=4, n_experts=16)
+NEXT_TOLERANCE = 2e-3
+NEXT_ATTENTION = 3          # its first attention layer
+
+
+@pytest.fixture(scope="module")
+def qwen3next_path(tmp_path_factory):
+    return write_next_gguf(tiny_qwen3next(49, **NEXT_GEOMETRY),
+                           tmp_path_factory.mktemp("ringnext") / "n.gguf", "q8_0")
+
+
+def test_qwen3next_ring_decode_graph_and_a_resumed_checkpoint_equal_every_cell_resident(
+        qwen3next_path):
+    """The prompt, 30 one-row steps and a step of three rows (the ring wraps), then the session
+    moved back to a checkpoint at 36 (the recurrent state restored, the K/V rows positional: the
+    ring holds cells of the abandoned continuation), a prompt chunk read there and steps after."""
+    from strata_dist.backends.next_decode import NextDecodeGraph
+    full, ring = _runners(qwen3next_path, NEXT_ATTENTION)
+    assert isinstance(ring.decode_graph, NextDecodeGraph)
+    for r in (full, ring):
+        r.feed(PROMPT[:36])
+        assert r.checkpoints.save(r.session, 36)
+    prompt = full.feed(PROMPT[36:])
+    _close(prompt, ring.feed(PROMPT[36:]), "the prompt's last chunk", NEXT_TOLERANCE)
+    tok = _steps(full, ring, int(prompt[-1].argmax()), STEPS, "decode", NEXT_TOLERANCE)
+    rows = [tok, 5, 6]
+    _close(np.asarray(full.decode_step(rows)), np.asarray(ring.decode_step(rows)), "three rows",
+           NEXT_TOLERANCE)
+    depth = len(PROMPT) + STEPS + 3
+    assert all(ring.session.k(l).end == ring.session.v(l).end == depth
+               for l in ring.session.attention_layers)
+    for r in (full, ring):
+        assert r.decode_graph.steps == STEPS + 1
+        r.checkpoints.enter(r.session, 36)
+        assert r.session.n_past == 36
+    more = [int(x) for x in np.random.default_rng(50).integers(0, 320, 14)]   # 12 rows, then 2
+    after = full.feed(more)
+    _close(after, ring.feed(more), "a prompt chunk at the checkpoint", NEXT_TOLERANCE)
+    _steps(full, ring, int(after[-1].argmax()), 10, "after the checkpoint", NEXT_TOLERANCE)
+    assert ring.session.k(NEXT_ATTENTION).end == 36 + 14 + 10
+    for r in (full, ring):
+        assert r.decode_graph.steps == STEPS + 1 + 10
+
+
+def test_qwen3next_greedy_generations_with_steps_ahead_equal_every_cell_resident(qwen3next_path):
+    """stream()'s path with checkpoints every chunk: greedy steps launched ahead, then a
+    follow-up that resumes at the prompt's checkpoint at 36."""
+    full, ring = _runners(qwen3next_path, NEXT_ATTENTION, checkpoint_every=CHUNK)
+    want = full.generate(PROMPT, 40)
+    assert ring.generate(PROMPT, 40).tokens == want.tokens
+    assert ring.decode_graph.ahead_taken == full.decode_graph.ahead_taken > 0
+    follow = PROMPT[:38] + [9, 8, 7, 6, 5]
+    want = full.generate(follow, 24, resume=True)
+    got = ring.generate(follow, 24, resume=True)
+    assert got.reused == want.reused == 36
     assert got.tokens == want.tokens
