@@ -75,9 +75,8 @@ class Stage:
         arch = architecture_for(self.gguf)
         if cfg.kv_resident and self.backend.on_gpu and (arch.ARCH not in DeviceRing.ARCHS
                                                         or self.backend.kv_type != "f16"):
-            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: the GPU ring "
-                             f"kernels take {' and '.join(DeviceRing.ARCHS)}'s f16 K/V only (the "
-                             f"launcher refuses first)")
+            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: GPU ring kernels "
+                             f"take {'/'.join(DeviceRing.ARCHS)} f16 K/V (launcher refuses first)")
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
         if len(own) != len(cfg.cache_pairs):
