@@ -1,16 +1,19 @@
 """--kv-resident on a GPU (run on the GPU machine: pytest -m gpu): a session keeping the attention
 sinks and a small ring of its newest cells on the card and every cell in a pinned, mapped host
 copy (backends/kv_cache.py RingKV) gives the logits and greedy tokens of the same model with every
-cell resident. Decode steps run the decode graph's `_ring` builds (kernels/attention.cuh KvRing:
-cells read in place from the host copy over PCIe), prompt chunks the general path, which reads
-the store by its own index rule.
+cell resident, on qwen3moe and on qwen3next (its attention layers). Decode steps run the decode
+graph's `_ring` builds (kernels/attention.cuh KvRing, kernels/next_attention.cuh: cells read in
+place from the host copy over PCIe), prompt chunks the general path, which reads the store by its
+own index rule.
 
 The ring is 12 cells beside the 4 sinks: a 40-token prompt in chunks of 12 (the ring holds a whole
 chunk, the floor the launcher keeps), 30 one-row steps and a step of three rows (the ring wraps
 several times), a rewind to an earlier prefix (the ring then holds cells of the abandoned
 continuation and is refilled from the host copy before the next step), a prompt chunk read at a
-depth past the ring, and greedy generations with steps launched ahead. The tolerance is the other
-GPU decode tests' (tests/test_gpu_decode.py). A ring's prompt chunk writes K/V by the array path
+depth past the ring, greedy generations with steps launched ahead, and a stage (the rank's path)
+whose verify window's rejected drafts move the next graph step back inside the window. qwen3next
+moves back to a checkpoint (its recurrent state is not positional). The tolerance is the other
+GPU decode tests'. A ring's prompt chunk writes K/V by the array path
 (the fused prompt kernel writes whole f16 arrays, cupy_backend.py qk_norm_rope_kv), so both
 runners take it here (STRATA_FUSED_PROMPT_OPS=0): then every kernel but the ring builds is shared
 and the logits are expected to agree far closer than the tolerance, no near-tie of the routing
@@ -126,6 +129,43 @@ def test_greedy_generations_with_steps_ahead_equal_every_cell_resident(qwen3moe_
     assert got.reused == want.reused == 30
     assert got.tokens == want.tokens
 
+
+def test_a_stage_with_a_ring_equals_one_with_every_cell_resident(qwen3moe_path):
+    """The rank's path (strata_dist/stage.py): prompt chunks, graph steps, and a verify window of
+    four rows (the general path, as speculative decoding runs it) whose last two drafts are
+    rejected: the next graph step starts inside the window, so its ring is refilled first."""
+    from strata_dist.stage import Stage, StageConfig
+    every = [(l, e) for l in range(3) for e in range(16)]
+    full, ring = (Stage(StageConfig(qwen3moe_path, "cuda:0", 0, 3, True, True, CELLS,
+                                    cache_pairs=every, kv_resident=n)) for n in (0, RESIDENT))
+    assert full.decode_graph is not None and ring.decode_graph is not None
+    assert ring.decode_graph.ring and not full.decode_graph.ring
+    for a in range(0, len(PROMPT), CHUNK):
+        last = []
+        for st in (full, ring):
+            st.begin_prompt()
+            last.append(np.asarray(st.run(0, a, ids=PROMPT[a:a + CHUNK], prompt=True)))
+            st.end_prompt()
+        _close(*last, f"the prompt chunk at {a}")
+    tok, pos = int(last[0].argmax()), len(PROMPT)
+
+    def step(ids, what, **kw):
+        a = np.asarray(full.run(0, pos, ids=ids, **kw))
+        _close(a, np.asarray(ring.run(0, pos, ids=ids, **kw)), what)
+        return a
+
+    for i in range(20):
+        tok = int(step([tok], f"step {i}").argmax())
+        pos += 1
+    window = step([tok, 5, 6, 7], "a verify window", all_rows=True)
+    pos += 2                                   # two rows stand, the last two drafts do not
+    for i in range(8):
+        tok = int(step([int(window[1].argmax()) if i == 0 else tok],
+                       f"step {i} after the window").argmax())
+        pos += 1
+    assert ring.session(0).k(0).end == pos
+    for st in (full, ring):
+        assert st.tiers.counters["graph_steps"] == 28
 
 # ---- qwen3next: K/V in its attention layers only (next_attention.cuh's `_ring` builds) ---------
 
