@@ -60,7 +60,7 @@
 # the same depths on a rank held to 16 GB (--vram-budget 16G --kv-resident auto), its tokens
 # compared with the depth part's record of the same file (~5 min). Issue 47's qwen3next case
 # (--max-context 262144 --kv-type q8_0 --kv-resident auto) has no part: strata-launch refuses
-# --kv-resident on GPU ranks for qwen3next and for q8_0 K/V (the ring kernels read qwen3moe's f16
+# --kv-resident on GPU ranks for q8_0 K/V (the ring kernels, qwen3moe's and qwen3next's, read f16
 # K/V only so far).
 #   bash benchmarks/must_show.sh --parts depth
 #   bash benchmarks/must_show.sh --parts depth_prompt
