@@ -6,8 +6,8 @@ A request's grammar is a JSON schema (`response_format` json_schema / json_objec
 request's `Sampling` (protocol/PROTOCOL.md), where a `GrammarMatcher` per request, each step:
 masks the step's logits to the tokens the grammar allows (its packed bitmask, expanded where the
 row is: on the card for a GPU stage), lets the sampler draw from what is left, and advances on the
-drawn token. The answer ends when the grammar has nothing left to add (the matcher stops), or when a stop token is drawn where the grammar
-accepts (only then does the mask allow one).
+drawn token. The answer ends when the grammar has nothing left to add (the matcher stops), or when
+a stop token is drawn where the grammar accepts (only then does the mask allow one).
 
 The grammar engine is llguidance: one wheel with no dependency of its own, JSON schema and Lark
 grammars, and masks that take microseconds on a 152K-token vocabulary (docs/ARCHITECTURE.md,

@@ -99,7 +99,7 @@ def rows(seed: int, n: int = STEPS, vocab: int = VOCAB) -> list[np.ndarray]:
     return out
 
 
-# ---- tests -----------------------------------------------------------------------------------------
+# ---- tests ---------------------------------------------------------------------------------------
 
 def test_every_parameter_combination_draws_the_reference_tokens():
     """The sampler (now sample_ops with numpy) and sample_ops called directly draw the same tokens,

@@ -104,8 +104,9 @@ def allowed_tokens(xp, words: np.ndarray, n: int):
     need = -(-n // BITS_PER_WORD)
     packed = np.zeros(need, dtype=np.uint32)
     packed[:min(need, len(words))] = words[:need]
-    idx = xp.arange(n, dtype=xp.uint32)
-    bits = (xp.asarray(packed)[idx >> 5] >> (idx & 31)) & 1
+    # int64 throughout: a word's 32 bits fit, and every array module indexes with it
+    idx = xp.arange(n, dtype=xp.int64)
+    bits = (xp.asarray(packed.astype(np.int64))[idx >> 5] >> (idx & 31)) & 1
     return bits.astype(bool)
 
 
@@ -144,10 +145,11 @@ def pick(xp, order, probs, u: float) -> int:
     probability (normalised by the total) exceeds u. Raises ValueError for probabilities that are
     not numbers (a row with NaN or no finite logit)."""
     cdf = xp.cumsum(probs)
-    cdf /= cdf[-1]
-    at = xp.searchsorted(cdf, xp.asarray([u], dtype=xp.float64), side="right")[0]
+    cdf = cdf / cdf[-1]    # not in place: on a device, cdf[-1] is a view the kernel would rewrite
+    at = xp.searchsorted(cdf, xp.asarray([u], dtype=xp.float64), side="right")
+    at = xp.minimum(at, int(order.size) - 1)   # u < 1 = cdf[-1]: only a NaN row reaches the end
     # the token and the total in one copy back: a total that is not a number has no draw
-    token, total = to_host(xp.stack([order[at].astype(xp.float64), cdf[-1]]))
+    token, total = to_host(xp.concatenate([order[at].astype(xp.float64), cdf[-1:]]))
     if not np.isfinite(total):
         raise ValueError("the row's probabilities are not numbers (NaN or no finite logit)")
     return int(token)
