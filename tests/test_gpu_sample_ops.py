@@ -43,7 +43,9 @@ def test_the_adjusted_row_is_numpys_bit_for_bit(params):
     for tok in (9, 77, 151_935):
         host.record(tok)
         dev.record(tok)
-    assert np.array_equal(cp.asnumpy(dev.drawn), host.drawn)
+    assert np.array_equal(cp.asnumpy(dev.drawn_ids), host.drawn_ids)
+    assert np.array_equal(cp.asnumpy(dev.drawn_counts), host.drawn_counts)
+    assert np.array_equal(cp.asnumpy(dev.seen_ids), host.seen_ids)
     want = sample_ops.adjust(np, row.astype(np.float64), params, host)
     got = sample_ops.adjust(cp, cp.asarray(row, dtype=cp.float64), params, dev)
     assert np.array_equal(cp.asnumpy(got), want)

@@ -41,45 +41,54 @@ def row_of(logits):
 
 
 class TokenCounts:
-    """One request's tokens as the penalties count them, kept beside its rows (on their device):
-    `seen` (repetition: the prompt's and the drawn tokens) and `drawn` (frequency and presence:
-    how often each token was drawn, float64 as the penalty multiplies it). Tokens past the row's
-    length are never counted (the row has no logit for them)."""
+    """One request's tokens as the penalties count them, kept beside its rows (on their device),
+    sparse as the tokens are few beside the vocabulary: `seen_ids` (repetition: the prompt's and
+    the drawn tokens), `drawn_ids` with `drawn_counts` (frequency and presence: how often each was
+    drawn, float64 as the penalty multiplies it). Tokens past the row's length are never counted
+    (the row has no logit for them). The host keeps where each token sits, so that recording one
+    writes one element on the device, or appends one."""
 
     def __init__(self, xp, n: int, seen_ids=(), drawn_counts: dict | None = None,
                  track_seen: bool = True):
-        self.xp, self.n = xp, n
-        self.seen = xp.zeros(n, dtype=bool) if track_seen else None
-        self.drawn = xp.zeros(n, dtype=xp.float64)
-        ids = np.fromiter((t for t in seen_ids if 0 <= t < n), dtype=np.int64)
-        if self.seen is not None and ids.size:
-            self.seen[xp.asarray(ids)] = True
-        pairs = [(t, c) for t, c in (drawn_counts or {}).items() if 0 <= t < n]
-        if pairs:
-            self.drawn[xp.asarray([t for t, _ in pairs])] = xp.asarray(
-                [float(c) for _, c in pairs], dtype=xp.float64)
+        self.xp, self.n, self.track_seen = xp, n, track_seen
+        seen = sorted({int(t) for t in seen_ids if 0 <= t < n}) if track_seen else []
+        drawn = sorted((int(t), c) for t, c in (drawn_counts or {}).items() if 0 <= t < n)
+        self._seen = set(seen)
+        self._slot = {t: i for i, (t, _) in enumerate(drawn)}    # token -> its place in drawn_ids
+        self.seen_ids = xp.asarray(np.array(seen, dtype=np.int64))
+        self.drawn_ids = xp.asarray(np.array([t for t, _ in drawn], dtype=np.int64))
+        self.drawn_counts = xp.asarray(np.array([c for _, c in drawn], dtype=np.float64))
 
     def record(self, token: int) -> None:
-        """`token` is drawn (no copy to or from the device: two element writes there)."""
-        if 0 <= token < self.n:
-            self.drawn[token] += 1.0
-            if self.seen is not None:
-                self.seen[token] = True
+        """`token` is drawn: one element written on the device, or one appended."""
+        if not 0 <= token < self.n:
+            return
+        xp, one = self.xp, self.xp.asarray(np.array([token], dtype=np.int64))
+        slot = self._slot.get(token)
+        if slot is None:
+            self._slot[token] = int(self.drawn_ids.size)
+            self.drawn_ids = xp.concatenate([self.drawn_ids, one])
+            self.drawn_counts = xp.concatenate([self.drawn_counts,
+                                                xp.ones(1, dtype=xp.float64)])
+        else:
+            self.drawn_counts[slot] += 1.0
+        if self.track_seen and token not in self._seen:
+            self._seen.add(token)
+            self.seen_ids = xp.concatenate([self.seen_ids, one])
 
 
 def adjust(xp, row, params, counts: TokenCounts):
-    """A new row: `row` with the repetition penalty (on `counts.seen`: a positive logit divided by
-    it, a negative one multiplied), then the frequency and presence penalties (on `counts.drawn`)
-    subtracted, then the logit bias added (`params` a SamplingParams)."""
+    """A new row: `row` with the repetition penalty (at `counts.seen_ids`: a positive logit
+    divided by it, a negative one multiplied), then the frequency and presence penalties (at
+    `counts.drawn_ids`) subtracted, then the logit bias added (`params` a SamplingParams)."""
     out = row.copy()
-    if params.repetition_penalty != 1.0 and counts.seen is not None:
-        rp = params.repetition_penalty
-        out = xp.where(counts.seen, xp.where(out > 0, out / rp, out * rp), out)
-    if params.frequency_penalty or params.presence_penalty:
-        # a token never drawn has 0.0 subtracted: its logit is unchanged, bit for bit
-        out = out - xp.where(counts.drawn > 0,
-                             params.frequency_penalty * counts.drawn + params.presence_penalty,
-                             0.0)
+    if params.repetition_penalty != 1.0 and counts.track_seen and counts.seen_ids.size:
+        rp, ids = params.repetition_penalty, counts.seen_ids
+        v = out[ids]
+        out[ids] = xp.where(v > 0, v / rp, v * rp)
+    if (params.frequency_penalty or params.presence_penalty) and counts.drawn_ids.size:
+        out[counts.drawn_ids] -= (params.frequency_penalty * counts.drawn_counts
+                                  + params.presence_penalty)
     pairs = [(t, b) for t, b in params.logit_bias if t < out.size]
     ids = [t for t, _ in pairs]
     if pairs and len(set(ids)) == len(ids):
