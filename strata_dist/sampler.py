@@ -121,7 +121,7 @@ class Sampler:
             row = sample_ops.adjust(xp, row, self.params, self._counts_for(xp, int(row.size)))
         return xp, row
 
-    def adjust(self, logits) -> np.ndarray:
+    def adjust(self, logits):
         """The row the sampler draws from: `logits` (float64, a copy) with the penalties and bias,
         on the row's device."""
         xp, row = sample_ops.row_of(logits)
