@@ -124,32 +124,36 @@ class Sampler:
     def adjust(self, logits):
         """The row the sampler draws from: `logits` (float64, a copy) with the penalties and bias,
         on the row's device."""
-        xp, row = sample_ops.row_of(logits)
-        return sample_ops.adjust(xp, row, self.params, self._counts_for(xp, int(row.size)))
+        with sample_ops.device_of(logits):
+            xp, row = sample_ops.row_of(logits)
+            return sample_ops.adjust(xp, row, self.params, self._counts_for(xp, int(row.size)))
 
     def _draw(self, logits) -> int:
         p = self.params
         if p.greedy and not p.reshapes_logits and getattr(logits, "greedy_token", None) is not None:
             return int(logits.greedy_token)
-        xp, row = self._row(logits)
-        return sample_ops.draw(xp, row, p, self.rng.random)
+        with sample_ops.device_of(logits):
+            xp, row = self._row(logits)
+            return sample_ops.draw(xp, row, p, self.rng.random)
 
     def distribution(self, logits) -> tuple[np.ndarray, np.ndarray]:
         """What a sampled (temperature > 0) draw picks from: the token ids it can draw and their
         probabilities (summing to 1), after the penalties and bias, temperature, top-k, top-p and
         min-p, as host arrays. A speculative window's rejection sampling reads it
         (strata_dist/speculative.py)."""
-        xp, row = self._row(logits)
-        ids, probs = sample_ops.kept(xp, row, self.params)
-        return sample_ops.to_host(ids), sample_ops.to_host(probs)
+        with sample_ops.device_of(logits):
+            xp, row = self._row(logits)
+            ids, probs = sample_ops.kept(xp, row, self.params)
+            return sample_ops.to_host(ids), sample_ops.to_host(probs)
 
 
 def masked_row(logits, words: np.ndarray):
     """One row of logits (host or device: it stays where it is) in which the tokens the grammar's
     bitmask `words` (host uint32, a bit per token: GrammarMatcher.bitmask_words) does not allow can
     never be drawn: greedy or sampled, the draw then picks among the allowed only."""
-    xp, row = sample_ops.row_of(logits)
-    return sample_ops.masked(xp, row, words)
+    with sample_ops.device_of(logits):
+        xp, row = sample_ops.row_of(logits)
+        return sample_ops.masked(xp, row, words)
 
 
 # ---- log-probabilities ---------------------------------------------------------------------------------
@@ -174,8 +178,10 @@ def log_softmax(rows) -> np.ndarray:
 def token_logprobs(logits, token_id: int, top: int) -> TokenLogprob:
     """`token_id`'s log-probability under one row of logits, and the `top` most likely tokens;
     a device row is reduced on its device and only those values come back."""
-    xp, row = sample_ops.row_of(logits)
-    ids, lps, value = sample_ops.top_of(xp, sample_ops.log_softmax(xp, row), top, also=token_id)
+    with sample_ops.device_of(logits):
+        xp, row = sample_ops.row_of(logits)
+        ids, lps, value = sample_ops.top_of(xp, sample_ops.log_softmax(xp, row), top,
+                                            also=token_id)
     return TokenLogprob(int(token_id), value, ids, lps)
 
 

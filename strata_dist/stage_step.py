@@ -419,9 +419,10 @@ def _draw(req: _Request, logits, draft: int | None = None, q=None) -> tuple[int,
     drawn from (speculative.draw_against)."""
     if req.grammar is None:
         return draw_against(req.sampler, logits, draft, q), False
-    row = sample_ops.row_of(logits)[1]
-    tok = draw_against(req.sampler, masked_row(row, req.grammar.bitmask_words(int(row.size))),
-                       draft, q)
+    with sample_ops.device_of(logits):
+        row = sample_ops.row_of(logits)[1]
+        tok = draw_against(req.sampler, masked_row(row, req.grammar.bitmask_words(int(row.size))),
+                           draft, q)
     return tok, req.grammar.advance(tok)
 
 

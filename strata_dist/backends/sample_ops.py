@@ -11,6 +11,8 @@ same tokens, bit for bit, as it always has. The random generator stays on the ho
 one uniform from it (`uniform()`), as the generator's own weighted choice would."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 BITS_PER_WORD = 32     # the grammar's bitmask: token i is bit i % 32 of word i // 32
@@ -40,6 +42,14 @@ def row_of(logits):
     return xp, xp.asarray(logits, dtype=xp.float64).reshape(-1)
 
 
+def device_of(logits):
+    """A context in which the row's card is the current one (a process may hold stages on several
+    cards: each row is sampled on its own), or one that does nothing for a host row."""
+    on_device = getattr(logits, "on_device", None)
+    dev = getattr(on_device() if on_device is not None else logits, "device", None)
+    return dev if hasattr(dev, "__enter__") else contextlib.nullcontext()
+
+
 class TokenCounts:
     """One request's tokens as the penalties count them, kept beside its rows (on their device),
     sparse as the tokens are few beside the vocabulary: `seen_ids` (repetition: the prompt's and
@@ -63,18 +73,19 @@ class TokenCounts:
         """`token` is drawn: one element written on the device, or one appended."""
         if not 0 <= token < self.n:
             return
-        xp, one = self.xp, self.xp.asarray(np.array([token], dtype=np.int64))
-        slot = self._slot.get(token)
-        if slot is None:
-            self._slot[token] = int(self.drawn_ids.size)
-            self.drawn_ids = xp.concatenate([self.drawn_ids, one])
-            self.drawn_counts = xp.concatenate([self.drawn_counts,
-                                                xp.ones(1, dtype=xp.float64)])
-        else:
-            self.drawn_counts[slot] += 1.0
-        if self.track_seen and token not in self._seen:
-            self._seen.add(token)
-            self.seen_ids = xp.concatenate([self.seen_ids, one])
+        with device_of(self.drawn_ids):
+            xp, one = self.xp, self.xp.asarray(np.array([token], dtype=np.int64))
+            slot = self._slot.get(token)
+            if slot is None:
+                self._slot[token] = int(self.drawn_ids.size)
+                self.drawn_ids = xp.concatenate([self.drawn_ids, one])
+                self.drawn_counts = xp.concatenate([self.drawn_counts,
+                                                    xp.ones(1, dtype=xp.float64)])
+            else:
+                self.drawn_counts[slot] += 1.0
+            if self.track_seen and token not in self._seen:
+                self._seen.add(token)
+                self.seen_ids = xp.concatenate([self.seen_ids, one])
 
 
 def adjust(xp, row, params, counts: TokenCounts):
