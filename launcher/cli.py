@@ -426,10 +426,6 @@ def http_flags(args) -> None:
         from protocol.batch import MAX_BATCH_ROWS
         if not 1 <= args.parallel <= MAX_BATCH_ROWS:
             raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
-        if args.parallel > 1 and getattr(args, "spec", 0):
-            raise UsageError(f"--parallel {args.parallel} and --spec {args.spec} cannot be "
-                             f"combined yet (a batched step carries one row per request, a "
-                             f"verify window several)")
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),

@@ -417,14 +417,17 @@ class Stage:
         hidden rows, or on the last stage every row's logits, host float32 [n, vocab]."""
         sessions = [self.session(sid) for sid in session_ids]
         for sid, s, pos in zip(session_ids, sessions, positions):
+            self._rewind_window(sid, s, pos)   # inside its last verify window (--spec): rolled back
             self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
         self.tiers.prompt = False
         if self.decode_graph is not None:
             self.decode_graph.settle()    # a step ahead may still write a session's KV
         h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
         out = self.model.forward_rows(h, sessions, positions)
-        for s, pos in zip(sessions, positions):
+        for i, (sid, s, pos) in enumerate(zip(session_ids, sessions, positions)):
             s.n_past = pos + 1
+            if self.cfg.last and self.hidden_sink is not None:   # --draft mtp reads each row
+                self.hidden_sink(sid, pos, out[i:i + 1])
         if self.routing.on:
             self._adapt_due |= self.routing.tick(len(sessions))
             if self._adapt_due and not self.cache.lent:

@@ -1,0 +1,149 @@
+"""Speculation among many users: `--parallel B --spec K` (protocol/batch.py's verify windows,
+strata_dist/batch_scheduler.py, strata_dist/stage_step.py).
+
+A batched step carries, per running request, its last token and the drafts the last stage sent
+with it (none for some); every stage runs each window as its session's verify window, the last
+stage verifies each request as the one-session path does, and each request rolls back on its own
+(K/V; qwen3next's recurrent state). Real rank processes through the launcher (CPU ranks) and real
+HTTP clients: eight concurrent clients, in a random arrival order, each get the greedy tokens
+they get alone without speculation, with drafts accepted; on 1 and 2 stages, both architectures,
+and once with the draft-model drafter."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from server_helpers import ServerProcess
+
+CLIENTS = 8
+BASE = ("--vram-budget", "1G", "--max-context", "512", "--prefill", "32")
+SPEC = ("--parallel", "4", "--spec", "3")
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    """The tiny synthetic files of both architectures, and a qwen3moe one at q8_0 (one
+    vocabulary with the f32 file: a draft model it can take)."""
+    from strata_dist.synth import write_synthetic
+    d = tmp_path_factory.mktemp("parallel-spec")
+    paths = {}
+    for name, like, quant in (("tiny", "tiny", "f32"), ("tiny-next", "tiny-next", "f32"),
+                              ("tiny-q8", "tiny", "q8_0")):
+        paths[name] = str(d / f"{name}.gguf")
+        write_synthetic(paths[name], like=like, quant=quant)
+    return paths
+
+
+def _bodies(model: str) -> list[dict]:
+    """Eight greedy requests whose prompts repeat a short cycle of words (of 3 to 5 words, so the
+    n-gram drafter finds continuations and the model's answers echo them), of different lengths;
+    every other one streamed."""
+    out = []
+    for i in range(CLIENTS):
+        words = " ".join(f"w{j % (3 + i % 3)}" for j in range(10 + 3 * i))
+        out.append({"model": model, "prompt": words, "max_tokens": 20 + 4 * (i % 3),
+                    "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+                    "stream": i % 2 == 1})
+    return out
+
+
+async def _complete(http: httpx.AsyncClient, url: str, body: dict) -> tuple[list[int], dict]:
+    """An answer's token ids and its usage (a stream's from its last chunk)."""
+    import json
+    if not body["stream"]:
+        r = await http.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], r.json()["usage"]
+    ids, usage = [], {}
+    body = dict(body, stream_options={"include_usage": True})
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    ids += chunk["choices"][0].get("token_ids") or []
+                usage = chunk.get("usage") or usage
+    return ids, usage
+
+
+def _alone(path: str, args: tuple, bodies: list[dict]) -> list[list[int]]:
+    """Each request alone, one after another, without speculation."""
+    server = ServerProcess(path, *args, *BASE)
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return [(await _complete(http, server.url, b))[0] for b in bodies]
+        return asyncio.run(run())
+    finally:
+        server.close()
+
+
+def _together(path: str, args: tuple, bodies: list[dict], seed: int) -> tuple[list, list, dict]:
+    """All requests at once (a random arrival order, at small random offsets) against --parallel
+    4 --spec 3: each one's tokens and usage, and the drafts /metrics counts."""
+    server = ServerProcess(path, *args, *BASE, *SPEC)
+    rnd = random.Random(seed)
+    order = list(range(len(bodies)))
+    rnd.shuffle(order)
+    delays = [rnd.uniform(0, 0.05) for _ in bodies]
+    try:
+        async def one(http, i):
+            await asyncio.sleep(delays[i])
+            return i, await _complete(http, server.url, bodies[i])
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return dict(await asyncio.gather(*(one(http, i) for i in order)))
+        got = asyncio.run(run())
+        status = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.close()
+    counts = {name: float(line.split()[-1]) for line in metrics.splitlines()
+              for name in ("strata_draft_tokens", "strata_draft_tokens_accepted")
+              if line.startswith(name + " ") or line.startswith(name + "_total ")}
+    return ([got[i][0] for i in range(len(bodies))], [got[i][1] for i in range(len(bodies))],
+            dict(status, **counts))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("like,args", [
+    ("tiny", ("--cpu-ranks", "1")),
+    ("tiny", ("--cpu-ranks", "2", "--layer-split", "2")),
+    ("tiny-next", ("--cpu-ranks", "1")),
+    ("tiny-next", ("--cpu-ranks", "2", "--layer-split", "4"))])
+def test_eight_speculating_clients_in_one_batch_get_their_tokens_alone(synth, like, args):
+    bodies = _bodies(like)
+    want = _alone(synth[like], args, bodies)
+    assert [len(w) for w in want] == [b["max_tokens"] for b in bodies]
+    got, usage, status = _together(synth[like], args, bodies, seed=len(args))
+    assert got == want
+    accepted = [u["completion_tokens_details"]["accepted_prediction_tokens"] for u in usage]
+    assert sum(accepted) > 0, usage
+    assert status["strata_draft_tokens_accepted"] == sum(accepted) > 0, status
+    assert status["strata_draft_tokens"] >= status["strata_draft_tokens_accepted"]
+    # the steps carried several requests at once, a step in flight per stage
+    assert status["batched_rows"] / status["batched_steps"] > 1.5, status
+    assert status["most_steps_in_flight"] == (2 if "--layer-split" in args else 1)
+
+
+@pytest.mark.timeout(240)
+def test_the_draft_model_drafts_for_each_request_of_a_batch(synth):
+    """--draft-model on two stages, each request drafting in a draft session of its own: the
+    file itself as its draft (every draft accepted), and the q8_0 file (whose drafts this
+    synthetic model rejects: each request's draft session rolls back every step); tokens as
+    alone without speculation either way."""
+    args = ("--cpu-ranks", "2", "--layer-split", "2")
+    bodies = _bodies("tiny")
+    want = _alone(synth["tiny"], args, bodies)
+    for draft in ("tiny", "tiny-q8"):
+        got, usage, status = _together(synth["tiny"], args + ("--draft-model", synth[draft]),
+                                       bodies, seed=3)
+        assert got == want, draft
+        drafted, accepted = status["strata_draft_tokens"], status["strata_draft_tokens_accepted"]
+        assert drafted > 0 and accepted == (drafted if draft == "tiny" else 0), (draft, status)
+        assert status["batched_rows"] / status["batched_steps"] > 1.5, status
