@@ -147,3 +147,50 @@ def test_the_draft_model_drafts_for_each_request_of_a_batch(synth):
         drafted, accepted = status["strata_draft_tokens"], status["strata_draft_tokens_accepted"]
         assert drafted > 0 and accepted == (drafted if draft == "tiny" else 0), (draft, status)
         assert status["batched_rows"] / status["batched_steps"] > 1.5, status
+
+
+# ---- the planner: B sessions' windows ----------------------------------------------------------
+
+def test_each_session_keeps_its_window_state_priced_and_the_prediction_is_over_all_streams():
+    """A recurrent stage keeps, per session, its state at its last window and that window's rows
+    (Stage.windows, a record per session): with --parallel 4 --spec 4 the reserve holds four of
+    them beside one window's many-row buffers (a batched step runs its windows one after
+    another). The prediction is over the four streams: K = 0 a batched step of 4 rows, K > 0 each
+    window's own time."""
+    from test_plan_fixtures import hybrid_kinds, make_devices, make_shape
+
+    from strata_dist.plan import PlanParams, make_plan
+    from strata_dist.plan.pricing import (HANDOFF_DTYPE_BYTES, range_fixed_table,
+                                          stage_fixed_bytes, verify_window_bytes)
+    from strata_dist.plan.speculation import expected_yield, predict_spec, window_ms
+
+    shape = make_shape(n_layers=12, kinds=hybrid_kinds(12))
+    lin = next(l for l in range(12) if shape.layer_kind[l] == "linear")
+    att = next(l for l in range(12) if shape.layer_kind[l] == "attention")
+    kept = shape.recurrent_bytes[lin] + 5 * shape.hidden * HANDOFF_DTYPE_BYTES
+    assert verify_window_bytes(shape, lin, lin + 1, 5, 4) == shape.prompt_bytes(5) + 4 * kept
+    assert verify_window_bytes(shape, att, att + 1, 5, 4) == shape.prompt_bytes(5)
+    table = range_fixed_table(shape, 333, verify_rows=5, sessions=4)
+    for lb in range(12):
+        for le in range(lb + 1, 13):
+            assert table[lb, le] == sum(stage_fixed_bytes(shape, 333, lb, le, verify_rows=5,
+                                                          sessions=4))
+    devs = make_devices([900, 900], bw=[300, 300])
+    plans = {(b, rows): make_plan(shape, devs, cells=128, split=[6], order="as_given",
+                                  params=PlanParams(verify_rows=rows, sessions=b))
+             for b in (1, 4) for rows in (0, 5)}
+    for i in range(2):
+        st = plans[4, 5].stages[i]
+        grown = st.reserve_bytes - plans[4, 0].stages[i].reserve_bytes
+        assert grown == verify_window_bytes(shape, st.lb, st.le, 5, 4)
+        assert grown - (plans[1, 5].stages[i].reserve_bytes
+                        - plans[1, 0].stages[i].reserve_bytes) == 3 * (sum(
+            shape.recurrent_bytes[l] for l in range(st.lb, st.le)
+            if shape.layer_kind[l] == "linear") + 5 * shape.hidden * HANDOFF_DTYPE_BYTES)
+    one, four = (predict_spec(plans[b, 5], shape, None, 4) for b in (1, 4))
+    assert four.sessions == 4 and four.to_dict()["sessions"] == 4
+    assert four.k0_tok_s == pytest.approx(4000 / window_ms(plans[4, 5], shape, None, 4))
+    assert one.k0_tok_s == pytest.approx(1000 / plans[1, 5].predicted_ms_per_token)
+    w = window_ms(plans[4, 5], shape, None, 5)
+    assert four.tok_s(0.7) == pytest.approx(1000 * expected_yield(0.7, 4) / w)
+    assert "over 4 sessions" in four.lines()[0] and "over" not in one.lines()[0]
