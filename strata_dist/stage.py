@@ -375,19 +375,16 @@ class Stage:
         return out
 
     def settle_window(self, session_id: int, pos: int) -> None:
-        """A speculating request ended at `pos` (protocol Settle): the session's last verify
-        window's rows before `pos` stand (its first always: its token was drawn), the rest leave
-        the routing counts now rather than at a next step that may never come or come elsewhere.
-        The recurrent state is left to `_rewind_window`, which the next step runs."""
+        """A speculating request ended at `pos` (protocol Settle): its session's last window's
+        rows before `pos` stand (its first always), the rest leave the routing counts now, not at
+        a next step that may never come; the recurrent state is left to `_rewind_window`."""
         routes = self.window_routes.pop(session_id, None)
         if routes is not None:
             self._adapt_due |= self.routing.tick(routes.settle(max(pos, routes.start + 1)) - 1)
 
     def _rewind_window(self, session_id: int, s, pos: int) -> None:
-        """A step inside the session's last verify window (its drafts were rejected from there
-        on): the recurrent state at the window's start comes back and the accepted rows run
-        again, through the same many-row path, so the state is what one-row steps leave. The
-        window's routes are settled at `pos` too: its rejected rows were no token of the traffic."""
+        """A step (batched too) inside the session's last verify window: the state at its start
+        back, the accepted rows run again (as one-row steps leave it), its routes settled at pos."""
         routes = self.window_routes.pop(session_id, None)
         if routes is not None:
             self._adapt_due |= self.routing.tick(routes.settle(pos) - 1)

@@ -7,7 +7,7 @@ stage verifies each request as the one-session path does, and each request rolls
 (K/V; qwen3next's recurrent state). Real rank processes through the launcher (CPU ranks) and real
 HTTP clients: eight concurrent clients, in a random arrival order, each get the greedy tokens
 they get alone without speculation, with drafts accepted; on 1 and 2 stages, both architectures,
-and once with the draft-model drafter."""
+and with the draft-model and MTP drafters."""
 from __future__ import annotations
 
 import asyncio
@@ -70,14 +70,15 @@ async def _complete(http: httpx.AsyncClient, url: str, body: dict) -> tuple[list
     return ids, usage
 
 
-def _alone(path: str, args: tuple, bodies: list[dict]) -> list[list[int]]:
-    """Each request alone, one after another, without speculation."""
+def _alone(path: str, args: tuple, bodies: list[dict], usage: bool = False) -> list:
+    """Each request alone, one after another (`args` without --spec: without speculation); with
+    `usage`, each one's token ids and usage."""
     server = ServerProcess(path, *args, *BASE)
     try:
         async def run():
             async with httpx.AsyncClient(timeout=120) as http:
-                return [(await _complete(http, server.url, b))[0] for b in bodies]
-        return asyncio.run(run())
+                return [await _complete(http, server.url, b) for b in bodies]
+        return [got if usage else got[0] for got in asyncio.run(run())]
     finally:
         server.close()
 
@@ -147,6 +148,24 @@ def test_the_draft_model_drafts_for_each_request_of_a_batch(synth):
         drafted, accepted = status["strata_draft_tokens"], status["strata_draft_tokens_accepted"]
         assert drafted > 0 and accepted == (drafted if draft == "tiny" else 0), (draft, status)
         assert status["batched_rows"] / status["batched_steps"] > 1.5, status
+
+
+@pytest.mark.timeout(240)
+def test_the_mtp_block_drafts_for_each_request_of_a_batch(tmp_path):
+    """--draft mtp (a qwen3next file with its MTP block) on two stages: every request's tokens,
+    drafts and acceptances are those it gets alone through the one-session path with the same
+    drafter (whose tokens are --spec 0's: tests/test_mtp.py)."""
+    from strata_dist.synth import write_synthetic
+    path = str(tmp_path / "next-mtp.gguf")
+    write_synthetic(path, like="tiny-next", quant="f32", seed=3, mtp=True)
+    args = ("--cpu-ranks", "2", "--layer-split", "4", "--draft", "mtp")
+    bodies = _bodies("next-mtp")
+    alone = _alone(path, args + ("--spec", "3"), bodies, usage=True)
+    got, usage, status = _together(path, args, bodies, seed=5)
+    assert got == [ids for ids, _ in alone]
+    assert [u["completion_tokens_details"] for u in usage] == \
+        [u["completion_tokens_details"] for _, u in alone]
+    assert status["strata_draft_tokens"] > 0, status
 
 
 # ---- the planner: B sessions' windows ----------------------------------------------------------
