@@ -253,12 +253,14 @@ def _main(args, signals: StopSignals) -> int:
         params = replace(params, kv_resident=kv_resident)
     if args.draft_model:   # priced on the last stage, as the kind of device it lands on
         params = replace(params, **{
-            field: draft_plan_bytes(args.draft_model, kind, args.kv_type, args.max_context)
+            field: draft_plan_bytes(args.draft_model, kind, args.kv_type, args.max_context,
+                                    getattr(args, "parallel", None) or 1)   # one per session
             for field, kind in (("draft_bytes", "cuda"), ("draft_cpu_bytes", "cpu"))})
     args.draft_mtp = args.spec_options.drafter == "mtp" and args.spec > 0
     if args.draft_mtp:     # the MTP block and its session, priced on the last stage likewise
         params = replace(params, drafter=("MTP block", "--draft mtp"), **{
-            field: mtp_plan_bytes(args.model, kind, args.kv_type, args.max_context)
+            field: mtp_plan_bytes(args.model, kind, args.kv_type, args.max_context,
+                                  getattr(args, "parallel", None) or 1)
             for field, kind in (("draft_bytes", "cuda"), ("draft_cpu_bytes", "cpu"))})
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)

@@ -213,3 +213,36 @@ def test_each_session_keeps_its_window_state_priced_and_the_prediction_is_over_a
     w = window_ms(plans[4, 5], shape, None, 5)
     assert four.tok_s(0.7) == pytest.approx(1000 * expected_yield(0.7, 4) / w)
     assert "over 4 sessions" in four.lines()[0] and "over" not in one.lines()[0]
+
+
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_a_draft_session_per_session_is_priced_as_carved(synth, tmp_path, drafter):
+    """--parallel 4 with a drafter on the last stage: each request drafts in a draft session of
+    its own, so the plan's drafter bytes grow by three sessions, each what the drafter carves."""
+    import json
+    import subprocess
+    import sys
+
+    if drafter == "model":
+        from strata_dist.draft_model import DraftModel
+        model, flags = synth["tiny"], ["--draft-model", synth["tiny-q8"]]
+        carver = DraftModel(synth["tiny-q8"], "cpu", 256)
+        sizes = [carver.stage.session(sid).nbytes for sid in range(4)]
+    else:
+        from strata_dist.mtp_draft import MtpDrafter
+        from strata_dist.synth import write_synthetic
+        model, flags = str(tmp_path / "next-mtp.gguf"), ["--draft", "mtp"]
+        write_synthetic(model, like="tiny-next", quant="f32", seed=3, mtp=True)
+        from strata_dist.stage import Stage, StageConfig
+        last = Stage(StageConfig(model, "cpu", 0, 8, True, True, 256))   # the head it drafts with
+        carver = MtpDrafter(model, "cpu", 256, last.model)
+        sizes = [carver.session(sid).nbytes for sid in range(4)]
+
+    def drafter_bytes(*more) -> int:
+        r = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model,
+                            "--cpu-ranks", "1", "--max-context", "256", "--spec", "3", *flags,
+                            *more, "--plan-only", "--json"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["params"]["draft_cpu_bytes"]
+    assert drafter_bytes("--parallel", "4") - drafter_bytes() == sum(sizes[1:]) > 0
