@@ -168,6 +168,45 @@ def test_the_mtp_block_drafts_for_each_request_of_a_batch(tmp_path):
     assert status["strata_draft_tokens"] > 0, status
 
 
+@pytest.mark.timeout(240)
+def test_a_speculating_client_that_leaves_costs_the_others_nothing(synth):
+    """Two stages of qwen3next, --parallel 4 --spec 3: a streamed client leaves after its first
+    tokens while three others decode; its Cancel settles its window round the stages and its
+    session comes free; the others get the tokens they get alone without speculation, and a
+    request after them is served."""
+    import json
+    args = ("--cpu-ranks", "2", "--layer-split", "4")
+    bodies = _bodies("tiny-next")[:4]
+    leaving = dict(bodies[0], max_tokens=400, stream=True)
+    want = _alone(synth["tiny-next"], args, bodies[1:])
+    server = ServerProcess(synth["tiny-next"], *args, *BASE, *SPEC)
+    try:
+        async def leaver(http):
+            async with http.stream("POST", server.url + "/v1/completions", json=leaving) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                        return "left"         # gone after its first tokens
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(leaver(http), *(
+                    _complete(http, server.url, b) for b in bodies[1:]))
+        left, *got = asyncio.run(run())
+        assert left == "left" and [ids for ids, _ in got] == want
+        sessions = []
+        for _ in range(100):          # the leaver's session comes free once its Cancel is done
+            sessions = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]["sessions"]
+            if all(row["request"] is None for row in sessions):
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        assert all(row["request"] is None for row in sessions), sessions
+        with httpx.Client(timeout=60) as http:
+            r = http.post(server.url + "/v1/completions", json=dict(bodies[1], stream=False))
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want[0]
+    finally:
+        server.close()
+
+
 # ---- the planner: B sessions' windows ----------------------------------------------------------
 
 def test_each_session_keeps_its_window_state_priced_and_the_prediction_is_over_all_streams():
