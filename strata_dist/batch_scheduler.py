@@ -4,9 +4,10 @@ Each running request has its own session on every stage (the head names it: one 
 slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
 - a batched decode step (protocol/batch.py) with an entry per request that has a token to read
   next (with --spec K, that token and the drafts the last stage sent with it: a verify window of
-  its own in the step; a request with no drafts this step has one row), while fewer such steps than stages are in flight (each step a group of requests of its
-  own: with K stages, K groups keep every stage busy): every stage runs all rows once, the last
-  stage answers one Token per row (it never starts the next step itself: `Sampling.head_steps`);
+  its own in the step; a request with no drafts this step has one row), while fewer such steps
+  than stages are in flight (each step a group of requests of its own: with K stages, K groups
+  keep every stage busy): every stage runs all rows once, the last stage answers each request's
+  Tokens (it never starts the next step itself: `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
   `prompt_budget` tokens of prompt ride ahead of each decode step (a long prompt never stalls the
   running streams for more than a chunk a step); with nobody decoding, the window a lone request

@@ -165,8 +165,8 @@ def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range.
     `sessions` (--parallel): that many sessions, each of `cells` (`resident` of them on the
     device, --kv-resident; 0: every cell). The reserve holds a verify window
-    of `verify_rows` rows for each session (verify_window_bytes), and on the last stage the draft model's
-    `draft_bytes` (PlanParams.draft_bytes)."""
+    of `verify_rows` rows, with each session's record of it (verify_window_bytes), and on the
+    last stage the draft model's `draft_bytes` (PlanParams.draft_bytes)."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
             sessions * session_bytes(shape, cells, lb, le, resident),
