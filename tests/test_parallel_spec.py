@@ -222,6 +222,10 @@ def test_each_session_keeps_its_window_state_priced_and_the_prediction_is_over_a
                                           stage_fixed_bytes, verify_window_bytes)
     from strata_dist.plan.speculation import expected_yield, predict_spec, window_ms
 
+    from protocol.batch import MAX_WINDOW_ROWS
+    from strata_dist.plan.pricing import DECODE_ROWS
+    from strata_dist.speculative import MAX_SPEC
+    assert MAX_WINDOW_ROWS == DECODE_ROWS == MAX_SPEC + 1   # any --spec K's window crosses the wire
     shape = make_shape(n_layers=12, kinds=hybrid_kinds(12))
     lin = next(l for l in range(12) if shape.layer_kind[l] == "linear")
     att = next(l for l in range(12) if shape.layer_kind[l] == "attention")
