@@ -253,12 +253,14 @@ def _main(args, signals: StopSignals) -> int:
         params = replace(params, kv_resident=kv_resident)
     if args.draft_model:   # priced on the last stage, as the kind of device it lands on
         params = replace(params, **{
-            field: draft_plan_bytes(args.draft_model, kind, args.kv_type, args.max_context)
+            field: draft_plan_bytes(args.draft_model, kind, args.kv_type, args.max_context,
+                                    getattr(args, "parallel", None) or 1)   # one per session
             for field, kind in (("draft_bytes", "cuda"), ("draft_cpu_bytes", "cpu"))})
     args.draft_mtp = args.spec_options.drafter == "mtp" and args.spec > 0
     if args.draft_mtp:     # the MTP block and its session, priced on the last stage likewise
         params = replace(params, drafter=("MTP block", "--draft mtp"), **{
-            field: mtp_plan_bytes(args.model, kind, args.kv_type, args.max_context)
+            field: mtp_plan_bytes(args.model, kind, args.kv_type, args.max_context,
+                                  getattr(args, "parallel", None) or 1)
             for field, kind in (("draft_bytes", "cuda"), ("draft_cpu_bytes", "cpu"))})
     layout = layout_args(args, specs, split)
     profile = load_profile(args, gguf)
@@ -426,10 +428,6 @@ def http_flags(args) -> None:
         from protocol.batch import MAX_BATCH_ROWS
         if not 1 <= args.parallel <= MAX_BATCH_ROWS:
             raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
-        if args.parallel > 1 and getattr(args, "spec", 0):
-            raise UsageError(f"--parallel {args.parallel} and --spec {args.spec} cannot be "
-                             f"combined yet (a batched step carries one row per request, a "
-                             f"verify window several)")
     if args.port is None:
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),

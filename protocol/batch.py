@@ -6,7 +6,11 @@ stage: one hidden row per entry) whose `batch` names, row by row, the request, t
 position that row is at. Each stage runs every row through its layers once: attention per row over
 its own session's KV at its own position, the dense and expert layers over all rows together; the
 last stage samples each row with its own request's sampling and answers one Token per row to the
-head (never a next step: the head sends each batched step). Kept apart from messages.py as
+head (never a next step: the head sends each batched step). Since v20 an entry may be a verify
+window (speculative decoding, --spec K beside --parallel B): `window_rows[i]` rows of request i,
+its last token and its drafts at positions `positions[i]`.., which every stage runs as that
+session's verify window and the last stage verifies as the one-session path does; the final Token
+of each window carries the drafts of that request's next one. Kept apart from messages.py as
 conversations.py is (a record of its own)."""
 
 from __future__ import annotations
@@ -15,17 +19,22 @@ from dataclasses import field
 
 from .structs import Struct, struct
 
-MAX_BATCH_ROWS = 64   # rows one step may carry (--parallel's bound)
+MAX_BATCH_ROWS = 64   # entries (requests) one step may carry (--parallel's bound)
+# rows one entry's verify window may have: the decode step's rows (strata_dist/plan/pricing.py
+# DECODE_ROWS, which --spec K + 1 fits)
+MAX_WINDOW_ROWS = 8
 
 
 @struct
 class BatchRows(Struct):
     """Row i is request `request_ids[i]`'s next token, in session `session_ids[i]` at position
-    `positions[i]`. A session appears at most once in a step."""
+    `positions[i]` (v20: and the `window_rows[i]` - 1 drafts after it, at the positions after;
+    empty: one row each). A session appears at most once in a step."""
 
     request_ids: list[int] = field(default_factory=list)
     session_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    window_rows: list[int] = field(default_factory=list)   # v20: rows of each entry (empty: 1s)
 
     def check(self, arrays: list) -> None:
         n = len(self.request_ids)
@@ -39,6 +48,23 @@ class BatchRows(Struct):
         bad = [p for p in self.positions if p < 0] + [s for s in self.session_ids if s < 0]
         if bad:
             raise ValueError(f"positions and session ids must be >= 0, got {bad[0]}")
+        if self.window_rows:
+            if len(self.window_rows) != n:
+                raise ValueError(f"request_ids has {n} entries, window_rows "
+                                 f"{len(self.window_rows)}")
+            wrong = [r for r in self.window_rows if not 1 <= r <= MAX_WINDOW_ROWS]
+            if wrong:
+                raise ValueError(f"a verify window has 1 to {MAX_WINDOW_ROWS} rows, not "
+                                 f"{wrong[0]}")
+
+    def rows_each(self) -> list[int]:
+        """Rows of each entry, in order (1 each unless window_rows says otherwise)."""
+        return list(self.window_rows) if self.window_rows else [1] * len(self.request_ids)
+
+    @property
+    def total_rows(self) -> int:
+        """Rows the step carries: ids on Tokens, n on Hidden."""
+        return sum(self.window_rows) if self.window_rows else len(self.request_ids)
 
     def __len__(self) -> int:
         return len(self.request_ids)

@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 19
+PROTOCOL_VERSION = 20
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -136,8 +136,6 @@ class Sampling(Struct):
 
     def check(self, arrays: list) -> None:
         _nonneg(spec_tokens=self.spec_tokens)
-        if self.head_steps and self.spec_tokens:   # a batched step has one row per request
-            raise ValueError(f"head_steps and spec_tokens {self.spec_tokens} cannot be combined")
         if bool(self.grammar_kind) != bool(self.grammar):
             raise ValueError(f"grammar_kind {self.grammar_kind!r} and grammar come together "
                              f"(grammar has {len(self.grammar)} characters)")
@@ -401,8 +399,9 @@ class Tokens(Message):
         if not 0 <= self.chunk_index < self.chunk_total:
             raise ValueError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_total})")
         _boundaries(self.checkpoint_at, self.pos, len(self.ids))
-        if self.batch is not None and len(self.batch) != len(self.ids):
-            raise ValueError(f"a batched step of {len(self.batch)} rows carries {len(self.ids)} ids")
+        if self.batch is not None and self.batch.total_rows != len(self.ids):
+            raise ValueError(f"a batched step of {self.batch.total_rows} rows carries "
+                             f"{len(self.ids)} ids")
 
 
 @message
@@ -431,8 +430,8 @@ class Hidden(Message):
 
     def check(self, arrays: list) -> None:
         _nonneg(pos=self.pos, n=self.n)
-        if self.batch is not None and len(self.batch) != self.n:
-            raise ValueError(f"a batched step of {len(self.batch)} rows carries n={self.n}")
+        if self.batch is not None and self.batch.total_rows != self.n:
+            raise ValueError(f"a batched step of {self.batch.total_rows} rows carries n={self.n}")
         _boundaries(self.checkpoint_at, self.pos, self.n)
         if not self.shape or self.shape[0] != self.n:
             raise ValueError(f"shape {self.shape} does not start with n={self.n}")
@@ -487,6 +486,9 @@ class Token(Message):
     top_logprobs: list[float] = field(default_factory=list)  # and their logprobs, most likely first
     drafted: int = 0    # v15, on the final Token: the request's draft tokens, and those accepted
     accepted: int = 0
+    # v20, a batched step's (head_steps) last Token of a request's window: the drafts of its next
+    # verify window, which the head sends after this token (protocol/batch.py)
+    drafts: list[int] = field(default_factory=list)
 
 
 def _boundaries(positions: list[int], pos: int, n: int) -> None:

@@ -2,10 +2,12 @@
 
 Each running request has its own session on every stage (the head names it: one HeadSession per
 slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
-- a batched decode step (protocol/batch.py) with one row per request that has a token to read
-  next, while fewer such steps than stages are in flight (each step a group of requests of its
-  own: with K stages, K groups keep every stage busy): every stage runs all rows once, the last
-  stage answers one Token per row (it never starts the next step itself: `Sampling.head_steps`);
+- a batched decode step (protocol/batch.py) with an entry per request that has a token to read
+  next (with --spec K, that token and the drafts the last stage sent with it: a verify window of
+  its own in the step; a request with no drafts this step has one row), while fewer such steps
+  than stages are in flight (each step a group of requests of its own: with K stages, K groups
+  keep every stage busy): every stage runs all rows once, the last stage answers each request's
+  Tokens (it never starts the next step itself: `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
   `prompt_budget` tokens of prompt ride ahead of each decode step (a long prompt never stalls the
   running streams for more than a chunk a step); with nobody decoding, the window a lone request
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from protocol import Error, PromptProgress, ProtocolTimeout, Token, Tokens
-from protocol.batch import MAX_BATCH_ROWS, BatchRows
+from protocol.batch import MAX_BATCH_ROWS, MAX_WINDOW_ROWS, BatchRows
 from protocol.conversations import ConversationStep
 from protocol.messages import Sampling
 
@@ -56,6 +58,9 @@ class _Stream:
     read: int = 0                   # prompt chunks the last stage has read
     next_token: int | None = None   # sampled, not yet read by the stages
     next_pos: int = 0
+    drafts: list[int] = field(default_factory=list)   # --spec: the next window's, after next_token
+    window: list[int] = field(default_factory=list)   # the drafts of its window in flight
+    window_got: int = 0             # that window's Tokens come back so far
     cancelled: bool = False         # Cancel sent to every stage
     # when something of it last went out or came back: its clock runs only while the pipeline
     # owes it an answer (`_owed`), so a request queued behind another's prompt is never timed out
@@ -243,13 +248,16 @@ class BatchScheduler:
 
     def _send_step(self, sender, rows: list[_Stream]) -> None:
         step_id = self.coord._last_request_id = next(self.coord._request_ids)
+        each = [1 + len(st.drafts) for st in rows]
         batch = BatchRows(request_ids=[st.request_id for st in rows],
                           session_ids=[st.session_id for st in rows],
-                          positions=[st.next_pos for st in rows])
-        ids = [st.next_token for st in rows]
+                          positions=[st.next_pos for st in rows],
+                          window_rows=each if max(each) > 1 else [])
+        ids = [i for st in rows for i in [st.next_token] + st.drafts]
         now = time.monotonic()
         for st in rows:
             st.next_token, st.last_event = None, now
+            st.window, st.drafts, st.window_got = st.drafts, [], 0
         self._steps[step_id] = _Step(step_id, {st.request_id for st in rows})
         self.most_in_flight = max(self.most_in_flight, len(self._steps))
         self.steps += 1
@@ -276,7 +284,8 @@ class BatchScheduler:
         if st is None:
             return      # a late message of a request that ended
         st.last_event = time.monotonic()
-        self._answered(rid)
+        if not isinstance(msg, Token) or st.cancelled:
+            self._answered(rid)
         if isinstance(msg, Error):
             if not st.cancelled:
                 self.coord._cancel_everywhere(rid)
@@ -292,7 +301,19 @@ class BatchScheduler:
             if msg.done:
                 self._finish(st, msg.reason)
             elif not st.cancelled:
-                st.next_token, st.next_pos = msg.token_id, msg.pos
+                self._window_token(st, msg)
+
+    def _window_token(self, st: _Stream, msg: Token) -> None:
+        """A Token of st's step, not its last: a draft of its window that matched comes with the
+        window's next Token after it; else the window ends here, and this token (with the drafts
+        the last stage sent with it) is what st reads next."""
+        j = st.window_got
+        st.window_got += 1
+        if j < len(st.window) and msg.token_id == st.window[j]:
+            return
+        st.next_token, st.next_pos = msg.token_id, msg.pos
+        st.drafts, st.window = list(msg.drafts[:MAX_WINDOW_ROWS - 1]), []
+        self._answered(st.request_id)
 
     def _owed(self, st: _Stream) -> bool:
         """The pipeline owes st an answer: prompt chunks sent and unread, a row of a step in

@@ -68,10 +68,12 @@ def check_draft_model(target_path: str, draft_path: str) -> None:
             "vocabulary")
 
 
-def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: int) -> int:
+def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: int,
+               sessions: int = 1) -> int:
     """What the draft model takes on a stage of `device_kind` that carries it: its dense weights,
     on a GPU every routed expert (copied resident: drafting never streams; a CPU rank reads them
-    where the file maps them, as DraftModel loads it), its session of `cells` cells, the many-row
+    where the file maps them, as DraftModel loads it), a session of `cells` cells for each of the
+    `sessions` serving sessions (--parallel B: each request drafts in its own), the many-row
     buffers of one catch-up chunk, and with recurrent state its checkpoints (the one kept and the
     next while it is taken)."""
     shape = model_shape(open_checked(draft_path), device_kind, kv_type)
@@ -79,7 +81,8 @@ def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: in
     experts = shape.n_experts * sum(shape.blob_bytes) if device_kind == "cuda" else 0
     recurrent = sum(r for r, kind in zip(shape.recurrent_bytes, shape.layer_kind)
                     if kind == "linear")
-    return (weights_bytes(shape, 0, L, True, True) + experts + session_bytes(shape, cells, 0, L)
+    return (weights_bytes(shape, 0, L, True, True) + experts
+            + sessions * session_bytes(shape, cells, 0, L)
             + shape.prompt_bytes(CATCH_UP_ROWS) + CHECKPOINTS_KEPT * recurrent)
 
 

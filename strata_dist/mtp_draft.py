@@ -125,10 +125,12 @@ def session_nbytes(g, cells: int, kv_type: str, device_kind: str = "cpu") -> int
     return kv + cells * g.n_rot * 4 + DECODE_ROWS * g.n_head * cells * 4 + pending
 
 
-def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> int:
+def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int,
+               sessions: int = 1) -> int:
     """What the MTP drafter takes on the last stage (PlanParams.draft_bytes): the block's dense
-    tensors as `device_kind` keeps them, every routed expert of the block resident, one session
-    of `cells` cells (`session_nbytes`): what MtpDrafter carves (weights_bytes + session_bytes);
+    tensors as `device_kind` keeps them, every routed expert of the block resident, a session
+    of `cells` cells (`session_nbytes`) for each of the `sessions` serving sessions (--parallel
+    B): what MtpDrafter carves (weights_bytes + session_bytes);
     and the buffers of one catch-up call (a reserve, as a prompt chunk's)."""
     gguf = open_checked(path)
     g = architecture_for(gguf).read_geometry(gguf)
@@ -140,7 +142,7 @@ def plan_bytes(path: str, device_kind: str, kv_type: str | None, cells: int) -> 
     kv_type = kv_type or default_kv_type(device_kind)
     # a catch-up call's rows through a layer: the stage's prompt buffers at CATCH_UP_ROWS rows
     work = model_shape(gguf, device_kind, kv_type).prompt_bytes(CATCH_UP_ROWS)
-    return dense + experts + session_nbytes(g, cells, kv_type, device_kind) + work
+    return dense + experts + sessions * session_nbytes(g, cells, kv_type, device_kind) + work
 
 
 def step_bytes(path: str, device_kind: str, kv_type: str | None, cells: int,

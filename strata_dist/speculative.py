@@ -27,6 +27,12 @@ linear layers) keeps the state at the window's start and the window's input rows
 (`WindowRecord`), and at the next step restores that state and runs the accepted rows again,
 through the same path, so its state is what one-row steps would have left.
 
+With --parallel B a batched step (protocol/batch.py) carries each request's window: the last stage
+sends the drafts on the request's last Token of a step (`Token.drafts`), the head sends them back
+with that token as the request's entry of its next step, and every stage runs each entry of
+several rows as that session's verify window (strata_dist/stage_step.py); the acceptance and the
+roll-back are the one-session path's, per request.
+
 Bounds: a window has at most DECODE_ROWS rows (the decode score scratch every session is priced
 with), so K <= DECODE_ROWS - 1."""
 from __future__ import annotations

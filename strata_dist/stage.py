@@ -375,19 +375,16 @@ class Stage:
         return out
 
     def settle_window(self, session_id: int, pos: int) -> None:
-        """A speculating request ended at `pos` (protocol Settle): the session's last verify
-        window's rows before `pos` stand (its first always: its token was drawn), the rest leave
-        the routing counts now rather than at a next step that may never come or come elsewhere.
-        The recurrent state is left to `_rewind_window`, which the next step runs."""
+        """A speculating request ended at `pos` (protocol Settle): its session's last window's
+        rows before `pos` stand (its first always), the rest leave the routing counts now, not at
+        a next step that may never come; the recurrent state is left to `_rewind_window`."""
         routes = self.window_routes.pop(session_id, None)
         if routes is not None:
             self._adapt_due |= self.routing.tick(routes.settle(max(pos, routes.start + 1)) - 1)
 
     def _rewind_window(self, session_id: int, s, pos: int) -> None:
-        """A step inside the session's last verify window (its drafts were rejected from there
-        on): the recurrent state at the window's start comes back and the accepted rows run
-        again, through the same many-row path, so the state is what one-row steps leave. The
-        window's routes are settled at `pos` too: its rejected rows were no token of the traffic."""
+        """A step (batched too) inside the session's last verify window: the state at its start
+        back, the accepted rows run again (as one-row steps leave it), its routes settled at pos."""
         routes = self.window_routes.pop(session_id, None)
         if routes is not None:
             self._adapt_due |= self.routing.tick(routes.settle(pos) - 1)
@@ -417,14 +414,17 @@ class Stage:
         hidden rows, or on the last stage every row's logits, host float32 [n, vocab]."""
         sessions = [self.session(sid) for sid in session_ids]
         for sid, s, pos in zip(session_ids, sessions, positions):
+            self._rewind_window(sid, s, pos)   # inside its last verify window (--spec): rolled back
             self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
         self.tiers.prompt = False
         if self.decode_graph is not None:
             self.decode_graph.settle()    # a step ahead may still write a session's KV
         h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
         out = self.model.forward_rows(h, sessions, positions)
-        for s, pos in zip(sessions, positions):
+        for i, (sid, s, pos) in enumerate(zip(session_ids, sessions, positions)):
             s.n_past = pos + 1
+            if self.cfg.last and self.hidden_sink is not None:   # --draft mtp reads each row
+                self.hidden_sink(sid, pos, out[i:i + 1])
         if self.routing.on:
             self._adapt_due |= self.routing.tick(len(sessions))
             if self._adapt_due and not self.cache.lent:

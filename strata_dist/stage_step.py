@@ -83,9 +83,10 @@ class StageStep:
         # last stage: the requests that ended here (the latest ENDED_KEPT). With --parallel, a
         # later request may end before an earlier one's Cancel comes, so an order says nothing.
         self.ended: deque[int] = deque(maxlen=ENDED_KEPT)
-        # last stage: the final Token of each speculating request that ended, held until its
-        # Settle has come round every stage (_on_settle)
-        self.settling: dict[int, Outbound] = {}
+        # last stage: the final Token (or Error) of each speculating request that ended, with its
+        # session, held until its Settle has come round every stage (_on_settle), or its Cancel
+        # comes (a stage lost meanwhile: the head fails it), or its session is reset
+        self.settling: dict[int, tuple[int, Outbound]] = {}
         # compute_us: time in the stage's own work (the shell adds send_us)
         self.counters = {"chunks": 0, "rows": 0, "tokens": 0, "errors": 0, "compute_us": 0,
                          "stale_dropped": 0, "cancelled_dropped": 0,
@@ -107,6 +108,9 @@ class StageStep:
 
     def _on_release(self, msg: Release, rows) -> list[Outbound]:
         self.stage.release(msg.session_id)
+        for rid, (sid, _) in list(self.settling.items()):
+            if sid == msg.session_id:     # its Settle will not come back to a session reset
+                del self.settling[rid]
         if self.draft_model is not None:
             self.draft_model.release(msg.session_id)
         return [] if self.last else [Outbound(To.NEXT, msg)]
@@ -118,7 +122,7 @@ class StageStep:
         self.stage.settle_window(msg.session_id, msg.pos)
         if not self.last:
             return [Outbound(To.NEXT, msg)]
-        final = self.settling.pop(msg.request_id, None)
+        _, final = self.settling.pop(msg.request_id, (0, None))
         return [final] if final is not None else []
 
     def _settle(self, request_id: int, req: "_Request", final: Outbound) -> list[Outbound]:
@@ -127,14 +131,20 @@ class StageStep:
         stage runs), and the Token waits for the Settle to come round (`_on_settle`)."""
         if req.spec is None or not req.spec.windows:
             return [final]
-        self.settling[request_id] = final
+        self.settling[request_id] = (req.session_id, final)
         return [Outbound(To.FIRST, Settle(request_id=request_id, session_id=req.session_id,
                                           pos=req.spec.last_pos))]
 
     def _on_cancel(self, msg: Cancel, rows) -> list[Outbound]:
         """Every stage hears a Cancel (PROTOCOL.md §4): inside that request's prompt it ends the
         prompt here, and it drops the request's rows still to come. The last stage answers once,
-        unless the request had already ended there (its final Token or Error is the answer)."""
+        unless the request had already ended there (its final Token or Error is the answer). An
+        answer held for a Settle goes now, not kept for a Settle that may never come back: the
+        head cancels an ended request when it fails it (a stage lost while the Settle went
+        round) or when its client leaves as it ends, and takes the answer as the end."""
+        held = self.settling.pop(msg.request_id, None)
+        if held is not None:
+            return [held[1]]
         if msg.request_id in self.cancelled:
             return []
         self.cancelled.append(msg.request_id)
@@ -187,19 +197,20 @@ class StageStep:
 
     def _on_batch(self, msg: Tokens | Hidden, rows, t0: float) -> list[Outbound]:
         """A batched decode step (protocol/batch.py): every row through this stage's layers at
-        once; then the rows to the next stage, or (last stage) one Token per row to the head."""
+        once (a verify window as its session's window); then the rows to the next stage, or (last
+        stage) each request's window verified as the one-session path verifies it, its Tokens to
+        the head, the last of them with the drafts of its next window."""
         b = msg.batch
+        each = b.rows_each()
         try:
-            if isinstance(msg, Tokens):
-                out = self.stage.run_batch(b.session_ids, b.positions, ids=msg.ids)
-            else:
-                out = self.stage.run_batch(b.session_ids, b.positions, hidden=rows)
+            out = self._run_batch(msg, rows, each)
         except Exception as e:  # the step's requests fail; the rank serves on
             log.error("batched step %s failed:\n%s", msg.request_id, traceback.format_exc())
             return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+        self.counters["window_rerun_rows"] = self.stage.window_rerun_rows
         self.counters["compute_us"] += int((time.perf_counter() - t0) * 1e6)
         self.counters["tokens"] += 1
-        self.counters["rows"] += len(b)
+        self.counters["rows"] += b.total_rows
         if not self.last:
             shape = [int(d) for d in out.shape]
             return [Outbound(To.NEXT, Hidden(
@@ -207,14 +218,53 @@ class StageStep:
                 shape=shape, batch=b), rows=out)]
         sent: list[Outbound] = []
         for i, (rid, sid, pos) in enumerate(zip(b.request_ids, b.session_ids, b.positions)):
-            if rid in self.cancelled or rid not in self.requests:
+            req = self.requests.get(rid)
+            if rid in self.cancelled or req is None:
                 continue          # cancelled while its row was on its way: dropped
+            drafted = len(req.spec.drafts) if req.spec is not None else 0
+            if each[i] > 1 and each[i] - 1 != drafted:   # the window is not the one drafted
+                del self.requests[rid]
+                sent.append(self.error(rid, f"rank {self.rank}: a verify window of {each[i]} "
+                                            f"rows for {drafted} drafts"))
+                continue
             try:
-                sent += self._sample_one(rid, sid, [out[i]], pos + 1, loop=False)
+                sent += self._sample_one(rid, sid, out[i], pos + each[i], loop=False)
             except (ValueError, IndexError) as e:   # sampling fields no sampler takes
                 self.requests.pop(rid, None)
                 sent.append(self.error(rid, f"rank {self.rank}: {type(e).__name__}: {e}"))
         return sent
+
+    def _run_batch(self, msg: Tokens | Hidden, rows, each: list[int]):
+        """A batched step's rows through this stage: the one-row entries as one batch, each
+        verify window as its session's window (Stage.run: the many-row path, and on a recurrent
+        session the record it rolls back from), so every row is computed as the one-session path
+        computes it. Returns the hidden rows in the step's order, or on the last stage each
+        entry's logits rows (host float32 [rows, vocab])."""
+        b, first = msg.batch, isinstance(msg, Tokens)
+        starts = np.concatenate([[0], np.cumsum(each)[:-1]]).astype(int).tolist()
+        ones = [i for i, n in enumerate(each) if n == 1]
+        parts: list = [None] * len(each)
+        if ones:
+            at = [starts[i] for i in ones]
+            got = self.stage.run_batch([b.session_ids[i] for i in ones],
+                                       [b.positions[i] for i in ones],
+                                       ids=[msg.ids[a] for a in at] if first else None,
+                                       hidden=None if first else rows[at])
+            if len(ones) == len(each) and not self.last:
+                return got
+            for k, i in enumerate(ones):
+                parts[i] = got[k:k + 1]
+        for i, n in enumerate(each):
+            if n > 1:
+                a = starts[i]
+                parts[i] = self.stage.run(b.session_ids[i], b.positions[i],
+                                          ids=msg.ids[a:a + n] if first else None,
+                                          hidden=None if first else rows[a:a + n],
+                                          all_rows=self.last)
+        if self.last:
+            return parts
+        xp = np if isinstance(parts[0], np.ndarray) else _device_arrays()
+        return xp.concatenate(parts)
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
@@ -334,8 +384,8 @@ class StageStep:
         """Draw request_id's next token from each of `rows` (one row; or a verify window's, the
         last at position `end`) while its drafts are accepted: a Token each to the head, and when
         `loop` and the request goes on, its next decode step to the first stage. A batched step's
-        row (--parallel) is a one-row step with `loop` off: the launcher refuses --spec beside
-        --parallel, so a batched request has no drafts."""
+        entry (--parallel) comes with `loop` off: the head sends the next step, so the last Token
+        carries the next window's drafts (protocol/batch.py)."""
         req = self.requests.get(request_id)
         if req is None or req.max_new <= 0:   # cancelled, or a prompt that asks for no token
             if self.requests.pop(request_id, None) is not None:
@@ -350,7 +400,9 @@ class StageStep:
                 tok, finished = _draw(req, row, draft, q)
             except GrammarError as e:   # the request ends with its error; the rank serves on
                 del self.requests[request_id]
-                return [self.error(request_id, f"rank {self.rank}: structured output: {e}")]
+                # a speculating request's last window settles on every stage first, as at any end
+                return self._settle(request_id, req, self.error(
+                    request_id, f"rank {self.rank}: structured output: {e}"))
             req.generated += 1
             pos = end - len(rows) + i + 1
             reason = ("stop" if tok in req.stop_ids or finished
@@ -377,13 +429,15 @@ class StageStep:
                 return sent[:-1] + self._settle(request_id, req, sent[-1])
             if not accepted:
                 break
-        if not loop:
-            return sent
-        ids = [tok]
+        drafts = []
         if req.spec is not None:
-            ids += req.spec.draft(req.max_new - req.generated)
-            self.counters["spec_drafted"] += len(ids) - 1
-            self.counters["spec_windows"] += len(ids) > 1
+            drafts = list(req.spec.draft(req.max_new - req.generated))
+            self.counters["spec_drafted"] += len(drafts)
+            self.counters["spec_windows"] += bool(drafts)
+        if not loop:
+            sent[-1].msg.drafts = drafts    # the head sends the window with the next step
+            return sent
+        ids = [tok] + drafts
         return sent + [Outbound(To.FIRST, Tokens(request_id=request_id,
                                                  session_id=session_id, pos=pos, ids=ids))]
 
@@ -424,6 +478,12 @@ def _draw(req: _Request, logits, draft: int | None = None, q=None) -> tuple[int,
         tok = draw_against(req.sampler, masked_row(row, req.grammar.bitmask_words(int(row.size))),
                            draft, q)
     return tok, req.grammar.advance(tok)
+
+
+def _device_arrays():
+    """The array module of device rows (a GPU stage's hidden rows)."""
+    import cupy
+    return cupy
 
 
 def _rows_of(msg: Tokens | Hidden) -> int:

@@ -278,11 +278,18 @@ def test_a_batched_step_crosses_the_wire_and_bad_ones_are_refused():
                                  batch=bad)))
     with pytest.raises(ProtocolError, match="carries 1 ids"):
         decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1], batch=rows)))
-    # a batched request cannot speculate: its steps carry one row each (--parallel refuses --spec)
-    from protocol.messages import Sampling
-    with pytest.raises(ProtocolError, match="head_steps and spec_tokens 3"):
-        decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=[1],
-                             sampling=Sampling(max_new=4, head_steps=True, spec_tokens=3))))
+    # v20: an entry may be a verify window (--spec K beside --parallel B), its rows counted
+    windows = BatchRows(request_ids=[7, 9], session_ids=[1, 0], positions=[12, 3],
+                        window_rows=[3, 1])
+    msg = Tokens(request_id=11, session_id=0, pos=0, ids=[5, 8, 8, 6], batch=windows)
+    assert decode(encode(msg))[0] == msg and windows.rows_each() == [3, 1]
+    for bad, ids, needle in ((windows, [5, 6], "4 rows carries 2 ids"),
+                             (BatchRows(request_ids=[7], session_ids=[1], positions=[0],
+                                        window_rows=[9]), [1] * 9, "1 to 8 rows, not 9"),
+                             (BatchRows(request_ids=[7], session_ids=[1], positions=[0],
+                                        window_rows=[1, 1]), [1, 1], "window_rows 2")):
+        with pytest.raises(ProtocolError, match=needle):
+            decode(encode(Tokens(request_id=1, session_id=0, pos=0, ids=ids, batch=bad)))
 
 
 @pytest.mark.timeout(180)
@@ -402,9 +409,7 @@ def test_plan_only_shows_the_sessions_and_bad_values_are_refused(moe, capsys):
     for a, b in zip(one["stages"], four["stages"]):
         assert b["session_bytes"] == 4 * a["session_bytes"] > 0
     for bad, needle in ((["--parallel", "0"], "--parallel 0: 1 to 64"),
-                        (["--parallel", "65"], "--parallel 65: 1 to 64"),
-                        (["--parallel", "2", "--spec", "3"],
-                         "--parallel 2 and --spec 3 cannot be combined")):
+                        (["--parallel", "65"], "--parallel 65: 1 to 64")):
         assert launch_main(args + bad) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and needle in err and "Traceback" not in err, err

@@ -132,19 +132,21 @@ def handoff_bytes(shape: ModelShape, rows: int = HANDOFF_ROWS) -> int:
     return rows * shape.hidden * HANDOFF_DTYPE_BYTES
 
 
-def verify_window_bytes(shape: ModelShape, lb: int, le: int, rows: int) -> int:
+def verify_window_bytes(shape: ModelShape, lb: int, le: int, rows: int, sessions: int = 1) -> int:
     """What a verify window of `rows` rows (speculative decoding, --spec K: K + 1 rows;
     strata_dist/speculative.py) takes on a stage of [lb, le) beyond a decode step: its rows'
     buffers through the many-row path a prompt chunk takes (the prompt layout at `rows` tokens,
-    less the streamed experts a window never reads), and on a range with linear layers the
-    window's copy of their state and its input rows, kept to roll back inside the window. 0 for
-    rows <= 1 (no speculation)."""
+    less the streamed experts a window never reads; once: a batched step runs its sessions'
+    windows one after another, strata_dist/stage_step.py), and on a range with linear layers
+    each of the `sessions` sessions' copy of their state at its last window and that window's
+    input rows, kept to roll back inside it at the session's next step. 0 for rows <= 1 (no
+    speculation)."""
     _check_range(shape, lb, le)
     if rows <= 1:
         return 0
     rec = sum(shape.recurrent_bytes[l] for l in range(lb, le) if shape.layer_kind[l] == "linear")
     kept = rec + rows * shape.hidden * HANDOFF_DTYPE_BYTES if rec else 0
-    return shape.resident_prompt_bytes(rows) + kept
+    return shape.resident_prompt_bytes(rows) + sessions * kept
 
 
 def reserve_bytes(shape: ModelShape, first: bool, last: bool,
@@ -163,13 +165,14 @@ def stage_fixed_bytes(shape: ModelShape, cells: int, lb: int, le: int, *,
     """(weights, session, reserve) of a stage running [lb, le); first/last follow from the range.
     `sessions` (--parallel): that many sessions, each of `cells` (`resident` of them on the
     device, --kv-resident; 0: every cell). The reserve holds a verify window
-    of `verify_rows` rows (verify_window_bytes), and on the last stage the draft model's
-    `draft_bytes` (PlanParams.draft_bytes)."""
+    of `verify_rows` rows, with each session's record of it (verify_window_bytes), and on the
+    last stage the draft model's `draft_bytes` (PlanParams.draft_bytes)."""
     first, last = lb == 0, le == shape.n_layers
     return (weights_bytes(shape, lb, le, first, last, weight_slice=weight_slice),
             sessions * session_bytes(shape, cells, lb, le, resident),
             reserve_bytes(shape, first, last, handoff_rows)
-            + verify_window_bytes(shape, lb, le, verify_rows) + (draft_bytes if last else 0))
+            + verify_window_bytes(shape, lb, le, verify_rows, sessions)
+            + (draft_bytes if last else 0))
 
 
 def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = True,
@@ -212,6 +215,6 @@ def range_fixed_table(shape: ModelShape, cells: int, *, weight_slice: bool = Tru
                                                        + (~last).astype(np.int64)))
     if verify_rows > 1:   # verify_window_bytes, every range at once
         kept = np.where(rec > 0, rec + verify_rows * shape.hidden * HANDOFF_DTYPE_BYTES, 0)
-        reserve = reserve + shape.resident_prompt_bytes(verify_rows) + kept
+        reserve = reserve + shape.resident_prompt_bytes(verify_rows) + sessions * kept
     reserve = reserve + last * draft_bytes   # the draft model rides on the last stage
     return (w + session + reserve).astype(np.int64)

@@ -19,6 +19,13 @@ Not priced: the per-row arithmetic (the model is of bytes read, as the planner's
 stage with recurrent state (qwen3next) the accepted rows it runs again after a rejected draft to
 roll its state back (speculative.py), which makes such a stage's windows dearer than this says.
 
+With --parallel B (the plan's sessions) a batched step carries each session's window, and each
+stage runs those windows one after another (strata_dist/stage_step.py: each through the many-row
+path, as one session's), so B sessions that all draft take B windows' time a step for B windows'
+tokens: the aggregate tok/s is one session's, while without speculation a batched step of B rows
+reads each expert once for all of them (K = 0's aggregate: B rows in window_ms). The prediction
+states both, so that the cheaper one shows.
+
 A window yields the drafts accepted plus one token. With each draft accepted with probability a,
 independently (the i.i.d. acceptance model), the expected yield is
     1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)      (K + 1 at a = 1),
@@ -119,13 +126,15 @@ def block_step_ms(step_bytes: float, bandwidth_gbs: float | None, params: PlanPa
 @dataclass(frozen=True)
 class SpecPrediction:
     """--spec K's predicted decode: one window's verify and draft milliseconds, and tok/s at each
-    acceptance rate of `acceptances` (beside K = 0's, the plan's one-row steps)."""
+    acceptance rate of `acceptances` (beside K = 0's, the plan's one-row steps); with `sessions`
+    B > 1 (--parallel), tok/s over all B streams (K = 0's: a batched step of B rows)."""
     k: int
     drafter: str
     window_ms: float
     drafter_ms: float
     k0_tok_s: float
     acceptances: tuple[float, ...]
+    sessions: int = 1
 
     def tok_s(self, acceptance: float) -> float:
         return spec_tok_s(acceptance, self.k, self.window_ms, self.drafter_ms)
@@ -133,6 +142,7 @@ class SpecPrediction:
     def to_dict(self) -> dict:
         return {"k": self.k, "drafter": self.drafter, "window_ms": round(self.window_ms, 4),
                 "drafter_ms": round(self.drafter_ms, 4), "k0_tok_s": round(self.k0_tok_s, 2),
+                "sessions": self.sessions,
                 "tok_s": {f"{a:g}": round(self.tok_s(a), 2) for a in self.acceptances}}
 
     def in_plan_json(self, plan_json: str) -> str:
@@ -143,9 +153,11 @@ class SpecPrediction:
 
     def lines(self) -> list[str]:
         at = ", ".join(f"{self.tok_s(a):.1f} at {a:g}" for a in self.acceptances)
+        over = (f" over {self.sessions} sessions (their windows one after another a step; K = 0 "
+                f"batches their rows)" if self.sessions > 1 else "")
         return [f"speculation (--spec {self.k}, drafter {self.drafter}): a window of {self.k + 1} "
                 f"rows {self.window_ms:.3f} ms + drafting {self.drafter_ms:.3f} ms; predicted "
-                f"decode tok/s {at} (acceptance per draft, i.i.d.; K = 0: "
+                f"decode tok/s{over} {at} (acceptance per draft, i.i.d.; K = 0: "
                 f"{self.k0_tok_s:.1f})"]
 
 
@@ -155,12 +167,16 @@ def predict_spec(plan, shape: ModelShape, profile: RoutingProfile | None, k: int
                  block_bytes: float | None = None) -> SpecPrediction:
     """The prediction of --spec K on `plan`; `draft`: the draft model's shape as the last stage's
     device loads it (drafter "model"), priced there; `block_bytes`: what one step of the MTP
-    block reads there (drafter "mtp", mtp_draft.step_bytes)."""
+    block reads there (drafter "mtp", mtp_draft.step_bytes). With the plan's sessions B > 1
+    (--parallel) the tok/s are over B streams (module doc)."""
     drafting = 0.0
     last = plan.stages[-1].device
     if draft is not None:
         drafting = k * draft_step_ms(draft, last.mem_bandwidth_gbs, plan.params, plan.cells)
     elif block_bytes is not None:
         drafting = k * block_step_ms(block_bytes, last.mem_bandwidth_gbs, plan.params)
-    return SpecPrediction(k, drafter, window_ms(plan, shape, profile, k + 1), drafting,
-                          1000.0 / plan.predicted_ms_per_token, tuple(acceptances))
+    sessions = plan.params.sessions
+    k0 = (1000.0 / plan.predicted_ms_per_token if sessions == 1
+          else 1000.0 * sessions / window_ms(plan, shape, profile, sessions))
+    return SpecPrediction(k, drafter, window_ms(plan, shape, profile, k + 1), drafting, k0,
+                          tuple(acceptances), sessions)
