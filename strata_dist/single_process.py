@@ -205,7 +205,9 @@ class SingleProcessRunner:
             if i + 1 == max_new:
                 break
             self.tokens.append(tok)
-            logits = self.decode_step([tok], ahead=params.greedy and i + 2 < max_new)
+            # a step ahead overwrites this row: only when the draw takes its greedy token
+            ahead = params.greedy and not params.reshapes_logits and i + 2 < max_new
+            logits = self.decode_step([tok], ahead=ahead)
         res.decode_ms = (time.perf_counter() - t1) * 1e3
 
     def generate(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(),

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,3 +254,20 @@ def test_a_graph_steps_row_is_read_where_it_is_never_copied_to_the_host():
     stale = StepLogits(0, row, current=lambda: False)
     with pytest.raises(RuntimeError, match="overwritten"):
         Sampler(params)(stale)
+
+
+def test_a_gpu_runner_launches_no_step_ahead_of_a_row_its_sampler_reads():
+    """SingleProcessRunner on a GPU (the decode graph on the CuPy stand-ins, kernels not run,
+    tests/sampling_ahead_check.py): a greedy generation with a penalty or a bias reads each row,
+    so no step may be launched ahead of it (that step overwrites the row: StepLogits raises);
+    a plain greedy one still takes its steps ahead."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(here / "fake_cupy"), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(here / "sampling_ahead_check.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["graph"] == "DecodeGraph"
+    assert report["plain"] == {"tokens": 6, "ahead_taken": 4}
+    assert report["repetition"] == report["bias"] == {"tokens": 6, "ahead_taken": 0}, report
