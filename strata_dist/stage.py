@@ -343,8 +343,8 @@ class Stage:
                       and self.hidden_sink is None)
         if graph_step:
             out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)
-            self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
-            self.tiers.counters["graph_steps"] += 1
+            # its tiers and routes (the general path counts its own as it computes them)
+            graph.report_step(self.tiers.counters, self.tiers.routing)
         else:
             if graph is not None:
                 # a step ahead still in flight reads the cache (a prompt writes its lent slots)
@@ -364,9 +364,6 @@ class Stage:
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
         if self.tiers.routing is not None:
-            # the general path counted its routes as it computed them (ExpertTiers)
-            if graph_step and graph.last_routes is not None:
-                self.routing.add_layers(self.cfg.lb, graph.last_routes)
             # a window's first row always stands (its token was the last one drawn); the rest
             # tick when the next step settles them
             self._adapt_due |= self.routing.tick(1 if verify else n)
@@ -412,25 +409,27 @@ class Stage:
 
     def run_batch(self, session_ids: list[int], positions: list[int], ids=None, hidden=None):
         """A batched decode step (protocol/batch.py): row i is the next token of session
-        session_ids[i] at positions[i] (ids on the first stage, hidden rows after it). The
-        general path runs it (no decode graph for more than one session's rows): returns the
+        session_ids[i] at positions[i] (ids on the first stage, hidden rows after it), by the
+        decode graph where it can (DecodeGraph.takes_batch), else the general path: returns the
         hidden rows, or on the last stage every row's logits, host float32 [n, vocab]."""
         sessions = [self.session(sid) for sid in session_ids]
         for sid, s, pos in zip(session_ids, sessions, positions):
             self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
         self.tiers.prompt = False
-        if self.decode_graph is not None:
-            self.decode_graph.settle()    # a step ahead may still write a session's KV
-        h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
-        out = self.model.forward_rows(h, sessions, positions)
+        if (graph := self.decode_graph) is not None and graph.takes_batch(sessions, positions):
+            out = graph.step_rows(sessions, positions, ids=ids, hidden=hidden)   # host logits
+            graph.report_step(self.tiers.counters, self.tiers.routing)
+        else:
+            h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
+            out = self.model.forward_rows(h, sessions, positions)
+            if self.cfg.last:
+                out = self.backend.to_host(self.model.output_logits(out)).astype(np.float32)
         for s, pos in zip(sessions, positions):
             s.n_past = pos + 1
         if self.routing.on:
             self._adapt_due |= self.routing.tick(len(sessions))
             if self._adapt_due and not self.cache.lent:
                 self._adapt()
-        if self.cfg.last:
-            return self.backend.to_host(self.model.output_logits(out)).astype(np.float32)
         return out
 
     def _adapt(self) -> None:
