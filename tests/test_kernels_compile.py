@@ -179,12 +179,10 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # (up to 32 bytes, which moves with unrelated edits; an array indexed at run time is far larger);
 # moe_down of IQ2_XXS, IQ2_XS and IQ4_NL spill 4-8 bytes at 48 registers (ptxas -v, CUDA 13.0;
 # the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
-# those two spill 8 bytes (each key's row chosen between the card and the host copy); reading
-# each row's session table and position from the step descriptor (a batched step's rows belong to
-# different sessions, kernels/attention.cuh row_table) added 8 bytes to the g4 builds and the
-# fused (_fq) ones, not yet measured on a GPU
-STACK_ALLOWED = [(r"matvec_\w+_[248]", 32),
-                 (r"attn_decode_(128|256)_g[24](_q8|_ring)?(_fq)?", 24),
+# those two spill 8 bytes (each key's row chosen between the card and the host copy); the fused
+# q8_0 build for 8 heads spills 8 since each row reads its session's table and position from the
+# step descriptor (kernels/attention.cuh row_table; a batched step's rows are several sessions')
+STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
                  (r"attn_decode_128_g8_q8_fq", 8), (r"moe_down_iq\w+", 16)]
 
 

@@ -28,10 +28,10 @@
 __device__ __forceinline__ int row_position(const int* __restrict__ desc, int i) {
     return desc[DESC_TABLE_WORDS] != 0 ? desc[DESC_ROW_POS + i] : desc[DESC_POS] + i;
 }
+// (a one-session writer's zeros give slot 0 * 0 words: the table at `sess`)
 __device__ __forceinline__ const u64* row_table(const u64* sess, const int* __restrict__ desc,
                                                 int i) {
-    return desc[DESC_TABLE_WORDS] != 0
-               ? sess + (i64)desc[DESC_ROW_TABLE + i] * desc[DESC_TABLE_WORDS] : sess;
+    return sess + desc[DESC_ROW_TABLE + i] * desc[DESC_TABLE_WORDS];
 }
 // the newest cell the step writes of row i's session, + 1 (a ring build's `end`)
 __device__ __forceinline__ i64 row_step_end(const int* __restrict__ desc, int i) {
