@@ -7,14 +7,11 @@ alone: tests/test_gpu_decode.py, tests/test_gpu_batched_decode.py), so a request
 depend on who else is in the batch. Stage.run_batch asks `takes_batch`, then runs `step_rows`."""
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import cupy as cp
 
+from ..compute_options import fall_back
 from .decode_rows import StepRows
-
-log = logging.getLogger("strata.decode")
 
 
 class BatchedSteps:
@@ -41,8 +38,8 @@ class BatchedSteps:
                 why = str(e)
         if why is not None and why not in self._refused:
             self._refused.add(why)
-            log.info("stage [%d, %d): a batched step takes the general path: %s", self.lb,
-                     self.le, why)
+            fall_back(f"a batched step on the decode graph of layers [{self.lb}, {self.le})",
+                      why)
         return why is None
 
     def step_rows(self, sessions, positions, ids=None, hidden=None):
