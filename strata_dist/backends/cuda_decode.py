@@ -463,7 +463,7 @@ class DecodeGraph(BatchedSteps):
                  NULL if route is None else route, NULL if qkv is None else qkv))
             normed = None            # written once
 
-    def _graph(self, n: int, every_row: bool):
+    def _graph(self, n: int, every_row: bool = False):
         """The captured step of n rows (one a row count and output kind: the descriptor, not the
         graph, says which sessions and positions the rows are)."""
         graph = self.graphs.get((n, every_row))
