@@ -21,10 +21,10 @@
 #define V_HOST(sess, n_layers, slot) V_SCALES(sess, n_layers, slot)
 #define RING_GEOMETRY(sess, n_layers) (sess[4 * (n_layers) + 2])
 
-// ---- the rows of a step (decode.cu DESC_*) ------------------------------------------------------
-// `sess` holds one pointer table per slot (DESC_TABLE_WORDS words each): a batched step's rows
-// belong to different sessions at different positions, each row naming its session's slot. A
-// row's arithmetic is the same whatever the other rows are (nothing here sums across rows).
+// ---- the rows of a step (decode.cu DESC_*) ----------------------------------------------------
+// `sess` holds one pointer table per slot (desc[DESC_TABLE_WORDS] words each): a batched step's
+// rows belong to different sessions at different positions, each row naming its session's slot.
+// A row's arithmetic is the same whatever the other rows are (nothing here sums across rows).
 __device__ __forceinline__ int row_position(const int* __restrict__ desc, int i) {
     return desc[DESC_TABLE_WORDS] != 0 ? desc[DESC_ROW_POS + i] : desc[DESC_POS] + i;
 }
