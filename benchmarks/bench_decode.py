@@ -10,7 +10,10 @@ stops): the record's `new_tokens` is what each measured request generated. With 
 checks the tokens against the one-GPU arm and measures the hand-off of one decode row between the
 two cards (bench_transport.py's median). With --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1
 -p 0 -n N` reads the same file (its version string and every flag recorded) and the ratio is
-printed. The record of ../shared/RECORDS.md goes to
+printed. With --unsplit WHOLE (--model a split file's first shard, WHOLE the same file in one
+piece) one strata launch on WHOLE reads one request first, and the strata arm says whether the
+split file's greedy tokens are its own (`tokens_identical_to_unsplit`). The record of
+../shared/RECORDS.md goes to
 benchmarks/results/decode-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (records.py computes the
 commit). `--popularity` names the routing law of a file that does not store it (a synthetic file
 does).
@@ -40,19 +43,23 @@ from records import (PeakMemory, env_prefix, fail, full_decodes, median_tps,  # 
                      tokens_against_records, Recorder)
 
 
-def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
+def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
+               repeats: int = 0) -> dict:
+    """One strata launch on `model` (default --model) reading `repeats` (default --repeats)
+    measured requests; its first request's tokens kept (`_tokens`, `tokens_sha256`)."""
+    model, repeats = model or args.model, repeats or args.repeats
     devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", gpus]
     cmd = ["--layer-split", split, "--max-context", str(args.context), "--no-remote-auto"]
     n_gpus = len(gpus.split(","))
     with PeakMemory() as mem:
-        s = serve_session(args.model, *devices, *cmd, timeout=1200)
+        s = serve_session(model, *devices, *cmd, timeout=1200)
         try:
             s.gen(prompt_ids(32, 1, vocab), 16, timeout=900)         # warm-up: graphs captured
             # a prompt of its own each: its first id (its seed's, distinct modulo any
             # vocabulary's id range) is no earlier request's, so none RESUMEs a prefix
             runs, skipped = full_decodes(s, [prompt_ids(32, 2 + 61 * rep, vocab)
                                              for rep in range(3 * args.repeats)],
-                                         args.tokens, args.repeats)
+                                         args.tokens, repeats)
         finally:
             s.close()
     gens = [int(r["done"][0]) for r in runs]
@@ -66,7 +73,7 @@ def strata_arm(args, gpus: str, split: str, vocab: int) -> dict:
             "decode_tok_s": tok_s, "new_tokens": min(gens), "tps_each": {"decode": each},
             "decode_prompts_stopped_early": skipped,
             "peak_gib": round(mem.gib, 2),
-            "predicted_ms_per_token": predicted_ms_per_token(args.model, devices + cmd),
+            "predicted_ms_per_token": predicted_ms_per_token(model, devices + cmd),
             "measured_ms_per_token": round(1e3 / tok_s, 3),
             "tokens_sha256": hashlib.sha256(json.dumps(r["tokens"]).encode()).hexdigest(),
             "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gens[0] - 1),
@@ -111,19 +118,41 @@ def main() -> int:
     ap.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench")
     ap.add_argument("--llama-wait", type=float, default=0,
                     help="seconds to wait for llama-bench to appear (a build in the background)")
+    ap.add_argument("--unsplit", default="", metavar="GGUF",
+                    help="--model is a split file and this the same file in one piece: its "
+                         "greedy tokens are read first (one strata launch, one request) and the "
+                         "strata arm's tokens_identical_to_unsplit says whether they equal the "
+                         "split file's")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.tokens < 2 or not 1 <= args.repeats <= 8:
         fail(f"--tokens {args.tokens} / --repeats {args.repeats}: at least 2 tokens, 1 to 8 "
              f"repeats")
     facts = model_facts(args.model, args.popularity)
+    if args.unsplit:
+        whole = model_facts(args.unsplit, args.popularity)
+        if facts["shards"] < 2 or whole["shards"] != 1 or any(
+                whole[k] != facts[k] for k in ("like", "quant", "popularity", "types")):
+            fail(f"--unsplit {args.unsplit}: {whole['like']} {whole['quant']} in "
+                 f"{whole['shards']} shard(s) is not --model {args.model} "
+                 f"({facts['like']} {facts['quant']} in {facts['shards']} shards) in one piece")
     # the record's identity (commit, time, options, machine) now: a tree no commit can be named
     # for is refused before anything is measured
     recorder = Recorder("decode", facts, args.out)
     arms = []
     gpus = args.gpus.split(",")
+    unsplit = (strata_arm(args, gpus[0], "auto", facts["vocab"], args.unsplit, 1)
+               if args.unsplit else None)
     one = strata_arm(args, gpus[0], "auto", facts["vocab"])
     arms.append(one)
+    if unsplit is not None:
+        # the first measured request of each launch: the same prompt (the same ids, the same
+        # greedy tokens up to where one file's output first departs from the other's)
+        one["tokens_identical_to_unsplit"] = one["_tokens"] == unsplit["_tokens"]
+        one["unsplit_tokens_sha256"] = unsplit["tokens_sha256"]
+        print(f"strata: the {facts['shards']}-shard file's tokens "
+              f"{'are identical to' if one['tokens_identical_to_unsplit'] else 'DIFFER from'} "
+              f"the unsplit file's ({os.path.basename(args.unsplit)})", flush=True)
     print(f"strata 1 GPU: {one['decode_tok_s']:.1f} tok/s decode, graph steps/stage/token "
           f"{one['graph_steps_per_stage']:.2f}, peak {one['peak_gib']:.1f} GiB", flush=True)
     if len(gpus) > 1 and not args.cpu:

@@ -60,7 +60,7 @@
 # the same depths on a rank held to 16 GB (--vram-budget 16G --kv-resident auto), its tokens
 # compared with the depth part's record of the same file (~5 min). Issue 47's qwen3next case
 # (--max-context 262144 --kv-type q8_0 --kv-resident auto) has no part: strata-launch refuses
-# --kv-resident on GPU ranks for qwen3next and for q8_0 K/V (the ring kernels read qwen3moe's f16
+# --kv-resident on GPU ranks for q8_0 K/V (the ring kernels, qwen3moe's and qwen3next's, read f16
 # K/V only so far).
 #   bash benchmarks/must_show.sh --parts depth
 #   bash benchmarks/must_show.sh --parts depth_prompt
@@ -70,6 +70,27 @@
 # (synth --mtp, ~46 GiB, ~5 min), K = 0 beside the self-draft, n-gram and MTP drafters: ~9 min;
 # an H200 (the self-draft arm holds the file twice). The MTP block drafts on the general path.
 #   bash benchmarks/must_show.sh --parts spec_mtp
+# ftype_<type> (off by default, each its own call; estimated, not yet timed): issues 43 and 44's
+# records per llama.cpp file type, one file a part, Qwen3-30B-A3B geometry, every expert resident:
+# the synth writes the file with llama-quant's per-tensor types (`--quant <type>`), then
+# bench_decode.py (strata beside llama-bench -n 128, 3 repeats) and bench_prefill.py (one
+# 4,096-token prompt, 2 repeats, beside llama-bench tuned over -ub 512..4096); each record's
+# model.quant is the file type's name. <type>: q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k, q8_0 (issue 43),
+# iq3_s, iq4_xs, iq2_xxs (issue 44). About 3 min of synth (q8_0's 32 GiB the longest) + ~1.5 min
+# decode + ~2.5 min prompt: ~7 min each with llama-bench built (run one after the q4_k part, or
+# expect the first call's build, ~5 min, beside the synth). The q4_k_m file is kept for:
+# ftype_q4_k_m_split3 (its own call, ~6 min after ftype_q4_k_m on the warm machine, ~9 min
+# without it): the same q4_k_m file written again in three shards (--split-max-size a third of its
+# bytes and 5%), its decode record (model.shards 3) beside llama-bench on the split file, and
+# tokens_identical_to_unsplit: its greedy tokens against one launch on the unsplit file.
+# ftype_q4_k_m_split3_prompt (its own call, ~3 min after ftype_q4_k_m_split3, whose files stay on
+# the warm machine until a later part's synth): the 4,096-token prompt of the ftype parts on the
+# 3-shard file, beside the tuned llama-bench on it.
+#   bash benchmarks/must_show.sh --parts ftype_q4_k_m
+#   bash benchmarks/must_show.sh --parts ftype_q4_k_m_split3
+#   bash benchmarks/must_show.sh --parts ftype_q4_k_m_split3_prompt
+#   bash benchmarks/must_show.sh --parts ftype_q5_k_m     # ... one call each: ftype_q6_k,
+#   ftype_q3_k_m, ftype_q2_k, ftype_q8_0, ftype_iq3_s, ftype_iq4_xs, ftype_iq2_xxs
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
@@ -79,6 +100,8 @@
 # --print: the commands only.
 # $OUT (default /tmp/must-show) gets the records and a log per command.
 set -uo pipefail
+# llama.cpp's file types the ftype_<type> parts write and measure (issues 43 and 44)
+FTYPES="q4_k_m q5_k_m q6_k q3_k_m q2_k q8_0 iq3_s iq4_xs iq2_xxs"
 PARTS=decode_q8_0,q4_k,offload_zipf1.0,offload_uniform,offload_zipf0.5; CPU=0; PRINT=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -89,7 +112,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp|ftype_q4_k_m_split3|ftype_q4_k_m_split3_prompt) ;;
+    ftype_*) case " $FTYPES " in *" ${p#ftype_} "*) ;;
+      *) echo "error: --parts: unknown part $p (file types: $FTYPES)" >&2; exit 2 ;; esac ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
 done
 has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
@@ -117,6 +142,9 @@ else
   OFFLOAD=(--vram-budget match --tokens 128 --prefill-tokens 4096 --ncmoe 24 --llama-repeats 2)
   RESIDENT_NCMOE=(--ncmoe 0)
 fi
+# the file-type parts' prompt: one 4,096-token length, every pair resident (the CPU dry run: 256)
+if [ "$CPU" = 1 ]; then FTYPE_PROMPTS=(--cpu --budget 400M --prompts 256 --chunk 64 --repeats 1)
+else FTYPE_PROMPTS=(--budget 60G --prompts 4096 --chunk 4096 --repeats 2); fi
 # the seed rig replay: the qwen3next file of the seeds' geometry (CPU: the tiny one), two shards
 if [ "$CPU" = 1 ]; then SEED_LIKE=tiny-next; SEED_SHARD=250K; SEEDRIG=(--cpu)
 else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
@@ -241,10 +269,15 @@ synth() {   # synth FILE QUANT LAW: the file, unless a call before this one left
     --quant "$2" --popularity "$3" --quiet
 }
 # one big file at a time beside the next (the one-GPU machine's disk is 64 GiB; Q8_0 is ~32 GiB);
-# keep_only FILE.. keeps those (spec_quant: a target and its draft)
+# keep_only FILE.. keeps those (spec_quant: a target and its draft; a FILE may be a pattern, as
+# a split file's shards are)
 keep_only() {
   [ "$PRINT" = 1 ] && return 0
-  local g; for g in "$M"/must_*.gguf; do case " $* " in *" $g "*) ;; *) rm -f "$g" ;; esac; done
+  local g k keep
+  for g in "$M"/must_*.gguf; do
+    keep=0; for k in "$@"; do case "$g" in $k) keep=1 ;; esac; done
+    [ "$keep" = 1 ] || rm -f "$g"
+  done
 }
 
 if has decode_q8_0; then
@@ -340,6 +373,41 @@ fi
 if has depth_resident; then
   run depth_resident timeout 590 python3 benchmarks/bench_depth.py --model "$DEPTH_FILE" \
     "${DEPTH_ONE[@]}" --repeats "$DEPTH_REPEATS" "${DEPTHS[@]}" "${DEPTH_HELD[@]}" --out "$OUT"
+fi
+# the file types: one file a part (the q4_k_m file is the serve parts' own, the q8_0 file the
+# decode_q8_0 part's: the same synth command, kept on a warm machine for the next call)
+for ft in $FTYPES; do
+  has "ftype_$ft" || continue
+  f=$M/must_${ft}_zipf1.gguf; keep_only "$f"; synth "$f" "$ft" zipf:1.0
+  run "decode_ftype_$ft" timeout 580 python3 benchmarks/bench_decode.py --model "$f" "${DECODE[@]}" \
+    --out "$OUT" "${LLAMA[@]}"
+  # every pair resident at this budget: a loan would lend nothing, so no loans-off arm
+  run "prefill_ftype_$ft" timeout 580 python3 benchmarks/bench_prefill.py --model "$f" \
+    "${FTYPE_PROMPTS[@]}" --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
+  [ "$ft" = q4_k_m ] || keep_only none     # q4_k_m: ftype_q4_k_m_split3 reads it unsplit
+done
+# the 3-shard q4_k_m file (and the file unsplit), kept for the next call's part
+whole=$M/must_q4_k_m_zipf1.gguf; split=$M/must_q4_k_m_zipf1_split3.gguf
+first=${split%.gguf}-00001-of-00003.gguf
+if has ftype_q4_k_m_split3 || has ftype_q4_k_m_split3_prompt; then
+  keep_only "$whole" "${split%.gguf}-0000[123]-of-00003.gguf"
+  # the unsplit file: the decode's tokens compare with it, and the shards' size comes from it
+  { has ftype_q4_k_m_split3 || [ ! -f "$first" ]; } && synth "$whole" q4_k_m zipf:1.0
+  if [ ! -f "$first" ] || [ "$PRINT" = 1 ]; then
+    # a third of the whole file's bytes and 5% more a shard: three shards (no tensor comes near
+    # 5% of the file); --print, before any file: 7G, three shards of the ~18.6 GB file
+    shard=7G; [ -f "$whole" ] && shard=$(( $(stat -c %s "$whole") / 3 * 105 / 100 ))
+    run synth_q4_k_m_split3 timeout 420 python3 -m launcher.tools synth "$split" --like "$LIKE" \
+      --quant q4_k_m --popularity zipf:1.0 --split-max-size "$shard" --quiet
+  fi
+fi
+if has ftype_q4_k_m_split3; then
+  run decode_ftype_q4_k_m_split3 timeout 590 python3 benchmarks/bench_decode.py --model "$first" \
+    --unsplit "$whole" "${DECODE[@]}" --out "$OUT" "${LLAMA[@]}"
+fi
+if has ftype_q4_k_m_split3_prompt; then
+  run prefill_ftype_q4_k_m_split3 timeout 580 python3 benchmarks/bench_prefill.py --model "$first" \
+    "${FTYPE_PROMPTS[@]}" --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
 fi
 [ "$PRINT" = 1 ] && exit 0
 # a build still in flight is finished before the call returns (the next call on the warm machine

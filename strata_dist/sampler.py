@@ -1,12 +1,16 @@
-"""Token sampling on the host: greedy, temperature, top-k, top-p, min-p, with a seed; the
-penalties and logit bias that reshape a row before it is sampled; and the log-probabilities a
-request may ask for (`token_logprobs`, `prompt_logprobs`)."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with a seed; the penalties and logit
+bias that reshape a row before it is sampled; a grammar's mask; and the log-probabilities a request
+may ask for (`token_logprobs`, `prompt_logprobs`). The request's state lives here (the seeded
+generator on the host, the token counts); the arithmetic on the row is
+strata_dist/backends/sample_ops.py, run where the row is (numpy on the host, CuPy on a card)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .backends import sample_ops
 
 
 MAX_TOP_K = 2 ** 31 - 1       # the most a request may ask for (the wire carries an int32)
@@ -73,7 +77,9 @@ class SamplingParams:
 class Sampler:
     """Stateful in its random generator, so a seeded request is reproducible, and in the tokens it
     has drawn (the penalties count them). `prompt_ids`: the tokens the repetition penalty counts
-    besides the drawn ones."""
+    besides the drawn ones. A row is sampled where it is: a host row with numpy, a device row (a
+    graph step's StepLogits, a CuPy array) on its device with the same functions
+    (strata_dist/backends/sample_ops.py), the generator staying on the host."""
 
     def __init__(self, params: SamplingParams = SamplingParams(), prompt_ids=()):
         self.params = params
@@ -81,11 +87,13 @@ class Sampler:
         self.drawn_counts: dict[int, int] = {}
         self.seen: set[int] = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 \
             else set()
+        # the same counts beside the rows (on their device), made at the first row reshaped
+        self._counts: sample_ops.TokenCounts | None = None
 
     def __call__(self, logits) -> int:
         """A token from one row of logits: a host array, or a device step's logits that carry
-        their greedy token already (`greedy_token`; the row is copied only when sampling or
-        when a penalty or bias reshapes it)."""
+        their greedy token already (`greedy_token`; the row is read on its device only when
+        sampling or when a penalty or bias reshapes it)."""
         tok = self._draw(logits)
         self.record(tok)
         return tok
@@ -95,68 +103,57 @@ class Sampler:
         self.drawn_counts[tok] = self.drawn_counts.get(tok, 0) + 1
         if self.params.repetition_penalty != 1.0:
             self.seen.add(tok)
+        if self._counts is not None:
+            self._counts.record(tok)
 
-    def adjust(self, logits: np.ndarray) -> np.ndarray:
-        """The row the sampler draws from: `logits` (float64, a copy) with the penalties and bias."""
-        p = self.params
-        out = np.array(logits, dtype=np.float64).reshape(-1)
-        if p.repetition_penalty != 1.0 and self.seen:
-            ids = np.fromiter(self.seen, dtype=np.int64)
-            ids = ids[ids < out.size]
-            v = out[ids]
-            out[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and self.drawn_counts:
-            ids = np.fromiter(self.drawn_counts.keys(), dtype=np.int64)
-            counts = np.fromiter(self.drawn_counts.values(), dtype=np.float64)
-            keep = ids < out.size
-            out[ids[keep]] -= p.frequency_penalty * counts[keep] + p.presence_penalty
-        for token, bias in p.logit_bias:
-            if token < out.size:
-                out[token] += bias
-        return out
+    def _counts_for(self, xp, n: int) -> sample_ops.TokenCounts:
+        c = self._counts
+        if c is None or c.xp is not xp or c.n != n:
+            c = self._counts = sample_ops.TokenCounts(
+                xp, n, self.seen, self.drawn_counts,
+                track_seen=self.params.repetition_penalty != 1.0)
+        return c
+
+    def _row(self, logits):
+        """(xp, the row the sampler draws from: with the penalties and bias when they apply)."""
+        xp, row = sample_ops.row_of(logits)
+        if self.params.reshapes_logits:
+            row = sample_ops.adjust(xp, row, self.params, self._counts_for(xp, int(row.size)))
+        return xp, row
+
+    def adjust(self, logits):
+        """The row the sampler draws from: `logits` (float64, a copy) with the penalties and bias,
+        on the row's device."""
+        with sample_ops.device_of(logits):
+            xp, row = sample_ops.row_of(logits)
+            return sample_ops.adjust(xp, row, self.params, self._counts_for(xp, int(row.size)))
 
     def _draw(self, logits) -> int:
         p = self.params
         if p.greedy and not p.reshapes_logits and getattr(logits, "greedy_token", None) is not None:
             return int(logits.greedy_token)
-        logits = self.adjust(logits) if p.reshapes_logits else \
-            np.asarray(logits, dtype=np.float64).reshape(-1)
-        if p.greedy:
-            return int(np.argmax(logits))
-        order, probs = self._kept(logits)
-        return int(order[self.rng.choice(len(order), p=probs)])
+        with sample_ops.device_of(logits):
+            xp, row = self._row(logits)
+            return sample_ops.draw(xp, row, p, self.rng.random)
 
     def distribution(self, logits) -> tuple[np.ndarray, np.ndarray]:
         """What a sampled (temperature > 0) draw picks from: the token ids it can draw and their
         probabilities (summing to 1), after the penalties and bias, temperature, top-k, top-p and
-        min-p. A speculative window's rejection sampling reads it (strata_dist/speculative.py)."""
-        p = self.params
-        row = self.adjust(logits) if p.reshapes_logits else \
-            np.asarray(logits, dtype=np.float64).reshape(-1)
-        return self._kept(row)
-
-    def _kept(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        p = self.params
-        order = np.argsort(-logits, kind="stable")
-        if p.top_k:
-            order = order[: p.top_k]
-        z = logits[order] / p.temperature
-        probs = np.exp(z - z.max())
-        probs /= probs.sum()
-        keep = len(order)
-        if p.top_p < 1.0:
-            # smallest prefix whose mass reaches top_p (always at least one token)
-            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-        if p.min_p > 0.0:
-            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
-        return order[:keep], probs[:keep] / probs[:keep].sum()
+        min-p, as host arrays. A speculative window's rejection sampling reads it
+        (strata_dist/speculative.py)."""
+        with sample_ops.device_of(logits):
+            xp, row = self._row(logits)
+            ids, probs = sample_ops.kept(xp, row, self.params)
+            return sample_ops.to_host(ids), sample_ops.to_host(probs)
 
 
-def masked_row(logits, allowed: np.ndarray) -> np.ndarray:
-    """A host copy of one row of logits in which the tokens not `allowed` (a bool per token) can
+def masked_row(logits, words: np.ndarray):
+    """One row of logits (host or device: it stays where it is) in which the tokens the grammar's
+    bitmask `words` (host uint32, a bit per token: GrammarMatcher.bitmask_words) does not allow can
     never be drawn: greedy or sampled, the draw then picks among the allowed only."""
-    row = np.asarray(logits, dtype=np.float64).reshape(-1)
-    return np.where(allowed, row, -np.inf)
+    with sample_ops.device_of(logits):
+        xp, row = sample_ops.row_of(logits)
+        return sample_ops.masked(xp, row, words)
 
 
 # ---- log-probabilities ---------------------------------------------------------------------------------
@@ -174,30 +171,26 @@ class TokenLogprob:
 
 
 def log_softmax(rows) -> np.ndarray:
-    """float64 log-softmax over the last axis."""
-    x = np.asarray(rows, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def _top(lp: np.ndarray, n: int) -> tuple[list[int], list[float]]:
-    if n <= 0:
-        return [], []
-    part = np.argpartition(-lp, min(n, lp.size) - 1)[:n]
-    order = part[np.lexsort((part, -lp[part]))]    # most likely first; ties by token id
-    return [int(i) for i in order], [float(lp[i]) for i in order]
+    """float64 log-softmax over the last axis (host rows)."""
+    return sample_ops.log_softmax(np, rows)
 
 
 def token_logprobs(logits, token_id: int, top: int) -> TokenLogprob:
-    """`token_id`'s log-probability under one row of logits, and the `top` most likely tokens."""
-    lp = log_softmax(np.asarray(logits, dtype=np.float64).reshape(-1))
-    ids, lps = _top(lp, top)
-    return TokenLogprob(int(token_id), float(lp[token_id]), ids, lps)
+    """`token_id`'s log-probability under one row of logits, and the `top` most likely tokens;
+    a device row is reduced on its device and only those values come back."""
+    with sample_ops.device_of(logits):
+        xp, row = sample_ops.row_of(logits)
+        ids, lps, value = sample_ops.top_of(xp, sample_ops.log_softmax(xp, row), top,
+                                            also=token_id)
+    return TokenLogprob(int(token_id), value, ids, lps)
 
 
 def prompt_logprobs(rows, next_ids, top: int) -> list[TokenLogprob]:
     """Per row of logits [n, vocab], the log-probability of the token that follows it
     (`next_ids`, one per row), and the `top` most likely tokens there."""
     lp = log_softmax(rows)
-    return [TokenLogprob(int(t), float(lp[r, t]), *_top(lp[r], top))
-            for r, t in enumerate(next_ids)]
+    out = []
+    for r, t in enumerate(next_ids):
+        ids, lps, value = sample_ops.top_of(np, lp[r], top, also=int(t))
+        out.append(TokenLogprob(int(t), value, ids, lps))
+    return out

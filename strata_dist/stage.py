@@ -15,7 +15,7 @@ from protocol import ProtocolError, ProtocolTimeout
 
 from .adapt import RoutingCounts, WindowRoutes, coverage, pick_swaps
 from .backends import get_backend
-from .backends.kv_cache import kv_host_nbytes
+from .backends.kv_cache import DeviceRing, kv_host_nbytes
 from .checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
 from .experts import BlobArena
@@ -73,10 +73,10 @@ class Stage:
             self.backend.kv_type = cfg.kv_type            # how this stage's sessions keep K/V
         self.backend.kv_resident = cfg.kv_resident        # the rest in host memory (RingKV)
         arch = architecture_for(self.gguf)
-        if cfg.kv_resident and self.backend.on_gpu and (arch.ARCH != "qwen3moe"
+        if cfg.kv_resident and self.backend.on_gpu and (arch.ARCH not in DeviceRing.ARCHS
                                                         or self.backend.kv_type != "f16"):
-            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: the GPU ring "
-                             f"kernels take qwen3moe's f16 K/V only (the launcher refuses first)")
+            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: GPU ring kernels "
+                             f"take {'/'.join(DeviceRing.ARCHS)} f16 K/V (launcher refuses first)")
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
         if len(own) != len(cfg.cache_pairs):

@@ -20,6 +20,7 @@ import numpy as np
 from protocol import Cancel, Error, Hidden, PromptProgress, Release, Settle, Token, Tokens
 from protocol.messages import Sampling
 
+from .backends import sample_ops
 from .checkpoints import common_positions
 from .conversation_cache import common_keys
 from .sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
@@ -413,13 +414,15 @@ class StageStep:
 
 def _draw(req: _Request, logits, draft: int | None = None, q=None) -> tuple[int, bool]:
     """The next token, and whether the request's grammar is finished with it. With a grammar the
-    mask is applied to the host copy of the row (a device row is copied here, as for sampling).
-    `draft`: the verify window's draft of the next row, `q` what it was drawn from
-    (speculative.draw_against)."""
+    mask (its packed bitmask) is applied where the row is: a GPU step's row on the card, so only
+    the token comes back. `draft`: the verify window's draft of the next row, `q` what it was
+    drawn from (speculative.draw_against)."""
     if req.grammar is None:
         return draw_against(req.sampler, logits, draft, q), False
-    row = np.asarray(logits, dtype=np.float64).reshape(-1)
-    tok = draw_against(req.sampler, masked_row(row, req.grammar.allowed(len(row))), draft, q)
+    with sample_ops.device_of(logits):
+        row = sample_ops.row_of(logits)[1]
+        tok = draw_against(req.sampler, masked_row(row, req.grammar.bitmask_words(int(row.size))),
+                           draft, q)
     return tok, req.grammar.advance(tok)
 
 

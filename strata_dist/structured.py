@@ -4,10 +4,10 @@ A request's grammar is a JSON schema (`response_format` json_schema / json_objec
 (the `grammar` field; a GBNF text is converted to Lark first). The HTTP server checks it up front
 (`check_grammar`, on its own tokenizer); the grammar's text travels to the last stage in the
 request's `Sampling` (protocol/PROTOCOL.md), where a `GrammarMatcher` per request, each step:
-masks the step's logits to the tokens the grammar allows (on the host copy of the row), lets the
-sampler draw from what is left, and advances on the drawn token. The answer ends when the grammar
-has nothing left to add (the matcher stops), or when a stop token is drawn where the grammar
-accepts (only then does the mask allow one).
+masks the step's logits to the tokens the grammar allows (its packed bitmask, expanded where the
+row is: on the card for a GPU stage), lets the sampler draw from what is left, and advances on the
+drawn token. The answer ends when the grammar has nothing left to add (the matcher stops), or when
+a stop token is drawn where the grammar accepts (only then does the mask allow one).
 
 The grammar engine is llguidance: one wheel with no dependency of its own, JSON schema and Lark
 grammars, and masks that take microseconds on a 152K-token vocabulary (docs/ARCHITECTURE.md,
@@ -22,6 +22,7 @@ import threading
 import llguidance
 import numpy as np
 
+from .backends import sample_ops
 from .tokenizer import GGUFTokenizer
 
 GRAMMAR_KINDS = ("json_schema", "lark")
@@ -109,17 +110,22 @@ class GrammarMatcher:
         if self._matcher.is_error():
             raise GrammarError(f"the grammar: {self._matcher.get_error()}")
 
-    def allowed(self, n_vocab: int) -> np.ndarray:
-        """Which of a logits row's `n_vocab` tokens the grammar allows next (bool)."""
+    def bitmask_words(self, n_vocab: int) -> np.ndarray:
+        """The grammar's allowed next tokens as the engine packs them: host uint32 words, token i
+        bit i % 32 of word i // 32 (a few KiB: what a device uploads and expands,
+        sample_ops.allowed_tokens). Raises GrammarError when none of a row's `n_vocab` tokens is
+        allowed."""
         m = self._start()
-        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        words = np.frombuffer(m.compute_bitmask(), dtype="<u4").astype(np.uint32)
         self._raise_if_failed()
-        allowed = np.zeros(n_vocab, dtype=bool)
-        unpacked = np.unpackbits(bits, bitorder="little")[:n_vocab].view(bool)
-        allowed[:len(unpacked)] = unpacked   # a row longer than the vocabulary: the rest never
-        if not allowed.any():
+        if not sample_ops.any_allowed(words, n_vocab):
             raise GrammarError("the grammar allows no token of this model here")
-        return allowed
+        return words
+
+    def allowed(self, n_vocab: int) -> np.ndarray:
+        """Which of a logits row's `n_vocab` tokens the grammar allows next (bool, host); a row
+        longer than the vocabulary: the rest never."""
+        return sample_ops.allowed_tokens(np, self.bitmask_words(n_vocab), n_vocab)
 
     def advance(self, token_id: int) -> bool:
         """Take the drawn token; True when the grammar is finished (it adds nothing more)."""

@@ -50,6 +50,7 @@ def main() -> int:
         want = ([int(a.card.data.ptr) for a in stores]
                 + [int(r.session.rope_cos.data.ptr), int(r.session.rope_sin.data.ptr)]
                 + [a.host_device_ptr for a in stores] + [SINKS | RING << 32])
+        nxt = next_runner(d)                    # its launches counted too
         print(json.dumps({
             "graph": type(g).__name__ if g is not None else None,
             "errors": errors, "counts": dict(counts), "ends": ends,
@@ -57,8 +58,44 @@ def main() -> int:
             "host_pinned": all(a.host_device_ptr == a.host.ctypes.data for a in stores),
             "card_cells": [int(a.card.shape[0]) for a in stores],
             "host_cells": [int(a.host.shape[0]) for a in stores],
+            "qwen3next": nxt,
         }))
     return 0
+
+
+def next_runner(folder: str) -> dict:
+    """A qwen3next f16 runner of 8 layers (attention in 3 and 7) with the same ring: its table
+    holds each slot's pair (K and V, or a linear layer's conv and recurrent state), the RoPE
+    tables, the attention slots' host copies (0 for a linear slot) and (S, R)."""
+    from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
+    from strata_dist.single_process import SingleProcessRunner
+    path = write_next_gguf(tiny_qwen3next(22, hidden=128, head_dim=256, n_head=4, n_kv=2,
+                                          n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
+                                          top_k=4, n_experts=16), Path(folder) / "n.gguf", "f16")
+    r = SingleProcessRunner(str(path), "cuda:0", prefill_chunk=128, max_context=512,
+                            kv_resident=SINKS + RING, checkpoint_every=128)
+    prompt = [int(x) for x in np.random.default_rng(12).integers(0, 320, 300)]
+    r.prefill(prompt[:256], checkpoint_at=(256,))
+    r.prefill(prompt[256:])
+    ends = [r.session.k(3).end]
+    r.decode_step([5])
+    r.decode_step([5, 6, 7])
+    ends.append(r.session.k(7).end)
+    r.checkpoints.enter(r.session, 256)     # back to the checkpoint: the next step refills
+    r.decode_step([9])
+    ends.append(r.session.v(3).end)
+    g, s = r.decode_graph, r.session
+    linear = [s.g.is_linear(l) for l in range(8)]
+    pairs = [a for l in range(8) for a in ((s.conv_state(l), s.recurrent_state(l)) if linear[l]
+                                           else (s.k(l), s.v(l)))]
+    want = ([int(a.data.ptr) for a in pairs]
+            + [int(s.rope_cos.data.ptr), int(s.rope_sin.data.ptr)]
+            + [0 if linear[l] else a.host_device_ptr for l, a in zip(
+                (l for l in range(8) for _ in range(2)), pairs)]
+            + [SINKS | RING << 32])
+    return {"graph": type(g).__name__ if g is not None else None, "ends": ends,
+            "attention_layers": [l for l in range(8) if not linear[l]],
+            "table_matches": [int(x) for x in np.asarray(g.sess_table)] == want}
 
 
 if __name__ == "__main__":

@@ -195,17 +195,34 @@ def test_bad_values_are_refused_with_one_line(models, tool):
     assert "sinks" in line
     line = _refused(base + ["--kv-resident", "lots"])
     assert "'lots'" in line
-    for arch, flags in (("qwen3next", []), ("qwen3moe", ["--kv-type", "q8_0"])):
-        # the GPU ring kernels take qwen3moe's f16 K/V only: the rest is refused on a GPU
+    for arch in ("qwen3next", "qwen3moe"):
+        # the GPU ring kernels take f16 K/V only: q8_0 is refused on a GPU
         gpu = (["launcher.cli", "--model", models[arch], "--gpus", "0", "--prompt-ids", "1,2",
                 "--max-new", "1"] if tool == "launch" else
                ["strata_dist.cli", "generate", "--model", models[arch], "--device", "cuda:0"])
         line = _refused(gpu + ["--prefill", "16", "--max-context", "64", "--kv-resident", "32",
-                               *flags])
+                               "--kv-type", "q8_0"])
         assert "--kv-resident 32" in line and ("--gpus 0" in line or "cuda:0" in line)
-        assert (arch in line) if arch == "qwen3next" else "--kv-type q8_0" in line
+        assert "--kv-type q8_0" in line
     if tool == "generate":
         assert "strata-launch" in _refused(base + ["--kv-resident", "auto"])
     else:
         line = _refused(base + ["--kv-resident", "32", "--conversation-cache-mib", "8"])
         assert "--kv-resident 32" in line and "--conversation-cache-mib 8" in line
+
+
+def test_gpu_ring_kernels_take_both_architectures_f16_only(models, tmp_path):
+    """Which --kv-resident runs the GPU ranks take (strata_dist/cli.py gpu_kv_resident_refusal,
+    the launcher's and the generate tool's check): qwen3moe's and qwen3next's f16 K/V (their
+    decode graphs' ring builds), not q8_0, not an architecture without ring builds."""
+    from hf_fixtures import tiny_qwen35moe, write_qwen35moe_gguf
+    from strata_dist.cli import gpu_kv_resident_refusal
+    from strata_dist.models import open_checked
+    for arch in ("qwen3moe", "qwen3next"):
+        gguf = open_checked(models[arch])
+        assert gpu_kv_resident_refusal(gguf, None, "cuda:0") == ""
+        assert gpu_kv_resident_refusal(gguf, "f16", "cuda:0") == ""
+        assert "--kv-type q8_0" in gpu_kv_resident_refusal(gguf, "q8_0", "cuda:0")
+    other = open_checked(str(write_qwen35moe_gguf(tiny_qwen35moe(3), tmp_path / "q35.gguf")))
+    said = gpu_kv_resident_refusal(other, None, "--gpus 0")
+    assert "qwen35moe" in said and "--gpus 0" in said

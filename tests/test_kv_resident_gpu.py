@@ -3,8 +3,9 @@ backend's Python on numpy stand-ins for CuPy, every kernel launch against its C 
 qwen3moe f16 runner keeps S + R cells of each K/V on the card and every cell in a mapped host
 copy; its decode graph launches the `_ring` builds, its pointer table holds the card's cells,
 the RoPE tables, the host copies' device addresses and (S, R); the ring's end follows the graph
-steps and a rollback. Nothing numeric: that needs a GPU (untested there yet). Skips without
-nvcc."""
+steps and a rollback. The same for a qwen3next runner (next_attention.cuh's ring builds, its
+linear layers' slots beside). Nothing numeric: tests/test_gpu_kv_resident.py, on a GPU. Skips
+without nvcc."""
 import json
 import os
 import shutil
@@ -34,3 +35,10 @@ def test_the_decode_graph_reads_the_ring_and_the_host_copy():
     assert report["table_matches"] and report["host_pinned"]
     assert report["card_cells"] == [164] * 6 and report["host_cells"] == [512] * 6
     assert report["ends"] == [300, 304, 201]      # prompt, two steps (1 + 3 rows), a rollback
+    # qwen3next: its attention layers through next_attention.cuh's ring builds, a linear layer's
+    # slots of the host copies left 0; moved back to a checkpoint, the next step refills the ring
+    nxt = report["qwen3next"]
+    assert nxt["graph"] == "NextDecodeGraph" and nxt["attention_layers"] == [3, 7]
+    assert nxt["table_matches"] and nxt["ends"] == [300, 304, 257]
+    assert counts.get("next_qk_norm_rope_kv_ring", 0) > 0 and counts.get("attn_decode_256_g2_ring", 0) > 0
+    assert "attn_decode_256_g2" not in counts and "next_qk_norm_rope_kv" not in counts

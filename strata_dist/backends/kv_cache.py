@@ -245,22 +245,28 @@ class RingKV:
 
 
 class DeviceRing:
-    """A GPU decode graph's side of --kv-resident (backends/cuda_decode.py) for `model`: whether its
-    sessions keep RingKV stores of (S sinks, R ring cells) for `max_cells` cells, the suffix of the kernel
-    builds that write and read them (kernels/attention.cuh KvRing), the pointer table's words
-    after the RoPE tables, and the stores' `end` around each step. Falsy when every cell is
-    resident: then it changes nothing."""
+    """A GPU decode graph's side of --kv-resident (backends/cuda_decode.py, next_decode.py) for
+    `model`: whether its sessions keep RingKV stores of (S sinks, R ring cells) for `max_cells`
+    cells, the suffix of the kernel builds that write and read them (kernels/attention.cuh KvRing,
+    next_attention.cuh), the pointer table's words after the RoPE tables, and the stores' `end`
+    around each step. Falsy when every cell is resident: then it changes nothing."""
+
+    ARCHS = ("qwen3moe", "qwen3next")      # the architectures with `_ring` builds
 
     def __init__(self, model, max_cells: int):
         backend = model.backend
         self.split = kv_split(max_cells, backend.kv_resident)
         why = ("" if not self.split else
                f"K/V kept as {backend.kv_type}" if backend.kv_type != "f16" else
-               f"{model.g.arch}'s attention kernels" if model.g.arch != "qwen3moe" else "")
+               f"{model.g.arch}'s attention kernels" if model.g.arch not in self.ARCHS else "")
         if why:         # the general path then reads the stores by their own rule
             from .graph_tables import Unsupported
-            raise Unsupported(f"{why} with --kv-resident (the ring builds are qwen3moe's, f16)")
+            raise Unsupported(f"{why} with --kv-resident (the ring builds are "
+                              f"{' and '.join(self.ARCHS)}'s, f16)")
         self.suffix = "_ring" if self.split else ""
+        is_linear = getattr(model.g, "is_linear", None)     # qwen3next's layers without K/V
+        self.kv_layers = [l for l in range(model.lb, model.le)
+                          if is_linear is None or not is_linear(l)]
 
     def __bool__(self) -> bool:
         return self.split is not None
@@ -271,18 +277,20 @@ class DeviceRing:
         return 2 * n_layers if q8 else 2 * n_layers + 1 if self.split else 0
 
     def table_tail(self, kv: list) -> list[int]:
-        """Those words for a session's stores `kv` (k, v of each layer in the table's order)."""
+        """Those words for a session's stores `kv` (two a layer slot in the table's order; None
+        for the slots of a layer without K/V, a qwen3next linear layer's: 0)."""
         if not self.split:
             return []
         sinks, ring = self.split
-        return [a.host_device_ptr for a in kv] + [sinks | ring << 32]
+        return [a.host_device_ptr if a is not None else 0 for a in kv] + [sinks | ring << 32]
 
     def step(self, session, lb: int, le: int, pos: int, n: int) -> None:
-        """Before a step writes cells [pos, pos + n) of `session` on the device: a store rewound
-        refills its ring from the host copy first (on the default stream, which the step waits
-        for), and every store then ends at pos + n."""
+        """Before a step writes cells [pos, pos + n) of `session` on the device: a store of the
+        layers [lb, le) with K/V rewound refills its ring from the host copy first (on the default
+        stream, which the step waits for), and every such store then ends at pos + n."""
         if self.split:
-            for layer in range(lb, le):
-                for a in (session.k(layer), session.v(layer)):
-                    a.before_step(pos)
-                    a.after_step(pos + n)
+            for layer in self.kv_layers:
+                if lb <= layer < le:
+                    for a in (session.k(layer), session.v(layer)):
+                        a.before_step(pos)
+                        a.after_step(pos + n)

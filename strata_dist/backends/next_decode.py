@@ -9,7 +9,9 @@ Per layer, after the layer's RMSNorm fused into its input matvecs:
   both reading and writing the state in place (kernels/gated_delta.cuh); ssm_out + residual;
 - an attention layer: attn_q ([q | gate] per head), attn_k, attn_v; `next_qk_norm_rope_kv` (q and
   k normed per head, the first 64 dims rotated, K/V written into the session);
-  `attn_decode_256_g*`; `next_attn_gate`; attn_output + residual (kernels/next_attention.cuh);
+  `attn_decode_256_g*`; `next_attn_gate`; attn_output + residual (kernels/next_attention.cuh;
+  with --kv-resident their `_ring` builds, which keep the sinks and a ring of the newest cells on
+  the card and read the rest in place from the pinned host copy, backends/kv_cache.py RingKV);
 - the MoE: the router's matvec (post_attention_norm fused, its last block picking the top-k of up
   to 512 experts) and the routed experts' two launches as qwen3moe's; the shared expert's gate and
   up rows and its one-row gate logit in one matvec launch over the same normed rows,
@@ -170,18 +172,24 @@ class NextDecodeGraph(DecodeGraph):
     def _layer_kernel_names(self) -> set[str]:
         names = {"next_shexp_act"}
         if self.attention_layers:
-            names |= {"next_qk_norm_rope_kv", self.attn_kernel, "next_attn_gate"}
+            names |= {"next_qk_norm_rope_kv" + self.ring.suffix, self.attn_kernel,
+                      "next_attn_gate"}
         if self.linear_layers:
             names |= {"gdn_conv_step", "gdn_delta_step"}
         return names
 
     def _session_pointers(self, session) -> list[int]:
-        ptrs = []
+        """Two entries a layer slot, then the RoPE tables; with --kv-resident, the host copies of
+        the attention layers' K and V (0 for a linear layer's slot) and the ring's geometry."""
+        ptrs, kv = [], []
         for layer in range(self.lb, self.le):
+            linear = self.g.is_linear(layer)
             pair = ((session.conv_state(layer), session.recurrent_state(layer))
-                    if self.g.is_linear(layer) else (session.k(layer), session.v(layer)))
+                    if linear else (session.k(layer), session.v(layer)))
             ptrs += [int(a.data.ptr) for a in pair]
-        return ptrs + [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
+            kv += [None, None] if linear else list(pair)
+        ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
+        return ptrs + self.ring.table_tail(kv)
 
     # ---- the step -------------------------------------------------------------------------------
     def _enqueue_layers(self, n: int, eps) -> None:
@@ -198,7 +206,7 @@ class NextDecodeGraph(DecodeGraph):
                 self._matvec(L["mix_out"], self.gdn_out, g.value_dim, n)
             else:
                 self._matvec(L["qkv"], self.h, g.n_embd, n, L["attn_norm"], eps)
-                f("next_qk_norm_rope_kv")(
+                f("next_qk_norm_rope_kv" + self.ring.suffix)(
                     (g.n_head + g.n_head_kv, n), (32,),
                     (self.qg, self.k, self.v, L["q_norm"], L["k_norm"], self.sess_table, i32(j),
                      i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv), eps, self.q))

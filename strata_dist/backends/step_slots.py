@@ -20,8 +20,9 @@ import numpy as np
 
 
 class StepLogits:
-    """The last row's logits of a graph step. The greedy token is already on the host; the full
-    row is copied only when asked (`np.asarray`). It is the runner's buffer, valid until the next
+    """The last row's logits of a graph step. The greedy token is already on the host; the
+    sampler reads the row on the card (`on_device`), and the full row is copied only when asked
+    (`np.asarray`). It is the runner's buffer, valid until the next
     step is launched (a step ahead is launched before this one is returned: its callers take the
     greedy token only); reading it later raises rather than return another step's row."""
 
@@ -30,11 +31,15 @@ class StepLogits:
         self._logits = logits
         self._current = current
 
-    def __array__(self, dtype=None, copy=None):
-        import cupy as cp
+    def on_device(self):
+        """The row where it is, on the card (the sampler reads it there: sample_ops.row_of)."""
         if not self._current():
             raise RuntimeError("these logits were overwritten by a later decode step")
-        host = cp.asnumpy(self._logits)
+        return self._logits
+
+    def __array__(self, dtype=None, copy=None):
+        import cupy as cp
+        host = cp.asnumpy(self.on_device())
         return host if dtype is None else host.astype(dtype)
 
 

@@ -367,7 +367,8 @@ def kernel_names() -> list[str]:
     # --kv-resident's builds (f16): the KV write and attention of a sinks + ring + host copy
     names += ["qk_norm_rope_kv_ring"] + [attn_kernel(g, "f16") + "_ring" for g in ATTN_GROUPS]
     names += ["next_qk_norm_rope_kv", "next_attn_gate", "next_shexp_act"]
-    names += [attn_kernel(g, "f16", head_dim=256) for g in ATTN_GROUPS]   # next_attention.cuh
+    names += [attn_kernel(g, "f16", head_dim=256) + ring for g in ATTN_GROUPS
+              for ring in ("", "_ring")] + ["next_qk_norm_rope_kv_ring"]   # next_attention.cuh
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names

@@ -13,35 +13,49 @@
 // Grid (n_head + n_kv, rows), 32 threads: head h < n_head of row i is q, normed and rotated out of
 // qg [rows, n_head, 2 D] into q [rows, n_head, D]; head n_head + j is k head j, normed, rotated and
 // written into the session's K at the row's position with v's head j into V (f16 only).
-extern "C" __global__ void next_qk_norm_rope_kv(
-        const float* __restrict__ qg, const float* __restrict__ k, const float* __restrict__ v,
-        const float* __restrict__ qn, const float* __restrict__ kn, const u64* __restrict__ sess,
-        int layer_slot, int n_layers, const int* __restrict__ desc, int n_head, int n_kv,
-        float eps, float* __restrict__ q) {
-    pdl_entry();
-    const int head = blockIdx.x, i = blockIdx.y;
-    float* q_dst = head < n_head ? q + ((i64)i * n_head + head) * NEXT_D : nullptr;
-    norm_rope_head<false, NEXT_D, NEXT_ROT, 2 * NEXT_D>(
-        const_cast<float*>(qg), k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head, n_kv, eps,
-        i, head, threadIdx.x, q_dst);
-}
+// The `_ring` build (--kv-resident, backends/kv_cache.py RingKV): K and V written into the card's
+// slot of the position and into the pinned host copy of every cell, the pointer table laid out as
+// attention.cuh's KvRing says (the host copies where q8_0's scales would be; a linear layer's
+// slots there hold nothing and are never read).
+#define NEXT_QK_NORM_ROPE_KV(suffix, RING)                                                        \
+    extern "C" __global__ void next_qk_norm_rope_kv##suffix(                                      \
+            const float* __restrict__ qg, const float* __restrict__ k,                           \
+            const float* __restrict__ v, const float* __restrict__ qn,                           \
+            const float* __restrict__ kn, const u64* __restrict__ sess, int layer_slot,          \
+            int n_layers, const int* __restrict__ desc, int n_head, int n_kv, float eps,         \
+            float* __restrict__ q) {                                                             \
+        pdl_entry();                                                                             \
+        const int head = blockIdx.x, i = blockIdx.y;                                             \
+        float* q_dst = head < n_head ? q + ((i64)i * n_head + head) * NEXT_D : nullptr;          \
+        norm_rope_head<false, NEXT_D, NEXT_ROT, 2 * NEXT_D, RING>(                               \
+            const_cast<float*>(qg), k, v, qn, kn, sess, layer_slot, n_layers, desc, n_head,      \
+            n_kv, eps, i, head, threadIdx.x, q_dst);                                             \
+    }
+NEXT_QK_NORM_ROPE_KV(, false)
+NEXT_QK_NORM_ROPE_KV(_ring, true)
 
 // The decode attention over 256-wide heads (f16 K/V), the builds of attention.cuh's ATTN_DECODE
-// for that width (no fused q/k norm: qwen3next normalises in next_qk_norm_rope_kv).
-#define NEXT_ATTN_DECODE(suffix, MAX_G)                                                           \
+// for that width (no fused q/k norm: qwen3next normalises in next_qk_norm_rope_kv). The `_ring`
+// builds read each key's row from the card or in place from the host copy (KvRing), with the
+// plain builds' arithmetic in the plain builds' order.
+#define NEXT_ATTN_DECODE(suffix, MAX_G, RING)                                                     \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_256##suffix(         \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
             int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
             u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
         pdl_entry();                                                                             \
-        attn_decode_body<NEXT_D, false, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, \
-                                               chunk, scale, part, ml, done, out, n_layers,      \
-                                               nullptr);                                         \
+        attn_decode_body<NEXT_D, false, MAX_G, RING>(q, sess, layer_slot, desc, n_head, n_kv,    \
+                                                     n_split, chunk, scale, part, ml, done, out, \
+                                                     n_layers, nullptr);                         \
     }
-NEXT_ATTN_DECODE(_g2, 2)
-NEXT_ATTN_DECODE(_g4, 4)
-NEXT_ATTN_DECODE(_g8, 8)
-NEXT_ATTN_DECODE(_g16, 16)
+NEXT_ATTN_DECODE(_g2, 2, false)
+NEXT_ATTN_DECODE(_g4, 4, false)
+NEXT_ATTN_DECODE(_g8, 8, false)
+NEXT_ATTN_DECODE(_g16, 16, false)
+NEXT_ATTN_DECODE(_g2_ring, 2, true)
+NEXT_ATTN_DECODE(_g4_ring, 4, true)
+NEXT_ATTN_DECODE(_g8_ring, 8, true)
+NEXT_ATTN_DECODE(_g16_ring, 16, true)
 
 // out[i, h D + d] *= sigmoid(qg[i, h 2 D + D + d]): the attention of each head times its gate.
 // Grid (ceil(n_head D / 256), rows), 256 threads.

@@ -1,0 +1,103 @@
+"""Sampling's arithmetic on the card: strata_dist/backends/sample_ops.py with CuPy against the same
+functions with numpy (which tests/test_sample_ops.py holds, bit for bit, to the host sampler as it
+was), on rows of a Qwen3-sized vocabulary; and the sampler drawing from a graph step's row
+(StepLogits over a device array) as it draws from the host copy. Run on the GPU machine:
+pytest -m gpu."""
+import numpy as np
+import pytest
+
+from strata_dist.backends import sample_ops
+from strata_dist.backends.step_slots import StepLogits
+from strata_dist.sampler import Sampler, SamplingParams, masked_row, token_logprobs
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+VOCAB = 151_936
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.2, min_p=0.05, seed=3, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, top_p=0.5, seed=4, presence_penalty=0.6,
+                   frequency_penalty=0.4, logit_bias=((7, 5.0), (151_000, -100.0))),
+    SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0, logit_bias=((3, 1.0), (3, 2.0))),
+]
+
+
+def random_rows(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=VOCAB) * 4).astype(np.float32) for _ in range(n)]
+
+
+def counts_pair(params, prompt, drawn):
+    track = params.repetition_penalty != 1.0
+    return (sample_ops.TokenCounts(np, VOCAB, prompt, drawn, track_seen=track),
+            sample_ops.TokenCounts(cp, VOCAB, prompt, drawn, track_seen=track))
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_the_adjusted_row_is_numpys_bit_for_bit(params):
+    row = random_rows(1, 1)[0]
+    host, dev = counts_pair(params, [5, 9, 151_935], {9: 2, 40: 1})
+    for tok in (9, 77, 151_935):
+        host.record(tok)
+        dev.record(tok)
+    assert np.array_equal(cp.asnumpy(dev.drawn_ids), host.drawn_ids)
+    assert np.array_equal(cp.asnumpy(dev.drawn_counts), host.drawn_counts)
+    assert np.array_equal(cp.asnumpy(dev.seen_ids), host.seen_ids)
+    want = sample_ops.adjust(np, row.astype(np.float64), params, host)
+    got = sample_ops.adjust(cp, cp.asarray(row, dtype=cp.float64), params, dev)
+    assert np.array_equal(cp.asnumpy(got), want)
+
+
+def test_the_bitmask_expands_on_the_card_as_on_the_host():
+    rng = np.random.default_rng(2)
+    words = rng.integers(0, 2 ** 32, size=-(-VOCAB // 32), dtype=np.uint64).astype(np.uint32)
+    words[:100] = 0
+    for n in (VOCAB, VOCAB + 64, 1000, 33):
+        got = sample_ops.allowed_tokens(cp, words, n)
+        assert np.array_equal(cp.asnumpy(got), sample_ops.allowed_tokens(np, words, n))
+    row = random_rows(3, 1)[0]
+    got = masked_row(cp.asarray(row), words)
+    assert isinstance(got, cp.ndarray)
+    assert np.array_equal(cp.asnumpy(got), masked_row(row, words))
+
+
+@pytest.mark.parametrize("params", [p for p in PARAMS if not p.greedy])
+def test_what_a_draw_picks_from_and_what_it_picks_are_numpys(params):
+    row = random_rows(4, 1)[0].astype(np.float64)
+    ids, probs = sample_ops.kept(np, row, params)
+    dev_ids, dev_probs = sample_ops.kept(cp, cp.asarray(row), params)
+    assert np.array_equal(cp.asnumpy(dev_ids), ids)
+    np.testing.assert_allclose(cp.asnumpy(dev_probs), probs, rtol=1e-12, atol=1e-300)
+    cdf = np.cumsum(probs) / probs.sum()
+    for u in np.random.default_rng(5).random(50):
+        if np.abs(cdf - u).min() < 1e-9:    # a cumulative sum's last bits may differ on the card
+            continue
+        assert (sample_ops.pick(cp, dev_ids, dev_probs, float(u))
+                == sample_ops.pick(np, ids, probs, float(u)))
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_the_sampler_draws_a_device_step_as_it_draws_its_host_copy(params):
+    """A graph step's row (StepLogits over a device array) sampled on the card, with the penalty
+    counts kept there and a grammar's bitmask expanded there: the same tokens as the host copy."""
+    rng = np.random.default_rng(6)
+    words = rng.integers(0, 2 ** 32, size=-(-VOCAB // 32), dtype=np.uint64).astype(np.uint32)
+    on_card, on_host = Sampler(params, [1, 2, 3]), Sampler(params, [1, 2, 3])
+    for i, row in enumerate(random_rows(7, 6)):
+        dev = cp.asarray(row)
+        step = StepLogits(int(cp.argmax(dev)), dev)
+        if i % 2:
+            got = on_card(masked_row(step, words))
+            want = on_host(masked_row(row, words))
+        else:
+            got, want = on_card(step), on_host(row)
+        assert got == want, (params, i)
+        lp, lp_host = token_logprobs(step, got, 5), token_logprobs(row, got, 5)
+        assert lp.top_ids == lp_host.top_ids
+        np.testing.assert_allclose([lp.logprob] + lp.top_logprobs,
+                                   [lp_host.logprob] + lp_host.top_logprobs, rtol=0, atol=1e-9)
+    if params.reshapes_logits:     # the penalty counts live on the card
+        assert on_card._counts.xp is cp and on_card._counts.n == VOCAB
