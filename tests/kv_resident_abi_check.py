@@ -95,7 +95,7 @@ def next_runner(folder: str) -> dict:
             + [SINKS | RING << 32])
     return {"graph": type(g).__name__ if g is not None else None, "ends": ends,
             "attention_layers": [l for l in range(8) if not linear[l]],
-            "table_matches": [int(x) for x in np.asarray(g.sess_table)] == want}
+            "table_matches": [int(x) for x in np.asarray(g.sess_table)[0]] == want}
 
 
 if __name__ == "__main__":
