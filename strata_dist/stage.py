@@ -1,8 +1,6 @@
-"""A stage: the layers [lb, le) of a model on one device, with the sessions of its conversations.
-
-It is what a stage rank computes, apart from any transport: ids or hidden rows in, hidden rows
-(or, on the last stage, the last row's logits) out. Sessions hold KV only for the stage's own
-layers, keeping global layer ordinals (the session carve)."""
+"""A stage: the layers [lb, le) of a model on one device, with its sessions: ids or hidden rows
+in, hidden rows (on the last stage, logits) out, apart from any transport. Sessions hold KV only
+for the stage's own layers, keeping global layer ordinals (the session carve)."""
 from __future__ import annotations
 
 import logging
@@ -140,15 +138,14 @@ class Stage:
         self.window_routes: dict[int, WindowRoutes] = {}
         self._released_counts = {"checkpoint_saves": 0, "checkpoint_restores": 0,
                                  "checkpoint_failed": 0}
-        # last stage, --draft mtp: called (session_id, pos, rows) with the final hidden rows of
-        # every run (strata_dist/mtp_draft.py); its one-row steps then take the general path
+        # last stage, --draft mtp: called (session_id, pos, rows) with every run's final hidden
+        # rows (mtp_draft.py); its steps then take the general path (the graph gives logits only)
         self.hidden_sink = None
 
     def attach_local_helper(self, arena) -> None:
         """This card's own helper tier has opened (`arena`), or failed to (None): its pairs are
-        computed in place from now on, and the decode graph is built reading them where they
-        are. A tier that did not open leaves its pairs to host memory: pinned, where the stage
-        pins, else read from the file by the general path."""
+        computed in place from now on, the decode graph reading them where they are. A tier that
+        did not open leaves them to host memory: pinned where the stage pins, else the file."""
         self.tiers.local_helper = arena
         if not self.backend.on_gpu or not self.own_helper_pairs:
             return
@@ -343,8 +340,8 @@ class Stage:
                       and self.hidden_sink is None)
         if graph_step:
             out = graph.step(s, pos, ids=ids, hidden=hidden, ahead=ahead)
-            self.tiers.counters.update(graph.last_tiers)   # hits, and host reads in place
-            self.tiers.counters["graph_steps"] += 1
+            # its tiers and routes (the general path counts its own as it computes them)
+            graph.report_step(self.tiers.counters, self.tiers.routing)
         else:
             if graph is not None:
                 # a step ahead still in flight reads the cache (a prompt writes its lent slots)
@@ -364,9 +361,6 @@ class Stage:
         if s.n_past in checkpoint_at:
             store.save(s, s.n_past)
         if self.tiers.routing is not None:
-            # the general path counted its routes as it computed them (ExpertTiers)
-            if graph_step and graph.last_routes is not None:
-                self.routing.add_layers(self.cfg.lb, graph.last_routes)
             # a window's first row always stands (its token was the last one drawn); the rest
             # tick when the next step settles them
             self._adapt_due |= self.routing.tick(1 if verify else n)
@@ -408,29 +402,35 @@ class Stage:
             s.n_past = pos
 
     def run_batch(self, session_ids: list[int], positions: list[int], ids=None, hidden=None):
-        """A batched decode step (protocol/batch.py): row i is the next token of session
-        session_ids[i] at positions[i] (ids on the first stage, hidden rows after it). The
-        general path runs it (no decode graph for more than one session's rows): returns the
-        hidden rows, or on the last stage every row's logits, host float32 [n, vocab]."""
+        """A batched decode step (protocol/batch.py): row i is the next token of session_ids[i] at
+        positions[i] (ids on the first stage, hidden rows after), by the decode graph where it takes
+        it, else the general path: hidden rows, or on the last stage every row's host f32 logits."""
         sessions = [self.session(sid) for sid in session_ids]
         for sid, s, pos in zip(session_ids, sessions, positions):
             self._rewind_window(sid, s, pos)   # inside its last verify window (--spec): rolled back
             self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
         self.tiers.prompt = False
-        if self.decode_graph is not None:
-            self.decode_graph.settle()    # a step ahead may still write a session's KV
-        h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
-        out = self.model.forward_rows(h, sessions, positions)
+        graph = self.decode_graph
+        by_graph = (graph is not None and self.hidden_sink is None
+                    and graph.takes_batch(sessions, positions))
+        if by_graph:
+            out = graph.step_rows(sessions, positions, ids=ids, hidden=hidden)   # host logits
+            graph.report_step(self.tiers.counters, self.tiers.routing)
+        else:
+            if graph is not None:
+                graph.settle()    # a step ahead may still write a session's KV
+            h = self.model.embed(ids) if self.cfg.first else self.backend.asarray(hidden)
+            out = self.model.forward_rows(h, sessions, positions)
         for i, (sid, s, pos) in enumerate(zip(session_ids, sessions, positions)):
             s.n_past = pos + 1
-            if self.cfg.last and self.hidden_sink is not None:   # --draft mtp reads each row
+            if not by_graph and self.cfg.last and self.hidden_sink is not None:   # --draft mtp
                 self.hidden_sink(sid, pos, out[i:i + 1])
         if self.routing.on:
             self._adapt_due |= self.routing.tick(len(sessions))
             if self._adapt_due and not self.cache.lent:
                 self._adapt()
-        if self.cfg.last:
-            return self.backend.to_host(self.model.output_logits(out)).astype(np.float32)
+        if self.cfg.last and not by_graph:
+            out = self.backend.to_host(self.model.output_logits(out)).astype(np.float32)
         return out
 
     def _adapt(self) -> None:

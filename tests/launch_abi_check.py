@@ -146,6 +146,34 @@ def stage_run(scenarios, graphs, counts, path) -> None:
     counts.clear()
 
 
+def batch_run(scenarios, graphs, counts, path) -> None:
+    """Two stages caching every pair: ten sessions' prompts, then one batched step of the ten at
+    different positions through both decode graphs (replays of 8 and 2 rows; the last stage's
+    every-row logits); rows the graph cannot take are refused (the general path runs them)."""
+    from strata_dist.stage import Stage, StageConfig
+    stages = [Stage(StageConfig(model_path=str(path), device="cuda:0", lb=lb, le=le,
+                                first=lb == 0, last=le == 4, max_context=512,
+                                cache_pairs=[(l, e) for l in range(lb, le) for e in range(16)]))
+              for lb, le in ((0, 2), (2, 4))]
+    lengths, order = (7, 30, 2, 5, 9, 11, 3, 4, 6, 8), [2, 0, 9, 1, 4, 3, 8, 5, 7, 6]
+    for sid, n in enumerate(lengths):
+        stages[1].run(sid, 0, hidden=stages[0].run(sid, 0, ids=list(range(1, n + 1)),
+                                                   prompt=True), prompt=True)
+    pos = [lengths[s] for s in order]
+    h = stages[0].run_batch(order, pos, ids=list(range(5, 15)))
+    logits = stages[1].run_batch(order, pos, hidden=h)
+    assert h.shape == (10, 256) and logits.shape == (10, 320), (h.shape, logits.shape)
+    assert [st.tiers.counters["graph_steps"] for st in stages] == [1, 1]
+    assert sorted(stages[1].decode_graph.graphs) == [(2, True), (8, True)]
+    g, s0 = stages[0].decode_graph, stages[0].session(0)
+    assert g.takes_batch([s0, s0], [8, 9]) and not g.takes_batch([s0, s0], [8, 10])
+    assert not g.takes_batch([s0], [512])                     # past the session's cells
+    name = "qwen3moe stages, a batched step of ten sessions"
+    graphs[name] = type(stages[1].decode_graph).__name__
+    scenarios[name] = dict(counts)
+    counts.clear()
+
+
 def main() -> int:
     nvcc = sys.argv[1]
     counts, errors = collections.Counter(), []
@@ -194,6 +222,7 @@ def main() -> int:
         path = write_gguf(tiny_qwen3moe(9, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                         n_layers=4), Path(d) / "stage.gguf", "q8_0")
         stage_run(scenarios, graphs, counts, path)
+        batch_run(scenarios, graphs, counts, path)
         path = write_next(tiny_qwen3next(21, hidden=128, head_dim=256, n_head=4, n_kv=2,
                                          n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")

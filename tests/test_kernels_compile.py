@@ -16,7 +16,11 @@ from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BF16, BLOCK
                                      attn_kernel, attn_launch, default_attn_heads,
                                      rows_per_block, source_kernel_names)
 
+from strata_dist.kernels import abi
+
 NVCC = shutil.which("nvcc")
+DESC_NAMES = ("DESC_POS", "DESC_ROWS", "DESC_TOKENS", "DESC_TABLE_WORDS", "DESC_ROW_POS",
+              "DESC_ROW_TABLE", "DESC_ROW_END")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 
@@ -175,9 +179,11 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # (up to 32 bytes, which moves with unrelated edits; an array indexed at run time is far larger);
 # moe_down of IQ2_XXS, IQ2_XS and IQ4_NL spill 4-8 bytes at 48 registers (ptxas -v, CUDA 13.0;
 # the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
-# those two spill 8 bytes (each key's row chosen between the card and the host copy)
+# those two spill 8 bytes (each key's row chosen between the card and the host copy); the fused
+# q8_0 build for 8 heads spills 8 since each row reads its session's table and position from the
+# step descriptor (kernels/attention.cuh row_table; a batched step's rows are several sessions')
 STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
-                 (r"moe_down_iq\w+", 16)]
+                 (r"attn_decode_128_g8_q8_fq", 8), (r"moe_down_iq\w+", 16)]
 
 
 def stack_allowed(kernel: str) -> int:
@@ -217,6 +223,7 @@ def test_argument_tables_match_the_structs(tmp_path):
              'DOWN_PER_BLOCK);',
              'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);',
              'printf("GDN_ROWS %d NEXT_D %d NEXT_ROT %d\\n", GDN_ROWS, NEXT_D, NEXT_ROT);']
+    lines += [f'printf("{name} %d\\n", (int)({name}));' for name in DESC_NAMES]
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     # every KernelShape default is the macro's own (an undefined -D builds the default shape)
@@ -238,6 +245,8 @@ def test_argument_tables_match_the_structs(tmp_path):
             f"INT_FF_BLOCK {KernelShape().gate_up_block(Q4_K)} "
             f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}",
             f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT}"]
+    # the step descriptor's words (backends/decode_rows.py packs what the kernels read)
+    want += [f"{name} {getattr(abi, name)}" for name in DESC_NAMES]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     want += [f"{macro} {getattr(KernelShape(), name)}" for name, macro in KernelShape.MACROS.items()]

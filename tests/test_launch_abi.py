@@ -79,6 +79,9 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     # a stage streaming its misses: the decode graph reads them in place (host-mapped)
     name = "qwen3moe stage, half cached, loan, host-mapped misses"
     assert graphs[name] == "DecodeGraph" and runs[name].get("moe_down_q8_0", 0) > 0
+    # a batched step through two stages' graphs: every row's logits, no greedy token
+    batch = runs["qwen3moe stages, a batched step of ten sessions"]
+    assert batch.get("attn_decode_128_g2", 0) > 0 and "argmax_row" not in batch
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

@@ -5,8 +5,10 @@ route on the device (the router's last block picks the top-k) and run all k expe
 two launches: one token through a stage is 7 launches per layer, and nothing in between touches
 the host. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
 expert activations, logits); the sessions own their KV outside it. A small descriptor (position,
-rows, token ids) and the bound session's pointer table are copied in before the graph runs, so one
-captured graph per row count replays for every position and session. Only the greedy token id
+rows and each row's session and position: backends/decode_rows.py) and the sessions' pointer
+tables are copied in before the graph runs, so one captured graph per row count replays for every
+position and every mix of sessions: a batched step of several users' rows (`step_rows`) is one
+replay, as is a one-session step of n rows. Only the greedy token id
 comes back to the host; the full logits stay on the device until a sampler asks for them
 (`StepLogits`). A single-stage pipeline's next greedy step is launched before the host reads this
 one's token (backends/step_slots.py; measured faster, docs/BENCHMARKS.md; STRATA_DECODE_AHEAD=0
@@ -34,9 +36,11 @@ from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, 
                            attn_launch, expert_layout, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
+from .batched_decode import BatchedSteps
+from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
 from .kv_cache import DeviceRing
-from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, mat_launches,
-                           norm_vector, repoint_experts, weight_of)
+from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, count_tiers,
+                           mat_launches, norm_vector, repoint_experts, weight_of)
 from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")
@@ -48,7 +52,7 @@ NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
 
-class DecodeGraph:
+class DecodeGraph(BatchedSteps):
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
     in `arena`, for sessions of `max_cells` cells."""
 
@@ -102,7 +106,7 @@ class DecodeGraph:
                                            self.shape.defines())
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(disable_timing=True)
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[tuple[int, bool], object] = {}   # (rows, every row's logits)
         self._timing = None            # [(kernel, start, end)] while kernel_times runs
         # programmatic dependent launches (kernels/pdl.py; docs/BENCHMARKS.md: 3-4% off a step,
         # the same logits), a Hopper feature; STRATA_PDL=0 launches plainly
@@ -110,7 +114,7 @@ class DecodeGraph:
         self._pdl = ProgrammaticLauncher() if hopper and options.pdl else None
         self._pdl_armed = False
         self._timing_repeat = 1
-        self._bound = None             # weakref to the session whose pointers are in sess_table
+        self._refused: set[str] = set()   # why batched steps took the general path (said once)
         # the next greedy step of a single-stage pipeline launched before the host reads this
         # one's token (step_slots.py; STRATA_DECODE_AHEAD=0: off)
         self.ahead_enabled = options.decode_ahead and self.first and self.last
@@ -196,13 +200,18 @@ class DecodeGraph:
         self.post_v = cp.zeros(ARGMAX_BLOCKS, f32)     # each argmax block's best value and index
         self.post_i = cp.zeros(ARGMAX_BLOCKS, cp.int32)
         self.act = cp.zeros((R, g.n_expert_used, g.n_ff_exp), f32)
-        self.logits = cp.zeros(g.n_vocab if self.last else 1, f32)
+        # every row's logits for a batched step; a one-session step's last row's in row 0
+        self.logits_rows = cp.zeros((R if self.last else 1, g.n_vocab if self.last else 1), f32)
+        self.logits = self.logits_rows[0]
         self.token = cp.zeros(1, cp.int32)
         self.desc = cp.zeros(DESC_WORDS, cp.int32)
         # the pinned buffers of a step in flight; two: a step ahead may be queued behind another
         self.slots = [HostSlot.allocate(DESC_WORDS, self.ids.shape) for _ in range(2)]
         nl = self.le - self.lb
-        self.sess_table = cp.zeros(2 * nl + 2 + self.ring.words(nl, self.kv_suffix), cp.uint64)
+        # a pointer table a slot, one slot a session of the step (decode_rows.SessionSlots)
+        self.session_slots = SessionSlots(2 * nl + 2 + self.ring.words(nl, self.kv_suffix),
+                                          self._session_pointers)
+        self.sess_table = cp.zeros(self.session_slots.host.shape, cp.uint64)
         # each expert's blob address, [n_layer, n_expert]: its cache slot, else its slot in this
         # card's helper tier, else its pinned host copy, else 0 (not this stage's). Slots never
         # move, so a table taken while nothing is lent stays right (the arena's own tables change
@@ -367,13 +376,14 @@ class DecodeGraph:
         finally:
             self.use_graph, self._timing = use_graph, None
 
-    def _enqueue(self, n: int) -> None:
-        """Every kernel of one step of n rows, on self.stream (captured or run eagerly)."""
+    def _enqueue(self, n: int, every_row: bool = False) -> None:
+        """Every kernel of one step of n rows, on self.stream (captured or run eagerly);
+        `every_row`: the last stage's logits of every row (a batched step), not the last row's."""
         self._pdl_armed = False
         eps = np.float32(self.g.rms_eps)
         self._embed(n)
         self._enqueue_layers(n, eps)
-        self._output(n, eps)
+        self._output(n, eps, every_row)
 
     def _enqueue_layers(self, n: int, eps) -> None:
         """The layers' kernels of one step (the architecture's own part of `_enqueue`)."""
@@ -425,9 +435,13 @@ class DecodeGraph:
         f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                               (L["experts"], self.act, self.blobs, self.wts, self.h))
 
-    def _output(self, n: int, eps) -> None:
-        """The last stage's logits of the last row and its greedy token."""
-        if self.last:
+    def _output(self, n: int, eps, every_row: bool) -> None:
+        """The last stage's logits of the last row and its greedy token, or (`every_row`) the
+        logits of rows 0..n-1 into logits_rows (a row's sums do not depend on the rows sharing
+        the matvec: tests/test_gpu_decode.py), so a batched row's are the ones it has alone."""
+        if self.last and every_row:
+            self._matvec(self.output_projection, self.h, self.g.n_embd, n, self.output_norm, eps)
+        elif self.last:
             g = self.g
             self._matvec(self.output_projection, self.h[n - 1:n], g.n_embd, 1, self.output_norm,
                          eps)
@@ -449,38 +463,23 @@ class DecodeGraph:
                  NULL if route is None else route, NULL if qkv is None else qkv))
             normed = None            # written once
 
-    def _graph(self, n: int):
-        graph = self.graphs.get(n)
+    def _graph(self, n: int, every_row: bool = False):
+        """The captured step of n rows (one a row count and output kind: the descriptor, not the
+        graph, says which sessions and positions the rows are)."""
+        graph = self.graphs.get((n, every_row))
         if graph is None:
             with self.stream:
                 self.stream.begin_capture()
                 try:
-                    self._enqueue(n)
+                    self._enqueue(n, every_row)
                 finally:
                     graph = self.stream.end_capture()
-            self.graphs[n] = graph
+            self.graphs[(n, every_row)] = graph
         return graph
 
-    def _bind(self, session) -> None:
-        """Point the kernels at `session`'s KV and RoPE tables (only when the session changes)."""
-        if self._bound is not None and self._bound() is session:
-            return
-        self.sess_table.set(np.asarray(self._session_pointers(session), dtype=np.uint64),
-                            stream=self.stream)
-        self._bound = weakref.ref(session)
-
     def _session_pointers(self, session) -> list[int]:
-        """The pointer table: each layer slot's K and V, then the RoPE tables (then, q8_0, the
-        K and V scales)."""
-        kv = [a for layer in range(self.lb, self.le) for a in (session.k(layer), session.v(layer))]
-        if self.kv_suffix:       # q8_0 (Q8Rows): the int8 values, and the scales after the RoPE
-            ptrs = [int(a.q.data.ptr) for a in kv]
-        else:
-            ptrs = [int(a.data.ptr) for a in kv]
-        ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
-        if self.kv_suffix:
-            ptrs += [int(a.scale.data.ptr) for a in kv]
-        return ptrs + self.ring.table_tail(kv)     # RingKV: its host copies' addresses, (S, R)
+        """A session's pointer table (decode_rows.session_pointers)."""
+        return session_pointers(session, self.lb, self.le, bool(self.kv_suffix), self.ring)
 
     def step(self, session, pos: int, ids=None, hidden=None, ahead: bool = False):
         """Rows at positions pos.. of `session`: token ids on the first stage, else hidden rows
@@ -493,10 +492,7 @@ class DecodeGraph:
             raise ValueError(f"a graph step takes 1..{self.max_rows} rows, got {n}")
         if pos + n > session.max_cells:
             raise ValueError(f"context full: {pos} + {n} tokens > {session.max_cells} cells")
-        if self.first:
-            ids = np.asarray(ids, dtype=np.int64)
-            if ids.min() < 0 or ids.max() >= self.g.n_vocab:
-                raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        ids = self._checked_ids(ids)
         queued, out = self._ahead, None
         if queued is not None and queued.is_for(session, pos, ids):
             self._ahead, slot = None, queued.slot        # launched by the call before
@@ -504,11 +500,20 @@ class DecodeGraph:
         else:
             self.settle()
             slot = 0
-            out = self._launch_step(session, pos, n, ids, hidden, slot)
+            out = self._launch_step(StepRows.window(session, pos, n), ids, hidden, slot)
         if ahead and self.ahead_enabled and n == 1 and pos + 2 <= session.max_cells:
-            self._launch_step(session, pos + 1, 1, None, None, 1 - slot, token_on_device=True)
+            self._launch_step(StepRows.window(session, pos + 1, 1), None, None, 1 - slot,
+                              token_on_device=True)
             self._ahead = Ahead(weakref.ref(session), pos + 1, 1 - slot)
         return self._finish(slot, pos, n, out)
+
+    def _checked_ids(self, ids):
+        if not self.first:
+            return ids
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= self.g.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.g.n_vocab})")
+        return ids
 
     def settle(self) -> None:
         """Wait for a step launched ahead and drop it (before anything else uses the session,
@@ -517,20 +522,23 @@ class DecodeGraph:
             self._ahead = None
             self.stream.synchronize()
 
-    def _launch_step(self, session, pos: int, n: int, ids, hidden, slot: int,
-                     token_on_device: bool = False):
-        """Queue one step on self.stream; `token_on_device`: its one token id is the greedy token
-        the step queued before it leaves on the device. Returns the hidden rows (not last)."""
-        hs = self.slots[slot]
-        self.ring.step(session, self.lb, self.le, pos, n)     # a rewind first refills the ring
-        # whatever the default stream still has in flight (a prompt chunk writing this session's
+    def _launch_step(self, rows: StepRows, ids, hidden, slot: int,
+                     token_on_device: bool = False, every_row: bool = False):
+        """Queue one step of `rows` on self.stream; `token_on_device`: its one token id is the
+        greedy token the step queued before it leaves on the device; `every_row`: every row's
+        logits, no greedy token (a batched step). Returns the hidden rows (not last)."""
+        hs, n = self.slots[slot], rows.n
+        for run in rows.runs():       # a rewind first refills the ring
+            self.ring.step(run.session, self.lb, self.le, run.first, run.count)
+        # whatever the default stream still has in flight (a prompt chunk writing a session's
         # KV) comes first
         self._ready.record(cp.cuda.Stream.null)
         self.stream.wait_event(self._ready)
-        self._bind(session)
-        hs.desc[0], hs.desc[1] = pos, n
-        if self.first and not token_on_device:
-            hs.desc[2:2 + n] = ids
+        table_slots, changed = self.session_slots.assign(rows)
+        if changed:       # stream-ordered: a step still in flight reads the tables it was given
+            self.sess_table.set(self.session_slots.host, stream=self.stream)
+        pack_descriptor(hs.desc, rows, table_slots, self.session_slots.words,
+                        ids if self.first and not token_on_device else None)
         cp.cuda.runtime.memcpyAsync(self.desc.data.ptr, hs.desc.ctypes.data, hs.desc.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         if token_on_device:
@@ -540,11 +548,11 @@ class DecodeGraph:
             if not self.first:
                 cp.copyto(self.h[:n], cp.asarray(hidden, dtype=cp.float32))
             if self.use_graph:
-                self._graph(n).launch(self.stream)
+                self._graph(n, every_row).launch(self.stream)
             else:
-                self._enqueue(n)
+                self._enqueue(n, every_row)
             out = None if self.last else self.h[:n].copy()
-        if self.last:
+        if self.last and not every_row:
             cp.cuda.runtime.memcpyAsync(hs.token.ctypes.data, self.token.data.ptr, 4,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         if self.counts_routes:   # the routes, to count the step's hits, helper and host reads
@@ -555,14 +563,19 @@ class DecodeGraph:
         hs.launch_no = self.launches
         return out
 
-    def _finish(self, slot: int, pos: int, n: int, out):
+    def _wait(self, slot: int, n: int):
         """Wait for the step of `slot` (its pinned descriptor may be rewritten only after it has
-        been read) and hand its result back."""
+        been read) and count its experts."""
         hs = self.slots[slot]
         hs.done.synchronize()
         self.steps += 1
-        self.last_tiers = self._count_tiers(n, hs.ids)
+        self.last_tiers = count_tiers(self, n, hs.ids)
         self.last_routes = hs.ids[:, :n].copy() if self.counts_routes else None
+        return hs
+
+    def _finish(self, slot: int, pos: int, n: int, out):
+        """Wait for the one-session step of `slot` and hand its result back."""
+        hs = self._wait(slot, n)
         if not self.last:
             return out
         token = int(hs.token[0])
@@ -574,19 +587,6 @@ class DecodeGraph:
                                      f"model's activations overflowed or are NaN)")
         launched = hs.launch_no
         return StepLogits(token, self.logits, lambda: self.launches == launched)
-
-    def _count_tiers(self, n: int, routes) -> dict[str, int]:
-        """A step's expert computations by where the blob was: the cache, this card's helper
-        tier ("remote", as the general path counts a helper's) or host memory."""
-        total = n * self.g.n_expert_used * (self.le - self.lb)
-        if not self.counts_routes:
-            return {"hits": total, "remote": 0, "host": 0}
-        ids = routes[:, :n]                               # [stage layers, n, k]
-        layer = np.arange(self.le - self.lb)[:, None, None]
-        chosen, asked = np.clip(ids, 0, None), ids >= 0
-        hits = int(self.in_cache[layer, chosen][asked].sum())
-        helper = int(self.in_helper[layer, chosen][asked].sum())
-        return {"hits": hits, "remote": helper, "host": int(asked.sum()) - hits - helper}
 
     def repoint(self, pairs) -> None:
         """Pairs whose blob moved (the adaptive cache's swaps): graph_tables.repoint_experts."""

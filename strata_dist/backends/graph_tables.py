@@ -107,3 +107,18 @@ def repoint_experts(graph, pairs) -> None:
             graph.blob_of[layer, expert] = np.uint64(at)
             graph.in_cache[layer - graph.lb, expert] = i >= 0
             graph.in_helper[layer - graph.lb, expert] = in_helper
+
+
+def count_tiers(graph, n: int, routes) -> dict[str, int]:
+    """A decode graph's step of n rows: its expert computations by where the blob was, from its
+    routes [stage layers, >= n, k]: the cache, this card's helper tier ("remote", as the general
+    path counts a helper's) or host memory."""
+    total = n * graph.g.n_expert_used * (graph.le - graph.lb)
+    if not graph.counts_routes:
+        return {"hits": total, "remote": 0, "host": 0}
+    ids = routes[:, :n]                               # [stage layers, n, k]
+    layer = np.arange(graph.le - graph.lb)[:, None, None]
+    chosen, asked = np.clip(ids, 0, None), ids >= 0
+    hits = int(graph.in_cache[layer, chosen][asked].sum())
+    helper = int(graph.in_helper[layer, chosen][asked].sum())
+    return {"hits": hits, "remote": helper, "host": int(asked.sum()) - hits - helper}

@@ -10,8 +10,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAX_ROWS = 8          # rows of one decode step (MAX_ROWS in decode.cu; plan.pricing.DECODE_ROWS)
 ATTN_CHUNK = 256      # keys per attention split (ATTN_CHUNK)
-DESC_TOKENS = 2             # where the token ids start in the step descriptor
-DESC_WORDS = DESC_TOKENS + MAX_ROWS   # the step descriptor: position, rows, token ids
+# The step descriptor (int32 words; kernels/decode.cu DESC_*, backends/decode_rows.py packs it):
+# the first row's position, the rows, their token ids, then the words of one session's pointer
+# table and each row's position, table slot and step end. A descriptor whose table words are 0
+# names rows pos, pos + 1, ... of the table at slot 0 (what a one-session writer leaves).
+DESC_POS, DESC_ROWS, DESC_TOKENS = 0, 1, 2
+DESC_TABLE_WORDS = DESC_TOKENS + MAX_ROWS
+DESC_ROW_POS = DESC_TABLE_WORDS + 1
+DESC_ROW_TABLE = DESC_ROW_POS + MAX_ROWS
+DESC_ROW_END = DESC_ROW_TABLE + MAX_ROWS
+DESC_WORDS = DESC_ROW_END + MAX_ROWS
 
 # GGML type ids the kernels read (kernels/weights.cuh's type table, FOR_EACH_TYPE), with the byte
 # alignment their loads need: a row (and a blob part) of that type must start on it

@@ -21,6 +21,24 @@
 #define V_HOST(sess, n_layers, slot) V_SCALES(sess, n_layers, slot)
 #define RING_GEOMETRY(sess, n_layers) (sess[4 * (n_layers) + 2])
 
+// ---- the rows of a step (decode.cu DESC_*) ----------------------------------------------------
+// `sess` holds one pointer table per slot (desc[DESC_TABLE_WORDS] words each): a batched step's
+// rows belong to different sessions at different positions, each row naming its session's slot.
+// A row's arithmetic is the same whatever the other rows are (nothing here sums across rows).
+__device__ __forceinline__ int row_position(const int* __restrict__ desc, int i) {
+    return desc[DESC_TABLE_WORDS] != 0 ? desc[DESC_ROW_POS + i] : desc[DESC_POS] + i;
+}
+// (a one-session writer's zeros give slot 0 * 0 words: the table at `sess`)
+__device__ __forceinline__ const u64* row_table(const u64* sess, const int* __restrict__ desc,
+                                                int i) {
+    return sess + desc[DESC_ROW_TABLE + i] * desc[DESC_TABLE_WORDS];
+}
+// the newest cell the step writes of row i's session, + 1 (a ring build's `end`)
+__device__ __forceinline__ i64 row_step_end(const int* __restrict__ desc, int i) {
+    return desc[DESC_TABLE_WORDS] != 0 ? (i64)desc[DESC_ROW_END + i]
+                                       : (i64)desc[DESC_POS] + desc[DESC_ROWS];
+}
+
 struct KvRing {
     int sinks, ring;
     __device__ __forceinline__ explicit KvRing(u64 geometry)
@@ -47,7 +65,8 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 
 // One head of row i (head < n_head: a query head, else key head head - n_head): RMSNorm (q_norm /
 // k_norm), NEOX RoPE over the first `rot` dims at the row's position, then q back in place, or k
-// (and, when v != null, v) into the session's cache at that position; with q_dst, q goes there
+// (and, when v != null, v) into the row's session's cache at that position (`tables`: every
+// slot's pointer table, the row's picked by the descriptor); with q_dst, q goes there
 // instead (the attention block that fuses this step keeps it in shared memory). One warp. Reads
 // through L2: the values may have been written by other blocks of the same launch.
 // D: the head width; ROT: the dims rotated (pairs d, d + ROT / 2; qwen3next rotates the first
@@ -57,11 +76,12 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 template <bool Q8, int D, int ROT = D, int QS = D, bool RING = false>
 __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ k,
                                const float* __restrict__ v, const float* __restrict__ qn,
-                               const float* __restrict__ kn, const u64* __restrict__ sess,
+                               const float* __restrict__ kn, const u64* __restrict__ tables,
                                int layer_slot, int n_layers, const int* __restrict__ desc,
                                int n_head, int n_kv, float eps, int i, int head, int lane,
                                float* q_dst = nullptr) {
-    const int pos = desc[DESC_POS] + i;
+    const int pos = row_position(desc, i);
+    const u64* __restrict__ sess = row_table(tables, desc, i);
     const bool is_q = head < n_head;
     const int hh = is_q ? head : head - n_head;
     const float* src = is_q ? q + ((i64)i * n_head + hh) * QS : k + ((i64)i * n_kv + hh) * D;
@@ -182,10 +202,10 @@ QK_NORM_ROPE_KV(_ring, false, true)
 // both (a block's instructions, not memory, bound these launches at short contexts).
 template <int D, bool Q8, int MAX_G, bool RING = false>
 __device__ __forceinline__ void attn_partial_body(
-        const float* __restrict__ q, const u64* __restrict__ sess, int layer_slot, int n_layers,
-        const int* __restrict__ desc, int n_head, int n_kv, int hb, int n_split, int chunk,
-        float scale, float* __restrict__ part, float* __restrict__ ml, float* __restrict__ out,
-        const QkvSpec* __restrict__ fuse) {
+        const float* __restrict__ q, const u64* __restrict__ tables, int layer_slot,
+        int n_layers, const int* __restrict__ desc, int n_head, int n_kv, int hb, int n_split,
+        int chunk, float scale, float* __restrict__ part, float* __restrict__ ml,
+        float* __restrict__ out, const QkvSpec* __restrict__ fuse) {
     constexpr int PAIRS = D / 2;
     // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
     __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
@@ -194,7 +214,7 @@ __device__ __forceinline__ void attn_partial_body(
     float* ps = smem + MAX_G * D;
     const int h0 = blockIdx.x * hb, split = blockIdx.y, i = blockIdx.z;
     const int G = hb, kvh = h0 / (n_head / n_kv), t = threadIdx.x;
-    const int len = desc[DESC_POS] + i + 1;              // keys this row sees (causal)
+    const int len = row_position(desc, i) + 1;          // keys this row sees (causal)
     const int start = split * chunk;
     if (start >= len) return;
     const int count = min(chunk, len - start);
@@ -204,20 +224,21 @@ __device__ __forceinline__ void attn_partial_body(
     const QkvSpec* f = D == 128 ? fuse : nullptr;    // the fused builds are qwen3moe's only
     if (f != nullptr && len - 1 < start + chunk) {
         if (t < 32)
-            norm_rope_head<Q8, 128>(nullptr, f->k, f->v, f->q_norm, f->k_norm, sess, layer_slot,
+            norm_rope_head<Q8, 128>(nullptr, f->k, f->v, f->q_norm, f->k_norm, tables, layer_slot,
                                     n_layers, desc, n_head, n_kv, f->eps, i, n_head + kvh, t);
         __syncthreads();
     }
+    const u64* __restrict__ sess = row_table(tables, desc, i);   // the row's session
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
     // the ring builds: each key's row from the device or the host copy (KvRing), the step's
-    // newest cell being its last row's
+    // newest cell being the last row of this row's session
     const __half* kh = RING ? reinterpret_cast<const __half*>(K_HOST(sess, n_layers, layer_slot))
                             : nullptr;
     const __half* vh = RING ? reinterpret_cast<const __half*>(V_HOST(sess, n_layers, layer_slot))
                             : nullptr;
     const KvRing ring(RING ? RING_GEOMETRY(sess, n_layers) : (u64)1 << 32);
-    const i64 step_end = (i64)desc[DESC_POS] + gridDim.z, cell_elems = (i64)n_kv * D;
+    const i64 step_end = row_step_end(desc, i), cell_elems = (i64)n_kv * D;
     // q8_0: the same loads read 4 int8 values (a u32) of K and 2 (a u16) of V, plus their scales
     const signed char* kq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot]);
     const signed char* vq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot + 1]);
@@ -289,7 +310,7 @@ __device__ __forceinline__ void attn_partial_body(
     }
     if (f != nullptr) {                      // q normalised and rotated into shared memory
         for (int g = t >> 5; g < G; g += blockDim.x >> 5)
-            norm_rope_head<Q8, 128>(f->q, nullptr, nullptr, f->q_norm, f->k_norm, sess,
+            norm_rope_head<Q8, 128>(f->q, nullptr, nullptr, f->q_norm, f->k_norm, tables,
                                     layer_slot, n_layers, desc, n_head, n_kv, f->eps, i, h0 + g,
                                     t & 31, qs + g * D);
     } else {
@@ -525,7 +546,7 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
                                                  const QkvSpec* __restrict__ fuse) {
     // splits past the row's keys leave at once and are not counted: the grid is sized for the
     // longest context, and at a short one most of its blocks have nothing to do
-    const int len = desc[DESC_POS] + blockIdx.z + 1;
+    const int len = row_position(desc, blockIdx.z) + 1;
     const int used = min((len + chunk - 1) / chunk, (int)gridDim.y);
     if ((int)blockIdx.y >= used) return;
     const int hb = min(n_head / n_kv, MAX_G);

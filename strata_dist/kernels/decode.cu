@@ -26,9 +26,18 @@
 #define MATVEC_THREADS BLOCK_THREADS
 #endif
 
-// desc: [0] position of the first row, [1] rows, [2 .. 2+MAX_ROWS) token ids
+// desc (kernels/abi.py DESC_*; backends/decode_rows.py packs it): [0] position of the first row,
+// [1] rows, [2 .. 2+MAX_ROWS) token ids, then the words of one session's pointer table and, per
+// row, its position, the slot of its session's table in `sess` and its session's step end (the
+// newest cell the step writes, + 1). Table words 0: rows pos, pos + 1, ... of the table at slot
+// 0 (a one-session writer's zeros mean that). attention.cuh row_position / row_table read it.
 #define DESC_POS 0
+#define DESC_ROWS 1
 #define DESC_TOKENS 2
+#define DESC_TABLE_WORDS (DESC_TOKENS + MAX_ROWS)
+#define DESC_ROW_POS (DESC_TABLE_WORDS + 1)
+#define DESC_ROW_TABLE (DESC_ROW_POS + MAX_ROWS)
+#define DESC_ROW_END (DESC_ROW_TABLE + MAX_ROWS)
 
 // The rows a matvec kernel is built for (n rounded up to 1, 2, 4 or 8) and the weight rows each
 // block takes: 8 / N when `wide` (tall matrices: more loads in flight per thread), else 1 for one
@@ -192,11 +201,12 @@ __device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* _
     const QkvSpec p = *qp;
     if (s.y == p.v) {              // v rows go to the cache as they are, by the block that wrote
         __syncthreads();           // them (its threads' writes, seen after a barrier)
-        __half* vc = reinterpret_cast<__half*>(p.sess[2 * p.layer_slot + 1]);
         for (int idx = threadIdx.x; idx < n * R; idx += blockDim.x) {
             const int i = idx / R, o = o0 + idx % R;
-            if (o < s.nrows) {
-                const int pos = p.desc[DESC_POS] + i;
+            if (o < s.nrows) {             // row i's session and position (a batched step's own)
+                __half* vc = reinterpret_cast<__half*>(
+                    row_table(p.sess, p.desc, i)[2 * p.layer_slot + 1]);
+                const int pos = row_position(p.desc, i);
                 vc[(i64)pos * p.n_kv * p.D + o] = __float2half(s.y[(i64)i * s.y_stride + o]);
             }
         }
