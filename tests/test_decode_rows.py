@@ -5,6 +5,9 @@ rows and for a batch of sessions at different positions. Pure numpy: no GPU need
 from __future__ import annotations
 
 import gc
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -135,3 +138,77 @@ def test_a_sessions_table_is_k_v_of_each_layer_then_rope_then_q8_scales():
     assert session_pointers(s, 2, 4, False, NoRing()) == [20, 25, 30, 35, 900, 901]
     assert session_pointers(s, 2, 4, True, NoRing()) == [21, 26, 31, 36, 900, 901,
                                                          22, 27, 32, 37]
+
+
+# ---- the kernels' side: attention.cuh's row helpers compiled for the host ------------------------
+
+KERNELS = Path(__file__).resolve().parent.parent / "strata_dist" / "kernels"
+HOST_MAIN = r"""
+#include <cstdio>
+#include <cstdlib>
+// argv: rows, then the descriptor's words; prints each row's table offset (in words), position
+// and step end as the kernels compute them from a descriptor of exactly DESC_WORDS words on the
+// heap, so the address sanitizer stops any read past it
+int main(int argc, char** argv) {
+    const int rows = atoi(argv[1]);
+    int* desc = new int[DESC_WORDS];
+    for (int w = 0; w < DESC_WORDS; ++w) desc[w] = atoi(argv[2 + w]);
+    u64* tables = new u64[1];
+    for (int i = 0; i < rows; ++i)
+        printf("%lld %d %lld\n", (long long)(row_table(tables, desc, i) - tables),
+               row_position(desc, i), (long long)row_step_end(desc, i));
+    delete[] tables;
+    delete[] desc;
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_rows(tmp_path_factory):
+    """A host build (g++ with the address sanitizer) of attention.cuh's row_position, row_table
+    and row_step_end, with decode.cu's descriptor layout: `run(desc, rows)` gives each row's
+    (table offset, position, step end), or raises on a read outside the descriptor."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    attention = (KERNELS / "attention.cuh").read_text()
+    helpers = attention[attention.index("// ---- the rows of a step"):attention.index("struct KvRing")]
+    layout = [line for line in (KERNELS / "decode.cu").read_text().splitlines()
+              if line.startswith("#define DESC_")]
+    source = "\n".join([
+        "#define __device__", "#define __forceinline__ inline", "#define __restrict__",
+        "typedef long long i64;", "typedef unsigned long long u64;",
+        f"#define MAX_ROWS {MAX_ROWS}", f"#define DESC_WORDS {DESC_WORDS}", *layout, helpers,
+        HOST_MAIN])
+    folder = tmp_path_factory.mktemp("rows")
+    (folder / "rows.cpp").write_text(source)
+    subprocess.run([gxx, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer",
+                    str(folder / "rows.cpp"), "-o", str(folder / "rows")], check=True,
+                   capture_output=True, timeout=120)
+
+    def run(desc: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
+        done = subprocess.run([str(folder / "rows"), str(rows), *map(str, desc.tolist())],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [tuple(int(v) for v in line.split()) for line in done.stdout.splitlines()]
+    return run
+
+
+def test_the_kernels_read_a_batched_steps_rows_as_packed(kernel_rows):
+    a, b = Session(100), Session(200)
+    rows = StepRows((a, b, a, b), (7, 30, 8, 31))
+    desc, _, _ = _packed(rows)
+    # a's table in slot 0, b's in slot 1 (WORDS words a slot); each session's step ends after
+    # its own last row
+    assert kernel_rows(desc, rows.n) == [(0, 7, 9), (WORDS, 30, 32), (0, 8, 9), (WORDS, 31, 32)]
+
+
+def test_a_prompt_chunks_descriptor_is_read_inside_its_words_whatever_the_rows(kernel_rows):
+    """A prompt chunk's fused q/k norm (cupy_backend.qk_norm_rope_kv) launches a row a block
+    y, thousands of rows over a descriptor of DESC_WORDS words holding only the first position
+    and the rows (no table words): every row reads the one table at slot 0, at pos + i, and no
+    row reads a word past the descriptor."""
+    desc = np.zeros(DESC_WORDS, dtype=np.int32)
+    desc[DESC_POS], desc[DESC_ROWS] = 40, 64
+    assert kernel_rows(desc, 64) == [(0, 40 + i, 104) for i in range(64)]

@@ -28,10 +28,13 @@
 __device__ __forceinline__ int row_position(const int* __restrict__ desc, int i) {
     return desc[DESC_TABLE_WORDS] != 0 ? desc[DESC_ROW_POS + i] : desc[DESC_POS] + i;
 }
-// (a one-session writer's zeros give slot 0 * 0 words: the table at `sess`)
+// (a one-session writer's zeros: the table at `sess`). The row's slot word is read only where
+// the descriptor has table words: a prompt chunk's launches (cupy_backend.qk_norm_rope_kv) run
+// far more than MAX_ROWS rows over a descriptor of DESC_WORDS words
 __device__ __forceinline__ const u64* row_table(const u64* sess, const int* __restrict__ desc,
                                                 int i) {
-    return sess + desc[DESC_ROW_TABLE + i] * desc[DESC_TABLE_WORDS];
+    const int words = desc[DESC_TABLE_WORDS];
+    return words != 0 ? sess + desc[DESC_ROW_TABLE + i] * words : sess;
 }
 // the newest cell the step writes of row i's session, + 1 (a ring build's `end`)
 __device__ __forceinline__ i64 row_step_end(const int* __restrict__ desc, int i) {
