@@ -28,9 +28,8 @@
 __device__ __forceinline__ int row_position(const int* __restrict__ desc, int i) {
     return desc[DESC_TABLE_WORDS] != 0 ? desc[DESC_ROW_POS + i] : desc[DESC_POS] + i;
 }
-// (a one-session writer's zeros: the table at `sess`). The row's slot word is read only where
-// the descriptor has table words: a prompt chunk's launches (cupy_backend.qk_norm_rope_kv) run
-// far more than MAX_ROWS rows over a descriptor of DESC_WORDS words
+// (a one-session writer's zeros: the table at `sess`; the slot word is read only where there are
+// table words: a prompt chunk's launch runs far more than MAX_ROWS rows over DESC_WORDS words)
 __device__ __forceinline__ const u64* row_table(const u64* sess, const int* __restrict__ desc,
                                                 int i) {
     const int words = desc[DESC_TABLE_WORDS];
