@@ -195,13 +195,16 @@ def kernel_rows(tmp_path_factory):
     return run
 
 
-def test_the_kernels_read_a_batched_steps_rows_as_packed(kernel_rows):
+def test_the_kernels_read_a_steps_rows_as_packed(kernel_rows):
     a, b = Session(100), Session(200)
     rows = StepRows((a, b, a, b), (7, 30, 8, 31))
     desc, _, _ = _packed(rows)
     # a's table in slot 0, b's in slot 1 (WORDS words a slot); each session's step ends after
     # its own last row
     assert kernel_rows(desc, rows.n) == [(0, 7, 9), (WORDS, 30, 32), (0, 8, 9), (WORDS, 31, 32)]
+    # a one-session window (every GPU user's step): slot 0, pos + i, the window's end
+    desc, _, _ = _packed(StepRows.window(a, 10, 3))
+    assert kernel_rows(desc, 3) == [(0, 10, 13), (0, 11, 13), (0, 12, 13)]
 
 
 def test_a_prompt_chunks_descriptor_is_read_inside_its_words_whatever_the_rows(kernel_rows):
