@@ -429,6 +429,13 @@ def http_flags(args) -> None:
         if not 1 <= args.parallel <= MAX_BATCH_ROWS:
             raise UsageError(f"--parallel {args.parallel}: 1 to {MAX_BATCH_ROWS}")
     if args.port is None:
+        if args.serve and args.parallel is not None and args.parallel > 1:
+            # the line protocol is one request at a time by design (launcher/line_protocol.py):
+            # GENs are answered in order, each in full, and its T/DONE lines name no request
+            raise UsageError(f"--serve and --parallel {args.parallel} cannot be combined: the "
+                             f"line protocol answers one GEN at a time (its T and DONE lines "
+                             f"name no request); serve --parallel {args.parallel} over HTTP "
+                             f"with --port")
         for flag, value in (("--host", args.host), ("--api-key", args.api_key),
                             ("--api-key-file", args.api_key_file),
                             ("--queue-size", args.queue_size),

@@ -573,8 +573,10 @@ def _sessions(assign: Assign) -> int:
 
 
 def _kv_resident(assign: Assign) -> int:
-    """Cells of each K/V the plan keeps on the device (--kv-resident, resolved; 0: every cell)."""
-    return int(assign.plan.get("params", {}).get("kv_resident", 0))
+    """Cells of each K/V the plan keeps on this stage's device (--kv-resident, resolved per
+    stage; 0: every cell)."""
+    st = assign.plan.get("stages", [])[assign.stage] if assign.stage >= 0 else {}
+    return int(st.get("kv_resident", 0))
 
 
 def _conversation_budget(assign: Assign) -> dict:

@@ -4,6 +4,7 @@ index rule reads each cell from where it must be; greedy tokens and logits equal
 cell resident, on both architectures, in one process and on two CPU ranks, past several ring
 wraps, after a resumed prefix and after rejected drafts; the sessions carve what the plan prices
 (device part, host part); bad values are refused at start with one line."""
+import json
 import subprocess
 import sys
 
@@ -156,8 +157,8 @@ def test_two_cpu_ranks_with_drafts_and_a_resumed_prompt_give_the_same_tokens(mod
                          str(CELLS), "--prefill", str(CHUNK), "--kv-resident", str(RESIDENT),
                          "--spec", "3", timeout=120)
     try:
-        assert any("K/V: 13 of 128 cells" in line for line in serve.info + serve.stderr) or \
-            serve.err_has("K/V: 13 of 128 cells")
+        assert any("13 cells resident" in line for line in serve.info + serve.stderr) or \
+            serve.err_has("13 cells resident")
         first = serve.gen(PROMPT, 24, "stats=1", timeout=120)
         second = serve.gen(follow, 24, "stats=1", timeout=120)
     finally:
@@ -168,6 +169,51 @@ def test_two_cpu_ranks_with_drafts_and_a_resumed_prompt_give_the_same_tokens(mod
     drafted = sum(int(s.get("drafted", 0)) for s in first["stats"] + second["stats"])
     accepted = sum(int(s.get("accepted", 0)) for s in first["stats"] + second["stats"])
     assert drafted > accepted          # some drafts were rejected: the stages rolled back
+
+
+def _plan_json(path, *args):
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", path, "--cpu-ranks",
+                           "2", "--layer-split", "2", "--max-context", str(CELLS), "--prefill",
+                           str(CHUNK), *args, "--plan-only", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_auto_gives_two_cpu_ranks_of_different_budgets_their_own_resident_cells(models):
+    """--kv-resident auto on two CPU ranks whose budgets leave room for a few cells beyond the
+    floor on one and some thirty more on the other: each stage keeps its own count (both below
+    the prompt and its reply, so both rings wrap), the ranks carve what the plan priced (the
+    launch checks each stage's session), and the tokens are those of every cell resident."""
+    path = models["qwen3moe"]
+    # each stage's weights, session and reserves at the floor's neighbour, from the plan itself
+    # (a CPU rank's free memory is its budget)
+    budget = 1 << 30
+    at = _plan_json(path, "--kv-resident", str(RESIDENT), "--vram-budget", "1G,1G")["stages"]
+    need = [budget - st["budget_bytes"] for st in at]        # fixed bytes at RESIDENT cells
+    shape = model_shape(GGUFModel(path), "cpu", "f32")
+    per_cell = [session_parts(shape, CELLS, st["lb"], st["le"], 1)["kv"] for st in at]
+    prompt = shape.prompt_bytes(CHUNK)      # a stage's own prompt buffers (its cache is gone)
+    room = [prompt + 5 * per_cell[0], prompt + 35 * per_cell[1]]
+    flag = ",".join(f"{(n + r) // 1024}K" for n, r in zip(need, room))
+    plan = _plan_json(path, "--kv-resident", "auto", "--vram-budget", flag)
+    counts = [st.get("kv_resident", 0) for st in plan["stages"]]
+    assert counts[0] != counts[1], counts
+    assert all(RESIDENT <= n < len(PROMPT) + 24 for n in counts), counts
+    assert counts[0] < counts[1], counts     # the larger room, the more cells
+    want = _runner(path, "f32").generate(PROMPT, 24).tokens
+    serve = ServeSession(path, "--cpu-ranks", "2", "--layer-split", "2", "--max-context",
+                         str(CELLS), "--prefill", str(CHUNK), "--kv-resident", "auto",
+                         "--vram-budget", flag, timeout=120)
+    try:
+        shown = "\n".join(serve.info + serve.stderr)
+        got = serve.gen(PROMPT, 24, timeout=120)
+    finally:
+        serve.close()
+    for stage, n in enumerate(counts):
+        assert f"stage {stage} (" in shown and f"{n} cells resident" in shown, shown
+    assert got["err"] is None, got
+    assert got["tokens"] == want
 
 
 # ---- refused at start -----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """--kv-resident in the plan (pure arithmetic): the resident part of each stage's K/V is priced
 on its device, every cell in pinned host memory, and a decode token at full depth pays the host
 cells' bytes over PCIe at host_gbs on top of the prediction; `auto` keeps every cell where that
-fits, else the most cells that fit; a plan without the flag is the plan it was; --plan-only shows
-the split per stage."""
+fits, else each stage the most cells its own card holds; a plan without the flag is the plan it
+was; --plan-only shows the split per stage."""
 import json
 import subprocess
 import sys
@@ -57,23 +57,72 @@ def test_a_plan_without_the_flag_keeps_its_json():
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
 
 
+def _one_more_cell_does_not_fit(shape, plan, st):
+    """st's card holds no further cell of K/V per session beside its stage's weights, session,
+    reserves and own prompt buffers of the plan's chunk (an auto one's within the loan's cap):
+    the room left after them, which its expert cache would fill, is below one more cell."""
+    per_cell = plan.params.sessions * sum(
+        shape.kv_bytes_per_cell[l] for l in range(st.lb, st.le)
+        if shape.layer_kind[l] == "attention")
+    prompt = shape.prompt_bytes(plan.chunk)
+    if plan.chunk_auto:
+        prompt = -(-prompt * 100 // plan.params.lend_pct)
+    return st.budget_bytes - prompt < per_cell
+
+
 def test_auto_keeps_every_cell_where_it_fits_and_else_the_most_that_fit():
     shape = make_shape(8)
     roomy = _plan(shape, [4000, 4000], KV_RESIDENT_AUTO)
     assert roomy.params.kv_resident == 0 and all(st.kv_host_bytes == 0 for st in roomy.stages)
+    assert all(st.kv_resident == 0 for st in roomy.stages)
     free = [260, 260]
     with pytest.raises(PlanError):
         _plan(shape, free, 0)                       # every cell does not fit
     tight = _plan(shape, free, KV_RESIDENT_AUTO)
-    n = tight.params.kv_resident
+    n = tight.params.kv_resident                    # the fewest any stage keeps
     assert KV_SINK_CELLS + 256 <= n < CELLS
-    assert any(f"--kv-resident auto: {n} of {CELLS} cells" in note for note in tight.notes)
-    same = _plan(shape, free, n)
-    assert (same.stages, same.params, same.chunk) == (tight.stages, tight.params, tight.chunk)
+    assert min(st.kv_resident for st in tight.stages) == n
     with pytest.raises(PlanError):
-        _plan(shape, free, n + 1)                   # one more cell does not fit
+        _plan(shape, free, n + 1)                   # one more cell everywhere does not fit
+    for st in tight.stages:
+        assert KV_SINK_CELLS + 256 <= st.kv_resident < CELLS
+        assert st.budget_bytes >= 0
+        assert _one_more_cell_does_not_fit(shape, tight, st), st
+    said = ", ".join(f"stage {st.stage} ({st.device.label}) {st.kv_resident}"
+                     for st in tight.stages)
+    assert any(f"per stage: {said} of {CELLS}" in note for note in tight.notes), tight.notes
     with pytest.raises(PlanError, match="not even its floor"):
         _plan(shape, [150, 150], KV_RESIDENT_AUTO)
+
+
+@pytest.mark.parametrize("kinds,small_mib", [(None, 260), (hybrid_kinds(8), 244)])
+def test_auto_gives_each_stage_the_most_its_own_card_holds(kinds, small_mib):
+    """Cards of different sizes: the smaller card's stage keeps the count with which the
+    placement fits everywhere, the larger card's more (every cell where its whole context fits),
+    each stage's session priced at its own count (what its rank carves, stage_fixed_bytes), and
+    the plan's JSON carries each stage's count."""
+    shape = make_shape(8, kinds=kinds)
+    plan = _plan(shape, [small_mib, 420], KV_RESIDENT_AUTO)
+    small, large = sorted(plan.stages, key=lambda st: st.device.free_bytes)
+    assert 0 < small.kv_resident < CELLS
+    assert large.kv_resident == 0 or large.kv_resident > small.kv_resident + 256
+    for st in plan.stages:
+        n = st.kv_resident
+        assert st.session_bytes == session_bytes(shape, CELLS, st.lb, st.le, n)
+        parts = session_parts(shape, CELLS, st.lb, st.le, n)
+        assert st.kv_host_bytes == parts["kv_host"]
+        assert (st.kv_host_bytes == 0) == (n == 0)
+        if n:
+            assert _one_more_cell_does_not_fit(shape, plan, st), st
+        # its expert cache fills what its K/V left: the card is used, not overfilled
+        assert st.budget_bytes >= st.own_prompt_bytes + st.cache_bytes
+    # one count for every stage: the larger card's stage would hold fewer cells than it can
+    uniform = _plan(shape, [small_mib, 420], plan.params.kv_resident)
+    assert [st.kv_resident for st in uniform.stages] == [plan.params.kv_resident] * 2
+    back = Plan.from_json(plan.to_json())
+    assert [st.kv_resident for st in back.stages] == [st.kv_resident for st in plan.stages]
+    assert [s.get("kv_resident", 0) for s in json.loads(plan.to_json())["stages"]] == \
+        [st.kv_resident for st in plan.stages]
 
 
 def test_the_floor_and_the_auto_chunk():
@@ -95,8 +144,9 @@ def test_plan_only_shows_resident_and_host_kv_per_stage(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "K/V: 100 of 4096 cells of each session on the device" in out
+    assert "K/V: of 4096 cells of each session, each stage keeps" in out
     for stage in (0, 1):
         line = next(l for l in out.splitlines() if l.strip().startswith(f"stage {stage} ("))
+        assert "100 cells resident" in line
         assert "MiB on the device" in line and "MiB in host memory" in line
         assert "ms/token over PCIe at full depth" in line

@@ -171,7 +171,8 @@ def test_conversations_evicted_and_clients_leaving_mid_stream_lose_nothing(synth
         while True:
             ranks = httpx.get(server.url + "/v1/status", timeout=10).json()["ranks"]
             evicted = [int(r["counters"].get("conversations_evicted", 0)) for r in ranks]
-            if all(n > 0 for n in evicted) or time.monotonic() > deadline:
+            restored = [int(r["counters"].get("conversations_restored", 0)) for r in ranks]
+            if all(n > 0 for n in evicted + restored) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
     finally:
@@ -181,11 +182,16 @@ def test_conversations_evicted_and_clients_leaving_mid_stream_lose_nothing(synth
     assert [second[c]["choices"][0]["token_ids"] for c in range(12)] == want_second
     assert after["choices"][0]["token_ids"] == want_second[3]
     assert all(n > 0 for n in evicted), evicted      # the budget made room as it went
+    assert all(n > 0 for n in restored), restored    # and kept ones came back on every stage
     kept = len(starts[0]) + N_NEW - 1
     cached = [second[c]["usage"]["prompt_tokens_details"]["cached_tokens"] for c in range(12)]
     # each from its own conversation's kept end (or, after a leaver of the same conversation,
-    # from further on), or read afresh where its conversation was evicted
-    assert sum(n >= kept for n in cached) >= 4, cached
+    # from further on), or read afresh where its conversation was evicted. How many find theirs
+    # kept depends on how far the others got when each came (every admission keeps the
+    # conversation its session held, evicting the least recently used): on a loaded machine
+    # all sixteen queue before the first ends and fewer resume than on an idle one
+    assert all(n == 0 or n >= kept for n in cached), cached
+    assert any(n >= kept for n in cached), cached
 
 
 # ---- in process: the shared table's order ---------------------------------------------------------

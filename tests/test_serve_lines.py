@@ -264,6 +264,16 @@ def test_seconds_that_are_not_finite_and_positive_are_refused(model, flag, value
                     f"{flag} {float(value)}")
 
 
+def test_serve_with_parallel_is_refused_naming_both():
+    """The line protocol answers one GEN at a time (its T and DONE lines name no request): a
+    batch of B > 1 has no way to speak there, so asking for one is refused at once. The check
+    comes before the model is opened: a path that does not exist shows it never loads."""
+    last = refused_at_once(launcher("--model", "/nonexistent.gguf", "--cpu-ranks", "1",
+                                    "--serve", "--parallel", "4"),
+                           "--serve and --parallel 4", "--port")
+    assert "one GEN at a time" in last, last
+
+
 @pytest.mark.parametrize("flag,value", [("--connect-timeout", "nan"),
                                         ("--coordinator-timeout", "-1"),
                                         ("--assign-timeout", "inf")])

@@ -77,8 +77,8 @@ class PlanParams:
                      the attention sinks and a ring of the newest cells; every cell also lives in
                      pinned host memory, and a decode token reads the others from there over
                      PCIe at host_gbs (pricing.kv_host_read_ms). 0: every cell resident (no host
-                     part); KV_RESIDENT_AUTO (-1): make_plan picks it (plan.py) and records the
-                     number it picked. Kept out of the plan's JSON while 0, so a plan without it
+                     part); KV_RESIDENT_AUTO (-1): make_plan picks it (plan.py): each stage the
+                     most its card holds (StagePlan.kv_resident), this the fewest of them. Kept out of the plan's JSON while 0, so a plan without it
                      is byte for byte what it was.
     """
 

@@ -18,22 +18,25 @@ from .errors import PlanError
 from .explicit import ExplicitTier, explicit_tiers, stage_devices as named_stage_devices
 from .fill import Fill, coverage_mode
 from .helpers import HelperTier, Pair, select_helpers
-from .lend import LEND_CHUNKS, Participant, plan_lend, with_own_bytes
+from .kv_auto import auto_resident, resident_floor
+from .lend import Participant, plan_lend, with_own_bytes
 from .params import KV_RESIDENT_AUTO, PlanParams
-from .pricing import (HANDOFF_ROWS, HELPER_RESERVE_BYTES, KV_SINK_CELLS, MIB, kv_resident_floor,
-                      session_host_bytes, stage_fixed_bytes)
+from .pricing import (HANDOFF_ROWS, HELPER_RESERVE_BYTES, KV_SINK_CELLS, MIB, session_host_bytes,
+                      stage_fixed_bytes)
 from .profile import RoutingProfile
 from .score import CostModel
 from .search import (Placement, check_split_points, price_split, search, search_exhaustive,
                      search_fixed, shortfall_message)
 from .shape import ModelShape
 
+# 9: each stage says its own resident K/V cells (kv_resident; --kv-resident auto gives each card
+# its own)
 # 8: stages price their kept conversations (--conversation-cache-mib): conversation_bytes/_in
 # 7: the launch's compute options (protocol/compute_options.py) kept beside the params
 # 6: helper tiers say whether the operator sized them (explicit)
 # 4: devices name their card, the token's way back priced; 3: helper tiers priced (saved_ms,
 # read_ms); 2: *_stages totals
-PLAN_FORMAT = "strata-plan/8"
+PLAN_FORMAT = "strata-plan/9"
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,11 @@ class StagePlan:
     conversation_bytes: int = 0
     conversation_in: str = "device"
     # --kv-resident: what the stage's sessions keep of K/V in pinned host memory beyond the
-    # resident cells (PlanParams.kv_resident) on its device; 0: every cell resident
+    # resident cells (kv_resident) on its device; 0: every cell resident
     kv_host_bytes: int = 0
+    # --kv-resident: cells of each K/V this stage keeps on its device (its sinks and ring); 0:
+    # every cell. An explicit N is every stage's; auto gives each stage the most its card holds
+    kv_resident: int = 0
 
     @property
     def cache_slots(self) -> int:
@@ -146,6 +152,12 @@ class Plan:
     def coverage_all(self) -> float:
         return self.coverage_primary + sum(h.mass for h in self.live_helpers)
 
+    def resident_by_device(self) -> tuple[int, ...]:
+        """Each device's resident K/V cells (planning order): its stage's, or the launch's
+        --kv-resident where it runs none (a helper tier has no K/V)."""
+        return tuple(st.kv_resident if st is not None else self.params.kv_resident
+                     for st in map(self.stage_on, self.devices))
+
     def stage_on(self, device: Device) -> StagePlan | None:
         return next((s for s in self.stages if s.device == device), None)
 
@@ -173,6 +185,8 @@ class Plan:
             d = {k: v for k, v in s.__dict__.items() if k not in ("device", "pairs")}
             if not d["kv_host_bytes"]:
                 del d["kv_host_bytes"]     # every cell resident: the stage as it was before
+            if not d["kv_resident"]:
+                del d["kv_resident"]
             d.update(device=pos[s.device], cache_slots=s.cache_slots, pairs=[list(p) for p in s.pairs])
             stages.append(d)
         helpers = []
@@ -246,8 +260,8 @@ def _skip_if_fits(cm: CostModel, stage_set: Sequence[int] | None) -> Placement |
     The fastest such card (devices are in stage order, fastest last) of those that may run a
     stage."""
     L, E = cm.shape.n_layers, cm.shape.n_experts
-    everything = int(cm.fixed[0, L]) + E * sum(cm.shape.blob_bytes)
     for d in reversed(range(len(cm.devices)) if stage_set is None else stage_set):
+        everything = int(cm.fixed[d, 0, L]) + E * sum(cm.shape.blob_bytes)
         if cm.free[d] >= everything:
             return Placement((d,), (0, L), cm.score((d,), (0, L)), "skip_if_fits")
     return None
@@ -264,7 +278,10 @@ def _no_fit_message(cm: CostModel) -> str:
             f"{sum(cm.free) / MIB:.1f} MiB are free in total")
 
 
-def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | None = None) -> Placement:
+def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | None = None,
+           placed: Plan | None = None) -> Placement:
+    if placed is not None:
+        return _kept_placement(cm, placed)
     n = len(cm.devices)
     if not isinstance(split, str):
         check_split_points(split, cm.shape.n_layers, n)   # refuse nonsense even when one card would do
@@ -289,6 +306,17 @@ def _place(cm: CostModel, split, skip_if_fits: bool, stage_set: Sequence[int] | 
     if isinstance(split, str):
         raise ValueError(f"split {split!r}: expected 'auto', 'none' or a sequence of split points")
     return price_split(cm, split)
+
+
+def _kept_placement(cm: CostModel, placed: Plan) -> Placement:
+    """`placed`'s stages (devices, layer ranges) priced by cm; PlanError where one no longer fits
+    its card."""
+    devices = tuple(cm.devices.index(st.device) for st in placed.stages)
+    bounds = (*(st.lb for st in placed.stages), placed.stages[-1].le)
+    for i, d in enumerate(devices):
+        if cm.budget(d, bounds[i], bounds[i + 1]) < 0:
+            raise PlanError(shortfall_message(cm, d, bounds[i], bounds[i + 1], i + 1))
+    return Placement(devices, bounds, cm.score(devices, bounds), placed.method)
 
 
 def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
@@ -325,48 +353,12 @@ def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     fits (the expert caches fill what is left), noted in the plan."""
     n = params.kv_resident
     if n == KV_RESIDENT_AUTO:
-        return _auto_resident(shape, devices, cells, params, prefill, kw)
+        return auto_resident(plan_for, shape, devices, cells, params, prefill, kw)
     if 0 < n < cells and n < resident_floor(prefill):
         raise PlanError(f"--kv-resident {n} is below its floor of {resident_floor(prefill)} "
                         f"cells: the {KV_SINK_CELLS} attention sinks plus a ring that holds a "
                         f"whole prompt chunk (--prefill {prefill or 'auto: its smallest chunk'})")
     return plan_for(shape, devices, cells=cells, params=params, prefill=prefill, **kw)
-
-
-def resident_floor(prefill: int | None) -> int:
-    """--kv-resident's floor for the operator's chunk, or with --prefill auto (None) for the
-    smallest chunk it picks (the ring then caps the chunk it picks)."""
-    return kv_resident_floor(prefill or min(LEND_CHUNKS))
-
-
-def _auto_resident(shape, devices, cells: int, params: PlanParams, prefill: int | None,
-                   kw: dict) -> Plan:
-    """--kv-resident auto: every cell when that fits, else a search for the most resident cells
-    that fit, down to the floor (a placement fits or not; fewer cells never fit worse)."""
-    def attempt(n: int) -> Plan:
-        return plan_for(shape, devices, cells=cells, params=replace(params, kv_resident=n),
-                        prefill=prefill, **kw)
-    try:
-        return attempt(0)
-    except PlanError as e:
-        whole = e
-    lo, hi = resident_floor(prefill), cells - 1
-    if lo > hi:
-        raise whole
-    try:
-        best = attempt(lo)
-    except PlanError as e:
-        raise PlanError(f"--kv-resident auto: not even its floor of {lo} resident cells fits "
-                        f"(every cell does not either): {e}") from None
-    while lo < hi:                     # best fits with lo cells; is there room for more?
-        mid = (lo + hi + 1) // 2
-        try:
-            best, lo = attempt(mid), mid
-        except PlanError:
-            hi = mid - 1
-    return replace(best, notes=best.notes + (
-        f"--kv-resident auto: {lo} of {cells} cells of each K/V on the device (every cell does "
-        f"not fit), the rest read from pinned host memory",))
 
 
 def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
@@ -376,7 +368,8 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
               stage_gpus: Sequence[str] | None = None,
               helper_tiers: Sequence[ExplicitTier] = (),
               compute: ComputeOptions = ComputeOptions(),
-              conversation_bytes: int = 0) -> Plan:
+              conversation_bytes: int = 0, resident_on: dict[Device, int] | None = None,
+              placed: Plan | None = None) -> Plan:
     """Plan a run of `shape` on `devices` with `cells` context cells.
 
     split: "auto" (search), "none" (one stage on the best single device), or explicit split points
@@ -389,6 +382,9 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     conversation_bytes: each stage's budget for kept conversations (--conversation-cache-mib),
     taken off its card before the cache fills; where no placement fits with it there, every
     stage keeps it in pinned host memory instead (noted).
+    resident_on: resident K/V cells per device (--kv-resident auto's own per stage; the others
+    params.kv_resident). placed: keep that plan's stages (devices and layer ranges) rather than
+    search (--kv-resident auto, once each stage's count is known).
     Raises PlanError (a refusal naming the numbers) when the request cannot be honoured.
     """
     if not devices:
@@ -404,6 +400,8 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
         notes.append("no routing profile: uniform ranking, coverage from H(f) = 1 - (1 - f)^b")
     ordered = order_devices(devices, order, params.default_bw_gbs)
+    kv_cells = (None if resident_on is None
+                else [resident_on.get(dev, params.kv_resident) for dev in ordered])
     stage_set = None
     if stage_gpus is not None:
         named = named_stage_devices(stage_gpus, ordered)
@@ -436,8 +434,9 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                    for d, w in enumerate(withheld)]
         try:
             _place(CostModel(shape, ordered, profile, cells, params, handoff_rows=prefill
-                             if prefill is not None else HANDOFF_ROWS, withheld=on_card),
-                   split, skip_if_fits, stage_set)
+                             if prefill is not None else HANDOFF_ROWS, withheld=on_card,
+                             resident=kv_cells),
+                   split, skip_if_fits, stage_set, placed)
             withheld = on_card
         except PlanError:
             conversation_in = "host"
@@ -446,7 +445,8 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     # hand-off buffers hold one prompt chunk: the search prices the largest it may pick (the
     # operator's, or the largest auto chunk); once the chunk is known, the rest goes to the caches
     rows = prefill if prefill is not None else HANDOFF_ROWS
-    cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld)
+    cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld,
+                   resident=kv_cells)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
     if params.draft_bytes:
         resident = "" if params.draft_bytes == params.draft_cpu_bytes else " with every expert resident"
@@ -456,12 +456,12 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         # --expert-cache 0: nothing is resident, but the profile still chooses the placement
         # (searched as if the caches filled; with empty fills every placement would tie)
         searched = CostModel(shape, ordered, profile, cells, replace(params, stage_cache_slots=None),
-                             handoff_rows=rows, withheld=withheld)
-        placement = _place(searched, split, skip_if_fits, stage_set)
+                             handoff_rows=rows, withheld=withheld, resident=kv_cells)
+        placement = _place(searched, split, skip_if_fits, stage_set, placed)
         notes.append("expert cache 0: the placement was searched with filled caches; none is "
                      "filled")
     else:
-        placement = _place(cm, split, skip_if_fits, stage_set)
+        placement = _place(cm, split, skip_if_fits, stage_set, placed)
 
     # stage caches, then the prompt loans (a stage that cannot lend gives its own buffers room)
     fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
@@ -473,11 +473,14 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                          max(0, f.budget - f.bytes) if holds_all(f) else 0, holds_all(f))
              for i, (d, f) in enumerate(zip(placement.devices, fills))]
     # with fewer cells resident (--kv-resident) the ring holds a whole chunk: it caps the chunk
-    ring = params.kv_resident - KV_SINK_CELLS if 0 < params.kv_resident < cells else cells
+    res = kv_cells if kv_cells is not None else [params.kv_resident] * len(ordered)
+    ring = min([res[d] - KV_SINK_CELLS for d in placement.devices if 0 < res[d] < cells],
+               default=cells)
     lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=min(cells, ring),
                      loans=params.prompt_loans, resident_bytes=shape.resident_prompt_bytes)
     if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
-        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk, withheld=withheld)
+        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk,
+                       withheld=withheld, resident=kv_cells)
         fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
     fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
              for f, loan in zip(fills, lend.loans)]
@@ -494,7 +497,7 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         w, s, r = stage_fixed_bytes(shape, cells, f.lb, f.le, weight_slice=params.weight_slice,
                                     handoff_rows=cm.handoff_rows, verify_rows=params.verify_rows,
                                     draft_bytes=params.draft_bytes,
-                                    sessions=params.sessions, resident=params.kv_resident)
+                                    sessions=params.sessions, resident=res[d])
         stages.append(StagePlan(
             stage=i, device=ordered[d], lb=f.lb, le=f.le, weights_bytes=w, session_bytes=s, reserve_bytes=r,
             budget_bytes=int(cm.budget(d, f.lb, f.le)), pairs=tuple((p // E, p % E) for p in f.pairs),
@@ -502,8 +505,8 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
             loan_bytes=loan.bytes, own_prompt_bytes=loan.own_bytes, mass=cm.held_mass(f.pairs),
             note=loan.note, conversation_bytes=conversation_bytes,
             conversation_in=conversation_in,
-            kv_host_bytes=params.sessions * session_host_bytes(shape, cells, f.lb, f.le,
-                                                               params.kv_resident)))
+            kv_host_bytes=params.sessions * session_host_bytes(shape, cells, f.lb, f.le, res[d]),
+            kv_resident=res[d] if 0 < res[d] < cells else 0))
 
     # helper tiers on every card's leftover (stage cards included), after the caches are fixed;
     # an explicit tier offers exactly its size (a stage card withheld it from its stage)

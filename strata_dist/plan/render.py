@@ -73,19 +73,26 @@ def _shared_cards(plan: Plan):
 
 
 def _kv_lines(plan: Plan) -> list[str]:
-    """--kv-resident: each stage's K/V on its device and in pinned host memory (every cell), and
-    what a decode token at full depth spends reading the cells beyond the device over PCIe at
-    host_gbs (pricing.kv_host_read_ms; inside the compute figure above)."""
-    n, cells, sessions = plan.params.kv_resident, plan.cells, plan.params.sessions
-    if not 0 < n < cells:
+    """--kv-resident: each stage's resident cells (auto gives each card its own), its K/V on its
+    device and in pinned host memory (every cell), and what a decode token at full depth spends
+    reading the cells beyond the device over PCIe at host_gbs (pricing.kv_host_read_ms; inside
+    the compute figure above)."""
+    cells, sessions = plan.cells, plan.params.sessions
+    if not any(st.kv_resident for st in plan.stages):
         return []
-    lines = [f"K/V: {n} of {cells} cells of each session on the device (the {KV_SINK_CELLS} "
-             f"attention sinks and a ring of the newest {n - KV_SINK_CELLS}), every cell in pinned "
-             f"host memory (--kv-resident)"]
+    lines = [f"K/V: of {cells} cells of each session, each stage keeps its {KV_SINK_CELLS} "
+             f"attention sinks and a ring of the newest on the device, every cell in pinned host "
+             f"memory (--kv-resident)"]
     for st in plan.stages:
+        n = st.kv_resident
+        if not n:
+            lines.append(f"  stage {st.stage} ({st.device.label}): every one of the {cells} "
+                         f"cells on the device")
+            continue
         per_cell = st.kv_host_bytes // (sessions * cells)     # K + V of the stage's layers
         ms = per_cell * (cells - n) / (plan.params.host_gbs * 1e6)
-        lines.append(f"  stage {st.stage} ({st.device.label}): K/V {_mib(sessions * per_cell * n)} "
-                     f"MiB on the device, {_mib(st.kv_host_bytes)} MiB in host memory, "
-                     f"{ms:.3f} ms/token over PCIe at full depth")
+        lines.append(f"  stage {st.stage} ({st.device.label}): {n} cells resident, K/V "
+                     f"{_mib(sessions * per_cell * n)} MiB on the device, "
+                     f"{_mib(st.kv_host_bytes)} MiB in host memory, {ms:.3f} ms/token over PCIe "
+                     f"at full depth")
     return lines

@@ -43,11 +43,13 @@ class CostModel:
 
     def __init__(self, shape: ModelShape, devices: Sequence[Device], profile: RoutingProfile,
                  cells: int, params: PlanParams, handoff_rows: int = HANDOFF_ROWS,
-                 withheld: Sequence[int] | None = None):
+                 withheld: Sequence[int] | None = None, resident: Sequence[int] | None = None):
         """`handoff_rows`: the hand-off buffers' rows each stage boundary reserves (the chunk).
         `withheld` (bytes per device): taken off each device's free memory before a stage is
         priced there — an explicit helper tier (--expert-cache-device) comes before the stage's
-        cache, which fills what is left."""
+        cache, which fills what is left. `resident` (per device): the cells of each K/V a stage
+        there keeps on the card (--kv-resident auto gives each card its own); None:
+        params.kv_resident on every device."""
         profile.check(shape.n_layers, shape.n_experts)
         self.shape, self.devices, self.cells, self.params = shape, tuple(devices), cells, params
         self.handoff_rows = handoff_rows
@@ -55,10 +57,20 @@ class CostModel:
         self.ranking = profile.ranking()
         self.mass = pair_masses(profile, self.ranking, params.coverage, params.cover_b)
         self.tables = RankTables(shape, self.ranking, self.mass)
-        self.fixed = range_fixed_table(shape, cells, weight_slice=params.weight_slice,
+        self.resident = (tuple(resident) if resident is not None
+                         else (params.kv_resident,) * len(self.devices))
+        if len(self.resident) != len(self.devices):
+            raise ValueError(f"{len(self.resident)} resident cell counts for "
+                             f"{len(self.devices)} devices")
+        # fixed[d, b, e]: weights + session + reserve of a stage on device d running [b, e) (the
+        # session's K/V at that device's resident cells); one table per distinct count
+        tables = {n: range_fixed_table(shape, cells, weight_slice=params.weight_slice,
                                        handoff_rows=handoff_rows, verify_rows=params.verify_rows,
                                        draft_bytes=params.draft_bytes,
-                                       sessions=params.sessions, resident=params.kv_resident)
+                                       sessions=params.sessions, resident=n)
+                  for n in set(self.resident)}
+        self.fixed = np.stack([tables[n] for n in self.resident]) if self.resident else \
+            np.zeros((0, L + 1, L + 1), dtype=np.int64)
         self.withheld = np.zeros(len(self.devices), dtype=np.int64) if withheld is None else \
             np.array(withheld, dtype=np.int64)
         self.free = np.array([d.free_bytes for d in self.devices], dtype=np.int64) - self.withheld
@@ -69,7 +81,12 @@ class CostModel:
                                                  # K/V read from host memory, --kv-resident)
         # what one routed activation costs when nothing is held: the mass-weighted blob
         self.all_mass_blob = float(self.tables.span(self.tables.mass_blob, 0, L, self.tables.n))
-        self.read, self.kv_host_ms = self._read_table()
+        reads = {n: self._read_table(n) for n in set(self.resident)}
+        # read[d, b, e], kv_host_ms[d, b, e]: as _read_table, at device d's resident cells
+        self.read = np.stack([reads[n][0] for n in self.resident]) if self.resident else \
+            np.zeros((0, L + 1, L + 1))
+        self.kv_host_ms = np.stack([reads[n][1] for n in self.resident]) if self.resident else \
+            np.zeros((0, L + 1, L + 1))
         self.links = np.array([[self._link(a, b) for b in self.devices] for a in self.devices])
         # back[last, first]: a token id instead of a hidden row (0 on the diagonal: one stage)
         self.back = np.array([[0.0 if i == j else self._link(a, b, row_bytes=0)
@@ -79,12 +96,12 @@ class CostModel:
         self._load: np.ndarray | None = None
 
     # --- per-range quantities ---------------------------------------------------------------------
-    def _read_table(self) -> tuple[np.ndarray, np.ndarray]:
+    def _read_table(self, resident: int) -> tuple[np.ndarray, np.ndarray]:
         """(read[b, e]: non-expert bytes a stage on [b, e) reads per decode token from its device,
         host[b, e]: ms it spends reading the K/V cells --kv-resident keeps in host memory, at
         full depth, over PCIe at host_gbs; 0 when every cell is resident)."""
         s, L = self.shape, self.shape.n_layers
-        on_device = resident_cells(self.cells, self.params.kv_resident)
+        on_device = resident_cells(self.cells, resident)
         attn = [k == "attention" for k in s.layer_kind]
         per_layer = np.array([
             s.layer_dense_bytes[l]
@@ -114,7 +131,7 @@ class CostModel:
 
     def budget(self, d: int, lb: int, le: int) -> int:
         """Bytes left for device d's stage cache on [lb, le) after weights, session and reserves."""
-        return int(self.free[d] - self.fixed[lb, le])
+        return int(self.free[d] - self.fixed[d, lb, le])
 
     def fill(self, d: int, lb: int, le: int) -> Fill:
         """The stage cache of device d running [lb, le); memoised (a fill depends only on these)."""
@@ -133,8 +150,8 @@ class CostModel:
         pairs = np.asarray(fill.pairs, dtype=np.int64)
         m = self.mass[pairs]
         mass_blob = float((m * np.asarray(self.shape.blob_bytes)[pairs // E]).sum()) if pairs.size else 0.0
-        compute = ((self.read[lb, le] + self.lk * mass_blob) / self.bw[d]
-                   + self.params.layer_ms * (le - lb) + self.kv_host_ms[lb, le])
+        compute = ((self.read[d, lb, le] + self.lk * mass_blob) / self.bw[d]
+                   + self.params.layer_ms * (le - lb) + self.kv_host_ms[d, lb, le])
         return float(compute), float(m.sum()), mass_blob
 
     def miss_credit(self, held, held_mass_blob):
@@ -159,14 +176,14 @@ class CostModel:
         if self._stage is None:
             L, D = self.shape.n_layers, len(self.devices)
             bb, ee = np.triu_indices(L + 1, k=1)
-            budget = self.free[:, None] - self.fixed[bb, ee][None, :]          # [D, Q]
+            budget = self.free[:, None] - self.fixed[:, bb, ee]                # [D, Q]
             ok = budget >= 0
             t = self.tables.threshold(bb[None, :], ee[None, :], np.maximum(budget, 0),
                                       self.params.stage_cache_slots)
             held = self.tables.span(self.tables.mass, bb, ee, t)
             mass_blob = self.tables.span(self.tables.mass_blob, bb, ee, t)
-            compute = ((self.read[bb, ee][None, :] + self.lk * mass_blob) / self.bw[:, None]
-                       + self.params.layer_ms * (ee - bb)[None, :] + self.kv_host_ms[bb, ee][None, :])
+            compute = ((self.read[:, bb, ee] + self.lk * mass_blob) / self.bw[:, None]
+                       + self.params.layer_ms * (ee - bb)[None, :] + self.kv_host_ms[:, bb, ee])
             term = np.where(ok, compute - self.miss_credit(held, mass_blob), INF)
             S = np.full((D, L + 1, L + 1), INF)
             T = np.zeros((D, L + 1, L + 1), dtype=np.int64)
@@ -182,11 +199,10 @@ class CostModel:
         equal cards, equal shares instead of one card left mostly idle."""
         if self._load is None:
             S, _ = self.stage_table()
-            L = self.shape.n_layers
             blobs = np.concatenate([[0], np.cumsum(np.asarray(self.shape.blob_bytes, dtype=np.float64)
                                                    * self.shape.n_experts)])
-            ask = self.fixed[:L + 1, :L + 1] + (blobs[None, :] - blobs[:, None])     # [b, e]
-            U = ask[None] / np.maximum(self.free, 1)[:, None, None].astype(np.float64)
+            ask = self.fixed + (blobs[None, :] - blobs[:, None])[None]     # [d, b, e]
+            U = ask / np.maximum(self.free, 1)[:, None, None].astype(np.float64)
             self._load = np.where(S < INF, U, INF)
         return self._load
 

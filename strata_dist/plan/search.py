@@ -247,7 +247,7 @@ def check_split_points(points: Sequence[int], n_layers: int, n_devices: int) -> 
 
 def shortfall_message(cm: CostModel, d: int, lb: int, le: int, stage: int) -> str:
     """'stage i [lb, le) on DEV needs X MiB (weights + session + reserves), Y MiB free'."""
-    need = int(cm.fixed[lb, le])
+    need = int(cm.fixed[d, lb, le])
     dev = cm.devices[d]
     tier = int(cm.withheld[d])
     after = (f" after its explicit helper tier's {tier / MIB:.1f} MiB (--expert-cache-device; "
@@ -278,8 +278,9 @@ def price_split(cm: CostModel, points: Sequence[int],
     for combo in combos:
         short = [(i, d) for i, d in enumerate(combo) if cm.budget(d, bounds[i], bounds[i + 1]) < 0]
         if short:
-            i, d = max(short, key=lambda x: cm.fixed[bounds[x[0]], bounds[x[0] + 1]] - cm.free[x[1]])
-            gap = int(cm.fixed[bounds[i], bounds[i + 1]] - cm.free[d])
+            i, d = max(short, key=lambda x: cm.fixed[x[1], bounds[x[0]], bounds[x[0] + 1]]
+                       - cm.free[x[1]])
+            gap = int(cm.fixed[d, bounds[i], bounds[i + 1]] - cm.free[d])
             if worst_miss is None or gap < worst_miss[0]:
                 worst_miss = (gap, shortfall_message(cm, d, bounds[i], bounds[i + 1], i + 1))
             continue

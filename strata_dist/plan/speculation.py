@@ -71,7 +71,8 @@ def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int
         raise ValueError(f"rows {rows}: a step has at least one")
     if profile is None:
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
-    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params, handoff_rows=plan.chunk)
+    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params, handoff_rows=plan.chunk,
+                   resident=plan.resident_by_device())
     E = shape.n_experts
     blob = np.repeat(np.asarray(shape.blob_bytes, dtype=np.float64), E)    # by flat pair id
     one = np.minimum(1.0, cm.lk * cm.mass)          # a token routes to the pair
@@ -83,7 +84,7 @@ def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int
         d = index[st.device]
         held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
         placed[held] = True
-        total += ((cm.read[st.lb, st.le] + float((read[held] * blob[held]).sum())) / cm.bw[d]
+        total += ((cm.read[d, st.lb, st.le] + float((read[held] * blob[held]).sum())) / cm.bw[d]
                   + plan.params.layer_ms * (st.le - st.lb))
     for h in plan.live_helpers:
         ids = np.array([layer * E + e for layer, e in h.pairs], dtype=np.int64)
