@@ -165,6 +165,8 @@ def cmd_generate(args) -> int:
 def writable_path(path: str, flag: str) -> Path:
     """`path`, refused before any work when its folder does not exist or cannot be written."""
     out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{flag} {path} is a folder: name a file in it")
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
@@ -178,7 +180,8 @@ def cmd_logits(args) -> int:
     writable_path(args.out, "--out")
     logits = _engine(args).logits(ids)
     try:
-        np.save(args.out, logits.astype(np.float32))
+        with open(args.out, "wb") as f:    # the path as given: np.save on a name adds ".npy"
+            np.save(f, logits.astype(np.float32))
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"info: wrote logits {list(logits.shape)} to {args.out}", file=sys.stderr)

@@ -135,6 +135,9 @@ class SingleProcessRunner:
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits of every position of a fresh sequence, [n, vocab]."""
+        if len(token_ids) > self.max_context:
+            raise ValueError(f"the {len(token_ids)} tokens exceed the context of "
+                             f"{self.max_context} (--max-context)")
         self.checkpoints.enter(self.session, 0)
         self.tokens = []
         return self.feed(token_ids)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from gguf import GGUFValueType as VT
 
@@ -86,6 +87,19 @@ def test_unwritable_outputs_are_refused_before_any_work(model, tmp_path):
     refused(tool("logits", "--model", model, "--tokens", "1,2", "--out", "/nonexistent/x.npy"),
             "/nonexistent")
     refused(tool("synth", str(tmp_path / "no" / "dir" / "x.gguf"), "--quiet"), "does not exist")
+    # a folder as the output is refused naming it (numpy would have written FOLDER.npy beside it)
+    refused(tool("logits", "--model", model, "--tokens", "1,2", "--out", str(tmp_path)),
+            f"--out {tmp_path} is a folder")
+    assert not (tmp_path.parent / (tmp_path.name + ".npy")).exists()
+
+
+def test_logits_land_at_the_path_given_and_a_prompt_past_the_context_names_both(model, tmp_path):
+    out = tmp_path / "logits"                 # no .npy suffix: written where asked all the same
+    done = tool("logits", "--model", model, "--tokens", "1,2", "--out", str(out))
+    assert done.returncode == 0 and f"to {out}" in done.stderr, done.stderr
+    assert np.load(out).shape[0] == 2
+    refused(tool("logits", "--model", model, "--tokens", "1,2,3", "--max-context", "2", "--out",
+                 str(out)), "the 3 tokens exceed the context of 2 (--max-context)")
 
 
 def test_a_cuda_device_without_cuda(model):
