@@ -234,6 +234,7 @@ def cmd_profile(args) -> int:
         raise UsageError(f"--max-new must be >= 0, got {args.max_new}")
     if args.prefill < 1:
         raise UsageError(f"--prefill must be >= 1, got {args.prefill}")
+    writable_path(args.out, "--out")    # refused before the runs, not after them
     prompts = read_prompt_ids_file(args.prompt_ids_file)
     bar = tqdm(total=len(prompts), unit="prompt", desc="profile", file=sys.stderr, disable=None)
     profile = record_profile(args.model, prompts, device=args.device, max_new=args.max_new,
@@ -308,6 +309,8 @@ def cmd_calibrate(args) -> int:
     if args.rounds < 10:
         raise UsageError(f"--rounds {args.rounds}: at least 10 round trips")
     peer = tcp_endpoint(args.peer, "--peer") if args.peer else None
+    if args.out:
+        writable_path(args.out, "--out")    # refused before measuring, not after
     try:
         content = calibrate(args.device, peer, rounds=args.rounds)
     except CalibrationError as e:
@@ -328,7 +331,10 @@ def cmd_calibrate(args) -> int:
              f"{m['payload_bytes'] >> 20} MiB in {m['payload_ms']:.1f} ms" if peer else
              "; no --peer: the link constants keep their defaults") + ")")
     if args.out:
-        save_calibration(content, args.out)
+        try:
+            save_calibration(content, args.out)
+        except OSError as e:
+            raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
         print(f"wrote {args.out}: plan with strata-launch --calibration {args.out}")
     return 0
 

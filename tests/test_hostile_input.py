@@ -91,6 +91,13 @@ def test_unwritable_outputs_are_refused_before_any_work(model, tmp_path):
     refused(tool("logits", "--model", model, "--tokens", "1,2", "--out", str(tmp_path)),
             f"--out {tmp_path} is a folder")
     assert not (tmp_path.parent / (tmp_path.name + ".npy")).exists()
+    # calibrate and profile refuse it before measuring or running, not with a traceback after
+    refused(tool("calibrate", "--out", str(tmp_path)), f"--out {tmp_path} is a folder")
+    refused(tool("calibrate", "--out", "/nonexistent/c.json"), "/nonexistent")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1,2,3\n")
+    refused(tool("profile", "--model", model, "--prompt-ids-file", str(ids), "--out",
+                 str(tmp_path)), f"--out {tmp_path} is a folder")
 
 
 def test_logits_land_at_the_path_given_and_a_prompt_past_the_context_names_both(model, tmp_path):
