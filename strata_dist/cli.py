@@ -392,8 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "yarn:FACTOR:ORIGINAL_CONTEXT (e.g. yarn:4:32768; context_length becomes "
                         "factor x original)")
     s.add_argument("--mtp", action="store_true",
-                   help="qwen3next geometries: one multi-token-prediction block after the stack, "
-                        "laid out as llama.cpp's converter writes it (for --draft mtp)")
+                   help="qwen3next and qwen35moe geometries: one multi-token-prediction block "
+                        "after the stack, laid out as llama.cpp's converter writes it (for "
+                        "--draft mtp, which drafts with qwen3next's; a qwen35moe file's block "
+                        "loads unused)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_synth)
