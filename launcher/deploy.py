@@ -139,6 +139,8 @@ def deploy_systemd(args, out=print) -> int:
     tdir = template_dir()
     secret = load_secret(args.token_file) if args.token_file else new_secret().encode()
     root = Path(args.out)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--out {args.out} is a file: name a folder for the deployment")
     root.mkdir(parents=True, exist_ok=True)
     curve_dir = root / ".curve"
     if args.curve:
@@ -219,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
+    except OSError as e:     # the path and the system's reason, not the errno's repr
+        print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

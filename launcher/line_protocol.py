@@ -59,14 +59,18 @@ def parse_gen(line: str) -> GenRequest:
         raise ValueError(f"max_new must be >= 0, got {max_new}")
     options, ids = {}, []
     for tok in parts[2:]:
-        if "=" in tok and not ids:
+        if "=" in tok and ids:
+            raise ValueError(f"option '{tok}' after the token ids: options come first "
+                             f"(GEN <max_new> [key=val …] <id> <id> …)")
+        if "=" in tok:
             key, _, value = tok.partition("=")
             if key not in SAMPLING_KEYS:
                 raise ValueError(f"unknown option '{key}' (known: {', '.join(SAMPLING_KEYS)})")
             try:
                 options[key] = SAMPLING_KEYS[key](value)
             except ValueError:
-                raise ValueError(f"option {key}='{value}' is not a {SAMPLING_KEYS[key].__name__}") from None
+                kind = "an integer" if SAMPLING_KEYS[key] is int else "a number"
+                raise ValueError(f"option {key}='{value}' is not {kind}") from None
             continue
         try:
             ids.append(int(tok))

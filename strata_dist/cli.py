@@ -165,6 +165,8 @@ def cmd_generate(args) -> int:
 def writable_path(path: str, flag: str) -> Path:
     """`path`, refused before any work when its folder does not exist or cannot be written."""
     out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{flag} {path} is a folder: name a file in it")
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
@@ -178,7 +180,8 @@ def cmd_logits(args) -> int:
     writable_path(args.out, "--out")
     logits = _engine(args).logits(ids)
     try:
-        np.save(args.out, logits.astype(np.float32))
+        with open(args.out, "wb") as f:    # the path as given: np.save on a name adds ".npy"
+            np.save(f, logits.astype(np.float32))
     except OSError as e:
         raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"info: wrote logits {list(logits.shape)} to {args.out}", file=sys.stderr)
@@ -231,6 +234,7 @@ def cmd_profile(args) -> int:
         raise UsageError(f"--max-new must be >= 0, got {args.max_new}")
     if args.prefill < 1:
         raise UsageError(f"--prefill must be >= 1, got {args.prefill}")
+    writable_path(args.out, "--out")    # refused before the runs, not after them
     prompts = read_prompt_ids_file(args.prompt_ids_file)
     bar = tqdm(total=len(prompts), unit="prompt", desc="profile", file=sys.stderr, disable=None)
     profile = record_profile(args.model, prompts, device=args.device, max_new=args.max_new,
@@ -264,8 +268,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-resident", default=None, metavar="N",
                    help="keep N cells of each K/V resident (the attention sinks and a ring of the "
                         "newest), every cell in host memory; below --max-context, at least "
-                        "--prefill + 4 (default: every cell resident; on a GPU qwen3moe with "
-                        "f16 K/V only so far)")
+                        "--prefill + 4 (default: every cell resident; on a GPU qwen3moe and "
+                        "qwen3next with f16 K/V only so far)")
 
 
 def tcp_endpoint(text: str, flag: str, default_host: str | None = None) -> str:
@@ -305,6 +309,8 @@ def cmd_calibrate(args) -> int:
     if args.rounds < 10:
         raise UsageError(f"--rounds {args.rounds}: at least 10 round trips")
     peer = tcp_endpoint(args.peer, "--peer") if args.peer else None
+    if args.out:
+        writable_path(args.out, "--out")    # refused before measuring, not after
     try:
         content = calibrate(args.device, peer, rounds=args.rounds)
     except CalibrationError as e:
@@ -325,7 +331,10 @@ def cmd_calibrate(args) -> int:
              f"{m['payload_bytes'] >> 20} MiB in {m['payload_ms']:.1f} ms" if peer else
              "; no --peer: the link constants keep their defaults") + ")")
     if args.out:
-        save_calibration(content, args.out)
+        try:
+            save_calibration(content, args.out)
+        except OSError as e:
+            raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
         print(f"wrote {args.out}: plan with strata-launch --calibration {args.out}")
     return 0
 
@@ -383,8 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "yarn:FACTOR:ORIGINAL_CONTEXT (e.g. yarn:4:32768; context_length becomes "
                         "factor x original)")
     s.add_argument("--mtp", action="store_true",
-                   help="qwen3next geometries: one multi-token-prediction block after the stack, "
-                        "laid out as llama.cpp's converter writes it (for --draft mtp)")
+                   help="qwen3next and qwen35moe geometries: one multi-token-prediction block "
+                        "after the stack, laid out as llama.cpp's converter writes it (for "
+                        "--draft mtp, which drafts with qwen3next's; a qwen35moe file's block "
+                        "loads unused)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_synth)

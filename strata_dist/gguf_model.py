@@ -148,7 +148,10 @@ class GGUFModel:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         if not os.path.isfile(self.path):
-            raise GGUFError(self.path, "no such file")
+            # a folder or a device given as --model is named as such, not as missing
+            raise GGUFError(self.path, "is a directory, not a GGUF file" if os.path.isdir(self.path)
+                            else "is not a regular file" if os.path.exists(self.path)
+                            else "no such file")
         try:
             self.shards = open_shards(read_shard(self.path))
         except ShardProblem as e:

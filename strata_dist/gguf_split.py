@@ -122,8 +122,11 @@ def _next_shard(first_path: str, prefix: str, index: int, count: int, total: int
     for key, want in ((SPLIT_NO, index), (SPLIT_COUNT, count), (SPLIT_TENSORS, total)):
         got = _split_int(shard, key)
         if got != want:
+            # split.no counts from 0 and file names from 1: say which shard the file holds
+            held = (f" (counted from 0: this file holds shard {got + 1} of its set; shards "
+                    f"renamed or swapped?)" if key == SPLIT_NO else "")
             raise ShardProblem(path, f"is {got}, expected {want} for shard {index + 1} of "
-                                     f"{count} of {first_path}", key=key)
+                                     f"{count} of {first_path}{held}", key=key)
     return shard
 
 

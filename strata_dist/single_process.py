@@ -135,6 +135,9 @@ class SingleProcessRunner:
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 logits of every position of a fresh sequence, [n, vocab]."""
+        if len(token_ids) > self.max_context:
+            raise ValueError(f"the {len(token_ids)} tokens exceed the context of "
+                             f"{self.max_context} (--max-context)")
         self.checkpoints.enter(self.session, 0)
         self.tokens = []
         return self.feed(token_ids)
@@ -182,6 +185,12 @@ class SingleProcessRunner:
             raise ValueError("the prompt is empty")
         if max_new < 0:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
+        # generation stops at the context's end (stop reason "length"), as the pipeline's head
+        # bounds it (head.py: ctx - prompt); the tokens made so far are the answer, not an error
+        if len(prompt) > self.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds "
+                             f"{self.max_context} (--max-context)")
+        max_new = min(max_new, self.max_context - len(prompt))
         reuse = self.resume_point(prompt) if resume else 0
         self.checkpoints.enter(self.session, reuse)
         at = request_positions(reuse, len(prompt), self.prefill_chunk, self.checkpoint_every)

@@ -137,6 +137,16 @@ def test_deploy_refusals(tmp_path, capsys, args, says):
     assert says in capsys.readouterr().err
 
 
+def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    for out, says in ((taken, f"error: --out {taken} is a file: name a folder for the deployment"),
+                      (taken / "sub", f"error: {taken / 'sub'}: Not a directory")):
+        assert tools_main(["deploy", "systemd", "--coordinator", "hostA:5555", "--hosts",
+                           "hostA:0", "--model", "/m", "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == says
+
+
 def test_strata_dist_help_names_deploy(capsys):
     assert tools_main(["--help"]) == 0
     assert "deploy" in capsys.readouterr().out

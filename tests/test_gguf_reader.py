@@ -154,6 +154,16 @@ def test_not_a_file(tmp_path):
     _expect(tmp_path / "nope.gguf", tmp_path, "nope.gguf", "no such file")
 
 
+@pytest.mark.parametrize("path,needle", [("folder", "is a directory, not a GGUF file"),
+                                         ("/dev/null", "is not a regular file")])
+def test_a_path_that_exists_but_is_no_file_is_not_called_missing(tmp_path, path, needle):
+    where = tmp_path / path if path == "folder" else path
+    if path == "folder":
+        where.mkdir()
+    err = _expect(where, tmp_path, f"{where}: {needle}")
+    assert "no such file" not in str(err)
+
+
 # ---- NaN/Inf in stored weights (gguf_finite.py) ---------------------------------------------------
 
 def _finite_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:

@@ -108,7 +108,8 @@ def test_an_extra_shard(copy_of_shards):
 
 @pytest.mark.parametrize("shard,key,value,needle", [
     (1, "split.count", 4, "is 4, expected 3"),
-    (2, "split.no", 1, "is 1, expected 2"),
+    (2, "split.no", 1, "is 1, expected 2 for shard 3 of 3 of"),
+    (2, "split.no", 1, "this file holds shard 2 of its set; shards renamed or swapped?"),
     (1, "split.tensors.count", 50, "is 50, expected 51"),
 ])
 def test_a_shard_whose_split_keys_disagree(copy_of_shards, shard, key, value, needle):

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from gguf import GGUFValueType as VT
 
@@ -86,6 +87,26 @@ def test_unwritable_outputs_are_refused_before_any_work(model, tmp_path):
     refused(tool("logits", "--model", model, "--tokens", "1,2", "--out", "/nonexistent/x.npy"),
             "/nonexistent")
     refused(tool("synth", str(tmp_path / "no" / "dir" / "x.gguf"), "--quiet"), "does not exist")
+    # a folder as the output is refused naming it (numpy would have written FOLDER.npy beside it)
+    refused(tool("logits", "--model", model, "--tokens", "1,2", "--out", str(tmp_path)),
+            f"--out {tmp_path} is a folder")
+    assert not (tmp_path.parent / (tmp_path.name + ".npy")).exists()
+    # calibrate and profile refuse it before measuring or running, not with a traceback after
+    refused(tool("calibrate", "--out", str(tmp_path)), f"--out {tmp_path} is a folder")
+    refused(tool("calibrate", "--out", "/nonexistent/c.json"), "/nonexistent")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1,2,3\n")
+    refused(tool("profile", "--model", model, "--prompt-ids-file", str(ids), "--out",
+                 str(tmp_path)), f"--out {tmp_path} is a folder")
+
+
+def test_logits_land_at_the_path_given_and_a_prompt_past_the_context_names_both(model, tmp_path):
+    out = tmp_path / "logits"                 # no .npy suffix: written where asked all the same
+    done = tool("logits", "--model", model, "--tokens", "1,2", "--out", str(out))
+    assert done.returncode == 0 and f"to {out}" in done.stderr, done.stderr
+    assert np.load(out).shape[0] == 2
+    refused(tool("logits", "--model", model, "--tokens", "1,2,3", "--max-context", "2", "--out",
+                 str(out)), "the 3 tokens exceed the context of 2 (--max-context)")
 
 
 def test_a_cuda_device_without_cuda(model):
@@ -182,18 +203,22 @@ def test_listen_on_a_port_in_use(model):
 def test_serve_answers_err_to_bytes_that_are_not_utf8_and_goes_on(model):
     lines = (b"GEN 2 1 2\n\xff\xfe GEN\nGENX 2 1 2\nGEN 2 temperature=nan 1 2\n"
              b"GEN 2 temperature=1 seed=-1 1 2\nGEN 2 top_k=99999999999999999999 1 2\n"
-             b"GEN 2 3 4\nQUIT\n")
+             b"GEN 2 seed=1e400 1 2\nGEN 2 1 2 temperature=0.5\nGEN 2 3 4\nQUIT\n")
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", model, "--cpu-ranks",
                            "1", "--serve"], input=lines, capture_output=True, timeout=TIMEOUT,
                           env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     out = [l for l in proc.stdout.decode().splitlines() if not l.startswith("INFO")]
     errs = [l for l in out if l.startswith("ERR")]
-    assert len(errs) == 5, out
+    assert len(errs) == 7, out
     assert "GENX" in errs[1] and "temperature" in errs[2]
     # refused at parse, in the line protocol's words, not by a rank mid-request
     assert errs[3] == "ERR seed must be in [0, 2^64), got -1", errs[3]
     assert errs[4].startswith("ERR top_k must be in [0, 2147483647]"), errs[4]
+    assert errs[5] == "ERR option seed='1e400' is not an integer", errs[5]
+    # an option after the ids is named as misplaced, not as a token id that is no integer
+    assert errs[6] == ("ERR option 'temperature=0.5' after the token ids: options come first "
+                       "(GEN <max_new> [key=val …] <id> <id> …)"), errs[6]
     assert sum(l.startswith("DONE") for l in out) == 2, out
 
 

@@ -124,6 +124,35 @@ def test_a_chunked_body_is_refused_as_it_passes_the_cap(server):
     assert_bounded(server, t0)
 
 
+def test_a_body_or_headers_that_stall_are_dropped_and_others_are_served_meanwhile(server):
+    """A client that sends its headers and part of its body, then nothing, gets 408 once
+    BODY_IDLE_S pass without a byte; one that stops inside its headers is disconnected HEADERS_S
+    after it connected (each connection used to be held forever); a request sent meanwhile is
+    answered."""
+    from strata_dist.server.app import BODY_IDLE_S
+    from strata_dist.server.run import HEADERS_S
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=BODY_IDLE_S + WITHIN_S) as sock, \
+            socket.create_connection((host, int(port)), timeout=HEADERS_S + WITHIN_S) as partial:
+        partial.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode())
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: 1000\r\n\r\n{{\"model\":".encode())
+        other = httpx.post(server.url + "/v1/completions", timeout=WITHIN_S,
+                           json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
+        assert other.status_code == 200, other.text
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            more = sock.recv(65536)
+            if not more:
+                break
+            reply += more
+        assert partial.recv(65536) == b""          # closed by the server, no answer
+        assert HEADERS_S - 1 <= time.monotonic() - t0 < HEADERS_S + WITHIN_S
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert BODY_IDLE_S <= time.monotonic() - t0 < BODY_IDLE_S + WITHIN_S
+
+
 def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing(server):
     """31 MiB of `[],` parsed is 770 MB of empty lists; a body is refused past a count of values
     (its ',', '[' and '{': 8 per context token, at least 65,536) before it is parsed."""

@@ -71,3 +71,21 @@ def test_a_context_below_one_is_one_error_line(files, value):
     proc = tool("generate", "--model", files["plain"], "--max-context", value)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: --max-context must be >= 1, got {value}", proc.stderr
+
+
+def test_generation_past_the_context_stops_at_its_end_with_the_tokens_made(files):
+    """--max-new past the room the context leaves yields the tokens that fit (stop=length, as the
+    pipeline's head bounds a request), not an error after the work; a prompt past the context is
+    one error line naming both counts."""
+    ids = ",".join(str(3 + i) for i in range(10))
+    asked = tool("generate", "--model", files["plain"], "--prompt-ids", ids,
+                 "--max-context", "40", "--max-new", "500")
+    assert asked.returncode == 0, asked.stderr
+    assert "30 generated" in asked.stderr and "stop=length" in asked.stderr, asked.stderr
+    fits = tool("generate", "--model", files["plain"], "--prompt-ids", ids,
+                "--max-context", "40", "--max-new", "30")
+    assert asked.stdout == fits.stdout and len(fits.stdout.split(",")) == 30
+    too_long = tool("generate", "--model", files["plain"], "--prompt-ids", ids, "--max-context", "8")
+    assert too_long.returncode == 2
+    assert too_long.stderr.strip() == ("error: the prompt has 10 tokens; the context holds 8 "
+                                       "(--max-context)"), too_long.stderr

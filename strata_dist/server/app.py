@@ -36,6 +36,9 @@ from .worker import Job, NotReady, QueueFull, Worker
 log = logging.getLogger("strata.server")
 
 MAX_BODY_BYTES = 32 * 2 ** 20
+# a request body from which nothing arrives this long is dropped (408): a client that stalls
+# mid-body would otherwise hold its connection and its reader forever
+BODY_IDLE_S = 10.0
 DISCONNECT_POLL_S = 0.25
 # Parsed JSON costs up to ~70 bytes a value (31 MiB of `[],` is 770 MB of empty lists): a body is
 # refused before it is parsed past this many `,`, `[` and `{` (each value but the first comes with
@@ -123,7 +126,16 @@ def create_app(ctx: ServerContext):
             raise too_big
         # counted as it arrives: a chunked upload has no Content-Length to refuse it by
         raw = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), BODY_IDLE_S)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise oa.ApiError(408, f"the request body stalled: nothing arrived for "
+                                       f"{BODY_IDLE_S:g} s after {len(raw)} bytes",
+                                  code="request_timeout") from None
             if len(raw) + len(chunk) > MAX_BODY_BYTES:
                 raise too_big
             raw += chunk

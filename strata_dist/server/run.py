@@ -22,6 +22,36 @@ from .worker import Worker
 
 LISTEN_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
+# a connection whose request line and headers have not all arrived this long after it opened (or
+# after its previous response) is closed: a client that stalls inside its headers would otherwise
+# hold the connection forever (a stalled body gets 408: app.py BODY_IDLE_S)
+HEADERS_S = 10.0
+
+
+def header_deadline_protocol():
+    """uvicorn's h11 protocol with a deadline on each request's headers. A request has begun
+    once the protocol holds a new cycle; the deadline armed at the connection's start or at a
+    response's end closes the connection only when no request began since."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline(self.cycle)
+
+        def on_response_complete(self) -> None:
+            finished = self.cycle      # a pipelined request may begin inside the call below
+            super().on_response_complete()
+            self._arm_header_deadline(finished)
+
+        def _arm_header_deadline(self, cycle) -> None:
+            self.loop.call_later(HEADERS_S, self._headers_due, cycle)
+
+        def _headers_due(self, cycle) -> None:
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
 
 
 class ServeError(ValueError):
@@ -53,7 +83,8 @@ class HttpThread:
         import uvicorn
         self.sock = sock
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=5, timeout_graceful_shutdown=2)
+                                timeout_keep_alive=5, timeout_graceful_shutdown=2,
+                                http=header_deadline_protocol())
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
         self.failed: BaseException | None = None
