@@ -74,8 +74,8 @@ def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: in
     on a GPU every routed expert (copied resident: drafting never streams; a CPU rank reads them
     where the file maps them, as DraftModel loads it), a session of `cells` cells for each of the
     `sessions` serving sessions (--parallel B: each request drafts in its own), the many-row
-    buffers of one catch-up chunk, and with recurrent state its checkpoints (the one kept and the
-    next while it is taken)."""
+    buffers of one catch-up chunk, and with recurrent state its checkpoints: each session's one
+    kept, and the next while one session's is taken (the catch-ups run one at a time)."""
     shape = model_shape(open_checked(draft_path), device_kind, kv_type)
     L = shape.n_layers
     experts = shape.n_experts * sum(shape.blob_bytes) if device_kind == "cuda" else 0
@@ -83,7 +83,8 @@ def plan_bytes(draft_path: str, device_kind: str, kv_type: str | None, cells: in
                     if kind == "linear")
     return (weights_bytes(shape, 0, L, True, True) + experts
             + sessions * session_bytes(shape, cells, 0, L)
-            + shape.prompt_bytes(CATCH_UP_ROWS) + CHECKPOINTS_KEPT * recurrent)
+            + shape.prompt_bytes(CATCH_UP_ROWS)
+            + (sessions + CHECKPOINTS_KEPT - 1) * recurrent)
 
 
 class DraftModel:

@@ -258,19 +258,29 @@ def test_each_session_keeps_its_window_state_priced_and_the_prediction_is_over_a
     assert "over 4 sessions" in four.lines()[0] and "over" not in one.lines()[0]
 
 
-@pytest.mark.parametrize("drafter", ["model", "mtp"])
+@pytest.mark.parametrize("drafter", ["model", "model-next", "mtp"])
 def test_a_draft_session_per_session_is_priced_as_carved(synth, tmp_path, drafter):
     """--parallel 4 with a drafter on the last stage: each request drafts in a draft session of
-    its own, so the plan's drafter bytes grow by three sessions, each what the drafter carves."""
+    its own, so the plan's drafter bytes grow by three sessions, each what the drafter carves (a
+    qwen3next draft model's session with the checkpoint it keeps at its latest window)."""
     import json
     import subprocess
     import sys
 
-    if drafter == "model":
+    if drafter.startswith("model"):
         from strata_dist.draft_model import DraftModel
-        model, flags = synth["tiny"], ["--draft-model", synth["tiny-q8"]]
-        carver = DraftModel(synth["tiny-q8"], "cpu", 256)
-        sizes = [carver.stage.session(sid).nbytes for sid in range(4)]
+        if drafter == "model":
+            model, draft = synth["tiny"], synth["tiny-q8"]
+        else:
+            from strata_dist.synth import write_synthetic
+            model, draft = synth["tiny-next"], str(tmp_path / "tiny-next-q8.gguf")
+            write_synthetic(draft, like="tiny-next", quant="q8_0")
+        flags = ["--draft-model", draft]
+        carver = DraftModel(draft, "cpu", 256)
+        for sid in range(4):          # each session drafts once: what it then keeps
+            carver.draft(sid, list(range(5, 40)), 3, 0.0)
+        sizes = [carver.stage.session(sid).nbytes + carver.stage.checkpoint_store(sid).nbytes
+                 for sid in range(4)]
     else:
         from strata_dist.mtp_draft import MtpDrafter
         from strata_dist.synth import write_synthetic
