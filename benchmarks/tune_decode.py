@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     import cupy as cp
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     from strata_dist.kernels.abi import KernelShape
     eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prefill_chunk=512)
     if eng.decode_graph is None:

@@ -19,19 +19,19 @@ from protocol.bounded_read import KEY_FILE_MAX, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.compute_options import read_environment
-from strata_dist.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
+from strata_dist.tools.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
                              gpu_kv_resident_refusal, parse_ids, prompt_tokens)
-from strata_dist.coordinator import RankFailure, RequestError
-from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
-from strata_dist.mtp_draft import mtp_layer, plan_bytes as mtp_plan_bytes
+from strata_dist.head.coordinator import RankFailure, RequestError
+from strata_dist.rank.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
+from strata_dist.sampling.mtp_draft import mtp_layer, plan_bytes as mtp_plan_bytes
 from strata_dist.flag_values import check_seconds
-from strata_dist.gguf_model import GGUFError
-from strata_dist.model_shape import model_shape
+from strata_dist.gguf_file.reader import GGUFError
+from strata_dist.models.shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
 from strata_dist.plan.pricing import MIB
-from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
-from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions, plan_prediction
+from strata_dist.tools.single_process import DEFAULT_CONTEXT, context_cells
+from strata_dist.sampling.speculative import DRAFTERS, MAX_SPEC, SpecOptions, plan_prediction
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
@@ -283,7 +283,7 @@ def _main(args, signals: StopSignals) -> int:
 
 
 def kv_resident_arg(args, prefill: int | None) -> int:
-    """--kv-resident for the plan (strata_dist/cli.py check_kv_resident): on GPU ranks what their
+    """--kv-resident for the plan (strata_dist/tools/cli.py check_kv_resident): on GPU ranks what their
     kernels do not take yet refused unless the plan is only printed, kept conversations refused
     (they copy K/V as the device holds it)."""
     if args.conversation_cache_mib:
@@ -374,7 +374,7 @@ def _a_rank_refused_its_input(launch) -> bool:
 
 def _line_server(args, gguf, launch, plan):
     """The --serve / --prompt-ids surface over a started launch; prints the INFO lines."""
-    from strata_dist.head import HeadSession
+    from strata_dist.head.session import HeadSession
 
     from .line_protocol import LineProtocol, info_lines
     g = architecture_for(gguf).read_geometry(gguf)

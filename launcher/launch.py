@@ -13,13 +13,13 @@ from protocol import Assign, CurveKeys, Endpoints, PeerInfo
 from protocol.compute_options import ComputeOptions
 from protocol.auth import new_secret
 from protocol.transport import use_curve, write_curve_keys
-from strata_dist.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.head.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanError, PlanParams, RoutingProfile, make_plan,
                               render_table, skip_tier, split_shared_cards)
 from strata_dist.plan.explicit import ExplicitTier
-from strata_dist.profile_io import LiveProfile
+from strata_dist.tools.profile_io import LiveProfile
 
 from .spawn import LocalRanks, RankSpec, cpu_thread_env
 

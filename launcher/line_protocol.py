@@ -24,9 +24,9 @@ import threading
 import time
 from typing import TextIO
 
-from strata_dist.coordinator import RankFailure, RequestError
-from strata_dist.head import HeadSession, Outcome
-from strata_dist.sampler import SamplingParams
+from strata_dist.head.coordinator import RankFailure, RequestError
+from strata_dist.head.session import HeadSession, Outcome
+from strata_dist.sampling.sampler import SamplingParams
 
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
                  "stats": int}

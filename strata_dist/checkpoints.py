@@ -3,7 +3,7 @@
 KV rows are positional: a session can move back to any earlier position and read on from there.
 The conv and delta-rule state of a linear layer is not: it is the whole past folded in, so moving
 back needs a copy of it taken at that position — a checkpoint. One rule, in this module, for the
-stages (strata_dist/stage.py), the head (strata_dist/head.py) and the single-process SingleProcessRunner, so a
+stages (strata_dist/rank/stage.py), the head (strata_dist/head/session.py) and the single-process SingleProcessRunner, so a
 distributed run and the SingleProcessRunner resume at the same position and read the same chunks:
 
 - Which positions a request checkpoints (`request_positions`), all chunk boundaries of the request:

@@ -123,7 +123,7 @@ def install_kernels(function) -> None:
 
 
 def stage_run(scenarios, graphs, counts, path) -> None:
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     os.environ["STRATA_HOST_MAPPED"] = "1"
     try:
         st = Stage(StageConfig(model_path=str(path), device="cuda:0", lb=0, le=2, first=True,
@@ -153,7 +153,7 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from hf_fixtures import tiny_qwen3moe, write_gguf
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
 
     scenarios, graphs = {}, {}
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]

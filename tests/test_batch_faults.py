@@ -1,4 +1,4 @@
-"""Faults and bookkeeping of batched decode (--parallel; strata_dist/batch_scheduler.py,
+"""Faults and bookkeeping of batched decode (--parallel; strata_dist/head/batch_scheduler.py,
 strata_dist/server/parallel.py): step timeouts that tell a queued request from a silent pipeline,
 per-job running state and rank stats on /v1/status, a Cancel the last stage must answer. Real
 CPU ranks through the launcher, real HTTP clients."""
@@ -18,12 +18,12 @@ from launcher.spawn import RankSpec
 from protocol import Cancel, Channel, PromptProgress, Token, Tokens
 from protocol.messages import Sampling
 from server_helpers import ServerProcess
-from strata_dist.batch_scheduler import BatchScheduler
-from strata_dist.coordinator import RankFailure, RequestError
+from strata_dist.head.batch_scheduler import BatchScheduler
+from strata_dist.head.coordinator import RankFailure, RequestError
 from strata_dist.plan.params import PlanParams
 from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep
 from strata_dist.synth import write_synthetic
 
 LONG_PROMPT = 8000      # tokens: a couple of seconds of prompt on two CPU stages

@@ -16,12 +16,12 @@ from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from strata_dist.checkpoints import (MAX_PER_SESSION, CheckpointStore, chunk_positions,
                                      common_positions, request_positions, resume_point)
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.models.qwen3next import RecurrentRewindError
 from strata_dist.plan.pricing import session_parts
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 
 CHUNK = 16
 CTX = 256

@@ -119,7 +119,7 @@ def read_error(var: str, text: str) -> str:
 
 
 def test_generate_refuses_a_malformed_value(tiny):
-    done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model",
+    done = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model",
                            str(tiny), "--prompt-ids", "1,2", "--max-new", "1"], capture_output=True,
                           text=True, timeout=60, env=_clean_env(STRATA_ATTN_HEADS="x"), cwd=ROOT)
     assert done.returncode == 2

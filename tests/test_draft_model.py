@@ -1,5 +1,5 @@
 """The draft model of speculative decoding (`--spec K --draft-model FILE.gguf`,
-strata_dist/draft_model.py).
+strata_dist/rank/draft_model.py).
 
 - greedy tokens of real launches (rank processes, sockets) with --spec 4 --draft-model D equal the
   single process's, 1 and 2 stages: D the target itself (every draft accepted) and D the same
@@ -27,12 +27,12 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from launch_helpers import ServeSession
 from protocol.messages import Sampling
-from strata_dist.draft_model import DraftModel, plan_bytes
-from strata_dist.sampler import Sampler, SamplingParams
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.speculative import draw_against
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep
+from strata_dist.rank.draft_model import DraftModel, plan_bytes
+from strata_dist.sampling.sampler import Sampler, SamplingParams
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.sampling.speculative import draw_against
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep
 from strata_dist.synth import write_synthetic
 from test_speculative import CTX, PROMPT, _run, assert_drawn_alike, seeded_continuations
 

@@ -27,7 +27,7 @@ def model(tmp_path_factory):
 
 
 def _runner(model, device, **kw):
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     return SingleProcessRunner(model, device, prefill_chunk=CHUNK, max_context=512, **kw)
 
 

@@ -38,7 +38,7 @@ def _differences(ref: np.ndarray, got: np.ndarray, what: str) -> tuple[float, st
 @pytest.mark.parametrize("scaling", ["yarn", "none"])
 def test_prompt_and_decode_on_gpu_match_numpy(tmp_path, scaling, f16_kv_reference,
                                               float32_prompt_kernels):
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     # 128-wide heads: the fused kernels' shape; an original context of 256 puts yarn's ramp
     # inside the head and the 300-token prompt past it
     base = tiny_qwen3moe(21, hidden=256, top_k=2, head_dim=128, n_layers=2)

@@ -22,7 +22,7 @@ from test_layering import _imports, _modules
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-TIER_MODULES = {"strata_dist.experts", "strata_dist.tiers", "strata_dist.host_pinning"}
+TIER_MODULES = {"strata_dist.experts.stores", "strata_dist.experts.tiers", "strata_dist.experts.host_pinning"}
 PACKAGES = ("strata_dist", "launcher", "protocol", "benchmarks", "tests")
 
 NAME_CHECK_EXCEPTIONS: dict[str, str] = {}
@@ -59,9 +59,9 @@ def test_no_backend_imports_the_expert_tiers():
 
 
 def test_the_tier_import_finder_finds_one_inside_a_function():
-    graph = {"strata_dist.backends.x": {"strata_dist.tiers", "strata_dist.backends.base"},
-             "strata_dist.stage": {"strata_dist.tiers"}, "strata_dist.backends.y": set()}
-    assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.tiers"]}
+    graph = {"strata_dist.backends.x": {"strata_dist.experts.tiers", "strata_dist.backends.base"},
+             "strata_dist.rank.stage": {"strata_dist.experts.tiers"}, "strata_dist.backends.y": set()}
+    assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.experts.tiers"]}
 
 
 # ---- no branch on a backend's name outside backends/ --------------------------------------------

@@ -12,11 +12,11 @@ import pytest
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from strata_dist.backends.kv_cache import KV_TYPES, Q8Rows, kv_cell_bytes, new_kv
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.plan.pricing import session_bytes, session_parts
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
 
 CELLS = 96
 PROMPT = [5, 17, 3, 250, 99, 4, 180, 61, 7, 42, 11, 12, 13, 14]
@@ -104,7 +104,7 @@ def test_q8_0_refused_for_heads_that_are_not_whole_blocks(tmp_path):
     path = str(write_gguf(tiny_qwen3moe(23), tmp_path / "h16.gguf"))      # head_dim 16
     for argv in ([sys.executable, "-m", "launcher.cli", "--model", path, "--cpu-ranks", "1",
                   "--kv-type", "q8_0", "--prompt-ids", "1,2", "--max-new", "1"],
-                 [sys.executable, "-m", "strata_dist.cli", "generate", "--model", path,
+                 [sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model", path,
                   "--kv-type", "q8_0", "--max-new", "1"]):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr

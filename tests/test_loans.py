@@ -6,9 +6,9 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.rank.stage import Stage, StageConfig
 
 CHUNK = 16
 N_LAYERS, N_EXPERTS, TOP_K = 8, 64, 2

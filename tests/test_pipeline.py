@@ -12,7 +12,7 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession, rank_pids, wait_gone
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 CHUNK = 16
 PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]  # 3 chunks of 16

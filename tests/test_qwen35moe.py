@@ -12,7 +12,7 @@ from hf_fixtures import qwen35moe_gguf_tensors, tiny_qwen35moe, write_qwen35moe_
 from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from strata_dist.models import architecture_for, open_checked, qwen35moe
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 TOL = 1e-4
 VOCAB = 320

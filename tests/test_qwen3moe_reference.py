@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hf_fixtures import hf_logits, load_gguf_weights_into, tiny_qwen3moe, write_gguf
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
 
 CONFIGS = [  # (seed, hidden, top_k, n_experts)
     (0, 64, 2, 8),

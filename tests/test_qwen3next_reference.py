@@ -8,13 +8,13 @@ import torch
 
 from hf_next_fixtures import hf_logits, load_gguf_weights_into, tiny_qwen3next, write_gguf
 from strata_dist.backends import get_backend
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel, TensorKind
-from strata_dist.model_shape import model_shape
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel, TensorKind
+from strata_dist.models.shape import model_shape
 from strata_dist.models import load_model
 from strata_dist.models.qwen3next import RecurrentRewindError
 from strata_dist.plan.pricing import session_bytes, session_parts, weights_bytes
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 
 TOL = 1e-4
 VOCAB = 320

@@ -9,7 +9,7 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession, wait_gone
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'strata-dist[ray]')")
 

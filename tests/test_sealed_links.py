@@ -309,7 +309,7 @@ def test_frames_replayed_on_another_link_or_into_a_replacement_are_dropped(files
     acted on); replayed at rank 0 again they are replays. Then rank 0 is killed and started
     again (--rejoin): the same frames replayed into its replacement are dropped as stale, while
     the head and rank 1 reach it under its new epoch and the tokens equal the clean run."""
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     eos = GGUFModel(files["model"]).metadata("tokenizer.ggml.eos_token_id")
     eos = None if eos is None else int(eos)
     port, *ports = free_ports(5)

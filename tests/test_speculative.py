@@ -1,4 +1,4 @@
-"""Speculative decoding (`--spec K --draft ngram`, strata_dist/speculative.py).
+"""Speculative decoding (`--spec K --draft ngram`, strata_dist/sampling/speculative.py).
 
 - the n-gram drafter on histories worked out by hand;
 - a verify window's rows have the bits of one-row decode steps on CPU stages (both
@@ -30,13 +30,13 @@ from protocol.messages import Sampling
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanParams, make_plan
 from strata_dist.plan.pricing import range_fixed_table, stage_fixed_bytes, verify_window_bytes
-from strata_dist.sampler import Sampler, SamplingParams
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.speculative import draw_against, ngram_draft
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
+from strata_dist.sampling.sampler import Sampler, SamplingParams
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.sampling.speculative import draw_against, ngram_draft
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
 from strata_dist.synth import write_synthetic
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 CTX = 256
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8]

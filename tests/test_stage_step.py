@@ -7,9 +7,9 @@ import pytest
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Tokens
 from protocol.messages import Sampling
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
 
 CTX = 128
 LAYERS = 6

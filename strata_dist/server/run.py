@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Callable
 
-from ..coordinator import RankFailure
-from ..head import HeadSession
-from ..tokenizer import GGUFTokenizer
+from ..head.coordinator import RankFailure
+from ..head.session import HeadSession
+from ..gguf_file.tokenizer import GGUFTokenizer
 from .app import ServerContext, create_app
 from .hosts import WILDCARD_BINDS, HostCheck, default_allowed_hosts, parse_allowed_hosts
 from .openai_api import Limits
