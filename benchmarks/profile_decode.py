@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     from strata_dist.tools.single_process import SingleProcessRunner
     t0 = time.perf_counter()
-    eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prefill_chunk=512)
+    eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prompt_chunk=512)
     runner = eng.decode_graph
     if runner is None:
         raise SystemExit("this model's decode steps take the general path (see the log)")

@@ -69,7 +69,7 @@ def main() -> int:
     import cupy as cp
     from strata_dist.tools.single_process import SingleProcessRunner
     eng = SingleProcessRunner(args.model, args.device, max_context=args.tokens + 64,
-                              prefill_chunk=args.tokens)
+                              prompt_chunk=args.tokens)
     vocab = eng.model.g.n_vocab
     ids = [(7919 * i) % (vocab - 10) + 10 for i in range(args.tokens)]
 

@@ -93,7 +93,7 @@ def split_arg(text: str, n_devices: int) -> str | list[int]:
     return points
 
 
-def prefill_arg(text: str) -> int | None:
+def prompt_chunk_arg(text: str) -> int | None:
     if text == "auto":
         return None
     try:

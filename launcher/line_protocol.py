@@ -265,7 +265,7 @@ def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extr
     """INFO lines: the run's totals, then one line per rank."""
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     head = dict(extra)
-    head.update(ranks=len(ranks_devices), stages=len(plan.stages), ctx=ctx, prefill=plan.chunk,
+    head.update(ranks=len(ranks_devices), stages=len(plan.stages), ctx=ctx, prefill=plan.prompt_chunk,
                 expert_slots=plan.expert_slots, expert_slots_stages=plan.expert_slots_stages,
                 expert_slots_primary=plan.expert_slots_primary,
                 expert_cache_mib=f"{plan.expert_cache_mib:.1f}",

@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -225,7 +225,7 @@ class Assign(Message):
     first_endpoint: str | None = None     # where the last stage sends sampled tokens
     head_endpoint: str | None = None      # where Token/Error for the head go
     helpers: list[PeerInfo] = field(default_factory=list)
-    prefill_chunk: int = 0
+    prompt_chunk: int = 0
     max_context: int = 0
     cache_slots: int = 0   # stage expert-cache slot budget
     helper_slots: int = 0  # helper-tier slot budget on this rank
@@ -264,7 +264,7 @@ class Assign(Message):
     draft_mtp: bool = False
 
     def check(self, arrays: list) -> None:
-        _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
+        _nonneg(rank=self.rank, lb=self.lb, le=self.le, prompt_chunk=self.prompt_chunk,
                 max_context=self.max_context, cache_slots=self.cache_slots,
                 helper_slots=self.helper_slots, loan_slots=self.loan_slots,
                 adapt_every=self.adapt_every, adapt_swaps=self.adapt_swaps)

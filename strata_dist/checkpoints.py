@@ -41,18 +41,18 @@ def is_recurrent(session) -> bool:
     return bool(getattr(session, "linear_layers", ()))
 
 
-def request_positions(start: int, total: int, chunk: int, every: int) -> list[int]:
-    """The positions a request that reads prompt positions [start, total) in chunks of `chunk`
-    tokens (chunk k = [start + k*chunk, ...)) checkpoints, ascending; every one a chunk boundary:
+def request_positions(start: int, total: int, prompt_chunk: int, every: int) -> list[int]:
+    """The positions a request that reads prompt positions [start, total) in chunks of
+    `prompt_chunk` tokens (chunk k = [start + k*prompt_chunk, ...)) checkpoints, ascending; every one a chunk boundary:
     `start` when > 0, the first chunk end at or past each multiple of `every` (0: none), `total`."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if prompt_chunk < 1:
+        raise ValueError(f"prompt_chunk must be >= 1, got {prompt_chunk}")
     if every < 0:
         raise ValueError(f"every must be >= 0 (0: no mid-prompt checkpoints), got {every}")
     out = [start] if start > 0 else []
     if every > 0:
         prev = start
-        for end in range(start + chunk, total, chunk):
+        for end in range(start + prompt_chunk, total, prompt_chunk):
             if end // every > prev // every:   # a multiple of `every` lies in (prev, end]
                 out.append(end)
             prev = end

@@ -163,7 +163,7 @@ def main() -> int:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            r = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, max_context=512, **kw)
+            r = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, max_context=512, **kw)
             r.prefill(prompt)
             r.decode_step([5])
             r.decode_step([5, 6, 7])

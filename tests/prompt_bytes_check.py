@@ -49,12 +49,12 @@ def _ids(n: int) -> list[int]:
 def measure_runner(path: Path, shape) -> dict:
     from strata_dist.tools.single_process import SingleProcessRunner
     top = max(CHUNKS)
-    runner = SingleProcessRunner(path, "cuda:0", prefill_chunk=top, max_context=4 * top + 64)
+    runner = SingleProcessRunner(path, "cuda:0", prompt_chunk=top, max_context=4 * top + 64)
     runner.prefill(list(range(1, top + 1)))             # the first chunk: everything set up
     ws = runner.workspace
     outside, taken = {}, set()
     for n in CHUNKS:
-        runner.prefill_chunk = n
+        runner.prompt_chunk = n
         ws.taken.clear()
         cp.track_start()
         runner.prefill(_ids(n))

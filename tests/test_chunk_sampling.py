@@ -84,7 +84,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def logits_of(model):
-    runner = SingleProcessRunner(model, "cpu", max_context=CTX, prefill_chunk=CHUNK)
+    runner = SingleProcessRunner(model, "cpu", max_context=CTX, prompt_chunk=CHUNK)
     return lambda ids: runner.logits(list(ids)).astype(np.float64)
 
 

@@ -44,7 +44,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    return SingleProcessRunner(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
+    return SingleProcessRunner(files["model"], prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
 
 
 def free_port() -> int:

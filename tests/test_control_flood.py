@@ -283,7 +283,7 @@ def test_calibrate_serve_listens_on_loopback_by_default_and_survives_garbage():
 def test_frame_caps_follow_the_plan_and_apply_to_tcp_endpoints(tmp_path):
     from protocol.limits import FrameCaps
     from protocol.transport import Endpoints
-    caps = FrameCaps.for_stage(hidden=2048, top_k=8, chunk=512)
+    caps = FrameCaps.for_stage(hidden=2048, top_k=8, prompt_chunk=512)
     assert caps.data == caps.helper == 512 * 2048 * 4          # a prompt chunk's float32 rows
     assert FrameCaps.for_stage(64, 2, 0).data == FrameCaps.CONTROL + 9   # one row: a control message's cap
     with pytest.raises(ValueError):

@@ -68,7 +68,7 @@ def files(tmp_path_factory):
 def test_greedy_tokens_equal_without_speculation(files, draft, split):
     target = files["target"]
     draft_path = target if draft == "self" else files["q8"]
-    want = SingleProcessRunner(target, prefill_chunk=16, max_context=CTX).generate(PROMPT, 40).tokens
+    want = SingleProcessRunner(target, prompt_chunk=16, max_context=CTX).generate(PROMPT, 40).tokens
     args = ["--cpu-ranks", "2" if split else "1", "--prefill", "16", "--max-context", str(CTX),
             "--vram-budget", "1G", "--gpu-order", "as_given", "--spec", "4",
             "--draft-model", draft_path]
@@ -88,7 +88,7 @@ def test_greedy_tokens_equal_without_speculation(files, draft, split):
         follow = PROMPT + out["tokens"] + [7, 8, 9]
         again = s.gen(follow, 8)
         assert again["err"] is None
-        assert again["tokens"] == list(SingleProcessRunner(target, prefill_chunk=16,
+        assert again["tokens"] == list(SingleProcessRunner(target, prompt_chunk=16,
                                                            max_context=CTX)
                                        .generate(follow, 8).tokens)
     finally:
@@ -101,7 +101,7 @@ def test_qwen3next_target_and_draft_across_two_stages(tmp_path):
     model = tiny_qwen3next(2, tied=True, n_layers=4)
     target = str(write_next_gguf(model, tmp_path / "next.gguf", "f32"))
     draft = str(write_next_gguf(_noisy(model, 0.05), tmp_path / "noisy.gguf", "f32"))
-    want = SingleProcessRunner(target, prefill_chunk=16, max_context=CTX).generate(PROMPT, 48).tokens
+    want = SingleProcessRunner(target, prompt_chunk=16, max_context=CTX).generate(PROMPT, 48).tokens
     s = ServeSession(target, "--cpu-ranks", "2", "--layer-split", "2", "--prefill", "16",
                      "--max-context", str(CTX), "--vram-budget", "1G", "--gpu-order", "as_given",
                      "--spec", "4", "--draft-model", draft)

@@ -52,5 +52,5 @@ def test_the_model_through_blocks_matches_transformers(tmp_path, monkeypatch):
     hf = tiny_qwen3next(0)
     path = write_gguf(hf, tmp_path / "next.gguf", "f32")
     ids = [int(x) for x in np.random.default_rng(0).integers(0, hf.config.vocab_size, 40)]
-    ours = SingleProcessRunner(path, prefill_chunk=13).logits(ids)
+    ours = SingleProcessRunner(path, prompt_chunk=13).logits(ids)
     assert np.abs(ours - hf_logits(hf, ids)).max() <= 1e-4

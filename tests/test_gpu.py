@@ -80,9 +80,9 @@ def test_cupy_qwen3next_matches_numpy(tmp_path, seed, top_k, n_experts, f16_kv_r
     path = write_next(tiny_qwen3next(seed, hidden=128, top_k=top_k, n_experts=n_experts),
                       tmp_path / "next.gguf", "q8_0")
     ids = [int(x) for x in np.random.default_rng(seed).integers(0, 320, 40)]
-    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=16)
+    cpu = SingleProcessRunner(path, "cpu", prompt_chunk=16)
     ref = np.concatenate([cpu.feed(ids[:32])] + [cpu.feed([t]) for t in ids[32:]])
-    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=16)
+    gpu = SingleProcessRunner(path, "cuda:0", prompt_chunk=16)
     got = np.concatenate([gpu.feed(ids[:32])] + [gpu.feed([t]) for t in ids[32:]])
     assert np.abs(got - ref).max() <= 1e-3
 

@@ -26,7 +26,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline(files):
     from strata_dist.tools.single_process import SingleProcessRunner
-    runner = SingleProcessRunner(files["target"], "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    runner = SingleProcessRunner(files["target"], "cuda:0", prompt_chunk=CHUNK, max_context=512)
     return runner.generate(PROMPT, 64).tokens
 
 

@@ -54,7 +54,7 @@ def _runners(path: str, attention_layer: int = 0, **kw):
     """(every cell resident, RESIDENT cells resident) on cuda:0, both taking the decode graph;
     `attention_layer`: a layer with K/V."""
     from strata_dist.tools.single_process import SingleProcessRunner
-    full, ring = (SingleProcessRunner(path, "cuda:0", prefill_chunk=CHUNK, max_context=CELLS,
+    full, ring = (SingleProcessRunner(path, "cuda:0", prompt_chunk=CHUNK, max_context=CELLS,
                                       kv_resident=n, **kw) for n in (0, RESIDENT))
     assert full.decode_graph is not None and not full.decode_graph.ring
     g = ring.decode_graph

@@ -33,7 +33,7 @@ def model128(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline(model):
     from strata_dist.tools.single_process import SingleProcessRunner
-    return SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
+    return SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
 
 
 def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
@@ -58,7 +58,7 @@ def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
         again = s.gen(ids, 32, timeout=120)
         assert again["resume"] == 2 * CHUNK and again["err"] is None, again
         from strata_dist.tools.single_process import SingleProcessRunner
-        assert again["tokens"] == SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK,
+        assert again["tokens"] == SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK,
                                          max_context=512).generate(ids, 32).tokens
     finally:
         assert s.close() == 0
@@ -124,9 +124,9 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
     monkeypatch.setenv("STRATA_DEVICE_ROUTING", device_routing)
     monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")       # this file's Q8_0 dense matrices exact
-    eng = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    eng = SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK, max_context=512)
     assert eng.backend._rows is not None
-    ref = SingleProcessRunner(model, "cpu", prefill_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]
+    ref = SingleProcessRunner(model, "cpu", prompt_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]
     got = np.asarray(eng.feed(PROMPT)[-1])
     assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
     every = [(l, e) for l in range(N_LAYERS) for e in range(N_EXPERTS)]

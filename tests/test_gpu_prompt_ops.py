@@ -126,7 +126,7 @@ def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch, float32_
     out = {}
     for on in ("1", "0"):
         monkeypatch.setenv("STRATA_FUSED_PROMPT_OPS", on)
-        runner = SingleProcessRunner(path, "cuda:0", prefill_chunk=64, max_context=512)
+        runner = SingleProcessRunner(path, "cuda:0", prompt_chunk=64, max_context=512)
         out[on] = (runner.logits(prompt), runner.generate(prompt, 16).tokens)
     assert np.abs(out["1"][0] - out["0"][0]).max() <= 1e-3
     assert out["1"][1] == out["0"][1]
@@ -171,8 +171,8 @@ def test_quantized_dense_matrices_on_tensor_cores(tmp_path, f16_kv_reference):
     path = write_gguf(tiny_qwen3moe(6, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                     n_layers=3), tmp_path / "m.gguf", "q8_0")
     prompt = [int(x) for x in np.random.default_rng(2).integers(0, 320, 200)]
-    ref = SingleProcessRunner(path, "cpu", prefill_chunk=64, max_context=512).logits(prompt)
-    got = SingleProcessRunner(path, "cuda:0", prefill_chunk=64, max_context=512).logits(prompt)
+    ref = SingleProcessRunner(path, "cpu", prompt_chunk=64, max_context=512).logits(prompt)
+    got = SingleProcessRunner(path, "cuda:0", prompt_chunk=64, max_context=512).logits(prompt)
     err = _row_errors(got, ref)
     assert np.median(err) <= 5e-3
     assert (err > 5e-2).sum() <= 0.1 * len(err) and err.max() <= 0.5, np.sort(err)[-12:]

@@ -49,8 +49,8 @@ def test_prompt_and_decode_on_gpu_match_numpy(tmp_path, scaling, f16_kv_referenc
     else:
         path = write_gguf(base, tmp_path / "plain.gguf", "f32")
     ids = [int(x) for x in np.random.default_rng(21).integers(0, 320, PROMPT + DECODED)]
-    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=128, max_context=512)
-    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, max_context=512)
+    cpu = SingleProcessRunner(path, "cpu", prompt_chunk=128, max_context=512)
+    gpu = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, max_context=512)
     assert gpu.decode_graph is not None, "the decode graph does not take this model"
     prompt = _differences(cpu.feed(ids[:PROMPT]), np.asarray(gpu.feed(ids[:PROMPT])),
                           f"{scaling}: the {PROMPT}-token prompt")

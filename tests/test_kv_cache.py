@@ -81,15 +81,15 @@ def test_sessions_equal_priced_for_every_type(moe32, next32, kv_type, lb, le, re
 @pytest.mark.parametrize("kv_type,tol", [("f16", 1e-2), ("q8_0", 6e-2)])
 def test_logits_stay_near_float32(moe32, next32, kv_type, tol):
     for path in (moe32, next32):
-        ref = SingleProcessRunner(path, "cpu", max_context=CELLS, prefill_chunk=5).feed(PROMPT)
-        got = SingleProcessRunner(path, "cpu", max_context=CELLS, prefill_chunk=5,
+        ref = SingleProcessRunner(path, "cpu", max_context=CELLS, prompt_chunk=5).feed(PROMPT)
+        got = SingleProcessRunner(path, "cpu", max_context=CELLS, prompt_chunk=5,
                                   kv_type=kv_type).feed(PROMPT)
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert 0 < err <= tol, (path, kv_type, err)
 
 
 def test_a_launch_gives_every_rank_the_type(moe32):
-    want = SingleProcessRunner(moe32, "cpu", max_context=256, prefill_chunk=8,
+    want = SingleProcessRunner(moe32, "cpu", max_context=256, prompt_chunk=8,
                                kv_type="q8_0").generate(PROMPT, 10).tokens
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", moe32, "--cpu-ranks",
                           "2", "--layer-split", "2", "--max-context", "256", "--prefill", "8",

@@ -105,7 +105,7 @@ def test_sessions_carve_the_priced_device_and_host_parts(models, arch, lb, le, k
 # ---- the same tokens and logits -------------------------------------------------------------------
 
 def _runner(path, kv_type, resident=0):
-    return SingleProcessRunner(path, "cpu", max_context=CELLS, prefill_chunk=CHUNK,
+    return SingleProcessRunner(path, "cpu", max_context=CELLS, prompt_chunk=CHUNK,
                                kv_type=kv_type, kv_resident=resident)
 
 
@@ -133,7 +133,7 @@ def test_a_resumed_prefix_reads_on_as_every_cell_resident(models, arch):
     follow = PROMPT[:26] + [60, 61, 62, 63, 64]
     out = []
     for resident in (0, RESIDENT):
-        r = SingleProcessRunner(models[arch], "cpu", max_context=CELLS, prefill_chunk=CHUNK,
+        r = SingleProcessRunner(models[arch], "cpu", max_context=CELLS, prompt_chunk=CHUNK,
                                 checkpoint_every=CHUNK, kv_resident=resident)
         first = r.generate(PROMPT, 20).tokens
         reuse = r.resume_point(follow)            # where a resumed request reads on (stream)

@@ -24,7 +24,7 @@ CELLS = 8192
 def _plan(shape, free, resident, **kw):
     return make_plan(shape, make_devices(free), cells=CELLS, split=kw.pop("split", [4]),
                      params=PlanParams(kv_resident=resident, **kw.pop("params", {})),
-                     prefill=kw.pop("prefill", 256), **kw)
+                     prompt_chunk=kw.pop("prompt_chunk", 256), **kw)
 
 
 @pytest.mark.parametrize("kinds", [None, hybrid_kinds(8)])
@@ -69,7 +69,7 @@ def test_auto_keeps_every_cell_where_it_fits_and_else_the_most_that_fit():
     assert KV_SINK_CELLS + 256 <= n < CELLS
     assert any(f"--kv-resident auto: {n} of {CELLS} cells" in note for note in tight.notes)
     same = _plan(shape, free, n)
-    assert (same.stages, same.params, same.chunk) == (tight.stages, tight.params, tight.chunk)
+    assert (same.stages, same.params, same.prompt_chunk) == (tight.stages, tight.params, tight.prompt_chunk)
     with pytest.raises(PlanError):
         _plan(shape, free, n + 1)                   # one more cell does not fit
     with pytest.raises(PlanError, match="not even its floor"):
@@ -81,9 +81,9 @@ def test_the_floor_and_the_auto_chunk():
     with pytest.raises(PlanError, match=r"--kv-resident 259 .*floor of 260.*--prefill 256"):
         _plan(shape, [4000, 4000], 259)
     with pytest.raises(PlanError, match=r"--kv-resident 259 .*floor of 260.*--prefill auto"):
-        _plan(shape, [4000, 4000], 259, prefill=None)      # the smallest auto chunk is 256
-    auto_chunk = _plan(shape, [4000, 4000], 700, prefill=None)
-    assert auto_chunk.chunk == 512                         # the ring holds a whole chunk
+        _plan(shape, [4000, 4000], 259, prompt_chunk=None)      # the smallest auto chunk is 256
+    auto_chunk = _plan(shape, [4000, 4000], 700, prompt_chunk=None)
+    assert auto_chunk.prompt_chunk == 512                         # the ring holds a whole chunk
     assert session_parts(shape, CELLS, 0, 4, 100)["kv"] < session_parts(shape, CELLS, 0, 4)["kv"]
 
 

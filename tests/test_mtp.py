@@ -64,9 +64,9 @@ def test_the_block_is_laid_out_as_the_converter_writes_it(files):
 
 
 def test_the_stack_runs_as_the_file_without_the_block(files):
-    want = SingleProcessRunner(files["plain"], prefill_chunk=16,
+    want = SingleProcessRunner(files["plain"], prompt_chunk=16,
                                max_context=CTX).generate(PROMPT, 16).tokens
-    got = SingleProcessRunner(files["mtp"], prefill_chunk=16,
+    got = SingleProcessRunner(files["mtp"], prompt_chunk=16,
                               max_context=CTX).generate(PROMPT, 16).tokens
     assert list(got) == list(want)
     s = ServeSession(files["mtp"], "--cpu-ranks", "2", "--layer-split", "4", "--prefill", "16",
@@ -199,7 +199,7 @@ def test_the_block_steps_as_the_summary_says(files):
 
 @pytest.mark.parametrize("split", ["", "4"])
 def test_greedy_tokens_equal_with_draft_mtp(files, split):
-    want = SingleProcessRunner(files["plain"], prefill_chunk=16,
+    want = SingleProcessRunner(files["plain"], prompt_chunk=16,
                                max_context=CTX).generate(PROMPT, 24).tokens
     args = ["--cpu-ranks", "2" if split else "1", "--prefill", "16", "--max-context", str(CTX),
             "--vram-budget", "1G", "--gpu-order", "as_given", "--spec", "4", "--draft", "mtp"]
@@ -216,7 +216,7 @@ def test_greedy_tokens_equal_with_draft_mtp(files, split):
         follow = PROMPT + out["tokens"][:5] + [7, 8, 9]
         again = s.gen(follow, 8)
         assert again["err"] is None and again["tokens"] == list(
-            SingleProcessRunner(files["plain"], prefill_chunk=16,
+            SingleProcessRunner(files["plain"], prompt_chunk=16,
                                 max_context=CTX).generate(follow, 8).tokens)
     finally:
         assert s.close() == 0

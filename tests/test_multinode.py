@@ -56,7 +56,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    return SingleProcessRunner(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
+    return SingleProcessRunner(files["model"], prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
 
 
 def head(lab, files, *extra, expect=2) -> LineProcess:

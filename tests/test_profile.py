@@ -48,7 +48,7 @@ def test_counts_sum_to_tokens_layers_topk(models):
     assert np.all(prof.counts == np.round(prof.counts))
     assert tokens_routed(prof, K) == n_tok
     # the prompt chunk changes nothing: every token is routed exactly once per layer either way
-    assert record_profile(models["zipf:1.0"], prompts, prefill_chunk=4) == prof
+    assert record_profile(models["zipf:1.0"], prompts, prompt_chunk=4) == prof
 
 
 def test_decode_steps_are_counted(models):

@@ -89,7 +89,7 @@ def test_tiny_forward_with_scaling_matches_transformers(tmp_path, kind):
     path = write_gguf(hf, tmp_path / f"{kind}.gguf", "f32", metadata=keys)
     ids = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
     ref = hf_logits(hf, ids)
-    eng = SingleProcessRunner(path, prefill_chunk=128)
+    eng = SingleProcessRunner(path, prompt_chunk=128)
     eng.session.reset()
     ours = np.concatenate([eng.feed(ids[:290])] + [eng.feed([t]) for t in ids[290:]])
     assert np.abs(ours - ref).max() <= 1e-4

@@ -43,7 +43,7 @@ def _served(model: str, k: int, path) -> dict:
 
 
 def test_a_window_cut_by_end_of_text_counts_as_the_tokens_fed(model, tmp_path):
-    want = list(SingleProcessRunner(model, prefill_chunk=8, max_context=256)
+    want = list(SingleProcessRunner(model, prompt_chunk=8, max_context=256)
                 .generate(PROMPT, 40).tokens)
     assert want[-1] == EOS and len(want) < 40     # the model stops on it, early
     plain = _served(model, 0, tmp_path / "k0.json")

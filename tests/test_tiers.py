@@ -25,7 +25,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    return SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
+    return SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
 
 
 def _launch(model, n_ranks, split, *extra, env=None):

@@ -47,7 +47,7 @@ class _Stream:
     pos: int
     ids: list[int]
     sampling: Sampling
-    chunk: int
+    prompt_chunk: int
     checkpoint_at: tuple | list
     conversation: ConversationStep | None
     step_timeout_s: float
@@ -68,7 +68,7 @@ class _Stream:
 
     @property
     def chunks(self) -> int:
-        return max(1, -(-len(self.ids) // self.chunk))
+        return max(1, -(-len(self.ids) // self.prompt_chunk))
 
 
 @dataclass
@@ -103,14 +103,14 @@ class BatchScheduler:
 
     # ---- from a request's own thread -------------------------------------------------------------
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
-                    chunk: int, on_event: Callable[[StreamEvent], None],
+                    prompt_chunk: int, on_event: Callable[[StreamEvent], None],
                     step_timeout_s: float = 120.0,
                     should_cancel: Callable[[], bool] | None = None,
                     checkpoint_at: tuple[int, ...] | list[int] = (),
                     conversation: ConversationStep | None = None) -> str:
         """As Coordinator.run_request, from any thread but the one that calls `pump`."""
         st = _Stream(session_id, pos, list(ids), dataclasses.replace(sampling, head_steps=True),
-                     chunk, checkpoint_at, conversation, step_timeout_s)
+                     prompt_chunk, checkpoint_at, conversation, step_timeout_s)
         self._submitted.put(st)
         # the scheduler fails a silent pipeline after step_timeout_s; this bound only guards
         # against a scheduler that stopped pumping (a request queued behind a long prompt may
@@ -221,14 +221,14 @@ class BatchScheduler:
                     return
             # the window is in chunks of the prompt being read (its own chunk size): computed
             # before one was picked, a prompt budget of N tokens let N chunks ride ahead
-            window = (max(1, self.prompt_budget // st.chunk) if running
+            window = (max(1, self.prompt_budget // st.prompt_chunk) if running
                       else PROMPT_WINDOW_PER_STAGE * max(1, len(self.coord._stages())))
             if in_flight >= window:
                 return
             sender = sender or self._sender()
             i = st.sent
-            self.coord._send_chunk(sender, st.request_id, st.session_id, st.pos + i * st.chunk,
-                                   st.ids[i * st.chunk:(i + 1) * st.chunk], i, st.chunks,
+            self.coord._send_chunk(sender, st.request_id, st.session_id, st.pos + i * st.prompt_chunk,
+                                   st.ids[i * st.prompt_chunk:(i + 1) * st.prompt_chunk], i, st.chunks,
                                    st.sampling, st.checkpoint_at,
                                    st.conversation if i == 0 else None)
             st.sent += 1

@@ -306,7 +306,7 @@ class Coordinator(RankRejoin):
 
     # ---- requests ----------------------------------------------------------------------------------
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
-                    chunk: int, on_event: Callable[[StreamEvent], None],
+                    prompt_chunk: int, on_event: Callable[[StreamEvent], None],
                     step_timeout_s: float = 120.0,
                     should_cancel: Callable[[], bool] | None = None,
                     checkpoint_at: tuple[int, ...] | list[int] = (),
@@ -319,7 +319,7 @@ class Coordinator(RankRejoin):
         request_id = self._last_request_id = next(self._request_ids)
         first = next(s for s in self.ranks if s.assign is not None and s.assign.first)
         sender = self._first_stage_sender(first)
-        chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+        chunks = [ids[i:i + prompt_chunk] for i in range(0, len(ids), prompt_chunk)]
         # Paced prompt: at most `window` chunks are sent ahead of the last stage's progress, so the
         # stages still overlap, a cancel stops the sending, and a long prompt never fills the
         # first stage's queue (sent up front, 8,000 one-token chunks timed out there).
@@ -332,7 +332,7 @@ class Coordinator(RankRejoin):
                 cancelled = True
                 self._cancel_everywhere(request_id)
             while not cancelled and sent < len(chunks) and sent - read < window:
-                self._send_chunk(sender, request_id, session_id, pos + sent * chunk, chunks[sent],
+                self._send_chunk(sender, request_id, session_id, pos + sent * prompt_chunk, chunks[sent],
                                  sent, len(chunks), sampling, checkpoint_at,
                                  conversation if sent == 0 else None)
                 sent += 1

@@ -48,7 +48,7 @@ class LogprobRequest:
 class HeadSession:
     """One session on the stages (its KV lives there); this object remembers its tokens."""
 
-    def __init__(self, coordinator: Coordinator, ctx: int, chunk: int, vocab: int,
+    def __init__(self, coordinator: Coordinator, ctx: int, prompt_chunk: int, vocab: int,
                  eos_id: int | None, session_id: int = 0, checkpoint_every: int = DEFAULT_EVERY,
                  keep_conversations: bool = False, conversations_in_host: bool = False,
                  spec: SpecOptions = SpecOptions()):
@@ -56,7 +56,7 @@ class HeadSession:
         strata_dist/head/conversation_table.py), and a request resumes from the longest of any;
         `conversations_in_host`: some stage keeps them in pinned host memory (the plan's
         conversation_in), where no checkpoint is kept with them."""
-        self.coord, self.ctx, self.chunk, self.vocab = coordinator, ctx, chunk, vocab
+        self.coord, self.ctx, self.prompt_chunk, self.vocab = coordinator, ctx, prompt_chunk, vocab
         self.spec = spec        # --spec, --draft, --spec-min-p: every request speculates so
         self.eos_id, self.session_id = eos_id, session_id
         self.tokens: list[int] = []    # what the session's KV holds, position by position
@@ -138,7 +138,7 @@ class HeadSession:
         sampling = _sampling(params, logprobs, ids, max_new=min(max_new, self.ctx - len(ids)),
                              stop_ids=sorted(stops), spec=self.spec)
         self.tokens = ids[:out.reused]
-        at = (request_positions(out.reused, len(ids), self.chunk, self.checkpoint_every)
+        at = (request_positions(out.reused, len(ids), self.prompt_chunk, self.checkpoint_every)
               if self.checkpoints is not None else [])
         t0 = last = time.perf_counter()
         read_to = out.reused   # what the last stage has read (every stage holds it)
@@ -153,7 +153,7 @@ class HeadSession:
                 self.checkpoints = None if m.resume_any else list(m.checkpoints)
                 table.reported(m.conversations)
                 read_to = m.pos
-                n_chunk = m.pos - (out.reused + m.chunk_index * self.chunk)
+                n_chunk = m.pos - (out.reused + m.chunk_index * self.prompt_chunk)
                 ms = (now - last) * 1e3
                 if on_progress:
                     on_progress(m.pos, len(ids), ms, n_chunk / max(ms, 1e-9) * 1e3)
@@ -183,7 +183,7 @@ class HeadSession:
 
         try:
             reason = (self.runner or self.coord).run_request(
-                self.session_id, out.reused, ids[out.reused:], sampling, self.chunk, on_event,
+                self.session_id, out.reused, ids[out.reused:], sampling, self.prompt_chunk, on_event,
                 should_cancel=should_cancel, checkpoint_at=at, conversation=conversation)
         except RequestError:
             self.tokens = []   # the stages may hold part of the request: the next one reads afresh

@@ -60,11 +60,11 @@ def weights_bytes(shape: ModelShape, lb: int, le: int, first: bool, last: bool, 
     return total
 
 
-def kv_resident_floor(chunk: int) -> int:
+def kv_resident_floor(prompt_chunk: int) -> int:
     """The fewest resident cells (--kv-resident) a session may keep: the sinks plus a ring that
     holds a whole prompt chunk's new cells (a chunk's rows attend to each other, all from the
     ring, backends/kv_cache.py RingKV)."""
-    return KV_SINK_CELLS + chunk
+    return KV_SINK_CELLS + prompt_chunk
 
 
 def resident_cells(cells: int, resident: int) -> int:

@@ -71,7 +71,7 @@ def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int
         raise ValueError(f"rows {rows}: a step has at least one")
     if profile is None:
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
-    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params, handoff_rows=plan.chunk)
+    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params, handoff_rows=plan.prompt_chunk)
     E = shape.n_experts
     blob = np.repeat(np.asarray(shape.blob_bytes, dtype=np.float64), E)    # by flat pair id
     one = np.minimum(1.0, cm.lk * cm.mass)          # a token routes to the pair

@@ -168,7 +168,7 @@ class RankProcess:
                          for h in assign.helpers if h.rank != rank],
                 link_seal=self.link_seal, kv_type=assign.kv_type or None,
                 kv_resident=_kv_resident(assign),
-                prompt_chunk=assign.prefill_chunk,
+                prompt_chunk=assign.prompt_chunk,
                 local_helper_pairs=[tuple(p) for p in assign.helper_pairs],
                 adapt_every=assign.adapt_every, adapt_swaps=assign.adapt_swaps,
                 count_routing=assign.count_routing,
@@ -256,7 +256,7 @@ class RankProcess:
             use_ipc = use_cuda_ipc(a)
             g = self.stage.model.g
             self.sender = HandoffSender(self.next, be, a.host, use_ipc,
-                                        max_rows=max(a.prefill_chunk, 1), hidden=g.n_embd,
+                                        max_rows=max(a.prompt_chunk, 1), hidden=g.n_embd,
                                         timeout_ms=HANDOFF_TIMEOUT_MS)
         if not a.first:
             prev = a.prev_endpoint
@@ -291,7 +291,7 @@ class RankProcess:
         (ipc:// sockets are in a directory only this user can open.)"""
         gguf = GGUFModel(self.opts.model)
         g = architecture_for(gguf).read_geometry(gguf)
-        caps = FrameCaps.for_stage(g.n_embd, g.n_expert_used, a.prefill_chunk)
+        caps = FrameCaps.for_stage(g.n_embd, g.n_expert_used, a.prompt_chunk)
         self.data.cap_frames(caps.data)
         self.helper_socket.cap_frames(caps.helper)
 

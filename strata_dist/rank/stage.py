@@ -271,16 +271,16 @@ class Stage:
         refills fewer pairs."""
         self.tiers.begin_prompt()
         if self.cfg.loan_slots > 0 and not self.cache.lent:
-            chunk, slots = self.cfg.prompt_chunk, self.cfg.loan_slots
-            if self.prompt_layout is not None and chunk and rows is not None and 0 < rows < chunk:
-                chunk = rows
+            prompt_chunk, slots = self.cfg.prompt_chunk, self.cfg.loan_slots
+            if self.prompt_layout is not None and prompt_chunk and rows is not None and 0 < rows < prompt_chunk:
+                prompt_chunk = rows
                 slot_bytes = min(self.gguf.blob_bytes(l) for l in range(self.cfg.lb, self.cfg.le))
-                slots = min(slots, loan_slots(chunk, self.prompt_layout.nbytes, slot_bytes))
+                slots = min(slots, loan_slots(prompt_chunk, self.prompt_layout.nbytes, slot_bytes))
             self.cache.lend_tail(slots)
             self.tiers.counters["loans"] += 1
-            if self.prompt_layout is not None and chunk:
+            if self.prompt_layout is not None and prompt_chunk:
                 try:
-                    self._workspace = PromptWorkspace(self.prompt_layout, chunk,
+                    self._workspace = PromptWorkspace(self.prompt_layout, prompt_chunk,
                                                       self.cache.loan_region())
                 except ValueError as e:   # a plan priced for another file: said, not hidden
                     log.error("the loan cannot hold the prompt buffers (%s); they come from the "

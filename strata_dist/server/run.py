@@ -162,7 +162,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             progress.close()
             launch.echo = echo
         sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
-        sessions = [HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None, session_id=i,
+        sessions = [HeadSession(launch.coordinator, ctx, plan.prompt_chunk, n_vocab, None, session_id=i,
                                 keep_conversations=any(s.conversation_bytes for s in plan.stages),
                                 conversations_in_host=any(s.conversation_in == "host"
                                                           for s in plan.stages),
@@ -174,7 +174,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             for line in info_lines(plan):
                 say(line)
         # --parallel: while others decode, a prompt reads a chunk per decode step
-        worker.attach(sessions[0], sessions[1:], prompt_budget=plan.chunk)
+        worker.attach(sessions[0], sessions[1:], prompt_budget=plan.prompt_chunk)
         say(f"ready: serving {model_id} on {url} (OpenAI API under /v1, Monitor at /, "
             f"{time.monotonic() - t0:.1f} s to load)")
 

@@ -63,11 +63,11 @@ def _engine(args):
         except ValueError as e:
             raise UsageError(str(e)) from None
         gpu = args.device.startswith("cuda")
-        resident = check_kv_resident(args.kv_resident, cells, args.prefill,
+        resident = check_kv_resident(args.kv_resident, cells, args.prompt_chunk,
                                      gpu_refusal=gpu_kv_resident_refusal(
                                          gguf, args.kv_type, args.device) if gpu else "")
     return SingleProcessRunner(str(model), device=args.device, max_context=args.max_context,
-                               prefill_chunk=args.prefill, kv_type=args.kv_type,
+                               prompt_chunk=args.prompt_chunk, kv_type=args.kv_type,
                                kv_resident=resident)
 
 
@@ -86,11 +86,11 @@ def gpu_kv_resident_refusal(gguf, kv_type: str | None, device: str) -> str:
     return ""
 
 
-def check_kv_resident(text: str, cells: int, chunk: int | None, gpu_refusal: str = "",
+def check_kv_resident(text: str, cells: int, prompt_chunk: int | None, gpu_refusal: str = "",
                       auto: bool = False) -> int:
     """--kv-resident N|auto as PlanParams.kv_resident (KV_RESIDENT_AUTO for auto, where `auto`
     is allowed: a plan picks it): N must leave cells in host memory (below the context `cells`)
-    and hold the sinks and a prompt chunk (`chunk`; None: the plan's auto chunk, at least its
+    and hold the sinks and a prompt chunk (`prompt_chunk`; None: the plan's auto chunk, at least its
     smallest, which the ring then caps). `gpu_refusal` (gpu_kv_resident_refusal): a device
     path not built yet, refused."""
     from ..plan.lend import LEND_CHUNKS
@@ -110,11 +110,11 @@ def check_kv_resident(text: str, cells: int, chunk: int | None, gpu_refusal: str
             raise UsageError(f"--kv-resident {n} with --max-context {cells}: every cell is "
                              f"resident already, nothing would be kept in host memory (give N "
                              f"below the context, or leave --kv-resident out)")
-        floor = kv_resident_floor(chunk or min(LEND_CHUNKS))
+        floor = kv_resident_floor(prompt_chunk or min(LEND_CHUNKS))
         if n < floor:
             raise UsageError(f"--kv-resident {n} is below its floor of {floor} cells: the "
                              f"{KV_SINK_CELLS} attention sinks plus a ring that holds a whole "
-                             f"prompt chunk (--prefill {chunk or 'auto: its smallest chunk'})")
+                             f"prompt chunk (--prefill {prompt_chunk or 'auto: its smallest chunk'})")
     if gpu_refusal:
         raise UsageError(f"--kv-resident {text} {gpu_refusal}")
     return n
@@ -229,12 +229,12 @@ def cmd_profile(args) -> int:
     from .profile_io import read_prompt_ids_file, record_profile, save_profile, summary_line
     if args.max_new < 0:
         raise UsageError(f"--max-new must be >= 0, got {args.max_new}")
-    if args.prefill < 1:
-        raise UsageError(f"--prefill must be >= 1, got {args.prefill}")
+    if args.prompt_chunk < 1:
+        raise UsageError(f"--prefill must be >= 1, got {args.prompt_chunk}")
     prompts = read_prompt_ids_file(args.prompt_ids_file)
     bar = tqdm(total=len(prompts), unit="prompt", desc="profile", file=sys.stderr, disable=None)
     profile = record_profile(args.model, prompts, device=args.device, max_new=args.max_new,
-                             prefill_chunk=args.prefill,
+                             prompt_chunk=args.prompt_chunk,
                              progress=lambda done, total: bar.update(done - bar.n))
     bar.close()
     gguf = GGUFModel(args.model)
@@ -257,7 +257,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="session cells, allocated up front (default 4096, or the context the "
                         "model was trained for where that is shorter; more is allowed, with a "
                         "warning)")
-    p.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
+    p.add_argument("--prefill", dest="prompt_chunk", type=int, default=512, metavar="N",
+                   help="the prompt chunk in tokens (default 512)")
     p.add_argument("--kv-type", choices=KV_TYPES, default=None,
                    help="how the session keeps K/V: f32, f16 or q8_0 (default f16 on a GPU, f32 "
                         "on the CPU)")
@@ -397,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     pr.add_argument("--max-new", type=int, default=0,
                     help="also greedily decode this many tokens per prompt and count them (default 0)")
-    pr.add_argument("--prefill", type=int, default=512, help="prompt chunk in tokens (default 512)")
+    pr.add_argument("--prefill", dest="prompt_chunk", type=int, default=512, metavar="N",
+                    help="the prompt chunk in tokens (default 512)")
     pr.set_defaults(func=cmd_profile)
 
     c = sub.add_parser("calibrate", help="measure this machine's planner constants (the stage "

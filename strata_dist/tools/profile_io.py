@@ -2,7 +2,7 @@
 
 Recording. `record_profile` runs each prompt through the single-process `SingleProcessRunner` with the model's
 `on_route(layer, expert_ids[n, k])` hook counting every (layer, expert) choice: every prompt token
-(prefill, in chunks of `prefill_chunk`) and, with `max_new > 0`, every greedily decoded token that is
+(prefill, in chunks of `prompt_chunk`) and, with `max_new > 0`, every greedily decoded token that is
 fed back (a generation of m tokens feeds m - 1 of them; end-of-sequence stops it early). Each routed
 token adds exactly `top_k` to every layer's row, so a profile's rows all sum to tokens x top_k.
 
@@ -48,7 +48,7 @@ PROMPT_IDS_FILE_MAX = 16 * MIB
 
 # ---------------------------------------------------------------- recording
 def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]], device: str = "cpu",
-                   max_new: int = 0, prefill_chunk: int = 512,
+                   max_new: int = 0, prompt_chunk: int = 512,
                    progress: Callable[[int, int], None] | None = None) -> RoutingProfile:
     """Counts of every (layer, expert) routing over `prompts` run through the real forward.
 
@@ -72,7 +72,7 @@ def record_profile(model_path: str | os.PathLike[str], prompts: list[list[int]],
     if need > trained:
         raise ValueError(f"the longest prompt ({max(len(p) for p in prompts)} tokens) + --max-new {max_new} "
                          f"exceeds the model's context of {trained}")
-    engine = SingleProcessRunner(str(model_path), device=device, max_context=need, prefill_chunk=prefill_chunk)
+    engine = SingleProcessRunner(str(model_path), device=device, max_context=need, prompt_chunk=prompt_chunk)
     model = engine.model
     g = model.g
     if not hasattr(model, "on_route"):

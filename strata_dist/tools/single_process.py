@@ -18,7 +18,7 @@ from ..models import load_model, open_checked
 from ..rank.prompt_workspace import PromptWorkspace
 from ..sampling.sampler import Sampler, SamplingParams
 
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PROMPT_CHUNK = 512
 DEFAULT_CONTEXT = 4096   # session cells when none is asked (the launcher's default too)
 
 
@@ -56,7 +56,7 @@ class GenerationResult:
 
 class SingleProcessRunner:
     def __init__(self, model_path: str, device: str = "cpu", max_context: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, checkpoint_every: int = DEFAULT_EVERY,
+                 prompt_chunk: int = DEFAULT_PROMPT_CHUNK, checkpoint_every: int = DEFAULT_EVERY,
                  kv_type: str | None = None, warn: Callable[[str], None] | None = None,
                  kv_resident: int = 0):
         """`kv_type`: how the session keeps K/V (backends/kv_cache.py; None: the device's default).
@@ -75,9 +75,9 @@ class SingleProcessRunner:
         g = self.model.g
         self.max_context = context_cells(max_context, g, model_path,
                                          **({"warn": warn} if warn is not None else {}))
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        if prompt_chunk < 1:
+            raise ValueError(f"prompt_chunk must be >= 1, got {prompt_chunk}")
+        self.prompt_chunk = prompt_chunk
         self.session = self.model.new_session(self.max_context)
         self.tokens: list[int] = []   # what the session's KV holds, position by position
         # recurrent state resumes from checkpoints, by the rule the pipeline follows (checkpoints.py)
@@ -90,7 +90,7 @@ class SingleProcessRunner:
         # a GPU chunk's buffers in one fixed layout, allocated once (strata_dist/rank/prompt_workspace.py)
         self.workspace = None
         if self.backend.on_gpu:
-            self.workspace = PromptWorkspace.allocate(self.model.prompt_layout(), prefill_chunk,
+            self.workspace = PromptWorkspace.allocate(self.model.prompt_layout(), prompt_chunk,
                                                       self.backend.xp)
         eos = self.gguf.metadata("tokenizer.ggml.eos_token_id")
         self.eos_id: int | None = None if eos is None else int(eos)
@@ -128,8 +128,8 @@ class SingleProcessRunner:
         """Append tokens to the session; float32 logits of each of their positions, [n, vocab]."""
         self._check_fits(len(token_ids))
         out = []
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            h = self._run(token_ids[start:start + self.prefill_chunk])
+        for start in range(0, len(token_ids), self.prompt_chunk):
+            h = self._run(token_ids[start:start + self.prompt_chunk])
             out.append(self.backend.to_host(self.model.output_logits(h)).astype(np.float32))
         return np.concatenate(out, axis=0)
 
@@ -161,9 +161,9 @@ class SingleProcessRunner:
         last = None
         if self.session.n_past in checkpoint_at:
             self.checkpoints.save(self.session, self.session.n_past)
-        for start in range(0, len(token_ids), self.prefill_chunk):
+        for start in range(0, len(token_ids), self.prompt_chunk):
             t0 = time.perf_counter()
-            chunk = token_ids[start:start + self.prefill_chunk]
+            chunk = token_ids[start:start + self.prompt_chunk]
             h = self._run(chunk)
             if self.session.n_past in checkpoint_at:
                 self.checkpoints.save(self.session, self.session.n_past)
@@ -184,7 +184,7 @@ class SingleProcessRunner:
             raise ValueError(f"max_new must be >= 0, got {max_new}")
         reuse = self.resume_point(prompt) if resume else 0
         self.checkpoints.enter(self.session, reuse)
-        at = request_positions(reuse, len(prompt), self.prefill_chunk, self.checkpoint_every)
+        at = request_positions(reuse, len(prompt), self.prompt_chunk, self.checkpoint_every)
         self.tokens = list(prompt)
         sampler = Sampler(params)
         res = result or GenerationResult([], len(prompt), 0.0, 0.0, "length")
