@@ -154,7 +154,7 @@ def test_not_a_file(tmp_path):
     _expect(tmp_path / "nope.gguf", tmp_path, "nope.gguf", "no such file")
 
 
-# ---- NaN/Inf in stored weights (gguf_finite.py) ---------------------------------------------------
+# ---- NaN/Inf in stored weights (gguf_file/finite.py) -------------------------------------------
 
 def _finite_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:
     """Random blocks of `qtype` whose float scale fields hold small finite values."""

@@ -5,7 +5,7 @@ once instead of hanging. Then the tensor table: each tensor's type and shape giv
 offsets must be aligned, inside the file and packed one after the other the way a writer lays them
 out (overlap, or a gap a declared type leaves, means the offsets or the types are wrong).
 
-Problems are `HeaderProblem`s naming the key or the tensor; gguf_model.py turns them into a
+Problems are `HeaderProblem`s naming the key or the tensor; gguf_file/reader.py turns them into a
 GGUFError naming the file too.
 """
 from __future__ import annotations

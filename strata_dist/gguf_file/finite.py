@@ -8,7 +8,7 @@ all of it anyway, to load it), a chunk at a time so the temporaries stay small; 
 FULL_SCAN_BYTES (more than any dense tensor of the models this product runs: the F16 embedding of
 Qwen3-235B is 1.2 GB) is checked in SAMPLE_WINDOWS windows spread evenly over it, its first and
 last block included. Experts are checked whole, one expert at a time as a process reads them
-(gguf_model.py): a process that reads experts as they are used never reads the others.
+(gguf_file/reader.py): a process that reads experts as they are used never reads the others.
 
 Measured on a Qwen3-30B-A3B-shaped synth (Q4_K experts, F16 dense tensors: 18.5 GB) on this
 machine's 2 shared CPU cores with the file in the page cache: the 435 dense tensors (2.9 GiB, the

@@ -1,8 +1,8 @@
 """Reading a GGUF MoE model: geometry, a tensor index by layer and kind, per-expert blobs.
 
-The header is read through bounds (gguf_fields.py) and the files are memory-mapped, so opening
+The header is read through bounds (gguf_file/fields.py) and the files are memory-mapped, so opening
 even a 30 GB model reads only its header; tensor bytes are touched when a caller asks for them.
-A model split in shards is one model here: each tensor knows its shard (gguf_split.py). Every way
+A model split in shards is one model here: each tensor knows its shard (gguf_file/split.py). Every way
 a file can be malformed becomes a `GGUFError` that names the file and, where there is one, the
 key or the tensor.
 """
@@ -141,8 +141,8 @@ def _array_values(field: Field, path: str, key: str) -> list:
 
 class GGUFModel:
     """One GGUF model, opened lazily: a single file, or the first of its shards (the others are
-    found by name and mapped too: gguf_split.py). Architecture modules validate the tensors they
-    need. Every tensor is checked for NaN/Inf the first time its bytes are read (gguf_finite.py),
+    found by name and mapped too: gguf_file/split.py). Architecture modules validate the tensors they
+    need. Every tensor is checked for NaN/Inf the first time its bytes are read (gguf_file/finite.py),
     so a process checks exactly the tensors it loads."""
 
     def __init__(self, path: str | os.PathLike):
@@ -302,7 +302,7 @@ class GGUFModel:
         return self._map(info.shard)[info.offset: info.offset + info.n_bytes]
 
     def check_finite(self, info: TensorInfo) -> None:
-        """Refuse a tensor holding NaN or Inf (gguf_finite.py says how much of it is read), once
+        """Refuse a tensor holding NaN or Inf (gguf_file/finite.py says how much of it is read), once
         per tensor: the first read of its bytes through raw() calls this (expert blobs are
         checked one expert at a time, as they are read)."""
         if info.name in self._checked:

@@ -4,7 +4,7 @@ ConversationStep that tells every stage what to keep, drop and restore before it
 (strata_dist/rank/conversation_cache.py is the stages' side).
 
 - A request resumes from the longest usable prefix of the serving session (what it holds now,
-  head.py) or of ANY kept conversation of the same salt (the API key and `cache_salt`: a reuse shows
+  head/session.py) or of ANY kept conversation of the same salt (the API key and `cache_salt`: a reuse shows
   in the reply, so it never crosses salts). A kept conversation is usable up to its common prefix
   with the request when every stage's state is positional (K/V only), and only at exactly its
   length or at a checkpoint every stage held when it was kept when some stage holds recurrent

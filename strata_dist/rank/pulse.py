@@ -20,7 +20,7 @@ HEARTBEAT_S = 1.0
 # at once (Pulse): at depth one prompt chunk can run for minutes, holding the device meanwhile,
 # while an idle rank reads its Shutdown within a poll and leaves cleanly well inside this.
 BUSY_STOP_GRACE_S = 0.5
-EXIT_COORDINATOR_GONE = 1     # what a rank whose coordinator is gone exits with (rank_main.py)
+EXIT_COORDINATOR_GONE = 1     # what a rank whose coordinator is gone exits with (rank/main.py)
 
 
 class Pulse(threading.Thread):
