@@ -90,7 +90,7 @@ def phase_prompts(phase: int, args, vocab: int) -> list[list[int]]:
 def ncmoe_budget(model: str, ncmoe: int, kv_mib: int) -> str:
     """The device memory llama.cpp's weights take with -ncmoe N (the experts of N layers on the
     host): the file less those experts, plus kv_mib, as a --vram-budget."""
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     from strata_dist.models import architecture_for
     g = GGUFModel(model)
     geo = architecture_for(g).read_geometry(g)

@@ -79,7 +79,7 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
     devices = devices or (["--cpu-ranks", "1"] if args.cpu else ["--gpus", "0"])
     extra = [*split] + ([] if loans else ["--no-prompt-loans"])
     ctx = max(args.prompts) + 64
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     vocab = int(GGUFModel(args.model).tensor("token_embd.weight").shape[0])
     flags = [*devices, "--vram-budget", args.budget, "--max-context", str(ctx), "--prefill",
              str(args.chunk), "--no-remote-auto", *extra,

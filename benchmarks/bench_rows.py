@@ -33,7 +33,7 @@ def main() -> int:
     args = ap.parse_args()
     import cupy as cp
     from strata_dist.backends.expert_rows import TILE_M, RowsKernels, layer_experts
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     g = GGUFModel(args.model)
     spec = layer_experts(g, args.layer)
     if spec is None:

@@ -131,7 +131,7 @@ def plan_of(model: str, flags: list[str]) -> tuple[dict, str]:
     summary = {"stages": [[st.device.index, st.lb, st.le] for st in plan.stages], "ranks": ranks,
                "expert_slots": plan.expert_slots, "expert_slots_stages": plan.expert_slots_stages,
                "expert_slots_primary": plan.expert_slots_primary,
-               "chunk": plan.chunk, "chunk_auto": plan.chunk_auto,
+               "chunk": plan.prompt_chunk, "chunk_auto": plan.prompt_chunk_auto,
                "coverage_all": round(plan.coverage_all, 4),
                # every pair the model has sits in a stage cache or a helper tier (on the card)
                "every_pair_held": plan.coverage_all >= 1 - 1e-9,

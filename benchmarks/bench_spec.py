@@ -66,7 +66,7 @@ from records import (PeakMemory, env_prefix, fail, measured,  # noqa: E402
 from llama_runs import llama_build, llama_wait  # noqa: E402
 from strata_dist.plan.speculation import spec_tok_s  # noqa: E402
 
-MAX_K = 7   # --spec's bound (strata_dist/speculative.py MAX_SPEC)
+MAX_K = 7   # --spec's bound (strata_dist/sampling/speculative.py MAX_SPEC)
 
 
 def repeating_prompt(seed: int, vocab: int) -> list[int]:
@@ -172,7 +172,7 @@ def parse_speculative(text: str) -> dict:
 
 def llama_arm(args, prompts: list[list[int]]) -> dict:
     """llama.cpp's llama-speculative on --model and --draft, once per prompt (module doc)."""
-    from strata_dist.tokenizer import GGUFTokenizer
+    from strata_dist.gguf_file.tokenizer import GGUFTokenizer
     llama_wait(args.llama_speculative, args.llama_wait)
     tok = GGUFTokenizer.from_gguf(args.model)
     # a CPU build's repacked kernels may use instructions this host's kernel does not enable
@@ -272,7 +272,7 @@ def main() -> int:
                                                                           os.X_OK):
         fail(f"--llama-speculative {args.llama_speculative}: not an executable file")
     if args.mtp:
-        from strata_dist.mtp_draft import MtpError, mtp_layer
+        from strata_dist.sampling.mtp_draft import MtpError, mtp_layer
         try:
             mtp_layer(args.model)       # the block the drafter runs, else refused before any arm
         except (MtpError, ValueError) as e:
@@ -286,7 +286,7 @@ def main() -> int:
     if args.llama_speculative:
         # llama-speculative reads text: every measured prompt becomes its ids' text tokenized
         # again, which is what llama.cpp reads (the arm says whether the counts agree)
-        from strata_dist.tokenizer import GGUFTokenizer
+        from strata_dist.gguf_file.tokenizer import GGUFTokenizer
         tok = GGUFTokenizer.from_gguf(args.model)
         plain = [tok.encode(tok.decode(p)) for p in plain]
     k = ["--spec", str(args.k)]

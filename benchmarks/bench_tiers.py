@@ -125,7 +125,7 @@ def main() -> int:
     # the record's identity (commit, time, options, machine) now: a tree no commit can be named
     # for is refused before anything is measured
     recorder = Recorder("offload", facts, args.out, tag="helper")
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     split = args.split or str(int(GGUFModel(args.model).arch_metadata("block_count")) // 2)
     args.profile = os.path.join(tempfile.mkdtemp(prefix="tiers-"), "profile.json")
     record_profile(args.model, args.profile_prompts, facts["vocab"], args.profile,

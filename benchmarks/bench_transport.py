@@ -1,6 +1,6 @@
 """The hand-off itself, without a model: one decode row [1, 2048] float32 passed between two
-processes and back through strata_dist.handoff (the rank's own code path; the measurement is
-strata_dist/calibrate.py's, which `strata-dist calibrate` writes for the planner), as frames over
+processes and back through strata_dist.rank.handoff (the rank's own code path; the measurement is
+strata_dist/tools/calibrate.py's, which `strata-dist calibrate` writes for the planner), as frames over
 ZeroMQ and, on a GPU, through CUDA IPC. Prints the median microseconds per hop. With --devices A,B the
 two processes sit on two cards (cuda:A and cuda:B), as two stages of a pipeline do.
 
@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from strata_dist.calibrate import handoff_hop_us
+from strata_dist.tools.calibrate import handoff_hop_us
 
 N = 2000
 

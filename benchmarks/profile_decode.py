@@ -34,9 +34,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64, help="tokens read before decoding")
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     t0 = time.perf_counter()
-    eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prefill_chunk=512)
+    eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prompt_chunk=512)
     runner = eng.decode_graph
     if runner is None:
         raise SystemExit("this model's decode steps take the general path (see the log)")

@@ -67,9 +67,9 @@ def main() -> int:
     if args.general_path:
         os.environ["STRATA_GROUPED_EXPERTS"] = os.environ["STRATA_FLASH_PREFILL"] = "0"
     import cupy as cp
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     eng = SingleProcessRunner(args.model, args.device, max_context=args.tokens + 64,
-                              prefill_chunk=args.tokens)
+                              prompt_chunk=args.tokens)
     vocab = eng.model.g.n_vocab
     ids = [(7919 * i) % (vocab - 10) + 10 for i in range(args.tokens)]
 

@@ -128,7 +128,7 @@ def record_profile(model: str, n_prompts: int, vocab: int, out: str, device: str
     with open(ids, "w") as f:
         for p in prompts:
             f.write(",".join(map(str, p)) + "\n")
-    cmd = [sys.executable, "-m", "strata_dist.cli", "profile", "--model", model,
+    cmd = [sys.executable, "-m", "strata_dist.tools.cli", "profile", "--model", model,
            "--prompt-ids-file", ids, "--out", out, "--device", device]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -182,7 +182,7 @@ def model_facts(path: str, popularity: str = "") -> dict:
     """The file measured: its name, quantisation, routing law (the synthetic file's own metadata,
     else `popularity` as the command line gave it; refused where they disagree or neither says),
     size, tensor count by GGML type and vocabulary."""
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     from strata_dist.synth import parse_popularity
     if not os.path.isfile(path):
         fail(f"--model {path}: no such file")

@@ -38,9 +38,9 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     import cupy as cp
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     from strata_dist.kernels.abi import KernelShape
-    eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prefill_chunk=512)
+    eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prompt_chunk=512)
     if eng.decode_graph is None:
         raise SystemExit("this model's decode steps take the general path (see the log)")
     eng.prefill([(7919 * i) % 1000 + 10 for i in range(64)])

@@ -1,4 +1,4 @@
-"""--adapt-every and --adapt-swaps: the adaptive expert cache (strata_dist/adapt.py); and
+"""--adapt-every and --adapt-swaps: the adaptive expert cache (strata_dist/experts/adapt.py); and
 --expert-profile-out: the routing seen while serving, saved as a profile (profile_io.LiveProfile)."""
 from __future__ import annotations
 

@@ -19,24 +19,24 @@ from protocol.bounded_read import KEY_FILE_MAX, read_capped
 from strata_dist.backends.kv_cache import KV_TYPES
 from strata_dist.checkpoints import DEFAULT_EVERY
 from strata_dist.compute_options import read_environment
-from strata_dist.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
+from strata_dist.tools.cli import (UsageError as ToolsUsageError, check_kv_resident, check_kv_type,
                              gpu_kv_resident_refusal, parse_ids, prompt_tokens)
-from strata_dist.coordinator import RankFailure, RequestError
-from strata_dist.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
-from strata_dist.mtp_draft import mtp_layer, plan_bytes as mtp_plan_bytes
+from strata_dist.head.coordinator import RankFailure, RequestError
+from strata_dist.rank.draft_model import check_draft_model, plan_bytes as draft_plan_bytes
+from strata_dist.sampling.mtp_draft import mtp_layer, plan_bytes as mtp_plan_bytes
 from strata_dist.flag_values import check_seconds
-from strata_dist.gguf_model import GGUFError
-from strata_dist.model_shape import model_shape
+from strata_dist.gguf_file.reader import GGUFError
+from strata_dist.models.shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
 from strata_dist.plan.pricing import MIB
-from strata_dist.single_process import DEFAULT_CONTEXT, context_cells
-from strata_dist.speculative import DRAFTERS, MAX_SPEC, SpecOptions, plan_prediction
+from strata_dist.tools.single_process import DEFAULT_CONTEXT, context_cells
+from strata_dist.sampling.speculative import DRAFTERS, MAX_SPEC, SpecOptions, plan_prediction
 
 from .adapt_flags import add_adapt_flags, check_adapt_flags
 from .cluster import add_cluster_flags, check_cluster_flags, cluster_config
 from .layout_flags import (DEFAULT_CPU_BUDGET, UsageError, layout_args, load_profile, plan_params,
-                           planning_devices, prefill_arg, rank_specs, split_arg)
+                           planning_devices, prompt_chunk_arg, rank_specs, split_arg)
 
 
 
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"session cells (default {DEFAULT_CONTEXT}, or the context the model "
                            "was trained for where that is shorter; more than that is allowed, "
                            "with a warning)")
-    plan.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
+    plan.add_argument("--prefill", dest="prompt_chunk", default="auto", metavar="auto|N",
+                      help="the prompt chunk: auto or N tokens")
     plan.add_argument("--kv-type", choices=KV_TYPES, default=None,
                       help="how sessions keep K/V: f32, f16 or q8_0 (34 bytes per 32 values); "
                            "default f16 on GPU ranks, f32 on CPU ranks")
@@ -217,7 +218,7 @@ def _main(args, signals: StopSignals) -> int:
             print("warning: --kv-type f32: GPU decode steps take the general path (the decode "
                   "graph reads f16 or q8_0 K/V)", file=sys.stderr)
     # before any device is probed: a GPU launch is refused by the flag's own words
-    kv_resident = (kv_resident_arg(args, prefill_arg(args.prefill))
+    kv_resident = (kv_resident_arg(args, prompt_chunk_arg(args.prompt_chunk))
                    if args.kv_resident is not None else 0)
     # the prompt is read before any rank starts: a bad one costs nothing
     args.prompt_list, args.prompt_tokenizer = None, None
@@ -233,7 +234,7 @@ def _main(args, signals: StopSignals) -> int:
         specs = rank_specs(args) if not args.inventory else []
         n_devices = len(specs) if specs else len(planning_devices(args, specs))
     split = split_arg(args.layer_split, n_devices)
-    prefill = prefill_arg(args.prefill)
+    prompt_chunk = prompt_chunk_arg(args.prompt_chunk)
     if args.prompt_cache_every < 0:
         raise UsageError(f"--prompt-cache-every {args.prompt_cache_every}: N >= 0 (0: no "
                          "mid-prompt checkpoints)")
@@ -270,7 +271,8 @@ def _main(args, signals: StopSignals) -> int:
         shape = model_shape(gguf, kind, args.kv_type)
         plan = make_plan(shape, planning_devices(args, specs),
                          cells=args.max_context, profile=profile, params=params, split=split,
-                         order=args.gpu_order, skip_if_fits=args.split_skip_if_fits, prefill=prefill,
+                         order=args.gpu_order, skip_if_fits=args.split_skip_if_fits,
+                         prompt_chunk=prompt_chunk,
                          compute=args.compute, conversation_bytes=args.conversation_cache_mib * MIB,
                          **layout)
         out = plan.to_json() if args.json else render_table(plan)
@@ -280,11 +282,11 @@ def _main(args, signals: StopSignals) -> int:
             out = pred.in_plan_json(out) if args.json else "\n".join([out, *pred.lines()])
         print(out)
         return 0
-    return run_launch(args, gguf, specs, split, prefill, params, profile, signals, layout)
+    return run_launch(args, gguf, specs, split, prompt_chunk, params, profile, signals, layout)
 
 
-def kv_resident_arg(args, prefill: int | None) -> int:
-    """--kv-resident for the plan (strata_dist/cli.py check_kv_resident): on GPU ranks what their
+def kv_resident_arg(args, prompt_chunk: int | None) -> int:
+    """--kv-resident for the plan (strata_dist/tools/cli.py check_kv_resident): on GPU ranks what their
     kernels do not take yet refused unless the plan is only printed, kept conversations refused
     (they copy K/V as the device holds it)."""
     if args.conversation_cache_mib:
@@ -294,7 +296,7 @@ def kv_resident_arg(args, prefill: int | None) -> int:
     refusal = (gpu_kv_resident_refusal(open_checked(args.model), args.kv_type,
                                        f"--gpus {args.gpus}")
                if args.gpus and not args.plan_only else "")
-    return check_kv_resident(args.kv_resident, args.max_context, prefill, gpu_refusal=refusal,
+    return check_kv_resident(args.kv_resident, args.max_context, prompt_chunk, gpu_refusal=refusal,
                              auto=True)
 
 
@@ -308,13 +310,13 @@ def check_seconds_flags(args) -> None:
         check_seconds(flag, getattr(args, name, None))
 
 
-def run_launch(args, gguf, specs, split, prefill, params, profile, signals: StopSignals,
+def run_launch(args, gguf, specs, split, prompt_chunk, params, profile, signals: StopSignals,
                layout: dict | None = None) -> int:
     from .launch import Launch, LaunchConfig
     from .line_protocol import parse_gen
 
     cfg = LaunchConfig(model=args.model, ranks=specs, split=split, max_context=args.max_context,
-                       prefill=prefill, params=params, profile=profile, order=args.gpu_order,
+                       prompt_chunk=prompt_chunk, params=params, profile=profile, order=args.gpu_order,
                        skip_if_fits=args.split_skip_if_fits, load_timeout_s=args.load_timeout,
                        rejoin_timeout_s=args.load_timeout if args.rejoin else None,
                        kv_type=args.kv_type, compute=args.compute, **(layout or {}),
@@ -375,12 +377,12 @@ def _a_rank_refused_its_input(launch) -> bool:
 
 def _line_server(args, gguf, launch, plan):
     """The --serve / --prompt-ids surface over a started launch; prints the INFO lines."""
-    from strata_dist.head import HeadSession
+    from strata_dist.head.session import HeadSession
 
     from .line_protocol import LineProtocol, info_lines
     g = architecture_for(gguf).read_geometry(gguf)
     eos = gguf.metadata("tokenizer.ggml.eos_token_id")
-    session = HeadSession(launch.coordinator, args.max_context, plan.chunk, g.n_vocab,
+    session = HeadSession(launch.coordinator, args.max_context, plan.prompt_chunk, g.n_vocab,
                           None if eos is None else int(eos),
                           checkpoint_every=args.prompt_cache_every,
                           keep_conversations=any(s.conversation_bytes for s in plan.stages),

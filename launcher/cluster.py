@@ -21,7 +21,7 @@ import sys
 from protocol.auth import AuthError, load_secret
 from protocol.transport import (CurveKeys, is_loopback_endpoint, load_curve_keys,
                                 new_curve_keypair)
-from strata_dist.coordinator import HEARTBEAT_LOST_S
+from strata_dist.head.coordinator import HEARTBEAT_LOST_S
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
 BACKENDS = ("local", "ray")

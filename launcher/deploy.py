@@ -122,7 +122,7 @@ echo "strata-dist on {host.name}: {', '.join(units)} enabled"
 def deploy_systemd(args, out=print) -> int:
     coord_host, port = parse_coordinator(args.coordinator)
     if args.calibration:    # refused here, not on the coordinator at its first start
-        from strata_dist.calibrate import load_calibration
+        from strata_dist.tools.calibrate import load_calibration
         load_calibration(args.calibration)
     hosts = [HostPlan(n, g, n == coord_host) for n, g in parse_hosts(args.hosts)]
     if not any(h.coordinator for h in hosts):

@@ -13,13 +13,13 @@ from protocol import Assign, CurveKeys, Endpoints, PeerInfo
 from protocol.compute_options import ComputeOptions
 from protocol.auth import new_secret
 from protocol.transport import use_curve, write_curve_keys
-from strata_dist.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.head.coordinator import HEARTBEAT_LOST_S, Coordinator, RankFailure, RankSlot
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanError, PlanParams, RoutingProfile, make_plan,
                               render_table, skip_tier, split_shared_cards)
 from strata_dist.plan.explicit import ExplicitTier
-from strata_dist.profile_io import LiveProfile
+from strata_dist.tools.profile_io import LiveProfile
 
 from .spawn import LocalRanks, RankSpec, cpu_thread_env
 
@@ -35,7 +35,7 @@ class LaunchConfig:
     ranks: list[RankSpec]
     split: str | list[int]          # "auto" or explicit split points
     max_context: int
-    prefill: int | None             # None: the plan's auto chunk
+    prompt_chunk: int | None             # None: the plan's auto chunk
     params: PlanParams
     profile: RoutingProfile | None = None
     order: str = "fastest_last"
@@ -128,7 +128,7 @@ def assignments(plan: Plan, slots: list[RankSlot], head_endpoint: str, max_conte
             first=bool(st and st.stage == 0), last=bool(st and st.stage == len(plan.stages) - 1),
             device=s.register.devices[0].kind, plan=wire, next_endpoint=nxt,
             first_endpoint=first_ep, head_endpoint=head_endpoint,
-            prefill_chunk=plan.chunk, max_context=max_context,
+            prompt_chunk=plan.prompt_chunk, max_context=max_context,
             cache_slots=st.cache_slots if st else 0, loan_slots=st.loan_slots if st else 0,
             # each helper's pairs of this stage's layers: a miss there becomes a remote request
             helpers=[PeerInfo(rank=p.rank, endpoint=p.endpoint, host=p.host,
@@ -208,7 +208,7 @@ class Launch:
         split = "none" if cfg.split == "auto" and len(slots) < 2 else cfg.split
         self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
                               profile=cfg.profile, params=cfg.params, split=split,
-                              order=cfg.order, skip_if_fits=cfg.skip_if_fits, prefill=cfg.prefill,
+                              order=cfg.order, skip_if_fits=cfg.skip_if_fits, prompt_chunk=cfg.prompt_chunk,
                               stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers,
                               compute=cfg.compute, conversation_bytes=cfg.conversation_bytes)
         if not cfg.cross_host_helpers:

@@ -93,7 +93,7 @@ def split_arg(text: str, n_devices: int) -> str | list[int]:
     return points
 
 
-def prefill_arg(text: str) -> int | None:
+def prompt_chunk_arg(text: str) -> int | None:
     if text == "auto":
         return None
     try:
@@ -108,7 +108,7 @@ def prefill_arg(text: str) -> int | None:
 def plan_params(args) -> PlanParams:
     base = PlanParams()
     if args.calibration:
-        from strata_dist.calibrate import CalibrationError, load_calibration
+        from strata_dist.tools.calibrate import CalibrationError, load_calibration
         try:
             measured = load_calibration(args.calibration)
         except CalibrationError as e:
@@ -190,7 +190,7 @@ def load_profile(args, gguf):
     if not args.expert_profile:
         print("warning: no --expert-profile: the plan ranks experts uniformly", file=sys.stderr)
         return None
-    from strata_dist.profile_io import load_profile as load
+    from strata_dist.tools.profile_io import load_profile as load
     g = architecture_for(gguf).read_geometry(gguf)
     return load(args.expert_profile, g.n_layers, g.n_expert)
 

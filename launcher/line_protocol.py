@@ -24,9 +24,9 @@ import threading
 import time
 from typing import TextIO
 
-from strata_dist.coordinator import RankFailure, RequestError
-from strata_dist.head import HeadSession, Outcome
-from strata_dist.sampler import SamplingParams
+from strata_dist.head.coordinator import RankFailure, RequestError
+from strata_dist.head.session import HeadSession, Outcome
+from strata_dist.sampling.sampler import SamplingParams
 
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
                  "stats": int}
@@ -269,7 +269,7 @@ def info_lines(plan, ready: dict[int, dict], ranks_devices: list, ctx: int, extr
     """INFO lines: the run's totals, then one line per rank."""
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     head = dict(extra)
-    head.update(ranks=len(ranks_devices), stages=len(plan.stages), ctx=ctx, prefill=plan.chunk,
+    head.update(ranks=len(ranks_devices), stages=len(plan.stages), ctx=ctx, prefill=plan.prompt_chunk,
                 expert_slots=plan.expert_slots, expert_slots_stages=plan.expert_slots_stages,
                 expert_slots_primary=plan.expert_slots_primary,
                 expert_cache_mib=f"{plan.expert_cache_mib:.1f}",

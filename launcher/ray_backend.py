@@ -38,7 +38,7 @@ class _RankActor:
         import ray
         node = bind_host or ray.util.get_node_ip_address()
         self.dir = tempfile.mkdtemp(prefix="strata-ray-rank-")
-        argv = [sys.executable, "-m", "strata_dist.rank_main", *args, "--data-bind",
+        argv = [sys.executable, "-m", "strata_dist.rank.main", *args, "--data-bind",
                 f"tcp://{node}:*", "--host-id", node, "--parent-pid", str(os.getpid())]
         if curve is not None:
             from protocol.transport import CurveKeys, write_curve_keys

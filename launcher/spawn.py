@@ -46,7 +46,7 @@ class LocalRanks:
     def spawn(self, spec: RankSpec, model: str, coordinator: str, data_bind: str,
               secret: str, extra_env: dict | None = None,
               extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "strata_dist.rank_main", "--coordinator", coordinator,
+        argv = [sys.executable, "-m", "strata_dist.rank.main", "--coordinator", coordinator,
                 "--model", model, "--device", spec.device, "--data-bind", data_bind,
                 "--rank", str(spec.index), "--parent-pid", str(os.getpid()), *extra_args]
         if spec.vram_budget:

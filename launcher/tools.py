@@ -1,4 +1,4 @@
-"""The `strata-dist` command: the single-process tools of strata_dist.cli, plus `deploy` (systemd
+"""The `strata-dist` command: the single-process tools of strata_dist.tools.cli, plus `deploy` (systemd
 units for several hosts), which belongs to the launcher layer (docs/DEVELOPING.md: launcher → strata_dist,
 never back), so the dispatch lives here."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "deploy":
         from .deploy import main as deploy_main
         return deploy_main(argv[1:])
-    from strata_dist.cli import main as tools_main
+    from strata_dist.tools.cli import main as tools_main
     if argv[:1] in (["-h"], ["--help"]):
         try:
             tools_main(argv)      # argparse prints the tools' help and exits

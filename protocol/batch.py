@@ -1,5 +1,5 @@
-"""BatchRows: the rows of one batched decode step (--parallel B; strata_dist/batch_scheduler.py
-sends it, strata_dist/stage_step.py runs it).
+"""BatchRows: the rows of one batched decode step (--parallel B; strata_dist/head/batch_scheduler.py
+sends it, strata_dist/rank/stage_step.py runs it).
 
 A batched step is one Tokens (head → first stage: `ids` holds each row's token) or Hidden (stage to
 stage: one hidden row per entry) whose `batch` names, row by row, the request, the session and the

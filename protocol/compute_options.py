@@ -43,7 +43,7 @@ class ComputeOptions(Struct):
                       "attention" inside the attention for one-row steps (=attention).
     host_mapped       a GPU stage pins the experts its cache lacks in host memory, its decode graph
                       reading them in place: None where no other card's helper tier holds pairs
-                      for it (strata_dist/host_pinning.py), True always (STRATA_HOST_MAPPED=1),
+                      for it (strata_dist/experts/host_pinning.py), True always (STRATA_HOST_MAPPED=1),
                       False never (=0).
     grouped_experts   a GPU prompt's experts through the row kernels, pairs grouped by expert
                       (STRATA_GROUPED_EXPERTS=0: one dequantize and two GEMMs per expert).

@@ -1,5 +1,5 @@
 """ConversationStep: what the head tells every stage about kept conversations before a request
-(--conversation-cache-mib; strata_dist/conversation_cache.py does it, strata_dist/head.py decides).
+(--conversation-cache-mib; strata_dist/rank/conversation_cache.py does it, strata_dist/head/session.py decides).
 
 It rides on the request's first prompt chunk (Tokens, then Hidden stage to stage), so every stage
 applies it in the pipeline's order, before the chunk's rows, with no message of its own. Kept

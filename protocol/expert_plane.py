@@ -120,7 +120,7 @@ class ExpertTier(Message):
 
 @message
 class TierCounts(Message):
-    """Stage → helper, at each round of the stage's adaptive cache (strata_dist/adapt.py): in a frame the
+    """Stage → helper, at each round of the stage's adaptive cache (strata_dist/experts/adapt.py): in a frame the
     decayed routing counts (le - lb, n_expert) float64 of the stage's layers [lb, le), 0 where its own cache
     holds the pair. The helper re-ranks its tier over every stage's latest counts and answers TierPairs."""
 

@@ -42,12 +42,13 @@ class FrameCaps:
     helper: int        # a helper tier's ROUTER
 
     @classmethod
-    def for_stage(cls, hidden: int, top_k: int, chunk: int) -> "FrameCaps":
+    def for_stage(cls, hidden: int, top_k: int, prompt_chunk: int) -> "FrameCaps":
         """Caps for a rank of a model `hidden` wide routing `top_k` experts a token, in a plan whose
-        prompt chunk is `chunk` tokens (0: one row)."""
-        if hidden < 1 or top_k < 0 or chunk < 0:
-            raise ValueError(f"frame caps need hidden >= 1, top_k >= 0, chunk >= 0; got {hidden}, {top_k}, {chunk}")
-        rows = max(chunk, 1)
+        prompt chunk is `prompt_chunk` tokens (0: one row)."""
+        if hidden < 1 or top_k < 0 or prompt_chunk < 0:
+            raise ValueError(f"frame caps need hidden >= 1, top_k >= 0, prompt_chunk >= 0; got {hidden}, "
+                             f"{top_k}, {prompt_chunk}")
+        rows = max(prompt_chunk, 1)
         header = cls.CONTROL + MSGPACK_INT_BYTES * rows      # a Tokens chunk lists its ids
         return cls(data=max(header, rows * hidden * ROW_ITEM_BYTES),
                    helper=max(header, rows * max(hidden, top_k) * ROW_ITEM_BYTES))

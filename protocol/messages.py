@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -112,10 +112,10 @@ class Sampling(Struct):
     max_new: int = 0
     stop_ids: list[int] = field(default_factory=list)
     # structured output (v12): the last stage draws only tokens this grammar allows
-    # (strata_dist/structured.py); "" = no grammar; on a prompt's final chunk only (v14)
+    # (strata_dist/sampling/structured.py); "" = no grammar; on a prompt's final chunk only (v14)
     grammar_kind: GrammarKind = ""
     grammar: str = ""
-    # v14: what a request may ask beyond a token (strata_dist/sampler.py says how each applies)
+    # v14: what a request may ask beyond a token (strata_dist/sampling/sampler.py says how each applies)
     logprobs: bool = False           # each sampled Token carries its logprob
     top_logprobs: int = 0            # ... and the N most likely tokens' (Token.top_ids/top_logprobs)
     prompt_logprobs: bool = False    # PromptProgress carries each prompt row's logprob of the next
@@ -128,7 +128,7 @@ class Sampling(Struct):
     # first chunk's from position 0; only when prompt_logprobs or a repetition penalty needs them
     # on the last stage (each row's next token; the tokens the penalty counts), else empty
     prompt_ids: list[int] = field(default_factory=list)
-    # v15: speculative decoding (strata_dist/speculative.py): up to spec_tokens n-gram drafts a
+    # v15: speculative decoding (strata_dist/sampling/speculative.py): up to spec_tokens n-gram drafts a
     # step, drafting stopped below spec_min_p; the last stage then needs prompt_ids
     spec_tokens: int = 0
     spec_min_p: float = 0.0
@@ -225,7 +225,7 @@ class Assign(Message):
     first_endpoint: str | None = None     # where the last stage sends sampled tokens
     head_endpoint: str | None = None      # where Token/Error for the head go
     helpers: list[PeerInfo] = field(default_factory=list)
-    prefill_chunk: int = 0
+    prompt_chunk: int = 0
     max_context: int = 0
     cache_slots: int = 0   # stage expert-cache slot budget
     helper_slots: int = 0  # helper-tier slot budget on this rank
@@ -251,7 +251,7 @@ class Assign(Message):
     # record, never its own environment's STRATA_* variables (protocol/compute_options.py)
     compute: ComputeOptions = field(default_factory=ComputeOptions)
     # the adaptive cache: every adapt_every tokens a stage swaps up to adapt_swaps pairs
-    # (strata_dist/adapt.py); 0: the cache stays as the plan filled it
+    # (strata_dist/experts/adapt.py); 0: the cache stays as the plan filled it
     adapt_every: int = 0
     adapt_swaps: int = 0
     # --expert-profile-out: a stage counts its layers' routing and sends the totals in StatsReply
@@ -260,11 +260,11 @@ class Assign(Message):
     # draft_model.py), loaded whole beside the stage; "" : none (the n-gram drafter)
     draft_model: str = ""
     # v18, last stage with --spec K --draft mtp: draft with the model file's own multi-token-
-    # prediction block (strata_dist/mtp_draft.py), loaded beside the stage
+    # prediction block (strata_dist/sampling/mtp_draft.py), loaded beside the stage
     draft_mtp: bool = False
 
     def check(self, arrays: list) -> None:
-        _nonneg(rank=self.rank, lb=self.lb, le=self.le, prefill_chunk=self.prefill_chunk,
+        _nonneg(rank=self.rank, lb=self.lb, le=self.le, prompt_chunk=self.prompt_chunk,
                 max_context=self.max_context, cache_slots=self.cache_slots,
                 helper_slots=self.helper_slots, loan_slots=self.loan_slots,
                 adapt_every=self.adapt_every, adapt_swaps=self.adapt_swaps)
@@ -308,7 +308,7 @@ class StatsReply(Message):
     gauges: dict[str, float] = field(default_factory=dict)  # point-in-time values (free bytes, ...)
     request_id: int | None = None
     # with Assign.count_routing, a stage's routing totals since it started: routing[i][e] is how many
-    # rows layer routing_lb + i routed to expert e (the counts of a profile, strata_dist/profile_io.py)
+    # rows layer routing_lb + i routed to expert e (the counts of a profile, strata_dist/tools/profile_io.py)
     routing_lb: int = 0
     routing: list[list[int]] = field(default_factory=list)
 

@@ -3,7 +3,7 @@
 KV rows are positional: a session can move back to any earlier position and read on from there.
 The conv and delta-rule state of a linear layer is not: it is the whole past folded in, so moving
 back needs a copy of it taken at that position — a checkpoint. One rule, in this module, for the
-stages (strata_dist/stage.py), the head (strata_dist/head.py) and the single-process SingleProcessRunner, so a
+stages (strata_dist/rank/stage.py), the head (strata_dist/head/session.py) and the single-process SingleProcessRunner, so a
 distributed run and the SingleProcessRunner resume at the same position and read the same chunks:
 
 - Which positions a request checkpoints (`request_positions`), all chunk boundaries of the request:
@@ -41,18 +41,18 @@ def is_recurrent(session) -> bool:
     return bool(getattr(session, "linear_layers", ()))
 
 
-def request_positions(start: int, total: int, chunk: int, every: int) -> list[int]:
-    """The positions a request that reads prompt positions [start, total) in chunks of `chunk`
-    tokens (chunk k = [start + k*chunk, ...)) checkpoints, ascending; every one a chunk boundary:
+def request_positions(start: int, total: int, prompt_chunk: int, every: int) -> list[int]:
+    """The positions a request that reads prompt positions [start, total) in chunks of
+    `prompt_chunk` tokens (chunk k = [start + k*prompt_chunk, ...)) checkpoints, ascending; every one a chunk boundary:
     `start` when > 0, the first chunk end at or past each multiple of `every` (0: none), `total`."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if prompt_chunk < 1:
+        raise ValueError(f"prompt_chunk must be >= 1, got {prompt_chunk}")
     if every < 0:
         raise ValueError(f"every must be >= 0 (0: no mid-prompt checkpoints), got {every}")
     out = [start] if start > 0 else []
     if every > 0:
         prev = start
-        for end in range(start + chunk, total, chunk):
+        for end in range(start + prompt_chunk, total, prompt_chunk):
             if end // every > prev // every:   # a multiple of `every` lies in (prev, end]
                 out.append(end)
             prev = end

@@ -4,7 +4,7 @@ reads the STRATA_* compute variables from the environment.
 Who reads them: the launcher, once at its start (it prints the record with the plan, keeps it in
 the plan and sends it in every Assign); single-process tools (`strata-dist generate`, ...), once
 at theirs (`installed(read_environment())`). A rank installs the record its Assign carried
-(rank.py) and never reads its own environment: `compute_options()` in a rank before that is an
+(rank/shell.py) and never reads its own environment: `compute_options()` in a rank before that is an
 error. Elsewhere (tests, benchmarks that build a backend directly) nothing is installed and each
 call reads the environment as it is then, so a test may set a variable before it builds a backend.
 

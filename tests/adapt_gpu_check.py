@@ -34,7 +34,7 @@ class Idle:
 def main() -> int:
     install_kernels(lambda source, kernel, device=0, defines=(): Idle())
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
 
     os.environ["STRATA_HOST_MAPPED"] = "1"
     with tempfile.TemporaryDirectory() as d:

@@ -28,13 +28,13 @@ def main() -> int:
     counts, errors = collections.Counter(), []
     install(sys.argv[1], counts, errors)
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
 
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
     with tempfile.TemporaryDirectory() as d:
         path = write_gguf(tiny_qwen3moe(7, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                         n_layers=3), Path(d) / "m.gguf", "f16")
-        r = SingleProcessRunner(str(path), "cuda:0", prefill_chunk=128, max_context=512,
+        r = SingleProcessRunner(str(path), "cuda:0", prompt_chunk=128, max_context=512,
                                 kv_resident=SINKS + RING)
         r.prefill(prompt)                       # 300 cells through a ring of 160
         ends = [r.session.k(0).end]
@@ -68,11 +68,11 @@ def next_runner(folder: str) -> dict:
     holds each slot's pair (K and V, or a linear layer's conv and recurrent state), the RoPE
     tables, the attention slots' host copies (0 for a linear slot) and (S, R)."""
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = write_next_gguf(tiny_qwen3next(22, hidden=128, head_dim=256, n_head=4, n_kv=2,
                                           n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
                                           top_k=4, n_experts=16), Path(folder) / "n.gguf", "f16")
-    r = SingleProcessRunner(str(path), "cuda:0", prefill_chunk=128, max_context=512,
+    r = SingleProcessRunner(str(path), "cuda:0", prompt_chunk=128, max_context=512,
                             kv_resident=SINKS + RING, checkpoint_every=128)
     prompt = [int(x) for x in np.random.default_rng(12).integers(0, 320, 300)]
     r.prefill(prompt[:256], checkpoint_at=(256,))

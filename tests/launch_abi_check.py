@@ -123,7 +123,7 @@ def install_kernels(function) -> None:
 
 
 def stage_run(scenarios, graphs, counts, path) -> None:
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     os.environ["STRATA_HOST_MAPPED"] = "1"
     try:
         st = Stage(StageConfig(model_path=str(path), device="cuda:0", lb=0, le=2, first=True,
@@ -150,7 +150,7 @@ def batch_run(scenarios, graphs, counts, path) -> None:
     """Two stages caching every pair: ten sessions' prompts, then one batched step of the ten at
     different positions through both decode graphs (replays of 8 and 2 rows; the last stage's
     every-row logits); rows the graph cannot take are refused (the general path runs them)."""
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     stages = [Stage(StageConfig(model_path=str(path), device="cuda:0", lb=lb, le=le,
                                 first=lb == 0, last=le == 4, max_context=512,
                                 cache_pairs=[(l, e) for l in range(lb, le) for e in range(16)]))
@@ -181,7 +181,7 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from hf_fixtures import tiny_qwen3moe, write_gguf
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
 
     scenarios, graphs = {}, {}
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
@@ -191,7 +191,7 @@ def main() -> int:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            r = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, max_context=512, **kw)
+            r = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, max_context=512, **kw)
             r.prefill(prompt)
             r.decode_step([5])
             r.decode_step([5, 6, 7])

@@ -156,7 +156,7 @@ def launcher_children(pid: int) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if ppid == pid and b"strata_dist.rank_main" in cmd:
+        if ppid == pid and b"strata_dist.rank.main" in cmd:
             pids.append(int(entry))
     return sorted(pids)
 

@@ -1,7 +1,7 @@
 """Separate hosts for multi-node tests: Linux network namespaces on one bridge.
 
     lab = NetLab(["head", "a", "b"])      # three "machines", 10.231.K.1, .2, .3 on one LAN
-    p = lab.popen("a", [sys.executable, "-m", "strata_dist.rank_main", ...])
+    p = lab.popen("a", [sys.executable, "-m", "strata_dist.rank.main", ...])
     lab.link("b", up=False)               # pull b's cable
     lab.close()
 

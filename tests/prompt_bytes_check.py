@@ -47,14 +47,14 @@ def _ids(n: int) -> list[int]:
 
 
 def measure_runner(path: Path, shape) -> dict:
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     top = max(CHUNKS)
-    runner = SingleProcessRunner(path, "cuda:0", prefill_chunk=top, max_context=4 * top + 64)
+    runner = SingleProcessRunner(path, "cuda:0", prompt_chunk=top, max_context=4 * top + 64)
     runner.prefill(list(range(1, top + 1)))             # the first chunk: everything set up
     ws = runner.workspace
     outside, taken = {}, set()
     for n in CHUNKS:
-        runner.prefill_chunk = n
+        runner.prompt_chunk = n
         ws.taken.clear()
         cp.track_start()
         runner.prefill(_ids(n))
@@ -83,7 +83,7 @@ def _read_prompts(st, sizes) -> tuple:
 
 def measure_stage(path: Path, shape) -> dict:
     from strata_dist.plan.lend import loan_slots
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     n = CHUNKS[0]
     slots = loan_slots(n, shape.prompt_bytes, min(shape.blob_bytes))
     # every expert but the first of each layer cached (the tiny files' attention outweighs their
@@ -119,7 +119,7 @@ def measure_stage(path: Path, shape) -> dict:
 def measure_resident_stage(path: Path, shape) -> dict:
     """A stage whose cache holds every pair and lends nothing: its own buffers, the layout less
     the stream buffer (ModelShape.resident_prompt_bytes), allocated once."""
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     n = CHUNKS[0]
     every = [(l, e) for l in range(shape.n_layers) for e in range(shape.n_experts)]
     st = Stage(StageConfig(str(path), "cuda:0", 0, shape.n_layers, True, True, 4 * n,
@@ -134,8 +134,8 @@ def measure_resident_stage(path: Path, shape) -> dict:
 
 
 def measure(path: Path) -> dict:
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.model_shape import model_shape
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.models.shape import model_shape
     from strata_dist.plan.workspace import PromptLayout
     shape = model_shape(GGUFModel(str(path)), "cuda")
     return {"runner": measure_runner(path, shape), "stage": measure_stage(path, shape),

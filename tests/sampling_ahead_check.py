@@ -1,5 +1,5 @@
 """A GPU runner's greedy generation whose sampler reads the row (a repetition penalty, a bias)
-without a GPU: strata_dist.single_process on the numpy stand-ins for CuPy (tests/fake_cupy), its
+without a GPU: strata_dist.tools.single_process on the numpy stand-ins for CuPy (tests/fake_cupy), its
 decode graph's kernels launched as no-ops. What runs is the Python around them: which steps are
 launched ahead, and whether the sampler then reads a row a step ahead has already overwritten
 (StepLogits raises). Nothing numeric is checked (the kernels do not run).
@@ -29,14 +29,14 @@ class _NoKernel:
 def main() -> int:
     install_kernels(lambda source, kernel, device=0, defines=(): _NoKernel())
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.sampler import SamplingParams
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.sampling.sampler import SamplingParams
+    from strata_dist.tools.single_process import SingleProcessRunner
 
     out = {}
     with tempfile.TemporaryDirectory() as d:
         path = write_gguf(tiny_qwen3moe(7, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                         n_layers=2), Path(d) / "m.gguf", "f16")
-        r = SingleProcessRunner(str(path), "cuda:0", prefill_chunk=32, max_context=128)
+        r = SingleProcessRunner(str(path), "cuda:0", prompt_chunk=32, max_context=128)
         out["graph"] = type(r.decode_graph).__name__ if r.decode_graph is not None else None
         for name, params in (("plain", SamplingParams()),
                              ("repetition", SamplingParams(repetition_penalty=1.3)),

@@ -165,7 +165,7 @@ def tokenizer_fixture():
     """A module fixture: the tokenizer of the module's `model`."""
     @pytest.fixture(scope="module")
     def tok(model):
-        from strata_dist.tokenizer import GGUFTokenizer
+        from strata_dist.gguf_file.tokenizer import GGUFTokenizer
         return GGUFTokenizer.from_gguf(model)
     return tok
 

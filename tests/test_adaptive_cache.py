@@ -11,12 +11,12 @@ import pytest
 from gguf import GGUFReader
 
 from launch_helpers import ServeSession
-from strata_dist.adapt import RoutingCounts, coverage, pick_swaps
+from strata_dist.experts.adapt import RoutingCounts, coverage, pick_swaps
 from strata_dist.backends import get_backend
-from strata_dist.experts import BlobArena, HostTier
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.profile_io import record_profile, save_profile
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.experts.stores import BlobArena, HostTier
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.tools.profile_io import record_profile, save_profile
+from strata_dist.rank.stage import Stage, StageConfig
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
 TINY = GEOMETRIES["tiny"]

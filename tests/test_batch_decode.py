@@ -1,4 +1,4 @@
-"""Batched decode (--parallel; protocol/batch.py, strata_dist/batch_scheduler.py): a row's bits do
+"""Batched decode (--parallel; protocol/batch.py, strata_dist/head/batch_scheduler.py): a row's bits do
 not depend on the rows beside it, in process and through real ranks and real HTTP clients."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hf_fixtures import tiny_qwen3moe
 from hf_fixtures import write_gguf as write_moe_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from strata_dist.backends import get_backend
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 
 VOCAB = 320
 CTX = 128
@@ -78,7 +78,7 @@ def test_a_batched_step_gives_each_row_its_one_row_bits(arch, n_layers, split, m
 
 def _state(session):
     """Every array a session keeps (K/V rows up to its position, recurrent state)."""
-    from strata_dist.conversation_cache import kv_parts, state_parts
+    from strata_dist.rank.conversation_cache import kv_parts, state_parts
     return ([np.asarray(p[:session.n_past]) for p in kv_parts(session)]
             + [np.asarray(p) for p in state_parts(session)])
 
@@ -372,8 +372,8 @@ def test_sixty_four_clients_each_get_an_answer_or_a_429_and_a_leaver_costs_nothi
 def test_the_plan_prices_each_session_a_stage_carves(arch, n_layers, split, moe, hybrid):
     """--parallel 4: the plan prices four sessions on every stage, each what a stage carves for
     one, and the stages carve exactly that (the launcher stops on any difference)."""
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.model_shape import model_shape
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.models.shape import model_shape
     from strata_dist.plan import PlanParams
     from strata_dist.plan.pricing import range_fixed_table, stage_fixed_bytes
 
@@ -452,7 +452,7 @@ def test_the_last_stage_answers_a_token_per_row_and_skips_a_cancelled_one(moe):
     from protocol import Cancel, Error, Token, Tokens
     from protocol.batch import BatchRows
     from protocol.messages import Sampling
-    from strata_dist.stage_step import StageStep, To
+    from strata_dist.rank.stage_step import StageStep, To
 
     step = StageStep(_stages(moe, 4, [])[0], 0, last=True)
     first = {}

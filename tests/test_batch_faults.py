@@ -1,4 +1,4 @@
-"""Faults and bookkeeping of batched decode (--parallel; strata_dist/batch_scheduler.py,
+"""Faults and bookkeeping of batched decode (--parallel; strata_dist/head/batch_scheduler.py,
 strata_dist/server/parallel.py): step timeouts that tell a queued request from a silent pipeline,
 per-job running state and rank stats on /v1/status, a Cancel the last stage must answer. Real
 CPU ranks through the launcher, real HTTP clients."""
@@ -18,12 +18,12 @@ from launcher.spawn import RankSpec
 from protocol import Cancel, Channel, PromptProgress, Token, Tokens
 from protocol.messages import Sampling
 from server_helpers import ServerProcess
-from strata_dist.batch_scheduler import BatchScheduler
-from strata_dist.coordinator import RankFailure, RequestError
+from strata_dist.head.batch_scheduler import BatchScheduler
+from strata_dist.head.coordinator import RankFailure, RequestError
 from strata_dist.plan.params import PlanParams
 from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep
 from strata_dist.synth import write_synthetic
 
 LONG_PROMPT = 16000     # tokens: several seconds of prompt on two CPU stages
@@ -44,7 +44,7 @@ def synth(tmp_path_factory):
 def pipeline(synth):
     """Two CPU stage ranks through the launcher, and a scheduler over them."""
     cfg = LaunchConfig(model=synth, ranks=[RankSpec(i, "cpu", None, "1G") for i in range(2)],
-                       split=[2], max_context=LONG_PROMPT + 64, prefill=32,
+                       split=[2], max_context=LONG_PROMPT + 64, prompt_chunk=32,
                        params=PlanParams(sessions=2), load_timeout_s=60, register_timeout_s=60)
     launch = Launch(cfg, echo=lambda line: None)
     try:
@@ -57,9 +57,9 @@ def pipeline(synth):
 class _Pumped:
     """The scheduler pumped on a thread of its own (as the server's worker does)."""
 
-    def __init__(self, coord, chunk: int):
-        self.scheduler = BatchScheduler(coord, 2, chunk)
-        self.chunk = chunk
+    def __init__(self, coord, prompt_chunk: int):
+        self.scheduler = BatchScheduler(coord, 2, prompt_chunk)
+        self.prompt_chunk = prompt_chunk
         self.failure: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, daemon=True)
@@ -79,7 +79,7 @@ class _Pumped:
             started = time.monotonic()
             try:
                 reason = self.scheduler.run_request(
-                    session_id, 0, ids, Sampling(max_new=max_new, temperature=0.0), self.chunk,
+                    session_id, 0, ids, Sampling(max_new=max_new, temperature=0.0), self.prompt_chunk,
                     on_event, step_timeout_s=step_timeout_s,
                     should_cancel=cancel.is_set if cancel is not None else None)
                 out[name] = ("ok", reason, time.monotonic() - started)
@@ -99,7 +99,7 @@ def test_a_request_queued_behind_a_long_prompt_is_not_timed_out(pipeline):
     """B waits (no message of its own) while A's long prompt takes many of B's step timeouts to
     read: both finish, and nobody declares the healthy ranks failed."""
     launch, plan = pipeline
-    pumped = _Pumped(launch.coordinator, plan.chunk)
+    pumped = _Pumped(launch.coordinator, plan.prompt_chunk)
     out: dict = {}
     try:
         long = [int(x) for x in np.random.default_rng(1).integers(10, 300, LONG_PROMPT)]
@@ -127,7 +127,7 @@ def test_a_request_the_pipeline_stops_answering_fails_alone(pipeline):
     first = next(s for s in coord.ranks if s.assign is not None and s.assign.first)
     to_first = Channel("push", peer=f"rank {first.rank}")
     to_first.connect(first.data_endpoint).seal_tcp(coord.seal)
-    pumped = _Pumped(coord, plan.chunk)
+    pumped = _Pumped(coord, plan.prompt_chunk)
     out: dict = {}
     b_tokens: list = []
     b_cancel = threading.Event()
@@ -166,7 +166,7 @@ def test_a_silent_pipeline_still_fails_every_request_in_bounded_time(pipeline):
     launch, plan = pipeline
     coord = launch.coordinator
     last = next(s for s in coord.ranks if s.assign is not None and s.assign.last)
-    pumped = _Pumped(coord, plan.chunk)
+    pumped = _Pumped(coord, plan.prompt_chunk)
     out: dict = {}
     os.kill(last.register.pid, signal.SIGSTOP)
     try:

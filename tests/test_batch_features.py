@@ -8,7 +8,7 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe
 from hf_fixtures import write_gguf as write_moe_gguf
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 
 CTX = 128
 
@@ -74,8 +74,8 @@ def test_each_batched_row_follows_its_own_grammar(synth):
     from protocol.batch import BatchRows
     from protocol.messages import Sampling
     from strata_dist.models import architecture_for, open_checked
-    from strata_dist.stage_step import StageStep, To
-    from strata_dist.tokenizer import GGUFTokenizer
+    from strata_dist.rank.stage_step import StageStep, To
+    from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
     path = synth["tiny"]
     tok = GGUFTokenizer.from_gguf(path)
@@ -137,7 +137,7 @@ def test_a_served_profile_counts_each_batched_row_once(synth, tmp_path):
     import httpx
 
     from server_helpers import CLEAN_EXIT, ServerProcess
-    from strata_dist.profile_io import load_profile, record_profile
+    from strata_dist.tools.profile_io import load_profile, record_profile
     from strata_dist.synth import GEOMETRIES
 
     path = tmp_path / "learnt.json"

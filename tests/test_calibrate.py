@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from strata_dist.calibrate import FORMAT, save_calibration
+from strata_dist.tools.calibrate import FORMAT, save_calibration
 from strata_dist.synth import write_synthetic
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 def tool(*args, timeout=90, env=None):
-    return subprocess.run([sys.executable, "-m", "strata_dist.cli", "calibrate", *args],
+    return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -37,7 +37,7 @@ def model(tmp_path_factory):
 
 def test_calibrate_measures_the_handoff_and_a_link_to_a_real_peer(tmp_path):
     port = free_port()
-    peer = subprocess.Popen([sys.executable, "-m", "strata_dist.cli", "calibrate", "--serve",
+    peer = subprocess.Popen([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", "--serve",
                              f"127.0.0.1:{port}", "--idle", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.plan.pricing import blob_bytes, session_bytes, weights_bytes
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 from strata_dist.synth import SynthGeometry, write_synthetic
 
 CELLS = 256

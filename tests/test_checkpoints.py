@@ -16,12 +16,12 @@ from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from strata_dist.checkpoints import (MAX_PER_SESSION, CheckpointStore, chunk_positions,
                                      common_positions, request_positions, resume_point)
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.models.qwen3next import RecurrentRewindError
 from strata_dist.plan.pricing import session_parts
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 
 CHUNK = 16
 CTX = 256
@@ -116,7 +116,7 @@ def test_incomplete_set_is_not_used(model):
     with pytest.raises(RecurrentRewindError):                       # and no stage guesses
         stages[2].run(0, 32, hidden=np.zeros((1, 64), np.float32))
     logits, _ = _request(stages, start, other[start:])
-    fresh = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX)
+    fresh = SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=CTX)
     assert np.array_equal(logits, fresh.prefill(other))
 
 
@@ -194,14 +194,14 @@ def test_store_of_a_positional_session_moves_anywhere():
 
 
 def test_engine_resumes_by_the_same_rule(model):
-    eng = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
+    eng = SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
     first = eng.generate(PROMPT, N_NEW, resume=True)
     assert eng.checkpoints.positions() == [16, 32, 40]
     other = PROMPT[:36] + _ids(8, 20, avoid=PROMPT[36])
     again = eng.generate(other, N_NEW, resume=True)
     assert again.reused == 32
-    assert again.tokens == SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX).generate(other, N_NEW).tokens
-    assert first.tokens == SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX).generate(PROMPT, N_NEW).tokens
+    assert again.tokens == SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=CTX).generate(other, N_NEW).tokens
+    assert first.tokens == SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=CTX).generate(PROMPT, N_NEW).tokens
 
 
 # ---- real rank processes -------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_engine_resumes_by_the_same_rule(model):
 def _fresh_read(path, segments, max_new):
     """Greedy tokens after reading `segments` on a fresh single-process session, each segment as
     one chunk (so the chunk boundaries are the ones given)."""
-    eng = SingleProcessRunner(path, max_context=CTX, prefill_chunk=10 ** 6)
+    eng = SingleProcessRunner(path, max_context=CTX, prompt_chunk=10 ** 6)
     logits = None
     for seg in segments:
         h = eng._run(seg)
@@ -262,10 +262,10 @@ def test_conversation_resumes_from_checkpoints(model, split):
     assert t3["tokens"] == t2["tokens"]
     # resumed at a multiple of the chunk, the boundaries are those of a plain fresh read
     for prompt, t in [(other, t4), (early, t5)]:
-        assert t["tokens"] == SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX).generate(
+        assert t["tokens"] == SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=CTX).generate(
             prompt, N_NEW).tokens
     # the single process, resuming by the same rule, resumes at the same positions
-    eng = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
+    eng = SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=CTX, checkpoint_every=CHUNK)
     for prompt, t in turns:
         r = eng.generate(prompt, N_NEW, resume=True)
         assert (r.reused, r.tokens) == (t["resume"], t["tokens"])
@@ -289,7 +289,7 @@ def test_qwen3moe_resumes_at_any_prefix(tmp_path):
     finally:
         s.close()
     assert out["resume"] == 37                      # KV is positional: the divergence itself
-    eng = SingleProcessRunner(path, prefill_chunk=CHUNK, max_context=CTX)
+    eng = SingleProcessRunner(path, prompt_chunk=CHUNK, max_context=CTX)
     eng.generate(PROMPT, 4)
     again = eng.generate(other, 4, resume=True)
     assert (again.reused, again.tokens) == (37, out["tokens"])

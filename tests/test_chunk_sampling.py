@@ -12,12 +12,12 @@ import zmq
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from protocol import Cancel, Channel, Error, Hidden, PromptProgress, Token, Tokens
 from protocol.codec import decode
-from strata_dist.coordinator import Coordinator, chunk_sampling
-from strata_dist.head import LogprobRequest, _sampling
-from strata_dist.sampler import SamplingParams
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
+from strata_dist.head.coordinator import Coordinator, chunk_sampling
+from strata_dist.head.session import LogprobRequest, _sampling
+from strata_dist.sampling.sampler import SamplingParams
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
 
 CTX = 128
 LAYERS = 4
@@ -84,7 +84,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def logits_of(model):
-    runner = SingleProcessRunner(model, "cpu", max_context=CTX, prefill_chunk=CHUNK)
+    runner = SingleProcessRunner(model, "cpu", max_context=CTX, prompt_chunk=CHUNK)
     return lambda ids: runner.logits(list(ids)).astype(np.float64)
 
 

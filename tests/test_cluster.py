@@ -22,12 +22,12 @@ from protocol.auth import write_secret
 from protocol.compute_options import ComputeOptions
 from protocol.messages import Assign, DeviceInfo, Register
 from protocol.transport import CurveKeys, ProtocolTimeout, new_curve_keypair, use_curve
-from strata_dist.coordinator import Coordinator, RankSlot
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.head.coordinator import Coordinator, RankSlot
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
 from strata_dist.plan import PlanParams, make_plan
 from strata_dist.plan.pricing import HANDOFF_DTYPE_BYTES
-from strata_dist.rank import use_cuda_ipc
+from strata_dist.rank.shell import use_cuda_ipc
 from test_plan_fixtures import make_devices, make_shape
 
 CHUNK = 16
@@ -44,7 +44,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    return SingleProcessRunner(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
+    return SingleProcessRunner(files["model"], prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
 
 
 def free_port() -> int:
@@ -67,7 +67,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def rank_cmd(files, coordinator, host, *extra):
-    return [sys.executable, "-m", "strata_dist.rank_main", "--coordinator", coordinator,
+    return [sys.executable, "-m", "strata_dist.rank.main", "--coordinator", coordinator,
             "--model", files["model"], "--vram-budget", "1G", "--token-file", files["token"],
             "--host-id", host, "--connect-timeout", "5", *extra]
 

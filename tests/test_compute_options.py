@@ -119,7 +119,7 @@ def read_error(var: str, text: str) -> str:
 
 
 def test_generate_refuses_a_malformed_value(tiny):
-    done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model",
+    done = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model",
                            str(tiny), "--prompt-ids", "1,2", "--max-new", "1"], capture_output=True,
                           text=True, timeout=60, env=_clean_env(STRATA_ATTN_HEADS="x"), cwd=ROOT)
     assert done.returncode == 2
@@ -152,7 +152,7 @@ def test_a_cpu_rank_runs_the_record_of_its_assign_not_its_environment(tiny):
     rank_env = {"STRATA_LOG": "INFO", "STRATA_PDL": "1", "STRATA_GDN_KERNELS": "bogus",
                 "STRATA_HOST_MAPPED": "maybe"}
     cfg = LaunchConfig(model=str(tiny), ranks=[RankSpec(i, "cpu", None, "1G") for i in range(2)],
-                       split=[2], max_context=64, prefill=None, params=PlanParams(),
+                       split=[2], max_context=64, prompt_chunk=None, params=PlanParams(),
                        load_timeout_s=60, register_timeout_s=60, extra_env=rank_env, compute=sent)
     lines: list[str] = []
     launch = Launch(cfg, echo=lines.append)

@@ -17,8 +17,8 @@ from launch_helpers import LineProcess
 from protocol import Channel, encode
 from protocol.auth import client_mac, write_secret
 from protocol.messages import PROTOCOL_VERSION, Auth, AuthOk, Challenge, Heartbeat, Hello, Register, Release
-from strata_dist.coordinator import Coordinator
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.head.coordinator import Coordinator
+from strata_dist.gguf_file.reader import GGUFModel
 from test_cluster import free_ports
 from test_sealed_links import listening_ports
 
@@ -42,7 +42,7 @@ def launch(files, port: int, *rank_flags: str) -> tuple[LineProcess, subprocess.
         [sys.executable, "-m", "launcher.cli", "--model", files["model"], "--serve", "--listen", str(port),
          "--expect-ranks", "1", "--token-file", files["token"], "--prefill", str(CHUNK), "--max-context", "256"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1))
-    rank = subprocess.Popen([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+    rank = subprocess.Popen([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                              f"tcp://127.0.0.1:{port}", "--model", files["model"], "--vram-budget", "1G",
                              "--token-file", files["token"], "--connect-timeout", "10", *rank_flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -194,7 +194,7 @@ def test_strangers_hellos_cannot_crowd_out_a_ranks_handshake(files):
         # and a real rank process starting while strangers keep saying Hello gets in as well
         hellos = threading.Thread(target=_strangers_say_hello, args=(coord.control_endpoint, 1500), daemon=True)
         hellos.start()
-        rank = subprocess.Popen([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+        rank = subprocess.Popen([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                                  coord.control_endpoint, "--model", files["model"], "--vram-budget", "1G",
                                  "--token-file", files["token"], "--host-id", "real", "--connect-timeout", "10",
                                  "--assign-timeout", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -249,7 +249,7 @@ def test_a_huge_frame_is_refused_unread_on_every_exposed_port(files):
 
 def test_calibrate_serve_listens_on_loopback_by_default_and_survives_garbage():
     port = free_ports(1)[0]
-    peer = LineProcess(subprocess.Popen([sys.executable, "-m", "strata_dist.cli", "calibrate", "--serve", str(port),
+    peer = LineProcess(subprocess.Popen([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", "--serve", str(port),
                                          "--idle", "30"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True))
     try:
@@ -265,7 +265,7 @@ def test_calibrate_serve_listens_on_loopback_by_default_and_survives_garbage():
         assert peer.err_has("dropped a message that is not a probe", 10), peer.err()
         time.sleep(0.5)
         assert peer.proc.poll() is None, peer.err()
-        done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "calibrate", "--peer",
+        done = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", "--peer",
                                f"127.0.0.1:{port}", "--rounds", "20"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert peer.proc.wait(timeout=20) == 0 and "the prober is done" in peer.err()
@@ -275,7 +275,7 @@ def test_calibrate_serve_listens_on_loopback_by_default_and_survives_garbage():
             peer.proc.kill()
     for args, says in ((["--serve", "127.0.0.1:5555", "--bind", "0.0.0.0"], "--bind 0.0.0.0"),
                        (["--bind", "0.0.0.0"], "goes with --serve")):
-        done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "calibrate", *args],
+        done = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", *args],
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -283,7 +283,7 @@ def test_calibrate_serve_listens_on_loopback_by_default_and_survives_garbage():
 def test_frame_caps_follow_the_plan_and_apply_to_tcp_endpoints(tmp_path):
     from protocol.limits import FrameCaps
     from protocol.transport import Endpoints
-    caps = FrameCaps.for_stage(hidden=2048, top_k=8, chunk=512)
+    caps = FrameCaps.for_stage(hidden=2048, top_k=8, prompt_chunk=512)
     assert caps.data == caps.helper == 512 * 2048 * 4          # a prompt chunk's float32 rows
     assert FrameCaps.for_stage(64, 2, 0).data == FrameCaps.CONTROL + 9   # one row: a control message's cap
     with pytest.raises(ValueError):

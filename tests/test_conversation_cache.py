@@ -17,11 +17,11 @@ from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from server_helpers import ServerProcess
-from strata_dist.conversation_cache import ConversationCache, conversation_nbytes, kv_parts
-from strata_dist.conversation_table import ConversationTable
+from strata_dist.rank.conversation_cache import ConversationCache, conversation_nbytes, kv_parts
+from strata_dist.head.conversation_table import ConversationTable
 from strata_dist.plan import PlanError, make_plan
 from strata_dist.plan.plan import Plan
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 from strata_dist.synth import write_synthetic
 from test_plan_fixtures import MIB, hybrid_kinds, make_devices, make_shape
 

@@ -15,7 +15,7 @@ from launcher.cli import build_parser as launch_parser
 from launcher.deploy import parse_hosts
 from launcher.tools import main as tools_main
 from protocol.transport import load_curve_keys
-from strata_dist.rank_main import build_parser as rank_parser
+from strata_dist.rank.main import build_parser as rank_parser
 
 
 def deploy(tmp_path, *extra, capsys=None):
@@ -154,7 +154,7 @@ def test_strata_dist_help_names_deploy(capsys):
 
 
 def test_a_calibration_is_installed_on_the_coordinator_which_plans_with_it(tmp_path, capsys):
-    from strata_dist.calibrate import FORMAT, save_calibration
+    from strata_dist.tools.calibrate import FORMAT, save_calibration
     cal = tmp_path / "cal.json"
     save_calibration({"strata_calibration": FORMAT, "params": {"link_ms": 0.4, "link_gbs": 2.0},
                       "measured": {}}, str(cal))

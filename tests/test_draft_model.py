@@ -1,5 +1,5 @@
 """The draft model of speculative decoding (`--spec K --draft-model FILE.gguf`,
-strata_dist/draft_model.py).
+strata_dist/rank/draft_model.py).
 
 - greedy tokens of real launches (rank processes, sockets) with --spec 4 --draft-model D equal the
   single process's, 1 and 2 stages: D the target itself (every draft accepted) and D the same
@@ -27,12 +27,12 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from launch_helpers import ServeSession
 from protocol.messages import Sampling
-from strata_dist.draft_model import DraftModel, plan_bytes
-from strata_dist.sampler import Sampler, SamplingParams
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.speculative import draw_against
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep
+from strata_dist.rank.draft_model import DraftModel, plan_bytes
+from strata_dist.sampling.sampler import Sampler, SamplingParams
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.sampling.speculative import draw_against
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep
 from strata_dist.synth import write_synthetic
 from test_speculative import CTX, PROMPT, _run, assert_drawn_alike, seeded_continuations
 
@@ -68,7 +68,7 @@ def files(tmp_path_factory):
 def test_greedy_tokens_equal_without_speculation(files, draft, split):
     target = files["target"]
     draft_path = target if draft == "self" else files["q8"]
-    want = SingleProcessRunner(target, prefill_chunk=16, max_context=CTX).generate(PROMPT, 40).tokens
+    want = SingleProcessRunner(target, prompt_chunk=16, max_context=CTX).generate(PROMPT, 40).tokens
     args = ["--cpu-ranks", "2" if split else "1", "--prefill", "16", "--max-context", str(CTX),
             "--vram-budget", "1G", "--gpu-order", "as_given", "--spec", "4",
             "--draft-model", draft_path]
@@ -88,7 +88,7 @@ def test_greedy_tokens_equal_without_speculation(files, draft, split):
         follow = PROMPT + out["tokens"] + [7, 8, 9]
         again = s.gen(follow, 8)
         assert again["err"] is None
-        assert again["tokens"] == list(SingleProcessRunner(target, prefill_chunk=16,
+        assert again["tokens"] == list(SingleProcessRunner(target, prompt_chunk=16,
                                                            max_context=CTX)
                                        .generate(follow, 8).tokens)
     finally:
@@ -101,7 +101,7 @@ def test_qwen3next_target_and_draft_across_two_stages(tmp_path):
     model = tiny_qwen3next(2, tied=True, n_layers=4)
     target = str(write_next_gguf(model, tmp_path / "next.gguf", "f32"))
     draft = str(write_next_gguf(_noisy(model, 0.05), tmp_path / "noisy.gguf", "f32"))
-    want = SingleProcessRunner(target, prefill_chunk=16, max_context=CTX).generate(PROMPT, 48).tokens
+    want = SingleProcessRunner(target, prompt_chunk=16, max_context=CTX).generate(PROMPT, 48).tokens
     s = ServeSession(target, "--cpu-ranks", "2", "--layer-split", "2", "--prefill", "16",
                      "--max-context", str(CTX), "--vram-budget", "1G", "--gpu-order", "as_given",
                      "--spec", "4", "--draft-model", draft)

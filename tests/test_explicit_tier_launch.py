@@ -64,7 +64,7 @@ def vm_size(pid: int) -> int:
 
 
 def start_rank(files, port: int, rank: int, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+    return subprocess.Popen([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                              f"tcp://127.0.0.1:{port}", "--model", files["model"], "--vram-budget", "2G",
                              "--token-file", files["token"], "--rank", str(rank),
                              "--connect-timeout", "10", "--assign-timeout", "60"],

@@ -44,7 +44,7 @@ def test_the_model_through_blocks_matches_transformers(tmp_path, monkeypatch):
     with numpy) against transformers."""
     import strata_dist.models.qwen3next as next_mod
     from hf_next_fixtures import hf_logits, tiny_qwen3next, write_gguf
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
 
     def blocks(q, k, v, beta, decay, state, xp):
         return gated_delta_chunked(q, k, v, beta, decay, state, xp, block=8)
@@ -52,5 +52,5 @@ def test_the_model_through_blocks_matches_transformers(tmp_path, monkeypatch):
     hf = tiny_qwen3next(0)
     path = write_gguf(hf, tmp_path / "next.gguf", "f32")
     ids = [int(x) for x in np.random.default_rng(0).integers(0, hf.config.vocab_size, 40)]
-    ours = SingleProcessRunner(path, prefill_chunk=13).logits(ids)
+    ours = SingleProcessRunner(path, prompt_chunk=13).logits(ids)
     assert np.abs(ours - hf_logits(hf, ids)).max() <= 1e-4

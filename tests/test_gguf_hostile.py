@@ -12,13 +12,13 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from bounded_run import bounded, refused_in_bounds
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.gguf_file.reader import GGUFModel
 
 
 def every_entry_point(path, *needles, load=False):
     """generate, the launcher's plan, and (load=True: a problem found when weights are read) a
     launch whose one CPU rank loads the model."""
-    refused_in_bounds(bounded("-m", "strata_dist.cli", "generate", "--model", str(path),
+    refused_in_bounds(bounded("-m", "strata_dist.tools.cli", "generate", "--model", str(path),
                               "--max-new", "2"), *needles)
     launch = ["-m", "launcher.cli", "--model", str(path), "--cpu-ranks", "1"]
     if load:
@@ -128,7 +128,7 @@ def test_an_architecture_that_is_not_utf8(model, tmp_path):
 def test_a_tokenizer_string_that_is_not_utf8(model, tmp_path):
     at = _string_value_at(model.read_bytes(), "tokenizer.ggml.pre")
     bad = _patched(model, tmp_path / "pre.gguf", [(at, b"\xc3\x28")])
-    refused_in_bounds(bounded("-m", "strata_dist.cli", "generate", "--model", str(bad),
+    refused_in_bounds(bounded("-m", "strata_dist.tools.cli", "generate", "--model", str(bad),
                               "--prompt", "hello", "--max-new", "2"),
                       str(bad), "key 'tokenizer.ggml.pre'", "not valid UTF-8")
     refused_in_bounds(bounded("-m", "launcher.cli", "--model", str(bad), "--cpu-ranks", "1",
@@ -143,7 +143,7 @@ def test_a_token_that_is_not_utf8(model, tmp_path):
     n = struct.unpack_from("<Q", data, first)[0]
     second = first + 8 + n                                          # token 1's length
     bad = _patched(model, tmp_path / "token.gguf", [(second + 8, b"\xff")])
-    refused_in_bounds(bounded("-m", "strata_dist.cli", "generate", "--model", str(bad),
+    refused_in_bounds(bounded("-m", "strata_dist.tools.cli", "generate", "--model", str(bad),
                               "--prompt", "hello", "--max-new", "2"),
                       str(bad), "key 'tokenizer.ggml.tokens'", "entry 1", "not valid UTF-8")
 

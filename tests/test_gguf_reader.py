@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
-from strata_dist.gguf_model import GGUFError, GGUFModel, TensorKind
+from strata_dist.gguf_file.reader import GGUFError, GGUFModel, TensorKind
 from strata_dist.models import open_checked
 from strata_dist.models.qwen3moe import read_geometry
 
@@ -95,7 +95,7 @@ def test_expert_blobs_dequantize_like_gguf_py(tmp_path, qtype):
 
 def _run_cli(path, tmp_path):
     env = dict(os.environ, STRATA_CACHE_DIR=str(tmp_path))
-    return subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model", str(path),
+    return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model", str(path),
                            "--max-new", "2"], capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -164,11 +164,11 @@ def test_a_path_that_exists_but_is_no_file_is_not_called_missing(tmp_path, path,
     assert "no such file" not in str(err)
 
 
-# ---- NaN/Inf in stored weights (gguf_finite.py) ---------------------------------------------------
+# ---- NaN/Inf in stored weights (gguf_file/finite.py) -------------------------------------------
 
 def _finite_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:
     """Random blocks of `qtype` whose float scale fields hold small finite values."""
-    from strata_dist.gguf_finite import _F32_SCALES, _SCALE_FIELDS
+    from strata_dist.gguf_file.finite import _F32_SCALES, _SCALE_FIELDS
     _, size = GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     dtype = np.float32 if qtype in _F32_SCALES else np.float16
@@ -179,7 +179,7 @@ def _finite_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:
 
 
 def _scale_types():
-    from strata_dist.gguf_finite import _SCALE_FIELDS
+    from strata_dist.gguf_file.finite import _SCALE_FIELDS
     return sorted(_SCALE_FIELDS, key=int)
 
 
@@ -187,7 +187,7 @@ def _scale_types():
 def test_a_nan_scale_is_found_where_the_decoder_reads_it(qtype):
     """Each scale field of each quant type is where gguf-py's decoder reads a scale: a NaN put
     there is reported for that block, and (where gguf-py decodes the type) decodes to NaN."""
-    from strata_dist.gguf_finite import _F32_SCALES, _SCALE_FIELDS, find_non_finite
+    from strata_dist.gguf_file.finite import _F32_SCALES, _SCALE_FIELDS, find_non_finite
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
     blocks = _finite_blocks(qtype, 16, rng)
@@ -210,7 +210,7 @@ def test_a_nan_scale_is_found_where_the_decoder_reads_it(qtype):
 @pytest.mark.parametrize("qtype,dtype", [(QT.F32, np.float32), (QT.F16, np.float16),
                                          (QT.BF16, None)])
 def test_nan_and_inf_in_float_tensors(qtype, dtype):
-    from strata_dist.gguf_finite import find_non_finite
+    from strata_dist.gguf_file.finite import find_non_finite
     values = np.linspace(-3, 3, 640, dtype=np.float32).reshape(10, 64)
     for bad_value, word in ((np.nan, "NaN"), (np.inf, "Inf"), (-np.inf, "Inf")):
         v = values.copy()
@@ -223,7 +223,7 @@ def test_nan_and_inf_in_float_tensors(qtype, dtype):
 
 
 def test_a_tensor_past_the_full_scan_size_is_sampled_first_and_last_block_included(monkeypatch):
-    from strata_dist import gguf_finite
+    from strata_dist.gguf_file import finite as gguf_finite
     monkeypatch.setattr(gguf_finite, "FULL_SCAN_BYTES", 4 << 20)   # the rule, on a small tensor
     n = gguf_finite.FULL_SCAN_BYTES // 2 + 4096          # f16 values: just past a full scan
     values = np.zeros(n, dtype=np.float16)

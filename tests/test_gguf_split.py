@@ -11,7 +11,7 @@ import pytest
 
 from bounded_run import bounded, refused_in_bounds
 from split_fixtures import set_split_key, split_gguf
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.gguf_file.reader import GGUFModel
 
 TIMEOUT = 120
 PROMPT = ["--prompt-ids", "1,2,3,4,5", "--max-new", "8"]
@@ -68,13 +68,13 @@ def test_the_shards_are_one_model(unsplit, shards):
 
 
 def test_generate_reads_the_shards_as_the_file(unsplit, shards):
-    whole = run("strata_dist.cli", "generate", "--model", unsplit, *PROMPT)
-    split = run("strata_dist.cli", "generate", "--model", shards[0], *PROMPT)
+    whole = run("strata_dist.tools.cli", "generate", "--model", unsplit, *PROMPT)
+    split = run("strata_dist.tools.cli", "generate", "--model", shards[0], *PROMPT)
     assert whole.returncode == 0 and split.returncode == 0, (whole.stderr, split.stderr)
     assert split.stdout == whole.stdout and len(whole.stdout.split(",")) == 8
     text = ["--prompt", "hello there", "--max-new", "6"]
-    assert run("strata_dist.cli", "generate", "--model", shards[0], *text).stdout == \
-           run("strata_dist.cli", "generate", "--model", unsplit, *text).stdout
+    assert run("strata_dist.tools.cli", "generate", "--model", shards[0], *text).stdout == \
+           run("strata_dist.tools.cli", "generate", "--model", unsplit, *text).stdout
 
 
 def test_two_cpu_ranks_plan_and_generate_on_the_shards_as_on_the_file(unsplit, shards):
@@ -88,7 +88,7 @@ def test_two_cpu_ranks_plan_and_generate_on_the_shards_as_on_the_file(unsplit, s
 
 
 def refused_everywhere(first, *needles):
-    refused_in_bounds(bounded("-m", "strata_dist.cli", "generate", "--model", str(first),
+    refused_in_bounds(bounded("-m", "strata_dist.tools.cli", "generate", "--model", str(first),
                               "--max-new", "2"), *needles)
     refused_in_bounds(bounded("-m", "launcher.cli", "--model", str(first), "--cpu-ranks", "2",
                               "--plan-only"), *needles)

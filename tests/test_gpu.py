@@ -21,7 +21,7 @@ def test_cupy_logits_match_numpy(tmp_path, seed, hidden, top_k, n_experts, dtype
     tensor-core build rounds rows to f16, which flipped a near-tie of the top-8 model's routing,
     measured 2026-12-02: 0.075 on one row, 1.8e-4 with FMA; test_gpu_kernels.py tests both
     builds against numpy)."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(seed, hidden=hidden, top_k=top_k, n_experts=n_experts),
                       tmp_path / "m.gguf", dtype)
     ids = [int(x) for x in np.random.default_rng(seed).integers(0, 320, 48)]
@@ -35,7 +35,7 @@ def test_a_quantized_head_is_decoded_a_slice_at_a_time(tmp_path, monkeypatch):
     multiplied a slice of rows at a time: the logits stay those of the whole matrix within f16
     rounding, with the same greedy token, and the device never holds its whole f16 copy."""
     import strata_dist.backends.cupy_backend as cb
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(4, hidden=256, top_k=2, n_experts=8), tmp_path / "m.gguf",
                       "q8_0")
     ids = [int(x) for x in np.random.default_rng(4).integers(0, 320, 24)]
@@ -55,7 +55,7 @@ def test_a_quantized_head_is_decoded_a_slice_at_a_time(tmp_path, monkeypatch):
 @pytest.mark.skipif(not os.environ.get("STRATA_BIG_MODEL_DIR"),
                     reason="set STRATA_BIG_MODEL_DIR to a folder with ~35 GB free")
 def test_synth_qwen3_30b_q8_0_generates_on_gpu():
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     from strata_dist.synth import write_synthetic
     path = os.path.join(os.environ["STRATA_BIG_MODEL_DIR"], "qwen3-30b-a3b-q8_0.gguf")
     if not os.path.exists(path):
@@ -76,13 +76,13 @@ def test_cupy_qwen3next_matches_numpy(tmp_path, seed, top_k, n_experts, f16_kv_r
     moves these tiny random models' logits by 1e-2..1e0 (the GDN input projection is the most
     sensitive; reproduced on numpy by rounding the same way), so they are not a test of this code."""
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = write_next(tiny_qwen3next(seed, hidden=128, top_k=top_k, n_experts=n_experts),
                       tmp_path / "next.gguf", "q8_0")
     ids = [int(x) for x in np.random.default_rng(seed).integers(0, 320, 40)]
-    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=16)
+    cpu = SingleProcessRunner(path, "cpu", prompt_chunk=16)
     ref = np.concatenate([cpu.feed(ids[:32])] + [cpu.feed([t]) for t in ids[32:]])
-    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=16)
+    gpu = SingleProcessRunner(path, "cuda:0", prompt_chunk=16)
     got = np.concatenate([gpu.feed(ids[:32])] + [gpu.feed([t]) for t in ids[32:]])
     assert np.abs(got - ref).max() <= 1e-3
 
@@ -90,10 +90,10 @@ def test_cupy_qwen3next_matches_numpy(tmp_path, seed, top_k, n_experts, f16_kv_r
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 def test_cuda_qwen3next_stage_loads_and_carves_what_is_priced(tmp_path, dtype):
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.model_shape import model_shape
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.models.shape import model_shape
     from strata_dist.plan.pricing import session_bytes, weights_bytes
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     path = write_next(tiny_qwen3next(5, hidden=128), tmp_path / "next.gguf", dtype)
     shape = model_shape(GGUFModel(path), "cuda")
     for lb, le in [(0, 3), (3, 4), (2, 8)]:     # linear only, attention only, mixed
@@ -113,7 +113,7 @@ def test_calibrate_prices_in_place_reads_by_tier(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "cal.json"
-    done = subprocess.run([sys.executable, "-m", "strata_dist.cli", "calibrate", "--device",
+    done = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", "--device",
                            "cuda:0", "--rounds", "200", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -125,5 +125,5 @@ def test_calibrate_prices_in_place_reads_by_tier(tmp_path):
     assert ("handoff_ms" in params) == (cp.cuda.runtime.getDeviceCount() > 1), content
     two = cp.cuda.runtime.getDeviceCount() > 1 and cp.cuda.runtime.deviceCanAccessPeer(0, 1)
     assert ("peer_gbs" in params) == bool(two), content
-    from strata_dist.calibrate import load_calibration
+    from strata_dist.tools.calibrate import load_calibration
     assert load_calibration(str(out))["host_gbs"] == params["host_gbs"]

@@ -18,7 +18,7 @@ WINDOW = [17, 3, 250]                      # a one-session step of three rows af
 
 
 def _stages(path, split, kv_type):
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     bounds = [0, *split, N_LAYERS]
     stages = [Stage(StageConfig(path, "cuda:0", lb, le, lb == 0, le == N_LAYERS, CTX,
                                 cache_pairs=[(l, e) for l in range(lb, le)

@@ -91,9 +91,9 @@ TOLERANCE = {"f32": 1e-2, "f16": 2e-2, "q8_0": 1e-2}
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
 def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference,
                                         float32_prompt_kernels):
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, dtype)
-    cpu, gpu = SingleProcessRunner(path, "cpu", prefill_chunk=128), SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
+    cpu, gpu = SingleProcessRunner(path, "cpu", prompt_chunk=128), SingleProcessRunner(path, "cuda:0", prompt_chunk=128)
     assert gpu.decode_graph is not None
     cpu.prefill(PROMPT)
     gpu.prefill(PROMPT)
@@ -111,10 +111,10 @@ def test_graph_decode_logits_match_numpy(tmp_path, dtype, f16_kv_reference,
 def test_graph_decode_with_q8_0_kv_matches_numpy(tmp_path):
     """--kv-type q8_0: the graph's attention reads the session's q8_0 blocks (and its q/k kernel
     writes them) within tolerance of numpy keeping the same blocks."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=14)
-    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=128, kv_type="q8_0")
-    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, kv_type="q8_0")
+    cpu = SingleProcessRunner(path, "cpu", prompt_chunk=128, kv_type="q8_0")
+    gpu = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, kv_type="q8_0")
     assert gpu.decode_graph is not None and gpu.decode_graph.kv_suffix == "_q8"
     cpu.prefill(PROMPT)
     gpu.prefill(PROMPT)
@@ -130,13 +130,13 @@ def test_prompt_kernels_match_numpy(tmp_path, monkeypatch, f16_kv_reference):
     through the flash attention and the row kernels, within tolerance of numpy, and the decode
     graph after it too. The dense matrices in float32 (STRATA_F16_PROMPT_GEMM=0): their f16
     GEMM flips near-ties of this model's routing (test_gpu_prompt_ops.py measures it)."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     monkeypatch.setenv("STRATA_FLASH_PREFILL", "1")
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
     monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")
     path = _model(tmp_path, "q8_0", seed=15)
-    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=128)
-    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
+    cpu = SingleProcessRunner(path, "cpu", prompt_chunk=128)
+    gpu = SingleProcessRunner(path, "cuda:0", prompt_chunk=128)
     ref, got = cpu.feed(PROMPT), np.asarray(gpu.feed(PROMPT))
     assert np.abs(got - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())
     for t in NEXT[:3]:
@@ -146,9 +146,9 @@ def test_prompt_kernels_match_numpy(tmp_path, monkeypatch, f16_kv_reference):
 
 
 def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=8)
-    graph, eager, general = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(3))
+    graph, eager, general = (SingleProcessRunner(path, "cuda:0", prompt_chunk=128) for _ in range(3))
     eager.decode_graph.use_graph = False
     general.decode_graph = None
     for e in (graph, eager):
@@ -158,16 +158,16 @@ def test_replayed_graph_equals_eager_step_and_general_path_tokens(tmp_path):
         assert np.array_equal(a, b)
     assert len(graph.decode_graph.graphs) == 1 and not eager.decode_graph.graphs
     want = general.generate(PROMPT[:40], 24).tokens
-    assert SingleProcessRunner(path, "cuda:0", prefill_chunk=128).generate(PROMPT[:40], 24).tokens == want
+    assert SingleProcessRunner(path, "cuda:0", prompt_chunk=128).generate(PROMPT[:40], 24).tokens == want
 
 
 def test_programmatic_dependent_launches_change_no_bit(tmp_path):
     """The default graph (programmatic edges between the kernels) gives the plain graph's
     (STRATA_PDL=0) logits exactly, step after step."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     path = _model(tmp_path, "q8_0", seed=9)
-    plain, pdl = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    plain, pdl = (SingleProcessRunner(path, "cuda:0", prompt_chunk=128) for _ in range(2))
     assert isinstance(pdl.decode_graph._pdl, ProgrammaticLauncher)
     plain.decode_graph._pdl = None
     for e in (plain, pdl):
@@ -179,9 +179,9 @@ def test_programmatic_dependent_launches_change_no_bit(tmp_path):
 def test_fused_qk_norm_changes_no_bit(tmp_path):
     """STRATA_FUSED_QK_NORM's q/k/v matvec (each head finished by the block that completes it, v
     written by its own blocks) gives the separate kernel's logits exactly, for 1, 3 and 8 rows."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=12)
-    plain, fused = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    plain, fused = (SingleProcessRunner(path, "cuda:0", prompt_chunk=128) for _ in range(2))
     fused.decode_graph.fused_qk_norm = True
     for e in (plain, fused):
         e.prefill(PROMPT[:40])
@@ -194,11 +194,11 @@ def test_q_k_norm_in_the_attention_changes_no_bit(tmp_path, monkeypatch, kv_type
     """STRATA_FUSED_QK_NORM=attention: one-row steps normalise, rotate and write q and the new K/V
     in the attention (its _fq build, no qk_norm_rope_kv launch) with the separate kernel's
     arithmetic: the same logits bit for bit, steps of several rows on the plain path between."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=13)
-    plain = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, kv_type=kv_type)
+    plain = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, kv_type=kv_type)
     monkeypatch.setenv("STRATA_FUSED_QK_NORM", "attention")
-    fused = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, kv_type=kv_type)
+    fused = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, kv_type=kv_type)
     assert fused.decode_graph.fused_qk_attention and not plain.decode_graph.fused_qk_attention
     for e in (plain, fused):
         e.prefill(PROMPT[:70])      # the new keys land past a split's first cell and on its first
@@ -206,7 +206,7 @@ def test_q_k_norm_in_the_attention_changes_no_bit(tmp_path, monkeypatch, kv_type
         assert np.array_equal(np.asarray(plain.decode_step(rows)), np.asarray(fused.decode_step(rows)))
     monkeypatch.setenv("STRATA_FUSED_QK_NORM", "yes")
     with pytest.raises(ValueError, match="STRATA_FUSED_QK_NORM"):
-        SingleProcessRunner(path, "cuda:0", prefill_chunk=128)
+        SingleProcessRunner(path, "cuda:0", prompt_chunk=128)
 
 
 def _k_quant_model(tmp_path, seed=3):
@@ -222,9 +222,9 @@ def _k_quant_model(tmp_path, seed=3):
 
 def test_graph_decode_of_a_k_quant_file_matches_numpy(tmp_path, f16_kv_reference):
     """Q4_K experts (the synthetic writer's blocks) with F16 dense weights."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _k_quant_model(tmp_path)
-    cpu, gpu = SingleProcessRunner(path, "cpu", prefill_chunk=64), SingleProcessRunner(path, "cuda:0", prefill_chunk=64)
+    cpu, gpu = SingleProcessRunner(path, "cpu", prompt_chunk=64), SingleProcessRunner(path, "cuda:0", prompt_chunk=64)
     assert gpu.decode_graph is not None
     prompt = [int(x) for x in np.random.default_rng(5).integers(10, 1000, 70)]
     cpu.prefill(prompt)
@@ -239,7 +239,7 @@ def test_stage_takes_the_graph_only_with_every_expert_cached(tmp_path, monkeypat
     """With host reads off (STRATA_HOST_MAPPED=0; the default reads a partial cache's misses in
     place, test_host_mapped_misses_give_the_cached_stages_bits) a stage takes the graph only when
     its cache holds every expert, and both give the same tokens."""
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     monkeypatch.setenv("STRATA_HOST_MAPPED", "0")
     path = _model(tmp_path, "q8_0")
     full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
@@ -270,7 +270,7 @@ def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch, e
     read in place from pinned host memory by the same kernels, so its logits equal a fully
     cached stage's bit for bit, and each step's computations are counted by where they were.
     Q4_K experts take the integer path, whose lanes read the rows in place (host memory too)."""
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     path = _model(tmp_path, "q8_0", seed=10) if experts == "q8_0" else _k_quant_model(tmp_path)
     full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
                              cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
@@ -306,8 +306,8 @@ def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeyp
     memory. The decode graph reads all three kinds of address with the same kernels, so its
     logits equal a fully cached stage's bit for bit, and each step's computations are counted by
     tier. A helper tier that did not open leaves its pairs to host memory: the same bits."""
-    from strata_dist.experts import BlobArena
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.experts.stores import BlobArena
+    from strata_dist.rank.stage import Stage, StageConfig
     monkeypatch.delenv("STRATA_HOST_MAPPED", raising=False)
     path = _model(tmp_path, "q8_0", seed=10)
     full = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
@@ -351,9 +351,9 @@ def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeyp
 def test_steps_launched_ahead_give_the_same_tokens(tmp_path):
     """STRATA_DECODE_AHEAD: a greedy generation whose every next step is launched before the host
     reads the token gives the plain runner's tokens, and the steps ahead are the ones taken."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=16)
-    plain, ahead = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    plain, ahead = (SingleProcessRunner(path, "cuda:0", prompt_chunk=128) for _ in range(2))
     assert ahead.decode_graph.ahead_enabled            # the default
     plain.decode_graph.ahead_enabled = False            # as with STRATA_DECODE_AHEAD=0
     want = plain.generate(PROMPT[:40], 32).tokens
@@ -370,9 +370,9 @@ def test_a_step_ahead_not_taken_is_dropped(tmp_path):
     """A step launched ahead whose token the caller does not feed (a sampler that picked another
     token) is waited for and dropped; the step asked for is computed afresh, equal to a runner's
     without steps ahead. Logits read after a later launch raise instead of being another step's."""
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = _model(tmp_path, "q8_0", seed=17)
-    plain, ahead = (SingleProcessRunner(path, "cuda:0", prefill_chunk=128) for _ in range(2))
+    plain, ahead = (SingleProcessRunner(path, "cuda:0", prompt_chunk=128) for _ in range(2))
     ahead.decode_graph.ahead_enabled = True
     for e in (plain, ahead):
         e.prefill(PROMPT[:40])

@@ -1,6 +1,6 @@
 """GPU ranks with speculative decoding (`--spec 4`): greedy tokens of one stage and of two stages
 sharing the one GPU equal the single-process GPU run without speculation, for the n-gram drafter
-and for a draft model (strata_dist/draft_model.py): the target file itself (every draft accepted)
+and for a draft model (strata_dist/rank/draft_model.py): the target file itself (every draft accepted)
 and the same weights at f16 drafting for the q8_0 target (drafts accepted and rejected)."""
 import pytest
 
@@ -25,8 +25,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    from strata_dist.single_process import SingleProcessRunner
-    runner = SingleProcessRunner(files["target"], "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    from strata_dist.tools.single_process import SingleProcessRunner
+    runner = SingleProcessRunner(files["target"], "cuda:0", prompt_chunk=CHUNK, max_context=512)
     return runner.generate(PROMPT, 64).tokens
 
 

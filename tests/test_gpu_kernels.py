@@ -193,7 +193,7 @@ def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     """run_routed (routing and grouping on the device) gives every pair the bits run_spec gives
     it from the host's jobs: the grouping never shows."""
     from strata_dist.backends.expert_rows import RowsKernels
-    from strata_dist.experts import stored_rows_jobs
+    from strata_dist.experts.stores import stored_rows_jobs
     ex = Experts(QT.Q4_K, QT.Q6_K, seed=31)
     spec = ex.rows_layout()
     kernels = RowsKernels(0, mma=mma)

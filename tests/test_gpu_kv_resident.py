@@ -53,8 +53,8 @@ def _close(ref: np.ndarray, got: np.ndarray, what: str, tolerance: float = 1e-2)
 def _runners(path: str, attention_layer: int = 0, **kw):
     """(every cell resident, RESIDENT cells resident) on cuda:0, both taking the decode graph;
     `attention_layer`: a layer with K/V."""
-    from strata_dist.single_process import SingleProcessRunner
-    full, ring = (SingleProcessRunner(path, "cuda:0", prefill_chunk=CHUNK, max_context=CELLS,
+    from strata_dist.tools.single_process import SingleProcessRunner
+    full, ring = (SingleProcessRunner(path, "cuda:0", prompt_chunk=CHUNK, max_context=CELLS,
                                       kv_resident=n, **kw) for n in (0, RESIDENT))
     assert full.decode_graph is not None and not full.decode_graph.ring
     g = ring.decode_graph
@@ -131,10 +131,10 @@ def test_greedy_generations_with_steps_ahead_equal_every_cell_resident(qwen3moe_
 
 
 def test_a_stage_with_a_ring_equals_one_with_every_cell_resident(qwen3moe_path):
-    """The rank's path (strata_dist/stage.py): prompt chunks, graph steps, and a verify window of
+    """The rank's path (strata_dist/rank/stage.py): prompt chunks, graph steps, and a verify window of
     four rows (the general path, as speculative decoding runs it) whose last two drafts are
     rejected: the next graph step starts inside the window, so its ring is refilled first."""
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
     every = [(l, e) for l in range(3) for e in range(16)]
     full, ring = (Stage(StageConfig(qwen3moe_path, "cuda:0", 0, 3, True, True, CELLS,
                                     cache_pairs=every, kv_resident=n)) for n in (0, RESIDENT))

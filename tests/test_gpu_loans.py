@@ -32,8 +32,8 @@ def model128(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    from strata_dist.single_process import SingleProcessRunner
-    return SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
+    from strata_dist.tools.single_process import SingleProcessRunner
+    return SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
 
 
 def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
@@ -57,8 +57,8 @@ def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
         ids = PROMPT[:2 * CHUNK] + [11, 12, 13, 14, 15]
         again = s.gen(ids, 32, timeout=120)
         assert again["resume"] == 2 * CHUNK and again["err"] is None, again
-        from strata_dist.single_process import SingleProcessRunner
-        assert again["tokens"] == SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK,
+        from strata_dist.tools.single_process import SingleProcessRunner
+        assert again["tokens"] == SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK,
                                          max_context=512).generate(ids, 32).tokens
     finally:
         assert s.close() == 0
@@ -66,8 +66,8 @@ def test_gpu_loans_keep_the_tokens_and_hold_the_prompt_buffers(model, baseline):
 
 def _loan(model, chunk: int) -> int:
     """The slots the plan lends a chunk of this file (its prompt layout over the smallest blob)."""
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.model_shape import model_shape
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.models.shape import model_shape
     from strata_dist.plan.lend import loan_slots
     shape = model_shape(GGUFModel(str(model)), "cuda")
     return loan_slots(chunk, shape.prompt_bytes, min(shape.blob_bytes))
@@ -77,8 +77,8 @@ def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model128):
     """The same chunk read without a loan or workspace (every buffer from CuPy's pool) and with
     the loan the plan prices (the layout carved from it), counting what the stage asks of CuPy's
     allocator: without, every activation; with, only the rows handed on."""
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.rank.stage import Stage, StageConfig
     ids = PROMPT[:CHUNK]
     pool = cp.get_default_memory_pool()
     asked = {}
@@ -119,14 +119,14 @@ def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypa
     STRATA_DEVICE_ROUTING=1 both group on the device, the half stage computing its misses a
     streamed batch at a time (its last, short chunk on the host); with 0 both on the host: the
     same bits still, and every pair counted once by the tier that computed it."""
-    from strata_dist.single_process import SingleProcessRunner
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.tools.single_process import SingleProcessRunner
+    from strata_dist.rank.stage import Stage, StageConfig
     monkeypatch.setenv("STRATA_GROUPED_EXPERTS", "1")
     monkeypatch.setenv("STRATA_DEVICE_ROUTING", device_routing)
     monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")       # this file's Q8_0 dense matrices exact
-    eng = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    eng = SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK, max_context=512)
     assert eng.backend._rows is not None
-    ref = SingleProcessRunner(model, "cpu", prefill_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]
+    ref = SingleProcessRunner(model, "cpu", prompt_chunk=CHUNK, max_context=512).feed(PROMPT)[-1]
     got = np.asarray(eng.feed(PROMPT)[-1])
     assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
     every = [(l, e) for l in range(N_LAYERS) for e in range(N_EXPERTS)]

@@ -32,8 +32,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def step(model):
-    from strata_dist.stage import Stage, StageConfig
-    from strata_dist.stage_step import StageStep
+    from strata_dist.rank.stage import Stage, StageConfig
+    from strata_dist.rank.stage_step import StageStep
     stage = Stage(StageConfig(model, "cuda:0", 0, 3, True, True, 512,
                               cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
     assert stage.decode_graph is not None
@@ -42,8 +42,8 @@ def step(model):
 
 def _generate(step, request_id: int, sampling: Sampling):
     """(prompt progress messages, sampled Token messages) of one request on its own session."""
-    from strata_dist.coordinator import chunk_sampling
-    from strata_dist.stage_step import To
+    from strata_dist.head.coordinator import chunk_sampling
+    from strata_dist.rank.stage_step import To
     chunks = [PROMPT[i:i + CHUNK] for i in range(0, len(PROMPT), CHUNK)]
     progress, tokens, pending = [], [], []
     for i, c in enumerate(chunks):
@@ -63,7 +63,7 @@ def _generate(step, request_id: int, sampling: Sampling):
 
 
 def test_gpu_logprobs_and_bias(model, step, f16_kv_reference, float32_prompt_kernels):
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     _, plain = _generate(step, 1, Sampling(max_new=MAX_NEW))
     plain_ids = [t.token_id for t in plain]
     asked = Sampling(max_new=MAX_NEW, logprobs=True, top_logprobs=3, prompt_logprobs=True,

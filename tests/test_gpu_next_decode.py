@@ -27,8 +27,8 @@ def model(tmp_path_factory):
 
 
 def _runner(model, device, **kw):
-    from strata_dist.single_process import SingleProcessRunner
-    return SingleProcessRunner(model, device, prefill_chunk=CHUNK, max_context=512, **kw)
+    from strata_dist.tools.single_process import SingleProcessRunner
+    return SingleProcessRunner(model, device, prompt_chunk=CHUNK, max_context=512, **kw)
 
 
 def test_graph_decode_matches_numpy_over_64_steps(model, f16_kv_reference, float32_prompt_kernels):

@@ -25,16 +25,16 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    from strata_dist.single_process import SingleProcessRunner
-    runner = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    from strata_dist.tools.single_process import SingleProcessRunner
+    runner = SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK, max_context=512)
     runner.decode_graph.ahead_enabled = False      # every step after its token is read
     return runner.generate(PROMPT, 64).tokens
 
 
 @pytest.fixture(scope="module")
 def second_baseline(model):
-    from strata_dist.single_process import SingleProcessRunner
-    runner = SingleProcessRunner(model, "cuda:0", prefill_chunk=CHUNK, max_context=512)
+    from strata_dist.tools.single_process import SingleProcessRunner
+    runner = SingleProcessRunner(model, "cuda:0", prompt_chunk=CHUNK, max_context=512)
     return runner.generate(SECOND, 4).tokens
 
 

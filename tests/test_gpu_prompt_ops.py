@@ -119,14 +119,14 @@ def test_a_prompt_with_and_without_the_fused_ops(tmp_path, monkeypatch, float32_
     and then (measured 2026-12-02: one row of 200 moved 0.89 with f16 on, every row within
     7.4e-4 without)."""
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(3, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                     n_layers=3), tmp_path / "m.gguf", "q8_0")
     prompt = [int(x) for x in np.random.default_rng(4).integers(0, 320, 200)]
     out = {}
     for on in ("1", "0"):
         monkeypatch.setenv("STRATA_FUSED_PROMPT_OPS", on)
-        runner = SingleProcessRunner(path, "cuda:0", prefill_chunk=64, max_context=512)
+        runner = SingleProcessRunner(path, "cuda:0", prompt_chunk=64, max_context=512)
         out[on] = (runner.logits(prompt), runner.generate(prompt, 16).tokens)
     assert np.abs(out["1"][0] - out["0"][0]).max() <= 1e-3
     assert out["1"][1] == out["0"][1]
@@ -167,12 +167,12 @@ def test_quantized_dense_matrices_on_tensor_cores(tmp_path, f16_kv_reference):
     a wrong kernel's O(1). Measured on the H200 2026-12-02 on this model: the median row within
     5e-3 of the logits' scale, 9 rows of 200 beyond 5e-2, the worst 0.18."""
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(6, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                     n_layers=3), tmp_path / "m.gguf", "q8_0")
     prompt = [int(x) for x in np.random.default_rng(2).integers(0, 320, 200)]
-    ref = SingleProcessRunner(path, "cpu", prefill_chunk=64, max_context=512).logits(prompt)
-    got = SingleProcessRunner(path, "cuda:0", prefill_chunk=64, max_context=512).logits(prompt)
+    ref = SingleProcessRunner(path, "cpu", prompt_chunk=64, max_context=512).logits(prompt)
+    got = SingleProcessRunner(path, "cuda:0", prompt_chunk=64, max_context=512).logits(prompt)
     err = _row_errors(got, ref)
     assert np.median(err) <= 5e-3
     assert (err > 5e-2).sum() <= 0.1 * len(err) and err.max() <= 0.5, np.sort(err)[-12:]

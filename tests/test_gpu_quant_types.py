@@ -255,7 +255,7 @@ def test_a_tensor_no_kernel_reads_is_named_once_at_load(tmp_path, caplog):
     import logging
     from gguf import GGML_QUANT_SIZES, GGUFWriter
     from strata_dist.backends.cupy_backend import CupyBackend
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     w = GGUFWriter(str(tmp_path / "t.gguf"), "qwen3moe")
     types = {"blk.0.attn_q.weight": QT.TQ2_0, "blk.0.attn_k.weight": QT.Q4_0,
              "blk.0.ffn_gate_exps.weight": QT.TQ2_0, "blk.0.ffn_up_exps.weight": QT.TQ2_0,

@@ -38,7 +38,7 @@ def _differences(ref: np.ndarray, got: np.ndarray, what: str) -> tuple[float, st
 @pytest.mark.parametrize("scaling", ["yarn", "none"])
 def test_prompt_and_decode_on_gpu_match_numpy(tmp_path, scaling, f16_kv_reference,
                                               float32_prompt_kernels):
-    from strata_dist.single_process import SingleProcessRunner
+    from strata_dist.tools.single_process import SingleProcessRunner
     # 128-wide heads: the fused kernels' shape; an original context of 256 puts yarn's ramp
     # inside the head and the 300-token prompt past it
     base = tiny_qwen3moe(21, hidden=256, top_k=2, head_dim=128, n_layers=2)
@@ -49,8 +49,8 @@ def test_prompt_and_decode_on_gpu_match_numpy(tmp_path, scaling, f16_kv_referenc
     else:
         path = write_gguf(base, tmp_path / "plain.gguf", "f32")
     ids = [int(x) for x in np.random.default_rng(21).integers(0, 320, PROMPT + DECODED)]
-    cpu = SingleProcessRunner(path, "cpu", prefill_chunk=128, max_context=512)
-    gpu = SingleProcessRunner(path, "cuda:0", prefill_chunk=128, max_context=512)
+    cpu = SingleProcessRunner(path, "cpu", prompt_chunk=128, max_context=512)
+    gpu = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, max_context=512)
     assert gpu.decode_graph is not None, "the decode graph does not take this model"
     prompt = _differences(cpu.feed(ids[:PROMPT]), np.asarray(gpu.feed(ids[:PROMPT])),
                           f"{scaling}: the {PROMPT}-token prompt")

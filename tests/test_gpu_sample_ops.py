@@ -8,7 +8,7 @@ import pytest
 
 from strata_dist.backends import sample_ops
 from strata_dist.backends.step_slots import StepLogits
-from strata_dist.sampler import Sampler, SamplingParams, masked_row, token_logprobs
+from strata_dist.sampling.sampler import Sampler, SamplingParams, masked_row, token_logprobs
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""A helper tier re-ranks with the adaptive cache (strata_dist/helper_server.py): real CPU ranks
+"""A helper tier re-ranks with the adaptive cache (strata_dist/experts/helper_server.py): real CPU ranks
 through the launcher, two stages and a helper-only rank whose explicit tier serves both, a
 round after every step of every stage. The tokens are those with adaptation off, the tier swaps,
 and a stage that asks for a pair that left the tier before it heard is answered all the same."""
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from launch_helpers import ServeSession
-from strata_dist.helper_server import HelperServer
-from strata_dist.profile_io import record_profile, save_profile
+from strata_dist.experts.helper_server import HelperServer
+from strata_dist.tools.profile_io import record_profile, save_profile
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
 # q8_0 blobs of 3 x 256 x 256 weights (208 KiB): a 1 MiB tier holds 5 of the 32 pairs
@@ -112,7 +112,7 @@ def test_a_slot_moves_from_one_stages_layers_to_anothers(files):
     stage no longer routes to gives its slot to a hot pair of stage [0, 2)'s layers; the answer
     to each stage names only its own layers' pairs."""
     from strata_dist.backends import get_backend
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     tier = HelperServer.open(2, get_backend("cpu"), GGUFModel(files[0]), [(0, 1), (2, 1), (3, 1)],
                              L, E, adapt_swaps=4)
     warm = np.zeros((2, E))
@@ -130,7 +130,7 @@ def test_a_tier_read_in_place_never_swaps_and_bad_counts_are_refused(files):
     """A tier whose addresses a decode graph holds (ExpertTierAsk answered) keeps its pairs; counts
     of another shape, negative or not finite, are refused naming the layers."""
     from strata_dist.backends import get_backend
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     gguf = GGUFModel(files[0])
     pairs = [(0, 0), (1, 0)]
     tier = HelperServer.open(2, get_backend("cpu"), gguf, pairs, L, E, adapt_swaps=2)
@@ -150,9 +150,9 @@ def test_a_tier_is_given_the_counts_of_pairs_no_other_tier_holds(files):
     """A stage's round hands this card's tier its counts less the pairs its own cache holds and
     those another card's tier holds: two tiers never take the same hot pair."""
     from strata_dist.backends import get_backend
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.stage import Stage, StageConfig
-    from strata_dist.tiers import HelperClient
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.rank.stage import Stage, StageConfig
+    from strata_dist.experts.tiers import HelperClient
     tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
                              adapt_swaps=0)
     stage = Stage(StageConfig(files[0], "cpu", 0, 2, True, False, 64, cache_pairs=[(0, 1)],
@@ -177,9 +177,9 @@ def _stage_beside_two_tiers(files, tmp_path, read_in_place: bool = False):
     the returned router receives. Returns (stage, this card's tier, router, the other's client)."""
     from protocol.transport import RouterChannel
     from strata_dist.backends import get_backend
-    from strata_dist.gguf_model import GGUFModel
-    from strata_dist.stage import Stage, StageConfig
-    from strata_dist.tiers import HelperClient
+    from strata_dist.gguf_file.reader import GGUFModel
+    from strata_dist.rank.stage import Stage, StageConfig
+    from strata_dist.experts.tiers import HelperClient
     tier = HelperServer.open(0, get_backend("cpu"), GGUFModel(files[0]), [(0, 3), (1, 3)], L, E,
                              adapt_swaps=int(read_in_place))
     tier.read_in_place = read_in_place
@@ -224,7 +224,7 @@ def test_a_missed_pair_goes_to_the_tier_whose_coldest_slot_is_coldest():
     """tiers.offer_missed matches missed pairs to tiers as pick_swaps matches them to slots: the
     k-th hottest to the tier of the k-th coldest visible slot over every tier; a pair still
     awaiting a tier's answer stays with it; a size class none holds is spread by position."""
-    from strata_dist.tiers import offer_missed
+    from strata_dist.experts.tiers import offer_missed
     counts = np.zeros((2, 8))
     a, b = np.zeros((2, 8), dtype=bool), np.zeros((2, 8), dtype=bool)
     a[0, 0], a[0, 1] = True, True

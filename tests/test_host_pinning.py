@@ -1,12 +1,12 @@
-"""Whether a stage pins the experts its cache lacks (strata_dist/host_pinning.py): by default
+"""Whether a stage pins the experts its cache lacks (strata_dist/experts/host_pinning.py): by default
 wherever no other card's helper tier holds pairs for it, never past the host's available memory
 unless forced. The helper-pair rule is read off real stages on CPU ranks with a real helper link."""
 
 import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
-from strata_dist.host_pinning import PIN_SHARE, pin_room_error, reads_host_in_place
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.experts.host_pinning import PIN_SHARE, pin_room_error, reads_host_in_place
+from strata_dist.rank.stage import Stage, StageConfig
 
 
 @pytest.fixture(scope="module")

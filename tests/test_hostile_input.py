@@ -17,7 +17,7 @@ TIMEOUT = 120
 
 
 def tool(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "strata_dist.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", *args], capture_output=True,
                           text=True, timeout=TIMEOUT, env=env, **kw)
 
 
@@ -116,7 +116,7 @@ def test_a_cuda_device_without_cuda(model):
 
 
 @pytest.mark.parametrize("command", [
-    "strata_dist.cli generate --max-new 300",
+    "strata_dist.tools.cli generate --max-new 300",
     "launcher.cli --cpu-ranks 1 --prompt-ids 1,2,3 --max-new 300",
     "launcher.cli --cpu-ranks 1 --plan-only",
     "launcher.cli --cpu-ranks 1 --serve",
@@ -131,7 +131,7 @@ def test_output_closed_early_is_no_traceback(model, command):
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("module,extra", [("strata_dist.cli", ["generate"]),
+@pytest.mark.parametrize("module,extra", [("strata_dist.tools.cli", ["generate"]),
                                           ("launcher.cli", ["--cpu-ranks", "1"])],
                          ids=["generate", "launch"])
 def test_a_prompt_that_is_not_utf8_is_refused(model, module, extra):
@@ -162,7 +162,7 @@ def test_a_model_file_that_cannot_be_read(model, tmp_path):
     locked.write_bytes(open(model, "rb").read())
     locked.chmod(0o000)
     try:
-        proc = subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model",
+        proc = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model",
                                str(locked)], capture_output=True, text=True, timeout=TIMEOUT,
                               preexec_fn=_without_root_file_access if os.geteuid() == 0 else None)
     except subprocess.SubprocessError as e:

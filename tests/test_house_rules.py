@@ -1,12 +1,14 @@
 """Rules of the code's shape, read from the source with `ast` (GPU-only modules, which cannot be
 imported here, are held to them too):
 
-- a backend (strata_dist/backends/) imports none of the expert tiers' modules (experts, tiers,
-  host_pinning): what a backend needs of them it is passed (the store a model holds);
+- a backend (strata_dist/backends/) imports no module of the experts' folder (strata_dist/experts/:
+  the stores, the tiers, host pinning, the helper server, the adaptive cache): what a backend needs
+  of them it is passed (the store a model holds);
 - code outside backends/ never branches on a backend's name (`backend.name == "cupy"`): it asks
   a capability the backend declares (`backend.on_gpu`);
 - no Python file is longer than MAX_LINES.
 
+The rules between strata_dist/'s folders by role are tests/test_layering.py's (FOLDER_IMPORTS).
 The fourth rule of the kind, that only the options module reads a compute switch from the
 environment, is tests/test_compute_options.py's (test_only_the_readers_read_the_compute_variables).
 
@@ -22,7 +24,7 @@ from test_layering import _imports, _modules
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-TIER_MODULES = {"strata_dist.experts", "strata_dist.tiers", "strata_dist.host_pinning"}
+EXPERTS_FOLDER = "strata_dist.experts"
 PACKAGES = ("strata_dist", "launcher", "protocol", "benchmarks", "tests")
 
 NAME_CHECK_EXCEPTIONS: dict[str, str] = {}
@@ -47,9 +49,13 @@ def _check_exceptions(failing: dict[str, list[str]], exceptions: dict[str, str])
 
 # ---- backends import no tier module -------------------------------------------------------------
 def tier_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """backend module -> the tier modules it imports (at the top or inside a function)."""
-    return {m: sorted(deps & TIER_MODULES) for m, deps in graph.items()
-            if m.startswith("strata_dist.backends") and deps & TIER_MODULES}
+    """backend module -> the experts' folder's modules it imports (at the top or inside a function)."""
+    out = {}
+    for module, deps in graph.items():
+        tiers = sorted(d for d in deps if d == EXPERTS_FOLDER or d.startswith(EXPERTS_FOLDER + "."))
+        if module.startswith("strata_dist.backends") and tiers:
+            out[module] = tiers
+    return out
 
 
 def test_no_backend_imports_the_expert_tiers():
@@ -59,9 +65,11 @@ def test_no_backend_imports_the_expert_tiers():
 
 
 def test_the_tier_import_finder_finds_one_inside_a_function():
-    graph = {"strata_dist.backends.x": {"strata_dist.tiers", "strata_dist.backends.base"},
-             "strata_dist.stage": {"strata_dist.tiers"}, "strata_dist.backends.y": set()}
-    assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.tiers"]}
+    graph = {"strata_dist.backends.x": {"strata_dist.experts.tiers", "strata_dist.backends.base"},
+             "strata_dist.backends.z": {"strata_dist.experts.adapt", "strata_dist.experts_like"},
+             "strata_dist.rank.stage": {"strata_dist.experts.tiers"}, "strata_dist.backends.y": set()}
+    assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.experts.tiers"],
+                                   "strata_dist.backends.z": ["strata_dist.experts.adapt"]}
 
 
 # ---- no branch on a backend's name outside backends/ --------------------------------------------

@@ -536,7 +536,7 @@ def test_expert_layout_of_a_file_and_a_refusal(tmp_path, monkeypatch):
     from gguf import GGMLQuantizationType as QT
 
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     from strata_dist.kernels.abi import ExpertLayout, KERNEL_TYPES, expert_layout
     g = GGUFModel(write_gguf(tiny_qwen3moe(5, head_dim=32), tmp_path / "q8.gguf", "q8_0"))
     lay = expert_layout(g, 1)

@@ -12,11 +12,11 @@ import pytest
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from strata_dist.backends.kv_cache import KV_TYPES, Q8Rows, kv_cell_bytes, new_kv
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.plan.pricing import session_bytes, session_parts
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
 
 CELLS = 96
 PROMPT = [5, 17, 3, 250, 99, 4, 180, 61, 7, 42, 11, 12, 13, 14]
@@ -81,15 +81,15 @@ def test_sessions_equal_priced_for_every_type(moe32, next32, kv_type, lb, le, re
 @pytest.mark.parametrize("kv_type,tol", [("f16", 1e-2), ("q8_0", 6e-2)])
 def test_logits_stay_near_float32(moe32, next32, kv_type, tol):
     for path in (moe32, next32):
-        ref = SingleProcessRunner(path, "cpu", max_context=CELLS, prefill_chunk=5).feed(PROMPT)
-        got = SingleProcessRunner(path, "cpu", max_context=CELLS, prefill_chunk=5,
+        ref = SingleProcessRunner(path, "cpu", max_context=CELLS, prompt_chunk=5).feed(PROMPT)
+        got = SingleProcessRunner(path, "cpu", max_context=CELLS, prompt_chunk=5,
                                   kv_type=kv_type).feed(PROMPT)
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert 0 < err <= tol, (path, kv_type, err)
 
 
 def test_a_launch_gives_every_rank_the_type(moe32):
-    want = SingleProcessRunner(moe32, "cpu", max_context=256, prefill_chunk=8,
+    want = SingleProcessRunner(moe32, "cpu", max_context=256, prompt_chunk=8,
                                kv_type="q8_0").generate(PROMPT, 10).tokens
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", moe32, "--cpu-ranks",
                           "2", "--layer-split", "2", "--max-context", "256", "--prefill", "8",
@@ -104,7 +104,7 @@ def test_q8_0_refused_for_heads_that_are_not_whole_blocks(tmp_path):
     path = str(write_gguf(tiny_qwen3moe(23), tmp_path / "h16.gguf"))      # head_dim 16
     for argv in ([sys.executable, "-m", "launcher.cli", "--model", path, "--cpu-ranks", "1",
                   "--kv-type", "q8_0", "--prompt-ids", "1,2", "--max-new", "1"],
-                 [sys.executable, "-m", "strata_dist.cli", "generate", "--model", path,
+                 [sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model", path,
                   "--kv-type", "q8_0", "--max-new", "1"]):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr

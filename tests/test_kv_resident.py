@@ -15,11 +15,11 @@ from hf_fixtures import tiny_qwen3moe, write_gguf
 from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next_gguf
 from launch_helpers import ServeSession
 from strata_dist.backends.kv_cache import RingKV, new_kv
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.model_shape import model_shape
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.models.shape import model_shape
 from strata_dist.plan.pricing import KV_SINK_CELLS, session_bytes, session_host_bytes, session_parts
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
 
 CELLS = 128
 CHUNK = 8
@@ -106,7 +106,7 @@ def test_sessions_carve_the_priced_device_and_host_parts(models, arch, lb, le, k
 # ---- the same tokens and logits -------------------------------------------------------------------
 
 def _runner(path, kv_type, resident=0):
-    return SingleProcessRunner(path, "cpu", max_context=CELLS, prefill_chunk=CHUNK,
+    return SingleProcessRunner(path, "cpu", max_context=CELLS, prompt_chunk=CHUNK,
                                kv_type=kv_type, kv_resident=resident)
 
 
@@ -134,7 +134,7 @@ def test_a_resumed_prefix_reads_on_as_every_cell_resident(models, arch):
     follow = PROMPT[:26] + [60, 61, 62, 63, 64]
     out = []
     for resident in (0, RESIDENT):
-        r = SingleProcessRunner(models[arch], "cpu", max_context=CELLS, prefill_chunk=CHUNK,
+        r = SingleProcessRunner(models[arch], "cpu", max_context=CELLS, prompt_chunk=CHUNK,
                                 checkpoint_every=CHUNK, kv_resident=resident)
         first = r.generate(PROMPT, 20).tokens
         reuse = r.resume_point(follow)            # where a resumed request reads on (stream)
@@ -232,7 +232,7 @@ def test_bad_values_are_refused_with_one_line(models, tool):
     path = models["qwen3moe"]
     base = (["launcher.cli", "--model", path, "--cpu-ranks", "1", "--prompt-ids", "1,2",
              "--max-new", "1", "--prefill", "16", "--max-context", "64"] if tool == "launch" else
-            ["strata_dist.cli", "generate", "--model", path, "--max-new", "1", "--prefill", "16",
+            ["strata_dist.tools.cli", "generate", "--model", path, "--max-new", "1", "--prefill", "16",
              "--max-context", "64"])
     line = _refused(base + ["--kv-resident", "64"])
     assert "--kv-resident 64" in line and "--max-context 64" in line and "every cell" in line
@@ -245,7 +245,7 @@ def test_bad_values_are_refused_with_one_line(models, tool):
         # the GPU ring kernels take f16 K/V only: q8_0 is refused on a GPU
         gpu = (["launcher.cli", "--model", models[arch], "--gpus", "0", "--prompt-ids", "1,2",
                 "--max-new", "1"] if tool == "launch" else
-               ["strata_dist.cli", "generate", "--model", models[arch], "--device", "cuda:0"])
+               ["strata_dist.tools.cli", "generate", "--model", models[arch], "--device", "cuda:0"])
         line = _refused(gpu + ["--prefill", "16", "--max-context", "64", "--kv-resident", "32",
                                "--kv-type", "q8_0"])
         assert "--kv-resident 32" in line and ("--gpus 0" in line or "cuda:0" in line)
@@ -258,11 +258,11 @@ def test_bad_values_are_refused_with_one_line(models, tool):
 
 
 def test_gpu_ring_kernels_take_both_architectures_f16_only(models, tmp_path):
-    """Which --kv-resident runs the GPU ranks take (strata_dist/cli.py gpu_kv_resident_refusal,
+    """Which --kv-resident runs the GPU ranks take (strata_dist/tools/cli.py gpu_kv_resident_refusal,
     the launcher's and the generate tool's check): qwen3moe's and qwen3next's f16 K/V (their
     decode graphs' ring builds), not q8_0, not an architecture without ring builds."""
     from hf_fixtures import tiny_qwen35moe, write_qwen35moe_gguf
-    from strata_dist.cli import gpu_kv_resident_refusal
+    from strata_dist.tools.cli import gpu_kv_resident_refusal
     from strata_dist.models import open_checked
     for arch in ("qwen3moe", "qwen3next"):
         gguf = open_checked(models[arch])

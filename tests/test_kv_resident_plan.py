@@ -24,7 +24,7 @@ CELLS = 8192
 def _plan(shape, free, resident, **kw):
     return make_plan(shape, make_devices(free), cells=CELLS, split=kw.pop("split", [4]),
                      params=PlanParams(kv_resident=resident, **kw.pop("params", {})),
-                     prefill=kw.pop("prefill", 256), **kw)
+                     prompt_chunk=kw.pop("prompt_chunk", 256), **kw)
 
 
 @pytest.mark.parametrize("kinds", [None, hybrid_kinds(8)])
@@ -64,8 +64,8 @@ def _one_more_cell_does_not_fit(shape, plan, st):
     per_cell = plan.params.sessions * sum(
         shape.kv_bytes_per_cell[l] for l in range(st.lb, st.le)
         if shape.layer_kind[l] == "attention")
-    prompt = shape.prompt_bytes(plan.chunk)
-    if plan.chunk_auto:
+    prompt = shape.prompt_bytes(plan.prompt_chunk)
+    if plan.prompt_chunk_auto:
         prompt = -(-prompt * 100 // plan.params.lend_pct)
     return st.budget_bytes - prompt < per_cell
 
@@ -130,9 +130,9 @@ def test_the_floor_and_the_auto_chunk():
     with pytest.raises(PlanError, match=r"--kv-resident 259 .*floor of 260.*--prefill 256"):
         _plan(shape, [4000, 4000], 259)
     with pytest.raises(PlanError, match=r"--kv-resident 259 .*floor of 260.*--prefill auto"):
-        _plan(shape, [4000, 4000], 259, prefill=None)      # the smallest auto chunk is 256
-    auto_chunk = _plan(shape, [4000, 4000], 700, prefill=None)
-    assert auto_chunk.chunk == 512                         # the ring holds a whole chunk
+        _plan(shape, [4000, 4000], 259, prompt_chunk=None)      # the smallest auto chunk is 256
+    auto_chunk = _plan(shape, [4000, 4000], 700, prompt_chunk=None)
+    assert auto_chunk.prompt_chunk == 512                         # the ring holds a whole chunk
     assert session_parts(shape, CELLS, 0, 4, 100)["kv"] < session_parts(shape, CELLS, 0, 4)["kv"]
 
 

@@ -73,7 +73,7 @@ def test_text_prompt_through_the_models_tokenizer(tmp_path):
     from strata_dist.synth import write_synthetic
     path = tmp_path / "tiny.gguf"
     write_synthetic(path, like="tiny", quant="f32", popularity="uniform")
-    single = subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model", str(path),
+    single = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model", str(path),
                              "--prompt", "the cat", "--max-new", "8"], capture_output=True,
                             text=True, timeout=60)
     assert single.returncode == 0, single.stderr

@@ -1,11 +1,37 @@
 """The layering the design promises, read from the source: imports point only from launcher/ to
 strata_dist/ to protocol/ (never back up), the planner imports no backend, and no module imports
-itself through a circle, counting imports inside functions too."""
+itself through a circle, counting imports inside functions too.
+
+Inside strata_dist/ the folders follow the processes (docs/ARCHITECTURE.md): FOLDER_IMPORTS says
+which folders each may import. The head talks to the ranks by messages only, so it imports nothing
+of a rank, its experts or its compute; the server is the head's surface; the compute folders
+(backends, models, experts) never reach up into a rank, the head or the tools; the planner, the
+kernels' sources and the file reader import none of the others. The root keeps only SHARED, the
+modules several processes use."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"protocol": 0, "strata_dist": 1, "launcher": 2}
+
+# strata_dist/'s root modules, each used by several roles (the rest live in a folder by role)
+SHARED = {"checkpoints", "compute_options", "devices", "flag_values"}
+_BELOW_MODELS = {"backends", "experts", "gguf_file", "kernels", "plan", "shared"}
+FOLDER_IMPORTS: dict[str, set[str]] = {
+    "plan": set(),                                              # pure: no I/O, no backend
+    "kernels": set(),
+    "gguf_file": set(),
+    "shared": {"kernels"},
+    "synth": {"gguf_file"},
+    "backends": {"gguf_file", "kernels", "plan", "shared"},
+    "experts": {"backends", "gguf_file", "kernels", "plan", "shared"},
+    "models": _BELOW_MODELS,
+    "sampling": _BELOW_MODELS | {"models"},
+    "rank": _BELOW_MODELS | {"models", "sampling"},
+    "head": {"gguf_file", "plan", "sampling", "shared"},
+    "server": {"gguf_file", "head", "plan", "sampling", "shared"},
+    "tools": _BELOW_MODELS | {"models", "rank", "sampling", "synth"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -82,6 +108,52 @@ def test_imports_point_down_and_never_in_a_circle():
     assert not _cycles(graph), _cycles(graph)
     planner = {d for m, ds in graph.items() if m.startswith("strata_dist.plan") for d in ds}
     assert not {d for d in planner if d.startswith("strata_dist.backends")}, planner
+
+
+def folder_of(module: str) -> str | None:
+    """strata_dist's folder a module lives in ("shared" for the root's modules); None outside."""
+    parts = module.split(".")
+    if parts[0] != "strata_dist" or len(parts) == 1:
+        return None
+    return "shared" if parts[1] in SHARED else parts[1]
+
+
+def folder_breaches(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, import) pairs where a strata_dist folder imports one FOLDER_IMPORTS does not allow."""
+    out = []
+    for module, deps in graph.items():
+        mine = folder_of(module)
+        if mine is None:
+            continue
+        for dep in sorted(deps):
+            theirs = folder_of(dep)
+            if theirs is not None and theirs != mine and theirs not in FOLDER_IMPORTS.get(mine, set()):
+                out.append((module, dep))
+    return out
+
+
+def test_every_strata_dist_module_has_a_folder_with_rules():
+    pkg = ROOT / "strata_dist"
+    root_modules = {p.stem for p in pkg.glob("*.py")} - {"__init__"}
+    assert root_modules == SHARED, "a module at strata_dist/'s root belongs in a folder by role"
+    folders = {p.parent.name for p in pkg.glob("*/__init__.py")}
+    assert folders == set(FOLDER_IMPORTS) - {"shared"}, folders ^ (set(FOLDER_IMPORTS) - {"shared"})
+
+
+def test_strata_dist_folders_import_only_what_their_role_allows():
+    graph = _imports(_modules())
+    assert {folder_of(m) for m in graph} >= set(FOLDER_IMPORTS)      # the walk found every folder
+    assert not folder_breaches(graph), folder_breaches(graph)
+
+
+def test_the_folder_rule_finds_a_breach():
+    graph = {"strata_dist.head.session": {"strata_dist.rank.stage", "strata_dist.sampling.sampler",
+                                          "strata_dist.checkpoints", "protocol.messages"},
+             "strata_dist.backends.ops": {"strata_dist.experts.tiers", "strata_dist.kernels.abi"},
+             "strata_dist.models.common": {"strata_dist.experts.stores"},
+             "launcher.cli": {"strata_dist.rank.stage"}}
+    assert folder_breaches(graph) == [("strata_dist.head.session", "strata_dist.rank.stage"),
+                                      ("strata_dist.backends.ops", "strata_dist.experts.tiers")]
 
 
 def test_the_cycle_finder_finds_a_circle():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from launch_helpers import ServeSession, rank_pids, wait_gone
-from strata_dist.profile_io import load_profile, record_profile
+from strata_dist.tools.profile_io import load_profile, record_profile
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
 TINY = GEOMETRIES["tiny"]
@@ -168,7 +168,7 @@ def test_speculation_counts_only_the_rows_that_stand(hf_models, arch, tmp_path):
 def test_the_adapt_clock_ticks_by_the_rows_that_stand(hf_models):
     """A window of 5 rows of which 2 stand (the next step comes at its third row): the counts and
     the adaptive cache's token clock are those of 2 one-row steps."""
-    from strata_dist.stage import Stage, StageConfig
+    from strata_dist.rank.stage import Stage, StageConfig
 
     def stage():
         return Stage(StageConfig(hf_models["next"], "cpu", 0, 4, True, True, 128,

@@ -42,7 +42,7 @@ import gguf
 import numpy as np
 import pytest
 
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 from strata_dist.synth import (FILE_TYPES, GEOMETRIES, NEXT_GEOMETRIES, SynthGeometry,
                                write_synthetic)
 

@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from server_helpers import ServerProcess                    # noqa: E402
-from strata_dist.single_process import SingleProcessRunner  # noqa: E402
+from strata_dist.tools.single_process import SingleProcessRunner  # noqa: E402
 from strata_dist.synth import write_synthetic               # noqa: E402
-from strata_dist.tokenizer import GGUFTokenizer             # noqa: E402
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer             # noqa: E402
 
 RANK_ARGS = ("--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G", "--max-context", "4096",
              "--gpu-order", "as_given", "--prefill", "8")

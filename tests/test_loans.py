@@ -6,9 +6,9 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.rank.stage import Stage, StageConfig
 
 CHUNK = 16
 N_LAYERS, N_EXPERTS, TOP_K = 8, 64, 2
@@ -26,7 +26,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    return SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
+    return SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 32).tokens
 
 
 def test_lend_and_refill_keep_the_tokens(model, baseline):
@@ -46,7 +46,7 @@ def test_lend_and_refill_keep_the_tokens(model, baseline):
             assert int(r["streamed"]) > 0, r
         # decode after the refill reads the refilled slots: a wrong refill would change tokens
         again = s.gen(PROMPT[:40], 32)
-        fresh = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT[:40], 32)
+        fresh = SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=512).generate(PROMPT[:40], 32)
         assert again["tokens"] == fresh.tokens
     finally:
         assert s.close() == 0

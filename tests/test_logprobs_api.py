@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from server_helpers import client_fixture, server_fixture, tiny_model_fixture, tokenizer_fixture
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 RANK_ARGS = ("--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G", "--max-context", "4096",
              "--gpu-order", "as_given", "--prefill", "8")

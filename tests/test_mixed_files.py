@@ -15,8 +15,8 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hf_fixtures import hf_logits, load_gguf_weights_into
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.tools.single_process import SingleProcessRunner
 from strata_dist.synth import SynthGeometry, write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def _tokens(*cmd: str) -> list[int]:
 
 
 def _single(path: str) -> list[int]:
-    return _tokens("strata_dist.cli", "generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new", "4")
+    return _tokens("strata_dist.tools.cli", "generate", "--model", path, "--prompt-ids", "1,2,3", "--max-new", "4")
 
 
 def _two_ranks(path: str) -> list[int]:

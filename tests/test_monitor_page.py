@@ -18,7 +18,7 @@ import pytest
 from server_helpers import ServerProcess, tiny_model_fixture
 from strata_dist.server.history import RECENT_REQUESTS, StatusHistory
 from strata_dist.server.worker import Worker
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from monitor_screenshot import headless_chromium  # noqa: E402

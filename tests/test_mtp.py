@@ -1,5 +1,5 @@
 """qwen3next files with a multi-token-prediction block, and `--spec K --draft mtp`
-(strata_dist/mtp_draft.py).
+(strata_dist/sampling/mtp_draft.py).
 
 - a tiny-next file written with the block (synth --mtp, llama.cpp's converter layout) runs its
   stack exactly as the same file without it: tokens of one process and of two CPU ranks, and the
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from launch_helpers import ServeSession
-from strata_dist.mtp_draft import MtpDrafter, MtpSession, plan_bytes
+from strata_dist.sampling.mtp_draft import MtpDrafter, MtpSession, plan_bytes
 from strata_dist.models import architecture_for, open_checked
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
 from strata_dist.synth import write_synthetic
 
 CTX = 256
@@ -64,9 +64,9 @@ def test_the_block_is_laid_out_as_the_converter_writes_it(files):
 
 
 def test_the_stack_runs_as_the_file_without_the_block(files):
-    want = SingleProcessRunner(files["plain"], prefill_chunk=16,
+    want = SingleProcessRunner(files["plain"], prompt_chunk=16,
                                max_context=CTX).generate(PROMPT, 16).tokens
-    got = SingleProcessRunner(files["mtp"], prefill_chunk=16,
+    got = SingleProcessRunner(files["mtp"], prompt_chunk=16,
                               max_context=CTX).generate(PROMPT, 16).tokens
     assert list(got) == list(want)
     s = ServeSession(files["mtp"], "--cpu-ranks", "2", "--layer-split", "4", "--prefill", "16",
@@ -199,7 +199,7 @@ def test_the_block_steps_as_the_summary_says(files):
 
 @pytest.mark.parametrize("split", ["", "4"])
 def test_greedy_tokens_equal_with_draft_mtp(files, split):
-    want = SingleProcessRunner(files["plain"], prefill_chunk=16,
+    want = SingleProcessRunner(files["plain"], prompt_chunk=16,
                                max_context=CTX).generate(PROMPT, 24).tokens
     args = ["--cpu-ranks", "2" if split else "1", "--prefill", "16", "--max-context", str(CTX),
             "--vram-budget", "1G", "--gpu-order", "as_given", "--spec", "4", "--draft", "mtp"]
@@ -216,7 +216,7 @@ def test_greedy_tokens_equal_with_draft_mtp(files, split):
         follow = PROMPT + out["tokens"][:5] + [7, 8, 9]
         again = s.gen(follow, 8)
         assert again["err"] is None and again["tokens"] == list(
-            SingleProcessRunner(files["plain"], prefill_chunk=16,
+            SingleProcessRunner(files["plain"], prompt_chunk=16,
                                 max_context=CTX).generate(follow, 8).tokens)
     finally:
         assert s.close() == 0
@@ -241,8 +241,8 @@ def test_the_block_is_priced_on_the_last_stage_as_carved(files):
     # what the drafter carves: the priced bytes less the catch-up call's buffers (a reserve)
     stage = Stage(StageConfig(path, "cpu", 4, 8, False, True, CTX))
     drafter = MtpDrafter(path, "cpu", CTX, stage.model)
-    from strata_dist.model_shape import model_shape
-    from strata_dist.mtp_draft import CATCH_UP_ROWS
+    from strata_dist.models.shape import model_shape
+    from strata_dist.sampling.mtp_draft import CATCH_UP_ROWS
     work = model_shape(open_checked(path), "cpu", None).prompt_bytes(CATCH_UP_ROWS)
     assert drafter.weights_bytes + drafter.session_bytes() == want - work
 
@@ -364,7 +364,7 @@ def test_a_session_keeps_the_latest_rows_in_order(files, monkeypatch):
     """The rows a session keeps before its next draft: continued, their tail overwritten by a
     window that starts inside them, the oldest dropped past PENDING_ROWS, a zero row for each
     position it lacks."""
-    import strata_dist.mtp_draft as mtp_draft
+    import strata_dist.sampling.mtp_draft as mtp_draft
     from strata_dist.backends import get_backend
     monkeypatch.setattr(mtp_draft, "PENDING_ROWS", 5)
     gguf_file = open_checked(files["mtp"])
@@ -453,7 +453,7 @@ def test_rows_of_another_conversation_read_as_zero_rows(files):
 def test_the_pending_rows_are_priced_only_where_the_host_is_the_device(files, monkeypatch):
     """A session's pending hidden rows are host memory: a CPU rank's price holds them (n_embd
     float32 a row), a GPU's reserve does not."""
-    import strata_dist.mtp_draft as mtp_draft
+    import strata_dist.sampling.mtp_draft as mtp_draft
     path = files["mtp"]
     n_embd = int(gguf.GGUFReader(path).fields["qwen3next.embedding_length"].parts[-1][0])
     before = {kind: plan_bytes(path, kind, None, CTX) for kind in ("cpu", "cuda")}

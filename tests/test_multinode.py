@@ -22,8 +22,8 @@ from launch_helpers import LineProcess
 from netns_helpers import NetLab, python, unavailable
 from protocol.auth import write_secret
 from protocol.transport import write_curve_keys
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
 
 CHUNK = 16
 PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
@@ -56,7 +56,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(files):
-    return SingleProcessRunner(files["model"], prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
+    return SingleProcessRunner(files["model"], prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 24).tokens
 
 
 def head(lab, files, *extra, expect=2) -> LineProcess:
@@ -72,7 +72,7 @@ def head(lab, files, *extra, expect=2) -> LineProcess:
 
 def rank(lab, files, host, *extra, model=None, token=None, prefix=()) -> subprocess.Popen:
     log = open(files["dir"] / f"rank-{host}-{time.monotonic_ns()}.log", "w+")
-    argv = [*(prefix or [sys.executable, "-m", "strata_dist.rank_main"]),
+    argv = [*(prefix or [sys.executable, "-m", "strata_dist.rank.main"]),
             "--coordinator", f"tcp://{lab.ip('head')}:{PORT}", "--model", model or files["model"],
             "--vram-budget", "1G", "--token-file", token or files["token"], "--host-id", host,
             "--connect-timeout", "3", "--coordinator-timeout", "4", *extra]
@@ -255,10 +255,10 @@ def test_refusals_over_tcp_name_both_values(lab, files):
     the head names both fingerprints and both versions, and keeps waiting."""
     h = head(lab, files, expect=1)
     v = "import protocol.messages as m, protocol.codec as c, protocol.auth as a, " \
-        "strata_dist.rank as r, sys; v = m.PROTOCOL_VERSION + 1; " \
+        "strata_dist.rank.shell as r, sys; v = m.PROTOCOL_VERSION + 1; " \
         "m.PROTOCOL_VERSION = c.PROTOCOL_VERSION = a.PROTOCOL_VERSION = r.PROTOCOL_VERSION = v; " \
         "m.VersionMismatch.__init__.__defaults__ = (v,); " \
-        "from strata_dist.rank_main import main; sys.exit(main(sys.argv[1:]))"
+        "from strata_dist.rank.main import main; sys.exit(main(sys.argv[1:]))"
     try:
         wrong = rank(lab, files, "a", token=files["wrong"])
         other = rank(lab, files, "b", model=files["other"])
@@ -342,11 +342,11 @@ def test_calibrating_the_link_between_two_hosts(lab, files):
     prober is done."""
     import json
     port = PORT + 31
-    peer = lab.popen("b", [python(), "-m", "strata_dist.cli", "calibrate", "--serve", str(port),
+    peer = lab.popen("b", [python(), "-m", "strata_dist.tools.cli", "calibrate", "--serve", str(port),
                            "--bind", lab.ip("b"), "--idle", "60"], stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True)
     out = files["dir"] / "calibration.json"
-    prober = lab.popen("a", [python(), "-m", "strata_dist.cli", "calibrate", "--peer",
+    prober = lab.popen("a", [python(), "-m", "strata_dist.tools.cli", "calibrate", "--peer",
                              f"{lab.ip('b')}:{port}", "--rounds", "100", "--out", str(out)],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

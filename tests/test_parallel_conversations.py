@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from server_helpers import ServerProcess
-from strata_dist.conversation_table import SharedConversationTable
+from strata_dist.head.conversation_table import SharedConversationTable
 
 N_NEW = 4          # a first turn's reply
 N_FOLLOW = 12      # a follow-up's: long enough that follow-ups decode while others resume

@@ -2,7 +2,7 @@
 
 A real `strata-launch --port` on a CPU rank and real streaming HTTP clients: two streams decode
 while a third request's 16,384-token prompt is read. The prompt goes a chunk per decode step
-(strata_dist/batch_scheduler.py), so each stream's longest wait for a token while it is read is
+(strata_dist/head/batch_scheduler.py), so each stream's longest wait for a token while it is read is
 about one chunk's reading and one step, never the whole prompt's. The bound is in chunks, measured
 on this run (the prompt's own reading time over its chunk count), not in seconds: a loaded machine
 slows chunks and tokens alike."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from server_helpers import ServerProcess
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 LONG = 16_384
 CHUNK = 512          # --prefill: 32 chunks of prompt

@@ -1,5 +1,5 @@
 """Speculation among many users: `--parallel B --spec K` (protocol/batch.py's verify windows,
-strata_dist/batch_scheduler.py, strata_dist/stage_step.py).
+strata_dist/head/batch_scheduler.py, strata_dist/rank/stage_step.py).
 
 A batched step carries, per running request, its last token and the drafts the last stage sent
 with it (none for some); every stage runs each window as its session's verify window, the last
@@ -224,7 +224,7 @@ def test_each_session_keeps_its_window_state_priced_and_the_prediction_is_over_a
 
     from protocol.batch import MAX_WINDOW_ROWS
     from strata_dist.plan.pricing import DECODE_ROWS
-    from strata_dist.speculative import MAX_SPEC
+    from strata_dist.sampling.speculative import MAX_SPEC
     assert MAX_WINDOW_ROWS == DECODE_ROWS == MAX_SPEC + 1   # any --spec K's window crosses the wire
     shape = make_shape(n_layers=12, kinds=hybrid_kinds(12))
     lin = next(l for l in range(12) if shape.layer_kind[l] == "linear")
@@ -268,7 +268,7 @@ def test_a_draft_session_per_session_is_priced_as_carved(synth, tmp_path, drafte
     import sys
 
     if drafter.startswith("model"):
-        from strata_dist.draft_model import DraftModel
+        from strata_dist.rank.draft_model import DraftModel
         if drafter == "model":
             model, draft = synth["tiny"], synth["tiny-q8"]
         else:
@@ -282,11 +282,11 @@ def test_a_draft_session_per_session_is_priced_as_carved(synth, tmp_path, drafte
         sizes = [carver.stage.session(sid).nbytes + carver.stage.checkpoint_store(sid).nbytes
                  for sid in range(4)]
     else:
-        from strata_dist.mtp_draft import MtpDrafter
+        from strata_dist.sampling.mtp_draft import MtpDrafter
         from strata_dist.synth import write_synthetic
         model, flags = str(tmp_path / "next-mtp.gguf"), ["--draft", "mtp"]
         write_synthetic(model, like="tiny-next", quant="f32", seed=3, mtp=True)
-        from strata_dist.stage import Stage, StageConfig
+        from strata_dist.rank.stage import Stage, StageConfig
         last = Stage(StageConfig(model, "cpu", 0, 8, True, True, 256))   # the head it drafts with
         carver = MtpDrafter(model, "cpu", 256, last.model)
         sizes = [carver.session(sid).nbytes for sid in range(4)]

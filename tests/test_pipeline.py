@@ -12,7 +12,7 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession, rank_pids, wait_gone
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 CHUNK = 16
 PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]  # 3 chunks of 16
@@ -27,7 +27,7 @@ def model6(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model6):
-    return SingleProcessRunner(model6, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
+    return SingleProcessRunner(model6, prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
 
 
 @pytest.mark.parametrize("split", ["", "3", "1,5", "2,3,4", "1,2,5"])
@@ -63,7 +63,7 @@ def test_second_turn_resumes_and_equals_a_fresh_read(model6):
     finally:
         s.close()
     # The single process doing the same two turns on one session.
-    eng = SingleProcessRunner(model6, prefill_chunk=CHUNK, max_context=512)
+    eng = SingleProcessRunner(model6, prompt_chunk=CHUNK, max_context=512)
     assert first["tokens"] == eng.generate(PROMPT, 8).tokens
     again = eng.generate(follow, 8, resume=True)
     assert again.reused == second["resume"]

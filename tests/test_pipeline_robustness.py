@@ -12,8 +12,8 @@ import zmq
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession
 from protocol import Endpoints, new_secret
-from strata_dist.coordinator import Coordinator, RankFailure
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.head.coordinator import Coordinator, RankFailure
+from strata_dist.gguf_file.reader import GGUFModel
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def model(tmp_path_factory):
 
 def _rank(model, coordinator_ep, token, extra=()):
     env = dict(os.environ, STRATA_TOKEN=token)
-    return subprocess.run([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+    return subprocess.run([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                            coordinator_ep, "--model", model, "--vram-budget", "1G",
                            "--assign-timeout", "5", *extra],
                           capture_output=True, text=True, timeout=60, env=env)
@@ -33,7 +33,7 @@ def test_wrong_secret_is_refused(model):
     secret = new_secret()
     with Endpoints() as ep:
         coord = Coordinator(secret.encode(), GGUFModel(model).fingerprint, ep.ipc("c"), ep.ipc("h"))
-        proc = subprocess.Popen([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+        proc = subprocess.Popen([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                                  coord.control_endpoint, "--model", model, "--vram-budget", "1G"],
                                 env=dict(os.environ, STRATA_TOKEN="x" * 32),
                                 stderr=subprocess.PIPE, text=True)
@@ -51,7 +51,7 @@ def test_a_different_model_is_refused_naming_both_fingerprints(model, tmp_path):
     secret = new_secret()
     with Endpoints() as ep:
         coord = Coordinator(secret.encode(), GGUFModel(model).fingerprint, ep.ipc("c"), ep.ipc("h"))
-        proc = subprocess.Popen([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+        proc = subprocess.Popen([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                                  coord.control_endpoint, "--model", other, "--vram-budget", "1G"],
                                 env=dict(os.environ, STRATA_TOKEN=secret),
                                 stderr=subprocess.PIPE, text=True)

@@ -14,8 +14,8 @@ def part(name, slots, room=ROOM):
     return Participant(name, slots, SLOT, room)
 
 
-def need(chunk):
-    return loan_slots(chunk, BPT, SLOT)
+def need(prompt_chunk):
+    return loan_slots(prompt_chunk, BPT, SLOT)
 
 
 def test_loan_slots_rounds_up():
@@ -30,40 +30,40 @@ def test_auto_chunk_is_the_largest_every_participant_can_lend():
     mid = part("mid", 10_000)                           # lends 8192 easily
     poor = part("poor", SLOT_FLOOR + need(2048))        # 2048 leaves exactly the floor, 3072 does not
     plan = plan_lend([rich, mid, poor], BPT, lend_pct=100)
-    assert plan.auto and plan.chunk == 2048
+    assert plan.auto and plan.prompt_chunk == 2048
     assert [l.slots for l in plan.loans] == [need(2048)] * 3 and all(l.lends for l in plan.loans)
-    assert plan_lend([rich, mid], BPT).chunk == LEND_CHUNKS[0] == 8192
+    assert plan_lend([rich, mid], BPT).prompt_chunk == LEND_CHUNKS[0] == 8192
 
 
 def test_a_loan_must_leave_the_128_slot_floor():
     exact = part("exact", SLOT_FLOOR + need(256))
-    assert plan_lend([exact], BPT, chunk=256).loans[0].lends
+    assert plan_lend([exact], BPT, prompt_chunk=256).loans[0].lends
     short = part("short", SLOT_FLOOR + need(256) - 1)
-    assert not plan_lend([short], BPT, chunk=256).loans[0].lends
+    assert not plan_lend([short], BPT, prompt_chunk=256).loans[0].lends
 
 
 def test_percentage_cap_applies_to_the_auto_chunk_only():
     # 8192 tokens need 820 slots; of 1500 slots that is 54.7%: over a 50% cap, under the floor rule
     p = part("p", 1500)
     auto = plan_lend([p], BPT, lend_pct=50)
-    assert auto.chunk == 6144 and auto.loans[0].slots == need(6144)      # 615 slots = 41%
-    explicit = plan_lend([p], BPT, chunk=8192, lend_pct=50)
-    assert explicit.chunk == 8192 and explicit.loans[0].lends and explicit.loans[0].slots == 820
+    assert auto.prompt_chunk == 6144 and auto.loans[0].slots == need(6144)      # 615 slots = 41%
+    explicit = plan_lend([p], BPT, prompt_chunk=8192, lend_pct=50)
+    assert explicit.prompt_chunk == 8192 and explicit.loans[0].lends and explicit.loans[0].slots == 820
     assert not explicit.auto
 
 
 def test_an_explicit_chunk_is_the_operators_number():
     p = part("p", 5000)
-    plan = plan_lend([p], BPT, chunk=5000, lend_pct=1)     # not in LEND_CHUNKS; the cap is ignored
-    assert plan.chunk == 5000 and plan.loans[0].lends and plan.loans[0].slots == 500
+    plan = plan_lend([p], BPT, prompt_chunk=5000, lend_pct=1)     # not in LEND_CHUNKS; the cap is ignored
+    assert plan.prompt_chunk == 5000 and plan.loans[0].lends and plan.loans[0].slots == 500
     with pytest.raises(PlanError, match="at least 1 token"):
-        plan_lend([p], BPT, chunk=0)
+        plan_lend([p], BPT, prompt_chunk=0)
 
 
 def test_a_participant_that_cannot_lend_falls_back_to_its_own_buffers():
     lender = part("stage 0", 10_000)
     tiny = part("stage 1", 130, room=500 * MIB)
-    plan = plan_lend([lender, tiny], BPT, chunk=4096)
+    plan = plan_lend([lender, tiny], BPT, prompt_chunk=4096)
     a, b = plan.loans
     assert a.lends and a.slots == need(4096)
     assert not b.lends and b.slots == 0 and b.own_bytes == 4096 * BPT
@@ -75,12 +75,12 @@ def test_auto_with_a_participant_that_cannot_lend_bounds_the_chunk_by_its_own_bu
     lender = part("stage 0", 100_000)
     tiny = part("stage 1", 100, room=500 * MIB)   # 85% of 500 MiB holds 4096 tokens' buffers, not 6144
     plan = plan_lend([lender, tiny], BPT)
-    assert plan.chunk == 4096
+    assert plan.prompt_chunk == 4096
     assert plan.loans[0].lends and not plan.loans[1].lends
     with pytest.raises(PlanError, match="cannot lend a 256-token chunk.*exceed 85% of its"):
         plan_lend([lender, part("stage 1", 100, room=20 * MIB)], BPT)
     with pytest.raises(PlanError, match="--prefill 8192.*own prompt buffers"):
-        plan_lend([lender, part("stage 1", 100, room=20 * MIB)], BPT, chunk=8192)
+        plan_lend([lender, part("stage 1", 100, room=20 * MIB)], BPT, prompt_chunk=8192)
 
 
 def test_one_participant_is_exactly_the_single_device_plan():
@@ -90,11 +90,11 @@ def test_one_participant_is_exactly_the_single_device_plan():
     st = single.stages[0]
     alone = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes)],
                       shape.prompt_bytes_per_token)
-    assert (single.chunk, st.loan_slots, st.loan_bytes) == (alone.chunk, alone.loans[0].slots, alone.loans[0].bytes)
+    assert (single.prompt_chunk, st.loan_slots, st.loan_bytes) == (alone.prompt_chunk, alone.loans[0].slots, alone.loans[0].bytes)
     # and adding participants that can lend anything changes nothing for it
     crowd = plan_lend([Participant("x", st.cache_slots, st.slot_bytes, st.budget_bytes), part("big", 10 ** 6)],
                       shape.prompt_bytes_per_token)
-    assert crowd.chunk == alone.chunk and crowd.loans[0] == alone.loans[0]
+    assert crowd.prompt_chunk == alone.prompt_chunk and crowd.loans[0] == alone.loans[0]
 
 
 def test_a_cache_holding_every_pair_lends_nothing():
@@ -103,7 +103,7 @@ def test_a_cache_holding_every_pair_lends_nothing():
     room is too small for them, the stage lends as before."""
     roomy = Participant("roomy", 500, SLOT, ROOM, spare_bytes=BPT * 8192)
     plan = plan_lend([roomy], BPT)
-    assert plan.chunk == 8192
+    assert plan.prompt_chunk == 8192
     [loan] = plan.loans
     assert (loan.lends, loan.slots, loan.bytes, loan.own_bytes) == (False, 0, 0, BPT * 8192)
     assert "holds every pair of its layers" in loan.note
@@ -158,7 +158,7 @@ def test_a_cache_holding_every_pair_prices_no_stream_buffer():
     assert shape.resident_prompt_bytes(4096) == layout.without(STREAMED).nbytes(4096)
     assert shape.prompt_bytes(4096) == layout.nbytes(4096) > shape.resident_prompt_bytes(4096)
     st = make_plan(shape, make_devices([12_000], bw=[400]), cells=8192, split="none",
-                   prefill=4096).stages[0]
+                   prompt_chunk=4096).stages[0]
     assert st.cache_slots == 8 * shape.n_experts and st.loan_slots == 0
     assert st.own_prompt_bytes == shape.resident_prompt_bytes(4096)
 
@@ -168,18 +168,18 @@ def test_the_auto_chunk_never_exceeds_the_context():
     shape = qwen3_30b_a3b_shape()
     devs = [Device("big", 140 << 30, 140 << 30, 4800.0, index=0)]
     plan = lambda **kw: make_plan(shape, devs, split="none", **kw)  # noqa: E731
-    assert plan(cells=32768).chunk == 8192
-    assert plan(cells=4096).chunk == 4096
-    assert plan(cells=3000).chunk == 2048
-    assert plan(cells=100).chunk == 256      # the smallest chunk still stands
-    assert plan(cells=4096, prefill=8192).chunk == 8192  # the operator's number
+    assert plan(cells=32768).prompt_chunk == 8192
+    assert plan(cells=4096).prompt_chunk == 4096
+    assert plan(cells=3000).prompt_chunk == 2048
+    assert plan(cells=100).prompt_chunk == 256      # the smallest chunk still stands
+    assert plan(cells=4096, prompt_chunk=8192).prompt_chunk == 8192  # the operator's number
 
 
 def test_loans_off_every_participant_withholds_its_own_buffers():
     """The A/B arm: nobody lends; each stage's own buffers come out of its cache's room."""
     rich, poor = part("rich", 100_000, room=BPT * 8192), part("poor", 10_000, room=BPT * 2048)
     plan = plan_lend([rich, poor], BPT, loans=False, lend_pct=100)
-    assert plan.chunk == 2048                     # the largest chunk whose buffers fit every room
+    assert plan.prompt_chunk == 2048                     # the largest chunk whose buffers fit every room
     assert not any(l.lends for l in plan.loans) and all(l.slots == 0 for l in plan.loans)
     assert [l.own_bytes for l in plan.loans] == [BPT * 2048] * 2
     assert all("prompt loans are off" in l.note for l in plan.loans)
@@ -189,8 +189,8 @@ def test_loans_off_shrinks_the_stage_caches_by_the_prompt_buffers():
     from strata_dist.plan import PlanParams
     shape = qwen3_30b_a3b_shape()
     devices = make_devices([12 * 1024, 16 * 1024])
-    on = make_plan(shape, devices, cells=4096, prefill=2048, split=[24])
-    off = make_plan(shape, devices, cells=4096, prefill=2048, split=[24],
+    on = make_plan(shape, devices, cells=4096, prompt_chunk=2048, split=[24])
+    off = make_plan(shape, devices, cells=4096, prompt_chunk=2048, split=[24],
                     params=PlanParams(prompt_loans=False))
     for st_on, st_off in zip(on.stages, off.stages):
         assert st_on.loan_slots > 0 and st_off.loan_slots == 0
@@ -201,8 +201,8 @@ def test_loans_off_shrinks_the_stage_caches_by_the_prompt_buffers():
 
 
 @pytest.mark.parametrize("free_mib", [1_500, 2_000, 2_300, 2_500, 3_000])   # own, lend, ..., resident
-@pytest.mark.parametrize("prefill", [None, 256, 2048])
-def test_own_buffers_are_the_resident_layout_exactly_where_the_stage_carves_it(free_mib, prefill):
+@pytest.mark.parametrize("prompt_chunk", [None, 256, 2048])
+def test_own_buffers_are_the_resident_layout_exactly_where_the_stage_carves_it(free_mib, prompt_chunk):
     """The stage carves the layout less its stream buffer where its final cache holds every pair
     of its layers and it lends nothing (stage.py); the plan prices its own buffers by the same
     rule, whatever the fills and the chunk (so priced == carved)."""
@@ -215,7 +215,7 @@ def test_own_buffers_are_the_resident_layout_exactly_where_the_stage_carves_it(f
     shape = replace(shape, prompt_layout=tuple(layout.to_list()))
     try:
         plan = make_plan(shape, make_devices([free_mib, free_mib], bw=[400, 400]), cells=4096,
-                         split=[2], prefill=prefill, order="as_given")
+                         split=[2], prompt_chunk=prompt_chunk, order="as_given")
     except PlanError:
         return
     for st in plan.stages:
@@ -223,7 +223,7 @@ def test_own_buffers_are_the_resident_layout_exactly_where_the_stage_carves_it(f
         if st.loan_slots:
             assert st.own_prompt_bytes == 0
         elif holds_all:
-            assert st.own_prompt_bytes == shape.resident_prompt_bytes(plan.chunk), st
+            assert st.own_prompt_bytes == shape.resident_prompt_bytes(plan.prompt_chunk), st
         else:
-            assert st.own_prompt_bytes == shape.prompt_bytes(plan.chunk), st
+            assert st.own_prompt_bytes == shape.prompt_bytes(plan.prompt_chunk), st
         assert st.cache_bytes + st.own_prompt_bytes <= st.budget_bytes

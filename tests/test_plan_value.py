@@ -67,7 +67,7 @@ def test_qwen3_30b_plan_is_consistent(qwen_plan):
     everything = [p for s in plan.stages for p in s.pairs] + [p for h in plan.live_helpers for p in h.pairs]
     assert len(everything) == len(set(everything)) == plan.expert_slots
     assert plan.expert_cache_mib == pytest.approx(plan.expert_slots * shape.blob_bytes[0] / MIB)
-    assert plan.chunk in (8192, 6144, 4096, 3072, 2048, 1024, 512, 256) and plan.chunk_auto
+    assert plan.prompt_chunk in (8192, 6144, 4096, 3072, 2048, 1024, 512, 256) and plan.prompt_chunk_auto
     # the reported prediction is the score of the chosen placement, with its helper tiers priced
     devs = list(plan.devices)
     idx = tuple(devs.index(s.device) for s in plan.stages)
@@ -84,7 +84,7 @@ def test_qwen3_30b_plan_is_consistent(qwen_plan):
 def test_render_table(qwen_plan):
     text = render_table(qwen_plan)
     for word in ("role", "[lb, le)", "weights", "session", "loan", "cache", "helper", "slots", "left",
-                 "expert_slots", "ms/token", "prefill chunk"):
+                 "expert_slots", "ms/token", "prompt chunk"):
         assert word in text
     assert (f"expert_slots {qwen_plan.expert_slots} (stage caches {qwen_plan.expert_slots_stages}, "
             f"the first card's {qwen_plan.expert_slots_primary})") in text
@@ -99,7 +99,7 @@ def test_stage_cache_pin_and_fallback_refill():
                      params=PlanParams(stage_cache_slots=20))
     assert all(st.cache_slots <= 20 for st in plan.stages)
     # a stage that cannot lend gives its own buffers room from its cache
-    plan = make_plan(shape, make_devices([600, 600]), cells=2048, split=[4], prefill=1024)
+    plan = make_plan(shape, make_devices([600, 600]), cells=2048, split=[4], prompt_chunk=1024)
     for st in plan.stages:
         if st.own_prompt_bytes:
             assert st.loan_slots == 0 and st.note
@@ -113,17 +113,17 @@ def test_hand_off_buffers_are_priced_for_the_plans_own_chunk():
     from strata_dist.plan import HANDOFF_ROWS, STAGE_WORK_RESERVE_BYTES, HEAD_RESERVE_BYTES
     shape = qwen3_30b_a3b_shape()
     rig = devices_from_json(RIG)
-    for cells, prefill in ((32768, 1024), (32768, 4096), (2048, None)):   # the last: auto chunk
+    for cells, prompt_chunk in ((32768, 1024), (32768, 4096), (2048, None)):   # the last: auto chunk
         plan = make_plan(shape, rig, cells=cells, split=[16, 32], order="as_given",
-                         prefill=prefill)
-        assert plan.chunk < HANDOFF_ROWS and plan.chunk == (prefill or plan.chunk)
+                         prompt_chunk=prompt_chunk)
+        assert plan.prompt_chunk < HANDOFF_ROWS and plan.prompt_chunk == (prompt_chunk or plan.prompt_chunk)
         for st in plan.stages:
             ends = (st.stage > 0) + (st.stage < len(plan.stages) - 1)
             head = HEAD_RESERVE_BYTES if st.stage == len(plan.stages) - 1 else 0
             assert st.reserve_bytes == (STAGE_WORK_RESERVE_BYTES + head
-                                        + ends * plan.chunk * shape.hidden * 4)
-    wide = make_plan(shape, rig, cells=32768, split=[16, 32], order="as_given", prefill=8192)
-    narrow = make_plan(shape, rig, cells=32768, split=[16, 32], order="as_given", prefill=1024)
+                                        + ends * plan.prompt_chunk * shape.hidden * 4)
+    wide = make_plan(shape, rig, cells=32768, split=[16, 32], order="as_given", prompt_chunk=8192)
+    narrow = make_plan(shape, rig, cells=32768, split=[16, 32], order="as_given", prompt_chunk=1024)
     middle = 1
     freed = 2 * (8192 - 1024) * shape.hidden * 4
     assert narrow.stages[middle].reserve_bytes == wide.stages[middle].reserve_bytes - freed

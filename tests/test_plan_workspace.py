@@ -52,7 +52,7 @@ def test_the_planner_prices_a_loan_by_the_layout():
     fixed part is priced once, not per token."""
     from strata_dist.plan.lend import Participant, loan_slots, plan_lend
     p = Participant("stage 0", slots=4000, slot_bytes=ALIGN * 64, room_bytes=10**9)
-    plan = plan_lend([p], LAYOUT.nbytes, chunk=4096)
+    plan = plan_lend([p], LAYOUT.nbytes, prompt_chunk=4096)
     assert plan.loans[0].slots == loan_slots(4096, LAYOUT.nbytes, p.slot_bytes)
     assert plan.loans[0].bytes >= LAYOUT.nbytes(4096) > plan.loans[0].bytes - p.slot_bytes
 

@@ -10,10 +10,10 @@ import warnings
 import numpy as np
 import pytest
 
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
 from strata_dist.plan.profile import RoutingProfile
-from strata_dist.profile_io import (load_profile, read_profile_file, read_prompt_ids_file, record_profile,
+from strata_dist.tools.profile_io import (load_profile, read_profile_file, read_prompt_ids_file, record_profile,
                                     save_profile, tokens_routed)
 from strata_dist.synth import GEOMETRIES, parse_popularity, write_synthetic
 
@@ -48,7 +48,7 @@ def test_counts_sum_to_tokens_layers_topk(models):
     assert np.all(prof.counts == np.round(prof.counts))
     assert tokens_routed(prof, K) == n_tok
     # the prompt chunk changes nothing: every token is routed exactly once per layer either way
-    assert record_profile(models["zipf:1.0"], prompts, prefill_chunk=4) == prof
+    assert record_profile(models["zipf:1.0"], prompts, prompt_chunk=4) == prof
 
 
 def test_decode_steps_are_counted(models):
@@ -157,7 +157,7 @@ def test_read_prompt_ids_file_empty_or_missing(tmp_path):
 
 # ---------------------------------------------------------------- CLI
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata_dist.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -37,7 +37,7 @@ def examples():
                             head_endpoint="ipc:///tmp/x/head.sock",
                             helpers=[m.PeerInfo(rank=2, endpoint="tcp://10.0.0.2:5002", host="hostB",
                                                  pairs=[[12, 3]])],
-                            prefill_chunk=2048, max_context=32768, cache_slots=900, helper_slots=10,
+                            prompt_chunk=2048, max_context=32768, cache_slots=900, helper_slots=10,
                             loan_slots=128, helper_pairs=[[12, 3], [13, 7]], stage=1, host="a",
                             cache_pairs=[[12, 0]], next_host="a", next_kind="cuda", ipc=False,
                             helper_bind="ipc:///tmp/x/h1.sock"), []),

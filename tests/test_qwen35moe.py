@@ -12,7 +12,7 @@ from hf_fixtures import qwen35moe_gguf_tensors, tiny_qwen35moe, write_qwen35moe_
 from launch_helpers import ServeSession
 from launcher.cli import main as launch_main
 from strata_dist.models import architecture_for, open_checked, qwen35moe
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 TOL = 1e-4
 VOCAB = 320
@@ -49,8 +49,8 @@ def test_prompt_and_decode_logits_match_transformers(twin):
     ids = _ids(3, 40)
     ref = _hf_logits(hf, ids)
     assert ref.std() > 0.5                      # far from uniform: a wrong forward shows
-    assert np.abs(SingleProcessRunner(path, prefill_chunk=7).logits(ids) - ref).max() <= TOL
-    eng = SingleProcessRunner(path, prefill_chunk=16)
+    assert np.abs(SingleProcessRunner(path, prompt_chunk=7).logits(ids) - ref).max() <= TOL
+    eng = SingleProcessRunner(path, prompt_chunk=16)
     eng.session.reset()
     got = [eng.feed(ids[:24])] + [eng.feed([t]) for t in ids[24:]]
     assert np.abs(np.concatenate(got) - ref).max() <= TOL
@@ -76,7 +76,7 @@ def test_two_cpu_ranks_give_the_tokens_of_one_process_and_of_transformers(tmp_pa
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = out[0, len(prompt):].tolist()
-    assert SingleProcessRunner(path, prefill_chunk=5).generate(prompt, 10).tokens == ref
+    assert SingleProcessRunner(path, prompt_chunk=5).generate(prompt, 10).tokens == ref
     # stage 0 holds linear layers only, stage 1 the rest
     s = ServeSession(path, "--cpu-ranks", "2", "--layer-split", "3", "--prefill", "5",
                      "--max-context", "256")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import tiny_qwen35moe, write_qwen35moe_gguf
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 from strata_dist.synth import NEXT_GEOMETRIES, write_synthetic
 from test_llama_cpp_logits import assert_agrees, compare, llama_cpp_logits, llama_tool  # noqa: F401
 

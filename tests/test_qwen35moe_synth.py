@@ -8,9 +8,9 @@ import pytest
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from launcher.tools import main as tools_main
-from strata_dist.model_shape import model_shape
+from strata_dist.models.shape import model_shape
 from strata_dist.models import open_checked, qwen35moe
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
 from strata_dist.synth.next import NEXT_GEOMETRIES, plan_next
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hf_fixtures import hf_logits, load_gguf_weights_into, tiny_qwen3moe, write_gguf
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel
 
 CONFIGS = [  # (seed, hidden, top_k, n_experts)
     (0, 64, 2, 8),
@@ -41,7 +41,7 @@ def test_incremental_decode_logits_match_f32(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed + 100, 32 + 64)
     ref = hf_logits(hf, ids)
-    eng = SingleProcessRunner(path, prefill_chunk=16)   # the 32-token prefill itself crosses a chunk boundary
+    eng = SingleProcessRunner(path, prompt_chunk=16)   # the 32-token prefill itself crosses a chunk boundary
     eng.session.reset()
     got = [eng.feed(ids[:32])]
     for t in ids[32:]:
@@ -78,9 +78,9 @@ def test_tied_embeddings(tmp_path):
     assert np.abs(SingleProcessRunner(path).logits(ids) - hf_logits(hf, ids)).max() <= 1e-4
 
 
-def test_prefill_chunk_size_does_not_change_greedy_tokens(f32_model):
+def test_prompt_chunk_size_does_not_change_greedy_tokens(f32_model):
     _, path, seed = f32_model
     prompt = _ids(seed + 300, 40)
-    a = SingleProcessRunner(path, prefill_chunk=7).generate(prompt, 16).tokens
-    b = SingleProcessRunner(path, prefill_chunk=512).generate(prompt, 16).tokens
+    a = SingleProcessRunner(path, prompt_chunk=7).generate(prompt, 16).tokens
+    b = SingleProcessRunner(path, prompt_chunk=512).generate(prompt, 16).tokens
     assert a == b

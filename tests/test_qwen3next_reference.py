@@ -8,13 +8,13 @@ import torch
 
 from hf_next_fixtures import hf_logits, load_gguf_weights_into, tiny_qwen3next, write_gguf
 from strata_dist.backends import get_backend
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.gguf_model import GGUFModel, TensorKind
-from strata_dist.model_shape import model_shape
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.gguf_file.reader import GGUFModel, TensorKind
+from strata_dist.models.shape import model_shape
 from strata_dist.models import load_model
 from strata_dist.models.qwen3next import RecurrentRewindError
 from strata_dist.plan.pricing import session_bytes, session_parts, weights_bytes
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.rank.stage import Stage, StageConfig
 
 TOL = 1e-4
 VOCAB = 320
@@ -52,7 +52,7 @@ def test_prefill_logits_match_f32(f32_model):
 def test_chunked_prefill_carries_the_recurrence(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed + 50, 32)
-    ours = SingleProcessRunner(path, prefill_chunk=7).logits(ids)   # 7+7+7+7+4: conv and delta state cross chunks
+    ours = SingleProcessRunner(path, prompt_chunk=7).logits(ids)   # 7+7+7+7+4: conv and delta state cross chunks
     assert np.abs(ours - hf_logits(hf, ids)).max() <= TOL
 
 
@@ -60,7 +60,7 @@ def test_incremental_decode_logits_match_f32(f32_model):
     hf, path, seed = f32_model
     ids = _ids(seed + 100, 32 + 64)
     ref = hf_logits(hf, ids)
-    eng = SingleProcessRunner(path, prefill_chunk=16)
+    eng = SingleProcessRunner(path, prompt_chunk=16)
     eng.session.reset()
     got = [eng.feed(ids[:32])]
     for t in ids[32:]:
@@ -75,7 +75,7 @@ def test_greedy_tokens_equal_transformers_generate(f32_model):
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = out[0, len(prompt):].tolist()
-    assert SingleProcessRunner(path, prefill_chunk=5).generate(prompt, 16).tokens == ref
+    assert SingleProcessRunner(path, prompt_chunk=5).generate(prompt, 16).tokens == ref
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
@@ -101,7 +101,7 @@ def test_legacy_fused_ssm_in_file(tmp_path):
     gguf = GGUFModel(path)
     assert "blk.0.ssm_in.weight" in gguf.tensors and "blk.0.attn_qkv.weight" not in gguf.tensors
     ids = _ids(3, 24)
-    assert np.abs(SingleProcessRunner(path, prefill_chunk=5).logits(ids) - hf_logits(hf, ids)).max() <= TOL
+    assert np.abs(SingleProcessRunner(path, prompt_chunk=5).logits(ids) - hf_logits(hf, ids)).max() <= TOL
 
 
 def test_tied_embeddings(tmp_path):

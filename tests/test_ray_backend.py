@@ -9,7 +9,7 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession, wait_gone
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'strata-dist[ray]')")
 
@@ -20,7 +20,7 @@ PROMPT = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
 @pytest.mark.slow
 def test_ray_cpu_ranks_equal_the_single_process(tmp_path):
     model = write_gguf(tiny_qwen3moe(11, hidden=64, top_k=2, n_layers=6), tmp_path / "m6.gguf", "f32")
-    baseline = SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
+    baseline = SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 16).tokens
     s = ServeSession(model, "--backend", "ray", "--cpu-ranks", "2", "--vram-budget", "1G",
                      "--layer-split", "3", "--prefill", str(CHUNK), "--max-context", "512",
                      timeout=120)

@@ -10,10 +10,10 @@ from transformers import Qwen3MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hf_fixtures import hf_logits, rope_scaled_twin, tiny_qwen3moe, write_gguf
-from strata_dist.gguf_model import GGUFError, GGUFModel, RopeScaling
+from strata_dist.gguf_file.reader import GGUFError, GGUFModel, RopeScaling
 from strata_dist.models import qwen3moe
 from strata_dist.models.common import rope_inv_freq, rope_tables
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 
 S, F32 = GGUFValueType.STRING, GGUFValueType.FLOAT32
 U32 = GGUFValueType.UINT32
@@ -89,7 +89,7 @@ def test_tiny_forward_with_scaling_matches_transformers(tmp_path, kind):
     path = write_gguf(hf, tmp_path / f"{kind}.gguf", "f32", metadata=keys)
     ids = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
     ref = hf_logits(hf, ids)
-    eng = SingleProcessRunner(path, prefill_chunk=128)
+    eng = SingleProcessRunner(path, prompt_chunk=128)
     eng.session.reset()
     ours = np.concatenate([eng.feed(ids[:290])] + [eng.feed([t]) for t in ids[290:]])
     assert np.abs(ours - ref).max() <= 1e-4
@@ -129,7 +129,7 @@ def test_synth_refuses_a_rope_scaling_it_cannot_write_in_one_line(tmp_path, spec
     import subprocess
     import sys
     out = tmp_path / "x.gguf"
-    proc = subprocess.run([sys.executable, "-m", "strata_dist.cli", "synth", str(out), "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "synth", str(out), "--quiet",
                            "--rope-scaling", spec], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and not out.exists()
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(

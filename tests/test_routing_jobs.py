@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strata_dist.backends.array_ops import softmax_topk
-from strata_dist.experts import stored_rows_jobs
+from strata_dist.experts.stores import stored_rows_jobs
 
 
 def plain_topk(probs, k):

@@ -19,9 +19,9 @@ import pytest
 
 from strata_dist.backends import sample_ops
 from strata_dist.backends.step_slots import StepLogits
-from strata_dist.sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
-from strata_dist.structured import GrammarError, GrammarMatcher
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.sampling.sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
+from strata_dist.sampling.structured import GrammarError, GrammarMatcher
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 VOCAB = 300
 STEPS = 4

@@ -248,7 +248,7 @@ def test_forged_frames_at_every_tcp_port_change_nothing(files, baseline):
 def _in_process_head(files, port: int):
     """`strata-launch --listen … --expect-ranks 2 --rejoin` in this process (its coordinator is
     what the test records from and asks for counters), started on a thread."""
-    from launcher.cli import build_parser, plan_params, prefill_arg, split_arg
+    from launcher.cli import build_parser, plan_params, prompt_chunk_arg, split_arg
     from launcher.cluster import check_cluster_flags, cluster_config
     from launcher.launch import Launch, LaunchConfig
     args = build_parser().parse_args([
@@ -257,7 +257,7 @@ def _in_process_head(files, port: int):
         "--max-context", "512", "--layer-split", "3", "--rejoin", "--register-timeout", "60"])
     check_cluster_flags(args)
     cfg = LaunchConfig(model=args.model, ranks=[], split=split_arg(args.layer_split, 2),
-                       max_context=512, prefill=prefill_arg(args.prefill),
+                       max_context=512, prompt_chunk=prompt_chunk_arg(args.prompt_chunk),
                        params=plan_params(args), load_timeout_s=60, rejoin_timeout_s=60,
                        **cluster_config(args))
     launch = Launch(cfg, echo=lambda line: None)
@@ -309,7 +309,7 @@ def test_frames_replayed_on_another_link_or_into_a_replacement_are_dropped(files
     acted on); replayed at rank 0 again they are replays. Then rank 0 is killed and started
     again (--rejoin): the same frames replayed into its replacement are dropped as stale, while
     the head and rank 1 reach it under its new epoch and the tokens equal the clean run."""
-    from strata_dist.gguf_model import GGUFModel
+    from strata_dist.gguf_file.reader import GGUFModel
     eos = GGUFModel(files["model"]).metadata("tokenizer.ggml.eos_token_id")
     eos = None if eos is None else int(eos)
     port, *ports = free_ports(5)

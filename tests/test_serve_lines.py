@@ -278,13 +278,13 @@ def test_serve_with_parallel_is_refused_naming_both():
                                         ("--coordinator-timeout", "-1"),
                                         ("--assign-timeout", "inf")])
 def test_a_rank_refuses_seconds_that_are_not_finite_and_positive(model, tmp_path, flag, value):
-    refused_at_once([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+    refused_at_once([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                      f"ipc://{tmp_path}/nobody", "--model", model, "--vram-budget", "1G",
                      flag, value], f"{flag} {float(value)}")
 
 
 def test_the_calibration_peer_refuses_nan_idle_seconds():
-    refused_at_once([sys.executable, "-m", "strata_dist.cli", "calibrate", "--serve",
+    refused_at_once([sys.executable, "-m", "strata_dist.tools.cli", "calibrate", "--serve",
                      "127.0.0.1:9", "--idle", "nan"], "--idle nan")
 
 
@@ -301,10 +301,10 @@ def test_a_launcher_file_flag_naming_dev_zero_is_refused_at_once(model, args, fl
 
 
 def test_the_tools_and_the_rank_read_their_files_with_a_bound(model, tmp_path):
-    refused_at_once([sys.executable, "-m", "strata_dist.cli", "profile", "--model", model,
+    refused_at_once([sys.executable, "-m", "strata_dist.tools.cli", "profile", "--model", model,
                      "--prompt-ids-file", "/dev/zero", "--out", str(tmp_path / "p.json")],
                     f"--prompt-ids-file /dev/zero: larger than {16 << 20} bytes")
-    refused_at_once([sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+    refused_at_once([sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                      f"ipc://{tmp_path}/nobody", "--model", model, "--vram-budget", "1G",
                      "--token-file", "/dev/zero"],
                     f"--token-file /dev/zero: larger than {64 << 10} bytes")

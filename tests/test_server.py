@@ -86,7 +86,7 @@ def test_health_is_503_while_loading_then_200(model, tmp_path):
             assert first["loading"]["ranks_total"] == 2 and first["loading"]["ranks_ready"] == 0
             assert first["loading"]["phase"] in ("starting", "registering"), first
             ranks = [subprocess.Popen(
-                [sys.executable, "-m", "strata_dist.rank_main", "--coordinator",
+                [sys.executable, "-m", "strata_dist.rank.main", "--coordinator",
                  f"tcp://127.0.0.1:{port}", "--model", model, "--vram-budget", "1G",
                  "--token-file", str(token), "--host-id", host, "--connect-timeout", "5"],
                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{host}.log", "w"))

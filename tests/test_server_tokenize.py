@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_helpers import server_fixture, tiny_model_fixture
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import pytest
 from server_helpers import TOOL_ANSWER, ServerProcess, write_tool_calling_model
 from strata_dist.server.openai_api import ApiError, Limits, parse_chat
 from strata_dist.synth import write_synthetic
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 from strata_dist.server.tools import (TAGGED_JSON, ToolCallStream, ToolRequestError, ToolUse,
                                       check_message_tools, check_tools, join_deltas, parse_tool_text,
                                       tool_format)

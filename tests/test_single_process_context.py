@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.single_process import SingleProcessRunner
 from strata_dist.synth import GEOMETRIES, write_synthetic
 
 TIMEOUT = 60
@@ -38,7 +38,7 @@ def files(tmp_path_factory):
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata_dist.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", *args], capture_output=True,
                           text=True, timeout=TIMEOUT)
 
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_dist.model_shape import model_shape
+from strata_dist.models.shape import model_shape
 from strata_dist.models import open_checked
 from strata_dist.plan import Device, ModelShape, PlanParams, RoutingProfile, make_plan
 from strata_dist.plan.pricing import MIB, session_bytes, weights_bytes

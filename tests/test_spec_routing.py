@@ -13,8 +13,8 @@ import pytest
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession
-from strata_dist.profile_io import load_profile, record_profile
-from strata_dist.single_process import SingleProcessRunner
+from strata_dist.tools.profile_io import load_profile, record_profile
+from strata_dist.tools.single_process import SingleProcessRunner
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8]
 # this model's greedy continuation of PROMPT first draws 123 as its 12th token, at the first row of
@@ -43,7 +43,7 @@ def _served(model: str, k: int, path) -> dict:
 
 
 def test_a_window_cut_by_end_of_text_counts_as_the_tokens_fed(model, tmp_path):
-    want = list(SingleProcessRunner(model, prefill_chunk=8, max_context=256)
+    want = list(SingleProcessRunner(model, prompt_chunk=8, max_context=256)
                 .generate(PROMPT, 40).tokens)
     assert want[-1] == EOS and len(want) < 40     # the model stops on it, early
     plain = _served(model, 0, tmp_path / "k0.json")
@@ -67,8 +67,8 @@ def test_a_cancelled_window_counts_the_rows_that_stood(model):
     totals are the forward's over the prompt and the tokens before the last one drawn."""
     from protocol import Cancel, Settle, Token, Tokens
     from protocol.messages import Sampling
-    from strata_dist.stage import Stage, StageConfig
-    from strata_dist.stage_step import StageStep, To
+    from strata_dist.rank.stage import Stage, StageConfig
+    from strata_dist.rank.stage_step import StageStep, To
 
     stage = Stage(StageConfig(model, "cpu", 0, N_LAYERS, True, True, 256, count_routing=True))
     step = StageStep(stage, rank=0, last=True)

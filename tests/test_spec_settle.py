@@ -1,5 +1,5 @@
 """A speculating request's last verify window settles on every stage however it ends
-(protocol `Settle`, strata_dist/stage_step.py), and the answer the last stage holds for the
+(protocol `Settle`, strata_dist/rank/stage_step.py), and the answer the last stage holds for the
 Settle never outlives the request.
 
 In process, one stage that is first and last (its steps handed back by hand), the real sampler,
@@ -17,9 +17,9 @@ import pytest
 from protocol import Cancel, Error, Release, Settle, Token, Tokens
 from protocol.messages import Sampling
 from server_helpers import tiny_model_fixture
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 model = tiny_model_fixture("spec-settle")
 N_LAYERS = 4

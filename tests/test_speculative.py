@@ -1,4 +1,4 @@
-"""Speculative decoding (`--spec K --draft ngram`, strata_dist/speculative.py).
+"""Speculative decoding (`--spec K --draft ngram`, strata_dist/sampling/speculative.py).
 
 - the n-gram drafter on histories worked out by hand;
 - a verify window's rows have the bits of one-row decode steps on CPU stages (both
@@ -30,13 +30,13 @@ from protocol.messages import Sampling
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanParams, make_plan
 from strata_dist.plan.pricing import range_fixed_table, stage_fixed_bytes, verify_window_bytes
-from strata_dist.sampler import Sampler, SamplingParams
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.speculative import draw_against, ngram_draft
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
+from strata_dist.sampling.sampler import Sampler, SamplingParams
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.sampling.speculative import draw_against, ngram_draft
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
 from strata_dist.synth import write_synthetic
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 CTX = 256
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8]
@@ -89,7 +89,7 @@ def test_window_rows_have_the_bits_of_one_row_steps(arch, request):
 @pytest.mark.parametrize("arch,split", [("moe", ""), ("moe", "3"), ("nxt", ""), ("nxt", "2")])
 def test_greedy_tokens_equal_without_speculation(arch, split, request):
     path = request.getfixturevalue(arch)
-    want = SingleProcessRunner(path, prefill_chunk=16, max_context=CTX).generate(PROMPT, 60).tokens
+    want = SingleProcessRunner(path, prompt_chunk=16, max_context=CTX).generate(PROMPT, 60).tokens
     args = ["--cpu-ranks", "2" if split else "1", "--prefill", "16", "--max-context", str(CTX),
             "--vram-budget", "1G", "--gpu-order", "as_given", "--spec", "4"]
     s = ServeSession(path, *args, *(["--layer-split", split] if split else []))
@@ -108,7 +108,7 @@ def test_greedy_tokens_equal_without_speculation(arch, split, request):
         follow = PROMPT + out["tokens"] + [7, 8, 9]
         again = s.gen(follow, 8)
         assert again["err"] is None and int(again["resume"]) == len(PROMPT) + 59
-        assert again["tokens"] == list(SingleProcessRunner(path, prefill_chunk=16, max_context=CTX)
+        assert again["tokens"] == list(SingleProcessRunner(path, prompt_chunk=16, max_context=CTX)
                                        .generate(follow, 8).tokens)
     finally:
         assert s.close() == 0
@@ -254,7 +254,7 @@ def test_sampled_continuations_follow_one_distribution_with_and_without_speculat
     tokens (drawn from a window's rows when a draft was made) are distributed alike."""
     step = StageStep(Stage(StageConfig(moe3, "cpu", 0, 3, True, True, CTX)), rank=0, last=True)
     # a history holding the tokens the model likes, so most first tokens have a draft after them
-    prompt = PROMPT + list(SingleProcessRunner(moe3, prefill_chunk=16, max_context=CTX)
+    prompt = PROMPT + list(SingleProcessRunner(moe3, prompt_chunk=16, max_context=CTX)
                            .generate(PROMPT, 40).tokens)
     draws, drafted, accepted = seeded_continuations(step, prompt, 0.3, (0, 4), 600)
     assert drafted > 300 and 40 < accepted < drafted - 40   # drafts made, accepted, rejected
@@ -267,7 +267,7 @@ def test_server_reports_drafts_per_request(tmp_path):
     path = str(tmp_path / "syn.gguf")
     write_synthetic(path, like="tiny", quant="f32", popularity="zipf:1.0")
     prompt = [11, 300, 42, 7, 199, 23, 400, 5, 77, 310, 2, 64, 128, 9, 251, 33, 18, 444, 90] * 2
-    want = SingleProcessRunner(path, prefill_chunk=8).generate(prompt, 24).tokens
+    want = SingleProcessRunner(path, prompt_chunk=8).generate(prompt, 24).tokens
     s = ServerProcess(path, "--cpu-ranks", "2", "--layer-split", "2", "--vram-budget", "1G",
                       "--max-context", "1024", "--gpu-order", "as_given", "--prefill", "8",
                       "--spec", "4")

@@ -7,9 +7,9 @@ import pytest
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from protocol import Cancel, Error, Hidden, PromptProgress, Release, Token, Tokens
 from protocol.messages import Sampling
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
 
 CTX = 128
 LAYERS = 6
@@ -67,7 +67,7 @@ def _generate(steps, request_id, max_new):
 
 
 def test_steps_make_the_engines_tokens(model):
-    want = SingleProcessRunner(model, "cpu", max_context=CTX, prefill_chunk=4).generate(PROMPT, 6).tokens
+    want = SingleProcessRunner(model, "cpu", max_context=CTX, prompt_chunk=4).generate(PROMPT, 6).tokens
     steps = _steps(model)
     assert _generate(steps, 1, 6) == list(want)
     assert steps[1].counters["tokens"] == 5 and steps[1].counters["chunks"] == 3
@@ -106,4 +106,4 @@ def test_a_failing_request_is_an_error_to_the_head_and_the_stage_goes_on(model):
     assert steps[0].counters["errors"] == 1
     assert not steps[0].stage.cache.lent      # the failed prompt gave its loan back
     assert _generate(steps, 4, 3) == list(SingleProcessRunner(model, "cpu", max_context=CTX,
-                                                 prefill_chunk=4).generate(PROMPT, 3).tokens)
+                                                 prompt_chunk=4).generate(PROMPT, 3).tokens)

@@ -166,7 +166,7 @@ def test_a_launcher_killed_during_a_prompt_leaves_no_rank_computing(model):
 def test_the_pulse_watches_only_a_coordinator_on_this_host():
     """A dropped connection ends a busy rank only where it can mean the coordinator closed: across
     a network it may be a blip that ZeroMQ reconnects through (the heartbeats decide there)."""
-    from strata_dist.pulse import on_this_host
+    from strata_dist.rank.pulse import on_this_host
     assert on_this_host("ipc:///tmp/strata-x/control")
     assert on_this_host("tcp://127.0.0.1:5555") and on_this_host("tcp://localhost:1")
     assert on_this_host("tcp://[::1]:5555")

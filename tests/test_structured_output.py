@@ -17,9 +17,9 @@ from protocol import ProtocolError, Error, Token, Tokens
 from protocol.codec import decode, encode
 from protocol.messages import MAX_GRAMMAR_BYTES, Sampling
 from server_helpers import client_fixture, server_fixture, tiny_model_fixture
-from strata_dist.stage import Stage, StageConfig
-from strata_dist.stage_step import StageStep, To
-from strata_dist.tokenizer import GGUFTokenizer
+from strata_dist.rank.stage import Stage, StageConfig
+from strata_dist.rank.stage_step import StageStep, To
+from strata_dist.gguf_file.tokenizer import GGUFTokenizer
 
 pytestmark = pytest.mark.timeout(120)
 

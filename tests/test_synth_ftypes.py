@@ -254,7 +254,7 @@ def test_a_tensor_over_the_cap_gets_a_shard_of_its_own(tmp_path):
 
 def test_cli_writes_shards_and_refuses_bad_flags(tmp_path):
     def synth(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "strata_dist.cli", "synth", str(tmp_path / "c.gguf"),
+        return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "synth", str(tmp_path / "c.gguf"),
                                "--quiet", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
     ok = synth("--quant", "q3_k_m", "--split-max-size", "150K")
     assert ok.returncode == 0, ok.stderr
@@ -270,7 +270,7 @@ def test_cli_writes_shards_and_refuses_bad_flags(tmp_path):
 def test_cli_help_lists_every_file_type():
     """`synth --quant`'s help names each file type the synth accepts (its own table), the
     i-quant ones included."""
-    from strata_dist.cli import build_parser
+    from strata_dist.tools.cli import build_parser
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["synth"]
     text = next(a for a in sub._actions if a.dest == "quant").help
     listed = set(text.replace(",", " ").replace(":", " ").replace(";", " ").split())

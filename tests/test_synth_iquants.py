@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.gguf_file.reader import GGUFModel
 from strata_dist.synth import GEOMETRIES, SynthGeometry, parse_popularity, reserved_width, write_synthetic
 from strata_dist.synth import blocks
 from strata_dist.synth.ftypes import FILE_TYPES
@@ -163,7 +163,7 @@ WIDE_NEXT = NextSynthGeometry("wide-iq-next", n_layer=4, n_embd=512, n_head=4, n
 
 
 def _generate(path, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata_dist.cli", "generate", "--model", str(path),
+    return subprocess.run([sys.executable, "-m", "strata_dist.tools.cli", "generate", "--model", str(path),
                            "--max-new", "4", "--prompt-ids", "1,2,3"], capture_output=True, text=True,
                           timeout=120, env={**__import__("os").environ, "STRATA_CACHE_DIR": str(tmp_path)})
 

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.model_shape import model_shape
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.models.shape import model_shape
 from strata_dist.models import open_checked, qwen3next
 from strata_dist.synth import parse_popularity, reserved_width, write_synthetic
 from strata_dist.synth.next import NEXT_GEOMETRIES, plan_next

@@ -7,10 +7,10 @@ import pytest
 from hf_fixtures import tiny_qwen3moe, write_gguf
 from launch_helpers import ServeSession, generate_killing, rank_pids
 from strata_dist.backends import get_backend
-from strata_dist.single_process import SingleProcessRunner
-from strata_dist.experts import BlobArena, HostTier
-from strata_dist.gguf_model import GGUFModel
-from strata_dist.stage import Stage, StageConfig
+from strata_dist.tools.single_process import SingleProcessRunner
+from strata_dist.experts.stores import BlobArena, HostTier
+from strata_dist.gguf_file.reader import GGUFModel
+from strata_dist.rank.stage import Stage, StageConfig
 
 CHUNK = 16
 PROMPT = [int(x) for x in np.random.default_rng(8).integers(0, 320, 40)]
@@ -25,7 +25,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    return SingleProcessRunner(model, prefill_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
+    return SingleProcessRunner(model, prompt_chunk=CHUNK, max_context=512).generate(PROMPT, 64).tokens
 
 
 def _launch(model, n_ranks, split, *extra, env=None):
@@ -122,8 +122,8 @@ def test_a_cpu_helper_refuses_an_ipc_offer_and_keeps_serving_frames(model, tmp_p
     opened get an error, not a guess. Real sockets, the rank's own serving code."""
     from protocol import Channel, Error, ExpertReply, ExpertRequest, IpcHandle
     from protocol.messages import Assign, DeviceInfo, RowSlot
-    from strata_dist.rank import RankOptions, RankProcess
-    from strata_dist.helper_server import HelperServer, serve_request
+    from strata_dist.rank.shell import RankOptions, RankProcess
+    from strata_dist.experts.helper_server import HelperServer, serve_request
 
     gguf = GGUFModel(model)
     be = get_backend("cpu")
@@ -166,7 +166,7 @@ def test_each_expert_takes_the_first_tier_that_holds_it(model):
     """The stage's cache, then its own card's helper tier, then a live helper tier elsewhere (of a
     pair two helpers list, the later one's), else host memory; a prompt chunk asks no other card's
     helper (its own card's tier is computed in place). A dead helper's experts go to host memory."""
-    from strata_dist.tiers import ExpertTiers, HelperClient
+    from strata_dist.experts.tiers import ExpertTiers, HelperClient
     be, gguf = get_backend("cpu"), GGUFModel(model)
     cache = BlobArena(be, gguf, [(1, 0), (1, 1)], N_LAYERS, 8)
     local = BlobArena(be, gguf, [(1, 1), (1, 2)], N_LAYERS, 8)

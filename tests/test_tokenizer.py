@@ -11,7 +11,7 @@ import pytest
 
 from strata_dist.synth import write_synthetic
 from strata_dist.synth.tokenizer import CHAT_TEMPLATE, build_vocab
-from strata_dist.tokenizer import (CHATML_TEMPLATE, GGUFTokenizer, TemplateError, TokenizerError,
+from strata_dist.gguf_file.tokenizer import (CHATML_TEMPLATE, GGUFTokenizer, TemplateError, TokenizerError,
                                    message_text)
 
 TEXTS = [

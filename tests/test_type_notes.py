@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as QT, GGML_QUANT_SIZES, GGUFWriter
 
 from strata_dist.backends.layout import (GPU_NATIVE_QUANTS, dense_nbytes, dense_type_note,
                                          expert_type_notes)
-from strata_dist.gguf_model import GGUFModel
+from strata_dist.gguf_file.reader import GGUFModel
 from strata_dist.kernels.abi import KERNEL_TYPES
 from type_rows import ALL_TYPES
 

@@ -36,7 +36,7 @@ def causal_attention(q, k, v, pos0, xp, session):
     rows can see."""
     n, n_head, d = q.shape
     if xp is np and 1 < n <= DECODE_ROWS:
-        # A verify window (strata_dist/speculative.py) on the host: each row exactly as the
+        # A verify window (strata_dist/sampling/speculative.py) on the host: each row exactly as the
         # decode step at its position computes it, over only the keys it sees (a longer row of
         # masked scores sums in another order), so speculation never changes a greedy token.
         return xp.concatenate([causal_attention(q[i:i + 1], k[:pos0 + i + 1], v[:pos0 + i + 1],

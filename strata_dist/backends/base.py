@@ -29,7 +29,7 @@ class Backend:
                                        # set --kv-type on its instance)
     kv_resident = 0                    # --kv-resident: cells of each session's K/V kept on the
                                        # device (0: every cell; backends/kv_cache.py RingKV)
-    # a prompt chunk's buffers while it runs on a GPU (strata_dist/prompt_workspace.py): the
+    # a prompt chunk's buffers while it runs on a GPU (strata_dist/rank/prompt_workspace.py): the
     # operations write their results into its named buffers instead of new arrays
     workspace = None
 
@@ -40,7 +40,7 @@ class Backend:
             return self.xp.empty(shape, dtype=dtype)
         return self.workspace.take(name, shape, dtype)
 
-    # -- kept conversations (strata_dist/conversation_cache.py) ---------------------------------
+    # -- kept conversations (strata_dist/rank/conversation_cache.py) ---------------------------------
     def keep_rows(self, a, n: int, host: bool = False):
         """A copy of the first n rows of `a` (a host copy on this backend, `host` or not)."""
         return np.array(a[:n])

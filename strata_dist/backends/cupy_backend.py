@@ -228,7 +228,7 @@ class CupyBackend(Backend):
             elif t.ggml_type == GGMLQuantizationType.F16:
                 out.append(raw.view(cp.float16).astype(cp.float32).reshape(rows, cols))
             else:  # no kernel yet for this type: decode on the host (correct, slower)
-                from ..gguf_model import dequantize_bytes
+                from ..gguf_file.reader import dequantize_bytes
                 out.append(cp.asarray(dequantize_bytes(cp.asnumpy(raw), t.ggml_type, (rows, cols),
                                                        gguf.path, t.name)))
         return tuple(out)

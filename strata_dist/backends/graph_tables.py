@@ -87,7 +87,7 @@ def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
 
 
 def repoint_experts(graph, pairs) -> None:
-    """Pairs whose blob moved (the adaptive cache swapped them, strata_dist/adapt.py): their entries
+    """Pairs whose blob moved (the adaptive cache swapped them, strata_dist/experts/adapt.py): their entries
     of a settled decode graph's address table and hit masks, read again from its arena, else this
     card's helper tier, else the pinned copies. The table is written on the null stream, which
     every step waits for (cuda_decode.DecodeGraph._launch_step), so no step reads an entry before

@@ -2,7 +2,7 @@
 
 f32 and f16 are plain arrays. q8_0 keeps llama.cpp's block layout in two arrays: int8 values and
 one f16 scale per 32 values of a head (34 bytes per 32, about half of f16): rows are quantized
-when written and decoded to float32 when read. Priced by `kv_cell_bytes` (strata_dist/model_shape.py), the
+when written and decoded to float32 when read. Priced by `kv_cell_bytes` (strata_dist/models/shape.py), the
 same rule the sessions allocate by. The decode graph reads f16 and q8_0 (kernels/attention.cuh
 quantizes new rows with the same arithmetic as Q8Rows); f32 takes the general path."""
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..gguf_model import EXPERT_PARTS, TensorInfo
+from ..gguf_file.reader import EXPERT_PARTS, TensorInfo
 from ..kernels.abi import KERNEL_TYPES
 
 T = GGMLQuantizationType

@@ -37,7 +37,7 @@ class NumpyBackend(Backend):
         # Up to MAX_BATCH_ROWS rows (a decode step, a verify window's rows, a batched step's),
         # one row at a time: BLAS sums a row's products in another order when more rows share
         # the call, and a row must get the bits it gets alone: greedy tokens with and without
-        # speculation agree (strata_dist/speculative.py), and a batched row's do not depend on
+        # speculation agree (strata_dist/sampling/speculative.py), and a batched row's do not depend on
         # its neighbours (protocol/batch.py). A longer prompt chunk: one GEMM.
         if x.ndim != 2 or x.shape[0] > MAX_BATCH_ROWS:
             return x @ w.T
@@ -67,6 +67,6 @@ class NumpyBackend(Backend):
 
     def expert_weights(self, gguf, layer, blob):
         """(gate, up, down) float32 of one stored blob."""
-        from ..gguf_model import dequantize_bytes
+        from ..gguf_file.reader import dequantize_bytes
         return tuple(dequantize_bytes(b, t.ggml_type, t.shape[1:], gguf.path, t.name)
                      for t, b in gguf.split_blob(layer, blob))

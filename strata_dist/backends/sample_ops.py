@@ -2,7 +2,7 @@
 penalties and logit bias, the grammar's allowed-token mask, the draw (greedy, or temperature,
 top-k, top-p, min-p) and log-probabilities. A host row runs it with numpy; a GPU last stage runs
 the same functions on the device's row, so only the drawn token id (and the few log-probabilities
-a request asks for) crosses to the host, never the vocabulary-wide row (strata_dist/sampler.py
+a request asks for) crosses to the host, never the vocabulary-wide row (strata_dist/sampling/sampler.py
 drives them; docs/ARCHITECTURE.md, "Structured output").
 
 Every function keeps the host sampler's arithmetic step for step (float64, a stable sort, the

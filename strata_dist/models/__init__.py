@@ -3,7 +3,7 @@ picks the module by the file's general.architecture and refuses the ones this pr
 run."""
 from __future__ import annotations
 
-from ..gguf_model import GGUFError, GGUFModel
+from ..gguf_file.reader import GGUFError, GGUFModel
 from . import qwen3moe, qwen3next, qwen35moe
 from .interface import Architecture
 

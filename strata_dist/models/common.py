@@ -8,14 +8,14 @@ import math
 
 import numpy as np
 
-from ..experts import resident_store
-from ..gguf_model import NO_ROPE_SCALING, ROPE_SCALING_KINDS, GGUFError, RopeScaling
+from ..experts.stores import resident_store
+from ..gguf_file.reader import NO_ROPE_SCALING, ROPE_SCALING_KINDS, GGUFError, RopeScaling
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
 from ..plan.workspace import STREAM_BLOBS, STREAM_TOKENS_PER_BLOB, STREAMED, Buffer, PromptLayout
 
 log = logging.getLogger("strata.models")
 
-# architectures whose multi-token-prediction block `--draft mtp` drafts with (strata_dist/mtp_draft.py)
+# architectures whose multi-token-prediction block `--draft mtp` drafts with (strata_dist/sampling/mtp_draft.py)
 MTP_ARCHS = ("qwen3next",)
 _UNUSED_MTP_SAID: set[str] = set()   # files whose unused MTP block was said (once per process)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from ..gguf_model import GGUFModel
+from ..gguf_file.reader import GGUFModel
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ import sys
 
 import numpy as np
 
-from ..gguf_model import GGUFError, GGUFModel
+from ..gguf_file.reader import GGUFError, GGUFModel
 from . import qwen3next as _next
 from .common import model_level_shapes, stage_tensor_names
 # what this architecture shares with qwen3next as is (interface.Architecture's names)

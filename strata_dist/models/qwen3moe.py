@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends.kv_cache import new_session_kv
-from ..gguf_model import Geometry, GGUFModel
+from ..gguf_file.reader import Geometry, GGUFModel
 from ..plan.pricing import DECODE_ROWS
 from ..plan.workspace import Buffer
 from .common import (LayerRangeModel, gemm_buffers, model_level_shapes, residual_buffers,

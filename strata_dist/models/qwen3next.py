@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends.kv_cache import kv_host_nbytes, new_session_kv
-from ..gguf_model import Geometry, GGUFError, GGUFModel
+from ..gguf_file.reader import Geometry, GGUFError, GGUFModel
 from ..kernels.abi import GDN_SPEC
 from ..plan.pricing import DECODE_ROWS
 from ..plan.workspace import Buffer
@@ -407,7 +407,7 @@ class HybridSession:
 
     def kv_rows(self) -> list:
         """Every K/V store of the range's attention layers, in one fixed order (what a kept
-        conversation copies, strata_dist/conversation_cache.py)."""
+        conversation copies, strata_dist/rank/conversation_cache.py)."""
         return [*self._k.values(), *self._v.values()]
 
     # ---- checkpoints (strata_dist/checkpoints.py keeps them; this is the session's side) ---------

@@ -15,24 +15,24 @@ from .shape import ModelShape
 # a plan.Plan: that module imports this one, so it is not imported back here
 Plan = Any
 
-def resident_floor(prefill: int | None) -> int:
+def resident_floor(prompt_chunk: int | None) -> int:
     """--kv-resident's floor for the operator's chunk, or with --prefill auto (None) for the
     smallest chunk it picks (the ring then caps the chunk it picks)."""
-    return kv_resident_floor(prefill or min(LEND_CHUNKS))
+    return kv_resident_floor(prompt_chunk or min(LEND_CHUNKS))
 
 
 def auto_resident(plan_for: Callable[..., Plan], shape: ModelShape, devices: Sequence[Device],
-                  cells: int, params: PlanParams, prefill: int | None, kw: dict) -> Plan:
+                  cells: int, params: PlanParams, prompt_chunk: int | None, kw: dict) -> Plan:
     """--kv-resident auto: every cell when that fits, else a search for the most resident cells
     that fit, down to the floor (a placement fits or not; fewer cells never fit worse)."""
     def attempt(n: int) -> Plan:
         return plan_for(shape, devices, cells=cells, params=replace(params, kv_resident=n),
-                        prefill=prefill, **kw)
+                        prompt_chunk=prompt_chunk, **kw)
     try:
         return attempt(0)
     except PlanError as e:
         whole = e
-    lo, hi = resident_floor(prefill), cells - 1
+    lo, hi = resident_floor(prompt_chunk), cells - 1
     if lo > hi:
         raise whole
     try:
@@ -54,7 +54,7 @@ def auto_resident(plan_for: Callable[..., Plan], shape: ModelShape, devices: Seq
     if any(n != lo for n in own.values()):
         try:
             per_stage = plan_for(shape, devices, cells=cells,
-                                 params=replace(params, kv_resident=lo), prefill=prefill,
+                                 params=replace(params, kv_resident=lo), prompt_chunk=prompt_chunk,
                                  resident_on=own, placed=best, **kw)
         except PlanError as e:   # not by the arithmetic above; said, and the uniform plan stands
             per_stage = replace(best, notes=best.notes + (
@@ -83,7 +83,7 @@ def _resident_per_stage(shape: ModelShape, plan: Plan, sessions: int,
     prompt path fits whether or not its shrunk cache can still lend; 0 (every cell) where the
     whole context fits."""
     out = {}
-    prompt = own_prompt_room(shape, plan.chunk, plan.chunk_auto, lend_pct)
+    prompt = own_prompt_room(shape, plan.prompt_chunk, plan.prompt_chunk_auto, lend_pct)
     for st in plan.stages:
         per_cell = sessions * sum(shape.kv_bytes_per_cell[layer] for layer in range(st.lb, st.le)
                                   if shape.layer_kind[layer] == "attention")

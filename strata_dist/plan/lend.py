@@ -34,17 +34,17 @@ SLOT_FLOOR = 128
 PromptBytes = Union[int, Callable[[int], int]]
 
 
-def chunk_bytes(prompt_bytes: PromptBytes, n_tokens: int) -> int:
-    return prompt_bytes(n_tokens) if callable(prompt_bytes) else prompt_bytes * n_tokens
+def prompt_chunk_bytes(prompt_bytes: PromptBytes, prompt_chunk: int) -> int:
+    return prompt_bytes(prompt_chunk) if callable(prompt_bytes) else prompt_bytes * prompt_chunk
 
 
-def loan_slots(n_tokens: int, bytes_per_token: PromptBytes, slot_bytes: int) -> int:
-    """Cache slots a prompt chunk of n_tokens borrows: ceil(its buffers' bytes / slot_bytes).
+def loan_slots(prompt_chunk: int, bytes_per_token: PromptBytes, slot_bytes: int) -> int:
+    """Cache slots a prompt chunk of prompt_chunk tokens borrows: ceil(its buffers' bytes / slot_bytes).
     slot_bytes is the participant's SMALLEST blob, so evicting that many tail pairs always frees at
     least the buffers' bytes, whatever layers the tail pairs belong to."""
     if slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
-    return -(-chunk_bytes(bytes_per_token, n_tokens) // slot_bytes)
+    return -(-prompt_chunk_bytes(bytes_per_token, prompt_chunk) // slot_bytes)
 
 
 @dataclass(frozen=True)
@@ -74,25 +74,25 @@ class Loan:
 
 @dataclass(frozen=True)
 class LendPlan:
-    chunk: int
+    prompt_chunk: int
     auto: bool
     loans: tuple[Loan, ...]
 
 
-def can_lend(p: Participant, chunk: int, bytes_per_token: PromptBytes,
+def can_lend(p: Participant, prompt_chunk: int, bytes_per_token: PromptBytes,
              lend_pct: int | None) -> tuple[bool, int]:
-    """(can p lend `chunk`, slots it needs). lend_pct None = explicit chunk: the floor only."""
-    need = loan_slots(chunk, bytes_per_token, p.slot_bytes)
+    """(can p lend `prompt_chunk`, slots it needs). lend_pct None = explicit chunk: the floor only."""
+    need = loan_slots(prompt_chunk, bytes_per_token, p.slot_bytes)
     ok = p.slots - need >= SLOT_FLOOR
     if lend_pct is not None:
         ok = ok and need * 100 <= lend_pct * p.slots
     return ok, need
 
 
-def _why_not(p: Participant, chunk: int, need: int, lend_pct: int | None) -> str:
+def _why_not(p: Participant, prompt_chunk: int, need: int, lend_pct: int | None) -> str:
     cap = "" if lend_pct is None else f", cap {lend_pct}% = {lend_pct * p.slots // 100} slots"
-    return (f"{p.name} cannot lend a {chunk}-token chunk: it needs {need} slots, its cache has "
-            f"{p.slots} (floor {SLOT_FLOOR}{cap})")
+    return (f"{p.name} cannot lend a {prompt_chunk}-token chunk: it needs {need} slots, its cache "
+            f"has {p.slots} (floor {SLOT_FLOOR}{cap})")
 
 
 def with_own_bytes(loan: Loan, own_bytes: int) -> Loan:
@@ -104,17 +104,17 @@ def with_own_bytes(loan: Loan, own_bytes: int) -> Loan:
 
 
 def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
-              chunk: int | None = None,
+              prompt_chunk: int | None = None,
               lend_pct: int = 85, max_chunk: int | None = None, loans: bool = True,
               resident_bytes: PromptBytes | None = None) -> LendPlan:
-    """The prompt chunk and each participant's loan. chunk=None is `--prefill auto`, which never
+    """The prompt chunk and each participant's loan. prompt_chunk=None is `--prefill auto`, which never
     picks a chunk above max_chunk (the context: a longer chunk could never be filled) unless even
     the smallest one is. loans=False: nobody lends, every participant withholds its own buffers
     (the A/B against loans). resident_bytes: the own buffers of a participant that holds every
     pair and lends nothing, so streams no miss (default: bytes_per_token)."""
     if not participants:
         raise ValueError("plan_lend: no participants")
-    auto = chunk is None
+    auto = prompt_chunk is None
     pct = lend_pct if auto else None
 
     def lendable(p: Participant, c: int, bpt: PromptBytes, cap: int | None) -> tuple[bool, int]:
@@ -126,10 +126,10 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
         its cache holds every pair and they fit in the room it leaves: the cache then keeps every
         pair, so the stage streams nothing (stage.py carves by the same rule)."""
         if p.holds_all and resident_bytes is not None:
-            resident = chunk_bytes(resident_bytes, c)
+            resident = prompt_chunk_bytes(resident_bytes, c)
             if resident <= p.spare_bytes:
                 return resident
-        return chunk_bytes(bytes_per_token, c)
+        return prompt_chunk_bytes(bytes_per_token, c)
 
     def spared(p: Participant, c: int) -> bool:  # its buffers fit where its cache left room
         return loans and own(p, c) <= p.spare_bytes
@@ -154,27 +154,28 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
             raise PlanError(f"{why}, and its own "
                             f"prompt buffers for {c} tokens ({own(p, c) / MIB:.1f} MiB) exceed "
                             f"{lend_pct}% of its {p.room_bytes / MIB:.1f} MiB of room")
-        chunk = max(cands)
-    elif chunk < 1:
-        raise PlanError(f"--prefill {chunk}: the chunk must be at least 1 token")
+        prompt_chunk = max(cands)
+    elif prompt_chunk < 1:
+        raise PlanError(f"--prefill {prompt_chunk}: the chunk must be at least 1 token")
 
     out = []
     for p in participants:
-        if spared(p, chunk):
-            out.append(Loan(p.name, False, 0, 0, own(p, chunk),
+        if spared(p, prompt_chunk):
+            out.append(Loan(p.name, False, 0, 0, own(p, prompt_chunk),
                             f"{p.name} holds every pair of its layers: its prompt buffers "
-                            f"({own(p, chunk) / MIB:.1f} MiB) take the {p.spare_bytes / MIB:.1f} MiB "
-                            f"its cache leaves, no loan"))
+                            f"({own(p, prompt_chunk) / MIB:.1f} MiB) take the "
+                            f"{p.spare_bytes / MIB:.1f} MiB its cache leaves, no loan"))
             continue
-        ok, need = lendable(p, chunk, bytes_per_token, pct)
+        ok, need = lendable(p, prompt_chunk, bytes_per_token, pct)
         if ok:
             out.append(Loan(p.name, True, need, need * p.slot_bytes, 0))
             continue
-        if own(p, chunk) > p.room_bytes:  # explicit chunks only: auto already bounded the chunk by it
-            why = _why_not(p, chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
-            raise PlanError(f"--prefill {chunk}: {why}, and its own prompt buffers "
-                            f"({own(p, chunk) / MIB:.1f} MiB) exceed its {p.room_bytes / MIB:.1f} MiB of room")
-        why = _why_not(p, chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
-        note = f"{why}; it uses its own prompt buffers ({own(p, chunk) / MIB:.1f} MiB)"
-        out.append(Loan(p.name, False, 0, 0, own(p, chunk), note))
-    return LendPlan(int(chunk), auto, tuple(out))
+        if own(p, prompt_chunk) > p.room_bytes:  # explicit chunks only: auto already bounded it by it
+            why = _why_not(p, prompt_chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
+            raise PlanError(f"--prefill {prompt_chunk}: {why}, and its own prompt buffers "
+                            f"({own(p, prompt_chunk) / MIB:.1f} MiB) exceed its "
+                            f"{p.room_bytes / MIB:.1f} MiB of room")
+        why = _why_not(p, prompt_chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
+        note = f"{why}; it uses its own prompt buffers ({own(p, prompt_chunk) / MIB:.1f} MiB)"
+        out.append(Loan(p.name, False, 0, 0, own(p, prompt_chunk), note))
+    return LendPlan(int(prompt_chunk), auto, tuple(out))

@@ -83,8 +83,8 @@ class Plan:
     stages: tuple[StagePlan, ...]
     helpers: tuple[HelperTier, ...]      # one per device, skipped ones included (with a reason)
     cells: int
-    chunk: int
-    chunk_auto: bool
+    prompt_chunk: int
+    prompt_chunk_auto: bool
     method: str                          # exhaustive | dp | explicit | single | skip_if_fits
     compute_ms: float
     miss_ms: float                       # host misses with the stage caches alone
@@ -196,7 +196,8 @@ class Plan:
             helpers.append(d)
         return {
             "format": PLAN_FORMAT,
-            "cells": self.cells, "chunk": self.chunk, "chunk_auto": self.chunk_auto, "method": self.method,
+            "cells": self.cells, "prompt_chunk": self.prompt_chunk, "prompt_chunk_auto": self.prompt_chunk_auto,
+            "method": self.method,
             "predicted_ms_per_token": self.predicted_ms_per_token, "compute_ms": self.compute_ms,
             "miss_ms": self.miss_ms, "handoff_ms": self.handoff_ms,
             "host_miss_ms": self.host_miss_ms, "helper_ms": self.helper_ms,
@@ -229,8 +230,12 @@ class Plan:
         helpers = tuple(HelperTier(**{**{k: v for k, v in h.items() if k != "slots"},
                                       "device": devices[h["device"]], "pairs": pairs(h["pairs"])})
                         for h in d["helpers"])
-        plan = cls(devices=devices, stages=stages, helpers=helpers, cells=d["cells"], chunk=d["chunk"],
-                   chunk_auto=d["chunk_auto"], method=d["method"], compute_ms=d["compute_ms"],
+        # a plan written before the prompt chunk had one name keeps it as "chunk", "chunk_auto"
+        old = "prompt_chunk" not in d
+        plan = cls(devices=devices, stages=stages, helpers=helpers, cells=d["cells"],
+                   prompt_chunk=d["chunk" if old else "prompt_chunk"],
+                   prompt_chunk_auto=d["chunk_auto" if old else "prompt_chunk_auto"],
+                   method=d["method"], compute_ms=d["compute_ms"],
                    miss_ms=d["miss_ms"], handoff_ms=d["handoff_ms"],
                    params=PlanParams.from_dict(d["params"]), notes=tuple(d["notes"]),
                    compute=record_from_dict(ComputeOptions, d["compute"]))
@@ -346,25 +351,25 @@ def _place_on(cm: CostModel, split, stage_set: Sequence[int]) -> Placement:
 
 
 def make_plan(shape: ModelShape, devices: Sequence[Device], *, cells: int,
-              params: PlanParams = PlanParams(), prefill: int | None = None, **kw) -> Plan:
+              params: PlanParams = PlanParams(), prompt_chunk: int | None = None, **kw) -> Plan:
     """Plan a run (`plan_for`'s arguments) with --kv-resident resolved: params.kv_resident cells
     of each K/V on the device (checked against its floor, the sinks and a prompt chunk), or with
     KV_RESIDENT_AUTO every cell where a placement fits so, else the most cells with which one
     fits (the expert caches fill what is left), noted in the plan."""
     n = params.kv_resident
     if n == KV_RESIDENT_AUTO:
-        return auto_resident(plan_for, shape, devices, cells, params, prefill, kw)
-    if 0 < n < cells and n < resident_floor(prefill):
-        raise PlanError(f"--kv-resident {n} is below its floor of {resident_floor(prefill)} "
+        return auto_resident(plan_for, shape, devices, cells, params, prompt_chunk, kw)
+    if 0 < n < cells and n < resident_floor(prompt_chunk):
+        raise PlanError(f"--kv-resident {n} is below its floor of {resident_floor(prompt_chunk)} "
                         f"cells: the {KV_SINK_CELLS} attention sinks plus a ring that holds a "
-                        f"whole prompt chunk (--prefill {prefill or 'auto: its smallest chunk'})")
-    return plan_for(shape, devices, cells=cells, params=params, prefill=prefill, **kw)
+                        f"whole prompt chunk (--prefill {prompt_chunk or 'auto: its smallest chunk'})")
+    return plan_for(shape, devices, cells=cells, params=params, prompt_chunk=prompt_chunk, **kw)
 
 
 def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
               profile: RoutingProfile | None = None, params: PlanParams = PlanParams(),
               split: str | Sequence[int] = "auto", order: str = "fastest_last",
-              skip_if_fits: bool = False, prefill: int | None = None,
+              skip_if_fits: bool = False, prompt_chunk: int | None = None,
               stage_gpus: Sequence[str] | None = None,
               helper_tiers: Sequence[ExplicitTier] = (),
               compute: ComputeOptions = ComputeOptions(),
@@ -374,7 +379,7 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
 
     split: "auto" (search), "none" (one stage on the best single device), or explicit split points
     K1, K2, ... (first layers of stages 2, 3, ...). order: "fastest_last" or "as_given".
-    prefill: None for the auto prompt chunk, or the operator's explicit chunk.
+    prompt_chunk: None for the auto prompt chunk, or the operator's explicit chunk.
     stage_gpus: the devices (explicit.py names) that run stages, one each; the others are helper
     tiers only. helper_tiers: explicit helper tiers, sized by the operator — taken off a stage
     card before its cache fills, kept with --no-remote-auto, refused rather than skipped.
@@ -433,8 +438,8 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
         on_card = [w + (conversation_bytes if stage_set is None or d in stage_set else 0)
                    for d, w in enumerate(withheld)]
         try:
-            _place(CostModel(shape, ordered, profile, cells, params, handoff_rows=prefill
-                             if prefill is not None else HANDOFF_ROWS, withheld=on_card,
+            _place(CostModel(shape, ordered, profile, cells, params, handoff_rows=prompt_chunk
+                             if prompt_chunk is not None else HANDOFF_ROWS, withheld=on_card,
                              resident=kv_cells),
                    split, skip_if_fits, stage_set, placed)
             withheld = on_card
@@ -444,7 +449,7 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                          f"pinned host memory (no placement fits with it on the cards)")
     # hand-off buffers hold one prompt chunk: the search prices the largest it may pick (the
     # operator's, or the largest auto chunk); once the chunk is known, the rest goes to the caches
-    rows = prefill if prefill is not None else HANDOFF_ROWS
+    rows = prompt_chunk if prompt_chunk is not None else HANDOFF_ROWS
     cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=rows, withheld=withheld,
                    resident=kv_cells)
     notes.append(f"coverage model: {coverage_mode(profile, params.coverage)}")
@@ -476,10 +481,10 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     res = kv_cells if kv_cells is not None else [params.kv_resident] * len(ordered)
     ring = min([res[d] - KV_SINK_CELLS for d in placement.devices if 0 < res[d] < cells],
                default=cells)
-    lend = plan_lend(parts, shape.prompt_bytes, prefill, params.lend_pct, max_chunk=min(cells, ring),
+    lend = plan_lend(parts, shape.prompt_bytes, prompt_chunk, params.lend_pct, max_chunk=min(cells, ring),
                      loans=params.prompt_loans, resident_bytes=shape.resident_prompt_bytes)
-    if lend.chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
-        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.chunk,
+    if lend.prompt_chunk < rows:   # buffers of the chosen chunk: what they leave fills the caches further
+        cm = CostModel(shape, ordered, profile, cells, params, handoff_rows=lend.prompt_chunk,
                        withheld=withheld, resident=kv_cells)
         fills = [cm.fill(d, lb, le) for d, (lb, le) in zip(placement.devices, placement.ranges)]
     fills = [f if loan.lends else cm.tables.fill(f.lb, f.le, f.budget - loan.own_bytes, params.stage_cache_slots)
@@ -487,7 +492,7 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
     # a stage whose cache holds every pair and lends nothing streams no miss: its own buffers are
     # the resident layout, as it carves them (stage.py); a cache the smaller hand-off rows filled
     # further may only now hold every pair
-    loans = [with_own_bytes(loan, shape.resident_prompt_bytes(lend.chunk))
+    loans = [with_own_bytes(loan, shape.resident_prompt_bytes(lend.prompt_chunk))
              if not loan.lends and holds_all(f) else loan for f, loan in zip(fills, lend.loans)]
     notes += [loan.note for loan in loans if loan.note]
 
@@ -530,7 +535,8 @@ def plan_for(shape: ModelShape, devices: Sequence[Device], *, cells: int,
                     for h, (saved, read) in zip(helpers, costs))
 
     bd = cm.breakdown(placement.devices, placement.bounds, fills)
-    return Plan(devices=ordered, stages=tuple(stages), helpers=helpers, cells=cells, chunk=lend.chunk,
-                chunk_auto=lend.auto, method=placement.method,
+    return Plan(devices=ordered, stages=tuple(stages), helpers=helpers, cells=cells,
+                prompt_chunk=lend.prompt_chunk,
+                prompt_chunk_auto=lend.auto, method=placement.method,
                 compute_ms=bd["compute_ms"], miss_ms=bd["miss_ms"], handoff_ms=bd["handoff_ms"],
                 params=params, notes=tuple(notes), compute=compute)

@@ -60,11 +60,11 @@ def weights_bytes(shape: ModelShape, lb: int, le: int, first: bool, last: bool, 
     return total
 
 
-def kv_resident_floor(chunk: int) -> int:
+def kv_resident_floor(prompt_chunk: int) -> int:
     """The fewest resident cells (--kv-resident) a session may keep: the sinks plus a ring that
     holds a whole prompt chunk's new cells (a chunk's rows attend to each other, all from the
     ring, backends/kv_cache.py RingKV)."""
-    return KV_SINK_CELLS + chunk
+    return KV_SINK_CELLS + prompt_chunk
 
 
 def resident_cells(cells: int, resident: int) -> int:
@@ -134,10 +134,10 @@ def handoff_bytes(shape: ModelShape, rows: int = HANDOFF_ROWS) -> int:
 
 def verify_window_bytes(shape: ModelShape, lb: int, le: int, rows: int, sessions: int = 1) -> int:
     """What a verify window of `rows` rows (speculative decoding, --spec K: K + 1 rows;
-    strata_dist/speculative.py) takes on a stage of [lb, le) beyond a decode step: its rows'
+    strata_dist/sampling/speculative.py) takes on a stage of [lb, le) beyond a decode step: its rows'
     buffers through the many-row path a prompt chunk takes (the prompt layout at `rows` tokens,
     less the streamed experts a window never reads; once: a batched step runs its sessions'
-    windows one after another, strata_dist/stage_step.py), and on a range with linear layers
+    windows one after another, strata_dist/rank/stage_step.py), and on a range with linear layers
     each of the `sessions` sessions' copy of their state at its last window and that window's
     input rows, kept to roll back inside it at the session's next step. 0 for rows <= 1 (no
     speculation)."""

@@ -44,7 +44,7 @@ def render_table(plan: Plan) -> str:
                  f"+ host misses {plan.host_miss_ms:.3f} + helper reads {plan.helper_ms:.3f} "
                  f"+ hand-offs {plan.handoff_ms:.3f} (search: {plan.method})")
     lines.append(f"routing mass held: {100 * plan.coverage_all:.2f}% (stage caches {100 * plan.coverage_primary:.2f}%)")
-    lines.append(f"prefill chunk {plan.chunk} ({'auto' if plan.chunk_auto else 'explicit'}), "
+    lines.append(f"prompt chunk {plan.prompt_chunk} ({'auto' if plan.prompt_chunk_auto else 'explicit'}), "
                  f"context {plan.cells} cells")
     for dev, other in _shared_cards(plan):
         lines.append(f"{dev.label} and {other.label} share one card: their memory is split between "

@@ -49,7 +49,7 @@ class ModelShape:
                          embedding again if the head reuses it on another card).
     head_shares_embedding  the head is the tied token embedding: a stage that is first AND last
                          loads that tensor once, so it is counted once.
-    prompt_bytes_per_token  bytes of prompt-path buffers per token of a prefill chunk (activations,
+    prompt_bytes_per_token  bytes of prompt-path buffers per token of a prompt chunk (activations,
                          routing, expert rows). With a prompt_layout, its slope (for reports);
                          without one (shapes built from a geometry), the price: N * this for a
                          chunk of N tokens (estimate_prompt_bytes_per_token).
@@ -77,20 +77,20 @@ class ModelShape:
     head_shares_embedding: bool = False
     prompt_layout: tuple = ()
 
-    def prompt_bytes(self, n_tokens: int) -> int:
-        """A prompt chunk's buffers for n_tokens: the layout's, else the per-token estimate."""
+    def prompt_bytes(self, prompt_chunk: int) -> int:
+        """A prompt chunk's buffers for prompt_chunk tokens: the layout's, else the per-token estimate."""
         if self.prompt_layout:
             from .workspace import PromptLayout
-            return PromptLayout.from_list(self.prompt_layout).nbytes(n_tokens)
-        return self.prompt_bytes_per_token * n_tokens
+            return PromptLayout.from_list(self.prompt_layout).nbytes(prompt_chunk)
+        return self.prompt_bytes_per_token * prompt_chunk
 
-    def resident_prompt_bytes(self, n_tokens: int) -> int:
+    def resident_prompt_bytes(self, prompt_chunk: int) -> int:
         """The same for a stage that never streams a miss (its cache holds every pair of its
         layers and lends nothing): the layout less its STREAMED buffer."""
         if self.prompt_layout:
             from .workspace import STREAMED, PromptLayout
-            return PromptLayout.from_list(self.prompt_layout).without(STREAMED).nbytes(n_tokens)
-        return self.prompt_bytes(n_tokens)
+            return PromptLayout.from_list(self.prompt_layout).without(STREAMED).nbytes(prompt_chunk)
+        return self.prompt_bytes(prompt_chunk)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_layout", tuple(tuple(r) for r in self.prompt_layout))

@@ -1,6 +1,6 @@
 """Decode tok/s with speculative decoding (--spec K) at an acceptance rate: pure arithmetic.
 
-A verify window is one decode step of K + 1 rows through every stage (strata_dist/speculative.py).
+A verify window is one decode step of K + 1 rows through every stage (strata_dist/sampling/speculative.py).
 The planner prices it as it prices a one-row step (score.py), with what changes for R rows:
 - a stage reads its dense weights, head, K/V and recurrent state once for all rows (the many-row
   path reads each tile of them once for the rows it holds), and spends layer_ms per layer once;
@@ -20,7 +20,7 @@ stage with recurrent state (qwen3next) the accepted rows it runs again after a r
 roll its state back (speculative.py), which makes such a stage's windows dearer than this says.
 
 With --parallel B (the plan's sessions) a batched step carries each session's window, and each
-stage runs those windows one after another (strata_dist/stage_step.py: each through the many-row
+stage runs those windows one after another (strata_dist/rank/stage_step.py: each through the many-row
 path, as one session's), so B sessions that all draft take B windows' time a step for B windows'
 tokens: the aggregate tok/s is one session's, while without speculation a batched step of B rows
 reads each expert once for all of them (K = 0's aggregate: B rows in window_ms). The prediction
@@ -71,8 +71,8 @@ def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int
         raise ValueError(f"rows {rows}: a step has at least one")
     if profile is None:
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
-    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params, handoff_rows=plan.chunk,
-                   resident=plan.resident_by_device())
+    cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params,
+                   handoff_rows=plan.prompt_chunk, resident=plan.resident_by_device())
     E = shape.n_experts
     blob = np.repeat(np.asarray(shape.blob_bytes, dtype=np.float64), E)    # by flat pair id
     one = np.minimum(1.0, cm.lk * cm.mass)          # a token routes to the pair

@@ -39,8 +39,8 @@ class Buffer:
             raise ValueError(f"buffer {self.name}: negative size {self.per_token}/token + "
                              f"{self.fixed}, at most {self.most}")
 
-    def nbytes(self, n_tokens: int) -> int:
-        size = self.per_token * n_tokens + self.fixed
+    def nbytes(self, prompt_chunk: int) -> int:
+        size = self.per_token * prompt_chunk + self.fixed
         if self.most:
             size = min(size, self.most)
         return -(-size // ALIGN) * ALIGN
@@ -64,26 +64,26 @@ class PromptLayout:
         """The layout less the buffers `names` (a stage that never streams has no STREAMED)."""
         return PromptLayout(tuple(b for b in self.buffers if b.name not in names))
 
-    def carve(self, n_tokens: int) -> dict[str, tuple[int, int]]:
-        """name -> (offset, nbytes) of every buffer for a chunk of n_tokens."""
-        if n_tokens < 0:
-            raise ValueError(f"a chunk of {n_tokens} tokens")
+    def carve(self, prompt_chunk: int) -> dict[str, tuple[int, int]]:
+        """name -> (offset, nbytes) of every buffer for a chunk of prompt_chunk tokens."""
+        if prompt_chunk < 0:
+            raise ValueError(f"a chunk of {prompt_chunk} tokens")
         out, at = {}, 0
         for b in self.buffers:
             if b.phase == "residual":
-                out[b.name] = (at, b.nbytes(n_tokens))
-                at += b.nbytes(n_tokens)
+                out[b.name] = (at, b.nbytes(prompt_chunk))
+                at += b.nbytes(prompt_chunk)
         for phase in PHASES[1:]:
             p = at
             for b in self.buffers:
                 if b.phase == phase:
-                    out[b.name] = (p, b.nbytes(n_tokens))
-                    p += b.nbytes(n_tokens)
+                    out[b.name] = (p, b.nbytes(prompt_chunk))
+                    p += b.nbytes(prompt_chunk)
         return out
 
-    def nbytes(self, n_tokens: int) -> int:
-        """The layout's whole size for a chunk of n_tokens."""
-        return max((o + n for o, n in self.carve(n_tokens).values()), default=0)
+    def nbytes(self, prompt_chunk: int) -> int:
+        """The layout's whole size for a chunk of prompt_chunk tokens."""
+        return max((o + n for o, n in self.carve(prompt_chunk).values()), default=0)
 
     def per_token(self) -> int:
         """Bytes per token, for reports (nbytes(n) is the price; this is its slope, rounded up)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..sampler import TokenLogprob
-from ..tokenizer import GGUFTokenizer
+from ..sampling.sampler import TokenLogprob
+from ..gguf_file.tokenizer import GGUFTokenizer
 from .worker import Choice, Result
 
 MAX_CHOICES = 16               # `n`: choices per request

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..head import LogprobRequest
-from ..sampler import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_K, MAX_TOP_LOGPROBS, SamplingParams
-from ..template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
-from ..tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
+from ..head.session import LogprobRequest
+from ..sampling.sampler import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_K, MAX_TOP_LOGPROBS, SamplingParams
+from ..gguf_file.template_sandbox import CONTEXT_NAMES, GLOBAL_NAMES, JINJA_NAMES, render_template
+from ..gguf_file.tokenizer import GGUFTokenizer, TemplateError, TextError, message_text
 from .structured_api import StructuredRequestError, structured_grammar
 from .templates import RenderBusy, RenderUnavailable, TemplateLimit, TemplateRenderer
 from .tool_grammar import forced_call_grammar

@@ -2,7 +2,7 @@
 
 Each running job has a thread of its own and one of B head sessions (session ids 0..B-1 on every
 stage, each its own KV); its generation goes through the BatchScheduler
-(strata_dist/batch_scheduler.py), which the worker's thread pumps: that thread alone touches the
+(strata_dist/head/batch_scheduler.py), which the worker's thread pumps: that thread alone touches the
 coordinator's sockets. A job waits in the worker's queue (admission and 429 as with one at a
 time) until a session is free."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import queue
 import threading
 import time
 
-from ..batch_scheduler import BatchScheduler
-from ..conversation_table import SharedConversationTable
-from ..coordinator import RankFailure
-from ..head import HeadSession
+from ..head.batch_scheduler import BatchScheduler
+from ..head.conversation_table import SharedConversationTable
+from ..head.coordinator import RankFailure
+from ..head.session import HeadSession
 from .job_queue import RETRY_AFTER_MAX_S
 from .running import session_row
 

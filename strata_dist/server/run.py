@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Callable
 
-from ..coordinator import RankFailure
-from ..head import HeadSession
-from ..tokenizer import GGUFTokenizer
+from ..head.coordinator import RankFailure
+from ..head.session import HeadSession
+from ..gguf_file.tokenizer import GGUFTokenizer
 from .app import ServerContext, create_app
 from .hosts import WILDCARD_BINDS, HostCheck, default_allowed_hosts, parse_allowed_hosts
 from .openai_api import Limits
@@ -193,7 +193,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             progress.close()
             launch.echo = echo
         sctx.set_loaded(plan, rank_views(plan, launch.coordinator.ranks, launch.ready, gpu_of_rank))
-        sessions = [HeadSession(launch.coordinator, ctx, plan.chunk, n_vocab, None, session_id=i,
+        sessions = [HeadSession(launch.coordinator, ctx, plan.prompt_chunk, n_vocab, None, session_id=i,
                                 keep_conversations=any(s.conversation_bytes for s in plan.stages),
                                 conversations_in_host=any(s.conversation_in == "host"
                                                           for s in plan.stages),
@@ -205,7 +205,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
             for line in info_lines(plan):
                 say(line)
         # --parallel: while others decode, a prompt reads a chunk per decode step
-        worker.attach(sessions[0], sessions[1:], prompt_budget=plan.chunk)
+        worker.attach(sessions[0], sessions[1:], prompt_budget=plan.prompt_chunk)
         say(f"ready: serving {model_id} on {url} (OpenAI API under /v1, Monitor at /, "
             f"{time.monotonic() - t0:.1f} s to load)")
 

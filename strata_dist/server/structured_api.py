@@ -1,7 +1,7 @@
 """Structured output's request fields, checked before any rank sees them: `response_format`
 (`text`, `json_object`, `json_schema`) and `grammar` (a Lark grammar, or a GBNF one, converted).
 The grammar is compiled here against the served model's tokenizer, so a grammar the engine refuses
-is a 400 naming the field and the engine's message (strata_dist/structured.py does the rest on the
+is a 400 naming the field and the engine's message (strata_dist/sampling/structured.py does the rest on the
 last stage)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from protocol.messages import MAX_GRAMMAR_BYTES
 
-from ..structured import ANY_OBJECT_SCHEMA, GrammarError, check_grammar
-from ..tokenizer import GGUFTokenizer
+from ..sampling.structured import ANY_OBJECT_SCHEMA, GrammarError, check_grammar
+from ..gguf_file.tokenizer import GGUFTokenizer
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 SCHEMA_PARAM = "response_format.json_schema.schema"

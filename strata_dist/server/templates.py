@@ -1,4 +1,4 @@
-"""Chat prompts rendered in child processes (strata_dist/template_sandbox.py), each render bounded in
+"""Chat prompts rendered in child processes (strata_dist/gguf_file/template_sandbox.py), each render bounded in
 time, output and memory and cancelled when its client leaves.
 
 The template comes from the model file (`tokenizer.chat_template`; ChatML when it has none), so it
@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from ..template_sandbox import TemplateError
+from ..gguf_file.template_sandbox import TemplateError
 
 RENDER_TIMEOUT_S = 1.0         # a chat template renders in milliseconds; past this it is refused
 CHILD_MEMORY_BYTES = 512 * 2 ** 20
@@ -52,7 +52,7 @@ class RenderBusy(RenderUnavailable):
 class _Child:
     def __init__(self, source: str, memory_bytes: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_dist.template_sandbox", str(memory_bytes)],
+            [sys.executable, "-m", "strata_dist.gguf_file.template_sandbox", str(memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True)   # Ctrl-C on the terminal is the launcher's to handle
         self.buf = b""

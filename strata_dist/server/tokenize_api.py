@@ -5,7 +5,7 @@ Both request shapes clients send are read: `{"content": text}` and `{"prompt": t
 `max_model_len`; `content` and `prompt`)."""
 from __future__ import annotations
 
-from ..tokenizer import TextError
+from ..gguf_file.tokenizer import TextError
 from .openai_api import ApiError, Limits, _bad, _is_int, _utf8_len
 
 # The served family (Qwen3 MoE decoders) defines no pooling of its hidden states into one vector:

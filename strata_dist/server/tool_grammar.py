@@ -9,7 +9,7 @@ For the `<tool_call>` format (server/tools.py) the answer is one call, or with
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-written as a Lark grammar for the grammar engine (strata_dist/structured.py): the tags as the
+written as a Lark grammar for the grammar engine (strata_dist/sampling/structured.py): the tags as the
 model's tokens of that text where it has them (else as text), the fixed text around the arguments
 as string literals, the arguments as the engine's `%json {schema}`, a JSON schema nested in the
 Lark grammar at that place. The answer starts with the first call (no text, no thinking before it). The schema stays the root of its own nested grammar, so
@@ -21,8 +21,8 @@ import json
 
 from protocol.messages import MAX_GRAMMAR_BYTES
 
-from ..structured import JSON_DEFAULTS, GrammarError, check_grammar, engine_tokenizer
-from ..tokenizer import GGUFTokenizer
+from ..sampling.structured import JSON_DEFAULTS, GrammarError, check_grammar, engine_tokenizer
+from ..gguf_file.tokenizer import GGUFTokenizer
 from .tools import CLOSE_TAG, OPEN_TAG, ToolRequestError, ToolUse
 
 # A function without `parameters` takes none: its arguments are the empty object.

@@ -21,10 +21,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..coordinator import RankFailure, RankLost, RequestError
-from ..head import HeadSession, LogprobRequest
-from ..sampler import SamplingParams, TokenLogprob
-from ..tokenizer import GGUFTokenizer
+from ..head.coordinator import RankFailure, RankLost, RequestError
+from ..head.session import HeadSession, LogprobRequest
+from ..sampling.sampler import SamplingParams, TokenLogprob
+from ..gguf_file.tokenizer import GGUFTokenizer
 from .history import RequestLog
 from .job_queue import RETRY_AFTER_MAX_S, JobQueue, RateMeter
 from .metrics import LatencyHistograms
@@ -33,7 +33,7 @@ from .running import RunningJob, session_row
 log = logging.getLogger("strata.server")
 
 # A rank's StatsReply counters: PROTOCOL.md calls them deltas since the previous reply, but the ranks
-# (strata_dist/rank.py) and `--serve STATS` treat them as totals since the rank started. The server
+# (strata_dist/rank/shell.py) and `--serve STATS` treat them as totals since the rank started. The server
 # follows the ranks; flip this if they come to send deltas.
 COUNTERS_ARE_TOTALS = True
 STATS_EVERY_S = 2.0      # how often an idle worker asks the ranks for their counters

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Protocol
 import gguf
 import numpy as np
 
-from ..gguf_split import shard_name
+from ..gguf_file.split import shard_name
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "K": 1000, "M": 1000 ** 2, "G": 1000 ** 3}
