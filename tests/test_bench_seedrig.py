@@ -78,7 +78,7 @@ def test_the_checker_refuses_a_seedrig_record_without_its_plan_or_identity(run):
     del damaged["arms"][2]["tokens_identical_to_1gpu"]
     del damaged["arms"][3]["plan"]["ranks"][2]["cache_mib"]   # rank 2 runs the auto arm's stage
     assert check_record(damaged, str(path)) == [
-        "arms[1].plan.prompt_chunk missing", "arms[2].tokens_identical_to_1gpu missing",
+        "arms[1].plan.chunk missing", "arms[2].tokens_identical_to_1gpu missing",
         "arms[3].plan.ranks[2].cache_mib missing"]
 
 
