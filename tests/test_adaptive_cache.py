@@ -1,16 +1,14 @@
 """The adaptive expert cache (--adapt-every, --adapt-swaps): the swap policy, the arena's swaps, and
 real CPU ranks through the launcher on a two-phase workload. The tokens never depend on it."""
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGUFReader
 
 from launch_helpers import ServeSession
+from stand_ins import run_check
 from strata_dist.experts.adapt import RoutingCounts, coverage, pick_swaps
 from strata_dist.backends import get_backend
 from strata_dist.experts.stores import BlobArena, HostTier
@@ -263,13 +261,7 @@ def test_a_gpu_stage_swaps_between_graph_steps_and_repoints_its_graph():
     """The GPU rank's Python on tests/fake_cupy (tests/adapt_gpu_check.py): the swaps copy the
     pinned blobs into their slots, and the graph's table updated in place equals one built afresh.
     The kernels themselves are the GPU tests' (test_gpu_adaptive_cache.py)."""
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(here / "fake_cupy"), str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(here / "adapt_gpu_check.py")], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_check("adapt_gpu_check.py", timeout=240)
     assert report["graph"] == "DecodeGraph" and report["graph_steps"] == 8, report
     # the stand-ins route every row to expert 0: it takes a slot in both layers
     assert report["adapt_swaps"] == 2 and [0, 0] in report["cached"] and [1, 0] in report["cached"]

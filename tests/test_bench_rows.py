@@ -3,12 +3,12 @@ for CuPy (tests/fake_cupy) with kernels that run nothing (tests/prompt_bytes_che
 one-layer file, so the next GPU call does not spend device time on a harness that breaks. The
 times it prints there are the stand-ins' events (no measurement); the routing, work items and
 the table are the benchmark's own."""
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from hf_fixtures import tiny_qwen3moe, write_gguf
+from stand_ins import stand_in_env
 
 HERE = Path(__file__).resolve().parent
 RUN = """
@@ -25,8 +25,7 @@ sys.exit(bench_rows.main())
 def test_bench_rows_prints_every_launch_of_a_layer(tmp_path):
     model = write_gguf(tiny_qwen3moe(3, hidden=256, head_dim=128, top_k=4, n_experts=16,
                                      n_layers=1), tmp_path / "m.gguf", "q8_0")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE / "fake_cupy"), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    env = stand_in_env()
     code = RUN.format(tests=str(HERE), bench=str(HERE.parent / "benchmarks"), model=str(model))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)

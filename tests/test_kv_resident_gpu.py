@@ -6,27 +6,18 @@ the RoPE tables, the host copies' device addresses and (S, R); the ring's end fo
 steps and a rollback. The same for a qwen3next runner (next_attention.cuh's ring builds, its
 linear layers' slots beside). Nothing numeric: tests/test_gpu_kv_resident.py, on a GPU. Skips
 without nvcc."""
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from stand_ins import run_check
+
 NVCC = shutil.which("nvcc")
-HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 
 def test_the_decode_graph_reads_the_ring_and_the_host_copy():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE / "fake_cupy"), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "kv_resident_abi_check.py"), NVCC],
-                          env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_check("kv_resident_abi_check.py", NVCC, timeout=540)
     assert report["errors"] == [] and report["graph"] == "DecodeGraph"
     counts = report["counts"]
     # the decode steps write and read through the ring builds, never the plain ones

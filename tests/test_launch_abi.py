@@ -7,7 +7,6 @@ head geometry (and with the blocked delta rule): prompt, one-row and three-row d
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
 streaming the rest from pinned host memory, its decode graph reading them there. Skips where
 nvcc is not installed."""
-import json
 import os
 import shutil
 import subprocess
@@ -15,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from stand_ins import run_check
 
 NVCC = shutil.which("nvcc")
 HERE = Path(__file__).resolve().parent
@@ -24,12 +25,7 @@ pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc is not installed"),
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE / "fake_cupy"), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "launch_abi_check.py"), NVCC], env=env,
-                          capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_check("launch_abi_check.py", NVCC, timeout=540)
 
 
 def test_every_launch_matches_its_kernel(report):

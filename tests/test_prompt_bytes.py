@@ -4,15 +4,11 @@ layout is what the stage carves), for qwen3moe and qwen3next at two geometries e
 (tests/prompt_bytes_check.py: the backend's Python on numpy stand-ins for CuPy whose arrays count
 their bytes while they live). A chunk that allocated outside its layout would take memory the
 plan never priced; a buffer no path writes would be cache lent for nothing."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from stand_ins import run_check
+
 pytestmark = pytest.mark.timeout(600)
 NAMES = ["qwen3moe", "qwen3moe, 8 of 32 experts", "qwen3next", "qwen3next, 8 heads"]
 # written by one path only: the runner (every expert resident) groups on the device and streams
@@ -23,12 +19,7 @@ HOST_GROUPED = {"pack", "pack_blobs", "stream"}
 
 @pytest.fixture(scope="module")
 def measured():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE / "fake_cupy"), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "prompt_bytes_check.py")], env=env,
-                          capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_check("prompt_bytes_check.py", timeout=540)
 
 
 def test_both_architectures_at_two_geometries_were_measured(measured):

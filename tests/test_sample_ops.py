@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from stand_ins import run_check
 from strata_dist.backends import sample_ops
 from strata_dist.backends.step_slots import StepLogits
 from strata_dist.sampling.sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
@@ -261,13 +258,7 @@ def test_a_gpu_runner_launches_no_step_ahead_of_a_row_its_sampler_reads():
     tests/sampling_ahead_check.py): a greedy generation with a penalty or a bias reads each row,
     so no step may be launched ahead of it (that step overwrites the row: StepLogits raises);
     a plain greedy one still takes its steps ahead."""
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(here / "fake_cupy"), str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(here / "sampling_ahead_check.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_check("sampling_ahead_check.py", timeout=300)
     assert report["graph"] == "DecodeGraph"
     assert report["plain"] == {"tokens": 6, "ahead_taken": 4}
     assert report["repetition"] == report["bias"] == {"tokens": 6, "ahead_taken": 0}, report
