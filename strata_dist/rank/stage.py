@@ -411,10 +411,11 @@ class Stage:
             self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
         self.tiers.prompt = False
         graph = self.decode_graph
-        by_graph = (graph is not None and self.hidden_sink is None
-                    and graph.takes_batch(sessions, positions))
+        replays = (graph.batch_replays(sessions, positions)
+                   if graph is not None and self.hidden_sink is None else None)
+        by_graph = replays is not None
         if by_graph:
-            out = graph.step_rows(sessions, positions, ids=ids, hidden=hidden)   # host logits
+            out = graph.step_rows(replays, ids=ids, hidden=hidden)   # host logits on the last
             graph.report_step(self.tiers.counters, self.tiers.routing)
         else:
             if graph is not None:
