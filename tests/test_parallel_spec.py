@@ -151,7 +151,8 @@ def test_the_draft_model_drafts_for_each_request_of_a_batch(synth):
         assert drafted > 0 and accepted == (drafted if draft == "tiny" else 0), (draft, status)
         assert status["batched_requests"] / status["batched_steps"] > 1.5, status
         # the drafts rode in their requests' windows as rows (rejected ones too)
-        assert status["batched_rows"] > status["batched_requests"] + accepted, status
+        rows, requests = status["batched_rows"], status["batched_requests"]
+        assert rows >= requests + accepted and rows > requests, status
 
 
 @pytest.mark.timeout(240)
