@@ -413,8 +413,7 @@ class Stage:
         graph = self.decode_graph
         replays = (graph.batch_replays(sessions, positions)
                    if graph is not None and self.hidden_sink is None else None)
-        by_graph = replays is not None
-        if by_graph:
+        if by_graph := replays is not None:
             out = graph.step_rows(replays, ids=ids, hidden=hidden)   # host logits on the last
             graph.report_step(self.tiers.counters, self.tiers.routing)
         else:
