@@ -166,8 +166,12 @@ def batch_run(scenarios, graphs, counts, path) -> None:
     assert [st.tiers.counters["graph_steps"] for st in stages] == [1, 1]
     assert sorted(stages[1].decode_graph.graphs) == [(2, True), (8, True)]
     g, s0 = stages[0].decode_graph, stages[0].session(0)
-    assert g.takes_batch([s0, s0], [8, 9]) and not g.takes_batch([s0, s0], [8, 10])
-    assert not g.takes_batch([s0], [512])                     # past the session's cells
+    ten = [stages[0].session(s) for s in order]
+    assert [(r.n, r.sessions) for r in g.batch_replays(ten, pos)] == [(8, tuple(ten[:8])),
+                                                                      (2, tuple(ten[8:]))]
+    assert [r.n for r in g.batch_replays([s0, s0], [8, 9])] == [2]
+    assert g.batch_replays([s0, s0], [8, 10]) is None        # a session's rows not consecutive
+    assert g.batch_replays([s0], [512]) is None              # past the session's cells
     name = "qwen3moe stages, a batched step of ten sessions"
     graphs[name] = type(stages[1].decode_graph).__name__
     scenarios[name] = dict(counts)

@@ -192,8 +192,10 @@ def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
         q = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]
         assert q["parallel"] == PARALLEL and len(q["sessions"]) == PARALLEL
         steps = q["batched_steps"] - before["batched_steps"]
+        requests = q["batched_requests"] - before["batched_requests"]
         rows = q["batched_rows"] - before["batched_rows"]
-        assert steps > 0 and rows / steps > 2, (steps, rows)   # batched, not one at a time
+        assert steps > 0 and requests / steps > 2, (steps, requests)   # batched, not one at a time
+        assert rows == requests, (rows, requests)     # no --spec: a row a request
         # a group of requests on each stage at once (one step in flight per stage)
         assert q["most_steps_in_flight"] == (2 if "--layer-split" in args else 1)
     finally:

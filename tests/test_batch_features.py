@@ -160,7 +160,8 @@ def test_a_served_profile_counts_each_batched_row_once(synth, tmp_path):
         replies = asyncio.run(all_at_once())
         with httpx.Client(timeout=10) as http:
             status = http.get(server.url + "/v1/status").json()["queue"]
-        assert status["batched_rows"] > status["batched_steps"] > 0   # rows shared steps
+        assert status["batched_requests"] > status["batched_steps"] > 0   # requests shared steps
+        assert status["batched_rows"] == status["batched_requests"]      # no --spec: a row each
     finally:
         assert server.close() in CLEAN_EXIT
     g = GEOMETRIES["tiny"]

@@ -127,8 +127,10 @@ def test_eight_speculating_clients_in_one_batch_get_their_tokens_alone(synth, li
     assert sum(accepted) > 0, usage
     assert status["strata_draft_tokens_accepted"] == sum(accepted) > 0, status
     assert status["strata_draft_tokens"] >= status["strata_draft_tokens_accepted"]
-    # the steps carried several requests at once, a step in flight per stage
-    assert status["batched_rows"] / status["batched_steps"] > 1.5, status
+    # the steps carried several requests at once, a step in flight per stage; their windows
+    # carried the drafts as rows of their own (a window is 1 + its drafts rows)
+    assert status["batched_requests"] / status["batched_steps"] > 1.5, status
+    assert status["batched_rows"] >= status["batched_requests"] + sum(accepted), status
     assert status["most_steps_in_flight"] == (2 if "--layer-split" in args else 1)
 
 
@@ -147,7 +149,10 @@ def test_the_draft_model_drafts_for_each_request_of_a_batch(synth):
         assert got == want, draft
         drafted, accepted = status["strata_draft_tokens"], status["strata_draft_tokens_accepted"]
         assert drafted > 0 and accepted == (drafted if draft == "tiny" else 0), (draft, status)
-        assert status["batched_rows"] / status["batched_steps"] > 1.5, status
+        assert status["batched_requests"] / status["batched_steps"] > 1.5, status
+        # the drafts rode in their requests' windows as rows (rejected ones too)
+        rows, requests = status["batched_rows"], status["batched_requests"]
+        assert rows >= requests + accepted and rows > requests, status
 
 
 @pytest.mark.timeout(240)
@@ -299,3 +304,47 @@ def test_a_draft_session_per_session_is_priced_as_carved(synth, tmp_path, drafte
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)["params"]["draft_cpu_bytes"]
     assert drafter_bytes("--parallel", "4") - drafter_bytes() == sum(sizes[1:]) > 0
+
+
+def test_a_batch_past_the_graph_rows_is_priced_as_several_replays():
+    """The decode graphs are captured for 1 .. DECODE_ROWS rows, so a batched step of B > 8 rows
+    replays a stage's graph ceil(B / 8) times (backends/batched_decode.py step_rows), each replay
+    reading the stage's weights again, and hands the B rows on once: --parallel 9 costs a step of
+    8 rows plus one of 1, --parallel 16 two of 8, not one step of 9 or 16 rows."""
+    from test_plan_fixtures import make_devices, make_shape
+
+    from strata_dist.plan import PlanParams, make_plan
+    from strata_dist.plan.pricing import DECODE_ROWS
+    from strata_dist.plan.speculation import batched_step_ms, predict_spec, replay_rows, window_ms
+
+    assert DECODE_ROWS == 8
+    assert [replay_rows(b) for b in (1, 8, 9, 16, 17)] == [(1,), (8,), (8, 1), (8, 8), (8, 8, 1)]
+    with pytest.raises(ValueError, match="rows 0"):
+        replay_rows(0)
+    shape = make_shape(n_layers=8, n_experts=16, top_k=2)
+    one_card = {b: make_plan(shape, make_devices([4000], bw=[300]), cells=128, split="none",
+                             params=PlanParams(sessions=b)) for b in (8, 9, 16)}
+    for b, plan in one_card.items():   # one stage: no hand-off, a replay is a step of its rows
+        assert batched_step_ms(plan, shape, None, b) == pytest.approx(
+            sum(window_ms(plan, shape, None, r) for r in replay_rows(b)))
+    assert batched_step_ms(one_card[8], shape, None, 8) == window_ms(one_card[8], shape, None, 8)
+    nine = batched_step_ms(one_card[9], shape, None, 9)
+    assert nine > window_ms(one_card[9], shape, None, 9)      # the second replay's weights
+    pred = {b: predict_spec(plan, shape, None, 4) for b, plan in one_card.items()}
+    assert pred[9].k0_tok_s == pytest.approx(9000 / nine)
+    assert pred[16].k0_tok_s == pytest.approx(
+        16000 / (2 * window_ms(one_card[16], shape, None, 8)))
+    # a batch past 8 rows reads the weights once a replay: it gains over 8 rows less than 2x
+    assert pred[16].k0_tok_s < 2 * pred[8].k0_tok_s
+    assert "1 graph replay a step" in pred[8].lines()[0]
+    assert "2 graph replays a step" in pred[9].lines()[0]
+    assert "2 graph replays a step" in pred[16].lines()[0]
+
+    # two hosts: the 16 rows cross the link once (their bytes), the tokens come back once, so
+    # the second replay pays no hop's fixed cost, and no return
+    two = make_plan(shape, make_devices([300, 300], bw=[300, 300], hosts=["a", "b"]), cells=128,
+                    split=[4], order="as_given", params=PlanParams(sessions=16))
+    assert len(two.stages) == 2
+    p = two.params
+    assert batched_step_ms(two, shape, None, 16) == pytest.approx(
+        2 * window_ms(two, shape, None, 8) - 2 * (p.handoff_ms + p.link_ms))

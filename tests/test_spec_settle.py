@@ -9,7 +9,9 @@ grammar matcher and routing counts:
   final Token does;
 - an answer held for a Settle that never comes back (a stage lost while it went round) goes at
   the request's Cancel, which the head sends when it fails the request, and is dropped when the
-  session is reset (Release): before, it stayed in `StageStep.settling` for good."""
+  session is reset (Release): before, it stayed in `StageStep.settling` for good;
+- in two stages in process (a batched step, --parallel), a window that is not the one drafted,
+  or whose rows are NaN, fails its request with an Error naming it, after its Settle."""
 from __future__ import annotations
 
 import pytest
@@ -91,3 +93,85 @@ def test_an_answer_held_for_a_lost_settle_goes_with_the_request(model, reset):
     sent = step.step(Tokens(request_id=2, session_id=0, pos=0, ids=prompt,
                             sampling=Sampling(max_new=2, prompt_ids=prompt)))
     assert [o.msg.token_id for o in sent if isinstance(o.msg, Token)]
+
+
+# ---- a batched step's window that cannot be verified ------------------------------------------
+
+def _pipeline(path: str) -> tuple[list[Stage], list[StageStep]]:
+    """Two stages in process ([0, 2) and [2, 4)), each behind its StageStep, routing counted."""
+    stages = [Stage(StageConfig(path, "cpu", lb, le, lb == 0, le == N_LAYERS, 256,
+                                count_routing=True)) for lb, le in ((0, 2), (2, N_LAYERS))]
+    return stages, [StageStep(st, rank=i, last=i == 1) for i, st in enumerate(stages)]
+
+
+def _round(steps: list[StageStep], msg, hidden_fault=None) -> list:
+    """`msg` through the first stage, its rows (changed by `hidden_fault`, if given) through the
+    last; what the last stage sends on (Settles go round again, as the ranks send them): the
+    messages to the head."""
+    to_head = []
+    todo = [msg]
+    while todo:
+        [out] = steps[0].step(todo.pop(0))
+        rows = out.rows if hidden_fault is None else hidden_fault(out.rows)
+        hidden_fault = None
+        for o in steps[1].step(out.msg, rows):
+            (todo if o.to is To.FIRST else to_head).append(o.msg)
+    return to_head
+
+
+def _batched_until_window(path: str):
+    """A speculating request (its steps sent by the head, --parallel) stepped in batched steps of
+    its own until the last stage drafts a window and has verified one before: the stages, the
+    steps, and the Token that carries the next window's drafts."""
+    from protocol.batch import BatchRows
+    stages, steps = _pipeline(path)
+    prompt = _prompt(path)
+    [token] = _round(steps, Tokens(request_id=1, session_id=0, pos=0, ids=prompt,
+                                   sampling=Sampling(max_new=40, spec_tokens=3, head_steps=True,
+                                                     prompt_ids=prompt)))[-1:]
+    step_id = 10
+    while not (token.drafts and steps[1].requests[1].spec.windows > 1):
+        ids = [token.token_id] + list(token.drafts)
+        step_id += 1
+        batch = BatchRows(request_ids=[1], session_ids=[0], positions=[token.pos],
+                          window_rows=[len(ids)] if len(ids) > 1 else [])
+        token = _round(steps, Tokens(request_id=step_id, session_id=0, pos=0, ids=ids,
+                                     batch=batch))[-1]
+        assert isinstance(token, Token) and not token.done, token
+    return stages, steps, token
+
+
+@pytest.mark.parametrize("fault", ["short window", "NaN rows"])
+def test_a_batched_window_that_cannot_be_verified_fails_its_request_and_settles(model, fault):
+    """In a batched step (--parallel --spec), a request's window that is not the one the last
+    stage drafted, or whose rows come to the last stage as NaN (an upstream stage's numbers gone
+    bad), ends the request at once with an Error naming it and why, after its Settle has come
+    round every stage (the window's routing records go, as at any end of a speculating request).
+    Before, the short window's Error went without a Settle (the stages kept the records until
+    the session's next step), and a greedy draw from NaN logits took token 0 as the answer."""
+    import numpy as np
+
+    from protocol.batch import BatchRows
+    stages, steps, token = _batched_until_window(model)
+    ids = [token.token_id] + list(token.drafts)
+    if fault == "short window":
+        ids, fault_rows = ids[:-1], None
+    else:
+        def fault_rows(rows):
+            rows = rows.copy()
+            rows[0] = np.nan
+            return rows
+    batch = BatchRows(request_ids=[1], session_ids=[0], positions=[token.pos],
+                      window_rows=[len(ids)])
+    to_head = _round(steps, Tokens(request_id=99, session_id=0, pos=0, ids=ids, batch=batch),
+                     fault_rows)
+    assert [type(m) for m in to_head] == [Error], to_head   # no token drawn from a bad window
+    [error] = to_head
+    assert error.request_id == 1 and "request 1" in error.message, error.message
+    said = ("a verify window of 3 rows for 3 drafts" if fault == "short window"
+            else "NaN")
+    assert said in error.message, error.message
+    # the Settle came round before the Error: no stage keeps the window, nothing is held
+    assert not any(st.window_routes for st in stages)
+    assert not steps[1].settling and 1 not in steps[1].requests
+    assert steps[1].counters["errors"] == 1

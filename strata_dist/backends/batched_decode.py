@@ -4,7 +4,8 @@ max_rows rows a replay; a larger batch takes several). Each row reads and writes
 through the step descriptor (backends/decode_rows.py), and no kernel of the step sums across rows
 (the matvecs, the router, the experts and the attention each give a row the sums it would have
 alone: tests/test_gpu_decode.py, tests/test_gpu_batched_decode.py), so a request's tokens do not
-depend on who else is in the batch. Stage.run_batch asks `takes_batch`, then runs `step_rows`."""
+depend on who else is in the batch. Stage.run_batch asks `batch_replays` for the step's replays, then runs them
+through `step_rows`."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,12 +18,13 @@ from .decode_rows import StepRows
 class BatchedSteps:
     """DecodeGraph's batched steps (its buffers, `_launch_step` and `_wait`)."""
 
-    def takes_batch(self, sessions, positions) -> bool:
-        """Whether a batched step (row i: the next token of sessions[i] at positions[i]) can run
-        here now; if not, the reason is logged (once per reason) and the general path runs it.
-        A step launched ahead is settled first (it may still write a session's KV)."""
+    def batch_replays(self, sessions, positions) -> list[StepRows] | None:
+        """The replays of a batched step (row i: the next token of sessions[i] at positions[i]),
+        max_rows rows each, checked, for `step_rows` to run; None if the graph cannot run the
+        step now (the reason is logged, once per reason, and the general path runs it). A step
+        launched ahead is settled first (it may still write a session's KV)."""
         self.settle()
-        why = None
+        why, replays = None, []
         if self.g.arch != "qwen3moe":     # next_decode's recurrent kernels read slot 0's state
             why = f"{self.g.arch}'s recurrent state is read from one session's table"
         elif not self.usable(min(len(sessions), self.max_rows)):
@@ -30,31 +32,33 @@ class BatchedSteps:
         else:
             try:
                 for at in range(0, len(sessions), self.max_rows):
-                    rows = StepRows(tuple(sessions[at:at + self.max_rows]),
-                                    tuple(positions[at:at + self.max_rows]))
-                    if any(r.end > r.session.max_cells for r in rows.runs()):
-                        why = "a session's context is full"
+                    replays.append(StepRows(tuple(sessions[at:at + self.max_rows]),
+                                            tuple(positions[at:at + self.max_rows])))
+                if any(r.end > r.session.max_cells for rows in replays for r in rows.runs()):
+                    why = "a session's context is full"
             except ValueError as e:
                 why = str(e)
-        if why is not None and why not in self._refused:
+        if why is None:
+            return replays
+        if why not in self._refused:
             self._refused.add(why)
             fall_back(f"a batched step on the decode graph of layers [{self.lb}, {self.le})",
                       why)
-        return why is None
+        return None
 
-    def step_rows(self, sessions, positions, ids=None, hidden=None):
-        """A batched step: row i is the token at positions[i] of sessions[i] (ids on the first
-        stage, else hidden rows [n, n_embd]), in replays of at most max_rows rows, each row's
-        arithmetic its own (the same as the row alone through `step`). Returns every row's
-        logits (host float32 [n, vocab]) on the last stage, else the hidden rows (a device
-        array). The caller advances the sessions' n_past; takes_batch said yes."""
+    def step_rows(self, replays: list[StepRows], ids=None, hidden=None):
+        """A batched step of the replays `batch_replays` gave: row i of the step (the replays'
+        rows in order) is its session's token at its position (ids on the first stage, else
+        hidden rows [n, n_embd]), each row's arithmetic its own (the same as the row alone
+        through `step`). Returns every row's logits (host float32 [n, vocab]) on the last stage,
+        else the hidden rows (a device array). The caller advances the sessions' n_past."""
         self.settle()
         ids = self._checked_ids(ids)
         outs, routes, tiers = [], [], {"hits": 0, "remote": 0, "host": 0}
-        for at in range(0, len(sessions), self.max_rows):
-            rows = StepRows(tuple(sessions[at:at + self.max_rows]),
-                            tuple(positions[at:at + self.max_rows]))
+        at = 0
+        for rows in replays:
             part = slice(at, at + rows.n)
+            at += rows.n
             out = self._launch_step(rows, ids[part] if self.first else None,
                                     None if self.first else hidden[part], 0, every_row=True)
             self._wait(0, rows.n)

@@ -99,7 +99,9 @@ class BatchScheduler:
         self._pumped_at = time.monotonic()            # the last turn of `pump` (any thread reads it)
         self.most_in_flight = 0                       # the most steps in flight at once so far
         self.steps = 0                                # batched steps sent (for tests, status)
-        self.rows = 0                                 # rows in them
+        self.requests = 0                             # requests in them, summed over the steps
+        # rows in them: a request's verify window (--spec) is 1 + its drafts rows of a step
+        self.rows = 0
 
     # ---- from a request's own thread -------------------------------------------------------------
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
@@ -261,7 +263,8 @@ class BatchScheduler:
         self._steps[step_id] = _Step(step_id, {st.request_id for st in rows})
         self.most_in_flight = max(self.most_in_flight, len(self._steps))
         self.steps += 1
-        self.rows += len(rows)
+        self.requests += len(rows)
+        self.rows += sum(each)
         try:
             sender.send(Tokens(request_id=step_id, session_id=0, pos=0, ids=ids, batch=batch),
                         timeout_ms=10_000)

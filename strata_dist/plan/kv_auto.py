@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from .device import Device
 from .errors import PlanError
-from .lend import LEND_CHUNKS
+from .lend import LEND_CHUNKS, own_prompt_room
 from .params import PlanParams
 from .pricing import kv_resident_floor
 from .shape import ModelShape
@@ -68,13 +68,6 @@ def auto_resident(plan_for: Callable[..., Plan], shape: ModelShape, devices: Seq
         f"(every cell does not fit everywhere), the rest read from pinned host memory",))
 
 
-def own_prompt_room(shape: ModelShape, chunk: int, chunk_auto: bool, lend_pct: int) -> int:
-    """What a stage keeps free for its own prompt buffers of `chunk` tokens: their bytes, an
-    auto chunk's within the loan's percentage cap of the room (lend.py)."""
-    need = shape.prompt_bytes(chunk)
-    return -(-need * 100 // lend_pct) if chunk_auto else need
-
-
 def _resident_per_stage(shape: ModelShape, plan: Plan, sessions: int,
                         lend_pct: int) -> dict[Device, int]:
     """Each stage's resident cells for --kv-resident auto: its plan's count (the smallest that
@@ -83,7 +76,8 @@ def _resident_per_stage(shape: ModelShape, plan: Plan, sessions: int,
     prompt path fits whether or not its shrunk cache can still lend; 0 (every cell) where the
     whole context fits."""
     out = {}
-    prompt = own_prompt_room(shape, plan.prompt_chunk, plan.prompt_chunk_auto, lend_pct)
+    prompt = own_prompt_room(shape.prompt_bytes(plan.prompt_chunk), plan.prompt_chunk_auto,
+                             lend_pct)
     for st in plan.stages:
         per_cell = sessions * sum(shape.kv_bytes_per_cell[layer] for layer in range(st.lb, st.le)
                                   if shape.layer_kind[layer] == "attention")

@@ -95,6 +95,16 @@ def _why_not(p: Participant, prompt_chunk: int, need: int, lend_pct: int | None)
             f"has {p.slots} (floor {SLOT_FLOOR}{cap})")
 
 
+def own_prompt_room(own_bytes: int, auto: bool, lend_pct: int) -> int:
+    """The least room (bytes) of a stage's cache budget from which its own prompt buffers of
+    `own_bytes` may be taken: an auto chunk's within the loan's percentage cap of that room
+    (lend_pct), an explicit chunk's only have to fit. plan_lend and --kv-resident auto
+    (kv_auto.py) both keep it."""
+    if not 0 < lend_pct <= 100:
+        raise ValueError(f"lend_pct {lend_pct}: a percentage in (0, 100]")
+    return -(-own_bytes * 100 // lend_pct) if auto else own_bytes
+
+
 def with_own_bytes(loan: Loan, own_bytes: int) -> Loan:
     """`loan` (one that does not lend) with own prompt buffers of own_bytes, its note saying so."""
     if own_bytes == loan.own_bytes:
@@ -145,10 +155,11 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
         # chunk keeps those within the same percentage cap a loan has
         fallbacks = [p for p, b in zip(participants, best) if b is None]
         for p in fallbacks:
-            cands = [c for c in cands if own(p, c) * 100 <= lend_pct * p.room_bytes]
+            cands = [c for c in cands if own_prompt_room(own(p, c), True, lend_pct) <= p.room_bytes]
         if not cands:
             c = LEND_CHUNKS[-1]
-            p = next(p for p in fallbacks if own(p, c) * 100 > lend_pct * p.room_bytes)
+            p = next(p for p in fallbacks
+                     if own_prompt_room(own(p, c), True, lend_pct) > p.room_bytes)
             why = _why_not(p, c, can_lend(p, c, bytes_per_token, pct)[1], pct) if loans else \
                 f"{p.name}: prompt loans are off"
             raise PlanError(f"{why}, and its own "
@@ -170,7 +181,8 @@ def plan_lend(participants: Sequence[Participant], bytes_per_token: PromptBytes,
         if ok:
             out.append(Loan(p.name, True, need, need * p.slot_bytes, 0))
             continue
-        if own(p, prompt_chunk) > p.room_bytes:  # explicit chunks only: auto already bounded it by it
+        # explicit chunks only: the auto chunk was picked within every fallback's room above
+        if own_prompt_room(own(p, prompt_chunk), auto, lend_pct) > p.room_bytes:
             why = _why_not(p, prompt_chunk, need, pct) if loans else f"{p.name}: prompt loans are off"
             raise PlanError(f"--prefill {prompt_chunk}: {why}, and its own prompt buffers "
                             f"({own(p, prompt_chunk) / MIB:.1f} MiB) exceed its "

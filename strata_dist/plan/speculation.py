@@ -23,8 +23,12 @@ With --parallel B (the plan's sessions) a batched step carries each session's wi
 stage runs those windows one after another (strata_dist/rank/stage_step.py: each through the many-row
 path, as one session's), so B sessions that all draft take B windows' time a step for B windows'
 tokens: the aggregate tok/s is one session's, while without speculation a batched step of B rows
-reads each expert once for all of them (K = 0's aggregate: B rows in window_ms). The prediction
-states both, so that the cheaper one shows.
+reads each expert once for all of its rows (K = 0's aggregate: B rows in batched_step_ms; the
+graphs are captured for 1 .. DECODE_ROWS rows, so B > DECODE_ROWS rows take ceil(B / DECODE_ROWS)
+replays, each reading the stage's weights again). The prediction states both, so that the cheaper
+one shows. Not priced: a long context can leave the graph fewer rows a replay than DECODE_ROWS
+(kernels/abi.py attn_launch's max_rows: the attention partials' budget), which makes more
+replays than this says.
 
 A window yields the drafts accepted plus one token. With each draft accepted with probability a,
 independently (the i.i.d. acceptance model), the expected yield is
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .params import PlanParams
-from .pricing import HANDOFF_DTYPE_BYTES, weights_bytes
+from .pricing import DECODE_ROWS, HANDOFF_DTYPE_BYTES, weights_bytes
 from .profile import RoutingProfile
 from .score import CostModel
 from .shape import ModelShape
@@ -65,10 +69,36 @@ def spec_tok_s(acceptance: float, k: int, window_ms: float, drafter_ms: float = 
 
 def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int) -> float:
     """Predicted milliseconds of one decode step of `rows` rows through every stage of `plan`
-    (made by make_plan for `shape` and `profile`; None: the uniform profile it then used): at
-    rows = 1, the plan's predicted ms per token."""
+    (made by make_plan for `shape` and `profile`; None: the uniform profile it then used), each
+    stage taking them at once (a verify window through the many-row path): at rows = 1, the
+    plan's predicted ms per token."""
     if rows < 1:
         raise ValueError(f"rows {rows}: a step has at least one")
+    return _step_ms(plan, shape, profile, (rows,))
+
+
+def replay_rows(rows: int) -> tuple[int, ...]:
+    """The rows of each graph replay of a batched step of `rows` rows: the decode graphs are
+    captured per row count 1 .. DECODE_ROWS (backends/batched_decode.py step_rows), so a larger
+    batch takes ceil(rows / DECODE_ROWS) replays, the last one holding the rest."""
+    if rows < 1:
+        raise ValueError(f"rows {rows}: a step has at least one")
+    full, rest = divmod(rows, DECODE_ROWS)
+    return (DECODE_ROWS,) * full + ((rest,) if rest else ())
+
+
+def batched_step_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int) -> float:
+    """Predicted milliseconds of a batched decode step of `rows` sessions' rows (--parallel, no
+    speculation): each stage replays its graph for every DECODE_ROWS rows (replay_rows), each
+    replay reading the weights and the experts its own rows route to, then hands all the rows on
+    at once. Equal to window_ms up to DECODE_ROWS rows."""
+    return _step_ms(plan, shape, profile, replay_rows(rows))
+
+
+def _step_ms(plan, shape: ModelShape, profile: RoutingProfile | None,
+             replays: tuple[int, ...]) -> float:
+    """A step whose stages each run replays of `replays` rows one after another, then hand all
+    sum(replays) rows to the next stage."""
     if profile is None:
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
     cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params,
@@ -76,29 +106,30 @@ def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int
     E = shape.n_experts
     blob = np.repeat(np.asarray(shape.blob_bytes, dtype=np.float64), E)    # by flat pair id
     one = np.minimum(1.0, cm.lk * cm.mass)          # a token routes to the pair
-    read = 1.0 - (1.0 - one) ** rows                # any of the step's rows does
     index = {dev: i for i, dev in enumerate(plan.devices)}
-    placed = np.zeros(blob.size, dtype=bool)
-    total = 0.0
-    for st in plan.stages:
-        d = index[st.device]
-        held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
-        placed[held] = True
-        total += ((cm.read[d, st.lb, st.le] + float((read[held] * blob[held]).sum())) / cm.bw[d]
-                  + plan.params.layer_ms * (st.le - st.lb))
-    for h in plan.live_helpers:
-        ids = np.array([layer * E + e for layer, e in h.pairs], dtype=np.int64)
-        placed[ids] = True
-        once = float((one[ids] * blob[ids]).sum())
-        # what reading the tier's pairs costs, in proportion to the bytes the step reads of them
-        total += h.read_ms * (float((read[ids] * blob[ids]).sum()) / once if once else 0.0)
     p = plan.params
-    missed = ~placed
-    total += float((read[missed] * (p.miss_ms + blob[missed] / cm.host_bw)).sum())
+    total = 0.0
+    for rows in replays:
+        read = 1.0 - (1.0 - one) ** rows            # any of the replay's rows does
+        placed = np.zeros(blob.size, dtype=bool)
+        for st in plan.stages:
+            d = index[st.device]
+            held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
+            placed[held] = True
+            total += ((cm.read[d, st.lb, st.le] + float((read[held] * blob[held]).sum()))
+                      / cm.bw[d] + p.layer_ms * (st.le - st.lb))
+        for h in plan.live_helpers:
+            ids = np.array([layer * E + e for layer, e in h.pairs], dtype=np.int64)
+            placed[ids] = True
+            once = float((one[ids] * blob[ids]).sum())
+            # what reading the tier's pairs costs, in proportion to the bytes the replay reads
+            total += h.read_ms * (float((read[ids] * blob[ids]).sum()) / once if once else 0.0)
+        missed = ~placed
+        total += float((read[missed] * (p.miss_ms + blob[missed] / cm.host_bw)).sum())
     devs = [st.device for st in plan.stages]
-    row_bytes = rows * shape.hidden * HANDOFF_DTYPE_BYTES
+    row_bytes = sum(replays) * shape.hidden * HANDOFF_DTYPE_BYTES
     total += sum(cm._link(a, b, row_bytes=row_bytes) for a, b in zip(devs, devs[1:]))
-    if len(devs) > 1:   # the window's tokens back to the first stage: ids, no hidden rows
+    if len(devs) > 1:   # the step's tokens back to the first stage: ids, no hidden rows
         total += cm._link(devs[-1], devs[0], row_bytes=0)
     return float(total)
 
@@ -154,8 +185,10 @@ class SpecPrediction:
 
     def lines(self) -> list[str]:
         at = ", ".join(f"{self.tok_s(a):.1f} at {a:g}" for a in self.acceptances)
+        replays = len(replay_rows(self.sessions))
         over = (f" over {self.sessions} sessions (their windows one after another a step; K = 0 "
-                f"batches their rows)" if self.sessions > 1 else "")
+                f"batches their rows, {replays} graph replay{'s' if replays > 1 else ''} a step)"
+                if self.sessions > 1 else "")
         return [f"speculation (--spec {self.k}, drafter {self.drafter}): a window of {self.k + 1} "
                 f"rows {self.window_ms:.3f} ms + drafting {self.drafter_ms:.3f} ms; predicted "
                 f"decode tok/s{over} {at} (acceptance per draft, i.i.d.; K = 0: "
@@ -178,6 +211,6 @@ def predict_spec(plan, shape: ModelShape, profile: RoutingProfile | None, k: int
         drafting = k * block_step_ms(block_bytes, last.mem_bandwidth_gbs, plan.params)
     sessions = plan.params.sessions
     k0 = (1000.0 / plan.predicted_ms_per_token if sessions == 1
-          else 1000.0 * sessions / window_ms(plan, shape, profile, sessions))
+          else 1000.0 * sessions / batched_step_ms(plan, shape, profile, sessions))
     return SpecPrediction(k, drafter, window_ms(plan, shape, profile, k + 1), drafting, k0,
                           tuple(acceptances), sessions)

@@ -411,10 +411,10 @@ class Stage:
             self.checkpoint_store(sid).enter(s, pos)   # as a one-row step enters its position
         self.tiers.prompt = False
         graph = self.decode_graph
-        by_graph = (graph is not None and self.hidden_sink is None
-                    and graph.takes_batch(sessions, positions))
-        if by_graph:
-            out = graph.step_rows(sessions, positions, ids=ids, hidden=hidden)   # host logits
+        replays = (graph.batch_replays(sessions, positions)
+                   if graph is not None and self.hidden_sink is None else None)
+        if by_graph := replays is not None:
+            out = graph.step_rows(replays, ids=ids, hidden=hidden)   # host logits on the last
             graph.report_step(self.tiers.counters, self.tiers.routing)
         else:
             if graph is not None:

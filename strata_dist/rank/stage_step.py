@@ -191,9 +191,8 @@ class StageStep:
         try:
             return self._hand_on(msg, out, t0)
         except (ValueError, IndexError) as e:   # sampling fields no sampler takes
-            self.requests.pop(msg.request_id, None)
             self.prompt_ids.pop(msg.request_id, None)
-            return [self.error(msg.request_id, f"rank {self.rank}: {type(e).__name__}: {e}")]
+            return self._end_with_error(msg.request_id, f"{type(e).__name__}: {e}")
 
     def _on_batch(self, msg: Tokens | Hidden, rows, t0: float) -> list[Outbound]:
         """A batched decode step (protocol/batch.py): every row through this stage's layers at
@@ -223,15 +222,13 @@ class StageStep:
                 continue          # cancelled while its row was on its way: dropped
             drafted = len(req.spec.drafts) if req.spec is not None else 0
             if each[i] > 1 and each[i] - 1 != drafted:   # the window is not the one drafted
-                del self.requests[rid]
-                sent.append(self.error(rid, f"rank {self.rank}: a verify window of {each[i]} "
-                                            f"rows for {drafted} drafts"))
+                sent += self._end_with_error(rid, f"a verify window of {each[i]} rows for "
+                                                  f"{drafted} drafts")
                 continue
             try:
                 sent += self._sample_one(rid, sid, out[i], pos + each[i], loop=False)
             except (ValueError, IndexError) as e:   # sampling fields no sampler takes
-                self.requests.pop(rid, None)
-                sent.append(self.error(rid, f"rank {self.rank}: {type(e).__name__}: {e}"))
+                sent += self._end_with_error(rid, f"{type(e).__name__}: {e}")
         return sent
 
     def _run_batch(self, msg: Tokens | Hidden, rows, each: list[int]):
@@ -265,6 +262,15 @@ class StageStep:
             return parts
         xp = np if isinstance(parts[0], np.ndarray) else _device_arrays()
         return xp.concatenate(parts)
+
+    def _end_with_error(self, request_id: int, why: str) -> list[Outbound]:
+        """Request request_id ends here on `why` (last stage): its Error, naming it, to the head;
+        for a speculating one with a window drafted, after its Settle has come round every stage
+        (`_settle`), as at any end, so no stage keeps the window's records. The head fails the
+        request when the Error comes and frees its session."""
+        req = self.requests.pop(request_id, None)
+        answer = self.error(request_id, f"rank {self.rank}: request {request_id}: {why}")
+        return self._settle(request_id, req, answer) if req is not None else [answer]
 
     def error(self, request_id: int, message: str) -> Outbound:
         self.counters["errors"] += 1
@@ -396,15 +402,18 @@ class StageStep:
         for i, row in enumerate(rows):
             draft = drafts[i] if i < len(drafts) else None
             q = req.spec.qs[i] if draft is not None else None
+            pos = end - len(rows) + i + 1
+            # host rows only (a batched step's, a window's, the CPU path's): a graph step's row
+            # stays on its card. No token is drawn from NaN: a greedy draw would take token 0
+            if isinstance(row, np.ndarray) and np.isnan(row).any():
+                return self._end_with_error(request_id, f"the logits of the row at position "
+                                                        f"{pos - 1} are NaN")
             try:
                 tok, finished = _draw(req, row, draft, q)
             except GrammarError as e:   # the request ends with its error; the rank serves on
-                del self.requests[request_id]
                 # a speculating request's last window settles on every stage first, as at any end
-                return self._settle(request_id, req, self.error(
-                    request_id, f"rank {self.rank}: structured output: {e}"))
+                return self._end_with_error(request_id, f"structured output: {e}")
             req.generated += 1
-            pos = end - len(rows) + i + 1
             reason = ("stop" if tok in req.stop_ids or finished
                       else ("length" if req.generated >= req.max_new else ""))
             token = Token(request_id=request_id, session_id=session_id, token_id=tok,

@@ -118,10 +118,12 @@ class ParallelRuns:
     def view(self, running: dict, now: float) -> dict:
         """What /v1/status shows of it (in `queue`): a row per session, with the job it serves
         (`running`: the worker's RunningJob by job number, read under the worker's lock), and the
-        batched steps so far with their rows (rows / steps: the mean batch)."""
+        batched steps so far with the requests they carried (requests / steps: the mean batch)
+        and their rows (a request's verify window, --spec, is 1 + its drafts rows)."""
         with self.lock:
             busy = {session.session_id: n for n, (_, session, _) in self.running.items()}
         return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
+                "batched_requests": self.scheduler.requests,
                 "batched_rows": self.scheduler.rows,
                 "most_steps_in_flight": self.scheduler.most_in_flight,
                 "sessions": [session_row(s, running.get(busy.get(s.session_id)), now)
