@@ -79,9 +79,10 @@ def main() -> int:
         got = {(l, e): (int(a.tier[l, e]), int(a.blob_of[l, e])) for l in range(3)
                for e in range(16)}
         # the prompt path's per-layer table: the device part of the same builder
+        pinned = a.tier == PINNED
         device_part = all(
-            np.array_equal(tiers._device_blobs(l)[0], np.where(a.tier[l] == PINNED, 0, a.blob_of[l]))
-            and np.array_equal(tiers._device_blobs(l)[1], np.where(a.tier[l] == PINNED, HOST, a.tier[l]))
+            np.array_equal(tiers._device_blobs(l)[0], np.where(pinned[l], 0, a.blob_of[l]))
+            and np.array_equal(tiers._device_blobs(l)[1], np.where(pinned[l], HOST, a.tier[l]))
             for l in range(3))
         b = lost.decode_graph.addresses
         # another card's tier opened here: after this card's own tiers, the first to list a pair;
@@ -95,7 +96,17 @@ def main() -> int:
         no_host = _refusal(lambda: stage_addresses(tiers, st.gguf, 0, 3, host_misses=False))
         gone = _refusal(lambda: stage_addresses(tiers, st.gguf, 0, 3,
                                                 like=dataclasses.replace(a, host_blobs=None)))
+        # a table built again (`like`, the adaptive cache's repoint) keeps another card's tier
+        # read in place even once it is gone: only a table built afresh drops it (Stage.run)
+        tiers.helpers.append(InPlaceTier({(0, 2): 0x10000}))
+        first = stage_addresses(tiers, st.gguf, 0, 3)
+        tiers.helpers[-1].alive = False
+        again = stage_addresses(tiers, st.gguf, 0, 3, like=first)
+        fresh = stage_addresses(tiers, st.gguf, 0, 3)
+        tiers.helpers.pop()
         print(json.dumps({
+            "remote_kept": [[int(t.tier[0, 2]), hex(int(t.blob_of[0, 2]))]
+                            for t in (first, again, fresh)],
             "waits": waits,
             "tiers_and_addresses": got == want,
             "graph_table_is_the_value": bool((cp.asnumpy(graph.blob_of) == a.blob_of).all()),

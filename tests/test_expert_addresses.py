@@ -48,5 +48,7 @@ def test_the_builder_over_a_stages_tiers_on_the_stand_ins():
     # or this card's own tier; a tier whose process has gone is skipped
     assert r["remote"] == [[REMOTE, "0x10000"], [REMOTE, "0x30000"], [HIT, r["remote"][2][1]],
                            [OWN_HELPER, r["remote"][3][1]]]
+    pinned = r["remote_kept"][2][1]
+    assert r["remote_kept"] == [[REMOTE, "0x10000"], [REMOTE, "0x10000"], [PINNED, pinned]], r
     assert r["no_host"] == "15 experts of layers [0, 3) are not in this stage's cache"
     assert r["gone"] == "15 pairs left the cache and are read nowhere else (the first: (0, 2))"

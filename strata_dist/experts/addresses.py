@@ -43,8 +43,9 @@ def stage_addresses(store: ExpertStore, gguf, lb: int, le: int, host_misses: boo
     pinned host copy where `host_misses` (default: the store's misses_read_in_place): the stage's
     own pinned tier when it holds every such pair, else copies pinned here for them; without
     host_misses, or where pinning fails, `Unsupported` (the stage takes the general path).
-    `like`: this stage's table taken before (the adaptive cache moved blobs since): the same rule
-    and the same pinned copies, which must hold every pair that left the device tiers."""
+    `like`: this stage's table taken before (the adaptive cache moved blobs since): the same rule,
+    the same pinned copies, which must hold every pair that left the device tiers, and the same
+    entries of other cards' tiers read in place."""
     if isinstance(store, HostTier):
         raise Unsupported("the experts are read from the model file: no blob has a device address")
     if isinstance(store, BlobArena):
@@ -58,6 +59,12 @@ def stage_addresses(store: ExpertStore, gguf, lb: int, le: int, host_misses: boo
     elif host_misses is None:
         host_misses = store.misses_read_in_place
     device, device_tier = device_table(cache, local_helper, helpers, lb, le)
+    if like is not None:
+        # another card's tier read in place leaves a table only when the stage builds it afresh
+        # (Stage.run, after tiers_changed), never in a repoint between: its entries stand where
+        # no tier of this card holds the pair now
+        keep = (device_tier == HOST) & (like.tier[lb:le] == REMOTE)
+        device[keep], device_tier[keep] = like.blob_of[lb:le][keep], REMOTE
     table = np.zeros((n_layer, device.shape[1]), dtype=np.uint64)
     tier = np.full(table.shape, HOST, dtype=np.int8)
     table[lb:le], tier[lb:le] = device, device_tier
