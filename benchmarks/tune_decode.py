@@ -56,7 +56,7 @@ def main() -> int:
             ff, down = (int(v) for v in text.split(","))
             shape = KernelShape(ff_per_block=ff, down_per_block=down)
         t0 = time.perf_counter()
-        runner = type(eng.decode_graph)(eng.model, eng.decode_graph.arena, args.context,
+        runner = type(eng.decode_graph)(eng.model, args.context,
                                         shape=shape)    # qwen3moe's or qwen3next's runner
         out = runner.step(eng.session, pos, ids=[11])
         token, logits = out.greedy_token, np.asarray(out, dtype=np.float64)

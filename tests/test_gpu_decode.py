@@ -278,7 +278,8 @@ def test_host_mapped_misses_give_the_cached_stages_bits(tmp_path, monkeypatch, e
     part = Stage(StageConfig(path, "cuda:0", 0, 3, True, True, 512,
                              cache_pairs=[(l, e) for l in range(3) for e in range(0, 16, 2)],
                              loan_slots=6))
-    assert part.decode_graph is not None and part.decode_graph.host_blobs is part.tiers.pinned
+    assert part.decode_graph is not None and \
+        part.decode_graph.addresses.host_blobs is part.tiers.pinned
     assert len(part.tiers.pinned.pairs) == 3 * 8 + 6     # the missing, and the 6 lent
     prompt_logits = []
     for st in (full, part):       # the prompt: the misses streamed from the pinned copies
@@ -306,6 +307,7 @@ def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeyp
     memory. The decode graph reads all three kinds of address with the same kernels, so its
     logits equal a fully cached stage's bit for bit, and each step's computations are counted by
     tier. A helper tier that did not open leaves its pairs to host memory: the same bits."""
+    from strata_dist.backends.expert_addresses import HELPER_TIERS
     from strata_dist.experts.stores import BlobArena
     from strata_dist.rank.stage import Stage, StageConfig
     monkeypatch.delenv("STRATA_HOST_MAPPED", raising=False)
@@ -322,9 +324,9 @@ def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeyp
     assert part.decode_graph is None                 # it waits for the card's helper tier
     assert not any(part.tiers.pinned.holds(l, e) for l, e in helper)
     part.attach_local_helper(BlobArena(part.backend, part.gguf, helper, 3, 16))
-    assert set(part.decode_graph.helper_blobs) == set(helper)
+    assert part.decode_graph.addresses.pairs(*HELPER_TIERS) == set(helper)
     lost.attach_local_helper(None)                   # the tier did not open (fail-soft)
-    assert lost.decode_graph is not None and not lost.decode_graph.helper_blobs
+    assert lost.decode_graph is not None and not lost.decode_graph.addresses.pairs(*HELPER_TIERS)
     assert all(lost.tiers.pinned.holds(l, e) for l, e in helper)
     logits = []
     for st in (full, part, lost):

@@ -3,7 +3,10 @@ imported here, are held to them too):
 
 - a backend (strata_dist/backends/) imports no module of the experts' folder (strata_dist/experts/:
   the stores, the tiers, host pinning, the helper server, the adaptive cache): what a backend needs
-  of them it is passed (the store a model holds);
+  of them it is passed;
+- nor does it read through an expert store (`model.experts.<...>`, `getattr(model.experts, ...)`,
+  `experts.outputs(...)`): it is handed values, such as the decode graph's expert-address table
+  (backends/expert_addresses.py), and the models dispatch to the store;
 - code outside backends/ never branches on a backend's name (`backend.name == "cupy"`): it asks
   a capability the backend declares (`backend.on_gpu`);
 - no Python file is longer than MAX_LINES.
@@ -70,6 +73,47 @@ def test_the_tier_import_finder_finds_one_inside_a_function():
              "strata_dist.rank.stage": {"strata_dist.experts.tiers"}, "strata_dist.backends.y": set()}
     assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.experts.tiers"],
                                    "strata_dist.backends.z": ["strata_dist.experts.adapt"]}
+
+
+# ---- backends read no expert store: they are handed values (backends/expert_addresses.py) -------
+def expert_store_reads(tree: ast.AST) -> list[int]:
+    """Lines that read through an expert store: an attribute chain through `.experts`
+    (`model.experts`, `self.model.experts.pinned`), an attribute of a name `experts` (a store
+    passed in: `experts.outputs(...)`), or getattr / hasattr on either."""
+    def is_store(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "experts") or (
+            isinstance(node, ast.Name) and node.id == "experts")
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (node.attr == "experts" or is_store(node.value)):
+            lines.add(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and node.args and is_store(node.args[0])):
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_no_backend_reads_the_expert_store():
+    files = sorted((ROOT / "strata_dist" / "backends").rglob("*.py"))
+    assert len(files) > 10
+    failing = {}
+    for path in files:
+        lines = expert_store_reads(ast.parse(path.read_text()))
+        if lines:
+            failing[_relative(path)] = lines
+    assert failing == {}, failing
+
+
+def test_the_expert_store_finder_finds_every_form():
+    code = ("a = self.model.experts.pinned\n"
+            "h = getattr(self.model.experts, 'helper_addresses', None)\n"
+            "y = experts.outputs(layer, x, idx)\n"
+            "ok = hasattr(experts, 'cache')\n"
+            "b = model.experts\n"
+            "n = len(experts) + experts[0]\n"                      # a list named experts: fine
+            "spec = dict(experts=table)\n"                          # a keyword: fine
+            "t = self.addresses.blob_of[layer]\n")
+    assert expert_store_reads(ast.parse(code)) == [1, 2, 3, 4, 5]
 
 
 # ---- no branch on a backend's name outside backends/ --------------------------------------------

@@ -1,6 +1,7 @@
 """The array arithmetic of the layer operations (backends/ops.py), written once for numpy and
 CuPy (`xp`): RMSNorm, NEOX RoPE (full or partial), causal grouped-query attention with the
-session's decode score scratch, softmax top-k routing and the rank-ordered MoE combine.
+session's decode score scratch, softmax top-k routing and the rank-ordered MoE combine (the
+experts' outputs come from the model's expert store: models/common.py `_routed`).
 `Backend` exposes them as methods; the models call those."""
 from __future__ import annotations
 
@@ -101,21 +102,6 @@ def softmax_topk(logits: np.ndarray, k: int, normalize: bool = True):
     if normalize:
         wts = wts / wts.sum(axis=-1, keepdims=True)
     return idx, wts.astype(np.float32)
-
-
-def moe_combine(backend, experts, layer: int, x, idx, wts):
-    """Σ_r wts[:, r] · expert_{idx[:, r]}(x), summed in top-k rank order so the order of the sum
-    never depends on how rows were grouped per expert. `idx` on the device (routed there): the
-    store computes it there when it can, else it comes to the host."""
-    y = None
-    if backend.xp is not np and isinstance(idx, backend.xp.ndarray):
-        y = experts.outputs_device(layer, x, idx)
-        if y is None:
-            # a row that picked nothing has -1 and a NaN weight: any expert computes it to NaN
-            idx = np.maximum(backend.to_host(idx).astype(np.int64), 0)
-    if y is None:
-        y = experts.outputs(layer, x, idx)   # [n, k, d], whichever store computed each entry
-    return backend.combine_ranked(y, backend.asarray(wts))
 
 
 def combine_ranked(y, wts, xp):

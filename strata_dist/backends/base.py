@@ -118,9 +118,6 @@ class Backend:
     def route(self, x, router, k: int, normalize: bool):
         return array_ops.softmax_topk(self.to_host(x @ router.T), k, normalize=normalize)
 
-    def moe(self, experts, layer: int, x, idx, wts):
-        return array_ops.moe_combine(self, experts, layer, x, idx, wts)
-
     def combine_ranked(self, y, wts):
         """sum over r of wts[:, r] * y[:, r] (y [n, k, d], wts [n, k]) in rank order."""
         return array_ops.combine_ranked(y, wts, self.xp)

@@ -54,26 +54,25 @@ assert MAX_ROWS == DECODE_ROWS
 
 class DecodeGraph(BatchedSteps):
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
-    in `arena`, for sessions of `max_cells` cells."""
+    read in place where the model's expert-address table says (backends/expert_addresses.py),
+    for sessions of `max_cells` cells."""
 
-    def __init__(self, model, arena, max_cells: int, use_graph: bool | None = None,
+    def __init__(self, model, max_cells: int, use_graph: bool | None = None,
                  shape: KernelShape | None = None, host_misses: bool | None = None,
                  attn_heads: int | None = None):
         """`shape`: the expert kernels' compile-time shape (default: ComputeOptions.kernel_shape,
         else decode.cu's own). `host_misses`: experts missing from the cache are pinned in host
         memory and read there (default: what the model's store says, misses_read_in_place); else
-        a missing expert makes the stage take the general path. `attn_heads`: query heads of one
+        a missing expert makes the stage take the general path (model.expert_addresses decides
+        both: experts/addresses.py). `attn_heads`: query heads of one
         attention block (default: ComputeOptions.attn_heads, else kernels/abi.py
         default_attn_heads)."""
         g = model.g
         options = compute_options()   # the record in force (strata_dist/compute_options.py)
         self.shape = shape or KernelShape.parse(options.kernel_shape)
-        self.model, self.arena, self.g = model, arena, g
+        self.model, self.g = model, g
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
         self.use_graph = options.decode_graph if use_graph is None else use_graph
-        self.host_misses = (model.experts.misses_read_in_place if host_misses is None
-                            else host_misses)
-        self.host_blobs = None         # MappedHostBlobs of the pairs the cache lacks, if any
         # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
         # itself ("matvec"), or the attention does for one-row steps ("attention"); either way no
         # qk_norm_rope_kv launch and the same arithmetic
@@ -97,7 +96,10 @@ class DecodeGraph(BatchedSteps):
             a.chunk
         self.n_split, self.max_rows = a.n_split, a.max_rows
         with cp.cuda.Device(model.backend.index):
-            self._check_residency()
+            # every expert of the stage's layers in the cache, a helper tier read in place or
+            # (host_misses) pinned host memory, else Unsupported; taken after the geometry checks
+            # (pinning the misses is not free)
+            self.addresses = model.expert_addresses(host_misses)
             self._allocate(g)
             self._build_specs(g)
             self._fns = {}
@@ -143,34 +145,10 @@ class DecodeGraph(BatchedSteps):
         if g.n_embd % 32 or g.n_ff_exp % 32:
             raise Unsupported("widths that are not whole groups of 32")
 
-    def _check_residency(self) -> None:
-        """Every expert of the stage's layers in the cache or this card's helper tier, or (with
-        host_misses) the rest pinned."""
-        held = self.arena.slot_of[self.lb:self.le]
-        helper = getattr(self.model.experts, "helper_addresses", None)
-        self.helper_blobs = helper(self.lb, self.le) if helper is not None else {}
-        missing = [(self.lb + int(j), int(e)) for j, e in zip(*np.nonzero(held < 0))
-                   if (self.lb + int(j), int(e)) not in self.helper_blobs]
-        if not missing:
-            return
-        if not self.host_misses:
-            raise Unsupported(f"{len(missing)} experts of layers [{self.lb}, {self.le}) are not in "
-                              f"this stage's cache")
-        shared = getattr(self.model.experts, "pinned", None)   # the stage's own pinned tier
-        if shared is not None and all(shared.holds(l, e) for l, e in missing):
-            self.host_blobs = shared
-            return
-        from .host_mapped import MappedHostBlobs
-        try:
-            self.host_blobs = MappedHostBlobs(self.model.gguf, missing)
-        except Exception as e:   # memlock limit, host memory, no mapped memory
-            raise Unsupported(f"the {len(missing)} experts missing from the cache could not be "
-                              f"pinned in host memory: {e}") from e
-
     def usable(self, n: int) -> bool:
         """Whether a step of n rows can run here now (the cache may be lent to a prompt, or a
         profile may be recording routes)."""
-        return (n <= self.max_rows and not self.arena.lent
+        return (n <= self.max_rows and not self.addresses.cache_lent()
                 and getattr(self.model, "on_route", None) is None)
 
     # ---- static buffers and kernel argument tables ----------------------------------------------
@@ -212,33 +190,20 @@ class DecodeGraph(BatchedSteps):
         self.session_slots = SessionSlots(2 * nl + 2 + self.ring.words(nl, self.kv_suffix),
                                           self._session_pointers)
         self.sess_table = cp.zeros(self.session_slots.host.shape, cp.uint64)
-        # each expert's blob address, [n_layer, n_expert]: its cache slot, else its slot in this
-        # card's helper tier, else its pinned host copy, else 0 (not this stage's). Slots never
+        # each expert's blob address, [n_layer, n_expert] (self.addresses: its cache slot, else
+        # a helper tier's slot, else its pinned host copy, else 0: not this stage's). Slots never
         # move, so a table taken while nothing is lent stays right (the arena's own tables change
         # whenever it lends; steps wait then; a helper tier never lends).
-        held = self.arena.slot_of
-        base = np.uint64(int(self.arena.buf.data.ptr))
-        addr = base + self.arena.offsets[np.maximum(held, 0)].astype(np.uint64)
-        table = np.where(held >= 0, addr, 0).astype(np.uint64)
-        self.in_cache = held[self.lb:self.le] >= 0      # [stage layers, n_expert], for counting
-        self.in_helper = np.zeros_like(self.in_cache)
-        for (layer, expert), at in self.helper_blobs.items():
-            if held[layer, expert] < 0:
-                table[layer, expert] = at
-                self.in_helper[layer - self.lb, expert] = True
-        if self.host_blobs is not None:
-            # only where no device copy is: the pinned tier also holds the loan's pairs, which
-            # the cache holds whenever a decode step runs
-            for (layer, expert), at in self.host_blobs.addresses().items():
-                if table[layer, expert] == 0:
-                    table[layer, expert] = at
-        self.blob_of = cp.asarray(table)
+        self.in_cache = self.addresses.in_cache()      # [stage layers, n_expert], for counting
+        self.in_helper = self.addresses.in_helper()
+        self.blob_of = cp.asarray(self.addresses.blob_of)
         # blocks finished of each (row, head group)'s attention splits (attn_decode_128_g*)
         self.attn_done = cp.zeros(R * (g.n_head // self.attn_heads), cp.uint32)
         # blocks finished of each q and k head of a fused q/k/v matvec
         self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
 
     def _build_specs(self, g) -> None:
+        self.blob_align: dict[int, int] = {}   # each layer's blob alignment (_expert_spec)
         self.layer_specs = [self._layer_spec(layer) for layer in range(self.lb, self.le)]
         m = self.model
         if self.last:
@@ -319,8 +284,10 @@ class DecodeGraph(BatchedSteps):
             lay = expert_layout(self.model.gguf, layer)
         except ValueError as e:
             raise Unsupported(str(e)) from None
-        if (self.arena.offsets % lay.align).any():
-            raise Unsupported("cache slots are not aligned for the expert kernels")
+        self.blob_align[layer] = lay.align     # what a table repointed later is held to
+        if (self.addresses.blob_of[layer] % np.uint64(lay.align)).any():
+            raise Unsupported(f"blk.{layer}: expert blobs are not aligned on {lay.align} bytes "
+                              f"for the expert kernels")
         return dict(blob_of=int(self.blob_of.data.ptr) + 8 * layer * g.n_expert,
                     up_at=lay.up_at, down_at=lay.down_at, gate_row_bytes=lay.gate_row_bytes,
                     up_row_bytes=lay.up_row_bytes, down_row_bytes=lay.down_row_bytes,
@@ -588,13 +555,14 @@ class DecodeGraph(BatchedSteps):
         launched = hs.launch_no
         return StepLogits(token, self.logits, lambda: self.launches == launched)
 
-    def repoint(self, pairs) -> None:
-        """Pairs whose blob moved (the adaptive cache's swaps): graph_tables.repoint_experts."""
+    def repoint(self, addresses) -> None:
+        """The stage's expert-address table built again after the adaptive cache's swaps (blobs
+        moved): graph_tables.repoint_experts writes the entries that changed."""
         self.settle()
-        repoint_experts(self, pairs)
+        repoint_experts(self, addresses)
 
     @property
     def counts_routes(self) -> bool:
         """Whether some expert is outside the cache, or the stage counts every route (the step's
         routes come back to count)."""
-        return self.host_blobs is not None or bool(self.helper_blobs) or self.keep_routes
+        return self.addresses.off_card or self.keep_routes

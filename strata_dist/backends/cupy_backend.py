@@ -464,11 +464,10 @@ class CupyBackend(Backend):
         graph_class = DecodeGraph
         if model.g.arch == "qwen3next":
             from .next_decode import NextDecodeGraph as graph_class
-        # a stage's tiers compute through their own cache first; helper tiers and host memory hold
-        # only pairs the cache lacks, so a cache with every pair never asks them
-        arena = getattr(model.experts, "cache", model.experts)
+        # where each expert's blob is read the graph takes from the model's address table
+        # (model.expert_addresses): the backend never reads the expert tiers themselves
         try:
-            return graph_class(model, arena, max_cells)
+            return graph_class(model, max_cells)
         except Unsupported as e:
             fall_back(f"the decode graph of layers [{model.lb}, {model.le}) (decode_graph): its "
                       f"steps take the general path", str(e))

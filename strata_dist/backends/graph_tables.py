@@ -9,11 +9,8 @@ import numpy as np
 import cupy as cp
 
 from ..kernels.abi import F16, F32, KERNEL_TYPES, MAT_SPEC
+from .expert_addresses import Unsupported  # noqa: F401 (the graphs import it from here)
 from .quant_matrix import QuantMatrix
-
-
-class Unsupported(Exception):
-    """Why a stage cannot take the graph path (the general path runs instead)."""
 
 
 @dataclass(frozen=True)
@@ -86,27 +83,30 @@ def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
                       max(w.nrows for w, _ in group)) for t, group in by_type.items()]
 
 
-def repoint_experts(graph, pairs) -> None:
-    """Pairs whose blob moved (the adaptive cache swapped them, strata_dist/experts/adapt.py): their entries
-    of a settled decode graph's address table and hit masks, read again from its arena, else this
-    card's helper tier, else the pinned copies. The table is written on the null stream, which
-    every step waits for (cuda_decode.DecodeGraph._launch_step), so no step reads an entry before
-    the blob copies queued there before it."""
-    base = int(graph.arena.buf.data.ptr)
-    host = graph.host_blobs.addresses() if graph.host_blobs is not None else {}
+def repoint_experts(graph, addresses) -> None:
+    """The stage's expert-address table built again after blobs moved (the adaptive cache swapped
+    them, strata_dist/experts/adapt.py; backends/expert_addresses.py): the entries of a settled
+    decode graph's address table that changed are written, and its hit masks and table taken
+    from the new one (whose builder refused a pair read nowhere: Unsupported). The entries are
+    written on the null stream, which every step waits for (cuda_decode.DecodeGraph._launch_step),
+    so no step reads an entry before the blob copies queued there before it."""
+    old = graph.addresses
+    if (addresses.lb, addresses.le) != (old.lb, old.le) or addresses.blob_of.shape != \
+            old.blob_of.shape:
+        raise ValueError(f"a table of layers [{addresses.lb}, {addresses.le}) "
+                         f"{list(addresses.blob_of.shape)} cannot repoint a graph of layers "
+                         f"[{old.lb}, {old.le}) {list(old.blob_of.shape)}")
+    changed = zip(*np.nonzero((addresses.blob_of != old.blob_of) | (addresses.tier != old.tier)))
     with cp.cuda.Stream.null:
-        for layer, expert in pairs:
-            i = int(graph.arena.slot_of[layer, expert])
-            in_helper = i < 0 and (layer, expert) in graph.helper_blobs
-            at = (base + int(graph.arena.offsets[i]) if i >= 0 else
-                  graph.helper_blobs[(layer, expert)] if in_helper else
-                  host.get((layer, expert), 0))
-            if not at:
-                raise Unsupported(f"pair ({layer}, {expert}) left the cache and is read nowhere "
-                                  f"else")
+        for layer, expert in changed:
+            at = addresses.blob_of[layer, expert]
+            align = graph.blob_align[int(layer)]
+            if int(at) % align:
+                raise Unsupported(f"pair ({layer}, {expert}) moved to {int(at):#x}, not aligned "
+                                  f"on {align} bytes for the expert kernels")
             graph.blob_of[layer, expert] = np.uint64(at)
-            graph.in_cache[layer - graph.lb, expert] = i >= 0
-            graph.in_helper[layer - graph.lb, expert] = in_helper
+    graph.addresses = addresses
+    graph.in_cache, graph.in_helper = addresses.in_cache(), addresses.in_helper()
 
 
 def count_tiers(graph, n: int, routes) -> dict[str, int]:

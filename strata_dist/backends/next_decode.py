@@ -81,7 +81,8 @@ def launch_gdn(launch, spec, n: int, gdn) -> None:
 
 class NextDecodeGraph(DecodeGraph):
     """Decode steps of the layers [model.lb, model.le) of a qwen3next model whose experts are all
-    in `arena` (or pinned in host memory, as DecodeGraph), for sessions of `max_cells` cells."""
+    read in place (the cache, a helper tier or pinned host memory, as DecodeGraph), for sessions
+    of `max_cells` cells."""
 
     # ---- what the kernels support ---------------------------------------------------------------
     def _check_geometry(self, g) -> None:

@@ -48,9 +48,6 @@ class LayerOps(Protocol):
     def route(self, x, router, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
         """The top-k experts of each row in rank order and their weights (host arrays)."""
 
-    def moe(self, experts, layer: int, x, idx: np.ndarray, wts: np.ndarray):
-        """Σ_r wts[:, r] · expert idx[:, r] of x, in rank order, whichever store holds each."""
-
     def combine_ranked(self, y, wts):
         """sum over r of wts[:, r] * y[:, r] (y [n, k, d], wts [n, k]) in rank order."""
 

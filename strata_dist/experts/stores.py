@@ -56,8 +56,8 @@ class ExpertStore:
     @property
     def misses_read_in_place(self) -> bool:
         """Whether a GPU decode graph over this store pins the experts its cache lacks in host
-        memory and reads them there (host_pinning.reads_host_in_place of this store). The decode
-        graph asks the store it is given, so that backends need not know the tiers' policy."""
+        memory and reads them there (host_pinning.reads_host_in_place of this store). The table's
+        builder (experts/addresses.py) asks it, so that backends need not know the tiers' policy."""
         return reads_host_in_place(self)
 
 

@@ -24,6 +24,7 @@ from protocol import (Channel, Error, ExpertReply, ExpertRequest, ExpertTier, Ex
                       ProtocolError, ProtocolTimeout, SlotFree, TierCounts, TierPairs)
 from protocol.messages import RowSlot
 
+from .addresses import device_table
 from .stores import BlobArena, ExpertStore, HostTier, stored_rows_jobs
 
 log = logging.getLogger("strata.tiers")
@@ -306,21 +307,6 @@ class ExpertTiers(ExpertStore):
         # a link kept for re-ranking only (no pair of this stage yet) is not asked
         return all(h.export is not None for h in self.helpers if h.pairs)
 
-    def helper_addresses(self, lb: int, le: int) -> dict[tuple[int, int], int]:
-        """(layer, expert) -> the device address of the blob of a pair of layers [lb, le) that a
-        helper tier holds where this process reads it in place: this card's own tier, and the
-        tiers of other cards opened through CUDA IPC whose process still runs. The decode graph
-        reads those as it does its cache's."""
-        if not self.backend.on_gpu:
-            return {}
-        out: dict[tuple[int, int], int] = {}
-        for h in self.helpers:
-            if h.alive and h.tier is not None:
-                out.update((p, a) for p, a in h.tier_addresses.items() if lb <= p[0] < le)
-        if self.local_helper is not None:
-            out.update(self.local_helper.device_addresses(lb, le))
-        return out
-
     def set_helper_pairs(self, h: HelperClient, pairs) -> bool:
         """A helper tier re-ranked (HelperClient.rerank): `pairs` of this stage's layers are
         where it holds them now. Whether they changed."""
@@ -425,24 +411,14 @@ class ExpertTiers(ExpertStore):
         return self._streamer
 
     def _device_blobs(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per expert of `layer`: its tier as a prompt sees it (`_tiers_of`: 1 hit, 3 this card's
-        helper tier, 2 another card's tier opened here through CUDA IPC whose process still
-        runs, 0 host) and the device address of its blob there (host uint64, 0 for the host).
-        A chunk reads such a tier in place, as the decode graph does, rather than streaming
-        those blobs from host memory."""
-        tier, _ = self._tiers_of(layer)
-        table = np.zeros(len(tier), dtype=np.uint64)
-        table[tier == 1] = self.cache.held_addresses(layer)[tier == 1]
-        if (tier == 3).any():
-            table[tier == 3] = self.local_helper.held_addresses(layer)[tier == 3]
-        for h in self.helpers:
-            if not (h.alive and h.tier is not None and h.tier_alive()):
-                continue
-            for e in np.flatnonzero(tier == 0):
-                address = h.tier_addresses.get((layer, int(e)))
-                if address:
-                    table[e], tier[e] = address, 2
-        return table, tier
+        """Per expert of `layer`: the device address of its blob (host uint64, 0 for the host) and
+        its tier (1 hit, 3 this card's helper tier, 2 another card's tier opened here through CUDA
+        IPC whose process still runs, 0 host): the device part of the stage's address table
+        (addresses.device_table, which the decode graph's table is built from too). A chunk
+        reads such a tier in place, as the decode graph does, rather than streaming those blobs
+        from host memory."""
+        table, tier = device_table(self.cache, self.local_helper, self.helpers, layer, layer + 1)
+        return table[0], tier[0]
 
     def settle_prompt_counts(self) -> None:
         """The pairs `_prompt_on_device` computed, by tier, into the counters: one read of the

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from ..experts.addresses import stage_addresses
 from ..experts.stores import resident_store
 from ..gguf_file.reader import NO_ROPE_SCALING, ROPE_SCALING_KINDS, GGUFError, RopeScaling
 from ..kernels.abi import DESC_WORDS, ROWS_TILE_M
@@ -354,4 +355,25 @@ class LayerRangeModel:
         idx, wts = self.backend.route(x, router, self.g.n_expert_used, normalize)
         if self.on_route is not None:
             self.on_route(layer, self.backend.to_host(idx))   # routed on the device, maybe
-        return self.backend.moe(self.experts, layer, x, idx, wts)
+        return self.backend.combine_ranked(self._expert_outputs(layer, x, idx),
+                                           self.backend.asarray(wts))
+
+    def _expert_outputs(self, layer: int, x, idx):
+        """y[row, rank] = expert idx[row, rank] of x[row], unweighted ([n, k, d]), whichever tier
+        computed each. `idx` on the device (routed there): the store computes it there when it
+        can, else it comes to the host (the backend only computes; the tiers are the store's)."""
+        be = self.backend
+        if be.xp is not np and isinstance(idx, be.xp.ndarray):
+            y = self.experts.outputs_device(layer, x, idx)
+            if y is not None:
+                return y
+            # a row that picked nothing has -1 and a NaN weight: any expert computes it to NaN
+            idx = np.maximum(be.to_host(idx).astype(np.int64), 0)
+        return self.experts.outputs(layer, x, idx)
+
+    def expert_addresses(self, host_misses: bool | None = None, like=None):
+        """The blob-address table of this range's experts (backends/expert_addresses.py) that a
+        decode graph reads, built from the expert store (experts/addresses.py stage_addresses;
+        `host_misses` and `like` as there: `like` is the table a graph holds, after the adaptive
+        cache moved blobs)."""
+        return stage_addresses(self.experts, self.gguf, self.lb, self.le, host_misses, like)

@@ -461,7 +461,7 @@ class Stage:
                 graph.settle()        # no step in flight reads a slot being rewritten
             cache.swap(swaps, self.tiers.pinned)
             if graph is not None:     # the graph's address table, after the copies (same stream)
-                graph.repoint([p for swap in swaps for p in swap])
+                graph.repoint(self.model.expert_addresses(like=graph.addresses))
         after = coverage(r.counts[lb:le], (cache.slot_of >= 0)[lb:le])
         self._rerank_helpers(cache.slot_of >= 0)
         c = self.tiers.counters
