@@ -6,7 +6,6 @@ eager step with every kernel timed (CUDA events), summed per kernel over the lay
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -97,28 +96,15 @@ def main() -> int:
     from strata_dist.kernels.pdl import ProgrammaticLauncher
     pos = eng.session.n_past
     built_pdl = runner._pdl
-    variants = [(f"as built ({runner.attn_heads} query heads an attention block)", {}, None, {}),
-                ("plain launches (STRATA_PDL=0)", {}, False, {})]
-    if not recurrent:    # qwen3next normalises q and k in its own kernel
-        variants.append(("q/k norm in the attention (STRATA_FUSED_QK_NORM=attention)", {}, None,
-                         {"STRATA_FUSED_QK_NORM": "attention"}))
+    variants = [(f"as built ({runner.attn_heads} query heads an attention block)", {}, None),
+                ("plain launches (STRATA_PDL=0)", {}, False)]
     for heads in attn_heads_choices(runner.g.n_head // runner.g.n_head_kv):
         if heads != runner.attn_heads:
             variants.append((f"attention {heads} query heads a block (STRATA_ATTN_HEADS={heads})",
-                             {"attn_heads": heads}, None, {}))
+                             {"attn_heads": heads}, None))
     base = None
-    for name, kwargs, pdl, env in variants:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)                 # read when a DecodeGraph is built
-        try:
-            other = (type(runner)(eng.model, runner.arena, args.context, **kwargs)
-                     if kwargs or env else runner)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    for name, kwargs, pdl in variants:
+        other = type(runner)(eng.model, runner.arena, args.context, **kwargs) if kwargs else runner
         if pdl is not None:                    # else as built ($STRATA_PDL, the GPU)
             other._pdl = ProgrammaticLauncher() if pdl else None
         logits = np.asarray(other.step(eng.session, pos, ids=[11]))   # and the position replayed

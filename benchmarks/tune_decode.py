@@ -1,9 +1,9 @@
 """The decode kernels' build (kernels/abi.py KernelShape: the integer or float expert path, the
-rows a block or warp of moe_gate_up and moe_down takes, the dense matvecs' form), measured in one
-process: one loaded stage, one DecodeGraph per shape over the same weights and cache, each graph
-replayed back to back. Prints ms/token per
-shape, fastest first, and checks that every shape gives the default's greedy token. The winner
-goes into decode.cu's defaults (and abi.py's), or STRATA_KERNEL_SHAPE for a trial.
+rows a block or warp of moe_gate_up and moe_down takes, a dense matvec block's threads), measured
+in one process: one loaded stage, one DecodeGraph per shape over the same weights and cache, each
+graph replayed back to back. Prints ms/token per shape, fastest first, and checks that every
+shape gives the default's greedy token. The winner goes into decode.cu's defaults (and abi.py's),
+or STRATA_KERNEL_SHAPE for a trial.
 
     python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_direct=0"]
     python benchmarks/tune_decode.py --model q30_8l.gguf \

@@ -19,8 +19,7 @@ from typing import Literal, Mapping
 from .env_table import EnvVar, checked_table, choice, record_from_env, switch, variable_of
 from .structs import Struct, struct
 
-FusedQkNorm = Literal["off", "matvec", "attention"]
-GdnKernels = Literal["rows", "staged", "steps", "off"]
+GdnKernels = Literal["rows", "steps", "off"]
 MAX_KERNEL_SHAPE_CHARS = 512   # a kernel shape names a handful of NAME=N macros
 
 
@@ -38,9 +37,6 @@ class ComputeOptions(Struct):
                       host reads the token (STRATA_DECODE_AHEAD=0: off).
     attn_heads        query heads of one decode attention block (STRATA_ATTN_HEADS=N; 0: chosen
                       by the geometry, kernels/abi.py default_attn_heads).
-    fused_qk_norm     where a decode step's q/k RMSNorm, RoPE and K/V write run: "off" their own
-                      kernel, "matvec" inside the q/k/v matvec (STRATA_FUSED_QK_NORM=1),
-                      "attention" inside the attention for one-row steps (=attention).
     host_mapped       a GPU stage pins the experts its cache lacks in host memory, its decode graph
                       reading them in place: None where no other card's helper tier holds pairs
                       for it (strata_dist/experts/host_pinning.py), True always (STRATA_HOST_MAPPED=1),
@@ -56,9 +52,9 @@ class ComputeOptions(Struct):
                       each (STRATA_FUSED_PROMPT_OPS=0: array operations).
     f16_prompt_gemm   a prompt's quantized dense matrices decoded to f16 for tensor-core GEMMs
                       (STRATA_F16_PROMPT_GEMM=0: float32 GEMMs).
-    gdn_kernels       a qwen3next prompt's linear layers: "rows" (gdn_prompt.cu), "staged" (its
-                      inputs staged in shared memory), "steps" (the decode graph's token loop),
-                      "off" (the blocked array form) (STRATA_GDN_KERNELS=rows|staged|steps|0).
+    gdn_kernels       a qwen3next prompt's linear layers: "rows" (gdn_prompt.cu), "steps" (the
+                      decode graph's token loop), "off" (the blocked array form)
+                      (STRATA_GDN_KERNELS=rows|steps|0).
     cuda_ipc          hidden rows between GPU ranks of one host through CUDA IPC buffers
                       (STRATA_IPC=0: every hand-off as frames).
     """
@@ -68,7 +64,6 @@ class ComputeOptions(Struct):
     pdl: bool = True
     decode_ahead: bool = True
     attn_heads: int = 0
-    fused_qk_norm: FusedQkNorm = "off"
     host_mapped: bool | None = None
     grouped_experts: bool = True
     rows_mma: bool = True
@@ -112,8 +107,6 @@ ENV_VARS: dict[str, EnvVar] = checked_table(ComputeOptions, {
     "STRATA_PDL": EnvVar("pdl", switch),
     "STRATA_DECODE_AHEAD": EnvVar("decode_ahead", switch),
     "STRATA_ATTN_HEADS": EnvVar("attn_heads", _heads),
-    "STRATA_FUSED_QK_NORM": EnvVar("fused_qk_norm", choice({"0": "off", "1": "matvec",
-                                                            "attention": "attention"})),
     "STRATA_HOST_MAPPED": EnvVar("host_mapped", choice({"auto": None, "1": True, "0": False})),
     "STRATA_GROUPED_EXPERTS": EnvVar("grouped_experts", switch),
     "STRATA_ROWS_MMA": EnvVar("rows_mma", switch),
@@ -121,11 +114,36 @@ ENV_VARS: dict[str, EnvVar] = checked_table(ComputeOptions, {
     "STRATA_FLASH_PREFILL": EnvVar("flash_prefill", switch),
     "STRATA_FUSED_PROMPT_OPS": EnvVar("fused_prompt_ops", switch),
     "STRATA_F16_PROMPT_GEMM": EnvVar("f16_prompt_gemm", switch),
-    "STRATA_GDN_KERNELS": EnvVar("gdn_kernels", choice({"rows": "rows", "staged": "staged",
-                                                        "steps": "steps", "0": "off"})),
+    "STRATA_GDN_KERNELS": EnvVar("gdn_kernels", choice({"rows": "rows", "steps": "steps",
+                                                        "0": "off"})),
     "STRATA_IPC": EnvVar("cuda_ipc", switch),
 })
 VARIABLE_OF = variable_of(ENV_VARS)
+
+# Paths deleted after they measured slower (issue 52: a measured loser is deleted, its figure kept
+# in docs/BENCHMARKS.md). A launch still asking for one is refused with why, never run on another
+# path unsaid: variable -> {text: why}, where the text None stands for any text (the variable
+# itself is gone: STRATA_FUSED_QK_NORM had no value left but the one that always runs).
+REMOVED: dict[str, dict[str | None, str]] = {
+    "STRATA_FUSED_QK_NORM": {None: (
+        "removed on 2026-12-05 with both of its fused forms, which measured no faster than the "
+        "separate q/k norm kernel (=1, in the q/k/v matvec: 0.689 against 0.692 ms a step; "
+        "=attention: 0.577 against 0.574 ms; docs/BENCHMARKS.md); the q/k norm always runs as "
+        "its own kernel: unset the variable")},
+    "STRATA_GDN_KERNELS": {"staged": (
+        "removed on 2026-12-05: the staged delta rule measured slower than the rows kernel "
+        "(82.2 against 81.0 ms a prompt, docs/BENCHMARKS.md); expected rows, steps, 0")},
+}
+
+
+def refuse_removed(environ: Mapping[str, str]) -> None:
+    """ValueError "VAR='text': why" where `environ` sets a variable or value of REMOVED (surrounding
+    blanks dropped; empty is unset, as record_from_env reads them)."""
+    for var, gone in REMOVED.items():
+        raw = environ.get(var, "").strip()
+        why = gone.get(raw, gone.get(None)) if raw else None
+        if why is not None:
+            raise ValueError(f"{var}={raw!r}: {why}")
 
 
 def env_text(options: ComputeOptions) -> dict[str, str]:
@@ -146,9 +164,11 @@ def env_text(options: ComputeOptions) -> dict[str, str]:
 
 def options_from_env(environ: Mapping[str, str], base: ComputeOptions | None = None) -> ComputeOptions:
     """ComputeOptions from the STRATA_* variables in `environ` (unset or empty keeps `base`'s value).
-    Raises ValueError naming the variable and its value."""
+    Raises ValueError naming the variable and its value (a removed one's saying why, REMOVED)."""
+    refuse_removed(environ)
     return record_from_env(ENV_VARS, environ, base or ComputeOptions(),
                            check=lambda options: options.check([]))
 
 
-__all__ = ["ComputeOptions", "ENV_VARS", "VARIABLE_OF", "env_text", "options_from_env"]
+__all__ = ["ComputeOptions", "ENV_VARS", "REMOVED", "VARIABLE_OF", "env_text", "options_from_env",
+           "refuse_removed"]

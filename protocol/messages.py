@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 21
+PROTOCOL_VERSION = 22
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]

@@ -233,7 +233,6 @@ def main() -> int:
         run("qwen3next q8_0", path)
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
         run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
-        run("qwen3next q8_0, GDN inputs staged", path, env={"STRATA_GDN_KERNELS": "staged"})
     print(json.dumps({"scenarios": scenarios, "graphs": graphs, "errors": errors}))
     return 0
 

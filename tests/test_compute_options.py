@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from protocol.codec import decode, encode
-from protocol.compute_options import (ENV_VARS, VARIABLE_OF, ComputeOptions, env_text,
+from protocol.compute_options import (ENV_VARS, REMOVED, VARIABLE_OF, ComputeOptions, env_text,
                                       options_from_env)
 from protocol.messages import Assign
 from strata_dist.compute_options import compute_options, installed, read_environment
@@ -38,7 +38,8 @@ def tiny(tmp_path_factory):
 
 
 def _clean_env(**set_vars) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS and k not in PLAN_ENV_VARS}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ENV_VARS and k not in PLAN_ENV_VARS and k not in REMOVED}
     return {**env, "PYTHONPATH": str(ROOT), **set_vars}
 
 
@@ -47,18 +48,16 @@ def test_every_field_has_one_variable_and_each_text_gives_its_value_back():
     assert set(VARIABLE_OF) == FIELDS and len(ENV_VARS) == len(FIELDS)
     assert options_from_env({}) == ComputeOptions()
     got = options_from_env({"STRATA_PDL": "0", "STRATA_HOST_MAPPED": "1", "STRATA_ATTN_HEADS": "4",
-                            "STRATA_FUSED_QK_NORM": "attention", "STRATA_GDN_KERNELS": "0",
-                            "STRATA_KERNEL_SHAPE": "int_down=1", "STRATA_IPC": " 0 ",
-                            "STRATA_ROWS_MMA": ""})        # empty: unset
-    assert got == ComputeOptions(pdl=False, host_mapped=True, attn_heads=4,
-                                 fused_qk_norm="attention", gdn_kernels="off",
+                            "STRATA_GDN_KERNELS": "0", "STRATA_KERNEL_SHAPE": "int_down=1",
+                            "STRATA_IPC": " 0 ", "STRATA_ROWS_MMA": ""})        # empty: unset
+    assert got == ComputeOptions(pdl=False, host_mapped=True, attn_heads=4, gdn_kernels="off",
                                  kernel_shape="int_down=1", cuda_ipc=False)
-    assert got.changed() == ["kernel_shape", "pdl", "attn_heads", "fused_qk_norm", "host_mapped",
-                             "gdn_kernels", "cuda_ipc"]
+    assert got.changed() == ["kernel_shape", "pdl", "attn_heads", "host_mapped", "gdn_kernels",
+                             "cuda_ipc"]
     assert options_from_env(env_text(got)) == got
     assert options_from_env(env_text(ComputeOptions())) == ComputeOptions()
-    assert options_from_env({"STRATA_FUSED_QK_NORM": "0", "STRATA_HOST_MAPPED": "auto"}) \
-        == ComputeOptions()
+    assert options_from_env({"STRATA_GDN_KERNELS": "steps", "STRATA_HOST_MAPPED": "auto"}) \
+        == ComputeOptions(gdn_kernels="steps")
 
 
 @pytest.mark.parametrize("var, text, says", [
@@ -66,9 +65,8 @@ def test_every_field_has_one_variable_and_each_text_gives_its_value_back():
     ("STRATA_DECODE_GRAPH", "2", "expected 0 or 1"),
     ("STRATA_ATTN_HEADS", "0", "number of query heads"),
     ("STRATA_ATTN_HEADS", "four", "number of query heads"),
-    ("STRATA_FUSED_QK_NORM", "on", "expected 0, 1, attention"),
     ("STRATA_HOST_MAPPED", "maybe", "expected auto, 1, 0"),
-    ("STRATA_GDN_KERNELS", "fast", "expected rows, staged, steps, 0"),
+    ("STRATA_GDN_KERNELS", "fast", "expected rows, steps, 0"),
     ("STRATA_KERNEL_SHAPE", "bogus=1", "expected NAME=N"),
     ("STRATA_KERNEL_SHAPE", "x" * 600, "at most 512"),
 ])
@@ -78,8 +76,38 @@ def test_a_malformed_value_is_refused_naming_the_variable(var, text, says):
     assert str(e.value).startswith(f"{var}={text!r}: ") and says in str(e.value)
 
 
+# ---- paths deleted after they measured slower (issue 52): asking for one is refused, with why --
+@pytest.mark.parametrize("var, text, says", [
+    ("STRATA_FUSED_QK_NORM", "1", "0.689 against 0.692 ms"),
+    ("STRATA_FUSED_QK_NORM", "attention", "0.577 against 0.574 ms"),
+    ("STRATA_FUSED_QK_NORM", "0", "unset the variable"),     # the variable itself is gone
+    ("STRATA_GDN_KERNELS", "staged", "82.2 against 81.0 ms"),
+    ("STRATA_GDN_KERNELS", " staged ", "82.2 against 81.0 ms"),
+    ("STRATA_KERNEL_SHAPE", "matvec_warp=1", "0.780 against 0.641 ms"),
+    ("STRATA_KERNEL_SHAPE", "int_down=1,matvec_warp=0", "0.780 against 0.641 ms"),
+])
+def test_a_removed_path_is_refused_naming_the_value_and_saying_it_was_removed(var, text, says):
+    with pytest.raises(ValueError) as e:
+        read_environment({var: text, "STRATA_PDL": "0"})
+    assert str(e.value).startswith(f"{var}={text.strip()!r}: ")
+    assert "removed on 2026-12-05" in str(e.value) and says in str(e.value)
+    # the values kept, and an unset or empty variable, still read
+    assert read_environment({"STRATA_GDN_KERNELS": "rows", "STRATA_FUSED_QK_NORM": " "}) \
+        == ComputeOptions()
+
+
+def test_removed_names_are_no_longer_read_as_options():
+    """A removed variable sets no field and a removed value is no value of its field: REMOVED
+    holds only what the table no longer takes."""
+    assert "STRATA_FUSED_QK_NORM" not in ENV_VARS and "fused_qk_norm" not in FIELDS
+    assert "staged" not in ENV_VARS["STRATA_GDN_KERNELS"].parse.table
+    for var, gone in REMOVED.items():
+        parse = ENV_VARS[var].parse if var in ENV_VARS else None
+        assert parse is None or not set(gone) & set(parse.table), var
+
+
 def test_assign_carries_the_record_and_the_decoder_checks_it():
-    sent = ComputeOptions(pdl=False, gdn_kernels="staged", attn_heads=8, host_mapped=False)
+    sent = ComputeOptions(pdl=False, gdn_kernels="steps", attn_heads=8, host_mapped=False)
     a = Assign(rank=0, role="stage", lb=0, le=1, first=True, last=True, device="cpu", plan={},
                compute=sent)
     got, _ = decode(encode(a))
@@ -101,7 +129,9 @@ def test_a_tool_runs_the_record_it_read_at_its_start(monkeypatch):
 
 
 # ---- the launcher reads them once, refuses bad ones, prints and keeps them ------------------
-@pytest.mark.parametrize("var, text", [("STRATA_GDN_KERNELS", "fast"), ("STRATA_ROWS_MMA", "on")])
+@pytest.mark.parametrize("var, text", [("STRATA_GDN_KERNELS", "fast"), ("STRATA_ROWS_MMA", "on"),
+                                       ("STRATA_GDN_KERNELS", "staged"),
+                                       ("STRATA_FUSED_QK_NORM", "attention")])
 def test_the_launcher_refuses_a_malformed_value_at_start(tiny, var, text):
     done = subprocess.run([sys.executable, "-m", "launcher.cli", "--model", str(tiny),
                            "--cpu-ranks", "2", "--prompt-ids", "1,2", "--max-new", "1"],
@@ -127,18 +157,18 @@ def test_generate_refuses_a_malformed_value(tiny):
 
 
 def test_plan_only_prints_and_keeps_the_record(tiny):
-    env = _clean_env(STRATA_PDL="0", STRATA_GDN_KERNELS="staged")
+    env = _clean_env(STRATA_PDL="0", STRATA_GDN_KERNELS="steps")
     argv = [sys.executable, "-m", "launcher.cli", "--model", str(tiny), "--cpu-ranks", "2",
             "--plan-only"]
     table = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert table.returncode == 0, table.stderr
     [line] = [ln for ln in table.stdout.splitlines() if ln.startswith("compute options: ")]
-    assert " pdl=off " in line and " gdn_kernels=staged " in line and " decode_graph=on " in line
+    assert " pdl=off " in line and " gdn_kernels=steps " in line and " decode_graph=on " in line
     assert line.endswith("(not the default: pdl, gdn_kernels)")
     js = subprocess.run(argv + ["--json"], capture_output=True, text=True, timeout=60, env=env,
                         cwd=ROOT)
     plan = Plan.from_json(js.stdout)
-    assert plan.compute == ComputeOptions(pdl=False, gdn_kernels="staged")
+    assert plan.compute == ComputeOptions(pdl=False, gdn_kernels="steps")
     assert Plan.from_json(plan.to_json()) == plan
 
 
@@ -147,7 +177,7 @@ def test_a_cpu_rank_runs_the_record_of_its_assign_not_its_environment(tiny):
     from launcher.launch import Launch, LaunchConfig
     from launcher.spawn import RankSpec
     from strata_dist.plan.params import PlanParams
-    sent = ComputeOptions(pdl=False, gdn_kernels="staged", host_mapped=True)
+    sent = ComputeOptions(pdl=False, gdn_kernels="steps", host_mapped=True)
     # the ranks' own environment says otherwise, malformed where it can be: never read there
     rank_env = {"STRATA_LOG": "INFO", "STRATA_PDL": "1", "STRATA_GDN_KERNELS": "bogus",
                 "STRATA_HOST_MAPPED": "maybe"}

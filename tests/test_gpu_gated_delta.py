@@ -85,15 +85,15 @@ def test_a_step_of_several_rows_equals_one_row_steps():
     np.testing.assert_array_equal(cp.asnumpy(one.state), cp.asnumpy(many.state))
 
 
-@pytest.mark.parametrize("mode", ["rows", "staged", "steps"])
+@pytest.mark.parametrize("mode", ["rows", "steps"])
 @pytest.mark.parametrize("nk,nv,hk,hv,K", [(2, 4, 32, 64, 4), (16, 32, 128, 128, 4)])
 def test_prompt_chunks_through_the_backend_match_the_numpy_path(nk, nv, hk, hv, K, mode,
                                                                  monkeypatch):
     """CupyBackend.linear_attention (what gdn_mixer calls on a GPU) over chunks of 300, 2 (fewer
     rows than the conv state holds) and 37 rows, the state carried on the device between them:
     the token loop's outputs and the conv and recurrent state it leaves, within float32
-    rounding. mode: gdn_prompt.cu's row kernels (the default; staged: the delta rule's inputs
-    staged in shared memory) or the decode graph's token loop."""
+    rounding. mode: gdn_prompt.cu's row kernels (the default) or the decode graph's token
+    loop."""
     from strata_dist.backends.cupy_backend import CupyBackend
     from strata_dist.backends.numpy_backend import NumpyBackend
     from strata_dist.models.qwen3next import gdn_mixer

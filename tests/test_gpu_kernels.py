@@ -402,7 +402,7 @@ def test_router_matvec_picks_the_top_k(n):
         _kernel(matvec_kernel(int(QT.F32), n))(
             ((N_EXPERT + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
             (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0), cp.asarray(nw),
-             np.float32(1e-6), cd.NULL, route, cd.NULL))
+             np.float32(1e-6), cd.NULL, route))
         assert int(done.get()[0]) == 0
     xn = x[:n] / np.sqrt((x[:n].astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
     want_logits = xn @ w.T.astype(np.float64)

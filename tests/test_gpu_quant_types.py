@@ -29,7 +29,7 @@ from strata_dist.backends.graph_tables import Weight  # noqa: E402
 from strata_dist.backends.quant_matrix import QuantMatrix  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS,  # noqa: E402
                                      EXPERT_SPEC, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, TYPE_NAMES,
-                                     ExpertLayout, KernelShape, matvec_kernel)
+                                     ExpertLayout, KernelShape, matvec_kernel, rows_per_block)
 from type_rows import ALL_TYPES, random_rows  # noqa: E402
 
 N_EMBD, N_FF, N_EXPERT, K = 512, 256, 8, 4
@@ -79,11 +79,11 @@ def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool):
     y = cp.zeros((n, shape[0]), cp.float32)
     spec = cd._spec_array(MAT_SPEC, [cd._mat(w, y)])
     ks = KernelShape()
-    per_block = ks.matvec_rows_per_block(n, wide)
+    per_block = rows_per_block(n, wide)
     _fn(matvec_kernel(int(qtype), n))(
         ((shape[0] + per_block - 1) // per_block, 1), (ks.matvec_threads,),
         (spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide), cd.NULL, np.float32(1e-6),
-         cd.NULL, cd.NULL, cd.NULL))
+         cd.NULL, cd.NULL))
     return cp.asnumpy(y)
 
 

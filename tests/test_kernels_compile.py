@@ -39,15 +39,27 @@ def test_kernel_shape_parses_and_refuses():
     assert shape.defines() == ("-DINT_Q8_0=1", "-DINT_FPW=1")
     assert (shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == (8, 8)
     assert KernelShape.parse("int_gate_up=0,int_down=0").gate_up_block(Q4_K) == FF_PER_BLOCK
-    # a warp a row of the tall matrices: a block's rows are its warps
-    assert KernelShape(matvec_warp=1, matvec_threads=128).matvec_rows_per_block(1, True) == 4
-    assert KernelShape(matvec_warp=1).matvec_rows_per_block(1, False) == rows_per_block(1, False)
+    assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
+
+
+@pytest.mark.parametrize("text", ["matvec_warp=1", "matvec_threads=128, matvec_warp=0",
+                                  "matvec_warp"])
+def test_a_deleted_build_is_refused_saying_it_was_removed(text):
+    """matvec_warp (a warp a weight row, deleted after it measured slower) is refused naming the
+    part of the text and why, whatever its value: never dropped in silence, never taken for an
+    unknown name."""
+    part = next(p.strip() for p in text.split(",") if "matvec_warp" in p)
+    with pytest.raises(ValueError) as e:
+        KernelShape.parse(text)
+    assert str(e.value).startswith(f"kernel shape {part!r}: matvec_warp was removed on 2026-12-05")
+    assert "0.780 against 0.641 ms" in str(e.value)
+    assert "matvec_warp" not in KernelShape.MACROS and "MATVEC_WARP" not in source_text("decode.cu")
 
 
 def test_attention_builds_take_whole_groups_or_parts_that_divide_them():
@@ -150,7 +162,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_q8_0=1,int_ff_per_warp=2,int_down_per_warp=4", "int_q8_0=1,int_direct=0",
-        "matvec_threads=128,matvec_warp=1"))]
+        "matvec_threads=128"))]
 
 
 @needs_nvcc
@@ -179,11 +191,9 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # (up to 32 bytes, which moves with unrelated edits; an array indexed at run time is far larger);
 # moe_down of IQ2_XXS, IQ2_XS and IQ4_NL spill 4-8 bytes at 48 registers (ptxas -v, CUDA 13.0;
 # the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
-# those two spill 8 bytes (each key's row chosen between the card and the host copy); the fused
-# q8_0 build for 8 heads spills 8 since each row reads its session's table and position from the
-# step descriptor (kernels/attention.cuh row_table; a batched step's rows are several sessions')
+# those two spill 8 bytes (each key's row chosen between the card and the host copy)
 STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
-                 (r"attn_decode_128_g8_q8_fq", 8), (r"moe_down_iq\w+", 16)]
+                 (r"moe_down_iq\w+", 16)]
 
 
 def stack_allowed(kernel: str) -> int:
@@ -287,13 +297,10 @@ def test_row_kernel_shared_memory_matches_the_host(tmp_path):
 def test_prompt_gdn_constants_match_the_host(tmp_path):
     """gdn_prompt.cu's lanes, convolution bound and columns a block are the ones the host checks
     a geometry against and sizes its grids by (kernels/abi.py gdn_rows_launch)."""
-    from strata_dist.kernels.abi import (GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K,
-                                         GDN_STAGE_ROWS)
-    got = _host_print(tmp_path, "gdn_prompt.cu", '"%d %d %d %d %d", GDN_LANE_ROWS, GDN_MAX_K, '
-                                                 'GDN_COLUMNS_PER_BLOCK, GDN_STAGE_ROWS, '
-                                                 'GDN_STAGE_HK')
-    assert got == (f"{GDN_LANE_ROWS} {GDN_MAX_K} {GDN_COLUMNS_PER_BLOCK} {GDN_STAGE_ROWS} "
-                   f"{32 * GDN_LANE_ROWS}")
+    from strata_dist.kernels.abi import GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K
+    got = _host_print(tmp_path, "gdn_prompt.cu", '"%d %d %d", GDN_LANE_ROWS, GDN_MAX_K, '
+                                                 'GDN_COLUMNS_PER_BLOCK')
+    assert got == f"{GDN_LANE_ROWS} {GDN_MAX_K} {GDN_COLUMNS_PER_BLOCK}"
 
 
 @needs_nvcc

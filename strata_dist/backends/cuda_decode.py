@@ -32,8 +32,8 @@ import cupy as cp
 from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS,
-                           QKV_SPEC, ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape,
-                           attn_launch, expert_layout, matvec_kernel)
+                           ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape, attn_launch,
+                           expert_layout, matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
@@ -73,14 +73,8 @@ class DecodeGraph(BatchedSteps):
         self.model, self.g = model, g
         self.lb, self.le, self.first, self.last = model.lb, model.le, model.first, model.last
         self.use_graph = options.decode_graph if use_graph is None else use_graph
-        # experimental, until measured: the q/k/v matvec normalises, rotates and writes the KV
-        # itself ("matvec"), or the attention does for one-row steps ("attention"); either way no
-        # qk_norm_rope_kv launch and the same arithmetic
         self.ring = DeviceRing(model, max_cells)   # --kv-resident's `_ring` builds, if any
-        self.fused_qk_norm = options.fused_qk_norm == "matvec" and not self.ring
-        self.fused_qk_attention = options.fused_qk_norm == "attention" and not self.ring
-        # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer
-        # table; the fused q/k norm writes f16 only (a v block's 32 values span several blocks)
+        # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer table
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)
         # the attention's splits and query heads a block (ComputeOptions.attn_heads overrides the
@@ -199,8 +193,6 @@ class DecodeGraph(BatchedSteps):
         self.blob_of = cp.asarray(self.addresses.blob_of)
         # blocks finished of each (row, head group)'s attention splits (attn_decode_128_g*)
         self.attn_done = cp.zeros(R * (g.n_head // self.attn_heads), cp.uint32)
-        # blocks finished of each q and k head of a fused q/k/v matvec
-        self.qk_done = cp.zeros(g.n_head + g.n_head_kv, cp.uint32)
 
     def _build_specs(self, g) -> None:
         self.blob_align: dict[int, int] = {}   # each layer's blob alignment (_expert_spec)
@@ -219,7 +211,6 @@ class DecodeGraph(BatchedSteps):
         """One layer's launches and argument tables. Every layer spec holds `mats` (all of its
         matvec launches, for the kernel names) and what `_routed_experts` reads."""
         g, w = self.g, self.model.layers[layer]
-        ptr = lambda a: int(a.data.ptr)  # noqa: E731
         name = f"blk.{layer}"
         q, k, v = (weight_of(x, f"{name}.attn_{p}") for x, p in ((w.q, "q"), (w.k, "k"),
                                                                   (w.v, "v")))
@@ -230,12 +221,6 @@ class DecodeGraph(BatchedSteps):
         spec = dict(
             qkv=mat_launches([(q, _mat(q, self.q)), (k, _mat(k, self.k)), (v, _mat(v, self.v))]),
             o=mat_launches([(o, _mat(o, self.h, add=self.h))]),
-            qkv_spec=_spec_array(QKV_SPEC, [dict(
-                q=ptr(self.q), k=ptr(self.k), v=ptr(self.v), q_norm=ptr(w.q_norm),
-                k_norm=ptr(w.k_norm), sess=ptr(self.sess_table), desc=ptr(self.desc),
-                done=ptr(self.qk_done), layer_slot=layer - self.lb, n_layers=self.le - self.lb,
-                n_head=g.n_head, n_kv=g.n_head_kv, D=g.head_dim, rot=g.head_dim,
-                eps=g.rms_eps)]),
             w=w)
         spec.update(self._experts_spec(layer, w.router, w.ffn_norm, normalize=True))
         spec["mats"] = spec["qkv"] + spec["o"] + spec["router"]
@@ -275,8 +260,7 @@ class DecodeGraph(BatchedSteps):
 
     def _layer_kernel_names(self) -> set[str]:
         """The layers' kernels other than the matvecs and the experts'."""
-        names = {"qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix, self.attn_kernel}
-        return names | ({self.attn_kernel + "_fq"} if self.fused_qk_attention else set())
+        return {"qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix, self.attn_kernel}
 
     def _expert_spec(self, layer: int) -> dict:
         g = self.g
@@ -358,25 +342,19 @@ class DecodeGraph(BatchedSteps):
         i32 = np.int32
         nl = self.le - self.lb
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
-        # one-row steps with STRATA_FUSED_QK_NORM=attention: the attention normalises, rotates and
-        # writes q and the new K/V itself (its _fq build)
-        in_attention = self.fused_qk_attention and n == 1
-        in_matvec = self.fused_qk_norm and not self.kv_suffix
         for j, L in enumerate(self.layer_specs):
             w = L["w"]
-            self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps,
-                         qkv=L["qkv_spec"] if in_matvec else None)
-            if not (in_matvec or in_attention):
-                f("qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix)(
-                    (g.n_head + g.n_head_kv, n), (32,),
-                    (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
-                     self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim),
-                     i32(g.head_dim), eps))
-            f(self.attn_kernel + ("_fq" if in_attention else ""))(
+            self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
+            f("qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix)(
+                (g.n_head + g.n_head_kv, n), (32,),
+                (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
+                 self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim), i32(g.head_dim),
+                 eps))
+            f(self.attn_kernel)(
                 (g.n_head // self.attn_heads, self.n_split, n), (BLOCK_THREADS,),
                 (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
                  i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
-                 self.attn_done, self.attn, i32(nl)) + ((L["qkv_spec"],) if in_attention else ()))
+                 self.attn_done, self.attn, i32(nl)))
             self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
             self._routed_experts(L, n, eps)
 
@@ -417,17 +395,17 @@ class DecodeGraph(BatchedSteps):
                                         self.post_i, self.done, self.token))
 
     def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
-                eps=np.float32(0), normed=None, route=None, qkv=None) -> None:
+                eps=np.float32(0), normed=None, route=None) -> None:
         """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches`; `route`: the
-        router's RouteSpec (one matrix); `qkv`: a fused q/k/v launch's QkvSpec."""
+        router's RouteSpec (one matrix)."""
         for m in launches:
             wide = m.rows >= WIDE_MIN_ROWS
-            per_block = self.shape.matvec_rows_per_block(n, wide)
+            per_block = rows_per_block(n, wide)
             self._launch(matvec_kernel(m.type, n))(
                 ((m.rows + per_block - 1) // per_block, m.count), (self.shape.matvec_threads,),
                 (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
                  NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
-                 NULL if route is None else route, NULL if qkv is None else qkv))
+                 NULL if route is None else route))
             normed = None            # written once
 
     def _graph(self, n: int, every_row: bool = False):

@@ -68,8 +68,8 @@ class CupyBackend(Backend):
             self._rows = RowsKernels(index, mma=options.rows_mma, backend=self)
         self._device_routing = self._rows is not None and options.device_routing
         # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
-        # where they are independent), "staged" the same with the delta rule's inputs staged in
-        # shared memory, "steps" the decode graph's token loop, "off" the blocked array form
+        # where they are independent), "steps" the decode graph's token loop, "off" the blocked
+        # array form
         self._gdn = options.gdn_kernels
         # a chunk's RMSNorms, q/k norm + RoPE + K/V write and rank-ordered combine as one launch
         # each (kernels/prompt_ops.cu, decode.cu) instead of several array operations each
@@ -407,10 +407,10 @@ class CupyBackend(Backend):
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
         """gdn_mixer through kernels, the state updated in place: by default gdn_prompt.cu's
-        (the convolution and norms of every row at once, the delta rule a warp a state column;
-        STRATA_GDN_KERNELS=staged its inputs staged in shared memory), with =steps the decode
-        graph's gated_delta.cuh (the rows in order, the token loop's arithmetic). None (the
-        blocked array path) for a geometry the kernels do not take or with =0."""
+        (the convolution and norms of every row at once, the delta rule a warp a state column),
+        with STRATA_GDN_KERNELS=steps the decode graph's gated_delta.cuh (the rows in order, the
+        token loop's arithmetic). None (the blocked array path) for a geometry the kernels do
+        not take or with =0."""
         if self._gdn == "off":
             return None
         from ..kernels import function
@@ -420,7 +420,7 @@ class CupyBackend(Backend):
         n = int(qkv.shape[0])
         path = f"the linear layers' kernels of a prompt chunk (gdn_kernels={self._gdn})"
         try:
-            if self._gdn in ("rows", "staged"):
+            if self._gdn == "rows":
                 launch = gdn_rows_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim,
                                          g.ssm_conv_kernel)
             else:
@@ -447,9 +447,8 @@ class CupyBackend(Backend):
             return None
         if n == 0:
             return out
-        if self._gdn in ("rows", "staged"):
-            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n,
-                          staged=self._gdn == "staged")
+        if self._gdn == "rows":
+            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n)
         else:
             defines = _decode_defines(self._kernel_shape)
             launch_gdn(lambda name: function("decode.cu", name, self.index, defines),

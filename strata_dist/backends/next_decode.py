@@ -108,8 +108,6 @@ class NextDecodeGraph(DecodeGraph):
             self.gdn = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
         except ValueError as e:
             raise Unsupported(str(e)) from None
-        # q and k are normed and rotated by next_qk_norm_rope_kv: neither fused form applies
-        self.fused_qk_norm = self.fused_qk_attention = False
         self.attention_layers = [l for l in range(self.lb, self.le) if not g.is_linear(l)]
         self.linear_layers = [l for l in range(self.lb, self.le) if g.is_linear(l)]
 

@@ -1,6 +1,6 @@
 """What Python and decode.cu must agree on, in one place and without CuPy (so CPU tests check it):
 the GGML type ids the kernels read, the constants sizing their buffers, and the byte layout of the
-argument tables (`struct MatSpec`, `ExpertSpec`, `RouteSpec`, `QkvSpec`)."""
+argument tables (`struct MatSpec`, `ExpertSpec`, `RouteSpec`, `GdnSpec`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,8 +62,8 @@ class KernelShape:
     a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored integers to floats
     through the mantissa of 2^23 (weights.cuh says why each exists; both on, measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
-    (decode.cu MATVEC_THREADS); `matvec_warp` (off: measured slower) a warp a weight row for the
-    tall matrices (decode.cu matvec_warp_rows)."""
+    (decode.cu MATVEC_THREADS). A name in REMOVED (a build deleted after it measured slower) is
+    refused by `parse` with why."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
@@ -75,7 +75,6 @@ class KernelShape:
     int_down_per_warp: int = 1
     int_direct: int = 1
     matvec_threads: int = BLOCK_THREADS
-    matvec_warp: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -83,9 +82,13 @@ class KernelShape:
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN", "int_q8_0": "INT_Q8_0",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
-              "matvec_threads": "MATVEC_THREADS", "matvec_warp": "MATVEC_WARP"}
+              "matvec_threads": "MATVEC_THREADS"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_q8_0",
-                "int_direct", "matvec_warp")
+                "int_direct")
+    # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
+    # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
+    REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
+                              "measured slower (0.780 against 0.641 ms a step, docs/BENCHMARKS.md)"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -128,12 +131,6 @@ class KernelShape:
             return WARPS * self.int_down_per_warp
         return self.down_per_block
 
-    def matvec_rows_per_block(self, n: int, wide: bool) -> int:
-        """Weight rows one block of a matvec of n activation rows takes (its grid's unit)."""
-        if self.matvec_warp and wide:
-            return self.matvec_threads // 32
-        return rows_per_block(n, wide)
-
     def defines(self) -> tuple[str, ...]:
         """NVRTC options for this shape (none for the defaults, so the default build's cache key
         stays the source's)."""
@@ -147,6 +144,9 @@ class KernelShape:
         fields = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
+            if key.strip() in cls.REMOVED:
+                raise ValueError(f"kernel shape {part!r}: {key.strip()} was "
+                                 f"{cls.REMOVED[key.strip()]}")
             if not sep or key not in cls.MACROS or not value.strip().isdigit():
                 raise ValueError(f"kernel shape {part!r}: expected NAME=N, NAME one of "
                                  f"{', '.join(cls.MACROS)}")
@@ -276,9 +276,7 @@ GDN_LANE_ROWS = 4           # rows of a state column a gdn_delta_rows lane holds
 GDN_MAX_K = 8               # the longest convolution gdn_conv_tail takes
 GDN_COLUMNS_PER_BLOCK = 4   # gdn_delta_rows: a warp a state column
 GDN_TAIL_THREADS = 256
-GDN_STAGE_ROWS = 8          # gdn_delta_rows_staged: rows of inputs in its shared-memory ring
-GDN_ROWS_KERNELS = ("gdn_conv_rows", "gdn_conv_tail", "gdn_delta_rows", "gdn_delta_rows_staged",
-                    "gdn_gated_norm_rows")
+GDN_ROWS_KERNELS = ("gdn_conv_rows", "gdn_conv_tail", "gdn_delta_rows", "gdn_gated_norm_rows")
 
 
 @dataclass(frozen=True)
@@ -292,13 +290,12 @@ class GdnRowsLaunch:
     norm_blocks: int      # gdn_gated_norm_rows: grid (n_v, n), head_v threads
     norm_threads: int
 
-    def launch(self, kernel, spec, n: int, staged: bool = False) -> None:
-        """The four launches in order; `kernel(name)` gives the function; `staged`: the delta
-        rule's inputs staged in shared memory (gdn_delta_rows_staged)."""
+    def launch(self, kernel, spec, n: int) -> None:
+        """The four launches in order; `kernel(name)` gives the function."""
         i32 = np.int32
         kernel("gdn_conv_rows")((self.conv_blocks, n), (self.conv_threads,), (spec, i32(n)))
         kernel("gdn_conv_tail")((self.tail_blocks,), (GDN_TAIL_THREADS,), (spec, i32(n)))
-        kernel("gdn_delta_rows_staged" if staged else "gdn_delta_rows")(
+        kernel("gdn_delta_rows")(
             (self.delta_blocks,), (32 * GDN_COLUMNS_PER_BLOCK,), (spec, i32(n)))
         kernel("gdn_gated_norm_rows")((self.norm_blocks, n), (self.norm_threads,), (spec, i32(n)))
 
@@ -362,8 +359,7 @@ def kernel_names() -> list[str]:
     """Every kernel the runner may ask decode.cu for."""
     names = ["dequant_rows", "dequant_rows_f16", "embed_tokens", "qk_norm_rope_kv",
              "qk_norm_rope_kv_q8", "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
-    names += [attn_kernel(g, kv) + fq for g in ATTN_GROUPS for kv in ("f16", "q8_0")
-              for fq in ("", "_fq")]
+    names += [attn_kernel(g, kv) for g in ATTN_GROUPS for kv in ("f16", "q8_0")]
     # --kv-resident's builds (f16): the KV write and attention of a sinks + ring + host copy
     names += ["qk_norm_rope_kv_ring"] + [attn_kernel(g, "f16") + "_ring" for g in ATTN_GROUPS]
     names += ["next_qk_norm_rope_kv", "next_attn_gate", "next_shexp_act"]
@@ -461,14 +457,10 @@ EXPERT_SPEC = np.dtype([("blob_of", "<u8"), ("up_at", "<i8"), ("down_at", "<i8")
 ROUTE_SPEC = np.dtype([("experts", "<u8"), ("logits", "<u8"), ("ids", "<u8"), ("wts", "<u8"),
                        ("blobs", "<u8"), ("done", "<u8"), ("n_expert", "<i4"), ("k", "<i4"),
                        ("normalize", "<i4")], align=True)    # sized as C pads it: 64 bytes
-QKV_SPEC = np.dtype([("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("q_norm", "<u8"), ("k_norm", "<u8"),
-                     ("sess", "<u8"), ("desc", "<u8"), ("done", "<u8"), ("layer_slot", "<i4"),
-                     ("n_layers", "<i4"), ("n_head", "<i4"), ("n_kv", "<i4"), ("D", "<i4"),
-                     ("rot", "<i4"), ("eps", "<f4")], align=True)    # 96 bytes, as C pads it
 GDN_SPEC = np.dtype([(f, "<u8") for f in ("qkv", "z", "ba", "conv_w", "ssm_a", "ssm_dt", "norm_w",
                                          "mixed", "out", "sess")]
                     + [(f, "<i4") for f in ("layer_slot", "n_k", "n_v", "head_k", "head_v",
                                             "conv_dim", "K")]
                     + [("eps", "<f4")], align=True)          # 112 bytes, as C pads it
 STRUCTS = {"MatSpec": MAT_SPEC, "ExpertSpec": EXPERT_SPEC, "RouteSpec": ROUTE_SPEC,
-           "QkvSpec": QKV_SPEC, "GdnSpec": GDN_SPEC}
+           "GdnSpec": GDN_SPEC}

@@ -69,7 +69,7 @@ __device__ __forceinline__ void store_q8_block(float x, int lane, signed char* q
 // k_norm), NEOX RoPE over the first `rot` dims at the row's position, then q back in place, or k
 // (and, when v != null, v) into the row's session's cache at that position (`tables`: every
 // slot's pointer table, the row's picked by the descriptor); with q_dst, q goes there
-// instead (the attention block that fuses this step keeps it in shared memory). One warp. Reads
+// instead (qwen3next: its q apart from the gate that follows it in attn_q). One warp. Reads
 // through L2: the values may have been written by other blocks of the same launch.
 // D: the head width; ROT: the dims rotated (pairs d, d + ROT / 2; qwen3next rotates the first
 // 64 of 256); QS: the floats between a row's query heads in q (2 D where each head's q is followed
@@ -157,22 +157,6 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
     }
 }
 
-// What the q/k/v matvec needs to finish each head itself (STRATA_FUSED_QK_NORM=1): the block that
-// completes a q or k head's rows (counted in `done`, reset by it) normalises and rotates that head;
-// the v blocks write their rows into the cache. The same arithmetic as qk_norm_rope_kv.
-struct QkvSpec {
-    float* q;                 // the matvec's outputs [MAX_ROWS, heads * D]
-    float* k;
-    const float* v;
-    const float* q_norm;
-    const float* k_norm;
-    const u64* sess;
-    const int* desc;
-    u32* done;                // [n_head + n_kv] blocks finished per head, 0 between launches
-    int layer_slot, n_layers, n_head, n_kv, D, rot;
-    float eps;
-};
-
 // ---- attention --------------------------------------------------------------------------------
 // The flash-decoding partials (`part` [rows, n_head, n_split, D], `ml` [rows, n_head, n_split, 2])
 // are the step's own scratch.
@@ -207,7 +191,7 @@ __device__ __forceinline__ void attn_partial_body(
         const float* __restrict__ q, const u64* __restrict__ tables, int layer_slot,
         int n_layers, const int* __restrict__ desc, int n_head, int n_kv, int hb, int n_split,
         int chunk, float scale, float* __restrict__ part, float* __restrict__ ml,
-        float* __restrict__ out, const QkvSpec* __restrict__ fuse) {
+        float* __restrict__ out) {
     constexpr int PAIRS = D / 2;
     // q and the scores first; the same bytes hold the cross-thread sums of weighted V at the end
     __shared__ __align__(16) float smem[MAX_G * D + MAX_G * ATTN_CHUNK];
@@ -220,16 +204,6 @@ __device__ __forceinline__ void attn_partial_body(
     const int start = split * chunk;
     if (start >= len) return;
     const int count = min(chunk, len - start);
-    // q/k norm fused here (one-row steps, `fuse` set): the split holding the row's new key first
-    // writes that key and value into the cache (each block of the split the same bytes), so the
-    // loads below see them
-    const QkvSpec* f = D == 128 ? fuse : nullptr;    // the fused builds are qwen3moe's only
-    if (f != nullptr && len - 1 < start + chunk) {
-        if (t < 32)
-            norm_rope_head<Q8, 128>(nullptr, f->k, f->v, f->q_norm, f->k_norm, tables, layer_slot,
-                                    n_layers, desc, n_head, n_kv, f->eps, i, n_head + kvh, t);
-        __syncthreads();
-    }
     const u64* __restrict__ sess = row_table(tables, desc, i);   // the row's session
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
@@ -310,15 +284,8 @@ __device__ __forceinline__ void attn_partial_body(
         const int c = kq + KQ * m;
         v_ahead[m] = c < count ? load_v(c) : 0u;
     }
-    if (f != nullptr) {                      // q normalised and rotated into shared memory
-        for (int g = t >> 5; g < G; g += blockDim.x >> 5)
-            norm_rope_head<Q8, 128>(f->q, nullptr, nullptr, f->q_norm, f->k_norm, tables,
-                                    layer_slot, n_layers, desc, n_head, n_kv, f->eps, i, h0 + g,
-                                    t & 31, qs + g * D);
-    } else {
-        for (int idx = t; idx < G * D; idx += blockDim.x)
-            qs[idx] = q[((i64)i * n_head + h0) * D + idx];
-    }
+    for (int idx = t; idx < G * D; idx += blockDim.x)
+        qs[idx] = q[((i64)i * n_head + h0) * D + idx];
     __syncthreads();
     // scores: SPLIT threads per key, thread u taking dims 4u + 16j: its q reads from shared memory
     // are conflict-free and the G heads' sums are independent chains. Every thread runs every
@@ -544,8 +511,7 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
                                                  const int* desc, int n_head, int n_kv,
                                                  int n_split, int chunk, float scale, float* part,
                                                  float* ml, u32* __restrict__ done,
-                                                 float* __restrict__ out, int n_layers,
-                                                 const QkvSpec* __restrict__ fuse) {
+                                                 float* __restrict__ out, int n_layers) {
     // splits past the row's keys leave at once and are not counted: the grid is sized for the
     // longest context, and at a short one most of its blocks have nothing to do
     const int len = row_position(desc, blockIdx.z) + 1;
@@ -553,7 +519,7 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
     if ((int)blockIdx.y >= used) return;
     const int hb = min(n_head / n_kv, MAX_G);
     attn_partial_body<D, Q8, MAX_G, RING>(q, sess, layer_slot, n_layers, desc, n_head, n_kv, hb,
-                                    n_split, chunk, scale, part, ml, out, fuse);
+                                    n_split, chunk, scale, part, ml, out);
     if (used == 1) return;                   // the only split wrote the attention itself
     if (!last_block_to_finish(done + blockIdx.z * gridDim.x + blockIdx.x, (u32)used)) return;
     attn_combine_heads<D, MAX_G>(part, ml, len, n_head, hb, n_split, chunk, out);
@@ -564,10 +530,6 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
 // per-head loops are unrolled to that bound, so a build for 16 heads running 8 would issue twice
 // the instructions, and these launches are bound by the instructions of one block. A bound below
 // the heads per kv head splits each kv head's queries over several blocks.
-// The `_fq` builds (one-row steps with STRATA_FUSED_QK_NORM=attention, off until measured) take
-// the q/k/v matvec's QkvSpec last and normalise, rotate and write q and the new K/V themselves,
-// so the step has no qk_norm_rope_kv launch; the plain builds pass null, which the compiler folds
-// away (their machine code is what it was).
 #define ATTN_DECODE(suffix, Q8, MAX_G)                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix(         \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
@@ -575,19 +537,10 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
             u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
         pdl_entry();                                                                             \
         attn_decode_body<128, Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,\
-                                         scale, part, ml, done, out, n_layers, nullptr);         \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix##_fq(    \
-            const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
-            int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
-            u32* __restrict__ done, float* __restrict__ out, int n_layers,                       \
-            const QkvSpec* __restrict__ fuse) {                                                  \
-        pdl_entry();                                                                             \
-        attn_decode_body<128, Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,\
-                                         scale, part, ml, done, out, n_layers, fuse);            \
+                                         scale, part, ml, done, out, n_layers);                  \
     }
-// The ring builds (--kv-resident, f16): the plain ones reading each key where KvRing says; no
-// `_fq` form (the runner keeps the separate q/k norm launch, which writes both copies).
+// The ring builds (--kv-resident, f16): the plain ones reading each key where KvRing says (the
+// separate q/k norm launch, qk_norm_rope_kv_ring, writes both copies of the new cell).
 #define ATTN_DECODE_RING(suffix, MAX_G)                                                           \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix##_ring(  \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
@@ -596,7 +549,7 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
         pdl_entry();                                                                             \
         attn_decode_body<128, false, MAX_G, true>(q, sess, layer_slot, desc, n_head, n_kv,       \
                                                   n_split, chunk, scale, part, ml, done, out,    \
-                                                  n_layers, nullptr);                            \
+                                                  n_layers);                                     \
     }
 ATTN_DECODE_RING(_g2, 2)
 ATTN_DECODE_RING(_g4, 4)

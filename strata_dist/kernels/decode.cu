@@ -20,8 +20,8 @@
 #endif
 // Threads of a matvec block (128 or 256). With 128, a block's threads take two chunks of a
 // 2048-column row each and reduce over 4 warps; twice the blocks fit an SM, so Qwen3-30B's q/k/v
-// launch (640 blocks) runs in one wave instead of about 1.6. Off until measured (kernels/abi.py
-// KernelShape matvec_threads).
+// launch (640 blocks) runs in one wave instead of about 1.6. 256 stays the default: 128 measured
+// no faster (docs/BENCHMARKS.md; kernels/abi.py KernelShape matvec_threads).
 #ifndef MATVEC_THREADS
 #define MATVEC_THREADS BLOCK_THREADS
 #endif
@@ -49,16 +49,9 @@ HOST_DEVICE constexpr int rows_per_block(int n, int wide) {
 
 static_assert(MATVEC_THREADS == 128 || MATVEC_THREADS == BLOCK_THREADS,
               "a matvec block is 128 or BLOCK_THREADS threads");
-// With MATVEC_WARP, the tall ("wide") matrices take a warp a weight row (matvec_warp_rows): no
-// block reduction and no barrier, each warp done on its own. Off until measured (KernelShape
-// matvec_warp).
-#ifndef MATVEC_WARP
-#define MATVEC_WARP 0
-#endif
-#define WARP_ROW_CHUNKS 4    // chunks of 8 columns a lane loads before its first FMA, per pass
 
 #include "experts.cuh"     // ExpertSpec, RouteSpec, the router's top-k, moe_gate_up / moe_down
-#include "attention.cuh"   // QkvSpec, norm_rope_head, qk_norm_rope_kv, attn_decode_128
+#include "attention.cuh"   // norm_rope_head, qk_norm_rope_kv, attn_decode_128
 #include "gated_delta.cuh" // GdnSpec, gdn_conv_step, gdn_delta_step (qwen3next's linear layers)
 #include "next_attention.cuh" // qwen3next's gated attention (256-wide heads) and shared expert
 
@@ -122,126 +115,19 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     }
 }
 
-// The same outputs as matvec_rows, a warp a weight row o (the block's warps take consecutive
-// rows): lane l takes the chunks l, l + 32, ... (WARP_ROW_CHUNKS of them in flight at a time),
-// sums them in that order, and the warp's xor tree adds the lanes. A fused RMSNorm's sum of
-// squares is taken in the same pass; block (0, 0)'s first warp passes its scales on for `normed`.
-template <int T, int N>
-__device__ __forceinline__ void matvec_warp_rows(const MatSpec* __restrict__ specs,
-                                                 const float* __restrict__ x, int x_stride, int n,
-                                                 const float* __restrict__ norm_w, float eps,
-                                                 float* __restrict__ normed) {
-    __shared__ float inv_shared[MAX_ROWS];
-    const MatSpec s = specs[blockIdx.y];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.x * (MATVEC_THREADS / 32) + warp;
-    if (blockIdx.x * (MATVEC_THREADS / 32) >= s.nrows) return;   // the whole block: uniform
-    const int nch = o < s.nrows ? s.ncols >> 3 : 0;       // a warp past the last row loads nothing
-    float acc[N], ss[N];
-    #pragma unroll
-    for (int i = 0; i < N; ++i) { acc[i] = 0.f; ss[i] = 0.f; }
-    const u8* row = s.w + (i64)min(o, s.nrows - 1) * s.row_bytes;
-    for (int base = lane; base < nch; base += 32 * WARP_ROW_CHUNKS) {
-        ChunkDot<T> w[WARP_ROW_CHUNKS];
-        #pragma unroll
-        for (int j = 0; j < WARP_ROW_CHUNKS; ++j)
-            if (base + 32 * j < nch) w[j].load(row, base + 32 * j);
-        #pragma unroll
-        for (int j = 0; j < WARP_ROW_CHUNKS; ++j) {
-            const int c = base + 32 * j;
-            if (c >= nch) break;
-            float nw[8];
-            if (norm_w != nullptr) load8(norm_w + 8 * c, nw);
-            #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                float xv[8];
-                load8(x + (i64)i * x_stride + 8 * c, xv);
-                if (norm_w != nullptr) {
-                    #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        ss[i] = fmaf(xv[e], xv[e], ss[i]);
-                        xv[e] *= nw[e];
-                    }
-                }
-                acc[i] = w[j].dot(xv, ChunkDot<T>::needs_xsum ? sum8(xv) : 0.f, acc[i]);
-            }
-        }
-    }
-    float inv[N];
-    #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        acc[i] = warp_sum(acc[i]);
-        inv[i] = norm_w != nullptr ? rsqrtf(warp_sum(ss[i]) / (float)s.ncols + eps) : 1.f;
-    }
-    if (lane == 0 && o < s.nrows) {
-        #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            if (i >= n) break;
-            const i64 at = (i64)i * s.y_stride + o;
-            s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + (norm_w != nullptr ? acc[i] * inv[i]
-                                                                                 : acc[i]);
-        }
-    }
-    if (normed != nullptr && norm_w != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
-        if (threadIdx.x == 0) {
-            #pragma unroll
-            for (int i = 0; i < N; ++i) inv_shared[i] = inv[i];
-        }
-        __syncthreads();                                 // block (0, 0) alone: uniform there
-        write_normed(normed, x, x_stride, n, s.ncols, inv_shared, norm_w);
-    }
-}
-
-// Called by every block of a fused q/k/v matvec after its rows are written (see QkvSpec).
-__device__ void qkv_after_block(const QkvSpec* __restrict__ qp, const MatSpec* __restrict__ specs,
-                                int R, int n) {
-    const MatSpec s = specs[blockIdx.y];
-    const int o0 = blockIdx.x * R;
-    if (o0 >= s.nrows) return;                          // the whole block: uniform
-    const QkvSpec p = *qp;
-    if (s.y == p.v) {              // v rows go to the cache as they are, by the block that wrote
-        __syncthreads();           // them (its threads' writes, seen after a barrier)
-        for (int idx = threadIdx.x; idx < n * R; idx += blockDim.x) {
-            const int i = idx / R, o = o0 + idx % R;
-            if (o < s.nrows) {             // row i's session and position (a batched step's own)
-                __half* vc = reinterpret_cast<__half*>(
-                    row_table(p.sess, p.desc, i)[2 * p.layer_slot + 1]);
-                const int pos = row_position(p.desc, i);
-                vc[(i64)pos * p.n_kv * p.D + o] = __float2half(s.y[(i64)i * s.y_stride + o]);
-            }
-        }
-        return;
-    }
-    const bool is_q = s.y == p.q;
-    const int head = o0 / p.D;                          // R divides D: a block is in one head
-    if (!last_block_to_finish(p.done + (is_q ? head : p.n_head + head), (u32)(p.D / R))) return;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int row = warp; row < n; row += blockDim.x >> 5)        // one warp per row
-        norm_rope_head<false, 128>(p.q, p.k, nullptr, p.q_norm, p.k_norm, p.sess, p.layer_slot,
-                                   p.n_layers, p.desc, p.n_head, p.n_kv, p.eps, row,
-                                   is_q ? head : p.n_head + head, lane);
-}
-
-// route: null, or the router's RouteSpec (its top-k runs after the last block); qkv: null, or a
-// fused q/k/v launch's QkvSpec
+// route: null, or the router's RouteSpec (its top-k runs after the last block)
 #define MATVEC_ARGS const MatSpec* __restrict__ specs, const float* __restrict__ x, int x_stride, \
                     int n, int wide, const float* __restrict__ norm_w, float eps,               \
-                    float* __restrict__ normed, const RouteSpec* __restrict__ route,            \
-                    const QkvSpec* __restrict__ qkv
+                    float* __restrict__ normed, const RouteSpec* __restrict__ route
 #define MATVEC_KERNEL(name, T, N)                                                               \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
         pdl_entry();                                                                            \
-        if (MATVEC_WARP && wide)                                                                \
-            matvec_warp_rows<T, N>(specs, x, x_stride, n, norm_w, eps, normed);                 \
-        else if (rows_per_block(N, wide) == rows_per_block(N, 1))                               \
+        if (rows_per_block(N, wide) == rows_per_block(N, 1))                                    \
             matvec_rows<T, N, rows_per_block(N, 1)>(specs, x, x_stride, n, norm_w, eps, normed); \
         else                                                                                    \
             matvec_rows<T, N, rows_per_block(N, 0)>(specs, x, x_stride, n, norm_w, eps, normed); \
         if (route != nullptr) route_after_last_block(route, n);                                 \
-        if (qkv != nullptr)                                                                     \
-            qkv_after_block(qkv, specs, MATVEC_WARP && wide ? MATVEC_THREADS / 32                \
-                                                            : rows_per_block(N, wide), n);      \
     }
 #define MATVEC_KERNELS(name, T, ...) MATVEC_KERNEL(name, T, 1) MATVEC_KERNEL(name, T, 2) \
                                 MATVEC_KERNEL(name, T, 4) MATVEC_KERNEL(name, T, 8)

@@ -15,8 +15,6 @@
 //                        while this one computes. Writes o = S^T q, not yet normed
 //   gdn_gated_norm_rows  the gated RMSNorm of every (row, value head), in place over o
 //
-// (gdn_delta_rows_staged: the delta rule with its rows' inputs staged in shared memory, below.)
-//
 // The convolution and both norms are gated_delta.cuh's expressions, value for value (the norm's
 // block of head_v threads sums its warps in the decode kernel's order); the delta rule sums kv
 // and o over a column's rows in a warp's butterfly order instead of the decode kernel's
@@ -172,89 +170,6 @@ extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_del
         const float o = gdn_column_row(s, rl, cur.q, cur.k, cur.v, cur.b, cur.a, ssm_a, dt);
         if (lane == 0) p.out[(i64)t * value_dim + h * p.head_v + j] = o;
         cur = next;
-    }
-    gdn_column_store(s, column, p.head_v, rl, lane);
-}
-
-// gdn_delta_rows with the rows' inputs staged in shared memory GDN_STAGE_ROWS rows ahead
-// (STRATA_GDN_KERNELS=staged): a block's GDN_COLUMNS_PER_BLOCK warps are consecutive columns of
-// one value head (head_v a multiple of 4), so they share a row's q and k; the block copies them
-// (and its columns' v, the head's b and a) by cp.async into a ring of rows, one barrier a row.
-// gdn_delta_rows waits on each row's loads a row after issuing them, which at 4,096 rows left
-// ~1.2 us a row (docs/BENCHMARKS.md); here GDN_STAGE_ROWS - 1 rows are in flight. The same
-// arithmetic, value for value.
-#define GDN_STAGE_ROWS 8
-#define GDN_STAGE_HK 128                       // key heads of up to 128 (32 GDN_LANE_ROWS)
-#define GDN_STAGE_V (2 * GDN_STAGE_HK)         // a staged row: q | k | v of the block's columns
-#define GDN_STAGE_B (GDN_STAGE_V + GDN_COLUMNS_PER_BLOCK)      // | b | a of the head
-#define GDN_STAGE_STRIDE (GDN_STAGE_B + 4)     // floats a row, a multiple of 4 (16-byte copies)
-
-__device__ __forceinline__ void gdn_cp_async(float* smem, const float* gmem, int bytes) {
-    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    if (bytes == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(at), "l"(gmem) : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(at), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void gdn_cp_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void gdn_cp_wait_stages() {     // all but the newest STAGE - 2 groups
-    asm volatile("cp.async.wait_group %0;" :: "n"(GDN_STAGE_ROWS - 2) : "memory");
-}
-
-extern "C" __global__ void __launch_bounds__(32 * GDN_COLUMNS_PER_BLOCK) gdn_delta_rows_staged(
-        const GdnSpec* __restrict__ spec, int n) {
-    __shared__ __align__(16) float ring[GDN_STAGE_ROWS][GDN_STAGE_STRIDE];
-    const GdnSpec p = *spec;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col0 = blockIdx.x * GDN_COLUMNS_PER_BLOCK;       // the block's first column
-    const int h = col0 / p.head_v, j = col0 % p.head_v + warp, r = p.n_v / p.n_k, kh = h / r;
-    const int key_dim = p.n_k * p.head_k, value_dim = p.n_v * p.head_v, rl = p.head_k >> 5;
-    const int ba_stride = p.n_k * 2 * r;
-    const int chunks = p.head_k >> 2;                           // 16-byte copies of q (and of k)
-    // thread c < chunks copies q's chunk c, c < 2 chunks k's; then v, b and a: one copy each
-    auto stage = [&](int t) {
-        float* dst = ring[t % GDN_STAGE_ROWS];
-        const float* row = p.mixed + (i64)t * p.conv_dim;
-        const int c = threadIdx.x;
-        if (c < chunks)
-            gdn_cp_async(dst + 4 * c, row + kh * p.head_k + 4 * c, 16);
-        else if (c < 2 * chunks)
-            gdn_cp_async(dst + GDN_STAGE_HK + 4 * (c - chunks),
-                         row + key_dim + kh * p.head_k + 4 * (c - chunks), 16);
-        else if (c == 2 * chunks)
-            gdn_cp_async(dst + GDN_STAGE_V, row + 2 * key_dim + h * p.head_v + col0 % p.head_v, 16);
-        else if (c == 2 * chunks + 1)           // b, then a r further
-            gdn_cp_async(dst + GDN_STAGE_B, p.ba + (i64)t * ba_stride + kh * 2 * r + h % r, 4);
-        else if (c == 2 * chunks + 2)
-            gdn_cp_async(dst + GDN_STAGE_B + 1,
-                         p.ba + (i64)t * ba_stride + kh * 2 * r + r + h % r, 4);
-    };
-    float* column = gdn_state_column(p, h, j);
-    float s[GDN_LANE_ROWS];
-    gdn_column_load(s, column, p.head_v, rl, lane);
-    const float ssm_a = p.ssm_a[h], dt = p.ssm_dt[h];
-    // every thread commits the same groups (some empty), so wait_group counts alike in all
-    for (int t = 0; t < GDN_STAGE_ROWS - 1; ++t) {
-        if (t < n) stage(t);
-        gdn_cp_commit();
-    }
-    for (int t = 0; t < n; ++t) {
-        gdn_cp_wait_stages();        // this thread's copies of row t are in
-        __syncthreads();             // everyone's are, and row t - 1's slot is read by all
-        if (t + GDN_STAGE_ROWS - 1 < n) stage(t + GDN_STAGE_ROWS - 1);
-        gdn_cp_commit();
-        const float* in = ring[t % GDN_STAGE_ROWS];
-        float q[GDN_LANE_ROWS], k[GDN_LANE_ROWS];
-        #pragma unroll
-        for (int m = 0; m < GDN_LANE_ROWS; ++m) {
-            q[m] = m < rl ? in[lane + 32 * m] : 0.f;
-            k[m] = m < rl ? in[GDN_STAGE_HK + lane + 32 * m] : 0.f;
-        }
-        const float o = gdn_column_row(s, rl, q, k, in[GDN_STAGE_V + warp], in[GDN_STAGE_B],
-                                       in[GDN_STAGE_B + 1], ssm_a, dt);
-        if (lane == 0) p.out[(i64)t * value_dim + h * p.head_v + j] = o;
     }
     gdn_column_store(s, column, p.head_v, rl, lane);
 }

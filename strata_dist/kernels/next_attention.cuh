@@ -35,7 +35,7 @@ NEXT_QK_NORM_ROPE_KV(, false)
 NEXT_QK_NORM_ROPE_KV(_ring, true)
 
 // The decode attention over 256-wide heads (f16 K/V), the builds of attention.cuh's ATTN_DECODE
-// for that width (no fused q/k norm: qwen3next normalises in next_qk_norm_rope_kv). The `_ring`
+// for that width (q and k normalised beforehand by next_qk_norm_rope_kv). The `_ring`
 // builds read each key's row from the card or in place from the host copy (KvRing), with the
 // plain builds' arithmetic in the plain builds' order.
 #define NEXT_ATTN_DECODE(suffix, MAX_G, RING)                                                     \
@@ -46,7 +46,7 @@ NEXT_QK_NORM_ROPE_KV(_ring, true)
         pdl_entry();                                                                             \
         attn_decode_body<NEXT_D, false, MAX_G, RING>(q, sess, layer_slot, desc, n_head, n_kv,    \
                                                      n_split, chunk, scale, part, ml, done, out, \
-                                                     n_layers, nullptr);                         \
+                                                     n_layers);                                  \
     }
 NEXT_ATTN_DECODE(_g2, 2, false)
 NEXT_ATTN_DECODE(_g4, 4, false)
