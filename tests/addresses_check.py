@@ -94,8 +94,11 @@ def main() -> int:
         # the builder's refusals: misses not to be read from host memory; a table built again
         # whose pinned copies do not hold a pair that left the device tiers
         no_host = _refusal(lambda: stage_addresses(tiers, st.gguf, 0, 3, host_misses=False))
+        # (neither the table's own copies nor the stage's pinned tier)
+        kept_pinned, tiers.pinned = tiers.pinned, None
         gone = _refusal(lambda: stage_addresses(tiers, st.gguf, 0, 3,
                                                 like=dataclasses.replace(a, host_blobs=None)))
+        tiers.pinned = kept_pinned
         # a table built again (`like`, the adaptive cache's repoint) keeps another card's tier
         # read in place even once it is gone: only a table built afresh drops it (Stage.run)
         tiers.helpers.append(InPlaceTier({(0, 2): 0x10000}))

@@ -270,3 +270,15 @@ def test_a_gpu_stage_swaps_between_graph_steps_and_repoints_its_graph():
     # step's routes back all the same, 4 steps x top-4 on expert 0 of each of its 2 layers
     assert report["profile_graph_steps"] == 4
     assert report["profile_total"] == [[0] * 16] * 2 + [[16] + [0] * 15] * 2
+
+
+def test_a_graph_built_with_no_miss_reads_an_evicted_pair_from_the_pinned_tier():
+    """A GPU stage whose cache and own helper tier held every pair when its graph was built (its
+    table read no pinned copy): the adaptive cache evicts a cached pair that has its copy in the
+    stage's pinned tier (Stage._adapt evicts only those), and the graph's table built again reads
+    it there (experts/addresses.py stage_addresses), as a table built afresh does
+    (tests/adapt_helper_check.py on the stand-ins)."""
+    report = run_check("adapt_helper_check.py", timeout=240)
+    assert report["built_with_no_pinned"] and report["adapt_swaps"] >= 1, report
+    assert report["error"] == "" and len(report["evicted"]) == report["adapt_swaps"], report
+    assert report["evicted_pinned"] and report["same_table"] and report["same_hits"], report

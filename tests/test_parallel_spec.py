@@ -348,3 +348,36 @@ def test_a_batch_past_the_graph_rows_is_priced_as_several_replays():
     p = two.params
     assert batched_step_ms(two, shape, None, 16) == pytest.approx(
         2 * window_ms(two, shape, None, 8) - 2 * (p.handoff_ms + p.link_ms))
+
+
+def test_a_batch_on_a_stage_without_graph_replays_is_priced_as_one_pass():
+    """Only a CUDA stage of a model without recurrent layers runs a batched step as graph replays
+    of up to 8 rows (backends/batched_decode.py batch_replays); a CPU rank, and every stage of a
+    qwen3next model, takes all B rows at once through the general path (Stage.run_batch), so its
+    stage reads its weights once a step, whatever B, and --plan-only names no graph replay."""
+    from test_plan_fixtures import hybrid_kinds, make_devices, make_shape
+
+    from strata_dist.plan import PlanParams, make_plan
+    from strata_dist.plan.speculation import batched_step_ms, predict_spec, window_ms
+
+    shape = make_shape(n_layers=8, n_experts=16, top_k=2)
+    cpu = make_plan(shape, make_devices([4000], bw=[100], kinds=["cpu"]), cells=128,
+                    split="none", params=PlanParams(sessions=16))
+    assert batched_step_ms(cpu, shape, None, 16) == pytest.approx(window_ms(cpu, shape, None, 16))
+    line = predict_spec(cpu, shape, None, 4).lines()[0]
+    assert "graph replay" not in line and "K = 0 batches their rows)" in line, line
+
+    hybrid = make_shape(n_layers=8, n_experts=16, top_k=2, kinds=hybrid_kinds(8))
+    gpu = make_plan(hybrid, make_devices([4000], bw=[300]), cells=128, split="none",
+                    params=PlanParams(sessions=16))
+    assert batched_step_ms(gpu, hybrid, None, 16) == pytest.approx(
+        window_ms(gpu, hybrid, None, 16))
+    assert "graph replay" not in predict_spec(gpu, hybrid, None, 4).lines()[0]
+
+    # a GPU stage then a CPU stage: only the GPU stage's weights are read once a replay
+    mixed = make_plan(shape, make_devices([300, 4000], bw=[300, 100], kinds=["cuda", "cpu"]),
+                      cells=128, split=[4], order="as_given", params=PlanParams(sessions=16))
+    assert [st.device.kind for st in mixed.stages] == ["cuda", "cpu"]
+    every = batched_step_ms(mixed, shape, None, 16)
+    assert window_ms(mixed, shape, None, 16) < every < 2 * window_ms(mixed, shape, None, 8)
+    assert "2 graph replays a step" in predict_spec(mixed, shape, None, 4).lines()[0]

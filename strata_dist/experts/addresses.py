@@ -44,8 +44,9 @@ def stage_addresses(store: ExpertStore, gguf, lb: int, le: int, host_misses: boo
     own pinned tier when it holds every such pair, else copies pinned here for them; without
     host_misses, or where pinning fails, `Unsupported` (the stage takes the general path).
     `like`: this stage's table taken before (the adaptive cache moved blobs since): the same rule,
-    the same pinned copies, which must hold every pair that left the device tiers, and the same
-    entries of other cards' tiers read in place."""
+    the same pinned copies (else the stage's pinned tier, where it holds every pair those lack:
+    a pair the cache evicted), which must hold every pair that left the device tiers, and the
+    same entries of other cards' tiers read in place; nothing is pinned anew."""
     if isinstance(store, HostTier):
         raise Unsupported("the experts are read from the model file: no blob has a device address")
     if isinstance(store, BlobArena):
@@ -76,7 +77,12 @@ def stage_addresses(store: ExpertStore, gguf, lb: int, le: int, host_misses: boo
                               f"stage's cache")
         if like is None:
             host_blobs = _pinned_for(missing, pinned, gguf)
-        lost = [p for p in missing if host_blobs is None or not host_blobs.holds(*p)]
+        elif not _holds(host_blobs, missing) and _holds(pinned, missing):
+            # a pair the adaptive cache evicted has its copy in the stage's pinned tier
+            # (Stage._adapt evicts only those), which a table built with no miss, or with
+            # copies pinned for its misses alone, does not read yet
+            host_blobs = pinned
+        lost = [p for p in missing if not _holds(host_blobs, [p])]
         if lost:
             raise Unsupported(f"{len(lost)} pairs left the cache and are read nowhere else "
                               f"(the first: {lost[0]})")
@@ -93,10 +99,15 @@ def stage_addresses(store: ExpertStore, gguf, lb: int, le: int, host_misses: boo
                            cache_lent=lambda: bool(cache.lent))
 
 
+def _holds(blobs, pairs) -> bool:
+    """Whether pinned copies `blobs` (None: none) hold every pair of `pairs`."""
+    return blobs is not None and all(blobs.holds(l, e) for l, e in pairs)
+
+
 def _pinned_for(missing, pinned, gguf):
     """The pinned copies a table reads `missing` from: the stage's own pinned tier when it holds
     them all, else copies pinned now for them (backends/host_mapped.py)."""
-    if pinned is not None and all(pinned.holds(l, e) for l, e in missing):
+    if _holds(pinned, missing):
         return pinned
     from ..backends.host_mapped import MappedHostBlobs
     try:

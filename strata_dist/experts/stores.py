@@ -189,13 +189,6 @@ class BlobArena(ExpertStore):
     def _sync_residency(self) -> None:
         self.slot_of_device = self.backend.asarray(self.slot_of)
 
-    def device_addresses(self, lb: int, le: int) -> dict[tuple[int, int], int]:
-        """(layer, expert) -> the device address of its blob, for the resident pairs of layers
-        [lb, le) (a GPU arena: what a decode graph on the same card reads in place)."""
-        base = int(self.buf.data.ptr)
-        return {(l, e): base + int(self.offsets[self.slot_of[l, e]])
-                for l, e in self.pairs if lb <= l < le and self.slot_of[l, e] >= 0}
-
     def holds(self, layer: int, expert: int) -> bool:
         return bool(self.slot_of[layer, expert] >= 0)
 

@@ -24,8 +24,10 @@ stage runs those windows one after another (strata_dist/rank/stage_step.py: each
 path, as one session's), so B sessions that all draft take B windows' time a step for B windows'
 tokens: the aggregate tok/s is one session's, while without speculation a batched step of B rows
 reads each expert once for all of its rows (K = 0's aggregate: B rows in batched_step_ms; the
-graphs are captured for 1 .. DECODE_ROWS rows, so B > DECODE_ROWS rows take ceil(B / DECODE_ROWS)
-replays, each reading the stage's weights again). The prediction states both, so that the cheaper
+graphs are captured for 1 .. DECODE_ROWS rows, so on a stage that replays its graph (a CUDA
+stage of a model without recurrent layers) B > DECODE_ROWS rows take ceil(B / DECODE_ROWS)
+replays, each reading the stage's weights again; a CPU rank or a qwen3next stage takes the B rows
+at once). The prediction states both, so that the cheaper
 one shows. Not priced: a long context can leave the graph fewer rows a replay than DECODE_ROWS
 (kernels/abi.py attn_launch's max_rows: the attention partials' budget), which makes more
 replays than this says.
@@ -74,7 +76,7 @@ def window_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int
     plan's predicted ms per token."""
     if rows < 1:
         raise ValueError(f"rows {rows}: a step has at least one")
-    return _step_ms(plan, shape, profile, (rows,))
+    return _step_ms(plan, shape, profile, rows)
 
 
 def replay_rows(rows: int) -> tuple[int, ...]:
@@ -89,16 +91,27 @@ def replay_rows(rows: int) -> tuple[int, ...]:
 
 def batched_step_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int) -> float:
     """Predicted milliseconds of a batched decode step of `rows` sessions' rows (--parallel, no
-    speculation): each stage replays its graph for every DECODE_ROWS rows (replay_rows), each
-    replay reading the weights and the experts its own rows route to, then hands all the rows on
-    at once. Equal to window_ms up to DECODE_ROWS rows."""
-    return _step_ms(plan, shape, profile, replay_rows(rows))
+    speculation): a stage that runs it on its decode graph (`replays_batch`) replays the graph for
+    every DECODE_ROWS rows (replay_rows), each replay reading the weights and the experts its own
+    rows route to; any other stage (a CPU rank, qwen3next's) takes all the rows at once through
+    the general path; then all the rows go on at once. Equal to window_ms up to DECODE_ROWS rows."""
+    return _step_ms(plan, shape, profile, rows, replay_rows(rows))
 
 
-def _step_ms(plan, shape: ModelShape, profile: RoutingProfile | None,
-             replays: tuple[int, ...]) -> float:
-    """A step whose stages each run replays of `replays` rows one after another, then hand all
-    sum(replays) rows to the next stage."""
+def replays_batch(device, shape: ModelShape) -> bool:
+    """Whether a stage on `device` runs a batched step as graph replays of up to DECODE_ROWS rows
+    (backends/batched_decode.py batch_replays: a CUDA stage of a model without recurrent layers,
+    qwen3moe); else the general path takes the step's rows at once (a CPU rank; a model with
+    recurrent layers, qwen3next, whose graph reads one session's state)."""
+    return device.decodes_as_graph and "linear" not in shape.layer_kind
+
+
+def _step_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int,
+             replays: tuple[int, ...] | None = None) -> float:
+    """A step of `rows` rows: each stage that replays a batch (`replays_batch`) runs replays of
+    `replays` rows one after another (None: all the rows at once), any other stage runs the
+    rows at once; then every stage hands all the rows to the next one. A pair a helper tier
+    holds or no tier holds is read by the replays of the stage whose layer it is."""
     if profile is None:
         profile = RoutingProfile.uniform(shape.n_layers, shape.n_experts)
     cm = CostModel(shape, plan.devices, profile, plan.cells, plan.params,
@@ -108,26 +121,33 @@ def _step_ms(plan, shape: ModelShape, profile: RoutingProfile | None,
     one = np.minimum(1.0, cm.lk * cm.mass)          # a token routes to the pair
     index = {dev: i for i, dev in enumerate(plan.devices)}
     p = plan.params
+    placed = np.zeros(blob.size, dtype=bool)
+    helpers = []
+    for h in plan.live_helpers:
+        ids = np.array([layer * E + e for layer, e in h.pairs], dtype=np.int64)
+        placed[ids] = True
+        helpers.append((h, ids, float((one[ids] * blob[ids]).sum())))
+    for st in plan.stages:
+        placed[np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)] = True
+    layer_of = np.arange(blob.size) // E
     total = 0.0
-    for rows in replays:
-        read = 1.0 - (1.0 - one) ** rows            # any of the replay's rows does
-        placed = np.zeros(blob.size, dtype=bool)
-        for st in plan.stages:
-            d = index[st.device]
-            held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
-            placed[held] = True
+    for st in plan.stages:
+        d = index[st.device]
+        held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
+        mine = (layer_of >= st.lb) & (layer_of < st.le)
+        missed = mine & ~placed
+        runs = replays if replays is not None and replays_batch(st.device, shape) else (rows,)
+        for n in runs:
+            read = 1.0 - (1.0 - one) ** n            # any of the replay's rows does
             total += ((cm.read[d, st.lb, st.le] + float((read[held] * blob[held]).sum()))
                       / cm.bw[d] + p.layer_ms * (st.le - st.lb))
-        for h in plan.live_helpers:
-            ids = np.array([layer * E + e for layer, e in h.pairs], dtype=np.int64)
-            placed[ids] = True
-            once = float((one[ids] * blob[ids]).sum())
-            # what reading the tier's pairs costs, in proportion to the bytes the replay reads
-            total += h.read_ms * (float((read[ids] * blob[ids]).sum()) / once if once else 0.0)
-        missed = ~placed
-        total += float((read[missed] * (p.miss_ms + blob[missed] / cm.host_bw)).sum())
+            for h, ids, once in helpers:
+                ids = ids[mine[ids]]
+                # what reading the tier's pairs costs, in proportion to the bytes the replay reads
+                total += h.read_ms * (float((read[ids] * blob[ids]).sum()) / once if once else 0.0)
+            total += float((read[missed] * (p.miss_ms + blob[missed] / cm.host_bw)).sum())
     devs = [st.device for st in plan.stages]
-    row_bytes = sum(replays) * shape.hidden * HANDOFF_DTYPE_BYTES
+    row_bytes = rows * shape.hidden * HANDOFF_DTYPE_BYTES
     total += sum(cm._link(a, b, row_bytes=row_bytes) for a, b in zip(devs, devs[1:]))
     if len(devs) > 1:   # the step's tokens back to the first stage: ids, no hidden rows
         total += cm._link(devs[-1], devs[0], row_bytes=0)
@@ -159,7 +179,8 @@ def block_step_ms(step_bytes: float, bandwidth_gbs: float | None, params: PlanPa
 class SpecPrediction:
     """--spec K's predicted decode: one window's verify and draft milliseconds, and tok/s at each
     acceptance rate of `acceptances` (beside K = 0's, the plan's one-row steps); with `sessions`
-    B > 1 (--parallel), tok/s over all B streams (K = 0's: a batched step of B rows)."""
+    B > 1 (--parallel), tok/s over all B streams (K = 0's: a batched step of B rows, which a
+    stage on its decode graph runs as `graph_replays` replays; 0: no stage replays a graph)."""
     k: int
     drafter: str
     window_ms: float
@@ -167,6 +188,7 @@ class SpecPrediction:
     k0_tok_s: float
     acceptances: tuple[float, ...]
     sessions: int = 1
+    graph_replays: int = 0
 
     def tok_s(self, acceptance: float) -> float:
         return spec_tok_s(acceptance, self.k, self.window_ms, self.drafter_ms)
@@ -185,10 +207,10 @@ class SpecPrediction:
 
     def lines(self) -> list[str]:
         at = ", ".join(f"{self.tok_s(a):.1f} at {a:g}" for a in self.acceptances)
-        replays = len(replay_rows(self.sessions))
+        n = self.graph_replays
+        replays = f", {n} graph replay{'s' if n > 1 else ''} a step" if n else ""
         over = (f" over {self.sessions} sessions (their windows one after another a step; K = 0 "
-                f"batches their rows, {replays} graph replay{'s' if replays > 1 else ''} a step)"
-                if self.sessions > 1 else "")
+                f"batches their rows{replays})" if self.sessions > 1 else "")
         return [f"speculation (--spec {self.k}, drafter {self.drafter}): a window of {self.k + 1} "
                 f"rows {self.window_ms:.3f} ms + drafting {self.drafter_ms:.3f} ms; predicted "
                 f"decode tok/s{over} {at} (acceptance per draft, i.i.d.; K = 0: "
@@ -212,5 +234,7 @@ def predict_spec(plan, shape: ModelShape, profile: RoutingProfile | None, k: int
     sessions = plan.params.sessions
     k0 = (1000.0 / plan.predicted_ms_per_token if sessions == 1
           else 1000.0 * sessions / batched_step_ms(plan, shape, profile, sessions))
+    graph_replays = (len(replay_rows(sessions))
+                     if any(replays_batch(st.device, shape) for st in plan.stages) else 0)
     return SpecPrediction(k, drafter, window_ms(plan, shape, profile, k + 1), drafting, k0,
-                          tuple(acceptances), sessions)
+                          tuple(acceptances), sessions, graph_replays)
