@@ -4,7 +4,9 @@ pair pinned (the adaptive cache pins them all). The stand-ins route every row to
 of the helper tier: the adaptive cache takes it into the cache, evicting a cached pair that has
 its pinned copy, so the graph's table built again must read the evicted pair from the stage's
 pinned tier, which the table built with no miss did not read. Checked: the step that swaps runs,
-the graph stays, and its table equals one built afresh.
+the graph stays, and its table equals one built afresh. With `--repoint-fails` the graph's repoint
+raises Unsupported once (a table it cannot follow; rare, so injected): the stage must build its
+graph afresh rather than keep the stale table, and the step must still run.
 
 Run as its own process with tests/fake_cupy first on the path (tests/test_adaptive_cache.py
 does). Prints one JSON line."""
@@ -40,7 +42,14 @@ def main() -> int:
                                last=True, max_context=512, cache_pairs=cached,
                                local_helper_pairs=helper, adapt_every=2, adapt_swaps=1))
         st.attach_local_helper(BlobArena(st.backend, st.gguf, helper, 2, 16))
-        built = st.decode_graph.addresses
+        first = st.decode_graph
+        built = first.addresses
+        if "--repoint-fails" in sys.argv:
+            from strata_dist.backends.expert_addresses import Unsupported
+
+            def refuse(addresses):
+                raise Unsupported("injected: a table this graph cannot follow")
+            first.repoint = refuse
         st.session(0)
         error = ""
         try:
@@ -55,6 +64,7 @@ def main() -> int:
         fresh = st.decode_graph
         print(json.dumps({
             "built_with_no_pinned": built.host_blobs is None,
+            "graph_rebuilt": graph is not None and graph is not first,
             "error": error,
             "adapt_swaps": st.tiers.counters["adapt_swaps"],
             "evicted": [list(p) for p in evicted],

@@ -282,3 +282,14 @@ def test_a_graph_built_with_no_miss_reads_an_evicted_pair_from_the_pinned_tier()
     assert report["built_with_no_pinned"] and report["adapt_swaps"] >= 1, report
     assert report["error"] == "" and len(report["evicted"]) == report["adapt_swaps"], report
     assert report["evicted_pinned"] and report["same_table"] and report["same_hits"], report
+    assert not report["graph_rebuilt"], report
+
+
+def test_a_repoint_the_graph_cannot_follow_builds_the_graph_afresh():
+    """The same stage, its graph's repoint refusing the swapped table (Unsupported, injected: the
+    builder refuses only rare layouts): the slots it reads now hold other pairs, so the stage
+    builds its graph afresh (Stage._adapt) and the step that swapped still runs, its new table
+    the fresh one's."""
+    report = run_check("adapt_helper_check.py", "--repoint-fails", timeout=240)
+    assert report["error"] == "" and report["adapt_swaps"] >= 1, report
+    assert report["graph_rebuilt"] and report["same_table"] and report["same_hits"], report

@@ -185,9 +185,10 @@ class DecodeGraph(BatchedSteps):
                                           self._session_pointers)
         self.sess_table = cp.zeros(self.session_slots.host.shape, cp.uint64)
         # each expert's blob address, [n_layer, n_expert] (self.addresses: its cache slot, else
-        # a helper tier's slot, else its pinned host copy, else 0: not this stage's). Slots never
-        # move, so a table taken while nothing is lent stays right (the arena's own tables change
-        # whenever it lends; steps wait then; a helper tier never lends).
+        # a helper tier's slot, else its pinned host copy, else 0: not this stage's). A lent
+        # cache leaves slots where they are (steps wait while it lends; a helper tier never
+        # lends); only the adaptive cache's swaps move pairs, and `repoint` then takes the table
+        # the stage builds again (rank/stage.py Stage._adapt).
         self.in_cache = self.addresses.in_cache()      # [stage layers, n_expert], for counting
         self.in_helper = self.addresses.in_helper()
         self.blob_of = cp.asarray(self.addresses.blob_of)

@@ -55,6 +55,23 @@ def pick_swaps(counts: np.ndarray, cached: np.ndarray, max_swaps: int,
     return [(evict, take) for _, evict, take in candidates[:max_swaps]]
 
 
+def layer_blob_sizes(blob_bytes, lb: int, le: int, n_layers: int) -> np.ndarray:
+    """Each layer's expert blob size (`blob_bytes(layer)`), -1 outside the stage's [lb, le): a
+    slot holds one blob size, so pairs move only between layers of the same size."""
+    return np.array([blob_bytes(l) if lb <= l < le else -1 for l in range(n_layers)],
+                    dtype=np.int64)
+
+
+def pinned_pairs(pairs, pinned, shape: tuple[int, int]) -> np.ndarray:
+    """[layer, expert] True where a cached pair (`pairs`) has a copy in the stage's pinned tier
+    (None: none has): on a GPU stage only those may leave the cache, since its decode graph then
+    reads them there (experts/addresses.py)."""
+    held = np.zeros(shape, dtype=bool)
+    for l, e in pairs:
+        held[l, e] = pinned is not None and pinned.holds(l, e)
+    return held
+
+
 def coverage(counts: np.ndarray, cached: np.ndarray) -> float:
     """The share of the counted routing the cached pairs hold (1.0 when nothing was counted)."""
     total = float(counts.sum())

@@ -11,8 +11,10 @@ import numpy as np
 
 from protocol import ProtocolError, ProtocolTimeout
 
-from ..experts.adapt import RoutingCounts, WindowRoutes, coverage, pick_swaps
+from ..experts.adapt import (RoutingCounts, WindowRoutes, coverage, layer_blob_sizes,
+                             pick_swaps, pinned_pairs)
 from ..backends import get_backend
+from ..backends.expert_addresses import Unsupported
 from ..backends.kv_cache import DeviceRing, kv_host_nbytes
 from ..checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache
@@ -440,15 +442,11 @@ class Stage:
         self._adapt_due = False
         r, cache, lb, le = self.routing, self.cache, self.cfg.lb, self.cfg.le
         cached = cache.slot_of >= 0
-        # a slot holds one blob size: pairs move only between layers of the same size
-        sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
-                          for l in range(cached.shape[0])], dtype=np.int64)
+        sizes = layer_blob_sizes(self.gguf.blob_bytes, lb, le, cached.shape[0])
         graph, evictable = self.decode_graph, None
         if graph is not None and self.backend.on_gpu:
             # a pair leaving the cache stays readable by the graph only from its pinned copy
-            pinned, evictable = self.tiers.pinned, np.zeros_like(cached)
-            for l, e in cache.pairs:
-                evictable[l, e] = pinned is not None and pinned.holds(l, e)
+            evictable = pinned_pairs(cache.pairs, self.tiers.pinned, cached.shape)
             if not evictable.any() and not self._adapt_stuck_said:
                 self._adapt_stuck_said = True
                 log.warning("stage [%d, %d): the adaptive cache can swap nothing: no cached pair "
@@ -461,7 +459,10 @@ class Stage:
                 graph.settle()        # no step in flight reads a slot being rewritten
             cache.swap(swaps, self.tiers.pinned)
             if graph is not None:     # the graph's address table, after the copies (same stream)
-                graph.repoint(self.model.expert_addresses(like=graph.addresses))
+                try:
+                    graph.repoint(self.model.expert_addresses(like=graph.addresses))
+                except Unsupported:   # its old table reads slots that now hold other pairs
+                    self._rebuild_graph()    # afresh (it pins what it reads), or the general path
         after = coverage(r.counts[lb:le], (cache.slot_of >= 0)[lb:le])
         self._rerank_helpers(cache.slot_of >= 0)
         c = self.tiers.counters
@@ -509,8 +510,7 @@ class Stage:
         in_a_tier = np.logical_or.reduce(own + held + [h.pairs_mask(cached.shape)
                                                        for h in self.tiers.helpers if h not in asked])
         missed = layers & ~cached & ~in_a_tier & ((counts > 0) | (pending >= 0))
-        sizes = np.array([self.gguf.blob_bytes(l) if lb <= l < le else -1
-                          for l in range(cached.shape[0])], dtype=np.int64)
+        sizes = layer_blob_sizes(self.gguf.blob_bytes, lb, le, cached.shape[0])
         to = offer_missed(counts, missed, held, sizes, pending)
 
         def offered(i: int) -> np.ndarray:
