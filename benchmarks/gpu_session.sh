@@ -90,9 +90,7 @@ elif [ -f .anchor/llamacpp-anchor.sh ]; then
   LLAMA=(--llama-bench "$LB" --llama-wait 300)
 fi
 if [ "$TESTS" = 1 ]; then
-  ALL_TESTS="tests/test_gpu_kernels.py tests/test_gpu_decode.py tests/test_gpu.py
-    tests/test_gpu_pipeline.py tests/test_gpu_loans.py tests/test_gpu_gated_delta.py
-    tests/test_gpu_next_attention.py tests/test_gpu_next_decode.py tests/test_gpu_prompt_ops.py"
+  ALL_TESTS=$(echo tests/test_gpu*.py)
   # shellcheck disable=SC2086  # $GPU_TESTS: file names, split on purpose
   timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q ${GPU_TESTS:-$ALL_TESTS} 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -8
