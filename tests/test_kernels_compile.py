@@ -403,8 +403,7 @@ int main(int argc, char** argv) {
     if (fread(head, sizeof head, 1, in) != 1) return 1;
     std::vector<unsigned char> raw(head[1] * head[3]);
     if (fread(raw.data(), 1, raw.size(), in) != raw.size()) return 1;
-    if (head[0] != T_Q4_K) return 2;        // the one type of the integer path
-    const int ncols = (int)head[2];
+    const int type = (int)head[0], ncols = (int)head[2];
     for (long long r = 0; r < head[3]; ++r)
         for (int c = 0; c < ncols / 8; ++c) {
             float w[8] = {0};
