@@ -7,7 +7,7 @@ or STRATA_KERNEL_SHAPE for a trial.
 
     python benchmarks/tune_decode.py --model q30_8l.gguf [--shapes "defaults int_direct=0"]
     python benchmarks/tune_decode.py --model q30_8l.gguf \
-        --shapes "defaults int_gate_up=0,int_down=0 int_q8_0=1,int_ff_per_warp=1"
+        --shapes "defaults int_gate_up=0,int_down=0 int_ff_per_warp=1"
 
 A shape is "defaults", a KernelShape text (name=value,...), or "F,D": the float path's rows per
 block (ff_per_block, down_per_block), which with the integer path on moves only the float types.
@@ -23,8 +23,7 @@ import numpy as np
 
 # the defaults, the float build, then each experiment of kernels/abi.py KernelShape on its own
 DEFAULT_SHAPES = ("defaults", "int_gate_up=0,int_down=0", "int_direct=0", "int_ff_per_warp=1",
-                  "int_ff_per_warp=4", "int_down_per_warp=2", "int_q8_0=1",
-                  "int_q8_0=1,int_down=0")
+                  "int_ff_per_warp=4", "int_down_per_warp=2")
 
 
 def main() -> int:

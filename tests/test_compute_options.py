@@ -85,6 +85,8 @@ def test_a_malformed_value_is_refused_naming_the_variable(var, text, says):
     ("STRATA_GDN_KERNELS", " staged ", "82.2 against 81.0 ms"),
     ("STRATA_KERNEL_SHAPE", "matvec_warp=1", "0.780 against 0.641 ms"),
     ("STRATA_KERNEL_SHAPE", "int_down=1,matvec_warp=0", "0.780 against 0.641 ms"),
+    ("STRATA_KERNEL_SHAPE", "int_q8_0=1", "0.607 against 0.592 ms"),
+    ("STRATA_KERNEL_SHAPE", "int_q8_0=0,int_direct=1", "0.607 against 0.592 ms"),
 ])
 def test_a_removed_path_is_refused_naming_the_value_and_saying_it_was_removed(var, text, says):
     with pytest.raises(ValueError) as e:

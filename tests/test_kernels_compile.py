@@ -30,14 +30,15 @@ def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
         "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
     # Q4_K experts take the integer path's grid (8 warps a block, two rows a warp for gate/up),
-    # Q8_0 ones only with int_q8_0 (measured slower), others the float one's
+    # every other type (Q8_0 included) the float one's
     shape = KernelShape()
     assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q4_K),
             shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == \
         (16, FF_PER_BLOCK, 8, FF_PER_BLOCK, DOWN_PER_BLOCK)
-    shape = KernelShape.parse("int_q8_0=1,int_ff_per_warp=1")
-    assert shape.defines() == ("-DINT_Q8_0=1", "-DINT_FPW=1")
-    assert (shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == (8, 8)
+    shape = KernelShape.parse("int_ff_per_warp=1,int_down_per_warp=2")
+    assert shape.defines() == ("-DINT_FPW=1", "-DINT_DPW=2")
+    assert (shape.gate_up_block(Q4_K), shape.down_block(Q4_K)) == (8, 16)
+    assert (shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == (FF_PER_BLOCK, DOWN_PER_BLOCK)
     assert KernelShape.parse("int_gate_up=0,int_down=0").gate_up_block(Q4_K) == FF_PER_BLOCK
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
@@ -48,18 +49,23 @@ def test_kernel_shape_parses_and_refuses():
             KernelShape.parse(bad)
 
 
-@pytest.mark.parametrize("text", ["matvec_warp=1", "matvec_threads=128, matvec_warp=0",
-                                  "matvec_warp"])
-def test_a_deleted_build_is_refused_saying_it_was_removed(text):
-    """matvec_warp (a warp a weight row, deleted after it measured slower) is refused naming the
-    part of the text and why, whatever its value: never dropped in silence, never taken for an
-    unknown name."""
-    part = next(p.strip() for p in text.split(",") if "matvec_warp" in p)
+@pytest.mark.parametrize("text, name, macro, figure", [
+    ("matvec_warp=1", "matvec_warp", "MATVEC_WARP", "0.780 against 0.641 ms"),
+    ("matvec_threads=128, matvec_warp=0", "matvec_warp", "MATVEC_WARP", "0.780 against 0.641 ms"),
+    ("matvec_warp", "matvec_warp", "MATVEC_WARP", "0.780 against 0.641 ms"),
+    ("int_q8_0=1", "int_q8_0", "INT_Q8_0", "0.607 against 0.592 ms"),
+    ("int_down=1,int_q8_0=0", "int_q8_0", "INT_Q8_0", "0.607 against 0.592 ms"),
+])
+def test_a_deleted_build_is_refused_saying_it_was_removed(text, name, macro, figure):
+    """matvec_warp (a warp a weight row) and int_q8_0 (Q8_0 experts on the integer path), deleted
+    after they measured slower, are refused naming the part of the text and why, whatever the
+    value (the old default 0 too): never dropped in silence, never taken for an unknown name."""
+    part = next(p.strip() for p in text.split(",") if name in p)
     with pytest.raises(ValueError) as e:
         KernelShape.parse(text)
-    assert str(e.value).startswith(f"kernel shape {part!r}: matvec_warp was removed on 2026-12-05")
-    assert "0.780 against 0.641 ms" in str(e.value)
-    assert "matvec_warp" not in KernelShape.MACROS and "MATVEC_WARP" not in source_text("decode.cu")
+    assert str(e.value).startswith(f"kernel shape {part!r}: {name} was removed on 2026-12-05")
+    assert figure in str(e.value)
+    assert name not in KernelShape.MACROS and macro not in source_text("decode.cu")
 
 
 def test_attention_builds_take_whole_groups_or_parts_that_divide_them():
@@ -122,7 +128,7 @@ def test_the_package_has_kernel_sources():
 
 # A type table of fewer lines (weights.cuh FOR_EACH_TYPE) for the builds that check what does not
 # depend on the type: each line costs a decode.cu build ~3 s, and those builds are many. One type
-# per decoder family (float, the K-quants with and without a min, Q8_0 and Q4_K of the integer
+# per decoder family (float, the K-quants with and without a min, Q8_0, Q4_K of the integer
 # path, a legacy type with an unfused min, a 32-wide i-quant); every line of the whole table is
 # built by the default shape's build of each source and by the decoders' other build
 # (factored_dots=0,cvt_magic=0).
@@ -161,7 +167,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     ("decode.cu", "factored_dots=0,cvt_magic=0", None),       # every decoder's other form
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
-        "int_q8_0=1,int_ff_per_warp=2,int_down_per_warp=4", "int_q8_0=1,int_direct=0",
+        "int_ff_per_warp=2,int_down_per_warp=4", "int_direct=0",
         "matvec_threads=128"))]
 
 
@@ -203,12 +209,12 @@ def stack_allowed(kernel: str) -> int:
 
 @needs_nvcc
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
-                         + [("decode.cu", "int_q8_0=1,int_direct=0", (Q8_0, Q4_K))],
-                         ids=[p.name for p in sources()] + ["decode.cu-int_q8_0-q8_0_q4_k"])
+                         + [("decode.cu", "int_direct=0", (Q4_K,))],
+                         ids=[p.name for p in sources()] + ["decode.cu-int_direct_0-q4_k"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
-    integer expert path's staged build (Q4_K's and Q8_0's kernels) too."""
+    integer expert path's staged build (Q4_K's kernels) too."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])
@@ -431,7 +437,8 @@ int main(int argc, char** argv) {
     long long head[4];                      // type, row bytes, columns, rows
     float w;                                // the factor folded into x (moe_down's rank weight)
     if (fread(head, sizeof head, 1, in) != 1 || fread(&w, sizeof w, 1, in) != 1) return 1;
-    const int type = (int)head[0], ncols = (int)head[2];
+    if (head[0] != T_Q4_K) return 2;        // the one type of the integer path
+    const int ncols = (int)head[2];
     std::vector<float> x(ncols);
     std::vector<unsigned char> raw(head[1] * head[3]);
     if (fread(x.data(), sizeof(float), ncols, in) != (size_t)ncols) return 1;
@@ -447,8 +454,7 @@ int main(int argc, char** argv) {
         for (int u = 0; u < ncols / 64; ++u) {
             XFrag f;
             load_xfrag(f, q, u);
-            acc += type == T_Q8_0 ? unit_dot<T_Q8_0>(raw.data() + r * head[1], u, f)
-                                  : unit_dot<T_Q4_K>(raw.data() + r * head[1], u, f);
+            acc += q4_k_unit_dot(raw.data() + r * head[1], u, f);
         }
         fwrite(&acc, sizeof(float), 1, out);
     }
@@ -459,7 +465,7 @@ int main(int argc, char** argv) {
 
 @needs_nvcc
 def test_integer_expert_path_matches_gguf_on_the_host(tmp_path):
-    """The integer path of the Q8_0 and Q4_K expert kernels (kernels/experts_int.cuh: activations
+    """The integer path of the Q4_K expert kernels (kernels/experts_int.cuh: activations
     as x = s (254 h + l), __dp4a against the stored integers) built for the host: its quantizer,
     the padded unit layout and the unit decoders over random rows, against gguf-py's decoding in
     float64. Each output must be within the quantizer's bound (|x - x'| <= amax / 64516 per
@@ -472,7 +478,7 @@ def test_integer_expert_path_matches_gguf_on_the_host(tmp_path):
                     + INT_HARNESS)
     exe = tmp_path / "int_path"
     done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17",
-                           few_types_option(tmp_path, (Q8_0, Q4_K)), "-o", str(exe), str(main)],
+                           few_types_option(tmp_path, (Q4_K,)), "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rng = np.random.default_rng(11)
@@ -485,7 +491,7 @@ def test_integer_expert_path_matches_gguf_on_the_host(tmp_path):
         subprocess.run([str(exe), str(data), str(tmp_path / "out.bin")], check=True, timeout=60)
         return np.fromfile(tmp_path / "out.bin", dtype=np.float32)
 
-    for qtype in (QT.Q8_0, QT.Q4_K):
+    for qtype in (QT.Q4_K,):
         for ncols, scale in ((768, 1.0), (2048, 30.0)):
             raw, ref = random_rows(qtype, 16, ncols, int(qtype) + ncols)
             # activations with a block of zeros, one of tiny values and one spike

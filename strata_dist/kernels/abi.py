@@ -52,9 +52,8 @@ class KernelShape:
     it compiles decode.cu with (`defines`). STRATA_KERNEL_SHAPE="ff_per_block=8,down_per_block=2"
     picks another (benchmarks/tune_decode.py measures them).
 
-    `int_gate_up` / `int_down` (on: measured faster, docs/BENCHMARKS.md): Q4_K experts (and Q8_0
-    ones with `int_q8_0`, off: measured slower than their float path) take the integer path of
-    kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the stored integers),
+    `int_gate_up` / `int_down` (on: measured faster, docs/BENCHMARKS.md): Q4_K experts take the
+    integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the stored integers),
     whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp (`int_direct`: Q4_K
     rows read from device memory by the lanes instead of staged); the float path (every other
     type, and a block the integer path cannot take) takes `ff_per_block` / `down_per_block` rows
@@ -70,7 +69,6 @@ class KernelShape:
     cvt_magic: int = 1
     int_gate_up: int = 1
     int_down: int = 1
-    int_q8_0: int = 0
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
@@ -79,16 +77,18 @@ class KernelShape:
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
-              "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN", "int_q8_0": "INT_Q8_0",
+              "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
               "matvec_threads": "MATVEC_THREADS"}
-    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_q8_0",
-                "int_direct")
+    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
-                              "measured slower (0.780 against 0.641 ms a step, docs/BENCHMARKS.md)"}
+                              "measured slower (0.780 against 0.641 ms a step, docs/BENCHMARKS.md)",
+               "int_q8_0": "removed on 2026-12-05: Q8_0 experts on the integer path measured "
+                           "slower than on the float path (0.607 against 0.592 ms a step, "
+                           "docs/BENCHMARKS.md); Q8_0 experts always take the float path"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -115,19 +115,16 @@ class KernelShape:
                                  f"{per_warp}={getattr(self, per_warp)}: the integer path's "
                                  f"{block} rows a block must be a multiple of {per_block}")
 
-    def int_type(self, ggml_type: int) -> bool:
-        """Whether experts stored as `ggml_type` may take the integer path (experts_int.cuh)."""
-        return ggml_type == Q4_K or (ggml_type == Q8_0 and bool(self.int_q8_0))
-
     def gate_up_block(self, ggml_type: int) -> int:
-        """Expert rows f of one moe_gate_up block for experts stored as `ggml_type`."""
-        if self.int_gate_up and self.int_type(ggml_type):
+        """Expert rows f of one moe_gate_up block for experts stored as `ggml_type` (Q4_K's
+        take the integer path's grid: experts_int.cuh int_type)."""
+        if self.int_gate_up and ggml_type == Q4_K:
             return WARPS * self.int_ff_per_warp
         return self.ff_per_block
 
     def down_block(self, ggml_type: int) -> int:
         """Outputs of one moe_down block for down rows stored as `ggml_type`."""
-        if self.int_down and self.int_type(ggml_type):
+        if self.int_down and ggml_type == Q4_K:
             return WARPS * self.int_down_per_warp
         return self.down_per_block
 

@@ -1,4 +1,6 @@
-// The integer path of the decode expert kernels for Q8_0 and Q4_K (included by experts.cuh).
+// The integer path of the decode expert kernels for Q4_K (included by experts.cuh). Q8_0 experts
+// could take it too behind a switch, deleted on 2026-12-05: it measured slower than their float
+// path (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
 //
 // Why: the float path decodes every weight to a float before its FMA, about a dozen instructions
 // a weight with the block reductions; Nsight Compute read moe_gate_up_q4_k issue-bound at 10% of
@@ -12,26 +14,20 @@
 // Each block quantizes its own copy into shared memory from the float rows, so no other kernel
 // changes, and a (row, expert) result depends on nothing but that row and that expert.
 //
-// Weights: a warp stages its rows into shared memory with 16-byte cp.async copies (coalesced
-// whatever the block format's alignment; the copies of its first rows are in flight while the
-// block quantizes), then each lane decodes 64-column units from there. With INT_DIRECT (the
-// default, KernelShape int_direct) Q4_K rows, whose units are 16-byte aligned, are read by the
-// lanes straight from device memory instead: no stage, so a block needs a quarter of the shared
-// memory (and measured faster).
+// Weights: with INT_DIRECT (the default, KernelShape int_direct) the lanes read Q4_K rows, whose
+// units are 16-byte aligned, straight from device memory; with int_direct=0 a warp stages its
+// rows into shared memory with 16-byte cp.async copies first (the copies of its first rows are in
+// flight while the block quantizes), then each lane decodes 64-column units from there. Reading
+// in place needs a quarter of the shared memory and measured faster.
 #pragma once
 
 // The defaults are the fastest measured (docs/BENCHMARKS.md; kernels/abi.py KernelShape holds the
-// same): Q4_K experts take this path, two gate/up rows a warp, rows read in place. Q8_0 experts
-// measured faster on the float path (their 34-byte blocks cannot be read in place), so they take
-// this path only with INT_Q8_0.
+// same): Q4_K experts take this path, two gate/up rows a warp, rows read in place.
 #ifndef INT_GATE_UP
-#define INT_GATE_UP 1       // moe_gate_up_q4_k (and _q8_0 with INT_Q8_0) take this path
+#define INT_GATE_UP 1       // moe_gate_up_q4_k takes this path
 #endif
 #ifndef INT_DOWN
-#define INT_DOWN 1          // moe_down_q4_k (and _q8_0 with INT_Q8_0) take this path
-#endif
-#ifndef INT_Q8_0
-#define INT_Q8_0 0          // Q8_0 experts too
+#define INT_DOWN 1          // moe_down_q4_k takes this path
 #endif
 #ifndef INT_FPW
 #define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
@@ -54,7 +50,7 @@
 #define XQ_UNIT_WORDS 20        // 16 words of a 64-column unit + 4 of padding: the lanes' 16-byte
                                 // reads of neighbouring units fall in different banks
 
-HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q4_K || (INT_Q8_0 && T == T_Q8_0); }
+HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q4_K; }
 HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && T == T_Q4_K; }
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 
@@ -67,25 +63,14 @@ struct XQ {
     float* sum;
 };
 
-// Host builds of the two intrinsics (the host test of tests/test_kernels_compile.py runs the
-// quantizer and the unit decoders below against gguf-py)
+// Host build of the intrinsic (the host test of tests/test_kernels_compile.py runs the quantizer
+// and the unit decoder below against gguf-py)
 HOST_DEVICE int dp4a_s8(int a, int b, int c) {
 #ifdef __CUDA_ARCH__
     return __dp4a(a, b, c);
 #else
     for (int j = 0; j < 4; ++j) c += (int)(signed char)(a >> (8 * j)) * (int)(signed char)(b >> (8 * j));
     return c;
-#endif
-}
-
-HOST_DEVICE u32 byte_perm(u32 x, u32 y, u32 s) {
-#ifdef __CUDA_ARCH__
-    return __byte_perm(x, y, s);
-#else
-    const unsigned long long xy = ((unsigned long long)y << 32) | x;
-    u32 r = 0;
-    for (int j = 0; j < 4; ++j) r |= (u32)((xy >> (8 * ((s >> (4 * j)) & 7))) & 0xFF) << (8 * j);
-    return r;
 #endif
 }
 
@@ -167,47 +152,29 @@ HOST_DEVICE int dot32(const u32 (&q)[8], const XFrag& f, int half) {
     return a * XQ_LEVELS + b;
 }
 
-// Unit u (columns 64u .. 64u + 63) of a staged row against its activations. Q8_0: blocks 2u and
-// 2u + 1, 68 bytes at 68u (4-byte aligned: the row is 16-aligned); Q4_K: pair u % 4 of
+// Unit u (columns 64u .. 64u + 63) of a Q4_K row against its activations: pair u % 4 of
 // super-block u / 4, its low nibbles sub-block 2p and its high nibbles sub-block 2p + 1.
-template <int T>
-HOST_DEVICE float unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
-    if (T == T_Q8_0) {
-        const u32* p = reinterpret_cast<const u32*>(row + 68 * u);
-        u32 w[17];
-        #pragma unroll
-        for (int j = 0; j < 17; ++j) w[j] = p[j];
-        u32 q0[8], q1[8];
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            q0[j] = byte_perm(w[j], w[j + 1], 0x5432);   // bytes 2 .. 33: behind block 0's d
-            q1[j] = w[9 + j];                              // bytes 36 .. 67: behind block 1's d
-        }
-        const float d0 = h2f((u16)(w[0] & 0xFFFF)), d1 = h2f((u16)(w[8] >> 16));
-        const float r = d0 * ((float)dot32(q0, f, 0) * f.step[0]);
-        return fmaf(d1, (float)dot32(q1, f, 1) * f.step[1], r);
-    } else {
-        const int sb = u >> 2, p = u & 3;
-        const u8* blk = row + sb * 144;
-        const uint4 head = *reinterpret_cast<const uint4*>(blk);
-        const uint4 a = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[0];
-        const uint4 b = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[1];
-        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        u32 lo[8], hi[8];
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            lo[j] = w[j] & 0x0F0F0F0Fu;
-            hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
-        }
-        int s0, m0, s1, m1;
-        k_scale_min(head.y, head.z, head.w, 2 * p, s0, m0);
-        k_scale_min(head.y, head.z, head.w, 2 * p + 1, s1, m1);
-        const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
-        float r = (d * (float)s0) * ((float)dot32(lo, f, 0) * f.step[0]);
-        r = fmaf(-(dmin * (float)m0), f.sum[0], r);
-        r = fmaf(d * (float)s1, (float)dot32(hi, f, 1) * f.step[1], r);
-        return fmaf(-(dmin * (float)m1), f.sum[1], r);
+HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3;
+    const u8* blk = row + sb * 144;
+    const uint4 head = *reinterpret_cast<const uint4*>(blk);
+    const uint4 a = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[0];
+    const uint4 b = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[1];
+    const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    u32 lo[8], hi[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        lo[j] = w[j] & 0x0F0F0F0Fu;
+        hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
     }
+    int s0, m0, s1, m1;
+    k_scale_min(head.y, head.z, head.w, 2 * p, s0, m0);
+    k_scale_min(head.y, head.z, head.w, 2 * p + 1, s1, m1);
+    const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
+    float r = (d * (float)s0) * ((float)dot32(lo, f, 0) * f.step[0]);
+    r = fmaf(-(dmin * (float)m0), f.sum[0], r);
+    r = fmaf(d * (float)s1, (float)dot32(hi, f, 1) * f.step[1], r);
+    return fmaf(-(dmin * (float)m1), f.sum[1], r);
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -271,8 +238,8 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
         for (int u = lane; u < units; u += 32) {
             XFrag xf;
             load_xfrag(xf, q, u);
-            g += unit_dot<T>(g_row, u, xf);
-            up += unit_dot<T>(u_row, u, xf);
+            g += q4_k_unit_dot(g_row, u, xf);
+            up += q4_k_unit_dot(u_row, u, xf);
         }
         g = warp_sum(g);
         up = warp_sum(up);
@@ -341,7 +308,7 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
                 const u8* row = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at +
                                          d * rb
                                        : st + rr * rb;
-                acc += unit_dot<T>(row, u, xf);
+                acc += q4_k_unit_dot(row, u, xf);
             }
             if (!direct) __syncwarp();              // every lane read the stage before the next
         }
