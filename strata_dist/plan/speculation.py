@@ -136,13 +136,13 @@ def _step_ms(plan, shape: ModelShape, profile: RoutingProfile | None, rows: int,
         held = np.array([layer * E + e for layer, e in st.pairs], dtype=np.int64)
         mine = (layer_of >= st.lb) & (layer_of < st.le)
         missed = mine & ~placed
+        my_helpers = [(h, ids[mine[ids]], once) for h, ids, once in helpers]   # this stage's pairs
         runs = replays if replays is not None and replays_batch(st.device, shape) else (rows,)
         for n in runs:
             read = 1.0 - (1.0 - one) ** n            # any of the replay's rows does
             total += ((cm.read[d, st.lb, st.le] + float((read[held] * blob[held]).sum()))
                       / cm.bw[d] + p.layer_ms * (st.le - st.lb))
-            for h, ids, once in helpers:
-                ids = ids[mine[ids]]
+            for h, ids, once in my_helpers:
                 # what reading the tier's pairs costs, in proportion to the bytes the replay reads
                 total += h.read_ms * (float((read[ids] * blob[ids]).sum()) / once if once else 0.0)
             total += float((read[missed] * (p.miss_ms + blob[missed] / cm.host_bw)).sum())
