@@ -261,6 +261,10 @@ run() {   # run NAME CMD...: the command, its log in $OUT/NAME.log, its tail her
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -8 "$OUT/$name.log"
   [ $rc = 0 ] || { echo "FAILED ($rc): $name"; FAILED=1; }
+  # every record and log so far in one archive, rewritten after each command: the device tool
+  # brings back a limited number of files and empties $OUT at the next call, so a call cut short
+  # (or one with many parts) still returns every record it wrote
+  (cd "$OUT" && tar czf records.tgz --exclude=records.tgz -- *.json *.log 2>/dev/null)
   t "$name"
 }
 synth() {   # synth FILE QUANT LAW: the file, unless a call before this one left it
