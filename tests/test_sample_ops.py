@@ -145,6 +145,23 @@ def test_a_row_with_no_number_to_draw_is_refused_not_drawn():
         Sampler(params)(np.full(VOCAB, np.nan, dtype=np.float32))
 
 
+@pytest.mark.parametrize("fault", ["one NaN", "all NaN", "no finite logit"])
+def test_a_greedy_draw_from_a_row_with_no_number_is_refused_not_token_0(fault):
+    """Greedy draws copy back the argmax's logit with the token: NaN anywhere in the row (numpy's
+    argmax takes the first NaN) or a best logit of -inf ends the request, where it would have
+    answered token 0 or the NaN's index."""
+    row = np.random.default_rng(3).normal(size=VOCAB).astype(np.float32)
+    if fault == "one NaN":
+        row[VOCAB // 2] = np.nan
+    else:
+        row[:] = np.nan if fault == "all NaN" else -np.inf
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    with pytest.raises(sample_ops.RowNotNumbers, match="not numbers"):
+        sampler(row)
+    row[:] = np.random.default_rng(4).normal(size=VOCAB)
+    assert sampler(row) == int(np.argmax(row))
+
+
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 300, 520])
 def test_the_bitmask_expands_to_the_unpacked_bytes(n):
     rng = np.random.default_rng(n)

@@ -160,6 +160,11 @@ def kept(xp, row, params):
     return order[:keep], probs[:keep] / probs[:keep].sum()
 
 
+class RowNotNumbers(ValueError):
+    """A row of logits with nothing to draw: NaN in it, or no finite logit. The request it was
+    drawn for ends with this error; the rank serves on."""
+
+
 def pick(xp, order, probs, u: float) -> int:
     """The token a weighted choice picks for the uniform `u` in [0, 1): the first whose cumulative
     probability (normalised by the total) exceeds u. Raises ValueError for probabilities that are
@@ -171,7 +176,7 @@ def pick(xp, order, probs, u: float) -> int:
     # the token and the total in one copy back: a total that is not a number has no draw
     token, total = to_host(xp.concatenate([order[at].astype(xp.float64), cdf[-1:]]))
     if not np.isfinite(total):
-        raise ValueError("the row's probabilities are not numbers (NaN or no finite logit)")
+        raise RowNotNumbers("the row's probabilities are not numbers (NaN or no finite logit)")
     return int(token)
 
 
@@ -179,7 +184,14 @@ def draw(xp, row, params, uniform) -> int:
     """The token drawn from `row` (already adjusted and masked): its argmax when greedy, else a
     weighted choice among `kept` for one uniform from the host's generator (`uniform()`)."""
     if params.greedy:
-        return int(xp.argmax(row))
+        at = xp.argmax(row)          # the first NaN where the row has one, as numpy's
+        # the token and its logit in one copy back: NaN, or a row whose best is -inf (no finite
+        # logit, e.g. a grammar that allows no token), has no greedy token - never token 0
+        token, best = to_host(xp.stack([xp.asarray(at, dtype=xp.float64),
+                                        xp.asarray(row[at], dtype=xp.float64)]))
+        if not np.isfinite(best):
+            raise RowNotNumbers("the row's logits are not numbers (NaN or no finite logit)")
+        return int(token)
     order, probs = kept(xp, row, params)
     return pick(xp, order, probs, uniform())
 

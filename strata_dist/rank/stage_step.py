@@ -413,6 +413,8 @@ class StageStep:
             except GrammarError as e:   # the request ends with its error; the rank serves on
                 # a speculating request's last window settles on every stage first, as at any end
                 return self._end_with_error(request_id, f"structured output: {e}")
+            except sample_ops.RowNotNumbers as e:   # a device row (host rows are checked above)
+                return self._end_with_error(request_id, f"the row at position {pos - 1}: {e}")
             req.generated += 1
             reason = ("stop" if tok in req.stop_ids or finished
                       else ("length" if req.generated >= req.max_new else ""))
