@@ -74,6 +74,52 @@ def gguf_tensors(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
+# A token's code: its k experts' values in the embedding's routing dims, in rank order. The
+# smallest (0.55) stays far above the other dims' random values (the embedding's scale, 1/sqrt
+# of the width: ~0.06 at 256), and the steps between them spread the softmax weights.
+CODE_LEVELS = (1.0, 0.85, 0.7, 0.55)
+
+
+def routed_by_token(model: Qwen3MoeForCausalLM, seed: int,
+                    router_scale: float = 2.0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """`gguf_tensors(model)` changed so each token picks its experts by a code in its embedding,
+    with a margin no rounding can cross, however the kernels round: (tensors, codes [vocab, k],
+    each token's experts, the one of the largest code value first; the embedding's own random
+    values may reorder the k among themselves, never the set).
+
+    Dims 0 .. n_expert-1 of the residual are routing dims: the embedding adds CODE_LEVELS at its
+    token's k experts, no layer writes them (attn_output's and ffn_down_exps' rows there are
+    zero: each layer's output lands in the other dims), and each router reads only them (row e:
+    router_scale / ffn_norm weight at dim e, undoing the norm's weight). So router logit e of a
+    row is router_scale * h[e] / rms(h): the order of the logits is the order of the token's
+    code, and the row's RMS (the one thing the layers' arithmetic moves) scales them together.
+    The codes are drawn per token (`seed`), so a prompt's rows still spread over the experts
+    unevenly, as learned routing does."""
+    cfg = model.config
+    n_expert, k = cfg.num_experts, cfg.num_experts_per_tok
+    if not 0 < k < n_expert or k > len(CODE_LEVELS) or n_expert > cfg.hidden_size:
+        raise ValueError(f"routed_by_token takes top-k of 1..{len(CODE_LEVELS)} below n_expert "
+                         f"and n_expert <= hidden (got top-{k} of {n_expert}, hidden "
+                         f"{cfg.hidden_size})")
+    tensors = gguf_tensors(model)
+    rng = np.random.default_rng(seed)
+    codes = np.stack([rng.permutation(n_expert)[:k] for _ in range(cfg.vocab_size)])
+    emb = tensors[_name(MODEL_TENSOR.TOKEN_EMBD)].copy()
+    emb[np.arange(cfg.vocab_size)[:, None], codes] += np.asarray(CODE_LEVELS[:k], np.float32)
+    tensors[_name(MODEL_TENSOR.TOKEN_EMBD)] = emb
+    dims = np.arange(n_expert)
+    for i in range(cfg.num_hidden_layers):
+        norm = tensors[_name(MODEL_TENSOR.FFN_NORM, i)]
+        router = np.zeros((n_expert, cfg.hidden_size), np.float32)
+        router[dims, dims] = router_scale / norm[:n_expert]
+        tensors[_name(MODEL_TENSOR.FFN_GATE_INP, i)] = router
+        for t in (MODEL_TENSOR.ATTN_OUT, MODEL_TENSOR.FFN_DOWN_EXP):
+            w = tensors[_name(t, i)].copy()
+            w[..., :n_expert, :] = 0.0        # [hidden, in] or [expert, hidden, ff]
+            tensors[_name(t, i)] = w
+    return tensors, codes
+
+
 def _stored(name: str, arr: np.ndarray, dtype: str) -> tuple[np.ndarray, QT]:
     """Norms and routers stay F32 (as llama.cpp's converter keeps them); the rest takes `dtype`."""
     if arr.ndim == 1 or "ffn_gate_inp" in name or dtype == "f32":
