@@ -287,8 +287,7 @@ HOST_DEVICE void dot16(const u32* q, const XFrag& f, int o, int& a, int& b) {
 HOST_DEVICE float q6_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
     const int sb = u >> 2, p = u & 3, h = p >> 1, t = 2 * (p & 1);
     const u8* blk = row + sb * 210;
-    u32 ql[16], qh[8];
-    load_words_2aligned(blk + 64 * h, ql);
+    u32 qh[8];
     load_words_2aligned(blk + 128 + 32 * h, qh);
     const u32 sc = load_u16(blk + 192 + 8 * h + 2 * t) |
                    (load_u16(blk + 194 + 8 * h + 2 * t) << 16);
@@ -297,10 +296,12 @@ HOST_DEVICE float q6_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
     float r = 0.f;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        u32 q[8];
+        // a half's ql words at a time (ptxas: moe_down_q6_k 113 -> 80 registers)
+        u32 ql[8], q[8];
+        load_words_2aligned(blk + 64 * h + 32 * half, ql);
         #pragma unroll
         for (int j = 0; j < 8; ++j)
-            q[j] = q6_centre(((ql[8 * half + j] >> nibble) & 0x0F0F0F0Fu) |
+            q[j] = q6_centre(((ql[j] >> nibble) & 0x0F0F0F0Fu) |
                              (((qh[j] >> (2 * (t + half))) & 0x03030303u) << 4));
         int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
         dot16(q, f, 8 * half, a0, b0);
