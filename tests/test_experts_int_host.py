@@ -1,13 +1,14 @@
 """The integer path of the decode expert kernels (kernels/experts_int.cuh) built for the host with
 nvcc and run against gguf-py: the activation quantizer, the padded unit layout and each type's
-unit dot (int_unit_dot: Q4_K, and Q5_K / Q6_K behind KernelShape int_q5_k / int_q6_k), and which
-types a build's switches put on the path. No GPU needed; skips where nvcc is not installed."""
+unit dot (int_unit_dot: Q4_K, and Q5_K / Q6_K / Q3_K behind KernelShape int_q5_k / int_q6_k /
+int_q3_k), and which types a build's switches put on the path. No GPU needed; skips where nvcc
+is not installed."""
 import subprocess
 
 import pytest
 
 from strata_dist.kernels import KERNEL_DIR
-from strata_dist.kernels.abi import Q4_K, Q5_K, Q6_K, KernelShape
+from strata_dist.kernels.abi import Q3_K, Q4_K, Q5_K, Q6_K, KernelShape
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
 INT_HARNESS = r"""
@@ -30,15 +31,15 @@ int main(int argc, char** argv) {
     if (fread(head, sizeof head, 1, in) != 1 || fread(&w, sizeof w, 1, in) != 1) return 1;
     const int type = (int)head[0];
     if (!(type == T_Q4_K && int_type(T_Q4_K)) && !(type == T_Q5_K && int_type(T_Q5_K)) &&
-        !(type == T_Q6_K && int_type(T_Q6_K)))
+        !(type == T_Q6_K && int_type(T_Q6_K)) && !(type == T_Q3_K && int_type(T_Q3_K)))
         return 2;                           // not a type this build puts on the integer path
     const int ncols = (int)head[2];
     std::vector<float> x(ncols);
-    // the rows one byte past a 16-byte boundary plus 1: a Q6_K row starts wherever the file puts it
-    // (2-byte aligned), and the copy's offset below tries both halves of a word
+    // the rows 16-byte aligned, plus ROW_SHIFT for the types read 2-byte aligned (Q6_K, Q3_K):
+    // their rows start wherever the file puts them, and the shift tries both halves of a word
     std::vector<unsigned char> buf(head[1] * head[3] + 32);
     unsigned char* raw = buf.data() + (16 - (reinterpret_cast<unsigned long long>(buf.data()) & 15))
-                         + (type == T_Q6_K ? ROW_SHIFT : 0);
+                         + (int_row_align(type) == 2 ? ROW_SHIFT : 0);
     if (fread(x.data(), sizeof(float), ncols, in) != (size_t)ncols) return 1;
     if (fread(raw, 1, head[1] * head[3], in) != (size_t)(head[1] * head[3])) return 1;
     std::vector<u32> h(xq_words(ncols)), l(xq_words(ncols));
@@ -51,7 +52,8 @@ int main(int argc, char** argv) {
         const unsigned char* row = raw + r * head[1];
         const float acc = type == T_Q4_K ? row_dot<T_Q4_K>(row, q, ncols)
                         : type == T_Q5_K ? row_dot<T_Q5_K>(row, q, ncols)
-                                         : row_dot<T_Q6_K>(row, q, ncols);
+                        : type == T_Q6_K ? row_dot<T_Q6_K>(row, q, ncols)
+                                         : row_dot<T_Q3_K>(row, q, ncols);
         fwrite(&acc, sizeof(float), 1, out);
     }
     return 0;
@@ -59,8 +61,8 @@ int main(int argc, char** argv) {
 """
 # the types of the integer path and the switches that put them on it (INT_TYPE_SWITCHES; Q4_K
 # always)
-INT_PATH_TYPES = (Q4_K, Q5_K, Q6_K)
-INT_PATH_SHAPE = "int_q5_k=1,int_q6_k=1"
+INT_PATH_TYPES = (Q4_K, Q5_K, Q6_K, Q3_K)
+INT_PATH_SHAPE = "int_q5_k=1,int_q6_k=1,int_q3_k=1"
 
 
 def _build_int_harness(tmp_path, shape: str, row_shift: int):
@@ -82,11 +84,13 @@ def test_integer_expert_path_matches_gguf_on_the_host(tmp_path, row_shift):
     """The integer path of the expert kernels (kernels/experts_int.cuh: activations as
     x = s (254 h + l), __dp4a against the stored integers) built for the host with every type's
     switch on: its quantizer, the padded unit layout and each type's unit dot (int_unit_dot:
-    Q4_K, Q5_K, Q6_K) over random rows, against gguf-py's decoding in float64. Q6_K rows start
-    16-byte aligned or 2 bytes past (row_shift), and rows of 768 columns (630 bytes) alternate
-    their word alignment. Each output must be within the quantizer's bound (|x - x'| <= amax /
-    64516 per 32-column block) plus float rounding; a NaN in x comes out as NaN."""
+    Q4_K, Q5_K, Q6_K, Q3_K) over random rows, against gguf-py's decoding in float64. Q6_K and
+    Q3_K rows start 16-byte aligned or 2 bytes past (row_shift), and their blocks (210 and 110
+    bytes) alternate their word alignment. Each output must be within the quantizer's bound
+    (|x - x'| <= amax / 64516 per 32-column block) plus float rounding; a NaN in x comes out as
+    NaN."""
     import numpy as np
+    import type_rows
     from quant_rows import random_rows
     from gguf import GGMLQuantizationType as QT
     exe = _build_int_harness(tmp_path, INT_PATH_SHAPE, row_shift)
@@ -102,7 +106,9 @@ def test_integer_expert_path_matches_gguf_on_the_host(tmp_path, row_shift):
 
     for qtype in (QT(t) for t in INT_PATH_TYPES):
         for ncols, scale in ((768, 1.0), (2048, 30.0)):
-            raw, ref = random_rows(qtype, 16, ncols, int(qtype) + ncols)
+            # quant_rows has no Q3_K (type_rows: every packed field random, d of either sign)
+            rows = type_rows.random_rows if qtype == QT.Q3_K else random_rows
+            raw, ref = rows(qtype, 16, ncols, int(qtype) + ncols)
             # activations with a block of zeros, one of tiny values and one spike
             x = (rng.standard_normal(ncols) * scale).astype(np.float32)
             x[64:96], x[96:128] = 0.0, x[96:128] * 1e-6
@@ -128,15 +134,15 @@ def test_integer_expert_path_matches_gguf_on_the_host(tmp_path, row_shift):
 
 @needs_nvcc
 def test_a_type_off_the_integer_path_is_not_taken_by_its_build(tmp_path):
-    """The default build (int_q5_k=0, int_q6_k=0) puts only Q4_K on the integer path: the harness
-    built with it refuses Q5_K and Q6_K rows (int_type false), so the switches, not the unit dots
-    alone, decide the path."""
+    """The default build (int_q5_k, int_q6_k, int_q3_k 0) puts only Q4_K on the integer path: the
+    harness built with it refuses Q5_K, Q6_K and Q3_K rows (int_type false), so the switches, not
+    the unit dots alone, decide the path."""
     import numpy as np
-    from quant_rows import random_rows
+    import type_rows
     from gguf import GGMLQuantizationType as QT
     exe = _build_int_harness(tmp_path, "", 0)
-    for qtype, want_rc in ((QT.Q4_K, 0), (QT.Q5_K, 2), (QT.Q6_K, 2)):
-        raw, _ = random_rows(qtype, 2, 256, 3)
+    for qtype, want_rc in ((QT.Q4_K, 0), (QT.Q5_K, 2), (QT.Q6_K, 2), (QT.Q3_K, 2)):
+        raw, _ = type_rows.random_rows(qtype, 2, 256, 3)
         data = tmp_path / "in.bin"
         data.write_bytes(np.array([int(qtype), raw.shape[1], 256, 2], np.int64).tobytes()
                          + np.float32(1).tobytes() + np.ones(256, np.float32).tobytes()

@@ -10,7 +10,7 @@ import pytest
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BF16, BLOCK_THREADS,
                                      DOWN_PER_BLOCK, F16, F32, FF_PER_BLOCK, GDN_ROWS, IQ4_NL,
-                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q4_1, Q4_K,
+                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q3_K, Q4_1, Q4_K,
                                      Q5_K, Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
@@ -49,6 +49,7 @@ def test_kernel_shape_parses_and_refuses():
         (16, 8, FF_PER_BLOCK)
     shape = KernelShape.parse("int_q5_k=1,int_q6_k=1,int_down=0")
     assert shape.int_types() == {Q4_K, Q5_K, Q6_K}
+    assert KernelShape.parse("int_q3_k=1").int_types() == {Q4_K, Q3_K}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
@@ -171,6 +172,10 @@ def built_kernel_names(source: str, types=None) -> list[str]:
     return [k for k in source_kernel_names(source) if k not in left_out]
 
 
+# every switch of kernels/abi.py INT_TYPE_SWITCHES on: each type the integer path has
+INT_ALL = ",".join(f"{name}=1" for name in abi.INT_TYPE_SWITCHES)
+INT_TYPES = (Q4_K, *abi.INT_TYPE_SWITCHES.values())
+
 # every source at the default shape, whole type table; decode.cu (the one source built with a
 # KernelShape's -D values, kernels/prebuild.py) at each shape tune_decode.py tries
 SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
@@ -180,8 +185,8 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
         "int_ff_per_warp=2,int_down_per_warp=4", "int_direct=0",
         "matvec_threads=128")),
     # the integer path of every type it has (INT_TYPE_SWITCHES on), in place and staged
-    *(("decode.cu", shape, FEW_TYPES + (Q5_K,)) for shape in (
-        "int_q5_k=1,int_q6_k=1", "int_q5_k=1,int_q6_k=1,int_direct=0"))]
+    *(("decode.cu", shape, FEW_TYPES + (Q5_K, Q3_K)) for shape in (
+        INT_ALL, INT_ALL + ",int_direct=0"))]
 
 
 @needs_nvcc
@@ -223,9 +228,8 @@ def stack_allowed(kernel: str) -> int:
 @needs_nvcc
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
                          + [("decode.cu", "int_direct=0", (Q4_K,)),
-                            ("decode.cu", "int_q5_k=1,int_q6_k=1", (Q4_K, Q5_K, Q6_K)),
-                            ("decode.cu", "int_q5_k=1,int_q6_k=1,int_direct=0",
-                             (Q4_K, Q5_K, Q6_K))],
+                            ("decode.cu", INT_ALL, INT_TYPES),
+                            ("decode.cu", INT_ALL + ",int_direct=0", INT_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_direct_0-q4_k",
                                                             "decode.cu-int_k_types",
                                                             "decode.cu-int_k_types-staged"])

@@ -1,14 +1,14 @@
-// The integer path of the decode expert kernels (included by experts.cuh): Q4_K always, Q5_K and
-// Q6_K behind their switches (INT_Q5_K / INT_Q6_K, kernels/abi.py KernelShape int_q5_k / int_q6_k;
-// off by default until a GPU session has run and measured them). Q8_0 experts could take it too
-// behind a switch, deleted on 2026-12-05: it measured slower than their float path
-// (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
+// The integer path of the decode expert kernels (included by experts.cuh): Q4_K always; Q5_K,
+// Q6_K and Q3_K behind their switches (INT_Q5_K / INT_Q6_K / INT_Q3_K, kernels/abi.py KernelShape
+// int_q5_k / int_q6_k / int_q3_k; off by default until a GPU session has run and measured them).
+// Q8_0 experts could take it too behind a switch, deleted on 2026-12-05: it measured slower than
+// their float path (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
 //
 // Why: the float path decodes every weight to a float before its FMA, about a dozen instructions
 // a weight with the block reductions; Nsight Compute read moe_gate_up_q4_k issue-bound at 10% of
 // DRAM bandwidth (docs/BENCHMARKS.md). Here the stored integers meet integer activations in
 // __dp4a (four products and a sum in one instruction), and the scales apply once per 32 columns
-// (Q6_K: per 16, its scales' width).
+// (Q6_K, Q3_K: per 16, their scales' width).
 //
 // Activations: each 32-column block b of x becomes x = s_b * (254 h + l) with h, l int8:
 // h = round(x / (amax / 127)) and l = round(254 * the remainder): steps of amax / 32258 (about
@@ -21,13 +21,13 @@
 //
 // Weights: a type's unit dot (int_unit_dot) decodes a 64-column unit of a row: Q4_K and Q5_K
 // super-blocks (144 and 176 bytes) keep their units 16-byte aligned and are read with 16-byte
-// loads; Q6_K's 210-byte blocks leave them 2-byte aligned only, read as aligned words joined by
-// funnel shifts. With INT_DIRECT (the default, KernelShape int_direct) the lanes read the rows
-// straight from device memory; with int_direct=0 a warp stages its rows into shared memory with
-// 16-byte cp.async copies first (the copies of its first rows are in flight while the block
-// quantizes), which needs rows of whole 16-byte pieces (a Q6_K row of 768 columns, 630 bytes,
-// takes the float path then); then each lane decodes 64-column units from there. Reading in
-// place needs a quarter of the shared memory and measured faster (Q4_K).
+// loads; Q6_K's 210-byte and Q3_K's 110-byte blocks leave them 2-byte aligned only, read as
+// aligned words joined by funnel shifts. With INT_DIRECT (the default, KernelShape int_direct)
+// the lanes read the rows straight from device memory; with int_direct=0 a warp stages its rows
+// into shared memory with 16-byte cp.async copies first (the copies of its first rows are in
+// flight while the block quantizes), which needs rows of whole 16-byte pieces (a Q6_K row of 768
+// columns, 630 bytes, takes the float path then); then each lane decodes 64-column units from
+// there. Reading in place needs a quarter of the shared memory and measured faster (Q4_K).
 #pragma once
 
 // The defaults are the fastest measured (docs/BENCHMARKS.md; kernels/abi.py KernelShape holds the
@@ -45,6 +45,9 @@
 #endif
 #ifndef INT_Q6_K
 #define INT_Q6_K 0
+#endif
+#ifndef INT_Q3_K
+#define INT_Q3_K 0
 #endif
 #ifndef INT_FPW
 #define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
@@ -70,12 +73,13 @@
 // The types whose experts take this path (each with its unit dot, int_unit_dot below); a new one
 // is a line here, its unit dot, and its row of abi.py INT_TYPE_SWITCHES
 HOST_DEVICE constexpr bool int_type(int T) {
-    return T == T_Q4_K || (INT_Q5_K && T == T_Q5_K) || (INT_Q6_K && T == T_Q6_K);
+    return T == T_Q4_K || (INT_Q5_K && T == T_Q5_K) || (INT_Q6_K && T == T_Q6_K) ||
+           (INT_Q3_K && T == T_Q3_K);
 }
 HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && int_type(T); }
 // the alignment a row (and a blob part) needs for the unit dot's loads in place; the staged path
 // copies whole 16-byte pieces and needs 16 whatever the type
-HOST_DEVICE constexpr int int_row_align(int T) { return T == T_Q6_K ? 2 : 16; }
+HOST_DEVICE constexpr int int_row_align(int T) { return T == T_Q6_K || T == T_Q3_K ? 2 : 16; }
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 
 // x quantized in shared memory: h and l bytes by unit (XQ_UNIT_WORDS words each), and per
@@ -277,6 +281,19 @@ HOST_DEVICE void dot16(const u32* q, const XFrag& f, int o, int& a, int& b) {
     }
 }
 
+// r plus half `half` (32 columns) of a unit whose weights are d * s * q (q int8 in the 8 words,
+// s0 for its first 16 columns, s1 for the rest): the scaled 16-column sums added as integers, then
+// one fmaf (|s0 a0 + s1 a1| < 2^24 for Q6_K's |q| <= 32, |s| <= 128 and Q3_K's smaller ones: the
+// conversions to float are exact)
+HOST_DEVICE float scaled16_half(const u32 (&q)[8], int s0, int s1, float d, const XFrag& f,
+                                int half, float r) {
+    int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+    dot16(q, f, 8 * half, a0, b0);
+    dot16(q + 4, f, 8 * half + 4, a1, b1);
+    const int a = s0 * a0 + s1 * a1, b = s0 * b0 + s1 * b1;
+    return fmaf(d, fmaf((float)a, (float)XQ_LEVELS, (float)b) * f.step[half], r);
+}
+
 // Unit u of a Q6_K row (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d at 208).
 // Element e = 128h + 32t + l of a block: the low (t < 2) or high nibble of ql[64h + 32(t & 1) + l]
 // and bits 2t, 2t + 1 of qh[32h + l] make v (0 .. 63), the weight d * scales[8h + 2t + l / 16] *
@@ -303,13 +320,50 @@ HOST_DEVICE float q6_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
         for (int j = 0; j < 8; ++j)
             q[j] = q6_centre(((ql[j] >> nibble) & 0x0F0F0F0Fu) |
                              (((qh[j] >> (2 * (t + half))) & 0x03030303u) << 4));
-        int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
-        dot16(q, f, 8 * half, a0, b0);
-        dot16(q + 4, f, 8 * half + 4, a1, b1);
-        const int s0 = (int)(signed char)(sc >> (16 * half));
-        const int s1 = (int)(signed char)(sc >> (16 * half + 8));
-        const int a = s0 * a0 + s1 * a1, b = s0 * b0 + s1 * b1;
-        r = fmaf(d, fmaf((float)a, (float)XQ_LEVELS, (float)b) * f.step[half], r);
+        r = scaled16_half(q, (int)(signed char)(sc >> (16 * half)),
+                          (int)(signed char)(sc >> (16 * half + 8)), d, f, half, r);
+    }
+    return r;
+}
+
+// 3-bit values v (0 .. 7, a byte each) as the signed bytes v - 4 (q6_centre's way: bit 2 the sign,
+// 4 * 62 = 248 sets bits 3 .. 7 with it)
+HOST_DEVICE u32 q3_centre(u32 v) {
+    const u32 x = v ^ 0x04040404u;
+    return x | ((x & 0x04040404u) * 62u);
+}
+
+// Q3_K's 6-bit scale k (0 .. 15) less 32, from the 12 scale bytes at offset 96: its low nibble is
+// byte k's (k < 8) or byte k - 8's high nibble, its top two bits bits 2(k / 4) of byte 8 + k % 4
+HOST_DEVICE int q3_k_scale(const u8* blk, int k) {
+    const int lo = (k < 8 ? blk[96 + k] : blk[88 + k] >> 4) & 0xF;
+    const int hi = (blk[104 + (k & 3)] >> (2 * (k >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+// Unit u of a Q3_K row (110-byte blocks, 2-byte aligned: hmask[32], qs[64], scales[12], f16 d at
+// 108). Element e = 128n + 32j + l: bits 2j of qs[32n + l] and bit 4n + j of hmask[l] (set: no
+// offset, clear: less 4) make v - 4 (-4 .. 3), the weight d * scale(8n + 2j + l / 16) * (v - 4).
+// Unit p = u % 4 of block u / 4 is n = p / 2, j = 2(p & 1) and j + 1: qs bytes 32n .. 32n + 31
+// and hmask bytes 0 .. 31 for both halves, at their own shifts.
+HOST_DEVICE float q3_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3, n = p >> 1, j0 = 2 * (p & 1);
+    const u8* blk = row + sb * 110;
+    u32 qs[8], hm[8];
+    load_words_2aligned(blk + 32 + 32 * n, qs);
+    load_words_2aligned(blk, hm);
+    const float d = h2f((u16)load_u16(blk + 108));
+    float r = 0.f;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = j0 + half;
+        u32 q[8];
+        #pragma unroll
+        for (int w = 0; w < 8; ++w)
+            q[w] = q3_centre(((qs[w] >> (2 * j)) & 0x03030303u) |
+                             (((hm[w] >> (4 * n + j)) & 0x01010101u) << 2));
+        r = scaled16_half(q, q3_k_scale(blk, 8 * n + 2 * j), q3_k_scale(blk, 8 * n + 2 * j + 1), d,
+                          f, half, r);
     }
     return r;
 }
@@ -318,11 +372,12 @@ HOST_DEVICE float q6_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
 // where int_type(T): a type switched on there without a unit dot here fails to build.
 template <int T>
 HOST_DEVICE float int_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
-    static_assert(!int_type(T) || T == T_Q4_K || T == T_Q5_K || T == T_Q6_K,
+    static_assert(!int_type(T) || T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K,
                   "an integer-path type (int_type) without a unit dot");
     if constexpr (T == T_Q4_K) return q4_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q5_K) return q5_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q6_K) return q6_k_unit_dot(row, u, f);
+    else if constexpr (T == T_Q3_K) return q3_k_unit_dot(row, u, f);
     else {                      // never called (int_type(T) is false): a NaN if it ever were
 #ifdef __CUDA_ARCH__
         return NAN_F32;
