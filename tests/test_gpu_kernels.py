@@ -128,16 +128,17 @@ def test_expert_kernels_match_numpy(gate_up, down, n, shape):
 
 
 @pytest.mark.parametrize("gate_up,down", [(QT.Q5_K, QT.Q5_K), (QT.Q6_K, QT.Q6_K),
-                                          (QT.Q4_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K)],
-                         ids=lambda t: t.name)
+                                          (QT.Q4_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K),
+                                          (QT.Q2_K, QT.Q2_K)], ids=lambda t: t.name)
 @pytest.mark.parametrize("direct", [1, 0], ids=["in_place", "staged"])
 def test_the_switches_put_their_types_on_the_integer_path(gate_up, down, direct):
-    """int_q5_k / int_q6_k / int_q3_k really take those types off the float path: the integer
-    build's outputs differ in their low bits from the float build's (int_gate_up=0,int_down=0)
-    where the integer path can take the rows, and equal them bit for bit where it cannot and
-    hands the block's range to the float body: staged rows must be whole 16-byte pieces, which
-    Q6_K's and Q3_K's rows here (420 and 210, 220 and 110 bytes) are not. (Q4_K's gate/up takes
-    the integer path in every build but the float one, as by default.)"""
+    """int_q5_k, int_q6_k, int_q3_k, int_q2_k really take those types off the float path: the
+    integer build's outputs differ in their low bits from the float build's
+    (int_gate_up=0,int_down=0) where the integer path can take the rows, and equal them bit for
+    bit where it cannot and hands the block's range to the float body: staged rows must be whole
+    16-byte pieces, which the Q6_K, Q3_K and Q2_K rows here (420 and 210, 220 and 110, 168 and 84
+    bytes) are not. (Q4_K's gate/up takes the integer path in every build but the float one, as
+    by default.)"""
     ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down) + 7)
     rng = np.random.default_rng(21)
     n = 2
@@ -161,7 +162,8 @@ def test_the_switches_put_their_types_on_the_integer_path(gate_up, down, direct)
         (ex.spec, cp.asarray(float_act), blobs, cp.asarray(wts), h))
     act, h = cp.asnumpy(act), cp.asnumpy(h)
     assert np.isfinite(act).all() and np.isfinite(h).all()
-    aligned = lambda t: t not in (QT.Q6_K, QT.Q3_K) or direct    # noqa: E731  (sizes above)
+    # the staged path cannot take the rows of these types here (their sizes above)
+    aligned = lambda t: t not in (QT.Q6_K, QT.Q3_K, QT.Q2_K) or direct  # noqa: E731
     assert np.array_equal(act, float_act) != aligned(gate_up), "gate/up"
     assert np.array_equal(h, float_h) != aligned(down), "down"
 
@@ -412,6 +414,7 @@ def test_expert_kernels_give_the_same_bits_wherever_the_blob_lies(tmp_path, gate
                                          (QT.Q8_0, ""), (QT.Q4_K, ""),
                                          (QT.Q4_K, "int_direct=0"), (QT.Q5_K, "int_q5_k=1"),
                                          (QT.Q6_K, "int_q6_k=1"), (QT.Q3_K, "int_q3_k=1"),
+                                         (QT.Q2_K, "int_q2_k=1"),
                                          (QT.Q5_K, "int_q5_k=1,int_direct=0")], ids=str)
 def test_a_missing_expert_reads_as_nan(qtype, shape):
     """A blob address of 0 (not resident) must never pass for a result (the integer path's

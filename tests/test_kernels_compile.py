@@ -10,7 +10,7 @@ import pytest
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BF16, BLOCK_THREADS,
                                      DOWN_PER_BLOCK, F16, F32, FF_PER_BLOCK, GDN_ROWS, IQ4_NL,
-                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q3_K, Q4_1, Q4_K,
+                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q2_K, Q3_K, Q4_1, Q4_K,
                                      Q5_K, Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
@@ -50,6 +50,7 @@ def test_kernel_shape_parses_and_refuses():
     shape = KernelShape.parse("int_q5_k=1,int_q6_k=1,int_down=0")
     assert shape.int_types() == {Q4_K, Q5_K, Q6_K}
     assert KernelShape.parse("int_q3_k=1").int_types() == {Q4_K, Q3_K}
+    assert KernelShape.parse(INT_ALL).int_types() == {Q4_K, Q5_K, Q6_K, Q3_K, Q2_K}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
@@ -185,7 +186,8 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
         "int_ff_per_warp=2,int_down_per_warp=4", "int_direct=0",
         "matvec_threads=128")),
     # the integer path of every type it has (INT_TYPE_SWITCHES on), in place and staged
-    *(("decode.cu", shape, FEW_TYPES + (Q5_K, Q3_K)) for shape in (
+    *(("decode.cu", shape, FEW_TYPES + tuple(t for t in INT_TYPES if t not in FEW_TYPES))
+      for shape in (
         INT_ALL, INT_ALL + ",int_direct=0"))]
 
 

@@ -46,7 +46,7 @@ WARPS = BLOCK_THREADS // 32
 # on behind the macro MACROS names (the switch in capitals), each with its unit dot
 # (int_unit_dot); gate_up_block / down_block and docs/BENCHMARKS.md read this table. A new type:
 # its row here, its field on KernelShape, its unit dot and its line in int_type.
-INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K}
+INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K}
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -63,9 +63,10 @@ class KernelShape:
     stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
     (`int_direct`: rows read from device memory by the lanes instead of staged); the float path
     (every other type, and a block the integer path cannot take) takes `ff_per_block` /
-    `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` (INT_TYPE_SWITCHES) put
-    Q5_K / Q6_K / Q3_K experts on the integer path too: default 0 (off) because no GPU has run
-    them yet (they were written and checked on the host on 2026-12-06); the next GPU session
+    `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` / `int_q2_k`
+    (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too: default 0
+    (off) because no GPU has run them yet (they were written and checked on the host on
+    2026-12-06); the next GPU session
     runs their GPU tests, measures them (docs/BENCHMARKS.md says how) and turns a default on where
     it is faster. The float path's switches (0 or 1) pick how it computes: `factored_dots`
     a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored integers to floats
@@ -85,6 +86,7 @@ class KernelShape:
     int_q5_k: int = 0
     int_q6_k: int = 0
     int_q3_k: int = 0
+    int_q2_k: int = 0
     matvec_threads: int = BLOCK_THREADS
 
     # field -> the macro decode.cu reads

@@ -1,6 +1,6 @@
 // The integer path of the decode expert kernels (included by experts.cuh): Q4_K always; Q5_K,
-// Q6_K and Q3_K behind their switches (INT_Q5_K / INT_Q6_K / INT_Q3_K, kernels/abi.py KernelShape
-// int_q5_k / int_q6_k / int_q3_k; off by default until a GPU session has run and measured them).
+// Q6_K, Q3_K and Q2_K behind their switches (INT_Q5_K ... INT_Q2_K, kernels/abi.py KernelShape
+// int_q5_k ... int_q2_k; off by default until a GPU session has run and measured them).
 // Q8_0 experts could take it too behind a switch, deleted on 2026-12-05: it measured slower than
 // their float path (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
 //
@@ -8,7 +8,7 @@
 // a weight with the block reductions; Nsight Compute read moe_gate_up_q4_k issue-bound at 10% of
 // DRAM bandwidth (docs/BENCHMARKS.md). Here the stored integers meet integer activations in
 // __dp4a (four products and a sum in one instruction), and the scales apply once per 32 columns
-// (Q6_K, Q3_K: per 16, their scales' width).
+// (Q6_K, Q3_K, Q2_K: per 16, their scales' width).
 //
 // Activations: each 32-column block b of x becomes x = s_b * (254 h + l) with h, l int8:
 // h = round(x / (amax / 127)) and l = round(254 * the remainder): steps of amax / 32258 (about
@@ -22,12 +22,13 @@
 // Weights: a type's unit dot (int_unit_dot) decodes a 64-column unit of a row: Q4_K and Q5_K
 // super-blocks (144 and 176 bytes) keep their units 16-byte aligned and are read with 16-byte
 // loads; Q6_K's 210-byte and Q3_K's 110-byte blocks leave them 2-byte aligned only, read as
-// aligned words joined by funnel shifts. With INT_DIRECT (the default, KernelShape int_direct)
-// the lanes read the rows straight from device memory; with int_direct=0 a warp stages its rows
-// into shared memory with 16-byte cp.async copies first (the copies of its first rows are in
-// flight while the block quantizes), which needs rows of whole 16-byte pieces (a Q6_K row of 768
-// columns, 630 bytes, takes the float path then); then each lane decodes 64-column units from
-// there. Reading in place needs a quarter of the shared memory and measured faster (Q4_K).
+// aligned words joined by funnel shifts; Q2_K's 84-byte blocks, 4-byte aligned, as words. With
+// INT_DIRECT (the default, KernelShape int_direct) the lanes read the rows straight from device
+// memory; with int_direct=0 a warp stages its rows into shared memory with 16-byte cp.async
+// copies first (the copies of its first rows are in flight while the block quantizes), which
+// needs rows of whole 16-byte pieces (a Q6_K row of 768 columns, 630 bytes, takes the float path
+// then); then each lane decodes 64-column units from there. Reading in place needs a quarter of
+// the shared memory and measured faster (Q4_K).
 #pragma once
 
 // The defaults are the fastest measured (docs/BENCHMARKS.md; kernels/abi.py KernelShape holds the
@@ -48,6 +49,9 @@
 #endif
 #ifndef INT_Q3_K
 #define INT_Q3_K 0
+#endif
+#ifndef INT_Q2_K
+#define INT_Q2_K 0
 #endif
 #ifndef INT_FPW
 #define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
@@ -74,12 +78,14 @@
 // is a line here, its unit dot, and its row of abi.py INT_TYPE_SWITCHES
 HOST_DEVICE constexpr bool int_type(int T) {
     return T == T_Q4_K || (INT_Q5_K && T == T_Q5_K) || (INT_Q6_K && T == T_Q6_K) ||
-           (INT_Q3_K && T == T_Q3_K);
+           (INT_Q3_K && T == T_Q3_K) || (INT_Q2_K && T == T_Q2_K);
 }
 HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && int_type(T); }
 // the alignment a row (and a blob part) needs for the unit dot's loads in place; the staged path
 // copies whole 16-byte pieces and needs 16 whatever the type
-HOST_DEVICE constexpr int int_row_align(int T) { return T == T_Q6_K || T == T_Q3_K ? 2 : 16; }
+HOST_DEVICE constexpr int int_row_align(int T) {
+    return T == T_Q6_K || T == T_Q3_K ? 2 : (T == T_Q2_K ? 4 : 16);
+}
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 
 // x quantized in shared memory: h and l bytes by unit (XQ_UNIT_WORDS words each), and per
@@ -368,16 +374,52 @@ HOST_DEVICE float q3_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
     return r;
 }
 
+// Unit u of a Q2_K row (84-byte blocks, 4-byte aligned: scales[16] (a 4-bit scale low, a 4-bit
+// min high), qs[64], f16 d at 80, f16 dmin at 82). Element e = 128n + 32j + l: bits 2j of
+// qs[32n + l] make q (0 .. 3), the weight d * (sc & 15) * q - dmin * (sc >> 4), sc = scales[8n +
+// 2j + l / 16]. Unit p = u % 4 of block u / 4 is n = p / 2, j = 2(p & 1) and j + 1. The scale
+// goes into the bytes before __dp4a (q * s <= 45: a word times s carries into no other byte),
+// and the min meets the quantized activations' own 16-column sums (__dp4a against m in every
+// byte; the float sums are per 32 columns), so each weight meets the same x in both terms.
+HOST_DEVICE float q2_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3, n = p >> 1, j0 = 2 * (p & 1);
+    const u8* blk = row + sb * 84;
+    const u32* qw = reinterpret_cast<const u32*>(blk + 16 + 32 * n);    // 4-byte aligned only
+    const u32 sc = *reinterpret_cast<const u32*>(blk + 8 * n + 2 * j0);
+    const u32 dd = *reinterpret_cast<const u32*>(blk + 80);
+    const float d = h2f((u16)(dd & 0xFFFF)), dmin = h2f((u16)(dd >> 16));
+    float r = 0.f;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = j0 + half;
+        int a = 0, b = 0, hm = 0, lm = 0;
+        #pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            const u32 c = (sc >> (16 * half + 8 * (w >> 2))) & 0xFF;   // 16 columns a byte
+            const int qs = (int)(((qw[w] >> (2 * j)) & 0x03030303u) * (c & 15));
+            const int m = (int)(0x01010101u * (c >> 4));
+            a = dp4a_s8(qs, (int)f.h[8 * half + w], a);
+            b = dp4a_s8(qs, (int)f.l[8 * half + w], b);
+            hm = dp4a_s8(m, (int)f.h[8 * half + w], hm);
+            lm = dp4a_s8(m, (int)f.l[8 * half + w], lm);
+        }
+        r = fmaf(d, fmaf((float)a, (float)XQ_LEVELS, (float)b) * f.step[half], r);
+        r = fmaf(-dmin, fmaf((float)hm, (float)XQ_LEVELS, (float)lm) * f.step[half], r);
+    }
+    return r;
+}
+
 // One unit's dot for type T. Instantiated for every type by the kernels' macro, called only
 // where int_type(T): a type switched on there without a unit dot here fails to build.
 template <int T>
 HOST_DEVICE float int_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
-    static_assert(!int_type(T) || T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K,
-                  "an integer-path type (int_type) without a unit dot");
+    static_assert(!int_type(T) || T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K ||
+                  T == T_Q2_K, "an integer-path type (int_type) without a unit dot");
     if constexpr (T == T_Q4_K) return q4_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q5_K) return q5_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q6_K) return q6_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q3_K) return q3_k_unit_dot(row, u, f);
+    else if constexpr (T == T_Q2_K) return q2_k_unit_dot(row, u, f);
     else {                      // never called (int_type(T) is false): a NaN if it ever were
 #ifdef __CUDA_ARCH__
         return NAN_F32;
