@@ -9,7 +9,8 @@ block, 65,535 blocks in y and z, 48 KiB of dynamic shared memory unless the kern
 through `max_dynamic_shared_size_bytes`, at most sm_90's 227 KiB). The signatures come from the
 sources as nvcc preprocesses them (the macro-built kernels expanded).
 
-Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "errors": [...]}."""
+Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "grids": {name:
+{expert kernel: grid widths}}, "errors": [...]}."""
 from __future__ import annotations
 
 import collections
@@ -47,6 +48,9 @@ def signatures(nvcc: str) -> dict[tuple[str, str], list[str]]:
 
 
 MAX_SHARED_OPTIN = 227 << 10    # sm_90's shared memory a block may be allowed
+# the decode graph's expert launches: kernel -> the grid widths launched (the blocks over n_ff or
+# n_embd, which the integer path's builds size from KernelShape.gate_up_block / down_block)
+GRIDS: dict[str, set[int]] = collections.defaultdict(set)
 
 
 def scalar_type(param: str):
@@ -76,6 +80,8 @@ class CheckedKernel:
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.counts[self.name] += 1
+        if self.name.startswith(("moe_gate_up_", "moe_down_")) and "_rows" not in self.name:
+            GRIDS[self.name].add(int(tuple(grid)[0]))
         at = f"{self.name}{tuple(grid)}x{tuple(block)}"
         if len(args) != len(self.params):
             self.errors.append(f"{at}: {len(args)} arguments for {len(self.params)} parameters "
@@ -187,7 +193,7 @@ def main() -> int:
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
     from strata_dist.tools.single_process import SingleProcessRunner
 
-    scenarios, graphs = {}, {}
+    scenarios, graphs, grids = {}, {}, {}
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
 
     def run(name, path, **kw):
@@ -205,7 +211,9 @@ def main() -> int:
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         graphs[name] = type(r.decode_graph).__name__ if r.decode_graph is not None else None
         scenarios[name] = dict(counts)
+        grids[name] = {k: sorted(v) for k, v in GRIDS.items()}
         counts.clear()
+        GRIDS.clear()
 
     with tempfile.TemporaryDirectory() as d:
         for dtype in ("q8_0", "f16"):
@@ -215,6 +223,17 @@ def main() -> int:
             run(f"qwen3moe {dtype}, q8_0 K/V", path, kv_type="q8_0")
             run(f"qwen3moe {dtype}, array prompt steps", path,
                 env={"STRATA_FUSED_PROMPT_OPS": "0"})
+        # a q5_k_m file's experts (Q5_K gate/up, Q5_K and Q6_K down rows of 256 columns) with
+        # and without the integer path of Q5_K and Q6_K (KernelShape int_q5_k / int_q6_k)
+        import dataclasses
+        from strata_dist.synth import GEOMETRIES, write_synthetic
+        k_mix = Path(d) / "moe-q5_k_m.gguf"
+        write_synthetic(k_mix, like=dataclasses.replace(
+            GEOMETRIES["tiny"], name="tiny-k", n_embd=256, n_head=2, n_head_kv=1, head_dim=128,
+            n_ff_exp=256), quant="q5_k_m", popularity="zipf:1.0")
+        run("qwen3moe q5_k_m", k_mix)
+        run("qwen3moe q5_k_m, int_q5_k=1,int_q6_k=1", k_mix,
+            env={"STRATA_KERNEL_SHAPE": "int_q5_k=1,int_q6_k=1"})
         q8 = Path(d) / "moe-q8_0.gguf"
         run("qwen3moe q8_0, routed on the host", q8,
             env={"STRATA_DEVICE_ROUTING": "0"})
@@ -233,7 +252,8 @@ def main() -> int:
         run("qwen3next q8_0", path)
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
         run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
-    print(json.dumps({"scenarios": scenarios, "graphs": graphs, "errors": errors}))
+    print(json.dumps({"scenarios": scenarios, "graphs": graphs, "grids": grids,
+                      "errors": errors}))
     return 0
 
 

@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.backends.graph_tables import Weight  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS,  # noqa: E402
-                                     EXPERT_SPEC, KernelShape, MAT_SPEC, MAX_ROWS,
+                                     EXPERT_SPEC, INT_TYPE_SWITCHES, KernelShape,
+                                     MAT_SPEC, MAX_ROWS,
                                      ROUTE_SPEC,
                                      TYPE_NAMES, attn_kernel, matvec_kernel,
                                      rows_per_block)
@@ -71,14 +72,37 @@ class Experts:
                             N_FF, N_EMBD, 16)
 
 
+def _run_experts(ex, shape: KernelShape, x, ids, wts, h0):
+    """(act, h) of the decode graph's two expert launches of build `shape` over rows x picking
+    experts ids with weights wts, h starting at h0; grids as the runner sizes them."""
+    n = x.shape[0]
+    blobs = cp.asarray(cp.asnumpy(ex.blob_of)[ids])
+    act = cp.zeros((n, K, N_FF), cp.float32)
+    h = cp.asarray(h0)
+    ff, out = shape.gate_up_block(ex.gate_up_type), shape.down_block(ex.down_type)
+    _kernel(f"moe_gate_up_{ex.types[0]}", shape)(
+        ((N_FF + ff - 1) // ff, K, n), (BLOCK_THREADS,), (ex.spec, cp.asarray(x), blobs, act))
+    _kernel(f"moe_down_{ex.types[1]}", shape)(
+        ((N_EMBD + out - 1) // out, n), (BLOCK_THREADS,),
+        (ex.spec, act, blobs, cp.asarray(wts), h))
+    return act, h
+
+
+# the integer path of every type it has (kernels/abi.py INT_TYPE_SWITCHES on)
+INT_ALL = ",".join(f"{name}=1" for name in INT_TYPE_SWITCHES)
+
+
 @pytest.mark.parametrize("gate_up,down", [(QT.F16, QT.F16), (QT.Q8_0, QT.Q8_0),
-                                          (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K)],
+                                          (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K),
+                                          (QT.Q6_K, QT.Q6_K)],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0", "int_direct=0",
                                    "int_ff_per_warp=1,int_down_per_warp=2",
                                    "int_ff_per_warp=4,int_down_per_warp=2",
-                                   "factored_dots=0,cvt_magic=0"])
+                                   "factored_dots=0,cvt_magic=0", INT_ALL,
+                                   INT_ALL + ",int_direct=0",
+                                   INT_ALL + ",int_ff_per_warp=4,int_down_per_warp=2"])
 def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     """Every build tune_decode.py measures computes the same experts (up to rounding)."""
     shape = KernelShape.parse(shape)
@@ -88,15 +112,7 @@ def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n)])
     wts = rng.random((n, K)).astype(np.float32)
     h0 = rng.standard_normal((n, N_EMBD)).astype(np.float32)
-    blobs = cp.asarray(cp.asnumpy(ex.blob_of)[ids])
-    act = cp.zeros((n, K, N_FF), cp.float32)
-    h = cp.asarray(h0)
-    ff, out = shape.gate_up_block(int(gate_up)), shape.down_block(int(down))
-    _kernel(f"moe_gate_up_{ex.types[0]}", shape)(
-        ((N_FF + ff - 1) // ff, K, n), (BLOCK_THREADS,), (ex.spec, cp.asarray(x), blobs, act))
-    _kernel(f"moe_down_{ex.types[1]}", shape)(
-        ((N_EMBD + out - 1) // out, n), (BLOCK_THREADS,),
-        (ex.spec, act, blobs, cp.asarray(wts), h))
+    act, h = _run_experts(ex, shape, x, ids, wts, h0)
     want_act = np.zeros((n, K, N_FF))
     want_h = h0.astype(np.float64).copy()
     for i in range(n):
@@ -109,6 +125,47 @@ def test_expert_kernels_match_numpy(gate_up, down, n, shape):
                                atol=1e-4 * np.abs(want_act).max())
     np.testing.assert_allclose(cp.asnumpy(h), want_h, rtol=1e-4,
                                atol=1e-4 * np.abs(want_h - h0).max())
+
+
+@pytest.mark.parametrize("gate_up,down", [(QT.Q5_K, QT.Q5_K), (QT.Q6_K, QT.Q6_K),
+                                          (QT.Q4_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K),
+                                          (QT.Q2_K, QT.Q2_K)], ids=lambda t: t.name)
+@pytest.mark.parametrize("direct", [1, 0], ids=["in_place", "staged"])
+def test_the_switches_put_their_types_on_the_integer_path(gate_up, down, direct):
+    """int_q5_k, int_q6_k, int_q3_k, int_q2_k really take those types off the float path: the
+    integer build's outputs differ in their low bits from the float build's
+    (int_gate_up=0,int_down=0) where the integer path can take the rows, and equal them bit for
+    bit where it cannot and hands the block's range to the float body: staged rows must be whole
+    16-byte pieces, which the Q6_K, Q3_K and Q2_K rows here (420 and 210, 220 and 110, 168 and 84
+    bytes) are not. (Q4_K's gate/up takes the integer path in every build but the float one, as
+    by default.)"""
+    ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down) + 7)
+    rng = np.random.default_rng(21)
+    n = 2
+    x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+    ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n)])
+    wts = rng.random((n, K)).astype(np.float32)
+    h0 = np.zeros((n, N_EMBD), np.float32)
+    shape = KernelShape.parse(f"{INT_ALL},int_direct={direct}")
+    assert {int(gate_up), int(down)} <= shape.int_types()
+    assert shape.gate_up_block(int(gate_up)) == 8 * shape.int_ff_per_warp
+    float_act, float_h = (cp.asnumpy(a) for a in _run_experts(
+        ex, KernelShape.parse("int_gate_up=0,int_down=0"), x, ids, wts, h0))
+    # the down launch of both builds on the float build's activations, so h differs only by
+    # the down kernel's path
+    act, _ = _run_experts(ex, shape, x, ids, wts, h0)
+    h = cp.asarray(h0)
+    blobs = cp.asarray(cp.asnumpy(ex.blob_of)[ids])
+    out = shape.down_block(int(down))
+    _kernel(f"moe_down_{ex.types[1]}", shape)(
+        ((N_EMBD + out - 1) // out, n), (BLOCK_THREADS,),
+        (ex.spec, cp.asarray(float_act), blobs, cp.asarray(wts), h))
+    act, h = cp.asnumpy(act), cp.asnumpy(h)
+    assert np.isfinite(act).all() and np.isfinite(h).all()
+    # the staged path cannot take the rows of these types here (their sizes above)
+    aligned = lambda t: t not in (QT.Q6_K, QT.Q3_K, QT.Q2_K) or direct  # noqa: E731
+    assert np.array_equal(act, float_act) != aligned(gate_up), "gate/up"
+    assert np.array_equal(h, float_h) != aligned(down), "down"
 
 
 @pytest.mark.parametrize("gate_up,down", [(QT.F16, QT.F16), (QT.Q8_0, QT.Q8_0),
@@ -355,7 +412,10 @@ def test_expert_kernels_give_the_same_bits_wherever_the_blob_lies(tmp_path, gate
 
 @pytest.mark.parametrize("qtype,shape", [(QT.Q8_0, "int_gate_up=0,int_down=0"),
                                          (QT.Q8_0, ""), (QT.Q4_K, ""),
-                                         (QT.Q4_K, "int_direct=0")], ids=str)
+                                         (QT.Q4_K, "int_direct=0"), (QT.Q5_K, "int_q5_k=1"),
+                                         (QT.Q6_K, "int_q6_k=1"), (QT.Q3_K, "int_q3_k=1"),
+                                         (QT.Q2_K, "int_q2_k=1"),
+                                         (QT.Q5_K, "int_q5_k=1,int_direct=0")], ids=str)
 def test_a_missing_expert_reads_as_nan(qtype, shape):
     """A blob address of 0 (not resident) must never pass for a result (the integer path's
     blocks hand such an expert to the float body)."""

@@ -154,7 +154,8 @@ PAIRS = [(t, t) for t in ALL_TYPES] + [(QT.Q4_0, QT.Q8_0), (QT.Q2_K, QT.Q3_K),
 
 
 @pytest.mark.parametrize("gate_up,down", PAIRS, ids=ids)
-@pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0"])
+@pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0",
+                                   "int_q5_k=1,int_q6_k=1,int_q3_k=1,int_q2_k=1"])
 def test_decode_expert_kernels_of_every_type(gate_up, down, shape):
     ks = KernelShape.parse(shape)
     ex = Blobs(gate_up, down, seed=int(gate_up) * 100 + int(down))

@@ -10,8 +10,8 @@ import pytest
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BF16, BLOCK_THREADS,
                                      DOWN_PER_BLOCK, F16, F32, FF_PER_BLOCK, GDN_ROWS, IQ4_NL,
-                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q4_1, Q4_K,
-                                     Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
+                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q2_K, Q3_K, Q4_1, Q4_K,
+                                     Q5_K, Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
                                      rows_per_block, source_kernel_names)
@@ -40,11 +40,23 @@ def test_kernel_shape_parses_and_refuses():
     assert (shape.gate_up_block(Q4_K), shape.down_block(Q4_K)) == (8, 16)
     assert (shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == (FF_PER_BLOCK, DOWN_PER_BLOCK)
     assert KernelShape.parse("int_gate_up=0,int_down=0").gate_up_block(Q4_K) == FF_PER_BLOCK
+    # Q5_K / Q6_K take the integer path's grid only behind their switches (off by default), each
+    # its own; int_gate_up / int_down still switch the whole path
+    assert (shape.gate_up_block(Q5_K), shape.down_block(Q6_K)) == (FF_PER_BLOCK, DOWN_PER_BLOCK)
+    shape = KernelShape.parse("int_q6_k=1")
+    assert shape.defines() == ("-DINT_Q6_K=1",)
+    assert (shape.gate_up_block(Q6_K), shape.down_block(Q6_K), shape.gate_up_block(Q5_K)) == \
+        (16, 8, FF_PER_BLOCK)
+    shape = KernelShape.parse("int_q5_k=1,int_q6_k=1,int_down=0")
+    assert shape.int_types() == {Q4_K, Q5_K, Q6_K}
+    assert KernelShape.parse("int_q3_k=1").int_types() == {Q4_K, Q3_K}
+    assert KernelShape.parse(INT_ALL).int_types() == {Q4_K, Q5_K, Q6_K, Q3_K, Q2_K}
+    assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
-                "int_down=1,down_per_block=16"):
+                "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -161,6 +173,10 @@ def built_kernel_names(source: str, types=None) -> list[str]:
     return [k for k in source_kernel_names(source) if k not in left_out]
 
 
+# every switch of kernels/abi.py INT_TYPE_SWITCHES on: each type the integer path has
+INT_ALL = ",".join(f"{name}=1" for name in abi.INT_TYPE_SWITCHES)
+INT_TYPES = (Q4_K, *abi.INT_TYPE_SWITCHES.values())
+
 # every source at the default shape, whole type table; decode.cu (the one source built with a
 # KernelShape's -D values, kernels/prebuild.py) at each shape tune_decode.py tries
 SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
@@ -168,7 +184,11 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_ff_per_warp=2,int_down_per_warp=4", "int_direct=0",
-        "matvec_threads=128"))]
+        "matvec_threads=128")),
+    # the integer path of every type it has (INT_TYPE_SWITCHES on), in place and staged
+    *(("decode.cu", shape, FEW_TYPES + tuple(t for t in INT_TYPES if t not in FEW_TYPES))
+      for shape in (
+        INT_ALL, INT_ALL + ",int_direct=0"))]
 
 
 @needs_nvcc
@@ -209,12 +229,16 @@ def stack_allowed(kernel: str) -> int:
 
 @needs_nvcc
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
-                         + [("decode.cu", "int_direct=0", (Q4_K,))],
-                         ids=[p.name for p in sources()] + ["decode.cu-int_direct_0-q4_k"])
+                         + [("decode.cu", "int_direct=0", (Q4_K,)),
+                            ("decode.cu", INT_ALL, INT_TYPES),
+                            ("decode.cu", INT_ALL + ",int_direct=0", INT_TYPES)],
+                         ids=[p.name for p in sources()] + ["decode.cu-int_direct_0-q4_k",
+                                                            "decode.cu-int_k_types",
+                                                            "decode.cu-int_k_types-staged"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
-    integer expert path's staged build (Q4_K's kernels) too."""
+    integer expert path's staged build (Q4_K's kernels) and its Q5_K / Q6_K builds too."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])
@@ -428,89 +452,6 @@ int main(int argc, char** argv) {
         subprocess.run([str(exe), str(data), str(got_path)], check=True, timeout=60)
         got = np.fromfile(got_path, dtype=np.float32).reshape(ref.shape)
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7, err_msg=qtype.name)
-
-
-INT_HARNESS = r"""
-int main(int argc, char** argv) {
-    FILE* in = fopen(argv[1], "rb");
-    FILE* out = fopen(argv[2], "wb");
-    long long head[4];                      // type, row bytes, columns, rows
-    float w;                                // the factor folded into x (moe_down's rank weight)
-    if (fread(head, sizeof head, 1, in) != 1 || fread(&w, sizeof w, 1, in) != 1) return 1;
-    if (head[0] != T_Q4_K) return 2;        // the one type of the integer path
-    const int ncols = (int)head[2];
-    std::vector<float> x(ncols);
-    std::vector<unsigned char> raw(head[1] * head[3]);
-    if (fread(x.data(), sizeof(float), ncols, in) != (size_t)ncols) return 1;
-    if (fread(raw.data(), 1, raw.size(), in) != raw.size()) return 1;
-    std::vector<u32> h(xq_words(ncols)), l(xq_words(ncols));
-    std::vector<float> step(ncols / 32), sum(ncols / 32);
-    const XQ q{h.data(), l.data(), step.data(), sum.data()};
-    for (int b = 0; b < ncols / 32; ++b)
-        xq_block32(x.data() + 32 * b, w, q.h + xq_block_word(b), q.l + xq_block_word(b), q.step[b],
-                   q.sum[b]);
-    for (long long r = 0; r < head[3]; ++r) {
-        float acc = 0.f;
-        for (int u = 0; u < ncols / 64; ++u) {
-            XFrag f;
-            load_xfrag(f, q, u);
-            acc += q4_k_unit_dot(raw.data() + r * head[1], u, f);
-        }
-        fwrite(&acc, sizeof(float), 1, out);
-    }
-    return 0;
-}
-"""
-
-
-@needs_nvcc
-def test_integer_expert_path_matches_gguf_on_the_host(tmp_path):
-    """The integer path of the Q4_K expert kernels (kernels/experts_int.cuh: activations
-    as x = s (254 h + l), __dp4a against the stored integers) built for the host: its quantizer,
-    the padded unit layout and the unit decoders over random rows, against gguf-py's decoding in
-    float64. Each output must be within the quantizer's bound (|x - x'| <= amax / 64516 per
-    32-column block) plus float rounding; a NaN in x comes out as NaN."""
-    import numpy as np
-    from quant_rows import random_rows
-    from gguf import GGMLQuantizationType as QT
-    main = tmp_path / "int_path.cu"
-    main.write_text(f'#include <cstdio>\n#include <vector>\n#include "{KERNEL_DIR / "decode.cu"}"\n'
-                    + INT_HARNESS)
-    exe = tmp_path / "int_path"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17",
-                           few_types_option(tmp_path, (Q4_K,)), "-o", str(exe), str(main)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    rng = np.random.default_rng(11)
-
-    def run(qtype, x, w, raw):
-        data = tmp_path / "in.bin"
-        data.write_bytes(np.array([int(qtype), raw.shape[1], x.size, raw.shape[0]], np.int64)
-                         .tobytes() + np.float32(w).tobytes() + x.astype(np.float32).tobytes()
-                         + raw.tobytes())
-        subprocess.run([str(exe), str(data), str(tmp_path / "out.bin")], check=True, timeout=60)
-        return np.fromfile(tmp_path / "out.bin", dtype=np.float32)
-
-    for qtype in (QT.Q4_K,):
-        for ncols, scale in ((768, 1.0), (2048, 30.0)):
-            raw, ref = random_rows(qtype, 16, ncols, int(qtype) + ncols)
-            # activations with a block of zeros, one of tiny values and one spike
-            x = (rng.standard_normal(ncols) * scale).astype(np.float32)
-            x[64:96], x[96:128] = 0.0, x[96:128] * 1e-6
-            x[200] = 40 * scale
-            w = np.float32(0.37)
-            xw = (x * w).astype(np.float64)
-            got = run(qtype, x, w, raw)
-            want = ref.astype(np.float64) @ xw
-            amax = np.repeat(np.abs(xw).reshape(-1, 32).max(axis=1), 32)
-            bound = np.abs(ref) @ (amax / 64516) + 1e-6 * (np.abs(ref) @ np.abs(xw))
-            err = np.abs(got - want)
-            assert (err <= bound).all(), (qtype.name, ncols, float((err / bound).max()))
-            # the path is not just within bounds by luck: far closer than an int8 activation
-            rel = err.max() / np.abs(want).max()
-            assert rel < 1e-4, (qtype.name, ncols, rel)
-        x[5] = np.nan
-        assert np.isnan(run(qtype, x, 1.0, raw)).all()
 
 
 @needs_nvcc

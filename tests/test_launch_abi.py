@@ -2,7 +2,8 @@
 (tests/launch_abi_check.py: the backend's Python on numpy stand-ins for CuPy, every launch's
 arguments, scalar types and limits checked; nothing numeric, which the GPU tests own). A
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
-Q8_0 one routed on the host and on the general path), and a qwen3next file with the kernels'
+Q8_0 one routed on the host and on the general path), a q5_k_m file with and without the integer
+path of its Q5_K / Q6_K experts, and a qwen3next file with the kernels'
 head geometry (and with the blocked delta rule): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
 streaming the rest from pinned host memory, its decode graph reading them there. Skips where
@@ -75,6 +76,23 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     # a batched step through two stages' graphs: every row's logits, no greedy token
     batch = runs["qwen3moe stages, a batched step of ten sessions"]
     assert batch.get("attn_decode_128_g2", 0) > 0 and "argmax_row" not in batch
+
+
+def test_the_integer_switches_size_the_k_quant_expert_grids(report):
+    """A q5_k_m file (Q5_K gate/up, Q5_K and Q6_K down; 256 columns each way) with
+    STRATA_KERNEL_SHAPE=int_q5_k=1,int_q6_k=1: its expert launches take the integer path's
+    grids (16 gate/up rows and 8 outputs a block: kernels/abi.py KernelShape), the default build
+    the float path's (4 and 4), both through the decode graph."""
+    from strata_dist.kernels.abi import Q5_K, Q6_K, KernelShape
+    name = "qwen3moe q5_k_m, int_q5_k=1,int_q6_k=1"
+    assert report["graphs"][name] == report["graphs"]["qwen3moe q5_k_m"] == "DecodeGraph"
+    on, off = KernelShape.parse("int_q5_k=1,int_q6_k=1"), KernelShape()
+    for grids, shape in ((report["grids"][name], on), (report["grids"]["qwen3moe q5_k_m"], off)):
+        assert grids["moe_gate_up_q5_k"] == [256 // shape.gate_up_block(Q5_K)]
+        assert grids["moe_down_q5_k"] == [256 // shape.down_block(Q5_K)]
+        assert grids["moe_down_q6_k"] == [256 // shape.down_block(Q6_K)]
+    assert report["grids"][name]["moe_gate_up_q5_k"] == [16]
+    assert report["grids"]["qwen3moe q5_k_m"]["moe_gate_up_q5_k"] == [64]
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

@@ -41,6 +41,12 @@ DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's def
 
 
 WARPS = BLOCK_THREADS // 32
+# The expert types on the integer path beyond Q4_K (which always takes it with int_gate_up /
+# int_down): KernelShape switch -> GGML type. experts_int.cuh's int_type(T) has a line for each,
+# on behind the macro MACROS names (the switch in capitals), each with its unit dot
+# (int_unit_dot); gate_up_block / down_block and docs/BENCHMARKS.md read this table. A new type:
+# its row here, its field on KernelShape, its unit dot and its line in int_type.
+INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K}
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -53,11 +59,16 @@ class KernelShape:
     picks another (benchmarks/tune_decode.py measures them).
 
     `int_gate_up` / `int_down` (on: measured faster, docs/BENCHMARKS.md): Q4_K experts take the
-    integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the stored integers),
-    whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp (`int_direct`: Q4_K
-    rows read from device memory by the lanes instead of staged); the float path (every other
-    type, and a block the integer path cannot take) takes `ff_per_block` / `down_per_block` rows
-    per block. The float path's switches (0 or 1) pick how it computes: `factored_dots`
+    integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the
+    stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
+    (`int_direct`: rows read from device memory by the lanes instead of staged); the float path
+    (every other type, and a block the integer path cannot take) takes `ff_per_block` /
+    `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` / `int_q2_k`
+    (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too: default 0
+    (off) because no GPU has run them yet (they were written and checked on the host on
+    2026-12-06); the next GPU session
+    runs their GPU tests, measures them (docs/BENCHMARKS.md says how) and turns a default on where
+    it is faster. The float path's switches (0 or 1) pick how it computes: `factored_dots`
     a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored integers to floats
     through the mantissa of 2^23 (weights.cuh says why each exists; both on, measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
@@ -72,6 +83,10 @@ class KernelShape:
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
+    int_q5_k: int = 0
+    int_q6_k: int = 0
+    int_q3_k: int = 0
+    int_q2_k: int = 0
     matvec_threads: int = BLOCK_THREADS
 
     # field -> the macro decode.cu reads
@@ -80,8 +95,10 @@ class KernelShape:
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
+              **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS"}
-    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct")
+    SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
+                *INT_TYPE_SWITCHES)
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -115,16 +132,22 @@ class KernelShape:
                                  f"{per_warp}={getattr(self, per_warp)}: the integer path's "
                                  f"{block} rows a block must be a multiple of {per_block}")
 
+    def int_types(self) -> frozenset[int]:
+        """The GGML types whose experts this build puts on the integer path (experts_int.cuh
+        int_type): Q4_K, and each type of INT_TYPE_SWITCHES whose switch is on."""
+        return frozenset({Q4_K} | {t for name, t in INT_TYPE_SWITCHES.items()
+                                   if getattr(self, name)})
+
     def gate_up_block(self, ggml_type: int) -> int:
-        """Expert rows f of one moe_gate_up block for experts stored as `ggml_type` (Q4_K's
-        take the integer path's grid: experts_int.cuh int_type)."""
-        if self.int_gate_up and ggml_type == Q4_K:
+        """Expert rows f of one moe_gate_up block for experts stored as `ggml_type` (the integer
+        types take the integer path's grid)."""
+        if self.int_gate_up and ggml_type in self.int_types():
             return WARPS * self.int_ff_per_warp
         return self.ff_per_block
 
     def down_block(self, ggml_type: int) -> int:
         """Outputs of one moe_down block for down rows stored as `ggml_type`."""
-        if self.int_down and ggml_type == Q4_K:
+        if self.int_down and ggml_type in self.int_types():
             return WARPS * self.int_down_per_warp
         return self.down_per_block
 

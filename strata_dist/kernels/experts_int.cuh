@@ -1,33 +1,57 @@
-// The integer path of the decode expert kernels for Q4_K (included by experts.cuh). Q8_0 experts
-// could take it too behind a switch, deleted on 2026-12-05: it measured slower than their float
-// path (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
+// The integer path of the decode expert kernels (included by experts.cuh): Q4_K always; Q5_K,
+// Q6_K, Q3_K and Q2_K behind their switches (INT_Q5_K ... INT_Q2_K, kernels/abi.py KernelShape
+// int_q5_k ... int_q2_k; off by default until a GPU session has run and measured them).
+// Q8_0 experts could take it too behind a switch, deleted on 2026-12-05: it measured slower than
+// their float path (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
 //
 // Why: the float path decodes every weight to a float before its FMA, about a dozen instructions
 // a weight with the block reductions; Nsight Compute read moe_gate_up_q4_k issue-bound at 10% of
 // DRAM bandwidth (docs/BENCHMARKS.md). Here the stored integers meet integer activations in
-// __dp4a (four products and a sum in one instruction), and the scales apply once per 32 columns.
+// __dp4a (four products and a sum in one instruction), and the scales apply once per 32 columns
+// (Q6_K, Q3_K, Q2_K: per 16, their scales' width).
 //
 // Activations: each 32-column block b of x becomes x = s_b * (254 h + l) with h, l int8:
 // h = round(x / (amax / 127)) and l = round(254 * the remainder): steps of amax / 32258 (about
 // 15 bits), each value within amax / 64516 (float32 sums of the stored weights stay the
-// reference; the kernels are tested within 1e-4 of it). The integer sums are exact, so only the per-block float steps round, in one fixed order.
+// reference; the kernels are tested within 1e-4 of it). The integer sums are exact, so only the
+// per-block float steps round, in one fixed order (Q5_K's 32-column sums can pass 2^24, where
+// their conversion to float rounds once, by at most 2^-25 of the sum).
 // Each block quantizes its own copy into shared memory from the float rows, so no other kernel
 // changes, and a (row, expert) result depends on nothing but that row and that expert.
 //
-// Weights: with INT_DIRECT (the default, KernelShape int_direct) the lanes read Q4_K rows, whose
-// units are 16-byte aligned, straight from device memory; with int_direct=0 a warp stages its
-// rows into shared memory with 16-byte cp.async copies first (the copies of its first rows are in
-// flight while the block quantizes), then each lane decodes 64-column units from there. Reading
-// in place needs a quarter of the shared memory and measured faster.
+// Weights: a type's unit dot (int_unit_dot) decodes a 64-column unit of a row: Q4_K and Q5_K
+// super-blocks (144 and 176 bytes) keep their units 16-byte aligned and are read with 16-byte
+// loads; Q6_K's 210-byte and Q3_K's 110-byte blocks leave them 2-byte aligned only, read as
+// aligned words joined by funnel shifts; Q2_K's 84-byte blocks, 4-byte aligned, as words. With
+// INT_DIRECT (the default, KernelShape int_direct) the lanes read the rows straight from device
+// memory; with int_direct=0 a warp stages its rows into shared memory with 16-byte cp.async
+// copies first (the copies of its first rows are in flight while the block quantizes), which
+// needs rows of whole 16-byte pieces (a Q6_K row of 768 columns, 630 bytes, takes the float path
+// then); then each lane decodes 64-column units from there. Reading in place needs a quarter of
+// the shared memory and measured faster (Q4_K).
 #pragma once
 
 // The defaults are the fastest measured (docs/BENCHMARKS.md; kernels/abi.py KernelShape holds the
 // same): Q4_K experts take this path, two gate/up rows a warp, rows read in place.
 #ifndef INT_GATE_UP
-#define INT_GATE_UP 1       // moe_gate_up_q4_k takes this path
+#define INT_GATE_UP 1       // moe_gate_up of the integer types (int_type) takes this path
 #endif
 #ifndef INT_DOWN
-#define INT_DOWN 1          // moe_down_q4_k takes this path
+#define INT_DOWN 1          // moe_down of the integer types takes this path
+#endif
+// The types beyond Q4_K, each behind its own switch (abi.py INT_TYPE_SWITCHES): 0 until a GPU
+// session has tested and measured them against their float path
+#ifndef INT_Q5_K
+#define INT_Q5_K 0
+#endif
+#ifndef INT_Q6_K
+#define INT_Q6_K 0
+#endif
+#ifndef INT_Q3_K
+#define INT_Q3_K 0
+#endif
+#ifndef INT_Q2_K
+#define INT_Q2_K 0
 #endif
 #ifndef INT_FPW
 #define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
@@ -50,8 +74,18 @@
 #define XQ_UNIT_WORDS 20        // 16 words of a 64-column unit + 4 of padding: the lanes' 16-byte
                                 // reads of neighbouring units fall in different banks
 
-HOST_DEVICE constexpr bool int_type(int T) { return T == T_Q4_K; }
-HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && T == T_Q4_K; }
+// The types whose experts take this path (each with its unit dot, int_unit_dot below); a new one
+// is a line here, its unit dot, and its row of abi.py INT_TYPE_SWITCHES
+HOST_DEVICE constexpr bool int_type(int T) {
+    return T == T_Q4_K || (INT_Q5_K && T == T_Q5_K) || (INT_Q6_K && T == T_Q6_K) ||
+           (INT_Q3_K && T == T_Q3_K) || (INT_Q2_K && T == T_Q2_K);
+}
+HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && int_type(T); }
+// the alignment a row (and a blob part) needs for the unit dot's loads in place; the staged path
+// copies whole 16-byte pieces and needs 16 whatever the type
+HOST_DEVICE constexpr int int_row_align(int T) {
+    return T == T_Q6_K || T == T_Q3_K ? 2 : (T == T_Q2_K ? 4 : 16);
+}
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 
 // x quantized in shared memory: h and l bytes by unit (XQ_UNIT_WORDS words each), and per
@@ -152,6 +186,21 @@ HOST_DEVICE int dot32(const u32 (&q)[8], const XFrag& f, int half) {
     return a * XQ_LEVELS + b;
 }
 
+// The K-quant tail shared by Q4_K and Q5_K: pair p of a super-block (sub-blocks 2p and 2p + 1,
+// their 32 stored integers each in lo and hi) against the unit's activations, scaled by d * scale
+// and less dmin * min times the activations' float sum
+HOST_DEVICE float k_pair_dot(const uint4& head, int p, const u32 (&lo)[8], const u32 (&hi)[8],
+                             const XFrag& f) {
+    int s0, m0, s1, m1;
+    k_scale_min(head.y, head.z, head.w, 2 * p, s0, m0);
+    k_scale_min(head.y, head.z, head.w, 2 * p + 1, s1, m1);
+    const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
+    float r = (d * (float)s0) * ((float)dot32(lo, f, 0) * f.step[0]);
+    r = fmaf(-(dmin * (float)m0), f.sum[0], r);
+    r = fmaf(d * (float)s1, (float)dot32(hi, f, 1) * f.step[1], r);
+    return fmaf(-(dmin * (float)m1), f.sum[1], r);
+}
+
 // Unit u (columns 64u .. 64u + 63) of a Q4_K row against its activations: pair u % 4 of
 // super-block u / 4, its low nibbles sub-block 2p and its high nibbles sub-block 2p + 1.
 HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
@@ -167,14 +216,219 @@ HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
         lo[j] = w[j] & 0x0F0F0F0Fu;
         hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
     }
-    int s0, m0, s1, m1;
-    k_scale_min(head.y, head.z, head.w, 2 * p, s0, m0);
-    k_scale_min(head.y, head.z, head.w, 2 * p + 1, s1, m1);
-    const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
-    float r = (d * (float)s0) * ((float)dot32(lo, f, 0) * f.step[0]);
-    r = fmaf(-(dmin * (float)m0), f.sum[0], r);
-    r = fmaf(d * (float)s1, (float)dot32(hi, f, 1) * f.step[1], r);
-    return fmaf(-(dmin * (float)m1), f.sum[1], r);
+    return k_pair_dot(head, p, lo, hi, f);
+}
+
+// Unit u of a Q5_K row: Q4_K's pair (nibbles at offset 48 here) with a fifth bit each, from
+// qh[32] at offset 16: bit j of qh byte l for element l of sub-block j (values 0 .. 31).
+HOST_DEVICE float q5_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3;
+    const u8* blk = row + sb * 176;
+    const uint4 head = *reinterpret_cast<const uint4*>(blk);
+    const uint4 ha = reinterpret_cast<const uint4*>(blk + 16)[0];
+    const uint4 hb = reinterpret_cast<const uint4*>(blk + 16)[1];
+    const uint4 a = reinterpret_cast<const uint4*>(blk + 48 + 32 * p)[0];
+    const uint4 b = reinterpret_cast<const uint4*>(blk + 48 + 32 * p)[1];
+    const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const u32 qh[8] = {ha.x, ha.y, ha.z, ha.w, hb.x, hb.y, hb.z, hb.w};
+    u32 lo[8], hi[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        lo[j] = (w[j] & 0x0F0F0F0Fu) | (((qh[j] >> (2 * p)) & 0x01010101u) << 4);
+        hi[j] = ((w[j] >> 4) & 0x0F0F0F0Fu) | (((qh[j] >> (2 * p + 1)) & 0x01010101u) << 4);
+    }
+    return k_pair_dot(head, p, lo, hi, f);
+}
+
+// the low 32 bits of (hi:lo) >> shift (shift 0 or 16 here)
+HOST_DEVICE u32 funnel_r(u32 lo, u32 hi, int shift) {
+#ifdef __CUDA_ARCH__
+    return __funnelshift_r(lo, hi, shift);
+#else
+    return shift == 0 ? lo : (lo >> shift) | (hi << (32 - shift));
+#endif
+}
+
+// N words of bytes p .. p + 4N - 1, p 2-byte aligned: the N + 1 aligned words around them, joined.
+// The first holds p's own byte (so lies in p's page, where p is 2 bytes into it: never a fault);
+// the word past the run is read whatever the alignment (uniform code): every run read here has at
+// least 4 more bytes of its block after it.
+template <int N>
+HOST_DEVICE void load_words_2aligned(const u8* p, u32 (&w)[N]) {
+    const u32* a = reinterpret_cast<const u32*>((u64)p & ~(u64)3);
+    const int shift = (int)((u64)p & 3) * 8;
+    u32 prev = a[0];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const u32 next = a[i + 1];
+        w[i] = funnel_r(prev, next, shift);
+        prev = next;
+    }
+}
+
+HOST_DEVICE u32 load_u16(const u8* p /* 2-byte aligned */) {
+    return *reinterpret_cast<const u16*>(p);
+}
+
+// 6-bit values v (0 .. 63, a byte each) as the signed bytes v - 32: v ^ 32 is v - 32 in 6-bit
+// two's complement, and its sign bit (32) copied into bits 6 and 7 (32 * 6 = 192) makes it 8-bit.
+HOST_DEVICE u32 q6_centre(u32 v) {
+    const u32 x = v ^ 0x20202020u;
+    return x | ((x & 0x20202020u) * 6u);
+}
+
+// sums of 16 products: words o .. o + 3 of q (4 int8 each) against words o .. o + 3 of the
+// fragment's h (into a) and l (into b)
+HOST_DEVICE void dot16(const u32* q, const XFrag& f, int o, int& a, int& b) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        a = dp4a_s8((int)q[i], (int)f.h[o + i], a);
+        b = dp4a_s8((int)q[i], (int)f.l[o + i], b);
+    }
+}
+
+// r plus half `half` (32 columns) of a unit whose weights are d * s * q (q int8 in the 8 words,
+// s0 for its first 16 columns, s1 for the rest): the scaled 16-column sums added as integers, then
+// one fmaf (|s0 a0 + s1 a1| < 2^24 for Q6_K's |q| <= 32, |s| <= 128 and Q3_K's smaller ones: the
+// conversions to float are exact)
+HOST_DEVICE float scaled16_half(const u32 (&q)[8], int s0, int s1, float d, const XFrag& f,
+                                int half, float r) {
+    int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+    dot16(q, f, 8 * half, a0, b0);
+    dot16(q + 4, f, 8 * half + 4, a1, b1);
+    const int a = s0 * a0 + s1 * a1, b = s0 * b0 + s1 * b1;
+    return fmaf(d, fmaf((float)a, (float)XQ_LEVELS, (float)b) * f.step[half], r);
+}
+
+// Unit u of a Q6_K row (210-byte blocks: ql[128], qh[64], int8 scales[16], f16 d at 208).
+// Element e = 128h + 32t + l of a block: the low (t < 2) or high nibble of ql[64h + 32(t & 1) + l]
+// and bits 2t, 2t + 1 of qh[32h + l] make v (0 .. 63), the weight d * scales[8h + 2t + l / 16] *
+// (v - 32). Unit p = u % 4 of block u / 4 is h = p / 2, t = 2(p & 1) and t + 1 (its two 32-column
+// halves): ql bytes 64h .. 64h + 63, qh bytes 32h .. 32h + 31, scale bytes 8h + 2t .. + 3 (one per
+// 16 columns). The scaled 16-column sums of a half are summed as integers (|sum| < 2^24: at most
+// 2 * 16 * 32 * 128 * 127 for h and for l, so exact in float too) and joined by one fmaf.
+HOST_DEVICE float q6_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3, h = p >> 1, t = 2 * (p & 1);
+    const u8* blk = row + sb * 210;
+    u32 qh[8];
+    load_words_2aligned(blk + 128 + 32 * h, qh);
+    const u32 sc = load_u16(blk + 192 + 8 * h + 2 * t) |
+                   (load_u16(blk + 194 + 8 * h + 2 * t) << 16);
+    const float d = h2f((u16)load_u16(blk + 208));
+    const int nibble = 4 * (p & 1);
+    float r = 0.f;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        // a half's ql words at a time (ptxas: moe_down_q6_k 113 -> 80 registers)
+        u32 ql[8], q[8];
+        load_words_2aligned(blk + 64 * h + 32 * half, ql);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+            q[j] = q6_centre(((ql[j] >> nibble) & 0x0F0F0F0Fu) |
+                             (((qh[j] >> (2 * (t + half))) & 0x03030303u) << 4));
+        r = scaled16_half(q, (int)(signed char)(sc >> (16 * half)),
+                          (int)(signed char)(sc >> (16 * half + 8)), d, f, half, r);
+    }
+    return r;
+}
+
+// 3-bit values v (0 .. 7, a byte each) as the signed bytes v - 4 (q6_centre's way: bit 2 the sign,
+// 4 * 62 = 248 sets bits 3 .. 7 with it)
+HOST_DEVICE u32 q3_centre(u32 v) {
+    const u32 x = v ^ 0x04040404u;
+    return x | ((x & 0x04040404u) * 62u);
+}
+
+// Q3_K's 6-bit scale k (0 .. 15) less 32, from the 12 scale bytes at offset 96: its low nibble is
+// byte k's (k < 8) or byte k - 8's high nibble, its top two bits bits 2(k / 4) of byte 8 + k % 4
+HOST_DEVICE int q3_k_scale(const u8* blk, int k) {
+    const int lo = (k < 8 ? blk[96 + k] : blk[88 + k] >> 4) & 0xF;
+    const int hi = (blk[104 + (k & 3)] >> (2 * (k >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+// Unit u of a Q3_K row (110-byte blocks, 2-byte aligned: hmask[32], qs[64], scales[12], f16 d at
+// 108). Element e = 128n + 32j + l: bits 2j of qs[32n + l] and bit 4n + j of hmask[l] (set: no
+// offset, clear: less 4) make v - 4 (-4 .. 3), the weight d * scale(8n + 2j + l / 16) * (v - 4).
+// Unit p = u % 4 of block u / 4 is n = p / 2, j = 2(p & 1) and j + 1: qs bytes 32n .. 32n + 31
+// and hmask bytes 0 .. 31 for both halves, at their own shifts.
+HOST_DEVICE float q3_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3, n = p >> 1, j0 = 2 * (p & 1);
+    const u8* blk = row + sb * 110;
+    u32 qs[8], hm[8];
+    load_words_2aligned(blk + 32 + 32 * n, qs);
+    load_words_2aligned(blk, hm);
+    const float d = h2f((u16)load_u16(blk + 108));
+    float r = 0.f;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = j0 + half;
+        u32 q[8];
+        #pragma unroll
+        for (int w = 0; w < 8; ++w)
+            q[w] = q3_centre(((qs[w] >> (2 * j)) & 0x03030303u) |
+                             (((hm[w] >> (4 * n + j)) & 0x01010101u) << 2));
+        r = scaled16_half(q, q3_k_scale(blk, 8 * n + 2 * j), q3_k_scale(blk, 8 * n + 2 * j + 1), d,
+                          f, half, r);
+    }
+    return r;
+}
+
+// Unit u of a Q2_K row (84-byte blocks, 4-byte aligned: scales[16] (a 4-bit scale low, a 4-bit
+// min high), qs[64], f16 d at 80, f16 dmin at 82). Element e = 128n + 32j + l: bits 2j of
+// qs[32n + l] make q (0 .. 3), the weight d * (sc & 15) * q - dmin * (sc >> 4), sc = scales[8n +
+// 2j + l / 16]. Unit p = u % 4 of block u / 4 is n = p / 2, j = 2(p & 1) and j + 1. The scale
+// goes into the bytes before __dp4a (q * s <= 45: a word times s carries into no other byte),
+// and the min meets the quantized activations' own 16-column sums (__dp4a against m in every
+// byte; the float sums are per 32 columns), so each weight meets the same x in both terms.
+HOST_DEVICE float q2_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    const int sb = u >> 2, p = u & 3, n = p >> 1, j0 = 2 * (p & 1);
+    const u8* blk = row + sb * 84;
+    const u32* qw = reinterpret_cast<const u32*>(blk + 16 + 32 * n);    // 4-byte aligned only
+    const u32 sc = *reinterpret_cast<const u32*>(blk + 8 * n + 2 * j0);
+    const u32 dd = *reinterpret_cast<const u32*>(blk + 80);
+    const float d = h2f((u16)(dd & 0xFFFF)), dmin = h2f((u16)(dd >> 16));
+    float r = 0.f;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = j0 + half;
+        int a = 0, b = 0, hm = 0, lm = 0;
+        #pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            const u32 c = (sc >> (16 * half + 8 * (w >> 2))) & 0xFF;   // 16 columns a byte
+            const int qs = (int)(((qw[w] >> (2 * j)) & 0x03030303u) * (c & 15));
+            const int m = (int)(0x01010101u * (c >> 4));
+            a = dp4a_s8(qs, (int)f.h[8 * half + w], a);
+            b = dp4a_s8(qs, (int)f.l[8 * half + w], b);
+            hm = dp4a_s8(m, (int)f.h[8 * half + w], hm);
+            lm = dp4a_s8(m, (int)f.l[8 * half + w], lm);
+        }
+        r = fmaf(d, fmaf((float)a, (float)XQ_LEVELS, (float)b) * f.step[half], r);
+        r = fmaf(-dmin, fmaf((float)hm, (float)XQ_LEVELS, (float)lm) * f.step[half], r);
+    }
+    return r;
+}
+
+// One unit's dot for type T. Instantiated for every type by the kernels' macro, called only
+// where int_type(T): a type switched on there without a unit dot here fails to build.
+template <int T>
+HOST_DEVICE float int_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    static_assert(!int_type(T) || T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K ||
+                  T == T_Q2_K, "an integer-path type (int_type) without a unit dot");
+    if constexpr (T == T_Q4_K) return q4_k_unit_dot(row, u, f);
+    else if constexpr (T == T_Q5_K) return q5_k_unit_dot(row, u, f);
+    else if constexpr (T == T_Q6_K) return q6_k_unit_dot(row, u, f);
+    else if constexpr (T == T_Q3_K) return q3_k_unit_dot(row, u, f);
+    else if constexpr (T == T_Q2_K) return q2_k_unit_dot(row, u, f);
+    else {                      // never called (int_type(T) is false): a NaN if it ever were
+#ifdef __CUDA_ARCH__
+        return NAN_F32;
+#else
+        union { u32 u; float f; } bits;
+        bits.u = 0x7fc00000u;
+        return bits.f;
+#endif
+    }
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -191,13 +445,17 @@ __device__ __forceinline__ void stage_row(u8* dst, const u8* src, i64 bytes, int
     for (int c = lane; c < (int)(bytes >> 4); c += 32) cp_async16(dst + 16 * c, src + 16 * c);
 }
 
-__device__ __forceinline__ bool aligned16(u64 v) { return (v & 15) == 0; }
+// whether the addresses and sizes OR-ed in `bits` suit type T's rows on this path
+template <int T>
+__device__ __forceinline__ bool int_aligned(u64 bits) {
+    return (bits & (u64)((int_direct(T) ? int_row_align(T) : 16) - 1)) == 0;
+}
 
 // Whether a block of moe_gate_up can take the integer path (uniform in the block)
 template <int T>
 __device__ __forceinline__ bool gate_up_int_ok(const ExpertSpec& sp, const u8* blob) {
-    return blob != nullptr && aligned16((u64)blob | (u64)sp.up_at | (u64)sp.gate_row_bytes |
-                                        (u64)sp.up_row_bytes) &&
+    return blob != nullptr && int_aligned<T>((u64)blob | (u64)sp.up_at | (u64)sp.gate_row_bytes |
+                                             (u64)sp.up_row_bytes) &&
            sp.n_embd % 64 == 0 && sp.n_embd <= INT_X_MAX &&
            (int_direct(T) || sp.gate_row_bytes + sp.up_row_bytes <= INT_STAGE_GATE_UP);
 }
@@ -238,8 +496,8 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
         for (int u = lane; u < units; u += 32) {
             XFrag xf;
             load_xfrag(xf, q, u);
-            g += q4_k_unit_dot(g_row, u, xf);
-            up += q4_k_unit_dot(u_row, u, xf);
+            g += int_unit_dot<T>(g_row, u, xf);
+            up += int_unit_dot<T>(u_row, u, xf);
         }
         g = warp_sum(g);
         up = warp_sum(up);
@@ -259,7 +517,7 @@ __device__ __forceinline__ bool down_int_ok(const ExpertSpec& sp, const u64* __r
         all = all && b != 0ull;
         bits |= b;
     }
-    return all && aligned16(bits) && sp.n_ff % 64 == 0 && sp.k * sp.n_ff <= INT_ACT_MAX &&
+    return all && int_aligned<T>(bits) && sp.n_ff % 64 == 0 && sp.k * sp.n_ff <= INT_ACT_MAX &&
            (int_direct(T) || sp.down_row_bytes <= INT_STAGE_DOWN);
 }
 
@@ -308,7 +566,7 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
                 const u8* row = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at +
                                          d * rb
                                        : st + rr * rb;
-                acc += q4_k_unit_dot(row, u, xf);
+                acc += int_unit_dot<T>(row, u, xf);
             }
             if (!direct) __syncwarp();              // every lane read the stage before the next
         }
