@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
     const u32 words[4] = {IQ4NL_LEVELS_0, IQ4NL_LEVELS_1, IQ4NL_LEVELS_2, IQ4NL_LEVELS_3};
     for (int v = 0; v < 16; ++v)
         if ((signed char)(words[v / 4] >> (8 * (v % 4))) != kvalues_iq4nl[v]) return 4;
+    for (u32 s = 0; s < 128; ++s)           // and the computed sign patterns the table's
+        if (iq_signs8(s) != ksigns_iq2xs[s]) return 5;
     FILE* in = fopen(argv[1], "rb");
     FILE* out = fopen(argv[2], "wb");
     long long head[4];                      // type, row bytes, columns, rows
@@ -107,3 +109,46 @@ def test_integer_unit_dots_of_iquants_match_gguf_on_the_host(tmp_path):
             assert rel < 1e-4, (qtype.name, ncols, rel)
         x[5] = np.nan
         assert np.isnan(run(qtype, x, 1.0, raw)).all(), qtype.name
+
+
+# The unit dots in device code, as the expert kernels would call them on rows read in place: a
+# block a row, a thread the units t, t + blockDim.x, ...
+INT_IQ_DEVICE = r"""
+#include "experts_int_iq.cuh"
+template <int T>
+__global__ void int_iq_rows(const u8* __restrict__ rows, long long row_bytes, int units, XQ q,
+                            float* __restrict__ out) {
+    const u8* row = rows + blockIdx.x * row_bytes;
+    float acc = 0.f;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+        XFrag f;
+        load_xfrag(f, q, u);
+        if constexpr (T == T_IQ4_XS) acc += iq4_xs_unit_dot(row, u, f);
+        else if constexpr (T == T_IQ3_S) acc += iq3_s_unit_dot(row, u, f);
+        else acc += iq2_xxs_unit_dot(row, u, f);
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+template __global__ void int_iq_rows<T_IQ4_XS>(const u8*, long long, int, XQ, float*);
+template __global__ void int_iq_rows<T_IQ3_S>(const u8*, long long, int, XQ, float*);
+template __global__ void int_iq_rows<T_IQ2_XXS>(const u8*, long long, int, XQ, float*);
+"""
+
+
+@needs_nvcc
+def test_integer_unit_dots_of_iquants_build_for_hopper_in_registers(tmp_path):
+    """The same functions compiled for sm_90 (their device branches: __byte_perm, __dp4a, __ldg),
+    warnings as errors, and each kernel using them without a stack frame (the 8 packed words of a
+    half unit and the fragment stay in registers)."""
+    import re
+    main = tmp_path / "int_iq_device.cu"
+    main.write_text(f'#include "{KERNEL_DIR / "decode.cu"}"\n' + INT_IQ_DEVICE)
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "--std=c++17", "-Werror=all-warnings",
+                           "-Xptxas", "-v", f"-I{KERNEL_DIR}", few_types_option(tmp_path, (Q4_K,)),
+                           "-o", str(tmp_path / "k.cubin"), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    stacks = dict(re.findall(r"Function properties for (\w*int_iq_rows\w*)\n\s+(\d+) bytes stack "
+                             r"frame", done.stderr))
+    assert len(stacks) == 3, done.stderr[-2000:]
+    assert all(v == "0" for v in stacks.values()), stacks

@@ -63,6 +63,17 @@ HOST_DEVICE u32 iq_sign4(u32 v, u32 s) {
     return (v ^ (ones * 0xFFu)) + ones;
 }
 
+// ksigns_iq2xs[s] (s < 128) without a table load: the 7 signs of s and, as the 8th, their parity
+// (a table of 7-bit sign indices only holds patterns with an even count; the host test checks
+// every entry against the table).
+HOST_DEVICE u32 iq_signs8(u32 s) {
+#ifdef __CUDA_ARCH__
+    return s | ((__popc(s) & 1u) << 7);
+#else
+    return s | (((u32)__builtin_popcount(s) & 1u) << 7);
+#endif
+}
+
 // IQ4_XS: 136 bytes: f16 d, u16 of the scales' top 2 bits (2 ib ..), 4 bytes of their low
 // nibbles (sub-block ib: nibble ib % 2 of byte ib / 2), 128 bytes of 4-bit codes: sub-block ib
 // the low then the high nibbles of bytes 16 ib .. 16 ib + 15; weight d (s - 32) level.
@@ -121,7 +132,7 @@ HOST_DEVICE float iq3_s_unit_dot(const u8* __restrict__ row, int u, const XFrag&
 }
 
 // IQ2_XXS: 66 bytes: f16 d, then per sub-block two u32: 4 grid indices (bytes; 8 values each),
-// then 4 7-bit sign indices (bits 0, 7, 14, 21; ksigns_iq2xs gives the 8 signs) and the 4-bit
+// then 4 7-bit sign indices (bits 0, 7, 14, 21; iq_signs8 gives the 8 signs) and the 4-bit
 // scale (bits 28..31); weight d (0.5 + s) / 4 grid, negated where its sign bit is set.
 HOST_DEVICE float iq2_xxs_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
     const int sb = u >> 2, p = u & 3;
@@ -136,7 +147,7 @@ HOST_DEVICE float iq2_xxs_unit_dot(const u8* __restrict__ row, int u, const XFra
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u64 grid = iq2xxs_grid[(idx >> (8 * j)) & 0xFF];
-            const u32 s = ksigns_iq2xs[(aux >> (7 * j)) & 127];
+            const u32 s = iq_signs8((aux >> (7 * j)) & 127);
             q[2 * j] = iq_sign4((u32)grid, s);
             q[2 * j + 1] = iq_sign4((u32)(grid >> 32), s >> 4);
         }
