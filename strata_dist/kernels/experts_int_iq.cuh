@@ -5,7 +5,8 @@
 // stored integers meeting h and l in dp4a_s8 (dot32) and the block scales applied once per 32
 // columns. No i-quant has a min, so f.sum goes unused.
 //
-// Included after experts_int.cuh (XFrag, dot32, dp4a_s8) and iquants.cuh (the i-quant tables of
+// Included by experts_int.cuh after its XFrag, dot32 and dp4a_s8 (int_unit_dot dispatches here
+// under INT_IQ4_XS / INT_IQ3_S / INT_IQ2_XXS), and after iquants.cuh (the i-quant tables of
 // iq_tables.cuh, generated from gguf-py's numbers, and the u16 loads iq_u16). The formats and the
 // way their signs meet dp4a follow llama.cpp's ggml-cuda vecdotq.cuh (vec_dot_iq4_xs_q8_1,
 // vec_dot_iq3_s_q8_1, vec_dot_iq2_xxs_q8_1), except that each 32-column sum is scaled in float
