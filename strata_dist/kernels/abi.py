@@ -70,9 +70,10 @@ class KernelShape:
     runs their GPU tests, measures them (docs/BENCHMARKS.md says how) and turns a default on where
     it is faster. `int_iq4_xs` / `int_iq3_s` / `int_iq2_xxs` do the same for IQ4_XS / IQ3_S /
     IQ2_XXS experts (also off, not yet run on a GPU); their rows are read in place whatever
-    `int_direct` says (experts_int.cuh int_direct). The float path's switches (0 or 1) pick how it computes: `factored_dots`
-    a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored integers to floats
-    through the mantissa of 2^23 (weights.cuh says why each exists; both on, measured).
+    `int_direct` says (experts_int.cuh int_direct). The float path's switches (0 or 1) pick how
+    it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
+    `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
+    exists; both on, measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). A name in REMOVED (a build deleted after it measured slower) is
     refused by `parse` with why."""
