@@ -234,6 +234,18 @@ def main() -> int:
         run("qwen3moe q5_k_m", k_mix)
         run("qwen3moe q5_k_m, int_q5_k=1,int_q6_k=1", k_mix,
             env={"STRATA_KERNEL_SHAPE": "int_q5_k=1,int_q6_k=1"})
+        # i-quant files (every expert IQ4_XS, IQ3_S or IQ2_XXS; 512 columns in, 256 out: the
+        # router's reserved slice needs n_embd 512 below 4 bits) with their integer path's
+        # switches on (one build), and IQ4_XS's with the default build too
+        iq_shape = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
+        for quant in ("iq4_xs", "iq3_s", "iq2_xxs"):
+            iq = Path(d) / f"moe-{quant}.gguf"
+            write_synthetic(iq, like=dataclasses.replace(
+                GEOMETRIES["tiny"], name="tiny-iq", n_embd=512, n_head=4, n_head_kv=1,
+                head_dim=128, n_ff_exp=256), quant=quant, popularity="zipf:1.0")
+            if quant == "iq4_xs":
+                run("qwen3moe iq4_xs", iq)
+            run(f"qwen3moe {quant}, {iq_shape}", iq, env={"STRATA_KERNEL_SHAPE": iq_shape})
         q8 = Path(d) / "moe-q8_0.gguf"
         run("qwen3moe q8_0, routed on the host", q8,
             env={"STRATA_DEVICE_ROUTING": "0"})

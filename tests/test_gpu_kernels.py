@@ -90,11 +90,13 @@ def _run_experts(ex, shape: KernelShape, x, ids, wts, h0):
 
 # the integer path of every type it has (kernels/abi.py INT_TYPE_SWITCHES on)
 INT_ALL = ",".join(f"{name}=1" for name in INT_TYPE_SWITCHES)
+# the integer path's i-quants, each as gate/up and as down (int_iq4_xs, int_iq3_s, int_iq2_xxs)
+IQ_PAIRS = [(QT.IQ4_XS, QT.IQ3_S), (QT.IQ3_S, QT.IQ2_XXS), (QT.IQ2_XXS, QT.IQ4_XS)]
 
 
 @pytest.mark.parametrize("gate_up,down", [(QT.F16, QT.F16), (QT.Q8_0, QT.Q8_0),
                                           (QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q5_K),
-                                          (QT.Q6_K, QT.Q6_K)],
+                                          (QT.Q6_K, QT.Q6_K), *IQ_PAIRS],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0", "int_direct=0",
@@ -129,16 +131,17 @@ def test_expert_kernels_match_numpy(gate_up, down, n, shape):
 
 @pytest.mark.parametrize("gate_up,down", [(QT.Q5_K, QT.Q5_K), (QT.Q6_K, QT.Q6_K),
                                           (QT.Q4_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K),
-                                          (QT.Q2_K, QT.Q2_K)], ids=lambda t: t.name)
+                                          (QT.Q2_K, QT.Q2_K), *IQ_PAIRS], ids=lambda t: t.name)
 @pytest.mark.parametrize("direct", [1, 0], ids=["in_place", "staged"])
 def test_the_switches_put_their_types_on_the_integer_path(gate_up, down, direct):
-    """int_q5_k, int_q6_k, int_q3_k, int_q2_k really take those types off the float path: the
-    integer build's outputs differ in their low bits from the float build's
-    (int_gate_up=0,int_down=0) where the integer path can take the rows, and equal them bit for
-    bit where it cannot and hands the block's range to the float body: staged rows must be whole
-    16-byte pieces, which the Q6_K, Q3_K and Q2_K rows here (420 and 210, 220 and 110, 168 and 84
-    bytes) are not. (Q4_K's gate/up takes the integer path in every build but the float one, as
-    by default.)"""
+    """int_q5_k / int_q6_k / int_q3_k / int_q2_k / int_iq4_xs / int_iq3_s / int_iq2_xxs really
+    take those types off the float path: the integer build's outputs differ in their low bits from
+    the float build's (int_gate_up=0,int_down=0) where the integer path can take the rows, and
+    equal them bit for bit where it cannot and hands the block's range to the float body: staged
+    rows must be whole 16-byte pieces, which the Q6_K, Q3_K and Q2_K rows here (420 and 210, 220
+    and 110, 168 and 84 bytes) are not. The i-quants are read in place in both builds
+    (int_direct=0 too). (Q4_K's gate/up takes the integer path in every build but the float one,
+    as by default.)"""
     ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down) + 7)
     rng = np.random.default_rng(21)
     n = 2
@@ -415,7 +418,9 @@ def test_expert_kernels_give_the_same_bits_wherever_the_blob_lies(tmp_path, gate
                                          (QT.Q4_K, "int_direct=0"), (QT.Q5_K, "int_q5_k=1"),
                                          (QT.Q6_K, "int_q6_k=1"), (QT.Q3_K, "int_q3_k=1"),
                                          (QT.Q2_K, "int_q2_k=1"),
-                                         (QT.Q5_K, "int_q5_k=1,int_direct=0")], ids=str)
+                                         (QT.Q5_K, "int_q5_k=1,int_direct=0"),
+                                         (QT.IQ4_XS, "int_iq4_xs=1"), (QT.IQ3_S, "int_iq3_s=1"),
+                                         (QT.IQ2_XXS, "int_iq2_xxs=1,int_direct=0")], ids=str)
 def test_a_missing_expert_reads_as_nan(qtype, shape):
     """A blob address of 0 (not resident) must never pass for a result (the integer path's
     blocks hand such an expert to the float body)."""

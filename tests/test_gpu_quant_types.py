@@ -8,7 +8,8 @@ gguf-py's `dequantize` (tests/type_rows.py), the reference nobody here wrote:
   stage): gguf-py's float32 bit for bit (Q4_K / Q5_K: within a unit in the last place, their
   measured fused multiply-add), and f16 its round to nearest;
 - the dense matvec, 1..8 activation rows, each row's bits independent of the others';
-- the decode expert kernels (moe_gate_up / moe_down: the float path, and Q4_K's integer path),
+- the decode expert kernels (moe_gate_up / moe_down: the float path, Q4_K's integer path, and
+  with every INT_TYPE_SWITCHES switch on the integer path of K- and i-quants),
   1..8 rows, gate/up and down in the same and in different types, blobs in device memory and
   in pinned host memory read in place (the host tier) giving the same bits;
 - the prompt's row kernels (FMA and tensor-core builds) over a chunk of 300 rows.
@@ -28,8 +29,9 @@ from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.backends.graph_tables import Weight  # noqa: E402
 from strata_dist.backends.quant_matrix import QuantMatrix  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS,  # noqa: E402
-                                     EXPERT_SPEC, KERNEL_TYPES, MAT_SPEC, MAX_ROWS, TYPE_NAMES,
-                                     ExpertLayout, KernelShape, matvec_kernel, rows_per_block)
+                                     EXPERT_SPEC, INT_TYPE_SWITCHES, KERNEL_TYPES, MAT_SPEC,
+                                     MAX_ROWS, TYPE_NAMES, ExpertLayout, KernelShape,
+                                     matvec_kernel, rows_per_block)
 from type_rows import ALL_TYPES, random_rows  # noqa: E402
 
 N_EMBD, N_FF, N_EXPERT, K = 512, 256, 8, 4
@@ -154,8 +156,10 @@ PAIRS = [(t, t) for t in ALL_TYPES] + [(QT.Q4_0, QT.Q8_0), (QT.Q2_K, QT.Q3_K),
 
 
 @pytest.mark.parametrize("gate_up,down", PAIRS, ids=ids)
+# every integer-path type's switch on (abi.py INT_TYPE_SWITCHES): Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_S,
+# IQ2_XXS take the integer path in the PAIRS that have them
 @pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0",
-                                   "int_q5_k=1,int_q6_k=1,int_q3_k=1,int_q2_k=1"])
+                                   ",".join(f"{name}=1" for name in INT_TYPE_SWITCHES)])
 def test_decode_expert_kernels_of_every_type(gate_up, down, shape):
     ks = KernelShape.parse(shape)
     ex = Blobs(gate_up, down, seed=int(gate_up) * 100 + int(down))

@@ -186,8 +186,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
         "int_ff_per_warp=2,int_down_per_warp=4", "int_direct=0",
         "matvec_threads=128")),
     # the integer path of every type it has (INT_TYPE_SWITCHES on), in place and staged
-    *(("decode.cu", shape, FEW_TYPES + tuple(t for t in INT_TYPES if t not in FEW_TYPES))
-      for shape in (
+    *(("decode.cu", shape, tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))) for shape in (
         INT_ALL, INT_ALL + ",int_direct=0"))]
 
 
@@ -217,7 +216,9 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # (up to 32 bytes, which moves with unrelated edits; an array indexed at run time is far larger);
 # moe_down of IQ2_XXS, IQ2_XS and IQ4_NL spill 4-8 bytes at 48 registers (ptxas -v, CUDA 13.0;
 # the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
-# those two spill 8 bytes (each key's row chosen between the card and the host copy)
+# those two spill 8 bytes (each key's row chosen between the card and the host copy); with the
+# integer path on (int_iq4_xs / int_iq2_xxs), moe_down of IQ4_XS / IQ2_XXS: 16 / 8 bytes at 64
+# registers (ptxas -v, CUDA 13.0, 2026-12-06; not yet measured on a GPU)
 STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 

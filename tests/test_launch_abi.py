@@ -3,7 +3,8 @@
 arguments, scalar types and limits checked; nothing numeric, which the GPU tests own). A
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
 Q8_0 one routed on the host and on the general path), a q5_k_m file with and without the integer
-path of its Q5_K / Q6_K experts, and a qwen3next file with the kernels'
+path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their integer path (and
+iq4_xs without), and a qwen3next file with the kernels'
 head geometry (and with the blocked delta rule): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
 streaming the rest from pinned host memory, its decode graph reading them there. Skips where
@@ -93,6 +94,25 @@ def test_the_integer_switches_size_the_k_quant_expert_grids(report):
         assert grids["moe_down_q6_k"] == [256 // shape.down_block(Q6_K)]
     assert report["grids"][name]["moe_gate_up_q5_k"] == [16]
     assert report["grids"]["qwen3moe q5_k_m"]["moe_gate_up_q5_k"] == [64]
+
+
+def test_the_integer_switches_size_the_i_quant_expert_grids(report):
+    """Files whose experts are all IQ4_XS, IQ3_S or IQ2_XXS (256 rows of 512 columns gate/up, 512
+    of 256 down) with STRATA_KERNEL_SHAPE=int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1: their expert
+    launches take the integer path's grids (16 gate/up rows and 8 outputs a block), the IQ4_XS
+    file's default build the float path's (4 and 4), all through the decode graph."""
+    from strata_dist.kernels.abi import IQ2_XXS, IQ3_S, IQ4_XS, KernelShape
+    on = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
+    shape = KernelShape.parse(on)
+    for quant, t in (("iq4_xs", IQ4_XS), ("iq3_s", IQ3_S), ("iq2_xxs", IQ2_XXS)):
+        name = f"qwen3moe {quant}, {on}"
+        assert report["graphs"][name] == "DecodeGraph", name
+        grids = report["grids"][name]
+        assert grids[f"moe_gate_up_{quant}"] == [256 // shape.gate_up_block(t)] == [16], name
+        assert grids[f"moe_down_{quant}"] == [512 // shape.down_block(t)] == [64], name
+    assert report["graphs"]["qwen3moe iq4_xs"] == "DecodeGraph"
+    assert report["grids"]["qwen3moe iq4_xs"]["moe_gate_up_iq4_xs"] == [64]
+    assert report["grids"]["qwen3moe iq4_xs"]["moe_down_iq4_xs"] == [128]
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

@@ -46,7 +46,8 @@ WARPS = BLOCK_THREADS // 32
 # on behind the macro MACROS names (the switch in capitals), each with its unit dot
 # (int_unit_dot); gate_up_block / down_block and docs/BENCHMARKS.md read this table. A new type:
 # its row here, its field on KernelShape, its unit dot and its line in int_type.
-INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K}
+INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K,
+                     "int_iq4_xs": IQ4_XS, "int_iq3_s": IQ3_S, "int_iq2_xxs": IQ2_XXS}
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -68,9 +69,12 @@ class KernelShape:
     (off) because no GPU has run them yet (they were written and checked on the host on
     2026-12-06); the next GPU session
     runs their GPU tests, measures them (docs/BENCHMARKS.md says how) and turns a default on where
-    it is faster. The float path's switches (0 or 1) pick how it computes: `factored_dots`
-    a * sum(q x) + b * sum(x) per chunk of a quantized row, `cvt_magic` stored integers to floats
-    through the mantissa of 2^23 (weights.cuh says why each exists; both on, measured).
+    it is faster. `int_iq4_xs` / `int_iq3_s` / `int_iq2_xxs` do the same for IQ4_XS / IQ3_S /
+    IQ2_XXS experts (also off, not yet run on a GPU); their rows are read in place whatever
+    `int_direct` says (experts_int.cuh int_direct). The float path's switches (0 or 1) pick how
+    it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
+    `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
+    exists; both on, measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). A name in REMOVED (a build deleted after it measured slower) is
     refused by `parse` with why."""
@@ -87,6 +91,9 @@ class KernelShape:
     int_q6_k: int = 0
     int_q3_k: int = 0
     int_q2_k: int = 0
+    int_iq4_xs: int = 0
+    int_iq3_s: int = 0
+    int_iq2_xxs: int = 0
     matvec_threads: int = BLOCK_THREADS
 
     # field -> the macro decode.cu reads

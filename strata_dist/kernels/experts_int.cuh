@@ -29,6 +29,9 @@
 // needs rows of whole 16-byte pieces (a Q6_K row of 768 columns, 630 bytes, takes the float path
 // then); then each lane decodes 64-column units from there. Reading in place needs a quarter of
 // the shared memory and measured faster (Q4_K).
+// IQ4_XS, IQ3_S and IQ2_XXS (unit dots in experts_int_iq.cuh) behind INT_IQ4_XS / INT_IQ3_S /
+// INT_IQ2_XXS are always read in place: their rows need not be whole 16-byte pieces (at n_ff 768:
+// 408, 330 and 198 bytes), so the staged path could not take them.
 #pragma once
 
 // The defaults are the fastest measured (docs/BENCHMARKS.md; kernels/abi.py KernelShape holds the
@@ -52,6 +55,15 @@
 #endif
 #ifndef INT_Q2_K
 #define INT_Q2_K 0
+#endif
+#ifndef INT_IQ4_XS
+#define INT_IQ4_XS 0
+#endif
+#ifndef INT_IQ3_S
+#define INT_IQ3_S 0
+#endif
+#ifndef INT_IQ2_XXS
+#define INT_IQ2_XXS 0
 #endif
 #ifndef INT_FPW
 #define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
@@ -78,13 +90,23 @@
 // is a line here, its unit dot, and its row of abi.py INT_TYPE_SWITCHES
 HOST_DEVICE constexpr bool int_type(int T) {
     return T == T_Q4_K || (INT_Q5_K && T == T_Q5_K) || (INT_Q6_K && T == T_Q6_K) ||
-           (INT_Q3_K && T == T_Q3_K) || (INT_Q2_K && T == T_Q2_K);
+           (INT_Q3_K && T == T_Q3_K) || (INT_Q2_K && T == T_Q2_K) ||
+           (INT_IQ4_XS && T == T_IQ4_XS) || (INT_IQ3_S && T == T_IQ3_S) ||
+           (INT_IQ2_XXS && T == T_IQ2_XXS);
 }
-HOST_DEVICE constexpr bool int_direct(int T) { return INT_DIRECT && int_type(T); }
+// the i-quants read in place whatever INT_DIRECT says (header comment)
+HOST_DEVICE constexpr bool int_in_place(int T) {
+    return T == T_IQ4_XS || T == T_IQ3_S || T == T_IQ2_XXS;
+}
+HOST_DEVICE constexpr bool int_direct(int T) {
+    return (INT_DIRECT || int_in_place(T)) && int_type(T);
+}
 // the alignment a row (and a blob part) needs for the unit dot's loads in place; the staged path
 // copies whole 16-byte pieces and needs 16 whatever the type
 HOST_DEVICE constexpr int int_row_align(int T) {
-    return T == T_Q6_K || T == T_Q3_K ? 2 : (T == T_Q2_K ? 4 : 16);
+    return T == T_IQ4_XS ? 8
+           : T == T_Q6_K || T == T_Q3_K || T == T_IQ3_S || T == T_IQ2_XXS ? 2
+           : T == T_Q2_K ? 4 : 16;
 }
 HOST_DEVICE constexpr int xq_words(int cols) { return cols / 64 * XQ_UNIT_WORDS; }
 
@@ -218,6 +240,8 @@ HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
     }
     return k_pair_dot(head, p, lo, hi, f);
 }
+
+#include "experts_int_iq.cuh"   // iq4_xs_unit_dot, iq3_s_unit_dot, iq2_xxs_unit_dot
 
 // Unit u of a Q5_K row: Q4_K's pair (nibbles at offset 48 here) with a fifth bit each, from
 // qh[32] at offset 16: bit j of qh byte l for element l of sub-block j (values 0 .. 31).
@@ -414,12 +438,16 @@ HOST_DEVICE float q2_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
 template <int T>
 HOST_DEVICE float int_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
     static_assert(!int_type(T) || T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K ||
-                  T == T_Q2_K, "an integer-path type (int_type) without a unit dot");
+                  T == T_Q2_K || T == T_IQ4_XS || T == T_IQ3_S || T == T_IQ2_XXS,
+                  "an integer-path type (int_type) without a unit dot");
     if constexpr (T == T_Q4_K) return q4_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q5_K) return q5_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q6_K) return q6_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q3_K) return q3_k_unit_dot(row, u, f);
     else if constexpr (T == T_Q2_K) return q2_k_unit_dot(row, u, f);
+    else if constexpr (T == T_IQ4_XS) return iq4_xs_unit_dot(row, u, f);
+    else if constexpr (T == T_IQ3_S) return iq3_s_unit_dot(row, u, f);
+    else if constexpr (T == T_IQ2_XXS) return iq2_xxs_unit_dot(row, u, f);
     else {                      // never called (int_type(T) is false): a NaN if it ever were
 #ifdef __CUDA_ARCH__
         return NAN_F32;
