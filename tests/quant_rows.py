@@ -5,10 +5,11 @@ from gguf import GGMLQuantizationType as QT, GGML_QUANT_SIZES
 from gguf import quants as gguf_quants
 
 TYPES = [QT.F32, QT.F16, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-# f16 fields of a block (Q3_K: random_rows only, not in TYPES; the i-quants': those the integer
-# expert path reads, experts_int_iq.cuh; every other field of theirs is valid whatever its bits)
+# f16 fields of a block (Q3_K, Q2_K and the i-quants: random_rows only, not in TYPES; the
+# i-quants': those the integer expert path reads, experts_int_iq.cuh; every other field of theirs
+# is valid whatever its bits)
 SCALE_AT = {QT.Q8_0: [0], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208],
-            QT.Q3_K: [108], QT.Q2_K: [80, 82],   # f16 fields (Q3_K, Q2_K: not in TYPES)
+            QT.Q3_K: [108], QT.Q2_K: [80, 82],
             QT.IQ4_XS: [0], QT.IQ3_S: [0], QT.IQ2_XXS: [0]}
 
 

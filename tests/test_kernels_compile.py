@@ -9,7 +9,8 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BF16, BLOCK_THREADS,
-                                     DOWN_PER_BLOCK, F16, F32, FF_PER_BLOCK, GDN_ROWS, IQ4_NL,
+                                     DOWN_PER_BLOCK, F16, F32, FF_PER_BLOCK, GDN_ROWS, IQ2_XXS,
+                                     IQ3_S, IQ4_NL, IQ4_XS,
                                      MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q2_K, Q3_K, Q4_1, Q4_K,
                                      Q5_K, Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
                                      AttnScratchError, KernelShape, attn_heads_choices,
@@ -50,7 +51,8 @@ def test_kernel_shape_parses_and_refuses():
     shape = KernelShape.parse("int_q5_k=1,int_q6_k=1,int_down=0")
     assert shape.int_types() == {Q4_K, Q5_K, Q6_K}
     assert KernelShape.parse("int_q3_k=1").int_types() == {Q4_K, Q3_K}
-    assert KernelShape.parse(INT_ALL).int_types() == {Q4_K, Q5_K, Q6_K, Q3_K, Q2_K}
+    assert KernelShape.parse(INT_ALL).int_types() == {Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S,
+                                                      IQ2_XXS}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",

@@ -137,14 +137,14 @@ __device__ __forceinline__ void moe_down_body(const ExpertSpec& sp, const float*
         h[(i64)i * sp.n_embd + d0 + threadIdx.x] += missing ? NAN_F32 : sums[threadIdx.x];
 }
 
-#include "experts_int.cuh"   // the integer path (Q4_K; Q5_K, Q6_K behind switches)
+#include "experts_int.cuh"   // the integer path (Q4_K; seven more types behind switches)
 // the float body's passes must tile an integer-path block exactly (moe_down adds into h)
 static_assert((!INT_GATE_UP || INT_FF_BLOCK % FF_PER_BLOCK == 0) &&
               (!INT_DOWN || INT_DOWN_BLOCK % DOWN_PER_BLOCK == 0),
               "an integer-path block is a whole number of float-path blocks");
 
-// The kernels, once per type. The integer types (int_type: Q4_K, and Q5_K / Q6_K where their
-// switches are on) take the integer path (grids of INT_FF_BLOCK and INT_DOWN_BLOCK; kernels/abi.py
+// The kernels, once per type. The integer types (int_type: Q4_K, and Q5_K ... IQ2_XXS where
+// their switches are on) take the integer path (grids of INT_FF_BLOCK and INT_DOWN_BLOCK; kernels/abi.py
 // KernelShape.gate_up_block / down_block), and a block that cannot
 // (an expert not resident, an address or size it does not take) computes its range with the float
 // path's body, FF_PER_BLOCK or DOWN_PER_BLOCK at a time.
