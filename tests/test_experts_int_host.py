@@ -11,7 +11,9 @@ from strata_dist.kernels import KERNEL_DIR
 from strata_dist.kernels.abi import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, KernelShape
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
-INT_HARNESS = r"""
+# one row's dot product through int_unit_dot<T> (the dispatch the expert kernels call), with the
+# integer path's quantizer and unit layout; tests/test_int_iq_host.py's harness starts with it too
+ROW_DOT = r"""
 template <int T>
 float row_dot(const unsigned char* row, const XQ& q, int ncols) {
     float acc = 0.f;
@@ -22,7 +24,9 @@ float row_dot(const unsigned char* row, const XQ& q, int ncols) {
     }
     return acc;
 }
+"""
 
+INT_HARNESS = ROW_DOT + r"""
 int main(int argc, char** argv) {
     FILE* in = fopen(argv[1], "rb");
     FILE* out = fopen(argv[2], "wb");

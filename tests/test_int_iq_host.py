@@ -8,6 +8,7 @@ import subprocess
 from strata_dist.kernels import KERNEL_DIR
 from strata_dist.kernels.abi import IQ2_XXS, IQ3_S, IQ4_XS, Q4_K, KernelShape
 
+from test_experts_int_host import ROW_DOT
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
 # the switches that put the three i-quants on the integer path (abi.py INT_TYPE_SWITCHES)
@@ -18,17 +19,7 @@ IQ_PATH_SHAPE = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
 # (int_type false) exits 2; rows start `shift` bytes past 16-byte alignment (a multiple of
 # int_row_align, else exit 3, as where int_direct(T) is false), so the loads meet the least
 # alignment the kernels accept.
-INT_IQ_HARNESS = r"""
-template <int T>
-static float row_dot(const u8* row, const XQ& q, int ncols) {
-    float acc = 0.f;
-    for (int u = 0; u < ncols / 64; ++u) {
-        XFrag f;
-        load_xfrag(f, q, u);
-        acc += int_unit_dot<T>(row, u, f);
-    }
-    return acc;
-}
+INT_IQ_HARNESS = ROW_DOT + r"""
 int main(int argc, char** argv) {
     // the register copy of the IQ4 levels must be the generated table
     const u32 words[4] = {IQ4NL_LEVELS_0, IQ4NL_LEVELS_1, IQ4NL_LEVELS_2, IQ4NL_LEVELS_3};
