@@ -11,9 +11,23 @@ from strata_dist.kernels import KERNEL_DIR
 from strata_dist.kernels.abi import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, KernelShape
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
-# one row's dot product through int_unit_dot<T> (the dispatch the expert kernels call), with the
-# integer path's quantizer and unit layout; tests/test_int_iq_host.py's harness starts with it too
-ROW_DOT = r"""
+# x quantized as the integer path does (HostXQ) and one row's dot product through int_unit_dot<T>
+# (the dispatch the expert kernels call) over its unit layout; tests/test_int_iq_host.py's harness
+# starts with it too
+HOST_INT_PATH = r"""
+struct HostXQ {                             // the activations x (times w) as the kernels hold them
+    std::vector<u32> h, l;
+    std::vector<float> step, sum;
+    XQ q;
+    HostXQ(const float* x, float w, int ncols)
+        : h(xq_words(ncols)), l(xq_words(ncols)), step(ncols / 32), sum(ncols / 32),
+          q{h.data(), l.data(), step.data(), sum.data()} {
+        for (int b = 0; b < ncols / 32; ++b)
+            xq_block32(x + 32 * b, w, q.h + xq_block_word(b), q.l + xq_block_word(b), q.step[b],
+                       q.sum[b]);
+    }
+};
+
 template <int T>
 float row_dot(const unsigned char* row, const XQ& q, int ncols) {
     float acc = 0.f;
@@ -26,7 +40,7 @@ float row_dot(const unsigned char* row, const XQ& q, int ncols) {
 }
 """
 
-INT_HARNESS = ROW_DOT + r"""
+INT_HARNESS = HOST_INT_PATH + r"""
 int main(int argc, char** argv) {
     FILE* in = fopen(argv[1], "rb");
     FILE* out = fopen(argv[2], "wb");
@@ -47,12 +61,8 @@ int main(int argc, char** argv) {
                          + (int_row_align(type) == 2 ? ROW_SHIFT : 0);
     if (fread(x.data(), sizeof(float), ncols, in) != (size_t)ncols) return 1;
     if (fread(raw, 1, head[1] * head[3], in) != (size_t)(head[1] * head[3])) return 1;
-    std::vector<u32> h(xq_words(ncols)), l(xq_words(ncols));
-    std::vector<float> step(ncols / 32), sum(ncols / 32);
-    const XQ q{h.data(), l.data(), step.data(), sum.data()};
-    for (int b = 0; b < ncols / 32; ++b)
-        xq_block32(x.data() + 32 * b, w, q.h + xq_block_word(b), q.l + xq_block_word(b), q.step[b],
-                   q.sum[b]);
+    const HostXQ xq(x.data(), w, ncols);
+    const XQ& q = xq.q;
     for (long long r = 0; r < head[3]; ++r) {
         const unsigned char* row = raw + r * head[1];
         const float acc = type == T_Q4_K ? row_dot<T_Q4_K>(row, q, ncols)

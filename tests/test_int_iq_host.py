@@ -8,7 +8,7 @@ import subprocess
 from strata_dist.kernels import KERNEL_DIR
 from strata_dist.kernels.abi import IQ2_XXS, IQ3_S, IQ4_XS, Q4_K, KernelShape
 
-from test_experts_int_host import ROW_DOT
+from test_experts_int_host import HOST_INT_PATH
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
 # the switches that put the three i-quants on the integer path (abi.py INT_TYPE_SWITCHES)
@@ -19,7 +19,7 @@ IQ_PATH_SHAPE = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
 # (int_type false) exits 2; rows start `shift` bytes past 16-byte alignment (a multiple of
 # int_row_align, else exit 3, as where int_direct(T) is false), so the loads meet the least
 # alignment the kernels accept.
-INT_IQ_HARNESS = ROW_DOT + r"""
+INT_IQ_HARNESS = HOST_INT_PATH + r"""
 int main(int argc, char** argv) {
     // the register copy of the IQ4 levels must be the generated table
     const u32 words[4] = {IQ4NL_LEVELS_0, IQ4NL_LEVELS_1, IQ4NL_LEVELS_2, IQ4NL_LEVELS_3};
@@ -43,12 +43,8 @@ int main(int argc, char** argv) {
     u8* raw = buf.data() + (16 - (reinterpret_cast<unsigned long long>(buf.data()) & 15)) + head[4];
     if (fread(x.data(), sizeof(float), ncols, in) != (size_t)ncols) return 1;
     if (fread(raw, 1, head[1] * head[3], in) != (size_t)(head[1] * head[3])) return 1;
-    std::vector<u32> h(xq_words(ncols)), l(xq_words(ncols));
-    std::vector<float> step(ncols / 32), sum(ncols / 32);
-    const XQ q{h.data(), l.data(), step.data(), sum.data()};
-    for (int b = 0; b < ncols / 32; ++b)
-        xq_block32(x.data() + 32 * b, w, q.h + xq_block_word(b), q.l + xq_block_word(b), q.step[b],
-                   q.sum[b]);
+    const HostXQ xq(x.data(), w, ncols);
+    const XQ& q = xq.q;
     for (long long r = 0; r < head[3]; ++r) {
         const u8* row = raw + r * head[1];
         const float acc = type == T_IQ4_XS ? row_dot<T_IQ4_XS>(row, q, ncols)
