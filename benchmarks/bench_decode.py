@@ -44,15 +44,17 @@ from records import (PeakMemory, env_prefix, fail, full_decodes, median_tps,  # 
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
-               repeats: int = 0) -> dict:
+               repeats: int = 0, kernel_shape: str | None = None) -> dict:
     """One strata launch on `model` (default --model) reading `repeats` (default --repeats)
-    measured requests; its first request's tokens kept (`_tokens`, `tokens_sha256`)."""
+    measured requests; its first request's tokens kept (`_tokens`, `tokens_sha256`).
+    `kernel_shape` (not None): the launch's STRATA_KERNEL_SHAPE, whatever this process's is."""
+    env = None if kernel_shape is None else {"STRATA_KERNEL_SHAPE": kernel_shape}
     model, repeats = model or args.model, repeats or args.repeats
     devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", gpus]
     cmd = ["--layer-split", split, "--max-context", str(args.context), "--no-remote-auto"]
     n_gpus = len(gpus.split(","))
     with PeakMemory() as mem:
-        s = serve_session(model, *devices, *cmd, timeout=1200)
+        s = serve_session(model, *devices, *cmd, env=env, timeout=1200)
         try:
             s.gen(prompt_ids(32, 1, vocab), 16, timeout=900)         # warm-up: graphs captured
             # a prompt of its own each: its first id (its seed's, distinct modulo any
@@ -68,7 +70,7 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
     tok_s, each = median_tps(args.tokens - 1, [float(r["done"][3]) for r in runs], "a decode")
     r = runs[0]
     steps = sum(int(st.get("graph_steps", 0)) for st in r["stats"])
-    command = env_prefix() + "strata-launch --model M " + " ".join(devices + cmd) + " --serve"
+    command = env_prefix(env) + "strata-launch --model M " + " ".join(devices + cmd) + " --serve"
     return {"name": "strata", "gpus": n_gpus, "command": command,
             "decode_tok_s": tok_s, "new_tokens": min(gens), "tps_each": {"decode": each},
             "decode_prompts_stopped_early": skipped,
@@ -77,7 +79,7 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
             "measured_ms_per_token": round(1e3 / tok_s, 3),
             "tokens_sha256": hashlib.sha256(json.dumps(r["tokens"]).encode()).hexdigest(),
             "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gens[0] - 1),
-            "_tokens": r["tokens"]}
+            "_tokens": r["tokens"], **({} if env is None else {"kernel_shape": kernel_shape})}
 
 
 def handoff_us(devices: str) -> float | None:
@@ -123,11 +125,21 @@ def main() -> int:
                          "greedy tokens are read first (one strata launch, one request) and the "
                          "strata arm's tokens_identical_to_unsplit says whether they equal the "
                          "split file's")
+    ap.add_argument("--shape-arm", action="append", default=[], metavar="SHAPE",
+                    help="one more 1-GPU strata arm built with STRATA_KERNEL_SHAPE=SHAPE "
+                         "(repeatable): its tok/s beside the first arm's in one record, and "
+                         "whether its tokens equal the first arm's")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.tokens < 2 or not 1 <= args.repeats <= 8:
         fail(f"--tokens {args.tokens} / --repeats {args.repeats}: at least 2 tokens, 1 to 8 "
              f"repeats")
+    for shape in args.shape_arm:
+        from strata_dist.kernels.abi import KernelShape
+        try:
+            KernelShape.parse(shape)
+        except (TypeError, ValueError) as e:
+            fail(f"--shape-arm {shape!r}: {e}")
     facts = model_facts(args.model, args.popularity)
     if args.unsplit:
         whole = model_facts(args.unsplit, args.popularity)
@@ -155,6 +167,13 @@ def main() -> int:
               f"the unsplit file's ({os.path.basename(args.unsplit)})", flush=True)
     print(f"strata 1 GPU: {one['decode_tok_s']:.1f} tok/s decode, graph steps/stage/token "
           f"{one['graph_steps_per_stage']:.2f}, peak {one['peak_gib']:.1f} GiB", flush=True)
+    for shape in args.shape_arm:
+        built = strata_arm(args, gpus[0], "auto", facts["vocab"], kernel_shape=shape)
+        built["tokens_identical_to_first_arm"] = built["_tokens"] == one["_tokens"]
+        arms.append(built)
+        print(f"strata 1 GPU, STRATA_KERNEL_SHAPE={shape}: {built['decode_tok_s']:.1f} tok/s "
+              f"decode ({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm), tokens "
+              f"identical to the first arm's: {built['tokens_identical_to_first_arm']}", flush=True)
     if len(gpus) > 1 and not args.cpu:
         two = strata_arm(args, ",".join(gpus[:2]), args.split or "auto", facts["vocab"])
         two["tokens_identical_to_1gpu"] = two["_tokens"] == one["_tokens"]

@@ -1,4 +1,5 @@
-"""The benchmark harness on CPU ranks: bench_decode.py --cpu runs a real strata-launch --serve and
+"""The benchmark harness on CPU ranks: bench_decode.py --cpu runs a real strata-launch --serve (and
+one more per --shape-arm build) and
 writes a record (../shared/RECORDS.md's fields) whose strata arm holds the plan's predicted
 ms/token beside the measured one; bench_prefill.py --cpu writes one arm per variant;
 bench_tiers.py --cpu one arm per tier arrangement. Every record under benchmarks/results/ holds
@@ -33,7 +34,8 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     env = {**os.environ, "STRATA_KERNEL_SHAPE": "int_down=1"}
     expected = records.commit_info()
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
-                           str(model), "--cpu", "--tokens", "16", "--out", str(out)],
+                           str(model), "--cpu", "--tokens", "16", "--out", str(out),
+                           "--shape-arm", "int_gate_up=0,int_down=0"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = out.glob("decode-tiny-f32-*.json")
@@ -46,7 +48,11 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     assert record["options"]["STRATA_DECODE_GRAPH"] == "1"      # a default, in force
     assert record["model"]["popularity"] == "zipf:1" and record["model"]["types"]["F32"] > 0
     assert record["model"]["like"] == "tiny" and record["model"]["quant"] == "f32"
-    [arm] = record["arms"]
+    [arm, built] = record["arms"]
+    # --shape-arm: a second launch of its own build, named in its command and its own field
+    assert built["kernel_shape"] == "int_gate_up=0,int_down=0" and "kernel_shape" not in arm
+    assert built["command"].startswith("STRATA_KERNEL_SHAPE=int_gate_up=0,int_down=0 strata-launch ")
+    assert built["tokens_identical_to_first_arm"] is True and built["new_tokens"] == 16
     assert arm["name"] == "strata" and arm["gpus"] == 1 and arm["new_tokens"] == 16
     assert len(arm["tps_each"]["decode"]) == 3
     # the command names the environment that picks the build and path measured
