@@ -1,6 +1,7 @@
 """Each architecture module provides models/interface.py's Architecture, with the same parameter
 names in every function (the rest of the product calls them by position and by name)."""
 import inspect
+import re
 
 import pytest
 
@@ -40,5 +41,36 @@ def test_backends_implement_the_layer_ops_the_models_call():
         want = list(inspect.signature(getattr(LayerOps, name)).parameters)
         for cls in (Backend, NumpyBackend):
             assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
-    forward = inspect.getsource(qwen3moe.Qwen3Moe._layer_forward)
-    assert "xp" not in forward and "be.attend(" in forward and "be.rms_norm(" in forward
+    forward = inspect.getsource(qwen3moe.EagerOps)       # what layer_step runs on a backend
+    assert not re.search(r"\bxp\b", forward)
+    assert "be.attend(" in forward and "be.rms_norm(" in forward
+
+
+def test_the_layer_step_ops_have_one_signature():
+    """models/qwen3moe.py writes the layer sequence once (`layer_step`) over the ops protocol
+    Qwen3MoeOps; the eager ops (one session's window, a batched step's rows) and the decode
+    graph's launches (backends/graph_ops.py) implement every op with the protocol's parameters,
+    and `layer_step` calls nothing else."""
+    from strata_dist.backends.graph_ops import GraphLayerOps
+    from strata_dist.models import qwen3moe
+    protocol = qwen3moe.Qwen3MoeOps
+    ops = [n for n, f in vars(protocol).items() if callable(f) and not n.startswith("_")]
+    assert ops == ["norm_qkv", "attention", "add_out_projection", "route", "add_experts"]
+    for cls in (qwen3moe.EagerOps, qwen3moe.RowsOps, GraphLayerOps):
+        for name in ops:
+            want = list(inspect.signature(getattr(protocol, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
+
+    class Recording:
+        """Records the ops layer_step calls, in order."""
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            def op(layer, *args):
+                self.calls.append((name, layer))
+                return ("q", "k", "v") if name == "norm_qkv" else name
+            return op
+    rec = Recording()
+    assert qwen3moe.layer_step(rec, 7, "h") == "add_experts"
+    assert rec.calls == [(op, 7) for op in ops]

@@ -30,6 +30,7 @@ import cupy as cp
 from ..kernels.abi import (BLOCK_THREADS, GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT,
                            gdn_launch)
 from .cuda_decode import DecodeGraph
+from .graph_ops import GraphLayerOps
 from .graph_tables import Unsupported, _mat, _spec_array, mat_launches, norm_vector, weight_of
 
 
@@ -198,6 +199,7 @@ class NextDecodeGraph(DecodeGraph):
         scale = np.float32(1.0 / math.sqrt(g.head_dim))
         q_width = g.n_head * g.head_dim
         sh = g.n_ff_shexp
+        ops = GraphLayerOps(self, n, eps)      # the router and routed experts, as qwen3moe's
         for j, L in enumerate(self.layer_specs):
             if L["linear"]:
                 self._matvec(L["mix_in"], self.h, g.n_embd, n, L["attn_norm"], eps)
@@ -217,7 +219,7 @@ class NextDecodeGraph(DecodeGraph):
                 f("next_attn_gate")((-(-q_width // BLOCK_THREADS), n), (BLOCK_THREADS,),
                                     (self.attn, self.qg, i32(g.n_head)))
                 self._matvec(L["o"], self.attn, q_width, n)
-            self._routed_experts(L, n, eps)
+            ops.add_experts(self.lb + j, ops.route(self.lb + j, self.h), self.h)
             # the shared expert over the rows the router's matvec normed into xn
             self._matvec(L["shexp_in"], self.xn, g.n_embd, n)
             f("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
