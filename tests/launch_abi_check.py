@@ -52,8 +52,8 @@ MAX_SHARED_OPTIN = 227 << 10    # sm_90's shared memory a block may be allowed
 # the decode graph's expert launches: kernel -> the grid widths launched (the blocks over n_ff or
 # n_embd, which the integer path's builds size from KernelShape.gate_up_block / down_block)
 GRIDS: dict[str, set[int]] = collections.defaultdict(set)
-# while not None: the kernel names launched, in order, each op of backends/graph_ops.py
-# GraphLayerOps marked before its launches as "op:<name>" (a one-row decode step's capture)
+# while not None: the kernel names launched, in order, each op of the graph's layer ops
+# (backends/graph_ops.py) marked before its launches as "op:<name>" (a one-row step's capture)
 STEP_LAUNCHES: list[str] | None = None
 
 
@@ -136,12 +136,15 @@ def install_kernels(function) -> None:
 
 def recorded_step(runner, ids) -> list[str]:
     """The launches of one decode step on a runner whose graph for len(ids) rows is not captured
-    yet (its capture runs every launch), with the graph ops that made them."""
+    yet (its capture runs every launch), each op of the model's ops protocol (the type of
+    layer_step's `ops`) marked before the launches the graph's ops class makes for it."""
     global STEP_LAUNCHES
-    from strata_dist.backends import graph_ops
-    ops = graph_ops.GraphLayerOps
-    names = [n for n, f in vars(ops).items() if callable(f) and not n.startswith("_")]
-    saved = {n: getattr(ops, n) for n in names}
+    import typing
+    graph = runner.decode_graph
+    ops_class = graph.layer_ops
+    protocol = typing.get_type_hints(graph.layer_step)["ops"]
+    names = [n for n, f in vars(protocol).items() if callable(f) and not n.startswith("_")]
+    own = {n: ops_class.__dict__.get(n) for n in names}
 
     def marked(name, f):
         def op(self, *args):
@@ -151,13 +154,16 @@ def recorded_step(runner, ids) -> list[str]:
     STEP_LAUNCHES = []
     try:
         for n in names:
-            setattr(ops, n, marked(n, saved[n]))
+            setattr(ops_class, n, marked(n, getattr(ops_class, n)))
         runner.decode_step(ids)
         return STEP_LAUNCHES
     finally:
         STEP_LAUNCHES = None
-        for n, f in saved.items():
-            setattr(ops, n, f)
+        for n, f in own.items():
+            if f is None:
+                delattr(ops_class, n)       # inherited: the base class's again
+            else:
+                setattr(ops_class, n, f)
 
 
 def stage_run(scenarios, graphs, counts, path) -> None:

@@ -4,8 +4,8 @@ The kernels of `kernels/decode.cu` read the weights in their stored blocks (no f
 route on the device (the router's last block picks the top-k) and run all k experts of a layer in
 two launches: one token through a stage is 7 launches per layer, and nothing in between touches
 the host. Those launches are the model module's `layer_step` (models/qwen3moe.py, where the layer
-sequence is written once) run with backends/graph_ops.py's GraphLayerOps while a step is
-captured: this runner writes no architecture's sequence. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
+sequence is written once) run with backends/graph_ops.py's GraphLayerOps (`layer_ops`) while a
+step is captured: this runner writes no architecture's sequence. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
 expert activations, logits); the sessions own their KV outside it. A small descriptor (position,
 rows and each row's session and position: backends/decode_rows.py) and the sessions' pointer
 tables are copied in before the graph runs, so one captured graph per row count replays for every
@@ -59,6 +59,8 @@ class DecodeGraph(BatchedSteps):
     read in place where the model's expert-address table says (backends/expert_addresses.py),
     for sessions of `max_cells` cells."""
 
+    layer_ops = GraphLayerOps      # the launches the model's layer_step is captured through
+
     def __init__(self, model, max_cells: int, use_graph: bool | None = None,
                  shape: KernelShape | None = None, host_misses: bool | None = None,
                  attn_heads: int | None = None):
@@ -78,7 +80,12 @@ class DecodeGraph(BatchedSteps):
         self.ring = DeviceRing(model, max_cells)   # --kv-resident's `_ring` builds, if any
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer table
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
-        self._check_geometry(g)
+        self._check_geometry(g)        # what the ops and kernels support of the geometry
+        # the layer sequence is the model module's own (models/<arch>.py layer_step), run with
+        # `layer_ops`' launches
+        self.layer_step = getattr(model.arch, "layer_step", None)
+        if self.layer_step is None:
+            raise Unsupported(f"models/{g.arch}.py writes no layer_step for a decode graph")
         # the attention's splits and query heads a block (ComputeOptions.attn_heads overrides the
         # heads; 0: by the geometry)
         if not attn_heads and options.attn_heads:
@@ -126,10 +133,7 @@ class DecodeGraph(BatchedSteps):
 
     # ---- what the kernels support ---------------------------------------------------------------
     def _check_geometry(self, g) -> None:
-        # the layer sequence is the model module's own (models/qwen3moe.py layer_step); the
-        # checks below are what this runner's ops and kernels support of its geometry
-        self.layer_step = getattr(self.model.arch, "layer_step", None)
-        if g.arch != "qwen3moe" or self.layer_step is None:
+        if g.arch != "qwen3moe":
             raise Unsupported(f"no decode graph for {g.arch} yet")
         if self.model.backend.kv_type not in ("f16", "q8_0"):
             raise Unsupported(f"K/V kept as {self.model.backend.kv_type} (the attention kernels "
@@ -343,11 +347,11 @@ class DecodeGraph(BatchedSteps):
         self._output(n, eps, every_row)
 
     def _enqueue_layers(self, n: int, eps) -> None:
-        """The layers' kernels of one step: the model module's `layer_step` (models/qwen3moe.py,
+        """The layers' kernels of one step: the model module's `layer_step` (models/<arch>.py,
         the only place the layer sequence is written) run with the graph's launches as its ops."""
-        ops = GraphLayerOps(self, n, eps)
+        ops = self.layer_ops(self, n, eps)
         for layer in range(self.lb, self.le):
-            self.layer_step(ops, layer, self.h)
+            self.layer_step(ops, self.g, layer, self.h)
 
     def _embed(self, n: int) -> None:
         """The first stage's rows: the embeddings of the descriptor's token ids, into h."""

@@ -200,10 +200,11 @@ class Qwen3MoeOps(Protocol):
         then the down launch adding into the residual)."""
 
 
-def layer_step(ops: Qwen3MoeOps, layer: int, h):
+def layer_step(ops: Qwen3MoeOps, g: Geometry, layer: int, h):
     """One qwen3moe layer over the rows h [n, n_embd]: the only place its sequence is written.
     The eager forward runs it on the backend (`EagerOps`); the GPU decode graph captures it
-    through its launches (backends/cuda_decode.py DecodeGraph asks the model's module for it)."""
+    through its launches (backends/cuda_decode.py DecodeGraph asks the model's module for it).
+    `g`: the geometry (unused here; qwen3next's sequence reads each layer's kind from it)."""
     q, k, v = ops.norm_qkv(layer, h)
     attn = ops.attention(layer, q, k, v)
     h = ops.add_out_projection(layer, attn, h)
@@ -307,7 +308,7 @@ class Qwen3Moe(LayerRangeModel):
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
         ops = EagerOps(self, session, pos0)
         for layer in range(self.lb, self.le):
-            h = layer_step(ops, layer, h)
+            h = layer_step(ops, self.g, layer, h)
         return h
 
     def forward_rows(self, h, sessions: list, positions: list[int]):
@@ -318,7 +319,7 @@ class Qwen3Moe(LayerRangeModel):
                 raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
         ops = RowsOps(self, sessions, positions)
         for layer in range(self.lb, self.le):
-            h = layer_step(ops, layer, h)
+            h = layer_step(ops, self.g, layer, h)
         return h
 
 
