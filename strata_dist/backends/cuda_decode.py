@@ -5,8 +5,9 @@ route on the device (the router's last block picks the top-k) and run all k expe
 two launches: one token through a stage is 7 launches per layer, and nothing in between touches
 the host. Those launches are the model module's `layer_step` (models/qwen3moe.py, where the layer
 sequence is written once) run with backends/graph_ops.py's GraphLayerOps (`layer_ops`) while a
-step is captured: this runner writes no architecture's sequence. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
-expert activations, logits); the sessions own their KV outside it. A small descriptor (position,
+step is captured: this runner writes no architecture's sequence. The runner owns static buffers
+(hidden rows, q/k/v, attention partials, router output, expert activations, logits); the
+sessions own their KV outside it. A small descriptor (position,
 rows and each row's session and position: backends/decode_rows.py) and the sessions' pointer
 tables are copied in before the graph runs, so one captured graph per row count replays for every
 position and every mix of sessions: a batched step of several users' rows (`step_rows`) is one

@@ -109,7 +109,8 @@ class NextGraphOps(GraphLayerOps):
         return gr.qkv, gr.z, gr.ba
 
     def gated_delta(self, layer: int, qkv, z, ba):
-        """gdn_conv_step and gdn_delta_step (their GdnSpec table names qkv, z, ba and the output)."""
+        """gdn_conv_step and gdn_delta_step (their GdnSpec table names qkv, z, ba and the
+        output)."""
         gr = self.graph
         L, _ = self._spec(layer)
         launch_gdn(gr._launch, L["gdn"], self.n, gr.gdn)

@@ -7,7 +7,7 @@ token of sessions[i] at positions[i]). The projections, the shared expert, the r
 routed experts run over all rows at once; each row's gated attention (q/k norm, RoPE, KV write,
 attention) and each row's Gated DeltaNet mixer (its conv and recurrent state) run alone, as its
 one-row step runs them, so each row gets the bits it gets alone. The decode graph's
-implementation is backends/next_decode.py `NextGraphOps`."""
+implementation is backends/graph_ops.py `NextGraphOps`."""
 from __future__ import annotations
 
 from typing import Any, Protocol

@@ -447,7 +447,7 @@ class HybridSession:
 def layer_step(ops: Qwen3NextOps, g: NextGeometry, layer: int, h):
     """One qwen3next layer over the rows h [n, n_embd]: the only place its sequence is written.
     The eager forward runs it on the backend (models/next_ops.py); the GPU decode graph captures
-    it through its launches (backends/next_decode.py NextGraphOps)."""
+    it through its launches (backends/graph_ops.py NextGraphOps)."""
     if g.is_linear(layer):
         qkv, z, ba = ops.norm_mix_in(layer, h)
         h = ops.add_mix_out(layer, ops.gated_delta(layer, qkv, z, ba), h)
