@@ -10,7 +10,8 @@ through `max_dynamic_shared_size_bytes`, at most sm_90's 227 KiB). The signature
 sources as nvcc preprocesses them (the macro-built kernels expanded).
 
 Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "grids": {name:
-{expert kernel: grid widths}}, "errors": [...]}."""
+{expert kernel: grid widths}}, "step_launches": {name: a one-row decode step's launches with the
+graph ops that made them}, "errors": [...]}."""
 from __future__ import annotations
 
 import collections
@@ -51,6 +52,9 @@ MAX_SHARED_OPTIN = 227 << 10    # sm_90's shared memory a block may be allowed
 # the decode graph's expert launches: kernel -> the grid widths launched (the blocks over n_ff or
 # n_embd, which the integer path's builds size from KernelShape.gate_up_block / down_block)
 GRIDS: dict[str, set[int]] = collections.defaultdict(set)
+# while not None: the kernel names launched, in order, each op of the graph's layer ops
+# (backends/graph_ops.py) marked before its launches as "op:<name>" (a one-row step's capture)
+STEP_LAUNCHES: list[str] | None = None
 
 
 def scalar_type(param: str):
@@ -80,6 +84,8 @@ class CheckedKernel:
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.counts[self.name] += 1
+        if STEP_LAUNCHES is not None:
+            STEP_LAUNCHES.append(self.name)
         if self.name.startswith(("moe_gate_up_", "moe_down_")) and "_rows" not in self.name:
             GRIDS[self.name].add(int(tuple(grid)[0]))
         at = f"{self.name}{tuple(grid)}x{tuple(block)}"
@@ -126,6 +132,38 @@ def install_kernels(function) -> None:
         def launch(self, kernel, grid, block, args, stream_ptr, shared_mem=0):
             kernel(grid, block, args, shared_mem=shared_mem)
     pdl.ProgrammaticLauncher = Programmatic
+
+
+def recorded_step(runner, ids) -> list[str]:
+    """The launches of one decode step on a runner whose graph for len(ids) rows is not captured
+    yet (its capture runs every launch), each op of the model's ops protocol (the type of
+    layer_step's `ops`) marked before the launches the graph's ops class makes for it."""
+    global STEP_LAUNCHES
+    import typing
+    graph = runner.decode_graph
+    ops_class = graph.layer_ops
+    protocol = typing.get_type_hints(graph.layer_step)["ops"]
+    names = [n for n, f in vars(protocol).items() if callable(f) and not n.startswith("_")]
+    own = {n: ops_class.__dict__.get(n) for n in names}
+
+    def marked(name, f):
+        def op(self, *args):
+            STEP_LAUNCHES.append(f"op:{name}")
+            return f(self, *args)
+        return op
+    STEP_LAUNCHES = []
+    try:
+        for n in names:
+            setattr(ops_class, n, marked(n, getattr(ops_class, n)))
+        runner.decode_step(ids)
+        return STEP_LAUNCHES
+    finally:
+        STEP_LAUNCHES = None
+        for n, f in own.items():
+            if f is None:
+                delattr(ops_class, n)       # inherited: the base class's again
+            else:
+                setattr(ops_class, n, f)
 
 
 def stage_run(scenarios, graphs, counts, path) -> None:
@@ -193,7 +231,7 @@ def main() -> int:
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
     from strata_dist.tools.single_process import SingleProcessRunner
 
-    scenarios, graphs, grids = {}, {}, {}
+    scenarios, graphs, grids, step_launches = {}, {}, {}, {}
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
 
     def run(name, path, **kw):
@@ -203,7 +241,7 @@ def main() -> int:
         try:
             r = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, max_context=512, **kw)
             r.prefill(prompt)
-            r.decode_step([5])
+            step_launches[name] = recorded_step(r, [5])
             r.decode_step([5, 6, 7])
             r.generate([1, 2, 3, 4, 5], 4)
         finally:
@@ -265,7 +303,7 @@ def main() -> int:
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
         run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
     print(json.dumps({"scenarios": scenarios, "graphs": graphs, "grids": grids,
-                      "errors": errors}))
+                      "step_launches": step_launches, "errors": errors}))
     return 0
 
 

@@ -42,7 +42,7 @@ def test_state_carries_across_calls():
 def test_the_model_through_blocks_matches_transformers(tmp_path, monkeypatch):
     """The whole qwen3next forward with its prompt chunks read in blocks (the GPU path, run here
     with numpy) against transformers."""
-    import strata_dist.models.qwen3next as next_mod
+    import strata_dist.models.delta_rule as next_mod      # gdn_mixer's module
     from hf_next_fixtures import hf_logits, tiny_qwen3next, write_gguf
     from strata_dist.tools.single_process import SingleProcessRunner
 

@@ -79,6 +79,110 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     assert batch.get("attn_decode_128_g2", 0) > 0 and "argmax_row" not in batch
 
 
+class _Recording:
+    """Ops that record which op a `layer_step` calls, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def op(layer, *args):
+            self.calls.append(name)
+            return (None, None, None) if name in ("norm_qkv", "norm_mix_in") else None
+        return op
+
+
+def test_the_decode_graph_captures_the_models_layer_step(report):
+    """A one-row decode step's capture on each qwen3moe file (tests/launch_abi_check.py marks the
+    graph ops before their launches): between the embedding and the output head, layer after
+    layer, the ops of models/qwen3moe.py `layer_step` in the order it calls them (the layer
+    sequence is the model module's, written once), each op its own kernels
+    (backends/graph_ops.py): 7 launches a layer where q, k and v share a type."""
+    from strata_dist.models import qwen3moe
+    rec = _Recording()
+    qwen3moe.layer_step(rec, None, 0, None)
+    kernels = {"norm_qkv": None, "attention": ("qk_norm_rope_kv", "attn_decode_128_g"),
+               "add_out_projection": None, "route": ("matvec_f32_1",),
+               "add_experts": ("moe_gate_up_", "moe_down_")}        # None: matvec launches
+    checked = 0
+    for name, graph in report["graphs"].items():
+        launches = report["step_launches"].get(name)
+        if graph != "DecodeGraph" or launches is None:
+            continue
+        checked += 1
+        assert launches[:2] == ["embed_tokens", "op:norm_qkv"], (name, launches[:2])
+        ops = [x[3:] for x in launches if x.startswith("op:")]
+        assert len(ops) >= len(rec.calls) and ops == rec.calls * (len(ops) // len(rec.calls)), \
+            (name, ops)
+        groups, at = [], launches.index("op:norm_qkv")
+        for x in launches[at:]:
+            if x.startswith("op:"):
+                groups.append((x[3:], []))
+            else:
+                groups[-1][1].append(x)
+        last_op, tail = groups[-1]
+        groups[-1] = (last_op, tail[:2])
+        head = tail[2:]                    # the output head's matvec and the greedy argmax
+        assert len(head) >= 2 and head[-1] == "argmax_row" and all(
+            k.startswith("matvec_") and k.endswith("_1") for k in head[:-1]), (name, head)
+        for op, got in groups:
+            want = kernels[op]
+            if want is None:
+                assert got and all(k.startswith("matvec_") and k.endswith("_1") for k in got), \
+                    (name, op, got)
+            else:
+                assert len(got) == len(want) and all(
+                    k.startswith(w) for k, w in zip(got, want)), (name, op, got)
+    assert checked >= 10, checked
+
+
+def test_the_next_decode_graph_captures_the_models_layer_step(report):
+    """The same for qwen3next's graph (backends/graph_ops.py NextGraphOps): each layer is the ops
+    of models/qwen3next.py `layer_step` for a linear layer or for an attention layer, both kinds
+    present; each op launches its own kernels besides its matvecs (the output head's argmax
+    after the last layer's MoE)."""
+    from strata_dist.models import qwen3next
+    kinds = []
+    for linear in (True, False):
+        rec = _Recording()
+        qwen3next.layer_step(rec, type("G", (), {"is_linear": lambda self, l: linear})(), 0, None)
+        kinds.append(rec.calls)
+    # each op's launches other than matvecs (prefixes); None: matvecs only, at least one
+    kernels = {"norm_mix_in": None, "gated_delta": ("gdn_conv_step", "gdn_delta_step"),
+               "add_mix_out": None, "norm_qkv": None,
+               "attention": ("next_qk_norm_rope_kv", "attn_decode_256_g", "next_attn_gate"),
+               "add_out_projection": None, "route": None,
+               "add_moe": ("moe_gate_up_", "moe_down_", "next_shexp_act")}
+    checked = 0
+    for name, graph in report["graphs"].items():
+        launches = report["step_launches"].get(name)
+        if graph != "NextDecodeGraph" or launches is None:
+            continue
+        checked += 1
+        ops = [x[3:] for x in launches if x.startswith("op:")]
+        seen, at = set(), 0
+        while at < len(ops):
+            kind = next((i for i, k in enumerate(kinds) if ops[at:at + len(k)] == k), None)
+            assert kind is not None, (name, at, ops[at:at + 5])
+            seen.add(kind)
+            at += len(kinds[kind])
+        assert seen == {0, 1}, (name, seen)
+        assert launches[0] == "embed_tokens" and launches[1].startswith("op:"), name
+        groups = []
+        for x in launches[1:]:
+            if x.startswith("op:"):
+                groups.append((x[3:], []))
+            else:
+                groups[-1][1].append(x)
+        for i, (op, got) in enumerate(groups):
+            other = [k for k in got if not k.startswith("matvec_")]
+            want = list(kernels[op] or ()) + (["argmax_row"] if i == len(groups) - 1 else [])
+            assert len(other) == len(want) and all(k.startswith(w) for k, w in zip(other, want)), \
+                (name, op, got)
+            assert kernels[op] is not None or len(got) > len(other), (name, op, got)
+    assert checked == 3, checked
+
+
 def test_the_integer_switches_size_the_k_quant_expert_grids(report):
     """A q5_k_m file (Q5_K gate/up, Q5_K and Q6_K down; 256 columns each way) with
     STRATA_KERNEL_SHAPE=int_q5_k=1,int_q6_k=1: its expert launches take the integer path's

@@ -3,8 +3,11 @@
 The kernels of `kernels/decode.cu` read the weights in their stored blocks (no float copies),
 route on the device (the router's last block picks the top-k) and run all k experts of a layer in
 two launches: one token through a stage is 7 launches per layer, and nothing in between touches
-the host. The runner owns static buffers (hidden rows, q/k/v, attention partials, router output,
-expert activations, logits); the sessions own their KV outside it. A small descriptor (position,
+the host. Those launches are the model module's `layer_step` (models/qwen3moe.py, where the layer
+sequence is written once) run with backends/graph_ops.py's GraphLayerOps (`layer_ops`) while a
+step is captured: this runner writes no architecture's sequence. The runner owns static buffers
+(hidden rows, q/k/v, attention partials, router output, expert activations, logits); the
+sessions own their KV outside it. A small descriptor (position,
 rows and each row's session and position: backends/decode_rows.py) and the sessions' pointer
 tables are copied in before the graph runs, so one captured graph per row count replays for every
 position and every mix of sessions: a batched step of several users' rows (`step_rows`) is one
@@ -23,7 +26,6 @@ backends/next_decode.py builds the same runner with qwen3next's layers."""
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 
 import numpy as np
@@ -31,13 +33,14 @@ import cupy as cp
 
 from ..compute_options import compute_options
 from ..kernels import function
-from ..kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS,
-                           ROUTE_SPEC, TYPE_NAMES, AttnScratchError, KernelShape, attn_launch,
-                           expert_layout, matvec_kernel, rows_per_block)
+from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE_SPEC,
+                           TYPE_NAMES, AttnScratchError, KernelShape, attn_launch, expert_layout,
+                           matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
+from .graph_ops import GraphLayerOps
 from .kv_cache import DeviceRing
 from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, count_tiers,
                            mat_launches, norm_vector, repoint_experts, weight_of)
@@ -56,6 +59,8 @@ class DecodeGraph(BatchedSteps):
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
     read in place where the model's expert-address table says (backends/expert_addresses.py),
     for sessions of `max_cells` cells."""
+
+    layer_ops = GraphLayerOps      # the launches the model's layer_step is captured through
 
     def __init__(self, model, max_cells: int, use_graph: bool | None = None,
                  shape: KernelShape | None = None, host_misses: bool | None = None,
@@ -76,7 +81,12 @@ class DecodeGraph(BatchedSteps):
         self.ring = DeviceRing(model, max_cells)   # --kv-resident's `_ring` builds, if any
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer table
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
-        self._check_geometry(g)
+        self._check_geometry(g)        # what the ops and kernels support of the geometry
+        # the layer sequence is the model module's own (models/<arch>.py layer_step), run with
+        # `layer_ops`' launches
+        self.layer_step = getattr(model.arch, "layer_step", None)
+        if self.layer_step is None:
+            raise Unsupported(f"models/{g.arch}.py writes no layer_step for a decode graph")
         # the attention's splits and query heads a block (ComputeOptions.attn_heads overrides the
         # heads; 0: by the geometry)
         if not attn_heads and options.attn_heads:
@@ -210,7 +220,7 @@ class DecodeGraph(BatchedSteps):
 
     def _layer_spec(self, layer: int) -> dict:
         """One layer's launches and argument tables. Every layer spec holds `mats` (all of its
-        matvec launches, for the kernel names) and what `_routed_experts` reads."""
+        matvec launches, for the kernel names) and what graph_ops.GraphLayerOps reads."""
         g, w = self.g, self.model.layers[layer]
         name = f"blk.{layer}"
         q, k, v = (weight_of(x, f"{name}.attn_{p}") for x, p in ((w.q, "q"), (w.k, "k"),
@@ -338,26 +348,11 @@ class DecodeGraph(BatchedSteps):
         self._output(n, eps, every_row)
 
     def _enqueue_layers(self, n: int, eps) -> None:
-        """The layers' kernels of one step (the architecture's own part of `_enqueue`)."""
-        g, f = self.g, self._launch
-        i32 = np.int32
-        nl = self.le - self.lb
-        scale = np.float32(1.0 / math.sqrt(g.head_dim))
-        for j, L in enumerate(self.layer_specs):
-            w = L["w"]
-            self._matvec(L["qkv"], self.h, g.n_embd, n, w.attn_norm, eps)
-            f("qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix)(
-                (g.n_head + g.n_head_kv, n), (32,),
-                (self.q, self.k, self.v, w.q_norm, w.k_norm, self.sess_table, i32(j), i32(nl),
-                 self.desc, i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim), i32(g.head_dim),
-                 eps))
-            f(self.attn_kernel)(
-                (g.n_head // self.attn_heads, self.n_split, n), (BLOCK_THREADS,),
-                (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
-                 i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
-                 self.attn_done, self.attn, i32(nl)))
-            self._matvec(L["o"], self.attn, g.n_head * g.head_dim, n)
-            self._routed_experts(L, n, eps)
+        """The layers' kernels of one step: the model module's `layer_step` (models/<arch>.py,
+        the only place the layer sequence is written) run with the graph's launches as its ops."""
+        ops = self.layer_ops(self, n, eps)
+        for layer in range(self.lb, self.le):
+            self.layer_step(ops, self.g, layer, self.h)
 
     def _embed(self, n: int) -> None:
         """The first stage's rows: the embeddings of the descriptor's token ids, into h."""
@@ -366,20 +361,6 @@ class DecodeGraph(BatchedSteps):
             self._launch("embed_tokens")(
                 (1, n), (128,), (np.uint64(e.ptr), np.int32(e.type), np.int64(e.row_bytes),
                                  np.int32(e.ncols), np.int32(e.nrows), self.desc, self.h))
-
-    def _routed_experts(self, L: dict, n: int, eps) -> None:
-        """h += the layer's routed experts of rms_norm(h) (left in xn for what follows)."""
-        g, f = self.g, self._launch
-        # the router's last block also picks the top-k (ids, weights, blob addresses)
-        self._matvec(L["router"], self.h, g.n_embd, n, L["ffn_norm"], eps, normed=self.xn,
-                     route=L["route"])
-        gate_up, down = L["expert_types"]
-        ff, out = self.shape.gate_up_block(L["expert_codes"][0]), \
-            self.shape.down_block(L["expert_codes"][1])
-        f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                    (BLOCK_THREADS,), (L["experts"], self.xn, self.blobs, self.act))
-        f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
-                              (L["experts"], self.act, self.blobs, self.wts, self.h))
 
     def _output(self, n: int, eps, every_row: bool) -> None:
         """The last stage's logits of the last row and its greedy token, or (`every_row`) the

@@ -416,7 +416,8 @@ class CupyBackend(Backend):
         from ..kernels import function
         from ..kernels.abi import gdn_launch, gdn_rows_launch
         from .graph_tables import Unsupported
-        from .next_decode import gdn_spec, launch_gdn
+        from .graph_ops import launch_gdn
+        from .next_decode import gdn_spec
         n = int(qkv.shape[0])
         path = f"the linear layers' kernels of a prompt chunk (gdn_kernels={self._gdn})"
         try:

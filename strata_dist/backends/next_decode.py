@@ -1,6 +1,8 @@
 """The decode step of a qwen3next stage on a GPU, as one CUDA graph: cuda_decode.py's runner (static
 buffers, one captured graph per row count, the router picking the top-k on the device, the same
-expert kernels, the step launched ahead) with qwen3next's layers.
+expert kernels, the step launched ahead) with qwen3next's layers: models/qwen3next.py's
+`layer_step` (the layer sequence, written there once) captured through backends/graph_ops.py
+NextGraphOps, whose launches are these.
 
 Per layer, after the layer's RMSNorm fused into its input matvecs:
 - a linear layer: attn_qkv, attn_gate and ssm_ba in one matvec launch (per type);
@@ -22,14 +24,12 @@ and recurrent state of a linear one, so one graph serves every session. The arit
 models/qwen3next.py's, the reference tests/test_gpu_next_decode.py checks it against."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import cupy as cp
 
-from ..kernels.abi import (BLOCK_THREADS, GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT,
-                           gdn_launch)
+from ..kernels.abi import GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, gdn_launch
 from .cuda_decode import DecodeGraph
+from .graph_ops import NextGraphOps
 from .graph_tables import Unsupported, _mat, _spec_array, mat_launches, norm_vector, weight_of
 
 
@@ -70,19 +70,12 @@ def gdn_spec(g, w: dict, name: str, qkv, z, ba, mixed, out, sess, layer_slot: in
         K=g.ssm_conv_kernel, eps=g.rms_eps)], upload=upload, name="gdn_spec")
 
 
-def launch_gdn(launch, spec, n: int, gdn) -> None:
-    """gdn_conv_step then gdn_delta_step over n rows in order; `launch(name)` gives the kernel
-    (the decode graph's launcher, or a plain function), `gdn` the layer's GdnLaunch."""
-    i32 = np.int32
-    launch("gdn_conv_step")((gdn.conv_blocks,), (gdn.conv_threads,), (spec, i32(n)))
-    launch("gdn_delta_step")((gdn.delta_blocks,), (gdn.delta_threads,), (spec, i32(n)),
-                             shared_mem=gdn.delta_shared)
-
-
 class NextDecodeGraph(DecodeGraph):
     """Decode steps of the layers [model.lb, model.le) of a qwen3next model whose experts are all
     read in place (the cache, a helper tier or pinned host memory, as DecodeGraph), for sessions
-    of `max_cells` cells."""
+    of `max_cells` cells: models/qwen3next.py's layer_step through NextGraphOps."""
+
+    layer_ops = NextGraphOps
 
     # ---- what the kernels support ---------------------------------------------------------------
     def _check_geometry(self, g) -> None:
@@ -189,37 +182,3 @@ class NextDecodeGraph(DecodeGraph):
             kv += [None, None] if linear else list(pair)
         ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
         return ptrs + self.ring.table_tail(kv)
-
-    # ---- the step -------------------------------------------------------------------------------
-    def _enqueue_layers(self, n: int, eps) -> None:
-        g, f = self.g, self._launch
-        i32 = np.int32
-        nl = self.le - self.lb
-        scale = np.float32(1.0 / math.sqrt(g.head_dim))
-        q_width = g.n_head * g.head_dim
-        sh = g.n_ff_shexp
-        for j, L in enumerate(self.layer_specs):
-            if L["linear"]:
-                self._matvec(L["mix_in"], self.h, g.n_embd, n, L["attn_norm"], eps)
-                launch_gdn(f, L["gdn"], n, self.gdn)
-                self._matvec(L["mix_out"], self.gdn_out, g.value_dim, n)
-            else:
-                self._matvec(L["qkv"], self.h, g.n_embd, n, L["attn_norm"], eps)
-                f("next_qk_norm_rope_kv" + self.ring.suffix)(
-                    (g.n_head + g.n_head_kv, n), (32,),
-                    (self.qg, self.k, self.v, L["q_norm"], L["k_norm"], self.sess_table, i32(j),
-                     i32(nl), self.desc, i32(g.n_head), i32(g.n_head_kv), eps, self.q))
-                f(self.attn_kernel)(
-                    (g.n_head // self.attn_heads, self.n_split, n), (BLOCK_THREADS,),
-                    (self.q, self.sess_table, i32(j), self.desc, i32(g.n_head), i32(g.n_head_kv),
-                     i32(self.n_split), i32(self.attn_chunk), scale, self.part, self.ml,
-                     self.attn_done, self.attn, i32(nl)))
-                f("next_attn_gate")((-(-q_width // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                                    (self.attn, self.qg, i32(g.n_head)))
-                self._matvec(L["o"], self.attn, q_width, n)
-            self._routed_experts(L, n, eps)
-            # the shared expert over the rows the router's matvec normed into xn
-            self._matvec(L["shexp_in"], self.xn, g.n_embd, n)
-            f("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                                (self.shexp_gu, self.shexp_logit, i32(sh), self.shexp_act))
-            self._matvec(L["shexp_down"], self.shexp_act, sh, n)

@@ -352,9 +352,18 @@ class LayerRangeModel:
 
     def _routed(self, layer: int, x, router, normalize: bool):
         """The routed experts' part of a MoE layer: route, report, combine in rank order."""
+        idx, wts = self._route(layer, x, router, normalize)
+        return self._combine_routed(layer, x, idx, wts)
+
+    def _route(self, layer: int, x, router, normalize: bool):
+        """The top-k of the normed rows x (ids, weights), reported to `on_route`."""
         idx, wts = self.backend.route(x, router, self.g.n_expert_used, normalize)
         if self.on_route is not None:
             self.on_route(layer, self.backend.to_host(idx))   # routed on the device, maybe
+        return idx, wts
+
+    def _combine_routed(self, layer: int, x, idx, wts):
+        """The chosen experts' outputs of x summed in rank order with their weights."""
         return self.backend.combine_ranked(self._expert_outputs(layer, x, idx),
                                            self.backend.asarray(wts))
 

@@ -1,5 +1,6 @@
 """The gated delta rule of Gated DeltaNet layers (qwen3next's linear attention), token by token
-(the reference, exact on numpy) and in blocks (what a GPU runs for prompt chunks)."""
+(the reference, exact on numpy) and in blocks (what a GPU runs for prompt chunks), and the whole
+mixer of a linear layer around it (`gdn_mixer`: qwen3next.py imports it as its own)."""
 from __future__ import annotations
 
 import numpy as np
@@ -59,3 +60,56 @@ def gated_delta_chunked(q, k, v, beta, decay, state, xp, block: int = DELTA_BLOC
              + kb.transpose(0, 2, 1) @ (xp.exp(g_last[:, None] - G)[:, :, None] * U))
     state[...] = s
     return out
+
+
+L2_EPS = 1e-6       # of the q/k L2 norm (the reference's l2norm, fixed, not the RMS epsilon)
+
+
+def _softplus(x, xp):
+    return xp.logaddexp(np.float32(0.0), x)
+
+
+def gdn_mixer(be, g, w: dict, qkv, z, ba, conv, state):
+    """A linear layer (g: its NextGeometry, models/qwen3next.py) between its input projections
+    (qkv [n, conv_dim], z [n, value_dim], ba [n, n_k * 2r]) and ssm_out: the causal conv over `conv` [K-1, conv_dim] and the gated delta
+    rule on `state` [n_v, head_k, head_v] (both updated in place), then the gated RMSNorm.
+    Returns [n, n_v, head_v]. The GPU's gdn_conv_step / gdn_delta_step (kernels/gated_delta.cuh)
+    are tested against this; on a GPU they also read prompt chunks (`Backend.linear_attention`),
+    row by row in this token loop's arithmetic."""
+    fast = be.linear_attention(g, w, qkv, z, ba, conv, state)
+    if fast is not None:
+        return fast
+    xp = be.xp
+    n = qkv.shape[0]
+    nk, nv, hk, hv = g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim
+    r = nv // nk
+    ba = ba.reshape(n, nk, 2 * r)                                      # per key head: r b, r a
+    b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
+    beta = be.sigmoid(b)
+    decay = w["ssm_a"] * _softplus(a + w["ssm_dt"], xp)                # [n, nv], <= 0
+
+    # causal depthwise conv over [conv state | this chunk], then SiLU
+    kern = w["ssm_conv1d"]                                             # [conv_dim, K]
+    K = g.ssm_conv_kernel
+    xpad = xp.concatenate([conv, qkv], axis=0)                         # [K-1+n, conv_dim]
+    acc = xpad[0:n] * kern[:, 0]
+    for j in range(1, K):
+        acc = acc + xpad[j:j + n] * kern[:, j]
+    conv[...] = xpad[n:]                                               # the last K-1 inputs
+    mixed = be.silu(acc)
+
+    q = mixed[:, :g.key_dim].reshape(n, nk, hk)
+    k = mixed[:, g.key_dim:2 * g.key_dim].reshape(n, nk, hk)
+    v = mixed[:, 2 * g.key_dim:].reshape(n, nv, hv)
+    q = q / xp.sqrt((q * q).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
+    k = k / xp.sqrt((k * k).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
+    q = q * np.float32(1.0 / np.sqrt(hk))
+    if r > 1:  # value head h reads key head h // r
+        q, k = xp.repeat(q, r, axis=1), xp.repeat(k, r, axis=1)       # [n, nv, hk]
+
+    # numpy reads token by token (exact); a GPU reads a prompt chunk in blocks (few launches)
+    if xp is np or n == 1:
+        out = gated_delta_steps(q, k, v, beta, decay, state, xp)
+    else:
+        out = gated_delta_chunked(q, k, v, beta, decay, state, xp)
+    return be.rms_norm(out, w["ssm_norm"], g.rms_eps) * be.silu(z.reshape(n, nv, hv))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def rope_dim(g: Geometry) -> int:
 
 
 def prompt_buffers(g: Geometry, blob_bytes: int, dense16_bytes: int) -> list[Buffer]:
-    """Every buffer `_layer_forward` writes on a GPU (plan/workspace.py): the attention's normed
+    """Every buffer `EagerOps` writes on a GPU (plan/workspace.py): the attention's normed
     rows, q, k and v, its output and the output projection's; then the routed experts'."""
     q, kv, d = g.n_head * g.head_dim, g.n_head_kv * g.head_dim, g.n_embd
     return [*residual_buffers(g),
@@ -172,6 +173,114 @@ class LayerWeights:
     router: object
 
 
+class Qwen3MoeOps(Protocol):
+    """What `layer_step` calls: one op per fused launch (or launch pair) of the GPU decode graph.
+    The eager implementation is `EagerOps` below (the backend's be.* operations: every CPU path
+    and a GPU prompt chunk); the decode graph's is backends/graph_ops.py `GraphLayerOps`. `layer`
+    is the global ordinal; arrays are [n, width] rows (a graph passes its static buffers)."""
+
+    def norm_qkv(self, layer: int, h: Any) -> tuple[Any, Any, Any]:
+        """q, k, v of RMSNorm(h) * attn_norm (one matvec launch with the norm fused)."""
+
+    def attention(self, layer: int, q: Any, k: Any, v: Any) -> Any:
+        """q and k RMSNormed per head and rotated, k and v written into the session's cache, then
+        causal grouped-query attention over it -> [n, n_head * head_dim]. One op though two
+        launches on a GPU: a batched eager step runs them row by row (each row's attention right
+        after its own write, as its one-row step does)."""
+
+    def add_out_projection(self, layer: int, attn: Any, h: Any) -> Any:
+        """h + attn_output . attn (the matvec adds into the residual)."""
+
+    def route(self, layer: int, h: Any) -> Any:
+        """RMSNorm(h) * ffn_norm through the router and its top-k (the router's matvec with the
+        norm fused, its last block picking the experts); returns what `add_experts` reads."""
+
+    def add_experts(self, layer: int, routed: Any, h: Any) -> Any:
+        """h + the chosen experts' SwiGLU outputs weighted in rank order (the gate/up launch,
+        then the down launch adding into the residual)."""
+
+
+def layer_step(ops: Qwen3MoeOps, g: Geometry, layer: int, h):
+    """One qwen3moe layer over the rows h [n, n_embd]: the only place its sequence is written.
+    The eager forward runs it on the backend (`EagerOps`); the GPU decode graph captures it
+    through its launches (backends/cuda_decode.py DecodeGraph asks the model's module for it).
+    `g`: the geometry (unused here; qwen3next's sequence reads each layer's kind from it)."""
+    q, k, v = ops.norm_qkv(layer, h)
+    attn = ops.attention(layer, q, k, v)
+    h = ops.add_out_projection(layer, attn, h)
+    return ops.add_experts(layer, ops.route(layer, h), h)
+
+
+class EagerOps:
+    """Qwen3MoeOps on the model's backend for n rows of one session at positions pos0.. (a prompt
+    chunk or a decode step). The `out` names are the buffers a prompt chunk writes on a GPU
+    (`prompt_buffers`)."""
+
+    def __init__(self, model, session, pos0: int):
+        self.model, self.g, self.be = model, model.g, model.backend
+        self.session, self.pos0 = session, pos0
+
+    # the one-session step names its buffers; a batched step (RowsOps) makes new arrays
+    def _out(self, name: str) -> str | None:
+        return name
+
+    def norm_qkv(self, layer, h):
+        g, w, be = self.g, self.model.layers[layer], self.be
+        n = h.shape[0]
+        x = be.rms_norm(h, w.attn_norm, g.rms_eps, out=self._out("x"))
+        q = be.linear(x, w.q, out=self._out("q")).reshape(n, g.n_head, g.head_dim)
+        k = be.linear(x, w.k, out=self._out("k")).reshape(n, g.n_head_kv, g.head_dim)
+        v = be.linear(x, w.v, out=self._out("v")).reshape(n, g.n_head_kv, g.head_dim)
+        return q, k, v
+
+    def attention(self, layer, q, k, v):
+        g, w, be, s, pos0 = self.g, self.model.layers[layer], self.be, self.session, self.pos0
+        n = q.shape[0]
+        q = be.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, g.rms_eps, s, layer, pos0)
+        kc, vc = s.k(layer), s.v(layer)
+        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, s, out="attn")
+        return attn.reshape(n, g.n_head * g.head_dim)
+
+    def add_out_projection(self, layer, attn, h):
+        be = self.be
+        return be.add(h, be.linear(attn, self.model.layers[layer].o, out=self._out("o")),
+                      out=self._out("h_mid"))
+
+    def route(self, layer, h):
+        w = self.model.layers[layer]
+        x = self.be.rms_norm(h, w.ffn_norm, self.g.rms_eps, out=self._out("moe_x"))
+        idx, wts = self.model._route(layer, x, w.router, normalize=True)
+        return x, idx, wts
+
+    def add_experts(self, layer, routed, h):
+        x, idx, wts = routed
+        return self.be.add(h, self.model._combine_routed(layer, x, idx, wts),
+                           out=self._out("h"))
+
+
+class RowsOps(EagerOps):
+    """EagerOps for a batched decode step (protocol/batch.py): row i is the next token of
+    sessions[i] at positions[i]. The projections, router and experts run over all rows at once;
+    each row's q/k norm, RoPE, KV write and attention run alone, over its own session's KV at its
+    own position, as its one-row step runs them."""
+
+    def __init__(self, model, sessions: list, positions: list[int]):
+        super().__init__(model, None, 0)
+        self.sessions, self.positions = sessions, positions
+
+    def _out(self, name: str) -> None:
+        return None
+
+    def attention(self, layer, q, k, v):
+        g, w, be = self.g, self.model.layers[layer], self.be
+        rows = []
+        for i, (s, pos) in enumerate(zip(self.sessions, self.positions)):
+            qi = be.qk_norm_rope_kv(q[i:i + 1], k[i:i + 1], v[i:i + 1], w.q_norm, w.k_norm,
+                                    g.rms_eps, s, layer, pos)
+            rows.append(be.attend(qi, s.k(layer)[:pos + 1], s.v(layer)[:pos + 1], pos, s))
+        return be.xp.concatenate(rows).reshape(q.shape[0], g.n_head * g.head_dim)
+
+
 class Qwen3Moe(LayerRangeModel):
     """The qwen3moe forward over the layers [lb, le) of a model file."""
 
@@ -188,7 +297,7 @@ class Qwen3Moe(LayerRangeModel):
     def new_session(self, max_cells: int) -> KVSession:
         return KVSession(self.backend, self.g, self.lb, self.le, max_cells)
 
-    # ---- stages of the forward -----------------------------------------------------------------
+    # ---- the forward: `layer_step` on the backend ----------------------------------------------
     def forward_layers(self, h, session: KVSession) -> object:
         """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n.
 
@@ -197,57 +306,21 @@ class Qwen3Moe(LayerRangeModel):
         pos0 = session.n_past
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
+        ops = EagerOps(self, session, pos0)
         for layer in range(self.lb, self.le):
-            h = self._layer_forward(layer, h, session, pos0)
+            h = layer_step(ops, self.g, layer, h)
         return h
 
     def forward_rows(self, h, sessions: list, positions: list[int]):
         """A batched decode step (protocol/batch.py): row i of h [n, n_embd] is the next token of
-        sessions[i] at positions[i]. The projections, router and experts run over all rows at
-        once; each row's q/k norm, RoPE, KV write and attention run alone, over its own
-        session's KV at its own position, as its one-row step runs them."""
+        sessions[i] at positions[i] (RowsOps)."""
         for s, pos in zip(sessions, positions):
             if pos + 1 > s.max_cells:
                 raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
+        ops = RowsOps(self, sessions, positions)
         for layer in range(self.lb, self.le):
-            h = self._layer_rows(layer, h, sessions, positions)
+            h = layer_step(ops, self.g, layer, h)
         return h
-
-    def _layer_rows(self, layer, h, sessions, positions):
-        g, w, be = self.g, self.layers[layer], self.backend
-        n = h.shape[0]
-        x = be.rms_norm(h, w.attn_norm, g.rms_eps)
-        q = be.linear(x, w.q).reshape(n, g.n_head, g.head_dim)
-        k = be.linear(x, w.k).reshape(n, g.n_head_kv, g.head_dim)
-        v = be.linear(x, w.v).reshape(n, g.n_head_kv, g.head_dim)
-        rows = []
-        for i, (s, pos) in enumerate(zip(sessions, positions)):
-            qi = be.qk_norm_rope_kv(q[i:i + 1], k[i:i + 1], v[i:i + 1], w.q_norm, w.k_norm,
-                                    g.rms_eps, s, layer, pos)
-            rows.append(be.attend(qi, s.k(layer)[:pos + 1], s.v(layer)[:pos + 1], pos, s))
-        attn = be.xp.concatenate(rows).reshape(n, g.n_head * g.head_dim)
-        h = be.add(h, be.linear(attn, w.o))
-        x = be.rms_norm(h, w.ffn_norm, g.rms_eps)
-        return be.add(h, self._moe(layer, x, w.router))
-
-    # ---- one layer -----------------------------------------------------------------------------
-    def _layer_forward(self, layer, h, session, pos0):
-        g, w, be = self.g, self.layers[layer], self.backend
-        n = h.shape[0]
-        # the names are the buffers a prompt chunk writes on a GPU (prompt_buffers)
-        x = be.rms_norm(h, w.attn_norm, g.rms_eps, out="x")
-        q = be.linear(x, w.q, out="q").reshape(n, g.n_head, g.head_dim)
-        k = be.linear(x, w.k, out="k").reshape(n, g.n_head_kv, g.head_dim)
-        v = be.linear(x, w.v, out="v").reshape(n, g.n_head_kv, g.head_dim)
-        q = be.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, g.rms_eps, session, layer, pos0)
-        kc, vc = session.k(layer), session.v(layer)
-        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session, out="attn")
-        h = be.add(h, be.linear(attn.reshape(n, g.n_head * g.head_dim), w.o, out="o"), out="h_mid")
-        x = be.rms_norm(h, w.ffn_norm, g.rms_eps, out="moe_x")
-        return be.add(h, self._moe(layer, x, w.router), out="h")
-
-    def _moe(self, layer, x, router):
-        return self._routed(layer, x, router, normalize=True)
 
 
 MODEL_CLASS = Qwen3Moe

@@ -44,8 +44,8 @@ from ..plan.workspace import Buffer
 from .common import (LayerRangeModel, check_recurrent_layers, gemm_buffers, model_level_shapes,
                      residual_buffers, rope_buffers, rope_tables, routed_expert_buffers,
                      stack_layers, stage_tensor_names, transformer_geometry)
-from . import next_rows
-from .delta_rule import gated_delta_chunked, gated_delta_steps
+from .next_ops import NextEagerOps, NextRowsOps, Qwen3NextOps
+from .delta_rule import L2_EPS, gdn_mixer  # noqa: F401 (this module's names: tests, qwen35moe)
 
 ARCH = "qwen3next"
 
@@ -63,7 +63,6 @@ _SUFFIX = {"ssm_a": "", "ssm_dt": ".bias"}
 # and the conv kernel (used elementwise). 1-D tensors (norms, ssm_a, ssm_dt) are always float32.
 _F32_PARTS = {ROUTER_PART, SHEXP_GATE_PART, "ssm_conv1d"}
 _NAME_RE = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.(?:weight|bias))?$")
-L2_EPS = 1e-6       # of the q/k L2 norm (the reference's l2norm, fixed, not the RMS epsilon)
 GDN_SPEC_BYTES = GDN_SPEC.itemsize   # a linear layer's kernel argument table (prompt_buffers)
 STATE_ITEMSIZE = 4  # session state (conv, recurrent, RoPE, scores) is float32; KV: --kv-type
 
@@ -445,54 +444,17 @@ class HybridSession:
 
 # ---- the model ----------------------------------------------------------------------------------
 
-def _softplus(x, xp):
-    return xp.logaddexp(np.float32(0.0), x)
-
-
-def gdn_mixer(be, g: NextGeometry, w: dict, qkv, z, ba, conv, state):
-    """A linear layer between its input projections (qkv [n, conv_dim], z [n, value_dim], ba
-    [n, n_k * 2r]) and ssm_out: the causal conv over `conv` [K-1, conv_dim] and the gated delta
-    rule on `state` [n_v, head_k, head_v] (both updated in place), then the gated RMSNorm.
-    Returns [n, n_v, head_v]. The GPU's gdn_conv_step / gdn_delta_step (kernels/gated_delta.cuh)
-    are tested against this; on a GPU they also read prompt chunks (`Backend.linear_attention`),
-    row by row in this token loop's arithmetic."""
-    fast = be.linear_attention(g, w, qkv, z, ba, conv, state)
-    if fast is not None:
-        return fast
-    xp = be.xp
-    n = qkv.shape[0]
-    nk, nv, hk, hv = g.n_k_heads, g.n_v_heads, g.head_k_dim, g.head_v_dim
-    r = nv // nk
-    ba = ba.reshape(n, nk, 2 * r)                                      # per key head: r b, r a
-    b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
-    beta = be.sigmoid(b)
-    decay = w["ssm_a"] * _softplus(a + w["ssm_dt"], xp)                # [n, nv], <= 0
-
-    # causal depthwise conv over [conv state | this chunk], then SiLU
-    kern = w["ssm_conv1d"]                                             # [conv_dim, K]
-    K = g.ssm_conv_kernel
-    xpad = xp.concatenate([conv, qkv], axis=0)                         # [K-1+n, conv_dim]
-    acc = xpad[0:n] * kern[:, 0]
-    for j in range(1, K):
-        acc = acc + xpad[j:j + n] * kern[:, j]
-    conv[...] = xpad[n:]                                               # the last K-1 inputs
-    mixed = be.silu(acc)
-
-    q = mixed[:, :g.key_dim].reshape(n, nk, hk)
-    k = mixed[:, g.key_dim:2 * g.key_dim].reshape(n, nk, hk)
-    v = mixed[:, 2 * g.key_dim:].reshape(n, nv, hv)
-    q = q / xp.sqrt((q * q).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
-    k = k / xp.sqrt((k * k).sum(axis=-1, keepdims=True) + np.float32(L2_EPS))
-    q = q * np.float32(1.0 / np.sqrt(hk))
-    if r > 1:  # value head h reads key head h // r
-        q, k = xp.repeat(q, r, axis=1), xp.repeat(k, r, axis=1)       # [n, nv, hk]
-
-    # numpy reads token by token (exact); a GPU reads a prompt chunk in blocks (few launches)
-    if xp is np or n == 1:
-        out = gated_delta_steps(q, k, v, beta, decay, state, xp)
+def layer_step(ops: Qwen3NextOps, g: NextGeometry, layer: int, h):
+    """One qwen3next layer over the rows h [n, n_embd]: the only place its sequence is written.
+    The eager forward runs it on the backend (models/next_ops.py); the GPU decode graph captures
+    it through its launches (backends/graph_ops.py NextGraphOps)."""
+    if g.is_linear(layer):
+        qkv, z, ba = ops.norm_mix_in(layer, h)
+        h = ops.add_mix_out(layer, ops.gated_delta(layer, qkv, z, ba), h)
     else:
-        out = gated_delta_chunked(q, k, v, beta, decay, state, xp)
-    return be.rms_norm(out, w["ssm_norm"], g.rms_eps) * be.silu(z.reshape(n, nv, hv))
+        qg, k, v = ops.norm_qkv(layer, h)
+        h = ops.add_out_projection(layer, ops.attention(layer, qg, k, v), h)
+    return ops.add_moe(layer, ops.route(layer, h), h)
 
 
 class Qwen3Next(LayerRangeModel):
@@ -511,7 +473,7 @@ class Qwen3Next(LayerRangeModel):
     def new_session(self, max_cells: int) -> HybridSession:
         return HybridSession(self.backend, self.g, self.lb, self.le, max_cells)
 
-    # ---- stages of the forward -----------------------------------------------------------------
+    # ---- the forward: `layer_step` on the backend (models/next_ops.py) ------------------------
     def forward_layers(self, h, session: HybridSession) -> object:
         """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n,
         carrying the conv and recurrent state of the linear layers across calls (a prompt read in
@@ -522,24 +484,30 @@ class Qwen3Next(LayerRangeModel):
         pos0 = session.n_past
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        be, g = self.backend, self.g
+        ops = NextEagerOps(self, session, pos0)
         for layer in range(self.lb, self.le):
-            w = self.layers[layer]
-            # the names are the buffers a prompt chunk writes on a GPU (prompt_buffers)
-            if g.is_linear(layer):
-                x = be.rms_norm(h, w["attn_norm"], g.rms_eps, out="lx")
-                h = be.add(h, self._linear_attention(layer, x, session), out="h_mid")
-            else:
-                x = be.rms_norm(h, w["attn_norm"], g.rms_eps, out="x")
-                h = be.add(h, self._attention(layer, x, session, pos0), out="h_mid")
-            x = be.rms_norm(h, w["post_attention_norm"], g.rms_eps, out="moe_x")
-            h = be.add(h, self._moe(layer, x), out="h")
+            h = layer_step(ops, self.g, layer, h)
         return h
 
-    forward_rows = next_rows.forward_rows   # a batched decode step (models/next_rows.py)
+    def forward_rows(self, h, sessions: list, positions: list[int]):
+        """A batched decode step (protocol/batch.py): row i of h is the next token of sessions[i]
+        at positions[i] (next_ops.NextRowsOps)."""
+        for s, pos in zip(sessions, positions):
+            if pos + 1 > s.max_cells:
+                raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
+        ops = NextRowsOps(self, sessions, positions)
+        for layer in range(self.lb, self.le):
+            h = layer_step(ops, self.g, layer, h)
+        return h
 
-    # ---- gated attention -----------------------------------------------------------------------
+    # ---- gated attention (the MTP block, sampling/mtp_draft.py, runs `_attention` whole) -------
     def _attention(self, layer, x, session, pos0):
+        qg, k, v = self._attention_qkv(layer, x)
+        return self.backend.linear(self._gated_attention(layer, qg, k, v, session, pos0),
+                                   self.layers[layer]["attn_output"], out="o")
+
+    def _attention_qkv(self, layer, x):
+        """((q, each head's gate half), k, v) of the normed rows x."""
         g, w, be = self.g, self.layers[layer], self.backend
         n, hd = x.shape[0], g.head_dim
         qg = be.linear(x, w["attn_q"], out="qg").reshape(n, g.n_head, 2 * hd)
@@ -548,13 +516,18 @@ class Qwen3Next(LayerRangeModel):
         gate[...] = qg[..., hd:]
         k = be.linear(x, w["attn_k"], out="k").reshape(n, g.n_head_kv, hd)
         v = be.linear(x, w["attn_v"], out="v").reshape(n, g.n_head_kv, hd)
+        return (q, gate), k, v
+
+    def _gated_attention(self, layer, qg, k, v, session, pos0):
+        """q/k norm, RoPE, K/V write and attention, times the sigmoid of the gates."""
+        g, w, be = self.g, self.layers[layer], self.backend
+        (q, gate), n, hd = qg, k.shape[0], g.head_dim
         q = be.qk_norm_rope_kv(q, k, v, w["attn_q_norm"], w["attn_k_norm"], g.rms_eps, session,
                                layer, pos0)
         kc, vc = session.k(layer), session.v(layer)
         attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, session, out="attn")
         gate = be.sigmoid(gate.reshape(n, g.n_head * hd), out="gate")
-        out = be.mul(attn.reshape(n, g.n_head * hd), gate, out="gated")
-        return be.linear(out, w["attn_output"], out="o")
+        return be.mul(attn.reshape(n, g.n_head * hd), gate, out="gated")
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
     def _qkvz(self, w, x):
@@ -576,19 +549,15 @@ class Qwen3Next(LayerRangeModel):
             qkv[:, 2 * nk * hk + i * rv:2 * nk * hk + (i + 1) * rv] = per[:, i, 2 * hk:2 * hk + rv]
         return qkv, z.reshape(n, -1)
 
-    def _linear_attention(self, layer, x, session):
-        g, w, be = self.g, self.layers[layer], self.backend
-        n = x.shape[0]
-        qkv, z = self._qkvz(w, x)
-        ba = be.linear(x, w["ssm_ba"], out="ba")
-        o = gdn_mixer(be, g, w, qkv, z, ba, session.conv_state(layer),
-                      session.recurrent_state(layer))
-        return be.linear(o.reshape(n, g.value_dim), w["ssm_out"], out="lo")
-
     # ---- MoE with the shared expert ------------------------------------------------------------
     def _moe(self, layer, x):
+        idx, wts = self._route(layer, x, self.layers[layer][ROUTER_PART], self.g.norm_topk_prob)
+        return self._moe_after_route(layer, x, idx, wts)
+
+    def _moe_after_route(self, layer, x, idx, wts):
+        """The routed experts (chosen: idx, wts) plus the gated shared expert, of the rows x."""
         w, be = self.layers[layer], self.backend
-        routed = self._routed(layer, x, w[ROUTER_PART], normalize=self.g.norm_topk_prob)
+        routed = self._combine_routed(layer, x, idx, wts)
         hidden = be.silu(be.linear(x, w["ffn_gate_shexp"], out="shexp_gate"), out="shexp_hidden")
         hidden = be.mul(hidden, be.linear(x, w["ffn_up_shexp"], out="shexp_up"),
                         out="shexp_hidden")

@@ -1,0 +1,159 @@
+"""The decode graph's layer ops: models/qwen3moe.py's `Qwen3MoeOps` as kernel launches on the
+static buffers of a backends/cuda_decode.py DecodeGraph. The graph runs the model module's
+`layer_step` with them while it captures a step, so the layer sequence is the model's and the
+launches (kernels, grids, blocks, arguments) are these. The arrays an op is given are the graph's
+own buffers (its argument tables already point at them); each op returns the buffers the next
+one reads. `NextGraphOps` (models/next_ops.py's Qwen3NextOps, for backends/next_decode.py
+NextDecodeGraph) extends them: the same router, routed experts, o-projection and decode
+attention. No CuPy here: the launches go through the graph's `_launch` and `_matvec`."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..kernels.abi import BLOCK_THREADS
+
+
+class GraphLayerOps:
+    """The launches of one step of n rows (eps: the model's RMSNorm epsilon as float32)."""
+
+    def __init__(self, graph, n: int, eps):
+        self.graph, self.n, self.eps = graph, n, eps
+
+    def _spec(self, layer: int) -> tuple[dict, int]:
+        """The layer's launch tables and its slot in the stage (the kernels' layer index)."""
+        j = layer - self.graph.lb
+        return self.graph.layer_specs[j], j
+
+    def _residual(self, h):
+        """The residual rows: always the graph's h (the o, expert and down tables write there)."""
+        if h is not self.graph.h:
+            raise ValueError("a decode graph's layer ops add into its own residual buffer h, "
+                             f"not an array of shape {getattr(h, 'shape', None)}")
+        return h
+
+    def norm_qkv(self, layer: int, h):
+        gr = self.graph
+        L, _ = self._spec(layer)
+        gr._matvec(L["qkv"], self._residual(h), gr.g.n_embd, self.n, L["w"].attn_norm, self.eps)
+        return gr.q, gr.k, gr.v
+
+    def attention(self, layer: int, q, k, v):
+        gr, n, i32 = self.graph, self.n, np.int32
+        g = gr.g
+        L, j = self._spec(layer)
+        w = L["w"]
+        gr._launch("qk_norm_rope_kv" + gr.kv_suffix + gr.ring.suffix)(
+            (g.n_head + g.n_head_kv, n), (32,),
+            (q, k, v, w.q_norm, w.k_norm, gr.sess_table, i32(j), i32(gr.le - gr.lb), gr.desc,
+             i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim), i32(g.head_dim), self.eps))
+        self._attend(j, q)
+        return gr.attn
+
+    def _attend(self, j: int, q) -> None:
+        """The decode attention of the rows' q over layer slot j's K/V into the graph's attn."""
+        gr, i32 = self.graph, np.int32
+        g = gr.g
+        gr._launch(gr.attn_kernel)(
+            (g.n_head // gr.attn_heads, gr.n_split, self.n), (BLOCK_THREADS,),
+            (q, gr.sess_table, i32(j), gr.desc, i32(g.n_head), i32(g.n_head_kv),
+             i32(gr.n_split), i32(gr.attn_chunk), np.float32(1.0 / math.sqrt(g.head_dim)),
+             gr.part, gr.ml, gr.attn_done, gr.attn, i32(gr.le - gr.lb)))
+
+    def add_out_projection(self, layer: int, attn, h):
+        gr = self.graph
+        L, _ = self._spec(layer)
+        gr._matvec(L["o"], attn, gr.g.n_head * gr.g.head_dim, self.n)
+        return self._residual(h)
+
+    def route(self, layer: int, h):
+        """The router's matvec over rms_norm(h) (the normed rows left in xn for the experts and a
+        shared expert), its last block picking the top-k (ids, weights, blob addresses)."""
+        gr = self.graph
+        L, _ = self._spec(layer)
+        gr._matvec(L["router"], self._residual(h), gr.g.n_embd, self.n, L["ffn_norm"], self.eps,
+                   normed=gr.xn, route=L["route"])
+        return gr.xn
+
+    def add_experts(self, layer: int, routed, h):
+        gr, n = self.graph, self.n
+        g, f, shape = gr.g, gr._launch, gr.shape
+        L, _ = self._spec(layer)
+        gate_up, down = L["expert_types"]
+        ff, out = shape.gate_up_block(L["expert_codes"][0]), shape.down_block(L["expert_codes"][1])
+        f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                    (BLOCK_THREADS,), (L["experts"], routed, gr.blobs, gr.act))
+        f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
+                              (L["experts"], gr.act, gr.blobs, gr.wts, self._residual(h)))
+        return h
+
+
+def launch_gdn(launch, spec, n: int, gdn) -> None:
+    """gdn_conv_step then gdn_delta_step over n rows in order; `launch(name)` gives the kernel
+    (the decode graph's launcher, or a plain function), `gdn` the layer's GdnLaunch."""
+    i32 = np.int32
+    launch("gdn_conv_step")((gdn.conv_blocks,), (gdn.conv_threads,), (spec, i32(n)))
+    launch("gdn_delta_step")((gdn.delta_blocks,), (gdn.delta_threads,), (spec, i32(n)),
+                             shared_mem=gdn.delta_shared)
+
+
+class NextGraphOps(GraphLayerOps):
+    """models/next_ops.py's Qwen3NextOps as the decode graph's launches (the router, the routed
+    experts and the o-projection are qwen3moe's, GraphLayerOps')."""
+
+    def norm_mix_in(self, layer: int, h):
+        gr = self.graph
+        L, _ = self._spec(layer)
+        gr._matvec(L["mix_in"], self._residual(h), gr.g.n_embd, self.n, L["attn_norm"], self.eps)
+        return gr.qkv, gr.z, gr.ba
+
+    def gated_delta(self, layer: int, qkv, z, ba):
+        """gdn_conv_step and gdn_delta_step (their GdnSpec table names qkv, z, ba and the
+        output)."""
+        gr = self.graph
+        L, _ = self._spec(layer)
+        launch_gdn(gr._launch, L["gdn"], self.n, gr.gdn)
+        return gr.gdn_out
+
+    def add_mix_out(self, layer: int, o, h):
+        gr = self.graph
+        L, _ = self._spec(layer)
+        gr._matvec(L["mix_out"], o, gr.g.value_dim, self.n)
+        return self._residual(h)
+
+    def norm_qkv(self, layer: int, h):
+        gr = self.graph
+        L, _ = self._spec(layer)
+        gr._matvec(L["qkv"], self._residual(h), gr.g.n_embd, self.n, L["attn_norm"], self.eps)
+        return gr.qg, gr.k, gr.v
+
+    def attention(self, layer: int, qg, k, v):
+        """next_qk_norm_rope_kv (q out of qg into the graph's q), the decode attention, then
+        next_attn_gate (the rows times the sigmoid of qg's gates)."""
+        gr, n, i32 = self.graph, self.n, np.int32
+        g, f = gr.g, gr._launch
+        L, j = self._spec(layer)
+        f("next_qk_norm_rope_kv" + gr.ring.suffix)(
+            (g.n_head + g.n_head_kv, n), (32,),
+            (qg, k, v, L["q_norm"], L["k_norm"], gr.sess_table, i32(j), i32(gr.le - gr.lb),
+             gr.desc, i32(g.n_head), i32(g.n_head_kv), self.eps, gr.q))
+        self._attend(j, gr.q)
+        q_width = g.n_head * g.head_dim
+        f("next_attn_gate")((-(-q_width // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                            (gr.attn, qg, i32(g.n_head)))
+        return gr.attn
+
+    def add_moe(self, layer: int, routed, h):
+        """The routed experts, then the shared expert over the rows the router's matvec normed
+        (`routed`: xn): its gate, up and logit in one matvec launch a type, next_shexp_act, and
+        ffn_down_shexp adding into the residual."""
+        gr, n = self.graph, self.n
+        g, sh = gr.g, gr.g.n_ff_shexp
+        L, _ = self._spec(layer)
+        h = self.add_experts(layer, routed, h)
+        gr._matvec(L["shexp_in"], routed, g.n_embd, n)
+        gr._launch("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                                     (gr.shexp_gu, gr.shexp_logit, np.int32(sh), gr.shexp_act))
+        gr._matvec(L["shexp_down"], gr.shexp_act, sh, n)
+        return h
