@@ -11,7 +11,8 @@ sources as nvcc preprocesses them (the macro-built kernels expanded).
 
 Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "grids": {name:
 {expert kernel: grid widths}}, "step_launches": {name: a one-row decode step's launches with the
-graph ops that made them}, "errors": [...]}."""
+graph ops that made them}, "step_layers": {name: whether each of the graph's layers is linear},
+"errors": [...]}."""
 from __future__ import annotations
 
 import collections
@@ -134,13 +135,20 @@ def install_kernels(function) -> None:
     pdl.ProgrammaticLauncher = Programmatic
 
 
-def recorded_step(runner, ids) -> list[str]:
+def recorded_step(runner, ids) -> tuple[list[str], list[bool]] | None:
     """The launches of one decode step on a runner whose graph for len(ids) rows is not captured
     yet (its capture runs every launch), each op of the model's ops protocol (the type of
-    layer_step's `ops`) marked before the launches the graph's ops class makes for it."""
+    layer_step's `ops`) marked before the launches the graph's ops class makes for it, and the
+    graph's layers (whether each is a linear layer); None, the step run, where the runner has no
+    decode graph (the general path)."""
     global STEP_LAUNCHES
     import typing
     graph = runner.decode_graph
+    if graph is None:
+        runner.decode_step(ids)
+        return None
+    is_linear = getattr(graph.g, "is_linear", lambda layer: False)
+    layers = [bool(is_linear(layer)) for layer in range(graph.lb, graph.le)]
     ops_class = graph.layer_ops
     protocol = typing.get_type_hints(graph.layer_step)["ops"]
     names = [n for n, f in vars(protocol).items() if callable(f) and not n.startswith("_")]
@@ -156,7 +164,7 @@ def recorded_step(runner, ids) -> list[str]:
         for n in names:
             setattr(ops_class, n, marked(n, getattr(ops_class, n)))
         runner.decode_step(ids)
-        return STEP_LAUNCHES
+        return STEP_LAUNCHES, layers
     finally:
         STEP_LAUNCHES = None
         for n, f in own.items():
@@ -231,7 +239,7 @@ def main() -> int:
     from hf_next_fixtures import tiny_qwen3next, write_gguf as write_next
     from strata_dist.tools.single_process import SingleProcessRunner
 
-    scenarios, graphs, grids, step_launches = {}, {}, {}, {}
+    scenarios, graphs, grids, step_launches, step_layers = {}, {}, {}, {}, {}
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
 
     def run(name, path, **kw):
@@ -241,7 +249,9 @@ def main() -> int:
         try:
             r = SingleProcessRunner(path, "cuda:0", prompt_chunk=128, max_context=512, **kw)
             r.prefill(prompt)
-            step_launches[name] = recorded_step(r, [5])
+            step = recorded_step(r, [5])
+            if step is not None:
+                step_launches[name], step_layers[name] = step
             r.decode_step([5, 6, 7])
             r.generate([1, 2, 3, 4, 5], 4)
         finally:
@@ -303,7 +313,8 @@ def main() -> int:
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
         run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
     print(json.dumps({"scenarios": scenarios, "graphs": graphs, "grids": grids,
-                      "step_launches": step_launches, "errors": errors}))
+                      "step_launches": step_launches, "step_layers": step_layers,
+                      "errors": errors}))
     return 0
 
 

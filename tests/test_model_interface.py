@@ -34,7 +34,7 @@ def test_backends_implement_the_layer_ops_the_models_call():
     from strata_dist.models import qwen3moe
     assert isinstance(NumpyBackend(), LayerOps)
     ops = [n for n, f in vars(LayerOps).items() if callable(f) and not n.startswith("_")]
-    # the rank-ordered combine; the experts' outputs come from the store (models/common.py _routed)
+    # the rank-ordered combine; the experts' outputs come from the store (models/common.py _combine_routed)
     assert {"rms_norm", "rope", "attend", "route", "combine_ranked", "linear", "rows"} <= set(ops)
     assert "moe" not in ops
     for name in ops:

@@ -1,7 +1,7 @@
 """The array arithmetic of the layer operations (backends/ops.py), written once for numpy and
 CuPy (`xp`): RMSNorm, NEOX RoPE (full or partial), causal grouped-query attention with the
 session's decode score scratch, softmax top-k routing and the rank-ordered MoE combine (the
-experts' outputs come from the model's expert store: models/common.py `_routed`).
+experts' outputs come from the model's expert store: models/common.py `_combine_routed`).
 `Backend` exposes them as methods; the models call those."""
 from __future__ import annotations
 

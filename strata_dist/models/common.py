@@ -350,11 +350,6 @@ class LayerRangeModel:
         w = self._tensors["token_embd.weight" if self.g.tied_embeddings else "output.weight"]
         return self.backend.linear(h, w)
 
-    def _routed(self, layer: int, x, router, normalize: bool):
-        """The routed experts' part of a MoE layer: route, report, combine in rank order."""
-        idx, wts = self._route(layer, x, router, normalize)
-        return self._combine_routed(layer, x, idx, wts)
-
     def _route(self, layer: int, x, router, normalize: bool):
         """The top-k of the normed rows x (ids, weights), reported to `on_route`."""
         idx, wts = self.backend.route(x, router, self.g.n_expert_used, normalize)

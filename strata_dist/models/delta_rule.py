@@ -71,8 +71,9 @@ def _softplus(x, xp):
 
 def gdn_mixer(be, g, w: dict, qkv, z, ba, conv, state):
     """A linear layer (g: its NextGeometry, models/qwen3next.py) between its input projections
-    (qkv [n, conv_dim], z [n, value_dim], ba [n, n_k * 2r]) and ssm_out: the causal conv over `conv` [K-1, conv_dim] and the gated delta
-    rule on `state` [n_v, head_k, head_v] (both updated in place), then the gated RMSNorm.
+    (qkv [n, conv_dim], z [n, value_dim], ba [n, n_k * 2r]) and ssm_out: the causal conv over
+    `conv` [K-1, conv_dim] and the gated delta rule on `state` [n_v, head_k, head_v] (both
+    updated in place), then the gated RMSNorm.
     Returns [n, n_v, head_v]. The GPU's gdn_conv_step / gdn_delta_step (kernels/gated_delta.cuh)
     are tested against this; on a GPU they also read prompt chunks (`Backend.linear_attention`),
     row by row in this token loop's arithmetic."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-ROUTER_PART = "ffn_gate_inp"       # models/qwen3next.py's (imported from there would be a circle)
-
 
 class Qwen3NextOps(Protocol):
     """`layer` is the global ordinal; arrays are [n, width] rows (a graph passes its buffers)."""
@@ -86,7 +84,8 @@ class NextEagerOps:
     def route(self, layer, h):
         w = self.model.layers[layer]
         x = self.be.rms_norm(h, w["post_attention_norm"], self.g.rms_eps, out="moe_x")
-        return (x, *self.model._route(layer, x, w[ROUTER_PART], self.g.norm_topk_prob))
+        router = w[self.model.arch.ROUTER_PART]
+        return (x, *self.model._route(layer, x, router, self.g.norm_topk_prob))
 
     def add_moe(self, layer, routed, h):
         return self.be.add(h, self.model._moe_after_route(layer, *routed), out="h")
@@ -146,7 +145,8 @@ class NextRowsOps:
     def route(self, layer, h):
         w = self.model.layers[layer]
         x = self.be.rms_norm(h, w["post_attention_norm"], self.g.rms_eps)
-        return (x, *self.model._route(layer, x, w[ROUTER_PART], self.g.norm_topk_prob))
+        router = w[self.model.arch.ROUTER_PART]
+        return (x, *self.model._route(layer, x, router, self.g.norm_topk_prob))
 
     def add_moe(self, layer, routed, h):
         return self.be.add(h, self.model._moe_after_route(layer, *routed))

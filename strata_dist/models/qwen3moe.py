@@ -238,7 +238,7 @@ class EagerOps:
         n = q.shape[0]
         q = be.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, g.rms_eps, s, layer, pos0)
         kc, vc = s.k(layer), s.v(layer)
-        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, s, out="attn")
+        attn = be.attend(q, kc[:pos0 + n], vc[:pos0 + n], pos0, s, out=self._out("attn"))
         return attn.reshape(n, g.n_head * g.head_dim)
 
     def add_out_projection(self, layer, attn, h):

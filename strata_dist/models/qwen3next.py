@@ -45,7 +45,7 @@ from .common import (LayerRangeModel, check_recurrent_layers, gemm_buffers, mode
                      residual_buffers, rope_buffers, rope_tables, routed_expert_buffers,
                      stack_layers, stage_tensor_names, transformer_geometry)
 from .next_ops import NextEagerOps, NextRowsOps, Qwen3NextOps
-from .delta_rule import L2_EPS, gdn_mixer  # noqa: F401 (this module's names: tests, qwen35moe)
+from .delta_rule import gdn_mixer  # noqa: F401 (this module's name: tests, qwen35moe)
 
 ARCH = "qwen3next"
 
@@ -468,7 +468,8 @@ class Qwen3Next(LayerRangeModel):
 
     def _host_f32(self, name: str) -> np.ndarray:
         host = self.gguf.dequantize(name)
-        return host.reshape(1, -1) if _part(name) == SHEXP_GATE_PART else host  # [n_embd] or [1, n_embd]
+        # the shared expert's gate: one row [1, n_embd]; the others as stored
+        return host.reshape(1, -1) if _part(name) == SHEXP_GATE_PART else host
 
     def new_session(self, max_cells: int) -> HybridSession:
         return HybridSession(self.backend, self.g, self.lb, self.le, max_cells)
