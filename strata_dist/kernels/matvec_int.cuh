@@ -26,7 +26,7 @@
 // Columns of one row quantized into shared memory at once (a tile); wider rows loop over tiles.
 // 8192 columns over the N rows (22.5 KB), but never under 2048 a row: a tile is then a whole
 // number of 32-unit rounds, so lane l always takes the units u with u % 32 == l and a row's sum
-// runs in one order whatever N is (batch invariance, as the float path). N = 8 so holds 8 x 2048
+// runs in one order whatever N is (batch invariance, as the float path). N = 8 thus holds 8 x 2048
 // columns (45 KB of the 48 KB a block may hold statically).
 HOST_DEVICE constexpr int matvec_int_tile(int n) { return 8192 / n > 2048 ? 8192 / n : 2048; }
 
