@@ -55,10 +55,13 @@ def test_kernel_shape_parses_and_refuses():
                                                       IQ2_XXS}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
+    assert KernelShape.parse("int_matvec=1").defines() == ("-DINT_MATVEC=1",)
+    assert KernelShape().int_matvec == 0 and KernelShape.parse("int_matvec=1").int_types() == {Q4_K}
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
-                "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1"):
+                "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
+                "int_matvec=2"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -175,6 +178,10 @@ def built_kernel_names(source: str, types=None) -> list[str]:
     return [k for k in source_kernel_names(source) if k not in left_out]
 
 
+# the types with a unit dot (the dense matvecs' integer path, kernels/matvec_int.cuh) and F16 /
+# Q8_0 on the float path beside them
+MATVEC_INT_BUILD = (F16, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ2_XXS)
+
 # every switch of kernels/abi.py INT_TYPE_SWITCHES on: each type the integer path has
 INT_ALL = ",".join(f"{name}=1" for name in abi.INT_TYPE_SWITCHES)
 INT_TYPES = (Q4_K, *abi.INT_TYPE_SWITCHES.values())
@@ -189,7 +196,9 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
         "matvec_threads=128")),
     # the integer path of every type it has (INT_TYPE_SWITCHES on), in place and staged
     *(("decode.cu", shape, tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))) for shape in (
-        INT_ALL, INT_ALL + ",int_direct=0"))]
+        INT_ALL, INT_ALL + ",int_direct=0")),
+    # the dense matvecs' integer path (int_matvec) of every type it takes, the floats beside
+    ("decode.cu", "int_matvec=1", MATVEC_INT_BUILD)]
 
 
 @needs_nvcc
@@ -220,8 +229,11 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
 # those two spill 8 bytes (each key's row chosen between the card and the host copy); with the
 # integer path on (int_iq4_xs / int_iq2_xxs), moe_down of IQ4_XS / IQ2_XXS: 16 / 8 bytes at 64
-# registers (ptxas -v, CUDA 13.0, 2026-12-06; not yet measured on a GPU)
-STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
+# registers (ptxas -v, CUDA 13.0, 2026-12-06; not yet measured on a GPU); with the dense matvecs'
+# integer path on (int_matvec=1), matvec_q3_k_1 spills 44 bytes into a 40-byte frame at 128
+# registers (its wide build holds 8 rows' sums and Q3_K's unit dot is the largest; ptxas -v, CUDA
+# 13.0, 2026-12-06; the default build has no frame there; not yet measured on a GPU)
+STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"matvec_q3_k_1", 40), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 
 
@@ -234,10 +246,12 @@ def stack_allowed(kernel: str) -> int:
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
                          + [("decode.cu", "int_direct=0", (Q4_K,)),
                             ("decode.cu", INT_ALL, INT_TYPES),
-                            ("decode.cu", INT_ALL + ",int_direct=0", INT_TYPES)],
+                            ("decode.cu", INT_ALL + ",int_direct=0", INT_TYPES),
+                            ("decode.cu", "int_matvec=1", MATVEC_INT_BUILD)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_direct_0-q4_k",
                                                             "decode.cu-int_k_types",
-                                                            "decode.cu-int_k_types-staged"])
+                                                            "decode.cu-int_k_types-staged",
+                                                            "decode.cu-int_matvec"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
