@@ -272,7 +272,8 @@ def main() -> int:
             run(f"qwen3moe {dtype}, array prompt steps", path,
                 env={"STRATA_FUSED_PROMPT_OPS": "0"})
         # a q5_k_m file's experts (Q5_K gate/up, Q5_K and Q6_K down rows of 256 columns) with
-        # and without the integer path of Q5_K and Q6_K (KernelShape int_q5_k / int_q6_k)
+        # the integer path of Q5_K and Q6_K (the default) and without it (KernelShape int_q5_k /
+        # int_q6_k 0)
         import dataclasses
         from strata_dist.synth import GEOMETRIES, write_synthetic
         k_mix = Path(d) / "moe-q5_k_m.gguf"
@@ -280,23 +281,23 @@ def main() -> int:
             GEOMETRIES["tiny"], name="tiny-k", n_embd=256, n_head=2, n_head_kv=1, head_dim=128,
             n_ff_exp=256), quant="q5_k_m", popularity="zipf:1.0")
         run("qwen3moe q5_k_m", k_mix)
-        run("qwen3moe q5_k_m, int_q5_k=1,int_q6_k=1", k_mix,
-            env={"STRATA_KERNEL_SHAPE": "int_q5_k=1,int_q6_k=1"})
+        run("qwen3moe q5_k_m, int_q5_k=0,int_q6_k=0", k_mix,
+            env={"STRATA_KERNEL_SHAPE": "int_q5_k=0,int_q6_k=0"})
         # the dense matvecs' integer path (KernelShape int_matvec): the same launches, checked
         # against the same signatures, from a build of that shape
         run("qwen3moe q5_k_m, int_matvec=1", k_mix, env={"STRATA_KERNEL_SHAPE": "int_matvec=1"})
         # i-quant files (every expert IQ4_XS, IQ3_S or IQ2_XXS; 512 columns in, 256 out: the
-        # router's reserved slice needs n_embd 512 below 4 bits) with their integer path's
-        # switches on (one build), and IQ4_XS's with the default build too
-        iq_shape = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
+        # router's reserved slice needs n_embd 512 below 4 bits) with the default build (their
+        # integer path's switches on), and IQ4_XS's with the switches 0 too (the float path)
+        iq_off = "int_iq4_xs=0,int_iq3_s=0,int_iq2_xxs=0"
         for quant in ("iq4_xs", "iq3_s", "iq2_xxs"):
             iq = Path(d) / f"moe-{quant}.gguf"
             write_synthetic(iq, like=dataclasses.replace(
                 GEOMETRIES["tiny"], name="tiny-iq", n_embd=512, n_head=4, n_head_kv=1,
                 head_dim=128, n_ff_exp=256), quant=quant, popularity="zipf:1.0")
+            run(f"qwen3moe {quant}", iq)
             if quant == "iq4_xs":
-                run("qwen3moe iq4_xs", iq)
-            run(f"qwen3moe {quant}, {iq_shape}", iq, env={"STRATA_KERNEL_SHAPE": iq_shape})
+                run(f"qwen3moe iq4_xs, {iq_off}", iq, env={"STRATA_KERNEL_SHAPE": iq_off})
         q8 = Path(d) / "moe-q8_0.gguf"
         run("qwen3moe q8_0, routed on the host", q8,
             env={"STRATA_DEVICE_ROUTING": "0"})

@@ -76,9 +76,11 @@ int main(int argc, char** argv) {
 }
 """
 # the types of the integer path and the switches that put them on it (INT_TYPE_SWITCHES; Q4_K
-# always)
+# always): on by default, named here so the tests keep their meaning whatever the defaults; and
+# the same switches off (those types back on the float path)
 INT_PATH_TYPES = (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)
 INT_PATH_SHAPE = "int_q5_k=1,int_q6_k=1,int_q3_k=1,int_q2_k=1"
+INT_PATH_OFF = "int_q5_k=0,int_q6_k=0,int_q3_k=0,int_q2_k=0"
 
 
 def _build_int_harness(tmp_path, shape: str, row_shift: int):
@@ -150,19 +152,23 @@ def test_integer_expert_path_matches_gguf_on_the_host(tmp_path, row_shift):
 
 
 @needs_nvcc
-def test_a_type_off_the_integer_path_is_not_taken_by_its_build(tmp_path):
-    """The default build (every INT_TYPE_SWITCHES switch 0) puts only Q4_K on the integer path:
-    the harness built with it refuses Q5_K, Q6_K, Q3_K and Q2_K rows (int_type false), so the
-    switches, not the unit dots alone, decide the path."""
+@pytest.mark.parametrize("shape, off", [("", False), (INT_PATH_OFF, True)],
+                         ids=["default", "switches_0"])
+def test_a_type_off_the_integer_path_is_not_taken_by_its_build(tmp_path, shape, off):
+    """The default build (every INT_TYPE_SWITCHES switch 1, measured faster) puts Q4_K, Q5_K,
+    Q6_K, Q3_K and Q2_K on the integer path; built with their switches 0 the harness refuses
+    Q5_K, Q6_K, Q3_K and Q2_K rows (int_type false) and still takes Q4_K's, so the switches, not
+    the unit dots alone, decide the path."""
     import numpy as np
     import type_rows
     from gguf import GGMLQuantizationType as QT
-    exe = _build_int_harness(tmp_path, "", 0)
-    for qtype, want_rc in ((QT.Q4_K, 0), (QT.Q5_K, 2), (QT.Q6_K, 2), (QT.Q3_K, 2), (QT.Q2_K, 2)):
+    exe = _build_int_harness(tmp_path, shape, 0)
+    for qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K):
+        want_rc = 2 if off and qtype != QT.Q4_K else 0
         raw, _ = type_rows.random_rows(qtype, 2, 256, 3)
         data = tmp_path / "in.bin"
         data.write_bytes(np.array([int(qtype), raw.shape[1], 256, 2], np.int64).tobytes()
                          + np.float32(1).tobytes() + np.ones(256, np.float32).tobytes()
                          + raw.tobytes())
         done = subprocess.run([str(exe), str(data), str(tmp_path / "out.bin")], timeout=60)
-        assert done.returncode == want_rc, qtype.name
+        assert done.returncode == want_rc, (shape, qtype.name)

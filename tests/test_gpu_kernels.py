@@ -88,8 +88,11 @@ def _run_experts(ex, shape: KernelShape, x, ids, wts, h0):
     return act, h
 
 
-# the integer path of every type it has (kernels/abi.py INT_TYPE_SWITCHES on)
+# the integer path of every type it has (kernels/abi.py INT_TYPE_SWITCHES on: the default, named
+# where a test means it whatever the defaults); and every switch off: those types on the float
+# path, Q4_K alone on the integer path
 INT_ALL = ",".join(f"{name}=1" for name in INT_TYPE_SWITCHES)
+INT_OFF = ",".join(f"{name}=0" for name in INT_TYPE_SWITCHES)
 # the integer path's i-quants, each as gate/up and as down (int_iq4_xs, int_iq3_s, int_iq2_xxs)
 IQ_PAIRS = [(QT.IQ4_XS, QT.IQ3_S), (QT.IQ3_S, QT.IQ2_XXS), (QT.IQ2_XXS, QT.IQ4_XS)]
 
@@ -99,12 +102,13 @@ IQ_PAIRS = [(QT.IQ4_XS, QT.IQ3_S), (QT.IQ3_S, QT.IQ2_XXS), (QT.IQ2_XXS, QT.IQ4_X
                                           (QT.Q6_K, QT.Q6_K), *IQ_PAIRS],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3])
+# "" (the default) has every INT_TYPE_SWITCHES switch on; INT_OFF puts those types back on the
+# float path
 @pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0", "int_direct=0",
                                    "int_ff_per_warp=1,int_down_per_warp=2",
                                    "int_ff_per_warp=4,int_down_per_warp=2",
-                                   "factored_dots=0,cvt_magic=0", INT_ALL,
-                                   INT_ALL + ",int_direct=0",
-                                   INT_ALL + ",int_ff_per_warp=4,int_down_per_warp=2"])
+                                   "factored_dots=0,cvt_magic=0", INT_OFF,
+                                   INT_OFF + ",int_direct=0"])
 def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     """Every build tune_decode.py measures computes the same experts (up to rounding)."""
     shape = KernelShape.parse(shape)
@@ -416,6 +420,7 @@ def test_expert_kernels_give_the_same_bits_wherever_the_blob_lies(tmp_path, gate
 @pytest.mark.parametrize("qtype,shape", [(QT.Q8_0, "int_gate_up=0,int_down=0"),
                                          (QT.Q8_0, ""), (QT.Q4_K, ""),
                                          (QT.Q4_K, "int_direct=0"), (QT.Q5_K, "int_q5_k=1"),
+                                         (QT.Q5_K, "int_q5_k=0"), (QT.IQ4_XS, "int_iq4_xs=0"),
                                          (QT.Q6_K, "int_q6_k=1"), (QT.Q3_K, "int_q3_k=1"),
                                          (QT.Q2_K, "int_q2_k=1"),
                                          (QT.Q5_K, "int_q5_k=1,int_direct=0"),

@@ -8,8 +8,8 @@ gguf-py's `dequantize` (tests/type_rows.py), the reference nobody here wrote:
   stage): gguf-py's float32 bit for bit (Q4_K / Q5_K: within a unit in the last place, their
   measured fused multiply-add), and f16 its round to nearest;
 - the dense matvec, 1..8 activation rows, each row's bits independent of the others';
-- the decode expert kernels (moe_gate_up / moe_down: the float path, Q4_K's integer path, and
-  with every INT_TYPE_SWITCHES switch on the integer path of K- and i-quants),
+- the decode expert kernels (moe_gate_up / moe_down: the float path, and the default build's
+  integer path of Q4_K and of the K- and i-quants of INT_TYPE_SWITCHES, and those switches 0),
   1..8 rows, gate/up and down in the same and in different types, blobs in device memory and
   in pinned host memory read in place (the host tier) giving the same bits;
 - the prompt's row kernels (FMA and tensor-core builds) over a chunk of 300 rows.
@@ -156,10 +156,11 @@ PAIRS = [(t, t) for t in ALL_TYPES] + [(QT.Q4_0, QT.Q8_0), (QT.Q2_K, QT.Q3_K),
 
 
 @pytest.mark.parametrize("gate_up,down", PAIRS, ids=ids)
-# every integer-path type's switch on (abi.py INT_TYPE_SWITCHES): Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_S,
-# IQ2_XXS take the integer path in the PAIRS that have them
+# the default build has every integer-path type's switch on (abi.py INT_TYPE_SWITCHES): Q5_K,
+# Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ2_XXS take the integer path in the PAIRS that have them;
+# with those switches 0 they take the float path and Q4_K alone the integer one
 @pytest.mark.parametrize("shape", ["", "int_gate_up=0,int_down=0",
-                                   ",".join(f"{name}=1" for name in INT_TYPE_SWITCHES)])
+                                   ",".join(f"{name}=0" for name in INT_TYPE_SWITCHES)])
 def test_decode_expert_kernels_of_every_type(gate_up, down, shape):
     ks = KernelShape.parse(shape)
     ex = Blobs(gate_up, down, seed=int(gate_up) * 100 + int(down))

@@ -5,14 +5,18 @@ gguf-py's decoding in float64: the counterpart of test_experts_int_host.py's K-q
 its own file for now). Skips where nvcc is not installed."""
 import subprocess
 
+import pytest
+
 from strata_dist.kernels import KERNEL_DIR
 from strata_dist.kernels.abi import IQ2_XXS, IQ3_S, IQ4_XS, Q4_K, KernelShape
 
 from test_experts_int_host import HOST_INT_PATH
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
-# the switches that put the three i-quants on the integer path (abi.py INT_TYPE_SWITCHES)
+# the switches that put the three i-quants on the integer path (abi.py INT_TYPE_SWITCHES): on by
+# default, named here so the tests keep their meaning whatever the defaults; and the same off
 IQ_PATH_SHAPE = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
+IQ_PATH_OFF = "int_iq4_xs=0,int_iq3_s=0,int_iq2_xxs=0"
 
 # The unit dots over whole rows through int_unit_dot<T>, with the integer path's quantizer and unit
 # layout (as test_experts_int_host.py's INT_HARNESS). A type its build leaves off the path
@@ -140,17 +144,21 @@ def test_integer_unit_dots_of_iquants_match_gguf_on_the_host(tmp_path):
 
 
 @needs_nvcc
-def test_iquants_stay_off_the_integer_path_in_the_default_build(tmp_path):
-    """The default build (int_iq4_xs, int_iq3_s, int_iq2_xxs 0) leaves the three i-quants off the
-    integer path: the harness built with it refuses their rows (int_type false), so the switches,
-    not the unit dots alone, decide the path."""
+@pytest.mark.parametrize("shape, want_rc", [("", 0), (IQ_PATH_OFF, 2)],
+                         ids=["default", "switches_0"])
+def test_iquants_take_the_integer_path_by_default_and_leave_it_at_0(tmp_path, shape, want_rc):
+    """The default build (int_iq4_xs, int_iq3_s, int_iq2_xxs 1, measured faster) puts the three
+    i-quants on the integer path: the harness built with it takes their rows; built with the
+    switches 0 it refuses them (int_type false, exit 2), so the switches, not the unit dots
+    alone, decide the path."""
     import numpy as np
     from quant_rows import random_rows
     from gguf import GGMLQuantizationType as QT
-    exe = _build(tmp_path, "")
+    exe = _build(tmp_path, shape)
     for qtype in (QT.IQ4_XS, QT.IQ3_S, QT.IQ2_XXS):
         raw, _ = random_rows(qtype, 2, 256, 3)
-        assert _run(tmp_path, exe, qtype, np.ones(256, np.float32), 1.0, raw)[0] == 2, qtype.name
+        assert _run(tmp_path, exe, qtype, np.ones(256, np.float32), 1.0, raw)[0] == want_rc, \
+            (shape, qtype.name)
 
 
 # The unit dots in device code through int_unit_dot<T>, as the expert kernels call them on rows

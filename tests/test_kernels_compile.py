@@ -30,29 +30,35 @@ def test_kernel_shape_parses_and_refuses():
     assert KernelShape.parse("ff_per_block=8").defines() == ("-DFF_PER_BLOCK=8",)
     assert KernelShape.parse("factored_dots=0,cvt_magic=0").defines() == (
         "-DFACTORED_DOTS=0", "-DCVT_MAGIC=0")
-    # Q4_K experts take the integer path's grid (8 warps a block, two rows a warp for gate/up),
-    # every other type (Q8_0 included) the float one's
+    # Q4_K experts, and by default every type of INT_TYPE_SWITCHES (Q6_K here), take the integer
+    # path's grid (8 warps a block, two rows a warp for gate/up), every other type (Q8_0 included)
+    # the float one's
     shape = KernelShape()
     assert (shape.gate_up_block(Q4_K), shape.gate_up_block(Q6_K), shape.down_block(Q4_K),
             shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == \
-        (16, FF_PER_BLOCK, 8, FF_PER_BLOCK, DOWN_PER_BLOCK)
+        (16, 16, 8, FF_PER_BLOCK, DOWN_PER_BLOCK)
+    assert shape.int_types() == {Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ2_XXS}
     shape = KernelShape.parse("int_ff_per_warp=1,int_down_per_warp=2")
     assert shape.defines() == ("-DINT_FPW=1", "-DINT_DPW=2")
     assert (shape.gate_up_block(Q4_K), shape.down_block(Q4_K)) == (8, 16)
     assert (shape.gate_up_block(Q8_0), shape.down_block(Q8_0)) == (FF_PER_BLOCK, DOWN_PER_BLOCK)
     assert KernelShape.parse("int_gate_up=0,int_down=0").gate_up_block(Q4_K) == FF_PER_BLOCK
-    # Q5_K / Q6_K take the integer path's grid only behind their switches (off by default), each
-    # its own; int_gate_up / int_down still switch the whole path
-    assert (shape.gate_up_block(Q5_K), shape.down_block(Q6_K)) == (FF_PER_BLOCK, DOWN_PER_BLOCK)
-    shape = KernelShape.parse("int_q6_k=1")
-    assert shape.defines() == ("-DINT_Q6_K=1",)
+    # Q5_K / Q6_K take the integer path's grid by default (the per-warp rows too), each behind
+    # its own switch; int_gate_up / int_down still switch the whole path
+    assert (shape.gate_up_block(Q5_K), shape.down_block(Q6_K)) == (8, 16)
+    shape = KernelShape.parse("int_q6_k=0")
+    assert shape.defines() == ("-DINT_Q6_K=0",)
     assert (shape.gate_up_block(Q6_K), shape.down_block(Q6_K), shape.gate_up_block(Q5_K)) == \
-        (16, 8, FF_PER_BLOCK)
-    shape = KernelShape.parse("int_q5_k=1,int_q6_k=1,int_down=0")
+        (FF_PER_BLOCK, DOWN_PER_BLOCK, 16)
+    assert KernelShape.parse(INT_ALL) == KernelShape()
+    assert KernelShape.parse(INT_OFF).int_types() == {Q4_K}
+    assert KernelShape.parse(INT_OFF).defines() == tuple(
+        f"-D{name.upper()}=0" for name in abi.INT_TYPE_SWITCHES)
+    shape = KernelShape.parse("int_q3_k=0,int_q2_k=0,int_iq4_xs=0,int_iq3_s=0,int_iq2_xxs=0,"
+                              "int_down=0")
     assert shape.int_types() == {Q4_K, Q5_K, Q6_K}
-    assert KernelShape.parse("int_q3_k=1").int_types() == {Q4_K, Q3_K}
-    assert KernelShape.parse(INT_ALL).int_types() == {Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S,
-                                                      IQ2_XXS}
+    assert KernelShape.parse("int_q3_k=0").int_types() == {Q4_K, Q5_K, Q6_K, Q2_K, IQ4_XS, IQ3_S,
+                                                           IQ2_XXS}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     assert KernelShape.parse("int_matvec=1").defines() == ("-DINT_MATVEC=1",)
@@ -182,8 +188,10 @@ def built_kernel_names(source: str, types=None) -> list[str]:
 # Q8_0 on the float path beside them
 MATVEC_INT_BUILD = (F16, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ2_XXS)
 
-# every switch of kernels/abi.py INT_TYPE_SWITCHES on: each type the integer path has
+# every switch of kernels/abi.py INT_TYPE_SWITCHES on (the default): each type the integer path
+# has; and every one off: those types on the float path, Q4_K alone on the integer path
 INT_ALL = ",".join(f"{name}=1" for name in abi.INT_TYPE_SWITCHES)
+INT_OFF = ",".join(f"{name}=0" for name in abi.INT_TYPE_SWITCHES)
 INT_TYPES = (Q4_K, *abi.INT_TYPE_SWITCHES.values())
 
 # every source at the default shape, whole type table; decode.cu (the one source built with a
@@ -192,11 +200,12 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     ("decode.cu", "factored_dots=0,cvt_magic=0", None),       # every decoder's other form
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
-        "int_ff_per_warp=2,int_down_per_warp=4", "int_direct=0",
+        "int_ff_per_warp=2,int_down_per_warp=4",
         "matvec_threads=128")),
-    # the integer path of every type it has (INT_TYPE_SWITCHES on), in place and staged
+    # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
+    # build above reads them in place) staged, and those types on the float path (switches off)
     *(("decode.cu", shape, tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))) for shape in (
-        INT_ALL, INT_ALL + ",int_direct=0")),
+        "int_direct=0", INT_OFF)),
     # the dense matvecs' integer path (int_matvec) of every type it takes, the floats beside
     ("decode.cu", "int_matvec=1", MATVEC_INT_BUILD)]
 
@@ -227,10 +236,11 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # (up to 32 bytes, which moves with unrelated edits; an array indexed at run time is far larger);
 # moe_down of IQ2_XXS, IQ2_XS and IQ4_NL spill 4-8 bytes at 48 registers (ptxas -v, CUDA 13.0;
 # the i-quants' first version, not yet measured on a GPU); the --kv-resident `_ring` builds of
-# those two spill 8 bytes (each key's row chosen between the card and the host copy); with the
-# integer path on (int_iq4_xs / int_iq2_xxs), moe_down of IQ4_XS / IQ2_XXS: 16 / 8 bytes at 64
-# registers (ptxas -v, CUDA 13.0, 2026-12-06; not yet measured on a GPU); with the dense matvecs'
-# integer path on (int_matvec=1), matvec_q3_k_1 spills 44 bytes into a 40-byte frame at 128
+# those two spill 8 bytes (each key's row chosen between the card and the host copy); in the
+# default build (integer path on: int_iq4_xs / int_iq2_xxs), moe_down of IQ4_XS / IQ2_XXS: 16 / 8
+# bytes at 64 registers (ptxas -v, CUDA 13.0, 2026-12-06; the build measured faster all the same,
+# benchmarks/results/decode-qwen3-30b-a3b-iq4_xs-2026-12-06-051350-f6081f8.json); with the dense
+# matvecs' integer path on (int_matvec=1), matvec_q3_k_1 spills 44 bytes into a 40-byte frame at 128
 # registers (its wide build holds 8 rows' sums and Q3_K's unit dot is the largest; ptxas -v, CUDA
 # 13.0, 2026-12-06; the default build has no frame there; not yet measured on a GPU)
 STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"matvec_q3_k_1", 40), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
@@ -244,18 +254,16 @@ def stack_allowed(kernel: str) -> int:
 
 @needs_nvcc
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
-                         + [("decode.cu", "int_direct=0", (Q4_K,)),
-                            ("decode.cu", INT_ALL, INT_TYPES),
-                            ("decode.cu", INT_ALL + ",int_direct=0", INT_TYPES),
+                         + [("decode.cu", "int_direct=0", INT_TYPES),
+                            ("decode.cu", INT_OFF, INT_TYPES),
                             ("decode.cu", "int_matvec=1", MATVEC_INT_BUILD)],
-                         ids=[p.name for p in sources()] + ["decode.cu-int_direct_0-q4_k",
-                                                            "decode.cu-int_k_types",
-                                                            "decode.cu-int_k_types-staged",
+                         ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
+                                                            "decode.cu-int_types-float_path",
                                                             "decode.cu-int_matvec"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
-    integer expert path's staged build (Q4_K's kernels) and its Q5_K / Q6_K builds too."""
+    integer expert path's types (on in the default build) staged too, and on the float path."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])

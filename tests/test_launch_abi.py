@@ -2,9 +2,9 @@
 (tests/launch_abi_check.py: the backend's Python on numpy stand-ins for CuPy, every launch's
 arguments, scalar types and limits checked; nothing numeric, which the GPU tests own). A
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
-Q8_0 one routed on the host and on the general path), a q5_k_m file with and without the integer
-path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their integer path (and
-iq4_xs without), and a qwen3next file with the kernels'
+Q8_0 one routed on the host and on the general path), a q5_k_m file with (the default) and
+without the integer path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their
+integer path (the default; and iq4_xs without), and a qwen3next file with the kernels'
 head geometry (and with the blocked delta rule): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
 streaming the rest from pinned host memory, its decode graph reading them there. Skips where
@@ -181,20 +181,20 @@ def test_the_next_decode_graph_captures_the_models_layer_step(report):
 
 
 def test_the_integer_switches_size_the_k_quant_expert_grids(report):
-    """A q5_k_m file (Q5_K gate/up, Q5_K and Q6_K down; 256 columns each way) with
-    STRATA_KERNEL_SHAPE=int_q5_k=1,int_q6_k=1: its expert launches take the integer path's
-    grids (16 gate/up rows and 8 outputs a block: kernels/abi.py KernelShape), the default build
-    the float path's (4 and 4), both through the decode graph."""
+    """A q5_k_m file (Q5_K gate/up, Q5_K and Q6_K down; 256 columns each way) in the default
+    build: its expert launches take the integer path's grids (16 gate/up rows and 8 outputs a
+    block: kernels/abi.py KernelShape); with STRATA_KERNEL_SHAPE=int_q5_k=0,int_q6_k=0 the float
+    path's (4 and 4), both through the decode graph."""
     from strata_dist.kernels.abi import Q5_K, Q6_K, KernelShape
-    name = "qwen3moe q5_k_m, int_q5_k=1,int_q6_k=1"
+    name = "qwen3moe q5_k_m, int_q5_k=0,int_q6_k=0"
     assert report["graphs"][name] == report["graphs"]["qwen3moe q5_k_m"] == "DecodeGraph"
-    on, off = KernelShape.parse("int_q5_k=1,int_q6_k=1"), KernelShape()
-    for grids, shape in ((report["grids"][name], on), (report["grids"]["qwen3moe q5_k_m"], off)):
+    on, off = KernelShape(), KernelShape.parse("int_q5_k=0,int_q6_k=0")
+    for grids, shape in ((report["grids"]["qwen3moe q5_k_m"], on), (report["grids"][name], off)):
         assert grids["moe_gate_up_q5_k"] == [256 // shape.gate_up_block(Q5_K)]
         assert grids["moe_down_q5_k"] == [256 // shape.down_block(Q5_K)]
         assert grids["moe_down_q6_k"] == [256 // shape.down_block(Q6_K)]
-    assert report["grids"][name]["moe_gate_up_q5_k"] == [16]
-    assert report["grids"]["qwen3moe q5_k_m"]["moe_gate_up_q5_k"] == [64]
+    assert report["grids"]["qwen3moe q5_k_m"]["moe_gate_up_q5_k"] == [16]
+    assert report["grids"][name]["moe_gate_up_q5_k"] == [64]
 
 
 def test_the_dense_integer_path_launches_the_same_matvecs(report):
@@ -213,21 +213,22 @@ def test_the_dense_integer_path_launches_the_same_matvecs(report):
 
 def test_the_integer_switches_size_the_i_quant_expert_grids(report):
     """Files whose experts are all IQ4_XS, IQ3_S or IQ2_XXS (256 rows of 512 columns gate/up, 512
-    of 256 down) with STRATA_KERNEL_SHAPE=int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1: their expert
-    launches take the integer path's grids (16 gate/up rows and 8 outputs a block), the IQ4_XS
-    file's default build the float path's (4 and 4), all through the decode graph."""
+    of 256 down) in the default build: their expert launches take the integer path's grids (16
+    gate/up rows and 8 outputs a block); the IQ4_XS file's with
+    STRATA_KERNEL_SHAPE=int_iq4_xs=0,int_iq3_s=0,int_iq2_xxs=0 the float path's (4 and 4), all
+    through the decode graph."""
     from strata_dist.kernels.abi import IQ2_XXS, IQ3_S, IQ4_XS, KernelShape
-    on = "int_iq4_xs=1,int_iq3_s=1,int_iq2_xxs=1"
-    shape = KernelShape.parse(on)
+    shape = KernelShape()
     for quant, t in (("iq4_xs", IQ4_XS), ("iq3_s", IQ3_S), ("iq2_xxs", IQ2_XXS)):
-        name = f"qwen3moe {quant}, {on}"
+        name = f"qwen3moe {quant}"
         assert report["graphs"][name] == "DecodeGraph", name
         grids = report["grids"][name]
         assert grids[f"moe_gate_up_{quant}"] == [256 // shape.gate_up_block(t)] == [16], name
         assert grids[f"moe_down_{quant}"] == [512 // shape.down_block(t)] == [64], name
-    assert report["graphs"]["qwen3moe iq4_xs"] == "DecodeGraph"
-    assert report["grids"]["qwen3moe iq4_xs"]["moe_gate_up_iq4_xs"] == [64]
-    assert report["grids"]["qwen3moe iq4_xs"]["moe_down_iq4_xs"] == [128]
+    off = "qwen3moe iq4_xs, int_iq4_xs=0,int_iq3_s=0,int_iq2_xxs=0"
+    assert report["graphs"][off] == "DecodeGraph"
+    assert report["grids"][off]["moe_gate_up_iq4_xs"] == [64]
+    assert report["grids"][off]["moe_down_iq4_xs"] == [128]
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

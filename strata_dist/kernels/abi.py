@@ -65,13 +65,13 @@ class KernelShape:
     (`int_direct`: rows read from device memory by the lanes instead of staged); the float path
     (every other type, and a block the integer path cannot take) takes `ff_per_block` /
     `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` / `int_q2_k`
-    (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too: default 0
-    (off) because no GPU has run them yet (they were written and checked on the host on
-    2026-12-06); the next GPU session
-    runs their GPU tests, measures them (docs/BENCHMARKS.md says how) and turns a default on where
-    it is faster. `int_iq4_xs` / `int_iq3_s` / `int_iq2_xxs` do the same for IQ4_XS / IQ3_S /
-    IQ2_XXS experts (also off, not yet run on a GPU); their rows are read in place whatever
-    `int_direct` says (experts_int.cuh int_direct). The float path's switches (0 or 1) pick how
+    (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too, and
+    `int_iq4_xs` / `int_iq3_s` / `int_iq2_xxs` IQ4_XS / IQ3_S / IQ2_XXS experts (their rows read
+    in place whatever `int_direct` says, experts_int.cuh int_direct): all seven default 1 (on),
+    measured faster on an H100 on 2026-12-06, 1.03x to 1.20x the float path's decode on the
+    model quantized to each (q2_k: 258.0 against 308.3 tok/s,
+    benchmarks/results/decode-qwen3-30b-a3b-q2_k-2026-12-06-052031-f6081f8.json); `=0` puts a
+    type back on the float path. The float path's switches (0 or 1) pick how
     it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
     `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
     exists; both on, measured).
@@ -94,13 +94,13 @@ class KernelShape:
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
-    int_q5_k: int = 0
-    int_q6_k: int = 0
-    int_q3_k: int = 0
-    int_q2_k: int = 0
-    int_iq4_xs: int = 0
-    int_iq3_s: int = 0
-    int_iq2_xxs: int = 0
+    int_q5_k: int = 1
+    int_q6_k: int = 1
+    int_q3_k: int = 1
+    int_q2_k: int = 1
+    int_iq4_xs: int = 1
+    int_iq3_s: int = 1
+    int_iq2_xxs: int = 1
     int_matvec: int = 0
     matvec_threads: int = BLOCK_THREADS
 

@@ -1,6 +1,6 @@
 // The integer path of the decode expert kernels (included by experts.cuh): Q4_K always; Q5_K,
 // Q6_K, Q3_K and Q2_K behind their switches (INT_Q5_K ... INT_Q2_K, kernels/abi.py KernelShape
-// int_q5_k ... int_q2_k; off by default until a GPU session has run and measured them).
+// int_q5_k ... int_q2_k; on by default, measured faster on an H100: see the switches below).
 // Q8_0 experts could take it too behind a switch, deleted on 2026-12-05: it measured slower than
 // their float path (docs/BENCHMARKS.md); their 34-byte blocks cannot be read in place.
 //
@@ -43,28 +43,30 @@
 #ifndef INT_DOWN
 #define INT_DOWN 1          // moe_down of the integer types takes this path
 #endif
-// The types beyond Q4_K, each behind its own switch (abi.py INT_TYPE_SWITCHES): 0 until a GPU
-// session has tested and measured them against their float path
+// The types beyond Q4_K, each behind its own switch (abi.py INT_TYPE_SWITCHES): all on, measured
+// faster than their float path on an H100 on 2026-12-06 (1.03x to 1.20x decode; q2_k:
+// benchmarks/results/decode-qwen3-30b-a3b-q2_k-2026-12-06-052031-f6081f8.json); 0 puts a type
+// back on the float path
 #ifndef INT_Q5_K
-#define INT_Q5_K 0
+#define INT_Q5_K 1
 #endif
 #ifndef INT_Q6_K
-#define INT_Q6_K 0
+#define INT_Q6_K 1
 #endif
 #ifndef INT_Q3_K
-#define INT_Q3_K 0
+#define INT_Q3_K 1
 #endif
 #ifndef INT_Q2_K
-#define INT_Q2_K 0
+#define INT_Q2_K 1
 #endif
 #ifndef INT_IQ4_XS
-#define INT_IQ4_XS 0
+#define INT_IQ4_XS 1
 #endif
 #ifndef INT_IQ3_S
-#define INT_IQ3_S 0
+#define INT_IQ3_S 1
 #endif
 #ifndef INT_IQ2_XXS
-#define INT_IQ2_XXS 0
+#define INT_IQ2_XXS 1
 #endif
 #ifndef INT_FPW
 #define INT_FPW 2           // expert rows f (gate and up) each warp takes in turn
