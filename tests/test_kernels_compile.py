@@ -62,7 +62,9 @@ def test_kernel_shape_parses_and_refuses():
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
     assert KernelShape.parse("int_matvec=1").defines() == ("-DINT_MATVEC=1",)
-    assert KernelShape().int_matvec == 0 and KernelShape.parse("int_matvec=1").int_types() == KernelShape().int_types()
+    # int_matvec is the dense matvecs' switch: the experts' integer types stay the default's
+    assert KernelShape().int_matvec == 0
+    assert KernelShape.parse("int_matvec=1").int_types() == KernelShape().int_types()
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
