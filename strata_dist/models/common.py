@@ -310,16 +310,36 @@ class LayerRangeModel:
     def _build_layers(self) -> dict:
         raise NotImplementedError
 
+    # ---- the forward: the architecture's `layer_step` (models/<arch>.py) on the backend ---------
+    # its eager ops classes: one session's rows (a prompt chunk or a decode row), and a batched
+    # decode step's rows, each of its own session
+    eager_ops: type
+    rows_ops: type
+
+    def forward_layers(self, h, session) -> object:
+        """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n
+        (a recurrent layer's state carried across calls, so a prompt read in chunks gives the
+        result of one read whole). The caller advances session.n_past after every stage of the
+        pipeline has run."""
+        n = h.shape[0]
+        pos0 = session.n_past
+        if pos0 + n > session.max_cells:
+            raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
+        return self._layers(self.eager_ops(self, session, pos0), h)
+
     def forward_rows(self, h, sessions: list, positions: list[int]):
         """A batched decode step (protocol/batch.py): row i of h [n, n_embd] is the next token of
-        sessions[i] at positions[i]. Here each row runs alone through forward_layers (the
-        architecture's one-row step, so exact by construction); an architecture that batches its
-        dense and expert layers overrides it."""
-        out = []
-        for i, (s, pos) in enumerate(zip(sessions, positions)):
-            s.n_past = pos
-            out.append(self.forward_layers(h[i:i + 1], s))
-        return self.backend.xp.concatenate(out) if len(out) > 1 else out[0]
+        sessions[i] at positions[i]; the dense and expert layers run over all rows at once, each
+        row's attention (or recurrent step) alone over its own session, as its one-row step."""
+        for s, pos in zip(sessions, positions):
+            if pos + 1 > s.max_cells:
+                raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
+        return self._layers(self.rows_ops(self, sessions, positions), h)
+
+    def _layers(self, ops, h):
+        for layer in range(self.lb, self.le):
+            h = self.arch.layer_step(ops, self.g, layer, h)
+        return h
 
     def _host_f32(self, name: str) -> np.ndarray:
         """A tensor kept in float32, as the backend receives it (a subclass may reshape)."""

@@ -41,7 +41,8 @@ from .common import model_level_shapes, stage_tensor_names
 # what this architecture shares with qwen3next as is (interface.Architecture's names)
 from .qwen3next import (ATTENTION_PARTS, COMMON_PARTS, QKVZ_SPLIT_PARTS, ROUTER_PART,  # noqa: F401
                         SHEXP_GATE_PART, NextGeometry, gdn_mixer, keeps_f32, kv_elems_per_cell,
-                        layer_kinds, prompt_buffers, recurrent_elems, rope_dim, tensor_name)
+                        layer_kinds, layer_step, prompt_buffers, recurrent_elems, rope_dim,
+                        tensor_name)
 
 ARCH = "qwen35moe"
 

@@ -297,30 +297,8 @@ class Qwen3Moe(LayerRangeModel):
     def new_session(self, max_cells: int) -> KVSession:
         return KVSession(self.backend, self.g, self.lb, self.le, max_cells)
 
-    # ---- the forward: `layer_step` on the backend ----------------------------------------------
-    def forward_layers(self, h, session: KVSession) -> object:
-        """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n.
-
-        The caller advances session.n_past after every stage of the pipeline has run."""
-        n = h.shape[0]
-        pos0 = session.n_past
-        if pos0 + n > session.max_cells:
-            raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        ops = EagerOps(self, session, pos0)
-        for layer in range(self.lb, self.le):
-            h = layer_step(ops, self.g, layer, h)
-        return h
-
-    def forward_rows(self, h, sessions: list, positions: list[int]):
-        """A batched decode step (protocol/batch.py): row i of h [n, n_embd] is the next token of
-        sessions[i] at positions[i] (RowsOps)."""
-        for s, pos in zip(sessions, positions):
-            if pos + 1 > s.max_cells:
-                raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
-        ops = RowsOps(self, sessions, positions)
-        for layer in range(self.lb, self.le):
-            h = layer_step(ops, self.g, layer, h)
-        return h
+    # the forward: `layer_step` over these ops (common.LayerRangeModel.forward_layers / _rows)
+    eager_ops, rows_ops = EagerOps, RowsOps
 
 
 MODEL_CLASS = Qwen3Moe

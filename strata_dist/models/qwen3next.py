@@ -474,32 +474,9 @@ class Qwen3Next(LayerRangeModel):
     def new_session(self, max_cells: int) -> HybridSession:
         return HybridSession(self.backend, self.g, self.lb, self.le, max_cells)
 
-    # ---- the forward: `layer_step` on the backend (models/next_ops.py) ------------------------
-    def forward_layers(self, h, session: HybridSession) -> object:
-        """Run layers [lb, le) over hidden rows h [n, n_embd] at positions session.n_past..+n,
-        carrying the conv and recurrent state of the linear layers across calls (a prompt read in
-        chunks gives the same result as one read whole).
-
-        The caller advances session.n_past after every stage of the pipeline has run."""
-        n = h.shape[0]
-        pos0 = session.n_past
-        if pos0 + n > session.max_cells:
-            raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        ops = NextEagerOps(self, session, pos0)
-        for layer in range(self.lb, self.le):
-            h = layer_step(ops, self.g, layer, h)
-        return h
-
-    def forward_rows(self, h, sessions: list, positions: list[int]):
-        """A batched decode step (protocol/batch.py): row i of h is the next token of sessions[i]
-        at positions[i] (next_ops.NextRowsOps)."""
-        for s, pos in zip(sessions, positions):
-            if pos + 1 > s.max_cells:
-                raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
-        ops = NextRowsOps(self, sessions, positions)
-        for layer in range(self.lb, self.le):
-            h = layer_step(ops, self.g, layer, h)
-        return h
+    # ---- the forward: `layer_step` over these ops (models/next_ops.py), run by
+    # common.LayerRangeModel.forward_layers / forward_rows
+    eager_ops, rows_ops = NextEagerOps, NextRowsOps
 
     # ---- gated attention (the MTP block, sampling/mtp_draft.py, runs `_attention` whole) -------
     def _attention(self, layer, x, session, pos0):
