@@ -82,6 +82,12 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
             "_tokens": r["tokens"], **({} if env is None else {"kernel_shape": kernel_shape})}
 
 
+def first_difference(a: list, b: list) -> int | None:
+    """The first index where token lists a and b differ (one ending early counts), else None."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if at == len(a) == len(b) else at
+
+
 def handoff_us(devices: str) -> float | None:
     """The median one-way hand-off of one decode row between two cards (bench_transport.py)."""
     done = subprocess.run([sys.executable, os.path.join(HERE, "bench_transport.py"), "--devices",
@@ -170,10 +176,15 @@ def main() -> int:
     for shape in args.shape_arm:
         built = strata_arm(args, gpus[0], "auto", facts["vocab"], kernel_shape=shape)
         built["tokens_identical_to_first_arm"] = built["_tokens"] == one["_tokens"]
+        # where the two builds' greedy tokens part (None: they never do): a late first
+        # difference reads as a near-tie, an early one as a wrong result
+        built["first_token_differing"] = first_difference(built["_tokens"], one["_tokens"])
         arms.append(built)
         print(f"strata 1 GPU, STRATA_KERNEL_SHAPE={shape}: {built['decode_tok_s']:.1f} tok/s "
               f"decode ({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm), tokens "
-              f"identical to the first arm's: {built['tokens_identical_to_first_arm']}", flush=True)
+              f"identical to the first arm's: {built['tokens_identical_to_first_arm']}"
+              + ("" if built["first_token_differing"] is None
+                 else f" (first differing at token {built['first_token_differing']})"), flush=True)
     if len(gpus) > 1 and not args.cpu:
         two = strata_arm(args, ",".join(gpus[:2]), args.split or "auto", facts["vocab"])
         two["tokens_identical_to_1gpu"] = two["_tokens"] == one["_tokens"]

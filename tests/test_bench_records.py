@@ -53,6 +53,7 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     assert built["kernel_shape"] == "int_gate_up=0,int_down=0" and "kernel_shape" not in arm
     assert built["command"].startswith("STRATA_KERNEL_SHAPE=int_gate_up=0,int_down=0 strata-launch ")
     assert built["tokens_identical_to_first_arm"] is True and built["new_tokens"] == 16
+    assert built["first_token_differing"] is None
     assert arm["name"] == "strata" and arm["gpus"] == 1 and arm["new_tokens"] == 16
     assert len(arm["tps_each"]["decode"]) == 3
     # the command names the environment that picks the build and path measured
@@ -485,3 +486,12 @@ def test_a_real_llama_arm_names_its_source(tmp_path):
     from record_check import SOURCE_REQUIRED_FROM
     record["date"] = SOURCE_REQUIRED_FROM            # held as the records from then on are
     assert not [p for p in check_record(record, str(path)) if "source" in p]
+
+
+def test_first_difference_names_where_two_token_lists_part():
+    """bench_decode's --shape-arm arms record where their greedy tokens leave the first arm's."""
+    from bench_decode import first_difference
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([7], [8]) == 0
+    assert first_difference([1, 2], [1, 2, 3]) == 2          # one list ended early
