@@ -302,6 +302,7 @@ def test_sessions_show_each_running_request_in_status_and_the_page(model, tmp_pa
     import json
     import threading
 
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -363,22 +364,28 @@ def test_sessions_show_each_running_request_in_status_and_the_page(model, tmp_pa
             def cells(d, request: str) -> list[str]:
                 found = d.find_elements(By.CSS_SELECTOR, f'#sessions tr[data-request="{request}"]')
                 return [c.text for c in found[0].find_elements(By.TAG_NAME, "td")] if found else []
-            WebDriverWait(driver, 15).until(lambda d: cells(d, ids["follow"])
-                                            and cells(d, ids["fresh"]))
-            got = {name: cells(driver, ids[name]) for name in ("follow", "fresh")}
+            # the page redraws its tables each poll: an element read as it is replaced goes
+            # stale, so each wait reads the table again until one read holds whole
+            stale = (StaleElementReferenceException,)
+            got: dict[str, list[str]] = {}
+
+            def both_rows(d) -> bool:
+                got.update({name: cells(d, ids[name]) for name in ("follow", "fresh")})
+                return all(got.values())
+            WebDriverWait(driver, 15, ignored_exceptions=stale).until(both_rows)
             for name, prompt, conversation in (("follow", follow, "kept conversation restored"),
                                                ("fresh", fresh, "read whole")):
                 c = got[name]
                 assert c[1] == ids[name][:12] and c[6] == conversation, c
                 assert int(c[2]) > len(prompt) and int(c[3]) >= 1 and float(c[4]) >= 0, c
             assert got["follow"][5] == str(len(a) + len(a_reply) - 1)
-            WebDriverWait(driver, 10).until(
+            WebDriverWait(driver, 10, ignored_exceptions=stale).until(
                 lambda d: d.find_element(By.ID, "queue").text.endswith("+2 running"))
             stop.set()
             for t in threads:
                 t.join(30)
             # both clients left: both sessions idle, each holding its conversation so far
-            WebDriverWait(driver, 15).until(lambda d: [
+            WebDriverWait(driver, 15, ignored_exceptions=stale).until(lambda d: [
                 c.text for c in d.find_elements(By.CSS_SELECTOR, "#sessions td:nth-child(2)")]
                 == ["idle", "idle"])
         finally:
