@@ -92,6 +92,17 @@ class _Recording:
         return op
 
 
+def _op_groups(launches: list[str]) -> list[tuple[str, list[str]]]:
+    """A recorded step's launches from its first op marker on, each under the op that made it."""
+    groups = []
+    for x in launches[next(i for i, x in enumerate(launches) if x.startswith("op:")):]:
+        if x.startswith("op:"):
+            groups.append((x[3:], []))
+        else:
+            groups[-1][1].append(x)
+    return groups
+
+
 def test_the_decode_graph_captures_the_models_layer_step(report):
     """A one-row decode step's capture on each qwen3moe file (tests/launch_abi_check.py marks the
     graph ops before their launches): between the embedding and the output head, layer after
@@ -114,12 +125,7 @@ def test_the_decode_graph_captures_the_models_layer_step(report):
         ops = [x[3:] for x in launches if x.startswith("op:")]
         # every layer of the graph's range, each the model's sequence (none dropped)
         assert ops == rec.calls * len(report["step_layers"][name]), (name, ops)
-        groups, at = [], launches.index("op:norm_qkv")
-        for x in launches[at:]:
-            if x.startswith("op:"):
-                groups.append((x[3:], []))
-            else:
-                groups[-1][1].append(x)
+        groups = _op_groups(launches)
         last_op, tail = groups[-1]
         groups[-1] = (last_op, tail[:2])
         head = tail[2:]                    # the output head's matvec and the greedy argmax
@@ -165,12 +171,7 @@ def test_the_next_decode_graph_captures_the_models_layer_step(report):
         assert ops == [op for linear in layers for op in kinds[0 if linear else 1]], (name, ops)
         assert set(layers) == {True, False}, (name, layers)
         assert launches[0] == "embed_tokens" and launches[1].startswith("op:"), name
-        groups = []
-        for x in launches[1:]:
-            if x.startswith("op:"):
-                groups.append((x[3:], []))
-            else:
-                groups[-1][1].append(x)
+        groups = _op_groups(launches)
         for i, (op, got) in enumerate(groups):
             other = [k for k in got if not k.startswith("matvec_")]
             want = list(kernels[op] or ()) + (["argmax_row"] if i == len(groups) - 1 else [])
