@@ -82,8 +82,8 @@ class DecodeGraph(BatchedSteps):
         # q8_0 K/V: the _q8 kernels, and the session's scales after its values in the pointer table
         self.kv_suffix = "_q8" if model.backend.kv_type == "q8_0" else ""
         self._check_geometry(g)        # what the ops and kernels support of the geometry
-        # the layer sequence is the model module's own (models/<arch>.py layer_step), run with
-        # `layer_ops`' launches
+        # the layer sequence is the model module's own (models/<arch>.py layer_step), run by the
+        # model's `run_layers` with `layer_ops`' launches
         self.layer_step = getattr(model.arch, "layer_step", None)
         if self.layer_step is None:
             raise Unsupported(f"models/{g.arch}.py writes no layer_step for a decode graph")
@@ -348,11 +348,10 @@ class DecodeGraph(BatchedSteps):
         self._output(n, eps, every_row)
 
     def _enqueue_layers(self, n: int, eps) -> None:
-        """The layers' kernels of one step: the model module's `layer_step` (models/<arch>.py,
-        the only place the layer sequence is written) run with the graph's launches as its ops."""
-        ops = self.layer_ops(self, n, eps)
-        for layer in range(self.lb, self.le):
-            self.layer_step(ops, self.g, layer, self.h)
+        """The layers' kernels of one step: the model's own forward over its layers
+        (`run_layers`: models/<arch>.py `layer_step`, the only place the layer sequence is
+        written) with the graph's launches as its ops."""
+        self.model.run_layers(self.layer_ops(self, n, eps), self.h)
 
     def _embed(self, n: int) -> None:
         """The first stage's rows: the embeddings of the descriptor's token ids, into h."""

@@ -325,7 +325,7 @@ class LayerRangeModel:
         pos0 = session.n_past
         if pos0 + n > session.max_cells:
             raise ValueError(f"context full: {pos0} + {n} tokens > {session.max_cells} cells")
-        return self._layers(self.eager_ops(self, session, pos0), h)
+        return self.run_layers(self.eager_ops(self, session, pos0), h)
 
     def forward_rows(self, h, sessions: list, positions: list[int]):
         """A batched decode step (protocol/batch.py): row i of h [n, n_embd] is the next token of
@@ -334,9 +334,11 @@ class LayerRangeModel:
         for s, pos in zip(sessions, positions):
             if pos + 1 > s.max_cells:
                 raise ValueError(f"context full: {pos} + 1 tokens > {s.max_cells} cells")
-        return self._layers(self.rows_ops(self, sessions, positions), h)
+        return self.run_layers(self.rows_ops(self, sessions, positions), h)
 
-    def _layers(self, ops, h):
+    def run_layers(self, ops, h):
+        """h through layers [lb, le): the module's `layer_step` with `ops` (eager ops here, a
+        decode graph's launches there: backends/cuda_decode.py)."""
         for layer in range(self.lb, self.le):
             h = self.arch.layer_step(ops, self.g, layer, h)
         return h
