@@ -40,16 +40,17 @@ def _kernel(name):
 
 
 def _stores(rows: np.ndarray):
-    """The same cells [0, END) of rows [CELLS, n_kv, D] quantized once on the host (Q8Rows on
-    numpy): a plain q8_0 store on the card holding them, and a RingKV holding them in its mapped
-    host copy and (sinks, the newest RING) on the card."""
-    ref = Q8Rows(np, rows.shape)
-    ref[0:END] = rows[:END]
+    """The cells [0, END) of rows [CELLS, n_kv, D] in a plain q8_0 store on the card and in a
+    RingKV (its mapped host copy, and the sinks and the newest RING on the card): the same blocks
+    in both (both quantize on the device), and in numpy's Q8Rows."""
     plain = Q8Rows(cp, rows.shape)
-    plain.q[...], plain.scale[...] = cp.asarray(ref.q), cp.asarray(ref.scale)
+    plain[0:END] = cp.asarray(rows[:END])
     ring = RingKV(cp, rows.shape, "q8_0", SINKS, RING, host=mapped_host_kv(rows.shape, "q8_0"))
     ring[0:END] = cp.asarray(rows[:END])
-    assert np.array_equal(ring.host.q, ref.q) and np.array_equal(ring.host.scale, ref.scale)
+    ref = Q8Rows(np, rows.shape)
+    ref[0:END] = rows[:END]
+    for got in (ring.host, Q8Rows(np, rows.shape, (cp.asnumpy(plain.q), cp.asnumpy(plain.scale)))):
+        assert np.array_equal(got.q, ref.q) and np.array_equal(got.scale, ref.scale)
     assert ring.host_device_ptr and ring.host_scale_device_ptr
     return plain, ring
 

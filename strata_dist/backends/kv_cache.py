@@ -90,10 +90,16 @@ class Q8Rows:
         self.scale[cells] = scale
 
     def __getitem__(self, cells: slice):
-        q, scale = self.q[cells], self.scale[cells]
-        n, heads, dim = q.shape
-        blocks = q.reshape(n, heads, dim // Q8_BLOCK, Q8_BLOCK).astype(np.float32)
-        return (blocks * scale.astype(np.float32)[..., None]).reshape(n, heads, dim)
+        return q8_decode(self.xp, self.q[cells], self.scale[cells])
+
+
+def q8_decode(xp, q, scale):
+    """float32 rows [n, heads, dim] of q8_0's int8 values q [n, heads, dim] and f16 scales
+    [n, heads, dim / 32], on the array module xp (each product exact in float32: the same
+    values on every backend)."""
+    n, heads, dim = q.shape
+    blocks = q.reshape(n, heads, dim // Q8_BLOCK, Q8_BLOCK).astype(np.float32)
+    return (blocks * scale.astype(np.float32)[..., None]).reshape(n, heads, dim)
 
 
 # ---- --kv-resident N: the newest cells on the card, every cell in host memory --------------------
@@ -196,8 +202,9 @@ class RingKV:
     (f16 rows, or q8_0's values and scales), which a GPU decode graph's kernels write and read in
     place by the same rule (kernels/attention.cuh KvRing); `before_step` / `after_step` keep
     `end` and the ring right around such a step. A prompt chunk goes through __setitem__ /
-    __getitem__ (the general path): q8_0 rows are quantized once, into the host copy (Q8Rows on
-    numpy, the kernels' arithmetic), and its values and scales copied to the card as they are."""
+    __getitem__ (the general path): q8_0 rows are quantized once (on the device, Q8Rows: the
+    kernels' arithmetic) into the host copy, and its values and scales copied to the card and
+    back as they are."""
 
     def __init__(self, xp, shape: tuple[int, int, int], kv_type: str, sinks: int, ring: int,
                  host=None):
@@ -277,14 +284,30 @@ class RingKV:
         a, b = int(pos[0]), int(pos[-1]) + 1
         if a != self.end:     # not the next cells: the ring's history before a is the host's
             self._to_card(np.arange(max(self.sinks, a - self.ring), a))
-        self.host[a:b] = rows if self.xp is np else self.xp.asnumpy(rows)
+        if self.xp is np:
+            self.host[a:b] = rows
+        elif isinstance(self.host, Q8Rows):
+            # quantized on the device, as a store of every cell on the card is (the same
+            # blocks), and only the values and scales come over
+            blocks = Q8Rows(self.xp, (b - a, *self.shape[1:]))
+            blocks[0:b - a] = rows
+            self.host.q[a:b] = self.xp.asnumpy(blocks.q)
+            self.host.scale[a:b] = self.xp.asnumpy(blocks.scale)
+        else:
+            self.host[a:b] = self.xp.asnumpy(rows)
         keep = pos[(pos < self.sinks) | (pos >= b - self.ring)]   # the newest R survive
         self._to_card(keep)
         self.end = b
 
     def __getitem__(self, key: slice):
         pos = self._cells(key)
-        out = self.xp.array(self.host[key])       # a copy: the card's cells go over it
+        xp = self.xp
+        if isinstance(self.host, Q8Rows) and xp is not np:
+            # q8_0's values and scales go to the device as they are (about half of f16's bytes)
+            # and are decoded there, not into float32 on the host first
+            out = q8_decode(xp, xp.asarray(self.host.q[key]), xp.asarray(self.host.scale[key]))
+        else:
+            out = xp.array(self.host[key])          # a copy: the card's cells go over it
         card = self.on_card(pos)
         if card.any():
             at = pos[card]
