@@ -12,8 +12,9 @@ Per layer, after the layer's RMSNorm fused into its input matvecs:
 - an attention layer: attn_q ([q | gate] per head), attn_k, attn_v; `next_qk_norm_rope_kv` (q and
   k normed per head, the first 64 dims rotated, K/V written into the session);
   `attn_decode_256_g*`; `next_attn_gate`; attn_output + residual (kernels/next_attention.cuh;
-  with --kv-type q8_0 their `_q8` builds; with --kv-resident their `_ring` builds, which keep the sinks and a ring of the newest cells on
-  the card and read the rest in place from the pinned host copy, backends/kv_cache.py RingKV);
+  with --kv-type q8_0 their `_q8` builds; with --kv-resident their `_ring` builds (`_q8_ring`
+  with q8_0), which keep the sinks and a ring of the newest cells on the card and read the rest
+  in place from the pinned host copy, backends/kv_cache.py RingKV);
 - the MoE: the router's matvec (post_attention_norm fused, its last block picking the top-k of up
   to 512 experts) and the routed experts' two launches as qwen3moe's; the shared expert's gate and
   up rows and its one-row gate logit in one matvec launch over the same normed rows,

@@ -270,7 +270,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="keep N cells of each K/V resident (the attention sinks and a ring of the "
                         "newest), every cell in host memory; below --max-context, at least "
                         "--prefill + 4 (default: every cell resident; on a GPU qwen3moe and "
-                        "qwen3next with f16 K/V only so far)")
+                        "qwen3next with f16 or q8_0 K/V only so far)")
 
 
 def tcp_endpoint(text: str, flag: str, default_host: str | None = None) -> str:
