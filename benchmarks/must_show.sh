@@ -59,9 +59,8 @@
 # warm-up reads the whole prompt too: ~8 min, llama-bench built). depth_resident: strata alone at
 # the same depths on a rank held to 16 GB (--vram-budget 16G --kv-resident auto), its tokens
 # compared with the depth part's record of the same file (~5 min). Issue 47's qwen3next case
-# (--max-context 262144 --kv-type q8_0 --kv-resident auto) has no part: strata-launch refuses
-# --kv-resident on GPU ranks for q8_0 K/V (the ring kernels, qwen3moe's and qwen3next's, read f16
-# K/V only so far).
+# (--max-context 262144 --kv-type q8_0 --kv-resident auto) has no part yet: its kernels (the
+# `_q8` and `_q8_ring` builds, 2026-12-06) have not run on a GPU (tests/test_gpu_kv_q8.py first).
 #   bash benchmarks/must_show.sh --parts depth
 #   bash benchmarks/must_show.sh --parts depth_prompt
 #   bash benchmarks/must_show.sh --parts depth_resident

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "attention sinks and a ring of the newest), every cell in pinned host "
                            "memory, priced so; auto: every cell where it fits, else the most that "
                            "fit (default: every cell resident; on GPUs qwen3moe and qwen3next with f16 "
-                           "K/V only)")
+                           "or q8_0 K/V only)")
     plan.add_argument("--prompt-cache-every", type=int, default=DEFAULT_EVERY, metavar="N",
                       help="hybrid models (qwen3next): checkpoint the recurrent state at the first "
                            "chunk boundary past every N prompt tokens, besides each request's start "

@@ -314,6 +314,12 @@ def main() -> int:
                                          n_k_heads=2, n_v_heads=4, head_k_dim=32, head_v_dim=32,
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")
         run("qwen3next q8_0", path)
+        run("qwen3next q8_0, q8_0 K/V", path, kv_type="q8_0")
+        # --kv-resident below the context with q8_0 K/V: the `_q8_ring` builds of both
+        # architectures (tests/kv_resident_abi_check.py checks their pointer tables)
+        run("qwen3next q8_0, q8_0 K/V, kv-resident", path, kv_type="q8_0", kv_resident=164)
+        run("qwen3moe f16, q8_0 K/V, kv-resident", Path(d) / "moe-f16.gguf", kv_type="q8_0",
+            kv_resident=164)
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
         run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
     print(json.dumps({"scenarios": scenarios, "graphs": graphs, "grids": grids,

@@ -505,12 +505,13 @@ def test_attention_kernel_splits_a_group_over_blocks(heads_per_block, length, kv
     check_attention_kernel(length, 64, kv_type, n_head=32, heads_per_block=heads_per_block)
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("heads_per_block", [2, 8])
 @pytest.mark.parametrize("length", [1, 300])
-def test_attention_kernel_of_256_wide_heads(heads_per_block, length):
-    """attn_decode_256_g* (next_attention.cuh: qwen3next's heads, f16 K/V): the same reference,
-    Qwen3-Next-80B's 16 query heads over 2 kv heads."""
-    check_attention_kernel(length, 64, "f16", n_head=16, heads_per_block=heads_per_block,
+def test_attention_kernel_of_256_wide_heads(heads_per_block, length, kv_type):
+    """attn_decode_256_g* (next_attention.cuh: qwen3next's heads; f16 K/V, or q8_0's `_q8`
+    builds): the same reference, Qwen3-Next-80B's 16 query heads over 2 kv heads."""
+    check_attention_kernel(length, 64, kv_type, n_head=16, heads_per_block=heads_per_block,
                            head_dim=256, n_kv=2)
 
 

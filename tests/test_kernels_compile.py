@@ -98,8 +98,10 @@ def test_attention_builds_take_whole_groups_or_parts_that_divide_them():
     assert attn_kernel(8, "q8_0", 2) == "attn_decode_128_g2_q8"
     assert attn_kernel(6, "f16", 6) == "attn_decode_128_g8"       # a whole group: the next bound
     assert attn_kernel(8, "f16", head_dim=256) == "attn_decode_256_g8"   # qwen3next's heads
-    with pytest.raises(ValueError, match="256-wide heads over q8_0"):
-        attn_kernel(8, "q8_0", head_dim=256)
+    assert attn_kernel(8, "q8_0", 2, head_dim=256) == "attn_decode_256_g2_q8"
+    for kv_type, head_dim in (("f32", 128), ("f16", 64)):     # no such build: refused, named
+        with pytest.raises(ValueError, match=f"{head_dim}-wide heads over {kv_type}"):
+            attn_kernel(8, kv_type, head_dim=head_dim)
     for group, heads in ((8, 3), (6, 4), (2, 4), (32, 32)):
         with pytest.raises(ValueError, match="query heads per attention block"):
             attn_kernel(group, "f16", heads)
@@ -244,8 +246,12 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # benchmarks/results/decode-qwen3-30b-a3b-iq4_xs-2026-12-06-051350-f6081f8.json); with the dense
 # matvecs' integer path on (int_matvec=1), matvec_q3_k_1 spills 44 bytes into a 40-byte frame at 128
 # registers (its wide build holds 8 rows' sums and Q3_K's unit dot is the largest; ptxas -v, CUDA
-# 13.0, 2026-12-06; the default build has no frame there; not yet measured on a GPU)
-STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"matvec_q3_k_1", 40), (r"attn_decode_(128|256)_g[24](_q8|_ring)?", 16),
+# 13.0, 2026-12-06; the default build has no frame there; not yet measured on a GPU); the 256-wide
+# q8_0 builds of 2 and 4 heads (qwen3next, --kv-type q8_0) spill 16 bytes into a 16-byte frame
+# at 128 registers, as the 128-wide q8_0 g4 build does (ptxas -v, CUDA 13.0, 2026-12-06; their
+# `_q8_ring` builds have no frame; not yet run on a GPU)
+STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"matvec_q3_k_1", 40),
+                 (r"attn_decode_(128|256)_g[24](_q8|_ring|_q8_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 
 

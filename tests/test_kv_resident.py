@@ -218,10 +218,13 @@ def test_auto_gives_two_cpu_ranks_of_different_budgets_their_own_resident_cells(
 
 # ---- refused at start -----------------------------------------------------------------------------
 
-def _refused(argv):
+def _refused(argv, warned: str = ""):
+    """The one error line of a refused run (`warned`: a warning line starting so comes first)."""
     done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
                           timeout=120)
     lines = done.stderr.strip().splitlines()
+    if warned and lines and lines[0].startswith(warned):
+        lines = lines[1:]
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     return lines[0]
@@ -242,14 +245,14 @@ def test_bad_values_are_refused_with_one_line(models, tool):
     line = _refused(base + ["--kv-resident", "lots"])
     assert "'lots'" in line
     for arch in ("qwen3next", "qwen3moe"):
-        # the GPU ring kernels take f16 K/V only: q8_0 is refused on a GPU
+        # the GPU ring kernels take f16 and q8_0 K/V only: f32 is refused on a GPU
         gpu = (["launcher.cli", "--model", models[arch], "--gpus", "0", "--prompt-ids", "1,2",
                 "--max-new", "1"] if tool == "launch" else
                ["strata_dist.tools.cli", "generate", "--model", models[arch], "--device", "cuda:0"])
         line = _refused(gpu + ["--prefill", "16", "--max-context", "64", "--kv-resident", "32",
-                               "--kv-type", "q8_0"])
+                               "--kv-type", "f32"], warned="warning: --kv-type f32")
         assert "--kv-resident 32" in line and ("--gpus 0" in line or "cuda:0" in line)
-        assert "--kv-type q8_0" in line
+        assert "--kv-type f32" in line
     if tool == "generate":
         assert "strata-launch" in _refused(base + ["--kv-resident", "auto"])
     else:
@@ -257,10 +260,10 @@ def test_bad_values_are_refused_with_one_line(models, tool):
         assert "--kv-resident 32" in line and "--conversation-cache-mib 8" in line
 
 
-def test_gpu_ring_kernels_take_both_architectures_f16_only(models, tmp_path):
+def test_gpu_ring_kernels_take_both_architectures_f16_and_q8_0(models, tmp_path):
     """Which --kv-resident runs the GPU ranks take (strata_dist/tools/cli.py gpu_kv_resident_refusal,
-    the launcher's and the generate tool's check): qwen3moe's and qwen3next's f16 K/V (their
-    decode graphs' ring builds), not q8_0, not an architecture without ring builds."""
+    the launcher's and the generate tool's check): qwen3moe's and qwen3next's f16 and q8_0 K/V
+    (their decode graphs' ring builds), not f32, not an architecture without ring builds."""
     from hf_fixtures import tiny_qwen35moe, write_qwen35moe_gguf
     from strata_dist.tools.cli import gpu_kv_resident_refusal
     from strata_dist.models import open_checked
@@ -268,7 +271,9 @@ def test_gpu_ring_kernels_take_both_architectures_f16_only(models, tmp_path):
         gguf = open_checked(models[arch])
         assert gpu_kv_resident_refusal(gguf, None, "cuda:0") == ""
         assert gpu_kv_resident_refusal(gguf, "f16", "cuda:0") == ""
-        assert "--kv-type q8_0" in gpu_kv_resident_refusal(gguf, "q8_0", "cuda:0")
+        assert gpu_kv_resident_refusal(gguf, "q8_0", "cuda:0") == ""
+        said = gpu_kv_resident_refusal(gguf, "f32", "cuda:0")
+        assert "--kv-type f32" in said and "f16 or q8_0" in said and "cuda:0" in said
     other = open_checked(str(write_qwen35moe_gguf(tiny_qwen35moe(3), tmp_path / "q35.gguf")))
     said = gpu_kv_resident_refusal(other, None, "--gpus 0")
     assert "qwen35moe" in said and "--gpus 0" in said

@@ -5,7 +5,8 @@ qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt
 Q8_0 one routed on the host and on the general path), a q5_k_m file with (the default) and
 without the integer path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their
 integer path (the default; and iq4_xs without), and a qwen3next file with the kernels'
-head geometry (and with the blocked delta rule): prompt, one-row and three-row decode steps, a
+head geometry (and with the blocked delta rule, and with q8_0 K/V); q8_0 K/V with --kv-resident
+below the context on both architectures (the ring builds): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
 streaming the rest from pinned host memory, its decode graph reading them there. Skips where
 nvcc is not installed."""
@@ -53,6 +54,23 @@ def test_each_architecture_takes_its_decode_graph_and_prompt_kernels(report):
     # (the decode graph keeps its own qk_norm_rope_kv)
     assert runs["qwen3moe f16, q8_0 K/V"].get("attn_decode_128_g2_q8", 0) > 0
     assert "prefill_attention_128" not in runs["qwen3moe f16, q8_0 K/V"]
+    # qwen3next with q8_0 K/V: its decode graph (not the general path) through the 256-wide q8
+    # builds; with --kv-resident, both architectures' `_q8_ring` builds and no other
+    next_q8 = runs["qwen3next q8_0, q8_0 K/V"]
+    assert graphs["qwen3next q8_0, q8_0 K/V"] == "NextDecodeGraph"
+    assert next_q8.get("next_qk_norm_rope_kv_q8", 0) > 0
+    assert next_q8.get("attn_decode_256_g2_q8", 0) > 0
+    assert not {"next_qk_norm_rope_kv", "attn_decode_256_g2", "prefill_attention_256"} & set(next_q8)
+    for name, arch_kernels in (("qwen3next q8_0, q8_0 K/V, kv-resident",
+                                ("next_qk_norm_rope_kv_q8_ring", "attn_decode_256_g2_q8_ring")),
+                               ("qwen3moe f16, q8_0 K/V, kv-resident",
+                                ("qk_norm_rope_kv_q8_ring", "attn_decode_128_g2_q8_ring"))):
+        assert graphs[name] in ("DecodeGraph", "NextDecodeGraph"), (name, graphs[name])
+        ring = runs[name]
+        assert all(ring.get(k, 0) > 0 for k in arch_kernels), (name, ring)
+        plain = {k[:-len("_ring")] for k in arch_kernels} | {k[:-len("_q8_ring")] + "_ring"
+                                                             for k in arch_kernels}
+        assert not plain & set(ring), (name, plain & set(ring))
     off = runs["qwen3moe f16, array prompt steps"]
     assert not {"rms_norm_rows", "combine_ranked"} & set(off)
     assert off["qk_norm_rope_kv"] < moe["qk_norm_rope_kv"]
@@ -178,7 +196,8 @@ def test_the_next_decode_graph_captures_the_models_layer_step(report):
             assert len(other) == len(want) and all(k.startswith(w) for k, w in zip(other, want)), \
                 (name, op, got)
             assert kernels[op] is not None or len(got) > len(other), (name, op, got)
-    assert checked == 3, checked
+    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring
+    assert checked == 5, checked
 
 
 def test_the_integer_switches_size_the_k_quant_expert_grids(report):

@@ -128,8 +128,8 @@ def pack_descriptor(desc: np.ndarray, rows: StepRows, slots: np.ndarray, words: 
 
 def session_pointers(session, lb: int, le: int, q8: bool, ring) -> list[int]:
     """A qwen3moe session's pointer table (kernels/attention.cuh): each layer slot's K and V, then
-    the RoPE tables, then with q8_0 the K and V scales, or with --kv-resident the ring's words
-    (kv_cache.DeviceRing.table_tail)."""
+    the RoPE tables, then with q8_0 the K and V scales, then with --kv-resident the ring's words
+    (kv_cache.DeviceRing.table_tail; a ring store's K / V and scales are its card's)."""
     kv = [a for layer in range(lb, le) for a in (session.k(layer), session.v(layer))]
     if q8:                   # q8_0 (Q8Rows): the int8 values, and the scales after the RoPE
         ptrs = [int(a.q.data.ptr) for a in kv]

@@ -134,7 +134,7 @@ class NextGraphOps(GraphLayerOps):
         gr, n, i32 = self.graph, self.n, np.int32
         g, f = gr.g, gr._launch
         L, j = self._spec(layer)
-        f("next_qk_norm_rope_kv" + gr.ring.suffix)(
+        f("next_qk_norm_rope_kv" + gr.kv_suffix + gr.ring.suffix)(
             (g.n_head + g.n_head_kv, n), (32,),
             (qg, k, v, L["q_norm"], L["k_norm"], gr.sess_table, i32(j), i32(gr.le - gr.lb),
              gr.desc, i32(g.n_head), i32(g.n_head_kv), self.eps, gr.q))

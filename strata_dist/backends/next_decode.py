@@ -12,8 +12,9 @@ Per layer, after the layer's RMSNorm fused into its input matvecs:
 - an attention layer: attn_q ([q | gate] per head), attn_k, attn_v; `next_qk_norm_rope_kv` (q and
   k normed per head, the first 64 dims rotated, K/V written into the session);
   `attn_decode_256_g*`; `next_attn_gate`; attn_output + residual (kernels/next_attention.cuh;
-  with --kv-resident their `_ring` builds, which keep the sinks and a ring of the newest cells on
-  the card and read the rest in place from the pinned host copy, backends/kv_cache.py RingKV);
+  with --kv-type q8_0 their `_q8` builds; with --kv-resident their `_ring` builds (`_q8_ring`
+  with q8_0), which keep the sinks and a ring of the newest cells on the card and read the rest
+  in place from the pinned host copy, backends/kv_cache.py RingKV);
 - the MoE: the router's matvec (post_attention_norm fused, its last block picking the top-k of up
   to 512 experts) and the routed experts' two launches as qwen3moe's; the shared expert's gate and
   up rows and its one-row gate logit in one matvec launch over the same normed rows,
@@ -81,9 +82,9 @@ class NextDecodeGraph(DecodeGraph):
     def _check_geometry(self, g) -> None:
         if g.arch != "qwen3next":
             raise Unsupported(f"{g.arch} is not qwen3next")
-        if self.model.backend.kv_type != "f16":
+        if self.model.backend.kv_type not in ("f16", "q8_0"):
             raise Unsupported(f"K/V kept as {self.model.backend.kv_type} (qwen3next's attention "
-                              f"kernels read f16)")
+                              f"kernels read f16 or q8_0)")
         if g.head_dim != NEXT_HEAD_DIM or g.n_rot != NEXT_ROT:
             raise Unsupported(f"attention heads of {g.head_dim} with {g.n_rot} rotated dims (the "
                               f"kernels are built for {NEXT_HEAD_DIM} with {NEXT_ROT})")
@@ -164,21 +165,26 @@ class NextDecodeGraph(DecodeGraph):
     def _layer_kernel_names(self) -> set[str]:
         names = {"next_shexp_act"}
         if self.attention_layers:
-            names |= {"next_qk_norm_rope_kv" + self.ring.suffix, self.attn_kernel,
+            names |= {"next_qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix, self.attn_kernel,
                       "next_attn_gate"}
         if self.linear_layers:
             names |= {"gdn_conv_step", "gdn_delta_step"}
         return names
 
     def _session_pointers(self, session) -> list[int]:
-        """Two entries a layer slot, then the RoPE tables; with --kv-resident, the host copies of
-        the attention layers' K and V (0 for a linear layer's slot) and the ring's geometry."""
+        """Two entries a layer slot, then the RoPE tables; with q8_0 the attention layers' K and V
+        are their int8 values and their scales follow the RoPE tables (0 for a linear layer's
+        slot); with --kv-resident, the ring's words (DeviceRing.table_tail: the host copies of
+        the attention layers' K and V, 0 for a linear layer's slot, and the ring's geometry)."""
         ptrs, kv = [], []
+        q8 = bool(self.kv_suffix)
         for layer in range(self.lb, self.le):
             linear = self.g.is_linear(layer)
             pair = ((session.conv_state(layer), session.recurrent_state(layer))
                     if linear else (session.k(layer), session.v(layer)))
-            ptrs += [int(a.data.ptr) for a in pair]
+            ptrs += [int((a.q if q8 and not linear else a).data.ptr) for a in pair]
             kv += [None, None] if linear else list(pair)
         ptrs += [int(session.rope_cos.data.ptr), int(session.rope_sin.data.ptr)]
+        if q8:
+            ptrs += [int(a.scale.data.ptr) if a is not None else 0 for a in kv]
         return ptrs + self.ring.table_tail(kv)

@@ -252,11 +252,12 @@ def attn_kernel(group: int, kv_type: str, heads_per_block: int | None = None,
     """The decode attention build for `group` query heads per kv head over K/V kept as
     `kv_type` (f16 or q8_0), each block taking `heads_per_block` of them (the whole group when
     None; else a build's bound that divides the group): the least bound that holds them
-    (attention.cuh ATTN_DECODE; 256-wide heads, f16 only: next_attention.cuh). The launch's grid
-    has n_head / heads_per_block columns."""
-    if head_dim not in ATTN_HEAD_DIMS or (head_dim != 128 and kv_type != "f16"):
+    (attention.cuh ATTN_DECODE; 256-wide heads: next_attention.cuh). The launch's grid has
+    n_head / heads_per_block columns."""
+    if head_dim not in ATTN_HEAD_DIMS or kv_type not in ("f16", "q8_0"):
         raise ValueError(f"no decode attention build for {head_dim}-wide heads over {kv_type} K/V "
-                         f"(builds: 128 over f16 or q8_0, 256 over f16)")
+                         f"(builds: {' and '.join(map(str, ATTN_HEAD_DIMS))} wide, over f16 or "
+                         f"q8_0)")
     hb = group if heads_per_block is None else heads_per_block
     if hb > ATTN_GROUPS[-1]:
         raise ValueError(f"{hb} query heads per attention block (the attention kernels take <= "
@@ -396,11 +397,13 @@ def kernel_names() -> list[str]:
     names = ["dequant_rows", "dequant_rows_f16", "embed_tokens", "qk_norm_rope_kv",
              "qk_norm_rope_kv_q8", "argmax_row", "spin", "gdn_conv_step", "gdn_delta_step"]
     names += [attn_kernel(g, kv) for g in ATTN_GROUPS for kv in ("f16", "q8_0")]
-    # --kv-resident's builds (f16): the KV write and attention of a sinks + ring + host copy
-    names += ["qk_norm_rope_kv_ring"] + [attn_kernel(g, "f16") + "_ring" for g in ATTN_GROUPS]
-    names += ["next_qk_norm_rope_kv", "next_attn_gate", "next_shexp_act"]
-    names += [attn_kernel(g, "f16", head_dim=256) + ring for g in ATTN_GROUPS
-              for ring in ("", "_ring")] + ["next_qk_norm_rope_kv_ring"]   # next_attention.cuh
+    # --kv-resident's builds (f16, q8_0): the KV write and attention of a sinks + ring + host copy
+    names += ["qk_norm_rope_kv_ring", "qk_norm_rope_kv_q8_ring"]
+    names += [attn_kernel(g, kv) + "_ring" for g in ATTN_GROUPS for kv in ("f16", "q8_0")]
+    names += ["next_attn_gate", "next_shexp_act"]          # next_attention.cuh
+    names += [f"next_qk_norm_rope_kv{q8}{ring}" for q8 in ("", "_q8") for ring in ("", "_ring")]
+    names += [attn_kernel(g, kv, head_dim=256) + ring for g in ATTN_GROUPS
+              for kv in ("f16", "q8_0") for ring in ("", "_ring")]
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names

@@ -11,15 +11,23 @@
 #define K_SCALES(sess, n_layers, slot) (sess[2 * (n_layers) + 2 + 2 * (slot)])
 #define V_SCALES(sess, n_layers, slot) (sess[2 * (n_layers) + 3 + 2 * (slot)])
 
-// --kv-resident (backends/kv_cache.py RingKV; the `_ring` builds, f16 only): [2j] and [2j+1] hold
-// the device's S sink cells and ring of R, the slots where q8_0's scales would be hold the device
-// address of the pinned, mapped host copy of every cell of k and v, and [4*n_layers+2] holds
-// S | R << 32. Cell p is written to the host copy and to slot p (p < S) or S + (p - S) % R; a step
-// whose newest cell is end - 1 reads cell p from the device when p < S or p >= end - R, else from
-// the host copy in place (over PCIe).
-#define K_HOST(sess, n_layers, slot) K_SCALES(sess, n_layers, slot)
-#define V_HOST(sess, n_layers, slot) V_SCALES(sess, n_layers, slot)
-#define RING_GEOMETRY(sess, n_layers) (sess[4 * (n_layers) + 2])
+// --kv-resident (backends/kv_cache.py RingKV; the `_ring` builds): [2j] and [2j+1] hold the
+// device's S sink cells and ring of R (f16, or q8_0's int8 values), and after the words above
+// (the RoPE tables, then with q8_0 the card's scales) come the device addresses of the pinned,
+// mapped host copy of every cell: of k and v at [H + 2j], [H + 2j + 1] (H = KV_HOST_BASE: 2 n + 2
+// for f16, where q8_0's scales would be; 4 n + 2 for q8_0), with q8_0 the host copy's scales at
+// [6n + 2 + 2j], [+3 + 2j], and then one word S | R << 32 (at 4 n + 2 for f16, 8 n + 2 for q8_0;
+// n = n_layers). Cell p is written to the host copy and to slot p (p < S) or S + (p - S) % R; a
+// step whose newest cell is end - 1 reads cell p from the device when p < S or p >= end - R, else
+// from the host copy in place (over PCIe). A layer slot without K/V (qwen3next's linear layers)
+// holds 0 in the host words, never read.
+#define KV_HOST_BASE(n_layers, Q8) (2 * (n_layers) + 2 + ((Q8) ? 2 * (n_layers) : 0))
+#define K_HOST(sess, n_layers, slot, Q8) (sess[KV_HOST_BASE(n_layers, Q8) + 2 * (slot)])
+#define V_HOST(sess, n_layers, slot, Q8) (sess[KV_HOST_BASE(n_layers, Q8) + 2 * (slot) + 1])
+#define K_HOST_SCALES(sess, n_layers, slot) (sess[6 * (n_layers) + 2 + 2 * (slot)])
+#define V_HOST_SCALES(sess, n_layers, slot) (sess[6 * (n_layers) + 3 + 2 * (slot)])
+#define RING_GEOMETRY(sess, n_layers, Q8) \
+    (sess[KV_HOST_BASE(n_layers, Q8) + ((Q8) ? 4 : 2) * (n_layers)])
 
 // ---- the rows of a step (decode.cu DESC_*) ----------------------------------------------------
 // `sess` holds one pointer table per slot (desc[DESC_TABLE_WORDS] words each): a batched step's
@@ -48,21 +56,31 @@ struct KvRing {
     __device__ __forceinline__ i64 slot(i64 p) const {
         return p < sinks ? p : sinks + (p - sinks) % ring;
     }
-    // the start of cell p's row ([n_kv, D] halves) for a step whose newest cell is end - 1
-    __device__ __forceinline__ const __half* row(const __half* card, const __half* host, i64 p,
-                                                 i64 end, i64 cell_elems) const {
+    // the start of cell p's row (`cell_elems` of T: [n_kv, D] halves or int8 values, or q8_0's
+    // [n_kv, D / 32] scales) for a step whose newest cell is end - 1
+    template <typename T>
+    __device__ __forceinline__ const T* row(const T* card, const T* host, i64 p, i64 end,
+                                            i64 cell_elems) const {
         return p < sinks || p >= end - ring ? card + slot(p) * cell_elems : host + p * cell_elems;
     }
 };
 
 // One block of 32 values, one per lane, into q8_0: scale = max |x| / 127 rounded to f16, values
-// rint(x / scale) clamped to [-127, 127] (backends/kv_cache.py Q8Rows, the same arithmetic).
-__device__ __forceinline__ void store_q8_block(float x, int lane, signed char* qv, __half* sc) {
+// rint(x / scale) clamped to [-127, 127] (backends/kv_cache.py Q8Rows, the same arithmetic); with
+// qv2 set, the same values and scale there too (a ring's card slot and its host copy).
+__device__ __forceinline__ void store_q8_block(float x, int lane, signed char* qv, __half* sc,
+                                               signed char* qv2 = nullptr,
+                                               __half* sc2 = nullptr) {
     const __half s = __float2half(warp_max(fabsf(x)) / 127.f);
     const float sf = __half2float(s);
     const float inv = sf > 0.f ? 1.f / sf : 0.f;
-    qv[lane] = (signed char)fminf(fmaxf(rintf(x * inv), -127.f), 127.f);
+    const signed char q = (signed char)fminf(fmaxf(rintf(x * inv), -127.f), 127.f);
+    qv[lane] = q;
     if (lane == 0) *sc = s;
+    if (qv2 != nullptr) {
+        qv2[lane] = q;
+        if (lane == 0) *sc2 = s;
+    }
 }
 
 // One head of row i (head < n_head: a query head, else key head head - n_head): RMSNorm (q_norm /
@@ -111,12 +129,11 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
         float* dst = q_dst != nullptr ? q_dst : q + ((i64)i * n_head + hh) * QS;
         #pragma unroll
         for (int j = 0; j < per; ++j) dst[lane + 32 * j] = vals[j];
-    } else if constexpr (RING) {          // the device's slot and the host copy, the same halves
-        static_assert(!Q8, "the ring builds keep f16 K/V");
-        const KvRing ring(RING_GEOMETRY(sess, n_layers));
+    } else if constexpr (RING && !Q8) {   // the device's slot and the host copy, the same halves
+        const KvRing ring(RING_GEOMETRY(sess, n_layers, false));
         const i64 at = (ring.slot(pos) * n_kv + hh) * D, host_at = ((i64)pos * n_kv + hh) * D;
         __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + at;
-        __half* kh = reinterpret_cast<__half*>(K_HOST(sess, n_layers, layer_slot)) + host_at;
+        __half* kh = reinterpret_cast<__half*>(K_HOST(sess, n_layers, layer_slot, false)) + host_at;
         #pragma unroll
         for (int j = 0; j < per; ++j) {
             const __half x = __float2half(vals[j]);
@@ -125,13 +142,40 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
         }
         if (v != nullptr) {
             __half* vc = reinterpret_cast<__half*>(sess[2 * layer_slot + 1]) + at;
-            __half* vh = reinterpret_cast<__half*>(V_HOST(sess, n_layers, layer_slot)) + host_at;
+            __half* vh = reinterpret_cast<__half*>(V_HOST(sess, n_layers, layer_slot, false)) +
+                         host_at;
             const float* vs = v + ((i64)i * n_kv + hh) * D;
             for (int j = 0; j < per; ++j) {
                 const __half x = __float2half(vs[lane + 32 * j]);
                 vc[lane + 32 * j] = x;
                 vh[lane + 32 * j] = x;
             }
+        }
+    } else if constexpr (RING) {          // q8_0: the same blocks into the slot and the host copy
+        const KvRing ring(RING_GEOMETRY(sess, n_layers, true));
+        const i64 at = ring.slot(pos) * n_kv + hh, host_at = (i64)pos * n_kv + hh;
+        constexpr int NB = D >> 5;        // blocks (scales) a head
+        signed char* kc = reinterpret_cast<signed char*>(sess[2 * layer_slot]) + at * D;
+        __half* ks = reinterpret_cast<__half*>(K_SCALES(sess, n_layers, layer_slot)) + at * NB;
+        signed char* kh = reinterpret_cast<signed char*>(K_HOST(sess, n_layers, layer_slot, true)) +
+                          host_at * D;
+        __half* khs = reinterpret_cast<__half*>(K_HOST_SCALES(sess, n_layers, layer_slot)) +
+                      host_at * NB;
+        #pragma unroll
+        for (int j = 0; j < per; ++j)
+            store_q8_block(vals[j], lane, kc + 32 * j, ks + j, kh + 32 * j, khs + j);
+        if (v != nullptr) {
+            signed char* vc = reinterpret_cast<signed char*>(sess[2 * layer_slot + 1]) + at * D;
+            __half* vsc = reinterpret_cast<__half*>(V_SCALES(sess, n_layers, layer_slot)) + at * NB;
+            signed char* vh =
+                reinterpret_cast<signed char*>(V_HOST(sess, n_layers, layer_slot, true)) +
+                host_at * D;
+            __half* vhs = reinterpret_cast<__half*>(V_HOST_SCALES(sess, n_layers, layer_slot)) +
+                          host_at * NB;
+            const float* vs = v + ((i64)i * n_kv + hh) * D;
+            for (int j = 0; j < per; ++j)
+                store_q8_block(vs[lane + 32 * j], lane, vc + 32 * j, vsc + j, vh + 32 * j,
+                               vhs + j);
         }
     } else if constexpr (!Q8) {
         __half* kc = reinterpret_cast<__half*>(sess[2 * layer_slot]) + ((i64)pos * n_kv + hh) * D;
@@ -179,6 +223,7 @@ __device__ void norm_rope_head(float* __restrict__ q, const float* __restrict__ 
 QK_NORM_ROPE_KV(, false, false)
 QK_NORM_ROPE_KV(_q8, true, false)
 QK_NORM_ROPE_KV(_ring, false, true)
+QK_NORM_ROPE_KV(_q8_ring, true, true)
 
 // Flash-decoding, first half: block (head group, split, row) scores `chunk` (<= ATTN_CHUNK) keys
 // for its `hb` query heads (h0 = blockIdx.x * hb on; one kv head serves them all) and writes an
@@ -207,37 +252,69 @@ __device__ __forceinline__ void attn_partial_body(
     const u64* __restrict__ sess = row_table(tables, desc, i);   // the row's session
     const __half* kc = reinterpret_cast<const __half*>(sess[2 * layer_slot]);
     const __half* vc = reinterpret_cast<const __half*>(sess[2 * layer_slot + 1]);
-    // the ring builds: each key's row from the device or the host copy (KvRing), the step's
-    // newest cell being the last row of this row's session
-    const __half* kh = RING ? reinterpret_cast<const __half*>(K_HOST(sess, n_layers, layer_slot))
-                            : nullptr;
-    const __half* vh = RING ? reinterpret_cast<const __half*>(V_HOST(sess, n_layers, layer_slot))
-                            : nullptr;
-    const KvRing ring(RING ? RING_GEOMETRY(sess, n_layers) : (u64)1 << 32);
-    const i64 step_end = row_step_end(desc, i), cell_elems = (i64)n_kv * D;
     // q8_0: the same loads read 4 int8 values (a u32) of K and 2 (a u16) of V, plus their scales
+    constexpr int NB = D >> 5;               // q8_0 blocks (scales) of a head
     const signed char* kq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot]);
     const signed char* vq8 = reinterpret_cast<const signed char*>(sess[2 * layer_slot + 1]);
     const __half* ksc = Q8 ? reinterpret_cast<const __half*>(K_SCALES(sess, n_layers, layer_slot))
                            : nullptr;
     const __half* vsc = Q8 ? reinterpret_cast<const __half*>(V_SCALES(sess, n_layers, layer_slot))
                            : nullptr;
+    // the ring builds: each key's row (values, and q8_0's scales) from the device or the host
+    // copy (KvRing), the step's newest cell being the last row of this row's session
+    const u64 k_host = RING ? K_HOST(sess, n_layers, layer_slot, Q8) : 0;
+    const u64 v_host = RING ? V_HOST(sess, n_layers, layer_slot, Q8) : 0;
+    const __half* khs = RING && Q8 ? reinterpret_cast<const __half*>(
+                                         K_HOST_SCALES(sess, n_layers, layer_slot)) : nullptr;
+    const __half* vhs = RING && Q8 ? reinterpret_cast<const __half*>(
+                                         V_HOST_SCALES(sess, n_layers, layer_slot)) : nullptr;
+    const KvRing ring(RING ? RING_GEOMETRY(sess, n_layers, Q8) : (u64)1 << 32);
+    const i64 step_end = row_step_end(desc, i), cell_elems = (i64)n_kv * D;
+    const i64 cell_scales = (i64)n_kv * NB;
     // Every load that needs nothing computed here goes out first, so the block waits on memory
     // once: the first round's K of this thread, its first V_AHEAD keys of V, and q.
     constexpr int SPLIT = 4;                 // threads per key in the scores
     constexpr int KQ = BLOCK_THREADS / PAIRS, V_AHEAD = 64 / KQ;  // V: KQ threads per dim pair
     constexpr int KW = D / (4 * SPLIT);      // a thread's 4-dim pieces of a key
     const int u = t % SPLIT, dp = t % PAIRS, kq = t / PAIRS;
-    static_assert(!Q8 || D == 128, "q8_0 K rows are read as 4 scales of 32 (one uint2)");
+    // q8_0: a key's NB scales are read as one uint2 (128 wide) or uint4 (256 wide)
+    static_assert(!Q8 || D == 128 || D == 256, "q8_0 K rows: 4 or 8 scales of 32");
+    constexpr int SW = Q8 ? NB / 2 : 1;      // u32 words of a key's scales (two f16 each)
     uint2 k_ahead[KW];                       // f16: 4 halves per piece; q8_0: .x holds 4 int8
-    uint2 k_scales = make_uint2(0u, 0u);     // q8_0: the key's 4 block scales (f16)
+    u32 k_scales[SW];                        // q8_0: the key's block scales (f16 pairs)
+    #pragma unroll
+    for (int w = 0; w < SW; ++w) k_scales[w] = 0u;
+    // a key's scales (q8_0) from `src` into k_scales: ld loads (ring: plain loads of host memory)
+    auto take_scales = [&](const __half* src, bool ldg) {
+        if constexpr (SW == 2) {
+            const uint2* p = reinterpret_cast<const uint2*>(src);
+            const uint2 w = ldg ? __ldg(p) : *p;
+            k_scales[0] = w.x;
+            k_scales[1] = w.y;
+        } else if constexpr (SW == 4) {
+            const uint4* p = reinterpret_cast<const uint4*>(src);
+            const uint4 w = ldg ? __ldg(p) : *p;
+            k_scales[0] = w.x;
+            k_scales[1] = w.y;
+            k_scales[2] = w.z;
+            k_scales[3] = w.w;
+        }
+    };
     auto load_k = [&](int kk) {
         const i64 row = (i64)(start + kk) * n_kv + kvh;
-        if constexpr (RING) {
+        if constexpr (RING && !Q8) {
             const uint2* krow = reinterpret_cast<const uint2*>(
-                ring.row(kc, kh, start + kk, step_end, cell_elems) + kvh * D);
+                ring.row(kc, reinterpret_cast<const __half*>(k_host), start + kk, step_end,
+                         cell_elems) + kvh * D);
             #pragma unroll
             for (int j = 0; j < KW; ++j) k_ahead[j] = krow[u + SPLIT * j];
+        } else if constexpr (RING) {
+            const u32* krow = reinterpret_cast<const u32*>(
+                ring.row(kq8, reinterpret_cast<const signed char*>(k_host), start + kk, step_end,
+                         cell_elems) + kvh * D);
+            #pragma unroll
+            for (int j = 0; j < KW; ++j) k_ahead[j].x = krow[u + SPLIT * j];
+            take_scales(ring.row(ksc, khs, start + kk, step_end, cell_scales) + kvh * NB, false);
         } else if constexpr (!Q8) {
             const uint2* krow = reinterpret_cast<const uint2*>(kc + row * D);
             #pragma unroll
@@ -246,21 +323,29 @@ __device__ __forceinline__ void attn_partial_body(
             const u32* krow = reinterpret_cast<const u32*>(kq8 + row * D);
             #pragma unroll
             for (int j = 0; j < KW; ++j) k_ahead[j].x = __ldg(krow + u + SPLIT * j);
-            k_scales = __ldg(reinterpret_cast<const uint2*>(ksc + row * (D >> 5)));
+            take_scales(ksc + row * NB, true);
         }
     };
     load_k(min(t / SPLIT, count - 1));
     const __half2* vp = reinterpret_cast<const __half2*>(vc + ((i64)start * n_kv + kvh) * D) + dp;
     const u16* vp8 = reinterpret_cast<const u16*>(vq8 + ((i64)start * n_kv + kvh) * D) + dp;
-    const __half* vs8 = Q8 ? vsc + ((i64)start * n_kv + kvh) * (D >> 5) + (2 * dp) / 32 : nullptr;
-    const i64 vstride = (i64)n_kv * PAIRS, sstride = (i64)n_kv * (D >> 5);
+    const __half* vs8 = Q8 ? vsc + ((i64)start * n_kv + kvh) * NB + (2 * dp) / 32 : nullptr;
+    const i64 vstride = (i64)n_kv * PAIRS, sstride = (i64)n_kv * NB;
     // V of key c (relative to the split's start) at dims 2 dp, 2 dp + 1, as 32 bits (f16: the
     // half2; q8_0: the two int8 values, then the block's f16 scale) and as floats
     auto load_v = [&](int c) -> u32 {
-        if constexpr (RING) {
+        if constexpr (RING && !Q8) {
             const __half2 h = reinterpret_cast<const __half2*>(
-                ring.row(vc, vh, start + c, step_end, cell_elems) + kvh * D)[dp];
+                ring.row(vc, reinterpret_cast<const __half*>(v_host), start + c, step_end,
+                         cell_elems) + kvh * D)[dp];
             return *reinterpret_cast<const u32*>(&h);
+        } else if constexpr (RING) {
+            const u16 vals = reinterpret_cast<const u16*>(
+                ring.row(vq8, reinterpret_cast<const signed char*>(v_host), start + c, step_end,
+                         cell_elems) + kvh * D)[dp];
+            const u16 sbits = __half_as_ushort(
+                ring.row(vsc, vhs, start + c, step_end, cell_scales)[kvh * NB + (2 * dp) / 32]);
+            return (u32)vals | ((u32)sbits << 16);
         } else if constexpr (!Q8) {
             const __half2 h = __ldg(vp + c * vstride);
             return *reinterpret_cast<const u32*>(&h);
@@ -304,7 +389,7 @@ __device__ __forceinline__ void attn_partial_body(
                 k23 = __half22float2(*reinterpret_cast<const __half2*>(&k_ahead[j].y));
             } else {                         // dims 4u + 16j: block j / 2 of the head
                 const u32 w = k_ahead[j].x;
-                const u32 sw = (j >> 2) ? k_scales.y : k_scales.x;
+                const u32 sw = k_scales[j >> 2];     // scales 2 (j >> 2) and 2 (j >> 2) + 1
                 const u16 sbits = (u16)(((j >> 1) & 1) ? (sw >> 16) : (sw & 0xffff));
                 const float sc = __half2float(__ushort_as_half(sbits));
                 k01 = make_float2((float)(signed char)(w & 0xff) * sc,
@@ -539,22 +624,27 @@ __device__ __forceinline__ void attn_decode_body(const float* q, const u64* sess
         attn_decode_body<128, Q8, MAX_G>(q, sess, layer_slot, desc, n_head, n_kv, n_split, chunk,\
                                          scale, part, ml, done, out, n_layers);                  \
     }
-// The ring builds (--kv-resident, f16): the plain ones reading each key where KvRing says (the
-// separate q/k norm launch, qk_norm_rope_kv_ring, writes both copies of the new cell).
-#define ATTN_DECODE_RING(suffix, MAX_G)                                                           \
+// The ring builds (--kv-resident; f16, and q8_0 as `_q8_ring`): the plain ones reading each key
+// where KvRing says (the separate q/k norm launch, qk_norm_rope_kv_ring / _q8_ring, writes both
+// copies of the new cell).
+#define ATTN_DECODE_RING(suffix, Q8, MAX_G)                                                       \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) attn_decode_128##suffix##_ring(  \
             const float* q, const u64* sess, int layer_slot, const int* desc, int n_head,         \
             int n_kv, int n_split, int chunk, float scale, float* part, float* ml,                \
             u32* __restrict__ done, float* __restrict__ out, int n_layers) {                      \
         pdl_entry();                                                                             \
-        attn_decode_body<128, false, MAX_G, true>(q, sess, layer_slot, desc, n_head, n_kv,       \
-                                                  n_split, chunk, scale, part, ml, done, out,    \
-                                                  n_layers);                                     \
+        attn_decode_body<128, Q8, MAX_G, true>(q, sess, layer_slot, desc, n_head, n_kv,          \
+                                               n_split, chunk, scale, part, ml, done, out,       \
+                                               n_layers);                                        \
     }
-ATTN_DECODE_RING(_g2, 2)
-ATTN_DECODE_RING(_g4, 4)
-ATTN_DECODE_RING(_g8, 8)
-ATTN_DECODE_RING(_g16, 16)
+ATTN_DECODE_RING(_g2, false, 2)
+ATTN_DECODE_RING(_g4, false, 4)
+ATTN_DECODE_RING(_g8, false, 8)
+ATTN_DECODE_RING(_g16, false, 16)
+ATTN_DECODE_RING(_g2_q8, true, 2)
+ATTN_DECODE_RING(_g4_q8, true, 4)
+ATTN_DECODE_RING(_g8_q8, true, 8)
+ATTN_DECODE_RING(_g16_q8, true, 16)
 ATTN_DECODE(_g2, false, 2)
 ATTN_DECODE(_g4, false, 4)
 ATTN_DECODE(_g8, false, 8)

@@ -73,16 +73,16 @@ def _engine(args):
 
 def gpu_kv_resident_refusal(gguf, kv_type: str | None, device: str) -> str:
     """Why --kv-resident cannot run on the GPUs `device` names, or "": the decode graph's ring
-    builds (kernels/attention.cuh, next_attention.cuh) take qwen3moe's and qwen3next's f16 K/V
-    only."""
+    builds (kernels/attention.cuh, next_attention.cuh) take qwen3moe's and qwen3next's f16 or
+    q8_0 K/V only (None: the GPU's default, f16)."""
     from ..backends.kv_cache import DeviceRing
     arch = gguf.arch
     if arch not in DeviceRing.ARCHS:
         return (f"on {device} for {arch}: the GPU ring kernels are {' and '.join(DeviceRing.ARCHS)}"
                 f"'s only so far (the CPU takes every architecture)")
-    if kv_type not in (None, "f16"):
-        return (f"with --kv-type {kv_type} on {device}: the GPU ring kernels read f16 K/V only "
-                f"so far")
+    if kv_type is not None and kv_type not in DeviceRing.KV_TYPES:
+        return (f"with --kv-type {kv_type} on {device}: the GPU ring kernels read "
+                f"{' or '.join(DeviceRing.KV_TYPES)} K/V only so far")
     return ""
 
 
@@ -270,7 +270,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="keep N cells of each K/V resident (the attention sinks and a ring of the "
                         "newest), every cell in host memory; below --max-context, at least "
                         "--prefill + 4 (default: every cell resident; on a GPU qwen3moe and "
-                        "qwen3next with f16 K/V only so far)")
+                        "qwen3next with f16 or q8_0 K/V only so far)")
 
 
 def tcp_endpoint(text: str, flag: str, default_host: str | None = None) -> str:
