@@ -308,7 +308,7 @@ def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeyp
     memory. The decode graph reads all three kinds of address with the same kernels, so its
     logits equal a fully cached stage's bit for bit, and each step's computations are counted by
     tier. A helper tier that did not open leaves its pairs to host memory: the same bits."""
-    from strata_dist.backends.expert_addresses import HELPER_TIERS
+    from strata_dist.ops.expert_addresses import HELPER_TIERS
     from strata_dist.experts.stores import BlobArena
     from strata_dist.rank.stage import Stage, StageConfig
     monkeypatch.delenv("STRATA_HOST_MAPPED", raising=False)

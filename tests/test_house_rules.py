@@ -6,7 +6,7 @@ imported here, are held to them too):
   server, the adaptive cache): what a backend or an op needs of them it is passed;
 - nor does it read through an expert store (`model.experts.<...>`, `getattr(model.experts, ...)`,
   `experts.outputs(...)`): it is handed values, such as the decode graph's expert-address table
-  (backends/expert_addresses.py), and the models dispatch to the store;
+  (ops/expert_addresses.py), and the models dispatch to the store;
 - code outside backends/ never branches on a backend's name (`backend.name == "cupy"`): it asks
   a capability the backend declares (`backend.on_gpu`);
 - no Python file is longer than MAX_LINES.
@@ -79,7 +79,7 @@ def test_the_tier_import_finder_finds_one_inside_a_function():
                                    "strata_dist.ops.moe": ["strata_dist.experts.stores"]}
 
 
-# ---- backends read no expert store: they are handed values (backends/expert_addresses.py) -------
+# ---- backends read no expert store: they are handed values (ops/expert_addresses.py) -------
 def expert_store_reads(tree: ast.AST) -> list[int]:
     """Lines that read through an expert store: an attribute chain through `.experts`
     (`model.experts`, `self.model.experts.pinned`), an attribute of a name `experts` (a store

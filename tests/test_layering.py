@@ -28,10 +28,12 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     # the ops' launchers (one module an op) import nothing of the backends that call them
     "ops": {"gguf_file", "kernels", "plan", "shared"},
     "backends": {"gguf_file", "kernels", "ops", "plan", "shared"},
-    "experts": {"backends", "gguf_file", "kernels", "plan", "shared"},
+    # the experts build the MoE op's address table (ops/expert_addresses.py); a rank's stage
+    # catches its Unsupported
+    "experts": {"backends", "gguf_file", "kernels", "ops", "plan", "shared"},
     "models": _BELOW_MODELS,
     "sampling": _BELOW_MODELS | {"models"},
-    "rank": _BELOW_MODELS | {"models", "sampling"},
+    "rank": _BELOW_MODELS | {"models", "ops", "sampling"},
     "head": {"gguf_file", "plan", "sampling", "shared"},
     "server": {"gguf_file", "head", "plan", "sampling", "shared"},
     "tools": _BELOW_MODELS | {"models", "rank", "sampling", "synth"},

@@ -34,9 +34,10 @@ import cupy as cp
 from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE_SPEC,
-                           TYPE_NAMES, AttnScratchError, KernelShape, attn_launch, expert_layout,
+                           TYPE_NAMES, AttnScratchError, KernelShape, attn_launch,
                            matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
+from ..ops import moe
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
@@ -57,7 +58,7 @@ assert MAX_ROWS == DECODE_ROWS
 
 class DecodeGraph(BatchedSteps):
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
-    read in place where the model's expert-address table says (backends/expert_addresses.py),
+    read in place where the model's expert-address table says (ops/expert_addresses.py),
     for sessions of `max_cells` cells."""
 
     layer_ops = GraphLayerOps      # the launches the model's layer_step is captured through
@@ -206,7 +207,7 @@ class DecodeGraph(BatchedSteps):
         self.attn_done = cp.zeros(R * (g.n_head // self.attn_heads), cp.uint32)
 
     def _build_specs(self, g) -> None:
-        self.blob_align: dict[int, int] = {}   # each layer's blob alignment (_expert_spec)
+        self.blob_align: dict[int, int] = {}   # each layer's blob alignment (moe.expert_spec)
         self.layer_specs = [self._layer_spec(layer) for layer in range(self.lb, self.le)]
         m = self.model
         if self.last:
@@ -242,7 +243,7 @@ class DecodeGraph(BatchedSteps):
         `ffn_norm`, its last block picking the top-k) and the expert kernels' tables."""
         g = self.g
         router = weight_of(router_w, f"blk.{layer}.ffn_gate_inp")
-        experts = self._expert_spec(layer)
+        experts = moe.expert_spec(self, layer)
         expert_table = _spec_array(EXPERT_SPEC, [experts])
         return dict(
             ffn_norm=ffn_norm,
@@ -272,22 +273,6 @@ class DecodeGraph(BatchedSteps):
     def _layer_kernel_names(self) -> set[str]:
         """The layers' kernels other than the matvecs and the experts'."""
         return {"qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix, self.attn_kernel}
-
-    def _expert_spec(self, layer: int) -> dict:
-        g = self.g
-        try:
-            lay = expert_layout(self.model.gguf, layer)
-        except ValueError as e:
-            raise Unsupported(str(e)) from None
-        self.blob_align[layer] = lay.align     # what a table repointed later is held to
-        if (self.addresses.blob_of[layer] % np.uint64(lay.align)).any():
-            raise Unsupported(f"blk.{layer}: expert blobs are not aligned on {lay.align} bytes "
-                              f"for the expert kernels")
-        return dict(blob_of=int(self.blob_of.data.ptr) + 8 * layer * g.n_expert,
-                    up_at=lay.up_at, down_at=lay.down_at, gate_row_bytes=lay.gate_row_bytes,
-                    up_row_bytes=lay.up_row_bytes, down_row_bytes=lay.down_row_bytes,
-                    gate_type=lay.gate_type, up_type=lay.up_type, down_type=lay.down_type,
-                    n_ff=g.n_ff_exp, n_embd=g.n_embd, k=g.n_expert_used)
 
     # ---- the step -------------------------------------------------------------------------------
     def _launch(self, name: str):

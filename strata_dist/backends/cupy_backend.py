@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import re
-from functools import lru_cache
 
 import numpy as np
 
@@ -22,7 +21,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..kernels.abi import MAX_GROUP_EXPERTS
+from ..ops import moe
+from ..ops.guards import MAX_GRID_Y, OPS_THREADS, f32_rows as _f32_rows
+from ..ops.guards import first_failed as _first_failed
+from ..ops.guards import decode_defines as _decode_defines
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
@@ -52,7 +54,7 @@ class CupyBackend(Backend):
         self._dev.use()
         self._pinned = None
         self._pinned_read = None    # recorded after the last copy out of the pinned buffer
-        # a prompt's experts through the row kernels (backends/expert_rows.py), its attention by
+        # a prompt's experts through the row kernels (ops/moe.py), its attention by
         # kernels/prefill_attention.cu, and each chunk routed (every placement alike, so the
         # tokens do not depend on it) and, where a layer is all resident, grouped on the device:
         # no host round trip a layer. The row kernels measured 4x the general path at 512 tokens,
@@ -64,8 +66,7 @@ class CupyBackend(Backend):
         self._flash_kernels = {}    # head width -> the kernel, allowed its shared memory once
         self._rows = None
         if options.grouped_experts:
-            from .expert_rows import RowsKernels
-            self._rows = RowsKernels(index, mma=options.rows_mma, backend=self)
+            self._rows = moe.RowsKernels(index, mma=options.rows_mma, backend=self)
         self._device_routing = self._rows is not None and options.device_routing
         # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
         # where they are independent), "steps" the decode graph's token loop, "off" the blocked
@@ -234,13 +235,8 @@ class CupyBackend(Backend):
         return tuple(out)
 
     def expert_swiglu(self, gguf, layer, blob, x):
-        if self._rows is not None:
-            n = int(x.shape[0])
-            out = cp.empty((n, int(x.shape[1])), dtype=cp.float32)
-            every = np.arange(n)
-            if self._rows.run(gguf, layer, x, [(blob, every, every)], out):
-                return out
-        return super().expert_swiglu(gguf, layer, blob, x)
+        out = None if self._rows is None else self._rows.swiglu(gguf, layer, blob, x)
+        return out if out is not None else super().expert_swiglu(gguf, layer, blob, x)
 
     def experts_swiglu(self, gguf, layer, x, jobs, out) -> None:
         if self._rows is None or not self._rows.run(gguf, layer, x, jobs, out):
@@ -255,42 +251,26 @@ class CupyBackend(Backend):
                 return routed
         return super().route(x, router, k, normalize)
 
+    # ---- the routed experts of a chunk (ops/moe.py RowsKernels; None: the general path) -------
     def experts_routed(self, gguf, layer: int, x, ids, addresses: np.ndarray):
         """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
         `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
-        spec = self.row_layout(gguf, layer)
-        if spec is None or (addresses % np.uint64(spec.align)).any():
-            return None
-        pairs = self.routed_pairs(gguf, layer, x, ids, len(addresses))
-        if pairs is None:
-            return None
-        self.compute_routed(pairs, addresses)
-        return pairs.y
+        return None if self._rows is None else self._rows.routed(gguf, layer, x, ids, addresses)
 
     def row_layout(self, gguf, layer: int):
         """How the row kernels read `layer`'s expert blobs (kernels/abi.py ExpertLayout), or None
         when they do not."""
-        return None if self._rows is None else self._rows._layout(gguf, layer)
+        return None if self._rows is None else self._rows.layout(gguf, layer)
 
     def routed_pairs(self, gguf, layer: int, x, ids, n_expert: int):
-        """The device-routed pairs of ids [n, k] grouped by expert (backends/expert_rows.py
-        RoutedPairs, with `y`, the [n, k, n_embd] outputs `compute_routed` writes), or None when
-        the row kernels do not read this layer."""
-        spec = self.row_layout(gguf, layer)
-        if spec is None or int(x.shape[1]) != spec.n_embd or n_expert > MAX_GROUP_EXPERTS:
-            return None
-        pairs = self._rows.group_routed(spec, x, ids, n_expert)
-        n, k = (int(v) for v in ids.shape)
-        pairs.y = self.buffer("y", (n, k, spec.n_embd), cp.float32)
-        return pairs
+        """The device-routed pairs of ids [n, k] grouped by expert (ops/moe.py RoutedPairs), or
+        None when the row kernels do not read this layer."""
+        return None if self._rows is None else self._rows.routed_pairs(gguf, layer, x, ids,
+                                                                        n_expert)
 
     def compute_routed(self, pairs, addresses: np.ndarray) -> None:
-        """Compute into pairs.y the pairs whose expert has a blob address in `addresses` (host
-        uint64 [n_expert], each aligned to pairs.spec.align: the caller checks; 0: another
-        call's)."""
-        n, k, d = (int(v) for v in pairs.y.shape)
-        self._rows.compute_grouped(pairs, self.upload("blob_table", addresses),
-                                   pairs.y.reshape(n * k, d))
+        """Compute into pairs.y the pairs whose expert has a blob address in `addresses`."""
+        self._rows.compute_routed(pairs, addresses)
 
     def prompt_attention(self, q, k, v, pos0, out=None):
         """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
@@ -338,16 +318,8 @@ class CupyBackend(Backend):
         return out
 
     def combine_ranked(self, y, wts):
-        if not (self._fused_ops and _f32_rows(y) and _f32_rows(wts) and y.ndim == 3
-                and wts.shape == y.shape[:2] and y.shape[0] <= MAX_GRID_Y):
-            return super().combine_ranked(y, wts)
-        from ..kernels import function
-        n, k, d = (int(v) for v in y.shape)
-        out = self.buffer("moe_out", (n, d), cp.float32)
-        if n:
-            function("prompt_ops.cu", "combine_ranked", self.index)(
-                (-(-d // OPS_THREADS), n), (OPS_THREADS,), (y, wts, np.int32(k), np.int32(d), out))
-        return out
+        out = moe.combine_ranked(self, y, wts) if self._fused_ops else None
+        return out if out is not None else super().combine_ranked(y, wts)
 
     def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps, session, layer, pos0):
         """The decode step's kernels over the chunk's rows, a warp a head of a row, where the
@@ -529,31 +501,6 @@ class PinnedStaging:
         self.at = -(-(lo + n) // self.ALIGN) * self.ALIGN
 
 
-OPS_THREADS = 256     # prompt_ops.cu's block
 # a quantized matrix larger than this (and than the prompt layout's dense16) is decoded to f16 a
 # slice of rows at a time: well inside a stage's work reserve (plan/pricing.py)
 F16_SCRATCH_BYTES = 32 << 20
-MAX_GRID_Y = 65535    # a launch's rows are its grid's y (a chunk is far shorter)
-
-
-def _first_failed(conditions) -> str:
-    """The reason of the first (holds, reason) pair that does not hold; "" when all hold."""
-    return next((reason for holds, reason in conditions if not holds), "")
-
-
-def _f32_rows(a) -> bool:
-    """A contiguous float32 device array (what the fused prompt kernels read)."""
-    return isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.flags.c_contiguous
-
-
-def _decode_defines(kernel_shape: str) -> tuple[str, ...]:
-    """decode.cu's build as the decode graph makes it (ComputeOptions.kernel_shape): one module
-    for the graph and the prompt path's use of its kernels."""
-    return _shape_defines(kernel_shape)
-
-
-@lru_cache(maxsize=None)
-def _shape_defines(text: str) -> tuple[str, ...]:
-    """The -D defines of a kernel shape's text (parsed once: the prompt path asks every layer)."""
-    from ..kernels.abi import KernelShape
-    return tuple(KernelShape.parse(text).defines())

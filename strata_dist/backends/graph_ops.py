@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ..kernels.abi import BLOCK_THREADS
+from ..ops import moe
 
 
 class GraphLayerOps:
@@ -77,15 +78,8 @@ class GraphLayerOps:
         return gr.xn
 
     def add_experts(self, layer: int, routed, h):
-        gr, n = self.graph, self.n
-        g, f, shape = gr.g, gr._launch, gr.shape
         L, _ = self._spec(layer)
-        gate_up, down = L["expert_types"]
-        ff, out = shape.gate_up_block(L["expert_codes"][0]), shape.down_block(L["expert_codes"][1])
-        f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                    (BLOCK_THREADS,), (L["experts"], routed, gr.blobs, gr.act))
-        f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
-                              (L["experts"], gr.act, gr.blobs, gr.wts, self._residual(h)))
+        moe.graph_experts(self.graph, L, routed, self._residual(h), self.n)
         return h
 
 

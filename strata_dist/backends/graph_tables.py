@@ -9,7 +9,7 @@ import numpy as np
 import cupy as cp
 
 from ..kernels.abi import F16, F32, KERNEL_TYPES, MAT_SPEC
-from .expert_addresses import Unsupported  # noqa: F401 (the graphs import it from here)
+from ..ops.expert_addresses import Unsupported  # noqa: F401 (the graphs import it from here)
 from .quant_matrix import QuantMatrix
 
 
@@ -85,7 +85,7 @@ def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
 
 def repoint_experts(graph, addresses) -> None:
     """The stage's expert-address table built again after blobs moved (the adaptive cache swapped
-    them, strata_dist/experts/adapt.py; backends/expert_addresses.py): the entries of a settled
+    them, strata_dist/experts/adapt.py; ops/expert_addresses.py): the entries of a settled
     decode graph's address table that changed are written, and its hit masks and table taken
     from the new one (whose builder refused a pair read nowhere: Unsupported). The entries are
     written on the null stream, which every step waits for (cuda_decode.DecodeGraph._launch_step),
