@@ -34,10 +34,9 @@ import cupy as cp
 from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE_SPEC,
-                           TYPE_NAMES, AttnScratchError, KernelShape, attn_launch,
-                           matvec_kernel, rows_per_block)
+                           TYPE_NAMES, KernelShape, matvec_kernel, rows_per_block)
 from ..kernels.pdl import ProgrammaticLauncher
-from ..ops import moe
+from ..ops import attention, moe
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
@@ -92,11 +91,7 @@ class DecodeGraph(BatchedSteps):
         # heads; 0: by the geometry)
         if not attn_heads and options.attn_heads:
             attn_heads = options.attn_heads
-        try:
-            a = attn_launch(g.n_head, g.n_head_kv, g.head_dim, max_cells, model.backend.kv_type,
-                            attn_heads)
-        except AttnScratchError as e:
-            raise Unsupported(str(e)) from None
+        a = attention.decode_launch(g, max_cells, model.backend.kv_type, attn_heads)
         self.attn_kernel, self.attn_heads, self.attn_chunk = a.kernel + self.ring.suffix, a.heads, \
             a.chunk
         self.n_split, self.max_rows = a.n_split, a.max_rows

@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..ops import moe
+from ..ops import attention, moe
 from ..ops.guards import MAX_GRID_Y, OPS_THREADS, f32_rows as _f32_rows
 from ..ops.guards import first_failed as _first_failed
 from ..ops.guards import decode_defines as _decode_defines
@@ -63,7 +63,7 @@ class CupyBackend(Backend):
         # the switches of the record in force (strata_dist/compute_options.py): a rank's Assign's
         options = compute_options()
         self._flash = options.flash_prefill
-        self._flash_kernels = {}    # head width -> the kernel, allowed its shared memory once
+        self._flash_prompt = attention.FlashPrompt(index)
         self._rows = None
         if options.grouped_experts:
             self._rows = moe.RowsKernels(index, mma=options.rows_mma, backend=self)
@@ -273,36 +273,11 @@ class CupyBackend(Backend):
         self._rows.compute_routed(pairs, addresses)
 
     def prompt_attention(self, q, k, v, pos0, out=None):
-        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
-        (qwen3moe) or 256-wide (qwen3next) heads."""
-        from ..kernels.abi import PREFILL_ATTENTION_BUILDS, prefill_attention_launch
+        """Flash attention on tensor cores (ops/attention.py FlashPrompt; STRATA_FLASH_PREFILL=0:
+        off): f16 K/V of 128-wide (qwen3moe) or 256-wide (qwen3next) heads."""
         if not self._flash:
             return None
-        why = _first_failed((
-            (int(q.shape[-1]) in PREFILL_ATTENTION_BUILDS,
-             f"heads {int(q.shape[-1])} wide (built for {sorted(PREFILL_ATTENTION_BUILDS)})"),
-            (k.dtype == cp.float16 and v.dtype == cp.float16,
-             f"K/V arrays of {k.dtype} (the kernel reads f16)"),
-            (k.flags.c_contiguous and v.flags.c_contiguous, "K/V not contiguous"),
-            (not q.shape[1] % k.shape[1],
-             f"{q.shape[1]} query heads over {k.shape[1]} kv heads")))
-        if why:
-            fall_back("the flash attention of a prompt chunk (flash_prefill)", why)
-            return None
-        from ..kernels import function
-        n, n_head, d = (int(x) for x in q.shape)
-        q = cp.ascontiguousarray(q, dtype=cp.float32)
-        out = self.buffer(out, (n, n_head, d), cp.float32)
-        rows, threads, shared = prefill_attention_launch(d)
-        fn = self._flash_kernels.get(d)
-        if fn is None:                                 # past the default 48 KiB of shared memory
-            fn = function("prefill_attention.cu", f"prefill_attention_{d}", self.index)
-            fn.max_dynamic_shared_size_bytes = shared
-            self._flash_kernels[d] = fn
-        fn((n_head, (n + rows - 1) // rows), (threads,),
-           (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
-            np.float32(1.0 / np.sqrt(d)), out), shared_mem=shared)
-        return out
+        return self._flash_prompt.run(self, q, k, v, pos0, out)
 
     # ---- a chunk's row-wise steps, one launch each ------------------------------------------
     def rms_norm(self, x, w, eps, out=None):

@@ -8,12 +8,11 @@ NextDecodeGraph) extends them: the same router, routed experts, o-projection and
 attention. No CuPy here: the launches go through the graph's `_launch` and `_matvec`."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..kernels.abi import BLOCK_THREADS
-from ..ops import moe
+from ..ops.attention import graph_attend, graph_attn_gate
+from ..ops.moe import graph_experts
 
 
 class GraphLayerOps:
@@ -54,13 +53,7 @@ class GraphLayerOps:
 
     def _attend(self, j: int, q) -> None:
         """The decode attention of the rows' q over layer slot j's K/V into the graph's attn."""
-        gr, i32 = self.graph, np.int32
-        g = gr.g
-        gr._launch(gr.attn_kernel)(
-            (g.n_head // gr.attn_heads, gr.n_split, self.n), (BLOCK_THREADS,),
-            (q, gr.sess_table, i32(j), gr.desc, i32(g.n_head), i32(g.n_head_kv),
-             i32(gr.n_split), i32(gr.attn_chunk), np.float32(1.0 / math.sqrt(g.head_dim)),
-             gr.part, gr.ml, gr.attn_done, gr.attn, i32(gr.le - gr.lb)))
+        graph_attend(self.graph, j, q, self.n)
 
     def add_out_projection(self, layer: int, attn, h):
         gr = self.graph
@@ -79,7 +72,7 @@ class GraphLayerOps:
 
     def add_experts(self, layer: int, routed, h):
         L, _ = self._spec(layer)
-        moe.graph_experts(self.graph, L, routed, self._residual(h), self.n)
+        graph_experts(self.graph, L, routed, self._residual(h), self.n)
         return h
 
 
@@ -133,9 +126,7 @@ class NextGraphOps(GraphLayerOps):
             (qg, k, v, L["q_norm"], L["k_norm"], gr.sess_table, i32(j), i32(gr.le - gr.lb),
              gr.desc, i32(g.n_head), i32(g.n_head_kv), self.eps, gr.q))
         self._attend(j, gr.q)
-        q_width = g.n_head * g.head_dim
-        f("next_attn_gate")((-(-q_width // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                            (gr.attn, qg, i32(g.n_head)))
+        graph_attn_gate(gr, qg, n)
         return gr.attn
 
     def add_moe(self, layer: int, routed, h):
