@@ -72,8 +72,8 @@ def test_no_backend_imports_the_expert_tiers():
 def test_the_tier_import_finder_finds_one_inside_a_function():
     graph = {"strata_dist.backends.x": {"strata_dist.experts.tiers", "strata_dist.backends.base"},
              "strata_dist.backends.z": {"strata_dist.experts.adapt", "strata_dist.experts_like"},
-             "strata_dist.rank.stage": {"strata_dist.experts.tiers"}, "strata_dist.backends.y": set(),
-             "strata_dist.ops.moe": {"strata_dist.experts.stores"}}
+             "strata_dist.rank.stage": {"strata_dist.experts.tiers"},
+             "strata_dist.backends.y": set(), "strata_dist.ops.moe": {"strata_dist.experts.stores"}}
     assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.experts.tiers"],
                                    "strata_dist.backends.z": ["strata_dist.experts.adapt"],
                                    "strata_dist.ops.moe": ["strata_dist.experts.stores"]}

@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..ops import attention, moe
+from ..ops import attention, moe, norm_rope_kv
 from ..ops.guards import MAX_GRID_Y, OPS_THREADS, f32_rows as _f32_rows
 from ..ops.guards import first_failed as _first_failed
 from ..ops.guards import decode_defines as _decode_defines
@@ -297,60 +297,14 @@ class CupyBackend(Backend):
         return out if out is not None else super().combine_ranked(y, wts)
 
     def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps, session, layer, pos0):
-        """The decode step's kernels over the chunk's rows, a warp a head of a row, where the
-        cache is f16: decode.cu's qk_norm_rope_kv for 128-wide fully rotated heads (q normalised
-        and rotated in place), next_attention.cuh's next_qk_norm_rope_kv for qwen3next's
-        256-wide heads with 64 rotated dims, q read out of attn_q's [q | gate] rows; else the
-        array path."""
-        from ..kernels.abi import DESC_WORDS, NEXT_HEAD_DIM, NEXT_ROT
-        n, n_head, d = (int(v) for v in q.shape)
-        n_kv = int(k.shape[1])
-        kc, vc = session.k(layer), session.v(layer)
-        cos, sin = session.rope_cos, session.rope_sin
-        rot = 2 * int(cos.shape[-1])
-        full = d == 128 and rot == d and _f32_rows(q)
-        # q the first half of each head of qg [n, n_head, 2 D] (models/qwen3next.py _attention)
-        gated = (d == NEXT_HEAD_DIM and rot == NEXT_ROT and isinstance(q, cp.ndarray)
-                 and q.dtype == cp.float32 and q.strides == (n_head * 8 * d, 8 * d, 4))
-        if not self._fused_ops:
-            return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
-        why = _first_failed((
-            (full or gated, f"heads {d} wide with {rot} rotated dims, q {q.dtype} strides "
-                            f"{q.strides} (the kernels take 128-wide fully rotated float32 rows, "
-                            f"or {NEXT_HEAD_DIM}-wide with {NEXT_ROT} rotated in gated rows)"),
-            (n <= MAX_GRID_Y, f"{n} rows (a launch takes at most {MAX_GRID_Y})"),
-            (all(_f32_rows(a) for a in (k, v, q_norm, k_norm, cos, sin)),
-             "k, v, the norms or the RoPE tables are not contiguous float32 device rows"),
-            (tuple(k.shape) == tuple(v.shape) == (n, n_kv, d),
-             f"k {tuple(k.shape)} and v {tuple(v.shape)} are not [{n}, {n_kv}, {d}]"),
-            (all(isinstance(c, cp.ndarray) and c.dtype == cp.float16 and c.flags.c_contiguous
-                 for c in (kc, vc)), f"the session's K/V arrays are "
-                                     f"{getattr(kc, 'dtype', type(kc))} (the kernels write "
-                                     f"contiguous f16)")))
-        if why:
-            fall_back("the fused q/k norm + RoPE + K/V write of a prompt chunk (fused_prompt_ops)",
-                      why)
-            return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
-        from ..kernels import function
-        table = self.upload("rope_ptrs", np.array(
-            [kc.data.ptr, vc.data.ptr, cos.data.ptr, sin.data.ptr], dtype=np.uint64))
-        desc = np.zeros(DESC_WORDS, dtype=np.int32)
-        desc[0], desc[1] = pos0, n
-        desc = self.upload("rope_desc", desc)
-        defines = _decode_defines(self._kernel_shape)
-        kernel = lambda name: function("decode.cu", name, self.index, defines)  # noqa: E731
-        if full:
-            kernel("qk_norm_rope_kv")(
-                (n_head + n_kv, n), (32,),
-                (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc,
-                 np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(d), np.float32(eps)))
-            return q
-        out = self.buffer("q_rot", (n, n_head, d), cp.float32)
-        kernel("next_qk_norm_rope_kv")(
-            (n_head + n_kv, n), (32,),
-            (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc, np.int32(n_head),
-             np.int32(n_kv), np.float32(eps), out))
-        return out
+        """The decode step's kernels over the chunk's rows where the cache is f16
+        (ops/norm_rope_kv.py); else the array path."""
+        if self._fused_ops:
+            out = norm_rope_kv.prompt_qk_norm_rope_kv(self, self._kernel_shape, q, k, v, q_norm,
+                                                      k_norm, eps, session, layer, pos0)
+            if out is not None:
+                return out
+        return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
         """gdn_mixer through kernels, the state updated in place: by default gdn_prompt.cu's

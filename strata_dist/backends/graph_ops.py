@@ -13,6 +13,7 @@ import numpy as np
 from ..kernels.abi import BLOCK_THREADS
 from ..ops.attention import graph_attend, graph_attn_gate
 from ..ops.moe import graph_experts
+from ..ops.norm_rope_kv import graph_next_qk_norm_rope_kv, graph_qk_norm_rope_kv
 
 
 class GraphLayerOps:
@@ -40,16 +41,11 @@ class GraphLayerOps:
         return gr.q, gr.k, gr.v
 
     def attention(self, layer: int, q, k, v):
-        gr, n, i32 = self.graph, self.n, np.int32
-        g = gr.g
         L, j = self._spec(layer)
         w = L["w"]
-        gr._launch("qk_norm_rope_kv" + gr.kv_suffix + gr.ring.suffix)(
-            (g.n_head + g.n_head_kv, n), (32,),
-            (q, k, v, w.q_norm, w.k_norm, gr.sess_table, i32(j), i32(gr.le - gr.lb), gr.desc,
-             i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim), i32(g.head_dim), self.eps))
+        graph_qk_norm_rope_kv(self.graph, j, q, k, v, w.q_norm, w.k_norm, self.n, self.eps)
         self._attend(j, q)
-        return gr.attn
+        return self.graph.attn
 
     def _attend(self, j: int, q) -> None:
         """The decode attention of the rows' q over layer slot j's K/V into the graph's attn."""
@@ -118,13 +114,9 @@ class NextGraphOps(GraphLayerOps):
     def attention(self, layer: int, qg, k, v):
         """next_qk_norm_rope_kv (q out of qg into the graph's q), the decode attention, then
         next_attn_gate (the rows times the sigmoid of qg's gates)."""
-        gr, n, i32 = self.graph, self.n, np.int32
-        g, f = gr.g, gr._launch
+        gr, n = self.graph, self.n
         L, j = self._spec(layer)
-        f("next_qk_norm_rope_kv" + gr.ring.suffix)(
-            (g.n_head + g.n_head_kv, n), (32,),
-            (qg, k, v, L["q_norm"], L["k_norm"], gr.sess_table, i32(j), i32(gr.le - gr.lb),
-             gr.desc, i32(g.n_head), i32(g.n_head_kv), self.eps, gr.q))
+        graph_next_qk_norm_rope_kv(gr, j, qg, k, v, L["q_norm"], L["k_norm"], n, self.eps)
         self._attend(j, gr.q)
         graph_attn_gate(gr, qg, n)
         return gr.attn

@@ -16,8 +16,8 @@ import numpy as np
 
 try:
     import cupy as cp
-except ImportError:   # the decode graph's launchers need none (their signatures are read on CPU hosts)
-    cp = None
+except ImportError:   # the decode graph's launchers need none: backends/graph_ops.py imports
+    cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
 
 from ..compute_options import fall_back
 from ..kernels.abi import BLOCK_THREADS, AttnLaunch, AttnScratchError, attn_launch

@@ -7,8 +7,8 @@ from functools import lru_cache
 
 try:
     import cupy as cp
-except ImportError:   # the decode graph's launchers need none (their signatures are read on CPU hosts)
-    cp = None
+except ImportError:   # the decode graph's launchers need none: backends/graph_ops.py imports
+    cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
 
 OPS_THREADS = 256     # prompt_ops.cu's block
 MAX_GRID_Y = 65535    # a launch's rows are its grid's y (a chunk is far shorter)

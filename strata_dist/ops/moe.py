@@ -26,8 +26,8 @@ import numpy as np
 
 try:
     import cupy as cp
-except ImportError:   # the decode graph's launchers need none (their signatures are read on CPU hosts)
-    cp = None
+except ImportError:   # the decode graph's launchers need none: backends/graph_ops.py imports
+    cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
 
 from ..compute_options import compute_options
 from ..kernels import function
@@ -349,8 +349,10 @@ def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     gate_up_block / down_block, by the layer's expert types)."""
     g, f, shape = graph.g, graph._launch, graph.shape
     gate_up, down = spec["expert_types"]
-    ff, out = shape.gate_up_block(spec["expert_codes"][0]), shape.down_block(spec["expert_codes"][1])
+    gate_codes, down_codes = spec["expert_codes"]
+    ff, out = shape.gate_up_block(gate_codes), shape.down_block(down_codes)
     f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                (BLOCK_THREADS,), (spec["experts"], routed, graph.blobs, graph.act))
+                                (BLOCK_THREADS,),
+                                (spec["experts"], routed, graph.blobs, graph.act))
     f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                           (spec["experts"], graph.act, graph.blobs, graph.wts, h))
