@@ -14,7 +14,7 @@ from quant_rows import TYPES, random_rows  # noqa: E402
 
 @pytest.mark.parametrize("qtype", TYPES[2:], ids=lambda t: t.name)
 def test_dequantize_matches_gguf(qtype):
-    from strata_dist.backends.quant_matrix import QuantMatrix
+    from strata_dist.ops.linear import QuantMatrix
     raw, ref = random_rows(qtype, 24, 512, 1)
     m = QuantMatrix(cp.asarray(raw.reshape(-1)), ref.shape, int(qtype))
     np.testing.assert_allclose(cp.asnumpy(m.dequantize()), ref, rtol=1e-6, atol=1e-7)

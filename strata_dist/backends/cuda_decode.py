@@ -34,9 +34,10 @@ import cupy as cp
 from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE_SPEC,
-                           TYPE_NAMES, KernelShape, matvec_kernel, rows_per_block)
+                           TYPE_NAMES, KernelShape, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..ops import attention, moe
+from ..ops.linear import NULL, graph_matvec  # noqa: F401 (NULL: the GPU tests' null pointer)
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
@@ -49,9 +50,7 @@ from .step_slots import Ahead, HostSlot, StepLogits
 log = logging.getLogger("strata.decode")
 
 KERNELS = "decode.cu"
-WIDE_MIN_ROWS = 1024              # matrices this tall take 8 rows per block (one x row)
 ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
-NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
 
@@ -358,16 +357,8 @@ class DecodeGraph(BatchedSteps):
     def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
                 eps=np.float32(0), normed=None, route=None) -> None:
         """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches`; `route`: the
-        router's RouteSpec (one matrix)."""
-        for m in launches:
-            wide = m.rows >= WIDE_MIN_ROWS
-            per_block = rows_per_block(n, wide)
-            self._launch(matvec_kernel(m.type, n))(
-                ((m.rows + per_block - 1) // per_block, m.count), (self.shape.matvec_threads,),
-                (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
-                 NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
-                 NULL if route is None else route))
-            normed = None            # written once
+        router's RouteSpec (one matrix) (ops/linear.py graph_matvec)."""
+        graph_matvec(self, launches, x, x_stride, n, norm_w, eps, normed, route)
 
     def _graph(self, n: int, every_row: bool = False):
         """The captured step of n rows (one a row count and output kind: the descriptor, not the

@@ -21,14 +21,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..ops import attention, moe, norm_rope_kv
+from ..ops import attention, linear, moe, norm_rope_kv
+from ..ops.linear import QuantMatrix, dequantize_rows
 from ..ops.guards import MAX_GRID_Y, OPS_THREADS, f32_rows as _f32_rows
 from ..ops.guards import first_failed as _first_failed
 from ..ops.guards import decode_defines as _decode_defines
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
-from .quant_matrix import QuantMatrix, dequantize_rows
 
 log = logging.getLogger("strata.cupy")
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -155,45 +155,7 @@ class CupyBackend(Backend):
                                     cp.cuda.get_current_stream().ptr)
 
     def linear(self, x, w, out=None):
-        if isinstance(w, QuantMatrix):
-            if self._f16_gemm:     # as an F16 file's matrices: tensor cores, f32 accumulation
-                rows, cols = w.shape
-                fits = 2 * rows * cols <= max(F16_SCRATCH_BYTES, self._scratch("dense16"))
-                if not fits:       # the head of a Q4_K_M file: 600 MB as f16, unpriced
-                    return self._gemm_f16_slices(x, w, out)
-                dense = self.buffer("dense16", w.shape, cp.float16)
-                return self._gemm_f16(x, w.dequantize(cp.float16, out=dense), out)
-            return x @ w.dequantize().T
-        if w.dtype == cp.float16:
-            return self._gemm_f16(x, w, out)
-        return cp.matmul(x, w.T, out=self.buffer(out, (int(x.shape[0]), int(w.shape[0])),
-                                                 cp.float32))
-
-    def _scratch(self, name: str) -> int:
-        return 0 if self.workspace is None else self.workspace.capacity(name)
-
-    def _gemm_f16_slices(self, x, w: QuantMatrix, out):
-        """`_gemm_f16` of a quantized matrix decoded to f16 F16_SCRATCH_BYTES at a time (its rows
-        in slices), so a large one (an output head) never takes its whole f16 copy at once."""
-        n, (rows, cols) = int(x.shape[0]), w.shape
-        per = max(1, F16_SCRATCH_BYTES // (2 * cols))
-        y = self.buffer(out, (n, rows), cp.float32)
-        x16 = x.astype(cp.float16)
-        for r0 in range(0, rows, per):
-            r1 = min(rows, r0 + per)
-            cp.copyto(y[:, r0:r1], x16 @ w.row_slice(r0, r1).dequantize(cp.float16).T)
-        return y
-
-    def _gemm_f16(self, x, w16, out):
-        """x rounded to f16 times f16 weights on tensor cores (an f16 product, as CuPy's f16
-        matmul writes it), widened to float32 into the buffer `out`."""
-        n, rows = int(x.shape[0]), int(w16.shape[0])
-        x16 = self.buffer("in16", x.shape, cp.float16)
-        cp.copyto(x16, x, casting="same_kind")
-        y16 = cp.matmul(x16, w16.T, out=self.buffer("out16", (n, rows), cp.float16))
-        y = self.buffer(out, (n, rows), cp.float32)
-        cp.copyto(y, y16)
-        return y
+        return linear.prompt_linear(self, self._f16_gemm, x, w, out)
 
     def stage_blob(self, host_blob, out=None):
         """A host blob on the device (into `out` when given: a loaned cache slot), through a
@@ -429,7 +391,3 @@ class PinnedStaging:
         self.last.record(stream)
         self.at = -(-(lo + n) // self.ALIGN) * self.ALIGN
 
-
-# a quantized matrix larger than this (and than the prompt layout's dense16) is decoded to f16 a
-# slice of rows at a time: well inside a stage's work reserve (plan/pricing.py)
-F16_SCRATCH_BYTES = 32 << 20

@@ -10,7 +10,7 @@ import cupy as cp
 
 from ..kernels.abi import F16, F32, KERNEL_TYPES, MAT_SPEC
 from ..ops.expert_addresses import Unsupported  # noqa: F401 (the graphs import it from here)
-from .quant_matrix import QuantMatrix
+from ..ops.linear import QuantMatrix
 
 
 @dataclass(frozen=True)
