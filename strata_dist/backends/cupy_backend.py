@@ -21,9 +21,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..ops import attention, linear, moe, norm_rope_kv
+from ..ops import attention, linear, moe, norm, norm_rope_kv
 from ..ops.linear import QuantMatrix, dequantize_rows
-from ..ops.guards import MAX_GRID_Y, OPS_THREADS, f32_rows as _f32_rows
+from ..ops.guards import MAX_GRID_Y
 from ..ops.guards import first_failed as _first_failed
 from ..ops.guards import decode_defines as _decode_defines
 from .base import Backend, BackendError
@@ -243,16 +243,8 @@ class CupyBackend(Backend):
 
     # ---- a chunk's row-wise steps, one launch each ------------------------------------------
     def rms_norm(self, x, w, eps, out=None):
-        d = int(x.shape[-1])
-        if not (self._fused_ops and _f32_rows(x) and _f32_rows(w) and w.shape == (d,)):
-            return super().rms_norm(x, w, eps)
-        from ..kernels import function
-        out = self.buffer(out, x.shape, cp.float32)
-        rows = int(x.size) // d
-        if rows:
-            function("prompt_ops.cu", "rms_norm_rows", self.index)(
-                (rows,), (OPS_THREADS,), (x, w, np.int32(d), np.float32(eps), out))
-        return out
+        res = norm.prompt_rms_norm(self, x, w, eps, out) if self._fused_ops else None
+        return res if res is not None else super().rms_norm(x, w, eps)
 
     def combine_ranked(self, y, wts):
         out = moe.combine_ranked(self, y, wts) if self._fused_ops else None
