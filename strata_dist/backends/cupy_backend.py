@@ -21,11 +21,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..ops import attention, linear, moe, norm, norm_rope_kv
+from ..ops import attention, gdn, linear, moe, norm, norm_rope_kv
 from ..ops.linear import QuantMatrix, dequantize_rows
-from ..ops.guards import MAX_GRID_Y
-from ..ops.guards import first_failed as _first_failed
-from ..ops.guards import decode_defines as _decode_defines
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
@@ -261,55 +258,12 @@ class CupyBackend(Backend):
         return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
-        """gdn_mixer through kernels, the state updated in place: by default gdn_prompt.cu's
-        (the convolution and norms of every row at once, the delta rule a warp a state column),
-        with STRATA_GDN_KERNELS=steps the decode graph's gated_delta.cuh (the rows in order, the
-        token loop's arithmetic). None (the blocked array path) for a geometry the kernels do
-        not take or with =0."""
+        """gdn_mixer through kernels, the state updated in place (ops/gdn.py prompt_gdn); None
+        (the blocked array path) for a geometry the kernels do not take or with
+        STRATA_GDN_KERNELS=0."""
         if self._gdn == "off":
             return None
-        from ..kernels import function
-        from ..kernels.abi import gdn_launch, gdn_rows_launch
-        from .graph_tables import Unsupported
-        from .graph_ops import launch_gdn
-        from .next_decode import gdn_spec
-        n = int(qkv.shape[0])
-        path = f"the linear layers' kernels of a prompt chunk (gdn_kernels={self._gdn})"
-        try:
-            if self._gdn == "rows":
-                launch = gdn_rows_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim,
-                                         g.ssm_conv_kernel)
-            else:
-                launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
-        except ValueError as e:
-            fall_back(path, str(e))
-            return None
-        why = _first_failed((
-            (conv.flags.c_contiguous and state.flags.c_contiguous
-             and conv.dtype == cp.float32 and state.dtype == cp.float32,
-             "the session's convolution or recurrent state is not contiguous float32"),
-            (n <= MAX_GRID_Y, f"{n} rows (a launch takes at most {MAX_GRID_Y})")))
-        if why:
-            fall_back(path, why)
-            return None
-        rows = [cp.ascontiguousarray(a, dtype=cp.float32) for a in (qkv, z, ba)]
-        mixed = self.buffer("mixed", (n, g.conv_dim), cp.float32)
-        out = self.buffer("gdn_out", (n, g.n_v_heads, g.head_v_dim), cp.float32)
-        sess = self.upload("gdn_ptrs", np.array([conv.data.ptr, state.data.ptr], dtype=np.uint64))
-        try:
-            spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0, upload=self.upload)
-        except Unsupported as e:
-            fall_back(path, str(e))
-            return None
-        if n == 0:
-            return out
-        if self._gdn == "rows":
-            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n)
-        else:
-            defines = _decode_defines(self._kernel_shape)
-            launch_gdn(lambda name: function("decode.cu", name, self.index, defines),
-                       spec, n, launch)
-        return out
+        return gdn.prompt_gdn(self, self._gdn, self._kernel_shape, g, w, qkv, z, ba, conv, state)
 
     def decode_graph(self, model, max_cells):
         """A DecodeGraph (qwen3moe; next_decode.NextDecodeGraph: qwen3next) runner for the model's

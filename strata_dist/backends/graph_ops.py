@@ -12,6 +12,7 @@ import numpy as np
 
 from ..kernels.abi import BLOCK_THREADS
 from ..ops.attention import graph_attend, graph_attn_gate
+from ..ops.gdn import launch_gdn
 from ..ops.moe import graph_experts
 from ..ops.norm_rope_kv import graph_next_qk_norm_rope_kv, graph_qk_norm_rope_kv
 
@@ -70,15 +71,6 @@ class GraphLayerOps:
         L, _ = self._spec(layer)
         graph_experts(self.graph, L, routed, self._residual(h), self.n)
         return h
-
-
-def launch_gdn(launch, spec, n: int, gdn) -> None:
-    """gdn_conv_step then gdn_delta_step over n rows in order; `launch(name)` gives the kernel
-    (the decode graph's launcher, or a plain function), `gdn` the layer's GdnLaunch."""
-    i32 = np.int32
-    launch("gdn_conv_step")((gdn.conv_blocks,), (gdn.conv_threads,), (spec, i32(n)))
-    launch("gdn_delta_step")((gdn.delta_blocks,), (gdn.delta_threads,), (spec, i32(n)),
-                             shared_mem=gdn.delta_shared)
 
 
 class NextGraphOps(GraphLayerOps):

@@ -11,6 +11,7 @@ import cupy as cp
 from ..kernels.abi import F16, F32, KERNEL_TYPES, MAT_SPEC
 from ..ops.expert_addresses import Unsupported  # noqa: F401 (the graphs import it from here)
 from ..ops.linear import QuantMatrix
+from ..ops.tables import spec_array as _spec_array   # the graphs (and GPU tests) take it here
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,6 @@ def norm_vector(v, name: str):
         raise Unsupported(f"{name}: kept as {getattr(v, 'dtype', type(v).__name__)}, which the "
                           f"decode kernels do not read")
     return v
-
-
-def _spec_array(dtype, rows: list[dict], upload=None, name: str = ""):
-    """The rows as a device table of `dtype` (through `upload(name, bytes)` when given)."""
-    host = np.zeros(len(rows), dtype=dtype)
-    for i, r in enumerate(rows):
-        for key, value in r.items():
-            host[key][i] = value
-    return cp.asarray(host.view(np.uint8)) if upload is None else upload(name, host.view(np.uint8))
 
 
 def _mat(w: Weight, y, add=None) -> dict:
