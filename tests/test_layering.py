@@ -32,7 +32,7 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     # catches its Unsupported
     "experts": {"backends", "gguf_file", "kernels", "ops", "plan", "shared"},
     "models": _BELOW_MODELS,
-    "sampling": _BELOW_MODELS | {"models"},
+    "sampling": _BELOW_MODELS | {"models", "ops"},       # ops/sample.py: the draw's arithmetic
     "rank": _BELOW_MODELS | {"models", "ops", "sampling"},
     "head": {"gguf_file", "plan", "sampling", "shared"},
     "server": {"gguf_file", "head", "plan", "sampling", "shared"},

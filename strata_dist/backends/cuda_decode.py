@@ -38,6 +38,7 @@ from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE
 from ..kernels.pdl import ProgrammaticLauncher
 from ..ops import attention, moe
 from ..ops.linear import NULL, graph_matvec  # noqa: F401 (NULL: the GPU tests' null pointer)
+from ..ops.sample import ARGMAX_BLOCKS, graph_argmax
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
@@ -50,7 +51,6 @@ from .step_slots import Ahead, HostSlot, StepLogits
 log = logging.getLogger("strata.decode")
 
 KERNELS = "decode.cu"
-ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
 assert MAX_ROWS == DECODE_ROWS
 
 
@@ -350,9 +350,7 @@ class DecodeGraph(BatchedSteps):
             g = self.g
             self._matvec(self.output_projection, self.h[n - 1:n], g.n_embd, 1, self.output_norm,
                          eps)
-            self._launch("argmax_row")((ARGMAX_BLOCKS,), (256,),
-                                       (self.logits, np.int32(g.n_vocab), self.post_v,
-                                        self.post_i, self.done, self.token))
+            graph_argmax(self)
 
     def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
                 eps=np.float32(0), normed=None, route=None) -> None:
