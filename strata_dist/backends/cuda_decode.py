@@ -33,11 +33,12 @@ import cupy as cp
 
 from ..compute_options import compute_options
 from ..kernels import function
-from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE_SPEC,
-                           TYPE_NAMES, KernelShape, matvec_kernel)
+from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, TYPE_NAMES,
+                           KernelShape, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..ops import attention, moe
 from ..ops.linear import NULL, graph_matvec  # noqa: F401 (NULL: the GPU tests' null pointer)
+from ..ops.route import route_spec
 from ..ops.sample import ARGMAX_BLOCKS, graph_argmax
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
@@ -235,7 +236,6 @@ class DecodeGraph(BatchedSteps):
     def _experts_spec(self, layer: int, router_w, ffn_norm, normalize: bool) -> dict:
         """The routed experts' part of a layer spec: the router's matvec (its fused RMSNorm by
         `ffn_norm`, its last block picking the top-k) and the expert kernels' tables."""
-        g = self.g
         router = weight_of(router_w, f"blk.{layer}.ffn_gate_inp")
         experts = moe.expert_spec(self, layer)
         expert_table = _spec_array(EXPERT_SPEC, [experts])
@@ -243,11 +243,7 @@ class DecodeGraph(BatchedSteps):
             ffn_norm=ffn_norm,
             router=mat_launches([(router, _mat(router, self.router_logits))]),
             experts=expert_table,
-            route=_spec_array(ROUTE_SPEC, [dict(
-                experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
-                ids=int(self.ids[layer - self.lb].data.ptr), wts=int(self.wts.data.ptr),
-                blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
-                n_expert=g.n_expert, k=g.n_expert_used, normalize=int(normalize))]),
+            route=route_spec(self, layer, expert_table, normalize),
             expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
             expert_codes=(experts["gate_type"], experts["down_type"]))
 

@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..ops import attention, gdn, linear, moe, norm, norm_rope_kv
+from ..ops import attention, gdn, linear, moe, norm, norm_rope_kv, route
 from ..ops.linear import QuantMatrix, dequantize_rows
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
@@ -203,9 +203,7 @@ class CupyBackend(Backend):
 
     def route(self, x, router, k: int, normalize: bool):
         if self._device_routing:
-            logits = cp.matmul(x, router.T, out=self.buffer(
-                "logits", (int(x.shape[0]), int(router.shape[0])), cp.float32))
-            routed = self._rows.route(logits, k, normalize)
+            routed = route.prompt_route(self, self._rows, x, router, k, normalize)
             if routed is not None:
                 return routed
         return super().route(x, router, k, normalize)

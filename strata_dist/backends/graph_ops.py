@@ -15,6 +15,7 @@ from ..ops.attention import graph_attend, graph_attn_gate
 from ..ops.gdn import launch_gdn
 from ..ops.moe import graph_experts
 from ..ops.norm_rope_kv import graph_next_qk_norm_rope_kv, graph_qk_norm_rope_kv
+from ..ops.route import graph_route
 
 
 class GraphLayerOps:
@@ -61,11 +62,9 @@ class GraphLayerOps:
     def route(self, layer: int, h):
         """The router's matvec over rms_norm(h) (the normed rows left in xn for the experts and a
         shared expert), its last block picking the top-k (ids, weights, blob addresses)."""
-        gr = self.graph
         L, _ = self._spec(layer)
-        gr._matvec(L["router"], self._residual(h), gr.g.n_embd, self.n, L["ffn_norm"], self.eps,
-                   normed=gr.xn, route=L["route"])
-        return gr.xn
+        graph_route(self.graph, L, self._residual(h), self.n, self.eps)
+        return self.graph.xn
 
     def add_experts(self, layer: int, routed, h):
         L, _ = self._spec(layer)

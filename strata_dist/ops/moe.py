@@ -36,6 +36,7 @@ from ..kernels.abi import (BLOCK_THREADS, MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_T
                            rows_mma_shared_bytes)
 from .expert_addresses import Unsupported
 from .guards import MAX_GRID_Y, OPS_THREADS, f32_rows
+from .route import route_rows
 
 KERNELS = "experts_rows.cu"
 TILE_M, TILE_N, TILE_K = ROWS_TILE_M, ROWS_TILE_N, ROWS_TILE_K
@@ -211,22 +212,10 @@ class RowsKernels:
         return h, unscale
 
     def route(self, logits, k: int, normalize: bool):
-        """(ids, wts) [n, k] on the device from router logits [n, n_expert] (the decode graph's
-        top-k code, routing.cuh): int32 experts in rank order, -1 where a row picks nothing;
-        float32 weights, NaN there. None when a layer has more experts than the kernels take."""
-        n, n_expert = (int(v) for v in logits.shape)
-        if n_expert > MAX_GROUP_EXPERTS or k > 32:
-            return None
-        with cp.cuda.Device(self.device):
-            logits = cp.ascontiguousarray(logits, dtype=cp.float32)
-            ids = self._buf("ids", (n, k), cp.int32)
-            wts = self._buf("wts", (n, k), cp.float32)
-            if n:
-                function(KERNELS, "route_rows", self.device)(
-                    (math.ceil(n / 8),), (256,),
-                    (logits, np.int32(n), np.int32(n_expert), np.int32(k), np.int32(normalize),
-                     ids, wts))
-        return ids, wts
+        """(ids, wts) [n, k] on the device from router logits [n, n_expert] into this chunk's
+        buffers (ops/route.py route_rows); None when a layer has more experts than the kernels
+        take."""
+        return route_rows(self.device, self._buf, logits, k, normalize)
 
     def run_routed(self, spec: ExpertLayout, x, ids, blob_table, out) -> None:
         """out[p] (p = row * k + rank, out [n * k, n_embd]) = SwiGLU of expert ids[row, rank] on
