@@ -29,17 +29,21 @@ try:
 except ImportError:   # the decode graph's launchers need none: backends/graph_ops.py imports
     cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
 
-from ..compute_options import compute_options
+from ..compute_options import compute_options, fall_back
 from ..kernels import function
 from ..kernels.abi import (BLOCK_THREADS, MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M,
                            ROWS_TILE_N, TYPE_NAMES, ExpertLayout, expert_layout,
                            rows_mma_shared_bytes)
 from .expert_addresses import Unsupported
-from .guards import MAX_GRID_Y, OPS_THREADS, f32_rows
+from .guards import MAX_GRID_Y, OPS_THREADS, f32_rows, first_failed
 from .route import route_rows
 
 KERNELS = "experts_rows.cu"
 TILE_M, TILE_N, TILE_K = ROWS_TILE_M, ROWS_TILE_N, ROWS_TILE_K
+
+
+# what a chunk's experts fall back from (to the general path: a dequantize and GEMMs an expert)
+ROWS_PATH = "the row kernels of a prompt chunk's experts (grouped_experts)"
 
 
 def layer_experts(gguf, layer: int) -> ExpertLayout | None:
@@ -49,6 +53,17 @@ def layer_experts(gguf, layer: int) -> ExpertLayout | None:
     except ValueError:
         return None
     return None if lay.n_ff % TILE_K or lay.n_embd % TILE_K else lay
+
+
+def layout_refusal(gguf, layer: int) -> str:
+    """Why the row kernels cannot read `layer`'s blobs ("" when they can)."""
+    try:
+        lay = expert_layout(gguf, layer)
+    except ValueError as e:
+        return str(e)
+    return first_failed(((not (lay.n_ff % TILE_K or lay.n_embd % TILE_K),
+                          f"experts of {lay.n_embd} -> {lay.n_ff} columns (the row kernels "
+                          f"take multiples of {TILE_K})"),))
 
 
 @dataclass
@@ -89,6 +104,8 @@ class RowsKernels:
         key = (gguf.path, layer)
         if key not in self._layers:
             self._layers[key] = layer_experts(gguf, layer)
+            if self._layers[key] is None:
+                fall_back(ROWS_PATH, layout_refusal(gguf, layer))
         return self._layers[key]
 
     def layout(self, gguf, layer: int) -> ExpertLayout | None:
@@ -108,7 +125,10 @@ class RowsKernels:
         """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
         `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
         spec = self._layout(gguf, layer)
-        if spec is None or (addresses % np.uint64(spec.align)).any():
+        if spec is None:
+            return None
+        if (addresses % np.uint64(spec.align)).any():
+            fall_back(ROWS_PATH, f"expert blobs not aligned on {spec.align} bytes")
             return None
         pairs = self.routed_pairs(gguf, layer, x, ids, len(addresses))
         if pairs is None:
@@ -121,7 +141,15 @@ class RowsKernels:
         [n, k, n_embd] outputs `compute_routed` writes), or None when the row kernels do not read
         this layer."""
         spec = self._layout(gguf, layer)
-        if spec is None or int(x.shape[1]) != spec.n_embd or n_expert > MAX_GROUP_EXPERTS:
+        if spec is None:
+            return None
+        why = first_failed((
+            (int(x.shape[1]) == spec.n_embd,
+             f"rows of {int(x.shape[1])} columns for experts of {spec.n_embd}"),
+            (n_expert <= MAX_GROUP_EXPERTS,
+             f"{n_expert} experts (the grouping kernels take at most {MAX_GROUP_EXPERTS})")))
+        if why:
+            fall_back(ROWS_PATH, why)
             return None
         pairs = self.group_routed(spec, x, ids, n_expert)
         n, k = (int(v) for v in ids.shape)
@@ -147,11 +175,13 @@ class RowsKernels:
         """`run` for blobs of the layout `spec`."""
         jobs = [(b, np.asarray(r), np.asarray(d)) for b, r, d in jobs if len(r)]
         if x.shape[1] != spec.n_embd:
+            fall_back(ROWS_PATH, f"rows of {int(x.shape[1])} columns for experts of {spec.n_embd}")
             return False
         if not jobs:
             return True
         blobs = np.array([int(b.data.ptr) for b, _, _ in jobs], dtype=np.uint64)
         if (blobs % spec.align).any():
+            fall_back(ROWS_PATH, f"expert blobs not aligned on {spec.align} bytes")
             return False
         items, start = [], 0
         for j, (_, rows, _) in enumerate(jobs):
@@ -296,10 +326,16 @@ class RowsKernels:
 
 def combine_ranked(backend, y, wts):
     """sum over ranks of y [n, k, d] times wts [n, k] in rank order as one launch (prompt_ops.cu
-    combine_ranked) into the backend's buffer moe_out; None where the kernel does not read these
-    arrays (the array path's then)."""
-    if not (f32_rows(y) and f32_rows(wts) and y.ndim == 3 and wts.shape == y.shape[:2]
-            and y.shape[0] <= MAX_GRID_Y):
+    combine_ranked) into the backend's buffer moe_out; None (the reason logged once) where the
+    kernel does not read these arrays (the array path's then)."""
+    rows = int(y.shape[0]) if y.ndim else 0
+    why = first_failed((
+        (f32_rows(y) and f32_rows(wts), "outputs or weights not contiguous float32 device rows"),
+        (y.ndim == 3 and wts.shape == y.shape[:2],
+         f"outputs {tuple(y.shape)} and weights {tuple(wts.shape)} are not [n, k, d] and [n, k]"),
+        (rows <= MAX_GRID_Y, f"{rows} rows (a launch takes at most {MAX_GRID_Y})")))
+    if why:
+        fall_back("the fused combine of a prompt chunk's experts (fused_prompt_ops)", why)
         return None
     n, k, d = (int(v) for v in y.shape)
     out = backend.buffer("moe_out", (n, d), cp.float32)

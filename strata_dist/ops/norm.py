@@ -6,15 +6,20 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from .guards import OPS_THREADS, f32_rows
+from ..compute_options import fall_back
+from .guards import OPS_THREADS, f32_rows, first_failed
 
 
 def prompt_rms_norm(backend, x, w, eps, out=None):
-    """rms_norm(x) * w over x's last axis into the backend's buffer `out`; None where the kernel
-    does not read these arrays (contiguous float32 rows, w of the rows' width): the array path's
-    then."""
+    """rms_norm(x) * w over x's last axis into the backend's buffer `out`; None (the reason
+    logged once) where the kernel does not read these arrays (contiguous float32 rows, w of the
+    rows' width): the array path's then."""
     d = int(x.shape[-1])
-    if not (f32_rows(x) and f32_rows(w) and w.shape == (d,)):
+    why = first_failed((
+        (f32_rows(x) and f32_rows(w), "rows or weights not contiguous float32 device arrays"),
+        (w.shape == (d,), f"weights of shape {tuple(w.shape)} for rows of {d}")))
+    if why:
+        fall_back("the fused RMSNorm of a prompt chunk (fused_prompt_ops)", why)
         return None
     from ..kernels import function
     out = backend.buffer(out, x.shape, cp.float32)

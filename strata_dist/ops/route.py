@@ -17,6 +17,7 @@ try:
 except ImportError:   # the decode graph's launchers need none: backends/graph_ops.py imports
     cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
 
+from ..compute_options import fall_back
 from ..kernels.abi import MAX_GROUP_EXPERTS, ROUTE_SPEC
 from .tables import spec_array
 
@@ -35,11 +36,15 @@ def prompt_route(backend, rows, x, router, k: int, normalize: bool):
 def route_rows(device: int, buf, logits, k: int, normalize: bool):
     """(ids, wts) [n, k] on the device from router logits [n, n_expert] (the decode graph's
     top-k code, routing.cuh): int32 experts in rank order, -1 where a row picks nothing;
-    float32 weights, NaN there. None when a layer has more experts than the kernels take.
+    float32 weights, NaN there. None (the reason logged once) when a layer has more experts
+    than the kernels take.
     `buf(name, shape, dtype)`: where the outputs go."""
     from ..kernels import function
     n, n_expert = (int(v) for v in logits.shape)
     if n_expert > MAX_GROUP_EXPERTS or k > 32:
+        fall_back("the device routing of a prompt chunk (device_routing)",
+                  f"{n_expert} experts, top-{k} (route_rows takes at most {MAX_GROUP_EXPERTS}, "
+                  f"top-32)")
         return None
     with cp.cuda.Device(device):
         logits = cp.ascontiguousarray(logits, dtype=cp.float32)
