@@ -5,15 +5,15 @@ launches (kernels, grids, blocks, arguments) are these. The arrays an op is give
 own buffers (its argument tables already point at them); each op returns the buffers the next
 one reads. `NextGraphOps` (models/next_ops.py's Qwen3NextOps, for backends/next_decode.py
 NextDecodeGraph) extends them: the same router, routed experts, o-projection and decode
-attention. No CuPy here: the launches go through the graph's `_launch` and `_matvec`."""
+attention. Each op's launches are its module's in strata_dist/ops/ (moe, attention,
+norm_rope_kv, route, gdn; the matvecs through the graph's `_matvec`, ops/linear.py); this file
+says which op of the model's protocol each is. No CuPy here: the launches go through the graph's
+`_launch`."""
 from __future__ import annotations
 
-import numpy as np
-
-from ..kernels.abi import BLOCK_THREADS
 from ..ops.attention import graph_attend, graph_attn_gate
 from ..ops.gdn import launch_gdn
-from ..ops.moe import graph_experts
+from ..ops.moe import graph_experts, graph_shared_expert
 from ..ops.norm_rope_kv import graph_next_qk_norm_rope_kv, graph_qk_norm_rope_kv
 from ..ops.route import graph_route
 
@@ -116,12 +116,7 @@ class NextGraphOps(GraphLayerOps):
         """The routed experts, then the shared expert over the rows the router's matvec normed
         (`routed`: xn): its gate, up and logit in one matvec launch a type, next_shexp_act, and
         ffn_down_shexp adding into the residual."""
-        gr, n = self.graph, self.n
-        g, sh = gr.g, gr.g.n_ff_shexp
         L, _ = self._spec(layer)
         h = self.add_experts(layer, routed, h)
-        gr._matvec(L["shexp_in"], routed, g.n_embd, n)
-        gr._launch("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                                     (gr.shexp_gu, gr.shexp_logit, np.int32(sh), gr.shexp_act))
-        gr._matvec(L["shexp_down"], gr.shexp_act, sh, n)
+        graph_shared_expert(self.graph, L, routed, self.n)
         return h

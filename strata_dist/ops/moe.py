@@ -1,9 +1,10 @@
 """The MoE op: a layer's routed experts, on the GPU, in one place: the prompt path's row kernels,
-the decode graph's two expert launches (`graph_experts`, their table `expert_spec`) and the
-weighted combine of a chunk's ranked outputs (`combine_ranked`). Which path a call takes: the row
-kernels where their layout reads the layer's blobs (`RowsKernels.run` and the routed calls
-answer False / None otherwise, and the backend takes the general path: a dequantize and GEMMs an
-expert); the decode graph's kernels where the graph runs (backends/cuda_decode.py).
+the decode graph's two expert launches (`graph_experts`, their table `expert_spec`; qwen3next's
+shared expert, `graph_shared_expert`) and the weighted combine of a chunk's ranked outputs
+(`combine_ranked`). Which path a call takes: the row kernels where their layout reads the
+layer's blobs (`RowsKernels.run` and the routed calls answer False / None otherwise, the reason
+logged once, and the backend takes the general path: a dequantize and GEMMs an expert); the
+decode graph's kernels where the graph runs (backends/cuda_decode.py).
 
 Experts over many rows on the GPU: every (row, rank) pair of a layer sorted by expert and cut
 into work items, then two expert launches for the whole layer (kernels/experts_rows.cu; the
@@ -381,3 +382,15 @@ def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
                                 (spec["experts"], routed, graph.blobs, graph.act))
     f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                           (spec["experts"], graph.act, graph.blobs, graph.wts, h))
+
+
+def graph_shared_expert(graph, spec: dict, routed, n: int) -> None:
+    """qwen3next's shared expert over the rows the router's matvec normed (`routed`: the graph's
+    xn), adding into the residual: its gate, up and one-row gate logit in one matvec launch a
+    type, next_shexp_act (SwiGLU times the sigmoid of that logit), then ffn_down_shexp."""
+    g, sh = graph.g, graph.g.n_ff_shexp
+    graph._matvec(spec["shexp_in"], routed, g.n_embd, n)
+    graph._launch("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                                    (graph.shexp_gu, graph.shexp_logit, np.int32(sh),
+                                     graph.shexp_act))
+    graph._matvec(spec["shexp_down"], graph.shexp_act, sh, n)
