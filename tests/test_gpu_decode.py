@@ -24,7 +24,7 @@ def test_dequantize_matches_gguf(qtype):
 
 def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False, build=""):
     from strata_dist.backends import cuda_decode as cd
-    from strata_dist.backends.graph_tables import Weight
+    from strata_dist.ops.linear import Weight
     from strata_dist.kernels.abi import MAT_SPEC, KernelShape, matvec_kernel, rows_per_block
     w = Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
     n = x.shape[0]

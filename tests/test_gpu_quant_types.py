@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
-from strata_dist.backends.graph_tables import Weight  # noqa: E402
+from strata_dist.ops.linear import Weight  # noqa: E402
 from strata_dist.ops.linear import QuantMatrix  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS,  # noqa: E402
                                      EXPERT_SPEC, INT_TYPE_SWITCHES, KERNEL_TYPES, MAT_SPEC,

@@ -37,16 +37,17 @@ from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, TYPE_
                            KernelShape, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..ops import attention, moe
-from ..ops.linear import NULL, graph_matvec  # noqa: F401 (NULL: the GPU tests' null pointer)
+from ..ops.linear import (NULL, MatLaunch, _mat, graph_matvec, mat_launches,  # noqa: F401
+                          norm_vector, weight_of)     # (NULL: the GPU tests' null pointer)
 from ..ops.route import route_spec
 from ..ops.sample import ARGMAX_BLOCKS, graph_argmax
+from ..ops.tables import spec_array as _spec_array
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
 from .graph_ops import GraphLayerOps
 from .kv_cache import DeviceRing
-from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, count_tiers,
-                           mat_launches, norm_vector, repoint_experts, weight_of)
+from .graph_tables import Unsupported, count_tiers, repoint_experts
 from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")

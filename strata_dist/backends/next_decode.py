@@ -28,9 +28,10 @@ import cupy as cp
 
 from ..kernels.abi import MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT
 from ..ops.gdn import decode_launch as gdn_decode_launch, gdn_spec
+from ..ops.linear import _mat, mat_launches, norm_vector, weight_of
 from .cuda_decode import DecodeGraph
 from .graph_ops import NextGraphOps
-from .graph_tables import Unsupported, _mat, mat_launches, norm_vector, weight_of
+from .graph_tables import Unsupported
 
 
 def _mat_into(w, y, column: int, y_stride: int) -> dict:

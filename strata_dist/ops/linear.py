@@ -9,14 +9,20 @@ multiplied on tensor cores (ComputeOptions.f16_prompt_gemm; a slice of rows at a
 f16 scratch), or decoded to float32 (SGEMM); an F16 matrix on tensor cores; float32 by CuPy's
 matmul. The decode graph's (`graph_matvec`): decode.cu's matvec_<type>_<rows> a launch per type
 of a layer's matrices, 8 rows a block for tall matrices, the RMSNorm of the input (and the
-router's top-k) fused where asked."""
+router's top-k) fused where asked; its argument tables: a dense matrix as the kernels see it
+(`weight_of`, Unsupported where no decode kernel reads it), the MatSpec rows (`_mat`) grouped a
+launch per type (`mat_launches`), and the norm weights the kernels read (`norm_vector`)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 
 from ..kernels import function as kernel
-from ..kernels.abi import matvec_kernel, rows_per_block
+from ..kernels.abi import F16, F32, KERNEL_TYPES, MAT_SPEC, matvec_kernel, rows_per_block
+from .expert_addresses import Unsupported
+from .tables import spec_array
 
 
 def dequantize_rows(raw, ggml_type: int, row_bytes: int, n_rows: int, n_cols: int, rows=None,
@@ -116,15 +122,76 @@ def gemm_f16(backend, x, w16, out):
     return y
 
 
-# ---- the decode graph's matvecs -----------------------------------------------------------------
+# ---- the decode graph's matvecs ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Weight:
+    """A dense matrix as the kernels see it: device pointer, GGML type, bytes per row, shape."""
+    ptr: int
+    type: int
+    row_bytes: int
+    nrows: int
+    ncols: int
+
+
+def weight_of(w, name: str) -> Weight:
+    if isinstance(w, QuantMatrix):
+        out = Weight(int(w.raw.data.ptr), w.ggml_type, w.row_bytes, *w.shape)
+    elif isinstance(w, cp.ndarray) and w.ndim == 2 and w.flags.c_contiguous and \
+            w.dtype in (np.float16, np.float32):
+        out = Weight(int(w.data.ptr), F16 if w.dtype == np.float16 else F32,
+                     w.shape[1] * w.itemsize, *w.shape)
+    else:
+        raise Unsupported(f"{name}: kept as {type(w).__name__}, which no decode kernel reads")
+    align = KERNEL_TYPES.get(out.type)
+    if align is None or out.ncols % 32 or out.ptr % align or out.row_bytes % align:
+        raise Unsupported(f"{name}: type {out.type} / {out.ncols} columns is not readable by the "
+                          f"decode kernels")
+    return out
+
+
+def norm_vector(v, name: str):
+    """A norm weight as the kernels read it (float32, contiguous, 16-byte aligned: read 8 at a
+    time)."""
+    if not (isinstance(v, cp.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
+            and v.data.ptr % 16 == 0):
+        raise Unsupported(f"{name}: kept as {getattr(v, 'dtype', type(v).__name__)}, which the "
+                          f"decode kernels do not read")
+    return v
+
+
+def _mat(w: Weight, y, add=None) -> dict:
+    """A MatSpec row: W times the input rows into y (one output row per W row), plus `add`."""
+    return dict(w=w.ptr, y=int(y.data.ptr), add=0 if add is None else int(add.data.ptr),
+                row_bytes=w.row_bytes, nrows=w.nrows, ncols=w.ncols, y_stride=w.nrows, type=w.type)
+
+
+@dataclass(frozen=True)
+class MatLaunch:
+    """Matrices of one type that share a matvec launch (blockIdx.y picks the matrix)."""
+    type: int
+    specs: object           # device MatSpec table
+    count: int
+    rows: int               # the tallest matrix's rows
+
+
+def mat_launches(pairs: list[tuple[Weight, dict]]) -> list[MatLaunch]:
+    """(weight, MatSpec row) pairs grouped by type, one launch per type (q, k and v are one launch
+    unless a file stores them in different types)."""
+    by_type: dict[int, list] = {}
+    for w, row in pairs:
+        by_type.setdefault(w.type, []).append((w, row))
+    return [MatLaunch(t, spec_array(MAT_SPEC, [row for _, row in group]), len(group),
+                      max(w.nrows for w, _ in group)) for t, group in by_type.items()]
+
+
 WIDE_MIN_ROWS = 1024              # matrices this tall take 8 rows per block (one x row)
 NULL = np.uint64(0)
 
 
 def graph_matvec(graph, launches, x, x_stride: int, n: int, norm_w=None, eps=np.float32(0),
                  normed=None, route=None) -> None:
-    """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches` (the graph's
-    graph_tables.MatLaunch list) over n rows; `normed`: where the first launch leaves the normed
+    """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches` (MatLaunch, the
+    layer's or the output's) over n rows; `normed`: where the first launch leaves the normed
     rows; `route`: the router's RouteSpec (one matrix)."""
     for m in launches:
         wide = m.rows >= WIDE_MIN_ROWS
