@@ -15,7 +15,7 @@ per prompt length is the arm's figure and the ratio printed, every test kept (`u
 `sweep`). With --profile-prompts N a routing profile is recorded first on N prompts of 512 ids
 drawn apart from every measured prompt (checked), and the plans rank experts by it (a budget that
 holds part of the experts). The strata arms run the GPU defaults: the row kernels of
-backends/expert_rows.py, kernels/prefill_attention.cu, each chunk routed and grouped on the
+ops/moe.py, kernels/prefill_attention.cu, each chunk routed and grouped on the
 device. With --host-routing one more arm routes on the host
 (STRATA_DEVICE_ROUTING=0), with --general-path one more takes the general path
 (STRATA_GROUPED_EXPERTS=0 STRATA_FLASH_PREFILL=0: per-expert dequantize and GEMMs), with

@@ -1,4 +1,4 @@
-"""The prompt path's expert kernels alone (backends/expert_rows.py, kernels/experts_rows.cu): one
+"""The prompt path's expert kernels alone (ops/moe.py, kernels/experts_rows.cu): one
 layer's experts of a GGUF file in device memory, a chunk of N random rows routed top-k by the
 popularity the synthetic file was written with (zipf:s: expert e picked with weight 1/(e+1)^s),
 and each launch of the layer timed between CUDA events (median of --reps): the device grouping,
@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     import cupy as cp
-    from strata_dist.backends.expert_rows import TILE_M, RowsKernels, layer_experts
+    from strata_dist.ops.moe import TILE_M, RowsKernels, layer_experts
     from strata_dist.gguf_file.reader import GGUFModel
     g = GGUFModel(args.model)
     spec = layer_experts(g, args.layer)

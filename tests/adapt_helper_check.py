@@ -28,7 +28,7 @@ from launch_abi_check import install_kernels  # noqa: E402
 def main() -> int:
     install_kernels(lambda source, kernel, device=0, defines=(): Idle())
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.backends.expert_addresses import PINNED
+    from strata_dist.ops.expert_addresses import PINNED
     from strata_dist.experts.stores import BlobArena
     from strata_dist.rank.stage import Stage, StageConfig
 
@@ -45,7 +45,7 @@ def main() -> int:
         first = st.decode_graph
         built = first.addresses
         if "--repoint-fails" in sys.argv:
-            from strata_dist.backends.expert_addresses import Unsupported
+            from strata_dist.ops.expert_addresses import Unsupported
 
             def refuse(addresses):
                 raise Unsupported("injected: a table this graph cannot follow")

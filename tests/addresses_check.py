@@ -1,4 +1,4 @@
-"""The expert-address table (backends/expert_addresses.py, built by experts/addresses.py) on the
+"""The expert-address table (ops/expert_addresses.py, built by experts/addresses.py) on the
 numpy stand-ins for CuPy (tests/fake_cupy), without a GPU: a stage on "cuda:0" whose experts are a
 third cached, a third in this card's own helper tier and the rest pinned in host memory, as
 tests/test_gpu_decode.py's GPU test has them. Kernels run nothing; what is checked is each pair's
@@ -49,7 +49,7 @@ def _refusal(call) -> str:
 def main() -> int:
     install_kernels(lambda source, kernel, device=0, defines=(): Idle())
     from hf_fixtures import tiny_qwen3moe, write_gguf
-    from strata_dist.backends.expert_addresses import HIT, HOST, OWN_HELPER, PINNED, REMOTE
+    from strata_dist.ops.expert_addresses import HIT, HOST, OWN_HELPER, PINNED, REMOTE
     from strata_dist.experts.addresses import device_table, stage_addresses
     from strata_dist.experts.stores import BlobArena
     from strata_dist.rank.stage import Stage, StageConfig

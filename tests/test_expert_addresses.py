@@ -1,4 +1,4 @@
-"""The expert-address table a decode graph reads (backends/expert_addresses.py ExpertAddresses),
+"""The expert-address table a decode graph reads (ops/expert_addresses.py ExpertAddresses),
 built by experts/addresses.py: the value's own checks and views here; the builder over a real
 stage's tiers on the CuPy stand-ins in tests/addresses_check.py (the GPU kernels reading it are
 tests/test_gpu_decode.py's; the adaptive cache's repoint is tests/test_adaptive_cache.py's)."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stand_ins import run_check
-from strata_dist.backends.expert_addresses import (HIT, HOST, OWN_HELPER, PINNED, REMOTE,
+from strata_dist.ops.expert_addresses import (HIT, HOST, OWN_HELPER, PINNED, REMOTE,
                                                    ExpertAddresses)
 
 

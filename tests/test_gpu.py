@@ -34,18 +34,18 @@ def test_a_quantized_head_is_decoded_a_slice_at_a_time(tmp_path, monkeypatch):
     """A quantized matrix larger than the f16 scratch (a Q4_K_M file's head: 600 MB as f16) is
     multiplied a slice of rows at a time: the logits stay those of the whole matrix within f16
     rounding, with the same greedy token, and the device never holds its whole f16 copy."""
-    import strata_dist.backends.cupy_backend as cb
+    import strata_dist.ops.linear as linear
     from strata_dist.tools.single_process import SingleProcessRunner
     path = write_gguf(tiny_qwen3moe(4, hidden=256, top_k=2, n_experts=8), tmp_path / "m.gguf",
                       "q8_0")
     ids = [int(x) for x in np.random.default_rng(4).integers(0, 320, 24)]
     whole = SingleProcessRunner(path, "cuda:0").logits(ids)[-1]
-    monkeypatch.setattr(cb, "F16_SCRATCH_BYTES", 64 * 256 * 2)     # 64 of the head's 320 rows
+    monkeypatch.setattr(linear, "F16_SCRATCH_BYTES", 64 * 256 * 2)   # 64 of the head's 320 rows
     runner = SingleProcessRunner(path, "cuda:0")
     calls = []
-    real = cb.CupyBackend._gemm_f16_slices
-    monkeypatch.setattr(cb.CupyBackend, "_gemm_f16_slices",
-                        lambda self, x, w, out: calls.append(w.shape) or real(self, x, w, out))
+    real = linear.gemm_f16_slices
+    monkeypatch.setattr(linear, "gemm_f16_slices",
+                        lambda be, x, w, out: calls.append(w.shape) or real(be, x, w, out))
     sliced = runner.logits(ids)[-1]
     assert (320, 256) in calls
     assert np.abs(sliced - whole).max() <= 1e-3 * max(1.0, np.abs(whole).max())

@@ -14,7 +14,7 @@ from quant_rows import TYPES, random_rows  # noqa: E402
 
 @pytest.mark.parametrize("qtype", TYPES[2:], ids=lambda t: t.name)
 def test_dequantize_matches_gguf(qtype):
-    from strata_dist.backends.quant_matrix import QuantMatrix
+    from strata_dist.ops.linear import QuantMatrix
     raw, ref = random_rows(qtype, 24, 512, 1)
     m = QuantMatrix(cp.asarray(raw.reshape(-1)), ref.shape, int(qtype))
     np.testing.assert_allclose(cp.asnumpy(m.dequantize()), ref, rtol=1e-6, atol=1e-7)
@@ -24,7 +24,7 @@ def test_dequantize_matches_gguf(qtype):
 
 def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False, build=""):
     from strata_dist.backends import cuda_decode as cd
-    from strata_dist.backends.graph_tables import Weight
+    from strata_dist.ops.linear import Weight
     from strata_dist.kernels.abi import MAT_SPEC, KernelShape, matvec_kernel, rows_per_block
     w = Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
     n = x.shape[0]
@@ -308,7 +308,7 @@ def test_a_cards_own_helper_tier_is_read_in_place_by_the_graph(tmp_path, monkeyp
     memory. The decode graph reads all three kinds of address with the same kernels, so its
     logits equal a fully cached stage's bit for bit, and each step's computations are counted by
     tier. A helper tier that did not open leaves its pairs to host memory: the same bits."""
-    from strata_dist.backends.expert_addresses import HELPER_TIERS
+    from strata_dist.ops.expert_addresses import HELPER_TIERS
     from strata_dist.experts.stores import BlobArena
     from strata_dist.rank.stage import Stage, StageConfig
     monkeypatch.delenv("STRATA_HOST_MAPPED", raising=False)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
-from strata_dist.backends.graph_tables import Weight  # noqa: E402
+from strata_dist.ops.linear import Weight  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_WORDS,  # noqa: E402
                                      EXPERT_SPEC, INT_TYPE_SWITCHES, KernelShape,
                                      MAT_SPEC, MAX_ROWS,
@@ -64,7 +64,7 @@ class Experts:
             up_type=int(gate_up_type), down_type=int(down_type), n_ff=N_FF, n_embd=N_EMBD, k=K)])
 
     def rows_layout(self):
-        """The ExpertLayout the row kernels (backends/expert_rows.py) read these blobs by."""
+        """The ExpertLayout the row kernels (ops/moe.py) read these blobs by."""
         from strata_dist.kernels.abi import ExpertLayout
         g_bytes, u_bytes, d_bytes = self.layout
         return ExpertLayout(self.gate_up_type, self.gate_up_type, self.down_type, g_bytes,
@@ -180,11 +180,11 @@ def test_the_switches_put_their_types_on_the_integer_path(gate_up, down, direct)
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("mma", [False, True], ids=["fma", "mma"])
 def test_row_kernels_match_numpy_and_ignore_the_grouping(gate_up, down, mma):
-    """The prompt path's expert kernels (backends/expert_rows.py), both builds: pairs of several
+    """The prompt path's expert kernels (ops/moe.py), both builds: pairs of several
     experts, with counts around the FMA slice's 32 and the work item's 128, against float64 numpy (the tensor-core build
     rounds rows and weights to f16); and every pair's bits the same when its expert is computed
     alone or the pair alone (the tier or grouping never shows)."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     ex = Experts(gate_up, down, seed=int(gate_up) * 10 + int(down))
     spec = ex.rows_layout()
     kernels = RowsKernels(0, mma=mma)
@@ -220,7 +220,7 @@ def test_device_grouping_builds_the_host_layout(popularity):
     """experts_rows.cu's group_* kernels (STRATA_DEVICE_ROUTING) against kernels/abi.py
     group_layout, the layout the host path builds: experts with no pair, experts with more than a
     work item, a row that picked nothing; the unused items of the worst-case launch empty."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     from strata_dist.kernels.abi import group_layout
     rng = np.random.default_rng(11)
     n, k, n_expert = 300, 8, 128
@@ -240,7 +240,7 @@ def test_device_grouping_builds_the_host_layout(popularity):
 def test_device_routing_matches_the_host_top_k():
     """route_rows (the decode graph's top-k code) against array_ops.softmax_topk; a row of NaN
     logits picks nothing (-1, NaN weights)."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     rng = np.random.default_rng(12)
     logits = (3 * rng.standard_normal((200, 128))).astype(np.float32)
     logits[7] = np.nan
@@ -256,7 +256,7 @@ def test_device_routing_matches_the_host_top_k():
 def test_experts_grouped_on_the_device_equal_the_host_grouping(mma):
     """run_routed (routing and grouping on the device) gives every pair the bits run_spec gives
     it from the host's jobs: the grouping never shows."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     from strata_dist.experts.stores import stored_rows_jobs
     ex = Experts(QT.Q4_K, QT.Q6_K, seed=31)
     spec = ex.rows_layout()
@@ -280,7 +280,7 @@ def test_grouped_pairs_computed_a_few_experts_at_a_time_give_the_same_bits(popul
     and computes them in several launches, each with a blob table holding some experts (0 for
     the others, whose pairs that launch leaves alone): the union is run_routed's output bit for
     bit, whichever experts share a launch, experts with no pair among them."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     ex = Experts(QT.Q4_K, QT.Q6_K, seed=33)
     spec = ex.rows_layout()
     kernels = RowsKernels(0, mma=True)
@@ -312,7 +312,7 @@ def test_row_kernels_read_blobs_in_pinned_host_memory_to_the_same_bits(gate_up, 
     """The tensor-core row kernels copy their weight stages with the copy engine
     (cp.async.bulk, experts_rows.cu): blobs read in place from pinned host memory (over PCIe) give
     every pair the bits the same blobs give in device memory."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     ex = Experts(gate_up, down, seed=41)
     spec = ex.rows_layout()
     kernels = RowsKernels(0, mma=True)
@@ -356,7 +356,7 @@ def test_expert_kernels_give_the_same_bits_wherever_the_blob_lies(tmp_path, gate
     helper tier's slot) and in pinned host memory read in place, every output has the same bits."""
     import subprocess
     import sys
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     ex = Experts(gate_up, down, seed=43)
     nbytes = int(ex.buf.nbytes)
     raw = tmp_path / "blobs.bin"

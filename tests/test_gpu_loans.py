@@ -113,7 +113,7 @@ def test_a_lent_prompt_chunk_takes_almost_nothing_from_cupys_pool(model128):
 @pytest.mark.parametrize("device_routing", ["0", "1"])
 def test_grouped_expert_kernels_match_numpy_and_ignore_the_tiers(model, monkeypatch,
                                                                 f16_kv_reference, device_routing):
-    """STRATA_GROUPED_EXPERTS=1 (every expert computation through backends/expert_rows.py): a
+    """STRATA_GROUPED_EXPERTS=1 (every expert computation through ops/moe.py): a
     prompt's logits stay within numpy's tolerance, and a stage that streams half its experts
     through a loan reads the prompt into the same bits as one that caches them all. With
     STRATA_DEVICE_ROUTING=1 both group on the device, the half stage computing its misses a

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
-from strata_dist.backends.graph_tables import Weight  # noqa: E402
+from strata_dist.ops.linear import Weight  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, MAT_SPEC, MAX_ROWS,  # noqa: E402
                                      ROUTE_SPEC, KernelShape, matvec_kernel, rows_per_block)
 

@@ -142,7 +142,7 @@ def test_f16_gemm_of_a_quantized_matrix(qtype):
     half an f16 step at that scale (the f16 output)."""
     from quant_rows import TYPES, random_rows
     from strata_dist.backends.cupy_backend import CupyBackend
-    from strata_dist.backends.quant_matrix import QuantMatrix
+    from strata_dist.ops.linear import QuantMatrix
     qt = next(t for t in TYPES if t.name == qtype)
     raw, w = random_rows(qt, 96, 512, 3)
     m = QuantMatrix(cp.asarray(raw.reshape(-1)), w.shape, int(qt))

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.gpu
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
-from strata_dist.backends.graph_tables import Weight  # noqa: E402
-from strata_dist.backends.quant_matrix import QuantMatrix  # noqa: E402
+from strata_dist.ops.linear import Weight  # noqa: E402
+from strata_dist.ops.linear import QuantMatrix  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS,  # noqa: E402
                                      EXPERT_SPEC, INT_TYPE_SWITCHES, KERNEL_TYPES, MAT_SPEC,
                                      MAX_ROWS, TYPE_NAMES, ExpertLayout, KernelShape,
@@ -210,10 +210,10 @@ def test_decode_expert_kernels_of_every_type(gate_up, down, shape):
 @pytest.mark.parametrize("gate_up,down", PAIRS, ids=ids)
 @pytest.mark.parametrize("mma", [False, True], ids=["fma", "mma"])
 def test_row_kernels_of_every_type(gate_up, down, mma):
-    """A prompt chunk's experts (backends/expert_rows.py): pairs of several experts around the
+    """A prompt chunk's experts (ops/moe.py): pairs of several experts around the
     FMA slice's 32 and the work item's 128, against float64 numpy (the tensor-core build rounds
     rows and weights to f16); a pair's bits the same alone, and from pinned host memory."""
-    from strata_dist.backends.expert_rows import RowsKernels
+    from strata_dist.ops.moe import RowsKernels
     ex = Blobs(gate_up, down, seed=int(gate_up) * 10 + int(down))
     try:
         kernels = RowsKernels(0, mma=mma)

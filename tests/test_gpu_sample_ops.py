@@ -1,4 +1,4 @@
-"""Sampling's arithmetic on the card: strata_dist/backends/sample_ops.py with CuPy against the same
+"""Sampling's arithmetic on the card: strata_dist/ops/sample.py with CuPy against the same
 functions with numpy (which tests/test_sample_ops.py holds, bit for bit, to the host sampler as it
 was), on rows of a Qwen3-sized vocabulary; and the sampler drawing from a graph step's row
 (StepLogits over a device array) as it draws from the host copy. Run on the GPU machine:
@@ -6,7 +6,7 @@ pytest -m gpu."""
 import numpy as np
 import pytest
 
-from strata_dist.backends import sample_ops
+from strata_dist.ops import sample as sample_ops
 from strata_dist.backends.step_slots import StepLogits
 from strata_dist.sampling.sampler import Sampler, SamplingParams, masked_row, token_logprobs
 

@@ -1,12 +1,12 @@
 """Rules of the code's shape, read from the source with `ast` (GPU-only modules, which cannot be
 imported here, are held to them too):
 
-- a backend (strata_dist/backends/) imports no module of the experts' folder (strata_dist/experts/:
-  the stores, the tiers, host pinning, the helper server, the adaptive cache): what a backend needs
-  of them it is passed;
+- a backend (strata_dist/backends/), or an op's launchers (strata_dist/ops/), imports no module of
+  the experts' folder (strata_dist/experts/: the stores, the tiers, host pinning, the helper
+  server, the adaptive cache): what a backend or an op needs of them it is passed;
 - nor does it read through an expert store (`model.experts.<...>`, `getattr(model.experts, ...)`,
   `experts.outputs(...)`): it is handed values, such as the decode graph's expert-address table
-  (backends/expert_addresses.py), and the models dispatch to the store;
+  (ops/expert_addresses.py), and the models dispatch to the store;
 - code outside backends/ never branches on a backend's name (`backend.name == "cupy"`): it asks
   a capability the backend declares (`backend.on_gpu`);
 - no Python file is longer than MAX_LINES.
@@ -28,6 +28,7 @@ from test_layering import _imports, _modules
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 EXPERTS_FOLDER = "strata_dist.experts"
+COMPUTE_FOLDERS = ("strata_dist.backends", "strata_dist.ops")   # held to the experts rules
 PACKAGES = ("strata_dist", "launcher", "protocol", "benchmarks", "tests")
 
 NAME_CHECK_EXCEPTIONS: dict[str, str] = {}
@@ -52,11 +53,12 @@ def _check_exceptions(failing: dict[str, list[str]], exceptions: dict[str, str])
 
 # ---- backends import no tier module -------------------------------------------------------------
 def tier_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """backend module -> the experts' folder's modules it imports (at the top or inside a function)."""
+    """backend or op module -> the experts' folder's modules it imports (at the top or inside a
+    function)."""
     out = {}
     for module, deps in graph.items():
         tiers = sorted(d for d in deps if d == EXPERTS_FOLDER or d.startswith(EXPERTS_FOLDER + "."))
-        if module.startswith("strata_dist.backends") and tiers:
+        if module.startswith(COMPUTE_FOLDERS) and tiers:
             out[module] = tiers
     return out
 
@@ -70,12 +72,14 @@ def test_no_backend_imports_the_expert_tiers():
 def test_the_tier_import_finder_finds_one_inside_a_function():
     graph = {"strata_dist.backends.x": {"strata_dist.experts.tiers", "strata_dist.backends.base"},
              "strata_dist.backends.z": {"strata_dist.experts.adapt", "strata_dist.experts_like"},
-             "strata_dist.rank.stage": {"strata_dist.experts.tiers"}, "strata_dist.backends.y": set()}
+             "strata_dist.rank.stage": {"strata_dist.experts.tiers"},
+             "strata_dist.backends.y": set(), "strata_dist.ops.moe": {"strata_dist.experts.stores"}}
     assert tier_imports(graph) == {"strata_dist.backends.x": ["strata_dist.experts.tiers"],
-                                   "strata_dist.backends.z": ["strata_dist.experts.adapt"]}
+                                   "strata_dist.backends.z": ["strata_dist.experts.adapt"],
+                                   "strata_dist.ops.moe": ["strata_dist.experts.stores"]}
 
 
-# ---- backends read no expert store: they are handed values (backends/expert_addresses.py) -------
+# ---- backends read no expert store: they are handed values (ops/expert_addresses.py) -------
 def expert_store_reads(tree: ast.AST) -> list[int]:
     """Lines that read through an expert store: an attribute chain through `.experts`
     (`model.experts`, `self.model.experts.pinned`), an attribute of a name `experts` (a store
@@ -96,6 +100,7 @@ def expert_store_reads(tree: ast.AST) -> list[int]:
 def test_no_backend_reads_the_expert_store():
     files = sorted((ROOT / "strata_dist" / "backends").rglob("*.py"))
     assert len(files) > 10
+    files += sorted((ROOT / "strata_dist" / "ops").rglob("*.py"))     # an op's launchers too
     failing = {}
     for path in files:
         lines = expert_store_reads(ast.parse(path.read_text()))

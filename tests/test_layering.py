@@ -5,7 +5,9 @@ itself through a circle, counting imports inside functions too.
 Inside strata_dist/ the folders follow the processes (docs/ARCHITECTURE.md): FOLDER_IMPORTS says
 which folders each may import. The head talks to the ranks by messages only, so it imports nothing
 of a rank, its experts or its compute; the server is the head's surface; the compute folders
-(backends, models, experts) never reach up into a rank, the head or the tools; the planner, the
+(backends, ops, models, experts) never reach up into a rank, the head or the tools; the ops (one
+module an op's launchers) import no backend, the backends call down into them, and the models
+(written over an ops protocol) import neither the ops nor their launchers; the planner, the
 kernels' sources and the file reader import none of the others. The root keeps only SHARED, the
 modules several processes use."""
 import ast
@@ -23,11 +25,15 @@ FOLDER_IMPORTS: dict[str, set[str]] = {
     "gguf_file": set(),
     "shared": {"kernels"},
     "synth": {"gguf_file"},
-    "backends": {"gguf_file", "kernels", "plan", "shared"},
-    "experts": {"backends", "gguf_file", "kernels", "plan", "shared"},
+    # the ops' launchers (one module an op) import nothing of the backends that call them
+    "ops": {"gguf_file", "kernels", "plan", "shared"},
+    "backends": {"gguf_file", "kernels", "ops", "plan", "shared"},
+    # the experts build the MoE op's address table (ops/expert_addresses.py); a rank's stage
+    # catches its Unsupported
+    "experts": {"backends", "gguf_file", "kernels", "ops", "plan", "shared"},
     "models": _BELOW_MODELS,
-    "sampling": _BELOW_MODELS | {"models"},
-    "rank": _BELOW_MODELS | {"models", "sampling"},
+    "sampling": _BELOW_MODELS | {"models", "ops"},       # ops/sample.py: the draw's arithmetic
+    "rank": _BELOW_MODELS | {"models", "ops", "sampling"},
     "head": {"gguf_file", "plan", "sampling", "shared"},
     "server": {"gguf_file", "head", "plan", "sampling", "shared"},
     "tools": _BELOW_MODELS | {"models", "rank", "sampling", "synth"},
@@ -151,9 +157,16 @@ def test_the_folder_rule_finds_a_breach():
                                           "strata_dist.checkpoints", "protocol.messages"},
              "strata_dist.backends.ops": {"strata_dist.experts.tiers", "strata_dist.kernels.abi"},
              "strata_dist.models.common": {"strata_dist.experts.stores"},
+             "strata_dist.models.qwen3moe": {"strata_dist.ops.moe"},
+             "strata_dist.ops.attention": {"strata_dist.backends.cupy_backend",
+                                           "strata_dist.kernels.abi"},
+             "strata_dist.backends.cupy_backend": {"strata_dist.ops.attention"},
              "launcher.cli": {"strata_dist.rank.stage"}}
     assert folder_breaches(graph) == [("strata_dist.head.session", "strata_dist.rank.stage"),
-                                      ("strata_dist.backends.ops", "strata_dist.experts.tiers")]
+                                      ("strata_dist.backends.ops", "strata_dist.experts.tiers"),
+                                      ("strata_dist.models.qwen3moe", "strata_dist.ops.moe"),
+                                      ("strata_dist.ops.attention",
+                                       "strata_dist.backends.cupy_backend")]
 
 
 def test_the_cycle_finder_finds_a_circle():

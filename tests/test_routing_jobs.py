@@ -57,7 +57,7 @@ def test_jobs_group_pairs_by_expert_in_row_major_order(seed):
 def test_group_layout_is_the_layout_of_the_host_jobs(seed):
     """kernels/abi.py group_layout (what the device grouping kernels must build, checked against
     them on the GPU) is the host path's layout: the jobs of stored_rows_jobs in order, cut into
-    work items as backends/expert_rows.py run_spec cuts them; pairs with no expert left out."""
+    work items as ops/moe.py run_spec cuts them; pairs with no expert left out."""
     from strata_dist.kernels.abi import group_layout
     rng = np.random.default_rng(seed)
     for _ in range(40):

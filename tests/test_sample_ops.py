@@ -1,4 +1,4 @@
-"""Sampling's arithmetic written once for numpy and CuPy (strata_dist/backends/sample_ops.py), run
+"""Sampling's arithmetic written once for numpy and CuPy (strata_dist/ops/sample.py), run
 here with numpy: against the host sampler as it was before (written plainly below: the penalties
 on the drawn ids, a stable sort, numpy's own seeded weighted choice), token for token and bit for
 bit over every combination of the sampling parameters, the penalties and the bias; the grammar's
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from stand_ins import run_check
-from strata_dist.backends import sample_ops
+from strata_dist.ops import sample as sample_ops
 from strata_dist.backends.step_slots import StepLogits
 from strata_dist.sampling.sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
 from strata_dist.sampling.structured import GrammarError, GrammarMatcher

@@ -33,31 +33,32 @@ import cupy as cp
 
 from ..compute_options import compute_options
 from ..kernels import function
-from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, ROUTE_SPEC,
-                           TYPE_NAMES, AttnScratchError, KernelShape, attn_launch, expert_layout,
-                           matvec_kernel, rows_per_block)
+from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, TYPE_NAMES,
+                           KernelShape, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
+from ..ops import attention, moe
+from ..ops.linear import (NULL, MatLaunch, _mat, graph_matvec, mat_launches,  # noqa: F401
+                          norm_vector, weight_of)     # (NULL: the GPU tests' null pointer)
+from ..ops.route import route_spec
+from ..ops.sample import ARGMAX_BLOCKS, graph_argmax
+from ..ops.tables import spec_array as _spec_array
 from ..plan.pricing import DECODE_ROWS
 from .batched_decode import BatchedSteps
 from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointers
 from .graph_ops import GraphLayerOps
 from .kv_cache import DeviceRing
-from .graph_tables import (MatLaunch, Unsupported, _mat, _spec_array, count_tiers,
-                           mat_launches, norm_vector, repoint_experts, weight_of)
+from .graph_tables import Unsupported, count_tiers, repoint_experts
 from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")
 
 KERNELS = "decode.cu"
-WIDE_MIN_ROWS = 1024              # matrices this tall take 8 rows per block (one x row)
-ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
-NULL = np.uint64(0)
 assert MAX_ROWS == DECODE_ROWS
 
 
 class DecodeGraph(BatchedSteps):
     """Decode steps of the layers [model.lb, model.le) of a qwen3moe model whose experts are all
-    read in place where the model's expert-address table says (backends/expert_addresses.py),
+    read in place where the model's expert-address table says (ops/expert_addresses.py),
     for sessions of `max_cells` cells."""
 
     layer_ops = GraphLayerOps      # the launches the model's layer_step is captured through
@@ -91,11 +92,7 @@ class DecodeGraph(BatchedSteps):
         # heads; 0: by the geometry)
         if not attn_heads and options.attn_heads:
             attn_heads = options.attn_heads
-        try:
-            a = attn_launch(g.n_head, g.n_head_kv, g.head_dim, max_cells, model.backend.kv_type,
-                            attn_heads)
-        except AttnScratchError as e:
-            raise Unsupported(str(e)) from None
+        a = attention.decode_launch(g, max_cells, model.backend.kv_type, attn_heads)
         self.attn_kernel, self.attn_heads, self.attn_chunk = a.kernel + self.ring.suffix, a.heads, \
             a.chunk
         self.n_split, self.max_rows = a.n_split, a.max_rows
@@ -206,7 +203,7 @@ class DecodeGraph(BatchedSteps):
         self.attn_done = cp.zeros(R * (g.n_head // self.attn_heads), cp.uint32)
 
     def _build_specs(self, g) -> None:
-        self.blob_align: dict[int, int] = {}   # each layer's blob alignment (_expert_spec)
+        self.blob_align: dict[int, int] = {}   # each layer's blob alignment (moe.expert_spec)
         self.layer_specs = [self._layer_spec(layer) for layer in range(self.lb, self.le)]
         m = self.model
         if self.last:
@@ -240,19 +237,14 @@ class DecodeGraph(BatchedSteps):
     def _experts_spec(self, layer: int, router_w, ffn_norm, normalize: bool) -> dict:
         """The routed experts' part of a layer spec: the router's matvec (its fused RMSNorm by
         `ffn_norm`, its last block picking the top-k) and the expert kernels' tables."""
-        g = self.g
         router = weight_of(router_w, f"blk.{layer}.ffn_gate_inp")
-        experts = self._expert_spec(layer)
+        experts = moe.expert_spec(self, layer)
         expert_table = _spec_array(EXPERT_SPEC, [experts])
         return dict(
             ffn_norm=ffn_norm,
             router=mat_launches([(router, _mat(router, self.router_logits))]),
             experts=expert_table,
-            route=_spec_array(ROUTE_SPEC, [dict(
-                experts=int(expert_table.data.ptr), logits=int(self.router_logits.data.ptr),
-                ids=int(self.ids[layer - self.lb].data.ptr), wts=int(self.wts.data.ptr),
-                blobs=int(self.blobs.data.ptr), done=int(self.done.data.ptr),
-                n_expert=g.n_expert, k=g.n_expert_used, normalize=int(normalize))]),
+            route=route_spec(self, layer, expert_table, normalize),
             expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
             expert_codes=(experts["gate_type"], experts["down_type"]))
 
@@ -272,22 +264,6 @@ class DecodeGraph(BatchedSteps):
     def _layer_kernel_names(self) -> set[str]:
         """The layers' kernels other than the matvecs and the experts'."""
         return {"qk_norm_rope_kv" + self.kv_suffix + self.ring.suffix, self.attn_kernel}
-
-    def _expert_spec(self, layer: int) -> dict:
-        g = self.g
-        try:
-            lay = expert_layout(self.model.gguf, layer)
-        except ValueError as e:
-            raise Unsupported(str(e)) from None
-        self.blob_align[layer] = lay.align     # what a table repointed later is held to
-        if (self.addresses.blob_of[layer] % np.uint64(lay.align)).any():
-            raise Unsupported(f"blk.{layer}: expert blobs are not aligned on {lay.align} bytes "
-                              f"for the expert kernels")
-        return dict(blob_of=int(self.blob_of.data.ptr) + 8 * layer * g.n_expert,
-                    up_at=lay.up_at, down_at=lay.down_at, gate_row_bytes=lay.gate_row_bytes,
-                    up_row_bytes=lay.up_row_bytes, down_row_bytes=lay.down_row_bytes,
-                    gate_type=lay.gate_type, up_type=lay.up_type, down_type=lay.down_type,
-                    n_ff=g.n_ff_exp, n_embd=g.n_embd, k=g.n_expert_used)
 
     # ---- the step -------------------------------------------------------------------------------
     def _launch(self, name: str):
@@ -371,23 +347,13 @@ class DecodeGraph(BatchedSteps):
             g = self.g
             self._matvec(self.output_projection, self.h[n - 1:n], g.n_embd, 1, self.output_norm,
                          eps)
-            self._launch("argmax_row")((ARGMAX_BLOCKS,), (256,),
-                                       (self.logits, np.int32(g.n_vocab), self.post_v,
-                                        self.post_i, self.done, self.token))
+            graph_argmax(self)
 
     def _matvec(self, launches: list[MatLaunch], x, x_stride: int, n: int, norm_w=None,
                 eps=np.float32(0), normed=None, route=None) -> None:
         """y = W . (rms_norm(x) * norm_w | x) [+ add] for each matrix of `launches`; `route`: the
-        router's RouteSpec (one matrix)."""
-        for m in launches:
-            wide = m.rows >= WIDE_MIN_ROWS
-            per_block = rows_per_block(n, wide)
-            self._launch(matvec_kernel(m.type, n))(
-                ((m.rows + per_block - 1) // per_block, m.count), (self.shape.matvec_threads,),
-                (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
-                 NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
-                 NULL if route is None else route))
-            normed = None            # written once
+        router's RouteSpec (one matrix) (ops/linear.py graph_matvec)."""
+        graph_matvec(self, launches, x, x_stride, n, norm_w, eps, normed, route)
 
     def _graph(self, n: int, every_row: bool = False):
         """The captured step of n rows (one a row count and output kind: the descriptor, not the

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import re
-from functools import lru_cache
 
 import numpy as np
 
@@ -22,11 +21,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
 from gguf import GGMLQuantizationType
 
 from ..compute_options import compute_options, fall_back
-from ..kernels.abi import MAX_GROUP_EXPERTS
+from ..ops import attention, gdn, linear, moe, norm, norm_rope_kv, route
+from ..ops.linear import QuantMatrix, dequantize_rows
 from .base import Backend, BackendError
 from .kv_cache import default_kv_type
 from .layout import GPU_NATIVE_QUANTS, dense_type_note, expert_type_notes
-from .quant_matrix import QuantMatrix, dequantize_rows
 
 log = logging.getLogger("strata.cupy")
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -52,7 +51,7 @@ class CupyBackend(Backend):
         self._dev.use()
         self._pinned = None
         self._pinned_read = None    # recorded after the last copy out of the pinned buffer
-        # a prompt's experts through the row kernels (backends/expert_rows.py), its attention by
+        # a prompt's experts through the row kernels (ops/moe.py), its attention by
         # kernels/prefill_attention.cu, and each chunk routed (every placement alike, so the
         # tokens do not depend on it) and, where a layer is all resident, grouped on the device:
         # no host round trip a layer. The row kernels measured 4x the general path at 512 tokens,
@@ -61,11 +60,10 @@ class CupyBackend(Backend):
         # the switches of the record in force (strata_dist/compute_options.py): a rank's Assign's
         options = compute_options()
         self._flash = options.flash_prefill
-        self._flash_kernels = {}    # head width -> the kernel, allowed its shared memory once
+        self._flash_prompt = attention.FlashPrompt(index)
         self._rows = None
         if options.grouped_experts:
-            from .expert_rows import RowsKernels
-            self._rows = RowsKernels(index, mma=options.rows_mma, backend=self)
+            self._rows = moe.RowsKernels(index, mma=options.rows_mma, backend=self)
         self._device_routing = self._rows is not None and options.device_routing
         # qwen3next's linear layers in prompts: "rows" gdn_prompt.cu's kernels (the rows spread
         # where they are independent), "steps" the decode graph's token loop, "off" the blocked
@@ -154,45 +152,7 @@ class CupyBackend(Backend):
                                     cp.cuda.get_current_stream().ptr)
 
     def linear(self, x, w, out=None):
-        if isinstance(w, QuantMatrix):
-            if self._f16_gemm:     # as an F16 file's matrices: tensor cores, f32 accumulation
-                rows, cols = w.shape
-                fits = 2 * rows * cols <= max(F16_SCRATCH_BYTES, self._scratch("dense16"))
-                if not fits:       # the head of a Q4_K_M file: 600 MB as f16, unpriced
-                    return self._gemm_f16_slices(x, w, out)
-                dense = self.buffer("dense16", w.shape, cp.float16)
-                return self._gemm_f16(x, w.dequantize(cp.float16, out=dense), out)
-            return x @ w.dequantize().T
-        if w.dtype == cp.float16:
-            return self._gemm_f16(x, w, out)
-        return cp.matmul(x, w.T, out=self.buffer(out, (int(x.shape[0]), int(w.shape[0])),
-                                                 cp.float32))
-
-    def _scratch(self, name: str) -> int:
-        return 0 if self.workspace is None else self.workspace.capacity(name)
-
-    def _gemm_f16_slices(self, x, w: QuantMatrix, out):
-        """`_gemm_f16` of a quantized matrix decoded to f16 F16_SCRATCH_BYTES at a time (its rows
-        in slices), so a large one (an output head) never takes its whole f16 copy at once."""
-        n, (rows, cols) = int(x.shape[0]), w.shape
-        per = max(1, F16_SCRATCH_BYTES // (2 * cols))
-        y = self.buffer(out, (n, rows), cp.float32)
-        x16 = x.astype(cp.float16)
-        for r0 in range(0, rows, per):
-            r1 = min(rows, r0 + per)
-            cp.copyto(y[:, r0:r1], x16 @ w.row_slice(r0, r1).dequantize(cp.float16).T)
-        return y
-
-    def _gemm_f16(self, x, w16, out):
-        """x rounded to f16 times f16 weights on tensor cores (an f16 product, as CuPy's f16
-        matmul writes it), widened to float32 into the buffer `out`."""
-        n, rows = int(x.shape[0]), int(w16.shape[0])
-        x16 = self.buffer("in16", x.shape, cp.float16)
-        cp.copyto(x16, x, casting="same_kind")
-        y16 = cp.matmul(x16, w16.T, out=self.buffer("out16", (n, rows), cp.float16))
-        y = self.buffer(out, (n, rows), cp.float32)
-        cp.copyto(y, y16)
-        return y
+        return linear.prompt_linear(self, self._f16_gemm, x, w, out)
 
     def stage_blob(self, host_blob, out=None):
         """A host blob on the device (into `out` when given: a loaned cache slot), through a
@@ -234,13 +194,8 @@ class CupyBackend(Backend):
         return tuple(out)
 
     def expert_swiglu(self, gguf, layer, blob, x):
-        if self._rows is not None:
-            n = int(x.shape[0])
-            out = cp.empty((n, int(x.shape[1])), dtype=cp.float32)
-            every = np.arange(n)
-            if self._rows.run(gguf, layer, x, [(blob, every, every)], out):
-                return out
-        return super().expert_swiglu(gguf, layer, blob, x)
+        out = None if self._rows is None else self._rows.swiglu(gguf, layer, blob, x)
+        return out if out is not None else super().expert_swiglu(gguf, layer, blob, x)
 
     def experts_swiglu(self, gguf, layer, x, jobs, out) -> None:
         if self._rows is None or not self._rows.run(gguf, layer, x, jobs, out):
@@ -248,213 +203,65 @@ class CupyBackend(Backend):
 
     def route(self, x, router, k: int, normalize: bool):
         if self._device_routing:
-            logits = cp.matmul(x, router.T, out=self.buffer(
-                "logits", (int(x.shape[0]), int(router.shape[0])), cp.float32))
-            routed = self._rows.route(logits, k, normalize)
+            routed = route.prompt_route(self, self._rows, x, router, k, normalize)
             if routed is not None:
                 return routed
         return super().route(x, router, k, normalize)
 
+    # ---- the routed experts of a chunk (ops/moe.py RowsKernels; None: the general path) -------
     def experts_routed(self, gguf, layer: int, x, ids, addresses: np.ndarray):
         """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
         `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
-        spec = self.row_layout(gguf, layer)
-        if spec is None or (addresses % np.uint64(spec.align)).any():
-            return None
-        pairs = self.routed_pairs(gguf, layer, x, ids, len(addresses))
-        if pairs is None:
-            return None
-        self.compute_routed(pairs, addresses)
-        return pairs.y
+        return None if self._rows is None else self._rows.routed(gguf, layer, x, ids, addresses)
 
     def row_layout(self, gguf, layer: int):
         """How the row kernels read `layer`'s expert blobs (kernels/abi.py ExpertLayout), or None
         when they do not."""
-        return None if self._rows is None else self._rows._layout(gguf, layer)
+        return None if self._rows is None else self._rows.layout(gguf, layer)
 
     def routed_pairs(self, gguf, layer: int, x, ids, n_expert: int):
-        """The device-routed pairs of ids [n, k] grouped by expert (backends/expert_rows.py
-        RoutedPairs, with `y`, the [n, k, n_embd] outputs `compute_routed` writes), or None when
-        the row kernels do not read this layer."""
-        spec = self.row_layout(gguf, layer)
-        if spec is None or int(x.shape[1]) != spec.n_embd or n_expert > MAX_GROUP_EXPERTS:
-            return None
-        pairs = self._rows.group_routed(spec, x, ids, n_expert)
-        n, k = (int(v) for v in ids.shape)
-        pairs.y = self.buffer("y", (n, k, spec.n_embd), cp.float32)
-        return pairs
+        """The device-routed pairs of ids [n, k] grouped by expert (ops/moe.py RoutedPairs), or
+        None when the row kernels do not read this layer."""
+        return None if self._rows is None else self._rows.routed_pairs(gguf, layer, x, ids,
+                                                                        n_expert)
 
     def compute_routed(self, pairs, addresses: np.ndarray) -> None:
-        """Compute into pairs.y the pairs whose expert has a blob address in `addresses` (host
-        uint64 [n_expert], each aligned to pairs.spec.align: the caller checks; 0: another
-        call's)."""
-        n, k, d = (int(v) for v in pairs.y.shape)
-        self._rows.compute_grouped(pairs, self.upload("blob_table", addresses),
-                                   pairs.y.reshape(n * k, d))
+        """Compute into pairs.y the pairs whose expert has a blob address in `addresses`."""
+        self._rows.compute_routed(pairs, addresses)
 
     def prompt_attention(self, q, k, v, pos0, out=None):
-        """Flash attention on tensor cores (STRATA_FLASH_PREFILL=0: off): f16 K/V of 128-wide
-        (qwen3moe) or 256-wide (qwen3next) heads."""
-        from ..kernels.abi import PREFILL_ATTENTION_BUILDS, prefill_attention_launch
+        """Flash attention on tensor cores (ops/attention.py FlashPrompt; STRATA_FLASH_PREFILL=0:
+        off): f16 K/V of 128-wide (qwen3moe) or 256-wide (qwen3next) heads."""
         if not self._flash:
             return None
-        why = _first_failed((
-            (int(q.shape[-1]) in PREFILL_ATTENTION_BUILDS,
-             f"heads {int(q.shape[-1])} wide (built for {sorted(PREFILL_ATTENTION_BUILDS)})"),
-            (k.dtype == cp.float16 and v.dtype == cp.float16,
-             f"K/V arrays of {k.dtype} (the kernel reads f16)"),
-            (k.flags.c_contiguous and v.flags.c_contiguous, "K/V not contiguous"),
-            (not q.shape[1] % k.shape[1],
-             f"{q.shape[1]} query heads over {k.shape[1]} kv heads")))
-        if why:
-            fall_back("the flash attention of a prompt chunk (flash_prefill)", why)
-            return None
-        from ..kernels import function
-        n, n_head, d = (int(x) for x in q.shape)
-        q = cp.ascontiguousarray(q, dtype=cp.float32)
-        out = self.buffer(out, (n, n_head, d), cp.float32)
-        rows, threads, shared = prefill_attention_launch(d)
-        fn = self._flash_kernels.get(d)
-        if fn is None:                                 # past the default 48 KiB of shared memory
-            fn = function("prefill_attention.cu", f"prefill_attention_{d}", self.index)
-            fn.max_dynamic_shared_size_bytes = shared
-            self._flash_kernels[d] = fn
-        fn((n_head, (n + rows - 1) // rows), (threads,),
-           (q, k, v, np.int32(n), np.int32(pos0), np.int32(n_head), np.int32(k.shape[1]),
-            np.float32(1.0 / np.sqrt(d)), out), shared_mem=shared)
-        return out
+        return self._flash_prompt.run(self, q, k, v, pos0, out)
 
     # ---- a chunk's row-wise steps, one launch each ------------------------------------------
     def rms_norm(self, x, w, eps, out=None):
-        d = int(x.shape[-1])
-        if not (self._fused_ops and _f32_rows(x) and _f32_rows(w) and w.shape == (d,)):
-            return super().rms_norm(x, w, eps)
-        from ..kernels import function
-        out = self.buffer(out, x.shape, cp.float32)
-        rows = int(x.size) // d
-        if rows:
-            function("prompt_ops.cu", "rms_norm_rows", self.index)(
-                (rows,), (OPS_THREADS,), (x, w, np.int32(d), np.float32(eps), out))
-        return out
+        res = norm.prompt_rms_norm(self, x, w, eps, out) if self._fused_ops else None
+        return res if res is not None else super().rms_norm(x, w, eps)
 
     def combine_ranked(self, y, wts):
-        if not (self._fused_ops and _f32_rows(y) and _f32_rows(wts) and y.ndim == 3
-                and wts.shape == y.shape[:2] and y.shape[0] <= MAX_GRID_Y):
-            return super().combine_ranked(y, wts)
-        from ..kernels import function
-        n, k, d = (int(v) for v in y.shape)
-        out = self.buffer("moe_out", (n, d), cp.float32)
-        if n:
-            function("prompt_ops.cu", "combine_ranked", self.index)(
-                (-(-d // OPS_THREADS), n), (OPS_THREADS,), (y, wts, np.int32(k), np.int32(d), out))
-        return out
+        out = moe.combine_ranked(self, y, wts) if self._fused_ops else None
+        return out if out is not None else super().combine_ranked(y, wts)
 
     def qk_norm_rope_kv(self, q, k, v, q_norm, k_norm, eps, session, layer, pos0):
-        """The decode step's kernels over the chunk's rows, a warp a head of a row, where the
-        cache is f16: decode.cu's qk_norm_rope_kv for 128-wide fully rotated heads (q normalised
-        and rotated in place), next_attention.cuh's next_qk_norm_rope_kv for qwen3next's
-        256-wide heads with 64 rotated dims, q read out of attn_q's [q | gate] rows; else the
-        array path."""
-        from ..kernels.abi import DESC_WORDS, NEXT_HEAD_DIM, NEXT_ROT
-        n, n_head, d = (int(v) for v in q.shape)
-        n_kv = int(k.shape[1])
-        kc, vc = session.k(layer), session.v(layer)
-        cos, sin = session.rope_cos, session.rope_sin
-        rot = 2 * int(cos.shape[-1])
-        full = d == 128 and rot == d and _f32_rows(q)
-        # q the first half of each head of qg [n, n_head, 2 D] (models/qwen3next.py _attention)
-        gated = (d == NEXT_HEAD_DIM and rot == NEXT_ROT and isinstance(q, cp.ndarray)
-                 and q.dtype == cp.float32 and q.strides == (n_head * 8 * d, 8 * d, 4))
-        if not self._fused_ops:
-            return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
-        why = _first_failed((
-            (full or gated, f"heads {d} wide with {rot} rotated dims, q {q.dtype} strides "
-                            f"{q.strides} (the kernels take 128-wide fully rotated float32 rows, "
-                            f"or {NEXT_HEAD_DIM}-wide with {NEXT_ROT} rotated in gated rows)"),
-            (n <= MAX_GRID_Y, f"{n} rows (a launch takes at most {MAX_GRID_Y})"),
-            (all(_f32_rows(a) for a in (k, v, q_norm, k_norm, cos, sin)),
-             "k, v, the norms or the RoPE tables are not contiguous float32 device rows"),
-            (tuple(k.shape) == tuple(v.shape) == (n, n_kv, d),
-             f"k {tuple(k.shape)} and v {tuple(v.shape)} are not [{n}, {n_kv}, {d}]"),
-            (all(isinstance(c, cp.ndarray) and c.dtype == cp.float16 and c.flags.c_contiguous
-                 for c in (kc, vc)), f"the session's K/V arrays are "
-                                     f"{getattr(kc, 'dtype', type(kc))} (the kernels write "
-                                     f"contiguous f16)")))
-        if why:
-            fall_back("the fused q/k norm + RoPE + K/V write of a prompt chunk (fused_prompt_ops)",
-                      why)
-            return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
-        from ..kernels import function
-        table = self.upload("rope_ptrs", np.array(
-            [kc.data.ptr, vc.data.ptr, cos.data.ptr, sin.data.ptr], dtype=np.uint64))
-        desc = np.zeros(DESC_WORDS, dtype=np.int32)
-        desc[0], desc[1] = pos0, n
-        desc = self.upload("rope_desc", desc)
-        defines = _decode_defines(self._kernel_shape)
-        kernel = lambda name: function("decode.cu", name, self.index, defines)  # noqa: E731
-        if full:
-            kernel("qk_norm_rope_kv")(
-                (n_head + n_kv, n), (32,),
-                (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc,
-                 np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(d), np.float32(eps)))
-            return q
-        out = self.buffer("q_rot", (n, n_head, d), cp.float32)
-        kernel("next_qk_norm_rope_kv")(
-            (n_head + n_kv, n), (32,),
-            (q, k, v, q_norm, k_norm, table, np.int32(0), np.int32(1), desc, np.int32(n_head),
-             np.int32(n_kv), np.float32(eps), out))
-        return out
+        """The decode step's kernels over the chunk's rows where the cache is f16
+        (ops/norm_rope_kv.py); else the array path."""
+        if self._fused_ops:
+            out = norm_rope_kv.prompt_qk_norm_rope_kv(self, self._kernel_shape, q, k, v, q_norm,
+                                                      k_norm, eps, session, layer, pos0)
+            if out is not None:
+                return out
+        return super().qk_norm_rope_kv(q, k, v, q_norm, k_norm, eps, session, layer, pos0)
 
     def linear_attention(self, g, w, qkv, z, ba, conv, state):
-        """gdn_mixer through kernels, the state updated in place: by default gdn_prompt.cu's
-        (the convolution and norms of every row at once, the delta rule a warp a state column),
-        with STRATA_GDN_KERNELS=steps the decode graph's gated_delta.cuh (the rows in order, the
-        token loop's arithmetic). None (the blocked array path) for a geometry the kernels do
-        not take or with =0."""
+        """gdn_mixer through kernels, the state updated in place (ops/gdn.py prompt_gdn); None
+        (the blocked array path) for a geometry the kernels do not take or with
+        STRATA_GDN_KERNELS=0."""
         if self._gdn == "off":
             return None
-        from ..kernels import function
-        from ..kernels.abi import gdn_launch, gdn_rows_launch
-        from .graph_tables import Unsupported
-        from .graph_ops import launch_gdn
-        from .next_decode import gdn_spec
-        n = int(qkv.shape[0])
-        path = f"the linear layers' kernels of a prompt chunk (gdn_kernels={self._gdn})"
-        try:
-            if self._gdn == "rows":
-                launch = gdn_rows_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim,
-                                         g.ssm_conv_kernel)
-            else:
-                launch = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
-        except ValueError as e:
-            fall_back(path, str(e))
-            return None
-        why = _first_failed((
-            (conv.flags.c_contiguous and state.flags.c_contiguous
-             and conv.dtype == cp.float32 and state.dtype == cp.float32,
-             "the session's convolution or recurrent state is not contiguous float32"),
-            (n <= MAX_GRID_Y, f"{n} rows (a launch takes at most {MAX_GRID_Y})")))
-        if why:
-            fall_back(path, why)
-            return None
-        rows = [cp.ascontiguousarray(a, dtype=cp.float32) for a in (qkv, z, ba)]
-        mixed = self.buffer("mixed", (n, g.conv_dim), cp.float32)
-        out = self.buffer("gdn_out", (n, g.n_v_heads, g.head_v_dim), cp.float32)
-        sess = self.upload("gdn_ptrs", np.array([conv.data.ptr, state.data.ptr], dtype=np.uint64))
-        try:
-            spec = gdn_spec(g, w, "linear layer", *rows, mixed, out, sess, 0, upload=self.upload)
-        except Unsupported as e:
-            fall_back(path, str(e))
-            return None
-        if n == 0:
-            return out
-        if self._gdn == "rows":
-            launch.launch(lambda name: function("gdn_prompt.cu", name, self.index), spec, n)
-        else:
-            defines = _decode_defines(self._kernel_shape)
-            launch_gdn(lambda name: function("decode.cu", name, self.index, defines),
-                       spec, n, launch)
-        return out
+        return gdn.prompt_gdn(self, self._gdn, self._kernel_shape, g, w, qkv, z, ba, conv, state)
 
     def decode_graph(self, model, max_cells):
         """A DecodeGraph (qwen3moe; next_decode.NextDecodeGraph: qwen3next) runner for the model's
@@ -528,32 +335,3 @@ class PinnedStaging:
         self.last.record(stream)
         self.at = -(-(lo + n) // self.ALIGN) * self.ALIGN
 
-
-OPS_THREADS = 256     # prompt_ops.cu's block
-# a quantized matrix larger than this (and than the prompt layout's dense16) is decoded to f16 a
-# slice of rows at a time: well inside a stage's work reserve (plan/pricing.py)
-F16_SCRATCH_BYTES = 32 << 20
-MAX_GRID_Y = 65535    # a launch's rows are its grid's y (a chunk is far shorter)
-
-
-def _first_failed(conditions) -> str:
-    """The reason of the first (holds, reason) pair that does not hold; "" when all hold."""
-    return next((reason for holds, reason in conditions if not holds), "")
-
-
-def _f32_rows(a) -> bool:
-    """A contiguous float32 device array (what the fused prompt kernels read)."""
-    return isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.flags.c_contiguous
-
-
-def _decode_defines(kernel_shape: str) -> tuple[str, ...]:
-    """decode.cu's build as the decode graph makes it (ComputeOptions.kernel_shape): one module
-    for the graph and the prompt path's use of its kernels."""
-    return _shape_defines(kernel_shape)
-
-
-@lru_cache(maxsize=None)
-def _shape_defines(text: str) -> tuple[str, ...]:
-    """The -D defines of a kernel shape's text (parsed once: the prompt path asks every layer)."""
-    from ..kernels.abi import KernelShape
-    return tuple(KernelShape.parse(text).defines())

@@ -5,14 +5,17 @@ launches (kernels, grids, blocks, arguments) are these. The arrays an op is give
 own buffers (its argument tables already point at them); each op returns the buffers the next
 one reads. `NextGraphOps` (models/next_ops.py's Qwen3NextOps, for backends/next_decode.py
 NextDecodeGraph) extends them: the same router, routed experts, o-projection and decode
-attention. No CuPy here: the launches go through the graph's `_launch` and `_matvec`."""
+attention. Each op's launches are its module's in strata_dist/ops/ (moe, attention,
+norm_rope_kv, route, gdn; the matvecs through the graph's `_matvec`, ops/linear.py); this file
+says which op of the model's protocol each is. No CuPy here: the launches go through the graph's
+`_launch`."""
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
-from ..kernels.abi import BLOCK_THREADS
+from ..ops.attention import graph_attend, graph_attn_gate
+from ..ops.gdn import launch_gdn
+from ..ops.moe import graph_experts, graph_shared_expert
+from ..ops.norm_rope_kv import graph_next_qk_norm_rope_kv, graph_qk_norm_rope_kv
+from ..ops.route import graph_route
 
 
 class GraphLayerOps:
@@ -40,26 +43,15 @@ class GraphLayerOps:
         return gr.q, gr.k, gr.v
 
     def attention(self, layer: int, q, k, v):
-        gr, n, i32 = self.graph, self.n, np.int32
-        g = gr.g
         L, j = self._spec(layer)
         w = L["w"]
-        gr._launch("qk_norm_rope_kv" + gr.kv_suffix + gr.ring.suffix)(
-            (g.n_head + g.n_head_kv, n), (32,),
-            (q, k, v, w.q_norm, w.k_norm, gr.sess_table, i32(j), i32(gr.le - gr.lb), gr.desc,
-             i32(g.n_head), i32(g.n_head_kv), i32(g.head_dim), i32(g.head_dim), self.eps))
+        graph_qk_norm_rope_kv(self.graph, j, q, k, v, w.q_norm, w.k_norm, self.n, self.eps)
         self._attend(j, q)
-        return gr.attn
+        return self.graph.attn
 
     def _attend(self, j: int, q) -> None:
         """The decode attention of the rows' q over layer slot j's K/V into the graph's attn."""
-        gr, i32 = self.graph, np.int32
-        g = gr.g
-        gr._launch(gr.attn_kernel)(
-            (g.n_head // gr.attn_heads, gr.n_split, self.n), (BLOCK_THREADS,),
-            (q, gr.sess_table, i32(j), gr.desc, i32(g.n_head), i32(g.n_head_kv),
-             i32(gr.n_split), i32(gr.attn_chunk), np.float32(1.0 / math.sqrt(g.head_dim)),
-             gr.part, gr.ml, gr.attn_done, gr.attn, i32(gr.le - gr.lb)))
+        graph_attend(self.graph, j, q, self.n)
 
     def add_out_projection(self, layer: int, attn, h):
         gr = self.graph
@@ -70,32 +62,14 @@ class GraphLayerOps:
     def route(self, layer: int, h):
         """The router's matvec over rms_norm(h) (the normed rows left in xn for the experts and a
         shared expert), its last block picking the top-k (ids, weights, blob addresses)."""
-        gr = self.graph
         L, _ = self._spec(layer)
-        gr._matvec(L["router"], self._residual(h), gr.g.n_embd, self.n, L["ffn_norm"], self.eps,
-                   normed=gr.xn, route=L["route"])
-        return gr.xn
+        graph_route(self.graph, L, self._residual(h), self.n, self.eps)
+        return self.graph.xn
 
     def add_experts(self, layer: int, routed, h):
-        gr, n = self.graph, self.n
-        g, f, shape = gr.g, gr._launch, gr.shape
         L, _ = self._spec(layer)
-        gate_up, down = L["expert_types"]
-        ff, out = shape.gate_up_block(L["expert_codes"][0]), shape.down_block(L["expert_codes"][1])
-        f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                    (BLOCK_THREADS,), (L["experts"], routed, gr.blobs, gr.act))
-        f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
-                              (L["experts"], gr.act, gr.blobs, gr.wts, self._residual(h)))
+        graph_experts(self.graph, L, routed, self._residual(h), self.n)
         return h
-
-
-def launch_gdn(launch, spec, n: int, gdn) -> None:
-    """gdn_conv_step then gdn_delta_step over n rows in order; `launch(name)` gives the kernel
-    (the decode graph's launcher, or a plain function), `gdn` the layer's GdnLaunch."""
-    i32 = np.int32
-    launch("gdn_conv_step")((gdn.conv_blocks,), (gdn.conv_threads,), (spec, i32(n)))
-    launch("gdn_delta_step")((gdn.delta_blocks,), (gdn.delta_threads,), (spec, i32(n)),
-                             shared_mem=gdn.delta_shared)
 
 
 class NextGraphOps(GraphLayerOps):
@@ -131,29 +105,18 @@ class NextGraphOps(GraphLayerOps):
     def attention(self, layer: int, qg, k, v):
         """next_qk_norm_rope_kv (q out of qg into the graph's q), the decode attention, then
         next_attn_gate (the rows times the sigmoid of qg's gates)."""
-        gr, n, i32 = self.graph, self.n, np.int32
-        g, f = gr.g, gr._launch
+        gr, n = self.graph, self.n
         L, j = self._spec(layer)
-        f("next_qk_norm_rope_kv" + gr.kv_suffix + gr.ring.suffix)(
-            (g.n_head + g.n_head_kv, n), (32,),
-            (qg, k, v, L["q_norm"], L["k_norm"], gr.sess_table, i32(j), i32(gr.le - gr.lb),
-             gr.desc, i32(g.n_head), i32(g.n_head_kv), self.eps, gr.q))
+        graph_next_qk_norm_rope_kv(gr, j, qg, k, v, L["q_norm"], L["k_norm"], n, self.eps)
         self._attend(j, gr.q)
-        q_width = g.n_head * g.head_dim
-        f("next_attn_gate")((-(-q_width // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                            (gr.attn, qg, i32(g.n_head)))
+        graph_attn_gate(gr, qg, n)
         return gr.attn
 
     def add_moe(self, layer: int, routed, h):
         """The routed experts, then the shared expert over the rows the router's matvec normed
         (`routed`: xn): its gate, up and logit in one matvec launch a type, next_shexp_act, and
         ffn_down_shexp adding into the residual."""
-        gr, n = self.graph, self.n
-        g, sh = gr.g, gr.g.n_ff_shexp
         L, _ = self._spec(layer)
         h = self.add_experts(layer, routed, h)
-        gr._matvec(L["shexp_in"], routed, g.n_embd, n)
-        gr._launch("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                                     (gr.shexp_gu, gr.shexp_logit, np.int32(sh), gr.shexp_act))
-        gr._matvec(L["shexp_down"], gr.shexp_act, sh, n)
+        graph_shared_expert(self.graph, L, routed, self.n)
         return h

@@ -25,13 +25,14 @@ and recurrent state of a linear one, so one graph serves every session. The arit
 models/qwen3next.py's, the reference tests/test_gpu_next_decode.py checks it against."""
 from __future__ import annotations
 
-import numpy as np
 import cupy as cp
 
-from ..kernels.abi import GDN_SPEC, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, gdn_launch
+from ..kernels.abi import MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT
+from ..ops.gdn import decode_launch as gdn_decode_launch, gdn_spec
+from ..ops.linear import _mat, mat_launches, norm_vector, weight_of
 from .cuda_decode import DecodeGraph
 from .graph_ops import NextGraphOps
-from .graph_tables import Unsupported, _mat, _spec_array, mat_launches, norm_vector, weight_of
+from .graph_tables import Unsupported
 
 
 def _mat_into(w, y, column: int, y_stride: int) -> dict:
@@ -40,35 +41,6 @@ def _mat_into(w, y, column: int, y_stride: int) -> dict:
     spec = _mat(w, y)
     spec.update(y=int(y.data.ptr) + 4 * column, y_stride=y_stride)
     return spec
-
-
-def _f32_array(a, name: str, shape: tuple[int, ...]):
-    """A small float32 tensor the GDN kernels read in place (conv kernel, gates, norm)."""
-    if not (isinstance(a, cp.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
-            and tuple(a.shape) == shape):
-        raise Unsupported(f"{name}: kept as {getattr(a, 'dtype', type(a).__name__)} "
-                          f"{getattr(a, 'shape', '')}, not float32 {shape} as the GDN kernels read")
-    return a
-
-
-def gdn_spec(g, w: dict, name: str, qkv, z, ba, mixed, out, sess, layer_slot: int,
-             upload=None):
-    """A linear layer's GdnSpec table (kernels/gated_delta.cuh): its weights `w` (models/qwen3next
-    parts), the rows qkv [n, conv_dim], z [n, value_dim], ba [n, 2 n_v] it reads, the scratch
-    `mixed` [n, conv_dim] and `out` [n, value_dim] it writes, and the pointer table `sess` whose
-    entries 2 layer_slot and 2 layer_slot + 1 are its conv and recurrent state. `upload(name,
-    host bytes)`: how the table reaches the device (a prompt's workspace; default a new array)."""
-    ptr = lambda a: int(a.data.ptr)  # noqa: E731
-    return _spec_array(GDN_SPEC, [dict(
-        qkv=ptr(qkv), z=ptr(z), ba=ptr(ba),
-        conv_w=ptr(_f32_array(w["ssm_conv1d"], f"{name}.ssm_conv1d",
-                              (g.conv_dim, g.ssm_conv_kernel))),
-        ssm_a=ptr(_f32_array(w["ssm_a"], f"{name}.ssm_a", (g.n_v_heads,))),
-        ssm_dt=ptr(_f32_array(w["ssm_dt"], f"{name}.ssm_dt", (g.n_v_heads,))),
-        norm_w=ptr(_f32_array(w["ssm_norm"], f"{name}.ssm_norm", (g.head_v_dim,))),
-        mixed=ptr(mixed), out=ptr(out), sess=ptr(sess), layer_slot=layer_slot, n_k=g.n_k_heads,
-        n_v=g.n_v_heads, head_k=g.head_k_dim, head_v=g.head_v_dim, conv_dim=g.conv_dim,
-        K=g.ssm_conv_kernel, eps=g.rms_eps)], upload=upload, name="gdn_spec")
 
 
 class NextDecodeGraph(DecodeGraph):
@@ -98,10 +70,7 @@ class NextDecodeGraph(DecodeGraph):
         if g.fused_qkvz:
             raise Unsupported("the fused ssm_in of older files (the kernels read attn_qkv and "
                               "attn_gate)")
-        try:
-            self.gdn = gdn_launch(g.n_v_heads, g.head_k_dim, g.head_v_dim, g.conv_dim)
-        except ValueError as e:
-            raise Unsupported(str(e)) from None
+        self.gdn = gdn_decode_launch(g)
         self.attention_layers = [l for l in range(self.lb, self.le) if not g.is_linear(l)]
         self.linear_layers = [l for l in range(self.lb, self.le) if g.is_linear(l)]
 

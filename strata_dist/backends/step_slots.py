@@ -32,7 +32,7 @@ class StepLogits:
         self._current = current
 
     def on_device(self):
-        """The row where it is, on the card (the sampler reads it there: sample_ops.row_of)."""
+        """The row where it is, on the card (the sampler reads it there: ops/sample.py row_of)."""
         if not self._current():
             raise RuntimeError("these logits were overwritten by a later decode step")
         return self._logits

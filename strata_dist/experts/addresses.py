@@ -1,4 +1,4 @@
-"""The one builder of a stage's expert-address table (backends/expert_addresses.py ExpertAddresses):
+"""The one builder of a stage's expert-address table (ops/expert_addresses.py ExpertAddresses):
 where each pair of its layers is read in place, by tier. The decode graph takes the whole table
 (through LayerRangeModel.expert_addresses); a prompt chunk grouped on the device takes one layer's
 device part (tiers.ExpertTiers._device_blobs), its misses streamed rather than read in place."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends.expert_addresses import (HIT, HOST, OWN_HELPER, PINNED, REMOTE, ExpertAddresses,
+from ..ops.expert_addresses import (HIT, HOST, OWN_HELPER, PINNED, REMOTE, ExpertAddresses,
                                          Unsupported)
 from .stores import BlobArena, ExpertStore, HostTier
 

@@ -2,7 +2,7 @@
 
 Every store hands the expert's blob (gate, up, down as stored in the file) to the backend's
 `expert_swiglu` / `experts_swiglu` (decoded by `expert_weights`, then the backend's `swiglu`;
-or, on a GPU unless STRATA_GROUPED_EXPERTS=0, the row kernels of backends/expert_rows.py) — so a
+or, on a GPU unless STRATA_GROUPED_EXPERTS=0, the row kernels of ops/moe.py) — so a
 (token, expert) output is the same bits whichever store computed it, and whatever other rows
 shared the call (the batch-invariance rule of docs/DEVELOPING.md, "Conventions")."""
 from __future__ import annotations

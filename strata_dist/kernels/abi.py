@@ -438,7 +438,7 @@ def prefill_attention_launch(d: int, mt: int | None = None, bn: int | None = Non
 
 
 def rows_kernel_names() -> list[str]:
-    """Every kernel backends/expert_rows.py may ask experts_rows.cu for."""
+    """Every kernel ops/moe.py may ask experts_rows.cu for."""
     return [f"{kind}{mma}_{t}" for t in TYPE_NAMES.values() for mma in ("", "_mma")
             for kind in ("moe_gate_up_rows", "moe_down_rows")] + ["rows_to_half"] \
         + list(GROUP_KERNELS)

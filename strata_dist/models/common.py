@@ -203,7 +203,7 @@ def model_level_shapes(g) -> dict[str, tuple[int, ...]]:
 
 def routed_expert_buffers(g, blob_bytes: int) -> list[Buffer]:
     """The routed experts' part of a layer (both architectures): the normed input, router logits,
-    the top-k, the pairs grouped by expert (backends/expert_rows.py: on the device, or tables
+    the top-k, the pairs grouped by expert (ops/moe.py: on the device, or tables
     built on the host where the routing went there: a short chunk of a partial cache, or
     STRATA_DEVICE_ROUTING=0), the SwiGLU rows and their f16 copies for the tensor
     cores, the unweighted outputs, the rank-ordered sum, and the misses streamed in a batch (live
@@ -398,7 +398,7 @@ class LayerRangeModel:
         return self.experts.outputs(layer, x, idx)
 
     def expert_addresses(self, host_misses: bool | None = None, like=None):
-        """The blob-address table of this range's experts (backends/expert_addresses.py) that a
+        """The blob-address table of this range's experts (ops/expert_addresses.py) that a
         decode graph reads, built from the expert store (experts/addresses.py stage_addresses;
         `host_misses` and `like` as there: `like` is the table a graph holds, after the adaptive
         cache moved blobs)."""

@@ -14,7 +14,7 @@ from protocol import ProtocolError, ProtocolTimeout
 from ..experts.adapt import (RoutingCounts, WindowRoutes, coverage, layer_blob_sizes,
                              pick_swaps, pinned_pairs)
 from ..backends import get_backend
-from ..backends.expert_addresses import Unsupported
+from ..ops.expert_addresses import Unsupported
 from ..backends.kv_cache import DeviceRing, kv_host_nbytes
 from ..checkpoints import CheckpointStore, bound_bytes, is_recurrent
 from .conversation_cache import ConversationCache

@@ -20,7 +20,7 @@ import numpy as np
 from protocol import Cancel, Error, Hidden, PromptProgress, Release, Settle, Token, Tokens
 from protocol.messages import Sampling
 
-from ..backends import sample_ops
+from ..ops import sample as sample_ops
 from ..checkpoints import common_positions
 from .conversation_cache import common_keys
 from ..sampling.sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs

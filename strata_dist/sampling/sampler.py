@@ -2,7 +2,7 @@
 bias that reshape a row before it is sampled; a grammar's mask; and the log-probabilities a request
 may ask for (`token_logprobs`, `prompt_logprobs`). The request's state lives here (the seeded
 generator on the host, the token counts); the arithmetic on the row is
-strata_dist/backends/sample_ops.py, run where the row is (numpy on the host, CuPy on a card)."""
+strata_dist/ops/sample.py, run where the row is (numpy on the host, CuPy on a card)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backends import sample_ops
+from ..ops import sample as sample_ops
 
 
 MAX_TOP_K = 2 ** 31 - 1       # the most a request may ask for (the wire carries an int32)
@@ -79,7 +79,7 @@ class Sampler:
     has drawn (the penalties count them). `prompt_ids`: the tokens the repetition penalty counts
     besides the drawn ones. A row is sampled where it is: a host row with numpy, a device row (a
     graph step's StepLogits, a CuPy array) on its device with the same functions
-    (strata_dist/backends/sample_ops.py), the generator staying on the host."""
+    (strata_dist/ops/sample.py), the generator staying on the host."""
 
     def __init__(self, params: SamplingParams = SamplingParams(), prompt_ids=()):
         self.params = params

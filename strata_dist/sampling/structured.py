@@ -22,7 +22,7 @@ import threading
 import llguidance
 import numpy as np
 
-from ..backends import sample_ops
+from ..ops import sample as sample_ops
 from ..gguf_file.tokenizer import GGUFTokenizer
 
 GRAMMAR_KINDS = ("json_schema", "lark")

@@ -1,4 +1,7 @@
-"""Sampling's arithmetic on one row of logits, written once for numpy and CuPy (`xp`): the
+"""The sample op: the decode graph's greedy token (`graph_argmax`: argmax_row over the last
+row's logits, the last block picking the token on the device), and sampling's arithmetic.
+
+Sampling's arithmetic on one row of logits, written once for numpy and CuPy (`xp`): the
 penalties and logit bias, the grammar's allowed-token mask, the draw (greedy, or temperature,
 top-k, top-p, min-p) and log-probabilities. A host row runs it with numpy; a GPU last stage runs
 the same functions on the device's row, so only the drawn token id (and the few log-probabilities
@@ -221,3 +224,16 @@ def top_of(xp, lp, n: int, also: int | None = None):
     order = np.lexsort((ids, -top_vals))
     return ([int(ids[i]) for i in order], [float(top_vals[i]) for i in order],
             float(vals[-1]) if also is not None else None)
+
+
+# ---- the decode graph's greedy token ------------------------------------------------------------
+ARGMAX_BLOCKS = 128               # blocks of the greedy token's argmax over the vocabulary
+
+
+def graph_argmax(graph) -> None:
+    """The greedy token of the graph's logits (its last row's) into graph.token: each of
+    ARGMAX_BLOCKS blocks leaves its best value and index (post_v, post_i), the last to finish
+    (graph.done counting them) picks among them."""
+    graph._launch("argmax_row")((ARGMAX_BLOCKS,), (256,),
+                                (graph.logits, np.int32(graph.g.n_vocab), graph.post_v,
+                                 graph.post_i, graph.done, graph.token))

@@ -1,4 +1,12 @@
-"""Experts over many rows on the GPU: every (row, rank) pair of a layer sorted by expert and cut
+"""The MoE op: a layer's routed experts, on the GPU, in one place: the prompt path's row kernels,
+the decode graph's two expert launches (`graph_experts`, their table `expert_spec`; qwen3next's
+shared expert, `graph_shared_expert`) and the weighted combine of a chunk's ranked outputs
+(`combine_ranked`). Which path a call takes: the row kernels where their layout reads the
+layer's blobs (`RowsKernels.run` and the routed calls answer False / None otherwise, the reason
+logged once, and the backend takes the general path: a dequantize and GEMMs an expert); the
+decode graph's kernels where the graph runs (backends/cuda_decode.py).
+
+Experts over many rows on the GPU: every (row, rank) pair of a layer sorted by expert and cut
 into work items, then two expert launches for the whole layer (kernels/experts_rows.cu; the
 tensor-core build rounds each launch's input rows to f16 first, `rows_to_half`) instead of a
 dequantize and three GEMMs per expert. Each output is summed in one fixed order over the
@@ -16,15 +24,27 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import cupy as cp
 
-from ..compute_options import compute_options
+try:
+    import cupy as cp
+except ImportError:   # the decode graph's launchers need none: backends/graph_ops.py imports
+    cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
+
+from ..compute_options import compute_options, fall_back
 from ..kernels import function
-from ..kernels.abi import (MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N,
-                           TYPE_NAMES, ExpertLayout, expert_layout, rows_mma_shared_bytes)
+from ..kernels.abi import (BLOCK_THREADS, MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M,
+                           ROWS_TILE_N, TYPE_NAMES, ExpertLayout, expert_layout,
+                           rows_mma_shared_bytes)
+from .expert_addresses import Unsupported
+from .guards import MAX_GRID_Y, OPS_THREADS, f32_rows, first_failed
+from .route import route_rows
 
 KERNELS = "experts_rows.cu"
 TILE_M, TILE_N, TILE_K = ROWS_TILE_M, ROWS_TILE_N, ROWS_TILE_K
+
+
+# what a chunk's experts fall back from (to the general path: a dequantize and GEMMs an expert)
+ROWS_PATH = "the row kernels of a prompt chunk's experts (grouped_experts)"
 
 
 def layer_experts(gguf, layer: int) -> ExpertLayout | None:
@@ -34,6 +54,17 @@ def layer_experts(gguf, layer: int) -> ExpertLayout | None:
     except ValueError:
         return None
     return None if lay.n_ff % TILE_K or lay.n_embd % TILE_K else lay
+
+
+def layout_refusal(gguf, layer: int) -> str:
+    """Why the row kernels cannot read `layer`'s blobs ("" when they can)."""
+    try:
+        lay = expert_layout(gguf, layer)
+    except ValueError as e:
+        return str(e)
+    return first_failed(((not (lay.n_ff % TILE_K or lay.n_embd % TILE_K),
+                          f"experts of {lay.n_embd} -> {lay.n_ff} columns (the row kernels "
+                          f"take multiples of {TILE_K})"),))
 
 
 @dataclass
@@ -74,7 +105,65 @@ class RowsKernels:
         key = (gguf.path, layer)
         if key not in self._layers:
             self._layers[key] = layer_experts(gguf, layer)
+            if self._layers[key] is None:
+                fall_back(ROWS_PATH, layout_refusal(gguf, layer))
         return self._layers[key]
+
+    def layout(self, gguf, layer: int) -> ExpertLayout | None:
+        """How the row kernels read `layer`'s expert blobs (kernels/abi.py ExpertLayout), or None
+        when they do not."""
+        return self._layout(gguf, layer)
+
+    def swiglu(self, gguf, layer: int, blob, x):
+        """SwiGLU of the expert `blob` (a device uint8 array) on every row of x, a new array; None
+        when the kernels cannot take this layer or this blob (the general path's then)."""
+        n = int(x.shape[0])
+        out = cp.empty((n, int(x.shape[1])), dtype=cp.float32)
+        every = np.arange(n)
+        return out if self.run(gguf, layer, x, [(blob, every, every)], out) else None
+
+    def routed(self, gguf, layer: int, x, ids, addresses: np.ndarray):
+        """y [n, k, n_embd] of the device-routed ids [n, k] when every expert's blob address is in
+        `addresses` (host uint64 [n_expert]) and the row kernels read this layer, else None."""
+        spec = self._layout(gguf, layer)
+        if spec is None:
+            return None
+        if (addresses % np.uint64(spec.align)).any():
+            fall_back(ROWS_PATH, f"expert blobs not aligned on {spec.align} bytes")
+            return None
+        pairs = self.routed_pairs(gguf, layer, x, ids, len(addresses))
+        if pairs is None:
+            return None
+        self.compute_routed(pairs, addresses)
+        return pairs.y
+
+    def routed_pairs(self, gguf, layer: int, x, ids, n_expert: int):
+        """The device-routed pairs of ids [n, k] grouped by expert (RoutedPairs, with `y`, the
+        [n, k, n_embd] outputs `compute_routed` writes), or None when the row kernels do not read
+        this layer."""
+        spec = self._layout(gguf, layer)
+        if spec is None:
+            return None
+        why = first_failed((
+            (int(x.shape[1]) == spec.n_embd,
+             f"rows of {int(x.shape[1])} columns for experts of {spec.n_embd}"),
+            (n_expert <= MAX_GROUP_EXPERTS,
+             f"{n_expert} experts (the grouping kernels take at most {MAX_GROUP_EXPERTS})")))
+        if why:
+            fall_back(ROWS_PATH, why)
+            return None
+        pairs = self.group_routed(spec, x, ids, n_expert)
+        n, k = (int(v) for v in ids.shape)
+        pairs.y = self._buf("y", (n, k, spec.n_embd), cp.float32)
+        return pairs
+
+    def compute_routed(self, pairs: "RoutedPairs", addresses: np.ndarray) -> None:
+        """Compute into pairs.y the pairs whose expert has a blob address in `addresses` (host
+        uint64 [n_expert], each aligned to pairs.spec.align: the caller checks; 0: another
+        call's)."""
+        n, k, d = (int(v) for v in pairs.y.shape)
+        self.compute_grouped(pairs, self._upload("blob_table", addresses),
+                             pairs.y.reshape(n * k, d))
 
     def run(self, gguf, layer: int, x, jobs, out) -> bool:
         """out[dest] = SwiGLU of expert `blob` on x[rows], for each job (blob, rows, dest): blob a
@@ -87,11 +176,13 @@ class RowsKernels:
         """`run` for blobs of the layout `spec`."""
         jobs = [(b, np.asarray(r), np.asarray(d)) for b, r, d in jobs if len(r)]
         if x.shape[1] != spec.n_embd:
+            fall_back(ROWS_PATH, f"rows of {int(x.shape[1])} columns for experts of {spec.n_embd}")
             return False
         if not jobs:
             return True
         blobs = np.array([int(b.data.ptr) for b, _, _ in jobs], dtype=np.uint64)
         if (blobs % spec.align).any():
+            fall_back(ROWS_PATH, f"expert blobs not aligned on {spec.align} bytes")
             return False
         items, start = [], 0
         for j, (_, rows, _) in enumerate(jobs):
@@ -152,22 +243,10 @@ class RowsKernels:
         return h, unscale
 
     def route(self, logits, k: int, normalize: bool):
-        """(ids, wts) [n, k] on the device from router logits [n, n_expert] (the decode graph's
-        top-k code, routing.cuh): int32 experts in rank order, -1 where a row picks nothing;
-        float32 weights, NaN there. None when a layer has more experts than the kernels take."""
-        n, n_expert = (int(v) for v in logits.shape)
-        if n_expert > MAX_GROUP_EXPERTS or k > 32:
-            return None
-        with cp.cuda.Device(self.device):
-            logits = cp.ascontiguousarray(logits, dtype=cp.float32)
-            ids = self._buf("ids", (n, k), cp.int32)
-            wts = self._buf("wts", (n, k), cp.float32)
-            if n:
-                function(KERNELS, "route_rows", self.device)(
-                    (math.ceil(n / 8),), (256,),
-                    (logits, np.int32(n), np.int32(n_expert), np.int32(k), np.int32(normalize),
-                     ids, wts))
-        return ids, wts
+        """(ids, wts) [n, k] on the device from router logits [n, n_expert] into this chunk's
+        buffers (ops/route.py route_rows); None when a layer has more experts than the kernels
+        take."""
+        return route_rows(self.device, self._buf, logits, k, normalize)
 
     def run_routed(self, spec: ExpertLayout, x, ids, blob_table, out) -> None:
         """out[p] (p = row * k + rank, out [n * k, n_embd]) = SwiGLU of expert ids[row, rank] on
@@ -244,3 +323,74 @@ class RowsKernels:
                 fn.max_dynamic_shared_size_bytes = shared
                 self._kernels[key] = (fn, shared)
         return self._kernels[key]
+
+
+def combine_ranked(backend, y, wts):
+    """sum over ranks of y [n, k, d] times wts [n, k] in rank order as one launch (prompt_ops.cu
+    combine_ranked) into the backend's buffer moe_out; None (the reason logged once) where the
+    kernel does not read these arrays (the array path's then)."""
+    rows = int(y.shape[0]) if y.ndim else 0
+    why = first_failed((
+        (f32_rows(y) and f32_rows(wts), "outputs or weights not contiguous float32 device rows"),
+        (y.ndim == 3 and wts.shape == y.shape[:2],
+         f"outputs {tuple(y.shape)} and weights {tuple(wts.shape)} are not [n, k, d] and [n, k]"),
+        (rows <= MAX_GRID_Y, f"{rows} rows (a launch takes at most {MAX_GRID_Y})")))
+    if why:
+        fall_back("the fused combine of a prompt chunk's experts (fused_prompt_ops)", why)
+        return None
+    n, k, d = (int(v) for v in y.shape)
+    out = backend.buffer("moe_out", (n, d), cp.float32)
+    if n:
+        function("prompt_ops.cu", "combine_ranked", backend.index)(
+            (-(-d // OPS_THREADS), n), (OPS_THREADS,), (y, wts, np.int32(k), np.int32(d), out))
+    return out
+
+
+# ---- the decode graph's routed experts ----------------------------------------------------------
+def expert_spec(graph, layer: int) -> dict:
+    """A layer's ExpertSpec row (kernels/abi.py EXPERT_SPEC) for the decode graph's expert
+    kernels: where the graph's blob table holds the layer's addresses, and the blob layout;
+    Unsupported when the blobs are not aligned for the kernels."""
+    g = graph.g
+    try:
+        lay = expert_layout(graph.model.gguf, layer)
+    except ValueError as e:
+        raise Unsupported(str(e)) from None
+    graph.blob_align[layer] = lay.align     # what a table repointed later is held to
+    if (graph.addresses.blob_of[layer] % np.uint64(lay.align)).any():
+        raise Unsupported(f"blk.{layer}: expert blobs are not aligned on {lay.align} bytes "
+                          f"for the expert kernels")
+    return dict(blob_of=int(graph.blob_of.data.ptr) + 8 * layer * g.n_expert,
+                up_at=lay.up_at, down_at=lay.down_at, gate_row_bytes=lay.gate_row_bytes,
+                up_row_bytes=lay.up_row_bytes, down_row_bytes=lay.down_row_bytes,
+                gate_type=lay.gate_type, up_type=lay.up_type, down_type=lay.down_type,
+                n_ff=g.n_ff_exp, n_embd=g.n_embd, k=g.n_expert_used)
+
+
+def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
+    """The decode graph's routed experts over n rows, two launches: moe_gate_up_<type> (each
+    chosen expert's gate and up rows on `routed`, the router's normed rows, SwiGLU into the
+    graph's act), then moe_down_<type> adding each expert's down rows times its weight into h
+    (the residual). Their grids' blocks over n_ff and n_embd are the kernel shape's (KernelShape
+    gate_up_block / down_block, by the layer's expert types)."""
+    g, f, shape = graph.g, graph._launch, graph.shape
+    gate_up, down = spec["expert_types"]
+    gate_codes, down_codes = spec["expert_codes"]
+    ff, out = shape.gate_up_block(gate_codes), shape.down_block(down_codes)
+    f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                (BLOCK_THREADS,),
+                                (spec["experts"], routed, graph.blobs, graph.act))
+    f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
+                          (spec["experts"], graph.act, graph.blobs, graph.wts, h))
+
+
+def graph_shared_expert(graph, spec: dict, routed, n: int) -> None:
+    """qwen3next's shared expert over the rows the router's matvec normed (`routed`: the graph's
+    xn), adding into the residual: its gate, up and one-row gate logit in one matvec launch a
+    type, next_shexp_act (SwiGLU times the sigmoid of that logit), then ffn_down_shexp."""
+    g, sh = graph.g, graph.g.n_ff_shexp
+    graph._matvec(spec["shexp_in"], routed, g.n_embd, n)
+    graph._launch("next_shexp_act")((-(-sh // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                                    (graph.shexp_gu, graph.shexp_logit, np.int32(sh),
+                                     graph.shexp_act))
+    graph._matvec(spec["shexp_down"], graph.shexp_act, sh, n)
