@@ -283,9 +283,6 @@ def main() -> int:
         run("qwen3moe q5_k_m", k_mix)
         run("qwen3moe q5_k_m, int_q5_k=0,int_q6_k=0", k_mix,
             env={"STRATA_KERNEL_SHAPE": "int_q5_k=0,int_q6_k=0"})
-        # the dense matvecs' integer path (KernelShape int_matvec): the same launches, checked
-        # against the same signatures, from a build of that shape
-        run("qwen3moe q5_k_m, int_matvec=1", k_mix, env={"STRATA_KERNEL_SHAPE": "int_matvec=1"})
         # i-quant files (every expert IQ4_XS, IQ3_S or IQ2_XXS; 512 columns in, 256 out: the
         # router's reserved slice needs n_embd 512 below 4 bits) with the default build (their
         # integer path's switches on), and IQ4_XS's with the switches 0 too (the float path)

@@ -61,15 +61,14 @@ def test_kernel_shape_parses_and_refuses():
                                                            IQ2_XXS}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
-    assert KernelShape.parse("int_matvec=1").defines() == ("-DINT_MATVEC=1",)
-    # int_matvec is the dense matvecs' switch: the experts' integer types stay the default's
-    assert KernelShape().int_matvec == 0
-    assert KernelShape.parse("int_matvec=1").int_types() == KernelShape().int_types()
+    # the dense matvecs' integer path, deleted after it measured slower, is refused with why
+    with pytest.raises(ValueError, match="int_matvec was removed on 2026-12-06"):
+        KernelShape.parse("int_matvec=1")
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
-                "int_matvec=2"):
+                "int_matvec=0"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -188,10 +187,6 @@ def built_kernel_names(source: str, types=None) -> list[str]:
     return [k for k in source_kernel_names(source) if k not in left_out]
 
 
-# the types with a unit dot (the dense matvecs' integer path, kernels/matvec_int.cuh) and F16 /
-# Q8_0 on the float path beside them
-MATVEC_INT_BUILD = (F16, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ2_XXS)
-
 # every switch of kernels/abi.py INT_TYPE_SWITCHES on (the default): each type the integer path
 # has; and every one off: those types on the float path, Q4_K alone on the integer path
 INT_ALL = ",".join(f"{name}=1" for name in abi.INT_TYPE_SWITCHES)
@@ -209,9 +204,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
     # build above reads them in place) staged, and those types on the float path (switches off)
     *(("decode.cu", shape, tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))) for shape in (
-        "int_direct=0", INT_OFF)),
-    # the dense matvecs' integer path (int_matvec) of every type it takes, the floats beside
-    ("decode.cu", "int_matvec=1", MATVEC_INT_BUILD)]
+        "int_direct=0", INT_OFF))]
 
 
 @needs_nvcc
@@ -243,14 +236,11 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # those two spill 8 bytes (each key's row chosen between the card and the host copy); in the
 # default build (integer path on: int_iq4_xs / int_iq2_xxs), moe_down of IQ4_XS / IQ2_XXS: 16 / 8
 # bytes at 64 registers (ptxas -v, CUDA 13.0, 2026-12-06; the build measured faster all the same,
-# benchmarks/results/decode-qwen3-30b-a3b-iq4_xs-2026-12-06-051350-f6081f8.json); with the dense
-# matvecs' integer path on (int_matvec=1), matvec_q3_k_1 spills 44 bytes into a 40-byte frame at 128
-# registers (its wide build holds 8 rows' sums and Q3_K's unit dot is the largest; ptxas -v, CUDA
-# 13.0, 2026-12-06; the default build has no frame there; not yet measured on a GPU); the 256-wide
+# benchmarks/results/decode-qwen3-30b-a3b-iq4_xs-2026-12-06-051350-f6081f8.json); the 256-wide
 # q8_0 builds of 2 and 4 heads (qwen3next, --kv-type q8_0) spill 16 bytes into a 16-byte frame
 # at 128 registers, as the 128-wide q8_0 g4 build does (ptxas -v, CUDA 13.0, 2026-12-06; their
 # `_q8_ring` builds have no frame; not yet run on a GPU)
-STACK_ALLOWED = [(r"matvec_\w+_[248]", 32), (r"matvec_q3_k_1", 40),
+STACK_ALLOWED = [(r"matvec_\w+_[248]", 32),
                  (r"attn_decode_(128|256)_g[24](_q8|_ring|_q8_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 
@@ -263,11 +253,9 @@ def stack_allowed(kernel: str) -> int:
 @needs_nvcc
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
                          + [("decode.cu", "int_direct=0", INT_TYPES),
-                            ("decode.cu", INT_OFF, INT_TYPES),
-                            ("decode.cu", "int_matvec=1", MATVEC_INT_BUILD)],
+                            ("decode.cu", INT_OFF, INT_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
-                                                            "decode.cu-int_types-float_path",
-                                                            "decode.cu-int_matvec"])
+                                                            "decode.cu-int_types-float_path"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the

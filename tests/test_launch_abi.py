@@ -217,20 +217,6 @@ def test_the_integer_switches_size_the_k_quant_expert_grids(report):
     assert report["grids"][name]["moe_gate_up_q5_k"] == [64]
 
 
-def test_the_dense_integer_path_launches_the_same_matvecs(report):
-    """The q5_k_m file with STRATA_KERNEL_SHAPE=int_matvec=1 (the dense matvecs' integer path,
-    kernels/matvec_int.cuh): its quantized dense matrices launch the same matvec kernels with the
-    same counts as the default build (test_every_launch_matches_its_kernel checks each launch
-    against the C signature), through the decode graph."""
-    name = "qwen3moe q5_k_m, int_matvec=1"
-    assert report["graphs"][name] == "DecodeGraph"
-    on, off = report["scenarios"][name], report["scenarios"]["qwen3moe q5_k_m"]
-    quantized = {k: v for k, v in on.items()
-                 if k.startswith(("matvec_q5_k_", "matvec_q6_k_", "matvec_q4_k_"))}
-    assert quantized, sorted(on)
-    assert on == off
-
-
 def test_the_integer_switches_size_the_i_quant_expert_grids(report):
     """Files whose experts are all IQ4_XS, IQ3_S or IQ2_XXS (256 rows of 512 columns gate/up, 512
     of 256 down) in the default build: their expert launches take the integer path's grids (16

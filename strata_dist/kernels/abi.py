@@ -75,13 +75,6 @@ class KernelShape:
     it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
     `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
     exists; both on, measured).
-    `int_matvec` puts the dense decode matvecs (decode.cu matvec_*) of every type with a unit dot
-    (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ2_XXS; whatever the expert switches say) on
-    the integer path of kernels/matvec_int.cuh (the activations quantized as the experts' are,
-    the fused RMSNorm folded in before quantizing); F32 / F16 / BF16 / Q8_0 and the other types,
-    and a matrix whose ncols is not a multiple of 64 or whose rows the unit dot cannot read in
-    place, keep the float path. Default 0: written and checked on the host on 2026-12-06, no GPU
-    has run or measured it (docs/BENCHMARKS.md says how to).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). A name in REMOVED (a build deleted after it measured slower) is
     refused by `parse` with why."""
@@ -101,7 +94,6 @@ class KernelShape:
     int_iq4_xs: int = 1
     int_iq3_s: int = 1
     int_iq2_xxs: int = 1
-    int_matvec: int = 0
     matvec_threads: int = BLOCK_THREADS
 
     # field -> the macro decode.cu reads
@@ -111,17 +103,20 @@ class KernelShape:
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
-              "int_matvec": "INT_MATVEC",
               "matvec_threads": "MATVEC_THREADS"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "int_matvec")
+                *INT_TYPE_SWITCHES)
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
                               "measured slower (0.780 against 0.641 ms a step, docs/BENCHMARKS.md)",
                "int_q8_0": "removed on 2026-12-05: Q8_0 experts on the integer path measured "
                            "slower than on the float path (0.607 against 0.592 ms a step, "
-                           "docs/BENCHMARKS.md); Q8_0 experts always take the float path"}
+                           "docs/BENCHMARKS.md); Q8_0 experts always take the float path",
+               "int_matvec": "removed on 2026-12-06: the dense matvecs on the integer path "
+                             "measured slower (257.6 against 297.3 tok/s decode on q4_k_m, "
+                             "benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-06-082354-"
+                             "5ecdac4.json); dense matvecs always take the float path"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):

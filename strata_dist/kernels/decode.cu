@@ -77,8 +77,6 @@ __device__ __forceinline__ void write_normed(float* __restrict__ normed,
     }
 }
 
-#include "matvec_int.cuh"   // the integer path of the unit-dot types (INT_MATVEC)
-
 // y[i, o] = add[i, o] + sum_c W[o, c] * xn[i, c], with xn = rms_norm(x) * norm_w when norm_w is
 // given (else x), for the n <= N rows of x (buffers hold MAX_ROWS rows, so rows n..N-1 are read
 // and dropped). A block takes R consecutive rows o. Block (0, 0) also writes xn to `normed`.
@@ -95,30 +93,22 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     const u8* rows[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
-    // the integer path (matvec_int.cuh: INT_MATVEC, the unit-dot types, rows it can read) folds
-    // the norm's scale into the activations it quantizes; the float path applies it to the sums,
-    // so the activations' sum of squares is taken in the same pass as the dots
-    bool scale_sums = false;
-    bool int_path = false;
-    if constexpr (matvec_int_type(T)) int_path = matvec_int_ok<T>(s.w, s.row_bytes, s.ncols);
-    if (int_path) {
-        if constexpr (matvec_int_type(T))
-            matvec_int_dots<T, N, R>(rows, s.ncols, x, x_stride, norm_w, eps, inv, sums);
-    } else if (norm_w == nullptr) {
+    // the norm's scale (1 / rms of each row) applies to the sums, so the activations' sum of
+    // squares is taken in the same pass as the dots
+    if (norm_w == nullptr) {
         block_dots<T, N, R>(rows, s.ncols >> 3, x, x_stride, nullptr, sums);
     } else {
         block_dots<T, N, R, true>(rows, s.ncols >> 3, x, x_stride, norm_w, sums);
         if (threadIdx.x < N)
             inv[threadIdx.x] = rsqrtf(sums[R * N + threadIdx.x] / (float)s.ncols + eps);
         __syncthreads();
-        scale_sums = true;
+        if (normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
+            write_normed(normed, x, x_stride, n, s.ncols, inv, norm_w);
     }
-    if (norm_w != nullptr && normed != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
-        write_normed(normed, x, x_stride, n, s.ncols, inv, norm_w);
     if (threadIdx.x < R * N) {
         const int r = threadIdx.x / N, i = threadIdx.x - r * N;
         if (i < n && o0 + r < s.nrows) {
-            const float v = scale_sums ? sums[threadIdx.x] * inv[i] : sums[threadIdx.x];
+            const float v = norm_w != nullptr ? sums[threadIdx.x] * inv[i] : sums[threadIdx.x];
             const i64 at = (i64)i * s.y_stride + o0 + r;
             s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
         }
