@@ -260,3 +260,77 @@ def test_a_q8_0_ring_equals_every_cell_resident_q8_0(paths, arch, monkeypatch):
     want = full.generate(PROMPT, 40)
     assert ring.generate(PROMPT, 40).tokens == want.tokens
     assert ring.decode_graph.ahead_taken == full.decode_graph.ahead_taken > 0
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_the_q8_0_write_quantizes_what_the_f16_build_writes(D):
+    """qk_norm_rope_kv_q8 / next_qk_norm_rope_kv_q8 against the f16 builds over the same rows: q
+    the same floats, and each new k and v cell the f16 build's values in q8_0 blocks (Q8Rows'
+    arithmetic on the f16 build's cell, within its f16 rounding)."""
+    n_head, n_kv, rot = (4, 2, 128) if D == 128 else (4, 2, 64)
+    rng = np.random.default_rng(D + 1)
+    rope = [cp.asarray(rng.standard_normal((CELLS, rot // 2)).astype(np.float32))
+            for _ in range(2)]
+    q_width = n_head * D * (2 if D == 256 else 1)
+    q0 = rng.standard_normal((MAX_ROWS, q_width)).astype(np.float32)
+    kx = cp.asarray(rng.standard_normal((MAX_ROWS, n_kv * D)).astype(np.float32))
+    vx = cp.asarray(rng.standard_normal((MAX_ROWS, n_kv * D)).astype(np.float32))
+    qn, kn = (cp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32)) for _ in range(2))
+    pos = END
+    k16, v16 = (cp.zeros((CELLS, n_kv, D), cp.float16) for _ in range(2))
+    k8, v8 = Q8Rows(cp, (CELLS, n_kv, D)), Q8Rows(cp, (CELLS, n_kv, D))
+    tables = {"": [k16.data.ptr, v16.data.ptr, rope[0].data.ptr, rope[1].data.ptr],
+              "_q8": [k8.q.data.ptr, v8.q.data.ptr, rope[0].data.ptr, rope[1].data.ptr,
+                      k8.scale.data.ptr, v8.scale.data.ptr]}
+    qs = []
+    for suffix, words in tables.items():
+        table = cp.asarray(np.array(words, dtype=np.uint64))
+        q = cp.asarray(q0)
+        if D == 128:
+            _kernel("qk_norm_rope_kv" + suffix)(
+                (n_head + n_kv, ROWS), (32,),
+                (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
+                 np.int32(n_head), np.int32(n_kv), np.int32(D), np.int32(D), np.float32(1e-6)))
+            qs.append(cp.asnumpy(q)[:ROWS])
+        else:
+            qout = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
+            _kernel("next_qk_norm_rope_kv" + suffix)(
+                (n_head + n_kv, ROWS), (32,),
+                (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
+                 np.int32(n_head), np.int32(n_kv), np.float32(1e-6), qout))
+            qs.append(cp.asnumpy(qout)[:ROWS])
+    assert np.array_equal(qs[1], qs[0])
+    for f16, q8 in ((k16, k8), (v16, v8)):
+        want = cp.asnumpy(f16[pos:pos + ROWS]).astype(np.float32)
+        got = cp.asnumpy(q8[pos:pos + ROWS]).astype(np.float32)
+        scale = np.abs(want).reshape(ROWS, n_kv, D // 32, 32).max(axis=3) / 127
+        bound = np.repeat(scale, 32, axis=2) * 0.51 + np.abs(want) * 2e-3 + 1e-6
+        assert np.abs(want).max() > 0
+        bad = np.argwhere(np.abs(got - want) > bound)
+        assert bad.size == 0, (bad[:8], got[tuple(bad[0])], want[tuple(bad[0])])
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_q8_0_and_f16_k_v_give_close_logits_on_both_paths(paths, arch):
+    """The same prompt and steps with f16 and with q8_0 K/V, on the decode graph and on the
+    general path: every pair within q8_0's noise (2e-2 of the logits' scale), each difference
+    named, so a failure says which path and which K/V type parts from the others."""
+    from strata_dist.tools.single_process import SingleProcessRunner
+    runs = {}
+    for kv in ("f16", "q8_0"):
+        for path in ("graph", "general"):
+            r = SingleProcessRunner(str(paths[arch]), "cuda:0", prompt_chunk=CHUNK,
+                                    max_context=256, kv_type=kv)
+            if path == "general":
+                r.decode_graph = None
+            else:
+                assert r.decode_graph is not None
+            r.prefill(PROMPT)
+            runs[kv, path] = [np.asarray(r.decode_step([t])) for t in (8, 100, 200)]
+    diffs = {}
+    keys = sorted(runs)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            diffs[a, b] = max(float(np.abs(x - y).max()) for x, y in zip(runs[a], runs[b]))
+    scale = max(1.0, float(np.abs(runs["f16", "general"][0]).max()))
+    assert all(d <= 2e-2 * scale for d in diffs.values()), (scale, diffs)
