@@ -13,6 +13,9 @@
 #   bash benchmarks/must_show.sh                         # everything, about 30 min of device time
 #   bash benchmarks/must_show.sh --parts decode_q8_0,q4_k      # ... or in parts under 10 min each,
 #   bash benchmarks/must_show.sh --parts offload_zipf1.0       # the machine kept warm between calls
+# (a later call on the warm machine carries [".anchor/llama-source.json", ".anchor/commit.json"]
+# at least: the device tool keeps what a call built, such as .anchor/llama.cpp/build, but not the
+# carried files a call does not carry again; .whl needs carrying only while /tmp/site lacks it)
 #   bash benchmarks/must_show.sh --parts offload_uniform,offload_zipf0.5
 # Parts (in this order when several): decode_q8_0 (~3 min), q4_k (decode + resident prompt, ~5 min),
 # offload_zipf1.0, offload_uniform, offload_zipf0.5 (~7 min each: the llama.cpp sweep is 2 load
@@ -30,8 +33,9 @@
 # serve (off by default, its own call: the synth of the Q4_K_M-recipe file, ~3 min, beside the
 # llama.cpp build, then bench_serve.py: 1, 4, 16 and 32 concurrent streams of 512-token prompts and
 # 128 new tokens through strata-launch --port, then llama.cpp's llama-batched-bench on the same file
-# over 4 micro-batches): issue 45's many streams on one card. Estimated, not yet timed: close to
-# the 10-minute limit on a fresh machine (the build, ~6 min, is the longest part); the record is
+# over 4 micro-batches): issue 45's many streams on one card. On a fresh machine close to
+# the 10-minute limit (the build, ~6 min, is the longest part; timed on a warm
+# H100 with the file and the build there on 2026-12-06: 118 s, the synth ~50 s more); the record is
 # rewritten after each arm, so a call cut short keeps the arms it finished. serve_two_ranks (its
 # own call, strata alone, ~5 min with the synth): the same streams through two ranks on the one
 # card (--gpus 0,0). The anchor build makes llama-bench only: for serve, llama-batched-bench is
