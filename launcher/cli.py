@@ -29,7 +29,6 @@ from strata_dist.gguf_file.reader import GGUFError
 from strata_dist.models.shape import model_shape
 from strata_dist.models import architecture_for, open_checked
 from strata_dist.plan import PlanError, make_plan, render_table
-from strata_dist.plan.sessions import SESSIONS_AUTO
 from strata_dist.plan.pricing import MIB
 from strata_dist.tools.single_process import DEFAULT_CONTEXT, context_cells
 from strata_dist.sampling.speculative import DRAFTERS, MAX_SPEC, SpecOptions, plan_prediction
@@ -154,10 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests that may wait behind the running one (default 64; more: 429)")
     http.add_argument("--parallel", type=int, default=None, metavar="B",
                       help="serve up to B requests at once, their decode steps batched (each its "
-                           "own session on every stage). Default on GPU ranks: the most of "
-                           f"{', '.join(map(str, SESSIONS_AUTO))} whose sessions the plan fits "
-                           "beside every expert slot one session's plan has, else 1; on CPU "
-                           "ranks and with a drafter (--draft-model, --draft mtp): 1")
+                           "own session on every stage; default 1: one after another)")
     http.add_argument("--allowed-hosts", default=None, metavar="HOST[:PORT],...",
                       help="answer only requests whose Host header is one of these (a name without "
                            "a port: any port; '*': any Host). Default: the --host address, "
@@ -329,7 +325,7 @@ def run_launch(args, gguf, specs, split, prompt_chunk, params, profile, signals:
                        profile_out=args.expert_profile_out,
                        profile_every_s=args.expert_profile_every,
                        draft_model=args.draft_model, draft_mtp=args.draft_mtp,
-                       sessions_auto=sessions_auto(args), **cluster_config(args))
+                       **cluster_config(args))
     current: list = [None]   # the launch running now (a restart replaces it): the one to close
     code = 0
     try:
@@ -428,15 +424,6 @@ def _serve_lines(args, gguf, cfg, current: list, signals: StopSignals) -> int:
         current[0] = Launch(cfg)
 
 
-def sessions_auto(args) -> tuple[int, ...]:
-    """The session counts Launch may carve when --port is given without --parallel (none with a
-    drafter or --spec: its bytes and windows are priced per session at the count the flags give)."""
-    if (args.port is None or args.parallel is not None or args.draft_model or args.draft_mtp
-            or getattr(args, "spec", 0)):
-        return ()
-    return SESSIONS_AUTO
-
-
 def http_flags(args) -> None:
     """--port's refusals: one surface per launch; the HTTP flags need --port (--parallel
     also goes with --plan-only, which prices its sessions)."""
@@ -520,7 +507,7 @@ def _serve_http(args, gguf, launch, specs, relaunch) -> int:
                                      if s.visible_gpu is not None},
                         info_lines=lines, prompt_cache_every=args.prompt_cache_every,
                         spec=args.spec_options,
-                        allowed_hosts=args.allowed_hosts, parallel=args.parallel)
+                        allowed_hosts=args.allowed_hosts, parallel=args.parallel or 1)
 
 
 class _CaptureTokens:

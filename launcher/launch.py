@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from protocol import Assign, CurveKeys, Endpoints, PeerInfo
 from protocol.compute_options import ComputeOptions
@@ -19,7 +19,6 @@ from strata_dist.models.shape import model_shape
 from strata_dist.plan import (Device, Plan, PlanError, PlanParams, RoutingProfile, make_plan,
                               render_table, skip_tier, split_shared_cards)
 from strata_dist.plan.explicit import ExplicitTier
-from strata_dist.plan.sessions import most_sessions
 from strata_dist.tools.profile_io import LiveProfile
 
 from .spawn import LocalRanks, RankSpec, cpu_thread_env
@@ -63,8 +62,6 @@ class LaunchConfig:
     profile_every_s: float = 60.0    # --expert-profile-every: seconds between its writes
     draft_model: str = ""            # --draft-model: loaded by the last stage (Assign.draft_model)
     draft_mtp: bool = False          # --draft mtp: the last stage drafts with the file's MTP block
-    # --port without --parallel: the session counts the plan may carve (plan/sessions.py; () one)
-    sessions_auto: tuple[int, ...] = ()
     # every compute switch, as strata-launch read them from its environment (the ranks run this)
     compute: ComputeOptions = field(default_factory=ComputeOptions)
 
@@ -209,23 +206,11 @@ class Launch:
         shape = model_shape(self.gguf, kind, cfg.kv_type)
         # ranks counted only at start (registered, or one per GPU of a Ray cluster): one is no split
         split = "none" if cfg.split == "auto" and len(slots) < 2 else cfg.split
-        devices = devices_from_ranks(slots)
-
-        def plan_for(params: PlanParams) -> Plan:
-            return make_plan(shape, devices, cells=cfg.max_context,
-                             profile=cfg.profile, params=params, split=split,
-                             order=cfg.order, skip_if_fits=cfg.skip_if_fits, prompt_chunk=cfg.prompt_chunk,
-                             stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers,
-                             compute=cfg.compute, conversation_bytes=cfg.conversation_bytes)
-        self.plan = plan_for(cfg.params)
-        if cfg.sessions_auto and kind == "cuda":
-            # --port without --parallel on GPU ranks: the most sessions that cost no expert slot
-            # (plan/sessions.py; CPU ranks keep one: their steps' cost grows with the rows)
-            self.plan = most_sessions(lambda b: plan_for(replace(cfg.params, sessions=b)),
-                                      self.plan, cfg.sessions_auto)
-            self.echo(f"launch: serving {self.plan.params.sessions} request(s) at once (--parallel "
-                      f"not given: the most of {', '.join(map(str, cfg.sessions_auto))} whose "
-                      f"sessions fit beside every expert slot of one session's plan)")
+        self.plan = make_plan(shape, devices_from_ranks(slots), cells=cfg.max_context,
+                              profile=cfg.profile, params=cfg.params, split=split,
+                              order=cfg.order, skip_if_fits=cfg.skip_if_fits, prompt_chunk=cfg.prompt_chunk,
+                              stage_gpus=cfg.stage_gpus, helper_tiers=cfg.helper_tiers,
+                              compute=cfg.compute, conversation_bytes=cfg.conversation_bytes)
         if not cfg.cross_host_helpers:
             self.plan = same_host_helpers_only(self.plan)
         hosts = sorted({s.register.host for s in slots})

@@ -123,15 +123,14 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
                  info_lines: Callable | None = None, say=None,
                  prompt_cache_every: int | None = None,
                  relaunch: Callable | None = None, restarts: int = 0,
-                 allowed_hosts: str | None = None, spec=None, parallel: int | None = None) -> int:
+                 allowed_hosts: str | None = None, spec=None, parallel: int = 1) -> int:
     """Serve until interrupted. `launch` is the launcher's Launch (start(), plan, ready,
     coordinator, cfg.ranks). When a rank dies, the request in flight and the queue fail (503),
     /health answers 503 with the error, and up to `restarts` times `relaunch()` (which stops the
     old ranks) gives a fresh launch that is loaded and served; after that RankFailure propagates
     to the caller (which stops the ranks). The HTTP listener is stopped here in every case.
     `allowed_hosts`: --allowed-hosts (hosts.py; None: the listen address and localhost).
-    `parallel`: --parallel, the requests served at once (a session each on every stage); None:
-    the plan's sessions (launcher/launch.py picks them where --parallel is not given)."""
+    `parallel`: --parallel, the requests served at once (a session each on every stage)."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     tok = GGUFTokenizer.from_gguf(launch.gguf)
     if tok.vocab_size > n_vocab:
@@ -201,7 +200,7 @@ def serve_launch(launch, *, model_path: str, n_vocab: int, arch: str, n_layers: 
                                 **({} if prompt_cache_every is None
                                    else {"checkpoint_every": prompt_cache_every}),
                                 **({} if spec is None else {"spec": spec}))
-                    for i in range(parallel or plan.params.sessions)]
+                    for i in range(parallel)]
         if info_lines is not None:
             for line in info_lines(plan):
                 say(line)
