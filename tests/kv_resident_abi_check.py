@@ -76,6 +76,7 @@ def main() -> int:
                 + [int(r.session.rope_cos.data.ptr), int(r.session.rope_sin.data.ptr)]
                 + ring_words(stores, q8))
         nxt = next_runner(d, kv_type)           # its launches counted too
+        stage = stage_run(path, kv_type)
         print(json.dumps({
             "graph": type(g).__name__ if g is not None else None,
             "errors": errors, "counts": dict(counts), "ends": ends,
@@ -83,9 +84,28 @@ def main() -> int:
             "host_pinned": all(host_pinned(a, q8) for a in stores),
             "card_cells": [int(a.card.shape[0]) for a in stores],
             "host_cells": [int(a.host.shape[0]) for a in stores],
-            "qwen3next": nxt,
+            "qwen3next": nxt, "stage": stage,
         }))
     return 0
+
+
+def stage_run(path, kv_type: str) -> dict:
+    """The same file and ring through a rank's Stage (rank/stage.py: what strata-launch runs, with
+    its own check of what the GPU ring kernels take): a prompt of 200 cells, two decode steps."""
+    from strata_dist.rank.stage import Stage, StageConfig
+    st = Stage(StageConfig(model_path=str(path), device="cuda:0", lb=0, le=3, first=True,
+                           last=False, max_context=512, kv_type=kv_type,
+                           kv_resident=SINKS + RING,
+                           cache_pairs=[(l, e) for l in range(3) for e in range(16)]))
+    session = st.session(0)
+    st.begin_prompt()
+    st.run(0, 0, ids=list(range(1, 201)), prompt=True)
+    st.end_prompt()
+    for pos in (200, 201):
+        st.run(0, pos, ids=[5])
+    k = session.k(0)
+    return {"graph": type(st.decode_graph).__name__ if st.decode_graph is not None else None,
+            "store": type(k).__name__, "card": type(k.card).__name__, "end": k.end}
 
 
 def next_runner(folder: str, kv_type: str) -> dict:

@@ -34,6 +34,9 @@ def test_the_decode_graph_reads_the_ring_and_the_host_copy():
     assert nxt["table_matches"] and nxt["ends"] == [300, 304, 257]
     assert counts.get("next_qk_norm_rope_kv_ring", 0) > 0 and counts.get("attn_decode_256_g2_ring", 0) > 0
     assert "attn_decode_256_g2" not in counts and "next_qk_norm_rope_kv" not in counts
+    # a rank's Stage takes the same ring (its own check agrees with the launcher's)
+    assert report["stage"] == {"graph": "DecodeGraph", "store": "RingKV", "card": "ndarray",
+                               "end": 202}
 
 
 def test_the_q8_0_decode_graph_reads_the_ring_and_the_host_copy():
@@ -58,5 +61,9 @@ def test_the_q8_0_decode_graph_reads_the_ring_and_the_host_copy():
     assert nxt["table_matches"] and nxt["ends"] == [300, 304, 257]
     assert counts.get("next_qk_norm_rope_kv_q8_ring", 0) > 0
     assert counts.get("attn_decode_256_g2_q8_ring", 0) > 0
+    # a rank's Stage with q8_0 and a ring: refused there until 2026-12-06 though the launcher
+    # passed it (every GPU rank failed to load)
+    assert report["stage"] == {"graph": "DecodeGraph", "store": "RingKV", "card": "Q8Rows",
+                               "end": 202}
     assert not {"attn_decode_256_g2_q8", "attn_decode_256_g2_ring", "next_qk_norm_rope_kv_q8",
                 "next_qk_norm_rope_kv_ring", "next_qk_norm_rope_kv"} & set(counts)
