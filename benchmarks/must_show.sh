@@ -64,7 +64,8 @@
 # the same depths on a rank held to 16 GB (--vram-budget 16G --kv-resident auto), its tokens
 # compared with the depth part's record of the same file (~5 min). Issue 47's qwen3next case
 # (--max-context 262144 --kv-type q8_0 --kv-resident auto) has no part yet: its kernels (the
-# `_q8` and `_q8_ring` builds, 2026-12-06) have not run on a GPU (tests/test_gpu_kv_q8.py first).
+# `_q8` and `_q8_ring` builds, 2026-12-06) passed their GPU tests on an H100 that day
+# (tests/test_gpu_kv_q8.py, two comparisons re-grounded since); a part is the next step.
 #   bash benchmarks/must_show.sh --parts depth
 #   bash benchmarks/must_show.sh --parts depth_prompt
 #   bash benchmarks/must_show.sh --parts depth_resident

@@ -1,6 +1,7 @@
 """--parallel where it meets the other features: a batched row's routing counts once (in process
 and through a served --expert-profile-out), and each batched row keeps its own grammar. (--spec
-and --conversation-cache-mib beside --parallel are refused at start: tests/test_batch_decode.py.)"""
+beside --parallel: tests/test_parallel_spec.py; --conversation-cache-mib beside it:
+tests/test_parallel_conversations.py.)"""
 from __future__ import annotations
 
 import numpy as np

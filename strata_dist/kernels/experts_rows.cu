@@ -537,7 +537,7 @@ __device__ __forceinline__ void down_rows(const u64* __restrict__ blobs,
     }
 FOR_EACH_TYPE(ROWS_KERNELS)
 
-// ---- a chunk routed and grouped on the device (STRATA_DEVICE_ROUTING, backends/expert_rows.py) --
+// ---- a chunk routed and grouped on the device (STRATA_DEVICE_ROUTING, ops/moe.py) --
 // The same sorted layout the host builds (kernels/abi.py group_layout): the pairs p = row * k +
 // rank grouped by expert in ascending order, each group in row-major order, cut into items of at
 // most TILE_M pairs. No host round trip: the items are sized for the worst case and unused ones

@@ -50,9 +50,10 @@ def prompt_qk_norm_rope_kv(backend, kernel_shape: str, q, k, v, q_norm, k_norm, 
         (tuple(k.shape) == tuple(v.shape) == (n, n_kv, d),
          f"k {tuple(k.shape)} and v {tuple(v.shape)} are not [{n}, {n_kv}, {d}]"),
         (all(isinstance(c, cp.ndarray) and c.dtype == cp.float16 and c.flags.c_contiguous
-             for c in (kc, vc)), f"the session's K/V arrays are "
-                                 f"{getattr(kc, 'dtype', type(kc))} (the kernels write "
-                                 f"contiguous f16)")))
+             for c in (kc, vc)), f"the session's K/V are kept as "
+                                 f"{getattr(kc, 'dtype', type(kc).__name__)} (this prompt "
+                                 f"kernel writes contiguous f16 arrays; q8_0 blocks and a ring "
+                                 f"store take the array path)")))
     if why:
         fall_back("the fused q/k norm + RoPE + K/V write of a prompt chunk (fused_prompt_ops)",
                   why)
