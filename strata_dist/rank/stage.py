@@ -73,11 +73,10 @@ class Stage:
             self.backend.kv_type = cfg.kv_type            # how this stage's sessions keep K/V
         self.backend.kv_resident = cfg.kv_resident        # the rest in host memory (RingKV)
         arch = architecture_for(self.gguf)
-        if cfg.kv_resident and self.backend.on_gpu and (
-                arch.ARCH not in DeviceRing.ARCHS or self.backend.kv_type not in DeviceRing.KV_TYPES):
-            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: GPU ring kernels "
-                             f"take {'/'.join(DeviceRing.ARCHS)} {'/'.join(DeviceRing.KV_TYPES)} "
-                             f"K/V, not {arch.ARCH} {self.backend.kv_type} (launcher refuses first)")
+        kv = (arch.ARCH, self.backend.kv_type)       # what the GPU ring kernels must take
+        if cfg.kv_resident and self.backend.on_gpu and not (kv[0] in DeviceRing.ARCHS and kv[1] in DeviceRing.KV_TYPES):
+            raise ValueError(f"--kv-resident {cfg.kv_resident} on {cfg.device}: the GPU ring "
+                             f"kernels take {DeviceRing.ARCHS} with {DeviceRing.KV_TYPES}, not {kv}")
         g = arch.read_geometry(self.gguf)
         own = [(l, e) for l, e in cfg.cache_pairs if cfg.lb <= l < cfg.le]
         if len(own) != len(cfg.cache_pairs):
