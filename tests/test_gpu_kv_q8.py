@@ -103,6 +103,24 @@ def test_the_q8_0_ring_attention_equals_the_plain_q8_0_build(D, n_head, n_kv, hb
     assert np.array_equal(outs[1], outs[0])
 
 
+def _norm_rope_kv(suffix, table, D, n_head, n_kv, q0, kx, vx, qn, kn, pos):
+    """One launch of qk_norm_rope_kv<suffix> (128 wide) or next_qk_norm_rope_kv<suffix> (256
+    wide, q out of qwen3next's [q | gate] heads) over ROWS rows at pos: q's rows out."""
+    q = cp.asarray(q0)
+    if D == 128:
+        _kernel("qk_norm_rope_kv" + suffix)(
+            (n_head + n_kv, ROWS), (32,),
+            (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
+             np.int32(n_head), np.int32(n_kv), np.int32(D), np.int32(D), np.float32(1e-6)))
+        return cp.asnumpy(q)[:ROWS]
+    qout = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
+    _kernel("next_qk_norm_rope_kv" + suffix)(
+        (n_head + n_kv, ROWS), (32,),
+        (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
+         np.int32(n_head), np.int32(n_kv), np.float32(1e-6), qout))
+    return cp.asnumpy(qout)[:ROWS]
+
+
 @pytest.mark.parametrize("D", [128, 256])
 def test_the_q8_0_ring_write_puts_the_plain_blocks_in_the_slot_and_the_host_copy(D):
     """qk_norm_rope_kv_q8_ring / next_qk_norm_rope_kv_q8_ring: the new rows' int8 values and scales
@@ -123,20 +141,7 @@ def test_the_q8_0_ring_write_puts_the_plain_blocks_in_the_slot_and_the_host_copy
     pos = END                       # a step after the prompt: slots SINKS + (pos - SINKS) % RING
     qs = []
     for suffix, table in (("_q8", plain_t), ("_q8_ring", ring_t)):
-        q = cp.asarray(q0)
-        if D == 128:
-            _kernel("qk_norm_rope_kv" + suffix)(
-                (n_head + n_kv, ROWS), (32,),
-                (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
-                 np.int32(n_head), np.int32(n_kv), np.int32(D), np.int32(D), np.float32(1e-6)))
-            qs.append(cp.asnumpy(q)[:ROWS])
-        else:
-            qout = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
-            _kernel("next_qk_norm_rope_kv" + suffix)(
-                (n_head + n_kv, ROWS), (32,),
-                (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
-                 np.int32(n_head), np.int32(n_kv), np.float32(1e-6), qout))
-            qs.append(cp.asnumpy(qout)[:ROWS])
+        qs.append(_norm_rope_kv(suffix, table, D, n_head, n_kv, q0, kx, vx, qn, kn, pos))
     assert np.array_equal(qs[1], qs[0])
     cp.cuda.Device().synchronize()
     cells = np.arange(pos, pos + ROWS)
@@ -312,20 +317,7 @@ def test_the_q8_0_write_quantizes_what_the_f16_build_writes(D):
     qs = []
     for suffix, words in tables.items():
         table = cp.asarray(np.array(words, dtype=np.uint64))
-        q = cp.asarray(q0)
-        if D == 128:
-            _kernel("qk_norm_rope_kv" + suffix)(
-                (n_head + n_kv, ROWS), (32,),
-                (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
-                 np.int32(n_head), np.int32(n_kv), np.int32(D), np.int32(D), np.float32(1e-6)))
-            qs.append(cp.asnumpy(q)[:ROWS])
-        else:
-            qout = cp.zeros((MAX_ROWS, n_head * D), cp.float32)
-            _kernel("next_qk_norm_rope_kv" + suffix)(
-                (n_head + n_kv, ROWS), (32,),
-                (q, kx, vx, qn, kn, table, np.int32(0), np.int32(1), _desc(pos, ROWS),
-                 np.int32(n_head), np.int32(n_kv), np.float32(1e-6), qout))
-            qs.append(cp.asnumpy(qout)[:ROWS])
+        qs.append(_norm_rope_kv(suffix, table, D, n_head, n_kv, q0, kx, vx, qn, kn, pos))
     assert np.array_equal(qs[1], qs[0])
     for f16, q8 in ((k16, k8), (v16, v8)):
         want = cp.asnumpy(f16[pos:pos + ROWS]).astype(np.float32)
