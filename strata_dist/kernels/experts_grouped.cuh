@@ -63,7 +63,7 @@ HOST_DEVICE void group_place(const int* lead_count, int p, int group_rows, int& 
 #if GROUPED_EXPERTS
 // The step's pairs grouped by expert into `groups` (layout above) from the layer's ids [n, k], in
 // one block: no host round trip, buffers of a fixed size.
-extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+extern "C" __global__ void __launch_bounds__(MAX_ROWS * GROUP_MAX_K)   // GROUP_THREADS
 moe_group_pairs(const ExpertSpec* __restrict__ spec, const int* __restrict__ ids, int n,
                 int* __restrict__ groups) {
     pdl_entry();
