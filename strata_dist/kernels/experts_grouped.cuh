@@ -199,13 +199,37 @@ __device__ __forceinline__ void gate_up_group_int(const ExpertSpec& sp,
         #pragma unroll
         for (int j = 0; j < G; ++j) g[j] = up[j] = 0.f;
         for (int u = lane; u < units; u += 32) {
-            #pragma unroll
-            for (int j = 0; j < G; ++j) {
-                if (j > 0 && j >= cnt) break;          // uniform in the block
-                XFrag xf;
-                load_xfrag(xf, XQ{xh[j], xl[j], xstep[j], xsum[j]}, u);
-                g[j] += int_unit_dot<T>(g_row, u, xf);
-                up[j] += int_unit_dot<T>(u_row, u, xf);
+            if constexpr (T == T_Q4_K || T == T_Q5_K) {
+                // the unit decoded once, then its pair dot with each row (int_unit_dot's own
+                // k_pair_dot, so each row's value is the one-row kernel's)
+                uint4 g_head, u_head;
+                u32 g_lo[8], g_hi[8], u_lo[8], u_hi[8];
+                if constexpr (T == T_Q4_K) {
+                    q4_k_unit(g_row, u, g_head, g_lo, g_hi);
+                    q4_k_unit(u_row, u, u_head, u_lo, u_hi);
+                } else {
+                    q5_k_unit(g_row, u, g_head, g_lo, g_hi);
+                    q5_k_unit(u_row, u, u_head, u_lo, u_hi);
+                }
+                #pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    if (j > 0 && j >= cnt) break;      // uniform in the block
+                    XFrag xf;
+                    load_xfrag(xf, XQ{xh[j], xl[j], xstep[j], xsum[j]}, u);
+                    g[j] += k_pair_dot(g_head, u & 3, g_lo, g_hi, xf);
+                    up[j] += k_pair_dot(u_head, u & 3, u_lo, u_hi, xf);
+                }
+            } else {
+                // the other unit dots load and decode per row: the repeated loads of a unit are
+                // the same thread's, served from L1
+                #pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    if (j > 0 && j >= cnt) break;      // uniform in the block
+                    XFrag xf;
+                    load_xfrag(xf, XQ{xh[j], xl[j], xstep[j], xsum[j]}, u);
+                    g[j] += int_unit_dot<T>(g_row, u, xf);
+                    up[j] += int_unit_dot<T>(u_row, u, xf);
+                }
             }
         }
         #pragma unroll
