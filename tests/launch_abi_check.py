@@ -335,6 +335,9 @@ def main() -> int:
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")
         run("qwen3next q8_0", path)
         run("qwen3next q8_0, q8_0 K/V", path, kv_type="q8_0")
+        # its routed experts are qwen3moe's launches: the grouped gate/up there too
+        run("qwen3next q8_0, grouped_experts=1", path,
+            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1"})
         # --kv-resident below the context with q8_0 K/V: the `_q8_ring` builds of both
         # architectures (tests/kv_resident_abi_check.py checks their pointer tables)
         run("qwen3next q8_0, q8_0 K/V, kv-resident", path, kv_type="q8_0", kv_resident=164)

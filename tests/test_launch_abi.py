@@ -4,8 +4,8 @@ arguments, scalar types and limits checked; nothing numeric, which the GPU tests
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
 Q8_0 one routed on the host and on the general path), a q5_k_m file with (the default) and
 without the integer path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their
-integer path (the default; and iq4_xs without), the q5_k_m and Q8_0 files with the grouped
-gate/up (KernelShape grouped_experts), and a qwen3next file with the kernels'
+integer path (the default; and iq4_xs without), the q5_k_m, Q8_0 and qwen3next files with the
+grouped gate/up (KernelShape grouped_experts), and a qwen3next file with the kernels'
 head geometry (and with the blocked delta rule, and with q8_0 K/V); q8_0 K/V with --kv-resident
 below the context on both architectures (the ring builds): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
@@ -197,8 +197,9 @@ def test_the_next_decode_graph_captures_the_models_layer_step(report):
             assert len(other) == len(want) and all(k.startswith(w) for k, w in zip(other, want)), \
                 (name, op, got)
             assert kernels[op] is not None or len(got) > len(other), (name, op, got)
-    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring
-    assert checked == 5, checked
+    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring, the
+    # grouped gate/up (one-row steps: today's launches)
+    assert checked == 6, checked
 
 
 def test_the_integer_switches_size_the_k_quant_expert_grids(report):
@@ -281,6 +282,11 @@ def test_the_grouped_gate_up_takes_steps_of_several_rows(report):
             assert grid[0] == grid_x and grid[1] % k == 0 and grid[1] // k >= 2, (name, grid)
         # the three-row step among them
         assert [grid_x, 3 * k] in [g[1][:2] for g in launches[1::2]], (name, launches)
+    # qwen3next's routed experts are the same launches (Q8_0: the float path's grid of 4 rows)
+    name = "qwen3next q8_0, grouped_experts=1"
+    assert report["graphs"][name] == "NextDecodeGraph"
+    kernels = {x[0] for x in report["grouped"][name]}
+    assert kernels == {"moe_group_pairs", "moe_gate_up_grouped_q8_0"}, kernels
     # the default build launches no grouped kernel
     assert "qwen3moe q5_k_m" not in report["grouped"] and "qwen3moe q8_0" not in report["grouped"]
 
