@@ -10,8 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from strata_dist.kernels.abi import (EXPERT_GROUP_ROWS, GROUP_MAX_K, MAX_ROWS, KernelShape,
-                                     group_pairs, group_pairs_words)
+from strata_dist.kernels.abi import (EXPERT_GROUP_ROWS, GROUP_MAX_K, GROUP_THREADS, MAX_ROWS,
+                                     KernelShape, group_pairs, group_pairs_words)
 from strata_dist.kernels import KERNEL_DIR
 
 NVCC = shutil.which("nvcc")
@@ -117,6 +117,7 @@ HOST_MAIN = r'''
 // The kernel's three phases over its `pairs` threads, a loop a phase (each phase reads only what
 // the one before wrote: the kernel's barriers)
 int main() {
+    printf("%d %d %d %d\n", EXPERT_GROUP_ROWS, GROUP_MAX_K, GROUP_THREADS, MAX_ROWS);
     int n, k, rows;
     while (scanf("%d %d %d", &n, &k, &rows) == 3) {
         const int pairs = n * k;
@@ -175,6 +176,9 @@ def test_the_kernels_grouping_code_matches_the_model(tmp_path):
                    for ids, g in zip(cases, sizes))
     out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True,
                          timeout=60).stdout.splitlines()
+    # the header's constants are the ones Python sizes the launches and buffers by
+    assert out.pop(0).split() == [str(v) for v in (EXPERT_GROUP_ROWS, GROUP_MAX_K, GROUP_THREADS,
+                                                   MAX_ROWS)]
     assert len(out) == len(cases)
     for ids, g, line in zip(cases, sizes, out):
         got = np.array(line.split(), dtype=np.int32)
