@@ -2,8 +2,11 @@
 // KernelShape grouped_experts): in a step of n >= 2 rows, the (row, slot) pairs that chose the
 // same expert are grouped on the device (moe_group_pairs, one small launch after the router's
 // top-k), and moe_gate_up_grouped_<type> takes one block per (ff chunk, work item of at most
-// EXPERT_GROUP_ROWS pairs of one expert): it reads the chunk's gate and up rows once for all of
-// them, instead of one block per (ff chunk, slot, row) each reading them again.
+// EXPERT_GROUP_ROWS pairs of one expert) instead of one block per (ff chunk, slot, row) each reading
+// the expert's rows again: Q4_K and Q5_K decode each 64-column unit once in registers for all the
+// item's rows; the other integer types load a unit once per row from the same thread (L1 serves
+// the repeats: their unit dots load and decode in one function); the float path loads each chunk
+// once per pass of rows (block_dots_rows).
 //
 // Batch invariance: a pair's act row is computed exactly as moe_gate_up_<type> computes it (the
 // same activation quantization, the same lanes over the same units in the same order, the same
