@@ -4,7 +4,8 @@ arguments, scalar types and limits checked; nothing numeric, which the GPU tests
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
 Q8_0 one routed on the host and on the general path), a q5_k_m file with (the default) and
 without the integer path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their
-integer path (the default; and iq4_xs without), and a qwen3next file with the kernels'
+integer path (the default; and iq4_xs without), the q5_k_m, Q8_0 and qwen3next files with the
+grouped gate/up (KernelShape grouped_experts), and a qwen3next file with the kernels'
 head geometry (and with the blocked delta rule, and with q8_0 K/V); q8_0 K/V with --kv-resident
 below the context on both architectures (the ring builds): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
@@ -196,8 +197,9 @@ def test_the_next_decode_graph_captures_the_models_layer_step(report):
             assert len(other) == len(want) and all(k.startswith(w) for k, w in zip(other, want)), \
                 (name, op, got)
             assert kernels[op] is not None or len(got) > len(other), (name, op, got)
-    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring
-    assert checked == 5, checked
+    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring, the
+    # grouped gate/up (one-row steps: today's launches)
+    assert checked == 6, checked
 
 
 def test_the_integer_switches_size_the_k_quant_expert_grids(report):
@@ -235,6 +237,44 @@ def test_the_integer_switches_size_the_i_quant_expert_grids(report):
     assert report["graphs"][off] == "DecodeGraph"
     assert report["grids"][off]["moe_gate_up_iq4_xs"] == [64]
     assert report["grids"][off]["moe_down_iq4_xs"] == [128]
+
+
+def test_the_grouped_gate_up_takes_steps_of_several_rows(report):
+    """STRATA_KERNEL_SHAPE=grouped_experts=1 (kernels/experts_grouped.cuh) on the q5_k_m file (Q5_K
+    gate/up on the integer path, top-2, n_ff 256, 4 layers) and the Q8_0 file (the float path,
+    top-4, n_ff 128, 3 layers): the one-row steps keep moe_gate_up_<type> (the recorded step's
+    launches hold no grouped kernel); the three-row step launches, every layer, moe_group_pairs
+    (one block, a thread a pair) then moe_gate_up_grouped_<type> over (the kernel shape's ff
+    blocks, 3 * k work items), and moe_down_<type> per row as before. Each launch's arguments
+    against the C signatures: test_every_launch_matches_its_kernel."""
+    from strata_dist.kernels.abi import GROUP_THREADS, Q5_K, Q8_0, KernelShape
+    shape = KernelShape.parse("grouped_experts=1")
+    for name, t, n_ff, k, layers in (("qwen3moe q5_k_m, grouped_experts=1", Q5_K, 256, 2, 4),
+                                     ("qwen3moe q8_0, grouped_experts=1", Q8_0, 128, 4, 3)):
+        quant = name.split()[1].split(",")[0].replace("q5_k_m", "q5_k")
+        assert report["graphs"][name] == "DecodeGraph", name
+        run = report["scenarios"][name]
+        assert run.get(f"moe_gate_up_{quant}", 0) > 0 and run.get(f"moe_down_{quant}", 0) > 0
+        assert not any("grouped" in x or "group_pairs" in x
+                       for x in report["step_launches"][name]), name
+        launches = report["grouped"][name]
+        steps = len(launches) // (2 * layers)
+        assert steps >= 1 and len(launches) == 2 * layers * steps, (name, len(launches))
+        grid_x = -(-n_ff // shape.gate_up_block(t))
+        for group, gate_up in zip(launches[::2], launches[1::2]):
+            assert group == ["moe_group_pairs", [1], [GROUP_THREADS]], group
+            kernel, grid, block = gate_up
+            assert kernel == f"moe_gate_up_grouped_{quant}" and block == [256], gate_up
+            assert grid[0] == grid_x and grid[1] % k == 0 and grid[1] // k >= 2, (name, grid)
+        # the three-row step among them
+        assert [grid_x, 3 * k] in [g[1][:2] for g in launches[1::2]], (name, launches)
+    # qwen3next's routed experts are the same launches (Q8_0: the float path's grid of 4 rows)
+    name = "qwen3next q8_0, grouped_experts=1"
+    assert report["graphs"][name] == "NextDecodeGraph"
+    kernels = {x[0] for x in report["grouped"][name]}
+    assert kernels == {"moe_group_pairs", "moe_gate_up_grouped_q8_0"}, kernels
+    # the default build launches no grouped kernel
+    assert "qwen3moe q5_k_m" not in report["grouped"] and "qwen3moe q8_0" not in report["grouped"]
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

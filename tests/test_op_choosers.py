@@ -29,3 +29,16 @@ def test_the_row_kernels_say_once_why_they_refuse_a_layer(tmp_path, caplog):
         assert rows.layout(narrow, 0) is None and rows.layout(narrow, 1) is None
         assert rows.layout(narrow, 0) is None
     assert _warnings(caplog) == [f"{moe.ROWS_PATH} falls back: {why}"]
+
+
+def test_the_grouped_gate_up_is_chosen_by_the_switch_and_the_rows():
+    """ops/moe.py grouped_gate_up: the default build never groups; the grouped build
+    (KernelShape grouped_experts) groups steps of 2..MAX_ROWS rows, a one-row step (nothing to
+    share: a row's top-k are distinct experts) keeps today's launch, and so does a top-k past what
+    moe_group_pairs takes."""
+    from strata_dist.kernels.abi import GROUP_MAX_K, MAX_ROWS, KernelShape
+    off, on = KernelShape(), KernelShape.parse("grouped_experts=1")
+    assert not any(moe.grouped_gate_up(off, n, 8) for n in range(1, MAX_ROWS + 1))
+    assert [moe.grouped_gate_up(on, n, 8) for n in range(1, MAX_ROWS + 1)] == \
+        [False] + [True] * (MAX_ROWS - 1)
+    assert moe.grouped_gate_up(on, 3, GROUP_MAX_K) and not moe.grouped_gate_up(on, 3, GROUP_MAX_K + 1)

@@ -34,7 +34,7 @@ import cupy as cp
 from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, TYPE_NAMES,
-                           KernelShape, matvec_kernel)
+                           KernelShape, group_pairs_words, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..ops import attention, moe
 from ..ops.linear import (NULL, MatLaunch, _mat, graph_matvec, mat_launches,  # noqa: F401
@@ -179,6 +179,10 @@ class DecodeGraph(BatchedSteps):
         self.post_v = cp.zeros(ARGMAX_BLOCKS, f32)     # each argmax block's best value and index
         self.post_i = cp.zeros(ARGMAX_BLOCKS, cp.int32)
         self.act = cp.zeros((R, g.n_expert_used, g.n_ff_exp), f32)
+        # the grouped gate/up's pairs by expert (KernelShape grouped_experts; experts_grouped.cuh
+        # moe_group_pairs writes it each step, kernels/abi.py group_pairs models it)
+        self.expert_groups = (cp.zeros(group_pairs_words(g.n_expert_used), cp.int32)
+                              if self.shape.grouped_experts else None)
         # every row's logits for a batched step; a one-session step's last row's in row 0
         self.logits_rows = cp.zeros((R if self.last else 1, g.n_vocab if self.last else 1), f32)
         self.logits = self.logits_rows[0]
@@ -244,6 +248,7 @@ class DecodeGraph(BatchedSteps):
             ffn_norm=ffn_norm,
             router=mat_launches([(router, _mat(router, self.router_logits))]),
             experts=expert_table,
+            ids=self.ids[layer - self.lb],       # the router's picks (moe_group_pairs reads them)
             route=route_spec(self, layer, expert_table, normalize),
             expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
             expert_codes=(experts["gate_type"], experts["down_type"]))
@@ -256,9 +261,12 @@ class DecodeGraph(BatchedSteps):
         launches += self.output_projection if self.last else []
         for n in range(1, self.max_rows + 1):
             names |= {matvec_kernel(x.type, n) for x in launches}
+        grouped = self.max_rows >= 2 and moe.grouped_gate_up(self.shape, 2, self.g.n_expert_used)
         for L in self.layer_specs:
             gate_up, down = L["expert_types"]
             names |= {f"moe_gate_up_{gate_up}", f"moe_down_{down}"}
+            if grouped:
+                names |= {"moe_group_pairs", f"moe_gate_up_grouped_{gate_up}"}
         return names
 
     def _layer_kernel_names(self) -> set[str]:

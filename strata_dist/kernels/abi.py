@@ -37,6 +37,9 @@ TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
+EXPERT_GROUP_ROWS = 2           # pairs of one grouped gate/up work item (experts_grouped.cuh)
+GROUP_MAX_K = 16                # the most slots a row moe_group_pairs takes (GROUP_MAX_K)
+GROUP_THREADS = MAX_ROWS * GROUP_MAX_K   # moe_group_pairs' block: a thread a pair
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
 
 
@@ -76,7 +79,14 @@ class KernelShape:
     `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
     exists; both on, measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
-    (decode.cu MATVEC_THREADS). A name in REMOVED (a build deleted after it measured slower) is
+    (decode.cu MATVEC_THREADS).
+    `grouped_experts` (default 0: written and checked on the host on 2026-12-06, not yet run or
+    measured on a GPU) builds kernels/experts_grouped.cuh: in a decode step of 2 or more rows the
+    (row, slot) pairs are grouped by expert on the device (moe_group_pairs) and
+    moe_gate_up_grouped_<type> reads each gate/up weight piece once for up to
+    `expert_group_rows` (1..4) pairs of one expert, each pair's act bit-identical to
+    moe_gate_up_<type>'s; the down projection stays per row (ops/moe.py graph_experts says why).
+    A name in REMOVED (a build deleted after it measured slower) is
     refused by `parse` with why."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
@@ -95,6 +105,8 @@ class KernelShape:
     int_iq3_s: int = 1
     int_iq2_xxs: int = 1
     matvec_threads: int = BLOCK_THREADS
+    grouped_experts: int = 0
+    expert_group_rows: int = EXPERT_GROUP_ROWS
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -103,9 +115,10 @@ class KernelShape:
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
-              "matvec_threads": "MATVEC_THREADS"}
+              "matvec_threads": "MATVEC_THREADS",
+              "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES)
+                *INT_TYPE_SWITCHES, "grouped_experts")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -123,7 +136,7 @@ class KernelShape:
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
-        for name in ("int_ff_per_warp", "int_down_per_warp"):
+        for name in ("int_ff_per_warp", "int_down_per_warp", "expert_group_rows"):
             v = getattr(self, name)
             if not 1 <= v <= 4:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..4")
@@ -402,6 +415,49 @@ def kernel_names() -> list[str]:
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names
+
+def grouped_kernel_names() -> list[str]:
+    """The kernels decode.cu has only where KernelShape.grouped_experts builds them
+    (experts_grouped.cuh)."""
+    return ["moe_group_pairs"] + [f"moe_gate_up_grouped_{t}" for t in TYPE_NAMES.values()]
+
+
+def group_pairs_words(k: int) -> int:
+    """int32 words of a decode graph's groups buffer for top-k routing (experts_grouped.cuh):
+    MAX_ROWS * k items of two words, then MAX_ROWS * k sorted pairs."""
+    return 3 * MAX_ROWS * k
+
+
+def group_pairs(ids: np.ndarray, group_rows: int = EXPERT_GROUP_ROWS) -> np.ndarray:
+    """What moe_group_pairs writes for a step's ids [n, k] (n <= MAX_ROWS, k <= GROUP_MAX_K):
+    the groups buffer (group_pairs_words(k) int32; words past the step's n * k items and
+    pairs are 0 here, left as they were by the kernel, and read by no launch): items
+    (first sorted place, pairs <= group_rows) in the order of each group's first pair p = row * k +
+    slot, a group's pairs cut into items of group_rows in row order, count 0 past the last item;
+    then the sorted pairs. A pair whose id is negative (no expert: NaN logits) is its own group."""
+    ids = np.asarray(ids)
+    n, k = ids.shape
+    if not (1 <= n <= MAX_ROWS and 1 <= k <= GROUP_MAX_K and 1 <= group_rows <= 4):
+        raise ValueError(f"ids of {n} rows x {k} slots, {group_rows} rows an item: moe_group_pairs "
+                         f"takes 1..{MAX_ROWS} rows, 1..{GROUP_MAX_K} slots, 1..4 rows an item")
+    flat = ids.ravel()
+    out = np.zeros(group_pairs_words(k), dtype=np.int32)
+    items = out[:2 * MAX_ROWS * k].reshape(-1, 2)
+    order = out[2 * MAX_ROWS * k:]
+    leaders: dict[int, list[int]] = {}      # leader pair -> its group's pairs in row order
+    for p, e in enumerate(flat):
+        lead = p if e < 0 else next((q for q in leaders if flat[q] == e), p)
+        leaders.setdefault(lead, []).append(p)
+    place = item = 0
+    for lead in sorted(leaders):
+        members = leaders[lead]
+        order[place:place + len(members)] = members
+        for t in range(0, len(members), group_rows):
+            items[item] = (place + t, min(group_rows, len(members) - t))
+            item += 1
+        place += len(members)
+    return out
+
 
 def source_kernel_names(source: str) -> list[str]:
     """Every kernel the runners may ask a source for."""

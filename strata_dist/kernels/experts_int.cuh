@@ -226,22 +226,30 @@ HOST_DEVICE float k_pair_dot(const uint4& head, int p, const u32 (&lo)[8], const
     return fmaf(-(dmin * (float)m1), f.sum[1], r);
 }
 
-// Unit u (columns 64u .. 64u + 63) of a Q4_K row against its activations: pair u % 4 of
-// super-block u / 4, its low nibbles sub-block 2p and its high nibbles sub-block 2p + 1.
-HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+// Unit u (columns 64u .. 64u + 63) of a Q4_K row: pair u % 4 of super-block u / 4, its low
+// nibbles sub-block 2p and its high nibbles sub-block 2p + 1, with the super-block's head (the
+// grouped gate/up, experts_grouped.cuh, decodes a unit once for several rows' fragments).
+HOST_DEVICE void q4_k_unit(const u8* __restrict__ row, int u, uint4& head, u32 (&lo)[8],
+                           u32 (&hi)[8]) {
     const int sb = u >> 2, p = u & 3;
     const u8* blk = row + sb * 144;
-    const uint4 head = *reinterpret_cast<const uint4*>(blk);
+    head = *reinterpret_cast<const uint4*>(blk);
     const uint4 a = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[0];
     const uint4 b = reinterpret_cast<const uint4*>(blk + 16 + 32 * p)[1];
     const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    u32 lo[8], hi[8];
     #pragma unroll
     for (int j = 0; j < 8; ++j) {
         lo[j] = w[j] & 0x0F0F0F0Fu;
         hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
     }
-    return k_pair_dot(head, p, lo, hi, f);
+}
+
+// Unit u of a Q4_K row against its activations
+HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    uint4 head;
+    u32 lo[8], hi[8];
+    q4_k_unit(row, u, head, lo, hi);
+    return k_pair_dot(head, u & 3, lo, hi, f);
 }
 
 #include "experts_int_iq.cuh"   // iq4_xs_unit_dot, iq3_s_unit_dot, iq2_xxs_unit_dot

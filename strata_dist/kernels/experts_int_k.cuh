@@ -5,24 +5,32 @@
 #pragma once
 
 // Unit u of a Q5_K row: Q4_K's pair (nibbles at offset 48 here) with a fifth bit each, from
-// qh[32] at offset 16: bit j of qh byte l for element l of sub-block j (values 0 .. 31).
-HOST_DEVICE float q5_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+// qh[32] at offset 16: bit j of qh byte l for element l of sub-block j (values 0 .. 31); decoded
+// once for several rows' fragments by the grouped gate/up (experts_grouped.cuh)
+HOST_DEVICE void q5_k_unit(const u8* __restrict__ row, int u, uint4& head, u32 (&lo)[8],
+                           u32 (&hi)[8]) {
     const int sb = u >> 2, p = u & 3;
     const u8* blk = row + sb * 176;
-    const uint4 head = *reinterpret_cast<const uint4*>(blk);
+    head = *reinterpret_cast<const uint4*>(blk);
     const uint4 ha = reinterpret_cast<const uint4*>(blk + 16)[0];
     const uint4 hb = reinterpret_cast<const uint4*>(blk + 16)[1];
     const uint4 a = reinterpret_cast<const uint4*>(blk + 48 + 32 * p)[0];
     const uint4 b = reinterpret_cast<const uint4*>(blk + 48 + 32 * p)[1];
     const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     const u32 qh[8] = {ha.x, ha.y, ha.z, ha.w, hb.x, hb.y, hb.z, hb.w};
-    u32 lo[8], hi[8];
     #pragma unroll
     for (int j = 0; j < 8; ++j) {
         lo[j] = (w[j] & 0x0F0F0F0Fu) | (((qh[j] >> (2 * p)) & 0x01010101u) << 4);
         hi[j] = ((w[j] >> 4) & 0x0F0F0F0Fu) | (((qh[j] >> (2 * p + 1)) & 0x01010101u) << 4);
     }
-    return k_pair_dot(head, p, lo, hi, f);
+}
+
+// Unit u of a Q5_K row against its activations
+HOST_DEVICE float q5_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& f) {
+    uint4 head;
+    u32 lo[8], hi[8];
+    q5_k_unit(row, u, head, lo, hi);
+    return k_pair_dot(head, u & 3, lo, hi, f);
 }
 
 // the low 32 bits of (hi:lo) >> shift (shift 0 or 16 here)
