@@ -108,6 +108,13 @@ class Server:
                 time.sleep(0.1)
             self.model_id = c.get(f"{self.url}/v1/models").json()["data"][0]["id"]
 
+    def queue_status(self) -> dict:
+        """/v1/status's queue: `parallel` (the sessions served at once; absent: one at a time)
+        and, with --parallel, the batched steps and the requests they carried so far."""
+        import httpx
+        with httpx.Client(timeout=10.0) as c:
+            return c.get(f"{self.url}/v1/status").json().get("queue") or {}
+
     def _drain(self) -> None:
         for line in self.proc.stderr:
             self.stderr.append(line)
@@ -270,7 +277,9 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
             for n in args.streams:
                 order = list(range(n))
                 random.Random(args.seed * 1_000_003 + n).shuffle(order)
+                before = server.queue_status()
                 results = run_streams(server, prompts[:n], args.tokens, order)
+                after = server.queue_status()
                 differ = [i for i, r in enumerate(results) if r["tokens"] != alone[i]["tokens"]]
                 all_same &= not differ
                 arm = {"name": name, "gpus": len(cards), "ranks": ranks, "command": command,
@@ -279,7 +288,7 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
                        "send_order": order, "tokens_identical_to_alone": not differ,
                        "streams_differing": differ,
                        "tokens_sha256": sha([r["tokens"] for r in results]),
-                       "peak_gib": round(mem.mark(), 2)}
+                       "peak_gib": round(mem.mark(), 2), **served_at_once(before, after)}
                 arms.append(arm)
                 save(arms)
                 print(f"  {n:3d} streams: {arm['aggregate_tok_s']:9.1f} tok/s decode, "
@@ -291,6 +300,17 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
         finally:
             server.close()
     return arms, all_same
+
+
+def served_at_once(before: dict, after: dict) -> dict:
+    """What the server did with an arm's streams, from /v1/status around it: `parallel` (its
+    sessions: the requests it serves at once, 1 without --parallel) and, with --parallel, the
+    arm's batched steps and the mean requests a step carried."""
+    parallel = int(after.get("parallel") or 1)
+    steps = after.get("batched_steps", 0) - before.get("batched_steps", 0)
+    requests = after.get("batched_requests", 0) - before.get("batched_requests", 0)
+    return {"parallel": parallel, "batched_steps": steps,
+            "mean_requests_per_step": round(requests / steps, 3) if steps else None}
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_serve import parse_batched_table, percentile, union_seconds  # noqa: E402
+from bench_serve import parse_batched_table, percentile, served_at_once, union_seconds  # noqa: E402
 from record_check import check_record  # noqa: E402
 
 LLAMA = os.environ.get("LLAMA_BATCHED_BENCH", "")
@@ -57,6 +57,8 @@ def test_the_cpu_run_writes_a_complete_record(run):
         assert "--cpu-ranks 1" in a["command"] and "--port 0" in a["command"]
         # every stream's greedy tokens are its prompt's alone, in a random send order
         assert a["tokens_identical_to_alone"] is True and a["streams_differing"] == []
+        # what the server did with them, from /v1/status: no --parallel, one at a time
+        assert (a["parallel"], a["batched_steps"], a["mean_requests_per_step"]) == (1, 0, None)
         assert sorted(a["send_order"]) == list(range(n)) and len(a["ttft_ms_each"]) == n
         assert sorted(a["arrival_order"]) == list(range(n))
         assert min(a["ttft_ms_each"]) <= a["ttft_p50_ms"] <= a["ttft_p99_ms"] \
@@ -112,6 +114,16 @@ def test_the_record_check_names_what_a_serve_record_lacks(run):
     record["arms"].append(llama)
     assert check_record(record, str(path)) == [f"arms[{len(record['arms']) - 1}].ubatch_sweep "
                                                f"missing"]
+
+
+def test_what_the_server_did_is_read_from_its_status_around_an_arm():
+    """--parallel's counters before and after an arm: its steps and their mean requests."""
+    before = {"parallel": 4, "batched_steps": 10, "batched_requests": 12}
+    after = {"parallel": 4, "batched_steps": 40, "batched_requests": 102}
+    assert served_at_once(before, after) == {"parallel": 4, "batched_steps": 30,
+                                             "mean_requests_per_step": 3.0}
+    assert served_at_once({}, {"waiting": 0}) == {"parallel": 1, "batched_steps": 0,
+                                                  "mean_requests_per_step": None}
 
 
 def test_percentile_and_union_of_intervals():
