@@ -57,6 +57,19 @@ __device__ void route_after_last_block(const RouteSpec* __restrict__ route, int 
 }
 
 // ---- experts ----------------------------------------------------------------------------------
+// The gate rows and then the up rows of expert rows f0 .. f0 + FF_PER_BLOCK of the expert at
+// `blob` (a row past n_ff repeats the last: its sums are dropped), as moe_gate_up_body and the
+// grouped float path (experts_grouped.cuh) read them.
+__device__ __forceinline__ void gate_up_rows(const ExpertSpec& sp, const u8* blob, int f0,
+                                             const u8* (&rows)[2 * FF_PER_BLOCK]) {
+    #pragma unroll
+    for (int q = 0; q < FF_PER_BLOCK; ++q) {
+        const int f = min(f0 + q, sp.n_ff - 1);
+        rows[q] = blob + (i64)f * sp.gate_row_bytes;
+        rows[FF_PER_BLOCK + q] = blob + sp.up_at + (i64)f * sp.up_row_bytes;
+    }
+}
+
 // act[i, r, f] = silu(gate_e[f] . x_i) * (up_e[f] . x_i), e = ids[i, r] (gate and up stored in
 // one type). A block takes FF_PER_BLOCK consecutive f from f0: their gate and up rows load
 // together. Grid (f blocks, k, rows).
@@ -74,12 +87,7 @@ __device__ __forceinline__ void moe_gate_up_body(const ExpertSpec& sp, const flo
         return;
     }
     const u8* rows[2 * FF_PER_BLOCK];
-    #pragma unroll
-    for (int q = 0; q < FF_PER_BLOCK; ++q) {
-        const int f = min(f0 + q, sp.n_ff - 1);
-        rows[q] = blob + (i64)f * sp.gate_row_bytes;
-        rows[FF_PER_BLOCK + q] = blob + sp.up_at + (i64)f * sp.up_row_bytes;
-    }
+    gate_up_rows(sp, blob, f0, rows);
     block_dots<T, 1, 2 * FF_PER_BLOCK>(rows, sp.n_embd >> 3, x + (i64)i * sp.n_embd, 0, nullptr,
                                        sums);
     if (threadIdx.x < FF_PER_BLOCK && f0 + threadIdx.x < sp.n_ff) {

@@ -149,12 +149,7 @@ __device__ __forceinline__ void gate_up_group_float(const ExpertSpec& sp,
         return;
     }
     const u8* rows[2 * FF_PER_BLOCK];
-    #pragma unroll
-    for (int q = 0; q < FF_PER_BLOCK; ++q) {
-        const int f = min(f0 + q, sp.n_ff - 1);
-        rows[q] = blob + (i64)f * sp.gate_row_bytes;
-        rows[FF_PER_BLOCK + q] = blob + sp.up_at + (i64)f * sp.up_row_bytes;
-    }
+    gate_up_rows(sp, blob, f0, rows);
     for (int j0 = 0; j0 < cnt; j0 += G) {
         const int m = min(G, cnt - j0);
         const float* xs[G];
