@@ -27,6 +27,10 @@ test kept in `ubatch_sweep`. batched-bench reads the N prompts as one batch and 
 streams in lockstep: every stream's first token waits for the whole prompt phase (ttft_p50 =
 ttft_p99 = T_PP) and each of its steps gives every stream one token (itl_p50 = T_TG / T).
 
+With --shape-arm SHAPE a second launch built with STRATA_KERNEL_SHAPE=SHAPE runs the same prompts
+alone and the same N (its arms carry `kernel_shape`, `aggregate_vs_first_arm` and whether its
+prompts alone gave the first launch's tokens): a kernel variant's serving figure in one record.
+
 The record (../shared/RECORDS.md, `bench: serve`) goes to
 benchmarks/results/serve-<like>-<quant>-<date>-<HHMMSS>-<commit>.json, rewritten after each arm.
 The script exits 1, after writing it, when any stream's tokens differ from its prompt's alone.
@@ -34,6 +38,8 @@ The script exits 1, after writing it, when any stream's tokens differ from its p
     python benchmarks/bench_serve.py --model q30.gguf --gpus 0 \\
         --llama-batched-bench .anchor/llama.cpp/build/bin/llama-batched-bench
     python benchmarks/bench_serve.py --model q30.gguf --gpus 0,0     # two ranks on one card
+    python benchmarks/bench_serve.py --model q30.gguf --streams 1,4,16 \
+        --launch-args "--parallel 16" --shape-arm grouped_experts=1
     strata-dist synth tiny.gguf --like tiny --quant q8_0 --popularity zipf:1.0 --quiet
     python benchmarks/bench_serve.py --model tiny.gguf --cpu --streams 1,2 --prompt-tokens 32 --tokens 8
 """
@@ -75,11 +81,12 @@ class Server:
     """`strata-launch --port 0` with the arm's flags: its URL once it listens, ready once /health
     answers 200 (bounded); closed with a terminate, then a kill."""
 
-    def __init__(self, model: str, flags: list[str], timeout: float):
+    def __init__(self, model: str, flags: list[str], timeout: float, env: dict | None = None):
         import httpx
         argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--port", "0", *flags]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env=dict(os.environ, **(env or {})))
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
@@ -251,20 +258,24 @@ def strata_flags(args) -> list[str]:
             *shlex.split(args.launch_args)]
 
 
-def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
+def strata_arms(args, vocab: int, save, kernel_shape: str | None = None
+                ) -> tuple[list[dict], bool, list[list[int]]]:
     """One launch; every prompt alone first, then one arm per N of --streams (each saved as it
-    ends). The arms, and whether every stream's tokens were its prompt's alone."""
+    ends). The arms, whether every stream's tokens were its prompt's alone, and each prompt's
+    tokens alone. `kernel_shape` (not None): the launch's STRATA_KERNEL_SHAPE, whatever this
+    process's is (--shape-arm)."""
+    env = None if kernel_shape is None else {"STRATA_KERNEL_SHAPE": kernel_shape}
     flags = strata_flags(args)
     ranks = args.cpu_ranks if args.cpu else len(args.gpus.split(","))
     cards = [] if args.cpu else sorted({int(g) for g in args.gpus.split(",")})
     name = "strata" if ranks == max(1, len(cards)) else f"strata {ranks} ranks"
-    command = env_prefix() + "strata-launch --model M --port 0 " + " ".join(flags)
+    command = env_prefix(env) + "strata-launch --model M --port 0 " + " ".join(flags)
     prompts = [prompt_ids(args.prompt_tokens, prompt_seed(i), vocab)
                for i in range(max(args.streams))]
     arms, all_same = [], True
     with PeakMemory(cards or 0) as mem:
         t0 = time.perf_counter()
-        server = Server(args.model, flags, timeout=args.load_timeout)
+        server = Server(args.model, flags, timeout=args.load_timeout, env=env)
         try:
             print(f"{name}: ready in {time.perf_counter() - t0:.0f} s ({command})", flush=True)
             run_streams(server, [prompt_ids(args.prompt_tokens, WARM_UP_SEED, vocab)],
@@ -288,7 +299,8 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
                        "send_order": order, "tokens_identical_to_alone": not differ,
                        "streams_differing": differ,
                        "tokens_sha256": sha([r["tokens"] for r in results]),
-                       "peak_gib": round(mem.mark(), 2), **served_at_once(before, after)}
+                       "peak_gib": round(mem.mark(), 2), **served_at_once(before, after),
+                       **({} if env is None else {"kernel_shape": kernel_shape})}
                 arms.append(arm)
                 save(arms)
                 print(f"  {n:3d} streams: {arm['aggregate_tok_s']:9.1f} tok/s decode, "
@@ -299,7 +311,7 @@ def strata_arms(args, vocab: int, save) -> tuple[list[dict], bool]:
                       f"alone", flush=True)
         finally:
             server.close()
-    return arms, all_same
+    return arms, all_same, [r["tokens"] for r in alone]
 
 
 def served_at_once(before: dict, after: dict) -> dict:
@@ -432,8 +444,18 @@ def main() -> int:
                     help="seconds to wait for llama-batched-bench to appear (a build in the background)")
     ap.add_argument("--popularity", default="",
                     help="the file's routing law where it does not store it (uniform, zipf:S)")
+    ap.add_argument("--shape-arm", action="append", default=[], metavar="SHAPE",
+                    help="one more strata launch built with STRATA_KERNEL_SHAPE=SHAPE (repeatable): "
+                         "its arms (every N) beside the first launch's in one record, each with "
+                         "its aggregate over the first launch's at the same N")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
+    for shape in args.shape_arm:
+        from strata_dist.kernels.abi import KernelShape
+        try:
+            KernelShape.parse(shape)
+        except (TypeError, ValueError) as e:
+            fail(f"--shape-arm {shape!r}: {e}")
     args.streams = numbers(args.streams, "--streams")
     args.ubatches = numbers(args.ubatches, "--ubatches")
     if args.prompt_tokens < 1 or args.tokens < 2:
@@ -459,7 +481,25 @@ def main() -> int:
         arms["llama.cpp"] = llama if llama is not None else arms["llama.cpp"]
         return recorder.save(arms["strata"] + arms["llama.cpp"])
 
-    _, all_same = strata_arms(args, facts["vocab"], lambda a: save(strata=a))
+    first_arms, all_same, first_alone = strata_arms(args, facts["vocab"],
+                                                    lambda a: save(strata=a))
+    for shape in args.shape_arm:
+        shaped, same, alone = strata_arms(args, facts["vocab"],
+                                          lambda a: save(strata=first_arms + a), shape)
+        all_same &= same
+        # the same prompts alone under the other build: a batch-invariant build that changes no
+        # bit gives every prompt's tokens of the first launch
+        differ = [i for i, (a, b) in enumerate(zip(alone, first_alone)) if a != b]
+        for ours, base in zip(shaped, first_arms):
+            ours["alone_tokens_identical_to_first_arm"] = not differ
+            ours["aggregate_vs_first_arm"] = round(
+                ours["aggregate_tok_s"] / base["aggregate_tok_s"], 3)
+            print(f"  {ours['streams']:3d} streams, STRATA_KERNEL_SHAPE={shape}: aggregate decode "
+                  f"{ours['aggregate_vs_first_arm']:.3f}x the first launch's; prompts alone "
+                  + ("identical to" if not differ else f"{differ} DIFFER from")
+                  + " the first launch's", flush=True)
+        first_arms = first_arms + shaped
+        save(strata=first_arms)
     if args.llama_batched_bench:
         save(llama=llama_arms(args, llama_tests(args)))
         for ours, theirs in zip(arms["strata"], arms["llama.cpp"]):
@@ -471,7 +511,7 @@ def main() -> int:
     else:
         print("llama.cpp: no --llama-batched-bench given, its arms left out", flush=True)
     first = arms["strata"][0]
-    for arm in arms["strata"][1:]:
+    for arm in [a for a in arms["strata"][1:] if "kernel_shape" not in a]:
         print(f"  {arm['streams']:3d} streams / {first['streams']}: aggregate decode "
               f"{arm['aggregate_tok_s'] / first['aggregate_tok_s']:.2f}x", flush=True)
     print(f"record: {save()}")
