@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import lzma
 import subprocess
 import sys
@@ -152,3 +153,40 @@ def test_the_checker_holds_a_tree_arms_fields():
                          ({"first_token_differing": "3"}, "a token index or null")):
         record["arms"][-1] = {**arm, **change}
         assert any(said in p for p in check_record(record, name)), change
+
+
+def _must_show(tmp_path: Path, tree_arm: str | None, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_") and k != "TREE_ARM"}
+    env.update(OUT=str(tmp_path / "out"), MODELS=str(tmp_path / "m"), PYTHONPATH=str(ROOT))
+    if tree_arm is not None:
+        env["TREE_ARM"] = tree_arm
+    return subprocess.run(["bash", "benchmarks/must_show.sh", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_must_show_gives_the_tree_arm_to_the_decode_and_q4_k_parts(archived, tmp_path):
+    """$TREE_ARM adds --tree-arm to the decode_q8_0 and q4_k parts' bench_decode and
+    bench_prefill runs and to nothing else; unset, no command has it; the CPU dry run of
+    decode_q8_0 writes a record whose tree arm is the archived commit."""
+    tarball, head = archived
+    parts = ("--parts", "decode_q8_0,q4_k,offload_zipf1.0")
+    plain = _must_show(tmp_path, None, "--print", *parts)
+    assert plain.returncode == 0 and "--tree-arm" not in plain.stdout, plain.stderr
+    done = _must_show(tmp_path, str(tarball), "--print", *parts)
+    assert done.returncode == 0, done.stderr
+    commands = [ln[2:] for ln in done.stdout.splitlines() if ln.startswith("+ ")]
+    given = [c.split()[3] for c in commands if f"--tree-arm {tarball}" in c]
+    assert given == ["benchmarks/bench_decode.py"] * 2 + ["benchmarks/bench_prefill.py"]
+    # every command else as it was
+    assert [c.replace(f" --tree-arm {tarball}", "") for c in commands] == [
+        ln[2:] for ln in plain.stdout.splitlines() if ln.startswith("+ ")]
+    missing = _must_show(tmp_path, str(tmp_path / "none.tar.xz"), "--cpu", "--parts",
+                         "decode_q8_0")
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    assert missing.stderr.startswith(f"error: TREE_ARM={tmp_path / 'none.tar.xz'}")
+    ran = _must_show(tmp_path, str(tarball), "--cpu", "--parts", "decode_q8_0")
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    [path] = (tmp_path / "out").glob("decode-tiny-q8_0-*.json")
+    record = json.loads(path.read_text())
+    assert [a.get("tree_commit") for a in record["arms"]] == [None, head]
+    assert record["arms"][1]["tokens_identical_to_first_arm"] is True
