@@ -12,7 +12,10 @@ two cards (bench_transport.py's median). With --llama-bench, llama.cpp's `llama-
 -p 0 -n N` reads the same file (its version string and every flag recorded) and the ratio is
 printed. With --unsplit WHOLE (--model a split file's first shard, WHOLE the same file in one
 piece) one strata launch on WHOLE reads one request first, and the strata arm says whether the
-split file's greedy tokens are its own (`tokens_identical_to_unsplit`). The record of
+split file's greedy tokens are its own (`tokens_identical_to_unsplit`). With --tree-arm TARBALL
+(`git archive <commit> | xz`) one more arm runs the first arm's launch with that older tree's
+code (benchmarks/tree_arm.py): its commit (`tree_commit`), tok/s and tokens against the first
+arm's in the same record, and "strata (this tree) / strata <commit>" printed. The record of
 ../shared/RECORDS.md goes to
 benchmarks/results/decode-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (records.py computes the
 commit). `--popularity` names the routing law of a file that does not store it (a synthetic file
@@ -22,6 +25,8 @@ does).
         --llama-bench .anchor/llama.cpp/build/bin/llama-bench
     python benchmarks/bench_decode.py --model q30.gguf --gpus 0,1 --split 24
     strata-dist synth tiny.gguf --like tiny --quant q8_0 --popularity zipf:1.0 --quiet
+    git archive 1234abc | xz > /tmp/before.tar.xz
+    python benchmarks/bench_decode.py --model q30.gguf --gpus 0 --tree-arm /tmp/before.tar.xz
     python benchmarks/bench_decode.py --model tiny.gguf --cpu --tokens 16     # the harness, no GPU
 """
 from __future__ import annotations
@@ -38,23 +43,28 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 from llama_runs import llama_arm as tuned_llama_arm, llama_sweep, llama_wait  # noqa: E402
-from records import (PeakMemory, env_prefix, fail, full_decodes, median_tps,  # noqa: E402
-                     model_facts, predicted_ms_per_token, prompt_ids, serve_session,
+from records import (ROOT, PeakMemory, env_prefix, fail, full_decodes,  # noqa: E402
+                     median_tps, model_facts, predicted_ms_per_token, prompt_ids, serve_session,
                      tokens_against_records, Recorder)
+from tree_arm import OlderTree, compare_tokens, tokens_said  # noqa: E402
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
-               repeats: int = 0, kernel_shape: str | None = None) -> dict:
+               repeats: int = 0, kernel_shape: str | None = None,
+               tree: OlderTree | None = None) -> dict:
     """One strata launch on `model` (default --model) reading `repeats` (default --repeats)
     measured requests; its first request's tokens kept (`_tokens`, `tokens_sha256`).
-    `kernel_shape` (not None): the launch's STRATA_KERNEL_SHAPE, whatever this process's is."""
+    `kernel_shape` (not None): the launch's STRATA_KERNEL_SHAPE, whatever this process's is.
+    `tree`: the launch runs that older tree's code (--tree-arm)."""
     env = None if kernel_shape is None else {"STRATA_KERNEL_SHAPE": kernel_shape}
+    cwd = None if tree is None else tree.dir
     model, repeats = model or args.model, repeats or args.repeats
     devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", gpus]
     cmd = ["--layer-split", split, "--max-context", str(args.context), "--no-remote-auto"]
     n_gpus = len(gpus.split(","))
     with PeakMemory() as mem:
-        s = serve_session(model, *devices, *cmd, env=env, timeout=1200)
+        s = serve_session(model, *devices, *cmd, timeout=1200, cwd=cwd,
+                          env={**(env or {}), **(tree.env() if tree else {})} or None)
         try:
             s.gen(prompt_ids(32, 1, vocab), 16, timeout=900)         # warm-up: graphs captured
             # a prompt of its own each: its first id (its seed's, distinct modulo any
@@ -75,17 +85,13 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
             "decode_tok_s": tok_s, "new_tokens": min(gens), "tps_each": {"decode": each},
             "decode_prompts_stopped_early": skipped,
             "peak_gib": round(mem.gib, 2),
-            "predicted_ms_per_token": predicted_ms_per_token(model, devices + cmd),
+            "predicted_ms_per_token": predicted_ms_per_token(
+                model, devices + cmd, tree.env() if tree else None, cwd or ROOT),
             "measured_ms_per_token": round(1e3 / tok_s, 3),
             "tokens_sha256": hashlib.sha256(json.dumps(r["tokens"]).encode()).hexdigest(),
             "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gens[0] - 1),
-            "_tokens": r["tokens"], **({} if env is None else {"kernel_shape": kernel_shape})}
-
-
-def first_difference(a: list, b: list) -> int | None:
-    """The first index where token lists a and b differ (one ending early counts), else None."""
-    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return None if at == len(a) == len(b) else at
+            "_tokens": r["tokens"], **({} if env is None else {"kernel_shape": kernel_shape}),
+            **({} if tree is None else tree.fields())}
 
 
 def handoff_us(devices: str) -> float | None:
@@ -135,6 +141,11 @@ def main() -> int:
                     help="one more 1-GPU strata arm built with STRATA_KERNEL_SHAPE=SHAPE "
                          "(repeatable): its tok/s beside the first arm's in one record, and "
                          "whether its tokens equal the first arm's")
+    ap.add_argument("--tree-arm", default="", metavar="TARBALL",
+                    help="one more strata arm, run exactly as the first by an older tree of this "
+                         "project: TARBALL is `git archive <commit>` (plain or | xz), whose commit "
+                         "the arm names (tree_commit); its tok/s beside the first arm's in one "
+                         "record, and whether its tokens equal the first arm's")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.tokens < 2 or not 1 <= args.repeats <= 8:
@@ -147,6 +158,9 @@ def main() -> int:
         except (TypeError, ValueError) as e:
             fail(f"--shape-arm {shape!r}: {e}")
     facts = model_facts(args.model, args.popularity)
+    # the older tree unpacked (and its commit read) before anything is measured: a tarball that
+    # names no commit is refused now
+    older = OlderTree(args.tree_arm) if args.tree_arm else None
     if args.unsplit:
         whole = model_facts(args.unsplit, args.popularity)
         if facts["shards"] < 2 or whole["shards"] != 1 or any(
@@ -175,16 +189,19 @@ def main() -> int:
           f"{one['graph_steps_per_stage']:.2f}, peak {one['peak_gib']:.1f} GiB", flush=True)
     for shape in args.shape_arm:
         built = strata_arm(args, gpus[0], "auto", facts["vocab"], kernel_shape=shape)
-        built["tokens_identical_to_first_arm"] = built["_tokens"] == one["_tokens"]
-        # where the two builds' greedy tokens part (None: they never do): a late first
-        # difference reads as a near-tie, an early one as a wrong result
-        built["first_token_differing"] = first_difference(built["_tokens"], one["_tokens"])
+        compare_tokens(built, built["_tokens"], one["_tokens"])
         arms.append(built)
         print(f"strata 1 GPU, STRATA_KERNEL_SHAPE={shape}: {built['decode_tok_s']:.1f} tok/s "
-              f"decode ({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm), tokens "
-              f"identical to the first arm's: {built['tokens_identical_to_first_arm']}"
-              + ("" if built["first_token_differing"] is None
-                 else f" (first differing at token {built['first_token_differing']})"), flush=True)
+              f"decode ({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm), "
+              f"{tokens_said(built)}", flush=True)
+    if older is not None:
+        # the first arm again, run by the older tree: the same launch, the same requests
+        before = strata_arm(args, gpus[0], "auto", facts["vocab"], tree=older)
+        compare_tokens(before, before["_tokens"], one["_tokens"])
+        arms.append(before)
+        print(f"strata 1 GPU, tree {older.commit}: {before['decode_tok_s']:.1f} tok/s decode, "
+              f"{tokens_said(before)}", flush=True)
+        print(older.ratio_line(one["decode_tok_s"], before["decode_tok_s"]), flush=True)
     if len(gpus) > 1 and not args.cpu:
         two = strata_arm(args, ",".join(gpus[:2]), args.split or "auto", facts["vocab"])
         two["tokens_identical_to_1gpu"] = two["_tokens"] == one["_tokens"]

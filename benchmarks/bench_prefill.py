@@ -26,6 +26,10 @@ head sends every chunk at once, so stage 0 reads chunk c+1 while stage 1 reads c
 new tokens are compared with the one-card arm's (`tokens_identical_to_1gpu`). `0,0` puts both
 stages on one card (the pipeline's tokens and overhead, not its speed-up; the two budgets must
 fit on it together, e.g. 60G on an H200, or strata-launch refuses them).
+With --tree-arm TARBALL (`git archive <commit> | xz`) one more arm runs the first arm's launch
+with that older tree's code (benchmarks/tree_arm.py): its commit (`tree_commit`), figures and
+first tokens against the first arm's in the same record, and "strata (this tree) / strata
+<commit>" printed for each prompt length.
 The record of ../shared/RECORDS.md goes to
 benchmarks/results/prefill-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (rewritten after each arm,
 so a run cut short keeps the arms it finished); `--popularity` names the routing law of a file that
@@ -51,6 +55,7 @@ from llama_runs import (llama_arm as tuned_llama_arm, llama_mmap_flags,  # noqa:
                         llama_sweep, llama_wait)
 from records import (PeakMemory, Recorder, env_prefix, fail, measured,  # noqa: E402
                      median_tps, model_facts, prompt_ids, record_profile, serve_session)
+from tree_arm import OlderTree, compare_tokens  # noqa: E402
 
 PROMPT_TIMING = ("median of --repeats prompts read back to back after a warm-up of the same "
                  "length: each carries the refill of the loan before it")
@@ -72,10 +77,10 @@ def measured_prompts(args, vocab: int) -> list[list[int]]:
 
 
 def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | None = None,
-               split: list[str] = ()) -> dict:
+               split: list[str] = (), tree: OlderTree | None = None) -> dict:
     """One launch reading every prompt length (a warm-up of each first): one GPU by default,
-    `devices` and `split` for stages on several ranks. Records the first new token of every
-    prompt (the tokens the arms compare)."""
+    `devices` and `split` for stages on several ranks; `tree`: run by that older tree's code
+    (--tree-arm). Records the first new token of every prompt (the tokens the arms compare)."""
     devices = devices or (["--cpu-ranks", "1"] if args.cpu else ["--gpus", "0"])
     extra = [*split] + ([] if loans else ["--no-prompt-loans"])
     ctx = max(args.prompts) + 64
@@ -86,7 +91,8 @@ def strata_arm(args, loans: bool, env: dict | None = None, devices: list[str] | 
              *(["--expert-profile", args.profile] if args.profile else [])]
     cards = [] if args.cpu else sorted({int(g) for g in devices[1].split(",")})
     with PeakMemory(cards or 0) as mem:
-        s = serve_session(args.model, *flags, env=env, timeout=900)
+        s = serve_session(args.model, *flags, timeout=900, cwd=tree.dir if tree else None,
+                          env={**(env or {}), **(tree.env() if tree else {})} or None)
         try:
             info = s.info_fields()[0]
             stage = next(f for f in s.info_fields() if "rank" in f)
@@ -138,7 +144,10 @@ ARM_NAMES = {"loans on": "strata", "loans off": "strata loans off",
 
 def arm_name(key: str, r: dict) -> str:
     """The record's name of an arm: two stages on two cards are `strata` with gpus 2, as
-    ../RECORDS.md names them; two stages sharing one card are a variant of the one-card arm."""
+    ../RECORDS.md names them; two stages sharing one card are a variant of the one-card arm; the
+    older tree's arm is `strata <its short commit>`."""
+    if key == "tree arm":
+        return r["tree"].fields()["name"]
     if key != "two stages":
         return ARM_NAMES[key]
     return "strata" if r["cards"] > 1 else "strata two stages"
@@ -159,6 +168,9 @@ def save(args, recorder: Recorder, results: dict) -> str:
                "peak_gib": round(r["peak_gib"], 2), "vram_budget": args.budget}
         if k == "two stages" and "loans on" in results:
             arm["tokens_identical_to_1gpu"] = r["tokens"] == results["loans on"]["tokens"]
+        if k == "tree arm":
+            arm.update(r["tree"].fields())
+            compare_tokens(arm, r["tokens"], results["loans on"]["tokens"])
         arms.append(arm)
     return recorder.save(arms)
 
@@ -199,6 +211,11 @@ def main() -> int:
                          "compared with the one-card arm's")
     ap.add_argument("--two-stage-split", default="auto",
                     help="the two-stage arm's --layer-split (default auto)")
+    ap.add_argument("--tree-arm", default="", metavar="TARBALL",
+                    help="one more arm, run exactly as the first (loans on) by an older tree of "
+                         "this project: TARBALL is `git archive <commit>` (plain or | xz), whose "
+                         "commit the arm names (tree_commit); its first tokens are compared with "
+                         "the first arm's")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
     args = ap.parse_args()
@@ -211,6 +228,9 @@ def main() -> int:
         fail(f"--prompts {args.prompts}, --repeats {args.repeats}, --chunk {args.chunk}: each "
              f"at least 1")
     results, facts = {}, model_facts(args.model, args.popularity)
+    # the older tree unpacked (its commit read) before anything is measured: a tarball naming no
+    # commit is refused now
+    older = OlderTree(args.tree_arm) if args.tree_arm else None
     recorder = Recorder("prefill", facts, args.out)     # a tree no commit names: refused now
     args.profile = ""
     if args.profile_prompts > 0:
@@ -228,11 +248,18 @@ def main() -> int:
         variants.append(("array steps", True, {"STRATA_FUSED_PROMPT_OPS": "0"}))
     if args.two_stages:
         variants.append(("two stages", True, None))
+    if older is not None:
+        variants.append(("tree arm", True, None))     # the first arm's launch, the older code
     for name, loans, env in variants:
         t0 = time.perf_counter()
         two = (["--cpu-ranks", "2"] if args.cpu else ["--gpus", args.two_stages])
-        r = results[name] = (strata_arm(args, loans, env) if name != "two stages" else strata_arm(
-            args, loans, env, two, ["--layer-split", args.two_stage_split]))
+        if name == "two stages":
+            r = strata_arm(args, loans, env, two, ["--layer-split", args.two_stage_split])
+        else:
+            r = strata_arm(args, loans, env, tree=older if name == "tree arm" else None)
+        results[name] = r
+        if name == "tree arm":
+            r["tree"] = older
         print(f"{name:9s}: expert_slots={r['slots']} loan={r['loan_mib']} MiB peak device memory "
               f"{r['peak_gib']:.1f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
         for n, run in r["runs"].items():
@@ -262,6 +289,8 @@ def main() -> int:
         for arm in ("host routing", "general path", "array steps", "two stages"):
             if arm in results:
                 parts.append(f"{arm} / loans on {results[arm]['runs'][n]['tps'] / on:.2f}x")
+        if "tree arm" in results:
+            parts.append(older.ratio_line(on, results["tree arm"]["runs"][n]["tps"]))
         if "llama.cpp" in results and n in results["llama.cpp"]["runs"]:
             theirs = results["llama.cpp"]["runs"][n]["tps"]
             for arm in ("loans on", "loans off", "host routing", "general path", "array steps",
@@ -272,6 +301,10 @@ def main() -> int:
     if "two stages" in results:
         same = results["two stages"]["tokens"] == results["loans on"]["tokens"]
         print(f"two stages: first tokens {'identical to' if same else 'DIFFER from'} one card's")
+    if "tree arm" in results:
+        same = results["tree arm"]["tokens"] == results["loans on"]["tokens"]
+        print(f"tree {older.commit}: first tokens "
+              f"{'identical to' if same else 'DIFFER from'} this tree's")
     print(f"record: {save(args, recorder, results)}")
     return 0
 

@@ -97,6 +97,16 @@
 #   ftype_q3_k_m, ftype_q2_k, ftype_q8_0, ftype_iq3_s, ftype_iq4_xs, ftype_iq2_xxs
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
+# $TREE_ARM (unset: nothing changes): a `git archive <commit> | xz` tarball of an older tree of this
+# project; the decode_q8_0 and q4_k parts' bench_decode.py and bench_prefill.py runs then take
+# `--tree-arm $TREE_ARM`: one more strata arm each, the first arm's launch run by that tree's code
+# (benchmarks/tree_arm.py), so "after / before" (issue 52) is a ratio of two arms of one record. Put
+# the tarball under .anchor (carried, and no part of the tree hash) on the development side:
+#   git archive 1234abc | xz > .anchor/before.tar.xz
+#   TREE_ARM=.anchor/before.tar.xz bash benchmarks/must_show.sh --parts decode_q8_0,q4_k
+# Each of those runs gets one strata arm longer (estimated, not yet timed; an older tree whose
+# kernel sources differ finds no prebuilt cubin of its own in .kcubins and compiles with NVRTC).
+#
 # --cpu: the same sequence on CPU ranks and the tiny geometry (small sizes), a dry run of every
 # command and flag this script gives (no GPU; $LLAMA_BENCH names a llama-bench to run, e.g. a CPU
 # build, else the llama.cpp arms are left out; $LLAMA_BATCHED_BENCH the same for the serve part,
@@ -129,6 +139,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 [ -d .kcubins ] && export STRATA_KERNEL_CUBINS=$PWD/.kcubins
+# the older tree's arm of the decode_q8_0 and q4_k parts (the header's $TREE_ARM)
+TREE=()
+if [ -n "${TREE_ARM:-}" ]; then
+  if [ "$PRINT" = 0 ] && [ ! -f "$TREE_ARM" ]; then
+    echo "error: TREE_ARM=$TREE_ARM: no such file (a git archive tarball of the older tree)" >&2; exit 2
+  fi
+  TREE=(--tree-arm "$TREE_ARM")
+fi
 # the commit every record will name, said now (a stale archive is refused before any device time)
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import records; print('measuring', records.commit_info())" || exit 2
 T0=$(date +%s); t() { echo "t=$(( $(date +%s) - T0 )) s: $*"; }
@@ -291,17 +309,17 @@ keep_only() {
 if has decode_q8_0; then
   f=$M/must_q8_0_zipf1.gguf; keep_only "$f"; synth "$f" q8_0 zipf:1.0
   run decode_q8_0 timeout 580 python3 benchmarks/bench_decode.py --model "$f" "${DECODE[@]}" \
-    --out "$OUT" "${LLAMA[@]}"
+    "${TREE[@]}" --out "$OUT" "${LLAMA[@]}"
   keep_only none
 fi
 Q4=$M/must_q4_k_zipf1.gguf
 if has q4_k; then
   keep_only "$Q4"; synth "$Q4" q4_k zipf:1.0
   run decode_q4_k timeout 580 python3 benchmarks/bench_decode.py --model "$Q4" "${DECODE[@]}" \
-    --out "$OUT" "${LLAMA[@]}"
+    "${TREE[@]}" --out "$OUT" "${LLAMA[@]}"
   # every pair resident at this budget: a loan would lend nothing, so no loans-off arm
   run prefill_q4_k timeout 580 python3 benchmarks/bench_prefill.py --model "$Q4" "${PROMPTS[@]}" \
-    --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
+    --only-loans-on "${RESIDENT_NCMOE[@]}" "${TREE[@]}" --out "$OUT" "${LLAMA[@]}"
 fi
 for law in zipf1.0 uniform zipf0.5; do
   has "offload_$law" || continue

@@ -81,6 +81,8 @@ def check_record(record: dict, filename: str) -> list[str]:
         need(arm, "command", where, str)
         if name != "llama.cpp" and name != "strata" and not name.startswith("strata "):
             bad.append(f"{where}name {name!r}: strata, strata <variant> or llama.cpp")
+        if "tree_commit" in arm:
+            bad += tree_arm_lacks(arm, where)
         if "decode_tok_s" in arm:
             need(arm, "new_tokens", where, int)
             need(arm, "tps_each", where, dict)
@@ -120,6 +122,24 @@ def check_record(record: dict, filename: str) -> list[str]:
                     and "decode_tok_s" in arm and arm["new_tokens"] < llama_new:
                 bad.append(f"arms[{i}].new_tokens {arm['new_tokens']}: fewer than llama.cpp's "
                            f"{llama_new}")
+    return bad
+
+
+def tree_arm_lacks(arm: dict, where: str) -> list[str]:
+    """An older tree's arm (--tree-arm, benchmarks/tree_arm.py): the full commit it ran, named
+    in the arm's name by its short form, and its tokens against the first arm's."""
+    commit = str(arm["tree_commit"])
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return [f"{where}tree_commit {arm['tree_commit']!r} is not a full commit hash"]
+    bad = []
+    if arm.get("name") != f"strata {commit[:7]}":
+        bad.append(f"{where}name {arm.get('name')!r}: the tree arm of {commit} is "
+                   f"'strata {commit[:7]}'")
+    if not isinstance(arm.get("tokens_identical_to_first_arm"), bool):
+        bad.append(f"{where}tokens_identical_to_first_arm missing")
+    differing = arm.get("first_token_differing", "")
+    if differing is not None and (not isinstance(differing, int) or isinstance(differing, bool)):
+        bad.append(f"{where}first_token_differing {differing!r}: a token index or null")
     return bad
 
 

@@ -166,12 +166,14 @@ def full_decodes(session, prompts: list[list[int]], tokens: int, repeats: int,
          f"stopping (end of text): ask fewer --tokens")
 
 
-def serve_session(model: str, *args: str, env: dict | None = None, timeout: float = 900):
-    """tests/launch_helpers.ServeSession, a launch that fails said in one error line."""
+def serve_session(model: str, *args: str, env: dict | None = None, timeout: float = 900,
+                  cwd: str | None = None):
+    """tests/launch_helpers.ServeSession, a launch that fails said in one error line; `cwd`: the
+    tree whose code the launch runs (tree_arm.py), default the current directory's."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from launch_helpers import ServeSession
     try:
-        return ServeSession(model, *args, env=env, timeout=timeout)
+        return ServeSession(model, *args, env=env, timeout=timeout, cwd=cwd)
     except (EOFError, TimeoutError) as e:
         lines = [ln for ln in str(e).splitlines() if ln.startswith("error:")]
         fail(f"strata-launch {' '.join(args)}: "
@@ -397,15 +399,16 @@ def commit_info(root: str = ROOT) -> dict:
 
 
 # ---- the plan's prediction, tokens against earlier records, the record --------------------------
-def predicted_ms_per_token(model: str, launch_args: list[str], env: dict | None = None
-                           ) -> float | None:
+def predicted_ms_per_token(model: str, launch_args: list[str], env: dict | None = None,
+                           tree: str = ROOT) -> float | None:
     """The plan's own prediction of decode ms/token for a strata arm: `strata-launch --plan-only
     --json` with the arm's flags on this machine (the same inventory the arm plans on), so a
-    record holds the prediction beside the measurement. None when planning fails (said why)."""
-    argv = [sys.executable, "-m", "launcher.cli", "--model", model, *launch_args,
+    record holds the prediction beside the measurement; `tree`: the tree whose planner predicts
+    (an older tree's arm, tree_arm.py). None when planning fails (said why)."""
+    argv = [sys.executable, "-m", "launcher.cli", "--model", os.path.abspath(model), *launch_args,
             "--plan-only", "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})}, cwd=ROOT)
+                          env={**os.environ, **(env or {})}, cwd=tree)
     if done.returncode != 0:
         print(f"plan-only failed: {done.stderr[-800:]}", flush=True)
         return None

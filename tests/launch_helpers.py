@@ -122,13 +122,19 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
 
 
 class ServeSession(LineProcess):
-    """strata-launch --serve with local ranks, started and waited for until READY."""
+    """strata-launch --serve with local ranks, started and waited for until READY. `cwd`: the
+    launcher's working directory, which `python -m` puts first on sys.path (and its ranks
+    inherit): another tree of the project there runs that tree's code (a relative `model` is
+    made absolute first, so it names the same file)."""
 
-    def __init__(self, model: str, *args: str, env: dict | None = None, timeout: float = 60.0):
+    def __init__(self, model: str, *args: str, env: dict | None = None, timeout: float = 60.0,
+                 cwd: str | None = None):
+        if cwd is not None:
+            model = os.path.abspath(model)
         argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--serve", *args]
         super().__init__(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, bufsize=1,
-                                          env=dict(os.environ, **(env or {}))))
+                                          env=dict(os.environ, **(env or {})), cwd=cwd))
         self.wait_ready(timeout)
 
 

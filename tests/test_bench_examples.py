@@ -29,6 +29,9 @@ GPU_ONLY = {"bench_attention.py", "bench_prompt_attention.py", "bench_rows.py",
 # the development side's commands: records.py describes the real tree's git (which the copy lacks);
 # monitor_screenshot.py draws docs/images/monitor.png (a minute of load and a browser, no record)
 DEV_SIDE = {"records.py", "monitor_screenshot.py"}
+# modules the scripts import, with no command of their own (--tree-arm's examples are
+# bench_decode.py's and bench_prefill.py's; a CPU run of it needs a git archive: test_bench_tree_arm)
+LIBRARIES = {"llama_runs.py", "tree_arm.py"}
 # the scripts whose CPU examples write records
 RECORDING = {"bench_decode.py", "bench_prefill.py", "bench_offload.py", "bench_tiers.py",
              "bench_seedrig.py", "bench_adapt.py", "bench_serve.py", "bench_spec.py"}
@@ -89,7 +92,7 @@ def test_every_script_documents_a_cpu_example_or_is_gpu_only():
         commands = documented_commands(path)
         if path.name in GPU_ONLY:
             assert commands and not any("--cpu" in c.split() for c in commands), path.name
-        elif path.name not in DEV_SIDE | {"llama_runs.py"}:
+        elif path.name not in DEV_SIDE | LIBRARIES:
             assert any(runs_without_gpu(path.name, c) for c in commands), (path.name, commands)
     assert {s for s, _ in cpu_examples()} >= RECORDING
 

@@ -489,8 +489,9 @@ def test_a_real_llama_arm_names_its_source(tmp_path):
 
 
 def test_first_difference_names_where_two_token_lists_part():
-    """bench_decode's --shape-arm arms record where their greedy tokens leave the first arm's."""
-    from bench_decode import first_difference
+    """bench_decode's --shape-arm and --tree-arm arms (and bench_prefill's --tree-arm arm)
+    record where their greedy tokens leave the first arm's."""
+    from tree_arm import first_difference
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([7], [8]) == 0
