@@ -7,7 +7,7 @@ slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
   its own in the step; a request with no drafts this step has one row), while fewer such steps
   than stages are in flight (each step a group of requests of its own: with K stages, K groups
   keep every stage busy): every stage runs all rows once, the last stage answers each request's
-  Tokens (it never starts the next step itself: `Sampling.head_steps`);
+  Tokens (it never starts the next batched step itself: `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
   `prompt_budget` tokens of prompt ride ahead of each decode step (a long prompt never stalls the
   running streams for more than a chunk a step); with nobody decoding, the window a lone request
@@ -15,8 +15,10 @@ slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
 
 A request alone in the scheduler decodes as in the one-request path: the head sends its first
 decode step as a plain one (no `batch`), and the last stage samples it and sends each next step
-itself (`loop`), with no head round trip a token (measured on CPU ranks, that round trip was what
-a lone request paid over the one-request path). When a second request is admitted the head sends
+itself (`loop`), with no head round trip a token (measured on CPU ranks, that round trip -- the
+head's process woken, its pump, the first stage woken again -- was what a lone request paid a
+token over the one-request path; the batched step's own code cost about what the one-row step's
+does). When a second request is admitted the head sends
 the last stage a HandBack; its next Token says `handed_back` and from there the head steps it in
 its batches (the second request's prompt goes meanwhile, as beside any running request).
 
