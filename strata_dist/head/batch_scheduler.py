@@ -116,6 +116,7 @@ class BatchScheduler:
         self.requests = 0                             # requests in them, summed over the steps
         # rows in them: a request's verify window (--spec) is 1 + its drafts rows of a step
         self.rows = 0
+        self.accepted = 0                             # their windows' drafts accepted
         self.loops = 0                                # lone requests' steps left to the last stage
         self.hand_backs = 0                           # ... and taken back for a batch
         # the most Tokens a request made from its HandBack to its Token `handed_back`, that one
@@ -371,6 +372,7 @@ class BatchScheduler:
         j = st.window_got
         st.window_got += 1
         if j < len(st.window) and msg.token_id == st.window[j]:
+            self.accepted += 1
             return
         st.next_token, st.next_pos = msg.token_id, msg.pos
         st.drafts, st.window = list(msg.drafts[:MAX_WINDOW_ROWS - 1]), []

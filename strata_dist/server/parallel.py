@@ -126,6 +126,7 @@ class ParallelRuns:
         return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
                 "batched_requests": self.scheduler.requests,
                 "batched_rows": self.scheduler.rows,
+                "batched_accepted": self.scheduler.accepted,   # drafts accepted in those rows
                 "most_steps_in_flight": self.scheduler.most_in_flight,
                 # a request alone steps on the last stage's own loop, until a second comes
                 "lone_loops": self.scheduler.loops, "hand_backs": self.scheduler.hand_backs,
