@@ -317,12 +317,16 @@ def strata_arms(args, vocab: int, save, kernel_shape: str | None = None
 def served_at_once(before: dict, after: dict) -> dict:
     """What the server did with an arm's streams, from /v1/status around it: `parallel` (its
     sessions: the requests it serves at once, 1 without --parallel) and, with --parallel, the
-    arm's batched steps and the mean requests a step carried."""
+    arm's batched steps and the mean requests a step carried, and how often a request alone
+    was left to the last stage's own loop (`lone_loops`: the one-request path's steps, no batched
+    step) and taken back into the batch when another came (`hand_backs`)."""
     parallel = int(after.get("parallel") or 1)
     steps = after.get("batched_steps", 0) - before.get("batched_steps", 0)
     requests = after.get("batched_requests", 0) - before.get("batched_requests", 0)
     return {"parallel": parallel, "batched_steps": steps,
-            "mean_requests_per_step": round(requests / steps, 3) if steps else None}
+            "mean_requests_per_step": round(requests / steps, 3) if steps else None,
+            "lone_loops": after.get("lone_loops", 0) - before.get("lone_loops", 0),
+            "hand_backs": after.get("hand_backs", 0) - before.get("hand_backs", 0)}
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 22
+PROTOCOL_VERSION = 23
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -359,6 +359,19 @@ class Cancel(Message):
 
 
 @message
+class HandBack(Message):
+    """Head → last stage (v23, --parallel): the head takes back the decode steps of
+    ``request_id``, a lone request the last stage has been stepping itself (its one-request loop,
+    protocol/batch.py). At that request's next plain decode step the last stage sends no next
+    step: it answers the Token with ``handed_back`` set (and, speculating, the next drafts), and
+    the head carries the request in its batched steps from there. Nothing is answered for a
+    request that has ended or is not looping."""
+
+    TYPE = "hand_back"
+    request_id: int
+
+
+@message
 class Settle(Message):
     """Last stage → first stage → … → last (v18): a speculating request ended (stop, length,
     cancel) and no next step of it will come; each stage settles its session's last verify window
@@ -489,6 +502,9 @@ class Token(Message):
     # v20, a batched step's (head_steps) last Token of a request's window: the drafts of its next
     # verify window, which the head sends after this token (protocol/batch.py)
     drafts: list[int] = field(default_factory=list)
+    # v23: the Token after which the last stage stopped stepping this request itself (it got a
+    # HandBack): the head sends its next step, this token (and `drafts`) in it
+    handed_back: bool = False
 
 
 def _boundaries(positions: list[int], pos: int, n: int) -> None:
@@ -515,7 +531,7 @@ __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "VersionMismatch", "Struct", "Message", "MESSAGE_TYPES",
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
-    "Settle",
+    "Settle", "HandBack",
     "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
     "ExpertTierAsk", "ExpertTier", "TierCounts", "TierPairs", "LinkProbe",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",

@@ -155,8 +155,8 @@ async def _complete(http, url: str, body: dict) -> list:
                                        ("tiny-next", ("--cpu-ranks", "2", "--layer-split", "4"))])
 def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
     """Eight concurrent clients against `--parallel 8` (in two arrival orders, at random small
-    offsets): each one's tokens are those it gets alone, and the decode steps carried several
-    requests' rows at once."""
+    offsets): each one's tokens are those it gets alone (the one-request path: the last stage
+    loops a lone request), and the decode steps carried several requests' rows at once."""
     import asyncio
     import random
 
@@ -187,6 +187,9 @@ def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
         assert [len(w[0] if not b["stream"] else w) for w, b in zip(want, bodies)] == \
             [b["max_tokens"] for b in bodies]
         before = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]
+        # each alone stepped as the one-request path does (the last stage looping it), so the
+        # batched answers below are checked against that path's
+        assert (before["lone_loops"], before["batched_steps"]) == (len(bodies), 0), before
         for order in (list(range(PARALLEL)), [7, 2, 5, 0, 3, 6, 1, 4]):
             assert asyncio.run(together(order)) == want
         q = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]

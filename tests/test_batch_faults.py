@@ -17,8 +17,8 @@ from launcher.launch import Launch, LaunchConfig
 from launcher.spawn import RankSpec
 from protocol import Cancel, Channel, PromptProgress, Token, Tokens
 from protocol.messages import Sampling
+from pumped_scheduler import Pumped, until
 from server_helpers import ServerProcess
-from strata_dist.head.batch_scheduler import BatchScheduler
 from strata_dist.head.coordinator import RankFailure, RequestError
 from strata_dist.plan.params import PlanParams
 from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
@@ -54,52 +54,12 @@ def pipeline(synth):
         launch.close()
 
 
-class _Pumped:
-    """The scheduler pumped on a thread of its own (as the server's worker does)."""
-
-    def __init__(self, coord, prompt_chunk: int):
-        self.scheduler = BatchScheduler(coord, 2, prompt_chunk)
-        self.prompt_chunk = prompt_chunk
-        self.failure: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._pump, daemon=True)
-        self._thread.start()
-
-    def _pump(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self.scheduler.pump(0.02)
-        except RankFailure as e:
-            self.failure.append(e)
-
-    def request(self, session_id: int, ids: list[int], step_timeout_s: float, out: dict,
-                name: str, max_new: int = 4, on_event=lambda e: None,
-                cancel: threading.Event | None = None) -> threading.Thread:
-        def run():
-            started = time.monotonic()
-            try:
-                reason = self.scheduler.run_request(
-                    session_id, 0, ids, Sampling(max_new=max_new, temperature=0.0), self.prompt_chunk,
-                    on_event, step_timeout_s=step_timeout_s,
-                    should_cancel=cancel.is_set if cancel is not None else None)
-                out[name] = ("ok", reason, time.monotonic() - started)
-            except Exception as e:   # noqa: BLE001 - the test looks at what it was
-                out[name] = ("error", e, time.monotonic() - started)
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        return t
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
 @pytest.mark.timeout(120)
 def test_a_request_queued_behind_a_long_prompt_is_not_timed_out(pipeline):
     """B waits (no message of its own) while A's long prompt takes many of B's step timeouts to
     read: both finish, and nobody declares the healthy ranks failed."""
     launch, plan = pipeline
-    pumped = _Pumped(launch.coordinator, plan.prompt_chunk)
+    pumped = Pumped(launch.coordinator, plan.prompt_chunk)
     out: dict = {}
     try:
         long = [int(x) for x in np.random.default_rng(1).integers(10, 300, LONG_PROMPT)]
@@ -127,7 +87,7 @@ def test_a_request_the_pipeline_stops_answering_fails_alone(pipeline):
     first = next(s for s in coord.ranks if s.assign is not None and s.assign.first)
     to_first = Channel("push", peer=f"rank {first.rank}")
     to_first.connect(first.data_endpoint).seal_tcp(coord.seal)
-    pumped = _Pumped(coord, plan.prompt_chunk)
+    pumped = Pumped(coord, plan.prompt_chunk)
     out: dict = {}
     b_tokens: list = []
     b_cancel = threading.Event()
@@ -140,7 +100,7 @@ def test_a_request_the_pipeline_stops_answering_fails_alone(pipeline):
     try:
         b = pumped.request(1, [5, 6, 7], QUEUED_TIMEOUT_S, out, "b", max_new=LONG_PROMPT,
                            on_event=b_tokens.append, cancel=b_cancel)
-        _until(lambda: len(b_tokens) > 3)
+        until(lambda: len(b_tokens) > 3)
         long = [int(x) for x in np.random.default_rng(2).integers(10, 300, LONG_PROMPT // 2)]
         a = pumped.request(0, long, QUEUED_TIMEOUT_S, out, "a", on_event=a_event)
         a.join(60)
@@ -166,7 +126,7 @@ def test_a_silent_pipeline_still_fails_every_request_in_bounded_time(pipeline):
     launch, plan = pipeline
     coord = launch.coordinator
     last = next(s for s in coord.ranks if s.assign is not None and s.assign.last)
-    pumped = _Pumped(coord, plan.prompt_chunk)
+    pumped = Pumped(coord, plan.prompt_chunk)
     out: dict = {}
     os.kill(last.register.pid, signal.SIGSTOP)
     try:
@@ -212,16 +172,6 @@ def _rows(server) -> dict[int, dict]:
             .json()["recent_requests"]}
 
 
-def _until(what, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s} s")
-
-
 @pytest.mark.timeout(120)
 def test_status_shows_every_running_job_with_its_own_token_count(server):
     """Two jobs at once: /v1/status shows both running, each with the tokens it made (the long
@@ -229,11 +179,11 @@ def test_status_shows_every_running_job_with_its_own_token_count(server):
     out: dict = {}
     before = set(_rows(server))
     a = _complete(server, [5, 6, 7], 6000, out, "a")
-    a_number = _until(lambda: next(iter(set(_rows(server)) - before), None))
-    _until(lambda: _rows(server)[a_number].get("generated_tokens", 0) > 50)
+    a_number = until(lambda: next(iter(set(_rows(server)) - before), None))
+    until(lambda: _rows(server)[a_number].get("generated_tokens", 0) > 50)
     b = _complete(server, [8, 9], 200, out, "b")
-    b_number = _until(lambda: next(iter(set(_rows(server)) - before - {a_number}), None))
-    both = _until(lambda: (lambda rows: rows if rows[b_number].get("generated_tokens", 0) > 0
+    b_number = until(lambda: next(iter(set(_rows(server)) - before - {a_number}), None))
+    both = until(lambda: (lambda rows: rows if rows[b_number].get("generated_tokens", 0) > 0
                            else None)(_rows(server)))
     assert both[a_number]["state"] == both[b_number]["state"] == "running", both
     # each its own count: the one that started first has made more

@@ -117,13 +117,18 @@ def test_the_record_check_names_what_a_serve_record_lacks(run):
 
 
 def test_what_the_server_did_is_read_from_its_status_around_an_arm():
-    """--parallel's counters before and after an arm: its steps and their mean requests."""
-    before = {"parallel": 4, "batched_steps": 10, "batched_requests": 12}
-    after = {"parallel": 4, "batched_steps": 40, "batched_requests": 102}
+    """--parallel's counters before and after an arm: its steps and their mean requests, the
+    lone requests' loops and their hand backs."""
+    before = {"parallel": 4, "batched_steps": 10, "batched_requests": 12, "lone_loops": 2,
+              "hand_backs": 1}
+    after = {"parallel": 4, "batched_steps": 40, "batched_requests": 102, "lone_loops": 5,
+             "hand_backs": 3}
     assert served_at_once(before, after) == {"parallel": 4, "batched_steps": 30,
-                                             "mean_requests_per_step": 3.0}
+                                             "mean_requests_per_step": 3.0, "lone_loops": 3,
+                                             "hand_backs": 2}
     assert served_at_once({}, {"waiting": 0}) == {"parallel": 1, "batched_steps": 0,
-                                                  "mean_requests_per_step": None}
+                                                  "mean_requests_per_step": None,
+                                                  "lone_loops": 0, "hand_backs": 0}
 
 
 def test_percentile_and_union_of_intervals():

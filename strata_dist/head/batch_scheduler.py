@@ -7,11 +7,20 @@ slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
   its own in the step; a request with no drafts this step has one row), while fewer such steps
   than stages are in flight (each step a group of requests of its own: with K stages, K groups
   keep every stage busy): every stage runs all rows once, the last stage answers each request's
-  Tokens (it never starts the next step itself: `Sampling.head_steps`);
+  Tokens (it never starts the next batched step itself: `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
   `prompt_budget` tokens of prompt ride ahead of each decode step (a long prompt never stalls the
   running streams for more than a chunk a step); with nobody decoding, the window a lone request
   has (coordinator.PROMPT_WINDOW_PER_STAGE chunks per stage).
+
+A request alone in the scheduler decodes as in the one-request path: the head sends its first
+decode step as a plain one (no `batch`), and the last stage samples it and sends each next step
+itself (`loop`), with no head round trip a token (measured on CPU ranks, that round trip -- the
+head's process woken, its pump, the first stage woken again -- was what a lone request paid a
+token over the one-request path; the batched step's own code cost about what the one-row step's
+does). When a second request is admitted the head sends
+the last stage a HandBack; its next Token says `handed_back` and from there the head steps it in
+its batches (the second request's prompt goes meanwhile, as beside any running request).
 
 A request is submitted from its own thread with `run_request` (the coordinator's signature): it
 blocks there, receiving its events on that thread, while `pump` (on the sockets' thread) moves
@@ -62,6 +71,11 @@ class _Stream:
     window: list[int] = field(default_factory=list)   # the drafts of its window in flight
     window_got: int = 0             # that window's Tokens come back so far
     cancelled: bool = False         # Cancel sent to every stage
+    # alone, its decode steps run on the last stage's own loop (the one-request path): the head
+    # reads its Tokens until one says `handed_back` (after a HandBack, `handing_back`)
+    looping: bool = False
+    handing_back: bool = False
+    tokens_handing_back: int = 0    # its Tokens since its HandBack went, the last stage looping on
     # when something of it last went out or came back: its clock runs only while the pipeline
     # owes it an answer (`_owed`), so a request queued behind another's prompt is never timed out
     last_event: float = field(default_factory=time.monotonic)
@@ -102,6 +116,12 @@ class BatchScheduler:
         self.requests = 0                             # requests in them, summed over the steps
         # rows in them: a request's verify window (--spec) is 1 + its drafts rows of a step
         self.rows = 0
+        self.accepted = 0                             # their windows' drafts accepted
+        self.loops = 0                                # lone requests' steps left to the last stage
+        self.hand_backs = 0                           # ... and taken back for a batch
+        # the most Tokens a request made from its HandBack to its Token `handed_back`, that one
+        # included: the steps a looping request takes to join the batch
+        self.most_hand_back_tokens = 0
 
     # ---- from a request's own thread -------------------------------------------------------------
     def run_request(self, session_id: int, pos: int, ids: list[int], sampling: Sampling,
@@ -147,6 +167,7 @@ class BatchScheduler:
         self._pumped_at = time.monotonic()
         self._admit(0.0 if self.streams else wait_s)
         self._cancels()
+        self._take_back_loops()
         self._send_due_or_fail()
         try:
             events = self.coord._pump(wait_s if self.streams else 0.0)
@@ -192,6 +213,17 @@ class BatchScheduler:
                     self.coord._cancel_everywhere(st.request_id)
                     st.last_event = time.monotonic()
 
+    def _take_back_loops(self) -> None:
+        """A request looping alone gives its steps back once another is admitted (HandBack): the
+        head batches them from its Token that says `handed_back`, a step or so later."""
+        if len(self.streams) < 2:
+            return
+        for st in self.streams.values():
+            if st.looping and not st.handing_back and not st.cancelled:
+                st.handing_back = True
+                self.hand_backs += 1
+                self.coord._hand_back(st.request_id)
+
     def _send_due_or_fail(self) -> None:
         """_send_due; a first stage that takes nothing fails every request (it says why)."""
         try:
@@ -210,7 +242,10 @@ class BatchScheduler:
                 if st.next_token is not None and not st.cancelled][:self.parallel]
         if rows and len(self._steps) < max(1, len(self.coord._stages())):
             sender = sender or self._sender()
-            self._send_step(sender, rows)
+            if len(self.streams) == 1 and not self._steps:
+                self._send_loop(sender, rows[0])
+            else:
+                self._send_step(sender, rows)
         # prompt chunks: one request at a time, paced
         in_flight = sum(st.sent - st.read for st in self.streams.values())
         running = any(st.sent >= st.chunks and st.read >= st.chunks
@@ -271,6 +306,20 @@ class BatchScheduler:
         except ProtocolTimeout as e:   # its heartbeats tell whether it died
             raise RequestError(f"the first stage took no decode step: {e}") from None
 
+    def _send_loop(self, sender, st: _Stream) -> None:
+        """A request alone: its next step as a plain decode step (its token, and with --spec its
+        drafts: a verify window), which the last stage follows with the next ones itself, as in
+        the one-request path, until the request ends or the head takes it back."""
+        ids = [st.next_token] + st.drafts
+        st.next_token, st.drafts, st.window, st.window_got = None, [], [], 0
+        st.looping, st.last_event = True, time.monotonic()
+        self.loops += 1
+        try:
+            sender.send(Tokens(request_id=st.request_id, session_id=st.session_id,
+                               pos=st.next_pos, ids=ids), timeout_ms=10_000)
+        except ProtocolTimeout as e:   # its heartbeats tell whether it died
+            raise RequestError(f"the first stage took no decode step: {e}") from None
+
     def _on_message(self, msg) -> None:
         rid = getattr(msg, "request_id", None)
         self._heard_at = time.monotonic()
@@ -303,8 +352,18 @@ class BatchScheduler:
                 st.events.put(("event", StreamEvent("token", msg)))
             if msg.done:
                 self._finish(st, msg.reason)
-            elif not st.cancelled:
+            elif st.cancelled:
+                pass
+            elif not st.looping:
                 self._window_token(st, msg)
+            else:
+                st.tokens_handing_back += st.handing_back
+                if msg.handed_back:   # the last stage stopped looping it: the head steps it now
+                    self.most_hand_back_tokens = max(self.most_hand_back_tokens,
+                                                     st.tokens_handing_back)
+                    st.looping = st.handing_back = False
+                    st.tokens_handing_back = 0
+                    self._window_token(st, msg)
 
     def _window_token(self, st: _Stream, msg: Token) -> None:
         """A Token of st's step, not its last: a draft of its window that matched comes with the
@@ -313,6 +372,7 @@ class BatchScheduler:
         j = st.window_got
         st.window_got += 1
         if j < len(st.window) and msg.token_id == st.window[j]:
+            self.accepted += 1
             return
         st.next_token, st.next_pos = msg.token_id, msg.pos
         st.drafts, st.window = list(msg.drafts[:MAX_WINDOW_ROWS - 1]), []
@@ -320,8 +380,8 @@ class BatchScheduler:
 
     def _owed(self, st: _Stream) -> bool:
         """The pipeline owes st an answer: prompt chunks sent and unread, a row of a step in
-        flight, or the final Token of a Cancel."""
-        return (st.sent > st.read or st.cancelled
+        flight, its next Token while the last stage loops it, or the final Token of a Cancel."""
+        return (st.sent > st.read or st.cancelled or st.looping
                 or any(st.request_id in step.waiting for step in self._steps.values()))
 
     def _check_timeouts(self) -> None:

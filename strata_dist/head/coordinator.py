@@ -17,9 +17,9 @@ import zmq
 from dataclasses import dataclass
 from typing import Callable
 
-from protocol import (Assign, Heartbeat, Cancel, Channel, Error, Poller, PromptProgress, ProtocolError,
-                      ProtocolTimeout, Ready, Register, Release, RouterChannel, Shutdown, Token,
-                      Tokens)
+from protocol import (Assign, Heartbeat, Cancel, Channel, Error, HandBack, Poller, PromptProgress,
+                      ProtocolError, ProtocolTimeout, Ready, Register, Release, RouterChannel,
+                      Shutdown, Token, Tokens)
 from protocol.auth import Authenticator, StrangerLimits, admit
 from protocol.seal import LinkSeal, link_key, new_nonce
 from protocol.conversations import ConversationStep
@@ -397,6 +397,16 @@ class Coordinator(RankRejoin):
                 self._sender(slot, role).send(Cancel(request_id=request_id), timeout_ms=10_000)
             except (ProtocolTimeout, ConnectionError) as e:   # its heartbeats tell the rest
                 log.warning("could not cancel request %d on rank %d: %s", request_id, slot.rank, e)
+
+    def _hand_back(self, request_id: int) -> None:
+        """--parallel: the last stage stops stepping a lone request itself (PROTOCOL.md §4d). On
+        the link a Cancel takes, so the two keep their order. A last stage that takes nothing
+        for this long is dead or stuck: its heartbeats, or the request's step timeout, tell."""
+        try:
+            self._sender(self._last_stage(), "last").send(HandBack(request_id=request_id),
+                                                         timeout_ms=10_000)
+        except (ProtocolTimeout, ConnectionError) as e:
+            log.warning("could not take back request %d's steps: %s", request_id, e)
 
     def _stages(self) -> list[RankSlot]:
         return [s for s in self.ranks if s.assign is not None and s.assign.stage >= 0]

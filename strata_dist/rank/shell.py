@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, Heartbeat, Hidden,
+from protocol import (PROTOCOL_VERSION, Assign, Cancel, Channel, Error, HandBack, Heartbeat, Hidden,
                       IpcHandle, Poller, ProtocolError, ProtocolTimeout, Ready, Register, Release,
                       RouterChannel, Settle, Shutdown, SlotFree, Stats, StatsReply, Tokens, advertise)
 from protocol.transport import Endpoints
@@ -99,7 +99,7 @@ class RankProcess:
         self._data_handlers = {IpcHandle: self._on_ipc_handle, SlotFree: self._on_slot_reply,
                                Error: self._on_slot_reply, Tokens: self._on_step,
                                Hidden: self._on_step, Release: self._on_step, Cancel: self._on_step,
-                               Settle: self._on_step}
+                               Settle: self._on_step, HandBack: self._on_step}
         self._last_beat_ok = time.monotonic()
         self._beat_seq = 0
 

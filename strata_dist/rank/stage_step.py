@@ -17,7 +17,7 @@ from enum import Enum
 
 import numpy as np
 
-from protocol import Cancel, Error, Hidden, PromptProgress, Release, Settle, Token, Tokens
+from protocol import Cancel, Error, HandBack, Hidden, PromptProgress, Release, Settle, Token, Tokens
 from protocol.messages import Sampling
 
 from ..ops import sample as sample_ops
@@ -62,6 +62,9 @@ class _Request:
     logprobs: bool = False      # each Token carries its logprob
     top_logprobs: int = 0       # ... and this many alternatives
     spec: SpecState | None = None   # speculative decoding: drafts and verify windows
+    # --parallel: the head asked for this request's steps back (HandBack); its next plain decode
+    # step sends no next step, and the flag is spent there
+    hand_back: bool = False
 
 
 class StageStep:
@@ -98,7 +101,7 @@ class StageStep:
                          "draft_rerun_rows": 0}
         self._handlers = {Tokens: self._on_rows, Hidden: self._on_rows,
                           Release: self._on_release, Cancel: self._on_cancel,
-                          Settle: self._on_settle}
+                          Settle: self._on_settle, HandBack: self._on_hand_back}
 
     def step(self, msg, rows=None) -> list[Outbound]:
         """The messages one data-plane message causes. ``rows`` are a Hidden message's rows as a
@@ -114,6 +117,15 @@ class StageStep:
         if self.draft_model is not None:
             self.draft_model.release(msg.session_id)
         return [] if self.last else [Outbound(To.NEXT, msg)]
+
+    def _on_hand_back(self, msg: HandBack, rows) -> list[Outbound]:
+        """--parallel: the head takes a lone request's decode steps back (a second request came);
+        its next plain decode step here answers the head instead of looping (`_sample`). A request
+        that ended meanwhile, or one this stage does not sample, is left alone."""
+        req = self.requests.get(msg.request_id) if self.last else None
+        if req is not None:
+            req.hand_back = True
+        return []
 
     def _on_settle(self, msg: Settle, rows) -> list[Outbound]:
         """A speculating request ended: its last verify window settles here, then on the stages
@@ -314,7 +326,8 @@ class StageStep:
                 and req.sampler.params.greedy and not req.sampler.params.reshapes_logits
                 and not req.logprobs and req.generated + 1 < req.max_new
                 and req.grammar is None    # a grammar's draw needs the row, masked, on the host
-                and req.spec is None)      # the next step's rows depend on this one's drafts
+                and req.spec is None       # the next step's rows depend on this one's drafts
+                and not req.hand_back)     # the head sends the next step (--parallel)
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
@@ -380,10 +393,19 @@ class StageStep:
         (`logits` of its every row) yields its accepted drafts and one token more
         (strata_dist/sampling/speculative.py); each token is drawn exactly as a one-row step draws it."""
         window = msg.sampling is None and _rows_of(msg) > 1
-        # a request whose decode steps the head sends (batched) gets no next step from here
-        loop = msg.sampling is None or not msg.sampling.head_steps
-        return self._sample_one(msg.request_id, msg.session_id, logits if window else [logits],
+        # a request whose decode steps the head sends (batched) gets no next step from here; nor
+        # does a lone one the head takes back (HandBack): its Token says so
+        req = self.requests.get(msg.request_id)
+        hand_back = msg.sampling is None and req is not None and req.hand_back
+        loop = (msg.sampling is None or not msg.sampling.head_steps) and not hand_back
+        sent = self._sample_one(msg.request_id, msg.session_id, logits if window else [logits],
                                 end, loop)
+        if hand_back:
+            req.hand_back = False
+            last = sent[-1].msg if sent else None
+            if isinstance(last, Token) and not last.done:   # an ended request has nothing to hand
+                last.handed_back = True
+        return sent
 
     def _sample_one(self, request_id: int, session_id: int, rows, end: int,
                     loop: bool) -> list[Outbound]:

@@ -119,13 +119,18 @@ class ParallelRuns:
         """What /v1/status shows of it (in `queue`): a row per session, with the job it serves
         (`running`: the worker's RunningJob by job number, read under the worker's lock), and the
         batched steps so far with the requests they carried (requests / steps: the mean batch)
-        and their rows (a request's verify window, --spec, is 1 + its drafts rows)."""
+        and their rows (a request's verify window, --spec, is 1 + its drafts rows), and how
+        often a lone request's steps were left to the last stage's loop and taken back."""
         with self.lock:
             busy = {session.session_id: n for n, (_, session, _) in self.running.items()}
         return {"parallel": len(self.sessions), "batched_steps": self.scheduler.steps,
                 "batched_requests": self.scheduler.requests,
                 "batched_rows": self.scheduler.rows,
+                "batched_accepted": self.scheduler.accepted,   # drafts accepted in those rows
                 "most_steps_in_flight": self.scheduler.most_in_flight,
+                # a request alone steps on the last stage's own loop, until a second comes
+                "lone_loops": self.scheduler.loops, "hand_backs": self.scheduler.hand_backs,
+                "most_hand_back_tokens": self.scheduler.most_hand_back_tokens,
                 "sessions": [session_row(s, running.get(busy.get(s.session_id)), now)
                              for s in self.sessions]}
 
