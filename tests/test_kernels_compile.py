@@ -281,15 +281,21 @@ def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
 # path's types (the float families, every integer-path type): items of 2 pairs (the switch's
 # default), of 4, and the integer path staged
 GROUPED_BUILDS = ["grouped_experts=1", "grouped_experts=1,expert_group_rows=4",
-                  "grouped_experts=1,int_direct=0"]
+                  "grouped_experts=1,int_direct=0",
+                  # and the grouped down (KernelShape grouped_down, experts_grouped_down.cuh):
+                  # items of 2 and of 4 pairs, and 8 outputs a float-path block (its passes
+                  # then take 2 of an item's 4 pairs: FLOAT_DOWN_GROUP_ROWS)
+                  "grouped_experts=1,grouped_down=1",
+                  "grouped_experts=1,grouped_down=1,expert_group_rows=4,down_per_block=8"]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("shape", GROUPED_BUILDS)
 def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
     """The grouped build compiles without warnings, holds moe_group_pairs and a
-    moe_gate_up_grouped_<type> for each type beside every kernel of the default build, and no
-    kernel of it has a stack frame beyond STACK_ALLOWED (the grouped ones: none)."""
+    moe_gate_up_grouped_<type> for each type beside every kernel of the default build (with
+    grouped_down=1 also moe_down_combine and a moe_down_grouped_<type> for each type; without it
+    neither), and no kernel of it has a stack frame beyond STACK_ALLOWED."""
     import re
     types = tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))
     defines = list(KernelShape.parse(shape).defines()) + [few_types_option(tmp_path, types)]
@@ -301,6 +307,12 @@ def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
     strings = set((tmp_path / "k.cubin").read_bytes().split(b"\0"))
     grouped = ["moe_group_pairs"] + [f"moe_gate_up_grouped_{TYPE_NAMES[t]}" for t in types]
     assert set(abi.grouped_kernel_names()) >= set(grouped)
+    down = ["moe_down_combine"] + [f"moe_down_grouped_{TYPE_NAMES[t]}" for t in types]
+    assert set(abi.grouped_down_kernel_names()) >= set(down)
+    if KernelShape.parse(shape).grouped_down:
+        grouped += down
+    else:                       # the switch off: none of the grouped down's kernels is built
+        assert not [k for k in down if k.encode() in strings]
     missing = [k for k in built_kernel_names("decode.cu", types) + grouped
                if k.encode() not in strings]
     assert not missing, missing

@@ -461,6 +461,8 @@ def down_combine(partial: np.ndarray, k: int, h: np.ndarray) -> np.ndarray:
         s = s + per[:, r]           # float32 + float32: one rounding an add, as the kernel's
     return (np.asarray(h, dtype=np.float32) + s).astype(np.float32)
 
+
+def group_pairs_words(k: int) -> int:
     """int32 words of a decode graph's groups buffer for top-k routing (experts_grouped.cuh):
     MAX_ROWS * k items of two words, then MAX_ROWS * k sorted pairs."""
     return 3 * MAX_ROWS * k
