@@ -283,10 +283,11 @@ def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
 GROUPED_BUILDS = ["grouped_experts=1", "grouped_experts=1,expert_group_rows=4",
                   "grouped_experts=1,int_direct=0",
                   # and the grouped down (KernelShape grouped_down, experts_grouped_down.cuh):
-                  # items of 2 and of 4 pairs, and 8 outputs a float-path block (its passes
-                  # then take 2 of an item's 4 pairs: FLOAT_DOWN_GROUP_ROWS)
+                  # items of 2 and of 4 pairs (down_per_block=8, whose float-path passes take 2
+                  # of an item's 4 pairs, builds too, with stack frames: moe_down_iq2_xxs 24
+                  # bytes, moe_down_grouped_iq2_xxs 8; ptxas -v, CUDA 13.0, 2026-12-06)
                   "grouped_experts=1,grouped_down=1",
-                  "grouped_experts=1,grouped_down=1,expert_group_rows=4,down_per_block=8"]
+                  "grouped_experts=1,grouped_down=1,expert_group_rows=4"]
 
 
 @needs_nvcc
@@ -460,8 +461,15 @@ def _cuda_include():
     return None
 
 
-@pytest.mark.parametrize("source", [p.name for p in sources()])
-def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
+# every source at the default shape, and decode.cu with the grouped gate/up and down (the
+# kernels only KernelShape switches build)
+NVRTC_BUILDS = [(p.name, "") for p in sources()] + [("decode.cu",
+                                                     "grouped_experts=1,grouped_down=1")]
+
+
+@pytest.mark.parametrize("source,shape", NVRTC_BUILDS,
+                         ids=[f"{s}-{sh or 'default'}" for s, sh in NVRTC_BUILDS])
+def test_kernel_compiles_with_nvrtc_as_cupy_does(source, shape):
     """CuPy compiles the sources at run time with NVRTC, which has no system headers (no
     <math.h>): build them the same way here, so what nvcc accepts but NVRTC refuses shows too."""
     import ctypes
@@ -472,7 +480,8 @@ def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
     prog = ctypes.c_void_p()
     src = source_text(source).encode()          # what kernels.module hands to CuPy
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
-    opts = [o.encode() for o in (*COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}")]
+    opts = [o.encode() for o in (*COMPILE_OPTIONS, *KernelShape.parse(shape).defines(),
+                                 "-arch=compute_90", f"-I{include}")]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
