@@ -281,12 +281,9 @@ def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
 # path's types (the float families, every integer-path type): items of 2 pairs (the switch's
 # default), of 4, and the integer path staged
 GROUPED_BUILDS = ["grouped_experts=1", "grouped_experts=1,expert_group_rows=4",
-                  "grouped_experts=1,int_direct=0",
-                  # and the grouped down (KernelShape grouped_down, experts_grouped_down.cuh):
-                  # items of 2 and of 4 pairs (down_per_block=8, whose float-path passes take 2
-                  # of an item's 4 pairs, builds too, with stack frames: moe_down_iq2_xxs 24
-                  # bytes, moe_down_grouped_iq2_xxs 8; ptxas -v, CUDA 13.0, 2026-12-06)
-                  "grouped_experts=1,grouped_down=1",
+                  "grouped_experts=1,int_direct=0", "grouped_experts=1,grouped_down=1",
+                  # the grouped down's items of 4 (with down_per_block=8 too it builds, with stack
+                  # frames: moe_down_iq2_xxs 24 bytes, the grouped 8; ptxas -v, CUDA 13.0)
                   "grouped_experts=1,grouped_down=1,expert_group_rows=4"]
 
 
@@ -294,9 +291,8 @@ GROUPED_BUILDS = ["grouped_experts=1", "grouped_experts=1,expert_group_rows=4",
 @pytest.mark.parametrize("shape", GROUPED_BUILDS)
 def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
     """The grouped build compiles without warnings, holds moe_group_pairs and a
-    moe_gate_up_grouped_<type> for each type beside every kernel of the default build (with
-    grouped_down=1 also moe_down_combine and a moe_down_grouped_<type> for each type; without it
-    neither), and no kernel of it has a stack frame beyond STACK_ALLOWED."""
+    moe_gate_up_grouped_<type> a type (grouped_down=1: and moe_down_combine and moe_down_grouped_
+    <type>; else neither) beside the default build's, no stack frame beyond STACK_ALLOWED."""
     import re
     types = tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))
     defines = list(KernelShape.parse(shape).defines()) + [few_types_option(tmp_path, types)]
@@ -310,10 +306,9 @@ def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
     assert set(abi.grouped_kernel_names()) >= set(grouped)
     down = ["moe_down_combine"] + [f"moe_down_grouped_{TYPE_NAMES[t]}" for t in types]
     assert set(abi.grouped_down_kernel_names()) >= set(down)
-    if KernelShape.parse(shape).grouped_down:
-        grouped += down
-    else:                       # the switch off: none of the grouped down's kernels is built
+    if not KernelShape.parse(shape).grouped_down:      # none of the grouped down's kernels
         assert not [k for k in down if k.encode() in strings]
+    grouped += down if KernelShape.parse(shape).grouped_down else []
     missing = [k for k in built_kernel_names("decode.cu", types) + grouped
                if k.encode() not in strings]
     assert not missing, missing
@@ -461,10 +456,8 @@ def _cuda_include():
     return None
 
 
-# every source at the default shape, and decode.cu with the grouped gate/up and down (the
-# kernels only KernelShape switches build)
-NVRTC_BUILDS = [(p.name, "") for p in sources()] + [("decode.cu",
-                                                     "grouped_experts=1,grouped_down=1")]
+# every source at the default shape, and decode.cu with the kernels only switches build
+NVRTC_BUILDS = [(p.name, "") for p in sources()] + [("decode.cu", "grouped_experts=1,grouped_down=1")]
 
 
 @pytest.mark.parametrize("source,shape", NVRTC_BUILDS,
