@@ -12,7 +12,7 @@ sources as nvcc preprocesses them (the macro-built kernels expanded).
 Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "grids": {name:
 {expert kernel: grid widths}}, "step_launches": {name: a one-row decode step's launches with the
 graph ops that made them}, "step_layers": {name: whether each of the graph's layers is linear},
-"grouped": {name: the grouped gate/up's launches, [kernel, grid, block] each}, "errors": [...]}."""
+"grouped": {name: the grouped gate/up's and down's launches, [kernel, grid, block] each}, "errors": [...]}."""
 from __future__ import annotations
 
 import collections
@@ -38,10 +38,10 @@ _SCALARS = {"int": np.int32, "float": np.float32, "long long": np.int64, "i64": 
 
 def signatures(nvcc: str) -> dict[tuple[str, str], list[str]]:
     """(source, kernel) -> its parameters, from each kernel source preprocessed by nvcc (decode.cu
-    also with the kernels only a KernelShape switch builds: GROUPED_EXPERTS)."""
+    also with the kernels only KernelShape switches build: GROUPED_EXPERTS, GROUPED_DOWN)."""
     out = {}
     builds = [(src, ()) for src in kernels.sources()]
-    builds += [(src, ("-DGROUPED_EXPERTS=1",)) for src in kernels.sources()
+    builds += [(src, ("-DGROUPED_EXPERTS=1", "-DGROUPED_DOWN=1")) for src in kernels.sources()
                if src.name == "decode.cu"]
     with tempfile.TemporaryDirectory() as d:
         for src, defines in builds:
@@ -61,7 +61,8 @@ GRIDS: dict[str, set[int]] = collections.defaultdict(set)
 # while not None: the kernel names launched, in order, each op of the graph's layer ops
 # (backends/graph_ops.py) marked before its launches as "op:<name>" (a one-row step's capture)
 STEP_LAUNCHES: list[str] | None = None
-# the grouped gate/up's launches (KernelShape grouped_experts): [kernel, grid, block] each
+# the grouped gate/up's and grouped down's launches (KernelShape grouped_experts, grouped_down):
+# [kernel, grid, block] each
 GROUPED: list = []
 
 
@@ -96,7 +97,8 @@ class CheckedKernel:
             STEP_LAUNCHES.append(self.name)
         if self.name.startswith(("moe_gate_up_", "moe_down_")) and "_rows" not in self.name:
             GRIDS[self.name].add(int(tuple(grid)[0]))
-        if self.name.startswith(("moe_gate_up_grouped_", "moe_group_pairs")):
+        if self.name.startswith(("moe_gate_up_grouped_", "moe_group_pairs", "moe_down_grouped_",
+                                 "moe_down_combine")):
             GROUPED.append([self.name, [int(v) for v in grid], [int(v) for v in block]])
         at = f"{self.name}{tuple(grid)}x{tuple(block)}"
         if len(args) != len(self.params):
@@ -301,6 +303,11 @@ def main() -> int:
         # experts' integer path and, below, the Q8_0 file's float path
         run("qwen3moe q5_k_m, grouped_experts=1", k_mix,
             env={"STRATA_KERNEL_SHAPE": "grouped_experts=1"})
+        # the grouped down too (KernelShape grouped_down): every step, one row included, groups
+        # its pairs and sums each pair's down apart (experts_grouped_down.cuh); the Q5_K / Q6_K
+        # down rows' integer path and, below, the Q8_0 file's float path
+        run("qwen3moe q5_k_m, grouped_down=1", k_mix,
+            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1,grouped_down=1"})
         # i-quant files (every expert IQ4_XS, IQ3_S or IQ2_XXS; 512 columns in, 256 out: the
         # router's reserved slice needs n_embd 512 below 4 bits) with the default build (their
         # integer path's switches on), and IQ4_XS's with the switches 0 too (the float path)
@@ -316,6 +323,8 @@ def main() -> int:
         q8 = Path(d) / "moe-q8_0.gguf"
         run("qwen3moe q8_0, grouped_experts=1", q8,
             env={"STRATA_KERNEL_SHAPE": "grouped_experts=1"})
+        run("qwen3moe q8_0, grouped_down=1", q8,
+            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1,grouped_down=1"})
         run("qwen3moe q8_0, routed on the host", q8,
             env={"STRATA_DEVICE_ROUTING": "0"})
         run("qwen3moe q8_0, the general path", q8,

@@ -281,15 +281,18 @@ def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
 # path's types (the float families, every integer-path type): items of 2 pairs (the switch's
 # default), of 4, and the integer path staged
 GROUPED_BUILDS = ["grouped_experts=1", "grouped_experts=1,expert_group_rows=4",
-                  "grouped_experts=1,int_direct=0"]
+                  "grouped_experts=1,int_direct=0", "grouped_experts=1,grouped_down=1",
+                  # the grouped down's items of 4 (with down_per_block=8 too it builds, with stack
+                  # frames: moe_down_iq2_xxs 24 bytes, the grouped 8; ptxas -v, CUDA 13.0)
+                  "grouped_experts=1,grouped_down=1,expert_group_rows=4"]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("shape", GROUPED_BUILDS)
 def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
     """The grouped build compiles without warnings, holds moe_group_pairs and a
-    moe_gate_up_grouped_<type> for each type beside every kernel of the default build, and no
-    kernel of it has a stack frame beyond STACK_ALLOWED (the grouped ones: none)."""
+    moe_gate_up_grouped_<type> a type (grouped_down=1: and moe_down_combine and moe_down_grouped_
+    <type>; else neither) beside the default build's, no stack frame beyond STACK_ALLOWED."""
     import re
     types = tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))
     defines = list(KernelShape.parse(shape).defines()) + [few_types_option(tmp_path, types)]
@@ -301,6 +304,11 @@ def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
     strings = set((tmp_path / "k.cubin").read_bytes().split(b"\0"))
     grouped = ["moe_group_pairs"] + [f"moe_gate_up_grouped_{TYPE_NAMES[t]}" for t in types]
     assert set(abi.grouped_kernel_names()) >= set(grouped)
+    down = ["moe_down_combine"] + [f"moe_down_grouped_{TYPE_NAMES[t]}" for t in types]
+    assert set(abi.grouped_down_kernel_names()) >= set(down)
+    if not KernelShape.parse(shape).grouped_down:      # none of the grouped down's kernels
+        assert not [k for k in down if k.encode() in strings]
+    grouped += down if KernelShape.parse(shape).grouped_down else []
     missing = [k for k in built_kernel_names("decode.cu", types) + grouped
                if k.encode() not in strings]
     assert not missing, missing
@@ -448,8 +456,13 @@ def _cuda_include():
     return None
 
 
-@pytest.mark.parametrize("source", [p.name for p in sources()])
-def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
+# every source at the default shape, and decode.cu with the kernels only switches build
+NVRTC_BUILDS = [(p.name, "") for p in sources()] + [("decode.cu", "grouped_experts=1,grouped_down=1")]
+
+
+@pytest.mark.parametrize("source,shape", NVRTC_BUILDS,
+                         ids=[f"{s}-{sh or 'default'}" for s, sh in NVRTC_BUILDS])
+def test_kernel_compiles_with_nvrtc_as_cupy_does(source, shape):
     """CuPy compiles the sources at run time with NVRTC, which has no system headers (no
     <math.h>): build them the same way here, so what nvcc accepts but NVRTC refuses shows too."""
     import ctypes
@@ -460,7 +473,8 @@ def test_kernel_compiles_with_nvrtc_as_cupy_does(source):
     prog = ctypes.c_void_p()
     src = source_text(source).encode()          # what kernels.module hands to CuPy
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
-    opts = [o.encode() for o in (*COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}")]
+    opts = [o.encode() for o in (*COMPILE_OPTIONS, *KernelShape.parse(shape).defines(),
+                                 "-arch=compute_90", f"-I{include}")]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

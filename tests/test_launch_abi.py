@@ -134,24 +134,29 @@ def test_the_decode_graph_captures_the_models_layer_step(report):
     kernels = {"norm_qkv": None, "attention": ("qk_norm_rope_kv", "attn_decode_128_g"),
                "add_out_projection": None, "route": ("matvec_f32_1",),
                "add_experts": ("moe_gate_up_", "moe_down_")}        # None: matvec launches
+    # the grouped down (KernelShape grouped_down) groups a one-row step's pairs too
+    grouped_down = dict(kernels, add_experts=("moe_group_pairs", "moe_gate_up_",
+                                              "moe_down_grouped_", "moe_down_combine"))
     checked = 0
     for name, graph in report["graphs"].items():
         launches = report["step_launches"].get(name)
         if graph != "DecodeGraph" or launches is None:
             continue
         checked += 1
+        want_kernels = grouped_down if "grouped_down=1" in name else kernels
+        experts = len(want_kernels["add_experts"])
         assert launches[:2] == ["embed_tokens", "op:norm_qkv"], (name, launches[:2])
         ops = [x[3:] for x in launches if x.startswith("op:")]
         # every layer of the graph's range, each the model's sequence (none dropped)
         assert ops == rec.calls * len(report["step_layers"][name]), (name, ops)
         groups = _op_groups(launches)
         last_op, tail = groups[-1]
-        groups[-1] = (last_op, tail[:2])
-        head = tail[2:]                    # the output head's matvec and the greedy argmax
+        groups[-1] = (last_op, tail[:experts])
+        head = tail[experts:]              # the output head's matvec and the greedy argmax
         assert len(head) >= 2 and head[-1] == "argmax_row" and all(
             k.startswith("matvec_") and k.endswith("_1") for k in head[:-1]), (name, head)
         for op, got in groups:
-            want = kernels[op]
+            want = want_kernels[op]
             if want is None:
                 assert got and all(k.startswith("matvec_") and k.endswith("_1") for k in got), \
                     (name, op, got)
@@ -275,6 +280,52 @@ def test_the_grouped_gate_up_takes_steps_of_several_rows(report):
     assert kernels == {"moe_group_pairs", "moe_gate_up_grouped_q8_0"}, kernels
     # the default build launches no grouped kernel
     assert "qwen3moe q5_k_m" not in report["grouped"] and "qwen3moe q8_0" not in report["grouped"]
+
+
+def test_the_grouped_down_takes_steps_of_every_row_count(report):
+    """STRATA_KERNEL_SHAPE=grouped_experts=1,grouped_down=1 (kernels/experts_grouped_down.cuh) on
+    the q5_k_m file (Q5_K / Q6_K down rows on the integer path, top-2, n_embd 256, 4 layers) and
+    the Q8_0 file (the float path, top-4, n_embd 256, 3 layers): every step, the one-row steps
+    too, launches per layer moe_group_pairs, the gate/up (grouped from two rows), then
+    moe_down_grouped_<type> over (the kernel shape's down blocks, n * k work items) and
+    moe_down_combine over (n_embd / 256, n), and never moe_down_<type>; the one-row step's
+    launches are the recorded step's. Each launch's arguments against the C signatures:
+    test_every_launch_matches_its_kernel."""
+    from strata_dist.kernels.abi import BLOCK_THREADS, GROUP_THREADS, KernelShape
+    from strata_dist.kernels.abi import Q5_K, Q6_K, Q8_0
+    shape = KernelShape.parse("grouped_experts=1,grouped_down=1")
+    for name, downs, k, layers in (("qwen3moe q5_k_m, grouped_down=1", {"q5_k": Q5_K, "q6_k": Q6_K},
+                                    2, 4),
+                                   ("qwen3moe q8_0, grouped_down=1", {"q8_0": Q8_0}, 4, 3)):
+        assert report["graphs"][name] == "DecodeGraph", name
+        run = report["scenarios"][name]
+        assert not any(run.get(f"moe_down_{t}", 0) for t in downs), (name, run)
+        step = report["step_launches"][name]
+        assert "moe_group_pairs" in step and not any("gate_up_grouped" in x for x in step), name
+        launches = report["grouped"][name]
+        # each step's layers: [group, (grouped gate/up,) grouped down, combine]
+        rows_seen = set()
+        at = 0
+        while at < len(launches):
+            assert launches[at] == ["moe_group_pairs", [1], [GROUP_THREADS]], launches[at]
+            at += 1
+            if launches[at][0].startswith("moe_gate_up_grouped_"):
+                at += 1
+            kernel, grid, block = launches[at]
+            t = kernel.removeprefix("moe_down_grouped_")
+            assert t in downs and block == [BLOCK_THREADS], launches[at]
+            assert grid[0] == -(-256 // shape.down_block(downs[t])) and grid[1] % k == 0, grid
+            n = grid[1] // k
+            assert launches[at + 1] == ["moe_down_combine", [1, n], [BLOCK_THREADS]], \
+                launches[at + 1]
+            rows_seen.add(n)
+            at += 2
+        assert {1, 3} <= rows_seen, (name, rows_seen)
+    # the builds without the switch launch none of the grouped down's kernels
+    for name, launches in report["grouped"].items():
+        if "grouped_down=1" not in name:
+            assert not any(x[0].startswith(("moe_down_grouped_", "moe_down_combine"))
+                           for x in launches), name
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

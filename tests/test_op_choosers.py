@@ -42,3 +42,15 @@ def test_the_grouped_gate_up_is_chosen_by_the_switch_and_the_rows():
     assert [moe.grouped_gate_up(on, n, 8) for n in range(1, MAX_ROWS + 1)] == \
         [False] + [True] * (MAX_ROWS - 1)
     assert moe.grouped_gate_up(on, 3, GROUP_MAX_K) and not moe.grouped_gate_up(on, 3, GROUP_MAX_K + 1)
+
+
+def test_the_grouped_down_is_chosen_by_its_switch_alone():
+    """ops/moe.py grouped_down: off in the default build and in the grouped gate/up's alone; with
+    grouped_down=1 on for every step (its lone row's bits are not moe_down's, so a one-row step
+    must take it too), up to the top-k moe_group_pairs takes."""
+    from strata_dist.kernels.abi import GROUP_MAX_K, KernelShape
+    for off in (KernelShape(), KernelShape.parse("grouped_experts=1")):
+        assert not moe.grouped_down(off, 8)
+    on = KernelShape.parse("grouped_experts=1,grouped_down=1")
+    assert moe.grouped_down(on, 8) and moe.grouped_down(on, GROUP_MAX_K)
+    assert not moe.grouped_down(on, GROUP_MAX_K + 1)

@@ -86,6 +86,13 @@ class KernelShape:
     moe_gate_up_grouped_<type> reads each gate/up weight piece once for up to
     `expert_group_rows` (1..4) pairs of one expert, each pair's act bit-identical to
     moe_gate_up_<type>'s; the down projection stays per row (ops/moe.py graph_experts says why).
+    `grouped_down` (default 0; only with grouped_experts=1: written and checked on the host on
+    2026-12-06, not yet run or measured on a GPU) builds kernels/experts_grouped_down.cuh: each
+    (row, slot) pair's down contribution is a sum of its own, into a per-pair partial buffer
+    (`down_partial_floats`), moe_down_grouped_<type> reading an expert's down rows once for a
+    work item's pairs, then moe_down_combine adds each row's k partials in slot order to h. A
+    row's h is then independent of the other rows but not the default build's bits (another
+    summation order), so such a build takes it for steps of every row count, one row included.
     A name in REMOVED (a build deleted after it measured slower) is
     refused by `parse` with why."""
     ff_per_block: int = FF_PER_BLOCK
@@ -107,6 +114,7 @@ class KernelShape:
     matvec_threads: int = BLOCK_THREADS
     grouped_experts: int = 0
     expert_group_rows: int = EXPERT_GROUP_ROWS
+    grouped_down: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -116,9 +124,10 @@ class KernelShape:
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS",
-              "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS"}
+              "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS",
+              "grouped_down": "GROUPED_DOWN"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "grouped_experts")
+                *INT_TYPE_SWITCHES, "grouped_experts", "grouped_down")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -146,6 +155,11 @@ class KernelShape:
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
+        # the grouped down reads the grouped gate/up's work items (moe_group_pairs)
+        if self.grouped_down and not self.grouped_experts:
+            raise ValueError(f"kernel shape grouped_down={self.grouped_down} with "
+                             f"grouped_experts={self.grouped_experts}: the grouped down reads "
+                             f"the grouped gate/up's work items (grouped_experts=1)")
         # a block the integer path cannot take runs the float body over its range, a float
         # block at a time: the ranges must tile (moe_down adds into h)
         for on, per_warp, per_block in (("int_gate_up", "int_ff_per_warp", "ff_per_block"),
@@ -420,6 +434,32 @@ def grouped_kernel_names() -> list[str]:
     """The kernels decode.cu has only where KernelShape.grouped_experts builds them
     (experts_grouped.cuh)."""
     return ["moe_group_pairs"] + [f"moe_gate_up_grouped_{t}" for t in TYPE_NAMES.values()]
+
+
+def grouped_down_kernel_names() -> list[str]:
+    """The kernels decode.cu has only where KernelShape.grouped_down builds them
+    (experts_grouped_down.cuh)."""
+    return ["moe_down_combine"] + [f"moe_down_grouped_{t}" for t in TYPE_NAMES.values()]
+
+
+def down_partial_floats(k: int, n_embd: int) -> int:
+    """float32 values of a decode graph's grouped-down partial buffer for top-k routing
+    (experts_grouped_down.cuh): a row of n_embd for each of the MAX_ROWS * k pairs."""
+    return MAX_ROWS * k * n_embd
+
+
+def down_combine(partial: np.ndarray, k: int, h: np.ndarray) -> np.ndarray:
+    """What moe_down_combine leaves in h [n, n_embd] (float32) from the partials [n * k or more,
+    n_embd] of top-k pairs p = row * k + slot: each row's k partials added in slot order from
+    slot 0's, in float32, then added to h."""
+    n, n_embd = h.shape
+    if partial.shape[0] < n * k or partial.shape[1] != n_embd:
+        raise ValueError(f"partials {partial.shape} for {n} rows of top-{k} and {n_embd} outputs")
+    per = np.asarray(partial[:n * k], dtype=np.float32).reshape(n, k, n_embd)
+    s = per[:, 0].copy()
+    for r in range(1, k):
+        s = s + per[:, r]           # float32 + float32: one rounding an add, as the kernel's
+    return (np.asarray(h, dtype=np.float32) + s).astype(np.float32)
 
 
 def group_pairs_words(k: int) -> int:

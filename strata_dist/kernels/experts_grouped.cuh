@@ -15,7 +15,9 @@
 // The down projection is NOT grouped: moe_down sums a row's k experts as one long row (each lane
 // or thread takes (rank, chunk) pieces in turn, experts mixed in one accumulator), so an expert's
 // contribution to h is never a separate sum that several rows could share without changing the
-// order of a row's float additions. It stays per row (moe_down_<type>, unchanged).
+// order of a row's float additions. It stays per row (moe_down_<type>, unchanged), unless
+// GROUPED_DOWN (KernelShape grouped_down) builds experts_grouped_down.cuh: each pair's down a sum of
+// its own, grouped by these items, then added per row in slot order (another order than moe_down's).
 #pragma once
 
 #ifndef GROUPED_EXPERTS

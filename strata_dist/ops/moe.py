@@ -376,6 +376,14 @@ def grouped_gate_up(shape, n: int, k: int) -> bool:
     return bool(shape.grouped_experts) and n >= 2 and k <= GROUP_MAX_K
 
 
+def grouped_down(shape, k: int) -> bool:
+    """Whether the decode steps take the grouped down (kernels/experts_grouped_down.cuh): the
+    build has it (KernelShape grouped_down, which needs grouped_experts). Steps of every row
+    count, one row included: its h is not moe_down_<type>'s bits (another summation order), so a
+    row alone must take it too for its tokens not to depend on who else is in the step."""
+    return bool(shape.grouped_down) and k <= GROUP_MAX_K
+
+
 def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     """The decode graph's routed experts over n rows: moe_gate_up_<type> (each chosen expert's
     gate and up rows on `routed`, the router's normed rows, SwiGLU into the graph's act), then
@@ -388,17 +396,24 @@ def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     expert_groups (one block, no host sync), then moe_gate_up_grouped_<type> takes a block per
     (ff chunk, work item of up to expert_group_rows pairs of one expert), reading each weight
     piece once for the item; each act row is bit-identical to moe_gate_up_<type>'s. The down is
-    not grouped: moe_down sums a row's k experts as one long row, experts mixed in each lane's
-    accumulator, so an expert's share of h is no separate sum that rows could share without
-    changing the order of a row's float additions."""
+    not grouped there: moe_down sums a row's k experts as one long row, experts mixed in each
+    lane's accumulator, so an expert's share of h is no separate sum that rows could share without
+    changing the order of a row's float additions.
+
+    With grouped_down too (`grouped_down`; steps of any n, one row included, so the pairs are
+    grouped for n = 1 as well), the down is two launches: moe_down_grouped_<type> writes each
+    pair's own down sum (times its weight) into the graph's down_partial, a block per (down
+    block, work item), each expert's down rows read once for the item's pairs; moe_down_combine
+    adds each row's k partials in slot order to h."""
     g, f, shape = graph.g, graph._launch, graph.shape
     gate_up, down = spec["expert_types"]
     gate_codes, down_codes = spec["expert_codes"]
     ff, out = shape.gate_up_block(gate_codes), shape.down_block(down_codes)
     k = g.n_expert_used
-    if grouped_gate_up(shape, n, k):
+    if grouped_gate_up(shape, n, k) or grouped_down(shape, k):
         f("moe_group_pairs")((1,), (GROUP_THREADS,),
                              (spec["experts"], spec["ids"], np.int32(n), graph.expert_groups))
+    if grouped_gate_up(shape, n, k):
         f(f"moe_gate_up_grouped_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, n * k),
                                             (BLOCK_THREADS,),
                                             (spec["experts"], routed, graph.blobs,
@@ -406,6 +421,13 @@ def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     else:
         f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, k, n), (BLOCK_THREADS,),
                                     (spec["experts"], routed, graph.blobs, graph.act))
+    if grouped_down(shape, k):
+        f(f"moe_down_grouped_{down}")(((g.n_embd + out - 1) // out, n * k), (BLOCK_THREADS,),
+                                      (spec["experts"], graph.act, graph.blobs, graph.wts,
+                                       graph.expert_groups, graph.down_partial))
+        f("moe_down_combine")((-(-g.n_embd // BLOCK_THREADS), n), (BLOCK_THREADS,),
+                              (spec["experts"], graph.down_partial, h))
+        return
     f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                           (spec["experts"], graph.act, graph.blobs, graph.wts, h))
 
