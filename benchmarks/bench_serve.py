@@ -30,6 +30,8 @@ ttft_p99 = T_PP) and each of its steps gives every stream one token (itl_p50 = T
 With --shape-arm SHAPE a second launch built with STRATA_KERNEL_SHAPE=SHAPE runs the same prompts
 alone and the same N (its arms carry `kernel_shape`, `aggregate_vs_first_arm` and whether its
 prompts alone gave the first launch's tokens): a kernel variant's serving figure in one record.
+With --tree-arm TARBALL (a `git archive <commit> | xz` of an older tree, benchmarks/tree_arm.py)
+one more launch is that tree's own launcher and ranks: an after / before figure at every N.
 
 The record (../shared/RECORDS.md, `bench: serve`) goes to
 benchmarks/results/serve-<like>-<quant>-<date>-<HHMMSS>-<commit>.json, rewritten after each arm.
@@ -65,6 +67,7 @@ sys.path.insert(0, HERE)
 from llama_runs import UBATCHES, llama_build, llama_source, llama_wait  # noqa: E402
 from records import (PeakMemory, Recorder, env_prefix, fail, model_facts,  # noqa: E402
                      prompt_ids)
+from tree_arm import OlderTree, first_difference  # noqa: E402
 
 WARM_UP_SEED = 7
 LISTENING = re.compile(r"listening on (http://\S+)")
@@ -81,11 +84,12 @@ class Server:
     """`strata-launch --port 0` with the arm's flags: its URL once it listens, ready once /health
     answers 200 (bounded); closed with a terminate, then a kill."""
 
-    def __init__(self, model: str, flags: list[str], timeout: float, env: dict | None = None):
+    def __init__(self, model: str, flags: list[str], timeout: float, env: dict | None = None,
+                 cwd: str = ROOT):
         import httpx
         argv = [sys.executable, "-m", "launcher.cli", "--model", model, "--port", "0", *flags]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     stderr=subprocess.PIPE, text=True, cwd=cwd,
                                      env=dict(os.environ, **(env or {})))
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.stderr: list[str] = []
@@ -258,13 +262,16 @@ def strata_flags(args) -> list[str]:
             *shlex.split(args.launch_args)]
 
 
-def strata_arms(args, vocab: int, save, kernel_shape: str | None = None
+def strata_arms(args, vocab: int, save, kernel_shape: str | None = None, tree=None
                 ) -> tuple[list[dict], bool, list[list[int]]]:
     """One launch; every prompt alone first, then one arm per N of --streams (each saved as it
     ends). The arms, whether every stream's tokens were its prompt's alone, and each prompt's
     tokens alone. `kernel_shape` (not None): the launch's STRATA_KERNEL_SHAPE, whatever this
-    process's is (--shape-arm)."""
+    process's is (--shape-arm). `tree` (tree_arm.OlderTree): the launch is that older tree's code
+    (--tree-arm)."""
     env = None if kernel_shape is None else {"STRATA_KERNEL_SHAPE": kernel_shape}
+    if tree is not None:
+        env = {**(env or {}), **tree.env()}
     flags = strata_flags(args)
     ranks = args.cpu_ranks if args.cpu else len(args.gpus.split(","))
     cards = [] if args.cpu else sorted({int(g) for g in args.gpus.split(",")})
@@ -275,7 +282,8 @@ def strata_arms(args, vocab: int, save, kernel_shape: str | None = None
     arms, all_same = [], True
     with PeakMemory(cards or 0) as mem:
         t0 = time.perf_counter()
-        server = Server(args.model, flags, timeout=args.load_timeout, env=env)
+        server = Server(os.path.abspath(args.model), flags, timeout=args.load_timeout, env=env,
+                        cwd=ROOT if tree is None else tree.dir)
         try:
             print(f"{name}: ready in {time.perf_counter() - t0:.0f} s ({command})", flush=True)
             run_streams(server, [prompt_ids(args.prompt_tokens, WARM_UP_SEED, vocab)],
@@ -300,7 +308,8 @@ def strata_arms(args, vocab: int, save, kernel_shape: str | None = None
                        "streams_differing": differ,
                        "tokens_sha256": sha([r["tokens"] for r in results]),
                        "peak_gib": round(mem.mark(), 2), **served_at_once(before, after),
-                       **({} if env is None else {"kernel_shape": kernel_shape})}
+                       **({} if kernel_shape is None else {"kernel_shape": kernel_shape}),
+                       **({} if tree is None else tree.fields())}
                 arms.append(arm)
                 save(arms)
                 print(f"  {n:3d} streams: {arm['aggregate_tok_s']:9.1f} tok/s decode, "
@@ -452,6 +461,10 @@ def main() -> int:
                     help="one more strata launch built with STRATA_KERNEL_SHAPE=SHAPE (repeatable): "
                          "its arms (every N) beside the first launch's in one record, each with "
                          "its aggregate over the first launch's at the same N")
+    ap.add_argument("--tree-arm", default="", metavar="TARBALL",
+                    help="one more strata launch run by an older tree of this project (a `git "
+                         "archive <commit> | xz` tarball; tree_arm.py): its arms beside the first "
+                         "launch's in one record, an after / before ratio at every N")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     for shape in args.shape_arm:
@@ -487,22 +500,35 @@ def main() -> int:
 
     first_arms, all_same, first_alone = strata_arms(args, facts["vocab"],
                                                     lambda a: save(strata=a))
-    for shape in args.shape_arm:
-        shaped, same, alone = strata_arms(args, facts["vocab"],
-                                          lambda a: save(strata=first_arms + a), shape)
+    variants = [(shape, None) for shape in args.shape_arm]
+    if args.tree_arm:
+        variants.append((None, OlderTree(args.tree_arm)))
+    for shape, tree in variants:
+        other, same, alone = strata_arms(args, facts["vocab"],
+                                         lambda a: save(strata=first_arms + a), shape, tree)
         all_same &= same
-        # the same prompts alone under the other build: a batch-invariant build that changes no
-        # bit gives every prompt's tokens of the first launch
+        # the same prompts alone under the other build or tree: a change that moves no bit
+        # gives every prompt's tokens of the first launch
         differ = [i for i, (a, b) in enumerate(zip(alone, first_alone)) if a != b]
-        for ours, base in zip(shaped, first_arms):
+        parts = [first_difference(a, b) for a, b in zip(alone, first_alone)]
+        label = f"STRATA_KERNEL_SHAPE={shape}" if tree is None else f"tree {tree.short}"
+        for ours, base in zip(other, first_arms):
             ours["alone_tokens_identical_to_first_arm"] = not differ
+            if tree is not None:
+                # the record checker's fields of a tree arm: over every prompt alone
+                ours["tokens_identical_to_first_arm"] = not differ
+                ours["first_token_differing"] = min((p for p in parts if p is not None),
+                                                    default=None)
             ours["aggregate_vs_first_arm"] = round(
                 ours["aggregate_tok_s"] / base["aggregate_tok_s"], 3)
-            print(f"  {ours['streams']:3d} streams, STRATA_KERNEL_SHAPE={shape}: aggregate decode "
+            print(f"  {ours['streams']:3d} streams, {label}: aggregate decode "
                   f"{ours['aggregate_vs_first_arm']:.3f}x the first launch's; prompts alone "
                   + ("identical to" if not differ else f"{differ} DIFFER from")
-                  + " the first launch's", flush=True)
-        first_arms = first_arms + shaped
+                  + " the first launch's"
+                  + ("" if tree is None else "; " + tree.ratio_line(
+                      base["aggregate_tok_s"], ours["aggregate_tok_s"], " aggregate")),
+                  flush=True)
+        first_arms = first_arms + other
         save(strata=first_arms)
     if args.llama_batched_bench:
         save(llama=llama_arms(args, llama_tests(args)))
@@ -515,7 +541,8 @@ def main() -> int:
     else:
         print("llama.cpp: no --llama-batched-bench given, its arms left out", flush=True)
     first = arms["strata"][0]
-    for arm in [a for a in arms["strata"][1:] if "kernel_shape" not in a]:
+    for arm in [a for a in arms["strata"][1:] if "kernel_shape" not in a
+                and "tree_commit" not in a]:
         print(f"  {arm['streams']:3d} streams / {first['streams']}: aggregate decode "
               f"{arm['aggregate_tok_s'] / first['aggregate_tok_s']:.2f}x", flush=True)
     print(f"record: {save()}")

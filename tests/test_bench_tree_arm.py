@@ -98,6 +98,25 @@ def test_prefill_tree_arm_is_the_archived_commit(archived, model, tmp_path):
     assert f"tree {head}: first tokens identical to this tree's" in done.stdout
 
 
+def test_serve_tree_arm_is_the_archived_commit(archived, model, tmp_path):
+    """bench_serve's older launch: its arms (one per N) name the commit and carry the after /
+    before ratio of the same N."""
+    tarball, head = archived
+    done = _bench("bench_serve.py", model, tmp_path / "r", "--streams", "1,2", "--prompt-tokens",
+                  "16", "--tokens", "4", "--launch-args", "--parallel 2", "--tree-arm",
+                  str(tarball))
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = _record(tmp_path / "r")["arms"]
+    assert [a["name"] for a in arms] == ["strata", "strata", f"strata {head[:7]}",
+                                         f"strata {head[:7]}"]
+    for first, before in zip(arms[:2], arms[2:]):
+        assert before["tree_commit"] == head and before["streams"] == first["streams"]
+        assert before["tokens_identical_to_first_arm"] is True
+        assert before["tokens_sha256"] == first["tokens_sha256"]
+        ratio = first["aggregate_tok_s"] / before["aggregate_tok_s"]
+        assert f"strata (this tree) / strata {head[:7]} aggregate: {ratio:.3f}x" in done.stdout
+
+
 @pytest.mark.parametrize("planted", ["launcher/cli.py", "strata_dist/rank/main.py"])
 def test_the_tree_arm_runs_the_archived_code(archived, model, tmp_path, planted):
     """The archive with one module made to exit at import: the launcher (`python -m` in the
