@@ -69,6 +69,11 @@
 #   bash benchmarks/must_show.sh --parts depth
 #   bash benchmarks/must_show.sh --parts depth_prompt
 #   bash benchmarks/must_show.sh --parts depth_resident
+# redesign_next (off by default, its own call, strata alone; estimated, not yet timed: the synth
+# ~5 min, then two arms each of decode and of 512/4,096-token prompts): issue 52's before/after
+# on the qwen3next 80B-A3B file at Q4_K, this tree beside $TREE_ARM's (required), e.g.
+#   git archive f13c4ab | xz > .anchor/before.tar.xz      # on the development side
+#   TREE_ARM=.anchor/before.tar.xz bash benchmarks/must_show.sh --parts redesign_next
 # spec_mtp (off by default, its own call, strata alone; estimated, not yet timed): bench_spec.py
 # --mtp on the qwen3next 80B-A3B geometry at Q4_K written with one multi-token-prediction block
 # (synth --mtp, ~46 GiB, ~5 min), K = 0 beside the self-draft, n-gram and MTP drafters: ~9 min;
@@ -126,7 +131,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for p in ${PARTS//,/ }; do
-  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp|ftype_q4_k_m_split3|ftype_q4_k_m_split3_prompt) ;;
+  case "$p" in decode_q8_0|q4_k|offload_zipf1.0|offload_uniform|offload_zipf0.5|seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth|depth_prompt|depth_resident|spec_mtp|ftype_q4_k_m_split3|ftype_q4_k_m_split3_prompt|redesign_next) ;;
     ftype_*) case " $FTYPES " in *" ${p#ftype_} "*) ;;
       *) echo "error: --parts: unknown part $p (file types: $FTYPES)" >&2; exit 2 ;; esac ;;
     *) echo "error: --parts: unknown part $p" >&2; exit 2 ;; esac
@@ -146,6 +151,9 @@ if [ -n "${TREE_ARM:-}" ]; then
     echo "error: TREE_ARM=$TREE_ARM: no such file (a git archive tarball of the older tree)" >&2; exit 2
   fi
   TREE=(--tree-arm "$TREE_ARM")
+fi
+if has redesign_next && [ ${#TREE[@]} = 0 ]; then
+  echo "error: --parts redesign_next measures this tree beside an older one: give TREE_ARM" >&2; exit 2
 fi
 # the commit every record will name, said now (a stale archive is refused before any device time)
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import records; print('measuring', records.commit_info())" || exit 2
@@ -173,7 +181,7 @@ else SEED_LIKE=qwen3-next-80b-a3b; SEED_SHARD=20G; SEEDRIG=(); fi
 # the parts without llama-bench: the seed rig, the adaptive cache, the streams (the serve part
 # runs llama-batched-bench instead, LBB below), speculative decoding (spec_quant runs
 # llama-speculative, LSP below)
-ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth_resident|spec_mtp) ;; *) ALONE=0 ;; esac; done
+ALONE=1; for p in ${PARTS//,/ }; do case "$p" in seedrig|adapt|serve|serve_two_ranks|spec|spec_two_ranks|spec_quant|depth_resident|spec_mtp|redesign_next) ;; *) ALONE=0 ;; esac; done
 [ "$ALONE" = 1 ] && LB=
 # the streams' file: the Q4_K_M recipe (the CPU dry run: q8_0, the tiny geometry, short requests)
 LBB=""
@@ -328,6 +336,21 @@ for law in zipf1.0 uniform zipf0.5; do
   run "offload_$law" timeout 590 python3 benchmarks/bench_offload.py --model "$f" "${OFFLOAD[@]}" \
     --out "$OUT" "${LLAMA[@]}"
 done
+# issue 52's qwen3next before/after: the 80B-A3B geometry at Q4_K (~46 GiB; the CPU dry run:
+# tiny-next at q8_0), decode and two prompt lengths, strata alone, $TREE_ARM's tree beside this one
+if has redesign_next; then
+  if [ "$CPU" = 1 ]; then NEXT_LIKE=tiny-next; NEXT_QUANT=q8_0; NEXT_PROMPTS=(--cpu --budget 400M --prompts 128 --chunk 64 --repeats 1)
+  else NEXT_LIKE=qwen3-next-80b-a3b; NEXT_QUANT=q4_k; NEXT_PROMPTS=(--budget 70G --prompts 512,4096 --chunk 4096); fi
+  f=$M/must_next_${NEXT_QUANT}_zipf1.gguf; keep_only "$f"
+  if [ ! -f "$f" ] || [ "$PRINT" = 1 ]; then
+    run synth_next timeout 580 python3 -m launcher.tools synth "$f" --like "$NEXT_LIKE" \
+      --quant "$NEXT_QUANT" --popularity zipf:1.0 --quiet
+  fi
+  run decode_redesign_next timeout 580 python3 benchmarks/bench_decode.py --model "$f" \
+    "${DECODE[@]}" "${TREE[@]}" --out "$OUT"
+  run prefill_redesign_next timeout 580 python3 benchmarks/bench_prefill.py --model "$f" \
+    "${NEXT_PROMPTS[@]}" --only-loans-on "${RESIDENT_NCMOE[@]}" "${TREE[@]}" --out "$OUT"
+fi
 if has seedrig; then
   keep_only none      # the 80B-A3B IQ3_S file is ~33 GiB: nothing else beside it
   f=$M/seedrig-$SEED_LIKE-iq3_s.gguf; first=${f%.gguf}-00001-of-00002.gguf

@@ -209,3 +209,20 @@ def test_must_show_gives_the_tree_arm_to_the_decode_and_q4_k_parts(archived, tmp
     record = json.loads(path.read_text())
     assert [a.get("tree_commit") for a in record["arms"]] == [None, head]
     assert record["arms"][1]["tokens_identical_to_first_arm"] is True
+
+
+def test_must_show_redesign_next_needs_and_gives_the_tree_arm(archived, tmp_path):
+    """The qwen3next before/after part: refused without $TREE_ARM before anything runs; with it,
+    the qwen3next file's synth, then bench_decode and bench_prefill each with --tree-arm and no
+    llama.cpp arm."""
+    tarball, _ = archived
+    refused = _must_show(tmp_path, None, "--print", "--parts", "redesign_next")
+    assert refused.returncode == 2 and "give TREE_ARM" in refused.stderr
+    done = _must_show(tmp_path, str(tarball), "--print", "--parts", "redesign_next")
+    assert done.returncode == 0, done.stderr
+    commands = [ln[2:] for ln in done.stdout.splitlines() if ln.startswith("+ ")]
+    assert [c.split()[3:5] for c in commands] == [
+        ["-m", "launcher.tools"], ["benchmarks/bench_decode.py", "--model"],
+        ["benchmarks/bench_prefill.py", "--model"]]
+    assert "--like qwen3-next-80b-a3b" in commands[0]
+    assert all(f"--tree-arm {tarball}" in c and "--llama-bench" not in c for c in commands[1:])
