@@ -37,10 +37,10 @@ def next_path(tmp_path_factory):
     return write_gguf(tiny_qwen3next(49, **NEXT_GEOMETRY), d / "n.gguf", "q8_0")
 
 
-def _run(path, kv_type: str, eps: float, steps: list[int], seed: int = 0):
-    """The numpy runner's logits of each step after the prompt, and each step's router logits
-    (one array a layer, in layer order); with `eps`, K and V multiplied by (1 + eps N(0, 1))
-    before every write (the prompt's too)."""
+def _runner(path, kv_type: str, eps: float, seed: int = 0):
+    """A numpy runner whose steps' router logits are kept (one array a layer, in layer order, in
+    the list returned beside it); with `eps`, K and V multiplied by (1 + eps N(0, 1)) before
+    every write (the prompt's too)."""
     from strata_dist.tools.single_process import SingleProcessRunner
     r = SingleProcessRunner(str(path), "cpu", prompt_chunk=CHUNK, max_context=256,
                             kv_type=kv_type)
@@ -53,14 +53,20 @@ def _run(path, kv_type: str, eps: float, steps: list[int], seed: int = 0):
             v = v * (1 + eps * rng.standard_normal(v.shape)).astype(np.float32)
         return plain_write(q, k, v, *args, **kw)
 
-    step_routes: list[np.ndarray] = []
+    routes: list[np.ndarray] = []
 
     def route(x, router, k, normalize):
         # the same product the backend's route takes its top-k of (NumpyBackend.route)
-        step_routes.append(np.asarray(be.linear(x, router), dtype=np.float32)[-1].copy())
+        routes.append(np.asarray(be.linear(x, router), dtype=np.float32)[-1].copy())
         return plain_route(x, router, k, normalize)
 
     be.qk_norm_rope_kv, be.route = write, route      # this runner's backend only
+    return r, routes
+
+
+def _run(path, kv_type: str, eps: float, steps: list[int], seed: int = 0):
+    """The logits of each step after the prompt, and each step's router logits."""
+    r, step_routes = _runner(path, kv_type, eps, seed)
     r.prefill(PROMPT)
     logits, routes = [], []
     for t in steps:
@@ -139,3 +145,30 @@ def test_the_jump_is_the_routing_swap_alone(next_path, monkeypatch):
     jump = float(np.abs(got[TIE_STEP] - q8[TIE_STEP]).max())
     perturbed = float(np.abs(q8p[TIE_STEP] - q8[TIE_STEP]).max())
     assert abs(jump - perturbed) < 1e-2 * perturbed, (jump, perturbed)
+
+
+def test_reading_the_other_runners_q8_0_cells_removes_the_jump(next_path):
+    """tests/kv_mirror.py on the host: the perturbed runner reading the plain runner's cells
+    (each of its writes keeps the plain runner's int8 values and scales) gives the plain runner's
+    logits bit for bit at every step, the tie step too, while its own quantization of the same
+    writes differs from the plain one's in a few codes, by one step each (what
+    tests/test_gpu_kv_q8_mirror.py checks between the GPU's cells and numpy's)."""
+    from kv_mirror import code_differences, mirror_kv
+    steps = STEPS[:TIE_STEP + 1]
+    plain, _ = _runner(next_path, "q8_0", 0.0)
+    moved, _ = _runner(next_path, "q8_0", LAST_BITS)
+    plain.prefill(PROMPT)
+    stores = mirror_kv(moved.session, plain.session, moved.session.attention_layers, np.asarray)
+    assert sorted({layer for layer, _ in stores}) == [3, 7]
+    moved.prefill(PROMPT)
+    for i, t in enumerate(steps):
+        want = np.asarray(plain.feed([t])[-1])
+        assert np.array_equal(np.asarray(moved.feed([t])[-1]), want), i
+    end = len(PROMPT) + len(steps)
+    shares = []
+    for store in stores.values():
+        assert store.written[-1] == slice(end - 1, end)
+        d = code_differences(store, np.asarray, slice(0, end))
+        assert d["scale_ulps"] <= 1 and d["code_max"] <= 1, d
+        shares.append(d["code_share"])
+    assert 0 < max(shares) < 1e-3, shares
