@@ -268,3 +268,33 @@ def test_the_last_stage_loops_a_plain_step_until_a_hand_back_and_spends_it_once(
     assert [o.to for o in again] == [To.HEAD, To.FIRST] and not again[0].msg.handed_back
     middle = StageStep(stage, 0, last=False)
     assert middle.step(HandBack(request_id=3)) == []
+
+
+@pytest.mark.parametrize("like, ahead", [("tiny", True), ("tiny-next", False)])
+def test_a_looping_parallel_request_launches_no_step_ahead_on_recurrent_layers(tmp_path, like,
+                                                                               ahead):
+    """Under --parallel another request's prompt can reach the stage between a looping request's
+    steps: a step launched ahead is then dropped and run again (DecodeGraph.settle). That rewrites
+    the same KV cells (qwen3moe: the step ahead stays allowed), but a recurrent layer's state is
+    updated in place and would take the token twice, so a shared request on qwen3next launches
+    none; the same request without --parallel still may."""
+    from protocol import Tokens
+    from strata_dist.rank.stage import Stage, StageConfig
+    from strata_dist.rank.stage_step import StageStep
+
+    path = tmp_path / f"{like}.gguf"
+    write_synthetic(str(path), like=like, quant="f32")
+    from strata_dist.gguf_file.reader import GGUFModel
+    layers = GGUFModel(str(path)).arch_int("block_count", required=True, minimum=1)
+    stage = Stage(StageConfig(model_path=str(path), device="cpu", lb=0, le=layers, first=True,
+                              last=True, max_context=64))
+    step = StageStep(stage, 0, last=True)
+    for request_id, shared in ((3, True), (4, False)):
+        out = step.step(Tokens(request_id=request_id, session_id=0, pos=0, ids=A_PROMPT,
+                               sampling=Sampling(max_new=20, head_steps=shared)))
+        if shared:        # the head sends the first decode step: it loops from there
+            token = out[-1].msg
+            out = step.step(Tokens(request_id=request_id, session_id=0, pos=token.pos,
+                                   ids=[token.token_id]))
+        [looped] = [o.msg for o in out if isinstance(o.msg, Tokens)]
+        assert step._ahead(looped) is (ahead or not shared), (like, shared)

@@ -21,7 +21,7 @@ from protocol import Cancel, Error, HandBack, Hidden, PromptProgress, Release, S
 from protocol.messages import Sampling
 
 from ..ops import sample as sample_ops
-from ..checkpoints import common_positions
+from ..checkpoints import is_recurrent, common_positions
 from .conversation_cache import common_keys
 from ..sampling.sampler import Sampler, SamplingParams, masked_row, prompt_logprobs, token_logprobs
 from ..sampling.speculative import MAX_SPEC, SpecState, draw_against
@@ -65,6 +65,9 @@ class _Request:
     # --parallel: the head asked for this request's steps back (HandBack); its next plain decode
     # step sends no next step, and the flag is spent there
     hand_back: bool = False
+    # --parallel (its prompt's Sampling.head_steps): other requests' rows and prompts can reach
+    # this stage between its own looped steps
+    shared: bool = False
 
 
 class StageStep:
@@ -327,7 +330,12 @@ class StageStep:
                 and not req.logprobs and req.generated + 1 < req.max_new
                 and req.grammar is None    # a grammar's draw needs the row, masked, on the host
                 and req.spec is None       # the next step's rows depend on this one's drafts
-                and not req.hand_back)     # the head sends the next step (--parallel)
+                and not req.hand_back      # the head sends the next step (--parallel)
+                # under --parallel another request's prompt or step can come between: the step
+                # ahead is then waited for and dropped (DecodeGraph.settle) and run again, which
+                # rewrites the same KV cells but would apply the token twice to a recurrent
+                # layer's conv/delta state (qwen3next), updated in place
+                and not (req.shared and is_recurrent(self.stage.session(req.session_id))))
 
     def _hand_on(self, msg: Tokens | Hidden, out, t0: float) -> list[Outbound]:
         """Rows to the next stage, or (last stage) progress, the sampled token to the head and the
@@ -532,7 +540,8 @@ def _new_request(s: Sampling, prompt_ids: list[int], session_id: int) -> _Reques
     spec = (SpecState(min(s.spec_tokens, MAX_SPEC), s.spec_min_p, list(prompt_ids))
             if s.spec_tokens else None)   # a window fits the decode step's rows
     return _Request(Sampler(params, prompt_ids), s.max_new, frozenset(s.stop_ids), session_id,
-                    logprobs=s.logprobs, top_logprobs=s.top_logprobs, spec=spec)
+                    logprobs=s.logprobs, top_logprobs=s.top_logprobs, spec=spec,
+                    shared=s.head_steps)
 
 
 def _attach_prompt_logprobs(progress: PromptProgress, rows, pos: int, prompt_ids: list[int],
