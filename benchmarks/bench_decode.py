@@ -216,7 +216,12 @@ def main() -> int:
         arms.append(ll)
         print(f"llama.cpp {ll['build']}: {ll['decode_tok_s']:.1f} tok/s decode", flush=True)
         for arm in arms[:-1]:
-            print(f"strata {arm['gpus']} GPU(s) / llama.cpp 1 GPU: "
+            # each strata arm named as the record names it (a shape or an older tree's arm is
+            # not this tree's default build)
+            what = (f" {arm['name'].removeprefix('strata ')}" if "tree_commit" in arm
+                    else f" STRATA_KERNEL_SHAPE={arm['kernel_shape']}" if "kernel_shape" in arm
+                    else "")
+            print(f"strata{what} {arm['gpus']} GPU(s) / llama.cpp 1 GPU: "
                   f"{arm['decode_tok_s'] / ll['decode_tok_s']:.2f}x", flush=True)
     for arm in arms:
         arm.pop("_tokens", None)

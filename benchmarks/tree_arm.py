@@ -18,6 +18,8 @@ import atexit
 import os
 import re
 import shutil
+import signal
+import sys
 import tarfile
 import tempfile
 
@@ -51,6 +53,10 @@ class OlderTree:
         self.short = self.commit[:7]
         self.dir = tempfile.mkdtemp(prefix=f"tree-arm-{self.short}-")
         atexit.register(shutil.rmtree, self.dir, ignore_errors=True)
+        # must_show.sh runs each benchmark under `timeout` (SIGTERM): exit through atexit then,
+        # so the unpacked tree goes too
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         with tarfile.open(self.tarball) as tar:
             # the "data" filter (Python >= 3.11.4): no member lands outside the directory
             extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
