@@ -172,11 +172,19 @@ def main() -> int:
     # for is refused before anything is measured
     recorder = Recorder("decode", facts, args.out)
     arms = []
+
+    def keep(arm: dict) -> None:
+        """The arm into the record, rewritten now: a later arm that fails or times out (an older
+        tree's, llama.cpp's) leaves the arms measured before it on disk."""
+        arms.append(arm)
+        recorder.save([{k: (round(v, 2) if k == "decode_tok_s" else v) for k, v in a.items()
+                        if k != "_tokens"} for a in arms])
+
     gpus = args.gpus.split(",")
     unsplit = (strata_arm(args, gpus[0], "auto", facts["vocab"], args.unsplit, 1)
                if args.unsplit else None)
     one = strata_arm(args, gpus[0], "auto", facts["vocab"])
-    arms.append(one)
+    keep(one)
     if unsplit is not None:
         # the first measured request of each launch: the same prompt (the same ids, the same
         # greedy tokens up to where one file's output first departs from the other's)
@@ -190,7 +198,7 @@ def main() -> int:
     for shape in args.shape_arm:
         built = strata_arm(args, gpus[0], "auto", facts["vocab"], kernel_shape=shape)
         compare_tokens(built, built["_tokens"], one["_tokens"])
-        arms.append(built)
+        keep(built)
         print(f"strata 1 GPU, STRATA_KERNEL_SHAPE={shape}: {built['decode_tok_s']:.1f} tok/s "
               f"decode ({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm), "
               f"{tokens_said(built)}", flush=True)
@@ -198,7 +206,7 @@ def main() -> int:
         # the first arm again, run by the older tree: the same launch, the same requests
         before = strata_arm(args, gpus[0], "auto", facts["vocab"], tree=older)
         compare_tokens(before, before["_tokens"], one["_tokens"])
-        arms.append(before)
+        keep(before)
         print(f"strata 1 GPU, tree {older.commit}: {before['decode_tok_s']:.1f} tok/s decode, "
               f"{tokens_said(before)}", flush=True)
         print(older.ratio_line(one["decode_tok_s"], before["decode_tok_s"]), flush=True)
@@ -208,12 +216,12 @@ def main() -> int:
         us = handoff_us(",".join(gpus[:2]))
         if us is not None:
             two["handoff_us"] = round(us, 1)
-        arms.append(two)
+        keep(two)
         print(f"strata 2 GPUs: {two['decode_tok_s']:.1f} tok/s decode, tokens identical to 1 GPU: "
               f"{two['tokens_identical_to_1gpu']}, hand-off {two.get('handoff_us')} us", flush=True)
     if args.llama_bench:
         ll = llama_arm(args)
-        arms.append(ll)
+        keep(ll)
         print(f"llama.cpp {ll['build']}: {ll['decode_tok_s']:.1f} tok/s decode", flush=True)
         for arm in arms[:-1]:
             # each strata arm named as the record names it (a shape or an older tree's arm is
