@@ -425,9 +425,12 @@ class StageStep:
             draft = drafts[i] if i < len(drafts) else None
             q = req.spec.qs[i] if draft is not None else None
             pos = end - len(rows) + i + 1
-            # host rows only (a batched step's, a window's, the CPU path's): a graph step's row
-            # stays on its card. No token is drawn from NaN: a greedy draw would take token 0
-            if isinstance(row, np.ndarray) and np.isnan(row).any():
+            # host rows (a window's, the CPU path's) are looked at here; a batched graph step's
+            # row stays on its card and says whether it holds one (RowLogits.nan); a one-session
+            # graph step's row is refused by its draw. No token is drawn from NaN: a greedy draw
+            # would take token 0
+            if ((isinstance(row, np.ndarray) and np.isnan(row).any())
+                    or getattr(row, "nan", False)):
                 return self._end_with_error(request_id, f"the logits of the row at position "
                                                         f"{pos - 1} are NaN")
             try:
