@@ -7,7 +7,8 @@ slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
   its own in the step; a request with no drafts this step has one row), while fewer such steps
   than stages are in flight (each step a group of requests of its own: with K stages, K groups
   keep every stage busy): every stage runs all rows once, the last stage answers each request's
-  Tokens (it never starts the next batched step itself: `Sampling.head_steps`);
+  Tokens, all of the step's in one StepTokens (it never starts the next batched step itself:
+  `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
   `prompt_budget` tokens of prompt ride ahead of each decode step (a long prompt never stalls the
   running streams for more than a chunk a step); with nobody decoding, the window a lone request
@@ -36,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from protocol import Error, PromptProgress, ProtocolTimeout, Token, Tokens
+from protocol import Error, PromptProgress, ProtocolTimeout, StepTokens, Token, Tokens
 from protocol.batch import MAX_BATCH_ROWS, MAX_WINDOW_ROWS, BatchRows
 from protocol.conversations import ConversationStep
 from protocol.messages import Sampling
@@ -182,7 +183,11 @@ class BatchScheduler:
                                     f"loading"))
             return
         for msg in events:
-            self._on_message(msg)
+            if isinstance(msg, StepTokens):   # a batched step's Tokens, in one message
+                for token in msg.tokens:
+                    self._on_message(token)
+            else:
+                self._on_message(msg)
         self._send_due_or_fail()
         self._check_timeouts()
 
