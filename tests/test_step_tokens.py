@@ -79,15 +79,28 @@ def test_each_batched_step_answers_the_head_once_with_every_rows_token(pipeline)
         want.append([_row(t) for t in got])
 
     heard: list = []
+    turns: list[str] = []       # what each turn of the scheduler did, in order
     pump = coord._pump
 
     def spied(wait_s):
         events = pump(wait_s)
         heard.extend(events)
+        turns.extend("tokens" for m in events if isinstance(m, StepTokens))
         return events
     coord._pump = spied
     pumped = Pumped(coord, plan.prompt_chunk, parallel=len(PROMPTS))
     s = pumped.scheduler
+    send_step, flush = s._send_step, s._flush
+
+    def sent(*a):
+        turns.append("step")
+        return send_step(*a)
+
+    def flushed():
+        if any(item[0] == "event" and item[1].kind == "token" for _, item in s._held):
+            turns.append("told")
+        return flush()
+    s._send_step, s._flush = sent, flushed
     out: dict = {}
     tokens = [[] for _ in PROMPTS]
     try:
@@ -110,3 +123,7 @@ def test_each_batched_step_answers_the_head_once_with_every_rows_token(pipeline)
     plain = [m for m in heard if isinstance(m, Token)]
     assert len(plain) + s.rows == len(PROMPTS) * MAX_NEW
     assert not batched & {b.request_id for b in bundles}   # each Token names its request
+    # the requests' threads hear a step's tokens after the next step went out, not before
+    # (a woken thread competes with the one that sends it): "tokens", "step", "told"
+    after = sum(turns[i:i + 3] == ["tokens", "step", "told"] for i in range(len(turns)))
+    assert after >= len(bundles) - len(PROMPTS) and "tokens" not in turns[-1:], turns
