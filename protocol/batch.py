@@ -6,7 +6,8 @@ stage: one hidden row per entry) whose `batch` names, row by row, the request, t
 position that row is at. Each stage runs every row through its layers once: attention per row over
 its own session's KV at its own position, the dense and expert layers over all rows together; the
 last stage samples each row with its own request's sampling and answers one Token per row to the
-head (never a next step: the head sends each batched step). Since v20 an entry may be a verify
+head (never a next step: the head sends each batched step), since v24 all of the step's Tokens in
+one StepTokens (messages.py). Since v20 an entry may be a verify
 window (speculative decoding, --spec K beside --parallel B): `window_rows[i]` rows of request i,
 its last token and its drafts at positions `positions[i]`.., which every stage runs as that
 session's verify window and the last stage verifies as the one-session path does; the final Token

@@ -18,14 +18,14 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from .compute_options import ComputeOptions
-from .batch import BatchRows
+from .batch import MAX_BATCH_ROWS, MAX_WINDOW_ROWS, BatchRows
 from .conversations import ConversationStep
 from .expert_plane import (ExpertReply, ExpertRequest, ExpertTier, ExpertTierAsk, IpcHandle, RowSlot, SlotFree,
                            TierCounts, TierPairs)
 from .structs import MESSAGE_TYPES, STRUCT_TYPES, Message, Struct, _nonneg, message, struct
 
 # Bump on any change of a message's fields or meaning. Peers with different versions refuse each other.
-PROTOCOL_VERSION = 23
+PROTOCOL_VERSION = 24
 
 DeviceKind = Literal["cuda", "cpu"]
 Role = Literal["stage", "helper", "stage+helper"]
@@ -507,6 +507,27 @@ class Token(Message):
     handed_back: bool = False
 
 
+# the most Tokens one batched step makes: every entry's whole verify window accepted
+MAX_STEP_TOKENS = MAX_BATCH_ROWS * MAX_WINDOW_ROWS
+
+
+@message
+class StepTokens(Message):
+    """Last stage → head (v24, --parallel): every Token a batched decode step made (protocol/
+    batch.py), in the order they were drawn, as one message: one send and one receive a step
+    instead of one a row. ``request_id`` is the step's; each Token names its own request. A
+    request's Error, or a Token held for a Settle, still travels on its own."""
+
+    TYPE = "step_tokens"
+    request_id: int
+    tokens: list[Token] = field(default_factory=list)
+
+    def check(self, arrays: list) -> None:
+        if not 0 < len(self.tokens) <= MAX_STEP_TOKENS:
+            raise ValueError(f"a step's tokens number 1 to {MAX_STEP_TOKENS}, not "
+                             f"{len(self.tokens)}")
+
+
 def _boundaries(positions: list[int], pos: int, n: int) -> None:
     for p in positions:
         if p != pos and p != pos + n:
@@ -532,7 +553,7 @@ __all__ = [
     "STRUCT_TYPES", "DeviceInfo", "PeerInfo", "RowSlot", "Sampling", "Hello", "Challenge", "Auth", "AuthOk",
     "Register", "Assign", "Ready", "Stats", "StatsReply", "Heartbeat", "Error", "Shutdown", "Release", "Cancel",
     "Settle", "HandBack",
-    "Tokens", "Hidden", "PromptProgress", "Token", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
+    "Tokens", "Hidden", "PromptProgress", "Token", "StepTokens", "ExpertRequest", "ExpertReply", "IpcHandle", "SlotFree",
     "ExpertTierAsk", "ExpertTier", "TierCounts", "TierPairs", "LinkProbe",
     "ERR_AUTH", "ERR_VERSION", "ERR_FINGERPRINT", "ERR_PROTOCOL", "ERR_TIMEOUT", "ERR_PEER", "ERR_INTERNAL",
 ]

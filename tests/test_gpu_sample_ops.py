@@ -101,3 +101,18 @@ def test_the_sampler_draws_a_device_step_as_it_draws_its_host_copy(params):
                                    [lp_host.logprob] + lp_host.top_logprobs, rtol=0, atol=1e-9)
     if params.reshapes_logits:     # the penalty counts live on the card
         assert on_card._counts.xp is cp and on_card._counts.n == VOCAB
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_a_batched_steps_rows_draw_on_the_card_what_the_host_draws(params):
+    """The rows of a batched graph step stay on the card (BatchLogits: backends/batched_decode.py
+    step_rows): each row's sampler draws from its RowLogits what it draws from the host copy of
+    the row, greedy from the token reduced on the card."""
+    from strata_dist.backends.step_slots import BatchLogits
+    host_rows = np.stack(random_rows(11, 4))
+    rows = cp.asarray(host_rows)
+    best = host_rows.argmax(axis=1)
+    batch = BatchLogits(rows, best, np.ones(4, dtype=bool), np.zeros(4, dtype=bool))
+    for i in range(4):
+        device, host = Sampler(params, [4, 5]), Sampler(params, [4, 5])
+        assert [device(batch[i]) for _ in range(3)] == [host(host_rows[i]) for _ in range(3)]

@@ -64,6 +64,10 @@ def examples():
                           reason="length"), []),
         "token_handed_back": (m.Token(request_id=1, session_id=5, token_id=42, pos=13, drafts=[7, 8],
                                       handed_back=True), []),
+        "step_tokens": (m.StepTokens(request_id=30, tokens=[
+            m.Token(request_id=1, session_id=5, token_id=42, pos=13, drafts=[7, 8]),
+            m.Token(request_id=2, session_id=0, token_id=9, pos=70, logprob=-1.5, top_ids=[9, 3],
+                    top_logprobs=[-1.5, -2.0], done=True, reason="stop")]), []),
         "expert_request": (m.ExpertRequest(seq=3, layer=7, n=3), [ROWS, IDS, WTS]),
         "expert_request_ipc": (m.ExpertRequest(seq=4, layer=7, n=3, slot=m.RowSlot(offset=0, nbytes=96),
                                                out=m.RowSlot(offset=256, nbytes=192)), [IDS, WTS]),
@@ -315,3 +319,17 @@ def test_spec_names_every_message_and_field():
         assert row is not None, f"PROTOCOL.md has no table row for {cls.__name__}"
         for f in dataclasses.fields(cls):
             assert f"`{f.name}:" in row, f"PROTOCOL.md row of {cls.__name__} does not name field {f.name}"
+
+
+def test_a_steps_tokens_number_one_to_what_a_step_can_make():
+    """StepTokens (v24): a batched step's Tokens in one message, at least one, at most every
+    entry's whole verify window (protocol/batch.py), and each a Token checked as one."""
+    one = m.Token(request_id=1, session_id=0, token_id=3, pos=4)
+    most = m.StepTokens(request_id=8, tokens=[one] * m.MAX_STEP_TOKENS)
+    assert decode([bytes(f) for f in encode(most)])[0] == most
+    for n in (0, m.MAX_STEP_TOKENS + 1):
+        with pytest.raises(ProtocolError, match=f"1 to {m.MAX_STEP_TOKENS}, not {n}"):
+            decode([bytes(f) for f in encode(m.StepTokens(request_id=8, tokens=[one] * n))])
+    with pytest.raises(ProtocolError, match=r"tokens\[0\].token_id: expected int"):
+        encode(m.StepTokens(request_id=8, tokens=[m.Token(request_id=1, session_id=0,
+                                                          token_id="3", pos=4)]))

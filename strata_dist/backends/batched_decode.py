@@ -5,7 +5,9 @@ through the step descriptor (backends/decode_rows.py), and no kernel of the step
 (the matvecs, the router, the experts and the attention each give a row the sums it would have
 alone: tests/test_gpu_decode.py, tests/test_gpu_batched_decode.py), so a request's tokens do not
 depend on who else is in the batch. Stage.run_batch asks `batch_replays` for the step's replays, then runs them
-through `step_rows`."""
+through `step_rows`. On the last stage the rows' logits stay on the card (BatchLogits): each row is
+sampled there as a one-session step's row is, and only the greedy tokens come back; a step of
+several replays launches them back to back, with no wait for the card between two."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +15,7 @@ import cupy as cp
 
 from ..compute_options import fall_back
 from .decode_rows import StepRows
+from .step_slots import BatchLogits
 
 
 class BatchedSteps:
@@ -50,25 +53,67 @@ class BatchedSteps:
         """A batched step of the replays `batch_replays` gave: row i of the step (the replays'
         rows in order) is its session's token at its position (ids on the first stage, else
         hidden rows [n, n_embd]), each row's arithmetic its own (the same as the row alone
-        through `step`). Returns every row's logits (host float32 [n, vocab]) on the last stage,
-        else the hidden rows (a device array). The caller advances the sessions' n_past."""
+        through `step`). Returns every row's logits on the last stage as a BatchLogits (kept on
+        the card, each row's greedy token already on the host: the rows are sampled where they
+        are, as a one-session step's row is), else the hidden rows (a device array). The caller
+        advances the sessions' n_past.
+
+        The replays go out back to back, with no wait for the card between them: replay k uses
+        host slot k % 2 (its pinned descriptor and routes), and waits only for replay k - 2,
+        which last used that slot, before rewriting it; each replay's rows (logits, or hidden
+        rows) are copied out of the runner's buffers on the step's stream before the next
+        replay overwrites them."""
         self.settle()
         ids = self._checked_ids(ids)
         outs, routes, tiers = [], [], {"hits": 0, "remote": 0, "host": 0}
-        at = 0
-        for rows in replays:
-            part = slice(at, at + rows.n)
-            at += rows.n
-            out = self._launch_step(rows, ids[part] if self.first else None,
-                                    None if self.first else hidden[part], 0, every_row=True)
-            self._wait(0, rows.n)
-            outs.append(cp.asnumpy(self.logits_rows[:rows.n]) if self.last else out)
+        logits = None
+        in_flight: list[tuple[int, int]] = []      # (slot, rows) of replays not waited for
+
+        def wait_oldest() -> None:
+            slot, n = in_flight.pop(0)
+            self._wait(slot, n)
             for key, count in self.last_tiers.items():
                 tiers[key] += count
             routes.append(self.last_routes)
+
+        if self.last:      # the step's rows, out of the runner's buffer (the next replay's)
+            with self.stream:
+                logits = cp.empty((sum(r.n for r in replays), self.g.n_vocab), cp.float32)
+        at = 0
+        for k, rows in enumerate(replays):
+            slot = k % len(self.slots)
+            if len(in_flight) == len(self.slots):
+                wait_oldest()                   # the slot's descriptor is read: rewritable
+            part = slice(at, at + rows.n)
+            at += rows.n
+            out = self._launch_step(rows, ids[part] if self.first else None,
+                                    None if self.first else hidden[part], slot, every_row=True)
+            in_flight.append((slot, rows.n))
+            if self.last:
+                with self.stream:     # ordered after this replay, before the next one's writes
+                    cp.copyto(logits[part], self.logits_rows[:rows.n])
+            else:
+                outs.append(out)      # its own copy, made on the stream
+        got = self._greedy_rows(logits) if self.last else None
+        while in_flight:              # (every replay has finished: the copy above waited)
+            wait_oldest()
         self.last_tiers = tiers
         self.last_routes = None if routes[0] is None else np.concatenate(routes, axis=1)
-        return np.concatenate(outs) if self.last else cp.concatenate(outs)
+        return got if self.last else cp.concatenate(outs)
+
+    def _greedy_rows(self, rows) -> BatchLogits:
+        """The step's logits rows [n, vocab] (on the card, made on the step's stream) with each
+        row's greedy token, whether its best logit is finite and whether it holds a NaN: reduced
+        on the card, and only those 3 x n numbers copied back (one copy, which waits for the
+        stream)."""
+        with self.stream:
+            best_at = cp.argmax(rows, axis=1)     # the first NaN where a row has one, as numpy's
+            best = rows[cp.arange(rows.shape[0]), best_at]
+            facts = cp.stack([best_at.astype(cp.float64), cp.isfinite(best).astype(cp.float64),
+                              cp.isnan(rows).any(axis=1).astype(cp.float64)])
+            host = cp.asnumpy(facts, stream=self.stream)
+        self.stream.synchronize()
+        return BatchLogits(rows, host[0].astype(np.int64), host[1] > 0, host[2] > 0)
 
     def report_step(self, counters, routing) -> None:
         """The last step's expert computations by tier (hits, host reads in place) into

@@ -43,6 +43,50 @@ class StepLogits:
         return host if dtype is None else host.astype(dtype)
 
 
+class RowLogits(StepLogits):
+    """One row of a batched graph step (`BatchLogits`): its logits stay on the card, as a
+    one-session step's do; `greedy_token` is None when the row has no finite best logit (the
+    sampler's draw on the card then refuses it), and `nan` says the row holds a NaN (the last
+    stage refuses such a row as it refuses a host row with one)."""
+
+    def __init__(self, token: int | None, logits, nan: bool):
+        super().__init__(token, logits)
+        self.nan = nan
+
+
+class BatchLogits:
+    """Every row's logits of a batched graph step [n, vocab], kept on the card: the rows are
+    sampled where they are (ops/sample.py, as a one-session step's row is), and only each row's
+    greedy token, whether its best logit is finite and whether it holds a NaN came back, in one
+    small copy. Indexing gives a row's `RowLogits` (a slice, a list of them); `np.asarray`
+    copies the whole block to the host (tests ask for it; the serving path never does)."""
+
+    def __init__(self, rows, tokens: np.ndarray, finite: np.ndarray, nan: np.ndarray):
+        self.rows = rows
+        self._tokens = [int(t) if ok else None for t, ok in zip(tokens.tolist(), finite.tolist())]
+        self._nan = [bool(x) for x in nan.tolist()]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(int(d) for d in self.rows.shape)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def row(self, i: int) -> RowLogits:
+        return RowLogits(self._tokens[i], self.rows[i], self._nan[i])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.row(j) for j in range(len(self))[i]]
+        return self.row(int(i))
+
+    def __array__(self, dtype=None, copy=None):
+        import cupy as cp
+        host = cp.asnumpy(self.rows)
+        return host if dtype is None else host.astype(dtype)
+
+
 @dataclass
 class HostSlot:
     """Pinned host buffers of one step in flight and the event that says it finished."""

@@ -41,7 +41,7 @@ from ..experts.helper_server import HelperServer
 from ..models import architecture_for
 from .pulse import HEARTBEAT_S, Pulse
 from .stage import Stage, StageConfig
-from .stage_step import Outbound, StageStep, To
+from .stage_step import Outbound, StageStep, To, one_message_a_step
 
 log = logging.getLogger("strata.rank")
 
@@ -489,6 +489,8 @@ class RankProcess:
         try:
             rows = self.receiver.rows(msg, arrays) if isinstance(msg, Hidden) else None
             outbound = self.step.step(msg, rows)
+            if self.step.last and getattr(msg, "batch", None) is not None:
+                outbound = one_message_a_step(msg.request_id, outbound)
             t0 = time.perf_counter()
             try:
                 for out in outbound:

@@ -405,8 +405,8 @@ class Stage:
 
     def run_batch(self, session_ids: list[int], positions: list[int], ids=None, hidden=None):
         """A batched decode step (protocol/batch.py): row i is the next token of session_ids[i] at
-        positions[i] (ids on the first stage, hidden rows after), by the decode graph where it takes
-        it, else the general path: hidden rows, or on the last stage every row's host f32 logits."""
+        positions[i] (ids first, hidden rows after), by the decode graph where it takes it, else
+        the general path: hidden rows, or last every row's logits (host f32; a graph's on the card)."""
         sessions = [self.session(sid) for sid in session_ids]
         for sid, s, pos in zip(session_ids, sessions, positions):
             self._rewind_window(sid, s, pos)   # inside its last verify window (--spec): rolled back
@@ -416,7 +416,7 @@ class Stage:
         replays = (graph.batch_replays(sessions, positions)
                    if graph is not None and self.hidden_sink is None else None)
         if by_graph := replays is not None:
-            out = graph.step_rows(replays, ids=ids, hidden=hidden)   # host logits on the last
+            out = graph.step_rows(replays, ids=ids, hidden=hidden)   # BatchLogits on the last
             graph.report_step(self.tiers.counters, self.tiers.routing)
         else:
             if graph is not None:

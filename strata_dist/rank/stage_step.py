@@ -17,7 +17,8 @@ from enum import Enum
 
 import numpy as np
 
-from protocol import Cancel, Error, HandBack, Hidden, PromptProgress, Release, Settle, Token, Tokens
+from protocol import (Cancel, Error, HandBack, Hidden, PromptProgress, Release, Settle, StepTokens,
+                      Token, Tokens)
 from protocol.messages import Sampling
 
 from ..ops import sample as sample_ops
@@ -433,9 +434,12 @@ class StageStep:
             draft = drafts[i] if i < len(drafts) else None
             q = req.spec.qs[i] if draft is not None else None
             pos = end - len(rows) + i + 1
-            # host rows only (a batched step's, a window's, the CPU path's): a graph step's row
-            # stays on its card. No token is drawn from NaN: a greedy draw would take token 0
-            if isinstance(row, np.ndarray) and np.isnan(row).any():
+            # host rows (a window's, the CPU path's) are looked at here; a batched graph step's
+            # row stays on its card and says whether it holds one (RowLogits.nan); a one-session
+            # graph step's row is refused by its draw. No token is drawn from NaN: a greedy draw
+            # would take token 0
+            if ((isinstance(row, np.ndarray) and np.isnan(row).any())
+                    or getattr(row, "nan", False)):
                 return self._end_with_error(request_id, f"the logits of the row at position "
                                                         f"{pos - 1} are NaN")
             try:
@@ -505,6 +509,25 @@ class StageStep:
         if s.grammar_kind:
             req.grammar = GrammarMatcher(s.grammar_kind, s.grammar,
                                          lambda: model_tokenizer(self.stage.gguf))
+
+
+def one_message_a_step(step_id: int, outbound: list[Outbound]) -> list[Outbound]:
+    """A batched step's Tokens to the head (`StageStep.step`'s answer to it on the last stage) as
+    one StepTokens, where the first of them was; the rest (a request's Error, a Settle) as they
+    were: one send, and one receive and decode on the head, a step instead of one a row (each
+    a cost per row of the step, on the head's one thread that sends the next step)."""
+    tokens = [o.msg for o in outbound if o.to is To.HEAD and isinstance(o.msg, Token)]
+    if not tokens:
+        return outbound
+    out, bundled = [], False
+    for o in outbound:
+        if o.to is To.HEAD and isinstance(o.msg, Token):
+            if not bundled:
+                out.append(Outbound(To.HEAD, StepTokens(request_id=step_id, tokens=tokens)))
+                bundled = True
+        else:
+            out.append(o)
+    return out
 
 
 def _draw(req: _Request, logits, draft: int | None = None, q=None) -> tuple[int, bool]:
