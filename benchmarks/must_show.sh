@@ -17,10 +17,12 @@
 # at least: the device tool keeps what a call built, such as .anchor/llama.cpp/build, but not the
 # carried files a call does not carry again; .whl needs carrying only while /tmp/site lacks it)
 #   bash benchmarks/must_show.sh --parts offload_uniform,offload_zipf0.5
-# Parts (in this order when several): decode_q8_0 (~3 min), q4_k (decode + resident prompt, ~5 min),
-# offload_zipf1.0, offload_uniform, offload_zipf0.5 (~7 min each: the llama.cpp sweep is 2 load
-# modes x 4 micro-batches). A llama-bench built by an earlier call on the warm machine is reused; the
-# first call builds it (about 5 min, beside the first file's synthesis; the benchmarks wait for it).
+# Parts (in this order when several), timed on an H100 on 2026-12-06: decode_q8_0 (274 s on a fresh
+# machine, the llama.cpp build and the synth included), q4_k (decode + resident prompt, 120 s),
+# offload_zipf1.0 (~205 s: it reuses q4_k's file), offload_uniform and offload_zipf0.5 (~250-285 s
+# each with their synth; the llama.cpp sweep is 2 load modes x 4 micro-batches): the five in about
+# 19 min of one lease. A llama-bench built by an earlier call on the warm machine is reused; the
+# first call builds it (beside the first file's synthesis; the benchmarks wait for it).
 # seedrig (off by default: its own call, about 8 min: the synth of the 80B-A3B IQ3_S file, ~33 GiB
 # in two shards, ~3 min, then bench_seedrig.py ~5 min): issue 44's seed rig on one card, four ranks
 # at 12/12/16/16 GB beside one resident rank, a 16,384-token prompt and 256 tokens; it needs no
