@@ -80,21 +80,29 @@ class BatchedSteps:
             with self.stream:
                 logits = cp.empty((sum(r.n for r in replays), self.g.n_vocab), cp.float32)
         at = 0
-        for k, rows in enumerate(replays):
-            slot = k % len(self.slots)
-            if len(in_flight) == len(self.slots):
-                wait_oldest()                   # the slot's descriptor is read: rewritable
-            part = slice(at, at + rows.n)
-            at += rows.n
-            out = self._launch_step(rows, ids[part] if self.first else None,
-                                    None if self.first else hidden[part], slot, every_row=True)
-            in_flight.append((slot, rows.n))
-            if self.last:
-                with self.stream:     # ordered after this replay, before the next one's writes
-                    cp.copyto(logits[part], self.logits_rows[:rows.n])
-            else:
-                outs.append(out)      # its own copy, made on the stream
-        got = self._greedy_rows(logits) if self.last else None
+        try:
+            for k, rows in enumerate(replays):
+                slot = k % len(self.slots)
+                if len(in_flight) == len(self.slots):
+                    wait_oldest()               # the slot's descriptor is read: rewritable
+                part = slice(at, at + rows.n)
+                at += rows.n
+                out = self._launch_step(rows, ids[part] if self.first else None,
+                                        None if self.first else hidden[part], slot,
+                                        every_row=True)
+                in_flight.append((slot, rows.n))
+                if self.last:
+                    with self.stream:   # ordered after this replay, before the next one's writes
+                        cp.copyto(logits[part], self.logits_rows[:rows.n])
+                else:
+                    outs.append(out)    # its own copy, made on the stream
+            got = self._greedy_rows(logits) if self.last else None
+        except BaseException:
+            # a step that fails part way (a capture, the NaN check's memory, a session table)
+            # leaves no replay running behind the Error: the next step rewrites the slots'
+            # pinned descriptors without waiting for replays nobody tracks any more
+            self.stream.synchronize()
+            raise
         while in_flight:              # (every replay has finished: the copy above waited)
             wait_oldest()
         self.last_tiers = tiers

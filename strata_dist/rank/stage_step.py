@@ -252,7 +252,8 @@ class StageStep:
         verify window as its session's window (Stage.run: the many-row path, and on a recurrent
         session the record it rolls back from), so every row is computed as the one-session path
         computes it. Returns the hidden rows in the step's order, or on the last stage each
-        entry's logits rows (host float32 [rows, vocab])."""
+        entry's logits rows (host float32 [rows, vocab] from the general path and a window; a
+        graph's batched rows stay on the card: backends/batched_decode.py RowLogits)."""
         b, first = msg.batch, isinstance(msg, Tokens)
         starts = np.concatenate([[0], np.cumsum(each)[:-1]]).astype(int).tolist()
         ones = [i for i, n in enumerate(each) if n == 1]
@@ -435,9 +436,10 @@ class StageStep:
             q = req.spec.qs[i] if draft is not None else None
             pos = end - len(rows) + i + 1
             # host rows (a window's, the CPU path's) are looked at here; a batched graph step's
-            # row stays on its card and says whether it holds one (RowLogits.nan); a one-session
-            # graph step's row is refused by its draw. No token is drawn from NaN: a greedy draw
-            # would take token 0
+            # row stays on its card and says whether it holds one (RowLogits.nan). (A one-session
+            # graph step's greedy token comes from argmax_row, which skips NaN: a row with some
+            # NaN is refused here when batched but drawn alone, an asymmetry left as it was.)
+            # No token is drawn from NaN: a greedy draw would take token 0
             if ((isinstance(row, np.ndarray) and np.isnan(row).any())
                     or getattr(row, "nan", False)):
                 return self._end_with_error(request_id, f"the logits of the row at position "
