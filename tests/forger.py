@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from protocol import (Cancel, Error, ExpertReply, ExpertRequest, ExpertTier,  # noqa: E402
                       ExpertTierAsk, HandBack, Hidden, IpcHandle, PromptProgress, Release, Settle,
-                      SlotFree, TierCounts, TierPairs, Token, Tokens)
+                      SlotFree, StepTokens, TierCounts, TierPairs, Token, Tokens)
 from protocol.codec import encode  # noqa: E402
 from protocol.messages import RowSlot  # noqa: E402
 
@@ -33,7 +33,7 @@ CONTROL_TYPES = frozenset({"hello", "challenge", "auth", "auth_ok", "register", 
 DATA_PLANE_TYPES = frozenset({"release", "cancel", "tokens", "hidden", "prompt_progress", "token",
                               "expert_request", "expert_reply", "ipc_handle", "slot_free",
                               "expert_tier_ask", "expert_tier", "tier_counts", "tier_pairs",
-                              "error", "settle", "hand_back"})
+                              "error", "settle", "hand_back", "step_tokens"})
 
 
 def forged(request_id: int, hidden: int = 64, k: int = 2) -> list:
@@ -53,6 +53,8 @@ def forged(request_id: int, hidden: int = 64, k: int = 2) -> list:
         (Release(session_id=0), []),
         (Settle(request_id=request_id, session_id=0, pos=0), []),
         (HandBack(request_id=request_id), []),
+        (StepTokens(request_id=request_id, tokens=[
+            Token(request_id=request_id, session_id=0, token_id=1, pos=99, done=False)]), []),
         (SlotFree(name="hidden", slot=slot), []),
         (SlotFree(name="expert_rows", slot=RowSlot(offset=0, nbytes=0)), []),
         (IpcHandle(name="hidden", handle=bytes(64), device=0, nbytes=1 << 20, dtype="float32",
