@@ -5,10 +5,30 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
+from launcher.launch import Launch, LaunchConfig
+from launcher.spawn import RankSpec
 from protocol.messages import Sampling
+from strata_dist.plan.params import PlanParams
 from strata_dist.head.batch_scheduler import BatchScheduler
 from strata_dist.head.coordinator import RankFailure
+
+
+@contextmanager
+def cpu_launch(model: str, ranks: int, split, max_context: int, sessions: int,
+               prompt_chunk: int = 32):
+    """`ranks` CPU stage ranks through the launcher (`split` as LaunchConfig takes it), each
+    carving `sessions` sessions: (launch, plan), closed after."""
+    cfg = LaunchConfig(model=model, ranks=[RankSpec(i, "cpu", None, "1G") for i in range(ranks)],
+                       split=split, max_context=max_context, prompt_chunk=prompt_chunk,
+                       params=PlanParams(sessions=sessions), load_timeout_s=60,
+                       register_timeout_s=60)
+    launch = Launch(cfg, echo=lambda line: None)
+    try:
+        yield launch, launch.start()
+    finally:
+        launch.close()
 
 
 class Pumped:

@@ -13,14 +13,11 @@ import httpx
 import numpy as np
 import pytest
 
-from launcher.launch import Launch, LaunchConfig
-from launcher.spawn import RankSpec
 from protocol import Cancel, Channel, PromptProgress, Token, Tokens
 from protocol.messages import Sampling
-from pumped_scheduler import Pumped, until
+from pumped_scheduler import Pumped, cpu_launch, until
 from server_helpers import ServerProcess
 from strata_dist.head.coordinator import RankFailure, RequestError
-from strata_dist.plan.params import PlanParams
 from strata_dist.server.worker import STATS_EVERY_S, STATS_TIMEOUT_S
 from strata_dist.rank.stage import Stage, StageConfig
 from strata_dist.rank.stage_step import StageStep
@@ -43,15 +40,8 @@ def synth(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipeline(synth):
     """Two CPU stage ranks through the launcher, and a scheduler over them."""
-    cfg = LaunchConfig(model=synth, ranks=[RankSpec(i, "cpu", None, "1G") for i in range(2)],
-                       split=[2], max_context=LONG_PROMPT + 64, prompt_chunk=32,
-                       params=PlanParams(sessions=2), load_timeout_s=60, register_timeout_s=60)
-    launch = Launch(cfg, echo=lambda line: None)
-    try:
-        plan = launch.start()
-        yield launch, plan
-    finally:
-        launch.close()
+    with cpu_launch(synth, 2, [2], LONG_PROMPT + 64, sessions=2) as launched:
+        yield launched
 
 
 @pytest.mark.timeout(120)

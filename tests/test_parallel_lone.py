@@ -13,12 +13,9 @@ import time
 
 import pytest
 
-from launcher.launch import Launch, LaunchConfig
-from launcher.spawn import RankSpec
 from protocol.messages import Sampling
-from pumped_scheduler import Pumped, until
+from pumped_scheduler import Pumped, cpu_launch, until
 from strata_dist.head.coordinator import RankFailure
-from strata_dist.plan.params import PlanParams
 from strata_dist.synth import write_synthetic
 
 A_PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -46,15 +43,8 @@ def pipeline(tmp_path_factory):
     """Two CPU stage ranks through the launcher (two sessions each)."""
     path = tmp_path_factory.mktemp("lone") / "tiny.gguf"
     write_synthetic(str(path), like="tiny", quant="f32")
-    cfg = LaunchConfig(model=str(path), ranks=[RankSpec(i, "cpu", None, "1G") for i in range(2)],
-                       split=[2], max_context=512, prompt_chunk=32,
-                       params=PlanParams(sessions=2), load_timeout_s=60, register_timeout_s=60)
-    launch = Launch(cfg, echo=lambda line: None)
-    try:
-        plan = launch.start()
-        yield launch, plan
-    finally:
-        launch.close()
+    with cpu_launch(str(path), 2, [2], 512, sessions=2) as launched:
+        yield launched
 
 
 def _sampling(kind: str, max_new: int, prompt: list[int]) -> Sampling:

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.launch import Launch, LaunchConfig
-from launcher.spawn import RankSpec
 from protocol import Error, Settle, StepTokens, Token
 from protocol.messages import Sampling
-from pumped_scheduler import Pumped
-from strata_dist.plan.params import PlanParams
+from pumped_scheduler import Pumped, cpu_launch
 from strata_dist.rank.stage_step import Outbound, To, one_message_a_step
 from strata_dist.synth import write_synthetic
 
@@ -45,16 +42,8 @@ def pipeline(tmp_path_factory):
     """One CPU stage rank through the launcher, a session per prompt."""
     path = tmp_path_factory.mktemp("step_tokens") / "tiny.gguf"
     write_synthetic(str(path), like="tiny", quant="f32")
-    cfg = LaunchConfig(model=str(path), ranks=[RankSpec(0, "cpu", None, "1G")], split="auto",
-                       max_context=256, prompt_chunk=32,
-                       params=PlanParams(sessions=len(PROMPTS)), load_timeout_s=60,
-                       register_timeout_s=60)
-    launch = Launch(cfg, echo=lambda line: None)
-    try:
-        plan = launch.start()
-        yield launch, plan
-    finally:
-        launch.close()
+    with cpu_launch(str(path), 1, "auto", 256, sessions=len(PROMPTS)) as launched:
+        yield launched
 
 
 def _row(t: Token) -> tuple:
