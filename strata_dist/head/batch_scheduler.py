@@ -318,11 +318,8 @@ class BatchScheduler:
         self.steps += 1
         self.requests += len(rows)
         self.rows += sum(each)
-        try:
-            sender.send(Tokens(request_id=step_id, session_id=0, pos=0, ids=ids, batch=batch),
-                        timeout_ms=10_000)
-        except ProtocolTimeout as e:   # its heartbeats tell whether it died
-            raise RequestError(f"the first stage took no decode step: {e}") from None
+        self._send_decode(sender, Tokens(request_id=step_id, session_id=0, pos=0, ids=ids,
+                                         batch=batch))
 
     def _send_loop(self, sender, st: _Stream) -> None:
         """A request alone: its next step as a plain decode step (its token, and with --spec its
@@ -332,9 +329,14 @@ class BatchScheduler:
         st.next_token, st.drafts, st.window, st.window_got = None, [], [], 0
         st.looping, st.last_event = True, time.monotonic()
         self.loops += 1
+        self._send_decode(sender, Tokens(request_id=st.request_id, session_id=st.session_id,
+                                         pos=st.next_pos, ids=ids))
+
+    @staticmethod
+    def _send_decode(sender, step: Tokens) -> None:
+        """A decode step (batched or a lone request's) to the first stage, bounded."""
         try:
-            sender.send(Tokens(request_id=st.request_id, session_id=st.session_id,
-                               pos=st.next_pos, ids=ids), timeout_ms=10_000)
+            sender.send(step, timeout_ms=10_000)
         except ProtocolTimeout as e:   # its heartbeats tell whether it died
             raise RequestError(f"the first stage took no decode step: {e}") from None
 
