@@ -31,8 +31,22 @@ def known_rows(n: int, vocab: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, vocab)).astype(np.float32) * 4
 
 
+class _GreedyRows(_NoKernel):
+    """sample_rows.cu greedy_rows's facts of each row, computed as its tests hold the kernel to
+    them (numpy's argmax: tests/test_sample_rows_host.py, tests/test_gpu_batched_decode.py)."""
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        rows, n_vocab, n, out = args
+        logits = np.asarray(rows).reshape(int(n), int(n_vocab))
+        best = logits.argmax(axis=1)
+        out[0] = best
+        out[1] = np.isfinite(logits[np.arange(int(n)), best])
+        out[2] = np.isnan(logits).any(axis=1)
+
+
 def main() -> int:
-    install_kernels(lambda source, kernel, device=0, defines=(): _NoKernel())
+    install_kernels(lambda source, kernel, device=0, defines=():
+                    _GreedyRows() if kernel == "greedy_rows" else _NoKernel())
     import cupy
     from hf_fixtures import tiny_qwen3moe, write_gguf
     from protocol import Error, Token, Tokens

@@ -101,3 +101,20 @@ def test_batched_rows_equal_each_session_alone_through_the_graph(tmp_path, kv_ty
     got = np.asarray(_through(stages, window), dtype=np.float32)
     assert np.abs(got - ref).max() <= TOLERANCE["f32"]
     assert int(np.argmax(got)) == int(np.argmax(ref))
+
+
+def test_greedy_rows_gives_numpys_argmax_facts_on_the_card():
+    """sample_rows.cu greedy_rows (the batched step's greedy tokens) on rows of Qwen3's vocabulary
+    with ties, NaNs and infinities, at the block width the step launches it with: numpy's argmax
+    facts of each row (tests/test_sample_rows_host.py runs it on the host)."""
+    from strata_dist.backends.batched_decode import GREEDY_THREADS
+    from strata_dist.kernels import function
+    from test_sample_rows_host import hostile_rows, numpy_facts
+    rows = np.concatenate([hostile_rows(vocab=151_936, seed=1),
+                           (np.random.default_rng(2).standard_normal((22, 151_936)) * 4)
+                           .astype(np.float32)])
+    out = cp.empty((3, len(rows)), cp.int32)
+    function("sample_rows.cu", "greedy_rows")((len(rows),), (GREEDY_THREADS,),
+                                              (cp.asarray(rows), np.int32(rows.shape[1]),
+                                               np.int32(len(rows)), out))
+    assert np.array_equal(cp.asnumpy(out), numpy_facts(rows))

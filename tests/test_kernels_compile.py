@@ -147,7 +147,7 @@ def test_gdn_launches_of_the_qwen3_next_geometry_and_a_refusal():
 
 def test_the_package_has_kernel_sources():
     assert [p.name for p in sources()] == ["decode.cu", "experts_rows.cu", "gdn_prompt.cu",
-                                           "prefill_attention.cu", "prompt_ops.cu"]
+        "prefill_attention.cu", "prompt_ops.cu", "sample_rows.cu"]
     text = source_text("decode.cu")        # weights.cuh inlined, once
     assert "#include \"" not in text and text.count("HOST_DEVICE float h2f(") == 1
 

@@ -17,6 +17,8 @@ from ..compute_options import fall_back
 from .decode_rows import StepRows
 from .step_slots import BatchLogits
 
+GREEDY_THREADS = 1024      # sample_rows.cu greedy_rows: a block a row
+
 
 class BatchedSteps:
     """DecodeGraph's batched steps (its buffers, `_launch_step` and `_wait`)."""
@@ -111,14 +113,14 @@ class BatchedSteps:
 
     def _greedy_rows(self, rows) -> BatchLogits:
         """The step's logits rows [n, vocab] (on the card, made on the step's stream) with each
-        row's greedy token, whether its best logit is finite and whether it holds a NaN: reduced
-        on the card, and only those 3 x n numbers copied back (one copy, which waits for the
-        stream)."""
+        row's greedy token, whether its best logit is finite and whether it holds a NaN: one
+        launch (sample_rows.cu greedy_rows, numpy's argmax facts), and only those 3 x n words
+        copied back (one copy, which waits for the stream)."""
+        n = rows.shape[0]
         with self.stream:
-            best_at = cp.argmax(rows, axis=1)     # the first NaN where a row has one, as numpy's
-            best = rows[cp.arange(rows.shape[0]), best_at]
-            facts = cp.stack([best_at.astype(cp.float64), cp.isfinite(best).astype(cp.float64),
-                              cp.isnan(rows).any(axis=1).astype(cp.float64)])
+            facts = cp.empty((3, n), cp.int32)
+            self._fns["greedy_rows"]((n,), (GREEDY_THREADS,),
+                                     (rows, np.int32(rows.shape[1]), np.int32(n), facts))
             host = cp.asnumpy(facts, stream=self.stream)
         self.stream.synchronize()
         return BatchLogits(rows, host[0].astype(np.int64), host[1] > 0, host[2] > 0)

@@ -108,6 +108,9 @@ class DecodeGraph(BatchedSteps):
             for name in self._kernel_names():     # compiled (or loaded from disk) once, here
                 self._fns[name] = function(KERNELS, name, model.backend.index,
                                            self.shape.defines())
+            if self.last:    # a batched step's greedy tokens (batched_decode._greedy_rows)
+                self._fns["greedy_rows"] = function("sample_rows.cu", "greedy_rows",
+                                                    model.backend.index)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[tuple[int, bool], object] = {}   # (rows, every row's logits)

@@ -503,6 +503,7 @@ def source_kernel_names(source: str) -> list[str]:
     """Every kernel the runners may ask a source for."""
     return {"decode.cu": kernel_names, "experts_rows.cu": rows_kernel_names,
             "prompt_ops.cu": lambda: ["rms_norm_rows", "combine_ranked"],
+            "sample_rows.cu": lambda: ["greedy_rows"],
             "gdn_prompt.cu": lambda: list(GDN_ROWS_KERNELS),
             "prefill_attention.cu": lambda: [f"prefill_attention_{d}"
                                              for d in PREFILL_ATTENTION_BUILDS]}[source]()
