@@ -116,3 +116,50 @@ def test_a_batched_steps_rows_draw_on_the_card_what_the_host_draws(params):
     for i in range(4):
         device, host = Sampler(params, [4, 5]), Sampler(params, [4, 5])
         assert [device(batch[i]) for _ in range(3)] == [host(host_rows[i]) for _ in range(3)]
+
+
+WARM_CHECK = r"""
+import os, sys
+import numpy as np
+import cupy as cp
+from strata_dist.sampling.sampler import (Sampler, SamplingParams, masked_row, token_logprobs,
+                                          warm_up)
+def compiled():
+    return sum(len(f) for _, _, f in os.walk(os.environ["CUPY_CACHE_DIR"]))
+row = cp.asarray((np.random.default_rng(0).standard_normal(151_936) * 4).astype(np.float32))
+warm_up(cp.zeros(row.size, cp.float32))
+after_warm = compiled()
+for params in [SamplingParams(), SamplingParams(temperature=0.8, seed=1),
+               SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2),
+               SamplingParams(temperature=1.2, min_p=0.05, seed=3, repetition_penalty=1.3),
+               SamplingParams(temperature=1.0, top_p=0.5, seed=4, presence_penalty=0.6,
+                              frequency_penalty=0.4, logit_bias=((7, 5.0), (151_000, -100.0))),
+               SamplingParams(repetition_penalty=0.8, logit_bias=((3, 1.0), (3, 2.0)))]:
+    s = Sampler(params, prompt_ids=[5, 9, 5])
+    for _ in range(3):
+        s(row)
+    if not params.greedy:
+        s.distribution(row)
+words = np.zeros(-(-row.size // 32), np.uint32); words[10] = 0b1011
+Sampler()(masked_row(row, words))
+Sampler(SamplingParams(temperature=0.9, seed=5))(masked_row(row, words))
+token_logprobs(row, 17, 20)
+print(after_warm, compiled())
+"""
+
+
+def test_after_the_warm_up_a_request_s_sampling_compiles_nothing(tmp_path):
+    """sampler.warm_up (a GPU last stage runs it at load) leaves no kernel of the sampling ops
+    for a request to compile: in a process of its own with an empty CuPy kernel cache, the
+    draws of every kind of request after it (greedy, sampled, top-k/p, min-p, penalties, bias,
+    a grammar's mask, logprobs) add no binary to the cache."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", WARM_CHECK], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after_warm, after_requests = map(int, done.stdout.split()[-2:])
+    assert after_warm > 0                       # the warm-up compiled into this empty cache
+    assert after_requests == after_warm, (after_warm, after_requests)

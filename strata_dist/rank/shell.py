@@ -35,6 +35,7 @@ from protocol.limits import FrameCaps
 from ..compute_options import compute_options, install
 from .draft_model import DraftModel
 from ..sampling.mtp_draft import MtpDrafter
+from ..sampling.sampler import warm_up
 from ..gguf_file.reader import GGUFModel
 from .handoff import HandoffReceiver, HandoffSender
 from ..experts.helper_server import HelperServer
@@ -185,6 +186,8 @@ class RankProcess:
                 self.stage.hidden_sink = draft.take_hidden
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id, draft_model=draft)
+            if assign.last and self.stage.backend.on_gpu:   # compiled now, not at a request
+                warm_up(self.stage.backend.xp.zeros(self.stage.model.g.n_vocab, "float32"))
             free["free_after_stage"] = probe()
         # the helper tier last: it is the part that fails soft, so it must not starve the stage
         if assign.helper_pairs:

@@ -194,3 +194,27 @@ def prompt_logprobs(rows, next_ids, top: int) -> list[TokenLogprob]:
         ids, lps, value = sample_ops.top_of(np, lp[r], top, also=int(t))
         out.append(TokenLogprob(int(t), value, ids, lps))
     return out
+
+
+# ---- at load -------------------------------------------------------------------------------------
+
+def warm_up(row) -> None:
+    """Each kernel a request's sampling asks the row's array module for, run once on `row` (a
+    device row of logits, float32 [vocab], which it does not change): CuPy compiles its array
+    operations with NVRTC at their first use in a process (from its disk cache on a machine that
+    compiled them before), and a GPU last stage samples every running stream's row in line, so a
+    kernel compiled at the first sampled, penalised, structured or logprobs request would hold
+    every stream for the compile. Run at load instead (rank/shell.py)."""
+    everything = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=0,
+                                repetition_penalty=1.1, frequency_penalty=0.1,
+                                presence_penalty=0.1, logit_bias=((1, 1.0), (2, -1.0)))
+    for params in (everything, SamplingParams(temperature=0.7, seed=0),
+                   SamplingParams(logit_bias=((1, 1.0), (1, 1.0)))):   # a token named twice
+        sampler = Sampler(params, prompt_ids=(1, 2))
+        for _ in range(2):           # the second draw's penalties read the device's counts
+            sampler(row)
+        if not params.greedy:        # what a speculative window's rejection sampling reads
+            sampler.distribution(row)
+    words = np.full(-(-int(row.size) // sample_ops.BITS_PER_WORD), 0xFFFFFFFF, dtype=np.uint32)
+    Sampler()(masked_row(row, words))
+    token_logprobs(row, 0, 5)
