@@ -15,17 +15,23 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# float32_prompt_kernels' variables (also tests/test_gpu_kv_q8_mirror.py's REFERENCE_OPTIONS, which
+# tests/kv_q8_general_check.py runs the general path under on the host)
+FLOAT32_PROMPT_KERNELS = {"STRATA_ROWS_MMA": "0", "STRATA_FLASH_PREFILL": "0",
+                          "STRATA_F16_PROMPT_GEMM": "0"}
+
+
 @pytest.fixture
 def float32_prompt_kernels(monkeypatch):
     """A GPU prompt's experts, attention and quantized dense matrices in float32 (the row
     kernels' FMA build, attention and GEMMs off the tensor cores): the GPU default rounds a
-    prompt's rows to f16 on the tensor cores, which
-    alone moves tiny random models' logits by ~4e-2 (1e-2 on qwen3next's). Those kernels are
+    prompt's rows to f16 on the tensor cores (and the general path's decode steps', which take
+    the same products), which alone moves tiny random models' logits by ~4e-2 (1e-2 on
+    qwen3next's). Those kernels are
     checked against numpy at their own tolerance (test_gpu_kernels.py); a test of the model code
     against numpy at float32 precision takes this."""
-    monkeypatch.setenv("STRATA_ROWS_MMA", "0")
-    monkeypatch.setenv("STRATA_FLASH_PREFILL", "0")
-    monkeypatch.setenv("STRATA_F16_PROMPT_GEMM", "0")
+    for name, value in FLOAT32_PROMPT_KERNELS.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture

@@ -49,6 +49,18 @@ def mirror_kv(session, source_session, layers, take) -> dict:
     return stores
 
 
+# a write whose own quantization differs from the source's by more than these is not the same
+# arithmetic on the same floats: a wrong block, scale, head or cell moves most codes, and floats
+# apart by more than float32 rounding (an f16 product's) move a few percent of them by one step
+# and their scales by two f16 ulps or more (tests/test_kv_q8_general_host.py)
+WRITE_BOUND = {"scale_ulps": 1, "code_max": 1, "code_share": 1e-2}
+
+
+def beyond_write_bound(d: dict) -> bool:
+    """Whether `code_differences`' d exceeds WRITE_BOUND in any of its fields."""
+    return any(d[field] > bound for field, bound in WRITE_BOUND.items())
+
+
 def code_differences(store: MirroredQ8Rows, to_host, cells: slice) -> dict:
     """How this side's own quantization of `cells` differs from the source's: the most f16 ulps
     between two scales, the largest int8 code difference, and the share of codes that differ."""

@@ -16,12 +16,23 @@ layer-7 routing tie). This test tells that apart from a kernel fault, one suspec
   logits' own scale);
 - where a step still parts: the layers whose top-k differ between the graph and the reference,
   with the reference's margin between its k-th and (k+1)-th router logits (a tie within float
-  noise, the f16 tests' own risk, against a real difference)."""
+  noise, the f16 tests' own risk, against a real difference).
+
+Both references run under float32 products (REFERENCE_OPTIONS: tests/conftest.py's
+float32_prompt_kernels; the graph's runner too: its prompt is the general path's). The general path's dense products are f16 at the default compute options
+(ops/linear.py gemm_f16 rounds the rows, the q8_0 weights and the product to f16), in its decode
+steps as in its prompts, so its K and V reach the q8_0 write as other floats than the graph's
+float32 matvecs give: the first H100 run of the general case (default options) failed the write
+check by exactly that (layer 3 from step 0 on: scales 2 f16 ulps apart, 4-9 % of codes one step
+apart; /work/notes/gpu/s11/1/l/kvmirror.log), with the same quantizer on both sides.
+tests/test_kv_q8_general_host.py shows it on the host with the general path's own code: within
+the write bound under REFERENCE_OPTIONS, past it at the default options."""
 import numpy as np
 import pytest
 
+from conftest import FLOAT32_PROMPT_KERNELS
 from hf_next_fixtures import tiny_qwen3next, write_gguf
-from kv_mirror import code_differences, mirror_kv
+from kv_mirror import beyond_write_bound, code_differences, mirror_kv
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -35,6 +46,9 @@ STEPS = [int(x) for x in np.random.default_rng(9).integers(0, 320, 32)]
 NEXT_GEOMETRY = dict(hidden=128, head_dim=256, n_head=4, n_kv=2, n_k_heads=2, n_v_heads=4,
                      head_k_dim=32, head_v_dim=32, top_k=4, n_experts=16)
 TOP_K = NEXT_GEOMETRY["top_k"]
+# the compute options both runners of either case are built under (the module's docstring says
+# why; tests/kv_q8_general_check.py runs the general path under them on the host)
+REFERENCE_OPTIONS = FLOAT32_PROMPT_KERNELS
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +86,13 @@ def _top(logits: np.ndarray) -> set[int]:
 
 @pytest.mark.parametrize("reference", ["numpy", "general"])
 def test_qwen3next_q8_0_graph_against_a_reference_reading_its_cells(next_path, reference,
-                                                                    request):
+                                                                    monkeypatch):
     """reference "numpy": test_qwen3next_q8_0_graph_matches_numpy's steps (the 32 one-row steps
     and a step of three rows) against the numpy runner; "general": the greedy test's 40 steps
-    (token 8, then the general path's greedy tokens) against the GPU's general path."""
-    if reference == "numpy":
-        request.getfixturevalue("float32_prompt_kernels")
+    (token 8, then the general path's greedy tokens) against the GPU's general path. Both under
+    REFERENCE_OPTIONS: float32 products."""
+    for name, value in REFERENCE_OPTIONS.items():
+        monkeypatch.setenv(name, value)
     from strata_dist.backends.next_decode import NextDecodeGraph
     gpu = _runner(next_path, "cuda:0")
     g = gpu.decode_graph
@@ -101,7 +116,7 @@ def test_qwen3next_q8_0_graph_against_a_reference_reading_its_cells(next_path, r
     def check_writes(what: str, cells: slice) -> None:
         for (layer, kind), store in stores.items():
             d = code_differences(store, cp.asnumpy, cells)
-            if d["scale_ulps"] > 1 or d["code_max"] > 1 or d["code_share"] > 1e-2:
+            if beyond_write_bound(d):
                 writes.append((what, layer, kind, d))
 
     check_writes("the prompt", slice(0, len(PROMPT)))
