@@ -11,6 +11,16 @@ the working directory first on sys.path, and the launcher starts its ranks
 (`python -m strata_dist.rank.main`, launcher/spawn.py) with the working directory it inherited,
 so every process of the arm imports the older tree's code. PYTHONPATH is pointed there too, so
 a module the older tree lacks is not taken from the current one.
+
+Kernel binaries: with $STRATA_KERNEL_CUBINS naming a folder (kernels built ahead with nvcc,
+strata_dist/kernels/prebuild.py), the current arm loads nvcc's binaries of its sources from it,
+but an older tree's sources hash to other names, so its ranks would compile theirs with NVRTC
+through CuPy, which appends -ftz=true and is another compiler build: the two arms would not run
+the same machine code for the same source. On 2026-12-06 a Q8_0 decode measured 0.965x its
+tree arm (f13c4ab) that way (decode-qwen3-30b-a3b-q8_0-2026-12-06-142937-7faf4b7.json) while
+every kernel such a step launches had byte-identical machine code in the two trees under one
+compiler. So the older tree's own kernels are built into the same folder (`prebuild_kernels`)
+and both trees' binaries are checked there before anything is measured.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -44,6 +55,40 @@ def archived_commit(path: str) -> str:
     return comment
 
 
+CUBINS_ENV = "STRATA_KERNEL_CUBINS"      # strata_dist/kernels/__init__.py's name for the folder
+
+
+def device_arch() -> str:
+    """The first card's compute capability as the kernels' binaries name it ("90"), from
+    nvidia-smi; kernels/prebuild.py's default ("90", an H100 or H200) without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "90"
+    first = done.stdout.strip().splitlines()[:1]
+    if done.returncode != 0 or not first or not re.fullmatch(r"\d+\.\d+", first[0].strip()):
+        return "90"
+    return first[0].strip().replace(".", "")
+
+
+def cubin_names(tree: str, env: dict, shape: str, arch: str) -> list[str]:
+    """The binaries a tree's ranks look for under $STRATA_KERNEL_CUBINS at kernel shape `shape`
+    (decode.cu built with its defines, every other source with none: kernels/prebuild.py), as
+    that tree's own code names them (its kernels/__init__.py cubin_name)."""
+    code = ("import sys; import strata_dist.kernels as k; "
+            "from strata_dist.kernels.abi import KernelShape; "
+            "d = KernelShape.parse(sys.argv[1]).defines(); "
+            "print('\\n'.join(k.cubin_name(s.name, d if s.name == 'decode.cu' else (), "
+            "sys.argv[2]) for s in k.sources()))")
+    done = subprocess.run([sys.executable, "-c", code, shape, arch], cwd=tree,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        fail(f"--tree-arm: the kernel binaries' names of {tree} could not be read: "
+             f"{done.stderr.strip()[-1500:]}")
+    return done.stdout.split()
+
+
 class OlderTree:
     """The tarball unpacked into a temporary directory (removed at exit) and the commit it is."""
 
@@ -64,6 +109,7 @@ class OlderTree:
         if not os.path.isfile(os.path.join(self.dir, "launcher", "cli.py")):
             fail(f"--tree-arm {path}: commit {self.short} holds no launcher/cli.py (not a tree "
                  f"of this project)")
+        self.prebuild_kernels()
 
     def env(self) -> dict:
         """The environment's changes for a process of the older tree: its directory in place of
@@ -72,6 +118,45 @@ class OlderTree:
         kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                 if p and os.path.realpath(p) != here]
         return {"PYTHONPATH": os.pathsep.join([self.dir, *kept])}
+
+    def prebuild_kernels(self) -> None:
+        """With $STRATA_KERNEL_CUBINS naming a folder: the older tree's kernels built into it by
+        the older tree's own kernels/prebuild.py (for $STRATA_KERNEL_SHAPE too, where set), then
+        each tree's binaries looked for there, so that both arms load nvcc's binaries; refused,
+        saying why, where either tree's are missing (an arm would compile with NVRTC). Without
+        the variable (or with no such folder, where both trees compile with NVRTC) nothing."""
+        folder = os.environ.get(CUBINS_ENV, "")
+        if not folder or not os.path.isdir(folder):
+            return
+        shape = os.environ.get("STRATA_KERNEL_SHAPE", "")
+        arch = device_arch()
+
+        def missing(who: str, tree: str, env: dict) -> None:
+            lacks = [n for n in cubin_names(tree, env, shape, arch)
+                     if not os.path.isfile(os.path.join(folder, n))]
+            if lacks:
+                fail(f"--tree-arm: ${CUBINS_ENV}={folder} lacks {who}'s {', '.join(lacks)}: its "
+                     f"arm would compile them with NVRTC while the other loads nvcc's binaries. "
+                     f"Build them with `python -m strata_dist.kernels.prebuild --out {folder}"
+                     f"{' --shape ' + shape if shape else ''} --arch {arch}` in that tree, or "
+                     f"unset ${CUBINS_ENV} to measure both trees' NVRTC builds")
+        missing("this tree", ROOT, {})           # before anything is built
+        if not os.path.isfile(os.path.join(self.dir, "strata_dist", "kernels", "prebuild.py")):
+            fail(f"--tree-arm: commit {self.short} has no strata_dist/kernels/prebuild.py to build "
+                 f"its kernels into ${CUBINS_ENV}={folder}: its arm would compile them with NVRTC "
+                 f"while this tree's load nvcc's. Unset ${CUBINS_ENV} to measure both trees' "
+                 f"NVRTC builds")
+        cmd = [sys.executable, "-m", "strata_dist.kernels.prebuild", "--out", folder,
+               "--arch", arch, "--jobs", str(os.cpu_count() or 2)]
+        print(f"tree arm {self.short}: building its kernels into ${CUBINS_ENV} "
+              f"(nvcc, as this tree's there)", flush=True)
+        done = subprocess.run(cmd + (["--shape", shape] if shape else []), cwd=self.dir,
+                              env={**os.environ, **self.env()}, capture_output=True, text=True,
+                              timeout=1800)
+        if done.returncode != 0:
+            fail(f"--tree-arm: building commit {self.short}'s kernels into {folder} failed "
+                 f"(exit {done.returncode}): {(done.stderr or done.stdout).strip()[-1500:]}")
+        missing(f"commit {self.short}", self.dir, self.env())
 
     def fields(self) -> dict:
         """What the record's arm says of the tree it ran."""

@@ -117,6 +117,25 @@ def test_serve_tree_arm_is_the_archived_commit(archived, model, tmp_path):
         assert f"strata (this tree) / strata {head[:7]} aggregate: {ratio:.3f}x" in done.stdout
 
 
+def _rewritten(tarball: Path, out: Path, edits: dict) -> Path:
+    """A copy of the archive (its pax header, so its commit, kept) with each file named in
+    `edits` passed through its function (None: the file left out)."""
+    with tarfile.open(tarball) as src:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT,
+                          pax_headers=src.pax_headers) as dst:
+            for member in src.getmembers():
+                data = src.extractfile(member).read() if member.isfile() else None
+                if member.name in edits:
+                    data = edits[member.name](data)
+                    if data is None:
+                        continue
+                    member.size = len(data)
+                dst.addfile(member, None if data is None else io.BytesIO(data))
+    out.write_bytes(buf.getvalue())
+    return out
+
+
 @pytest.mark.parametrize("planted", ["launcher/cli.py", "strata_dist/rank/main.py"])
 def test_the_tree_arm_runs_the_archived_code(archived, model, tmp_path, planted):
     """The archive with one module made to exit at import: the launcher (`python -m` in the
@@ -124,19 +143,12 @@ def test_the_tree_arm_runs_the_archived_code(archived, model, tmp_path, planted)
     the archived file, so the arm fails with the planted message."""
     tarball, _ = archived
     future = b"from __future__ import annotations\n"
-    with tarfile.open(tarball) as src:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT,
-                          pax_headers=src.pax_headers) as dst:
-            for member in src.getmembers():
-                data = src.extractfile(member).read() if member.isfile() else None
-                if member.name == planted:
-                    assert future in data
-                    data = data.replace(future, future + b'raise SystemExit("error: planted in '
-                                        + planted.encode() + b'")\n', 1)
-                    member.size = len(data)
-                dst.addfile(member, None if data is None else io.BytesIO(data))
-    (tmp_path / "planted.tar").write_bytes(buf.getvalue())
+
+    def plant(data: bytes) -> bytes:
+        assert future in data
+        return data.replace(future, future + b'raise SystemExit("error: planted in '
+                            + planted.encode() + b'")\n', 1)
+    _rewritten(tarball, tmp_path / "planted.tar", {planted: plant})
     done = _bench("bench_decode.py", model, tmp_path / "r", "--tokens", "4", "--repeats", "1",
                   "--tree-arm", str(tmp_path / "planted.tar"))
     assert done.returncode == 2 and f"planted in {planted}" in done.stderr, done.stderr[-3000:]
@@ -226,3 +238,109 @@ def test_must_show_redesign_next_needs_and_gives_the_tree_arm(archived, tmp_path
         ["benchmarks/bench_prefill.py", "--model"]]
     assert "--like qwen3-next-80b-a3b" in commands[0]
     assert all(f"--tree-arm {tarball}" in c and "--llama-bench" not in c for c in commands[1:])
+
+
+# The archive's kernels/prebuild.py with nvcc left out (the test checks who builds what, not
+# nvcc): each binary is written as a file naming the prebuild.py that wrote it.
+_MARKER_BUILD = b'''
+
+def build(nvcc, name, defines, arch, out):      # planted by tests/test_bench_tree_arm.py
+    target = out / cubin_name(name, defines, arch)
+    if not target.is_file():
+        target.write_text("built by " + __file__)
+    return target
+
+
+shutil.which = lambda name: name
+
+
+if __name__ == "__main__":'''
+
+
+def _older_tree_with_marker_prebuild(tarball: Path, out: Path, prebuild: bool = True) -> Path:
+    """The archive with its decode.cu one comment longer (its binary's name, a hash of the
+    source, then differs from this tree's) and its prebuild.py writing markers (or none)."""
+    def marker(data: bytes) -> bytes:
+        main = b'\n\nif __name__ == "__main__":'
+        assert main in data
+        return data.replace(main, _MARKER_BUILD, 1)
+    return _rewritten(tarball, out, {
+        "strata_dist/kernels/decode.cu": lambda data: data + b"// the older tree\n",
+        "strata_dist/kernels/prebuild.py": marker if prebuild else lambda data: None})
+
+
+def _this_trees_binaries(folder: Path, shape: str) -> list[Path]:
+    """Empty files named as this tree's binaries at `shape` (what a session carries, built
+    ahead); the check only looks for the names."""
+    from tree_arm import cubin_names, device_arch
+    paths = [folder / n for n in cubin_names(str(ROOT), {}, shape, device_arch())]
+    for p in paths:
+        p.write_bytes(b"")
+    return paths
+
+
+def test_the_tree_arm_builds_its_kernels_beside_this_trees(archived, tmp_path, monkeypatch,
+                                                            capsys):
+    """$STRATA_KERNEL_CUBINS naming a folder that holds this tree's binaries: the older tree's
+    own prebuild.py (run from the unpacked tree) writes the older tree's binaries there at the
+    default shape and $STRATA_KERNEL_SHAPE's, this tree's left as they were; its arm then loads
+    nvcc's binaries as this tree's does (a Q8_0 decode's 0.965x was NVRTC's against nvcc's)."""
+    from tree_arm import OlderTree, cubin_names, device_arch
+    tarball, head = archived
+    older = _older_tree_with_marker_prebuild(tarball, tmp_path / "older.tar")
+    folder, shape = tmp_path / "cubins", "grouped_experts=1"
+    folder.mkdir()
+    ours = _this_trees_binaries(folder, "") + _this_trees_binaries(folder, shape)
+    monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(folder))
+    monkeypatch.setenv("STRATA_KERNEL_SHAPE", shape)
+    tree = OlderTree(str(older))
+    assert f"tree arm {head[:7]}: building its kernels" in capsys.readouterr().out
+    theirs = {n for s in ("", shape) for n in cubin_names(tree.dir, tree.env(), s, device_arch())}
+    # the older decode.cu has other names; the other sources' binaries are this tree's
+    assert theirs & {p.name for p in ours} == {p.name for p in ours if "decode-" not in p.name}
+    built = {p.name: p.read_text() for p in folder.iterdir() if p.read_bytes()}
+    wrote = f"built by {os.path.join(tree.dir, 'strata_dist', 'kernels', 'prebuild.py')}"
+    assert set(built) == {n for n in theirs if n.startswith("decode-")} and len(built) == 2
+    assert set(built.values()) == {wrote}
+    assert all(p.read_bytes() == b"" for p in ours)
+
+
+@pytest.mark.parametrize("case", ["this tree's binaries missing", "no prebuild.py"])
+def test_a_tree_arm_that_would_compile_with_nvrtc_is_refused(archived, tmp_path, monkeypatch,
+                                                             capsys, case):
+    """Where either arm would compile its kernels with NVRTC while the other loads nvcc's
+    binaries (this tree's not in the folder, or an older tree with no prebuild.py to build its
+    own), the tree arm is refused before anything runs, saying which binaries and what to do."""
+    from tree_arm import OlderTree
+    tarball, head = archived
+    older = _older_tree_with_marker_prebuild(tarball, tmp_path / "older.tar",
+                                             prebuild=case != "no prebuild.py")
+    folder = tmp_path / "cubins"
+    folder.mkdir()
+    if case == "no prebuild.py":
+        _this_trees_binaries(folder, "")
+    monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(folder))
+    monkeypatch.delenv("STRATA_KERNEL_SHAPE", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        OlderTree(str(older))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: --tree-arm: "), err
+    if case == "no prebuild.py":
+        assert f"commit {head[:7]} has no strata_dist/kernels/prebuild.py" in err
+    else:
+        assert "lacks this tree's decode-sm" in err and "strata_dist.kernels.prebuild --out" in err
+        assert not any(folder.iterdir())            # refused before anything was built
+    assert "nset $STRATA_KERNEL_CUBINS to measure both trees' NVRTC builds" in err
+
+
+def test_without_a_cubins_folder_the_tree_arm_builds_nothing(archived, tmp_path, monkeypatch):
+    """No $STRATA_KERNEL_CUBINS (or a name that is no folder, where kernels/__init__.py has
+    both trees compile with NVRTC): nothing is built, even by an older tree that could not."""
+    from tree_arm import OlderTree
+    tarball, head = archived
+    older = _older_tree_with_marker_prebuild(tarball, tmp_path / "older.tar", prebuild=False)
+    monkeypatch.delenv("STRATA_KERNEL_CUBINS", raising=False)
+    assert OlderTree(str(older)).commit == head
+    monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path / "none"))
+    assert OlderTree(str(older)).commit == head
+    assert not (tmp_path / "none").exists()

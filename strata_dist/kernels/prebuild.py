@@ -1,10 +1,15 @@
 """Build the kernel binaries ahead, with nvcc, where device time is not spent (kernels/__init__.py:
 $STRATA_KERNEL_CUBINS). Each source is built once per KernelShape asked for (decode.cu takes the
-shapes' -D defines; the other sources none), from the same inlined text and options NVRTC gets,
-into files named by `cubin_name`:
+shapes' -D defines; the other sources none), from the same inlined text and options `module`
+hands NVRTC, into files named by `cubin_name`:
 
     python -m strata_dist.kernels.prebuild --out .kcubins --shape int_gate_up=0,int_down=0
     STRATA_KERNEL_CUBINS=$PWD/.kcubins python ...      # on the GPU machine
+
+They are not NVRTC's binaries bit for bit: CuPy appends -ftz=true to the options of every NVRTC
+compile (this build flushes no denormal), and the libnvrtc CuPy loads may be another release of
+the compiler than this nvcc. So two runs compare like with like only where both load binaries of one
+kind: an older tree's arm (benchmarks/tree_arm.py) builds its own into the same folder.
 """
 from __future__ import annotations
 
