@@ -49,6 +49,7 @@ from .decode_rows import SessionSlots, StepRows, pack_descriptor, session_pointe
 from .graph_ops import GraphLayerOps
 from .kv_cache import DeviceRing
 from .graph_tables import Unsupported, count_tiers, repoint_experts
+from .kernel_timing import time_step
 from .step_slots import Ahead, HostSlot, StepLogits
 
 log = logging.getLogger("strata.decode")
@@ -114,13 +115,12 @@ class DecodeGraph(BatchedSteps):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(disable_timing=True)
         self.graphs: dict[tuple[int, bool], object] = {}   # (rows, every row's logits)
-        self._timing = None            # [(kernel, start, end)] while kernel_times runs
+        self._timing = None            # kernel_timing.KernelTimer while kernel_times runs
         # programmatic dependent launches (kernels/pdl.py; docs/BENCHMARKS.md: 3-4% off a step,
         # the same logits), a Hopper feature; STRATA_PDL=0 launches plainly
         hopper = int(cp.cuda.Device(model.backend.index).compute_capability) >= 90
         self._pdl = ProgrammaticLauncher() if hopper and options.pdl else None
         self._pdl_armed = False
-        self._timing_repeat = 1
         self._refused: set[str] = set()   # why batched steps took the general path (said once)
         # the next greedy step of a single-stage pipeline launched before the host reads this
         # one's token (step_slots.py; STRATA_DECODE_AHEAD=0: off)
@@ -297,42 +297,36 @@ class DecodeGraph(BatchedSteps):
                 return fn
             return lambda grid, block, args, shared_mem=0: self._pdl.launch(
                 fn, grid, block, args, cp.cuda.get_current_stream().ptr, shared_mem)
-        repeat = self._timing_repeat
-
-        def timed(grid, block, args, shared_mem=0):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(self.stream)
-            for _ in range(repeat):
-                fn(grid, block, args, shared_mem=shared_mem)
-            end.record(self.stream)
-            self._timing.append((name, start, end))
-        return timed
+        return self._timing.wrap(name, fn)
 
     def kernel_times(self, session, pos: int, ids=None, hidden=None,
                      repeat: int = 1) -> dict[str, float]:
         """One eager step with every launch timed: microseconds per kernel name, summed over the
-        layers (what benchmarks/profile_decode.py prints). The launches queue behind a `spin`
-        kernel, so they run back to back as in a graph and the events time the GPU, not Python.
-        With `repeat` > 1 each launch runs that many times in a row (the mean is reported): its
+        layers (what benchmarks/profile_decode.py prints; backends/kernel_timing.py). With
+        `repeat` > 1 each launch runs that many times in a row (the mean is reported): its
         time alone, warm, without its neighbours. The step is a real one: it advances nothing but
         writes the KV of position `pos` (with repeat > 1 the residual rows are added to several
         times: a profile's last step)."""
-        self.settle()
-        use_graph, self.use_graph, self._timing = self.use_graph, False, []
-        self._timing_repeat = repeat
-        try:
-            hold_ns = 20_000 * repeat * (8 + 12 * (self.le - self.lb))   # ~20 us per launch
-            with self.stream:
-                function(KERNELS, "spin", self.model.backend.index, self.shape.defines())(
-                    (1,), (1,), (np.uint64(hold_ns),))
-            self.step(session, pos, ids=ids, hidden=hidden)
-            out: dict[str, float] = {}
-            for name, start, end in self._timing:
-                us = cp.cuda.get_elapsed_time(start, end) * 1e3 / repeat
-                out[name] = out.get(name, 0.0) + us
-            return out
-        finally:
-            self.use_graph, self._timing = use_graph, None
+        return time_step(self, lambda: self.step(session, pos, ids=ids, hidden=hidden), repeat)
+
+    def replay_kernel_times(self, rows: StepRows, ids=None, hidden=None,
+                            repeat: int = 1) -> dict[str, float]:
+        """`kernel_times` for one replay of a batched step (`step_rows`' launch of `rows`, every
+        row's logits): its rows' ids on the first stage, else their hidden rows. Like a
+        replay it writes each row's KV at its position and advances nothing."""
+        if not self.usable(rows.n):
+            raise ValueError(f"a replay of {rows.n} rows cannot run on this graph now (at most "
+                             f"{self.max_rows} rows, the cache not lent, no routes recorded)")
+        given = None if ids is None else len(ids)
+        if self.first and given != rows.n:
+            raise ValueError(f"a replay of {rows.n} rows on the first stage takes {rows.n} "
+                             f"token ids, got {given}")
+        ids = self._checked_ids(ids)
+
+        def queue_step():
+            self._launch_step(rows, ids, None if self.first else hidden, 0, every_row=True)
+            self._wait(0, rows.n)
+        return time_step(self, queue_step, repeat)
 
     def _enqueue(self, n: int, every_row: bool = False) -> None:
         """Every kernel of one step of n rows, on self.stream (captured or run eagerly);
