@@ -15,7 +15,10 @@ piece) one strata launch on WHOLE reads one request first, and the strata arm sa
 split file's greedy tokens are its own (`tokens_identical_to_unsplit`). With --tree-arm TARBALL
 (`git archive <commit> | xz`) one more arm runs the first arm's launch with that older tree's
 code (benchmarks/tree_arm.py): its commit (`tree_commit`), tok/s and tokens against the first
-arm's in the same record, and "strata (this tree) / strata <commit>" printed. The record of
+arm's in the same record, and "strata (this tree) / strata <commit>" printed. With --nvrtc-arm one
+more arm's rank compiles every kernel with CuPy's NVRTC into an empty kernel cache, where the first
+arm loads kernels/prebuild.py's nvcc binaries when $STRATA_KERNEL_CUBINS names them: the same
+sources built by the two compilers, in one record (each strata arm says `kernels_built_by`). The record of
 ../shared/RECORDS.md goes to
 benchmarks/results/decode-<like>-<quant>-<date>-<HHMMSS>-<commit>.json (records.py computes the
 commit). `--popularity` names the routing law of a file that does not store it (a synthetic file
@@ -37,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -47,16 +51,23 @@ from records import (ROOT, PeakMemory, env_prefix, fail, full_decodes,  # noqa: 
                      median_tps, model_facts, predicted_ms_per_token, prompt_ids, serve_session,
                      tokens_against_records, Recorder)
 from tree_arm import OlderTree, compare_tokens, tokens_said  # noqa: E402
+from strata_dist.kernels import CUBINS_ENV  # noqa: E402
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
                repeats: int = 0, kernel_shape: str | None = None,
-               tree: OlderTree | None = None) -> dict:
+               tree: OlderTree | None = None, nvrtc: bool = False) -> dict:
     """One strata launch on `model` (default --model) reading `repeats` (default --repeats)
     measured requests; its first request's tokens kept (`_tokens`, `tokens_sha256`).
     `kernel_shape` (not None): the launch's STRATA_KERNEL_SHAPE, whatever this process's is.
-    `tree`: the launch runs that older tree's code (--tree-arm)."""
+    `tree`: the launch runs that older tree's code (--tree-arm). `nvrtc`: the launch compiles
+    every kernel with CuPy's NVRTC into an empty kernel cache (no prebuilt binaries), as a
+    machine nobody prebuilt for does (--nvrtc-arm)."""
     env = None if kernel_shape is None else {"STRATA_KERNEL_SHAPE": kernel_shape}
+    built_by = None if args.cpu else kernels_built_by(nvrtc)
+    if nvrtc:
+        env = {**(env or {}), CUBINS_ENV: "",
+               "CUPY_CACHE_DIR": tempfile.mkdtemp(prefix="strata-nvrtc-")}
     cwd = None if tree is None else tree.dir
     model, repeats = model or args.model, repeats or args.repeats
     devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", gpus]
@@ -90,8 +101,17 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
             "measured_ms_per_token": round(1e3 / tok_s, 3),
             "tokens_sha256": hashlib.sha256(json.dumps(r["tokens"]).encode()).hexdigest(),
             "graph_steps_per_stage": steps / max(1, n_gpus) / max(1, gens[0] - 1),
-            "_tokens": r["tokens"], **({} if env is None else {"kernel_shape": kernel_shape}),
+            "_tokens": r["tokens"], "kernels_built_by": built_by,
+            **({} if kernel_shape is None else {"kernel_shape": kernel_shape}),
             **({} if tree is None else tree.fields())}
+
+
+def kernels_built_by(nvrtc: bool) -> str:
+    """How a launch's kernels are built: "nvrtc" (CuPy compiles each source in the rank, or reads
+    its own earlier compile from its kernel cache), or "prebuilt" ($STRATA_KERNEL_CUBINS names
+    kernels/prebuild.py's nvcc binaries, each loaded where one of the same source is there)."""
+    folder = os.environ.get(CUBINS_ENV)
+    return "prebuilt" if not nvrtc and folder and os.path.isdir(folder) else "nvrtc"
 
 
 def handoff_us(devices: str) -> float | None:
@@ -137,6 +157,10 @@ def main() -> int:
                          "greedy tokens are read first (one strata launch, one request) and the "
                          "strata arm's tokens_identical_to_unsplit says whether they equal the "
                          "split file's")
+    ap.add_argument("--nvrtc-arm", action="store_true",
+                    help="one more 1-GPU strata arm whose rank compiles every kernel with NVRTC "
+                         "into an empty CuPy kernel cache ($STRATA_KERNEL_CUBINS cleared): the "
+                         "binaries of a machine nobody prebuilt for, beside the first arm's")
     ap.add_argument("--shape-arm", action="append", default=[], metavar="SHAPE",
                     help="one more 1-GPU strata arm built with STRATA_KERNEL_SHAPE=SHAPE "
                          "(repeatable): its tok/s beside the first arm's in one record, and "
@@ -195,6 +219,13 @@ def main() -> int:
               f"the unsplit file's ({os.path.basename(args.unsplit)})", flush=True)
     print(f"strata 1 GPU: {one['decode_tok_s']:.1f} tok/s decode, graph steps/stage/token "
           f"{one['graph_steps_per_stage']:.2f}, peak {one['peak_gib']:.1f} GiB", flush=True)
+    if args.nvrtc_arm:
+        compiled = strata_arm(args, gpus[0], "auto", facts["vocab"], nvrtc=True)
+        compare_tokens(compiled, compiled["_tokens"], one["_tokens"])
+        keep(compiled)
+        print(f"strata 1 GPU, kernels compiled by NVRTC: {compiled['decode_tok_s']:.1f} tok/s "
+              f"decode ({compiled['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm, "
+              f"whose kernels: {one['kernels_built_by']}), {tokens_said(compiled)}", flush=True)
     for shape in args.shape_arm:
         built = strata_arm(args, gpus[0], "auto", facts["vocab"], kernel_shape=shape)
         compare_tokens(built, built["_tokens"], one["_tokens"])
@@ -228,6 +259,7 @@ def main() -> int:
             # not this tree's default build)
             what = (f" {arm['name'].removeprefix('strata ')}" if "tree_commit" in arm
                     else f" STRATA_KERNEL_SHAPE={arm['kernel_shape']}" if "kernel_shape" in arm
+                    else f" (kernels by {arm['kernels_built_by']})" if arm is not one
                     else "")
             print(f"strata{what} {arm['gpus']} GPU(s) / llama.cpp 1 GPU: "
                   f"{arm['decode_tok_s'] / ll['decode_tok_s']:.2f}x", flush=True)

@@ -35,7 +35,7 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     expected = records.commit_info()
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
                            str(model), "--cpu", "--tokens", "16", "--out", str(out),
-                           "--shape-arm", "int_gate_up=0,int_down=0"],
+                           "--shape-arm", "int_gate_up=0,int_down=0", "--nvrtc-arm"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = out.glob("decode-tiny-f32-*.json")
@@ -48,7 +48,10 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     assert record["options"]["STRATA_DECODE_GRAPH"] == "1"      # a default, in force
     assert record["model"]["popularity"] == "zipf:1" and record["model"]["types"]["F32"] > 0
     assert record["model"]["like"] == "tiny" and record["model"]["quant"] == "f32"
-    [arm, built] = record["arms"]
+    [arm, compiled, built] = record["arms"]
+    # --nvrtc-arm: one more launch of the same build (on CPU ranks no kernel is compiled)
+    assert compiled["tokens_identical_to_first_arm"] is True and compiled["new_tokens"] == 16
+    assert compiled["kernels_built_by"] is None and arm["kernels_built_by"] is None
     # --shape-arm: a second launch of its own build, named in its command and its own field
     assert built["kernel_shape"] == "int_gate_up=0,int_down=0" and "kernel_shape" not in arm
     assert built["command"].startswith("STRATA_KERNEL_SHAPE=int_gate_up=0,int_down=0 strata-launch ")
@@ -496,3 +499,15 @@ def test_first_difference_names_where_two_token_lists_part():
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([7], [8]) == 0
     assert first_difference([1, 2], [1, 2, 3]) == 2          # one list ended early
+
+
+def test_kernels_built_by_names_the_binaries_a_gpu_launch_loads(tmp_path, monkeypatch):
+    """bench_decode's arms say which compiler built their kernels: nvcc's prebuilt binaries
+    where $STRATA_KERNEL_CUBINS names a folder, else (or in the --nvrtc-arm) NVRTC's."""
+    from bench_decode import kernels_built_by
+    monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path))
+    assert kernels_built_by(nvrtc=False) == "prebuilt" and kernels_built_by(nvrtc=True) == "nvrtc"
+    monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path / "absent"))
+    assert kernels_built_by(nvrtc=False) == "nvrtc"
+    monkeypatch.delenv("STRATA_KERNEL_CUBINS")
+    assert kernels_built_by(nvrtc=False) == "nvrtc"
