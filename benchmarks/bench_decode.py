@@ -47,11 +47,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 from llama_runs import llama_arm as tuned_llama_arm, llama_sweep, llama_wait  # noqa: E402
-from records import (ROOT, PeakMemory, env_prefix, fail, full_decodes,  # noqa: E402
+from records import (ROOT, CUBINS_ENV, PeakMemory, env_prefix, fail, full_decodes,  # noqa: E402
+                     kernels_built_by,
                      median_tps, model_facts, predicted_ms_per_token, prompt_ids, serve_session,
                      tokens_against_records, Recorder)
 from tree_arm import OlderTree, compare_tokens, tokens_said  # noqa: E402
-from strata_dist.kernels import CUBINS_ENV  # noqa: E402
 
 
 def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
@@ -104,14 +104,6 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
             "_tokens": r["tokens"], "kernels_built_by": built_by,
             **({} if kernel_shape is None else {"kernel_shape": kernel_shape}),
             **({} if tree is None else tree.fields())}
-
-
-def kernels_built_by(nvrtc: bool) -> str:
-    """How a launch's kernels are built: "nvrtc" (CuPy compiles each source in the rank, or reads
-    its own earlier compile from its kernel cache), or "prebuilt" ($STRATA_KERNEL_CUBINS names
-    kernels/prebuild.py's nvcc binaries, each loaded where one of the same source is there)."""
-    folder = os.environ.get(CUBINS_ENV)
-    return "prebuilt" if not nvrtc and folder and os.path.isdir(folder) else "nvrtc"
 
 
 def handoff_us(devices: str) -> float | None:

@@ -25,6 +25,9 @@ ROOT = os.path.dirname(HERE)
 # source and build, wheels, prebuilt kernels) and the records a run writes: left out of the tree
 # hash on both sides
 NOT_CODE = ("/.anchor/", "/.whl/", "/.kcubins/", "/.cache/", "/.venv/", "/benchmarks/results/")
+# kernels/__init__.py's variable naming prebuilt kernel binaries (read here from the environment
+# a run's launches inherit; strata_dist.kernels is not imported, so no GPU package is needed)
+CUBINS_ENV = "STRATA_KERNEL_CUBINS"
 
 
 def fail(message: str):
@@ -468,6 +471,15 @@ def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
     return f"{arm}: {verdict} {name} (commit {commit_}, {date})"
 
 
+def kernels_built_by(nvrtc: bool = False) -> str:
+    """How a GPU launch's kernels are built: "nvrtc" (CuPy compiles each source in the rank with
+    `-ftz=true` appended, or reads its own earlier compile from its kernel cache), or "prebuilt"
+    ($STRATA_KERNEL_CUBINS names kernels/prebuild.py's nvcc binaries, each loaded where one of
+    the same source is there). A user's ranks build with NVRTC unless they prebuild."""
+    folder = os.environ.get(CUBINS_ENV)
+    return "prebuilt" if not nvrtc and folder and os.path.isdir(folder) else "nvrtc"
+
+
 class Recorder:
     """One run's record: its identity (commit, time, options, machine) taken when the run
     starts, so every save of the run (bench_prefill.py rewrites its own after each arm) is the
@@ -477,7 +489,8 @@ class Recorder:
         now = datetime.datetime.now()
         self.head = {"bench": bench, "date": now.strftime("%Y-%m-%d"),
                      "time": now.strftime("%H:%M:%S"), **commit_info(), "options": options(),
-                     "machine": machine(), "model": record_model(facts)}
+                     "machine": machine(), "kernels_built_by": kernels_built_by(),
+                     "model": record_model(facts)}
         if tag:
             self.head["tag"] = tag
         # ../shared/RECORDS.md's name; a tag (bench_tiers.py's `helper`) is a field, not a part

@@ -32,6 +32,7 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     write_synthetic(str(model), like="tiny", quant="f32", popularity="zipf:1.0", seed=0)
     out = tmp_path / "records"
     env = {**os.environ, "STRATA_KERNEL_SHAPE": "int_down=1"}
+    env.pop("STRATA_KERNEL_CUBINS", None)
     expected = records.commit_info()
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model",
                            str(model), "--cpu", "--tokens", "16", "--out", str(out),
@@ -41,6 +42,7 @@ def test_decode_record_holds_prediction_beside_measurement(tmp_path):
     [path] = out.glob("decode-tiny-f32-*.json")
     record = json.loads(path.read_text())
     assert check_record(record, str(path)) == []
+    assert record["kernels_built_by"] == "nvrtc"       # no $STRATA_KERNEL_CUBINS here
     # the commit is git's own of this tree, never typed in; the file is named by it
     assert record["bench"] == "decode" and record["commit"] == expected["commit"]
     assert record["commit_source"] == "git" and path.name.endswith(f"-{expected['commit']}.json")
@@ -502,9 +504,11 @@ def test_first_difference_names_where_two_token_lists_part():
 
 
 def test_kernels_built_by_names_the_binaries_a_gpu_launch_loads(tmp_path, monkeypatch):
-    """bench_decode's arms say which compiler built their kernels: nvcc's prebuilt binaries
-    where $STRATA_KERNEL_CUBINS names a folder, else (or in the --nvrtc-arm) NVRTC's."""
-    from bench_decode import kernels_built_by
+    """Records (and bench_decode's arms) say which compiler built their kernels: nvcc's prebuilt
+    binaries where $STRATA_KERNEL_CUBINS names a folder, else (or in the --nvrtc-arm) NVRTC's."""
+    import strata_dist.kernels
+    from records import CUBINS_ENV, kernels_built_by
+    assert CUBINS_ENV == strata_dist.kernels.CUBINS_ENV
     monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path))
     assert kernels_built_by(nvrtc=False) == "prebuilt" and kernels_built_by(nvrtc=True) == "nvrtc"
     monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path / "absent"))
