@@ -128,7 +128,8 @@ class OlderTree:
         folder = os.environ.get(CUBINS_ENV, "")
         if not folder or not os.path.isdir(folder):
             return
-        shape = os.environ.get("STRATA_KERNEL_SHAPE", "")
+        from strata_dist.compute_options import read_environment   # the one reader of the switches
+        shape = read_environment().kernel_shape
         arch = device_arch()
 
         def missing(who: str, tree: str, env: dict) -> None:
