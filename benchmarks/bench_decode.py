@@ -35,9 +35,11 @@ does).
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,10 +66,11 @@ def strata_arm(args, gpus: str, split: str, vocab: int, model: str = "",
     every kernel with CuPy's NVRTC into an empty kernel cache (no prebuilt binaries), as a
     machine nobody prebuilt for does (--nvrtc-arm)."""
     env = None if kernel_shape is None else {"STRATA_KERNEL_SHAPE": kernel_shape}
-    built_by = None if args.cpu else kernels_built_by(nvrtc)
+    built_by = None if args.cpu else kernels_built_by(nvrtc, kernel_shape)
     if nvrtc:
-        env = {**(env or {}), CUBINS_ENV: "",
-               "CUPY_CACHE_DIR": tempfile.mkdtemp(prefix="strata-nvrtc-")}
+        cache = tempfile.mkdtemp(prefix="strata-nvrtc-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        env = {**(env or {}), CUBINS_ENV: "", "CUPY_CACHE_DIR": cache}
     cwd = None if tree is None else tree.dir
     model, repeats = model or args.model, repeats or args.repeats
     devices = ["--cpu-ranks", "1"] if args.cpu else ["--gpus", gpus]

@@ -471,13 +471,27 @@ def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
     return f"{arm}: {verdict} {name} (commit {commit_}, {date})"
 
 
-def kernels_built_by(nvrtc: bool = False) -> str:
-    """How a GPU launch's kernels are built: "nvrtc" (CuPy compiles each source in the rank with
-    `-ftz=true` appended, or reads its own earlier compile from its kernel cache), or "prebuilt"
-    ($STRATA_KERNEL_CUBINS names kernels/prebuild.py's nvcc binaries, each loaded where one of
-    the same source is there). A user's ranks build with NVRTC unless they prebuild."""
+def kernels_built_by(nvrtc: bool = False, shape: str | None = None) -> str:
+    """How a GPU launch of this tree builds its kernels: "prebuilt" where $STRATA_KERNEL_CUBINS
+    holds kernels/prebuild.py's nvcc binary of every source at the launch's kernel shape (`shape`;
+    None: the environment's), "nvrtc" where it holds none of them (CuPy compiles each source in
+    the rank with -ftz=true appended, or reads its own earlier compile from its kernel cache),
+    "mixed" between (kernels/__init__.py compiles what is missing). `nvrtc`: the launch is given
+    no folder (bench_decode --nvrtc-arm). A user's ranks build with NVRTC unless they prebuild."""
     folder = os.environ.get(CUBINS_ENV)
-    return "prebuilt" if not nvrtc and folder and os.path.isdir(folder) else "nvrtc"
+    if nvrtc or not folder or not os.path.isdir(folder):
+        return "nvrtc"
+    from strata_dist.compute_options import read_environment
+    from strata_dist.kernels import cubin_name, sources
+    from strata_dist.kernels.abi import KernelShape
+    from tree_arm import device_arch      # (tree_arm imports this module: a call-time import)
+    defines = KernelShape.parse(read_environment().kernel_shape if shape is None
+                                else shape).defines()
+    arch = device_arch()
+    names = [cubin_name(s.name, defines if s.name == "decode.cu" else (), arch)
+             for s in sources()]
+    there = sum(os.path.isfile(os.path.join(folder, n)) for n in names)
+    return "prebuilt" if there == len(names) else "nvrtc" if there == 0 else "mixed"
 
 
 class Recorder:

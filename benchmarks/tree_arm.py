@@ -128,6 +128,8 @@ class OlderTree:
         folder = os.environ.get(CUBINS_ENV, "")
         if not folder or not os.path.isdir(folder):
             return
+        # the older tree's prebuild and ranks run in its own directory: one absolute folder
+        folder = os.environ[CUBINS_ENV] = os.path.abspath(folder)
         from strata_dist.compute_options import read_environment   # the one reader of the switches
         shape = read_environment().kernel_shape
         arch = device_arch()

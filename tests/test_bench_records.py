@@ -505,13 +505,23 @@ def test_first_difference_names_where_two_token_lists_part():
 
 def test_kernels_built_by_names_the_binaries_a_gpu_launch_loads(tmp_path, monkeypatch):
     """Records (and bench_decode's arms) say which compiler built their kernels: nvcc's prebuilt
-    binaries where $STRATA_KERNEL_CUBINS names a folder, else (or in the --nvrtc-arm) NVRTC's."""
+    binaries where $STRATA_KERNEL_CUBINS holds this tree's binary of every source at the launch's
+    shape, NVRTC's where it holds none (or in the --nvrtc-arm), "mixed" between."""
     import strata_dist.kernels
     from records import CUBINS_ENV, kernels_built_by
+    from tree_arm import cubin_names, device_arch
     assert CUBINS_ENV == strata_dist.kernels.CUBINS_ENV
+    monkeypatch.delenv("STRATA_KERNEL_SHAPE", raising=False)
     monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path))
-    assert kernels_built_by(nvrtc=False) == "prebuilt" and kernels_built_by(nvrtc=True) == "nvrtc"
+    assert kernels_built_by() == "nvrtc"                     # a folder of none of them
+    names = cubin_names(str(ROOT), {}, "", device_arch())
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert kernels_built_by() == "prebuilt" and kernels_built_by(nvrtc=True) == "nvrtc"
+    assert kernels_built_by(shape="grouped_experts=1") == "mixed"   # its decode.cu not built
+    (tmp_path / names[-1]).unlink()
+    assert kernels_built_by() == "mixed"
     monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(tmp_path / "absent"))
-    assert kernels_built_by(nvrtc=False) == "nvrtc"
+    assert kernels_built_by() == "nvrtc"
     monkeypatch.delenv("STRATA_KERNEL_CUBINS")
-    assert kernels_built_by(nvrtc=False) == "nvrtc"
+    assert kernels_built_by() == "nvrtc"

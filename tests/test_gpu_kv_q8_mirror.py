@@ -24,7 +24,7 @@ float32_prompt_kernels; the graph's runner too: its prompt is the general path's
 steps as in its prompts, so its K and V reach the q8_0 write as other floats than the graph's
 float32 matvecs give: the first H100 run of the general case (default options) failed the write
 check by exactly that (layer 3 from step 0 on: scales 2 f16 ulps apart, 4-9 % of codes one step
-apart; /work/notes/gpu/s11/1/l/kvmirror.log), with the same quantizer on both sides.
+apart, on 2026-12-06), with the same quantizer on both sides.
 tests/test_kv_q8_general_host.py shows it on the host with the general path's own code: within
 the write bound under REFERENCE_OPTIONS, past it at the default options."""
 import numpy as np

@@ -15,7 +15,8 @@
 #define INF_F32 __int_as_float(0x7f800000)
 #endif
 
-// the block's best (value, first index) and its first NaN index, in every thread
+// the block's best (value, first index) and its first NaN index, in every thread (once a
+// kernel: a second call would need a barrier before its shared slots are written again)
 __device__ __forceinline__ void greedy_block(float& best, int& best_i, int& first_nan) {
     __shared__ float bv[32];
     __shared__ int bi[32], bn[32];

@@ -186,9 +186,9 @@ class RankProcess:
                 self.stage.hidden_sink = draft.take_hidden
             self.step = StageStep(self.stage, rank, last=assign.last,
                                   min_request_id=assign.min_request_id, draft_model=draft)
+            free["free_after_stage"] = probe()
             if assign.last and self.stage.backend.on_gpu:   # compiled now, not at a request
                 warm_up(self.stage.backend.xp.zeros(self.stage.model.g.n_vocab, "float32"))
-            free["free_after_stage"] = probe()
         # the helper tier last: it is the part that fails soft, so it must not starve the stage
         if assign.helper_pairs:
             self._open_helper(assign)
