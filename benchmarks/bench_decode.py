@@ -214,20 +214,16 @@ def main() -> int:
               f"the unsplit file's ({os.path.basename(args.unsplit)})", flush=True)
     print(f"strata 1 GPU: {one['decode_tok_s']:.1f} tok/s decode, graph steps/stage/token "
           f"{one['graph_steps_per_stage']:.2f}, peak {one['peak_gib']:.1f} GiB", flush=True)
-    if args.nvrtc_arm:
-        compiled = strata_arm(args, gpus[0], "auto", facts["vocab"], nvrtc=True)
-        compare_tokens(compiled, compiled["_tokens"], one["_tokens"])
-        keep(compiled)
-        print(f"strata 1 GPU, kernels compiled by NVRTC: {compiled['decode_tok_s']:.1f} tok/s "
-              f"decode ({compiled['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm, "
-              f"whose kernels: {one['kernels_built_by']}), {tokens_said(compiled)}", flush=True)
-    for shape in args.shape_arm:
-        built = strata_arm(args, gpus[0], "auto", facts["vocab"], kernel_shape=shape)
+    # the same launch again, its kernels built otherwise: by NVRTC, or at another kernel shape
+    others = ([("kernels compiled by NVRTC", {"nvrtc": True})] if args.nvrtc_arm else []) + \
+        [(f"STRATA_KERNEL_SHAPE={shape}", {"kernel_shape": shape}) for shape in args.shape_arm]
+    for label, build in others:
+        built = strata_arm(args, gpus[0], "auto", facts["vocab"], **build)
         compare_tokens(built, built["_tokens"], one["_tokens"])
         keep(built)
-        print(f"strata 1 GPU, STRATA_KERNEL_SHAPE={shape}: {built['decode_tok_s']:.1f} tok/s "
-              f"decode ({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm), "
-              f"{tokens_said(built)}", flush=True)
+        print(f"strata 1 GPU, {label}: {built['decode_tok_s']:.1f} tok/s decode "
+              f"({built['decode_tok_s'] / one['decode_tok_s']:.3f}x the first arm, whose kernels: "
+              f"{one['kernels_built_by']}), {tokens_said(built)}", flush=True)
     if older is not None:
         # the first arm again, run by the older tree: the same launch, the same requests
         before = strata_arm(args, gpus[0], "auto", facts["vocab"], tree=older)

@@ -30,12 +30,9 @@ def prompt_ids(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return [(7919 * (i + 101 * seed)) % span + 10 for i in range(n)]
 
 
-def replay_ms(runner, steps: int) -> float:
-    """Capture the one-row graph afresh and replay it back to back: ms per replay."""
+def graph_ms(graph, stream, steps: int) -> float:
+    """A captured graph launched `steps` times back to back on `stream`: ms per launch."""
     import cupy as cp
-    runner.graphs.clear()
-    graph, stream = runner._graph(1), runner.stream
-    graph.launch(stream)
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record(stream)
     for _ in range(steps):
@@ -43,6 +40,14 @@ def replay_ms(runner, steps: int) -> float:
     end.record(stream)
     end.synchronize()
     return cp.cuda.get_elapsed_time(start, end) / steps
+
+
+def replay_ms(runner, steps: int) -> float:
+    """Capture the one-row graph afresh and replay it back to back: ms per replay."""
+    runner.graphs.clear()
+    graph, stream = runner._graph(1), runner.stream
+    graph.launch(stream)
+    return graph_ms(graph, stream, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +198,6 @@ def replays_gpu_ms(runner, replays, ids: list[int], steps: int) -> float:
     every row's logits) launched `steps` times back to back after one real replay wrote the
     descriptor and session tables it reads (the same positions each time); ms per step, the
     replays' times summed."""
-    import cupy as cp
     import numpy as np
     stream, total, at = runner.stream, 0.0, 0
     for rows in replays:
@@ -201,14 +205,7 @@ def replays_gpu_ms(runner, replays, ids: list[int], steps: int) -> float:
         at += rows.n
         runner._launch_step(rows, part, None, 0, every_row=True)
         runner._wait(0, rows.n)
-        graph = runner._graph(rows.n, True)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(steps):
-            graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        total += cp.cuda.get_elapsed_time(start, end) / steps
+        total += graph_ms(runner._graph(rows.n, True), stream, steps)
     return total
 
 
