@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -471,6 +472,20 @@ def tokens_against_records(bench: str, facts: dict, arm: str, sha: str,
     return f"{arm}: {verdict} {name} (commit {commit_}, {date})"
 
 
+def device_arch() -> str:
+    """The first card's compute capability as the kernels' binaries name it ("90"), from
+    nvidia-smi; kernels/prebuild.py's default ("90", an H100 or H200) without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "90"
+    first = done.stdout.strip().splitlines()[:1]
+    if done.returncode != 0 or not first or not re.fullmatch(r"\d+\.\d+", first[0].strip()):
+        return "90"
+    return first[0].strip().replace(".", "")
+
+
 def kernels_built_by(nvrtc: bool = False, shape: str | None = None) -> str:
     """How a GPU launch of this tree builds its kernels: "prebuilt" where $STRATA_KERNEL_CUBINS
     holds kernels/prebuild.py's nvcc binary of every source at the launch's kernel shape (`shape`;
@@ -484,7 +499,6 @@ def kernels_built_by(nvrtc: bool = False, shape: str | None = None) -> str:
     from strata_dist.compute_options import read_environment
     from strata_dist.kernels import cubin_name, sources
     from strata_dist.kernels.abi import KernelShape
-    from tree_arm import device_arch      # (tree_arm imports this module: a call-time import)
     defines = KernelShape.parse(read_environment().kernel_shape if shape is None
                                 else shape).defines()
     arch = device_arch()

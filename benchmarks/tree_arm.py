@@ -34,7 +34,7 @@ import sys
 import tarfile
 import tempfile
 
-from records import ROOT, fail
+from records import ROOT, device_arch, fail
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -56,20 +56,6 @@ def archived_commit(path: str) -> str:
 
 
 CUBINS_ENV = "STRATA_KERNEL_CUBINS"      # strata_dist/kernels/__init__.py's name for the folder
-
-
-def device_arch() -> str:
-    """The first card's compute capability as the kernels' binaries name it ("90"), from
-    nvidia-smi; kernels/prebuild.py's default ("90", an H100 or H200) without one."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return "90"
-    first = done.stdout.strip().splitlines()[:1]
-    if done.returncode != 0 or not first or not re.fullmatch(r"\d+\.\d+", first[0].strip()):
-        return "90"
-    return first[0].strip().replace(".", "")
 
 
 def cubin_names(tree: str, env: dict, shape: str, arch: str) -> list[str]:
