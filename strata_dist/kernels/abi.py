@@ -35,6 +35,7 @@ KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2,
 # the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE): the type's GGML name
 TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
+MATVEC_ACCS = 8                 # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 EXPERT_GROUP_ROWS = 2           # pairs of one grouped gate/up work item (experts_grouped.cuh)
@@ -79,22 +80,20 @@ class KernelShape:
     `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
     exists; both on, measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
-    (decode.cu MATVEC_THREADS).
-    `grouped_experts` (default 0: written and checked on the host on 2026-12-06, not yet run or
-    measured on a GPU) builds kernels/experts_grouped.cuh: in a decode step of 2 or more rows the
-    (row, slot) pairs are grouped by expert on the device (moe_group_pairs) and
-    moe_gate_up_grouped_<type> reads each gate/up weight piece once for up to
-    `expert_group_rows` (1..4) pairs of one expert, each pair's act bit-identical to
-    moe_gate_up_<type>'s; the down projection stays per row (ops/moe.py graph_experts says why).
-    `grouped_down` (default 0; only with grouped_experts=1: written and checked on the host on
-    2026-12-06, not yet run or measured on a GPU) builds kernels/experts_grouped_down.cuh: each
+    (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
+    rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
+    `grouped_experts` (default 0; measured no faster at 16 streams, docs/BENCHMARKS.md) builds
+    kernels/experts_grouped.cuh: in a step of 2+ rows the (row, slot) pairs are grouped by expert
+    on the device (moe_group_pairs) and moe_gate_up_grouped_<type> reads each gate/up weight piece
+    once for up to `expert_group_rows` (1..4) pairs of one expert, each pair's act bit-identical
+    to moe_gate_up_<type>'s; the down stays per row (ops/moe.py graph_experts says why).
+    `grouped_down` (default 0; only with grouped_experts=1) builds experts_grouped_down.cuh: each
     (row, slot) pair's down contribution is a sum of its own, into a per-pair partial buffer
     (`down_partial_floats`), moe_down_grouped_<type> reading an expert's down rows once for a
     work item's pairs, then moe_down_combine adds each row's k partials in slot order to h. A
     row's h is then independent of the other rows but not the default build's bits (another
     summation order), so such a build takes it for steps of every row count, one row included.
-    A name in REMOVED (a build deleted after it measured slower) is
-    refused by `parse` with why."""
+    A name in REMOVED (a build deleted after it measured slower) is refused by `parse` with why."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
     factored_dots: int = 1
@@ -112,6 +111,7 @@ class KernelShape:
     int_iq3_s: int = 1
     int_iq2_xxs: int = 1
     matvec_threads: int = BLOCK_THREADS
+    matvec_accs: int = MATVEC_ACCS
     grouped_experts: int = 0
     expert_group_rows: int = EXPERT_GROUP_ROWS
     grouped_down: int = 0
@@ -123,7 +123,7 @@ class KernelShape:
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
-              "matvec_threads": "MATVEC_THREADS",
+              "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS",
               "grouped_down": "GROUPED_DOWN"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
@@ -152,6 +152,9 @@ class KernelShape:
         if self.matvec_threads not in (128, BLOCK_THREADS):
             raise ValueError(f"kernel shape matvec_threads={self.matvec_threads}: expected 128 or "
                              f"{BLOCK_THREADS}")
+        if self.matvec_accs not in (8, 16, 32, 64):
+            raise ValueError(f"kernel shape matvec_accs={self.matvec_accs}: expected 8, 16, 32 "
+                             f"or 64")
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
@@ -256,9 +259,9 @@ def padded_rows(n: int) -> int:
     return next(m for m in MATVEC_ROWS if n <= m)
 
 
-def rows_per_block(n: int, wide: bool) -> int:
+def rows_per_block(n: int, wide: bool, matvec_accs: int = MATVEC_ACCS) -> int:
     """Weight rows one block of a matvec takes (rows_per_block in decode.cu)."""
-    return MAX_ROWS // padded_rows(n) if wide or padded_rows(n) > 1 else 1
+    return matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 
 
 def matvec_kernel(ggml_type: int, n: int) -> str:

@@ -39,12 +39,22 @@
 #define DESC_ROW_TABLE (DESC_ROW_POS + MAX_ROWS)
 #define DESC_ROW_END (DESC_ROW_TABLE + MAX_ROWS)
 
+#ifndef MATVEC_ACCS
+#define MATVEC_ACCS 8   // the dot sums a matvec thread holds at 2+ activation rows (KernelShape)
+#endif
+static_assert(MATVEC_ACCS == 8 || MATVEC_ACCS == 16 || MATVEC_ACCS == 32 || MATVEC_ACCS == 64,
+              "MATVEC_ACCS is 8, 16, 32 or 64");
+
 // The rows a matvec kernel is built for (n rounded up to 1, 2, 4 or 8) and the weight rows each
-// block takes: 8 / N when `wide` (tall matrices: more loads in flight per thread), else 1 for one
-// activation row (short matrices such as the router: more blocks).
+// block takes. One activation row: 8 when `wide` (tall matrices: more loads in flight per thread),
+// else 1 (short matrices such as the router: more blocks). N >= 2 rows: MATVEC_ACCS / N, so a
+// thread holds MATVEC_ACCS sums; every thread reads each of its chunks' N activation rows once per
+// block, so fewer weight rows a block means more activation reads per weight byte (at 8 rows and
+// one weight row a block, 256 bytes of x for each 16 bytes of f16 weights). Which block takes an
+// output changes none of its bits (block_dots: one order per output).
 HOST_DEVICE constexpr int padded_rows(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
 HOST_DEVICE constexpr int rows_per_block(int n, int wide) {
-    return wide || padded_rows(n) > 1 ? MAX_ROWS / padded_rows(n) : 1;
+    return padded_rows(n) > 1 ? MATVEC_ACCS / padded_rows(n) : wide ? MAX_ROWS : 1;
 }
 
 static_assert(MATVEC_THREADS == 128 || MATVEC_THREADS == BLOCK_THREADS,

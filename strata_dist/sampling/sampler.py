@@ -208,8 +208,13 @@ def warm_up(row) -> None:
     everything = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=0,
                                 repetition_penalty=1.1, frequency_penalty=0.1,
                                 presence_penalty=0.1, logit_bias=((1, 1.0), (2, -1.0)))
+    # also top-p and min-p with no top-k before them (on an H100 a request of those compiled two
+    # kernels after a warm-up that ran them only after a top-k), plain greedy on a device row,
+    # a token biased twice
     for params in (everything, SamplingParams(temperature=0.7, seed=0),
-                   SamplingParams(logit_bias=((1, 1.0), (1, 1.0)))):   # a token named twice
+                   SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=0,
+                                  repetition_penalty=0.9), SamplingParams(),
+                   SamplingParams(logit_bias=((1, 1.0), (1, 1.0)))):
         sampler = Sampler(params, prompt_ids=(1, 2))
         for _ in range(2):           # the second draw's penalties read the device's counts
             sampler(row)
@@ -217,4 +222,6 @@ def warm_up(row) -> None:
             sampler.distribution(row)
     words = np.full(-(-int(row.size) // sample_ops.BITS_PER_WORD), 0xFFFFFFFF, dtype=np.uint32)
     Sampler()(masked_row(row, words))
+    Sampler(SamplingParams(temperature=0.7, seed=0))(masked_row(row, words))
     token_logprobs(row, 0, 5)
+    token_logprobs(row, 0, 20)
