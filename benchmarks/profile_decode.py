@@ -8,13 +8,24 @@ its replays' GPU time alone (each replay's captured graph launched back to back)
 per row; then each replay eager with every kernel timed, summed per kernel beside the one-row
 step's (`kernel | 1 row | N rows | N rows / 1 row`), and the kernels whose time grows most.
 
+The figures go to a record (../shared/RECORDS.md, `bench: profile`, one arm: the launch's kernel
+shape and how its kernels were built, the one-row step's times and kernels, each variant's replay,
+and with --rows the batched step's), benchmarks/results/profile-<like>-<quant>-<date>-<HHMMSS>-
+<commit>.json, written after the one-row part and again after the batched one.
+
     python benchmarks/profile_decode.py --model q30.gguf [--context 1024] [--steps 64] [--rows 16]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from records import Recorder, model_facts  # noqa: E402
 
 # a matvec's build is named for its rows (kernels/abi.py matvec_kernel: matvec_<type>_<rows>);
 # the table compares one kernel across row counts, so it names the matvec by its type
@@ -59,9 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rows", type=int, default=1,
                     help="rows of a batched step to profile after the one-row step (1: none)")
+    ap.add_argument("--popularity", default="",
+                    help="the file's routing law where it does not store it (uniform, zipf:S)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="the record's folder")
     args = ap.parse_args(argv)
     if args.rows < 1 or args.steps < 1:
         ap.error(f"--rows and --steps must be >= 1, got --rows {args.rows} --steps {args.steps}")
+    from strata_dist.compute_options import read_environment
+    recorder = Recorder("profile", model_facts(args.model, args.popularity), args.out)
+    arm = {"name": "strata", "command": "python benchmarks/profile_decode.py " + " ".join(
+               argv if argv is not None else sys.argv[1:]),
+           "kernel_shape": read_environment().kernel_shape, "context": args.context,
+           "prompt_tokens": args.prompt, "steps": args.steps}
     from strata_dist.tools.single_process import SingleProcessRunner
     t0 = time.perf_counter()
     eng = SingleProcessRunner(args.model, args.device, max_context=args.context, prompt_chunk=512)
@@ -79,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = (time.perf_counter() - t1) * 1e3 / args.steps
     print(f"graph step: {ms:.3f} ms/token = {1e3 / ms:.1f} tok/s (one process, "
           f"{runner.le - runner.lb} layers)")
+    arm.update(layers=runner.le - runner.lb, graph_step_ms=round(ms, 4))
     # the same loop with each next step launched before the host reads the token
     # (the default; STRATA_DECODE_AHEAD=0 turns it off): what the host's share per token costs
     start = eng.session.n_past
@@ -107,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     gpu_ms = replay_ms(runner, args.steps)
     print(f"graph replay on the GPU: {gpu_ms:.3f} ms/token; host and hand-back per step: "
           f"{ms - gpu_ms:.3f} ms")
+    arm.update(graph_step_ahead_ms=round(ahead_ms, 4), graph_replay_ms=round(gpu_ms, 4),
+               ahead_tokens_equal=same if isinstance(same, str) else bool(same))
     times = runner.kernel_times(eng.session, eng.session.n_past, ids=[tok])
     alone = runner.kernel_times(eng.session, eng.session.n_past, ids=[tok], repeat=10)
     total = sum(times.values())
     layers = runner.le - runner.lb
     print(f"eager step, kernels only: {total / 1e3:.3f} ms (the same kernels each run 10 times "
           f"in a row: {sum(alone.values()) / 1e3:.3f} ms)")
+    arm.update(kernels_us={k: round(v, 2) for k, v in times.items()},
+               kernels_alone_us={k: round(v, 2) for k, v in alone.items()}, variants=[])
     print(f"  {'kernel':18s} {'in the step':>11s} {'share':>6s} {'per layer':>9s} {'alone':>9s}")
     for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"  {name:18s} {us:8.1f} us {us / total:6.1%} {us / layers:6.1f} us "
@@ -142,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         same = "n/a (recurrent state)" if recurrent else np.array_equal(logits, base)
         print(f"graph replay, {name}: {ms:.3f} ms/token; logits equal to the first: {same}",
               flush=True)
+        arm["variants"].append({"name": name, "graph_replay_ms": round(ms, 4),
+                                "logits_equal_to_first": same if isinstance(same, str)
+                                else bool(same)})
     runner._pdl = built_pdl
+    print(f"record: {recorder.save([arm])}", flush=True)
     if args.rows > 1:
-        profile_rows(eng, runner, args.rows, args.steps, times)
+        arm["rows"] = profile_rows(eng, runner, args.rows, args.steps, times)
+        print(f"record: {recorder.save([arm])}", flush=True)
     return 0
 
 
@@ -244,9 +274,9 @@ def _us(value: float | None) -> str:
     return f"{value:7.1f} us" if value is not None else f"{'-':>10s}"
 
 
-def profile_rows(eng, runner, n: int, steps: int, one_row: dict[str, float]) -> None:
+def profile_rows(eng, runner, n: int, steps: int, one_row: dict[str, float]) -> dict:
     """The batched step of n sessions (see the docstring); `one_row`: the one-row eager step's
-    kernel times."""
+    kernel times. Returns the figures for the record."""
     n_vocab = eng.model.g.n_vocab
     prompts = row_prompts(n, n_vocab)
     warm = 2
@@ -283,6 +313,8 @@ def profile_rows(eng, runner, n: int, steps: int, one_row: dict[str, float]) -> 
           f"(matvecs named by type: each row count has its own build)")
     for line in rows_table(one_row, many, n):
         print(line)
+    return {"n": n, "replays": [r.n for r in replays], "step_ms": round(wall, 4),
+            "replays_gpu_ms": round(gpu, 4), "kernels_us": {k: round(v, 2) for k, v in many.items()}}
 
 
 if __name__ == "__main__":

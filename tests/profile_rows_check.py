@@ -108,7 +108,9 @@ def main() -> int:
         with contextlib.redirect_stdout(printed):
             rc = profile_decode.main(["--model", str(path), "--device", "cuda:0",
                                       "--context", str(CONTEXT), "--steps", str(STEPS),
-                                      "--rows", str(n)])
+                                      "--rows", str(n), "--popularity", "uniform",
+                                      "--out", str(Path(d) / "records")])
+        out["record"] = json.loads(next((Path(d) / "records").glob("profile-*.json")).read_text())
         out.update(
             rc=rc, printed=printed.getvalue(), steps=steps, calls=calls, timed=timed,
             vocab=vocab, n_steps=STEPS,

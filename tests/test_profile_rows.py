@@ -168,3 +168,24 @@ def test_the_made_up_prompts_are_the_old_ones_on_a_real_vocabulary():
     assert all(10 <= t < 320 for t in profile_decode.prompt_ids(64, 320))
     with pytest.raises(ValueError, match="5 ids"):
         profile_decode.prompt_ids(4, 5)
+
+
+def test_the_record_holds_what_was_printed(report):
+    """The run's record (bench: profile) names the kernel shape and holds the printed figures:
+    the one-row kernels, and the batched step's replays, wall and GPU time and kernels."""
+    record, n = report["record"], report["n"]
+    assert record["bench"] == "profile" and record["model"]["popularity"] == "uniform"
+    arm, = record["arms"]
+    assert arm["kernel_shape"] == ("grouped_experts=1" if n == 10 else "")
+    rows = arm["rows"]
+    assert rows["n"] == n and rows["replays"] == [MAX_ROWS] * (n // MAX_ROWS) + (
+        [n % MAX_ROWS] if n % MAX_ROWS else [])
+    wall = re.search(r"batched step of .*: ([\d.]+) ms/step", report["printed"])
+    assert rows["step_ms"] == pytest.approx(float(wall[1]), abs=0.0015)
+    got = table(report)
+    for name, us in rows["kernels_us"].items():
+        family = report["families"].get(name, name)
+        assert got[family][1] is not None, name
+    assert sum(rows["kernels_us"].values()) == pytest.approx(
+        sum(b for _, b, _ in got.values() if b is not None), abs=0.5)
+    assert set(arm["kernels_us"]) and all(v["name"] for v in arm["variants"])
