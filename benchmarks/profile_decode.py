@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rows and --steps must be >= 1, got --rows {args.rows} --steps {args.steps}")
     from strata_dist.compute_options import read_environment
     recorder = Recorder("profile", model_facts(args.model, args.popularity), args.out)
-    arm = {"name": "strata", "command": "python benchmarks/profile_decode.py " + " ".join(
+    arm = {"name": "strata", "gpus": 1, "command": "python benchmarks/profile_decode.py " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "kernel_shape": read_environment().kernel_shape, "context": args.context,
            "prompt_tokens": args.prompt, "steps": args.steps}

@@ -110,7 +110,9 @@ def main() -> int:
                                       "--context", str(CONTEXT), "--steps", str(STEPS),
                                       "--rows", str(n), "--popularity", "uniform",
                                       "--out", str(Path(d) / "records")])
-        out["record"] = json.loads(next((Path(d) / "records").glob("profile-*.json")).read_text())
+        record_path = next((Path(d) / "records").glob("profile-*.json"))
+        out["record"] = json.loads(record_path.read_text())
+        out["record_name"] = record_path.name
         out.update(
             rc=rc, printed=printed.getvalue(), steps=steps, calls=calls, timed=timed,
             vocab=vocab, n_steps=STEPS,

@@ -173,7 +173,9 @@ def test_the_made_up_prompts_are_the_old_ones_on_a_real_vocabulary():
 def test_the_record_holds_what_was_printed(report):
     """The run's record (bench: profile) names the kernel shape and holds the printed figures:
     the one-row kernels, and the batched step's replays, wall and GPU time and kernels."""
+    from record_check import check_record
     record, n = report["record"], report["n"]
+    assert check_record(record, report["record_name"]) == []
     assert record["bench"] == "profile" and record["model"]["popularity"] == "uniform"
     arm, = record["arms"]
     assert arm["kernel_shape"] == ("grouped_experts=1" if n == 10 else "")
