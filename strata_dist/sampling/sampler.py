@@ -208,9 +208,9 @@ def warm_up(row) -> None:
     everything = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=0,
                                 repetition_penalty=1.1, frequency_penalty=0.1,
                                 presence_penalty=0.1, logit_bias=((1, 1.0), (2, -1.0)))
-    # also top-p and min-p with no top-k before them (on an H100 a request of those compiled two
-    # kernels after a warm-up that ran them only after a top-k), plain greedy on a device row,
-    # a token biased twice
+    # also top-p and min-p with no top-k before them, plain greedy on a device row and a sampled
+    # masked row: an H100 compiled two kernels for tests/test_gpu_sample_ops.py's requests after
+    # a warm-up without these (which two was not found out); a token biased twice
     for params in (everything, SamplingParams(temperature=0.7, seed=0),
                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=0,
                                   repetition_penalty=0.9), SamplingParams(),
