@@ -109,7 +109,7 @@ g = dataclasses.replace(GEOMETRIES["qwen3-30b-a3b"], name="q30-8l", n_layer=8)
 write_synthetic("/tmp/m/q30_8l.gguf", like=g, quant=os.environ["PQ"], popularity="zipf:1.0", seed=0)
 PY
 if [ "$TUNE_ONLY" = 0 ] && [ "${DECODE_PROFILE:-1}" = 1 ]; then
-  timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf 2>&1 \
+  timeout 90 python3 benchmarks/profile_decode.py --model /tmp/m/q30_8l.gguf --out "$OUT" 2>&1 \
     | tee "$OUT/profile_$pq.log" | tail -13
 fi
 if [ "$TUNE" = 1 ]; then
@@ -182,7 +182,7 @@ from strata_dist.synth import NEXT_GEOMETRIES, write_synthetic
 g = dataclasses.replace(NEXT_GEOMETRIES["qwen3-next-80b-a3b"], name="next-8l", n_layer=8)
 write_synthetic("/tmp/m/next_8l.gguf", like=g, quant="q4_k", popularity="zipf:1.0", seed=0)
 PY
-  timeout 120 python3 benchmarks/profile_decode.py --model /tmp/m/next_8l.gguf 2>&1 \
+  timeout 120 python3 benchmarks/profile_decode.py --model /tmp/m/next_8l.gguf --out "$OUT" 2>&1 \
     | tee "$OUT/profile_next.log" | tail -16
   for gdn in ${NEXT_GDN_MODES:-rows}; do
     STRATA_GDN_KERNELS=$gdn timeout 120 python3 benchmarks/profile_prefill.py \

@@ -14,6 +14,8 @@ and with --rows the batched step's), benchmarks/results/profile-<like>-<quant>-<
 <commit>.json, written after the one-row part and again after the batched one.
 
     python benchmarks/profile_decode.py --model q30.gguf [--context 1024] [--steps 64] [--rows 16]
+    python benchmarks/profile_decode.py --model real.gguf --popularity uniform   # a file that does
+                                                  # not store its routing law (as bench_decode.py)
 """
 from __future__ import annotations
 
