@@ -211,15 +211,20 @@ def warm_up(row) -> None:
     # also top-p and min-p with no top-k before them, plain greedy on a device row and a sampled
     # masked row: an H100 compiled two kernels for tests/test_gpu_sample_ops.py's requests after
     # a warm-up without these (which two was not found out); a token biased twice
+    # and each on `row` and on a peaked copy (a ramp of 40 over the vocabulary), so top-p and
+    # min-p keep a few tokens as well as most of them (the lengths CuPy's kernels run over)
+    xp = sample_ops.array_module(row)
+    peaked = row + xp.arange(int(row.size), dtype=row.dtype) * (40.0 / int(row.size))
     for params in (everything, SamplingParams(temperature=0.7, seed=0),
                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=0,
                                   repetition_penalty=0.9), SamplingParams(),
                    SamplingParams(logit_bias=((1, 1.0), (1, 1.0)))):
-        sampler = Sampler(params, prompt_ids=(1, 2))
-        for _ in range(2):           # the second draw's penalties read the device's counts
-            sampler(row)
-        if not params.greedy:        # what a speculative window's rejection sampling reads
-            sampler.distribution(row)
+        for logits in (row, peaked):
+            sampler = Sampler(params, prompt_ids=(1, 2))
+            for _ in range(2):       # the second draw's penalties read the device's counts
+                sampler(logits)
+            if not params.greedy:    # what a speculative window's rejection sampling reads
+                sampler.distribution(logits)
     words = np.full(-(-int(row.size) // sample_ops.BITS_PER_WORD), 0xFFFFFFFF, dtype=np.uint32)
     Sampler()(masked_row(row, words))
     Sampler(SamplingParams(temperature=0.7, seed=0))(masked_row(row, words))
