@@ -63,6 +63,11 @@ def replay_ms(runner, steps: int) -> float:
     return graph_ms(graph, stream, steps)
 
 
+def _said(same):
+    """A comparison's answer for the record: a plain bool (numpy's is not JSON), or why none."""
+    return same if isinstance(same, str) else bool(same)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"graph replay on the GPU: {gpu_ms:.3f} ms/token; host and hand-back per step: "
           f"{ms - gpu_ms:.3f} ms")
     arm.update(graph_step_ahead_ms=round(ahead_ms, 4), graph_replay_ms=round(gpu_ms, 4),
-               ahead_tokens_equal=same if isinstance(same, str) else bool(same))
+               ahead_tokens_equal=_said(same))
     times = runner.kernel_times(eng.session, eng.session.n_past, ids=[tok])
     alone = runner.kernel_times(eng.session, eng.session.n_past, ids=[tok], repeat=10)
     total = sum(times.values())
@@ -170,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graph replay, {name}: {ms:.3f} ms/token; logits equal to the first: {same}",
               flush=True)
         arm["variants"].append({"name": name, "graph_replay_ms": round(ms, 4),
-                                "logits_equal_to_first": same if isinstance(same, str)
-                                else bool(same)})
+                                "logits_equal_to_first": _said(same)})
     runner._pdl = built_pdl
     print(f"record: {recorder.save([arm])}", flush=True)
     if args.rows > 1:

@@ -34,7 +34,7 @@ import sys
 import tarfile
 import tempfile
 
-from records import ROOT, device_arch, fail
+from records import CUBINS_ENV, ROOT, device_arch, fail
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -55,7 +55,6 @@ def archived_commit(path: str) -> str:
     return comment
 
 
-CUBINS_ENV = "STRATA_KERNEL_CUBINS"      # strata_dist/kernels/__init__.py's name for the folder
 
 
 def cubin_names(tree: str, env: dict, shape: str, arch: str) -> list[str]:

@@ -208,11 +208,11 @@ def warm_up(row) -> None:
     everything = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=0,
                                 repetition_penalty=1.1, frequency_penalty=0.1,
                                 presence_penalty=0.1, logit_bias=((1, 1.0), (2, -1.0)))
-    # also top-p and min-p with no top-k before them, plain greedy on a device row and a sampled
-    # masked row: an H100 compiled two kernels for tests/test_gpu_sample_ops.py's requests after
-    # a warm-up without these (which two was not found out); a token biased twice
-    # and each on `row` and on a peaked copy (a ramp of 40 over the vocabulary), so top-p and
-    # min-p keep a few tokens as well as most of them (the lengths CuPy's kernels run over)
+    # Besides `everything`: top-p and min-p with no top-k before them, plain greedy, a token
+    # biased twice, and below a sampled masked row (an H100 compiled two kernels for
+    # tests/test_gpu_sample_ops.py's requests after a warm-up without these; which two was not
+    # found out). Each runs on `row` and on a peaked copy (a ramp of 40 over the vocabulary), so
+    # top-p and min-p keep a few tokens as well as most (the lengths CuPy's kernels run over).
     xp = sample_ops.array_module(row)
     peaked = row + xp.arange(int(row.size), dtype=row.dtype) * (40.0 / int(row.size))
     for params in (everything, SamplingParams(temperature=0.7, seed=0),
