@@ -33,7 +33,7 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
     y = cp.zeros((n, shape[0]), cp.float32) if add is None else add
     spec = cd._spec_array(MAT_SPEC, [cd._mat(w, y, add=add)])
     ks = KernelShape.parse(build)
-    per_block = rows_per_block(n, wide, ks.matvec_accs)
+    per_block = rows_per_block(n, wide, ks, int(qtype))
     cd.function("decode.cu", matvec_kernel(int(qtype), n), 0, ks.defines())(
         ((shape[0] + per_block - 1) // per_block, 1), (ks.matvec_threads,), (
             spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide),
@@ -44,7 +44,7 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("build", ["", "matvec_threads=128", "matvec_accs=32"])
+@pytest.mark.parametrize("build", ["", "matvec_threads=128", "matvec_accs=32", "matvec_mma=1"])
 def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
     rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)

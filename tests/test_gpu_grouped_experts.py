@@ -1,13 +1,13 @@
 """The grouped decode gate/up (kernels/experts_grouped.cuh, KernelShape grouped_experts) on the GPU:
 its act rows, and h after the (unchanged) down, BIT-IDENTICAL to moe_gate_up_<type>'s of the
 default build, for every weight type family the decode experts read, 1, 3 and MAX_ROWS (8) rows
-whose experts are shared; the groups moe_group_pairs writes equal kernels/abi.py group_pairs'; and
+whose experts are shared; the groups moe_group_pairs writes equal kernels/grouped_model.py group_pairs'; and
 a decode graph built grouped gives every row of a batched step the logits of the default build's
 same step, bit for bit, and each session its greedy tokens alone. A 16-stream step is two replays
 of MAX_ROWS rows (backends/batched_decode.py), so 8 is the most rows one grouped launch takes.
 The grouped down (kernels/experts_grouped_down.cuh, KernelShape grouped_down; written on
 2026-12-06, not yet run on a GPU): each pair's partial within 1e-4 of float64 and the bits it has
-in an item of its own, h the combine's model (kernels/abi.py down_combine) bit for bit and each
+in an item of its own, h the combine's model (kernels/grouped_model.py down_combine) bit for bit and each
 row's the bits of its own step; NaN for an expert not resident; and a graph built with it gives a
 session the same logits bits whoever shares its step. Run on the GPU machine: pytest -m gpu."""
 import numpy as np
@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from test_gpu_kernels import (IQ_PAIRS, INT_OFF, K, N_EMBD, N_FF, Experts,  # noqa: E402
                               _kernel, _run_experts)
 from strata_dist.kernels.abi import (BLOCK_THREADS, GROUP_THREADS, MAX_ROWS,  # noqa: E402
-                                     KernelShape, group_pairs, group_pairs_words)
+                                     KernelShape, group_pairs_words)
+from strata_dist.kernels.grouped_model import group_pairs  # noqa: E402
 
 GROUPED = "grouped_experts=1"
 # the grouped build's paths: items of 2 (the default), 4 and 1 pairs; the integer path staged;
@@ -248,9 +249,9 @@ def _run_down(ex, shape: KernelShape, act, ids, wts, h0, groups, blob_of=None):
 def test_grouped_down_gives_each_pair_its_own_sum_in_any_item(gate_up, down, n, shape):
     """Rows sharing most experts (every item of moe_group_pairs' grouping full where it can be):
     each pair's partial is wts * (down_e . act) within 1e-4 of float64, the same bits as with
-    every pair in an item of its own, h is kernels/abi.py down_combine of the partials bit for
+    every pair in an item of its own, h is kernels/grouped_model.py down_combine of the partials bit for
     bit, and each row's h is the bits it gets as a step of its own (its pairs grouped alone)."""
-    from strata_dist.kernels.abi import down_combine
+    from strata_dist.kernels.grouped_model import down_combine
     shape = KernelShape.parse(shape)
     ex = Experts(gate_up, down, seed=int(gate_up) * 100 + int(down))
     rng = np.random.default_rng(46 + n)

@@ -4,7 +4,7 @@ then the warp's xor tree as warp_sum adds, after each pair's act row times its w
 as quantize_x does) for every integer-path type, run for several groupings of the same pairs into
 work items of 1, 2 or 4 pairs: each pair's partial is the same bits whichever pairs share its item,
 and within the quantizer's bound of a float64 reference of (weight * act) . down row; and
-down_combine (moe_down_combine's sum) against kernels/abi.py's numpy model, bit for bit. What
+down_combine (moe_down_combine's sum) against kernels/grouped_model.py's numpy model, bit for bit. What
 cannot run here: the kernels' own glue (which pairs a block takes, the float path's chunk dots,
 which are device-only) and the launches; tests/test_gpu_grouped_experts.py (marked gpu) runs
 them. Skips where nvcc is not installed."""
@@ -15,7 +15,8 @@ import pytest
 
 from strata_dist.kernels import KERNEL_DIR
 from strata_dist.kernels.abi import (IQ2_XXS, IQ3_S, IQ4_XS, MAX_ROWS, Q2_K, Q3_K, Q4_K, Q5_K,
-                                     Q6_K, KernelShape, down_combine)
+                                     Q6_K, KernelShape)
+from strata_dist.kernels.grouped_model import down_combine
 from test_experts_int_host import HOST_INT_PATH
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
@@ -215,7 +216,7 @@ def test_a_pairs_partial_is_the_same_bits_in_any_item(harness, tmp_path, qtype):
 @needs_nvcc
 @pytest.mark.timeout(600)
 def test_the_combine_adds_a_rows_partials_in_slot_order(harness, tmp_path):
-    """down_combine (moe_down_combine's sum) against kernels/abi.py down_combine's float32 model,
+    """down_combine (moe_down_combine's sum) against kernels/grouped_model.py down_combine's float32 model,
     bit for bit, for top-1, top-8 and top-16 over MAX_ROWS rows: partials of wide range (the order
     of the adds shows in the bits: a model adding in another order fails, checked below), and a
     NaN partial (a pair whose expert was not resident) makes its row's output NaN, no other."""

@@ -1,5 +1,5 @@
 """The grouped decode gate/up's grouping (kernels/experts_grouped.cuh, KernelShape grouped_experts):
-the model of what moe_group_pairs writes (kernels/abi.py group_pairs) checked for what the grouped
+the model of what moe_group_pairs writes (kernels/grouped_model.py group_pairs) checked for what the grouped
 kernel relies on, and the kernel's own grouping code (group_scan, group_place: HOST_DEVICE) built
 for the host with nvcc and run through the kernel's three phases, against the model. The grouped
 kernels' numbers (act bit-identical to moe_gate_up_<type>'s) are tests/test_gpu_grouped_experts.py's
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from strata_dist.kernels.abi import (EXPERT_GROUP_ROWS, GROUP_MAX_K, GROUP_THREADS, MAX_ROWS,
-                                     KernelShape, group_pairs, group_pairs_words)
+                                     KernelShape, group_pairs_words)
+from strata_dist.kernels.grouped_model import group_pairs
 from strata_dist.kernels import KERNEL_DIR
 
 NVCC = shutil.which("nvcc")
@@ -151,7 +152,7 @@ int main() {
 @pytest.mark.timeout(600)
 def test_the_kernels_grouping_code_matches_the_model(tmp_path):
     """experts_grouped.cuh's group_scan / group_place, built for the host, through the phases of
-    moe_group_pairs: the buffer is kernels/abi.py group_pairs' for random steps and the cases
+    moe_group_pairs: the buffer is kernels/grouped_model.py group_pairs' for random steps and the cases
     above."""
     main = tmp_path / "grouping.cu"
     main.write_text(f'#include "{KERNEL_DIR / "weights.cuh"}"\n'

@@ -200,7 +200,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_ff_per_warp=2,int_down_per_warp=4",
-        "matvec_threads=128", "matvec_accs=64")),
+        "matvec_threads=128", "matvec_accs=64,matvec_mma=1")),
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
     # build above reads them in place) staged, and those types on the float path (switches off)
     *(("decode.cu", shape, tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))) for shape in (

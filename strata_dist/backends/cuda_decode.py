@@ -184,7 +184,7 @@ class DecodeGraph(BatchedSteps):
         self.post_i = cp.zeros(ARGMAX_BLOCKS, cp.int32)
         self.act = cp.zeros((R, g.n_expert_used, g.n_ff_exp), f32)
         # the grouped gate/up's pairs by expert (KernelShape grouped_experts; experts_grouped.cuh
-        # moe_group_pairs writes it each step, kernels/abi.py group_pairs models it)
+        # moe_group_pairs writes it each step, kernels/grouped_model.py group_pairs models it)
         self.expert_groups = (cp.zeros(group_pairs_words(g.n_expert_used), cp.int32)
                               if self.shape.grouped_experts else None)
         # the grouped down's per-pair sums (KernelShape grouped_down; experts_grouped_down.cuh,

@@ -36,6 +36,7 @@ KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2,
 TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 MATVEC_ACCS = 8                 # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
+MMA_ROWS = 16                   # weight rows of a matvec_mma block (matvec_mma.cuh MMA_ROWS)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 EXPERT_GROUP_ROWS = 2           # pairs of one grouped gate/up work item (experts_grouped.cuh)
@@ -82,6 +83,8 @@ class KernelShape:
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
+    `matvec_mma` (default 0) puts f16 dense matvecs on tensor cores at every row count
+    (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the plain build's).
     `grouped_experts` (default 0; measured no faster at 16 streams, docs/BENCHMARKS.md) builds
     kernels/experts_grouped.cuh: in a step of 2+ rows the (row, slot) pairs are grouped by expert
     on the device (moe_group_pairs) and moe_gate_up_grouped_<type> reads each gate/up weight piece
@@ -112,6 +115,7 @@ class KernelShape:
     int_iq2_xxs: int = 1
     matvec_threads: int = BLOCK_THREADS
     matvec_accs: int = MATVEC_ACCS
+    matvec_mma: int = 0
     grouped_experts: int = 0
     expert_group_rows: int = EXPERT_GROUP_ROWS
     grouped_down: int = 0
@@ -124,10 +128,10 @@ class KernelShape:
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
-              "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS",
+              "matvec_mma": "MATVEC_MMA", "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS",
               "grouped_down": "GROUPED_DOWN"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "grouped_experts", "grouped_down")
+                *INT_TYPE_SWITCHES, "matvec_mma", "grouped_experts", "grouped_down")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -259,9 +263,13 @@ def padded_rows(n: int) -> int:
     return next(m for m in MATVEC_ROWS if n <= m)
 
 
-def rows_per_block(n: int, wide: bool, matvec_accs: int = MATVEC_ACCS) -> int:
-    """Weight rows one block of a matvec takes (rows_per_block in decode.cu)."""
-    return matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
+def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
+                   ggml_type: int | None = None) -> int:
+    """Weight rows one block of a matvec takes (rows_per_block in decode.cu; MMA_ROWS where
+    the shape puts the type on tensor cores)."""
+    if shape.matvec_mma and ggml_type == F16:
+        return MMA_ROWS
+    return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 
 
 def matvec_kernel(ggml_type: int, n: int) -> str:
@@ -451,55 +459,10 @@ def down_partial_floats(k: int, n_embd: int) -> int:
     return MAX_ROWS * k * n_embd
 
 
-def down_combine(partial: np.ndarray, k: int, h: np.ndarray) -> np.ndarray:
-    """What moe_down_combine leaves in h [n, n_embd] (float32) from the partials [n * k or more,
-    n_embd] of top-k pairs p = row * k + slot: each row's k partials added in slot order from
-    slot 0's, in float32, then added to h."""
-    n, n_embd = h.shape
-    if partial.shape[0] < n * k or partial.shape[1] != n_embd:
-        raise ValueError(f"partials {partial.shape} for {n} rows of top-{k} and {n_embd} outputs")
-    per = np.asarray(partial[:n * k], dtype=np.float32).reshape(n, k, n_embd)
-    s = per[:, 0].copy()
-    for r in range(1, k):
-        s = s + per[:, r]           # float32 + float32: one rounding an add, as the kernel's
-    return (np.asarray(h, dtype=np.float32) + s).astype(np.float32)
-
-
 def group_pairs_words(k: int) -> int:
     """int32 words of a decode graph's groups buffer for top-k routing (experts_grouped.cuh):
     MAX_ROWS * k items of two words, then MAX_ROWS * k sorted pairs."""
     return 3 * MAX_ROWS * k
-
-
-def group_pairs(ids: np.ndarray, group_rows: int = EXPERT_GROUP_ROWS) -> np.ndarray:
-    """What moe_group_pairs writes for a step's ids [n, k] (n <= MAX_ROWS, k <= GROUP_MAX_K):
-    the groups buffer (group_pairs_words(k) int32; words past the step's n * k items and
-    pairs are 0 here, left as they were by the kernel, and read by no launch): items
-    (first sorted place, pairs <= group_rows) in the order of each group's first pair p = row * k +
-    slot, a group's pairs cut into items of group_rows in row order, count 0 past the last item;
-    then the sorted pairs. A pair whose id is negative (no expert: NaN logits) is its own group."""
-    ids = np.asarray(ids)
-    n, k = ids.shape
-    if not (1 <= n <= MAX_ROWS and 1 <= k <= GROUP_MAX_K and 1 <= group_rows <= 4):
-        raise ValueError(f"ids of {n} rows x {k} slots, {group_rows} rows an item: moe_group_pairs "
-                         f"takes 1..{MAX_ROWS} rows, 1..{GROUP_MAX_K} slots, 1..4 rows an item")
-    flat = ids.ravel()
-    out = np.zeros(group_pairs_words(k), dtype=np.int32)
-    items = out[:2 * MAX_ROWS * k].reshape(-1, 2)
-    order = out[2 * MAX_ROWS * k:]
-    leaders: dict[int, list[int]] = {}      # leader pair -> its group's pairs in row order
-    for p, e in enumerate(flat):
-        lead = p if e < 0 else next((q for q in leaders if flat[q] == e), p)
-        leaders.setdefault(lead, []).append(p)
-    place = item = 0
-    for lead in sorted(leaders):
-        members = leaders[lead]
-        order[place:place + len(members)] = members
-        for t in range(0, len(members), group_rows):
-            items[item] = (place + t, min(group_rows, len(members) - t))
-            item += 1
-        place += len(members)
-    return out
 
 
 def source_kernel_names(source: str) -> list[str]:

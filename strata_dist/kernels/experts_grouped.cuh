@@ -31,7 +31,7 @@
 
 static_assert(EXPERT_GROUP_ROWS >= 1 && EXPERT_GROUP_ROWS <= 4, "EXPERT_GROUP_ROWS is 1..4");
 
-// The groups buffer (int32, 3 * MAX_ROWS * k words; kernels/abi.py group_pairs models it):
+// The groups buffer (int32, 3 * MAX_ROWS * k words; kernels/grouped_model.py group_pairs models it):
 // items [MAX_ROWS * k] of (first sorted place, pairs), count 0 past the step's items; then the
 // sorted pairs p = row * k + slot, by group in the order of each group's first pair, each group's
 // pairs in row order.

@@ -195,7 +195,7 @@ def graph_matvec(graph, launches, x, x_stride: int, n: int, norm_w=None, eps=np.
     rows; `route`: the router's RouteSpec (one matrix)."""
     for m in launches:
         wide = m.rows >= WIDE_MIN_ROWS
-        per_block = rows_per_block(n, wide, graph.shape.matvec_accs)
+        per_block = rows_per_block(n, wide, graph.shape, m.type)
         graph._launch(matvec_kernel(m.type, n))(
             ((m.rows + per_block - 1) // per_block, m.count), (graph.shape.matvec_threads,),
             (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
