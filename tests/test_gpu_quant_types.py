@@ -73,16 +73,16 @@ def test_dequantize_and_embedding_rows_are_gguf_py(qtype):
     assert np.isnan(got[4]).all()
 
 
-def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool):
+def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool, build: str = ""):
     w = Weight(int(dev.data.ptr), int(qtype), row_bytes, *shape)
     n = x.shape[0]
     xs = cp.zeros((MAX_ROWS, shape[1]), cp.float32)     # the runner's buffers hold 8 rows
     xs[:n] = cp.asarray(x)
     y = cp.zeros((n, shape[0]), cp.float32)
     spec = cd._spec_array(MAT_SPEC, [cd._mat(w, y)])
-    ks = KernelShape()
-    per_block = rows_per_block(n, wide)
-    _fn(matvec_kernel(int(qtype), n))(
+    ks = KernelShape.parse(build)
+    per_block = rows_per_block(n, wide, ks, int(qtype))
+    _fn(matvec_kernel(int(qtype), n), ks)(
         ((shape[0] + per_block - 1) // per_block, 1), (ks.matvec_threads,),
         (spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide), cd.NULL, np.float32(1e-6),
          cd.NULL, cd.NULL))
@@ -91,16 +91,17 @@ def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=ids)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-def test_matvec_of_every_type(qtype, n):
+@pytest.mark.parametrize("build", ["", "matvec_mma=1"])     # the types on tensor cores, and not
+def test_matvec_of_every_type(qtype, n, build):
     rows, cols = 203, 768
     raw, w = random_rows(qtype, rows, cols, 2, synth=True)
     x = np.random.default_rng(3).standard_normal((n, cols)).astype(np.float32)
     dev = cp.asarray(raw.reshape(-1))
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     for wide in (False, True):
-        got = _matvec(dev, qtype, (rows, cols), x, raw.shape[1], wide)
+        got = _matvec(dev, qtype, (rows, cols), x, raw.shape[1], wide, build)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-        alone = _matvec(dev, qtype, (rows, cols), x[:1], raw.shape[1], wide)
+        alone = _matvec(dev, qtype, (rows, cols), x[:1], raw.shape[1], wide, build)
         assert np.array_equal(alone[0], got[0]), qtype.name
 
 

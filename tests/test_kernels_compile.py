@@ -8,16 +8,14 @@ import subprocess
 import pytest
 
 from strata_dist.kernels import KERNEL_DIR, source_text, sources
+from strata_dist.kernels import abi
 from strata_dist.kernels.abi import (ATTN_CHUNK, ATTN_SCRATCH_BYTES, BF16, BLOCK_THREADS,
                                      DOWN_PER_BLOCK, F16, F32, FF_PER_BLOCK, GDN_ROWS, IQ2_XXS,
-                                     IQ3_S, IQ4_NL, IQ4_XS,
-                                     MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT, Q2_K, Q3_K, Q4_1, Q4_K,
-                                     Q5_K, Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
+                                     IQ3_S, IQ4_NL, IQ4_XS, MAX_ROWS, NEXT_HEAD_DIM, NEXT_ROT,
+                                     Q2_K, Q3_K, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, STRUCTS, TYPE_NAMES,
                                      AttnScratchError, KernelShape, attn_heads_choices,
                                      attn_kernel, attn_launch, default_attn_heads,
                                      rows_per_block, source_kernel_names)
-
-from strata_dist.kernels import abi
 
 NVCC = shutil.which("nvcc")
 DESC_NAMES = ("DESC_POS", "DESC_ROWS", "DESC_TOKENS", "DESC_TABLE_WORDS", "DESC_ROW_POS",
@@ -321,17 +319,18 @@ def test_the_grouped_build_has_its_kernels_in_registers(tmp_path, shape):
 
 @needs_nvcc
 def test_argument_tables_match_the_structs(tmp_path):
-    """A host program built from decode.cu prints its constants, the rows each matvec warp takes
-    and sizeof and every field's offset of the tables; they must be what the runner assumes
-    (kernels/abi.py)."""
+    """A host program built from decode.cu prints its constants, the rows each matvec warp takes,
+    sizeof and every field's offset of the tables: what the runner assumes (kernels/abi.py)."""
     lines = ['printf("MAX_ROWS %d ATTN_CHUNK %d BLOCK_THREADS %d FF_PER_BLOCK %d '
              'DOWN_PER_BLOCK %d\\n", MAX_ROWS, ATTN_CHUNK, BLOCK_THREADS, FF_PER_BLOCK, '
              'DOWN_PER_BLOCK);',
              'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);',
-             'printf("GDN_ROWS %d NEXT_D %d NEXT_ROT %d\\n", GDN_ROWS, NEXT_D, NEXT_ROT);']
+             'printf("GDN_ROWS %d NEXT_D %d NEXT_ROT %d MMA_ROWS %d\\n", GDN_ROWS, NEXT_D, '
+             'NEXT_ROT, MMA_ROWS);']
     lines += [f'printf("{name} %d\\n", (int)({name}));' for name in DESC_NAMES]
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
+    lines += [f'printf("mma_scale_cols {t} %d\\n", mma_scale_cols({t}));' for t in abi.KERNEL_TYPES]
     # every KernelShape default is the macro's own (an undefined -D builds the default shape)
     lines += [f'printf("{macro} %d\\n", (int)({macro}));' for macro in KernelShape.MACROS.values()]
     for struct, dtype in STRUCTS.items():
@@ -350,11 +349,12 @@ def test_argument_tables_match_the_structs(tmp_path):
             f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}",
             f"INT_FF_BLOCK {KernelShape().gate_up_block(Q4_K)} "
             f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}",
-            f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT}"]
+            f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT} MMA_ROWS {abi.MMA_ROWS}"]
     # the step descriptor's words (backends/decode_rows.py packs what the kernels read)
     want += [f"{name} {getattr(abi, name)}" for name in DESC_NAMES]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
+    want += [f"mma_scale_cols {t} {abi.MMA_SCALE_COLS.get(t, 0)}" for t in abi.KERNEL_TYPES]
     want += [f"{macro} {getattr(KernelShape(), name)}" for name, macro in KernelShape.MACROS.items()]
     for struct, dtype in STRUCTS.items():
         want.append(f"{struct} size {dtype.itemsize}")

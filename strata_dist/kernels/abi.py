@@ -53,6 +53,10 @@ WARPS = BLOCK_THREADS // 32
 # its row here, its field on KernelShape, its unit dot and its line in int_type.
 INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K,
                      "int_iq4_xs": IQ4_XS, "int_iq3_s": IQ3_S, "int_iq2_xxs": IQ2_XXS}
+# the types matvec_mma puts on tensor cores -> the columns of one scale (matvec_mma.cuh
+# mma_scale_cols; every other type keeps the plain matvec in that build)
+MMA_SCALE_COLS = {**{t: 32 for t in (F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS)},
+                  Q6_K: 16, Q2_K: 16, Q3_K: 16}
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -83,8 +87,9 @@ class KernelShape:
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
-    `matvec_mma` (default 0) puts f16 dense matvecs on tensor cores at every row count
-    (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the plain build's).
+    `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
+    every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
+    plain build's).
     `grouped_experts` (default 0; measured no faster at 16 streams, docs/BENCHMARKS.md) builds
     kernels/experts_grouped.cuh: in a step of 2+ rows the (row, slot) pairs are grouped by expert
     on the device (moe_group_pairs) and moe_gate_up_grouped_<type> reads each gate/up weight piece
@@ -267,7 +272,7 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
                    ggml_type: int | None = None) -> int:
     """Weight rows one block of a matvec takes (rows_per_block in decode.cu; MMA_ROWS where
     the shape puts the type on tensor cores)."""
-    if shape.matvec_mma and ggml_type == F16:
+    if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 

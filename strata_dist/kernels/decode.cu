@@ -45,7 +45,7 @@
 static_assert(MATVEC_ACCS == 8 || MATVEC_ACCS == 16 || MATVEC_ACCS == 32 || MATVEC_ACCS == 64,
               "MATVEC_ACCS is 8, 16, 32 or 64");
 #ifndef MATVEC_MMA
-#define MATVEC_MMA 0    // 1: f16 dense matvecs on tensor cores at every row count (matvec_mma.cuh)
+#define MATVEC_MMA 0    // 1: dense matvecs on tensor cores at every row count (matvec_mma.cuh)
 #endif
 
 // The rows a matvec kernel is built for (n rounded up to 1, 2, 4 or 8) and the weight rows each
@@ -130,7 +130,7 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     }
 }
 
-#include "matvec_mma.cuh"  // MATVEC_MMA: the f16 matvec on tensor cores (matvec_mma_rows)
+#include "matvec_mma.cuh"  // MATVEC_MMA: the dense matvec on tensor cores (matvec_mma_rows)
 
 // route: null, or the router's RouteSpec (its top-k runs after the last block)
 #define MATVEC_ARGS const MatSpec* __restrict__ specs, const float* __restrict__ x, int x_stride, \
@@ -140,9 +140,11 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
         pdl_entry();                                                                            \
-        if constexpr (MATVEC_MMA && T == T_F16) {                                               \
-            if (norm_w == nullptr) matvec_mma_rows<false>(specs, x, x_stride, n, norm_w, eps, normed); \
-            else matvec_mma_rows<true>(specs, x, x_stride, n, norm_w, eps, normed);             \
+        if constexpr (MATVEC_MMA && mma_scale_cols(T) != 0) {                                   \
+            if (norm_w == nullptr)                                                              \
+                matvec_mma_rows<T, false>(specs, x, x_stride, n, norm_w, eps, normed);          \
+            else                                                                                \
+                matvec_mma_rows<T, true>(specs, x, x_stride, n, norm_w, eps, normed);           \
         } else if (rows_per_block(N, wide) == rows_per_block(N, 1))                             \
             matvec_rows<T, N, rows_per_block(N, 1)>(specs, x, x_stride, n, norm_w, eps, normed); \
         else                                                                                    \

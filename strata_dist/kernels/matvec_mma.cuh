@@ -1,6 +1,11 @@
-// The f16 dense matvec on tensor cores (KernelShape matvec_mma): y = W . x for up to MAX_ROWS
-// activation rows, W in f16 as the A operand of mma.m16n8k16 (a block takes 16 weight rows), the
-// activation rows as B (one column each; a step of fewer rows leaves columns at zero).
+// The dense matvec on tensor cores (KernelShape matvec_mma): y = W . x for up to MAX_ROWS
+// activation rows, W as the A operand of mma.m16n8k16 (a block takes 16 weight rows), the
+// activation rows as B (one column each; a step of fewer rows leaves columns at zero). f16 rows go
+// in as stored; a quantized row's stored integers go in exactly as f16 values and the scale of
+// each 32 columns (16 for Q6_K, Q2_K, Q3_K: two sums a step) is applied to the step's sums after
+// the mma, its min times the activations' sum over those columns (the factored form of
+// weights.cuh chunk8_q: w = a q + b). Types whose stored values are not small integers with one
+// scale per 16 or 32 columns (F32, BF16, the i-quants but IQ4_NL / IQ4_XS) keep the plain matvec.
 //
 // Why: at 8 rows the plain matvec's block re-reads all 8 activation rows for each weight row it
 // takes (decode.cu rows_per_block), so a 16-row step's f16 matvecs took 7.5x one row's, though the
@@ -27,7 +32,17 @@
 #include "mma.cuh"
 
 #define MMA_ROWS 16    // weight rows of a block: one m16 tile (kernels/abi.py MMA_ROWS)
-#define MMA_UNROLL 8   // 32-column steps a warp loads before it multiplies (loads in flight)
+
+// Columns sharing one scale per row, for the types on this path (kernels/abi.py MMA_SCALE_COLS);
+// 0: the type keeps the plain matvec
+HOST_DEVICE constexpr int mma_scale_cols(int T) {
+    return (T == T_F16 || T == T_Q8_0 || T == T_Q4_K || T == T_Q5_K || T == T_Q4_0 ||
+            T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL || T == T_IQ4_XS) ? 32
+         : (T == T_Q6_K || T == T_Q2_K || T == T_Q3_K) ? 16 : 0;
+}
+// 32-column steps a warp loads before it multiplies (loads in flight; a quantized step holds its
+// scales beside the values)
+HOST_DEVICE constexpr int mma_unroll(int T) { return T == T_F16 ? 8 : 4; }
 
 // x split into its f16 part and the f16 of what that part misses, as fragment pairs
 __device__ __forceinline__ void split_half2(float a, float b, unsigned& hi, unsigned& lo) {
@@ -37,14 +52,69 @@ __device__ __forceinline__ void split_half2(float a, float b, unsigned& hi, unsi
     lo = pack_half2(a - back.x, b - back.y);
 }
 
+// One weight row's 8 columns of a step as four f16 pairs, and (quantized) their scale and min
+struct MmaChunk {
+    uint4 h;
+    float a, b;
+};
+
+template <int T>
+__device__ __forceinline__ MmaChunk mma_chunk(const u8* __restrict__ row, int c, bool in) {
+    MmaChunk k{make_uint4(0, 0, 0, 0), 0.f, 0.f};
+    if (!in) return k;
+    if constexpr (T == T_F16) {
+        k.h = __ldg(reinterpret_cast<const uint4*>(row) + c);
+    } else {
+        float q[8];
+        chunk8_q<T>(row, c, q, k.a, k.b);      // small integers: exact as f16
+        k.h = make_uint4(pack_half2(q[0], q[1]), pack_half2(q[2], q[3]), pack_half2(q[4], q[5]),
+                         pack_half2(q[6], q[7]));
+    }
+    return k;
+}
+
+// the four mma of one step (two 16-wide halves, each with x's two parts) into acc; `keep`: whether
+// this lane's columns count (the 16-column types sum each half of the lanes apart)
+__device__ __forceinline__ void mma_step(float (&acc)[4], const MmaChunk& lo_row,
+                                         const MmaChunk& hi_row, const unsigned (&hi)[4],
+                                         const unsigned (&lo)[4], bool keep) {
+    const unsigned first[4] = {keep ? lo_row.h.x : 0u, keep ? hi_row.h.x : 0u,
+                               keep ? lo_row.h.y : 0u, keep ? hi_row.h.y : 0u};
+    const unsigned second[4] = {keep ? lo_row.h.z : 0u, keep ? hi_row.h.z : 0u,
+                                keep ? lo_row.h.w : 0u, keep ? hi_row.h.w : 0u};
+    mma_16816(acc, first, hi[0], hi[1]);
+    mma_16816(acc, first, lo[0], lo[1]);
+    mma_16816(acc, second, hi[2], hi[3]);
+    mma_16816(acc, second, lo[2], lo[3]);
+}
+
+// c += the step's sums of one scale group scaled: a of weight rows g / g + 8 times the sums, then
+// b times the activations' sum over the group's columns (activation rows 2t, 2t + 1)
+__device__ __forceinline__ void mma_scale_add(float (&c)[4], const float (&sums)[4], float a_lo,
+                                              float a_hi, float b_lo, float b_hi, float xs0,
+                                              float xs1, bool min) {
+    c[0] = fmaf(a_lo, sums[0], c[0]);
+    c[1] = fmaf(a_lo, sums[1], c[1]);
+    c[2] = fmaf(a_hi, sums[2], c[2]);
+    c[3] = fmaf(a_hi, sums[3], c[3]);
+    if (min) {
+        c[0] = fmaf(b_lo, xs0, c[0]);
+        c[1] = fmaf(b_lo, xs1, c[1]);
+        c[2] = fmaf(b_hi, xs0, c[2]);
+        c[3] = fmaf(b_hi, xs1, c[3]);
+    }
+}
+
 // y[i, o] = add[i, o] + sum_c W[o, c] * xn[i, c] (xn as in decode.cu matvec_rows) for the n
 // rows of x, block blockIdx.x taking weight rows 16 * blockIdx.x .. + 15 of spec blockIdx.y
-template <bool NORM>
+template <int T, bool NORM>
 __device__ __forceinline__ void matvec_mma_rows(const MatSpec* __restrict__ specs,
                                                 const float* __restrict__ x, int x_stride, int n,
                                                 const float* __restrict__ norm_w, float eps,
                                                 float* __restrict__ normed) {
-    constexpr int W = MATVEC_THREADS / 32;
+    constexpr int W = MATVEC_THREADS / 32, U = mma_unroll(T), G = mma_scale_cols(T);
+    constexpr bool MIN = T != T_F16 && has_min(T);
+    static_assert(G == 32 || G == 16, "a tensor-core matvec type has 16 or 32 columns a scale");
     __shared__ float part[W][MMA_ROWS][MAX_ROWS];
     __shared__ float sumsq[W][MAX_ROWS];
     __shared__ float inv[MAX_ROWS];
@@ -59,17 +129,17 @@ __device__ __forceinline__ void matvec_mma_rows(const MatSpec* __restrict__ spec
     const int steps = (s.ncols + 31) >> 5;
     float c[4] = {0.f, 0.f, 0.f, 0.f};
     float sq = 0.f;
-    for (int s0 = warp; s0 < steps; s0 += W * MMA_UNROLL) {
-        uint4 a[MMA_UNROLL][2];
+    for (int s0 = warp; s0 < steps; s0 += W * U) {
+        MmaChunk rows[U][2];
         #pragma unroll
-        for (int u = 0; u < MMA_UNROLL; ++u) {
-            const int col = (s0 + u * W) * 32 + 8 * t;
-            const bool in = s0 + u * W < steps && col < s.ncols;   // ncols: whole chunks of 8
-            a[u][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo + 2 * (i64)col)) : make_uint4(0, 0, 0, 0);
-            a[u][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi + 2 * (i64)col)) : make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < U; ++u) {
+            const int chunk = 4 * (s0 + u * W) + t;
+            const bool in = s0 + u * W < steps && 8 * chunk < s.ncols;  // ncols: whole chunks of 8
+            rows[u][0] = mma_chunk<T>(w_lo, chunk, in);
+            rows[u][1] = mma_chunk<T>(w_hi, chunk, in);
         }
         #pragma unroll
-        for (int u = 0; u < MMA_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int col = (s0 + u * W) * 32 + 8 * t;
             if (s0 + u * W >= steps) break;             // warp-uniform
             float xv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -87,12 +157,47 @@ __device__ __forceinline__ void matvec_mma_rows(const MatSpec* __restrict__ spec
             unsigned hi[4], lo[4];
             #pragma unroll
             for (int j = 0; j < 4; ++j) split_half2(xv[2 * j], xv[2 * j + 1], hi[j], lo[j]);
-            const unsigned first[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
-            const unsigned second[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
-            mma_16816(c, first, hi[0], hi[1]);
-            mma_16816(c, first, lo[0], lo[1]);
-            mma_16816(c, second, hi[2], hi[3]);
-            mma_16816(c, second, lo[2], lo[3]);
+            const MmaChunk& r0 = rows[u][0];
+            const MmaChunk& r1 = rows[u][1];
+            if constexpr (T == T_F16) {
+                mma_step(c, r0, r1, hi, lo, true);
+            } else {
+                // the activations' sum over each scale group, for activation rows 2t and 2t + 1
+                float xs[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+                if (MIN) {
+                    float p = 0.f;
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) p += xv[j];
+                    p += __shfl_xor_sync(0xffffffffu, p, 1);
+                    if (G == 32) p += __shfl_xor_sync(0xffffffffu, p, 2);
+                    #pragma unroll
+                    for (int k = 0; k < 32 / G; ++k) {   // from lane (row 2t + e, group k's first)
+                        xs[k][0] = __shfl_sync(0xffffffffu, p, 8 * t + 2 * k);
+                        xs[k][1] = __shfl_sync(0xffffffffu, p, 8 * t + 4 + 2 * k);
+                    }
+                }
+                if constexpr (G == 32) {
+                    float sums[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma_step(sums, r0, r1, hi, lo, true);
+                    mma_scale_add(c, sums, r0.a, r1.a, r0.b, r1.b, xs[0][0], xs[0][1], MIN);
+                } else {
+                    // lanes t < 2 hold group 0's scales, t >= 2 group 1's: each lane takes the
+                    // other group's from lane t ^ 2 of its row
+                    const float oa0 = __shfl_xor_sync(0xffffffffu, r0.a, 2);
+                    const float oa1 = __shfl_xor_sync(0xffffffffu, r1.a, 2);
+                    const float ob0 = __shfl_xor_sync(0xffffffffu, r0.b, 2);
+                    const float ob1 = __shfl_xor_sync(0xffffffffu, r1.b, 2);
+                    const bool first = t < 2;
+                    #pragma unroll
+                    for (int k = 0; k < 2; ++k) {
+                        const bool own = first == (k == 0);
+                        float sums[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_step(sums, r0, r1, hi, lo, own);
+                        mma_scale_add(c, sums, own ? r0.a : oa0, own ? r1.a : oa1,
+                                      own ? r0.b : ob0, own ? r1.b : ob1, xs[k][0], xs[k][1], MIN);
+                    }
+                }
+            }
         }
     }
     // C fragment: c[0..1] = (weight row g, activation rows 2t, 2t + 1), c[2..3] = (row g + 8, ..)
