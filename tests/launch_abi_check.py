@@ -12,7 +12,7 @@ sources as nvcc preprocesses them (the macro-built kernels expanded).
 Prints one JSON line: {"scenarios": {name: {kernel: launches}}, "graphs": {...}, "grids": {name:
 {expert kernel: grid widths}}, "step_launches": {name: a one-row decode step's launches with the
 graph ops that made them}, "step_layers": {name: whether each of the graph's layers is linear},
-"grouped": {name: the grouped gate/up's and down's launches, [kernel, grid, block] each}, "errors": [...]}."""
+"errors": [...]}."""
 from __future__ import annotations
 
 import collections
@@ -37,18 +37,13 @@ _SCALARS = {"int": np.int32, "float": np.float32, "long long": np.int64, "i64": 
 
 
 def signatures(nvcc: str) -> dict[tuple[str, str], list[str]]:
-    """(source, kernel) -> its parameters, from each kernel source preprocessed by nvcc (decode.cu
-    also with the kernels only KernelShape switches build: GROUPED_EXPERTS, GROUPED_DOWN)."""
+    """(source, kernel) -> its parameters, from each kernel source preprocessed by nvcc."""
     out = {}
-    builds = [(src, ()) for src in kernels.sources()]
-    builds += [(src, ("-DGROUPED_EXPERTS=1", "-DGROUPED_DOWN=1")) for src in kernels.sources()
-               if src.name == "decode.cu"]
     with tempfile.TemporaryDirectory() as d:
-        for src, defines in builds:
+        for src in kernels.sources():
             pre = Path(d) / f"{src.name}.i"
-            subprocess.run([nvcc, "-E", "-arch=sm_90", "--std=c++17", *defines, "-x", "cu",
-                            str(src), "-o", str(pre)], check=True, capture_output=True,
-                           timeout=300)
+            subprocess.run([nvcc, "-E", "-arch=sm_90", "--std=c++17", "-x", "cu", str(src), "-o",
+                            str(pre)], check=True, capture_output=True, timeout=300)
             for name, params in _KERNEL.findall(pre.read_text()):
                 out[(src.name, name)] = [p.strip() for p in params.split(",") if p.strip()]
     return out
@@ -61,9 +56,6 @@ GRIDS: dict[str, set[int]] = collections.defaultdict(set)
 # while not None: the kernel names launched, in order, each op of the graph's layer ops
 # (backends/graph_ops.py) marked before its launches as "op:<name>" (a one-row step's capture)
 STEP_LAUNCHES: list[str] | None = None
-# the grouped gate/up's and grouped down's launches (KernelShape grouped_experts, grouped_down):
-# [kernel, grid, block] each
-GROUPED: list = []
 
 
 def scalar_type(param: str):
@@ -97,9 +89,6 @@ class CheckedKernel:
             STEP_LAUNCHES.append(self.name)
         if self.name.startswith(("moe_gate_up_", "moe_down_")) and "_rows" not in self.name:
             GRIDS[self.name].add(int(tuple(grid)[0]))
-        if self.name.startswith(("moe_gate_up_grouped_", "moe_group_pairs", "moe_down_grouped_",
-                                 "moe_down_combine")):
-            GROUPED.append([self.name, [int(v) for v in grid], [int(v) for v in block]])
         at = f"{self.name}{tuple(grid)}x{tuple(block)}"
         if len(args) != len(self.params):
             self.errors.append(f"{at}: {len(args)} arguments for {len(self.params)} parameters "
@@ -251,7 +240,6 @@ def main() -> int:
     from strata_dist.tools.single_process import SingleProcessRunner
 
     scenarios, graphs, grids, step_launches, step_layers = {}, {}, {}, {}, {}
-    grouped = {}
     prompt = [int(x) for x in np.random.default_rng(11).integers(0, 320, 300)]
 
     def run(name, path, **kw):
@@ -272,11 +260,8 @@ def main() -> int:
         graphs[name] = type(r.decode_graph).__name__ if r.decode_graph is not None else None
         scenarios[name] = dict(counts)
         grids[name] = {k: sorted(v) for k, v in GRIDS.items()}
-        if GROUPED:
-            grouped[name] = list(GROUPED)
         counts.clear()
         GRIDS.clear()
-        GROUPED.clear()
 
     with tempfile.TemporaryDirectory() as d:
         for dtype in ("q8_0", "f16"):
@@ -298,16 +283,6 @@ def main() -> int:
         run("qwen3moe q5_k_m", k_mix)
         run("qwen3moe q5_k_m, int_q5_k=0,int_q6_k=0", k_mix,
             env={"STRATA_KERNEL_SHAPE": "int_q5_k=0,int_q6_k=0"})
-        # the grouped gate/up (KernelShape grouped_experts): a one-row step keeps today's
-        # launches, the three-row step groups its pairs first (experts_grouped.cuh); the Q5_K
-        # experts' integer path and, below, the Q8_0 file's float path
-        run("qwen3moe q5_k_m, grouped_experts=1", k_mix,
-            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1"})
-        # the grouped down too (KernelShape grouped_down): every step, one row included, groups
-        # its pairs and sums each pair's down apart (experts_grouped_down.cuh); the Q5_K / Q6_K
-        # down rows' integer path and, below, the Q8_0 file's float path
-        run("qwen3moe q5_k_m, grouped_down=1", k_mix,
-            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1,grouped_down=1"})
         # i-quant files (every expert IQ4_XS, IQ3_S or IQ2_XXS; 512 columns in, 256 out: the
         # router's reserved slice needs n_embd 512 below 4 bits) with the default build (their
         # integer path's switches on), and IQ4_XS's with the switches 0 too (the float path)
@@ -321,10 +296,6 @@ def main() -> int:
             if quant == "iq4_xs":
                 run(f"qwen3moe iq4_xs, {iq_off}", iq, env={"STRATA_KERNEL_SHAPE": iq_off})
         q8 = Path(d) / "moe-q8_0.gguf"
-        run("qwen3moe q8_0, grouped_experts=1", q8,
-            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1"})
-        run("qwen3moe q8_0, grouped_down=1", q8,
-            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1,grouped_down=1"})
         run("qwen3moe q8_0, routed on the host", q8,
             env={"STRATA_DEVICE_ROUTING": "0"})
         run("qwen3moe q8_0, the general path", q8,
@@ -341,9 +312,6 @@ def main() -> int:
                                          top_k=4, n_experts=16), Path(d) / "next.gguf", "q8_0")
         run("qwen3next q8_0", path)
         run("qwen3next q8_0, q8_0 K/V", path, kv_type="q8_0")
-        # its routed experts are qwen3moe's launches: the grouped gate/up there too
-        run("qwen3next q8_0, grouped_experts=1", path,
-            env={"STRATA_KERNEL_SHAPE": "grouped_experts=1"})
         # --kv-resident below the context with q8_0 K/V: the `_q8_ring` builds of both
         # architectures (tests/kv_resident_abi_check.py checks their pointer tables)
         run("qwen3next q8_0, q8_0 K/V, kv-resident", path, kv_type="q8_0", kv_resident=164)
@@ -351,7 +319,7 @@ def main() -> int:
             kv_resident=164)
         run("qwen3next q8_0, blocked delta rule", path, env={"STRATA_GDN_KERNELS": "0"})
         run("qwen3next q8_0, GDN token loop", path, env={"STRATA_GDN_KERNELS": "steps"})
-    print(json.dumps({"scenarios": scenarios, "graphs": graphs, "grids": grids, "grouped": grouped,
+    print(json.dumps({"scenarios": scenarios, "graphs": graphs, "grids": grids,
                       "step_launches": step_launches, "step_layers": step_layers,
                       "errors": errors}))
     return 0

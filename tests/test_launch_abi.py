@@ -4,8 +4,7 @@ arguments, scalar types and limits checked; nothing numeric, which the GPU tests
 qwen3moe file of each dense type with f16 and q8_0 K/V and with the array prompt steps (and the
 Q8_0 one routed on the host and on the general path), a q5_k_m file with (the default) and
 without the integer path of its Q5_K / Q6_K experts, iq4_xs / iq3_s / iq2_xxs files with their
-integer path (the default; and iq4_xs without), the q5_k_m, Q8_0 and qwen3next files with the
-grouped gate/up (KernelShape grouped_experts), and a qwen3next file with the kernels'
+integer path (the default; and iq4_xs without), and a qwen3next file with the kernels'
 head geometry (and with the blocked delta rule, and with q8_0 K/V); q8_0 K/V with --kv-resident
 below the context on both architectures (the ring builds): prompt, one-row and three-row decode steps, a
 generation with steps launched ahead; and a stage caching half its pairs, its prompt on a loan
@@ -134,17 +133,13 @@ def test_the_decode_graph_captures_the_models_layer_step(report):
     kernels = {"norm_qkv": None, "attention": ("qk_norm_rope_kv", "attn_decode_128_g"),
                "add_out_projection": None, "route": ("matvec_f32_1",),
                "add_experts": ("moe_gate_up_", "moe_down_")}        # None: matvec launches
-    # the grouped down (KernelShape grouped_down) groups a one-row step's pairs too
-    grouped_down = dict(kernels, add_experts=("moe_group_pairs", "moe_gate_up_",
-                                              "moe_down_grouped_", "moe_down_combine"))
     checked = 0
     for name, graph in report["graphs"].items():
         launches = report["step_launches"].get(name)
         if graph != "DecodeGraph" or launches is None:
             continue
         checked += 1
-        want_kernels = grouped_down if "grouped_down=1" in name else kernels
-        experts = len(want_kernels["add_experts"])
+        experts = len(kernels["add_experts"])
         assert launches[:2] == ["embed_tokens", "op:norm_qkv"], (name, launches[:2])
         ops = [x[3:] for x in launches if x.startswith("op:")]
         # every layer of the graph's range, each the model's sequence (none dropped)
@@ -156,7 +151,7 @@ def test_the_decode_graph_captures_the_models_layer_step(report):
         assert len(head) >= 2 and head[-1] == "argmax_row" and all(
             k.startswith("matvec_") and k.endswith("_1") for k in head[:-1]), (name, head)
         for op, got in groups:
-            want = want_kernels[op]
+            want = kernels[op]
             if want is None:
                 assert got and all(k.startswith("matvec_") and k.endswith("_1") for k in got), \
                     (name, op, got)
@@ -202,9 +197,8 @@ def test_the_next_decode_graph_captures_the_models_layer_step(report):
             assert len(other) == len(want) and all(k.startswith(w) for k, w in zip(other, want)), \
                 (name, op, got)
             assert kernels[op] is not None or len(got) > len(other), (name, op, got)
-    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring, the
-    # grouped gate/up (one-row steps: today's launches)
-    assert checked == 6, checked
+    # the qwen3next scenarios: the GDN kernels' three paths, q8_0 K/V, q8_0 K/V with a ring
+    assert checked == 5, checked
 
 
 def test_the_integer_switches_size_the_k_quant_expert_grids(report):
@@ -242,90 +236,6 @@ def test_the_integer_switches_size_the_i_quant_expert_grids(report):
     assert report["graphs"][off] == "DecodeGraph"
     assert report["grids"][off]["moe_gate_up_iq4_xs"] == [64]
     assert report["grids"][off]["moe_down_iq4_xs"] == [128]
-
-
-def test_the_grouped_gate_up_takes_steps_of_several_rows(report):
-    """STRATA_KERNEL_SHAPE=grouped_experts=1 (kernels/experts_grouped.cuh) on the q5_k_m file (Q5_K
-    gate/up on the integer path, top-2, n_ff 256, 4 layers) and the Q8_0 file (the float path,
-    top-4, n_ff 128, 3 layers): the one-row steps keep moe_gate_up_<type> (the recorded step's
-    launches hold no grouped kernel); the three-row step launches, every layer, moe_group_pairs
-    (one block, a thread a pair) then moe_gate_up_grouped_<type> over (the kernel shape's ff
-    blocks, 3 * k work items), and moe_down_<type> per row as before. Each launch's arguments
-    against the C signatures: test_every_launch_matches_its_kernel."""
-    from strata_dist.kernels.abi import GROUP_THREADS, Q5_K, Q8_0, KernelShape
-    shape = KernelShape.parse("grouped_experts=1")
-    for name, t, n_ff, k, layers in (("qwen3moe q5_k_m, grouped_experts=1", Q5_K, 256, 2, 4),
-                                     ("qwen3moe q8_0, grouped_experts=1", Q8_0, 128, 4, 3)):
-        quant = name.split()[1].split(",")[0].replace("q5_k_m", "q5_k")
-        assert report["graphs"][name] == "DecodeGraph", name
-        run = report["scenarios"][name]
-        assert run.get(f"moe_gate_up_{quant}", 0) > 0 and run.get(f"moe_down_{quant}", 0) > 0
-        assert not any("grouped" in x or "group_pairs" in x
-                       for x in report["step_launches"][name]), name
-        launches = report["grouped"][name]
-        steps = len(launches) // (2 * layers)
-        assert steps >= 1 and len(launches) == 2 * layers * steps, (name, len(launches))
-        grid_x = -(-n_ff // shape.gate_up_block(t))
-        for group, gate_up in zip(launches[::2], launches[1::2]):
-            assert group == ["moe_group_pairs", [1], [GROUP_THREADS]], group
-            kernel, grid, block = gate_up
-            assert kernel == f"moe_gate_up_grouped_{quant}" and block == [256], gate_up
-            assert grid[0] == grid_x and grid[1] % k == 0 and grid[1] // k >= 2, (name, grid)
-        # the three-row step among them
-        assert [grid_x, 3 * k] in [g[1][:2] for g in launches[1::2]], (name, launches)
-    # qwen3next's routed experts are the same launches (Q8_0: the float path's grid of 4 rows)
-    name = "qwen3next q8_0, grouped_experts=1"
-    assert report["graphs"][name] == "NextDecodeGraph"
-    kernels = {x[0] for x in report["grouped"][name]}
-    assert kernels == {"moe_group_pairs", "moe_gate_up_grouped_q8_0"}, kernels
-    # the default build launches no grouped kernel
-    assert "qwen3moe q5_k_m" not in report["grouped"] and "qwen3moe q8_0" not in report["grouped"]
-
-
-def test_the_grouped_down_takes_steps_of_every_row_count(report):
-    """STRATA_KERNEL_SHAPE=grouped_experts=1,grouped_down=1 (kernels/experts_grouped_down.cuh) on
-    the q5_k_m file (Q5_K / Q6_K down rows on the integer path, top-2, n_embd 256, 4 layers) and
-    the Q8_0 file (the float path, top-4, n_embd 256, 3 layers): every step, the one-row steps
-    too, launches per layer moe_group_pairs, the gate/up (grouped from two rows), then
-    moe_down_grouped_<type> over (the kernel shape's down blocks, n * k work items) and
-    moe_down_combine over (n_embd / 256, n), and never moe_down_<type>; the one-row step's
-    launches are the recorded step's. Each launch's arguments against the C signatures:
-    test_every_launch_matches_its_kernel."""
-    from strata_dist.kernels.abi import BLOCK_THREADS, GROUP_THREADS, KernelShape
-    from strata_dist.kernels.abi import Q5_K, Q6_K, Q8_0
-    shape = KernelShape.parse("grouped_experts=1,grouped_down=1")
-    for name, downs, k, layers in (("qwen3moe q5_k_m, grouped_down=1", {"q5_k": Q5_K, "q6_k": Q6_K},
-                                    2, 4),
-                                   ("qwen3moe q8_0, grouped_down=1", {"q8_0": Q8_0}, 4, 3)):
-        assert report["graphs"][name] == "DecodeGraph", name
-        run = report["scenarios"][name]
-        assert not any(run.get(f"moe_down_{t}", 0) for t in downs), (name, run)
-        step = report["step_launches"][name]
-        assert "moe_group_pairs" in step and not any("gate_up_grouped" in x for x in step), name
-        launches = report["grouped"][name]
-        # each step's layers: [group, (grouped gate/up,) grouped down, combine]
-        rows_seen = set()
-        at = 0
-        while at < len(launches):
-            assert launches[at] == ["moe_group_pairs", [1], [GROUP_THREADS]], launches[at]
-            at += 1
-            if launches[at][0].startswith("moe_gate_up_grouped_"):
-                at += 1
-            kernel, grid, block = launches[at]
-            t = kernel.removeprefix("moe_down_grouped_")
-            assert t in downs and block == [BLOCK_THREADS], launches[at]
-            assert grid[0] == -(-256 // shape.down_block(downs[t])) and grid[1] % k == 0, grid
-            n = grid[1] // k
-            assert launches[at + 1] == ["moe_down_combine", [1, n], [BLOCK_THREADS]], \
-                launches[at + 1]
-            rows_seen.add(n)
-            at += 2
-        assert {1, 3} <= rows_seen, (name, rows_seen)
-    # the builds without the switch launch none of the grouped down's kernels
-    for name, launches in report["grouped"].items():
-        if "grouped_down=1" not in name:
-            assert not any(x[0].startswith(("moe_down_grouped_", "moe_down_combine"))
-                           for x in launches), name
 
 
 def test_the_check_catches_a_wrong_launch(tmp_path):

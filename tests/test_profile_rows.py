@@ -23,8 +23,8 @@ MAX_ROWS = 8             # the tiny model's graph takes 8 rows a replay at 128 c
 _ROW = re.compile(r"^  (\S+)\s+(-|[\d.]+ us)\s+(-|[\d.]+ us)\s+(-|[\d.]+x)$")
 
 
-@pytest.fixture(scope="module", params=[("3",), ("10", "grouped_experts=1")],
-                ids=["3 rows", "10 rows, grouped experts"])
+@pytest.fixture(scope="module", params=[("3",), ("10", "matvec_accs=32")],
+                ids=["3 rows", "10 rows, matvec_accs=32"])
 def report(request):
     out = run_check("profile_rows_check.py", *request.param, timeout=300)
     out["n"] = int(request.param[0])
@@ -94,13 +94,9 @@ def test_the_timed_replays_launch_what_the_captured_replays_do(report):
         assert step["kernels"] == captured[step["rows"]]
 
 
-def test_the_grouped_build_shows_kernels_only_the_batched_step_runs(report):
+def test_the_batched_step_runs_no_kernel_the_one_row_step_lacks(report):
     got = table(report)
-    only_batched = {name for name, (a, b, _) in got.items() if a is None}
-    if report["n"] == 10:       # grouped_experts=1: two or more rows take the grouped gate/up
-        assert {"moe_group_pairs", "moe_gate_up_grouped_f16"} <= only_batched
-    else:
-        assert only_batched == set()
+    assert {name for name, (a, b, _) in got.items() if a is None} == set()
     assert got["argmax_row"][1] is None        # a batched step keeps every row's logits
 
 
@@ -150,16 +146,16 @@ def test_one_row_leaves_the_profile_as_it_was():
 def test_the_table_names_a_matvec_by_its_type_and_sums_its_builds():
     one = {"matvec_q4_K_1": 100.0, "attn_decode_128_g2": 10.0, "argmax_row": 5.0}
     many = {"matvec_q4_K_8": 150.0, "matvec_q4_K_2": 30.0, "attn_decode_128_g2": 80.0,
-            "moe_group_pairs": 7.0}
+            "extra_kernel": 7.0}
     lines = profile_decode.rows_table(one, many, 10)
     assert lines[0].split() == ["kernel", "1", "row", "10", "rows", "10", "rows", "/", "1", "row"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
-    assert list(rows) == ["matvec_q4_K", "attn_decode_128_g2", "moe_group_pairs", "argmax_row"]
+    assert list(rows) == ["matvec_q4_K", "attn_decode_128_g2", "extra_kernel", "argmax_row"]
     assert rows["matvec_q4_K"] == ["100.0", "us", "180.0", "us", "1.80x"]
-    assert rows["moe_group_pairs"] == ["-", "7.0", "us", "-"]
+    assert rows["extra_kernel"] == ["-", "7.0", "us", "-"]
     assert rows["argmax_row"] == ["5.0", "us", "-", "-"]
     assert lines[-1] == ("grows most from 1 row to 10: matvec_q4_K +80.0 us (1.80x), "
-                         "attn_decode_128_g2 +70.0 us (8.00x), moe_group_pairs +7.0 us (new)")
+                         "attn_decode_128_g2 +70.0 us (8.00x), extra_kernel +7.0 us (new)")
 
 
 def test_the_made_up_prompts_are_the_old_ones_on_a_real_vocabulary():
@@ -178,7 +174,7 @@ def test_the_record_holds_what_was_printed(report):
     assert check_record(record, report["record_name"]) == []
     assert record["bench"] == "profile" and record["model"]["popularity"] == "uniform"
     arm, = record["arms"]
-    assert arm["kernel_shape"] == ("grouped_experts=1" if n == 10 else "")
+    assert arm["kernel_shape"] == ("matvec_accs=32" if n == 10 else "")
     rows = arm["rows"]
     assert rows["n"] == n and rows["replays"] == [MAX_ROWS] * (n // MAX_ROWS) + (
         [n % MAX_ROWS] if n % MAX_ROWS else [])

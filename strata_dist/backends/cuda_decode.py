@@ -34,8 +34,7 @@ import cupy as cp
 from ..compute_options import compute_options
 from ..kernels import function
 from ..kernels.abi import (DESC_TOKENS, DESC_WORDS, EXPERT_SPEC, MAX_ROWS, TYPE_NAMES,
-                           KernelShape, down_partial_floats, group_pairs_words,
-                           matvec_kernel)
+                           KernelShape, matvec_kernel)
 from ..kernels.pdl import ProgrammaticLauncher
 from ..ops import attention, moe
 from ..ops.linear import (NULL, MatLaunch, _mat, graph_matvec, mat_launches,  # noqa: F401
@@ -183,14 +182,6 @@ class DecodeGraph(BatchedSteps):
         self.post_v = cp.zeros(ARGMAX_BLOCKS, f32)     # each argmax block's best value and index
         self.post_i = cp.zeros(ARGMAX_BLOCKS, cp.int32)
         self.act = cp.zeros((R, g.n_expert_used, g.n_ff_exp), f32)
-        # the grouped gate/up's pairs by expert (KernelShape grouped_experts; experts_grouped.cuh
-        # moe_group_pairs writes it each step, kernels/grouped_model.py group_pairs models it)
-        self.expert_groups = (cp.zeros(group_pairs_words(g.n_expert_used), cp.int32)
-                              if self.shape.grouped_experts else None)
-        # the grouped down's per-pair sums (KernelShape grouped_down; experts_grouped_down.cuh,
-        # kernels/abi.py down_partial_floats): only where the switch builds that path
-        self.down_partial = (cp.zeros(down_partial_floats(g.n_expert_used, g.n_embd), f32)
-                             if self.shape.grouped_down else None)
         # every row's logits for a batched step; a one-session step's last row's in row 0
         self.logits_rows = cp.zeros((R if self.last else 1, g.n_vocab if self.last else 1), f32)
         self.logits = self.logits_rows[0]
@@ -256,7 +247,6 @@ class DecodeGraph(BatchedSteps):
             ffn_norm=ffn_norm,
             router=mat_launches([(router, _mat(router, self.router_logits))]),
             experts=expert_table,
-            ids=self.ids[layer - self.lb],       # the router's picks (moe_group_pairs reads them)
             route=route_spec(self, layer, expert_table, normalize),
             expert_types=(TYPE_NAMES[experts["gate_type"]], TYPE_NAMES[experts["down_type"]]),
             expert_codes=(experts["gate_type"], experts["down_type"]))
@@ -269,16 +259,9 @@ class DecodeGraph(BatchedSteps):
         launches += self.output_projection if self.last else []
         for n in range(1, self.max_rows + 1):
             names |= {matvec_kernel(x.type, n) for x in launches}
-        k = self.g.n_expert_used
-        grouped = self.max_rows >= 2 and moe.grouped_gate_up(self.shape, 2, k)
-        grouped_down = moe.grouped_down(self.shape, k)
         for L in self.layer_specs:
             gate_up, down = L["expert_types"]
             names |= {f"moe_gate_up_{gate_up}", f"moe_down_{down}"}
-            if grouped:
-                names |= {"moe_group_pairs", f"moe_gate_up_grouped_{gate_up}"}
-            if grouped_down:
-                names |= {"moe_group_pairs", f"moe_down_grouped_{down}", "moe_down_combine"}
         return names
 
     def _layer_kernel_names(self) -> set[str]:

@@ -39,9 +39,6 @@ MATVEC_ACCS = 8                 # KernelShape.matvec_accs' default (decode.cu MA
 MMA_ROWS = 16                   # weight rows of a matvec_mma block (matvec_mma.cuh MMA_ROWS)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
-EXPERT_GROUP_ROWS = 2           # pairs of one grouped gate/up work item (experts_grouped.cuh)
-GROUP_MAX_K = 16                # the most slots a row moe_group_pairs takes (GROUP_MAX_K)
-GROUP_THREADS = MAX_ROWS * GROUP_MAX_K   # moe_group_pairs' block: a thread a pair
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
 
 
@@ -90,17 +87,6 @@ class KernelShape:
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's).
-    `grouped_experts` (default 0; measured no faster at 16 streams, docs/BENCHMARKS.md) builds
-    kernels/experts_grouped.cuh: in a step of 2+ rows the (row, slot) pairs are grouped by expert
-    on the device (moe_group_pairs) and moe_gate_up_grouped_<type> reads each gate/up weight piece
-    once for up to `expert_group_rows` (1..4) pairs of one expert, each pair's act bit-identical
-    to moe_gate_up_<type>'s; the down stays per row (ops/moe.py graph_experts says why).
-    `grouped_down` (default 0; only with grouped_experts=1) builds experts_grouped_down.cuh: each
-    (row, slot) pair's down contribution is a sum of its own, into a per-pair partial buffer
-    (`down_partial_floats`), moe_down_grouped_<type> reading an expert's down rows once for a
-    work item's pairs, then moe_down_combine adds each row's k partials in slot order to h. A
-    row's h is then independent of the other rows but not the default build's bits (another
-    summation order), so such a build takes it for steps of every row count, one row included.
     A name in REMOVED (a build deleted after it measured slower) is refused by `parse` with why."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
@@ -121,9 +107,6 @@ class KernelShape:
     matvec_threads: int = BLOCK_THREADS
     matvec_accs: int = MATVEC_ACCS
     matvec_mma: int = 0
-    grouped_experts: int = 0
-    expert_group_rows: int = EXPERT_GROUP_ROWS
-    grouped_down: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -133,10 +116,9 @@ class KernelShape:
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
-              "matvec_mma": "MATVEC_MMA", "grouped_experts": "GROUPED_EXPERTS", "expert_group_rows": "EXPERT_GROUP_ROWS",
-              "grouped_down": "GROUPED_DOWN"}
+              "matvec_mma": "MATVEC_MMA"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "matvec_mma", "grouped_experts", "grouped_down")
+                *INT_TYPE_SWITCHES, "matvec_mma")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -147,14 +129,26 @@ class KernelShape:
                "int_matvec": "removed on 2026-12-06: the dense matvecs on the integer path "
                              "measured slower (257.6 against 297.3 tok/s decode on q4_k_m, "
                              "benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-06-082354-"
-                             "5ecdac4.json); dense matvecs always take the float path"}
+                             "5ecdac4.json); dense matvecs always take the float path",
+               "grouped_experts": "removed on 2026-12-06: the decode gate/up grouped by expert "
+                                  "(a weight piece read once for several rows) measured slower "
+                                  "(29.6 against 15.9 ms a 16-row step with grouped_down, its "
+                                  "gate/up 8.6 against 5.5 ms; alone 0.97x at 16 streams, "
+                                  "docs/BENCHMARKS.md)",
+               "grouped_down": "removed on 2026-12-06: the decode down grouped by expert (a sum "
+                               "a pair, then added per row) measured slower (29.6 against 15.9 "
+                               "ms a 16-row step, its down 14.4 against 4.6 ms, "
+                               "docs/BENCHMARKS.md)",
+               "expert_group_rows": "removed on 2026-12-06 with grouped_experts, whose work "
+                                    "items it sized: measured slower (29.6 against 15.9 ms a "
+                                    "16-row step, docs/BENCHMARKS.md)"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
             v = getattr(self, name)
             if not 1 <= v <= 32:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..32")
-        for name in ("int_ff_per_warp", "int_down_per_warp", "expert_group_rows"):
+        for name in ("int_ff_per_warp", "int_down_per_warp"):
             v = getattr(self, name)
             if not 1 <= v <= 4:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..4")
@@ -167,11 +161,6 @@ class KernelShape:
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
-        # the grouped down reads the grouped gate/up's work items (moe_group_pairs)
-        if self.grouped_down and not self.grouped_experts:
-            raise ValueError(f"kernel shape grouped_down={self.grouped_down} with "
-                             f"grouped_experts={self.grouped_experts}: the grouped down reads "
-                             f"the grouped gate/up's work items (grouped_experts=1)")
         # a block the integer path cannot take runs the float body over its range, a float
         # block at a time: the ranges must tile (moe_down adds into h)
         for on, per_warp, per_block in (("int_gate_up", "int_ff_per_warp", "ff_per_block"),
@@ -445,29 +434,6 @@ def kernel_names() -> list[str]:
     for t in TYPE_NAMES.values():
         names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names
-
-def grouped_kernel_names() -> list[str]:
-    """The kernels decode.cu has only where KernelShape.grouped_experts builds them
-    (experts_grouped.cuh)."""
-    return ["moe_group_pairs"] + [f"moe_gate_up_grouped_{t}" for t in TYPE_NAMES.values()]
-
-
-def grouped_down_kernel_names() -> list[str]:
-    """The kernels decode.cu has only where KernelShape.grouped_down builds them
-    (experts_grouped_down.cuh)."""
-    return ["moe_down_combine"] + [f"moe_down_grouped_{t}" for t in TYPE_NAMES.values()]
-
-
-def down_partial_floats(k: int, n_embd: int) -> int:
-    """float32 values of a decode graph's grouped-down partial buffer for top-k routing
-    (experts_grouped_down.cuh): a row of n_embd for each of the MAX_ROWS * k pairs."""
-    return MAX_ROWS * k * n_embd
-
-
-def group_pairs_words(k: int) -> int:
-    """int32 words of a decode graph's groups buffer for top-k routing (experts_grouped.cuh):
-    MAX_ROWS * k items of two words, then MAX_ROWS * k sorted pairs."""
-    return 3 * MAX_ROWS * k
 
 
 def source_kernel_names(source: str) -> list[str]:

@@ -64,8 +64,6 @@ static_assert(MATVEC_THREADS == 128 || MATVEC_THREADS == BLOCK_THREADS,
               "a matvec block is 128 or BLOCK_THREADS threads");
 
 #include "experts.cuh"     // ExpertSpec, RouteSpec, the router's top-k, moe_gate_up / moe_down
-#include "experts_grouped.cuh" // GROUPED_EXPERTS: moe_group_pairs, moe_gate_up_grouped_<type>
-#include "experts_grouped_down.cuh" // GROUPED_DOWN: moe_down_grouped_<type>, moe_down_combine
 #include "attention.cuh"   // norm_rope_head, qk_norm_rope_kv, attn_decode_128
 #include "gated_delta.cuh" // GdnSpec, gdn_conv_step, gdn_delta_step (qwen3next's linear layers)
 #include "next_attention.cuh" // qwen3next's gated attention (256-wide heads) and shared expert

@@ -58,8 +58,7 @@ __device__ void route_after_last_block(const RouteSpec* __restrict__ route, int 
 
 // ---- experts ----------------------------------------------------------------------------------
 // The gate rows and then the up rows of expert rows f0 .. f0 + FF_PER_BLOCK of the expert at
-// `blob` (a row past n_ff repeats the last: its sums are dropped), as moe_gate_up_body and the
-// grouped float path (experts_grouped.cuh) read them.
+// `blob` (a row past n_ff repeats the last: its sums are dropped), as moe_gate_up_body reads them.
 __device__ __forceinline__ void gate_up_rows(const ExpertSpec& sp, const u8* blob, int f0,
                                              const u8* (&rows)[2 * FF_PER_BLOCK]) {
     #pragma unroll

@@ -227,8 +227,7 @@ HOST_DEVICE float k_pair_dot(const uint4& head, int p, const u32 (&lo)[8], const
 }
 
 // Unit u (columns 64u .. 64u + 63) of a Q4_K row: pair u % 4 of super-block u / 4, its low
-// nibbles sub-block 2p and its high nibbles sub-block 2p + 1, with the super-block's head (the
-// grouped gate/up, experts_grouped.cuh, decodes a unit once for several rows' fragments).
+// nibbles sub-block 2p and its high nibbles sub-block 2p + 1, with the super-block's head.
 HOST_DEVICE void q4_k_unit(const u8* __restrict__ row, int u, uint4& head, u32 (&lo)[8],
                            u32 (&hi)[8]) {
     const int sb = u >> 2, p = u & 3;

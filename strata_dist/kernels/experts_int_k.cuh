@@ -5,8 +5,7 @@
 #pragma once
 
 // Unit u of a Q5_K row: Q4_K's pair (nibbles at offset 48 here) with a fifth bit each, from
-// qh[32] at offset 16: bit j of qh byte l for element l of sub-block j (values 0 .. 31); decoded
-// once for several rows' fragments by the grouped gate/up (experts_grouped.cuh)
+// qh[32] at offset 16: bit j of qh byte l for element l of sub-block j (values 0 .. 31).
 HOST_DEVICE void q5_k_unit(const u8* __restrict__ row, int u, uint4& head, u32 (&lo)[8],
                            u32 (&hi)[8]) {
     const int sb = u >> 2, p = u & 3;

@@ -32,9 +32,9 @@ except ImportError:   # the decode graph's launchers need none: backends/graph_o
 
 from ..compute_options import compute_options, fall_back
 from ..kernels import function
-from ..kernels.abi import (BLOCK_THREADS, GROUP_MAX_K, GROUP_THREADS, MAX_GROUP_EXPERTS,
-                           ROWS_TILE_K, ROWS_TILE_M, ROWS_TILE_N, TYPE_NAMES, ExpertLayout,
-                           expert_layout, rows_mma_shared_bytes)
+from ..kernels.abi import (BLOCK_THREADS, MAX_GROUP_EXPERTS, ROWS_TILE_K, ROWS_TILE_M,
+                           ROWS_TILE_N, TYPE_NAMES, ExpertLayout, expert_layout,
+                           rows_mma_shared_bytes)
 from .expert_addresses import Unsupported
 from .guards import MAX_GRID_Y, OPS_THREADS, f32_rows, first_failed
 from .route import route_rows
@@ -367,67 +367,19 @@ def expert_spec(graph, layer: int) -> dict:
                 n_ff=g.n_ff_exp, n_embd=g.n_embd, k=g.n_expert_used)
 
 
-def grouped_gate_up(shape, n: int, k: int) -> bool:
-    """Whether a decode step of n rows takes the grouped gate/up (kernels/experts_grouped.cuh):
-    the build has it (KernelShape grouped_experts) and two or more rows could share an expert (a
-    row's top-k are distinct experts, so one row has nothing to share: today's launch). Every
-    weight type the decode experts read has its grouped build, so no layer falls back for its
-    type; a top-k past GROUP_MAX_K never reaches here (the graph's geometry check refuses it)."""
-    return bool(shape.grouped_experts) and n >= 2 and k <= GROUP_MAX_K
-
-
-def grouped_down(shape, k: int) -> bool:
-    """Whether the decode steps take the grouped down (kernels/experts_grouped_down.cuh): the
-    build has it (KernelShape grouped_down, which needs grouped_experts). Steps of every row
-    count, one row included: its h is not moe_down_<type>'s bits (another summation order), so a
-    row alone must take it too for its tokens not to depend on who else is in the step."""
-    return bool(shape.grouped_down) and k <= GROUP_MAX_K
-
-
 def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
-    """The decode graph's routed experts over n rows: moe_gate_up_<type> (each chosen expert's
-    gate and up rows on `routed`, the router's normed rows, SwiGLU into the graph's act), then
-    moe_down_<type> adding each expert's down rows times its weight into h (the residual). Their
-    grids' blocks over n_ff and n_embd are the kernel shape's (KernelShape gate_up_block /
-    down_block, by the layer's expert types).
-
-    With the grouped build (`grouped_gate_up`) and n >= 2 rows, the gate/up is two launches:
-    moe_group_pairs groups the layer's (row, slot) pairs by expert into the graph's
-    expert_groups (one block, no host sync), then moe_gate_up_grouped_<type> takes a block per
-    (ff chunk, work item of up to expert_group_rows pairs of one expert), reading each weight
-    piece once for the item; each act row is bit-identical to moe_gate_up_<type>'s. The down is
-    not grouped there: moe_down sums a row's k experts as one long row, experts mixed in each
-    lane's accumulator, so an expert's share of h is no separate sum that rows could share without
-    changing the order of a row's float additions.
-
-    With grouped_down too (`grouped_down`; steps of any n, one row included, so the pairs are
-    grouped for n = 1 as well), the down is two launches: moe_down_grouped_<type> writes each
-    pair's own down sum (times its weight) into the graph's down_partial, a block per (down
-    block, work item), each expert's down rows read once for the item's pairs; moe_down_combine
-    adds each row's k partials in slot order to h."""
+    """The decode graph's routed experts over n rows, two launches: moe_gate_up_<type> (each
+    chosen expert's gate and up rows on `routed`, the router's normed rows, SwiGLU into the
+    graph's act), then moe_down_<type> adding each expert's down rows times its weight into h
+    (the residual). Their grids' blocks over n_ff and n_embd are the kernel shape's (KernelShape
+    gate_up_block / down_block, by the layer's expert types)."""
     g, f, shape = graph.g, graph._launch, graph.shape
     gate_up, down = spec["expert_types"]
     gate_codes, down_codes = spec["expert_codes"]
     ff, out = shape.gate_up_block(gate_codes), shape.down_block(down_codes)
-    k = g.n_expert_used
-    if grouped_gate_up(shape, n, k) or grouped_down(shape, k):
-        f("moe_group_pairs")((1,), (GROUP_THREADS,),
-                             (spec["experts"], spec["ids"], np.int32(n), graph.expert_groups))
-    if grouped_gate_up(shape, n, k):
-        f(f"moe_gate_up_grouped_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, n * k),
-                                            (BLOCK_THREADS,),
-                                            (spec["experts"], routed, graph.blobs,
-                                             graph.expert_groups, graph.act))
-    else:
-        f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, k, n), (BLOCK_THREADS,),
-                                    (spec["experts"], routed, graph.blobs, graph.act))
-    if grouped_down(shape, k):
-        f(f"moe_down_grouped_{down}")(((g.n_embd + out - 1) // out, n * k), (BLOCK_THREADS,),
-                                      (spec["experts"], graph.act, graph.blobs, graph.wts,
-                                       graph.expert_groups, graph.down_partial))
-        f("moe_down_combine")((-(-g.n_embd // BLOCK_THREADS), n), (BLOCK_THREADS,),
-                              (spec["experts"], graph.down_partial, h))
-        return
+    f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                (BLOCK_THREADS,),
+                                (spec["experts"], routed, graph.blobs, graph.act))
     f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                           (spec["experts"], graph.act, graph.blobs, graph.wts, h))
 
