@@ -41,7 +41,7 @@ The script exits 1, after writing it, when any stream's tokens differ from its p
         --llama-batched-bench .anchor/llama.cpp/build/bin/llama-batched-bench
     python benchmarks/bench_serve.py --model q30.gguf --gpus 0,0     # two ranks on one card
     python benchmarks/bench_serve.py --model q30.gguf --streams 1,4,16 \
-        --launch-args "--parallel 16" --shape-arm matvec_accs=32
+        --launch-args "--parallel 16" --shape-arm matvec_mma=1
     strata-dist synth tiny.gguf --like tiny --quant q8_0 --popularity zipf:1.0 --quiet
     python benchmarks/bench_serve.py --model tiny.gguf --cpu --streams 1,2 --prompt-tokens 32 --tokens 8
 """

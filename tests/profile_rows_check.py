@@ -8,7 +8,7 @@ What it records beside the printed profile: every kernel each step of the graph 
 count and output kind, captured or eager), and the rows (sessions, positions, ids) that reached
 step_rows and replay_kernel_times. Run as its own process with tests/fake_cupy first on the path
 (tests/test_profile_rows.py does); arguments: N, and optionally a kernel shape
-(STRATA_KERNEL_SHAPE, e.g. matvec_accs=32). Prints one JSON line."""
+(STRATA_KERNEL_SHAPE, e.g. matvec_accs=16). Prints one JSON line."""
 from __future__ import annotations
 
 import contextlib

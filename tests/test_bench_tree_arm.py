@@ -288,7 +288,7 @@ def test_the_tree_arm_builds_its_kernels_beside_this_trees(archived, tmp_path, m
     from tree_arm import OlderTree, cubin_names, device_arch
     tarball, head = archived
     older = _older_tree_with_marker_prebuild(tarball, tmp_path / "older.tar")
-    folder, shape = tmp_path / "cubins", "matvec_accs=32"
+    folder, shape = tmp_path / "cubins", "matvec_accs=16"
     folder.mkdir()
     ours = _this_trees_binaries(folder, "") + _this_trees_binaries(folder, shape)
     monkeypatch.setenv("STRATA_KERNEL_CUBINS", str(folder))

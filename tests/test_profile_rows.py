@@ -23,8 +23,8 @@ MAX_ROWS = 8             # the tiny model's graph takes 8 rows a replay at 128 c
 _ROW = re.compile(r"^  (\S+)\s+(-|[\d.]+ us)\s+(-|[\d.]+ us)\s+(-|[\d.]+x)$")
 
 
-@pytest.fixture(scope="module", params=[("3",), ("10", "matvec_accs=32")],
-                ids=["3 rows", "10 rows, matvec_accs=32"])
+@pytest.fixture(scope="module", params=[("3",), ("10", "matvec_accs=16")],
+                ids=["3 rows", "10 rows, matvec_accs=16"])
 def report(request):
     out = run_check("profile_rows_check.py", *request.param, timeout=300)
     out["n"] = int(request.param[0])
@@ -174,7 +174,7 @@ def test_the_record_holds_what_was_printed(report):
     assert check_record(record, report["record_name"]) == []
     assert record["bench"] == "profile" and record["model"]["popularity"] == "uniform"
     arm, = record["arms"]
-    assert arm["kernel_shape"] == ("matvec_accs=32" if n == 10 else "")
+    assert arm["kernel_shape"] == ("matvec_accs=16" if n == 10 else "")
     rows = arm["rows"]
     assert rows["n"] == n and rows["replays"] == [MAX_ROWS] * (n // MAX_ROWS) + (
         [n % MAX_ROWS] if n % MAX_ROWS else [])

@@ -35,7 +35,7 @@ KERNEL_TYPES = {F32: 16, F16: 16, Q8_0: 2, Q4_K: 16, Q5_K: 16, Q6_K: 2,
 # the suffix of each type's own matvec / expert kernels (FOR_EACH_TYPE): the type's GGML name
 TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
-MATVEC_ACCS = 8                 # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
+MATVEC_ACCS = 32                # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
 MMA_ROWS = 16                   # weight rows of a matvec_mma block (matvec_mma.cuh MMA_ROWS)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)

@@ -40,7 +40,7 @@
 #define DESC_ROW_END (DESC_ROW_TABLE + MAX_ROWS)
 
 #ifndef MATVEC_ACCS
-#define MATVEC_ACCS 8   // the dot sums a matvec thread holds at 2+ activation rows (KernelShape)
+#define MATVEC_ACCS 32  // the dot sums a matvec thread holds at 2+ activation rows (KernelShape)
 #endif
 static_assert(MATVEC_ACCS == 8 || MATVEC_ACCS == 16 || MATVEC_ACCS == 32 || MATVEC_ACCS == 64,
               "MATVEC_ACCS is 8, 16, 32 or 64");
