@@ -30,7 +30,8 @@ import cupy as cp
 import strata_dist.kernels as kernels
 
 _KERNEL = re.compile(r'extern "C" __attribute__\(\(global\)\)\s+void\s+'
-                     r'(?:__attribute__\(\(launch_bounds\([^)]*\)\)\)\s*)?(\w+)\s*\(([^)]*)\)', re.S)
+                     r'(?:__attribute__\(\(launch_bounds\((?:[^()]|\([^()]*\))*\)\)\)\s*)?'
+                     r'(\w+)\s*\(([^)]*)\)', re.S)     # bounds may call a constexpr function
 _SCALARS = {"int": np.int32, "float": np.float32, "long long": np.int64, "i64": np.int64,
             "u64": np.uint64, "unsigned long long": np.uint64, "u32": np.uint32,
             "unsigned int": np.uint32}

@@ -25,7 +25,8 @@ def test_dequantize_matches_gguf(qtype):
 def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False, build=""):
     from strata_dist.backends import cuda_decode as cd
     from strata_dist.ops.linear import Weight
-    from strata_dist.kernels.abi import MAT_SPEC, KernelShape, matvec_kernel, rows_per_block
+    from strata_dist.kernels.abi import (MAT_SPEC, KernelShape, matvec_block_threads,
+                                         matvec_kernel, rows_per_block)
     w = Weight(int(raw.data.ptr), int(qtype), int(raw.nbytes) // shape[0], *shape)
     n = x.shape[0]
     xs = cp.zeros((8, shape[1]), cp.float32)        # the runner's buffers hold 8 rows
@@ -35,7 +36,7 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
     ks = KernelShape.parse(build)
     per_block = rows_per_block(n, wide, ks, int(qtype))
     cd.function("decode.cu", matvec_kernel(int(qtype), n), 0, ks.defines())(
-        ((shape[0] + per_block - 1) // per_block, 1), (ks.matvec_threads,), (
+        ((shape[0] + per_block - 1) // per_block, 1), (matvec_block_threads(ks, int(qtype)),), (
             spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide),
             cd.NULL if norm_w is None else norm_w, np.float32(1e-6),
             cd.NULL if normed is None else normed, cd.NULL))
@@ -44,7 +45,8 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("build", ["", "matvec_threads=128", "matvec_accs=8", "matvec_mma=1"])
+@pytest.mark.parametrize("build", ["", "matvec_threads=128", "matvec_accs=8", "matvec_mma=1",
+                                   "matvec_mma=1,mma_threads=512"])
 def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
     rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)

@@ -31,7 +31,7 @@ from strata_dist.ops.linear import QuantMatrix  # noqa: E402
 from strata_dist.kernels.abi import (BLOCK_THREADS, DESC_TOKENS, DESC_WORDS,  # noqa: E402
                                      EXPERT_SPEC, INT_TYPE_SWITCHES, KERNEL_TYPES, MAT_SPEC,
                                      MAX_ROWS, TYPE_NAMES, ExpertLayout, KernelShape,
-                                     matvec_kernel, rows_per_block)
+                                     matvec_block_threads, matvec_kernel, rows_per_block)
 from type_rows import ALL_TYPES, random_rows  # noqa: E402
 
 N_EMBD, N_FF, N_EXPERT, K = 512, 256, 8, 4
@@ -83,7 +83,7 @@ def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool, build: str = ""):
     ks = KernelShape.parse(build)
     per_block = rows_per_block(n, wide, ks, int(qtype))
     _fn(matvec_kernel(int(qtype), n), ks)(
-        ((shape[0] + per_block - 1) // per_block, 1), (ks.matvec_threads,),
+        ((shape[0] + per_block - 1) // per_block, 1), (matvec_block_threads(ks, int(qtype)),),
         (spec, xs, np.int32(shape[1]), np.int32(n), np.int32(wide), cd.NULL, np.float32(1e-6),
          cd.NULL, cd.NULL))
     return cp.asnumpy(y)
@@ -91,7 +91,7 @@ def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool, build: str = ""):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=ids)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("build", ["", "matvec_mma=1"])     # the types on tensor cores, and not
+@pytest.mark.parametrize("build", ["", "matvec_mma=1", "matvec_mma=1,mma_threads=512"])
 def test_matvec_of_every_type(qtype, n, build):
     rows, cols = 203, 768
     raw, w = random_rows(qtype, rows, cols, 2, synth=True)

@@ -198,7 +198,9 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_ff_per_warp=2,int_down_per_warp=4",
-        "matvec_threads=128", "matvec_accs=64,matvec_mma=1")),
+        "matvec_threads=128", "matvec_accs=64")),
+    # the tensor-core matvec's four paths: 32 or 16 columns a scale, with a min or without
+    ("decode.cu", "matvec_mma=1,mma_threads=512", FEW_TYPES + (Q2_K,)),
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
     # build above reads them in place) staged, and those types on the float path (switches off)
     *(("decode.cu", shape, tuple(dict.fromkeys(FEW_TYPES + INT_TYPES))) for shape in (

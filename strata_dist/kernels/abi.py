@@ -52,8 +52,8 @@ INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_
                      "int_iq4_xs": IQ4_XS, "int_iq3_s": IQ3_S, "int_iq2_xxs": IQ2_XXS}
 # the types matvec_mma puts on tensor cores -> the columns of one scale (matvec_mma.cuh
 # mma_scale_cols; every other type keeps the plain matvec in that build)
-MMA_SCALE_COLS = {**{t: 32 for t in (F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS)},
-                  Q6_K: 16, Q2_K: 16, Q3_K: 16}
+MMA_SCALE_COLS = {**dict.fromkeys((F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+                                    IQ4_XS), 32), Q6_K: 16, Q2_K: 16, Q3_K: 16}
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -86,7 +86,8 @@ class KernelShape:
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
-    plain build's).
+    plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
+    warps of a 16-row tile, for one row's latency; matvec_block_threads).
     A name in REMOVED (a build deleted after it measured slower) is refused by `parse` with why."""
     ff_per_block: int = FF_PER_BLOCK
     down_per_block: int = DOWN_PER_BLOCK
@@ -107,6 +108,7 @@ class KernelShape:
     matvec_threads: int = BLOCK_THREADS
     matvec_accs: int = MATVEC_ACCS
     matvec_mma: int = 0
+    mma_threads: int = BLOCK_THREADS
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -116,7 +118,7 @@ class KernelShape:
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
-              "matvec_mma": "MATVEC_MMA"}
+              "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
                 *INT_TYPE_SWITCHES, "matvec_mma")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
@@ -132,15 +134,15 @@ class KernelShape:
                              "5ecdac4.json); dense matvecs always take the float path",
                "grouped_experts": "removed on 2026-12-06: the decode gate/up grouped by expert "
                                   "(a weight piece read once for several rows) measured slower "
-                                  "(29.6 against 15.9 ms a 16-row step with grouped_down, its "
+                                  "(29.6 against 15.8 ms a 16-row step with grouped_down, its "
                                   "gate/up 8.6 against 5.5 ms; alone 0.97x at 16 streams, "
                                   "docs/BENCHMARKS.md)",
                "grouped_down": "removed on 2026-12-06: the decode down grouped by expert (a sum "
-                               "a pair, then added per row) measured slower (29.6 against 15.9 "
+                               "a pair, then added per row) measured slower (29.6 against 15.8 "
                                "ms a 16-row step, its down 14.4 against 4.6 ms, "
                                "docs/BENCHMARKS.md)",
                "expert_group_rows": "removed on 2026-12-06 with grouped_experts, whose work "
-                                    "items it sized: measured slower (29.6 against 15.9 ms a "
+                                    "items it sized: measured slower (29.6 against 15.8 ms a "
                                     "16-row step, docs/BENCHMARKS.md)"}
 
     def __post_init__(self) -> None:
@@ -155,6 +157,9 @@ class KernelShape:
         if self.matvec_threads not in (128, BLOCK_THREADS):
             raise ValueError(f"kernel shape matvec_threads={self.matvec_threads}: expected 128 or "
                              f"{BLOCK_THREADS}")
+        if self.mma_threads not in (BLOCK_THREADS, 2 * BLOCK_THREADS):
+            raise ValueError(f"kernel shape mma_threads={self.mma_threads}: expected "
+                             f"{BLOCK_THREADS} or {2 * BLOCK_THREADS}")
         if self.matvec_accs not in (8, 16, 32, 64):
             raise ValueError(f"kernel shape matvec_accs={self.matvec_accs}: expected 8, 16, 32 "
                              f"or 64")
@@ -264,6 +269,12 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
+
+
+def matvec_block_threads(shape: KernelShape, ggml_type: int) -> int:
+    """Threads of one block of a dense matvec of this type (decode.cu matvec_block_threads)."""
+    return shape.mma_threads if shape.matvec_mma and ggml_type in MMA_SCALE_COLS else \
+        shape.matvec_threads
 
 
 def matvec_kernel(ggml_type: int, n: int) -> str:

@@ -47,6 +47,9 @@ static_assert(MATVEC_ACCS == 8 || MATVEC_ACCS == 16 || MATVEC_ACCS == 32 || MATV
 #ifndef MATVEC_MMA
 #define MATVEC_MMA 0    // 1: dense matvecs on tensor cores at every row count (matvec_mma.cuh)
 #endif
+#ifndef MMA_THREADS
+#define MMA_THREADS BLOCK_THREADS   // threads of a tensor-core matvec block (256 or 512)
+#endif
 
 // The rows a matvec kernel is built for (n rounded up to 1, 2, 4 or 8) and the weight rows each
 // block takes. One activation row: 8 when `wide` (tall matrices: more loads in flight per thread),
@@ -135,7 +138,7 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
                     int n, int wide, const float* __restrict__ norm_w, float eps,               \
                     float* __restrict__ normed, const RouteSpec* __restrict__ route
 #define MATVEC_KERNEL(name, T, N)                                                               \
-    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS)                                \
+    extern "C" __global__ void __launch_bounds__(matvec_block_threads(T))                       \
     matvec_##name##_##N(MATVEC_ARGS) {                                                          \
         pdl_entry();                                                                            \
         if constexpr (MATVEC_MMA && mma_scale_cols(T) != 0) {                                   \

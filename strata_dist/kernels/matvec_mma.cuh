@@ -7,15 +7,20 @@
 // weights.cuh chunk8_q: w = a q + b). Types whose stored values are not small integers with one
 // scale per 16 or 32 columns (F32, BF16, the i-quants but IQ4_NL / IQ4_XS) keep the plain matvec.
 //
-// Why: at 8 rows the plain matvec's block re-reads all 8 activation rows for each weight row it
-// takes (decode.cu rows_per_block), so a 16-row step's f16 matvecs took 7.5x one row's, though the
-// weights are read once per replay (docs/BENCHMARKS.md, "Serving many streams"). Here a lane reads
-// 16 bytes of two weight rows and 32 bytes of one activation row per 32 columns, and one mma
-// serves all 8 activation rows.
+// Why: the plain matvec's block reads all N activation rows for the matvec_accs / N weight rows
+// it takes (decode.cu rows_per_block), so a 16-row step's matvecs cost several times one row's,
+// though the weights are read once per replay (docs/BENCHMARKS.md, "Serving many streams"). Here
+// a lane reads 16 bytes of two weight rows and 32 bytes of one activation row per 32 columns, and
+// one mma serves all 8 activation rows. Measured: the shortest 16-row step, but a slower one-row
+// decode (BENCHMARKS: fewer threads in flight at one row), hence off by default and mma_threads.
 //
 // Precision: an activation is split into two f16 parts, x = hi + lo (lo = the f16 of x - hi), and
 // each part goes through its own mma into one f32 accumulator, so the products carry ~22 bits of x
-// (a float32's 24), not f16's 11.
+// (a float32's 24) for |x| >= 2^-3 or so, and an absolute error near 2^-25 below (lo is then an f16
+// subnormal). Known limit: |x| >= 65,520 (past f16's range) makes hi infinite and the row's
+// outputs NaN, where the plain matvec stays finite; with the fused norm the split takes the raw
+// residual times norm_w (1 / rms is applied to the sums), so an outlier of a real model's residual
+// stream could reach it. Not to be made the default before that is handled.
 //
 // Batch invariance: every output is summed in one order whatever the step's rows: a tensor-core
 // column's sums do not read the other columns, each warp takes the same columns of the row, and
@@ -39,6 +44,14 @@ HOST_DEVICE constexpr int mma_scale_cols(int T) {
     return (T == T_F16 || T == T_Q8_0 || T == T_Q4_K || T == T_Q5_K || T == T_Q4_0 ||
             T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL || T == T_IQ4_XS) ? 32
          : (T == T_Q6_K || T == T_Q2_K || T == T_Q3_K) ? 16 : 0;
+}
+static_assert(MMA_THREADS == BLOCK_THREADS || MMA_THREADS == 2 * BLOCK_THREADS,
+              "a tensor-core matvec block is BLOCK_THREADS or twice as many threads");
+// Threads of one block of a type's matvec (kernels/abi.py matvec_block_threads): MMA_THREADS
+// where this build takes the type on tensor cores (512: a 16-row tile's K over 16 warps, so a
+// lane decodes as many chunks as a plain matvec thread at one row)
+HOST_DEVICE constexpr int matvec_block_threads(int T) {
+    return MATVEC_MMA && mma_scale_cols(T) != 0 ? MMA_THREADS : MATVEC_THREADS;
 }
 // 32-column steps a warp loads before it multiplies (loads in flight; a quantized step holds its
 // scales beside the values)
@@ -112,7 +125,7 @@ __device__ __forceinline__ void matvec_mma_rows(const MatSpec* __restrict__ spec
                                                 const float* __restrict__ x, int x_stride, int n,
                                                 const float* __restrict__ norm_w, float eps,
                                                 float* __restrict__ normed) {
-    constexpr int W = MATVEC_THREADS / 32, U = mma_unroll(T), G = mma_scale_cols(T);
+    constexpr int W = MMA_THREADS / 32, U = mma_unroll(T), G = mma_scale_cols(T);
     constexpr bool MIN = T != T_F16 && has_min(T);
     static_assert(G == 32 || G == 16, "a tensor-core matvec type has 16 or 32 columns a scale");
     __shared__ float part[W][MMA_ROWS][MAX_ROWS];

@@ -20,7 +20,8 @@ import cupy as cp
 import numpy as np
 
 from ..kernels import function as kernel
-from ..kernels.abi import F16, F32, KERNEL_TYPES, MAT_SPEC, matvec_kernel, rows_per_block
+from ..kernels.abi import (F16, F32, KERNEL_TYPES, MAT_SPEC, matvec_block_threads, matvec_kernel,
+                           rows_per_block)
 from .expert_addresses import Unsupported
 from .tables import spec_array
 
@@ -197,7 +198,8 @@ def graph_matvec(graph, launches, x, x_stride: int, n: int, norm_w=None, eps=np.
         wide = m.rows >= WIDE_MIN_ROWS
         per_block = rows_per_block(n, wide, graph.shape, m.type)
         graph._launch(matvec_kernel(m.type, n))(
-            ((m.rows + per_block - 1) // per_block, m.count), (graph.shape.matvec_threads,),
+            ((m.rows + per_block - 1) // per_block, m.count),
+            (matvec_block_threads(graph.shape, m.type),),
             (m.specs, x, np.int32(x_stride), np.int32(n), np.int32(wide),
              NULL if norm_w is None else norm_w, eps, NULL if normed is None else normed,
              NULL if route is None else route))
