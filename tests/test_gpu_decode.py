@@ -46,7 +46,7 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("build", ["", "matvec_threads=128", "matvec_accs=8", "matvec_mma=1",
-                                   "matvec_mma=1,mma_threads=512"])
+                                   "matvec_mma=1,mma_threads=512", "matvec_pieces=1"])
 def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
     rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)

@@ -37,6 +37,7 @@ TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 MATVEC_ACCS = 32                # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
 MMA_ROWS = 16                   # weight rows of a matvec_mma block (matvec_mma.cuh MMA_ROWS)
+PIECE_ROWS = 2                  # weight rows of a warp of matvec_pieces (matvec_pieces.cuh)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
@@ -84,7 +85,9 @@ class KernelShape:
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
-    `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
+    `matvec_pieces` (default 0) gives the Q4_K dense matvecs a warp PIECE_ROWS weight rows, a
+    lane 16 bytes (32 weights) at a time (kernels/matvec_pieces.cuh; other bits than the plain
+    build's; not with matvec_mma). `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
     warps of a 16-row tile, for one row's latency; matvec_block_threads).
@@ -109,6 +112,7 @@ class KernelShape:
     matvec_accs: int = MATVEC_ACCS
     matvec_mma: int = 0
     mma_threads: int = BLOCK_THREADS
+    matvec_pieces: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -118,9 +122,10 @@ class KernelShape:
               "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
-              "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS"}
+              "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
+              "matvec_pieces": "MATVEC_PIECES"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "matvec_mma")
+                *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -166,6 +171,9 @@ class KernelShape:
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
+        if self.matvec_mma and self.matvec_pieces:
+            raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
+                             f"{self.matvec_pieces}: both take the Q4_K matvec; pick one")
         # a block the integer path cannot take runs the float body over its range, a float
         # block at a time: the ranges must tile (moe_down adds into h)
         for on, per_warp, per_block in (("int_gate_up", "int_ff_per_warp", "ff_per_block"),
@@ -265,9 +273,12 @@ def padded_rows(n: int) -> int:
 def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
                    ggml_type: int | None = None) -> int:
     """Weight rows one block of a matvec takes (rows_per_block in decode.cu; MMA_ROWS where
-    the shape puts the type on tensor cores)."""
+    the shape puts the type on tensor cores; PIECE_ROWS a warp where it takes the type in
+    pieces)."""
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
+    if shape.matvec_pieces and ggml_type == Q4_K:
+        return PIECE_ROWS * (shape.matvec_threads // 32)
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 
 

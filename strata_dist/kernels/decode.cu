@@ -132,6 +132,7 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
 }
 
 #include "matvec_mma.cuh"  // MATVEC_MMA: the dense matvec on tensor cores (matvec_mma_rows)
+#include "matvec_pieces.cuh"  // MATVEC_PIECES: the Q4_K matvec a warp's rows in 16-byte pieces
 
 // route: null, or the router's RouteSpec (its top-k runs after the last block)
 #define MATVEC_ARGS const MatSpec* __restrict__ specs, const float* __restrict__ x, int x_stride, \
@@ -146,6 +147,8 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
                 matvec_mma_rows<T, false>(specs, x, x_stride, n, norm_w, eps, normed);          \
             else                                                                                \
                 matvec_mma_rows<T, true>(specs, x, x_stride, n, norm_w, eps, normed);           \
+        } else if constexpr (MATVEC_PIECES && piece_type(T)) {                                  \
+            matvec_pieces_rows<N>(specs, x, x_stride, n, norm_w, eps, normed);                  \
         } else if (rows_per_block(N, wide) == rows_per_block(N, 1))                             \
             matvec_rows<T, N, rows_per_block(N, 1)>(specs, x, x_stride, n, norm_w, eps, normed); \
         else                                                                                    \

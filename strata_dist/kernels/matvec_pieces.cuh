@@ -1,0 +1,159 @@
+// The Q4_K dense matvec in whole 16-byte pieces (KernelShape matvec_pieces): a warp takes
+// PIECE_ROWS weight rows; a lane takes one piece of a super-block at a time, the 16 bytes of
+// nibbles that hold 16 columns of sub-block 2jj (low nibbles) and the same 16 columns of sub-block
+// 2jj + 1 (high nibbles), 32 weights, with one 16-byte load, and the piece's 32 activations are
+// read once for the warp's weight rows. No block reduction and no barrier: each warp's xor tree
+// gives its rows' sums.
+//
+// Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
+// loaded for the 4 it uses, and its block reduces over 256 threads with two barriers; at one row
+// the Q4_K o projection ran at ~10% of the card's DRAM throughput (docs/BENCHMARKS.md).
+//
+// Batch invariance: an output's sum is the lane's pieces in order (each piece's two 16-column
+// dots, then its scale and min terms), then the warp's xor tree, for any number of activation
+// rows; so a row's bits are the same alone and among others. They are not the plain matvec's
+// (another order), so the build decides (matvec_pieces), never the row count.
+#pragma once
+
+#ifndef MATVEC_PIECES
+#define MATVEC_PIECES 0
+#endif
+#define PIECE_ROWS 2         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
+
+HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K; }
+
+// One piece of a Q4_K super-block: its scale and min for each of its two 16-column runs (lo: the
+// low nibbles, columns 64 jj + 16 h + 0..15 of the block; hi: 32 columns on) and its 16 bytes
+struct Q4KPiece {
+    float scale_lo, min_lo, scale_hi, min_hi;
+    u32 q[4];
+};
+
+// piece p (0..7: jj = p / 2, h = p % 2) of the super-block whose first 16 bytes are `head`
+HOST_DEVICE Q4KPiece q4k_piece(uint4 head, uint4 q, int p) {
+    const int jj = p >> 1;
+    int s0, m0, s1, m1;
+    k_scale_min(head.y, head.z, head.w, 2 * jj, s0, m0);
+    k_scale_min(head.y, head.z, head.w, 2 * jj + 1, s1, m1);
+    const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
+    return {d * small_int_to_float<0>(s0), -(dmin * small_int_to_float<0>(m0)),
+            d * small_int_to_float<0>(s1), -(dmin * small_int_to_float<0>(m1)),
+            {q.x, q.y, q.z, q.w}};
+}
+
+// The first column of piece p's low run within its super-block (its high run: 32 on)
+HOST_DEVICE int piece_col(int p) { return 64 * (p >> 1) + 16 * (p & 1); }
+
+HOST_DEVICE float sum16(const float* v) {
+    float s = v[0];
+    #pragma unroll
+    for (int k = 1; k < 16; ++k) s += v[k];
+    return s;
+}
+
+// acc + the piece . (lo, hi): lo / hi the 16 activations of its two runs, slo / shi their sums
+HOST_DEVICE float q4k_piece_dot(const Q4KPiece& w, const float* lo, const float* hi, float slo,
+                                float shi, float acc) {
+    float dlo = 0.f, dhi = 0.f;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dlo = fmaf(small_int_to_float<0>((w.q[k] >> (8 * e)) & 0xF), lo[4 * k + e], dlo);
+            dhi = fmaf(small_int_to_float<0>((w.q[k] >> (8 * e + 4)) & 0xF), hi[4 * k + e], dhi);
+        }
+    }
+    acc = fmaf(w.scale_lo, dlo, acc);
+    acc = fmaf(w.min_lo, slo, acc);
+    acc = fmaf(w.scale_hi, dhi, acc);
+    return fmaf(w.min_hi, shi, acc);
+}
+
+__device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
+    load8(p, v);
+    load8(p + 8, v + 8);
+}
+
+// matvec_rows' contract (decode.cu) for a Q4_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
+// n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
+// Warp w of block b takes rows (b * warps + w) * PIECE_ROWS ..; lane l the pieces l, l + 32, ...
+// of the row, in column order. A fused norm's sum of squares is taken by every warp over the
+// whole row in the same pass (the same order everywhere, so every warp's scale is the same).
+template <int N>
+__device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ specs,
+                                                   const float* __restrict__ x, int x_stride,
+                                                   int n, const float* __restrict__ norm_w,
+                                                   float eps, float* __restrict__ normed) {
+    __shared__ float inv_shared[MAX_ROWS];
+    const MatSpec s = specs[blockIdx.y];
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if ((int)blockIdx.x * warps * PIECE_ROWS >= s.nrows) return;     // the whole block: uniform
+    const int o0 = (blockIdx.x * warps + warp) * PIECE_ROWS;
+    const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
+    const u8* rows[PIECE_ROWS];
+    #pragma unroll
+    for (int r = 0; r < PIECE_ROWS; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
+    float acc[PIECE_ROWS][N], ss[N];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        ss[i] = 0.f;
+        #pragma unroll
+        for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
+    }
+    for (int t = lane; t < pieces; t += 32) {
+        const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col(p);
+        Q4KPiece w[PIECE_ROWS];
+        #pragma unroll
+        for (int r = 0; r < PIECE_ROWS; ++r) {
+            const u8* blk = rows[r] + (i64)sb * 144;
+            w[r] = q4k_piece(__ldg(reinterpret_cast<const uint4*>(blk)),
+                             __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * p)), p);
+        }
+        float nw_lo[16], nw_hi[16];
+        if (norm_w != nullptr) {
+            load16(norm_w + col, nw_lo);
+            load16(norm_w + col + 32, nw_hi);
+        }
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            float lo[16], hi[16];
+            load16(x + (i64)i * x_stride + col, lo);
+            load16(x + (i64)i * x_stride + col + 32, hi);
+            if (norm_w != nullptr) {
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) ss[i] = fmaf(lo[k], lo[k], ss[i]);
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) ss[i] = fmaf(hi[k], hi[k], ss[i]);
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) { lo[k] *= nw_lo[k]; hi[k] *= nw_hi[k]; }
+            }
+            const float slo = sum16(lo), shi = sum16(hi);
+            #pragma unroll
+            for (int r = 0; r < PIECE_ROWS; ++r)
+                acc[r][i] = q4k_piece_dot(w[r], lo, hi, slo, shi, acc[r][i]);
+        }
+    }
+    float inv[N];
+    #pragma unroll
+    for (int i = 0; i < N; ++i)
+        inv[i] = norm_w != nullptr ? rsqrtf(warp_sum(ss[i]) / (float)s.ncols + eps) : 1.f;
+    #pragma unroll
+    for (int r = 0; r < PIECE_ROWS; ++r) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const float v = warp_sum(acc[r][i]);
+            if (lane == 0 && i < n && o0 + r < s.nrows) {
+                const i64 at = (i64)i * s.y_stride + o0 + r;
+                s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + (norm_w != nullptr ? v * inv[i] : v);
+            }
+        }
+    }
+    if (normed != nullptr && norm_w != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
+        if (threadIdx.x == 0) {                    // warp 0 of block 0 always holds rows
+            #pragma unroll
+            for (int i = 0; i < N; ++i) inv_shared[i] = inv[i];
+        }
+        __syncthreads();                           // block (0, 0) alone: uniform there
+        write_normed(normed, x, x_stride, n, s.ncols, inv_shared, norm_w);
+    }
+}
