@@ -93,6 +93,12 @@ __device__ __forceinline__ void write_normed(float* __restrict__ normed,
     }
 }
 
+// y[i, o] = add[i, o] + v: a matvec's output of row i, weight row o (every matvec kernel's store)
+__device__ __forceinline__ void store_output(const MatSpec& s, int i, int o, float v) {
+    const i64 at = (i64)i * s.y_stride + o;
+    s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
+}
+
 // y[i, o] = add[i, o] + sum_c W[o, c] * xn[i, c], with xn = rms_norm(x) * norm_w when norm_w is
 // given (else x), for the n <= N rows of x (buffers hold MAX_ROWS rows, so rows n..N-1 are read
 // and dropped). A block takes R consecutive rows o. Block (0, 0) also writes xn to `normed`.
@@ -124,9 +130,8 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
     if (threadIdx.x < R * N) {
         const int r = threadIdx.x / N, i = threadIdx.x - r * N;
         if (i < n && o0 + r < s.nrows) {
-            const float v = norm_w != nullptr ? sums[threadIdx.x] * inv[i] : sums[threadIdx.x];
-            const i64 at = (i64)i * s.y_stride + o0 + r;
-            s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
+            store_output(s, i, o0 + r, norm_w != nullptr ? sums[threadIdx.x] * inv[i]
+                                                          : sums[threadIdx.x]);
         }
     }
 }

@@ -240,8 +240,7 @@ __device__ __forceinline__ void matvec_mma_rows(const MatSpec* __restrict__ spec
             float v = 0.f;
             for (int w = 0; w < W; ++w) v += part[w][r][i];
             if (NORM) v *= inv[i];
-            const i64 at = (i64)i * s.y_stride + o0 + r;
-            s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + v;
+            store_output(s, i, o0 + r, v);
         }
     }
 }

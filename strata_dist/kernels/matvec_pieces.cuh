@@ -142,10 +142,8 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             const float v = warp_sum(acc[r][i]);
-            if (lane == 0 && i < n && o0 + r < s.nrows) {
-                const i64 at = (i64)i * s.y_stride + o0 + r;
-                s.y[at] = (s.add != nullptr ? s.add[at] : 0.f) + (norm_w != nullptr ? v * inv[i] : v);
-            }
+            if (lane == 0 && i < n && o0 + r < s.nrows)
+                store_output(s, i, o0 + r, norm_w != nullptr ? v * inv[i] : v);
         }
     }
     if (normed != nullptr && norm_w != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
