@@ -68,7 +68,7 @@ def test_q4_k_pieces_match_gguf_on_the_host(tmp_path):
     main.write_text('#include <cstdio>\n#include <cstring>\n#include <vector>\n'
                     f'#include "{KERNEL_DIR / "decode.cu"}"\n' + HARNESS)
     exe = tmp_path / "pieces"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17",
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
                            *KernelShape.parse("matvec_pieces=1").defines(),
                            few_types_option(tmp_path, (Q4_K,)), "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)

@@ -37,7 +37,8 @@ TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 MATVEC_ACCS = 32                # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
 MMA_ROWS = 16                   # weight rows of a matvec_mma block (matvec_mma.cuh MMA_ROWS)
-PIECE_ROWS = 2                  # weight rows of a warp of matvec_pieces (matvec_pieces.cuh)
+PIECE_ROWS = 4                  # weight rows of a warp of matvec_pieces (matvec_pieces.cuh)
+PIECE_THREADS = 128             # threads of a matvec_pieces block (matvec_pieces.cuh)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
@@ -85,8 +86,8 @@ class KernelShape:
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
-    `matvec_pieces` (default 0) gives the Q4_K dense matvecs a warp PIECE_ROWS weight rows, a
-    lane 16 bytes (32 weights) at a time (kernels/matvec_pieces.cuh; other bits than the plain
+    `matvec_pieces` (default 0) gives the Q4_K dense matvecs a warp PIECE_ROWS weight rows and a
+    block PIECE_THREADS threads, a lane 16 bytes (32 weights) at a time (kernels/matvec_pieces.cuh; other bits than the plain
     build's; not with matvec_mma). `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -278,14 +279,15 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
     if shape.matvec_pieces and ggml_type == Q4_K:
-        return PIECE_ROWS * (shape.matvec_threads // 32)
+        return PIECE_ROWS * (PIECE_THREADS // 32)
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 
 
 def matvec_block_threads(shape: KernelShape, ggml_type: int) -> int:
     """Threads of one block of a dense matvec of this type (decode.cu matvec_block_threads)."""
-    return shape.mma_threads if shape.matvec_mma and ggml_type in MMA_SCALE_COLS else \
-        shape.matvec_threads
+    if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
+        return shape.mma_threads
+    return PIECE_THREADS if shape.matvec_pieces and ggml_type == Q4_K else shape.matvec_threads
 
 
 def matvec_kernel(ggml_type: int, n: int) -> str:

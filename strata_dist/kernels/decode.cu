@@ -139,6 +139,15 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
 #include "matvec_mma.cuh"  // MATVEC_MMA: the dense matvec on tensor cores (matvec_mma_rows)
 #include "matvec_pieces.cuh"  // MATVEC_PIECES: the Q4_K matvec a warp's rows in 16-byte pieces
 
+// Threads of one block of a type's matvec (kernels/abi.py matvec_block_threads): MMA_THREADS
+// where this build takes the type on tensor cores (512: a 16-row tile's K over 16 warps, so a
+// lane decodes as many chunks as a plain matvec thread at one row), PIECE_THREADS where it takes
+// it in pieces
+HOST_DEVICE constexpr int matvec_block_threads(int T) {
+    return MATVEC_MMA && mma_scale_cols(T) != 0 ? MMA_THREADS
+         : MATVEC_PIECES && piece_type(T) ? PIECE_THREADS : MATVEC_THREADS;
+}
+
 // route: null, or the router's RouteSpec (its top-k runs after the last block)
 #define MATVEC_ARGS const MatSpec* __restrict__ specs, const float* __restrict__ x, int x_stride, \
                     int n, int wide, const float* __restrict__ norm_w, float eps,               \

@@ -47,12 +47,6 @@ HOST_DEVICE constexpr int mma_scale_cols(int T) {
 }
 static_assert(MMA_THREADS == BLOCK_THREADS || MMA_THREADS == 2 * BLOCK_THREADS,
               "a tensor-core matvec block is BLOCK_THREADS or twice as many threads");
-// Threads of one block of a type's matvec (kernels/abi.py matvec_block_threads): MMA_THREADS
-// where this build takes the type on tensor cores (512: a 16-row tile's K over 16 warps, so a
-// lane decodes as many chunks as a plain matvec thread at one row)
-HOST_DEVICE constexpr int matvec_block_threads(int T) {
-    return MATVEC_MMA && mma_scale_cols(T) != 0 ? MMA_THREADS : MATVEC_THREADS;
-}
 // 32-column steps a warp loads before it multiplies (loads in flight; a quantized step holds its
 // scales beside the values)
 HOST_DEVICE constexpr int mma_unroll(int T) { return T == T_F16 ? 8 : 4; }

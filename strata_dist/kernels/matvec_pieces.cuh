@@ -1,5 +1,5 @@
 // The Q4_K dense matvec in whole 16-byte pieces (KernelShape matvec_pieces): a warp takes
-// PIECE_ROWS weight rows; a lane takes one piece of a super-block at a time, the 16 bytes of
+// PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps; a lane takes one piece of a super-block at a time, the 16 bytes of
 // nibbles that hold 16 columns of sub-block 2jj (low nibbles) and the same 16 columns of sub-block
 // 2jj + 1 (high nibbles), 32 weights, with one 16-byte load, and the piece's 32 activations are
 // read once for the warp's weight rows. No block reduction and no barrier: each warp's xor tree
@@ -18,7 +18,8 @@
 #ifndef MATVEC_PIECES
 #define MATVEC_PIECES 0
 #endif
-#define PIECE_ROWS 2         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
+#define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
+#define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
 
 HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K; }
 
@@ -109,11 +110,6 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             w[r] = q4k_piece(__ldg(reinterpret_cast<const uint4*>(blk)),
                              __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * p)), p);
         }
-        float nw_lo[16], nw_hi[16];
-        if (norm_w != nullptr) {
-            load16(norm_w + col, nw_lo);
-            load16(norm_w + col + 32, nw_hi);
-        }
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
@@ -124,8 +120,15 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
                 for (int k = 0; k < 16; ++k) ss[i] = fmaf(lo[k], lo[k], ss[i]);
                 #pragma unroll
                 for (int k = 0; k < 16; ++k) ss[i] = fmaf(hi[k], hi[k], ss[i]);
+                // the norm weights read again for each row (from L1) rather than held: 32
+                // registers fewer, which an 8-row build needs to stay out of local memory
+                float nw[16];
+                load16(norm_w + col, nw);
                 #pragma unroll
-                for (int k = 0; k < 16; ++k) { lo[k] *= nw_lo[k]; hi[k] *= nw_hi[k]; }
+                for (int k = 0; k < 16; ++k) lo[k] *= nw[k];
+                load16(norm_w + col + 32, nw);
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) hi[k] *= nw[k];
             }
             const float slo = sum16(lo), shi = sum16(hi);
             #pragma unroll
