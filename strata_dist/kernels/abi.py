@@ -87,8 +87,9 @@ class KernelShape:
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
     `matvec_pieces` (default 0) gives the Q4_K dense matvecs a warp PIECE_ROWS weight rows and a
-    block PIECE_THREADS threads, a lane 16 bytes (32 weights) at a time (kernels/matvec_pieces.cuh; other bits than the plain
-    build's; not with matvec_mma). `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
+    block PIECE_THREADS threads, a lane 16 bytes (32 weights) at a time
+    (kernels/matvec_pieces.cuh; other bits than the plain build's; not with matvec_mma).
+    `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
     warps of a 16-row tile, for one row's latency; matvec_block_threads).

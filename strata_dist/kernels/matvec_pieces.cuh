@@ -1,9 +1,9 @@
 // The Q4_K dense matvec in whole 16-byte pieces (KernelShape matvec_pieces): a warp takes
-// PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps; a lane takes one piece of a super-block at a time, the 16 bytes of
-// nibbles that hold 16 columns of sub-block 2jj (low nibbles) and the same 16 columns of sub-block
-// 2jj + 1 (high nibbles), 32 weights, with one 16-byte load, and the piece's 32 activations are
-// read once for the warp's weight rows. No block reduction and no barrier: each warp's xor tree
-// gives its rows' sums.
+// PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane takes one piece of a
+// super-block at a time, the 16 bytes of nibbles that hold 16 columns of sub-block 2jj (low
+// nibbles) and the same 16 columns of sub-block 2jj + 1 (high nibbles): 32 weights, one 16-byte
+// load; it reads the piece's 32 activations of each row once for the warp's weight rows. No block
+// reduction and no barrier: each warp's xor tree gives its rows' sums.
 //
 // Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
 // loaded for the 4 it uses, and its block reduces over 256 threads with two barriers; at one row
@@ -93,7 +93,8 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
     const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
     const u8* rows[PIECE_ROWS];
     #pragma unroll
-    for (int r = 0; r < PIECE_ROWS; ++r) rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
+    for (int r = 0; r < PIECE_ROWS; ++r)
+        rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
     float acc[PIECE_ROWS][N], ss[N];
     #pragma unroll
     for (int i = 0; i < N; ++i) {
