@@ -1,7 +1,7 @@
-"""The Q4_K matvec in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape matvec_pieces) built
-for the host with nvcc: a row's dot product in the kernel's order (lane l the pieces l, l + 32,
-... through q4k_piece and q4k_piece_dot, then the warp's xor tree) against gguf-py's decoding in
-float64, and the build with the switch compiles for the GPU. The GPU launches themselves are
+"""The Q4_K and Q5_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
+matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l the
+pieces l, l + 32, ... through k_piece and k_piece_dot, then the warp's xor tree) against gguf-py's
+decoding in float64, and the build with the switch compiles for the GPU. The GPU launches themselves are
 tests/test_gpu_decode.py's. Skips where nvcc is not installed."""
 import subprocess
 
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from strata_dist.kernels import KERNEL_DIR
-from strata_dist.kernels.abi import Q4_K, KernelShape
+from strata_dist.kernels.abi import PIECE_TYPES, KernelShape
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
 HARNESS = r"""
 // one row's dot product as a warp of matvec_pieces_rows sums it
+template <int T>
 static float pieces_row_dot(const unsigned char* row, const float* x, int ncols) {
     float lane_acc[32];
     const int pieces = (ncols >> 8) * 8;
@@ -21,12 +22,9 @@ static float pieces_row_dot(const unsigned char* row, const float* x, int ncols)
         float acc = 0.f;
         for (int t = lane; t < pieces; t += 32) {
             const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col(p);
-            const unsigned char* blk = row + (long long)sb * 144;
-            uint4 head, q;
-            memcpy(&head, blk, 16);
-            memcpy(&q, blk + 16 + 16 * p, 16);
-            const Q4KPiece w = q4k_piece(head, q, p);
-            acc = q4k_piece_dot(w, x + col, x + col + 32, sum16(x + col), sum16(x + col + 32), acc);
+            const KPiece<T> w = k_piece<T>(row + (long long)sb * block_bytes(T), p);
+            acc = k_piece_dot<T>(w, x + col, x + col + 32, sum16(x + col), sum16(x + col + 32),
+                                 acc);
         }
         lane_acc[lane] = acc;
     }
@@ -41,14 +39,18 @@ static float pieces_row_dot(const unsigned char* row, const float* x, int ncols)
 int main(int argc, char** argv) {
     FILE* in = fopen(argv[1], "rb");
     FILE* out = fopen(argv[2], "wb");
-    long long head[3];                      // row bytes, columns, rows
+    long long head[4];                      // type, row bytes, columns, rows
     if (fread(head, sizeof head, 1, in) != 1) return 1;
+    const int type = (int)head[0];
+    head[0] = head[1]; head[1] = head[2]; head[2] = head[3];
     std::vector<float> x(head[1]);
     std::vector<unsigned char> raw(head[0] * head[2]);
     if (fread(x.data(), sizeof(float), x.size(), in) != x.size()) return 1;
     if (fread(raw.data(), 1, raw.size(), in) != raw.size()) return 1;
     for (long long r = 0; r < head[2]; ++r) {
-        const float v = pieces_row_dot(raw.data() + r * head[0], x.data(), (int)head[1]);
+        const unsigned char* row = raw.data() + r * head[0];
+        const float v = type == T_Q5_K ? pieces_row_dot<T_Q5_K>(row, x.data(), (int)head[1])
+                                       : pieces_row_dot<T_Q4_K>(row, x.data(), (int)head[1]);
         fwrite(&v, sizeof(float), 1, out);
     }
     return 0;
@@ -57,8 +59,9 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-def test_q4_k_pieces_match_gguf_on_the_host(tmp_path):
-    """Random Q4_K rows (every 6-bit scale and min, both nibbles, d and dmin varied) of 768 and
+def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
+    """Random Q4_K and Q5_K rows (every 6-bit scale and min, both nibbles, every fifth bit, d and
+    dmin varied) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
     decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""
@@ -70,22 +73,25 @@ def test_q4_k_pieces_match_gguf_on_the_host(tmp_path):
     exe = tmp_path / "pieces"
     done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
                            *KernelShape.parse("matvec_pieces=1").defines(),
-                           few_types_option(tmp_path, (Q4_K,)), "-o", str(exe), str(main)],
+                           few_types_option(tmp_path, PIECE_TYPES), "-o", str(exe), str(main)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rng = np.random.default_rng(5)
-    for ncols in (768, 4096):
-        raw, ref = random_rows(QT.Q4_K, 24, ncols, ncols)
-        x = rng.standard_normal(ncols).astype(np.float32)
-        x[100] = 30.0                                       # a spike, as residual streams have
-        data = tmp_path / "in.bin"
-        data.write_bytes(np.array([raw.shape[1], ncols, raw.shape[0]], np.int64).tobytes()
-                         + x.tobytes() + raw.tobytes())
-        subprocess.run([str(exe), str(data), str(tmp_path / "out.bin")], check=True, timeout=60)
-        got = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
-        want = ref.astype(np.float64) @ x.astype(np.float64)
-        bound = 1e-5 * (np.abs(ref).astype(np.float64) @ np.abs(x.astype(np.float64)))
-        assert (np.abs(got - want) <= bound).all(), float((np.abs(got - want) / bound).max())
+    for qtype in (QT(t) for t in PIECE_TYPES):
+        for ncols in (768, 4096):
+            raw, ref = random_rows(qtype, 24, ncols, ncols + int(qtype))
+            x = rng.standard_normal(ncols).astype(np.float32)
+            x[100] = 30.0                                   # a spike, as residual streams have
+            data = tmp_path / "in.bin"
+            data.write_bytes(np.array([int(qtype), raw.shape[1], ncols, raw.shape[0]], np.int64)
+                             .tobytes() + x.tobytes() + raw.tobytes())
+            subprocess.run([str(exe), str(data), str(tmp_path / "out.bin")], check=True,
+                           timeout=60)
+            got = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+            want = ref.astype(np.float64) @ x.astype(np.float64)
+            bound = 1e-5 * (np.abs(ref).astype(np.float64) @ np.abs(x.astype(np.float64)))
+            err = np.abs(got - want)
+            assert (err <= bound).all(), (qtype.name, ncols, float((err / bound).max()))
 
 
 def test_pieces_and_tensor_cores_are_refused_together():

@@ -56,6 +56,7 @@ INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_
 # mma_scale_cols; every other type keeps the plain matvec in that build)
 MMA_SCALE_COLS = {**dict.fromkeys((F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
                                     IQ4_XS), 32), Q6_K: 16, Q2_K: 16, Q3_K: 16}
+PIECE_TYPES = (Q4_K, Q5_K)      # the types matvec_pieces takes (matvec_pieces.cuh piece_type)
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -86,7 +87,7 @@ class KernelShape:
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
-    `matvec_pieces` (default 0) gives the Q4_K dense matvecs a warp PIECE_ROWS weight rows and a
+    `matvec_pieces` (default 0) gives the Q4_K and Q5_K dense matvecs a warp PIECE_ROWS weight rows and a
     block PIECE_THREADS threads, a lane 16 bytes (32 weights) at a time
     (kernels/matvec_pieces.cuh; other bits than the plain build's; not with matvec_mma).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
@@ -279,7 +280,7 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
     pieces)."""
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
-    if shape.matvec_pieces and ggml_type == Q4_K:
+    if shape.matvec_pieces and ggml_type in PIECE_TYPES:
         return PIECE_ROWS * (PIECE_THREADS // 32)
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 
@@ -288,7 +289,8 @@ def matvec_block_threads(shape: KernelShape, ggml_type: int) -> int:
     """Threads of one block of a dense matvec of this type (decode.cu matvec_block_threads)."""
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return shape.mma_threads
-    return PIECE_THREADS if shape.matvec_pieces and ggml_type == Q4_K else shape.matvec_threads
+    return PIECE_THREADS if shape.matvec_pieces and ggml_type in PIECE_TYPES else \
+        shape.matvec_threads
 
 
 def matvec_kernel(ggml_type: int, n: int) -> str:

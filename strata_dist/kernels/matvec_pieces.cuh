@@ -1,4 +1,4 @@
-// The Q4_K dense matvec in whole 16-byte pieces (KernelShape matvec_pieces): a warp takes
+// The Q4_K and Q5_K dense matvecs in whole 16-byte pieces (KernelShape matvec_pieces): a warp takes
 // PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane takes one piece of a
 // super-block at a time, the 16 bytes of nibbles that hold 16 columns of sub-block 2jj (low
 // nibbles) and the same 16 columns of sub-block 2jj + 1 (high nibbles): 32 weights, one 16-byte
@@ -21,25 +21,43 @@
 #define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
 
-HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K; }
+// Q4_K, and Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes
+// for column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load)
+HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K || T == T_Q5_K; }
 
-// One piece of a Q4_K super-block: its scale and min for each of its two 16-column runs (lo: the
-// low nibbles, columns 64 jj + 16 h + 0..15 of the block; hi: 32 columns on) and its 16 bytes
-struct Q4KPiece {
+// One piece of a super-block: its scale and min for each of its two 16-column runs (lo: the low
+// nibbles, columns 64 jj + 16 h + 0..15 of the block; hi: 32 columns on), its 16 bytes of nibbles
+// and (Q5_K) its 16 bytes of fifth bits, of which bits 2 jj (lo) and 2 jj + 1 (hi) are its own
+template <int T>
+struct KPiece {
     float scale_lo, min_lo, scale_hi, min_hi;
     u32 q[4];
+    u32 h[T == T_Q5_K ? 4 : 1];
+    int hshift;
 };
 
-// piece p (0..7: jj = p / 2, h = p % 2) of the super-block whose first 16 bytes are `head`
-HOST_DEVICE Q4KPiece q4k_piece(uint4 head, uint4 q, int p) {
+// piece p (0..7: jj = p / 2, h = p % 2) of the super-block at `blk`
+template <int T>
+HOST_DEVICE KPiece<T> k_piece(const u8* __restrict__ blk, int p) {
     const int jj = p >> 1;
+    const uint4 head = ldw<true>(reinterpret_cast<const uint4*>(blk));
+    const uint4 q = ldw<true>(reinterpret_cast<const uint4*>(blk + (T == T_Q5_K ? 48 : 16) + 16 * p));
     int s0, m0, s1, m1;
     k_scale_min(head.y, head.z, head.w, 2 * jj, s0, m0);
     k_scale_min(head.y, head.z, head.w, 2 * jj + 1, s1, m1);
     const float d = h2f((u16)(head.x & 0xFFFF)), dmin = h2f((u16)(head.x >> 16));
-    return {d * small_int_to_float<0>(s0), -(dmin * small_int_to_float<0>(m0)),
-            d * small_int_to_float<0>(s1), -(dmin * small_int_to_float<0>(m1)),
-            {q.x, q.y, q.z, q.w}};
+    KPiece<T> w;
+    w.scale_lo = d * small_int_to_float<0>(s0);
+    w.min_lo = -(dmin * small_int_to_float<0>(m0));
+    w.scale_hi = d * small_int_to_float<0>(s1);
+    w.min_hi = -(dmin * small_int_to_float<0>(m1));
+    w.q[0] = q.x; w.q[1] = q.y; w.q[2] = q.z; w.q[3] = q.w;
+    w.hshift = 2 * jj;
+    if constexpr (T == T_Q5_K) {
+        const uint4 h = ldw<true>(reinterpret_cast<const uint4*>(blk + 16 + 16 * (p & 1)));
+        w.h[0] = h.x; w.h[1] = h.y; w.h[2] = h.z; w.h[3] = h.w;
+    }
+    return w;
 }
 
 // The first column of piece p's low run within its super-block (its high run: 32 on)
@@ -53,15 +71,22 @@ HOST_DEVICE float sum16(const float* v) {
 }
 
 // acc + the piece . (lo, hi): lo / hi the 16 activations of its two runs, slo / shi their sums
-HOST_DEVICE float q4k_piece_dot(const Q4KPiece& w, const float* lo, const float* hi, float slo,
-                                float shi, float acc) {
+template <int T>
+HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* hi, float slo,
+                              float shi, float acc) {
     float dlo = 0.f, dhi = 0.f;
     #pragma unroll
     for (int k = 0; k < 4; ++k) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            dlo = fmaf(small_int_to_float<0>((w.q[k] >> (8 * e)) & 0xF), lo[4 * k + e], dlo);
-            dhi = fmaf(small_int_to_float<0>((w.q[k] >> (8 * e + 4)) & 0xF), hi[4 * k + e], dhi);
+            u32 vlo = (w.q[k] >> (8 * e)) & 0xF, vhi = (w.q[k] >> (8 * e + 4)) & 0xF;
+            if constexpr (T == T_Q5_K) {
+                const u32 bits = w.h[k] >> (8 * e + w.hshift);
+                vlo |= (bits & 1) << 4;
+                vhi |= (bits & 2) << 3;
+            }
+            dlo = fmaf(small_int_to_float<0>(vlo), lo[4 * k + e], dlo);
+            dhi = fmaf(small_int_to_float<0>(vhi), hi[4 * k + e], dhi);
         }
     }
     acc = fmaf(w.scale_lo, dlo, acc);
@@ -75,12 +100,12 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
     load8(p + 8, v + 8);
 }
 
-// matvec_rows' contract (decode.cu) for a Q4_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
+// matvec_rows' contract (decode.cu) for a Q4_K or Q5_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
 // n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
 // Warp w of block b takes rows (b * warps + w) * PIECE_ROWS ..; lane l the pieces l, l + 32, ...
 // of the row, in column order. A fused norm's sum of squares is taken by every warp over the
 // whole row in the same pass (the same order everywhere, so every warp's scale is the same).
-template <int N>
+template <int T, int N>
 __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ specs,
                                                    const float* __restrict__ x, int x_stride,
                                                    int n, const float* __restrict__ norm_w,
@@ -104,13 +129,9 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
     }
     for (int t = lane; t < pieces; t += 32) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col(p);
-        Q4KPiece w[PIECE_ROWS];
+        KPiece<T> w[PIECE_ROWS];
         #pragma unroll
-        for (int r = 0; r < PIECE_ROWS; ++r) {
-            const u8* blk = rows[r] + (i64)sb * 144;
-            w[r] = q4k_piece(__ldg(reinterpret_cast<const uint4*>(blk)),
-                             __ldg(reinterpret_cast<const uint4*>(blk + 16 + 16 * p)), p);
-        }
+        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
@@ -134,7 +155,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             const float slo = sum16(lo), shi = sum16(hi);
             #pragma unroll
             for (int r = 0; r < PIECE_ROWS; ++r)
-                acc[r][i] = q4k_piece_dot(w[r], lo, hi, slo, shi, acc[r][i]);
+                acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
         }
     }
     float inv[N];
