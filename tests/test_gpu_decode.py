@@ -74,10 +74,40 @@ def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
                       add=cp.asarray(res), normed=normed, wide=wide, build=build)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
         np.testing.assert_allclose(cp.asnumpy(normed), xn, rtol=1e-5, atol=1e-6)
+        alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), norm_w=cp.asarray(nw),
+                        add=cp.asarray(res[:1]), normed=cp.zeros((1, cols), cp.float32),
+                        wide=wide, build=build)
+        assert np.array_equal(alone[0], got[0])     # the norm's scale: a row's own, too
         if "matvec_accs" in build:   # the norm's scale from the same sums: the default's bits
             assert np.array_equal(got, _matvec(dev, qtype, (rows, cols), cp.asarray(x),
                                                norm_w=cp.asarray(nw), add=cp.asarray(res),
                                                normed=cp.zeros((n, cols), cp.float32), wide=wide))
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t.name in ("Q4_K", "Q5_K")],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 8])
+def test_pieces_over_several_lane_rounds(qtype, n):
+    """matvec_pieces on rows of 4,096 columns: 128 pieces a row, so each lane takes four in turn
+    (the 768-column test above gives a lane one at most), with the fused norm and a residual;
+    against float64, and a row alone against the same row among others."""
+    rows, cols, build = 37, 4096, "matvec_pieces=1"
+    raw, w = random_rows(qtype, rows, cols, 4)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
+    res = rng.standard_normal((n, rows)).astype(np.float32)
+    xn = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
+    ref = res + xn @ w.T.astype(np.float64)
+    dev = cp.asarray(raw.reshape(-1))
+    got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), norm_w=cp.asarray(nw),
+                  add=cp.asarray(res), normed=cp.zeros((n, cols), cp.float32), wide=True,
+                  build=build)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), norm_w=cp.asarray(nw),
+                    add=cp.asarray(res[:1]), normed=cp.zeros((1, cols), cp.float32), wide=True,
+                    build=build)
+    assert np.array_equal(alone[0], got[0])
 
 
 def _model(tmp_path, dtype, seed=7):

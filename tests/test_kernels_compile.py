@@ -283,11 +283,13 @@ def test_argument_tables_match_the_structs(tmp_path):
              'DOWN_PER_BLOCK);',
              'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);',
              'printf("GDN_ROWS %d NEXT_D %d NEXT_ROT %d MMA_ROWS %d\\n", GDN_ROWS, NEXT_D, '
-             'NEXT_ROT, MMA_ROWS);']
+             'NEXT_ROT, MMA_ROWS);',
+             'printf("PIECE_ROWS %d PIECE_THREADS %d\\n", PIECE_ROWS, PIECE_THREADS);']
     lines += [f'printf("{name} %d\\n", (int)({name}));' for name in DESC_NAMES]
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     lines += [f'printf("mma_scale_cols {t} %d\\n", mma_scale_cols({t}));' for t in abi.KERNEL_TYPES]
+    lines += [f'printf("piece_type {t} %d\\n", (int)piece_type({t}));' for t in abi.KERNEL_TYPES]
     # every KernelShape default is the macro's own (an undefined -D builds the default shape)
     lines += [f'printf("{macro} %d\\n", (int)({macro}));' for macro in KernelShape.MACROS.values()]
     for struct, dtype in STRUCTS.items():
@@ -306,12 +308,14 @@ def test_argument_tables_match_the_structs(tmp_path):
             f"FF_PER_BLOCK {FF_PER_BLOCK} DOWN_PER_BLOCK {DOWN_PER_BLOCK}",
             f"INT_FF_BLOCK {KernelShape().gate_up_block(Q4_K)} "
             f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}",
-            f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT} MMA_ROWS {abi.MMA_ROWS}"]
+            f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT} MMA_ROWS {abi.MMA_ROWS}",
+            f"PIECE_ROWS {abi.PIECE_ROWS} PIECE_THREADS {abi.PIECE_THREADS}"]
     # the step descriptor's words (backends/decode_rows.py packs what the kernels read)
     want += [f"{name} {getattr(abi, name)}" for name in DESC_NAMES]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"
              for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
     want += [f"mma_scale_cols {t} {abi.MMA_SCALE_COLS.get(t, 0)}" for t in abi.KERNEL_TYPES]
+    want += [f"piece_type {t} {int(t in abi.PIECE_TYPES)}" for t in abi.KERNEL_TYPES]
     want += [f"{macro} {getattr(KernelShape(), name)}" for name, macro in KernelShape.MACROS.items()]
     for struct, dtype in STRUCTS.items():
         want.append(f"{struct} size {dtype.itemsize}")

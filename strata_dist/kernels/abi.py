@@ -176,7 +176,7 @@ class KernelShape:
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
         if self.matvec_mma and self.matvec_pieces:
             raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
-                             f"{self.matvec_pieces}: both take the Q4_K matvec; pick one")
+                             f"{self.matvec_pieces}: both take the Q4_K and Q5_K matvecs; pick one")
         # a block the integer path cannot take runs the float body over its range, a float
         # block at a time: the ranges must tile (moe_down adds into h)
         for on, per_warp, per_block in (("int_gate_up", "int_ff_per_warp", "ff_per_block"),

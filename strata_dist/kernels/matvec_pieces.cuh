@@ -3,11 +3,13 @@
 // super-block at a time, the 16 bytes of nibbles that hold 16 columns of sub-block 2jj (low
 // nibbles) and the same 16 columns of sub-block 2jj + 1 (high nibbles): 32 weights, one 16-byte
 // load; it reads the piece's 32 activations of each row once for the warp's weight rows. No block
-// reduction and no barrier: each warp's xor tree gives its rows' sums.
+// reduction: each warp's xor tree gives its rows' sums (the one barrier is block (0, 0)'s, before
+// it writes a fused norm's normed rows).
 //
 // Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
 // loaded for the 4 it uses, and its block reduces over 256 threads with two barriers; at one row
-// the Q4_K o projection ran at ~10% of the card's DRAM throughput (docs/BENCHMARKS.md).
+// the Q4_K o projection read 10.5% of the card's DRAM throughput under Nsight Compute, and a
+// one-row step's Q4_K matvecs streamed at about a seventh of it (docs/BENCHMARKS.md).
 //
 // Batch invariance: an output's sum is the lane's pieces in order (each piece's two 16-column
 // dots, then its scale and min terms), then the warp's xor tree, for any number of activation
