@@ -10,6 +10,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from quant_rows import TYPES, random_rows  # noqa: E402
+from strata_dist.kernels.abi import PIECE_TYPES  # noqa: E402
 
 
 @pytest.mark.parametrize("qtype", TYPES[2:], ids=lambda t: t.name)
@@ -84,7 +85,7 @@ def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
                                                normed=cp.zeros((n, cols), cp.float32), wide=wide))
 
 
-@pytest.mark.parametrize("qtype", [t for t in TYPES if t.name in ("Q4_K", "Q5_K")],
+@pytest.mark.parametrize("qtype", [t for t in TYPES if int(t) in PIECE_TYPES],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 8])
 def test_pieces_over_several_lane_rounds(qtype, n):

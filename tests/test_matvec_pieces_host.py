@@ -1,4 +1,4 @@
-"""The Q4_K and Q5_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
+"""The Q4_K, Q5_K and Q6_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
 matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l the
 pieces l, l + 32, ... through k_piece and k_piece_dot, then the warp's xor tree) against gguf-py's
 decoding in float64, and the build with the switch compiles for the GPU. The GPU launches themselves are
@@ -21,10 +21,10 @@ static float pieces_row_dot(const unsigned char* row, const float* x, int ncols)
     for (int lane = 0; lane < 32; ++lane) {
         float acc = 0.f;
         for (int t = lane; t < pieces; t += 32) {
-            const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col(p);
+            const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
             const KPiece<T> w = k_piece<T>(row + (long long)sb * block_bytes(T), p);
-            acc = k_piece_dot<T>(w, x + col, x + col + 32, sum16(x + col), sum16(x + col + 32),
-                                 acc);
+            const int hi = col + piece_hi(T);
+            acc = k_piece_dot<T>(w, x + col, x + hi, sum16(x + col), sum16(x + hi), acc);
         }
         lane_acc[lane] = acc;
     }
@@ -49,8 +49,10 @@ int main(int argc, char** argv) {
     if (fread(raw.data(), 1, raw.size(), in) != raw.size()) return 1;
     for (long long r = 0; r < head[2]; ++r) {
         const unsigned char* row = raw.data() + r * head[0];
-        const float v = type == T_Q5_K ? pieces_row_dot<T_Q5_K>(row, x.data(), (int)head[1])
-                                       : pieces_row_dot<T_Q4_K>(row, x.data(), (int)head[1]);
+        const int c = (int)head[1];
+        const float v = type == T_Q5_K   ? pieces_row_dot<T_Q5_K>(row, x.data(), c)
+                        : type == T_Q6_K ? pieces_row_dot<T_Q6_K>(row, x.data(), c)
+                                         : pieces_row_dot<T_Q4_K>(row, x.data(), c);
         fwrite(&v, sizeof(float), 1, out);
     }
     return 0;
@@ -60,8 +62,8 @@ int main(int argc, char** argv) {
 
 @needs_nvcc
 def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
-    """Random Q4_K and Q5_K rows (every 6-bit scale and min, both nibbles, every fifth bit, d and
-    dmin varied) of 768 and
+    """Random Q4_K, Q5_K and Q6_K rows (every 6-bit scale and min, both nibbles, every fifth bit, d and
+    dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte aligned) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
     decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""

@@ -56,7 +56,7 @@ INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_
 # mma_scale_cols; every other type keeps the plain matvec in that build)
 MMA_SCALE_COLS = {**dict.fromkeys((F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
                                     IQ4_XS), 32), Q6_K: 16, Q2_K: 16, Q3_K: 16}
-PIECE_TYPES = (Q4_K, Q5_K)      # the types matvec_pieces takes (matvec_pieces.cuh piece_type)
+PIECE_TYPES = (Q4_K, Q5_K, Q6_K)  # the types matvec_pieces takes (matvec_pieces.cuh piece_type)
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -87,9 +87,10 @@ class KernelShape:
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
-    `matvec_pieces` (default 0) gives the Q4_K and Q5_K dense matvecs a warp PIECE_ROWS weight rows and a
-    block PIECE_THREADS threads, a lane 16 bytes (32 weights) at a time
-    (kernels/matvec_pieces.cuh; other bits than the plain build's; not with matvec_mma).
+    `matvec_pieces` (default 0) gives the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a warp
+    PIECE_ROWS weight rows and a block PIECE_THREADS threads, a lane 16 bytes of quants (32
+    weights) at a time (kernels/matvec_pieces.cuh; other bits than the plain build's; not with
+    matvec_mma).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -176,7 +177,7 @@ class KernelShape:
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
         if self.matvec_mma and self.matvec_pieces:
             raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
-                             f"{self.matvec_pieces}: both take the Q4_K and Q5_K matvecs; pick one")
+                             f"{self.matvec_pieces}: both take the K-quant matvecs; pick one")
         # a block the integer path cannot take runs the float body over its range, a float
         # block at a time: the ranges must tile (moe_down adds into h)
         for on, per_warp, per_block in (("int_gate_up", "int_ff_per_warp", "ff_per_block"),

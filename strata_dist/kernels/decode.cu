@@ -137,7 +137,7 @@ __device__ __forceinline__ void matvec_rows(const MatSpec* __restrict__ specs,
 }
 
 #include "matvec_mma.cuh"  // MATVEC_MMA: the dense matvec on tensor cores (matvec_mma_rows)
-#include "matvec_pieces.cuh"  // MATVEC_PIECES: Q4_K / Q5_K matvecs, a warp's rows in 16-byte pieces
+#include "matvec_pieces.cuh"  // MATVEC_PIECES: K-quant matvecs, a warp's rows in 16-byte pieces
 
 // Threads of one block of a type's matvec (kernels/abi.py matvec_block_threads): MMA_THREADS
 // where this build takes the type on tensor cores (512: a 16-row tile's K over 16 warps, so a

@@ -1,15 +1,17 @@
-// The Q4_K and Q5_K dense matvecs in whole 16-byte pieces (KernelShape matvec_pieces): a warp takes
-// PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane takes one piece of a
-// super-block at a time, the 16 bytes of nibbles that hold 16 columns of sub-block 2jj (low
-// nibbles) and the same 16 columns of sub-block 2jj + 1 (high nibbles): 32 weights, one 16-byte
-// load; it reads the piece's 32 activations of each row once for the warp's weight rows. No block
-// reduction: each warp's xor tree gives its rows' sums (the one barrier is block (0, 0)'s, before
-// it writes a fused norm's normed rows).
+// The K-quant dense matvecs (Q4_K, Q5_K, Q6_K) in 16-byte pieces (KernelShape matvec_pieces): a
+// warp takes PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane takes one piece of a
+// super-block at a time, the 16 bytes of quants that hold two 16-column runs (Q4_K / Q5_K: 16
+// columns of sub-block 2jj in the low nibbles and the same 16 of sub-block 2jj + 1 in the high
+// ones; Q6_K: two runs 64 columns apart): 32 weights; it reads the piece's 32 activations of each
+// row once for the warp's weight rows. No block reduction: each warp's xor tree gives its rows'
+// sums (the one barrier is block (0, 0)'s, before it writes a fused norm's normed rows).
 //
 // Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
 // loaded for the 4 it uses, and its block reduces over 256 threads with two barriers; at one row
 // the Q4_K o projection read 10.5% of the card's DRAM throughput under Nsight Compute, and a
-// one-row step's Q4_K matvecs streamed at about a seventh of it (docs/BENCHMARKS.md).
+// one-row step's Q4_K matvecs streamed at about a seventh of it (docs/BENCHMARKS.md). Q6_K (the
+// output matrix and attn_v of a Q4_K_M file) streamed at about 0.9 TB/s in the output matrix and
+// far less in attn_v's 512 rows (the same section).
 //
 // Batch invariance: an output's sum is the lane's pieces in order (each piece's two 16-column
 // dots, then its scale and min terms), then the warp's xor tree, for any number of activation
@@ -23,24 +25,51 @@
 #define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
 
-// Q4_K, and Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes
-// for column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load)
-HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K || T == T_Q5_K; }
+// Q4_K; Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes for
+// column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load);
+// Q6_K (k_piece's Q6_K branch says how its pieces lie)
+HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K || T == T_Q5_K || T == T_Q6_K; }
+// a piece's high run: 32 columns after its low run (Q4_K, Q5_K), 64 (Q6_K)
+HOST_DEVICE constexpr int piece_hi(int T) { return T == T_Q6_K ? 64 : 32; }
+// whether a piece's weights carry a min term (dmin * m times the run's activation sum)
+HOST_DEVICE constexpr bool piece_has_min(int T) { return T != T_Q6_K; }
 
 // One piece of a super-block: its scale and min for each of its two 16-column runs (lo: the low
-// nibbles, columns 64 jj + 16 h + 0..15 of the block; hi: 32 columns on), its 16 bytes of nibbles
-// and (Q5_K) its 16 bytes of fifth bits, of which bits 2 jj (lo) and 2 jj + 1 (hi) are its own
+// nibbles, columns piece_col(p) + 0..15 of the block; hi: piece_hi(T) columns on; Q6_K has no
+// min), its 16 bytes of nibbles and (Q5_K, Q6_K) its 16 bytes of high bits, of which bits hshift
+// (lo) and hshift + 1 (Q5_K) or hshift + 4 (Q6_K: two bits each) are its own
 template <int T>
 struct KPiece {
     float scale_lo, min_lo, scale_hi, min_hi;
     u32 q[4];
-    u32 h[T == T_Q5_K ? 4 : 1];
+    u32 h[T == T_Q4_K ? 1 : 4];
     int hshift;
 };
 
-// piece p (0..7: jj = p / 2, h = p % 2) of the super-block at `blk`
+// Piece p (0..7) of a Q6_K block (210 bytes: ql[128], qh[64], int8 scales[16], f16 d at 208;
+// element e = 128 h + 32 t + l is the low (t < 2) or high nibble of ql[64 h + 32 (t & 1) + l] with
+// bits 2t, 2t + 1 of qh[32 h + l] above it, weight d * scales[8 h + 2 t + l / 16] * (v - 32)):
+// h = p / 4, c = p / 2 % 2, l from 16 (p % 2): the 16 ql bytes 64 h + 32 c + l .. hold the low
+// run (t = c) in their low nibbles and the high run (t = c + 2, 64 columns on) in their high ones,
+// and the 16 qh bytes 32 h + l .. their top bits (2c and 2c + 4). The block is 2-byte aligned
+// only, so its runs are read as words (experts_int_k.cuh load_words_2aligned).
+HOST_DEVICE KPiece<T_Q6_K> q6_k_piece(const u8* __restrict__ blk, int p) {
+    const int h = p >> 2, c = (p >> 1) & 1, l = 16 * (p & 1);
+    KPiece<T_Q6_K> w;
+    load_words_2aligned(blk + 64 * h + 32 * c + l, w.q);
+    load_words_2aligned(blk + 128 + 32 * h + l, w.h);
+    const float d = h2f((u16)load_u16(blk + 208));
+    const int at = 192 + 8 * h + 2 * c + (p & 1);
+    w.scale_lo = d * (float)(int)(signed char)blk[at];
+    w.scale_hi = d * (float)(int)(signed char)blk[at + 4];
+    w.min_lo = w.min_hi = 0.f;
+    w.hshift = 2 * c;
+    return w;
+}
+
+// piece p (0..7: jj = p / 2, h = p % 2) of the Q4_K or Q5_K super-block at `blk`
 template <int T>
-HOST_DEVICE KPiece<T> k_piece(const u8* __restrict__ blk, int p) {
+HOST_DEVICE KPiece<T> q45_k_piece(const u8* __restrict__ blk, int p) {
     const int jj = p >> 1;
     const uint4 head = ldw<true>(reinterpret_cast<const uint4*>(blk));
     const uint4 q = ldw<true>(reinterpret_cast<const uint4*>(blk + (T == T_Q5_K ? 48 : 16) + 16 * p));
@@ -62,8 +91,19 @@ HOST_DEVICE KPiece<T> k_piece(const u8* __restrict__ blk, int p) {
     return w;
 }
 
-// The first column of piece p's low run within its super-block (its high run: 32 on)
-HOST_DEVICE int piece_col(int p) { return 64 * (p >> 1) + 16 * (p & 1); }
+// piece p (0..7) of the super-block at `blk`
+template <int T>
+HOST_DEVICE KPiece<T> k_piece(const u8* __restrict__ blk, int p) {
+    if constexpr (T == T_Q6_K) return q6_k_piece(blk, p);
+    else return q45_k_piece<T>(blk, p);
+}
+
+// The first column of piece p's low run within its super-block (its high run: piece_hi(T) on)
+template <int T>
+HOST_DEVICE int piece_col(int p) {
+    return T == T_Q6_K ? 128 * (p >> 2) + 32 * ((p >> 1) & 1) + 16 * (p & 1)
+                       : 64 * (p >> 1) + 16 * (p & 1);
+}
 
 HOST_DEVICE float sum16(const float* v) {
     float s = v[0];
@@ -82,19 +122,25 @@ HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* 
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             u32 vlo = (w.q[k] >> (8 * e)) & 0xF, vhi = (w.q[k] >> (8 * e + 4)) & 0xF;
-            if constexpr (T == T_Q5_K) {
+            if constexpr (T == T_Q6_K) {
+                const u32 bits = w.h[k] >> (8 * e + w.hshift);
+                vlo |= (bits & 3) << 4;
+                vhi |= (bits & 0x30);
+            } else if constexpr (T == T_Q5_K) {
                 const u32 bits = w.h[k] >> (8 * e + w.hshift);
                 vlo |= (bits & 1) << 4;
                 vhi |= (bits & 2) << 3;
             }
-            dlo = fmaf(small_int_to_float<0>(vlo), lo[4 * k + e], dlo);
-            dhi = fmaf(small_int_to_float<0>(vhi), hi[4 * k + e], dhi);
+            constexpr int centre = T == T_Q6_K ? 32 : 0;
+            dlo = fmaf(small_int_to_float<centre>(vlo), lo[4 * k + e], dlo);
+            dhi = fmaf(small_int_to_float<centre>(vhi), hi[4 * k + e], dhi);
         }
     }
     acc = fmaf(w.scale_lo, dlo, acc);
-    acc = fmaf(w.min_lo, slo, acc);
+    if constexpr (piece_has_min(T)) acc = fmaf(w.min_lo, slo, acc);
     acc = fmaf(w.scale_hi, dhi, acc);
-    return fmaf(w.min_hi, shi, acc);
+    if constexpr (piece_has_min(T)) acc = fmaf(w.min_hi, shi, acc);
+    return acc;
 }
 
 __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
@@ -102,7 +148,7 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
     load8(p + 8, v + 8);
 }
 
-// matvec_rows' contract (decode.cu) for a Q4_K or Q5_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
+// matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
 // n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
 // Warp w of block b takes rows (b * warps + w) * PIECE_ROWS ..; lane l the pieces l, l + 32, ...
 // of the row, in column order. A fused norm's sum of squares is taken by every warp over the
@@ -130,7 +176,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
     }
     for (int t = lane; t < pieces; t += 32) {
-        const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col(p);
+        const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
         KPiece<T> w[PIECE_ROWS];
         #pragma unroll
         for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
@@ -138,7 +184,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
             load16(x + (i64)i * x_stride + col, lo);
-            load16(x + (i64)i * x_stride + col + 32, hi);
+            load16(x + (i64)i * x_stride + col + piece_hi(T), hi);
             if (norm_w != nullptr) {
                 #pragma unroll
                 for (int k = 0; k < 16; ++k) ss[i] = fmaf(lo[k], lo[k], ss[i]);
@@ -150,11 +196,12 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
                 load16(norm_w + col, nw);
                 #pragma unroll
                 for (int k = 0; k < 16; ++k) lo[k] *= nw[k];
-                load16(norm_w + col + 32, nw);
+                load16(norm_w + col + piece_hi(T), nw);
                 #pragma unroll
                 for (int k = 0; k < 16; ++k) hi[k] *= nw[k];
             }
-            const float slo = sum16(lo), shi = sum16(hi);
+            const float slo = piece_has_min(T) ? sum16(lo) : 0.f;
+            const float shi = piece_has_min(T) ? sum16(hi) : 0.f;
             #pragma unroll
             for (int r = 0; r < PIECE_ROWS; ++r)
                 acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
