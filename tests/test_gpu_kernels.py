@@ -238,11 +238,15 @@ def test_device_grouping_builds_the_host_layout(popularity):
 
 
 def test_device_routing_matches_the_host_top_k():
-    """route_rows (the decode graph's top-k code) against array_ops.softmax_topk; a row of NaN
-    logits picks nothing (-1, NaN weights)."""
+    """route_rows (the decode graph's top-k code) against array_ops.softmax_topk, ties included
+    (the least expert first, within a lane's experts and across lanes); a row of NaN logits picks
+    nothing (-1, NaN weights)."""
     from strata_dist.ops.moe import RowsKernels
     rng = np.random.default_rng(12)
     logits = (3 * rng.standard_normal((200, 128))).astype(np.float32)
+    logits[3] = 0.5                                  # every expert tied
+    logits[5, [72, 8, 40, 9, 104]] = 20.0            # tied across lanes 8 and 9 and within lane 8
+    logits[6, 3:] = -np.inf                          # three finite, then ties at probability 0
     logits[7] = np.nan
     ids, wts = RowsKernels(0).route(cp.asarray(logits), 8, True)
     ids, wts = cp.asnumpy(ids), cp.asnumpy(wts)
