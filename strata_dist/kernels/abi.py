@@ -84,6 +84,8 @@ class KernelShape:
     it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
     `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
     exists; both on, measured).
+    `expert_prefetch` (default 0) has each integer-path expert block ask its weight rows into L2
+    before it quantizes its activations (rows read in place; no bit changes; not yet measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
@@ -105,6 +107,7 @@ class KernelShape:
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
+    expert_prefetch: int = 0
     int_q5_k: int = 1
     int_q6_k: int = 1
     int_q3_k: int = 1
@@ -123,12 +126,13 @@ class KernelShape:
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
-              "int_direct": "INT_DIRECT",
+              "int_direct": "INT_DIRECT", "expert_prefetch": "EXPERT_PREFETCH",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
               "matvec_pieces": "MATVEC_PIECES"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
+                "expert_prefetch",
                 *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
