@@ -1,0 +1,75 @@
+"""The router's top-k on the device: route_rows (a prompt chunk's routing) against the host's
+stable top-k, ties included, and the decode graph's router matvec, whose last block routes.
+Run on the GPU machine: pytest -m gpu."""
+import numpy as np
+import pytest
+
+from quant_rows import random_rows
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from strata_dist.backends import cuda_decode as cd  # noqa: E402
+from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
+from strata_dist.kernels.abi import (BLOCK_THREADS, MAT_SPEC, MAX_ROWS,  # noqa: E402
+                                     ROUTE_SPEC, matvec_kernel, rows_per_block)
+from strata_dist.ops.linear import Weight  # noqa: E402
+from test_gpu_kernels import K, N_EMBD, N_EXPERT, Experts, _kernel  # noqa: E402
+
+
+def test_device_routing_matches_the_host_top_k():
+    """route_rows (the decode graph's top-k code) against array_ops.softmax_topk, ties included
+    (the least expert first, within a lane's experts and across lanes); a row of NaN logits picks
+    nothing (-1, NaN weights)."""
+    from strata_dist.ops.moe import RowsKernels
+    rng = np.random.default_rng(12)
+    logits = (3 * rng.standard_normal((200, 128))).astype(np.float32)
+    logits[3] = 0.5                                  # every expert tied
+    logits[5, [72, 8, 40, 9, 104]] = 20.0            # tied across lanes 8 and 9 and within lane 8
+    logits[6, 3:] = -np.inf                          # three finite, then ties at probability 0
+    logits[7] = np.nan
+    ids, wts = RowsKernels(0).route(cp.asarray(logits), 8, True)
+    ids, wts = cp.asnumpy(ids), cp.asnumpy(wts)
+    want_ids, want_wts = softmax_topk(np.delete(logits, 7, axis=0), 8)
+    np.testing.assert_array_equal(np.delete(ids, 7, axis=0), want_ids)
+    np.testing.assert_allclose(np.delete(wts, 7, axis=0), want_wts, rtol=1e-5)
+    assert (ids[7] == -1).all() and np.isnan(wts[7]).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_router_matvec_picks_the_top_k(n):
+    """The router's matvec (RMSNorm fused) writes the logits, and its last block the top-k in
+    rank order with renormalised weights and each pick's blob address."""
+    ex = Experts(QT.Q8_0, QT.Q8_0, seed=17)
+    rng = np.random.default_rng(6)
+    raw, w = random_rows(QT.F32, N_EXPERT, N_EMBD, 7)
+    x = rng.standard_normal((MAX_ROWS, N_EMBD)).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(N_EMBD)).astype(np.float32)
+    weight = cp.asarray(raw.reshape(-1))
+    logits = cp.zeros((MAX_ROWS, N_EXPERT), cp.float32)
+    ids = cp.zeros((MAX_ROWS, K), cp.int32)
+    wts = cp.zeros((MAX_ROWS, K), cp.float32)
+    blobs = cp.zeros((MAX_ROWS, K), cp.uint64)
+    done = cp.zeros(1, cp.uint32)
+    mat = cd._spec_array(MAT_SPEC, [cd._mat(Weight(int(weight.data.ptr), int(QT.F32),
+                                                      N_EMBD * 4, N_EXPERT, N_EMBD), logits)])
+    route = cd._spec_array(ROUTE_SPEC, [dict(
+        experts=int(ex.spec.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),
+        wts=int(wts.data.ptr), blobs=int(blobs.data.ptr), done=int(done.data.ptr),
+        n_expert=N_EXPERT, k=K, normalize=1)])
+    per_block = rows_per_block(n, False)
+    for _ in range(2):                  # the counter is back at 0 for the next launch
+        _kernel(matvec_kernel(int(QT.F32), n))(
+            ((N_EXPERT + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
+            (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0), cp.asarray(nw),
+             np.float32(1e-6), cd.NULL, route))
+        assert int(done.get()[0]) == 0
+    xn = x[:n] / np.sqrt((x[:n].astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
+    want_logits = xn @ w.T.astype(np.float64)
+    np.testing.assert_allclose(cp.asnumpy(logits)[:n], want_logits, rtol=1e-4, atol=1e-4)
+    want_ids, want_wts = softmax_topk(want_logits, K)
+    assert (cp.asnumpy(ids)[:n] == want_ids).all()
+    np.testing.assert_allclose(cp.asnumpy(wts)[:n], want_wts, rtol=1e-4, atol=1e-6)
+    assert (cp.asnumpy(blobs)[:n] == cp.asnumpy(ex.blob_of)[want_ids]).all()
