@@ -42,8 +42,9 @@ __device__ __forceinline__ void topk_softmax_row(const float* __restrict__ l, in
         // The warp's largest, then the least expert holding it, as two warp reductions (redux,
         // sm_80 on) rather than a five-step shuffle tree of (value, expert) pairs: the k rounds
         // are the router tail's serial part. A lane's best is a probability (>= 0, whose bits
-        // order as signed ints the way the floats do) or -1 (nothing left): key -1, below all.
-        const int key = best >= 0.f ? __float_as_int(best) : -1;
+        // order as signed ints the way the floats do; -0 as +0, which it equals) or -1 (nothing
+        // left): key -1, below all.
+        const int key = best > 0.f ? __float_as_int(best) : best == 0.f ? 0 : -1;
         const int top = __reduce_max_sync(0xffffffffu, key);
         best_e = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)best_e : 0x7fffffffu);
         best = top >= 0 ? __int_as_float(top) : -1.f;
