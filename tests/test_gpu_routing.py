@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from strata_dist.backends import cuda_decode as cd  # noqa: E402
 from strata_dist.backends.array_ops import softmax_topk  # noqa: E402
-from strata_dist.kernels.abi import (BLOCK_THREADS, MAT_SPEC, MAX_ROWS,  # noqa: E402
-                                     ROUTE_SPEC, matvec_kernel, rows_per_block)
+from strata_dist.kernels.abi import (BLOCK_THREADS, EXPERT_SPEC, MAT_SPEC,  # noqa: E402
+                                     MAX_ROWS, ROUTE_SPEC, matvec_kernel, rows_per_block)
 from strata_dist.ops.linear import Weight  # noqa: E402
 from test_gpu_kernels import K, N_EMBD, N_EXPERT, Experts, _kernel  # noqa: E402
 
@@ -73,3 +73,44 @@ def test_router_matvec_picks_the_top_k(n):
     assert (cp.asnumpy(ids)[:n] == want_ids).all()
     np.testing.assert_allclose(cp.asnumpy(wts)[:n], want_wts, rtol=1e-4, atol=1e-6)
     assert (cp.asnumpy(blobs)[:n] == cp.asnumpy(ex.blob_of)[want_ids]).all()
+
+
+def test_router_tail_over_many_experts_and_a_row_of_nan():
+    """The router's last block with more experts than a lane holds four of (200: the 16-a-lane
+    build, not a multiple of 32) and k = 8: the top-k and each pick's address from the table;
+    a row of NaN activations picks nothing (-1, NaN weights, no address)."""
+    n_expert, k, n = 200, 8, 3
+    rng = np.random.default_rng(21)
+    raw, w = random_rows(QT.F32, n_expert, N_EMBD, 11)
+    x = rng.standard_normal((MAX_ROWS, N_EMBD)).astype(np.float32)
+    x[1] = np.nan
+    blob_of = cp.asarray((np.arange(n_expert, dtype=np.uint64) + 1) * np.uint64(4096))  # never read
+    experts = cd._spec_array(EXPERT_SPEC, [dict(
+        blob_of=int(blob_of.data.ptr), up_at=0, down_at=0, gate_row_bytes=0, up_row_bytes=0,
+        down_row_bytes=0, gate_type=int(QT.F32), up_type=int(QT.F32), down_type=int(QT.F32),
+        n_ff=64, n_embd=N_EMBD, k=k)])
+    weight = cp.asarray(raw.reshape(-1))
+    logits = cp.zeros((MAX_ROWS, n_expert), cp.float32)
+    ids = cp.zeros((MAX_ROWS, k), cp.int32)
+    wts = cp.zeros((MAX_ROWS, k), cp.float32)
+    blobs = cp.zeros((MAX_ROWS, k), cp.uint64)
+    done = cp.zeros(1, cp.uint32)
+    mat = cd._spec_array(MAT_SPEC, [cd._mat(Weight(int(weight.data.ptr), int(QT.F32),
+                                                      N_EMBD * 4, n_expert, N_EMBD), logits)])
+    route = cd._spec_array(ROUTE_SPEC, [dict(
+        experts=int(experts.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),
+        wts=int(wts.data.ptr), blobs=int(blobs.data.ptr), done=int(done.data.ptr),
+        n_expert=n_expert, k=k, normalize=1)])
+    per_block = rows_per_block(n, False)
+    _kernel(matvec_kernel(int(QT.F32), n))(
+        ((n_expert + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
+        (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0), cd.NULL,
+         np.float32(1e-6), cd.NULL, route))
+    got_ids, got_wts, got_blobs = cp.asnumpy(ids)[:n], cp.asnumpy(wts)[:n], cp.asnumpy(blobs)[:n]
+    assert int(done.get()[0]) == 0
+    finite = [0, 2]
+    want_ids, want_wts = softmax_topk(cp.asnumpy(logits)[finite], k)
+    np.testing.assert_array_equal(got_ids[finite], want_ids)
+    np.testing.assert_allclose(got_wts[finite], want_wts, rtol=1e-5)
+    np.testing.assert_array_equal(got_blobs[finite], cp.asnumpy(blob_of)[want_ids])
+    assert (got_ids[1] == -1).all() and np.isnan(got_wts[1]).all() and (got_blobs[1] == 0).all()
