@@ -38,6 +38,32 @@ def test_device_routing_matches_the_host_top_k():
     assert (ids[7] == -1).all() and np.isnan(wts[7]).all()
 
 
+def _route(expert_spec, raw, n_expert, k, x, n, norm_w=None, launches=1):
+    """The router's F32 matvec of rows `raw` over x's first n rows (norm_w: its fused RMSNorm, or
+    none), its last block routing through `expert_spec`'s address table, launched `launches` times
+    (the done counter back at 0 after each): (logits, ids, wts, blobs) of the n rows, on the host."""
+    weight = cp.asarray(raw.reshape(-1))
+    logits = cp.zeros((MAX_ROWS, n_expert), cp.float32)
+    ids = cp.zeros((MAX_ROWS, k), cp.int32)
+    wts = cp.zeros((MAX_ROWS, k), cp.float32)
+    blobs = cp.zeros((MAX_ROWS, k), cp.uint64)
+    done = cp.zeros(1, cp.uint32)
+    mat = cd._spec_array(MAT_SPEC, [cd._mat(Weight(int(weight.data.ptr), int(QT.F32),
+                                                      N_EMBD * 4, n_expert, N_EMBD), logits)])
+    route = cd._spec_array(ROUTE_SPEC, [dict(
+        experts=int(expert_spec.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),
+        wts=int(wts.data.ptr), blobs=int(blobs.data.ptr), done=int(done.data.ptr),
+        n_expert=n_expert, k=k, normalize=1)])
+    per_block = rows_per_block(n, False)
+    for _ in range(launches):
+        _kernel(matvec_kernel(int(QT.F32), n))(
+            ((n_expert + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
+            (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0),
+             cd.NULL if norm_w is None else cp.asarray(norm_w), np.float32(1e-6), cd.NULL, route))
+        assert int(done.get()[0]) == 0
+    return tuple(cp.asnumpy(a)[:n] for a in (logits, ids, wts, blobs))
+
+
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_router_matvec_picks_the_top_k(n):
     """The router's matvec (RMSNorm fused) writes the logits, and its last block the top-k in
@@ -47,32 +73,15 @@ def test_router_matvec_picks_the_top_k(n):
     raw, w = random_rows(QT.F32, N_EXPERT, N_EMBD, 7)
     x = rng.standard_normal((MAX_ROWS, N_EMBD)).astype(np.float32)
     nw = (1 + 0.2 * rng.standard_normal(N_EMBD)).astype(np.float32)
-    weight = cp.asarray(raw.reshape(-1))
-    logits = cp.zeros((MAX_ROWS, N_EXPERT), cp.float32)
-    ids = cp.zeros((MAX_ROWS, K), cp.int32)
-    wts = cp.zeros((MAX_ROWS, K), cp.float32)
-    blobs = cp.zeros((MAX_ROWS, K), cp.uint64)
-    done = cp.zeros(1, cp.uint32)
-    mat = cd._spec_array(MAT_SPEC, [cd._mat(Weight(int(weight.data.ptr), int(QT.F32),
-                                                      N_EMBD * 4, N_EXPERT, N_EMBD), logits)])
-    route = cd._spec_array(ROUTE_SPEC, [dict(
-        experts=int(ex.spec.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),
-        wts=int(wts.data.ptr), blobs=int(blobs.data.ptr), done=int(done.data.ptr),
-        n_expert=N_EXPERT, k=K, normalize=1)])
-    per_block = rows_per_block(n, False)
-    for _ in range(2):                  # the counter is back at 0 for the next launch
-        _kernel(matvec_kernel(int(QT.F32), n))(
-            ((N_EXPERT + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
-            (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0), cp.asarray(nw),
-             np.float32(1e-6), cd.NULL, route))
-        assert int(done.get()[0]) == 0
+    # twice: the second launch finds the done counter the first left at 0
+    logits, ids, wts, blobs = _route(ex.spec, raw, N_EXPERT, K, x, n, nw, launches=2)
     xn = x[:n] / np.sqrt((x[:n].astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
     want_logits = xn @ w.T.astype(np.float64)
-    np.testing.assert_allclose(cp.asnumpy(logits)[:n], want_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
     want_ids, want_wts = softmax_topk(want_logits, K)
-    assert (cp.asnumpy(ids)[:n] == want_ids).all()
-    np.testing.assert_allclose(cp.asnumpy(wts)[:n], want_wts, rtol=1e-4, atol=1e-6)
-    assert (cp.asnumpy(blobs)[:n] == cp.asnumpy(ex.blob_of)[want_ids]).all()
+    assert (ids == want_ids).all()
+    np.testing.assert_allclose(wts, want_wts, rtol=1e-4, atol=1e-6)
+    assert (blobs == cp.asnumpy(ex.blob_of)[want_ids]).all()
 
 
 def test_router_tail_over_many_experts_and_a_row_of_nan():
@@ -89,27 +98,9 @@ def test_router_tail_over_many_experts_and_a_row_of_nan():
         blob_of=int(blob_of.data.ptr), up_at=0, down_at=0, gate_row_bytes=0, up_row_bytes=0,
         down_row_bytes=0, gate_type=int(QT.F32), up_type=int(QT.F32), down_type=int(QT.F32),
         n_ff=64, n_embd=N_EMBD, k=k)])
-    weight = cp.asarray(raw.reshape(-1))
-    logits = cp.zeros((MAX_ROWS, n_expert), cp.float32)
-    ids = cp.zeros((MAX_ROWS, k), cp.int32)
-    wts = cp.zeros((MAX_ROWS, k), cp.float32)
-    blobs = cp.zeros((MAX_ROWS, k), cp.uint64)
-    done = cp.zeros(1, cp.uint32)
-    mat = cd._spec_array(MAT_SPEC, [cd._mat(Weight(int(weight.data.ptr), int(QT.F32),
-                                                      N_EMBD * 4, n_expert, N_EMBD), logits)])
-    route = cd._spec_array(ROUTE_SPEC, [dict(
-        experts=int(experts.data.ptr), logits=int(logits.data.ptr), ids=int(ids.data.ptr),
-        wts=int(wts.data.ptr), blobs=int(blobs.data.ptr), done=int(done.data.ptr),
-        n_expert=n_expert, k=k, normalize=1)])
-    per_block = rows_per_block(n, False)
-    _kernel(matvec_kernel(int(QT.F32), n))(
-        ((n_expert + per_block - 1) // per_block, 1), (BLOCK_THREADS,),
-        (mat, cp.asarray(x), np.int32(N_EMBD), np.int32(n), np.int32(0), cd.NULL,
-         np.float32(1e-6), cd.NULL, route))
-    got_ids, got_wts, got_blobs = cp.asnumpy(ids)[:n], cp.asnumpy(wts)[:n], cp.asnumpy(blobs)[:n]
-    assert int(done.get()[0]) == 0
+    logits, got_ids, got_wts, got_blobs = _route(experts, raw, n_expert, k, x, n)
     finite = [0, 2]
-    want_ids, want_wts = softmax_topk(cp.asnumpy(logits)[finite], k)
+    want_ids, want_wts = softmax_topk(logits[finite], k)
     np.testing.assert_array_equal(got_ids[finite], want_ids)
     np.testing.assert_allclose(got_wts[finite], want_wts, rtol=1e-5)
     np.testing.assert_array_equal(got_blobs[finite], cp.asnumpy(blob_of)[want_ids])
