@@ -60,8 +60,8 @@ HOST_DEVICE KPiece<T_Q6_K> q6_k_piece(const u8* __restrict__ blk, int p) {
     load_words_2aligned(blk + 128 + 32 * h + l, w.h);
     const float d = h2f((u16)load_u16(blk + 208));
     const int at = 192 + 8 * h + 2 * c + (p & 1);
-    w.scale_lo = d * (float)(int)(signed char)blk[at];
-    w.scale_hi = d * (float)(int)(signed char)blk[at + 4];
+    w.scale_lo = d * s8_to_float(blk[at]);
+    w.scale_hi = d * s8_to_float(blk[at + 4]);
     w.min_lo = w.min_hi = 0.f;
     w.hshift = 2 * c;
     return w;
