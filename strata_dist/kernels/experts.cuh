@@ -27,32 +27,55 @@ struct RouteSpec {
 };
 
 // Row i's top-k and weights (routing.cuh), renormalised over the k when `normalize`, and each
-// chosen expert's blob address for the expert kernels.
+// chosen expert's blob address for the expert kernels. With at most 128 experts (PER 4) each lane
+// reads the addresses of its own experts (lane + 32 j) beside the logits, and a pick's address
+// comes from that lane by shuffle: no load after the top-k (the router tail's last round trip).
 template <int PER>
-__device__ __forceinline__ void route_row(const RouteSpec& rs, int i) {
+__device__ __forceinline__ void route_row(const RouteSpec& rs, const u64* __restrict__ blob_of,
+                                          int i) {
     const int lane = threadIdx.x & 31, n_expert = rs.n_expert, k = rs.k;
-    const u64* blob_of = rs.experts->blob_of;   // loaded now, not after the top-k (a dependent load)
+    constexpr bool held = PER <= 4;
+    u64 own[held ? PER : 1];
+    if constexpr (held) {
+        #pragma unroll
+        for (int j = 0; j < PER; ++j)
+            own[j] = lane + 32 * j < n_expert ? blob_of[lane + 32 * j] : 0ull;
+    }
     int mine;
     float mine_p, picked_sum;
     topk_softmax_row<PER>(rs.logits + (i64)i * n_expert, n_expert, k, lane, mine, mine_p,
                           picked_sum);
+    // NaN or infinite logits pick nothing: no address, so the expert kernels write NaN
+    const bool picked = mine >= 0 && mine < n_expert;
+    u64 blob = 0ull;
+    if constexpr (held) {
+        const int src = picked ? mine & 31 : 0, slot = picked ? mine >> 5 : 0;
+        #pragma unroll
+        for (int j = 0; j < PER; ++j) {            // every lane takes part in every shuffle
+            const u64 b = __shfl_sync(0xffffffffu, own[j], src);
+            if (j == slot) blob = b;
+        }
+    } else if (lane < k && picked) {
+        blob = blob_of[mine];
+    }
     if (lane < k) {
-        // NaN or infinite logits pick nothing: no address, so the expert kernels write NaN
-        const bool picked = mine >= 0 && mine < n_expert;
         rs.ids[i * k + lane] = picked ? mine : -1;
         rs.wts[i * k + lane] = !picked ? NAN_F32 : rs.normalize ? mine_p / picked_sum : mine_p;
-        rs.blobs[i * k + lane] = picked ? blob_of[mine] : 0ull;
+        rs.blobs[i * k + lane] = picked ? blob : 0ull;
     }
 }
 
-// Called by every block of the router's launch after its rows are written.
+// Called by every block of the router's launch after its rows are written. The spec and the
+// address table are read before the count (they are not this launch's output), so their loads
+// overlap the fence and the atomic.
 __device__ void route_after_last_block(const RouteSpec* __restrict__ route, int n) {
-    if (!last_block_to_finish(route->done, gridDim.x * gridDim.y)) return;
     const RouteSpec rs = *route;
+    const u64* blob_of = rs.experts->blob_of;
+    if (!last_block_to_finish(route->done, gridDim.x * gridDim.y)) return;
     const int warp = threadIdx.x >> 5;
     for (int i = warp; i < n; i += blockDim.x >> 5) {
-        if (rs.n_expert <= 128) route_row<4>(rs, i);
-        else route_row<16>(rs, i);
+        if (rs.n_expert <= 128) route_row<4>(rs, blob_of, i);
+        else route_row<16>(rs, blob_of, i);
     }
 }
 

@@ -39,12 +39,15 @@ __device__ __forceinline__ void topk_softmax_row(const float* __restrict__ l, in
             const int e = lane + 32 * j;
             if (v[j] > best || (v[j] == best && e < best_e)) { best = v[j]; best_e = e; }
         }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
-        }
+        // The warp's largest, then the least expert holding it, as two warp reductions (redux,
+        // sm_80 on) rather than a five-step shuffle tree of (value, expert) pairs: the k rounds
+        // are the router tail's serial part. A lane's best is a probability (>= 0, whose bits
+        // order as signed ints the way the floats do; -0 as +0, which it equals) or -1 (nothing
+        // left): key -1, below all.
+        const int key = best > 0.f ? __float_as_int(best) : best == 0.f ? 0 : -1;
+        const int top = __reduce_max_sync(0xffffffffu, key);
+        best_e = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)best_e : 0x7fffffffu);
+        best = top >= 0 ? __int_as_float(top) : -1.f;
         const float p = best / sum;
         picked_sum += p;
         if (lane == r) { mine = best_e; mine_p = p; }
