@@ -103,7 +103,7 @@ IQ_PAIRS = [(QT.IQ4_XS, QT.IQ3_S), (QT.IQ3_S, QT.IQ2_XXS), (QT.IQ2_XXS, QT.IQ4_X
                                    "int_ff_per_warp=1,int_down_per_warp=2",
                                    "int_ff_per_warp=4,int_down_per_warp=2",
                                    "factored_dots=0,cvt_magic=0", INT_OFF,
-                                   INT_OFF + ",int_direct=0", "expert_prefetch=1"])
+                                   INT_OFF + ",int_direct=0"])
 def test_expert_kernels_match_numpy(gate_up, down, n, shape):
     """Every build tune_decode.py measures computes the same experts (up to rounding)."""
     shape = KernelShape.parse(shape)
@@ -424,23 +424,6 @@ def test_a_missing_expert_reads_as_nan(qtype, shape):
     act, h = cp.asnumpy(act), cp.asnumpy(h)
     assert np.isfinite(act[0, 0]).all() and np.isnan(act[0, 1:]).all()
     assert np.isnan(h).all()
-
-
-@pytest.mark.parametrize("gate_up,down", [(QT.Q4_K, QT.Q6_K), (QT.IQ3_S, QT.Q4_K)],
-                         ids=lambda t: t.name)
-def test_expert_prefetch_changes_no_bit(gate_up, down):
-    """expert_prefetch only asks the rows into L2 ahead: the same bits as the default build."""
-    ex = Experts(gate_up, down, seed=31)
-    rng = np.random.default_rng(8)
-    n = 3
-    x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
-    ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n)])
-    wts = rng.random((n, K)).astype(np.float32)
-    h0 = rng.standard_normal((n, N_EMBD)).astype(np.float32)
-    want = _run_experts(ex, KernelShape(), x, ids, wts, h0)
-    got = _run_experts(ex, KernelShape.parse("expert_prefetch=1"), x, ids, wts, h0)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 300, 1000])

@@ -84,15 +84,15 @@ class KernelShape:
     it computes: `factored_dots` a * sum(q x) + b * sum(x) per chunk of a quantized row,
     `cvt_magic` stored integers to floats through the mantissa of 2^23 (weights.cuh says why each
     exists; both on, measured).
-    `expert_prefetch` (default 0) has each integer-path expert block ask its weight rows into L2
-    before it quantizes its activations (rows read in place; no bit changes; not yet measured).
     `matvec_threads` (256, or 128: measured no faster) the threads of a dense matvec block
     (decode.cu MATVEC_THREADS). `matvec_accs` (8..64) the dot sums a matvec thread holds at N >= 2
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
-    `matvec_pieces` (default 0) gives the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a warp
-    PIECE_ROWS weight rows and a block PIECE_THREADS threads, a lane 16 bytes of quants (32
-    weights) at a time (kernels/matvec_pieces.cuh; other bits than the plain build's; not with
-    matvec_mma).
+    `matvec_pieces` (default 1 since 2026-12-07: 323.6 against 298.5 tok/s one-row decode on
+    q4_k_m, benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-07-081812-f97cb1b.json) gives
+    the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a warp PIECE_ROWS weight rows and a block
+    PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a time
+    (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1` alone
+    implies `=0`).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -107,7 +107,6 @@ class KernelShape:
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
-    expert_prefetch: int = 0
     int_q5_k: int = 1
     int_q6_k: int = 1
     int_q3_k: int = 1
@@ -119,20 +118,19 @@ class KernelShape:
     matvec_accs: int = MATVEC_ACCS
     matvec_mma: int = 0
     mma_threads: int = BLOCK_THREADS
-    matvec_pieces: int = 0
+    matvec_pieces: int = 1
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
-              "int_direct": "INT_DIRECT", "expert_prefetch": "EXPERT_PREFETCH",
+              "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
               "matvec_pieces": "MATVEC_PIECES"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                "expert_prefetch",
                 *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
@@ -156,7 +154,12 @@ class KernelShape:
                                "docs/BENCHMARKS.md)",
                "expert_group_rows": "removed on 2026-12-06 with grouped_experts, whose work "
                                     "items it sized: measured slower (29.6 against 15.8 ms a "
-                                    "16-row step, docs/BENCHMARKS.md)"}
+                                    "16-row step, docs/BENCHMARKS.md)",
+               "expert_prefetch": "removed on 2026-12-07: the integer-path expert blocks asking "
+                                  "their rows into L2 before quantizing measured slower (305.0 "
+                                  "against 323.6 tok/s decode on q4_k_m, both matvec_pieces=1, "
+                                  "benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-07-"
+                                  "081812-f97cb1b.json)"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -231,6 +234,10 @@ class KernelShape:
                 raise ValueError(f"kernel shape {part!r}: expected NAME=N, NAME one of "
                                  f"{', '.join(cls.MACROS)}")
             fields[key] = int(value)
+        # the tensor-core matvecs take the K-quant types that pieces (the default) takes: asking
+        # for them alone means without pieces; both named at once is refused (__post_init__)
+        if fields.get("matvec_mma") and "matvec_pieces" not in fields:
+            fields["matvec_pieces"] = 0
         return cls(**fields)
 
 

@@ -77,12 +77,6 @@
 #ifndef INT_DIRECT
 #define INT_DIRECT 1        // Q4_K rows read by each lane from device memory, not staged (below)
 #endif
-// A block's weight rows asked into L2 (prefetch.global.L2, a line a thread) before it quantizes
-// its activations, so their DRAM reads overlap that prologue instead of following its barrier
-// (rows read in place only; KernelShape expert_prefetch; no bit changes)
-#ifndef EXPERT_PREFETCH
-#define EXPERT_PREFETCH 0
-#endif
 #define INT_WARPS (BLOCK_THREADS / 32)
 #define INT_FF_BLOCK (INT_WARPS * INT_FPW)      // f of one moe_gate_up block (kernels/abi.py)
 #define INT_DOWN_BLOCK (INT_WARPS * INT_DPW)    // d of one moe_down block
@@ -286,20 +280,6 @@ HOST_DEVICE float int_unit_dot(const u8* __restrict__ row, int u, const XFrag& f
     }
 }
 
-// Line j (128 bytes) of those holding bytes [p, p + bytes) into L2, if there is one
-__device__ __forceinline__ void prefetch_line(const u8* p, i64 bytes, i64 j) {
-    const u64 a = ((u64)p & ~(u64)127) + 128ull * (u64)j;
-    if (a < (u64)p + (u64)bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-}
-
-// the most lines `bytes` bytes can touch, wherever they start (bytes >= 1)
-__device__ __forceinline__ i64 span_lines(i64 bytes) { return ((bytes + 126) >> 7) + 1; }
-
-// every line of bytes [p, p + bytes) into L2, lines t, t + nt, ... by thread t of nt
-__device__ __forceinline__ void prefetch_lines(const u8* p, i64 bytes, int t, int nt) {
-    for (i64 j = t; j < span_lines(bytes); j += nt) prefetch_line(p, bytes, j);
-}
-
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
@@ -350,15 +330,6 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
         stage_row(st + g_bytes, blob + sp.up_at + (i64)f * u_bytes, u_bytes, lane);
     };
     if (!direct && f_first < sp.n_ff) stage_f(f_first);   // in flight while the block quantizes
-    if (EXPERT_PREFETCH && direct) {           // the block's gate rows, then its up rows
-        const int f0 = blockIdx.x * INT_FF_BLOCK, f1 = min(sp.n_ff, f0 + INT_FF_BLOCK);
-        if (f0 < f1) {
-            prefetch_lines(blob + (i64)f0 * g_bytes, (i64)(f1 - f0) * g_bytes, threadIdx.x,
-                           blockDim.x);
-            prefetch_lines(blob + sp.up_at + (i64)f0 * u_bytes, (i64)(f1 - f0) * u_bytes,
-                           threadIdx.x, blockDim.x);
-        }
-    }
     quantize_x(x, sp.n_embd, nullptr, 1, q);
     __syncthreads();
     const int units = sp.n_embd >> 6;
@@ -426,16 +397,6 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
                       rb, lane);
     };
     if (!direct && d_first < sp.n_embd) stage_group(d_first, 0);   // in flight while quantizing
-    if (EXPERT_PREFETCH && direct) {           // each expert's rows d of the block, one run each
-        const int d0 = blockIdx.x * INT_DOWN_BLOCK, d1 = min(sp.n_embd, d0 + INT_DOWN_BLOCK);
-        const i64 run = (i64)(d1 - d0) * rb;
-        const int lines = d0 < d1 ? (int)span_lines(run) : 0;
-        for (int t = threadIdx.x; t < k * lines; t += blockDim.x) {
-            const int r = t / lines;
-            prefetch_line(reinterpret_cast<const u8*>(b[r]) + sp.down_at + (i64)d0 * rb, run,
-                          t - r * lines);
-        }
-    }
     quantize_x(act + (i64)i * k * sp.n_ff, k * sp.n_ff, wts + i * k, sp.n_ff, q);
     __syncthreads();
     for (int d = d_first; d < min(sp.n_embd, (int)(blockIdx.x + 1) * INT_DOWN_BLOCK); d += INT_WARPS) {
