@@ -92,7 +92,7 @@ def _matvec(dev, qtype, shape, x, row_bytes: int, wide: bool, build: str = ""):
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=ids)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("build", ["", "matvec_mma=1", "matvec_mma=1,mma_threads=512",
-                                   "matvec_pieces=1"])
+                                   "matvec_pieces=0"])
 def test_matvec_of_every_type(qtype, n, build):
     rows, cols = 203, 768
     raw, w = random_rows(qtype, rows, cols, 2, synth=True)

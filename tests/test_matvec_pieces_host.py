@@ -96,7 +96,13 @@ def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
             assert (err <= bound).all(), (qtype.name, ncols, float((err / bound).max()))
 
 
-def test_pieces_and_tensor_cores_are_refused_together():
-    assert KernelShape.parse("matvec_pieces=1").defines() == ("-DMATVEC_PIECES=1",)
+def test_pieces_are_the_default_and_give_way_to_tensor_cores():
+    """matvec_pieces is the default build (no -D); matvec_pieces=0 the plain matvecs; matvec_mma=1
+    alone takes the K-quant matvecs off pieces, and both at once are refused."""
+    assert KernelShape().matvec_pieces == 1
+    assert KernelShape.parse("matvec_pieces=1").defines() == ()
+    assert KernelShape.parse("matvec_pieces=0").defines() == ("-DMATVEC_PIECES=0",)
+    assert KernelShape.parse("matvec_mma=1").matvec_pieces == 0
+    assert KernelShape.parse("matvec_mma=1").defines() == ("-DMATVEC_MMA=1", "-DMATVEC_PIECES=0")
     with pytest.raises(ValueError, match="matvec_mma=1 with matvec_pieces=1"):
         KernelShape.parse("matvec_mma=1,matvec_pieces=1")

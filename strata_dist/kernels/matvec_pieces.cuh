@@ -19,8 +19,10 @@
 // (another order), so the build decides (matvec_pieces), never the row count.
 #pragma once
 
+// the default since 2026-12-07 (one-row decode 1.084x the plain matvecs' on a Q4_K_M file:
+// docs/BENCHMARKS.md); 0: the plain matvecs (decode.cu matvec_rows)
 #ifndef MATVEC_PIECES
-#define MATVEC_PIECES 0
+#define MATVEC_PIECES 1
 #endif
 #define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
