@@ -239,12 +239,8 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # benchmarks/results/decode-qwen3-30b-a3b-iq4_xs-2026-12-06-051350-f6081f8.json); the 256-wide
 # q8_0 builds of 2 and 4 heads (qwen3next, --kv-type q8_0) spill 16 bytes into a 16-byte frame
 # at 128 registers, as the 128-wide q8_0 g4 build does (ptxas -v, CUDA 13.0, 2026-12-06; their
-# `_q8_ring` builds have no frame; run on an H100 on 2026-12-06); the 8-row Q5_K and Q6_K matvecs
-# in pieces (the default build) spill 52-64 bytes at 255 registers: four weight rows' decoded runs
-# held for the 8 activation rows (ptxas -v, CUDA 13.0, 2026-12-07; holding two at a time spilled
-# 300-540 bytes)
-STACK_ALLOWED = [(r"matvec_q[56]_k_8", 64),
-                 (r"matvec_\w+_[248]", 32),
+# `_q8_ring` builds have no frame; run on an H100 on 2026-12-06)
+STACK_ALLOWED = [(r"matvec_\w+_[248]", 32),
                  (r"attn_decode_(128|256)_g[24](_q8|_ring|_q8_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 

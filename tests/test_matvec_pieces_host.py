@@ -66,7 +66,7 @@ def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
     dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte aligned) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
-    decode.cu with matvec_pieces=1, the default (its kernels compiled for sm_90 as well)."""
+    decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""
     from quant_rows import random_rows
     from gguf import GGMLQuantizationType as QT
     main = tmp_path / "pieces.cu"

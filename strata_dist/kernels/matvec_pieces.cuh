@@ -114,52 +114,35 @@ HOST_DEVICE float sum16(const float* v) {
     return s;
 }
 
-// The 16 weights of run `half` of a piece (0: lo, 1: hi) as floats: its stored integers, the
-// centre taken off (Q6_K's 32), before the run's scale. Column 4 k + e of the run is byte e of
-// word k (its low nibble for lo, its high one for hi), with Q5_K's fifth and Q6_K's two top bits.
+// acc + the piece . (lo, hi): lo / hi the 16 activations of its two runs, slo / shi their sums
 template <int T>
-HOST_DEVICE void piece_run_weights(const KPiece<T>& w, int half, float* v) {
+HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* hi, float slo,
+                              float shi, float acc) {
+    float dlo = 0.f, dhi = 0.f;
     #pragma unroll
     for (int k = 0; k < 4; ++k) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            u32 q = (w.q[k] >> (8 * e + 4 * half)) & 0xF;
+            u32 vlo = (w.q[k] >> (8 * e)) & 0xF, vhi = (w.q[k] >> (8 * e + 4)) & 0xF;
             if constexpr (T == T_Q6_K) {
                 const u32 bits = w.h[k] >> (8 * e + w.hshift);
-                q |= half ? bits & 0x30 : (bits & 3) << 4;
+                vlo |= (bits & 3) << 4;
+                vhi |= (bits & 0x30);
             } else if constexpr (T == T_Q5_K) {
                 const u32 bits = w.h[k] >> (8 * e + w.hshift);
-                q |= half ? (bits & 2) << 3 : (bits & 1) << 4;
+                vlo |= (bits & 1) << 4;
+                vhi |= (bits & 2) << 3;
             }
             constexpr int centre = T == T_Q6_K ? 32 : 0;
-            v[4 * k + e] = small_int_to_float<centre>(q);
+            dlo = fmaf(small_int_to_float<centre>(vlo), lo[4 * k + e], dlo);
+            dhi = fmaf(small_int_to_float<centre>(vhi), hi[4 * k + e], dhi);
         }
     }
-}
-
-// acc + run `half` of a piece: its scale times the dot of its weights `wv` (piece_run_weights)
-// with the run's 16 activations a, then (Q4_K, Q5_K) its min times their sum s
-template <int T>
-HOST_DEVICE float piece_run_dot(const KPiece<T>& w, int half, const float* wv, const float* a,
-                                float s, float acc) {
-    float d = 0.f;
-    #pragma unroll
-    for (int k = 0; k < 16; ++k) d = fmaf(wv[k], a[k], d);
-    acc = fmaf(half ? w.scale_hi : w.scale_lo, d, acc);
-    if constexpr (piece_has_min(T)) acc = fmaf(half ? w.min_hi : w.min_lo, s, acc);
+    acc = fmaf(w.scale_lo, dlo, acc);
+    if constexpr (piece_has_min(T)) acc = fmaf(w.min_lo, slo, acc);
+    acc = fmaf(w.scale_hi, dhi, acc);
+    if constexpr (piece_has_min(T)) acc = fmaf(w.min_hi, shi, acc);
     return acc;
-}
-
-// acc + the piece . (lo, hi): lo / hi the 16 activations of its two runs, slo / shi their sums
-// (one row's piece as the kernel sums it: its lo run, then its hi run)
-template <int T>
-HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* hi, float slo,
-                              float shi, float acc) {
-    float wv[16];
-    piece_run_weights<T>(w, 0, wv);
-    acc = piece_run_dot<T>(w, 0, wv, lo, slo, acc);
-    piece_run_weights<T>(w, 1, wv);
-    return piece_run_dot<T>(w, 1, wv, hi, shi, acc);
 }
 
 __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
@@ -199,31 +182,31 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         KPiece<T> w[PIECE_ROWS];
         #pragma unroll
         for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
-        // each run's weights decoded once for the N activation rows (not once per row: at 8
-        // rows that decode was most of the work), then each row's run dot in the one order
         #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int c = col + half * piece_hi(T);
-            float wv[PIECE_ROWS][16];
-            #pragma unroll
-            for (int r = 0; r < PIECE_ROWS; ++r) piece_run_weights<T>(w[r], half, wv[r]);
-            #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                float a[16];
-                load16(x + (i64)i * x_stride + c, a);
-                if (norm_w != nullptr) {
-                    #pragma unroll
-                    for (int k = 0; k < 16; ++k) ss[i] = fmaf(a[k], a[k], ss[i]);
-                    float nw[16];
-                    load16(norm_w + c, nw);
-                    #pragma unroll
-                    for (int k = 0; k < 16; ++k) a[k] *= nw[k];
-                }
-                const float a_sum = piece_has_min(T) ? sum16(a) : 0.f;
+        for (int i = 0; i < N; ++i) {
+            float lo[16], hi[16];
+            load16(x + (i64)i * x_stride + col, lo);
+            load16(x + (i64)i * x_stride + col + piece_hi(T), hi);
+            if (norm_w != nullptr) {
                 #pragma unroll
-                for (int r = 0; r < PIECE_ROWS; ++r)
-                    acc[r][i] = piece_run_dot<T>(w[r], half, wv[r], a, a_sum, acc[r][i]);
+                for (int k = 0; k < 16; ++k) ss[i] = fmaf(lo[k], lo[k], ss[i]);
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) ss[i] = fmaf(hi[k], hi[k], ss[i]);
+                // the norm weights read again for each row (from L1) rather than held: 32
+                // registers fewer, which an 8-row build needs to stay out of local memory
+                float nw[16];
+                load16(norm_w + col, nw);
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) lo[k] *= nw[k];
+                load16(norm_w + col + piece_hi(T), nw);
+                #pragma unroll
+                for (int k = 0; k < 16; ++k) hi[k] *= nw[k];
             }
+            const float slo = piece_has_min(T) ? sum16(lo) : 0.f;
+            const float shi = piece_has_min(T) ? sum16(hi) : 0.f;
+            #pragma unroll
+            for (int r = 0; r < PIECE_ROWS; ++r)
+                acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
         }
     }
     float inv[N];
