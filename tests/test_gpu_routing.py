@@ -84,11 +84,14 @@ def test_router_matvec_picks_the_top_k(n):
     assert (blobs == cp.asnumpy(ex.blob_of)[want_ids]).all()
 
 
-def test_router_tail_over_many_experts_and_a_row_of_nan():
-    """The router's last block with more experts than a lane holds four of (200: the 16-a-lane
-    build, not a multiple of 32) and k = 8: the top-k and each pick's address from the table;
-    a row of NaN activations picks nothing (-1, NaN weights, no address)."""
-    n_expert, k, n = 200, 8, 3
+@pytest.mark.parametrize("n_expert", [100, 128, 200])
+def test_router_tail_over_many_experts_and_a_row_of_nan(n_expert):
+    """The router's last block at k = 8 over 100 and 128 experts (four a lane: each pick's
+    address comes from its lane's preloaded ones by shuffle, from every slot; 100 leaves lanes
+    with three) and 200 (the 16-a-lane build, not a multiple of 32: the address read from the
+    table): the top-k and each pick's address; a row of NaN activations picks nothing (-1, NaN
+    weights, no address)."""
+    k, n = 8, 3
     rng = np.random.default_rng(21)
     raw, w = random_rows(QT.F32, n_expert, N_EMBD, 11)
     x = rng.standard_normal((MAX_ROWS, N_EMBD)).astype(np.float32)

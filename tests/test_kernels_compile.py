@@ -71,21 +71,27 @@ def test_kernel_shape_parses_and_refuses():
             KernelShape.parse(bad)
 
 
-@pytest.mark.parametrize("text, name, macro, figure", [
-    ("matvec_warp=1", "matvec_warp", "MATVEC_WARP", "0.780 against 0.641 ms"),
-    ("matvec_threads=128, matvec_warp=0", "matvec_warp", "MATVEC_WARP", "0.780 against 0.641 ms"),
-    ("matvec_warp", "matvec_warp", "MATVEC_WARP", "0.780 against 0.641 ms"),
-    ("int_q8_0=1", "int_q8_0", "INT_Q8_0", "0.607 against 0.592 ms"),
-    ("int_down=1,int_q8_0=0", "int_q8_0", "INT_Q8_0", "0.607 against 0.592 ms"),
+@pytest.mark.parametrize("text, name, macro, date, figure", [
+    ("matvec_warp=1", "matvec_warp", "MATVEC_WARP", "2026-12-05", "0.780 against 0.641 ms"),
+    ("matvec_threads=128, matvec_warp=0", "matvec_warp", "MATVEC_WARP", "2026-12-05",
+     "0.780 against 0.641 ms"),
+    ("matvec_warp", "matvec_warp", "MATVEC_WARP", "2026-12-05", "0.780 against 0.641 ms"),
+    ("int_q8_0=1", "int_q8_0", "INT_Q8_0", "2026-12-05", "0.607 against 0.592 ms"),
+    ("int_down=1,int_q8_0=0", "int_q8_0", "INT_Q8_0", "2026-12-05", "0.607 against 0.592 ms"),
+    ("expert_prefetch=1", "expert_prefetch", "EXPERT_PREFETCH", "2026-12-07",
+     "305.0 against 323.6 tok/s"),
+    ("matvec_pieces=1,expert_prefetch=0", "expert_prefetch", "EXPERT_PREFETCH", "2026-12-07",
+     "305.0 against 323.6 tok/s"),
 ])
-def test_a_deleted_build_is_refused_saying_it_was_removed(text, name, macro, figure):
-    """matvec_warp (a warp a weight row) and int_q8_0 (Q8_0 experts on the integer path), deleted
-    after they measured slower, are refused naming the part of the text and why, whatever the
-    value (the old default 0 too): never dropped in silence, never taken for an unknown name."""
+def test_a_deleted_build_is_refused_saying_it_was_removed(text, name, macro, date, figure):
+    """matvec_warp (a warp a weight row), int_q8_0 (Q8_0 experts on the integer path) and
+    expert_prefetch (expert rows asked into L2 ahead), deleted after they measured slower, are
+    refused naming the part of the text and why, whatever the value (the old default 0 too): never
+    dropped in silence, never taken for an unknown name; their macros are gone from the sources."""
     part = next(p.strip() for p in text.split(",") if name in p)
     with pytest.raises(ValueError) as e:
         KernelShape.parse(text)
-    assert str(e.value).startswith(f"kernel shape {part!r}: {name} was removed on 2026-12-05")
+    assert str(e.value).startswith(f"kernel shape {part!r}: {name} was removed on {date}")
     assert figure in str(e.value)
     assert name not in KernelShape.MACROS and macro not in source_text("decode.cu")
 
@@ -198,7 +204,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_ff_per_warp=2,int_down_per_warp=4",
-        "matvec_threads=128", "matvec_accs=64", "matvec_pieces=0")),
+        "matvec_pieces=0,matvec_threads=128", "matvec_pieces=0,matvec_accs=64")),
     # the tensor-core matvec's four paths: 32 or 16 columns a scale, with a min or without
     ("decode.cu", "matvec_mma=1,mma_threads=512", FEW_TYPES + (Q2_K,)),
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
