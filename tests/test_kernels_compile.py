@@ -245,8 +245,12 @@ def test_kernel_compiles_for_hopper(tmp_path, source, shape, types):
 # benchmarks/results/decode-qwen3-30b-a3b-iq4_xs-2026-12-06-051350-f6081f8.json); the 256-wide
 # q8_0 builds of 2 and 4 heads (qwen3next, --kv-type q8_0) spill 16 bytes into a 16-byte frame
 # at 128 registers, as the 128-wide q8_0 g4 build does (ptxas -v, CUDA 13.0, 2026-12-06; their
-# `_q8_ring` builds have no frame; run on an H100 on 2026-12-06)
+# `_q8_ring` builds have no frame; run on an H100 on 2026-12-06); matvec_q4_0_1 spills 16 bytes at
+# the 64 registers ptxas gives it since the router's redux top-k tail (route_after_last_block,
+# compiled into every matvec, run by the router's last block only) came into the default build
+# (ptxas -v, CUDA 13.0, 2026-12-07; not measured on a Q4_0 file)
 STACK_ALLOWED = [(r"matvec_\w+_[248]", 32),
+                 (r"matvec_q4_0_1", 16),
                  (r"attn_decode_(128|256)_g[24](_q8|_ring|_q8_ring)?", 16),
                  (r"moe_down_iq\w+", 16)]
 
