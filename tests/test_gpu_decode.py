@@ -115,6 +115,32 @@ def test_pieces_over_several_lane_rounds(qtype, n):
     assert np.array_equal(alone[0], got[0])
 
 
+@pytest.mark.parametrize("qtype", [t for t in TYPES if int(t) in PIECE_TYPES],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [768, 4096])
+def test_piece_stage_changes_no_bit(qtype, cols):
+    """piece_stage reads the same activations through shared memory: at every row count its
+    outputs (with the fused norm and a residual, and plain) and the normed rows it writes are the
+    default pieces build's bit for bit (768 columns: one partial round; 4,096: four rounds)."""
+    rows = 37
+    raw, _ = random_rows(qtype, rows, cols, 5)
+    dev = cp.asarray(raw.reshape(-1))
+    rng = np.random.default_rng(12)
+    for n in (1, 2, 3, 5, 8):
+        x = cp.asarray(rng.standard_normal((n, cols)).astype(np.float32))
+        nw = cp.asarray((1 + 0.2 * rng.standard_normal(cols)).astype(np.float32))
+        res = rng.standard_normal((n, rows)).astype(np.float32)
+        outs = []
+        for build in ("", "piece_stage=1"):
+            normed = cp.zeros((n, cols), cp.float32)
+            fused = _matvec(dev, qtype, (rows, cols), x, norm_w=nw, add=cp.asarray(res),
+                            normed=normed, wide=True, build=build)
+            outs.append((fused, _matvec(dev, qtype, (rows, cols), x, build=build),
+                         cp.asnumpy(normed)))
+        for staged, default in zip(outs[1], outs[0]):
+            np.testing.assert_array_equal(staged, default)
+
+
 def _model(tmp_path, dtype, seed=7):
     model = tiny_qwen3moe(seed, hidden=256, head_dim=128, top_k=4, n_experts=16, n_layers=3)
     return write_gguf(model, tmp_path / f"m-{dtype}.gguf", dtype)
