@@ -97,6 +97,20 @@ int main() {
 """
 
 
+def host_build(tmp_path, name: str, harness: str):
+    """A host program of decode.cu (the default build, the piece types only) and `harness`, built
+    with nvcc under -Werror."""
+    main = tmp_path / f"{name}.cu"
+    main.write_text('#include <cstdio>\n#include <cstring>\n#include <vector>\n'
+                    f'#include "{KERNEL_DIR / "decode.cu"}"\n' + harness)
+    exe = tmp_path / name
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
+                           few_types_option(tmp_path, PIECE_TYPES), "-o", str(exe), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return exe
+
+
 @needs_nvcc
 def test_piece_stage_layout_is_a_permutation_without_bank_conflicts(tmp_path):
     """piece_stage's layout of a round in shared memory (kernels/matvec_pieces.cuh stage_at): every
@@ -104,14 +118,7 @@ def test_piece_stage_layout_is_a_permutation_without_bank_conflicts(tmp_path):
     run whole, and the 8 lanes of a quarter-warp reading chunk k of their runs meet 8 different
     4-bank groups, for the low and high runs of Q4_K, Q5_K and Q6_K pieces (where the columns in
     place would meet 4 or 2)."""
-    main = tmp_path / "stage_layout.cu"
-    main.write_text('#include <cstdio>\n'
-                    f'#include "{KERNEL_DIR / "decode.cu"}"\n' + STAGE_LAYOUT)
-    exe = tmp_path / "stage_layout"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
-                           few_types_option(tmp_path, PIECE_TYPES), "-o", str(exe), str(main)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    exe = host_build(tmp_path, "stage_layout", STAGE_LAYOUT)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout
     assert out.stdout.split() == ["conflicts", "0", "0", "0"], out.stdout
@@ -123,18 +130,10 @@ def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
     dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte aligned) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
-    decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""
+    decode.cu's default (matvec_pieces=1; its kernels compiled for sm_90 as well)."""
     from quant_rows import random_rows
     from gguf import GGMLQuantizationType as QT
-    main = tmp_path / "pieces.cu"
-    main.write_text('#include <cstdio>\n#include <cstring>\n#include <vector>\n'
-                    f'#include "{KERNEL_DIR / "decode.cu"}"\n' + HARNESS)
-    exe = tmp_path / "pieces"
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
-                           *KernelShape.parse("matvec_pieces=1").defines(),
-                           few_types_option(tmp_path, PIECE_TYPES), "-o", str(exe), str(main)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    exe = host_build(tmp_path, "pieces", HARNESS)
     rng = np.random.default_rng(5)
     for qtype in (QT(t) for t in PIECE_TYPES):
         for ncols in (768, 4096):
