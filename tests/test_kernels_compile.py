@@ -205,7 +205,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_ff_per_warp=2,int_down_per_warp=4",
         "matvec_pieces=0,matvec_threads=128", "matvec_pieces=0,matvec_accs=64",
-        "piece_stage=1")),
+        "piece_stage=1", "piece_ahead=1")),
     # the tensor-core matvec's four paths: 32 or 16 columns a scale, with a min or without
     ("decode.cu", "matvec_mma=1,mma_threads=512", FEW_TYPES + (Q2_K,)),
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
@@ -266,17 +266,20 @@ def stack_allowed(kernel: str) -> int:
                          + [("decode.cu", "int_direct=0", INT_TYPES),
                             ("decode.cu", INT_OFF, INT_TYPES),
                             ("decode.cu", "matvec_pieces=0", FEW_TYPES),
-                            ("decode.cu", "piece_stage=1", FEW_TYPES)],
+                            ("decode.cu", "piece_stage=1", FEW_TYPES),
+                            ("decode.cu", "piece_ahead=1", FEW_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
                                                             "decode.cu-int_types-float_path",
                                                             "decode.cu-plain_matvecs",
-                                                            "decode.cu-piece_stage"])
+                                                            "decode.cu-piece_stage",
+                                                            "decode.cu-piece_ahead"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
     integer expert path's types (on in the default build) staged too, and on the float path; the
     plain K-quant matvecs (matvec_pieces=0); the staged pieces (piece_stage=1: Q4_K and Q6_K; its
-    8-row Q5_K build spills 80 bytes at 255 registers, ptxas -v, CUDA 13.0, 2026-12-07)."""
+    8-row Q5_K build spills 80 bytes at 255 registers, ptxas -v, CUDA 13.0, 2026-12-07); the
+    pieces loaded ahead (piece_ahead=1)."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])

@@ -165,3 +165,7 @@ def test_pieces_are_the_default_and_give_way_to_tensor_cores():
     assert KernelShape.parse("piece_stage=1").defines() == ("-DPIECE_STAGE=1",)
     with pytest.raises(ValueError, match="piece_stage=1 with matvec_pieces=0"):
         KernelShape.parse("piece_stage=1,matvec_pieces=0")
+    assert KernelShape.parse("piece_ahead=1").defines() == ("-DPIECE_AHEAD=1",)
+    for both in ("piece_ahead=1,piece_stage=1", "piece_ahead=1,matvec_pieces=0"):
+        with pytest.raises(ValueError, match="piece_ahead=1 with matvec_pieces="):
+            KernelShape.parse(both)

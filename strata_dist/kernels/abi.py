@@ -93,7 +93,9 @@ class KernelShape:
     PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a time
     (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1` alone
     implies `=0`). `piece_stage` (default 0; not yet measured) has a pieces block copy each
-    round's activation columns into shared memory once, read there by its lanes (the same bits).
+    round's activation columns into shared memory once, read there by its lanes (the same bits);
+    `piece_ahead` (default 0; not yet measured) has a lane of a one-row pieces matvec load its
+    next pieces before it sums the ones it holds (the same bits).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -121,6 +123,7 @@ class KernelShape:
     mma_threads: int = BLOCK_THREADS
     matvec_pieces: int = 1
     piece_stage: int = 0
+    piece_ahead: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -131,9 +134,11 @@ class KernelShape:
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
-              "matvec_pieces": "MATVEC_PIECES", "piece_stage": "PIECE_STAGE"}
+              "matvec_pieces": "MATVEC_PIECES", "piece_stage": "PIECE_STAGE",
+              "piece_ahead": "PIECE_AHEAD"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces", "piece_stage")
+                *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces", "piece_stage",
+                "piece_ahead")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -188,6 +193,10 @@ class KernelShape:
             raise ValueError(f"kernel shape piece_stage={self.piece_stage} with matvec_pieces="
                              f"{self.matvec_pieces}: piece_stage stages the pieces' activations; "
                              f"there are no pieces")
+        if self.piece_ahead and (self.piece_stage or not self.matvec_pieces):
+            raise ValueError(f"kernel shape piece_ahead={self.piece_ahead} with matvec_pieces="
+                             f"{self.matvec_pieces}, piece_stage={self.piece_stage}: piece_ahead "
+                             f"is the in-place pieces loop's (matvec_pieces=1, piece_stage=0)")
         if self.matvec_mma and self.matvec_pieces:
             raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
                              f"{self.matvec_pieces}: both take the K-quant matvecs; pick one")

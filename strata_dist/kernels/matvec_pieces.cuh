@@ -27,6 +27,9 @@
 #ifndef PIECE_STAGE
 #define PIECE_STAGE 0        // 1: a block stages each round's activations in shared memory (below)
 #endif
+#ifndef PIECE_AHEAD
+#define PIECE_AHEAD 0        // 1: at one row a lane loads its next pieces before it sums these
+#endif
 #define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
 
@@ -209,6 +212,13 @@ __device__ __forceinline__ void stage_round(float (*stage)[STAGE_FLOATS], float*
     }
 }
 
+// piece t (super-block t / 8, piece t % 8) of each of a warp's PIECE_ROWS weight rows
+template <int T>
+__device__ __forceinline__ void load_pieces(KPiece<T>* w, const u8* const* rows, int t) {
+    #pragma unroll
+    for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)(t >> 3) * block_bytes(T), t & 7);
+}
+
 // matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
 // n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
 // Warp w of block b takes rows (b * warps + w) * PIECE_ROWS ..; lane l the pieces l, l + 32, ...
@@ -279,11 +289,18 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         }
     }
 #else
+    // PIECE_AHEAD (one row): a lane's next pieces are in flight while it sums these, so two of its
+    // iterations' loads wait on memory at once, not one; the same sums in the same order. (Built
+    // without it, the loop's loads wait for memory at every iteration: a lane of the o
+    // projection has 4, of q + k 2, and a block of 16 rows leaves an SM one or two blocks.)
+    constexpr bool ahead = PIECE_AHEAD && N == 1;   // at 2 rows: 255 registers and a spill
+    KPiece<T> w[PIECE_ROWS];
+    if (ahead && lane < pieces) load_pieces<T>(w, rows, lane);
     for (int t = lane; t < pieces; t += 32) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
-        KPiece<T> w[PIECE_ROWS];
-        #pragma unroll
-        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
+        KPiece<T> next[PIECE_ROWS];
+        if constexpr (!ahead) load_pieces<T>(w, rows, t);
+        else if (t + 32 < pieces) load_pieces<T>(next, rows, t + 32);
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
@@ -309,6 +326,12 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             #pragma unroll
             for (int r = 0; r < PIECE_ROWS; ++r)
                 acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
+        }
+        if constexpr (ahead) {
+            if (t + 32 < pieces) {
+                #pragma unroll
+                for (int r = 0; r < PIECE_ROWS; ++r) w[r] = next[r];
+            }
         }
     }
 #endif
