@@ -71,7 +71,9 @@ class KernelShape:
     `int_gate_up` / `int_down` (on: measured faster, docs/BENCHMARKS.md): Q4_K experts take the
     integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the
     stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
-    (`int_direct`: rows read from device memory by the lanes instead of staged); the float path
+    (`int_direct`: rows read from device memory by the lanes instead of staged;
+    `int_down_ahead` 1, 2 or 4: the (row, unit) pairs of moe_down a lane reading in place loads
+    before its first dot, default 1, not yet measured; the same bits); the float path
     (every other type, and a block the integer path cannot take) takes `ff_per_block` /
     `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` / `int_q2_k`
     (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too, and
@@ -110,6 +112,7 @@ class KernelShape:
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
+    int_down_ahead: int = 1
     int_q5_k: int = 1
     int_q6_k: int = 1
     int_q3_k: int = 1
@@ -130,7 +133,7 @@ class KernelShape:
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
-              "int_direct": "INT_DIRECT",
+              "int_direct": "INT_DIRECT", "int_down_ahead": "INT_DOWN_AHEAD",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
@@ -177,6 +180,9 @@ class KernelShape:
             v = getattr(self, name)
             if not 1 <= v <= 4:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..4")
+        if self.int_down_ahead not in (1, 2, 4):
+            raise ValueError(f"kernel shape int_down_ahead={self.int_down_ahead}: expected 1, 2 "
+                             f"or 4")
         if self.matvec_threads not in (128, BLOCK_THREADS):
             raise ValueError(f"kernel shape matvec_threads={self.matvec_threads}: expected 128 or "
                              f"{BLOCK_THREADS}")

@@ -77,6 +77,11 @@
 #ifndef INT_DIRECT
 #define INT_DIRECT 1        // Q4_K rows read by each lane from device memory, not staged (below)
 #endif
+#ifndef INT_DOWN_AHEAD
+#define INT_DOWN_AHEAD 1    // (row, unit) pairs of moe_down a lane reading in place loads at once
+#endif
+static_assert(INT_DOWN_AHEAD == 1 || INT_DOWN_AHEAD == 2 || INT_DOWN_AHEAD == 4,
+              "INT_DOWN_AHEAD is 1, 2 or 4");
 #define INT_WARPS (BLOCK_THREADS / 32)
 #define INT_FF_BLOCK (INT_WARPS * INT_FPW)      // f of one moe_gate_up block (kernels/abi.py)
 #define INT_DOWN_BLOCK (INT_WARPS * INT_DPW)    // d of one moe_down block
@@ -251,6 +256,29 @@ HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
     return k_pair_dot(head, u & 3, lo, hi, f);
 }
 
+// A Q4_K unit's 48 bytes as loaded (its super-block's head, then its 32 bytes of nibbles), so a
+// lane can load several units before it takes the first one's dot (moe_down_int's INT_DOWN_AHEAD:
+// the dot's branches keep the compiler from moving a later unit's loads above it)
+struct Q4KRaw {
+    uint4 head, a, b;
+};
+HOST_DEVICE Q4KRaw q4_k_raw(const u8* __restrict__ row, int u) {
+    const u8* blk = row + (u >> 2) * 144;
+    const uint4* q = reinterpret_cast<const uint4*>(blk + 16 + 32 * (u & 3));
+    return Q4KRaw{*reinterpret_cast<const uint4*>(blk), q[0], q[1]};
+}
+// q4_k_unit_dot of a unit loaded by q4_k_raw: the same operations, so the same bits
+HOST_DEVICE float q4_k_raw_dot(const Q4KRaw& r, int u, const XFrag& f) {
+    const u32 w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+    u32 lo[8], hi[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        lo[j] = w[j] & 0x0F0F0F0Fu;
+        hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
+    }
+    return k_pair_dot(r.head, u & 3, lo, hi, f);
+}
+
 #include "experts_int_iq.cuh"   // iq4_xs_unit_dot, iq3_s_unit_dot, iq2_xxs_unit_dot
 #include "experts_int_k.cuh"    // q5_k_unit_dot, q6_k_unit_dot, q3_k_unit_dot, q2_k_unit_dot
 
@@ -408,14 +436,46 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
                 __syncwarp();
             }
             const int pairs = (min(k, r0 + group) - r0) * units;
-            for (int t = lane; t < pairs; t += 32) {
-                const int rr = t / units, u = t - rr * units;
-                XFrag xf;
-                load_xfrag(xf, q, (r0 + rr) * units + u);
-                const u8* row = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at +
-                                         d * rb
-                                       : st + rr * rb;
-                acc += int_unit_dot<T>(row, u, xf);
+            // INT_DOWN_AHEAD pairs a lane at once (read in place): their dots are one basic block,
+            // a pair past the end repeating the last and its dot dropped, so the loads of all of
+            // them go out before the first dot waits (one pair at a time, each pair's blob
+            // address, then its row's bytes, then its dot wait in turn: a lane has 3 pairs at
+            // k = 8, n_ff = 768). The dots are added in pair order either way: the same bits.
+            constexpr int AHEAD = direct ? INT_DOWN_AHEAD : 1;
+            for (int t0 = lane; t0 < pairs; t0 += 32 * AHEAD) {
+                const u8* row[AHEAD];         // every pair's row first: the blob addresses' loads
+                int unit[AHEAD], at[AHEAD];
+                #pragma unroll
+                for (int j = 0; j < AHEAD; ++j) {
+                    const int t = min(t0 + 32 * j, pairs - 1);
+                    const int rr = t / units;
+                    unit[j] = t - rr * units;
+                    at[j] = (r0 + rr) * units + unit[j];
+                    row[j] = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at + d * rb
+                                    : st + rr * rb;
+                }
+                float dot[AHEAD];
+                if constexpr (T == T_Q4_K && AHEAD > 1) {     // every unit's bytes, then the dots
+                    Q4KRaw raw[AHEAD];
+                    #pragma unroll
+                    for (int j = 0; j < AHEAD; ++j) raw[j] = q4_k_raw(row[j], unit[j]);
+                    #pragma unroll
+                    for (int j = 0; j < AHEAD; ++j) {
+                        XFrag xf;
+                        load_xfrag(xf, q, at[j]);
+                        dot[j] = q4_k_raw_dot(raw[j], unit[j], xf);
+                    }
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < AHEAD; ++j) {
+                        XFrag xf;
+                        load_xfrag(xf, q, at[j]);
+                        dot[j] = int_unit_dot<T>(row[j], unit[j], xf);
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < AHEAD; ++j)
+                    if (t0 + 32 * j < pairs) acc += dot[j];
             }
             if (!direct) __syncwarp();              // every lane read the stage before the next
         }
