@@ -442,8 +442,9 @@ def test_down_ahead_changes_no_bit(qtype, ahead):
         host[e * stride:e * stride + raw.nbytes] = raw.reshape(-1)
     buf = cp.asarray(host)
     blob_of = np.array([int(buf.data.ptr) + e * stride for e in range(n_expert)], np.uint64)
+    blob_table = cp.asarray(blob_of)         # held: the spec points at it
     spec = cd._spec_array(EXPERT_SPEC, [dict(
-        blob_of=int(cp.asarray(blob_of).data.ptr), up_at=0, down_at=0, gate_row_bytes=0,
+        blob_of=int(blob_table.data.ptr), up_at=0, down_at=0, gate_row_bytes=0,
         up_row_bytes=0, down_row_bytes=row_bytes, gate_type=int(qtype), up_type=int(qtype),
         down_type=int(qtype), n_ff=n_ff, n_embd=n_embd, k=k)])
     rng = np.random.default_rng(3)
