@@ -426,50 +426,6 @@ def test_a_missing_expert_reads_as_nan(qtype, shape):
     assert np.isnan(h).all()
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ3_S], ids=lambda t: t.name)
-@pytest.mark.parametrize("ahead", [2, 4])
-def test_down_ahead_changes_no_bit(qtype, ahead):
-    """int_down_ahead loads a lane's next (row, unit) pairs of the integer moe_down before its
-    first dot and adds their dots in the same order: its h is the default build's bit for bit, at
-    the Qwen3-30B-A3B expert shape (k = 8 rows of n_ff = 768: 96 pairs, 3 a lane, so a lane's
-    pairs end part way through a group of 2 and of 4), one row and three, and near float64."""
-    n_ff, n_embd, k, n_expert = 768, 512, 8, 12
-    downs = [random_rows(qtype, n_embd, n_ff, 40 + e) for e in range(n_expert)]
-    row_bytes = downs[0][0].nbytes // n_embd
-    stride = (downs[0][0].nbytes + 255) // 256 * 256
-    host = np.zeros(stride * n_expert, np.uint8)
-    for e, (raw, _) in enumerate(downs):
-        host[e * stride:e * stride + raw.nbytes] = raw.reshape(-1)
-    buf = cp.asarray(host)
-    blob_of = np.array([int(buf.data.ptr) + e * stride for e in range(n_expert)], np.uint64)
-    blob_table = cp.asarray(blob_of)         # held: the spec points at it
-    spec = cd._spec_array(EXPERT_SPEC, [dict(
-        blob_of=int(blob_table.data.ptr), up_at=0, down_at=0, gate_row_bytes=0,
-        up_row_bytes=0, down_row_bytes=row_bytes, gate_type=int(qtype), up_type=int(qtype),
-        down_type=int(qtype), n_ff=n_ff, n_embd=n_embd, k=k)])
-    rng = np.random.default_rng(3)
-    for n in (1, 3):
-        ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n)])
-        blobs = cp.asarray(blob_of[ids])
-        act = rng.standard_normal((n, k, n_ff)).astype(np.float32)
-        wts = rng.random((n, k)).astype(np.float32)
-        h0 = rng.standard_normal((n, n_embd)).astype(np.float32)
-        outs = []
-        for text in ("", f"int_down_ahead={ahead}"):
-            shape = KernelShape.parse(text)
-            out = shape.down_block(int(qtype))
-            h = cp.asarray(h0)
-            _kernel(f"moe_down_{qtype.name.lower()}", shape)(
-                ((n_embd + out - 1) // out, n), (BLOCK_THREADS,),
-                (spec, cp.asarray(act), blobs, cp.asarray(wts), h))
-            outs.append(cp.asnumpy(h))
-        np.testing.assert_array_equal(outs[1], outs[0])
-        want = h0.astype(np.float64) + np.stack([
-            sum(wts[i, r] * (downs[ids[i, r]][1].astype(np.float64) @ act[i, r])
-                for r in range(k)) for i in range(n)])
-        np.testing.assert_allclose(outs[1], want, rtol=1e-3, atol=1e-3 * np.abs(want - h0).max())
-
-
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 300, 1000])
 @pytest.mark.parametrize("chunk", [64, 256])
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])

@@ -62,6 +62,13 @@ def test_kernel_shape_parses_and_refuses():
     # int_down_ahead changes no grid (the same rows a block, a lane's pairs loaded sooner)
     shape = KernelShape.parse("int_down_ahead=4")
     assert shape.defines() == ("-DINT_DOWN_AHEAD=4",) and shape.down_block(Q4_K) == 8
+    # int_gate_up_group: the integer types read in place (i-quants whatever int_direct says)
+    shape = KernelShape.parse("int_gate_up_group=8")
+    assert shape.defines() == ("-DINT_GATE_UP_GROUP=8",) and shape.gate_up_block(Q4_K) == 16
+    assert shape.gate_up_grouped(Q4_K) and not shape.gate_up_grouped(Q8_0) and \
+        not KernelShape().gate_up_grouped(Q4_K)
+    staged = KernelShape.parse("int_gate_up_group=4,int_direct=0")
+    assert not staged.gate_up_grouped(Q4_K) and staged.gate_up_grouped(IQ3_S)
     # the dense matvecs' integer path, deleted after it measured slower, is refused with why
     with pytest.raises(ValueError, match="int_matvec was removed on 2026-12-06"):
         KernelShape.parse("int_matvec=1")
@@ -69,7 +76,8 @@ def test_kernel_shape_parses_and_refuses():
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
-                "int_matvec=0", "int_down_ahead=3", "int_down_ahead=0"):
+                "int_matvec=0", "int_down_ahead=3", "int_down_ahead=0",
+                "int_gate_up_group=3", "int_gate_up_group=16"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -143,7 +151,7 @@ def test_gdn_launches_of_the_qwen3_next_geometry_and_a_refusal():
     """gated_delta.cuh's launches for Qwen3-Next-80B's linear layers (16 key heads and 32 value
     heads of 128): a block a key head of channels for the conv, a block of 1,024 threads a value
     head for the delta rule; a key head narrower than a warp is refused, naming it."""
-    from strata_dist.kernels.abi import gdn_launch
+    from strata_dist.kernels.gdn_launch import gdn_launch
     got = gdn_launch(n_v=32, head_k=128, head_v=128, conv_dim=2 * 16 * 128 + 32 * 128)
     assert (got.conv_blocks, got.conv_threads, got.delta_blocks, got.delta_threads) == \
         (64, 128, 32, 1024)
@@ -188,7 +196,8 @@ def built_kernel_names(source: str, types=None) -> list[str]:
     for t, name in TYPE_NAMES.items():
         if types is not None and t not in types:
             left_out |= {f"matvec_{name}_{n}" for n in MATVEC_ROWS}
-            left_out |= {f"{kind}{mma}_{name}" for kind in ("moe_gate_up", "moe_down",
+            left_out |= {f"{kind}{mma}_{name}" for kind in ("moe_gate_up", "moe_gate_up_group",
+                                                           "moe_down",
                                                            "moe_gate_up_rows", "moe_down_rows")
                          for mma in ("", "_mma")}
     return [k for k in source_kernel_names(source) if k not in left_out]
@@ -210,6 +219,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
         "matvec_pieces=0,matvec_threads=128", "matvec_pieces=0,matvec_accs=64",
         "piece_stage=1", "piece_ahead=1")),
     ("decode.cu", "int_down_ahead=4", INT_TYPES),
+    ("decode.cu", "int_gate_up_group=8", INT_TYPES),
     # the tensor-core matvec's four paths: 32 or 16 columns a scale, with a min or without
     ("decode.cu", "matvec_mma=1,mma_threads=512", FEW_TYPES + (Q2_K,)),
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
@@ -272,13 +282,15 @@ def stack_allowed(kernel: str) -> int:
                             ("decode.cu", "matvec_pieces=0", FEW_TYPES),
                             ("decode.cu", "piece_stage=1", FEW_TYPES),
                             ("decode.cu", "piece_ahead=1", FEW_TYPES),
-                            ("decode.cu", "int_down_ahead=4", INT_TYPES)],
+                            ("decode.cu", "int_down_ahead=4", INT_TYPES),
+                            ("decode.cu", "int_gate_up_group=8", INT_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
                                                             "decode.cu-int_types-float_path",
                                                             "decode.cu-plain_matvecs",
                                                             "decode.cu-piece_stage",
                                                             "decode.cu-piece_ahead",
-                                                            "decode.cu-int_down_ahead"])
+                                                            "decode.cu-int_down_ahead",
+                                                            "decode.cu-int_gate_up_group"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
@@ -286,7 +298,7 @@ def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     plain K-quant matvecs (matvec_pieces=0); the staged pieces (piece_stage=1: Q4_K and Q6_K; its
     8-row Q5_K build spills 80 bytes at 255 registers, ptxas -v, CUDA 13.0, 2026-12-07); the
     pieces loaded ahead (piece_ahead=1); the integer moe_down's pairs loaded ahead
-    (int_down_ahead=4, every integer type)."""
+    (int_down_ahead=4, every integer type); the grouped moe_gate_up (int_gate_up_group=8)."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])
@@ -380,8 +392,8 @@ def test_row_kernel_shared_memory_matches_the_host(tmp_path):
 @needs_nvcc
 def test_prompt_gdn_constants_match_the_host(tmp_path):
     """gdn_prompt.cu's lanes, convolution bound and columns a block are the ones the host checks
-    a geometry against and sizes its grids by (kernels/abi.py gdn_rows_launch)."""
-    from strata_dist.kernels.abi import GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K
+    a geometry against and sizes its grids by (kernels/gdn_launch.py gdn_rows_launch)."""
+    from strata_dist.kernels.gdn_launch import GDN_COLUMNS_PER_BLOCK, GDN_LANE_ROWS, GDN_MAX_K
     got = _host_print(tmp_path, "gdn_prompt.cu", '"%d %d %d", GDN_LANE_ROWS, GDN_MAX_K, '
                                                  'GDN_COLUMNS_PER_BLOCK')
     assert got == f"{GDN_LANE_ROWS} {GDN_MAX_K} {GDN_COLUMNS_PER_BLOCK}"

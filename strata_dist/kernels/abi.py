@@ -52,6 +52,9 @@ WARPS = BLOCK_THREADS // 32
 # its row here, its field on KernelShape, its unit dot and its line in int_type.
 INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K,
                      "int_iq4_xs": IQ4_XS, "int_iq3_s": IQ3_S, "int_iq2_xxs": IQ2_XXS}
+# the integer-path types whose rows are read in place whatever int_direct says (experts_int.cuh
+# int_in_place)
+INT_IN_PLACE = frozenset({IQ4_XS, IQ3_S, IQ2_XXS})
 # the types matvec_mma puts on tensor cores -> the columns of one scale (matvec_mma.cuh
 # mma_scale_cols; every other type keeps the plain matvec in that build)
 MMA_SCALE_COLS = {**dict.fromkeys((F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
@@ -73,7 +76,10 @@ class KernelShape:
     stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
     (`int_direct`: rows read from device memory by the lanes instead of staged;
     `int_down_ahead` 1, 2 or 4: the (row, unit) pairs of moe_down a lane reading in place loads
-    before its first dot, default 1, not yet measured; the same bits); the float path
+    before its first dot, default 1, not yet measured; the same bits; `int_gate_up_group` 1, 2, 4
+    or 8: the pairs of one expert a block of a batched step's moe_gate_up_group takes, the
+    expert's rows read once for them, default 1 (off), not yet measured; the same bits); the float
+    path
     (every other type, and a block the integer path cannot take) takes `ff_per_block` /
     `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` / `int_q2_k`
     (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too, and
@@ -113,6 +119,7 @@ class KernelShape:
     int_down_per_warp: int = 1
     int_direct: int = 1
     int_down_ahead: int = 1
+    int_gate_up_group: int = 1
     int_q5_k: int = 1
     int_q6_k: int = 1
     int_q3_k: int = 1
@@ -134,6 +141,7 @@ class KernelShape:
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
               "int_direct": "INT_DIRECT", "int_down_ahead": "INT_DOWN_AHEAD",
+              "int_gate_up_group": "INT_GATE_UP_GROUP",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
@@ -183,6 +191,9 @@ class KernelShape:
         if self.int_down_ahead not in (1, 2, 4):
             raise ValueError(f"kernel shape int_down_ahead={self.int_down_ahead}: expected 1, 2 "
                              f"or 4")
+        if self.int_gate_up_group not in (1, 2, 4, 8):
+            raise ValueError(f"kernel shape int_gate_up_group={self.int_gate_up_group}: expected "
+                             f"1, 2, 4 or 8")
         if self.matvec_threads not in (128, BLOCK_THREADS):
             raise ValueError(f"kernel shape matvec_threads={self.matvec_threads}: expected 128 or "
                              f"{BLOCK_THREADS}")
@@ -221,6 +232,14 @@ class KernelShape:
         int_type): Q4_K, and each type of INT_TYPE_SWITCHES whose switch is on."""
         return frozenset({Q4_K} | {t for name, t in INT_TYPE_SWITCHES.items()
                                    if getattr(self, name)})
+
+    def gate_up_grouped(self, ggml_type: int) -> bool:
+        """Whether a batched step's moe_gate_up for experts stored as `ggml_type` groups the
+        pairs of one expert (moe_gate_up_group_<type>: int_gate_up_group > 1, the type on the
+        integer path and read in place, experts_int.cuh int_direct)."""
+        return (self.int_gate_up_group > 1 and self.int_gate_up == 1
+                and ggml_type in self.int_types()
+                and (self.int_direct == 1 or ggml_type in INT_IN_PLACE))
 
     def gate_up_block(self, ggml_type: int) -> int:
         """Expert rows f of one moe_gate_up block for experts stored as `ggml_type` (the integer
@@ -372,70 +391,8 @@ def default_attn_heads(group: int, chunk: int) -> int:
     return 2 if group % 2 == 0 and chunk <= 128 else group
 
 
-@dataclass(frozen=True)
-class GdnLaunch:
-    """How gated_delta.cuh's two kernels are launched for a linear layer's geometry (the decode
-    graph's steps and the prompt path's chunks alike: both take the rows in order)."""
-    conv_blocks: int      # gdn_conv_step: a block of a key head's width of channels
-    conv_threads: int
-    delta_blocks: int     # gdn_delta_step: a block a value head
-    delta_threads: int    # a thread per GDN_ROWS rows of a state column
-    delta_shared: int     # bytes of dynamic shared memory: q and k of a row, a partial per thread
-
-
-def gdn_launch(n_v: int, head_k: int, head_v: int, conv_dim: int) -> GdnLaunch:
-    """The launches for `n_v` value heads of head_k x head_v state over `conv_dim` channels;
-    ValueError naming the geometry when the kernels cannot take it (a key head must be whole warps
-    of at most 1,024 channels, a state at most 1,024 threads of GDN_ROWS rows)."""
-    threads = head_k * head_v // GDN_ROWS
-    if (head_k % 32 or head_k > 1024 or head_k % GDN_ROWS or conv_dim % head_k
-            or threads % 32 or threads > 1024):
-        raise ValueError(f"linear-attention heads of {head_k} x {head_v} over {conv_dim} "
-                         f"channels (the GDN kernels take key heads of whole warps up to 1,024 "
-                         f"and states of up to {1024 * GDN_ROWS} values)")
-    return GdnLaunch(conv_dim // head_k, head_k, n_v, threads, (2 * head_k + threads) * 4)
-
-
-GDN_LANE_ROWS = 4           # rows of a state column a gdn_delta_rows lane holds (gdn_prompt.cu)
-GDN_MAX_K = 8               # the longest convolution gdn_conv_tail takes
-GDN_COLUMNS_PER_BLOCK = 4   # gdn_delta_rows: a warp a state column
-GDN_TAIL_THREADS = 256
+# gdn_prompt.cu's kernels (their launches: kernels/gdn_launch.py)
 GDN_ROWS_KERNELS = ("gdn_conv_rows", "gdn_conv_tail", "gdn_delta_rows", "gdn_gated_norm_rows")
-
-
-@dataclass(frozen=True)
-class GdnRowsLaunch:
-    """How gdn_prompt.cu's four kernels are launched over a chunk's n rows (grids (x, n) where
-    the rows are independent)."""
-    conv_blocks: int      # gdn_conv_rows: grid (conv_blocks, n), a key head's width of channels
-    conv_threads: int
-    tail_blocks: int      # gdn_conv_tail: GDN_TAIL_THREADS channels a block
-    delta_blocks: int     # gdn_delta_rows: GDN_COLUMNS_PER_BLOCK warps, a warp a state column
-    norm_blocks: int      # gdn_gated_norm_rows: grid (n_v, n), head_v threads
-    norm_threads: int
-
-    def launch(self, kernel, spec, n: int) -> None:
-        """The four launches in order; `kernel(name)` gives the function."""
-        i32 = np.int32
-        kernel("gdn_conv_rows")((self.conv_blocks, n), (self.conv_threads,), (spec, i32(n)))
-        kernel("gdn_conv_tail")((self.tail_blocks,), (GDN_TAIL_THREADS,), (spec, i32(n)))
-        kernel("gdn_delta_rows")(
-            (self.delta_blocks,), (32 * GDN_COLUMNS_PER_BLOCK,), (spec, i32(n)))
-        kernel("gdn_gated_norm_rows")((self.norm_blocks, n), (self.norm_threads,), (spec, i32(n)))
-
-
-def gdn_rows_launch(n_v: int, head_k: int, head_v: int, conv_dim: int, K: int) -> GdnRowsLaunch:
-    """The prompt kernels' launches for a linear layer's geometry; ValueError naming it when they
-    cannot take it (key heads of whole warps up to 32 GDN_LANE_ROWS, value heads of whole warps
-    up to 1,024, a convolution of at most GDN_MAX_K)."""
-    if (head_k % 32 or head_k > 32 * GDN_LANE_ROWS or head_v % 32 or head_v > 1024
-            or conv_dim % head_k or not 1 <= K <= GDN_MAX_K):
-        raise ValueError(f"linear-attention heads of {head_k} x {head_v} over {conv_dim} "
-                         f"channels, convolution {K} (the prompt's GDN kernels take key heads of "
-                         f"whole warps up to {32 * GDN_LANE_ROWS}, value heads of whole warps up "
-                         f"to 1,024 and convolutions up to {GDN_MAX_K})")
-    return GdnRowsLaunch(conv_dim // head_k, head_k, -(-conv_dim // GDN_TAIL_THREADS),
-                         -(-n_v * head_v // GDN_COLUMNS_PER_BLOCK), n_v, head_v)
 
 
 # The attention partials are a decode step's only buffer that grows with the context. The runner
@@ -492,7 +449,8 @@ def kernel_names() -> list[str]:
     names += [attn_kernel(g, kv, head_dim=256) + ring for g in ATTN_GROUPS
               for kv in ("f16", "q8_0") for ring in ("", "_ring")]
     for t in TYPE_NAMES.values():
-        names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
+        names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS]
+        names += [f"moe_gate_up_{t}", f"moe_gate_up_group_{t}", f"moe_down_{t}"]
     return names
 
 

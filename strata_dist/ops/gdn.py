@@ -18,7 +18,8 @@ except ImportError:   # the decode graph's launchers need none: backends/graph_o
     cp = None         # them where CuPy is not (tests/test_model_interface.py reads its ops)
 
 from ..compute_options import fall_back
-from ..kernels.abi import GDN_SPEC, GdnLaunch, gdn_launch
+from ..kernels.abi import GDN_SPEC
+from ..kernels.gdn_launch import GdnLaunch, gdn_launch
 from .expert_addresses import Unsupported
 from .guards import MAX_GRID_Y, decode_defines, first_failed
 from .tables import spec_array
@@ -79,7 +80,7 @@ def prompt_gdn(backend, mode: str, kernel_shape: str, g, w, qkv, z, ba, conv, st
     `kernel_shape`: decode.cu's build, the decode graph's). None (the blocked array path, the
     reason logged once) for a geometry the kernels do not take."""
     from ..kernels import function
-    from ..kernels.abi import gdn_rows_launch
+    from ..kernels.gdn_launch import gdn_rows_launch
     n = int(qkv.shape[0])
     path = f"the linear layers' kernels of a prompt chunk (gdn_kernels={mode})"
     try:

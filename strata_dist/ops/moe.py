@@ -377,9 +377,11 @@ def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     gate_up, down = spec["expert_types"]
     gate_codes, down_codes = spec["expert_codes"]
     ff, out = shape.gate_up_block(gate_codes), shape.down_block(down_codes)
-    f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                (BLOCK_THREADS,),
-                                (spec["experts"], routed, graph.blobs, graph.act))
+    # a batched step's pairs of one expert share its rows' reads (KernelShape int_gate_up_group)
+    group = "group_" if n > 1 and shape.gate_up_grouped(gate_codes) else ""
+    f(f"moe_gate_up_{group}{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                       (BLOCK_THREADS,),
+                                       (spec["experts"], routed, graph.blobs, graph.act))
     f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                           (spec["experts"], graph.act, graph.blobs, graph.wts, h))
 
