@@ -59,25 +59,18 @@ def test_kernel_shape_parses_and_refuses():
                                                            IQ2_XXS}
     assert (shape.gate_up_block(Q5_K), shape.down_block(Q5_K)) == (16, DOWN_PER_BLOCK)
     assert KernelShape.parse("matvec_threads=128").defines() == ("-DMATVEC_THREADS=128",)
-    # int_down_ahead changes no grid (the same rows a block, a lane's pairs loaded sooner)
-    shape = KernelShape.parse("int_down_ahead=4")
-    assert shape.defines() == ("-DINT_DOWN_AHEAD=4",) and shape.down_block(Q4_K) == 8
-    # int_gate_up_group: the integer types read in place (i-quants whatever int_direct says)
-    shape = KernelShape.parse("int_gate_up_group=8")
-    assert shape.defines() == ("-DINT_GATE_UP_GROUP=8",) and shape.gate_up_block(Q4_K) == 16
-    assert shape.gate_up_grouped(Q4_K) and not shape.gate_up_grouped(Q8_0) and \
-        not KernelShape().gate_up_grouped(Q4_K)
-    staged = KernelShape.parse("int_gate_up_group=4,int_direct=0")
-    assert not staged.gate_up_grouped(Q4_K) and staged.gate_up_grouped(IQ3_S)
-    # the dense matvecs' integer path, deleted after it measured slower, is refused with why
+    # the dense matvecs' integer path, deleted after it measured slower, is refused with why; so
+    # are the builds measured and deleted on 2026-12-07
     with pytest.raises(ValueError, match="int_matvec was removed on 2026-12-06"):
         KernelShape.parse("int_matvec=1")
+    for gone in ("piece_stage", "piece_ahead", "int_down_ahead", "int_gate_up_group"):
+        with pytest.raises(ValueError, match=f"{gone} was removed on 2026-12-07"):
+            KernelShape.parse(f"{gone}=1")
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
-                "int_matvec=0", "int_down_ahead=3", "int_down_ahead=0",
-                "int_gate_up_group=3", "int_gate_up_group=16"):
+                "int_matvec=0"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -196,8 +189,7 @@ def built_kernel_names(source: str, types=None) -> list[str]:
     for t, name in TYPE_NAMES.items():
         if types is not None and t not in types:
             left_out |= {f"matvec_{name}_{n}" for n in MATVEC_ROWS}
-            left_out |= {f"{kind}{mma}_{name}" for kind in ("moe_gate_up", "moe_gate_up_group",
-                                                           "moe_down",
+            left_out |= {f"{kind}{mma}_{name}" for kind in ("moe_gate_up", "moe_down",
                                                            "moe_gate_up_rows", "moe_down_rows")
                          for mma in ("", "_mma")}
     return [k for k in source_kernel_names(source) if k not in left_out]
@@ -216,10 +208,7 @@ SHAPE_BUILDS = [(p.name, "", None) for p in sources()] + [
     *(("decode.cu", shape, FEW_TYPES) for shape in (
         "ff_per_block=8,down_per_block=2", "int_gate_up=0,int_down=0",
         "int_ff_per_warp=2,int_down_per_warp=4",
-        "matvec_pieces=0,matvec_threads=128", "matvec_pieces=0,matvec_accs=64",
-        "piece_stage=1", "piece_ahead=1")),
-    ("decode.cu", "int_down_ahead=4", INT_TYPES),
-    ("decode.cu", "int_gate_up_group=8", INT_TYPES),
+        "matvec_pieces=0,matvec_threads=128", "matvec_pieces=0,matvec_accs=64")),
     # the tensor-core matvec's four paths: 32 or 16 columns a scale, with a min or without
     ("decode.cu", "matvec_mma=1,mma_threads=512", FEW_TYPES + (Q2_K,)),
     # the integer path of every type it has (INT_TYPE_SWITCHES on, the default: the whole table's
@@ -279,26 +268,15 @@ def stack_allowed(kernel: str) -> int:
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
                          + [("decode.cu", "int_direct=0", INT_TYPES),
                             ("decode.cu", INT_OFF, INT_TYPES),
-                            ("decode.cu", "matvec_pieces=0", FEW_TYPES),
-                            ("decode.cu", "piece_stage=1", FEW_TYPES),
-                            ("decode.cu", "piece_ahead=1", FEW_TYPES),
-                            ("decode.cu", "int_down_ahead=4", INT_TYPES),
-                            ("decode.cu", "int_gate_up_group=8", INT_TYPES)],
+                            ("decode.cu", "matvec_pieces=0", FEW_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
                                                             "decode.cu-int_types-float_path",
-                                                            "decode.cu-plain_matvecs",
-                                                            "decode.cu-piece_stage",
-                                                            "decode.cu-piece_ahead",
-                                                            "decode.cu-int_down_ahead",
-                                                            "decode.cu-int_gate_up_group"])
+                                                            "decode.cu-plain_matvecs"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
     integer expert path's types (on in the default build) staged too, and on the float path; the
-    plain K-quant matvecs (matvec_pieces=0); the staged pieces (piece_stage=1: Q4_K and Q6_K; its
-    8-row Q5_K build spills 80 bytes at 255 registers, ptxas -v, CUDA 13.0, 2026-12-07); the
-    pieces loaded ahead (piece_ahead=1); the integer moe_down's pairs loaded ahead
-    (int_down_ahead=4, every integer type); the grouped moe_gate_up (int_gate_up_group=8)."""
+    plain K-quant matvecs (matvec_pieces=0)."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])

@@ -60,80 +60,24 @@ int main(int argc, char** argv) {
 """
 
 
-STAGE_LAYOUT = r"""
-// piece_stage's shared-memory layout (stage_at): each round's runs whole in a padded row, and the
-// lanes of a quarter-warp free of bank conflicts in every piece layout
-template <int T>
-static int quarter_warp_conflicts() {
-    int conflicts = 0;
-    for (int half = 0; half < 2; ++half)
-        for (int q = 0; q < 4; ++q)            // lanes 8 q .. 8 q + 7: super-block q of the round
-            for (int k = 0; k < 4; ++k) {      // the run's k-th 16-byte load
-                int used = 0;
-                for (int p = 0; p < 8; ++p) {
-                    const int c = 256 * q + piece_col<T>(p) + half * piece_hi(T) + 4 * k;
-                    const int group = (stage_at(c) >> 2) & 7;   // 4 banks of 4 bytes
-                    conflicts += (used >> group) & 1;
-                    used |= 1 << group;
-                }
-            }
-    return conflicts;
-}
-
-int main() {
-    int seen[STAGE_FLOATS / 4] = {0};
-    for (int c = 0; c < STAGE_COLS; c += 4) {
-        const int at = stage_at(c);
-        if (at % 4 != 0 || at < 0 || at + 4 > STAGE_FLOATS || at != stage_at(c & ~15) + (c & 15)) {
-            printf("column %d lies at %d: unaligned, outside the row or its run split\n", c, at);
-            return 1;
-        }
-        if (seen[at / 4]++) { printf("two columns at %d\n", at); return 1; }
-    }
-    printf("conflicts %d %d %d\n", quarter_warp_conflicts<T_Q4_K>(),
-           quarter_warp_conflicts<T_Q5_K>(), quarter_warp_conflicts<T_Q6_K>());
-    return 0;
-}
-"""
-
-
-def host_build(tmp_path, name: str, harness: str):
-    """A host program of decode.cu (the default build, the piece types only) and `harness`, built
-    with nvcc under -Werror."""
-    main = tmp_path / f"{name}.cu"
-    main.write_text('#include <cstdio>\n#include <cstring>\n#include <vector>\n'
-                    f'#include "{KERNEL_DIR / "decode.cu"}"\n' + harness)
-    exe = tmp_path / name
-    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
-                           few_types_option(tmp_path, PIECE_TYPES), "-o", str(exe), str(main)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return exe
-
-
-@needs_nvcc
-def test_piece_stage_layout_is_a_permutation_without_bank_conflicts(tmp_path):
-    """piece_stage's layout of a round in shared memory (kernels/matvec_pieces.cuh stage_at): every
-    16-byte chunk of the 1,024 columns lands once, aligned, inside the padded row, each 16-column
-    run whole, and the 8 lanes of a quarter-warp reading chunk k of their runs meet 8 different
-    4-bank groups, for the low and high runs of Q4_K, Q5_K and Q6_K pieces (where the columns in
-    place would meet 4 or 2)."""
-    exe = host_build(tmp_path, "stage_layout", STAGE_LAYOUT)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout
-    assert out.stdout.split() == ["conflicts", "0", "0", "0"], out.stdout
-
-
 @needs_nvcc
 def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
     """Random Q4_K, Q5_K and Q6_K rows (every 6-bit scale and min, both nibbles, every fifth bit, d and
     dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte aligned) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
-    decode.cu's default (matvec_pieces=1; its kernels compiled for sm_90 as well)."""
+    decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""
     from quant_rows import random_rows
     from gguf import GGMLQuantizationType as QT
-    exe = host_build(tmp_path, "pieces", HARNESS)
+    main = tmp_path / "pieces.cu"
+    main.write_text('#include <cstdio>\n#include <cstring>\n#include <vector>\n'
+                    f'#include "{KERNEL_DIR / "decode.cu"}"\n' + HARNESS)
+    exe = tmp_path / "pieces"
+    done = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-Werror", "all-warnings",
+                           *KernelShape.parse("matvec_pieces=1").defines(),
+                           few_types_option(tmp_path, PIECE_TYPES), "-o", str(exe), str(main)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     rng = np.random.default_rng(5)
     for qtype in (QT(t) for t in PIECE_TYPES):
         for ncols in (768, 4096):
@@ -162,10 +106,3 @@ def test_pieces_are_the_default_and_give_way_to_tensor_cores():
     assert KernelShape.parse("matvec_mma=1").defines() == ("-DMATVEC_MMA=1", "-DMATVEC_PIECES=0")
     with pytest.raises(ValueError, match="matvec_mma=1 with matvec_pieces=1"):
         KernelShape.parse("matvec_mma=1,matvec_pieces=1")
-    assert KernelShape.parse("piece_stage=1").defines() == ("-DPIECE_STAGE=1",)
-    with pytest.raises(ValueError, match="piece_stage=1 with matvec_pieces=0"):
-        KernelShape.parse("piece_stage=1,matvec_pieces=0")
-    assert KernelShape.parse("piece_ahead=1").defines() == ("-DPIECE_AHEAD=1",)
-    for both in ("piece_ahead=1,piece_stage=1", "piece_ahead=1,matvec_pieces=0"):
-        with pytest.raises(ValueError, match="piece_ahead=1 with matvec_pieces="):
-            KernelShape.parse(both)

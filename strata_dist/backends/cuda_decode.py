@@ -260,8 +260,8 @@ class DecodeGraph(BatchedSteps):
         for n in range(1, self.max_rows + 1):
             names |= {matvec_kernel(x.type, n) for x in launches}
         for L in self.layer_specs:
-            names |= {moe.gate_up_kernel(self.shape, L, n) for n in range(1, self.max_rows + 1)}
-            names.add(f"moe_down_{L['expert_types'][1]}")
+            gate_up, down = L["expert_types"]
+            names |= {f"moe_gate_up_{gate_up}", f"moe_down_{down}"}
         return names
 
     def _layer_kernel_names(self) -> set[str]:

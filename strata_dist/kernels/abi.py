@@ -52,9 +52,6 @@ WARPS = BLOCK_THREADS // 32
 # its row here, its field on KernelShape, its unit dot and its line in int_type.
 INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_q2_k": Q2_K,
                      "int_iq4_xs": IQ4_XS, "int_iq3_s": IQ3_S, "int_iq2_xxs": IQ2_XXS}
-# the integer-path types whose rows are read in place whatever int_direct says (experts_int.cuh
-# int_in_place)
-INT_IN_PLACE = frozenset({IQ4_XS, IQ3_S, IQ2_XXS})
 # the types matvec_mma puts on tensor cores -> the columns of one scale (matvec_mma.cuh
 # mma_scale_cols; every other type keeps the plain matvec in that build)
 MMA_SCALE_COLS = {**dict.fromkeys((F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
@@ -74,12 +71,7 @@ class KernelShape:
     `int_gate_up` / `int_down` (on: measured faster, docs/BENCHMARKS.md): Q4_K experts take the
     integer path of kernels/experts_int.cuh (activations as two int8 parts, __dp4a against the
     stored integers), whose blocks take `int_ff_per_warp` / `int_down_per_warp` rows per warp
-    (`int_direct`: rows read from device memory by the lanes instead of staged;
-    `int_down_ahead` 1, 2 or 4: the (row, unit) pairs of moe_down a lane reading in place loads
-    before its first dot, default 1, not yet measured; the same bits; `int_gate_up_group` 1, 2, 4
-    or 8: the pairs of one expert a block of a batched step's moe_gate_up_group takes, the
-    expert's rows read once for them, default 1 (off), not yet measured; the same bits); the float
-    path
+    (`int_direct`: rows read from device memory by the lanes instead of staged); the float path
     (every other type, and a block the integer path cannot take) takes `ff_per_block` /
     `down_per_block` rows per block. `int_q5_k` / `int_q6_k` / `int_q3_k` / `int_q2_k`
     (INT_TYPE_SWITCHES) put Q5_K / Q6_K / Q3_K / Q2_K experts on the integer path too, and
@@ -100,10 +92,7 @@ class KernelShape:
     the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a warp PIECE_ROWS weight rows and a block
     PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a time
     (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1` alone
-    implies `=0`). `piece_stage` (default 0; not yet measured) has a pieces block copy each
-    round's activation columns into shared memory once, read there by its lanes (the same bits);
-    `piece_ahead` (default 0; not yet measured) has a lane of a one-row pieces matvec load its
-    next pieces before it sums the ones it holds (the same bits).
+    implies `=0`).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -118,8 +107,6 @@ class KernelShape:
     int_ff_per_warp: int = 2
     int_down_per_warp: int = 1
     int_direct: int = 1
-    int_down_ahead: int = 1
-    int_gate_up_group: int = 1
     int_q5_k: int = 1
     int_q6_k: int = 1
     int_q3_k: int = 1
@@ -132,24 +119,19 @@ class KernelShape:
     matvec_mma: int = 0
     mma_threads: int = BLOCK_THREADS
     matvec_pieces: int = 1
-    piece_stage: int = 0
-    piece_ahead: int = 0
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
               "factored_dots": "FACTORED_DOTS", "cvt_magic": "CVT_MAGIC",
               "int_gate_up": "INT_GATE_UP", "int_down": "INT_DOWN",
               "int_ff_per_warp": "INT_FPW", "int_down_per_warp": "INT_DPW",
-              "int_direct": "INT_DIRECT", "int_down_ahead": "INT_DOWN_AHEAD",
-              "int_gate_up_group": "INT_GATE_UP_GROUP",
+              "int_direct": "INT_DIRECT",
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
-              "matvec_pieces": "MATVEC_PIECES", "piece_stage": "PIECE_STAGE",
-              "piece_ahead": "PIECE_AHEAD"}
+              "matvec_pieces": "MATVEC_PIECES"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
-                *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces", "piece_stage",
-                "piece_ahead")
+                *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
     # docs/BENCHMARKS.md); a shape text still naming one is refused, never silently ignored
     REMOVED = {"matvec_warp": "removed on 2026-12-05: a warp a weight row of the tall matrices "
@@ -177,7 +159,21 @@ class KernelShape:
                                   "their rows into L2 before quantizing measured slower (305.0 "
                                   "against 323.6 tok/s decode on q4_k_m, both matvec_pieces=1, "
                                   "benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-07-"
-                                  "081812-f97cb1b.json)"}
+                                  "081812-f97cb1b.json)",
+               "piece_stage": "removed on 2026-12-07: the pieces' activations staged in shared "
+                              "memory measured slower (285.6 against 330.0 tok/s decode, a "
+                              "16-row step 25.42 against 24.66 ms, docs/BENCHMARKS.md)",
+               "piece_ahead": "removed on 2026-12-07: a one-row pieces lane loading its next "
+                              "pieces first measured slower (297.7 against 330.0 tok/s decode on "
+                              "q4_k_m, benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-07-"
+                              "152154-ea356c8.json)",
+               "int_down_ahead": "removed on 2026-12-07: the integer moe_down's pairs loaded 4 at "
+                                 "a time measured 1.006-1.012x at one row and slower at 16 rows "
+                                 "(its down 6.30 against 5.51 ms a step, docs/BENCHMARKS.md)",
+               "int_gate_up_group": "removed on 2026-12-07: a batched step's pairs of one expert "
+                                    "taken by one gate/up block measured slower (7.3 against 5.5 "
+                                    "ms a 16-row step's gate/up, 0.946x at 16 streams, "
+                                    "docs/BENCHMARKS.md)"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -188,12 +184,6 @@ class KernelShape:
             v = getattr(self, name)
             if not 1 <= v <= 4:
                 raise ValueError(f"kernel shape {name}={v}: expected 1..4")
-        if self.int_down_ahead not in (1, 2, 4):
-            raise ValueError(f"kernel shape int_down_ahead={self.int_down_ahead}: expected 1, 2 "
-                             f"or 4")
-        if self.int_gate_up_group not in (1, 2, 4, 8):
-            raise ValueError(f"kernel shape int_gate_up_group={self.int_gate_up_group}: expected "
-                             f"1, 2, 4 or 8")
         if self.matvec_threads not in (128, BLOCK_THREADS):
             raise ValueError(f"kernel shape matvec_threads={self.matvec_threads}: expected 128 or "
                              f"{BLOCK_THREADS}")
@@ -206,14 +196,6 @@ class KernelShape:
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
-        if self.piece_stage and not self.matvec_pieces:
-            raise ValueError(f"kernel shape piece_stage={self.piece_stage} with matvec_pieces="
-                             f"{self.matvec_pieces}: piece_stage stages the pieces' activations; "
-                             f"there are no pieces")
-        if self.piece_ahead and (self.piece_stage or not self.matvec_pieces):
-            raise ValueError(f"kernel shape piece_ahead={self.piece_ahead} with matvec_pieces="
-                             f"{self.matvec_pieces}, piece_stage={self.piece_stage}: piece_ahead "
-                             f"is the in-place pieces loop's (matvec_pieces=1, piece_stage=0)")
         if self.matvec_mma and self.matvec_pieces:
             raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
                              f"{self.matvec_pieces}: both take the K-quant matvecs; pick one")
@@ -232,14 +214,6 @@ class KernelShape:
         int_type): Q4_K, and each type of INT_TYPE_SWITCHES whose switch is on."""
         return frozenset({Q4_K} | {t for name, t in INT_TYPE_SWITCHES.items()
                                    if getattr(self, name)})
-
-    def gate_up_grouped(self, ggml_type: int) -> bool:
-        """Whether a batched step's moe_gate_up for experts stored as `ggml_type` groups the
-        pairs of one expert (moe_gate_up_group_<type>: int_gate_up_group > 1, the type on the
-        integer path and read in place, experts_int.cuh int_direct)."""
-        return (self.int_gate_up_group > 1 and self.int_gate_up == 1
-                and ggml_type in self.int_types()
-                and (self.int_direct == 1 or ggml_type in INT_IN_PLACE))
 
     def gate_up_block(self, ggml_type: int) -> int:
         """Expert rows f of one moe_gate_up block for experts stored as `ggml_type` (the integer
@@ -449,8 +423,7 @@ def kernel_names() -> list[str]:
     names += [attn_kernel(g, kv, head_dim=256) + ring for g in ATTN_GROUPS
               for kv in ("f16", "q8_0") for ring in ("", "_ring")]
     for t in TYPE_NAMES.values():
-        names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS]
-        names += [f"moe_gate_up_{t}", f"moe_gate_up_group_{t}", f"moe_down_{t}"]
+        names += [f"matvec_{t}_{n}" for n in MATVEC_ROWS] + [f"moe_gate_up_{t}", f"moe_down_{t}"]
     return names
 
 

@@ -177,44 +177,27 @@ static_assert((!INT_GATE_UP || INT_FF_BLOCK % FF_PER_BLOCK == 0) &&
 // their switches are on) take the integer path (grids of INT_FF_BLOCK and INT_DOWN_BLOCK; kernels/abi.py
 // KernelShape.gate_up_block / down_block), and a block that cannot
 // (an expert not resident, an address or size it does not take) computes its range with the float
-// path's body, FF_PER_BLOCK or DOWN_PER_BLOCK at a time. moe_gate_up_group_<type> is moe_gate_up
-// with the pairs of one expert grouped (INT_GATE_UP_GROUP, experts_int.cuh gate_up_group) for a
-// batched step; its own kernel, so the one-row kernel keeps its registers (ptxas, CUDA 13.0: 80 for Q4_K
-// against the grouped 124) and its shared memory.
-template <int T, bool GROUP>
-__device__ __forceinline__ void moe_gate_up_kernel(const ExpertSpec* __restrict__ spec,
-                                                   const float* __restrict__ x,
-                                                   const u64* __restrict__ blobs,
-                                                   float* __restrict__ act) {
-    pdl_entry();
-    const ExpertSpec sp = *spec;
-    if (INT_GATE_UP && int_type(T)) {
-        const int r = blockIdx.y, i = blockIdx.z;
-        const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);
-        if (gate_up_int_ok<T>(sp, blob)) {
-            if constexpr (GROUP && int_direct(T))
-                moe_gate_up_int_group<T>(sp, x, blobs, blob, act);
-            else
-                moe_gate_up_int<T>(sp, x + (i64)i * sp.n_embd, blob,
-                                   act + ((i64)i * sp.k + r) * sp.n_ff);
-        } else {
-            const int f_end = min((int)(blockIdx.x + 1) * INT_FF_BLOCK, sp.n_ff);
-            for (int f0 = blockIdx.x * INT_FF_BLOCK; f0 < f_end; f0 += FF_PER_BLOCK)
-                moe_gate_up_body<T>(sp, x, blobs, act, f0);
-        }
-    } else {
-        moe_gate_up_body<T>(sp, x, blobs, act, blockIdx.x * FF_PER_BLOCK);
-    }
-}
-
-#define MOE_GATE_UP_ARGS const ExpertSpec* __restrict__ spec, const float* __restrict__ x, \
-                         const u64* __restrict__ blobs, float* __restrict__ act
+// path's body, FF_PER_BLOCK or DOWN_PER_BLOCK at a time.
 #define MOE_KERNELS(name, T, ...)                                                                \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                                  \
-    moe_gate_up_##name(MOE_GATE_UP_ARGS) { moe_gate_up_kernel<T, false>(spec, x, blobs, act); }  \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                                  \
-    moe_gate_up_group_##name(MOE_GATE_UP_ARGS) {                                                 \
-        moe_gate_up_kernel<T, INT_GATE_UP_GROUP != 1>(spec, x, blobs, act);                      \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_gate_up_##name(               \
+            const ExpertSpec* __restrict__ spec, const float* __restrict__ x,                    \
+            const u64* __restrict__ blobs, float* __restrict__ act) {                            \
+        pdl_entry();                                                                             \
+        const ExpertSpec sp = *spec;                                                             \
+        if (INT_GATE_UP && int_type(T)) {                                                        \
+            const int r = blockIdx.y, i = blockIdx.z;                                            \
+            const u8* blob = reinterpret_cast<const u8*>(blobs[i * sp.k + r]);                   \
+            if (gate_up_int_ok<T>(sp, blob)) {                                                   \
+                moe_gate_up_int<T>(sp, x + (i64)i * sp.n_embd, blob,                             \
+                                   act + ((i64)i * sp.k + r) * sp.n_ff);                         \
+            } else {                                                                             \
+                const int f_end = min((int)(blockIdx.x + 1) * INT_FF_BLOCK, sp.n_ff);             \
+                for (int f0 = blockIdx.x * INT_FF_BLOCK; f0 < f_end; f0 += FF_PER_BLOCK)          \
+                    moe_gate_up_body<T>(sp, x, blobs, act, f0);                                  \
+            }                                                                                    \
+        } else {                                                                                 \
+            moe_gate_up_body<T>(sp, x, blobs, act, blockIdx.x * FF_PER_BLOCK);                   \
+        }                                                                                        \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) moe_down_##name(                  \
             const ExpertSpec* __restrict__ spec, const float* __restrict__ act,                  \

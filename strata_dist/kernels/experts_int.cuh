@@ -77,16 +77,6 @@
 #ifndef INT_DIRECT
 #define INT_DIRECT 1        // Q4_K rows read by each lane from device memory, not staged (below)
 #endif
-#ifndef INT_DOWN_AHEAD
-#define INT_DOWN_AHEAD 1    // (row, unit) pairs of moe_down a lane reading in place loads at once
-#endif
-static_assert(INT_DOWN_AHEAD == 1 || INT_DOWN_AHEAD == 2 || INT_DOWN_AHEAD == 4,
-              "INT_DOWN_AHEAD is 1, 2 or 4");
-#ifndef INT_GATE_UP_GROUP
-#define INT_GATE_UP_GROUP 1 // pairs of one expert a moe_gate_up_group block takes at once (below)
-#endif
-static_assert(INT_GATE_UP_GROUP == 1 || INT_GATE_UP_GROUP == 2 || INT_GATE_UP_GROUP == 4 ||
-              INT_GATE_UP_GROUP == 8, "INT_GATE_UP_GROUP is 1, 2, 4 or 8");
 #define INT_WARPS (BLOCK_THREADS / 32)
 #define INT_FF_BLOCK (INT_WARPS * INT_FPW)      // f of one moe_gate_up block (kernels/abi.py)
 #define INT_DOWN_BLOCK (INT_WARPS * INT_DPW)    // d of one moe_down block
@@ -94,8 +84,6 @@ static_assert(INT_GATE_UP_GROUP == 1 || INT_GATE_UP_GROUP == 2 || INT_GATE_UP_GR
 #define XQ_LEVELS 254           // l's step: 1/254 of h's
 #define INT_X_MAX 4096          // columns moe_gate_up quantizes (n_embd); larger: float path
 #define INT_ACT_MAX 8192        // columns moe_down quantizes (k * n_ff)
-#define GROUP_COLS 16384    // columns a grouped moe_gate_up block quantizes (its pairs' rows)
-#define GROUP_PAIRS 512     // the most (row, rank) pairs a launch groups (more: one a block)
 #define INT_STAGE_GATE_UP 4608  // bytes a warp stages (a gate and an up row at once)
 #define INT_STAGE_DOWN 3072     // bytes a warp stages (down rows of several experts at once)
 #define XQ_UNIT_WORDS 20        // 16 words of a 64-column unit + 4 of padding: the lanes' 16-byte
@@ -263,29 +251,6 @@ HOST_DEVICE float q4_k_unit_dot(const u8* __restrict__ row, int u, const XFrag& 
     return k_pair_dot(head, u & 3, lo, hi, f);
 }
 
-// A Q4_K unit's 48 bytes as loaded (its super-block's head, then its 32 bytes of nibbles), so a
-// lane can load several units before it takes the first one's dot (moe_down_int's INT_DOWN_AHEAD:
-// the dot's branches keep the compiler from moving a later unit's loads above it)
-struct Q4KRaw {
-    uint4 head, a, b;
-};
-HOST_DEVICE Q4KRaw q4_k_raw(const u8* __restrict__ row, int u) {
-    const u8* blk = row + (u >> 2) * 144;
-    const uint4* q = reinterpret_cast<const uint4*>(blk + 16 + 32 * (u & 3));
-    return Q4KRaw{*reinterpret_cast<const uint4*>(blk), q[0], q[1]};
-}
-// q4_k_unit_dot of a unit loaded by q4_k_raw: the same operations, so the same bits
-HOST_DEVICE float q4_k_raw_dot(const Q4KRaw& r, int u, const XFrag& f) {
-    const u32 w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
-    u32 lo[8], hi[8];
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        lo[j] = w[j] & 0x0F0F0F0Fu;
-        hi[j] = (w[j] >> 4) & 0x0F0F0F0Fu;
-    }
-    return k_pair_dot(r.head, u & 3, lo, hi, f);
-}
-
 #include "experts_int_iq.cuh"   // iq4_xs_unit_dot, iq3_s_unit_dot, iq2_xxs_unit_dot
 #include "experts_int_k.cuh"    // q5_k_unit_dot, q6_k_unit_dot, q3_k_unit_dot, q2_k_unit_dot
 
@@ -390,106 +355,6 @@ __device__ __forceinline__ void moe_gate_up_int(const ExpertSpec& sp, const floa
     }
 }
 
-// INT_GATE_UP_GROUP > 1: the (row, rank) pairs of a batched step that chose the same expert share
-// one read of its rows. A block of pair p finds the launch's pairs with p's blob (the same address
-// is the same expert); the block of every `cap`-th of them (in pair order) takes that pair and the
-// next ones, up to `cap`, and the others return. Each pair's sums are those of
-// moe_gate_up_int: the same units in the same order into its own g and up, the same warp tree, so
-// a row's bits do not depend on which rows share its experts (batch invariance), and the rows are
-// read once a group instead of once a pair (at 8 rows and 8 experts a row, zipf:0.5 popularity
-// over 128 experts: ~48 distinct experts of 64 pairs). Returns the pairs (in `member`, shared) and
-// their count; 0 where another block takes this pair.
-__device__ __forceinline__ int gate_up_group(const u64* __restrict__ blobs, u64 mine, int cap,
-                                             int* member) {
-    __shared__ u32 same[GROUP_PAIRS / 32];
-    const int k = gridDim.y, pairs = k * gridDim.z, p = blockIdx.z * k + blockIdx.y;
-    if (gridDim.z == 1 || pairs > GROUP_PAIRS) {    // one row: its k experts differ
-        if (threadIdx.x == 0) member[0] = p;
-        __syncthreads();
-        return 1;
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int w = warp; w < (pairs + 31) >> 5; w += blockDim.x >> 5) {
-        const int q = 32 * w + lane;
-        const u32 bits = __ballot_sync(0xffffffffu, q < pairs && blobs[q] == mine);
-        if (lane == 0) same[w] = bits;
-    }
-    __syncthreads();
-    int before = 0;
-    for (int w = 0; w < (p >> 5); ++w) before += __popc(same[w]);
-    before += __popc(same[p >> 5] & ((1u << (p & 31)) - 1u));
-    if (before % cap != 0) return 0;                        // the whole block: uniform
-    if (threadIdx.x == 0) {
-        int n = 0;
-        for (int w = p >> 5; w < (pairs + 31) >> 5 && n < cap; ++w) {
-            u32 bits = same[w] & (w == (p >> 5) ? ~((1u << (p & 31)) - 1u) : ~0u);
-            while (bits != 0u && n < cap) {
-                member[n++] = 32 * w + __ffs(bits) - 1;
-                bits &= bits - 1u;
-            }
-        }
-        member[INT_GATE_UP_GROUP] = n;
-    }
-    __syncthreads();
-    return member[INT_GATE_UP_GROUP];
-}
-
-// moe_gate_up_int for the pairs of one expert that gate_up_group gives this block: each pair's
-// row of x quantized into its own part of shared memory, the expert's units read once for all of
-// them (the second pair on hits L1), each pair's sums kept apart.
-template <int T>
-__device__ __forceinline__ void moe_gate_up_int_group(const ExpertSpec& sp,
-                                                      const float* __restrict__ x,
-                                                      const u64* __restrict__ blobs,
-                                                      const u8* __restrict__ blob,
-                                                      float* __restrict__ act) {
-    __shared__ __align__(16) u32 xh[xq_words(GROUP_COLS)], xl[xq_words(GROUP_COLS)];
-    __shared__ float xstep[GROUP_COLS / 32], xsum[GROUP_COLS / 32];
-    __shared__ int member[INT_GATE_UP_GROUP + 1];
-    const int cap = min(INT_GATE_UP_GROUP, GROUP_COLS / sp.n_embd);  // >= 4: n_embd <= INT_X_MAX
-    const int count = gate_up_group(blobs, reinterpret_cast<u64>(blob), cap, member);
-    if (count == 0) return;
-    const int nb = sp.n_embd >> 5, words = xq_words(sp.n_embd), k = gridDim.y;
-    for (int b = threadIdx.x; b < count * nb; b += blockDim.x) {   // quantize_x, a pair's row each
-        const int j = b / nb, c = b - j * nb, i = member[j] / k;
-        float v[32];
-        #pragma unroll
-        for (int g = 0; g < 4; ++g) load8(x + (i64)i * sp.n_embd + 32 * (i64)c + 8 * g, v + 8 * g);
-        const int at = j * words + xq_block_word(c);
-        xq_block32(v, 1.f, xh + at, xl + at, xstep[j * nb + c], xsum[j * nb + c]);
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, units = sp.n_embd >> 6;
-    const i64 g_bytes = sp.gate_row_bytes, u_bytes = sp.up_row_bytes;
-    for (int f = blockIdx.x * INT_FF_BLOCK + warp;
-         f < min(sp.n_ff, (int)(blockIdx.x + 1) * INT_FF_BLOCK); f += INT_WARPS) {
-        const u8* g_row = blob + (i64)f * g_bytes;
-        const u8* u_row = blob + sp.up_at + (i64)f * u_bytes;
-        float g[INT_GATE_UP_GROUP], up[INT_GATE_UP_GROUP];
-        #pragma unroll
-        for (int j = 0; j < INT_GATE_UP_GROUP; ++j) g[j] = up[j] = 0.f;
-        for (int u = lane; u < units; u += 32) {
-            #pragma unroll
-            for (int j = 0; j < INT_GATE_UP_GROUP; ++j) {
-                if (j < count) {
-                    const XQ q{xh + j * words, xl + j * words, xstep + j * nb, xsum + j * nb};
-                    XFrag xf;
-                    load_xfrag(xf, q, u);
-                    g[j] += int_unit_dot<T>(g_row, u, xf);
-                    up[j] += int_unit_dot<T>(u_row, u, xf);
-                }
-            }
-        }
-        #pragma unroll
-        for (int j = 0; j < INT_GATE_UP_GROUP; ++j) {
-            if (j < count) {
-                const float gs = warp_sum(g[j]), us = warp_sum(up[j]);
-                if (lane == 0) act[(i64)member[j] * sp.n_ff + f] = gs / (1.f + __expf(-gs)) * us;
-            }
-        }
-    }
-}
-
 // Whether a block of moe_down for row i can take the integer path (uniform in the block)
 template <int T>
 __device__ __forceinline__ bool down_int_ok(const ExpertSpec& sp, const u64* __restrict__ blobs,
@@ -543,46 +408,14 @@ __device__ __forceinline__ void moe_down_int(const ExpertSpec& sp, const float* 
                 __syncwarp();
             }
             const int pairs = (min(k, r0 + group) - r0) * units;
-            // INT_DOWN_AHEAD pairs a lane at once (read in place): their dots are one basic block,
-            // a pair past the end repeating the last and its dot dropped, so the loads of all of
-            // them go out before the first dot waits (one pair at a time, each pair's blob
-            // address, then its row's bytes, then its dot wait in turn: a lane has 3 pairs at
-            // k = 8, n_ff = 768). The dots are added in pair order either way: the same bits.
-            constexpr int AHEAD = direct ? INT_DOWN_AHEAD : 1;
-            for (int t0 = lane; t0 < pairs; t0 += 32 * AHEAD) {
-                const u8* row[AHEAD];         // every pair's row first: the blob addresses' loads
-                int unit[AHEAD], at[AHEAD];
-                #pragma unroll
-                for (int j = 0; j < AHEAD; ++j) {
-                    const int t = min(t0 + 32 * j, pairs - 1);
-                    const int rr = t / units;
-                    unit[j] = t - rr * units;
-                    at[j] = (r0 + rr) * units + unit[j];
-                    row[j] = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at + d * rb
-                                    : st + rr * rb;
-                }
-                float dot[AHEAD];
-                if constexpr (T == T_Q4_K && AHEAD > 1) {     // every unit's bytes, then the dots
-                    Q4KRaw raw[AHEAD];
-                    #pragma unroll
-                    for (int j = 0; j < AHEAD; ++j) raw[j] = q4_k_raw(row[j], unit[j]);
-                    #pragma unroll
-                    for (int j = 0; j < AHEAD; ++j) {
-                        XFrag xf;
-                        load_xfrag(xf, q, at[j]);
-                        dot[j] = q4_k_raw_dot(raw[j], unit[j], xf);
-                    }
-                } else {
-                    #pragma unroll
-                    for (int j = 0; j < AHEAD; ++j) {
-                        XFrag xf;
-                        load_xfrag(xf, q, at[j]);
-                        dot[j] = int_unit_dot<T>(row[j], unit[j], xf);
-                    }
-                }
-                #pragma unroll
-                for (int j = 0; j < AHEAD; ++j)
-                    if (t0 + 32 * j < pairs) acc += dot[j];
+            for (int t = lane; t < pairs; t += 32) {
+                const int rr = t / units, u = t - rr * units;
+                XFrag xf;
+                load_xfrag(xf, q, (r0 + rr) * units + u);
+                const u8* row = direct ? reinterpret_cast<const u8*>(b[r0 + rr]) + sp.down_at +
+                                         d * rb
+                                       : st + rr * rb;
+                acc += int_unit_dot<T>(row, u, xf);
             }
             if (!direct) __syncwarp();              // every lane read the stage before the next
         }

@@ -24,12 +24,6 @@
 #ifndef MATVEC_PIECES
 #define MATVEC_PIECES 1
 #endif
-#ifndef PIECE_STAGE
-#define PIECE_STAGE 0        // 1: a block stages each round's activations in shared memory (below)
-#endif
-#ifndef PIECE_AHEAD
-#define PIECE_AHEAD 0        // 1: at one row a lane loads its next pieces before it sums these
-#endif
 #define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
 
@@ -120,103 +114,40 @@ HOST_DEVICE float sum16(const float* v) {
     return s;
 }
 
-// acc + run `half` of a piece (0: its low run, 1: its high one) . a: the run's scale times the dot
-// of its 16 weights (stored integers, the centre taken off) with the run's 16 activations a, then
-// (Q4_K, Q5_K) its min times their sum a_sum. Column 4 k + e of the run is byte e of word k (its
-// low nibble for the low run, its high one for the high run), with Q5_K's fifth and Q6_K's two
-// top bits.
+// acc + the piece . (lo, hi): lo / hi the 16 activations of its two runs, slo / shi their sums
 template <int T>
-HOST_DEVICE float piece_half_dot(const KPiece<T>& w, int half, const float* a, float a_sum,
-                                 float acc) {
-    float d = 0.f;
+HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* hi, float slo,
+                              float shi, float acc) {
+    float dlo = 0.f, dhi = 0.f;
     #pragma unroll
     for (int k = 0; k < 4; ++k) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            u32 q = (w.q[k] >> (8 * e + 4 * half)) & 0xF;
+            u32 vlo = (w.q[k] >> (8 * e)) & 0xF, vhi = (w.q[k] >> (8 * e + 4)) & 0xF;
             if constexpr (T == T_Q6_K) {
                 const u32 bits = w.h[k] >> (8 * e + w.hshift);
-                q |= half ? bits & 0x30 : (bits & 3) << 4;
+                vlo |= (bits & 3) << 4;
+                vhi |= (bits & 0x30);
             } else if constexpr (T == T_Q5_K) {
                 const u32 bits = w.h[k] >> (8 * e + w.hshift);
-                q |= half ? (bits & 2) << 3 : (bits & 1) << 4;
+                vlo |= (bits & 1) << 4;
+                vhi |= (bits & 2) << 3;
             }
             constexpr int centre = T == T_Q6_K ? 32 : 0;
-            d = fmaf(small_int_to_float<centre>(q), a[4 * k + e], d);
+            dlo = fmaf(small_int_to_float<centre>(vlo), lo[4 * k + e], dlo);
+            dhi = fmaf(small_int_to_float<centre>(vhi), hi[4 * k + e], dhi);
         }
     }
-    acc = fmaf(half ? w.scale_hi : w.scale_lo, d, acc);
-    if constexpr (piece_has_min(T)) acc = fmaf(half ? w.min_hi : w.min_lo, a_sum, acc);
+    acc = fmaf(w.scale_lo, dlo, acc);
+    if constexpr (piece_has_min(T)) acc = fmaf(w.min_lo, slo, acc);
+    acc = fmaf(w.scale_hi, dhi, acc);
+    if constexpr (piece_has_min(T)) acc = fmaf(w.min_hi, shi, acc);
     return acc;
-}
-
-// acc + the piece . (lo, hi): lo / hi the 16 activations of its two runs, slo / shi their sums
-// (one row's piece in the kernel's order: its low run, then its high one)
-template <int T>
-HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* hi, float slo,
-                              float shi, float acc) {
-    return piece_half_dot<T>(w, 1, hi, shi, piece_half_dot<T>(w, 0, lo, slo, acc));
 }
 
 __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
     load8(p, v);
     load8(p + 8, v + 8);
-}
-
-// PIECE_STAGE: a warp's 32 lanes take 32 pieces a round, 4 super-blocks, and the block's warps
-// take the same columns in the same round; so the block copies those STAGE_COLS columns of its N
-// activation rows (and of the norm weights) into shared memory once, with coalesced 16-byte
-// loads, and the lanes read their runs there. Read in place, a lane's four 16-byte loads of a run
-// sit 64 bytes from its neighbour's (a run each), so each load of the warp touches 16 lines: at
-// 8 rows that is 64 such loads a piece. The values read are the same, so are the bits.
-#define STAGE_COLS 1024
-
-// Where column c (0 <= c < STAGE_COLS) of a round lies in shared memory: each 16-column run stays
-// whole (a lane reads its four 16-byte chunks at one base plus 16 k bytes) and moves on by
-// 4 ((run + 2) / 4) floats, run the run's index in its super-block, plus 16 floats a super-block.
-// Then the 8 lanes of a quarter-warp, reading chunk k of 8 runs of one super-block at once, meet 8
-// different 4-bank groups in every layout of pieces: runs 0, 1, 4, 5, 8, 9, 12, 13 (Q4_K and
-// Q5_K's low runs; +2 their high ones) and 0, 1, 2, 3, 8, 9, 10, 11 (Q6_K's; +4); in place they
-// would meet 4 or 2 (a run's group: 4 (run & 1) + its shift + k, mod 8).
-#define STAGE_FLOATS (STAGE_COLS + STAGE_COLS / 16)   // a round's row in shared memory
-HOST_DEVICE constexpr int stage_at(int c) {
-    return c + 4 * ((((c >> 4) & 15) + 2) >> 2) + 16 * (c >> 8);
-}
-
-// the 16 activations of a run starting at column c of a staged round
-__device__ __forceinline__ void load16_staged(const float* row, int c, float* v) {
-    const float4* run = reinterpret_cast<const float4*>(row + stage_at(c));
-    #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float4 a = run[k];
-        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
-    }
-}
-
-// the columns [c0, c0 + cols) of the n rows of x (stride x_stride) into stage[i][..], and of
-// norm_w (when given) into nw_stage, by the block's threads
-template <int N>
-__device__ __forceinline__ void stage_round(float (*stage)[STAGE_FLOATS], float* nw_stage,
-                                            const float* __restrict__ x, int x_stride,
-                                            const float* __restrict__ norm_w, int c0, int cols) {
-    const int quads = cols >> 2;
-    for (int j = threadIdx.x; j < N * quads; j += blockDim.x) {
-        const int i = j / quads, c = (j - i * quads) << 2;
-        *reinterpret_cast<float4*>(&stage[i][stage_at(c)]) =
-            __ldg(reinterpret_cast<const float4*>(x + (i64)i * x_stride + c0 + c));
-    }
-    if (norm_w != nullptr) {
-        for (int j = threadIdx.x; j < quads; j += blockDim.x)
-            *reinterpret_cast<float4*>(&nw_stage[stage_at(j << 2)]) =
-                __ldg(reinterpret_cast<const float4*>(norm_w + c0 + (j << 2)));
-    }
-}
-
-// piece t (super-block t / 8, piece t % 8) of each of a warp's PIECE_ROWS weight rows
-template <int T>
-__device__ __forceinline__ void load_pieces(KPiece<T>* w, const u8* const* rows, int t) {
-    #pragma unroll
-    for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)(t >> 3) * block_bytes(T), t & 7);
 }
 
 // matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
@@ -246,61 +177,11 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         #pragma unroll
         for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
     }
-#if PIECE_STAGE
-    // every warp takes every round (a warp past the rows too: the block's barriers)
-    __shared__ __align__(16) float x_stage[N][STAGE_FLOATS];
-    __shared__ __align__(16) float nw_stage[STAGE_FLOATS];
-    const bool mine = o0 < s.nrows;
-    for (int c0 = 0; c0 < s.ncols; c0 += STAGE_COLS) {
-        const int t = (c0 >> 5) + lane;        // 32 pieces (of 32 columns) a round
-        const bool take = mine && t < pieces;
-        const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p) - c0;
-        KPiece<T> w[PIECE_ROWS];
-        if (take) {                            // in flight while the round is staged
-            #pragma unroll
-            for (int r = 0; r < PIECE_ROWS; ++r)
-                w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
-        }
-        __syncthreads();                       // the last round's reads are done
-        stage_round<N>(x_stage, nw_stage, x, x_stride, norm_w, c0, min(STAGE_COLS, s.ncols - c0));
-        __syncthreads();
-        if (take) {
-            #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                #pragma unroll
-                for (int half = 0; half < 2; ++half) {     // k_piece_dot's order, a run at a time
-                    const int c = col + half * piece_hi(T);
-                    float a[16];
-                    load16_staged(x_stage[i], c, a);
-                    if (norm_w != nullptr) {
-                        #pragma unroll
-                        for (int k = 0; k < 16; ++k) ss[i] = fmaf(a[k], a[k], ss[i]);
-                        float nw[16];
-                        load16_staged(nw_stage, c, nw);
-                        #pragma unroll
-                        for (int k = 0; k < 16; ++k) a[k] *= nw[k];
-                    }
-                    const float a_sum = piece_has_min(T) ? sum16(a) : 0.f;
-                    #pragma unroll
-                    for (int r = 0; r < PIECE_ROWS; ++r)
-                        acc[r][i] = piece_half_dot<T>(w[r], half, a, a_sum, acc[r][i]);
-                }
-            }
-        }
-    }
-#else
-    // PIECE_AHEAD (one row): a lane's next pieces are in flight while it sums these, so two of its
-    // iterations' loads wait on memory at once, not one; the same sums in the same order. (Built
-    // without it, the loop's loads wait for memory at every iteration: a lane of the o
-    // projection has 4, of q + k 2, and a block of 16 rows leaves an SM one or two blocks.)
-    constexpr bool ahead = PIECE_AHEAD && N == 1;   // at 2 rows: 255 registers and a spill
-    KPiece<T> w[PIECE_ROWS];
-    if (ahead && lane < pieces) load_pieces<T>(w, rows, lane);
     for (int t = lane; t < pieces; t += 32) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
-        KPiece<T> next[PIECE_ROWS];
-        if constexpr (!ahead) load_pieces<T>(w, rows, t);
-        else if (t + 32 < pieces) load_pieces<T>(next, rows, t + 32);
+        KPiece<T> w[PIECE_ROWS];
+        #pragma unroll
+        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
@@ -327,14 +208,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             for (int r = 0; r < PIECE_ROWS; ++r)
                 acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
         }
-        if constexpr (ahead) {
-            if (t + 32 < pieces) {
-                #pragma unroll
-                for (int r = 0; r < PIECE_ROWS; ++r) w[r] = next[r];
-            }
-        }
     }
-#endif
     float inv[N];
     #pragma unroll
     for (int i = 0; i < N; ++i)

@@ -367,14 +367,6 @@ def expert_spec(graph, layer: int) -> dict:
                 n_ff=g.n_ff_exp, n_embd=g.n_embd, k=g.n_expert_used)
 
 
-def gate_up_kernel(shape, spec: dict, n: int) -> str:
-    """The decode graph's moe_gate_up build for a layer's experts over n rows: a batched step's
-    pairs of one expert share its rows' reads where the shape groups the type (KernelShape
-    int_gate_up_group; the same bits)."""
-    group = "group_" if n > 1 and shape.gate_up_grouped(spec["expert_codes"][0]) else ""
-    return f"moe_gate_up_{group}{spec['expert_types'][0]}"
-
-
 def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     """The decode graph's routed experts over n rows, two launches: moe_gate_up_<type> (each
     chosen expert's gate and up rows on `routed`, the router's normed rows, SwiGLU into the
@@ -382,12 +374,12 @@ def graph_experts(graph, spec: dict, routed, h, n: int) -> None:
     (the residual). Their grids' blocks over n_ff and n_embd are the kernel shape's (KernelShape
     gate_up_block / down_block, by the layer's expert types)."""
     g, f, shape = graph.g, graph._launch, graph.shape
-    down = spec["expert_types"][1]
+    gate_up, down = spec["expert_types"]
     gate_codes, down_codes = spec["expert_codes"]
     ff, out = shape.gate_up_block(gate_codes), shape.down_block(down_codes)
-    f(gate_up_kernel(shape, spec, n))(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
-                                      (BLOCK_THREADS,),
-                                      (spec["experts"], routed, graph.blobs, graph.act))
+    f(f"moe_gate_up_{gate_up}")(((g.n_ff_exp + ff - 1) // ff, g.n_expert_used, n),
+                                (BLOCK_THREADS,),
+                                (spec["experts"], routed, graph.blobs, graph.act))
     f(f"moe_down_{down}")(((g.n_embd + out - 1) // out, n), (BLOCK_THREADS,),
                           (spec["experts"], graph.act, graph.blobs, graph.wts, h))
 
