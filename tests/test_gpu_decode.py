@@ -49,7 +49,8 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
 # the plain matvecs' variants name matvec_pieces=0: the default build takes the K quants in pieces
 @pytest.mark.parametrize("build", ["", "matvec_pieces=0", "matvec_pieces=0,matvec_threads=128",
                                    "matvec_pieces=0,matvec_accs=8", "matvec_mma=1",
-                                   "matvec_mma=1,mma_threads=512"])
+                                   "matvec_mma=1,mma_threads=512", "piece_split=2",
+                                   "piece_split=4"])
 def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
     rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)
@@ -92,11 +93,13 @@ def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
 @pytest.mark.parametrize("qtype", [t for t in TYPES if int(t) in PIECE_TYPES],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 8])
-def test_pieces_over_several_lane_rounds(qtype, n):
+@pytest.mark.parametrize("build", ["matvec_pieces=1", "piece_split=2", "piece_split=4"])
+def test_pieces_over_several_lane_rounds(qtype, n, build):
     """matvec_pieces on rows of 4,096 columns: 128 pieces a row, so each lane takes four in turn
-    (the 768-column test above gives a lane one at most), with the fused norm and a residual;
-    against float64, and a row alone against the same row among others."""
-    rows, cols, build = 37, 4096, "matvec_pieces=1"
+    (the 768-column test above gives a lane one at most; piece_split=4: a lane of each of a row's
+    four warps one), with the fused norm, its normed rows and a residual; against float64, and a
+    row alone against the same row among others."""
+    rows, cols = 37, 4096
     raw, w = random_rows(qtype, rows, cols, 4)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -105,10 +108,11 @@ def test_pieces_over_several_lane_rounds(qtype, n):
     xn = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
     ref = res + xn @ w.T.astype(np.float64)
     dev = cp.asarray(raw.reshape(-1))
+    normed = cp.zeros((n, cols), cp.float32)
     got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), norm_w=cp.asarray(nw),
-                  add=cp.asarray(res), normed=cp.zeros((n, cols), cp.float32), wide=True,
-                  build=build)
+                  add=cp.asarray(res), normed=normed, wide=True, build=build)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(cp.asnumpy(normed), xn, rtol=1e-4, atol=1e-4 * np.abs(xn).max())
     alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), norm_w=cp.asarray(nw),
                     add=cp.asarray(res[:1]), normed=cp.zeros((1, cols), cp.float32), wide=True,
                     build=build)

@@ -63,6 +63,8 @@ def test_kernel_shape_parses_and_refuses():
     # are the builds measured and deleted on 2026-12-07
     with pytest.raises(ValueError, match="int_matvec was removed on 2026-12-06"):
         KernelShape.parse("int_matvec=1")
+    assert KernelShape.parse("piece_split=4").defines() == ("-DPIECE_SPLIT=4",)
+    assert abi.rows_per_block(1, True, KernelShape.parse("piece_split=4"), Q4_K) == 4
     for gone in ("piece_stage", "piece_ahead", "int_down_ahead", "int_gate_up_group"):
         with pytest.raises(ValueError, match=f"{gone} was removed on 2026-12-07"):
             KernelShape.parse(f"{gone}=1")
@@ -70,7 +72,7 @@ def test_kernel_shape_parses_and_refuses():
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
-                "int_matvec=0"):
+                "int_matvec=0", "piece_split=3", "piece_split=2,matvec_pieces=0"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -268,15 +270,17 @@ def stack_allowed(kernel: str) -> int:
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
                          + [("decode.cu", "int_direct=0", INT_TYPES),
                             ("decode.cu", INT_OFF, INT_TYPES),
-                            ("decode.cu", "matvec_pieces=0", FEW_TYPES)],
+                            ("decode.cu", "matvec_pieces=0", FEW_TYPES),
+                            ("decode.cu", "piece_split=4", FEW_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
                                                             "decode.cu-int_types-float_path",
-                                                            "decode.cu-plain_matvecs"])
+                                                            "decode.cu-plain_matvecs",
+                                                            "decode.cu-piece_split"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
     integer expert path's types (on in the default build) staged too, and on the float path; the
-    plain K-quant matvecs (matvec_pieces=0)."""
+    plain K-quant matvecs (matvec_pieces=0); the pieces split over 4 warps (piece_split=4)."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])

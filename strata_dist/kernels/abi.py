@@ -92,7 +92,8 @@ class KernelShape:
     the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a warp PIECE_ROWS weight rows and a block
     PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a time
     (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1` alone
-    implies `=0`).
+    implies `=0`); `piece_split` (1, 2 or 4; default 1, not yet measured) has that many warps
+    share a warp's rows, each a share of the pieces (other bits).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -119,6 +120,7 @@ class KernelShape:
     matvec_mma: int = 0
     mma_threads: int = BLOCK_THREADS
     matvec_pieces: int = 1
+    piece_split: int = 1
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -129,7 +131,7 @@ class KernelShape:
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
-              "matvec_pieces": "MATVEC_PIECES"}
+              "matvec_pieces": "MATVEC_PIECES", "piece_split": "PIECE_SPLIT"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
                 *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
@@ -196,6 +198,12 @@ class KernelShape:
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
+        if self.piece_split not in (1, 2, 4):
+            raise ValueError(f"kernel shape piece_split={self.piece_split}: expected 1, 2 or 4")
+        if self.piece_split > 1 and not self.matvec_pieces:
+            raise ValueError(f"kernel shape piece_split={self.piece_split} with matvec_pieces="
+                             f"{self.matvec_pieces}: piece_split splits the pieces' columns; "
+                             f"there are no pieces")
         if self.matvec_mma and self.matvec_pieces:
             raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
                              f"{self.matvec_pieces}: both take the K-quant matvecs; pick one")
@@ -307,7 +315,7 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
     if shape.matvec_pieces and ggml_type in PIECE_TYPES:
-        return PIECE_ROWS * (PIECE_THREADS // 32)
+        return PIECE_ROWS * (PIECE_THREADS // 32) // shape.piece_split
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
 
 

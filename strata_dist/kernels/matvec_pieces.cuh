@@ -26,6 +26,19 @@
 #endif
 #define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
+// Warps that share a warp's rows, each a 1 / PIECE_SPLIT of the pieces (KernelShape piece_split:
+// 1, 2 or 4; not yet measured). Why: at one row the o projection (2,048 rows of 4,096 columns)
+// is 128 blocks of 4 warps, one block an SM, and Nsight Compute read its warps issuing every ~4
+// cycles with 6% occupancy: the launch is each warp's serial instruction stream (4 pieces a
+// lane), not memory. Split, a block takes 16 / PIECE_SPLIT rows and each lane 1 / PIECE_SPLIT of
+// the pieces, so PIECE_SPLIT times the warps share the work. An output's sum is then each warp's
+// xor tree of its lanes' pieces, added over the split's warps in order: another order than
+// PIECE_SPLIT 1's (other bits), the same at every row count (batch invariance).
+#ifndef PIECE_SPLIT
+#define PIECE_SPLIT 1
+#endif
+static_assert(PIECE_SPLIT == 1 || PIECE_SPLIT == 2 || PIECE_SPLIT == 4,
+              "PIECE_SPLIT is 1, 2 or 4");
 
 // Q4_K; Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes for
 // column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load);
@@ -162,9 +175,11 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
                                                    float eps, float* __restrict__ normed) {
     __shared__ float inv_shared[MAX_ROWS];
     const MatSpec s = specs[blockIdx.y];
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if ((int)blockIdx.x * warps * PIECE_ROWS >= s.nrows) return;     // the whole block: uniform
-    const int o0 = (blockIdx.x * warps + warp) * PIECE_ROWS;
+    constexpr int S = PIECE_SPLIT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int groups = (blockDim.x >> 5) / S, k = warp % S;        // k: the warp's share of pieces
+    if ((int)blockIdx.x * groups * PIECE_ROWS >= s.nrows) return;    // the whole block: uniform
+    const int o0 = (blockIdx.x * groups + warp / S) * PIECE_ROWS;
     const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
     const u8* rows[PIECE_ROWS];
     #pragma unroll
@@ -177,7 +192,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         #pragma unroll
         for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
     }
-    for (int t = lane; t < pieces; t += 32) {
+    for (int t = lane + 32 * k; t < pieces; t += 32 * S) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
         KPiece<T> w[PIECE_ROWS];
         #pragma unroll
@@ -210,16 +225,54 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         }
     }
     float inv[N];
-    #pragma unroll
-    for (int i = 0; i < N; ++i)
-        inv[i] = norm_w != nullptr ? rsqrtf(warp_sum(ss[i]) / (float)s.ncols + eps) : 1.f;
-    #pragma unroll
-    for (int r = 0; r < PIECE_ROWS; ++r) {
+    if constexpr (S == 1) {
+        #pragma unroll
+        for (int i = 0; i < N; ++i)
+            inv[i] = norm_w != nullptr ? rsqrtf(warp_sum(ss[i]) / (float)s.ncols + eps) : 1.f;
+        #pragma unroll
+        for (int r = 0; r < PIECE_ROWS; ++r) {
+            #pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const float v = warp_sum(acc[r][i]);
+                if (lane == 0 && i < n && o0 + r < s.nrows)
+                    store_output(s, i, o0 + r, norm_w != nullptr ? v * inv[i] : v);
+            }
+        }
+    } else {
+        // each warp's tree of its rows' sums (and sums of squares) to shared memory; the first
+        // warp of a split adds its S warps' in order, lane m < PIECE_ROWS * N output m
+        constexpr int M = PIECE_ROWS * N;
+        __shared__ float part[PIECE_THREADS / 32][PIECE_ROWS * MAX_ROWS + MAX_ROWS];
         #pragma unroll
         for (int i = 0; i < N; ++i) {
-            const float v = warp_sum(acc[r][i]);
-            if (lane == 0 && i < n && o0 + r < s.nrows)
-                store_output(s, i, o0 + r, norm_w != nullptr ? v * inv[i] : v);
+            const float q = warp_sum(ss[i]);
+            if (lane == 0) part[warp][M + i] = q;
+            #pragma unroll
+            for (int r = 0; r < PIECE_ROWS; ++r) {
+                const float v = warp_sum(acc[r][i]);
+                if (lane == 0) part[warp][r * N + i] = v;
+            }
+        }
+        __syncthreads();
+        const int first = warp - k;
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            float q = part[first][M + i];
+            #pragma unroll
+            for (int j = 1; j < S; ++j) q += part[first + j][M + i];
+            inv[i] = norm_w != nullptr ? rsqrtf(q / (float)s.ncols + eps) : 1.f;
+        }
+        if (k == 0 && lane < M) {
+            const int r = lane / N, i = lane - r * N;
+            float v = part[first][lane];
+            #pragma unroll
+            for (int j = 1; j < S; ++j) v += part[first + j][lane];
+            float iv = inv[0];
+            #pragma unroll
+            for (int j = 1; j < N; ++j)           // inv[i] by static indices (registers)
+                if (j == i) iv = inv[j];
+            if (i < n && o0 + r < s.nrows)
+                store_output(s, i, o0 + r, norm_w != nullptr ? v * iv : v);
         }
     }
     if (normed != nullptr && norm_w != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
