@@ -165,8 +165,8 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
 
 // matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
 // n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
-// Warp w of block b takes rows (b * warps + w) * PIECE_ROWS ..; lane l the pieces l, l + 32, ...
-// of the row, in column order. A fused norm's sum of squares is taken by every warp over the
+// Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * PIECE_ROWS ..; lane
+// l the pieces l + 32 (w % PIECE_SPLIT), then every 32 * PIECE_SPLIT, in column order. A fused norm's sum of squares is taken by every warp over the
 // whole row in the same pass (the same order everywhere, so every warp's scale is the same).
 template <int T, int N>
 __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ specs,
@@ -177,7 +177,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
     const MatSpec s = specs[blockIdx.y];
     constexpr int S = PIECE_SPLIT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int groups = (blockDim.x >> 5) / S, k = warp % S;        // k: the warp's share of pieces
+    const int groups = (blockDim.x >> 5) / S, share = warp % S;    // share: of its rows' pieces
     if ((int)blockIdx.x * groups * PIECE_ROWS >= s.nrows) return;    // the whole block: uniform
     const int o0 = (blockIdx.x * groups + warp / S) * PIECE_ROWS;
     const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
@@ -192,7 +192,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         #pragma unroll
         for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
     }
-    for (int t = lane + 32 * k; t < pieces; t += 32 * S) {
+    for (int t = lane + 32 * share; t < pieces; t += 32 * S) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
         KPiece<T> w[PIECE_ROWS];
         #pragma unroll
@@ -254,7 +254,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             }
         }
         __syncthreads();
-        const int first = warp - k;
+        const int first = warp - share;
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float q = part[first][M + i];
@@ -262,7 +262,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             for (int j = 1; j < S; ++j) q += part[first + j][M + i];
             inv[i] = norm_w != nullptr ? rsqrtf(q / (float)s.ncols + eps) : 1.f;
         }
-        if (k == 0 && lane < M) {
+        if (share == 0 && lane < M) {
             const int r = lane / N, i = lane - r * N;
             float v = part[first][lane];
             #pragma unroll
