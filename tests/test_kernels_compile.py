@@ -65,6 +65,12 @@ def test_kernel_shape_parses_and_refuses():
         KernelShape.parse("int_matvec=1")
     assert KernelShape.parse("piece_split=4").defines() == ("-DPIECE_SPLIT=4",)
     assert abi.rows_per_block(1, True, KernelShape.parse("piece_split=4"), Q4_K) == 4
+    # fewer weight rows a pieces warp where the build's rows would hold more sums
+    accs8 = KernelShape.parse("piece_accs=8")
+    assert accs8.defines() == ("-DPIECE_ACCS=8",)
+    assert [abi.rows_per_block(n, True, accs8, Q6_K) for n in (1, 2, 3, 5, 8)] == [16, 16, 8, 4, 4]
+    assert [abi.rows_per_block(n, True, KernelShape(), Q6_K) for n in (1, 8)] == [16, 16]
+    assert abi.rows_per_block(8, True, KernelShape.parse("piece_accs=4,piece_split=4"), Q4_K) == 1
     for gone in ("piece_stage", "piece_ahead", "int_down_ahead", "int_gate_up_group"):
         with pytest.raises(ValueError, match=f"{gone} was removed on 2026-12-07"):
             KernelShape.parse(f"{gone}=1")
@@ -72,7 +78,8 @@ def test_kernel_shape_parses_and_refuses():
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
-                "int_matvec=0", "piece_split=3", "piece_split=2,matvec_pieces=0"):
+                "int_matvec=0", "piece_split=3", "piece_split=2,matvec_pieces=0",
+                "piece_accs=2", "piece_accs=8,matvec_pieces=0"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 

@@ -93,7 +93,10 @@ class KernelShape:
     PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a time
     (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1` alone
     implies `=0`); `piece_split` (1, 2 or 4; default 1, not yet measured) has that many warps
-    share a warp's rows, each a share of the pieces (other bits).
+    share a warp's rows, each a share of the pieces (other bits); `piece_accs` (32, 16, 8 or 4;
+    default 32, not yet measured) the sums a pieces lane holds at most: piece_accs / N weight
+    rows a warp (1 to PIECE_ROWS) in the build for N activation rows (piece_warp_rows; fewer sums
+    and pieces held, the same bits).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -121,6 +124,7 @@ class KernelShape:
     mma_threads: int = BLOCK_THREADS
     matvec_pieces: int = 1
     piece_split: int = 1
+    piece_accs: int = PIECE_ROWS * MAX_ROWS
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -131,7 +135,8 @@ class KernelShape:
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
-              "matvec_pieces": "MATVEC_PIECES", "piece_split": "PIECE_SPLIT"}
+              "matvec_pieces": "MATVEC_PIECES", "piece_split": "PIECE_SPLIT",
+              "piece_accs": "PIECE_ACCS"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
                 *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
@@ -200,6 +205,11 @@ class KernelShape:
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
         if self.piece_split not in (1, 2, 4):
             raise ValueError(f"kernel shape piece_split={self.piece_split}: expected 1, 2 or 4")
+        if self.piece_accs not in (4, 8, 16, 32):
+            raise ValueError(f"kernel shape piece_accs={self.piece_accs}: expected 4, 8, 16 or 32")
+        if self.piece_accs != PIECE_ROWS * MAX_ROWS and not self.matvec_pieces:
+            raise ValueError(f"kernel shape piece_accs={self.piece_accs} with matvec_pieces="
+                             f"{self.matvec_pieces}: there are no pieces' lanes")
         if self.piece_split > 1 and not self.matvec_pieces:
             raise ValueError(f"kernel shape piece_split={self.piece_split} with matvec_pieces="
                              f"{self.matvec_pieces}: piece_split splits the pieces' columns; "
@@ -315,8 +325,14 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
     if shape.matvec_pieces and ggml_type in PIECE_TYPES:
-        return PIECE_ROWS * (PIECE_THREADS // 32) // shape.piece_split
+        return piece_warp_rows(n, shape) * (PIECE_THREADS // 32) // shape.piece_split
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
+
+
+def piece_warp_rows(n: int, shape: KernelShape) -> int:
+    """Weight rows of a pieces warp in the build for n activation rows (matvec_pieces.cuh
+    piece_warp_rows)."""
+    return min(PIECE_ROWS, max(1, shape.piece_accs // padded_rows(n)))
 
 
 def matvec_block_threads(shape: KernelShape, ggml_type: int) -> int:

@@ -24,7 +24,23 @@
 #ifndef MATVEC_PIECES
 #define MATVEC_PIECES 1
 #endif
-#define PIECE_ROWS 4         // weight rows of a warp (kernels/abi.py PIECE_ROWS)
+#define PIECE_ROWS 4         // weight rows of a warp at most (kernels/abi.py PIECE_ROWS)
+// The sums a warp's lane holds, weight rows x activation rows, at most (KernelShape piece_accs:
+// 32, 16, 8 or 4; not yet measured): the build for N activation rows gives a warp
+// piece_warp_rows(N) = PIECE_ACCS / N weight rows, 1 to PIECE_ROWS. Why: with 4 rows at every N,
+// ptxas gives the 2-, 4- and 8-row launches 245 to 255 registers, 2 blocks an SM (12.5%
+// occupancy under Nsight Compute at 8 rows, docs/BENCHMARKS.md); fewer rows a warp hold fewer
+// sums and pieces, at the cost of reading the activations once for each warp. An output's sum
+// does not depend on it (a lane's pieces in order, then the warp's xor tree): the same bits.
+#ifndef PIECE_ACCS
+#define PIECE_ACCS 32
+#endif
+static_assert(PIECE_ACCS == 4 || PIECE_ACCS == 8 || PIECE_ACCS == 16 || PIECE_ACCS == 32,
+              "PIECE_ACCS is 4, 8, 16 or 32");
+// weight rows of a warp of the build for N activation rows (kernels/abi.py piece_warp_rows)
+HOST_DEVICE constexpr int piece_warp_rows(int N) {
+    return PIECE_ACCS / N >= PIECE_ROWS ? PIECE_ROWS : PIECE_ACCS / N >= 1 ? PIECE_ACCS / N : 1;
+}
 #define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
 // Warps that share a warp's rows, each a 1 / PIECE_SPLIT of the pieces (KernelShape piece_split:
 // 1, 2 or 4; not yet measured). Why: at one row the o projection (2,048 rows of 4,096 columns)
@@ -165,7 +181,8 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
 
 // matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
 // n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
-// Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * PIECE_ROWS ..; lane
+// Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * R .. (R:
+// piece_warp_rows(N)); lane
 // l the pieces l + 32 (w % PIECE_SPLIT), then every 32 * PIECE_SPLIT, in column order. A fused norm's sum of squares is taken by every warp over the
 // whole row in the same pass (the same order everywhere, so every warp's scale is the same).
 template <int T, int N>
@@ -175,28 +192,28 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
                                                    float eps, float* __restrict__ normed) {
     __shared__ float inv_shared[MAX_ROWS];
     const MatSpec s = specs[blockIdx.y];
-    constexpr int S = PIECE_SPLIT;
+    constexpr int S = PIECE_SPLIT, R = piece_warp_rows(N);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = (blockDim.x >> 5) / S, share = warp % S;    // share: of its rows' pieces
-    if ((int)blockIdx.x * groups * PIECE_ROWS >= s.nrows) return;    // the whole block: uniform
-    const int o0 = (blockIdx.x * groups + warp / S) * PIECE_ROWS;
+    if ((int)blockIdx.x * groups * R >= s.nrows) return;    // the whole block: uniform
+    const int o0 = (blockIdx.x * groups + warp / S) * R;
     const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
-    const u8* rows[PIECE_ROWS];
+    const u8* rows[R];
     #pragma unroll
-    for (int r = 0; r < PIECE_ROWS; ++r)
+    for (int r = 0; r < R; ++r)
         rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
-    float acc[PIECE_ROWS][N], ss[N];
+    float acc[R][N], ss[N];
     #pragma unroll
     for (int i = 0; i < N; ++i) {
         ss[i] = 0.f;
         #pragma unroll
-        for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
+        for (int r = 0; r < R; ++r) acc[r][i] = 0.f;
     }
     for (int t = lane + 32 * share; t < pieces; t += 32 * S) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
-        KPiece<T> w[PIECE_ROWS];
+        KPiece<T> w[R];
         #pragma unroll
-        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
+        for (int r = 0; r < R; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
@@ -220,7 +237,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             const float slo = piece_has_min(T) ? sum16(lo) : 0.f;
             const float shi = piece_has_min(T) ? sum16(hi) : 0.f;
             #pragma unroll
-            for (int r = 0; r < PIECE_ROWS; ++r)
+            for (int r = 0; r < R; ++r)
                 acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
         }
     }
@@ -230,7 +247,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         for (int i = 0; i < N; ++i)
             inv[i] = norm_w != nullptr ? rsqrtf(warp_sum(ss[i]) / (float)s.ncols + eps) : 1.f;
         #pragma unroll
-        for (int r = 0; r < PIECE_ROWS; ++r) {
+        for (int r = 0; r < R; ++r) {
             #pragma unroll
             for (int i = 0; i < N; ++i) {
                 const float v = warp_sum(acc[r][i]);
@@ -240,15 +257,15 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         }
     } else {
         // each warp's tree of its rows' sums (and sums of squares) to shared memory; the first
-        // warp of a split adds its S warps' in order, lane m < PIECE_ROWS * N output m
-        constexpr int M = PIECE_ROWS * N;
-        __shared__ float part[PIECE_THREADS / 32][PIECE_ROWS * MAX_ROWS + MAX_ROWS];
+        // warp of a split adds its S warps' in order, lane m < R * N output m
+        constexpr int M = R * N;
+        __shared__ float part[PIECE_THREADS / 32][R * MAX_ROWS + MAX_ROWS];
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             const float q = warp_sum(ss[i]);
             if (lane == 0) part[warp][M + i] = q;
             #pragma unroll
-            for (int r = 0; r < PIECE_ROWS; ++r) {
+            for (int r = 0; r < R; ++r) {
                 const float v = warp_sum(acc[r][i]);
                 if (lane == 0) part[warp][r * N + i] = v;
             }
