@@ -278,16 +278,19 @@ def stack_allowed(kernel: str) -> int:
                          + [("decode.cu", "int_direct=0", INT_TYPES),
                             ("decode.cu", INT_OFF, INT_TYPES),
                             ("decode.cu", "matvec_pieces=0", FEW_TYPES),
-                            ("decode.cu", "piece_split=4", FEW_TYPES)],
+                            ("decode.cu", "piece_split=4", FEW_TYPES),
+                            ("decode.cu", "piece_accs=4", FEW_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
                                                             "decode.cu-int_types-float_path",
                                                             "decode.cu-plain_matvecs",
-                                                            "decode.cu-piece_split"])
+                                                            "decode.cu-piece_split",
+                                                            "decode.cu-piece_accs"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
     integer expert path's types (on in the default build) staged too, and on the float path; the
-    plain K-quant matvecs (matvec_pieces=0); the pieces split over 4 warps (piece_split=4)."""
+    plain K-quant matvecs (matvec_pieces=0); the pieces split over 4 warps (piece_split=4); a
+    pieces warp one weight row at 4 and 8 rows (piece_accs=4)."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])
