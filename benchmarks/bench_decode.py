@@ -257,7 +257,11 @@ def main() -> int:
     for arm in arms:
         arm.pop("_tokens", None)
         arm["decode_tok_s"] = round(arm["decode_tok_s"], 2)
-    print(tokens_against_records("decode", facts, "strata", one["tokens_sha256"]), flush=True)
+    # against the latest record's first arm of as many tokens (a shape arm or a longer run's
+    # tokens are other tokens without anything having changed)
+    print(tokens_against_records("decode", facts, "strata", one["tokens_sha256"],
+                                 like={"new_tokens": one["new_tokens"], "kernel_shape": None,
+                                       "tree_commit": None}), flush=True)
     path = recorder.save(arms)
     print(f"record: {path}")
     return 0

@@ -49,8 +49,7 @@ def _matvec(raw, qtype, shape, x, norm_w=None, add=None, normed=None, wide=False
 # the plain matvecs' variants name matvec_pieces=0: the default build takes the K quants in pieces
 @pytest.mark.parametrize("build", ["", "matvec_pieces=0", "matvec_pieces=0,matvec_threads=128",
                                    "matvec_pieces=0,matvec_accs=8", "matvec_mma=1",
-                                   "matvec_mma=1,mma_threads=512", "piece_split=2",
-                                   "piece_split=4", "piece_accs=16", "piece_accs=4"])
+                                   "matvec_mma=1,mma_threads=512"])
 def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
     rows, cols = 203, 768      # not whole blocks of rows; 3 chunk rounds of a warp
     raw, w = random_rows(qtype, rows, cols, 2)
@@ -65,11 +64,9 @@ def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
         alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), wide=wide, build=build)
         assert np.array_equal(alone[0], got[0])
-        if "matvec_accs" in build or "piece_accs" in build:
-            # other weight rows a block or a warp: the same bits as the build it varies
-            same = "matvec_pieces=0" if "matvec_accs" in build else ""
+        if "matvec_accs" in build:   # other weight rows a block: the same bits as the plain's
             assert np.array_equal(got, _matvec(dev, qtype, (rows, cols), cp.asarray(x), wide=wide,
-                                               build=same))
+                                               build="matvec_pieces=0"))
     # fused RMSNorm, the normed rows written out, a residual added in place
     nw = (1 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
     res = rng.standard_normal((n, rows)).astype(np.float32)
@@ -85,25 +82,22 @@ def test_matvec_matches_numpy_and_is_batch_invariant(qtype, n, build):
                         add=cp.asarray(res[:1]), normed=cp.zeros((1, cols), cp.float32),
                         wide=wide, build=build)
         assert np.array_equal(alone[0], got[0])     # the norm's scale: a row's own, too
-        if "matvec_accs" in build or "piece_accs" in build:   # the norm's scale too
-            same = "matvec_pieces=0" if "matvec_accs" in build else ""
+        if "matvec_accs" in build:   # the norm's scale from the same sums: the plain's bits
             assert np.array_equal(got, _matvec(dev, qtype, (rows, cols), cp.asarray(x),
                                                norm_w=cp.asarray(nw), add=cp.asarray(res),
                                                normed=cp.zeros((n, cols), cp.float32), wide=wide,
-                                               build=same))
+                                               build="matvec_pieces=0"))
 
 
 @pytest.mark.parametrize("qtype", [t for t in TYPES if int(t) in PIECE_TYPES],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 8])
-@pytest.mark.parametrize("build", ["matvec_pieces=1", "piece_split=2", "piece_split=4",
-                                   "piece_accs=4"])
-def test_pieces_over_several_lane_rounds(qtype, n, build):
-    """matvec_pieces on rows of 4,096 columns: 128 pieces a row, so each lane takes four in turn
-    (the 768-column test above gives a lane one at most; piece_split=4: a lane of each of a row's
-    four warps one), with the fused norm, its normed rows and a residual; against float64, and a
-    row alone against the same row among others (piece_accs=4: a warp 4 weight rows alone,
-    1 among 8 activation rows)."""
+def test_pieces_over_several_lane_rounds(qtype, n):
+    """matvec_pieces on rows of 4,096 columns: 128 pieces a row, so each lane of a row's two warps
+    takes two in turn (the 768-column test above gives a lane one at most), with the fused norm,
+    its normed rows and a residual; against float64, and a row alone against the same row among
+    others."""
+    build = ""
     rows, cols = 37, 4096
     raw, w = random_rows(qtype, rows, cols, 4)
     rng = np.random.default_rng(9)

@@ -63,23 +63,17 @@ def test_kernel_shape_parses_and_refuses():
     # are the builds measured and deleted on 2026-12-07
     with pytest.raises(ValueError, match="int_matvec was removed on 2026-12-06"):
         KernelShape.parse("int_matvec=1")
-    assert KernelShape.parse("piece_split=4").defines() == ("-DPIECE_SPLIT=4",)
-    assert abi.rows_per_block(1, True, KernelShape.parse("piece_split=4"), Q4_K) == 4
-    # fewer weight rows a pieces warp where the build's rows would hold more sums
-    accs8 = KernelShape.parse("piece_accs=8")
-    assert accs8.defines() == ("-DPIECE_ACCS=8",)
-    assert [abi.rows_per_block(n, True, accs8, Q6_K) for n in (1, 2, 3, 5, 8)] == [16, 16, 8, 4, 4]
-    assert [abi.rows_per_block(n, True, KernelShape(), Q6_K) for n in (1, 8)] == [16, 16]
-    assert abi.rows_per_block(8, True, KernelShape.parse("piece_accs=4,piece_split=4"), Q4_K) == 1
-    for gone in ("piece_stage", "piece_ahead", "int_down_ahead", "int_gate_up_group"):
+    # a pieces block: two warps a group of 4 weight rows, at every row count
+    assert [abi.rows_per_block(n, True, KernelShape(), Q6_K) for n in (1, 8)] == [8, 8]
+    for gone in ("piece_stage", "piece_ahead", "int_down_ahead", "int_gate_up_group",
+                 "piece_split", "piece_accs"):
         with pytest.raises(ValueError, match=f"{gone} was removed on 2026-12-07"):
             KernelShape.parse(f"{gone}=1")
     for bad in ("ff_per_block", "ff_per_block=x", "rows=2", "down_per_block=0", "cvt_magic=2",
                 "q4k_pairs=1", "int_ff_per_warp=5", "int_down=2",
                 "matvec_threads=64", "int_gate_up=1,ff_per_block=32",  # 32 does not tile 16
                 "int_down=1,down_per_block=16", "int_q6_k=2", "int_q5_k=-1", "int_q4_k=1",
-                "int_matvec=0", "piece_split=3", "piece_split=2,matvec_pieces=0",
-                "piece_accs=2", "piece_accs=8,matvec_pieces=0"):
+                "int_matvec=0"):
         with pytest.raises(ValueError, match="kernel shape"):
             KernelShape.parse(bad)
 
@@ -277,20 +271,15 @@ def stack_allowed(kernel: str) -> int:
 @pytest.mark.parametrize("source,shape,types", [(p.name, "", None) for p in sources()]
                          + [("decode.cu", "int_direct=0", INT_TYPES),
                             ("decode.cu", INT_OFF, INT_TYPES),
-                            ("decode.cu", "matvec_pieces=0", FEW_TYPES),
-                            ("decode.cu", "piece_split=4", FEW_TYPES),
-                            ("decode.cu", "piece_accs=4", FEW_TYPES)],
+                            ("decode.cu", "matvec_pieces=0", FEW_TYPES)],
                          ids=[p.name for p in sources()] + ["decode.cu-int_types-staged",
                                                             "decode.cu-int_types-float_path",
-                                                            "decode.cu-plain_matvecs",
-                                                            "decode.cu-piece_split",
-                                                            "decode.cu-piece_accs"])
+                                                            "decode.cu-plain_matvecs"])
 def test_kernels_keep_their_values_in_registers(tmp_path, source, shape, types):
     """ptxas's report of every kernel: no stack frame (an array indexed at run time lands in local
     memory and costs a memory round trip per access), but for the ones allowed above; the
     integer expert path's types (on in the default build) staged too, and on the float path; the
-    plain K-quant matvecs (matvec_pieces=0); the pieces split over 4 warps (piece_split=4); a
-    pieces warp one weight row at 4 and 8 rows (piece_accs=4)."""
+    plain K-quant matvecs (matvec_pieces=0)."""
     import re
     defines = list(KernelShape.parse(shape).defines()) + (
         [few_types_option(tmp_path, types)] if types else [])
@@ -315,7 +304,8 @@ def test_argument_tables_match_the_structs(tmp_path):
              'printf("INT_FF_BLOCK %d INT_DOWN_BLOCK %d\\n", INT_FF_BLOCK, INT_DOWN_BLOCK);',
              'printf("GDN_ROWS %d NEXT_D %d NEXT_ROT %d MMA_ROWS %d\\n", GDN_ROWS, NEXT_D, '
              'NEXT_ROT, MMA_ROWS);',
-             'printf("PIECE_ROWS %d PIECE_THREADS %d\\n", PIECE_ROWS, PIECE_THREADS);']
+             'printf("PIECE_ROWS %d PIECE_THREADS %d PIECE_SPLIT %d\\n", PIECE_ROWS, '
+             'PIECE_THREADS, PIECE_SPLIT);']
     lines += [f'printf("{name} %d\\n", (int)({name}));' for name in DESC_NAMES]
     lines += [f'printf("rows_per_block {n} {w} %d\\n", rows_per_block({n}, {w}));'
               for n in range(1, MAX_ROWS + 1) for w in (0, 1)]
@@ -340,7 +330,8 @@ def test_argument_tables_match_the_structs(tmp_path):
             f"INT_FF_BLOCK {KernelShape().gate_up_block(Q4_K)} "
             f"INT_DOWN_BLOCK {KernelShape().down_block(Q4_K)}",
             f"GDN_ROWS {GDN_ROWS} NEXT_D {NEXT_HEAD_DIM} NEXT_ROT {NEXT_ROT} MMA_ROWS {abi.MMA_ROWS}",
-            f"PIECE_ROWS {abi.PIECE_ROWS} PIECE_THREADS {abi.PIECE_THREADS}"]
+            f"PIECE_ROWS {abi.PIECE_ROWS} PIECE_THREADS {abi.PIECE_THREADS} "
+            f"PIECE_SPLIT {abi.PIECE_SPLIT}"]
     # the step descriptor's words (backends/decode_rows.py packs what the kernels read)
     want += [f"{name} {getattr(abi, name)}" for name in DESC_NAMES]
     want += [f"rows_per_block {n} {w} {rows_per_block(n, bool(w))}"

@@ -1,6 +1,7 @@
 """The Q4_K, Q5_K and Q6_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
-matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l the
-pieces l, l + 32, ... through k_piece and k_piece_dot, then the warp's xor tree) against gguf-py's
+matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l of
+warp k of a pair the pieces l + 32k, then every 64, through k_piece and k_piece_dot, then each
+warp's xor tree, then the two warps' sums in order) against gguf-py's
 decoding in float64, and the build with the switch compiles for the GPU. The GPU launches themselves are
 tests/test_gpu_decode.py's. Skips where nvcc is not installed."""
 import subprocess
@@ -13,27 +14,31 @@ from strata_dist.kernels.abi import PIECE_TYPES, KernelShape
 from test_kernels_compile import NVCC, few_types_option, needs_nvcc
 
 HARNESS = r"""
-// one row's dot product as a warp of matvec_pieces_rows sums it
+// one row's dot product as a pair of warps of matvec_pieces_rows sums it
 template <int T>
 static float pieces_row_dot(const unsigned char* row, const float* x, int ncols) {
-    float lane_acc[32];
     const int pieces = (ncols >> 8) * 8;
-    for (int lane = 0; lane < 32; ++lane) {
-        float acc = 0.f;
-        for (int t = lane; t < pieces; t += 32) {
-            const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
-            const KPiece<T> w = k_piece<T>(row + (long long)sb * block_bytes(T), p);
-            const int hi = col + piece_hi(T);
-            acc = k_piece_dot<T>(w, x + col, x + hi, sum16(x + col), sum16(x + hi), acc);
+    float total = 0.f;
+    for (int share = 0; share < PIECE_SPLIT; ++share) {     // the warps of a pair, in order
+        float lane_acc[32];
+        for (int lane = 0; lane < 32; ++lane) {
+            float acc = 0.f;
+            for (int t = lane + 32 * share; t < pieces; t += 32 * PIECE_SPLIT) {
+                const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
+                const KPiece<T> w = k_piece<T>(row + (long long)sb * block_bytes(T), p);
+                const int hi = col + piece_hi(T);
+                acc = k_piece_dot<T>(w, x + col, x + hi, sum16(x + col), sum16(x + hi), acc);
+            }
+            lane_acc[lane] = acc;
         }
-        lane_acc[lane] = acc;
+        for (int o = 16; o > 0; o >>= 1) {       // warp_sum's xor tree
+            float next[32];
+            for (int lane = 0; lane < 32; ++lane) next[lane] = lane_acc[lane] + lane_acc[lane ^ o];
+            memcpy(lane_acc, next, sizeof next);
+        }
+        total = share == 0 ? lane_acc[0] : total + lane_acc[0];
     }
-    for (int o = 16; o > 0; o >>= 1) {       // warp_sum's xor tree
-        float next[32];
-        for (int lane = 0; lane < 32; ++lane) next[lane] = lane_acc[lane] + lane_acc[lane ^ o];
-        memcpy(lane_acc, next, sizeof next);
-    }
-    return lane_acc[0];
+    return total;
 }
 
 int main(int argc, char** argv) {

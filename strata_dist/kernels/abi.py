@@ -37,8 +37,9 @@ TYPE_NAMES = {t: GGMLQuantizationType(t).name.lower() for t in KERNEL_TYPES}
 MATVEC_ROWS = (1, 2, 4, 8)      # activation rows a matvec kernel is built for (padded_rows)
 MATVEC_ACCS = 32                # KernelShape.matvec_accs' default (decode.cu MATVEC_ACCS)
 MMA_ROWS = 16                   # weight rows of a matvec_mma block (matvec_mma.cuh MMA_ROWS)
-PIECE_ROWS = 4                  # weight rows of a warp of matvec_pieces (matvec_pieces.cuh)
+PIECE_ROWS = 4                  # weight rows of a warp pair of matvec_pieces (matvec_pieces.cuh)
 PIECE_THREADS = 128             # threads of a matvec_pieces block (matvec_pieces.cuh)
+PIECE_SPLIT = 2                 # warps that share a matvec_pieces warp's rows (matvec_pieces.cuh)
 BLOCK_THREADS = 256             # threads of the matrix and expert kernels
 FF_PER_BLOCK = 4                # expert rows f per block of moe_gate_up (decode.cu's default)
 DOWN_PER_BLOCK = 4              # outputs per block of moe_down (decode.cu's default)
@@ -89,14 +90,10 @@ class KernelShape:
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
     `matvec_pieces` (default 1 since 2026-12-07: 323.6 against 298.5 tok/s one-row decode on
     q4_k_m, benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-07-081812-f97cb1b.json) gives
-    the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a warp PIECE_ROWS weight rows and a block
-    PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a time
-    (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1` alone
-    implies `=0`); `piece_split` (1, 2 or 4; default 1, not yet measured) has that many warps
-    share a warp's rows, each a share of the pieces (other bits); `piece_accs` (32, 16, 8 or 4;
-    default 32, not yet measured) the sums a pieces lane holds at most: piece_accs / N weight
-    rows a warp (1 to PIECE_ROWS) in the build for N activation rows (piece_warp_rows; fewer sums
-    and pieces held, the same bits).
+    the Q4_K, Q5_K and Q6_K dense matvecs (PIECE_TYPES) a pair of warps PIECE_ROWS weight rows
+    (PIECE_SPLIT) and a block PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a
+    time (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1`
+    alone implies `=0`).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at
     every row count (kernels/matvec_mma.cuh: activations as two f16 parts; other bits than the
     plain build's), in blocks of `mma_threads` (256, measured; or 512: K split over twice the
@@ -123,8 +120,6 @@ class KernelShape:
     matvec_mma: int = 0
     mma_threads: int = BLOCK_THREADS
     matvec_pieces: int = 1
-    piece_split: int = 1
-    piece_accs: int = PIECE_ROWS * MAX_ROWS
 
     # field -> the macro decode.cu reads
     MACROS = {"ff_per_block": "FF_PER_BLOCK", "down_per_block": "DOWN_PER_BLOCK",
@@ -135,8 +130,7 @@ class KernelShape:
               **{name: name.upper() for name in INT_TYPE_SWITCHES},
               "matvec_threads": "MATVEC_THREADS", "matvec_accs": "MATVEC_ACCS",
               "matvec_mma": "MATVEC_MMA", "mma_threads": "MMA_THREADS",
-              "matvec_pieces": "MATVEC_PIECES", "piece_split": "PIECE_SPLIT",
-              "piece_accs": "PIECE_ACCS"}
+              "matvec_pieces": "MATVEC_PIECES"}
     SWITCHES = ("factored_dots", "cvt_magic", "int_gate_up", "int_down", "int_direct",
                 *INT_TYPE_SWITCHES, "matvec_mma", "matvec_pieces")
     # names of deleted builds -> why (issue 52: a measured loser is deleted, its figure kept in
@@ -180,7 +174,17 @@ class KernelShape:
                "int_gate_up_group": "removed on 2026-12-07: a batched step's pairs of one expert "
                                     "taken by one gate/up block measured slower (7.3 against 5.5 "
                                     "ms a 16-row step's gate/up, 0.946x at 16 streams, "
-                                    "docs/BENCHMARKS.md)"}
+                                    "docs/BENCHMARKS.md)",
+               "piece_split": "removed on 2026-12-07: two warps share a pieces warp's rows in "
+                              "every build now (353.0 tok/s decode against 327.8 with one and "
+                              "346.5 with four, benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-"
+                              "2026-12-07-190238-a751dcf.json; 16 streams 457.9 against 407.1 and "
+                              "417.0 tok/s, serve-qwen3-30b-a3b-q4_k_m-2026-12-07-191001-"
+                              "a751dcf.json)",
+               "piece_accs": "removed on 2026-12-07: fewer weight rows a pieces warp at 2-8 "
+                             "activation rows measured slower (16-row replays 26.35 and 32.83 "
+                             "against 24.69 ms, 16 streams 0.881x and 0.790x, serve-qwen3-30b-"
+                             "a3b-q4_k_m-2026-12-07-185922-a751dcf.json, docs/BENCHMARKS.md)"}
 
     def __post_init__(self) -> None:
         for name in ("ff_per_block", "down_per_block"):
@@ -203,17 +207,6 @@ class KernelShape:
         for name in self.SWITCHES:
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"kernel shape {name}={getattr(self, name)}: expected 0 or 1")
-        if self.piece_split not in (1, 2, 4):
-            raise ValueError(f"kernel shape piece_split={self.piece_split}: expected 1, 2 or 4")
-        if self.piece_accs not in (4, 8, 16, 32):
-            raise ValueError(f"kernel shape piece_accs={self.piece_accs}: expected 4, 8, 16 or 32")
-        if self.piece_accs != PIECE_ROWS * MAX_ROWS and not self.matvec_pieces:
-            raise ValueError(f"kernel shape piece_accs={self.piece_accs} with matvec_pieces="
-                             f"{self.matvec_pieces}: there are no pieces' lanes")
-        if self.piece_split > 1 and not self.matvec_pieces:
-            raise ValueError(f"kernel shape piece_split={self.piece_split} with matvec_pieces="
-                             f"{self.matvec_pieces}: piece_split splits the pieces' columns; "
-                             f"there are no pieces")
         if self.matvec_mma and self.matvec_pieces:
             raise ValueError(f"kernel shape matvec_mma={self.matvec_mma} with matvec_pieces="
                              f"{self.matvec_pieces}: both take the K-quant matvecs; pick one")
@@ -325,14 +318,8 @@ def rows_per_block(n: int, wide: bool, shape: KernelShape = KernelShape(),
     if shape.matvec_mma and ggml_type in MMA_SCALE_COLS:
         return MMA_ROWS
     if shape.matvec_pieces and ggml_type in PIECE_TYPES:
-        return piece_warp_rows(n, shape) * (PIECE_THREADS // 32) // shape.piece_split
+        return PIECE_ROWS * (PIECE_THREADS // 32) // PIECE_SPLIT
     return shape.matvec_accs // padded_rows(n) if padded_rows(n) > 1 else MAX_ROWS if wide else 1
-
-
-def piece_warp_rows(n: int, shape: KernelShape) -> int:
-    """Weight rows of a pieces warp in the build for n activation rows (matvec_pieces.cuh
-    piece_warp_rows)."""
-    return min(PIECE_ROWS, max(1, shape.piece_accs // padded_rows(n)))
 
 
 def matvec_block_threads(shape: KernelShape, ggml_type: int) -> int:

@@ -3,8 +3,9 @@
 // super-block at a time, the 16 bytes of quants that hold two 16-column runs (Q4_K / Q5_K: 16
 // columns of sub-block 2jj in the low nibbles and the same 16 of sub-block 2jj + 1 in the high
 // ones; Q6_K: two runs 64 columns apart): 32 weights; it reads the piece's 32 activations of each
-// row once for the warp's weight rows. No block reduction: each warp's xor tree gives its rows'
-// sums (the one barrier is block (0, 0)'s, before it writes a fused norm's normed rows).
+// row once for the warp's weight rows. Two warps share a group of rows, each taking every other
+// round of 32 pieces (PIECE_SPLIT); each warp's xor tree gives its share of the rows' sums, and
+// the first adds the second's, through shared memory.
 //
 // Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
 // loaded for the 4 it uses, and its block reduces over 256 threads with two barriers; at one row
@@ -13,10 +14,11 @@
 // output matrix and attn_v of a Q4_K_M file) streamed at about 0.9 TB/s in the output matrix and
 // far less in attn_v's 512 rows (the same section).
 //
-// Batch invariance: an output's sum is the lane's pieces in order (each piece's two 16-column
-// dots, then its scale and min terms), then the warp's xor tree, for any number of activation
-// rows; so a row's bits are the same alone and among others. They are not the plain matvec's
-// (another order), so the build decides (matvec_pieces), never the row count.
+// Batch invariance: an output's sum is each lane's pieces in order (each piece's two 16-column
+// dots, then its scale and min terms), then each warp's xor tree, then the two warps' sums in
+// warp order, for any number of activation rows; so a row's bits are the same alone and among
+// others. They are not the plain matvec's (another order), so the build decides (matvec_pieces),
+// never the row count.
 #pragma once
 
 // the default since 2026-12-07 (one-row decode 1.084x the plain matvecs' on a Q4_K_M file:
@@ -24,37 +26,16 @@
 #ifndef MATVEC_PIECES
 #define MATVEC_PIECES 1
 #endif
-#define PIECE_ROWS 4         // weight rows of a warp at most (kernels/abi.py PIECE_ROWS)
-// The sums a warp's lane holds, weight rows x activation rows, at most (KernelShape piece_accs:
-// 32, 16, 8 or 4; not yet measured): the build for N activation rows gives a warp
-// piece_warp_rows(N) = PIECE_ACCS / N weight rows, 1 to PIECE_ROWS. Why: with 4 rows at every N,
-// ptxas gives the 2-, 4- and 8-row launches 245 to 255 registers, 2 blocks an SM (12.5%
-// occupancy under Nsight Compute at 8 rows, docs/BENCHMARKS.md); fewer rows a warp hold fewer
-// sums and pieces, at the cost of reading the activations once for each warp. An output's sum
-// does not depend on it (a lane's pieces in order, then the warp's xor tree): the same bits.
-#ifndef PIECE_ACCS
-#define PIECE_ACCS 32
-#endif
-static_assert(PIECE_ACCS == 4 || PIECE_ACCS == 8 || PIECE_ACCS == 16 || PIECE_ACCS == 32,
-              "PIECE_ACCS is 4, 8, 16 or 32");
-// weight rows of a warp of the build for N activation rows (kernels/abi.py piece_warp_rows)
-HOST_DEVICE constexpr int piece_warp_rows(int N) {
-    return PIECE_ACCS / N >= PIECE_ROWS ? PIECE_ROWS : PIECE_ACCS / N >= 1 ? PIECE_ACCS / N : 1;
-}
-#define PIECE_THREADS 128    // threads of a block: 4 warps, 16 rows (kernels/abi.py PIECE_THREADS)
-// Warps that share a warp's rows, each a 1 / PIECE_SPLIT of the pieces (KernelShape piece_split:
-// 1, 2 or 4; not yet measured). Why: at one row the o projection (2,048 rows of 4,096 columns)
-// is 128 blocks of 4 warps, one block an SM, and Nsight Compute read its warps issuing every ~4
-// cycles with 6% occupancy: the launch is each warp's serial instruction stream (4 pieces a
-// lane), not memory. Split, a block takes 16 / PIECE_SPLIT rows and each lane 1 / PIECE_SPLIT of
-// the pieces, so PIECE_SPLIT times the warps share the work. An output's sum is then each warp's
-// xor tree of its lanes' pieces, added over the split's warps in order: another order than
-// PIECE_SPLIT 1's (other bits), the same at every row count (batch invariance).
-#ifndef PIECE_SPLIT
-#define PIECE_SPLIT 1
-#endif
-static_assert(PIECE_SPLIT == 1 || PIECE_SPLIT == 2 || PIECE_SPLIT == 4,
-              "PIECE_SPLIT is 1, 2 or 4");
+#define PIECE_ROWS 4         // weight rows of a warp pair (kernels/abi.py PIECE_ROWS)
+#define PIECE_THREADS 128    // threads of a block: 4 warps, 8 rows (kernels/abi.py PIECE_THREADS)
+// Warps that share a warp's rows, each taking every PIECE_SPLIT-th round of 32 pieces (kernels/
+// abi.py PIECE_SPLIT). Why: at one row the o projection (2,048 rows of 4,096 columns) was 128
+// blocks of 4 warps, one block an SM, and Nsight Compute read its warps issuing every ~4 cycles at
+// 6% occupancy: each warp's serial instruction stream (4 pieces a lane), not memory. Two warps a
+// row group measured 1.077x one-row decode (353.0 against 327.8 tok/s) and 16 streams served
+// 1.125x (457.9 against 407.1 tok/s) on a Q4_K_M-recipe file; four, 1.057x and 1.024x
+// (docs/BENCHMARKS.md names the records; KernelShape.REMOVED piece_split).
+#define PIECE_SPLIT 2
 
 // Q4_K; Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes for
 // column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load);
@@ -181,10 +162,10 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
 
 // matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
 // n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
-// Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * R .. (R:
-// piece_warp_rows(N)); lane
-// l the pieces l + 32 (w % PIECE_SPLIT), then every 32 * PIECE_SPLIT, in column order. A fused norm's sum of squares is taken by every warp over the
-// whole row in the same pass (the same order everywhere, so every warp's scale is the same).
+// Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * PIECE_ROWS ..; lane
+// l the pieces l + 32 (w % PIECE_SPLIT), then every 32 * PIECE_SPLIT, in column order. A fused
+// norm's sum of squares is taken in the same pass and the same order (each warp its share, added
+// as the rows' sums are), so every warp's scale is the same.
 template <int T, int N>
 __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ specs,
                                                    const float* __restrict__ x, int x_stride,
@@ -192,7 +173,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
                                                    float eps, float* __restrict__ normed) {
     __shared__ float inv_shared[MAX_ROWS];
     const MatSpec s = specs[blockIdx.y];
-    constexpr int S = PIECE_SPLIT, R = piece_warp_rows(N);
+    constexpr int S = PIECE_SPLIT, R = PIECE_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = (blockDim.x >> 5) / S, share = warp % S;    // share: of its rows' pieces
     if ((int)blockIdx.x * groups * R >= s.nrows) return;    // the whole block: uniform
@@ -242,55 +223,40 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         }
     }
     float inv[N];
-    if constexpr (S == 1) {
-        #pragma unroll
-        for (int i = 0; i < N; ++i)
-            inv[i] = norm_w != nullptr ? rsqrtf(warp_sum(ss[i]) / (float)s.ncols + eps) : 1.f;
+    // each warp's tree of its rows' sums (and sums of squares) to shared memory; the first
+    // warp of a pair adds its S warps' in order, lane m < R * N output m
+    constexpr int M = R * N;
+    __shared__ float part[PIECE_THREADS / 32][R * MAX_ROWS + MAX_ROWS];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float q = warp_sum(ss[i]);
+        if (lane == 0) part[warp][M + i] = q;
         #pragma unroll
         for (int r = 0; r < R; ++r) {
-            #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                const float v = warp_sum(acc[r][i]);
-                if (lane == 0 && i < n && o0 + r < s.nrows)
-                    store_output(s, i, o0 + r, norm_w != nullptr ? v * inv[i] : v);
-            }
+            const float v = warp_sum(acc[r][i]);
+            if (lane == 0) part[warp][r * N + i] = v;
         }
-    } else {
-        // each warp's tree of its rows' sums (and sums of squares) to shared memory; the first
-        // warp of a split adds its S warps' in order, lane m < R * N output m
-        constexpr int M = R * N;
-        __shared__ float part[PIECE_THREADS / 32][R * MAX_ROWS + MAX_ROWS];
+    }
+    __syncthreads();
+    const int first = warp - share;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float q = part[first][M + i];
         #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            const float q = warp_sum(ss[i]);
-            if (lane == 0) part[warp][M + i] = q;
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const float v = warp_sum(acc[r][i]);
-                if (lane == 0) part[warp][r * N + i] = v;
-            }
-        }
-        __syncthreads();
-        const int first = warp - share;
+        for (int j = 1; j < S; ++j) q += part[first + j][M + i];
+        inv[i] = norm_w != nullptr ? rsqrtf(q / (float)s.ncols + eps) : 1.f;
+    }
+    if (share == 0 && lane < M) {
+        const int r = lane / N, i = lane - r * N;
+        float v = part[first][lane];
         #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            float q = part[first][M + i];
-            #pragma unroll
-            for (int j = 1; j < S; ++j) q += part[first + j][M + i];
-            inv[i] = norm_w != nullptr ? rsqrtf(q / (float)s.ncols + eps) : 1.f;
-        }
-        if (share == 0 && lane < M) {
-            const int r = lane / N, i = lane - r * N;
-            float v = part[first][lane];
-            #pragma unroll
-            for (int j = 1; j < S; ++j) v += part[first + j][lane];
-            float iv = inv[0];
-            #pragma unroll
-            for (int j = 1; j < N; ++j)           // inv[i] by static indices (registers)
-                if (j == i) iv = inv[j];
-            if (i < n && o0 + r < s.nrows)
-                store_output(s, i, o0 + r, norm_w != nullptr ? v * iv : v);
-        }
+        for (int j = 1; j < S; ++j) v += part[first + j][lane];
+        float iv = inv[0];
+        #pragma unroll
+        for (int j = 1; j < N; ++j)           // inv[i] by static indices (registers)
+            if (j == i) iv = inv[j];
+        if (i < n && o0 + r < s.nrows)
+            store_output(s, i, o0 + r, norm_w != nullptr ? v * iv : v);
     }
     if (normed != nullptr && norm_w != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {
         if (threadIdx.x == 0) {                    // warp 0 of block 0 always holds rows
