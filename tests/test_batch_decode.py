@@ -206,6 +206,49 @@ def test_concurrent_requests_get_the_tokens_each_gets_alone(synth, like, args):
 
 
 @pytest.mark.timeout(180)
+def test_more_streams_than_a_replay_holds_go_as_two_steps_at_once(synth):
+    """Twelve concurrent clients on one stage (`--parallel 12`), more than a graph replay's
+    DECODE_ROWS rows: the scheduler keeps two steps in flight (the stage runs one group while the
+    head reads the other's tokens), and each client's tokens are those it gets alone."""
+    import asyncio
+    import random
+
+    import httpx
+
+    from server_helpers import ServerProcess
+    from strata_dist.plan.pricing import DECODE_ROWS
+
+    n = 12
+    assert n > DECODE_ROWS
+    # answers long enough that every prompt is read while the first streams still decode
+    bodies = [{"model": "tiny", "prompt": " ".join(f"w{(i * 5 + j) % 19}" for j in range(2 + 3 * i)),
+               "max_tokens": 64 + 4 * (i % 3), "temperature": 0, "ignore_eos": True,
+               "stream": i % 2 == 0, **({} if i % 2 == 0 else {"logprobs": 2, "cache_prompt": False})}
+              for i in range(n)]
+    server = ServerProcess(synth["tiny"], "--cpu-ranks", "1", "--vram-budget", "1G",
+                           "--max-context", "512", "--prefill", "32", "--parallel", str(n))
+    try:
+        async def run(together: bool) -> list[list[int]]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                if not together:
+                    return [await _complete(http, server.url, b) for b in bodies]
+                order = list(range(n))
+                random.Random(3).shuffle(order)
+
+                async def one(i):
+                    return i, await _complete(http, server.url, bodies[i])
+                got = dict(await asyncio.gather(*(one(i) for i in order)))
+                return [got[i] for i in range(n)]
+
+        want = asyncio.run(run(False))
+        assert asyncio.run(run(True)) == want
+        q = httpx.get(server.url + "/v1/status", timeout=10).json()["queue"]
+        assert q["batched_steps"] > 0 and q["most_steps_in_flight"] == 2, q
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(180)
 def test_a_long_prompt_does_not_stall_a_running_stream(synth):
     """A stream decodes while another request's 2,000-token prompt is read (63 chunks): the
     prompt goes a chunk per decode step, so the stream keeps getting tokens while it is read (one

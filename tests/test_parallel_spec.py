@@ -160,7 +160,9 @@ def test_the_draft_model_drafts_for_each_request_of_a_batch(synth):
         assert got == want, draft
         drafted, accepted = status["strata_draft_tokens"], status["strata_draft_tokens_accepted"]
         assert drafted > 0 and accepted == (drafted if draft == "tiny" else 0), (draft, status)
-        assert status["batched_requests"] / status["batched_steps"] > 1.5, status
+        # several requests a step (on two stages they go as two groups, each about half of them,
+        # fewer as they end)
+        assert status["batched_requests"] / status["batched_steps"] > 1.25, status
         # the drafts rode in their requests' windows as rows (rejected ones too)
         assert status["batched_rows"] > status["batched_requests"], status
         _accepted_in_rows(status, accepted)

@@ -6,7 +6,9 @@ slot). The scheduler, on the thread that owns the coordinator's sockets, sends:
   next (with --spec K, that token and the drafts the last stage sent with it: a verify window of
   its own in the step; a request with no drafts this step has one row), while fewer such steps
   than stages are in flight (each step a group of requests of its own: with K stages, K groups
-  keep every stage busy): every stage runs all rows once, the last stage answers each request's
+  keep every stage busy; on any number of stages, as many groups as a graph replay's DECODE_ROWS
+  rows need, so that one stage works on a group while the head reads another's tokens and sends
+  it on): every stage runs all rows once, the last stage answers each request's
   Tokens, all of the step's in one StepTokens (it never starts the next batched step itself:
   `Sampling.head_steps`);
 - prompt chunks of one request at a time between those steps: while any request decodes, at most
@@ -41,6 +43,8 @@ from protocol import Error, PromptProgress, ProtocolTimeout, StepTokens, Token, 
 from protocol.batch import MAX_BATCH_ROWS, MAX_WINDOW_ROWS, BatchRows
 from protocol.conversations import ConversationStep
 from protocol.messages import Sampling
+
+from ..plan.pricing import DECODE_ROWS
 
 from .coordinator import (PROMPT_WINDOW_PER_STAGE, RankFailure, RankLost, RequestError,
                           StreamEvent)
@@ -258,12 +262,14 @@ class BatchScheduler:
         sender = None
         rows = [st for st in self.streams.values()
                 if st.next_token is not None and not st.cancelled][:self.parallel]
-        if rows and len(self._steps) < max(1, len(self.coord._stages())):
-            sender = sender or self._sender()
-            if len(self.streams) == 1 and not self._steps:
-                self._send_loop(sender, rows[0])
-            else:
-                self._send_step(sender, rows)
+        if rows and len(self.streams) == 1 and not self._steps:
+            self._send_loop(sender := self._sender(), rows[0])
+        elif rows:
+            groups, per_step = self._decode_groups(len(rows))
+            while rows and len(self._steps) < groups:
+                sender = sender or self._sender()
+                step, rows = rows[:per_step], rows[per_step:]
+                self._send_step(sender, step)
         # prompt chunks: one request at a time, paced
         in_flight = sum(st.sent - st.read for st in self.streams.values())
         running = any(st.sent >= st.chunks and st.read >= st.chunks
@@ -289,6 +295,19 @@ class BatchScheduler:
             st.sent += 1
             st.last_event = time.monotonic()
             in_flight += 1
+
+    def _decode_groups(self, ready: int) -> tuple[int, int]:
+        """How many batched steps the decoding requests go in at once (the `ready` ones and those
+        of the steps in flight), and the requests of each: one a stage at least (stage k on one
+        group while stage k + 1 on another), and as many as they fill DECODE_ROWS-row graph
+        replays, a request a row (a rank runs a larger step as several replays anyway, back to
+        back; split into steps, one stage runs a group while the head reads another's tokens and
+        sends it on, instead of idling through that round trip). With --spec a request's window
+        is several rows, and a step of whole windows would take more replays than the rows need
+        if split this way: counted as one row, its windows stay in as few steps as before."""
+        requests = ready + sum(len(s.waiting) for s in self._steps.values())
+        groups = max(1, len(self.coord._stages()), -(-requests // DECODE_ROWS))
+        return groups, -(-requests // groups)
 
     def _next_prompt(self) -> _Stream | None:
         while self._prompts:
