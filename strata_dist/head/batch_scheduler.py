@@ -303,8 +303,8 @@ class BatchScheduler:
         replays, a request a row (a rank runs a larger step as several replays anyway, back to
         back; split into steps, one stage runs a group while the head reads another's tokens and
         sends it on, instead of idling through that round trip). With --spec a request's window
-        is several rows, and a step of whole windows would take more replays than the rows need
-        if split this way: counted as one row, its windows stay in as few steps as before."""
+        is several rows but counts as one here: split by rows, whole windows would go in more,
+        emptier steps than their rows need, so a group holds up to DECODE_ROWS windows."""
         requests = ready + sum(len(s.waiting) for s in self._steps.values())
         groups = max(1, len(self.coord._stages()), -(-requests // DECODE_ROWS))
         return groups, -(-requests // groups)
