@@ -97,7 +97,6 @@ def test_pieces_over_several_lane_rounds(qtype, n):
     takes two in turn (the 768-column test above gives a lane one at most), with the fused norm,
     its normed rows and a residual; against float64, and a row alone against the same row among
     others."""
-    build = ""
     rows, cols = 37, 4096
     raw, w = random_rows(qtype, rows, cols, 4)
     rng = np.random.default_rng(9)
@@ -109,12 +108,11 @@ def test_pieces_over_several_lane_rounds(qtype, n):
     dev = cp.asarray(raw.reshape(-1))
     normed = cp.zeros((n, cols), cp.float32)
     got = _matvec(dev, qtype, (rows, cols), cp.asarray(x), norm_w=cp.asarray(nw),
-                  add=cp.asarray(res), normed=normed, wide=True, build=build)
+                  add=cp.asarray(res), normed=normed, wide=True)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     np.testing.assert_allclose(cp.asnumpy(normed), xn, rtol=1e-4, atol=1e-4 * np.abs(xn).max())
     alone = _matvec(dev, qtype, (rows, cols), cp.asarray(x[:1]), norm_w=cp.asarray(nw),
-                    add=cp.asarray(res[:1]), normed=cp.zeros((1, cols), cp.float32), wide=True,
-                    build=build)
+                    add=cp.asarray(res[:1]), normed=cp.zeros((1, cols), cp.float32), wide=True)
     assert np.array_equal(alone[0], got[0])
 
 

@@ -173,28 +173,28 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
                                                    float eps, float* __restrict__ normed) {
     __shared__ float inv_shared[MAX_ROWS];
     const MatSpec s = specs[blockIdx.y];
-    constexpr int S = PIECE_SPLIT, R = PIECE_ROWS;
+    constexpr int S = PIECE_SPLIT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = (blockDim.x >> 5) / S, share = warp % S;    // share: of its rows' pieces
-    if ((int)blockIdx.x * groups * R >= s.nrows) return;    // the whole block: uniform
-    const int o0 = (blockIdx.x * groups + warp / S) * R;
+    if ((int)blockIdx.x * groups * PIECE_ROWS >= s.nrows) return;    // the whole block: uniform
+    const int o0 = (blockIdx.x * groups + warp / S) * PIECE_ROWS;
     const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
-    const u8* rows[R];
+    const u8* rows[PIECE_ROWS];
     #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < PIECE_ROWS; ++r)
         rows[r] = s.w + (i64)min(o0 + r, s.nrows - 1) * s.row_bytes;
-    float acc[R][N], ss[N];
+    float acc[PIECE_ROWS][N], ss[N];
     #pragma unroll
     for (int i = 0; i < N; ++i) {
         ss[i] = 0.f;
         #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][i] = 0.f;
+        for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
     }
     for (int t = lane + 32 * share; t < pieces; t += 32 * S) {
         const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
-        KPiece<T> w[R];
+        KPiece<T> w[PIECE_ROWS];
         #pragma unroll
-        for (int r = 0; r < R; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
+        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
@@ -218,21 +218,21 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
             const float slo = piece_has_min(T) ? sum16(lo) : 0.f;
             const float shi = piece_has_min(T) ? sum16(hi) : 0.f;
             #pragma unroll
-            for (int r = 0; r < R; ++r)
+            for (int r = 0; r < PIECE_ROWS; ++r)
                 acc[r][i] = k_piece_dot<T>(w[r], lo, hi, slo, shi, acc[r][i]);
         }
     }
     float inv[N];
     // each warp's tree of its rows' sums (and sums of squares) to shared memory; the first
-    // warp of a pair adds its S warps' in order, lane m < R * N output m
-    constexpr int M = R * N;
-    __shared__ float part[PIECE_THREADS / 32][R * MAX_ROWS + MAX_ROWS];
+    // warp of a pair adds its S warps' in order, lane m < PIECE_ROWS * N output m
+    constexpr int M = PIECE_ROWS * N;
+    __shared__ float part[PIECE_THREADS / 32][PIECE_ROWS * MAX_ROWS + MAX_ROWS];
     #pragma unroll
     for (int i = 0; i < N; ++i) {
         const float q = warp_sum(ss[i]);
         if (lane == 0) part[warp][M + i] = q;
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < PIECE_ROWS; ++r) {
             const float v = warp_sum(acc[r][i]);
             if (lane == 0) part[warp][r * N + i] = v;
         }
