@@ -1,4 +1,4 @@
-"""The Q4_K, Q5_K and Q6_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
+"""The Q4_K, Q5_K, Q6_K, Q3_K and Q2_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
 matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l of
 warp k of a pair the pieces l + 32k, then every 64, through k_piece and k_piece_dot, then each
 warp's xor tree, then the two warps' sums in order) against gguf-py's
@@ -57,6 +57,8 @@ int main(int argc, char** argv) {
         const int c = (int)head[1];
         const float v = type == T_Q5_K   ? pieces_row_dot<T_Q5_K>(row, x.data(), c)
                         : type == T_Q6_K ? pieces_row_dot<T_Q6_K>(row, x.data(), c)
+                        : type == T_Q3_K ? pieces_row_dot<T_Q3_K>(row, x.data(), c)
+                        : type == T_Q2_K ? pieces_row_dot<T_Q2_K>(row, x.data(), c)
                                          : pieces_row_dot<T_Q4_K>(row, x.data(), c);
         fwrite(&v, sizeof(float), 1, out);
     }
@@ -67,8 +69,10 @@ int main(int argc, char** argv) {
 
 @needs_nvcc
 def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
-    """Random Q4_K, Q5_K and Q6_K rows (every 6-bit scale and min, both nibbles, every fifth bit, d and
-    dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte aligned) of 768 and
+    """Random Q4_K, Q5_K, Q6_K, Q3_K and Q2_K rows (every 6-bit scale and min, both nibbles, every
+    fifth bit, d and dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte
+    aligned; Q3_K every 2-bit field, hmask bit and 6-bit scale, its 330-byte rows 2-byte aligned;
+    Q2_K every 2-bit field and 4-bit scale and min, 252-byte rows 4-byte aligned) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
     decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""

@@ -1,10 +1,11 @@
-// The K-quant dense matvecs (Q4_K, Q5_K, Q6_K) in 16-byte pieces (KernelShape matvec_pieces): a
-// warp takes PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane takes one piece of a
-// super-block at a time, the 16 bytes of quants that hold two 16-column runs (Q4_K / Q5_K: 16
-// columns of sub-block 2jj in the low nibbles and the same 16 of sub-block 2jj + 1 in the high
-// ones; Q6_K: two runs 64 columns apart): 32 weights; it reads the piece's 32 activations of each
-// row once for the warp's weight rows. Two warps share a group of rows, each taking every other
-// round of 32 pieces (PIECE_SPLIT); each warp's xor tree gives its share of the rows' sums, and
+// The K-quant dense matvecs (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) in 16-byte pieces (KernelShape
+// matvec_pieces): a warp takes PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane
+// takes one piece of a super-block at a time, the 16 bytes of quants that hold two 16-column runs
+// (Q4_K / Q5_K: 16 columns of sub-block 2jj in the low nibbles and the same 16 of sub-block
+// 2jj + 1 in the high ones; Q6_K: two runs 64 columns apart; Q3_K / Q2_K: two of the four 2-bit
+// fields of 16 bytes, runs 64 columns apart, the other two another lane's piece): 32 weights; it
+// reads the piece's 32 activations of each row once for the warp's weight rows. Two warps share a
+// group of rows, each taking every other round of 32 pieces (PIECE_SPLIT); each warp's xor tree gives its share of the rows' sums, and
 // the first adds the second's, through shared memory.
 //
 // Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
@@ -39,12 +40,20 @@
 
 // Q4_K; Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes for
 // column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load);
-// Q6_K (k_piece's Q6_K branch says how its pieces lie)
-HOST_DEVICE constexpr bool piece_type(int T) { return T == T_Q4_K || T == T_Q5_K || T == T_Q6_K; }
-// a piece's high run: 32 columns after its low run (Q4_K, Q5_K), 64 (Q6_K)
-HOST_DEVICE constexpr int piece_hi(int T) { return T == T_Q6_K ? 64 : 32; }
+// Q6_K, Q3_K and Q2_K (their k_piece branches say how their pieces lie). Why Q3_K and Q2_K: the
+// q3_k_m and q2_k files keep most attention matrices in them, which the plain matvec decodes 8
+// columns a thread (quant_blocks.cuh chunk8_q).
+HOST_DEVICE constexpr bool piece_type(int T) {
+    return T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K || T == T_Q2_K;
+}
+// whether the type's 128-column halves hold 2-bit fields four to a byte (Q3_K, Q2_K)
+HOST_DEVICE constexpr bool piece_2bit(int T) { return T == T_Q3_K || T == T_Q2_K; }
+// a piece's high run: 32 columns after its low run (Q4_K, Q5_K), 64 (Q6_K, Q3_K, Q2_K)
+HOST_DEVICE constexpr int piece_hi(int T) { return T == T_Q4_K || T == T_Q5_K ? 32 : 64; }
 // whether a piece's weights carry a min term (dmin * m times the run's activation sum)
-HOST_DEVICE constexpr bool piece_has_min(int T) { return T != T_Q6_K; }
+HOST_DEVICE constexpr bool piece_has_min(int T) { return T == T_Q4_K || T == T_Q5_K || T == T_Q2_K; }
+// the stored value that weighs zero: v - centre is the integer a run's scale multiplies
+HOST_DEVICE constexpr int piece_centre(int T) { return T == T_Q6_K ? 32 : T == T_Q3_K ? 4 : 0; }
 
 // One piece of a super-block: its scale and min for each of its two 16-column runs (lo: the low
 // nibbles, columns piece_col(p) + 0..15 of the block; hi: piece_hi(T) columns on; Q6_K has no
@@ -54,7 +63,7 @@ template <int T>
 struct KPiece {
     float scale_lo, min_lo, scale_hi, min_hi;
     u32 q[4];
-    u32 h[T == T_Q4_K ? 1 : 4];
+    u32 h[T == T_Q4_K || T == T_Q2_K ? 1 : 4];
     int hshift;
 };
 
@@ -76,6 +85,45 @@ HOST_DEVICE KPiece<T_Q6_K> q6_k_piece(const u8* __restrict__ blk, int p) {
     w.scale_hi = d * s8_to_float(blk[at + 4]);
     w.min_lo = w.min_hi = 0.f;
     w.hshift = 2 * c;
+    return w;
+}
+
+// Piece p (0..7) of a Q3_K block (110 bytes, 2-byte aligned: hmask[32], qs[64], 12 bytes of
+// 6-bit scales, f16 d at 108; element e = 128 n + 32 t + l is bits 2t of qs[32 n + l] with bit
+// 4n + t of hmask[l] above them, weight d * (scale(8 n + 2 t + l / 16) - 32) * (v - 4)) or of a
+// Q2_K block (84 bytes, 4-byte aligned: scales[16], qs[64] at 16, f16 d at 80, dmin at 82; bits
+// 2t of qs[32 n + l], weight d * (sc & 15) * v - dmin * (sc >> 4), sc = scales[8 n + 2 t + l / 16]),
+// laid out as Q6_K's: n = p / 4, c = p / 2 % 2, l from 16 (p % 2); the low run is field t = c of
+// the 16 qs bytes 32 n + l .., the high run field t = c + 2 (64 columns on). The words are
+// shifted here so each byte's bits 0-1 hold the low run and bits 4-5 the high one (Q3_K's hmask:
+// bits 0 and 2); a shift of at most 5 moves no used bit across a byte.
+template <int T>
+HOST_DEVICE KPiece<T> k2_piece(const u8* __restrict__ blk, int p) {
+    const int n = p >> 2, c = (p >> 1) & 1, l = 16 * (p & 1), sub = 8 * n + 2 * c + (p & 1);
+    KPiece<T> w;
+    if constexpr (T == T_Q3_K) {
+        load_words_2aligned(blk + 32 + 32 * n + l, w.q);
+        load_words_2aligned(blk + l, w.h);
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) w.h[k] >>= 4 * n + c;
+        const float d = h2f((u16)load_u16(blk + 108));
+        w.scale_lo = d * (float)q3_k_scale(blk, sub);
+        w.scale_hi = d * (float)q3_k_scale(blk, sub + 4);
+        w.min_lo = w.min_hi = 0.f;
+    } else {
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) w.q[k] = qb_u32<true>(blk + 16 + 32 * n + l + 4 * k);
+        const u32 dd = qb_u32<true>(blk + 80);
+        const float d = h2f((u16)(dd & 0xFFFF)), dmin = h2f((u16)(dd >> 16));
+        const u32 lo = blk[sub], hi = blk[sub + 4];
+        w.scale_lo = d * small_int_to_float<0>(lo & 15);
+        w.min_lo = -(dmin * small_int_to_float<0>(lo >> 4));
+        w.scale_hi = d * small_int_to_float<0>(hi & 15);
+        w.min_hi = -(dmin * small_int_to_float<0>(hi >> 4));
+    }
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) w.q[k] >>= 2 * c;
+    w.hshift = 0;
     return w;
 }
 
@@ -107,14 +155,15 @@ HOST_DEVICE KPiece<T> q45_k_piece(const u8* __restrict__ blk, int p) {
 template <int T>
 HOST_DEVICE KPiece<T> k_piece(const u8* __restrict__ blk, int p) {
     if constexpr (T == T_Q6_K) return q6_k_piece(blk, p);
+    else if constexpr (piece_2bit(T)) return k2_piece<T>(blk, p);
     else return q45_k_piece<T>(blk, p);
 }
 
 // The first column of piece p's low run within its super-block (its high run: piece_hi(T) on)
 template <int T>
 HOST_DEVICE int piece_col(int p) {
-    return T == T_Q6_K ? 128 * (p >> 2) + 32 * ((p >> 1) & 1) + 16 * (p & 1)
-                       : 64 * (p >> 1) + 16 * (p & 1);
+    return T == T_Q4_K || T == T_Q5_K ? 64 * (p >> 1) + 16 * (p & 1)
+                                      : 128 * (p >> 2) + 32 * ((p >> 1) & 1) + 16 * (p & 1);
 }
 
 HOST_DEVICE float sum16(const float* v) {
@@ -133,8 +182,13 @@ HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* 
     for (int k = 0; k < 4; ++k) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            u32 vlo = (w.q[k] >> (8 * e)) & 0xF, vhi = (w.q[k] >> (8 * e + 4)) & 0xF;
-            if constexpr (T == T_Q6_K) {
+            constexpr u32 mask = piece_2bit(T) ? 3 : 0xF;
+            u32 vlo = (w.q[k] >> (8 * e)) & mask, vhi = (w.q[k] >> (8 * e + 4)) & mask;
+            if constexpr (T == T_Q3_K) {              // hmask: bit 0 the low run's, 2 the high's
+                const u32 bits = w.h[k] >> (8 * e);
+                vlo |= (bits & 1) << 2;
+                vhi |= bits & 4;
+            } else if constexpr (T == T_Q6_K) {
                 const u32 bits = w.h[k] >> (8 * e + w.hshift);
                 vlo |= (bits & 3) << 4;
                 vhi |= (bits & 0x30);
@@ -143,9 +197,8 @@ HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* 
                 vlo |= (bits & 1) << 4;
                 vhi |= (bits & 2) << 3;
             }
-            constexpr int centre = T == T_Q6_K ? 32 : 0;
-            dlo = fmaf(small_int_to_float<centre>(vlo), lo[4 * k + e], dlo);
-            dhi = fmaf(small_int_to_float<centre>(vhi), hi[4 * k + e], dhi);
+            dlo = fmaf(small_int_to_float<piece_centre(T)>(vlo), lo[4 * k + e], dlo);
+            dhi = fmaf(small_int_to_float<piece_centre(T)>(vhi), hi[4 * k + e], dhi);
         }
     }
     acc = fmaf(w.scale_lo, dlo, acc);
@@ -160,8 +213,8 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
     load8(p + 8, v + 8);
 }
 
-// matvec_rows' contract (decode.cu) for a Q4_K, Q5_K or Q6_K matrix: y[i, o] = add[i, o] + W[o] . xn_i for the
-// n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
+// matvec_rows' contract (decode.cu) for a matrix of a piece_type: y[i, o] = add[i, o] + W[o] . xn_i
+// for the n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
 // Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * PIECE_ROWS ..; lane
 // l the pieces l + 32 (w % PIECE_SPLIT), then every 32 * PIECE_SPLIT, in column order. A fused
 // norm's sum of squares is taken in the same pass and the same order (each warp its share, added
