@@ -1,4 +1,4 @@
-"""The Q4_K, Q5_K, Q6_K, Q3_K and Q2_K matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
+"""The Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and Q8_0 matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
 matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l of
 warp k of a pair the pieces l + 32k, then every 64, through k_piece and k_piece_dot, then each
 warp's xor tree, then the two warps' sums in order) against gguf-py's
@@ -17,15 +17,15 @@ HARNESS = r"""
 // one row's dot product as a pair of warps of matvec_pieces_rows sums it
 template <int T>
 static float pieces_row_dot(const unsigned char* row, const float* x, int ncols) {
-    const int pieces = (ncols >> 8) * 8;
+    const int pieces = piece_count<T>(ncols);
     float total = 0.f;
     for (int share = 0; share < PIECE_SPLIT; ++share) {     // the warps of a pair, in order
         float lane_acc[32];
         for (int lane = 0; lane < 32; ++lane) {
             float acc = 0.f;
             for (int t = lane + 32 * share; t < pieces; t += 32 * PIECE_SPLIT) {
-                const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
-                const KPiece<T> w = k_piece<T>(row + (long long)sb * block_bytes(T), p);
+                const int col = piece_first_col<T>(t);
+                const KPiece<T> w = row_piece<T>(row, t);
                 const int hi = col + piece_hi(T);
                 acc = k_piece_dot<T>(w, x + col, x + hi, sum16(x + col), sum16(x + hi), acc);
             }
@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
                         : type == T_Q6_K ? pieces_row_dot<T_Q6_K>(row, x.data(), c)
                         : type == T_Q3_K ? pieces_row_dot<T_Q3_K>(row, x.data(), c)
                         : type == T_Q2_K ? pieces_row_dot<T_Q2_K>(row, x.data(), c)
+                        : type == T_Q8_0 ? pieces_row_dot<T_Q8_0>(row, x.data(), c)
                                          : pieces_row_dot<T_Q4_K>(row, x.data(), c);
         fwrite(&v, sizeof(float), 1, out);
     }
@@ -72,7 +73,8 @@ def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
     """Random Q4_K, Q5_K, Q6_K, Q3_K and Q2_K rows (every 6-bit scale and min, both nibbles, every
     fifth bit, d and dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte
     aligned; Q3_K every 2-bit field, hmask bit and 6-bit scale, its 330-byte rows 2-byte aligned;
-    Q2_K every 2-bit field and 4-bit scale and min, 252-byte rows 4-byte aligned) of 768 and
+    Q2_K every 2-bit field and 4-bit scale and min, 252-byte rows 4-byte aligned; Q8_0 every int8,
+    816-byte rows 2-byte aligned) of 768 and
     4,096 columns (3 and 16 super-blocks: fewer pieces than lanes, and several rounds of a warp)
     against gguf-py's dequantize in float64: within float32 rounding of the sums. The build is
     decode.cu with matvec_pieces=1 (its kernels compiled for sm_90 as well)."""

@@ -58,7 +58,7 @@ INT_TYPE_SWITCHES = {"int_q5_k": Q5_K, "int_q6_k": Q6_K, "int_q3_k": Q3_K, "int_
 MMA_SCALE_COLS = {**dict.fromkeys((F16, Q8_0, Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
                                     IQ4_XS), 32), Q6_K: 16, Q2_K: 16, Q3_K: 16}
 # the types matvec_pieces takes (matvec_pieces.cuh piece_type)
-PIECE_TYPES = (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)
+PIECE_TYPES = (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Q8_0)
 GDN_ROWS = 16                   # rows of a state column a gdn_delta_step thread holds (gated_delta.cuh)
 NEXT_HEAD_DIM = 256             # qwen3next's attention head width (next_attention.cuh NEXT_D)
 NEXT_ROT = 64                   # the dims of a head it rotates (NEXT_ROT)
@@ -91,8 +91,8 @@ class KernelShape:
     rows, matvec_accs / N weight rows a block (decode.cu rows_per_block says why; no bit changes).
     `matvec_pieces` (default 1 since 2026-12-07: 323.6 against 298.5 tok/s one-row decode on
     q4_k_m, benchmarks/results/decode-qwen3-30b-a3b-q4_k_m-2026-12-07-081812-f97cb1b.json) gives
-    the Q4_K, Q5_K, Q6_K, Q3_K and Q2_K dense matvecs (PIECE_TYPES) a pair of warps PIECE_ROWS weight rows
-    (PIECE_SPLIT) and a block PIECE_THREADS threads, a lane 16 bytes of quants (32 weights) at a
+    the Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and Q8_0 dense matvecs (PIECE_TYPES) a pair of warps
+    PIECE_ROWS weight rows (PIECE_SPLIT) and a block PIECE_THREADS threads, a lane 32 weights at a
     time (kernels/matvec_pieces.cuh; other bits than the plain build's, `=0`; `matvec_mma=1`
     alone implies `=0`).
     `matvec_mma` (default 0) puts the dense matvecs of MMA_SCALE_COLS' types on tensor cores at

@@ -1,12 +1,13 @@
-// The K-quant dense matvecs (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) in 16-byte pieces (KernelShape
+// The dense matvecs of the K quants (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) and Q8_0 in pieces (KernelShape
 // matvec_pieces): a warp takes PIECE_ROWS weight rows, a block PIECE_THREADS / 32 warps. A lane
-// takes one piece of a super-block at a time, the 16 bytes of quants that hold two 16-column runs
-// (Q4_K / Q5_K: 16 columns of sub-block 2jj in the low nibbles and the same 16 of sub-block
-// 2jj + 1 in the high ones; Q6_K: two runs 64 columns apart; Q3_K / Q2_K: two of the four 2-bit
-// fields of 16 bytes, runs 64 columns apart, the other two another lane's piece): 32 weights; it
-// reads the piece's 32 activations of each row once for the warp's weight rows. Two warps share a
-// group of rows, each taking every other round of 32 pieces (PIECE_SPLIT); each warp's xor tree gives its share of the rows' sums, and
-// the first adds the second's, through shared memory.
+// takes one piece of a row at a time, the 16 bytes of quants that hold two 16-column runs (Q4_K /
+// Q5_K: 16 columns of sub-block 2jj in the low nibbles and the same 16 of sub-block 2jj + 1 in the
+// high ones; Q6_K: two runs 64 columns apart; Q3_K / Q2_K: two of the four 2-bit fields of 16
+// bytes, runs 64 columns apart, the other two another lane's piece; Q8_0: one whole 32-column
+// block, 32 bytes, its halves the two runs): 32 weights; it reads the piece's 32 activations of
+// each row once for the warp's weight rows. Two warps share a group of rows, each taking every
+// other round of 32 pieces (PIECE_SPLIT); each warp's xor tree gives its share of the rows' sums,
+// and the first adds the second's, through shared memory.
 //
 // Why: the plain matvec's thread takes a chunk of 8 columns (weights.cuh chunk8_q), 8 bytes
 // loaded for the 4 it uses, and its block reduces over 256 threads with two barriers; at one row
@@ -40,16 +41,19 @@
 
 // Q4_K; Q5_K (the same layout with a fifth bit per weight: bit j of byte l of its 32 qh bytes for
 // column l of sub-block j, so a piece's fifth bits are the 16 qh bytes 16 h .., one more load);
-// Q6_K, Q3_K and Q2_K (their k_piece branches say how their pieces lie). Why Q3_K and Q2_K: the
-// q3_k_m and q2_k files keep most attention matrices in them, which the plain matvec decodes 8
-// columns a thread (quant_blocks.cuh chunk8_q).
+// Q6_K, Q3_K and Q2_K (their k_piece branches say how their pieces lie); Q8_0 (q8_0_piece). Why
+// Q3_K, Q2_K and Q8_0: the q3_k_m, q2_k and q8_0 files keep their attention matrices in them,
+// which the plain matvec decodes 8 columns a thread (weights.cuh chunk8_q).
 HOST_DEVICE constexpr bool piece_type(int T) {
-    return T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K || T == T_Q2_K;
+    return T == T_Q4_K || T == T_Q5_K || T == T_Q6_K || T == T_Q3_K || T == T_Q2_K ||
+           T == T_Q8_0;
 }
 // whether the type's 128-column halves hold 2-bit fields four to a byte (Q3_K, Q2_K)
 HOST_DEVICE constexpr bool piece_2bit(int T) { return T == T_Q3_K || T == T_Q2_K; }
-// a piece's high run: 32 columns after its low run (Q4_K, Q5_K), 64 (Q6_K, Q3_K, Q2_K)
-HOST_DEVICE constexpr int piece_hi(int T) { return T == T_Q4_K || T == T_Q5_K ? 32 : 64; }
+// a piece's high run: 32 columns after its low run (Q4_K, Q5_K), 64 (Q6_K, Q3_K, Q2_K), 16 (Q8_0)
+HOST_DEVICE constexpr int piece_hi(int T) {
+    return T == T_Q8_0 ? 16 : T == T_Q4_K || T == T_Q5_K ? 32 : 64;
+}
 // whether a piece's weights carry a min term (dmin * m times the run's activation sum)
 HOST_DEVICE constexpr bool piece_has_min(int T) { return T == T_Q4_K || T == T_Q5_K || T == T_Q2_K; }
 // the stored value that weighs zero: v - centre is the integer a run's scale multiplies
@@ -62,8 +66,8 @@ HOST_DEVICE constexpr int piece_centre(int T) { return T == T_Q6_K ? 32 : T == T
 template <int T>
 struct KPiece {
     float scale_lo, min_lo, scale_hi, min_hi;
-    u32 q[4];
-    u32 h[T == T_Q4_K || T == T_Q2_K ? 1 : 4];
+    u32 q[T == T_Q8_0 ? 8 : 4];
+    u32 h[T == T_Q4_K || T == T_Q2_K || T == T_Q8_0 ? 1 : 4];
     int hshift;
 };
 
@@ -127,6 +131,27 @@ HOST_DEVICE KPiece<T> k2_piece(const u8* __restrict__ blk, int p) {
     return w;
 }
 
+// The Q8_0 block at `blk` (34 bytes, 2-byte aligned: f16 d, then 32 int8 weights d * q) as one
+// piece: its first 16 weights the low run, the next 16 the high one, both at scale d. Its quants
+// are the 8 aligned words from blk + 2 rounded down, joined with the block's last two bytes where
+// that is 2 bytes back: no byte past the block is read (load_words_2aligned reads the word past a
+// run, and the last block of a matrix is the last of its data).
+HOST_DEVICE KPiece<T_Q8_0> q8_0_piece(const u8* __restrict__ blk) {
+    KPiece<T_Q8_0> w;
+    const u32* a = reinterpret_cast<const u32*>((u64)(blk + 2) & ~(u64)3);
+    const int shift = (int)((u64)(blk + 2) & 3) * 8;               // 0 or 16
+    u32 word[9];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) word[i] = a[i];
+    word[8] = load_u16(blk + (shift != 0 ? 32 : 30));               // unused where shift is 0
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) w.q[i] = funnel_r(word[i], word[i + 1], shift);
+    w.scale_lo = w.scale_hi = h2f((u16)load_u16(blk));
+    w.min_lo = w.min_hi = 0.f;
+    w.hshift = 0;
+    return w;
+}
+
 // piece p (0..7: jj = p / 2, h = p % 2) of the Q4_K or Q5_K super-block at `blk`
 template <int T>
 HOST_DEVICE KPiece<T> q45_k_piece(const u8* __restrict__ blk, int p) {
@@ -166,6 +191,22 @@ HOST_DEVICE int piece_col(int p) {
                                       : 128 * (p >> 2) + 32 * ((p >> 1) & 1) + 16 * (p & 1);
 }
 
+// A row of `ncols` columns in pieces, t = 0 .. piece_count - 1 in column order: the K-quants'
+// eight a 256-column super-block, Q8_0's one a 32-column block
+template <int T>
+HOST_DEVICE int piece_count(int ncols) { return T == T_Q8_0 ? ncols >> 5 : (ncols >> 8) * 8; }
+// the first column of piece t's low run in the row (its high run: piece_hi(T) on)
+template <int T>
+HOST_DEVICE int piece_first_col(int t) {
+    return T == T_Q8_0 ? 32 * t : 256 * (t >> 3) + piece_col<T>(t & 7);
+}
+// piece t of the row at `row`
+template <int T>
+HOST_DEVICE KPiece<T> row_piece(const u8* __restrict__ row, int t) {
+    if constexpr (T == T_Q8_0) return q8_0_piece(row + (i64)t * 34);
+    else return k_piece<T>(row + (i64)(t >> 3) * block_bytes(T), t & 7);
+}
+
 HOST_DEVICE float sum16(const float* v) {
     float s = v[0];
     #pragma unroll
@@ -182,6 +223,11 @@ HOST_DEVICE float k_piece_dot(const KPiece<T>& w, const float* lo, const float* 
     for (int k = 0; k < 4; ++k) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
+            if constexpr (T == T_Q8_0) {             // int8: low run words 0-3, high 4-7
+                dlo = fmaf(s8_to_float(w.q[k] >> (8 * e)), lo[4 * k + e], dlo);
+                dhi = fmaf(s8_to_float(w.q[4 + k] >> (8 * e)), hi[4 * k + e], dhi);
+                continue;
+            }
             constexpr u32 mask = piece_2bit(T) ? 3 : 0xF;
             u32 vlo = (w.q[k] >> (8 * e)) & mask, vhi = (w.q[k] >> (8 * e + 4)) & mask;
             if constexpr (T == T_Q3_K) {              // hmask: bit 0 the low run's, 2 the high's
@@ -231,7 +277,7 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
     const int groups = (blockDim.x >> 5) / S, share = warp % S;    // share: of its rows' pieces
     if ((int)blockIdx.x * groups * PIECE_ROWS >= s.nrows) return;    // the whole block: uniform
     const int o0 = (blockIdx.x * groups + warp / S) * PIECE_ROWS;
-    const int pieces = o0 < s.nrows ? (s.ncols >> 8) * 8 : 0;      // a warp past the rows: none
+    const int pieces = o0 < s.nrows ? piece_count<T>(s.ncols) : 0;  // a warp past the rows: none
     const u8* rows[PIECE_ROWS];
     #pragma unroll
     for (int r = 0; r < PIECE_ROWS; ++r)
@@ -244,10 +290,10 @@ __device__ __forceinline__ void matvec_pieces_rows(const MatSpec* __restrict__ s
         for (int r = 0; r < PIECE_ROWS; ++r) acc[r][i] = 0.f;
     }
     for (int t = lane + 32 * share; t < pieces; t += 32 * S) {
-        const int sb = t >> 3, p = t & 7, col = 256 * sb + piece_col<T>(p);
+        const int col = piece_first_col<T>(t);
         KPiece<T> w[PIECE_ROWS];
         #pragma unroll
-        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = k_piece<T>(rows[r] + (i64)sb * block_bytes(T), p);
+        for (int r = 0; r < PIECE_ROWS; ++r) w[r] = row_piece<T>(rows[r], t);
         #pragma unroll
         for (int i = 0; i < N; ++i) {
             float lo[16], hi[16];
