@@ -1,8 +1,8 @@
-"""The Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and Q8_0 matvecs in 16-byte pieces (kernels/matvec_pieces.cuh, KernelShape
-matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order (lane l of
-warp k of a pair the pieces l + 32k, then every 64, through k_piece and k_piece_dot, then each
-warp's xor tree, then the two warps' sums in order) against gguf-py's
-decoding in float64, and the build with the switch compiles for the GPU. The GPU launches themselves are
+"""The Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and Q8_0 matvecs in pieces (kernels/matvec_pieces.cuh,
+KernelShape matvec_pieces) built for the host with nvcc: a row's dot product in the kernel's order
+(lane l of warp k of a pair the pieces l + 32k, then every 64, through row_piece and k_piece_dot,
+then each warp's xor tree, then the two warps' sums in order) against gguf-py's decoding in
+float64, and the build with the switch compiles for the GPU. The GPU launches themselves are
 tests/test_gpu_decode.py's. Skips where nvcc is not installed."""
 import subprocess
 
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
 
 @needs_nvcc
 def test_k_quant_pieces_match_gguf_on_the_host(tmp_path):
-    """Random Q4_K, Q5_K, Q6_K, Q3_K and Q2_K rows (every 6-bit scale and min, both nibbles, every
+    """Random Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and Q8_0 rows (every 6-bit scale and min, both nibbles, every
     fifth bit, d and dmin varied; Q6_K every 2-bit top and int8 scale, its 630-byte rows 2-byte
     aligned; Q3_K every 2-bit field, hmask bit and 6-bit scale, its 330-byte rows 2-byte aligned;
     Q2_K every 2-bit field and 4-bit scale and min, 252-byte rows 4-byte aligned; Q8_0 every int8,
