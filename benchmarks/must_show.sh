@@ -105,12 +105,13 @@
 # Then copy $OUT/*.json into benchmarks/results/ as they are (never renamed or edited).
 #
 # $TREE_ARM (unset: nothing changes): a `git archive <commit> | xz` tarball of an older tree of this
-# project; the decode_q8_0 and q4_k parts' bench_decode.py and bench_prefill.py runs then take
-# `--tree-arm $TREE_ARM`: one more strata arm each, the first arm's launch run by that tree's code
+# project; the decode_q8_0 and q4_k parts' bench_decode.py and bench_prefill.py runs, and the
+# ftype_<type> parts' bench_decode.py, then take `--tree-arm $TREE_ARM`: one more strata arm each, the first arm's launch run by that tree's code
 # (benchmarks/tree_arm.py), so "after / before" (issue 52) is a ratio of two arms of one record. Put
 # the tarball under .anchor (carried, and no part of the tree hash) on the development side:
 #   git archive 1234abc | xz > .anchor/before.tar.xz
 #   TREE_ARM=.anchor/before.tar.xz bash benchmarks/must_show.sh --parts decode_q8_0,q4_k
+#   TREE_ARM=.anchor/before.tar.xz bash benchmarks/must_show.sh --parts ftype_q3_k_m
 # Each of those runs gets one strata arm longer (estimated, not yet timed; an older tree whose
 # kernel sources differ finds no prebuilt cubin of its own in .kcubins and compiles with NVRTC).
 #
@@ -146,7 +147,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 [ -d .kcubins ] && export STRATA_KERNEL_CUBINS=$PWD/.kcubins
-# the older tree's arm of the decode_q8_0 and q4_k parts (the header's $TREE_ARM)
+# the older tree's arm of the decode_q8_0, q4_k and ftype_<type> parts (the header's $TREE_ARM)
 TREE=()
 if [ -n "${TREE_ARM:-}" ]; then
   if [ "$PRINT" = 0 ] && [ ! -f "$TREE_ARM" ]; then
@@ -431,7 +432,7 @@ for ft in $FTYPES; do
   has "ftype_$ft" || continue
   f=$M/must_${ft}_zipf1.gguf; keep_only "$f"; synth "$f" "$ft" zipf:1.0
   run "decode_ftype_$ft" timeout 580 python3 benchmarks/bench_decode.py --model "$f" "${DECODE[@]}" \
-    --out "$OUT" "${LLAMA[@]}"
+    --out "$OUT" "${LLAMA[@]}" "${TREE[@]}"
   # every pair resident at this budget: a loan would lend nothing, so no loans-off arm
   run "prefill_ftype_$ft" timeout 580 python3 benchmarks/bench_prefill.py --model "$f" \
     "${FTYPE_PROMPTS[@]}" --only-loans-on "${RESIDENT_NCMOE[@]}" --out "$OUT" "${LLAMA[@]}"
