@@ -59,10 +59,11 @@ HOST_DEVICE constexpr bool piece_has_min(int T) { return T == T_Q4_K || T == T_Q
 // the stored value that weighs zero: v - centre is the integer a run's scale multiplies
 HOST_DEVICE constexpr int piece_centre(int T) { return T == T_Q6_K ? 32 : T == T_Q3_K ? 4 : 0; }
 
-// One piece of a super-block: its scale and min for each of its two 16-column runs (lo: the low
-// nibbles, columns piece_col(p) + 0..15 of the block; hi: piece_hi(T) columns on; Q6_K has no
-// min), its 16 bytes of nibbles and (Q5_K, Q6_K) its 16 bytes of high bits, of which bits hshift
-// (lo) and hshift + 1 (Q5_K) or hshift + 4 (Q6_K: two bits each) are its own
+// One piece: its scale and min for each of its two 16-column runs (lo: the low nibbles, columns
+// piece_first_col(t) + 0..15 of the row; hi: piece_hi(T) columns on; Q6_K, Q3_K and Q8_0 have no
+// min), its 16 bytes of quants (Q8_0: 32) and (Q5_K, Q6_K, Q3_K) its 16 bytes of high bits, of
+// which bits hshift (lo) and hshift + 1 (Q5_K) or hshift + 4 (Q6_K: two bits each) are its own
+// (Q3_K: bits 0 and 2 of each byte, k2_piece shifts them there)
 template <int T>
 struct KPiece {
     float scale_lo, min_lo, scale_hi, min_hi;
@@ -203,7 +204,7 @@ HOST_DEVICE int piece_first_col(int t) {
 // piece t of the row at `row`
 template <int T>
 HOST_DEVICE KPiece<T> row_piece(const u8* __restrict__ row, int t) {
-    if constexpr (T == T_Q8_0) return q8_0_piece(row + (i64)t * 34);
+    if constexpr (T == T_Q8_0) return q8_0_piece(row + (i64)t * block_bytes(T));
     else return k_piece<T>(row + (i64)(t >> 3) * block_bytes(T), t & 7);
 }
 
