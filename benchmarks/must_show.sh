@@ -106,9 +106,10 @@
 #
 # $TREE_ARM (unset: nothing changes): a `git archive <commit> | xz` tarball of an older tree of this
 # project; the decode_q8_0 and q4_k parts' bench_decode.py and bench_prefill.py runs, and the
-# ftype_<type> parts' bench_decode.py, then take `--tree-arm $TREE_ARM`: one more strata arm each, the first arm's launch run by that tree's code
-# (benchmarks/tree_arm.py), so "after / before" (issue 52) is a ratio of two arms of one record. Put
-# the tarball under .anchor (carried, and no part of the tree hash) on the development side:
+# ftype_<type> parts' bench_decode.py, then take `--tree-arm $TREE_ARM`: one more strata arm each,
+# the first arm's launch run by that tree's code (benchmarks/tree_arm.py), so "after / before"
+# (issue 52) is a ratio of two arms of one record. Put the tarball under .anchor (carried, and no
+# part of the tree hash) on the development side:
 #   git archive 1234abc | xz > .anchor/before.tar.xz
 #   TREE_ARM=.anchor/before.tar.xz bash benchmarks/must_show.sh --parts decode_q8_0,q4_k
 #   TREE_ARM=.anchor/before.tar.xz bash benchmarks/must_show.sh --parts ftype_q3_k_m

@@ -261,7 +261,8 @@ __device__ __forceinline__ void load16(const float* __restrict__ p, float* v) {
 }
 
 // matvec_rows' contract (decode.cu) for a matrix of a piece_type: y[i, o] = add[i, o] + W[o] . xn_i
-// for the n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to `normed`.
+// for the n <= N rows, xn = rms_norm(x) * norm_w when norm_w is given; block (0, 0) writes xn to
+// `normed`.
 // Warp w of block b takes rows (b * warps / PIECE_SPLIT + w / PIECE_SPLIT) * PIECE_ROWS ..; lane
 // l the pieces l + 32 (w % PIECE_SPLIT), then every 32 * PIECE_SPLIT, in column order. A fused
 // norm's sum of squares is taken in the same pass and the same order (each warp its share, added
